@@ -1,0 +1,222 @@
+"""Version-robust collectives. Every byte llmpar moves between ranks goes through these functions.
+
+All take the process group explicitly (a ``ProcessGroup`` or a 1-D ``DeviceMesh``); ranks passed as ``src``/``dst``
+are *group-local*. With ``async_op=True`` they return a :class:`Handle` whose ``wait()`` also runs any finishing
+step a fallback needs (slicing after an all-reduce, dividing for ``avg`` on backends without ReduceOp.AVG), so the
+caller never sees which path was taken.
+
+Flat collectives:
+  reduce_scatter_flat: input ``[world * n]`` -> output ``[n]`` holding the reduction of chunk ``group_rank``.
+  all_gather_flat:     input ``[n]`` -> output ``[world * n]``, chunk ``r`` from group rank ``r``.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Callable, Union
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+Group = Union[dist.ProcessGroup, DeviceMesh]
+
+_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+    "product": dist.ReduceOp.PRODUCT,
+    "avg": dist.ReduceOp.SUM,  # divided afterwards: gloo has no AVG
+}
+
+
+class Handle:
+    """An in-flight collective. ``wait()`` blocks until the result is in the output tensor."""
+
+    def __init__(self, works: list, finish: Callable[[], None] | None = None) -> None:
+        self._works = works
+        self._finish = finish
+        self._done = False
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        for w in self._works:
+            w.wait()
+        if self._finish is not None:
+            self._finish()
+        self._done = True
+
+    def is_completed(self) -> bool:
+        return self._done or all(w.is_completed() for w in self._works)
+
+
+def as_group(group: Group) -> dist.ProcessGroup:
+    """Accept a ProcessGroup or a 1-D DeviceMesh (e.g. ``mesh["tp"]``)."""
+    if isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise ValueError(f"a DeviceMesh passed as a group must be 1-D, got {group.ndim}-D {group.mesh_dim_names}")
+        return group.get_group()
+    if isinstance(group, dist.ProcessGroup):
+        return group
+    raise TypeError(f"group must be a ProcessGroup or a 1-D DeviceMesh, got {type(group).__name__}")
+
+
+def group_size(group: Group) -> int:
+    return dist.get_world_size(as_group(group))
+
+
+def group_rank(group: Group) -> int:
+    return dist.get_rank(as_group(group))
+
+
+def global_rank(group: Group, local: int) -> int:
+    """Global rank of the member ``local`` of ``group``."""
+    pg = as_group(group)
+    size = dist.get_world_size(pg)
+    if not 0 <= local < size:
+        raise ValueError(f"group rank {local} is outside [0, {size})")
+    return dist.get_global_rank(pg, local)
+
+
+def _op(op: str) -> dist.ReduceOp:
+    if op not in _OPS:
+        raise ValueError(f"op={op!r} is not supported: expected one of {sorted(_OPS)}")
+    return _OPS[op]
+
+
+def _finish(async_op: bool, works: list, finish: Callable[[], None] | None) -> Handle | None:
+    handle = Handle([w for w in works if w is not None], finish)
+    if async_op:
+        return handle
+    handle.wait()
+    return None
+
+
+def _unsupported(err: Exception) -> bool:
+    msg = str(err).lower()
+    return isinstance(err, (NotImplementedError, AttributeError)) or "not support" in msg or "unsupported" in msg
+
+
+def all_reduce(tensor: torch.Tensor, group: Group, *, op: str = "sum", async_op: bool = False) -> Handle | None:
+    """In-place all-reduce of ``tensor`` over ``group`` (``op`` in sum, avg, max, min, product)."""
+    pg = as_group(group)
+    work = dist.all_reduce(tensor, op=_op(op), group=pg, async_op=True)
+    size = dist.get_world_size(pg)
+    finish = (lambda: tensor.div_(size)) if op == "avg" else None
+    return _finish(async_op, [work], finish)
+
+
+def _check_flat(name: str, t: torch.Tensor) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (got strides {tuple(t.stride())})")
+
+
+def _check_pair(output: torch.Tensor, input: torch.Tensor, big: str, ratio: int) -> None:
+    _check_flat("output", output)
+    _check_flat("input", input)
+    if output.dtype != input.dtype or output.device != input.device:
+        raise ValueError(
+            f"output ({output.dtype}, {output.device}) and input ({input.dtype}, {input.device}) must share dtype "
+            "and device"
+        )
+    small, large = (output, input) if big == "input" else (input, output)
+    if large.numel() != small.numel() * ratio:
+        raise ValueError(
+            f"{big} has {large.numel()} elements but must have group size {ratio} x {small.numel()} = "
+            f"{small.numel() * ratio}"
+        )
+
+
+def reduce_scatter_flat(
+    output: torch.Tensor, input: torch.Tensor, group: Group, *, op: str = "sum", async_op: bool = False
+) -> Handle | None:
+    """``output[n] = reduce_r input_r[group_rank * n : (group_rank + 1) * n]`` over the ranks r of ``group``."""
+    pg = as_group(group)
+    size = dist.get_world_size(pg)
+    _check_pair(output, input, "input", size)
+    finish = (lambda: output.div_(size)) if op == "avg" else None
+    try:
+        work = dist.reduce_scatter_tensor(output, input, op=_op(op), group=pg, async_op=True)
+    except (RuntimeError, NotImplementedError, AttributeError) as err:
+        if not _unsupported(err):
+            raise
+        # fallback for backends/versions without reduce-scatter: all-reduce a copy, keep our chunk (2x traffic)
+        scratch = input.clone()
+        work = dist.all_reduce(scratch, op=_op(op), group=pg, async_op=True)
+        me = dist.get_rank(pg)
+        n = output.numel()
+
+        def finish() -> None:  # noqa: F811 - replaces the avg-only finish
+            output.copy_(scratch.view(-1)[me * n : (me + 1) * n].view_as(output))
+            if op == "avg":
+                output.div_(size)
+
+    return _finish(async_op, [work], finish)
+
+
+def all_gather_flat(
+    output: torch.Tensor, input: torch.Tensor, group: Group, *, async_op: bool = False
+) -> Handle | None:
+    """``output[r * n : (r + 1) * n] = input`` of group rank ``r``, for every r."""
+    pg = as_group(group)
+    size = dist.get_world_size(pg)
+    _check_pair(output, input, "output", size)
+    try:
+        work = dist.all_gather_into_tensor(output, input, group=pg, async_op=True)
+    except (RuntimeError, NotImplementedError, AttributeError) as err:
+        if not _unsupported(err):
+            raise
+        chunks = list(output.view(-1).chunk(size))
+        work = dist.all_gather(chunks, input.view(-1), group=pg, async_op=True)
+    return _finish(async_op, [work], None)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: Group, *, async_op: bool = False) -> Handle | None:
+    """Broadcast ``tensor`` from group rank ``src`` to every rank of ``group``."""
+    pg = as_group(group)
+    work = dist.broadcast(tensor, src=global_rank(pg, src), group=pg, async_op=True)
+    return _finish(async_op, [work], None)
+
+
+@functools.lru_cache(maxsize=None)
+def _has_kw(fn: Callable, kw: str) -> bool:
+    try:
+        return kw in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _p2p_kwargs(fn: Callable, key: str, peer: int, pg: dist.ProcessGroup) -> dict:
+    if _has_kw(fn, f"group_{key}"):
+        size = dist.get_world_size(pg)
+        if not 0 <= peer < size:
+            raise ValueError(f"{key}={peer} is outside the group's ranks [0, {size})")
+        return {f"group_{key}": peer, "group": pg}
+    return {key: global_rank(pg, peer), "group": pg}
+
+
+def send(tensor: torch.Tensor, dst: int, group: Group) -> None:
+    pg = as_group(group)
+    dist.send(tensor, **_p2p_kwargs(dist.send, "dst", dst, pg))
+
+
+def recv(tensor: torch.Tensor, src: int, group: Group) -> None:
+    pg = as_group(group)
+    dist.recv(tensor, **_p2p_kwargs(dist.recv, "src", src, pg))
+
+
+def isend(tensor: torch.Tensor, dst: int, group: Group) -> Handle:
+    pg = as_group(group)
+    return Handle([dist.isend(tensor, **_p2p_kwargs(dist.isend, "dst", dst, pg))])
+
+
+def irecv(tensor: torch.Tensor, src: int, group: Group) -> Handle:
+    pg = as_group(group)
+    return Handle([dist.irecv(tensor, **_p2p_kwargs(dist.irecv, "src", src, pg))])
+
+
+def barrier(group: Group) -> None:
+    dist.barrier(group=as_group(group))

@@ -1,0 +1,109 @@
+"""Parallel degrees and the named device mesh they build.
+
+``ParallelDims(tp=2, pp=2, dp=-1)`` is validated against the world size (``dp=-1`` takes what is left) and
+builds a ``torch.distributed.device_mesh.DeviceMesh`` of shape ``[pp, dp, tp]`` with the axis names
+``("pp", "dp", "tp")``: tp is innermost, so tensor-parallel peers are neighbouring ranks (same node on GPUs),
+dp next, pp outermost. Axes of size 1 are kept, so code can always ask for ``mesh["tp"]``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+MESH_AXES: tuple[str, ...] = ("pp", "dp", "tp")
+
+
+def _check_degree(name: str, value: object, *, allow_infer: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if allow_infer and value == -1:
+        return
+    if value < 1:
+        accepted = "a positive int or -1 (infer from the world size)" if allow_infer else "a positive int"
+        raise ValueError(f"{name}={value} is not valid: expected {accepted}")
+
+
+@dataclass(kw_only=True)
+class ParallelDims:
+    """Degrees of tensor (``tp``), pipeline (``pp``) and data (``dp``) parallelism.
+
+    ``tp * pp * dp == world_size`` must hold; ``dp=-1`` infers ``dp = world_size // (tp * pp)``.
+    """
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = -1
+    world_size: int = field(default=-1)
+
+    def __post_init__(self) -> None:
+        _check_degree("tp", self.tp)
+        _check_degree("pp", self.pp)
+        _check_degree("dp", self.dp, allow_infer=True)
+        if self.world_size == -1:
+            if not dist.is_available() or not dist.is_initialized():
+                if self.dp == -1:
+                    raise ValueError(
+                        "world_size is not given and torch.distributed is not initialized: pass world_size= "
+                        "or call llmpar.init_distributed() first"
+                    )
+                self.world_size = self.tp * self.pp * self.dp
+            else:
+                self.world_size = dist.get_world_size()
+        _check_degree("world_size", self.world_size)
+        model_parallel = self.tp * self.pp
+        if self.dp == -1:
+            if self.world_size % model_parallel:
+                raise ValueError(
+                    f"world size {self.world_size} is not divisible by tp*pp = {self.tp}*{self.pp} = {model_parallel}; "
+                    f"choose tp and pp whose product divides {self.world_size}"
+                )
+            self.dp = self.world_size // model_parallel
+        if self.tp * self.pp * self.dp != self.world_size:
+            raise ValueError(
+                f"tp*pp*dp = {self.tp}*{self.pp}*{self.dp} = {self.tp * self.pp * self.dp} does not equal the "
+                f"world size {self.world_size}; set dp=-1 to infer it"
+            )
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """Mesh shape in ``MESH_AXES`` order: ``(pp, dp, tp)``."""
+        return (self.pp, self.dp, self.tp)
+
+    def degree(self, axis: str) -> int:
+        if axis not in MESH_AXES:
+            raise ValueError(f"axis {axis!r} is not one of {MESH_AXES}")
+        return int(getattr(self, axis))
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """Position of global ``rank`` on each axis (tp fastest), without needing a mesh."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside [0, {self.world_size})")
+        tp_idx = rank % self.tp
+        dp_idx = (rank // self.tp) % self.dp
+        pp_idx = rank // (self.tp * self.dp)
+        return {"pp": pp_idx, "dp": dp_idx, "tp": tp_idx}
+
+    def axis_ranks(self, axis: str, rank: int) -> list[int]:
+        """Global ranks that share ``axis``'s group with ``rank`` (ordered by their index on the axis)."""
+        c = self.coordinates(rank)
+        strides = {"tp": 1, "dp": self.tp, "pp": self.tp * self.dp}
+        base = rank - c[axis] * strides[axis]
+        return [base + i * strides[axis] for i in range(self.degree(axis))]
+
+    def build_mesh(self, device_type: str | None = None) -> DeviceMesh:
+        """Build the ``[pp, dp, tp]`` DeviceMesh over the default process group (a collective call).
+
+        ``device_type`` defaults to ``"cuda"`` when the default backend is NCCL, else ``"cpu"``.
+        """
+        if not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialized: call llmpar.init_distributed() first")
+        if dist.get_world_size() != self.world_size:
+            raise ValueError(
+                f"ParallelDims was built for world size {self.world_size} but the process group has "
+                f"{dist.get_world_size()} ranks"
+            )
+        if device_type is None:
+            device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        return init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_AXES)

@@ -1,0 +1,143 @@
+"""Joining the job: read torchrun's environment, pick the backend, optionally build the mesh.
+
+``init_distributed()`` works in three situations:
+  * under ``torchrun`` (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT set): joins the job;
+  * a plain ``python script.py`` (no such variables): a world of size 1 on an in-memory store, no port needed;
+  * torch.distributed already initialized by the caller: adopts that group and builds nothing new but the mesh.
+The backend is NCCL when CUDA is available and gloo otherwise, unless ``backend=`` says otherwise.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from llmpar.distributed.dims import ParallelDims
+
+logger = logging.getLogger("llmpar")
+
+_KNOWN_BACKENDS = ("gloo", "nccl", "mpi", "ucc")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DistEnv:
+    """Where this process stands in the job. ``mesh`` is None unless degrees were given."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    backend: str
+    device: torch.device
+    dims: ParallelDims | None = None
+    mesh: DeviceMesh | None = None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def _pick_backend(backend: str | None) -> str:
+    if backend is None:
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a string such as 'gloo' or 'nccl', got {type(backend).__name__}")
+    parts = [p.split(":")[-1] for p in backend.split(",")]  # also accepts "cpu:gloo,cuda:nccl"
+    for p in parts:
+        if p not in _KNOWN_BACKENDS:
+            raise ValueError(f"backend {backend!r} is not known: expected one of {_KNOWN_BACKENDS}")
+    if "nccl" in parts and not torch.cuda.is_available():
+        raise ValueError(f"backend {backend!r} needs CUDA, but no CUDA device is available; use 'gloo' on CPU")
+    return backend
+
+
+def init_distributed(
+    *,
+    backend: str | None = None,
+    dims: ParallelDims | None = None,
+    tp: int | None = None,
+    pp: int | None = None,
+    dp: int | None = None,
+    timeout_s: float = 1800.0,
+    device_type: str | None = None,
+) -> DistEnv:
+    """Initialise torch.distributed from the environment and return a :class:`DistEnv`.
+
+    Give either ``dims`` or any of ``tp``/``pp``/``dp`` to also build the ``[pp, dp, tp]`` DeviceMesh
+    (a collective call: every rank must pass the same degrees).
+    """
+    if dims is not None and any(v is not None for v in (tp, pp, dp)):
+        raise ValueError("pass either dims= or tp=/pp=/dp=, not both")
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s={timeout_s} must be positive")
+    rank = _env_int("RANK", 0)
+    world_size = _env_int("WORLD_SIZE", 1)
+    local_rank = _env_int("LOCAL_RANK", rank)
+    local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"RANK={rank} is outside [0, WORLD_SIZE={world_size})")
+
+    if dist.is_initialized():
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        chosen = str(dist.get_backend())
+        if backend is not None and backend != chosen:
+            raise ValueError(f"torch.distributed is already initialised with backend {chosen!r}, not {backend!r}")
+    else:
+        chosen = _pick_backend(backend)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if "nccl" in chosen:
+            torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        if world_size == 1 and "MASTER_ADDR" not in os.environ:
+            dist.init_process_group(chosen, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        else:
+            for var in ("MASTER_ADDR", "MASTER_PORT"):
+                if var not in os.environ:
+                    raise RuntimeError(
+                        f"WORLD_SIZE={world_size} but {var} is not set: launch with torchrun "
+                        f"(torchrun --nproc_per_node {world_size} ...)"
+                    )
+            dist.init_process_group(chosen, rank=rank, world_size=world_size, timeout=timeout)
+        logger.debug("joined process group: rank %d of %d, backend %s", rank, world_size, chosen)
+
+    if "nccl" in chosen:
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    if dims is None and any(v is not None for v in (tp, pp, dp)):
+        dims = ParallelDims(tp=tp or 1, pp=pp or 1, dp=-1 if dp is None else dp, world_size=world_size)
+    mesh = None
+    if dims is not None:
+        if dims.world_size != world_size:
+            raise ValueError(f"dims are for world size {dims.world_size}, the job has {world_size} ranks")
+        mesh = dims.build_mesh(device_type or device.type)
+    return DistEnv(
+        rank=rank,
+        world_size=world_size,
+        local_rank=local_rank,
+        local_world_size=local_world_size,
+        backend=chosen,
+        device=device,
+        dims=dims,
+        mesh=mesh,
+    )
+
+
+def destroy_distributed() -> None:
+    """Tear down the default process group if one exists (safe to call twice)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

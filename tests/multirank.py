@@ -1,0 +1,267 @@
+"""Run a test body on N CPU ranks (gloo) under plain pytest.
+
+    from multirank import multirank, run_ranks
+
+    @multirank(2, 4)                 # a pytest test per world size
+    def test_all_reduce():
+        ...                          # runs on every rank; torch.distributed is initialised (gloo)
+
+    results = run_ranks(fn, 4, x, timeout=60)   # fn(x) on 4 ranks, list of per-rank return values
+
+Ranks are kept alive between tests (one pool of processes per world size) because starting Python + torch is
+the slow part on a 2-core machine. A test that raises on any rank fails with that rank's traceback; a test that
+does not finish within ``timeout`` seconds fails naming the ranks still running, with their Python stacks
+(faulthandler), and the pool is torn down so the next test starts clean. Workers run the default process group
+with the same environment torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT).
+"""
+from __future__ import annotations
+
+import atexit
+import datetime
+import faulthandler
+import importlib
+import multiprocessing as mp
+import os
+import signal
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from typing import Any, Callable
+
+import pytest
+
+DEFAULT_TIMEOUT = float(os.environ.get("LLMPAR_TEST_TIMEOUT", "120"))
+STARTUP_TIMEOUT = 180.0
+ERROR_GRACE = 3.0  # seconds the other ranks get to report after one rank failed
+
+
+class RankFailure(AssertionError):
+    """A rank raised (or died) while running a test body."""
+
+
+class RankTimeout(RankFailure):
+    """Some ranks did not finish within the timeout."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _resolve(module: str, qualname: str) -> Callable:
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return getattr(obj, "__multirank_body__", obj)
+
+
+def _worker(rank: int, world_size: int, port: int, store_path: str, tasks, results, sys_path, log_path) -> None:
+    log = open(log_path, "w", buffering=1)
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    faulthandler.register(signal.SIGUSR1, file=log, all_threads=True)
+    sys.path[:] = sys_path
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+    )
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size,
+            timeout=datetime.timedelta(seconds=900),
+        )
+    except BaseException:
+        results.put(("ready", rank, "error", traceback.format_exc()))
+        return
+    results.put(("ready", rank, "ok", None))
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        task_id, module, qualname, args, kwargs = task
+        try:
+            value = _resolve(module, qualname)(*args, **kwargs)
+            results.put((task_id, rank, "ok", value))
+        except BaseException:  # noqa: BLE001 - everything goes back to the parent
+            results.put((task_id, rank, "error", traceback.format_exc()))
+        if not dist.is_initialized():  # the body tore the group down: this pool cannot be reused
+            results.put((task_id, rank, "closed", None))
+            break
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class _Pool:
+    def __init__(self, world_size: int) -> None:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "torch.distributed"])
+        self.world_size = world_size
+        self.tmp = tempfile.TemporaryDirectory(prefix=f"llmpar-ranks{world_size}-")
+        store = os.path.join(self.tmp.name, "store")
+        self.logs = [os.path.join(self.tmp.name, f"rank{r}.log") for r in range(world_size)]
+        self.results = ctx.Queue()
+        self.tasks = [ctx.Queue() for _ in range(world_size)]
+        port = _free_port()
+        self.procs = [
+            ctx.Process(
+                target=_worker, daemon=True, name=f"llmpar-rank{r}",
+                args=(r, world_size, port, store, self.tasks[r], self.results, list(sys.path), self.logs[r]),
+            )
+            for r in range(world_size)
+        ]
+        for p in self.procs:
+            p.start()
+        self.task_id = 0
+        self.alive = True
+        replies = self._collect("ready", STARTUP_TIMEOUT, "start-up")
+        errors = {r: tb for r, (status, tb) in replies.items() if status != "ok"}
+        if errors:
+            self.close()
+            raise RankFailure(self._format_errors("start-up", errors))
+
+    def _log_tail(self, rank: int, chars: int = 3000) -> str:
+        try:
+            with open(self.logs[rank]) as f:
+                return f.read()[-chars:]
+        except OSError:
+            return ""
+
+    def _format_errors(self, what: str, errors: dict[int, str]) -> str:
+        lines = [f"{what} failed on rank(s) {sorted(errors)} of {self.world_size}:"]
+        for rank, tb in sorted(errors.items()):
+            lines.append(f"\n----- rank {rank} traceback -----\n{tb}")
+            tail = self._log_tail(rank, 1500).strip()
+            if tail:
+                lines.append(f"----- rank {rank} output (tail) -----\n{tail}")
+        return "\n".join(lines)
+
+    def _collect(self, task_id, timeout: float, what: str) -> dict[int, tuple[str, Any]]:
+        replies: dict[int, tuple[str, Any]] = {}
+        deadline = time.monotonic() + timeout
+        while len(replies) < self.world_size:
+            if any(s == "error" for s, _ in replies.values()):
+                deadline = min(deadline, time.monotonic() + ERROR_GRACE)
+            now = time.monotonic()
+            if now >= deadline:
+                break
+            try:
+                tid, rank, status, payload = self.results.get(timeout=min(0.5, deadline - now))
+            except Exception:  # queue.Empty
+                dead = [r for r, p in enumerate(self.procs) if not p.is_alive() and r not in replies]
+                if dead:
+                    for r in dead:
+                        code = self.procs[r].exitcode
+                        replies[r] = ("error", f"rank {r} process died (exit code {code}) during {what}\n")
+                continue
+            if tid != task_id:
+                continue  # a late reply of an earlier, abandoned task
+            if status == "closed":
+                self.alive = False
+                continue
+            replies[rank] = (status, payload)
+        return replies
+
+    def run(self, fn: Callable, args: tuple, kwargs: dict, timeout: float) -> list[Any]:
+        module = getattr(fn, "__module__", None)
+        qualname = getattr(fn, "__qualname__", None)
+        if not module or not qualname or "<locals>" in qualname or "<lambda>" in qualname:
+            raise TypeError(f"the test body {fn!r} must be a module-level function (the ranks import it by name)")
+        self.task_id += 1
+        name = f"{module}.{qualname}"
+        for q in self.tasks:
+            q.put((self.task_id, module, qualname, args, kwargs))
+        replies = self._collect(self.task_id, timeout, name)
+        errors = {r: p for r, (s, p) in replies.items() if s != "ok"}
+        missing = [r for r in range(self.world_size) if r not in replies]
+        if missing:
+            stacks = self._dump_stacks(missing)
+            self.close()
+            done = sorted(replies)
+            header = (
+                f"{name} on {self.world_size} ranks did not finish within {timeout:.0f}s: "
+                f"rank(s) {missing} still running" + (f", rank(s) {done} finished" if done else "")
+            )
+            if errors:
+                header += "\n" + self._format_errors(name, errors)
+            raise RankTimeout(header + "\n" + stacks)
+        if errors:
+            msg = self._format_errors(name, errors)
+            self.close()
+            raise RankFailure(msg)
+        return [replies[r][1] for r in range(self.world_size)]
+
+    def _dump_stacks(self, ranks: list[int]) -> str:
+        for r in ranks:
+            if self.procs[r].is_alive():
+                os.kill(self.procs[r].pid, signal.SIGUSR1)
+        time.sleep(1.0)
+        return "\n".join(f"----- rank {r} stack and output (tail) -----\n{self._log_tail(r)}" for r in ranks)
+
+    def close(self) -> None:
+        if not self.alive and not any(p.is_alive() for p in self.procs):
+            return
+        self.alive = False
+        for q in self.tasks:
+            try:
+                q.put(None)
+            except Exception:
+                pass
+        deadline = time.monotonic() + 2.0
+        for p in self.procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        self.tmp.cleanup()
+
+
+_POOLS: dict[int, _Pool] = {}
+
+
+def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT, **kwargs: Any) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; returns the per-rank results (rank order)."""
+    if not 1 <= world_size <= 16:
+        raise ValueError(f"world_size={world_size} is outside [1, 16]")
+    pool = _POOLS.get(world_size)
+    if pool is None or not pool.alive:
+        pool = _POOLS[world_size] = _Pool(world_size)
+    try:
+        return pool.run(fn, args, kwargs, timeout)
+    finally:
+        if not pool.alive:
+            _POOLS.pop(world_size, None)
+
+
+def close_pools() -> None:
+    for pool in list(_POOLS.values()):
+        pool.close()
+    _POOLS.clear()
+
+
+atexit.register(close_pools)
+
+
+def multirank(*world_sizes: int, timeout: float = DEFAULT_TIMEOUT) -> Callable[[Callable[[], Any]], Callable]:
+    """Decorator: turn a module-level body ``f()`` into a pytest test run on each of ``world_sizes`` ranks."""
+    if not world_sizes:
+        raise ValueError("multirank needs at least one world size, e.g. @multirank(2, 4)")
+
+    def decorate(body: Callable[[], Any]) -> Callable:
+        def test(world_size: int) -> None:
+            run_ranks(test, world_size, timeout=timeout)
+
+        test.__name__ = body.__name__
+        test.__qualname__ = body.__qualname__
+        test.__module__ = body.__module__
+        test.__doc__ = body.__doc__
+        test.__multirank_body__ = body  # what the ranks run when they resolve the name
+        return pytest.mark.parametrize("world_size", world_sizes)(test)
+
+    return decorate
