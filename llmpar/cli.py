@@ -14,6 +14,7 @@ import traceback
 _COMMAND_MODULES = (
     "llmpar.env_report",
     "llmpar.train",
+    "llmpar.planning.cli",
 )
 
 

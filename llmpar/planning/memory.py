@@ -1,0 +1,218 @@
+"""Per-rank memory: model states under ZeRO stages 0-3 (Rajbhandari et al. 2020), activations (Korthikanti et al.
+2022) and communication buffers.
+
+Model states. With psi parameters on a rank's (tp, pp) shard and dp data-parallel ranks, a precision mode stores
+P bytes of parameters, G of gradients and K of optimizer state (fp32 master copy, Adam m and v) per parameter:
+
+    mode          P  G   K   total   what
+    fp32          4  4   8   16      fp32 params/grads, fp32 m, v (no master copy)
+    fp32_master   2  2  12   16      bf16 params/grads, fp32 master + m + v (the ZeRO paper's K = 12)
+    bf16_sr       2  2   4    8      bf16 params/grads/m/v, stochastic rounding instead of a master copy
+
+    stage 0: (P + G + K) psi        stage 1: (P + G) psi + K psi / dp
+    stage 2: P psi + (G + K) psi / dp   stage 3: (P + G + K) psi / dp
+
+For psi = 7.5e9, dp = 64, fp32_master: 120 GB, 31.4 GB, 16.6 GB, 1.9 GB; as dp grows the savings over stage 0 tend
+to 16/4 = 4x, 16/2 = 8x and dp. CPU offload moves K (``"optimizer"``) and, at stage 3, also P and G
+(``"optimizer+params"``) to host memory.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .model_spec import ModelSpec, count_params
+
+# mode -> (param bytes P, grad bytes G, optimizer bytes K) per parameter
+PRECISION_BYTES: dict[str, tuple[int, int, int]] = {
+    "fp32": (4, 4, 8),
+    "fp32_master": (2, 2, 12),
+    "bf16_sr": (2, 2, 4),
+}
+OFFLOAD_MODES = ("none", "optimizer", "optimizer+params")
+CHECKPOINT_MODES = ("none", "selective", "full")
+ACT_BYTES = 2  # bf16 activations
+
+
+def _check_choice(name: str, value: Any, accepted: tuple[Any, ...] | list[Any]) -> None:
+    if value not in accepted:
+        raise ValueError(f"{name}={value!r}; accepted: {', '.join(map(repr, accepted))}")
+
+
+def _check_degree(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive integer")
+
+
+@dataclass(kw_only=True, frozen=True)
+class Layout:
+    """A parallel layout: degrees tp x pp x dp = world size, ZeRO stage over dp, offload, sequence parallelism
+    (tp > 1 only) and activation checkpointing (``"none"``, ``"selective"``: attention core only, ``"full"``)."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    zero_stage: int = 0
+    offload: str = "none"
+    sequence_parallel: bool = False
+    activation_checkpointing: str = "none"
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "dp"):
+            _check_degree(name, getattr(self, name))
+        _check_choice("zero_stage", self.zero_stage, (0, 1, 2, 3))
+        _check_choice("offload", self.offload, OFFLOAD_MODES)
+        _check_choice("activation_checkpointing", self.activation_checkpointing, CHECKPOINT_MODES)
+        if self.offload == "optimizer+params" and self.zero_stage != 3:
+            raise ValueError(f"offload='optimizer+params' needs zero_stage=3, got zero_stage={self.zero_stage}")
+        if self.offload != "none" and self.zero_stage == 0:
+            raise ValueError(f"offload={self.offload!r} needs a ZeRO stage >= 1, got zero_stage=0")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("sequence_parallel=True needs tp > 1, got tp=1")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(kw_only=True, frozen=True)
+class MemoryEstimate:
+    """Bytes one rank holds on its GPU (and on the host, with offload)."""
+
+    psi_rank: float  # parameters on this rank's (tp, pp) shard, before ZeRO
+    params: float
+    grads: float
+    master: float
+    optimizer: float
+    activations: float
+    buffers: float
+    cpu: float  # host bytes of this rank (offload)
+
+    @property
+    def model_states(self) -> float:
+        return self.params + self.grads + self.master + self.optimizer
+
+    @property
+    def total(self) -> float:
+        """GPU bytes: model states + activations + communication buffers."""
+        return self.model_states + self.activations + self.buffers
+
+    def to_dict(self) -> dict[str, float]:
+        return {**asdict(self), "model_states": self.model_states, "total": self.total}
+
+
+def model_state_bytes(
+    psi: float, *, dp: int = 1, zero_stage: int = 0, precision: str = "fp32_master", offload: str = "none"
+) -> dict[str, float]:
+    """Per-rank GPU and CPU bytes of params / grads / master / optimizer for ``psi`` parameters (see module doc).
+
+    Returns keys params, grads, master, optimizer (GPU) and cpu (host)."""
+    _check_choice("precision", precision, list(PRECISION_BYTES))
+    _check_choice("zero_stage", zero_stage, (0, 1, 2, 3))
+    _check_choice("offload", offload, OFFLOAD_MODES)
+    _check_degree("dp", dp)
+    if psi < 0:
+        raise ValueError(f"psi={psi!r} must be >= 0")
+    p, g, k = PRECISION_BYTES[precision]
+    master_k = 4 if precision == "fp32_master" else 0
+    params = p * psi / (dp if zero_stage >= 3 else 1)
+    grads = g * psi / (dp if zero_stage >= 2 else 1)
+    master = master_k * psi / (dp if zero_stage >= 1 else 1)
+    optimizer = (k - master_k) * psi / (dp if zero_stage >= 1 else 1)
+    cpu = 0.0
+    if offload != "none":
+        cpu += master + optimizer
+        master = optimizer = 0.0
+    if offload == "optimizer+params":
+        cpu += params + grads
+        params = grads = 0.0
+    return {"params": params, "grads": grads, "master": master, "optimizer": optimizer, "cpu": cpu}
+
+
+def zero_savings(*, stage: int, dp: int, precision: str = "fp32_master") -> float:
+    """Stage-0 model-state bytes over stage-``stage`` bytes (the paper's 4x / 8x / N_d as dp grows)."""
+    base = model_state_bytes(1.0, dp=dp, zero_stage=0, precision=precision)
+    staged = model_state_bytes(1.0, dp=dp, zero_stage=stage, precision=precision)
+    return sum(base.values()) / sum(staged.values())
+
+
+def activation_bytes_per_layer(
+    *, seq_len: int, micro_batch: int, hidden: int, n_heads: int, tp: int = 1,
+    sequence_parallel: bool = False, checkpointing: str = "none",
+) -> float:
+    """Activation bytes one layer keeps for backward (Korthikanti et al. 2022, bf16, s = seq, b = micro-batch,
+    h = hidden, a = heads, t = tp), derived for a GPT block with 4h MLP and dropout; an estimate for others:
+
+        no parallelism:            s b h (34 + 5 a s / h)
+        tp, no sequence parallel:  s b h (10 + 24 / t + 5 a s / (h t))
+        tp + sequence parallel:    s b h (34 + 5 a s / h) / t
+        selective recompute:       drop the 5 a s / h attention-score term
+        full recompute:            2 s b h (/ t with sequence parallel): only each layer's input
+    """
+    _check_choice("checkpointing", checkpointing, CHECKPOINT_MODES)
+    s, b, h, a, t = seq_len, micro_batch, hidden, n_heads, tp
+    sbh = s * b * h
+    if checkpointing == "full":
+        return 2.0 * sbh / (t if sequence_parallel else 1)
+    attn = 0.0 if checkpointing == "selective" else 5.0 * a * s / h
+    if sequence_parallel:
+        return sbh * (34.0 + attn) / t
+    return sbh * (10.0 + 24.0 / t + attn / t)
+
+
+def estimate_memory(
+    model: ModelSpec | Any,
+    layout: Layout,
+    *,
+    precision: str = "fp32_master",
+    micro_batch: int = 1,
+    seq_len: int | None = None,
+    micro_batches_in_flight: int | None = None,
+    bucket_bytes: float = 100e6,
+    activation_spec: ModelSpec | None = None,
+) -> MemoryEstimate:
+    """Per-rank memory of ``model`` (a ``ModelSpec`` or an ``nn.Module``) trained with ``layout``.
+
+    - model states: ``model_state_bytes`` on the busiest (tp, pp) shard (``ModelSpec.params_per_rank``; for a
+      module, psi / (tp pp));
+    - activations: per layer as in ``activation_bytes_per_layer``, x layers per stage x micro-batches in flight
+      (1F1B: the first stage holds min(pp, m) of them; default pp), plus 4 s b V / t bytes of fp32 logits on the
+      last stage; with full recompute, one more layer's full activations while it is recomputed;
+    - buffers: two gradient buckets of ``bucket_bytes`` when dp > 1, and at ZeRO-3 two gathered layers
+      (current + prefetched) in parameter precision.
+    Activations are bf16 (doubled for ``precision="fp32"``).
+    For an ``nn.Module`` the activations come from ``activation_spec`` (zero without one).
+    """
+    _check_degree("micro_batch", micro_batch)
+    spec = model if isinstance(model, ModelSpec) else activation_spec
+    if isinstance(model, ModelSpec):
+        psi_rank: float = model.params_per_rank(tp=layout.tp, pp=layout.pp)
+    else:
+        psi_rank = count_params(model) / (layout.tp * layout.pp)
+    states = model_state_bytes(
+        psi_rank, dp=layout.dp, zero_stage=layout.zero_stage, precision=precision, offload=layout.offload
+    )
+    p_bytes = PRECISION_BYTES[precision][0]
+    activations = 0.0
+    buffers = 2.0 * min(bucket_bytes, PRECISION_BYTES[precision][1] * psi_rank) if layout.dp > 1 else 0.0
+    if spec is not None:
+        spec.check_layout(tp=layout.tp, pp=layout.pp)
+        s = seq_len or spec.seq_len
+        in_flight = layout.pp if micro_batches_in_flight is None else min(layout.pp, micro_batches_in_flight)
+        _check_degree("micro_batches_in_flight", in_flight)
+        common = dict(seq_len=s, micro_batch=micro_batch, hidden=spec.hidden, n_heads=spec.n_heads, tp=layout.tp,
+                      sequence_parallel=layout.sequence_parallel)
+        per_layer = activation_bytes_per_layer(**common, checkpointing=layout.activation_checkpointing)
+        layers = spec.n_layers // layout.pp
+        recompute = activation_bytes_per_layer(**common) if layout.activation_checkpointing == "full" else 0.0
+        logits = 4.0 * s * micro_batch * spec.vocab / layout.tp
+        first = in_flight * layers * per_layer + recompute
+        last = layers * per_layer + recompute + logits
+        activations = max(first, last) if layout.pp > 1 else layers * per_layer + recompute + logits
+        activations *= 2.0 if precision == "fp32" else 1.0  # the formula counts 2-byte activations
+        if layout.zero_stage == 3:
+            buffers += 2.0 * p_bytes * spec.layer_params(layout.tp)
+    return MemoryEstimate(psi_rank=psi_rank, activations=activations, buffers=buffers, **states)
