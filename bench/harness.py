@@ -1,0 +1,400 @@
+"""The shared benchmark runner: time callables, compare them side by side, write results with their provenance.
+
+    from harness import compare, measure, write_results
+
+    t = measure(fn, warmup=5, repeats=30, device="cuda")          # Timing: median / min / IQR of the repeats
+    cmp = compare({"torch": ref, "llmpar": ours}, baseline="torch", warmup=5, repeats=30, device="cuda")
+    print(cmp.table())                                             # speedup = baseline median / case median
+    write_results("fused_adamw", cmp.rows(size=4096), meta={"dtype": "bf16"})
+
+Timers: CUDA events around each call on a CUDA device (``timer="do_bench"`` uses ``triton.testing.do_bench``
+instead), ``time.perf_counter`` on CPU. ``compare`` interleaves the repeats of all cases (case order rotated every
+round), so slow drift and noise bursts hit the baseline and the candidates alike: ratios come from one run.
+Multi-rank (under torchrun): ``measure_distributed`` lines ranks up with a barrier before each repeat and takes
+the max over ranks of each repeat (the slowest rank is the step time).
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+@dataclass(kw_only=True)
+class Timing:
+    """Seconds per call of ``repeats`` timed runs (each the mean of ``number`` back-to-back calls)."""
+
+    name: str = ""
+    times_s: list[float]
+    number: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.times_s:
+            raise ValueError("a Timing needs at least one repeat")
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.times_s)
+
+    @property
+    def min_s(self) -> float:
+        return min(self.times_s)
+
+    @property
+    def iqr_s(self) -> float:
+        """Interquartile range (q3 - q1) of the repeats; 0 for fewer than 2 repeats."""
+        if len(self.times_s) < 2:
+            return 0.0
+        q = statistics.quantiles(self.times_s, n=4, method="inclusive")
+        return q[2] - q[0]
+
+    def row(self) -> dict[str, Any]:
+        return {"name": self.name, "median_ms": self.median_s * 1e3, "min_ms": self.min_s * 1e3,
+                "iqr_ms": self.iqr_s * 1e3, "repeats": len(self.times_s)}
+
+
+def _is_cuda(device: torch.device | str | None) -> bool:
+    return device is not None and torch.device(device).type == "cuda"
+
+
+def _check_counts(warmup: int, repeats: int, number: int) -> None:
+    if warmup < 0:
+        raise ValueError(f"warmup={warmup} must be >= 0")
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats} must be >= 1")
+    if number < 1:
+        raise ValueError(f"number={number} must be >= 1")
+
+
+def _time_once(fn: Callable[[], Any], device: torch.device | str | None, number: int) -> float:
+    """Seconds per call for ``number`` back-to-back calls of ``fn``."""
+    if _is_cuda(device):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(number):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / number
+    t0 = time.perf_counter()
+    for _ in range(number):
+        fn()
+    return (time.perf_counter() - t0) / number
+
+
+def measure(
+    fn: Callable[[], Any],
+    *,
+    warmup: int = 3,
+    repeats: int = 20,
+    device: torch.device | str | None = None,
+    number: int = 1,
+    name: str = "",
+    timer: str = "auto",
+) -> Timing:
+    """Time ``fn()``: ``warmup`` untimed calls, then ``repeats`` timed runs of ``number`` calls each.
+
+    ``timer``: "auto" (CUDA events on a CUDA device, perf_counter otherwise), "perf_counter", or "do_bench"
+    (``triton.testing.do_bench`` on CUDA; ``warmup``/``repeats`` then count calls, converted to its milliseconds).
+    """
+    _check_counts(warmup, repeats, number)
+    if timer not in ("auto", "perf_counter", "do_bench"):
+        raise ValueError(f"timer={timer!r} is not one of 'auto', 'perf_counter', 'do_bench'")
+    if timer == "do_bench":
+        if not _is_cuda(device):
+            raise ValueError(f"timer='do_bench' needs a CUDA device, got device={device!r}")
+        return _do_bench(fn, warmup=warmup, repeats=repeats, name=name)
+    timing_device = None if timer == "perf_counter" else device
+    for _ in range(warmup):
+        fn()
+    if _is_cuda(device):
+        torch.cuda.synchronize(device)
+    times = [_time_once(fn, timing_device, number) for _ in range(repeats)]
+    if timer == "perf_counter" and _is_cuda(device):
+        torch.cuda.synchronize(device)
+    return Timing(name=name, times_s=times, number=number)
+
+
+def _do_bench(fn: Callable[[], Any], *, warmup: int, repeats: int, name: str) -> Timing:
+    from triton.testing import do_bench
+
+    one = _time_once(fn, "cuda", 1) * 1e3  # a rough call time, to turn call counts into do_bench's milliseconds
+    kw = dict(warmup=max(1.0, warmup * one), rep=max(1.0, repeats * one))
+    try:
+        ms = do_bench(fn, return_mode="all", **kw)
+    except (AssertionError, TypeError):  # older triton: no return_mode="all"
+        ms = do_bench(fn, quantiles=[0.25, 0.5, 0.75], **kw)
+    times = ms if isinstance(ms, list) else [float(ms)]
+    return Timing(name=name, times_s=[t / 1e3 for t in times])
+
+
+@dataclass(kw_only=True)
+class Comparison:
+    """Timings of several cases taken in one interleaved run; ``speedup(name) = median(baseline) / median(name)``."""
+
+    baseline: str
+    timings: dict[str, Timing] = field(default_factory=dict)
+
+    def ratio(self, name: str) -> float:
+        """Time of ``name`` relative to the baseline (< 1: faster than the baseline)."""
+        return self.timings[name].median_s / self.timings[self.baseline].median_s
+
+    def speedup(self, name: str) -> float:
+        return 1.0 / self.ratio(name)
+
+    def fastest(self) -> str:
+        return min(self.timings, key=lambda n: self.timings[n].median_s)
+
+    def rows(self, **extra: Any) -> list[dict[str, Any]]:
+        """One row per case (``extra`` columns first, e.g. the size), with ``speedup`` vs the baseline."""
+        out = []
+        for name, t in self.timings.items():
+            row = {**extra, **t.row(), "speedup": self.speedup(name), "baseline": name == self.baseline}
+            out.append(row)
+        return out
+
+    def table(self) -> str:
+        return markdown_table(self.rows())
+
+
+def compare(
+    cases: dict[str, Callable[[], Any]],
+    *,
+    baseline: str,
+    warmup: int = 3,
+    repeats: int = 20,
+    device: torch.device | str | None = None,
+    number: int = 1,
+) -> Comparison:
+    """Time every case of ``cases`` side by side: warm each up, then ``repeats`` rounds that time each case once,
+    starting at a different case every round."""
+    if not cases:
+        raise ValueError("cases is empty: give at least the baseline")
+    if baseline not in cases:
+        raise ValueError(f"baseline={baseline!r} is not one of the cases {sorted(cases)}")
+    _check_counts(warmup, repeats, number)
+    names = list(cases)
+    for name in names:
+        for _ in range(warmup):
+            cases[name]()
+    if _is_cuda(device):
+        torch.cuda.synchronize(device)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(repeats):
+        for i in range(len(names)):
+            name = names[(r + i) % len(names)]
+            times[name].append(_time_once(cases[name], device, number))
+    return Comparison(baseline=baseline, timings={n: Timing(name=n, times_s=times[n], number=number) for n in names})
+
+
+def measure_distributed(
+    fn: Callable[[], Any],
+    *,
+    group: Any = None,
+    warmup: int = 3,
+    repeats: int = 20,
+    device: torch.device | str | None = None,
+    number: int = 1,
+    name: str = "",
+) -> Timing:
+    """Time ``fn`` on every rank of ``group`` (default: the whole job); each repeat is the max over ranks.
+
+    Ranks meet at a barrier before every repeat; the per-rank timings are all-gathered, so every rank gets the
+    same Timing (rank 0 writes it). A collective call: every rank of ``group`` must call it.
+    """
+    import torch.distributed as dist
+
+    from llmpar.distributed import all_gather_flat, barrier, group_size
+
+    _check_counts(warmup, repeats, number)
+    pg = group if group is not None else dist.group.WORLD
+    for _ in range(warmup):
+        fn()
+    local = []
+    for _ in range(repeats):
+        if _is_cuda(device):
+            torch.cuda.synchronize(device)
+        barrier(pg)
+        local.append(_time_once(fn, device, number))
+    comm_device = torch.device(device) if _is_cuda(device) else torch.device("cpu")
+    mine = torch.tensor(local, dtype=torch.float64, device=comm_device)
+    world = group_size(pg)
+    everyone = torch.empty(world * repeats, dtype=torch.float64, device=comm_device)
+    all_gather_flat(everyone, mine, pg)
+    per_repeat_max = everyone.view(world, repeats).max(dim=0).values.tolist()
+    return Timing(name=name, times_s=per_repeat_max, number=number)
+
+
+# ---------------------------------------------------------------- provenance and output
+
+
+def _version(dist_name: str) -> str | None:
+    try:
+        return metadata.version(dist_name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parent,
+                             capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def machine_info() -> dict[str, Any]:
+    """CPU model and cores, OS, Python, torch / triton / llmpar versions, GPUs, git commit."""
+    info: dict[str, Any] = {
+        "cpu": _cpu_model(),
+        "cores": os.cpu_count(),
+        "cores_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "os": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": _version("triton"),
+        "llmpar": _version("llmpar"),
+        "git_commit": _git_commit(),
+        "cuda": torch.version.cuda,
+        "gpus": [],
+    }
+    if torch.cuda.is_available():
+        info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return info
+
+
+def command_line() -> str:
+    """The command that is running, as a shell line (with the launcher's world size when under torchrun)."""
+    cmd = "python " + " ".join(shlex.quote(a) for a in sys.argv)
+    if "WORLD_SIZE" in os.environ:
+        cmd = f"torchrun --nproc_per_node {os.environ.get('LOCAL_WORLD_SIZE', os.environ['WORLD_SIZE'])} " + cmd
+    return cmd
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, bool):
+        return "yes" if value else ""
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    """A GitHub markdown table; columns are the union of the rows' keys, in first-seen order."""
+    if not rows:
+        return "(no rows)\n"
+    cols: list[str] = []
+    for row in rows:
+        cols += [k for k in row if k not in cols]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    for row in rows:
+        lines.append("| " + " | ".join(_fmt(row.get(c, "")).replace("|", "\\|") for c in cols) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_results(
+    name: str,
+    rows: list[dict[str, Any]],
+    meta: dict[str, Any] | None = None,
+    *,
+    out_dir: str | os.PathLike | None = None,
+    curve: dict[str, Any] | None = None,
+) -> dict[str, Path]:
+    """Write ``{out_dir}/{name}.json`` and ``{name}.md`` (and ``{name}.png`` if ``curve`` is given and matplotlib
+    is installed) with the command, machine and date. Returns the paths written, by kind.
+
+    ``curve``: ``{"x": column, "y": [columns], "group": optional column splitting rows into lines,
+    "logx": bool, "logy": bool, "title": str}``.
+    """
+    if not name or any(c in name for c in "/\\ ") :
+        raise ValueError(f"name={name!r} must be a non-empty file stem without slashes or spaces")
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise TypeError("rows must be a list of dicts")
+    out = Path(out_dir) if out_dir is not None else RESULTS_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    record = {
+        "name": name,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": command_line(),
+        "machine": machine_info(),
+        "meta": meta or {},
+        "rows": rows,
+    }
+    paths = {"json": out / f"{name}.json", "md": out / f"{name}.md"}
+    paths["json"].write_text(json.dumps(record, indent=2, default=str) + "\n")
+    m = record["machine"]
+    gpu = ", ".join(m["gpus"]) if m["gpus"] else "none"
+    md = [
+        f"# {name}",
+        "",
+        f"- command: `{record['command']}`",
+        f"- date: {record['date']}",
+        f"- machine: {m['cpu']} ({m['cores_usable']} of {m['cores']} cores), GPU: {gpu}",
+        f"- versions: torch {m['torch']}, triton {m['triton']}, llmpar {m['llmpar']} (commit {m['git_commit']})",
+    ]
+    md += [f"- {k}: {v}" for k, v in (meta or {}).items()]
+    md += ["", markdown_table(rows)]
+    if curve is not None:
+        png = _plot(out / f"{name}.png", rows, curve, title=curve.get("title", name))
+        if png is not None:
+            paths["png"] = png
+            md.append(f"![{name}]({png.name})\n")
+    paths["md"].write_text("\n".join(md))
+    return paths
+
+
+def _plot(path: Path, rows: list[dict[str, Any]], curve: dict[str, Any], *, title: str) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    x, ys, group = curve["x"], curve["y"], curve.get("group")
+    ys = [ys] if isinstance(ys, str) else list(ys)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    groups = sorted({r.get(group) for r in rows}, key=str) if group else [None]
+    for g in groups:
+        sel = [r for r in rows if group is None or r.get(group) == g]
+        for y in ys:
+            pts = sorted((r[x], r[y]) for r in sel if x in r and y in r)
+            if pts:
+                label = " ".join(str(s) for s in (g, y if len(ys) > 1 else None) if s is not None) or y
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+    ax.set_xscale("log" if curve.get("logx") else "linear")
+    ax.set_yscale("log" if curve.get("logy") else "linear")
+    ax.set_xlabel(x)
+    ax.set_ylabel(curve.get("ylabel", ", ".join(ys)))
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

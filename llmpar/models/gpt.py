@@ -1,0 +1,238 @@
+"""A small GPT (GPT-2 style, pre-LN) used by the demo, the tests and the benchmarks.
+
+Shapes (B = batch, T = tokens <= seq_len, d = d_model, V = vocab_size, h = n_head, hd = d / h):
+
+    idx [B, T] (int64) -> tok_emb + pos_emb -> x [B, T, d]
+    for each block:  x = x + attn(ln1(x));  x = x + mlp(ln2(x))
+    ln_f -> lm_head -> logits [B, T, V]
+
+Module names are stable so that a tensor-parallel plan can match them by pattern, and ``blocks`` is an
+``nn.ModuleList`` so that a pipeline split can cut it:
+
+    tok_emb                 nn.Embedding  W: [V, d]            (vocab-parallel: split rows)
+    pos_emb                 nn.Embedding  W: [seq_len, d]      (replicated)
+    blocks.{i}.ln1 / ln2    nn.LayerNorm  [d]                  (replicated)
+    blocks.{i}.attn.qkv     nn.Linear     W: [3 d, d]          (column-parallel: split rows, whole heads per rank)
+    blocks.{i}.attn.proj    nn.Linear     W: [d, d]            (row-parallel: split columns)
+    blocks.{i}.mlp.fc       nn.Linear     W: [d_ff, d]         (column-parallel)
+    blocks.{i}.mlp.proj     nn.Linear     W: [d, d_ff]         (row-parallel)
+    ln_f                    nn.LayerNorm  [d]
+    lm_head                 nn.Linear     W: [V, d], no bias   (column-parallel over the vocabulary)
+
+The qkv output is laid out head-major, ``[h, 3, hd]`` (per head: q, then k, then v), so that a contiguous split of
+its rows into ``tp`` chunks gives each rank whole heads with their own q, k and v. The attention module reads the
+number of heads it holds from the qkv output width, so a column-split qkv with ``3 d / tp`` rows just works.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(kw_only=True)
+class GPTConfig:
+    """Shape of the GPT. ``d_ff`` defaults to ``4 * d_model``.
+
+    ``tie_embeddings`` is off by default: a pipeline split puts ``tok_emb`` and ``lm_head`` on different stages.
+    """
+
+    vocab_size: int = 256
+    n_layer: int = 2
+    n_head: int = 4
+    d_model: int = 128
+    d_ff: int | None = None
+    seq_len: int = 128
+    dropout: float = 0.0
+    tie_embeddings: bool = False
+    bias: bool = True
+    ln_eps: float = 1e-5
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "n_layer", "n_head", "d_model", "seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"GPTConfig.{name}={value!r} must be a positive integer")
+        if self.d_ff is None:
+            self.d_ff = 4 * self.d_model
+        if not isinstance(self.d_ff, int) or self.d_ff < 1:
+            raise ValueError(f"GPTConfig.d_ff={self.d_ff!r} must be a positive integer")
+        if self.d_model % self.n_head:
+            raise ValueError(f"GPTConfig.d_model={self.d_model} is not divisible by n_head={self.n_head}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPTConfig.dropout={self.dropout} must be in [0, 1)")
+        if self.init_std <= 0:
+            raise ValueError(f"GPTConfig.init_std={self.init_std} must be positive")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention through ``F.scaled_dot_product_attention(is_causal=True)``.
+
+    x: [B, T, d] -> qkv(x): [B, T, h_local * 3 * hd] -> per head q, k, v: [B, h_local, T, hd]
+    -> SDPA -> [B, T, h_local * hd] -> proj -> [B, T, d]
+    ``h_local = n_head`` here, ``n_head / tp`` once ``qkv``/``proj`` are replaced by column/row-parallel layers.
+    """
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.head_dim = cfg.head_dim
+        self.dropout = cfg.dropout
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        qkv = self.qkv(x)
+        width = qkv.shape[-1]
+        if width % (3 * self.head_dim):
+            raise ValueError(f"qkv output width {width} is not a multiple of 3 * head_dim = {3 * self.head_dim}")
+        local_heads = width // (3 * self.head_dim)
+        q, k, v = qkv.view(B, T, local_heads, 3, self.head_dim).permute(3, 0, 2, 1, 4).unbind(0)
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(B, T, local_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """x: [B, T, d] -> fc: [B, T, d_ff] -> GELU -> proj: [B, T, d]."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        assert cfg.d_ff is not None
+        self.fc = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block: ``x + attn(ln1(x))`` then ``x + mlp(ln2(x))``; x: [B, T, d]."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps, bias=cfg.bias)
+        self.mlp = MLP(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.ln1(x)))
+        return x + self.drop(self.mlp(self.ln2(x)))
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy. logits: [B, T, V], targets: [B, T] (int64) -> scalar (fp32 or wider)."""
+    if logits.shape[:-1] != targets.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} disagree on [B, T]")
+    flat = logits.reshape(-1, logits.shape[-1])
+    if flat.dtype in (torch.float16, torch.bfloat16):
+        flat = flat.float()
+    return F.cross_entropy(flat, targets.reshape(-1))
+
+
+class GPT(nn.Module):
+    """The GPT. ``GPT(cfg, seed=s)`` gives the same weights for the same ``s`` on any device and dtype
+    (drawn in fp32 on a CPU generator, then cast), so single-device and parallel runs start equal."""
+
+    def __init__(
+        self,
+        cfg: GPTConfig,
+        *,
+        seed: int = 0,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(cfg, GPTConfig):
+            raise TypeError(f"cfg must be a GPTConfig, got {type(cfg).__name__}")
+        self.config = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps, bias=cfg.bias)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+        self.to(device=device, dtype=dtype)
+        self.reset_parameters(seed)
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int) -> None:
+        """GPT-2 init: N(0, init_std) weights, residual projections scaled by 1/sqrt(2 n_layer), zero biases,
+        LayerNorm (1, 0). Deterministic in ``seed`` and independent of device and dtype."""
+        cfg = self.config
+        gen = torch.Generator(device="cpu").manual_seed(int(seed))
+        resid_std = cfg.init_std / math.sqrt(2 * cfg.n_layer)
+        for name, p in self.named_parameters():  # registration order: deterministic
+            module_name, leaf = name.rsplit(".", 1)
+            owner = module_name.rsplit(".", 1)[-1]
+            if isinstance(self.get_submodule(module_name), nn.LayerNorm):
+                p.fill_(1.0 if leaf == "weight" else 0.0)
+            elif leaf == "bias":
+                p.zero_()
+            else:
+                std = resid_std if owner == "proj" else cfg.init_std
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * std)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """idx: [B, T] token ids (int64), T <= seq_len -> logits [B, T, V]."""
+        if idx.dim() != 2:
+            raise ValueError(f"idx must be [batch, tokens], got shape {tuple(idx.shape)}")
+        if idx.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"idx must hold integer token ids, got dtype {idx.dtype}")
+        T = idx.shape[1]
+        if T > self.config.seq_len:
+            raise ValueError(f"sequence of {T} tokens is longer than seq_len={self.config.seq_len}")
+        pos = torch.arange(T, device=idx.device)
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+    @staticmethod
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy; see :func:`lm_loss`."""
+        return lm_loss(logits, targets)
+
+    def num_params(self, *, exclude_embeddings: bool = False) -> int:
+        """Parameter count (shared tensors once); optionally without the token and position embeddings."""
+        n = sum(p.numel() for p in self.parameters())
+        if exclude_embeddings:
+            n -= self.pos_emb.weight.numel()
+            if not self.config.tie_embeddings:
+                n -= self.tok_emb.weight.numel()
+        return n
+
+    @torch.no_grad()
+    def generate(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        *,
+        temperature: float = 1.0,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Sample ``max_new_tokens`` continuations. idx: [B, T0] -> [B, T0 + max_new_tokens]; the context is cut to
+        the last ``seq_len`` tokens; ``temperature=0`` is greedy."""
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
+        for _ in range(max_new_tokens):
+            logits = self(idx[:, -self.config.seq_len :])[:, -1, :].float()
+            if temperature == 0:
+                nxt = logits.argmax(-1, keepdim=True)
+            else:
+                probs = torch.softmax(logits / temperature, dim=-1)
+                nxt = torch.multinomial(probs.cpu(), 1, generator=generator).to(idx.device)
+            idx = torch.cat([idx, nxt], dim=1)
+        return idx
