@@ -1,0 +1,268 @@
+"""Column- and row-parallel linear layers (Megatron-Core style) with overlapped communication.
+
+``ColumnParallelLinear``: ``W: [out/tp, in]``, ``b: [out/tp]``; ``x: [..., in]`` (replicated) -> ``y: [..., out/tp]``
+(or ``[..., out]`` with ``gather_output``). Under ``sequence_parallel`` the input is this rank's dim-0 shard
+``[s/tp, ..., in]`` and the output covers the whole sequence ``[s, ..., out/tp]``.
+
+``RowParallelLinear``: ``W: [out, in/tp]``, ``b: [out]`` added once after the reduction; ``x: [..., in/tp]``
+(``input_is_parallel``, else ``[..., in]`` and scattered here) -> ``y: [..., out]`` summed over ranks, or this rank's
+dim-0 shard ``[s/tp, ..., out]`` under ``sequence_parallel``.
+
+``ParallelLMHead``: a column-parallel vocabulary projection whose vocabulary is padded up to a multiple of tp; the
+padded columns are dropped on ``gather_output`` and masked by :func:`vocab_parallel_cross_entropy`.
+
+Initialisation is single-device identical: by default the full weight is drawn exactly as ``nn.Linear(in, out)``
+on the same device would draw it (same RNG calls), and each rank keeps its slice; ``init_method(full_weight)``
+replaces the weight draw (bias then starts at zero, as in Megatron). Every rank must hold the same RNG state.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmpar.tensor_parallel._overlap import _ColumnParallelMatmul, _RowParallelMatmul
+from llmpar.tensor_parallel._utils import Group, check_positive, divide, pad_to_multiple, resolve_tp_group, tp_size_rank
+from llmpar.tensor_parallel.comm import gather_from_tensor_region, scatter_to_tensor_region
+
+InitMethod = Callable[[torch.Tensor], object]
+_SKIP_INIT = object()  # from_linear: allocate only, the caller copies the weights in
+
+
+def _master_linear(in_f: int, out_f: int, bias: bool, init_method, device, dtype):
+    """The full ``[out, in]`` weight (and ``[out]`` bias) a single-device layer would hold."""
+    if init_method is None:
+        ref = nn.Linear(in_f, out_f, bias=bias, device=device, dtype=dtype)
+        return ref.weight.detach(), (ref.bias.detach() if bias else None)
+    w = torch.empty(out_f, in_f, device=device, dtype=dtype)
+    with torch.no_grad():
+        init_method(w)
+    return w, (torch.zeros(out_f, device=device, dtype=dtype) if bias else None)
+
+
+def _tag(p: nn.Parameter, dim: int | None) -> nn.Parameter:
+    """Mark a parameter as split over tp along ``dim`` (None: replicated). Read by grad-norm / checkpoint code."""
+    p.tensor_model_parallel = dim is not None  # type: ignore[attr-defined]
+    p.partition_dim = dim  # type: ignore[attr-defined]
+    return p
+
+
+def _check_chunks(comm_chunks: int) -> int:
+    return check_positive("comm_chunks", comm_chunks)
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x W^T + b`` with the rows of ``W`` (output features) split across the ranks of ``group``.
+
+    Args:
+        group: the tensor-parallel ProcessGroup, a 1-D DeviceMesh, or a mesh with a ``"tp"`` axis.
+        gather_output: all-gather the output to ``[..., out]`` on every rank.
+        sequence_parallel: input is this rank's dim-0 shard; it is all-gathered (in ``comm_chunks`` pieces,
+            overlapped with the matmul) and the input gradient is reduce-scattered back.
+        comm_chunks: pieces the sequence all-gather is cut into (1 = no forward overlap).
+        overlap_grad_comm: launch the input-gradient collective asynchronously and compute ``dW`` meanwhile.
+        reduce_input_grad: False returns this rank's *partial* input gradient, for callers that reduce it once
+            for several column layers sharing one input (e.g. q, k, v after one ``copy_to_tensor_region``).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        group: Group,
+        gather_output: bool = False,
+        sequence_parallel: bool = False,
+        comm_chunks: int = 1,
+        overlap_grad_comm: bool = True,
+        reduce_input_grad: bool = True,
+        init_method: InitMethod | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.group = resolve_tp_group(group)
+        self.tp, self.tp_rank = tp_size_rank(self.group)
+        self.in_features = check_positive("in_features", in_features)
+        self.out_features = check_positive("out_features", out_features)
+        self.padded_out_features = self._padded_out(out_features)
+        self.out_features_per_rank = self.padded_out_features // self.tp
+        self.gather_output = bool(gather_output)
+        self.sequence_parallel = bool(sequence_parallel)
+        self.comm_chunks = _check_chunks(comm_chunks)
+        self.overlap_grad_comm = bool(overlap_grad_comm)
+        if sequence_parallel and not reduce_input_grad:
+            raise ValueError("reduce_input_grad=False cannot be combined with sequence_parallel=True "
+                             "(the input gradient must be reduce-scattered back to the sequence shards)")
+        self.reduce_input_grad = bool(reduce_input_grad)
+        shape = (self.out_features_per_rank, in_features)
+        self.weight = _tag(nn.Parameter(torch.empty(shape, device=device, dtype=dtype)), 0)
+        self.bias = _tag(nn.Parameter(torch.empty(shape[0], device=device, dtype=dtype)), 0) if bias else None
+        if init_method is not _SKIP_INIT:
+            w, b = _master_linear(in_features, out_features, bias, init_method, device, dtype)
+            self.load_full_(w, b)
+
+    def _padded_out(self, out_features: int) -> int:
+        divide(out_features, self.tp, "out_features")
+        return out_features
+
+    @torch.no_grad()
+    def load_full_(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        """Copy this rank's rows of a full ``[out, in]`` weight (and ``[out]`` bias) into the layer."""
+        if tuple(weight.shape) != (self.out_features, self.in_features):
+            raise ValueError(
+                f"weight has shape {tuple(weight.shape)}, expected [out, in] = [{self.out_features}, {self.in_features}]"
+            )
+        pad = self.padded_out_features - self.out_features
+        rows = slice(self.tp_rank * self.out_features_per_rank, (self.tp_rank + 1) * self.out_features_per_rank)
+        self.weight.copy_(F.pad(weight, (0, 0, 0, pad))[rows])
+        if self.bias is not None:
+            if bias is None:
+                raise ValueError("the layer has a bias but bias=None was given")
+            self.bias.copy_(F.pad(bias, (0, pad))[rows])
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, *, group: Group, **kwargs) -> "ColumnParallelLinear":
+        """A column-parallel layer holding this rank's slice of ``linear``'s weights (``linear`` is not changed)."""
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"linear must be an nn.Linear, got {type(linear).__name__}")
+        w = linear.weight
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, group=group,
+                    init_method=_SKIP_INIT, device=w.device, dtype=w.dtype, **kwargs)  # type: ignore[arg-type]
+        layer.load_full_(w.detach(), None if linear.bias is None else linear.bias.detach())
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() < 1 or x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"input of shape {tuple(x.shape)} does not end in in_features={self.in_features} "
+                f"({type(self).__name__})"
+            )
+        if self.sequence_parallel and x.dim() < 2:
+            raise ValueError(f"sequence_parallel needs an input of shape [s/tp, ..., in], got {tuple(x.shape)}")
+        if self.tp == 1:
+            y = F.linear(x, self.weight, self.bias)
+        else:
+            y = _ColumnParallelMatmul.apply(x, self.weight, self.bias, self.group, self.sequence_parallel,
+                                            self.comm_chunks, self.overlap_grad_comm, self.reduce_input_grad)
+        if self.gather_output:
+            y = gather_from_tensor_region(y, self.group)
+            if self.padded_out_features != self.out_features:
+                y = y[..., : self.out_features]
+        return y
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, tp={self.tp}, "
+                f"bias={self.bias is not None}, gather_output={self.gather_output}, "
+                f"sequence_parallel={self.sequence_parallel}, comm_chunks={self.comm_chunks}")
+
+
+class ParallelLMHead(ColumnParallelLinear):
+    """Column-parallel projection onto a vocabulary of ``out_features`` that need not divide by tp.
+
+    ``W: [V_pad/tp, in]`` with ``V_pad = ceil(V / tp) * tp``; padded rows are zero. Output ``[..., V_pad/tp]``
+    (pass ``vocab_size=head.out_features`` to :func:`vocab_parallel_cross_entropy`), or ``[..., V]`` when gathered.
+    """
+
+    def _padded_out(self, out_features: int) -> int:
+        return pad_to_multiple(out_features, self.tp)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.out_features
+
+    @property
+    def vocab_start(self) -> int:
+        return self.tp_rank * self.out_features_per_rank
+
+
+class RowParallelLinear(nn.Module):
+    """``y = sum_ranks x_r W_r^T + b`` with the columns of ``W`` (input features) split across ``group``.
+
+    Args:
+        input_is_parallel: the input is already this rank's ``[..., in/tp]`` shard (e.g. a column layer's output);
+            otherwise it is ``[..., in]`` and split here.
+        sequence_parallel: reduce-scatter the output along dim 0 instead of all-reducing it.
+        comm_chunks: the tokens are cut into this many pieces; piece i's reduction overlaps piece i+1's matmul.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        group: Group,
+        input_is_parallel: bool = True,
+        sequence_parallel: bool = False,
+        comm_chunks: int = 1,
+        init_method: InitMethod | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.group = resolve_tp_group(group)
+        self.tp, self.tp_rank = tp_size_rank(self.group)
+        self.in_features = check_positive("in_features", in_features)
+        self.out_features = check_positive("out_features", out_features)
+        self.in_features_per_rank = divide(in_features, self.tp, "in_features")
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("sequence_parallel=True needs input_is_parallel=True (RowParallelLinear)")
+        self.input_is_parallel = bool(input_is_parallel)
+        self.sequence_parallel = bool(sequence_parallel)
+        self.comm_chunks = _check_chunks(comm_chunks)
+        self.weight = _tag(nn.Parameter(torch.empty(out_features, self.in_features_per_rank, device=device,
+                                                    dtype=dtype)), 1)
+        self.bias = _tag(nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)), None) if bias else None
+        if init_method is not _SKIP_INIT:
+            w, b = _master_linear(in_features, out_features, bias, init_method, device, dtype)
+            self.load_full_(w, b)
+
+    @torch.no_grad()
+    def load_full_(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        """Copy this rank's columns of a full ``[out, in]`` weight (and the whole ``[out]`` bias)."""
+        if tuple(weight.shape) != (self.out_features, self.in_features):
+            raise ValueError(
+                f"weight has shape {tuple(weight.shape)}, expected [out, in] = [{self.out_features}, {self.in_features}]"
+            )
+        k = self.in_features_per_rank
+        self.weight.copy_(weight[:, self.tp_rank * k : (self.tp_rank + 1) * k])
+        if self.bias is not None:
+            if bias is None:
+                raise ValueError("the layer has a bias but bias=None was given")
+            self.bias.copy_(bias)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, *, group: Group, **kwargs) -> "RowParallelLinear":
+        """A row-parallel layer holding this rank's slice of ``linear``'s weights (``linear`` is not changed)."""
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"linear must be an nn.Linear, got {type(linear).__name__}")
+        w = linear.weight
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, group=group,
+                    init_method=_SKIP_INIT, device=w.device, dtype=w.dtype, **kwargs)  # type: ignore[arg-type]
+        layer.load_full_(w.detach(), None if linear.bias is None else linear.bias.detach())
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        want = self.in_features_per_rank if self.input_is_parallel else self.in_features
+        if x.dim() < 1 or x.shape[-1] != want:
+            what = "in_features/tp" if self.input_is_parallel else "in_features"
+            raise ValueError(f"input of shape {tuple(x.shape)} does not end in {what}={want} (RowParallelLinear)")
+        if self.sequence_parallel and (x.dim() < 2 or x.shape[0] % self.tp):
+            raise ValueError(
+                f"sequence_parallel needs input dim 0 divisible by tp={self.tp}, got input shape {tuple(x.shape)}"
+            )
+        if self.tp == 1:
+            return F.linear(x, self.weight, self.bias)
+        if not self.input_is_parallel:
+            x = scatter_to_tensor_region(x, self.group)
+        return _RowParallelMatmul.apply(x, self.weight, self.bias, self.group, self.sequence_parallel,
+                                        self.comm_chunks)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, tp={self.tp}, "
+                f"bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}, "
+                f"sequence_parallel={self.sequence_parallel}, comm_chunks={self.comm_chunks}")
