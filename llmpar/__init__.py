@@ -14,6 +14,12 @@ _EXPORTS: dict[str, str] = {
     "ParallelDims": "llmpar.distributed.dims:ParallelDims",
     "init_distributed": "llmpar.distributed.init:init_distributed",
     "DistEnv": "llmpar.distributed.init:DistEnv",
+    "parallelize": "llmpar.tensor_parallel.parallelize:parallelize",
+    "ColumnParallelLinear": "llmpar.tensor_parallel.linear:ColumnParallelLinear",
+    "RowParallelLinear": "llmpar.tensor_parallel.linear:RowParallelLinear",
+    "ParallelLMHead": "llmpar.tensor_parallel.linear:ParallelLMHead",
+    "VocabParallelEmbedding": "llmpar.tensor_parallel.embedding:VocabParallelEmbedding",
+    "vocab_parallel_cross_entropy": "llmpar.tensor_parallel.cross_entropy:vocab_parallel_cross_entropy",
 }
 
 

@@ -7,7 +7,7 @@ Gradient sync: after ``backward`` every rank flattens its gradients (plus its lo
 one at no extra cost) into one buffer and averages it over the dp group with ``llmpar.distributed.all_reduce(op="avg")``.
 We chose this over ``DistributedDataParallel`` because every byte llmpar moves goes through ``llmpar/distributed/``
 (DESIGN.md) and because the ZeRO optimizer replaces exactly this step later; DDP would overlap the all-reduce with
-backward, which a model this small does not need. Tensor parallelism (``--tp``) is a hook for a later issue.
+backward, which a model this small does not need. ``--tp N`` splits the model over N ranks with ``llmpar.parallelize``.
 
 Per step s (dp ranks r = 0..dp-1, batch B per rank, see llmpar.data.BatchLoader):
     x_r, y_r = loader.batch(s);  L_r = CE(model(x_r), y_r);  g = mean_r grad(L_r) = grad(mean_r L_r)
@@ -64,7 +64,7 @@ class TrainConfig:
     tp: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "seq_len", "n_layer", "n_head", "d_model", "log_every"):
+        for name in ("steps", "batch_size", "seq_len", "n_layer", "n_head", "d_model", "log_every", "tp"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"--{name.replace('_', '-')}={value!r} must be a positive integer")
@@ -74,11 +74,6 @@ class TrainConfig:
             raise ValueError(f"--warmup-steps={self.warmup_steps} must be >= 0")
         if self.dtype not in _DTYPES:
             raise ValueError(f"--dtype={self.dtype!r} is not one of {sorted(_DTYPES)}")
-        if self.tp != 1:
-            raise ValueError(
-                f"--tp={self.tp}: tensor parallelism is not available in `llmpar train` yet "
-                "(it arrives with the tensor-parallel layers); run with --tp 1 (data parallelism only)"
-            )
 
     def model_config(self, vocab_size: int) -> GPTConfig:
         return GPTConfig(
@@ -170,18 +165,22 @@ def train(
     cfg: TrainConfig,
     *,
     dp_group: Group | None = None,
+    tp_group: Group | None = None,
     device: torch.device | str = "cpu",
     progress: bool = False,
     sample_chars: int = 0,
 ) -> tuple[GPT, TrainResult]:
     """Train the GPT of ``cfg`` on the shipped text; ``dp_group=None`` trains on this process alone.
 
+    With ``tp_group`` (size > 1) the model's linears and embeddings are split over it by ``llmpar.parallelize``;
+    tensor-parallel peers read the same batch (the loader is indexed by the dp rank only).
+
     Every rank of ``dp_group`` must call this with the same ``cfg``. Returns the trained model and the run's numbers.
     """
     device = torch.device(device)
     dp = group_size(dp_group) if dp_group is not None else 1
     dp_rank = group_rank(dp_group) if dp_group is not None else 0
-    show = progress and dp_rank == 0
+    show = progress and (not dist.is_initialized() or dist.get_rank() == 0)
     if cfg.dropout > 0:
         torch.manual_seed(cfg.seed * 7919 + dp_rank)  # dropout masks differ per rank, as they would with DDP
 
@@ -191,6 +190,12 @@ def train(
         dp_rank=dp_rank, dp_size=dp, seed=cfg.seed,
     )
     model = GPT(cfg.model_config(tokenizer.vocab_size), seed=cfg.seed, device=device, dtype=_DTYPES[cfg.dtype])
+    n_params = model.num_params()  # of the whole model, before any split
+    tp = group_size(tp_group) if tp_group is not None else 1
+    if tp > 1:
+        from llmpar.tensor_parallel import parallelize
+
+        parallelize(model, tp_group)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = _make_optimizer(model, cfg)
     tokens_per_step = cfg.batch_size * cfg.seq_len * dp
@@ -199,7 +204,7 @@ def train(
     if show:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=cfg.steps, desc=f"train dp={dp}", unit="step", dynamic_ncols=True, file=sys.stderr,
+        bar = tqdm(total=cfg.steps, desc=f"train dp={dp} tp={tp}", unit="step", dynamic_ncols=True, file=sys.stderr,
                    mininterval=0.5)
     losses: list[float] = []
     mem: list[float] = []
@@ -214,13 +219,18 @@ def train(
         loss = model.loss(model(x), y)
         loss.backward()
         losses.append(_sync_grads(params, loss, dp_group))
-        if cfg.grad_clip > 0:
+        if cfg.grad_clip > 0 and tp > 1:
+            from llmpar.tensor_parallel import clip_grad_norm_
+
+            clip_grad_norm_(params, cfg.grad_clip, tp_group)  # the norm of the unsplit model, same on every rank
+        elif cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         opt.step()
         if step == 0:
             t_after_first = time.perf_counter()  # the first step pays for warm-up; tokens/s leaves it out
         if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
-            mem = _gather_scalar(peak_memory_mb(device)[0], dp_group, device)
+            mem_group = dist.group.WORLD if dist.is_initialized() and dp * tp > 1 else None  # every rank's memory
+            mem = _gather_scalar(peak_memory_mb(device)[0], mem_group, device)
             if bar is not None:
                 elapsed = time.perf_counter() - t_after_first
                 tps = tokens_per_step * step / elapsed if step > 0 and elapsed > 0 else float("nan")
@@ -246,7 +256,7 @@ def train(
         model.train()
     result = TrainResult(
         losses=losses, tokens_per_s=tps, wall_s=t_end - t_start, mem_mb=mem, mem_kind=peak_memory_mb(device)[1],
-        dp=dp, n_params=model.num_params(), sample=text, config=asdict(cfg),
+        dp=dp, n_params=n_params, sample=text, config=asdict(cfg),
     )
     return model, result
 
@@ -261,7 +271,7 @@ def format_summary(r: TrainResult) -> str:
     mem = ", ".join(f"rank {i}: {m:.0f} MiB" for i, m in enumerate(r.mem_mb))
     lines = [
         "",
-        f"== llmpar train: GPT {r.n_params / 1e6:.2f}M params, dp={r.dp}, {len(r.losses)} steps ==",
+        f"== llmpar train: GPT {r.n_params / 1e6:.2f}M params, dp={r.dp}, tp={r.config.get('tp', 1)}, {len(r.losses)} steps ==",
         f"first loss      {r.first_loss:.4f}",
         f"final loss      {r.final_loss:.4f}  (mean of the last {max(1, min(10, len(r.losses) // 20))} steps)",
         f"throughput      {r.tokens_per_s:,.0f} tokens/s (all ranks, after step 1)",
@@ -294,7 +304,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--text", default=d.text, help="shipped text to train on")
     p.add_argument("--dtype", default=d.dtype, choices=sorted(_DTYPES))
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cpu uses gloo, cuda uses nccl")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (only 1 for now)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree; the ranks are dp x tp")
     p.add_argument("--sample", type=int, default=200, help="characters to sample after training (0: none)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the summary as JSON to PATH")
     p.set_defaults(func=main)
@@ -342,6 +352,9 @@ def main(args: argparse.Namespace) -> int:
         cfg = _config_from_args(args)
         if args.nproc < 1:
             raise ValueError(f"--nproc={args.nproc} must be >= 1")
+        world = int(os.environ.get("WORLD_SIZE", args.nproc if not under_torchrun else 1))
+        if world % cfg.tp:
+            raise ValueError(f"--tp={cfg.tp} does not divide the {world} ranks; the ranks are dp x tp")
         if args.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda: no CUDA device is available; use --device cpu")
     except ValueError as err:
@@ -356,10 +369,11 @@ def main(args: argparse.Namespace) -> int:
     try:
         assert env.mesh is not None
         dp_group = env.mesh["dp"] if env.world_size > 1 else None
+        tp_group = env.mesh["tp"] if cfg.tp > 1 else None
         if env.is_main:
             logger.info("llmpar train: %d rank(s), backend %s, device %s, %d threads/rank",
                         env.world_size, env.backend, env.device, torch.get_num_threads())
-        _, result = train(cfg, dp_group=dp_group, device=env.device, progress=True, sample_chars=args.sample)
+        _, result = train(cfg, dp_group=dp_group, tp_group=tp_group, device=env.device, progress=True, sample_chars=args.sample)
         if env.is_main:
             logger.info(format_summary(result))
             if args.json:

@@ -47,14 +47,34 @@ def test_single_process_loss_falls_fp32():
     assert result.tokens_per_s > 0 and result.mem_mb and result.mem_mb[0] > 0
 
 
-def test_tp_hook_and_bad_flags_fail_clearly():
-    with pytest.raises(ValueError, match="tensor parallelism is not available"):
-        TrainConfig(tp=2)
+def _tp_dp_body(kw, tp):
+    """tp x dp ranks: the tp groups are consecutive ranks, dp groups strided (as the [pp, dp, tp] mesh lays them)."""
+    import llmpar
+
+    env = llmpar.init_distributed(tp=tp)
+    _, result = train(TrainConfig(**dict(kw, tp=tp)), dp_group=env.mesh["dp"], tp_group=env.mesh["tp"])
+    return result.losses
+
+
+@pytest.mark.parametrize("world_size, tp", [(2, 2), (4, 2)])
+def test_tensor_parallel_training_matches_single_process(world_size, tp):
+    """--tp lands the same loss curve as one process training on the whole (dp-concatenated) batch."""
+    outs = run_ranks(_tp_dp_body, world_size, TINY, tp, timeout=180)
+    dp = world_size // tp
+    _, single = train(TrainConfig(**dict(TINY, batch_size=dp * TINY["batch_size"])), dp_group=None)
+    for rank, losses in enumerate(outs):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(single.losses), rtol=1e-9, atol=1e-10,
+                                   msg=f"rank {rank}")
+
+
+def test_bad_flags_fail_clearly():
+    with pytest.raises(ValueError, match="--tp=0"):
+        TrainConfig(tp=0)
     with pytest.raises(ValueError, match="--batch-size=0"):
         TrainConfig(batch_size=0)
-    out = subprocess.run([sys.executable, "-m", "llmpar.cli", "train", "--tp", "2"], capture_output=True, text=True,
-                         timeout=60)
-    assert out.returncode == 2 and "--tp=2: tensor parallelism is not available" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "llmpar.cli", "train", "--nproc", "3", "--tp", "2"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--tp=2 does not divide the 3 ranks" in out.stderr
 
 
 def test_lr_schedule_warms_up_then_decays():
