@@ -1,0 +1,63 @@
+"""Sources and compiler flags of ``llmpar._C``, shared by setup.py (CUDAExtension) and the JIT loader (llmpar/ops/_ext.py).
+
+Torch-free on purpose: setup.py imports it by path before anything of llmpar is importable.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+# Every csrc/*.cu is a kernel file that compiles with nvcc alone (no torch headers); every csrc/*.cpp is torch-facing
+# binding code: bucket_ops.cpp owns TORCH_LIBRARY(llmpar), other files add ops with TORCH_LIBRARY_FRAGMENT(llmpar, m).
+# Globbed, so that a new kernel file is built by setup.py and the JIT alike without touching this list.
+
+# No -std flag: torch picks the standard its headers need (c++17 on older torch, c++20 on recent ones) and nvcc rejects
+# a second -std. The kernel .cu files stay C++17-clean (tests/test_build_cuda.py compiles them with -std=c++17).
+CXX_FLAGS = ["-O3"]
+# No --use_fast_math: it implies -ftz=true, which flushes denormal gradients to zero; the kernels only multiply and
+# cast, where fast math buys nothing anyway.
+NVCC_FLAGS = ["-O3", "-lineinfo"]
+
+
+def _version_defines() -> list[str]:
+    """-D flags recording the torch and CUDA versions built against (read back by llmpar/ops/_ext.py)."""
+    try:
+        import torch
+    except ImportError:
+        return []
+    # unquoted pp-number tokens (2.14.1, 13.0): they survive the shell that ninja runs commands in
+    return [f"-DLLMPAR_TORCH_VERSION={torch.__version__.split('+')[0]}",
+            f"-DLLMPAR_CUDA_VERSION={torch.version.cuda or 'none'}"]
+
+
+def kernel_sources(csrc_dir: Path) -> list[Path]:
+    return sorted(Path(csrc_dir).glob("*.cu"))
+
+
+def sources(csrc_dir: Path) -> list[Path]:
+    """All .cu/.cpp sources of the extension, absolute, in a stable order."""
+    return kernel_sources(csrc_dir) + sorted(Path(csrc_dir).glob("*.cpp"))
+
+
+def extension_kwargs(csrc_dir: Path, relative_to: Path | None = None) -> dict:
+    """Keyword arguments for ``CUDAExtension(name=..., **kw)``; llmpar/ops/_ext.py maps them onto ``load()``.
+
+    ``relative_to``: make source paths relative to this folder (setuptools wants paths relative to setup.py).
+    """
+    csrc_dir = Path(csrc_dir).resolve()
+    srcs = sources(csrc_dir)
+    if relative_to is not None:
+        srcs = [p.relative_to(Path(relative_to).resolve()) for p in srcs]
+    cxx = list(CXX_FLAGS) + _version_defines()
+    nvcc = list(NVCC_FLAGS)
+    if os.environ.get("LLMPAR_PTXAS_VERBOSE"):  # register / spill report per kernel
+        nvcc.append("-Xptxas=-v")
+    return {
+        "sources": [str(p) for p in srcs],
+        "include_dirs": [str(csrc_dir)],
+        "extra_compile_args": {"cxx": cxx, "nvcc": nvcc},
+        # an installed wheel finds libtorch/libc10 and the CUDA runtime wheel next to it even when torch is not
+        # imported first (llmpar/_C.so -> site-packages/torch/lib, site-packages/nvidia/cu13/lib)
+        "extra_link_args": ["-Wl,-rpath,$ORIGIN/../torch/lib", "-Wl,-rpath,$ORIGIN/../nvidia/cu13/lib",
+                            "-Wl,-rpath,$ORIGIN/../nvidia/cuda_runtime/lib"],  # cu12 wheels' layout
+    }

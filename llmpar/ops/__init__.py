@@ -1,0 +1,11 @@
+"""One Python function per fused op. Each picks CUDA extension -> Triton -> torch (see ``_dispatch``).
+
+``import llmpar.ops`` never builds or loads the CUDA extension: that happens on the first op call on CUDA tensors
+(``_ext.load``). ``backend_report()`` says what can run here without building anything.
+"""
+from __future__ import annotations
+
+from ._dispatch import BACKENDS, backend_report, select_backend
+from .bucket import pack_bucket, unpack_bucket
+
+__all__ = ["BACKENDS", "backend_report", "select_backend", "pack_bucket", "unpack_bucket"]
