@@ -1,0 +1,44 @@
+"""The memory estimate against the bytes llmpar's tensor-parallel layers really hold on each rank.
+
+A GPT of llmpar.models is split with llmpar.parallelize on tp CPU ranks; each rank counts the parameter and
+gradient bytes it holds, and the planner's per-rank estimate for the same shape must match within 10% (it is
+exact for the parameter count when the planner's model of the split is right)."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from llmpar.models import GPT, GPTConfig
+from llmpar.planning import Layout, ModelSpec, estimate_memory
+from multirank import run_ranks
+
+CFG = dict(vocab_size=1001, n_layer=3, n_head=4, d_model=32, seq_len=16, bias=True, tie_embeddings=False)
+
+
+def _held_bytes():
+    from llmpar import parallelize
+
+    model = GPT(GPTConfig(**CFG), seed=0)
+    if dist.get_world_size() > 1:
+        parallelize(model, dist.group.WORLD)
+    x = torch.randint(0, CFG["vocab_size"], (2, 8))
+    model(x).float().pow(2).mean().backward()
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
+    return params, grads, sum(p.numel() for p in model.parameters())
+
+
+def _spec() -> ModelSpec:
+    return ModelSpec(n_layers=CFG["n_layer"], hidden=CFG["d_model"], n_heads=CFG["n_head"], vocab=CFG["vocab_size"],
+                     seq_len=CFG["seq_len"], tied_embeddings=False, bias=True, learned_positions=True)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_estimate_matches_bytes_held_by_tensor_parallel_ranks(tp):
+    held = run_ranks(_held_bytes, tp)
+    est = estimate_memory(_spec(), Layout(tp=tp), precision="fp32")
+    assert est.psi_rank == _spec().params_per_rank(tp=tp)
+    for rank, (param_bytes, grad_bytes, numel) in enumerate(held):
+        assert abs(est.params - param_bytes) <= 0.10 * param_bytes, (rank, est.params, param_bytes)
+        assert abs(est.grads - grad_bytes) <= 0.10 * grad_bytes, (rank, est.grads, grad_bytes)
+    # the busiest rank's parameter count is what the planner computes, to the element
+    assert max(h[2] for h in held) == est.psi_rank
