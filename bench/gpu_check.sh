@@ -59,7 +59,7 @@ print(torch.ops.llmpar.pack_bucket.default._schema)
 print(json.dumps(backend_report(), indent=1))"
 
 step pytest_gpu "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/ --junitxml="$OUT/gpu.xml"
-step pytest_ops "$PY" -m pytest -q -p no:cacheprovider tests/test_ops_*.py tests/test_build*.py \
+step pytest_ops "$PY" -m pytest -q -p no:cacheprovider tests/test_ops_*.py tests/test_build*.py tests/test_optim_ops.py tests/test_optim_adamw.py tests/test_optim_build.py \
   --junitxml="$OUT/ops.xml"
 
 # every bench/bench_*.py, each with --device cuda --out <results folder> plus its GPU-sized flags

@@ -1,0 +1,91 @@
+"""Global gradient norm in one pass over many tensors, and the clip coefficient / found-inf flag AdamW applies inside
+its step (so clipping costs no second pass over the grads and no ``.item()``).
+
+    norm      = sqrt(sum_i sum_j float32(grads[i][j])^2)          (float32 0-d tensor on the grads' device)
+    gscale    = min(1, max_norm / (norm + 1e-6))                  (torch.nn.utils.clip_grad_norm_'s coefficient)
+    found_inf = 1.0 if norm is not finite else 0.0
+
+Backends (``_dispatch``): CUDA extension (``torch.ops.llmpar.sum_squares``, one launch, per-block partials) ->
+Triton (``llmpar.kernels.adamw.sum_squares``, one launch per grad dtype) -> torch (``torch._foreach_norm`` in float32).
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+
+import torch
+
+from ._dispatch import select_backend
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+_CUDA_CHUNK = 4096  # LLMPAR_ADAMW_CHUNK of csrc/adamw.cuh: elements per block, one partial each
+_fake_registered = False
+
+
+def _cuda_op():
+    """torch.ops.llmpar.sum_squares with its fake impl registered (float32 partials, one per block, at least one)."""
+    global _fake_registered
+    if not _fake_registered:
+        register = getattr(torch.library, "register_fake", None) or torch.library.impl_abstract
+
+        def fake(tensors):
+            blocks = sum(-(-t.numel() // _CUDA_CHUNK) for t in tensors)
+            return tensors[0].new_empty((max(blocks, 1),), dtype=torch.float32)
+
+        try:
+            register("llmpar::sum_squares")(fake)
+        except RuntimeError:  # already registered
+            pass
+        _fake_registered = True
+    return torch.ops.llmpar.sum_squares
+
+
+def grad_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """L2 norm of all ``grads`` together (float32 0-d tensor on their device). No host sync."""
+    if isinstance(grads, torch.Tensor) or not isinstance(grads, Sequence):
+        raise TypeError(f"grads must be a list or tuple of tensors, got {type(grads).__name__}")
+    grads = list(grads)
+    if not grads:
+        raise ValueError("grads is empty: the norm of nothing has no device")
+    for i, g in enumerate(grads):
+        if not isinstance(g, torch.Tensor) or not g.is_floating_point():
+            raise TypeError(f"grads[{i}] must be a floating-point tensor, got {getattr(g, 'dtype', type(g).__name__)}")
+        if g.device != grads[0].device:
+            raise ValueError(f"grads[{i}] is on {g.device} but grads[0] on {grads[0].device}; norm per device")
+    device = grads[0].device
+    live = [g for g in grads if g.numel() > 0]
+    if not live:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    unfit = None
+    if any(g.dtype not in _KERNEL_DTYPES for g in live):
+        unfit = "a grad dtype outside float32/bfloat16/float16"
+    elif any(not g.is_contiguous() for g in live):
+        unfit = "some grads are not contiguous"
+    backend = select_backend(device, kernel_unfit=unfit, op="grad_norm")
+    with torch.no_grad():
+        if backend == "torch":
+            norms = torch._foreach_norm(live, 2, dtype=torch.float32)
+            return torch.linalg.vector_norm(torch.stack(norms))
+        if backend == "cuda":
+            return _cuda_op()(live).sum().sqrt()
+        from llmpar.kernels import adamw as triton_adamw
+
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for g in live:
+            by_dtype.setdefault(g.dtype, []).append(g)
+        partials = [triton_adamw.sum_squares(gs) for gs in by_dtype.values()]
+        return torch.cat(partials).sum().sqrt()
+
+
+def clip_coefficient(norm: torch.Tensor, max_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gscale, found_inf) from a norm tensor, on its device, no host sync (see the module docstring)."""
+    if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real) or not (
+            math.isfinite(max_norm) and max_norm > 0):
+        raise ValueError(f"max_norm must be a positive finite number, got {max_norm!r}")
+    norm = norm.to(torch.float32)
+    found_inf = (~torch.isfinite(norm)).to(torch.float32)
+    gscale = torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0)
+    return gscale, found_inf

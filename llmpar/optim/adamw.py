@@ -1,0 +1,191 @@
+"""FusedAdamW: a drop-in ``torch.optim.Optimizer`` running AdamW in one fused launch per (group, dtype) bucket, in any
+precision mode, with gradient clipping and the non-finite-grad skip folded into the step.
+
+    opt = FusedAdamW(model.parameters(), lr=3e-4, weight_decay=0.1, precision="bf16_sr", max_grad_norm=1.0)
+    loss.backward(); opt.step(); opt.zero_grad()
+
+Precision modes (per param group; "auto" = "fp32" for float32/float64 params, "fp32_master" for bf16/fp16 ones):
+    "fp32"         state: exp_avg, exp_avg_sq float32 (8 B/param; a torch.optim.AdamW state_dict loads as is)
+    "fp32_master"  state: master, exp_avg, exp_avg_sq float32 (12 B/param); the bf16/fp16 param is the rounded master
+    "bf16_sr"      state: exp_avg, exp_avg_sq bfloat16 (4 B/param); stochastic rounding, reproducible from ``seed``
+    "bf16_kahan"   state: exp_avg, exp_avg_sq, kahan_comp bfloat16 (6 B/param); Kahan-compensated param updates
+Every param also has ``state["step"]``, a float32 scalar on its device (as torch's fused AdamW keeps it).
+
+max_grad_norm: clip the L2 norm of all grads (all groups) to it, inside the step, and skip the step (params, state and
+step counts unchanged) when that norm is not finite; the norm of the last step is ``last_grad_norm`` (a device tensor,
+read it with ``.item()`` only when you need it). The math and the backends are in ``llmpar.ops.adamw``.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from llmpar.ops.adamw import MODES, PRECISIONS, adamw_step
+from llmpar.ops.grad_norm import clip_coefficient, grad_norm
+
+_STATE_KEYS = ("exp_avg", "exp_avg_sq", "master", "kahan_comp")
+
+
+def resolve_precision(precision: str, dtype: torch.dtype) -> str:
+    """The mode a param of ``dtype`` runs in under a group's ``precision`` ("auto" picks by dtype)."""
+    if precision == "auto":
+        return "fp32" if dtype in (torch.float32, torch.float64) else "fp32_master"
+    return precision
+
+
+def state_dtypes(precision: str, dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """State tensor name -> dtype for a param of ``dtype`` in mode ``precision`` (besides "step")."""
+    spec = MODES[precision]
+    moment = spec.moment_dtype or dtype
+    out = {"exp_avg": moment, "exp_avg_sq": moment}
+    if spec.extra is not None:
+        out[spec.extra[0]] = spec.extra[1]
+    return out
+
+
+class FusedAdamW(torch.optim.Optimizer):
+    """AdamW (torch's math and defaults) with fused multi-tensor kernels and low-precision modes (module docstring)."""
+
+    def __init__(self, params: Iterable[Any], lr: float | torch.Tensor = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, *, precision: str = "auto",
+                 max_grad_norm: float | None = None, seed: int = 0) -> None:
+        if isinstance(lr, torch.Tensor):
+            if lr.numel() != 1:
+                raise ValueError(f"lr as a tensor must have one element, got shape {tuple(lr.shape)}")
+        elif not lr >= 0.0:
+            raise ValueError(f"lr={lr} must be >= 0")
+        if not eps >= 0.0:
+            raise ValueError(f"eps={eps} must be >= 0")
+        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"betas={betas} must be two numbers in [0, 1)")
+        if not weight_decay >= 0.0:
+            raise ValueError(f"weight_decay={weight_decay} must be >= 0")
+        self._check_precision(precision)
+        if max_grad_norm is not None and not (max_grad_norm > 0 and max_grad_norm < float("inf")):
+            raise ValueError(f"max_grad_norm={max_grad_norm} must be a positive finite number or None")
+        self.max_grad_norm = max_grad_norm
+        self.seed = int(seed)
+        self.last_grad_norm: torch.Tensor | None = None
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, precision=precision)
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            self._check_precision(group["precision"])
+            for p in group["params"]:
+                self._check_param(p, group["precision"])
+
+    @staticmethod
+    def _check_precision(precision: object) -> None:
+        if precision != "auto" and precision not in PRECISIONS:
+            raise ValueError(f"precision={precision!r} is not a mode; use 'auto' or one of {', '.join(PRECISIONS)}")
+
+    @staticmethod
+    def _check_param(p: torch.Tensor, precision: str) -> None:
+        mode = resolve_precision(precision, p.dtype)
+        if p.dtype not in MODES[mode].param_dtypes:
+            raise TypeError(f"a parameter of shape {tuple(p.shape)} has dtype {p.dtype}; precision={mode!r} takes "
+                            f"{', '.join(map(str, MODES[mode].param_dtypes))} params")
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        self._check_precision(group["precision"])
+        for p in group["params"]:
+            self._check_param(p, group["precision"])
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        for group in self.param_groups:  # e.g. a torch.optim.AdamW state_dict: no precision key
+            group.setdefault("precision", "auto")
+        self.__dict__.setdefault("max_grad_norm", None)
+        self.__dict__.setdefault("seed", 0)
+        self.__dict__.setdefault("last_grad_norm", None)
+
+    def _init_state(self, p: torch.Tensor, mode: str) -> dict[str, torch.Tensor]:
+        state = self.state[p]
+        state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+        for name, dtype in state_dtypes(mode, p.dtype).items():
+            if name == "master":
+                state[name] = p.detach().to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+            else:
+                state[name] = torch.zeros_like(p, dtype=dtype, memory_format=torch.contiguous_format)
+        return state
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One AdamW step over every param with a grad. Returns the closure's loss (if a closure is given)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        buckets: dict[tuple, dict[str, list]] = {}
+        grads_by_device: dict[torch.device, list[torch.Tensor]] = {}
+        salt = -1
+        for gi, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                salt += 1
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("FusedAdamW does not support sparse gradients")
+                mode = resolve_precision(group["precision"], p.dtype)
+                state = self.state[p] if len(self.state[p]) > 0 else self._init_state(p, mode)
+                extra = MODES[mode].extra
+                key = (gi, p.device, mode, p.dtype, p.grad.dtype)
+                b = buckets.setdefault(key, {k: [] for k in ("p", "g", "m", "v", "x", "s", "salt")})
+                b["p"].append(p)
+                b["g"].append(p.grad)
+                b["m"].append(state["exp_avg"])
+                b["v"].append(state["exp_avg_sq"])
+                if extra is not None:
+                    b["x"].append(state[extra[0]])
+                b["s"].append(state["step"])
+                b["salt"].append(salt)
+                grads_by_device.setdefault(p.device, []).append(p.grad)
+        clip: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        if self.max_grad_norm is not None and grads_by_device:
+            norms = {d: grad_norm(gs) for d, gs in grads_by_device.items()}
+            total = norms[next(iter(norms))]
+            if len(norms) > 1:  # params on several devices: one global norm
+                total = torch.stack([n.to(total.device) for n in norms.values()]).square().sum().sqrt()
+            self.last_grad_norm = total
+            for d in grads_by_device:
+                clip[d] = clip_coefficient(total.to(d), self.max_grad_norm)
+        for (gi, device, mode, _, _), b in buckets.items():
+            group = self.param_groups[gi]
+            lr = group["lr"]
+            if isinstance(lr, torch.Tensor) and lr.device != device:
+                lr = lr.to(device)
+            gscale, found_inf = clip.get(device, (None, None))
+            adamw_step(b["p"], b["g"], b["m"], b["v"], b["s"], precision=mode, lr=lr, beta1=group["betas"][0],
+                       beta2=group["betas"][1], eps=group["eps"], weight_decay=group["weight_decay"],
+                       extras=b["x"] or None, gscale=gscale, found_inf=found_inf, seed=self.seed, salts=b["salt"])
+        return loss
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's load, then the state kept in the dtypes its precision mode needs (torch casts every state tensor
+        to the param's dtype, which would turn fp32 masters and moments of bf16 params into bf16)."""
+        saved = state_dict["state"]
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        super().load_state_dict(state_dict)
+        params = [(p, g) for g in self.param_groups for p in g["params"]]
+        if len(ids) != len(params):
+            return  # super() has raised already in this case
+        for pid, (p, group) in zip(ids, params):
+            if pid not in saved or p not in self.state:
+                continue
+            state, src = self.state[p], saved[pid]
+            mode = resolve_precision(group["precision"], p.dtype)
+            want = state_dtypes(mode, p.dtype)
+            for name in list(state):
+                if name in _STATE_KEYS and name not in want:
+                    raise ValueError(f"state of param {pid} has {name!r}, which precision={mode!r} does not keep")
+            for name, dtype in want.items():
+                if name not in src:
+                    if name == "master":
+                        state[name] = p.detach().to(torch.float32, copy=True)
+                        continue
+                    raise ValueError(f"state of param {pid} lacks {name!r}, needed by precision={mode!r}")
+                state[name] = src[name].to(device=p.device, dtype=dtype).contiguous()
+            state["step"] = torch.as_tensor(src["step"], dtype=torch.float32).to(p.device).reshape(())
