@@ -53,6 +53,17 @@ def _check_chunks(comm_chunks: int) -> int:
     return check_positive("comm_chunks", comm_chunks)
 
 
+
+def _from_linear(cls, linear: nn.Linear, group: Group, kwargs: dict):
+    """Build a ``cls`` layer holding this rank's slice of ``linear`` (shared by the column and row layers)."""
+    if not isinstance(linear, nn.Linear):
+        raise TypeError(f"linear must be an nn.Linear, got {type(linear).__name__}")
+    w = linear.weight
+    layer = cls(linear.in_features, linear.out_features, linear.bias is not None, group=group,
+                init_method=_SKIP_INIT, device=w.device, dtype=w.dtype, **kwargs)
+    layer.load_full_(w.detach(), None if linear.bias is None else linear.bias.detach())
+    return layer
+
 class ColumnParallelLinear(nn.Module):
     """``y = x W^T + b`` with the rows of ``W`` (output features) split across the ranks of ``group``.
 
@@ -127,13 +138,7 @@ class ColumnParallelLinear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear, *, group: Group, **kwargs) -> "ColumnParallelLinear":
         """A column-parallel layer holding this rank's slice of ``linear``'s weights (``linear`` is not changed)."""
-        if not isinstance(linear, nn.Linear):
-            raise TypeError(f"linear must be an nn.Linear, got {type(linear).__name__}")
-        w = linear.weight
-        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, group=group,
-                    init_method=_SKIP_INIT, device=w.device, dtype=w.dtype, **kwargs)  # type: ignore[arg-type]
-        layer.load_full_(w.detach(), None if linear.bias is None else linear.bias.detach())
-        return layer
+        return _from_linear(cls, linear, group, kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() < 1 or x.shape[-1] != self.in_features:
@@ -238,13 +243,7 @@ class RowParallelLinear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear, *, group: Group, **kwargs) -> "RowParallelLinear":
         """A row-parallel layer holding this rank's slice of ``linear``'s weights (``linear`` is not changed)."""
-        if not isinstance(linear, nn.Linear):
-            raise TypeError(f"linear must be an nn.Linear, got {type(linear).__name__}")
-        w = linear.weight
-        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, group=group,
-                    init_method=_SKIP_INIT, device=w.device, dtype=w.dtype, **kwargs)  # type: ignore[arg-type]
-        layer.load_full_(w.detach(), None if linear.bias is None else linear.bias.detach())
-        return layer
+        return _from_linear(cls, linear, group, kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         want = self.in_features_per_rank if self.input_is_parallel else self.in_features
