@@ -291,10 +291,10 @@ def machine_info() -> dict[str, Any]:
 
 def command_line() -> str:
     """The command that is running, as a shell line (with the launcher's world size when under torchrun)."""
-    cmd = "python " + " ".join(shlex.quote(a) for a in sys.argv)
-    if "WORLD_SIZE" in os.environ:
-        cmd = f"torchrun --nproc_per_node {os.environ.get('LOCAL_WORLD_SIZE', os.environ['WORLD_SIZE'])} " + cmd
-    return cmd
+    args = " ".join(shlex.quote(a) for a in sys.argv)
+    if "WORLD_SIZE" in os.environ:  # torchrun runs the script itself: no "python" in front of it
+        return f"torchrun --nproc_per_node {os.environ.get('LOCAL_WORLD_SIZE', os.environ['WORLD_SIZE'])} {args}"
+    return "python " + args
 
 
 def _fmt(value: Any) -> str:
