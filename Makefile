@@ -12,7 +12,7 @@ PIP    := $(PY) -m pip -q --disable-pip-version-check
 
 $(VENV)/.llmpar-installed: pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install --upgrade "setuptools>=77" wheel
+	$(PIP) install --upgrade "setuptools>=68" wheel
 	$(PIP) install "$(TORCH)"
 	$(PIP) install -e .
 	touch $@
