@@ -20,6 +20,11 @@ _EXPORTS: dict[str, str] = {
     "ParallelLMHead": "llmpar.tensor_parallel.linear:ParallelLMHead",
     "VocabParallelEmbedding": "llmpar.tensor_parallel.embedding:VocabParallelEmbedding",
     "vocab_parallel_cross_entropy": "llmpar.tensor_parallel.cross_entropy:vocab_parallel_cross_entropy",
+    "build_pipeline": "llmpar.pipeline:build_pipeline",
+    "PipelineRunner": "llmpar.pipeline.runner:PipelineRunner",
+    "initialize": "llmpar.engine:initialize",
+    "Engine": "llmpar.engine:Engine",
+    "ZeroOptimizer": "llmpar.zero.optimizer:ZeroOptimizer",
 }
 
 

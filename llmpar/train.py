@@ -3,11 +3,11 @@
     llmpar train                         # re-launches itself with torchrun on --nproc 2 ranks (gloo on CPU)
     torchrun --nproc_per_node 4 -m llmpar.cli train --steps 100
 
-Gradient sync: after ``backward`` every rank flattens its gradients (plus its loss, so the logged loss is the global
-one at no extra cost) into one buffer and averages it over the dp group with ``llmpar.distributed.all_reduce(op="avg")``.
-We chose this over ``DistributedDataParallel`` because every byte llmpar moves goes through ``llmpar/distributed/``
-(DESIGN.md) and because the ZeRO optimizer replaces exactly this step later; DDP would overlap the all-reduce with
-backward, which a model this small does not need. ``--tp N`` splits the model over N ranks with ``llmpar.parallelize``.
+Gradient sync: with a dp group (every torchrun launch) the optimizer is ``llmpar.zero.ZeroOptimizer`` at stage 2:
+gradient hooks reduce-scatter buckets of gradients during backward, each rank steps its fp32 partition with the
+fused AdamW (clipping by the global norm inside), and the updated params are all-gathered. ``--tp N`` splits the model
+over N ranks with ``llmpar.parallelize``; ZeRO then runs over the dp axis of the mesh (4 ranks, --tp 2: dp=2 x tp=2).
+A single process without a group trains with plain AdamW.
 
 Per step s (dp ranks r = 0..dp-1, batch B per rank, see llmpar.data.BatchLoader):
     x_r, y_r = loader.batch(s);  L_r = CE(model(x_r), y_r);  g = mean_r grad(L_r) = grad(mean_r L_r)
@@ -154,6 +154,31 @@ def _sync_grads(params: list[torch.nn.Parameter], loss: torch.Tensor, group: Gro
     return float(flat[-1])
 
 
+def _param_groups(model: GPT, cfg: TrainConfig) -> list[dict]:
+    """Weight decay on matrices only; (name, param) pairs so ZeRO can name them."""
+    named = list(model.named_parameters())
+    return [{"params": [(n, p) for n, p in named if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+            {"params": [(n, p) for n, p in named if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def _global_loss(loss: torch.Tensor, group: Group) -> float:
+    """The dp-averaged loss (one small all-reduce)."""
+    t = loss.detach().reshape(1).clone()
+    if group_size(group) > 1:
+        all_reduce(t, group, op="avg")
+    return float(t)
+
+
+def _make_zero(model: GPT, cfg: TrainConfig, dp_group: Group, tp_group: Group | None):
+    """ZeRO stage 2 over the dp group: reduce-scattered grads, partitioned fp32 state, all-gathered params."""
+    from llmpar.zero import OptimizerConfig, ZeroConfig, ZeroOptimizer
+
+    return ZeroOptimizer(_param_groups(model, cfg), OptimizerConfig(lr=cfg.lr, betas=(0.9, 0.95)), dp_group,
+                         stage=2, zero_config=ZeroConfig(stage=2, overlap_comm=True, reduce_bucket_size=1 << 20),
+                         tp_group=tp_group if tp_group is not None and group_size(tp_group) > 1 else None,
+                         max_grad_norm=cfg.grad_clip if cfg.grad_clip > 0 else None)
+
+
 def _make_optimizer(model: GPT, cfg: TrainConfig) -> torch.optim.Optimizer:
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -197,7 +222,8 @@ def train(
 
         parallelize(model, tp_group)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = _make_optimizer(model, cfg)
+    zero = _make_zero(model, cfg, dp_group, tp_group) if dp_group is not None else None
+    opt = zero if zero is not None else _make_optimizer(model, cfg)
     tokens_per_step = cfg.batch_size * cfg.seq_len * dp
 
     bar = None
@@ -215,17 +241,21 @@ def train(
         x, y = (t.to(device, non_blocking=True) for t in loader.batch(step))
         for g in opt.param_groups:
             g["lr"] = cfg.lr_at(step)
-        opt.zero_grad(set_to_none=False)
+        opt.zero_grad(set_to_none=zero is not None)
         loss = model.loss(model(x), y)
         loss.backward()
-        losses.append(_sync_grads(params, loss, dp_group))
-        if cfg.grad_clip > 0 and tp > 1:
-            from llmpar.tensor_parallel import clip_grad_norm_
+        if zero is not None:  # ZeRO-2: grads were reduce-scattered during backward; clipping is inside step()
+            losses.append(_global_loss(loss, dp_group))
+            zero.step()
+        else:  # one process: plain AdamW
+            losses.append(_sync_grads(params, loss, dp_group))
+            if cfg.grad_clip > 0 and tp > 1:
+                from llmpar.tensor_parallel import clip_grad_norm_
 
-            clip_grad_norm_(params, cfg.grad_clip, tp_group)  # the norm of the unsplit model, same on every rank
-        elif cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-        opt.step()
+                clip_grad_norm_(params, cfg.grad_clip, tp_group)  # the norm of the unsplit model, same on every rank
+            elif cfg.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+            opt.step()
         if step == 0:
             t_after_first = time.perf_counter()  # the first step pays for warm-up; tokens/s leaves it out
         if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:

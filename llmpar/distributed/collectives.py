@@ -30,6 +30,37 @@ _OPS = {
 }
 
 
+class CommCounter:
+    """Tally of what the collectives it is passed to (``counter=``) move; pass None (the default) and nothing is counted.
+
+    Per op name: ``calls``, ``volume`` (elements in the ZeRO paper's units: an all-reduce of n counts 2n, a
+    reduce-scatter of an [N*n] input counts N*n, an all-gather into an [N*n] output counts N*n, a broadcast of n counts
+    n) and ``bytes_sent`` (bytes this rank sends under the ring algorithm: all-reduce 2 (N-1)/N of the payload,
+    reduce-scatter and all-gather (N-1)/N, broadcast the payload from the root). Owned by whoever passes it.
+    """
+
+    def __init__(self) -> None:
+        self.calls: dict[str, int] = {}
+        self.volume: dict[str, int] = {}
+        self.bytes_sent: dict[str, float] = {}
+
+    def record(self, op: str, volume: int, sent_bytes: float) -> None:
+        self.calls[op] = self.calls.get(op, 0) + 1
+        self.volume[op] = self.volume.get(op, 0) + int(volume)
+        self.bytes_sent[op] = self.bytes_sent.get(op, 0.0) + float(sent_bytes)
+
+    def total_volume(self) -> int:
+        return sum(self.volume.values())
+
+    def total_bytes_sent(self) -> float:
+        return sum(self.bytes_sent.values())
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self.volume.clear()
+        self.bytes_sent.clear()
+
+
 class Handle:
     """An in-flight collective. ``wait()`` blocks until the result is in the output tensor."""
 
@@ -98,11 +129,15 @@ def _unsupported(err: Exception) -> bool:
     return isinstance(err, (NotImplementedError, AttributeError)) or "not support" in msg or "unsupported" in msg
 
 
-def all_reduce(tensor: torch.Tensor, group: Group, *, op: str = "sum", async_op: bool = False) -> Handle | None:
+def all_reduce(tensor: torch.Tensor, group: Group, *, op: str = "sum", async_op: bool = False,
+               counter: CommCounter | None = None) -> Handle | None:
     """In-place all-reduce of ``tensor`` over ``group`` (``op`` in sum, avg, max, min, product)."""
     pg = as_group(group)
     work = dist.all_reduce(tensor, op=_op(op), group=pg, async_op=True)
     size = dist.get_world_size(pg)
+    if counter is not None:
+        counter.record("all_reduce", 2 * tensor.numel(),
+                       2 * (size - 1) / size * tensor.numel() * tensor.element_size())
     finish = (lambda: tensor.div_(size)) if op == "avg" else None
     return _finish(async_op, [work], finish)
 
@@ -131,12 +166,15 @@ def _check_pair(output: torch.Tensor, input: torch.Tensor, big: str, ratio: int)
 
 
 def reduce_scatter_flat(
-    output: torch.Tensor, input: torch.Tensor, group: Group, *, op: str = "sum", async_op: bool = False
+    output: torch.Tensor, input: torch.Tensor, group: Group, *, op: str = "sum", async_op: bool = False,
+    counter: CommCounter | None = None,
 ) -> Handle | None:
     """``output[n] = reduce_r input_r[group_rank * n : (group_rank + 1) * n]`` over the ranks r of ``group``."""
     pg = as_group(group)
     size = dist.get_world_size(pg)
     _check_pair(output, input, "input", size)
+    if counter is not None:
+        counter.record("reduce_scatter", input.numel(), (size - 1) / size * input.numel() * input.element_size())
     finish = (lambda: output.div_(size)) if op == "avg" else None
     try:
         work = dist.reduce_scatter_tensor(output, input, op=_op(op), group=pg, async_op=True)
@@ -158,12 +196,15 @@ def reduce_scatter_flat(
 
 
 def all_gather_flat(
-    output: torch.Tensor, input: torch.Tensor, group: Group, *, async_op: bool = False
+    output: torch.Tensor, input: torch.Tensor, group: Group, *, async_op: bool = False,
+    counter: CommCounter | None = None,
 ) -> Handle | None:
     """``output[r * n : (r + 1) * n] = input`` of group rank ``r``, for every r."""
     pg = as_group(group)
     size = dist.get_world_size(pg)
     _check_pair(output, input, "output", size)
+    if counter is not None:
+        counter.record("all_gather", output.numel(), (size - 1) / size * output.numel() * output.element_size())
     try:
         work = dist.all_gather_into_tensor(output, input, group=pg, async_op=True)
     except (RuntimeError, NotImplementedError, AttributeError) as err:
@@ -174,9 +215,13 @@ def all_gather_flat(
     return _finish(async_op, [work], None)
 
 
-def broadcast(tensor: torch.Tensor, src: int, group: Group, *, async_op: bool = False) -> Handle | None:
+def broadcast(tensor: torch.Tensor, src: int, group: Group, *, async_op: bool = False,
+              counter: CommCounter | None = None) -> Handle | None:
     """Broadcast ``tensor`` from group rank ``src`` to every rank of ``group``."""
     pg = as_group(group)
+    if counter is not None:
+        sent = tensor.numel() * tensor.element_size() if dist.get_rank(pg) == src else 0
+        counter.record("broadcast", tensor.numel(), sent)
     work = dist.broadcast(tensor, src=global_rank(pg, src), group=pg, async_op=True)
     return _finish(async_op, [work], None)
 

@@ -1,0 +1,218 @@
+"""Benchmark: one training step (forward + backward + optimizer step) of a small GPT at dp=2 on CPU/gloo, llmpar ZeRO
+vs DeepSpeed ZeRO (same stage, same config) vs torch DDP + ZeroRedundancyOptimizer, side by side in one run; then the
+peak memory of each case, each in its own fresh pair of ranks.
+
+    python bench/bench_zero.py                          # launches torchrun itself: timing run, then memory runs
+    python bench/bench_zero.py --d-model 512 --n-layer 6 --repeats 10
+
+Timing: per repeat, every case once (order rotated), ranks lined up by a barrier, the slowest rank's time kept;
+median over repeats. Memory: max RSS of each rank minus its RSS just before the model was built (model, grads,
+optimizer state, buffers, peaks), after ``--mem-steps`` steps. DeepSpeed runs with its CPU accelerator, ``torch_adam``
+(its CPU Adam needs a C++ build) and without its JIT-built shared-memory comm op: gloo carries every byte of both.
+Results: bench/results/zero_step.{md,json}.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+CASES = ("llmpar_s1", "llmpar_s2", "deepspeed_s1", "deepspeed_s2", "ddp_zero_redundancy")
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _config(args, stage: int) -> dict:
+    return {"train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+            "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.1}},
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": args.bucket,
+                                  "allgather_bucket_size": args.bucket, "overlap_comm": True,
+                                  "contiguous_gradients": True, "reduce_scatter": True},
+            "bf16": {"enabled": args.bf16}, "steps_per_print": 10**9}
+
+
+def _model(args):
+    from llmpar.models import GPT, GPTConfig
+
+    return GPT(GPTConfig(vocab_size=256, n_layer=args.n_layer, n_head=args.n_head, d_model=args.d_model,
+                         seq_len=args.seq), seed=0)
+
+
+def build(case: str, args):
+    """Returns step() running one training step of ``case``."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randint(0, 256, (args.micro, args.seq + 1), generator=g)
+    inp, tgt = x[:, :-1], x[:, 1:]
+    model = _model(args)
+    if case.startswith("llmpar"):
+        import llmpar
+
+        engine, _, _, _ = llmpar.initialize(model=model, config=_config(args, int(case[-1])))
+    elif case.startswith("deepspeed"):
+        import deepspeed
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        cfg = _config(args, int(case[-1]))
+        cfg["optimizer"]["params"]["torch_adam"] = True
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    else:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        if args.bf16:
+            model.to(torch.bfloat16)
+        ddp = DDP(model, bucket_cap_mb=args.bucket * 4 / 2**20)
+        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=3e-4,
+                                      weight_decay=0.1)
+
+        def step():
+            loss = model.loss(ddp(inp), tgt)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return step
+
+    def step():
+        loss = engine.module.loss(engine(inp), tgt)
+        engine.backward(loss)
+        engine.step()
+    return step
+
+
+def timing_run(args) -> None:
+    import torch.distributed as dist
+
+    from harness import Timing, write_results
+    from llmpar.distributed import all_gather_flat, barrier
+
+    dist.init_process_group("gloo")
+    pg = dist.group.WORLD
+    cases = {c: build(c, args) for c in args.cases}
+    for _ in range(args.warmup):
+        for fn in cases.values():
+            fn()
+    names = list(cases)
+    local = {n: [] for n in names}
+    for r in range(args.repeats):
+        for i in range(len(names)):
+            name = names[(r + i) % len(names)]
+            barrier(pg)
+            t0 = time.perf_counter()
+            cases[name]()
+            local[name].append(time.perf_counter() - t0)
+    world = dist.get_world_size()
+    timings = {}
+    for name in names:
+        mine = torch.tensor(local[name], dtype=torch.float64)
+        everyone = torch.empty(world * args.repeats, dtype=torch.float64)
+        all_gather_flat(everyone, mine, pg)
+        timings[name] = Timing(name=name, times_s=everyone.view(world, -1).max(0).values.tolist())
+    if dist.get_rank() == 0:
+        n_params = sum(p.numel() for p in _model(args).parameters())
+        rows = []
+        for name in names:
+            t = timings[name]
+            base = "deepspeed_s2" if name.endswith("2") or name.startswith("ddp") else "deepspeed_s1"
+            ratio = t.median_s / timings[base].median_s if base in timings else float("nan")
+            rows.append({"case": name, **t.row(), f"time_vs_deepspeed_same_stage": ratio})
+        mem = json.loads(os.environ.get("ZERO_BENCH_MEM", "{}"))
+        for row in rows:
+            row.update(mem.get(row["case"], {}))
+        meta = {"model": f"GPT d_model={args.d_model} n_layer={args.n_layer} seq={args.seq} ({n_params / 1e6:.1f}M params)",
+                "batch": f"micro {args.micro} x seq {args.seq} per rank, dp={world}", "bf16": args.bf16,
+                "bucket": args.bucket, "goal": "llmpar_s2 <= 0.67 x deepspeed_s2 step time",
+                "threads_per_rank": torch.get_num_threads()}
+        print(json.dumps(rows, indent=1))
+        if not args.no_write:
+            write_results("zero_step", rows, meta)
+    del cases
+    gc.collect()  # free the engines (and their hooks) while the process group is still up
+    dist.destroy_process_group()
+
+
+def memory_run(args) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    before = _rss_mb()
+    step = build(args.cases[0], args)
+    for _ in range(args.mem_steps):
+        step()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    out = torch.tensor([peak - before, peak], dtype=torch.float64)
+    everyone = [torch.zeros(2, dtype=torch.float64) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, out)
+    if dist.get_rank() == 0:
+        print("MEM " + json.dumps({"peak_rss_over_start_mb": [round(float(e[0]), 1) for e in everyone],
+                                   "peak_rss_mb": [round(float(e[1]), 1) for e in everyone]}))
+    del step
+    gc.collect()
+    dist.destroy_process_group()
+
+
+def _torchrun(argv: list[str], nproc: int) -> str:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), __file__,
+           *argv]
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}")
+    return out.stdout
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--d-model", type=int, default=512)
+    p.add_argument("--n-layer", type=int, default=6)
+    p.add_argument("--n-head", type=int, default=8)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--micro", type=int, default=2)
+    p.add_argument("--bucket", type=int, default=5_000_000, help="reduce/allgather bucket size in elements")
+    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=8)
+    p.add_argument("--mem-steps", type=int, default=3)
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
+    p.add_argument("--mode", choices=("all", "time", "memory"), default="all")
+    p.add_argument("--no-write", action="store_true")
+    args = p.parse_args()
+    if "RANK" in os.environ:
+        (timing_run if args.mode == "time" else memory_run)(args)
+        return
+    passthrough = [a for a in sys.argv[1:] if a not in ("--mode", "all", "time", "memory")]
+    mem: dict[str, dict] = {}
+    if args.mode in ("all", "memory"):
+        for case in args.cases:
+            base = [a for a in passthrough if a not in CASES and a != "--cases"]
+            out = _torchrun([*base, "--mode", "memory", "--cases", case], args.nproc)
+            line = [ln for ln in out.splitlines() if ln.startswith("MEM ")][-1]
+            mem[case] = json.loads(line[4:])
+            print(case, mem[case], flush=True)
+    if args.mode in ("all", "time"):
+        os.environ["ZERO_BENCH_MEM"] = json.dumps(mem)
+        print(_torchrun([*passthrough, "--mode", "time"], args.nproc))
+
+
+if __name__ == "__main__":
+    main()

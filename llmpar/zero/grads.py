@@ -1,0 +1,225 @@
+"""Gradient hooks and bucketed reduction for ZeRO stages 0-2 (the backward half of :class:`ZeroOptimizer`).
+
+Every trainable param gets a post-accumulate-grad hook. When the last param of a unit (see ``layout.py``) has its
+gradient, the unit's grads are packed (one fused ``pack_bucket``, times 1/dp, cast) and reduced asynchronously while
+backward goes on (``overlap_comm``; otherwise the reduction is waited for at once):
+
+    stage 0: pack into the full accumulator unit ``[padded]``; at the accumulation boundary all-reduce it in place
+    stage 1: same accumulator; at the boundary reduce-scatter it, this rank's reduced shard written back in place
+    stage 2: pack into a staging bucket, reduce-scatter it straight into (or add it to) the partition accumulator
+             ``[partition]`` at every micro-step; the param grads and the bucket are freed at once
+
+A callback queued on the autograd engine runs at the end of each backward: it flushes units some of whose params got
+no gradient (unused params count as zero, as in DeepSpeed), waits for every reduction and finishes the accumulation.
+Ranks must see the same set of used params (the units are reduced in readiness order, which must match across ranks).
+"""
+from __future__ import annotations
+
+import weakref
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from llmpar.distributed.collectives import CommCounter, Group, Handle, all_reduce, reduce_scatter_flat
+from llmpar.ops.bucket import pack_bucket
+from llmpar.zero.layout import FlatLayout
+
+
+@dataclass(kw_only=True)
+class FlatBuffer:
+    """One buffer key's tensors: the layout, the params (views into ``flat``), partition state and accumulator."""
+
+    key: tuple
+    group_index: int
+    tp_split: bool
+    layout: FlatLayout
+    params: list[torch.nn.Parameter]
+    mode: str
+    flat: torch.Tensor  # [total] params, dtype of the params
+    grad: torch.Tensor  # stage 0/1: [total] accumulator; stage 2: [partition]
+    state: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [partition]
+    steps: list[torch.Tensor] = field(default_factory=list)  # one float32 scalar per unit
+    pending: list[int] = field(default_factory=list)  # per unit: params still to deliver a grad this backward
+    seen: list[set] = field(default_factory=list)
+
+
+class _WeakHook:
+    """The param hook, holding its reducer weakly: params -> hook -> reducer -> params would be a reference cycle that
+    outlives the process group until the interpreter's last collection (and can abort the exit on gloo)."""
+
+    def __init__(self, reducer: "GradReducer") -> None:
+        self._ref = weakref.ref(reducer)
+
+    def __call__(self, p: torch.Tensor) -> None:
+        reducer = self._ref()
+        if reducer is not None:
+            reducer._hook(p)
+
+
+class GradReducer:
+    """Owns the hooks and the in-flight reductions of a set of :class:`FlatBuffer`s."""
+
+    def __init__(self, buffers: list[FlatBuffer], *, stage: int, dp_group: Group, dp: int, rank: int,
+                 overlap: bool, reduce_dtype_of: Callable[[FlatBuffer], torch.dtype],
+                 counter: CommCounter | None, max_inflight: int = 2) -> None:
+        self.buffers = buffers
+        self.stage = stage
+        self.group = dp_group
+        self.dp = dp
+        self.rank = rank if stage > 0 else 0  # stage 0 layouts have one shard
+        self.overlap = overlap
+        self.counter = counter
+        self.reduce_dtype_of = reduce_dtype_of
+        self.max_inflight = max(1, max_inflight)
+        self.boundary = True  # reduce at the end of this backward (stages 0/1)
+        self.fresh = True  # the next backward overwrites the accumulators instead of adding
+        self.reduced = False  # stages 0/1: the accumulators hold reduced grads waiting for step()
+        self.micro_steps = 0  # backwards since the last step
+        self.staging_peak = 0  # most staging elements held at once (stage 2), for memory reports
+        self._armed = False
+        self._inflight: deque[tuple[Handle, Callable[[], None] | None, int]] = deque()
+        self._staging_live = 0
+        self._where: dict[int, tuple[FlatBuffer, int]] = {}
+        self._hooks = []
+        for b in buffers:
+            b.pending = [len(u.params) for u in b.layout.units]
+            b.seen = [set() for _ in b.layout.units]
+            for i, p in enumerate(b.params):
+                self._where[id(p)] = (b, i)
+                self._hooks.append(p.register_post_accumulate_grad_hook(_WeakHook(self)))
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    # --------------------------------------------------------------- backward
+    def _hook(self, p: torch.Tensor) -> None:
+        b, i = self._where[id(p)]
+        if not self._armed:
+            if self.reduced:
+                raise RuntimeError("backward() ran after the gradient-accumulation boundary was reduced but before "
+                                   "step() or zero_grad(): call step() first, or mark earlier micro-steps with "
+                                   "set_gradient_accumulation_boundary(False)")
+            self._armed = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        u = b.layout.slot(i).unit
+        if i in b.seen[u]:
+            raise RuntimeError(f"param {b.layout.slot(i).name!r} received its gradient twice in one backward "
+                               "(reentrant checkpointing or retain_graph?): ZeRO reduces each gradient once")
+        b.seen[u].add(i)
+        b.pending[u] -= 1
+        if b.pending[u] == 0:
+            self._unit_ready(b, u)
+
+    def _unit_grads(self, b: FlatBuffer, u: int) -> list[torch.Tensor]:
+        out = []
+        for i in b.layout.units[u].params:
+            p = b.params[i]
+            out.append(p.grad if p.grad is not None else torch.zeros_like(p))
+            p.grad = None
+        return out
+
+    def _unit_ready(self, b: FlatBuffer, u: int) -> None:
+        layout, unit = b.layout, b.layout.units[u]
+        grads = self._unit_grads(b, u)
+        scale = 1.0 / self.dp
+        if self.stage == 2:
+            staging = torch.empty(unit.padded, dtype=self.reduce_dtype_of(b), device=b.flat.device)
+            pack_bucket(grads, out=staging, scale=scale)
+            staging[unit.numel:].zero_()
+            del grads
+            shard = layout.shard_of_partition(b.grad, u)
+            if self.fresh and shard.dtype == staging.dtype:
+                self._launch(reduce_scatter_flat(shard, staging, self.group, async_op=True, counter=self.counter),
+                             None, staging)
+            else:
+                tmp = staging.new_empty(shard.numel())
+                h = reduce_scatter_flat(tmp, staging, self.group, async_op=True, counter=self.counter)
+                self._launch(h, (lambda: shard.copy_(tmp)) if self.fresh else (lambda: shard.add_(tmp)), staging)
+            return
+        region = layout.unit_view(b.grad, u)
+        if self.fresh:
+            pack_bucket(grads, out=region, scale=scale)
+        else:
+            region[: unit.numel].add_(pack_bucket(grads, dtype=region.dtype, scale=scale))
+        del grads
+        if not self.boundary:
+            return
+        if self.stage == 0:
+            self._launch(all_reduce(region, self.group, async_op=True, counter=self.counter), None, None)
+        else:
+            mine = layout.shard_of_full(b.grad, u, self.rank)
+            tmp = torch.empty_like(mine)
+            h = reduce_scatter_flat(tmp, region, self.group, async_op=True, counter=self.counter)
+            self._launch(h, lambda: mine.copy_(tmp), None)
+
+    def _launch(self, handle: Handle, finish: Callable[[], None] | None, staging: torch.Tensor | None) -> None:
+        held = staging.numel() if staging is not None else 0
+        self._inflight.append((handle, finish, held))
+        self._staging_live += held
+        self.staging_peak = max(self.staging_peak, self._staging_live)
+        if not self.overlap:
+            self.wait_all()
+        while len(self._inflight) > self.max_inflight:
+            self._wait_oldest()
+
+    def _wait_oldest(self) -> None:
+        handle, finish, held = self._inflight.popleft()
+        handle.wait()
+        if finish is not None:
+            finish()
+        self._staging_live -= held
+
+    def wait_all(self) -> None:
+        while self._inflight:
+            self._wait_oldest()
+
+    def _end_backward(self) -> None:
+        """Runs once at the end of every backward that reached a ZeRO param."""
+        self._armed = False
+        for b in self.buffers:  # units with unused params: their missing grads are zeros
+            for u, left in enumerate(b.pending):
+                if left > 0:
+                    self._unit_ready(b, u)
+        self.wait_all()
+        for b in self.buffers:
+            b.pending = [len(unit.params) for unit in b.layout.units]
+            for s in b.seen:
+                s.clear()
+        self.micro_steps += 1
+        self.fresh = False
+        if self.stage < 2 and self.boundary:
+            self.reduced = True
+
+    def reduce_now(self) -> None:
+        """Stages 0/1: reduce the accumulators now (step() after micro-steps all marked as not the boundary)."""
+        if self.stage == 2 or self.reduced or self.micro_steps == 0:
+            return
+        boundary, self.boundary = self.boundary, True
+        for b in self.buffers:
+            for u in range(len(b.layout.units)):
+                region = b.layout.unit_view(b.grad, u)
+                if self.stage == 0:
+                    self._launch(all_reduce(region, self.group, async_op=True, counter=self.counter), None, None)
+                else:
+                    mine = b.layout.shard_of_full(b.grad, u, self.rank)
+                    tmp = torch.empty_like(mine)
+                    h = reduce_scatter_flat(tmp, region, self.group, async_op=True, counter=self.counter)
+                    self._launch(h, lambda mine=mine, tmp=tmp: mine.copy_(tmp), None)
+        self.wait_all()
+        self.boundary = boundary
+        self.reduced = True
+
+    def ready_for_step(self) -> bool:
+        """True when the accumulators hold reduced, averaged grads of at least one backward."""
+        return self.micro_steps > 0 and (self.stage == 2 or self.reduced)
+
+    def reset(self) -> None:
+        """After step() / zero_grad(): the next backward starts a new accumulation."""
+        self.wait_all()
+        self.fresh = True
+        self.reduced = False
+        self.micro_steps = 0

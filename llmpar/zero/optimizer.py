@@ -1,0 +1,298 @@
+"""ZeroOptimizer: AdamW over data-parallel ranks with ZeRO stage 0, 1 or 2 on the flat layout of ``layout.py``.
+
+    opt = ZeroOptimizer(model.named_parameters(), OptimizerConfig(lr=3e-4, weight_decay=0.1), env.mesh["dp"], stage=2,
+                        tp_group=env.mesh["tp"], max_grad_norm=1.0)
+    loss.backward(); opt.step(); opt.zero_grad()
+
+What each rank holds (psi = trainable params, N = dp ranks, bf16 params with fp32 master):
+    stage 0: params 2 psi, grads 2 psi, master + moments 12 psi           (plain data parallel)
+    stage 1: params 2 psi, grads 2 psi, master + moments 12 psi / N       (optimizer state partitioned)
+    stage 2: params 2 psi, grads 2 psi / N, master + moments 12 psi / N   (gradients too)
+(fp32 grad accumulators when ``grad_accum_dtype=torch.float32``: grads 4 psi resp. 4 psi / N.)
+
+step(): the global gradient norm (partition norms summed over dp; tensor-parallel params summed over tp, replicated
+ones counted once) -> clip coefficient and found-inf flag -> one fused ``adamw_step`` per flat buffer over this rank's
+partition (the coefficient applied inside; a non-finite norm skips the step on every rank, reported) -> the updated
+shards all-gathered unit by unit straight into the param buffer (stages 1/2; at most ``allgather_bucket_size``
+elements in flight). Communication per step: stage 0 an all-reduce (2 psi), stages 1/2 reduce-scatter + all-gather
+(psi + psi).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from llmpar.distributed.collectives import (CommCounter, Group, Handle, all_gather_flat, all_reduce, as_group,
+                                            group_rank, group_size)
+from llmpar.ops.adamw import adamw_step
+from llmpar.ops.bucket import pack_bucket
+from llmpar.ops.grad_norm import clip_coefficient, grad_norm
+from llmpar.optim.adamw import MODES, resolve_precision, state_dtypes
+from llmpar.zero.config import OptimizerConfig, ZeroConfig
+from llmpar.zero.grads import FlatBuffer, GradReducer
+from llmpar.zero.layout import FlatLayout
+
+logger = logging.getLogger("llmpar")
+
+_GROUP_KEYS = ("lr", "betas", "eps", "weight_decay")
+
+
+def _param_groups(params: Any, cfg: OptimizerConfig) -> list[dict]:
+    """Normalise params / (name, param) pairs / param-group dicts into groups with names and hyper-parameters."""
+    if isinstance(params, torch.Tensor):
+        raise TypeError("params must be an iterable of parameters, (name, parameter) pairs or param-group dicts, "
+                        "got a single tensor")
+    items = list(params)
+    if not items:
+        raise ValueError("params is empty: ZeroOptimizer needs at least one parameter")
+    raw = items if isinstance(items[0], dict) else [{"params": items}]
+    groups, seen = [], set()
+    for gi, g in enumerate(raw):
+        if not isinstance(g, dict) or "params" not in g:
+            raise TypeError(f"param group {gi} must be a dict with a 'params' entry")
+        unknown = set(g) - {"params", *_GROUP_KEYS}
+        if unknown:
+            raise ValueError(f"param group {gi} has unknown keys {sorted(unknown)}; allowed: params, "
+                             f"{', '.join(_GROUP_KEYS)}")
+        named = []
+        for k, item in enumerate(g["params"]):
+            name, p = item if isinstance(item, tuple) else (f"group{gi}.param{k}", item)
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"param group {gi} item {k} is a {type(p).__name__}, not a tensor")
+            if id(p) in seen:
+                continue  # tied weights: one entry
+            seen.add(id(p))
+            named.append((name, p))
+        group = {"params": [p for _, p in named], "names": [n for n, _ in named]}
+        for key in _GROUP_KEYS:
+            group[key] = g.get(key, getattr(cfg, key))
+        groups.append(group)
+    return groups
+
+
+class ZeroOptimizer:
+    """AdamW with ZeRO stage 0/1/2 over ``dp_group`` (module docstring). ``param_groups[i]["lr"]`` may be changed by a
+    scheduler between steps."""
+
+    def __init__(self, params: Iterable[Any], optimizer_config: OptimizerConfig | dict | None, dp_group: Group, *,
+                 stage: int = 2, zero_config: ZeroConfig | None = None, tp_group: Group | None = None,
+                 max_grad_norm: float | None = None, grad_accum_dtype: torch.dtype | None = None,
+                 counter: CommCounter | None = None, align: int = 16, seed: int = 0) -> None:
+        cfg = optimizer_config if optimizer_config is not None else OptimizerConfig()
+        if isinstance(cfg, dict):
+            cfg = OptimizerConfig(**cfg)
+        if not isinstance(cfg, OptimizerConfig):
+            raise TypeError(f"optimizer_config must be an OptimizerConfig or a dict, got {type(cfg).__name__}")
+        zcfg = zero_config if zero_config is not None else ZeroConfig(stage=stage)
+        if zero_config is not None and stage != zcfg.stage:
+            raise ValueError(f"stage={stage} disagrees with zero_config.stage={zcfg.stage}; pass one of them")
+        ZeroConfig(stage=stage)  # range check (3 -> not supported yet)
+        groups = _param_groups(params, cfg)  # checked before any group is touched
+        if dp_group is None:
+            raise TypeError("dp_group is required: pass the data-parallel ProcessGroup or DeviceMesh (e.g. "
+                            "env.mesh['dp']); llmpar never falls back to a global group")
+        if max_grad_norm is not None and not (0 < max_grad_norm < float("inf")):
+            raise ValueError(f"max_grad_norm={max_grad_norm} must be a positive finite number or None")
+        self.config, self.zero_config, self.stage = cfg, zcfg, stage
+        self.dp_group, self.tp_group = as_group(dp_group), (as_group(tp_group) if tp_group is not None else None)
+        self.dp, self.rank = group_size(self.dp_group), group_rank(self.dp_group)
+        self.max_grad_norm, self.counter, self.seed = max_grad_norm, counter, seed
+        self.param_groups = groups
+        self.last_grad_norm: float | None = None
+        self.skipped_steps = 0
+        self.frozen = [p for g in self.param_groups for p in g["params"] if not p.requires_grad]
+        self.buffers = self._build_buffers(cfg.precision, grad_accum_dtype, align)
+        self._check_same_model()
+        self.reducer = GradReducer(self.buffers, stage=stage, dp_group=self.dp_group, dp=self.dp, rank=self.rank,
+                                   overlap=zcfg.overlap_comm, reduce_dtype_of=lambda b: b.flat.dtype,
+                                   counter=counter)
+
+    # ---------------------------------------------------------------- layout
+    def _build_buffers(self, precision: str, grad_accum_dtype: torch.dtype | None, align: int) -> list[FlatBuffer]:
+        shards = 1 if self.stage == 0 else self.dp
+        keyed: dict[tuple, list[tuple[str, torch.nn.Parameter]]] = {}
+        for gi, g in enumerate(self.param_groups):
+            for name, p in zip(g["names"], g["params"]):
+                if not p.requires_grad:
+                    continue
+                if not p.is_floating_point():
+                    raise TypeError(f"param {name!r} has dtype {p.dtype}; ZeRO trains floating-point params")
+                tp_split = bool(getattr(p, "tensor_model_parallel", False))
+                keyed.setdefault((gi, p.dtype, p.device, tp_split), []).append((name, p))
+        if not keyed:
+            raise ValueError("no parameter requires grad: nothing for ZeroOptimizer to train")
+        buffers = []
+        for key, named in keyed.items():
+            gi, dtype, device, tp_split = key
+            mode = resolve_precision(precision, dtype)
+            if dtype not in MODES[mode].param_dtypes:
+                raise TypeError(f"param {named[0][0]!r} has dtype {dtype}; precision={mode!r} takes "
+                                f"{', '.join(map(str, MODES[mode].param_dtypes))} params")
+            params = [p for _, p in named]
+            layout = FlatLayout(params, [n for n, _ in named], shards=shards,
+                                unit_numel=self.zero_config.reduce_bucket_size, align=align)
+            flat = torch.zeros(layout.total, dtype=dtype, device=device)
+            with torch.no_grad():
+                for u, unit in enumerate(layout.units):
+                    pack_bucket([params[i].detach() for i in unit.params], out=layout.unit_view(flat, u))
+                for i, p in enumerate(params):
+                    p.data = layout.param_view(flat, i)
+            acc_dtype = grad_accum_dtype or dtype
+            grad = torch.zeros(layout.total if self.stage < 2 else layout.partition, dtype=acc_dtype, device=device)
+            rank = self.rank if self.stage > 0 else 0
+            state = {}
+            for name, sdtype in state_dtypes(mode, dtype).items():
+                state[name] = torch.zeros(layout.partition, dtype=sdtype, device=device)
+                if name == "master":
+                    for u in range(len(layout.units)):
+                        layout.shard_of_partition(state[name], u).copy_(layout.shard_of_full(flat, u, rank))
+            steps = [torch.zeros((), dtype=torch.float32, device=device) for _ in layout.units]
+            buffers.append(FlatBuffer(key=key, group_index=gi, tp_split=tp_split, layout=layout, params=params,
+                                      mode=mode, flat=flat, grad=grad, state=state, steps=steps))
+        return buffers
+
+    def _check_same_model(self) -> None:
+        """Every dp rank must hold the same trainable params (shapes, dtypes, groups): a mismatch is an error on every
+        rank after one small all-gather, instead of a hang inside a reduce-scatter later."""
+        desc = repr([(b.key[0], str(b.key[1]), b.tp_split, [tuple(p.shape) for p in b.params], self.stage)
+                     for b in self.buffers])
+        mine = torch.tensor([int(hashlib.sha256(desc.encode()).hexdigest()[:15], 16)], dtype=torch.int64)
+        mine = mine.to(self.buffers[0].flat.device)
+        everyone = torch.empty(self.dp, dtype=torch.int64, device=mine.device)
+        all_gather_flat(everyone, mine, self.dp_group)
+        if len(set(everyone.tolist())) > 1:
+            groups: dict[int, list[int]] = {}
+            for r, h in enumerate(everyone.tolist()):
+                groups.setdefault(h, []).append(r)
+            raise ValueError(f"the data-parallel ranks hold different models or ZeRO stages: rank groups "
+                             f"{sorted(groups.values())} disagree (same params, dtypes and stage on every dp rank)")
+
+    # ------------------------------------------------------------------ views
+    def _rank(self) -> int:
+        return self.rank if self.stage > 0 else 0
+
+    def _grads(self, b: FlatBuffer) -> list[torch.Tensor]:
+        units = range(len(b.layout.units))
+        if self.stage == 2:
+            return [b.layout.shard_of_partition(b.grad, u) for u in units]
+        return [b.layout.shard_of_full(b.grad, u, self._rank()) for u in units]
+
+    def _shards(self, b: FlatBuffer) -> list[torch.Tensor]:
+        return [b.layout.shard_of_full(b.flat, u, self._rank()) for u in range(len(b.layout.units))]
+
+    def set_gradient_accumulation_boundary(self, boundary: bool) -> None:
+        """Whether the next backward ends a gradient accumulation (stages 0/1 reduce only then; stage 2 reduces
+        every micro-step into its partition)."""
+        self.reducer.boundary = bool(boundary)
+
+    # ------------------------------------------------------------------- step
+    def _global_norm(self) -> torch.Tensor:
+        device = self.buffers[0].flat.device
+        wide = any(b.grad.dtype == torch.float64 for b in self.buffers)
+        sq = torch.zeros(2, dtype=torch.float64 if wide else torch.float32, device=device)  # [tp-split, replicated]
+        for b in self.buffers:
+            grads = self._grads(b)
+            if b.grad.dtype == torch.float64:  # the fused norm takes float32/bf16/fp16
+                part = torch.stack(torch._foreach_norm(grads, 2)).square().sum()
+            else:
+                part = grad_norm(grads).square()
+            sq[0 if b.tp_split else 1] += part.to(device)
+        if self.stage > 0 and self.dp > 1:
+            all_reduce(sq, self.dp_group, counter=self.counter)
+        if self.tp_group is not None and group_size(self.tp_group) > 1:
+            split = sq[:1]
+            all_reduce(split, self.tp_group, counter=self.counter)
+        return sq.sum().sqrt()
+
+    @torch.no_grad()
+    def step(self) -> bool:
+        """Apply one AdamW step from the accumulated grads. Returns False when it was skipped (non-finite grads)."""
+        r = self.reducer
+        r.wait_all()
+        if r.micro_steps == 0:
+            logger.warning("ZeroOptimizer.step() without a backward since the last step: nothing to do")
+            return False
+        r.reduce_now()
+        norm = self._global_norm()
+        gscale, found_inf = (None, None)
+        if self.max_grad_norm is not None:
+            gscale, found_inf = clip_coefficient(norm, self.max_grad_norm)
+        else:
+            found_inf = (~torch.isfinite(norm)).to(torch.float32)
+        for b in self.buffers:
+            g = self.param_groups[b.group_index]
+            extra = MODES[b.mode].extra
+            grads, scale = self._grads(b), gscale
+            if scale is not None and b.grad.dtype == torch.float64:  # the fused step takes a float32 coefficient:
+                coef = torch.clamp(float(self.max_grad_norm) / (norm.double() + 1e-6), max=1.0)  # clip float64 exactly
+                torch._foreach_mul_(grads, torch.where(torch.isfinite(coef), coef, torch.ones_like(coef)))
+                scale = None
+            adamw_step(self._shards(b), grads,
+                       [b.layout.shard_of_partition(b.state["exp_avg"], u) for u in range(len(b.layout.units))],
+                       [b.layout.shard_of_partition(b.state["exp_avg_sq"], u) for u in range(len(b.layout.units))],
+                       b.steps, precision=b.mode, lr=g["lr"], beta1=g["betas"][0], beta2=g["betas"][1], eps=g["eps"],
+                       weight_decay=g["weight_decay"],
+                       extras=None if extra is None else [b.layout.shard_of_partition(b.state[extra[0]], u)
+                                                          for u in range(len(b.layout.units))],
+                       gscale=scale, found_inf=found_inf, seed=self.seed)
+        self.last_grad_norm = float(norm)
+        skipped = bool(found_inf is not None and float(found_inf) != 0)
+        if skipped:
+            self.skipped_steps += 1
+            logger.warning("ZeroOptimizer: gradient norm is %s: step skipped on every rank (%d skipped so far)",
+                           self.last_grad_norm, self.skipped_steps)
+        elif self.stage > 0 and self.dp > 1:
+            self._gather_params()
+        r.reset()
+        return not skipped
+
+    def _gather_params(self) -> None:
+        limit = self.zero_config.allgather_bucket_size
+        inflight: list[tuple[Handle, int]] = []
+        live = 0
+        for b in self.buffers:
+            for u in range(len(b.layout.units)):
+                out = b.layout.unit_view(b.flat, u)
+                h = all_gather_flat(out, b.layout.shard_of_full(b.flat, u, self.rank), self.dp_group, async_op=True,
+                                    counter=self.counter)
+                inflight.append((h, out.numel()))
+                live += out.numel()
+                while live > limit and len(inflight) > 1:
+                    h0, n0 = inflight.pop(0)
+                    h0.wait()
+                    live -= n0
+        for h, _ in inflight:
+            h.wait()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop accumulated grads: the next backward starts a new accumulation (the buffers are overwritten then)."""
+        self.reducer.reset()
+        for b in self.buffers:
+            for p in b.params:
+                p.grad = None
+
+    # ---------------------------------------------------------------- reports
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds persistently, by kind, measured from the tensors themselves."""
+        out = {"params": 0, "grads": 0, "master": 0, "optimizer_state": 0}
+        for b in self.buffers:
+            out["params"] += b.flat.numel() * b.flat.element_size()
+            out["grads"] += b.grad.numel() * b.grad.element_size()
+            for name, t in b.state.items():
+                out["master" if name == "master" else "optimizer_state"] += t.numel() * t.element_size()
+        out["staging_peak"] = self.reducer.staging_peak * max(b.flat.element_size() for b in self.buffers)
+        return out
+
+    def num_params(self) -> int:
+        """Trainable elements this optimizer updates (psi, without padding)."""
+        return sum(b.layout.numel for b in self.buffers)
+
+    def describe(self) -> dict:
+        """Global layout of every flat buffer (for checkpoints)."""
+        return {"stage": self.stage, "dp": self.dp,
+                "buffers": [{"group": b.group_index, "tp_split": b.tp_split, "mode": b.mode, **b.layout.describe()}
+                            for b in self.buffers]}

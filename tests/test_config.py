@@ -1,0 +1,97 @@
+"""The DeepSpeed config as llmpar reads it: batch-size arithmetic, clear errors, and DeepSpeed's lr schedules exactly."""
+import json
+import os
+
+import pytest
+import torch
+
+from llmpar.config import Config
+from llmpar.zero.lr_schedules import SchedulerConfig, WarmupSchedule
+
+
+@pytest.mark.parametrize("given, want", [
+    (dict(train_batch_size=32, train_micro_batch_size_per_gpu=4), (4, 4, 32)),
+    (dict(train_batch_size=32, gradient_accumulation_steps=2), (8, 2, 32)),
+    (dict(train_micro_batch_size_per_gpu=3, gradient_accumulation_steps=5), (3, 5, 30)),
+    (dict(train_batch_size=6), (3, 1, 6)),
+    (dict(train_micro_batch_size_per_gpu=7), (7, 1, 14)),
+    (dict(train_batch_size=12, train_micro_batch_size_per_gpu=3, gradient_accumulation_steps=2), (3, 2, 12)),
+])
+def test_batch_sizes_are_inferred_as_deepspeed_does(given, want):
+    c = Config.from_deepspeed(given, dp=2)
+    assert (c.train_micro_batch_size_per_gpu, c.gradient_accumulation_steps, c.train_batch_size) == want
+
+
+@pytest.mark.parametrize("given, match", [
+    (dict(train_batch_size=12, train_micro_batch_size_per_gpu=3, gradient_accumulation_steps=3), "inconsistent"),
+    (dict(train_batch_size=10, train_micro_batch_size_per_gpu=3), "inconsistent"),
+    (dict(gradient_accumulation_steps=2), "train_micro_batch_size_per_gpu"),
+    (dict(train_batch_size=0), ">= 1"),
+    (dict(train_batch_size=8, gradient_clipping=-1), "gradient_clipping"),
+    (dict(train_batch_size=8, zero_optimization={"stage": 2, "reduce_bucket_sise": 5}), 'did you mean "reduce_bucket_size"'),
+    (dict(train_batch_size=8, gradient_acumulation_steps=2), 'did you mean "gradient_accumulation_steps"'),
+    (dict(train_batch_size=8, zero_optimization={"stage": 3}), "not supported yet \\(issue ZeRO-3"),
+    (dict(train_batch_size=8, zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu"}}),
+     "offload_optimizer.*not supported yet \\(issue ZeRO-3"),
+    (dict(train_batch_size=8, fp16={"enabled": True}), '"config.fp16" is a DeepSpeed key llmpar does not support'),
+    (dict(train_batch_size=8, optimizer={"type": "Lamb", "params": {}}), "does not support"),
+    (dict(train_batch_size=8, optimizer={"type": "AdamX"}), "is not known"),
+    (dict(train_batch_size=8, optimizer={"type": "AdamW", "params": {"betas": [0.9, 1.5]}}), "betas"),
+    (dict(train_batch_size=8, optimizer={"type": "AdamW", "params": {"lrr": 1}}), 'did you mean "lr"'),
+    (dict(train_batch_size=8, scheduler={"type": "WarmupDecayLR", "params": {"warmup_num_steps": 5}}),
+     "total_num_steps.*required"),
+    (dict(train_batch_size=8, scheduler={"type": "OneCycle"}), "does not support"),
+    (dict(train_batch_size=8, scheduler={"type": "WarmupLR", "params": {"total_num_steps": 5}}), "unknown key"),
+    (dict(train_batch_size=8, zero_optimization={"stage": 2, "overlap_comm": "yes"}), "true or false"),
+    (dict(train_batch_size=8, zero_optimization={"stage": 1.5}), "must be an integer"),
+])
+def test_bad_configs_name_the_key(given, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        Config.from_deepspeed(given, dp=2)
+
+
+def test_full_config_parses_and_defaults(tmp_path):
+    raw = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
+           "optimizer": {"type": "adamw", "params": {"lr": 3e-4, "weight_decay": 0.1}},
+           "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 100, "total_num_steps": 1000}},
+           "zero_optimization": {"stage": 2, "reduce_bucket_size": 5e7, "overlap_comm": True},
+           "bf16": {"enabled": True}}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(raw))
+    c = Config.from_deepspeed(os.fspath(path), dp=4)
+    assert c.train_batch_size == 64 and c.bf16 and c.optimizer.type == "AdamW" and c.optimizer.lr == 3e-4
+    assert c.zero.stage == 2 and c.zero.reduce_bucket_size == 50_000_000 and c.zero.overlap_comm
+    assert c.scheduler.warmup_max_lr == 0.001  # DeepSpeed's WarmupDecayLR default, not the optimizer's lr
+    d = Config.from_deepspeed({"train_batch_size": 4}, dp=1)
+    assert d.optimizer.type == "AdamW" and d.optimizer.lr == 1e-3 and d.zero.stage == 0 and not d.optimizer_given
+
+
+class _Opt:
+    def __init__(self, lrs):
+        self.param_groups = [{"lr": lr} for lr in lrs]
+
+
+@pytest.mark.parametrize("typ, params", [
+    ("WarmupLR", {"warmup_num_steps": 7}),
+    ("WarmupLR", {"warmup_min_lr": 1e-4, "warmup_max_lr": 3e-3, "warmup_num_steps": 10, "warmup_type": "linear"}),
+    ("WarmupDecayLR", {"warmup_num_steps": 5, "total_num_steps": 30}),
+    ("WarmupDecayLR", {"warmup_min_lr": 1e-5, "warmup_max_lr": 2e-3, "warmup_num_steps": 1, "total_num_steps": 20,
+                       "warmup_type": "linear"}),
+    ("WarmupCosineLR", {"warmup_num_steps": 6, "total_num_steps": 25}),
+    ("WarmupCosineLR", {"warmup_min_ratio": 0.1, "cos_min_ratio": 0.05, "warmup_num_steps": 4, "total_num_steps": 12,
+                        "warmup_type": "linear"}),
+])
+def test_schedules_equal_deepspeeds(typ, params):
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    lr_schedules = pytest.importorskip("deepspeed.runtime.lr_schedules")
+    ds_opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(3))], lr=3e-3)
+    ds_opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(1))], "lr": 1e-3})
+    ds = getattr(lr_schedules, typ)(ds_opt, **params)
+    ours_opt = _Opt([3e-3, 1e-3])
+    ours = WarmupSchedule(ours_opt, SchedulerConfig.from_dict({"type": typ, "params": params}))
+    for step in range(40):
+        want = [g["lr"] for g in ds_opt.param_groups]
+        got = [g["lr"] for g in ours_opt.param_groups]
+        assert got == pytest.approx(want, rel=1e-12, abs=1e-15), f"step {step}"
+        ds.step()
+        ours.step()

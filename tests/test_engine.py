@@ -1,0 +1,140 @@
+"""llmpar.initialize + Engine on CPU/gloo ranks: tp x dp parity with one process, memory held = the ZeRO formula,
+bytes moved = 2 psi, accumulation boundaries, and configs that differ between ranks."""
+import pytest
+import torch
+import torch.distributed as dist
+
+import llmpar
+from llmpar.distributed.collectives import CommCounter
+from llmpar.models import GPT, GPTConfig
+from llmpar.optim import FusedAdamW
+from multirank import RankFailure, run_ranks
+
+SEQ = 12
+GPT_CFG = dict(vocab_size=64, n_layer=2, n_head=4, d_model=16, seq_len=SEQ)
+
+
+def _batch(step, n):
+    g = torch.Generator().manual_seed(step)
+    x = torch.randint(0, 64, (n, SEQ + 1), generator=g)
+    return x[:, :-1], x[:, 1:]
+
+
+def _ds_config(stage, micro, **extra):
+    return {"train_micro_batch_size_per_gpu": micro, "gradient_clipping": 0.3,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": 700, "overlap_comm": True}, **extra}
+
+
+def tp_dp_body(stage, tp, micro, steps):
+    env = llmpar.init_distributed(tp=tp)
+    model = GPT(GPTConfig(**GPT_CFG), seed=1, dtype=torch.float64)
+    llmpar.parallelize(model, env.mesh["tp"])
+    engine, _, _, _ = llmpar.initialize(model=model, config=_ds_config(stage, micro), mesh=env.mesh)
+    dp_rank, dp = env.mesh["dp"].get_local_rank(), env.mesh["dp"].size()
+    losses = []
+    for s in range(steps):
+        x, y = _batch(s, micro * dp)
+        x, y = x[dp_rank * micro:(dp_rank + 1) * micro], y[dp_rank * micro:(dp_rank + 1) * micro]
+        loss = model.loss(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        t = loss.detach().reshape(1).clone()
+        dist.all_reduce(t, group=env.mesh["dp"].get_group())
+        losses.append(t.item() / dp)
+    return losses
+
+
+def _single(steps, n):
+    model = GPT(GPTConfig(**GPT_CFG), seed=1, dtype=torch.float64)
+    opt = FusedAdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    losses = []
+    for s in range(steps):
+        x, y = _batch(s, n)
+        loss = model.loss(model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.3)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_tp2_dp2_matches_single_process(stage):
+    outs = run_ranks(tp_dp_body, 4, stage, 2, 2, 5, timeout=120)
+    ref = _single(5, 4)
+    for rank, losses in enumerate(outs):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-7, atol=1e-9, msg=f"rank {rank}")
+
+
+def memory_body(stage):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(301, 257), torch.nn.GELU(), torch.nn.Linear(257, 129))
+    cfg = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
+           "zero_optimization": {"stage": stage, "reduce_bucket_size": 20000}}
+    counter = CommCounter()
+    engine, opt, _, _ = llmpar.initialize(model=model, config=cfg, counter=counter)
+    counter.reset()
+    x = torch.randn(2, 301, dtype=torch.bfloat16)
+    engine.backward(engine(x).float().pow(2).mean())
+    engine.step()
+    return opt.memory_bytes(), opt.num_params(), dict(counter.volume), dict(counter.bytes_sent)
+
+
+@pytest.mark.parametrize("stage, world", [(1, 2), (2, 2), (1, 4), (2, 4), (0, 2)])
+def test_memory_and_communication_equal_the_zero_formulas(stage, world):
+    for mem, psi, volume, sent in run_ranks(memory_body, world, stage, timeout=60):
+        held = mem["params"] + mem["grads"] + mem["master"] + mem["optimizer_state"]
+        n = world if stage > 0 else 1
+        formula = {0: 16 * psi, 1: 4 * psi + 12 * psi / n, 2: 2 * psi + 14 * psi / n}[stage]
+        assert abs(held - formula) / formula < 0.05, (stage, world, mem, formula)
+        total = sum(v for k, v in volume.items())
+        assert abs(total - 2 * psi) / (2 * psi) < 0.01, volume  # 2 psi per step, every stage
+        if stage > 0:
+            assert set(volume) == {"reduce_scatter", "all_gather", "all_reduce"} and volume["all_reduce"] == 4
+            ring = 2 * (world - 1) / world * psi * 2  # bytes sent per rank (bf16)
+            assert abs(sum(sent.values()) - ring) / ring < 0.01
+
+
+def accumulation_body():
+    model = torch.nn.Linear(5, 3)
+    cfg = {"train_batch_size": 12, "train_micro_batch_size_per_gpu": 2,
+           "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4, "warmup_max_lr": 0.1, "warmup_min_lr": 0.01,
+                                                        "warmup_type": "linear"}},
+           "zero_optimization": {"stage": 2}}
+    engine, _, _, sched = llmpar.initialize(model=model, config=cfg)
+    seen = []
+    for micro in range(9):
+        before = model.weight.detach().clone()
+        loss = engine(torch.randn(2, 5)).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        seen.append((not torch.equal(before, model.weight), engine.global_steps, engine.get_lr()[0]))
+    return engine.gradient_accumulation_steps(), seen
+
+
+def test_step_applies_only_at_accumulation_boundaries():
+    gas, seen = run_ranks(accumulation_body, 2, timeout=60)[0]
+    assert gas == 3
+    assert [changed for changed, _, _ in seen] == [False, False, True] * 3
+    assert [steps for _, steps, _ in seen] == [0, 0, 1, 1, 1, 2, 2, 2, 3]
+    assert [lr for _, _, lr in seen][2::3] == pytest.approx([0.01, 0.0325, 0.055])  # DeepSpeed's linear warm-up
+
+
+def mismatch_body():
+    lr = 1e-3 * (1 + dist.get_rank())
+    llmpar.initialize(model=torch.nn.Linear(3, 3), config={"train_batch_size": 4, "optimizer": {
+        "type": "AdamW", "params": {"lr": lr}}})
+
+
+def test_config_mismatch_between_ranks_is_a_clear_error_everywhere():
+    with pytest.raises(RankFailure, match="config differs between ranks") as info:
+        run_ranks(mismatch_body, 2, timeout=30)
+    assert "rank 0 traceback" in str(info.value) and "rank 1 traceback" in str(info.value)
+
+
+def test_initialize_rejects_optimizer_objects():
+    model = torch.nn.Linear(3, 3)
+    with pytest.raises(ValueError, match="from the config"):
+        llmpar.initialize(model=model, config={"train_batch_size": 1}, optimizer=torch.optim.SGD(model.parameters(), 0.1))

@@ -1,0 +1,193 @@
+"""ZeRO stages 0/1/2 on CPU/gloo ranks == single-process FusedAdamW on the concatenated batch.
+
+The model has odd-sized params that straddle unit and shard boundaries (tiny reduce buckets), a frozen param, an unused
+param (ZeRO, like DeepSpeed, gives it a zero gradient; the reference does the same), two param groups (no weight decay
+on vectors) and gradient clipping. float64 runs match to float32-rounded clip coefficients (~1e-9); bf16 runs to the
+bf16 tolerance.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+
+from llmpar.optim import FusedAdamW
+from llmpar.zero import FlatLayout, OptimizerConfig, ZeroConfig, ZeroOptimizer
+from multirank import run_ranks
+
+MICRO = 3  # samples per rank per micro-step
+STEPS = 4
+
+
+class Net(torch.nn.Module):
+    def __init__(self, dtype):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(7, 13)
+        self.frozen = torch.nn.Linear(13, 13)
+        self.frozen.requires_grad_(False)
+        self.b = torch.nn.Linear(13, 5)
+        self.unused = torch.nn.Parameter(torch.randn(11))
+        self.to(dtype)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.frozen(torch.tanh(self.a(x)))))
+
+
+def _groups(net):
+    named = [(n, p) for n, p in net.named_parameters()]
+    return [{"params": [(n, p) for n, p in named if p.dim() >= 2]},
+            {"params": [(n, p) for n, p in named if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def _batch(step, micro, n, dtype):
+    g = torch.Generator().manual_seed(1000 * step + micro)
+    x = torch.randn(n, 7, generator=g, dtype=torch.float64)
+    y = torch.randn(n, 5, generator=g, dtype=torch.float64)
+    return x.to(dtype), y.to(dtype)
+
+
+def _loss(net, x, y):
+    return ((net(x) - y) ** 2).mean()
+
+
+def _flat(net):
+    return torch.cat([p.detach().double().flatten() for p in net.parameters()])
+
+
+def reference(dtype, world, gas, clip=0.5, steps=STEPS):
+    net = Net(dtype)
+    groups = [{"params": [p for _, p in g["params"]], **{k: v for k, v in g.items() if k != "params"}}
+              for g in _groups(net)]
+    opt = FusedAdamW(groups, lr=2e-2, weight_decay=0.1)
+    losses = []
+    for s in range(steps):
+        total = 0.0
+        for m in range(gas):
+            x, y = _batch(s, m, MICRO * world, dtype)
+            loss = _loss(net, x, y) / gas
+            loss.backward()
+            total += loss.item()
+        for p in net.parameters():
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)  # unused: zero gradient, as ZeRO gives it
+        torch.nn.utils.clip_grad_norm_([p for p in net.parameters() if p.requires_grad], clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses, _flat(net)
+
+
+def zero_body(stage, dtype, gas, bucket, overlap, clip=0.5, steps=STEPS):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    net = Net(dtype)
+    opt = ZeroOptimizer(_groups(net), OptimizerConfig(lr=2e-2, weight_decay=0.1), dist.group.WORLD, stage=stage,
+                        zero_config=ZeroConfig(stage=stage, reduce_bucket_size=bucket, overlap_comm=overlap,
+                                               allgather_bucket_size=bucket),
+                        max_grad_norm=clip, grad_accum_dtype=torch.float32 if dtype != torch.float64 and gas > 1
+                        else None)
+    losses = []
+    for s in range(steps):
+        total = torch.zeros((), dtype=torch.float64)
+        for m in range(gas):
+            x, y = _batch(s, m, MICRO * world, dtype)
+            x, y = x[rank * MICRO:(rank + 1) * MICRO], y[rank * MICRO:(rank + 1) * MICRO]
+            opt.set_gradient_accumulation_boundary(m == gas - 1)
+            loss = _loss(net, x, y) / gas
+            loss.backward()
+            total += loss.detach().double()
+        dist.all_reduce(total)
+        assert opt.step()
+        losses.append(total.item() / world)
+    frozen_same = torch.equal(net.frozen.weight, Net(dtype).frozen.weight)
+    return losses, _flat(net), frozen_same, opt.memory_bytes()
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("world", [2, 4])
+def test_stages_match_single_process_fp64(stage, world):
+    gas = 2 if world == 2 else 1
+    ref_losses, ref_params = reference(torch.float64, world, gas)
+    outs = run_ranks(zero_body, world, stage, torch.float64, gas, 37, world == 2, timeout=90)
+    for rank, (losses, params, frozen_same, _) in enumerate(outs):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-9, atol=1e-12,
+                                   msg=f"rank {rank} losses")
+        torch.testing.assert_close(params, ref_params, rtol=1e-7, atol=1e-9, msg=f"rank {rank} params")
+        assert frozen_same
+        assert torch.equal(params, outs[0][1]), "dp ranks drifted apart"
+    assert not torch.allclose(ref_params, _flat(Net(torch.float64)))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_bf16_fp32_master_matches_within_bf16_tolerance(stage):
+    ref_losses, ref_params = reference(torch.bfloat16, 2, 2, steps=3)
+    outs = run_ranks(zero_body, 2, stage, torch.bfloat16, 2, 64, True, steps=3, timeout=90)
+    losses, params, _, mem = outs[0]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=2e-2, atol=1e-2)
+    torch.testing.assert_close(params, ref_params, rtol=2e-2, atol=2e-2)
+    assert torch.equal(params, outs[1][1])
+    assert mem["grads"] % 4 == 0  # fp32 accumulation buffer under accumulation
+
+
+def test_layout_units_shards_and_slices():
+    ps = [torch.empty(s) for s in (5, 123, 1, 40, 97)]
+    lay = FlatLayout(ps, [f"p{i}" for i in range(5)], shards=4, unit_numel=100, align=2)
+    assert sum(u.numel for u in lay.units) == lay.numel == 266
+    for u in lay.units:
+        assert u.padded % 8 == 0 and u.padded >= u.numel and u.padded - u.numel < 8
+    assert lay.partition * 4 == lay.total
+    # units follow reverse registration order, whole params each
+    assert lay.units[0].params[0] == 4
+    flat = torch.arange(lay.total, dtype=torch.float64)
+    # every element of every param is in exactly one rank's shard, at the place param_slices says
+    seen = {i: torch.zeros(p.numel(), dtype=torch.int64) for i, p in enumerate(ps)}
+    for u in range(len(lay.units)):
+        for r in range(4):
+            shard = lay.shard_of_full(flat, u, r)
+            for i, a, b, at in lay.param_slices(u, r):
+                seen[i][a:b] += 1
+                assert torch.equal(shard[at:at + b - a], lay.param_view(flat, i).flatten()[a:b])
+    assert all(bool((v == 1).all()) for v in seen.values())
+    desc = lay.describe()
+    assert desc["params"][1]["shape"] == [123] and desc["total"] == lay.total
+
+
+def test_bad_arguments_raise_clearly():
+    net = Net(torch.float32)
+    with pytest.raises(TypeError, match="dp_group is required"):
+        ZeroOptimizer(net.parameters(), None, None)
+    with pytest.raises(ValueError, match="not supported yet"):
+        ZeroOptimizer(net.parameters(), None, None, stage=3)
+    with pytest.raises(ValueError, match="params is empty"):
+        ZeroOptimizer([], None, object())
+
+
+def mismatch_body():
+    torch.manual_seed(0)
+    size = 5 + dist.get_rank()
+    net = torch.nn.Linear(size, 3)
+    ZeroOptimizer(net.parameters(), None, dist.group.WORLD, stage=2)
+
+
+def test_ranks_with_different_models_fail_on_every_rank():
+    from multirank import RankFailure
+
+    with pytest.raises(RankFailure, match="hold different models") as info:
+        run_ranks(mismatch_body, 2, timeout=30)
+    assert "rank 0 traceback" in str(info.value) and "rank 1 traceback" in str(info.value)
+
+
+def nonfinite_body(stage):
+    net = Net(torch.float32)
+    before = _flat(net)
+    opt = ZeroOptimizer(_groups(net), None, dist.group.WORLD, stage=stage, max_grad_norm=1.0)
+    x, y = _batch(0, 0, MICRO, torch.float32)
+    if dist.get_rank() == 1:
+        x[0, 0] = float("inf")
+    _loss(net, x, y).backward()
+    applied = opt.step()
+    return applied, torch.equal(before, _flat(net)), opt.skipped_steps
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_nonfinite_grad_on_one_rank_skips_the_step_everywhere(stage):
+    for applied, unchanged, skipped in run_ranks(nonfinite_body, 2, stage, timeout=60):
+        assert applied is False and unchanged and skipped == 1
