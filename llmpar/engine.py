@@ -20,7 +20,8 @@ import torch.distributed as dist
 from torch import nn
 
 from llmpar.config import Config
-from llmpar.distributed.collectives import CommCounter, Group, all_gather_flat, as_group, group_rank, group_size
+from llmpar.distributed.collectives import (CommCounter, Group, GroupRef, all_gather_flat, as_group, group_rank,
+                                          group_size)
 from llmpar.zero.lr_schedules import WarmupSchedule
 from llmpar.zero.optimizer import ZeroOptimizer
 
@@ -33,7 +34,8 @@ class Engine:
     def __init__(self, module: nn.Module, config: Config, optimizer: ZeroOptimizer,
                  scheduler: WarmupSchedule | None, *, dp_group: Group, tp_group: Group | None) -> None:
         self.module, self.config, self.optimizer, self.lr_scheduler = module, config, optimizer, scheduler
-        self.dp_group, self.tp_group = dp_group, tp_group
+        self.dp_group = GroupRef(dp_group)  # by name: see GroupRef
+        self.tp_group = GroupRef(tp_group) if tp_group is not None else None
         self.micro_steps = 0
         self.global_steps = 0
         self.global_samples = 0

@@ -235,3 +235,36 @@ def test_async_all_reduce_overlaps_with_compute():
     h.wait()
     assert h.is_completed()
     assert torch.all(t == 3.0)
+
+
+def _group_ref_body():
+    ref = ld.GroupRef(dist.group.WORLD)
+    assert ld.as_group(ref) is not None and ld.group_size(ref) == dist.get_world_size()
+    t = torch.full((3,), float(dist.get_rank() + 1))
+    ld.all_reduce(t, ref)
+    n = dist.get_world_size()
+    return t.tolist() == [n * (n + 1) / 2] * 3
+
+
+def test_group_ref_resolves_to_the_live_group():
+    assert run_ranks(_group_ref_body, 2) == [True, True]
+
+
+def test_group_ref_after_destroy_is_a_clear_error():
+    import subprocess
+    import sys
+
+    code = (
+        "import llmpar, torch, torch.distributed as dist\n"
+        "from llmpar.distributed import GroupRef, all_reduce\n"
+        "env = llmpar.init_distributed()\n"
+        "ref = GroupRef(dist.group.WORLD)\n"
+        "dist.destroy_process_group()\n"
+        "try:\n"
+        "    all_reduce(torch.ones(1), ref)\n"
+        "except RuntimeError as e:\n"
+        "    print('ERR', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "ERR process group" in out.stdout and "no longer exists" in out.stdout

@@ -1,5 +1,6 @@
 """Where ranks meet: parallel degrees, the named mesh, initialisation, and the collectives every byte goes through."""
 from llmpar.distributed.collectives import (
+    GroupRef,
     Handle,
     all_gather_flat,
     all_reduce,
@@ -21,6 +22,7 @@ from llmpar.distributed.init import DistEnv, destroy_distributed, init_distribut
 __all__ = [
     "MESH_AXES",
     "DistEnv",
+    "GroupRef",
     "Handle",
     "ParallelDims",
     "all_gather_flat",

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from llmpar.distributed.collectives import Group, all_gather_flat, all_reduce, as_group, group_size
+from llmpar.distributed.collectives import Group, GroupRef, all_gather_flat, all_reduce, as_group, group_size
 from llmpar.pipeline._failure import FailureChannel
 from llmpar.pipeline._stage import MeteredStage
 from llmpar.pipeline.schedules import bubble_fraction, check_schedule, schedule_class
@@ -82,7 +82,7 @@ class PipelineRunner:
         self.schedule_name = check_schedule(schedule, pp=split.pp, micro_batches=micro_batches,
                                             virtual_stages=split.virtual_stages)
         self.micro_batches = micro_batches
-        self.dp_group = as_group(dp_group) if dp_group is not None else None
+        self.dp_group = GroupRef(dp_group) if dp_group is not None else None
         self.num_stages = split.num_stages
         self.has_first = 0 in split.stage_indices
         self.has_last = self.num_stages - 1 in split.stage_indices

@@ -9,7 +9,7 @@ from typing import Union
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from llmpar.distributed.collectives import as_group, group_rank, group_size
+from llmpar.distributed.collectives import GroupRef, as_group, group_rank, group_size
 
 Group = Union[dist.ProcessGroup, DeviceMesh]
 
@@ -33,7 +33,7 @@ def resolve_tp_group(group: object, *, argument: str = "group") -> dist.ProcessG
                 "1-D mesh, a mesh with a 'tp' axis, or a ProcessGroup"
             )
         group = group["tp"]
-    if not isinstance(group, (DeviceMesh, dist.ProcessGroup)):
+    if not isinstance(group, (DeviceMesh, dist.ProcessGroup, GroupRef)):
         raise TypeError(f"{argument} must be a ProcessGroup or a DeviceMesh, got {type(group).__name__}")
     return as_group(group)
 

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmpar.distributed.collectives import GroupRef
 from llmpar.tensor_parallel._utils import Group, check_positive, pad_to_multiple, resolve_tp_group, tp_size_rank
 from llmpar.tensor_parallel.comm import reduce_from_tensor_region, reduce_scatter_to_sequence_region
 from llmpar.tensor_parallel.linear import _tag
@@ -37,7 +38,7 @@ class VocabParallelEmbedding(nn.Module):
         _init: object = None,
     ) -> None:
         super().__init__()
-        self.group = resolve_tp_group(group)
+        self.group = GroupRef(resolve_tp_group(group))  # by name: see GroupRef
         self.tp, self.tp_rank = tp_size_rank(self.group)
         self.num_embeddings = check_positive("num_embeddings", num_embeddings)
         self.embedding_dim = check_positive("embedding_dim", embedding_dim)

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmpar.tensor_parallel._overlap import _ColumnParallelMatmul, _RowParallelMatmul
+from llmpar.distributed.collectives import GroupRef
 from llmpar.tensor_parallel._utils import Group, check_positive, divide, pad_to_multiple, resolve_tp_group, tp_size_rank
 from llmpar.tensor_parallel.comm import gather_from_tensor_region, scatter_to_tensor_region
 
@@ -95,7 +96,7 @@ class ColumnParallelLinear(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        self.group = resolve_tp_group(group)
+        self.group = GroupRef(resolve_tp_group(group))  # by name: see GroupRef
         self.tp, self.tp_rank = tp_size_rank(self.group)
         self.in_features = check_positive("in_features", in_features)
         self.out_features = check_positive("out_features", out_features)
@@ -209,7 +210,7 @@ class RowParallelLinear(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        self.group = resolve_tp_group(group)
+        self.group = GroupRef(resolve_tp_group(group))  # by name: see GroupRef
         self.tp, self.tp_rank = tp_size_rank(self.group)
         self.in_features = check_positive("in_features", in_features)
         self.out_features = check_positive("out_features", out_features)

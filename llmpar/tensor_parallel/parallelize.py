@@ -26,6 +26,7 @@ from typing import Mapping
 
 from torch import nn
 
+from llmpar.distributed.collectives import GroupRef
 from llmpar.tensor_parallel._utils import Group, check_positive, resolve_tp_group, tp_size_rank
 from llmpar.tensor_parallel.comm import all_reduce_sum, gather_from_sequence_region
 from llmpar.tensor_parallel.embedding import VocabParallelEmbedding
@@ -138,7 +139,7 @@ def parallelize(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    group = resolve_tp_group(mesh, argument="mesh")
+    group = GroupRef(resolve_tp_group(mesh, argument="mesh"))  # hooks below keep it: by name, see GroupRef
     tp, _ = tp_size_rank(group)
     check_positive("comm_chunks", comm_chunks)
     plan = dict(_pick_default_plan(model) if plan is None else plan)

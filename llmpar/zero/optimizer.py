@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from llmpar.distributed.collectives import (CommCounter, Group, Handle, all_gather_flat, all_reduce, as_group,
+from llmpar.distributed.collectives import (CommCounter, Group, GroupRef, Handle, all_gather_flat, all_reduce, as_group,
                                             group_rank, group_size)
 from llmpar.ops.adamw import adamw_step
 from llmpar.ops.bucket import pack_bucket
@@ -98,7 +98,7 @@ class ZeroOptimizer:
         if max_grad_norm is not None and not (0 < max_grad_norm < float("inf")):
             raise ValueError(f"max_grad_norm={max_grad_norm} must be a positive finite number or None")
         self.config, self.zero_config, self.stage = cfg, zcfg, stage
-        self.dp_group, self.tp_group = as_group(dp_group), (as_group(tp_group) if tp_group is not None else None)
+        self.dp_group, self.tp_group = GroupRef(dp_group), (GroupRef(tp_group) if tp_group is not None else None)
         self.dp, self.rank = group_size(self.dp_group), group_rank(self.dp_group)
         self.max_grad_norm, self.counter, self.seed = max_grad_norm, counter, seed
         self.param_groups = groups
