@@ -26,6 +26,7 @@ import sys
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -62,9 +63,12 @@ class TrainConfig:
     text: str = "shakespeare"
     dtype: str = "float32"
     tp: int = 1
+    pp: int = 1
+    micro_batches: int = 0  # pipeline micro-batches per step; 0: pp
+    schedule: str = "1f1b"
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "seq_len", "n_layer", "n_head", "d_model", "log_every", "tp"):
+        for name in ("steps", "batch_size", "seq_len", "n_layer", "n_head", "d_model", "log_every", "tp", "pp"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"--{name.replace('_', '-')}={value!r} must be a positive integer")
@@ -191,6 +195,7 @@ def train(
     *,
     dp_group: Group | None = None,
     tp_group: Group | None = None,
+    mesh: Any = None,
     device: torch.device | str = "cpu",
     progress: bool = False,
     sample_chars: int = 0,
@@ -217,13 +222,22 @@ def train(
     model = GPT(cfg.model_config(tokenizer.vocab_size), seed=cfg.seed, device=device, dtype=_DTYPES[cfg.dtype])
     n_params = model.num_params()  # of the whole model, before any split
     tp = group_size(tp_group) if tp_group is not None else 1
-    if tp > 1:
+    runner = None
+    if cfg.pp > 1:  # stages over the mesh's pp axis, tensor-parallel inside each; grads averaged over dp
+        from llmpar.pipeline import build_pipeline
+
+        if mesh is None:
+            raise ValueError(f"--pp={cfg.pp} needs mesh= (the [pp, dp, tp] mesh of llmpar.init_distributed)")
+        runner = build_pipeline(model, mesh, model.loss, micro_batches=cfg.micro_batches or cfg.pp,
+                                schedule=cfg.schedule, dp_group=dp_group, verbose=show)
+        stage_model = torch.nn.ModuleList(runner.split.modules)  # this rank's stages, for the optimizer
+    elif tp > 1:
         from llmpar.tensor_parallel import parallelize
 
         parallelize(model, tp_group)
-    params = [p for p in model.parameters() if p.requires_grad]
-    zero = _make_zero(model, cfg, dp_group, tp_group) if dp_group is not None else None
-    opt = zero if zero is not None else _make_optimizer(model, cfg)
+    params = runner.parameters() if runner is not None else [p for p in model.parameters() if p.requires_grad]
+    zero = _make_zero(model, cfg, dp_group, tp_group) if dp_group is not None and runner is None else None
+    opt = zero if zero is not None else _make_optimizer(stage_model if runner is not None else model, cfg)
     tokens_per_step = cfg.batch_size * cfg.seq_len * dp
 
     bar = None
@@ -242,9 +256,15 @@ def train(
         for g in opt.param_groups:
             g["lr"] = cfg.lr_at(step)
         opt.zero_grad(set_to_none=zero is not None)
-        loss = model.loss(model(x), y)
-        loss.backward()
-        if zero is not None:  # ZeRO-2: grads were reduce-scattered during backward; clipping is inside step()
+        if runner is None:
+            loss = model.loss(model(x), y)
+            loss.backward()
+        if runner is not None:  # pipeline: all micro-batches through the stages, plain AdamW on this rank's stages
+            losses.append(runner.step(x, y))  # the dp-averaged loss; grads averaged over dp, tied ones over pp
+            if cfg.grad_clip > 0:
+                runner.clip_grad_norm_(cfg.grad_clip)  # norm of the whole model (over pp and tp)
+            opt.step()
+        elif zero is not None:  # ZeRO-2: grads were reduce-scattered during backward; clipping is inside step()
             losses.append(_global_loss(loss, dp_group))
             zero.step()
         else:  # one process: plain AdamW
@@ -259,7 +279,7 @@ def train(
         if step == 0:
             t_after_first = time.perf_counter()  # the first step pays for warm-up; tokens/s leaves it out
         if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
-            mem_group = dist.group.WORLD if dist.is_initialized() and dp * tp > 1 else None  # every rank's memory
+            mem_group = dist.group.WORLD if dist.is_initialized() and dp * tp * cfg.pp > 1 else None  # every rank's memory
             mem = _gather_scalar(peak_memory_mb(device)[0], mem_group, device)
             if bar is not None:
                 elapsed = time.perf_counter() - t_after_first
@@ -278,7 +298,7 @@ def train(
     tps = tokens_per_step * (cfg.steps - 1) / timed if cfg.steps > 1 and timed > 0 else tokens_per_step / (t_end - t_start)
 
     text = ""
-    if sample_chars > 0 and dp_rank == 0:
+    if sample_chars > 0 and dp_rank == 0 and runner is None:  # with pp a rank holds only its stages
         model.eval()
         prompt = tokenizer.encode("\n").view(1, -1).to(device)
         gen = torch.Generator().manual_seed(cfg.seed)
@@ -301,7 +321,7 @@ def format_summary(r: TrainResult) -> str:
     mem = ", ".join(f"rank {i}: {m:.0f} MiB" for i, m in enumerate(r.mem_mb))
     lines = [
         "",
-        f"== llmpar train: GPT {r.n_params / 1e6:.2f}M params, dp={r.dp}, tp={r.config.get('tp', 1)}, {len(r.losses)} steps ==",
+        f"== llmpar train: GPT {r.n_params / 1e6:.2f}M params, dp={r.dp}, tp={r.config.get('tp', 1)}, pp={r.config.get('pp', 1)}, {len(r.losses)} steps ==",
         f"first loss      {r.first_loss:.4f}",
         f"final loss      {r.final_loss:.4f}  (mean of the last {max(1, min(10, len(r.losses) // 20))} steps)",
         f"throughput      {r.tokens_per_s:,.0f} tokens/s (all ranks, after step 1)",
@@ -334,14 +354,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--text", default=d.text, help="shipped text to train on")
     p.add_argument("--dtype", default=d.dtype, choices=sorted(_DTYPES))
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cpu uses gloo, cuda uses nccl")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree; the ranks are dp x tp")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree; the ranks are pp x dp x tp")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (stages)")
+    p.add_argument("--micro-batches", type=int, default=0, help="pipeline micro-batches per step (default: pp)")
+    p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved_1f1b"),
+                   help="pipeline schedule")
     p.add_argument("--sample", type=int, default=200, help="characters to sample after training (0: none)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the summary as JSON to PATH")
     p.set_defaults(func=main)
 
 
 _CONFIG_FLAGS = ("steps", "batch_size", "seq_len", "lr", "n_layer", "n_head", "d_model", "seed", "log_every",
-                 "text", "dtype", "tp")
+                 "text", "dtype", "tp", "pp", "micro_batches", "schedule")
 _OTHER_FLAGS = ("device", "sample", "json")  # not --nproc: torchrun's parser would call it ambiguous
 
 
@@ -383,6 +407,9 @@ def main(args: argparse.Namespace) -> int:
         if args.nproc < 1:
             raise ValueError(f"--nproc={args.nproc} must be >= 1")
         world = int(os.environ.get("WORLD_SIZE", args.nproc if not under_torchrun else 1))
+        if world % (cfg.tp * cfg.pp):
+            raise ValueError(f"--pp={cfg.pp} x --tp={cfg.tp} does not divide the {world} ranks; the ranks are "
+                             "pp x dp x tp")
         if world % cfg.tp:
             raise ValueError(f"--tp={cfg.tp} does not divide the {world} ranks; the ranks are dp x tp")
         if args.device == "cuda" and not torch.cuda.is_available():
@@ -395,7 +422,7 @@ def main(args: argparse.Namespace) -> int:
 
     import llmpar
 
-    env = llmpar.init_distributed(backend="nccl" if args.device == "cuda" else "gloo", tp=cfg.tp, pp=1)
+    env = llmpar.init_distributed(backend="nccl" if args.device == "cuda" else "gloo", tp=cfg.tp, pp=cfg.pp)
     try:
         assert env.mesh is not None
         dp_group = env.mesh["dp"] if env.world_size > 1 else None
@@ -403,7 +430,7 @@ def main(args: argparse.Namespace) -> int:
         if env.is_main:
             logger.info("llmpar train: %d rank(s), backend %s, device %s, %d threads/rank",
                         env.world_size, env.backend, env.device, torch.get_num_threads())
-        _, result = train(cfg, dp_group=dp_group, tp_group=tp_group, device=env.device, progress=True, sample_chars=args.sample)
+        _, result = train(cfg, dp_group=dp_group, tp_group=tp_group, mesh=env.mesh, device=env.device, progress=True, sample_chars=args.sample)
         if env.is_main:
             logger.info(format_summary(result))
             if args.json:

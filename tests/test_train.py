@@ -67,6 +67,27 @@ def test_tensor_parallel_training_matches_single_process(world_size, tp):
                                    msg=f"rank {rank}")
 
 
+def _pp_body(kw, pp, tp):
+    import llmpar
+
+    env = llmpar.init_distributed(tp=tp, pp=pp)
+    dp_group = env.mesh["dp"] if env.dims.dp > 1 else None
+    _, result = train(TrainConfig(**dict(kw, tp=tp, pp=pp, micro_batches=3)), dp_group=dp_group,
+                      tp_group=env.mesh["tp"] if tp > 1 else None, mesh=env.mesh)
+    return result.losses
+
+
+@pytest.mark.parametrize("world_size, pp, tp", [(2, 2, 1), (4, 2, 2), (4, 2, 1)])
+def test_pipeline_training_matches_single_process(world_size, pp, tp):
+    """--pp (with --tp inside the stages, and dp over the rest) lands the single-process loss curve."""
+    outs = run_ranks(_pp_body, world_size, TINY, pp, tp, timeout=180)
+    dp = world_size // (pp * tp)
+    _, single = train(TrainConfig(**dict(TINY, batch_size=dp * TINY["batch_size"])), dp_group=None)
+    for rank, losses in enumerate(outs):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(single.losses), rtol=1e-9, atol=1e-10,
+                                   msg=f"rank {rank}")
+
+
 def test_bad_flags_fail_clearly():
     with pytest.raises(ValueError, match="--tp=0"):
         TrainConfig(tp=0)
