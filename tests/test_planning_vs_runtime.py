@@ -1,4 +1,4 @@
-"""The memory estimate against the bytes llmpar's tensor-parallel layers really hold on each rank.
+"""The memory estimate against the bytes llmpar really holds on each rank (tensor-parallel layers, ZeRO stages).
 
 A GPT of llmpar.models is split with llmpar.parallelize on tp CPU ranks; each rank counts the parameter and
 gradient bytes it holds, and the planner's per-rank estimate for the same shape must match within 10% (it is
@@ -42,3 +42,18 @@ def test_estimate_matches_bytes_held_by_tensor_parallel_ranks(tp):
         assert abs(est.grads - grad_bytes) <= 0.10 * grad_bytes, (rank, est.grads, grad_bytes)
     # the busiest rank's parameter count is what the planner computes, to the element
     assert max(h[2] for h in held) == est.psi_rank
+
+
+@pytest.mark.parametrize("stage, world", [(0, 2), (1, 2), (2, 2), (1, 4), (2, 4)])
+def test_estimate_matches_bytes_held_by_zero_ranks(stage, world):
+    """planning.model_state_bytes (bf16 params, fp32 master + moments) against what ZeroOptimizer really holds."""
+    from llmpar.planning import model_state_bytes
+    from test_engine import memory_body
+
+    for rank, (mem, psi, _, _) in enumerate(run_ranks(memory_body, world, stage, timeout=60)):
+        est = model_state_bytes(psi, dp=world, zero_stage=stage, precision="fp32_master")
+        pairs = {"params": mem["params"], "grads": mem["grads"],
+                 "master+optimizer": mem["master"] + mem["optimizer_state"]}
+        want = {"params": est["params"], "grads": est["grads"], "master+optimizer": est["master"] + est["optimizer"]}
+        for kind, held in pairs.items():
+            assert abs(want[kind] - held) <= 0.10 * held, (rank, kind, want[kind], held)
