@@ -3,7 +3,8 @@
 Top-level keys (DeepSpeed's names and meaning):
     train_batch_size = train_micro_batch_size_per_gpu * gradient_accumulation_steps * dp; any two of the three are
         enough (the third is inferred as DeepSpeed does, gradient_accumulation_steps defaulting to 1), an inconsistent
-        triple is an error
+        triple is an error; none of the three: micro batch 1 (logged; DeepSpeed would refuse, but its own docs' snippet
+        gives none)
     gradient_clipping (0 = off), steps_per_print (default 10), optimizer (-> llmpar.zero.OptimizerConfig; absent:
     AdamW lr=1e-3, logged), scheduler (-> llmpar.zero.lr_schedules.SchedulerConfig), bf16 / bfloat16 {enabled},
     zero_optimization (-> llmpar.zero.ZeroConfig)
@@ -105,6 +106,9 @@ def _batch_sizes(config: dict[str, Any], dp: int) -> tuple[int, int, int]:
            ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps") if k in config}
     train, micro, gas = (get.get("train_batch_size"), get.get("train_micro_batch_size_per_gpu"),
                          get.get("gradient_accumulation_steps"))
+    if train is None and micro is None and gas is None:  # DeepSpeed asserts here; its docs' snippets give none
+        logger.info("llmpar.initialize: no batch size in the config: train_micro_batch_size_per_gpu=1")
+        micro = 1
     if train is None and micro is None:
         raise ValueError('give "train_batch_size" or "train_micro_batch_size_per_gpu" (or both)')
     if train is not None and micro is not None and gas is None:

@@ -1,4 +1,4 @@
-"""``llmpar.initialize``: a DeepSpeed config in, a training engine with ZeRO (stages 0-2) out.
+"""``llmpar.initialize``: a DeepSpeed config in, a training engine with ZeRO (stages 0-3, CPU offload) out.
 
     engine, optimizer, _, scheduler = llmpar.initialize(model=model, config={...DeepSpeed JSON...})
     loss = engine(batch); engine.backward(loss); engine.step()
@@ -107,6 +107,26 @@ class Engine:
     def zero_grad(self) -> None:
         self.optimizer.zero_grad()
 
+    def module_state_dict(self) -> dict:
+        """The model's full state dict on dp rank 0 ({} elsewhere); stage 3 gathers it one unit at a time."""
+        from llmpar.zero.gather import consolidated_state_dict
+
+        return consolidated_state_dict(self.module, self.optimizer)
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
+        """DeepSpeed's: write the full 16-bit (the params' dtype) weights from dp rank 0. Under stage 3 this needs
+        ``stage3_gather_16bit_weights_on_model_save`` (else nothing is saved and False is returned, as DeepSpeed)."""
+        import os
+
+        if self.config.zero.stage == 3 and not self.config.zero.stage3_gather_16bit_weights_on_model_save:
+            logger.warning("save_16bit_model: stage 3 without stage3_gather_16bit_weights_on_model_save: not saved")
+            return False
+        state = self.module_state_dict()
+        if group_rank(self.dp_group) == 0:
+            os.makedirs(save_dir, exist_ok=True)
+            torch.save(state, os.path.join(save_dir, save_filename))
+        return True
+
 
 def _check_same_config(config: Config, groups: list[Group], device: torch.device) -> None:
     """The same config on every rank of each group: a mismatch is a clear error on all of them, not a hang."""
@@ -142,11 +162,13 @@ def _resolve_groups(mesh: Any, dp_group: Group | None, tp_group: Group | None) -
 def initialize(*, model: nn.Module, config: dict | str | Config, model_parameters: Any = None,
                optimizer: Any = None, lr_scheduler: Any = None, training_data: Any = None, collate_fn: Any = None,
                mesh: Any = None, dp_group: Group | None = None, tp_group: Group | None = None,
-               counter: CommCounter | None = None, args: Any = None, **unsupported: Any):
+               counter: CommCounter | None = None, args: Any = None, unit_policy: Any = None, **unsupported: Any):
     """Build the engine from a DeepSpeed config. Returns ``(engine, optimizer, dataloader or None, scheduler)``.
 
     model_parameters: params or param-group dicts (default: all of the model's, weight decay on all, as DeepSpeed).
     mesh / dp_group / tp_group: where ZeRO and tensor parallelism run (see the module docstring).
+    unit_policy: stage 3 sharding units, ``policy(name, module) -> bool`` (default: transformer blocks, embeddings,
+    head; see ``llmpar.zero.stage3.unit_modules``).
     optimizer / lr_scheduler objects are not taken: describe them in the config.
     """
     if unsupported:
@@ -162,13 +184,21 @@ def initialize(*, model: nn.Module, config: dict | str | Config, model_parameter
     if cfg.dp != dp:
         raise ValueError(f"the config was parsed for dp={cfg.dp} but dp_group has {dp} ranks")
     device = next(model.parameters()).device
+    if device.type == "meta":  # built under llmpar.zero.Init: stage 3 materialises it shard by shard
+        from llmpar.zero.init import default_device
+
+        if cfg.zero.stage != 3:
+            raise ValueError(f"the model is on the meta device (llmpar.zero.Init) but zero_optimization.stage is "
+                             f"{cfg.zero.stage}: only stage 3 materialises a meta model")
+        device = default_device()
     _check_same_config(cfg, [dp_group] + ([tp_group] if tp_group is not None else []), device)
     if cfg.bf16:
         model.to(torch.bfloat16)
     params = model_parameters if model_parameters is not None else list(model.named_parameters())
     opt = ZeroOptimizer(params, cfg.optimizer, dp_group, stage=cfg.zero.stage, zero_config=cfg.zero,
                         tp_group=tp_group, max_grad_norm=cfg.gradient_clipping or None, counter=counter,
-                        grad_accum_dtype=torch.float32 if cfg.bf16 and cfg.gradient_accumulation_steps > 1 else None)
+                        grad_accum_dtype=torch.float32 if cfg.bf16 and cfg.gradient_accumulation_steps > 1 else None,
+                        module=model, unit_policy=unit_policy)
     sched = WarmupSchedule(opt, cfg.scheduler) if cfg.scheduler is not None else None
     engine = Engine(model, cfg, opt, sched, dp_group=dp_group, tp_group=tp_group)
     loader = None

@@ -154,8 +154,10 @@ def test_bad_arguments_raise_clearly():
     net = Net(torch.float32)
     with pytest.raises(TypeError, match="dp_group is required"):
         ZeroOptimizer(net.parameters(), None, None)
-    with pytest.raises(ValueError, match="not supported yet"):
+    with pytest.raises(TypeError, match="needs module="):
         ZeroOptimizer(net.parameters(), None, None, stage=3)
+    with pytest.raises(ValueError, match="must be 0, 1, 2 or 3"):
+        ZeroOptimizer(net.parameters(), None, None, stage=4)
     with pytest.raises(ValueError, match="params is empty"):
         ZeroOptimizer([], None, object())
 

@@ -11,16 +11,14 @@ import numbers
 from dataclasses import dataclass, fields
 from typing import Any
 
-STAGE3_ISSUE = "not supported yet (issue ZeRO-3: stage 3 and CPU offload come next)"
+STAGE3_ISSUE = "not supported (use offload_optimizer / offload_param)"
 
-# zero_optimization keys DeepSpeed knows that llmpar does not support yet -> why
+# zero_optimization keys DeepSpeed knows that llmpar does not support -> why
 _ZERO_UNSUPPORTED = {
-    "offload_optimizer": STAGE3_ISSUE, "offload_param": STAGE3_ISSUE, "cpu_offload": STAGE3_ISSUE,
-    "cpu_offload_params": STAGE3_ISSUE, "cpu_offload_use_pin_memory": STAGE3_ISSUE,
-    "stage3_prefetch_bucket_size": STAGE3_ISSUE, "stage3_param_persistence_threshold": STAGE3_ISSUE,
-    "stage3_max_live_parameters": STAGE3_ISSUE, "stage3_max_reuse_distance": STAGE3_ISSUE,
-    "stage3_gather_16bit_weights_on_model_save": STAGE3_ISSUE, "stage3_gather_fp16_weights_on_model_save": STAGE3_ISSUE,
-    "stage3_module_granularity_threshold": STAGE3_ISSUE, "sub_group_size": STAGE3_ISSUE,
+    "cpu_offload": "the legacy spelling is not supported: use \"offload_optimizer\": {\"device\": \"cpu\"}",
+    "cpu_offload_params": "the legacy spelling is not supported: use \"offload_param\": {\"device\": \"cpu\"}",
+    "cpu_offload_use_pin_memory": "the legacy spelling is not supported: use \"offload_optimizer\": {\"pin_memory\": true}",
+    "stage3_module_granularity_threshold": "not supported (sharding units are modules: see stage3_unit_policy)",
     "zero_hpz_partition_size": "hierarchical partitioning (ZeRO++) is not supported",
     "zero_quantized_weights": "quantized communication (ZeRO++) is not supported",
     "zero_quantized_gradients": "quantized communication (ZeRO++) is not supported",
@@ -75,9 +73,51 @@ def as_bool(name: str, value: Any) -> bool:
     return value
 
 
+_OFFLOAD_UNSUPPORTED = {"buffer_count": "NVMe offload is not supported", "buffer_size": "NVMe offload is not supported",
+                        "max_in_cpu": "NVMe offload is not supported", "nvme_path": "NVMe offload is not supported",
+                        "pipeline_read": "NVMe offload is not supported", "pipeline_write": "NVMe offload is not supported",
+                        "fast_init": "not supported", "ratio": "partial offload is not supported"}
+
+
+@dataclass(kw_only=True)
+class OffloadConfig:
+    """``offload_optimizer`` / ``offload_param``: ``device`` "cpu" keeps the tensors in host memory ("none": off)."""
+
+    device: str = "none"
+    pin_memory: bool = False
+
+    def __post_init__(self) -> None:
+        if self.device not in ("none", "cpu"):
+            raise ValueError(f'offload "device"={self.device!r} must be "cpu" or "none"'
+                             + (" (NVMe offload is not supported)" if self.device == "nvme" else ""))
+        self.pin_memory = as_bool("offload.pin_memory", self.pin_memory)
+
+    @property
+    def enabled(self) -> bool:
+        return self.device == "cpu"
+
+    @classmethod
+    def from_dict(cls, block: str, d: Any) -> "OffloadConfig":
+        if isinstance(d, OffloadConfig):
+            return d
+        if d is None:
+            return cls()
+        check_keys(block, d, ["device", "pin_memory"], _OFFLOAD_UNSUPPORTED)
+        return cls(**d)
+
+
 @dataclass(kw_only=True)
 class ZeroConfig:
-    """``zero_optimization``. Bucket sizes are in elements, as in DeepSpeed (default 5e8)."""
+    """``zero_optimization``. Bucket sizes are in elements, as in DeepSpeed (default 5e8).
+
+    Stage 3 (parameter sharding, ``stage3.py``): ``stage3_prefetch_bucket_size`` elements gathered ahead of use,
+    ``stage3_max_live_parameters`` caps gathered elements held by prefetch, units of at most
+    ``stage3_param_persistence_threshold`` elements stay gathered; ``stage3_gather_16bit_weights_on_model_save``
+    lets ``engine.save_16bit_model`` gather full weights. ``stage3_max_reuse_distance`` and ``sub_group_size`` are
+    accepted and have no effect (units are freed after use; the step runs per flat buffer).
+    Offload (``offload.py``): ``offload_optimizer`` (stage 2 or 3) keeps the fp32 master, moments and gradient
+    partition on the host and steps there; ``offload_param`` (stage 3) keeps the parameter shards there.
+    """
 
     stage: int = 0
     reduce_bucket_size: int = 500_000_000
@@ -85,13 +125,30 @@ class ZeroConfig:
     overlap_comm: bool = False
     contiguous_gradients: bool = True
     reduce_scatter: bool = True
+    stage3_prefetch_bucket_size: int = 50_000_000
+    stage3_param_persistence_threshold: int = 100_000
+    stage3_max_live_parameters: int = 1_000_000_000
+    stage3_max_reuse_distance: int = 1_000_000_000
+    stage3_gather_16bit_weights_on_model_save: bool = False
+    sub_group_size: int = 1_000_000_000
+    offload_optimizer: OffloadConfig | dict | None = None
+    offload_param: OffloadConfig | dict | None = None
 
     def __post_init__(self) -> None:
         self.stage = as_int("zero_optimization.stage", self.stage, minimum=0)
-        if self.stage == 3:
-            raise ValueError(f'"zero_optimization.stage"=3 is {STAGE3_ISSUE}; use stage 0, 1 or 2')
         if self.stage > 3:
-            raise ValueError(f'"zero_optimization.stage"={self.stage} must be 0, 1 or 2 (3 comes next)')
+            raise ValueError(f'"zero_optimization.stage"={self.stage} must be 0, 1, 2 or 3')
+        for name in ("stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
+                     "stage3_max_live_parameters", "stage3_max_reuse_distance", "sub_group_size"):
+            setattr(self, name, as_int(f"zero_optimization.{name}", getattr(self, name), minimum=0))
+        self.stage3_gather_16bit_weights_on_model_save = as_bool(
+            "zero_optimization.stage3_gather_16bit_weights_on_model_save", self.stage3_gather_16bit_weights_on_model_save)
+        self.offload_optimizer = OffloadConfig.from_dict("zero_optimization.offload_optimizer", self.offload_optimizer)
+        self.offload_param = OffloadConfig.from_dict("zero_optimization.offload_param", self.offload_param)
+        if self.offload_optimizer.enabled and self.stage < 2:
+            raise ValueError(f'"zero_optimization.offload_optimizer" needs stage 2 or 3, got stage {self.stage}')
+        if self.offload_param.enabled and self.stage != 3:
+            raise ValueError(f'"zero_optimization.offload_param" needs stage 3, got stage {self.stage}')
         self.reduce_bucket_size = as_int("zero_optimization.reduce_bucket_size", self.reduce_bucket_size, minimum=1)
         self.allgather_bucket_size = as_int("zero_optimization.allgather_bucket_size", self.allgather_bucket_size,
                                             minimum=1)
@@ -100,6 +157,12 @@ class ZeroConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "ZeroConfig":
+        d = dict(d) if isinstance(d, dict) else d
+        if isinstance(d, dict) and "stage3_gather_fp16_weights_on_model_save" in d:  # DeepSpeed's older alias
+            if "stage3_gather_16bit_weights_on_model_save" in d:
+                raise ValueError('give "stage3_gather_16bit_weights_on_model_save" or its alias '
+                                 '"stage3_gather_fp16_weights_on_model_save", not both')
+            d["stage3_gather_16bit_weights_on_model_save"] = d.pop("stage3_gather_fp16_weights_on_model_save")
         check_keys("zero_optimization", d, [f.name for f in fields(cls)], _ZERO_UNSUPPORTED)
         return cls(**d)
 
@@ -166,4 +229,4 @@ def optimizer_field_names() -> list[str]:
     return [f.name for f in fields(OptimizerConfig)]
 
 
-__all__ = ["OptimizerConfig", "ZeroConfig", "STAGE3_ISSUE", "check_keys", "nearest", "as_int", "as_float", "as_bool"]
+__all__ = ["OffloadConfig", "OptimizerConfig", "ZeroConfig", "STAGE3_ISSUE", "check_keys", "nearest", "as_int", "as_float", "as_bool"]

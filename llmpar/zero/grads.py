@@ -43,6 +43,7 @@ class FlatBuffer:
     steps: list[torch.Tensor] = field(default_factory=list)  # one float32 scalar per unit
     pending: list[int] = field(default_factory=list)  # per unit: params still to deliver a grad this backward
     seen: list[set] = field(default_factory=list)
+    shard: torch.Tensor | None = None  # stage 3: this rank's [partition] of the params (host pool under offload_param)
 
 
 class _WeakHook:
@@ -83,6 +84,8 @@ class GradReducer:
         self._staging_live = 0
         self._where: dict[int, tuple[FlatBuffer, int]] = {}
         self._hooks = []
+        self.on_unit_reduced: Callable[[FlatBuffer, int], None] | None = None  # stage 3 frees the unit
+        self.on_backward_end: Callable[[], None] | None = None
         for b in buffers:
             b.pending = [len(u.params) for u in b.layout.units]
             b.seen = [set() for _ in b.layout.units]
@@ -132,13 +135,19 @@ class GradReducer:
             staging[unit.numel:].zero_()
             del grads
             shard = layout.shard_of_partition(b.grad, u)
-            if self.fresh and shard.dtype == staging.dtype:
+            if self.on_unit_reduced is not None:  # stage 3: the grads are packed, the gathered unit can go
+                self.on_unit_reduced(b, u)
+            if self.fresh and shard.dtype == staging.dtype and shard.device == staging.device:
                 self._launch(reduce_scatter_flat(shard, staging, self.group, async_op=True, counter=self.counter),
                              None, staging)
-            else:
+            else:  # another dtype / the host partition (offload_optimizer): copied out when the reduction lands
                 tmp = staging.new_empty(shard.numel())
                 h = reduce_scatter_flat(tmp, staging, self.group, async_op=True, counter=self.counter)
-                self._launch(h, (lambda: shard.copy_(tmp)) if self.fresh else (lambda: shard.add_(tmp)), staging)
+                if self.fresh:
+                    finish = lambda: shard.copy_(tmp, non_blocking=shard.device.type != "cpu")  # noqa: E731
+                else:
+                    finish = lambda: shard.add_(tmp.to(shard.device, shard.dtype))  # noqa: E731
+                self._launch(h, finish, staging)
             return
         region = layout.unit_view(b.grad, u)
         if self.fresh:
@@ -185,6 +194,8 @@ class GradReducer:
                 if left > 0:
                     self._unit_ready(b, u)
         self.wait_all()
+        if self.on_backward_end is not None:
+            self.on_backward_end()
         for b in self.buffers:
             b.pending = [len(unit.params) for unit in b.layout.units]
             for s in b.seen:

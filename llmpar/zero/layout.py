@@ -61,10 +61,11 @@ class FlatLayout:
 
     params: the tensors in registration order; names: matching names (for errors and checkpoints).
     unit_numel: target elements per unit (``reduce_bucket_size``); align: elements each shard is a multiple of.
+    groups: explicit units instead (lists of param indices, in unit order; stage 3 gives one per module).
     """
 
     def __init__(self, params: list[torch.Tensor], names: list[str], *, shards: int, unit_numel: int,
-                 align: int = 1) -> None:
+                 align: int = 1, groups: list[list[int]] | None = None) -> None:
         if len(params) != len(names):
             raise ValueError(f"names has {len(names)} entries but params has {len(params)}")
         if not params:
@@ -79,17 +80,13 @@ class FlatLayout:
         self.shards = shards
         self.align = align
         self.unit_numel = unit_numel
-        order = list(reversed(range(len(params))))  # gradients arrive roughly in reverse registration order
-        groups: list[list[int]] = []
-        size = 0
-        for i in order:
-            n = params[i].numel()
-            if groups and size + n <= unit_numel:
-                groups[-1].append(i)
-                size += n
-            else:
-                groups.append([i])
-                size = n
+        if groups is not None:  # explicit units (stage 3: one module each): every param in exactly one
+            flat_ids = sorted(i for g in groups for i in g)
+            if flat_ids != list(range(len(params))) or any(not g for g in groups):
+                raise ValueError(f"groups must split the {len(params)} params into non-empty units, each param once")
+            groups = [list(g) for g in groups]
+        else:
+            groups = self._by_size(params, unit_numel)
         self.slots: list[ParamSlot | None] = [None] * len(params)
         self.units: list[Unit] = []
         offset = shard_offset = 0
@@ -108,6 +105,21 @@ class FlatLayout:
         self.partition = shard_offset
         self.numel = sum(p.numel() for p in params)
 
+    @staticmethod
+    def _by_size(params: list[torch.Tensor], unit_numel: int) -> list[list[int]]:
+        order = list(reversed(range(len(params))))  # gradients arrive roughly in reverse registration order
+        groups: list[list[int]] = []
+        size = 0
+        for i in order:
+            n = params[i].numel()
+            if groups and size + n <= unit_numel:
+                groups[-1].append(i)
+                size += n
+            else:
+                groups.append([i])
+                size = n
+        return groups
+
     def slot(self, index: int) -> ParamSlot:
         slot = self.slots[index]
         assert slot is not None
@@ -119,6 +131,11 @@ class FlatLayout:
         s = self.slot(index)
         start = self.units[s.unit].offset + s.offset
         return flat[start : start + s.numel].view(s.shape)
+
+    def param_in_unit(self, unit_flat: torch.Tensor, index: int) -> torch.Tensor:
+        """Param ``index`` as a view into its gathered unit ``unit_flat: [padded]`` (stage 3)."""
+        s = self.slot(index)
+        return unit_flat[s.offset : s.offset + s.numel].view(s.shape)
 
     def unit_view(self, flat: torch.Tensor, unit: int) -> torch.Tensor:
         """Unit ``unit`` of the full flat buffer: ``[padded]``."""

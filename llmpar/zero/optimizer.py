@@ -1,4 +1,4 @@
-"""ZeroOptimizer: AdamW over data-parallel ranks with ZeRO stage 0, 1 or 2 on the flat layout of ``layout.py``.
+"""ZeroOptimizer: AdamW over data-parallel ranks with ZeRO stage 0, 1, 2 or 3 on the flat layout of ``layout.py``.
 
     opt = ZeroOptimizer(model.named_parameters(), OptimizerConfig(lr=3e-4, weight_decay=0.1), env.mesh["dp"], stage=2,
                         tp_group=env.mesh["tp"], max_grad_norm=1.0)
@@ -8,6 +8,10 @@ What each rank holds (psi = trainable params, N = dp ranks, bf16 params with fp3
     stage 0: params 2 psi, grads 2 psi, master + moments 12 psi           (plain data parallel)
     stage 1: params 2 psi, grads 2 psi, master + moments 12 psi / N       (optimizer state partitioned)
     stage 2: params 2 psi, grads 2 psi / N, master + moments 12 psi / N   (gradients too)
+    stage 3: params 2 psi / N, grads 2 psi / N, master + moments 12 psi / N (params too: ``stage3.py``; + the units
+             gathered at a time)
+offload_optimizer moves grads + master + moments to the host (fp32 there: 16 psi / N), offload_param the stage-3
+param shards (``offload.py``).
 (fp32 grad accumulators when ``grad_accum_dtype=torch.float32``: grads 4 psi resp. 4 psi / N.)
 
 step(): the global gradient norm (partition norms summed over dp; tensor-parallel params summed over tp, replicated
@@ -25,6 +29,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch import nn
 
 from llmpar.distributed.collectives import (CommCounter, Group, GroupRef, Handle, all_gather_flat, all_reduce, as_group,
                                             group_rank, group_size)
@@ -34,7 +39,10 @@ from llmpar.ops.grad_norm import clip_coefficient, grad_norm
 from llmpar.optim.adamw import MODES, resolve_precision, state_dtypes
 from llmpar.zero.config import OptimizerConfig, ZeroConfig
 from llmpar.zero.grads import FlatBuffer, GradReducer
+from llmpar.zero.init import default_device, materialize_sharded, remap_params, replace_meta_params
 from llmpar.zero.layout import FlatLayout
+from llmpar.zero.offload import Placement, host_step, master_dtype
+from llmpar.zero.stage3 import Stage3Runtime, UnitPlan, UnitPolicy
 
 logger = logging.getLogger("llmpar")
 
@@ -81,7 +89,8 @@ class ZeroOptimizer:
     def __init__(self, params: Iterable[Any], optimizer_config: OptimizerConfig | dict | None, dp_group: Group, *,
                  stage: int = 2, zero_config: ZeroConfig | None = None, tp_group: Group | None = None,
                  max_grad_norm: float | None = None, grad_accum_dtype: torch.dtype | None = None,
-                 counter: CommCounter | None = None, align: int = 16, seed: int = 0) -> None:
+                 counter: CommCounter | None = None, align: int = 16, seed: int = 0,
+                 module: nn.Module | None = None, unit_policy: UnitPolicy | None = None) -> None:
         cfg = optimizer_config if optimizer_config is not None else OptimizerConfig()
         if isinstance(cfg, dict):
             cfg = OptimizerConfig(**cfg)
@@ -90,7 +99,17 @@ class ZeroOptimizer:
         zcfg = zero_config if zero_config is not None else ZeroConfig(stage=stage)
         if zero_config is not None and stage != zcfg.stage:
             raise ValueError(f"stage={stage} disagrees with zero_config.stage={zcfg.stage}; pass one of them")
-        ZeroConfig(stage=stage)  # range check (3 -> not supported yet)
+        if zero_config is None:
+            ZeroConfig(stage=stage)  # range check
+        if stage == 3 and not isinstance(module, nn.Module):
+            raise TypeError("ZeRO stage 3 needs module= (the model whose forward gathers the sharded params), got "
+                            f"{type(module).__name__}")
+        self._deferred: set[int] = set()  # stage 3 params built on the meta device (llmpar.zero.Init)
+        self.init_peak_numel = 0
+        if stage == 3 and any(p.is_meta for p in module.parameters()):
+            mapping = replace_meta_params(module, default_device())
+            self._deferred = {id(p) for p in mapping.values()}
+            params = remap_params(params, mapping)
         groups = _param_groups(params, cfg)  # checked before any group is touched
         if dp_group is None:
             raise TypeError("dp_group is required: pass the data-parallel ProcessGroup or DeviceMesh (e.g. "
@@ -105,11 +124,25 @@ class ZeroOptimizer:
         self.last_grad_norm: float | None = None
         self.skipped_steps = 0
         self.frozen = [p for g in self.param_groups for p in g["params"] if not p.requires_grad]
+        device = next(p.device for g in self.param_groups for p in g["params"])
+        self.placement = Placement(device, offload_optimizer=zcfg.offload_optimizer, offload_param=zcfg.offload_param)
+        self.plan = UnitPlan(module, unit_policy) if stage == 3 else None
         self.buffers = self._build_buffers(cfg.precision, grad_accum_dtype, align)
         self._check_same_model()
-        self.reducer = GradReducer(self.buffers, stage=stage, dp_group=self.dp_group, dp=self.dp, rank=self.rank,
-                                   overlap=zcfg.overlap_comm, reduce_dtype_of=lambda b: b.flat.dtype,
+        if self._deferred:
+            materialize_sharded(self)
+        self.reducer = GradReducer(self.buffers, stage=min(stage, 2), dp_group=self.dp_group, dp=self.dp,
+                                   rank=self.rank, overlap=zcfg.overlap_comm, reduce_dtype_of=lambda b: b.flat.dtype,
                                    counter=counter)
+        self.stage3: Stage3Runtime | None = None
+        if stage == 3:
+            assert self.plan is not None
+            self.stage3 = Stage3Runtime(self.plan, self.buffers, dp_group=self.dp_group, device=device,
+                                        prefetch_numel=zcfg.stage3_prefetch_bucket_size,
+                                        max_live_numel=zcfg.stage3_max_live_parameters,
+                                        persist_numel=zcfg.stage3_param_persistence_threshold, counter=counter)
+            self.reducer.on_unit_reduced = self.stage3.unit_reduced
+            self.reducer.on_backward_end = self.stage3.end_backward
 
     # ---------------------------------------------------------------- layout
     def _build_buffers(self, precision: str, grad_accum_dtype: torch.dtype | None, align: int) -> list[FlatBuffer]:
@@ -134,25 +167,45 @@ class ZeroOptimizer:
                                 f"{', '.join(map(str, MODES[mode].param_dtypes))} params")
             params = [p for _, p in named]
             layout = FlatLayout(params, [n for n, _ in named], shards=shards,
-                                unit_numel=self.zero_config.reduce_bucket_size, align=align)
-            flat = torch.zeros(layout.total, dtype=dtype, device=device)
-            with torch.no_grad():
-                for u, unit in enumerate(layout.units):
-                    pack_bucket([params[i].detach() for i in unit.params], out=layout.unit_view(flat, u))
-                for i, p in enumerate(params):
-                    p.data = layout.param_view(flat, i)
-            acc_dtype = grad_accum_dtype or dtype
-            grad = torch.zeros(layout.total if self.stage < 2 else layout.partition, dtype=acc_dtype, device=device)
+                                unit_numel=self.zero_config.reduce_bucket_size, align=align,
+                                groups=self.plan.groups(params) if self.plan is not None else None)
             rank = self.rank if self.stage > 0 else 0
+            pool, shard = self.placement, None
+            if self.stage == 3:  # only this rank's shard is kept; Stage3Runtime re-points the params
+                flat = torch.empty(0, dtype=dtype, device=device)
+                shard = pool.zeros("params", layout.partition, dtype)
+                with torch.no_grad():
+                    for u in range(len(layout.units)):
+                        mine = layout.shard_of_partition(shard, u)
+                        for i, a, z, at in layout.param_slices(u, rank):
+                            if id(params[i]) not in self._deferred:  # meta-built ones: filled by _materialize
+                                mine[at:at + z - a].copy_(params[i].detach().reshape(-1)[a:z])
+                mine_of = lambda u: layout.shard_of_partition(shard, u)  # noqa: E731
+            else:
+                flat = torch.zeros(layout.total, dtype=dtype, device=device)
+                with torch.no_grad():
+                    for u, unit in enumerate(layout.units):
+                        pack_bucket([params[i].detach() for i in unit.params], out=layout.unit_view(flat, u))
+                    for i, p in enumerate(params):
+                        p.data = layout.param_view(flat, i)
+                mine_of = lambda u: layout.shard_of_full(flat, u, rank)  # noqa: E731
+            acc_dtype = grad_accum_dtype or dtype
+            sdtypes = state_dtypes(mode, dtype)
+            if pool.offload_optimizer:  # the host steps in fp32 (float64 for float64 params) on a master copy
+                acc_dtype = master_dtype(dtype)
+                sdtypes = {"exp_avg": acc_dtype, "exp_avg_sq": acc_dtype, "master": acc_dtype}
+            grad = pool.zeros("grads", layout.total if self.stage < 2 else layout.partition, acc_dtype)
             state = {}
-            for name, sdtype in state_dtypes(mode, dtype).items():
-                state[name] = torch.zeros(layout.partition, dtype=sdtype, device=device)
+            for name, sdtype in sdtypes.items():
+                state[name] = pool.zeros("master" if name == "master" else "optimizer_state", layout.partition,
+                                         sdtype)
                 if name == "master":
                     for u in range(len(layout.units)):
-                        layout.shard_of_partition(state[name], u).copy_(layout.shard_of_full(flat, u, rank))
-            steps = [torch.zeros((), dtype=torch.float32, device=device) for _ in layout.units]
+                        layout.shard_of_partition(state[name], u).copy_(mine_of(u))
+            step_device = pool.host if pool.offload_optimizer else device
+            steps = [torch.zeros((), dtype=torch.float32, device=step_device) for _ in layout.units]
             buffers.append(FlatBuffer(key=key, group_index=gi, tp_split=tp_split, layout=layout, params=params,
-                                      mode=mode, flat=flat, grad=grad, state=state, steps=steps))
+                                      mode=mode, flat=flat, grad=grad, state=state, steps=steps, shard=shard))
         return buffers
 
     def _check_same_model(self) -> None:
@@ -177,11 +230,13 @@ class ZeroOptimizer:
 
     def _grads(self, b: FlatBuffer) -> list[torch.Tensor]:
         units = range(len(b.layout.units))
-        if self.stage == 2:
+        if self.stage >= 2:
             return [b.layout.shard_of_partition(b.grad, u) for u in units]
         return [b.layout.shard_of_full(b.grad, u, self._rank()) for u in units]
 
     def _shards(self, b: FlatBuffer) -> list[torch.Tensor]:
+        if b.shard is not None:
+            return [b.layout.shard_of_partition(b.shard, u) for u in range(len(b.layout.units))]
         return [b.layout.shard_of_full(b.flat, u, self._rank()) for u in range(len(b.layout.units))]
 
     def set_gradient_accumulation_boundary(self, boundary: bool) -> None:
@@ -200,7 +255,7 @@ class ZeroOptimizer:
                 part = torch.stack(torch._foreach_norm(grads, 2)).square().sum()
             else:
                 part = grad_norm(grads).square()
-            sq[0 if b.tp_split else 1] += part.to(device)
+            sq[0 if b.tp_split else 1] += part.to(device, sq.dtype)
         if self.stage > 0 and self.dp > 1:
             all_reduce(sq, self.dp_group, counter=self.counter)
         if self.tp_group is not None and group_size(self.tp_group) > 1:
@@ -223,14 +278,24 @@ class ZeroOptimizer:
             gscale, found_inf = clip_coefficient(norm, self.max_grad_norm)
         else:
             found_inf = (~torch.isfinite(norm)).to(torch.float32)
+        skipped = bool(found_inf is not None and float(found_inf) != 0)
         for b in self.buffers:
             g = self.param_groups[b.group_index]
             extra = MODES[b.mode].extra
             grads, scale = self._grads(b), gscale
             if scale is not None and b.grad.dtype == torch.float64:  # the fused step takes a float32 coefficient:
                 coef = torch.clamp(float(self.max_grad_norm) / (norm.double() + 1e-6), max=1.0)  # clip float64 exactly
-                torch._foreach_mul_(grads, torch.where(torch.isfinite(coef), coef, torch.ones_like(coef)))
+                coef = torch.where(torch.isfinite(coef), coef, torch.ones_like(coef)).to(b.grad.device)
+                torch._foreach_mul_(grads, coef)
                 scale = None
+            if self.placement.offload_optimizer:
+                units = range(len(b.layout.units))
+                host_step(self._shards(b), [b.layout.shard_of_partition(b.state["master"], u) for u in units], grads,
+                          [b.layout.shard_of_partition(b.state["exp_avg"], u) for u in units],
+                          [b.layout.shard_of_partition(b.state["exp_avg_sq"], u) for u in units], b.steps,
+                          lr=g["lr"], beta1=g["betas"][0], beta2=g["betas"][1], eps=g["eps"],
+                          weight_decay=g["weight_decay"], gscale=scale, found_inf=found_inf, skipped=skipped)
+                continue
             adamw_step(self._shards(b), grads,
                        [b.layout.shard_of_partition(b.state["exp_avg"], u) for u in range(len(b.layout.units))],
                        [b.layout.shard_of_partition(b.state["exp_avg_sq"], u) for u in range(len(b.layout.units))],
@@ -240,11 +305,12 @@ class ZeroOptimizer:
                                                           for u in range(len(b.layout.units))],
                        gscale=scale, found_inf=found_inf, seed=self.seed)
         self.last_grad_norm = float(norm)
-        skipped = bool(found_inf is not None and float(found_inf) != 0)
         if skipped:
             self.skipped_steps += 1
             logger.warning("ZeroOptimizer: gradient norm is %s: step skipped on every rank (%d skipped so far)",
                            self.last_grad_norm, self.skipped_steps)
+        elif self.stage3 is not None:
+            self.stage3.regather_persistent()
         elif self.stage > 0 and self.dp > 1:
             self._gather_params()
         r.reset()
@@ -268,6 +334,14 @@ class ZeroOptimizer:
         for h, _ in inflight:
             h.wait()
 
+    @torch.no_grad()
+    def refresh_master(self) -> None:
+        """The fp32 masters take the params' current values (after the user modified params)."""
+        for b in self.buffers:
+            if "master" in b.state:
+                for u, src in enumerate(self._shards(b)):
+                    b.layout.shard_of_partition(b.state["master"], u).copy_(src)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop accumulated grads: the next backward starts a new accumulation (the buffers are overwritten then)."""
         self.reducer.reset()
@@ -278,13 +352,25 @@ class ZeroOptimizer:
     # ---------------------------------------------------------------- reports
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this rank holds persistently, by kind, measured from the tensors themselves."""
-        out = {"params": 0, "grads": 0, "master": 0, "optimizer_state": 0}
+        out = {"params": 0, "grads": 0, "master": 0, "optimizer_state": 0, "device": 0, "host": 0}
+
+        def add(kind: str, t: torch.Tensor) -> None:
+            n = t.numel() * t.element_size()
+            out[kind] += n
+            out[self.placement.where[kind]] += n
+
         for b in self.buffers:
-            out["params"] += b.flat.numel() * b.flat.element_size()
-            out["grads"] += b.grad.numel() * b.grad.element_size()
+            add("params", b.shard if b.shard is not None else b.flat)
+            add("grads", b.grad)
             for name, t in b.state.items():
-                out["master" if name == "master" else "optimizer_state"] += t.numel() * t.element_size()
-        out["staging_peak"] = self.reducer.staging_peak * max(b.flat.element_size() for b in self.buffers)
+                add("master" if name == "master" else "optimizer_state", t)
+        size = max(b.flat.element_size() for b in self.buffers)
+        out["staging_peak"] = self.reducer.staging_peak * size
+        if self.stage3 is not None:  # gathered units: persistent ones always, the others while in use
+            persistent = sum(self.stage3._numel(k) for k in self.stage3.persistent) * size
+            out["persistent"] = persistent
+            out["device"] += persistent
+            out["gathered_peak"] = self.stage3.peak_live_numel * size
         return out
 
     def num_params(self) -> int:

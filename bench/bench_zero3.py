@@ -1,0 +1,164 @@
+"""Benchmark: one training step of a small GPT at dp=2 on CPU/gloo with ZeRO stage 3, side by side in one run:
+llmpar stage 3 (with / without offload_optimizer) vs DeepSpeed stage 3 (same configs) vs torch FSDP2 (``fully_shard``
+per block + root). Timing as in ``bench_zero.py`` (order rotated per repeat, barrier, slowest rank, median).
+
+    python bench/bench_zero3.py                       # launches torchrun itself
+    python bench/bench_zero3.py --d-model 256 --n-layer 4 --repeats 5
+
+Results: bench/results/zero3_step.{md,json}.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import subprocess  # noqa: E402
+
+from bench_zero import _config, _model  # noqa: E402
+
+CASES = ("llmpar_s3", "deepspeed_s3", "fsdp2", "llmpar_s3_offload", "deepspeed_s3_offload")
+GOALS = {"llmpar_s3": ("deepspeed_s3", 0.67), "llmpar_s3_offload": ("deepspeed_s3_offload", 0.67)}
+
+
+def _cfg(args, offload: bool) -> dict:
+    cfg = _config(args, 3)
+    cfg["zero_optimization"].update(stage3_prefetch_bucket_size=args.bucket, stage3_param_persistence_threshold=0)
+    if offload:
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    return cfg
+
+
+def build(case: str, args):
+    import torch.distributed as dist
+
+    g = torch.Generator().manual_seed(dist.get_rank())
+    x = torch.randint(0, 256, (args.micro, args.seq + 1), generator=g)
+    inp, tgt = x[:, :-1], x[:, 1:]
+    model = _model(args)
+    offload = case.endswith("offload")
+    if case.startswith("llmpar"):
+        import llmpar
+
+        engine, _, _, _ = llmpar.initialize(model=model, config=_cfg(args, offload))
+    elif case.startswith("deepspeed"):
+        import deepspeed
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        cfg = _cfg(args, offload)
+        cfg["optimizer"]["params"]["torch_adam"] = True
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        if args.bf16:
+            model.to(torch.bfloat16)
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
+
+        def step():
+            loss = model.loss(model(inp), tgt)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return step
+
+    def step():
+        loss = engine.module.loss(engine(inp), tgt)
+        engine.backward(loss)
+        engine.step()
+    return step
+
+
+def timing_run(args) -> None:
+    import torch.distributed as dist
+
+    from harness import Timing, write_results
+    from llmpar.distributed import all_gather_flat, barrier
+
+    dist.init_process_group("gloo")
+    pg = dist.group.WORLD
+    cases = {c: build(c, args) for c in args.cases}
+    for _ in range(args.warmup):
+        for fn in cases.values():
+            fn()
+    names = list(cases)
+    local = {n: [] for n in names}
+    for r in range(args.repeats):
+        for i in range(len(names)):
+            name = names[(r + i) % len(names)]
+            barrier(pg)
+            t0 = time.perf_counter()
+            cases[name]()
+            local[name].append(time.perf_counter() - t0)
+    world = dist.get_world_size()
+    timings = {}
+    for name in names:
+        everyone = torch.empty(world * args.repeats, dtype=torch.float64)
+        all_gather_flat(everyone, torch.tensor(local[name], dtype=torch.float64), pg)
+        timings[name] = Timing(name=name, times_s=everyone.view(world, -1).max(0).values.tolist())
+    if dist.get_rank() == 0:
+        n_params = sum(p.numel() for p in _model(args).parameters())
+        rows = []
+        for name in names:
+            row = {"case": name, **timings[name].row()}
+            for other in ("deepspeed_s3", "deepspeed_s3_offload", "fsdp2"):
+                if other in timings and other != name:
+                    row[f"time_vs_{other}"] = timings[name].median_s / timings[other].median_s
+            rows.append(row)
+        meta = {"model": f"GPT d_model={args.d_model} n_layer={args.n_layer} seq={args.seq} ({n_params / 1e6:.1f}M)",
+                "batch": f"micro {args.micro} x seq {args.seq} per rank, dp={world}", "bf16": args.bf16,
+                "goals": "llmpar_s3 <= 0.67 x deepspeed_s3 and <= 1.0 x fsdp2; llmpar_s3_offload <= 0.67 x "
+                         "deepspeed_s3_offload", "threads_per_rank": torch.get_num_threads()}
+        print(json.dumps(rows, indent=1))
+        if not args.no_write:
+            write_results("zero3_step", rows, meta)
+    del cases
+    gc.collect()
+    dist.destroy_process_group()
+
+
+def _torchrun(argv: list[str], nproc: int) -> str:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), __file__,
+           *argv]
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}")
+    return out.stdout
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--micro", type=int, default=2)
+    p.add_argument("--bucket", type=int, default=2_000_000)
+    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=6)
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
+    p.add_argument("--no-write", action="store_true")
+    args = p.parse_args()
+    if "RANK" in os.environ:
+        timing_run(args)
+        return
+    print(_torchrun(sys.argv[1:], args.nproc))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""Gathering stage-3 params for the user: a context for inspecting / modifying params, and the full 16-bit state dict.
+
+    with llmpar.zero.GatheredParameters(model.lm_head.weight, engine.optimizer, modifier_rank=0):
+        if rank == 0:
+            model.lm_head.weight.mul_(0.5)       # rank 0's values are broadcast and written back into every shard
+    state = engine.module_state_dict()         # full weights (the params' dtype) on rank 0, {} elsewhere
+
+Outside stage 3 the params are whole on every rank: the context only broadcasts a modification (when asked) and
+writes it into the optimizer's master copy.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+
+from llmpar.distributed.collectives import broadcast, group_rank
+
+
+def _as_list(params: torch.Tensor | Iterable[torch.Tensor] | None) -> list[torch.Tensor] | None:
+    if params is None:
+        return None
+    if isinstance(params, torch.Tensor):
+        return [params]
+    out = list(params)
+    for i, p in enumerate(out):
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"params[{i}] is a {type(p).__name__}, not a tensor")
+    return out
+
+
+@contextmanager
+def GatheredParameters(params: torch.Tensor | Iterable[torch.Tensor] | None, optimizer: "object",  # noqa: N802
+                       *, modifier_rank: int | None = None) -> Iterator[None]:
+    """Within the block the given params (all when None) are whole on every dp rank. With ``modifier_rank`` the
+    values that rank holds at exit are broadcast and become the params (shards and fp32 master) everywhere.
+    Collective: every dp rank enters it with the same params."""
+    from llmpar.zero.optimizer import ZeroOptimizer
+
+    if not isinstance(optimizer, ZeroOptimizer):
+        raise TypeError(f"optimizer must be the ZeroOptimizer holding the params, got {type(optimizer).__name__}")
+    if modifier_rank is not None and not 0 <= modifier_rank < optimizer.dp:
+        raise ValueError(f"modifier_rank={modifier_rank} is not a dp rank (dp={optimizer.dp})")
+    plist = _as_list(params)
+    rt = optimizer.stage3
+    keys = rt.keys_of(plist) if rt is not None else []
+    if rt is not None:
+        rt.hold(keys)
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        if modifier_rank is not None:
+            with torch.no_grad():
+                if rt is not None:
+                    for key in keys:
+                        broadcast(rt.full[key], modifier_rank, optimizer.dp_group)
+                else:
+                    for p in plist if plist is not None else [p for b in optimizer.buffers for p in b.params]:
+                        broadcast(p.data, modifier_rank, optimizer.dp_group)
+        if rt is not None:
+            rt.unhold(keys, write_back=modifier_rank is not None)
+        if modifier_rank is not None:
+            optimizer.refresh_master()
+
+
+def consolidated_state_dict(module: torch.nn.Module, optimizer: "object", *, rank0_only: bool = True) -> dict:
+    """The module's full state dict (params in their dtype, on the CPU), gathered unit by unit so that no rank holds
+    more than one gathered unit beyond its shards. ``rank0_only``: other dp ranks return {}."""
+    from llmpar.zero.optimizer import ZeroOptimizer
+
+    if not isinstance(optimizer, ZeroOptimizer):
+        raise TypeError(f"optimizer must be a ZeroOptimizer, got {type(optimizer).__name__}")
+    keep = not rank0_only or group_rank(optimizer.dp_group) == 0
+    names: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    out: dict[str, torch.Tensor] = {}
+
+    def take(p: torch.Tensor) -> None:
+        if keep:
+            value = p.detach().to("cpu", copy=True)
+            for n in names.get(id(p), []):
+                out[n] = value
+
+    rt = optimizer.stage3
+    done: set[int] = set()
+    if rt is not None:
+        for key in rt.keys_of(None):  # one unit gathered at a time
+            b = rt.buffers[key[0]]
+            rt.hold([key])
+            for i in b.layout.units[key[1]].params:
+                take(b.params[i])
+                done.add(id(b.params[i]))
+            rt.unhold([key], write_back=False)
+    for p in module.parameters():
+        if id(p) not in done:
+            take(p)
+    if keep:
+        for name, buf in module.named_buffers():
+            out[name] = buf.detach().to("cpu", copy=True)
+    if not keep:
+        return {}
+    order = {n: i for i, n in enumerate(module.state_dict(keep_vars=True))}
+    return {n: out[n] for n in sorted(out, key=lambda n: order.get(n, len(order)))}
