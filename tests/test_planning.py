@@ -116,10 +116,13 @@ def test_offload_moves_states_to_host() -> None:
     psi, dp = 1e9, 8
     s = model_state_bytes(psi, dp=dp, zero_stage=2, precision="fp32_master", offload="optimizer")
     assert s["master"] == s["optimizer"] == 0
-    assert s["cpu"] == pytest.approx(12 * psi / dp)
-    assert s["params"] == pytest.approx(2 * psi) and s["grads"] == pytest.approx(2 * psi / dp)
+    # host: fp32 master + moments (12 psi/dp) and the fp32 gradient partition the host step reads (4 psi/dp)
+    assert s["cpu"] == pytest.approx(16 * psi / dp)
+    assert s["params"] == pytest.approx(2 * psi) and s["grads"] == 0
+    s = model_state_bytes(psi, dp=dp, zero_stage=1, precision="fp32_master", offload="optimizer")
+    assert s["grads"] == pytest.approx(2 * psi) and s["cpu"] == pytest.approx(16 * psi / dp)
     s = model_state_bytes(psi, dp=dp, zero_stage=3, precision="fp32_master", offload="optimizer+params")
-    assert s["params"] == s["grads"] == 0 and s["cpu"] == pytest.approx(16 * psi / dp)
+    assert s["params"] == s["grads"] == 0 and s["cpu"] == pytest.approx(18 * psi / dp)
 
 
 # ----------------------------------------------------------------------------- parameter counts

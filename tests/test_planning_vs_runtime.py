@@ -57,3 +57,33 @@ def test_estimate_matches_bytes_held_by_zero_ranks(stage, world):
         want = {"params": est["params"], "grads": est["grads"], "master+optimizer": est["master"] + est["optimizer"]}
         for kind, held in pairs.items():
             assert abs(want[kind] - held) <= 0.10 * held, (rank, kind, want[kind], held)
+
+
+def _zero3_memory_body(offload):
+    import llmpar
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(301, 257), torch.nn.GELU(), torch.nn.Linear(257, 129))
+    zero = {"stage": 3, "reduce_bucket_size": 20000, "stage3_param_persistence_threshold": 0}
+    if offload:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    engine, opt, _, _ = llmpar.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True}, "zero_optimization": zero})
+    x = torch.randn(2, 301, dtype=torch.bfloat16)
+    engine.backward(engine(x).float().pow(2).mean())
+    engine.step()
+    return opt.memory_bytes(), opt.num_params()
+
+
+@pytest.mark.parametrize("world, offload", [(2, False), (4, False), (2, True)])
+def test_estimate_matches_bytes_held_by_zero3_ranks(world, offload):
+    """ZeRO-3 (and ZeRO-3 + optimizer offload): device and host bytes per rank against the planner's estimate."""
+    from llmpar.planning import model_state_bytes
+
+    for rank, (mem, psi) in enumerate(run_ranks(_zero3_memory_body, world, offload, timeout=90)):
+        est = model_state_bytes(psi, dp=world, zero_stage=3, precision="fp32_master",
+                                offload="optimizer" if offload else "none")
+        est_device = est["params"] + est["grads"] + est["master"] + est["optimizer"]
+        assert abs(est_device - mem["device"]) <= 0.10 * mem["device"], (rank, est, mem)
+        if offload:
+            assert abs(est["cpu"] - mem["host"]) <= 0.10 * mem["host"], (rank, est, mem)

@@ -13,8 +13,9 @@ P bytes of parameters, G of gradients and K of optimizer state (fp32 master copy
     stage 2: P psi + (G + K) psi / dp   stage 3: (P + G + K) psi / dp
 
 For psi = 7.5e9, dp = 64, fp32_master: 120 GB, 31.4 GB, 16.6 GB, 1.9 GB; as dp grows the savings over stage 0 tend
-to 16/4 = 4x, 16/2 = 8x and dp. CPU offload moves K (``"optimizer"``) and, at stage 3, also P and G
-(``"optimizer+params"``) to host memory.
+to 16/4 = 4x, 16/2 = 8x and dp. CPU offload moves K (``"optimizer"``) to host memory together with
+the reduced gradient partition, held there in fp32 for the host step (4 psi / dp; from stage 2 on the device keeps no
+gradient partition), and at stage 3 also the parameter shards (``"optimizer+params"``).
 """
 from __future__ import annotations
 
@@ -124,8 +125,12 @@ def model_state_bytes(
     optimizer = (k - master_k) * psi / (dp if zero_stage >= 1 else 1)
     cpu = 0.0
     if offload != "none":
-        cpu += master + optimizer
+        # ZeRO-Offload: master + optimizer states live on the host, and so does the reduced gradient partition, kept
+        # there in fp32 for the host step (4 psi / dp); from stage 2 on, the device keeps no gradient partition
+        cpu += master + optimizer + 4 * psi / dp
         master = optimizer = 0.0
+        if zero_stage >= 2:
+            grads = 0.0
     if offload == "optimizer+params":
         cpu += params + grads
         params = grads = 0.0
