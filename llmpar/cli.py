@@ -15,6 +15,7 @@ _COMMAND_MODULES = (
     "llmpar.env_report",
     "llmpar.train",
     "llmpar.planning.cli",
+    "llmpar.checkpoint.consolidate",
 )
 
 

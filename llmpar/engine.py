@@ -127,6 +127,18 @@ class Engine:
             torch.save(state, os.path.join(save_dir, save_filename))
         return True
 
+    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None) -> str:
+        """Sharded, atomic checkpoint ``save_dir/tag`` (default ``global_step{N}``); see ``llmpar.checkpoint``."""
+        from llmpar.checkpoint import save_checkpoint
+
+        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state)
+
+    def load_checkpoint(self, load_dir: str, tag: str | None = None) -> tuple[str, dict | None]:
+        """Load ``load_dir/tag`` (default: ``latest``), at any dp degree / ZeRO stage; returns (path, client_state)."""
+        from llmpar.checkpoint import load_checkpoint
+
+        return load_checkpoint(self, load_dir, tag=tag)
+
 
 def _check_same_config(config: Config, groups: list[Group], device: torch.device) -> None:
     """The same config on every rank of each group: a mismatch is a clear error on all of them, not a hang."""

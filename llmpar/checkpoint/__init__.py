@@ -1,0 +1,15 @@
+"""Sharded, atomic, reshardable checkpoints of an :class:`llmpar.engine.Engine`.
+
+    path = engine.save_checkpoint("ckpts", client_state={"data_pos": 1234})   # every rank writes its own shards
+    path, client_state = engine.load_checkpoint("ckpts")                      # latest; any dp degree / ZeRO stage
+    llmpar checkpoint consolidate ckpts/global_step100 out/                   # one full-precision state dict
+
+``files.py``: on-disk format, checksums, atomic publish; ``shards.py``: what a rank file holds and how any saved layout
+is cut back into named param ranges; ``save.py`` / ``load.py``: the collective save and load; ``consolidate.py``:
+the single-process consolidation and its CLI command.
+"""
+from llmpar.checkpoint.files import CheckpointError
+from llmpar.checkpoint.load import load_checkpoint
+from llmpar.checkpoint.save import save_checkpoint
+
+__all__ = ["CheckpointError", "load_checkpoint", "save_checkpoint"]

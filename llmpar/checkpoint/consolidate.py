@@ -1,0 +1,99 @@
+"""One full-precision state dict from a sharded checkpoint, on one process (no ranks needed).
+
+    llmpar checkpoint consolidate ckpts/global_step100 out/      # or ckpts (its `latest`)
+    -> out/pytorch_model.bin  (torch.save of {name: tensor})  and  out/model.safetensors  (when safetensors is there)
+
+Each trained param is rebuilt whole from the shards by name (``ShardReader``), from the fp32 master when the run kept
+one, else from the params, cast to float32 (float64 stays float64); module buffers and frozen params come from dp rank
+0's file. ``model.load_state_dict(torch.load(out/pytorch_model.bin))`` loads it into the plain model (tied weights
+appear once, under the first name). Every file's sha256 is verified first.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+import torch
+
+from llmpar.checkpoint import files
+from llmpar.checkpoint.files import CheckpointError
+from llmpar.checkpoint.shards import ShardReader
+
+
+def _locate(path: str, tag: str | None) -> str:
+    if os.path.isfile(os.path.join(path, files.METADATA)) and tag is None:
+        return path
+    return files.resolve(path, tag)[1]
+
+
+def consolidated_state_dict(path: str, tag: str | None = None, *, dtype: torch.dtype | None = torch.float32
+                            ) -> dict[str, torch.Tensor]:
+    """{name: full tensor} of checkpoint ``path`` (a checkpoint dir, or a save dir with ``latest`` / ``tag``).
+    dtype: float params are cast to it (float64 ones kept); None keeps the saved dtype."""
+    ckpt = _locate(os.fspath(path), tag)
+    meta = files.read_metadata(ckpt)
+    if meta["tp"] != 1:
+        raise CheckpointError(f"{ckpt} was saved at tp={meta['tp']}: consolidating tensor-parallel checkpoints is "
+                              f"not supported yet")
+    for fname, entry in sorted(meta["files"].items()):
+        why = files.check_file(ckpt, fname, entry)
+        if why is not None:
+            raise CheckpointError(f"checkpoint shard {os.path.join(ckpt, fname)} is {why}")
+    reader = ShardReader(ckpt, meta, 0)
+    out: dict[str, torch.Tensor] = {}
+    for b in meta["layout"]["buffers"]:
+        key = "master" if "master" in b["state_keys"] else "params"
+        for slot in b["params"]:
+            name = slot["name"]
+            t = reader.get(name, key, 0, reader.numel(name)).view(slot["shape"])
+            if dtype is not None and t.is_floating_point() and t.dtype != torch.float64:
+                t = t.to(dtype)
+            out[name] = t.clone()
+    for name, t in reader.extras().items():
+        out.setdefault(name, t.clone())
+    return out
+
+
+def consolidate(path: str, out_dir: str, tag: str | None = None, *, dtype: torch.dtype | None = torch.float32
+                ) -> list[str]:
+    """Write ``out_dir/pytorch_model.bin`` (and ``model.safetensors`` when safetensors is installed); returns paths."""
+    state = consolidated_state_dict(path, tag, dtype=dtype)
+    os.makedirs(out_dir, exist_ok=True)
+    written = [os.path.join(out_dir, "pytorch_model.bin")]
+    torch.save(state, written[0])
+    try:
+        from safetensors.torch import save_file
+    except ImportError:
+        return written
+    written.append(os.path.join(out_dir, "model.safetensors"))
+    save_file({k: v.contiguous() for k, v in state.items()}, written[1], metadata={"format": "pt"})
+    return written
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "keep": None}
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
+        paths = consolidate(args.dir, args.out, args.tag, dtype=_DTYPES[args.dtype])
+    except (CheckpointError, OSError, ValueError) as e:
+        print(f"llmpar checkpoint consolidate: {e}", file=sys.stderr)
+        return 1
+    for p in paths:
+        print(p)
+    return 0
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("checkpoint", help="work with sharded checkpoints (consolidate)")
+    sub = p.add_subparsers(dest="checkpoint_command", metavar="ACTION")
+    sub.required = True
+    c = sub.add_parser("consolidate", help="write one full-precision state dict from a sharded checkpoint")
+    c.add_argument("dir", help="a checkpoint directory, or the save directory (its 'latest', or --tag)")
+    c.add_argument("out", help="output directory: pytorch_model.bin and model.safetensors")
+    c.add_argument("--tag", default=None, help="checkpoint tag inside DIR (default: DIR/latest)")
+    c.add_argument("--dtype", default="float32", choices=sorted(_DTYPES),
+                   help="dtype of float tensors (default float32; 'keep' keeps the saved dtype)")
+    c.set_defaults(func=_run)
