@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import Comparison, Timing, markdown_table, measure_distributed, write_results  # noqa: E402
+from harness import Comparison, compare_distributed, markdown_table, write_results  # noqa: E402
 
 from llmpar.distributed import all_gather_flat, all_reduce, reduce_scatter_flat  # noqa: E402
 from llmpar.tensor_parallel import parallelize  # noqa: E402
@@ -119,19 +119,6 @@ def comm_only_fn(x_shape: tuple[int, ...], chunks: int, sp: bool, group):
     return step
 
 
-def interleaved(cases: dict, *, group, warmup: int, repeats: int) -> dict[str, Timing]:
-    """Side by side: each round times every case once (max over ranks), starting at a different case."""
-    names = list(cases)
-    for name in names:
-        measure_distributed(cases[name], group=group, warmup=warmup, repeats=1)
-    times: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(repeats):
-        for i in range(len(names)):
-            name = names[(r + i) % len(names)]
-            times[name] += measure_distributed(cases[name], group=group, warmup=0, repeats=1).times_s
-    return {n: Timing(name=n, times_s=t) for n, t in times.items()}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batch", type=int, default=4)
@@ -161,7 +148,7 @@ def main() -> None:
             "llmpar": step_fn(parallelize(copy.deepcopy(base), group, plan), x, w),
             "llmpar_k2": step_fn(parallelize(copy.deepcopy(base), group, plan, comm_chunks=2), x, w),
         }
-        res = interleaved(cases, group=group, warmup=args.warmup, repeats=args.repeats)
+        res = compare_distributed(cases, group=group, warmup=args.warmup, repeats=args.repeats)
         cmp = Comparison(baseline="torch_dtensor", timings=res)
         for row in cmp.rows(block=kind, B=B, T=T, d=d, tp=tp):
             row["time_vs_torch"] = 1.0 / row["speedup"]
@@ -182,7 +169,7 @@ def main() -> None:
             ocases["no_overlap"] = step_fn(
                 _sp_layers(base, kind, group, 1, False) if sp else
                 parallelize(copy.deepcopy(base), group, plan, overlap_grad_comm=False), xs, ws)
-            ot = interleaved(ocases, group=group, warmup=args.warmup, repeats=args.repeats)
+            ot = compare_distributed(ocases, group=group, warmup=args.warmup, repeats=args.repeats)
             tc, tc_min = ot["compute_alone"].median_s, ot["compute_alone"].min_s
             for k in (1, 2, 4):
                 for label, name in ((f"overlap k={k}", f"overlap_k{k}"),) + (

@@ -84,30 +84,14 @@ def build(case: str, args):
 def timing_run(args) -> None:
     import torch.distributed as dist
 
-    from harness import Timing, write_results
-    from llmpar.distributed import all_gather_flat, barrier
+    from harness import compare_distributed, write_results
 
     dist.init_process_group("gloo")
     pg = dist.group.WORLD
     cases = {c: build(c, args) for c in args.cases}
-    for _ in range(args.warmup):
-        for fn in cases.values():
-            fn()
     names = list(cases)
-    local = {n: [] for n in names}
-    for r in range(args.repeats):
-        for i in range(len(names)):
-            name = names[(r + i) % len(names)]
-            barrier(pg)
-            t0 = time.perf_counter()
-            cases[name]()
-            local[name].append(time.perf_counter() - t0)
     world = dist.get_world_size()
-    timings = {}
-    for name in names:
-        everyone = torch.empty(world * args.repeats, dtype=torch.float64)
-        all_gather_flat(everyone, torch.tensor(local[name], dtype=torch.float64), pg)
-        timings[name] = Timing(name=name, times_s=everyone.view(world, -1).max(0).values.tolist())
+    timings = compare_distributed(cases, group=pg, warmup=args.warmup, repeats=args.repeats)
     if dist.get_rank() == 0:
         n_params = sum(p.numel() for p in _model(args).parameters())
         rows = []

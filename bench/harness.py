@@ -201,6 +201,52 @@ def compare(
     return Comparison(baseline=baseline, timings={n: Timing(name=n, times_s=times[n], number=number) for n in names})
 
 
+def compare_distributed(
+    cases: dict[str, Callable[[], Any]],
+    *,
+    group: Any = None,
+    warmup: int = 3,
+    repeats: int = 20,
+    device: torch.device | str | None = None,
+    number: int = 1,
+) -> dict[str, Timing]:
+    """Time several callables side by side on every rank of ``group`` (default: the whole job).
+
+    Repeats are interleaved, the starting case rotated each round, so that noise hits every case alike; ranks meet at
+    a barrier before each timed call, and each repeat's time is the max over ranks (all-gathered, so every rank gets
+    the same Timings). A collective call: every rank of ``group`` must call it with the same cases.
+    """
+    import torch.distributed as dist
+
+    from llmpar.distributed import all_gather_flat, barrier, group_size
+
+    _check_counts(warmup, repeats, number)
+    if not cases:
+        raise ValueError("cases is empty: give at least one name -> callable")
+    pg = group if group is not None else dist.group.WORLD
+    for _ in range(warmup):
+        for fn in cases.values():
+            fn()
+    names = list(cases)
+    local: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(repeats):
+        for i in range(len(names)):
+            name = names[(r + i) % len(names)]
+            if _is_cuda(device):
+                torch.cuda.synchronize(device)
+            barrier(pg)
+            local[name].append(_time_once(cases[name], device, number))
+    comm_device = torch.device(device) if _is_cuda(device) else torch.device("cpu")
+    world = group_size(pg)
+    out = {}
+    for name in names:
+        mine = torch.tensor(local[name], dtype=torch.float64, device=comm_device)
+        everyone = torch.empty(world * repeats, dtype=torch.float64, device=comm_device)
+        all_gather_flat(everyone, mine, pg)
+        out[name] = Timing(name=name, times_s=everyone.view(world, repeats).max(dim=0).values.tolist(), number=number)
+    return out
+
+
 def measure_distributed(
     fn: Callable[[], Any],
     *,
@@ -211,32 +257,9 @@ def measure_distributed(
     number: int = 1,
     name: str = "",
 ) -> Timing:
-    """Time ``fn`` on every rank of ``group`` (default: the whole job); each repeat is the max over ranks.
-
-    Ranks meet at a barrier before every repeat; the per-rank timings are all-gathered, so every rank gets the
-    same Timing (rank 0 writes it). A collective call: every rank of ``group`` must call it.
-    """
-    import torch.distributed as dist
-
-    from llmpar.distributed import all_gather_flat, barrier, group_size
-
-    _check_counts(warmup, repeats, number)
-    pg = group if group is not None else dist.group.WORLD
-    for _ in range(warmup):
-        fn()
-    local = []
-    for _ in range(repeats):
-        if _is_cuda(device):
-            torch.cuda.synchronize(device)
-        barrier(pg)
-        local.append(_time_once(fn, device, number))
-    comm_device = torch.device(device) if _is_cuda(device) else torch.device("cpu")
-    mine = torch.tensor(local, dtype=torch.float64, device=comm_device)
-    world = group_size(pg)
-    everyone = torch.empty(world * repeats, dtype=torch.float64, device=comm_device)
-    all_gather_flat(everyone, mine, pg)
-    per_repeat_max = everyone.view(world, repeats).max(dim=0).values.tolist()
-    return Timing(name=name, times_s=per_repeat_max, number=number)
+    """Time ``fn`` on every rank of ``group``; each repeat is the max over ranks (see :func:`compare_distributed`)."""
+    return compare_distributed({name: fn}, group=group, warmup=warmup, repeats=repeats, device=device,
+                               number=number)[name]
 
 
 # ---------------------------------------------------------------- provenance and output
