@@ -8,6 +8,8 @@ Top-level keys (DeepSpeed's names and meaning):
     gradient_clipping (0 = off), steps_per_print (default 10), optimizer (-> llmpar.zero.OptimizerConfig; absent:
     AdamW lr=1e-3, logged), scheduler (-> llmpar.zero.lr_schedules.SchedulerConfig), bf16 / bfloat16 {enabled},
     zero_optimization (-> llmpar.zero.ZeroConfig)
+llmpar's own blocks: pipeline (-> llmpar.pipeline.config.PipelineConfig; its micro_batches is
+    gradient_accumulation_steps, as in DeepSpeed's PipelineEngine), tensor_parallel {size} (-> TensorParallelConfig)
 An unknown key is an error naming the nearest valid key; a DeepSpeed key llmpar does not support yet is an error
 saying so. The blocks are owned by the components that read them; this file only assembles and checks them.
 """
@@ -28,7 +30,7 @@ logger = logging.getLogger("llmpar")
 _UNSUPPORTED = {
     "fp16": "fp16 with loss scaling is not supported; use bf16", "amp": "apex AMP is not supported; use bf16",
     "activation_checkpointing": "use torch.utils.checkpoint in the model",
-    "pipeline": "pipeline parallelism is configured through llmpar.pipeline", "sparse_attention": "not supported",
+    "sparse_attention": "not supported",
     "flops_profiler": "not supported", "tensorboard": "not supported", "wandb": "not supported",
     "csv_monitor": "not supported", "comet": "not supported", "comms_logger": "use llmpar CommCounter",
     "autotuning": "not supported", "elasticity": "not supported", "compression_training": "not supported",
@@ -42,7 +44,20 @@ _UNSUPPORTED = {
 }
 _FLAGS_OFF_ONLY = ("wall_clock_breakdown", "memory_breakdown", "dump_state")  # accepted when false
 _VALID = ["train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
-          "steps_per_print", "optimizer", "scheduler", "bf16", "bfloat16", "zero_optimization", *_FLAGS_OFF_ONLY]
+          "steps_per_print", "optimizer", "scheduler", "bf16", "bfloat16", "zero_optimization", "pipeline",
+          "tensor_parallel", *_FLAGS_OFF_ONLY]
+
+
+@dataclass(kw_only=True)
+class TensorParallelConfig:
+    """The ``"tensor_parallel": {"size": tp}`` block (llmpar's; used with ``pipeline``)."""
+
+    size: int = 1
+
+    @classmethod
+    def from_dict(cls, block: Any) -> "TensorParallelConfig":
+        check_keys("tensor_parallel", block, ["size"], {"tp_size": 'call it "size"', "autotp_size": 'call it "size"'})
+        return cls(size=as_int("tensor_parallel.size", block.get("size", 1), minimum=1))
 
 
 @dataclass(kw_only=True)
@@ -60,6 +75,8 @@ class Config:
     optimizer_given: bool = True
     scheduler: SchedulerConfig | None = None
     zero: ZeroConfig = field(default_factory=ZeroConfig)
+    pipeline: Any = None  # llmpar.pipeline.config.PipelineConfig when the config has a "pipeline" block
+    tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
     raw: dict = field(default_factory=dict)
 
     @classmethod
@@ -82,7 +99,11 @@ class Config:
         check_keys("bf16", bf16_block, ["enabled"], {"immediate_grad_update": "not supported",
                                                      "check_grad_overflow": "not supported"})
         bf16 = as_bool("bf16.enabled", bf16_block.get("enabled", False))
+        config = dict(config)  # _parallel_blocks may fill in gradient_accumulation_steps
+        pipe, tp_cfg = _parallel_blocks(config)
         micro, gas, train = _batch_sizes(config, dp)
+        if pipe is not None:
+            pipe.micro_batches = gas
         clip = as_float("gradient_clipping", config.get("gradient_clipping", 0.0), minimum=0.0)
         steps_per_print = as_int("steps_per_print", config.get("steps_per_print", 10), minimum=1)
         given = "optimizer" in config
@@ -93,11 +114,31 @@ class Config:
         zero = ZeroConfig.from_dict(config.get("zero_optimization", {}))
         return cls(dp=dp, train_batch_size=train, train_micro_batch_size_per_gpu=micro,
                    gradient_accumulation_steps=gas, gradient_clipping=clip, steps_per_print=steps_per_print,
-                   bf16=bf16, optimizer=opt, optimizer_given=given, scheduler=sched, zero=zero, raw=raw)
+                   bf16=bf16, optimizer=opt, optimizer_given=given, scheduler=sched, zero=zero, pipeline=pipe,
+                   tensor_parallel=tp_cfg, raw=raw)
 
     def fingerprint(self) -> str:
         """Canonical JSON of what was given (for the cross-rank equality check)."""
         return json.dumps(self.raw, sort_keys=True, default=str)
+
+
+def _parallel_blocks(config: dict[str, Any]) -> tuple[Any, TensorParallelConfig]:
+    """The pipeline and tensor_parallel blocks. pipeline.micro_batches is gradient_accumulation_steps (DeepSpeed's
+    PipelineEngine): one given fills in the other in ``config`` (a copy), both given must agree."""
+    tp_cfg = TensorParallelConfig.from_dict(config.get("tensor_parallel", {}))
+    if "pipeline" not in config:
+        return None, tp_cfg
+    from llmpar.pipeline.config import PipelineConfig
+
+    pipe = PipelineConfig.from_dict(config["pipeline"])
+    gas = config.get("gradient_accumulation_steps")
+    if pipe.micro_batches is not None:
+        if gas is not None and as_int("gradient_accumulation_steps", gas, minimum=1) != pipe.micro_batches:
+            raise ValueError(f'"pipeline.micro_batches"={pipe.micro_batches} and "gradient_accumulation_steps"={gas} '
+                             "disagree: a pipeline step runs gradient_accumulation_steps micro-batches (give one, or "
+                             "both equal)")
+        config["gradient_accumulation_steps"] = pipe.micro_batches
+    return pipe, tp_cfg
 
 
 def _batch_sizes(config: dict[str, Any], dp: int) -> tuple[int, int, int]:

@@ -174,7 +174,8 @@ def _resolve_groups(mesh: Any, dp_group: Group | None, tp_group: Group | None) -
 def initialize(*, model: nn.Module, config: dict | str | Config, model_parameters: Any = None,
                optimizer: Any = None, lr_scheduler: Any = None, training_data: Any = None, collate_fn: Any = None,
                mesh: Any = None, dp_group: Group | None = None, tp_group: Group | None = None,
-               counter: CommCounter | None = None, args: Any = None, unit_policy: Any = None, **unsupported: Any):
+               counter: CommCounter | None = None, args: Any = None, unit_policy: Any = None,
+               loss_fn: Any = None, **unsupported: Any):
     """Build the engine from a DeepSpeed config. Returns ``(engine, optimizer, dataloader or None, scheduler)``.
 
     model_parameters: params or param-group dicts (default: all of the model's, weight decay on all, as DeepSpeed).
@@ -182,9 +183,23 @@ def initialize(*, model: nn.Module, config: dict | str | Config, model_parameter
     unit_policy: stage 3 sharding units, ``policy(name, module) -> bool`` (default: transformer blocks, embeddings,
     head; see ``llmpar.zero.stage3.unit_modules``).
     optimizer / lr_scheduler objects are not taken: describe them in the config.
+    A ``"pipeline"`` block (with ``"tensor_parallel"``) returns a pp x dp x tp ``llmpar.pipeline.engine.PipelineEngine``
+    instead (``engine.train_batch(x, y)``; ``loss_fn(output, target)`` defaults to ``model.loss``).
     """
     if unsupported:
         raise TypeError(f"llmpar.initialize got unsupported arguments {sorted(unsupported)}")
+    from llmpar.pipeline.engine import initialize_pipeline, wants_pipeline
+
+    if wants_pipeline(config):
+        if model_parameters is not None or dp_group is not None or tp_group is not None or unit_policy is not None:
+            raise ValueError("with a \"pipeline\" block llmpar.initialize splits the model itself: pass mesh= at "
+                             "most, not model_parameters= / dp_group= / tp_group= / unit_policy=")
+        if optimizer is not None or lr_scheduler is not None:
+            raise ValueError("llmpar.initialize takes the optimizer and scheduler from the config")
+        return initialize_pipeline(model=model, config=config, mesh=mesh, loss_fn=loss_fn, counter=counter,
+                                   training_data=training_data, collate_fn=collate_fn)
+    if loss_fn is not None:
+        raise ValueError("loss_fn= is used by pipeline engines only (a config with a \"pipeline\" block)")
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if optimizer is not None or lr_scheduler is not None:
@@ -195,6 +210,11 @@ def initialize(*, model: nn.Module, config: dict | str | Config, model_parameter
     cfg = config if isinstance(config, Config) else Config.from_deepspeed(config, dp=dp)
     if cfg.dp != dp:
         raise ValueError(f"the config was parsed for dp={cfg.dp} but dp_group has {dp} ranks")
+    tp = group_size(tp_group) if tp_group is not None else 1
+    if "tensor_parallel" in cfg.raw and cfg.tensor_parallel.size != tp:
+        raise ValueError(f'"tensor_parallel.size"={cfg.tensor_parallel.size} but tp_group has {tp} ranks: without a '
+                         '"pipeline" block, parallelize the model yourself and pass mesh= (or add "pipeline": '
+                         '{"stages": 1})')
     device = next(model.parameters()).device
     if device.type == "meta":  # built under llmpar.zero.Init: stage 3 materialises it shard by shard
         from llmpar.zero.init import default_device

@@ -6,6 +6,9 @@ gradient-accumulation semantics equal to plain training, bubble accounting, and 
     env = llmpar.init_distributed(pp=2, tp=2)
     runner = llmpar.pipeline.build_pipeline(model, env.mesh, GPT.loss, schedule="1f1b", micro_batches=8)
     loss = runner.step(x, y)          # then clip with runner.clip_grad_norm_ and step your optimizer
+
+ZeRO over the dp axis (``zero.py``): build the runner with ``dp_group=None`` and the optimizer with
+``zero_optimizer(runner, OptimizerConfig(...), stage=1, max_grad_norm=1.0)``; then ``runner.step``; ``opt.step()``.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from llmpar.pipeline.partition import balanced_boundaries
 from llmpar.pipeline.runner import PipelineRunner, StepStats
 from llmpar.pipeline.schedules import SCHEDULES, bubble_fraction
 from llmpar.pipeline.layout import PipelineSplit, StageInfo, split
+from llmpar.pipeline.zero import zero_optimizer
 
 
 def build_pipeline(
@@ -68,4 +72,5 @@ __all__ = [
     "build_pipeline",
     "split",
     "to_blocks",
+    "zero_optimizer",
 ]

@@ -101,6 +101,8 @@ class PipelineRunner:
         self.channel = FailureChannel(f"runner{next(_RUNNERS)}")
         self._params = _unique(p for m in split.modules for p in m.parameters())
         self._tied = self._resolve_tied()
+        self.zero: Any = None  # a ZeroOptimizer that reduces the grads over dp (attach_zero)
+        self.batch_rows: int | None = None  # set by the engine: rows every step's batch must have
         self._targets: torch.Tensor | None = None
         self._total = 1
         self._loss_s = 0.0
@@ -111,6 +113,27 @@ class PipelineRunner:
     def parameters(self) -> list[nn.Parameter]:
         """This rank's parameters (each once), for the optimizer."""
         return list(self._params)
+
+    def attach_zero(self, optimizer: Any) -> None:
+        """Hand the dp reduction to ``optimizer`` (a ``ZeroOptimizer`` over this rank's :meth:`parameters`): each
+        step then accumulates all micro-batches locally, ZeRO reduces at the step boundary (stage 2: every
+        micro-batch into its partition), tied weights' reduced grads are summed over pp inside ZeRO's shards, and the
+        loss is averaged over ZeRO's dp group. Build the runner with ``dp_group=None`` (see
+        ``llmpar.pipeline.zero_optimizer``, which does all of this)."""
+        if self.dp_group is not None:
+            raise ValueError("attach_zero: this runner averages gradients over dp_group itself; build it with "
+                             "dp_group=None so that ZeRO alone reduces them")
+        if not all(hasattr(optimizer, a) for a in ("reduce_gradients", "grad_pieces", "dp_group")):
+            raise TypeError(f"attach_zero takes a llmpar.zero.ZeroOptimizer, got {type(optimizer).__name__}")
+        if getattr(optimizer, "stage", 0) == 3:
+            raise ValueError("attach_zero: ZeRO stage 3 is not supported inside pipeline stages; use stage 0, 1 or 2")
+        owned = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        missing = [n for m in self.split.modules for n, p in m.named_parameters()
+                   if p.requires_grad and id(p) not in owned]
+        if missing:
+            raise ValueError(f"attach_zero: the optimizer does not hold this rank's params {missing[:4]}"
+                             f"{' ...' if len(missing) > 4 else ''}: build it from runner.parameters()")
+        self.zero = optimizer
 
     def step(self, inputs: torch.Tensor | Sequence[torch.Tensor] | None,
              targets: torch.Tensor | Sequence[torch.Tensor] | None) -> float:
@@ -197,6 +220,10 @@ class PipelineRunner:
 
     def _cut(self, data: torch.Tensor | Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
         m = self.micro_batches
+        rows = data.shape[0] if isinstance(data, torch.Tensor) and data.dim() else None
+        if self.batch_rows is not None and rows is not None and rows != self.batch_rows:
+            raise ValueError(f"{what} has {rows} rows; a step takes train_micro_batch_size_per_gpu x "
+                             f"gradient_accumulation_steps = {self.batch_rows} rows per dp rank")
         if isinstance(data, torch.Tensor):
             if data.dim() < 1 or data.shape[0] < m:
                 raise ValueError(f"{what} has {data.shape[0] if data.dim() else 0} rows, fewer than "
@@ -248,6 +275,8 @@ class PipelineRunner:
         for st in self.stages:
             st.reset_stats()
         self._loss_s = 0.0
+        if self.zero is not None:  # every micro-batch's backward accumulates; ZeRO reduces at step()
+            self.zero.set_gradient_accumulation_boundary(False)
         t0 = time.perf_counter()
         self.schedule.step(*args, return_outputs=False, **kwargs)
         wall = time.perf_counter() - t0
@@ -262,6 +291,13 @@ class PipelineRunner:
             loss += sum(float(x.detach()) for x in kwargs["losses"])
         if self.split.pp > 1:
             all_reduce(loss, self.split.pp_group)  # only the last stage's is non-zero
+        if self.zero is not None:
+            from llmpar.pipeline.zero import sync_tied_zero
+
+            sync_tied_zero(self, self.zero)
+            if group_size(self.zero.dp_group) > 1:
+                all_reduce(loss, self.zero.dp_group, op="avg")
+            return float(loss)
         self._sync_tied()
         if self.dp_group is not None and group_size(self.dp_group) > 1:
             loss = self._sync_dp(loss)

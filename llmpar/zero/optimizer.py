@@ -90,7 +90,8 @@ class ZeroOptimizer:
                  stage: int = 2, zero_config: ZeroConfig | None = None, tp_group: Group | None = None,
                  max_grad_norm: float | None = None, grad_accum_dtype: torch.dtype | None = None,
                  counter: CommCounter | None = None, align: int = 16, seed: int = 0,
-                 module: nn.Module | None = None, unit_policy: UnitPolicy | None = None) -> None:
+                 module: nn.Module | None = None, unit_policy: UnitPolicy | None = None,
+                 pp_group: Group | None = None, norm_skip: Iterable[torch.Tensor] = ()) -> None:
         cfg = optimizer_config if optimizer_config is not None else OptimizerConfig()
         if isinstance(cfg, dict):
             cfg = OptimizerConfig(**cfg)
@@ -118,6 +119,12 @@ class ZeroOptimizer:
             raise ValueError(f"max_grad_norm={max_grad_norm} must be a positive finite number or None")
         self.config, self.zero_config, self.stage = cfg, zcfg, stage
         self.dp_group, self.tp_group = GroupRef(dp_group), (GroupRef(tp_group) if tp_group is not None else None)
+        if pp_group is not None and stage == 3:
+            raise ValueError("pp_group with stage=3: ZeRO-3 does not run inside pipeline stages; use stage 0, 1 or 2")
+        # pipeline parallel: the global norm adds every stage's sum over pp; norm_skip (tied copies held by another
+        # stage too) is left out of this rank's sum so that each shared weight counts once
+        self.pp_group = GroupRef(pp_group) if pp_group is not None else None
+        self._norm_skip = {id(p) for p in norm_skip}
         self.dp, self.rank = group_size(self.dp_group), group_rank(self.dp_group)
         self.max_grad_norm, self.counter, self.seed = max_grad_norm, counter, seed
         self.param_groups = groups
@@ -256,12 +263,43 @@ class ZeroOptimizer:
             else:
                 part = grad_norm(grads).square()
             sq[0 if b.tp_split else 1] += part.to(device, sq.dtype)
+            if self._norm_skip:  # skipped params' pieces out of this rank's sum
+                for i, view, _a, _z in self._grad_pieces(b):
+                    if id(b.params[i]) in self._norm_skip:
+                        sq[0 if b.tp_split else 1] -= view.to(sq.dtype).square().sum()
         if self.stage > 0 and self.dp > 1:
             all_reduce(sq, self.dp_group, counter=self.counter)
         if self.tp_group is not None and group_size(self.tp_group) > 1:
             split = sq[:1]
             all_reduce(split, self.tp_group, counter=self.counter)
+        if self.pp_group is not None and group_size(self.pp_group) > 1:
+            total = sq.sum().reshape(1)
+            all_reduce(total, self.pp_group, counter=self.counter)
+            return total[0].clamp_min(0).sqrt()
         return sq.sum().sqrt()
+
+    def _grad_pieces(self, b: FlatBuffer) -> list[tuple[int, torch.Tensor, int, int]]:
+        """(param index, view into this rank's grads, start, stop in the param's flat view) for buffer ``b``."""
+        out = []
+        for u, g in enumerate(self._grads(b)):
+            for i, a, z, at in b.layout.param_slices(u, self._rank()):
+                out.append((i, g[at:at + z - a], a, z))
+        return out
+
+    def reduce_gradients(self) -> None:
+        """Finish the gradient reduction now (idempotent; step() calls it too). Afterwards :meth:`grad_pieces`
+        gives this rank's reduced, dp-averaged gradients, e.g. to sum a shared weight's over the pipeline."""
+        self.reducer.wait_all()
+        self.reducer.reduce_now()
+
+    def grad_pieces(self, param: torch.Tensor) -> list[tuple[torch.Tensor, int, int]]:
+        """The pieces of ``param``'s reduced gradient this rank holds: (view, start, stop) in ``param.reshape(-1)``
+        (stage 0: the whole param; stages 1/2: this rank's slices). Valid after :meth:`reduce_gradients`."""
+        for b in self.buffers:
+            for i, p in enumerate(b.params):
+                if p is param:
+                    return [(v, a, z) for j, v, a, z in self._grad_pieces(b) if j == i]
+        raise ValueError(f"grad_pieces: the tensor of shape {tuple(param.shape)} is not a param of this optimizer")
 
     @torch.no_grad()
     def step(self) -> bool:
