@@ -11,7 +11,6 @@ job); tensor-parallel layers on ``tp_group`` (``mesh["tp"]``) compose with it.
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 from typing import Any
 
@@ -20,8 +19,8 @@ import torch.distributed as dist
 from torch import nn
 
 from llmpar.config import Config
-from llmpar.distributed.collectives import (CommCounter, Group, GroupRef, all_gather_flat, as_group, group_rank,
-                                          group_size)
+from llmpar.distributed.collectives import (CommCounter, Group, GroupRef, as_group,
+                                          check_same_on_ranks, group_rank, group_size)
 from llmpar.zero.lr_schedules import WarmupSchedule
 from llmpar.zero.optimizer import ZeroOptimizer
 
@@ -140,17 +139,11 @@ class Engine:
         return load_checkpoint(self, load_dir, tag=tag)
 
 
-def _check_same_config(config: Config, groups: list[Group], device: torch.device) -> None:
+def _check_same_config(config: Config, groups: list[Group]) -> None:
     """The same config on every rank of each group: a mismatch is a clear error on all of them, not a hang."""
-    digest = int(hashlib.sha256(config.fingerprint().encode()).hexdigest()[:15], 16)
-    mine = torch.tensor([digest], dtype=torch.int64, device=device)
     for g in groups:
-        everyone = torch.empty(group_size(g), dtype=torch.int64, device=device)
-        all_gather_flat(everyone, mine, g)
-        if len(set(everyone.tolist())) > 1:
-            odd = [r for r, h in enumerate(everyone.tolist()) if h != digest]
-            raise ValueError(f"the DeepSpeed config differs between ranks (this is group rank {group_rank(g)}; "
-                             f"group ranks {odd} have another one): give every rank the same config")
+        check_same_on_ranks(config.fingerprint(), g, what="the DeepSpeed config differs between ranks",
+                            hint="give every rank the same config")
 
 
 def _resolve_groups(mesh: Any, dp_group: Group | None, tp_group: Group | None) -> tuple[Group, Group | None]:
@@ -223,7 +216,7 @@ def initialize(*, model: nn.Module, config: dict | str | Config, model_parameter
             raise ValueError(f"the model is on the meta device (llmpar.zero.Init) but zero_optimization.stage is "
                              f"{cfg.zero.stage}: only stage 3 materialises a meta model")
         device = default_device()
-    _check_same_config(cfg, [dp_group] + ([tp_group] if tp_group is not None else []), device)
+    _check_same_config(cfg, [dp_group] + ([tp_group] if tp_group is not None else []))
     if cfg.bf16:
         model.to(torch.bfloat16)
     params = model_parameters if model_parameters is not None else list(model.named_parameters())

@@ -268,3 +268,15 @@ def test_group_ref_after_destroy_is_a_clear_error():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "ERR process group" in out.stdout and "no longer exists" in out.stdout
+
+
+def _same_on_ranks_body():
+    ld.check_same_on_ranks("same", dist.group.WORLD, what="x differs", hint="fix it")  # passes everywhere
+    with pytest.raises(ValueError, match=r"y differs: group ranks \[\[0, 2\], \[1\]\] disagree .*; fix it"):
+        ld.check_same_on_ranks("a" if dist.get_rank() != 1 else "b", dist.group.WORLD, what="y differs",
+                               hint="fix it")
+    return True
+
+
+def test_check_same_on_ranks_fails_on_every_rank():
+    assert run_ranks(_same_on_ranks_body, 3) == [True] * 3

@@ -304,3 +304,26 @@ def irecv(tensor: torch.Tensor, src: int, group: Group) -> Handle:
 
 def barrier(group: Group) -> None:
     dist.barrier(group=as_group(group))
+
+
+def check_same_on_ranks(fingerprint: str, group: "Group | GroupRef", *, what: str, hint: str) -> None:
+    """Raise the same ``ValueError`` on every rank of ``group`` unless all of them passed the same ``fingerprint``.
+
+    One small all-gather of a 60-bit digest: cheap enough to run at start-up, and it turns a mismatch (different
+    models, configs or layouts on different ranks) into a clear error everywhere instead of a hang later.
+    """
+    import hashlib
+
+    pg = as_group(group)
+    digest = int(hashlib.sha256(fingerprint.encode()).hexdigest()[:15], 16)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(pg) == "nccl" else torch.device("cpu")
+    mine = torch.tensor([digest], dtype=torch.int64, device=device)
+    everyone = torch.empty(dist.get_world_size(pg), dtype=torch.int64, device=device)
+    all_gather_flat(everyone, mine, pg)
+    values = everyone.tolist()
+    if len(set(values)) > 1:
+        by_value: dict[int, list[int]] = {}
+        for r, h in enumerate(values):
+            by_value.setdefault(h, []).append(r)
+        raise ValueError(f"{what}: group ranks {sorted(by_value.values())} disagree (this is group rank "
+                         f"{dist.get_rank(pg)}); {hint}")

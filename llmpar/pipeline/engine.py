@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from llmpar.distributed.collectives import group_rank, group_size
+from llmpar.distributed.collectives import check_same_on_ranks, group_rank, group_size
 from llmpar.pipeline.runner import PipelineRunner, StepStats
 
 logger = logging.getLogger("llmpar")
@@ -157,7 +157,6 @@ def initialize_pipeline(*, model: nn.Module, config: Any, mesh: Any = None, loss
     """``llmpar.initialize`` for a config with a ``pipeline`` block. Returns ``(engine, optimizer, loader, sched)``."""
     import llmpar
     from llmpar.config import Config
-    from llmpar.engine import _check_same_config
     from llmpar.pipeline import build_pipeline
     from llmpar.pipeline.zero import zero_optimizer
     from llmpar.zero.lr_schedules import WarmupSchedule
@@ -197,8 +196,8 @@ def initialize_pipeline(*, model: nn.Module, config: Any, mesh: Any = None, loss
     if cfg.zero.stage == 3:
         raise ValueError('"zero_optimization.stage"=3 is not supported with "pipeline": use stage 0, 1 or 2 (ZeRO '
                          "shards each stage's params over dp)")
-    device = next(model.parameters()).device
-    _check_same_config(cfg, [dist.group.WORLD], device)
+    check_same_on_ranks(cfg.fingerprint(), dist.group.WORLD, what="the DeepSpeed config differs between ranks",
+                        hint="give every rank the same config")
     if cfg.bf16:
         model.to(torch.bfloat16)
     p = cfg.pipeline

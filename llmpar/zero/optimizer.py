@@ -23,7 +23,6 @@ elements in flight). Communication per step: stage 0 an all-reduce (2 psi), stag
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Iterable
 from typing import Any
@@ -31,8 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmpar.distributed.collectives import (CommCounter, Group, GroupRef, Handle, all_gather_flat, all_reduce, as_group,
-                                            group_rank, group_size)
+from llmpar.distributed.collectives import (CommCounter, Group, GroupRef, Handle, all_gather_flat, all_reduce,
+                                            check_same_on_ranks, group_rank, group_size)
 from llmpar.ops.adamw import adamw_step
 from llmpar.ops.bucket import pack_bucket
 from llmpar.ops.grad_norm import clip_coefficient, grad_norm
@@ -220,16 +219,8 @@ class ZeroOptimizer:
         rank after one small all-gather, instead of a hang inside a reduce-scatter later."""
         desc = repr([(b.key[0], str(b.key[1]), b.tp_split, [tuple(p.shape) for p in b.params], self.stage)
                      for b in self.buffers])
-        mine = torch.tensor([int(hashlib.sha256(desc.encode()).hexdigest()[:15], 16)], dtype=torch.int64)
-        mine = mine.to(self.buffers[0].flat.device)
-        everyone = torch.empty(self.dp, dtype=torch.int64, device=mine.device)
-        all_gather_flat(everyone, mine, self.dp_group)
-        if len(set(everyone.tolist())) > 1:
-            groups: dict[int, list[int]] = {}
-            for r, h in enumerate(everyone.tolist()):
-                groups.setdefault(h, []).append(r)
-            raise ValueError(f"the data-parallel ranks hold different models or ZeRO stages: rank groups "
-                             f"{sorted(groups.values())} disagree (same params, dtypes and stage on every dp rank)")
+        check_same_on_ranks(desc, self.dp_group, what="the data-parallel ranks hold different models or ZeRO stages",
+                            hint="same params, dtypes and stage on every dp rank")
 
     # ------------------------------------------------------------------ views
     def _rank(self) -> int:
