@@ -2,6 +2,7 @@
 
     path = engine.save_checkpoint("ckpts", client_state={"data_pos": 1234})   # every rank writes its own shards
     path, client_state = engine.load_checkpoint("ckpts")                      # latest; any dp degree / ZeRO stage
+    engine.save_checkpoint("ckpts", async_save=True); ...train...; engine.wait_checkpoint()  # written by a thread
     llmpar checkpoint consolidate ckpts/global_step100 out/                   # one full-precision state dict
 
 ``files.py``: on-disk format, checksums, atomic publish; ``shards.py``: what a rank file holds and how any saved layout
@@ -10,6 +11,6 @@ the single-process consolidation and its CLI command.
 """
 from llmpar.checkpoint.files import CheckpointError
 from llmpar.checkpoint.load import load_checkpoint
-from llmpar.checkpoint.save import save_checkpoint
+from llmpar.checkpoint.save import save_checkpoint, wait_checkpoint
 
-__all__ = ["CheckpointError", "load_checkpoint", "save_checkpoint"]
+__all__ = ["CheckpointError", "load_checkpoint", "save_checkpoint", "wait_checkpoint"]

@@ -28,8 +28,9 @@ LATEST = "latest"
 CLIENT_STATE = "client_state.pt"
 FORMAT_VERSION = 1
 
-# Test hook: called with a point name ("shard_written", "before_publish", "before_latest") on every rank that reaches
-# it; a hook that raises simulates a crash at that point.
+# Test hook: called with a point name ("before_write", "shard_written", "before_publish", "before_latest") on every rank
+# that reaches it; a hook that raises simulates a crash at that point. The first two run in the writer thread of an
+# async save.
 FAULT_HOOK: Callable[[str], None] | None = None
 
 

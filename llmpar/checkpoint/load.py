@@ -23,7 +23,7 @@ import torch
 
 from llmpar.checkpoint import files
 from llmpar.checkpoint.files import CheckpointError
-from llmpar.checkpoint.save import grid
+from llmpar.checkpoint.save import grid, wait_checkpoint
 from llmpar.checkpoint.shards import STATE_FALLBACK, ShardReader, set_rng_state
 
 logger = logging.getLogger("llmpar")
@@ -117,7 +117,9 @@ def _apply(engine: Any, reader: ShardReader) -> None:
 
 def load_checkpoint(engine: Any, load_dir: str, tag: str | None = None) -> tuple[str, dict | None]:
     """Load checkpoint ``load_dir/tag`` (default: the one ``load_dir/latest`` names) into ``engine``.
-    Returns ``(path, client_state)``. Collective over the engine's dp and tp groups."""
+    Returns ``(path, client_state)``. Collective over the engine's dp and tp groups. A pending async save of this
+    engine is published first."""
+    wait_checkpoint(engine)
     groups, dp_rank, dp, tp_rank, tp, device = grid(engine)
     err, path, reader, meta = None, str(load_dir), None, None
     code = 0

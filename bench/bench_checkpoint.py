@@ -1,0 +1,236 @@
+"""Benchmark: sharded checkpoint save and load of a ~50M-param GPT at dp=2 on CPU/gloo, ZeRO stage 2 (fp32 AdamW),
+llmpar ``engine.save_checkpoint/load_checkpoint`` vs DeepSpeed's on the same model and config, side by side in one run.
+
+    python bench/bench_checkpoint.py                       # launches torchrun itself (2 ranks)
+    python bench/bench_checkpoint.py --repeats 5 --dir /some/fast/disk
+
+Timing: per repeat, every case once (order rotated), ranks lined up by a barrier, the slowest rank's time kept; median
+over repeats (``harness.compare_distributed``). Both engines take one training step first so that the optimizer state
+exists. ``async_save=True`` row: the time save_checkpoint blocks (host snapshot), then the rest
+(writes + publish) as seen by a ``wait_checkpoint`` called at once, slowest rank, median. Bytes written per rank: the rank's ``wchar`` delta (``/proc/self/io``: every byte the process passed to
+``write()``) over its last save, and the sizes of the files it wrote. The model state is counted from the tensors
+themselves: trainable params (their dtype) + Adam exp_avg + exp_avg_sq (fp32) + module buffers; llmpar's files across
+ranks must hold it once (overhead = pickle framing, RNG states, partition padding, metadata: <= max(1 MiB, 0.2%)). llmpar fsyncs every
+file it writes (the publish is atomic); DeepSpeed does not fsync, so its save time is that of the page cache.
+DeepSpeed runs with its CPU accelerator, ``torch_adam`` and without its JIT-built shared-memory comm op.
+Results: bench/results/checkpoint_dp2.{md,json}.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+CASES = ("llmpar_save", "deepspeed_save", "llmpar_load", "deepspeed_load")
+
+
+def _config(args) -> dict:
+    return {"train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+            "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.1}},
+            "zero_optimization": {"stage": 2, "reduce_bucket_size": args.bucket, "allgather_bucket_size": args.bucket,
+                                  "overlap_comm": True, "contiguous_gradients": True, "reduce_scatter": True},
+            "steps_per_print": 10**9}
+
+
+def _model(args):
+    from llmpar.models import GPT, GPTConfig
+
+    return GPT(GPTConfig(vocab_size=256, n_layer=args.n_layer, n_head=args.n_head, d_model=args.d_model,
+                         seq_len=args.seq), seed=0)
+
+
+def _wchar() -> int:
+    with open("/proc/self/io") as f:
+        for line in f:
+            if line.startswith("wchar:"):
+                return int(line.split()[1])
+    return 0
+
+
+def _model_state_bytes(model: torch.nn.Module) -> int:
+    """Params (their dtype) + fp32 exp_avg and exp_avg_sq of the trainable ones + module buffers."""
+    n = 0
+    for p in model.parameters():
+        n += p.numel() * p.element_size() + (2 * p.numel() * 4 if p.requires_grad else 0)
+    for b in model.buffers():
+        n += b.numel() * b.element_size()
+    return n
+
+
+def _train_step(engine, inp, tgt) -> None:
+    loss = engine.module.loss(engine(inp), tgt)
+    engine.backward(loss)
+    engine.step()
+
+
+def _ds_rank_files(ckpt: Path, rank: int) -> list[Path]:
+    """The files DeepSpeed's rank ``rank`` writes at dp=2, stage 2: model states (dp rank 0) + its optimizer shard."""
+    out = sorted(ckpt.glob(f"zero_pp_rank_{rank}_*"))
+    if rank == 0:
+        out += sorted(ckpt.glob("mp_rank_*_model_states.pt"))
+    return out
+
+
+def run(args) -> None:
+    import deepspeed
+    import deepspeed.ops
+    import torch.distributed as dist
+
+    import llmpar
+    from harness import compare_distributed, write_results
+    from llmpar.checkpoint import files as ckfiles
+
+    dist.init_process_group("gloo")
+    pg, rank, world = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
+    root = Path(args.dir)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randint(0, 256, (args.micro, args.seq + 1), generator=g)
+    inp, tgt = x[:, :-1], x[:, 1:]
+
+    model = _model(args)
+    state_bytes = _model_state_bytes(model)
+    n_params = sum(p.numel() for p in model.parameters())
+    ours, *_ = llmpar.initialize(model=model, config=_config(args))
+    _train_step(ours, inp, tgt)
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    cfg = _config(args)
+    cfg["optimizer"]["params"]["torch_adam"] = True
+    ds_model = _model(args)
+    theirs, *_ = deepspeed.initialize(model=ds_model, model_parameters=ds_model.parameters(), config=cfg)
+    _train_step(theirs, inp, tgt)
+
+    written: dict[str, int] = {}
+
+    def timed_write(name, fn):
+        def call():
+            before = _wchar()
+            fn()
+            written[name] = _wchar() - before
+        return call
+
+    cases = {
+        "llmpar_save": timed_write("llmpar_save", lambda: ours.save_checkpoint(str(root / "llmpar"), tag="bench")),
+        "deepspeed_save": timed_write("deepspeed_save",
+                                      lambda: theirs.save_checkpoint(str(root / "deepspeed"), tag="bench")),
+        "llmpar_load": lambda: ours.load_checkpoint(str(root / "llmpar"), tag="bench"),
+        "deepspeed_load": lambda: theirs.load_checkpoint(str(root / "deepspeed"), tag="bench"),
+    }
+    timings = compare_distributed(cases, group=pg, warmup=args.warmup, repeats=args.repeats)
+    # async save: the blocking part (host snapshot + tmp dir agreement), then wait_checkpoint called at once
+    blocking, rest = [], []
+    for _ in range(args.repeats):
+        dist.barrier(pg)
+        t0 = time.perf_counter()
+        ours.save_checkpoint(str(root / "llmpar"), tag="bench", async_save=True)
+        t1 = time.perf_counter()
+        ours.wait_checkpoint()
+        blocking.append(t1 - t0)
+        rest.append(time.perf_counter() - t1)
+    slowest = torch.tensor([blocking, rest], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    async_blocking_ms, async_rest_ms = (float(v.median()) * 1e3 for v in slowest)
+
+    # bytes per rank: wchar deltas of the last save and the sizes of the files each rank wrote
+    meta_files = json.loads((root / "llmpar" / "bench" / ckfiles.METADATA).read_text())["files"]
+    mine_ours = sum(e["bytes"] for e in meta_files.values() if e["dp_rank"] == rank)
+    if rank == 0:
+        mine_ours += (root / "llmpar" / "bench" / ckfiles.METADATA).stat().st_size
+    mine_ds = sum(p.stat().st_size for p in _ds_rank_files(root / "deepspeed" / "bench", rank))
+    local = torch.tensor([written["llmpar_save"], written["deepspeed_save"], mine_ours, mine_ds], dtype=torch.float64)
+    everyone = [torch.zeros_like(local) for _ in range(world)]
+    dist.all_gather(everyone, local)
+    if rank == 0:
+        per_rank = torch.stack(everyone)  # [world, 4]
+        ds_files = sorted(p.name for p in (root / "deepspeed" / "bench").iterdir())
+        rows = []
+        for lib, col_w, col_f in (("llmpar", 0, 2), ("deepspeed", 1, 3)):
+            total = int(per_rank[:, col_f].sum())
+            rows.append({
+                "library": lib,
+                "save_median_ms": round(timings[f"{lib}_save"].median_s * 1e3, 1),
+                "save_min_ms": round(timings[f"{lib}_save"].min_s * 1e3, 1),
+                "load_median_ms": round(timings[f"{lib}_load"].median_s * 1e3, 1),
+                "load_min_ms": round(timings[f"{lib}_load"].min_s * 1e3, 1),
+                "file_bytes_per_rank": [int(v) for v in per_rank[:, col_f]],
+                "wchar_bytes_per_rank": [int(v) for v in per_rank[:, col_w]],
+                "file_bytes_total": total,
+                "total_over_model_state": round(total / state_bytes, 4),
+                "overhead_bytes": total - state_bytes,
+            })
+        ours_row = rows[0]
+        # fixed framing (pickle, RNG states, metadata.json: tens of KB) + partition padding; a duplicated tensor would be
+        # >= 1/3 of the state
+        no_dup = 0 <= ours_row["overhead_bytes"] <= max(1 << 20, 0.002 * state_bytes)
+        rows.insert(1, {"library": "llmpar async_save=True", "save_median_ms": round(async_blocking_ms, 1),
+                        "wait_checkpoint_median_ms": round(async_rest_ms, 1),
+                        "file_bytes_total": ours_row["file_bytes_total"]})
+        for row in rows:
+            row["save_vs_deepspeed"] = round(row["save_median_ms"] / rows[-1]["save_median_ms"], 3)
+            if "load_median_ms" in row:
+                row["load_vs_deepspeed"] = round(row["load_median_ms"] / rows[-1]["load_median_ms"], 3)
+        meta = {"model": f"GPT d_model={args.d_model} n_layer={args.n_layer} ({n_params / 1e6:.1f}M params), fp32, "
+                         f"AdamW, ZeRO stage 2, dp={world}",
+                "model_state_bytes": f"{state_bytes} (params + exp_avg + exp_avg_sq + buffers)",
+                "llmpar_no_duplication": f"{no_dup}: files across ranks = {ours_row['total_over_model_state']} x the "
+                                         f"model state (overhead {ours_row['overhead_bytes']} bytes)",
+                "deepspeed_files": ", ".join(ds_files),
+                "note": "llmpar fsyncs every file and publishes by rename; DeepSpeed does not fsync. Times are the "
+                        "slowest rank's; repeats interleaved.",
+                "repeats": args.repeats, "threads_per_rank": torch.get_num_threads(), "dir": str(root),
+                "deepspeed": deepspeed.__version__}
+        print(json.dumps({"rows": rows, "meta": meta}, indent=1))
+        if not no_dup:
+            print(f"FAIL: llmpar wrote {ours_row['file_bytes_total']} bytes for {state_bytes} bytes of model state")
+        if not args.no_write:
+            write_results("checkpoint_dp2", rows, meta)
+    del cases, ours, theirs
+    gc.collect()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--d-model", type=int, default=768)
+    p.add_argument("--n-layer", type=int, default=7)
+    p.add_argument("--n-head", type=int, default=12)
+    p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--micro", type=int, default=1)
+    p.add_argument("--bucket", type=int, default=5_000_000, help="reduce/allgather bucket size in elements")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--dir", default=None, help="where checkpoints are written (default: a temp dir, removed after)")
+    p.add_argument("--no-write", action="store_true")
+    args = p.parse_args()
+    if "RANK" in os.environ:
+        run(args)
+        return
+    tmp = None
+    if args.dir is None:
+        tmp = tempfile.mkdtemp(prefix="llmpar-bench-ckpt-")
+    argv = [a for a in sys.argv[1:]] + ([] if args.dir else ["--dir", tmp])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
+           __file__, *argv]
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    try:
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    if out.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}")
+    print(out.stdout)
+
+
+if __name__ == "__main__":
+    main()
