@@ -76,7 +76,7 @@ check_import() {
   (cd /tmp && "$PY" -c "
 import llmpar._C, torch
 print('llmpar._C:', llmpar._C.__file__)
-for name in ('pack_bucket', 'unpack_bucket', 'adamw_step', 'sum_squares'):
+for name in ('pack_bucket', 'unpack_bucket', 'adamw_step', 'sum_squares', 'linear_lt'):
     print('  torch.ops.llmpar.' + name + ':', getattr(torch.ops.llmpar, name).default._schema)
 ")
 }

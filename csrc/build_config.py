@@ -4,6 +4,7 @@ Torch-free on purpose: setup.py imports it by path before anything of llmpar is 
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -30,13 +31,38 @@ def _version_defines() -> list[str]:
             f"-DLLMPAR_CUDA_VERSION={torch.version.cuda or 'none'}"]
 
 
+# csrc/gemm_lt.cpp (cuBLASLt epilogues) needs cublasLt.h; it is built only where the header is found (the CUDA
+# toolkit, or the nvidia-cublas wheel that CUDA torch installs). No link flag: it dlopens torch's libcublasLt.
+CUBLASLT_SOURCES = ("gemm_lt.cpp",)
+
+
+def cublaslt_include_dir() -> Path | None:
+    """The folder holding cublasLt.h: $CUDA_HOME/include, else the nvidia wheels' include folders; None if absent.
+
+    ``LLMPAR_NO_CUBLASLT=1`` says None (builds the extension without gemm_lt.cpp)."""
+    if os.environ.get("LLMPAR_NO_CUBLASLT", "0") == "1":
+        return None
+    roots = [os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"]
+    candidates = [Path(r) / "include" for r in roots]
+    spec = importlib.util.find_spec("nvidia")
+    for base in (spec.submodule_search_locations or []) if spec is not None else []:
+        candidates += sorted(Path(base).glob("*/include"))  # nvidia/cu13/include, nvidia/cublas/include
+    for folder in candidates:
+        if (folder / "cublasLt.h").is_file():
+            return folder
+    return None
+
+
 def kernel_sources(csrc_dir: Path) -> list[Path]:
     return sorted(Path(csrc_dir).glob("*.cu"))
 
 
 def sources(csrc_dir: Path) -> list[Path]:
     """All .cu/.cpp sources of the extension, absolute, in a stable order."""
-    return kernel_sources(csrc_dir) + sorted(Path(csrc_dir).glob("*.cpp"))
+    cpp = sorted(Path(csrc_dir).glob("*.cpp"))
+    if cublaslt_include_dir() is None:
+        cpp = [p for p in cpp if p.name not in CUBLASLT_SOURCES]
+    return kernel_sources(csrc_dir) + cpp
 
 
 def extension_kwargs(csrc_dir: Path, relative_to: Path | None = None) -> dict:
@@ -52,6 +78,9 @@ def extension_kwargs(csrc_dir: Path, relative_to: Path | None = None) -> dict:
     nvcc = list(NVCC_FLAGS)
     if os.environ.get("LLMPAR_PTXAS_VERBOSE"):  # register / spill report per kernel
         nvcc.append("-Xptxas=-v")
+    lt_include = cublaslt_include_dir()
+    if lt_include is not None:  # searched after the toolkit's own folders (a wheel's cuda_runtime.h must not win)
+        cxx += ["-idirafter", str(lt_include)]
     return {
         "sources": [str(p) for p in srcs],
         "include_dirs": [str(csrc_dir)],

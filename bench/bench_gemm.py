@@ -1,0 +1,126 @@
+"""Benchmark: fused linear (llmpar.ops.linear_act) vs cuBLAS alone and vs cuBLAS + separate bias/activation.
+
+    python bench/bench_gemm.py                                   # CPU (torch path, small shapes), and CUDA when present
+    python bench/bench_gemm.py --device cuda --out bench/results
+
+Shapes (CUDA): M=8192 tokens; the MLP of a 7B/8B model split by tp in {1, 2, 8}: up/gate projections
+K=4096 -> N in {11008, 14336}/tp with gelu_tanh / silu, and the down projection K=11008/tp -> N=4096 with bias and a
+residual add (no activation). Cases, side by side in one run (bench/harness.py interleaves them):
+    torch.matmul        x @ W^T alone (cuBLAS): the bar for the plain GEMM (goal: llmpar plain >= 0.9x)
+    torch unfused       act(F.linear(x, W, b)) (+ r): cuBLAS + separate elementwise kernels (goal: fused >= 1.1x)
+    llmpar plain        linear_act(x, W) with no epilogue, Triton
+    llmpar fused        linear_act(x, W, b, act=..., residual=r), Triton
+    cublasLt epilogue   torch.ops.llmpar.linear_lt (csrc/gemm_lt.cpp), where built and the epilogue exists
+TFLOP/s counts 2*M*N*K per call. The first Triton call per shape autotunes (done in warmup).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import compare, markdown_table, write_results  # noqa: E402
+
+from llmpar.ops import linear_act  # noqa: E402
+from llmpar.ops._dispatch import triton_unavailable_reason  # noqa: E402
+from llmpar.ops.gemm import _act_torch  # noqa: E402
+
+HIDDEN, FFNS = 4096, (11008, 14336)
+LT_ACTS = {"none": 0, "gelu_tanh": 1, "relu": 4}  # the activations cuBLASLt has epilogues for
+
+
+def _has_linear_lt() -> bool:
+    from llmpar.ops import _ext
+
+    return _ext.load().available and hasattr(torch.ops.llmpar, "linear_lt")
+
+
+def shapes(device: torch.device, tps: list[int], tokens: int) -> list[tuple[str, int, int, int, str, bool]]:
+    """(name, M, K, N, act, residual) per case."""
+    if device.type != "cuda":
+        return [("up", 256, 512, 1024, "gelu_tanh", False), ("down", 256, 1024, 512, "none", True)]
+    out = []
+    for tp in tps:
+        for ffn, act in zip(FFNS, ("gelu_tanh", "silu")):
+            out.append((f"up ffn={ffn} tp={tp}", tokens, HIDDEN, ffn // tp, act, False))
+        out.append((f"down ffn={FFNS[0]} tp={tp}", tokens, FFNS[0] // tp, HIDDEN, "none", True))
+    return out
+
+
+def forced(backend: str, fn):
+    def call():
+        os.environ["LLMPAR_BACKEND"] = backend
+        try:
+            return fn()
+        finally:
+            os.environ.pop("LLMPAR_BACKEND", None)
+    return call
+
+
+def run(device: torch.device, tps: list[int], tokens: int, dtype: torch.dtype, repeats: int) -> list[dict]:
+    rows = []
+    triton_ok = triton_unavailable_reason(device) is None
+    for name, m, k, n, act, res in shapes(device, tps, tokens):
+        g = torch.Generator(device=device).manual_seed(0)
+        x = torch.randn(m, k, device=device, dtype=dtype, generator=g)
+        w = torch.randn(n, k, device=device, dtype=dtype, generator=g) * k ** -0.5
+        b = torch.randn(n, device=device, dtype=dtype, generator=g)
+        r = torch.randn(m, n, device=device, dtype=dtype, generator=g) if res else None
+        with torch.no_grad():
+            cases = {
+                "torch.matmul": lambda: torch.matmul(x, w.t()),
+                "torch unfused": lambda: (_act_torch(F.linear(x, w, b), act) + r) if r is not None
+                else _act_torch(F.linear(x, w, b), act),
+            }
+            if triton_ok:
+                cases["llmpar plain"] = forced("triton", lambda: linear_act(x, w))
+                cases["llmpar fused"] = forced("triton", lambda: linear_act(x, w, b, act=act, residual=r))
+            else:
+                cases["llmpar fused"] = lambda: linear_act(x, w, b, act=act, residual=r)
+            if device.type == "cuda" and act in LT_ACTS and _has_linear_lt():
+                cases["cublasLt epilogue"] = lambda: torch.ops.llmpar.linear_lt(x, w, b, LT_ACTS[act], r)
+            cmp = compare(cases, baseline="torch.matmul", warmup=5, repeats=repeats, device=device)
+        flops = 2.0 * m * n * k
+        got = {}
+        for row in cmp.rows(shape=name, M=m, K=k, N=n, act=act, residual=res, dtype=str(dtype)[6:]):
+            row["TFLOP/s"] = flops / (row["median_ms"] / 1e3) / 1e12
+            got[row.get("case", row.get("name"))] = row
+            rows.append(row)
+        if "llmpar fused" in got and "torch unfused" in got:
+            got["llmpar fused"]["x_vs_unfused"] = got["torch unfused"]["median_ms"] / got["llmpar fused"]["median_ms"]
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=["cpu", "cuda", "all"], default="all")
+    parser.add_argument("--tp", type=int, nargs="+", default=[1, 2, 8])
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--out", default=None, help="results folder (default bench/results)")
+    args = parser.parse_args(argv)
+    devices = [torch.device("cpu")] if args.device in ("cpu", "all") else []
+    if args.device in ("cuda", "all") and torch.cuda.is_available():
+        devices.append(torch.device("cuda"))
+    elif args.device == "cuda":
+        print("bench_gemm: no CUDA device", file=sys.stderr)
+        return 1
+    dtype = getattr(torch, args.dtype)
+    for device in devices:
+        rows = run(device, args.tp, args.tokens, dtype if device.type == "cuda" else torch.float32,
+                   args.repeats or (20 if device.type == "cuda" else 3))
+        print(markdown_table(rows))
+        paths = write_results(f"gemm_{device.type}", rows, meta={"tokens": args.tokens, "tp": args.tp,
+                                                                 "dtype": args.dtype}, out_dir=args.out)
+        print(f"wrote {paths['md']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

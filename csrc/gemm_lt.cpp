@@ -1,0 +1,201 @@
+// llmpar::linear_lt: y = act(x @ W^T + b) (+ residual) through cuBLASLt and its fused epilogues.
+//   x: [M, K], weight: [N, K], bias: [N] or None, residual: [M, N] or None (act 0 only) -> y: [M, N] in x's dtype.
+//   act: 0 none, 1 gelu (tanh approximation), 4 relu (codes of llmpar.kernels.gemm.ACTS). cuBLASLt has no silu or
+//   erf-gelu epilogue: those stay on the Triton kernel. A residual goes in as C with beta = 1, which cuBLASLt adds
+//   before the epilogue's activation, so it is only accepted without one.
+// Row-major y = x W^T is column-major y^T = W^T(T) x^T: A = W (op T), B = x (op N), D = y^T, m = N, n = M, k = K;
+// the bias runs along m, i.e. along the output features. fp32 accumulate (CUBLAS_COMPUTE_32F, no TF32).
+// Built only where cublasLt.h is found (csrc/build_config.py); llmpar/ops dispatch does not call it yet.
+// cuBLASLt is reached through dlopen/dlsym of the libcublasLt that torch itself loads (same soname major as the
+// header), so the extension needs no link flag: the JIT build (llmpar/ops/_ext.py) passes none, and a missing
+// library turns into an error at call time instead of an extension that does not load.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>  // not ATen/cuda/CUDAContext.h: that one wants cusparse headers
+#include <torch/library.h>
+
+#include <cublasLt.h>
+#include <dlfcn.h>
+
+#include <mutex>
+#include <string>
+#include <unordered_map>
+
+namespace {
+
+constexpr size_t kWorkspaceBytes = 32u << 20;  // what cuBLAS recommends on Hopper
+
+#define LLMPAR_LT_CHECK(expr)                                                                       \
+  do {                                                                                              \
+    cublasStatus_t _st = (expr);                                                                    \
+    TORCH_CHECK(_st == CUBLAS_STATUS_SUCCESS, "cuBLASLt call " #expr " failed with status ", int(_st)); \
+  } while (0)
+
+#define LLMPAR_LT_FUNCS(X)                                                                                    \
+  X(cublasLtCreate) X(cublasLtMatmulDescCreate) X(cublasLtMatmulDescDestroy) X(cublasLtMatmulDescSetAttribute) \
+  X(cublasLtMatrixLayoutCreate) X(cublasLtMatrixLayoutDestroy) X(cublasLtMatmulPreferenceCreate)              \
+  X(cublasLtMatmulPreferenceDestroy) X(cublasLtMatmulPreferenceSetAttribute) X(cublasLtMatmulAlgoGetHeuristic) \
+  X(cublasLtMatmul)
+
+struct LtApi {
+#define LLMPAR_LT_PTR(name) decltype(&::name) name = nullptr;
+  LLMPAR_LT_FUNCS(LLMPAR_LT_PTR)
+#undef LLMPAR_LT_PTR
+};
+
+const LtApi& lt() {
+  static const LtApi api = [] {
+    LtApi a;
+    const std::string soname = "libcublasLt.so." + std::to_string(CUBLAS_VER_MAJOR);
+    void* lib = dlopen(soname.c_str(), RTLD_NOW | RTLD_GLOBAL);
+    TORCH_CHECK(lib != nullptr, "linear_lt: cannot load ", soname, ": ", dlerror());
+#define LLMPAR_LT_SYM(name)                                                            \
+    a.name = reinterpret_cast<decltype(&::name)>(dlsym(lib, #name));                  \
+    TORCH_CHECK(a.name != nullptr, "linear_lt: ", soname, " has no symbol " #name);
+    LLMPAR_LT_FUNCS(LLMPAR_LT_SYM)
+#undef LLMPAR_LT_SYM
+    return a;
+  }();
+  return api;
+}
+
+cublasLtHandle_t handle_for(int device) {
+  static std::mutex mu;
+  static std::unordered_map<int, cublasLtHandle_t> handles;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = handles.find(device);
+  if (it != handles.end()) return it->second;
+  cublasLtHandle_t h = nullptr;
+  LLMPAR_LT_CHECK(lt().cublasLtCreate(&h));
+  handles.emplace(device, h);
+  return h;
+}
+
+cudaDataType_t cuda_type(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return CUDA_R_32F;
+    case at::kHalf: return CUDA_R_16F;
+    case at::kBFloat16: return CUDA_R_16BF;
+    default: TORCH_CHECK_TYPE(false, "linear_lt takes float32, float16, bfloat16; got ", t);
+  }
+  return CUDA_R_32F;
+}
+
+// RAII holders so that an error (TORCH_CHECK throws) frees the descriptors
+struct Desc {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr, d = nullptr;
+  cublasLtMatmulPreference_t pref = nullptr;
+  ~Desc() {
+    if (pref) lt().cublasLtMatmulPreferenceDestroy(pref);
+    if (d) lt().cublasLtMatrixLayoutDestroy(d);
+    if (c) lt().cublasLtMatrixLayoutDestroy(c);
+    if (b) lt().cublasLtMatrixLayoutDestroy(b);
+    if (a) lt().cublasLtMatrixLayoutDestroy(a);
+    if (op) lt().cublasLtMatmulDescDestroy(op);
+  }
+};
+
+void check_args(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias, int64_t act,
+                const std::optional<at::Tensor>& residual) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "linear_lt: x and weight must be 2-D, got ", x.sizes(), " and ",
+              weight.sizes());
+  TORCH_CHECK(x.size(1) == weight.size(1), "linear_lt: x ", x.sizes(), " and weight ", weight.sizes(),
+              " disagree on K");
+  TORCH_CHECK_TYPE(x.scalar_type() == weight.scalar_type(), "linear_lt: x (", x.scalar_type(), ") and weight (",
+                   weight.scalar_type(), ") must share a dtype");
+  TORCH_CHECK(act == 0 || act == 1 || act == 4, "linear_lt: act ", act,
+              " has no cuBLASLt epilogue (0 none, 1 gelu_tanh, 4 relu)");
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == weight.size(0), "linear_lt: bias ", bias->sizes(),
+                " must be [", weight.size(0), "]");
+    TORCH_CHECK_TYPE(bias->scalar_type() == x.scalar_type(), "linear_lt: bias dtype must be ", x.scalar_type());
+  }
+  if (residual.has_value()) {
+    TORCH_CHECK(act == 0, "linear_lt: a residual is added before the epilogue's activation; only act 0 takes one");
+    TORCH_CHECK(residual->sizes() == at::IntArrayRef({x.size(0), weight.size(0)}), "linear_lt: residual ",
+                residual->sizes(), " must be [", x.size(0), ", ", weight.size(0), "]");
+    TORCH_CHECK_TYPE(residual->scalar_type() == x.scalar_type(), "linear_lt: residual dtype must be ",
+                     x.scalar_type());
+  }
+}
+
+at::Tensor linear_lt(const at::Tensor& x_in, const at::Tensor& w_in, const std::optional<at::Tensor>& bias_in,
+                     int64_t act, const std::optional<at::Tensor>& residual_in) {
+  check_args(x_in, w_in, bias_in, act, residual_in);
+  TORCH_CHECK(x_in.is_cuda() && w_in.device() == x_in.device(), "linear_lt: tensors must be on one CUDA device");
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const at::Tensor x = x_in.contiguous(), w = w_in.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  at::Tensor y = residual_in.has_value() ? residual_in->contiguous().clone() : at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  if (K == 0) {  // empty product: act(bias) (+ residual) without cuBLASLt
+    const auto f32 = x.options().dtype(at::kFloat);
+    at::Tensor z = bias_in.has_value() ? bias_in->expand({M, N}).to(at::kFloat) : at::zeros({M, N}, f32);
+    if (act == 1) z = at::gelu(z, "tanh");
+    if (act == 4) z = at::relu(z);
+    return residual_in.has_value() ? y.add_(z.to(y.scalar_type())) : z.to(y.scalar_type());
+  }
+  at::Tensor bias = bias_in.has_value() ? bias_in->contiguous() : at::Tensor();
+  const cudaDataType_t dt = cuda_type(x.scalar_type());
+
+  Desc desc;
+  LLMPAR_LT_CHECK(lt().cublasLtMatmulDescCreate(&desc.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const cublasOperation_t opT = CUBLAS_OP_T, opN = CUBLAS_OP_N;
+  LLMPAR_LT_CHECK(lt().cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_TRANSA, &opT, sizeof(opT)));
+  LLMPAR_LT_CHECK(lt().cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_TRANSB, &opN, sizeof(opN)));
+  cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_DEFAULT;
+  if (bias.defined()) {
+    epi = act == 1 ? CUBLASLT_EPILOGUE_GELU_BIAS : act == 4 ? CUBLASLT_EPILOGUE_RELU_BIAS : CUBLASLT_EPILOGUE_BIAS;
+    const void* bias_ptr = bias.data_ptr();
+    LLMPAR_LT_CHECK(lt().cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias_ptr,
+                                                   sizeof(bias_ptr)));
+  } else if (act == 1) {
+    epi = CUBLASLT_EPILOGUE_GELU;
+  } else if (act == 4) {
+    epi = CUBLASLT_EPILOGUE_RELU;
+  }
+  LLMPAR_LT_CHECK(lt().cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)));
+
+  // column-major views: A = W as [K, N] (ld K, op T), B = x as [K, M] (ld K), C = D = y^T as [N, M] (ld N)
+  LLMPAR_LT_CHECK(lt().cublasLtMatrixLayoutCreate(&desc.a, dt, K, N, K));
+  LLMPAR_LT_CHECK(lt().cublasLtMatrixLayoutCreate(&desc.b, dt, K, M, K));
+  LLMPAR_LT_CHECK(lt().cublasLtMatrixLayoutCreate(&desc.c, dt, N, M, N));
+  LLMPAR_LT_CHECK(lt().cublasLtMatrixLayoutCreate(&desc.d, dt, N, M, N));
+
+  at::Tensor workspace = at::empty({static_cast<int64_t>(kWorkspaceBytes)}, x.options().dtype(at::kByte));
+  size_t ws = kWorkspaceBytes;
+  LLMPAR_LT_CHECK(lt().cublasLtMatmulPreferenceCreate(&desc.pref));
+  LLMPAR_LT_CHECK(lt().cublasLtMatmulPreferenceSetAttribute(desc.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
+                                                       sizeof(ws)));
+  cublasLtHandle_t handle = handle_for(x.get_device());
+  cublasLtMatmulHeuristicResult_t heur{};
+  int found = 0;
+  LLMPAR_LT_CHECK(lt().cublasLtMatmulAlgoGetHeuristic(handle, desc.op, desc.a, desc.b, desc.c, desc.d, desc.pref, 1,
+                                                      &heur, &found));
+  TORCH_CHECK(found > 0, "linear_lt: cuBLASLt found no algorithm for M=", M, " K=", K, " N=", N, " dtype ",
+              x.scalar_type(), " epilogue ", int(epi));
+
+  const float alpha = 1.0f, beta = residual_in.has_value() ? 1.0f : 0.0f;
+  LLMPAR_LT_CHECK(lt().cublasLtMatmul(handle, desc.op, &alpha, w.data_ptr(), desc.a, x.data_ptr(), desc.b, &beta,
+                                 y.data_ptr(), desc.c, y.data_ptr(), desc.d, &heur.algo, workspace.data_ptr(), ws,
+                                 c10::cuda::getCurrentCUDAStream().stream()));
+  return y;
+}
+
+// shapes/dtypes only: lets FakeTensor / torch.compile trace the op without a GPU
+at::Tensor linear_lt_meta(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                          int64_t act, const std::optional<at::Tensor>& residual) {
+  check_args(x, weight, bias, act, residual);
+  return at::empty({x.size(0), weight.size(0)}, x.options());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(llmpar, m) {
+  m.def("linear_lt(Tensor x, Tensor weight, Tensor? bias, int act, Tensor? residual) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(llmpar, CUDA, m) { m.impl("linear_lt", &linear_lt); }
+
+TORCH_LIBRARY_IMPL(llmpar, Meta, m) { m.impl("linear_lt", &linear_lt_meta); }

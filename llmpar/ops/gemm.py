@@ -1,0 +1,264 @@
+"""Linear layer with a fused epilogue: ``y = act(x @ W^T + b) (+ residual)``, and its backward.
+
+    x: [..., K]   weight: [N, K]   bias: [N]   residual, y: [..., N]   main_grad: fp32 [N, K]
+    act in ACTIVATIONS: none, gelu_tanh (torch gelu approximate="tanh"), gelu_erf (exact gelu), silu, relu.
+Backward with z = x @ W^T + b (the pre-activation, saved in x's dtype when act != none) and dY' = dY * act'(z):
+    dX = dY' @ W,   dW = dY'^T @ X (added into ``main_grad`` in fp32 when given),   db = sum_rows dY',   dR = dY.
+
+Backends (see ``_dispatch``): Triton (``llmpar.kernels.gemm``: one GEMM kernel with the bias/activation/residual
+epilogue and act' fused into the backward operand loads; fp32 accumulate, one rounding to ``out_dtype``) -> torch
+(the plain composition ``act(F.linear(x, W, b)) + residual``, which autograd differentiates). No CUDA-extension op
+yet: dispatch skips it while ``llmpar::linear_act`` is not registered. Kernel inputs: x and weight in
+float32/float16/bfloat16 (same dtype), bias in that dtype; others (float64, ...) use torch.
+
+``linear_act_rows`` is the chunk entry point: rows [start, end) of x into rows [start, end) of a preallocated out
+(and of ``pre_out``), so that an overlapped forward can compute chunk i+1 while chunk i is being reduced;
+``linear_act_backward`` is the matching backward for callers that run their own autograd Function.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ._dispatch import select_backend
+
+ACTIVATIONS = ("none", "gelu_tanh", "gelu_erf", "silu", "relu")
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_ACT_CODE = {name: i for i, name in enumerate(ACTIVATIONS)}  # same codes as llmpar.kernels.gemm.ACTS
+
+
+def _act_torch(z: torch.Tensor, act: str) -> torch.Tensor:
+    if act == "gelu_tanh":
+        return F.gelu(z, approximate="tanh")
+    if act == "gelu_erf":
+        return F.gelu(z)
+    if act == "silu":
+        return F.silu(z)
+    if act == "relu":
+        return F.relu(z)
+    return z
+
+
+def _act_grad_torch(g: torch.Tensor, z: torch.Tensor, act: str) -> torch.Tensor:
+    """g * act'(z), as torch autograd computes it (g cast to z's dtype first)."""
+    g = g.to(z.dtype)
+    if act == "gelu_tanh":
+        return torch.ops.aten.gelu_backward(g, z, approximate="tanh")
+    if act == "gelu_erf":
+        return torch.ops.aten.gelu_backward(g, z)
+    if act == "silu":
+        return torch.ops.aten.silu_backward(g, z)
+    if act == "relu":
+        return torch.ops.aten.threshold_backward(g, z, 0)
+    return g
+
+
+def _check(x, weight, bias, act, residual, out_dtype, main_grad) -> torch.dtype:
+    """Validates the arguments; returns the output dtype."""
+    if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        raise TypeError(f"x and weight must be tensors, got {type(x).__name__} and {type(weight).__name__}")
+    if act not in ACTIVATIONS:
+        raise ValueError(f"act={act!r} is not an activation; use one of {', '.join(ACTIVATIONS)}")
+    if not x.is_floating_point() or x.dtype != weight.dtype:
+        raise TypeError(f"x ({x.dtype}) and weight ({weight.dtype}) must share one floating dtype")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [out, in], got shape {tuple(weight.shape)}")
+    if x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"x has shape {tuple(x.shape)} but weight {tuple(weight.shape)} wants a last dim of "
+                         f"{weight.shape[1]}")
+    for name, t in (("weight", weight), ("bias", bias), ("residual", residual), ("main_grad", main_grad)):
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+    n = weight.shape[0]
+    if bias is not None:
+        if bias.shape != (n,):
+            raise ValueError(f"bias has shape {tuple(bias.shape)}; expected ({n},)")
+        if bias.dtype != weight.dtype:
+            raise TypeError(f"bias dtype {bias.dtype} differs from weight dtype {weight.dtype}")
+    if residual is not None:
+        want = (*x.shape[:-1], n)
+        if tuple(residual.shape) != want:
+            raise ValueError(f"residual has shape {tuple(residual.shape)}; expected {want}")
+        if not residual.is_floating_point():
+            raise TypeError(f"residual has dtype {residual.dtype}; expected a floating dtype")
+    if main_grad is not None:
+        if main_grad.dtype != torch.float32 or main_grad.shape != weight.shape:
+            raise ValueError(f"main_grad must be float32 of shape {tuple(weight.shape)}, got {main_grad.dtype} "
+                             f"{tuple(main_grad.shape)}")
+    if out_dtype is None:
+        return x.dtype
+    if not (isinstance(out_dtype, torch.dtype) and out_dtype.is_floating_point):
+        raise TypeError(f"out_dtype must be a floating torch.dtype, got {out_dtype!r}")
+    return out_dtype
+
+
+def _kernel_unfit(x, residual, out_dtype, m, k, n) -> str | None:
+    for name, dtype in (("x", x.dtype), ("out_dtype", out_dtype),
+                        ("residual", residual.dtype if residual is not None else torch.float32)):
+        if dtype not in KERNEL_DTYPES:
+            return f"{name} dtype {dtype} (kernels take float32, float16, bfloat16)"
+    if m == 0 or k == 0 or n == 0:
+        return f"an empty product (M={m}, K={k}, N={n})"
+    return None
+
+
+def _tf32() -> bool:
+    return bool(torch.backends.cuda.matmul.allow_tf32)
+
+
+def _backward(grad_out, x2, weight, pre, act, *, has_bias, main_grad, backend, needs=(True, True, True)):
+    """(dX, dW or None when accumulated into main_grad, db) for 2-D grad_out/x2/pre."""
+    need_x, need_w, need_b = needs
+    dx = dw = db = None
+    if backend == "torch":
+        gp = _act_grad_torch(grad_out, pre, act) if act != "none" else grad_out.to(x2.dtype)
+        if need_x:
+            dx = gp @ weight
+        if main_grad is not None:
+            main_grad.add_(gp.t().float() @ x2.float())
+        elif need_w:
+            dw = gp.t() @ x2
+        if has_bias and need_b:
+            db = gp.sum(0, dtype=torch.float32).to(weight.dtype)
+        return dx, dw, db
+    from llmpar.kernels import gemm as kernels
+
+    code = _ACT_CODE[act]
+    grad_out = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
+    if need_x:
+        dx = torch.empty_like(x2, memory_format=torch.contiguous_format)
+        kernels.linear_bwd_input(grad_out, weight, pre, code, dx, allow_tf32=_tf32())
+    want_b = has_bias and need_b
+    if main_grad is not None or need_w or want_b:
+        db32 = torch.empty(weight.shape[0], dtype=torch.float32, device=x2.device) if want_b else None
+        if main_grad is not None:
+            kernels.linear_bwd_weight(grad_out, x2, pre, code, main_grad, db32, accumulate=True, allow_tf32=_tf32())
+        else:
+            # with no weight grad wanted, db still comes from the wgrad kernel's row sums (cost: one GEMM)
+            dw = torch.empty_like(weight, memory_format=torch.contiguous_format)
+            kernels.linear_bwd_weight(grad_out, x2, pre, code, dw, db32, allow_tf32=_tf32())
+            dw = dw if need_w else None
+        db = db32.to(weight.dtype) if db32 is not None else None
+    return dx, dw, db
+
+
+class _LinearAct(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2, weight, bias, residual2, act, out_dtype, main_grad, backend):
+        m, n = x2.shape[0], weight.shape[0]
+        keep_pre = act != "none"  # saved for act'(pre) in backward: cheaper than re-running the GEMM
+        if backend == "torch":
+            pre = F.linear(x2, weight, bias)
+            out = _act_torch(pre, act)
+            if residual2 is not None:
+                out = out + residual2
+            out = out.to(out_dtype)
+        else:
+            from llmpar.kernels import gemm as kernels
+
+            out = torch.empty(m, n, dtype=out_dtype, device=x2.device)
+            pre = torch.empty(m, n, dtype=x2.dtype, device=x2.device) if keep_pre else None
+            kernels.linear_fwd(x2, weight, bias, residual2, out, pre, _ACT_CODE[act], allow_tf32=_tf32())
+        ctx.save_for_backward(x2, weight, pre if keep_pre else None)
+        ctx.act, ctx.backend, ctx.main_grad = act, backend, main_grad
+        ctx.has_bias = bias is not None
+        ctx.residual_dtype = residual2.dtype if residual2 is not None else None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x2, weight, pre = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        dx, dw, db = _backward(grad_out, x2, weight, pre, ctx.act, has_bias=ctx.has_bias, main_grad=ctx.main_grad,
+                               backend=ctx.backend, needs=(needs[0], needs[1], needs[2]))
+        dr = grad_out.to(ctx.residual_dtype) if ctx.residual_dtype is not None and needs[3] else None
+        return dx, dw, db, dr, None, None, None, None
+
+
+def linear_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, act: str = "none",
+               residual: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+               main_grad: torch.Tensor | None = None) -> torch.Tensor:
+    """``act(x @ weight^T + bias) (+ residual)`` in ``out_dtype`` (default x.dtype); differentiable.
+
+    x: [..., K], weight: [N, K], bias: [N], residual: [..., N] -> [..., N].
+    main_grad: fp32 [N, K]; when given, the backward adds dW into it (fp32, no rounding to weight's dtype, like
+    Megatron's gradient_accumulation_fusion) and returns no gradient for ``weight``.
+    """
+    out_dtype = _check(x, weight, bias, act, residual, out_dtype, main_grad)
+    k, n = weight.shape[1], weight.shape[0]
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    r2 = residual.reshape(-1, n) if residual is not None else None
+    unfit = _kernel_unfit(x, residual, out_dtype, x2.shape[0], k, n)
+    backend = select_backend(x.device, kernel_unfit=unfit, op="linear_act")
+    if backend == "torch" and main_grad is None:  # the plain composition; autograd differentiates it
+        y = _act_torch(F.linear(x, weight, bias), act)
+        if residual is not None:
+            y = y + residual
+        return y.to(out_dtype)
+    if backend == "cuda":  # pragma: no cover - no llmpar::linear_act op is registered yet
+        backend = "triton"
+    y = _LinearAct.apply(x2, weight, bias, r2, act, out_dtype, main_grad, backend)
+    return y.reshape(*lead, n)
+
+
+def linear_act_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                    out: torch.Tensor, start: int, end: int, act: str = "none",
+                    residual: torch.Tensor | None = None, pre_out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows [start, end) of ``linear_act``: out[start:end] = act(x[start:end] @ W^T + b) (+ residual[start:end]).
+
+    x: [M, K], out: [M, N] (its dtype is the output dtype), residual: [M, N], pre_out: [M, N] in x's dtype, gets the
+    pre-activation rows for ``linear_act_backward``. Not differentiable (the caller owns autograd). Returns
+    ``out[start:end]``. Chunks computed one by one equal the full call.
+    """
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a tensor, got {type(out).__name__}")
+    _check(x, weight, bias, act, residual, out.dtype, None)
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D [tokens, in] for the row-range entry point, got shape {tuple(x.shape)}")
+    m, n = x.shape[0], weight.shape[0]
+    if out.shape != (m, n):
+        raise ValueError(f"out has shape {tuple(out.shape)}; expected {(m, n)}")
+    if pre_out is not None and (pre_out.shape != (m, n) or pre_out.dtype != x.dtype):
+        raise ValueError(f"pre_out must be {x.dtype} of shape {(m, n)}, got {pre_out.dtype} {tuple(pre_out.shape)}")
+    if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end <= m):
+        raise ValueError(f"rows [{start}, {end}) are not a range within [0, {m}]")
+    rows = slice(start, end)
+    if start == end:
+        return out[rows]
+    xs, ys = x[rows], out[rows]
+    rs = residual[rows] if residual is not None else None
+    unfit = _kernel_unfit(x, residual, out.dtype, end - start, x.shape[1], n)
+    backend = select_backend(x.device, kernel_unfit=unfit, op="linear_act")
+    with torch.no_grad():
+        if backend == "torch":
+            pre = F.linear(xs, weight, bias)
+            y = _act_torch(pre, act)
+            ys.copy_(y + rs if rs is not None else y)
+            if pre_out is not None:
+                pre_out[rows].copy_(pre)
+        else:
+            from llmpar.kernels import gemm as kernels
+
+            pre = pre_out[rows] if pre_out is not None else None
+            kernels.linear_fwd(xs, weight, bias, rs, ys, pre, _ACT_CODE[act], allow_tf32=_tf32())
+    return ys
+
+
+def linear_act_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, pre: torch.Tensor | None,
+                        *, act: str = "none", has_bias: bool = False, main_grad: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(dX, dW, db) of ``linear_act`` for 2-D grad_out [M, N], x [M, K], pre [M, N] (None when act is none).
+
+    dW is None when accumulated into ``main_grad``; db is None without bias. Not differentiable.
+    """
+    _check(x, weight, None, act, None, None, main_grad)
+    if act != "none" and pre is None:
+        raise ValueError(f"act={act!r} needs the pre-activation (pre_out of linear_act_rows)")
+    if grad_out.shape != (x.shape[0], weight.shape[0]) or x.dim() != 2:
+        raise ValueError(f"grad_out {tuple(grad_out.shape)} and x {tuple(x.shape)} must be [M, N] and [M, K]")
+    unfit = _kernel_unfit(x, None, grad_out.dtype, *x.shape, weight.shape[0])
+    backend = select_backend(x.device, kernel_unfit=unfit, op="linear_act")
+    backend = "triton" if backend == "cuda" else backend
+    with torch.no_grad():
+        return _backward(grad_out, x, weight, pre, act, has_bias=has_bias, main_grad=main_grad, backend=backend)
