@@ -165,3 +165,28 @@ def _batch_sizes(config: dict[str, Any], dp: int) -> tuple[int, int, int]:
                          f"train_micro_batch_size_per_gpu={micro} x gradient_accumulation_steps={gas} x dp={dp} "
                          f"(= {(micro or 0) * (gas or 0) * dp})")
     return micro, gas, train
+
+
+class DeepSpeedAccessors:
+    """DeepSpeed engine accessors shared by llmpar's engines (they hold ``config`` and ``optimizer``)."""
+
+    config: Config
+    optimizer: Any
+
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def zero_optimization_stage(self) -> int:
+        return self.config.zero.stage
+
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        return self.optimizer.last_grad_norm

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from llmpar.config import Config
+from llmpar.config import Config, DeepSpeedAccessors
 from llmpar.distributed.collectives import (CommCounter, Group, GroupRef, as_group,
                                           check_same_on_ranks, group_rank, group_size)
 from llmpar.zero.lr_schedules import WarmupSchedule
@@ -27,7 +27,7 @@ from llmpar.zero.optimizer import ZeroOptimizer
 logger = logging.getLogger("llmpar")
 
 
-class Engine:
+class Engine(DeepSpeedAccessors):
     """Wraps the model, the ZeroOptimizer and the schedule; ``engine(*args)`` runs ``module(*args)``."""
 
     def __init__(self, module: nn.Module, config: Config, optimizer: ZeroOptimizer,
@@ -39,25 +39,6 @@ class Engine:
         self.global_steps = 0
         self.global_samples = 0
         self.skipped_steps = 0
-
-    # DeepSpeed's accessors
-    def train_batch_size(self) -> int:
-        return self.config.train_batch_size
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return self.config.train_micro_batch_size_per_gpu
-
-    def gradient_accumulation_steps(self) -> int:
-        return self.config.gradient_accumulation_steps
-
-    def zero_optimization_stage(self) -> int:
-        return self.config.zero.stage
-
-    def get_lr(self) -> list[float]:
-        return [g["lr"] for g in self.optimizer.param_groups]
-
-    def get_global_grad_norm(self) -> float | None:
-        return self.optimizer.last_grad_norm
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from llmpar.config import DeepSpeedAccessors
 from llmpar.distributed.collectives import check_same_on_ranks, group_rank, group_size
 from llmpar.pipeline.runner import PipelineRunner, StepStats
 
@@ -46,7 +47,7 @@ def wants_pipeline(config: Any) -> bool:
     return getattr(config, "pipeline", None) is not None
 
 
-class PipelineEngine:
+class PipelineEngine(DeepSpeedAccessors):
     """One optimizer step per :meth:`train_batch` over this rank's pipeline stages (module docstring)."""
 
     def __init__(self, module: nn.Module, config: Any, runner: PipelineRunner, optimizer: Any, scheduler: Any,
@@ -58,25 +59,6 @@ class PipelineEngine:
         self.global_steps = 0
         self.global_samples = 0
         self.skipped_steps = 0
-
-    # DeepSpeed's accessors
-    def train_batch_size(self) -> int:
-        return self.config.train_batch_size
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return self.config.train_micro_batch_size_per_gpu
-
-    def gradient_accumulation_steps(self) -> int:
-        return self.config.gradient_accumulation_steps
-
-    def zero_optimization_stage(self) -> int:
-        return self.config.zero.stage
-
-    def get_lr(self) -> list[float]:
-        return [g["lr"] for g in self.optimizer.param_groups]
-
-    def get_global_grad_norm(self) -> float | None:
-        return self.optimizer.last_grad_norm
 
     def is_pipe_parallel(self) -> bool:
         return self.runner.split.pp > 1
