@@ -9,7 +9,6 @@ import importlib.util
 import re
 import shutil
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -66,11 +65,9 @@ def test_kernels_compile_with_nvcc_alone(tmp_path, source):
     cmd = [_nvcc(), "-c", "-std=c++17", "-O3", "-Werror=all-warnings", f"-I{CSRC}",
            "-gencode=arch=compute_90,code=sm_90", "-gencode=arch=compute_80,code=sm_80",
            str(CSRC / source), "-o", str(obj)]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)  # a hang fails, speed is not tested
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}"
     assert obj.stat().st_size > 0
-    assert time.perf_counter() - t0 < 60
 
 
 def _jit_prereqs() -> str | None:

