@@ -4,6 +4,6 @@ Importable without triton: ``HAS_TRITON`` says whether the kernels can run, ``TR
 """
 from __future__ import annotations
 
-from .bucket import HAS_TRITON, INTERPRETED, TRITON_IMPORT_ERROR
+from ._triton import HAS_TRITON, INTERPRETED, TRITON_IMPORT_ERROR
 
 __all__ = ["HAS_TRITON", "INTERPRETED", "TRITON_IMPORT_ERROR"]

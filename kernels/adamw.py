@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 
-from .bucket import HAS_TRITON, INTERPRETED, TRITON_IMPORT_ERROR, tl, triton
+from ._triton import HAS_TRITON, INTERPRETED, TRITON_IMPORT_ERROR, tl, triton
 
 __all__ = ["HAS_TRITON", "INTERPRETED", "TRITON_IMPORT_ERROR", "BLOCK", "MODES", "TABLE_ROWS", "step", "sum_squares"]
 

@@ -9,22 +9,7 @@ All tensors of one launch share a dtype (the ops layer groups them). Runs under 
 """
 from __future__ import annotations
 
-import os
-
-# triton.jit picks the interpreter when the function is decorated, i.e. when this module is imported
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-try:
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-    TRITON_IMPORT_ERROR: str | None = None
-except ImportError as exc:  # pragma: no cover - exercised only where triton is absent
-    triton = None
-    tl = None
-    HAS_TRITON = False
-    TRITON_IMPORT_ERROR = f"triton is not importable ({exc})"
+from ._triton import HAS_TRITON, INTERPRETED, TRITON_IMPORT_ERROR, tl, triton  # noqa: F401
 
 BLOCK = 1024
 

@@ -19,21 +19,7 @@ config runs. fp32 inputs use IEEE fp32 products unless ``allow_tf32`` is passed 
 """
 from __future__ import annotations
 
-import os
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-try:
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-    TRITON_IMPORT_ERROR: str | None = None
-except ImportError as exc:  # pragma: no cover - exercised only where triton is absent
-    triton = None
-    tl = None
-    HAS_TRITON = False
-    TRITON_IMPORT_ERROR = f"triton is not importable ({exc})"
+from ._triton import HAS_TRITON, INTERPRETED, TRITON_IMPORT_ERROR, tl, triton  # noqa: F401
 
 # activation codes shared with llmpar/ops/gemm.py
 ACTS = {"none": 0, "gelu_tanh": 1, "gelu_erf": 2, "silu": 3, "relu": 4}
