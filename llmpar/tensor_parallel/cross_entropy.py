@@ -108,8 +108,12 @@ def vocab_parallel_cross_entropy(
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction={reduction!r} is not one of 'mean', 'sum', 'none'")
     bad = ((target < 0) | (target >= vocab_size)) & (target != ignore_index)
-    if bool(bad.any()):
-        raise ValueError(f"target holds class ids outside [0, {vocab_size}) that are not ignore_index={ignore_index}")
+    msg = f"target holds class ids outside [0, {vocab_size}) that are not ignore_index={ignore_index}"
+    if target.device.type == "cpu":  # checking costs no device sync here
+        if bool(bad.any()):
+            raise ValueError(msg)
+    else:  # on an accelerator: a device-side assert, as F.cross_entropy does, instead of a host sync per call
+        torch._assert_async(~bad.any(), msg)
     loss = _VocabParallelCrossEntropy.apply(logits_shard, target, pg, int(vocab_size), int(ignore_index),
                                             float(label_smoothing))
     if reduction == "none":
