@@ -35,16 +35,16 @@ def _assert_grads_match(par: nn.Module, ref: nn.Module, dtype) -> int:
     return n
 
 
-def _gpt(dtype):
+def _gpt(dtype, tie=False):
     from llmpar.models.gpt import GPT, GPTConfig
 
-    cfg = GPTConfig(vocab_size=1001, n_layer=2, n_head=4, d_model=32, seq_len=8)
+    cfg = GPTConfig(vocab_size=1001, n_layer=2, n_head=4, d_model=32, seq_len=8, tie_embeddings=tie)
     return GPT(cfg, seed=0, dtype=dtype)
 
 
-def _gpt_body(sp: bool, chunks: int, overlap: bool, dtype_name: str):
+def _gpt_body(sp: bool, chunks: int, overlap: bool, dtype_name: str, tie: bool = False):
     dtype = getattr(torch, dtype_name)
-    ref = _gpt(torch.float64)
+    ref = _gpt(torch.float64, tie)
     torch.manual_seed(11)
     idx = torch.randint(0, 1001, (4, 5))  # batch 4 (divides tp = 1, 2, 4 under sequence parallelism), 5 tokens
     tgt = torch.randint(0, 1001, (4, 5))
@@ -54,6 +54,7 @@ def _gpt_body(sp: bool, chunks: int, overlap: bool, dtype_name: str):
                       overlap_grad_comm=overlap)
     par.zero_grad(set_to_none=True)
     assert isinstance(par.blocks[0].attn.qkv, ColumnParallelLinear) and isinstance(par.lm_head, ParallelLMHead)
+    assert (par.lm_head.weight is par.tok_emb.weight) == tie  # a tied embedding stays one (split) parameter
     logits = par(idx)
     par.loss(logits, tgt).backward()
     _close(logits, logits_ref, "logits", dtype)
@@ -65,6 +66,12 @@ def _gpt_body(sp: bool, chunks: int, overlap: bool, dtype_name: str):
 def test_gpt_parallelize_matches_single_device(world_size, sp, chunks, overlap):
     for dtype in ("float64", "float32"):
         run_ranks(_gpt_body, world_size, sp, chunks, overlap, dtype)
+
+
+@pytest.mark.parametrize("world_size", (2, 4))
+@pytest.mark.parametrize("sp", [False, True])
+def test_gpt_tied_embeddings_stay_tied_and_match_single_device(world_size, sp):
+    run_ranks(_gpt_body, world_size, sp, 1, True, "float64", True)
 
 
 def _gpt_train_body(sp: bool, vocab_loss: bool):

@@ -167,7 +167,7 @@ def parallelize(
     head_updates = {o: _check_heads(o, model.get_submodule(o), cols, tp) for o, cols in owners.items()}
 
     # ---- everything validated: replace
-    new_by_old: dict[int, nn.Module] = {}
+    new_by_old: dict[int, nn.Module] = {}  # id(old module) -> its replacement
     for name, module, kind in chosen:
         if kind == "column":
             new: nn.Module = ColumnParallelLinear.from_linear(
@@ -180,7 +180,7 @@ def parallelize(
         else:
             new = ParallelLMHead.from_linear(module, group=group, gather_output=gather_logits,
                                              sequence_parallel=sequence_parallel, overlap_grad_comm=overlap_grad_comm)
-        new_by_old[id(module.weight)] = new
+        new_by_old[id(module)] = new
         parent_name, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent_name), leaf, new)
     _retie(chosen, new_by_old)
@@ -196,10 +196,10 @@ def parallelize(
 
 def _retie(chosen: list[tuple[str, nn.Module, str]], new_by_old: dict[int, nn.Module]) -> None:
     """Keep an embedding and a vocab head that shared one weight sharing the new (identically split) weight."""
-    embeddings = {id(m.weight): new_by_old[id(m.weight)] for _, m, k in chosen if k == "embedding"}
+    embeddings = {id(m.weight): new_by_old[id(m)] for _, m, k in chosen if k == "embedding"}
     for _, module, kind in chosen:
         if kind == "vocab_head" and id(module.weight) in embeddings:
-            head, emb = new_by_old[id(module.weight)], embeddings[id(module.weight)]
+            head, emb = new_by_old[id(module)], embeddings[id(module.weight)]
             head.weight = emb.weight  # same [V_pad/tp, d] rows on this rank
 
 
