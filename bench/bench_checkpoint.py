@@ -14,6 +14,11 @@ ranks must hold it once (overhead = pickle framing, RNG states, partition paddin
 file it writes (the publish is atomic); DeepSpeed does not fsync, so its save time is that of the page cache.
 DeepSpeed runs with its CPU accelerator, ``torch_adam`` and without its JIT-built shared-memory comm op.
 Results: bench/results/checkpoint_dp2.{md,json}.
+
+    python bench/bench_checkpoint.py --reshard             # tp=2 checkpoint: load at tp=2 vs resharded to tp=1 x dp=2
+
+``--reshard``: the cost of tensor-parallel resharding on load (each rank reads the saved tp ranks' shards that overlap
+its slice, so a tp=1 rank reads both); bench/results/checkpoint_reshard_tp.{md,json}.
 """
 from __future__ import annotations
 
@@ -42,10 +47,10 @@ def _config(args) -> dict:
             "steps_per_print": 10**9}
 
 
-def _model(args):
+def _model(args, vocab=256):
     from llmpar.models import GPT, GPTConfig
 
-    return GPT(GPTConfig(vocab_size=256, n_layer=args.n_layer, n_head=args.n_head, d_model=args.d_model,
+    return GPT(GPTConfig(vocab_size=vocab, n_layer=args.n_layer, n_head=args.n_head, d_model=args.d_model,
                          seq_len=args.seq), seed=0)
 
 
@@ -198,6 +203,50 @@ def run(args) -> None:
     dist.destroy_process_group()
 
 
+def run_reshard(args) -> None:
+    """``--reshard``: load time of a tp=2 checkpoint at the same layout (tp=2) and resharded to tp=1 x dp=2 (every
+    split param rebuilt from both saved tp ranks' shards, vocabulary padding dropped), same ranks, same model."""
+    import torch.distributed as dist
+
+    import llmpar
+    from harness import compare_distributed, write_results
+
+    dist.init_process_group("gloo")
+    root, world = Path(args.dir), dist.get_world_size()
+    cfg = _config(args)
+    engines = {}
+    for tp in (world, 1):
+        env = llmpar.init_distributed(tp=tp)
+        model = _model(args, vocab=257)  # odd vocabulary: padded to a multiple of tp
+        if tp > 1:
+            llmpar.parallelize(model, env.mesh["tp"])
+        dp = env.mesh["dp"].size()
+        cfg["train_micro_batch_size_per_gpu"], cfg["train_batch_size"] = args.micro * world // dp, args.micro * world
+        engines[tp], *_ = llmpar.initialize(model=model, config=cfg, mesh=env.mesh)
+        if tp > 1:
+            x = torch.randint(0, 257, (args.micro * world, args.seq + 1), generator=torch.Generator().manual_seed(0))
+            _train_step(engines[tp], x[:, :-1], x[:, 1:])
+            engines[tp].save_checkpoint(str(root / "tp"), tag="bench")
+    cases = {f"load_at_tp{tp}": (lambda e=e: e.load_checkpoint(str(root / "tp"), tag="bench"))
+             for tp, e in engines.items()}
+    timings = compare_distributed(cases, warmup=args.warmup, repeats=args.repeats)
+    if dist.get_rank() == 0:
+        n_params = sum(p.numel() for p in _model(args, vocab=257).parameters())
+        same = timings[f"load_at_tp{world}"].median_s
+        rows = [{"load": f"saved tp={world} x dp=1, loaded at tp={tp} x dp={world // tp}",
+                 "median_ms": round(timings[f"load_at_tp{tp}"].median_s * 1e3, 1),
+                 "min_ms": round(timings[f"load_at_tp{tp}"].min_s * 1e3, 1),
+                 "vs_same_layout": round(timings[f"load_at_tp{tp}"].median_s / same, 3)} for tp in engines]
+        meta = {"model": f"GPT d_model={args.d_model} n_layer={args.n_layer} vocab=257 ({n_params / 1e6:.1f}M "
+                         "params), fp32, AdamW, ZeRO stage 2", "repeats": args.repeats, "dir": str(root)}
+        print(json.dumps({"rows": rows, "meta": meta}, indent=1))
+        if not args.no_write:
+            write_results("checkpoint_reshard_tp", rows, meta)
+    del engines, cases
+    gc.collect()
+    dist.destroy_process_group()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--d-model", type=int, default=768)
@@ -211,9 +260,11 @@ def main() -> None:
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--dir", default=None, help="where checkpoints are written (default: a temp dir, removed after)")
     p.add_argument("--no-write", action="store_true")
+    p.add_argument("--reshard", action="store_true", help="time a tp=nproc checkpoint loaded at tp=nproc and tp=1 "
+                                                          "instead (no DeepSpeed)")
     args = p.parse_args()
     if "RANK" in os.environ:
-        run(args)
+        (run_reshard if args.reshard else run)(args)
         return
     tmp = None
     if args.dir is None:

@@ -1,13 +1,15 @@
-"""Sharded, atomic, reshardable checkpoints of an :class:`llmpar.engine.Engine`.
+"""Sharded, atomic, reshardable checkpoints of an :class:`llmpar.engine.Engine` or a pipeline ``PipelineEngine``.
 
     path = engine.save_checkpoint("ckpts", client_state={"data_pos": 1234})   # every rank writes its own shards
-    path, client_state = engine.load_checkpoint("ckpts")                      # latest; any dp degree / ZeRO stage
+    path, client_state = engine.load_checkpoint("ckpts")       # latest; any dp / tp / pp degree, ZeRO stage, offload
     engine.save_checkpoint("ckpts", async_save=True); ...train...; engine.wait_checkpoint()  # written by a thread
     llmpar checkpoint consolidate ckpts/global_step100 out/                   # one full-precision state dict
 
 ``files.py``: on-disk format, checksums, atomic publish; ``shards.py``: what a rank file holds and how any saved layout
-is cut back into named param ranges; ``save.py`` / ``load.py``: the collective save and load; ``consolidate.py``:
-the single-process consolidation and its CLI command.
+is cut back into named param ranges; ``reshard.py``: tensor-parallel splits recorded per param and cut for another tp;
+``view.py``: the plain and the pipeline engine seen alike (grid, params under the unsplit model's names);
+``save.py`` / ``load.py``: the collective save and load; ``consolidate.py``: the single-process consolidation and its
+CLI command.
 """
 from llmpar.checkpoint.files import CheckpointError
 from llmpar.checkpoint.load import load_checkpoint

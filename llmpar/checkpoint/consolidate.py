@@ -3,9 +3,11 @@
     llmpar checkpoint consolidate ckpts/global_step100 out/      # or ckpts (its `latest`)
     -> out/pytorch_model.bin  (torch.save of {name: tensor})  and  out/model.safetensors  (when safetensors is there)
 
-Each trained param is rebuilt whole from the shards by name (``ShardReader``), from the fp32 master when the run kept
-one, else from the params, cast to float32 (float64 stays float64); module buffers and frozen params come from dp rank
-0's file. ``model.load_state_dict(torch.load(out/pytorch_model.bin))`` loads it into the plain model (tied weights
+Each trained param is rebuilt whole from the shards by name (``CheckpointReader.full``: a tensor-parallel param is
+concatenated over the saved tp ranks along its split dim, vocabulary padding dropped; a pipeline checkpoint already
+names params as the unsplit model does, a tied weight once), from the fp32 master when the run kept one, else from
+the params, cast to float32 (float64 stays float64); module buffers and frozen params come from dp rank 0's files.
+``model.load_state_dict(torch.load(out/pytorch_model.bin))`` loads it into the plain model (tied weights
 appear once, under the first name). Every file's sha256 is verified first.
 """
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 
 from llmpar.checkpoint import files
 from llmpar.checkpoint.files import CheckpointError
-from llmpar.checkpoint.shards import ShardReader
+from llmpar.checkpoint.reshard import CheckpointReader
 
 
 def _locate(path: str, tag: str | None) -> str:
@@ -34,24 +36,19 @@ def consolidated_state_dict(path: str, tag: str | None = None, *, dtype: torch.d
     dtype: float params are cast to it (float64 ones kept); None keeps the saved dtype."""
     ckpt = _locate(os.fspath(path), tag)
     meta = files.read_metadata(ckpt)
-    if meta["tp"] != 1:
-        raise CheckpointError(f"{ckpt} was saved at tp={meta['tp']}: consolidating tensor-parallel checkpoints is "
-                              f"not supported yet")
     for fname, entry in sorted(meta["files"].items()):
         why = files.check_file(ckpt, fname, entry)
         if why is not None:
             raise CheckpointError(f"checkpoint shard {os.path.join(ckpt, fname)} is {why}")
-    reader = ShardReader(ckpt, meta, 0)
+    reader = CheckpointReader(ckpt, meta)
     out: dict[str, torch.Tensor] = {}
-    for b in meta["layout"]["buffers"]:
-        key = "master" if "master" in b["state_keys"] else "params"
-        for slot in b["params"]:
-            name = slot["name"]
-            t = reader.get(name, key, 0, reader.numel(name)).view(slot["shape"])
-            if dtype is not None and t.is_floating_point() and t.dtype != torch.float64:
-                t = t.to(dtype)
-            out[name] = t.clone()
-    for name, t in reader.extras().items():
+    for name, (bi, _, _) in reader.where.items():
+        key = "master" if "master" in meta["layout"]["buffers"][bi]["state_keys"] else "params"
+        t = reader.full(name, key)
+        if dtype is not None and t.is_floating_point() and t.dtype != torch.float64:
+            t = t.to(dtype)
+        out[name] = t.clone()
+    for name, t in reader.extras(reader.tp, 0).items():
         out.setdefault(name, t.clone())
     return out
 

@@ -3,7 +3,8 @@
 A checkpoint ``DIR/TAG/`` holds, once published:
 
     metadata.json          the global layout and run state (written last, by rank 0; its presence marks completeness)
-    dp{d:03d}-tp{t:02d}.pt  one file per rank: its own shards, its RNG states (``shards.py`` says what is inside)
+    dp{d:03d}-tp{t:02d}.pt  one file per rank: its own shards, its RNG states (``shards.py`` says what is inside);
+                           ``pp{p:02d}-dp{d:03d}-tp{t:02d}.pt`` when the run had pp > 1 pipeline ranks
     client_state.pt        the caller's ``client_state`` (rank 0)
 
 It is written under ``DIR/.tmp-TAG`` and renamed to ``DIR/TAG`` by rank 0 only after every rank reported success; then
@@ -43,8 +44,10 @@ def fault(point: str) -> None:
         FAULT_HOOK(point)
 
 
-def rank_file(dp_rank: int, tp_rank: int) -> str:
-    return f"dp{dp_rank:03d}-tp{tp_rank:02d}.pt"
+def rank_file(dp_rank: int, tp_rank: int, pp_rank: int = 0, pp: int = 1) -> str:
+    """The file of rank (pp_rank, dp_rank, tp_rank) in a run with ``pp`` pipeline ranks (no pp part when pp == 1)."""
+    name = f"dp{dp_rank:03d}-tp{tp_rank:02d}.pt"
+    return f"pp{pp_rank:02d}-{name}" if pp > 1 else name
 
 
 class _HashingWriter:

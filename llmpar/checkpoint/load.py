@@ -10,7 +10,11 @@ corrupt file is an error naming that file on every rank. Then:
 
 A state the saved mode did not have is derived: ``master`` from the params, ``kahan_comp`` zero. Step counts, the
 scheduler, engine counters, param-group hyper-parameters and this rank's RNG states (when the saved run had a rank
-with the same dp and tp rank) are restored. dp degree, ZeRO stage and offload may differ from the saved run; tp may not.
+with the same pp, dp and tp rank) are restored. dp degree, ZeRO stage and offload may differ from the saved run, and
+so may tp (``reshard.py``: each split param and its optimizer states are rebuilt along the split dim from the saved
+tp ranks' shards whose chunks overlap this rank's, padding dropped and re-added) and pp (params are named as in the
+unsplit model, ``view.py``: a pp=2 pipeline checkpoint loads into a plain engine and the other way round). A param
+whose full shape or split dim differs raises a CheckpointError naming it, on every rank.
 """
 from __future__ import annotations
 
@@ -23,123 +27,138 @@ import torch
 
 from llmpar.checkpoint import files
 from llmpar.checkpoint.files import CheckpointError
-from llmpar.checkpoint.save import grid, wait_checkpoint
-from llmpar.checkpoint.shards import STATE_FALLBACK, ShardReader, set_rng_state
+from llmpar.checkpoint.reshard import CheckpointReader, Cut
+from llmpar.checkpoint.save import wait_checkpoint
+from llmpar.checkpoint.shards import STATE_FALLBACK, set_rng_state
+from llmpar.checkpoint.view import EngineView, Grid
 
 logger = logging.getLogger("llmpar")
 
 
-def _plan(engine: Any, path: str, meta: dict, tp: int, tp_rank: int, dp_rank: int) -> tuple[ShardReader, set[str]]:
-    """The reader and the set of files this rank will read; raises on a layout that cannot be loaded."""
-    if meta["tp"] != tp:
-        raise CheckpointError(f"checkpoint {path} was saved at tp={meta['tp']} and this run has tp={tp}: "
-                              f"tensor-parallel resharding is not supported yet")
-    reader = ShardReader(path, meta, tp_rank)
-    opt = engine.optimizer
+def _cuts(view: EngineView) -> dict[str, Cut]:
+    """{optimizer param name: how this rank holds it}."""
+    specs, g = view.specs(), view.grid
+    return {b.layout.slot(i).name: Cut(shape=b.layout.slot(i).shape, spec=specs[b.layout.slot(i).name], tp=g.tp,
+                                       rank=g.tp_rank)
+            for b in view.opt.buffers for i in range(len(b.params))}
+
+
+def _plan(view: EngineView, path: str, meta: dict) -> tuple[CheckpointReader, dict[str, Cut], set[str]]:
+    """The reader, this rank's cuts and the set of files it will read; raises on a layout that cannot be loaded."""
+    reader = CheckpointReader(path, meta)
+    opt, g, cuts = view.opt, view.grid, _cuts(view)
     rank = opt.rank if opt.stage > 0 else 0
     need: set[str] = set()
     missing = []
     for b in opt.buffers:
         for i in range(len(b.params)):
             slot = b.layout.slot(i)
-            if slot.name not in reader.where:
-                missing.append(slot.name)
+            name = view.saved_name[slot.name]
+            if name not in reader.where:
+                missing.append(name)
                 continue
-            saved = tuple(reader.where[slot.name][1]["shape"])
-            if saved != slot.shape:
-                raise CheckpointError(f"param {slot.name!r} has shape {slot.shape} here but {saved} in {path}")
+            reader.check(name, cuts[slot.name])
         for u in range(len(b.layout.units)):
             if b.shard is None:  # whole params needed (stages 0-2)
-                for i in b.layout.units[u].params:
-                    name = b.layout.slot(i).name
-                    if name in reader.where:
-                        need |= reader.files_for(name, 0, b.layout.slot(i).numel)
+                pieces = [(i, 0, b.layout.slot(i).numel) for i in b.layout.units[u].params]
             else:
-                for i, a, z, _ in b.layout.param_slices(u, rank):
-                    name = b.layout.slot(i).name
-                    if name in reader.where:
-                        need |= reader.files_for(name, a, z)
+                pieces = [(i, a, z) for i, a, z, _ in b.layout.param_slices(u, rank)]
+            for i, a, z in pieces:
+                local = b.layout.slot(i).name
+                if view.saved_name[local] in reader.where:
+                    need |= reader.files_for(view.saved_name[local], a, z, cuts[local])
         for key in b.state:
-            if key not in STATE_FALLBACK and any(not reader.has(b.layout.slot(i).name, key)
-                                                 for i in range(len(b.params)) if b.layout.slot(i).name
-                                                 in reader.where):
+            if key not in STATE_FALLBACK and any(not reader.has(view.saved_name[b.layout.slot(i).name], key)
+                                                 for i in range(len(b.params))
+                                                 if view.saved_name[b.layout.slot(i).name] in reader.where):
                 raise CheckpointError(f"{path} has no {key!r} state for buffer of mode {b.mode!r}: saved modes "
-                                      f"{[x['mode'] for x in meta['layout']['buffers']]}")
+                                      f"{sorted({x['mode'] for x in meta['layout']['buffers']})}")
     if missing:
         raise CheckpointError(f"{len(missing)} params of this model are not in {path}: {missing[:5]}")
-    own = files.rank_file(dp_rank, tp_rank)
+    own = _own_file(g, meta)
     if own in meta["files"]:
         need.add(own)
-    need.add(files.rank_file(0, tp_rank))  # extras (module buffers, frozen params)
+    wanted = set(view.targets())
+    need |= {f for n, f in reader.extras_files(g.tp, g.tp_rank).items() if n == "*" or n in wanted}
     if files.CLIENT_STATE in meta["files"]:
         need.add(files.CLIENT_STATE)
-    return reader, need
+    return reader, cuts, need
+
+
+def _own_file(g: Grid, meta: dict) -> str:
+    """This rank's file in the saved run, if it had a rank at the same place (its RNG states)."""
+    return files.rank_file(g.dp_rank, g.tp_rank, g.pp_rank, int(meta.get("pp", 1)))
 
 
 @torch.no_grad()
-def _apply(engine: Any, reader: ShardReader) -> None:
-    opt = engine.optimizer
+def _apply(view: EngineView, reader: CheckpointReader, cuts: dict[str, Cut]) -> None:
+    opt, g = view.opt, view.grid
     rank = opt.rank if opt.stage > 0 else 0
     for b in opt.buffers:
         lay = b.layout
+
+        def get(i: int, key: str, a: int, z: int) -> torch.Tensor:
+            local = lay.slot(i).name
+            return reader.get(view.saved_name[local], key, a, z, cuts[local])
+
         if b.shard is None:
             for i in range(len(b.params)):
                 s = lay.slot(i)
-                lay.param_view(b.flat, i).copy_(reader.get(s.name, "params", 0, s.numel).view(s.shape))
+                lay.param_view(b.flat, i).copy_(get(i, "params", 0, s.numel).view(s.shape))
         for u in range(len(lay.units)):
             pieces = lay.param_slices(u, rank)
             if b.shard is not None:
                 mine = lay.shard_of_partition(b.shard, u)
                 for i, a, z, at in pieces:
-                    mine[at:at + z - a].copy_(reader.get(lay.slot(i).name, "params", a, z))
+                    mine[at:at + z - a].copy_(get(i, "params", a, z))
             for key, t in b.state.items():
                 mine = lay.shard_of_partition(t, u)
                 for i, a, z, at in pieces:
-                    name = lay.slot(i).name
-                    if reader.has(name, key):
-                        mine[at:at + z - a].copy_(reader.get(name, key, a, z))
+                    if reader.has(view.saved_name[lay.slot(i).name], key):
+                        mine[at:at + z - a].copy_(get(i, key, a, z))
                     elif STATE_FALLBACK[key] is None:
                         mine[at:at + z - a].zero_()
                     else:
-                        mine[at:at + z - a].copy_(reader.get(name, STATE_FALLBACK[key], a, z))
+                        mine[at:at + z - a].copy_(get(i, STATE_FALLBACK[key], a, z))
             if lay.units[u].params:
-                b.steps[u].fill_(reader.step(lay.slot(lay.units[u].params[0]).name))
-    saved_extras = reader.extras()
-    params = dict(engine.module.named_parameters())
-    bufs = dict(engine.module.named_buffers())
-    for name, value in saved_extras.items():
-        dst = bufs.get(name, params.get(name))
-        if dst is not None and dst.shape == value.shape:
+                b.steps[u].fill_(reader.step(view.saved_name[lay.slot(lay.units[u].params[0]).name]))
+    targets = view.targets()
+    for name, value in reader.extras(g.tp, g.tp_rank, set(targets)).items():
+        dst = targets[name][0]
+        if dst.shape == value.shape:
             dst.copy_(value)
         else:
-            logger.warning("load_checkpoint: %s in the checkpoint has no matching buffer here: skipped", name)
+            logger.warning("load_checkpoint: %s has shape %s in the checkpoint and %s here: skipped", name,
+                           tuple(value.shape), tuple(dst.shape))
 
 
 def load_checkpoint(engine: Any, load_dir: str, tag: str | None = None) -> tuple[str, dict | None]:
     """Load checkpoint ``load_dir/tag`` (default: the one ``load_dir/latest`` names) into ``engine``.
-    Returns ``(path, client_state)``. Collective over the engine's dp and tp groups. A pending async save of this
+    Returns ``(path, client_state)``. Collective over the engine's dp, tp (and pp) groups. A pending async save of this
     engine is published first."""
     wait_checkpoint(engine)
-    groups, dp_rank, dp, tp_rank, tp, device = grid(engine)
-    err, path, reader, meta = None, str(load_dir), None, None
+    view = EngineView(engine)
+    g = view.grid
+    err, path, reader, meta, cuts = None, str(load_dir), None, None, {}
     code = 0
     try:
         _, path = files.resolve(load_dir, tag)
         meta = files.read_metadata(path)
-        reader, need = _plan(engine, path, meta, tp, tp_rank, dp_rank)
+        reader, cuts, need = _plan(view, path, meta)
         names = sorted(meta["files"])
         for fname in sorted(need):
-            why = files.check_file(path, fname, meta["files"][fname])
+            why = files.check_file(path, fname, meta["files"][fname]) if fname in meta["files"] else "missing"
             if why is not None:
-                code = 2 + 2 * names.index(fname) + (why == "corrupt")
+                code = 2 + 2 * (names.index(fname) if fname in names else len(names)) + (why == "corrupt")
                 break
     except Exception as e:  # noqa: BLE001 - agreed with the other ranks, then raised everywhere
         err = f"{e}" if isinstance(e, (CheckpointError, ValueError, TypeError)) else repr(e)
         logger.debug("load_checkpoint: %s", traceback.format_exc())
         code = 1
-    code = files.agree(code, groups, device)
+    code = files.agree(code, g.groups, g.device)
     if code >= 2 and meta is not None:
-        fname = sorted(meta["files"])[(code - 2) // 2]
+        i = (code - 2) // 2
+        fname = sorted(meta["files"])[i] if i < len(meta["files"]) else "a file metadata.json does not list"
         why = "is corrupt (sha256 or size differs from metadata.json)" if (code - 2) % 2 else "is missing"
         raise CheckpointError(f"checkpoint shard {os.path.join(path, fname)} {why}")
     if code:
@@ -148,33 +167,33 @@ def load_checkpoint(engine: Any, load_dir: str, tag: str | None = None) -> tuple
 
     opt = engine.optimizer
     try:
-        _apply(engine, reader)
+        _apply(view, reader, cuts)
         err = None
     except Exception as e:  # noqa: BLE001 - agreed before the stage-3 re-gather so that no rank waits alone
         err = f"loading {path} failed part-way, the engine's state is mixed: {e!r}"
         logger.error("%s\n%s", err, traceback.format_exc())
-    if files.agree(1 if err else 0, groups, device):
+    if files.agree(1 if err else 0, g.groups, g.device):
         raise CheckpointError(err or f"another rank failed part-way loading {path}; the engine's state is mixed")
     if opt.stage3 is not None:
         opt.stage3.regather_persistent()
-    for g, saved in zip(opt.param_groups, meta["param_groups"]):
-        g.update({k: (tuple(v) if k == "betas" else v) for k, v in saved.items()})
+    for group, saved in zip(opt.param_groups, meta["param_groups"]):
+        group.update({k: (tuple(v) if k == "betas" else v) for k, v in saved.items()})
     for k, v in meta["engine"].items():
         setattr(engine, k, v)
     opt.skipped_steps = meta["optimizer"]["skipped_steps"]
     opt.last_grad_norm = meta["optimizer"]["last_grad_norm"]
     if engine.lr_scheduler is not None and meta["scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(meta["scheduler"])
-    own = files.rank_file(dp_rank, tp_rank)
+    own = _own_file(g, meta)
     if own in meta["files"]:
-        set_rng_state(reader._file_any(own)["rng"])
+        set_rng_state(reader.readers[0]._file_any(own)["rng"])
     else:
-        logger.warning("load_checkpoint: the saved run had no rank dp=%d tp=%d: RNG states not restored", dp_rank,
-                       tp_rank)
+        logger.warning("load_checkpoint: the saved run had no rank pp=%d dp=%d tp=%d: RNG states not restored",
+                       g.pp_rank, g.dp_rank, g.tp_rank)
     client = None
     if files.CLIENT_STATE in meta["files"]:
         client = files.load_file(os.path.join(path, files.CLIENT_STATE), mmap=False)
-    if dp_rank == 0 and tp_rank == 0:
-        logger.info("loaded checkpoint %s (saved at dp=%d stage %d, loaded at dp=%d stage %d)", path, meta["dp"],
-                    meta["stage"], dp, opt.stage)
+    if g.rank0:
+        logger.info("loaded checkpoint %s (saved at pp=%d dp=%d tp=%d stage %d, loaded at pp=%d dp=%d tp=%d stage %d)",
+                    path, meta.get("pp", 1), meta["dp"], meta["tp"], meta["stage"], g.pp, g.dp, g.tp, opt.stage)
     return path, client

@@ -1,14 +1,17 @@
 """``save_checkpoint(engine, save_dir, tag, client_state, async_save)``: every rank writes its own shards; rank 0
 publishes.
 
-    1. prepare (collective): rank 0 clears ``DIR/.tmp-TAG``; barrier (an error agreement over dp then tp = the grid)
+    1. prepare (collective): rank 0 clears ``DIR/.tmp-TAG``; barrier (an error agreement over dp, tp, pp = the grid)
     2. snapshot: this rank's shards, extras, RNG states, the run state for ``metadata.json`` and ``client_state`` are
        copied to host memory (fresh tensors, deep copies): training may change the live state from here on
-    3. write: ``dp{d}-tp{t}.pt`` (+ a small ``.json`` with its sha256); stage 0 dp ranks > 0 write only their RNG
-       states: bytes written = the model state once, no duplication across dp ranks
+    3. write: ``dp{d}-tp{t}.pt`` (``pp{p}-dp{d}-tp{t}.pt`` under a pipeline of pp > 1) + a small ``.json`` with its
+       sha256, the names of its extras, and (dp rank 0, tp rank 0 of each pp rank) that pp rank's layout with each
+       param under its name in the unsplit model and its tp split; stage 0 dp ranks > 0 write only their RNG states:
+       bytes written = the model state once, no duplication across dp ranks (a tied weight: once, by its lowest stage)
     4. finish (collective): agreement: if any rank failed, every rank raises (nothing is published; the old checkpoint
-       stays ``latest``); rank 0 writes ``metadata.json``, renames the directory to ``DIR/TAG``, updates
-       ``DIR/latest``; agreement again: every rank returns only once the checkpoint is published
+       stays ``latest``); rank 0 writes ``metadata.json`` (one for all pp ranks, from the side files), renames the
+       directory to ``DIR/TAG``, updates ``DIR/latest``; agreement again: every rank returns only once the checkpoint
+       is published
 
 ``async_save=False`` runs 1-4 in turn. ``async_save=True`` runs 1-2, starts a thread for 3 and returns; 4 runs in the
 main thread at the next ``wait_checkpoint`` / ``save_checkpoint`` / ``load_checkpoint`` of that engine.
@@ -38,46 +41,48 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from llmpar.checkpoint import files
 from llmpar.checkpoint.files import CheckpointError
 from llmpar.checkpoint.shards import extras, local_buffers, rng_state
-from llmpar.distributed.collectives import group_rank, group_size
+from llmpar.checkpoint.view import EngineView, Grid
 
 logger = logging.getLogger("llmpar")
 
 
-def grid(engine: Any) -> tuple[list, int, int, int, int, torch.device]:
-    """(groups, dp_rank, dp, tp_rank, tp, device) of the engine."""
-    groups = [engine.dp_group] + ([engine.tp_group] if engine.tp_group is not None else [])
-    tp_rank = group_rank(engine.tp_group) if engine.tp_group is not None else 0
-    tp = group_size(engine.tp_group) if engine.tp_group is not None else 1
+def _metadata(engine: Any, tag: str, g: Grid) -> dict:
+    """``metadata.json`` as of the snapshot, less what rank 0 collects at the publish ("files", the layout's
+    "buffers", "extras")."""
     opt = engine.optimizer
-    device = opt.buffers[0].flat.device
-    return groups, group_rank(engine.dp_group), group_size(engine.dp_group), tp_rank, tp, device
-
-
-def _metadata(engine: Any, tag: str, dp: int, tp: int, rank_files: dict) -> dict:
-    opt = engine.optimizer
-    layout = opt.describe()
-    for b, desc in zip(opt.buffers, layout["buffers"]):
-        desc["state_keys"] = ["params", *b.state]
-        desc["steps"] = [float(s) for s in b.steps]
     sched = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
     zc = opt.zero_config
     return {
-        "format": files.FORMAT_VERSION, "tag": tag, "stage": opt.stage, "dp": dp, "tp": tp,
+        "format": files.FORMAT_VERSION, "tag": tag, "stage": opt.stage, "dp": g.dp, "tp": g.tp, "pp": g.pp,
         "offload_optimizer": bool(opt.placement.offload_optimizer), "offload_param": bool(opt.placement.offload_param),
-        "reduce_bucket_size": zc.reduce_bucket_size, "layout": layout,
+        "reduce_bucket_size": zc.reduce_bucket_size, "layout": {"stage": opt.stage, "dp": opt.dp},
         "param_groups": [{k: g[k] for k in ("lr", "betas", "eps", "weight_decay")} for g in opt.param_groups],
         "engine": {"micro_steps": engine.micro_steps, "global_steps": engine.global_steps,
                    "global_samples": engine.global_samples, "skipped_steps": engine.skipped_steps},
         "optimizer": {"skipped_steps": opt.skipped_steps, "last_grad_norm": opt.last_grad_norm},
-        "scheduler": sched, "files": rank_files,
+        "scheduler": sched, "files": {},
     }
 
 
+def _layout(view: EngineView) -> list[dict]:
+    """This pp rank's buffers as ``metadata.json`` lists them: ``describe()`` plus state keys, unit steps, the pp
+    rank and index, and per param its checkpoint name, tp split (``reshard.py``) and whether it is a tied copy
+    written by a lower stage (``dup``)."""
+    opt, specs = view.opt, view.specs()
+    out = []
+    for index, (b, desc) in enumerate(zip(opt.buffers, opt.describe()["buffers"])):
+        desc.update(state_keys=["params", *b.state], steps=[float(s) for s in b.steps], pp_rank=view.grid.pp_rank,
+                    index=index)
+        for slot in desc["params"]:
+            name = slot["name"]
+            slot.update(name=view.saved_name[name], tp=specs[name])
+            if name in view.duplicates:
+                slot["dup"] = True
+        out.append(desc)
+    return out
 
 
 @dataclass(kw_only=True)
@@ -87,73 +92,81 @@ class _Save:
     save_dir: str
     tag: str
     tmp: str
-    groups: list
-    device: torch.device
-    dp_rank: int
-    dp: int
-    tp_rank: int
-    tp: int
+    grid: Grid
     payload: dict  # this rank's file: host copies only
-    meta: dict  # metadata.json without "files", as of the snapshot
+    meta: dict  # metadata.json without what rank 0 collects at the publish, as of the snapshot (rank 0)
+    side: dict  # what this rank tells rank 0 next to its file: its pp rank's layout, its extras' names
     client_state: Any  # deep copy (rank 0), else None
     has_client: bool
     err: str | None = None  # set by write()
     thread: threading.Thread | None = None
     done: threading.Event = field(default_factory=threading.Event)
 
-    @property
-    def rank0(self) -> bool:
-        return self.dp_rank == 0 and self.tp_rank == 0
-
     def write(self) -> None:
         """Phase 3 (any thread; no collectives): this rank's files into ``tmp``; an error is kept in ``err``."""
+        g = self.grid
         try:
             files.fault("before_write")
-            name = files.rank_file(self.dp_rank, self.tp_rank)
+            name = g.file()
             info = files.save_file(self.payload, os.path.join(self.tmp, name))
-            info.update(dp_rank=self.dp_rank, tp_rank=self.tp_rank, has_shards=self.payload["buffers"] is not None)
-            if self.rank0 and self.has_client:
+            info.update(dp_rank=g.dp_rank, tp_rank=g.tp_rank, pp_rank=g.pp_rank,
+                        has_shards=self.payload["buffers"] is not None, **self.side)
+            if g.rank0 and self.has_client:
                 cinfo = files.save_file(self.client_state, os.path.join(self.tmp, files.CLIENT_STATE))
-                cinfo.update(dp_rank=0, tp_rank=0, has_shards=False)
+                cinfo.update(dp_rank=0, tp_rank=0, pp_rank=0, has_shards=False)
                 files.write_json_atomic(os.path.join(self.tmp, files.CLIENT_STATE + ".json"), cinfo)
             files.fault("shard_written")
             files.write_json_atomic(os.path.join(self.tmp, name + ".json"), info)
         except BaseException as e:  # noqa: BLE001 - agreed with the other ranks in finish(), then raised everywhere
-            self.err = f"dp rank {self.dp_rank} tp rank {self.tp_rank} failed writing its shard: {e!r}"
+            self.err = (f"pp rank {g.pp_rank} dp rank {g.dp_rank} tp rank {g.tp_rank} failed writing its shard: "
+                        f"{e!r}")
             logger.error("%s\n%s", self.err, traceback.format_exc())
         finally:
             self.payload = {}  # drop the host copies as soon as they are on disk
             self.client_state = None
             self.done.set()
 
+    def _assemble(self) -> None:
+        """Rank 0: collect the ranks' side files into ``metadata.json`` (layout of every pp rank, extras, files)."""
+        g = self.grid
+        rank_files, layouts, extras_at = {}, {}, {}
+        for side in sorted(glob.glob(os.path.join(self.tmp, "*.pt.json"))):
+            with open(side) as f:
+                info = json.load(f)
+            os.remove(side)
+            if "layout" in info:
+                layouts[info["pp_rank"]] = info.pop("layout")
+            for n in info.pop("extras", []):
+                extras_at.setdefault(n, info["pp_rank"])
+            rank_files[os.path.basename(side)[:-5]] = info
+        expected = g.dp * g.tp * g.pp + self.has_client
+        if len(rank_files) != expected or sorted(layouts) != list(range(g.pp)):
+            raise CheckpointError(f"{self.tmp} holds {len(rank_files)} rank files and the layouts of pp ranks "
+                                  f"{sorted(layouts)}, expected {expected} files and pp ranks 0..{g.pp - 1}")
+        meta = {**self.meta, "files": rank_files, "extras": extras_at}
+        meta["layout"] = {**meta["layout"], "buffers": [b for p in range(g.pp) for b in layouts[p]]}
+        files.write_json_atomic(os.path.join(self.tmp, files.METADATA), meta)
+
     def finish(self) -> str:
         """Phase 4 (main thread, collective over the grid): agree on the writes, rank 0 publishes, agree again."""
         if self.thread is not None:
             self.thread.join()
-        err = self.err
-        if files.agree(1 if err else 0, self.groups, self.device):
+        g, err = self.grid, self.err
+        if files.agree(1 if err else 0, g.groups, g.device):
             raise CheckpointError(err or f"another rank failed writing checkpoint {self.tag!r} (see its error); "
                                          f"nothing was published, the previous checkpoint in {self.save_dir} is "
                                          f"untouched")
         path = os.path.join(self.save_dir, self.tag)
-        if self.rank0:
+        if g.rank0:
             try:
-                rank_files = {}
-                for side in sorted(glob.glob(os.path.join(self.tmp, "*.pt.json"))):
-                    with open(side) as f:
-                        rank_files[os.path.basename(side)[:-5]] = json.load(f)
-                    os.remove(side)
-                expected = self.dp * self.tp + self.has_client
-                if len(rank_files) != expected:
-                    raise CheckpointError(f"{self.tmp} holds {len(rank_files)} rank files, expected {expected}")
-                files.write_json_atomic(os.path.join(self.tmp, files.METADATA), {**self.meta, "files": rank_files})
+                self._assemble()
                 path = files.publish(self.save_dir, self.tmp, self.tag)
             except Exception as e:  # noqa: BLE001
                 err = f"rank 0 failed publishing {path}: {e!r}"
                 logger.error("%s\n%s", err, traceback.format_exc())
-        if files.agree(1 if err else 0, self.groups, self.device):
+        if files.agree(1 if err else 0, g.groups, g.device):
             raise CheckpointError(err or f"rank 0 failed publishing checkpoint {self.tag!r} (see its error)")
-        if self.rank0:
+        if g.rank0:
             logger.info("saved checkpoint %s", path)
         return path
 
@@ -188,37 +201,42 @@ def _prepare(engine: Any, save_dir: Any, tag: str | None, client_state: dict | N
     if opt.reducer.micro_steps != 0:
         raise ValueError(f"save_checkpoint in the middle of a gradient accumulation ({opt.reducer.micro_steps} "
                          f"micro-steps since the last optimizer step): save after engine.step() at a boundary")
-    groups, dp_rank, dp, tp_rank, tp, device = grid(engine)
-    rank0 = dp_rank == 0 and tp_rank == 0
+    view = EngineView(engine)
+    g = view.grid
     tmp = os.path.join(save_dir, f".tmp-{tag}")
 
     err = None
-    if rank0:
+    if g.rank0:
         try:
             os.makedirs(save_dir, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
         except OSError as e:
             err = f"cannot create {tmp}: {e}"
-    if files.agree(1 if err else 0, groups, device):
+    if files.agree(1 if err else 0, g.groups, g.device):
         raise CheckpointError(err or f"rank 0 could not create {tmp}: checkpoint {tag!r} not saved")
 
     if opt.stage3 is not None:
         opt.stage3.wait_all()
     # host copies (local_buffers / extras copy every tensor; rng_state returns fresh ones)
-    payload = {"format": files.FORMAT_VERSION, "dp_rank": dp_rank, "tp_rank": tp_rank, "buffers": local_buffers(opt),
-               "extras": extras(engine.module, opt) if dp_rank == 0 else {}, "rng": rng_state()}
-    meta = copy.deepcopy(_metadata(engine, tag, dp, tp, {}))
-    return _Save(save_dir=save_dir, tag=tag, tmp=tmp, groups=groups, device=device, dp_rank=dp_rank, dp=dp,
-                 tp_rank=tp_rank, tp=tp, payload=payload, meta=meta, has_client=client_state is not None,
-                 client_state=copy.deepcopy(client_state) if rank0 and client_state is not None else None)
+    trained = set(view.saved_name.values())
+    kept = extras(view.targets(), trained) if g.dp_rank == 0 else {}
+    payload = {"format": files.FORMAT_VERSION, "dp_rank": g.dp_rank, "tp_rank": g.tp_rank, "pp_rank": g.pp_rank,
+               "buffers": local_buffers(opt, view.duplicates), "extras": kept, "rng": rng_state()}
+    side: dict = {"extras": sorted(kept)}
+    if g.dp_rank == 0 and g.tp_rank == 0:
+        side["layout"] = _layout(view)
+    meta = copy.deepcopy(_metadata(engine, tag, g)) if g.rank0 else {}
+    return _Save(save_dir=save_dir, tag=tag, tmp=tmp, grid=g, payload=payload, meta=meta, side=side,
+                 has_client=client_state is not None,
+                 client_state=copy.deepcopy(client_state) if g.rank0 and client_state is not None else None)
 
 
 def save_checkpoint(engine: Any, save_dir: str, tag: str | None = None, client_state: dict | None = None,
                     async_save: bool = False) -> str:
     """Write the engine's state as checkpoint ``save_dir/tag`` (default ``global_step{N}``); returns its path.
-    Collective over the engine's dp and tp groups; call it at a gradient accumulation boundary. A pending async save
-    of this engine is finished (published) first. ``async_save=True``: returns once the state is copied to host
+    Collective over the engine's dp, tp (and pp) groups; call it at a gradient accumulation boundary. A pending async
+    save of this engine is finished (published) first. ``async_save=True``: returns once the state is copied to host
     memory, the files are written by a thread while training goes on, and the checkpoint is published by the next
     ``wait_checkpoint`` / ``save_checkpoint`` / ``load_checkpoint`` (the path returned is where it will be)."""
     if not isinstance(async_save, bool):

@@ -1,17 +1,20 @@
 """What a rank's checkpoint file holds, and cutting any saved layout back into named param ranges.
 
-Rank file ``dp{d}-tp{t}.pt`` (a dict of plain tensors, ``torch.load(weights_only=True)``-safe):
+Rank file ``dp{d}-tp{t}.pt`` / ``pp{p}-dp{d}-tp{t}.pt`` (plain tensors, ``torch.load(weights_only=True)``-safe):
 
     "buffers": one dict per flat buffer of ``ZeroOptimizer.describe()``, or None on a rank that holds no unique shard
                (stage 0, dp rank > 0):  "params" [partition] (the params' dtype), "exp_avg", "exp_avg_sq"
-               [partition], "master" / "kahan_comp" [partition] when the mode has one, "steps" [units] float32
+               [partition], "master" / "kahan_comp" [partition] when the mode has one, "steps" [units] float32;
+               "holes" [n, 2] (start, count) when the elements of tied copies another pp rank writes were cut out
     "extras":  {name: tensor} module buffers and frozen params (dp rank 0 only; not in the optimizer)
     "rng":     this rank's torch / cuda / python / numpy RNG states
 
 The partition of a buffer is the concat over units of this rank's shard of each unit (``layout.py``). Since a param's
 offset inside its unit does not depend on the number of shards, element ``e`` of param ``name`` lives in unit-relative
 position ``slot.offset + e``, i.e. in shard ``r = pos // shard`` at ``unit.shard_offset + pos - r * shard`` of rank r's
-partition: :class:`ShardReader` serves any element range of any param from whatever layout was saved.
+partition: :class:`ShardReader` serves any element range of any param from whatever layout was saved (for one saved
+tp rank; ``reshard.py`` cuts across tp degrees). A pipeline checkpoint lists every pp rank's buffers in one layout,
+each tagged with ``pp_rank`` and its ``index`` in that rank's file.
 """
 from __future__ import annotations
 
@@ -26,8 +29,10 @@ from llmpar.checkpoint.files import CheckpointError, load_file, rank_file
 STATE_FALLBACK = {"master": "params", "kahan_comp": None}  # a state key missing from the checkpoint: derive or zero
 
 
-def local_buffers(opt: Any) -> list[dict] | None:
-    """This rank's shards of every flat buffer of ZeroOptimizer ``opt`` (fresh CPU tensors), None if it owns none."""
+def local_buffers(opt: Any, skip: set[str] | frozenset = frozenset()) -> list[dict] | None:
+    """This rank's shards of every flat buffer of ZeroOptimizer ``opt`` (fresh CPU tensors), None if it owns none.
+    ``skip``: names of params not to write (tied copies written by another pp rank): their elements are cut out of
+    every state and their ``[start, count]`` in the partition listed under ``"holes"``."""
     rank = opt.rank if opt.stage > 0 else 0
     if opt.stage == 0 and opt.rank != 0:
         return None
@@ -38,23 +43,38 @@ def local_buffers(opt: Any) -> list[dict] | None:
             params = b.shard.detach().to("cpu", copy=True)
         else:
             params = torch.cat([b.layout.shard_of_full(b.flat, u, rank).detach().cpu() for u in units])
-        entry = {"params": params, "steps": torch.stack([s.detach().float().cpu() for s in b.steps])}
+        entry = {"params": params}
         for key, t in b.state.items():
             entry[key] = t.detach().to("cpu", copy=True)
+        holes = [(b.layout.units[u].shard_offset + at, z - a) for u in units
+                 for i, a, z, at in b.layout.param_slices(u, rank) if b.layout.slot(i).name in skip]
+        if holes:
+            keep = torch.ones(params.numel(), dtype=torch.bool)
+            for start, count in holes:
+                keep[start:start + count] = False
+            entry = {k: v[keep] for k, v in entry.items()}
+            entry["holes"] = torch.tensor(sorted(holes), dtype=torch.int64)
+        entry["steps"] = torch.stack([s.detach().float().cpu() for s in b.steps])
         out.append(entry)
     return out
 
 
-def extras(module: torch.nn.Module, opt: Any) -> dict[str, torch.Tensor]:
-    """Module state the optimizer does not hold: buffers and frozen params."""
-    trained = {b.layout.slot(i).name for b in opt.buffers for i in range(len(b.params))}
+def _compacted(entry: dict, start: int) -> int:
+    """Where partition offset ``start`` (outside every hole) is in a buffer written without its holes."""
+    holes = entry.get("holes")
+    if holes is None:
+        return start
+    return start - sum(count for at, count in holes.tolist() if at < start)
+
+
+def extras(targets: dict[str, tuple[torch.Tensor, bool]], trained: set[str]) -> dict[str, torch.Tensor]:
+    """Module state the optimizer does not hold: buffers and frozen params. ``targets``: {name: (tensor, is_param)}
+    (``EngineView.targets``); ``trained``: the names the optimizer holds."""
     out = {}
-    for name, p in module.named_parameters():
-        if name not in trained and not p.requires_grad and p.numel() and not p.is_meta:
-            out[name] = p.detach().to("cpu", copy=True)
-    for name, t in module.named_buffers():
-        if t is not None and not t.is_meta:
-            out[name] = t.detach().to("cpu", copy=True)
+    for name, (t, is_param) in targets.items():
+        if t.is_meta or (is_param and (name in trained or t.requires_grad or not t.numel())):
+            continue
+        out[name] = t.detach().to("cpu", copy=True)
     return out
 
 
@@ -101,11 +121,18 @@ class ShardReader:
     def __init__(self, path: str, meta: dict, tp_rank: int) -> None:
         self.path, self.meta, self.tp_rank = path, meta, tp_rank
         self.shards = 1 if meta["stage"] == 0 else meta["dp"]
+        self.pp = int(meta.get("pp", 1))
+        self.buffers = meta["layout"]["buffers"]
         self.where: dict[str, tuple[int, dict, dict]] = {}
-        for bi, b in enumerate(meta["layout"]["buffers"]):
+        for bi, b in enumerate(self.buffers):
             for slot in b["params"]:
-                self.where[slot["name"]] = (bi, slot, b["units"][slot["unit"]])
+                if not slot.get("dup"):  # a tied copy also written by a lower stage
+                    self.where.setdefault(slot["name"], (bi, slot, b["units"][slot["unit"]]))
         self._cache: dict[str, dict] = {}
+
+    def file_of(self, dp_rank: int, bi: int) -> str:
+        """The file of saved dp rank ``dp_rank`` holding buffer ``bi`` (of the pp rank that wrote it)."""
+        return rank_file(dp_rank, self.tp_rank, self.buffers[bi].get("pp_rank", 0), self.pp)
 
     def numel(self, name: str) -> int:
         n = 1
@@ -127,7 +154,8 @@ class ShardReader:
         return out
 
     def files_for(self, name: str, a: int, z: int) -> set[str]:
-        return {rank_file(r, self.tp_rank) for r, *_ in self._pieces(name, a, z)}
+        bi = self.where[name][0]
+        return {self.file_of(r, bi) for r, *_ in self._pieces(name, a, z)}
 
     def _file(self, fname: str) -> dict:
         if fname not in self._cache:
@@ -146,7 +174,9 @@ class ShardReader:
         pieces = self._pieces(name, a, z)
         out = None
         for r, start, count, at in pieces:
-            src = self._file(rank_file(r, self.tp_rank))["buffers"][bi][key][start:start + count]
+            entry = self._file(self.file_of(r, bi))["buffers"][self.buffers[bi].get("index", bi)]
+            pos = _compacted(entry, start)
+            src = entry[key][pos:pos + count]
             if out is None:
                 out = torch.empty(z - a, dtype=src.dtype)
             out[at:at + count] = src
@@ -157,8 +187,20 @@ class ShardReader:
         bi, slot, _ = self.where[name]
         return self.meta["layout"]["buffers"][bi]["steps"][slot["unit"]]
 
-    def extras(self) -> dict[str, torch.Tensor]:
-        return self._file_any(rank_file(0, self.tp_rank)).get("extras", {})
+    def extras_files(self) -> dict[str, str]:
+        """{module buffer / frozen param name: the file holding it}."""
+        if "extras" in self.meta:
+            return {n: rank_file(0, self.tp_rank, pp_rank, self.pp) for n, pp_rank in self.meta["extras"].items()}
+        return {"*": rank_file(0, self.tp_rank)}  # written before the names were recorded: dp rank 0's file
+
+    def extras(self, names: set[str] | None = None) -> dict[str, torch.Tensor]:
+        """Module buffers and frozen params (``names`` only, when given)."""
+        out: dict[str, torch.Tensor] = {}
+        for fname in sorted(set(self.extras_files().values())):
+            for n, t in self._file_any(fname).get("extras", {}).items():
+                if names is None or n in names:
+                    out.setdefault(n, t)
+        return out
 
     def _file_any(self, fname: str) -> dict:
         if fname not in self._cache:
