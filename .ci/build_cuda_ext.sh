@@ -3,7 +3,8 @@
 #   - a separate venv (.venv-cuda, reused when present) with the CUDA build of torch,
 #   - `pip wheel` with LLMPAR_BUILD_CUDA=1 against that torch (no build isolation: the ABI then matches),
 #   - cuobjdump lists sm_80 and sm_90 cubins in _C*.so,
-#   - `import llmpar._C` works and registers torch.ops.llmpar.{pack,unpack}_bucket.
+#   - `import llmpar._C` works and registers every op the csrc/*.cpp files define (the list below; tests/test_build_cuda.py
+#     checks that it names them all).
 # Env: VENV (default .venv-cuda), TORCH_SPEC (default torch==2.14.1), CUDA_HOME (default /usr/local/cuda-13.0),
 #      TORCH_CUDA_ARCH_LIST (default "8.0;9.0"), MAX_JOBS (default 2).
 set -euo pipefail
@@ -76,7 +77,7 @@ check_import() {
   (cd /tmp && "$PY" -c "
 import llmpar._C, torch
 print('llmpar._C:', llmpar._C.__file__)
-for name in ('pack_bucket', 'unpack_bucket', 'adamw_step', 'sum_squares', 'linear_lt'):
+for name in ('pack_bucket', 'unpack_bucket', 'adamw_step', 'sum_squares', 'linear_lt', 'linear_lt_aux', 'bias_act_backward'):
     print('  torch.ops.llmpar.' + name + ':', getattr(torch.ops.llmpar, name).default._schema)
 ")
 }

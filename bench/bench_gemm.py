@@ -11,7 +11,13 @@ residual add (no activation). Cases, side by side in one run (bench/harness.py i
     llmpar plain        linear_act(x, W) with no epilogue, Triton
     llmpar fused        linear_act(x, W, b, act=..., residual=r), Triton
     cublasLt epilogue   torch.ops.llmpar.linear_lt (csrc/gemm_lt.cpp), where built and the epilogue exists
+    llmpar cuda         linear_act with LLMPAR_BACKEND=cuda: linear_lt, or linear_lt_aux (keeps z) for gelu_tanh
 TFLOP/s counts 2*M*N*K per call. The first Triton call per shape autotunes (done in warmup).
+
+Parallel-linear path (``--layers``, on by default on CUDA; a world-1 process group, so tp=1 layers holding the
+shard a tp rank would hold): forward + backward of ColumnParallelLinear(activation=act) (up) and RowParallelLinear
+(down), with LLMPAR_BACKEND=torch (the plain composition through autograd) vs triton vs cuda (cuBLASLt forward,
+bias_act_backward + cuBLAS backward); TFLOP/s count 6*M*N*K per step. Baseline: torch.
 """
 from __future__ import annotations
 
@@ -34,10 +40,20 @@ HIDDEN, FFNS = 4096, (11008, 14336)
 LT_ACTS = {"none": 0, "gelu_tanh": 1, "relu": 4}  # the activations cuBLASLt has epilogues for
 
 
-def _has_linear_lt() -> bool:
+def _has_ext_ops(*names: str) -> bool:
     from llmpar.ops import _ext
 
-    return _ext.load().available and hasattr(torch.ops.llmpar, "linear_lt")
+    return _ext.load().available and all(hasattr(torch.ops.llmpar, n) for n in names)
+
+
+def _has_linear_lt() -> bool:
+    return _has_ext_ops("linear_lt")
+
+
+def _cuda_path_ok(act: str, res: bool) -> bool:
+    """Whether linear_act can take the CUDA-extension path for this case (see llmpar.ops.gemm._lt_unfit)."""
+    ops = ("linear_lt", "bias_act_backward") + (("linear_lt_aux",) if act == "gelu_tanh" else ())
+    return act in LT_ACTS and (not res or act == "none") and _has_ext_ops(*ops)
 
 
 def shapes(device: torch.device, tps: list[int], tokens: int) -> list[tuple[str, int, int, int, str, bool]]:
@@ -84,6 +100,8 @@ def run(device: torch.device, tps: list[int], tokens: int, dtype: torch.dtype, r
                 cases["llmpar fused"] = lambda: linear_act(x, w, b, act=act, residual=r)
             if device.type == "cuda" and act in LT_ACTS and _has_linear_lt():
                 cases["cublasLt epilogue"] = lambda: torch.ops.llmpar.linear_lt(x, w, b, LT_ACTS[act], r)
+            if device.type == "cuda" and _cuda_path_ok(act, res):
+                cases["llmpar cuda"] = forced("cuda", lambda: linear_act(x, w, b, act=act, residual=r))
             cmp = compare(cases, baseline="torch.matmul", warmup=5, repeats=repeats, device=device)
         flops = 2.0 * m * n * k
         got = {}
@@ -96,6 +114,44 @@ def run(device: torch.device, tps: list[int], tokens: int, dtype: torch.dtype, r
     return rows
 
 
+def _world1_group():
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    return dist.group.WORLD
+
+
+def run_layers(device: torch.device, tps: list[int], tokens: int, dtype: torch.dtype, repeats: int) -> list[dict]:
+    """Forward + backward of the parallel linears (tp=1 layers with a tp rank's shard) per backend."""
+    from llmpar.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    group, rows = _world1_group(), []
+    triton_ok = triton_unavailable_reason(device) is None
+    for name, m, k, n, act, res in shapes(device, tps, tokens):
+        if res:  # the down projection: a row-parallel layer, bias after the reduction, no activation
+            layer = RowParallelLinear(k, n, group=group, device=device, dtype=dtype)
+        else:
+            layer = ColumnParallelLinear(k, n, group=group, activation=act, device=device, dtype=dtype)
+        g = torch.Generator(device=device).manual_seed(0)
+        x = torch.randn(m, k, device=device, dtype=dtype, generator=g).requires_grad_()
+        dy = torch.randn(m, n, device=device, dtype=dtype, generator=g)
+
+        def step():
+            layer(x).backward(dy)
+
+        cases = {"torch": forced("torch", step)}
+        if triton_ok:
+            cases["triton"] = forced("triton", step)
+        if device.type == "cuda" and _cuda_path_ok("none" if res else act, False):
+            cases["cuda"] = forced("cuda", step)
+        cmp = compare(cases, baseline="torch", warmup=3, repeats=repeats, device=device)
+        for row in cmp.rows(shape=f"layer {name}", M=m, K=k, N=n, act="none" if res else act, dtype=str(dtype)[6:]):
+            row["TFLOP/s"] = 6.0 * m * n * k / (row["median_ms"] / 1e3) / 1e12
+            rows.append(row)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cpu", "cuda", "all"], default="all")
@@ -104,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--out", default=None, help="results folder (default bench/results)")
+    parser.add_argument("--layers", action=argparse.BooleanOptionalAction, default=None,
+                        help="also time the parallel-linear layers fwd+bwd per backend (default: on CUDA only)")
     args = parser.parse_args(argv)
     devices = [torch.device("cpu")] if args.device in ("cpu", "all") else []
     if args.device in ("cuda", "all") and torch.cuda.is_available():
@@ -119,6 +177,13 @@ def main(argv: list[str] | None = None) -> int:
         paths = write_results(f"gemm_{device.type}", rows, meta={"tokens": args.tokens, "tp": args.tp,
                                                                  "dtype": args.dtype}, out_dir=args.out)
         print(f"wrote {paths['md']}")
+        if args.layers or (args.layers is None and device.type == "cuda"):
+            rows = run_layers(device, args.tp, args.tokens, dtype if device.type == "cuda" else torch.float32,
+                              args.repeats or (10 if device.type == "cuda" else 3))
+            print(markdown_table(rows))
+            paths = write_results(f"gemm_layers_{device.type}", rows, meta={"tokens": args.tokens, "tp": args.tp,
+                                                                            "dtype": args.dtype}, out_dir=args.out)
+            print(f"wrote {paths['md']}")
     return 0
 
 

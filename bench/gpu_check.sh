@@ -56,13 +56,26 @@ s = _ext.load()
 print(s)
 assert s.available, s.reason
 print(torch.ops.llmpar.pack_bucket.default._schema)
+for name in ('linear_lt', 'linear_lt_aux', 'bias_act_backward'):  # the fused-GEMM ops (cuBLASLt ones need cublasLt.h)
+    print(name, getattr(torch.ops.llmpar, name).default._schema if hasattr(torch.ops.llmpar, name) else 'MISSING')
 print(json.dumps(backend_report(), indent=1))"
+
+# which backend linear_act picks on CUDA per activation (cuda = cuBLASLt epilogue + bias_act_backward)
+step gemm_dispatch "$PY" -c "
+import torch
+from llmpar.ops.gemm import ACTIVATIONS, select_backward_backend, select_forward_backend
+x = torch.randn(8, 64, device='cuda', dtype=torch.bfloat16); w = torch.randn(32, 64, device='cuda', dtype=torch.bfloat16)
+for act in ACTIVATIONS:
+    print(f'{act:10s} forward {select_forward_backend(x, w, act)}')
+print('backward', select_backward_backend(torch.randn(8, 32, device='cuda', dtype=torch.bfloat16), x))"
 
 step pytest_gpu "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/ --junitxml="$OUT/gpu.xml"
 step pytest_ops "$PY" -m pytest -q -p no:cacheprovider tests/test_ops_*.py tests/test_build*.py tests/test_optim_ops.py tests/test_optim_adamw.py tests/test_optim_build.py \
   --junitxml="$OUT/ops.xml"
 
 # every bench/bench_*.py, each with --device cuda --out <results folder> plus its GPU-sized flags
+# (bench_gemm: the cuBLASLt epilogue and the LLMPAR_BACKEND=cuda path next to Triton and torch, and the parallel
+#  linears' forward + backward per backend)
 for bench in bench/bench_*.py; do
   name="$(basename "$bench" .py)"
   extra=()

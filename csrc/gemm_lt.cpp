@@ -5,7 +5,10 @@
 //   before the epilogue's activation, so it is only accepted without one.
 // Row-major y = x W^T is column-major y^T = W^T(T) x^T: A = W (op T), B = x (op N), D = y^T, m = N, n = M, k = K;
 // the bias runs along m, i.e. along the output features. fp32 accumulate (CUBLAS_COMPUTE_32F, no TF32).
-// Built only where cublasLt.h is found (csrc/build_config.py); llmpar/ops dispatch does not call it yet.
+// llmpar::linear_lt_aux: (gelu_tanh(x W^T + b), x W^T + b) through the GELU_AUX epilogue: the forward of a gelu
+//   layer that keeps the pre-activation for llmpar::bias_act_backward (csrc/bias_act_ops.cpp). The pre-activation is a
+//   [M, N] view of a [M, ceil(N / 8) * 8] buffer (cuBLASLt's leading-dimension rule for the aux matrix).
+// Built only where cublasLt.h is found (csrc/build_config.py); llmpar/ops/gemm.py dispatches linear_act to it.
 // cuBLASLt is reached through dlopen/dlsym of the libcublasLt that torch itself loads (same soname major as the
 // header), so the extension needs no link flag: the JIT build (llmpar/ops/_ext.py) passes none, and a missing
 // library turns into an error at call time instead of an extension that does not load.
@@ -18,6 +21,7 @@
 #include <dlfcn.h>
 
 #include <mutex>
+#include <tuple>
 #include <string>
 #include <unordered_map>
 
@@ -120,40 +124,39 @@ void check_args(const at::Tensor& x, const at::Tensor& weight, const std::option
   }
 }
 
-at::Tensor linear_lt(const at::Tensor& x_in, const at::Tensor& w_in, const std::optional<at::Tensor>& bias_in,
-                     int64_t act, const std::optional<at::Tensor>& residual_in) {
-  check_args(x_in, w_in, bias_in, act, residual_in);
-  TORCH_CHECK(x_in.is_cuda() && w_in.device() == x_in.device(), "linear_lt: tensors must be on one CUDA device");
-  const c10::cuda::CUDAGuard guard(x_in.device());
-  const at::Tensor x = x_in.contiguous(), w = w_in.contiguous();
+// y (+)= act(x W^T + b) into y ([M, N], contiguous; beta = 1 adds its contents: the residual); with `aux` (gelu only,
+// [M, aux_ld] row-major, aux_ld % 8 == 0 as cuBLASLt asks) the GELU_AUX epilogue also stores the pre-activation z.
+void lt_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, int64_t act, bool accumulate,
+               at::Tensor& y, at::Tensor* aux, int64_t aux_ld) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  at::Tensor y = residual_in.has_value() ? residual_in->contiguous().clone() : at::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return y;
-  if (K == 0) {  // empty product: act(bias) (+ residual) without cuBLASLt
-    const auto f32 = x.options().dtype(at::kFloat);
-    at::Tensor z = bias_in.has_value() ? bias_in->expand({M, N}).to(at::kFloat) : at::zeros({M, N}, f32);
-    if (act == 1) z = at::gelu(z, "tanh");
-    if (act == 4) z = at::relu(z);
-    return residual_in.has_value() ? y.add_(z.to(y.scalar_type())) : z.to(y.scalar_type());
-  }
-  at::Tensor bias = bias_in.has_value() ? bias_in->contiguous() : at::Tensor();
   const cudaDataType_t dt = cuda_type(x.scalar_type());
-
   Desc desc;
   LLMPAR_LT_CHECK(lt().cublasLtMatmulDescCreate(&desc.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const cublasOperation_t opT = CUBLAS_OP_T, opN = CUBLAS_OP_N;
   LLMPAR_LT_CHECK(lt().cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_TRANSA, &opT, sizeof(opT)));
   LLMPAR_LT_CHECK(lt().cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_TRANSB, &opN, sizeof(opN)));
+  const bool has_bias = bias.defined();
   cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_DEFAULT;
-  if (bias.defined()) {
+  if (aux != nullptr) {
+    epi = has_bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX;
+  } else if (has_bias) {
     epi = act == 1 ? CUBLASLT_EPILOGUE_GELU_BIAS : act == 4 ? CUBLASLT_EPILOGUE_RELU_BIAS : CUBLASLT_EPILOGUE_BIAS;
-    const void* bias_ptr = bias.data_ptr();
-    LLMPAR_LT_CHECK(lt().cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias_ptr,
-                                                   sizeof(bias_ptr)));
   } else if (act == 1) {
     epi = CUBLASLT_EPILOGUE_GELU;
   } else if (act == 4) {
     epi = CUBLASLT_EPILOGUE_RELU;
+  }
+  if (has_bias) {
+    const void* bias_ptr = bias.data_ptr();
+    LLMPAR_LT_CHECK(lt().cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias_ptr,
+                                                        sizeof(bias_ptr)));
+  }
+  if (aux != nullptr) {
+    const void* aux_ptr = aux->data_ptr();
+    LLMPAR_LT_CHECK(lt().cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux_ptr,
+                                                        sizeof(aux_ptr)));
+    LLMPAR_LT_CHECK(lt().cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &aux_ld,
+                                                        sizeof(aux_ld)));
   }
   LLMPAR_LT_CHECK(lt().cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)));
 
@@ -167,7 +170,7 @@ at::Tensor linear_lt(const at::Tensor& x_in, const at::Tensor& w_in, const std::
   size_t ws = kWorkspaceBytes;
   LLMPAR_LT_CHECK(lt().cublasLtMatmulPreferenceCreate(&desc.pref));
   LLMPAR_LT_CHECK(lt().cublasLtMatmulPreferenceSetAttribute(desc.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
-                                                       sizeof(ws)));
+                                                            sizeof(ws)));
   cublasLtHandle_t handle = handle_for(x.get_device());
   cublasLtMatmulHeuristicResult_t heur{};
   int found = 0;
@@ -176,11 +179,59 @@ at::Tensor linear_lt(const at::Tensor& x_in, const at::Tensor& w_in, const std::
   TORCH_CHECK(found > 0, "linear_lt: cuBLASLt found no algorithm for M=", M, " K=", K, " N=", N, " dtype ",
               x.scalar_type(), " epilogue ", int(epi));
 
-  const float alpha = 1.0f, beta = residual_in.has_value() ? 1.0f : 0.0f;
+  const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
   LLMPAR_LT_CHECK(lt().cublasLtMatmul(handle, desc.op, &alpha, w.data_ptr(), desc.a, x.data_ptr(), desc.b, &beta,
-                                 y.data_ptr(), desc.c, y.data_ptr(), desc.d, &heur.algo, workspace.data_ptr(), ws,
-                                 c10::cuda::getCurrentCUDAStream().stream()));
+                                      y.data_ptr(), desc.c, y.data_ptr(), desc.d, &heur.algo, workspace.data_ptr(), ws,
+                                      c10::cuda::getCurrentCUDAStream().stream()));
+}
+
+// act(b) (+ residual) for an empty product (K = 0), without cuBLASLt; z gets the pre-activation when given
+at::Tensor empty_product(const at::Tensor& x, int64_t N, const at::Tensor& bias, int64_t act, at::Tensor y,
+                         bool add_to_y, at::Tensor* z) {
+  const int64_t M = x.size(0);
+  at::Tensor pre = bias.defined() ? bias.expand({M, N}).to(at::kFloat)
+                                  : at::zeros({M, N}, x.options().dtype(at::kFloat));
+  if (z != nullptr) z->copy_(pre);
+  at::Tensor a = act == 1 ? at::gelu(pre, "tanh") : act == 4 ? at::relu(pre) : pre;
+  return add_to_y ? y.add_(a.to(y.scalar_type())) : y.copy_(a);
+}
+
+at::Tensor linear_lt(const at::Tensor& x_in, const at::Tensor& w_in, const std::optional<at::Tensor>& bias_in,
+                     int64_t act, const std::optional<at::Tensor>& residual_in) {
+  check_args(x_in, w_in, bias_in, act, residual_in);
+  TORCH_CHECK(x_in.is_cuda() && w_in.device() == x_in.device(), "linear_lt: tensors must be on one CUDA device");
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const at::Tensor x = x_in.contiguous(), w = w_in.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  const bool res = residual_in.has_value();
+  at::Tensor y = res ? residual_in->contiguous().clone() : at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  at::Tensor bias = bias_in.has_value() ? bias_in->contiguous() : at::Tensor();
+  if (K == 0) return empty_product(x, N, bias, act, y, res, nullptr);
+  lt_matmul(x, w, bias, act, res, y, nullptr, 0);
   return y;
+}
+
+// (gelu_tanh(x W^T + b), x W^T + b): the forward of a gelu layer that keeps z for its backward (GELU_AUX epilogue)
+std::tuple<at::Tensor, at::Tensor> linear_lt_aux(const at::Tensor& x_in, const at::Tensor& w_in,
+                                                 const std::optional<at::Tensor>& bias_in) {
+  check_args(x_in, w_in, bias_in, 1, std::nullopt);
+  TORCH_CHECK(x_in.is_cuda() && w_in.device() == x_in.device(), "linear_lt_aux: tensors must be on one CUDA device");
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const at::Tensor x = x_in.contiguous(), w = w_in.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  const int64_t ld = (N + 7) / 8 * 8;  // cuBLASLt wants the GELU aux leading dimension divisible by 8
+  at::Tensor y = at::empty({M, N}, x.options());
+  at::Tensor aux = at::empty({M, ld}, x.options());
+  at::Tensor pre = aux.narrow(1, 0, N);
+  if (M == 0 || N == 0) return {y, pre};
+  at::Tensor bias = bias_in.has_value() ? bias_in->contiguous() : at::Tensor();
+  if (K == 0) {
+    empty_product(x, N, bias, 1, y, false, &pre);
+    return {y, pre};
+  }
+  lt_matmul(x, w, bias, 1, false, y, &aux, ld);
+  return {y, pre};
 }
 
 // shapes/dtypes only: lets FakeTensor / torch.compile trace the op without a GPU
@@ -190,12 +241,27 @@ at::Tensor linear_lt_meta(const at::Tensor& x, const at::Tensor& weight, const s
   return at::empty({x.size(0), weight.size(0)}, x.options());
 }
 
+std::tuple<at::Tensor, at::Tensor> linear_lt_aux_meta(const at::Tensor& x, const at::Tensor& weight,
+                                                      const std::optional<at::Tensor>& bias) {
+  check_args(x, weight, bias, 1, std::nullopt);
+  const int64_t N = weight.size(0);
+  at::Tensor aux = at::empty({x.size(0), (N + 7) / 8 * 8}, x.options());
+  return {at::empty({x.size(0), N}, x.options()), aux.narrow(1, 0, N)};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(llmpar, m) {
   m.def("linear_lt(Tensor x, Tensor weight, Tensor? bias, int act, Tensor? residual) -> Tensor");
+  m.def("linear_lt_aux(Tensor x, Tensor weight, Tensor? bias) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(llmpar, CUDA, m) { m.impl("linear_lt", &linear_lt); }
+TORCH_LIBRARY_IMPL(llmpar, CUDA, m) {
+  m.impl("linear_lt", &linear_lt);
+  m.impl("linear_lt_aux", &linear_lt_aux);
+}
 
-TORCH_LIBRARY_IMPL(llmpar, Meta, m) { m.impl("linear_lt", &linear_lt_meta); }
+TORCH_LIBRARY_IMPL(llmpar, Meta, m) {
+  m.impl("linear_lt", &linear_lt_meta);
+  m.impl("linear_lt_aux", &linear_lt_aux_meta);
+}

@@ -50,6 +50,29 @@ def test_kernel_sources_are_torch_free():
         assert not re.search(r"#include\s*[<\"](torch|ATen|c10)/", text), f"{src.name} includes torch headers"
 
 
+def _defined_ops(built_only: bool = False) -> set[str]:
+    """Op names the csrc/*.cpp files define with torch.library (``m.def("name(...``); ``built_only``: of the files
+    this machine builds (gemm_lt.cpp needs cublasLt.h)."""
+    names = set()
+    cfg = _build_config()
+    for src in CSRC.glob("*.cpp"):
+        if built_only and src.name in cfg.CUBLASLT_SOURCES and cfg.cublaslt_include_dir() is None:
+            continue
+        names |= set(re.findall(r'm\.def\(\s*"([A-Za-z_][A-Za-z0-9_]*)\(', src.read_text()))
+    return names
+
+
+def test_ci_build_checks_every_defined_op():
+    """.ci/build_cuda_ext.sh imports the built wheel and looks up each op it lists: it must list all of them."""
+    defined = _defined_ops()
+    assert {"pack_bucket", "linear_lt", "linear_lt_aux", "bias_act_backward"} <= defined, defined
+    script = (ROOT / ".ci" / "build_cuda_ext.sh").read_text()
+    match = re.search(r"for name in \(([^)]*)\):\n\s*print\('  torch\.ops\.llmpar\.", script)
+    assert match, "the op loop of check_import in .ci/build_cuda_ext.sh moved: update this test"
+    listed = set(re.findall(r"'([A-Za-z0-9_]+)'", match.group(1)))
+    assert listed == defined, f"missing from the CI check: {defined - listed}; not defined: {listed - defined}"
+
+
 def test_version_marker_matches_loader():
     from llmpar.ops._ext import _MARKER
 
@@ -94,9 +117,11 @@ def test_jit_build_compiles_and_registers(tmp_path):
 
     code = ("import torch\nfrom llmpar.ops import _ext\n_ext.jit_unavailable_reason = lambda: None\n"
             "s = _ext._jit_build()\nassert s.available and s.source == 'jit', s\n"
-            "print(torch.ops.llmpar.unpack_bucket.default._schema)\n")
+            f"for name in {sorted(_defined_ops(built_only=True))!r}:\n"
+            "    print(getattr(torch.ops.llmpar, name).default._schema)\n")
     env = {**os.environ, "LLMPAR_EXT_CACHE": str(tmp_path), "TORCH_CUDA_ARCH_LIST": "9.0", "MAX_JOBS": "2"}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
                           cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "llmpar::unpack_bucket" in proc.stdout
+    for name in _defined_ops(built_only=True):
+        assert f"llmpar::{name}(" in proc.stdout, name

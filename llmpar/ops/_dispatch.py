@@ -48,10 +48,15 @@ def triton_unavailable_reason(device: torch.device) -> str | None:
     return None
 
 
-def cuda_unavailable_reason(device: torch.device, *, build: bool = True, op: str | None = None) -> str | None:
-    """Why the CUDA extension cannot run ``op`` (``llmpar::<op>``; None: any) on ``device``, or None when it can.
+def has_ext_op(name: str) -> bool:
+    """Whether the loaded extension registered ``llmpar::<name>``."""
+    return hasattr(torch.ops.llmpar, name)
 
-    May JIT-build the extension when ``build``."""
+
+def cuda_unavailable_reason(device: torch.device, *, build: bool = True, op: str | None = None,
+                            ops: tuple[str, ...] = ()) -> str | None:
+    """Why the CUDA extension cannot run ``op`` and every op of ``ops`` (``llmpar::<name>``; none: any) on ``device``,
+    or None when it can. May JIT-build the extension when ``build``."""
     if device.type != "cuda":
         return f"tensors are on {device.type}; the CUDA extension runs on CUDA tensors only"
     if not torch.cuda.is_available():
@@ -59,46 +64,56 @@ def cuda_unavailable_reason(device: torch.device, *, build: bool = True, op: str
     status = _ext.load(build=build)
     if not status.available:
         return f"llmpar._C is unavailable: {status.reason}"
-    if op is not None and not hasattr(torch.ops.llmpar, op):
-        return f"llmpar._C ({status.source}) has no op llmpar::{op}: built from older sources? rebuild it"
+    for name in ((op,) if op is not None else ()) + tuple(ops):
+        if not has_ext_op(name):
+            return f"llmpar._C ({status.source}) has no op llmpar::{name}: built from older sources? rebuild it"
     return None
 
 
-def _unavailable_reason(backend: str, device: torch.device, op: str | None = None) -> str | None:
+def _unavailable_reason(backend: str, device: torch.device, ops: tuple[str, ...] = ()) -> str | None:
     if backend == "cuda":
-        return cuda_unavailable_reason(device, op=op)
+        return cuda_unavailable_reason(device, ops=ops)
     if backend == "triton":
         return triton_unavailable_reason(device)
     return None
 
 
-def _op_name(op: str) -> str | None:
-    return op if op.isidentifier() and op != "op" else None
+def _ext_ops(op: str, cuda_ops: tuple[str, ...] | None) -> tuple[str, ...]:
+    if cuda_ops is not None:
+        return tuple(cuda_ops)
+    return (op,) if op.isidentifier() and op != "op" else ()
 
 
-def select_backend(device: torch.device | str, *, kernel_unfit: str | None = None, op: str = "op") -> str:
+def select_backend(device: torch.device | str, *, kernel_unfit: str | None = None, op: str = "op",
+                   cuda_ops: tuple[str, ...] | None = None, cuda_unfit: str | None = None) -> str:
     """The backend that runs ``op`` on tensors on ``device``.
 
     kernel_unfit: None when the inputs suit the CUDA/Triton kernels, else why not (dtype, layout, ...): such calls go
     to torch, or raise a TypeError when a kernel backend is forced.
+    cuda_ops: the extension ops the CUDA backend calls for ``op`` (default: ``op`` itself); all must be registered.
+    cuda_unfit: None when the CUDA ops can serve this call, else why not (an activation without a cuBLASLt epilogue,
+    ...): such calls skip the CUDA backend, or raise a TypeError when it is forced.
     """
     device = torch.device(device)
     forced = forced_backend()
+    ext_ops = _ext_ops(op, cuda_ops)
     if forced is not None:
         if forced == "torch":
             return "torch"
-        why = _unavailable_reason(forced, device, _op_name(op))
+        why = _unavailable_reason(forced, device, ext_ops)
         if why is not None:
             raise RuntimeError(f"{ENV}={forced} but the {forced} backend cannot run {op}: {why}")
-        if kernel_unfit is not None:
-            raise TypeError(f"{ENV}={forced} but {op} cannot use the {forced} kernel: {kernel_unfit}; "
+        unfit = kernel_unfit if kernel_unfit is not None else cuda_unfit if forced == "cuda" else None
+        if unfit is not None:
+            raise TypeError(f"{ENV}={forced} but {op} cannot use the {forced} kernel: {unfit}; "
                             f"unset {ENV} to fall back to torch")
         return forced
     if kernel_unfit is not None:
         return "torch"
-    for backend in ("cuda", "triton"):
-        if _unavailable_reason(backend, device, _op_name(op)) is None:
-            return backend
+    if cuda_unfit is None and _unavailable_reason("cuda", device, ext_ops) is None:
+        return "cuda"
+    if _unavailable_reason("triton", device) is None:
+        return "triton"
     return "torch"
 
 

@@ -5,15 +5,20 @@
 Backward with z = x @ W^T + b (the pre-activation, saved in x's dtype when act != none) and dY' = dY * act'(z):
     dX = dY' @ W,   dW = dY'^T @ X (added into ``main_grad`` in fp32 when given),   db = sum_rows dY',   dR = dY.
 
-Backends (see ``_dispatch``): Triton (``llmpar.kernels.gemm``: one GEMM kernel with the bias/activation/residual
-epilogue and act' fused into the backward operand loads; fp32 accumulate, one rounding to ``out_dtype``) -> torch
-(the plain composition ``act(F.linear(x, W, b)) + residual``, which autograd differentiates). No CUDA-extension op
-yet: dispatch skips it while ``llmpar::linear_act`` is not registered. Kernel inputs: x and weight in
-float32/float16/bfloat16 (same dtype), bias in that dtype; others (float64, ...) use torch.
+Backends (see ``_dispatch``), forward: CUDA extension (``llmpar::linear_lt``, cuBLASLt with its bias/GELU/ReLU
+epilogues; ``llmpar::linear_lt_aux`` keeps z for gelu_tanh through the GELU_AUX epilogue; for relu, relu(z) itself
+serves as ``pre``: same sign) when registered and the call fits it (act none/gelu_tanh/relu, a residual only without
+an activation, out_dtype = x.dtype) -> Triton (``llmpar.kernels.gemm``: one GEMM kernel with the bias/activation/
+residual epilogue; fp32 accumulate, one rounding to ``out_dtype``) -> torch (the plain composition
+``act(F.linear(x, W, b)) + residual``, which autograd differentiates). Backward: CUDA extension
+(``llmpar::bias_act_backward``: dY' and db in one pass, then cuBLAS for dX and dW) -> Triton (act' fused into both
+GEMMs' operand loads, db in the wgrad kernel) -> torch. Kernel inputs: x and weight in float32/float16/bfloat16
+(same dtype), bias in that dtype; others (float64, ...) use torch.
 
 ``linear_act_rows`` is the chunk entry point: rows [start, end) of x into rows [start, end) of a preallocated out
 (and of ``pre_out``), so that an overlapped forward can compute chunk i+1 while chunk i is being reduced;
-``linear_act_backward`` is the matching backward for callers that run their own autograd Function.
+``linear_act_forward`` (y and pre) and ``linear_act_backward`` (with a hook called as soon as dX exists, before dW)
+serve callers that run their own autograd Function, such as the tensor-parallel linears.
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ from ._dispatch import select_backend
 ACTIVATIONS = ("none", "gelu_tanh", "gelu_erf", "silu", "relu")
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _ACT_CODE = {name: i for i, name in enumerate(ACTIVATIONS)}  # same codes as llmpar.kernels.gemm.ACTS
+LT_ACTS = ("none", "gelu_tanh", "relu")  # activations with a cuBLASLt epilogue (llmpar::linear_lt)
 
 
 def _act_torch(z: torch.Tensor, act: str) -> torch.Tensor:
@@ -51,6 +57,46 @@ def _act_grad_torch(g: torch.Tensor, z: torch.Tensor, act: str) -> torch.Tensor:
     if act == "relu":
         return torch.ops.aten.threshold_backward(g, z, 0)
     return g
+
+
+def act_grad_f32(z: torch.Tensor, act: str) -> torch.Tensor:
+    """act'(z) in float32 with the formulas of the kernels (Triton ``_act_grad``, csrc/bias_act_kernels.cu)."""
+    z = z.float()
+    if act == "gelu_tanh":
+        t = torch.tanh(0.7978845608028654 * (z + 0.044715 * z * z * z))
+        return 0.5 * (1 + t) + 0.5 * z * (1 - t * t) * 0.7978845608028654 * (1 + 0.134145 * z * z)
+    if act == "gelu_erf":
+        return 0.5 * (1 + torch.erf(z * 0.7071067811865476)) + z * 0.3989422804014327 * torch.exp(-0.5 * z * z)
+    if act == "silu":
+        s = torch.sigmoid(z)
+        return s * (1 + z * (1 - s))
+    if act == "relu":
+        return (z > 0).float()
+    return torch.ones_like(z)
+
+
+def bias_act_backward_reference(grad: torch.Tensor, pre: torch.Tensor, act: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The math of ``llmpar::bias_act_backward`` in torch: (dY * act'(z) in pre's dtype, its fp32 column sums)."""
+    gp = grad.float() * act_grad_f32(pre, ACTIVATIONS[act])
+    return gp.to(pre.dtype), gp.sum(0)
+
+
+def linear_lt_reference(x, weight, bias, act: int, residual):
+    """The math of ``llmpar::linear_lt`` in torch: fp32 accumulate, act, residual, one rounding to x's dtype."""
+    z = x.float() @ weight.float().t() + (bias.float() if bias is not None else 0)
+    y = _act_torch(z, ACTIVATIONS[act])
+    return (y + residual.float() if residual is not None else y).to(x.dtype)
+
+
+def linear_lt_aux_reference(x, weight, bias):
+    """The math of ``llmpar::linear_lt_aux`` in torch: (gelu_tanh(z), z), both rounded to x's dtype."""
+    z = x.float() @ weight.float().t() + (bias.float() if bias is not None else 0)
+    return F.gelu(z, approximate="tanh").to(x.dtype), z.to(x.dtype)
+
+
+def _ext_ops():
+    """Where the extension ops live (tests swap in the references to run the CUDA path's wiring on CPU)."""
+    return torch.ops.llmpar
 
 
 def _check(x, weight, bias, act, residual, out_dtype, main_grad) -> torch.dtype:
@@ -102,24 +148,108 @@ def _kernel_unfit(x, residual, out_dtype, m, k, n) -> str | None:
     return None
 
 
+def _lt_unfit(x, act, residual, out_dtype) -> str | None:
+    """Why ``llmpar::linear_lt`` cannot serve this forward, or None."""
+    if act not in LT_ACTS:
+        return f"act={act!r} has no cuBLASLt epilogue (it has {', '.join(LT_ACTS)})"
+    if residual is not None and act != "none":
+        return "cuBLASLt adds a residual before the activation; a residual goes with act='none' only"
+    if out_dtype != x.dtype or (residual is not None and residual.dtype != x.dtype):
+        return f"out_dtype and residual must be x's dtype {x.dtype} for cuBLASLt"
+    return None
+
+
+def select_forward_backend(x, weight, act="none", residual=None, out_dtype=None, rows=None) -> str:
+    """The backend of ``linear_act``'s forward for these (checked) arguments: cuda, triton or torch.
+
+    rows: the rows computed (default: all of x's)."""
+    out_dtype = out_dtype or x.dtype
+    m = x.numel() // max(x.shape[-1], 1) if rows is None else rows
+    unfit = _kernel_unfit(x, residual, out_dtype, m, weight.shape[1], weight.shape[0])
+    ops = ("linear_lt", "bias_act_backward") + (("linear_lt_aux",) if act == "gelu_tanh" else ())
+    return select_backend(x.device, kernel_unfit=unfit, op="linear_act", cuda_ops=ops,
+                          cuda_unfit=_lt_unfit(x, act, residual, out_dtype))
+
+
+def select_backward_backend(grad_out, x) -> str:  # x: [M, K], grad_out: [M, N]
+    """The backend of ``linear_act``'s backward: CUDA (bias_act_backward + cuBLAS), Triton or torch."""
+    unfit = _kernel_unfit(x, None, grad_out.dtype, *x.shape, grad_out.shape[-1])
+    return select_backend(x.device, kernel_unfit=unfit, op="linear_act_backward", cuda_ops=("bias_act_backward",))
+
+
+def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b with an fp32 result (no rounding to a's dtype): cuBLAS with fp32 output where torch offers it."""
+    if a.dtype == torch.float32 or a.device.type != "cuda":
+        return a.float() @ b.float()
+    try:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    except (TypeError, RuntimeError, NotImplementedError):
+        return a.float() @ b.float()
+
+
 def _tf32() -> bool:
     return bool(torch.backends.cuda.matmul.allow_tf32)
 
 
-def _backward(grad_out, x2, weight, pre, act, *, has_bias, main_grad, backend, needs=(True, True, True)):
-    """(dX, dW or None when accumulated into main_grad, db) for 2-D grad_out/x2/pre."""
+def _forward(x2, weight, bias, r2, act, out_dtype, backend, *, out=None, pre_out=None):
+    """(y, pre) for 2-D x2: y = act(x2 W^T + b) (+ r2) (into ``out`` when given), pre = what the backward takes
+    act' from (None for act none; z, or relu(z) for relu on the CUDA backend), copied into ``pre_out`` when given."""
+    m, n = x2.shape[0], weight.shape[0]
+    keep_pre = act != "none"  # saved for act'(pre) in backward: cheaper than re-running the GEMM
+    if backend == "triton":
+        from llmpar.kernels import gemm as kernels
+
+        out = torch.empty(m, n, dtype=out_dtype, device=x2.device) if out is None else out
+        pre = (pre_out if pre_out is not None else torch.empty(m, n, dtype=x2.dtype, device=x2.device)) if keep_pre \
+            else None
+        kernels.linear_fwd(x2, weight, bias, r2, out, pre, _ACT_CODE[act], allow_tf32=_tf32())
+        return out, pre
+    if backend == "cuda" and act == "none" and bias is None and r2 is None and out is not None:
+        return torch.matmul(x2, weight.t(), out=out), None  # a plain GEMM straight into the rows of out
+    if backend == "cuda":
+        ops = _ext_ops()
+        if act == "gelu_tanh":
+            y, pre = ops.linear_lt_aux(x2, weight, bias)
+        else:
+            y = ops.linear_lt(x2, weight, bias, _ACT_CODE[act], r2)
+            pre = y if act == "relu" else None
+    else:
+        pre = F.linear(x2, weight, bias)
+        y = _act_torch(pre, act)
+        y = (y + r2 if r2 is not None else y).to(out_dtype)
+        pre = pre if keep_pre else None
+    if out is not None:
+        y = out.copy_(y)
+    if pre_out is not None and pre is not None:
+        pre = pre_out.copy_(pre)
+    return y, pre
+
+
+def _backward(grad_out, x2, weight, pre, act, *, has_bias, main_grad, backend, needs=(True, True, True),
+              on_grad_input=None):
+    """(dX, dW or None when accumulated into main_grad, db) for 2-D grad_out/x2/pre; ``on_grad_input(dX)`` runs as
+    soon as dX exists, before dW (an input-gradient collective overlaps the weight-gradient GEMM)."""
     need_x, need_w, need_b = needs
+    want_b = has_bias and need_b
     dx = dw = db = None
-    if backend == "torch":
-        gp = _act_grad_torch(grad_out, pre, act) if act != "none" else grad_out.to(x2.dtype)
+    if backend in ("torch", "cuda"):
+        if act == "none":
+            gp = grad_out.to(x2.dtype)
+            db = gp.sum(0, dtype=torch.float32).to(weight.dtype) if want_b else None
+        elif backend == "cuda":  # dY' and db in one pass
+            gp, db32 = _ext_ops().bias_act_backward(grad_out, pre, _ACT_CODE[act])
+            db = db32.to(weight.dtype) if want_b else None
+        else:
+            gp = _act_grad_torch(grad_out, pre, act)
+            db = gp.sum(0, dtype=torch.float32).to(weight.dtype) if want_b else None
         if need_x:
             dx = gp @ weight
+            if on_grad_input is not None:
+                on_grad_input(dx)
         if main_grad is not None:
-            main_grad.add_(gp.t().float() @ x2.float())
+            main_grad.add_(_mm_f32(gp.t(), x2))
         elif need_w:
             dw = gp.t() @ x2
-        if has_bias and need_b:
-            db = gp.sum(0, dtype=torch.float32).to(weight.dtype)
         return dx, dw, db
     from llmpar.kernels import gemm as kernels
 
@@ -128,7 +258,8 @@ def _backward(grad_out, x2, weight, pre, act, *, has_bias, main_grad, backend, n
     if need_x:
         dx = torch.empty_like(x2, memory_format=torch.contiguous_format)
         kernels.linear_bwd_input(grad_out, weight, pre, code, dx, allow_tf32=_tf32())
-    want_b = has_bias and need_b
+        if on_grad_input is not None:
+            on_grad_input(dx)
     if main_grad is not None or need_w or want_b:
         db32 = torch.empty(weight.shape[0], dtype=torch.float32, device=x2.device) if want_b else None
         if main_grad is not None:
@@ -145,22 +276,9 @@ def _backward(grad_out, x2, weight, pre, act, *, has_bias, main_grad, backend, n
 class _LinearAct(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2, weight, bias, residual2, act, out_dtype, main_grad, backend):
-        m, n = x2.shape[0], weight.shape[0]
-        keep_pre = act != "none"  # saved for act'(pre) in backward: cheaper than re-running the GEMM
-        if backend == "torch":
-            pre = F.linear(x2, weight, bias)
-            out = _act_torch(pre, act)
-            if residual2 is not None:
-                out = out + residual2
-            out = out.to(out_dtype)
-        else:
-            from llmpar.kernels import gemm as kernels
-
-            out = torch.empty(m, n, dtype=out_dtype, device=x2.device)
-            pre = torch.empty(m, n, dtype=x2.dtype, device=x2.device) if keep_pre else None
-            kernels.linear_fwd(x2, weight, bias, residual2, out, pre, _ACT_CODE[act], allow_tf32=_tf32())
-        ctx.save_for_backward(x2, weight, pre if keep_pre else None)
-        ctx.act, ctx.backend, ctx.main_grad = act, backend, main_grad
+        out, pre = _forward(x2, weight, bias, residual2, act, out_dtype, backend)
+        ctx.save_for_backward(x2, weight, pre)
+        ctx.act, ctx.main_grad = act, main_grad
         ctx.has_bias = bias is not None
         ctx.residual_dtype = residual2.dtype if residual2 is not None else None
         return out
@@ -169,8 +287,9 @@ class _LinearAct(torch.autograd.Function):
     def backward(ctx, grad_out):
         x2, weight, pre = ctx.saved_tensors
         needs = ctx.needs_input_grad
+        backend = select_backward_backend(grad_out, x2)
         dx, dw, db = _backward(grad_out, x2, weight, pre, ctx.act, has_bias=ctx.has_bias, main_grad=ctx.main_grad,
-                               backend=ctx.backend, needs=(needs[0], needs[1], needs[2]))
+                               backend=backend, needs=(needs[0], needs[1], needs[2]))
         dr = grad_out.to(ctx.residual_dtype) if ctx.residual_dtype is not None and needs[3] else None
         return dx, dw, db, dr, None, None, None, None
 
@@ -187,19 +306,30 @@ def linear_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     out_dtype = _check(x, weight, bias, act, residual, out_dtype, main_grad)
     k, n = weight.shape[1], weight.shape[0]
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, k)
-    r2 = residual.reshape(-1, n) if residual is not None else None
-    unfit = _kernel_unfit(x, residual, out_dtype, x2.shape[0], k, n)
-    backend = select_backend(x.device, kernel_unfit=unfit, op="linear_act")
+    backend = select_forward_backend(x, weight, act, residual, out_dtype)
     if backend == "torch" and main_grad is None:  # the plain composition; autograd differentiates it
         y = _act_torch(F.linear(x, weight, bias), act)
         if residual is not None:
             y = y + residual
         return y.to(out_dtype)
-    if backend == "cuda":  # pragma: no cover - no llmpar::linear_act op is registered yet
-        backend = "triton"
-    y = _LinearAct.apply(x2, weight, bias, r2, act, out_dtype, main_grad, backend)
+    r2 = residual.reshape(-1, n) if residual is not None else None
+    y = _LinearAct.apply(x.reshape(-1, k), weight, bias, r2, act, out_dtype, main_grad, backend)
     return y.reshape(*lead, n)
+
+
+def linear_act_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                       act: str = "none", residual: torch.Tensor | None = None,
+                       out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(y, pre) of ``linear_act`` for 2-D x [M, K]; not differentiable (the caller owns autograd).
+
+    pre: [M, N] in x's dtype, what ``linear_act_backward`` takes act' from (the pre-activation z, or relu(z) for relu
+    on the CUDA backend, which has the same sign); None for act none."""
+    out_dtype = _check(x, weight, bias, act, residual, out_dtype, None)
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D [tokens, in], got shape {tuple(x.shape)}")
+    backend = select_forward_backend(x, weight, act, residual, out_dtype)
+    with torch.no_grad():
+        return _forward(x, weight, bias, residual, act, out_dtype, backend)
 
 
 def linear_act_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -208,8 +338,8 @@ def linear_act_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     """Rows [start, end) of ``linear_act``: out[start:end] = act(x[start:end] @ W^T + b) (+ residual[start:end]).
 
     x: [M, K], out: [M, N] (its dtype is the output dtype), residual: [M, N], pre_out: [M, N] in x's dtype, gets the
-    pre-activation rows for ``linear_act_backward``. Not differentiable (the caller owns autograd). Returns
-    ``out[start:end]``. Chunks computed one by one equal the full call.
+    rows of ``pre`` (see ``linear_act_forward``) for ``linear_act_backward``. Not differentiable (the caller owns
+    autograd). Returns ``out[start:end]``. Chunks computed one by one equal the full call.
     """
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"out must be a tensor, got {type(out).__name__}")
@@ -226,39 +356,30 @@ def linear_act_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     rows = slice(start, end)
     if start == end:
         return out[rows]
-    xs, ys = x[rows], out[rows]
     rs = residual[rows] if residual is not None else None
-    unfit = _kernel_unfit(x, residual, out.dtype, end - start, x.shape[1], n)
-    backend = select_backend(x.device, kernel_unfit=unfit, op="linear_act")
+    backend = select_forward_backend(x, weight, act, residual, out.dtype, rows=end - start)
     with torch.no_grad():
-        if backend == "torch":
-            pre = F.linear(xs, weight, bias)
-            y = _act_torch(pre, act)
-            ys.copy_(y + rs if rs is not None else y)
-            if pre_out is not None:
-                pre_out[rows].copy_(pre)
-        else:
-            from llmpar.kernels import gemm as kernels
-
-            pre = pre_out[rows] if pre_out is not None else None
-            kernels.linear_fwd(xs, weight, bias, rs, ys, pre, _ACT_CODE[act], allow_tf32=_tf32())
-    return ys
+        _forward(x[rows], weight, bias, rs, act, out.dtype, backend, out=out[rows],
+                 pre_out=pre_out[rows] if pre_out is not None else None)
+    return out[rows]
 
 
 def linear_act_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, pre: torch.Tensor | None,
-                        *, act: str = "none", has_bias: bool = False, main_grad: torch.Tensor | None = None
-                        ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+                        *, act: str = "none", has_bias: bool = False, main_grad: torch.Tensor | None = None,
+                        needs: tuple[bool, bool, bool] = (True, True, True), on_grad_input=None
+                        ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """(dX, dW, db) of ``linear_act`` for 2-D grad_out [M, N], x [M, K], pre [M, N] (None when act is none).
 
-    dW is None when accumulated into ``main_grad``; db is None without bias. Not differentiable.
+    needs: which of (dX, dW, db) to compute (the others come back None); dW is None when accumulated into
+    ``main_grad``; db is None without bias. ``on_grad_input(dX)`` is called as soon as dX exists, before the weight
+    gradient is computed (an input-gradient all-reduce can overlap it). Not differentiable.
     """
     _check(x, weight, None, act, None, None, main_grad)
     if act != "none" and pre is None:
         raise ValueError(f"act={act!r} needs the pre-activation (pre_out of linear_act_rows)")
     if grad_out.shape != (x.shape[0], weight.shape[0]) or x.dim() != 2:
         raise ValueError(f"grad_out {tuple(grad_out.shape)} and x {tuple(x.shape)} must be [M, N] and [M, K]")
-    unfit = _kernel_unfit(x, None, grad_out.dtype, *x.shape, weight.shape[0])
-    backend = select_backend(x.device, kernel_unfit=unfit, op="linear_act")
-    backend = "triton" if backend == "cuda" else backend
+    backend = select_backward_backend(grad_out, x)
     with torch.no_grad():
-        return _backward(grad_out, x, weight, pre, act, has_bias=has_bias, main_grad=main_grad, backend=backend)
+        return _backward(grad_out, x, weight, pre, act, has_bias=has_bias, main_grad=main_grad, backend=backend,
+                         needs=tuple(bool(v) for v in needs), on_grad_input=on_grad_input)

@@ -1,7 +1,9 @@
 """Column- and row-parallel linear layers (Megatron-Core style) with overlapped communication.
 
 ``ColumnParallelLinear``: ``W: [out/tp, in]``, ``b: [out/tp]``; ``x: [..., in]`` (replicated) -> ``y: [..., out/tp]``
-(or ``[..., out]`` with ``gather_output``). Under ``sequence_parallel`` the input is this rank's dim-0 shard
+(or ``[..., out]`` with ``gather_output``), optionally ``y = act(x W^T + b)`` (``activation=``, elementwise, so each
+rank applies it to its slice: an MLP up-projection is one fused op). Under ``sequence_parallel`` the input is this
+rank's dim-0 shard
 ``[s/tp, ..., in]`` and the output covers the whole sequence ``[s, ..., out/tp]``.
 
 ``RowParallelLinear``: ``W: [out, in/tp]``, ``b: [out]`` added once after the reduction; ``x: [..., in/tp]``
@@ -10,6 +12,9 @@ dim-0 shard ``[s/tp, ..., out]`` under ``sequence_parallel``.
 
 ``ParallelLMHead``: a column-parallel vocabulary projection whose vocabulary is padded up to a multiple of tp; the
 padded columns are dropped on ``gather_output`` and masked by :func:`vocab_parallel_cross_entropy`.
+
+On CUDA tensors (or with ``LLMPAR_BACKEND=triton|cuda``) the local products run through ``llmpar.ops.gemm``
+(cuBLASLt / Triton, bias and activation in the GEMM's epilogue, fused backward); on CPU by default plain torch.
 
 Initialisation is single-device identical: by default the full weight is drawn exactly as ``nn.Linear(in, out)``
 on the same device would draw it (same RNG calls), and each rank keeps its slice; ``init_method(full_weight)``
@@ -23,7 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmpar.tensor_parallel._overlap import _ColumnParallelMatmul, _RowParallelMatmul
+from llmpar.ops.gemm import ACTIVATIONS, _act_torch, linear_act
+from llmpar.tensor_parallel._overlap import _ColumnParallelMatmul, _RowParallelMatmul, fused_path
 from llmpar.distributed.collectives import GroupRef
 from llmpar.tensor_parallel._utils import Group, check_positive, divide, pad_to_multiple, resolve_tp_group, tp_size_rank
 from llmpar.tensor_parallel.comm import gather_from_tensor_region, scatter_to_tensor_region
@@ -77,6 +83,8 @@ class ColumnParallelLinear(nn.Module):
         overlap_grad_comm: launch the input-gradient collective asynchronously and compute ``dW`` meanwhile.
         reduce_input_grad: False returns this rank's *partial* input gradient, for callers that reduce it once
             for several column layers sharing one input (e.g. q, k, v after one ``copy_to_tensor_region``).
+        activation: applied to the output, one of ``llmpar.ops.ACTIVATIONS`` (none, gelu_tanh, gelu_erf, silu,
+            relu); fused into the GEMM's epilogue on the fused path.
     """
 
     def __init__(
@@ -91,6 +99,7 @@ class ColumnParallelLinear(nn.Module):
         comm_chunks: int = 1,
         overlap_grad_comm: bool = True,
         reduce_input_grad: bool = True,
+        activation: str = "none",
         init_method: InitMethod | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
@@ -110,6 +119,9 @@ class ColumnParallelLinear(nn.Module):
             raise ValueError("reduce_input_grad=False cannot be combined with sequence_parallel=True "
                              "(the input gradient must be reduce-scattered back to the sequence shards)")
         self.reduce_input_grad = bool(reduce_input_grad)
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation={activation!r} is not supported; use one of {', '.join(ACTIVATIONS)}")
+        self.activation = activation
         shape = (self.out_features_per_rank, in_features)
         self.weight = _tag(nn.Parameter(torch.empty(shape, device=device, dtype=dtype)), 0)
         self.bias = _tag(nn.Parameter(torch.empty(shape[0], device=device, dtype=dtype)), 0) if bias else None
@@ -149,11 +161,15 @@ class ColumnParallelLinear(nn.Module):
             )
         if self.sequence_parallel and x.dim() < 2:
             raise ValueError(f"sequence_parallel needs an input of shape [s/tp, ..., in], got {tuple(x.shape)}")
+        fused, act = fused_path(x), self.activation
         if self.tp == 1:
-            y = F.linear(x, self.weight, self.bias)
+            y = linear_act(x, self.weight, self.bias, act=act) if fused else F.linear(x, self.weight, self.bias)
         else:
             y = _ColumnParallelMatmul.apply(x, self.weight, self.bias, self.group, self.sequence_parallel,
-                                            self.comm_chunks, self.overlap_grad_comm, self.reduce_input_grad)
+                                            self.comm_chunks, self.overlap_grad_comm, self.reduce_input_grad,
+                                            act if fused else "none", fused)
+        if not fused and act != "none":
+            y = _act_torch(y, act)
         if self.gather_output:
             y = gather_from_tensor_region(y, self.group)
             if self.padded_out_features != self.out_features:
@@ -163,7 +179,8 @@ class ColumnParallelLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, tp={self.tp}, "
                 f"bias={self.bias is not None}, gather_output={self.gather_output}, "
-                f"sequence_parallel={self.sequence_parallel}, comm_chunks={self.comm_chunks}")
+                f"sequence_parallel={self.sequence_parallel}, comm_chunks={self.comm_chunks}"
+                + (f", activation={self.activation}" if self.activation != "none" else ""))
 
 
 class ParallelLMHead(ColumnParallelLinear):
@@ -255,12 +272,13 @@ class RowParallelLinear(nn.Module):
             raise ValueError(
                 f"sequence_parallel needs input dim 0 divisible by tp={self.tp}, got input shape {tuple(x.shape)}"
             )
+        fused = fused_path(x)
         if self.tp == 1:
-            return F.linear(x, self.weight, self.bias)
+            return linear_act(x, self.weight, self.bias) if fused else F.linear(x, self.weight, self.bias)
         if not self.input_is_parallel:
             x = scatter_to_tensor_region(x, self.group)
         return _RowParallelMatmul.apply(x, self.weight, self.bias, self.group, self.sequence_parallel,
-                                        self.comm_chunks)
+                                        self.comm_chunks, fused)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, tp={self.tp}, "

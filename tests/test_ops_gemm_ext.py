@@ -1,0 +1,231 @@
+"""linear_act's CUDA-extension path: dispatch to llmpar::linear_lt / linear_lt_aux / bias_act_backward (faked
+registrations and torch stand-ins on CPU), the bias-activation backward's math vs float64, and the GPU tests run by
+bench/gpu_check.sh (pytest -m gpu)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llmpar.ops import _dispatch, linear_act, linear_act_backward, linear_act_rows
+from llmpar.ops import gemm as gemm_ops
+from llmpar.ops.gemm import (ACTIVATIONS, _act_grad_torch, _act_torch, bias_act_backward_reference,
+                             select_backward_backend, select_forward_backend)
+from gemm_helpers import DTYPES, INTERPRET, _assert_within, _check_op, _composition, _grads, _inputs, _rand
+
+
+# ---------------------------------------------------------------- CUDA-extension dispatch and wiring (CPU)
+
+EXT_OPS = frozenset({"linear_lt", "linear_lt_aux", "bias_act_backward"})
+in_main = pytest.mark.skipif(INTERPRET, reason="runs in the main process")
+
+
+def _fake_ext(monkeypatch, registered):
+    """Pretend the CUDA extension is loaded with exactly these ops (device checks skipped) and Triton can run."""
+    def cuda_reason(device, *, build=True, op=None, ops=()):
+        missing = [name for name in ((op,) if op else ()) + tuple(ops) if name not in registered]
+        return f"llmpar._C has no op llmpar::{missing[0]}" if missing else None
+
+    monkeypatch.setattr(_dispatch, "cuda_unavailable_reason", cuda_reason)
+    monkeypatch.setattr(_dispatch, "triton_unavailable_reason", lambda device: None)
+
+
+@in_main
+def test_dispatch_picks_linear_lt_only_when_registered_and_eligible(monkeypatch):
+    monkeypatch.setenv("LLMPAR_BACKEND", "")
+    x, w, _, r, dy = _inputs(5, 33, 23, torch.bfloat16)
+    no_aux, no_bwd = EXT_OPS - {"linear_lt_aux"}, EXT_OPS - {"bias_act_backward"}
+    cases = [(EXT_OPS, "none", r, None, "cuda"), (EXT_OPS, "gelu_tanh", None, None, "cuda"),
+             (EXT_OPS, "relu", None, None, "cuda"), (EXT_OPS, "silu", None, None, "triton"),
+             (EXT_OPS, "gelu_erf", None, None, "triton"), (EXT_OPS, "relu", r, None, "triton"),
+             (EXT_OPS, "none", None, torch.float32, "triton"), (EXT_OPS, "none", r.float(), None, "triton"),
+             (no_aux, "gelu_tanh", None, None, "triton"), (no_aux, "relu", None, None, "cuda"),
+             (no_bwd, "none", None, None, "triton"), (set(), "none", None, None, "triton")]
+    for registered, act, res, out_dtype, want in cases:
+        _fake_ext(monkeypatch, registered)
+        got = select_forward_backend(x, w, act, res, out_dtype)
+        assert got == want, (sorted(registered), act, res is not None, out_dtype, got)
+        assert select_backward_backend(dy, x) == ("cuda" if "bias_act_backward" in registered else "triton")
+    _fake_ext(monkeypatch, EXT_OPS)
+    assert select_forward_backend(x.double(), w.double()) == "torch"
+    monkeypatch.setenv("LLMPAR_BACKEND", "cuda")
+    with pytest.raises(TypeError, match="cannot use the cuda kernel: act='silu' has no cuBLASLt epilogue"):
+        linear_act(x, w, act="silu")
+    _fake_ext(monkeypatch, no_aux)
+    with pytest.raises(RuntimeError, match="cuda backend cannot run linear_act: .*no op llmpar::linear_lt_aux"):
+        linear_act(x, w, act="gelu_tanh")
+
+
+def test_cuda_reason_names_the_missing_op(monkeypatch):
+    from llmpar.ops import _ext
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(_ext, "load", lambda build=True: _ext.ExtStatus(available=True, source="jit", reason="ok"))
+    monkeypatch.setattr(_dispatch, "has_ext_op", lambda name: name == "linear_lt")
+    cuda = torch.device("cuda")
+    assert _dispatch.cuda_unavailable_reason(cuda, ops=("linear_lt",)) is None
+    assert "no op llmpar::bias_act_backward" in _dispatch.cuda_unavailable_reason(cuda, ops=("linear_lt",
+                                                                                             "bias_act_backward"))
+
+
+@in_main
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+def test_cuda_path_wiring_with_reference_ops(monkeypatch, dtype):
+    """The CUDA backend's Python side (forward/aux/backward, rows, main_grad, the dX hook) with the torch
+    references of the extension ops standing in for them, on CPU."""
+    calls = {}
+
+    def counted(name, fn):
+        def call(*args):
+            calls[name] = calls.get(name, 0) + 1
+            return fn(*args)
+        return call
+
+    refs = {"linear_lt": gemm_ops.linear_lt_reference, "linear_lt_aux": gemm_ops.linear_lt_aux_reference,
+            "bias_act_backward": bias_act_backward_reference}
+    ops = type("Ops", (), {name: staticmethod(counted(name, fn)) for name, fn in refs.items()})
+    monkeypatch.setattr(gemm_ops, "_ext_ops", lambda: ops)
+    _fake_ext(monkeypatch, EXT_OPS)
+    monkeypatch.setenv("LLMPAR_BACKEND", "cuda")
+    x, w, b, r, dy = _inputs(7, 33, 23, dtype, seed=21)
+    for act, res in (("none", r), ("none", None), ("gelu_tanh", None), ("relu", None)):
+        _check_op(x, w, b, res, dy, act)
+    assert calls.get("linear_lt", 0) >= 3 and calls.get("linear_lt_aux", 0) >= 1, calls
+    assert calls.get("bias_act_backward", 0) >= 2, calls
+    out, pre = torch.empty(7, 23, dtype=dtype), torch.empty(7, 23, dtype=dtype)
+    for a, e in ((0, 3), (3, 3), (3, 7)):
+        linear_act_rows(x, w, b, out=out, start=a, end=e, act="gelu_tanh", pre_out=pre)
+    torch.testing.assert_close(out, linear_act(x, w, b, act="gelu_tanh"))  # CPU matmuls block rows differently
+    plain = torch.empty(7, 23, dtype=dtype)
+    for a, e in ((0, 4), (4, 7)):
+        linear_act_rows(x, w, out=plain, start=a, end=e)  # plain GEMM straight into the rows
+    torch.testing.assert_close(plain, x @ w.t())
+    main = _rand((23, 33), torch.float32, torch.Generator().manual_seed(2))
+    start, seen = main.clone(), []
+    dx, dw, db = linear_act_backward(dy, x, w, pre, act="gelu_tanh", has_bias=True, main_grad=main,
+                                     on_grad_input=lambda g: seen.append(torch.equal(main, start)))
+    assert seen == [True] and dw is None, "dX's hook must run before dW is accumulated"
+    _, (gx, gw, gb) = _grads(lambda *t: _composition(*t, None, "gelu_tanh", dtype), [x, w, b], dy)
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    for got, want in ((dx, gx), (main - start, gw.float()), (db, gb)):
+        torch.testing.assert_close(got.float(), want.float(), **tol)
+
+
+@in_main
+@pytest.mark.parametrize("act", ACTIVATIONS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bias_act_backward_reference_vs_float64(act, dtype):
+    """The math of llmpar::bias_act_backward (what csrc/bias_act_kernels.cu computes) vs float64 autograd."""
+    g = torch.Generator().manual_seed(len(act))
+    grad, pre = _rand((37, 19), dtype, g), _rand((37, 19), dtype, g, 2.0)
+    z = pre.double().requires_grad_()
+    _act_torch(z, act).backward(grad.double())
+    gp, db = bias_act_backward_reference(grad, pre, ACTIVATIONS.index(act))
+    assert gp.dtype == dtype and db.dtype == torch.float32 and db.shape == (19,)
+    _assert_within(gp, z.grad, _act_grad_torch(grad, pre, act), dtype, f"dY' ({act})")
+    exact = (grad.double() * (z.grad / grad.double())).sum(0)  # the sum of unrounded dY * act'(z)
+    torch.testing.assert_close(db.double(), exact, rtol=1e-5, atol=1e-5 * z.grad.abs().sum(0).max().item())
+    if act == "relu":  # relu(z) serves as pre: same sign
+        torch.testing.assert_close(bias_act_backward_reference(grad, F.relu(pre), 4)[0], gp, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------- CUDA (run by bench/gpu_check.sh: pytest -m gpu)
+
+@pytest.mark.gpu
+@pytest.mark.skipif(INTERPRET, reason="CUDA tests run in the main process")
+@pytest.mark.parametrize("m, k, n", [(5, 4097, 123), (257, 1024, 4097)])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("act", ACTIVATIONS)
+def test_triton_cuda_vs_float64(monkeypatch, act, dtype, m, k, n):
+    pytest.importorskip("triton")
+    monkeypatch.setenv("LLMPAR_BACKEND", "triton")
+    x, w, b, r, dy = (t.cuda() for t in _inputs(m, k, n, dtype, seed=m + k))
+    _check_op(x, w, b, r, dy, act)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(INTERPRET, reason="CUDA tests run in the main process")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("act, with_bias, with_res", [(0, True, True), (0, False, False), (1, True, False),
+                                                       (1, False, False), (4, True, False)])
+def test_cublaslt_linear_lt_vs_float64(dtype, act, with_bias, with_res):
+    from llmpar.ops import _ext
+
+    if not _ext.load().available or not hasattr(torch.ops.llmpar, "linear_lt"):
+        pytest.skip("llmpar._C has no linear_lt (cublasLt.h not found at build time?)")
+    name = {0: "none", 1: "gelu_tanh", 4: "relu"}[act]
+    x, w, b, r, _ = (t.cuda() for t in _inputs(5, 4097, 123, dtype, seed=act))
+    b, r = (b if with_bias else None), (r if with_res else None)
+    got = torch.ops.llmpar.linear_lt(x, w, b, act, r)
+    ref = _composition(x.double(), w.double(), b.double() if b is not None else None,
+                       r.double() if r is not None else None, name, torch.float64)
+    _assert_within(got, ref, _composition(x, w, b, r, name, dtype), dtype, f"linear_lt act={act}")
+
+
+def _require_ext_ops(*names):
+    from llmpar.ops import _ext
+
+    if not torch.cuda.is_available() or not _ext.load().available:
+        pytest.skip("no CUDA device or llmpar._C unavailable")
+    missing = [n for n in names if not hasattr(torch.ops.llmpar, n)]
+    if missing:
+        pytest.skip(f"llmpar._C lacks {missing} (cublasLt.h not found at build time?)")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(INTERPRET, reason="CUDA tests run in the main process")
+@pytest.mark.parametrize("grad_dtype, pre_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
+                                                   (torch.float16, torch.float16), (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize("act", ACTIVATIONS)
+def test_cuda_bias_act_backward_vs_reference(act, grad_dtype, pre_dtype):
+    _require_ext_ops("bias_act_backward")
+    g = torch.Generator().manual_seed(7)
+    for m, n in ((5, 123), (4097, 37), (1, 1)):
+        grad, pre = _rand((m, n), grad_dtype, g).cuda(), _rand((m, n), pre_dtype, g, 2.0).cuda()
+        code = ACTIVATIONS.index(act)
+        gp, db = torch.ops.llmpar.bias_act_backward(grad, pre, code)
+        want_gp, want_db = bias_act_backward_reference(grad, pre, code)
+        assert gp.dtype == pre_dtype and db.dtype == torch.float32
+        torch.testing.assert_close(gp, want_gp, atol=1e-5, rtol=torch.finfo(pre_dtype).eps)  # <= 1 rounding apart
+        torch.testing.assert_close(db, want_db, rtol=1e-5, atol=1e-5 * want_db.abs().max().item())
+    strided = _rand((9, 80), grad_dtype, g).cuda()[:, 3:40]  # rows with a stride of 80: a column slice
+    pre = _rand((9, 37), pre_dtype, g, 2.0).cuda()
+    for got, want in zip(torch.ops.llmpar.bias_act_backward(strided, pre, code),
+                         bias_act_backward_reference(strided, pre, code)):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=torch.finfo(pre_dtype).eps)
+    torch.library.opcheck(torch.ops.llmpar.bias_act_backward.default, (grad, pre, code))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(INTERPRET, reason="CUDA tests run in the main process")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("act, res", [("none", True), ("gelu_tanh", False), ("relu", False)])
+def test_cuda_backend_linear_act_vs_float64(monkeypatch, dtype, act, res):
+    """LLMPAR_BACKEND=cuda: linear_lt / linear_lt_aux forward, bias_act_backward + cuBLAS backward."""
+    _require_ext_ops("linear_lt", "linear_lt_aux", "bias_act_backward")
+    monkeypatch.setenv("LLMPAR_BACKEND", "cuda")
+    x, w, b, r, dy = (t.cuda() for t in _inputs(5, 4097, 123, dtype, seed=3))
+    _check_op(x, w, b, r if res else None, dy, act)
+    y, pre = torch.ops.llmpar.linear_lt_aux(x, w, b)
+    z64 = F.linear(x.double(), w.double(), b.double())
+    _assert_within(pre, z64, F.linear(x, w, b), dtype, "linear_lt_aux pre")
+
+
+@pytest.mark.skipif(INTERPRET, reason="build-config checks run in the main process")
+def test_cublaslt_source_is_optional(monkeypatch):
+    import importlib.util
+    from pathlib import Path
+
+    csrc = Path(__file__).resolve().parents[1] / "csrc"
+    spec = importlib.util.spec_from_file_location("llmpar_build_config_gemm", csrc / "build_config.py")
+    cfg = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cfg)
+    monkeypatch.setenv("LLMPAR_NO_CUBLASLT", "1")
+    kw = cfg.extension_kwargs(csrc)
+    assert not any(s.endswith("gemm_lt.cpp") for s in kw["sources"])
+    assert "-idirafter" not in kw["extra_compile_args"]["cxx"]
+    monkeypatch.delenv("LLMPAR_NO_CUBLASLT")
+    found = cfg.cublaslt_include_dir()
+    kw = cfg.extension_kwargs(csrc)
+    assert any(s.endswith("gemm_lt.cpp") for s in kw["sources"]) == (found is not None)
+    assert "TORCH_LIBRARY_FRAGMENT(llmpar, m)" in (csrc / "gemm_lt.cpp").read_text()
