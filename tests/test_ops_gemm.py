@@ -8,10 +8,6 @@ composition in the same dtype (plus one output rounding as a floor).
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,6 +15,7 @@ import torch.nn.functional as F
 from llmpar.ops import linear_act, linear_act_backward, linear_act_rows
 from llmpar.ops.gemm import ACTIVATIONS, _act_torch
 from gemm_helpers import DTYPES, INTERPRET, _assert_within, _check_op, _grads, _inputs, _rand
+from interp import run_interpreted
 
 
 # ---------------------------------------------------------------- torch path (CPU, in-process)
@@ -87,13 +84,7 @@ def test_bad_arguments_name_themselves():
 @pytest.mark.skipif(INTERPRET, reason="already under TRITON_INTERPRET=1: the tests below run in-process")
 def test_triton_gemm_under_interpreter_subprocess():
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    env.pop("LLMPAR_BACKEND", None)
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"interpreted Triton tests failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
-    summary = proc.stdout.strip().splitlines()[-1]
-    assert " passed" in summary and "failed" not in summary, proc.stdout[-2000:]
+    run_interpreted(__file__, timeout=300)
 
 
 interpreted = pytest.mark.skipif(not INTERPRET, reason="runs in the TRITON_INTERPRET=1 subprocess")

@@ -8,11 +8,10 @@ TRITON_INTERPRET=1 from the start (that subprocess, or a whole suite run that wa
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from interp import run_interpreted
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 triton = pytest.importorskip("triton")
@@ -22,13 +21,7 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 @pytest.mark.skipif(INTERPRET, reason="already under TRITON_INTERPRET=1: the tests below run in-process")
 def test_triton_kernels_under_interpreter_subprocess():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    env.pop("LLMPAR_BACKEND", None)
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"interpreted Triton tests failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
-    summary = proc.stdout.strip().splitlines()[-1]
-    assert " passed" in summary and "failed" not in summary, proc.stdout[-2000:]
+    run_interpreted(__file__, timeout=300)
 
 
 interpreted = pytest.mark.skipif(not INTERPRET, reason="runs in the TRITON_INTERPRET=1 subprocess")

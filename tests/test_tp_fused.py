@@ -13,8 +13,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -22,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from multirank import run_ranks
+from interp import run_interpreted
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 D_IN, D_FF = 33, 18  # odd sizes; D_FF / tp is 18 or 9
@@ -160,10 +159,4 @@ def test_bad_activation_and_forced_kernel_dtype_raise_on_every_rank():
 @pytest.mark.skipif(INTERPRET, reason="already under TRITON_INTERPRET=1: the tests above run in-process")
 def test_fused_layers_under_interpreter_subprocess():
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    env.pop("LLMPAR_BACKEND", None)
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                          env=env, capture_output=True, text=True, timeout=900, cwd=os.path.dirname(__file__))
-    assert proc.returncode == 0, f"fused tp tests failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
-    summary = proc.stdout.strip().splitlines()[-1]
-    assert " passed" in summary and "failed" not in summary, proc.stdout[-2000:]
+    run_interpreted(__file__, timeout=900, what="fused tp tests")
