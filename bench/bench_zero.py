@@ -7,8 +7,7 @@ peak memory of each case, each in its own fresh pair of ranks.
 
 Timing: per repeat, every case once (order rotated), ranks lined up by a barrier, the slowest rank's time kept;
 median over repeats. Memory: max RSS of each rank minus its RSS just before the model was built (model, grads,
-optimizer state, buffers, peaks), after ``--mem-steps`` steps. DeepSpeed runs with its CPU accelerator, ``torch_adam``
-(its CPU Adam needs a C++ build) and without its JIT-built shared-memory comm op: gloo carries every byte of both.
+optimizer state, buffers, peaks), after ``--mem-steps`` steps. The contenders are built in ``baselines.py``.
 Results: bench/results/zero_step.{md,json}.
 """
 from __future__ import annotations
@@ -18,14 +17,15 @@ import gc
 import json
 import os
 import resource
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from baselines import (batch, ddp_zero_redundancy_step, deepspeed_step, gpt, llmpar_step, torchrun,  # noqa: E402
+                       zero_config)
+
 CASES = ("llmpar_s1", "llmpar_s2", "deepspeed_s1", "deepspeed_s2", "ddp_zero_redundancy")
 
 
@@ -37,66 +37,15 @@ def _rss_mb() -> float:
     return 0.0
 
 
-def _config(args, stage: int) -> dict:
-    return {"train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
-            "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.1}},
-            "zero_optimization": {"stage": stage, "reduce_bucket_size": args.bucket,
-                                  "allgather_bucket_size": args.bucket, "overlap_comm": True,
-                                  "contiguous_gradients": True, "reduce_scatter": True},
-            "bf16": {"enabled": args.bf16}, "steps_per_print": 10**9}
-
-
-def _model(args):
-    from llmpar.models import GPT, GPTConfig
-
-    return GPT(GPTConfig(vocab_size=256, n_layer=args.n_layer, n_head=args.n_head, d_model=args.d_model,
-                         seq_len=args.seq), seed=0)
-
-
 def build(case: str, args):
     """Returns step() running one training step of ``case``."""
-    import torch.distributed as dist
-
-    rank = dist.get_rank()
-    g = torch.Generator().manual_seed(rank)
-    x = torch.randint(0, 256, (args.micro, args.seq + 1), generator=g)
-    inp, tgt = x[:, :-1], x[:, 1:]
-    model = _model(args)
+    inp, tgt = batch(args)
+    model = gpt(args)
     if case.startswith("llmpar"):
-        import llmpar
-
-        engine, _, _, _ = llmpar.initialize(model=model, config=_config(args, int(case[-1])))
-    elif case.startswith("deepspeed"):
-        import deepspeed
-        import deepspeed.ops
-
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-        cfg = _config(args, int(case[-1]))
-        cfg["optimizer"]["params"]["torch_adam"] = True
-        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-    else:
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        if args.bf16:
-            model.to(torch.bfloat16)
-        ddp = DDP(model, bucket_cap_mb=args.bucket * 4 / 2**20)
-        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=3e-4,
-                                      weight_decay=0.1)
-
-        def step():
-            loss = model.loss(ddp(inp), tgt)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        return step
-
-    def step():
-        loss = engine.module.loss(engine(inp), tgt)
-        engine.backward(loss)
-        engine.step()
-    return step
+        return llmpar_step(model, zero_config(args, int(case[-1])), inp, tgt)
+    if case.startswith("deepspeed"):
+        return deepspeed_step(model, zero_config(args, int(case[-1])), inp, tgt)
+    return ddp_zero_redundancy_step(model, args, inp, tgt)
 
 
 def timing_run(args) -> None:
@@ -111,13 +60,13 @@ def timing_run(args) -> None:
     world = dist.get_world_size()
     timings = compare_distributed(cases, group=pg, warmup=args.warmup, repeats=args.repeats)
     if dist.get_rank() == 0:
-        n_params = sum(p.numel() for p in _model(args).parameters())
+        n_params = sum(p.numel() for p in gpt(args).parameters())
         rows = []
         for name in names:
             t = timings[name]
             base = "deepspeed_s2" if name.endswith("2") or name.startswith("ddp") else "deepspeed_s1"
             ratio = t.median_s / timings[base].median_s if base in timings else float("nan")
-            rows.append({"case": name, **t.row(), f"time_vs_deepspeed_same_stage": ratio})
+            rows.append({"case": name, **t.row(), "time_vs_deepspeed_same_stage": ratio})
         mem = json.loads(os.environ.get("ZERO_BENCH_MEM", "{}"))
         for row in rows:
             row.update(mem.get(row["case"], {}))
@@ -154,13 +103,7 @@ def memory_run(args) -> None:
 
 
 def _torchrun(argv: list[str], nproc: int) -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), __file__,
-           *argv]
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if out.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}")
-    return out.stdout
+    return torchrun(__file__, argv, nproc)
 
 
 def main() -> None:

@@ -14,22 +14,19 @@ import gc
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import subprocess  # noqa: E402
-
-from bench_zero import _config, _model  # noqa: E402
+from baselines import batch, deepspeed_step, fsdp2_step, gpt, llmpar_step, torchrun, zero_config  # noqa: E402
 
 CASES = ("llmpar_s3", "deepspeed_s3", "fsdp2", "llmpar_s3_offload", "deepspeed_s3_offload")
 GOALS = {"llmpar_s3": ("deepspeed_s3", 0.67), "llmpar_s3_offload": ("deepspeed_s3_offload", 0.67)}
 
 
 def _cfg(args, offload: bool) -> dict:
-    cfg = _config(args, 3)
+    cfg = zero_config(args, 3)
     cfg["zero_optimization"].update(stage3_prefetch_bucket_size=args.bucket, stage3_param_persistence_threshold=0)
     if offload:
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
@@ -37,48 +34,13 @@ def _cfg(args, offload: bool) -> dict:
 
 
 def build(case: str, args):
-    import torch.distributed as dist
-
-    g = torch.Generator().manual_seed(dist.get_rank())
-    x = torch.randint(0, 256, (args.micro, args.seq + 1), generator=g)
-    inp, tgt = x[:, :-1], x[:, 1:]
-    model = _model(args)
-    offload = case.endswith("offload")
+    inp, tgt = batch(args)
+    model = gpt(args)
     if case.startswith("llmpar"):
-        import llmpar
-
-        engine, _, _, _ = llmpar.initialize(model=model, config=_cfg(args, offload))
-    elif case.startswith("deepspeed"):
-        import deepspeed
-        import deepspeed.ops
-
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-        cfg = _cfg(args, offload)
-        cfg["optimizer"]["params"]["torch_adam"] = True
-        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-    else:
-        from torch.distributed.fsdp import fully_shard
-
-        if args.bf16:
-            model.to(torch.bfloat16)
-        for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
-
-        def step():
-            loss = model.loss(model(inp), tgt)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        return step
-
-    def step():
-        loss = engine.module.loss(engine(inp), tgt)
-        engine.backward(loss)
-        engine.step()
-    return step
+        return llmpar_step(model, _cfg(args, case.endswith("offload")), inp, tgt)
+    if case.startswith("deepspeed"):
+        return deepspeed_step(model, _cfg(args, case.endswith("offload")), inp, tgt)
+    return fsdp2_step(model, args, inp, tgt)
 
 
 def timing_run(args) -> None:
@@ -93,7 +55,7 @@ def timing_run(args) -> None:
     world = dist.get_world_size()
     timings = compare_distributed(cases, group=pg, warmup=args.warmup, repeats=args.repeats)
     if dist.get_rank() == 0:
-        n_params = sum(p.numel() for p in _model(args).parameters())
+        n_params = sum(p.numel() for p in gpt(args).parameters())
         rows = []
         for name in names:
             row = {"case": name, **timings[name].row()}
@@ -111,16 +73,6 @@ def timing_run(args) -> None:
     del cases
     gc.collect()
     dist.destroy_process_group()
-
-
-def _torchrun(argv: list[str], nproc: int) -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), __file__,
-           *argv]
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if out.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}")
-    return out.stdout
 
 
 def main() -> None:
@@ -141,7 +93,7 @@ def main() -> None:
     if "RANK" in os.environ:
         timing_run(args)
         return
-    print(_torchrun(sys.argv[1:], args.nproc))
+    print(torchrun(__file__, sys.argv[1:], args.nproc))
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ class Engine(DeepSpeedAccessors):
         self.micro_steps = 0
         self.global_steps = 0
         self.global_samples = 0
-        self.skipped_steps = 0
+        self._skip_offset = 0  # engine.skipped_steps = optimizer's count + offset (assignable, read lazily)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
@@ -69,20 +69,26 @@ class Engine(DeepSpeedAccessors):
     def step(self) -> None:
         """At the accumulation boundary: optimizer step, scheduler step, grads dropped. Always: micro_steps += 1."""
         if self.is_gradient_accumulation_boundary():
-            applied = self.optimizer.step()
-            if applied:
-                if self.lr_scheduler is not None:
-                    self.lr_scheduler.step()
-            else:
-                self.skipped_steps += 1
+            applied = self.optimizer.step()  # a device flag: read only when a scheduler must know
+            if self.lr_scheduler is not None and applied:
+                self.lr_scheduler.step()
             self.optimizer.zero_grad()
             self.global_steps += 1
             self.global_samples += self.config.train_batch_size
-            if self.global_steps % self.config.steps_per_print == 0:
+            if self.global_steps % self.config.steps_per_print == 0 and logger.isEnabledFor(logging.INFO):
                 logger.info("step %d: lr %s, grad norm %.4g, skipped %d", self.global_steps,
                             [round(lr, 8) for lr in self.get_lr()], self.optimizer.last_grad_norm or 0.0,
                             self.skipped_steps)
         self.micro_steps += 1
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped for non-finite grads (reading it syncs with the device once)."""
+        return self.optimizer.skipped_steps + self._skip_offset
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self._skip_offset = int(value) - self.optimizer.skipped_steps
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad()

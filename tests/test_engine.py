@@ -7,18 +7,8 @@ import torch.distributed as dist
 import llmpar
 from llmpar.distributed.collectives import CommCounter
 from llmpar.models import GPT, GPTConfig
-from llmpar.optim import FusedAdamW
 from multirank import RankFailure, run_ranks
-
-SEQ = 12
-GPT_CFG = dict(vocab_size=64, n_layer=2, n_head=4, d_model=16, seq_len=SEQ)
-
-
-def _batch(step, n):
-    g = torch.Generator().manual_seed(step)
-    x = torch.randint(0, 64, (n, SEQ + 1), generator=g)
-    return x[:, :-1], x[:, 1:]
-
+from zero_helpers import GPT_CFG, engine_loop, single_gpt_losses
 
 def _ds_config(stage, micro, **extra):
     return {"train_micro_batch_size_per_gpu": micro, "gradient_clipping": 0.3,
@@ -31,33 +21,11 @@ def tp_dp_body(stage, tp, micro, steps):
     model = GPT(GPTConfig(**GPT_CFG), seed=1, dtype=torch.float64)
     llmpar.parallelize(model, env.mesh["tp"])
     engine, _, _, _ = llmpar.initialize(model=model, config=_ds_config(stage, micro), mesh=env.mesh)
-    dp_rank, dp = env.mesh["dp"].get_local_rank(), env.mesh["dp"].size()
-    losses = []
-    for s in range(steps):
-        x, y = _batch(s, micro * dp)
-        x, y = x[dp_rank * micro:(dp_rank + 1) * micro], y[dp_rank * micro:(dp_rank + 1) * micro]
-        loss = model.loss(engine(x), y)
-        engine.backward(loss)
-        engine.step()
-        t = loss.detach().reshape(1).clone()
-        dist.all_reduce(t, group=env.mesh["dp"].get_group())
-        losses.append(t.item() / dp)
-    return losses
+    return engine_loop(engine, model, steps, micro, env.mesh["dp"])
 
 
 def _single(steps, n):
-    model = GPT(GPTConfig(**GPT_CFG), seed=1, dtype=torch.float64)
-    opt = FusedAdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    losses = []
-    for s in range(steps):
-        x, y = _batch(s, n)
-        loss = model.loss(model(x), y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.3)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return single_gpt_losses(GPT(GPTConfig(**GPT_CFG), seed=1, dtype=torch.float64), steps, n)
 
 
 @pytest.mark.parametrize("stage", [1, 2])

@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from llmpar.optim import FusedAdamW
 from llmpar.zero import FlatLayout, OptimizerConfig, ZeroConfig, ZeroOptimizer
 from multirank import run_ranks
+from zero_helpers import reference_loop, zero_loop
 
 MICRO = 3  # samples per rank per micro-step
 STEPS = 4
@@ -55,48 +55,20 @@ def _flat(net):
 
 def reference(dtype, world, gas, clip=0.5, steps=STEPS):
     net = Net(dtype)
-    groups = [{"params": [p for _, p in g["params"]], **{k: v for k, v in g.items() if k != "params"}}
-              for g in _groups(net)]
-    opt = FusedAdamW(groups, lr=2e-2, weight_decay=0.1)
-    losses = []
-    for s in range(steps):
-        total = 0.0
-        for m in range(gas):
-            x, y = _batch(s, m, MICRO * world, dtype)
-            loss = _loss(net, x, y) / gas
-            loss.backward()
-            total += loss.item()
-        for p in net.parameters():
-            if p.requires_grad and p.grad is None:
-                p.grad = torch.zeros_like(p)  # unused: zero gradient, as ZeRO gives it
-        torch.nn.utils.clip_grad_norm_([p for p in net.parameters() if p.requires_grad], clip)
-        opt.step()
-        opt.zero_grad()
-        losses.append(total)
+    losses = reference_loop(net, _groups(net), steps, gas, lambda s, m: _batch(s, m, MICRO * world, dtype), _loss,
+                            clip)
     return losses, _flat(net)
 
 
 def zero_body(stage, dtype, gas, bucket, overlap, clip=0.5, steps=STEPS):
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     net = Net(dtype)
     opt = ZeroOptimizer(_groups(net), OptimizerConfig(lr=2e-2, weight_decay=0.1), dist.group.WORLD, stage=stage,
                         zero_config=ZeroConfig(stage=stage, reduce_bucket_size=bucket, overlap_comm=overlap,
                                                allgather_bucket_size=bucket),
                         max_grad_norm=clip, grad_accum_dtype=torch.float32 if dtype != torch.float64 and gas > 1
                         else None)
-    losses = []
-    for s in range(steps):
-        total = torch.zeros((), dtype=torch.float64)
-        for m in range(gas):
-            x, y = _batch(s, m, MICRO * world, dtype)
-            x, y = x[rank * MICRO:(rank + 1) * MICRO], y[rank * MICRO:(rank + 1) * MICRO]
-            opt.set_gradient_accumulation_boundary(m == gas - 1)
-            loss = _loss(net, x, y) / gas
-            loss.backward()
-            total += loss.detach().double()
-        dist.all_reduce(total)
-        assert opt.step()
-        losses.append(total.item() / world)
+    losses = zero_loop(opt, net, steps, gas, lambda s, m: _batch(s, m, MICRO * world, dtype), _loss, MICRO)
     frozen_same = torch.equal(net.frozen.weight, Net(dtype).frozen.weight)
     return losses, _flat(net), frozen_same, opt.memory_bytes()
 
@@ -192,4 +164,30 @@ def nonfinite_body(stage):
 @pytest.mark.parametrize("stage", [1, 2])
 def test_nonfinite_grad_on_one_rank_skips_the_step_everywhere(stage):
     for applied, unchanged, skipped in run_ranks(nonfinite_body, 2, stage, timeout=60):
-        assert applied is False and unchanged and skipped == 1
+        assert not applied and unchanged and skipped == 1
+
+
+def exchange_body():
+    from llmpar.distributed.collectives import CommCounter
+    from llmpar.zero.grads import _reduce_scatter
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    g = torch.Generator().manual_seed(7 + rank)
+    x = torch.randn(world * 37, generator=g, dtype=torch.float64)
+    out = {}
+    for exchange in (False, True):
+        counter, o = CommCounter(), torch.full((37,), float("nan"), dtype=torch.float64)
+        _reduce_scatter(o, x, dist.group.WORLD, counter, exchange).wait()
+        out[exchange] = (o, dict(counter.volume), dict(counter.bytes_sent))
+    everyone = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(everyone, x)
+    want = torch.stack(everyone).sum(0)[rank * 37:(rank + 1) * 37]
+    return out, want
+
+
+def test_reduce_scatter_by_exchange_equals_reduce_scatter():
+    for out, want in run_ranks(exchange_body, 3, timeout=60):  # odd world, odd chunk
+        (plain, vol, sent), (ex, vol_ex, sent_ex) = out[False], out[True]
+        torch.testing.assert_close(plain, want, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(ex, want, rtol=1e-12, atol=1e-12)
+        assert vol == vol_ex and sent == sent_ex  # counted as the reduce-scatter it is

@@ -8,10 +8,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import llmpar
-from llmpar.optim import FusedAdamW
-from llmpar.zero import GatheredParameters, OptimizerConfig, ZeroConfig, ZeroOptimizer, consolidated_state_dict
+from llmpar.zero import OptimizerConfig, ZeroConfig, ZeroOptimizer, consolidated_state_dict
 from multirank import run_ranks
+from zero_helpers import reference_loop, zero_loop
 from test_zero import MICRO, Net, _batch, _groups
 
 STEPS = 4
@@ -36,29 +35,13 @@ def _loss(net, x, y):
 
 def reference(dtype, world, steps=STEPS):
     net = Net3(dtype)
-    groups = [{"params": [p for _, p in g["params"]], **{k: v for k, v in g.items() if k != "params"}}
-              for g in _groups(net)]
-    opt = FusedAdamW(groups, lr=2e-2, weight_decay=0.1)
-    losses = []
-    for s in range(steps):
-        total = 0.0
-        for m in range(GAS):
-            x, y = _batch(s, m, MICRO * world, dtype)
-            loss = _loss(net, x, y) / GAS
-            loss.backward()
-            total += loss.item()
-        for p in net.parameters():
-            if p.requires_grad and p.grad is None:
-                p.grad = torch.zeros_like(p)
-        torch.nn.utils.clip_grad_norm_([p for p in net.parameters() if p.requires_grad], 0.5)
-        opt.step()
-        opt.zero_grad()
-        losses.append(total)
+    losses = reference_loop(net, _groups(net), steps, GAS, lambda s, m: _batch(s, m, MICRO * world, dtype), _loss,
+                            0.5)
     return losses, {n: p.detach().clone() for n, p in net.named_parameters()}
 
 
 def zero3_body(dtype, offload_opt, offload_param, prefetch, steps=STEPS, stage=3):
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     net = Net3(dtype)
     zc = ZeroConfig(stage=stage, reduce_bucket_size=37, overlap_comm=True, stage3_param_persistence_threshold=20,
                     stage3_prefetch_bucket_size=prefetch,
@@ -67,23 +50,11 @@ def zero3_body(dtype, offload_opt, offload_param, prefetch, steps=STEPS, stage=3
     opt = ZeroOptimizer(_groups(net), OptimizerConfig(lr=2e-2, weight_decay=0.1), dist.group.WORLD, stage=stage,
                         zero_config=zc, max_grad_norm=0.5, module=net,
                         grad_accum_dtype=torch.float32 if dtype != torch.float64 else None)
-    losses = []
-    for s in range(steps):
-        total = torch.zeros((), dtype=torch.float64)
-        for m in range(GAS):
-            x, y = _batch(s, m, MICRO * world, dtype)
-            x, y = x[rank * MICRO:(rank + 1) * MICRO], y[rank * MICRO:(rank + 1) * MICRO]
-            opt.set_gradient_accumulation_boundary(m == GAS - 1)
-            loss = _loss(net, x, y) / GAS
-            loss.backward()
-            total += loss.detach().double()
-        dist.all_reduce(total)
-        assert opt.step()
-        losses.append(total.item() / world)
+    losses = zero_loop(opt, net, steps, GAS, lambda s, m: _batch(s, m, MICRO * world, dtype), _loss, MICRO)
     full = consolidated_state_dict(net, opt, rank0_only=False)
     live = opt.stage3.live_numel if opt.stage3 is not None else None
     persistent = sum(opt.stage3._numel(k) for k in opt.stage3.persistent) if opt.stage3 is not None else None
-    sharded = {n: p.untyped_storage().nbytes() for n, p in net.named_parameters() if p.requires_grad}
+    sharded = {n: p.untyped_storage().nbytes() for n, p in net.named_parameters()}
     return losses, full, live, persistent, sharded, dict(opt.placement.where), opt.memory_bytes()
 
 
@@ -107,6 +78,8 @@ def test_stage3_matches_single_process_fp64(world, offload_opt, offload_param, p
     assert live == persistent  # after a step only the persistent (small) units stay gathered
     assert sharded["a.weight"] == 0 and sharded["twice.weight"] == 0  # freed between uses (> 20 elements)
     assert sharded["b.bias"] > 0  # 5 elements: below stage3_param_persistence_threshold, kept whole
+    assert sharded["a.bias"] > 0  # 13 elements: kept whole although its module's weight (91) is sharded (per param)
+    assert sharded["frozen.weight"] == 0 and sharded["frozen.bias"] > 0  # frozen params: the same rule
     assert where["params"] == ("host" if offload_param else "device")
     assert where["master"] == where["grads"] == where["optimizer_state"] == ("host" if offload_opt else "device")
     if offload_opt and offload_param:

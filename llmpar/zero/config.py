@@ -11,6 +11,8 @@ import numbers
 from dataclasses import dataclass, fields
 from typing import Any
 
+import torch
+
 STAGE3_ISSUE = "not supported (use offload_optimizer / offload_param)"
 
 # zero_optimization keys DeepSpeed knows that llmpar does not support -> why
@@ -229,4 +231,41 @@ def optimizer_field_names() -> list[str]:
     return [f.name for f in fields(OptimizerConfig)]
 
 
-__all__ = ["OffloadConfig", "OptimizerConfig", "ZeroConfig", "STAGE3_ISSUE", "check_keys", "nearest", "as_int", "as_float", "as_bool"]
+__all__ = ["OffloadConfig", "OptimizerConfig", "ZeroConfig", "STAGE3_ISSUE", "check_keys", "nearest", "as_int", "as_float",
+           "as_bool", "param_groups"]
+
+
+_GROUP_KEYS = ("lr", "betas", "eps", "weight_decay")
+
+
+def param_groups(params: Any, cfg: OptimizerConfig) -> list[dict]:
+    """Normalise params / (name, param) pairs / param-group dicts into groups with names and hyper-parameters."""
+    if isinstance(params, torch.Tensor):
+        raise TypeError("params must be an iterable of parameters, (name, parameter) pairs or param-group dicts, "
+                        "got a single tensor")
+    items = list(params)
+    if not items:
+        raise ValueError("params is empty: ZeroOptimizer needs at least one parameter")
+    raw = items if isinstance(items[0], dict) else [{"params": items}]
+    groups, seen = [], set()
+    for gi, g in enumerate(raw):
+        if not isinstance(g, dict) or "params" not in g:
+            raise TypeError(f"param group {gi} must be a dict with a 'params' entry")
+        unknown = set(g) - {"params", *_GROUP_KEYS}
+        if unknown:
+            raise ValueError(f"param group {gi} has unknown keys {sorted(unknown)}; allowed: params, "
+                             f"{', '.join(_GROUP_KEYS)}")
+        named = []
+        for k, item in enumerate(g["params"]):
+            name, p = item if isinstance(item, tuple) else (f"group{gi}.param{k}", item)
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"param group {gi} item {k} is a {type(p).__name__}, not a tensor")
+            if id(p) in seen:
+                continue  # tied weights: one entry
+            seen.add(id(p))
+            named.append((name, p))
+        group = {"params": [p for _, p in named], "names": [n for n, _ in named]}
+        for key in _GROUP_KEYS:
+            group[key] = g.get(key, getattr(cfg, key))
+        groups.append(group)
+    return groups

@@ -18,11 +18,13 @@ from __future__ import annotations
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
-from llmpar.distributed.collectives import CommCounter, Group, Handle, all_reduce, reduce_scatter_flat
+import torch.distributed as dist
+
+from llmpar.distributed.collectives import CommCounter, Group, Handle, all_reduce, as_group, reduce_scatter_flat
 from llmpar.ops.bucket import pack_bucket
 from llmpar.zero.layout import FlatLayout
 
@@ -44,6 +46,25 @@ class FlatBuffer:
     pending: list[int] = field(default_factory=list)  # per unit: params still to deliver a grad this backward
     seen: list[set] = field(default_factory=list)
     shard: torch.Tensor | None = None  # stage 3: this rank's [partition] of the params (host pool under offload_param)
+    frozen: bool = False  # stage 3 frozen params: sharded and gathered, never reduced or stepped (no grad, no state)
+
+
+def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group, counter: CommCounter | None,
+                    exchange: bool) -> Handle:
+    """Async ``reduce_scatter_flat``. With ``exchange`` (gloo) as an all-to-all of the chunks and a local sum in rank
+    order: the same bytes, and 2-3x faster than gloo's own reduce-scatter at unit sizes (measured, 800k floats dp=2:
+    ~2 ms vs ~5 ms); the received chunks need one more ``input``-sized buffer while in flight."""
+    if not exchange:
+        return reduce_scatter_flat(output, input, group, async_op=True, counter=counter)
+    pg = as_group(group)
+    size = dist.get_world_size(pg)
+    if input.numel() != size * output.numel():
+        raise ValueError(f"input has {input.numel()} elements, not group size {size} x {output.numel()}")
+    if counter is not None:
+        counter.record("reduce_scatter", input.numel(), (size - 1) / size * input.numel() * input.element_size())
+    received = torch.empty_like(input)
+    work = dist.all_to_all_single(received, input, group=pg, async_op=True)
+    return Handle([work], lambda: torch.sum(received.view(size, -1), dim=0, out=output.view(-1)))
 
 
 class _WeakHook:
@@ -64,7 +85,7 @@ class GradReducer:
 
     def __init__(self, buffers: list[FlatBuffer], *, stage: int, dp_group: Group, dp: int, rank: int,
                  overlap: bool, reduce_dtype_of: Callable[[FlatBuffer], torch.dtype],
-                 counter: CommCounter | None, max_inflight: int = 2) -> None:
+                 counter: CommCounter | None, max_inflight: int = 2, copier: Any = None) -> None:
         self.buffers = buffers
         self.stage = stage
         self.group = dp_group
@@ -73,6 +94,10 @@ class GradReducer:
         self.overlap = overlap
         self.counter = counter
         self.reduce_dtype_of = reduce_dtype_of
+        self.exchange = dist.get_backend(as_group(dp_group)) == "gloo"  # reduce-scatter as all-to-all + sum
+        self.copier = copier  # offload_optimizer: offload.Copier taking each reduced shard out to the host
+        self.log: list[tuple[str, tuple[int, int]]] | None = None  # ("reduce" | "reduced", (buffer, unit)), tests
+        self._bindex = {id(b): bi for bi, b in enumerate(buffers)}
         self.max_inflight = max(1, max_inflight)
         self.boundary = True  # reduce at the end of this backward (stages 0/1)
         self.fresh = True  # the next backward overwrites the accumulators instead of adding
@@ -80,7 +105,7 @@ class GradReducer:
         self.micro_steps = 0  # backwards since the last step
         self.staging_peak = 0  # most staging elements held at once (stage 2), for memory reports
         self._armed = False
-        self._inflight: deque[tuple[Handle, Callable[[], None] | None, int]] = deque()
+        self._inflight: deque[tuple[Handle, Callable[[], None] | None, int, tuple[int, int]]] = deque()
         self._staging_live = 0
         self._where: dict[int, tuple[FlatBuffer, int]] = {}
         self._hooks = []
@@ -101,6 +126,7 @@ class GradReducer:
     # --------------------------------------------------------------- backward
     def _hook(self, p: torch.Tensor) -> None:
         b, i = self._where[id(p)]
+        self._poll()
         if not self._armed:
             if self.reduced:
                 raise RuntimeError("backward() ran after the gradient-accumulation boundary was reduced but before "
@@ -127,6 +153,9 @@ class GradReducer:
 
     def _unit_ready(self, b: FlatBuffer, u: int) -> None:
         layout, unit = b.layout, b.layout.units[u]
+        key = (self._bindex[id(b)], u)
+        if self.log is not None:
+            self.log.append(("reduce", key))
         grads = self._unit_grads(b, u)
         scale = 1.0 / self.dp
         if self.stage == 2:
@@ -137,17 +166,19 @@ class GradReducer:
             shard = layout.shard_of_partition(b.grad, u)
             if self.on_unit_reduced is not None:  # stage 3: the grads are packed, the gathered unit can go
                 self.on_unit_reduced(b, u)
-            if self.fresh and shard.dtype == staging.dtype and shard.device == staging.device:
-                self._launch(reduce_scatter_flat(shard, staging, self.group, async_op=True, counter=self.counter),
-                             None, staging)
+            if self.fresh and self.copier is None and shard.dtype == staging.dtype and shard.device == staging.device:
+                self._launch(_reduce_scatter(shard, staging, self.group, self.counter, self.exchange),
+                             None, staging, key)
             else:  # another dtype / the host partition (offload_optimizer): copied out when the reduction lands
                 tmp = staging.new_empty(shard.numel())
-                h = reduce_scatter_flat(tmp, staging, self.group, async_op=True, counter=self.counter)
-                if self.fresh:
-                    finish = lambda: shard.copy_(tmp, non_blocking=shard.device.type != "cpu")  # noqa: E731
+                h = _reduce_scatter(tmp, staging, self.group, self.counter, self.exchange)
+                if not self.fresh:  # accumulate (after the copies-out of the first micro-step have landed)
+                    finish = lambda: self._sync_copies() or shard.add_(tmp.to(shard.device, shard.dtype))  # noqa: E731
+                elif self.copier is not None:
+                    finish = lambda: self.copier.to_host(shard, tmp)  # noqa: E731
                 else:
-                    finish = lambda: shard.add_(tmp.to(shard.device, shard.dtype))  # noqa: E731
-                self._launch(h, finish, staging)
+                    finish = lambda: shard.copy_(tmp)  # noqa: E731
+                self._launch(h, finish, staging, key)
             return
         region = layout.unit_view(b.grad, u)
         if self.fresh:
@@ -158,16 +189,17 @@ class GradReducer:
         if not self.boundary:
             return
         if self.stage == 0:
-            self._launch(all_reduce(region, self.group, async_op=True, counter=self.counter), None, None)
+            self._launch(all_reduce(region, self.group, async_op=True, counter=self.counter), None, None, key)
         else:
             mine = layout.shard_of_full(b.grad, u, self.rank)
             tmp = torch.empty_like(mine)
-            h = reduce_scatter_flat(tmp, region, self.group, async_op=True, counter=self.counter)
-            self._launch(h, lambda: mine.copy_(tmp), None)
+            h = _reduce_scatter(tmp, region, self.group, self.counter, self.exchange)
+            self._launch(h, lambda: mine.copy_(tmp), None, key)
 
-    def _launch(self, handle: Handle, finish: Callable[[], None] | None, staging: torch.Tensor | None) -> None:
-        held = staging.numel() if staging is not None else 0
-        self._inflight.append((handle, finish, held))
+    def _launch(self, handle: Handle, finish: Callable[[], None] | None, staging: torch.Tensor | None,
+                key: tuple[int, int]) -> None:
+        held = staging.numel() * (2 if self.exchange else 1) if staging is not None else 0  # + received chunks
+        self._inflight.append((handle, finish, held, key))
         self._staging_live += held
         self.staging_peak = max(self.staging_peak, self._staging_live)
         if not self.overlap:
@@ -176,11 +208,22 @@ class GradReducer:
             self._wait_oldest()
 
     def _wait_oldest(self) -> None:
-        handle, finish, held = self._inflight.popleft()
+        handle, finish, held, key = self._inflight.popleft()
         handle.wait()
         if finish is not None:
             finish()
         self._staging_live -= held
+        if self.log is not None:
+            self.log.append(("reduced", key))
+
+    def _sync_copies(self) -> None:
+        if self.copier is not None:
+            self.copier.sync()
+
+    def _poll(self) -> None:
+        """Finish (copy out) the reductions that have landed, oldest first, without waiting for any."""
+        while self._inflight and self._inflight[0][0].is_completed():
+            self._wait_oldest()
 
     def wait_all(self) -> None:
         while self._inflight:
@@ -213,13 +256,15 @@ class GradReducer:
         for b in self.buffers:
             for u in range(len(b.layout.units)):
                 region = b.layout.unit_view(b.grad, u)
+                key = (self._bindex[id(b)], u)
                 if self.stage == 0:
-                    self._launch(all_reduce(region, self.group, async_op=True, counter=self.counter), None, None)
+                    self._launch(all_reduce(region, self.group, async_op=True, counter=self.counter), None, None,
+                                 key)
                 else:
                     mine = b.layout.shard_of_full(b.grad, u, self.rank)
                     tmp = torch.empty_like(mine)
-                    h = reduce_scatter_flat(tmp, region, self.group, async_op=True, counter=self.counter)
-                    self._launch(h, lambda mine=mine, tmp=tmp: mine.copy_(tmp), None)
+                    h = _reduce_scatter(tmp, region, self.group, self.counter, self.exchange)
+                    self._launch(h, lambda mine=mine, tmp=tmp: mine.copy_(tmp), None, key)
         self.wait_all()
         self.boundary = boundary
         self.reduced = True

@@ -113,7 +113,7 @@ def remap_params(params: Any, mapping: dict[int, nn.Parameter]) -> list:
 def materialize_sharded(opt: Any) -> None:
     """Meta-built model: one unit at a time, allocate its params, init them, keep this rank's slices (init.py)."""
     assert opt.plan is not None
-    where = {id(p): (b, i) for b in opt.buffers for i, p in enumerate(b.params)}
+    where = {id(p): (b, i) for b in opt.buffers + opt.frozen_buffers for i, p in enumerate(b.params)}
     nested = {id(m) for _, m in opt.plan.units}
     rank = opt._rank()
     for mi, (_, unit) in enumerate(opt.plan.units):
@@ -124,7 +124,7 @@ def materialize_sharded(opt: Any) -> None:
         opt.init_peak_numel = max(opt.init_peak_numel, n)
         for p in owned:
             if id(p) not in where:
-                continue  # frozen: stays whole
+                continue  # not a floating-point param: stays whole
             b, i = where[id(p)]
             u = b.layout.slot(i).unit
             mine = b.layout.shard_of_partition(b.shard, u)

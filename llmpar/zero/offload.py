@@ -7,6 +7,12 @@
     offload_param {device: cpu} (stage 3): the parameter shards live on the host; a gather copies the unit's shard in
         before its all-gather (the prefetch overlaps it with the previous unit's compute).
 
+Copies are issued early (:class:`Copier`): the reduced gradient shard goes out to the host as soon as its unit's
+reduce-scatter has finished (the reducer polls its in-flight reductions at every gradient hook), and a prefetched
+unit's host shard comes in right before its all-gather. On CUDA both run on a side stream (non_blocking, an event
+recorded per copy-out; the host step waits for those events first); on a CPU-only run the code path is the same minus
+streams.
+
 Host memory is pinned when ``pin_memory`` is set and CUDA is there. On a CPU-only run host and device are the same
 memory, so "offload" only moves those tensors to a separate pool: :class:`Placement` records which pool each kind
 is in, and ``ZeroOptimizer.memory_bytes()`` reports bytes per pool.
@@ -15,6 +21,10 @@ from __future__ import annotations
 
 import torch
 
+import contextlib
+from typing import Any
+
+from llmpar.distributed.collectives import CommCounter, Group, Handle, all_gather_flat
 from llmpar.ops.adamw import adamw_step
 from llmpar.zero.config import OffloadConfig
 
@@ -44,20 +54,70 @@ class Placement:
         return t
 
 
+class Copier:
+    """Host <-> device copies issued as early as possible: on a side CUDA stream with recorded events on CUDA, in
+    line on the CPU. ``copies_out`` / ``copies_in`` count them (for tests)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._events: list = []
+        self.copies_out = self.copies_in = 0
+
+    def _side(self) -> contextlib.AbstractContextManager:
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+
+    def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """``dst`` (host) <- ``src`` (device) now; :meth:`sync` before the host reads ``dst``."""
+        self.copies_out += 1
+        if self.stream is None:
+            dst.copy_(src)
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with self._side():
+            dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        src.record_stream(self.stream)
+        self._events.append(event)
+
+    def sync(self) -> None:
+        """Wait for every copy-out issued so far (the host step reads them next)."""
+        for event in self._events:
+            event.synchronize()
+        self._events.clear()
+
+    def gather_from_host(self, full: torch.Tensor, src: torch.Tensor, group: Group,
+                         counter: CommCounter | None) -> Handle:
+        """Copy the host shard ``src`` in and all-gather it into ``full`` (both on the side stream on CUDA)."""
+        self.copies_in += 1
+        staged = torch.empty(src.numel(), dtype=full.dtype, device=full.device)
+        with self._side():
+            if self.stream is not None:
+                self.stream.wait_stream(torch.cuda.current_stream(self.device))  # ``full`` was just (re)allocated
+            staged.copy_(src, non_blocking=self.stream is not None)
+            handle = all_gather_flat(full, staged, group, async_op=True, counter=counter)
+        if self.stream is not None:
+            staged.record_stream(self.stream)
+        return handle
+
+
 def master_dtype(dtype: torch.dtype) -> torch.dtype:
     """The host step's dtype: float64 params keep float64, everything else steps in float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def host_step(shards: list[torch.Tensor], masters: list[torch.Tensor], grads: list[torch.Tensor],
-              exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor], *,
-              lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-              gscale: torch.Tensor | None, found_inf: torch.Tensor | None, skipped: bool) -> None:
-    """AdamW on the host masters, then the params' shards (device or host, any float dtype) take the new values."""
+def host_step_buffer(b: Any, shards: list[torch.Tensor], grads: list[torch.Tensor], *, lr: float, beta1: float,
+                     beta2: float, eps: float, weight_decay: float, gscale: torch.Tensor | None,
+                     found_inf: torch.Tensor) -> None:
+    """AdamW on flat buffer ``b``'s host masters, then this rank's param shards (device or host, any float dtype)
+    take the new values (a skipped step leaves the masters as they were, so copying them back changes nothing)."""
+    units = range(len(b.layout.units))
+    masters = [b.layout.shard_of_partition(b.state["master"], u) for u in units]
     host = masters[0].device if masters else torch.device("cpu")
-    adamw_step(masters, grads, exp_avgs, exp_avg_sqs, steps, precision="fp32", lr=lr, beta1=beta1, beta2=beta2,
-               eps=eps, weight_decay=weight_decay, gscale=None if gscale is None else gscale.to(host),
-               found_inf=None if found_inf is None else found_inf.to(host))
-    if not skipped:
-        for dst, src in zip(shards, masters):
-            dst.copy_(src, non_blocking=dst.device.type != "cpu")
+    adamw_step(masters, grads, [b.layout.shard_of_partition(b.state["exp_avg"], u) for u in units],
+               [b.layout.shard_of_partition(b.state["exp_avg_sq"], u) for u in units], b.steps, precision="fp32",
+               lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+               gscale=None if gscale is None else gscale.to(host), found_inf=found_inf.to(host))
+    for dst, src in zip(shards, masters):
+        dst.copy_(src, non_blocking=dst.device.type != "cpu")

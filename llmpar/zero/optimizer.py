@@ -11,13 +11,14 @@ What each rank holds (psi = trainable params, N = dp ranks, bf16 params with fp3
     stage 3: params 2 psi / N, grads 2 psi / N, master + moments 12 psi / N (params too: ``stage3.py``; + the units
              gathered at a time)
 offload_optimizer moves grads + master + moments to the host (fp32 there: 16 psi / N), offload_param the stage-3
-param shards (``offload.py``).
+param shards (``offload.py``). Stage 3 shards frozen params too (``frozen_buffers``: gathered, never stepped).
 (fp32 grad accumulators when ``grad_accum_dtype=torch.float32``: grads 4 psi resp. 4 psi / N.)
 
 step(): the global gradient norm (partition norms summed over dp; tensor-parallel params summed over tp, replicated
 ones counted once) -> clip coefficient and found-inf flag -> one fused ``adamw_step`` per flat buffer over this rank's
-partition (the coefficient applied inside; a non-finite norm skips the step on every rank, reported) -> the updated
-shards all-gathered unit by unit straight into the param buffer (stages 1/2; at most ``allgather_bucket_size``
+partition (the coefficient applied inside; a non-finite norm skips the step on every rank: norm, flag and skip count
+stay on the device, ``stats.py``; ``skipped_steps`` / ``last_grad_norm`` read them when asked) -> the updated shards
+all-gathered unit by unit straight into the param buffer (stages 1/2; at most ``allgather_bucket_size``
 elements in flight). Communication per step: stage 0 an all-reduce (2 psi), stages 1/2 reduce-scatter + all-gather
 (psi + psi).
 """
@@ -36,50 +37,16 @@ from llmpar.ops.adamw import adamw_step
 from llmpar.ops.bucket import pack_bucket
 from llmpar.ops.grad_norm import clip_coefficient, grad_norm
 from llmpar.optim.adamw import MODES, resolve_precision, state_dtypes
-from llmpar.zero.config import OptimizerConfig, ZeroConfig
+from llmpar.zero.config import OptimizerConfig, ZeroConfig, param_groups
 from llmpar.zero.grads import FlatBuffer, GradReducer
 from llmpar.zero.init import default_device, materialize_sharded, remap_params, replace_meta_params
 from llmpar.zero.layout import FlatLayout
-from llmpar.zero.offload import Placement, host_step, master_dtype
-from llmpar.zero.stage3 import Stage3Runtime, UnitPlan, UnitPolicy
+from llmpar.zero.offload import Copier, Placement, host_step_buffer, master_dtype
+from llmpar.zero.stage3 import (Stage3Runtime, UnitPlan, UnitPolicy, frozen_buffers, shard_params,
+                                 split_persistent)
+from llmpar.zero.stats import StepApplied, StepStats
 
 logger = logging.getLogger("llmpar")
-
-_GROUP_KEYS = ("lr", "betas", "eps", "weight_decay")
-
-
-def _param_groups(params: Any, cfg: OptimizerConfig) -> list[dict]:
-    """Normalise params / (name, param) pairs / param-group dicts into groups with names and hyper-parameters."""
-    if isinstance(params, torch.Tensor):
-        raise TypeError("params must be an iterable of parameters, (name, parameter) pairs or param-group dicts, "
-                        "got a single tensor")
-    items = list(params)
-    if not items:
-        raise ValueError("params is empty: ZeroOptimizer needs at least one parameter")
-    raw = items if isinstance(items[0], dict) else [{"params": items}]
-    groups, seen = [], set()
-    for gi, g in enumerate(raw):
-        if not isinstance(g, dict) or "params" not in g:
-            raise TypeError(f"param group {gi} must be a dict with a 'params' entry")
-        unknown = set(g) - {"params", *_GROUP_KEYS}
-        if unknown:
-            raise ValueError(f"param group {gi} has unknown keys {sorted(unknown)}; allowed: params, "
-                             f"{', '.join(_GROUP_KEYS)}")
-        named = []
-        for k, item in enumerate(g["params"]):
-            name, p = item if isinstance(item, tuple) else (f"group{gi}.param{k}", item)
-            if not isinstance(p, torch.Tensor):
-                raise TypeError(f"param group {gi} item {k} is a {type(p).__name__}, not a tensor")
-            if id(p) in seen:
-                continue  # tied weights: one entry
-            seen.add(id(p))
-            named.append((name, p))
-        group = {"params": [p for _, p in named], "names": [n for n, _ in named]}
-        for key in _GROUP_KEYS:
-            group[key] = g.get(key, getattr(cfg, key))
-        groups.append(group)
-    return groups
-
 
 class ZeroOptimizer:
     """AdamW with ZeRO stage 0/1/2 over ``dp_group`` (module docstring). ``param_groups[i]["lr"]`` may be changed by a
@@ -110,7 +77,7 @@ class ZeroOptimizer:
             mapping = replace_meta_params(module, default_device())
             self._deferred = {id(p) for p in mapping.values()}
             params = remap_params(params, mapping)
-        groups = _param_groups(params, cfg)  # checked before any group is touched
+        groups = param_groups(params, cfg)  # checked before any group is touched
         if dp_group is None:
             raise TypeError("dp_group is required: pass the data-parallel ProcessGroup or DeviceMesh (e.g. "
                             "env.mesh['dp']); llmpar never falls back to a global group")
@@ -127,30 +94,60 @@ class ZeroOptimizer:
         self.dp, self.rank = group_size(self.dp_group), group_rank(self.dp_group)
         self.max_grad_norm, self.counter, self.seed = max_grad_norm, counter, seed
         self.param_groups = groups
-        self.last_grad_norm: float | None = None
-        self.skipped_steps = 0
+        self.stats = StepStats()  # grad norm + skipped steps, on the device until read
         self.frozen = [p for g in self.param_groups for p in g["params"] if not p.requires_grad]
         device = next(p.device for g in self.param_groups for p in g["params"])
         self.placement = Placement(device, offload_optimizer=zcfg.offload_optimizer, offload_param=zcfg.offload_param)
+        self.copier = Copier(device)
         self.plan = UnitPlan(module, unit_policy) if stage == 3 else None
         self.buffers = self._build_buffers(cfg.precision, grad_accum_dtype, align)
+        self.frozen_buffers = frozen_buffers(module, self.buffers, lambda named: self._layout(named, self.dp, align),
+                                             self.placement, self.rank, self._deferred) if stage == 3 else []
         self._check_same_model()
         if self._deferred:
             materialize_sharded(self)
         self.reducer = GradReducer(self.buffers, stage=min(stage, 2), dp_group=self.dp_group, dp=self.dp,
-                                   rank=self.rank, overlap=zcfg.overlap_comm, reduce_dtype_of=lambda b: b.flat.dtype,
-                                   counter=counter)
+                                   rank=self.rank, overlap=zcfg.overlap_comm, reduce_dtype_of=lambda b: b.layout.dtype,
+                                   counter=counter, copier=self.copier if self.placement.offload_optimizer else None)
         self.stage3: Stage3Runtime | None = None
         if stage == 3:
             assert self.plan is not None
-            self.stage3 = Stage3Runtime(self.plan, self.buffers, dp_group=self.dp_group, device=device,
-                                        prefetch_numel=zcfg.stage3_prefetch_bucket_size,
+            self.stage3 = Stage3Runtime(self.plan, self.buffers + self.frozen_buffers, dp_group=self.dp_group,
+                                        device=device, prefetch_numel=zcfg.stage3_prefetch_bucket_size,
                                         max_live_numel=zcfg.stage3_max_live_parameters,
-                                        persist_numel=zcfg.stage3_param_persistence_threshold, counter=counter)
+                                        persist_numel=zcfg.stage3_param_persistence_threshold, counter=counter,
+                                        copier=self.copier, host_shards=self.placement.offload_param)
             self.reducer.on_unit_reduced = self.stage3.unit_reduced
             self.reducer.on_backward_end = self.stage3.end_backward
 
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for non-finite grads (reading it syncs with the device once)."""
+        return self.stats.skipped_steps
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self.stats.skipped_steps = value
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The global grad norm of the last step (reading it syncs with the device once)."""
+        return self.stats.last_grad_norm
+
+    @last_grad_norm.setter
+    def last_grad_norm(self, value: float | None) -> None:
+        self.stats.last_grad_norm = value
+
     # ---------------------------------------------------------------- layout
+    def _layout(self, named: list[tuple[str, torch.Tensor]], shards: int, align: int) -> FlatLayout:
+        params = [p for _, p in named]
+        groups = None
+        if self.plan is not None:  # stage 3: one unit per module, small params in one persistent unit
+            groups = split_persistent(self.plan.groups(params), params,
+                                      self.zero_config.stage3_param_persistence_threshold)
+        return FlatLayout(params, [n for n, _ in named], shards=shards, unit_numel=self.zero_config.reduce_bucket_size,
+                          align=align, groups=groups)
+
     def _build_buffers(self, precision: str, grad_accum_dtype: torch.dtype | None, align: int) -> list[FlatBuffer]:
         shards = 1 if self.stage == 0 else self.dp
         keyed: dict[tuple, list[tuple[str, torch.nn.Parameter]]] = {}
@@ -165,6 +162,7 @@ class ZeroOptimizer:
         if not keyed:
             raise ValueError("no parameter requires grad: nothing for ZeroOptimizer to train")
         buffers = []
+        pool, rank = self.placement, self._rank()
         for key, named in keyed.items():
             gi, dtype, device, tp_split = key
             mode = resolve_precision(precision, dtype)
@@ -172,20 +170,11 @@ class ZeroOptimizer:
                 raise TypeError(f"param {named[0][0]!r} has dtype {dtype}; precision={mode!r} takes "
                                 f"{', '.join(map(str, MODES[mode].param_dtypes))} params")
             params = [p for _, p in named]
-            layout = FlatLayout(params, [n for n, _ in named], shards=shards,
-                                unit_numel=self.zero_config.reduce_bucket_size, align=align,
-                                groups=self.plan.groups(params) if self.plan is not None else None)
-            rank = self.rank if self.stage > 0 else 0
-            pool, shard = self.placement, None
+            layout = self._layout(named, shards, align)
+            shard = None
             if self.stage == 3:  # only this rank's shard is kept; Stage3Runtime re-points the params
                 flat = torch.empty(0, dtype=dtype, device=device)
-                shard = pool.zeros("params", layout.partition, dtype)
-                with torch.no_grad():
-                    for u in range(len(layout.units)):
-                        mine = layout.shard_of_partition(shard, u)
-                        for i, a, z, at in layout.param_slices(u, rank):
-                            if id(params[i]) not in self._deferred:  # meta-built ones: filled by _materialize
-                                mine[at:at + z - a].copy_(params[i].detach().reshape(-1)[a:z])
+                shard = shard_params(layout, params, pool, rank, self._deferred)  # meta-built: materialize_sharded
                 mine_of = lambda u: layout.shard_of_partition(shard, u)  # noqa: E731
             else:
                 flat = torch.zeros(layout.total, dtype=dtype, device=device)
@@ -218,7 +207,7 @@ class ZeroOptimizer:
         """Every dp rank must hold the same trainable params (shapes, dtypes, groups): a mismatch is an error on every
         rank after one small all-gather, instead of a hang inside a reduce-scatter later."""
         desc = repr([(b.key[0], str(b.key[1]), b.tp_split, [tuple(p.shape) for p in b.params], self.stage)
-                     for b in self.buffers])
+                     for b in self.buffers + self.frozen_buffers])
         check_same_on_ranks(desc, self.dp_group, what="the data-parallel ranks hold different models or ZeRO stages",
                             hint="same params, dtypes and stage on every dp rank")
 
@@ -292,25 +281,30 @@ class ZeroOptimizer:
                     return [(v, a, z) for j, v, a, z in self._grad_pieces(b) if j == i]
         raise ValueError(f"grad_pieces: the tensor of shape {tuple(param.shape)} is not a param of this optimizer")
 
+    def _units(self, b: FlatBuffer, name: str) -> list[torch.Tensor]:
+        return [b.layout.shard_of_partition(b.state[name], u) for u in range(len(b.layout.units))]
+
     @torch.no_grad()
-    def step(self) -> bool:
-        """Apply one AdamW step from the accumulated grads. Returns False when it was skipped (non-finite grads)."""
+    def step(self) -> StepApplied:
+        """Apply one AdamW step from the accumulated grads. Returns a :class:`StepApplied`, false when the step was
+        skipped for non-finite grads (its ``bool()`` reads the device flag; nothing else here does)."""
         r = self.reducer
         r.wait_all()
         if r.micro_steps == 0:
             logger.warning("ZeroOptimizer.step() without a backward since the last step: nothing to do")
-            return False
+            return StepApplied(None)
         r.reduce_now()
+        self.copier.sync()  # the host step reads the copied-out grads
         norm = self._global_norm()
         gscale, found_inf = (None, None)
         if self.max_grad_norm is not None:
             gscale, found_inf = clip_coefficient(norm, self.max_grad_norm)
         else:
             found_inf = (~torch.isfinite(norm)).to(torch.float32)
-        skipped = bool(found_inf is not None and float(found_inf) != 0)
         for b in self.buffers:
             g = self.param_groups[b.group_index]
-            extra = MODES[b.mode].extra
+            hyper = dict(lr=g["lr"], beta1=g["betas"][0], beta2=g["betas"][1], eps=g["eps"],
+                         weight_decay=g["weight_decay"])
             grads, scale = self._grads(b), gscale
             if scale is not None and b.grad.dtype == torch.float64:  # the fused step takes a float32 coefficient:
                 coef = torch.clamp(float(self.max_grad_norm) / (norm.double() + 1e-6), max=1.0)  # clip float64 exactly
@@ -318,32 +312,19 @@ class ZeroOptimizer:
                 torch._foreach_mul_(grads, coef)
                 scale = None
             if self.placement.offload_optimizer:
-                units = range(len(b.layout.units))
-                host_step(self._shards(b), [b.layout.shard_of_partition(b.state["master"], u) for u in units], grads,
-                          [b.layout.shard_of_partition(b.state["exp_avg"], u) for u in units],
-                          [b.layout.shard_of_partition(b.state["exp_avg_sq"], u) for u in units], b.steps,
-                          lr=g["lr"], beta1=g["betas"][0], beta2=g["betas"][1], eps=g["eps"],
-                          weight_decay=g["weight_decay"], gscale=scale, found_inf=found_inf, skipped=skipped)
+                host_step_buffer(b, self._shards(b), grads, gscale=scale, found_inf=found_inf, **hyper)
                 continue
-            adamw_step(self._shards(b), grads,
-                       [b.layout.shard_of_partition(b.state["exp_avg"], u) for u in range(len(b.layout.units))],
-                       [b.layout.shard_of_partition(b.state["exp_avg_sq"], u) for u in range(len(b.layout.units))],
-                       b.steps, precision=b.mode, lr=g["lr"], beta1=g["betas"][0], beta2=g["betas"][1], eps=g["eps"],
-                       weight_decay=g["weight_decay"],
-                       extras=None if extra is None else [b.layout.shard_of_partition(b.state[extra[0]], u)
-                                                          for u in range(len(b.layout.units))],
-                       gscale=scale, found_inf=found_inf, seed=self.seed)
-        self.last_grad_norm = float(norm)
-        if skipped:
-            self.skipped_steps += 1
-            logger.warning("ZeroOptimizer: gradient norm is %s: step skipped on every rank (%d skipped so far)",
-                           self.last_grad_norm, self.skipped_steps)
-        elif self.stage3 is not None:
+            extra = MODES[b.mode].extra
+            adamw_step(self._shards(b), grads, self._units(b, "exp_avg"), self._units(b, "exp_avg_sq"), b.steps,
+                       precision=b.mode, extras=None if extra is None else self._units(b, extra[0]), gscale=scale,
+                       found_inf=found_inf, seed=self.seed, **hyper)
+        self.stats.record(norm, found_inf)
+        if self.stage3 is not None:  # a skipped step left the shards as they were: re-gathering is harmless
             self.stage3.regather_persistent()
         elif self.stage > 0 and self.dp > 1:
             self._gather_params()
         r.reset()
-        return not skipped
+        return StepApplied(found_inf)
 
     def _gather_params(self) -> None:
         limit = self.zero_config.allgather_bucket_size
@@ -380,7 +361,8 @@ class ZeroOptimizer:
 
     # ---------------------------------------------------------------- reports
     def memory_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds persistently, by kind, measured from the tensors themselves."""
+        """Bytes this rank holds persistently, by kind, measured from the tensors themselves (stage 3: "params" counts
+        the frozen params' shards too; "persistent" the always-gathered units)."""
         out = {"params": 0, "grads": 0, "master": 0, "optimizer_state": 0, "device": 0, "host": 0}
 
         def add(kind: str, t: torch.Tensor) -> None:
@@ -395,6 +377,8 @@ class ZeroOptimizer:
                 add("master" if name == "master" else "optimizer_state", t)
         size = max(b.flat.element_size() for b in self.buffers)
         out["staging_peak"] = self.reducer.staging_peak * size
+        for b in self.frozen_buffers:  # stage 3 frozen params: their shards
+            add("params", b.shard)
         if self.stage3 is not None:  # gathered units: persistent ones always, the others while in use
             persistent = sum(self.stage3._numel(k) for k in self.stage3.persistent) * size
             out["persistent"] = persistent

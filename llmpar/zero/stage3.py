@@ -19,7 +19,17 @@ resizes its storage to 0 bytes and re-gathering resizes it back (as FSDP1 does),
     grad hooks (``grads.py``):     when a unit's grads are complete, reduce-scatter them (async) into the owner's
                                    partition and free the unit at once
     end of backward:               free whatever is still gathered
-Units of at most ``stage3_param_persistence_threshold`` elements stay gathered (re-gathered after each step).
+    (from the second step on, the units backward starts with -- the last of forward, within the prefetch budget --
+    stay gathered from forward to backward instead of being freed and gathered again, as FSDP2 does for its root)
+Params of at most ``stage3_param_persistence_threshold`` elements (biases, norms: DeepSpeed's per-param rule) leave
+their module's unit for one *persistent* unit per flat buffer that stays gathered on every rank (re-gathered after each
+step); a unit is persistent when all its params are that small. Frozen params (``requires_grad=False``) are sharded
+the same way in flat buffers of their own (``ZeroOptimizer.frozen_buffers``): gathered for forward and backward, never
+reduced or stepped.
+
+offload_param: a unit's host shard is copied in by the gather that the prefetch issues (``offload.Copier``: a side CUDA
+stream on CUDA), so the next unit's host->device copy overlaps the current unit's compute. ``log`` (a list, None by
+default) records ("h2d" | "gather" | "wait" | "free", key) in issue order, for tests.
 """
 from __future__ import annotations
 
@@ -31,101 +41,59 @@ from torch import nn
 
 from llmpar.distributed.collectives import CommCounter, Group, Handle, all_gather_flat, group_rank
 from llmpar.zero.grads import FlatBuffer
+from llmpar.zero.layout import FlatLayout
+from llmpar.zero.offload import Copier, Placement
+from llmpar.zero.units import UnitPlan, UnitPolicy, map_tensors, unit_modules
 
-UnitPolicy = Callable[[str, nn.Module], bool]
+__all__ = ["Key", "Stage3Runtime", "UnitPlan", "UnitPolicy", "is_persistent", "shard_params", "split_persistent",
+           "unit_modules"]
+
 Key = tuple[int, int]  # (flat buffer index, unit index in its layout)
 
 
-def unit_modules(model: nn.Module, policy: UnitPolicy | None = None) -> list[tuple[str, nn.Module]]:
-    """The sharding units, root first then registration order. ``policy(name, module)`` replaces the default choice
-    (the root is always a unit: it holds whatever no other unit does)."""
-    out: list[tuple[str, nn.Module]] = [("", model)]
-    if policy is not None:
-        out += [(n, m) for n, m in model.named_modules() if n and policy(n, m)]
-        return out
-    chosen: set[int] = set()
-    for name, m in model.named_modules():
-        if isinstance(m, (nn.ModuleList, nn.Sequential)) and m is not model:
-            for child_name, child in m.named_children():
-                if id(child) not in chosen and any(True for _ in child.parameters()):
-                    chosen.add(id(child))
-                    out.append((f"{name}.{child_name}" if name else child_name, child))
-    for name, child in model.named_children():
-        if isinstance(child, (nn.ModuleList, nn.Sequential)) or id(child) in chosen:
-            continue
-        if any(True for _ in child.parameters()):
-            chosen.add(id(child))
-            out.append((name, child))
-    order = {id(m): i for i, (_, m) in enumerate(model.named_modules())}
-    return [out[0]] + sorted(out[1:], key=lambda nm: order[id(nm[1])])
+def split_persistent(groups: list[list[int]], params: list[torch.Tensor], persist_numel: int) -> list[list[int]]:
+    """Per-param persistence: params of at most ``persist_numel`` elements leave their module's unit for one persistent
+    unit (last); module units left empty disappear."""
+    small = [i for g in groups for i in g if params[i].numel() <= persist_numel]
+    out = [big for big in ([i for i in g if params[i].numel() > persist_numel] for g in groups) if big]
+    return out + [small] if small else out
 
 
-class UnitPlan:
-    """Which unit module owns each param and which params each unit module needs in its forward."""
-
-    def __init__(self, model: nn.Module, policy: UnitPolicy | None = None) -> None:
-        self.units = unit_modules(model, policy)
-        index = {id(m): i for i, (_, m) in enumerate(self.units)}
-        self.owner: dict[int, int] = {}  # id(param) -> unit module index
-        self.needs: list[list[nn.Parameter]] = [[] for _ in self.units]
-
-        def walk(mod: nn.Module, unit: int) -> None:
-            unit = index.get(id(mod), unit)
-            for p in mod._parameters.values():
-                if p is None:
-                    continue
-                self.owner.setdefault(id(p), unit)
-                if all(q is not p for q in self.needs[unit]):
-                    self.needs[unit].append(p)
-            for child in mod._modules.values():
-                if child is not None:
-                    walk(child, unit)
-
-        walk(model, 0)
-
-    def groups(self, params: list[torch.Tensor]) -> list[list[int]]:
-        """Layout units for one flat buffer's params: one per unit module holding any of them, in module order."""
-        by_unit: dict[int, list[int]] = {}
-        for i, p in enumerate(params):
-            if id(p) not in self.owner:
-                raise ValueError(f"a param of shape {tuple(p.shape)} passed to ZeRO stage 3 is not in the module "
-                                 "given as module=: stage 3 gathers params through the module's forward hooks")
-            by_unit.setdefault(self.owner[id(p)], []).append(i)
-        return [by_unit[u] for u in sorted(by_unit)]
+def is_persistent(layout: FlatLayout, params: list[torch.Tensor], unit: int, persist_numel: int) -> bool:
+    return all(params[i].numel() <= persist_numel for i in layout.units[unit].params)
 
 
-def _map_tensors(out: Any, fn: Callable[[list[torch.Tensor]], list[torch.Tensor]]) -> Any:
-    """Apply ``fn`` to all grad-requiring tensors in ``out`` (a tensor, or tuples / lists / dicts of them) at once."""
-    found: list[torch.Tensor] = []
+@torch.no_grad()
+def shard_params(layout: FlatLayout, params: list[torch.Tensor], pool: Placement, rank: int,
+                 skip: set[int]) -> torch.Tensor:
+    """This rank's ``[partition]`` of ``params`` in the params pool (params whose id is in ``skip``: left zero)."""
+    shard = pool.zeros("params", layout.partition, layout.dtype)
+    for u in range(len(layout.units)):
+        mine = layout.shard_of_partition(shard, u)
+        for i, a, z, at in layout.param_slices(u, rank):
+            if id(params[i]) not in skip:
+                mine[at:at + z - a].copy_(params[i].detach().reshape(-1)[a:z])
+    return shard
 
-    def collect(x: Any) -> None:
-        if isinstance(x, torch.Tensor):
-            if x.requires_grad:
-                found.append(x)
-        elif isinstance(x, (tuple, list)):
-            for y in x:
-                collect(y)
-        elif isinstance(x, dict):
-            for y in x.values():
-                collect(y)
 
-    collect(out)
-    if not found:
-        return out
-    new = dict(zip(map(id, found), fn(found)))
-
-    def rebuild(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            return new.get(id(x), x)
-        if isinstance(x, tuple) and hasattr(x, "_fields"):
-            return type(x)(*(rebuild(y) for y in x))
-        if isinstance(x, (tuple, list)):
-            return type(x)(rebuild(y) for y in x)
-        if isinstance(x, dict):
-            return type(x)((k, rebuild(v)) for k, v in x.items())
-        return x
-
-    return rebuild(out)
+def frozen_buffers(module: nn.Module, trained: list[FlatBuffer], layout_of: Callable[[list], FlatLayout],
+                   pool: Placement, rank: int, deferred: set[int]) -> list[FlatBuffer]:
+    """The module's frozen floating-point params, sharded like the trained ones in buffers of their own (one per
+    dtype / device / tensor-parallel kind): gathered for forward and backward, never reduced or stepped."""
+    done = {id(p) for b in trained for p in b.params}
+    keyed: dict[tuple, list[tuple[str, nn.Parameter]]] = {}
+    for name, p in module.named_parameters():
+        if id(p) not in done and not p.requires_grad and p.is_floating_point():
+            keyed.setdefault((p.dtype, p.device, bool(getattr(p, "tensor_model_parallel", False))), []).append(
+                (name, p))
+    out = []
+    for (dtype, device, tp_split), named in keyed.items():
+        layout, params = layout_of(named), [p for _, p in named]
+        empty = torch.empty(0, dtype=dtype, device=device)
+        out.append(FlatBuffer(key=("frozen", dtype, device, tp_split), group_index=-1, tp_split=tp_split,
+                              layout=layout, params=params, mode="frozen", flat=empty, grad=empty, frozen=True,
+                              shard=shard_params(layout, params, pool, rank, deferred)))
+    return out
 
 
 class _RegatherForBackward(torch.autograd.Function):
@@ -144,14 +112,34 @@ class _RegatherForBackward(torch.autograd.Function):
         return (None, None, *grads)
 
 
+class _ReleaseAfterBackward(torch.autograd.Function):
+    """Identity on a module's inputs; its backward runs after the module's and frees the module's frozen units (no
+    gradient reduction will free them)."""
+
+    @staticmethod
+    def forward(ctx: Any, runtime: Any, module_index: int, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.runtime, ctx.module_index = runtime, module_index
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        rt = ctx.runtime()
+        if rt is not None:
+            rt.after_backward(ctx.module_index)
+        return (None, None, *grads)
+
+
 class Stage3Runtime:
     """Gathers, frees and prefetches the units of ``buffers`` (whose ``shard`` holds this rank's partition)."""
 
     def __init__(self, plan: UnitPlan, buffers: list[FlatBuffer], *, dp_group: Group, device: torch.device,
                  prefetch_numel: int, max_live_numel: int, persist_numel: int,
-                 counter: CommCounter | None) -> None:
+                 counter: CommCounter | None, copier: Copier | None = None, host_shards: bool = False) -> None:
         self.plan, self.buffers, self.group, self.device = plan, buffers, dp_group, device
+        self.host_shards = host_shards  # offload_param: the shards live in the host pool
         self.prefetch_numel, self.max_live_numel, self.counter = prefetch_numel, max_live_numel, counter
+        self.copier = copier if copier is not None else Copier(device)
+        self.log: list[tuple[str, Key]] | None = None
         self.full: dict[Key, torch.Tensor] = {}  # the gathered [padded] tensor of each unit (storage 0 when free)
         self.live: set[Key] = set()
         self.pending: dict[Key, Handle] = {}
@@ -160,29 +148,33 @@ class Stage3Runtime:
         self.live_numel = self.peak_live_numel = 0
         self.gathers = 0  # all-gathers launched (for tests and reports)
         self._bindex = {id(b): bi for bi, b in enumerate(buffers)}
+        self._numels: dict[Key, int] = {}
         where: dict[int, Key] = {}
         for bi, b in enumerate(buffers):
             for u, unit in enumerate(b.layout.units):
                 key = (bi, u)
-                full = torch.empty(unit.padded, dtype=b.flat.dtype, device=device)
-                self.full[key] = full
-                self.users[key] = 0
+                full = torch.empty(unit.padded, dtype=b.layout.dtype, device=device)
+                self.full[key], self.users[key], self._numels[key] = full, 0, unit.padded
                 for i in unit.params:
                     where[id(b.params[i])] = key
                     with torch.no_grad():
                         b.params[i].data = b.layout.param_in_unit(full, i)
-                if unit.numel <= persist_numel:
+                if is_persistent(b.layout, b.params, u, persist_numel):
                     self.persistent.add(key)
                 else:
                     full.untyped_storage().resize_(0)
-        self.needs: list[list[Key]] = []
+        self.frozen_keys = {(bi, u) for bi, b in enumerate(buffers) if b.frozen
+                            for u in range(len(b.layout.units))} - self.persistent
+        self.needs: list[list[Key]] = []  # per unit module: the non-persistent units its forward gathers
         for params in plan.needs:
             keys = []
             for p in params:
                 k = where.get(id(p))
-                if k is not None and k not in keys:
+                if k is not None and k not in keys and k not in self.persistent:
                     keys.append(k)
             self.needs.append(keys)
+        self.keep_for_bwd: set[Key] = set()  # the units backward begins with (as FSDP2 keeps the root's)
+        self._forward_keeps = False
         self.trace: dict[str, list[Key]] = {"fwd": [], "bwd": []}
         self.recording = {"fwd": True, "bwd": True}
         self.pos = {"fwd": -1, "bwd": -1}
@@ -203,7 +195,11 @@ class Stage3Runtime:
 
     # ---------------------------------------------------------- gather/free
     def _numel(self, key: Key) -> int:
-        return self.buffers[key[0]].layout.units[key[1]].padded
+        return self._numels[key]
+
+    def _note(self, what: str, key: Key) -> None:
+        if self.log is not None:
+            self.log.append((what, key))
 
     def _gather(self, key: Key) -> None:
         if key in self.live:
@@ -213,9 +209,12 @@ class Stage3Runtime:
         if key not in self.persistent or full.untyped_storage().nbytes() == 0:
             full.untyped_storage().resize_(full.numel() * full.element_size())
         src = b.layout.shard_of_partition(b.shard, u)
-        if src.device != full.device:  # offload_param: copy the host shard in first
-            src = src.to(full.device, non_blocking=True)
-        self.pending[key] = all_gather_flat(full, src, self.group, async_op=True, counter=self.counter)
+        if self.host_shards:  # offload_param: the host shard is copied in first (side stream on CUDA)
+            self._note("h2d", key)
+            self.pending[key] = self.copier.gather_from_host(full, src, self.group, self.counter)
+        else:
+            self.pending[key] = all_gather_flat(full, src, self.group, async_op=True, counter=self.counter)
+        self._note("gather", key)
         self.live.add(key)
         self.gathers += 1
         self.live_numel += self._numel(key)
@@ -225,6 +224,7 @@ class Stage3Runtime:
         h = self.pending.pop(key, None)
         if h is not None:
             h.wait()
+            self._note("wait", key)
 
     def wait_all(self) -> None:
         for key in list(self.pending):
@@ -233,8 +233,11 @@ class Stage3Runtime:
     def release(self, key: Key) -> None:
         if key in self.persistent or key not in self.live or self.users[key] > 0:
             return
+        if self._forward_keeps and key in self.keep_for_bwd:  # backward starts with it: not freed after forward
+            return
         self._wait(key)
         self.full[key].untyped_storage().resize_(0)
+        self._note("free", key)
         self.live.discard(key)
         self.live_numel -= self._numel(key)
 
@@ -306,29 +309,41 @@ class Stage3Runtime:
         for key in keys:
             self._wait(key)
 
-    def pre_forward(self, mi: int) -> None:
+    def pre_forward(self, mi: int, args: Any) -> Any:
         if mi == 0:
+            self._forward_keeps = False
             self.release_all()  # leftovers of a backward that never reached a ZeRO param
+            self._forward_keeps = torch.is_grad_enabled()
             self.pos["fwd"] = -1
         keys = self.needs[mi]
         for key in keys:
             self.users[key] += 1
         self._fetch(keys, "fwd")
+        if torch.is_grad_enabled() and any(k in self.frozen_keys for k in keys):
+            ref = weakref.ref(self)
+            return map_tensors(args, lambda xs: list(_ReleaseAfterBackward.apply(ref, mi, *xs)))
+        return None
 
     def post_forward(self, mi: int, output: Any) -> Any:
         keys = self.needs[mi]
         if keys and torch.is_grad_enabled():
-            output = _map_tensors(output, lambda xs: list(_RegatherForBackward.apply(weakref.ref(self), mi, *xs)))
+            output = map_tensors(output, lambda xs: list(_RegatherForBackward.apply(weakref.ref(self), mi, *xs)))
         for key in keys:
             self.users[key] -= 1
             self.release(key)
         if mi == 0:
             self.recording["fwd"] = False
             self.release_all()  # prefetches the forward did not use
+            self._forward_keeps = False
         return output
 
     def before_backward(self, mi: int) -> None:
         self._fetch(self.needs[mi], "bwd")
+
+    def after_backward(self, mi: int) -> None:
+        for key in self.needs[mi]:
+            if key in self.frozen_keys:
+                self.release(key)
 
     def unit_reduced(self, b: FlatBuffer, u: int) -> None:
         self.release((self._bindex[id(b)], u))
@@ -336,8 +351,14 @@ class Stage3Runtime:
     def end_backward(self) -> None:
         self.wait_all()
         self.release_all()
-        if self.trace["bwd"]:
+        if self.trace["bwd"] and self.recording["bwd"]:
             self.recording["bwd"] = False
+            budget = min(self.prefetch_numel, self.max_live_numel)
+            for key in self.trace["bwd"]:  # the first backward units within the prefetch budget stay from forward
+                budget -= self._numel(key)
+                if budget < 0:
+                    break
+                self.keep_for_bwd.add(key)
         self.pos["bwd"] = -1
 
 
@@ -345,10 +366,9 @@ class _WeakPre:
     def __init__(self, ref: "weakref.ref[Stage3Runtime]", mi: int) -> None:
         self.ref, self.mi = ref, mi
 
-    def __call__(self, module: nn.Module, args: Any) -> None:
+    def __call__(self, module: nn.Module, args: Any) -> Any:
         rt = self.ref()
-        if rt is not None:
-            rt.pre_forward(self.mi)
+        return None if rt is None else rt.pre_forward(self.mi, args)
 
 
 class _WeakPost:

@@ -1,0 +1,113 @@
+"""What bench_zero.py and bench_zero3.py share: the bench GPT and its batch, one training step of each contender
+(llmpar.initialize, deepspeed.initialize, torch DDP + ZeroRedundancyOptimizer, torch FSDP2 ``fully_shard``) built
+from the same model and config, and the torchrun launcher.
+
+Each ``*_step`` returns ``step()`` running forward + backward + optimizer step on this rank's batch. DeepSpeed runs
+with its CPU accelerator, ``torch_adam`` (its CPU Adam needs a C++ build) and without its JIT-built shared-memory comm
+op: gloo carries every byte for every contender.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Any, Callable
+
+import torch
+
+Step = Callable[[], None]
+
+
+def zero_config(args: Any, stage: int) -> dict:
+    return {"train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+            "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.1}},
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": args.bucket,
+                                  "allgather_bucket_size": args.bucket, "overlap_comm": True,
+                                  "contiguous_gradients": True, "reduce_scatter": True},
+            "bf16": {"enabled": args.bf16}, "steps_per_print": 10**9}
+
+
+def gpt(args: Any):
+    from llmpar.models import GPT, GPTConfig
+
+    return GPT(GPTConfig(vocab_size=256, n_layer=args.n_layer, n_head=args.n_head, d_model=args.d_model,
+                         seq_len=args.seq), seed=0)
+
+
+def batch(args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's (inputs, targets): ``args.micro`` random sequences seeded by the rank."""
+    import torch.distributed as dist
+
+    g = torch.Generator().manual_seed(dist.get_rank())
+    x = torch.randint(0, 256, (args.micro, args.seq + 1), generator=g)
+    return x[:, :-1], x[:, 1:]
+
+
+def _engine_step(engine: Any, inp: torch.Tensor, tgt: torch.Tensor) -> Step:
+    def step() -> None:
+        loss = engine.module.loss(engine(inp), tgt)
+        engine.backward(loss)
+        engine.step()
+    return step
+
+
+def _torch_step(model: Any, forward: Callable, opt: Any, inp: torch.Tensor, tgt: torch.Tensor) -> Step:
+    def step() -> None:
+        loss = model.loss(forward(inp), tgt)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+def llmpar_step(model: Any, cfg: dict, inp: torch.Tensor, tgt: torch.Tensor) -> Step:
+    import llmpar
+
+    engine, _, _, _ = llmpar.initialize(model=model, config=cfg)
+    return _engine_step(engine, inp, tgt)
+
+
+def deepspeed_step(model: Any, cfg: dict, inp: torch.Tensor, tgt: torch.Tensor) -> Step:
+    import deepspeed
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    cfg = {**cfg, "optimizer": {**cfg["optimizer"], "params": {**cfg["optimizer"]["params"], "torch_adam": True}}}
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    return _engine_step(engine, inp, tgt)
+
+
+def ddp_zero_redundancy_step(model: Any, args: Any, inp: torch.Tensor, tgt: torch.Tensor) -> Step:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if args.bf16:
+        model.to(torch.bfloat16)
+    ddp = DDP(model, bucket_cap_mb=args.bucket * 4 / 2**20)
+    opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=3e-4, weight_decay=0.1)
+    return _torch_step(model, ddp, opt, inp, tgt)
+
+
+def fsdp2_step(model: Any, args: Any, inp: torch.Tensor, tgt: torch.Tensor) -> Step:
+    from torch.distributed.fsdp import fully_shard
+
+    if args.bf16:
+        model.to(torch.bfloat16)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
+    return _torch_step(model, model, opt, inp, tgt)
+
+
+def torchrun(script: str, argv: list[str], nproc: int) -> str:
+    """Run ``script argv`` on ``nproc`` local ranks (DeepSpeed on its CPU accelerator, one thread per rank unless
+    OMP_NUM_THREADS says otherwise); returns its stdout, exits with its output on failure."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), script,
+           *argv]
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}")
+    return out.stdout

@@ -1,0 +1,102 @@
+"""Sharding units of ZeRO stage 3 (see ``stage3.py``): which modules are units, which unit owns each param and which
+params each unit module needs, and a helper mapping a module's tensor outputs."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+UnitPolicy = Callable[[str, nn.Module], bool]
+
+
+def unit_modules(model: nn.Module, policy: UnitPolicy | None = None) -> list[tuple[str, nn.Module]]:
+    """The sharding units, root first then registration order. ``policy(name, module)`` replaces the default choice
+    (the root is always a unit: it holds whatever no other unit does)."""
+    out: list[tuple[str, nn.Module]] = [("", model)]
+    if policy is not None:
+        out += [(n, m) for n, m in model.named_modules() if n and policy(n, m)]
+        return out
+    chosen: set[int] = set()
+    for name, m in model.named_modules():
+        if isinstance(m, (nn.ModuleList, nn.Sequential)) and m is not model:
+            for child_name, child in m.named_children():
+                if id(child) not in chosen and any(True for _ in child.parameters()):
+                    chosen.add(id(child))
+                    out.append((f"{name}.{child_name}" if name else child_name, child))
+    for name, child in model.named_children():
+        if isinstance(child, (nn.ModuleList, nn.Sequential)) or id(child) in chosen:
+            continue
+        if any(True for _ in child.parameters()):
+            chosen.add(id(child))
+            out.append((name, child))
+    order = {id(m): i for i, (_, m) in enumerate(model.named_modules())}
+    return [out[0]] + sorted(out[1:], key=lambda nm: order[id(nm[1])])
+
+
+class UnitPlan:
+    """Which unit module owns each param and which params each unit module needs in its forward."""
+
+    def __init__(self, model: nn.Module, policy: UnitPolicy | None = None) -> None:
+        self.units = unit_modules(model, policy)
+        index = {id(m): i for i, (_, m) in enumerate(self.units)}
+        self.owner: dict[int, int] = {}  # id(param) -> unit module index
+        self.needs: list[list[nn.Parameter]] = [[] for _ in self.units]
+
+        def walk(mod: nn.Module, unit: int) -> None:
+            unit = index.get(id(mod), unit)
+            for p in mod._parameters.values():
+                if p is None:
+                    continue
+                self.owner.setdefault(id(p), unit)
+                if all(q is not p for q in self.needs[unit]):
+                    self.needs[unit].append(p)
+            for child in mod._modules.values():
+                if child is not None:
+                    walk(child, unit)
+
+        walk(model, 0)
+
+    def groups(self, params: list[torch.Tensor]) -> list[list[int]]:
+        """Layout units for one flat buffer's params: one per unit module holding any of them, in module order."""
+        by_unit: dict[int, list[int]] = {}
+        for i, p in enumerate(params):
+            if id(p) not in self.owner:
+                raise ValueError(f"a param of shape {tuple(p.shape)} passed to ZeRO stage 3 is not in the module "
+                                 "given as module=: stage 3 gathers params through the module's forward hooks")
+            by_unit.setdefault(self.owner[id(p)], []).append(i)
+        return [by_unit[u] for u in sorted(by_unit)]
+
+
+def map_tensors(out: Any, fn: Callable[[list[torch.Tensor]], list[torch.Tensor]]) -> Any:
+    """Apply ``fn`` to all grad-requiring tensors in ``out`` (a tensor, or tuples / lists / dicts of them) at once."""
+    found: list[torch.Tensor] = []
+
+    def collect(x: Any) -> None:
+        if isinstance(x, torch.Tensor):
+            if x.requires_grad:
+                found.append(x)
+        elif isinstance(x, (tuple, list)):
+            for y in x:
+                collect(y)
+        elif isinstance(x, dict):
+            for y in x.values():
+                collect(y)
+
+    collect(out)
+    if not found:
+        return out
+    new = dict(zip(map(id, found), fn(found)))
+
+    def rebuild(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return new.get(id(x), x)
+        if isinstance(x, tuple) and hasattr(x, "_fields"):
+            return type(x)(*(rebuild(y) for y in x))
+        if isinstance(x, (tuple, list)):
+            return type(x)(rebuild(y) for y in x)
+        if isinstance(x, dict):
+            return type(x)((k, rebuild(v)) for k, v in x.items())
+        return x
+
+    return rebuild(out)
