@@ -35,9 +35,11 @@ def _config(stage, dp, *, offload_opt=False, offload_param=False, bf16=False):
     return cfg
 
 
-def _engine(stage, seed=1, **kw):
+def _engine(stage, seed=1, frozen=False, **kw):
     dp = dist.get_world_size()
     model = GPT(GPTConfig(**GPT_CFG), seed=seed)
+    if frozen:  # a partly frozen model: ZeRO-3 shards the frozen params too; the checkpoint must hold them
+        model.blocks[0].requires_grad_(False)
     engine, *_ = llmpar.initialize(model=model, config=_config(stage, dp, **kw))
     return engine, model
 
@@ -72,8 +74,10 @@ def resume_body(stage, k, root, kw):
 
 @pytest.mark.parametrize("world, stage, kw", [
     (2, 0, {}), (2, 1, {}), (2, 2, {}), (2, 3, {}), (1, 2, {}),
-    (2, 3, {"offload_opt": True, "offload_param": True}), (2, 2, {"bf16": True}),
-], ids=["dp2-s0", "dp2-s1", "dp2-s2", "dp2-s3", "dp1-s2", "dp2-s3-offload", "dp2-s2-bf16"])
+    (2, 3, {"offload_opt": True, "offload_param": True}), (2, 2, {"bf16": True}), (2, 3, {"frozen": True}),
+    (2, 3, {"frozen": True, "offload_param": True}),
+], ids=["dp2-s0", "dp2-s1", "dp2-s2", "dp2-s3", "dp1-s2", "dp2-s3-offload", "dp2-s2-bf16", "dp2-s3-frozen",
+        "dp2-s3-frozen-offload"])
 def test_resume_is_bitwise(world, stage, kw, tmp_path):
     outs = run_ranks(resume_body, world, stage, 3, str(tmp_path), kw, timeout=120)
     for rank, (ref, resumed, tag) in enumerate(outs):
@@ -103,6 +107,9 @@ CHAINS = {
     "fp32": ([(4, 2, {}), (2, 3, {}), (1, 2, {"offload_opt": True}),
               (2, 3, {"offload_opt": True, "offload_param": True})], 1e-5, 1e-6),
     # bf16 params + fp32 masters: dp2 stage 2 -> dp1 stage 3 -> dp2 stage 1 (bf16 reduction order differs by dp)
+    # part of the model frozen: sharded by stage 3, whole under stage 2: dp2 s3 -> dp1 s2 -> dp2 s3 + param offload
+    "frozen": ([(2, 3, {"frozen": True}), (1, 2, {"frozen": True}), (2, 3, {"frozen": True, "offload_param": True})],
+               1e-5, 1e-6),
     "bf16": ([(2, 2, {"bf16": True}), (1, 3, {"bf16": True}), (2, 1, {"bf16": True})], 1e-3, 1e-3),
 }
 
@@ -197,8 +204,8 @@ def test_load_errors_are_clear(tmp_path):
         ckfiles.check_tag("../x")
 
 
-def consolidate_body(root, stage, bf16):
-    engine, model = _engine(stage, bf16=bf16)
+def consolidate_body(root, stage, bf16, frozen=False):
+    engine, model = _engine(stage, bf16=bf16, frozen=frozen)
     _train(engine, model, 0, 2)
     engine.save_checkpoint(root)
     gathered = engine.module_state_dict()  # full params (their dtype) on rank 0
@@ -221,12 +228,13 @@ def consolidate_body(root, stage, bf16):
     return gathered, masters
 
 
-@pytest.mark.parametrize("stage, bf16", [(3, False), (2, True)], ids=["s3-fp32", "s2-bf16-master"])
-def test_consolidate_equals_gathered_model(stage, bf16, tmp_path):
+@pytest.mark.parametrize("stage, bf16, frozen", [(3, False, False), (2, True, False), (3, False, True)],
+                         ids=["s3-fp32", "s2-bf16-master", "s3-frozen"])
+def test_consolidate_equals_gathered_model(stage, bf16, frozen, tmp_path):
     from llmpar.cli import main
     from llmpar.checkpoint.consolidate import consolidated_state_dict
 
-    gathered, masters = run_ranks(consolidate_body, 2, str(tmp_path / "ck"), stage, bf16, timeout=120)[0]
+    gathered, masters = run_ranks(consolidate_body, 2, str(tmp_path / "ck"), stage, bf16, frozen, timeout=120)[0]
     out = tmp_path / "out"
     assert main(["checkpoint", "consolidate", str(tmp_path / "ck"), str(out)]) == 0
     sd = torch.load(out / "pytorch_model.bin", weights_only=True)

@@ -29,7 +29,7 @@ from llmpar.checkpoint import files
 from llmpar.checkpoint.files import CheckpointError
 from llmpar.checkpoint.reshard import CheckpointReader, Cut
 from llmpar.checkpoint.save import wait_checkpoint
-from llmpar.checkpoint.shards import STATE_FALLBACK, set_rng_state
+from llmpar.checkpoint.shards import STATE_FALLBACK, set_rng_state, sharded_frozen
 from llmpar.checkpoint.view import EngineView, Grid
 
 logger = logging.getLogger("llmpar")
@@ -122,14 +122,21 @@ def _apply(view: EngineView, reader: CheckpointReader, cuts: dict[str, Cut]) -> 
                         mine[at:at + z - a].copy_(get(i, STATE_FALLBACK[key], a, z))
             if lay.units[u].params:
                 b.steps[u].fill_(reader.step(view.saved_name[lay.slot(lay.units[u].params[0]).name]))
-    targets = view.targets()
+    targets, frozen, to_shards = view.targets(), sharded_frozen(opt), {}
     for name, value in reader.extras(g.tp, g.tp_rank, set(targets)).items():
         dst = targets[name][0]
-        if dst.shape == value.shape:
-            dst.copy_(value)
-        else:
+        shape = frozen.get(name, tuple(dst.shape))
+        if tuple(value.shape) != tuple(shape):
             logger.warning("load_checkpoint: %s has shape %s in the checkpoint and %s here: skipped", name,
-                           tuple(value.shape), tuple(dst.shape))
+                           tuple(value.shape), tuple(shape))
+        elif name in frozen:  # a ZeRO-3 frozen param: into this rank's shard of it
+            to_shards[name] = value
+        else:
+            dst.copy_(value)
+    if to_shards:
+        from llmpar.zero import load_frozen
+
+        load_frozen(opt, to_shards)
 
 
 def load_checkpoint(engine: Any, load_dir: str, tag: str | None = None) -> tuple[str, dict | None]:

@@ -43,7 +43,7 @@ from typing import Any
 
 from llmpar.checkpoint import files
 from llmpar.checkpoint.files import CheckpointError
-from llmpar.checkpoint.shards import extras, local_buffers, rng_state
+from llmpar.checkpoint.shards import extras, local_buffers, rng_state, sharded_frozen
 from llmpar.checkpoint.view import EngineView, Grid
 
 logger = logging.getLogger("llmpar")
@@ -220,7 +220,12 @@ def _prepare(engine: Any, save_dir: Any, tag: str | None, client_state: dict | N
         opt.stage3.wait_all()
     # host copies (local_buffers / extras copy every tensor; rng_state returns fresh ones)
     trained = set(view.saved_name.values())
-    kept = extras(view.targets(), trained) if g.dp_rank == 0 else {}
+    frozen = sharded_frozen(opt)
+    kept = extras(view.targets(), trained | set(frozen)) if g.dp_rank == 0 else {}
+    if frozen:  # ZeRO-3 shards frozen params too: gathered whole to dp rank 0 (collective over dp)
+        from llmpar.zero import frozen_state_dict
+
+        kept.update(frozen_state_dict(opt, rank0_only=True))
     payload = {"format": files.FORMAT_VERSION, "dp_rank": g.dp_rank, "tp_rank": g.tp_rank, "pp_rank": g.pp_rank,
                "buffers": local_buffers(opt, view.duplicates), "extras": kept, "rng": rng_state()}
     side: dict = {"extras": sorted(kept)}

@@ -67,6 +67,13 @@ def _compacted(entry: dict, start: int) -> int:
     return start - sum(count for at, count in holes.tolist() if at < start)
 
 
+def sharded_frozen(opt: Any) -> dict[str, tuple[int, ...]]:
+    """{name: full shape} of the frozen params ZeRO-3 shards (``ZeroOptimizer.frozen_buffers``): they hold no memory between uses,
+    so they are saved through ``llmpar.zero.frozen_state_dict`` and loaded through ``llmpar.zero.load_frozen``."""
+    return {b.layout.slot(i).name: tuple(b.layout.slot(i).shape) for b in getattr(opt, "frozen_buffers", [])
+            for i in range(len(b.params))}
+
+
 def extras(targets: dict[str, tuple[torch.Tensor, bool]], trained: set[str]) -> dict[str, torch.Tensor]:
     """Module state the optimizer does not hold: buffers and frozen params. ``targets``: {name: (tensor, is_param)}
     (``EngineView.targets``); ``trained``: the names the optimizer holds."""
