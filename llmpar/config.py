@@ -190,3 +190,27 @@ class DeepSpeedAccessors:
 
     def get_global_grad_norm(self) -> float | None:
         return self.optimizer.last_grad_norm
+
+    # checkpoints (llmpar.checkpoint): every rank writes its own shards, one metadata.json for the run; params are
+    # named as in the unsplit model, so a checkpoint loads at another dp / tp / pp degree, ZeRO stage or engine kind
+    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
+                        async_save: bool = False) -> str:
+        """Sharded, atomic checkpoint ``save_dir/tag`` (default ``global_step{N}``), collective over the engine's
+        ranks; see ``llmpar.checkpoint``. ``async_save``: written by a thread from a host copy, published at the next
+        ``wait_checkpoint`` / ``save_checkpoint`` / ``load_checkpoint``."""
+        from llmpar.checkpoint import save_checkpoint
+
+        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, async_save=async_save)
+
+    def wait_checkpoint(self) -> str | None:
+        """Publish the pending async save (collective); its path, or None if none was pending."""
+        from llmpar.checkpoint import wait_checkpoint
+
+        return wait_checkpoint(self)
+
+    def load_checkpoint(self, load_dir: str, tag: str | None = None) -> tuple[str, dict | None]:
+        """Load ``load_dir/tag`` (default: ``latest``), saved at any dp / tp / pp degree, ZeRO stage or offload;
+        returns (path, client_state)."""
+        from llmpar.checkpoint import load_checkpoint
+
+        return load_checkpoint(self, load_dir, tag=tag)

@@ -113,25 +113,6 @@ class Engine(DeepSpeedAccessors):
             torch.save(state, os.path.join(save_dir, save_filename))
         return True
 
-    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
-                        async_save: bool = False) -> str:
-        """Sharded, atomic checkpoint ``save_dir/tag`` (default ``global_step{N}``); see ``llmpar.checkpoint``.
-        ``async_save``: files written by a thread from a host copy; published at the next ``wait_checkpoint``."""
-        from llmpar.checkpoint import save_checkpoint
-
-        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, async_save=async_save)
-
-    def wait_checkpoint(self) -> str | None:
-        """Publish the pending async save (collective); its path, or None if none was pending."""
-        from llmpar.checkpoint import wait_checkpoint
-
-        return wait_checkpoint(self)
-
-    def load_checkpoint(self, load_dir: str, tag: str | None = None) -> tuple[str, dict | None]:
-        """Load ``load_dir/tag`` (default: ``latest``), at any dp degree / ZeRO stage; returns (path, client_state)."""
-        from llmpar.checkpoint import load_checkpoint
-
-        return load_checkpoint(self, load_dir, tag=tag)
 
 
 def _check_same_config(config: Config, groups: list[Group]) -> None:

@@ -118,29 +118,6 @@ class PipelineEngine(DeepSpeedAccessors):
                         self.last_stats().bubble if self.runner.last_stats else 0.0)
         return torch.tensor(loss, dtype=torch.float64)
 
-    # checkpoints (llmpar.checkpoint): every pp rank writes its own shards, one metadata.json for all stages, params
-    # named as in the unsplit model, so a pipeline checkpoint loads into a plain engine and the other way round
-    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
-                        async_save: bool = False) -> str:
-        """Sharded, atomic checkpoint ``save_dir/tag`` (default ``global_step{N}``), collective over pp x dp x tp;
-        see ``llmpar.checkpoint``. ``async_save``: written by a thread, published at the next ``wait_checkpoint``."""
-        from llmpar.checkpoint import save_checkpoint
-
-        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, async_save=async_save)
-
-    def wait_checkpoint(self) -> str | None:
-        """Publish the pending async save (collective); its path, or None if none was pending."""
-        from llmpar.checkpoint import wait_checkpoint
-
-        return wait_checkpoint(self)
-
-    def load_checkpoint(self, load_dir: str, tag: str | None = None) -> tuple[str, dict | None]:
-        """Load ``load_dir/tag`` (default: ``latest``), saved at any pp / dp / tp degree and ZeRO stage (a plain
-        engine's too); returns (path, client_state)."""
-        from llmpar.checkpoint import load_checkpoint
-
-        return load_checkpoint(self, load_dir, tag=tag)
-
     # bubble accounting
     def bubble_fraction(self) -> float:
         """The schedule's idle fraction, (p - 1) / (m + p - 1) for GPipe and 1F1B (``schedules.py``)."""
