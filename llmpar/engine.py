@@ -114,7 +114,6 @@ class Engine(DeepSpeedAccessors):
         return True
 
 
-
 def _check_same_config(config: Config, groups: list[Group]) -> None:
     """The same config on every rank of each group: a mismatch is a clear error on all of them, not a hang."""
     for g in groups:
