@@ -60,7 +60,11 @@ def test_init_distributed_single_process_without_torchrun(monkeypatch):
         "assert (env.rank, env.world_size, env.backend, env.device.type) == (0, 1, 'gloo', 'cpu'), env\n"
         "assert env.mesh.mesh_dim_names == ('pp', 'dp', 'tp') and env.mesh.shape == (1, 1, 1)\n"
         "t = torch.ones(3); llmpar.distributed.all_reduce(t, env.mesh['dp']); assert t.tolist() == [1.0] * 3\n"
-        "print('OK')\n"
+        "print('OK', flush=True)\n"
+        # leave without the interpreter's teardown: torch 2.13's gloo can rarely abort there ("terminate called
+        # without an active exception", README Known issues; seen once in ~100 runs under load), which is not what
+        # this test is about
+        "os._exit(0)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-2000:]
