@@ -96,37 +96,22 @@ def frozen_buffers(module: nn.Module, trained: list[FlatBuffer], layout_of: Call
     return out
 
 
-class _RegatherForBackward(torch.autograd.Function):
-    """Identity on a module's outputs; its backward runs before the module's and gathers the module's units."""
+class _OnBackward(torch.autograd.Function):
+    """Identity on some tensors whose backward calls ``runtime.<method>(module_index)``: on a module's outputs it runs
+    before the module's backward ("before_backward": gather its units), on its inputs after it ("after_backward": free
+    its frozen units, which no gradient reduction frees)."""
 
     @staticmethod
-    def forward(ctx: Any, runtime: Any, module_index: int, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.runtime, ctx.module_index = runtime, module_index
+    def forward(ctx: Any, runtime: Any, module_index: int, method: str, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.runtime, ctx.module_index, ctx.method = runtime, module_index, method
         return tuple(x.view_as(x) for x in xs)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
         rt = ctx.runtime()
         if rt is not None:
-            rt.before_backward(ctx.module_index)
-        return (None, None, *grads)
-
-
-class _ReleaseAfterBackward(torch.autograd.Function):
-    """Identity on a module's inputs; its backward runs after the module's and frees the module's frozen units (no
-    gradient reduction will free them)."""
-
-    @staticmethod
-    def forward(ctx: Any, runtime: Any, module_index: int, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.runtime, ctx.module_index = runtime, module_index
-        return tuple(x.view_as(x) for x in xs)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        rt = ctx.runtime()
-        if rt is not None:
-            rt.after_backward(ctx.module_index)
-        return (None, None, *grads)
+            getattr(rt, ctx.method)(ctx.module_index)
+        return (None, None, None, *grads)
 
 
 class Stage3Runtime:
@@ -321,13 +306,14 @@ class Stage3Runtime:
         self._fetch(keys, "fwd")
         if torch.is_grad_enabled() and any(k in self.frozen_keys for k in keys):
             ref = weakref.ref(self)
-            return map_tensors(args, lambda xs: list(_ReleaseAfterBackward.apply(ref, mi, *xs)))
+            return map_tensors(args, lambda xs: list(_OnBackward.apply(ref, mi, "after_backward", *xs)))
         return None
 
     def post_forward(self, mi: int, output: Any) -> Any:
         keys = self.needs[mi]
         if keys and torch.is_grad_enabled():
-            output = map_tensors(output, lambda xs: list(_RegatherForBackward.apply(weakref.ref(self), mi, *xs)))
+            ref = weakref.ref(self)
+            output = map_tensors(output, lambda xs: list(_OnBackward.apply(ref, mi, "before_backward", *xs)))
         for key in keys:
             self.users[key] -= 1
             self.release(key)
