@@ -19,10 +19,10 @@ is in, and ``ZeroOptimizer.memory_bytes()`` reports bytes per pool.
 """
 from __future__ import annotations
 
-import torch
-
 import contextlib
 from typing import Any
+
+import torch
 
 from llmpar.distributed.collectives import CommCounter, Group, Handle, all_gather_flat
 from llmpar.ops.adamw import adamw_step
