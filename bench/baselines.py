@@ -111,3 +111,23 @@ def torchrun(script: str, argv: list[str], nproc: int) -> str:
     if out.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}")
     return out.stdout
+
+
+def time_cases(args: Any, build: Callable[[str, Any], Step], report: Callable[[dict, int, int], None]) -> None:
+    """The timing run of bench_zero / bench_zero3 (one rank of a torchrun job): gloo up, every case of ``args.cases``
+    built by ``build(case, args)``, timed interleaved (``harness.compare_distributed``); rank 0 calls
+    ``report(timings, world, n_params)``; the steps are freed while the process group is still up, then it goes down."""
+    import gc
+
+    import torch.distributed as dist
+
+    from harness import compare_distributed
+
+    dist.init_process_group("gloo")
+    cases = {c: build(c, args) for c in args.cases}
+    timings = compare_distributed(cases, group=dist.group.WORLD, warmup=args.warmup, repeats=args.repeats)
+    if dist.get_rank() == 0:
+        report(timings, dist.get_world_size(), sum(p.numel() for p in gpt(args).parameters()))
+    del cases
+    gc.collect()  # free the engines (and their hooks) while the process group is still up
+    dist.destroy_process_group()

@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from baselines import (batch, ddp_zero_redundancy_step, deepspeed_step, gpt, llmpar_step, torchrun,  # noqa: E402
-                       zero_config)
+from baselines import (batch, ddp_zero_redundancy_step, deepspeed_step, gpt, llmpar_step,  # noqa: E402
+                       time_cases, torchrun, zero_config)
 
 CASES = ("llmpar_s1", "llmpar_s2", "deepspeed_s1", "deepspeed_s2", "ddp_zero_redundancy")
 
@@ -49,20 +49,11 @@ def build(case: str, args):
 
 
 def timing_run(args) -> None:
-    import torch.distributed as dist
+    from harness import write_results
 
-    from harness import compare_distributed, write_results
-
-    dist.init_process_group("gloo")
-    pg = dist.group.WORLD
-    cases = {c: build(c, args) for c in args.cases}
-    names = list(cases)
-    world = dist.get_world_size()
-    timings = compare_distributed(cases, group=pg, warmup=args.warmup, repeats=args.repeats)
-    if dist.get_rank() == 0:
-        n_params = sum(p.numel() for p in gpt(args).parameters())
+    def report(timings, world, n_params):
         rows = []
-        for name in names:
+        for name in (c for c in args.cases if c in timings):
             t = timings[name]
             base = "deepspeed_s2" if name.endswith("2") or name.startswith("ddp") else "deepspeed_s1"
             ratio = t.median_s / timings[base].median_s if base in timings else float("nan")
@@ -70,16 +61,16 @@ def timing_run(args) -> None:
         mem = json.loads(os.environ.get("ZERO_BENCH_MEM", "{}"))
         for row in rows:
             row.update(mem.get(row["case"], {}))
-        meta = {"model": f"GPT d_model={args.d_model} n_layer={args.n_layer} seq={args.seq} ({n_params / 1e6:.1f}M params)",
+        meta = {"model": f"GPT d_model={args.d_model} n_layer={args.n_layer} seq={args.seq} "
+                         f"({n_params / 1e6:.1f}M params)",
                 "batch": f"micro {args.micro} x seq {args.seq} per rank, dp={world}", "bf16": args.bf16,
                 "bucket": args.bucket, "goal": "llmpar_s2 <= 0.67 x deepspeed_s2 step time",
                 "threads_per_rank": torch.get_num_threads()}
         print(json.dumps(rows, indent=1))
         if not args.no_write:
             write_results("zero_step", rows, meta)
-    del cases
-    gc.collect()  # free the engines (and their hooks) while the process group is still up
-    dist.destroy_process_group()
+
+    time_cases(args, build, report)
 
 
 def memory_run(args) -> None:

@@ -10,7 +10,6 @@ Results: bench/results/zero3_step.{md,json}.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import sys
@@ -19,7 +18,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from baselines import batch, deepspeed_step, fsdp2_step, gpt, llmpar_step, torchrun, zero_config  # noqa: E402
+from baselines import (batch, deepspeed_step, fsdp2_step, gpt, llmpar_step, time_cases, torchrun,  # noqa: E402
+                       zero_config)
 
 CASES = ("llmpar_s3", "deepspeed_s3", "fsdp2", "llmpar_s3_offload", "deepspeed_s3_offload")
 GOALS = {"llmpar_s3": ("deepspeed_s3", 0.67), "llmpar_s3_offload": ("deepspeed_s3_offload", 0.67)}
@@ -44,20 +44,11 @@ def build(case: str, args):
 
 
 def timing_run(args) -> None:
-    import torch.distributed as dist
+    from harness import write_results
 
-    from harness import compare_distributed, write_results
-
-    dist.init_process_group("gloo")
-    pg = dist.group.WORLD
-    cases = {c: build(c, args) for c in args.cases}
-    names = list(cases)
-    world = dist.get_world_size()
-    timings = compare_distributed(cases, group=pg, warmup=args.warmup, repeats=args.repeats)
-    if dist.get_rank() == 0:
-        n_params = sum(p.numel() for p in gpt(args).parameters())
+    def report(timings, world, n_params):
         rows = []
-        for name in names:
+        for name in (c for c in args.cases if c in timings):
             row = {"case": name, **timings[name].row()}
             for other in ("deepspeed_s3", "deepspeed_s3_offload", "fsdp2"):
                 if other in timings and other != name:
@@ -70,9 +61,8 @@ def timing_run(args) -> None:
         print(json.dumps(rows, indent=1))
         if not args.no_write:
             write_results("zero3_step", rows, meta)
-    del cases
-    gc.collect()
-    dist.destroy_process_group()
+
+    time_cases(args, build, report)
 
 
 def main() -> None:
