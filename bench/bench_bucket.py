@@ -19,7 +19,7 @@ import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import compare, markdown_table, write_results  # noqa: E402
+from harness import compare, devices_for, markdown_table, write_results  # noqa: E402
 
 from llmpar.ops import pack_bucket, unpack_bucket  # noqa: E402
 from llmpar.ops._dispatch import cuda_unavailable_reason, triton_unavailable_reason  # noqa: E402
@@ -89,11 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--out", default=None, help="results folder (default bench/results)")
     args = parser.parse_args(argv)
-    devices = [torch.device("cpu")] if args.device in ("cpu", "all") else []
-    if args.device in ("cuda", "all") and torch.cuda.is_available():
-        devices.append(torch.device("cuda"))
-    elif args.device == "cuda":
-        print("bench_bucket: no CUDA device", file=sys.stderr)
+    devices = devices_for(args.device, "bench_bucket")
+    if devices is None:
         return 1
     for device in devices:
         numel = int(args.numel or (1e8 if device.type == "cuda" else 2e6))

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import compare, markdown_table, write_results  # noqa: E402
+from harness import compare, devices_for, markdown_table, write_results  # noqa: E402
 
 from llmpar.ops import linear_act  # noqa: E402
 from llmpar.ops._dispatch import triton_unavailable_reason  # noqa: E402
@@ -163,11 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", action=argparse.BooleanOptionalAction, default=None,
                         help="also time the parallel-linear layers fwd+bwd per backend (default: on CUDA only)")
     args = parser.parse_args(argv)
-    devices = [torch.device("cpu")] if args.device in ("cpu", "all") else []
-    if args.device in ("cuda", "all") and torch.cuda.is_available():
-        devices.append(torch.device("cuda"))
-    elif args.device == "cuda":
-        print("bench_gemm: no CUDA device", file=sys.stderr)
+    devices = devices_for(args.device, "bench_gemm")
+    if devices is None:
         return 1
     dtype = getattr(torch, args.dtype)
     for device in devices:

@@ -265,6 +265,18 @@ def measure_distributed(
 # ---------------------------------------------------------------- provenance and output
 
 
+def devices_for(choice: str, script: str) -> list[torch.device] | None:
+    """The devices a ``--device cpu|cuda|all`` choice names on this machine; None (after saying so on stderr) when
+    ``cuda`` was asked for and there is none."""
+    devices = [torch.device("cpu")] if choice in ("cpu", "all") else []
+    if choice in ("cuda", "all") and torch.cuda.is_available():
+        devices.append(torch.device("cuda"))
+    elif choice == "cuda":
+        print(f"{script}: no CUDA device", file=sys.stderr)
+        return None
+    return devices
+
+
 def _version(dist_name: str) -> str | None:
     try:
         return metadata.version(dist_name)
