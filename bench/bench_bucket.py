@@ -10,16 +10,14 @@ every backend that can run here (LLMPAR_BACKEND forced per call). Timing and res
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import compare, devices_for, markdown_table, write_results  # noqa: E402
+from harness import compare, devices_for, forced, markdown_table, write_results  # noqa: E402
 
 from llmpar.ops import pack_bucket, unpack_bucket  # noqa: E402
 from llmpar.ops._dispatch import cuda_unavailable_reason, triton_unavailable_reason  # noqa: E402
@@ -39,16 +37,6 @@ def make_bucket(numel: int, n: int, dtype: torch.dtype, device: torch.device) ->
 def backends(device: torch.device) -> list[str]:
     return [b for b, why in (("cuda", cuda_unavailable_reason(device, op="pack_bucket")), ("triton", triton_unavailable_reason(device)),
                              ("torch", None)) if why is None]
-
-
-def forced(backend: str, fn: Callable[[], object]) -> Callable[[], object]:
-    def call() -> object:
-        os.environ["LLMPAR_BACKEND"] = backend
-        try:
-            return fn()
-        finally:
-            os.environ.pop("LLMPAR_BACKEND", None)
-    return call
 
 
 def run(device: torch.device, numel: int, n: int, repeats: int) -> list[dict]:

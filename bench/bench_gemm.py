@@ -22,7 +22,6 @@ bias_act_backward + cuBLAS backward); TFLOP/s count 6*M*N*K per step. Baseline: 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -30,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import compare, devices_for, markdown_table, write_results  # noqa: E402
+from harness import compare, devices_for, forced, markdown_table, write_results  # noqa: E402
 
 from llmpar.ops import linear_act  # noqa: E402
 from llmpar.ops._dispatch import triton_unavailable_reason  # noqa: E402
@@ -66,16 +65,6 @@ def shapes(device: torch.device, tps: list[int], tokens: int) -> list[tuple[str,
             out.append((f"up ffn={ffn} tp={tp}", tokens, HIDDEN, ffn // tp, act, False))
         out.append((f"down ffn={FFNS[0]} tp={tp}", tokens, FFNS[0] // tp, HIDDEN, "none", True))
     return out
-
-
-def forced(backend: str, fn):
-    def call():
-        os.environ["LLMPAR_BACKEND"] = backend
-        try:
-            return fn()
-        finally:
-            os.environ.pop("LLMPAR_BACKEND", None)
-    return call
 
 
 def run(device: torch.device, tps: list[int], tokens: int, dtype: torch.dtype, repeats: int) -> list[dict]:
@@ -167,20 +156,20 @@ def main(argv: list[str] | None = None) -> int:
     if devices is None:
         return 1
     dtype = getattr(torch, args.dtype)
+
+    def report(name: str, rows: list[dict]) -> None:
+        print(markdown_table(rows))
+        meta = {"tokens": args.tokens, "tp": args.tp, "dtype": args.dtype}
+        print(f"wrote {write_results(name, rows, meta=meta, out_dir=args.out)['md']}")
+
     for device in devices:
         rows = run(device, args.tp, args.tokens, dtype if device.type == "cuda" else torch.float32,
                    args.repeats or (20 if device.type == "cuda" else 3))
-        print(markdown_table(rows))
-        paths = write_results(f"gemm_{device.type}", rows, meta={"tokens": args.tokens, "tp": args.tp,
-                                                                 "dtype": args.dtype}, out_dir=args.out)
-        print(f"wrote {paths['md']}")
+        report(f"gemm_{device.type}", rows)
         if args.layers or (args.layers is None and device.type == "cuda"):
-            rows = run_layers(device, args.tp, args.tokens, dtype if device.type == "cuda" else torch.float32,
-                              args.repeats or (10 if device.type == "cuda" else 3))
-            print(markdown_table(rows))
-            paths = write_results(f"gemm_layers_{device.type}", rows, meta={"tokens": args.tokens, "tp": args.tp,
-                                                                            "dtype": args.dtype}, out_dir=args.out)
-            print(f"wrote {paths['md']}")
+            report(f"gemm_layers_{device.type}",
+                   run_layers(device, args.tp, args.tokens, dtype if device.type == "cuda" else torch.float32,
+                              args.repeats or (10 if device.type == "cuda" else 3)))
     return 0
 
 

@@ -265,6 +265,17 @@ def measure_distributed(
 # ---------------------------------------------------------------- provenance and output
 
 
+def forced(backend: str, fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` run with ``LLMPAR_BACKEND=backend`` (the op's backend picked for a timing); unset again after."""
+    def call() -> Any:
+        os.environ["LLMPAR_BACKEND"] = backend
+        try:
+            return fn()
+        finally:
+            os.environ.pop("LLMPAR_BACKEND", None)
+    return call
+
+
 def devices_for(choice: str, script: str) -> list[torch.device] | None:
     """The devices a ``--device cpu|cuda|all`` choice names on this machine; None (after saying so on stderr) when
     ``cuda`` was asked for and there is none."""
