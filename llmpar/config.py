@@ -34,8 +34,11 @@ _UNSUPPORTED = {
     "flops_profiler": "not supported", "tensorboard": "not supported", "wandb": "not supported",
     "csv_monitor": "not supported", "comet": "not supported", "comms_logger": "use llmpar CommCounter",
     "autotuning": "not supported", "elasticity": "not supported", "compression_training": "not supported",
-    "data_efficiency": "not supported", "curriculum_learning": "not supported", "aio": "comes with CPU offload",
-    "checkpoint": "comes with the checkpoint issue", "data_types": "not supported (bf16 reduces in bf16)",
+    "data_efficiency": "not supported", "curriculum_learning": "not supported",
+    "aio": "NVMe offload is not supported (CPU offload is)",
+    "checkpoint": "DeepSpeed's checkpoint options are not supported (engine.save_checkpoint / load_checkpoint "
+                  "are llmpar's: sharded, atomic, resharding on load)",
+    "data_types": "not supported (bf16 reduces in bf16)",
     "communication_data_type": "not supported (gradients are reduced in the params' dtype)",
     "prescale_gradients": "not supported (llmpar always pre-divides by dp when packing)",
     "gradient_predivide_factor": "not supported", "sequence_parallel_size": "use llmpar tensor parallelism",
