@@ -22,8 +22,9 @@ _EXPORTS: dict[str, str] = {
     "vocab_parallel_cross_entropy": "llmpar.tensor_parallel.cross_entropy:vocab_parallel_cross_entropy",
     "build_pipeline": "llmpar.pipeline:build_pipeline",
     "PipelineRunner": "llmpar.pipeline.runner:PipelineRunner",
-    "initialize": "llmpar.engine:initialize",
-    "Engine": "llmpar.engine:Engine",
+    "initialize": "llmpar.runtime.initialize:initialize",
+    "Engine": "llmpar.runtime.engine:Engine",
+    "PipelineEngine": "llmpar.runtime.pipeline_engine:PipelineEngine",
     "ZeroOptimizer": "llmpar.zero.optimizer:ZeroOptimizer",
 }
 

@@ -5,8 +5,9 @@ import os
 import pytest
 import torch
 
-from llmpar.config import Config
-from llmpar.zero.lr_schedules import SchedulerConfig, WarmupSchedule
+from llmpar.runtime import Config
+from llmpar.runtime.blocks import scheduler_block
+from llmpar.runtime.schedules import WarmupSchedule
 
 
 @pytest.mark.parametrize("given, want", [
@@ -95,7 +96,7 @@ def test_schedules_equal_deepspeeds(typ, params):
     ds_opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(1))], "lr": 1e-3})
     ds = getattr(lr_schedules, typ)(ds_opt, **params)
     ours_opt = _Opt([3e-3, 1e-3])
-    ours = WarmupSchedule(ours_opt, SchedulerConfig.from_dict({"type": typ, "params": params}))
+    ours = WarmupSchedule(ours_opt, scheduler_block({"type": typ, "params": params}))
     for step in range(40):
         want = [g["lr"] for g in ds_opt.param_groups]
         got = [g["lr"] for g in ours_opt.param_groups]

@@ -7,7 +7,7 @@ import torch
 
 from multirank import run_ranks
 
-from llmpar.config import Config
+from llmpar.runtime import Config
 from llmpar.models import GPT, GPTConfig
 
 STEPS, MICRO, T, V = 20, 2, 8, 32

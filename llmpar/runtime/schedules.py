@@ -14,18 +14,13 @@ Defaults as DeepSpeed's: WarmupLR max_lr = the optimizer's lr; WarmupDecayLR max
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
-from llmpar.zero.config import as_float, as_int, check_keys, nearest
+from llmpar.utils.validate import as_float, as_int, nearest
 
 SCHEDULES = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
 _UNSUPPORTED = ("LRRangeTest", "OneCycle", "WarmupCosineDecayLR")
-_PARAMS = {  # the params block each schedule takes
-    "WarmupLR": ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type"),
-    "WarmupDecayLR": ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "total_num_steps"),
-    "WarmupCosineLR": ("warmup_min_ratio", "warmup_num_steps", "cos_min_ratio", "warmup_type", "total_num_steps"),
-}
 
 
 @dataclass(kw_only=True)
@@ -62,18 +57,6 @@ class SchedulerConfig:
             self.total_num_steps = as_int("scheduler.params.total_num_steps", self.total_num_steps, minimum=1)
         self.warmup_min_ratio = as_float("scheduler.params.warmup_min_ratio", self.warmup_min_ratio, minimum=0.0)
         self.cos_min_ratio = as_float("scheduler.params.cos_min_ratio", self.cos_min_ratio, minimum=0.0)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "SchedulerConfig":
-        check_keys("scheduler", d, ["type", "params"])
-        if "type" not in d:
-            raise ValueError(f'"scheduler" needs a "type" ({", ".join(SCHEDULES)})')
-        typ = d["type"]
-        params = d.get("params", {})
-        if typ not in _PARAMS:
-            cls(type=typ)  # raises the clear unknown/unsupported-type error
-        check_keys(f"scheduler.params ({typ})", params, list(_PARAMS[typ]))
-        return cls(type=typ, **params)
 
 
 class WarmupSchedule:
@@ -141,5 +124,4 @@ class WarmupSchedule:
         self._last_lr = self._apply()
 
 
-def scheduler_field_names() -> list[str]:
-    return [f.name for f in fields(SchedulerConfig)]
+__all__ = ["SCHEDULES", "SchedulerConfig", "WarmupSchedule"]

@@ -1,0 +1,16 @@
+"""The runtime layer: the one front door of llmpar.
+
+``config.py`` reads the DeepSpeed JSON once, ``blocks.py`` turns each block into its component's typed config,
+``schedules.py`` holds DeepSpeed's LR schedules, ``initialize.py`` builds the mesh and picks the engine,
+``engine_base.py`` / ``engine.py`` / ``pipeline_engine.py`` are the engines. Everything below (zero/, pipeline/,
+checkpoint/, tensor_parallel/, ops/) knows nothing of configs or engines; the command line sits on top.
+"""
+from llmpar.runtime.config import Config, parallel_degrees, read_config
+from llmpar.runtime.engine import Engine
+from llmpar.runtime.engine_base import EngineBase
+from llmpar.runtime.initialize import initialize
+from llmpar.runtime.pipeline_engine import PipelineEngine
+from llmpar.runtime.schedules import SchedulerConfig, WarmupSchedule
+
+__all__ = ["Config", "Engine", "EngineBase", "PipelineEngine", "SchedulerConfig", "WarmupSchedule", "initialize",
+           "parallel_degrees", "read_config"]

@@ -1,0 +1,101 @@
+"""What llmpar's two engines share: DeepSpeed's accessors, the step counters, the end of an optimizer step
+(scheduler, zero_grad, counters, logging) and the checkpoint methods. ``Engine`` (plain / ZeRO 0-3) and
+``PipelineEngine`` (pp x dp x tp) derive from it; ``llmpar.checkpoint`` sees both through the same attributes.
+
+Counters (DeepSpeed's meaning): ``micro_steps`` forward/backward passes, ``global_steps`` optimizer steps taken
+(applied or skipped), ``global_samples`` samples seen, ``skipped_steps`` optimizer steps skipped for non-finite
+gradients (the optimizer's device counter, read only when asked; assignable, e.g. by a checkpoint load).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from llmpar.runtime.config import Config
+
+logger = logging.getLogger("llmpar")
+
+
+class EngineBase:
+    """State and accessors common to the plain and the pipeline engine."""
+
+    def __init__(self, module: nn.Module, config: Config, optimizer: Any, scheduler: Any) -> None:
+        self.module, self.config, self.optimizer, self.lr_scheduler = module, config, optimizer, scheduler
+        self.micro_steps = 0
+        self.global_steps = 0
+        self.global_samples = 0
+        self._skip_offset = 0  # skipped_steps = the optimizer's count + offset
+
+    # DeepSpeed's accessors
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def zero_optimization_stage(self) -> int:
+        return self.config.zero.stage
+
+    def bfloat16_enabled(self) -> bool:
+        return self.config.bf16
+
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        return self.optimizer.last_grad_norm
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped for non-finite grads (reading it syncs with the device once)."""
+        return self.optimizer.skipped_steps + self._skip_offset
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self._skip_offset = int(value) - self.optimizer.skipped_steps
+
+    def _finish_step(self, applied: torch.Tensor | bool, loss: float | None = None) -> None:
+        """After ``optimizer.step()`` returned ``applied`` (a device flag: read only when a scheduler must know,
+        as DeepSpeed does not step the scheduler on a skipped step): scheduler, zero_grad, counters, log."""
+        if self.lr_scheduler is not None and applied:
+            self.lr_scheduler.step()
+        self.optimizer.zero_grad()
+        self.global_steps += 1
+        self.global_samples += self.config.train_batch_size
+        if self.global_steps % self.config.steps_per_print == 0 and logger.isEnabledFor(logging.INFO):
+            logger.info("step %d:%s lr %s, grad norm %.4g, skipped %d", self.global_steps,
+                        "" if loss is None else f" loss {loss:.4f},", [round(lr, 8) for lr in self.get_lr()],
+                        self.optimizer.last_grad_norm or 0.0, self.skipped_steps)
+
+    # checkpoints (llmpar.checkpoint): every rank writes its own shards, one metadata.json for the run; params are
+    # named as in the unsplit model, so a checkpoint loads at another dp / tp / pp degree, ZeRO stage or engine kind
+    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
+                        async_save: bool = False) -> str:
+        """Sharded, atomic checkpoint ``save_dir/tag`` (default ``global_step{N}``), collective over the engine's
+        ranks; see ``llmpar.checkpoint``. ``async_save``: written by a thread from a host copy, published at the next
+        ``wait_checkpoint`` / ``save_checkpoint`` / ``load_checkpoint``."""
+        from llmpar.checkpoint import save_checkpoint
+
+        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, async_save=async_save)
+
+    def wait_checkpoint(self) -> str | None:
+        """Publish the pending async save (collective); its path, or None if none was pending."""
+        from llmpar.checkpoint import wait_checkpoint
+
+        return wait_checkpoint(self)
+
+    def load_checkpoint(self, load_dir: str, tag: str | None = None) -> tuple[str, dict | None]:
+        """Load ``load_dir/tag`` (default: ``latest``), saved at any dp / tp / pp degree, ZeRO stage or offload;
+        returns (path, client_state)."""
+        from llmpar.checkpoint import load_checkpoint
+
+        return load_checkpoint(self, load_dir, tag=tag)
+
+
+__all__ = ["EngineBase"]

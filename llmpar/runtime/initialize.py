@@ -1,0 +1,175 @@
+"""``llmpar.initialize``: the one front door. A DeepSpeed config in, a training engine out.
+
+    engine, optimizer, loader, scheduler = llmpar.initialize(model=model, config={...DeepSpeed JSON...} or "ds.json")
+
+The config is read once (``read_config``), its parallel blocks give the degrees (``parallel_degrees``), the degrees
+give the mesh (``llmpar.init_distributed``; or the caller's ``mesh=`` / ``dp_group=`` / ``tp_group=``), the mesh
+gives dp, and dp gives the typed :class:`Config`. Then one of two engines is built on the same steps:
+
+* no ``"pipeline"`` block: :class:`Engine` with a ZeroOptimizer (stages 0-3, CPU offload). A ``"tensor_parallel":
+  {"size": N}`` block without a mesh builds the dp x tp mesh and splits the model with ``llmpar.parallelize``.
+* a ``"pipeline"`` block: :class:`PipelineEngine`: the model cut into stages over the [pp, dp, tp] mesh, tensor
+  parallel inside each, a ZeroOptimizer (stages 0-2) per stage.
+
+bf16 puts the model in bfloat16 with fp32 master weights (and fp32 gradient accumulation when
+gradient_accumulation_steps > 1).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from llmpar.distributed.collectives import CommCounter, Group, as_group, check_same_on_ranks, group_rank, group_size
+from llmpar.distributed.init import init_distributed
+from llmpar.pipeline import build_pipeline, zero_optimizer
+from llmpar.runtime.config import Config, parallel_degrees, read_config
+from llmpar.runtime.engine import Engine
+from llmpar.runtime.pipeline_engine import PipelineEngine
+from llmpar.runtime.schedules import WarmupSchedule
+from llmpar.tensor_parallel.parallelize import parallelize
+from llmpar.zero.optimizer import ZeroOptimizer
+
+
+def initialize(*, model: nn.Module, config: dict | str | Config, model_parameters: Any = None,
+               optimizer: Any = None, lr_scheduler: Any = None, training_data: Any = None, collate_fn: Any = None,
+               mesh: Any = None, dp_group: Group | None = None, tp_group: Group | None = None,
+               counter: CommCounter | None = None, args: Any = None, unit_policy: Any = None,
+               loss_fn: Callable | None = None, **unsupported: Any):
+    """Build the engine from a DeepSpeed config. Returns ``(engine, optimizer, dataloader or None, scheduler)``.
+
+    model_parameters: params or param-group dicts (default: all of the model's, weight decay on all, as DeepSpeed).
+    mesh / dp_group / tp_group: where ZeRO and tensor parallelism run (default: ``mesh["dp"]`` / ``mesh["tp"]``, else
+    the whole job). unit_policy: stage 3 sharding units, ``policy(name, module) -> bool`` (default: transformer
+    blocks, embeddings, head; see ``llmpar.zero.stage3.unit_modules``). optimizer / lr_scheduler objects are not
+    taken: describe them in the config. loss_fn: ``(output, target) -> mean loss`` of a pipeline engine (default
+    ``model.loss``). training_data: a dataset; the loader gives this dp rank's micro-batches (DistributedSampler).
+    """
+    if unsupported:
+        raise TypeError(f"llmpar.initialize got unsupported arguments {sorted(unsupported)}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if optimizer is not None or lr_scheduler is not None:
+        raise ValueError("llmpar.initialize takes the optimizer and scheduler from the config (\"optimizer\", "
+                         "\"scheduler\" blocks); passing optimizer= / lr_scheduler= objects is not supported")
+    raw = config.raw if isinstance(config, Config) else read_config(config)
+    pp, tp = parallel_degrees(raw)
+    if "pipeline" in raw:
+        if model_parameters is not None or dp_group is not None or tp_group is not None or unit_policy is not None:
+            raise ValueError("with a \"pipeline\" block llmpar.initialize splits the model itself: pass mesh= at "
+                             "most, not model_parameters= / dp_group= / tp_group= / unit_policy=")
+        return _initialize_pipeline(model, config if isinstance(config, Config) else raw, pp, tp, mesh, loss_fn,
+                                    counter, training_data, collate_fn)
+    if loss_fn is not None:
+        raise ValueError("loss_fn= is used by pipeline engines only (a config with a \"pipeline\" block)")
+    if tp > 1 and mesh is None and dp_group is None and tp_group is None:
+        mesh = init_distributed(tp=tp).mesh  # the dp x tp mesh; the model is split over its tp axis below
+        if not any(getattr(p, "tensor_model_parallel", False) for p in model.parameters()):
+            parallelize(model, mesh["tp"])
+    dp_group, tp_group = _resolve_groups(mesh, dp_group, tp_group)
+    cfg = _typed(config, raw, group_size(dp_group))
+    tp_now = group_size(tp_group) if tp_group is not None else 1
+    if "tensor_parallel" in raw and tp != tp_now:
+        raise ValueError(f'"tensor_parallel.size"={tp} but tp_group has {tp_now} ranks: pass the mesh of '
+                         f"llmpar.init_distributed(tp={tp}) (or leave out mesh= and let initialize build it)")
+    if next(model.parameters()).device.type == "meta" and cfg.zero.stage != 3:  # built under llmpar.zero.Init
+        raise ValueError(f"the model is on the meta device (llmpar.zero.Init) but zero_optimization.stage is "
+                         f"{cfg.zero.stage}: only stage 3 materialises a meta model")
+    for g in [dp_group] + ([tp_group] if tp_group is not None else []):
+        _check_same_config(cfg, g)
+    if cfg.bf16:
+        model.to(torch.bfloat16)
+    params = model_parameters if model_parameters is not None else list(model.named_parameters())
+    opt = ZeroOptimizer(params, cfg.optimizer, dp_group, stage=cfg.zero.stage, zero_config=cfg.zero,
+                        tp_group=tp_group, max_grad_norm=cfg.gradient_clipping or None, counter=counter,
+                        grad_accum_dtype=_accum_dtype(cfg), module=model, unit_policy=unit_policy)
+    sched = WarmupSchedule(opt, cfg.scheduler) if cfg.scheduler is not None else None
+    engine = Engine(model, cfg, opt, sched, dp_group=dp_group, tp_group=tp_group)
+    return engine, opt, _loader(training_data, collate_fn, cfg, dp_group), sched
+
+
+def _initialize_pipeline(model: nn.Module, config: dict | Config, pp: int, tp: int, mesh: Any, loss_fn: Any,
+                         counter: Any, training_data: Any, collate_fn: Any):
+    loss_fn = loss_fn if loss_fn is not None else getattr(model, "loss", None)
+    if not callable(loss_fn):
+        raise TypeError("a pipeline engine needs loss_fn=(output, target) -> mean loss (or a model with a .loss "
+                        "attribute, as llmpar.models.GPT)")
+    if mesh is None:
+        mesh = init_distributed(pp=pp, tp=tp).mesh
+    names = mesh.mesh_dim_names or ()
+    if not {"pp", "dp", "tp"} <= set(names):
+        raise ValueError(f"mesh has axes {names}; a pipeline engine needs the [pp, dp, tp] mesh of "
+                         "llmpar.init_distributed(pp=, tp=)")
+    if (mesh["pp"].size(), mesh["tp"].size()) != (pp, tp):
+        raise ValueError(f"mesh has pp={mesh['pp'].size()}, tp={mesh['tp'].size()} but the config asks for "
+                         f"pipeline.stages={pp}, tensor_parallel.size={tp}")
+    dp_group = mesh["dp"].get_group()
+    cfg = _typed(config, config.raw if isinstance(config, Config) else config, group_size(dp_group))
+    if cfg.zero.stage == 3:
+        raise ValueError('"zero_optimization.stage"=3 is not supported with "pipeline": use stage 0, 1 or 2 (ZeRO '
+                         "shards each stage's params over dp)")
+    _check_same_config(cfg, dist.group.WORLD)
+    if cfg.bf16:
+        model.to(torch.bfloat16)
+    p = cfg.pipeline
+    runner = build_pipeline(model, mesh, loss_fn, micro_batches=cfg.gradient_accumulation_steps, schedule=p.schedule,
+                            virtual_stages=p.virtual_stages, boundaries=p.boundaries, dp_group=None, verbose=True)
+    runner.batch_rows = cfg.train_micro_batch_size_per_gpu * cfg.gradient_accumulation_steps
+    opt = zero_optimizer(runner, cfg.optimizer, stage=cfg.zero.stage, zero_config=cfg.zero,
+                         max_grad_norm=cfg.gradient_clipping or None, counter=counter,
+                         grad_accum_dtype=_accum_dtype(cfg))
+    sched = WarmupSchedule(opt, cfg.scheduler) if cfg.scheduler is not None else None
+    engine = PipelineEngine(model, cfg, runner, opt, sched, mesh)
+    return engine, opt, _loader(training_data, collate_fn, cfg, dp_group), sched
+
+
+def _typed(config: dict | Config, raw: dict, dp: int) -> Config:
+    """The typed config for ``dp`` ranks (a Config given by the caller must have been parsed for that dp)."""
+    if isinstance(config, Config):
+        if config.dp != dp:
+            raise ValueError(f"the config was parsed for dp={config.dp} but there are {dp} data-parallel ranks")
+        return config
+    return Config.from_deepspeed(raw, dp=dp)
+
+
+def _accum_dtype(cfg: Config) -> torch.dtype | None:
+    return torch.float32 if cfg.bf16 and cfg.gradient_accumulation_steps > 1 else None
+
+
+def _check_same_config(cfg: Config, group: Group) -> None:
+    """The same config on every rank of ``group``: a mismatch is a clear error on all of them, not a hang."""
+    check_same_on_ranks(cfg.fingerprint(), group, what="the DeepSpeed config differs between ranks",
+                        hint="give every rank the same config")
+
+
+def _resolve_groups(mesh: Any, dp_group: Group | None, tp_group: Group | None) -> tuple[Group, Group | None]:
+    if mesh is not None:
+        names = mesh.mesh_dim_names or ()
+        if dp_group is None and "dp" in names:
+            dp_group = mesh["dp"]
+        if tp_group is None and "tp" in names and mesh["tp"].size() > 1:
+            tp_group = mesh["tp"]
+    if dp_group is None:
+        init_distributed()  # adopts an existing group, or a world of one without torchrun
+        dp_group = dist.group.WORLD
+        if dist.get_world_size() > 1 and tp_group is not None:
+            raise ValueError("tp_group given without dp_group or mesh: pass mesh=env.mesh (or dp_group=) so ZeRO "
+                             "knows its data-parallel ranks")
+    return as_group(dp_group), (as_group(tp_group) if tp_group is not None else None)
+
+
+def _loader(training_data: Any, collate_fn: Any, cfg: Config, dp_group: Group) -> Any:
+    """This dp rank's loader of micro-batches (shuffled by a DistributedSampler), or None without data."""
+    if training_data is None:
+        return None
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    sampler = DistributedSampler(training_data, num_replicas=group_size(dp_group), rank=group_rank(dp_group),
+                                 shuffle=True)
+    return DataLoader(training_data, batch_size=cfg.train_micro_batch_size_per_gpu, sampler=sampler,
+                      collate_fn=collate_fn)
+
+
+__all__ = ["initialize"]

@@ -1,0 +1,62 @@
+"""Value checks shared by every typed config: each raises a ``TypeError`` / ``ValueError`` naming the setting, the
+value given and what would be accepted. They import nothing from llmpar, so any layer may use them; the DeepSpeed
+JSON spelling itself is known only to ``llmpar.runtime``.
+"""
+from __future__ import annotations
+
+import difflib
+import math
+import numbers
+from typing import Any
+
+
+def nearest(key: str, valid: list[str]) -> str:
+    """' (did you mean "x"?)' for the closest valid key, or '' when nothing is close."""
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+    return f' (did you mean "{close[0]}"?)' if close else ""
+
+
+def check_keys(block: str, given: Any, valid: list[str], unsupported: dict[str, str] | None = None) -> None:
+    """``given`` is a dict whose keys are all in ``valid``; a key of ``unsupported`` is an error giving its reason."""
+    if not isinstance(given, dict):
+        raise TypeError(f'"{block}" must be a JSON object (dict), got {type(given).__name__}')
+    for key in given:
+        if unsupported and key in unsupported:
+            raise ValueError(f'"{block}.{key}" is a DeepSpeed key llmpar does not support: {unsupported[key]}')
+        if key not in valid:
+            raise ValueError(f'unknown key "{block}.{key}"{nearest(str(key), valid)}; valid keys: '
+                             f'{", ".join(sorted(valid))}')
+
+
+def as_int(name: str, value: Any, *, minimum: int | None = None) -> int:
+    """An integer (integral floats such as DeepSpeed's ``5e8`` accepted), at least ``minimum``."""
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value))
+            or float(value) != int(value)):
+        raise TypeError(f'"{name}" must be an integer, got {value!r}')
+    value = int(value)
+    if minimum is not None and value < minimum:
+        raise ValueError(f'"{name}"={value} must be >= {minimum}')
+    return value
+
+
+def as_float(name: str, value: Any, *, minimum: float | None = None, below: float | None = None) -> float:
+    """A finite number (NaN and +-inf are refused: a training hyper-parameter is never infinite), in range."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f'"{name}" must be a number, got {value!r}')
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f'"{name}"={value} must be a finite number')
+    if (minimum is not None and value < minimum) or (below is not None and value >= below):
+        bounds = f">= {minimum}" if minimum is not None else ""
+        bounds += (" and " if bounds and below is not None else "") + (f"< {below}" if below is not None else "")
+        raise ValueError(f'"{name}"={value} must be {bounds}')
+    return value
+
+
+def as_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f'"{name}" must be true or false, got {value!r}')
+    return value
+
+
+__all__ = ["as_bool", "as_float", "as_int", "check_keys", "nearest"]
