@@ -103,3 +103,50 @@ def test_schedules_equal_deepspeeds(typ, params):
         assert got == pytest.approx(want, rel=1e-12, abs=1e-15), f"step {step}"
         ds.step()
         ours.step()
+
+
+def test_config_file_errors_name_the_file(tmp_path):
+    bad = tmp_path / "ds_bad.json"
+    bad.write_text('{"train_batch_size": 8, "optimizer": {"type": "AdamW", ')
+    with pytest.raises(ValueError, match=r"config file .*ds_bad\.json: not valid JSON"):
+        Config.from_deepspeed(str(bad), dp=1)
+    with pytest.raises(ValueError, match=r"config file .*nope\.json cannot be read"):
+        Config.from_deepspeed(str(tmp_path / "nope.json"), dp=1)
+    listed = tmp_path / "list.json"
+    listed.write_text("[1, 2]")
+    with pytest.raises(TypeError, match=r"list\.json must hold a JSON object"):
+        Config.from_deepspeed(listed, dp=1)
+
+
+@pytest.mark.parametrize("block, match", [
+    ({"optimizer": {"type": "AdamW", "params": {"lr": float("inf")}}}, "optimizer.params.lr.*finite"),
+    ({"optimizer": {"type": "AdamW", "params": {"eps": float("nan")}}}, "optimizer.params.eps.*finite"),
+    ({"gradient_clipping": float("inf")}, "gradient_clipping.*finite"),
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": float("inf")}}}, "warmup_max_lr.*finite"),
+    ({"zero_optimization": {"stage": 2, "reduce_bucket_size": float("inf")}}, "reduce_bucket_size.*integer"),
+])
+def test_non_finite_hyperparameters_are_refused(block, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        Config.from_deepspeed({"train_batch_size": 8, **block}, dp=2)
+
+
+def test_a_file_is_read_once_and_gives_the_same_config_as_the_dict(tmp_path, monkeypatch):
+    from llmpar.runtime import config as runtime_config
+    from llmpar.runtime import parallel_degrees, read_config
+
+    cfg = {"train_micro_batch_size_per_gpu": 2, "pipeline": {"stages": 2, "micro_batches": 4},
+           "tensor_parallel": {"size": 2}, "bf16": {"enabled": True},
+           "zero_optimization": {"stage": 1, "reduce_bucket_size": 5e4}}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(cfg))
+    opened = []
+    real_open = open
+    monkeypatch.setattr(runtime_config, "open", lambda *a, **k: opened.append(a[0]) or real_open(*a, **k),
+                        raising=False)
+    raw = read_config(path)
+    assert opened == [os.fspath(path)]
+    assert parallel_degrees(raw) == (2, 2)
+    a, b = Config.from_deepspeed(raw, dp=3), Config.from_deepspeed(cfg, dp=3)
+    assert a == b and len(opened) == 1
+    assert (a.gradient_accumulation_steps, a.train_batch_size, a.bf16, a.zero.reduce_bucket_size) == (4, 24, True, 50000)
+    assert a.pipeline.stages == 2 and a.tensor_parallel.size == 2

@@ -106,3 +106,20 @@ def test_initialize_rejects_optimizer_objects():
     model = torch.nn.Linear(3, 3)
     with pytest.raises(ValueError, match="from the config"):
         llmpar.initialize(model=model, config={"train_batch_size": 1}, optimizer=torch.optim.SGD(model.parameters(), 0.1))
+
+
+def tp_block_body(stage, tp, micro, steps):
+    """The same run as tp_dp_body, but the config's "tensor_parallel" block does the mesh and the split."""
+    model = GPT(GPTConfig(**GPT_CFG), seed=1, dtype=torch.float64)
+    engine, _, _, _ = llmpar.initialize(model=model, config=_ds_config(stage, micro, tensor_parallel={"size": tp}))
+    assert engine.tp_group is not None and dist.get_world_size(engine.tp_group.get()) == tp
+    assert any(getattr(p, "tensor_model_parallel", False) for p in model.parameters())
+    assert engine.mesh is not None and engine.mesh["tp"].size() == tp
+    return engine_loop(engine, model, steps, micro, engine.mesh["dp"])
+
+
+def test_tensor_parallel_block_builds_the_mesh_and_splits_the_model():
+    outs = run_ranks(tp_block_body, 4, 2, 2, 2, 4, timeout=120)
+    ref = _single(4, 4)
+    for rank, losses in enumerate(outs):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-7, atol=1e-9, msg=f"rank {rank}")

@@ -28,8 +28,9 @@ class Engine(EngineBase):
     """Wraps the model, the ZeroOptimizer and the schedule; ``engine(*args)`` runs ``module(*args)``."""
 
     def __init__(self, module: nn.Module, config: Config, optimizer: Any, scheduler: Any, *, dp_group: Group,
-                 tp_group: Group | None) -> None:
+                 tp_group: Group | None, mesh: Any = None) -> None:
         super().__init__(module, config, optimizer, scheduler)
+        self.mesh = mesh  # the DeviceMesh the engine runs on, when it was given or built one
         self.dp_group = GroupRef(dp_group)  # by name: see GroupRef
         self.tp_group = GroupRef(tp_group) if tp_group is not None else None
 

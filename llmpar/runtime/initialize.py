@@ -86,7 +86,7 @@ def initialize(*, model: nn.Module, config: dict | str | Config, model_parameter
                         tp_group=tp_group, max_grad_norm=cfg.gradient_clipping or None, counter=counter,
                         grad_accum_dtype=_accum_dtype(cfg), module=model, unit_policy=unit_policy)
     sched = WarmupSchedule(opt, cfg.scheduler) if cfg.scheduler is not None else None
-    engine = Engine(model, cfg, opt, sched, dp_group=dp_group, tp_group=tp_group)
+    engine = Engine(model, cfg, opt, sched, dp_group=dp_group, tp_group=tp_group, mesh=mesh)
     return engine, opt, _loader(training_data, collate_fn, cfg, dp_group), sched
 
 
