@@ -23,6 +23,7 @@ import shlex
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -335,9 +336,26 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
+def portable_arg(arg: str) -> str:
+    """``arg`` without this machine's paths: a path in the repository relative to its root, one in the temp dir
+    as ``$TMPDIR/...`` (also inside ``--opt=PATH``)."""
+    if "=" in arg and arg.startswith("--"):
+        key, _, value = arg.partition("=")
+        return f"{key}={portable_arg(value)}"
+    if not os.path.isabs(arg):
+        return arg
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    tmp = tempfile.gettempdir()
+    for base, prefix in ((root, ""), (tmp, "$TMPDIR/")):
+        if os.path.commonpath([os.path.abspath(arg), base]) == base:
+            return prefix + os.path.relpath(arg, base)
+    return arg
+
+
 def command_line() -> str:
-    """The command that is running, as a shell line (with the launcher's world size when under torchrun)."""
-    args = " ".join(shlex.quote(a) for a in sys.argv)
+    """The command that is running, as a shell line (with the launcher's world size when under torchrun), with no
+    absolute machine paths (``portable_arg``)."""
+    args = " ".join(f'"{a}"' if a.startswith("$TMPDIR/") else shlex.quote(a) for a in map(portable_arg, sys.argv))
     if "WORLD_SIZE" in os.environ:  # torchrun runs the script itself: no "python" in front of it
         return f"torchrun --nproc_per_node {os.environ.get('LOCAL_WORLD_SIZE', os.environ['WORLD_SIZE'])} {args}"
     return "python " + args
@@ -389,7 +407,7 @@ def write_results(
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": command_line(),
         "machine": machine_info(),
-        "meta": meta or {},
+        "meta": {k: portable_arg(v) if isinstance(v, str) else v for k, v in (meta or {}).items()},
         "rows": rows,
     }
     paths = {"json": out / f"{name}.json", "md": out / f"{name}.md"}
@@ -404,7 +422,7 @@ def write_results(
         f"- machine: {m['cpu']} ({m['cores_usable']} of {m['cores']} cores), GPU: {gpu}",
         f"- versions: torch {m['torch']}, triton {m['triton']}, llmpar {m['llmpar']} (commit {m['git_commit']})",
     ]
-    md += [f"- {k}: {v}" for k, v in (meta or {}).items()]
+    md += [f"- {k}: {v}" for k, v in record["meta"].items()]
     md += ["", markdown_table(rows)]
     if curve is not None:
         png = _plot(out / f"{name}.png", rows, curve, title=curve.get("title", name))

@@ -5,6 +5,7 @@ import re
 import os
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -89,3 +90,18 @@ def test_measure_distributed_takes_the_slowest_rank():
     r0, r1 = run_ranks(_dist_body, 2, timeout=60)
     assert r0 == r1 and len(r0) == 3
     assert min(r0) >= 0.02
+
+
+def test_command_line_records_no_machine_paths(monkeypatch, tmp_path):
+    import tempfile
+
+    import harness
+
+    root = Path(harness.__file__).resolve().parents[1]
+    scratch = Path(tempfile.gettempdir()) / "llmpar-bench-x"
+    monkeypatch.setattr(sys, "argv", [str(root / "bench" / "bench_zero.py"), "--dir", str(scratch),
+                                      f"--out={root / 'bench' / 'results'}", "--repeats", "3", "/opt/data.bin"])
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    line = harness.command_line()
+    assert line == 'python bench/bench_zero.py --dir "$TMPDIR/llmpar-bench-x" --out=bench/results --repeats 3 /opt/data.bin'
+    assert str(root) not in line
