@@ -132,7 +132,7 @@ def test_non_finite_hyperparameters_are_refused(block, match):
 
 def test_a_file_is_read_once_and_gives_the_same_config_as_the_dict(tmp_path, monkeypatch):
     from llmpar.runtime import config as runtime_config
-    from llmpar.runtime import parallel_degrees, read_config
+    from llmpar.runtime import Blocks, read_config
 
     cfg = {"train_micro_batch_size_per_gpu": 2, "pipeline": {"stages": 2, "micro_batches": 4},
            "tensor_parallel": {"size": 2}, "bf16": {"enabled": True},
@@ -145,8 +145,9 @@ def test_a_file_is_read_once_and_gives_the_same_config_as_the_dict(tmp_path, mon
                         raising=False)
     raw = read_config(path)
     assert opened == [os.fspath(path)]
-    assert parallel_degrees(raw) == (2, 2)
-    a, b = Config.from_deepspeed(raw, dp=3), Config.from_deepspeed(cfg, dp=3)
+    blocks = Blocks.parse(raw)
+    assert blocks.degrees == (2, 2)
+    a, b = Config.from_blocks(blocks, dp=3), Config.from_deepspeed(cfg, dp=3)
     assert a == b and len(opened) == 1
     assert (a.gradient_accumulation_steps, a.train_batch_size, a.bf16, a.zero.reduce_bucket_size) == (4, 24, True, 50000)
     assert a.pipeline.stages == 2 and a.tensor_parallel.size == 2

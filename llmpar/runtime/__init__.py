@@ -5,12 +5,12 @@
 ``engine_base.py`` / ``engine.py`` / ``pipeline_engine.py`` are the engines. Everything below (zero/, pipeline/,
 checkpoint/, tensor_parallel/, ops/) knows nothing of configs or engines; the command line sits on top.
 """
-from llmpar.runtime.config import Config, parallel_degrees, read_config
+from llmpar.runtime.config import Blocks, Config, read_config
 from llmpar.runtime.engine import Engine
 from llmpar.runtime.engine_base import EngineBase
 from llmpar.runtime.initialize import initialize
 from llmpar.runtime.pipeline_engine import PipelineEngine
 from llmpar.runtime.schedules import SchedulerConfig, WarmupSchedule
 
-__all__ = ["Config", "Engine", "EngineBase", "PipelineEngine", "SchedulerConfig", "WarmupSchedule", "initialize",
-           "parallel_degrees", "read_config"]
+__all__ = ["Blocks", "Config", "Engine", "EngineBase", "PipelineEngine", "SchedulerConfig", "WarmupSchedule", "initialize",
+           "read_config"]

@@ -1,6 +1,7 @@
 """The DeepSpeed JSON config, read once: ``read_config(dict | path)`` -> the raw dict (a file is opened once, its
-name in every error), ``parallel_degrees(raw)`` -> (pp, tp) before any mesh exists, then
-``Config.from_deepspeed(raw, dp=...)`` -> the typed, checked config for ``dp`` data-parallel ranks.
+name in every error), ``Blocks.parse(raw)`` -> every block typed and checked, and the (pp, tp) degrees the mesh
+needs, then ``Config.from_blocks(blocks, dp=...)`` -> the batch sizes for ``dp`` data-parallel ranks
+(``Config.from_deepspeed(dict | path, dp=...)`` does all three).
 
 Top-level keys (DeepSpeed's names and meaning):
     train_batch_size = train_micro_batch_size_per_gpu * gradient_accumulation_steps * dp; any two of the three are
@@ -74,11 +75,50 @@ def read_config(config: Any) -> dict:
     return copy.deepcopy(config)
 
 
-def parallel_degrees(raw: dict) -> tuple[int, int]:
-    """(pp, tp) from the ``pipeline`` and ``tensor_parallel`` blocks, before the mesh (and so dp) exists."""
-    tp = tensor_parallel_block(raw.get("tensor_parallel", {})).size
-    pp = pipeline_block(raw["pipeline"]).stages if "pipeline" in raw else 1
-    return pp, tp
+@dataclass(kw_only=True)
+class Blocks:
+    """Everything in the config that does not depend on the number of data-parallel ranks, parsed and checked
+    once: the parallel degrees come from here before the mesh exists, the batch sizes after (``Config``)."""
+
+    raw: dict
+    bf16: bool = False
+    gradient_clipping: float = 0.0
+    steps_per_print: int = 10
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    optimizer_given: bool = True
+    scheduler: SchedulerConfig | None = None
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    pipeline: PipelineConfig | None = None
+    tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
+
+    @classmethod
+    def parse(cls, raw: dict) -> "Blocks":
+        check_keys("config", raw, _VALID, _UNSUPPORTED)
+        for flag in _FLAGS_OFF_ONLY:
+            if as_bool(flag, raw.get(flag, False)):
+                raise ValueError(f'"{flag}": true is not supported by llmpar (leave it out or set it to false)')
+        if "bf16" in raw and "bfloat16" in raw:
+            raise ValueError('give "bf16" or its alias "bfloat16", not both')
+        bf16_block = raw.get("bf16", raw.get("bfloat16", {}))
+        check_keys("bf16", bf16_block, ["enabled"], {"immediate_grad_update": "not supported",
+                                                     "check_grad_overflow": "not supported"})
+        for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+            if key in raw:
+                as_int(key, raw[key], minimum=1)
+        given = "optimizer" in raw
+        return cls(raw=raw, bf16=as_bool("bf16.enabled", bf16_block.get("enabled", False)),
+                   gradient_clipping=as_float("gradient_clipping", raw.get("gradient_clipping", 0.0), minimum=0.0),
+                   steps_per_print=as_int("steps_per_print", raw.get("steps_per_print", 10), minimum=1),
+                   optimizer=optimizer_block(raw["optimizer"]) if given else OptimizerConfig(), optimizer_given=given,
+                   scheduler=scheduler_block(raw["scheduler"]) if "scheduler" in raw else None,
+                   zero=zero_block(raw.get("zero_optimization", {})),
+                   pipeline=pipeline_block(raw["pipeline"]) if "pipeline" in raw else None,
+                   tensor_parallel=tensor_parallel_block(raw.get("tensor_parallel", {})))
+
+    @property
+    def degrees(self) -> tuple[int, int]:
+        """(pp, tp): what the mesh needs before dp is known."""
+        return (self.pipeline.stages if self.pipeline is not None else 1), self.tensor_parallel.size
 
 
 @dataclass(kw_only=True)
@@ -103,35 +143,28 @@ class Config:
     @classmethod
     def from_deepspeed(cls, config: Any, *, dp: int) -> "Config":
         """Parse a DeepSpeed config (a dict, or a path to a JSON file) for ``dp`` data-parallel ranks."""
-        raw = read_config(config)
+        return cls.from_blocks(Blocks.parse(read_config(config)), dp=dp)
+
+    @classmethod
+    def from_blocks(cls, blocks: Blocks, *, dp: int) -> "Config":
+        """The config of ``blocks`` for ``dp`` data-parallel ranks: the batch sizes, as DeepSpeed derives them."""
         dp = as_int("dp", dp, minimum=1)
-        check_keys("config", raw, _VALID, _UNSUPPORTED)
-        for flag in _FLAGS_OFF_ONLY:
-            if as_bool(flag, raw.get(flag, False)):
-                raise ValueError(f'"{flag}": true is not supported by llmpar (leave it out or set it to false)')
-        if "bf16" in raw and "bfloat16" in raw:
-            raise ValueError('give "bf16" or its alias "bfloat16", not both')
-        bf16_block = raw.get("bf16", raw.get("bfloat16", {}))
-        check_keys("bf16", bf16_block, ["enabled"], {"immediate_grad_update": "not supported",
-                                                     "check_grad_overflow": "not supported"})
-        bf16 = as_bool("bf16.enabled", bf16_block.get("enabled", False))
-        tp_cfg = tensor_parallel_block(raw.get("tensor_parallel", {}))
-        pipe = pipeline_block(raw["pipeline"]) if "pipeline" in raw else None
-        micro, gas, train = _batch_sizes(raw, dp, pipe)
+        pipe = copy.deepcopy(blocks.pipeline)
+        micro, gas, train = _batch_sizes(blocks.raw, dp, pipe)
         if pipe is not None:
             pipe.micro_batches = gas
-        clip = as_float("gradient_clipping", raw.get("gradient_clipping", 0.0), minimum=0.0)
-        steps_per_print = as_int("steps_per_print", raw.get("steps_per_print", 10), minimum=1)
-        given = "optimizer" in raw
-        opt = optimizer_block(raw["optimizer"]) if given else OptimizerConfig()
-        if not given:
+        if not blocks.optimizer_given:
             logger.info("llmpar.initialize: no \"optimizer\" in the config: using AdamW with lr=1e-3")
-        sched = scheduler_block(raw["scheduler"]) if "scheduler" in raw else None
-        zero = zero_block(raw.get("zero_optimization", {}))
         return cls(dp=dp, train_batch_size=train, train_micro_batch_size_per_gpu=micro,
-                   gradient_accumulation_steps=gas, gradient_clipping=clip, steps_per_print=steps_per_print,
-                   bf16=bf16, optimizer=opt, optimizer_given=given, scheduler=sched, zero=zero, pipeline=pipe,
-                   tensor_parallel=tp_cfg, raw=raw)
+                   gradient_accumulation_steps=gas, gradient_clipping=blocks.gradient_clipping,
+                   steps_per_print=blocks.steps_per_print, bf16=blocks.bf16, optimizer=blocks.optimizer,
+                   optimizer_given=blocks.optimizer_given, scheduler=blocks.scheduler, zero=blocks.zero,
+                   pipeline=pipe, tensor_parallel=blocks.tensor_parallel, raw=blocks.raw)
+
+    @property
+    def degrees(self) -> tuple[int, int]:
+        """(pp, tp) of the pipeline and tensor_parallel blocks."""
+        return (self.pipeline.stages if self.pipeline is not None else 1), self.tensor_parallel.size
 
     def fingerprint(self) -> str:
         """Canonical JSON of what was given (for the cross-rank equality check)."""
@@ -171,4 +204,4 @@ def _batch_sizes(raw: dict[str, Any], dp: int, pipe: PipelineConfig | None) -> t
     return micro, gas, train
 
 
-__all__ = ["Config", "parallel_degrees", "read_config"]
+__all__ = ["Blocks", "Config", "read_config"]

@@ -25,7 +25,7 @@ from torch import nn
 from llmpar.distributed.collectives import CommCounter, Group, as_group, check_same_on_ranks, group_rank, group_size
 from llmpar.distributed.init import init_distributed
 from llmpar.pipeline import build_pipeline, zero_optimizer
-from llmpar.runtime.config import Config, parallel_degrees, read_config
+from llmpar.runtime.config import Blocks, Config, read_config
 from llmpar.runtime.engine import Engine
 from llmpar.runtime.pipeline_engine import PipelineEngine
 from llmpar.runtime.schedules import WarmupSchedule
@@ -54,14 +54,14 @@ def initialize(*, model: nn.Module, config: dict | str | Config, model_parameter
     if optimizer is not None or lr_scheduler is not None:
         raise ValueError("llmpar.initialize takes the optimizer and scheduler from the config (\"optimizer\", "
                          "\"scheduler\" blocks); passing optimizer= / lr_scheduler= objects is not supported")
-    raw = config.raw if isinstance(config, Config) else read_config(config)
-    pp, tp = parallel_degrees(raw)
+    blocks = config if isinstance(config, Config) else Blocks.parse(read_config(config))
+    raw = blocks.raw
+    pp, tp = blocks.degrees
     if "pipeline" in raw:
         if model_parameters is not None or dp_group is not None or tp_group is not None or unit_policy is not None:
             raise ValueError("with a \"pipeline\" block llmpar.initialize splits the model itself: pass mesh= at "
                              "most, not model_parameters= / dp_group= / tp_group= / unit_policy=")
-        return _initialize_pipeline(model, config if isinstance(config, Config) else raw, pp, tp, mesh, loss_fn,
-                                    counter, training_data, collate_fn)
+        return _initialize_pipeline(model, blocks, pp, tp, mesh, loss_fn, counter, training_data, collate_fn)
     if loss_fn is not None:
         raise ValueError("loss_fn= is used by pipeline engines only (a config with a \"pipeline\" block)")
     if tp > 1 and mesh is None and dp_group is None and tp_group is None:
@@ -69,7 +69,7 @@ def initialize(*, model: nn.Module, config: dict | str | Config, model_parameter
         if not any(getattr(p, "tensor_model_parallel", False) for p in model.parameters()):
             parallelize(model, mesh["tp"])
     dp_group, tp_group = _resolve_groups(mesh, dp_group, tp_group)
-    cfg = _typed(config, raw, group_size(dp_group))
+    cfg = _typed(blocks, group_size(dp_group))
     tp_now = group_size(tp_group) if tp_group is not None else 1
     if "tensor_parallel" in raw and tp != tp_now:
         raise ValueError(f'"tensor_parallel.size"={tp} but tp_group has {tp_now} ranks: pass the mesh of '
@@ -90,7 +90,7 @@ def initialize(*, model: nn.Module, config: dict | str | Config, model_parameter
     return engine, opt, _loader(training_data, collate_fn, cfg, dp_group), sched
 
 
-def _initialize_pipeline(model: nn.Module, config: dict | Config, pp: int, tp: int, mesh: Any, loss_fn: Any,
+def _initialize_pipeline(model: nn.Module, blocks: Blocks | Config, pp: int, tp: int, mesh: Any, loss_fn: Any,
                          counter: Any, training_data: Any, collate_fn: Any):
     loss_fn = loss_fn if loss_fn is not None else getattr(model, "loss", None)
     if not callable(loss_fn):
@@ -106,7 +106,7 @@ def _initialize_pipeline(model: nn.Module, config: dict | Config, pp: int, tp: i
         raise ValueError(f"mesh has pp={mesh['pp'].size()}, tp={mesh['tp'].size()} but the config asks for "
                          f"pipeline.stages={pp}, tensor_parallel.size={tp}")
     dp_group = mesh["dp"].get_group()
-    cfg = _typed(config, config.raw if isinstance(config, Config) else config, group_size(dp_group))
+    cfg = _typed(blocks, group_size(dp_group))
     if cfg.zero.stage == 3:
         raise ValueError('"zero_optimization.stage"=3 is not supported with "pipeline": use stage 0, 1 or 2 (ZeRO '
                          "shards each stage's params over dp)")
@@ -125,13 +125,13 @@ def _initialize_pipeline(model: nn.Module, config: dict | Config, pp: int, tp: i
     return engine, opt, _loader(training_data, collate_fn, cfg, dp_group), sched
 
 
-def _typed(config: dict | Config, raw: dict, dp: int) -> Config:
-    """The typed config for ``dp`` ranks (a Config given by the caller must have been parsed for that dp)."""
-    if isinstance(config, Config):
-        if config.dp != dp:
-            raise ValueError(f"the config was parsed for dp={config.dp} but there are {dp} data-parallel ranks")
-        return config
-    return Config.from_deepspeed(raw, dp=dp)
+def _typed(blocks: Blocks | Config, dp: int) -> Config:
+    """The config for ``dp`` ranks (a Config given by the caller must have been parsed for that dp)."""
+    if isinstance(blocks, Config):
+        if blocks.dp != dp:
+            raise ValueError(f"the config was parsed for dp={blocks.dp} but there are {dp} data-parallel ranks")
+        return blocks
+    return Config.from_blocks(blocks, dp=dp)
 
 
 def _accum_dtype(cfg: Config) -> torch.dtype | None:
