@@ -134,3 +134,20 @@ def test_generate_extends_and_is_seeded():
     a = model.generate(prompt, 20, generator=torch.Generator().manual_seed(1))
     b = model.generate(prompt, 20, generator=torch.Generator().manual_seed(1))
     assert a.shape == (1, 23) and torch.equal(a, b) and torch.equal(a[:, :3], prompt)
+
+
+def test_pipeline_blocks_share_the_model_and_compute_it():
+    model = GPT(_cfg(tie_embeddings=True), seed=0, dtype=torch.float64)
+    blocks = model.pipeline_blocks()
+    assert [n for n, _ in blocks] == ["embed", "blocks.0", "blocks.1", "head"]
+    embed, head = blocks[0][1], blocks[-1][1]
+    assert embed.tok_emb is model.tok_emb and head.lm_head is model.lm_head and blocks[1][1] is model.blocks[0]
+    assert embed.tok_emb.weight is head.lm_head.weight  # tied: one tensor, seen by a pipeline split as shared
+    assert [n for n, _ in embed.named_parameters()] == ["tok_emb.weight", "pos_emb.weight"]
+    idx = torch.randint(0, 61, (2, 9), generator=torch.Generator().manual_seed(3))
+    y = idx
+    for _, b in blocks:
+        y = b(y)
+    torch.testing.assert_close(y, model(idx), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="longer than seq_len=17"):
+        embed(torch.zeros(1, 18, dtype=torch.int64))

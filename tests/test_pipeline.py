@@ -96,3 +96,20 @@ def test_to_blocks_rejects_unknown_models():
         to_blocks(nn.Linear(2, 2))
     seq = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
     assert [n for n, _ in to_blocks(seq)] == ["0", "1"]
+
+
+def test_pipeline_does_not_import_the_demo_model():
+    """A model enters a pipeline through its ``pipeline_blocks()`` hook (GPT has one); pipeline/ never imports
+    llmpar.models."""
+    import ast
+    from pathlib import Path
+
+    import llmpar.pipeline
+
+    bad = []
+    for path in sorted(Path(llmpar.pipeline.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            bad += [f"{path.name}:{node.lineno} imports {n}" for n in names if n.startswith("llmpar.models")]
+    assert not bad, bad

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import llmpar
+import llmpar.zero
 from llmpar.models import GPT, GPTConfig
 from multirank import run_ranks
 from zero_helpers import GPT_CFG, engine_loop, gpt_batch, single_gpt_losses
@@ -144,6 +145,28 @@ def test_offload_copies_are_issued_early():
         assert copies == units == len(launches)
         for i, key in enumerate(launches[:-3]):
             assert red.index(("reduced", key)) < red.index(("reduce", launches[i + 3])), red
+
+
+def _halves(module):
+    with torch.no_grad():
+        for p in module.parameters():
+            if p.untyped_storage().nbytes() > 0:  # this unit's params (the others hold no memory yet)
+                p.fill_(0.5)
+
+
+def init_fn_body():
+    with llmpar.zero.Init(init_fn=_halves):
+        model = GPT(GPTConfig(**GPT_CFG), seed=1)
+    with llmpar.zero.Init():  # another model built in between does not change the first one's init_fn
+        GPT(GPTConfig(**GPT_CFG), seed=1)
+    engine, opt = _engine(model)
+    full = llmpar.zero.consolidated_state_dict(model, opt, rank0_only=False)
+    return {n: bool((v == 0.5).all()) for n, v in full.items()}
+
+
+def test_init_fn_stays_with_the_model_built_in_its_block():
+    for halves in run_ranks(init_fn_body, 2, timeout=60):
+        assert len(halves) == len(list(GPT(GPTConfig(**GPT_CFG)).parameters())) and all(halves.values()), halves
 
 
 # ------------------------------------------------------------------------------------------------ host syncs

@@ -8,6 +8,7 @@ from llmpar.distributed.collectives import (
     barrier,
     broadcast,
     check_same_on_ranks,
+    collective_device,
     global_rank,
     group_rank,
     group_size,
@@ -15,6 +16,7 @@ from llmpar.distributed.collectives import (
     isend,
     recv,
     reduce_scatter_flat,
+    reduce_scatter_uses_exchange,
     send,
 )
 from llmpar.distributed.dims import MESH_AXES, ParallelDims
@@ -32,6 +34,7 @@ __all__ = [
     "barrier",
     "broadcast",
     "check_same_on_ranks",
+    "collective_device",
     "destroy_distributed",
     "global_rank",
     "group_rank",
@@ -41,5 +44,6 @@ __all__ = [
     "isend",
     "recv",
     "reduce_scatter_flat",
+    "reduce_scatter_uses_exchange",
     "send",
 ]

@@ -6,7 +6,8 @@ step a fallback needs (slicing after an all-reduce, dividing for ``avg`` on back
 caller never sees which path was taken.
 
 Flat collectives:
-  reduce_scatter_flat: input ``[world * n]`` -> output ``[n]`` holding the reduction of chunk ``group_rank``.
+  reduce_scatter_flat: input ``[world * n]`` -> output ``[n]`` holding the reduction of chunk ``group_rank``
+                       (on gloo an all-to-all plus a local sum: the one place that knows it).
   all_gather_flat:     input ``[n]`` -> output ``[world * n]``, chunk ``r`` from group rank ``r``.
 """
 from __future__ import annotations
@@ -204,25 +205,68 @@ def _check_pair(output: torch.Tensor, input: torch.Tensor, big: str, ratio: int)
         )
 
 
+def collective_device(group: "Group | GroupRef") -> torch.device:
+    """The device this group's collectives run on: the current CUDA device under NCCL, else the CPU."""
+    pg = as_group(group)
+    return torch.device("cuda", torch.cuda.current_device()) if _backend(pg, "cuda") == "nccl" else torch.device("cpu")
+
+
+def _backend(pg: dist.ProcessGroup, device_type: str) -> str:
+    """The backend ``pg`` uses for tensors on ``device_type`` ("cpu:gloo,cuda:nccl" style names are split)."""
+    name = str(dist.get_backend(pg))
+    if ":" not in name:
+        return name
+    table = dict(part.split(":", 1) for part in name.split(",") if ":" in part)
+    return table.get(device_type, next(iter(table.values())))
+
+
+def reduce_scatter_uses_exchange(group: "Group | GroupRef", device: torch.device | str = "cpu") -> bool:
+    """Whether :func:`reduce_scatter_flat` (sum / avg) on ``group`` runs as an all-to-all plus a local sum (gloo):
+    it then holds one more ``input``-sized buffer (the received chunks) while in flight."""
+    return _backend(as_group(group), torch.device(device).type) == "gloo"
+
+
 def reduce_scatter_flat(
     output: torch.Tensor, input: torch.Tensor, group: Group, *, op: str = "sum", async_op: bool = False,
     counter: CommCounter | None = None,
 ) -> Handle | None:
-    """``output[n] = reduce_r input_r[group_rank * n : (group_rank + 1) * n]`` over the ranks r of ``group``."""
+    """``output[n] = reduce_r input_r[group_rank * n : (group_rank + 1) * n]`` over the ranks r of ``group``.
+
+    Paths, picked here (the caller never sees which): on gloo, sum / avg run as an all-to-all of the chunks and a
+    local sum in rank order (the same bytes, 2-3x faster than gloo's own reduce-scatter at ZeRO unit sizes, measured
+    800k floats dp=2: ~2 ms vs ~5 ms; it holds one more ``input``-sized buffer while in flight, see
+    :func:`reduce_scatter_uses_exchange`); elsewhere ``reduce_scatter_tensor``; where neither exists, an all-reduce of
+    a copy (2x traffic). Counted once, as the reduce-scatter it is, whichever path runs.
+    """
     pg = as_group(group)
     size = dist.get_world_size(pg)
     _check_pair(output, input, "input", size)
+    reduce_op = _op(op)
     if counter is not None:
         counter.record("reduce_scatter", input.numel(), (size - 1) / size * input.numel() * input.element_size())
+    if op in ("sum", "avg") and reduce_scatter_uses_exchange(pg, input.device):
+        received = torch.empty_like(input)
+        try:
+            work = dist.all_to_all_single(received, input, group=pg, async_op=True)
+        except (RuntimeError, NotImplementedError, AttributeError) as err:
+            if not _unsupported(err):
+                raise
+        else:
+            def summed() -> None:
+                torch.sum(received.view(size, -1), dim=0, out=output.view(-1))
+                if op == "avg":
+                    output.div_(size)
+
+            return _finish(async_op, [work], summed)
     finish = (lambda: output.div_(size)) if op == "avg" else None
     try:
-        work = dist.reduce_scatter_tensor(output, input, op=_op(op), group=pg, async_op=True)
+        work = dist.reduce_scatter_tensor(output, input, op=reduce_op, group=pg, async_op=True)
     except (RuntimeError, NotImplementedError, AttributeError) as err:
         if not _unsupported(err):
             raise
         # fallback for backends/versions without reduce-scatter: all-reduce a copy, keep our chunk (2x traffic)
         scratch = input.clone()
-        work = dist.all_reduce(scratch, op=_op(op), group=pg, async_op=True)
+        work = dist.all_reduce(scratch, op=reduce_op, group=pg, async_op=True)
         me = dist.get_rank(pg)
         n = output.numel()
 
@@ -316,7 +360,7 @@ def check_same_on_ranks(fingerprint: str, group: "Group | GroupRef", *, what: st
 
     pg = as_group(group)
     digest = int(hashlib.sha256(fingerprint.encode()).hexdigest()[:15], 16)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(pg) == "nccl" else torch.device("cpu")
+    device = collective_device(pg)
     mine = torch.tensor([digest], dtype=torch.int64, device=device)
     everyone = torch.empty(dist.get_world_size(pg), dtype=torch.int64, device=device)
     all_gather_flat(everyone, mine, pg)

@@ -6,8 +6,9 @@ Shapes (B = batch, T = tokens <= seq_len, d = d_model, V = vocab_size, h = n_hea
     for each block:  x = x + attn(ln1(x));  x = x + mlp(ln2(x))
     ln_f -> lm_head -> logits [B, T, V]
 
-Module names are stable so that a tensor-parallel plan can match them by pattern, and ``blocks`` is an
-``nn.ModuleList`` so that a pipeline split can cut it:
+Module names are stable so that a tensor-parallel plan can match them by pattern, and ``pipeline_blocks()`` gives
+the sequence a pipeline split cuts (``embed``, ``blocks.0`` ... ``blocks.{n-1}``, ``head``: :class:`GPTEmbedding`,
+the blocks, :class:`GPTHead`, sharing the model's modules):
 
     tok_emb                 nn.Embedding  W: [V, d]            (vocab-parallel: split rows)
     pos_emb                 nn.Embedding  W: [seq_len, d]      (replicated)
@@ -140,6 +141,37 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(flat, targets.reshape(-1))
 
 
+class GPTEmbedding(nn.Module):
+    """ids [B, T] (int) -> dropout(tok_emb(ids) + pos_emb(arange(T))): [B, T, d]. Shares ``gpt``'s modules."""
+
+    def __init__(self, gpt: "GPT") -> None:
+        super().__init__()
+        self.tok_emb = gpt.tok_emb
+        self.pos_emb = gpt.pos_emb
+        self.drop = gpt.drop
+        self.seq_len = gpt.config.seq_len
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        if idx.dim() != 2:
+            raise ValueError(f"idx must be [batch, tokens], got shape {tuple(idx.shape)}")
+        if idx.shape[1] > self.seq_len:
+            raise ValueError(f"sequence of {idx.shape[1]} tokens is longer than seq_len={self.seq_len}")
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        return self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+
+
+class GPTHead(nn.Module):
+    """x [B, T, d] -> lm_head(ln_f(x)): logits [B, T, V]. Shares ``gpt``'s modules."""
+
+    def __init__(self, gpt: "GPT") -> None:
+        super().__init__()
+        self.ln_f = gpt.ln_f
+        self.lm_head = gpt.lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(x))
+
+
 class GPT(nn.Module):
     """The GPT. ``GPT(cfg, seed=s)`` gives the same weights for the same ``s`` on any device and dtype
     (drawn in fp32 on a CPU generator, then cast), so single-device and parallel runs start equal."""
@@ -199,6 +231,13 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.lm_head(self.ln_f(x))
+
+    def pipeline_blocks(self) -> list[tuple[str, nn.Module]]:
+        """The model as the sequence of blocks a pipeline split cuts (``llmpar.pipeline.blocks.to_blocks``):
+        ``embed`` (ids [B, T] -> x [B, T, d]), ``blocks.{i}`` (x -> x), ``head`` (x -> logits [B, T, V]). The
+        blocks hold this model's own modules, so tied weights stay shared and tensor-parallel plans still match."""
+        return [("embed", GPTEmbedding(self)), *((f"blocks.{i}", b) for i, b in enumerate(self.blocks)),
+                ("head", GPTHead(self))]
 
     @staticmethod
     def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Pipeline parallelism: cut a model into stages (:func:`split`) and run them with the schedules of
+"""Pipeline parallelism: cut a model into stages (:func:`split`, ``stages.py``) and run them with the schedules of
 ``torch.distributed.pipelining`` (GPipe, 1F1B, interleaved 1F1B) through :class:`PipelineRunner`, adding what they
 lack for us: tensor-parallel layers inside each stage, tied embeddings across the first and last stage, loss and
 gradient-accumulation semantics equal to plain training, bubble accounting, and failures reported on every rank.
@@ -21,8 +21,8 @@ from llmpar.pipeline._failure import PipelineStageError
 from llmpar.pipeline.blocks import StageModule, to_blocks
 from llmpar.pipeline.partition import balanced_boundaries
 from llmpar.pipeline.runner import PipelineRunner, StepStats
-from llmpar.pipeline.schedules import SCHEDULES, bubble_fraction
-from llmpar.pipeline.layout import PipelineSplit, StageInfo, split
+from llmpar.pipeline.schedules import SCHEDULES, bubble_fraction, normalize_schedule
+from llmpar.pipeline.stages import PipelineSplit, StageInfo, split
 from llmpar.pipeline.zero import zero_optimizer
 
 
@@ -44,8 +44,6 @@ def build_pipeline(
 ) -> PipelineRunner:
     """``split`` + ``PipelineRunner`` in one call. ``virtual_stages`` defaults to 2 for the interleaved schedule,
     else 1; ``dp_group="mesh"`` averages gradients over the mesh's dp axis (pass None to leave that to ZeRO)."""
-    from llmpar.pipeline.schedules import normalize_schedule
-
     name = normalize_schedule(schedule)
     if virtual_stages is None:
         virtual_stages = 2 if name == "interleaved_1f1b" else 1

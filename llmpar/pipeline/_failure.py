@@ -38,6 +38,16 @@ class FailureChannel:
         self.store = _store()
         self.broken: str | None = None
 
+    @classmethod
+    def for_runner(cls, *, poll_s: float = 0.02) -> "FailureChannel":
+        """A channel for the next pipeline runner this rank builds: ``runner<n>`` for the n-th, counted in the job's
+        store per global rank (every rank builds its runners in the same order, so the n-th runners of all ranks
+        share a key, and a failed runner's key never reaches a later runner). The count lives in the store, not in
+        this process: it starts afresh with a new process group."""
+        store = _store()
+        n = store.add(f"llmpar/pipeline/runners/rank{dist.get_rank()}", 1) if store is not None else 0
+        return cls(f"runner{n}", poll_s=poll_s)
+
     def _posted(self) -> str | None:
         if self.store is None or not self.store.check([self.key]):
             return None

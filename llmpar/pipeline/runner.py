@@ -33,13 +33,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from llmpar.distributed.collectives import Group, GroupRef, all_gather_flat, all_reduce, as_group, group_size
+from llmpar.distributed.collectives import Group, GroupRef, all_gather_flat, all_reduce, group_size
+from llmpar.optim.grad_norm import clip_grad_norm_
 from llmpar.pipeline._failure import FailureChannel
 from llmpar.pipeline._stage import MeteredStage
 from llmpar.pipeline.schedules import bubble_fraction, check_schedule, schedule_class
-from llmpar.pipeline.layout import PipelineSplit
-
-_RUNNERS = itertools.count()
+from llmpar.pipeline.stages import PipelineSplit
+from llmpar.pipeline.tied import resolve_tied, set_grad, sync_tied_grads, sync_tied_zero
 
 
 @dataclass(kw_only=True)
@@ -98,9 +98,10 @@ class PipelineRunner:
         blocks = [b for s in split.stage_indices for b in split.stages[s].blocks]
         self.where = (f"global rank {rank}, pp rank {split.pp_rank} (stage{'s' if len(self.stages) > 1 else ''} "
                       f"{', '.join(map(str, split.stage_indices))}: {', '.join(blocks)})")
-        self.channel = FailureChannel(f"runner{next(_RUNNERS)}")
+        self.channel = FailureChannel.for_runner()
         self._params = _unique(p for m in split.modules for p in m.parameters())
-        self._tied = self._resolve_tied()
+        # tied weights (tied.py): this rank's copies, and those the grad norm skips (read by llmpar.checkpoint)
+        self._tied, self._tied_duplicates = resolve_tied(split, self.device)
         self.zero: Any = None  # a ZeroOptimizer that reduces the grads over dp (attach_zero)
         self.batch_rows: int | None = None  # set by the engine: rows every step's batch must have
         self._targets: torch.Tensor | None = None
@@ -147,31 +148,14 @@ class PipelineRunner:
             return self.channel.run(lambda: self._step(inputs, targets), self.where)
         return self._step(inputs, targets)
 
-    @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float) -> float:
-        """Scale gradients so that the whole model's gradient norm is at most ``max_norm``; returns the norm.
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale gradients so that the whole model's gradient norm is at most ``max_norm`` (torch's coefficient, on
+        the device: no host sync); returns the norm before clipping, a float64 0-d tensor.
 
         Tensor-parallel shards are summed over tp, replicated parameters counted once, tied copies once, and the
-        stages' sums added over pp: every rank gets the norm of the unsplit model."""
-        if not max_norm > 0:
-            raise ValueError(f"max_norm={max_norm} must be positive")
-        skip = {id(p) for p in self._tied_duplicates}
-        sq = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for p in self._params:
-            if p.grad is None or id(p) in skip:
-                continue
-            sq[0 if getattr(p, "tensor_model_parallel", False) else 1] += p.grad.double().pow(2).sum()
-        if self.split.tp_group is not None:
-            all_reduce(sq[:1], self.split.tp_group)  # sq[:1] is a view: reduced in place
-        total_sq = sq[:1] + sq[1:]
-        all_reduce(total_sq, self.split.pp_group)
-        total = float(total_sq.sqrt())
-        coef = max_norm / (total + 1e-6)
-        if coef < 1.0:
-            for p in self._params:
-                if p.grad is not None:
-                    p.grad.mul_(coef)
-        return total
+        stages' sums added over pp: every rank gets the norm of the unsplit model (``llmpar.optim.grad_norm``)."""
+        return clip_grad_norm_(self._params, max_norm, tp_group=self.split.tp_group, pp_group=self.split.pp_group,
+                               skip=self._tied_duplicates)
 
     def bubble_formula(self) -> float:
         return bubble_fraction(self.schedule_name, pp=self.split.pp, micro_batches=self.micro_batches,
@@ -191,32 +175,6 @@ class PipelineRunner:
                           bubble_formula=s.bubble_formula) for w, b, f, a in rows]
 
     # ------------------------------------------------------------------ internals
-
-    def _resolve_tied(self) -> list[tuple[nn.Parameter | None, int]]:
-        """Per shared parameter: this rank's copy (or None) and its numel, agreed over pp (max)."""
-        local: list[nn.Parameter | None] = []
-        self._tied_duplicates: list[nn.Parameter] = []
-        for where in self.split.tied:
-            p = None
-            for s, name in sorted(where.items()):
-                if s in self.split.stage_indices:
-                    p = self.split.modules[self.split.stage_indices.index(s)].get_parameter(name)
-                    if s != min(where):
-                        self._tied_duplicates.append(p)  # counted once, on the lowest stage, by the grad norm
-                    break
-            local.append(p)
-        if not local:
-            return []
-        big = 2**62
-        sizes = torch.tensor([[p.numel() if p is not None else 0 for p in local],
-                              [-p.numel() if p is not None else -big for p in local]], dtype=torch.int64,
-                             device=self.device)
-        all_reduce(sizes, self.split.pp_group, op="max")  # row 0: largest copy, row 1: -(smallest copy)
-        for where, hi, lo in zip(self.split.tied, sizes[0].tolist(), sizes[1].tolist()):
-            if hi != -lo:
-                raise ValueError(f"the shared parameter {where} has copies of {-lo} and {hi} elements on different "
-                                 "stages: tie only parameters that every stage splits alike (same tp plan kind)")
-        return list(zip(local, sizes[0].tolist()))
 
     def _cut(self, data: torch.Tensor | Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
         m = self.micro_batches
@@ -292,29 +250,14 @@ class PipelineRunner:
         if self.split.pp > 1:
             all_reduce(loss, self.split.pp_group)  # only the last stage's is non-zero
         if self.zero is not None:
-            from llmpar.pipeline.zero import sync_tied_zero
-
             sync_tied_zero(self, self.zero)
             if group_size(self.zero.dp_group) > 1:
                 all_reduce(loss, self.zero.dp_group, op="avg")
             return float(loss)
-        self._sync_tied()
+        sync_tied_grads(self._tied, self.split.pp_group, self.device)
         if self.dp_group is not None and group_size(self.dp_group) > 1:
             loss = self._sync_dp(loss)
         return float(loss)
-
-    def _sync_tied(self) -> None:
-        if not self._tied:
-            return
-        flat = torch.cat([(p.grad.reshape(-1).double() if p is not None and p.grad is not None else
-                           torch.zeros(n, device=self.device, dtype=torch.float64))
-                          for p, n in self._tied])  # float64 on every rank: middle stages hold no copy
-        all_reduce(flat, self.split.pp_group)
-        offset = 0
-        for p, n in self._tied:
-            if p is not None:
-                _set_grad(p, flat[offset: offset + n])
-            offset += n
 
     def _sync_dp(self, loss: torch.Tensor) -> torch.Tensor:
         """Average every local gradient and the loss over the dp group in one all-reduce."""
@@ -326,16 +269,9 @@ class PipelineRunner:
         offset = 0
         for p in self._params:
             n = p.numel()
-            _set_grad(p, flat[offset: offset + n])
+            set_grad(p, flat[offset: offset + n])
             offset += n
         return flat[-1:].double()
-
-
-def _set_grad(p: nn.Parameter, flat: torch.Tensor) -> None:
-    if p.grad is None:
-        p.grad = flat.view_as(p).to(p.dtype).clone()
-    else:
-        p.grad.copy_(flat.view_as(p.grad))
 
 
 def _unique(params: Any) -> list[nn.Parameter]:

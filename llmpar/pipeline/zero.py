@@ -10,25 +10,23 @@
 The global gradient norm is that of the whole unsplit model: partition sums over dp, tensor-parallel shards summed
 over tp, the stages' sums added over pp, and a weight tied between stages (embedding and head) counted once (the copy
 on the lowest stage). Tied weights: every copy receives the sum over pp of the copies' reduced gradients, so the
-copies, updated by different optimizers on the same gradient, stay equal.
+copies, updated by different optimizers on the same gradient, stay equal (``tied.sync_tied_zero``, which the runner
+calls; re-exported here).
 """
 from __future__ import annotations
 
 from typing import Any
 
-import torch
-
-from llmpar.distributed.collectives import all_reduce, group_size
 from llmpar.pipeline.runner import PipelineRunner
+from llmpar.pipeline.tied import sync_tied_zero
+from llmpar.zero.optimizer import ZeroOptimizer
 
 
 def zero_optimizer(runner: PipelineRunner, optimizer_config: Any = None, *, stage: int = 1,
-                   dp_group: Any = "split", **kwargs: Any) -> Any:
+                   dp_group: Any = "split", **kwargs: Any) -> ZeroOptimizer:
     """A ZeroOptimizer over ``runner.parameters()`` on the split's dp group (``dp_group=`` to override), with the
     split's tp and pp groups for the global norm and tied copies skipped there; attached to the runner
     (:meth:`PipelineRunner.attach_zero`). ``kwargs`` go to ZeroOptimizer (``max_grad_norm``, ``zero_config``, ...)."""
-    from llmpar.zero.optimizer import ZeroOptimizer
-
     if not isinstance(runner, PipelineRunner):
         raise TypeError(f"runner must be a PipelineRunner, got {type(runner).__name__}")
     if stage == 3:
@@ -51,33 +49,6 @@ def zero_optimizer(runner: PipelineRunner, optimizer_config: Any = None, *, stag
                         norm_skip=runner._tied_duplicates, **kwargs)
     runner.attach_zero(opt)
     return opt
-
-
-@torch.no_grad()
-def sync_tied_zero(runner: PipelineRunner, opt: Any) -> None:
-    """Reduce the grads over dp, then give every copy of each tied weight the sum over pp of the copies' gradients.
-
-    A copy's reduced gradient is spread over the dp ranks of its stage in slices that differ between stages (their
-    flat layouts differ), so each rank writes its slices into a zero vector of the full size, sums it over pp and then
-    over dp (stages 1/2: each element lives on one dp rank per stage), and reads its slices back."""
-    opt.reduce_gradients()
-    if not runner._tied:
-        return
-    device = runner.device
-    flat = torch.zeros(sum(n for _, n in runner._tied), dtype=torch.float64, device=device)
-    pieces: list[tuple[torch.Tensor, int]] = []
-    offset = 0
-    for p, n in runner._tied:
-        if p is not None:
-            for view, a, z in opt.grad_pieces(p):
-                flat[offset + a: offset + z] = view.to(flat.dtype)
-                pieces.append((view, offset + a))
-        offset += n
-    all_reduce(flat, runner.split.pp_group)
-    if opt.stage > 0 and group_size(opt.dp_group) > 1:
-        all_reduce(flat, opt.dp_group)
-    for view, at in pieces:
-        view.copy_(flat[at: at + view.numel()])
 
 
 __all__ = ["sync_tied_zero", "zero_optimizer"]

@@ -19,23 +19,37 @@ import torch
 from torch import nn
 
 InitFn = Callable[[nn.Module], None]
+_INIT_FN = "_llmpar_init_fn"  # attribute naming the init_fn on params built inside an Init(init_fn=...) block
 
 
 class Init:
-    """Context: modules built inside it live on the meta device (nothing allocated); see the module docstring."""
+    """Context: modules built inside it live on the meta device (nothing allocated); see the module docstring.
 
-    current_init_fn: InitFn | None = None
+    With ``init_fn`` every param registered inside the block carries it (an attribute of the meta param, carried over
+    to its replacement), so the model built here is materialised with it even if other models are built in between:
+    no state outside the params."""
 
     def __init__(self, init_fn: InitFn | None = None) -> None:
         self.init_fn = init_fn
         self._device = torch.device("meta")
+        self._hook: Any = None
 
     def __enter__(self) -> "Init":
         self._device.__enter__()
-        Init.current_init_fn = self.init_fn
+        if self.init_fn is not None:
+            init_fn = self.init_fn
+
+            def tag(module: nn.Module, name: str, param: Any) -> None:
+                if param is not None:
+                    setattr(param, _INIT_FN, init_fn)
+
+            self._hook = nn.modules.module.register_module_parameter_registration_hook(tag)
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
         self._device.__exit__(*exc)
 
 
@@ -61,6 +75,8 @@ def replace_meta_params(model: nn.Module, device: torch.device) -> dict[int, nn.
             new = mapping.get(id(p))
             if new is None:
                 new = mapping[id(p)] = nn.Parameter(_empty_like_meta(p, device), requires_grad=p.requires_grad)
+                if hasattr(p, _INIT_FN):
+                    setattr(new, _INIT_FN, getattr(p, _INIT_FN))
             mod._parameters[name] = new
         for name, buf in list(mod._buffers.items()):
             if buf is not None and buf.is_meta:
@@ -120,7 +136,8 @@ def materialize_sharded(opt: Any) -> None:
         owned = [p for p in opt.plan.needs[mi] if opt.plan.owner[id(p)] == mi and id(p) in opt._deferred]
         if not owned:
             continue
-        n = materialize_unit(unit, owned, nested - {id(unit)}, opt.seed, mi, Init.current_init_fn)
+        init_fn = next((getattr(p, _INIT_FN) for p in owned if hasattr(p, _INIT_FN)), None)
+        n = materialize_unit(unit, owned, nested - {id(unit)}, opt.seed, mi, init_fn)
         opt.init_peak_numel = max(opt.init_peak_numel, n)
         for p in owned:
             if id(p) not in where:

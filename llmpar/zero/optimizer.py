@@ -14,13 +14,13 @@ offload_optimizer moves grads + master + moments to the host (fp32 there: 16 psi
 param shards (``offload.py``). Stage 3 shards frozen params too (``frozen_buffers``: gathered, never stepped).
 (fp32 grad accumulators when ``grad_accum_dtype=torch.float32``: grads 4 psi resp. 4 psi / N.)
 
-step(): the global gradient norm (partition norms summed over dp; tensor-parallel params summed over tp, replicated
-ones counted once) -> clip coefficient and found-inf flag -> one fused ``adamw_step`` per flat buffer over this rank's
-partition (the coefficient applied inside; a non-finite norm skips the step on every rank: norm, flag and skip count
-stay on the device, ``stats.py``; ``skipped_steps`` / ``last_grad_norm`` read them when asked) -> the updated shards
-all-gathered unit by unit straight into the param buffer (stages 1/2; at most ``allgather_bucket_size``
-elements in flight). Communication per step: stage 0 an all-reduce (2 psi), stages 1/2 reduce-scatter + all-gather
-(psi + psi).
+step(): the global gradient norm (``llmpar.optim.grad_norm``: partition norms summed over dp; tensor-parallel params
+summed over tp, replicated ones counted once) -> clip coefficient and found-inf flag -> one fused ``adamw_step`` per
+flat buffer over this rank's partition (the coefficient applied inside; a non-finite norm skips the step on every
+rank: norm, flag and skip count stay on the device, ``stats.py``; ``skipped_steps`` / ``last_grad_norm`` read them
+when asked) -> the updated shards all-gathered unit by unit straight into the param buffer (stages 1/2; at most
+``allgather_bucket_size`` elements in flight). Communication per step: stage 0 an all-reduce (2 psi), stages 1/2
+reduce-scatter + all-gather (psi + psi).
 """
 from __future__ import annotations
 
@@ -31,12 +31,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmpar.distributed.collectives import (CommCounter, Group, GroupRef, Handle, all_gather_flat, all_reduce,
+from llmpar.distributed.collectives import (CommCounter, Group, GroupRef, Handle, all_gather_flat,
                                             check_same_on_ranks, group_rank, group_size)
 from llmpar.ops.adamw import adamw_step
 from llmpar.ops.bucket import pack_bucket
-from llmpar.ops.grad_norm import clip_coefficient, grad_norm
+from llmpar.ops.grad_norm import clip_coefficient
 from llmpar.optim.adamw import MODES, resolve_precision, state_dtypes
+from llmpar.optim.grad_norm import global_grad_norm
 from llmpar.zero.config import OptimizerConfig, ZeroConfig, param_groups
 from llmpar.zero.grads import FlatBuffer, GradReducer
 from llmpar.zero.init import default_device, materialize_sharded, remap_params, replace_meta_params
@@ -44,7 +45,7 @@ from llmpar.zero.layout import FlatLayout
 from llmpar.zero.offload import Copier, Placement, host_step_buffer, master_dtype
 from llmpar.zero.stage3 import (Stage3Runtime, UnitPlan, UnitPolicy, frozen_buffers, shard_params,
                                  split_persistent)
-from llmpar.zero.stats import StepApplied, StepStats
+from llmpar.zero.stats import NormStats, StepApplied
 
 logger = logging.getLogger("llmpar")
 
@@ -94,7 +95,7 @@ class ZeroOptimizer:
         self.dp, self.rank = group_size(self.dp_group), group_rank(self.dp_group)
         self.max_grad_norm, self.counter, self.seed = max_grad_norm, counter, seed
         self.param_groups = groups
-        self.stats = StepStats()  # grad norm + skipped steps, on the device until read
+        self.stats = NormStats()  # grad norm + skipped steps, on the device until read
         self.frozen = [p for g in self.param_groups for p in g["params"] if not p.requires_grad]
         device = next(p.device for g in self.param_groups for p in g["params"])
         self.placement = Placement(device, offload_optimizer=zcfg.offload_optimizer, offload_param=zcfg.offload_param)
@@ -233,30 +234,19 @@ class ZeroOptimizer:
 
     # ------------------------------------------------------------------- step
     def _global_norm(self) -> torch.Tensor:
-        device = self.buffers[0].flat.device
-        wide = any(b.grad.dtype == torch.float64 for b in self.buffers)
-        sq = torch.zeros(2, dtype=torch.float64 if wide else torch.float32, device=device)  # [tp-split, replicated]
+        """The whole model's grad norm (``llmpar.optim.grad_norm``, float64 0-d on the device): this rank's partitions
+        summed over dp (stages 1/2), tensor-parallel buffers over tp, stages over pp; ``norm_skip`` params left out."""
+        repl: list[torch.Tensor] = []
+        split: list[torch.Tensor] = []
         for b in self.buffers:
-            grads = self._grads(b)
-            if b.grad.dtype == torch.float64:  # the fused norm takes float32/bf16/fp16
-                part = torch.stack(torch._foreach_norm(grads, 2)).square().sum()
+            if self._norm_skip and any(id(p) in self._norm_skip for p in b.params):
+                grads = [v for i, v, _a, _z in self._grad_pieces(b) if id(b.params[i]) not in self._norm_skip]
             else:
-                part = grad_norm(grads).square()
-            sq[0 if b.tp_split else 1] += part.to(device, sq.dtype)
-            if self._norm_skip:  # skipped params' pieces out of this rank's sum
-                for i, view, _a, _z in self._grad_pieces(b):
-                    if id(b.params[i]) in self._norm_skip:
-                        sq[0 if b.tp_split else 1] -= view.to(sq.dtype).square().sum()
-        if self.stage > 0 and self.dp > 1:
-            all_reduce(sq, self.dp_group, counter=self.counter)
-        if self.tp_group is not None and group_size(self.tp_group) > 1:
-            split = sq[:1]
-            all_reduce(split, self.tp_group, counter=self.counter)
-        if self.pp_group is not None and group_size(self.pp_group) > 1:
-            total = sq.sum().reshape(1)
-            all_reduce(total, self.pp_group, counter=self.counter)
-            return total[0].clamp_min(0).sqrt()
-        return sq.sum().sqrt()
+                grads = self._grads(b)
+            (split if b.tp_split else repl).extend(grads)
+        return global_grad_norm(repl, split=split, tp_group=self.tp_group, pp_group=self.pp_group,
+                                dp_group=self.dp_group if self.stage > 0 else None,
+                                device=self.buffers[0].flat.device, counter=self.counter)
 
     def _grad_pieces(self, b: FlatBuffer) -> list[tuple[int, torch.Tensor, int, int]]:
         """(param index, view into this rank's grads, start, stop in the param's flat view) for buffer ``b``."""

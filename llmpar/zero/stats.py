@@ -31,8 +31,9 @@ class StepApplied:
         return f"StepApplied({bool(self)})"
 
 
-class StepStats:
-    """The last grad norm and the skipped-step count of one optimizer, on the device until read."""
+class NormStats:
+    """The last grad norm and the skipped-step count of one optimizer, on the device until read. (Not the pipeline's
+    per-step timing stats, ``llmpar.pipeline.StepStats``.)"""
 
     def __init__(self) -> None:
         self._norm: torch.Tensor | float | None = None

@@ -1,4 +1,4 @@
-"""``split(model, mesh, ...)``: cut a model into pipeline stages and keep this rank's.
+"""``split(model, mesh, ...)``: cut a model into pipeline stages and keep this rank's (:class:`PipelineSplit`).
 
 The model is read as a sequence of blocks (:func:`llmpar.pipeline.blocks.to_blocks`). ``pp * virtual_stages``
 stages are cut contiguously, balanced by parameter count (``by="params"``), by measured forward+backward time of
