@@ -123,3 +123,38 @@ def test_tensor_parallel_block_builds_the_mesh_and_splits_the_model():
     ref = _single(4, 4)
     for rank, losses in enumerate(outs):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-7, atol=1e-9, msg=f"rank {rank}")
+
+
+def one_bad_rank_body(kind, tmpdir):
+    """Rank 1 alone gets an invalid config; every rank must report rank 1's own error (no hang, no peer reset)."""
+    import json
+    import os
+
+    good = {"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    config: object = good
+    if dist.get_rank() == 1:
+        config = {**good, "zero_optimisation": {"stage": 2}} if kind == "key" else os.path.join(tmpdir, "missing.json")
+    mesh = llmpar.init_distributed(tp=2).mesh if kind == "mesh" else None
+    if kind == "mesh" and dist.get_rank() == 1:
+        config = {**good, "optimizer": {"type": "AdamW", "params": {"lr": float("inf")}}}
+    try:
+        llmpar.initialize(model=torch.nn.Linear(3, 3), config=config, mesh=mesh)
+    except (ValueError, TypeError) as e:
+        return type(e).__name__, str(e)
+    return None
+
+
+@pytest.mark.parametrize("kind, world, match", [
+    ("key", 2, 'did you mean "zero_optimization"'),
+    ("file", 2, "missing.json cannot be read"),
+    ("mesh", 4, "optimizer.params.lr.*finite"),
+])
+def test_a_config_invalid_on_one_rank_fails_every_rank_with_its_message(kind, world, match, tmp_path):
+    import re
+
+    outs = run_ranks(one_bad_rank_body, world, kind, str(tmp_path), timeout=60)
+    for rank, out in enumerate(outs):
+        assert out is not None, f"rank {rank} did not fail"
+        assert out[0] in ("ValueError", "TypeError") and re.search(match, out[1]), (rank, out)
+        if rank != 1:
+            assert "rank 1 failed" in out[1], (rank, out)

@@ -16,13 +16,15 @@ gradient_accumulation_steps > 1).
 """
 from __future__ import annotations
 
+import json
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from llmpar.distributed.collectives import CommCounter, Group, as_group, check_same_on_ranks, group_rank, group_size
+from llmpar.distributed.collectives import (CommCounter, Group, as_group, check_same_on_ranks, group_rank, group_size,
+                                          raise_if_any_failed)
 from llmpar.distributed.init import init_distributed
 from llmpar.pipeline import build_pipeline, zero_optimizer
 from llmpar.runtime.config import Blocks, Config, read_config
@@ -54,7 +56,7 @@ def initialize(*, model: nn.Module, config: dict | str | Config, model_parameter
     if optimizer is not None or lr_scheduler is not None:
         raise ValueError("llmpar.initialize takes the optimizer and scheduler from the config (\"optimizer\", "
                          "\"scheduler\" blocks); passing optimizer= / lr_scheduler= objects is not supported")
-    blocks = config if isinstance(config, Config) else Blocks.parse(read_config(config))
+    blocks = _agreed_blocks(config, [mesh] if mesh is not None else [g for g in (dp_group, tp_group) if g is not None])
     raw = blocks.raw
     pp, tp = blocks.degrees
     if "pipeline" in raw:
@@ -77,8 +79,6 @@ def initialize(*, model: nn.Module, config: dict | str | Config, model_parameter
     if next(model.parameters()).device.type == "meta" and cfg.zero.stage != 3:  # built under llmpar.zero.Init
         raise ValueError(f"the model is on the meta device (llmpar.zero.Init) but zero_optimization.stage is "
                          f"{cfg.zero.stage}: only stage 3 materialises a meta model")
-    for g in [dp_group] + ([tp_group] if tp_group is not None else []):
-        _check_same_config(cfg, g)
     if cfg.bf16:
         model.to(torch.bfloat16)
     params = model_parameters if model_parameters is not None else list(model.named_parameters())
@@ -110,7 +110,6 @@ def _initialize_pipeline(model: nn.Module, blocks: Blocks | Config, pp: int, tp:
     if cfg.zero.stage == 3:
         raise ValueError('"zero_optimization.stage"=3 is not supported with "pipeline": use stage 0, 1 or 2 (ZeRO '
                          "shards each stage's params over dp)")
-    _check_same_config(cfg, dist.group.WORLD)
     if cfg.bf16:
         model.to(torch.bfloat16)
     p = cfg.pipeline
@@ -125,6 +124,35 @@ def _initialize_pipeline(model: nn.Module, blocks: Blocks | Config, pp: int, tp:
     return engine, opt, _loader(training_data, collate_fn, cfg, dp_group), sched
 
 
+def _agreed_blocks(config: dict | str | Config, groups: list) -> Blocks | Config:
+    """Read and check the config on every rank before the first collective of the run, then agree on it: a config
+    one rank cannot read or parse fails on every rank with that rank's message, and configs that differ between
+    ranks fail everywhere (instead of a hang, or a peer's "connection closed", on the ranks that were fine).
+    ``groups``: the caller's mesh or groups (default: the whole job)."""
+    init_distributed()  # the default group (a world of one without torchrun)
+    blocks, error = None, None
+    try:
+        blocks = config if isinstance(config, Config) else Blocks.parse(read_config(config))
+    except (ValueError, TypeError) as e:
+        error = e
+    if not groups:
+        groups = [dist.group.WORLD]
+    elif hasattr(groups[0], "mesh_dim_names"):  # a mesh: its axes, in turn
+        groups = [groups[0][name].get_group() for name in groups[0].mesh_dim_names]
+    raise_if_any_failed(error, groups, what="llmpar.initialize: the config is invalid on one rank")
+    assert blocks is not None
+    fingerprint = json.dumps(blocks.raw, sort_keys=True, default=str)
+    same = None
+    for group in groups:
+        try:
+            check_same_on_ranks(fingerprint, group, what="the DeepSpeed config differs between ranks",
+                                hint="give every rank the same config")
+        except ValueError as e:
+            same = same or e
+    raise_if_any_failed(same, groups, what="the DeepSpeed config differs between ranks")
+    return blocks
+
+
 def _typed(blocks: Blocks | Config, dp: int) -> Config:
     """The config for ``dp`` ranks (a Config given by the caller must have been parsed for that dp)."""
     if isinstance(blocks, Config):
@@ -136,12 +164,6 @@ def _typed(blocks: Blocks | Config, dp: int) -> Config:
 
 def _accum_dtype(cfg: Config) -> torch.dtype | None:
     return torch.float32 if cfg.bf16 and cfg.gradient_accumulation_steps > 1 else None
-
-
-def _check_same_config(cfg: Config, group: Group) -> None:
-    """The same config on every rank of ``group``: a mismatch is a clear error on all of them, not a hang."""
-    check_same_on_ranks(cfg.fingerprint(), group, what="the DeepSpeed config differs between ranks",
-                        hint="give every rank the same config")
 
 
 def _resolve_groups(mesh: Any, dp_group: Group | None, tp_group: Group | None) -> tuple[Group, Group | None]:
