@@ -158,3 +158,22 @@ def test_a_config_invalid_on_one_rank_fails_every_rank_with_its_message(kind, wo
         assert out[0] in ("ValueError", "TypeError") and re.search(match, out[1]), (rank, out)
         if rank != 1:
             assert "rank 1 failed" in out[1], (rank, out)
+
+
+def different_seeds_body(stage):
+    """Every rank builds the GPT with its own seed: initialize must start all of them from dp rank 0's params."""
+    model = GPT(GPTConfig(**GPT_CFG), seed=1 + 100 * dist.get_rank(), dtype=torch.float64)
+    cfg = _ds_config(stage, 2)
+    if stage == 3:
+        cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    mesh = llmpar.init_distributed(tp=1).mesh
+    engine, _, _, _ = llmpar.initialize(model=model, config=cfg, mesh=mesh)
+    return engine_loop(engine, model, 3, 2, mesh["dp"])
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_ranks_built_with_different_seeds_start_from_rank0(stage):
+    outs = run_ranks(different_seeds_body, 2, stage, timeout=120)
+    ref = single_gpt_losses(GPT(GPTConfig(**GPT_CFG), seed=1, dtype=torch.float64), 3, 4)
+    for rank, losses in enumerate(outs):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-7, atol=1e-9, msg=f"rank {rank}")

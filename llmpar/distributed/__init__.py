@@ -7,19 +7,19 @@ from llmpar.distributed.collectives import (
     as_group,
     barrier,
     broadcast,
-    check_same_on_ranks,
+    broadcast_coalesced,
     collective_device,
     global_rank,
     group_rank,
     group_size,
     irecv,
     isend,
-    raise_if_any_failed,
     recv,
     reduce_scatter_flat,
     reduce_scatter_uses_exchange,
     send,
 )
+from llmpar.distributed.agree import check_same_on_ranks, raise_if_any_failed
 from llmpar.distributed.dims import MESH_AXES, ParallelDims
 from llmpar.distributed.init import DistEnv, destroy_distributed, init_distributed
 
@@ -34,6 +34,7 @@ __all__ = [
     "as_group",
     "barrier",
     "broadcast",
+    "broadcast_coalesced",
     "check_same_on_ranks",
     "collective_device",
     "destroy_distributed",

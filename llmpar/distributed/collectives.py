@@ -350,49 +350,20 @@ def barrier(group: Group) -> None:
     dist.barrier(group=as_group(group))
 
 
-def check_same_on_ranks(fingerprint: str, group: "Group | GroupRef", *, what: str, hint: str) -> None:
-    """Raise the same ``ValueError`` on every rank of ``group`` unless all of them passed the same ``fingerprint``.
-
-    One small all-gather of a 60-bit digest: cheap enough to run at start-up, and it turns a mismatch (different
-    models, configs or layouts on different ranks) into a clear error everywhere instead of a hang later.
-    """
-    import hashlib
-
-    pg = as_group(group)
-    digest = int(hashlib.sha256(fingerprint.encode()).hexdigest()[:15], 16)
-    device = collective_device(pg)
-    mine = torch.tensor([digest], dtype=torch.int64, device=device)
-    everyone = torch.empty(dist.get_world_size(pg), dtype=torch.int64, device=device)
-    all_gather_flat(everyone, mine, pg)
-    values = everyone.tolist()
-    if len(set(values)) > 1:
-        by_value: dict[int, list[int]] = {}
-        for r, h in enumerate(values):
-            by_value.setdefault(h, []).append(r)
-        raise ValueError(f"{what}: group ranks {sorted(by_value.values())} disagree (this is group rank "
-                         f"{dist.get_rank(pg)}); {hint}")
-
-
-def raise_if_any_failed(error: BaseException | None, groups: "Group | GroupRef | list", *, what: str) -> None:
-    """Collective over ``groups`` (one group, or several spanning a grid such as a mesh's axes, taken in turn): when
-    any rank passes an ``error``, every rank raises. A failing rank re-raises its own error; the others raise the same
-    exception type naming a failing rank (global rank) and its message, so that a fault on one rank (a config it
-    cannot read, a bad value) is reported everywhere, not as a hang or a "connection closed by peer" on the others.
-    Costs one small all-reduce per group (and a gather of the messages per group on failure)."""
-    pgs = [as_group(g) for g in (groups if isinstance(groups, (list, tuple)) else [groups])]
-    device = collective_device(pgs[0])
-    flag = torch.tensor([0 if error is None else 1], dtype=torch.int64, device=device)
-    for pg in pgs:  # the max over each group in turn: every rank of the grid learns whether any rank failed
-        all_reduce(flag, pg, op="max")
-    if not int(flag):
-        return
-    known = None if error is None else (dist.get_rank(), type(error).__name__, str(error))
-    for pg in pgs:  # pass a failing rank's message along in the same way
-        messages: list[Any] = [None] * dist.get_world_size(pg)
-        dist.all_gather_object(messages, known, group=pg)
-        known = known or next((m for m in messages if m is not None), None)
-    if error is not None:
-        raise error
-    rank, kind, message = known if known is not None else ("?", "RuntimeError", "(no message)")
-    exc = {"TypeError": TypeError, "ValueError": ValueError}.get(kind, RuntimeError)
-    raise exc(f"{what}: rank {rank} failed: {message}")
+def broadcast_coalesced(tensors: list[torch.Tensor], src: int, group: Group, *, bucket_numel: int = 1 << 25,
+                        counter: CommCounter | None = None) -> None:
+    """Broadcast every tensor of ``tensors`` from group rank ``src`` in place, as DDP does with the model at start-up:
+    one flat broadcast per (device, dtype) and bucket of at most ``bucket_numel`` elements (a bigger tensor alone)."""
+    buckets: dict[tuple[torch.device, torch.dtype], list[list[torch.Tensor]]] = {}
+    for t in tensors:
+        lists = buckets.setdefault((t.device, t.dtype), [[]])
+        if lists[-1] and sum(x.numel() for x in lists[-1]) + t.numel() > bucket_numel:
+            lists.append([])
+        lists[-1].append(t)
+    for ts in (ts for lists in buckets.values() for ts in lists):
+        flat = torch.cat([t.detach().reshape(-1) for t in ts])
+        broadcast(flat, src, group, counter=counter)
+        offset = 0
+        for t in ts:
+            t.detach().copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()

@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from llmpar.distributed.collectives import (CommCounter, Group, as_group, check_same_on_ranks, group_rank, group_size,
-                                          raise_if_any_failed)
+from llmpar.distributed.agree import check_same_on_ranks, raise_if_any_failed
+from llmpar.distributed.collectives import CommCounter, Group, as_group, group_rank, group_size
 from llmpar.distributed.init import init_distributed
 from llmpar.pipeline import build_pipeline, zero_optimizer
 from llmpar.runtime.config import Blocks, Config, read_config

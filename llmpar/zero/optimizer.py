@@ -31,8 +31,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmpar.distributed.collectives import (CommCounter, Group, GroupRef, Handle, all_gather_flat,
-                                            check_same_on_ranks, group_rank, group_size)
+from llmpar.distributed.agree import check_same_on_ranks
+from llmpar.distributed.collectives import (CommCounter, Group, GroupRef, Handle, all_gather_flat, broadcast_coalesced,
+                                            group_rank, group_size)
 from llmpar.ops.adamw import adamw_step
 from llmpar.ops.bucket import pack_bucket
 from llmpar.ops.grad_norm import clip_coefficient
@@ -101,6 +102,9 @@ class ZeroOptimizer:
         self.placement = Placement(device, offload_optimizer=zcfg.offload_optimizer, offload_param=zcfg.offload_param)
         self.copier = Copier(device)
         self.plan = UnitPlan(module, unit_policy) if stage == 3 else None
+        # every dp rank starts from dp rank 0's params (as DDP and DeepSpeed do): ranks built with different seeds
+        # would otherwise train different models (stage 0) or step mixed shards
+        broadcast_coalesced([p for g in groups for p in g["params"] if id(p) not in self._deferred], 0, self.dp_group)
         self.buffers = self._build_buffers(cfg.precision, grad_accum_dtype, align)
         self.frozen_buffers = frozen_buffers(module, self.buffers, lambda named: self._layout(named, self.dp, align),
                                              self.placement, self.rank, self._deferred) if stage == 3 else []
