@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 import llmpar
 from llmpar.checkpoint import files as ckfiles
+from llmpar.checkpoint import save_checkpoint
 from llmpar.models import GPT, GPTConfig
 from multirank import run_ranks
 
@@ -141,14 +142,11 @@ def crash_body(root, point):
         if where == point and dist.get_rank() == (1 if point == "shard_written" else 0):
             raise OSError(f"simulated crash at {where}")
 
-    ckfiles.FAULT_HOOK = hook
     try:
-        engine.save_checkpoint(root, tag="bad")
+        save_checkpoint(engine, root, tag="bad", fault_hook=hook)
         raised = None
     except ckfiles.CheckpointError as e:
         raised = str(e)
-    finally:
-        ckfiles.FAULT_HOOK = None
     fresh, fmodel = _engine(2, seed=5)
     path, _ = fresh.load_checkpoint(root)
     return raised, os.path.basename(path), fresh.global_steps, first

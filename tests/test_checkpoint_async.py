@@ -9,6 +9,7 @@ import pytest
 import torch.distributed as dist
 
 from llmpar.checkpoint import files as ckfiles
+from llmpar.checkpoint import save_checkpoint
 from llmpar.checkpoint.save import pending
 from test_checkpoint import _engine, _train
 from multirank import run_ranks
@@ -27,17 +28,14 @@ def async_resume_body(stage, k, root):
     engine, model = _engine(stage)
     ref = _train(engine, model, 0, k)
     release = threading.Event()
-    ckfiles.FAULT_HOOK = _hold_writer(release)
-    try:
-        path = engine.save_checkpoint(root, client_state={"data_pos": k}, async_save=True)
-        job = pending(engine)
-        assert job is not None and not job.done.is_set()  # returned before anything was written
-        ref += _train(engine, model, k, 2 * k)  # training goes on: params, moments, RNG, counters all move
-        assert not os.path.exists(os.path.join(root, "latest"))  # nothing published yet
-        release.set()
-        published = engine.wait_checkpoint()
-    finally:
-        ckfiles.FAULT_HOOK = None
+    path = save_checkpoint(engine, root, client_state={"data_pos": k}, async_save=True,
+                           fault_hook=_hold_writer(release))
+    job = pending(engine)
+    assert job is not None and not job.done.is_set()  # returned before anything was written
+    ref += _train(engine, model, k, 2 * k)  # training goes on: params, moments, RNG, counters all move
+    assert not os.path.exists(os.path.join(root, "latest"))  # nothing published yet
+    release.set()
+    published = engine.wait_checkpoint()
     assert published == path and pending(engine) is None and engine.wait_checkpoint() is None
     fresh, fmodel = _engine(stage, seed=7)
     _, client = fresh.load_checkpoint(root)
@@ -58,18 +56,14 @@ def async_failure_body(root):
     _train(engine, model, 0, 1)
     engine.save_checkpoint(root, tag="good")
     release = threading.Event()
-    ckfiles.FAULT_HOOK = _hold_writer(release, fail_rank=1)
+    save_checkpoint(engine, root, tag="bad", async_save=True, fault_hook=_hold_writer(release, fail_rank=1))
+    _train(engine, model, 1, 2)
+    release.set()
     try:
-        engine.save_checkpoint(root, tag="bad", async_save=True)
-        _train(engine, model, 1, 2)
-        release.set()
-        try:
-            engine.wait_checkpoint()
-            raised = None
-        except ckfiles.CheckpointError as e:
-            raised = str(e)
-    finally:
-        ckfiles.FAULT_HOOK = None
+        engine.wait_checkpoint()
+        raised = None
+    except ckfiles.CheckpointError as e:
+        raised = str(e)
     assert pending(engine) is None
     with open(os.path.join(root, "latest")) as f:
         latest_after_failure = f.read().strip()

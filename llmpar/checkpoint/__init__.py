@@ -5,14 +5,18 @@
     engine.save_checkpoint("ckpts", async_save=True); ...train...; engine.wait_checkpoint()  # written by a thread
     llmpar checkpoint consolidate ckpts/global_step100 out/                   # one full-precision state dict
 
-``files.py``: on-disk format, checksums, atomic publish; ``shards.py``: what a rank file holds and how any saved layout
-is cut back into named param ranges; ``reshard.py``: tensor-parallel splits recorded per param and cut for another tp;
-``view.py``: the plain and the pipeline engine seen alike (grid, params under the unsplit model's names);
-``save.py`` / ``load.py``: the collective save and load; ``consolidate.py``: the single-process consolidation and its
-CLI command.
+``protocol.py``: the typed seam, what an engine (``Checkpointable``) and its optimizer (``CheckpointOptimizer``) show
+a checkpoint: nothing else of theirs is read here, and this package imports neither ``llmpar.zero`` nor
+``llmpar.pipeline``; ``files.py``: on-disk format, checksums, atomic publish; ``shards.py``: what a rank file holds
+and how any saved layout is cut back into named param ranges; ``reshard.py``: tensor-parallel splits recorded per
+param and cut for another tp; ``view.py``: one save's or load's view of an engine (grid, params under the unsplit
+model's names); ``save.py`` / ``load.py``: the collective save and load; ``consolidate.py``: the single-process
+consolidation and its CLI command.
 """
 from llmpar.checkpoint.files import CheckpointError
 from llmpar.checkpoint.load import load_checkpoint
+from llmpar.checkpoint.protocol import Checkpointable, CheckpointOptimizer, Grid
 from llmpar.checkpoint.save import save_checkpoint, wait_checkpoint
 
-__all__ = ["CheckpointError", "load_checkpoint", "save_checkpoint", "wait_checkpoint"]
+__all__ = ["CheckpointError", "CheckpointOptimizer", "Checkpointable", "Grid", "load_checkpoint", "save_checkpoint",
+           "wait_checkpoint"]

@@ -18,10 +18,11 @@ import hashlib
 import json
 import os
 import shutil
-from typing import Any, BinaryIO, Callable
+from typing import Any, BinaryIO, cast
 
 import torch
 
+from llmpar.checkpoint.protocol import FaultHook
 from llmpar.distributed.collectives import Group, all_reduce
 
 METADATA = "metadata.json"
@@ -29,19 +30,14 @@ LATEST = "latest"
 CLIENT_STATE = "client_state.pt"
 FORMAT_VERSION = 1
 
-# Test hook: called with a point name ("before_write", "shard_written", "before_publish", "before_latest") on every rank
-# that reaches it; a hook that raises simulates a crash at that point. The first two run in the writer thread of an
-# async save.
-FAULT_HOOK: Callable[[str], None] | None = None
-
-
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written or read (names the file and the reason)."""
 
 
-def fault(point: str) -> None:
-    if FAULT_HOOK is not None:
-        FAULT_HOOK(point)
+def fault(hook: FaultHook | None, point: str) -> None:
+    """Call the test hook ``hook`` (``save_checkpoint(..., fault_hook=)``), if any, at ``point``."""
+    if hook is not None:
+        hook(point)
 
 
 def rank_file(dp_rank: int, tp_rank: int, pp_rank: int = 0, pp: int = 1) -> str:
@@ -70,7 +66,7 @@ def save_file(obj: Any, path: str) -> dict:
     """``torch.save`` to ``path`` (fsynced); returns ``{"sha256", "bytes"}`` of what was written."""
     with open(path, "wb") as f:
         w = _HashingWriter(f)
-        torch.save(obj, w)
+        torch.save(obj, cast(BinaryIO, w))  # torch.save needs only write() and flush()
         f.flush()
         os.fsync(f.fileno())
     return {"sha256": w.sha.hexdigest(), "bytes": w.bytes}
@@ -122,11 +118,12 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def publish(save_dir: str, tmp: str, tag: str) -> str:
+def publish(save_dir: str, tmp: str, tag: str, fault_hook: FaultHook | None = None) -> str:
     """Rank 0, after every rank wrote: ``tmp`` becomes ``save_dir/tag`` (an older one of that tag is replaced), then
-    ``latest`` names it. Returns the published path."""
+    ``latest`` names it. Returns the published path. ``fault_hook``: called at "before_publish" and
+    "before_latest" (tests)."""
     final = os.path.join(save_dir, tag)
-    fault("before_publish")
+    fault(fault_hook, "before_publish")
     if os.path.exists(final):  # re-saving a tag: move the old one aside first, delete it once the new one is in place
         trash = os.path.join(save_dir, f".old-{tag}")
         shutil.rmtree(trash, ignore_errors=True)
@@ -136,7 +133,7 @@ def publish(save_dir: str, tmp: str, tag: str) -> str:
     else:
         os.rename(tmp, final)
     _fsync_dir(save_dir)
-    fault("before_latest")
+    fault(fault_hook, "before_latest")
     latest = os.path.join(save_dir, LATEST)
     with open(latest + ".tmp", "w") as f:
         f.write(tag + "\n")

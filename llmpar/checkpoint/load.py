@@ -8,7 +8,10 @@ corrupt file is an error naming that file on every rank. Then:
                 master / moments / kahan compensation;
     stage 3:    its own param shard, master and moments; then the persistent gathered units are re-gathered.
 
-A state the saved mode did not have is derived: ``master`` from the params, ``kahan_comp`` zero. Step counts, the
+The engine and its optimizer are seen only through the checkpoint protocol (``protocol.py``): the plan asks the
+optimizer which element ranges it will read (``checkpoint_reads``), the optimizer fills its own shards from a callback
+(``load_pieces``) and derives a state the saved mode did not have (ZeRO: ``master`` from the params, ``kahan_comp``
+zero). Step counts, the
 scheduler, engine counters, param-group hyper-parameters and this rank's RNG states (when the saved run had a rank
 with the same pp, dp and tp rank) are restored. dp degree, ZeRO stage and offload may differ from the saved run, and
 so may tp (``reshard.py``: each split param and its optimizer states are rebuilt along the split dim from the saved
@@ -21,16 +24,16 @@ from __future__ import annotations
 import logging
 import os
 import traceback
-from typing import Any
 
 import torch
 
 from llmpar.checkpoint import files
 from llmpar.checkpoint.files import CheckpointError
+from llmpar.checkpoint.protocol import Checkpointable, Grid
 from llmpar.checkpoint.reshard import CheckpointReader, Cut
 from llmpar.checkpoint.save import wait_checkpoint
-from llmpar.checkpoint.shards import STATE_FALLBACK, set_rng_state, sharded_frozen
-from llmpar.checkpoint.view import EngineView, Grid
+from llmpar.checkpoint.shards import set_rng_state
+from llmpar.checkpoint.view import EngineView
 
 logger = logging.getLogger("llmpar")
 
@@ -38,43 +41,32 @@ logger = logging.getLogger("llmpar")
 def _cuts(view: EngineView) -> dict[str, Cut]:
     """{optimizer param name: how this rank holds it}."""
     specs, g = view.specs(), view.grid
-    return {b.layout.slot(i).name: Cut(shape=b.layout.slot(i).shape, spec=specs[b.layout.slot(i).name], tp=g.tp,
-                                       rank=g.tp_rank)
-            for b in view.opt.buffers for i in range(len(b.params))}
+    return {name: Cut(shape=shape, spec=specs[name], tp=g.tp, rank=g.tp_rank) for name, shape in view.shapes().items()}
 
 
 def _plan(view: EngineView, path: str, meta: dict) -> tuple[CheckpointReader, dict[str, Cut], set[str]]:
     """The reader, this rank's cuts and the set of files it will read; raises on a layout that cannot be loaded."""
     reader = CheckpointReader(path, meta)
-    opt, g, cuts = view.opt, view.grid, _cuts(view)
-    rank = opt.rank if opt.stage > 0 else 0
+    g, cuts = view.grid, _cuts(view)
     need: set[str] = set()
     missing = []
-    for b in opt.buffers:
-        for i in range(len(b.params)):
-            slot = b.layout.slot(i)
-            name = view.saved_name[slot.name]
+    for b, required in zip(view.layout, view.opt.checkpoint_required()):
+        present = []
+        for slot in b["params"]:
+            name = view.saved_name[slot["name"]]
             if name not in reader.where:
                 missing.append(name)
                 continue
-            reader.check(name, cuts[slot.name])
-        for u in range(len(b.layout.units)):
-            if b.shard is None:  # whole params needed (stages 0-2)
-                pieces = [(i, 0, b.layout.slot(i).numel) for i in b.layout.units[u].params]
-            else:
-                pieces = [(i, a, z) for i, a, z, _ in b.layout.param_slices(u, rank)]
-            for i, a, z in pieces:
-                local = b.layout.slot(i).name
-                if view.saved_name[local] in reader.where:
-                    need |= reader.files_for(view.saved_name[local], a, z, cuts[local])
-        for key in b.state:
-            if key not in STATE_FALLBACK and any(not reader.has(view.saved_name[b.layout.slot(i).name], key)
-                                                 for i in range(len(b.params))
-                                                 if view.saved_name[b.layout.slot(i).name] in reader.where):
-                raise CheckpointError(f"{path} has no {key!r} state for buffer of mode {b.mode!r}: saved modes "
+            reader.check(name, cuts[slot["name"]])
+            present.append(name)
+        for key in required:
+            if any(not reader.has(name, key) for name in present):
+                raise CheckpointError(f"{path} has no {key!r} state for buffer of mode {b['mode']!r}: saved modes "
                                       f"{sorted({x['mode'] for x in meta['layout']['buffers']})}")
     if missing:
         raise CheckpointError(f"{len(missing)} params of this model are not in {path}: {missing[:5]}")
+    for local, a, z in view.opt.checkpoint_reads():
+        need |= reader.files_for(view.saved_name[local], a, z, cuts[local])
     own = _own_file(g, meta)
     if own in meta["files"]:
         need.add(own)
@@ -92,37 +84,18 @@ def _own_file(g: Grid, meta: dict) -> str:
 
 @torch.no_grad()
 def _apply(view: EngineView, reader: CheckpointReader, cuts: dict[str, Cut]) -> None:
+    """This rank's params, optimizer states and steps (through ``load_pieces``), module buffers and frozen params."""
     opt, g = view.opt, view.grid
-    rank = opt.rank if opt.stage > 0 else 0
-    for b in opt.buffers:
-        lay = b.layout
 
-        def get(i: int, key: str, a: int, z: int) -> torch.Tensor:
-            local = lay.slot(i).name
-            return reader.get(view.saved_name[local], key, a, z, cuts[local])
+    def get(local: str, key: str, a: int, z: int) -> torch.Tensor | None:
+        name = view.saved_name[local]
+        return reader.get(name, key, a, z, cuts[local]) if reader.has(name, key) else None
 
-        if b.shard is None:
-            for i in range(len(b.params)):
-                s = lay.slot(i)
-                lay.param_view(b.flat, i).copy_(get(i, "params", 0, s.numel).view(s.shape))
-        for u in range(len(lay.units)):
-            pieces = lay.param_slices(u, rank)
-            if b.shard is not None:
-                mine = lay.shard_of_partition(b.shard, u)
-                for i, a, z, at in pieces:
-                    mine[at:at + z - a].copy_(get(i, "params", a, z))
-            for key, t in b.state.items():
-                mine = lay.shard_of_partition(t, u)
-                for i, a, z, at in pieces:
-                    if reader.has(view.saved_name[lay.slot(i).name], key):
-                        mine[at:at + z - a].copy_(get(i, key, a, z))
-                    elif STATE_FALLBACK[key] is None:
-                        mine[at:at + z - a].zero_()
-                    else:
-                        mine[at:at + z - a].copy_(get(i, STATE_FALLBACK[key], a, z))
-            if lay.units[u].params:
-                b.steps[u].fill_(reader.step(view.saved_name[lay.slot(lay.units[u].params[0]).name]))
-    targets, frozen, to_shards = view.targets(), sharded_frozen(opt), {}
+    def step(local: str) -> float:
+        return reader.step(view.saved_name[local])
+
+    opt.load_pieces(get, step)
+    targets, frozen, to_shards = view.targets(), opt.frozen_shapes(), {}
     for name, value in reader.extras(g.tp, g.tp_rank, set(targets)).items():
         dst = targets[name][0]
         shape = frozen.get(name, tuple(dst.shape))
@@ -134,19 +107,18 @@ def _apply(view: EngineView, reader: CheckpointReader, cuts: dict[str, Cut]) -> 
         else:
             dst.copy_(value)
     if to_shards:
-        from llmpar.zero import load_frozen
-
-        load_frozen(opt, to_shards)
+        opt.load_frozen(to_shards)
 
 
-def load_checkpoint(engine: Any, load_dir: str, tag: str | None = None) -> tuple[str, dict | None]:
+def load_checkpoint(engine: Checkpointable, load_dir: str, tag: str | None = None) -> tuple[str, dict | None]:
     """Load checkpoint ``load_dir/tag`` (default: the one ``load_dir/latest`` names) into ``engine``.
     Returns ``(path, client_state)``. Collective over the engine's dp, tp (and pp) groups. A pending async save of this
     engine is published first."""
     wait_checkpoint(engine)
     view = EngineView(engine)
     g = view.grid
-    err, path, reader, meta, cuts = None, str(load_dir), None, None, {}
+    err, path, reader, meta = None, str(load_dir), None, None
+    cuts: dict[str, Cut] = {}
     code = 0
     try:
         _, path = files.resolve(load_dir, tag)
@@ -181,19 +153,17 @@ def load_checkpoint(engine: Any, load_dir: str, tag: str | None = None) -> tuple
         logger.error("%s\n%s", err, traceback.format_exc())
     if files.agree(1 if err else 0, g.groups, g.device):
         raise CheckpointError(err or f"another rank failed part-way loading {path}; the engine's state is mixed")
-    if opt.stage3 is not None:
-        opt.stage3.regather_persistent()
+    opt.after_load()
     for group, saved in zip(opt.param_groups, meta["param_groups"]):
         group.update({k: (tuple(v) if k == "betas" else v) for k, v in saved.items()})
-    for k, v in meta["engine"].items():
-        setattr(engine, k, v)
+    engine.restore_counters(meta["engine"])
     opt.skipped_steps = meta["optimizer"]["skipped_steps"]
     opt.last_grad_norm = meta["optimizer"]["last_grad_norm"]
     if engine.lr_scheduler is not None and meta["scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(meta["scheduler"])
     own = _own_file(g, meta)
     if own in meta["files"]:
-        set_rng_state(reader.readers[0]._file_any(own)["rng"])
+        set_rng_state(reader.rank_file(own)["rng"])
     else:
         logger.warning("load_checkpoint: the saved run had no rank pp=%d dp=%d tp=%d: RNG states not restored",
                        g.pp_rank, g.dp_rank, g.tp_rank)

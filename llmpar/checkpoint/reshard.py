@@ -127,8 +127,9 @@ class CheckpointReader:
         if cut.spec is not None:
             dim, chunk = cut.spec["dim"], cut.spec["padded"] // cut.tp
             return dim, cut.rank * chunk, (cut.rank + 1) * chunk
-        dim = spec["dim"]  # type: ignore[index]
-        return dim, 0, self.full_shape(name)[dim]
+        full = self.full_shape(name)  # raises for a split the checkpoint did not record
+        assert isinstance(spec, dict)
+        return spec["dim"], 0, full[spec["dim"]]
 
     def _sources(self, name: str, dim: int, lo: int, hi: int) -> list[tuple[int, int, int]]:
         """(saved tp rank, start, stop along ``dim`` of its local shard) covering [lo, min(hi, full))."""
@@ -154,8 +155,13 @@ class CheckpointReader:
     def has(self, name: str, key: str) -> bool:
         return self.readers[0].has(name, key)
 
-    def step(self, name: str) -> Any:
-        return self.readers[0].step(name)
+    def step(self, name: str) -> float:
+        """The step count saved for the unit holding ``name``."""
+        return float(self.readers[0].step(name))
+
+    def rank_file(self, fname: str) -> dict:
+        """The saved rank file ``fname`` whole (its RNG states, extras), read once."""
+        return self.readers[0].file_any(fname)
 
     def get(self, name: str, key: str, a: int, z: int, cut: Cut) -> torch.Tensor:
         """Elements [a, z) of this rank's ``cut`` of ``name`` (state ``key``: "params", "exp_avg", ...), flat."""

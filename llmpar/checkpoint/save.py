@@ -14,7 +14,9 @@ publishes.
        is published
 
 ``async_save=False`` runs 1-4 in turn. ``async_save=True`` runs 1-2, starts a thread for 3 and returns; 4 runs in the
-main thread at the next ``wait_checkpoint`` / ``save_checkpoint`` / ``load_checkpoint`` of that engine.
+main thread at the next ``wait_checkpoint`` / ``save_checkpoint`` / ``load_checkpoint`` of that engine. The pending
+save is the engine's own (``engine.checkpoint_pending``): no module-level registry. The engine and its optimizer are
+seen only through the checkpoint protocol (``protocol.py``); ``fault_hook`` (tests) is passed per save.
 
 Why the publish is not done by the writer thread: its agreements are collectives, and gloo / NCCL need every rank to
 issue the collectives of a group in the same order. From a second thread they would interleave with the training
@@ -37,45 +39,41 @@ import os
 import shutil
 import threading
 import traceback
-import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 from llmpar.checkpoint import files
 from llmpar.checkpoint.files import CheckpointError
-from llmpar.checkpoint.shards import extras, local_buffers, rng_state, sharded_frozen
-from llmpar.checkpoint.view import EngineView, Grid
+from llmpar.checkpoint.protocol import Checkpointable, FaultHook, Grid
+from llmpar.checkpoint.shards import extras, local_buffers, rng_state
+from llmpar.checkpoint.view import EngineView
 
 logger = logging.getLogger("llmpar")
 
 
-def _metadata(engine: Any, tag: str, g: Grid) -> dict:
+def _metadata(engine: Checkpointable, tag: str, g: Grid) -> dict:
     """``metadata.json`` as of the snapshot, less what rank 0 collects at the publish ("files", the layout's
     "buffers", "extras")."""
     opt = engine.optimizer
     sched = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
-    zc = opt.zero_config
     return {
         "format": files.FORMAT_VERSION, "tag": tag, "stage": opt.stage, "dp": g.dp, "tp": g.tp, "pp": g.pp,
-        "offload_optimizer": bool(opt.placement.offload_optimizer), "offload_param": bool(opt.placement.offload_param),
-        "reduce_bucket_size": zc.reduce_bucket_size, "layout": {"stage": opt.stage, "dp": opt.dp},
+        **opt.checkpoint_facts(), "layout": {"stage": opt.stage, "dp": opt.dp},
         "param_groups": [{k: g[k] for k in ("lr", "betas", "eps", "weight_decay")} for g in opt.param_groups],
-        "engine": {"micro_steps": engine.micro_steps, "global_steps": engine.global_steps,
-                   "global_samples": engine.global_samples, "skipped_steps": engine.skipped_steps},
+        "engine": engine.checkpoint_counters(),
         "optimizer": {"skipped_steps": opt.skipped_steps, "last_grad_norm": opt.last_grad_norm},
         "scheduler": sched, "files": {},
     }
 
 
 def _layout(view: EngineView) -> list[dict]:
-    """This pp rank's buffers as ``metadata.json`` lists them: ``describe()`` plus state keys, unit steps, the pp
-    rank and index, and per param its checkpoint name, tp split (``reshard.py``) and whether it is a tied copy
-    written by a lower stage (``dup``)."""
-    opt, specs = view.opt, view.specs()
+    """This pp rank's buffers as ``metadata.json`` lists them: the optimizer's ``checkpoint_layout()`` (with state
+    keys and unit steps) plus the pp rank and index, and per param its checkpoint name, tp split (``reshard.py``) and
+    whether it is a tied copy written by a lower stage (``dup``)."""
+    specs = view.specs()
     out = []
-    for index, (b, desc) in enumerate(zip(opt.buffers, opt.describe()["buffers"])):
-        desc.update(state_keys=["params", *b.state], steps=[float(s) for s in b.steps], pp_rank=view.grid.pp_rank,
-                    index=index)
+    for index, desc in enumerate(copy.deepcopy(view.layout)):
+        desc.update(pp_rank=view.grid.pp_rank, index=index)
         for slot in desc["params"]:
             name = slot["name"]
             slot.update(name=view.saved_name[name], tp=specs[name])
@@ -98,6 +96,7 @@ class _Save:
     side: dict  # what this rank tells rank 0 next to its file: its pp rank's layout, its extras' names
     client_state: Any  # deep copy (rank 0), else None
     has_client: bool
+    fault_hook: FaultHook | None = None  # tests: called at "before_write", "shard_written", "before_publish", ...
     err: str | None = None  # set by write()
     thread: threading.Thread | None = None
     done: threading.Event = field(default_factory=threading.Event)
@@ -106,8 +105,8 @@ class _Save:
         """Phase 3 (any thread; no collectives): this rank's files into ``tmp``; an error is kept in ``err``."""
         g = self.grid
         try:
-            files.fault("before_write")
-            name = g.file()
+            files.fault(self.fault_hook, "before_write")
+            name = files.rank_file(g.dp_rank, g.tp_rank, g.pp_rank, g.pp)
             info = files.save_file(self.payload, os.path.join(self.tmp, name))
             info.update(dp_rank=g.dp_rank, tp_rank=g.tp_rank, pp_rank=g.pp_rank,
                         has_shards=self.payload["buffers"] is not None, **self.side)
@@ -115,7 +114,7 @@ class _Save:
                 cinfo = files.save_file(self.client_state, os.path.join(self.tmp, files.CLIENT_STATE))
                 cinfo.update(dp_rank=0, tp_rank=0, pp_rank=0, has_shards=False)
                 files.write_json_atomic(os.path.join(self.tmp, files.CLIENT_STATE + ".json"), cinfo)
-            files.fault("shard_written")
+            files.fault(self.fault_hook, "shard_written")
             files.write_json_atomic(os.path.join(self.tmp, name + ".json"), info)
         except BaseException as e:  # noqa: BLE001 - agreed with the other ranks in finish(), then raised everywhere
             self.err = (f"pp rank {g.pp_rank} dp rank {g.dp_rank} tp rank {g.tp_rank} failed writing its shard: "
@@ -129,7 +128,9 @@ class _Save:
     def _assemble(self) -> None:
         """Rank 0: collect the ranks' side files into ``metadata.json`` (layout of every pp rank, extras, files)."""
         g = self.grid
-        rank_files, layouts, extras_at = {}, {}, {}
+        rank_files: dict[str, dict] = {}
+        layouts: dict[int, list] = {}
+        extras_at: dict[str, int] = {}
         for side in sorted(glob.glob(os.path.join(self.tmp, "*.pt.json"))):
             with open(side) as f:
                 info = json.load(f)
@@ -160,7 +161,7 @@ class _Save:
         if g.rank0:
             try:
                 self._assemble()
-                path = files.publish(self.save_dir, self.tmp, self.tag)
+                path = files.publish(self.save_dir, self.tmp, self.tag, self.fault_hook)
             except Exception as e:  # noqa: BLE001
                 err = f"rank 0 failed publishing {path}: {e!r}"
                 logger.error("%s\n%s", err, traceback.format_exc())
@@ -171,25 +172,25 @@ class _Save:
         return path
 
 
-_PENDING: "weakref.WeakKeyDictionary[Any, _Save]" = weakref.WeakKeyDictionary()  # engine -> its async save
-
-
-def pending(engine: Any) -> _Save | None:
+def pending(engine: Checkpointable) -> _Save | None:
     """The engine's async save that is not published yet (its thread may have finished writing), else None."""
-    return _PENDING.get(engine)
+    job = engine.checkpoint_pending
+    return job if isinstance(job, _Save) else None
 
 
-def wait_checkpoint(engine: Any) -> str | None:
+def wait_checkpoint(engine: Checkpointable) -> str | None:
     """Finish the engine's pending async save: wait for its writes, then publish it (collective over the grid, call
     it on every rank). Returns the published path, None when no save was pending; raises ``CheckpointError`` on every
     rank if any rank's writer failed (the previous checkpoint stays ``latest``)."""
-    job = _PENDING.pop(engine, None)
+    job = engine.checkpoint_pending
     if job is None:
         return None
+    engine.checkpoint_pending = None
     return job.finish()
 
 
-def _prepare(engine: Any, save_dir: Any, tag: str | None, client_state: dict | None) -> _Save:
+def _prepare(engine: Checkpointable, save_dir: Any, tag: str | None, client_state: dict | None,
+             fault_hook: FaultHook | None) -> _Save:
     """Phases 1-2: checks, the tmp directory (collective), and the host snapshot of this rank's state."""
     if not isinstance(save_dir, (str, os.PathLike)):
         raise TypeError(f"save_dir must be a path, got {type(save_dir).__name__}")
@@ -197,10 +198,10 @@ def _prepare(engine: Any, save_dir: Any, tag: str | None, client_state: dict | N
     tag = files.check_tag(f"global_step{engine.global_steps}" if tag is None else tag)
     if client_state is not None and not isinstance(client_state, dict):
         raise TypeError(f"client_state must be a dict or None, got {type(client_state).__name__}")
+    if fault_hook is not None and not callable(fault_hook):
+        raise TypeError(f"fault_hook must be callable or None, got {type(fault_hook).__name__}")
     opt = engine.optimizer
-    if opt.reducer.micro_steps != 0:
-        raise ValueError(f"save_checkpoint in the middle of a gradient accumulation ({opt.reducer.micro_steps} "
-                         f"micro-steps since the last optimizer step): save after engine.step() at a boundary")
+    opt.prepare_save()  # raises mid-accumulation (on every rank alike); in-flight gathers finished
     view = EngineView(engine)
     g = view.grid
     tmp = os.path.join(save_dir, f".tmp-{tag}")
@@ -216,16 +217,12 @@ def _prepare(engine: Any, save_dir: Any, tag: str | None, client_state: dict | N
     if files.agree(1 if err else 0, g.groups, g.device):
         raise CheckpointError(err or f"rank 0 could not create {tmp}: checkpoint {tag!r} not saved")
 
-    if opt.stage3 is not None:
-        opt.stage3.wait_all()
     # host copies (local_buffers / extras copy every tensor; rng_state returns fresh ones)
     trained = set(view.saved_name.values())
-    frozen = sharded_frozen(opt)
+    frozen = opt.frozen_shapes()
     kept = extras(view.targets(), trained | set(frozen)) if g.dp_rank == 0 else {}
     if frozen:  # ZeRO-3 shards frozen params too: gathered whole to dp rank 0 (collective over dp)
-        from llmpar.zero import frozen_state_dict
-
-        kept.update(frozen_state_dict(opt, rank0_only=True))
+        kept.update(opt.gather_frozen())
     payload = {"format": files.FORMAT_VERSION, "dp_rank": g.dp_rank, "tp_rank": g.tp_rank, "pp_rank": g.pp_rank,
                "buffers": local_buffers(opt, view.duplicates), "extras": kept, "rng": rng_state()}
     side: dict = {"extras": sorted(kept)}
@@ -233,25 +230,27 @@ def _prepare(engine: Any, save_dir: Any, tag: str | None, client_state: dict | N
         side["layout"] = _layout(view)
     meta = copy.deepcopy(_metadata(engine, tag, g)) if g.rank0 else {}
     return _Save(save_dir=save_dir, tag=tag, tmp=tmp, grid=g, payload=payload, meta=meta, side=side,
-                 has_client=client_state is not None,
+                 has_client=client_state is not None, fault_hook=fault_hook,
                  client_state=copy.deepcopy(client_state) if g.rank0 and client_state is not None else None)
 
 
-def save_checkpoint(engine: Any, save_dir: str, tag: str | None = None, client_state: dict | None = None,
-                    async_save: bool = False) -> str:
+def save_checkpoint(engine: Checkpointable, save_dir: str, tag: str | None = None, client_state: dict | None = None,
+                    async_save: bool = False, *, fault_hook: FaultHook | None = None) -> str:
     """Write the engine's state as checkpoint ``save_dir/tag`` (default ``global_step{N}``); returns its path.
     Collective over the engine's dp, tp (and pp) groups; call it at a gradient accumulation boundary. A pending async
     save of this engine is finished (published) first. ``async_save=True``: returns once the state is copied to host
     memory, the files are written by a thread while training goes on, and the checkpoint is published by the next
-    ``wait_checkpoint`` / ``save_checkpoint`` / ``load_checkpoint`` (the path returned is where it will be)."""
+    ``wait_checkpoint`` / ``save_checkpoint`` / ``load_checkpoint`` (the path returned is where it will be).
+    ``fault_hook`` (tests): called on every rank at "before_write", "shard_written" (the writer; a thread under
+    ``async_save``), "before_publish", "before_latest" (rank 0); one that raises simulates a crash there."""
     if not isinstance(async_save, bool):
         raise TypeError(f"async_save must be a bool, got {type(async_save).__name__}")
     wait_checkpoint(engine)
-    job = _prepare(engine, save_dir, tag, client_state)
+    job = _prepare(engine, save_dir, tag, client_state, fault_hook)
     if not async_save:
         job.write()
         return job.finish()
     job.thread = threading.Thread(target=job.write, name=f"llmpar-ckpt-{job.tag}", daemon=True)
-    _PENDING[engine] = job
+    engine.checkpoint_pending = job
     job.thread.start()
     return os.path.join(job.save_dir, job.tag)

@@ -2,19 +2,20 @@
 
 Rank file ``dp{d}-tp{t}.pt`` / ``pp{p}-dp{d}-tp{t}.pt`` (plain tensors, ``torch.load(weights_only=True)``-safe):
 
-    "buffers": one dict per flat buffer of ``ZeroOptimizer.describe()``, or None on a rank that holds no unique shard
-               (stage 0, dp rank > 0):  "params" [partition] (the params' dtype), "exp_avg", "exp_avg_sq"
-               [partition], "master" / "kahan_comp" [partition] when the mode has one, "steps" [units] float32;
+    "buffers": one dict per flat buffer of the optimizer (``CheckpointOptimizer.checkpoint_shards``), or None on a
+               rank that holds no unique shard (stage 0, dp rank > 0):  "params" [partition] (the params' dtype),
+               "exp_avg", "exp_avg_sq" [partition], "master" / "kahan_comp" [partition] when the mode has one, "steps"
+               [units] float32;
                "holes" [n, 2] (start, count) when the elements of tied copies another pp rank writes were cut out
     "extras":  {name: tensor} module buffers and frozen params (dp rank 0 only; not in the optimizer)
     "rng":     this rank's torch / cuda / python / numpy RNG states
 
-The partition of a buffer is the concat over units of this rank's shard of each unit (``layout.py``). Since a param's
-offset inside its unit does not depend on the number of shards, element ``e`` of param ``name`` lives in unit-relative
-position ``slot.offset + e``, i.e. in shard ``r = pos // shard`` at ``unit.shard_offset + pos - r * shard`` of rank r's
-partition: :class:`ShardReader` serves any element range of any param from whatever layout was saved (for one saved
-tp rank; ``reshard.py`` cuts across tp degrees). A pipeline checkpoint lists every pp rank's buffers in one layout,
-each tagged with ``pp_rank`` and its ``index`` in that rank's file.
+The partition of a buffer is the concat over units of this rank's shard of each unit (ZeRO's flat layout). Since a
+param's offset inside its unit does not depend on the number of shards, element ``e`` of param ``name`` lives in
+unit-relative position ``slot.offset + e``, i.e. in shard ``r = pos // shard`` at ``unit.shard_offset + pos - r *
+shard`` of rank r's partition: :class:`ShardReader` serves any element range of any param from whatever layout was
+saved (for one saved tp rank; ``reshard.py`` cuts across tp degrees). A pipeline checkpoint lists every pp rank's
+buffers in one layout, each tagged with ``pp_rank`` and its ``index`` in that rank's file.
 """
 from __future__ import annotations
 
@@ -25,36 +26,26 @@ from typing import Any
 import torch
 
 from llmpar.checkpoint.files import CheckpointError, load_file, rank_file
+from llmpar.checkpoint.protocol import CheckpointOptimizer
 
-STATE_FALLBACK = {"master": "params", "kahan_comp": None}  # a state key missing from the checkpoint: derive or zero
-
-
-def local_buffers(opt: Any, skip: set[str] | frozenset = frozenset()) -> list[dict] | None:
-    """This rank's shards of every flat buffer of ZeroOptimizer ``opt`` (fresh CPU tensors), None if it owns none.
-    ``skip``: names of params not to write (tied copies written by another pp rank): their elements are cut out of
-    every state and their ``[start, count]`` in the partition listed under ``"holes"``."""
-    rank = opt.rank if opt.stage > 0 else 0
-    if opt.stage == 0 and opt.rank != 0:
+def local_buffers(opt: CheckpointOptimizer, skip: set[str] | frozenset = frozenset()) -> list[dict] | None:
+    """This rank's shards of every flat buffer of ``opt`` (fresh CPU tensors, ``checkpoint_shards``), None if it owns
+    none. ``skip``: names of params not to write (tied copies written by another pp rank): their elements are cut out
+    of every state and their ``[start, count]`` in the partition listed under ``"holes"``."""
+    shards = opt.checkpoint_shards()
+    if shards is None:
         return None
     out = []
-    for b in opt.buffers:
-        units = range(len(b.layout.units))
-        if b.shard is not None:
-            params = b.shard.detach().to("cpu", copy=True)
-        else:
-            params = torch.cat([b.layout.shard_of_full(b.flat, u, rank).detach().cpu() for u in units])
-        entry = {"params": params}
-        for key, t in b.state.items():
-            entry[key] = t.detach().to("cpu", copy=True)
-        holes = [(b.layout.units[u].shard_offset + at, z - a) for u in units
-                 for i, a, z, at in b.layout.param_slices(u, rank) if b.layout.slot(i).name in skip]
+    for entry, held in zip(shards, opt.checkpoint_held()):
+        steps = entry.pop("steps")
+        holes = [(at, z - a) for name, a, z, at in held if name in skip]
         if holes:
-            keep = torch.ones(params.numel(), dtype=torch.bool)
+            keep = torch.ones(entry["params"].numel(), dtype=torch.bool)
             for start, count in holes:
                 keep[start:start + count] = False
             entry = {k: v[keep] for k, v in entry.items()}
             entry["holes"] = torch.tensor(sorted(holes), dtype=torch.int64)
-        entry["steps"] = torch.stack([s.detach().float().cpu() for s in b.steps])
+        entry["steps"] = steps
         out.append(entry)
     return out
 
@@ -65,13 +56,6 @@ def _compacted(entry: dict, start: int) -> int:
     if holes is None:
         return start
     return start - sum(count for at, count in holes.tolist() if at < start)
-
-
-def sharded_frozen(opt: Any) -> dict[str, tuple[int, ...]]:
-    """{name: full shape} of the frozen params ZeRO-3 shards (``ZeroOptimizer.frozen_buffers``): they hold no memory between uses,
-    so they are saved through ``llmpar.zero.frozen_state_dict`` and loaded through ``llmpar.zero.load_frozen``."""
-    return {b.layout.slot(i).name: tuple(b.layout.slot(i).shape) for b in getattr(opt, "frozen_buffers", [])
-            for i in range(len(b.params))}
 
 
 def extras(targets: dict[str, tuple[torch.Tensor, bool]], trained: set[str]) -> dict[str, torch.Tensor]:
@@ -92,8 +76,8 @@ def rng_state() -> dict:
     try:
         import numpy as np
 
-        name, keys, pos, has_gauss, gauss = np.random.get_state()
-        st["numpy"] = {"keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos), "has_gauss": int(has_gauss),
+        name, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)
+        st["numpy"] = {"keys": torch.from_numpy(np.asarray(keys).astype("int64")), "pos": int(pos), "has_gauss": int(has_gauss),
                        "gauss": float(gauss)}
     except ImportError:
         pass
@@ -190,9 +174,10 @@ class ShardReader:
         assert out is not None
         return out
 
-    def step(self, name: str) -> torch.Tensor:
+    def step(self, name: str) -> float:
+        """The step count saved for the unit holding ``name``."""
         bi, slot, _ = self.where[name]
-        return self.meta["layout"]["buffers"][bi]["steps"][slot["unit"]]
+        return float(self.meta["layout"]["buffers"][bi]["steps"][slot["unit"]])
 
     def extras_files(self) -> dict[str, str]:
         """{module buffer / frozen param name: the file holding it}."""
@@ -204,12 +189,13 @@ class ShardReader:
         """Module buffers and frozen params (``names`` only, when given)."""
         out: dict[str, torch.Tensor] = {}
         for fname in sorted(set(self.extras_files().values())):
-            for n, t in self._file_any(fname).get("extras", {}).items():
+            for n, t in self.file_any(fname).get("extras", {}).items():
                 if names is None or n in names:
                     out.setdefault(n, t)
         return out
 
-    def _file_any(self, fname: str) -> dict:
+    def file_any(self, fname: str) -> dict:
+        """The whole rank file ``fname`` (any rank's, with or without shards), read once."""
         if fname not in self._cache:
             self._cache[fname] = load_file(os.path.join(self.path, fname))
         return self._cache[fname]

@@ -111,6 +111,12 @@ class PipelineRunner:
 
     # ------------------------------------------------------------------ public
 
+    @property
+    def tied_duplicates(self) -> list[nn.Parameter]:
+        """This rank's copies of weights tied across stages that a lower stage holds too (not counted by the grad norm,
+        not written by a checkpoint)."""
+        return list(self._tied_duplicates)
+
     def parameters(self) -> list[nn.Parameter]:
         """This rank's parameters (each once), for the optimizer."""
         return list(self._params)

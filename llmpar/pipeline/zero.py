@@ -46,7 +46,7 @@ def zero_optimizer(runner: PipelineRunner, optimizer_config: Any = None, *, stag
     params = [(names.get(id(p), f"param{i}"), p) for i, p in enumerate(runner.parameters())]
     opt = ZeroOptimizer(params, optimizer_config, dp_group, stage=stage, tp_group=split.tp_group,
                         pp_group=split.pp_group if split.pp > 1 else None,
-                        norm_skip=runner._tied_duplicates, **kwargs)
+                        norm_skip=runner.tied_duplicates, **kwargs)
     runner.attach_zero(opt)
     return opt
 

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from llmpar.checkpoint.protocol import Grid
 from llmpar.distributed.collectives import Group, GroupRef, group_rank
 from llmpar.runtime.config import Config
 from llmpar.runtime.engine_base import EngineBase
@@ -84,6 +85,11 @@ class Engine(EngineBase):
             os.makedirs(save_dir, exist_ok=True)
             torch.save(state, os.path.join(save_dir, save_filename))
         return True
+
+    # checkpoint protocol (the rest is EngineBase's: the module is the model, names are its own)
+    def checkpoint_grid(self) -> Grid:
+        """dp (the optimizer's group) x tp."""
+        return Grid.of(self.optimizer.dp_group, self.tp_group, None, self.optimizer.checkpoint_device())
 
 
 __all__ = ["Engine"]

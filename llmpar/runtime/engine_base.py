@@ -1,6 +1,8 @@
 """What llmpar's two engines share: DeepSpeed's accessors, the step counters, the end of an optimizer step
 (scheduler, zero_grad, counters, logging) and the checkpoint methods. ``Engine`` (plain / ZeRO 0-3) and
-``PipelineEngine`` (pp x dp x tp) derive from it; ``llmpar.checkpoint`` sees both through the same attributes.
+``PipelineEngine`` (pp x dp x tp) derive from it; ``llmpar.checkpoint`` sees both through its protocol
+(``llmpar.checkpoint.protocol.Checkpointable``): the counters and the module targets are implemented here, the grid,
+the checkpoint names and the tied duplicates by each engine.
 
 Counters (DeepSpeed's meaning): ``micro_steps`` forward/backward passes, ``global_steps`` optimizer steps taken
 (applied or skipped), ``global_samples`` samples seen, ``skipped_steps`` optimizer steps skipped for non-finite
@@ -9,12 +11,15 @@ gradients (the optimizer's device counter, read only when asked; assignable, e.g
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from llmpar.runtime.config import Config
+
+if TYPE_CHECKING:
+    from llmpar.checkpoint.protocol import Grid, PendingSave
 
 logger = logging.getLogger("llmpar")
 
@@ -28,6 +33,7 @@ class EngineBase:
         self.global_steps = 0
         self.global_samples = 0
         self._skip_offset = 0  # skipped_steps = the optimizer's count + offset
+        self.checkpoint_pending: PendingSave | None = None  # this engine's async save, published at the next wait
 
     # DeepSpeed's accessors
     def train_batch_size(self) -> int:
@@ -96,6 +102,51 @@ class EngineBase:
         from llmpar.checkpoint import load_checkpoint
 
         return load_checkpoint(self, load_dir, tag=tag)
+
+    # the engine's side of the checkpoint protocol (llmpar.checkpoint.protocol.Checkpointable); each engine adds
+    # checkpoint_grid() and checkpoint_modules(), and overrides the naming when its modules are not the model
+    _COUNTERS = ("micro_steps", "global_steps", "global_samples", "skipped_steps")
+
+    def checkpoint_grid(self) -> Grid:
+        """This rank's place in the dp x tp (x pp) grid."""
+        raise NotImplementedError(f"{type(self).__name__} does not say where it sits (checkpoint_grid)")
+
+    def checkpoint_modules(self) -> list[nn.Module]:
+        """The modules this rank holds."""
+        return [self.module]
+
+    def checkpoint_named(self, kind: str) -> list[tuple[str, torch.Tensor]]:
+        """(optimizer-style name, tensor) of this rank's module params (``kind="named_parameters"``) or buffers
+        (``"named_buffers"``), a shared one under every name."""
+        return [item for m in self.checkpoint_modules() for item in getattr(m, kind)(remove_duplicate=False)]
+
+    def checkpoint_names(self) -> dict[str, str]:
+        """{optimizer / module name: checkpoint name} where they differ (none: the module is the model)."""
+        return {}
+
+    def checkpoint_duplicates(self) -> set[str]:
+        """Optimizer param names not written (tied copies another pipeline stage writes): none."""
+        return set()
+
+    def checkpoint_targets(self) -> dict[str, tuple[torch.Tensor, bool]]:
+        """{checkpoint name: (live tensor, is_param)} of this rank's modules (the first holder of a shared one)."""
+        names = self.checkpoint_names()
+        out: dict[str, tuple[torch.Tensor, bool]] = {}
+        for kind, is_param in (("named_parameters", True), ("named_buffers", False)):
+            for name, t in self.checkpoint_named(kind):
+                if t is not None:
+                    out.setdefault(names.get(name, name), (t, is_param))
+        return out
+
+    def checkpoint_counters(self) -> dict[str, int]:
+        """The run counters a checkpoint saves."""
+        return {k: getattr(self, k) for k in self._COUNTERS}
+
+    def restore_counters(self, counters: dict[str, int]) -> None:
+        """Take saved counters back (``skipped_steps`` through its setter)."""
+        for k in self._COUNTERS:
+            if k in counters:
+                setattr(self, k, counters[k])
 
 
 __all__ = ["EngineBase"]

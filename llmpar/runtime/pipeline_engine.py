@@ -26,6 +26,8 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from llmpar.checkpoint.protocol import Grid
+from llmpar.pipeline.blocks import stage_key, to_blocks
 from llmpar.pipeline.runner import PipelineRunner, StepStats
 from llmpar.runtime.config import Config
 from llmpar.runtime.engine_base import EngineBase
@@ -100,6 +102,50 @@ class PipelineEngine(EngineBase):
     def pipeline_stats(self) -> list[StepStats]:
         """Every pp rank's :class:`StepStats` of the last step (a collective over pp: call it on every rank)."""
         return self.runner.gather_stats()
+
+    # checkpoint protocol: the optimizer names a param ``stage{s}.{name in the stage module}``
+    # (``stage1.blocks_3.attn.qkv.weight``); the checkpoint records the unsplit model's name
+    # (``blocks.3.attn.qkv.weight``): the blocks of ``to_blocks`` hold the model's own submodules, so each stage-local
+    # name maps through the block's tensor to its name in the model. A weight tied between stages maps to one name
+    # (the model's first) and is written once, by the lowest stage holding it.
+    def checkpoint_grid(self) -> Grid:
+        """dp (the optimizer's group) x tp x pp (pp only when > 1)."""
+        split = self.runner.split
+        return Grid.of(self.optimizer.dp_group, split.tp_group, split.pp_group if split.pp > 1 else None,
+                       self.optimizer.checkpoint_device())
+
+    def checkpoint_modules(self) -> list[nn.Module]:
+        """This rank's stage modules."""
+        return list(self.runner.split.modules)
+
+    def checkpoint_named(self, kind: str) -> list[tuple[str, torch.Tensor]]:
+        """(``stage{s}.{local name}``, tensor) of this rank's stage params / buffers, tied ones under every name."""
+        split = self.runner.split
+        return [(f"stage{s}.{n}", t) for m, s in zip(split.modules, split.stage_indices)
+                for n, t in getattr(m, kind)(remove_duplicate=False)]
+
+    def checkpoint_names(self) -> dict[str, str]:
+        """{``stage{s}.{local name}``: name in the unsplit model} of this rank's params and buffers."""
+        by_id: dict[int, str] = {}
+        for kind in ("named_parameters", "named_buffers"):
+            for n, t in getattr(self.module, kind)(remove_duplicate=False):
+                by_id.setdefault(id(t), n)
+        block_names: dict[str, str] = {}  # "blocks_3.attn.qkv.weight" -> "blocks.3.attn.qkv.weight"
+        for bname, block in to_blocks(self.module):
+            for kind in ("named_parameters", "named_buffers"):
+                for n, t in getattr(block, kind)(remove_duplicate=False):
+                    block_names[f"{stage_key(bname)}.{n}"] = by_id.get(id(t), f"{bname}.{n}")
+        out = {}
+        for kind in ("named_parameters", "named_buffers"):
+            for name, _ in self.checkpoint_named(kind):
+                local = name.split(".", 1)[1]
+                out[name] = block_names.get(local, local)
+        return out
+
+    def checkpoint_duplicates(self) -> set[str]:
+        """Optimizer names of this rank's tied copies that a lower stage holds too (that stage writes them)."""
+        dup = {id(p) for p in self.runner.tied_duplicates}
+        return {name for buf in self.optimizer.checkpoint_params() for name, p in buf if id(p) in dup}
 
 
 __all__ = ["PipelineEngine"]

@@ -111,46 +111,11 @@ def frozen_state_dict(optimizer: "object", *, rank0_only: bool = True) -> dict[s
     """Stage 3: the frozen params that are sharded (``ZeroOptimizer.frozen_buffers``), whole and on the CPU, by name,
     gathered one unit at a time. Collective over dp; ``rank0_only``: other dp ranks return {}. (A frozen stage-3
     param holds no memory between uses: read it through this, not through the param.)"""
-    rt = optimizer.stage3  # type: ignore[attr-defined]
-    keep = not rank0_only or group_rank(optimizer.dp_group) == 0  # type: ignore[attr-defined]
-    out: dict[str, torch.Tensor] = {}
-    if rt is None:
-        return out
-    for key in rt.keys_of(None):
-        b = rt.buffers[key[0]]
-        if not b.frozen:
-            continue
-        rt.hold([key])
-        if keep:
-            for i in b.layout.units[key[1]].params:
-                out[b.layout.slot(i).name] = b.params[i].detach().to("cpu", copy=True)
-        rt.unhold([key], write_back=False)
-    return out
+    return optimizer.gather_frozen(rank0_only=rank0_only)  # type: ignore[attr-defined]
 
 
-@torch.no_grad()
 def load_frozen(optimizer: "object", tensors: dict[str, torch.Tensor]) -> list[str]:
-    """Stage 3: the sharded frozen params named in ``tensors`` (whole values) take those values: this rank's slices go
-    into its shards, and persistent (always gathered) params are written whole. Not collective. Returns the names
-    taken; a shape mismatch is a ValueError naming the param."""
-    rank = optimizer.rank  # type: ignore[attr-defined]
-    rt = optimizer.stage3  # type: ignore[attr-defined]
-    taken = []
-    for bi, b in enumerate(optimizer.frozen_buffers):  # type: ignore[attr-defined]
-        offset = len(optimizer.buffers)  # type: ignore[attr-defined]
-        for i, p in enumerate(b.params):
-            slot = b.layout.slot(i)
-            if slot.name not in tensors:
-                continue
-            value = tensors[slot.name]
-            if tuple(value.shape) != slot.shape:
-                raise ValueError(f"load_frozen: {slot.name!r} has shape {tuple(value.shape)}, the param {slot.shape}")
-            flat = value.reshape(-1)
-            mine = b.layout.shard_of_partition(b.shard, slot.unit)
-            for j, a, z, at in b.layout.param_slices(slot.unit, rank):
-                if j == i:
-                    mine[at:at + z - a].copy_(flat[a:z])
-            if rt is not None and (offset + bi, slot.unit) in rt.persistent:
-                p.copy_(value)
-            taken.append(slot.name)
-    return taken
+    """Stage 3: the sharded frozen params named in ``tensors`` (whole values) take those values (this rank's slices
+    into its shards, persistent params whole). Not collective. Returns the names taken; a shape mismatch is a
+    ValueError naming the param."""
+    return optimizer.load_frozen(tensors)  # type: ignore[attr-defined]

@@ -39,6 +39,7 @@ from llmpar.ops.bucket import pack_bucket
 from llmpar.ops.grad_norm import clip_coefficient
 from llmpar.optim.adamw import MODES, resolve_precision, state_dtypes
 from llmpar.optim.grad_norm import global_grad_norm
+from llmpar.zero.checkpointing import ZeroCheckpointing
 from llmpar.zero.config import OptimizerConfig, ZeroConfig, param_groups
 from llmpar.zero.grads import FlatBuffer, GradReducer
 from llmpar.zero.init import default_device, materialize_sharded, remap_params, replace_meta_params
@@ -50,7 +51,7 @@ from llmpar.zero.stats import NormStats, StepApplied
 
 logger = logging.getLogger("llmpar")
 
-class ZeroOptimizer:
+class ZeroOptimizer(ZeroCheckpointing):
     """AdamW with ZeRO stage 0/1/2 over ``dp_group`` (module docstring). ``param_groups[i]["lr"]`` may be changed by a
     scheduler between steps."""
 
