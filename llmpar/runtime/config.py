@@ -21,7 +21,7 @@ import copy
 import json
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from llmpar.runtime.blocks import (PipelineConfig, TensorParallelConfig, optimizer_block, pipeline_block,
@@ -122,22 +122,13 @@ class Blocks:
 
 
 @dataclass(kw_only=True)
-class Config:
-    """A checked DeepSpeed config for a given data-parallel degree ``dp``."""
+class Config(Blocks):
+    """A checked DeepSpeed config for a given data-parallel degree ``dp``: the blocks and the batch sizes."""
 
     dp: int
     train_batch_size: int
     train_micro_batch_size_per_gpu: int
     gradient_accumulation_steps: int
-    gradient_clipping: float = 0.0
-    steps_per_print: int = 10
-    bf16: bool = False
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    optimizer_given: bool = True
-    scheduler: SchedulerConfig | None = None
-    zero: ZeroConfig = field(default_factory=ZeroConfig)
-    pipeline: PipelineConfig | None = None
-    tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
     raw: dict = field(default_factory=dict)
 
     @classmethod
@@ -155,16 +146,9 @@ class Config:
             pipe.micro_batches = gas
         if not blocks.optimizer_given:
             logger.info("llmpar.initialize: no \"optimizer\" in the config: using AdamW with lr=1e-3")
-        return cls(dp=dp, train_batch_size=train, train_micro_batch_size_per_gpu=micro,
-                   gradient_accumulation_steps=gas, gradient_clipping=blocks.gradient_clipping,
-                   steps_per_print=blocks.steps_per_print, bf16=blocks.bf16, optimizer=blocks.optimizer,
-                   optimizer_given=blocks.optimizer_given, scheduler=blocks.scheduler, zero=blocks.zero,
-                   pipeline=pipe, tensor_parallel=blocks.tensor_parallel, raw=blocks.raw)
-
-    @property
-    def degrees(self) -> tuple[int, int]:
-        """(pp, tp) of the pipeline and tensor_parallel blocks."""
-        return (self.pipeline.stages if self.pipeline is not None else 1), self.tensor_parallel.size
+        given = {f.name: getattr(blocks, f.name) for f in fields(Blocks)}
+        return cls(**{**given, "pipeline": pipe}, dp=dp, train_batch_size=train, train_micro_batch_size_per_gpu=micro,
+                   gradient_accumulation_steps=gas)
 
     def fingerprint(self) -> str:
         """Canonical JSON of what was given (for the cross-rank equality check)."""
