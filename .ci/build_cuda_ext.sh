@@ -3,8 +3,9 @@
 #   - a separate venv (.venv-cuda, reused when present) with the CUDA build of torch,
 #   - `pip wheel` with LLMPAR_BUILD_CUDA=1 against that torch (no build isolation: the ABI then matches),
 #   - cuobjdump lists sm_80 and sm_90 cubins in _C*.so,
-#   - `import llmpar._C` works and registers every op the csrc/*.cpp files define (the list below; tests/test_build_cuda.py
-#     checks that it names them all).
+#   - `import llmpar._C` works and registers a CUDA kernel for every op llmpar/ops/_library.py defines (the one list of
+#     llmpar:: ops; tests/test_build_cuda.py checks that csrc/*.cpp implement exactly those), with the .so loaded
+#     before and after the schemas are defined.
 # Env: VENV (default .venv-cuda), TORCH_SPEC (default torch==2.14.1), CUDA_HOME (default /usr/local/cuda-13.0),
 #      TORCH_CUDA_ARCH_LIST (default "8.0;9.0"), MAX_JOBS (default 2).
 set -euo pipefail
@@ -72,14 +73,27 @@ check_cubins() {
 }
 step "cuobjdump cubins" check_cubins
 
-# from another folder, so that the installed wheel is imported, not the source tree; torch NOT imported first
+# from another folder, so that the installed wheel is imported, not the source tree; torch NOT imported first.
+# Every op of llmpar/ops/_library.py (the one place that defines the llmpar:: schemas) must have a CUDA kernel, and
+# loading the .so must work both before the schemas exist (impl before def) and after.
 check_import() {
-  (cd /tmp && "$PY" -c "
+  local order
+  for order in so_first schemas_first; do
+    (cd /tmp && "$PY" -c "
+import sys
+if sys.argv[1] == 'so_first':
+    import llmpar._C
+from llmpar.ops import _dispatch, _library
 import llmpar._C, torch
-print('llmpar._C:', llmpar._C.__file__)
-for name in ('pack_bucket', 'unpack_bucket', 'adamw_step', 'sum_squares', 'linear_lt', 'linear_lt_aux', 'bias_act_backward'):
-    print('  torch.ops.llmpar.' + name + ':', getattr(torch.ops.llmpar, name).default._schema)
-")
+print('llmpar._C (' + sys.argv[1] + '):', llmpar._C.__file__)
+missing = []
+for name in _library.OPS:
+    has = _dispatch.has_ext_op(name)
+    missing += [] if has else [name]
+    print('  torch.ops.llmpar.' + name + ':', getattr(torch.ops.llmpar, name).default._schema, '[CUDA kernel]' if has else '[NO CUDA KERNEL]')
+assert not missing, f'llmpar._C has no CUDA kernel for {missing}'
+" "$order") || return 1
+  done
 }
 step "import llmpar._C" check_import
 

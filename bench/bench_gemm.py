@@ -41,8 +41,9 @@ LT_ACTS = {"none": 0, "gelu_tanh": 1, "relu": 4}  # the activations cuBLASLt has
 
 def _has_ext_ops(*names: str) -> bool:
     from llmpar.ops import _ext
+    from llmpar.ops._dispatch import has_ext_op
 
-    return _ext.load().available and all(hasattr(torch.ops.llmpar, n) for n in names)
+    return _ext.load().available and all(has_ext_op(n) for n in names)
 
 
 def _has_linear_lt() -> bool:

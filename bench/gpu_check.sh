@@ -51,13 +51,14 @@ fi
 # loads the in-place build, or JIT-builds it (also the fallback when build_ext failed)
 step load_ext "$PY" -c "
 from llmpar.ops import _ext, backend_report
+from llmpar.ops._dispatch import has_ext_op
 import json, torch
 s = _ext.load()
 print(s)
 assert s.available, s.reason
 print(torch.ops.llmpar.pack_bucket.default._schema)
 for name in ('linear_lt', 'linear_lt_aux', 'bias_act_backward'):  # the fused-GEMM ops (cuBLASLt ones need cublasLt.h)
-    print(name, getattr(torch.ops.llmpar, name).default._schema if hasattr(torch.ops.llmpar, name) else 'MISSING')
+    print(name, getattr(torch.ops.llmpar, name).default._schema if has_ext_op(name) else 'MISSING (no CUDA kernel)')
 print(json.dumps(backend_report(), indent=1))"
 
 # which backend linear_act picks on CUDA per activation (cuda = cuBLASLt epilogue + bias_act_backward)

@@ -1,5 +1,6 @@
-// torch-facing side of the AdamW kernels: registers llmpar::adamw_step and llmpar::sum_squares (a fragment of the
-// llmpar library that bucket_ops.cpp defines) and implements them for CUDA tensors on top of adamw_kernels.cu.
+// torch-facing side of the AdamW kernels: the CUDA kernels of llmpar::adamw_step and llmpar::sum_squares (schemas and
+// fake impls: llmpar/ops/_library.py) on top of adamw_kernels.cu. `mode` (`mode_code` in the schema) is the
+// LlmparAdamwMode code (adamw.cuh): the position of the mode in llmpar/ops/adamw.py's MODES table.
 // Checks here are the last line of defence; llmpar/ops/adamw.py checks first with messages naming the argument.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -143,13 +144,6 @@ at::Tensor sum_squares(at::TensorList tensors) {
 }
 
 }  // namespace
-
-TORCH_LIBRARY_FRAGMENT(llmpar, m) {
-  m.def("adamw_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
-        "Tensor(d!)[] extras, Tensor[] steps, int[] salts, int mode, float lr, Tensor? lr_tensor, Tensor? gscale, "
-        "Tensor? found_inf, float beta1, float beta2, float eps, float weight_decay, int seed) -> ()");
-  m.def("sum_squares(Tensor[] tensors) -> Tensor");
-}
 
 TORCH_LIBRARY_IMPL(llmpar, CUDA, m) {
   m.impl("adamw_step", &adamw_step);

@@ -1,4 +1,5 @@
 // llmpar::bias_act_backward: the fused bias-activation backward of a linear layer (kernels in bias_act_kernels.cu).
+// This file adds its CUDA kernel; the schema and fake impl are in llmpar/ops/_library.py.
 //   grad: [M, N] (dY, float32/float16/bfloat16), pre: [M, N] (the pre-activation z, float32/float16/bfloat16),
 //   act: 0 none, 1 gelu_tanh, 2 gelu_erf, 3 silu, 4 relu
 //   -> (grad_pre = dY * act'(z) in pre's dtype [M, N], grad_bias = sum_rows(dY * act'(z)) in float32 [N])
@@ -61,16 +62,6 @@ std::tuple<at::Tensor, at::Tensor> bias_act_backward(const at::Tensor& grad_in, 
   return {grad_pre, grad_bias};
 }
 
-// shapes/dtypes only: FakeTensor / torch.compile trace the op without a GPU
-std::tuple<at::Tensor, at::Tensor> bias_act_backward_meta(const at::Tensor& grad, const at::Tensor& pre, int64_t act) {
-  check_args(grad, pre, act);
-  return {at::empty(grad.sizes(), pre.options()), at::empty({grad.size(1)}, grad.options().dtype(at::kFloat))};
-}
-
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(llmpar, m) { m.def("bias_act_backward(Tensor grad, Tensor pre, int act) -> (Tensor, Tensor)"); }
-
 TORCH_LIBRARY_IMPL(llmpar, CUDA, m) { m.impl("bias_act_backward", &bias_act_backward); }
-
-TORCH_LIBRARY_IMPL(llmpar, Meta, m) { m.impl("bias_act_backward", &bias_act_backward_meta); }

@@ -1,5 +1,6 @@
-// The one torch-facing file of llmpar._C: registers llmpar::pack_bucket / llmpar::unpack_bucket with torch.library
-// and implements them for CUDA tensors on top of the torch-free launcher in bucket_kernels.cu.
+// CUDA kernels of llmpar::pack_bucket / llmpar::unpack_bucket on top of the torch-free launcher in bucket_kernels.cu,
+// plus the module init and build info of llmpar._C. The schemas (and fake impls) of every llmpar:: op are defined once,
+// in llmpar/ops/_library.py: the csrc/*.cpp files only add CUDA kernels with TORCH_LIBRARY_IMPL(llmpar, CUDA, m).
 // Lighter headers than torch/extension.h (no pybind11): the op is reached through torch.ops.llmpar, not pybind.
 #include <Python.h>
 
@@ -85,7 +86,7 @@ void unpack_bucket(const at::Tensor& flat, at::TensorList outs, double scale) { 
 }  // namespace
 
 // Build info read by llmpar/ops/_ext.py from the file's bytes, before loading it: a .so built for another torch is
-// skipped instead of loaded (its TORCH_LIBRARY registration could not be undone). Versions come from build_config.py.
+// skipped instead of loaded (its kernel registrations could not be undone). Versions come from build_config.py.
 #define LLMPAR_STR_(x) #x
 #define LLMPAR_STR(x) LLMPAR_STR_(x)
 #ifndef LLMPAR_TORCH_VERSION
@@ -97,17 +98,13 @@ void unpack_bucket(const at::Tensor& flat, at::TensorList outs, double scale) { 
 extern "C" __attribute__((used, visibility("default"))) const char llmpar_build_info[] =
     "LLMPAR_BUILD_INFO torch=" LLMPAR_STR(LLMPAR_TORCH_VERSION) " cuda=" LLMPAR_STR(LLMPAR_CUDA_VERSION);
 
-TORCH_LIBRARY(llmpar, m) {
-  m.def("pack_bucket(Tensor[] tensors, Tensor(a!) out, float scale) -> ()");
-  m.def("unpack_bucket(Tensor flat, Tensor(a!)[] outs, float scale) -> ()");
-}
-
 TORCH_LIBRARY_IMPL(llmpar, CUDA, m) {
   m.impl("pack_bucket", &pack_bucket);
   m.impl("unpack_bucket", &unpack_bucket);
 }
 
-// `import llmpar._C` only needs a module object: loading the library runs the registrations above.
+// `import llmpar._C` only needs a module object: loading the library runs the kernel registrations of
+// csrc/*.cpp (before or after llmpar/ops/_library.py defines the schemas: the dispatcher takes either order).
 extern "C" PyObject* PyInit__C(void) {
   static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", "llmpar CUDA ops (see torch.ops.llmpar)", -1, nullptr};
   return PyModule_Create(&module);

@@ -9,7 +9,8 @@ import os
 from pathlib import Path
 
 # Every csrc/*.cu is a kernel file that compiles with nvcc alone (no torch headers); every csrc/*.cpp is torch-facing
-# binding code: bucket_ops.cpp owns TORCH_LIBRARY(llmpar), other files add ops with TORCH_LIBRARY_FRAGMENT(llmpar, m).
+# binding code that adds CUDA kernels with TORCH_LIBRARY_IMPL(llmpar, CUDA, m) (the schemas and fake impls of the ops
+# are defined once, in llmpar/ops/_library.py); bucket_ops.cpp also holds the module init and the build info.
 # Globbed, so that a new kernel file is built by setup.py and the JIT alike without touching this list.
 
 # No -std flag: torch picks the standard its headers need (c++17 on older torch, c++20 on recent ones) and nvcc rejects

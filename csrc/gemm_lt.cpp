@@ -9,6 +9,7 @@
 //   layer that keeps the pre-activation for llmpar::bias_act_backward (csrc/bias_act_ops.cpp). The pre-activation is a
 //   [M, N] view of a [M, ceil(N / 8) * 8] buffer (cuBLASLt's leading-dimension rule for the aux matrix).
 // Built only where cublasLt.h is found (csrc/build_config.py); llmpar/ops/gemm.py dispatches linear_act to it.
+// This file adds the CUDA kernels; the schemas and fake impls are in llmpar/ops/_library.py.
 // cuBLASLt is reached through dlopen/dlsym of the libcublasLt that torch itself loads (same soname major as the
 // header), so the extension needs no link flag: the JIT build (llmpar/ops/_ext.py) passes none, and a missing
 // library turns into an error at call time instead of an extension that does not load.
@@ -234,34 +235,9 @@ std::tuple<at::Tensor, at::Tensor> linear_lt_aux(const at::Tensor& x_in, const a
   return {y, pre};
 }
 
-// shapes/dtypes only: lets FakeTensor / torch.compile trace the op without a GPU
-at::Tensor linear_lt_meta(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                          int64_t act, const std::optional<at::Tensor>& residual) {
-  check_args(x, weight, bias, act, residual);
-  return at::empty({x.size(0), weight.size(0)}, x.options());
-}
-
-std::tuple<at::Tensor, at::Tensor> linear_lt_aux_meta(const at::Tensor& x, const at::Tensor& weight,
-                                                      const std::optional<at::Tensor>& bias) {
-  check_args(x, weight, bias, 1, std::nullopt);
-  const int64_t N = weight.size(0);
-  at::Tensor aux = at::empty({x.size(0), (N + 7) / 8 * 8}, x.options());
-  return {at::empty({x.size(0), N}, x.options()), aux.narrow(1, 0, N)};
-}
-
 }  // namespace
-
-TORCH_LIBRARY_FRAGMENT(llmpar, m) {
-  m.def("linear_lt(Tensor x, Tensor weight, Tensor? bias, int act, Tensor? residual) -> Tensor");
-  m.def("linear_lt_aux(Tensor x, Tensor weight, Tensor? bias) -> (Tensor, Tensor)");
-}
 
 TORCH_LIBRARY_IMPL(llmpar, CUDA, m) {
   m.impl("linear_lt", &linear_lt);
   m.impl("linear_lt_aux", &linear_lt_aux);
-}
-
-TORCH_LIBRARY_IMPL(llmpar, Meta, m) {
-  m.impl("linear_lt", &linear_lt_meta);
-  m.impl("linear_lt_aux", &linear_lt_aux_meta);
 }

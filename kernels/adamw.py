@@ -6,9 +6,11 @@ AdamW (decoupled weight decay, torch's formula), per element, in float32, t = th
     m  = beta1 * m + (1 - beta1) * g
     v  = beta2 * v + (1 - beta2) * g * g
     p  = p - lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps),   bcK = 1 - betaK**t = -expm1(t * ln(betaK))
-Modes (MODE): 0 "fp32" (p, m, v float32); 1 "fp32_master" (x = float32 master is p; the bf16/fp16 param is rewritten
-from it, round to nearest); 2 "bf16_sr" (p, m, v bfloat16, every write stochastically rounded); 3 "bf16_kahan"
-(p, m, v bfloat16 round to nearest, x = bfloat16 Kahan compensation of p). A nonzero found_inf skips the whole step.
+Modes (MODE, an integer code chosen by the caller: llmpar/ops/adamw.py owns the table of modes and their codes, the
+same as the C enum LlmparAdamwMode of csrc/adamw.cuh): 0 "fp32" (p, m, v float32); 1 "fp32_master" (x = float32 master
+is p; the bf16/fp16 param is rewritten from it, round to nearest); 2 "bf16_sr" (p, m, v bfloat16, every write
+stochastically rounded); 3 "bf16_kahan" (p, m, v bfloat16 round to nearest, x = bfloat16 Kahan compensation of p).
+A nonzero found_inf skips the whole step.
 
 One launch covers all tensors. The int64 ``table`` has 9 rows of n entries (row-major, see TABLE_ROWS): program b
 finds its tensor by binary search in row 0 (first program of each tensor), then handles BLOCK elements of it.
@@ -21,10 +23,9 @@ import math
 
 from ._triton import HAS_TRITON, INTERPRETED, TRITON_IMPORT_ERROR, tl, triton
 
-__all__ = ["HAS_TRITON", "INTERPRETED", "TRITON_IMPORT_ERROR", "BLOCK", "MODES", "TABLE_ROWS", "step", "sum_squares"]
+__all__ = ["HAS_TRITON", "INTERPRETED", "TRITON_IMPORT_ERROR", "BLOCK", "TABLE_ROWS", "step", "sum_squares"]
 
 BLOCK = 1024
-MODES = {"fp32": 0, "fp32_master": 1, "bf16_sr": 2, "bf16_kahan": 3}
 # rows of the table: first program, param, grad, exp_avg, exp_avg_sq, extra (master / compensation / 0), step, numel,
 # salt (a stable per-tensor id for the random stream)
 TABLE_ROWS = ("first", "param", "grad", "exp_avg", "exp_avg_sq", "extra", "step", "numel", "salt")
@@ -193,10 +194,11 @@ def _to_device(rows: list[int], device):
     return table
 
 
-def step(params, grads, exp_avgs, exp_avg_sqs, extras, steps, salts, *, mode: str, lr, beta1: float, beta2: float,
+def step(params, grads, exp_avgs, exp_avg_sqs, extras, steps, salts, *, mode: int, lr, beta1: float, beta2: float,
          eps: float, weight_decay: float, gscale=None, found_inf=None, seed: int = 0) -> None:
     """One AdamW step over all tensors in one launch (see the module docstring for the math and the modes).
 
+    mode: the integer code of the precision mode (0 fp32, 1 fp32_master, 2 bf16_sr, 3 bf16_kahan).
     All lists have the same length; tensors contiguous, non-empty, on one device, one dtype per list. extras: masters
     (fp32_master), compensations (bf16_kahan) or None. steps: float32 scalars, already incremented. lr: float or a
     float32 device scalar. gscale / found_inf: float32 device scalars or None. Checks are the caller's (llmpar/ops).
@@ -220,7 +222,7 @@ def step(params, grads, exp_avgs, exp_avg_sqs, extras, steps, salts, *, mode: st
         gscale if gscale is not None else table, found_inf if found_inf is not None else table,
         beta1, 1.0 - beta1, beta2, 1.0 - beta2, math.log(beta1), math.log(beta2), eps, weight_decay,
         int(seed) & 0x7FFFFFFF,
-        MODE=MODES[mode], P_DTYPE=_tl(params[0].dtype), G_DTYPE=_tl(grads[0].dtype), S_DTYPE=_tl(exp_avgs[0].dtype),
+        MODE=int(mode), P_DTYPE=_tl(params[0].dtype), G_DTYPE=_tl(grads[0].dtype), S_DTYPE=_tl(exp_avgs[0].dtype),
         X_DTYPE=_tl(x_dtype), LR_ON_DEVICE=lr_on_device, HAS_GSCALE=gscale is not None,
         HAS_FOUND_INF=found_inf is not None, BLOCK=BLOCK,
     )

@@ -50,27 +50,45 @@ def test_kernel_sources_are_torch_free():
         assert not re.search(r"#include\s*[<\"](torch|ATen|c10)/", text), f"{src.name} includes torch headers"
 
 
-def _defined_ops(built_only: bool = False) -> set[str]:
-    """Op names the csrc/*.cpp files define with torch.library (``m.def("name(...``); ``built_only``: of the files
-    this machine builds (gemm_lt.cpp needs cublasLt.h)."""
+def _cuda_kernels(built_only: bool = False) -> set[str]:
+    """Op names the csrc/*.cpp files give a CUDA kernel (``m.impl("name", ...)`` inside
+    ``TORCH_LIBRARY_IMPL(llmpar, CUDA, m)``); ``built_only``: of the files this machine builds (gemm_lt.cpp needs
+    cublasLt.h)."""
     names = set()
     cfg = _build_config()
     for src in CSRC.glob("*.cpp"):
         if built_only and src.name in cfg.CUBLASLT_SOURCES and cfg.cublaslt_include_dir() is None:
             continue
-        names |= set(re.findall(r'm\.def\(\s*"([A-Za-z_][A-Za-z0-9_]*)\(', src.read_text()))
+        for block in re.findall(r"TORCH_LIBRARY_IMPL\(llmpar, CUDA, m\)\s*\{(.*?)\n?\}", src.read_text(), re.S):
+            names |= set(re.findall(r'm\.impl\(\s*"([A-Za-z_][A-Za-z0-9_]*)"', block))
     return names
 
 
+def test_schemas_live_in_python_only():
+    """csrc/*.cpp define no schema and no Meta/fake impl: llmpar/ops/_library.py is the one registration point, and
+    the CUDA kernels of csrc cover exactly its ops."""
+    from llmpar.ops._library import OPS
+
+    for src in CSRC.glob("*.cpp"):
+        text = src.read_text()
+        for banned in ("TORCH_LIBRARY(", "TORCH_LIBRARY_FRAGMENT(", "m.def(", "TORCH_LIBRARY_IMPL(llmpar, Meta"):
+            assert banned not in text, f"{src.name} has {banned!r}: define ops in llmpar/ops/_library.py"
+        assert set(re.findall(r"TORCH_LIBRARY_IMPL\((\w+), (\w+), m\)", text)) <= {("llmpar", "CUDA")}, src.name
+    assert {"pack_bucket", "adamw_step", "linear_lt", "linear_lt_aux", "bias_act_backward"} <= set(OPS)
+    assert _cuda_kernels() == set(OPS), f"no CUDA kernel: {set(OPS) - _cuda_kernels()}; no schema: " \
+                                         f"{_cuda_kernels() - set(OPS)}"
+
+
 def test_ci_build_checks_every_defined_op():
-    """.ci/build_cuda_ext.sh imports the built wheel and looks up each op it lists: it must list all of them."""
-    defined = _defined_ops()
-    assert {"pack_bucket", "linear_lt", "linear_lt_aux", "bias_act_backward"} <= defined, defined
+    """.ci/build_cuda_ext.sh imports the built wheel, in both load orders, and requires a CUDA kernel for every op of
+    llmpar/ops/_library.py (its OPS table, not a copy of the names)."""
     script = (ROOT / ".ci" / "build_cuda_ext.sh").read_text()
-    match = re.search(r"for name in \(([^)]*)\):\n\s*print\('  torch\.ops\.llmpar\.", script)
-    assert match, "the op loop of check_import in .ci/build_cuda_ext.sh moved: update this test"
-    listed = set(re.findall(r"'([A-Za-z0-9_]+)'", match.group(1)))
-    assert listed == defined, f"missing from the CI check: {defined - listed}; not defined: {listed - defined}"
+    check = re.search(r"check_import\(\) \{(.*?)\n\}", script, re.S)
+    assert check, "check_import of .ci/build_cuda_ext.sh moved: update this test"
+    body = check.group(1)
+    assert "for order in so_first schemas_first" in body
+    assert "for name in _library.OPS:" in body and "_dispatch.has_ext_op(name)" in body and "assert not missing" in body
+    assert not re.search(r"'(pack_bucket|adamw_step|linear_lt)'", body), "the script must not list op names itself"
 
 
 def test_version_marker_matches_loader():
@@ -115,13 +133,14 @@ def test_jit_build_compiles_and_registers(tmp_path):
     import os
     import sys
 
-    code = ("import torch\nfrom llmpar.ops import _ext\n_ext.jit_unavailable_reason = lambda: None\n"
+    code = ("import torch\nfrom llmpar.ops import _dispatch, _ext\n_ext.jit_unavailable_reason = lambda: None\n"
             "s = _ext._jit_build()\nassert s.available and s.source == 'jit', s\n"
-            f"for name in {sorted(_defined_ops(built_only=True))!r}:\n"
+            f"for name in {sorted(_cuda_kernels(built_only=True))!r}:\n"
+            "    assert _dispatch.has_ext_op(name), name\n"
             "    print(getattr(torch.ops.llmpar, name).default._schema)\n")
     env = {**os.environ, "LLMPAR_EXT_CACHE": str(tmp_path), "TORCH_CUDA_ARCH_LIST": "9.0", "MAX_JOBS": "2"}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
                           cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    for name in _defined_ops(built_only=True):
+    for name in _cuda_kernels(built_only=True):
         assert f"llmpar::{name}(" in proc.stdout, name

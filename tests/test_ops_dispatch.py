@@ -118,19 +118,6 @@ def test_ext_status_without_cuda_does_not_build():
         assert not status.available and "CPU-only build" in status.reason
 
 
-def test_fake_impls_trace_without_running():
-    """torch.compile / FakeTensor see the ops' fake impls (registered when the extension loads)."""
-    if not _ext.load(build=False).available:
-        pytest.skip("llmpar._C is not built here")
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    with FakeTensorMode():
-        ts = [torch.empty(5, device="cuda"), torch.empty(3, 7, device="cuda", dtype=torch.bfloat16)[0]]
-        out = torch.empty(12, device="cuda", dtype=torch.bfloat16)
-        torch.ops.llmpar.pack_bucket([ts[0]], out, 0.5)
-        torch.ops.llmpar.unpack_bucket(out, [ts[0]], 2.0)
-
-
 def test_cuda_backend_missing_op_is_unavailable(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(_ext, "load", lambda build=True: _ext.ExtStatus(available=True, source="wheel", reason="x"))

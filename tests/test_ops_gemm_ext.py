@@ -1,6 +1,6 @@
 """linear_act's CUDA-extension path: dispatch to llmpar::linear_lt / linear_lt_aux / bias_act_backward (faked
-registrations and torch stand-ins on CPU), the bias-activation backward's math vs float64, and the GPU tests run by
-bench/gpu_check.sh (pytest -m gpu)."""
+CUDA availability; the ops' CPU references from llmpar/ops/_library.py run on CPU), the bias-activation backward's math
+vs float64, and the GPU tests run by bench/gpu_check.sh (pytest -m gpu)."""
 from __future__ import annotations
 
 import pytest
@@ -71,8 +71,8 @@ def test_cuda_reason_names_the_missing_op(monkeypatch):
 @in_main
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
 def test_cuda_path_wiring_with_reference_ops(monkeypatch, dtype):
-    """The CUDA backend's Python side (forward/aux/backward, rows, main_grad, the dX hook) with the torch
-    references of the extension ops standing in for them, on CPU."""
+    """The CUDA backend's Python side (forward/aux/backward, rows, main_grad, the dX hook) through the real
+    torch.ops.llmpar ops, which run their registered plain-torch references on CPU tensors."""
     calls = {}
 
     def counted(name, fn):
@@ -81,9 +81,7 @@ def test_cuda_path_wiring_with_reference_ops(monkeypatch, dtype):
             return fn(*args)
         return call
 
-    refs = {"linear_lt": gemm_ops.linear_lt_reference, "linear_lt_aux": gemm_ops.linear_lt_aux_reference,
-            "bias_act_backward": bias_act_backward_reference}
-    ops = type("Ops", (), {name: staticmethod(counted(name, fn)) for name, fn in refs.items()})
+    ops = type("Ops", (), {name: staticmethod(counted(name, getattr(torch.ops.llmpar, name))) for name in EXT_OPS})
     monkeypatch.setattr(gemm_ops, "_ext_ops", lambda: ops)
     _fake_ext(monkeypatch, EXT_OPS)
     monkeypatch.setenv("LLMPAR_BACKEND", "cuda")
@@ -151,7 +149,7 @@ def test_triton_cuda_vs_float64(monkeypatch, act, dtype, m, k, n):
 def test_cublaslt_linear_lt_vs_float64(dtype, act, with_bias, with_res):
     from llmpar.ops import _ext
 
-    if not _ext.load().available or not hasattr(torch.ops.llmpar, "linear_lt"):
+    if not _ext.load().available or not _dispatch.has_ext_op("linear_lt"):
         pytest.skip("llmpar._C has no linear_lt (cublasLt.h not found at build time?)")
     name = {0: "none", 1: "gelu_tanh", 4: "relu"}[act]
     x, w, b, r, _ = (t.cuda() for t in _inputs(5, 4097, 123, dtype, seed=act))
@@ -167,7 +165,7 @@ def _require_ext_ops(*names):
 
     if not torch.cuda.is_available() or not _ext.load().available:
         pytest.skip("no CUDA device or llmpar._C unavailable")
-    missing = [n for n in names if not hasattr(torch.ops.llmpar, n)]
+    missing = [n for n in names if not _dispatch.has_ext_op(n)]
     if missing:
         pytest.skip(f"llmpar._C lacks {missing} (cublasLt.h not found at build time?)")
 
@@ -228,4 +226,4 @@ def test_cublaslt_source_is_optional(monkeypatch):
     found = cfg.cublaslt_include_dir()
     kw = cfg.extension_kwargs(csrc)
     assert any(s.endswith("gemm_lt.cpp") for s in kw["sources"]) == (found is not None)
-    assert "TORCH_LIBRARY_FRAGMENT(llmpar, m)" in (csrc / "gemm_lt.cpp").read_text()
+    assert "TORCH_LIBRARY_IMPL(llmpar, CUDA, m)" in (csrc / "gemm_lt.cpp").read_text()

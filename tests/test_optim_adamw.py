@@ -188,3 +188,26 @@ def test_bad_arguments_name_themselves():
     opt = FusedAdamW(ps[:1])
     with pytest.raises(TypeError, match="precision='bf16_kahan' takes torch.bfloat16"):
         opt.add_param_group({"params": ps[1:], "precision": "bf16_kahan"})
+
+
+def test_precision_checks_are_the_ops_ones(monkeypatch):
+    """FusedAdamW validates precision and param dtypes with llmpar.ops.adamw's table and checks, not a copy: a mode
+    added to (or a dtype removed from) ops' MODES is what the optimizer accepts."""
+    from llmpar.ops import adamw as ops_adamw
+
+    ps = make_params()
+    with pytest.raises(ValueError, match=r"precision='fp16' is not a mode; use 'auto' or one of fp32, fp32_master, "
+                                         r"bf16_sr, bf16_kahan$"):
+        FusedAdamW(ps, precision="fp16")
+    with pytest.raises(ValueError, match="precision='auto' is not a mode; use one of fp32, "):
+        ops_adamw.check_precision("auto")  # the op itself takes no "auto"
+    opt = FusedAdamW(ps[:1])
+    with pytest.raises(ValueError, match="precision='fp16' is not a mode"):
+        opt.add_param_group({"params": [], "precision": "fp16"})
+    monkeypatch.setitem(ops_adamw.MODES, "fp32_plain", ops_adamw.MODES["fp32"])
+    FusedAdamW(ps, precision="fp32_plain")
+    monkeypatch.setitem(ops_adamw.MODES, "fp32", ops_adamw.ModeSpec(param_dtypes=(torch.float64,), moment_dtype=None,
+                                                                    extra=None))
+    with pytest.raises(TypeError, match=r"a parameter of shape \(7, 5\) has dtype torch.float32; precision='fp32' "
+                                        r"takes torch.float64 params"):
+        FusedAdamW(ps, precision="fp32")

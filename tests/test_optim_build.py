@@ -1,5 +1,6 @@
 """The AdamW CUDA sources build: adamw_kernels.cu compiles with nvcc alone for sm_90 (and sm_80), adamw_ops.cpp passes
-a C++ syntax check against torch's headers, and the C++/Triton/Python twins agree on modes, hash and chunk constants.
+a C++ syntax check against torch's headers, the C enum of modes matches llmpar.ops.adamw.MODES, and the C++/Triton
+twins agree on hash and chunk constants.
 Running the CUDA ops needs a GPU: tests/test_optim_ops.py runs them there (backend "cuda")."""
 from __future__ import annotations
 
@@ -38,26 +39,37 @@ def test_adamw_sources_layering():
         text = (CSRC / name).read_text()
         assert not re.search(r"#include\s*[<\"](torch|ATen|c10)/", text), f"{name} includes torch headers"
     ops = (CSRC / "adamw_ops.cpp").read_text()
-    assert "TORCH_LIBRARY_FRAGMENT(llmpar, m)" in ops and "TORCH_LIBRARY(llmpar" not in ops
+    assert "TORCH_LIBRARY_IMPL(llmpar, CUDA, m)" in ops, "adamw_ops.cpp adds the CUDA kernels"
+    assert "TORCH_LIBRARY(" not in ops and "TORCH_LIBRARY_FRAGMENT" not in ops and "m.def(" not in ops, \
+        "the schemas live in llmpar/ops/_library.py only"
     assert "PyInit" not in ops, "bucket_ops.cpp owns the module init"
+
+
+def test_c_enum_matches_the_mode_table():
+    """LlmparAdamwMode (csrc/adamw.cuh) gives every mode of llmpar.ops.adamw.MODES its code, and nothing else."""
+    from llmpar.ops.adamw import MODES, mode_code
+
+    cuh = (CSRC / "adamw.cuh").read_text()
+    body = re.search(r"enum LlmparAdamwMode\s*\{([^}]*)\}", cuh)
+    assert body, "enum LlmparAdamwMode moved: update this test"
+    enum = {name.lower(): int(code) for name, code in re.findall(r"LLMPAR_ADAMW_(\w+)\s*=\s*(\d+)", body.group(1))}
+    assert enum == {name: mode_code(name) for name in MODES}
+    assert sorted(enum.values()) == list(range(len(MODES)))
 
 
 def test_twins_agree_on_constants():
     from llmpar.kernels import adamw as triton_adamw
-    from llmpar.ops.adamw import PRECISIONS
-    from llmpar.ops.grad_norm import _CUDA_CHUNK
+    from llmpar.ops._library import ADAMW_CHUNK
 
     cuh = (CSRC / "adamw.cuh").read_text()
     cu = (CSRC / "adamw_kernels.cu").read_text()
     py = (ROOT / "kernels" / "adamw.py").read_text()
-    enum = re.findall(r"LLMPAR_ADAMW_(\w+) = (\d)", cuh)
-    assert [name.lower() for name, _ in sorted(enum, key=lambda e: e[1])] == list(PRECISIONS)
-    assert list(triton_adamw.MODES) == list(PRECISIONS)
+    assert not hasattr(triton_adamw, "MODES"), "the mode table lives in llmpar/ops/adamw.py only"
     for const in ("0x21F0AAAD", "0x735A2D97", "0x3C6EF372", "0x5BD1E995"):
         assert const in cu and const in py, f"hash constant {const} differs between the CUDA and Triton kernels"
     threads = int(re.search(r"#define LLMPAR_ADAMW_THREADS (\d+)", cuh).group(1))
     vec = int(re.search(r"#define LLMPAR_ADAMW_VEC (\d+)", cuh).group(1))
-    assert threads * vec * 2 == _CUDA_CHUNK
+    assert threads * vec * 2 == ADAMW_CHUNK  # LLMPAR_ADAMW_CHUNK: the fake impl of sum_squares counts blocks with it
     assert len(triton_adamw.TABLE_ROWS) == int(re.search(r"#define LLMPAR_ADAMW_TABLE_ROWS (\d+)", cuh).group(1))
 
 

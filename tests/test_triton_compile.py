@@ -13,6 +13,7 @@ tl = pytest.importorskip("triton.language")
 
 from llmpar.kernels import adamw as adamw_kernels  # noqa: E402
 from llmpar.kernels import bucket as bucket_kernels  # noqa: E402
+from llmpar.ops.adamw import mode_code  # noqa: E402
 
 if bucket_kernels.INTERPRETED:
     pytest.skip("TRITON_INTERPRET=1: kernels are interpreted in this process", allow_module_level=True)
@@ -70,7 +71,7 @@ def test_adamw_kernel_compiles(arch, mode, p, g, s, x, on_device):
            "found_inf_ptr": scalar_ptr, "beta1": "fp32", "one_minus_beta1": "fp32", "beta2": "fp32",
            "one_minus_beta2": "fp32", "ln_beta1": "fp32", "ln_beta2": "fp32", "eps": "fp32", "weight_decay": "fp32",
            "seed": "i32"}
-    consts = {"MODE": adamw_kernels.MODES[mode], "P_DTYPE": p, "G_DTYPE": g, "S_DTYPE": s, "X_DTYPE": x,
+    consts = {"MODE": mode_code(mode), "P_DTYPE": p, "G_DTYPE": g, "S_DTYPE": s, "X_DTYPE": x,
               "LR_ON_DEVICE": on_device, "HAS_GSCALE": on_device, "HAS_FOUND_INF": on_device,
               "BLOCK": adamw_kernels.BLOCK}
     _compile(adamw_kernels._adamw_kernel, sig, consts, arch)

@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from . import _ext
+import llmpar.ops._ext as _ext
 
 BACKENDS = ("cuda", "triton", "torch")
 ENV = "LLMPAR_BACKEND"
@@ -49,8 +49,12 @@ def triton_unavailable_reason(device: torch.device) -> str | None:
 
 
 def has_ext_op(name: str) -> bool:
-    """Whether the loaded extension registered ``llmpar::<name>``."""
-    return hasattr(torch.ops.llmpar, name)
+    """Whether a CUDA kernel of ``llmpar::<name>`` is registered (by the loaded extension: the schemas themselves are
+    defined in Python, llmpar/ops/_library.py, so ``hasattr(torch.ops.llmpar, name)`` says nothing about the build)."""
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(f"llmpar::{name}", "CUDA")
+    except RuntimeError:  # no such operator at all
+        return False
 
 
 def cuda_unavailable_reason(device: torch.device, *, build: bool = True, op: str | None = None,

@@ -8,6 +8,10 @@ Order, decided once per process (thread-safe, cached):
    CUDA is available; cached in ``$LLMPAR_EXT_CACHE`` or ``~/.cache/llmpar/ext/torch<ver>-cu<ver>``.
    ``LLMPAR_NO_JIT=1`` turns the JIT build off.
 3. Unavailable, with the reason.
+
+The extension only registers CUDA kernels (``TORCH_LIBRARY_IMPL(llmpar, CUDA, m)``); the schemas and fake impls of the
+``llmpar::`` ops live in ``llmpar/ops/_library.py``. Loading the .so before or after that module is imported both work
+(the dispatcher keeps a kernel registered before its schema until the schema arrives).
 """
 from __future__ import annotations
 
@@ -69,16 +73,6 @@ def _prebuilt_path() -> Path | None:
 def _build_info(so: Path) -> tuple[str, str] | None:
     match = _MARKER.search(so.read_bytes())
     return (match.group(1).decode(), match.group(2).decode()) if match else None
-
-
-def _register_fakes() -> None:
-    """Fake (meta) impls so that torch.compile / FakeTensor can trace the mutating ops: they return nothing."""
-    register = getattr(torch.library, "register_fake", None) or torch.library.impl_abstract
-    for name in ("llmpar::pack_bucket", "llmpar::unpack_bucket"):
-        try:
-            register(name)(lambda *args, **kwargs: None)
-        except RuntimeError as exc:  # already registered (e.g. reloaded module)
-            log.debug("fake impl of %s not registered: %s", name, exc)
 
 
 def _try_prebuilt() -> ExtStatus | None:
@@ -163,7 +157,5 @@ def load(*, build: bool = True) -> ExtStatus:
                                  reason="not built yet; JIT-builds on first use" if why is None
                                  else f"not built into the wheel and cannot JIT-build: {why}")
             status = _jit_build()
-        if status.available:
-            _register_fakes()
         _status = status
         return status

@@ -11,10 +11,14 @@ Precision modes (what each stores per parameter, besides the param itself):
     "bf16_kahan"  bf16 params, bf16 m, v (nearest), bf16 Kahan compensation of the param update  (6 B)
 Shapes: params[i] any shape; grads[i], exp_avgs[i], exp_avg_sqs[i], extras[i] the same numel; steps[i] 0-d float32.
 
-Backends (``_dispatch``): CUDA extension (``torch.ops.llmpar.adamw_step``) -> Triton (``llmpar.kernels.adamw``) ->
-torch. The kernels do all tensors in one launch with no host sync (lr, gscale, found_inf and steps may live on the
-device). The torch path uses ``torch._fused_adamw_`` for the float32 math where it can (CPU and CUDA), and
-foreach ops plus host-drawn random bits for the bf16 modes; it reads lr/steps/found_inf on the host (a sync on CUDA).
+``MODES`` below is the one table of these modes: a mode's position in it is the integer code the kernels take, and
+``check_precision`` / ``resolve_precision`` / ``check_param_dtype`` are the checks (FusedAdamW uses them too).
+
+Backends (``_dispatch``): CUDA extension (``llmpar::adamw_step``, registered in ``_library``) -> Triton
+(``llmpar.kernels.adamw``) -> torch. The kernels do all tensors in one launch with no host sync (lr, gscale, found_inf
+and steps may live on the device). The torch path uses ``torch._fused_adamw_`` for the float32 math where it can (CPU
+and CUDA), and foreach ops plus host-drawn random bits for the bf16 modes; it reads lr/steps/found_inf on the host (a
+sync on CUDA).
 """
 from __future__ import annotations
 
@@ -24,11 +28,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ._dispatch import select_backend
+from llmpar.ops._dispatch import select_backend
 
-PRECISIONS = ("fp32", "fp32_master", "bf16_sr", "bf16_kahan")
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _CHUNK = 1 << 20  # torch path of the low-precision modes: elements per foreach batch (bounds the float32 temporaries)
+AUTO = "auto"  # FusedAdamW's per-dtype choice (``resolve_precision``)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,6 +44,9 @@ class ModeSpec:
     extra: tuple[str, torch.dtype] | None
 
 
+# The one table of the precision modes. A mode's position is its integer code: the ``mode_code`` argument of
+# llmpar::adamw_step, the MODE constexpr of the Triton kernel (llmpar.kernels.adamw) and the C enum LlmparAdamwMode of
+# csrc/adamw.cuh (tests/test_optim_build.py checks the enum against this table).
 MODES: dict[str, ModeSpec] = {
     "fp32": ModeSpec(param_dtypes=(torch.float32, torch.float64), moment_dtype=None, extra=None),
     "fp32_master": ModeSpec(param_dtypes=(torch.bfloat16, torch.float16), moment_dtype=torch.float32,
@@ -48,12 +55,36 @@ MODES: dict[str, ModeSpec] = {
     "bf16_kahan": ModeSpec(param_dtypes=(torch.bfloat16,), moment_dtype=torch.bfloat16,
                            extra=("kahan_comp", torch.bfloat16)),
 }
+PRECISIONS: tuple[str, ...] = tuple(MODES)
 
 
-def check_precision(precision: object) -> str:
-    if precision not in MODES:
-        raise ValueError(f"precision={precision!r} is not a mode; use one of {', '.join(PRECISIONS)}")
-    return str(precision)
+def check_precision(precision: object, *, allow_auto: bool = False) -> str:
+    """``precision`` as a mode name, or a ValueError naming the modes (and "auto" when ``allow_auto``)."""
+    if precision in MODES or (allow_auto and precision == AUTO):
+        return str(precision)
+    accepted = ("'auto' or " if allow_auto else "") + f"one of {', '.join(PRECISIONS)}"
+    raise ValueError(f"precision={precision!r} is not a mode; use {accepted}")
+
+
+def mode_code(precision: str) -> int:
+    """The integer code of a mode (its position in MODES): what the CUDA op and the Triton kernel take."""
+    return PRECISIONS.index(check_precision(precision))
+
+
+def resolve_precision(precision: str, dtype: torch.dtype) -> str:
+    """The mode a param of ``dtype`` runs in under ``precision`` ("auto": "fp32" for float32/float64 params,
+    "fp32_master" for the others). Validates ``precision``; the dtype is checked by ``check_param_dtype``."""
+    if check_precision(precision, allow_auto=True) == AUTO:
+        return "fp32" if dtype in MODES["fp32"].param_dtypes else "fp32_master"
+    return precision
+
+
+def check_param_dtype(precision: str, dtype: torch.dtype, what: str = "params") -> None:
+    """TypeError naming ``what`` (e.g. "params[3]") unless mode ``precision`` takes params of ``dtype``."""
+    accepted = MODES[check_precision(precision)].param_dtypes
+    if dtype not in accepted:
+        raise TypeError(f"{what} has dtype {dtype}; precision={precision!r} takes "
+                        f"{', '.join(map(str, accepted))} params")
 
 
 def _check_lists(precision: str, params, grads, exp_avgs, exp_avg_sqs, extras, steps) -> None:
@@ -70,9 +101,7 @@ def _check_lists(precision: str, params, grads, exp_avgs, exp_avg_sqs, extras, s
         if len(lst) != n:
             raise ValueError(f"{name} has {len(lst)} tensors but params has {n}")
     for i, p in enumerate(params):
-        if p.dtype not in spec.param_dtypes:
-            raise TypeError(f"params[{i}] has dtype {p.dtype}; precision={precision!r} takes "
-                            f"{', '.join(map(str, spec.param_dtypes))} params")
+        check_param_dtype(precision, p.dtype, f"params[{i}]")
         moment = spec.moment_dtype or p.dtype
         for name in ("grads", "exp_avgs", "exp_avg_sqs") + (("extras",) if spec.extra else ()):
             t = named[name][i]
@@ -145,37 +174,21 @@ def adamw_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], ex
                          weight_decay=float(weight_decay))
             if backend == "cuda":
                 lr_t = lr if isinstance(lr, torch.Tensor) else None
-                _cuda_op()(
-                    sel[0], sel[1], sel[2], sel[3], ex or [], sel[4], [salts[i] for i in live], PRECISIONS.index(precision),
+                torch.ops.llmpar.adamw_step(
+                    sel[0], sel[1], sel[2], sel[3], ex or [], sel[4], [salts[i] for i in live], mode_code(precision),
                     0.0 if lr_t is not None else float(lr), lr_t, gscale, found_inf, float(beta1), float(beta2),
                     float(eps), float(weight_decay), int(seed))
             elif backend == "triton":
                 from llmpar.kernels import adamw as triton_adamw
 
                 hyper["lr"] = lr if isinstance(lr, torch.Tensor) else float(lr)
-                triton_adamw.step(*sel[:4], ex, sel[4], [salts[i] for i in live], mode=precision, gscale=gscale,
-                                  found_inf=found_inf, seed=seed, **hyper)
+                triton_adamw.step(*sel[:4], ex, sel[4], [salts[i] for i in live], mode=mode_code(precision),
+                                  gscale=gscale, found_inf=found_inf, seed=seed, **hyper)
             else:
                 _torch_step(precision, *sel, ex, [salts[i] for i in live], gscale=gscale, found_inf=found_inf,
                             seed=seed, **hyper)
         if found_inf is not None:
             torch._foreach_sub_(steps, [found_inf.to(steps[0].device, torch.float32).reshape(())] * len(steps))
-
-
-_fake_registered = False
-
-
-def _cuda_op():
-    """torch.ops.llmpar.adamw_step, with its fake impl registered (mutates in place, returns nothing)."""
-    global _fake_registered
-    if not _fake_registered:
-        register = getattr(torch.library, "register_fake", None) or torch.library.impl_abstract
-        try:
-            register("llmpar::adamw_step")(lambda *args, **kwargs: None)
-        except RuntimeError:  # already registered
-            pass
-        _fake_registered = True
-    return torch.ops.llmpar.adamw_step
 
 
 # ----------------------------------------------------------------------------------------------- torch path

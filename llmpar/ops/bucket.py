@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ._dispatch import select_backend
+from llmpar.ops._dispatch import select_backend
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._dispatch import select_backend
+from llmpar.ops._dispatch import select_backend
 
 ACTIVATIONS = ("none", "gelu_tanh", "gelu_erf", "silu", "relu")
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -95,7 +95,8 @@ def linear_lt_aux_reference(x, weight, bias):
 
 
 def _ext_ops():
-    """Where the extension ops live (tests swap in the references to run the CUDA path's wiring on CPU)."""
+    """Where the extension ops live (on CPU tensors they run the references registered in ``_library``; tests wrap
+    them to see that the CUDA path calls them)."""
     return torch.ops.llmpar
 
 

@@ -5,7 +5,7 @@ its step (so clipping costs no second pass over the grads and no ``.item()``).
     gscale    = min(1, max_norm / (norm + 1e-6))                  (torch.nn.utils.clip_grad_norm_'s coefficient)
     found_inf = 1.0 if norm is not finite else 0.0
 
-Backends (``_dispatch``): CUDA extension (``torch.ops.llmpar.sum_squares``, one launch, per-block partials) ->
+Backends (``_dispatch``): CUDA extension (``llmpar::sum_squares``, one launch, per-block partials) ->
 Triton (``llmpar.kernels.adamw.sum_squares``, one launch per grad dtype) -> torch (``torch._foreach_norm`` in float32).
 """
 from __future__ import annotations
@@ -16,31 +16,9 @@ from collections.abc import Sequence
 
 import torch
 
-from ._dispatch import select_backend
+from llmpar.ops._dispatch import select_backend
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-_CUDA_CHUNK = 4096  # LLMPAR_ADAMW_CHUNK of csrc/adamw.cuh: elements per block, one partial each
-_fake_registered = False
-
-
-def _cuda_op():
-    """torch.ops.llmpar.sum_squares with its fake impl registered (float32 partials, one per block, at least one)."""
-    global _fake_registered
-    if not _fake_registered:
-        register = getattr(torch.library, "register_fake", None) or torch.library.impl_abstract
-
-        def fake(tensors):
-            blocks = sum(-(-t.numel() // _CUDA_CHUNK) for t in tensors)
-            return tensors[0].new_empty((max(blocks, 1),), dtype=torch.float32)
-
-        try:
-            register("llmpar::sum_squares")(fake)
-        except RuntimeError:  # already registered
-            pass
-        _fake_registered = True
-    return torch.ops.llmpar.sum_squares
 
 
 def grad_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -70,7 +48,7 @@ def grad_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
             norms = torch._foreach_norm(live, 2, dtype=torch.float32)
             return torch.linalg.vector_norm(torch.stack(norms))
         if backend == "cuda":
-            return _cuda_op()(live).sum().sqrt()
+            return torch.ops.llmpar.sum_squares(live).sum().sqrt()
         from llmpar.kernels import adamw as triton_adamw
 
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}

@@ -22,17 +22,11 @@ from typing import Any
 
 import torch
 
-from llmpar.ops.adamw import MODES, PRECISIONS, adamw_step
-from llmpar.ops.grad_norm import clip_coefficient, grad_norm
+from llmpar.ops.adamw import MODES, adamw_step, check_param_dtype, check_precision, resolve_precision
+from llmpar.ops.grad_norm import clip_coefficient
+from llmpar.optim.grad_norm import global_grad_norm
 
 _STATE_KEYS = ("exp_avg", "exp_avg_sq", "master", "kahan_comp")
-
-
-def resolve_precision(precision: str, dtype: torch.dtype) -> str:
-    """The mode a param of ``dtype`` runs in under a group's ``precision`` ("auto" picks by dtype)."""
-    if precision == "auto":
-        return "fp32" if dtype in (torch.float32, torch.float64) else "fp32_master"
-    return precision
 
 
 def state_dtypes(precision: str, dtype: torch.dtype) -> dict[str, torch.dtype]:
@@ -62,7 +56,7 @@ class FusedAdamW(torch.optim.Optimizer):
             raise ValueError(f"betas={betas} must be two numbers in [0, 1)")
         if not weight_decay >= 0.0:
             raise ValueError(f"weight_decay={weight_decay} must be >= 0")
-        self._check_precision(precision)
+        check_precision(precision, allow_auto=True)
         if max_grad_norm is not None and not (max_grad_norm > 0 and max_grad_norm < float("inf")):
             raise ValueError(f"max_grad_norm={max_grad_norm} must be a positive finite number or None")
         self.max_grad_norm = max_grad_norm
@@ -71,28 +65,19 @@ class FusedAdamW(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, precision=precision)
         super().__init__(params, defaults)
         for group in self.param_groups:
-            self._check_precision(group["precision"])
-            for p in group["params"]:
-                self._check_param(p, group["precision"])
+            self._check_group(group)
 
     @staticmethod
-    def _check_precision(precision: object) -> None:
-        if precision != "auto" and precision not in PRECISIONS:
-            raise ValueError(f"precision={precision!r} is not a mode; use 'auto' or one of {', '.join(PRECISIONS)}")
-
-    @staticmethod
-    def _check_param(p: torch.Tensor, precision: str) -> None:
-        mode = resolve_precision(precision, p.dtype)
-        if p.dtype not in MODES[mode].param_dtypes:
-            raise TypeError(f"a parameter of shape {tuple(p.shape)} has dtype {p.dtype}; precision={mode!r} takes "
-                            f"{', '.join(map(str, MODES[mode].param_dtypes))} params")
+    def _check_group(group: dict[str, Any]) -> None:
+        """The group's precision is "auto" or a mode that takes each of its params (llmpar.ops.adamw's checks)."""
+        check_precision(group["precision"], allow_auto=True)
+        for p in group["params"]:
+            check_param_dtype(resolve_precision(group["precision"], p.dtype), p.dtype,
+                              f"a parameter of shape {tuple(p.shape)}")
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        self._check_precision(group["precision"])
-        for p in group["params"]:
-            self._check_param(p, group["precision"])
+        self._check_group(self.param_groups[-1])
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
@@ -145,10 +130,7 @@ class FusedAdamW(torch.optim.Optimizer):
                 grads_by_device.setdefault(p.device, []).append(p.grad)
         clip: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         if self.max_grad_norm is not None and grads_by_device:
-            norms = {d: grad_norm(gs) for d, gs in grads_by_device.items()}
-            total = norms[next(iter(norms))]
-            if len(norms) > 1:  # params on several devices: one global norm
-                total = torch.stack([n.to(total.device) for n in norms.values()]).square().sum().sqrt()
+            total = global_grad_norm([g for gs in grads_by_device.values() for g in gs])  # on the first device
             self.last_grad_norm = total
             for d in grads_by_device:
                 clip[d] = clip_coefficient(total.to(d), self.max_grad_norm)

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from llmpar.ops.adamw import check_precision
 from llmpar.utils.validate import as_bool, as_float, as_int
 
 
@@ -118,11 +119,10 @@ class OptimizerConfig:
         self.betas = tuple(as_float("optimizer.params.betas", b, minimum=0.0, below=1.0) for b in self.betas)
         self.eps = as_float("optimizer.params.eps", self.eps, minimum=0.0)
         self.weight_decay = as_float("optimizer.params.weight_decay", self.weight_decay, minimum=0.0)
-        from llmpar.ops.adamw import PRECISIONS
-
-        if self.precision != "auto" and self.precision not in PRECISIONS:
-            raise ValueError(f'"optimizer.params.precision"={self.precision!r} is not a mode; use auto or one of '
-                             f"{', '.join(PRECISIONS)}")
+        try:
+            check_precision(self.precision, allow_auto=True)
+        except ValueError as e:
+            raise ValueError(f'"optimizer.params.precision": {e}') from None
 
 
 __all__ = ["OPTIMIZER_TYPES", "OffloadConfig", "OptimizerConfig", "ZeroConfig", "param_groups"]

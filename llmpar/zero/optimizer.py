@@ -34,10 +34,10 @@ from torch import nn
 from llmpar.distributed.agree import check_same_on_ranks
 from llmpar.distributed.collectives import (CommCounter, Group, GroupRef, Handle, all_gather_flat, broadcast_coalesced,
                                             group_rank, group_size)
-from llmpar.ops.adamw import adamw_step
+from llmpar.ops.adamw import MODES, adamw_step, check_param_dtype, resolve_precision
 from llmpar.ops.bucket import pack_bucket
 from llmpar.ops.grad_norm import clip_coefficient
-from llmpar.optim.adamw import MODES, resolve_precision, state_dtypes
+from llmpar.optim.adamw import state_dtypes
 from llmpar.optim.grad_norm import global_grad_norm
 from llmpar.zero.checkpointing import ZeroCheckpointing
 from llmpar.zero.config import OptimizerConfig, ZeroConfig, param_groups
@@ -172,9 +172,7 @@ class ZeroOptimizer(ZeroCheckpointing):
         for key, named in keyed.items():
             gi, dtype, device, tp_split = key
             mode = resolve_precision(precision, dtype)
-            if dtype not in MODES[mode].param_dtypes:
-                raise TypeError(f"param {named[0][0]!r} has dtype {dtype}; precision={mode!r} takes "
-                                f"{', '.join(map(str, MODES[mode].param_dtypes))} params")
+            check_param_dtype(mode, dtype, f"param {named[0][0]!r}")
             params = [p for _, p in named]
             layout = self._layout(named, shards, align)
             shard = None

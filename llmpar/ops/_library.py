@@ -1,0 +1,229 @@
+"""The ``llmpar::`` operator library: the one place where each op of the CUDA extension is registered.
+
+For every op, ``OPS`` holds its schema (identical to what csrc/*.cpp implements), its fake impl (shapes, dtypes and
+strides only: FakeTensor, torch.compile and the Meta device trace the op with it, no GPU needed) and a plain-torch
+reference impl registered for CPU tensors (so ``torch.library.opcheck`` runs here, and tests can compare the CUDA
+kernels with it). The CUDA extension ``llmpar._C`` only adds CUDA kernels (``TORCH_LIBRARY_IMPL(llmpar, CUDA, m)``);
+it may be loaded before or after this module is imported. Whether a build has the CUDA kernel of an op:
+``llmpar.ops._dispatch.has_ext_op(name)``.
+
+    pack_bucket(tensors, out, scale)     out[o_i : o_i + n_i] = Out(float32(tensors[i].flatten()) * scale)
+    unpack_bucket(flat, outs, scale)     outs[i][...] = Out(float32(flat[o_i : o_i + n_i]) * scale)
+    adamw_step(params, ..., mode_code, ...)  one AdamW step in place; mode_code: position in llmpar.ops.adamw.MODES
+    sum_squares(tensors)                 float32 [max(1, sum_i ceil(n_i / ADAMW_CHUNK))]: per-block sums of squares
+    bias_act_backward(grad, pre, act)    (grad * act'(pre) in pre's dtype [M, N], its float32 column sums [N])
+    linear_lt(x, weight, bias, act, residual)  act(x W^T + b) (+ residual) in x's dtype [M, N]; act 0, 1 or 4
+    linear_lt_aux(x, weight, bias)       (gelu_tanh(z), z) for z = x W^T + b; z: a [M, N] view of [M, ceil8(N)]
+(o_i = n_0 + ... + n_{i-1}; act codes: positions in llmpar.ops.gemm.ACTIVATIONS.)
+The schemas are the ones the CUDA kernels were written against, with one rename: adamw_step's ``int mode`` is
+``int mode_code`` (an argument named ``mode`` collides with torch's auto_functionalized, so torch.compile could not
+trace the op; the C++ kernel binds arguments by position, so it is unaffected).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from llmpar.ops.adamw import PRECISIONS, _torch_step
+from llmpar.ops.gemm import (ACTIVATIONS, LT_ACTS, bias_act_backward_reference, linear_lt_aux_reference,
+                             linear_lt_reference)
+
+ADAMW_CHUNK = 4096  # LLMPAR_ADAMW_CHUNK of csrc/adamw.cuh: elements per block of sum_squares, one partial each
+_LT_CODES = tuple(ACTIVATIONS.index(a) for a in LT_ACTS)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OpDef:
+    """One ``llmpar::`` op: its schema, its fake impl and its plain-torch reference (the CPU kernel)."""
+
+    schema: str  # "name(args) -> returns", the signature of the CUDA kernel in csrc/*.cpp
+    fake: Callable[..., Any]
+    reference: Callable[..., Any]
+
+    @property
+    def name(self) -> str:
+        return self.schema.split("(", 1)[0]
+
+
+# ------------------------------------------------------------------------------------------- checks (fake and CPU)
+
+
+def _check_bias_act(grad: torch.Tensor, pre: torch.Tensor, act: int) -> None:
+    if grad.dim() != 2:
+        raise ValueError(f"bias_act_backward: grad must be 2-D [M, N], got shape {tuple(grad.shape)}")
+    if pre.shape != grad.shape:
+        raise ValueError(f"bias_act_backward: pre {tuple(pre.shape)} must match grad {tuple(grad.shape)}")
+    if not 0 <= act < len(ACTIVATIONS):
+        raise ValueError(f"bias_act_backward: act={act} is not an activation code (0..{len(ACTIVATIONS) - 1}: "
+                         f"{', '.join(ACTIVATIONS)})")
+
+
+def _check_linear_lt(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: int,
+                     residual: torch.Tensor | None) -> None:
+    if x.dim() != 2 or weight.dim() != 2:
+        raise ValueError(f"linear_lt: x and weight must be 2-D, got {tuple(x.shape)} and {tuple(weight.shape)}")
+    if x.shape[1] != weight.shape[1]:
+        raise ValueError(f"linear_lt: x {tuple(x.shape)} and weight {tuple(weight.shape)} disagree on K")
+    if x.dtype != weight.dtype:
+        raise TypeError(f"linear_lt: x ({x.dtype}) and weight ({weight.dtype}) must share a dtype")
+    if act not in _LT_CODES:
+        raise ValueError(f"linear_lt: act={act} has no cuBLASLt epilogue; it takes "
+                         f"{', '.join(f'{c} ({ACTIVATIONS[c]})' for c in _LT_CODES)}")
+    n = weight.shape[0]
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != n or bias.dtype != x.dtype):
+        raise ValueError(f"linear_lt: bias must be [{n}] in {x.dtype}, got {tuple(bias.shape)} in {bias.dtype}")
+    if residual is not None:
+        if act != 0:
+            raise ValueError("linear_lt: a residual is added before the epilogue's activation; only act 0 takes one")
+        if tuple(residual.shape) != (x.shape[0], n) or residual.dtype != x.dtype:
+            raise ValueError(f"linear_lt: residual must be [{x.shape[0]}, {n}] in {x.dtype}, got "
+                             f"{tuple(residual.shape)} in {residual.dtype}")
+
+
+# ------------------------------------------------------------------------------------------------------ fakes
+
+
+def _fake_none(*args: Any) -> None:
+    """The mutating ops return nothing: their fake impl only has to exist."""
+    return None
+
+
+def _fake_sum_squares(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    # (an empty list never gets here: with no tensor the dispatcher has no device to dispatch on)
+    blocks = sum(-(-t.numel() // ADAMW_CHUNK) for t in tensors)
+    return tensors[0].new_empty((torch.sym_max(blocks, 1),), dtype=torch.float32)
+
+
+def _fake_bias_act_backward(grad: torch.Tensor, pre: torch.Tensor, act: int) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_bias_act(grad, pre, act)
+    return pre.new_empty(grad.shape), grad.new_empty((grad.shape[1],), dtype=torch.float32)
+
+
+def _fake_linear_lt(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: int,
+                    residual: torch.Tensor | None) -> torch.Tensor:
+    _check_linear_lt(x, weight, bias, act, residual)
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+def _aux_buffer(x: torch.Tensor, n: int) -> torch.Tensor:
+    """[M, ceil(N / 8) * 8] in x's dtype: cuBLASLt's GELU aux matrix, whose [M, N] view is linear_lt_aux's z."""
+    return x.new_empty((x.shape[0], (n + 7) // 8 * 8))
+
+
+def _fake_linear_lt_aux(x: torch.Tensor, weight: torch.Tensor,
+                        bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_linear_lt(x, weight, bias, 1, None)
+    n = weight.shape[0]
+    return x.new_empty((x.shape[0], n)), _aux_buffer(x, n).narrow(1, 0, n)
+
+
+# ------------------------------------------------------------------------------------ plain-torch references
+
+
+def _bucket_offsets(tensors: Sequence[torch.Tensor], flat: torch.Tensor, what: str) -> list[int]:
+    offsets, total = [], 0
+    for t in tensors:
+        offsets.append(total)
+        total += t.numel()
+    if total > flat.numel():
+        raise ValueError(f"{what} hold {total} elements, the flat buffer only {flat.numel()}")
+    return offsets
+
+
+def _ref_pack_bucket(tensors: Sequence[torch.Tensor], out: torch.Tensor, scale: float) -> None:
+    for t, o in zip(tensors, _bucket_offsets(tensors, out, "tensors")):
+        out[o:o + t.numel()].copy_(t.reshape(-1).float() * scale)  # float32 product, scale rounded to float32
+
+
+def _ref_unpack_bucket(flat: torch.Tensor, outs: Sequence[torch.Tensor], scale: float) -> None:
+    for t, o in zip(outs, _bucket_offsets(outs, flat, "outs")):
+        t.copy_((flat[o:o + t.numel()].float() * scale).view(t.shape))
+
+
+def _ref_adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+                    exp_avg_sqs: list[torch.Tensor], extras: list[torch.Tensor], steps: list[torch.Tensor],
+                    salts: list[int], mode_code: int, lr: float, lr_tensor: torch.Tensor | None,
+                    gscale: torch.Tensor | None, found_inf: torch.Tensor | None, beta1: float, beta2: float,
+                    eps: float, weight_decay: float, seed: int) -> None:
+    """The torch path of llmpar.ops.adamw_step (same math; its own stochastic-rounding stream), grads untouched."""
+    if not 0 <= mode_code < len(PRECISIONS):
+        raise ValueError(f"adamw_step: mode_code={mode_code} is not a mode code (0..{len(PRECISIONS) - 1}: "
+                         f"{', '.join(PRECISIONS)})")
+    if not params:
+        return
+    if gscale is not None:  # torch's fused AdamW unscales the grads in place; the op reads them only
+        grads = [g.clone() for g in grads]
+    _torch_step(PRECISIONS[mode_code], params, grads, exp_avgs, exp_avg_sqs, steps, list(extras) or None, list(salts),
+                lr=lr_tensor if lr_tensor is not None else lr, beta1=beta1, beta2=beta2, eps=eps,
+                weight_decay=weight_decay, gscale=gscale, found_inf=found_inf, seed=seed)
+
+
+def _ref_sum_squares(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    parts = []
+    for t in tensors:
+        flat = t.reshape(-1).float()
+        pad = -flat.numel() % ADAMW_CHUNK
+        parts.append(torch.nn.functional.pad(flat, (0, pad)).view(-1, ADAMW_CHUNK).square().sum(1))
+    out = torch.cat(parts)
+    return out if out.numel() > 0 else out.new_zeros(1)
+
+
+def _ref_bias_act_backward(grad: torch.Tensor, pre: torch.Tensor, act: int) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_bias_act(grad, pre, act)
+    gp, db = bias_act_backward_reference(grad, pre, act)
+    return gp.contiguous(), db
+
+
+def _ref_linear_lt(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: int,
+                   residual: torch.Tensor | None) -> torch.Tensor:
+    _check_linear_lt(x, weight, bias, act, residual)
+    return linear_lt_reference(x, weight, bias, act, residual).contiguous()
+
+
+def _ref_linear_lt_aux(x: torch.Tensor, weight: torch.Tensor,
+                       bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_linear_lt(x, weight, bias, 1, None)
+    y, z = linear_lt_aux_reference(x, weight, bias)
+    n = weight.shape[0]
+    pre = _aux_buffer(x, n).narrow(1, 0, n)  # the layout the CUDA kernel returns
+    pre.copy_(z)
+    return y.contiguous(), pre
+
+
+# ------------------------------------------------------------------------------------------------- the table
+
+OPS: dict[str, OpDef] = {op.name: op for op in (
+    OpDef(schema="pack_bucket(Tensor[] tensors, Tensor(a!) out, float scale) -> ()",
+          fake=_fake_none, reference=_ref_pack_bucket),
+    OpDef(schema="unpack_bucket(Tensor flat, Tensor(a!)[] outs, float scale) -> ()",
+          fake=_fake_none, reference=_ref_unpack_bucket),
+    OpDef(schema="adamw_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
+                 "Tensor(d!)[] extras, Tensor[] steps, int[] salts, int mode_code, float lr, Tensor? lr_tensor, "
+                 "Tensor? gscale, Tensor? found_inf, float beta1, float beta2, float eps, float weight_decay, "
+                 "int seed) -> ()",
+          fake=_fake_none, reference=_ref_adamw_step),
+    OpDef(schema="sum_squares(Tensor[] tensors) -> Tensor", fake=_fake_sum_squares, reference=_ref_sum_squares),
+    OpDef(schema="bias_act_backward(Tensor grad, Tensor pre, int act) -> (Tensor, Tensor)",
+          fake=_fake_bias_act_backward, reference=_ref_bias_act_backward),
+    OpDef(schema="linear_lt(Tensor x, Tensor weight, Tensor? bias, int act, Tensor? residual) -> Tensor",
+          fake=_fake_linear_lt, reference=_ref_linear_lt),
+    OpDef(schema="linear_lt_aux(Tensor x, Tensor weight, Tensor? bias) -> (Tensor, Tensor)",
+          fake=_fake_linear_lt_aux, reference=_ref_linear_lt_aux),
+)}
+
+
+def _register() -> torch.library.Library:
+    """Defines every op of OPS with its fake impl and CPU reference; returns the library handle (kept alive below:
+    dropping it would unregister them). "DEF": llmpar owns the namespace, nothing else may define ops in it."""
+    lib = torch.library.Library("llmpar", "DEF")
+    for name, op in OPS.items():
+        lib.define(op.schema)
+        torch.library.register_fake(f"llmpar::{name}", op.fake, lib=lib)
+        lib.impl(name, op.reference, "CPU")
+    return lib
+
+
+_LIBRARY = _register()
