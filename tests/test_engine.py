@@ -177,3 +177,17 @@ def test_ranks_built_with_different_seeds_start_from_rank0(stage):
     ref = single_gpt_losses(GPT(GPTConfig(**GPT_CFG), seed=1, dtype=torch.float64), 3, 4)
     for rank, losses in enumerate(outs):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-7, atol=1e-9, msg=f"rank {rank}")
+
+
+def test_bare_model_parameters_keep_the_models_names():
+    model = GPT(GPTConfig(**{**GPT_CFG, "tie_embeddings": True}), seed=1, dtype=torch.float64)
+    groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+              {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+    for given in (model.parameters(), groups):
+        _, opt, _, _ = llmpar.initialize(model=model, config={"train_batch_size": 1}, model_parameters=given)
+        names = [n for g in opt.param_groups for n in g["names"]]
+        first = {}
+        for n, p in model.named_parameters(remove_duplicate=False):
+            first.setdefault(id(p), n)
+        assert sorted(names) == sorted(first.values()), names  # the tied weight once, under its first name
+        assert not any(n.startswith("group") for n in names)

@@ -30,10 +30,18 @@ def _batch(step, dp_rank, rows):
     return d[:, :-1], d[:, 1:]
 
 
-def _pipe_body(pp, tp, stage, extra, tie, use_iter):
+def _groups(model):
+    """Weight decay 0.1 on matrices, none on vectors: bare params, named by initialize from the model."""
+    return [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def _pipe_body(pp, tp, stage, extra, tie, use_iter, groups=False):
     import llmpar
 
-    engine, _, _, _ = llmpar.initialize(model=_model(tie), config=_ds(stage, extra))
+    model = _model(tie)
+    engine, _, _, _ = llmpar.initialize(model=model, config=_ds(stage, extra),
+                                        model_parameters=_groups(model) if groups else None)
     m = engine.gradient_accumulation_steps()
     dp_rank = engine.mesh["dp"].get_local_rank()
     losses = []
@@ -48,14 +56,14 @@ def _pipe_body(pp, tp, stage, extra, tie, use_iter):
     return losses, engine.bubble_fraction(), stats.peak_in_flight, engine.global_steps, engine.get_lr()
 
 
-def _plain_body(stage, m, dp, tie):
+def _plain_body(stage, m, dp, tie, groups=False):
     """The engine without pp, one process: micro-batches of MICRO * dp rows, gradient_accumulation_steps = m."""
     import llmpar
 
     cfg = _ds(stage, {"gradient_accumulation_steps": m})
     cfg["train_micro_batch_size_per_gpu"] = MICRO * dp
     model = _model(tie)
-    engine, _, _, _ = llmpar.initialize(model=model, config=cfg)
+    engine, _, _, _ = llmpar.initialize(model=model, config=cfg, model_parameters=_groups(model) if groups else None)
     losses = []
     for s in range(STEPS):
         parts = [_batch(s, r, MICRO * m) for r in range(dp)]
@@ -71,21 +79,26 @@ def _plain_body(stage, m, dp, tie):
     return losses, engine.get_lr()
 
 
-CASES = {  # (pp, tp, ZeRO stage, extra config, tied, data_iter)
+CASES = {  # (pp, tp, ZeRO stage, extra config, tied, data_iter, param groups)
     "pp2_tp2_zero1_1f1b": (2, 2, 1, {"pipeline": {"stages": 2, "schedule": "1f1b", "micro_batches": 4},
-                                     "tensor_parallel": {"size": 2}}, True, False),
+                                     "tensor_parallel": {"size": 2}}, True, False, False),
+    "pp2_tp2_zero1_groups": (2, 2, 1, {"pipeline": {"stages": 2, "schedule": "1f1b", "micro_batches": 4},
+                                       "tensor_parallel": {"size": 2}}, True, False, True),
     "pp2_dp2_zero2_gpipe": (2, 1, 2, {"pipeline": {"stages": 2, "schedule": "gpipe"},
-                                      "gradient_accumulation_steps": 3}, False, True),
+                                      "gradient_accumulation_steps": 3}, False, True, False),
 }
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_pipeline_engine_matches_plain_engine(case):
-    pp, tp, stage, extra, tie, use_iter = CASES[case]
+    pp, tp, stage, extra, tie, use_iter, groups = CASES[case]
     m = extra["pipeline"].get("micro_batches", extra.get("gradient_accumulation_steps"))
     dp = 4 // (pp * tp)
-    ref, ref_lr = run_ranks(_plain_body, 1, stage, m, dp, tie, timeout=300)[0]
-    outs = run_ranks(_pipe_body, 4, pp, tp, stage, extra, tie, use_iter, timeout=300)
+    ref, ref_lr = run_ranks(_plain_body, 1, stage, m, dp, tie, groups, timeout=300)[0]
+    outs = run_ranks(_pipe_body, 4, pp, tp, stage, extra, tie, use_iter, groups, timeout=300)
+    if groups:  # the groups change the training: the reference without them differs
+        plain = run_ranks(_plain_body, 1, stage, m, dp, tie, False, timeout=300)[0][0]
+        assert abs(plain[-1] - ref[-1]) > 1e-6
     for rank, (losses, bubble, in_flight, steps, lr) in enumerate(outs):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-10, atol=1e-10,
                                    msg=lambda s: f"rank {rank}: {s}")

@@ -15,7 +15,7 @@ calls; re-exported here).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 from llmpar.pipeline.runner import PipelineRunner
 from llmpar.pipeline.tied import sync_tied_zero
@@ -23,10 +23,16 @@ from llmpar.zero.optimizer import ZeroOptimizer
 
 
 def zero_optimizer(runner: PipelineRunner, optimizer_config: Any = None, *, stage: int = 1,
-                   dp_group: Any = "split", **kwargs: Any) -> ZeroOptimizer:
+                   dp_group: Any = "split", param_groups: Sequence[dict] | None = None,
+                   **kwargs: Any) -> ZeroOptimizer:
     """A ZeroOptimizer over ``runner.parameters()`` on the split's dp group (``dp_group=`` to override), with the
     split's tp and pp groups for the global norm and tied copies skipped there; attached to the runner
-    (:meth:`PipelineRunner.attach_zero`). ``kwargs`` go to ZeroOptimizer (``max_grad_norm``, ``zero_config``, ...)."""
+    (:meth:`PipelineRunner.attach_zero`). ``kwargs`` go to ZeroOptimizer (``max_grad_norm``, ``zero_config``, ...).
+
+    ``param_groups``: optimizer groups over this rank's params (dicts with ``"params"``, bare or ``(name, param)``,
+    and per-group ``lr`` / ``betas`` / ``eps`` / ``weight_decay``); together they must hold exactly
+    ``runner.parameters()``. A group may be empty on this stage: every pp rank keeps the same groups. Default: one
+    group with the optimizer config's values. Params are named ``stage{s}.{name in the stage module}``."""
     if not isinstance(runner, PipelineRunner):
         raise TypeError(f"runner must be a PipelineRunner, got {type(runner).__name__}")
     if stage == 3:
@@ -41,9 +47,10 @@ def zero_optimizer(runner: PipelineRunner, optimizer_config: Any = None, *, stag
         dp_group = split.dp_group
     if dp_group is None:
         raise ValueError("the split has no dp group (mesh without a 'dp' axis): pass dp_group=")
-    names = {id(p): f"stage{s}.{n}" for m, s in zip(split.modules, split.stage_indices)
-             for n, p in m.named_parameters()}
-    params = [(names.get(id(p), f"param{i}"), p) for i, p in enumerate(runner.parameters())]
+    names = stage_param_names(runner)
+    params: Any = [(names.get(id(p), f"param{i}"), p) for i, p in enumerate(runner.parameters())]
+    if param_groups is not None:
+        params = _own_groups(runner, param_groups, names)
     opt = ZeroOptimizer(params, optimizer_config, dp_group, stage=stage, tp_group=split.tp_group,
                         pp_group=split.pp_group if split.pp > 1 else None,
                         norm_skip=runner.tied_duplicates, **kwargs)
@@ -51,4 +58,33 @@ def zero_optimizer(runner: PipelineRunner, optimizer_config: Any = None, *, stag
     return opt
 
 
-__all__ = ["sync_tied_zero", "zero_optimizer"]
+def stage_param_names(runner: PipelineRunner) -> dict[int, str]:
+    """{id(param): ``stage{s}.{name in the stage module}``} of this rank's params."""
+    split = runner.split
+    return {id(p): f"stage{s}.{n}" for m, s in zip(split.modules, split.stage_indices)
+            for n, p in m.named_parameters()}
+
+
+def _own_groups(runner: PipelineRunner, groups: Sequence[dict], names: dict[int, str]) -> list[dict]:
+    """``groups`` checked to hold exactly this rank's params, each named as the optimizer names it."""
+    mine = {id(p) for p in runner.parameters()}
+    out, seen = [], set()
+    for gi, g in enumerate(groups):
+        if not isinstance(g, dict) or "params" not in g:
+            raise TypeError(f"param_groups[{gi}] must be a dict with a 'params' entry")
+        items = []
+        for item in g["params"]:
+            p = item[1] if isinstance(item, tuple) else item
+            if id(p) not in mine:
+                raise ValueError(f"param_groups[{gi}] holds a tensor of shape {tuple(p.shape)} that is not a param "
+                                 "of this pipeline rank (runner.parameters())")
+            seen.add(id(p))
+            items.append((names[id(p)], p))
+        out.append({**g, "params": items})
+    missing = [names.get(id(p), "?") for p in runner.parameters() if id(p) not in seen]
+    if missing:
+        raise ValueError(f"param_groups leaves out {len(missing)} params of this pipeline rank: {missing[:5]}")
+    return out
+
+
+__all__ = ["stage_param_names", "sync_tied_zero", "zero_optimizer"]

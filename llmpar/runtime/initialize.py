@@ -29,6 +29,7 @@ from llmpar.distributed.init import init_distributed
 from llmpar.pipeline import build_pipeline, zero_optimizer
 from llmpar.runtime.config import Blocks, Config, read_config
 from llmpar.runtime.engine import Engine
+from llmpar.runtime.params import canonical_names, named_groups, stage_groups, unsplit_names
 from llmpar.runtime.pipeline_engine import PipelineEngine
 from llmpar.runtime.schedules import WarmupSchedule
 from llmpar.tensor_parallel.parallelize import parallelize
@@ -42,7 +43,9 @@ def initialize(*, model: nn.Module, config: dict | str | Config, model_parameter
                loss_fn: Callable | None = None, **unsupported: Any):
     """Build the engine from a DeepSpeed config. Returns ``(engine, optimizer, dataloader or None, scheduler)``.
 
-    model_parameters: params or param-group dicts (default: all of the model's, weight decay on all, as DeepSpeed).
+    model_parameters: params, (name, param) pairs or param-group dicts (default: all of the model's, weight decay on
+    all, as DeepSpeed); bare params keep their names in the model. Under a pipeline the groups follow each param to
+    its stage by its name in the unsplit model.
     mesh / dp_group / tp_group: where ZeRO and tensor parallelism run (default: ``mesh["dp"]`` / ``mesh["tp"]``, else
     the whole job). unit_policy: stage 3 sharding units, ``policy(name, module) -> bool`` (default: transformer
     blocks, embeddings, head; see ``llmpar.zero.stage3.unit_modules``). optimizer / lr_scheduler objects are not
@@ -60,16 +63,19 @@ def initialize(*, model: nn.Module, config: dict | str | Config, model_parameter
     raw = blocks.raw
     pp, tp = blocks.degrees
     if "pipeline" in raw:
-        if model_parameters is not None or dp_group is not None or tp_group is not None or unit_policy is not None:
+        if dp_group is not None or tp_group is not None or unit_policy is not None:
             raise ValueError("with a \"pipeline\" block llmpar.initialize splits the model itself: pass mesh= at "
-                             "most, not model_parameters= / dp_group= / tp_group= / unit_policy=")
-        return _initialize_pipeline(model, blocks, pp, tp, mesh, loss_fn, counter, training_data, collate_fn)
+                             "most, not dp_group= / tp_group= / unit_policy=")
+        return _initialize_pipeline(model, blocks, pp, tp, mesh, loss_fn, counter, training_data, collate_fn,
+                                    named_groups(model, model_parameters), canonical_names(model))
     if loss_fn is not None:
         raise ValueError("loss_fn= is used by pipeline engines only (a config with a \"pipeline\" block)")
+    split_here = False
     if tp > 1 and mesh is None and dp_group is None and tp_group is None:
         mesh = init_distributed(tp=tp).mesh  # the dp x tp mesh; the model is split over its tp axis below
         if not any(getattr(p, "tensor_model_parallel", False) for p in model.parameters()):
             parallelize(model, mesh["tp"])
+            split_here = True
     dp_group, tp_group = _resolve_groups(mesh, dp_group, tp_group)
     cfg = _typed(blocks, group_size(dp_group))
     tp_now = group_size(tp_group) if tp_group is not None else 1
@@ -81,8 +87,7 @@ def initialize(*, model: nn.Module, config: dict | str | Config, model_parameter
                          f"{cfg.zero.stage}: only stage 3 materialises a meta model")
     if cfg.bf16:
         model.to(torch.bfloat16)
-    params = model_parameters if model_parameters is not None else list(model.named_parameters())
-    opt = ZeroOptimizer(params, cfg.optimizer, dp_group, stage=cfg.zero.stage, zero_config=cfg.zero,
+    opt = ZeroOptimizer(named_groups(model, model_parameters, strict=split_here), cfg.optimizer, dp_group, stage=cfg.zero.stage, zero_config=cfg.zero,
                         tp_group=tp_group, max_grad_norm=cfg.gradient_clipping or None, counter=counter,
                         grad_accum_dtype=_accum_dtype(cfg), module=model, unit_policy=unit_policy)
     sched = WarmupSchedule(opt, cfg.scheduler) if cfg.scheduler is not None else None
@@ -91,7 +96,8 @@ def initialize(*, model: nn.Module, config: dict | str | Config, model_parameter
 
 
 def _initialize_pipeline(model: nn.Module, blocks: Blocks | Config, pp: int, tp: int, mesh: Any, loss_fn: Any,
-                         counter: Any, training_data: Any, collate_fn: Any):
+                         counter: Any, training_data: Any, collate_fn: Any, groups: list[dict],
+                         canonical: dict[str, str]):
     loss_fn = loss_fn if loss_fn is not None else getattr(model, "loss", None)
     if not callable(loss_fn):
         raise TypeError("a pipeline engine needs loss_fn=(output, target) -> mean loss (or a model with a .loss "
@@ -116,7 +122,11 @@ def _initialize_pipeline(model: nn.Module, blocks: Blocks | Config, pp: int, tp:
     runner = build_pipeline(model, mesh, loss_fn, micro_batches=cfg.gradient_accumulation_steps, schedule=p.schedule,
                             virtual_stages=p.virtual_stages, boundaries=p.boundaries, dp_group=None, verbose=True)
     runner.batch_rows = cfg.train_micro_batch_size_per_gpu * cfg.gradient_accumulation_steps
+    split = runner.split
+    stage_named = [(f"stage{s}.{n}", p) for m, s in zip(split.modules, split.stage_indices)
+                   for n, p in m.named_parameters()]
     opt = zero_optimizer(runner, cfg.optimizer, stage=cfg.zero.stage, zero_config=cfg.zero,
+                         param_groups=stage_groups(groups, stage_named, unsplit_names(model, stage_named), canonical),
                          max_grad_norm=cfg.gradient_clipping or None, counter=counter,
                          grad_accum_dtype=_accum_dtype(cfg))
     sched = WarmupSchedule(opt, cfg.scheduler) if cfg.scheduler is not None else None

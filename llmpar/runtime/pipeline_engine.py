@@ -27,10 +27,10 @@ import torch
 from torch import nn
 
 from llmpar.checkpoint.protocol import Grid
-from llmpar.pipeline.blocks import stage_key, to_blocks
 from llmpar.pipeline.runner import PipelineRunner, StepStats
 from llmpar.runtime.config import Config
 from llmpar.runtime.engine_base import EngineBase
+from llmpar.runtime.params import unsplit_names
 
 
 class PipelineEngine(EngineBase):
@@ -126,21 +126,8 @@ class PipelineEngine(EngineBase):
 
     def checkpoint_names(self) -> dict[str, str]:
         """{``stage{s}.{local name}``: name in the unsplit model} of this rank's params and buffers."""
-        by_id: dict[int, str] = {}
-        for kind in ("named_parameters", "named_buffers"):
-            for n, t in getattr(self.module, kind)(remove_duplicate=False):
-                by_id.setdefault(id(t), n)
-        block_names: dict[str, str] = {}  # "blocks_3.attn.qkv.weight" -> "blocks.3.attn.qkv.weight"
-        for bname, block in to_blocks(self.module):
-            for kind in ("named_parameters", "named_buffers"):
-                for n, t in getattr(block, kind)(remove_duplicate=False):
-                    block_names[f"{stage_key(bname)}.{n}"] = by_id.get(id(t), f"{bname}.{n}")
-        out = {}
-        for kind in ("named_parameters", "named_buffers"):
-            for name, _ in self.checkpoint_named(kind):
-                local = name.split(".", 1)[1]
-                out[name] = block_names.get(local, local)
-        return out
+        return unsplit_names(self.module, self.checkpoint_named("named_parameters")
+                             + self.checkpoint_named("named_buffers"))
 
     def checkpoint_duplicates(self) -> set[str]:
         """Optimizer names of this rank's tied copies that a lower stage holds too (that stage writes them)."""
