@@ -1,0 +1,206 @@
+"""The shape of the house, checked: llmpar's import graph has floors (a module imports only from its own floor or
+below), no import cycle (function-level imports included), no module-level mutable state outside declared caches,
+and no file over ~400 lines. A violation names the module, the import and the rule."""
+from __future__ import annotations
+
+import ast
+import collections
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "llmpar"
+MAX_LINES = 400
+
+# floor of each top-level part of llmpar (kernels/ and csrc/ are installed as llmpar.kernels and llmpar._C)
+FLOORS = {
+    "utils": 0, "kernels": 0, "_C": 0,
+    "distributed": 1, "ops": 1, "data": 1, "models": 1, "planning": 1,
+    "tensor_parallel": 2, "optim": 2,
+    "zero": 3, "pipeline": 3, "checkpoint": 3,
+    "runtime": 4,
+    "cli": 5, "train": 5, "env_report": 5, "": 5,
+}
+# module-level names that are caches (state that is only ever a memo of something recomputable), with the reason
+CACHES = {
+    ("llmpar.ops._ext", "_status"): "the CUDA extension's load status, computed once per process",
+}
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for path in sorted(PKG.rglob("*.py")):
+        name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        mods[name[: -len(".__init__")] if name.endswith(".__init__") else name] = path
+    return mods
+
+
+MODULES = _modules()
+
+
+def _part(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _imports(module: str, path: Path) -> list[tuple[str, int]]:
+    """(imported llmpar module, line) for every import in the file, at any depth. ``from pkg import sub`` counts
+    as importing ``pkg.sub`` when that is a module (not the package's ``__init__``)."""
+    tree = ast.parse(path.read_text())
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = []
+    for node in ast.walk(tree):
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(up) + ("." + base if base else "")
+            subs = [f"{base}.{a.name}" for a in node.names]
+            targets = [s for s in subs if s in MODULES or _part(s) in ("kernels", "_C")] or [base]
+        for t in targets:
+            if t.startswith("llmpar"):
+                while t not in MODULES and t.count(".") > 1:
+                    t = t.rpartition(".")[0]
+                if t != module:
+                    found.append((t, node.lineno))
+    return found
+
+
+GRAPH = {m: _imports(m, p) for m, p in MODULES.items()}
+
+
+def test_every_part_has_a_floor():
+    missing = sorted({_part(m) for m in MODULES} - set(FLOORS))
+    assert not missing, f"parts of llmpar without a floor in {__file__}: {missing}"
+
+
+def test_no_upward_import():
+    bad = [f"{m}:{line} imports {t} ({_part(m) or 'llmpar'} is floor {FLOORS[_part(m)]}, {_part(t)} floor "
+           f"{FLOORS[_part(t)]})"
+           for m, edges in GRAPH.items() for t, line in edges if FLOORS[_part(t)] > FLOORS[_part(m)]]
+    assert not bad, "upward imports:\n" + "\n".join(bad)
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_module_import_cycle():
+    cycles = _cycles({m: {t for t, _ in edges} for m, edges in GRAPH.items()})
+    assert not cycles, "import cycles between modules: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def test_no_cycle_between_parts():
+    parts: dict[str, set[str]] = collections.defaultdict(set)
+    for m, edges in GRAPH.items():
+        for t, _ in edges:
+            if _part(t) != _part(m):
+                parts[_part(m)].add(_part(t))
+    cycles = _cycles(parts)
+    assert not cycles, "parts of llmpar import each other: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+_MUTATORS = {"append", "extend", "add", "update", "pop", "popitem", "clear", "setdefault", "remove", "discard",
+             "insert", "appendleft"}
+_CONTAINERS = {"dict", "list", "set", "WeakKeyDictionary", "WeakValueDictionary", "WeakSet", "defaultdict",
+               "OrderedDict", "deque"}
+
+
+def _module_state(module: str, path: Path) -> list[str]:
+    """Module-level names rebound (``global``) or mutated (``NAME[k] = v``, ``NAME.append(...)``...) inside functions."""
+    tree = ast.parse(path.read_text())
+    containers = set()
+    for node in tree.body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+            value = node.value
+            is_container = isinstance(value, (ast.Dict, ast.List, ast.Set)) or (
+                isinstance(value, ast.Call) and getattr(value.func, "attr", getattr(value.func, "id", None))
+                in _CONTAINERS)
+            for target in (node.targets if isinstance(node, ast.Assign) else [node.target]):
+                if is_container and isinstance(target, ast.Name):
+                    containers.add(target.id)
+    found = []
+    for fn in ast.walk(tree):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for node in ast.walk(fn):
+            names: list[str] = []
+            if isinstance(node, ast.Global):
+                names = list(node.names)
+            elif isinstance(node, (ast.Assign, ast.AugAssign, ast.Delete)):
+                for t in (node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]):
+                    if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name) and t.value.id in containers:
+                        names.append(t.value.id)
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                  and node.func.attr in _MUTATORS and isinstance(node.func.value, ast.Name)
+                  and node.func.value.id in containers):
+                names.append(node.func.value.id)
+            found += [f"{module}:{node.lineno} changes module-level {n} in {fn.name}()" for n in names
+                      if (module, n) not in CACHES]
+    return found
+
+
+def test_no_module_level_mutable_state():
+    found = [line for m, p in MODULES.items() for line in _module_state(m, p)]
+    assert not found, "module-level mutable state (make it per object, or declare a cache in CACHES):\n" + \
+        "\n".join(found)
+
+
+def test_state_check_catches_a_registry(tmp_path):
+    path = tmp_path / "mod.py"
+    path.write_text("PENDING = {}\n_seen = set()\nflag = False\n\ndef f(k):\n    PENDING[k] = 1\n    _seen.add(k)\n"
+                    "    global flag\n    flag = True\n")
+    found = _module_state("mod", path)
+    assert sorted(f.split(" changes module-level ")[1].split()[0] for f in found) == ["PENDING", "_seen", "flag"]
+
+
+@pytest.mark.parametrize("top", ["kernels", "csrc"])
+def test_kernels_know_nothing_of_llmpar(top):
+    bad = []
+    for path in sorted((ROOT / top).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            bad += [f"{path.relative_to(ROOT)}:{node.lineno} imports {n}" for n in names if n.startswith("llmpar")]
+    assert not bad, f"{top}/ must not import llmpar:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("top", ["llmpar", "kernels", "csrc"])
+def test_no_file_over_the_limit(top):
+    long = [f"{p.relative_to(ROOT)}: {n} lines" for p in sorted((ROOT / top).rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > MAX_LINES]
+    assert not long, f"files over {MAX_LINES} lines (split them by responsibility):\n" + "\n".join(long)
