@@ -67,6 +67,21 @@ def _imports(module: str, path: Path) -> list[tuple[str, int]]:
                     t = t.rpartition(".")[0]
                 if t != module:
                     found.append((t, node.lineno))
+    found += _lazy_exports(module, tree)
+    return found
+
+
+def _lazy_exports(module: str, tree: ast.Module) -> list[tuple[str, int]]:
+    """A package ``__init__`` that exports names lazily (``_EXPORTS = {"name": "module:attr" or "submodule"}``,
+    imported by ``__getattr__``) depends on those modules as if it imported them."""
+    found = []
+    for node in tree.body:
+        if (isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "_EXPORTS" for t in node.targets)
+                and isinstance(node.value, ast.Dict)):
+            for value in node.value.values:
+                if isinstance(value, ast.Constant) and isinstance(value.value, str):
+                    target = value.value.split(":")[0] if ":" in value.value else f"{module}.{value.value}"
+                    found.append((target, node.lineno))
     return found
 
 

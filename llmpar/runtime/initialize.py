@@ -26,7 +26,6 @@ from torch import nn
 from llmpar.distributed.agree import check_same_on_ranks, raise_if_any_failed
 from llmpar.distributed.collectives import CommCounter, Group, as_group, group_rank, group_size
 from llmpar.distributed.init import init_distributed
-from llmpar.pipeline import build_pipeline, zero_optimizer
 from llmpar.runtime.config import Blocks, Config, read_config
 from llmpar.runtime.engine import Engine
 from llmpar.runtime.params import canonical_names, named_groups, stage_groups, unsplit_names
@@ -98,6 +97,9 @@ def initialize(*, model: nn.Module, config: dict | str | Config, model_parameter
 def _initialize_pipeline(model: nn.Module, blocks: Blocks | Config, pp: int, tp: int, mesh: Any, loss_fn: Any,
                          counter: Any, training_data: Any, collate_fn: Any, groups: list[dict],
                          canonical: dict[str, str]):
+    from llmpar.pipeline.build import build_pipeline  # loads torch.distributed.pipelining: only when needed
+    from llmpar.pipeline.zero import zero_optimizer
+
     loss_fn = loss_fn if loss_fn is not None else getattr(model, "loss", None)
     if not callable(loss_fn):
         raise TypeError("a pipeline engine needs loss_fn=(output, target) -> mean loss (or a model with a .loss "

@@ -21,16 +21,18 @@ or ``data_iter=``, an iterator of ``(x, y)`` micro-batches of which it pulls ``m
 """
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 from torch import nn
 
 from llmpar.checkpoint.protocol import Grid
-from llmpar.pipeline.runner import PipelineRunner, StepStats
 from llmpar.runtime.config import Config
 from llmpar.runtime.engine_base import EngineBase
 from llmpar.runtime.params import unsplit_names
+
+if TYPE_CHECKING:  # the runner module loads torch.distributed.pipelining
+    from llmpar.pipeline.runner import PipelineRunner, StepStats
 
 
 class PipelineEngine(EngineBase):
