@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from llmpar.distributed.collectives import group_rank, group_size
 from llmpar.runtime.config import Config
 
 if TYPE_CHECKING:
@@ -50,6 +51,16 @@ class EngineBase:
 
     def bfloat16_enabled(self) -> bool:
         return self.config.bf16
+
+    @property
+    def dp_world_size(self) -> int:
+        """Data-parallel ranks (DeepSpeed's name)."""
+        return group_size(self.optimizer.dp_group)
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's place in its data-parallel group."""
+        return group_rank(self.optimizer.dp_group)
 
     def get_lr(self) -> list[float]:
         return [g["lr"] for g in self.optimizer.param_groups]

@@ -24,7 +24,8 @@ def named_groups(model: nn.Module, model_parameters: Any, *, strict: bool = Fals
                         "dicts, got a single tensor")
     items = list(model_parameters)
     name_of: dict[int, str] = {}
-    for n, p in model.named_parameters(remove_duplicate=False):
+    by_name = dict(model.named_parameters(remove_duplicate=False))
+    for n, p in by_name.items():
         name_of.setdefault(id(p), n)  # a tied param: its first name, as checkpoints name it
     groups = items if items and isinstance(items[0], dict) else [{"params": items}]
     out = []
@@ -35,10 +36,13 @@ def named_groups(model: nn.Module, model_parameters: Any, *, strict: bool = Fals
         for k, item in enumerate(g["params"]):
             p = item[1] if isinstance(item, tuple) else item
             if strict and isinstance(p, torch.Tensor) and id(p) not in name_of:
-                raise ValueError(f"model_parameters group {gi} item {k} is not a param of the model: llmpar.initialize "
-                                 "split the model over the tensor_parallel block, replacing its layers; pass "
-                                 "model_parameters=model.parameters() (a generator) or parallelize the model yourself "
-                                 "first and pass mesh=")
+                if isinstance(item, tuple) and item[0] in by_name:  # replaced by the split: the new param of that name
+                    item = (item[0], by_name[item[0]])
+                else:
+                    raise ValueError(f"model_parameters group {gi} item {k} is not a param of the model: "
+                                     "llmpar.initialize split the model over the tensor_parallel block, replacing its "
+                                     "layers; pass (name, param) pairs or a generator (model.parameters()), or "
+                                     "parallelize the model yourself first and pass mesh=")
             if isinstance(item, tuple):
                 named.append(item)
             elif isinstance(item, torch.Tensor):

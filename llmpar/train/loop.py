@@ -1,13 +1,9 @@
 """The run of ``llmpar train``: the demo GPT on the shipped text, trained by the engine ``llmpar.initialize`` returns.
 
-    env = llmpar.init_distributed(tp=tp, pp=pp)                       # the [pp, dp, tp] mesh
     model = GPT(...)
-    with a "pipeline" block:  engine = llmpar.initialize(model=model, config=config, mesh=env.mesh)[0]
-                              loss = engine.train_batch(x, y)          # x, y: [micro * gas, T], this dp rank's rows
-    without:                  llmpar.parallelize(model, env.mesh["tp"]) if tp > 1
-                              engine = llmpar.initialize(model=model, config=config, model_parameters=groups,
-                                                         mesh=env.mesh)[0]
-                              gas x (loss = model.loss(engine(x_i), y_i); engine.backward(loss); engine.step())
+    engine = llmpar.initialize(model=model, config=config, model_parameters=groups)[0]   # mesh, split, ZeRO
+    with a "pipeline" block:  loss = engine.train_batch(x, y)          # x, y: [micro * gas, T], this dp rank's rows
+    without:                  gas x (loss = model.loss(engine(x_i), y_i); engine.backward(loss); engine.step())
 
 Gradient reduction, clipping, the LR schedule, ZeRO, offload and bf16 are the engine's; this file only feeds batches
 and reports. Per step s, dp rank r reads rows [r * micro * gas, (r + 1) * micro * gas) of the step's global batch
@@ -108,14 +104,13 @@ def param_groups(model: torch.nn.Module) -> list[dict]:
             {"params": [(n, p) for n, p in named if p.dim() < 2], "weight_decay": 0.0}]
 
 
-def _initialize(model: GPT, config: dict, mesh: Any, tp: int) -> Any:
-    """The engine for ``config``: a PipelineEngine with a "pipeline" block, else the plain one over tp x dp."""
+def _initialize(model: GPT, config: dict) -> Any:
+    """The engine ``llmpar.initialize`` builds for ``config``: it makes the mesh of the pipeline / tensor_parallel
+    blocks and splits the model (stages, tensor-parallel layers) itself."""
     import llmpar
 
     try:
-        if tp > 1 and "pipeline" not in config:  # a pipeline splits (and parallelizes) the stages itself
-            llmpar.parallelize(model, mesh["tp"])
-        return llmpar.initialize(model=model, config=config, model_parameters=param_groups(model), mesh=mesh)[0]
+        return llmpar.initialize(model=model, config=config, model_parameters=param_groups(model))[0]
     except (ValueError, TypeError) as err:
         raise ConfigError(f"llmpar.initialize rejected the config: {err}") from err
 
@@ -142,23 +137,22 @@ def train(opts: TrainOptions, config: dict | None = None, *, backend: str | None
 
     config = build_config(opts) if config is None else config
     pp, tp = degrees(config)
-    env = llmpar.init_distributed(backend=backend, tp=tp, pp=pp)
+    env = llmpar.init_distributed(backend=backend)  # the default group: initialize builds the mesh it needs
     check_layout(opts, pp=pp, tp=tp, world=env.world_size)
-    mesh, device = env.mesh, env.device
-    dp_mesh = mesh["dp"]
-    dp, dp_rank = dp_mesh.size(), dp_mesh.get_local_rank()
+    device = env.device
     show = progress and env.is_main
-    if opts.dropout > 0:
-        torch.manual_seed(opts.seed * 7919 + dp_rank)  # dropout masks differ per dp rank, as they would with DDP
     tokenizer = ByteTokenizer()
     model = GPT(opts.model_config(tokenizer.vocab_size), seed=opts.seed, device=device,
                 dtype=getattr(torch, opts.model_dtype))
     n_params = model.num_params()  # of the whole model, before any split
-    engine = _initialize(model, config, mesh, tp)
-    pipeline = "pipeline" in config
+    engine = _initialize(model, config)
+    dp, dp_rank, dp_group = engine.dp_world_size, engine.dp_rank, engine.optimizer.dp_group
+    if opts.dropout > 0:
+        torch.manual_seed(opts.seed * 7919 + dp_rank)  # dropout masks differ per dp rank, as they would with DDP
+    pipeline = engine.config.pipeline is not None
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     stage = engine.zero_optimization_stage()
-    bf16 = bool(config.get("bf16", config.get("bfloat16", {})).get("enabled", False))
+    bf16 = engine.bfloat16_enabled()
     loader = BatchLoader(tokens=load_tokens(opts.text), batch_size=micro * gas, seq_len=opts.seq_len,
                          dp_rank=dp_rank, dp_size=dp, seed=opts.seed)
     tokens_per_step = micro * gas * dp * opts.seq_len
@@ -184,7 +178,7 @@ def train(opts: TrainOptions, config: dict | None = None, *, backend: str | None
             else:
                 loss = _micro_steps(engine, x, y, gas).reshape(1)
                 if dp > 1:
-                    all_reduce(loss, dp_mesh, op="avg")
+                    all_reduce(loss, dp_group, op="avg")
                 losses.append(float(loss))
             if step == 0:
                 t_after_first = time.perf_counter()  # the first step pays for warm-up; tokens/s leaves it out

@@ -24,12 +24,12 @@ key to edit instead (no silent override); the run/model flags (--steps, --seq-le
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from typing import Any
 
 from llmpar.models import GPTConfig
+from llmpar.runtime.config import Blocks, read_config
 
 MODEL_DTYPES = ("float32", "float64", "bfloat16")  # bfloat16 means the config's bf16 (fp32 master weights)
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -160,17 +160,8 @@ def build_config(opts: TrainOptions) -> dict[str, Any]:
 
 
 def load_config(path: str | os.PathLike) -> dict[str, Any]:
-    """Read a DeepSpeed JSON config; a missing file or bad JSON is a ValueError naming the file."""
-    try:
-        with open(path) as f:
-            config = json.load(f)
-    except OSError as err:
-        raise ValueError(f"--config {path}: cannot read it ({err.strerror or err})") from None
-    except json.JSONDecodeError as err:
-        raise ValueError(f"--config {path}: not valid JSON ({err})") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"--config {path}: a DeepSpeed config is a JSON object, got {type(config).__name__}")
-    return config
+    """Read a DeepSpeed JSON config with the runtime's reader (a missing file or bad JSON is a ValueError naming it)."""
+    return read_config(os.fspath(path))
 
 
 def resolve(flags: dict[str, Any], config_path: str | os.PathLike | None = None
@@ -196,15 +187,9 @@ def resolve(flags: dict[str, Any], config_path: str | os.PathLike | None = None
 
 
 def degrees(config: dict[str, Any]) -> tuple[int, int]:
-    """(pp, tp) of a DeepSpeed config: ``pipeline.stages`` (1 without a pipeline block), ``tensor_parallel.size``."""
-    out = []
-    for block, key in (("pipeline", "stages"), ("tensor_parallel", "size")):
-        section = config.get(block, {})
-        value = section.get(key, 1) if isinstance(section, dict) else None
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f'"{block}.{key}"={value!r} must be a positive integer')
-        out.append(value)
-    return out[0], out[1]
+    """(pp, tp) of a DeepSpeed config, as ``llmpar.initialize`` reads it (the whole config is checked here, before
+    any rank starts: a bad key is the runtime's error naming it)."""
+    return Blocks.parse(config).degrees
 
 
 def check_layout(opts: TrainOptions, *, pp: int, tp: int, world: int, from_config: bool = False) -> None:
