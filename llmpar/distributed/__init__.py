@@ -20,10 +20,12 @@ from llmpar.distributed.collectives import (
     send,
 )
 from llmpar.distributed.agree import check_same_on_ranks, raise_if_any_failed
+from llmpar.distributed.errors import CollectiveError
 from llmpar.distributed.dims import MESH_AXES, ParallelDims
 from llmpar.distributed.init import DistEnv, destroy_distributed, init_distributed
 
 __all__ = [
+    "CollectiveError",
     "MESH_AXES",
     "DistEnv",
     "GroupRef",

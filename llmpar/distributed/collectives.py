@@ -12,15 +12,17 @@ Flat collectives:
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
-from typing import Any, Callable, Union
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 
-Group = Union[dist.ProcessGroup, DeviceMesh]
+from llmpar.distributed.errors import CollectiveError, collective_error
+from llmpar.distributed.groups import Group, GroupRef, as_group, global_rank, group_rank, group_size
+
 
 _OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -63,18 +65,22 @@ class CommCounter:
 
 
 class Handle:
-    """An in-flight collective. ``wait()`` blocks until the result is in the output tensor."""
+    """An in-flight collective. ``wait()`` blocks until the result is in the output tensor; a failure or timeout of
+    the collective raises :class:`~llmpar.distributed.errors.CollectiveError` naming ``what`` and the group."""
 
-    def __init__(self, works: list, finish: Callable[[], None] | None = None) -> None:
+    def __init__(self, works: list, finish: Callable[[], None] | None = None, *, what: str = "a collective",
+                 pg: dist.ProcessGroup | None = None) -> None:
         self._works = works
         self._finish = finish
         self._done = False
+        self._what, self._pg = what, pg
 
     def wait(self) -> None:
         if self._done:
             return
-        for w in self._works:
-            w.wait()
+        with failing_as(self._what, self._pg):
+            for w in self._works:
+                w.wait()
         if self._finish is not None:
             self._finish()
         self._done = True
@@ -83,81 +89,27 @@ class Handle:
         return self._done or all(w.is_completed() for w in self._works)
 
 
-class GroupRef:
-    """A process group held by its registered name and looked up at each use.
-
-    Long-lived llmpar objects (parallel layers, ZeRO optimizers, engines) keep their groups this way, so that
-    ``torch.distributed.destroy_process_group()`` really frees the groups even while those objects live on. A gloo
-    group kept alive past ``destroy_process_group()`` can abort the interpreter at exit on recent torch ("terminate
-    called without an active exception"; torch's own DDP does it too). Where a torch version cannot look groups up by
-    name, the group itself is kept.
-    """
-
-    __slots__ = ("name", "_pg")
-
-    def __init__(self, group: "Group | GroupRef") -> None:
-        pg = as_group(group)
-        name = getattr(pg, "group_name", None)
-        resolve = getattr(dist.distributed_c10d, "_resolve_process_group", None)
-        try:
-            found = resolve(name) if (name and resolve is not None) else None
-        except (RuntimeError, ValueError):
-            found = None
-        self.name: str | None = name if found is not None else None
-        self._pg: dist.ProcessGroup | None = None if self.name is not None else pg
-
-    def get(self) -> dist.ProcessGroup:
-        if self._pg is not None:
-            return self._pg
-        try:
-            return dist.distributed_c10d._resolve_process_group(self.name)
-        except (RuntimeError, ValueError) as err:
-            raise RuntimeError(
-                f"process group {self.name!r} no longer exists (destroy_process_group() was called?): {err}"
-            ) from None
-
-    def __repr__(self) -> str:
-        return f"GroupRef({self.name!r})" if self._pg is None else f"GroupRef({self._pg!r})"
-
-
-def as_group(group: "Group | GroupRef") -> dist.ProcessGroup:
-    """Accept a ProcessGroup, a 1-D DeviceMesh (e.g. ``mesh["tp"]``) or a :class:`GroupRef`."""
-    if isinstance(group, GroupRef):
-        return group.get()
-    if isinstance(group, DeviceMesh):
-        if group.ndim != 1:
-            raise ValueError(f"a DeviceMesh passed as a group must be 1-D, got {group.ndim}-D {group.mesh_dim_names}")
-        return group.get_group()
-    if isinstance(group, dist.ProcessGroup):
-        return group
-    raise TypeError(f"group must be a ProcessGroup, a 1-D DeviceMesh or a GroupRef, got {type(group).__name__}")
-
-
-def group_size(group: Group) -> int:
-    return dist.get_world_size(as_group(group))
-
-
-def group_rank(group: Group) -> int:
-    return dist.get_rank(as_group(group))
-
-
-def global_rank(group: Group, local: int) -> int:
-    """Global rank of the member ``local`` of ``group``."""
-    pg = as_group(group)
-    size = dist.get_world_size(pg)
-    if not 0 <= local < size:
-        raise ValueError(f"group rank {local} is outside [0, {size})")
-    return dist.get_global_rank(pg, local)
-
-
 def _op(op: str) -> dist.ReduceOp:
     if op not in _OPS:
         raise ValueError(f"op={op!r} is not supported: expected one of {sorted(_OPS)}")
     return _OPS[op]
 
 
-def _finish(async_op: bool, works: list, finish: Callable[[], None] | None) -> Handle | None:
-    handle = Handle([w for w in works if w is not None], finish)
+@contextlib.contextmanager
+def failing_as(what: str, pg: dist.ProcessGroup | None) -> Iterator[None]:
+    """Turn a backend failure inside the block (a dead or stuck peer, a timeout) into a :class:`CollectiveError`
+    saying ``what`` ran over which group."""
+    try:
+        yield
+    except RuntimeError as err:  # DistBackendError and gloo's errors are RuntimeErrors
+        if pg is None or isinstance(err, CollectiveError):
+            raise
+        raise collective_error(err, what, pg) from err
+
+
+def _finish(async_op: bool, works: list, finish: Callable[[], None] | None, what: str,
+            pg: dist.ProcessGroup) -> Handle | None:
+    handle = Handle([w for w in works if w is not None], finish, what=what, pg=pg)
     if async_op:
         return handle
     handle.wait()
@@ -170,16 +122,19 @@ def _unsupported(err: Exception) -> bool:
 
 
 def all_reduce(tensor: torch.Tensor, group: Group, *, op: str = "sum", async_op: bool = False,
-               counter: CommCounter | None = None) -> Handle | None:
-    """In-place all-reduce of ``tensor`` over ``group`` (``op`` in sum, avg, max, min, product)."""
+               counter: CommCounter | None = None, what: str | None = None) -> Handle | None:
+    """In-place all-reduce of ``tensor`` over ``group`` (``op`` in sum, avg, max, min, product). ``what``: names the
+    operation in a failure's message (every collective here takes it)."""
     pg = as_group(group)
-    work = dist.all_reduce(tensor, op=_op(op), group=pg, async_op=True)
+    what = what or f"all-reduce ({op}) of {tensor.numel()} elements"
+    with failing_as(what, pg):
+        work = dist.all_reduce(tensor, op=_op(op), group=pg, async_op=True)
     size = dist.get_world_size(pg)
     if counter is not None:
         counter.record("all_reduce", 2 * tensor.numel(),
                        2 * (size - 1) / size * tensor.numel() * tensor.element_size())
     finish = (lambda: tensor.div_(size)) if op == "avg" else None
-    return _finish(async_op, [work], finish)
+    return _finish(async_op, [work], finish, what, pg)
 
 
 def _check_flat(name: str, t: torch.Tensor) -> None:
@@ -228,7 +183,7 @@ def reduce_scatter_uses_exchange(group: "Group | GroupRef", device: torch.device
 
 def reduce_scatter_flat(
     output: torch.Tensor, input: torch.Tensor, group: Group, *, op: str = "sum", async_op: bool = False,
-    counter: CommCounter | None = None,
+    counter: CommCounter | None = None, what: str | None = None,
 ) -> Handle | None:
     """``output[n] = reduce_r input_r[group_rank * n : (group_rank + 1) * n]`` over the ranks r of ``group``.
 
@@ -242,6 +197,13 @@ def reduce_scatter_flat(
     size = dist.get_world_size(pg)
     _check_pair(output, input, "input", size)
     reduce_op = _op(op)
+    what = what or f"reduce-scatter ({op}) of {input.numel()} elements"
+    with failing_as(what, pg):
+        return _reduce_scatter(output, input, pg, size, op, reduce_op, async_op, counter, what)
+
+
+def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, pg: dist.ProcessGroup, size: int, op: str,
+                    reduce_op: dist.ReduceOp, async_op: bool, counter: CommCounter | None, what: str) -> Handle | None:
     if counter is not None:
         counter.record("reduce_scatter", input.numel(), (size - 1) / size * input.numel() * input.element_size())
     if op in ("sum", "avg") and reduce_scatter_uses_exchange(pg, input.device):
@@ -257,7 +219,7 @@ def reduce_scatter_flat(
                 if op == "avg":
                     output.div_(size)
 
-            return _finish(async_op, [work], summed)
+            return _finish(async_op, [work], summed, what, pg)
     finish = (lambda: output.div_(size)) if op == "avg" else None
     try:
         work = dist.reduce_scatter_tensor(output, input, op=reduce_op, group=pg, async_op=True)
@@ -275,38 +237,42 @@ def reduce_scatter_flat(
             if op == "avg":
                 output.div_(size)
 
-    return _finish(async_op, [work], finish)
+    return _finish(async_op, [work], finish, what, pg)
 
 
 def all_gather_flat(
     output: torch.Tensor, input: torch.Tensor, group: Group, *, async_op: bool = False,
-    counter: CommCounter | None = None,
+    counter: CommCounter | None = None, what: str | None = None,
 ) -> Handle | None:
     """``output[r * n : (r + 1) * n] = input`` of group rank ``r``, for every r."""
     pg = as_group(group)
     size = dist.get_world_size(pg)
     _check_pair(output, input, "output", size)
+    what = what or f"all-gather of {output.numel()} elements"
     if counter is not None:
         counter.record("all_gather", output.numel(), (size - 1) / size * output.numel() * output.element_size())
-    try:
-        work = dist.all_gather_into_tensor(output, input, group=pg, async_op=True)
-    except (RuntimeError, NotImplementedError, AttributeError) as err:
-        if not _unsupported(err):
-            raise
-        chunks = list(output.view(-1).chunk(size))
-        work = dist.all_gather(chunks, input.view(-1), group=pg, async_op=True)
-    return _finish(async_op, [work], None)
+    with failing_as(what, pg):
+        try:
+            work = dist.all_gather_into_tensor(output, input, group=pg, async_op=True)
+        except (RuntimeError, NotImplementedError, AttributeError) as err:
+            if not _unsupported(err):
+                raise
+            chunks = list(output.view(-1).chunk(size))
+            work = dist.all_gather(chunks, input.view(-1), group=pg, async_op=True)
+    return _finish(async_op, [work], None, what, pg)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: Group, *, async_op: bool = False,
-              counter: CommCounter | None = None) -> Handle | None:
+              counter: CommCounter | None = None, what: str | None = None) -> Handle | None:
     """Broadcast ``tensor`` from group rank ``src`` to every rank of ``group``."""
     pg = as_group(group)
+    what = what or f"broadcast of {tensor.numel()} elements from group rank {src}"
     if counter is not None:
         sent = tensor.numel() * tensor.element_size() if dist.get_rank(pg) == src else 0
         counter.record("broadcast", tensor.numel(), sent)
-    work = dist.broadcast(tensor, src=global_rank(pg, src), group=pg, async_op=True)
-    return _finish(async_op, [work], None)
+    with failing_as(what, pg):
+        work = dist.broadcast(tensor, src=global_rank(pg, src), group=pg, async_op=True)
+    return _finish(async_op, [work], None, what, pg)
 
 
 @functools.lru_cache(maxsize=None)
@@ -346,8 +312,10 @@ def irecv(tensor: torch.Tensor, src: int, group: Group) -> Handle:
     return Handle([dist.irecv(tensor, **_p2p_kwargs(dist.irecv, "src", src, pg))])
 
 
-def barrier(group: Group) -> None:
-    dist.barrier(group=as_group(group))
+def barrier(group: Group, *, what: str = "barrier") -> None:
+    pg = as_group(group)
+    with failing_as(what, pg):
+        dist.barrier(group=pg)
 
 
 def broadcast_coalesced(tensors: list[torch.Tensor], src: int, group: Group, *, bucket_numel: int = 1 << 25,
@@ -367,3 +335,8 @@ def broadcast_coalesced(tensors: list[torch.Tensor], src: int, group: Group, *, 
         for t in ts:
             t.detach().copy_(flat[offset:offset + t.numel()].view_as(t))
             offset += t.numel()
+
+
+__all__ = ["CommCounter", "Group", "GroupRef", "Handle", "all_gather_flat", "all_reduce", "as_group", "barrier",
+           "broadcast", "broadcast_coalesced", "collective_device", "failing_as", "global_rank", "group_rank",
+           "group_size", "irecv", "isend", "recv", "reduce_scatter_flat", "reduce_scatter_uses_exchange", "send"]

@@ -66,6 +66,9 @@ def _pick_backend(backend: str | None) -> str:
     return backend
 
 
+DEFAULT_TIMEOUT_S = 600.0  # a collective's wait for its peers: minutes, not torch's half hour
+
+
 def init_distributed(
     *,
     backend: str | None = None,
@@ -73,18 +76,29 @@ def init_distributed(
     tp: int | None = None,
     pp: int | None = None,
     dp: int | None = None,
-    timeout_s: float = 1800.0,
+    timeout_s: float | None = None,
     device_type: str | None = None,
 ) -> DistEnv:
     """Initialise torch.distributed from the environment and return a :class:`DistEnv`.
 
     Give either ``dims`` or any of ``tp``/``pp``/``dp`` to also build the ``[pp, dp, tp]`` DeviceMesh
     (a collective call: every rank must pass the same degrees).
+
+    ``timeout_s``: how long a collective waits for its peers before it fails (default ``LLMPAR_TIMEOUT_S`` or
+    :data:`DEFAULT_TIMEOUT_S` = 10 minutes, not torch's 30): a rank that died, stopped or runs another collective
+    then fails the others with a :class:`~llmpar.distributed.errors.CollectiveError` naming the operation. Used when
+    this call creates the default group (an existing group keeps its own).
     """
     if dims is not None and any(v is not None for v in (tp, pp, dp)):
         raise ValueError("pass either dims= or tp=/pp=/dp=, not both")
-    if timeout_s <= 0:
-        raise ValueError(f"timeout_s={timeout_s} must be positive")
+    if timeout_s is None:
+        env_timeout = os.environ.get("LLMPAR_TIMEOUT_S")
+        try:
+            timeout_s = float(env_timeout) if env_timeout else DEFAULT_TIMEOUT_S
+        except ValueError:
+            raise ValueError(f"LLMPAR_TIMEOUT_S={env_timeout!r} must be a number of seconds") from None
+    if not timeout_s > 0 or timeout_s != timeout_s or timeout_s == float("inf"):
+        raise ValueError(f"timeout_s={timeout_s} must be a positive finite number of seconds")
     rank = _env_int("RANK", 0)
     world_size = _env_int("WORLD_SIZE", 1)
     local_rank = _env_int("LOCAL_RANK", rank)

@@ -12,5 +12,5 @@ from llmpar.runtime.initialize import initialize
 from llmpar.runtime.pipeline_engine import PipelineEngine
 from llmpar.runtime.schedules import SchedulerConfig, WarmupSchedule
 
-__all__ = ["Blocks", "Config", "Engine", "EngineBase", "PipelineEngine", "SchedulerConfig", "WarmupSchedule", "initialize",
-           "read_config"]
+__all__ = ["Blocks", "Config", "Engine", "EngineBase", "PipelineEngine", "SchedulerConfig", "WarmupSchedule",
+           "initialize", "read_config"]

@@ -19,7 +19,7 @@ from torch import nn
 from llmpar.checkpoint.protocol import Grid
 from llmpar.distributed.collectives import Group, GroupRef, group_rank
 from llmpar.runtime.config import Config
-from llmpar.runtime.engine_base import EngineBase
+from llmpar.runtime.engine_base import EngineBase, reports_step
 from llmpar.zero.gather import consolidated_state_dict
 
 logger = logging.getLogger("llmpar")
@@ -45,11 +45,13 @@ class Engine(EngineBase):
     def eval(self) -> "Engine":
         return self.train(False)
 
+    @reports_step
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
 
     forward = __call__
 
+    @reports_step
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
         """Backward of ``loss / gradient_accumulation_steps``; returns the scaled loss."""
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
@@ -61,6 +63,7 @@ class Engine(EngineBase):
         scaled.backward()
         return scaled
 
+    @reports_step
     def step(self) -> None:
         """At the accumulation boundary: optimizer step, scheduler step, grads dropped. Always: micro_steps += 1."""
         if self.is_gradient_accumulation_boundary():

@@ -10,19 +10,34 @@ gradients (the optimizer's device counter, read only when asked; assignable, e.g
 """
 from __future__ import annotations
 
+import functools
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
 
 from llmpar.distributed.collectives import group_rank, group_size
+from llmpar.distributed.errors import CollectiveError
 from llmpar.runtime.config import Config
 
 if TYPE_CHECKING:
     from llmpar.checkpoint.protocol import Grid, PendingSave
 
 logger = logging.getLogger("llmpar")
+
+
+def reports_step(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A collective failing inside ``method`` (a dead or stuck peer) reports the engine's step with its operation."""
+    @functools.wraps(method)
+    def wrapper(self: "EngineBase", *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except CollectiveError as err:
+            raise err.add_context(f"in engine.{method.__name__}() at optimizer step {self.global_steps}, micro step "
+                                  f"{self.micro_steps}") from err.__cause__
+
+    return wrapper
 
 
 class EngineBase:

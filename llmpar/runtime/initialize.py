@@ -39,7 +39,7 @@ def initialize(*, model: nn.Module, config: dict | str | Config, model_parameter
                optimizer: Any = None, lr_scheduler: Any = None, training_data: Any = None, collate_fn: Any = None,
                mesh: Any = None, dp_group: Group | None = None, tp_group: Group | None = None,
                counter: CommCounter | None = None, args: Any = None, unit_policy: Any = None,
-               loss_fn: Callable | None = None, **unsupported: Any):
+               loss_fn: Callable | None = None, timeout_s: float | None = None, **unsupported: Any):
     """Build the engine from a DeepSpeed config. Returns ``(engine, optimizer, dataloader or None, scheduler)``.
 
     model_parameters: params, (name, param) pairs or param-group dicts (default: all of the model's, weight decay on
@@ -50,6 +50,8 @@ def initialize(*, model: nn.Module, config: dict | str | Config, model_parameter
     blocks, embeddings, head; see ``llmpar.zero.stage3.unit_modules``). optimizer / lr_scheduler objects are not
     taken: describe them in the config. loss_fn: ``(output, target) -> mean loss`` of a pipeline engine (default
     ``model.loss``). training_data: a dataset; the loader gives this dp rank's micro-batches (DistributedSampler).
+    timeout_s: how long a collective waits for its peers before failing with a ``CollectiveError`` naming the
+    operation and the engine's step (when initialize starts torch.distributed; default ``LLMPAR_TIMEOUT_S`` or 600).
     """
     if unsupported:
         raise TypeError(f"llmpar.initialize got unsupported arguments {sorted(unsupported)}")
@@ -58,6 +60,7 @@ def initialize(*, model: nn.Module, config: dict | str | Config, model_parameter
     if optimizer is not None or lr_scheduler is not None:
         raise ValueError("llmpar.initialize takes the optimizer and scheduler from the config (\"optimizer\", "
                          "\"scheduler\" blocks); passing optimizer= / lr_scheduler= objects is not supported")
+    init_distributed(timeout_s=timeout_s)  # the default group (a world of one without torchrun)
     blocks = _agreed_blocks(config, [mesh] if mesh is not None else [g for g in (dp_group, tp_group) if g is not None])
     raw = blocks.raw
     pp, tp = blocks.degrees
@@ -86,7 +89,8 @@ def initialize(*, model: nn.Module, config: dict | str | Config, model_parameter
                          f"{cfg.zero.stage}: only stage 3 materialises a meta model")
     if cfg.bf16:
         model.to(torch.bfloat16)
-    opt = ZeroOptimizer(named_groups(model, model_parameters, strict=split_here), cfg.optimizer, dp_group, stage=cfg.zero.stage, zero_config=cfg.zero,
+    opt = ZeroOptimizer(named_groups(model, model_parameters, strict=split_here), cfg.optimizer, dp_group,
+                        stage=cfg.zero.stage, zero_config=cfg.zero,
                         tp_group=tp_group, max_grad_norm=cfg.gradient_clipping or None, counter=counter,
                         grad_accum_dtype=_accum_dtype(cfg), module=model, unit_policy=unit_policy)
     sched = WarmupSchedule(opt, cfg.scheduler) if cfg.scheduler is not None else None
@@ -141,7 +145,6 @@ def _agreed_blocks(config: dict | str | Config, groups: list) -> Blocks | Config
     one rank cannot read or parse fails on every rank with that rank's message, and configs that differ between
     ranks fail everywhere (instead of a hang, or a peer's "connection closed", on the ranks that were fine).
     ``groups``: the caller's mesh or groups (default: the whole job)."""
-    init_distributed()  # the default group (a world of one without torchrun)
     blocks, error = None, None
     try:
         blocks = config if isinstance(config, Config) else Blocks.parse(read_config(config))

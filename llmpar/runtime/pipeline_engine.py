@@ -28,7 +28,7 @@ from torch import nn
 
 from llmpar.checkpoint.protocol import Grid
 from llmpar.runtime.config import Config
-from llmpar.runtime.engine_base import EngineBase
+from llmpar.runtime.engine_base import EngineBase, reports_step
 from llmpar.runtime.params import unsplit_names
 
 if TYPE_CHECKING:  # the runner module loads torch.distributed.pipelining
@@ -66,6 +66,7 @@ class PipelineEngine(EngineBase):
     forward = backward = step = __call__
 
     # the step
+    @reports_step
     def train_batch(self, x: torch.Tensor | None = None, y: torch.Tensor | None = None, *,
                     data_iter: Iterator[tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
         """Forward + backward of all ``micro_batches``, the ZeRO step and the scheduler step; returns the step's mean

@@ -149,11 +149,11 @@ class GradReducer:
             if self.on_unit_reduced is not None:  # stage 3: the grads are packed, the gathered unit can go
                 self.on_unit_reduced(b, u)
             if self.fresh and self.copier is None and shard.dtype == staging.dtype and shard.device == staging.device:
-                self._launch(self._reduce_scatter(shard, staging),
+                self._launch(self._reduce_scatter(shard, staging, key),
                              None, staging, key)
             else:  # another dtype / the host partition (offload_optimizer): copied out when the reduction lands
                 tmp = staging.new_empty(shard.numel())
-                h = self._reduce_scatter(tmp, staging)
+                h = self._reduce_scatter(tmp, staging, key)
                 if not self.fresh:  # accumulate (after the copies-out of the first micro-step have landed)
                     finish = lambda: self._sync_copies() or shard.add_(tmp.to(shard.device, shard.dtype))  # noqa: E731
                 elif self.copier is not None:
@@ -171,15 +171,17 @@ class GradReducer:
         if not self.boundary:
             return
         if self.stage == 0:
-            self._launch(all_reduce(region, self.group, async_op=True, counter=self.counter), None, None, key)
+            self._launch(all_reduce(region, self.group, async_op=True, counter=self.counter,
+                                    what=f"all-reduce of gradients, buffer {key[0]} unit {key[1]}"), None, None, key)
         else:
             mine = layout.shard_of_full(b.grad, u, self.rank)
             tmp = torch.empty_like(mine)
-            h = self._reduce_scatter(tmp, region)
+            h = self._reduce_scatter(tmp, region, key)
             self._launch(h, lambda: mine.copy_(tmp), None, key)
 
-    def _reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> Handle:
-        handle = reduce_scatter_flat(output, input, self.group, async_op=True, counter=self.counter)
+    def _reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, key: tuple[int, int]) -> Handle:
+        handle = reduce_scatter_flat(output, input, self.group, async_op=True, counter=self.counter,
+                                     what=f"reduce-scatter of gradients, buffer {key[0]} unit {key[1]}")
         assert handle is not None
         return handle
 
@@ -245,12 +247,13 @@ class GradReducer:
                 region = b.layout.unit_view(b.grad, u)
                 key = (self._bindex[id(b)], u)
                 if self.stage == 0:
-                    self._launch(all_reduce(region, self.group, async_op=True, counter=self.counter), None, None,
-                                 key)
+                    what = f"all-reduce of gradients, buffer {key[0]} unit {key[1]}"
+                    self._launch(all_reduce(region, self.group, async_op=True, counter=self.counter, what=what),
+                                 None, None, key)
                 else:
                     mine = b.layout.shard_of_full(b.grad, u, self.rank)
                     tmp = torch.empty_like(mine)
-                    h = self._reduce_scatter(tmp, region)
+                    h = self._reduce_scatter(tmp, region, key)
                     self._launch(h, lambda mine=mine, tmp=tmp: mine.copy_(tmp), None, key)
         self.wait_all()
         self.boundary = boundary

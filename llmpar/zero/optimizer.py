@@ -327,7 +327,7 @@ class ZeroOptimizer(ZeroCheckpointing):
             for u in range(len(b.layout.units)):
                 out = b.layout.unit_view(b.flat, u)
                 h = all_gather_flat(out, b.layout.shard_of_full(b.flat, u, self.rank), self.dp_group, async_op=True,
-                                    counter=self.counter)
+                                    counter=self.counter, what=f"all-gather of updated params, unit {u} (step)")
                 inflight.append((h, out.numel()))
                 live += out.numel()
                 while live > limit and len(inflight) > 1:

@@ -198,7 +198,8 @@ class Stage3Runtime:
             self._note("h2d", key)
             self.pending[key] = self.copier.gather_from_host(full, src, self.group, self.counter)
         else:
-            self.pending[key] = all_gather_flat(full, src, self.group, async_op=True, counter=self.counter)
+            self.pending[key] = all_gather_flat(full, src, self.group, async_op=True, counter=self.counter,
+                                                what=f"all-gather of stage-3 params, buffer {key[0]} unit {key[1]}")
         self._note("gather", key)
         self.live.add(key)
         self.gathers += 1

@@ -1,0 +1,137 @@
+"""Faults between ranks fail every surviving rank with llmpar's context, within the collective timeout, instead of a
+bare gloo error or a half-hour hang: a rank that dies, a rank that stops, ranks whose step counts differ.
+
+These run real processes outside the pooled harness (a dead rank must not take the pool down): ``_spawn`` starts
+``world`` fresh processes joined with a short ``LLMPAR_TIMEOUT_S`` and collects what each returns or raises."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import time
+import traceback
+
+import pytest
+import torch
+
+TIMEOUT_S = 4.0
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, body: str, args: tuple, out) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), LLMPAR_TIMEOUT_S=str(TIMEOUT_S), OMP_NUM_THREADS="1")
+    t0 = time.perf_counter()
+    try:
+        value = globals()[body](rank, *args)
+        out.put((rank, "ok", value, time.perf_counter() - t0))
+    except BaseException as err:  # noqa: BLE001 - reported to the test
+        out.put((rank, type(err).__name__, f"{err}\n{traceback.format_exc()}", time.perf_counter() - t0))
+    finally:
+        out.close()
+        out.join_thread()
+    os._exit(0)  # skip gloo's teardown of a broken group
+
+
+def _spawn(body: str, world: int, *args, wait_s: float = 90.0) -> dict[int, tuple]:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, body, args, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, tuple] = {}
+    deadline = time.monotonic() + wait_s
+    while len(results) < world and time.monotonic() < deadline:
+        try:
+            rank, status, value, seconds = out.get(timeout=1.0)
+            results[rank] = (status, value, seconds)
+        except Exception:  # noqa: BLE001 - queue.Empty: a rank that exits without reporting (died on purpose)
+            if all(not p.is_alive() for p in procs):
+                break
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+    return results
+
+
+def _engine(stage: int = 2):
+    import llmpar
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(33, 65), torch.nn.GELU(), torch.nn.Linear(65, 17))
+    engine, _, _, _ = llmpar.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": 4, "steps_per_print": 10 ** 6,
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 700}})
+    return engine
+
+
+def _train(engine, steps: int) -> None:
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x = torch.randn(4, 33, generator=g)
+        engine.backward(engine(x).pow(2).mean())
+        engine.step()
+
+
+def dies_body(rank: int, stage: int):
+    engine = _engine(stage)
+    _train(engine, 2)
+    if rank == 1:
+        os._exit(17)  # the rank dies between two steps
+    _train(engine, 1)
+
+
+def stops_body(rank: int):
+    engine = _engine(2)
+    _train(engine, 1)
+    if rank == 1:
+        time.sleep(3 * TIMEOUT_S)  # stuck (a hung data loader), then it comes back too late
+    _train(engine, 1)
+
+
+def uneven_body(rank: int, tmpdir: str):
+    engine = _engine(2)
+    _train(engine, 3 if rank == 0 else 2)  # rank 1 one step short, then both save
+    engine.save_checkpoint(tmpdir)
+
+
+def _check_survivor(res: tuple, *must: str) -> float:
+    status, message, seconds = res
+    assert status == "CollectiveError", (status, message[-2000:])
+    for text in must:
+        assert text in message, (text, message[:2000])
+    return seconds
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_rank_that_dies_fails_the_others_with_context(stage):
+    res = _spawn("dies_body", 2, stage)
+    assert 1 not in res  # it died without reporting
+    seconds = _check_survivor(res[0], "peer rank is gone", "engine.", "at optimizer step 2", "global rank 0")
+    assert seconds < 60
+
+
+def test_a_stopped_rank_fails_the_others_within_the_timeout():
+    res = _spawn("stops_body", 2)
+    seconds = _check_survivor(res[0], "did not take part within the collective timeout",
+                              "reduce-scatter of gradients, buffer 0 unit", "engine.backward() at optimizer step 1")
+    assert seconds < 20 * TIMEOUT_S
+
+
+def test_uneven_step_counts_then_a_save_fail_instead_of_hanging(tmp_path):
+    res = _spawn("uneven_body", 2, str(tmp_path))
+    assert set(res) == {0, 1}
+    failed = [r for r, (status, _, _) in res.items() if status != "ok"]
+    assert failed, "uneven step counts and a save should not both succeed"
+    for r in failed:
+        status, message, seconds = res[r]
+        assert status in ("CollectiveError", "CheckpointError"), (r, status, message[-2000:])
+        assert "llmpar" in message or "checkpoint" in message
+        assert seconds < 30 * TIMEOUT_S
