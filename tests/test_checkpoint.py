@@ -162,6 +162,7 @@ def test_crash_mid_save_keeps_previous(point, tmp_path):
     assert (tmp_path / "latest").read_text().strip() == "good"
     bad_complete = (tmp_path / "bad" / "metadata.json").exists()
     assert bad_complete == (point == "before_latest")  # renamed only once complete; latest never moved
+    assert not (tmp_path / ".tmp-bad").exists()  # a failed save's files are deleted
 
 
 def corrupt_body(root, what):

@@ -143,8 +143,10 @@ class FakeOptimizer:
         return [["params", "exp_avg"]]
 
     @torch.no_grad()
-    def load_pieces(self, get, step) -> None:
+    def load_pieces(self, get, step, keep=frozenset()) -> None:
         for n, p in self.named:
+            if n in keep:  # not in the checkpoint (strict=False): kept
+                continue
             p.copy_(get(n, "params", 0, p.numel()).view(p.shape))
             self.exp_avg[n] = get(n, "exp_avg", 0, p.numel()).view(p.shape).clone()
             self.step_count = step(n)

@@ -2,13 +2,14 @@
 
     llmpar checkpoint consolidate ckpts/global_step100 out/      # or ckpts (its `latest`)
     -> out/pytorch_model.bin  (torch.save of {name: tensor})  and  out/model.safetensors  (when safetensors is there)
+    llmpar checkpoint publish ckpts global_step100               # a save whose publish never ran (ckpts/.tmp-TAG)
 
 Each trained param is rebuilt whole from the shards by name (``CheckpointReader.full``: a tensor-parallel param is
 concatenated over the saved tp ranks along its split dim, vocabulary padding dropped; a pipeline checkpoint already
 names params as the unsplit model does, a tied weight once), from the fp32 master when the run kept one, else from
 the params, cast to float32 (float64 stays float64); module buffers and frozen params come from dp rank 0's files.
 ``model.load_state_dict(torch.load(out/pytorch_model.bin))`` loads it into the plain model (tied weights
-appear once, under the first name). Every file's sha256 is verified first.
+appear once, under the first name). ``metadata.json``'s digest and every file's sha256 are verified first.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from typing import Any
 
 import torch
 
-from llmpar.checkpoint import files
+from llmpar.checkpoint import files, publish
 from llmpar.checkpoint.files import CheckpointError
 from llmpar.checkpoint.reshard import CheckpointReader
 
@@ -83,8 +84,18 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _publish(args: argparse.Namespace) -> int:
+    try:
+        path = publish.publish_written(args.dir, args.tag)
+    except (CheckpointError, OSError, ValueError) as e:
+        print(f"llmpar checkpoint publish: {e}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0
+
+
 def register(subparsers: Any) -> None:
-    p = subparsers.add_parser("checkpoint", help="work with sharded checkpoints (consolidate)")
+    p = subparsers.add_parser("checkpoint", help="work with sharded checkpoints (consolidate, publish)")
     sub = p.add_subparsers(dest="checkpoint_command", metavar="ACTION")
     sub.required = True
     c = sub.add_parser("consolidate", help="write one full-precision state dict from a sharded checkpoint")
@@ -94,3 +105,8 @@ def register(subparsers: Any) -> None:
     c.add_argument("--dtype", default="float32", choices=sorted(_DTYPES),
                    help="dtype of float tensors (default float32; 'keep' keeps the saved dtype)")
     c.set_defaults(func=_run)
+    u = sub.add_parser("publish", help="publish a save left in DIR/.tmp-TAG (its run ended before the publish) once "
+                                       "every rank's file is there; DIR/latest then names it")
+    u.add_argument("dir", help="the save directory")
+    u.add_argument("tag", help="the tag of the unpublished save (DIR/.tmp-TAG)")
+    u.set_defaults(func=_publish)

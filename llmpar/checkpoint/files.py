@@ -1,34 +1,44 @@
-"""Checkpoint files on disk: checksummed writes, the atomic publish, the ``latest`` pointer, and agreement of errors.
+"""Checkpoint files on disk: checksummed writes, ``metadata.json`` and its digest, the ``latest`` pointer, resolving
+a tag (with the recovery of an interrupted re-save), and agreement of errors between ranks.
 
 A checkpoint ``DIR/TAG/`` holds, once published:
 
-    metadata.json          the global layout and run state (written last, by rank 0; its presence marks completeness)
+    metadata.json          the global layout and run state (written last, by rank 0; its presence marks completeness),
+                           with ``"digest"``: the sha256 of its own content (every key but the digest, canonical JSON),
+                           which covers the shard list (each file's sha256 and size) and every number in it
     dp{d:03d}-tp{t:02d}.pt  one file per rank: its own shards, its RNG states (``shards.py`` says what is inside);
                            ``pp{p:02d}-dp{d:03d}-tp{t:02d}.pt`` when the run had pp > 1 pipeline ranks
     client_state.pt        the caller's ``client_state`` (rank 0)
 
-It is written under ``DIR/.tmp-TAG`` and renamed to ``DIR/TAG`` by rank 0 only after every rank reported success; then
-``DIR/latest`` (the tag, one line) is replaced atomically. A crash anywhere before the rename leaves only a ``.tmp-``
-directory that no loader looks at; a crash between the rename and ``latest`` leaves a complete checkpoint that
-``latest`` does not name yet. Every file's sha256 and size are recorded in ``metadata.json`` and checked on load.
+It is written under ``DIR/.tmp-TAG`` and published by rank 0 (``publish.py``): renamed to ``DIR/TAG`` only once every
+rank's file is there, then ``DIR/latest`` (the tag, one line) is replaced atomically. Re-saving an existing tag moves
+the old copy to ``DIR/.old-TAG`` first; :func:`resolve` loads that copy when a crash came between the two renames.
+Format 2 added the digest; a format-1 checkpoint (no digest) still loads.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
-import shutil
+import logging
 from typing import Any, BinaryIO, cast
 
 import torch
 
-from llmpar.checkpoint.protocol import FaultHook
+from llmpar.checkpoint.protocol import FaultHook, Grid
 from llmpar.distributed.collectives import Group, all_reduce
 
 METADATA = "metadata.json"
 LATEST = "latest"
 CLIENT_STATE = "client_state.pt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: metadata.json carries its own digest
+READABLE_FORMATS = (1, 2)  # 1: written before the digest (loads unverified)
+OLD_PREFIX, TMP_PREFIX = ".old-", ".tmp-"
+PART = METADATA + ".part"  # metadata.json less what rank 0 collects from the ranks (in DIR/.tmp-TAG only)
+FAILED = ".failed"  # a rank file's name + this: its writer failed (the error inside)
+
+logger = logging.getLogger("llmpar")
+
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written or read (names the file and the reason)."""
@@ -105,7 +115,7 @@ def write_json_atomic(path: str, obj: Any) -> None:
     os.replace(tmp, path)
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -118,34 +128,26 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def publish(save_dir: str, tmp: str, tag: str, fault_hook: FaultHook | None = None) -> str:
-    """Rank 0, after every rank wrote: ``tmp`` becomes ``save_dir/tag`` (an older one of that tag is replaced), then
-    ``latest`` names it. Returns the published path. ``fault_hook``: called at "before_publish" and
-    "before_latest" (tests)."""
-    final = os.path.join(save_dir, tag)
-    fault(fault_hook, "before_publish")
-    if os.path.exists(final):  # re-saving a tag: move the old one aside first, delete it once the new one is in place
-        trash = os.path.join(save_dir, f".old-{tag}")
-        shutil.rmtree(trash, ignore_errors=True)
-        os.rename(final, trash)
-        os.rename(tmp, final)
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        os.rename(tmp, final)
-    _fsync_dir(save_dir)
-    fault(fault_hook, "before_latest")
+def write_latest(save_dir: str, tag: str) -> None:
+    """``save_dir/latest`` names ``tag`` (written aside, fsynced, renamed over the old one)."""
     latest = os.path.join(save_dir, LATEST)
     with open(latest + ".tmp", "w") as f:
         f.write(tag + "\n")
         f.flush()
         os.fsync(f.fileno())
     os.replace(latest + ".tmp", latest)
-    _fsync_dir(save_dir)
-    return final
+    fsync_dir(save_dir)
+
+
+def complete(path: str) -> bool:
+    """Whether checkpoint directory ``path`` is complete (its ``metadata.json`` is there: written last)."""
+    return os.path.isfile(os.path.join(path, METADATA))
 
 
 def resolve(load_dir: str, tag: str | None) -> tuple[str, str]:
-    """(tag, checkpoint path) for ``tag`` or, when None, the one ``load_dir/latest`` names."""
+    """(tag, checkpoint path) for ``tag`` or, when None, the one ``load_dir/latest`` names. When ``load_dir/TAG`` is
+    missing but ``load_dir/.old-TAG`` (the previous copy of a re-saved tag, a crash between the two renames of its
+    publish) is complete, that copy."""
     if not isinstance(load_dir, (str, os.PathLike)):
         raise TypeError(f"load_dir must be a path, got {type(load_dir).__name__}")
     load_dir = os.fspath(load_dir)
@@ -155,11 +157,23 @@ def resolve(load_dir: str, tag: str | None) -> tuple[str, str]:
             raise CheckpointError(f"no checkpoint to load: {latest} does not exist (pass tag= or save one first)")
         with open(latest) as f:
             tag = f.read().strip()
+        if not tag:
+            raise CheckpointError(f"{latest} is empty: pass tag= (the checkpoints are the directories of {load_dir})")
     check_tag(tag)
     path = os.path.join(load_dir, tag)
-    if not os.path.isfile(os.path.join(path, METADATA)):
-        raise CheckpointError(f"checkpoint {path} is not complete: {os.path.join(path, METADATA)} is missing")
-    return tag, path
+    if complete(path):
+        return tag, path
+    old = os.path.join(load_dir, OLD_PREFIX + tag)
+    if not os.path.exists(path) and complete(old):
+        logger.warning("checkpoint %s is missing: a re-save of tag %r stopped between its two renames; loading the "
+                       "previous copy %s (the next save of any tag puts it back in place)", path, tag, old)
+        return tag, old
+    tmp = os.path.join(load_dir, TMP_PREFIX + tag)
+    if not os.path.exists(path) and (complete(tmp) or os.path.isfile(os.path.join(tmp, PART))):
+        raise CheckpointError(f"checkpoint {path} was never published: its save stopped before the publish and left "
+                              f"its files in {tmp}; `llmpar checkpoint publish {load_dir} {tag}` publishes it if "
+                              f"every rank's file is there (the next save into {load_dir} deletes it)")
+    raise CheckpointError(f"checkpoint {path} is not complete: {os.path.join(path, METADATA)} is missing")
 
 
 def check_tag(tag: object) -> str:
@@ -169,19 +183,88 @@ def check_tag(tag: object) -> str:
     return tag
 
 
-def read_metadata(path: str) -> dict:
-    with open(os.path.join(path, METADATA)) as f:
-        meta = json.load(f)
-    if meta.get("format") != FORMAT_VERSION:
-        raise CheckpointError(f"{os.path.join(path, METADATA)} has format {meta.get('format')!r}; this llmpar reads "
-                              f"format {FORMAT_VERSION}")
+def _canonical(meta: dict) -> bytes:
+    return json.dumps({k: v for k, v in meta.items() if k != "digest"}, sort_keys=True, separators=(",", ":"),
+                      allow_nan=True).encode()
+
+
+def write_metadata(path: str, meta: dict) -> dict:
+    """Write ``path/metadata.json`` (atomically, fsynced) with its digest; returns what was written."""
+    meta = json.loads(json.dumps({**meta, "format": FORMAT_VERSION}))  # the digest of what a reader will parse
+    meta["digest"] = "sha256:" + hashlib.sha256(_canonical(meta)).hexdigest()
+    write_json_atomic(os.path.join(path, METADATA), meta)
     return meta
+
+
+def read_metadata(path: str) -> dict:
+    """``path/metadata.json``, its digest checked; a ``CheckpointError`` naming the file when it cannot be read,
+    parsed, is of an unknown format or does not match its digest."""
+    name = os.path.join(path, METADATA)
+    try:
+        with open(name, "rb") as f:
+            raw = f.read()
+        meta = json.loads(raw)
+    except OSError as e:
+        raise CheckpointError(f"cannot read {name}: {e.strerror or e}") from e
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise CheckpointError(f"{name} is not valid JSON ({len(raw)} bytes; truncated or corrupt?): {e}") from e
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{name} holds a JSON {type(meta).__name__}, not a checkpoint's metadata")
+    fmt = meta.get("format")
+    if fmt not in READABLE_FORMATS:
+        raise CheckpointError(f"{name} has format {fmt!r}; this llmpar reads formats {list(READABLE_FORMATS)}"
+                              + (" (it was written by a newer llmpar)" if isinstance(fmt, int) and fmt > 1 else ""))
+    if fmt >= 2:
+        digest = meta.get("digest")
+        want = "sha256:" + hashlib.sha256(_canonical(meta)).hexdigest()
+        if digest != want:
+            raise CheckpointError(f"{name} does not match its digest ({'none recorded' if digest is None else digest}"
+                                  f", content {want}): it was edited or corrupted after it was written")
+    return meta
+
+
+def identity(path: str) -> str:
+    """What tells one saved checkpoint from another: the sha256 of its ``metadata.json`` (which names its tag and
+    every file's sha256)."""
+    return sha256_file(os.path.join(path, METADATA))[0]
 
 
 def agree(code: int, groups: list[Group], device: torch.device) -> int:
     """The largest ``code`` over every rank of the grid ``groups`` span (max over each group in turn).
     ``device``: where the collective runs (cuda under NCCL)."""
-    t = torch.tensor([code], dtype=torch.int64, device=device)
+    return agree_all([code], groups, device)[0]
+
+
+def agree_all(values: list[int], groups: list[Group], device: torch.device) -> list[int]:
+    """The elementwise max of ``values`` (the same length on every rank) over the grid ``groups`` span."""
+    t = torch.tensor(values, dtype=torch.int64, device=device)
     for g in groups:
         all_reduce(t, g, op="max")
-    return int(t.item())
+    return [int(v) for v in t.tolist()]
+
+
+def fingerprint(text: str) -> int:
+    """A 60-bit digest of ``text``: equal on every rank iff ``agree_all([h, -h])`` gives ``[h, -h]``."""
+    return int(hashlib.sha256(text.encode()).hexdigest()[:15], 16)
+
+
+def gather_text(text: str, grid: Grid, *, limit: int = 2000) -> list[str]:
+    """Every grid rank's ``text`` (at most ``limit`` bytes), on every rank, indexed by ``(pp_rank * dp + dp_rank) *
+    tp + tp_rank``: an all-reduce (max) of a [ranks, bytes] table in which each rank fills its own row. Collective
+    over the grid; meant for error paths (its size is ranks x the longest text)."""
+    data = text.encode()[:limit]
+    size = grid.pp * grid.dp * grid.tp
+    longest = agree(len(data), grid.groups, grid.device)
+    table = torch.zeros(size, longest, dtype=torch.uint8, device=grid.device)
+    row = (grid.pp_rank * grid.dp + grid.dp_rank) * grid.tp + grid.tp_rank
+    if data:
+        table[row, :len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(grid.device)
+    for g in grid.groups:
+        all_reduce(table, g, op="max")
+    return [bytes(r).rstrip(b"\0").decode(errors="replace") for r in table.cpu().tolist()]
+
+
+def rank_name(grid: Grid, index: int) -> str:
+    """"pp P dp D tp T" of grid index ``index`` (see :func:`gather_text`)."""
+    tp_rank, rest = index % grid.tp, index // grid.tp
+    return f"pp rank {rest // grid.dp} dp rank {rest % grid.dp} tp rank {tp_rank}"

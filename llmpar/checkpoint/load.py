@@ -1,8 +1,13 @@
-"""``load_checkpoint(engine, load_dir, tag)``: fill the engine's (possibly different) layout from a saved one.
+"""``load_checkpoint(engine, load_dir, tag, strict)``: fill the engine's (possibly different) layout from a saved one.
 
-Each rank plans what it needs (by param name and element range, from the saved ``metadata.json``), checks the sha256
-of exactly the files it will read, and the ranks agree on the outcome before anything is modified: a missing or
-corrupt file is an error naming that file on every rank. Then:
+Every rank resolves the tag (``latest`` when None) and reads ``metadata.json`` (its digest checked); the ranks agree
+that they read the same checkpoint (the sha256 of its ``metadata.json``: different tags, or a ``latest`` that moved
+between the ranks' reads, fail on every rank, naming each rank's choice). Each rank then plans what it needs (by
+param name and element range), checks the sha256 of exactly the files it will read, and the ranks agree on the
+outcome before anything is modified: a missing or corrupt file is an error naming that file on every rank, and so is
+(``strict=True``) a param or buffer of the model that the checkpoint lacks or one of the checkpoint that no rank's
+model has (``strict=False``: the model's keep their values, optimizer states and steps; the checkpoint's are
+ignored; a warning names them). Then:
 
     stages 0-2: every rank fills its whole param buffer (the params are whole on every rank) and its own partition of
                 master / moments / kahan compensation;
@@ -27,12 +32,12 @@ import traceback
 
 import torch
 
-from llmpar.checkpoint import files
+from llmpar.checkpoint import files, publish
 from llmpar.checkpoint.files import CheckpointError
 from llmpar.checkpoint.protocol import Checkpointable, Grid
 from llmpar.checkpoint.reshard import CheckpointReader, Cut
 from llmpar.checkpoint.save import wait_checkpoint
-from llmpar.checkpoint.shards import set_rng_state
+from llmpar.checkpoint.shards import extras_names, set_rng_state
 from llmpar.checkpoint.view import EngineView
 
 logger = logging.getLogger("llmpar")
@@ -44,18 +49,24 @@ def _cuts(view: EngineView) -> dict[str, Cut]:
     return {name: Cut(shape=shape, spec=specs[name], tp=g.tp, rank=g.tp_rank) for name, shape in view.shapes().items()}
 
 
-def _plan(view: EngineView, path: str, meta: dict) -> tuple[CheckpointReader, dict[str, Cut], set[str]]:
-    """The reader, this rank's cuts and the set of files it will read; raises on a layout that cannot be loaded."""
+def _names(names: list[str], limit: int = 8) -> str:
+    return f"{sorted(names)[:limit]}" + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _plan(view: EngineView, path: str, meta: dict, strict: bool
+          ) -> tuple[CheckpointReader, dict[str, Cut], set[str], set[str]]:
+    """The reader, this rank's cuts, the set of files it will read and the optimizer names of this rank's params the
+    checkpoint lacks (kept as they are; an error when ``strict``); raises on a layout that cannot be loaded."""
     reader = CheckpointReader(path, meta)
     g, cuts = view.grid, _cuts(view)
     need: set[str] = set()
-    missing = []
+    missing: dict[str, str] = {}  # optimizer name -> checkpoint name
     for b, required in zip(view.layout, view.opt.checkpoint_required()):
         present = []
         for slot in b["params"]:
             name = view.saved_name[slot["name"]]
             if name not in reader.where:
-                missing.append(name)
+                missing[slot["name"]] = name
                 continue
             reader.check(name, cuts[slot["name"]])
             present.append(name)
@@ -63,10 +74,16 @@ def _plan(view: EngineView, path: str, meta: dict) -> tuple[CheckpointReader, di
             if any(not reader.has(name, key) for name in present):
                 raise CheckpointError(f"{path} has no {key!r} state for buffer of mode {b['mode']!r}: saved modes "
                                       f"{sorted({x['mode'] for x in meta['layout']['buffers']})}")
-    if missing:
-        raise CheckpointError(f"{len(missing)} params of this model are not in {path}: {missing[:5]}")
+    lacking = sorted(set(missing.values()) | _missing_extras(view, meta))
+    if lacking and strict:
+        raise CheckpointError(f"{len(lacking)} params / buffers of this model are not in {path}: {_names(lacking)} "
+                              f"(load_checkpoint(..., strict=False) keeps their current values)")
+    if lacking:
+        logger.warning("load_checkpoint(strict=False): %d params / buffers of this model are not in %s, they keep "
+                       "their current values: %s", len(lacking), path, _names(lacking))
     for local, a, z in view.opt.checkpoint_reads():
-        need |= reader.files_for(view.saved_name[local], a, z, cuts[local])
+        if local not in missing:
+            need |= reader.files_for(view.saved_name[local], a, z, cuts[local])
     own = _own_file(g, meta)
     if own in meta["files"]:
         need.add(own)
@@ -74,7 +91,27 @@ def _plan(view: EngineView, path: str, meta: dict) -> tuple[CheckpointReader, di
     need |= {f for n, f in reader.extras_files(g.tp, g.tp_rank).items() if n == "*" or n in wanted}
     if files.CLIENT_STATE in meta["files"]:
         need.add(files.CLIENT_STATE)
-    return reader, cuts, need
+    return reader, cuts, need, set(missing)
+
+
+def _missing_extras(view: EngineView, meta: dict) -> set[str]:
+    """Module buffers and frozen params of this rank that a save writes but the checkpoint lacks (unknown for a
+    checkpoint that did not record the names of its extras)."""
+    if "extras" not in meta:
+        return set()
+    trained = set(view.saved_name.values())
+    frozen = set(view.opt.frozen_shapes())
+    mine = set(extras_names(view.targets(), trained | frozen)) | frozen
+    return mine - set(meta["extras"])
+
+
+def _stored_names(meta: dict) -> list[str]:
+    """The params (tied copies once) and, when recorded, the module buffers and frozen params of a checkpoint."""
+    try:
+        params = {s["name"] for b in meta["layout"]["buffers"] for s in b["params"] if not s.get("dup")}
+        return sorted(params | set(meta.get("extras", {})))
+    except (KeyError, TypeError):  # a malformed layout: _plan reports it
+        return []
 
 
 def _own_file(g: Grid, meta: dict) -> str:
@@ -82,10 +119,30 @@ def _own_file(g: Grid, meta: dict) -> str:
     return files.rank_file(g.dp_rank, g.tp_rank, g.pp_rank, int(meta.get("pp", 1)))
 
 
+def _extras(view: EngineView, reader: CheckpointReader, strict: bool) -> dict[str, torch.Tensor]:
+    """The saved module buffers and frozen params this rank takes; a shape that differs is an error (``strict``) or
+    skipped with a warning."""
+    g, targets, frozen = view.grid, view.targets(), view.opt.frozen_shapes()
+    out, bad = {}, []
+    for name, value in reader.extras(g.tp, g.tp_rank, set(targets)).items():
+        shape = frozen.get(name, tuple(targets[name][0].shape))
+        if tuple(value.shape) != tuple(shape):
+            bad.append(f"{name!r} has shape {tuple(value.shape)} in the checkpoint and {tuple(shape)} here")
+        else:
+            out[name] = value
+    if bad and strict:
+        raise CheckpointError(f"{reader.path}: {'; '.join(bad[:8])} (strict=False skips them)")
+    for b in bad:
+        logger.warning("load_checkpoint(strict=False): %s: skipped", b)
+    return out
+
+
 @torch.no_grad()
-def _apply(view: EngineView, reader: CheckpointReader, cuts: dict[str, Cut]) -> None:
-    """This rank's params, optimizer states and steps (through ``load_pieces``), module buffers and frozen params."""
-    opt, g = view.opt, view.grid
+def _apply(view: EngineView, reader: CheckpointReader, cuts: dict[str, Cut], keep: set[str],
+           extras: dict[str, torch.Tensor]) -> None:
+    """This rank's params, optimizer states and steps (through ``load_pieces``; the params in ``keep`` are not in
+    the checkpoint and stay as they are), module buffers and frozen params."""
+    opt = view.opt
 
     def get(local: str, key: str, a: int, z: int) -> torch.Tensor | None:
         name = view.saved_name[local]
@@ -94,59 +151,118 @@ def _apply(view: EngineView, reader: CheckpointReader, cuts: dict[str, Cut]) -> 
     def step(local: str) -> float:
         return reader.step(view.saved_name[local])
 
-    opt.load_pieces(get, step)
+    if keep:
+        opt.load_pieces(get, step, keep=frozenset(keep))
+    else:
+        opt.load_pieces(get, step)
     targets, frozen, to_shards = view.targets(), opt.frozen_shapes(), {}
-    for name, value in reader.extras(g.tp, g.tp_rank, set(targets)).items():
-        dst = targets[name][0]
-        shape = frozen.get(name, tuple(dst.shape))
-        if tuple(value.shape) != tuple(shape):
-            logger.warning("load_checkpoint: %s has shape %s in the checkpoint and %s here: skipped", name,
-                           tuple(value.shape), tuple(shape))
-        elif name in frozen:  # a ZeRO-3 frozen param: into this rank's shard of it
+    for name, value in extras.items():
+        if name in frozen:  # a ZeRO-3 frozen param: into this rank's shard of it
             to_shards[name] = value
         else:
-            dst.copy_(value)
+            targets[name][0].copy_(value)
     if to_shards:
         opt.load_frozen(to_shards)
 
 
-def load_checkpoint(engine: Checkpointable, load_dir: str, tag: str | None = None) -> tuple[str, dict | None]:
-    """Load checkpoint ``load_dir/tag`` (default: the one ``load_dir/latest`` names) into ``engine``.
-    Returns ``(path, client_state)``. Collective over the engine's dp, tp (and pp) groups. A pending async save of this
-    engine is published first."""
-    wait_checkpoint(engine)
-    view = EngineView(engine)
-    g = view.grid
-    err, path, reader, meta = None, str(load_dir), None, None
-    cuts: dict[str, Cut] = {}
-    code = 0
+def _agreed_error(err: str | None, g: Grid) -> str:
+    """This rank's error, or (collective: every rank calls it once an agreement said some rank failed) the first
+    failing rank's, named."""
+    texts = files.gather_text(err or "", g)
+    if err:
+        return err
+    i = next((i for i, t in enumerate(texts) if t), None)
+    return "another rank failed (see its error)" if i is None else f"{files.rank_name(g, i)}: {texts[i]}"
+
+
+def _open(g: Grid, load_dir: str, tag: str | None) -> tuple[str, dict]:
+    """Resolve and read the checkpoint on every rank, and agree that every rank reads the same one (collective)."""
+    err, path, meta, ident = None, str(load_dir), None, ""
     try:
         _, path = files.resolve(load_dir, tag)
         meta = files.read_metadata(path)
-        reader, cuts, need = _plan(view, path, meta)
+        ident = files.identity(path)
+    except Exception as e:  # noqa: BLE001 - agreed with the other ranks, then raised everywhere
+        err = f"{e}" if isinstance(e, (CheckpointError, ValueError, TypeError)) else repr(e)
+        logger.debug("load_checkpoint: %s", traceback.format_exc())
+    h = files.fingerprint(ident) if err is None else 0
+    code, high, neg_low = files.agree_all([1 if err else 0, h, -h], g.groups, g.device)
+    if code:
+        raise CheckpointError(_agreed_error(err, g))
+    if high != -neg_low:
+        chosen = files.gather_text(f"{path} (metadata.json sha256 {ident[:12]})", g)
+        by: dict[str, list[str]] = {}
+        for i, c in enumerate(chosen):
+            by.setdefault(c, []).append(files.rank_name(g, i))
+        raise CheckpointError("the ranks would load different checkpoints, none was loaded: " + "; ".join(
+            f"{', '.join(r)}: {c}" for c, r in by.items()) + f" (tag={tag!r}: pass the same tag on every rank; "
+            f"with tag=None every rank reads {os.path.join(str(load_dir), files.LATEST)}, which a save running at "
+            f"the same time may move)")
+    assert meta is not None
+    if g.rank0:
+        for t in publish.unpublished(os.path.dirname(path)):
+            logger.warning("%s holds a complete save of tag %r that was never published (the run ended before its "
+                           "publish): `llmpar checkpoint publish %s %s` publishes it, the next save into %s deletes "
+                           "it", os.path.join(os.path.dirname(path), files.TMP_PREFIX + t), t,
+                           os.path.dirname(path), t, os.path.dirname(path))
+    return path, meta
+
+
+def load_checkpoint(engine: Checkpointable, load_dir: str, tag: str | None = None, *, strict: bool = True
+                    ) -> tuple[str, dict | None]:
+    """Load checkpoint ``load_dir/tag`` (default: the one ``load_dir/latest`` names) into ``engine``.
+    Returns ``(path, client_state)``. Collective over the engine's dp, tp (and pp) groups. A pending async save of this
+    engine is published first. ``strict``: a param or buffer of the model the checkpoint lacks, or one of the
+    checkpoint no rank's model has, is an error naming it (False: the model's keep their values, the checkpoint's
+    are ignored, with a warning)."""
+    if not isinstance(strict, bool):
+        raise TypeError(f"strict must be a bool, got {type(strict).__name__}")
+    wait_checkpoint(engine)
+    view = EngineView(engine)
+    g = view.grid
+    path, meta = _open(g, load_dir, tag)
+    err, reader = None, None
+    cuts: dict[str, Cut] = {}
+    keep: set[str] = set()
+    extras: dict[str, torch.Tensor] = {}
+    code = 0
+    try:
+        reader, cuts, need, keep = _plan(view, path, meta, strict)
         names = sorted(meta["files"])
         for fname in sorted(need):
             why = files.check_file(path, fname, meta["files"][fname]) if fname in meta["files"] else "missing"
             if why is not None:
                 code = 2 + 2 * (names.index(fname) if fname in names else len(names)) + (why == "corrupt")
                 break
+        if code == 0:
+            extras = _extras(view, reader, strict)
     except Exception as e:  # noqa: BLE001 - agreed with the other ranks, then raised everywhere
         err = f"{e}" if isinstance(e, (CheckpointError, ValueError, TypeError)) else repr(e)
         logger.debug("load_checkpoint: %s", traceback.format_exc())
         code = 1
-    code = files.agree(code, g.groups, g.device)
-    if code >= 2 and meta is not None:
+    stored = _stored_names(meta)  # the same list on every rank (the same metadata.json, agreed above)
+    mine = set(view.saved_name.values()) | set(view.targets())
+    code, *held = files.agree_all([code, *(int(n in mine) for n in stored)], g.groups, g.device)
+    unexpected = [n for n, h in zip(stored, held) if not h]  # in the checkpoint, in no rank's model
+    if code >= 2:
         i = (code - 2) // 2
         fname = sorted(meta["files"])[i] if i < len(meta["files"]) else "a file metadata.json does not list"
         why = "is corrupt (sha256 or size differs from metadata.json)" if (code - 2) % 2 else "is missing"
         raise CheckpointError(f"checkpoint shard {os.path.join(path, fname)} {why}")
-    if code:
-        raise CheckpointError(err or f"another rank failed to load checkpoint {path} (see its error)")
-    assert reader is not None and meta is not None
+    problems = [_agreed_error(err, g)] if code else []
+    if unexpected and strict:
+        problems.append(f"{len(unexpected)} params / buffers in {path} are in no rank's model: "
+                        f"{_names(unexpected)} (load_checkpoint(..., strict=False) ignores them)")
+    if problems:
+        raise CheckpointError("; ".join(problems))
+    if unexpected and g.rank0:
+        logger.warning("load_checkpoint(strict=False): %d params / buffers in %s are in no rank's model, ignored: %s",
+                       len(unexpected), path, _names(unexpected))
+    assert reader is not None
 
     opt = engine.optimizer
     try:
-        _apply(view, reader, cuts)
+        _apply(view, reader, cuts, keep, extras)
         err = None
     except Exception as e:  # noqa: BLE001 - agreed before the stage-3 re-gather so that no rank waits alone
         err = f"loading {path} failed part-way, the engine's state is mixed: {e!r}"

@@ -14,7 +14,7 @@ and an element range ``[start, stop)`` of its flat (``reshape(-1)``) view, whate
       checkpoint_held()     (name, start, stop, at) held      checkpoint_duplicates()  tied copies not written
       checkpoint_reads()    (name, start, stop) load needs    checkpoint_modules()     modules (tp split specs)
       checkpoint_required() state keys it cannot derive       checkpoint_counters() / restore_counters()
-      load_pieces(get, step) fill own shards from callbacks   optimizer, lr_scheduler, global_steps
+      load_pieces(get, step, keep) own shards; keep: not in it optimizer, lr_scheduler, global_steps
       frozen_shapes() / gather_frozen() / load_frozen()       checkpoint_pending       its unpublished async save
       prepare_save() / after_load()
       checkpoint_facts(), checkpoint_device(), stage, dp, param_groups, skipped_steps, last_grad_norm
@@ -49,8 +49,8 @@ StepOf = Callable[[str], float]
 """``step(name)``: the optimizer step count saved for the unit that held param ``name``."""
 
 FaultHook = Callable[[str], None]
-"""A test hook called with a point name ("before_write", "shard_written", "before_publish", "before_latest") on every
-rank that reaches it; a hook that raises simulates a crash there."""
+"""A test hook called with a point name ("before_write", "shard_written", "before_publish", "old_moved_aside",
+"before_latest", "before_cleanup") on every rank that reaches it; a hook that raises simulates a crash there."""
 
 
 @dataclass(kw_only=True)
@@ -130,8 +130,11 @@ class CheckpointOptimizer(Protocol):
         """Per buffer, the state keys :meth:`load_pieces` cannot derive when the checkpoint lacks them."""
         ...
 
-    def load_pieces(self, get: Fetch, step: StepOf) -> None:
-        """Fill this rank's params, states and step counts from ``get`` / ``step`` (not collective)."""
+    def load_pieces(self, get: Fetch, step: StepOf, keep: frozenset[str] = frozenset()) -> None:
+        """Fill this rank's params, states and step counts from ``get`` / ``step`` (not collective). Params named in
+        ``keep`` are not in the checkpoint (``load_checkpoint(strict=False)``): they keep their values and states,
+        and a unit's step comes from a param not kept (no param of the unit loaded: its step stays). The loader
+        passes ``keep`` only when it is not empty."""
         ...
 
     def frozen_shapes(self) -> dict[str, tuple[int, ...]]:

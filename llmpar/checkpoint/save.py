@@ -1,17 +1,20 @@
 """``save_checkpoint(engine, save_dir, tag, client_state, async_save)``: every rank writes its own shards; rank 0
 publishes.
 
-    1. prepare (collective): rank 0 clears ``DIR/.tmp-TAG``; barrier (an error agreement over dp, tp, pp = the grid)
+    1. prepare (collective): rank 0 clears ``DIR/.tmp-TAG``; barrier (an error agreement over dp, tp, pp = the grid,
+       which also checks that every rank saves the same tag)
     2. snapshot: this rank's shards, extras, RNG states, the run state for ``metadata.json`` and ``client_state`` are
        copied to host memory (fresh tensors, deep copies): training may change the live state from here on
-    3. write: ``dp{d}-tp{t}.pt`` (``pp{p}-dp{d}-tp{t}.pt`` under a pipeline of pp > 1) + a small ``.json`` with its
+    3. write: (rank 0) ``metadata.json.part``; ``dp{d}-tp{t}.pt`` (``pp{p}-dp{d}-tp{t}.pt`` under a pipeline of
+       pp > 1) + last a small ``.json`` with its
        sha256, the names of its extras, and (dp rank 0, tp rank 0 of each pp rank) that pp rank's layout with each
        param under its name in the unsplit model and its tp split; stage 0 dp ranks > 0 write only their RNG states:
        bytes written = the model state once, no duplication across dp ranks (a tied weight: once, by its lowest stage)
     4. finish (collective): agreement: if any rank failed, every rank raises (nothing is published; the old checkpoint
-       stays ``latest``); rank 0 writes ``metadata.json`` (one for all pp ranks, from the side files), renames the
-       directory to ``DIR/TAG``, updates ``DIR/latest``; agreement again: every rank returns only once the checkpoint
-       is published
+       stays ``latest``; rank 0 deletes ``DIR/.tmp-TAG``); rank 0 writes ``metadata.json`` (one for all pp ranks, from
+       the side files, with its digest), renames the directory to ``DIR/TAG``, updates ``DIR/latest``
+       (``publish.py``), deletes what earlier failures left in ``DIR``; agreement again: every rank returns only once
+       the checkpoint is published
 
 ``async_save=False`` runs 1-4 in turn. ``async_save=True`` runs 1-2, starts a thread for 3 and returns; 4 runs in the
 main thread at the next ``wait_checkpoint`` / ``save_checkpoint`` / ``load_checkpoint`` of that engine. The pending
@@ -26,23 +29,27 @@ stages, would have to join in at the same moment), and a second NCCL communicato
 with the training streams. Keeping every collective in the main thread, at calls every rank makes in the same
 program order, holds the ordering by construction and needs no extra group. Cost: an async checkpoint becomes
 ``latest`` only when the training loop next calls ``wait_checkpoint`` / ``save_checkpoint`` (call
-``engine.wait_checkpoint()`` before exiting); a crash before that leaves the previous checkpoint ``latest`` and the
-written files under ``.tmp-TAG``, which no loader reads.
+``engine.wait_checkpoint()`` before exiting). A save still pending when the engine goes (garbage-collected, or the
+interpreter exits) is finished by a ``weakref.finalize`` of that engine, without collectives: each rank joins its
+writer; rank 0 publishes once it sees every rank's side file on disk (``_Save.finish_orphaned``), else warns what to
+run. A process killed before that leaves the previous checkpoint ``latest`` and the written files under
+``.tmp-TAG``: ``load_checkpoint`` warns about such a complete, never published save, ``llmpar checkpoint publish DIR
+TAG`` publishes it, the next successful save deletes it.
 """
 from __future__ import annotations
 
 import copy
-import glob
-import json
 import logging
 import os
 import shutil
 import threading
+import time
 import traceback
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmpar.checkpoint import files
+from llmpar.checkpoint import files, publish
 from llmpar.checkpoint.files import CheckpointError
 from llmpar.checkpoint.protocol import Checkpointable, FaultHook, Grid
 from llmpar.checkpoint.shards import extras, local_buffers, rng_state
@@ -100,13 +107,19 @@ class _Save:
     err: str | None = None  # set by write()
     thread: threading.Thread | None = None
     done: threading.Event = field(default_factory=threading.Event)
+    seconds: float = 0.0  # how long write() took
+    finalizer: weakref.finalize | None = None  # async: finishes the save if the engine goes first (at exit)
 
     def write(self) -> None:
-        """Phase 3 (any thread; no collectives): this rank's files into ``tmp``; an error is kept in ``err``."""
-        g = self.grid
+        """Phase 3 (any thread; no collectives): this rank's files into ``tmp``, its side file last (rank 0 counts
+        the side files); an error is kept in ``err`` and left in ``RANKFILE.failed``."""
+        g, t0 = self.grid, time.perf_counter()
+        name = files.rank_file(g.dp_rank, g.tp_rank, g.pp_rank, g.pp)
         try:
             files.fault(self.fault_hook, "before_write")
-            name = files.rank_file(g.dp_rank, g.tp_rank, g.pp_rank, g.pp)
+            if g.rank0:
+                files.write_json_atomic(os.path.join(self.tmp, files.PART), {
+                    "meta": self.meta, "pp": g.pp, "dp": g.dp, "tp": g.tp, "has_client": self.has_client})
             info = files.save_file(self.payload, os.path.join(self.tmp, name))
             info.update(dp_rank=g.dp_rank, tp_rank=g.tp_rank, pp_rank=g.pp_rank,
                         has_shards=self.payload["buffers"] is not None, **self.side)
@@ -120,56 +133,106 @@ class _Save:
             self.err = (f"pp rank {g.pp_rank} dp rank {g.dp_rank} tp rank {g.tp_rank} failed writing its shard: "
                         f"{e!r}")
             logger.error("%s\n%s", self.err, traceback.format_exc())
+            try:  # for a publish without the ranks (at exit): this rank will not write its side file
+                with open(os.path.join(self.tmp, name + files.FAILED), "w") as f:
+                    f.write(self.err)
+            except OSError:
+                pass
         finally:
             self.payload = {}  # drop the host copies as soon as they are on disk
             self.client_state = None
+            self.seconds = time.perf_counter() - t0
             self.done.set()
 
-    def _assemble(self) -> None:
-        """Rank 0: collect the ranks' side files into ``metadata.json`` (layout of every pp rank, extras, files)."""
-        g = self.grid
-        rank_files: dict[str, dict] = {}
-        layouts: dict[int, list] = {}
-        extras_at: dict[str, int] = {}
-        for side in sorted(glob.glob(os.path.join(self.tmp, "*.pt.json"))):
-            with open(side) as f:
-                info = json.load(f)
-            os.remove(side)
-            if "layout" in info:
-                layouts[info["pp_rank"]] = info.pop("layout")
-            for n in info.pop("extras", []):
-                extras_at.setdefault(n, info["pp_rank"])
-            rank_files[os.path.basename(side)[:-5]] = info
-        expected = g.dp * g.tp * g.pp + self.has_client
-        if len(rank_files) != expected or sorted(layouts) != list(range(g.pp)):
-            raise CheckpointError(f"{self.tmp} holds {len(rank_files)} rank files and the layouts of pp ranks "
-                                  f"{sorted(layouts)}, expected {expected} files and pp ranks 0..{g.pp - 1}")
-        meta = {**self.meta, "files": rank_files, "extras": extras_at}
-        meta["layout"] = {**meta["layout"], "buffers": [b for p in range(g.pp) for b in layouts[p]]}
-        files.write_json_atomic(os.path.join(self.tmp, files.METADATA), meta)
+    def _discard(self) -> None:
+        """Rank 0, once every rank is past its write (after an agreement): delete this save's files."""
+        if self.grid.rank0:
+            shutil.rmtree(self.tmp, ignore_errors=True)
 
     def finish(self) -> str:
-        """Phase 4 (main thread, collective over the grid): agree on the writes, rank 0 publishes, agree again."""
+        """Phase 4 (main thread, collective over the grid): agree on the writes, rank 0 publishes, agree again. A
+        failure deletes this save's files (the previous checkpoint stays ``latest``); a success cleans up what
+        earlier failures left in ``save_dir`` (``publish.cleanup``)."""
+        if self.finalizer is not None:
+            self.finalizer.detach()
         if self.thread is not None:
             self.thread.join()
         g, err = self.grid, self.err
         if files.agree(1 if err else 0, g.groups, g.device):
+            self._discard()
             raise CheckpointError(err or f"another rank failed writing checkpoint {self.tag!r} (see its error); "
                                          f"nothing was published, the previous checkpoint in {self.save_dir} is "
                                          f"untouched")
         path = os.path.join(self.save_dir, self.tag)
         if g.rank0:
             try:
-                self._assemble()
-                path = files.publish(self.save_dir, self.tmp, self.tag, self.fault_hook)
+                publish.assemble(self.tmp)
+                path = publish.publish(self.save_dir, self.tmp, self.tag, self.fault_hook)
             except Exception as e:  # noqa: BLE001
                 err = f"rank 0 failed publishing {path}: {e!r}"
                 logger.error("%s\n%s", err, traceback.format_exc())
+                self._discard()
+            else:
+                publish.cleanup(self.save_dir)
         if files.agree(1 if err else 0, g.groups, g.device):
             raise CheckpointError(err or f"rank 0 failed publishing checkpoint {self.tag!r} (see its error)")
         if g.rank0:
             logger.info("saved checkpoint %s", path)
         return path
+
+    def finish_orphaned(self) -> None:
+        """The engine went (garbage-collected, or the interpreter exits) with this save unpublished. Collectives
+        cannot run here (ranks exit in any order, the process group may be gone), so: every rank finishes writing
+        its file; rank 0 waits for every rank's side file on disk (up to ``LLMPAR_CKPT_EXIT_WAIT_S`` seconds,
+        default the longer of 60 s and twice its own write) and publishes without the agreement; else it warns and
+        says what to do. Never raises."""
+        where = os.path.join(self.save_dir, self.tag)
+        try:
+            if self.thread is not None:
+                self.thread.join()
+            if self.err is not None:
+                logger.warning("async checkpoint %s was not saved (%s); the previous checkpoint stays latest",
+                               where, self.err)
+                return
+            if not self.grid.rank0:
+                logger.warning("async checkpoint %s was still pending when its engine went (collected, or the "
+                               "interpreter exits): this rank's file is written, rank 0 publishes it. Call "
+                               "engine.wait_checkpoint() before the end of the script", where)
+                return
+            limit = max(60.0, 2 * self.seconds)
+            try:
+                limit = float(os.environ.get("LLMPAR_CKPT_EXIT_WAIT_S", limit))
+            except ValueError:
+                logger.warning("LLMPAR_CKPT_EXIT_WAIT_S=%r is not a number of seconds: waiting %.0fs",
+                               os.environ["LLMPAR_CKPT_EXIT_WAIT_S"], limit)
+            deadline = time.monotonic() + limit
+            done, missing, failed = publish.state(self.tmp)
+            while not done and not failed and time.monotonic() < deadline:
+                time.sleep(0.1)
+                done, missing, failed = publish.state(self.tmp)
+            if failed:
+                logger.warning("async checkpoint %s was still pending when its engine went (collected, or the "
+                               "interpreter exits) and is NOT published: %s. The previous checkpoint stays latest; "
+                               "the next save into %s deletes %s", where, "; ".join(
+                                   f"rank file {n} failed: {e}" for n, e in failed.items()), self.save_dir, self.tmp)
+                return
+            if not done:
+                logger.warning("async checkpoint %s was still pending when its engine went (collected, or the "
+                               "interpreter exits) and is NOT published: after %.0fs (LLMPAR_CKPT_EXIT_WAIT_S) %s "
+                               "still missing from %s (those ranks are still writing, or gone). The previous "
+                               "checkpoint stays latest. Once every rank's file is there, `llmpar checkpoint publish "
+                               "%s %s` publishes it (the next save into %s deletes it). Call engine.wait_checkpoint() "
+                               "before the end of the script", where, limit, ", ".join(missing), self.tmp,
+                               self.save_dir, self.tag, self.save_dir)
+                return
+            path = publish.publish_written(self.save_dir, self.tag)
+            logger.warning("async checkpoint %s was still pending when its engine went (collected, or the interpreter "
+                           "exits): written by every rank and published now, without the ranks' agreement. Call "
+                           "engine.wait_checkpoint() before the end of the script", path)
+        except Exception as e:  # noqa: BLE001 - a finalizer must not raise
+            logger.error("async checkpoint %s could not be finished when its engine went: %r; its files are in %s "
+                         "(`llmpar checkpoint publish %s %s` publishes them if complete)", where, e, self.tmp,
+                         self.save_dir, self.tag)
 
 
 def pending(engine: Checkpointable) -> _Save | None:
@@ -204,7 +267,7 @@ def _prepare(engine: Checkpointable, save_dir: Any, tag: str | None, client_stat
     opt.prepare_save()  # raises mid-accumulation (on every rank alike); in-flight gathers finished
     view = EngineView(engine)
     g = view.grid
-    tmp = os.path.join(save_dir, f".tmp-{tag}")
+    tmp = os.path.join(save_dir, files.TMP_PREFIX + tag)
 
     err = None
     if g.rank0:
@@ -214,17 +277,34 @@ def _prepare(engine: Checkpointable, save_dir: Any, tag: str | None, client_stat
             os.makedirs(tmp)
         except OSError as e:
             err = f"cannot create {tmp}: {e}"
-    if files.agree(1 if err else 0, g.groups, g.device):
+    h = files.fingerprint(tag)  # every rank must save the same tag (else they write into different directories)
+    code, high, neg_low = files.agree_all([1 if err else 0, h, -h], g.groups, g.device)
+    if high != -neg_low:
+        if g.rank0 and err is None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        tags = files.gather_text(tag, g)
+        by_tag: dict[str, list[str]] = {}
+        for i, t in enumerate(tags):
+            by_tag.setdefault(t, []).append(files.rank_name(g, i))
+        raise CheckpointError("the ranks are saving different tags, nothing was saved: "
+                              + "; ".join(f"{', '.join(r)}: {t!r}" for t, r in by_tag.items())
+                              + " (the default tag global_step{N} differs when the ranks' step counts differ)")
+    if code:
         raise CheckpointError(err or f"rank 0 could not create {tmp}: checkpoint {tag!r} not saved")
 
-    # host copies (local_buffers / extras copy every tensor; rng_state returns fresh ones)
-    trained = set(view.saved_name.values())
-    frozen = opt.frozen_shapes()
-    kept = extras(view.targets(), trained | set(frozen)) if g.dp_rank == 0 else {}
-    if frozen:  # ZeRO-3 shards frozen params too: gathered whole to dp rank 0 (collective over dp)
-        kept.update(opt.gather_frozen())
-    payload = {"format": files.FORMAT_VERSION, "dp_rank": g.dp_rank, "tp_rank": g.tp_rank, "pp_rank": g.pp_rank,
-               "buffers": local_buffers(opt, view.duplicates), "extras": kept, "rng": rng_state()}
+    try:  # host copies (local_buffers / extras copy every tensor; rng_state returns fresh ones)
+        trained = set(view.saved_name.values())
+        frozen = opt.frozen_shapes()
+        kept = extras(view.targets(), trained | set(frozen)) if g.dp_rank == 0 else {}
+        if frozen:  # ZeRO-3 shards frozen params too: gathered whole to dp rank 0 (collective over dp)
+            kept.update(opt.gather_frozen())
+        payload = {"format": files.FORMAT_VERSION, "dp_rank": g.dp_rank, "tp_rank": g.tp_rank,
+                   "pp_rank": g.pp_rank, "buffers": local_buffers(opt, view.duplicates), "extras": kept,
+                   "rng": rng_state()}
+    except BaseException:
+        if g.rank0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     side: dict = {"extras": sorted(kept)}
     if g.dp_rank == 0 and g.tp_rank == 0:
         side["layout"] = _layout(view)
@@ -241,8 +321,14 @@ def save_checkpoint(engine: Checkpointable, save_dir: str, tag: str | None = Non
     save of this engine is finished (published) first. ``async_save=True``: returns once the state is copied to host
     memory, the files are written by a thread while training goes on, and the checkpoint is published by the next
     ``wait_checkpoint`` / ``save_checkpoint`` / ``load_checkpoint`` (the path returned is where it will be).
+    An async save still pending when the engine is garbage-collected or the interpreter exits is finished then (a
+    ``weakref.finalize`` per save: written on every rank, published by rank 0 when it sees every rank's file; see
+    ``_Save.finish_orphaned``), with a warning: call ``wait_checkpoint`` before the end of the script.
     ``fault_hook`` (tests): called on every rank at "before_write", "shard_written" (the writer; a thread under
-    ``async_save``), "before_publish", "before_latest" (rank 0); one that raises simulates a crash there."""
+    ``async_save``), then on rank 0 at the publish's instants ("before_publish", "old_moved_aside" and
+    "before_cleanup" when re-saving a tag, "before_latest", ``publish.py``); one that raises simulates a crash
+    there (an ``Exception`` is handled as a failure, a ``BaseException`` the publish does not catch leaves the disk as
+    a dead process would)."""
     if not isinstance(async_save, bool):
         raise TypeError(f"async_save must be a bool, got {type(async_save).__name__}")
     wait_checkpoint(engine)
@@ -252,5 +338,6 @@ def save_checkpoint(engine: Checkpointable, save_dir: str, tag: str | None = Non
         return job.finish()
     job.thread = threading.Thread(target=job.write, name=f"llmpar-ckpt-{job.tag}", daemon=True)
     engine.checkpoint_pending = job
+    job.finalizer = weakref.finalize(engine, job.finish_orphaned)  # holds the job, not the engine
     job.thread.start()
     return os.path.join(job.save_dir, job.tag)

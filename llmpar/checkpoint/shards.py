@@ -58,15 +58,16 @@ def _compacted(entry: dict, start: int) -> int:
     return start - sum(count for at, count in holes.tolist() if at < start)
 
 
+def extras_names(targets: dict[str, tuple[torch.Tensor, bool]], trained: set[str]) -> list[str]:
+    """The names of the module state the optimizer does not hold: buffers and frozen params. ``targets``: {name:
+    (tensor, is_param)} (``EngineView.targets``); ``trained``: the names the optimizer holds."""
+    return [name for name, (t, is_param) in targets.items()
+            if not (t.is_meta or (is_param and (name in trained or t.requires_grad or not t.numel())))]
+
+
 def extras(targets: dict[str, tuple[torch.Tensor, bool]], trained: set[str]) -> dict[str, torch.Tensor]:
-    """Module state the optimizer does not hold: buffers and frozen params. ``targets``: {name: (tensor, is_param)}
-    (``EngineView.targets``); ``trained``: the names the optimizer holds."""
-    out = {}
-    for name, (t, is_param) in targets.items():
-        if t.is_meta or (is_param and (name in trained or t.requires_grad or not t.numel())):
-            continue
-        out[name] = t.detach().to("cpu", copy=True)
-    return out
+    """Host copies of that state (:func:`extras_names`)."""
+    return {name: targets[name][0].detach().to("cpu", copy=True) for name in extras_names(targets, trained)}
 
 
 def rng_state() -> dict:

@@ -110,8 +110,9 @@ class EngineBase:
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
                         async_save: bool = False) -> str:
         """Sharded, atomic checkpoint ``save_dir/tag`` (default ``global_step{N}``), collective over the engine's
-        ranks; see ``llmpar.checkpoint``. ``async_save``: written by a thread from a host copy, published at the next
-        ``wait_checkpoint`` / ``save_checkpoint`` / ``load_checkpoint``."""
+        ranks (every rank must pass the same tag); see ``llmpar.checkpoint``. ``async_save``: written by a thread from
+        a host copy, published at the next ``wait_checkpoint`` / ``save_checkpoint`` / ``load_checkpoint``; one still
+        pending when the engine is collected or the interpreter exits is finished then, with a warning."""
         from llmpar.checkpoint import save_checkpoint
 
         return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, async_save=async_save)
@@ -122,12 +123,15 @@ class EngineBase:
 
         return wait_checkpoint(self)
 
-    def load_checkpoint(self, load_dir: str, tag: str | None = None) -> tuple[str, dict | None]:
+    def load_checkpoint(self, load_dir: str, tag: str | None = None, *, strict: bool = True
+                        ) -> tuple[str, dict | None]:
         """Load ``load_dir/tag`` (default: ``latest``), saved at any dp / tp / pp degree, ZeRO stage or offload;
-        returns (path, client_state)."""
+        returns (path, client_state). Every rank must load the same checkpoint. ``strict``: a param or buffer the
+        model has and the checkpoint lacks, or the other way round, is an error naming it (False: the model's keep
+        their values, the checkpoint's are ignored, with a warning)."""
         from llmpar.checkpoint import load_checkpoint
 
-        return load_checkpoint(self, load_dir, tag=tag)
+        return load_checkpoint(self, load_dir, tag=tag, strict=strict)
 
     # the engine's side of the checkpoint protocol (llmpar.checkpoint.protocol.Checkpointable); each engine adds
     # checkpoint_grid() and checkpoint_modules(), and overrides the naming when its modules are not the model

@@ -151,9 +151,11 @@ class ZeroCheckpointing:
         return [["params", *(k for k in b.state if k not in STATE_FALLBACK)] for b in self.buffers]
 
     @torch.no_grad()
-    def load_pieces(self, get: Fetch, step: Callable[[str], float]) -> None:
+    def load_pieces(self, get: Fetch, step: Callable[[str], float], keep: frozenset[str] = frozenset()) -> None:
         """Fill this rank's params, states and unit steps from ``get(name, key, start, stop)`` (None: not in the
-        checkpoint) and ``step(name)``. Not collective; call :meth:`after_load` on every rank afterwards."""
+        checkpoint) and ``step(name)``; params named in ``keep`` (not in the checkpoint, a non-strict load) keep
+        their values and states, a unit's step comes from its first param not kept (none: the step stays). Not
+        collective; call :meth:`after_load` on every rank afterwards."""
         rank = self._ckpt_rank()
 
         def need(name: str, key: str, a: int, z: int) -> torch.Tensor:
@@ -167,9 +169,11 @@ class ZeroCheckpointing:
             if b.shard is None:  # stages 0-2: the whole params on every rank
                 for i in range(len(b.params)):
                     s = lay.slot(i)
-                    lay.param_view(b.flat, i).copy_(need(s.name, "params", 0, s.numel).view(s.shape))
+                    if s.name not in keep:
+                        lay.param_view(b.flat, i).copy_(need(s.name, "params", 0, s.numel).view(s.shape))
             for u in range(len(lay.units)):
-                pieces = [(lay.slot(i).name, a, z, at) for i, a, z, at in lay.param_slices(u, rank)]
+                pieces = [(lay.slot(i).name, a, z, at) for i, a, z, at in lay.param_slices(u, rank)
+                          if lay.slot(i).name not in keep]
                 if b.shard is not None:
                     mine = lay.shard_of_partition(b.shard, u)
                     for name, a, z, at in pieces:
@@ -187,8 +191,9 @@ class ZeroCheckpointing:
                             mine[at:at + z - a].zero_()
                         else:
                             mine[at:at + z - a].copy_(value)
-                if lay.units[u].params:
-                    b.steps[u].fill_(step(lay.slot(lay.units[u].params[0]).name))
+                loaded = [lay.slot(i).name for i in lay.units[u].params if lay.slot(i).name not in keep]
+                if loaded:
+                    b.steps[u].fill_(step(loaded[0]))
 
     @torch.no_grad()
     def load_frozen(self, tensors: dict[str, torch.Tensor]) -> list[str]:
