@@ -239,7 +239,7 @@ def agree_all(values: list[int], groups: list[Group], device: torch.device) -> l
     """The elementwise max of ``values`` (the same length on every rank) over the grid ``groups`` span."""
     t = torch.tensor(values, dtype=torch.int64, device=device)
     for g in groups:
-        all_reduce(t, g, op="max")
+        all_reduce(t, g, op="max", what="checkpoint agreement (do all ranks save / load the same step?)")
     return [int(v) for v in t.tolist()]
 
 
@@ -260,7 +260,7 @@ def gather_text(text: str, grid: Grid, *, limit: int = 2000) -> list[str]:
     if data:
         table[row, :len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(grid.device)
     for g in grid.groups:
-        all_reduce(table, g, op="max")
+        all_reduce(table, g, op="max", what="checkpoint agreement (exchanging the ranks' messages)")
     return [bytes(r).rstrip(b"\0").decode(errors="replace") for r in table.cpu().tolist()]
 
 

@@ -107,6 +107,7 @@ class EngineBase:
 
     # checkpoints (llmpar.checkpoint): every rank writes its own shards, one metadata.json for the run; params are
     # named as in the unsplit model, so a checkpoint loads at another dp / tp / pp degree, ZeRO stage or engine kind
+    @reports_step
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
                         async_save: bool = False) -> str:
         """Sharded, atomic checkpoint ``save_dir/tag`` (default ``global_step{N}``), collective over the engine's
@@ -117,12 +118,14 @@ class EngineBase:
 
         return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, async_save=async_save)
 
+    @reports_step
     def wait_checkpoint(self) -> str | None:
         """Publish the pending async save (collective); its path, or None if none was pending."""
         from llmpar.checkpoint import wait_checkpoint
 
         return wait_checkpoint(self)
 
+    @reports_step
     def load_checkpoint(self, load_dir: str, tag: str | None = None, *, strict: bool = True
                         ) -> tuple[str, dict | None]:
         """Load ``load_dir/tag`` (default: ``latest``), saved at any dp / tp / pp degree, ZeRO stage or offload;
