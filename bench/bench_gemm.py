@@ -2,6 +2,7 @@
 
     python bench/bench_gemm.py                                   # CPU (torch path, small shapes), and CUDA when present
     python bench/bench_gemm.py --device cuda --out bench/results
+    (bench/gpu_check.sh: --device cuda --tp 1 8, with LLMPAR_AUTOTUNE_CONFIGS=2 to bound autotuning)
 
 Shapes (CUDA): M=8192 tokens; the MLP of a 7B/8B model split by tp in {1, 2, 8}: up/gate projections
 K=4096 -> N in {11008, 14336}/tp with gelu_tanh / silu, and the down projection K=11008/tp -> N=4096 with bias and a
@@ -104,11 +105,15 @@ def run(device: torch.device, tps: list[int], tokens: int, dtype: torch.dtype, r
     return rows
 
 
-def _world1_group():
+def _world1_group(device: torch.device):
+    """A world-1 process group for the layers (nothing is reduced): NCCL on CUDA, gloo on CPU."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda" and device.index is not None:
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return dist.group.WORLD
 
 
@@ -116,7 +121,7 @@ def run_layers(device: torch.device, tps: list[int], tokens: int, dtype: torch.d
     """Forward + backward of the parallel linears (tp=1 layers with a tp rank's shard) per backend."""
     from llmpar.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-    group, rows = _world1_group(), []
+    group, rows = _world1_group(device), []
     triton_ok = triton_unavailable_reason(device) is None
     for name, m, k, n, act, res in shapes(device, tps, tokens):
         if res:  # the down projection: a row-parallel layer, bias after the reduction, no activation

@@ -3,7 +3,7 @@ side by side in one run, on GPT-shaped parameter lists (a few big matrices, many
 
     python bench/bench_optim.py                                   # CPU: 10M, 30M, 100M params
     python bench/bench_optim.py --device cuda --sizes 10M 100M 1B --out bench/results
-    (bench/gpu_check.sh runs it with --device cuda --out <dir>)
+    (bench/gpu_check.sh runs it with --device cuda --sizes 100M 1B --no-deepspeed --out <dir>)
 
 Groups (a group's cases share params and grads; each case has its own optimizer state):
     fp32       torch fused (baseline) | torch foreach | llmpar "fp32"
@@ -72,7 +72,8 @@ def deepspeed_case(params) -> Callable[[], None] | None:
         return None
 
 
-def run_group(group: str, n_params: int, shapes, device, warmup: int, repeats: int, copy_gbs: float) -> list[dict]:
+def run_group(group: str, n_params: int, shapes, device, warmup: int, repeats: int, copy_gbs: float,
+              deepspeed: bool = True) -> list[dict]:
     bf16 = group == "bf16"
     params = make_params(shapes, torch.bfloat16 if bf16 else torch.float32, device)
     hyper = dict(lr=1e-4, weight_decay=0.1)
@@ -101,7 +102,7 @@ def run_group(group: str, n_params: int, shapes, device, warmup: int, repeats: i
         for mode in ("fp32_master", "bf16_sr", "bf16_kahan"):
             cases[f"llmpar {mode}"] = FusedAdamW(params, precision=mode, **hyper).step
             kinds[f"llmpar {mode}"] = mode
-        if device.type == "cuda":
+        if device.type == "cuda" and deepspeed:
             ds = deepspeed_case(make_params(shapes, torch.float32, device))
             if ds is not None:
                 cases["deepspeed FusedAdam fp32"] = ds
@@ -132,6 +133,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--out", default=None, help="results folder (default bench/results)")
+    ap.add_argument("--deepspeed", action=argparse.BooleanOptionalAction, default=True,
+                    help="time DeepSpeed's FusedAdam too where importable (--no-deepspeed: machines without it)")
     args = ap.parse_args()
     device = torch.device(args.device)
     cuda = device.type == "cuda"
@@ -146,7 +149,7 @@ def main() -> None:
         n_params = sum(torch.Size(s).numel() for s in shapes)
         for group in args.groups:
             print(f"== {size} ({n_params / 1e6:.1f}M params, {len(shapes)} tensors), {group}")
-            rows += run_group(group, n_params, shapes, device, warmup, repeats, copy_gbs)
+            rows += run_group(group, n_params, shapes, device, warmup, repeats, copy_gbs, args.deepspeed)
     meta = {"copy_bandwidth_GBps": round(copy_gbs, 1), "torch_threads": torch.get_num_threads(),
             "bytes_per_param_floor": BYTES, "hyper": "lr=1e-4, weight_decay=0.1, betas=(0.9, 0.999)",
             "speedup": "baseline median / case median, per group (fp32: torch fused; fp32+clip: torch clip_grad_norm_ "

@@ -1,96 +1,193 @@
 #!/usr/bin/env bash
-# One-shot check on a CUDA machine (H200; no internet): build llmpar._C, run the GPU tests and the op tests,
-# run the kernel benchmarks, print a table of steps. Target: under 8 minutes.
-#   bash bench/gpu_check.sh            # from the repo root (or anywhere: it cd's there)
-# Env: TORCH_CUDA_ARCH_LIST (default: this GPU's arch), MAX_JOBS (default 8), STEP_TIMEOUT (default 240 s),
-#      SKIP_BUILD=1 (use the JIT build on first use instead of the in-place build).
-# Results (logs, benchmark tables) go to bench/results/gpu_check_<date>/.
-set -euo pipefail
+# One-shot check on a GPU machine (made for a short H200 lease: no network, a 10-minute command limit, and only the
+# files written under $OUT come back). Builds llmpar._C, runs the GPU tests (bf16 cases first), one bf16 training run
+# of the demo GPT through llmpar.initialize, and the optimizer / GEMM / bucket benchmarks at LLM shapes.
+#
+#   bash bench/gpu_check.sh                          everything, in the order of --plan (it cd's to the repo root)
+#   bash bench/gpu_check.sh --plan                   print the steps and their time budgets; run nothing
+#   bash bench/gpu_check.sh --only build_ext,train_bf16   only these steps (a rerun)
+#
+# Time: a global deadline (GPU_CHECK_DEADLINE, default 460 s: the run ends within 8 minutes) bounds the whole run.
+# Each step runs under min(its budget, the time left); a step that no longer fits is skipped and listed as such.
+# Output: summary.md (step table, test counts, figures, versions, device, date) and gpu_check.tar.gz (every log and
+# result table) in $OUT when it is set, else in bench/results/gpu_check_<date>/. Both are rewritten after every step
+# and by a trap on exit / INT / TERM, so a run killed part-way still leaves what it measured.
+# Env: PYTHON (default python3), MAX_JOBS (16), TORCH_CUDA_ARCH_LIST (this GPU's arch), GPU_CHECK_DEADLINE (460),
+#      GPU_CHECK_WORKERS (pytest-xdist workers, 8), LLMPAR_AUTOTUNE_CONFIGS for the tests (1) and
+#      GPU_CHECK_BENCH_CONFIGS for the benchmarks (2): Triton's GEMM autotunes over that many configs only.
+set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-PY="${PYTHON:-python}"
-STAMP="$(date +%Y%m%d-%H%M%S)"
-OUT="$ROOT/bench/results/gpu_check_$STAMP"
-mkdir -p "$OUT"
-export MAX_JOBS="${MAX_JOBS:-8}"
-STEP_TIMEOUT="${STEP_TIMEOUT:-240}"
-if [[ -z "${TORCH_CUDA_ARCH_LIST:-}" ]]; then
-  TORCH_CUDA_ARCH_LIST="$("$PY" -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())' 2>/dev/null || echo "9.0")"
-  export TORCH_CUDA_ARCH_LIST
-fi
+PY="${PYTHON:-python3}"
+SUMMARY_PY="$(command -v python3 || echo "$PY")"  # the summary helper needs the standard library only
+DEADLINE="${GPU_CHECK_DEADLINE:-460}"
+export MAX_JOBS="${MAX_JOBS:-16}"
+WORKERS="${GPU_CHECK_WORKERS:-8}"
+TEST_CONFIGS="${LLMPAR_AUTOTUNE_CONFIGS:-1}"
+BENCH_CONFIGS="${GPU_CHECK_BENCH_CONFIGS:-2}"
 export PYTHONUNBUFFERED=1
+STAMP="$(date -u +%Y%m%d-%H%M%S)"
 
-T0=$SECONDS
-declare -a ROWS=()
-FAILED=0
-step() {  # step NAME CMD... : run with a timeout, log to $OUT/NAME.log, never abort the script
-  local name="$1"; shift
-  local t=$SECONDS rc=0
-  echo "==> $name"
-  set +e
-  timeout "$STEP_TIMEOUT" "$@" 2>&1 | tee "$OUT/$name.log"
-  rc=${PIPESTATUS[0]}
-  set -e
-  local status="ok"
-  if [[ $rc -eq 124 ]]; then status="TIMEOUT"; FAILED=1
-  elif [[ $rc -ne 0 ]]; then status="FAIL($rc)"; FAILED=1; fi
-  ROWS+=("$(printf '| %-26s | %-9s | %5ds |' "$name" "$status" $((SECONDS - t)))")
-}
-
-step env bash -c "nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || true; \
-  $PY -c 'import torch, sys; print(sys.version); print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.is_available())'; \
-  $PY -c 'import triton; print(\"triton\", triton.__version__)' || true; which nvcc && nvcc --version | tail -1 || true"
-
-step install "$PY" -m pip install -e . --no-deps --no-build-isolation -q
-
-if [[ "${SKIP_BUILD:-0}" != "1" ]]; then
-  # in-place: llmpar/_C*.so next to the sources, found by llmpar/ops/_ext.py
-  step build_ext env LLMPAR_BUILD_CUDA=1 "$PY" setup.py build_ext --inplace
-fi
-# loads the in-place build, or JIT-builds it (also the fallback when build_ext failed)
-step load_ext "$PY" -c "
-from llmpar.ops import _ext, backend_report
-from llmpar.ops._dispatch import has_ext_op
-import json, torch
-s = _ext.load()
-print(s)
-assert s.available, s.reason
-print(torch.ops.llmpar.pack_bucket.default._schema)
-for name in ('linear_lt', 'linear_lt_aux', 'bias_act_backward'):  # the fused-GEMM ops (cuBLASLt ones need cublasLt.h)
-    print(name, getattr(torch.ops.llmpar, name).default._schema if has_ext_op(name) else 'MISSING (no CUDA kernel)')
-print(json.dumps(backend_report(), indent=1))"
-
-# which backend linear_act picks on CUDA per activation (cuda = cuBLASLt epilogue + bias_act_backward)
-step gemm_dispatch "$PY" -c "
-import torch
-from llmpar.ops.gemm import ACTIVATIONS, select_backward_backend, select_forward_backend
-x = torch.randn(8, 64, device='cuda', dtype=torch.bfloat16); w = torch.randn(32, 64, device='cuda', dtype=torch.bfloat16)
-for act in ACTIVATIONS:
-    print(f'{act:10s} forward {select_forward_backend(x, w, act)}')
-print('backward', select_backward_backend(torch.randn(8, 32, device='cuda', dtype=torch.bfloat16), x))"
-
-step pytest_gpu "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/ --junitxml="$OUT/gpu.xml"
-step pytest_ops "$PY" -m pytest -q -p no:cacheprovider tests/test_ops_*.py tests/test_build*.py tests/test_optim_ops.py tests/test_optim_adamw.py tests/test_optim_build.py \
-  --junitxml="$OUT/ops.xml"
-
-# every bench/bench_*.py, each with --device cuda --out <results folder> plus its GPU-sized flags
-# (bench_gemm: the cuBLASLt epilogue and the LLMPAR_BACKEND=cuda path next to Triton and torch, and the parallel
-#  linears' forward + backward per backend)
-for bench in bench/bench_*.py; do
-  name="$(basename "$bench" .py)"
-  extra=()
-  case "$name" in
-    bench_train) extra=(--widths 256 512 1024 --dtype bfloat16) ;;
-  esac
-  step "$name" "$PY" "$bench" --device cuda --out "$OUT" "${extra[@]}"
+# name|budget in seconds|what it does. The order is the priority: what matters most runs while time is plentiful.
+PLAN=(
+  "env|10|device, driver, python3 / torch / triton / nvcc versions"
+  "install|20|pip install -e . --no-deps --no-build-isolation (offline)"
+  "build_ext|110|LLMPAR_BUILD_CUDA=1 setup.py build_ext --inplace for this GPU's arch, MAX_JOBS=$MAX_JOBS"
+  "load_ext|15|load llmpar._C, list its ops, backend report; later steps never JIT-build (LLMPAR_NO_JIT=1)"
+  "tests_gpu_bf16|50|pytest -m gpu, bf16 cases, on the files with GPU tests ($WORKERS xdist workers)"
+  "tests_gpu_other|55|pytest -m gpu, the other cases (fp32, fp16, dtype-free)"
+  "tests_optim_cuda|35|pytest tests/test_optim_ops.py on the GPU: torch, triton and cuda backends"
+  "train_bf16|35|llmpar train --nproc 1 --device cuda --bf16 --steps 30: the demo GPT through llmpar.initialize"
+  "bench_optim|35|FusedAdamW (every precision) vs torch AdamW, GPT parameter lists of 100M and 1B"
+  "bench_gemm|70|linear_act vs cuBLAS, 8192 tokens x LLaMA 7B/8B MLP shapes, tp 1 and 8; parallel layers fwd+bwd"
+  "bench_bucket|20|pack/unpack of a 1e8-element gradient bucket, every backend"
+)
+NAMES=(); BUDGETS=(); WHATS=()
+for row in "${PLAN[@]}"; do
+  IFS='|' read -r n b w <<<"$row"
+  NAMES+=("$n"); BUDGETS+=("$b"); WHATS+=("$w")
 done
 
+if [[ -n "${OUT:-}" ]]; then DEST="$OUT"; else DEST="$ROOT/bench/results/gpu_check_$STAMP"; fi
+
+print_plan() {
+  local total=0 i
+  echo "bench/gpu_check.sh plan: ${#NAMES[@]} steps, global deadline ${DEADLINE}s (steps that no longer fit are skipped)"
+  printf '  %-17s %7s  %s\n' "step" "budget" "what"
+  for i in "${!NAMES[@]}"; do
+    printf '  %-17s %6ss  %s\n' "${NAMES[$i]}" "${BUDGETS[$i]}" "${WHATS[$i]}"
+    total=$((total + BUDGETS[i]))
+  done
+  echo "  sum of budgets ${total}s; each step runs under min(budget, time left before the deadline)"
+  echo "  python: $PY; MAX_JOBS=$MAX_JOBS; Triton autotune configs: tests $TEST_CONFIGS, benchmarks $BENCH_CONFIGS"
+  echo "  output: $DEST/summary.md and $DEST/gpu_check.tar.gz${OUT:+ (\$OUT)}"
+}
+
+ONLY=""
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --plan) print_plan; exit 0 ;;
+    --only) ONLY=",${2:?--only needs a comma-separated list of steps},"; shift 2 ;;
+    -h|--help) sed -n '2,20p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    *) echo "gpu_check.sh: unknown argument $1 (use --plan, --only STEPS)" >&2; exit 2 ;;
+  esac
+done
+if [[ -n "$ONLY" ]]; then
+  for n in $(tr ',' ' ' <<<"$ONLY"); do
+    [[ " ${NAMES[*]} " == *" $n "* ]] || { echo "gpu_check.sh: no step named $n (see --plan)" >&2; exit 2; }
+  done
+fi
+
+mkdir -p "$DEST"
+if [[ -n "${OUT:-}" ]]; then WORK="$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")"; else WORK="$DEST"; fi
+LOGS="$WORK/logs"; RESULTS="$WORK/results"
+mkdir -p "$LOGS" "$RESULTS"
+STATUS=(); SECS=()
+for i in "${!NAMES[@]}"; do STATUS+=("pending"); SECS+=(""); done
+T0=$SECONDS
+CHILD=""
+
+write_outputs() {  # steps.tsv -> summary.md, then the tarball; cheap enough to run after every step
+  local i
+  : >"$WORK/steps.tsv"
+  for i in "${!NAMES[@]}"; do
+    printf '%s\t%s\t%s\t%s\t%s\n' "${NAMES[$i]}" "${STATUS[$i]}" "${SECS[$i]}" "${BUDGETS[$i]}" "${WHATS[$i]}" \
+      >>"$WORK/steps.tsv"
+  done
+  if ! "$SUMMARY_PY" bench/gpu_check_summary.py summary "$WORK" "$DEST/summary.md" 2>>"$LOGS/summary.err"; then
+    { echo "# GPU check (summary helper failed: see logs/summary.err)"; echo; cat "$WORK/steps.tsv"; } >"$DEST/summary.md"
+  fi
+  cp "$DEST/summary.md" "$WORK/summary.md" 2>/dev/null || true
+  tar -czf "$DEST/gpu_check.tar.gz.tmp" -C "$WORK" logs results steps.tsv summary.md \
+    $( [[ -f "$WORK/env.json" ]] && echo env.json ) 2>/dev/null \
+    && mv -f "$DEST/gpu_check.tar.gz.tmp" "$DEST/gpu_check.tar.gz"
+}
+
+on_signal() {
+  [[ -n "$CHILD" ]] && kill -TERM "$CHILD" 2>/dev/null
+  for i in "${!STATUS[@]}"; do [[ "${STATUS[$i]}" == running ]] && STATUS[$i]="KILLED"; done
+  echo "gpu_check.sh: interrupted; outputs in $DEST" >&2
+  exit 130
+}
+trap on_signal INT TERM
+trap write_outputs EXIT
+
+run_step() {  # run_step INDEX CMD...: under min(budget, time left), output to logs/NAME.log
+  local i="$1"; shift
+  local name="${NAMES[$i]}" left t rc
+  if [[ -n "$ONLY" && "$ONLY" != *",$name,"* ]]; then STATUS[$i]="not selected"; return 0; fi
+  left=$((DEADLINE - (SECONDS - T0)))
+  if (( left < 15 )); then
+    STATUS[$i]="SKIPPED (deadline)"; echo "==> $name: skipped, ${left}s left before the deadline"; write_outputs
+    return 0
+  fi
+  local limit=$(( BUDGETS[i] < left ? BUDGETS[i] : left ))
+  echo "==> $name (limit ${limit}s): ${WHATS[$i]}"
+  STATUS[$i]="running"; write_outputs
+  t=$SECONDS
+  timeout -k 5 "$limit" "$@" >"$LOGS/$name.log" 2>&1 &
+  CHILD=$!
+  wait "$CHILD"; rc=$?
+  CHILD=""
+  SECS[$i]=$((SECONDS - t))
+  if (( rc == 124 || rc == 137 )); then STATUS[$i]="TIMEOUT"
+  elif (( rc != 0 )); then STATUS[$i]="FAIL (rc $rc)"
+  else STATUS[$i]="ok"; fi
+  tail -n 4 "$LOGS/$name.log" | sed 's/^/    /'
+  echo "    -> ${STATUS[$i]} in ${SECS[$i]}s"
+  write_outputs
+}
+
+# --------------------------------------------------------------------------------------------- the steps
+
+SETTINGS="deadline ${DEADLINE}s, MAX_JOBS=$MAX_JOBS, autotune configs tests $TEST_CONFIGS / benches $BENCH_CONFIGS"
+run_step 0 "$PY" bench/gpu_check_summary.py env "$WORK" "$SETTINGS"
+
+run_step 1 "$PY" -m pip install -e . --no-deps --no-build-isolation -q --disable-pip-version-check
+
+if [[ -z "${TORCH_CUDA_ARCH_LIST:-}" ]]; then
+  TORCH_CUDA_ARCH_LIST="$("$PY" -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())' 2>/dev/null \
+    || echo "9.0")"
+fi
+export TORCH_CUDA_ARCH_LIST
+run_step 2 env LLMPAR_BUILD_CUDA=1 "$PY" setup.py build_ext --inplace
+export LLMPAR_NO_JIT=1  # built or not: nothing JIT-builds inside a timed test
+
+run_step 3 "$PY" -c "
+import json, torch
+from llmpar.ops import _ext, backend_report
+from llmpar.ops._dispatch import has_ext_op
+from llmpar.ops._library import OPS
+s = _ext.load()
+print(s)
+for name in OPS:
+    print(f'  llmpar::{name}:', 'CUDA kernel' if has_ext_op(name) else 'NO CUDA KERNEL')
+print(json.dumps(backend_report(), indent=1))
+assert s.available, s.reason"
+
+GPU_FILES=($(grep -l "pytest.mark.gpu" tests/test_*.py))
+PYTEST=(env "PYTHONPATH=$ROOT/tests${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m pytest -q -p no:cacheprovider -p dtype_select -rfE)
+if "$PY" -c "import xdist" 2>/dev/null && (( WORKERS > 1 )); then PYTEST+=(-n "$WORKERS"); fi
+if "$PY" -c "import pytest_timeout" 2>/dev/null; then PYTEST+=(--timeout 120); fi
+export LLMPAR_AUTOTUNE_CONFIGS="$TEST_CONFIGS"
+run_step 4 "${PYTEST[@]}" -m gpu --dtype-group bf16 --junitxml="$LOGS/tests_gpu_bf16.xml" "${GPU_FILES[@]}"
+run_step 5 "${PYTEST[@]}" -m gpu --dtype-group other --junitxml="$LOGS/tests_gpu_other.xml" "${GPU_FILES[@]}"
+run_step 6 "${PYTEST[@]}" --junitxml="$LOGS/tests_optim_cuda.xml" tests/test_optim_ops.py
+
+run_step 7 "$PY" -m llmpar.cli train --nproc 1 --device cuda --bf16 --steps 30 --sample 0 --json "$RESULTS/train.json"
+
+export LLMPAR_AUTOTUNE_CONFIGS="$BENCH_CONFIGS"
+run_step 8 "$PY" bench/bench_optim.py --device cuda --sizes 100M 1B --no-deepspeed --out "$RESULTS"
+run_step 9 "$PY" bench/bench_gemm.py --device cuda --tp 1 8 --out "$RESULTS"
+run_step 10 "$PY" bench/bench_bucket.py --device cuda --out "$RESULTS"
+
 echo
-echo "| step                       | status    |  time  |"
-echo "|----------------------------|-----------|--------|"
-printf '%s\n' "${ROWS[@]}"
-printf '| %-26s | %-9s | %5ds |\n' "total" "$([[ $FAILED -eq 0 ]] && echo ok || echo FAILED)" $((SECONDS - T0))
-for f in "$OUT"/*.md; do [[ -e "$f" ]] && { echo; cat "$f"; }; done
-echo "logs: $OUT"
+echo "| step              | status             | time  |"
+echo "|-------------------|--------------------|-------|"
+for i in "${!NAMES[@]}"; do printf '| %-17s | %-18s | %4ss |\n' "${NAMES[$i]}" "${STATUS[$i]}" "${SECS[$i]:--}"; done
+printf '| %-17s | %-18s | %4ss |\n' "total" "" $((SECONDS - T0))
+echo "summary: $DEST/summary.md; logs and tables: $DEST/gpu_check.tar.gz"
+FAILED=0
+for s in "${STATUS[@]}"; do [[ "$s" == ok || "$s" == "not selected" ]] || FAILED=1; done
 exit "$FAILED"

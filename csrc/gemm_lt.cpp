@@ -5,6 +5,8 @@
 //   before the epilogue's activation, so it is only accepted without one.
 // Row-major y = x W^T is column-major y^T = W^T(T) x^T: A = W (op T), B = x (op N), D = y^T, m = N, n = M, k = K;
 // the bias runs along m, i.e. along the output features. fp32 accumulate (CUBLAS_COMPUTE_32F, no TF32).
+// Pointer alignment: cuBLASLt is told each operand's real alignment (slices of flat buffers may be 2-byte aligned);
+// when it has no algorithm for them, the inputs are copied to aligned buffers, and failing that the op runs on ATen.
 // llmpar::linear_lt_aux: (gelu_tanh(x W^T + b), x W^T + b) through the GELU_AUX epilogue: the forward of a gelu
 //   layer that keeps the pre-activation for llmpar::bias_act_backward (csrc/bias_act_ops.cpp). The pre-activation is a
 //   [M, N] view of a [M, ceil(N / 8) * 8] buffer (cuBLASLt's leading-dimension rule for the aux matrix).
@@ -21,7 +23,9 @@
 #include <cublasLt.h>
 #include <dlfcn.h>
 
+#include <cstdint>
 #include <mutex>
+#include <optional>
 #include <tuple>
 #include <string>
 #include <unordered_map>
@@ -125,9 +129,25 @@ void check_args(const at::Tensor& x, const at::Tensor& weight, const std::option
   }
 }
 
+// The largest power of two (<= 256) dividing the address: what cuBLASLt may assume of a pointer. Tensors that are
+// slices of a bigger buffer (ZeRO's flat buffers, row chunks) are often only 2- or 4-byte aligned, while cuBLASLt
+// assumes 256 unless told otherwise (CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_*_BYTES; torch sets them the same way).
+uint32_t alignment_of(const void* ptr) {
+  const auto address = reinterpret_cast<uintptr_t>(ptr);
+  uint32_t align = 256;
+  while (align > 1 && address % align != 0) align /= 2;
+  return align;
+}
+
+// t itself when 16-byte aligned, else an aligned copy (fresh allocations are 256-byte aligned)
+at::Tensor aligned16(const at::Tensor& t) {
+  return !t.defined() || alignment_of(t.data_ptr()) >= 16 ? t : t.clone(at::MemoryFormat::Contiguous);
+}
+
 // y (+)= act(x W^T + b) into y ([M, N], contiguous; beta = 1 adds its contents: the residual); with `aux` (gelu only,
 // [M, aux_ld] row-major, aux_ld % 8 == 0 as cuBLASLt asks) the GELU_AUX epilogue also stores the pre-activation z.
-void lt_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, int64_t act, bool accumulate,
+// Returns false, having done nothing, when cuBLASLt offers no algorithm for these shapes and pointer alignments.
+bool lt_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, int64_t act, bool accumulate,
                at::Tensor& y, at::Tensor* aux, int64_t aux_ld) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   const cudaDataType_t dt = cuda_type(x.scalar_type());
@@ -172,18 +192,58 @@ void lt_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,
   LLMPAR_LT_CHECK(lt().cublasLtMatmulPreferenceCreate(&desc.pref));
   LLMPAR_LT_CHECK(lt().cublasLtMatmulPreferenceSetAttribute(desc.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
                                                             sizeof(ws)));
+  // the alignment each operand really has (A = W, B = x, C = D = y)
+  const uint32_t align_a = alignment_of(w.data_ptr()), align_b = alignment_of(x.data_ptr());
+  const uint32_t align_cd = alignment_of(y.data_ptr());
+  LLMPAR_LT_CHECK(lt().cublasLtMatmulPreferenceSetAttribute(desc.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
+                                                            &align_a, sizeof(align_a)));
+  LLMPAR_LT_CHECK(lt().cublasLtMatmulPreferenceSetAttribute(desc.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                                                            &align_b, sizeof(align_b)));
+  LLMPAR_LT_CHECK(lt().cublasLtMatmulPreferenceSetAttribute(desc.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
+                                                            &align_cd, sizeof(align_cd)));
+  LLMPAR_LT_CHECK(lt().cublasLtMatmulPreferenceSetAttribute(desc.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
+                                                            &align_cd, sizeof(align_cd)));
   cublasLtHandle_t handle = handle_for(x.get_device());
   cublasLtMatmulHeuristicResult_t heur{};
   int found = 0;
-  LLMPAR_LT_CHECK(lt().cublasLtMatmulAlgoGetHeuristic(handle, desc.op, desc.a, desc.b, desc.c, desc.d, desc.pref, 1,
-                                                      &heur, &found));
-  TORCH_CHECK(found > 0, "linear_lt: cuBLASLt found no algorithm for M=", M, " K=", K, " N=", N, " dtype ",
-              x.scalar_type(), " epilogue ", int(epi));
+  const cublasStatus_t st = lt().cublasLtMatmulAlgoGetHeuristic(handle, desc.op, desc.a, desc.b, desc.c, desc.d,
+                                                                desc.pref, 1, &heur, &found);
+  if (st == CUBLAS_STATUS_NOT_SUPPORTED || (st == CUBLAS_STATUS_SUCCESS && found == 0)) return false;
+  LLMPAR_LT_CHECK(st);
 
   const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
   LLMPAR_LT_CHECK(lt().cublasLtMatmul(handle, desc.op, &alpha, w.data_ptr(), desc.a, x.data_ptr(), desc.b, &beta,
                                       y.data_ptr(), desc.c, y.data_ptr(), desc.d, &heur.algo, workspace.data_ptr(), ws,
                                       c10::cuda::getCurrentCUDAStream().stream()));
+  return true;
+}
+
+// The same math without cuBLASLt, for shapes and alignments it has no algorithm for: z = x W^T + b through cuBLAS
+// (at::linear, fp32 accumulate, rounded to x's dtype), then the activation in fp32 (+ y's residual), one more rounding.
+void aten_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, int64_t act, bool accumulate,
+                 at::Tensor& y, at::Tensor* pre) {
+  const at::Tensor z = at::linear(x, w, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt);
+  if (pre != nullptr) pre->copy_(z);
+  const at::Tensor z32 = z.to(at::kFloat);
+  const at::Tensor a = act == 1 ? at::gelu(z32, "tanh") : act == 4 ? at::relu(z32) : z32;
+  if (accumulate) {
+    y.copy_(y.to(at::kFloat).add_(a));
+  } else {
+    y.copy_(a);
+  }
+}
+
+// lt_matmul, else once more on 16-byte aligned copies of the inputs, else aten_matmul: never an error for a layout
+void linear_into(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, int64_t act, bool accumulate,
+                 at::Tensor& y, at::Tensor* aux, int64_t aux_ld, at::Tensor* pre) {
+  const at::Tensor b = aligned16(bias);  // no alignment preference exists for the epilogue's bias pointer
+  if (lt_matmul(x, w, b, act, accumulate, y, aux, aux_ld)) return;
+  const at::Tensor xa = aligned16(x), wa = aligned16(w);
+  if ((xa.data_ptr() != x.data_ptr() || wa.data_ptr() != w.data_ptr()) &&
+      lt_matmul(xa, wa, b, act, accumulate, y, aux, aux_ld)) {
+    return;
+  }
+  aten_matmul(x, w, b, act, accumulate, y, pre);
 }
 
 // act(b) (+ residual) for an empty product (K = 0), without cuBLASLt; z gets the pre-activation when given
@@ -209,7 +269,7 @@ at::Tensor linear_lt(const at::Tensor& x_in, const at::Tensor& w_in, const std::
   if (M == 0 || N == 0) return y;
   at::Tensor bias = bias_in.has_value() ? bias_in->contiguous() : at::Tensor();
   if (K == 0) return empty_product(x, N, bias, act, y, res, nullptr);
-  lt_matmul(x, w, bias, act, res, y, nullptr, 0);
+  linear_into(x, w, bias, act, res, y, nullptr, 0, nullptr);
   return y;
 }
 
@@ -231,7 +291,7 @@ std::tuple<at::Tensor, at::Tensor> linear_lt_aux(const at::Tensor& x_in, const a
     empty_product(x, N, bias, 1, y, false, &pre);
     return {y, pre};
   }
-  lt_matmul(x, w, bias, 1, false, y, &aux, ld);
+  linear_into(x, w, bias, 1, false, y, &aux, ld, &pre);
   return {y, pre};
 }
 

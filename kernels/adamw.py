@@ -23,7 +23,7 @@ import math
 
 from ._triton import HAS_TRITON, INTERPRETED, TRITON_IMPORT_ERROR, tl, triton
 
-__all__ = ["HAS_TRITON", "INTERPRETED", "TRITON_IMPORT_ERROR", "BLOCK", "TABLE_ROWS", "step", "sum_squares"]
+__all__ = ["HAS_TRITON", "INTERPRETED", "TRITON_IMPORT_ERROR", "BLOCK", "TABLE_ROWS", "log_beta", "step", "sum_squares"]
 
 BLOCK = 1024
 # rows of the table: first program, param, grad, exp_avg, exp_avg_sq, extra (master / compensation / 0), step, numel,
@@ -65,7 +65,9 @@ if HAS_TRITON:
         em1 = tl.where(u == 0.0, -1.0, em1)
         return -em1
 
-    @triton.jit
+    # seed and n are plain runtime values: without do_not_specialize, Triton turns an int argument equal to 1 into a
+    # constant (seed=1: `seed.to(tl.uint32)` then fails to compile) and compiles a variant per value class of each
+    @triton.jit(do_not_specialize=["n", "seed"])
     def _adamw_kernel(
         table_ptr, n, lr_ptr, lr_value, gscale_ptr, found_inf_ptr,
         beta1, one_minus_beta1, beta2, one_minus_beta2, ln_beta1, ln_beta2, eps, weight_decay, seed,
@@ -151,7 +153,7 @@ if HAS_TRITON:
             tl.store(m_ptr + idx, _bf16_bits(m, 0, True).to(S_DTYPE), mask=mask)
             tl.store(v_ptr + idx, _bf16_bits(v, 0, True).to(S_DTYPE), mask=mask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n"])
     def _sum_squares_kernel(table_ptr, n, out_ptr, G_DTYPE: tl.constexpr, BLOCK: tl.constexpr):
         """out[pid] = sum of squares (float32) of this program's BLOCK elements; table rows: first, address, numel."""
         pid = tl.program_id(0)
@@ -169,6 +171,12 @@ if HAS_TRITON:
         idx = (pid - first) * BLOCK + tl.arange(0, BLOCK)
         g = tl.load(g_ptr + idx, mask=idx < numel, other=0.0).to(tl.float32)
         tl.store(out_ptr + pid, tl.sum(g * g, axis=0))
+
+
+def log_beta(beta: float) -> float:
+    """ln(beta) for the bias corrections; -inf for beta == 0 (then 1 - beta**t = 1 for every t >= 1, which the kernels'
+    expm1 gives from exp(-inf) = 0)."""
+    return math.log(beta) if beta > 0.0 else float("-inf")
 
 
 def _tl(dtype):
@@ -220,7 +228,7 @@ def step(params, grads, exp_avgs, exp_avg_sqs, extras, steps, salts, *, mode: in
     _adamw_kernel[(programs,)](
         table, n, lr if lr_on_device else table, 0.0 if lr_on_device else lr,
         gscale if gscale is not None else table, found_inf if found_inf is not None else table,
-        beta1, 1.0 - beta1, beta2, 1.0 - beta2, math.log(beta1), math.log(beta2), eps, weight_decay,
+        beta1, 1.0 - beta1, beta2, 1.0 - beta2, log_beta(beta1), log_beta(beta2), eps, weight_decay,
         int(seed) & 0x7FFFFFFF,
         MODE=int(mode), P_DTYPE=_tl(params[0].dtype), G_DTYPE=_tl(grads[0].dtype), S_DTYPE=_tl(exp_avgs[0].dtype),
         X_DTYPE=_tl(x_dtype), LR_ON_DEVICE=lr_on_device, HAS_GSCALE=gscale is not None,

@@ -15,28 +15,18 @@ torch autograd keeps for the unfused composition, and avoids re-running the forw
 
 Program order is grouped (GROUP_M row blocks share a column sweep) for L2 reuse. On CUDA the launch is autotuned
 from a per-architecture config list (Hopper: sm_90+, Ampere: sm_80/86/89); under TRITON_INTERPRET=1 one small fixed
-config runs. fp32 inputs use IEEE fp32 products unless ``allow_tf32`` is passed (torch's matmul default is IEEE).
+config runs; configs, their shared-memory bound and the autotune key: kernels/gemm_configs.py. fp32 inputs use IEEE
+fp32 products (no tensor cores) unless ``allow_tf32`` is passed (TF32 tensor cores; llmpar/ops/gemm.py passes torch's
+TF32 setting and sends fp32 calls that may not use TF32 to cuBLAS). Every tile offset is formed in int64.
 """
 from __future__ import annotations
 
 from ._triton import HAS_TRITON, INTERPRETED, TRITON_IMPORT_ERROR, tl, triton  # noqa: F401
+from .gemm_configs import (AMPERE_CONFIGS, HOPPER_CONFIGS, INTERPRET_CONFIG, SMEM_LIMIT, TUNE_KEY,  # noqa: F401
+                           fitting)
 
 # activation codes shared with llmpar/ops/gemm.py
 ACTS = {"none": 0, "gelu_tanh": 1, "gelu_erf": 2, "silu": 3, "relu": 4}
-
-# the fixed config used under the interpreter (tl.dot needs every block dim >= 16)
-INTERPRET_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2}
-
-# (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_stages, num_warps)
-HOPPER_CONFIGS = [
-    (128, 256, 64, 8, 3, 8), (256, 128, 64, 8, 3, 8), (128, 128, 64, 8, 4, 8), (128, 128, 64, 8, 4, 4),
-    (128, 64, 64, 8, 4, 4), (64, 128, 64, 8, 4, 4), (128, 128, 32, 8, 4, 4), (64, 64, 64, 8, 4, 4),
-    (128, 64, 32, 8, 4, 4),  # fits fp32 with the gated (act') operand stream of the backward
-]
-AMPERE_CONFIGS = [
-    (128, 256, 32, 8, 3, 8), (256, 128, 32, 8, 3, 8), (128, 128, 32, 8, 4, 4), (128, 64, 32, 8, 4, 4),
-    (64, 128, 32, 8, 4, 4), (128, 32, 32, 8, 4, 4), (64, 32, 32, 8, 5, 2), (64, 64, 64, 8, 3, 4),
-]
 
 if HAS_TRITON:
 
@@ -76,13 +66,17 @@ if HAS_TRITON:
     @triton.jit
     def _k_step(acc, rsum, a_ptrs, b_ptrs, z_ptrs, k0, K, mask_m, mask_n, offs_k, stride_ak, stride_bk, stride_zk,
                 GATE_ACT: tl.constexpr, ROWSUM: tl.constexpr, IEEE: tl.constexpr, INTERPRETER: tl.constexpr):
-        """One BLOCK_K step of the main loop: acc += gate(A tile) @ B tile; rsum += row sums of the gated A tile."""
+        """One BLOCK_K step of the main loop: acc += gate(A tile) @ B tile; rsum += row sums of the gated A tile.
+
+        k0 * stride is formed in int64: it passes 2**31 once K * stride does (dW = dY^T X over 64k tokens: stride
+        of dY^T along k = 32k features)."""
         k_left = K - k0
+        k64 = tl.cast(k0, tl.int64)
         a_mask = mask_m[:, None] & (offs_k[None, :] < k_left)
-        a = tl.load(a_ptrs + k0 * stride_ak, mask=a_mask, other=0.0)
-        b = tl.load(b_ptrs + k0 * stride_bk, mask=(offs_k[:, None] < k_left) & mask_n[None, :], other=0.0)
+        a = tl.load(a_ptrs + k64 * stride_ak, mask=a_mask, other=0.0)
+        b = tl.load(b_ptrs + k64 * stride_bk, mask=(offs_k[:, None] < k_left) & mask_n[None, :], other=0.0)
         if GATE_ACT != 0:
-            z = tl.load(z_ptrs + k0 * stride_zk, mask=a_mask, other=0.0).to(tl.float32)
+            z = tl.load(z_ptrs + k64 * stride_zk, mask=a_mask, other=0.0).to(tl.float32)
             a32 = a.to(tl.float32) * _act_grad(z, GATE_ACT)
         else:
             a32 = a.to(tl.float32)
@@ -128,11 +122,13 @@ if HAS_TRITON:
         offs_k = tl.arange(0, BLOCK_K)
         mask_m = offs_m < M
         mask_n = offs_n < N
+        # every tile offset (row * stride, k * stride) in int64: products of two dimensions pass 2**31 in LLM shapes
         rm = offs_m.to(tl.int64)
         rn = offs_n.to(tl.int64)
-        a_ptrs = a_ptr + rm[:, None] * stride_am + offs_k[None, :] * stride_ak
-        b_ptrs = b_ptr + offs_k[:, None] * stride_bk + rn[None, :] * stride_bn
-        z_ptrs = z_ptr + rm[:, None] * stride_zm + offs_k[None, :] * stride_zk
+        rk = offs_k.to(tl.int64)
+        a_ptrs = a_ptr + rm[:, None] * stride_am + rk[None, :] * stride_ak
+        b_ptrs = b_ptr + rk[:, None] * stride_bk + rn[None, :] * stride_bn
+        z_ptrs = z_ptr + rm[:, None] * stride_zm + rk[None, :] * stride_zk
 
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         rsum = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -167,6 +163,7 @@ if HAS_TRITON:
 
 
 _TUNED: dict = {}
+_SMEM: dict = {}
 
 
 def _arch_family(device) -> str:
@@ -176,8 +173,42 @@ def _arch_family(device) -> str:
     return "hopper" if major >= 9 else "ampere"
 
 
+def smem_limit(device) -> int:
+    """Max dynamic shared memory per block of ``device`` (bytes): torch's device properties, else Triton's driver,
+    else the family's value (SMEM_LIMIT)."""
+    import torch
+
+    device = torch.device(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMEM:
+        value = getattr(torch.cuda.get_device_properties(index), "shared_memory_per_block_optin", 0)
+        if not value:
+            try:
+                value = triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
+            except Exception:  # noqa: BLE001 - any driver trouble: the table
+                value = SMEM_LIMIT[_arch_family(device)]
+        _SMEM[index] = int(value)
+    return _SMEM[index]
+
+
+def _prune(table):
+    """early_config_prune for Triton's autotuner: the configs of ``table`` whose shared memory fits this call's
+    device, dtypes and flags (kernels/gemm_configs.py), cut to LLMPAR_AUTOTUNE_CONFIGS."""
+    def prune(configs, named_args, **kwargs):
+        a, b, c = named_args["a_ptr"], named_args["b_ptr"], named_args["c_ptr"]
+        gate = kwargs.get("GATE_ACT", 0) != 0
+        z = named_args["z_ptr"]
+        rows = fitting(table, smem_limit(c.device), a.element_size(), b.element_size(), z.element_size(), gate=gate,
+                       rowsum=bool(kwargs.get("ROWSUM", False)))
+        by_row = {(cf.kwargs["BLOCK_M"], cf.kwargs["BLOCK_N"], cf.kwargs["BLOCK_K"], cf.kwargs["GROUP_M"],
+                   cf.num_stages, cf.num_warps): cf for cf in configs}
+        return [by_row[r] for r in rows]
+    return prune
+
+
 def _tuned_kernel(family: str, role: str):
-    """An autotuner over ``_gemm_kernel`` per (architecture family, role): layouts differ per role."""
+    """An autotuner over ``_gemm_kernel`` per (architecture family, role): layouts differ per role. Keyed on the
+    sizes and every flag (a config tuned for one variant never serves another), configs pruned to what fits."""
     key = (family, role)
     if key not in _TUNED:
         table = HOPPER_CONFIGS if family == "hopper" else AMPERE_CONFIGS
@@ -185,7 +216,8 @@ def _tuned_kernel(family: str, role: str):
                                  num_stages=s, num_warps=w) for bm, bn, bk, g, s, w in table]
         # the weight-grad role may accumulate into C: restore it between benchmark runs
         restore = ["c_ptr"] if role == "wgrad" else None
-        _TUNED[key] = triton.autotune(configs=configs, key=["M", "N", "K"], restore_value=restore)(_gemm_kernel)
+        _TUNED[key] = triton.autotune(configs=configs, key=list(TUNE_KEY), restore_value=restore,
+                                      prune_configs_by={"early_config_prune": _prune(table)})(_gemm_kernel)
     return _TUNED[key]
 
 

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -123,3 +125,47 @@ def test_cuda_backend_missing_op_is_unavailable(monkeypatch):
     monkeypatch.setattr(_ext, "load", lambda build=True: _ext.ExtStatus(available=True, source="wheel", reason="x"))
     why = _dispatch.cuda_unavailable_reason(torch.device("cuda"), op="no_such_op_xyz")
     assert why == "llmpar._C (wheel) has no op llmpar::no_such_op_xyz: built from older sources? rebuild it"
+
+
+def test_fp32_gemm_without_tf32_prefers_cublas(monkeypatch):
+    """A float32 GEMM may use tensor cores only as TF32; where torch forbids TF32, Triton's kernel would run on the FMA
+    units and lose to cuBLAS: automatic choice sends it to torch, a forced triton still runs it (IEEE products)."""
+    from types import SimpleNamespace
+
+    from llmpar.ops import gemm as gemm_ops
+
+    monkeypatch.setattr(_dispatch, "_unavailable_reason", lambda backend, device, ops=(): "no ext" if backend == "cuda"
+                        else None)
+    cuda32 = SimpleNamespace(dtype=torch.float32, device=torch.device("cuda"))
+    monkeypatch.setattr(gemm_ops, "tf32_allowed", lambda: False)
+    why = gemm_ops._triton_slow(cuda32)
+    assert why is not None and "TF32" in why
+    assert gemm_ops._triton_slow(SimpleNamespace(dtype=torch.bfloat16, device=torch.device("cuda"))) is None
+    assert gemm_ops._triton_slow(SimpleNamespace(dtype=torch.float32, device=CPU)) is None  # the interpreter
+    monkeypatch.setenv("LLMPAR_BACKEND", "")
+    assert select_backend("cuda", triton_slow=why) == "torch"
+    assert select_backend("cuda", triton_slow=None) == "triton"
+    monkeypatch.setenv("LLMPAR_BACKEND", "triton")
+    assert select_backend("cuda", triton_slow=why) == "triton"
+    monkeypatch.setattr(gemm_ops, "tf32_allowed", lambda: True)
+    assert gemm_ops._triton_slow(cuda32) is None
+
+
+def test_tf32_allowed_follows_both_torch_apis():
+    """tf32_allowed reads what torch itself uses (a subprocess: the settings are process-global, and reading the
+    legacy flag raises once both APIs were used)."""
+    code = (
+        "import torch; from llmpar.ops._dispatch import tf32_allowed as t\n"
+        "out = [t()]\n"
+        "torch.backends.cuda.matmul.allow_tf32 = True; out.append(t())\n"
+        "torch.set_float32_matmul_precision('highest'); out.append(t())\n"
+        "torch.set_float32_matmul_precision('high'); out.append(t())\n"
+        "m = torch.backends.cuda.matmul\n"
+        "if hasattr(m, 'fp32_precision'):\n"
+        "    m.fp32_precision = 'ieee'; out.append(t()); m.fp32_precision = 'tf32'; out.append(t())\n"
+        "else:\n"
+        "    out += [False, True]\n"
+        "print(out)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[False, True, False, True, False, True]"

@@ -209,6 +209,70 @@ def test_cuda_backend_linear_act_vs_float64(monkeypatch, dtype, act, res):
     _assert_within(pre, z64, F.linear(x, w, b), dtype, "linear_lt_aux pre")
 
 
+def _views(shapes, dtype, offset, seed):
+    """Tensors of ``shapes`` as consecutive views into one flat buffer, starting ``offset`` elements in: pointers
+    2 to 32 bytes past an allocation, as ZeRO's flat buffers and row slices hand them to the ops."""
+    g = torch.Generator().manual_seed(seed)
+    total = sum(torch.Size(s).numel() for s in shapes)
+    flat = _rand((offset + total,), dtype, g).cuda()
+    out, at = [], offset
+    for s in shapes:
+        n = torch.Size(s).numel()
+        out.append(flat[at:at + n].view(s))
+        at += n
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(INTERPRET, reason="CUDA tests run in the main process")
+@pytest.mark.parametrize("offset", [1, 2, 3, 8, 64])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cublaslt_on_offset_views(dtype, offset):
+    """cuBLASLt is told each pointer's real alignment (or falls back): right results on misaligned views."""
+    _require_ext_ops("linear_lt", "linear_lt_aux")
+    m, k, n = 37, 1024, 123
+    x, w, b, r = _views([(m, k), (n, k), (n,), (m, n)], dtype, offset, seed=offset)
+    for act, res in ((0, r), (1, None), (4, None), (0, None)):
+        name = ACTIVATIONS[act]
+        got = torch.ops.llmpar.linear_lt(x, w, b, act, res)
+        ref = _composition(x.double(), w.double(), b.double(), res.double() if res is not None else None, name,
+                           torch.float64)
+        _assert_within(got, ref, _composition(x, w, b, res, name, dtype), dtype, f"linear_lt act={act} +{offset}")
+    y, pre = torch.ops.llmpar.linear_lt_aux(x, w, b)
+    z64 = F.linear(x.double(), w.double(), b.double())
+    _assert_within(pre, z64, F.linear(x, w, b), dtype, f"linear_lt_aux pre +{offset}")
+    _assert_within(y, F.gelu(z64, approximate="tanh"), F.gelu(F.linear(x, w, b), approximate="tanh"), dtype,
+                   f"linear_lt_aux y +{offset}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(INTERPRET, reason="CUDA tests run in the main process")
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_linear_act_on_offset_views(monkeypatch, backend, dtype):
+    """The whole op (forward and backward) on misaligned views of one buffer, per backend."""
+    if backend == "cuda":
+        _require_ext_ops("linear_lt", "linear_lt_aux", "bias_act_backward")
+    else:
+        pytest.importorskip("triton")
+    monkeypatch.setenv("LLMPAR_BACKEND", backend)
+    x, w, b, r, dy = _views([(45, 256), (77, 256), (77,), (45, 77), (45, 77)], dtype, 3, seed=1)
+    _check_op(x, w, b, None, dy, "gelu_tanh")
+    _check_op(x, w, b, r, dy, "none")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(INTERPRET, reason="CUDA tests run in the main process")
+def test_fp32_linear_act_routes_to_cublas_without_tf32(monkeypatch):
+    monkeypatch.setenv("LLMPAR_BACKEND", "")
+    x, w = torch.randn(64, 128, device="cuda"), torch.randn(32, 128, device="cuda")
+    monkeypatch.setattr(gemm_ops, "tf32_allowed", lambda: False)
+    assert select_forward_backend(x, w, "silu") == "torch"
+    assert select_backward_backend(torch.randn(64, 32, device="cuda"), x) in ("cuda", "torch")
+    monkeypatch.setattr(gemm_ops, "tf32_allowed", lambda: True)
+    assert select_forward_backend(x, w, "silu") == "triton" or _dispatch.triton_unavailable_reason(x.device)
+
+
 @pytest.mark.skipif(INTERPRET, reason="build-config checks run in the main process")
 def test_cublaslt_source_is_optional(monkeypatch):
     import importlib.util

@@ -240,6 +240,62 @@ def test_grad_norm_vs_float64(backend, dtypes):
     assert clip_coefficient(grad_norm(grads), 1.0)[1].item() == 1.0
 
 
+def test_grad_norm_mixed_dtypes_through_the_cuda_dispatch(monkeypatch):
+    """The CUDA op takes one dtype per call (its CPU reference rejects a mixed list as the kernel does): grad_norm and
+    FusedAdamW(max_grad_norm=...) group fp32 and bf16 grads by dtype on the CUDA path, as on the Triton one."""
+    import importlib
+
+    from llmpar.optim import FusedAdamW
+
+    grad_norm_mod = importlib.import_module("llmpar.ops.grad_norm")  # the package exports a function of that name
+
+    with pytest.raises(TypeError, match="mix dtypes"):
+        torch.ops.llmpar.sum_squares([torch.ones(3), torch.ones(3, dtype=torch.bfloat16)])
+    calls = []
+    real = torch.ops.llmpar.sum_squares
+
+    def sum_squares(tensors):
+        calls.append({t.dtype for t in tensors})
+        return real(tensors)
+
+    monkeypatch.setattr(grad_norm_mod, "select_backend", lambda device, **kw: "cuda")
+    monkeypatch.setattr(torch.ops.llmpar, "sum_squares", sum_squares)
+    g = torch.Generator().manual_seed(5)
+    grads = [torch.randn(s, generator=g, dtype=torch.float64).to(dt) for s, dt in
+             (((7,), torch.float32), ((4097,), torch.bfloat16), ((3, 5), torch.float32), ((9,), torch.bfloat16))]
+    ref = math.sqrt(sum(float((t.double() ** 2).sum()) for t in grads))
+    assert abs(grad_norm(grads).item() - ref) <= 1e-5 * ref
+    assert sorted(map(str, calls)) == [str({torch.bfloat16}), str({torch.float32})]
+    params = [torch.nn.Parameter(t.clone()) for t in grads]
+    for p, t in zip(params, grads):
+        p.grad = t * 10
+    calls.clear()
+    opt = FusedAdamW(params, lr=1e-3, max_grad_norm=1.0)
+    opt.step()
+    assert len(calls) == 2 and abs(opt.last_grad_norm.item() - 10 * ref) <= 1e-4 * ref
+    assert all(float(opt.state[p]["step"]) == 1.0 for p in params)
+
+
+def test_zero_betas_and_found_inf_counts(backend):
+    """beta1 = 0 or beta2 = 0 are valid AdamW (1 - 0**t = 1); a found_inf of any nonzero value skips the step and
+    leaves the step counts alone (it is a flag, not a count)."""
+    for beta1, beta2 in ((0.0, 0.999), (0.9, 0.0)):
+        st = make_state("fp32", SIZES[:4])
+        before = snapshot(st)
+        run("fp32", st, beta1=beta1, beta2=beta2)
+        hyper = dict(HYPER, beta1=beta1, beta2=beta2)
+        for i in range(4):
+            inputs = (before["p"][i], before["g"][i], before["m"][i], before["v"][i], 5.0)
+            assert_within_2x_plain(st["p"][i], inputs, i, 0, **hyper)
+    for precision in ("fp32", "bf16_sr"):
+        st = make_state(precision, SIZES[:3])
+        before = snapshot(st)
+        run(precision, st, found_inf=torch.tensor(3.0, device=DEVICE))
+        for k in ("p", "s"):
+            for a, b in zip(st[k], before[k]):
+                assert torch.equal(a, b), f"{k} changed although found_inf=3"
+
+
 def test_bad_inputs_name_the_argument(monkeypatch):
     st = make_state("fp32", SIZES[:2])
     with pytest.raises(ValueError, match="precision='fp16' is not a mode"):

@@ -1,84 +1,117 @@
-"""The Triton kernels compile to sm_80 and sm_90 machine code, on a machine without a GPU.
+"""The Triton kernels compile to sm_80 and sm_90 machine code as their launchers specialise them, without a GPU.
 
 The interpreter (TRITON_INTERPRET=1) checks the kernels' numerics on CPU but accepts code that the real compiler
-rejects; compiling every specialisation the launchers use, down to a cubin through Triton's own ptxas, catches that
-here instead of on the first GPU machine.
+rejects, and it applies none of the launch-time specialisations. Here each launcher (adamw.step, adamw.sum_squares,
+bucket.pack/unpack) runs on CPU tensors with its kernel swapped for a recorder, and the recorded arguments are compiled
+through Triton's own binder (tests/triton_aot.py): ints equal to 1 become constants unless the kernel opts out
+(do_not_specialize), pointers and ints divisible by 16 get divisibility hints, exactly as on the GPU. So seed=1, one
+tensor (n=1), one program and misaligned buffers are all compiled the way the first GPU would compile them.
 """
-import itertools
+from __future__ import annotations
 
 import pytest
+import torch
 
-triton = pytest.importorskip("triton")
-tl = pytest.importorskip("triton.language")
+from triton_aot import Recorder, bind_like_launcher, compile_like_launcher, specialised
 
 from llmpar.kernels import adamw as adamw_kernels  # noqa: E402
 from llmpar.kernels import bucket as bucket_kernels  # noqa: E402
-from llmpar.ops.adamw import mode_code  # noqa: E402
+from llmpar.ops.adamw import MODES, mode_code  # noqa: E402
 
 if bucket_kernels.INTERPRETED:
     pytest.skip("TRITON_INTERPRET=1: kernels are interpreted in this process", allow_module_level=True)
 
-try:
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-except ImportError as err:  # pragma: no cover - depends on the triton version
-    pytest.skip(f"this triton has no ahead-of-time compile API: {err}", allow_module_level=True)
-
 ARCHS = (80, 90)
-_PTR = {tl.float32: "*fp32", tl.bfloat16: "*bf16", tl.float16: "*fp16"}
 
 
-def _compile(fn, sig: dict, consts: dict, arch: int):
-    signature = {name: ("constexpr" if name in consts else sig[name]) for name in fn.arg_names}
-    constexprs = {(fn.arg_names.index(k),): v for k, v in consts.items()}
-    try:
-        kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
-                                target=GPUTarget("cuda", arch, 32))
-    except RuntimeError as err:
-        if "ptxas" in str(err) and ("not found" in str(err) or "No such file" in str(err)):
-            pytest.skip(f"triton's ptxas is unavailable here: {err}")
-        raise
-    assert kernel.asm["cubin"], "no machine code produced"
-    assert f".target sm_{arch}" in kernel.asm["ptx"]
+def record(module, name: str, launch) -> list[tuple[tuple, dict]]:
+    rec = Recorder()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(module, name, rec)
+        launch()
+    return rec.calls
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("unpack, list_dtype, flat_dtype", [
-    (u, ld, fd) for u, ld, fd in itertools.product((False, True), (tl.float32, tl.bfloat16, tl.float16),
-                                                     (tl.float32, tl.bfloat16))])
-def test_bucket_kernel_compiles(arch, unpack, list_dtype, flat_dtype):
-    sig = {"flat_ptr": _PTR[flat_dtype], "table_ptr": "*i64", "n": "i64", "num_programs": "i64", "scale": "fp32"}
-    consts = {"UNPACK": unpack, "LIST_DTYPE": list_dtype, "UNIT_SCALE": False, "BLOCK": bucket_kernels.BLOCK}
-    _compile(bucket_kernels._bucket_kernel, sig, consts, arch)
+def _adamw_state(precision: str, sizes: list[int], *, misalign: int = 0):
+    spec = MODES[precision]
+    pd = spec.param_dtypes[0]
+    md = spec.moment_dtype or pd
+
+    def t(n, dt):
+        return torch.randn(n + misalign).to(dt)[misalign:]
+
+    p = [t(n, pd) for n in sizes]
+    g = [t(n, pd) for n in sizes]
+    m = [t(n, md) for n in sizes]
+    v = [t(n, md).abs() for n in sizes]
+    x = [t(n, spec.extra[1]) for n in sizes] if spec.extra else None
+    s = [torch.tensor(3.0) for _ in sizes]
+    return p, g, m, v, x, s
 
 
-# (mode, param, grad, state, extra) dtypes as the launcher passes them for each precision mode
+# (precision, tensor sizes, seed, scalars on device, misaligned): seed 1 and a single tensor are the values Triton
+# would turn into constants; 16 tensors (n divisible by 16) the ones that get a divisibility hint
 _ADAMW_CASES = [
-    ("fp32", tl.float32, tl.float32, tl.float32, tl.float32),
-    ("fp32_master", tl.bfloat16, tl.bfloat16, tl.float32, tl.float32),
-    ("fp32_master", tl.float16, tl.float16, tl.float32, tl.float32),
-    ("bf16_sr", tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16),
-    ("bf16_kahan", tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16),
+    ("fp32", [5, 4097, 123], 0, False, False),
+    ("fp32", [4096], 1, True, True),
+    ("fp32_master", [5, 4097], 1, True, False),
+    ("bf16_sr", [4097], 1, False, False),
+    ("bf16_sr", [7] * 16, 1, True, True),
+    ("bf16_sr", [5, 4097], 123456, True, False),
+    ("bf16_kahan", [5, 4097], 1, True, False),
 ]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("mode, p, g, s, x", _ADAMW_CASES)
-@pytest.mark.parametrize("on_device", [False, True])
-def test_adamw_kernel_compiles(arch, mode, p, g, s, x, on_device):
-    scalar_ptr = "*fp32" if on_device else "*i64"  # the launcher passes the table when a scalar is not on device
-    sig = {"table_ptr": "*i64", "n": "i32", "lr_ptr": scalar_ptr, "lr_value": "fp32", "gscale_ptr": scalar_ptr,
-           "found_inf_ptr": scalar_ptr, "beta1": "fp32", "one_minus_beta1": "fp32", "beta2": "fp32",
-           "one_minus_beta2": "fp32", "ln_beta1": "fp32", "ln_beta2": "fp32", "eps": "fp32", "weight_decay": "fp32",
-           "seed": "i32"}
-    consts = {"MODE": mode_code(mode), "P_DTYPE": p, "G_DTYPE": g, "S_DTYPE": s, "X_DTYPE": x,
-              "LR_ON_DEVICE": on_device, "HAS_GSCALE": on_device, "HAS_FOUND_INF": on_device,
-              "BLOCK": adamw_kernels.BLOCK}
-    _compile(adamw_kernels._adamw_kernel, sig, consts, arch)
+@pytest.mark.parametrize("precision, sizes, seed, on_device, misalign", _ADAMW_CASES)
+def test_adamw_kernel_compiles_as_launched(arch, precision, sizes, seed, on_device, misalign):
+    p, g, m, v, x, s = _adamw_state(precision, sizes, misalign=int(misalign))
+    scalar = torch.tensor(0.5) if on_device else None
+    lr = torch.tensor(1e-3) if on_device else 1e-3
+    calls = record(adamw_kernels, "_adamw_kernel", lambda: adamw_kernels.step(
+        p, g, m, v, x, s, list(range(len(sizes))), mode=mode_code(precision), lr=lr, beta1=0.9, beta2=0.999,
+        eps=1e-8, weight_decay=0.1, gscale=scalar, found_inf=scalar, seed=seed))
+    (args, kwargs), = calls
+    fn = adamw_kernels._adamw_kernel
+    signature, constexprs, _, _ = bind_like_launcher(fn, args, kwargs, arch)
+    consts = specialised(signature, constexprs, fn)
+    assert "seed" not in consts and "n" not in consts, f"runtime values specialised into constants: {consts}"
+    compile_like_launcher(fn, args, kwargs, arch=arch)
+
+
+@pytest.mark.parametrize("beta1, beta2", [(0.0, 0.999), (0.9, 0.0)])
+def test_adamw_launch_takes_zero_betas(beta1, beta2):
+    p, g, m, v, x, s = _adamw_state("fp32", [5])
+    (args, kwargs), = record(adamw_kernels, "_adamw_kernel", lambda: adamw_kernels.step(
+        p, g, m, v, x, s, [0], mode=0, lr=1e-3, beta1=beta1, beta2=beta2, eps=1e-8, weight_decay=0.0))
+    named = dict(zip(adamw_kernels._adamw_kernel.arg_names, args))
+    assert named["ln_beta1" if beta1 == 0 else "ln_beta2"] == float("-inf")
+    compile_like_launcher(adamw_kernels._adamw_kernel, args, kwargs, arch=90)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("g", [tl.float32, tl.bfloat16, tl.float16])
-def test_sum_squares_kernel_compiles(arch, g):
-    sig = {"table_ptr": "*i64", "n": "i32", "out_ptr": "*fp32"}
-    _compile(adamw_kernels._sum_squares_kernel, sig, {"G_DTYPE": g, "BLOCK": adamw_kernels.BLOCK}, arch)
+@pytest.mark.parametrize("dtype, sizes", [(torch.float32, [5]), (torch.bfloat16, [5, 4097, 3]),
+                                          (torch.float16, [16] * 16)])
+def test_sum_squares_kernel_compiles_as_launched(arch, dtype, sizes):
+    grads = [torch.randn(n).to(dtype) for n in sizes]
+    (args, kwargs), = record(adamw_kernels, "_sum_squares_kernel", lambda: adamw_kernels.sum_squares(grads))
+    signature, constexprs, _, _ = bind_like_launcher(adamw_kernels._sum_squares_kernel, args, kwargs, arch)
+    assert "n" not in specialised(signature, constexprs, adamw_kernels._sum_squares_kernel)
+    compile_like_launcher(adamw_kernels._sum_squares_kernel, args, kwargs, arch=arch)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("unpack", [False, True])
+@pytest.mark.parametrize("list_dtype, flat_dtype, sizes, offset, scale", [
+    (torch.float32, torch.float32, [5], 0, 1.0),                        # one tensor, one program: n = 1 constant
+    (torch.bfloat16, torch.float32, [5, 4097, 123], 3, 0.125),          # flat is a misaligned slice
+    (torch.float32, torch.bfloat16, [7] * 16, 0, 0.5),                   # 16 tensors: divisibility hint on n
+    (torch.float16, torch.float16, [2048, 1024], 8, 2.0),
+])
+def test_bucket_kernel_compiles_as_launched(arch, unpack, list_dtype, flat_dtype, sizes, offset, scale):
+    tensors = [torch.randn(n).to(list_dtype) for n in sizes]
+    flat = torch.empty(sum(sizes) + offset, dtype=flat_dtype)[offset:]
+    launch = (lambda: bucket_kernels.unpack(flat, tensors, scale)) if unpack else \
+        (lambda: bucket_kernels.pack(tensors, flat, scale))
+    (args, kwargs), = record(bucket_kernels, "_bucket_kernel", launch)
+    compile_like_launcher(bucket_kernels._bucket_kernel, args, kwargs, arch=arch)

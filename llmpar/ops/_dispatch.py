@@ -89,7 +89,8 @@ def _ext_ops(op: str, cuda_ops: tuple[str, ...] | None) -> tuple[str, ...]:
 
 
 def select_backend(device: torch.device | str, *, kernel_unfit: str | None = None, op: str = "op",
-                   cuda_ops: tuple[str, ...] | None = None, cuda_unfit: str | None = None) -> str:
+                   cuda_ops: tuple[str, ...] | None = None, cuda_unfit: str | None = None,
+                   triton_slow: str | None = None) -> str:
     """The backend that runs ``op`` on tensors on ``device``.
 
     kernel_unfit: None when the inputs suit the CUDA/Triton kernels, else why not (dtype, layout, ...): such calls go
@@ -97,6 +98,8 @@ def select_backend(device: torch.device | str, *, kernel_unfit: str | None = Non
     cuda_ops: the extension ops the CUDA backend calls for ``op`` (default: ``op`` itself); all must be registered.
     cuda_unfit: None when the CUDA ops can serve this call, else why not (an activation without a cuBLASLt epilogue,
     ...): such calls skip the CUDA backend, or raise a TypeError when it is forced.
+    triton_slow: None, or why the Triton kernel would be slower than torch for this call (float32 GEMMs without TF32
+    run on the FMA units, where cuBLAS is faster): automatic choice then skips Triton; a forced triton still runs.
     """
     device = torch.device(device)
     forced = forced_backend()
@@ -116,9 +119,23 @@ def select_backend(device: torch.device | str, *, kernel_unfit: str | None = Non
         return "torch"
     if cuda_unfit is None and _unavailable_reason("cuda", device, ext_ops) is None:
         return "cuda"
-    if _unavailable_reason("triton", device) is None:
+    if triton_slow is None and _unavailable_reason("triton", device) is None:
         return "triton"
     return "torch"
+
+
+def tf32_allowed() -> bool:
+    """Whether float32 matmuls may use TF32, as torch decides for its own: the new setting
+    (``torch.backends.cuda.matmul.fp32_precision``) when set, else the legacy ``allow_tf32`` (reading that one raises
+    once the two were mixed), else ``torch.get_float32_matmul_precision()``."""
+    matmul = torch.backends.cuda.matmul
+    precision = getattr(matmul, "fp32_precision", None)
+    if precision in ("tf32", "ieee"):
+        return precision == "tf32"
+    try:
+        return bool(matmul.allow_tf32)
+    except (RuntimeError, AttributeError):
+        return torch.get_float32_matmul_precision() != "highest"
 
 
 def backend_report() -> dict:

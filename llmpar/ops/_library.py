@@ -11,6 +11,7 @@ it may be loaded before or after this module is imported. Whether a build has th
     unpack_bucket(flat, outs, scale)     outs[i][...] = Out(float32(flat[o_i : o_i + n_i]) * scale)
     adamw_step(params, ..., mode_code, ...)  one AdamW step in place; mode_code: position in llmpar.ops.adamw.MODES
     sum_squares(tensors)                 float32 [max(1, sum_i ceil(n_i / ADAMW_CHUNK))]: per-block sums of squares
+                                         (one dtype for all tensors)
     bias_act_backward(grad, pre, act)    (grad * act'(pre) in pre's dtype [M, N], its float32 column sums [N])
     linear_lt(x, weight, bias, act, residual)  act(x W^T + b) (+ residual) in x's dtype [M, N]; act 0, 1 or 4
     linear_lt_aux(x, weight, bias)       (gelu_tanh(z), z) for z = x W^T + b; z: a [M, N] view of [M, ceil8(N)]
@@ -162,6 +163,9 @@ def _ref_adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor], exp_a
 
 
 def _ref_sum_squares(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) > 1:  # as the CUDA kernel (one dtype per launch): callers group by dtype
+        raise TypeError(f"sum_squares: tensors mix dtypes {sorted(map(str, dtypes))}; one dtype per call")
     parts = []
     for t in tensors:
         flat = t.reshape(-1).float()

@@ -187,8 +187,9 @@ def adamw_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], ex
             else:
                 _torch_step(precision, *sel, ex, [salts[i] for i in live], gscale=gscale, found_inf=found_inf,
                             seed=seed, **hyper)
-        if found_inf is not None:
-            torch._foreach_sub_(steps, [found_inf.to(steps[0].device, torch.float32).reshape(())] * len(steps))
+        if found_inf is not None:  # a skipped step does not count: undo the increment where found_inf != 0
+            skipped = (found_inf.to(steps[0].device).reshape(()) != 0).to(torch.float32)
+            torch._foreach_sub_(steps, [skipped] * len(steps))
 
 
 # ----------------------------------------------------------------------------------------------- torch path
@@ -225,9 +226,14 @@ def _foreach_adamw(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, be
     torch._foreach_mul_(exp_avg_sqs, beta2)
     torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1.0 - beta2)
     denom = torch._foreach_sqrt(exp_avg_sqs)
-    torch._foreach_div_(denom, [math.sqrt(-math.expm1(t * math.log(beta2))) for t in ts])
+    torch._foreach_div_(denom, [math.sqrt(-math.expm1(t * _log_beta(beta2))) for t in ts])
     torch._foreach_add_(denom, eps)
-    torch._foreach_addcdiv_(params, exp_avgs, denom, [-lr / -math.expm1(t * math.log(beta1)) for t in ts])
+    torch._foreach_addcdiv_(params, exp_avgs, denom, [-lr / -math.expm1(t * _log_beta(beta1)) for t in ts])
+
+
+def _log_beta(beta: float) -> float:
+    """ln(beta); -inf for beta == 0, so that 1 - beta**t = -expm1(t ln beta) = 1 for t >= 1 (betas lie in [0, 1))."""
+    return math.log(beta) if beta > 0.0 else float("-inf")
 
 
 def _chunks(lists: list[list[torch.Tensor | None]], limit: int) -> Iterator[tuple[list[int], list[list]]]:

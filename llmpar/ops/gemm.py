@@ -8,7 +8,8 @@ Backward with z = x @ W^T + b (the pre-activation, saved in x's dtype when act !
 Backends (see ``_dispatch``), forward: CUDA extension (``llmpar::linear_lt``, cuBLASLt with its bias/GELU/ReLU
 epilogues; ``llmpar::linear_lt_aux`` keeps z for gelu_tanh through the GELU_AUX epilogue; for relu, relu(z) itself
 serves as ``pre``: same sign) when registered and the call fits it (act none/gelu_tanh/relu, a residual only without
-an activation, out_dtype = x.dtype) -> Triton (``llmpar.kernels.gemm``: one GEMM kernel with the bias/activation/
+an activation, out_dtype = x.dtype) -> Triton (float32 only where torch allows TF32: else cuBLAS, via torch, beats
+its FMA loop) (``llmpar.kernels.gemm``: one GEMM kernel with the bias/activation/
 residual epilogue; fp32 accumulate, one rounding to ``out_dtype``) -> torch (the plain composition
 ``act(F.linear(x, W, b)) + residual``, which autograd differentiates). Backward: CUDA extension
 (``llmpar::bias_act_backward``: dY' and db in one pass, then cuBLAS for dX and dW) -> Triton (act' fused into both
@@ -25,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from llmpar.ops._dispatch import select_backend
+from llmpar.ops._dispatch import select_backend, tf32_allowed
 
 ACTIVATIONS = ("none", "gelu_tanh", "gelu_erf", "silu", "relu")
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -169,13 +170,14 @@ def select_forward_backend(x, weight, act="none", residual=None, out_dtype=None,
     unfit = _kernel_unfit(x, residual, out_dtype, m, weight.shape[1], weight.shape[0])
     ops = ("linear_lt", "bias_act_backward") + (("linear_lt_aux",) if act == "gelu_tanh" else ())
     return select_backend(x.device, kernel_unfit=unfit, op="linear_act", cuda_ops=ops,
-                          cuda_unfit=_lt_unfit(x, act, residual, out_dtype))
+                          cuda_unfit=_lt_unfit(x, act, residual, out_dtype), triton_slow=_triton_slow(x))
 
 
 def select_backward_backend(grad_out, x) -> str:  # x: [M, K], grad_out: [M, N]
     """The backend of ``linear_act``'s backward: CUDA (bias_act_backward + cuBLAS), Triton or torch."""
     unfit = _kernel_unfit(x, None, grad_out.dtype, *x.shape, grad_out.shape[-1])
-    return select_backend(x.device, kernel_unfit=unfit, op="linear_act_backward", cuda_ops=("bias_act_backward",))
+    return select_backend(x.device, kernel_unfit=unfit, op="linear_act_backward", cuda_ops=("bias_act_backward",),
+                          triton_slow=_triton_slow(x))
 
 
 def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -188,8 +190,12 @@ def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return a.float() @ b.float()
 
 
-def _tf32() -> bool:
-    return bool(torch.backends.cuda.matmul.allow_tf32)
+def _triton_slow(x: torch.Tensor) -> str | None:
+    """Why the Triton GEMM would lose to torch here (the dispatcher then prefers torch), or None."""
+    if x.dtype == torch.float32 and x.device.type == "cuda" and not tf32_allowed():
+        return ("float32 without TF32 (torch.backends.cuda.matmul.fp32_precision): Triton would multiply on the FMA "
+                "units, cuBLAS is faster")
+    return None
 
 
 def _forward(x2, weight, bias, r2, act, out_dtype, backend, *, out=None, pre_out=None):
@@ -203,7 +209,7 @@ def _forward(x2, weight, bias, r2, act, out_dtype, backend, *, out=None, pre_out
         out = torch.empty(m, n, dtype=out_dtype, device=x2.device) if out is None else out
         pre = (pre_out if pre_out is not None else torch.empty(m, n, dtype=x2.dtype, device=x2.device)) if keep_pre \
             else None
-        kernels.linear_fwd(x2, weight, bias, r2, out, pre, _ACT_CODE[act], allow_tf32=_tf32())
+        kernels.linear_fwd(x2, weight, bias, r2, out, pre, _ACT_CODE[act], allow_tf32=tf32_allowed())
         return out, pre
     if backend == "cuda" and act == "none" and bias is None and r2 is None and out is not None:
         return torch.matmul(x2, weight.t(), out=out), None  # a plain GEMM straight into the rows of out
@@ -254,21 +260,21 @@ def _backward(grad_out, x2, weight, pre, act, *, has_bias, main_grad, backend, n
         return dx, dw, db
     from llmpar.kernels import gemm as kernels
 
-    code = _ACT_CODE[act]
+    code, tf32 = _ACT_CODE[act], tf32_allowed()
     grad_out = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
     if need_x:
         dx = torch.empty_like(x2, memory_format=torch.contiguous_format)
-        kernels.linear_bwd_input(grad_out, weight, pre, code, dx, allow_tf32=_tf32())
+        kernels.linear_bwd_input(grad_out, weight, pre, code, dx, allow_tf32=tf32)
         if on_grad_input is not None:
             on_grad_input(dx)
     if main_grad is not None or need_w or want_b:
         db32 = torch.empty(weight.shape[0], dtype=torch.float32, device=x2.device) if want_b else None
         if main_grad is not None:
-            kernels.linear_bwd_weight(grad_out, x2, pre, code, main_grad, db32, accumulate=True, allow_tf32=_tf32())
+            kernels.linear_bwd_weight(grad_out, x2, pre, code, main_grad, db32, accumulate=True, allow_tf32=tf32)
         else:
             # with no weight grad wanted, db still comes from the wgrad kernel's row sums (cost: one GEMM)
             dw = torch.empty_like(weight, memory_format=torch.contiguous_format)
-            kernels.linear_bwd_weight(grad_out, x2, pre, code, dw, db32, allow_tf32=_tf32())
+            kernels.linear_bwd_weight(grad_out, x2, pre, code, dw, db32, allow_tf32=tf32)
             dw = dw if need_w else None
         db = db32.to(weight.dtype) if db32 is not None else None
     return dx, dw, db

@@ -5,8 +5,9 @@ its step (so clipping costs no second pass over the grads and no ``.item()``).
     gscale    = min(1, max_norm / (norm + 1e-6))                  (torch.nn.utils.clip_grad_norm_'s coefficient)
     found_inf = 1.0 if norm is not finite else 0.0
 
-Backends (``_dispatch``): CUDA extension (``llmpar::sum_squares``, one launch, per-block partials) ->
-Triton (``llmpar.kernels.adamw.sum_squares``, one launch per grad dtype) -> torch (``torch._foreach_norm`` in float32).
+Backends (``_dispatch``): CUDA extension (``llmpar::sum_squares``, per-block partials) -> Triton
+(``llmpar.kernels.adamw.sum_squares``) -> torch (``torch._foreach_norm`` in float32). Both kernels take one dtype per
+launch: one launch per grad dtype.
 """
 from __future__ import annotations
 
@@ -47,15 +48,17 @@ def grad_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
         if backend == "torch":
             norms = torch._foreach_norm(live, 2, dtype=torch.float32)
             return torch.linalg.vector_norm(torch.stack(norms))
-        if backend == "cuda":
-            return torch.ops.llmpar.sum_squares(live).sum().sqrt()
-        from llmpar.kernels import adamw as triton_adamw
-
+        # both kernels take one dtype per launch (a model with fp32 norms and bf16 matrices has two): one per dtype
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for g in live:
             by_dtype.setdefault(g.dtype, []).append(g)
-        partials = [triton_adamw.sum_squares(gs) for gs in by_dtype.values()]
-        return torch.cat(partials).sum().sqrt()
+        if backend == "cuda":
+            partials = [torch.ops.llmpar.sum_squares(gs) for gs in by_dtype.values()]
+        else:
+            from llmpar.kernels import adamw as triton_adamw
+
+            partials = [triton_adamw.sum_squares(gs) for gs in by_dtype.values()]
+        return (torch.cat(partials) if len(partials) > 1 else partials[0]).sum().sqrt()
 
 
 def clip_coefficient(norm: torch.Tensor, max_norm: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,135 @@
+"""bench/gpu_check.sh without a GPU: the plan fits the lease, the outputs land in $OUT after every step and after a
+kill, the deadline skips and lists steps, and summary.md carries steps, tests, figures, versions, device and date."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import stat
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "bench" / "gpu_check.sh"
+sys.path.insert(0, str(ROOT / "bench"))
+
+import gpu_check_summary  # noqa: E402
+
+STEPS = ("env", "install", "build_ext", "load_ext", "tests_gpu_bf16", "tests_gpu_other", "tests_optim_cuda",
+         "train_bf16", "bench_optim", "bench_gemm", "bench_bucket")
+
+
+def _run(args, out: Path, **env):
+    full = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, **env}
+    return subprocess.run(["bash", str(SCRIPT), *args], env=full, capture_output=True, text=True, timeout=120,
+                          cwd=ROOT)
+
+
+def _tar_names(out: Path) -> set[str]:
+    with tarfile.open(out / "gpu_check.tar.gz") as tar:
+        return set(tar.getnames())
+
+
+def test_plan_lists_every_step_within_eight_minutes(tmp_path):
+    proc = _run(["--plan"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    budgets = dict(re.findall(r"^  (\w+)\s+(\d+)s  ", proc.stdout, flags=re.M))
+    assert tuple(budgets) == STEPS
+    deadline = int(re.search(r"global deadline (\d+)s", proc.stdout).group(1))
+    assert deadline <= 480 and sum(map(int, budgets.values())) <= deadline
+    assert f"output: {tmp_path}/summary.md" in proc.stdout
+    assert "tests 1, benchmarks 2" in proc.stdout and "MAX_JOBS=16" in proc.stdout
+    assert list(tmp_path.iterdir()) == [], "--plan must run nothing"
+    text = SCRIPT.read_text()
+    assert "bench_zero" not in text and "gloo" not in text, "no CPU / gloo benchmarks in the GPU check"
+    assert re.search(r'PY="\$\{PYTHON:-python3\}"', text)
+
+
+def test_only_env_writes_summary_and_tarball_to_out(tmp_path):
+    proc = _run(["--only", "env"], tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_check.tar.gz", "summary.md"]
+    summary = (tmp_path / "summary.md").read_text()
+    assert "| env | ok |" in summary and "| bench_gemm | not selected |" in summary
+    for field in ("- date: ", "- device: ", "- versions: python ", "torch ", "triton "):
+        assert field in summary
+    assert {"logs/env.log", "steps.tsv", "summary.md", "env.json"} <= _tar_names(tmp_path)
+
+
+def test_deadline_skips_and_lists_the_remaining_steps(tmp_path):
+    proc = _run([], tmp_path, GPU_CHECK_DEADLINE="0")
+    assert proc.returncode == 1
+    summary = (tmp_path / "summary.md").read_text()
+    assert f"Skipped at the deadline: {', '.join(STEPS)}." in summary
+    assert summary.count("SKIPPED (deadline)") == len(STEPS)
+
+
+def test_unknown_step_and_argument_are_errors(tmp_path):
+    assert _run(["--only", "env,nope"], tmp_path).returncode == 2
+    assert _run(["--fast"], tmp_path).returncode == 2
+
+
+def test_a_killed_run_still_leaves_its_outputs(tmp_path):
+    """A step that hangs, then SIGTERM to the script: the step is marked KILLED and both files are written."""
+    fake = tmp_path / "bin" / "python"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\necho hanging\nexec sleep 60\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "OUT": str(out), "PYTHON": str(fake)}
+    proc = subprocess.Popen(["bash", str(SCRIPT), "--only", "install"], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    summary, deadline = out / "summary.md", time.time() + 30
+    while time.time() < deadline and not (summary.exists() and "| install | running |" in summary.read_text()):
+        time.sleep(0.2)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=30)
+    assert proc.returncode == 130
+    text = summary.read_text()
+    assert "| install | KILLED |" in text, text
+    assert "logs/install.log" in _tar_names(out)
+
+
+def test_summary_renders_tests_and_figures(tmp_path):
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "results").mkdir()
+    (tmp_path / "steps.tsv").write_text("tests_gpu_bf16\tok\t31\t50\tpytest bf16\n"
+                                        "train_bf16\tok\t20\t35\ttrain\nbench_gemm\tSKIPPED (deadline)\t\t70\tgemm\n")
+    (tmp_path / "logs" / "tests_gpu_bf16.log").write_text("....\n===== 41 passed, 3 skipped in 29.80s =====\n")
+    (tmp_path / "results" / "train.json").write_text(json.dumps(
+        {"losses": [5.5, 4.0, 3.1], "tokens_per_s": 123456.0, "n_params": 478720, "dtype": "bfloat16",
+         "engine": "Engine", "zero_stage": 2, "mem_mb": [812.0], "mem_kind": "CUDA peak", "wall_s": 9.5}))
+    (tmp_path / "results" / "optim_cuda.md").write_text("# optim_cuda\n\n| name | speedup |\n|---|---|\n| a | 2 |\n")
+    gpu_check_summary.record_env(tmp_path, "deadline 460s")
+    text = gpu_check_summary.render(tmp_path)
+    assert "- tests_gpu_bf16: 41 passed, 3 skipped in 29.80s" in text
+    assert "123,456 tokens/s; loss 5.500 -> 3.100 over 3 steps" in text
+    assert "### optim_cuda" in text and "| a | 2 |" in text
+    assert "Skipped at the deadline: bench_gemm." in text
+    assert "- settings: deadline 460s" in text
+
+
+def test_dtype_groups_partition_the_gpu_tests():
+    """`--dtype-group bf16` and `other` (tests/dtype_select.py) split the GPU selection exactly, bf16 cases first."""
+    files = [str(p) for p in sorted((ROOT / "tests").glob("test_*.py")) if "pytest.mark.gpu" in p.read_text()]
+    assert files
+
+    def collect(*extra):
+        env = {**os.environ, "PYTHONPATH": str(ROOT / "tests")}
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider",
+                               "-p", "dtype_select", "-m", "gpu", *extra, *files], env=env, capture_output=True,
+                              text=True, timeout=300, cwd=ROOT / "tests")
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+        return {ln for ln in proc.stdout.splitlines() if "::" in ln}
+
+    everything, bf16, other = collect(), collect("--dtype-group", "bf16"), collect("--dtype-group", "other")
+    assert bf16 and other and not bf16 & other and bf16 | other == everything
+    assert all("float32" not in t for t in bf16)
