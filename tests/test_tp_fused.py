@@ -140,6 +140,46 @@ def test_fused_mlp_matches_plain_and_float64(world_size, act, sp, chunks, overla
     run_ranks(_fused_mlp_body, world_size, act, sp, chunks, overlap, dtype, timeout=300)
 
 
+def _fused_head_body(bias: bool):
+    """A ParallelLMHead on the fused path: the -inf of the padding columns comes through the GEMM's bias epilogue,
+    and the loss over its split logits (no vocab_size) matches float64 F.cross_entropy over the real vocabulary."""
+    from llmpar.tensor_parallel import ParallelLMHead, vocab_parallel_cross_entropy
+
+    g = dist.group.WORLD
+    tp, rank = dist.get_world_size(), dist.get_rank()
+    V = 67  # padded to 68 at tp 2
+    torch.manual_seed(1)
+    ref = nn.Linear(D_IN, V, bias=bias, dtype=torch.float64)
+    x = torch.randn(5, D_IN, dtype=torch.float64)
+    target = torch.randint(0, V, (5,))
+    target[0] = V - 1
+    want = torch.nn.functional.cross_entropy(ref(x), target, label_smoothing=0.1)
+    results = []
+    for backend in (None, "triton"):
+        with _backend(backend), _count_kernel_calls() as counts:
+            head = ParallelLMHead.from_linear(copy.deepcopy(ref).float(), group=g)
+            logits = head(x.float())
+            loss = vocab_parallel_cross_entropy(logits, target, g, label_smoothing=0.1)
+            loss.backward()
+        assert (counts.get("linear_fwd", 0) > 0) == (backend == "triton"), counts
+        real = min(max(V - rank * logits.shape[-1], 0), logits.shape[-1])
+        assert torch.isneginf(logits[:, real:]).all() and torch.isfinite(logits[:, :real]).all()
+        assert not head.weight.grad[real:].any(), "padding rows got a gradient"
+        results.append((loss.detach(), head.weight.grad))
+    (plain_loss, plain_grad), (fused_loss, fused_grad) = results
+    floor = torch.finfo(torch.float32).eps * want.abs().item()
+    assert (fused_loss.double() - want).abs() <= 2 * (plain_loss.double() - want).abs() + 4 * floor, \
+        (fused_loss, plain_loss, want)
+    torch.testing.assert_close(fused_grad, plain_grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="runs in the TRITON_INTERPRET=1 subprocess")
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_lm_head_pads_with_minus_inf_and_the_loss_matches(bias):
+    pytest.importorskip("triton")
+    run_ranks(_fused_head_body, 2, bias, timeout=300)
+
+
 def _errors_body():
     from llmpar.tensor_parallel import ColumnParallelLinear
 

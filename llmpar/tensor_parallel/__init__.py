@@ -1,5 +1,6 @@
 """Tensor parallelism: column/row-parallel linears, vocab-parallel embedding and cross-entropy, autograd
 collectives, and ``parallelize`` to swap them into existing models. Groups are always passed explicitly."""
+from llmpar.tensor_parallel._agree import TokenIdError
 from llmpar.tensor_parallel.comm import (
     copy_to_tensor_region,
     gather_from_sequence_region,
@@ -23,6 +24,7 @@ __all__ = [
     "LLAMA_PLAN",
     "ParallelLMHead",
     "RowParallelLinear",
+    "TokenIdError",
     "VocabParallelEmbedding",
     "copy_to_tensor_region",
     "gather_from_sequence_region",

@@ -11,7 +11,11 @@ rank's dim-0 shard
 dim-0 shard ``[s/tp, ..., out]`` under ``sequence_parallel``.
 
 ``ParallelLMHead``: a column-parallel vocabulary projection whose vocabulary is padded up to a multiple of tp; the
-padded columns are dropped on ``gather_output`` and masked by :func:`vocab_parallel_cross_entropy`.
+padded columns are dropped on ``gather_output``, and hold -inf in a split output (so that a softmax, and
+:func:`vocab_parallel_cross_entropy`, see only the real vocabulary and a target id there is caught).
+
+Every rank of the group must get an input of the same shape: a shape not seen before is compared across the group once
+(one small all-gather, ``_agree.ShapeGuard``), then remembered by the layer.
 
 On CUDA tensors (or with ``LLMPAR_BACKEND=triton|cuda``) the local products run through ``llmpar.ops.gemm``
 (cuBLASLt / Triton, bias and activation in the GEMM's epilogue, fused backward); on CPU by default plain torch.
@@ -29,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmpar.ops.gemm import ACTIVATIONS, _act_torch, linear_act
+from llmpar.tensor_parallel._agree import ShapeGuard
 from llmpar.tensor_parallel._overlap import _ColumnParallelMatmul, _RowParallelMatmul, fused_path
 from llmpar.distributed.collectives import GroupRef
 from llmpar.tensor_parallel._utils import Group, check_positive, divide, pad_to_multiple, resolve_tp_group, tp_size_rank
@@ -122,6 +127,7 @@ class ColumnParallelLinear(nn.Module):
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation={activation!r} is not supported; use one of {', '.join(ACTIVATIONS)}")
         self.activation = activation
+        self._shapes = ShapeGuard(type(self).__name__)
         shape = (self.out_features_per_rank, in_features)
         self.weight = _tag(nn.Parameter(torch.empty(shape, device=device, dtype=dtype)), 0)
         self.bias = _tag(nn.Parameter(torch.empty(shape[0], device=device, dtype=dtype)), 0) if bias else None
@@ -132,6 +138,9 @@ class ColumnParallelLinear(nn.Module):
     def _padded_out(self, out_features: int) -> int:
         divide(out_features, self.tp, "out_features")
         return out_features
+
+    def _output_bias(self) -> torch.Tensor | None:
+        return self.bias
 
     @torch.no_grad()
     def load_full_(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
@@ -154,6 +163,8 @@ class ColumnParallelLinear(nn.Module):
         return _from_linear(cls, linear, group, kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp > 1:  # first: with the shapes equal on every rank, the checks below decide alike everywhere
+            self._shapes.check(x.shape, self.group)
         if x.dim() < 1 or x.shape[-1] != self.in_features:
             raise ValueError(
                 f"input of shape {tuple(x.shape)} does not end in in_features={self.in_features} "
@@ -165,7 +176,7 @@ class ColumnParallelLinear(nn.Module):
         if self.tp == 1:
             y = linear_act(x, self.weight, self.bias, act=act) if fused else F.linear(x, self.weight, self.bias)
         else:
-            y = _ColumnParallelMatmul.apply(x, self.weight, self.bias, self.group, self.sequence_parallel,
+            y = _ColumnParallelMatmul.apply(x, self.weight, self._output_bias(), self.group, self.sequence_parallel,
                                             self.comm_chunks, self.overlap_grad_comm, self.reduce_input_grad,
                                             act if fused else "none", fused)
         if not fused and act != "none":
@@ -186,12 +197,22 @@ class ColumnParallelLinear(nn.Module):
 class ParallelLMHead(ColumnParallelLinear):
     """Column-parallel projection onto a vocabulary of ``out_features`` that need not divide by tp.
 
-    ``W: [V_pad/tp, in]`` with ``V_pad = ceil(V / tp) * tp``; padded rows are zero. Output ``[..., V_pad/tp]``
-    (pass ``vocab_size=head.out_features`` to :func:`vocab_parallel_cross_entropy`), or ``[..., V]`` when gathered.
+    ``W: [V_pad/tp, in]`` with ``V_pad = ceil(V / tp) * tp``; padded rows are zero. Output ``[..., V]`` when
+    gathered, else ``[..., V_pad/tp]`` with -inf in the padding columns (``>= V``): they come from a bias of -inf there,
+    added with the product (the GEMM's bias epilogue, or addmm), and pass no gradient back. Feed it to :func:`vocab_parallel_cross_entropy`, which
+    then knows the real vocabulary; a softmax / argmax of it never picks a padding column.
     """
 
     def _padded_out(self, out_features: int) -> int:
         return pad_to_multiple(out_features, self.tp)
+
+    def _output_bias(self) -> torch.Tensor | None:
+        """The bias with -inf on this rank's padding columns (none unless the output stays split)."""
+        valid = min(max(self.out_features - self.vocab_start, 0), self.out_features_per_rank)
+        if self.gather_output or valid == self.out_features_per_rank:
+            return self.bias
+        real = self.bias[:valid] if self.bias is not None else self.weight.new_zeros(valid)
+        return F.pad(real, (0, self.out_features_per_rank - valid), value=float("-inf"))
 
     @property
     def vocab_size(self) -> int:
@@ -237,6 +258,7 @@ class RowParallelLinear(nn.Module):
         self.input_is_parallel = bool(input_is_parallel)
         self.sequence_parallel = bool(sequence_parallel)
         self.comm_chunks = _check_chunks(comm_chunks)
+        self._shapes = ShapeGuard(type(self).__name__)
         self.weight = _tag(nn.Parameter(torch.empty(out_features, self.in_features_per_rank, device=device,
                                                     dtype=dtype)), 1)
         self.bias = _tag(nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)), None) if bias else None
@@ -264,6 +286,8 @@ class RowParallelLinear(nn.Module):
         return _from_linear(cls, linear, group, kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp > 1:  # first: with the shapes equal on every rank, the checks below decide alike everywhere
+            self._shapes.check(x.shape, self.group)
         want = self.in_features_per_rank if self.input_is_parallel else self.in_features
         if x.dim() < 1 or x.shape[-1] != want:
             what = "in_features/tp" if self.input_is_parallel else "in_features"
