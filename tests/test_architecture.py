@@ -15,7 +15,7 @@ MAX_LINES = 400
 
 # floor of each top-level part of llmpar (kernels/ and csrc/ are installed as llmpar.kernels and llmpar._C)
 FLOORS = {
-    "utils": 0, "kernels": 0, "_C": 0,
+    "validation": 0, "kernels": 0, "_C": 0,
     "distributed": 1, "ops": 1, "data": 1, "models": 1, "planning": 1,
     "tensor_parallel": 2, "optim": 2,
     "zero": 3, "pipeline": 3, "checkpoint": 3,

@@ -15,7 +15,7 @@ from typing import Any
 
 from llmpar.pipeline.schedules import normalize_schedule
 from llmpar.runtime.schedules import SchedulerConfig
-from llmpar.utils.validate import as_int, check_keys, nearest
+from llmpar.validation import as_int, check_keys, nearest
 from llmpar.zero.config import OPTIMIZER_TYPES, OffloadConfig, OptimizerConfig, ZeroConfig
 
 # zero_optimization keys DeepSpeed knows that llmpar does not support -> why

@@ -27,7 +27,7 @@ from typing import Any
 from llmpar.runtime.blocks import (PipelineConfig, TensorParallelConfig, optimizer_block, pipeline_block,
                                    scheduler_block, tensor_parallel_block, zero_block)
 from llmpar.runtime.schedules import SchedulerConfig
-from llmpar.utils.validate import as_bool, as_float, as_int, check_keys
+from llmpar.validation import as_bool, as_float, as_int, check_keys
 from llmpar.zero.config import OptimizerConfig, ZeroConfig
 
 logger = logging.getLogger("llmpar")

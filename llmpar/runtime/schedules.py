@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from llmpar.utils.validate import as_float, as_int, nearest
+from llmpar.validation import as_float, as_int, nearest
 
 SCHEDULES = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
 _UNSUPPORTED = ("LRRangeTest", "OneCycle", "WarmupCosineDecayLR")

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from llmpar.ops.adamw import check_precision
-from llmpar.utils.validate import as_bool, as_float, as_int
+from llmpar.validation import as_bool, as_float, as_int
 
 
 @dataclass(kw_only=True)

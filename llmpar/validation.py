@@ -1,7 +1,6 @@
 """Value checks shared by every typed config: each raises a ``TypeError`` / ``ValueError`` naming the setting, the
-value given and what would be accepted. They import nothing from llmpar, so any layer may use them; the DeepSpeed
-JSON spelling itself is known only to ``llmpar.runtime``.
-"""
+value given and what would be accepted. A floor-0 module (it imports nothing from llmpar), so any layer may use it;
+the DeepSpeed JSON spelling itself is known only to ``llmpar.runtime``."""
 from __future__ import annotations
 
 import difflib

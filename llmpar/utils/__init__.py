@@ -1,1 +1,0 @@
-"""Small helpers every layer may use (they import nothing from llmpar)."""
