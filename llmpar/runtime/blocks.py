@@ -15,32 +15,11 @@ from typing import Any
 
 from llmpar.pipeline.schedules import normalize_schedule
 from llmpar.runtime.schedules import SchedulerConfig
-from llmpar.validation import as_int, check_keys, nearest
+from llmpar.validation import as_bool, as_float, as_int, check_keys, nearest
 from llmpar.zero.config import OPTIMIZER_TYPES, OffloadConfig, OptimizerConfig, ZeroConfig
 
-# zero_optimization keys DeepSpeed knows that llmpar does not support -> why
-_ZERO_UNSUPPORTED = {
-    "cpu_offload": "the legacy spelling is not supported: use \"offload_optimizer\": {\"device\": \"cpu\"}",
-    "cpu_offload_params": "the legacy spelling is not supported: use \"offload_param\": {\"device\": \"cpu\"}",
-    "cpu_offload_use_pin_memory": "the legacy spelling is not supported: use \"offload_optimizer\": {\"pin_memory\": true}",
-    "stage3_module_granularity_threshold": "not supported (sharding units are modules: see stage3_unit_policy)",
-    "zero_hpz_partition_size": "hierarchical partitioning (ZeRO++) is not supported",
-    "zero_quantized_weights": "quantized communication (ZeRO++) is not supported",
-    "zero_quantized_gradients": "quantized communication (ZeRO++) is not supported",
-    "mics_shard_size": "MiCS is not supported", "mics_hierarchical_params_gather": "MiCS is not supported",
-    "elastic_checkpoint": "not needed: llmpar checkpoints load at any dp / tp / pp degree",
-    "load_from_fp32_weights": "not supported: llmpar checkpoints restore the fp32 master when saved with one (else it is derived from the params)",
-    "round_robin_gradients": "not supported", "ignore_unused_parameters": "not supported (unused params get zero grads)",
-    "legacy_stage1": "not supported", "use_multi_rank_bucket_allreduce": "not supported",
-    "allgather_partitions": "not supported (llmpar always all-gathers the updated partitions)",
-}
-_OFFLOAD_UNSUPPORTED = {"buffer_count": "NVMe offload is not supported", "buffer_size": "NVMe offload is not supported",
-                        "max_in_cpu": "NVMe offload is not supported", "nvme_path": "NVMe offload is not supported",
-                        "pipeline_read": "NVMe offload is not supported", "pipeline_write": "NVMe offload is not supported",
-                        "fast_init": "not supported", "ratio": "partial offload is not supported"}
 _UNSUPPORTED_OPTIMIZERS = ("OneBitAdam", "ZeroOneAdam", "OneBitLamb", "Lamb", "Lion", "Adagrad", "Muon", "SGD")
-_OPTIMIZER_PARAMS = ["lr", "betas", "eps", "weight_decay", "precision", "adam_w_mode", "torch_adam", "fused",
-                     "bias_correction"]
+_OPTIMIZER_PARAMS = ["lr", "betas", "eps", "weight_decay", "precision"]
 _SCHEDULER_PARAMS = {  # the params block each schedule takes
     "WarmupLR": ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type"),
     "WarmupDecayLR": ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "total_num_steps"),
@@ -51,7 +30,7 @@ _SCHEDULER_PARAMS = {  # the params block each schedule takes
 def zero_block(block: Any) -> ZeroConfig:
     """``"zero_optimization"`` -> :class:`ZeroConfig`."""
     check_keys("zero_optimization", block, [f.name for f in fields(ZeroConfig)]
-               + ["stage3_gather_fp16_weights_on_model_save"], _ZERO_UNSUPPORTED)
+               + ["stage3_gather_fp16_weights_on_model_save"])
     d = dict(block)
     if "stage3_gather_fp16_weights_on_model_save" in d:  # DeepSpeed's older alias
         if "stage3_gather_16bit_weights_on_model_save" in d:
@@ -60,7 +39,7 @@ def zero_block(block: Any) -> ZeroConfig:
         d["stage3_gather_16bit_weights_on_model_save"] = d.pop("stage3_gather_fp16_weights_on_model_save")
     for key in ("offload_optimizer", "offload_param"):
         if d.get(key) is not None:
-            check_keys(f"zero_optimization.{key}", d[key], ["device", "pin_memory"], _OFFLOAD_UNSUPPORTED)
+            check_keys(f"zero_optimization.{key}", d[key], ["device", "pin_memory"])
             d[key] = OffloadConfig(**d[key])
     return ZeroConfig(**d)
 
@@ -78,15 +57,7 @@ def optimizer_block(block: Any) -> OptimizerConfig:
         raise ValueError(f'"optimizer.type"={typ!r} is not known{nearest(str(typ), list(OPTIMIZER_TYPES.values()))}; '
                          "use AdamW or Adam")
     params = block.get("params", {})
-    check_keys("optimizer.params", params, _OPTIMIZER_PARAMS, {"amsgrad": "AMSGrad is not supported"})
-    params = dict(params)
-    if params.pop("adam_w_mode", True) is not True:
-        raise ValueError('"optimizer.params.adam_w_mode"=false (Adam with L2 regularisation) is not supported; '
-                         "llmpar runs AdamW (decoupled weight decay)")
-    if params.pop("bias_correction", True) is not True:
-        raise ValueError('"optimizer.params.bias_correction"=false is not supported')
-    params.pop("torch_adam", None)  # DeepSpeed implementation switches: llmpar always runs its fused step
-    params.pop("fused", None)
+    check_keys("optimizer.params", params, _OPTIMIZER_PARAMS)  # DeepSpeed's switches were taken out by ds_keys
     return OptimizerConfig(type=typ, **params)
 
 
@@ -104,11 +75,7 @@ def scheduler_block(block: Any) -> SchedulerConfig:
 
 
 _PIPELINE_KEYS = ["stages", "schedule", "micro_batches", "virtual_stages", "partition"]
-_PIPELINE_UNSUPPORTED = {
-    "activation_checkpoint_interval": "use torch.utils.checkpoint in the model",
-    "pipe_partitioned": "not supported", "grad_partitioned": "not supported (use ZeRO stage 1/2 over dp)",
-    "seed_layers": "not supported", "use_reentrant": "not supported",
-}
+_PIPELINE_UNSUPPORTED = {"use_reentrant": 'not supported (the "activation_checkpointing" block checkpoints blocks)'}
 
 
 @dataclass(kw_only=True)
@@ -162,9 +129,75 @@ class TensorParallelConfig:
 
 
 def tensor_parallel_block(block: Any) -> TensorParallelConfig:
-    check_keys("tensor_parallel", block, ["size"], {"tp_size": 'call it "size"', "autotp_size": 'call it "size"'})
-    return TensorParallelConfig(size=as_int("tensor_parallel.size", block.get("size", 1), minimum=1))
+    check_keys("tensor_parallel", block, ["size", "autotp_size"], {"tp_size": 'call it "size"'})
+    if "size" in block and "autotp_size" in block:
+        raise ValueError('give "tensor_parallel.size" or DeepSpeed\'s "autotp_size", not both')
+    size = block.get("size", block.get("autotp_size", 1))  # DeepSpeed's AutoTP size: llmpar.parallelize splits
+    return TensorParallelConfig(size=as_int("tensor_parallel.size", size, minimum=1))
 
 
-__all__ = ["PipelineConfig", "TensorParallelConfig", "optimizer_block", "pipeline_block", "scheduler_block",
+@dataclass(kw_only=True)
+class Fp16Config:
+    """``"fp16"``: float16 params with fp32 masters and loss scaling (``loss_scale`` 0: dynamic, starting at
+    2**initial_scale_power, halved on an overflow after ``hysteresis`` overflows, doubled after ``loss_scale_window``
+    clean steps, never below ``min_loss_scale``), DeepSpeed's semantics and defaults."""
+
+    enabled: bool = False
+    loss_scale: float = 0.0
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    consecutive_hysteresis: bool = False
+    min_loss_scale: float = 1.0
+    auto_cast: bool = False
+
+    def __post_init__(self) -> None:
+        self.enabled = as_bool("fp16.enabled", self.enabled)
+        self.loss_scale = as_float("fp16.loss_scale", self.loss_scale, minimum=0.0)
+        self.initial_scale_power = as_int("fp16.initial_scale_power", self.initial_scale_power, minimum=0)
+        self.loss_scale_window = as_int("fp16.loss_scale_window", self.loss_scale_window, minimum=1)
+        self.hysteresis = as_int("fp16.hysteresis", self.hysteresis, minimum=1)
+        self.consecutive_hysteresis = as_bool("fp16.consecutive_hysteresis", self.consecutive_hysteresis)
+        self.min_loss_scale = as_float("fp16.min_loss_scale", self.min_loss_scale, minimum=0.0)
+        self.auto_cast = as_bool("fp16.auto_cast", self.auto_cast)
+        if self.auto_cast:
+            raise ValueError('"fp16.auto_cast"=true: not supported: the model runs in float16 (autocast inside the '
+                             "engine is not)")
+
+
+def fp16_block(block: Any) -> Fp16Config:
+    check_keys("fp16", block, [f.name for f in fields(Fp16Config)])
+    return Fp16Config(**block)
+
+
+@dataclass(kw_only=True)
+class ActivationCheckpointingConfig:
+    """``"activation_checkpointing"``: present (``enabled``) means the blocks the model exposes are recomputed in
+    backward; ``cpu_checkpointing`` keeps the saved inputs on the host; the other keys as DeepSpeed's."""
+
+    enabled: bool = False
+    partition_activations: bool = False
+    cpu_checkpointing: bool = False
+    contiguous_memory_optimization: bool = False
+    number_checkpoints: int | None = None
+    synchronize_checkpoint_boundary: bool = False
+    profile: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("enabled", "partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
+                     "synchronize_checkpoint_boundary", "profile"):
+            setattr(self, name, as_bool(f"activation_checkpointing.{name}", getattr(self, name)))
+        if self.number_checkpoints is not None:
+            self.number_checkpoints = as_int("activation_checkpointing.number_checkpoints", self.number_checkpoints,
+                                             minimum=1)
+
+
+def activation_checkpointing_block(block: Any) -> ActivationCheckpointingConfig:
+    keys = [f.name for f in fields(ActivationCheckpointingConfig) if f.name != "enabled"]
+    check_keys("activation_checkpointing", block, keys)
+    return ActivationCheckpointingConfig(enabled=True, **block)
+
+
+__all__ = ["ActivationCheckpointingConfig", "Fp16Config", "PipelineConfig", "TensorParallelConfig",
+           "activation_checkpointing_block", "fp16_block", "optimizer_block", "pipeline_block", "scheduler_block",
            "tensor_parallel_block", "zero_block"]

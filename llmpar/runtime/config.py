@@ -24,36 +24,19 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from llmpar.runtime.blocks import (PipelineConfig, TensorParallelConfig, optimizer_block, pipeline_block,
+from llmpar.runtime.blocks import (ActivationCheckpointingConfig, Fp16Config, PipelineConfig, TensorParallelConfig,
+                                   activation_checkpointing_block, fp16_block, optimizer_block, pipeline_block,
                                    scheduler_block, tensor_parallel_block, zero_block)
+from llmpar.runtime.ds_keys import strip_inert
 from llmpar.runtime.schedules import SchedulerConfig
 from llmpar.validation import as_bool, as_float, as_int, check_keys
 from llmpar.zero.config import OptimizerConfig, ZeroConfig
 
 logger = logging.getLogger("llmpar")
 
-_UNSUPPORTED = {
-    "fp16": "fp16 with loss scaling is not supported; use bf16", "amp": "apex AMP is not supported; use bf16",
-    "activation_checkpointing": "use torch.utils.checkpoint in the model",
-    "sparse_attention": "not supported",
-    "flops_profiler": "not supported", "tensorboard": "not supported", "wandb": "not supported",
-    "csv_monitor": "not supported", "comet": "not supported", "comms_logger": "use llmpar CommCounter",
-    "autotuning": "not supported", "elasticity": "not supported", "compression_training": "not supported",
-    "data_efficiency": "not supported", "curriculum_learning": "not supported",
-    "aio": "NVMe offload is not supported (CPU offload is)",
-    "checkpoint": "DeepSpeed's checkpoint options are not supported (engine.save_checkpoint / load_checkpoint "
-                  "are llmpar's: sharded, atomic, resharding on load)",
-    "data_types": "not supported (bf16 reduces in bf16)",
-    "communication_data_type": "not supported (gradients are reduced in the params' dtype)",
-    "prescale_gradients": "not supported (llmpar always pre-divides by dp when packing)",
-    "gradient_predivide_factor": "not supported", "sequence_parallel_size": "use llmpar tensor parallelism",
-    "zero_allow_untested_optimizer": "only AdamW/Adam are supported", "zero_force_ds_cpu_optimizer": "not supported",
-    "amp_enabled": "not supported",
-}
-_FLAGS_OFF_ONLY = ("wall_clock_breakdown", "memory_breakdown", "dump_state")  # accepted when false
 _VALID = ["train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
-          "steps_per_print", "optimizer", "scheduler", "bf16", "bfloat16", "zero_optimization", "pipeline",
-          "tensor_parallel", *_FLAGS_OFF_ONLY]
+          "steps_per_print", "optimizer", "scheduler", "bf16", "bfloat16", "fp16", "zero_optimization", "pipeline",
+          "tensor_parallel", "activation_checkpointing"]
 
 
 def read_config(config: Any) -> dict:
@@ -82,6 +65,8 @@ class Blocks:
 
     raw: dict
     bf16: bool = False
+    fp16: Fp16Config = field(default_factory=Fp16Config)
+    activation_checkpointing: ActivationCheckpointingConfig = field(default_factory=ActivationCheckpointingConfig)
     gradient_clipping: float = 0.0
     steps_per_print: int = 10
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -93,27 +78,37 @@ class Blocks:
 
     @classmethod
     def parse(cls, raw: dict) -> "Blocks":
-        check_keys("config", raw, _VALID, _UNSUPPORTED)
-        for flag in _FLAGS_OFF_ONLY:
-            if as_bool(flag, raw.get(flag, False)):
-                raise ValueError(f'"{flag}": true is not supported by llmpar (leave it out or set it to false)')
-        if "bf16" in raw and "bfloat16" in raw:
+        """Check and type every block of ``raw`` (DeepSpeed's keys at their default / disabled values are accepted
+        and dropped first: ``ds_keys.strip_inert``)."""
+        given = strip_inert(raw)
+        check_keys("config", given, _VALID)
+        if "bf16" in given and "bfloat16" in given:
             raise ValueError('give "bf16" or its alias "bfloat16", not both')
-        bf16_block = raw.get("bf16", raw.get("bfloat16", {}))
-        check_keys("bf16", bf16_block, ["enabled"], {"immediate_grad_update": "not supported",
-                                                     "check_grad_overflow": "not supported"})
+        bf16_block = given.get("bf16", given.get("bfloat16", {}))
+        check_keys("bf16", bf16_block, ["enabled"])
         for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
-            if key in raw:
-                as_int(key, raw[key], minimum=1)
-        given = "optimizer" in raw
-        return cls(raw=raw, bf16=as_bool("bf16.enabled", bf16_block.get("enabled", False)),
-                   gradient_clipping=as_float("gradient_clipping", raw.get("gradient_clipping", 0.0), minimum=0.0),
-                   steps_per_print=as_int("steps_per_print", raw.get("steps_per_print", 10), minimum=1),
-                   optimizer=optimizer_block(raw["optimizer"]) if given else OptimizerConfig(), optimizer_given=given,
-                   scheduler=scheduler_block(raw["scheduler"]) if "scheduler" in raw else None,
-                   zero=zero_block(raw.get("zero_optimization", {})),
-                   pipeline=pipeline_block(raw["pipeline"]) if "pipeline" in raw else None,
-                   tensor_parallel=tensor_parallel_block(raw.get("tensor_parallel", {})))
+            if key in given:
+                if given[key] == "auto":
+                    raise ValueError(f'"{key}"="auto": not supported here: "auto" values are filled in by the '
+                                     "HuggingFace integration; give a number")
+                as_int(key, given[key], minimum=1)
+        fp16 = fp16_block(given.get("fp16", {}))
+        bf16 = as_bool("bf16.enabled", bf16_block.get("enabled", False))
+        if fp16.enabled and bf16:
+            raise ValueError('"fp16.enabled" and "bf16.enabled" are both true: pick one precision')
+        opt_given = "optimizer" in given
+        ckpt = given.get("activation_checkpointing")
+        return cls(raw=raw, bf16=bf16, fp16=fp16,
+                   gradient_clipping=as_float("gradient_clipping", given.get("gradient_clipping", 0.0), minimum=0.0),
+                   steps_per_print=as_int("steps_per_print", given.get("steps_per_print", 10), minimum=1),
+                   optimizer=optimizer_block(given["optimizer"]) if opt_given else OptimizerConfig(),
+                   optimizer_given=opt_given,
+                   scheduler=scheduler_block(given["scheduler"]) if "scheduler" in given else None,
+                   zero=zero_block(given.get("zero_optimization", {})),
+                   pipeline=pipeline_block(given["pipeline"]) if "pipeline" in given else None,
+                   tensor_parallel=tensor_parallel_block(given.get("tensor_parallel", {})),
+                   activation_checkpointing=activation_checkpointing_block(ckpt) if ckpt is not None
+                   else ActivationCheckpointingConfig())
 
     @property
     def degrees(self) -> tuple[int, int]:

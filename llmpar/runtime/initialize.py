@@ -173,8 +173,20 @@ def _typed(blocks: Blocks | Config, dp: int) -> Config:
     if isinstance(blocks, Config):
         if blocks.dp != dp:
             raise ValueError(f"the config was parsed for dp={blocks.dp} but there are {dp} data-parallel ranks")
-        return blocks
-    return Config.from_blocks(blocks, dp=dp)
+        cfg = blocks
+    else:
+        cfg = Config.from_blocks(blocks, dp=dp)
+    _refuse_unwired(cfg)
+    return cfg
+
+
+def _refuse_unwired(cfg: Config) -> None:
+    """Blocks the config parses but no engine acts on yet: an error, never a silent fp32 / no-recompute run."""
+    if cfg.fp16.enabled:
+        raise ValueError('"fp16.enabled"=true: not supported yet by the engines: use "bf16"')
+    if cfg.activation_checkpointing.enabled:
+        raise ValueError('"activation_checkpointing": not supported yet by the engines: use torch.utils.checkpoint '
+                         "in the model")
 
 
 def _accum_dtype(cfg: Config) -> torch.dtype | None:
