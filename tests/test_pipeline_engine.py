@@ -112,7 +112,7 @@ def test_pipeline_engine_matches_plain_engine(case):
     ({"stages": 2, "schedule": "zero_bubble"}, None, '"pipeline.schedule": schedule=.zero_bubble. is not one of'),
     ({"stages": 0}, None, '"pipeline.stages"=0 must be >= 1'),
     ({"stages": 2, "micro_batches": 4}, 2, '"pipeline.micro_batches"=4 and "gradient_accumulation_steps"=2 disagree'),
-    ({"stages": 2, "pipe_partitioned": True}, None, '"pipeline.pipe_partitioned" is a DeepSpeed key llmpar does not'),
+    ({"stages": 2, "use_reentrant": True}, None, '"pipeline.use_reentrant" is a DeepSpeed key llmpar does not'),
     ({"stages": 2, "partition": "uniform"}, None, '"pipeline.partition"=.uniform. must be "parameters"'),
 ])
 def test_bad_pipeline_config_names_the_key(block, gas, match):

@@ -7,6 +7,9 @@ gradient-accumulation semantics equal to plain training, bubble accounting, and 
     runner = llmpar.pipeline.build_pipeline(model, env.mesh, GPT.loss, schedule="1f1b", micro_batches=8)
     loss = runner.step(x, y)          # then clip with runner.clip_grad_norm_ and step your optimizer
 
+DeepSpeed's ``PipelineModule(layers=[LayerSpec(...), TiedLayerSpec(...), modules, callables], num_stages=...)``
+(``module.py``, ``specs.py``) cuts itself as DeepSpeed does and builds only this rank's layers; ``split`` takes it as is.
+
 ZeRO over the dp axis (``zero.py``): build the runner with ``dp_group=None`` and the optimizer with
 ``zero_optimizer(runner, OptimizerConfig(...), stage=1, max_grad_norm=1.0)``; then ``runner.step``; ``opt.step()``.
 """
@@ -22,7 +25,8 @@ _EXPORTS = {
     "balanced_boundaries": "partition", "PipelineRunner": "runner", "StepStats": "runner",
     "SCHEDULES": "schedules", "bubble_fraction": "schedules", "normalize_schedule": "schedules",
     "PipelineSplit": "stages", "StageInfo": "stages", "split": "stages", "zero_optimizer": "zero",
-    "build_pipeline": "build",
+    "build_pipeline": "build", "PipelineModule": "module", "PipeStage": "pipe_stage", "LayerSpec": "specs",
+    "TiedLayerSpec": "specs", "partition_layers": "specs",
 }
 
 

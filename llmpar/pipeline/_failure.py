@@ -86,6 +86,7 @@ class FailureChannel:
             if posted is not None:
                 self.broken = posted
                 raise PipelineStageError(posted)
+        worker.join()  # finished: let it exit now, not while the interpreter shuts down (C++ thread state aborts)
         if "error" in box:
             mine = f"pipeline step failed on {where}:\n{box['trace']}"
             self.broken = self._post(mine)

@@ -3,6 +3,14 @@
 ``balanced_boundaries(costs, k)`` minimises the largest stage cost ``max_s sum_{i in stage s} costs[i]`` over all
 ways to cut ``n = len(costs)`` blocks into ``k`` non-empty contiguous stages (exact dynamic programme, O(k n^2)).
 Boundaries are the index of the first block of stages 1..k-1: ``[3, 7]`` means stages 0-2, 3-6, 7-(n-1).
+
+DeepSpeed's two partitioners, for ``PipelineModule`` (``specs.py``), return its ``parts`` instead: the ``k + 1`` stage
+edges ``[0, b_1, ..., b_{k-1}, n]`` (stage s holds items ``parts[s]:parts[s + 1]``), with DeepSpeed's exact results:
+
+* ``partition_uniform(n, k)``: ``n // k`` items each, the first ``n % k`` stages one more; with ``n <= k`` one item
+  per stage and empty stages at the end;
+* ``partition_balanced(w, k)``: minimises ``max_s W_s - min_s W_s`` (``W_s`` the stage's summed weight), not the
+  largest stage alone; of equal costs the last candidate cut wins (so zero-weight items join the stage before a cut).
 """
 from __future__ import annotations
 
@@ -59,4 +67,42 @@ def balanced_boundaries(costs: Sequence[float], n_stages: int) -> list[int]:
     return bounds[::-1]
 
 
-__all__ = ["balanced_boundaries", "check_boundaries", "stage_ranges"]
+def partition_uniform(num_items: int, num_parts: int) -> list[int]:
+    """DeepSpeed's uniform ``parts`` (module docstring)."""
+    if num_items <= num_parts:
+        return [min(p, num_items) for p in range(num_parts + 1)]
+    chunk, residual = divmod(num_items, num_parts)
+    return [p * chunk + min(p, residual) for p in range(num_parts + 1)]
+
+
+def partition_balanced(weights: Sequence[float], num_parts: int) -> list[int]:
+    """DeepSpeed's balanced ``parts`` (module docstring): the linear-partition dynamic programme over the cost
+    ``max - min`` of the stage weights, ``O(k n^2)``, the same float64 sums and tie rule as DeepSpeed."""
+    n, m = len(weights), num_parts
+    if n <= m:
+        return partition_uniform(n, m)
+    inf = float("inf")
+    prefix = [0.0]
+    for w in weights:
+        prefix.append(prefix[-1] + float(w))
+    # for the first i items in j stages: the chosen (largest, smallest) stage weight, its cost, the last stage's start
+    hi = [[inf] * (m + 1) for _ in range(n + 1)]
+    lo = [[inf] * (m + 1) for _ in range(n + 1)]
+    cost = [[inf] * (m + 1) for _ in range(n + 1)]
+    start = [[0] * (m + 1) for _ in range(n + 1)]
+    hi[0][0] = cost[0][0] = 0.0
+    for i in range(1, n + 1):
+        for j in range(1, min(i, m) + 1):
+            for k in range(i):
+                last = prefix[i] - prefix[k]
+                top, bottom = max(hi[k][j - 1], last), min(lo[k][j - 1], last)
+                c = top - bottom
+                if cost[i][j] >= c:  # ``>=``, as DeepSpeed: the latest candidate of equal cost wins
+                    cost[i][j], hi[i][j], lo[i][j], start[i][j] = c, top, bottom, k
+    parts = [n]
+    for j in range(m, 0, -1):
+        parts.append(start[parts[-1]][j])
+    return parts[::-1]
+
+
+__all__ = ["balanced_boundaries", "check_boundaries", "partition_balanced", "partition_uniform", "stage_ranges"]

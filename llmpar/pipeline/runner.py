@@ -154,6 +154,15 @@ class PipelineRunner:
             return self.channel.run(lambda: self._step(inputs, targets), self.where)
         return self._step(inputs, targets)
 
+    def evaluate(self, inputs: torch.Tensor | Sequence[torch.Tensor] | None,
+                 targets: torch.Tensor | Sequence[torch.Tensor] | None) -> float:
+        """The forward pass alone of one batch (as :meth:`step`, without gradients: ``.grad`` is left as it is);
+        returns the batch's mean loss (averaged over dp), on every rank. Put the stage modules in eval mode first
+        for dropout-free numbers."""
+        if self.monitor:
+            return self.channel.run(lambda: self._evaluate(inputs, targets), self.where)
+        return self._evaluate(inputs, targets)
+
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale gradients so that the whole model's gradient norm is at most ``max_norm`` (torch's coefficient, on
         the device: no host sync); returns the norm before clipping, a float64 0-d tensor.
@@ -212,11 +221,14 @@ class PipelineRunner:
         assert self._targets is not None
         n = int((index >= 0).sum())
         target = self._targets.index_select(0, index[:n])
-        loss = self.loss_fn(output[:n], target) * (target.numel() / self._total)
+        out = output if n == index.numel() else output[:n]  # unpadded: as it is (a loss computed by the model too)
+        loss = self.loss_fn(out, target) * (target.numel() / self._total)
         self._loss_s += time.perf_counter() - t0
         return loss
 
-    def _step(self, inputs: Any, targets: Any) -> float:
+    def _inputs(self, inputs: Any, targets: Any) -> tuple[tuple, dict[str, Any]]:
+        """The schedule's (args, kwargs) for one batch: the padded inputs on the first stage, the row index as the
+        ``target`` and a list for the losses on the last (``_targets`` holds the real targets for ``_loss``)."""
         args: tuple = ()
         kwargs: dict[str, Any] = {}
         if self.has_first:
@@ -239,22 +251,33 @@ class PipelineRunner:
         for st in self.stages:
             st.reset_stats()
         self._loss_s = 0.0
-        if self.zero is not None:  # every micro-batch's backward accumulates; ZeRO reduces at step()
-            self.zero.set_gradient_accumulation_boundary(False)
-        t0 = time.perf_counter()
-        self.schedule.step(*args, return_outputs=False, **kwargs)
-        wall = time.perf_counter() - t0
-        self._targets = None
-        self.last_stats = StepStats(
-            wall_s=wall, busy_s=sum(st.busy_s for st in self.stages) + self._loss_s,
-            peak_in_flight=max(st.peak_in_flight for st in self.stages),
-            peak_activation_bytes=max(st.meter.peak for st in self.stages), bubble_formula=self.bubble_formula())
+        return args, kwargs
 
+    def _summed_loss(self, kwargs: dict[str, Any]) -> torch.Tensor:
+        """The batch's loss (the last stage's micro-batch losses summed), the same on every pp rank."""
         loss = torch.zeros(1, dtype=torch.float64, device=self.device)
         if self.has_last:
             loss += sum(float(x.detach()) for x in kwargs["losses"])
         if self.split.pp > 1:
             all_reduce(loss, self.split.pp_group)  # only the last stage's is non-zero
+        return loss
+
+    def _step(self, inputs: Any, targets: Any) -> float:
+        args, kwargs = self._inputs(inputs, targets)
+        if self.zero is not None:  # every micro-batch's backward accumulates; ZeRO reduces at step()
+            self.zero.set_gradient_accumulation_boundary(False)
+        t0 = time.perf_counter()
+        try:
+            self.schedule.step(*args, return_outputs=False, **kwargs)
+        finally:
+            self._targets = None
+        wall = time.perf_counter() - t0
+        self.last_stats = StepStats(
+            wall_s=wall, busy_s=sum(st.busy_s for st in self.stages) + self._loss_s,
+            peak_in_flight=max(st.peak_in_flight for st in self.stages),
+            peak_activation_bytes=max(st.meter.peak for st in self.stages), bubble_formula=self.bubble_formula())
+
+        loss = self._summed_loss(kwargs)
         if self.zero is not None:
             sync_tied_zero(self, self.zero)
             if group_size(self.zero.dp_group) > 1:
@@ -263,6 +286,19 @@ class PipelineRunner:
         sync_tied_grads(self._tied, self.split.pp_group, self.device)
         if self.dp_group is not None and group_size(self.dp_group) > 1:
             loss = self._sync_dp(loss)
+        return float(loss)
+
+    def _evaluate(self, inputs: Any, targets: Any) -> float:
+        args, kwargs = self._inputs(inputs, targets)
+        try:
+            with torch.no_grad():
+                self.schedule.eval(*args, return_outputs=False, **kwargs)
+        finally:
+            self._targets = None
+        loss = self._summed_loss(kwargs)
+        dp = self.zero.dp_group if self.zero is not None else self.dp_group
+        if dp is not None and group_size(dp) > 1:
+            all_reduce(loss, dp, op="avg")
         return float(loss)
 
     def _sync_dp(self, loss: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,9 @@ Every rank builds the whole model with the same seed and keeps only its stages' 
 full model afterwards to free the rest). With a ``"tp"`` axis of size > 1 in ``mesh``, each kept stage is split
 with :func:`llmpar.tensor_parallel.parallelize` (the plan filtered to the modules that stage holds).
 
+A model with a ``pipeline_split(mesh, verbose=)`` method cuts itself: :class:`~llmpar.pipeline.module.PipelineModule`
+(DeepSpeed's), whose ranks build only their own stage's layers.
+
 Parameters shared between stages (tied embeddings: ``tok_emb`` on the first stage, ``lm_head`` on the last) are
 recorded in ``PipelineSplit.tied``; the runner sums their gradients over the pp group so the copies stay equal.
 """
@@ -172,6 +175,11 @@ def split(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if callable(getattr(model, "pipeline_split", None)):  # a model that cut itself (llmpar.pipeline.PipelineModule)
+        if boundaries is not None or virtual_stages != 1 or tp_plan is not None or by != "params":
+            raise ValueError(f"{type(model).__name__} cuts itself into stages (one per pp rank, its partition_method):"
+                             " boundaries=, virtual_stages > 1 (interleaved schedules), tp_plan= and by= do not apply")
+        return model.pipeline_split(mesh, verbose=verbose)
     if by not in SPLIT_BY:
         raise ValueError(f"by={by!r} is not one of {SPLIT_BY}")
     if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:

@@ -17,16 +17,22 @@ Semantics follow DeepSpeed's PipelineEngine: ``pipeline.micro_batches`` *is* ``g
 mean loss (averaged over dp). With equal micro-batches this is exactly the plain engine's
 ``gas x (engine(x_i); engine.backward(loss_i); engine.step())``: mean over the batch, one optimizer step.
 ``train_batch`` takes the step's whole batch ``(x, y)`` of ``train_micro_batch_size_per_gpu x micro_batches`` rows,
-or ``data_iter=``, an iterator of ``(x, y)`` micro-batches of which it pulls ``micro_batches`` (DeepSpeed's form).
+or ``data_iter`` (DeepSpeed's form, positional or by name), an iterator of ``(x, y)`` micro-batches of which it pulls
+``micro_batches`` and which it keeps for the next calls, or nothing: then it pulls from ``training_dataloader``, the
+loader ``initialize(training_data=...)`` built as DeepSpeed's PipelineEngine does (this dp rank's share in order, no
+shuffling, restarting at the end: :class:`RepeatingLoader`). As in DeepSpeed only the first and the last stage pull
+(the inputs and the labels), and ``train_batch`` puts the stages in train mode. ``eval_batch(data_iter)`` pulls
+``micro_batches`` the same way and returns their mean loss, forward only (no gradients, stages left in eval mode).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 from torch import nn
 
 from llmpar.checkpoint.protocol import Grid
+from llmpar.distributed.collectives import Group, group_rank, group_size
 from llmpar.runtime.config import Config
 from llmpar.runtime.engine_base import EngineBase, reports_step
 from llmpar.runtime.params import unsplit_names
@@ -42,9 +48,39 @@ class PipelineEngine(EngineBase):
                  mesh: Any) -> None:
         super().__init__(module, config, optimizer, scheduler)
         self.runner, self.mesh = runner, mesh
+        self.training_dataloader: Any = None  # DeepSpeed's names: the loader train_batch() pulls from, its iterator
+        self.data_iterator: Iterator | None = None
 
     def is_pipe_parallel(self) -> bool:
         return self.runner.split.pp > 1
+
+    # DeepSpeed's PipelineEngine accessors
+    @property
+    def num_stages(self) -> int:
+        return self.runner.num_stages
+
+    @property
+    def stage_id(self) -> int:
+        """This rank's (first) stage."""
+        return self.runner.split.stage_indices[0]
+
+    @property
+    def micro_batches(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def is_first_stage(self) -> bool:
+        return self.runner.has_first
+
+    def is_last_stage(self) -> bool:
+        return self.runner.has_last
+
+    def set_dataloader(self, loader: Any) -> None:
+        """``train_batch()`` pulls from ``loader`` from now on (from its start)."""
+        self.training_dataloader, self.data_iterator = loader, iter(loader)
+
+    def set_dataiterator(self, iterator: Iterator) -> None:
+        """``train_batch()`` pulls from ``iterator`` from now on."""
+        self.training_dataloader, self.data_iterator = None, iterator
 
     @property
     def stages(self) -> list[nn.Module]:
@@ -52,6 +88,8 @@ class PipelineEngine(EngineBase):
         return list(self.runner.split.modules)
 
     def train(self, mode: bool = True) -> "PipelineEngine":
+        """This rank's stages (and the module, as DeepSpeed's ``module.train()``) in train or eval mode."""
+        self.module.train(mode)
         for m in self.runner.split.modules:
             m.train(mode)
         return self
@@ -67,29 +105,68 @@ class PipelineEngine(EngineBase):
 
     # the step
     @reports_step
-    def train_batch(self, x: torch.Tensor | None = None, y: torch.Tensor | None = None, *,
+    def train_batch(self, x: Any = None, y: torch.Tensor | None = None, *,
                     data_iter: Iterator[tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
         """Forward + backward of all ``micro_batches``, the ZeRO step and the scheduler step; returns the step's mean
-        loss (a float64 scalar, the same on every rank)."""
+        loss (a float64 scalar, the same on every rank). ``train_batch(data_iter)``, as DeepSpeed's, takes the
+        iterator positionally too; see the module docstring for where the data comes from."""
+        if not torch.is_grad_enabled():
+            raise RuntimeError("train_batch() needs gradients enabled (it runs under torch.no_grad()); use "
+                               "eval_batch() for the loss alone")
+        if x is not None and y is None and data_iter is None and not isinstance(x, (torch.Tensor, list, tuple)):
+            x, data_iter = None, x  # DeepSpeed's train_batch(data_iter)
         if data_iter is not None:
             if x is not None or y is not None:
-                raise TypeError("train_batch takes (x, y) or data_iter=, not both")
-            pairs = [next(data_iter) for _ in range(self.config.gradient_accumulation_steps)]
-            if not all(isinstance(p, (tuple, list)) and len(p) == 2 for p in pairs):
-                raise TypeError("data_iter must yield (inputs, targets) pairs")
-            x, y = [p[0] for p in pairs], [p[1] for p in pairs]
-        elif x is None and y is None:
-            raise TypeError("train_batch needs (x, y) or data_iter=")
+                raise TypeError("train_batch takes (x, y) or data_iter, not both")
+            self.set_dataiterator(data_iter)
+        if x is None and y is None:
+            if self.data_iterator is None:
+                raise TypeError("train_batch needs (x, y), a data_iter, or training_data= given to llmpar.initialize")
+            x, y = self._pull(self.data_iterator, "train_batch")
         rows = self.runner.batch_rows
         for what, t in (("x", x), ("y", y)):  # up front, so that the pipeline stays usable (the runner checks too)
             if isinstance(t, torch.Tensor) and (t.dim() == 0 or t.shape[0] != rows):
                 raise ValueError(f"train_batch: {what} has {t.shape[0] if t.dim() else 0} rows; a step takes "
                                  f"train_micro_batch_size_per_gpu x gradient_accumulation_steps = {rows} rows per "
                                  "dp rank")
+        self.train()
         loss = self.runner.step(x, y)
         self.micro_steps += self.config.gradient_accumulation_steps
         self._finish_step(self.optimizer.step(), loss)
         return torch.tensor(loss, dtype=torch.float64)
+
+    @reports_step
+    def eval_batch(self, data_iter: Iterator[tuple[torch.Tensor, torch.Tensor]], return_logits: bool = False,
+                   compute_loss: bool = True, reduce_output: str | None = "avg", bcast_loss: bool = True,
+                   num_micro_batches: int | None = None) -> torch.Tensor:
+        """The mean loss of ``micro_batches`` micro-batches pulled from ``data_iter`` (averaged over dp, the same on
+        every rank), forward only: no gradients, no optimizer step, the training iterator untouched. DeepSpeed's
+        signature; logits, ``compute_loss=False``, other reductions and another micro-batch count are not
+        supported (``bcast_loss`` is accepted: the loss is on every rank)."""
+        m = self.config.gradient_accumulation_steps
+        if return_logits or not compute_loss or reduce_output != "avg":
+            raise ValueError(f"eval_batch(return_logits={return_logits}, compute_loss={compute_loss}, reduce_output="
+                             f"{reduce_output!r}) is not supported: only the mean loss (the defaults)")
+        if num_micro_batches is not None and num_micro_batches != m:
+            raise ValueError(f"eval_batch(num_micro_batches={num_micro_batches}): the pipeline runs "
+                             f"gradient_accumulation_steps = {m} micro-batches per batch")
+        if data_iter is None or not hasattr(data_iter, "__next__"):
+            raise TypeError(f"eval_batch needs an iterator of (inputs, labels) micro-batches, got "
+                            f"{type(data_iter).__name__}")
+        x, y = self._pull(data_iter, "eval_batch")
+        self.eval()
+        return torch.tensor(self.runner.evaluate(x, y), dtype=torch.float64)
+
+    def _pull(self, data_iter: Iterator, what: str) -> tuple[list | None, list | None]:
+        """``micro_batches`` (inputs, labels) pairs from ``data_iter``, pulled on the first and the last stage only
+        (as DeepSpeed): (inputs, labels) lists there, (None, None) on the stages between."""
+        if not (self.runner.has_first or self.runner.has_last):
+            return None, None
+        pairs = [next(data_iter) for _ in range(self.config.gradient_accumulation_steps)]
+        if not all(isinstance(p, (tuple, list)) and len(p) == 2 for p in pairs):
+            bad = next(p for p in pairs if not isinstance(p, (tuple, list)) or len(p) != 2)
+            raise TypeError(f"{what}: the data must yield (inputs, labels) pairs, got {type(bad).__name__}")
+        return [p[0] for p in pairs], [p[1] for p in pairs]
 
     # bubble accounting
     def bubble_fraction(self) -> float:
@@ -138,4 +215,43 @@ class PipelineEngine(EngineBase):
         return {name for buf in self.optimizer.checkpoint_params() for name, p in buf if id(p) in dup}
 
 
-__all__ = ["PipelineEngine"]
+class RepeatingLoader:
+    """DeepSpeed's ``RepeatingLoader``: iterates ``loader`` forever, starting it again when it ends."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+        self.data_iter = iter(loader)
+
+    def __iter__(self) -> "RepeatingLoader":
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            return next(self.data_iter)
+        except StopIteration:
+            self.data_iter = iter(self.loader)
+            return next(self.data_iter)
+
+
+def pipeline_loader(training_data: Any, collate_fn: Callable | None, micro_batch: int, dp_group: Group
+                    ) -> RepeatingLoader:
+    """DeepSpeed's PipelineEngine loader: this dp rank's share of ``training_data`` (a ``DistributedSampler``
+    without shuffling: samples ``rank, rank + dp, ...``), ``micro_batch`` samples a batch, repeated forever."""
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    if not hasattr(training_data, "__getitem__") or not hasattr(training_data, "__len__"):
+        raise TypeError(f"training_data must be a map-style dataset (__getitem__ and __len__), got "
+                        f"{type(training_data).__name__}")
+    sampler = DistributedSampler(training_data, num_replicas=group_size(dp_group), rank=group_rank(dp_group),
+                                 shuffle=False)
+    return RepeatingLoader(DataLoader(training_data, batch_size=micro_batch, sampler=sampler, collate_fn=collate_fn))
+
+
+def is_pipeline_module(model: Any) -> bool:
+    """Whether ``model`` is a :class:`llmpar.pipeline.module.PipelineModule` (which always means a pipeline engine)."""
+    from llmpar.pipeline.module import PipelineModule
+
+    return isinstance(model, PipelineModule)
+
+
+__all__ = ["PipelineEngine", "RepeatingLoader", "is_pipeline_module", "pipeline_loader"]
