@@ -60,12 +60,13 @@ def reference(dtype, world, gas, clip=0.5, steps=STEPS):
     return losses, _flat(net)
 
 
-def zero_body(stage, dtype, gas, bucket, overlap, clip=0.5, steps=STEPS):
+def zero_body(stage, dtype, gas, bucket, overlap, clip=0.5, steps=STEPS, offload=False):
     world = dist.get_world_size()
     net = Net(dtype)
     opt = ZeroOptimizer(_groups(net), OptimizerConfig(lr=2e-2, weight_decay=0.1), dist.group.WORLD, stage=stage,
                         zero_config=ZeroConfig(stage=stage, reduce_bucket_size=bucket, overlap_comm=overlap,
-                                               allgather_bucket_size=bucket),
+                                               allgather_bucket_size=bucket,
+                                               offload_optimizer={"device": "cpu" if offload else "none"}),
                         max_grad_norm=clip, grad_accum_dtype=torch.float32 if dtype != torch.float64 and gas > 1
                         else None)
     losses = zero_loop(opt, net, steps, gas, lambda s, m: _batch(s, m, MICRO * world, dtype), _loss, MICRO)
@@ -97,6 +98,41 @@ def test_bf16_fp32_master_matches_within_bf16_tolerance(stage):
     torch.testing.assert_close(params, ref_params, rtol=2e-2, atol=2e-2)
     assert torch.equal(params, outs[1][1])
     assert mem["grads"] % 4 == 0  # fp32 accumulation buffer under accumulation
+
+
+@pytest.mark.parametrize("world, gas, overlap", [(2, 2, True), (2, 1, False), (4, 2, False)])
+def test_stage1_offload_optimizer_matches_stage1(world, gas, overlap):
+    """ZeRO-1 + offload_optimizer (DeepSpeed accepts it; ``llmpar plan`` recommends it): the accumulator stays on the
+    device, the reduced partition is copied to the host at the boundary and stepped there; same training as stage 1
+    (and as one process)."""
+    ref_losses, ref_params = reference(torch.float64, world, gas)
+    plain = run_ranks(zero_body, world, 1, torch.float64, gas, 37, overlap, timeout=90)
+    off = run_ranks(zero_body, world, 1, torch.float64, gas, 37, overlap, offload=True, timeout=90)
+    for rank, ((losses, params, frozen_same, mem), (want_l, want_p, _, mem0)) in enumerate(zip(off, plain)):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_l), rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(params, want_p, rtol=1e-12, atol=1e-14, msg=f"rank {rank} params")
+        torch.testing.assert_close(params, ref_params, rtol=1e-7, atol=1e-9)
+        assert frozen_same
+        # the device keeps the params and the whole-model accumulator; master, moments and the reduced gradient
+        # partition (float64 here: the host steps in the master dtype) live on the host
+        total = mem0["grads"]
+        assert mem["device"] == mem["params"] + total
+        assert mem["host"] == mem["master"] + mem["optimizer_state"] + total // world
+        assert mem["optimizer_state"] == mem0["optimizer_state"] == 2 * mem["master"]  # (+ a master copy on the host)
+    torch.testing.assert_close(torch.tensor(off[0][0]), torch.tensor(ref_losses), rtol=1e-9, atol=1e-12)
+
+
+def test_stage1_offload_optimizer_bf16():
+    ref_losses, ref_params = reference(torch.bfloat16, 2, 2, steps=3)
+    outs = run_ranks(zero_body, 2, 1, torch.bfloat16, 2, 64, True, steps=3, offload=True, timeout=90)
+    losses, params, _, mem = outs[0]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=2e-2, atol=1e-2)
+    torch.testing.assert_close(params, ref_params, rtol=2e-2, atol=2e-2)
+    assert torch.equal(params, outs[1][1])
+    # what the planner's model_state_bytes(zero_stage=1, offload="optimizer") counts: bf16 params and the whole
+    # accumulator (fp32 here, under accumulation) on the device; fp32 master, moments and grad partition (16/N) host
+    total = mem["params"] // 2
+    assert mem["device"] == 2 * total + 4 * total and mem["host"] == 16 * total // 2
 
 
 def test_layout_units_shards_and_slices():

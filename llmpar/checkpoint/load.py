@@ -272,9 +272,9 @@ def load_checkpoint(engine: Checkpointable, load_dir: str, tag: str | None = Non
     opt.after_load()
     for group, saved in zip(opt.param_groups, meta["param_groups"]):
         group.update({k: (tuple(v) if k == "betas" else v) for k, v in saved.items()})
-    engine.restore_counters(meta["engine"])
-    opt.skipped_steps = meta["optimizer"]["skipped_steps"]
+    opt.skipped_steps = meta["optimizer"]["skipped_steps"]  # first: engine.skipped_steps is counted relative to it
     opt.last_grad_norm = meta["optimizer"]["last_grad_norm"]
+    engine.restore_counters(meta["engine"])
     if engine.lr_scheduler is not None and meta["scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(meta["scheduler"])
     own = _own_file(g, meta)

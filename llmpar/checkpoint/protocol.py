@@ -209,11 +209,11 @@ class Checkpointable(Protocol):
         """The modules this rank holds (their tensor-parallel layers tell how each param is split)."""
         ...
 
-    def checkpoint_counters(self) -> dict[str, int]:
+    def checkpoint_counters(self) -> dict[str, Any]:
         """Run counters to save (``micro_steps``, ``global_steps``, ``global_samples``, ``skipped_steps``)."""
         ...
 
-    def restore_counters(self, counters: dict[str, int]) -> None:
+    def restore_counters(self, counters: dict[str, Any]) -> None:
         """Take the saved counters back."""
         ...
 

@@ -83,7 +83,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     opt("warmup_steps", "WarmupCosineLR warm-up steps", type=int)
     opt("grad_clip", "gradient_clipping: max global gradient norm, 0 for none", type=float)
     opt("zero", "zero_optimization.stage, 0-3 (pipelines: 0-2)", type=int, shown="2, or 1 with --pp")
-    opt("offload", "zero_optimization.offload_optimizer to the CPU (stage 2 or 3)", action="store_true")
+    opt("offload", "zero_optimization.offload_optimizer to the CPU (stage 1, 2 or 3)", action="store_true")
     opt("bf16", "bf16.enabled: bfloat16 model, fp32 master weights", action="store_true")
     opt("tp", "tensor-parallel degree; the ranks are pp x dp x tp", type=int)
     opt("pp", "pipeline-parallel degree (stages)", type=int)

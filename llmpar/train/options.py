@@ -115,9 +115,9 @@ class TrainOptions:
         if self.pp > 1 and self.zero == 3:
             raise ValueError(f"--zero 3 with --pp {self.pp}: pipelines run ZeRO stages 0, 1 or 2 (each stage's "
                              "params are sharded over dp); use --zero 1 or 2")
-        if self.offload and self.zero < 2:
-            raise ValueError(f"--offload needs --zero 2 or 3 (CPU offload of the optimizer state), got --zero "
-                             f"{self.zero}" + (" (the default with --pp)" if self.pp > 1 else ""))
+        if self.offload and self.zero < 1:
+            raise ValueError(f"--offload needs --zero 1, 2 or 3 (CPU offload of the optimizer state), got --zero "
+                             f"{self.zero}")
 
     @property
     def model_dtype(self) -> str:

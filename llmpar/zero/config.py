@@ -52,8 +52,10 @@ class ZeroConfig:
     ``stage3_param_persistence_threshold`` elements stay gathered; ``stage3_gather_16bit_weights_on_model_save``
     lets ``engine.save_16bit_model`` gather full weights. ``stage3_max_reuse_distance`` and ``sub_group_size`` are
     accepted and have no effect (units are freed after use; the step runs per flat buffer).
-    Offload (``offload.py``): ``offload_optimizer`` (stage 2 or 3) keeps the fp32 master, moments and gradient
-    partition on the host and steps there; ``offload_param`` (stage 3) keeps the parameter shards there.
+    Offload (``offload.py``): ``offload_optimizer`` (stage 1, 2 or 3) keeps the fp32 master, moments and gradient
+    partition on the host and steps there (stage 1: the gradient accumulator stays on the device, its reduced
+    partition is copied out at the accumulation boundary); ``offload_param`` (stage 3) keeps the parameter shards
+    there.
     """
 
     stage: int = 0
@@ -85,8 +87,8 @@ class ZeroConfig:
             setattr(self, name, as_bool(f"zero_optimization.{name}", getattr(self, name)))
         self.offload_optimizer = OffloadConfig.of(self.offload_optimizer)
         self.offload_param = OffloadConfig.of(self.offload_param)
-        if self.offload_optimizer.enabled and self.stage < 2:
-            raise ValueError(f'"zero_optimization.offload_optimizer" needs stage 2 or 3, got stage {self.stage}')
+        if self.offload_optimizer.enabled and self.stage < 1:
+            raise ValueError(f'"zero_optimization.offload_optimizer" needs stage 1, 2 or 3, got stage {self.stage}')
         if self.offload_param.enabled and self.stage != 3:
             raise ValueError(f'"zero_optimization.offload_param" needs stage 3, got stage {self.stage}')
 

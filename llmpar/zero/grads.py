@@ -6,6 +6,7 @@ backward goes on (``overlap_comm``; otherwise the reduction is waited for at onc
 
     stage 0: pack into the full accumulator unit ``[padded]``; at the accumulation boundary all-reduce it in place
     stage 1: same accumulator; at the boundary reduce-scatter it, this rank's reduced shard written back in place
+             (offload_optimizer: copied out to the host partition instead, as each unit's reduction lands)
     stage 2: pack into a staging bucket, reduce-scatter it straight into (or add it to) the partition accumulator
              ``[partition]`` at every micro-step; the param grads and the bucket are freed at once
 
@@ -46,6 +47,7 @@ class FlatBuffer:
     seen: list[set] = field(default_factory=list)
     shard: torch.Tensor | None = None  # stage 3: this rank's [partition] of the params (host pool under offload_param)
     frozen: bool = False  # stage 3 frozen params: sharded and gathered, never reduced or stepped (no grad, no state)
+    host_grad: torch.Tensor | None = None  # stage 1 + offload_optimizer: [partition] on the host, the reduced grads
 
 
 class _WeakHook:
@@ -174,10 +176,17 @@ class GradReducer:
             self._launch(all_reduce(region, self.group, async_op=True, counter=self.counter,
                                     what=f"all-reduce of gradients, buffer {key[0]} unit {key[1]}"), None, None, key)
         else:
-            mine = layout.shard_of_full(b.grad, u, self.rank)
-            tmp = torch.empty_like(mine)
-            h = self._reduce_scatter(tmp, region, key)
-            self._launch(h, lambda: mine.copy_(tmp), None, key)
+            tmp = torch.empty_like(layout.shard_of_full(b.grad, u, self.rank))
+            self._launch(self._reduce_scatter(tmp, region, key), self._land(b, u, tmp), None, key)
+
+    def _land(self, b: FlatBuffer, u: int, tmp: torch.Tensor) -> Callable[[], None]:
+        """Stage 1: where unit ``u``'s reduced shard ``tmp`` goes once its reduce-scatter has finished: back into the
+        accumulator, or (offload_optimizer) out to the host partition the host step reads."""
+        if b.host_grad is not None and self.copier is not None:
+            host = b.layout.shard_of_partition(b.host_grad, u)
+            return lambda: self.copier.to_host(host, tmp)
+        mine = b.layout.shard_of_full(b.grad, u, self.rank)
+        return lambda: mine.copy_(tmp)
 
     def _reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, key: tuple[int, int]) -> Handle:
         handle = reduce_scatter_flat(output, input, self.group, async_op=True, counter=self.counter,
@@ -251,10 +260,8 @@ class GradReducer:
                     self._launch(all_reduce(region, self.group, async_op=True, counter=self.counter, what=what),
                                  None, None, key)
                 else:
-                    mine = b.layout.shard_of_full(b.grad, u, self.rank)
-                    tmp = torch.empty_like(mine)
-                    h = self._reduce_scatter(tmp, region, key)
-                    self._launch(h, lambda mine=mine, tmp=tmp: mine.copy_(tmp), None, key)
+                    tmp = torch.empty_like(b.layout.shard_of_full(b.grad, u, self.rank))
+                    self._launch(self._reduce_scatter(tmp, region, key), self._land(b, u, tmp), None, key)
         self.wait_all()
         self.boundary = boundary
         self.reduced = True

@@ -1,7 +1,8 @@
 """CPU offload for ZeRO: where each kind of tensor lives, and the optimizer step on the host.
 
     offload_optimizer {device: cpu}: the gradient partition, fp32 master and moments live on the host; reduced grads
-        are copied out as each unit's reduce-scatter finishes (during backward), the step runs there with
+        are copied out as each unit's reduce-scatter finishes (stages 2/3: during backward; stage 1: at the
+        accumulation boundary, from the device accumulator, which stays there), the step runs there with
         ``adamw_step(precision="fp32")`` on the masters (torch's fused, vectorised, multi-threaded CPU AdamW kernel),
         and the updated masters are copied back into the params' dtype (round to nearest: fp32_master's rounding).
     offload_param {device: cpu} (stage 3): the parameter shards live on the host; a gather copies the unit's shard in
@@ -121,3 +122,38 @@ def host_step_buffer(b: Any, shards: list[torch.Tensor], grads: list[torch.Tenso
                gscale=None if gscale is None else gscale.to(host), found_inf=found_inf.to(host))
     for dst, src in zip(shards, masters):
         dst.copy_(src, non_blocking=dst.device.type != "cpu")
+
+
+def memory_bytes(opt: Any) -> dict[str, int]:
+    """Bytes ZeroOptimizer ``opt`` holds persistently, by kind ("params", "grads", "master", "optimizer_state") and
+    by pool ("device", "host"), measured from the tensors themselves. Stage 3: "params" counts the frozen params'
+    shards too, "persistent" the always-gathered units, "gathered_peak" the most gathered at once; "staging_peak":
+    the gradient staging buckets in flight at most. Stage 1 with offload_optimizer: the gradient accumulator on the
+    device, its reduced partition on the host (both "grads")."""
+    out = {"params": 0, "grads": 0, "master": 0, "optimizer_state": 0, "device": 0, "host": 0}
+    where = opt.placement.where
+
+    def add(kind: str, t: torch.Tensor, pool: str | None = None) -> None:
+        n = t.numel() * t.element_size()
+        out[kind] += n
+        out[pool or where[kind]] += n
+
+    for b in opt.buffers:
+        add("params", b.shard if b.shard is not None else b.flat)
+        if b.host_grad is not None:
+            add("grads", b.grad, "device")
+            add("grads", b.host_grad)
+        else:
+            add("grads", b.grad)
+        for name, t in b.state.items():
+            add("master" if name == "master" else "optimizer_state", t)
+    size = max(b.flat.element_size() for b in opt.buffers)
+    out["staging_peak"] = opt.reducer.staging_peak * size
+    for b in opt.frozen_buffers:  # stage 3 frozen params: their shards
+        add("params", b.shard)
+    if opt.stage3 is not None:  # gathered units: persistent ones always, the others while in use
+        persistent = sum(opt.stage3._numel(k) for k in opt.stage3.persistent) * size
+        out["persistent"] = persistent
+        out["device"] += persistent
+        out["gathered_peak"] = opt.stage3.peak_live_numel * size
+    return out

@@ -10,8 +10,10 @@ What each rank holds (psi = trainable params, N = dp ranks, bf16 params with fp3
     stage 2: params 2 psi, grads 2 psi / N, master + moments 12 psi / N   (gradients too)
     stage 3: params 2 psi / N, grads 2 psi / N, master + moments 12 psi / N (params too: ``stage3.py``; + the units
              gathered at a time)
-offload_optimizer moves grads + master + moments to the host (fp32 there: 16 psi / N), offload_param the stage-3
-param shards (``offload.py``). Stage 3 shards frozen params too (``frozen_buffers``: gathered, never stepped).
+offload_optimizer moves grads + master + moments to the host (fp32 there: 16 psi / N; stage 1 keeps its gradient
+accumulator on the device and copies the reduced partition out), offload_param the stage-3 param shards
+(``offload.py``). fp16: ``loss_scaler=`` (``loss_scale.py``) unscales inside the step and skips overflowing steps.
+Stage 3 shards frozen params too (``frozen_buffers``: gathered, never stepped).
 (fp32 grad accumulators when ``grad_accum_dtype=torch.float32``: grads 4 psi resp. 4 psi / N.)
 
 step(): the global gradient norm (``llmpar.optim.grad_norm``: partition norms summed over dp; tensor-parallel params
@@ -36,7 +38,6 @@ from llmpar.distributed.collectives import (CommCounter, Group, GroupRef, Handle
                                             group_rank, group_size)
 from llmpar.ops.adamw import MODES, adamw_step, check_param_dtype, resolve_precision
 from llmpar.ops.bucket import pack_bucket
-from llmpar.ops.grad_norm import clip_coefficient
 from llmpar.optim.adamw import state_dtypes
 from llmpar.optim.grad_norm import global_grad_norm
 from llmpar.zero.checkpointing import ZeroCheckpointing
@@ -44,7 +45,8 @@ from llmpar.zero.config import OptimizerConfig, ZeroConfig, param_groups
 from llmpar.zero.grads import FlatBuffer, GradReducer
 from llmpar.zero.init import default_device, materialize_sharded, remap_params, replace_meta_params
 from llmpar.zero.layout import FlatLayout
-from llmpar.zero.offload import Copier, Placement, host_step_buffer, master_dtype
+from llmpar.zero.loss_scale import LossScaler, unscale_and_clip
+from llmpar.zero.offload import Copier, Placement, host_step_buffer, master_dtype, memory_bytes
 from llmpar.zero.stage3 import (Stage3Runtime, UnitPlan, UnitPolicy, frozen_buffers, shard_params,
                                  split_persistent)
 from llmpar.zero.stats import NormStats, StepApplied
@@ -60,7 +62,8 @@ class ZeroOptimizer(ZeroCheckpointing):
                  max_grad_norm: float | None = None, grad_accum_dtype: torch.dtype | None = None,
                  counter: CommCounter | None = None, align: int = 16, seed: int = 0,
                  module: nn.Module | None = None, unit_policy: UnitPolicy | None = None,
-                 pp_group: Group | None = None, norm_skip: Iterable[torch.Tensor] = ()) -> None:
+                 pp_group: Group | None = None, norm_skip: Iterable[torch.Tensor] = (),
+                 loss_scaler: LossScaler | None = None) -> None:
         cfg = optimizer_config if optimizer_config is not None else OptimizerConfig()
         if isinstance(cfg, dict):
             cfg = OptimizerConfig(**cfg)
@@ -98,10 +101,14 @@ class ZeroOptimizer(ZeroCheckpointing):
         self.max_grad_norm, self.counter, self.seed = max_grad_norm, counter, seed
         self.param_groups = groups
         self.stats = NormStats()  # grad norm + skipped steps, on the device until read
+        # fp16: grads arrive multiplied by the loss scale; the step divides by it (``loss_scale.py``)
+        self.loss_scaler = loss_scaler
         self.frozen = [p for g in self.param_groups for p in g["params"] if not p.requires_grad]
         device = next(p.device for g in self.param_groups for p in g["params"])
         self.placement = Placement(device, offload_optimizer=zcfg.offload_optimizer, offload_param=zcfg.offload_param)
         self.copier = Copier(device)
+        if loss_scaler is not None:
+            loss_scaler.to(device)
         self.plan = UnitPlan(module, unit_policy) if stage == 3 else None
         # every dp rank starts from dp rank 0's params (as DDP and DeepSpeed do): ranks built with different seeds
         # would otherwise train different models (stage 0) or step mixed shards
@@ -143,6 +150,18 @@ class ZeroOptimizer(ZeroCheckpointing):
     @last_grad_norm.setter
     def last_grad_norm(self, value: float | None) -> None:
         self.stats.last_grad_norm = value
+
+    @property
+    def loss_scale(self) -> float:
+        """The fp16 loss scale (DeepSpeed's ``loss_scale`` / ``cur_scale``; 1.0 without a scaler; reading syncs)."""
+        return self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
+
+    cur_scale = loss_scale
+
+    @property
+    def overflow(self) -> bool:
+        """The last step was skipped for non-finite grads (DeepSpeed's name; reading it syncs)."""
+        return self.stats.overflow
 
     # ---------------------------------------------------------------- layout
     def _layout(self, named: list[tuple[str, torch.Tensor]], shards: int, align: int) -> FlatLayout:
@@ -190,10 +209,18 @@ class ZeroOptimizer(ZeroCheckpointing):
                 mine_of = lambda u: layout.shard_of_full(flat, u, rank)  # noqa: E731
             acc_dtype = grad_accum_dtype or dtype
             sdtypes = state_dtypes(mode, dtype)
+            host_grad = None
             if pool.offload_optimizer:  # the host steps in fp32 (float64 for float64 params) on a master copy
-                acc_dtype = master_dtype(dtype)
-                sdtypes = {"exp_avg": acc_dtype, "exp_avg_sq": acc_dtype, "master": acc_dtype}
-            grad = pool.zeros("grads", layout.total if self.stage < 2 else layout.partition, acc_dtype)
+                host = master_dtype(dtype)
+                sdtypes = {"exp_avg": host, "exp_avg_sq": host, "master": host}
+                if self.stage == 1:  # the accumulator stays on the device; the reduced partition goes to the host
+                    host_grad = pool.zeros("grads", layout.partition, host)
+                else:
+                    acc_dtype = host
+            if self.stage < 2:
+                grad = torch.zeros(layout.total, dtype=acc_dtype, device=device)
+            else:
+                grad = pool.zeros("grads", layout.partition, acc_dtype)
             state = {}
             for name, sdtype in sdtypes.items():
                 state[name] = pool.zeros("master" if name == "master" else "optimizer_state", layout.partition,
@@ -204,7 +231,8 @@ class ZeroOptimizer(ZeroCheckpointing):
             step_device = pool.host if pool.offload_optimizer else device
             steps = [torch.zeros((), dtype=torch.float32, device=step_device) for _ in layout.units]
             buffers.append(FlatBuffer(key=key, group_index=gi, tp_split=tp_split, layout=layout, params=params,
-                                      mode=mode, flat=flat, grad=grad, state=state, steps=steps, shard=shard))
+                                      mode=mode, flat=flat, grad=grad, state=state, steps=steps, shard=shard,
+                                      host_grad=host_grad))
         return buffers
 
     def _check_same_model(self) -> None:
@@ -221,8 +249,8 @@ class ZeroOptimizer(ZeroCheckpointing):
 
     def _grads(self, b: FlatBuffer) -> list[torch.Tensor]:
         units = range(len(b.layout.units))
-        if self.stage >= 2:
-            return [b.layout.shard_of_partition(b.grad, u) for u in units]
+        if self.stage >= 2 or b.host_grad is not None:  # the partition (stage 1 offload: its host copy)
+            return [b.layout.shard_of_partition(b.grad if b.host_grad is None else b.host_grad, u) for u in units]
         return [b.layout.shard_of_full(b.grad, u, self._rank()) for u in units]
 
     def _shards(self, b: FlatBuffer) -> list[torch.Tensor]:
@@ -288,21 +316,16 @@ class ZeroOptimizer(ZeroCheckpointing):
             return StepApplied(None)
         r.reduce_now()
         self.copier.sync()  # the host step reads the copied-out grads
-        norm = self._global_norm()
-        gscale, found_inf = (None, None)
-        if self.max_grad_norm is not None:
-            gscale, found_inf = clip_coefficient(norm, self.max_grad_norm)
-        else:
-            found_inf = (~torch.isfinite(norm)).to(torch.float32)
+        # the norm of the grads / loss scale; the clip coefficient with 1/scale folded in; found-inf skips the step
+        norm, gscale, gscale64, found_inf = unscale_and_clip(self._global_norm(), self.max_grad_norm,
+                                                             self.loss_scaler)
         for b in self.buffers:
             g = self.param_groups[b.group_index]
             hyper = dict(lr=g["lr"], beta1=g["betas"][0], beta2=g["betas"][1], eps=g["eps"],
                          weight_decay=g["weight_decay"])
             grads, scale = self._grads(b), gscale
-            if scale is not None and b.grad.dtype == torch.float64:  # the fused step takes a float32 coefficient:
-                coef = torch.clamp(float(self.max_grad_norm) / (norm.double() + 1e-6), max=1.0)  # clip float64 exactly
-                coef = torch.where(torch.isfinite(coef), coef, torch.ones_like(coef)).to(b.grad.device)
-                torch._foreach_mul_(grads, coef)
+            if gscale64 is not None and b.grad.dtype == torch.float64:  # the fused step takes a float32 coefficient:
+                torch._foreach_mul_(grads, gscale64.to(b.grad.device))  # float64 grads get theirs exactly
                 scale = None
             if self.placement.offload_optimizer:
                 host_step_buffer(b, self._shards(b), grads, gscale=scale, found_inf=found_inf, **hyper)
@@ -312,6 +335,8 @@ class ZeroOptimizer(ZeroCheckpointing):
                        precision=b.mode, extras=None if extra is None else self._units(b, extra[0]), gscale=scale,
                        found_inf=found_inf, seed=self.seed, **hyper)
         self.stats.record(norm, found_inf)
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(found_inf)
         if self.stage3 is not None:  # a skipped step left the shards as they were: re-gathering is harmless
             self.stage3.regather_persistent()
         elif self.stage > 0 and self.dp > 1:
@@ -354,30 +379,9 @@ class ZeroOptimizer(ZeroCheckpointing):
 
     # ---------------------------------------------------------------- reports
     def memory_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds persistently, by kind, measured from the tensors themselves (stage 3: "params" counts
-        the frozen params' shards too; "persistent" the always-gathered units)."""
-        out = {"params": 0, "grads": 0, "master": 0, "optimizer_state": 0, "device": 0, "host": 0}
-
-        def add(kind: str, t: torch.Tensor) -> None:
-            n = t.numel() * t.element_size()
-            out[kind] += n
-            out[self.placement.where[kind]] += n
-
-        for b in self.buffers:
-            add("params", b.shard if b.shard is not None else b.flat)
-            add("grads", b.grad)
-            for name, t in b.state.items():
-                add("master" if name == "master" else "optimizer_state", t)
-        size = max(b.flat.element_size() for b in self.buffers)
-        out["staging_peak"] = self.reducer.staging_peak * size
-        for b in self.frozen_buffers:  # stage 3 frozen params: their shards
-            add("params", b.shard)
-        if self.stage3 is not None:  # gathered units: persistent ones always, the others while in use
-            persistent = sum(self.stage3._numel(k) for k in self.stage3.persistent) * size
-            out["persistent"] = persistent
-            out["device"] += persistent
-            out["gathered_peak"] = self.stage3.peak_live_numel * size
-        return out
+        """Bytes this rank holds persistently, by kind and by pool, measured from the tensors themselves
+        (``offload.memory_bytes``)."""
+        return memory_bytes(self)
 
     def num_params(self) -> int:
         """Trainable elements this optimizer updates (psi, without padding)."""

@@ -41,9 +41,16 @@ class NormStats:
         self._skips: torch.Tensor | None = None  # skipped steps since, on the device
         self._reported = 0
         self._seen: tuple[torch.Tensor, object] | None = None  # CUDA: (pinned copy of the count, its event)
+        self._found: torch.Tensor | None = None  # the last step's found-inf flag
+
+    @property
+    def overflow(self) -> bool:
+        """The last step was skipped for non-finite grads (DeepSpeed's ``optimizer.overflow``; reading syncs)."""
+        return self._found is not None and bool(self._found != 0)
 
     def record(self, norm: torch.Tensor, found_inf: torch.Tensor) -> None:
         self._norm = norm.detach()
+        self._found = found_inf.detach()
         hit = (found_inf.detach() != 0).to(torch.int64)
         self._skips = hit if self._skips is None else self._skips.to(hit.device).add_(hit)
         if self._skips.device.type != "cuda":  # host memory already: read it now (numpy: not a device read)
