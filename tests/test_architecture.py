@@ -20,11 +20,14 @@ FLOORS = {
     "tensor_parallel": 2, "optim": 2,
     "zero": 3, "pipeline": 3, "checkpoint": 3,
     "runtime": 4,
-    "cli": 5, "train": 5, "env_report": 5, "": 5,
+    "cli": 5, "train": 5, "env_report": 5, "pipe": 5, "": 5,
+    "comm": 5, "checkpointing": 5, "utils": 5,  # deepspeed.comm, deepspeed.checkpointing, deepspeed.utils
 }
 # DeepSpeed-compatible shims that must sit at DeepSpeed's module names inside a lower part (``deepspeed.ops.adam`` ->
 # ``llmpar.ops.adam``): they belong to the top floor, and nothing in llmpar may import them
-COMPAT_MODULES: dict[str, str] = {}
+COMPAT_MODULES: dict[str, str] = {
+    "llmpar.ops.adam": "top",  # deepspeed.ops.adam: FusedAdam, DeepSpeedCPUAdam over llmpar.optim.FusedAdamW
+}
 # module-level names that are caches (state that is only ever a memo of something recomputable), with the reason
 CACHES = {
     ("llmpar.ops._ext", "_status"): "the CUDA extension's load status, computed once per process",

@@ -24,6 +24,10 @@ from llmpar.distributed.errors import CollectiveError, collective_error
 from llmpar.distributed.groups import Group, GroupRef, as_group, global_rank, group_rank, group_size
 
 
+# torch 2.13 renamed the flat collectives (the old names warn FutureWarning): the new name where it exists
+_ALL_GATHER_FLAT = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER_FLAT = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 _OPS = {
     "sum": dist.ReduceOp.SUM,
     "max": dist.ReduceOp.MAX,
@@ -190,8 +194,9 @@ def reduce_scatter_flat(
     Paths, picked here (the caller never sees which): on gloo, sum / avg run as an all-to-all of the chunks and a
     local sum in rank order (the same bytes, 2-3x faster than gloo's own reduce-scatter at ZeRO unit sizes, measured
     800k floats dp=2: ~2 ms vs ~5 ms; it holds one more ``input``-sized buffer while in flight, see
-    :func:`reduce_scatter_uses_exchange`); elsewhere ``reduce_scatter_tensor``; where neither exists, an all-reduce of
-    a copy (2x traffic). Counted once, as the reduce-scatter it is, whichever path runs.
+    :func:`reduce_scatter_uses_exchange`); elsewhere ``reduce_scatter_tensor`` (``reduce_scatter_single`` from torch
+    2.13); where neither exists, an all-reduce of a copy (2x traffic). Counted once, as the reduce-scatter it is,
+    whichever path runs.
     """
     pg = as_group(group)
     size = dist.get_world_size(pg)
@@ -222,7 +227,7 @@ def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, pg: dist.ProcessG
             return _finish(async_op, [work], summed, what, pg)
     finish = (lambda: output.div_(size)) if op == "avg" else None
     try:
-        work = dist.reduce_scatter_tensor(output, input, op=reduce_op, group=pg, async_op=True)
+        work = _REDUCE_SCATTER_FLAT(output, input, op=reduce_op, group=pg, async_op=True)
     except (RuntimeError, NotImplementedError, AttributeError) as err:
         if not _unsupported(err):
             raise
@@ -253,7 +258,7 @@ def all_gather_flat(
         counter.record("all_gather", output.numel(), (size - 1) / size * output.numel() * output.element_size())
     with failing_as(what, pg):
         try:
-            work = dist.all_gather_into_tensor(output, input, group=pg, async_op=True)
+            work = _ALL_GATHER_FLAT(output, input, group=pg, async_op=True)
         except (RuntimeError, NotImplementedError, AttributeError) as err:
             if not _unsupported(err):
                 raise

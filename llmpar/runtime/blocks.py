@@ -83,17 +83,21 @@ class PipelineConfig:
     """``"pipeline": {"stages": 2, "schedule": "1f1b", "micro_batches": 8}`` (llmpar's block; DeepSpeed keeps these in
     its ``PipelineModule``). stages: pp (>= 1); schedule: gpipe, 1f1b (default) or interleaved_1f1b; micro_batches:
     *is* gradient_accumulation_steps (give either, or both equal); virtual_stages: stages per rank (default 2 for
-    interleaved_1f1b, else 1); partition: "parameters" (balanced parameter counts) or the first block index of
-    stages 1..S-1."""
+    interleaved_1f1b, else 1); partition: "parameters" (balanced parameter counts; DeepSpeed's "best" means the
+    same) or the first block index of stages 1..S-1. DeepSpeed's ``"stages": "auto"`` (None here) takes the stage
+    count of the ``PipelineModule`` given to ``initialize``."""
 
-    stages: int = 1
+    stages: int | None = 1
     schedule: str = "1f1b"
     micro_batches: int | None = None  # None: gradient_accumulation_steps
     virtual_stages: int | None = None
     partition: str | list[int] = "parameters"
 
     def __post_init__(self) -> None:
-        self.stages = as_int("pipeline.stages", self.stages, minimum=1)
+        if self.stages in ("auto", None):
+            self.stages = None
+        else:
+            self.stages = as_int("pipeline.stages", self.stages, minimum=1)
         try:
             self.schedule = normalize_schedule(self.schedule)
         except ValueError as e:
@@ -104,6 +108,7 @@ class PipelineConfig:
             self.virtual_stages = 2 if self.schedule == "interleaved_1f1b" else 1
         self.virtual_stages = as_int("pipeline.virtual_stages", self.virtual_stages, minimum=1)
         if isinstance(self.partition, str):
+            self.partition = "parameters" if self.partition == "best" else self.partition
             if self.partition != "parameters":
                 raise ValueError(f'"pipeline.partition"={self.partition!r} must be "parameters" or a list of '
                                  "block boundaries")

@@ -112,8 +112,8 @@ class Blocks:
 
     @property
     def degrees(self) -> tuple[int, int]:
-        """(pp, tp): what the mesh needs before dp is known."""
-        return (self.pipeline.stages if self.pipeline is not None else 1), self.tensor_parallel.size
+        """(pp, tp): what the mesh needs before dp is known (pp 1 for ``"stages": "auto"``: the PipelineModule's)."""
+        return (self.pipeline.stages or 1 if self.pipeline is not None else 1), self.tensor_parallel.size
 
 
 @dataclass(kw_only=True)

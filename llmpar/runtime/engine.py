@@ -9,9 +9,10 @@ over ``dp_group``; tensor-parallel layers on ``tp_group`` compose with it.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -34,9 +35,42 @@ class Engine(EngineBase):
         self.mesh = mesh  # the DeviceMesh the engine runs on, when it was given or built one
         self.dp_group = GroupRef(dp_group)  # by name: see GroupRef
         self.tp_group = GroupRef(tp_group) if tp_group is not None else None
+        self._boundary: bool | None = None  # set_gradient_accumulation_boundary's override
+        self._in_no_sync = False
 
     def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether this micro-step ends a gradient accumulation: ``(micro_steps + 1) % gas == 0``, unless
+        :meth:`set_gradient_accumulation_boundary` said otherwise."""
+        if self._boundary is not None:
+            return self._boundary
         return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """DeepSpeed's manual boundary: from now on the next backward reduces (True) or accumulates (False) the
+        gradients and the next ``step()`` applies the optimizer (True) or only counts the micro-step (False), until
+        called again; set it before each micro-step's backward."""
+        if not isinstance(is_boundary, bool):
+            raise TypeError(f"is_boundary must be a bool, got {type(is_boundary).__name__}")
+        self._boundary = is_boundary
+        self.optimizer.set_gradient_accumulation_boundary(is_boundary)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """DeepSpeed's: backward inside the block accumulates gradients on this rank without reducing them (ZeRO
+        stages 0 and 1, which reduce at the boundary); the first backward outside at the boundary reduces all of
+        them. ``step()`` inside is an error; so is the block under stages 2 / 3, which reduce gradients into their
+        partitions as backward runs (use gradient_accumulation_steps there)."""
+        if self.zero_optimization_partition_gradients():
+            raise RuntimeError(f"no_sync() is incompatible with ZeRO stage {self.config.zero.stage}, which reduces "
+                               "gradients into partitions as backward runs: use gradient_accumulation_steps (or "
+                               "set_gradient_accumulation_boundary) instead, or stage 0 / 1")
+        if self._in_no_sync:
+            raise RuntimeError("no_sync() cannot be entered again inside itself")
+        self._in_no_sync = True
+        try:
+            yield
+        finally:
+            self._in_no_sync = False
 
     def train(self, mode: bool = True) -> "Engine":
         self.module.train(mode)
@@ -52,22 +86,32 @@ class Engine(EngineBase):
     forward = __call__
 
     @reports_step
-    def backward(self, loss: torch.Tensor) -> torch.Tensor:
-        """Backward of ``loss / gradient_accumulation_steps``; returns the scaled loss."""
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Backward of ``loss / gradient_accumulation_steps`` (``scale_wrt_gas=False``: of ``loss``; times the loss
+        scale under fp16); returns that loss. ``retain_graph`` as in ``torch.Tensor.backward`` (ZeRO still reduces
+        each gradient once per accumulation)."""
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TypeError(f"engine.backward takes the scalar loss tensor, got {type(loss).__name__}"
                             + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else ""))
-        gas = self.config.gradient_accumulation_steps
-        self.optimizer.set_gradient_accumulation_boundary(self.is_gradient_accumulation_boundary())
+        gas = self.config.gradient_accumulation_steps if scale_wrt_gas else 1
+        self.optimizer.set_gradient_accumulation_boundary(self.is_gradient_accumulation_boundary()
+                                                          and not self._in_no_sync)
         scaled = loss / gas if gas > 1 else loss
-        scaled.backward()
+        scaler = getattr(self.optimizer, "loss_scaler", None)  # fp16: the step divides by the scale again
+        (scaled if scaler is None else scaler.scale_loss(scaled)).backward(retain_graph=retain_graph)
         return scaled
 
     @reports_step
-    def step(self) -> None:
-        """At the accumulation boundary: optimizer step, scheduler step, grads dropped. Always: micro_steps += 1."""
+    def step(self, lr_kwargs: dict | None = None) -> None:
+        """At the accumulation boundary: optimizer step, scheduler step (``lr_kwargs`` passed to it), grads dropped.
+        Always: micro_steps += 1."""
+        if self._in_no_sync:
+            raise RuntimeError("engine.step() inside engine.no_sync(): leave the block first (its gradients are "
+                               "reduced by the next backward outside it)")
         if self.is_gradient_accumulation_boundary():
-            self._finish_step(self.optimizer.step())
+            self._finish_step(self.optimizer.step(), lr_kwargs=lr_kwargs)
+        else:
+            self._step_applied = False
         self.micro_steps += 1
 
     def zero_grad(self) -> None:
@@ -77,22 +121,43 @@ class Engine(EngineBase):
         """The model's full state dict on dp rank 0 ({} elsewhere); stage 3 gathers it one unit at a time."""
         return consolidated_state_dict(self.module, self.optimizer)
 
-    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
-        """DeepSpeed's: write the full 16-bit (the params' dtype) weights from dp rank 0. Under stage 3 this needs
-        ``stage3_gather_16bit_weights_on_model_save`` (else nothing is saved and False is returned, as DeepSpeed)."""
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """DeepSpeed's: write the full 16-bit (the params' dtype) weights from dp rank 0 (frozen params left out with
+        ``exclude_frozen_parameters``). Under stage 3 this needs ``stage3_gather_16bit_weights_on_model_save`` (else
+        nothing is saved and False is returned, as DeepSpeed)."""
         if self.config.zero.stage == 3 and not self.config.zero.stage3_gather_16bit_weights_on_model_save:
             logger.warning("save_16bit_model: stage 3 without stage3_gather_16bit_weights_on_model_save: not saved")
             return False
         state = self.module_state_dict()
+        if exclude_frozen_parameters:
+            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+            state = {k: v for k, v in state.items() if k not in frozen}
         if group_rank(self.dp_group) == 0:
             os.makedirs(save_dir, exist_ok=True)
             torch.save(state, os.path.join(save_dir, save_filename))
         return True
 
+    save_fp16_model = save_16bit_model  # DeepSpeed's older name
+
     # checkpoint protocol (the rest is EngineBase's: the module is the model, names are its own)
     def checkpoint_grid(self) -> Grid:
         """dp (the optimizer's group) x tp."""
         return Grid.of(self.optimizer.dp_group, self.tp_group, None, self.optimizer.checkpoint_device())
+
+    def checkpoint_counters(self) -> dict:
+        """EngineBase's counters, plus the fp16 loss scaler's state (``"loss_scaler"``) when there is one."""
+        out = super().checkpoint_counters()
+        scaler = getattr(self.optimizer, "loss_scaler", None)
+        if scaler is not None:
+            out["loss_scaler"] = scaler.state_dict()
+        return out
+
+    def restore_counters(self, counters: dict) -> None:
+        super().restore_counters(counters)
+        scaler = getattr(self.optimizer, "loss_scaler", None)
+        if scaler is not None and isinstance(counters.get("loss_scaler"), dict):
+            scaler.load_state_dict(counters["loss_scaler"])
 
 
 __all__ = ["Engine"]

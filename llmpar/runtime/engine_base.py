@@ -1,12 +1,14 @@
-"""What llmpar's two engines share: DeepSpeed's accessors, the step counters, the end of an optimizer step
-(scheduler, zero_grad, counters, logging) and the checkpoint methods. ``Engine`` (plain / ZeRO 0-3) and
-``PipelineEngine`` (pp x dp x tp) derive from it; ``llmpar.checkpoint`` sees both through its protocol
+"""What llmpar's two engines share: DeepSpeed's engine API (``engine_api.DeepSpeedAPI``), the step counters, the
+end of an optimizer step (scheduler, zero_grad, counters, logging) and the checkpoint methods. ``Engine`` (plain /
+ZeRO 0-3) and ``PipelineEngine`` (pp x dp x tp) derive from it; ``llmpar.checkpoint`` sees both through its protocol
 (``llmpar.checkpoint.protocol.Checkpointable``): the counters and the module targets are implemented here, the grid,
 the checkpoint names and the tied duplicates by each engine.
 
 Counters (DeepSpeed's meaning): ``micro_steps`` forward/backward passes, ``global_steps`` optimizer steps taken
 (applied or skipped), ``global_samples`` samples seen, ``skipped_steps`` optimizer steps skipped for non-finite
 gradients (the optimizer's device counter, read only when asked; assignable, e.g. by a checkpoint load).
+Every ``steps_per_print`` optimizer steps global rank 0 logs DeepSpeed's progress line to the ``llmpar`` logger:
+``step=100, skipped=0, lr=[0.0003], mom=[(0.9, 0.999)], grad_norm=0.4321`` (``, loss=...`` for a pipeline step).
 """
 from __future__ import annotations
 
@@ -17,9 +19,11 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch import nn
 
-from llmpar.distributed.collectives import group_rank, group_size
 from llmpar.distributed.errors import CollectiveError
+from llmpar.runtime import engine_ckpt
+from llmpar.runtime.client import mirror_groups, step_scheduler
 from llmpar.runtime.config import Config
+from llmpar.runtime.engine_api import DeepSpeedAPI
 
 if TYPE_CHECKING:
     from llmpar.checkpoint.protocol import Grid, PendingSave
@@ -40,7 +44,7 @@ def reports_step(method: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-class EngineBase:
+class EngineBase(DeepSpeedAPI):
     """State and accessors common to the plain and the pipeline engine."""
 
     def __init__(self, module: nn.Module, config: Config, optimizer: Any, scheduler: Any) -> None:
@@ -50,38 +54,12 @@ class EngineBase:
         self.global_samples = 0
         self._skip_offset = 0  # skipped_steps = the optimizer's count + offset
         self.checkpoint_pending: PendingSave | None = None  # this engine's async save, published at the next wait
-
-    # DeepSpeed's accessors
-    def train_batch_size(self) -> int:
-        return self.config.train_batch_size
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return self.config.train_micro_batch_size_per_gpu
-
-    def gradient_accumulation_steps(self) -> int:
-        return self.config.gradient_accumulation_steps
-
-    def zero_optimization_stage(self) -> int:
-        return self.config.zero.stage
-
-    def bfloat16_enabled(self) -> bool:
-        return self.config.bf16
-
-    @property
-    def dp_world_size(self) -> int:
-        """Data-parallel ranks (DeepSpeed's name)."""
-        return group_size(self.optimizer.dp_group)
-
-    @property
-    def dp_rank(self) -> int:
-        """This rank's place in its data-parallel group."""
-        return group_rank(self.optimizer.dp_group)
-
-    def get_lr(self) -> list[float]:
-        return [g["lr"] for g in self.optimizer.param_groups]
-
-    def get_global_grad_norm(self) -> float | None:
-        return self.optimizer.last_grad_norm
+        self.training_dataloader: Any = None  # initialize(training_data=...)'s loader (DeepSpeed's name)
+        self.collate_fn: Callable | None = None
+        self._step_applied: Any = False  # the last step's StepApplied (a device flag until read)
+        self.client_optimizer: torch.optim.Optimizer | None = None  # a client lr_scheduler sets lrs here (client.py)
+        self.client_optimizer_name: str | None = None
+        self.exclude_frozen = False  # during save_checkpoint(exclude_frozen_parameters=True)
 
     @property
     def skipped_steps(self) -> int:
@@ -92,31 +70,46 @@ class EngineBase:
     def skipped_steps(self, value: int) -> None:
         self._skip_offset = int(value) - self.optimizer.skipped_steps
 
-    def _finish_step(self, applied: torch.Tensor | bool, loss: float | None = None) -> None:
+    def _finish_step(self, applied: Any, loss: float | None = None, lr_kwargs: dict | None = None) -> None:
         """After ``optimizer.step()`` returned ``applied`` (a device flag: read only when a scheduler must know,
         as DeepSpeed does not step the scheduler on a skipped step): scheduler, zero_grad, counters, log."""
+        self._step_applied = applied
         if self.lr_scheduler is not None and applied:
-            self.lr_scheduler.step()
+            if self.client_optimizer is not None:
+                step_scheduler(self.lr_scheduler, self.client_optimizer, self.optimizer, lr_kwargs)
+            else:
+                self.lr_scheduler.step(**(lr_kwargs or {}))
         self.optimizer.zero_grad()
         self.global_steps += 1
         self.global_samples += self.config.train_batch_size
-        if self.global_steps % self.config.steps_per_print == 0 and logger.isEnabledFor(logging.INFO):
-            logger.info("step %d:%s lr %s, grad norm %.4g, skipped %d", self.global_steps,
-                        "" if loss is None else f" loss {loss:.4f},", [round(lr, 8) for lr in self.get_lr()],
-                        self.optimizer.last_grad_norm or 0.0, self.skipped_steps)
+        if (self.global_steps % self.config.steps_per_print == 0 and self.global_rank == 0
+                and logger.isEnabledFor(logging.INFO)):
+            logger.info("step=%d, skipped=%d, lr=%s, mom=%s, grad_norm=%.4g%s", self.global_steps, self.skipped_steps,
+                        [round(lr, 8) for lr in self.get_lr()], self.get_mom(), self.optimizer.last_grad_norm or 0.0,
+                        "" if loss is None else f", loss={loss:.4f}")
+
+    def mirror_lrs_from_client(self) -> None:
+        """Copy the lrs a client scheduler set in its optimizer into the engine's optimizer."""
+        if self.client_optimizer is not None:
+            mirror_groups(self.client_optimizer.param_groups, self.optimizer.param_groups)
+
+    def mirror_lrs_to_client(self) -> None:
+        """Copy the optimizer's lrs (e.g. just loaded) back into the client optimizer a client scheduler reads."""
+        if self.client_optimizer is not None:
+            mirror_groups(self.optimizer.param_groups, self.client_optimizer.param_groups)
 
     # checkpoints (llmpar.checkpoint): every rank writes its own shards, one metadata.json for the run; params are
     # named as in the unsplit model, so a checkpoint loads at another dp / tp / pp degree, ZeRO stage or engine kind
     @reports_step
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False, *,
                         async_save: bool = False) -> str:
         """Sharded, atomic checkpoint ``save_dir/tag`` (default ``global_step{N}``), collective over the engine's
-        ranks (every rank must pass the same tag); see ``llmpar.checkpoint``. ``async_save``: written by a thread from
+        ranks (every rank must pass the same tag); see ``llmpar.checkpoint``. Returns its path. DeepSpeed's
+        ``save_latest`` / ``exclude_frozen_parameters``: see ``engine_ckpt``. ``async_save``: written by a thread from
         a host copy, published at the next ``wait_checkpoint`` / ``save_checkpoint`` / ``load_checkpoint``; one still
         pending when the engine is collected or the interpreter exits is finished then, with a warning."""
-        from llmpar.checkpoint import save_checkpoint
-
-        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, async_save=async_save)
+        return engine_ckpt.save(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters, async_save)
 
     @reports_step
     def wait_checkpoint(self) -> str | None:
@@ -126,15 +119,23 @@ class EngineBase:
         return wait_checkpoint(self)
 
     @reports_step
-    def load_checkpoint(self, load_dir: str, tag: str | None = None, *, strict: bool = True
-                        ) -> tuple[str, dict | None]:
-        """Load ``load_dir/tag`` (default: ``latest``), saved at any dp / tp / pp degree, ZeRO stage or offload;
-        returns (path, client_state). Every rank must load the same checkpoint. ``strict``: a param or buffer the
-        model has and the checkpoint lacks, or the other way round, is an error naming it (False: the model's keep
-        their values, the checkpoint's are ignored, with a warning)."""
-        from llmpar.checkpoint import load_checkpoint
-
-        return load_checkpoint(self, load_dir, tag=tag, strict=strict)
+    def load_checkpoint(self, load_dir: str, tag: str | None = None, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False,
+                        load_module_strict: bool = True, custom_load_fn: Callable | None = None, *,
+                        strict: bool | None = None) -> tuple[str | None, dict | None]:
+        """Load ``load_dir/tag`` (default: ``latest``; none there: ``(None, None)`` with a warning, as DeepSpeed),
+        saved at any dp / tp / pp degree, ZeRO stage or offload; returns (path, client_state). Every rank must load
+        the same checkpoint. ``strict`` (DeepSpeed's ``load_module_strict``): a param or buffer the model has and the
+        checkpoint lacks, or the other way round, is an error naming it (False: the model's keep their values, the
+        checkpoint's are ignored, with a warning). DeepSpeed's ``load_optimizer_states`` /
+        ``load_lr_scheduler_states`` / ``load_module_only``: see ``engine_ckpt``."""
+        if custom_load_fn is not None:
+            raise ValueError("load_checkpoint(custom_load_fn=...) is not supported: llmpar loads its own sharded "
+                             "format (load with strict=False and fix up the module afterwards)")
+        if strict is not None and strict != load_module_strict and load_module_strict is not True:
+            raise ValueError(f"strict={strict} and load_module_strict={load_module_strict} disagree: give one")
+        return engine_ckpt.load(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
+                                load_module_only, load_module_strict if strict is None else strict)
 
     # the engine's side of the checkpoint protocol (llmpar.checkpoint.protocol.Checkpointable); each engine adds
     # checkpoint_grid() and checkpoint_modules(), and overrides the naming when its modules are not the model
@@ -162,12 +163,13 @@ class EngineBase:
         return set()
 
     def checkpoint_targets(self) -> dict[str, tuple[torch.Tensor, bool]]:
-        """{checkpoint name: (live tensor, is_param)} of this rank's modules (the first holder of a shared one)."""
+        """{checkpoint name: (live tensor, is_param)} of this rank's modules (the first holder of a shared one;
+        frozen params left out while ``save_checkpoint(exclude_frozen_parameters=True)`` runs)."""
         names = self.checkpoint_names()
         out: dict[str, tuple[torch.Tensor, bool]] = {}
         for kind, is_param in (("named_parameters", True), ("named_buffers", False)):
             for name, t in self.checkpoint_named(kind):
-                if t is not None:
+                if t is not None and not (self.exclude_frozen and is_param and not t.requires_grad):
                     out.setdefault(names.get(name, name), (t, is_param))
         return out
 
