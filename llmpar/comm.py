@@ -23,12 +23,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed import P2POp, ReduceOp  # noqa: F401  (re-exported under DeepSpeed's names)
 
-from llmpar.distributed.collectives import failing_as
-from llmpar.distributed.init import DistEnv
+from llmpar.distributed.collectives import TORCH_ALL_GATHER_INTO_TENSOR, TORCH_REDUCE_SCATTER_TENSOR, failing_as
+from llmpar.distributed.init import DistEnv, collective_timeout
 from llmpar.distributed.init import init_distributed as _llmpar_init
-
-_ALL_GATHER_FLAT = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_REDUCE_SCATTER_FLAT = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _IGNORED = ("prof", "log_name", "debug")
 
 
@@ -67,9 +64,8 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     if not dist.is_initialized() and (init_method is not None or rank >= 0 or world_size > 0):
         # the caller's rendezvous: torch's init_process_group, then llmpar adopts the group
         kind = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        seconds = timeout_s if timeout_s is not None else float(os.environ.get("LLMPAR_TIMEOUT_S") or 600)
         dist.init_process_group(kind, init_method=init_method or "env://", rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=seconds))
+                                timeout=datetime.timedelta(seconds=collective_timeout(timeout_s)))
     return _llmpar_init(backend=backend, dims=dims, tp=tp, pp=pp, dp=dp, timeout_s=timeout_s,
                         device_type=device_type)
 
@@ -179,7 +175,7 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, tensor: torch.Tensor, gr
                            async_op: bool = False, **kw: Any) -> Any:
     """``output[r * n:(r + 1) * n] = tensor`` of rank r (torch's ``all_gather_single``, formerly
     ``all_gather_into_tensor``)."""
-    return _run("all-gather into a tensor", group, _ALL_GATHER_FLAT, output_tensor, tensor, async_op=async_op, **kw)
+    return _run("all-gather into a tensor", group, TORCH_ALL_GATHER_INTO_TENSOR, output_tensor, tensor, async_op=async_op, **kw)
 
 
 allgather_fn = all_gather_into_tensor
@@ -190,7 +186,7 @@ def reduce_scatter_tensor(output_tensor: torch.Tensor, tensor: torch.Tensor, op:
                           group: Any = None, async_op: bool = False, **kw: Any) -> Any:
     """``output = reduce_r tensor_r[rank * n:(rank + 1) * n]`` (torch's ``reduce_scatter_single``, formerly
     ``reduce_scatter_tensor``)."""
-    return _run("reduce-scatter of a tensor", group, _REDUCE_SCATTER_FLAT, output_tensor, tensor, op=op,
+    return _run("reduce-scatter of a tensor", group, TORCH_REDUCE_SCATTER_TENSOR, output_tensor, tensor, op=op,
                 async_op=async_op, **kw)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import threading
 from pathlib import Path
 
@@ -267,6 +268,8 @@ def test_fault_hook_is_per_call(point, tmp_path):
     with pytest.raises(CheckpointError, match="simulated crash"):
         save_checkpoint(engine, tmp_path, tag="bad", fault_hook=crash)
     assert (tmp_path / "latest").read_text().strip() == "good"
+    if point != "before_latest":  # the failed save deleted its .tmp-bad (a crash after the rename left "bad" whole)
+        assert sorted(os.listdir(tmp_path)) == ["good", "latest"]
     save_checkpoint(engine, tmp_path, tag="next")  # no hook left behind anywhere
     assert (tmp_path / "latest").read_text().strip() == "next"
 

@@ -25,8 +25,10 @@ from llmpar.distributed.groups import Group, GroupRef, as_group, global_rank, gr
 
 
 # torch 2.13 renamed the flat collectives (the old names warn FutureWarning): the new name where it exists
-_ALL_GATHER_FLAT = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_REDUCE_SCATTER_FLAT = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# torch's flat all-gather / reduce-scatter under their torch 2.13 names when present (no deprecation warning), else
+# the older ones: the one place that picks (llmpar.comm uses them too)
+TORCH_ALL_GATHER_INTO_TENSOR = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+TORCH_REDUCE_SCATTER_TENSOR = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 _OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -227,7 +229,7 @@ def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, pg: dist.ProcessG
             return _finish(async_op, [work], summed, what, pg)
     finish = (lambda: output.div_(size)) if op == "avg" else None
     try:
-        work = _REDUCE_SCATTER_FLAT(output, input, op=reduce_op, group=pg, async_op=True)
+        work = TORCH_REDUCE_SCATTER_TENSOR(output, input, op=reduce_op, group=pg, async_op=True)
     except (RuntimeError, NotImplementedError, AttributeError) as err:
         if not _unsupported(err):
             raise
@@ -258,7 +260,7 @@ def all_gather_flat(
         counter.record("all_gather", output.numel(), (size - 1) / size * output.numel() * output.element_size())
     with failing_as(what, pg):
         try:
-            work = _ALL_GATHER_FLAT(output, input, group=pg, async_op=True)
+            work = TORCH_ALL_GATHER_INTO_TENSOR(output, input, group=pg, async_op=True)
         except (RuntimeError, NotImplementedError, AttributeError) as err:
             if not _unsupported(err):
                 raise

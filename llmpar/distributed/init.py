@@ -71,6 +71,20 @@ def _pick_backend(backend: str | None) -> str:
 DEFAULT_TIMEOUT_S = 600.0  # a collective's wait for its peers: minutes, not torch's half hour
 
 
+def collective_timeout(timeout_s: float | None = None) -> float:
+    """The collective timeout in seconds: ``timeout_s``, else ``LLMPAR_TIMEOUT_S``, else :data:`DEFAULT_TIMEOUT_S`;
+    a ValueError unless positive and finite."""
+    if timeout_s is None:
+        env_timeout = os.environ.get("LLMPAR_TIMEOUT_S")
+        try:
+            timeout_s = float(env_timeout) if env_timeout else DEFAULT_TIMEOUT_S
+        except ValueError:
+            raise ValueError(f"LLMPAR_TIMEOUT_S={env_timeout!r} must be a number of seconds") from None
+    if not timeout_s > 0 or timeout_s != timeout_s or timeout_s == float("inf"):
+        raise ValueError(f"timeout_s={timeout_s} must be a positive finite number of seconds")
+    return float(timeout_s)
+
+
 def init_distributed(
     *,
     backend: str | None = None,
@@ -93,14 +107,7 @@ def init_distributed(
     """
     if dims is not None and any(v is not None for v in (tp, pp, dp)):
         raise ValueError("pass either dims= or tp=/pp=/dp=, not both")
-    if timeout_s is None:
-        env_timeout = os.environ.get("LLMPAR_TIMEOUT_S")
-        try:
-            timeout_s = float(env_timeout) if env_timeout else DEFAULT_TIMEOUT_S
-        except ValueError:
-            raise ValueError(f"LLMPAR_TIMEOUT_S={env_timeout!r} must be a number of seconds") from None
-    if not timeout_s > 0 or timeout_s != timeout_s or timeout_s == float("inf"):
-        raise ValueError(f"timeout_s={timeout_s} must be a positive finite number of seconds")
+    timeout_s = collective_timeout(timeout_s)
     rank = _env_int("RANK", 0)
     world_size = _env_int("WORLD_SIZE", 1)
     local_rank = _env_int("LOCAL_RANK", rank)

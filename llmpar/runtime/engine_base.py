@@ -173,11 +173,11 @@ class EngineBase(DeepSpeedAPI):
                     out.setdefault(names.get(name, name), (t, is_param))
         return out
 
-    def checkpoint_counters(self) -> dict[str, int]:
+    def checkpoint_counters(self) -> dict[str, Any]:
         """The run counters a checkpoint saves."""
         return {k: getattr(self, k) for k in self._COUNTERS}
 
-    def restore_counters(self, counters: dict[str, int]) -> None:
+    def restore_counters(self, counters: dict[str, Any]) -> None:
         """Take saved counters back (``skipped_steps`` through its setter)."""
         for k in self._COUNTERS:
             if k in counters:

@@ -35,7 +35,7 @@ from llmpar.runtime.client import client_optimizer, client_scheduler
 from llmpar.runtime.config import Blocks, Config, read_config
 from llmpar.runtime.engine import Engine
 from llmpar.runtime.logs import default_log_handler, log_initialized
-from llmpar.runtime.loss_scale import build_loss_scaler, model_dtype
+from llmpar.runtime.precision import build_loss_scaler, model_dtype
 from llmpar.runtime.params import canonical_names, named_groups, stage_groups, unsplit_names
 from llmpar.runtime.pipeline_engine import PipelineEngine, is_pipeline_module, pipeline_loader
 from llmpar.runtime.schedules import WarmupSchedule

@@ -17,9 +17,7 @@ from llmpar.zero.loss_scale import LossScaler
 
 
 def model_dtype(bf16: bool, fp16: Fp16Config) -> torch.dtype | None:
-    """The dtype the model's params are put in (None: as given)."""
-    if bf16 and fp16.enabled:
-        raise ValueError('"fp16.enabled" and "bf16.enabled" are both true: pick one precision')
+    """The dtype the model's params are put in (None: as given); ``Blocks.parse`` refuses bf16 and fp16 together."""
     return torch.bfloat16 if bf16 else torch.float16 if fp16.enabled else None
 
 
