@@ -8,6 +8,14 @@ sys.path.insert(0, os.path.dirname(__file__))  # so that the ranks (and tests) c
 from multirank import close_pools  # noqa: E402
 
 
+@pytest.fixture(scope="session")
+def ds_ext_dir(tmp_path_factory):
+    """One TORCH_EXTENSIONS_DIR for every DeepSpeed process the session starts: DeepSpeed JIT-builds its CPU ops
+    (shm comm, cpu_adam: ~40 s each) once, not once per test; a build killed midway leaves its lock in this
+    session's directory only."""
+    return tmp_path_factory.mktemp("ds_ext")
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
 

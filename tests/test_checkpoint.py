@@ -236,14 +236,16 @@ def test_consolidate_equals_gathered_model(stage, bf16, frozen, tmp_path):
     gathered, masters = run_ranks(consolidate_body, 2, str(tmp_path / "ck"), stage, bf16, frozen, timeout=120)[0]
     out = tmp_path / "out"
     assert main(["checkpoint", "consolidate", str(tmp_path / "ck"), str(out)]) == 0
-    sd = torch.load(out / "pytorch_model.bin", weights_only=True)
+    from safetensors.torch import load_file
+    sd = load_file(str(out / "model.safetensors"))
     want = masters if bf16 else gathered
     assert sorted(sd) == sorted(want)
     for name, t in want.items():
         assert sd[name].dtype == torch.float32 and torch.equal(sd[name], t.float()), name
-    from safetensors.torch import load_file
-    st = load_file(str(out / "model.safetensors"))
-    assert all(torch.equal(st[n], sd[n]) for n in sd)
+    assert main(["checkpoint", "consolidate", str(tmp_path / "ck"), str(out), "--format", "bin"]) == 0
+    bin_sd = torch.load(out / "pytorch_model.bin", weights_only=True)
+    assert sorted(os.listdir(out)) == ["pytorch_model.bin"]  # the safetensors file of the export before is gone
+    assert all(torch.equal(bin_sd[n], sd[n]) for n in sd) and sorted(bin_sd) == sorted(sd)
     plain = GPT(GPTConfig(**GPT_CFG), seed=9)
     plain.load_state_dict(sd)  # strict: every key of the plain model
     kept = consolidated_state_dict(str(tmp_path / "ck"), dtype=None)

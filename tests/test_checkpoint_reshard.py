@@ -201,7 +201,8 @@ def test_consolidate_equals_gathered_model(layout, tie, tmp_path):
         for n, t in o.items():
             assert torch.equal(gathered.setdefault(n, t), t), n
     assert main(["checkpoint", "consolidate", str(tmp_path / "ck"), str(tmp_path / "out"), "--dtype", "keep"]) == 0
-    sd = torch.load(tmp_path / "out" / "pytorch_model.bin", weights_only=True)
+    from safetensors.torch import load_file
+    sd = load_file(str(tmp_path / "out" / "model.safetensors"))
     assert sorted(sd) == sorted(gathered)
     for name, t in gathered.items():
         assert sd[name].dtype == torch.float64 and torch.equal(sd[name], t), name

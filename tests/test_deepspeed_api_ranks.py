@@ -33,12 +33,12 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _script(which, tmp_path):
+def _script(which, tmp_path, ext):
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps(CONFIG))
     out = tmp_path / f"{which}.json"
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
-           "TORCH_EXTENSIONS_DIR": str(tmp_path / f"ext_{which}"), "PYTHONWARNINGS": "always"}
+           "TORCH_EXTENSIONS_DIR": str(ext), "PYTHONWARNINGS": "always"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
            str(DATA / "pipe_launch.py"), which, str(DATA / "ds_script.py"), "--deepspeed", "--deepspeed_config",
            str(cfg), "--out", str(out), "--ckpt", str(tmp_path / f"ckpt_{which}")]
@@ -47,10 +47,10 @@ def _script(which, tmp_path):
     return json.loads(out.read_text()), proc
 
 
-def test_deepspeed_script_runs_with_llmpar_and_matches_deepspeed(tmp_path):
+def test_deepspeed_script_runs_with_llmpar_and_matches_deepspeed(tmp_path, ds_ext_dir):
     pytest.importorskip("deepspeed", reason="DeepSpeed is not installed")
-    theirs, _ = _script("deepspeed", tmp_path)
-    ours, proc = _script("llmpar", tmp_path)
+    theirs, _ = _script("deepspeed", tmp_path, ds_ext_dir)
+    ours, proc = _script("llmpar", tmp_path, ds_ext_dir)
     for key in ("loss", "resumed_loss", "grad_norm"):
         torch.testing.assert_close(torch.tensor(ours[key], dtype=torch.float64),
                                    torch.tensor(theirs[key], dtype=torch.float64), rtol=1e-5, atol=0, msg=key)

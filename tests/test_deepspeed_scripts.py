@@ -39,13 +39,13 @@ def config(stage: int) -> dict:
                                   "stage3_param_persistence_threshold": 0}}
 
 
-def run_script(which: str, stage: int, tmp: Path) -> tuple[list[float], float]:
+def run_script(which: str, stage: int, tmp: Path, ext: Path | None = None) -> tuple[list[float], float]:
     """(losses, wall seconds) of the cifar script run by ``which`` (deepspeed | llmpar) on 2 ranks."""
     cfg = tmp / f"ds_s{stage}.json"
     cfg.write_text(json.dumps(config(stage)))
     out = tmp / f"{which}_s{stage}.json"
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
-           "TORCH_EXTENSIONS_DIR": str(tmp / f"ext_{which}")}
+           "TORCH_EXTENSIONS_DIR": str(ext if ext is not None else tmp / f"ext_{which}")}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_port()),
            str(DATA / "pipe_launch.py"), which, str(DATA / "cifar_script.py"), "--deepspeed", "--deepspeed_config",
            str(cfg), "--steps", str(STEPS), "--out", str(out)]
@@ -59,10 +59,10 @@ def run_script(which: str, stage: int, tmp: Path) -> tuple[list[float], float]:
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_cifar_script_matches_deepspeed(stage, tmp_path):
+def test_cifar_script_matches_deepspeed(stage, tmp_path, ds_ext_dir):
     pytest.importorskip("deepspeed", reason="DeepSpeed is not installed")
-    theirs, _ = run_script("deepspeed", stage, tmp_path)
-    ours, _ = run_script("llmpar", stage, tmp_path)
+    theirs, _ = run_script("deepspeed", stage, tmp_path, ds_ext_dir)
+    ours, _ = run_script("llmpar", stage, tmp_path, ds_ext_dir)
     assert len(ours) == len(theirs) == STEPS
     torch.testing.assert_close(torch.tensor(ours, dtype=torch.float64), torch.tensor(theirs, dtype=torch.float64),
                                rtol=1e-5, atol=0)

@@ -289,10 +289,10 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _run_script(which, partition, tmp_path, steps):
+def _run_script(which, partition, tmp_path, steps, ext):
     out = tmp_path / f"{which}.json"
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
-           "TORCH_EXTENSIONS_DIR": str(tmp_path / f"ext_{which}"), "PYTHONPATH": str(ROOT)}
+           "TORCH_EXTENSIONS_DIR": str(ext), "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
            str(DATA / "pipe_launch.py"), which, str(DATA / "pipe_script.py"), str(out), str(steps), partition]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -301,11 +301,11 @@ def _run_script(which, partition, tmp_path, steps):
 
 
 @pytest.mark.parametrize("partition", ["parameters", "uniform"])
-def test_deepspeed_pipeline_script_runs_with_llmpar_and_matches(partition, tmp_path):
+def test_deepspeed_pipeline_script_runs_with_llmpar_and_matches(partition, tmp_path, ds_ext_dir):
     """parameters: [0, 5, 11], stage 0 ends with ReLU(inplace=True); uniform: [0, 6, 11], stage 1 starts with one."""
     pytest.importorskip("deepspeed", reason="DeepSpeed is not installed")
-    theirs = _run_script("deepspeed", partition, tmp_path, 30)
-    ours = _run_script("llmpar", partition, tmp_path, 30)
+    theirs = _run_script("deepspeed", partition, tmp_path, 30, ds_ext_dir)
+    ours = _run_script("llmpar", partition, tmp_path, 30, ds_ext_dir)
     assert ours["parts"] == theirs["parts"] == ([0, 5, 11] if partition == "parameters" else [0, 6, 11])
     torch.testing.assert_close(torch.tensor(ours["train"], dtype=torch.float64),
                                torch.tensor(theirs["train"], dtype=torch.float64), rtol=1e-5, atol=0)

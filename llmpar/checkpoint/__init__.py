@@ -3,7 +3,7 @@
     path = engine.save_checkpoint("ckpts", client_state={"data_pos": 1234})   # every rank writes its own shards
     path, client_state = engine.load_checkpoint("ckpts")       # latest; any dp / tp / pp degree, ZeRO stage, offload
     engine.save_checkpoint("ckpts", async_save=True); ...train...; engine.wait_checkpoint()  # written by a thread
-    llmpar checkpoint consolidate ckpts/global_step100 out/                   # one full-precision state dict
+    llmpar checkpoint consolidate ckpts/global_step100 out/     # HF layout: model*.safetensors (+ index), config.json
 
 ``protocol.py``: the typed seam, what an engine (``Checkpointable``) and its optimizer (``CheckpointOptimizer``) show
 a checkpoint: nothing else of theirs is read here, and this package imports neither ``llmpar.zero`` nor
@@ -13,7 +13,9 @@ agreement between ranks; ``publish.py``: the publish (crash-safe at every instan
 and how any saved layout is cut back into named param ranges; ``reshard.py``: tensor-parallel splits recorded per
 param and cut for another tp; ``view.py``: one save's or load's view of an engine (grid, params under the unsplit
 model's names); ``save.py`` / ``load.py``: the collective save and load; ``consolidate.py``: the single-process
-consolidation and its CLI command.
+consolidation and its CLI command; ``hf_files.py``: a full state dict written as HuggingFace's ``from_pretrained``
+loads it (safetensors shards + index, tied weights once, config.json), for ``consolidate`` and
+``engine.save_hf_model``.
 """
 from llmpar.checkpoint.files import CheckpointError
 from llmpar.checkpoint.load import load_checkpoint

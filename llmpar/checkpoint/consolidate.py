@@ -1,15 +1,23 @@
-"""One full-precision state dict from a sharded checkpoint, on one process (no ranks needed).
+"""The model's weights from a sharded checkpoint, on one process (no ranks needed), in HuggingFace's layout.
 
     llmpar checkpoint consolidate ckpts/global_step100 out/      # or ckpts (its `latest`)
-    -> out/pytorch_model.bin  (torch.save of {name: tensor})  and  out/model.safetensors  (when safetensors is there)
+    -> out/model.safetensors (or model-0000k-of-0000n.safetensors + model.safetensors.index.json above
+       --max-shard-size, default 5GB) and, for a HuggingFace model, out/config.json (+ generation_config.json):
+       AutoModelForCausalLM.from_pretrained("out") loads it
+    llmpar checkpoint consolidate ckpts out/ --dtype bf16         # float tensors in bf16 (default fp32; keep: as saved)
+    llmpar checkpoint consolidate ckpts out/ --format bin         # pytorch_model.bin (torch.save) instead
     llmpar checkpoint publish ckpts global_step100               # a save whose publish never ran (ckpts/.tmp-TAG)
 
 Each trained param is rebuilt whole from the shards by name (``CheckpointReader.full``: a tensor-parallel param is
 concatenated over the saved tp ranks along its split dim, vocabulary padding dropped; a pipeline checkpoint already
 names params as the unsplit model does, a tied weight once), from the fp32 master when the run kept one, else from
-the params, cast to float32 (float64 stays float64); module buffers and frozen params come from dp rank 0's files.
-``model.load_state_dict(torch.load(out/pytorch_model.bin))`` loads it into the plain model (tied weights
-appear once, under the first name). ``metadata.json``'s digest and every file's sha256 are verified first.
+the params, cast to ``dtype`` (default float32: the full-precision weights, as DeepSpeed's ``zero_to_fp32``; float64
+stays float64); persistent module buffers and frozen params come from dp
+rank 0's files (a checkpoint written before llmpar left non-persistent buffers out still holds those and they are
+written too). Names are the model's own (``model.named_parameters()``); a tied weight appears once, under its first
+name. The files are written by ``hf_files.write_hf_model``, ``config.json`` from the HuggingFace config the engine
+recorded in ``metadata.json`` (none for an older checkpoint or a model without one). ``metadata.json``'s digest and
+every file's sha256 are verified first.
 """
 from __future__ import annotations
 
@@ -20,7 +28,7 @@ from typing import Any
 
 import torch
 
-from llmpar.checkpoint import files, publish
+from llmpar.checkpoint import files, hf_files, publish
 from llmpar.checkpoint.files import CheckpointError
 from llmpar.checkpoint.reshard import CheckpointReader
 
@@ -31,10 +39,8 @@ def _locate(path: str, tag: str | None) -> str:
     return files.resolve(path, tag)[1]
 
 
-def consolidated_state_dict(path: str, tag: str | None = None, *, dtype: torch.dtype | None = torch.float32
-                            ) -> dict[str, torch.Tensor]:
-    """{name: full tensor} of checkpoint ``path`` (a checkpoint dir, or a save dir with ``latest`` / ``tag``).
-    dtype: float params are cast to it (float64 ones kept); None keeps the saved dtype."""
+def _read(path: str, tag: str | None, dtype: torch.dtype | None) -> tuple[dict[str, torch.Tensor], dict]:
+    """({name: full tensor}, metadata.json) of the checkpoint, every file verified first."""
     ckpt = _locate(os.fspath(path), tag)
     meta = files.read_metadata(ckpt)
     for fname, entry in sorted(meta["files"].items()):
@@ -51,32 +57,46 @@ def consolidated_state_dict(path: str, tag: str | None = None, *, dtype: torch.d
         out[name] = t.clone()
     for name, t in reader.extras(reader.tp, 0).items():
         out.setdefault(name, t.clone())
-    return out
+    return out, meta
 
 
-def consolidate(path: str, out_dir: str, tag: str | None = None, *, dtype: torch.dtype | None = torch.float32
-                ) -> list[str]:
-    """Write ``out_dir/pytorch_model.bin`` (and ``model.safetensors`` when safetensors is installed); returns paths."""
-    state = consolidated_state_dict(path, tag, dtype=dtype)
-    os.makedirs(out_dir, exist_ok=True)
-    written = [os.path.join(out_dir, "pytorch_model.bin")]
-    torch.save(state, written[0])
+def consolidated_state_dict(path: str, tag: str | None = None, *, dtype: torch.dtype | None = torch.float32
+                            ) -> dict[str, torch.Tensor]:
+    """{name: full tensor} of checkpoint ``path`` (a checkpoint dir, or a save dir with ``latest`` / ``tag``).
+    dtype: float params are cast to it (float64 ones kept); None keeps the saved dtype."""
+    return _read(path, tag, dtype)[0]
+
+
+def consolidate(path: str, out_dir: str, tag: str | None = None, *, dtype: Any = torch.float32,
+                max_shard_size: Any = hf_files.DEFAULT_SHARD_SIZE, format: str | None = None) -> list[str]:
+    """Write the checkpoint's weights into ``out_dir`` as HuggingFace does (``hf_files.write_hf_model``): float
+    tensors in ``dtype`` (bf16 / fp16 / fp32 or a torch dtype, float64 ones kept; None / "keep": as saved), shards of
+    at most ``max_shard_size`` ("5GB", or bytes) with an index, ``config.json`` / ``generation_config.json`` when the
+    checkpoint recorded the model's HuggingFace config. ``format``: "safetensors" (default when installed) or "bin".
+    Returns the paths written."""
+    target = hf_files.parse_dtype(dtype)
+    hf_files.parse_size(max_shard_size)  # bad arguments fail before the checkpoint is read
+    hf_files.parse_format(format)
+    state, meta = _read(path, tag, target)
+    model = meta.get("model", {})
+    return hf_files.write_hf_model(out_dir, state, config=model.get("hf_config"),
+                                   generation_config=model.get("hf_generation_config"),
+                                   max_shard_size=max_shard_size, format=format)
+
+
+def _size_arg(text: str) -> str:
     try:
-        from safetensors.torch import save_file
-    except ImportError:
-        return written
-    written.append(os.path.join(out_dir, "model.safetensors"))
-    save_file({k: v.contiguous() for k, v in state.items()}, written[1], metadata={"format": "pt"})
-    return written
-
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "keep": None}
+        hf_files.parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("max_shard_size=")) from None
+    return text
 
 
 def _run(args: argparse.Namespace) -> int:
     try:
-        paths = consolidate(args.dir, args.out, args.tag, dtype=_DTYPES[args.dtype])
-    except (CheckpointError, OSError, ValueError) as e:
+        paths = consolidate(args.dir, args.out, args.tag, dtype=args.dtype, max_shard_size=args.max_shard_size,
+                            format=args.format)
+    except (CheckpointError, OSError, ValueError, ImportError) as e:
         print(f"llmpar checkpoint consolidate: {e}", file=sys.stderr)
         return 1
     for p in paths:
@@ -98,12 +118,19 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser("checkpoint", help="work with sharded checkpoints (consolidate, publish)")
     sub = p.add_subparsers(dest="checkpoint_command", metavar="ACTION")
     sub.required = True
-    c = sub.add_parser("consolidate", help="write one full-precision state dict from a sharded checkpoint")
+    c = sub.add_parser("consolidate", help="write a checkpoint's weights as a HuggingFace model directory "
+                                           "(safetensors shards + index, config.json)")
     c.add_argument("dir", help="a checkpoint directory, or the save directory (its 'latest', or --tag)")
-    c.add_argument("out", help="output directory: pytorch_model.bin and model.safetensors")
+    c.add_argument("out", help="output directory: model.safetensors (or shards + model.safetensors.index.json), "
+                               "config.json and generation_config.json for a HuggingFace model")
     c.add_argument("--tag", default=None, help="checkpoint tag inside DIR (default: DIR/latest)")
-    c.add_argument("--dtype", default="float32", choices=sorted(_DTYPES),
-                   help="dtype of float tensors (default float32; 'keep' keeps the saved dtype)")
+    c.add_argument("--dtype", default="fp32", choices=sorted(hf_files.DTYPES) + ["keep"],
+                   help="dtype of float tensors: bf16, fp16 or fp32 (the default: from the fp32 master when the run "
+                        "kept one); 'keep' keeps the saved dtype")
+    c.add_argument("--max-shard-size", default=hf_files.DEFAULT_SHARD_SIZE, type=_size_arg,
+                   help="largest shard, e.g. 5GB (the default, HuggingFace's), 500MB, 2GiB or bytes")
+    c.add_argument("--format", default=None, choices=sorted(hf_files.FORMATS),
+                   help="safetensors (the default when installed) or bin (pytorch_model.bin, torch.save)")
     c.set_defaults(func=_run)
     u = sub.add_parser("publish", help="publish a save left in DIR/.tmp-TAG (its run ended before the publish) once "
                                        "every rank's file is there; DIR/latest then names it")

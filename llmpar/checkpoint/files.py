@@ -5,7 +5,9 @@ A checkpoint ``DIR/TAG/`` holds, once published:
 
     metadata.json          the global layout and run state (written last, by rank 0; its presence marks completeness),
                            with ``"digest"``: the sha256 of its own content (every key but the digest, canonical JSON),
-                           which covers the shard list (each file's sha256 and size) and every number in it
+                           which covers the shard list (each file's sha256 and size) and every number in it; for a
+                           HuggingFace model ``"model"``: its config and generation config (``consolidate`` writes
+                           them as ``config.json`` / ``generation_config.json``; absent in older checkpoints)
     dp{d:03d}-tp{t:02d}.pt  one file per rank: its own shards, its RNG states (``shards.py`` says what is inside);
                            ``pp{p:02d}-dp{d:03d}-tp{t:02d}.pt`` when the run had pp > 1 pipeline ranks
     client_state.pt        the caller's ``client_state`` (rank 0)

@@ -34,7 +34,7 @@ import torch
 
 from llmpar.checkpoint import files, publish
 from llmpar.checkpoint.files import CheckpointError
-from llmpar.checkpoint.protocol import Checkpointable, Grid
+from llmpar.checkpoint.protocol import Checkpointable, DescribesModel, Grid
 from llmpar.checkpoint.reshard import CheckpointReader, Cut
 from llmpar.checkpoint.save import wait_checkpoint
 from llmpar.checkpoint.shards import extras_names, set_rng_state
@@ -112,6 +112,11 @@ def _stored_names(meta: dict) -> list[str]:
         return sorted(params | set(meta.get("extras", {})))
     except (KeyError, TypeError):  # a malformed layout: _plan reports it
         return []
+
+
+def _unsaved(engine: Checkpointable) -> set[str]:
+    """Module buffers the engine does not save (non-persistent ones): not unexpected in an older checkpoint."""
+    return set(engine.checkpoint_model().get("unsaved_buffers", ())) if isinstance(engine, DescribesModel) else set()
 
 
 def _own_file(g: Grid, meta: dict) -> str:
@@ -241,7 +246,7 @@ def load_checkpoint(engine: Checkpointable, load_dir: str, tag: str | None = Non
         logger.debug("load_checkpoint: %s", traceback.format_exc())
         code = 1
     stored = _stored_names(meta)  # the same list on every rank (the same metadata.json, agreed above)
-    mine = set(view.saved_name.values()) | set(view.targets())
+    mine = set(view.saved_name.values()) | set(view.targets()) | _unsaved(engine)
     code, *held = files.agree_all([code, *(int(n in mine) for n in stored)], g.groups, g.device)
     unexpected = [n for n, h in zip(stored, held) if not h]  # in the checkpoint, in no rank's model
     if code >= 2:

@@ -18,6 +18,8 @@ and an element range ``[start, stop)`` of its flat (``reshape(-1)``) view, whate
       frozen_shapes() / gather_frozen() / load_frozen()       checkpoint_pending       its unpublished async save
       prepare_save() / after_load()
       checkpoint_facts(), checkpoint_device(), stage, dp, param_groups, skipped_steps, last_grad_norm
+                                                              (optional, ``DescribesModel``) checkpoint_model():
+                                                               HF config + generation config, buffers not saved
 
 The protocols are structural (``typing.Protocol``): an implementation needs no import of this module, and the data
 crossing the seam is plain (str, int, tuples, dicts, CPU tensors).
@@ -198,7 +200,7 @@ class Checkpointable(Protocol):
 
     def checkpoint_targets(self) -> dict[str, tuple[torch.Tensor, bool]]:
         """{checkpoint name: (live tensor, is_param)} of every param and buffer of the modules this rank holds (the
-        first holder of a shared one)."""
+        first holder of a shared one; a buffer the module does not keep in its ``state_dict`` may be left out)."""
         ...
 
     def checkpoint_duplicates(self) -> set[str]:
@@ -218,5 +220,19 @@ class Checkpointable(Protocol):
         ...
 
 
-__all__ = ["CheckpointOptimizer", "Checkpointable", "FaultHook", "Fetch", "Grid", "HeldPiece", "PendingSave",
-           "Piece", "SchedulerState", "StepOf"]
+@runtime_checkable
+class DescribesModel(Protocol):
+    """Optional for an engine: what a checkpoint records about the model beyond its tensors (an engine without it
+    saves checkpoints without them: ``consolidate`` then writes no ``config.json``)."""
+
+    def checkpoint_model(self) -> dict[str, Any]:
+        """``{"hf_config": dict | None, "hf_generation_config": dict | None, "unsaved_buffers": [names]}``: the model's
+        HuggingFace config and generation config as JSON-able dicts (``metadata.json`` records them under
+        ``"model"``), and the checkpoint names of its module buffers that :meth:`Checkpointable.checkpoint_targets`
+        leaves out (non-persistent: recomputed by the module, not in its ``state_dict``), which a load ignores
+        when a checkpoint written before they were left out holds them."""
+        ...
+
+
+__all__ = ["CheckpointOptimizer", "Checkpointable", "DescribesModel", "FaultHook", "Fetch", "Grid", "HeldPiece",
+           "PendingSave", "Piece", "SchedulerState", "StepOf"]

@@ -51,7 +51,7 @@ from typing import Any
 
 from llmpar.checkpoint import files, publish
 from llmpar.checkpoint.files import CheckpointError
-from llmpar.checkpoint.protocol import Checkpointable, FaultHook, Grid
+from llmpar.checkpoint.protocol import Checkpointable, DescribesModel, FaultHook, Grid
 from llmpar.checkpoint.shards import extras, local_buffers, rng_state
 from llmpar.checkpoint.view import EngineView
 
@@ -69,8 +69,18 @@ def _metadata(engine: Checkpointable, tag: str, g: Grid) -> dict:
         "param_groups": [{k: g[k] for k in ("lr", "betas", "eps", "weight_decay")} for g in opt.param_groups],
         "engine": engine.checkpoint_counters(),
         "optimizer": {"skipped_steps": opt.skipped_steps, "last_grad_norm": opt.last_grad_norm},
-        "scheduler": sched, "files": {},
+        "scheduler": sched, "files": {}, **model_facts(engine),
     }
+
+
+def model_facts(engine: Checkpointable) -> dict:
+    """``{"model": {"hf_config": ..., "hf_generation_config": ...}}`` for ``metadata.json`` when the engine describes
+    its model (``DescribesModel``) with either, else {}."""
+    if not isinstance(engine, DescribesModel):
+        return {}
+    facts = engine.checkpoint_model()
+    model = {k: facts[k] for k in ("hf_config", "hf_generation_config") if facts.get(k) is not None}
+    return {"model": model} if model else {}
 
 
 def _layout(view: EngineView) -> list[dict]:

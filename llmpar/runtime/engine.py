@@ -17,8 +17,10 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from llmpar.checkpoint.hf_files import save_safetensors
 from llmpar.checkpoint.protocol import Grid
 from llmpar.distributed.collectives import Group, GroupRef, group_rank
+from llmpar.runtime import engine_ckpt
 from llmpar.runtime.config import Config
 from llmpar.runtime.engine_base import EngineBase, reports_step
 from llmpar.zero.gather import consolidated_state_dict
@@ -124,8 +126,10 @@ class Engine(EngineBase):
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
         """DeepSpeed's: write the full 16-bit (the params' dtype) weights from dp rank 0 (frozen params left out with
-        ``exclude_frozen_parameters``). Under stage 3 this needs ``stage3_gather_16bit_weights_on_model_save`` (else
-        nothing is saved and False is returned, as DeepSpeed)."""
+        ``exclude_frozen_parameters``): ``torch.save`` of the state dict, or a safetensors file (tied weights once)
+        when ``save_filename`` ends with ``.safetensors``. Under stage 3 this needs
+        ``stage3_gather_16bit_weights_on_model_save`` (else nothing is saved and False is returned, as DeepSpeed).
+        For a directory ``from_pretrained`` loads (config.json, shards), use :meth:`save_hf_model`."""
         if self.config.zero.stage == 3 and not self.config.zero.stage3_gather_16bit_weights_on_model_save:
             logger.warning("save_16bit_model: stage 3 without stage3_gather_16bit_weights_on_model_save: not saved")
             return False
@@ -135,12 +139,38 @@ class Engine(EngineBase):
             state = {k: v for k, v in state.items() if k not in frozen}
         if group_rank(self.dp_group) == 0:
             os.makedirs(save_dir, exist_ok=True)
-            torch.save(state, os.path.join(save_dir, save_filename))
+            path = os.path.join(save_dir, save_filename)
+            if save_filename.endswith(".safetensors"):
+                save_safetensors(path, state)
+            else:
+                torch.save(state, path)
         return True
+
+    @reports_step
+    def save_hf_model(self, save_dir: str, *, dtype: Any = None, max_shard_size: Any = "5GB") -> bool:
+        """The model as ``save_pretrained`` writes it, so that ``AutoModelForCausalLM.from_pretrained(save_dir)``
+        loads it: ``model.safetensors`` (or ``model-0000k-of-0000n.safetensors`` shards of at most
+        ``max_shard_size`` + ``model.safetensors.index.json``) under the model's own names, tied weights once,
+        non-persistent buffers left out, and ``config.json`` (+ ``generation_config.json``) for a HuggingFace model.
+        ``dtype``: bf16 / fp16 / fp32 (or a torch dtype); None writes the params' dtype (as ``save_pretrained``).
+        Collective over the engine's ranks (call it on every rank): stage 3 gathers the params one unit at a time,
+        tensor-parallel params are all-gathered over tp and unpadded; rank 0 of the grid writes. Returns True;
+        raises on every rank when the write failed."""
+        return engine_ckpt.save_hf(self, save_dir, dtype, max_shard_size)
 
     save_fp16_model = save_16bit_model  # DeepSpeed's older name
 
     # checkpoint protocol (the rest is EngineBase's: the module is the model, names are its own)
+    def checkpoint_names(self) -> dict[str, str]:
+        """{optimizer name: the model's name} for params the optimizer names otherwise (a param given to
+        ``initialize`` under another name, or as a bare tensor): a param of the model is saved under its first name
+        in ``module.named_parameters()``, whatever ``model_parameters`` was."""
+        first: dict[int, str] = {}
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            first.setdefault(id(p), name)
+        return {name: first[id(p)] for buf in self.optimizer.checkpoint_params() for name, p in buf
+                if first.get(id(p), name) != name}
+
     def checkpoint_grid(self) -> Grid:
         """dp (the optimizer's group) x tp."""
         return Grid.of(self.optimizer.dp_group, self.tp_group, None, self.optimizer.checkpoint_device())

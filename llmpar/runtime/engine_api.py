@@ -11,7 +11,7 @@ Every accessor reads the typed config (``engine.config``) or the optimizer; noth
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -62,6 +62,19 @@ class DeepSpeedAPI:
     collate_fn: Callable | None
     _step_applied: Any
     checkpoint_modules: Callable[[], list[nn.Module]]  # this rank's modules (EngineBase; a pipeline's stages)
+
+    # the module's tensors (DeepSpeed's engine is the module's nn.Module wrapper: code that walks it finds them)
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        return self.module.parameters(recurse)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        return self.module.named_parameters(prefix, recurse)
+
+    def buffers(self, recurse: bool = True) -> Iterator[torch.Tensor]:
+        return self.module.buffers(recurse)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.module.named_buffers(prefix, recurse)
 
     # ranks and device
     @property

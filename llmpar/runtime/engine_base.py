@@ -164,14 +164,27 @@ class EngineBase(DeepSpeedAPI):
 
     def checkpoint_targets(self) -> dict[str, tuple[torch.Tensor, bool]]:
         """{checkpoint name: (live tensor, is_param)} of this rank's modules (the first holder of a shared one;
-        frozen params left out while ``save_checkpoint(exclude_frozen_parameters=True)`` runs)."""
-        names = self.checkpoint_names()
+        non-persistent buffers left out, as ``state_dict`` leaves them out; frozen params left out while
+        ``save_checkpoint(exclude_frozen_parameters=True)`` runs)."""
+        names, unsaved = self.checkpoint_names(), engine_ckpt.unsaved_buffers(self.checkpoint_modules())
         out: dict[str, tuple[torch.Tensor, bool]] = {}
         for kind, is_param in (("named_parameters", True), ("named_buffers", False)):
             for name, t in self.checkpoint_named(kind):
-                if t is not None and not (self.exclude_frozen and is_param and not t.requires_grad):
+                if t is None or (not is_param and id(t) in unsaved):
+                    continue
+                if not (self.exclude_frozen and is_param and not t.requires_grad):
                     out.setdefault(names.get(name, name), (t, is_param))
         return out
+
+    def checkpoint_model(self) -> dict[str, Any]:
+        """What a checkpoint records about the model (``llmpar.checkpoint.protocol.DescribesModel``): its
+        HuggingFace config and generation config (``llmpar checkpoint consolidate`` writes them as ``config.json``
+        / ``generation_config.json``; None for other models) and the names of the buffers not saved."""
+        config, generation = engine_ckpt.hf_configs(self.module)
+        names, unsaved = self.checkpoint_names(), engine_ckpt.unsaved_buffers(self.checkpoint_modules())
+        return {"hf_config": config, "hf_generation_config": generation,
+                "unsaved_buffers": sorted({names.get(n, n) for n, t in self.checkpoint_named("named_buffers")
+                                           if id(t) in unsaved})}
 
     def checkpoint_counters(self) -> dict[str, Any]:
         """The run counters a checkpoint saves."""

@@ -14,16 +14,28 @@ stay. load_module_only=True: only the weights; optimizer, scheduler, engine coun
 is still returned). "Stay" is done by a snapshot before the load and putting it back after (one host-side copy of
 this rank's moments while loading). A load with ``tag=None`` from a directory without ``latest`` returns
 ``(None, None)`` with a warning, as DeepSpeed does.
+
+The model's own description, for checkpoints and exports: ``hf_configs`` (its HuggingFace config and generation
+config, duck-typed: ``module.config.to_json_string`` / ``to_dict``, none for other models), ``unsaved_buffers``
+(non-persistent buffers: not in ``state_dict``, left out of checkpoints and exports), and ``save_hf`` behind
+``engine.save_hf_model``: the live model's full weights (ZeRO-3 gathered unit by unit, tensor-parallel params
+all-gathered over tp and unpadded) written by ``llmpar.checkpoint.hf_files`` as ``from_pretrained`` loads them.
 """
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import os
 from typing import Any
 
-from llmpar.checkpoint import files
+import torch
+from torch import nn
+
+from llmpar.checkpoint import files, hf_files
+from llmpar.checkpoint.reshard import tp_specs
 from llmpar.checkpoint.shards import rng_state, set_rng_state
+from llmpar.distributed.collectives import all_gather_flat, collective_device, group_rank, group_size
 
 logger = logging.getLogger("llmpar")
 
@@ -129,4 +141,90 @@ def load(engine: Any, load_dir: Any, tag: str | None, load_optimizer_states: boo
     return path, client
 
 
-__all__ = ["load", "save"]
+def _json_dict(obj: Any) -> dict | None:
+    """A config object (HuggingFace ``PretrainedConfig`` / ``GenerationConfig``, duck-typed) as a JSON-able dict."""
+    if obj is None:
+        return None
+    if callable(getattr(obj, "to_json_string", None)):
+        try:
+            return json.loads(obj.to_json_string(use_diff=False))
+        except TypeError:  # a to_json_string without use_diff
+            return json.loads(obj.to_json_string())
+    if callable(getattr(obj, "to_dict", None)):
+        out = obj.to_dict()
+        return json.loads(json.dumps(out, default=str)) if isinstance(out, dict) else None
+    return None
+
+
+def hf_configs(module: nn.Module) -> tuple[dict | None, dict | None]:
+    """(config, generation config) of a HuggingFace model as dicts, with ``architectures`` set to the model's class
+    as ``save_pretrained`` does; (None, None) for a model without a config object."""
+    config = _json_dict(getattr(module, "config", None))
+    if config is not None and not config.get("architectures"):
+        config["architectures"] = [type(module).__name__]
+    return config, _json_dict(getattr(module, "generation_config", None))
+
+
+def unsaved_buffers(modules: list[nn.Module]) -> set[int]:
+    """ids of the non-persistent buffers of ``modules`` (``register_buffer(..., persistent=False)``: recomputed by
+    the module, not in its ``state_dict``; e.g. rotary ``inv_freq``)."""
+    out = set()
+    for root in modules:
+        for m in root.modules():
+            for name in m._non_persistent_buffers_set:
+                if m._buffers.get(name) is not None:
+                    out.add(id(m._buffers[name]))
+    return out
+
+
+@torch.no_grad()
+def _unsplit_tp(engine: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` (this tp rank's slices, the same names in the same order on every tp rank) with each
+    tensor-parallel param all-gathered over tp along its split dim and its padding dropped (collective over tp)."""
+    group = engine.tp_group
+    tp = group_size(group)
+    specs = tp_specs(engine.module, tp)
+    split = {n: specs[id(p)] for n, p in engine.module.named_parameters(remove_duplicate=False) if specs.get(id(p))}
+    device, done = collective_device(group), {}
+    for name, t in state.items():
+        spec = split.get(name)
+        if spec is None:
+            continue
+        if id(t) not in done:  # a tied weight: gathered once
+            local = t.to(device).contiguous()
+            full = torch.empty(tp * local.numel(), dtype=local.dtype, device=device)
+            all_gather_flat(full, local.view(-1), group, what=f"save_hf_model: all-gather of {name!r} over tp")
+            whole = torch.cat(full.view(tp, *local.shape).unbind(0), spec["dim"])
+            size = spec["full"] if spec.get("full") is not None else whole.shape[spec["dim"]]
+            done[id(t)] = whole.narrow(spec["dim"], 0, size).to("cpu", copy=True)
+        state[name] = done[id(t)]
+    return state
+
+
+def save_hf(engine: Any, save_dir: Any, dtype: Any, max_shard_size: Any) -> bool:
+    """``engine.save_hf_model``: checked on every rank first; then the full state dict (collective), written by the
+    grid's rank 0; every rank raises when the write failed."""
+    if not isinstance(save_dir, (str, os.PathLike)):
+        raise TypeError(f"save_dir must be a path, got {type(save_dir).__name__}")
+    hf_files.parse_dtype(dtype)
+    hf_files.parse_size(max_shard_size)
+    hf_files.parse_format("safetensors")
+    grid = engine.checkpoint_grid()
+    state = engine.module_state_dict()  # dp rank 0 of each tp rank; {} elsewhere
+    if engine.tp_group is not None and group_size(engine.tp_group) > 1 and group_rank(engine.optimizer.dp_group) == 0:
+        state = _unsplit_tp(engine, state)
+    err = None
+    if grid.rank0:
+        try:
+            config, generation = hf_configs(engine.module)
+            hf_files.write_hf_model(os.fspath(save_dir), state, config=config, generation_config=generation,
+                                    dtype=dtype, max_shard_size=max_shard_size, format="safetensors")
+        except Exception as e:  # noqa: BLE001 - agreed with the other ranks, then raised everywhere
+            err = f"save_hf_model: writing {save_dir} failed on rank 0: {e!r}"
+            logger.error(err)
+    if files.agree(1 if err else 0, grid.groups, grid.device):
+        raise OSError(err or f"save_hf_model: writing {save_dir} failed on rank 0 (see its error)")
+    return True
+
+
+__all__ = ["hf_configs", "load", "save", "save_hf", "unsaved_buffers"]

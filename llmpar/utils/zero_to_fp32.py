@@ -16,39 +16,13 @@ Output files: as DeepSpeed's (``pytorch_model.bin`` or ``model.safetensors``; ab
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import re
 from typing import Any
 
 import torch
 from torch import nn
 
 from llmpar.checkpoint.consolidate import consolidated_state_dict
-
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,
-          "GIB": 2**30, "TIB": 2**40}
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
-           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-
-
-def _dtype(dtype: Any) -> torch.dtype:
-    if isinstance(dtype, torch.dtype) and dtype in _DTYPES.values():
-        return dtype
-    if isinstance(dtype, str) and dtype.lower() in _DTYPES:
-        return _DTYPES[dtype.lower()]
-    raise ValueError(f"dtype={dtype!r} must be float32, float16 or bfloat16 (a torch dtype or its name)")
-
-
-def _size(size: Any) -> int:
-    """Bytes of ``size``: an int, or a string such as "5GB" / "500MiB" (HuggingFace's units)."""
-    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
-        return size
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*", str(size), flags=re.IGNORECASE)
-    if m is None or float(m.group(1)) <= 0:
-        raise ValueError(f"max_shard_size={size!r} must be a positive number of bytes or a size such as '5GB'")
-    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
-
+from llmpar.checkpoint.hf_files import parse_dtype, write_hf_model
 
 def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: str | None = None,
                                              exclude_frozen_parameters: bool = False,
@@ -67,45 +41,16 @@ def convert_zero_checkpoint_to_state_dict(checkpoint_dir: str, output_dir: str, 
                                           max_shard_size: Any = "5GB", safe_serialization: bool = False,
                                           tag: str | None = None, exclude_frozen_parameters: bool = False
                                           ) -> list[str]:
-    """Write the consolidated state dict (float params in ``dtype``) to ``output_dir`` as DeepSpeed does; returns the
-    files written (the index last, when sharded)."""
+    """Write the consolidated state dict (float params in ``dtype``) to ``output_dir`` as DeepSpeed does (through
+    ``llmpar.checkpoint.hf_files``, HuggingFace's layout); returns the files written (shards, then the index)."""
     if exclude_frozen_parameters:
         get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag, exclude_frozen_parameters=True)
-    state = consolidated_state_dict(checkpoint_dir, tag, dtype=_dtype(dtype))
-    name = "model.safetensors" if safe_serialization else "pytorch_model.bin"
-    limit = _size(max_shard_size) if max_shard_size is not None else None
-    shards: list[list[str]] = [[]]
-    used = 0
-    for key, t in state.items():
-        n = t.numel() * t.element_size()
-        if limit is not None and shards[-1] and used + n > limit:
-            shards.append([])
-            used = 0
-        shards[-1].append(key)
-        used += n
-    stem, ext = name.rsplit(".", 1)
-    files = [name] if len(shards) == 1 else [f"{stem}-{i + 1:05d}-of-{len(shards):05d}.{ext}"
-                                               for i in range(len(shards))]
-    os.makedirs(output_dir, exist_ok=True)
-    written = []
-    for fname, keys in zip(files, shards):
-        part = {k: state[k].contiguous() for k in keys}
-        path = os.path.join(output_dir, fname)
-        if safe_serialization:
-            from safetensors.torch import save_file
-
-            save_file(part, path, metadata={"format": "pt"})
-        else:
-            torch.save(part, path)
-        written.append(path)
-    if len(files) > 1:
-        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
-                 "weight_map": {k: f for f, keys in zip(files, shards) for k in keys}}
-        path = os.path.join(output_dir, f"{name}.index.json")
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
-        written.append(path)
-    return written
+    target = parse_dtype(dtype)
+    if target is None:
+        raise ValueError(f"dtype={dtype!r} must be float32, float16 or bfloat16 (a torch dtype or its name)")
+    state = consolidated_state_dict(checkpoint_dir, tag, dtype=target)
+    return write_hf_model(output_dir, state, max_shard_size=max_shard_size if max_shard_size is not None else 2**62,
+                          format="safetensors" if safe_serialization else "bin")
 
 
 def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str, output_dir: str, max_shard_size: Any = "5GB",

@@ -67,7 +67,8 @@ def GatheredParameters(params: torch.Tensor | Iterable[torch.Tensor] | None, opt
 
 
 def consolidated_state_dict(module: torch.nn.Module, optimizer: "object", *, rank0_only: bool = True) -> dict:
-    """The module's full state dict (params in their dtype, on the CPU), gathered unit by unit so that no rank holds
+    """The module's full state dict (params in their dtype, on the CPU; persistent buffers: the keys of
+    ``module.state_dict()``, a tied weight under each of its names), gathered unit by unit so that no rank holds
     more than one gathered unit beyond its shards. ``rank0_only``: other dp ranks return {}."""
     from llmpar.zero.optimizer import ZeroOptimizer
 
@@ -98,12 +99,12 @@ def consolidated_state_dict(module: torch.nn.Module, optimizer: "object", *, ran
     for p in module.parameters():
         if id(p) not in done:
             take(p)
-    if keep:
-        for name, buf in module.named_buffers():
-            out[name] = buf.detach().to("cpu", copy=True)
     if not keep:
         return {}
     order = {n: i for i, n in enumerate(module.state_dict(keep_vars=True))}
+    for name, buf in module.named_buffers():
+        if name in order:  # non-persistent buffers (not in state_dict) are left out
+            out[name] = buf.detach().to("cpu", copy=True)
     return {n: out[n] for n in sorted(out, key=lambda n: order.get(n, len(order)))}
 
 

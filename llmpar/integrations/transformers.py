@@ -1,0 +1,275 @@
+"""``transformers.Trainer`` with llmpar doing ZeRO 0-3 (CPU offload, bf16 / fp16, tensor parallelism) in place of
+DeepSpeed. A Trainer + DeepSpeed script changes its import line and nothing else:
+
+    from llmpar.integrations.transformers import Trainer, TrainingArguments   # was: from transformers import ...
+    args = TrainingArguments(output_dir="out", deepspeed="ds_config.json", bf16=True, ...)
+    Trainer(model=model, args=args, train_dataset=ds).train()                  # torchrun --nproc_per_node N train.py
+
+``TrainingArguments(deepspeed=...)`` here takes the DeepSpeed config (a dict or a JSON path) for llmpar instead of
+starting DeepSpeed (``llmpar_config=`` is the same thing; a stock ``transformers.TrainingArguments`` with its own
+``deepspeed=`` is refused, since it has already started DeepSpeed). ``Trainer(..., llmpar_config=...)`` also takes it.
+
+What the Trainer does with it, as it does for DeepSpeed: the ``"auto"`` values are filled from the arguments
+(``hf_auto.fill_auto``); ``llmpar.initialize`` builds the engine at the start of ``train()``. Without an
+``"optimizer"`` block the Trainer's own optimizer (``args.optim``: AdamW, its weight-decay groups) is handed to the
+engine; without a ``"scheduler"`` block the Trainer's schedule (``args.lr_scheduler_type``, warmup) is, and the engine
+steps it (not after a step skipped for fp16 overflow). Each micro-batch: forward, ``engine.backward`` (the loss
+normalised by the Trainer, as for DeepSpeed), ``engine.step`` at the accumulation boundary the Trainer's loop sets
+(clipping by ``gradient_clipping`` = ``max_grad_norm``); the logged ``grad_norm`` is the engine's.
+Checkpoints: ``checkpoint-N/`` holds the model for ``from_pretrained`` (``engine.save_hf_model``: safetensors under
+the model's names, config.json) and llmpar's sharded checkpoint (``global_stepN/``: params, optimizer, scheduler,
+counters), with the Trainer's state and RNG files; ``train(resume_from_checkpoint=...)`` loads it into the engine
+and resumes where it stopped. ``save_model()`` writes the gathered weights the same way. A ``"tensor_parallel"``
+block splits the model with ``llmpar.parallelize`` and feeds the ranks of one tensor-parallel group the same batches.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from typing import Any
+
+import torch
+import transformers
+from accelerate.data_loader import BatchSamplerShard, IterableDatasetShard
+from torch.utils.data import DataLoader
+
+from llmpar.distributed.init import init_distributed
+from llmpar.integrations.hf_auto import fill_auto, tensor_parallel_size
+from llmpar.runtime.config import read_config
+from llmpar.runtime.initialize import initialize
+from llmpar.tensor_parallel.parallelize import parallelize
+
+
+@dataclasses.dataclass
+class TrainingArguments(transformers.TrainingArguments):
+    """``transformers.TrainingArguments`` whose ``deepspeed=`` (or ``llmpar_config=``) is a config for llmpar."""
+
+    llmpar_config: Any = dataclasses.field(default=None, metadata={"help": "DeepSpeed config (dict or JSON path) "
+                                                                           "run by llmpar"})
+
+    def __post_init__(self) -> None:
+        if self.deepspeed is not None:
+            if self.llmpar_config is not None:
+                raise ValueError("TrainingArguments: give the config once, deepspeed= or llmpar_config=")
+            self.llmpar_config, self.deepspeed = self.deepspeed, None
+        super().__post_init__()
+
+
+class _EngineOptimizer:
+    """What the Trainer's loop steps: the engine has already stepped in ``training_step`` (at the boundary), so
+    ``step`` / ``zero_grad`` do nothing; param groups (and lrs) are the engine optimizer's."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.state: dict = {}
+        self.defaults: dict = {}
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.engine.optimizer.param_groups
+
+    def step(self, closure: Any = None) -> None:
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        return None
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        return None
+
+
+class _EngineScheduler:
+    """The Trainer's view of the engine's schedule (which the engine steps): the last lrs."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def get_last_lr(self) -> list[float]:
+        return list(self.engine.get_lr())
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        return None
+
+
+class _LoopModel:
+    """The engine as the Trainer's loop sees it: its ``no_sync`` (which the loop enters for all but the last
+    micro-batch of an accumulation) does nothing, since the engine accumulates by the boundary flag
+    ``training_step`` sets; everything else is the engine's."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.engine(*args, **kwargs)
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+
+class Trainer(transformers.Trainer):
+    """``transformers.Trainer`` over an llmpar engine; see the module docstring."""
+
+    def __init__(self, *args: Any, llmpar_config: Any = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.is_deepspeed_enabled:
+            raise ValueError("these TrainingArguments started DeepSpeed (transformers.TrainingArguments(deepspeed=)): "
+                             "use llmpar.integrations.transformers.TrainingArguments, whose deepspeed= goes to llmpar, "
+                             "or pass the config as Trainer(llmpar_config=...)")
+        given = llmpar_config if llmpar_config is not None else getattr(self.args, "llmpar_config", None)
+        if given is None:
+            raise ValueError("llmpar's Trainer needs a DeepSpeed config: TrainingArguments(deepspeed=...) from "
+                             "llmpar.integrations.transformers, or Trainer(llmpar_config=...)")
+        if self.args.n_gpu > 1:
+            raise ValueError(f"n_gpu={self.args.n_gpu} (torch.nn.DataParallel in one process): launch one process "
+                             "per device with torchrun")
+        self.llmpar_config = read_config(given)
+        self.tp_size = tensor_parallel_size(self.llmpar_config)
+        world = self.args.world_size
+        if world % self.tp_size:
+            raise ValueError(f"tensor_parallel.size={self.tp_size} does not divide the {world} processes")
+        self.engine: Any = None
+
+    # ---- the engine ----
+    def _build_engine(self, num_training_steps: int) -> None:
+        if self.engine is not None:
+            return
+        dp = self.args.world_size // self.tp_size
+        config = fill_auto(self.llmpar_config, self.args, model=self.model, num_training_steps=num_training_steps,
+                           dp=dp)
+        mesh = None
+        if self.tp_size > 1:  # split first, so that the Trainer's optimizer (if any) is built on the split params
+            mesh = init_distributed(tp=self.tp_size).mesh
+            parallelize(self.model, mesh["tp"])
+        optimizer = None
+        if "optimizer" not in config:
+            optimizer = transformers.Trainer.create_optimizer(self)  # args.optim, decay groups
+        scheduler = None
+        if "scheduler" not in config:
+            scheduler = self._trainer_schedule(num_training_steps)
+        params = None  # with the config's optimizer: weight decay on every trainable param, as DeepSpeed's path
+        if optimizer is None:
+            params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        self.engine, _, _, _ = initialize(model=self.model, model_parameters=params, optimizer=optimizer,
+                                          lr_scheduler=scheduler, config=config, mesh=mesh)
+        self.optimizer = _EngineOptimizer(self.engine)
+        self.lr_scheduler = _EngineScheduler(self.engine)
+
+    def _trainer_schedule(self, num_training_steps: int) -> Any:
+        args = self.args
+
+        def build(optimizer: torch.optim.Optimizer) -> Any:
+            return transformers.get_scheduler(args.lr_scheduler_type, optimizer=optimizer,
+                                              num_warmup_steps=args.get_warmup_steps(num_training_steps),
+                                              num_training_steps=num_training_steps,
+                                              scheduler_specific_kwargs=args.lr_scheduler_kwargs)
+
+        return build
+
+    def _prepare_for_training(self, max_steps: int, train_dataloader: Any, resume_from_checkpoint: Any) -> Any:
+        self._build_engine(max_steps)
+        return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
+
+    def create_optimizer(self, model: Any = None) -> Any:
+        if self.engine is None:
+            raise RuntimeError("llmpar's Trainer builds its optimizer with the engine, at the start of train()")
+        return self.optimizer
+
+    def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
+        if self.engine is None:
+            raise RuntimeError("llmpar's Trainer builds its scheduler with the engine, at the start of train()")
+        return self.lr_scheduler
+
+    def _wrap_model(self, model: Any, training: bool = True, dataloader: Any = None) -> Any:
+        return _LoopModel(self.engine) if training and self.engine is not None else self.model
+
+    # ---- one micro-batch ----
+    def training_step(self, model: Any, inputs: dict, num_items_in_batch: Any = None) -> torch.Tensor:
+        engine = self.engine
+        engine.train()
+        inputs = self._prepare_inputs(inputs)
+        with self.compute_loss_context_manager():
+            loss = self.compute_loss(engine, inputs, num_items_in_batch=num_items_in_batch)
+        del inputs
+        scaled = self.loss_is_scaled_for_ga
+        if scaled is None:
+            scaled = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or \
+                self.compute_loss_func is not None
+        if not scaled:
+            loss = loss / self.current_gradient_accumulation_steps
+        engine.set_gradient_accumulation_boundary(bool(self.accelerator.sync_gradients))
+        engine.backward(loss, scale_wrt_gas=False)
+        engine.step()
+        return loss.detach()
+
+    def _clip_grad_norm(self, model: Any) -> Any:
+        return self.engine.get_global_grad_norm()  # the engine clipped (gradient_clipping) when it stepped
+
+    def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> Any:
+        norm = self.engine.get_global_grad_norm() if grad_norm is None else grad_norm
+        return norm.item() if hasattr(norm, "item") else norm
+
+    # ---- data: the ranks of one tensor-parallel group read the same batches ----
+    def get_train_dataloader(self) -> DataLoader:
+        """The Trainer's loader, sharded over the dp ranks (rank // tp) instead of every process when tp > 1 (the
+        tensor-parallel ranks of a group are consecutive: llmpar's mesh puts tp innermost)."""
+        loader = super().get_train_dataloader()
+        if self.tp_size == 1:
+            return loader
+        dp, dp_rank = self.args.world_size // self.tp_size, self.args.process_index // self.tp_size
+        shard = getattr(loader, "batch_sampler", None)
+        if not isinstance(shard, BatchSamplerShard):
+            shard = getattr(loader, "dataset", None)
+            if not isinstance(shard, IterableDatasetShard):
+                raise ValueError(f"tensor_parallel.size={self.tp_size}: the Trainer built a {type(loader).__name__} "
+                                 "that llmpar cannot shard over dp ranks (dispatch_batches / a batch sampler of "
+                                 "its own); use the default loader")
+        shard.num_processes, shard.process_index = dp, dp_rank
+        return loader
+
+    # ---- checkpoints ----
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if self.engine is None:  # before train(): the model is whole
+            super().save_model(output_dir, _internal_call)
+            return
+        self.engine.save_hf_model(output_dir)
+        if self.args.should_save:
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
+            torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        self.engine.save_checkpoint(output_dir)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        return None  # the engine loads params with the optimizer (_load_optimizer_and_scheduler)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        path, _ = self.engine.load_checkpoint(checkpoint)
+        if path is None:
+            raise FileNotFoundError(f"resume_from_checkpoint={checkpoint!r} holds no llmpar checkpoint (no 'latest' "
+                                    "file): it was not written by llmpar's Trainer")
+
+    def _load_best_model(self) -> None:
+        best = self.state.best_model_checkpoint
+        path, _ = self.engine.load_checkpoint(best, load_optimizer_states=False, load_lr_scheduler_states=False)
+        if path is None:
+            raise FileNotFoundError(f"best model checkpoint {best!r} holds no llmpar checkpoint")
+
+
+__all__ = ["Trainer", "TrainingArguments"]
