@@ -90,6 +90,18 @@ def test_trainer_matches_deepspeed(case, tmp_path, ds_ext_dir):
 
 
 @pytest.mark.slow
+def test_trainer_on_a_zero_init_build_matches_deepspeed(tmp_path, ds_ext_dir):
+    """The model built inside llmpar.zero.Init() (never whole on a rank) trains as DeepSpeed trains the plain build
+    of the same seed: the same weights, the same losses."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed")
+    flags = ["--model", "llama", "--stage", "3"]
+    theirs = run("deepspeed", tmp_path, ds_ext_dir, *flags)
+    ours = run("llmpar", tmp_path, ds_ext_dir, *flags, "--zero-init")
+    assert_same_losses(ours, theirs)
+    torch.testing.assert_close(logits(ours["final"]), logits(theirs["final"]), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
 def test_trainer_tensor_parallel_matches_deepspeed(tmp_path, ds_ext_dir):
     """tp 2 x dp 2 (4 ranks; a tensor-parallel group reads the same batches) against DeepSpeed at dp 2: the
     same global batch, the same losses."""

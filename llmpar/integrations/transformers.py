@@ -142,6 +142,11 @@ class Trainer(transformers.Trainer):
             raise ValueError(f"tensor_parallel.size={self.tp_size} does not divide the {world} processes")
         self.engine: Any = None
 
+    def _move_model_to_device(self, model: Any, device: Any) -> None:
+        if any(p.is_meta for p in model.parameters()):
+            return  # built under llmpar.zero.Init: ZeRO-3 makes each param on the device, one unit at a time
+        super()._move_model_to_device(model, device)
+
     # ---- the engine ----
     def _build_engine(self, num_training_steps: int) -> None:
         if self.engine is not None:

@@ -19,6 +19,7 @@ import torch
 from llmpar.zero import gather as _gather
 from llmpar.zero import init as _init
 from llmpar.zero.config import OffloadConfig, OptimizerConfig, ZeroConfig
+from llmpar.zero.deferred import DeferredInitError
 from llmpar.zero.gather import consolidated_state_dict, frozen_state_dict, load_frozen
 from llmpar.zero.layout import FlatLayout, ParamSlot, Unit
 from llmpar.zero.loss_scale import LossScaler
@@ -38,8 +39,10 @@ def mark_owner(optimizer: ZeroOptimizer) -> None:
 
 
 class Init(_init.Init):
-    """``with llmpar.zero.Init(): model = GPT(cfg)``: built on the meta device, materialised shard by shard by ZeRO-3
-    (``llmpar.zero.init``; ``init_fn=`` a per-unit init). DeepSpeed's arguments are taken too: ``enabled=False`` is a
+    """``with llmpar.zero.Init(): model = LlamaForCausalLM(cfg)``: params on the meta device, their construction
+    recorded and replayed by ZeRO-3 one unit at a time, so every param and buffer equals the plain build's under the
+    same seed (``llmpar.zero.init``; an op the replay cannot reproduce is refused where it runs, naming the module;
+    ``init_fn=`` a per-unit init run after the replay). DeepSpeed's arguments are taken too: ``enabled=False`` is a
     plain block (the model is built normally); ``config_dict_or_path`` / ``config``, ``dtype`` (the engine puts the
     params in the config's precision), ``remote_device`` "cpu" / "none" (offload is the config's ``offload_param``),
     ``pin_memory``, ``mem_efficient_linear`` are accepted. What would change the partitioning here is refused with
@@ -140,6 +143,7 @@ def unregister_external_parameter(module: Any, parameter: Any) -> None:
     raise NotImplementedError("unregister_external_parameter is not supported (nor is register_external_parameter)")
 
 
-__all__ = ["FlatLayout", "GatheredParameters", "Init", "LossScaler", "OWNER_ATTR", "OffloadConfig", "OptimizerConfig",
-           "ParamSlot", "Unit", "ZeroConfig", "ZeroOptimizer", "consolidated_state_dict", "frozen_state_dict",
-           "load_frozen", "mark_owner", "register_external_parameter", "unit_modules", "unregister_external_parameter"]
+__all__ = ["DeferredInitError", "FlatLayout", "GatheredParameters", "Init", "LossScaler", "OWNER_ATTR",
+           "OffloadConfig", "OptimizerConfig", "ParamSlot", "Unit", "ZeroConfig", "ZeroOptimizer",
+           "consolidated_state_dict", "frozen_state_dict", "load_frozen", "mark_owner", "register_external_parameter",
+           "unit_modules", "unregister_external_parameter"]

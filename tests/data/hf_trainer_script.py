@@ -72,6 +72,7 @@ def main() -> None:
     ap.add_argument("--untied", action="store_true")
     ap.add_argument("--hf-schedule", action="store_true", help="no scheduler block: the Trainer's linear schedule")
     ap.add_argument("--bf16", action="store_true")
+    ap.add_argument("--zero-init", action="store_true", help="llmpar: build the model inside llmpar.zero.Init()")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--save-steps", type=int, default=0)
     ap.add_argument("--resume", default=None)
@@ -86,7 +87,13 @@ def main() -> None:
     from transformers import TrainerCallback
 
     torch.manual_seed(0)
-    model = build_model(a.model, tie=not a.untied)
+    if a.zero_init:  # the same weights as the plain build below, never whole on one rank
+        import llmpar
+
+        with llmpar.zero.Init():
+            model = build_model(a.model, tie=not a.untied)
+    else:
+        model = build_model(a.model, tie=not a.untied)
     args = TrainingArguments(output_dir=a.output_dir, per_device_train_batch_size=4, gradient_accumulation_steps=2,
                              max_steps=a.steps, learning_rate=2e-3, warmup_steps=3, weight_decay=0.01,
                              max_grad_norm=1.0, logging_steps=1, report_to=[], use_cpu=True, seed=42,
