@@ -1,6 +1,7 @@
 # Set-up and everyday commands. Everything is installed into $(VENV); nothing is installed by hand.
 #   make demo   install llmpar and run the main job (`llmpar train` on 2 CPU ranks)
 #   make test   install llmpar with its test extras and run the test suite
+#   make bench-suite  the op micro-benchmarks (pytest-benchmark, bench/suites/; BENCH_ARGS=--benchmark-save=NAME)
 PYTHON ?= python3
 VENV   ?= .venv
 # torch 2.13.0: a CPU build on the team's machines (from local disk); pick another pin for a GPU machine
@@ -8,7 +9,7 @@ TORCH  ?= torch==2.13.0
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip -q --disable-pip-version-check
 
-.PHONY: demo test install install-test cuda-ext bench clean
+.PHONY: demo test install install-test cuda-ext bench bench-suite clean
 
 $(VENV)/.llmpar-installed: pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,6 +33,10 @@ demo: install
 
 test: install-test
 	$(PY) -m pytest -q -ra tests
+
+# llmpar's ops vs torch, one pytest-benchmark group per op, size and device (CPU, and CUDA when present; ~1 min on CPU)
+bench-suite: install-test
+	$(PY) -m pytest bench/ --benchmark-only $(BENCH_ARGS)
 
 # compile csrc/ against a CUDA build of torch in a separate venv and check the binary (no GPU needed)
 cuda-ext:

@@ -5,7 +5,7 @@
     t = measure(fn, warmup=5, repeats=30, device="cuda")          # Timing: median / min / IQR of the repeats
     cmp = compare({"torch": ref, "llmpar": ours}, baseline="torch", warmup=5, repeats=30, device="cuda")
     print(cmp.table())                                             # speedup = baseline median / case median
-    write_results("fused_adamw", cmp.rows(size=4096), meta={"dtype": "bf16"})
+    write_results("fused_adamw", cmp.rows(size=4096), meta={"dtype": "bf16"})  # .json, .md and a .png plot
 
 Timers: CUDA events around each call on a CUDA device (``timer="do_bench"`` uses ``triton.testing.do_bench``
 instead), ``time.perf_counter`` on CPU. ``compare`` interleaves the repeats of all cases (case order rotated every
@@ -19,6 +19,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import shlex
 import statistics
 import subprocess
@@ -382,6 +383,28 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def portable_text(text: str) -> str:
+    """``text`` with this machine's paths taken out: the repository root dropped (paths become repo-relative), the
+    temp dir written ``$TMPDIR``, the home dir ``~``."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for base, repl in ((root + os.sep, ""), (root, "."), (tempfile.gettempdir(), "$TMPDIR"),
+                       (os.path.expanduser("~"), "~")):
+        if len(base) > 1:  # never "/" itself
+            text = re.sub(re.escape(base) + (r"(?![\w.-])" if not base.endswith(os.sep) else ""), repl, text)
+    return text
+
+
+def portable(value: Any) -> Any:
+    """``value`` (str, or lists / dicts of them) through :func:`portable_text`; other values as they are."""
+    if isinstance(value, str):
+        return portable_text(value)
+    if isinstance(value, dict):
+        return {k: portable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [portable(v) for v in value]
+    return value
+
+
 def write_results(
     name: str,
     rows: list[dict[str, Any]],
@@ -390,11 +413,14 @@ def write_results(
     out_dir: str | os.PathLike | None = None,
     curve: dict[str, Any] | None = None,
 ) -> dict[str, Path]:
-    """Write ``{out_dir}/{name}.json`` and ``{name}.md`` (and ``{name}.png`` if ``curve`` is given and matplotlib
-    is installed) with the command, machine and date. Returns the paths written, by kind.
+    """Write ``{out_dir}/{name}.json`` and ``{name}.md`` with the command, machine and date, and ``{name}.png`` when
+    matplotlib is installed and the rows have something to plot (``bench/plot_results.py``): the ``curve`` when
+    given, else ratio bars per case for rows with ratio / speedup columns (``speedup``, ``time_vs_*``, ...), measured
+    vs formula column pairs, a scaling curve over a size column. Returns the paths written, by kind. No absolute
+    machine paths are written (:func:`portable`).
 
     ``curve``: ``{"x": column, "y": [columns], "group": optional column splitting rows into lines,
-    "logx": bool, "logy": bool, "title": str}``.
+    "logx": bool, "logy": bool, "title": str}``; kept in the JSON as ``plot`` so the figure can be redrawn.
     """
     if not name or any(c in name for c in "/\\ ") :
         raise ValueError(f"name={name!r} must be a non-empty file stem without slashes or spaces")
@@ -410,6 +436,9 @@ def write_results(
         "meta": {k: portable_arg(v) if isinstance(v, str) else v for k, v in (meta or {}).items()},
         "rows": rows,
     }
+    if curve is not None:
+        record["plot"] = curve
+    record = portable(record)
     paths = {"json": out / f"{name}.json", "md": out / f"{name}.md"}
     paths["json"].write_text(json.dumps(record, indent=2, default=str) + "\n")
     m = record["machine"]
@@ -423,42 +452,20 @@ def write_results(
         f"- versions: torch {m['torch']}, triton {m['triton']}, llmpar {m['llmpar']} (commit {m['git_commit']})",
     ]
     md += [f"- {k}: {v}" for k, v in record["meta"].items()]
-    md += ["", markdown_table(rows)]
-    if curve is not None:
-        png = _plot(out / f"{name}.png", rows, curve, title=curve.get("title", name))
-        if png is not None:
-            paths["png"] = png
-            md.append(f"![{name}]({png.name})\n")
+    md += ["", markdown_table(record["rows"])]
+    png = _plot(record, out / f"{name}.png")
+    if png is not None:
+        paths["png"] = png
+        md.append(f"![{name}]({png.name})\n")
     paths["md"].write_text("\n".join(md))
     return paths
 
 
-def _plot(path: Path, rows: list[dict[str, Any]], curve: dict[str, Any], *, title: str) -> Path | None:
+def _plot(record: dict[str, Any], path: Path) -> Path | None:
+    """The record's plot (bench/plot_results.py), or None without matplotlib or anything to plot."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    x, ys, group = curve["x"], curve["y"], curve.get("group")
-    ys = [ys] if isinstance(ys, str) else list(ys)
-    fig, ax = plt.subplots(figsize=(6, 4))
-    groups = sorted({r.get(group) for r in rows}, key=str) if group else [None]
-    for g in groups:
-        sel = [r for r in rows if group is None or r.get(group) == g]
-        for y in ys:
-            pts = sorted((r[x], r[y]) for r in sel if x in r and y in r)
-            if pts:
-                label = " ".join(str(s) for s in (g, y if len(ys) > 1 else None) if s is not None) or y
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
-    ax.set_xscale("log" if curve.get("logx") else "linear")
-    ax.set_yscale("log" if curve.get("logy") else "linear")
-    ax.set_xlabel(x)
-    ax.set_ylabel(curve.get("ylabel", ", ".join(ys)))
-    ax.set_title(title)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+        from plot_results import plot_record
+    except ImportError:  # the harness imported from elsewhere than bench/ on sys.path
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from plot_results import plot_record
+    return plot_record(record, path)

@@ -1,8 +1,11 @@
 """bench/harness.py: stats of repeats, side-by-side ratios in the right direction, the multi-rank max, and
-well-formed JSON / markdown results (asserting orderings, never absolute timings)."""
+well-formed JSON / markdown results (asserting orderings, never absolute timings); the plots (bench/plot_results.py),
+no absolute machine paths in any committed result, and the pytest-benchmark suites of bench/suites/ (run once,
+saved, compared, rendered by bench/benchmark_table.py)."""
 import json
-import re
 import os
+import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -105,3 +108,187 @@ def test_command_line_records_no_machine_paths(monkeypatch, tmp_path):
     line = harness.command_line()
     assert line == 'python bench/bench_zero.py --dir "$TMPDIR/llmpar-bench-x" --out=bench/results --repeats 3 /opt/data.bin'
     assert str(root) not in line
+
+
+# ---------------------------------------------------------------- plots, path hygiene, the pytest-benchmark suites
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+TEXT_SUFFIXES = {".json", ".md", ".txt", ".csv", ".log", ".yaml", ".yml"}
+# an absolute path on a POSIX machine or a Windows one (not "$TMPDIR/...", "~/...", URLs or repo-relative paths)
+ABSOLUTE = re.compile(r"(?<![\w$~.:/])/(?:work|tmp|root|home|Users|mnt|scratch|private|var/folders)/|[A-Za-z]:\\\\")
+
+
+def _has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _run_pytest(*args: str, timeout: int = 300, **env_vars: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", **env_vars}
+    env.pop("PYTEST_ADDOPTS", None)
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_write_results_plots_ratio_bars_by_default(tmp_path):
+    rows = [{"case": "a", "name": "torch", "median_ms": 2.0, "speedup": 1.0, "baseline": True},
+            {"case": "a", "name": "llmpar", "median_ms": 1.0, "speedup": 2.0, "baseline": False}]
+    paths = write_results("ratios", rows, out_dir=tmp_path)
+    data = json.loads(paths["json"].read_text())
+    assert "plot" not in data  # no curve given: the default plot, nothing to record
+    if _has_matplotlib():
+        assert paths["png"].exists() and paths["png"].stat().st_size < 100_000
+        assert "![ratios](ratios.png)" in paths["md"].read_text()
+    plain = write_results("no_ratios", [{"what": "x", "median_ms": 1.0}], out_dir=tmp_path)
+    assert "png" not in plain and not (tmp_path / "no_ratios.png").exists()  # nothing to plot: no empty figure
+    curve = {"x": "size", "y": ["median_ms"], "logx": True}
+    sized = write_results("sized", [{"size": s, "median_ms": s / 10} for s in (1, 2, 4)], out_dir=tmp_path, curve=curve)
+    assert json.loads(sized["json"].read_text())["plot"] == curve  # kept so plot_results can redraw it
+
+
+def test_plot_results_picks_panels_and_skips_existing(tmp_path):
+    import plot_results as pr
+
+    rows = [{"schedule": "gpipe", "pp": 2, "step_ms": 3.0, "bubble_formula": 0.2, "bubble_measured_mean": 0.21,
+             "speedup_vs_gpipe": 1.0, "per_stage": "0.33 0.09"},
+            {"schedule": "1f1b", "pp": 2, "step_ms": 2.0, "bubble_formula": 0.2, "bubble_measured_mean": 0.15,
+             "speedup_vs_gpipe": 1.5, "per_stage": "0.20 0.10"}]
+    assert pr.ratio_columns(rows) == ["speedup_vs_gpipe"]
+    assert pr.formula_pairs(rows) == [("bubble_measured_mean", "bubble_formula")]
+    assert pr.label_columns(rows, set()) == ["schedule"]  # pp does not vary; per-stage figures are data
+    assert pr.size_curve([{"size": s, "median_ms": 1.0} for s in (1, 2, 4)]) == ("size", "median_ms")
+    src = tmp_path / "pipe.json"
+    src.write_text(json.dumps({"name": "pipe", "rows": rows}))
+    (tmp_path / "pipe.md").write_text("# pipe\n")
+    assert pr.main([str(src)]) == 0
+    if _has_matplotlib():
+        png = tmp_path / "pipe.png"
+        assert png.exists() and png.stat().st_size < 100_000
+        assert (tmp_path / "pipe.md").read_text().endswith("![pipe](pipe.png)\n")
+        assert pr.plot_json(src) is None and pr.plot_json(src, force=True) == png  # existing plots kept unless forced
+    assert pr.plot_json(tmp_path / "pipe.md") is None  # not JSON: skipped with a message, no exception
+
+
+def test_write_results_records_no_machine_paths(tmp_path):
+    import tempfile
+
+    root = Path(__file__).resolve().parents[1]
+    scratch = Path(tempfile.gettempdir()) / "llmpar-x"
+    rows = [{"file": str(root / "bench" / "results" / "a.json"), "dir": str(scratch), "n": 1}]
+    paths = write_results("paths", rows, meta={"note": f"data under {scratch} and {root}"}, out_dir=tmp_path)
+    text = paths["json"].read_text() + paths["md"].read_text()
+    assert str(root) not in text and str(scratch) not in text
+    data = json.loads(paths["json"].read_text())
+    assert data["rows"][0]["file"] == "bench/results/a.json" and data["rows"][0]["dir"] == "$TMPDIR/llmpar-x"
+    assert data["meta"]["note"] == "data under $TMPDIR/llmpar-x and ."
+
+
+def test_committed_results_are_valid_and_hold_no_absolute_paths():
+    bad = []
+    for path in sorted(RESULTS.rglob("*")):
+        if not path.is_file() or path.suffix not in TEXT_SUFFIXES:
+            continue
+        text = path.read_text(errors="replace")
+        rel = path.relative_to(ROOT)
+        if path.suffix == ".json":
+            try:
+                json.loads(text)
+            except json.JSONDecodeError as e:
+                bad.append(f"{rel}: not valid JSON ({e})")
+        for n, line in enumerate(text.splitlines(), 1):
+            if str(ROOT) in line or ABSOLUTE.search(line):
+                bad.append(f"{rel}:{n}: an absolute machine path: {line.strip()[:120]}")
+    assert not bad, "\n".join(bad)
+
+
+def test_results_tables_have_small_plots():
+    if not _has_matplotlib():
+        pytest.skip("matplotlib is not installed")
+    import plot_results as pr
+
+    for path in sorted(RESULTS.glob("*.json")):
+        png = path.with_suffix(".png")
+        if pr._panels(json.loads(path.read_text())):
+            assert png.exists(), f"{path.name} has no plot: run python bench/plot_results.py"
+    for png in RESULTS.rglob("*.png"):
+        assert png.stat().st_size < 100_000, f"{png.name} is {png.stat().st_size // 1024} KB (keep plots < 100 KB)"
+
+
+def _saved_run(benchmarks: list[dict]) -> dict:
+    return {"machine_info": {"node": "", "cpu": {"brand_raw": "Test CPU", "count": 4}, "python_version": "3.11.0"},
+            "llmpar": {"torch": "2.13.0", "triton": None, "llmpar": "0.1.0", "gpus": []},
+            "commit_info": {"id": "0123456789abcdef", "dirty": False}, "datetime": "2026-01-01T00:00:00",
+            "version": "5.3.1", "command": "pytest bench/ --benchmark-only", "benchmarks": benchmarks}
+
+
+def _case(group: str, impl: str, median: float) -> dict:
+    return {"group": group, "name": f"test_x[cpu-{impl}]", "param": f"cpu-{impl}", "extra_info": {"impl": impl},
+            "stats": {"median": median, "iqr": median / 10, "rounds": 7}}
+
+
+def test_benchmark_table_renders_ratios_per_group(tmp_path):
+    import benchmark_table as bt
+
+    data = _saved_run([_case("op a cpu", "llmpar", 1e-3), _case("op a cpu", "torch", 2e-3),
+                       _case("op b cpu", "torch", 4e-6), _case("op b cpu", "llmpar", 8e-6),
+                       _case("lonely cpu", "llmpar", 1.5)])
+    rows = bt.rows(data)
+    assert [(r["group"], r["impl"]) for r in rows][:2] == [("op a cpu", "torch"), ("op a cpu", "llmpar")]
+    assert [r["time_vs_torch"] for r in rows] == [1.0, 0.5, 1.0, 2.0, None]
+    md = bt.render(data, source="bench/results/pytest-benchmark/x.json")
+    assert "| op a cpu | torch | 2 ms | 200 µs | 7 | 1.00 |" in md and "|  | llmpar | 1 ms |" in md
+    assert "| op b cpu | torch | 4 µs |" in md and "| lonely cpu | llmpar | 1.5 s |" in md
+    assert "Test CPU (4 cores)" in md and "commit 0123456" in md and "`pytest bench/ --benchmark-only`" in md
+    assert "| op cpu | llmpar | 2 | 1.00 | 0.50 | 2.00 |" in md  # geomean of 0.5 and 2
+    src = tmp_path / "0001_x.json"
+    src.write_text(json.dumps(data))
+    assert bt.main([str(src), "--out", str(tmp_path / "ops.md")]) == 0
+    assert (tmp_path / "ops.md").read_text().startswith("# llmpar op micro-benchmarks")
+    assert (tmp_path / "ops.png").exists() == _has_matplotlib()
+
+
+def test_suites_stay_out_of_the_test_run():
+    import tomllib
+
+    ini = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    assert ini["testpaths"] == ["tests"]  # `pytest` and `make test` never collect bench/
+    assert "pytest -q -ra tests" in (ROOT / "Makefile").read_text()
+
+
+def test_suites_run_once_on_cpu():
+    """Every suite's cases once, untimed, at the smallest size (--benchmark-disable: --benchmark-only cannot go with
+    it; LLMPAR_BENCH_QUICK=1); all ops, impls and devices still collected."""
+    out = _run_pytest("bench", "--benchmark-disable", "-v", "-rs", LLMPAR_BENCH_QUICK="1")
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    assert " passed" in out.stdout and "failed" not in out.stdout and "error" not in out.stdout.lower()
+    assert "far too slow to benchmark" in out.stdout  # Triton on CPU: skipped, with the reason
+    for test in ("test_linear_act_forward", "test_linear_act_fwd_bwd", "test_bias_act_backward", "test_pack_bucket",
+                 "test_unpack_bucket", "test_adamw_step", "test_grad_norm", "test_cross_entropy"):
+        assert re.search(rf"::{test}\[cpu-\S*-llmpar\S*\] (PASSED|SKIPPED)", out.stdout), test
+
+
+def test_suite_save_compare_and_table(tmp_path):
+    """--benchmark-save into a storage folder, --benchmark-compare against it, and the saved JSON's table."""
+    import benchmark_table as bt
+
+    sel = ["bench/suites/test_bench_grad_norm.py", "-k", "cpu and 1Mx64 and fp32", "--benchmark-max-time=0.01",
+           "--benchmark-min-rounds=2", f"--benchmark-storage={tmp_path}"]
+    first = _run_pytest(*sel, "--benchmark-only", "--benchmark-save=unit", "-q")
+    assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-2000:]
+    saved = list(tmp_path.glob("*/0001_unit.json"))
+    assert len(saved) == 1, list(tmp_path.rglob("*"))
+    text = saved[0].read_text()
+    assert str(ROOT) not in text and not ABSOLUTE.search(text) and '"node": ""' in text
+    data = bt.load(saved[0])
+    assert {b["extra_info"]["impl"] for b in data["benchmarks"]} == {"torch", "llmpar"}
+    assert data["command"].startswith("pytest ") and "test_bench_grad_norm.py" in data["command"]
+    assert "$TMPDIR/" in data["command"] and data["llmpar"]["torch"]  # the storage path made portable
+    second = _run_pytest(*sel, "--benchmark-only", "--benchmark-compare=0001", "-q")
+    assert second.returncode == 0, second.stdout[-4000:] + second.stderr[-2000:]
+    assert "0001_unit" in second.stdout and "NOW" in second.stdout
+    assert "machine_info is different" not in second.stdout + second.stderr  # volatile fields kept out of it
+    assert "| grad_norm fp32 1Mx64 cpu | torch |" in bt.render(data)
