@@ -199,3 +199,14 @@ def test_trainer_needs_its_config_once(tmp_path):
     with pytest.raises(ValueError, match="tensor_parallel.size=3 does not divide the 1 processes"):
         Trainer(model=_model(), args=plain, train_dataset=hf_trainer_script.Tokens(),
                 llmpar_config={"tensor_parallel": {"autotp_size": 3}})
+
+
+def test_zero_init_is_reachable_after_import_llmpar():
+    """``llmpar.zero.Init`` / ``GatheredParameters`` as DeepSpeed scripts write them, with only ``import llmpar``
+    (a fresh interpreter: nothing imported llmpar.zero before)."""
+    code = ("import llmpar, sys; assert 'llmpar.zero' not in sys.modules; "
+            "print(llmpar.zero.Init.__name__, llmpar.zero.GatheredParameters.__name__)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["Init", "GatheredParameters"]
