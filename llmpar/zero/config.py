@@ -56,12 +56,16 @@ class ZeroConfig:
     partition on the host and steps there (stage 1: the gradient accumulator stays on the device, its reduced
     partition is copied out at the accumulation boundary); ``offload_param`` (stage 3) keeps the parameter shards
     there.
+    ``overlap_param_gather`` (llmpar's, off by default; ``param_gather.py``): stages 1-2 launch the all-gather of the
+    updated params at the end of ``step()`` and wait for each unit at the next forward, overlapping it; read params
+    directly between the two only after ``optimizer.wait_params()``.
     """
 
     stage: int = 0
     reduce_bucket_size: int = 500_000_000
     allgather_bucket_size: int = 500_000_000
     overlap_comm: bool = False
+    overlap_param_gather: bool = False  # llmpar (Megatron's name): stage 1/2 param all-gather waited at next forward
     contiguous_gradients: bool = True
     reduce_scatter: bool = True
     stage3_prefetch_bucket_size: int = 50_000_000

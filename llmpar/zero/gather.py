@@ -44,6 +44,7 @@ def GatheredParameters(params: torch.Tensor | Iterable[torch.Tensor] | None, opt
     if modifier_rank is not None and not 0 <= modifier_rank < optimizer.dp:
         raise ValueError(f"modifier_rank={modifier_rank} is not a dp rank (dp={optimizer.dp})")
     plist = _as_list(params)
+    optimizer.wait_params()
     rt = optimizer.stage3
     keys = rt.keys_of(plist) if rt is not None else []
     if rt is not None:
@@ -74,6 +75,7 @@ def consolidated_state_dict(module: torch.nn.Module, optimizer: "object", *, ran
 
     if not isinstance(optimizer, ZeroOptimizer):
         raise TypeError(f"optimizer must be a ZeroOptimizer, got {type(optimizer).__name__}")
+    optimizer.wait_params()
     keep = not rank0_only or group_rank(optimizer.dp_group) == 0
     names: dict[int, list[str]] = {}
     for name, p in module.named_parameters(remove_duplicate=False):

@@ -68,7 +68,7 @@ class GradReducer:
 
     def __init__(self, buffers: list[FlatBuffer], *, stage: int, dp_group: Group, dp: int, rank: int,
                  overlap: bool, reduce_dtype_of: Callable[[FlatBuffer], torch.dtype],
-                 counter: CommCounter | None, max_inflight: int = 2, copier: Any = None) -> None:
+                 counter: CommCounter | None, inflight_budget: int = 0, copier: Any = None) -> None:
         self.buffers = buffers
         self.stage = stage
         self.group = dp_group
@@ -82,7 +82,9 @@ class GradReducer:
         self.copier = copier  # offload_optimizer: offload.Copier taking each reduced shard out to the host
         self.log: list[tuple[str, tuple[int, int]]] | None = None  # ("reduce" | "reduced", (buffer, unit)), tests
         self._bindex = {id(b): bi for bi, b in enumerate(buffers)}
-        self.max_inflight = max(1, max_inflight)
+        # with overlap: reductions in flight (not waited for during backward) while the staging they hold stays within
+        # inflight_budget elements (DeepSpeed documents ~4.5 x reduce_bucket_size for its overlap_comm); at least one
+        self.inflight_budget = inflight_budget
         self.boundary = True  # reduce at the end of this backward (stages 0/1)
         self.fresh = True  # the next backward overwrites the accumulators instead of adding
         self.reduced = False  # stages 0/1: the accumulators hold reduced grads waiting for step()
@@ -202,7 +204,7 @@ class GradReducer:
         self.staging_peak = max(self.staging_peak, self._staging_live)
         if not self.overlap:
             self.wait_all()
-        while len(self._inflight) > self.max_inflight:
+        while len(self._inflight) > 1 and self._staging_live > self.inflight_budget:
             self._wait_oldest()
 
     def _wait_oldest(self) -> None:

@@ -34,8 +34,7 @@ import torch
 from torch import nn
 
 from llmpar.distributed.agree import check_same_on_ranks
-from llmpar.distributed.collectives import (CommCounter, Group, GroupRef, Handle, all_gather_flat, broadcast_coalesced,
-                                            group_rank, group_size)
+from llmpar.distributed.collectives import CommCounter, Group, GroupRef, broadcast_coalesced, group_rank, group_size
 from llmpar.ops.adamw import MODES, adamw_step, check_param_dtype, resolve_precision
 from llmpar.ops.bucket import pack_bucket
 from llmpar.optim.adamw import state_dtypes
@@ -47,6 +46,7 @@ from llmpar.zero.init import default_device, materialize_sharded, remap_params, 
 from llmpar.zero.layout import FlatLayout
 from llmpar.zero.loss_scale import LossScaler, unscale_and_clip
 from llmpar.zero.offload import Copier, Placement, host_step_buffer, master_dtype, memory_bytes
+from llmpar.zero.param_gather import DeferredGather, start_gather
 from llmpar.zero.stage3 import (Stage3Runtime, UnitPlan, UnitPolicy, frozen_buffers, shard_params,
                                  split_persistent)
 from llmpar.zero.stats import NormStats, StepApplied
@@ -79,6 +79,7 @@ class ZeroOptimizer(ZeroCheckpointing):
                             f"{type(module).__name__}")
         self._deferred: set[int] = set()  # stage 3 params built on the meta device (llmpar.zero.Init)
         self.init_peak_numel = 0
+        self.deferred_gather: DeferredGather | None = None  # overlap_param_gather (set once the buffers exist)
         if stage == 3 and any(p.is_meta for p in module.parameters()):
             mapping = replace_meta_params(module, default_device())
             self._deferred = {id(p) for p in mapping.values()}
@@ -121,7 +122,13 @@ class ZeroOptimizer(ZeroCheckpointing):
             materialize_sharded(self)
         self.reducer = GradReducer(self.buffers, stage=min(stage, 2), dp_group=self.dp_group, dp=self.dp,
                                    rank=self.rank, overlap=zcfg.overlap_comm, reduce_dtype_of=lambda b: b.layout.dtype,
-                                   counter=counter, copier=self.copier if self.placement.offload_optimizer else None)
+                                   counter=counter, copier=self.copier if self.placement.offload_optimizer else None,
+                                   inflight_budget=4 * zcfg.reduce_bucket_size)
+        if zcfg.overlap_param_gather and stage in (1, 2) and self.dp > 1:
+            if module is None:
+                raise ValueError("zero_config.overlap_param_gather needs module= (the model whose forward waits for "
+                                 "the param all-gather)")
+            self.deferred_gather = DeferredGather(self, module)
         self.stage3: Stage3Runtime | None = None
         if stage == 3:
             assert self.plan is not None
@@ -311,6 +318,7 @@ class ZeroOptimizer(ZeroCheckpointing):
         skipped for non-finite grads (its ``bool()`` reads the device flag; nothing else here does)."""
         r = self.reducer
         r.wait_all()
+        self.wait_params()
         if r.micro_steps == 0:
             logger.warning("ZeroOptimizer.step() without a backward since the last step: nothing to do")
             return StepApplied(None)
@@ -340,31 +348,20 @@ class ZeroOptimizer(ZeroCheckpointing):
         if self.stage3 is not None:  # a skipped step left the shards as they were: re-gathering is harmless
             self.stage3.regather_persistent()
         elif self.stage > 0 and self.dp > 1:
-            self._gather_params()
+            start_gather(self)
         r.reset()
         return StepApplied(found_inf)
 
-    def _gather_params(self) -> None:
-        limit = self.zero_config.allgather_bucket_size
-        inflight: list[tuple[Handle, int]] = []
-        live = 0
-        for b in self.buffers:
-            for u in range(len(b.layout.units)):
-                out = b.layout.unit_view(b.flat, u)
-                h = all_gather_flat(out, b.layout.shard_of_full(b.flat, u, self.rank), self.dp_group, async_op=True,
-                                    counter=self.counter, what=f"all-gather of updated params, unit {u} (step)")
-                inflight.append((h, out.numel()))
-                live += out.numel()
-                while live > limit and len(inflight) > 1:
-                    h0, n0 = inflight.pop(0)
-                    h0.wait()
-                    live -= n0
-        for h, _ in inflight:
-            h.wait()
+    def wait_params(self) -> None:
+        """Wait for a deferred all-gather of updated params (``overlap_param_gather``; ``param_gather.py``): call it
+        before reading ``param.data`` outside llmpar between ``step()`` and the next forward."""
+        if self.deferred_gather is not None:
+            self.deferred_gather.wait_all()
 
     @torch.no_grad()
     def refresh_master(self) -> None:
         """The fp32 masters take the params' current values (after the user modified params)."""
+        self.wait_params()
         for b in self.buffers:
             if "master" in b.state:
                 for u, src in enumerate(self._shards(b)):

@@ -1,0 +1,99 @@
+"""ZeRO-1/2: the all-gather of the updated params after ``step()``, waited for at once or as late as possible.
+
+After a stage-1/2 step each rank holds only its partition of the new params; an all-gather makes them whole again.
+``gather_now`` waits for it inside ``step()`` (the default). With ``zero_optimization.overlap_param_gather`` (the
+name Megatron-Core uses for the same option), :class:`DeferredGather` launches the all-gathers at the end of
+``step()`` and waits for each unit just before the first module that holds one of its params runs forward (a forward
+pre-hook per such module), so the communication overlaps whatever runs until then and the early layers of the next
+forward. Everything in llmpar that reads params waits first (``ZeroOptimizer.wait_params``: the next step, a
+checkpoint save, the gathered state dict, ``GatheredParameters``, the module's ``state_dict()``). Code that reads
+``param.data`` directly between ``step()`` and the next forward (an EMA of the weights, say) must call
+``optimizer.wait_params()`` first: that is why the option is off by default.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from llmpar.distributed.collectives import Handle, all_gather_flat
+
+
+def _launch(opt: Any, b: Any, u: int) -> tuple[Handle, int]:
+    out = b.layout.unit_view(b.flat, u)
+    h = all_gather_flat(out, b.layout.shard_of_full(b.flat, u, opt.rank), opt.dp_group, async_op=True,
+                        counter=opt.counter, what=f"all-gather of updated params, unit {u} (step)")
+    return h, out.numel()
+
+
+def gather_now(opt: Any) -> None:
+    """All-gather every unit of every buffer, at most ``allgather_bucket_size`` elements in flight; wait for all."""
+    limit = opt.zero_config.allgather_bucket_size
+    inflight: list[tuple[Handle, int]] = []
+    live = 0
+    for b in opt.buffers:
+        for u in range(len(b.layout.units)):
+            inflight.append(_launch(opt, b, u))
+            live += inflight[-1][1]
+            while live > limit and len(inflight) > 1:
+                h0, n0 = inflight.pop(0)
+                h0.wait()
+                live -= n0
+    for h, _ in inflight:
+        h.wait()
+
+
+class DeferredGather:
+    """The all-gathers of one step, launched by :meth:`launch` and waited per unit by forward pre-hooks on
+    ``module``'s submodules (or all at once by :meth:`wait_all`)."""
+
+    def __init__(self, opt: Any, module: nn.Module) -> None:
+        self.opt = opt
+        self.pending: dict[tuple[int, int], Handle] = {}
+        owner = {id(b.params[i]): (bi, u) for bi, b in enumerate(opt.buffers)
+                 for u, unit in enumerate(b.layout.units) for i in unit.params}
+        self.hooks = []
+        for m in module.modules():
+            keys = sorted({owner[id(p)] for p in m.parameters(recurse=False) if id(p) in owner})
+            if keys:
+                self.hooks.append(m.register_forward_pre_hook(self._waiter(keys)))
+        self.hooks.append(module.register_state_dict_pre_hook(lambda *args, **kwargs: self.wait_all()))
+
+    def _waiter(self, keys: list[tuple[int, int]]) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            if self.pending:
+                for key in keys:
+                    h = self.pending.pop(key, None)
+                    if h is not None:
+                        h.wait()
+        return hook
+
+    def launch(self) -> None:
+        """Start every unit's all-gather (in unit order: the order the forward meets them)."""
+        self.wait_all()
+        for bi, b in enumerate(self.opt.buffers):
+            for u in range(len(b.layout.units)):
+                self.pending[(bi, u)] = _launch(self.opt, b, u)[0]
+
+    def wait_all(self) -> None:
+        while self.pending:
+            self.pending.pop(next(iter(self.pending))).wait()
+
+    def remove(self) -> None:
+        self.wait_all()
+        for h in self.hooks:
+            h.remove()
+
+
+@torch.no_grad()
+def start_gather(opt: Any) -> None:
+    """The end of a stage-1/2 step: gather now, or launch and wait later (``overlap_param_gather``)."""
+    deferred = getattr(opt, "deferred_gather", None)
+    if deferred is None:
+        gather_now(opt)
+    else:
+        deferred.launch()
+
+
+__all__ = ["DeferredGather", "gather_now", "start_gather"]

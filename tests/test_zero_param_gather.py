@@ -1,0 +1,71 @@
+"""``zero_optimization.overlap_param_gather``: stages 1-2 launch the all-gather of the updated params at the end of
+``step()`` and wait for each unit at the next forward. The run is bitwise the run without the option (same losses,
+same params after every step), and everything that reads params waits first (``wait_params``, ``state_dict``,
+``GatheredParameters``, a checkpoint save, the next step)."""
+import pytest
+import torch
+import torch.distributed as dist
+
+import llmpar
+from llmpar.models import GPT, GPTConfig
+from multirank import run_ranks
+
+STEPS = 5
+
+
+def _config(stage, overlap):
+    return {"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2, "gradient_clipping": 0.7,
+            "steps_per_print": 10 ** 9,
+            "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1}},
+            # small units: several all-gathers per step, each waited by a different module's forward
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000, "allgather_bucket_size": 2000,
+                                  "overlap_param_gather": overlap}}
+
+
+def _body(stage, overlap, tmp):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=61, n_layer=2, n_head=2, d_model=24, seq_len=9))
+    engine, opt, _, _ = llmpar.initialize(model=model, config=_config(stage, overlap))
+    assert (opt.deferred_gather is not None) == overlap
+    g = torch.Generator().manual_seed(1 + dist.get_rank())
+    losses, snapshots = [], []
+    for step in range(STEPS):
+        for _ in range(2):
+            x = torch.randint(0, 61, (3, 10), generator=g)
+            loss = model.loss(engine(x[:, :-1]), x[:, 1:])
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        if overlap:
+            assert opt.deferred_gather.pending  # launched, not yet waited
+        if step == 1:
+            state = model.state_dict()  # waits: the whole updated params
+            snapshots.append(torch.cat([t.flatten() for t in state.values()]))
+        elif step == 2:
+            opt.wait_params()
+            snapshots.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+        elif step == 3:
+            with llmpar.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
+                snapshots.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+        elif step == 4:
+            engine.save_checkpoint(str(tmp), tag=f"s{stage}{overlap}")
+            snapshots.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    return losses, snapshots
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_overlapped_param_gather_is_bitwise_the_plain_run(stage, tmp_path):
+    plain = run_ranks(_body, 2, stage, False, tmp_path / "plain")
+    overlapped = run_ranks(_body, 2, stage, True, tmp_path / "overlapped")
+    for (l0, s0), (l1, s1) in zip(plain, overlapped):
+        assert l0 == l1
+        for a, b in zip(s0, s1):
+            assert torch.equal(a, b)
+    assert torch.equal(plain[0][1][-1], plain[1][1][-1])  # both ranks hold the same whole params
+
+
+def test_overlap_param_gather_is_a_known_key():
+    with pytest.raises(ValueError, match="overlap_param_gathr"):
+        llmpar.initialize(model=torch.nn.Linear(2, 2), config={"train_micro_batch_size_per_gpu": 1,
+                                                               "zero_optimization": {"stage": 2,
+                                                                                     "overlap_param_gathr": True}})
