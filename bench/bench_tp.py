@@ -1,24 +1,39 @@
 """Benchmark: tensor-parallel MLP and attention blocks, llmpar vs torch's DTensor tensor parallelism, side by side,
-and the exposed-communication fractions of llmpar's overlap for k = 1, 2, 4 chunks.
+with the exposed-communication fraction of every llmpar configuration and where the block time goes.
 
     torchrun --nproc_per_node 2 bench/bench_tp.py                 # CPU / gloo, the default sizes
-    torchrun --nproc_per_node 2 bench/bench_tp.py --tokens 512 --d-model 512 --repeats 30
+    torchrun --nproc_per_node 2 bench/bench_tp.py --rounds 3 --repeats 41   # the committed figures
 
 Blocks (x: [B, T, d]):  MLP  = fc (column, d -> 4d) -> GELU -> proj (row, 4d -> d)
                         attn = qkv (column, d -> 3d, head-major) -> causal SDPA over local heads -> proj (row)
 llmpar: ``llmpar.tensor_parallel.parallelize``; torch: ``parallelize_module`` + ``ColwiseParallel`` /
-``RowwiseParallel`` on the same module. Timed: forward + backward of ``(block(x) * w).sum()``.
+``RowwiseParallel`` on the same module. Timed: forward + backward of ``(block(x) * w).sum()`` (input grad included).
 
-Exposed communication = (t(block with comm) - t(compute alone)) / t(comm alone), where compute alone runs the same
-per-rank matmuls with no collective, and comm alone issues the same collectives (same sizes, same chunking) with
-no compute. Results: bench/results/tp_blocks.{md,json} and bench/results/tp_overlap.{md,json}.
+Definitions (every time is the max over ranks of one step, medians over the interleaved repeats of a round):
+* ``t_nocomm``: the same llmpar block, same path, with every collective the tensor-parallel code issues replaced
+  by a local stand-in of the same shapes (an all-reduce leaves its tensor as it is, a reduce-scatter copies this
+  rank's chunk, an all-gather copies the input into every slot): compute + copies + Python, no communication.
+* ``exposed_comm_frac = (t_block - t_nocomm) / t_block``: the share of the block's time that communication adds,
+  i.e. what is not hidden behind compute (the collectives' own cost, the waits for the other rank, the wake-ups).
+* ``wait_frac``: the time each rank's thread is blocked inside the collectives' ``wait()`` over its step time (mean
+  over ranks, from untimed steps run with the waits clocked).
+* ``exposed_sync_only_frac = (t_sync_only - t_nocomm) / t_block``: the part of it that is the ranks meeting at all,
+  from the same block with each collective replaced by its stand-in plus a 1-element all-reduce (no bytes).
+* ``compute_alone``: one rank's matmuls with ``nn.Linear`` layers of this rank's shapes, no tensor parallelism.
+* ``t_comm_alone``: the collectives of one step (same sizes, same chunking) issued back to back with no compute.
+Results: bench/results/tp_blocks.{md,json} (vs torch), tp_overlap.{md,json} (chunks, layouts) and
+tp_profile.{md,json} (where the block time goes).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import functools
 import os
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -27,10 +42,133 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import Comparison, compare_distributed, markdown_table, write_results  # noqa: E402
+from harness import compare_distributed, markdown_table, write_results  # noqa: E402
 
-from llmpar.distributed import all_gather_flat, all_reduce, reduce_scatter_flat  # noqa: E402
-from llmpar.tensor_parallel import parallelize  # noqa: E402
+import llmpar.tensor_parallel._overlap as tp_overlap  # noqa: E402
+import llmpar.tensor_parallel.comm as tp_comm  # noqa: E402
+from llmpar.distributed import all_gather_flat, all_reduce, group_rank, reduce_scatter_flat  # noqa: E402
+from llmpar.tensor_parallel import ColumnParallelLinear, RowParallelLinear, parallelize  # noqa: E402
+
+# ----------------------------------------------------------------------------- the collectives, swapped or clocked
+# every collective the tensor-parallel code issues is looked up in these two modules under these names
+_TAPPED, _NAMES = (tp_overlap, tp_comm), ("all_reduce", "all_gather_flat", "reduce_scatter_flat")
+
+
+class _Clocked:
+    def __init__(self, handle, clock: "WaitClock") -> None:
+        self.handle, self.clock = handle, clock
+
+    def wait(self) -> None:  # a finished no-op without a handle (the local stand-ins)
+        if self.handle is not None:
+            t0 = time.perf_counter()
+            self.handle.wait()
+            self.clock.waited_s += time.perf_counter() - t0
+
+
+def _local_stand_in(name: str, original, *, sync: bool = False):
+    """A collective's local stand-in with the same shapes: no bytes leave the rank (``sync``: the ranks still meet
+    at the same points, through a 1-element all-reduce in its place)."""
+    def call(*args, async_op: bool = False, **kwargs):
+        if name == "all_gather_flat":  # (output [tp * n], input [n]): the input in every slot
+            out, inp = args[0], args[1]
+            out.view(-1, inp.numel()).copy_(inp.view(1, -1).expand(out.numel() // inp.numel(), -1))
+        elif name == "reduce_scatter_flat":  # (output [n], input [tp * n]): this rank's chunk
+            out, inp, group = args[0], args[1], args[2]
+            out.copy_(inp.view(-1, out.numel())[group_rank(group)])
+        if sync:
+            return all_reduce(torch.zeros(1), args[2] if name != "all_reduce" else args[1], async_op=async_op)
+        return _Clocked(None, None) if async_op else None  # all-reduce: the tensor stays as it is
+    return call
+
+
+class WaitClock:
+    """Adds the seconds this rank's thread spends blocked in the collectives' ``wait()`` to ``waited_s``."""
+
+    def __init__(self) -> None:
+        self.waited_s = 0.0
+
+    def wrap(self, name: str, original):
+        def call(*args, async_op: bool = False, **kwargs):
+            handle = _Clocked(original(*args, async_op=True, **kwargs), self)
+            if async_op:
+                return handle
+            handle.wait()
+        return call
+
+
+@contextlib.contextmanager
+def swapped_collectives(make):
+    """Inside the block, each tapped collective ``f`` named ``n`` is ``make(n, f)``."""
+    saved = [(mod, n, getattr(mod, n)) for mod in _TAPPED for n in _NAMES]
+    try:
+        for mod, n, original in saved:
+            setattr(mod, n, make(n, original))
+        yield
+    finally:
+        for mod, n, original in saved:
+            setattr(mod, n, original)
+
+
+def no_comm(step, *, sync: bool = False):
+    """``step`` with every tensor-parallel collective replaced by its local stand-in (``sync``: plus a 1-element
+    all-reduce at the same point, so the ranks still wait for each other)."""
+    make = functools.partial(_local_stand_in, sync=sync)
+
+    def run():
+        with swapped_collectives(make):
+            step()
+    return run
+
+
+def clocked(step, group, steps: int) -> dict[str, float]:
+    """Per step, means over ``steps`` untimed steps and over the ranks: ``wall_ms``; ``main_cpu_ms`` (CPU time of
+    the calling thread: compute, copies, Python); ``other_threads_cpu_ms`` (the rest of the process's CPU time: gloo's
+    threads moving and summing the bytes); ``wait_ms`` (blocked inside the collectives' ``wait()``) and
+    ``wait_frac = wait_ms / wall_ms``."""
+    clock = WaitClock()
+    wall = main = proc = 0.0
+    with swapped_collectives(clock.wrap):
+        for _ in range(steps):
+            dist.barrier(group)
+            t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
+            step()
+            wall += time.perf_counter() - t0
+            main += time.thread_time() - c0
+            proc += time.process_time() - p0
+    sums = torch.tensor([wall, main, proc - main, clock.waited_s], dtype=torch.float64)
+    dist.all_reduce(sums, group=group)
+    wall, main, other, waited = (sums / (steps * dist.get_world_size(group))).tolist()
+    return {"wall_ms": wall * 1e3, "main_cpu_ms": main * 1e3, "other_threads_cpu_ms": other * 1e3,
+            "wait_ms": waited * 1e3, "wait_frac": waited / wall}
+
+
+def comm_only_fn(x_shape: tuple[int, ...], chunks: int, sp: bool, group):
+    """The collectives a llmpar block issues per step, with the same sizes and chunking, and no compute."""
+    tp = dist.get_world_size(group)
+    full = torch.randn(x_shape).reshape(-1, x_shape[-1]).contiguous()
+    n = full.shape[0]
+    shard = torch.empty(n // tp, full.shape[1]) if sp else None
+
+    def step():
+        handles = []
+        if sp:  # forward: all-gather (col), reduce-scatter (row); backward: all-gather (row dy), reduce-scatter (col dx)
+            for _ in range(2):
+                for piece in torch.tensor_split(torch.arange(n // tp), chunks):
+                    a, b = int(piece[0]), int(piece[-1]) + 1
+                    out = torch.empty(tp * (b - a), full.shape[1])
+                    handles.append(all_gather_flat(out.view(-1), shard[a:b].contiguous().view(-1), group,
+                                                   async_op=True))
+                handles.append(reduce_scatter_flat(shard.view(-1), full.view(-1), group, async_op=True))
+        else:  # forward: all-reduce of the row output in k pieces; backward: all-reduce of the column input grad
+            for piece in torch.tensor_split(torch.arange(n), chunks):
+                handles.append(all_reduce(full[int(piece[0]) : int(piece[-1]) + 1], group, async_op=True))
+            handles.append(all_reduce(full, group, async_op=True))
+        for h in handles:
+            h.wait()
+    return step
+
+
+# ----------------------------------------------------------------------------- the blocks
 
 
 class MLPBlock(nn.Module):
@@ -84,6 +222,20 @@ def local_compute_only(block: nn.Module, kind: str, tp: int) -> nn.Module:
     return out
 
 
+def llmpar_tp(base: nn.Module, kind: str, group, *, chunks: int = 1, overlap: bool = True,
+              sp_layers: bool = False) -> nn.Module:
+    """``parallelize`` (``sp_layers``: the MLP with sequence-parallel layers: the column layer all-gathers its
+    input in ``chunks`` pieces pipelined with its matmul, the row layer reduce-scatters in ``chunks`` pieces)."""
+    if not sp_layers:
+        return parallelize(copy.deepcopy(base), group, dict(zip(PLANS[kind], ("column", "row"))),
+                           comm_chunks=chunks, overlap_grad_comm=overlap)
+    out = copy.deepcopy(base)
+    out.fc = ColumnParallelLinear.from_linear(base.fc, group=group, sequence_parallel=True, comm_chunks=chunks,
+                                              overlap_grad_comm=overlap)
+    out.proj = RowParallelLinear.from_linear(base.proj, group=group, sequence_parallel=True, comm_chunks=chunks)
+    return out
+
+
 def step_fn(block: nn.Module, x: torch.Tensor, w: torch.Tensor):
     def step():
         xx = x.detach().requires_grad_()  # the input gradient is computed, as inside a model
@@ -93,30 +245,89 @@ def step_fn(block: nn.Module, x: torch.Tensor, w: torch.Tensor):
     return step
 
 
-def comm_only_fn(x_shape: tuple[int, ...], chunks: int, sp: bool, group):
-    """The collectives a llmpar block issues per step, with the same sizes and chunking, and no compute."""
-    tp = dist.get_world_size(group)
-    full = torch.randn(x_shape).reshape(-1, x_shape[-1]).contiguous()
-    n = full.shape[0]
-    shard = torch.empty(n // tp, full.shape[1]) if sp else None
+def timed_rounds(cases: dict, group, args) -> list[dict]:
+    """``args.rounds`` interleaved comparisons of ``cases`` (each the harness's compare_distributed)."""
+    return [compare_distributed(cases, group=group, warmup=args.warmup, repeats=args.repeats)
+            for _ in range(args.rounds)]
 
-    def step():
-        handles = []
-        if sp:  # forward: all-gather (col), reduce-scatter (row); backward: all-gather (row dy), reduce-scatter (col dx)
-            for _ in range(2):
-                for piece in torch.tensor_split(torch.arange(n // tp), chunks):
-                    a, b = int(piece[0]), int(piece[-1]) + 1
-                    out = torch.empty(tp * (b - a), full.shape[1])
-                    handles.append(all_gather_flat(out.view(-1), shard[a:b].contiguous().view(-1), group,
-                                                   async_op=True))
-                handles.append(reduce_scatter_flat(shard.view(-1), full.view(-1), group, async_op=True))
-        else:  # forward: all-reduce of the row output in k pieces; backward: all-reduce of the column input grad
-            for piece in torch.tensor_split(torch.arange(n), chunks):
-                handles.append(all_reduce(full[int(piece[0]) : int(piece[-1]) + 1], group, async_op=True))
-            handles.append(all_reduce(full, group, async_op=True))
-        for h in handles:
-            h.wait()
-    return step
+
+def _spread(values: list[float], digits: int = 3) -> str:
+    return f"{min(values):.{digits}f}-{max(values):.{digits}f}" if len(values) > 1 else f"{values[0]:.{digits}f}"
+
+
+def _exposed(rounds: list[dict], name: str, nocomm: str, stat: str = "median_s") -> list[float]:
+    return [(getattr(r[name], stat) - getattr(r[nocomm], stat)) / getattr(r[name], stat) for r in rounds]
+
+
+def blocks_section(kind: str, base, x, w, group, mesh, args) -> tuple[list[dict], list[dict]]:
+    """llmpar (k = 1, 2), their no-communication twins and the compute floor against torch's DTensor tp; and the
+    profile of each case (clocked steps: CPU time of the calling thread and of the other threads, waits)."""
+    tp = dist.get_world_size(group)
+    cases = {"torch_dtensor": step_fn(torch_tp(copy.deepcopy(base), kind, mesh), x, w)}
+    for name, k in (("llmpar", 1), ("llmpar_k2", 2)):
+        cases[name] = step_fn(llmpar_tp(base, kind, group, chunks=k), x, w)
+        cases[name + "_nocomm"] = no_comm(cases[name])  # the same block object, collectives swapped
+    cases["llmpar_sync_only"] = no_comm(cases["llmpar"], sync=True)
+    cases["compute_alone"] = step_fn(local_compute_only(base, kind, tp), x, w)
+    rounds = timed_rounds(cases, group, args)
+    cases["comm_alone"] = comm_only_fn(tuple(x.shape), 1, False, group)
+    clocks = {name: clocked(step, group, args.wait_steps) for name, step in cases.items()}
+    rows, profile = [], []
+    for name in cases:
+        if name == "comm_alone":
+            continue
+        ratio = [r[name].median_s / r["torch_dtensor"].median_s for r in rounds]
+        row = {"block": kind, "B": x.shape[0], "T": x.shape[1], "d": x.shape[2], "tp": tp, "name": name,
+               "median_ms": statistics.median([r[name].median_s for r in rounds]) * 1e3,
+               "min_ms": min(r[name].min_s for r in rounds) * 1e3,
+               "time_vs_torch": statistics.median(ratio), "time_vs_torch_over_rounds": _spread(ratio)}
+        if name + "_nocomm" in cases:
+            exposed = _exposed(rounds, name, name + "_nocomm")
+            row.update(exposed_comm_frac=statistics.median(exposed), exposed_over_rounds=_spread(exposed, 2),
+                       exposed_comm_frac_from_min=statistics.median(_exposed(rounds, name, name + "_nocomm", "min_s")),
+                       wait_frac=clocks[name]["wait_frac"])
+        if name == "llmpar":  # the part of the exposed share that is only the ranks meeting (no bytes)
+            row["exposed_sync_only_frac"] = statistics.median(
+                [(r["llmpar_sync_only"].median_s - r["llmpar_nocomm"].median_s) / r["llmpar"].median_s
+                 for r in rounds])
+        rows.append(row)
+    for name, clock in clocks.items():
+        off_cpu = clock["wall_ms"] - clock["main_cpu_ms"]
+        profile.append({"block": kind, "case": name, **clock, "main_thread_off_cpu_ms": off_cpu,
+                        "preempted_or_other_ms": off_cpu - clock["wait_ms"]})
+    return rows, profile
+
+
+def overlap_section(kind: str, base, x, w, group, args) -> list[dict]:
+    """Exposed communication for k = 1, 2, 4 chunks and with the input-gradient collective made synchronous, in
+    the plain layout and (MLP) with sequence-parallel layers."""
+    B, tp = x.shape[0], dist.get_world_size(group)
+    rows = []
+    for sp in (False, True) if kind == "mlp" else (False,):
+        xs, ws = (x[: B // tp], w[: B // tp]) if sp else (x, w)  # sequence parallel: this rank's dim-0 shard
+        configs = {f"overlap k={k}": dict(chunks=k) for k in (1, 2, 4)}
+        configs["no overlap (k=1, sync grad comm)"] = dict(chunks=1, overlap=False)
+        cases = {}
+        for label, cfg in configs.items():
+            step = step_fn(llmpar_tp(base, kind, group, sp_layers=sp, **cfg), xs, ws)
+            cases[label], cases[label + " nocomm"] = step, no_comm(step)
+        for k in (1, 2, 4):
+            cases[f"comm_alone k={k}"] = comm_only_fn(tuple(x.shape), k, sp, group)
+        rounds = timed_rounds(cases, group, args)
+        for label, cfg in configs.items():
+            exposed = _exposed(rounds, label, label + " nocomm")
+            k, clock = cfg["chunks"], clocked(cases[label], group, args.wait_steps)
+            rows.append({
+                "block": kind, "sequence_parallel": sp, "case": label, "chunks": k,
+                "t_step_ms": statistics.median([r[label].median_s for r in rounds]) * 1e3,
+                "t_nocomm_ms": statistics.median([r[label + " nocomm"].median_s for r in rounds]) * 1e3,
+                "t_comm_alone_ms": statistics.median([r[f"comm_alone k={k}"].median_s for r in rounds]) * 1e3,
+                "exposed_comm_frac": statistics.median(exposed), "exposed_over_rounds": _spread(exposed, 2),
+                "exposed_comm_frac_from_min": statistics.median(_exposed(rounds, label, label + " nocomm", "min_s")),
+                "wait_frac": clock["wait_frac"], "main_cpu_ms": clock["main_cpu_ms"],
+                "other_threads_cpu_ms": clock["other_threads_cpu_ms"],
+            })
+    return rows
 
 
 def main() -> None:
@@ -127,10 +338,15 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=1, help="interleaved comparisons repeated (spread reported)")
+    ap.add_argument("--wait-steps", type=int, default=20, help="untimed steps with the collective waits clocked")
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
+    ap.add_argument("--blocks", nargs="+", default=["mlp", "attn"], choices=sorted(PLANS))
+    ap.add_argument("--skip-overlap", action="store_true", help="only the blocks vs torch (and the profile)")
     ap.add_argument("--out", default=None, help="results folder (default bench/results)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    load_at_start = os.getloadavg()[0]
     dist.init_process_group("gloo")
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -139,73 +355,43 @@ def main() -> None:
     B, T, d = args.batch, args.tokens, args.d_model
     torch.manual_seed(1)
     x, w = torch.randn(B, T, d), torch.randn(B, T, d)
-    blocks_rows, overlap_rows = [], []
-    for kind in ("mlp", "attn"):
+    blocks_rows, profile_rows, overlap_rows = [], [], []
+    for kind in args.blocks:
         base = make_block(kind, d, args.head_dim)
-        plan = dict(zip(PLANS[kind], ("column", "row")))
-        cases = {
-            "torch_dtensor": step_fn(torch_tp(copy.deepcopy(base), kind, mesh), x, w),
-            "llmpar": step_fn(parallelize(copy.deepcopy(base), group, plan), x, w),
-            "llmpar_k2": step_fn(parallelize(copy.deepcopy(base), group, plan, comm_chunks=2), x, w),
-        }
-        res = compare_distributed(cases, group=group, warmup=args.warmup, repeats=args.repeats)
-        cmp = Comparison(baseline="torch_dtensor", timings=res)
-        for row in cmp.rows(block=kind, B=B, T=T, d=d, tp=tp):
-            row["time_vs_torch"] = 1.0 / row["speedup"]
-            blocks_rows.append(row)
-
-        # exposed communication, plain and sequence-parallel layouts
-        for sp in (False, True):
-            xs = x[: B // tp] if sp else x  # sequence parallel: each rank holds dim-0 shard (batch-first: batch)
-            ws = w[: B // tp] if sp else w
-            ocases = {"compute_alone": step_fn(local_compute_only(base, kind, tp), x, w)}
-            if kind == "attn" and sp:
-                continue  # the attention block's SP gather lives in parallelize's module hook, not in the layers
-            for k in (1, 2, 4):
-                ocases[f"comm_alone_k{k}"] = comm_only_fn(tuple(x.shape), k, sp, group)
-                ocases[f"overlap_k{k}"] = step_fn(
-                    _sp_layers(base, kind, group, k, True) if sp else
-                    parallelize(copy.deepcopy(base), group, plan, comm_chunks=k), xs, ws)
-            ocases["no_overlap"] = step_fn(
-                _sp_layers(base, kind, group, 1, False) if sp else
-                parallelize(copy.deepcopy(base), group, plan, overlap_grad_comm=False), xs, ws)
-            ot = compare_distributed(ocases, group=group, warmup=args.warmup, repeats=args.repeats)
-            tc, tc_min = ot["compute_alone"].median_s, ot["compute_alone"].min_s
-            for k in (1, 2, 4):
-                for label, name in ((f"overlap k={k}", f"overlap_k{k}"),) + (
-                        (("no overlap (k=1, sync grad comm)", "no_overlap"),) if k == 1 else ()):
-                    tm, tm_min = ot[f"comm_alone_k{k}"].median_s, ot[f"comm_alone_k{k}"].min_s
-                    t, t_min = ot[name].median_s, ot[name].min_s
-                    overlap_rows.append({
-                        "block": kind, "sequence_parallel": sp, "case": label, "chunks": k,
-                        "t_step_ms": t * 1e3, "t_compute_ms": tc * 1e3, "t_comm_ms": tm * 1e3,
-                        "exposed_comm_frac": (t - tc) / tm,
-                        "exposed_comm_frac_from_min": (t_min - tc_min) / tm_min,
-                    })
+        rows, prof = blocks_section(kind, base, x, w, group, mesh, args)
+        blocks_rows += rows
+        profile_rows += prof
+        if not args.skip_overlap:
+            overlap_rows += overlap_section(kind, base, x, w, group, args)
     if rank == 0:
-        print(markdown_table(blocks_rows))
-        print(markdown_table(overlap_rows))
-        meta = {"world_size": tp, "backend": "gloo", "threads_per_rank": args.threads,
-                "timed": "forward+backward of (block(x) * w).sum(), median over repeats of the max over ranks",
-                "goal": "llmpar <= 0.7x torch_dtensor time",
-                "load_average_at_start": os.getloadavg()[0], "cores": os.cpu_count()}
-        write_results("tp_blocks", blocks_rows, meta, out_dir=args.out)
-        meta2 = {"world_size": tp, "backend": "gloo", "threads_per_rank": args.threads,
-                 "exposed_comm_frac": "(t_step - t_compute) / t_comm (medians; _from_min: from the minima); goal < 0.30",
-                 "load_average_at_start": os.getloadavg()[0], "cores": os.cpu_count()}
-        write_results("tp_overlap", overlap_rows, meta2, out_dir=args.out)
+        common = {"world_size": tp, "backend": "gloo", "threads_per_rank": args.threads, "rounds": args.rounds,
+                  "load_average_at_start": load_at_start,
+                  "load_average_at_end": os.getloadavg()[0], "cores": os.cpu_count()}
+        defs = {"exposed_comm_frac": "(t_block - t_nocomm) / t_block, t_nocomm = the same llmpar block with its "
+                "collectives replaced by local stand-ins of the same shapes; median over rounds (goal <= 0.30)",
+                "wait_frac": "time blocked in the collectives' wait() / step time, mean over ranks"}
+        for title, rows in (("blocks vs torch", blocks_rows), ("profile", profile_rows),
+                            ("overlap", overlap_rows)):
+            if rows:
+                print(f"## {title}\n{markdown_table(rows)}")
+        write_results("tp_blocks", blocks_rows, {
+            **common, "timed": "forward+backward of (block(x) * w).sum(), median over repeats of the max over "
+            "ranks; time_vs_torch: median over rounds of the per-round ratio (its range over rounds beside it)",
+            "goal": "llmpar <= 0.7x torch_dtensor time, exposed_comm_frac <= 0.30", **defs}, out_dir=args.out)
+        write_results("tp_profile", profile_rows, {
+            **common, "clocked": f"{args.wait_steps} untimed steps per case after the timed rounds, each after a "
+            "barrier; means per step over the steps and the ranks",
+            "columns": "wall_ms = main_cpu_ms (the calling thread on a core: compute, copies, Python) + "
+            "main_thread_off_cpu_ms; off-CPU = wait_ms (blocked in llmpar's collective waits; torch's DTensor "
+            "waits are not clocked, they land in preempted_or_other_ms) + preempted_or_other_ms (runnable but "
+            "another thread or process on the core); other_threads_cpu_ms: CPU time of the process's other threads "
+            "(gloo's workers: the collectives' own CPU cost)"}, out_dir=args.out)
+        if overlap_rows:
+            write_results("tp_overlap", overlap_rows, {
+                **common, **defs, "cpu": "main_cpu_ms / other_threads_cpu_ms: CPU time per step of the calling "
+                "thread (compute, copies, Python) and of the process's other threads (gloo), clocked steps"},
+                out_dir=args.out)
     dist.destroy_process_group()
-
-
-def _sp_layers(base: nn.Module, kind: str, group, chunks: int, overlap: bool) -> nn.Module:
-    """The MLP block with sequence-parallel layers (column all-gathers in chunks, row reduce-scatters in chunks)."""
-    from llmpar.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-
-    out = copy.deepcopy(base)
-    out.fc = ColumnParallelLinear.from_linear(base.fc, group=group, sequence_parallel=True, comm_chunks=chunks,
-                                              overlap_grad_comm=overlap)
-    out.proj = RowParallelLinear.from_linear(base.proj, group=group, sequence_parallel=True, comm_chunks=chunks)
-    return out
 
 
 if __name__ == "__main__":

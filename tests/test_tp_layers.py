@@ -125,6 +125,47 @@ def test_column_row_mlp_matches_single_device(world_size, sp, chunks, overlap):
         run_ranks(_mlp_body, world_size, sp, chunks, overlap, dtype)
 
 
+def _chunked_body(sp: bool, bias: bool, dtype_name: str):
+    """k = 3 chunks (token counts 5 and 7: not divisible by 3) == k = 1, outputs and every gradient; also with an
+    input that needs no gradient (the input-gradient products and collectives skipped)."""
+    g = dist.group.WORLD
+    tp, rank = dist.get_world_size(), dist.get_rank()
+    dtype = getattr(torch, dtype_name)
+    torch.manual_seed(11)
+    d, hidden = 6, 8
+    ref_fc, ref_proj = nn.Linear(d, hidden, bias=bias, dtype=dtype), nn.Linear(hidden, d, bias=bias, dtype=dtype)
+    x = torch.randn(tp if sp else 7, 5 if sp else 1, d, dtype=dtype)  # SP: 5 local rows per rank; else 7 tokens
+    x = _rows(x, rank, tp) if sp else x
+    w_out = torch.randn(x.shape[:-1] + (d,), dtype=dtype)
+    tol = dict(rtol=1e-12, atol=1e-13) if dtype == torch.float64 else dict(rtol=2e-6, atol=1e-6)
+    for needs_input_grad in (True, False):
+        results = []
+        for chunks in (1, 3):
+            fc = ColumnParallelLinear.from_linear(ref_fc, group=g, sequence_parallel=sp, comm_chunks=chunks)
+            proj = RowParallelLinear.from_linear(ref_proj, group=g, sequence_parallel=sp, comm_chunks=chunks)
+            xin = x.clone().requires_grad_(needs_input_grad)
+            h = F.gelu(fc(xin))
+            if needs_input_grad:
+                out = proj(h)
+                (out * w_out).sum().backward()
+            else:  # neither layer needs its input's gradient
+                out = proj(h.detach())
+                ((out * w_out).sum() + h.square().sum()).backward()
+            grads = [p.grad for p in (*fc.parameters(), *proj.parameters())]
+            results.append([out, xin.grad, *grads])
+        assert (results[1][1] is None) == (not needs_input_grad)
+        for i, (got, want) in enumerate(zip(results[1], results[0])):
+            if want is not None:
+                torch.testing.assert_close(got, want, **tol, msg=lambda m: f"tensor {i} (sp={sp}): {m}")
+
+
+@pytest.mark.parametrize("world_size", WORLD)
+@pytest.mark.parametrize("sp,bias", [(False, True), (True, True), (True, False)])
+def test_chunked_overlap_equals_unchunked(world_size, sp, bias):
+    for dtype in ("float64", "float32"):
+        run_ranks(_chunked_body, world_size, sp, bias, dtype)
+
+
 def _gather_and_scatter_body():
     g = dist.group.WORLD
     torch.manual_seed(3)

@@ -18,8 +18,11 @@ column layer's optional activation ``act`` rides along, its pre-activation saved
 layer's pieces through ``linear_act_rows``; the overlap is the same. Otherwise plain torch matmuls, ``act`` "none".
 
 Under sequence parallelism a piece covers local rows ``[a, b)`` of *every* rank's block, so the reduce-scatter of
-a piece lands in a contiguous slice ``[a, b)`` of this rank's output. On GPU the collectives run on the process
-group's own stream (NCCL); on CPU the async gloo work runs on gloo's threads while this thread multiplies.
+a piece lands in a contiguous slice ``[a, b)`` of this rank's output. On the plain path the chunked products are
+computed per rank block (``b - a`` rows each) straight into their place (``_mm_into``): no product is copied into
+the output, and the row layer reads x's rows and writes dx's rows in place (its weight gradient keeps one GEMM per
+piece, so a low-precision running sum is rounded no more often than before). On GPU the collectives run on the
+process group's own stream (NCCL); on CPU the async gloo work runs on gloo's threads while this thread multiplies.
 """
 from __future__ import annotations
 
@@ -66,7 +69,16 @@ def _column_product(x2, weight, bias, act, fused):
     """(y, pre) = (act(x2 W^T + b), what the fused backward takes act' from) for one block of rows."""
     if fused:
         return linear_act_forward(x2, weight, bias, act=act)
-    return x2 @ weight.t(), None
+    return torch.nn.functional.linear(x2, weight, bias), None
+
+
+def _mm_into(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    """``out = x W^T (+ b)`` written straight into ``out`` (contiguous rows of a larger buffer): the plain path's
+    chunked products land where they belong, with no temporary and no copy."""
+    if bias is None:
+        torch.mm(x, weight.t(), out=out)
+    else:
+        torch.addmm(bias, x, weight.t(), out=out)
 
 
 class _ColumnParallelMatmul(torch.autograd.Function):
@@ -80,26 +92,26 @@ class _ColumnParallelMatmul(torch.autograd.Function):
         if sequence_parallel:
             n = x2.shape[0]
             bounds = chunk_bounds(n, chunks)
-            # the plain path adds the bias once at the end; the fused one in each piece's epilogue
-            piece_bias = bias if fused else None
             if len(bounds) == 1:
                 total = next(_gather_pipelined(x2, group, bounds))[2]
-                y, pre = _column_product(total, weight, piece_bias, act, fused)
+                y, pre = _column_product(total, weight, bias, act, fused)
             else:
                 total = torch.empty((tp, n, in_f), dtype=x.dtype, device=x.device)
                 y = torch.empty((tp, n, out_f), dtype=x.dtype, device=x.device)
                 pre = torch.empty_like(y) if act != "none" else None
                 for a, b, buf in _gather_pipelined(x2, group, bounds):
                     g = buf.view(tp, b - a, in_f)
-                    total[:, a:b] = g
-                    yp, pp = _column_product(buf, weight, piece_bias, act, fused)
+                    total[:, a:b] = g  # rank-major, as the output rows: kept for the weight gradient
+                    if not fused:  # each rank's rows straight into their place in y
+                        for r in range(tp):
+                            _mm_into(y[r, a:b], g[r], weight, bias)
+                        continue
+                    yp, pp = _column_product(buf, weight, bias, act, fused)
                     y[:, a:b] = yp.view(tp, b - a, out_f)
                     if pre is not None:
                         pre[:, a:b] = pp.view(tp, b - a, out_f)
                 total, y = total.view(tp * n, in_f), y.view(tp * n, out_f)
                 pre = pre.view(tp * n, out_f) if pre is not None else None
-            if bias is not None and not fused:
-                y += bias
             out_shape = (tp * x.shape[0], *x.shape[1:-1], out_f)
         else:
             total = x2
@@ -175,8 +187,13 @@ class _RowParallelMatmul(torch.autograd.Function):
             xv = x2.view(tp, n, in_f)
             bounds = chunk_bounds(n, chunks)
             for a, b in bounds:
-                piece = x2 if len(bounds) == 1 else xv[:, a:b].reshape(-1, in_f)
-                part = _column_product(piece, weight, None, "none", fused)[0]  # [tp * (b - a), out], partial sums
+                if len(bounds) > 1 and not fused:  # [tp, b - a, out] partial sums, each rank's block in place
+                    part = torch.empty((tp, b - a, out_f), dtype=x.dtype, device=x.device)
+                    for r in range(tp):
+                        _mm_into(part[r], xv[r, a:b], weight)
+                else:  # [tp * (b - a), out]
+                    piece = x2 if len(bounds) == 1 else xv[:, a:b].reshape(-1, in_f)
+                    part = _column_product(piece, weight, None, "none", fused)[0]
                 keep.append(part)
                 handles.append(reduce_scatter_flat(y[a:b].view(-1), part.view(-1), group, async_op=True))
             out_shape = (x.shape[0] // tp, *x.shape[1:-1], out_f)
@@ -186,7 +203,7 @@ class _RowParallelMatmul(torch.autograd.Function):
                 if fused:
                     linear_act_rows(x2, weight, out=y, start=a, end=b)
                 else:
-                    torch.matmul(x2[a:b], weight.t(), out=y[a:b])
+                    _mm_into(y[a:b], x2[a:b], weight)
                 handles.append(all_reduce(y[a:b], group, async_op=True))
             out_shape = (*x.shape[:-1], out_f)
         for h in handles:
@@ -197,6 +214,31 @@ class _RowParallelMatmul(torch.autograd.Function):
         ctx.group, ctx.sp, ctx.chunks, ctx.fused = group, sequence_parallel, chunks, fused
         ctx.has_bias, ctx.x_shape = bias is not None, x.shape
         return y.view(out_shape)
+
+    @staticmethod
+    def _piece_grads(ctx, gi, xv, weight, a, b, grad_x, grad_w, grad_b) -> None:
+        """Sequence-parallel backward, one piece: ``gi: [tp * (b - a), out]`` = rows ``[a, b)`` of every rank's
+        ``dy``; adds their share to ``grad_x: [tp, n, in]``, ``grad_w``, ``grad_b`` (None: not needed)."""
+        tp, rows, in_f = xv.shape[0], b - a, xv.shape[2]
+        if not ctx.fused:
+            if grad_x is not None:  # each rank's rows of dx straight into their place
+                gv = gi.view(tp, rows, -1)
+                for r in range(tp):
+                    torch.mm(gv[r], weight, out=grad_x[r, a:b])
+            if grad_w is not None:  # one GEMM per piece: as few roundings of the running sum as chunks
+                grad_w.addmm_(gi.t(), xv[:, a:b].reshape(-1, in_f))
+            if grad_b is not None:
+                grad_b += gi.sum(0)
+            return
+        needs = (grad_x is not None, grad_w is not None, grad_b is not None)
+        dxp, dwp, dbp = linear_act_backward(gi, xv[:, a:b].reshape(-1, in_f), weight, None, has_bias=needs[2],
+                                            needs=needs)
+        if grad_x is not None:
+            grad_x[:, a:b] = dxp.view(tp, rows, in_f)
+        if grad_w is not None:
+            grad_w.add_(dwp)
+        if grad_b is not None:
+            grad_b += dbp
 
     @staticmethod
     def backward(ctx, grad_y):
@@ -217,17 +259,8 @@ class _RowParallelMatmul(torch.autograd.Function):
                 grad_x = torch.empty((tp, n, in_f), dtype=g.dtype, device=g.device) if need_x else None
                 grad_w = torch.zeros_like(weight) if need_w else None
                 grad_b = torch.zeros(out_f, dtype=g.dtype, device=g.device) if need_b else None
-                needs = (need_x, need_w, need_b)
                 for a, b, gi in _gather_pipelined(g, ctx.group, bounds):
-                    xp = xv[:, a:b].reshape(-1, in_f)
-                    if ctx.fused:
-                        dxp, dwp, dbp = linear_act_backward(gi, xp, weight, None, has_bias=need_b, needs=needs)
-                    if need_x:
-                        grad_x[:, a:b] = (dxp if ctx.fused else gi @ weight).view(tp, b - a, in_f)
-                    if need_w:
-                        grad_w.add_(dwp) if ctx.fused else grad_w.addmm_(gi.t(), xp)
-                    if need_b:
-                        grad_b += dbp if ctx.fused else gi.sum(0)
+                    _RowParallelMatmul._piece_grads(ctx, gi, xv, weight, a, b, grad_x, grad_w, grad_b)
                 grad_x = grad_x.view(ctx.x_shape) if need_x else None
                 return grad_x, grad_w, grad_b, None, None, None, None
         if ctx.fused:
