@@ -4,6 +4,9 @@ Switches (environment variables):
   LLMPAR_BUILD_CUDA=1     compile csrc/ into llmpar._C with torch's CUDAExtension (needs nvcc, no GPU needed).
                           Without it the wheel is pure Python and llmpar JIT-builds the extension on first use
                           when CUDA is present (llmpar/ops/_ext.py).
+  LLMPAR_BUILD_CPU=1      compile csrc/cpu/ (the vectorised CPU AdamW of ZeRO-Offload) into llmpar._C_cpu with torch's
+                          CppExtension (a C++ compiler, no CUDA). Without it llmpar JIT-builds it on first use
+                          (llmpar/ops/_cpu_ext.py; g++ and ninja), or runs torch's fused CPU AdamW.
   TORCH_CUDA_ARCH_LIST    target architectures, default "8.0;9.0" (Ampere and Hopper).
   MAX_JOBS                parallel compile jobs for ninja.
   CUDA_HOME               the toolkit root whose lib64/ (or lib/) holds libcudart.
@@ -22,6 +25,7 @@ from setuptools import find_packages, setup
 
 ROOT = Path(__file__).resolve().parent
 BUILD_CUDA = os.environ.get("LLMPAR_BUILD_CUDA", "0").lower() in ("1", "true", "yes", "on")
+BUILD_CPU = os.environ.get("LLMPAR_BUILD_CPU", "0").lower() in ("1", "true", "yes", "on")
 DEFAULT_ARCHS = "8.0;9.0"
 
 packages = find_packages(include=["llmpar", "llmpar.*"]) + ["llmpar.kernels", "llmpar.csrc"]
@@ -29,27 +33,32 @@ package_dir = {"llmpar.kernels": "kernels", "llmpar.csrc": "csrc"}
 package_data = {
     "llmpar": ["data/*.txt"],
     # the CUDA sources ship in the wheel so that the extension can be JIT-built on first use
-    "llmpar.csrc": ["*.cu", "*.cuh", "*.cpp", "*.h"],
+    "llmpar.csrc": ["*.cu", "*.cuh", "*.cpp", "*.h", "cpu/*.cpp", "cpu/*.h"],
 }
 
 ext_modules: list = []
 cmdclass: dict = {}
 setup_requires: list[str] = []
 
-if BUILD_CUDA:
+if BUILD_CUDA or BUILD_CPU:
     try:
         import torch  # noqa: F401
     except ImportError:
         # first pass of an isolated PEP 517 build: ask pip for torch, it runs setup.py again with it
         setup_requires = ["torch", "ninja"]
     else:
-        from torch.utils.cpp_extension import BuildExtension, CUDAExtension
+        from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
 
-        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCHS)
         sys.path.insert(0, str(ROOT / "csrc"))
-        from build_config import extension_kwargs  # csrc/build_config.py: sources and flags, shared with the JIT
+        # csrc/build_config.py: sources and flags, shared with the JIT loaders
+        from build_config import cpu_extension_kwargs, extension_kwargs
 
-        ext_modules = [CUDAExtension(name="llmpar._C", **extension_kwargs(ROOT / "csrc", relative_to=ROOT))]
+        if BUILD_CUDA:
+            os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCHS)
+            ext_modules.append(CUDAExtension(name="llmpar._C", **extension_kwargs(ROOT / "csrc", relative_to=ROOT)))
+        if BUILD_CPU:
+            ext_modules.append(CppExtension(name="llmpar._C_cpu",
+                                            **cpu_extension_kwargs(ROOT / "csrc", relative_to=ROOT)))
         cmdclass = {"build_ext": BuildExtension.with_options(use_ninja=True)}
 
 setup(

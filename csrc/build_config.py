@@ -1,4 +1,5 @@
-"""Sources and compiler flags of ``llmpar._C``, shared by setup.py (CUDAExtension) and the JIT loader (llmpar/ops/_ext.py).
+"""Sources and compiler flags of ``llmpar._C`` and ``llmpar._C_cpu``, shared by setup.py (CUDAExtension, CppExtension) and
+the JIT loaders (llmpar/ops/_ext.py, llmpar/ops/_cpu_ext.py).
 
 Torch-free on purpose: setup.py imports it by path before anything of llmpar is importable.
 """
@@ -90,4 +91,33 @@ def extension_kwargs(csrc_dir: Path, relative_to: Path | None = None) -> dict:
         # imported first (llmpar/_C.so -> site-packages/torch/lib, site-packages/nvidia/cu13/lib)
         "extra_link_args": ["-Wl,-rpath,$ORIGIN/../torch/lib", "-Wl,-rpath,$ORIGIN/../nvidia/cu13/lib",
                             "-Wl,-rpath,$ORIGIN/../nvidia/cuda_runtime/lib"],  # cu12 wheels' layout
+    }
+
+
+# The CPU extension llmpar._C_cpu: csrc/cpu/*.cpp (the vectorised AdamW of the ZeRO-Offload host step), built without
+# CUDA. Portable flags: no -march=native (the binary must run on any x86-64 the wheel or the JIT cache lands on); the
+# AVX2 / AVX-512 kernels are compiled with target pragmas in their own files and chosen at run time. No contraction of
+# a * b + c into FMAs: every ISA then rounds exactly like the others (and like torch's fused CPU AdamW's source).
+# -fopenmp: at::parallel_for is inline OpenMP in torch's headers; libgomp.so.1 resolves to the copy torch loaded.
+CPU_CXX_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
+CPU_LINK_FLAGS = ["-fopenmp"]
+
+
+def cpu_sources(csrc_dir: Path) -> list[Path]:
+    """The .cpp files of llmpar._C_cpu (csrc/cpu/), absolute, sorted."""
+    return sorted((Path(csrc_dir) / "cpu").glob("*.cpp"))
+
+
+def cpu_extension_kwargs(csrc_dir: Path, relative_to: Path | None = None) -> dict:
+    """Keyword arguments for ``CppExtension(name="llmpar._C_cpu", **kw)``; llmpar/ops/_cpu_ext.py maps them onto
+    ``load()``. ``relative_to``: as in :func:`extension_kwargs`."""
+    csrc_dir = Path(csrc_dir).resolve()
+    srcs = cpu_sources(csrc_dir)
+    if relative_to is not None:
+        srcs = [p.relative_to(Path(relative_to).resolve()) for p in srcs]
+    return {
+        "sources": [str(p) for p in srcs],
+        "include_dirs": [str(csrc_dir / "cpu")],
+        "extra_compile_args": {"cxx": list(CPU_CXX_FLAGS) + _version_defines()},
+        "extra_link_args": list(CPU_LINK_FLAGS) + ["-Wl,-rpath,$ORIGIN/../torch/lib"],
     }

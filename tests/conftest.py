@@ -16,6 +16,16 @@ def ds_ext_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("ds_ext")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def cpu_ext_built():
+    """Build (or load) the CPU extension (csrc/cpu/: the ZeRO-Offload AdamW kernel) once, before the first test: on a
+    fresh clone the JIT build (~20 s on 2 cores) then happens here, not inside the ranks of a timed multi-rank
+    test. Its status (the kernel, or why the torch path runs) is in the session's log."""
+    from llmpar.ops import _cpu_ext
+
+    return _cpu_ext.load()
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
 

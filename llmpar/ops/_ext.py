@@ -19,11 +19,11 @@ import importlib.util
 import logging
 import os
 import re
-import sys
 import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -62,9 +62,21 @@ def _csrc_dir() -> Path:
     return Path(list(spec.submodule_search_locations)[0])
 
 
-def _prebuilt_path() -> Path | None:
+def build_config() -> ModuleType:
+    """csrc/build_config.py of the shipped sources (sources and flags of both extensions), imported by path: it is
+    torch-free and outside the llmpar import graph, as setup.py uses it."""
+    path = _csrc_dir() / "build_config.py"
+    spec = importlib.util.spec_from_file_location("llmpar_csrc_build_config", path)
+    if spec is None or spec.loader is None:
+        raise FileNotFoundError(f"cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _prebuilt_path(name: str = "llmpar._C") -> Path | None:
     try:
-        spec = importlib.util.find_spec("llmpar._C")
+        spec = importlib.util.find_spec(name)
     except (ImportError, ValueError):
         return None
     return Path(spec.origin) if spec is not None and spec.origin else None
@@ -76,22 +88,25 @@ def _build_info(so: Path) -> tuple[str, str] | None:
 
 
 def _try_prebuilt() -> ExtStatus | None:
-    so = _prebuilt_path()
+    return prebuilt_status("llmpar._C", _prebuilt_path(),
+                           "rebuild with LLMPAR_BUILD_CUDA=1, or it is JIT-built when CUDA is available")
+
+
+def prebuilt_status(module: str, so: Path | None, hint: str) -> ExtStatus | None:
+    """``module``, an extension built into the wheel at ``so`` (None: not there), imported if it was built for the
+    running torch; else None, with a warning saying why and ``hint`` when it is there but unusable."""
     if so is None:
         return None
     info = _build_info(so)
     running = _torch_base_version()
     if info is not None and info[0] != running:
-        warnings.warn(
-            f"llmpar._C at {so} was built for torch {info[0]} but torch {running} is running; ignoring it "
-            "(rebuild with LLMPAR_BUILD_CUDA=1, or it is JIT-built when CUDA is available)",
-            RuntimeWarning, stacklevel=3,
-        )
+        warnings.warn(f"{module} at {so} was built for torch {info[0]} but torch {running} is running; ignoring it "
+                      f"({hint})", RuntimeWarning, stacklevel=4)
         return None
     try:
-        importlib.import_module("llmpar._C")
+        importlib.import_module(module)
     except (ImportError, OSError) as exc:
-        warnings.warn(f"llmpar._C at {so} does not load ({exc}); falling back", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"{module} at {so} does not load ({exc}); falling back", RuntimeWarning, stacklevel=4)
         return None
     return ExtStatus(available=True, source="wheel", reason=f"prebuilt {so.name} (torch {running})", path=str(so))
 
@@ -119,13 +134,7 @@ def _jit_build() -> ExtStatus:
     why = jit_unavailable_reason()
     if why is not None:
         return ExtStatus(available=False, source=None, reason=f"not built into the wheel and cannot JIT-build: {why}")
-    csrc = _csrc_dir()
-    sys.path.insert(0, str(csrc))
-    try:
-        from build_config import extension_kwargs
-    finally:
-        sys.path.remove(str(csrc))
-    kw = extension_kwargs(csrc, relative_to=None)
+    kw = build_config().extension_kwargs(_csrc_dir(), relative_to=None)
     build_dir = cache_dir()
     build_dir.mkdir(parents=True, exist_ok=True)
     log.warning("llmpar: JIT-building the CUDA extension into %s (once per torch/CUDA version, ~1 min)", build_dir)

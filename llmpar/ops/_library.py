@@ -16,6 +16,11 @@ it may be loaded before or after this module is imported. Whether a build has th
     linear_lt(x, weight, bias, act, residual)  act(x W^T + b) (+ residual) in x's dtype [M, N]; act 0, 1 or 4
     linear_lt_aux(x, weight, bias)       (gelu_tanh(z), z) for z = x W^T + b; z: a [M, N] view of [M, ceil8(N)]
 (o_i = n_0 + ... + n_{i-1}; act codes: positions in llmpar.ops.gemm.ACTIVATIONS.)
+``CPU_OPS`` holds the ops of the CPU extension ``llmpar._C_cpu`` (csrc/cpu/), defined here the same way but without a
+Python CPU impl: their CPU kernel is the C++ one, registered when the extension loads (llmpar/ops/_cpu_ext.py);
+without the build, the op function (llmpar/ops/cpu_adam.py) runs its torch path instead of calling the op.
+    cpu_adamw_step(params, grads, exp_avgs, exp_avg_sqs, outs, steps, lr, ..., gscale, isa)  steps += 1, then float32
+                                         AdamW in place; outs[i] = the new params[i], rounded (float32/bfloat16/float16)
 The schemas are the ones the CUDA kernels were written against, with one rename: adamw_step's ``int mode`` is
 ``int mode_code`` (an argument named ``mode`` collides with torch's auto_functionalized, so torch.compile could not
 trace the op; the C++ kernel binds arguments by position, so it is unaffected).
@@ -40,9 +45,9 @@ _LT_CODES = tuple(ACTIVATIONS.index(a) for a in LT_ACTS)
 class OpDef:
     """One ``llmpar::`` op: its schema, its fake impl and its plain-torch reference (the CPU kernel)."""
 
-    schema: str  # "name(args) -> returns", the signature of the CUDA kernel in csrc/*.cpp
+    schema: str  # "name(args) -> returns", the signature of the C++ kernel in csrc/*.cpp (csrc/cpu/*.cpp)
     fake: Callable[..., Any]
-    reference: Callable[..., Any]
+    reference: Callable[..., Any] | None  # None: the CPU kernel comes from the CPU extension
 
     @property
     def name(self) -> str:
@@ -218,15 +223,24 @@ OPS: dict[str, OpDef] = {op.name: op for op in (
           fake=_fake_linear_lt_aux, reference=_ref_linear_lt_aux),
 )}
 
+CPU_OPS: dict[str, OpDef] = {op.name: op for op in (
+    OpDef(schema="cpu_adamw_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
+                 "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] outs, Tensor(e!)[] steps, float lr, float beta1, float beta2, "
+                 "float eps, float weight_decay, float gscale, int isa) -> ()",
+          fake=_fake_none, reference=None),
+)}
+
 
 def _register() -> torch.library.Library:
-    """Defines every op of OPS with its fake impl and CPU reference; returns the library handle (kept alive below:
-    dropping it would unregister them). "DEF": llmpar owns the namespace, nothing else may define ops in it."""
+    """Defines every op of OPS and CPU_OPS with its fake impl and CPU reference (if any); returns the library handle
+    (kept alive below: dropping it would unregister them). "DEF": llmpar owns the namespace, nothing else may define
+    ops in it."""
     lib = torch.library.Library("llmpar", "DEF")
-    for name, op in OPS.items():
+    for name, op in {**OPS, **CPU_OPS}.items():
         lib.define(op.schema)
         torch.library.register_fake(f"llmpar::{name}", op.fake, lib=lib)
-        lib.impl(name, op.reference, "CPU")
+        if op.reference is not None:
+            lib.impl(name, op.reference, "CPU")
     return lib
 
 

@@ -3,8 +3,11 @@
     offload_optimizer {device: cpu}: the gradient partition, fp32 master and moments live on the host; reduced grads
         are copied out as each unit's reduce-scatter finishes (stages 2/3: during backward; stage 1: at the
         accumulation boundary, from the device accumulator, which stays there), the step runs there with
-        ``adamw_step(precision="fp32")`` on the masters (torch's fused, vectorised, multi-threaded CPU AdamW kernel),
-        and the updated masters are copied back into the params' dtype (round to nearest: fp32_master's rounding).
+        ``cpu_adamw_step`` on the fp32 masters (llmpar's vectorised, multi-threaded C++ CPU AdamW; torch's fused one
+        where the CPU extension is unavailable; float64 masters: ``adamw_step``), and the params take the updated
+        masters in their dtype (round to nearest: fp32_master's rounding). The kernel writes that copy in the same
+        pass: straight into the param shards when they are in host memory (CPU runs, offload_param), else into a
+        pinned staging buffer of the params' dtype that is then one non-blocking memcpy to the device (no cast pass).
     offload_param {device: cpu} (stage 3): the parameter shards live on the host; a gather copies the unit's shard in
         before its all-gather (the prefetch overlaps it with the previous unit's compute).
 
@@ -27,6 +30,7 @@ import torch
 
 from llmpar.distributed.collectives import CommCounter, Group, Handle, all_gather_flat
 from llmpar.ops.adamw import adamw_step
+from llmpar.ops.cpu_adam import OUT_DTYPES, cpu_adamw_step
 from llmpar.zero.config import OffloadConfig
 
 KINDS = ("params", "grads", "master", "optimizer_state")
@@ -116,12 +120,35 @@ def host_step_buffer(b: Any, shards: list[torch.Tensor], grads: list[torch.Tenso
     units = range(len(b.layout.units))
     masters = [b.layout.shard_of_partition(b.state["master"], u) for u in units]
     host = masters[0].device if masters else torch.device("cpu")
-    adamw_step(masters, grads, [b.layout.shard_of_partition(b.state["exp_avg"], u) for u in units],
-               [b.layout.shard_of_partition(b.state["exp_avg_sq"], u) for u in units], b.steps, precision="fp32",
-               lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-               gscale=None if gscale is None else gscale.to(host), found_inf=found_inf.to(host))
-    for dst, src in zip(shards, masters):
+    state = [[b.layout.shard_of_partition(b.state[name], u) for u in units] for name in ("exp_avg", "exp_avg_sq")]
+    hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                 gscale=None if gscale is None else gscale.to(host), found_inf=found_inf.to(host))
+    if masters and masters[0].dtype == grads[0].dtype == torch.float32:
+        outs, staged = _copy_outs(shards)
+        if cpu_adamw_step(masters, grads, *state, b.steps, outs=outs, **hyper):
+            for dst, src in zip(shards, masters if outs is None else staged or []):
+                dst.copy_(src, non_blocking=True)
+            return
+    else:
+        adamw_step(masters, grads, *state, b.steps, precision="fp32", **hyper)
+    for dst, src in zip(shards, masters):  # (a skipped step: the masters as they were)
         dst.copy_(src, non_blocking=dst.device.type != "cpu")
+
+
+def _copy_outs(shards: list[torch.Tensor]) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None]:
+    """Where the host step writes the new params (``outs`` of cpu_adamw_step), and the host tensors to copy into the
+    shards afterwards: (the shards, None) when they live in host memory; (a pinned staging buffer, the same) for
+    bf16/fp16 shards on a device; (None, None) otherwise (fp32 shards on a device take the masters directly)."""
+    if not shards or shards[0].dtype not in OUT_DTYPES or not all(t.is_contiguous() for t in shards):
+        return None, None
+    if shards[0].device.type == "cpu":
+        return shards, None
+    if shards[0].dtype == torch.float32:
+        return None, None
+    # freed right after the copies are issued: the caching host allocator holds the block until they have run
+    stage = torch.empty(sum(t.numel() for t in shards), dtype=shards[0].dtype, pin_memory=torch.cuda.is_available())
+    views = list(stage.split([t.numel() for t in shards]))
+    return views, views
 
 
 def memory_bytes(opt: Any) -> dict[str, int]:
