@@ -101,3 +101,25 @@ def test_stage3_needs_the_module():
     net = Net(torch.float32)
     with pytest.raises(TypeError, match="needs module="):
         ZeroOptimizer(net.parameters(), None, object(), stage=3)
+
+
+def test_map_tensors_keeps_no_reference_cycle():
+    """Stage 3 passes every unit's outputs through map_tensors: the tensors it saw must be freed by reference
+    counting alone (a cycle would keep each block's activations alive until the cyclic GC runs)."""
+    import gc
+    import weakref
+
+    from llmpar.zero.units import map_tensors
+
+    x = torch.randn(3, 4, requires_grad=True)
+    out = {"a": (x * 2, [x + 1, 5]), "b": torch.ones(2)}
+    refs = [weakref.ref(out["a"][0]), weakref.ref(out["a"][1][0])]
+    gc.disable()
+    try:
+        mapped = map_tensors(out, lambda ts: [t * 3 for t in ts])
+        assert torch.equal(mapped["a"][0], x.detach() * 6) and mapped["a"][1][1] == 5 and mapped["b"] is out["b"]
+        new_ref = weakref.ref(mapped["a"][0])
+        del out, mapped
+        assert all(r() is None for r in refs + [new_ref])
+    finally:
+        gc.enable()

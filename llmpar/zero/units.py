@@ -68,35 +68,36 @@ class UnitPlan:
         return [by_unit[u] for u in sorted(by_unit)]
 
 
+def _collect(x: Any, found: list[torch.Tensor]) -> None:
+    if isinstance(x, torch.Tensor):
+        if x.requires_grad:
+            found.append(x)
+    elif isinstance(x, (tuple, list)):
+        for y in x:
+            _collect(y, found)
+    elif isinstance(x, dict):
+        for y in x.values():
+            _collect(y, found)
+
+
+def _rebuild(x: Any, new: dict[int, torch.Tensor]) -> Any:
+    if isinstance(x, torch.Tensor):
+        return new.get(id(x), x)
+    if isinstance(x, tuple) and hasattr(x, "_fields"):
+        return type(x)(*(_rebuild(y, new) for y in x))
+    if isinstance(x, (tuple, list)):
+        return type(x)(_rebuild(y, new) for y in x)
+    if isinstance(x, dict):
+        return type(x)((k, _rebuild(v, new)) for k, v in x.items())
+    return x
+
+
 def map_tensors(out: Any, fn: Callable[[list[torch.Tensor]], list[torch.Tensor]]) -> Any:
-    """Apply ``fn`` to all grad-requiring tensors in ``out`` (a tensor, or tuples / lists / dicts of them) at once."""
+    """Apply ``fn`` to all grad-requiring tensors in ``out`` (a tensor, or tuples / lists / dicts of them) at once.
+    Module-level recursion on purpose: nested recursive closures form a reference cycle that would keep the
+    tensors (a block's activations) alive until Python's cyclic GC runs."""
     found: list[torch.Tensor] = []
-
-    def collect(x: Any) -> None:
-        if isinstance(x, torch.Tensor):
-            if x.requires_grad:
-                found.append(x)
-        elif isinstance(x, (tuple, list)):
-            for y in x:
-                collect(y)
-        elif isinstance(x, dict):
-            for y in x.values():
-                collect(y)
-
-    collect(out)
+    _collect(out, found)
     if not found:
         return out
-    new = dict(zip(map(id, found), fn(found)))
-
-    def rebuild(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            return new.get(id(x), x)
-        if isinstance(x, tuple) and hasattr(x, "_fields"):
-            return type(x)(*(rebuild(y) for y in x))
-        if isinstance(x, (tuple, list)):
-            return type(x)(rebuild(y) for y in x)
-        if isinstance(x, dict):
-            return type(x)((k, rebuild(v)) for k, v in x.items())
-        return x
-
-    return rebuild(out)
+    return _rebuild(out, dict(zip(map(id, found), fn(found))))
