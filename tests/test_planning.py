@@ -107,7 +107,8 @@ def test_zero_savings_tend_to_4x_8x_nd() -> None:
     assert zero_savings(stage=1, dp=64) == pytest.approx(16 / (4 + 12 / 64))
 
 
-@pytest.mark.parametrize("precision, per_param", [("fp32", 16), ("fp32_master", 16), ("bf16_sr", 8)])
+@pytest.mark.parametrize("precision, per_param", [("fp32", 16), ("fp32_master", 16), ("bf16_sr", 8),
+                                                  ("bf16_kahan", 10)])
 def test_precision_bytes_per_param(precision: str, per_param: int) -> None:
     assert sum(model_state_bytes(1000, precision=precision).values()) == pytest.approx(1000 * per_param)
 
@@ -123,6 +124,67 @@ def test_offload_moves_states_to_host() -> None:
     assert s["grads"] == pytest.approx(2 * psi) and s["cpu"] == pytest.approx(16 * psi / dp)
     s = model_state_bytes(psi, dp=dp, zero_stage=3, precision="fp32_master", offload="optimizer+params")
     assert s["params"] == s["grads"] == 0 and s["cpu"] == pytest.approx(18 * psi / dp)
+
+
+@pytest.mark.parametrize("precision, p", [("fp32", 4), ("bf16_sr", 2), ("bf16_kahan", 2)])
+def test_offload_host_step_is_fp32_whatever_the_mode(precision: str, p: int) -> None:
+    """The host step keeps an fp32 master (fp32 params too: the copy it steps), fp32 m, v and the fp32 gradient
+    partition: 16 psi / dp of host memory in every mode; the device keeps the params (and, below stage 2, the
+    gradient accumulator)."""
+    psi, dp = 1e9, 4
+    for stage in (1, 2, 3):
+        s = model_state_bytes(psi, dp=dp, zero_stage=stage, precision=precision, offload="optimizer")
+        assert s["cpu"] == pytest.approx(16 * psi / dp) and s["master"] == s["optimizer"] == 0
+        assert s["params"] == pytest.approx(p * psi / (dp if stage == 3 else 1))
+        assert s["grads"] == pytest.approx(p * psi if stage == 1 else 0)
+
+
+def test_grad_accumulation_in_fp32() -> None:
+    """bf16 grads accumulated in fp32 (llmpar under gradient accumulation): G = 4 on the device."""
+    psi = 1e9
+    s = model_state_bytes(psi, dp=4, zero_stage=1, precision="fp32_master", grad_accum_fp32=True)
+    assert s["grads"] == pytest.approx(4 * psi) and s["params"] == pytest.approx(2 * psi)
+    s = model_state_bytes(psi, dp=4, zero_stage=2, precision="fp32_master", grad_accum_fp32=True)
+    assert s["grads"] == pytest.approx(4 * psi / 4)
+    s = model_state_bytes(psi, dp=4, zero_stage=2, precision="fp32", grad_accum_fp32=True)
+    assert s["grads"] == pytest.approx(4 * psi / 4)
+
+
+def test_stage3_keeps_small_params_gathered() -> None:
+    """GPT-2 124M: per layer the biases (3h + h + 4h + h) and two LayerNorms (4h) are under 1e5 elements, every
+    matrix and the position table (1024 h) above; plus the final LayerNorm (2h). Stage 3 keeps those gathered on
+    every rank next to their shards; offloading the params leaves the gathered copies on the device."""
+    spec, h = load_model("gpt2"), 768
+    small = 12 * (9 * h + 4 * h) + 2 * h
+    assert spec.small_params(100_000) == small == 121_344
+    assert spec.small_params(10**9) == spec.num_params() and spec.small_params(0) == 0
+    psi, dp = spec.num_params(), 8
+    s = model_state_bytes(psi, dp=dp, zero_stage=3, precision="fp32_master", persistent=small)
+    assert s["params"] == pytest.approx(2 * psi / dp + 2 * small)
+    assert s["grads"] == pytest.approx(2 * psi / dp)
+    s = model_state_bytes(psi, dp=dp, zero_stage=3, precision="fp32_master", offload="optimizer+params",
+                          persistent=small)
+    assert s["params"] == pytest.approx(2 * small) and s["cpu"] == pytest.approx(18 * psi / dp)
+    est = estimate_memory(spec, Layout(dp=dp, zero_stage=3), precision="fp32_master")
+    assert est.params == pytest.approx(2 * psi / dp + 2 * small)
+    assert estimate_memory(spec, Layout(dp=dp, zero_stage=2)).params == pytest.approx(2 * psi)  # stage 3 only
+    with pytest.raises(ValueError, match="persistent"):
+        model_state_bytes(10, persistent=11)
+
+
+@pytest.mark.parametrize("tp, pp", [(1, 1), (2, 1), (4, 2), (1, 4), (8, 3)])
+def test_stage_tensors_sum_to_the_rank_counts(tp: int, pp: int) -> None:
+    specs = [load_model(n) for n in ("gpt2", "llama-7b", "llama-70b")] + [
+        ModelSpec(n_layers=12, hidden=48, n_heads=8, n_kv_heads=n_kv, vocab=1001, seq_len=16, tied_embeddings=tied,
+                  norm=norm, bias=bias, gated_mlp=gated, fused_qkv=fused)
+        for n_kv, tied, norm, bias, gated, fused in [(8, True, "layernorm", True, False, True),
+                                                     (4, False, "rmsnorm", False, True, False),
+                                                     (8, True, "rmsnorm", True, True, False)]]
+    for spec in specs:
+        if spec.n_heads % tp or spec.n_kv_heads % tp or spec.n_layers % pp:  # type: ignore[operator]
+            continue
+        assert sum(spec.layer_tensors(tp)) == spec.layer_params(tp)
+        assert sum(spec.stage_tensors(tp=tp, pp=pp)) == spec.params_per_rank(tp=tp, pp=pp), (spec.name, tp, pp)
 
 
 # ----------------------------------------------------------------------------- parameter counts
@@ -177,6 +239,16 @@ def test_memory_from_module_equals_memory_from_config() -> None:
         from_spec = estimate_memory(spec, layout)
         assert from_module.model_states == pytest.approx(from_spec.model_states)
         assert from_module.psi_rank == spec.num_params()
+    # stage 3 keeps the tensors under the threshold gathered: the fused [3h, h] qkv (1728) and the embedding (2424)
+    # are above 1000, a separate Q, K, V (576 each) would be under it, as are proj (576), fc1 and fc2 (960 each)
+    fused = ModelSpec(n_layers=layers, hidden=h, n_heads=4, vocab=vocab, seq_len=seq, ffn_hidden=f, fused_qkv=True)
+    layout = Layout(dp=4, zero_stage=3)
+    from_module = estimate_memory(module, layout, persistence_threshold=1000)
+    assert from_module.model_states == pytest.approx(estimate_memory(fused, layout, persistence_threshold=1000).
+                                                     model_states)
+    assert from_module.model_states < estimate_memory(spec, layout, persistence_threshold=1000).model_states
+    small = seq * h + layers * (4 * h + 3 * h + h * h + h + 2 * h * f + f + h) + 2 * h  # wpe, blocks, ln_f
+    assert from_module.params == pytest.approx(2 * count_params(module) / 4 + 2 * small)
 
 
 def test_llama_like_module_matches_config() -> None:

@@ -8,14 +8,20 @@ P bytes of parameters, G of gradients and K of optimizer state (fp32 master copy
     fp32          4  4   8   16      fp32 params/grads, fp32 m, v (no master copy)
     fp32_master   2  2  12   16      bf16 params/grads, fp32 master + m + v (the ZeRO paper's K = 12)
     bf16_sr       2  2   4    8      bf16 params/grads/m/v, stochastic rounding instead of a master copy
+    bf16_kahan    2  2   6   10      bf16 params/grads/m/v + a bf16 Kahan compensation buffer
 
     stage 0: (P + G + K) psi        stage 1: (P + G) psi + K psi / dp
-    stage 2: P psi + (G + K) psi / dp   stage 3: (P + G + K) psi / dp
+    stage 2: P psi + (G + K) psi / dp   stage 3: (P + G + K) psi / dp + P psi_persist
 
 For psi = 7.5e9, dp = 64, fp32_master: 120 GB, 31.4 GB, 16.6 GB, 1.9 GB; as dp grows the savings over stage 0 tend
-to 16/4 = 4x, 16/2 = 8x and dp. CPU offload moves K (``"optimizer"``) to host memory together with
-the reduced gradient partition, held there in fp32 for the host step (4 psi / dp; from stage 2 on the device keeps no
-gradient partition), and at stage 3 also the parameter shards (``"optimizer+params"``).
+to 16/4 = 4x, 16/2 = 8x and dp. Stage 3 keeps its small params (``stage3_param_persistence_threshold``: biases,
+norms, small matrices: psi_persist) gathered on every rank, next to their shards. G is 4 when low-precision grads
+accumulate in fp32 (``grad_accum_fp32``: llmpar does so under gradient accumulation). CPU offload (``"optimizer"``)
+runs the step on the host in fp32 whatever the mode: an fp32 master (fp32 params get one too: the copy the host
+steps), fp32 m and v and the reduced gradient partition in fp32, 16 psi / dp of host memory; the device keeps P psi
+(stage 3: P psi / dp) and, below stage 2, its gradient accumulator G psi. ``"optimizer+params"`` (stage 3) moves the
+parameter shards to the host as well. These are the bytes llmpar's ZeroOptimizer holds (``memory_bytes()``), up to
+the padding of each unit to a multiple of dp x 16 elements (``tests/test_planning_vs_runtime.py``).
 """
 from __future__ import annotations
 
@@ -29,7 +35,10 @@ PRECISION_BYTES: dict[str, tuple[int, int, int]] = {
     "fp32": (4, 4, 8),
     "fp32_master": (2, 2, 12),
     "bf16_sr": (2, 2, 4),
+    "bf16_kahan": (2, 2, 6),
 }
+HOST_STEP_BYTES = 16  # offload: fp32 master + fp32 m, v + the fp32 gradient partition, per param, over dp
+PERSISTENCE_THRESHOLD = 100_000  # stage3_param_persistence_threshold's default (llmpar's and DeepSpeed's)
 OFFLOAD_MODES = ("none", "optimizer", "optimizer+params")
 CHECKPOINT_MODES = ("none", "selective", "full")
 ACT_BYTES = 2  # bf16 activations
@@ -106,18 +115,21 @@ class MemoryEstimate:
 
 
 def model_state_bytes(
-    psi: float, *, dp: int = 1, zero_stage: int = 0, precision: str = "fp32_master", offload: str = "none"
+    psi: float, *, dp: int = 1, zero_stage: int = 0, precision: str = "fp32_master", offload: str = "none",
+    persistent: float = 0.0, grad_accum_fp32: bool = False,
 ) -> dict[str, float]:
-    """Per-rank GPU and CPU bytes of params / grads / master / optimizer for ``psi`` parameters (see module doc).
+    """Per-rank GPU and CPU bytes of params / grads / master / optimizer for ``psi`` parameters (see module doc);
+    ``persistent``: elements stage 3 keeps gathered on every rank (``ModelSpec.small_params``).
 
     Returns keys params, grads, master, optimizer (GPU) and cpu (host)."""
     _check_choice("precision", precision, list(PRECISION_BYTES))
     _check_choice("zero_stage", zero_stage, (0, 1, 2, 3))
     _check_choice("offload", offload, OFFLOAD_MODES)
     _check_degree("dp", dp)
-    if psi < 0:
-        raise ValueError(f"psi={psi!r} must be >= 0")
+    if psi < 0 or not 0 <= persistent <= psi:
+        raise ValueError(f"psi={psi!r} must be >= 0 and persistent={persistent!r} in [0, psi]")
     p, g, k = PRECISION_BYTES[precision]
+    g = max(g, 4) if grad_accum_fp32 else g
     master_k = 4 if precision == "fp32_master" else 0
     params = p * psi / (dp if zero_stage >= 3 else 1)
     grads = g * psi / (dp if zero_stage >= 2 else 1)
@@ -125,15 +137,16 @@ def model_state_bytes(
     optimizer = (k - master_k) * psi / (dp if zero_stage >= 1 else 1)
     cpu = 0.0
     if offload != "none":
-        # ZeRO-Offload: master + optimizer states live on the host, and so does the reduced gradient partition, kept
-        # there in fp32 for the host step (4 psi / dp); from stage 2 on, the device keeps no gradient partition
-        cpu += master + optimizer + 4 * psi / dp
+        # the host step's fp32 master, m, v and gradient partition; from stage 2 on the device keeps no gradients
+        cpu += HOST_STEP_BYTES * psi / dp
         master = optimizer = 0.0
         if zero_stage >= 2:
             grads = 0.0
     if offload == "optimizer+params":
         cpu += params + grads
         params = grads = 0.0
+    if zero_stage == 3:  # the persistent params' gathered copies stay on the device
+        params += p * persistent
     return {"params": params, "grads": grads, "master": master, "optimizer": optimizer, "cpu": cpu}
 
 
@@ -178,11 +191,14 @@ def estimate_memory(
     micro_batches_in_flight: int | None = None,
     bucket_bytes: float = 100e6,
     activation_spec: ModelSpec | None = None,
+    persistence_threshold: int = PERSISTENCE_THRESHOLD,
+    grad_accum_fp32: bool = False,
 ) -> MemoryEstimate:
     """Per-rank memory of ``model`` (a ``ModelSpec`` or an ``nn.Module``) trained with ``layout``.
 
     - model states: ``model_state_bytes`` on the busiest (tp, pp) shard (``ModelSpec.params_per_rank``; for a
-      module, psi / (tp pp));
+      module, psi / (tp pp)); at ZeRO-3 with the tensors of at most ``persistence_threshold`` elements kept gathered
+      (``ModelSpec.small_params``; for a module, its params that small);
     - activations: per layer as in ``activation_bytes_per_layer``, x layers per stage x micro-batches in flight
       (1F1B: the first stage holds min(pp, m) of them; default pp), plus 4 s b V / t bytes of fp32 logits on the
       last stage; with full recompute, one more layer's full activations while it is recomputed;
@@ -195,10 +211,14 @@ def estimate_memory(
     spec = model if isinstance(model, ModelSpec) else activation_spec
     if isinstance(model, ModelSpec):
         psi_rank: float = model.params_per_rank(tp=layout.tp, pp=layout.pp)
+        small: float = model.small_params(persistence_threshold, tp=layout.tp, pp=layout.pp)
     else:
         psi_rank = count_params(model) / (layout.tp * layout.pp)
+        small = sum(p.numel() for p in model.parameters() if p.numel() <= persistence_threshold) / (
+            layout.tp * layout.pp)
     states = model_state_bytes(
-        psi_rank, dp=layout.dp, zero_stage=layout.zero_stage, precision=precision, offload=layout.offload
+        psi_rank, dp=layout.dp, zero_stage=layout.zero_stage, precision=precision, offload=layout.offload,
+        persistent=small if layout.zero_stage == 3 else 0.0, grad_accum_fp32=grad_accum_fp32,
     )
     p_bytes = PRECISION_BYTES[precision][0]
     activations = 0.0

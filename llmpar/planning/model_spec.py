@@ -33,6 +33,7 @@ _ALIASES: dict[str, tuple[str, ...]] = {
     "learned_positions": ("learned_positions",),
     "norm": ("norm",),
     "bias": ("bias",),
+    "fused_qkv": ("fused_qkv",),
     "name": ("name",),
 }
 
@@ -54,6 +55,7 @@ class ModelSpec:
     learned_positions: bool = True
     norm: str = "layernorm"  # "layernorm" (weight + bias) or "rmsnorm" (weight)
     bias: bool = True  # biases on the linear layers
+    fused_qkv: bool = False  # Q, K, V as one [h + 2k, h] matrix (GPT-2's c_attn, llmpar's GPT) instead of three
 
     def __post_init__(self) -> None:
         for name in ("n_layers", "hidden", "n_heads", "vocab", "seq_len"):
@@ -83,7 +85,7 @@ class ModelSpec:
         llama_like = config.get("model_type") in ("llama", "mistral", "qwen2") or config.get("hidden_act") == "silu"
         kwargs: dict[str, Any] = (
             dict(gated_mlp=True, norm="rmsnorm", bias=False, learned_positions=False, tied_embeddings=False)
-            if llama_like else {}
+            if llama_like else {"fused_qkv": True} if config.get("model_type") == "gpt2" else {}
         )
         for field_name, keys in _ALIASES.items():
             for key in keys:
@@ -144,6 +146,34 @@ class ModelSpec:
         """Final norm plus an untied output matrix (vocab-parallel)."""
         head = 0 if self.tied_embeddings else math.ceil(self.vocab / tp) * self.hidden
         return self._norm_params() + head
+
+    def layer_tensors(self, tp: int = 1) -> list[int]:
+        """Elements of each tensor of one layer on one of ``tp`` ranks (they sum to ``layer_params(tp)``): Q, K, V
+        (one tensor when ``fused_qkv``), Wo, the MLP matrices, the biases, the norms' weights (and biases)."""
+        h, f, kv = self.hidden, math.ceil(self.ffn_hidden / tp), self.n_kv_heads * self.head_dim  # type: ignore[operator]
+        qkv = [h * (h + 2 * kv) // tp] if self.fused_qkv else [h * h // tp, h * kv // tp, h * kv // tp]
+        out = qkv + [h * h // tp] + [h * f] * (3 if self.gated_mlp else 2)
+        if self.bias:
+            out += ([(h + 2 * kv) // tp] if self.fused_qkv else [h // tp, kv // tp, kv // tp]) + [h, f, h]
+        return out + [h] * (4 if self.norm == "layernorm" else 2)
+
+    def stage_tensors(self, *, tp: int = 1, pp: int = 1) -> list[int]:
+        """Elements of each tensor of the busiest (tp, pp) rank (the one ``params_per_rank`` counts): its layers, and
+        the token embedding and learned positions (first stage), the final norm and an untied head (last stage; with
+        tied embeddings and pp > 1 the last stage's copy of the embedding)."""
+        self.check_layout(tp=tp, pp=pp)
+        h, v = self.hidden, math.ceil(self.vocab / tp)
+        layers = self.layer_tensors(tp) * (self.n_layers // pp)
+        embedding = [v * h] + ([self.seq_len * h] if self.learned_positions else [])
+        head = [h] * (2 if self.norm == "layernorm" else 1) + ([v * h] if not self.tied_embeddings or pp > 1 else [])
+        if pp == 1:
+            return embedding + layers + head
+        return embedding + layers if sum(embedding) >= sum(head) else layers + head
+
+    def small_params(self, threshold: int, *, tp: int = 1, pp: int = 1) -> int:
+        """Elements in tensors of at most ``threshold`` elements on the busiest (tp, pp) rank: what ZeRO-3 keeps
+        gathered on every rank (``stage3_param_persistence_threshold``: biases, norms, small matrices)."""
+        return sum(n for n in self.stage_tensors(tp=tp, pp=pp) if n <= threshold)
 
     def num_params(self) -> int:
         """Total parameters, psi (a tied head is counted once)."""

@@ -13,7 +13,8 @@ from .model_spec import ModelSpec
 
 
 def _gpt2(name: str, n_layers: int, hidden: int, n_heads: int) -> ModelSpec:
-    return ModelSpec(name=name, n_layers=n_layers, hidden=hidden, n_heads=n_heads, vocab=50257, seq_len=1024)
+    return ModelSpec(name=name, n_layers=n_layers, hidden=hidden, n_heads=n_heads, vocab=50257, seq_len=1024,
+                     fused_qkv=True)
 
 
 def _llama(name: str, n_layers: int, hidden: int, n_heads: int, ffn: int, kv_heads: int | None = None) -> ModelSpec:
