@@ -4,15 +4,20 @@ llmpar ``engine.save_checkpoint/load_checkpoint`` vs DeepSpeed's on the same mod
     python bench/bench_checkpoint.py                       # launches torchrun itself (2 ranks)
     python bench/bench_checkpoint.py --repeats 5 --dir /some/fast/disk
 
-Timing: per repeat, every case once (order rotated), ranks lined up by a barrier, the slowest rank's time kept; median
-over repeats (``harness.compare_distributed``). Both engines take one training step first so that the optimizer state
-exists. ``async_save=True`` row: the time save_checkpoint blocks (host snapshot), then the rest
-(writes + publish) as seen by a ``wait_checkpoint`` called at once, slowest rank, median. Bytes written per rank: the rank's ``wchar`` delta (``/proc/self/io``: every byte the process passed to
-``write()``) over its last save, and the sizes of the files it wrote. The model state is counted from the tensors
-themselves: trainable params (their dtype) + Adam exp_avg + exp_avg_sq (fp32) + module buffers; llmpar's files across
-ranks must hold it once (overhead = pickle framing, RNG states, partition padding, metadata: <= max(1 MiB, 0.2%)). llmpar fsyncs every
-file it writes (the publish is atomic); DeepSpeed does not fsync, so its save time is that of the page cache.
-DeepSpeed runs with its CPU accelerator, ``torch_adam`` and without its JIT-built shared-memory comm op.
+Timing: every case once per repeat (order rotated), ranks lined up by a barrier, the slowest rank's time kept,
+median over repeats (``harness.measure_distributed`` per call). Every save writes a new tag, as training does; before
+each timed call (untimed) the checkpoints but each library's last are deleted and ``os.sync()`` flushes the page cache,
+so no case pays for another's leftovers (DeepSpeed's unsynced dirty pages written back during the next case, deleted
+blocks discarded at the next journal commit, i.e. the next fsync); ``--same-tag``: one tag re-saved, nothing flushed
+(the first results' method). Both engines take one training step first. ``async_save=True`` row: the time
+save_checkpoint blocks (host snapshot), the rest (writes + publish) as seen by a ``wait_checkpoint`` called at once,
+and their sum. Bytes per rank: its ``wchar`` delta (``/proc/self/io``) over its last save, and the sizes of the files it
+wrote. The model state (trainable params + fp32 exp_avg + exp_avg_sq + module buffers) must be in llmpar's files
+once (overhead = index, RNG states, padding, metadata: <= max(1 MiB, 0.2%)). llmpar hashes every byte (sha256 per
+4 MiB block, checked on load for every block a rank reads), fsyncs every file and publishes by rename; DeepSpeed does
+neither: its save time is that of the page cache. DeepSpeed: CPU accelerator, ``torch_adam``, no shared-memory comm op.
+Profile (``profile_save_ms`` / ``profile_load_ms``): ``--repeats`` more saves and loads with timers around llmpar's
+phases (median per rank, then the slowest rank; "of which": nested in the phase before).
 Results: bench/results/checkpoint_dp2.{md,json}.
 
     python bench/bench_checkpoint.py --reshard             # tp=2 checkpoint: load at tp=2 vs resharded to tp=1 x dp=2
@@ -23,6 +28,8 @@ its slice, so a tp=1 rank reads both); bench/results/checkpoint_reshard_tp.{md,j
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import gc
 import json
 import os
@@ -36,7 +43,6 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-CASES = ("llmpar_save", "deepspeed_save", "llmpar_load", "deepspeed_load")
 
 
 def _config(args) -> dict:
@@ -64,12 +70,8 @@ def _wchar() -> int:
 
 def _model_state_bytes(model: torch.nn.Module) -> int:
     """Params (their dtype) + fp32 exp_avg and exp_avg_sq of the trainable ones + module buffers."""
-    n = 0
-    for p in model.parameters():
-        n += p.numel() * p.element_size() + (2 * p.numel() * 4 if p.requires_grad else 0)
-    for b in model.buffers():
-        n += b.numel() * b.element_size()
-    return n
+    n = sum(p.numel() * p.element_size() + (2 * p.numel() * 4 if p.requires_grad else 0) for p in model.parameters())
+    return n + sum(b.numel() * b.element_size() for b in model.buffers())
 
 
 def _train_step(engine, inp, tgt) -> None:
@@ -86,20 +88,112 @@ def _ds_rank_files(ckpt: Path, rank: int) -> list[Path]:
     return out
 
 
+def _phases() -> tuple[list, list]:
+    """(label, owner, attribute) of llmpar's save and load phases, timed by wrapping them (the profile pass only)."""
+    from llmpar.checkpoint import blockfile, files, load, publish, save, shards
+    agree = ("agreements (waiting for the slowest rank)", files, "agree_all")
+    return ([("snapshot (views or host copies, tag agreement)", save, "_prepare"),
+             ("rank file: write + sha256 + fsync", blockfile, "write"),
+             ("of which waiting for the hash threads", blockfile._Hasher, "close"), ("fsync (every file)", os, "fsync"),
+             ("publish (rank 0: metadata.json, renames, latest, old copy deleted)", publish, "publish"),
+             ("of which deleting the replaced copy", shutil, "rmtree"), agree],
+            [("open: resolve, metadata.json, agreement", load, "_open"),
+             ("check sizes + index sha256", shards.RankFiles, "check"),
+             ("sha256 of this rank's share of the blocks read", shards.RankFiles, "verify_mine"),
+             ("copy into the engine", load, "_apply"), agree])
+
+
+@contextlib.contextmanager
+def _timers(phases, totals: dict[str, float]):
+    """Wrap each phase's function so that its time adds up in ``totals[label]``; restored on exit."""
+    undo = []
+    for label, owner, attr in phases:
+        fn = getattr(owner, attr)
+
+        def timed(*a, _fn=fn, _label=label, **k):
+            t0 = time.perf_counter()
+            try:
+                return _fn(*a, **k)
+            finally:
+                totals[_label] = totals.get(_label, 0.0) + time.perf_counter() - t0
+        setattr(owner, attr, functools.wraps(fn)(timed))
+        undo.append((owner, attr, fn))
+    try:
+        yield
+    finally:
+        for owner, attr, fn in undo:
+            setattr(owner, attr, fn)
+
+
+def _profile(call, phases, repeats: int, pg, settle) -> str:
+    """``repeats`` calls with the phases timed: "label median ms" of the slowest rank, and the total."""
+    import torch.distributed as dist
+
+    per: list[dict[str, float]] = []
+    for _ in range(repeats):
+        totals: dict[str, float] = {}
+        settle()
+        dist.barrier(pg)
+        with _timers(phases, totals):
+            t0 = time.perf_counter()
+            call()
+            totals["total"] = time.perf_counter() - t0
+        per.append(totals)
+    labels = ["total"] + [label for label, _, _ in phases]
+    med = torch.tensor([sorted(p.get(k, 0.0) for p in per)[repeats // 2] for k in labels], dtype=torch.float64)
+    dist.all_reduce(med, op=dist.ReduceOp.MAX, group=pg)
+    return "; ".join(f"{k} {v * 1e3:.0f}" for k, v in zip(labels, med.tolist()))
+
+
+class _Dir:
+    """One library's save directory: a new tag per save (``--same-tag``: one); ``tag``: the last one saved."""
+
+    def __init__(self, path: Path, same_tag: bool) -> None:
+        self.path, self.same_tag, self.tag, self.saves = path, same_tag, "bench", 0
+
+    def new_tag(self) -> str:
+        self.saves += 1
+        self.tag = "bench" if self.same_tag else f"bench{self.saves}"
+        return self.tag
+
+    def prune(self, rank: int) -> None:
+        """Rank 0: delete every checkpoint but the last."""
+        for p in (self.path.iterdir() if rank == 0 and not self.same_tag and self.path.is_dir() else ()):
+            if p.is_dir() and p.name != self.tag:
+                shutil.rmtree(p)
+
+
+def _interleaved(cases: dict, settle, pg, warmup: int, repeats: int) -> dict:
+    """{name: Timing}: ``harness.measure_distributed`` per call, cases interleaved, ``settle()`` (untimed) first."""
+    from harness import Timing, measure_distributed
+
+    names = list(cases)
+    for _ in range(max(warmup, 1)):  # at least once: the loads read what the saves wrote
+        for name in names:
+            settle()
+            cases[name]()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(repeats):
+        for i in range(len(names)):
+            name = names[(r + i) % len(names)]
+            settle()
+            times[name] += measure_distributed(cases[name], group=pg, warmup=0, repeats=1).times_s
+    return {name: Timing(name=name, times_s=t) for name, t in times.items()}
+
+
 def run(args) -> None:
     import deepspeed
     import deepspeed.ops
     import torch.distributed as dist
 
     import llmpar
-    from harness import compare_distributed, write_results
+    from harness import write_results
     from llmpar.checkpoint import files as ckfiles
 
     dist.init_process_group("gloo")
     pg, rank, world = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
     root = Path(args.dir)
-    g = torch.Generator().manual_seed(rank)
-    x = torch.randint(0, 256, (args.micro, args.seq + 1), generator=g)
+    x = torch.randint(0, 256, (args.micro, args.seq + 1), generator=torch.Generator().manual_seed(rank))
     inp, tgt = x[:, :-1], x[:, 1:]
 
     model = _model(args)
@@ -115,6 +209,12 @@ def run(args) -> None:
     _train_step(theirs, inp, tgt)
 
     written: dict[str, int] = {}
+    mine, other = _Dir(root / "llmpar", args.same_tag), _Dir(root / "deepspeed", args.same_tag)
+
+    def settle() -> None:  # untimed: no dirty pages or deleted blocks left for the next case's writes and fsyncs
+        mine.prune(rank), other.prune(rank)
+        if not args.same_tag:
+            os.sync()
 
     def timed_write(name, fn):
         def call():
@@ -123,40 +223,47 @@ def run(args) -> None:
             written[name] = _wchar() - before
         return call
 
+    def save_ours(**kw):
+        return ours.save_checkpoint(str(mine.path), tag=mine.new_tag(), **kw)
+
     cases = {
-        "llmpar_save": timed_write("llmpar_save", lambda: ours.save_checkpoint(str(root / "llmpar"), tag="bench")),
+        "llmpar_save": timed_write("llmpar_save", save_ours),
         "deepspeed_save": timed_write("deepspeed_save",
-                                      lambda: theirs.save_checkpoint(str(root / "deepspeed"), tag="bench")),
-        "llmpar_load": lambda: ours.load_checkpoint(str(root / "llmpar"), tag="bench"),
-        "deepspeed_load": lambda: theirs.load_checkpoint(str(root / "deepspeed"), tag="bench"),
+                                      lambda: theirs.save_checkpoint(str(other.path), tag=other.new_tag())),
+        "llmpar_load": lambda: ours.load_checkpoint(str(mine.path), tag=mine.tag),
+        "deepspeed_load": lambda: theirs.load_checkpoint(str(other.path), tag=other.tag),
     }
-    timings = compare_distributed(cases, group=pg, warmup=args.warmup, repeats=args.repeats)
+    timings = _interleaved(cases, settle, pg, args.warmup, args.repeats)
     # async save: the blocking part (host snapshot + tmp dir agreement), then wait_checkpoint called at once
     blocking, rest = [], []
     for _ in range(args.repeats):
+        settle()
         dist.barrier(pg)
         t0 = time.perf_counter()
-        ours.save_checkpoint(str(root / "llmpar"), tag="bench", async_save=True)
-        t1 = time.perf_counter()
+        save_ours(async_save=True)
+        blocking.append(time.perf_counter() - t0)
         ours.wait_checkpoint()
-        blocking.append(t1 - t0)
-        rest.append(time.perf_counter() - t1)
-    slowest = torch.tensor([blocking, rest], dtype=torch.float64)
+        rest.append(time.perf_counter() - t0 - blocking[-1])
+    slowest = torch.tensor([blocking, rest, [b + r for b, r in zip(blocking, rest)]], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    async_blocking_ms, async_rest_ms = (float(v.median()) * 1e3 for v in slowest)
+    async_blocking_ms, async_rest_ms, async_total_ms = (float(v.median()) * 1e3 for v in slowest)
+    save_phases, load_phases = _phases()
+    profile_save = _profile(save_ours, save_phases, args.repeats, pg, settle)
+    profile_load = _profile(lambda: ours.load_checkpoint(str(mine.path), tag=mine.tag), load_phases,
+                            args.repeats, pg, settle)
 
     # bytes per rank: wchar deltas of the last save and the sizes of the files each rank wrote
-    meta_files = json.loads((root / "llmpar" / "bench" / ckfiles.METADATA).read_text())["files"]
+    meta_files = json.loads((mine.path / mine.tag / ckfiles.METADATA).read_text())["files"]
     mine_ours = sum(e["bytes"] for e in meta_files.values() if e["dp_rank"] == rank)
     if rank == 0:
-        mine_ours += (root / "llmpar" / "bench" / ckfiles.METADATA).stat().st_size
-    mine_ds = sum(p.stat().st_size for p in _ds_rank_files(root / "deepspeed" / "bench", rank))
+        mine_ours += (mine.path / mine.tag / ckfiles.METADATA).stat().st_size
+    mine_ds = sum(p.stat().st_size for p in _ds_rank_files(other.path / other.tag, rank))
     local = torch.tensor([written["llmpar_save"], written["deepspeed_save"], mine_ours, mine_ds], dtype=torch.float64)
     everyone = [torch.zeros_like(local) for _ in range(world)]
     dist.all_gather(everyone, local)
     if rank == 0:
         per_rank = torch.stack(everyone)  # [world, 4]
-        ds_files = sorted(p.name for p in (root / "deepspeed" / "bench").iterdir())
+        ds_files = sorted(p.name for p in (other.path / other.tag).iterdir())
         rows = []
         for lib, col_w, col_f in (("llmpar", 0, 2), ("deepspeed", 1, 3)):
             total = int(per_rank[:, col_f].sum())
@@ -173,11 +280,11 @@ def run(args) -> None:
                 "overhead_bytes": total - state_bytes,
             })
         ours_row = rows[0]
-        # fixed framing (pickle, RNG states, metadata.json: tens of KB) + partition padding; a duplicated tensor would be
-        # >= 1/3 of the state
+        # fixed framing (index, RNG states, metadata.json: tens of KB) + padding; a duplicated tensor: >= 1/3 of it
         no_dup = 0 <= ours_row["overhead_bytes"] <= max(1 << 20, 0.002 * state_bytes)
         rows.insert(1, {"library": "llmpar async_save=True", "save_median_ms": round(async_blocking_ms, 1),
                         "wait_checkpoint_median_ms": round(async_rest_ms, 1),
+                        "async_total_median_ms": round(async_total_ms, 1),
                         "file_bytes_total": ours_row["file_bytes_total"]})
         for row in rows:
             row["save_vs_deepspeed"] = round(row["save_median_ms"] / rows[-1]["save_median_ms"], 3)
@@ -189,9 +296,13 @@ def run(args) -> None:
                 "llmpar_no_duplication": f"{no_dup}: files across ranks = {ours_row['total_over_model_state']} x the "
                                          f"model state (overhead {ours_row['overhead_bytes']} bytes)",
                 "deepspeed_files": ", ".join(ds_files),
-                "note": "llmpar fsyncs every file and publishes by rename; DeepSpeed does not fsync. Times are the "
-                        "slowest rank's; repeats interleaved.",
+                "note": "llmpar sha256-hashes every byte (per 4 MiB block, verified on load), fsyncs every file and "
+                        "publishes by rename; DeepSpeed does neither. Times: the slowest rank's, repeats interleaved, "
+                        + ("one tag re-saved" if args.same_tag else "a new tag per save, os.sync() (untimed) before "
+                           "every timed call"),
+                "profile_save_ms": profile_save, "profile_load_ms": profile_load,
                 "repeats": args.repeats, "threads_per_rank": torch.get_num_threads(), "dir": str(root),
+                "load_average": f"{os.getloadavg()[0]:.1f} (1 min, at the end: other work shares the machine)",
                 "deepspeed": deepspeed.__version__}
         print(json.dumps({"rows": rows, "meta": meta}, indent=1))
         if not no_dup:
@@ -260,6 +371,8 @@ def main() -> None:
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--dir", default=None, help="where checkpoints are written (default: a temp dir, removed after)")
     p.add_argument("--no-write", action="store_true")
+    p.add_argument("--same-tag", action="store_true", help="re-save one tag, no page-cache flush between the cases "
+                                                           "(the method of the first results)")
     p.add_argument("--reshard", action="store_true", help="time a tp=nproc checkpoint loaded at tp=nproc and tp=1 "
                                                           "instead (no DeepSpeed)")
     args = p.parse_args()

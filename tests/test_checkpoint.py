@@ -192,7 +192,7 @@ def corrupt_body(root, what):
 def test_corrupt_or_missing_shard_is_named_on_every_rank(what, tmp_path):
     outs = run_ranks(corrupt_body, 2, str(tmp_path), what, timeout=120)
     for rank, msg in enumerate(outs):
-        assert msg is not None and "dp001-tp00.pt" in msg, (rank, msg)
+        assert msg is not None and "dp001-tp00.shard" in msg, (rank, msg)
         assert ("corrupt" if what == "flip" else "missing") in msg
 
 
@@ -288,4 +288,4 @@ def tp_body(root, stage):
 def test_tp2_dp2_resume_is_bitwise(stage, tmp_path):
     for rank, (ref, resumed) in enumerate(run_ranks(tp_body, 4, str(tmp_path), stage, timeout=180)):
         assert ref == resumed, f"rank {rank}"
-    assert len([f for f in os.listdir(tmp_path / "global_step2") if f.endswith(".pt")]) == 4  # one file per rank
+    assert len([f for f in os.listdir(tmp_path / "global_step2") if f.endswith(".shard")]) == 4  # one per rank

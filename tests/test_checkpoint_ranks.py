@@ -213,7 +213,7 @@ def test_async_save_pending_when_the_ranks_exit(fail, tmp_path):
     if not fail:
         assert (tmp_path / "latest").read_text().strip() == "global_step2", (os.listdir(tmp_path), outs[0].stderr)
         assert "published now" in outs[0].stderr and "wait_checkpoint" in outs[0].stderr
-        assert sorted(os.listdir(tmp_path / "global_step2")) == ["dp000-tp00.pt", "dp001-tp00.pt", "metadata.json"]
+        assert sorted(os.listdir(tmp_path / "global_step2")) == ["dp000-tp00.shard", "dp001-tp00.shard", "metadata.json"]
     else:
         assert not (tmp_path / "latest").exists()
         assert "NOT published" in outs[0].stderr and "simulated disk full" in outs[0].stderr, outs[0].stderr

@@ -24,6 +24,7 @@ import torch
 
 from llmpar.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from llmpar.checkpoint.consolidate import consolidated_state_dict
+from test_checkpoint_format import downgrade
 from test_checkpoint_protocol import FakeEngine, Tiny, _same
 
 TESTS = Path(__file__).resolve().parent
@@ -166,7 +167,7 @@ def test_a_crashed_save_is_cleaned_by_the_next_one(tmp_path, caplog):
     engine = FakeEngine(1)
     save_checkpoint(engine, tmp_path, tag="good")
     (tmp_path / ".tmp-partial").mkdir(parents=True)  # a rank died mid-write: some files, no side files
-    (tmp_path / ".tmp-partial" / "dp000-tp00.pt").write_bytes(b"half a file")
+    (tmp_path / ".tmp-partial" / "dp000-tp00.shard").write_bytes(b"half a file")
     with pytest.raises(Crash):  # died right before the publish: a complete save nobody published
         save_checkpoint(engine, tmp_path, tag="unpublished", fault_hook=_crash_at("before_publish"))
     with pytest.raises(CheckpointError, match="never published"):
@@ -225,11 +226,8 @@ def test_truncated_metadata_is_an_error_naming_the_file(tmp_path):
 def test_a_checkpoint_without_digest_format_1_still_loads(tmp_path):
     src = FakeEngine(3)
     path = save_checkpoint(src, tmp_path)
-    meta_file = Path(path) / "metadata.json"
-    meta = json.loads(meta_file.read_text())
-    meta.pop("digest", None)
-    meta["format"] = 1
-    meta_file.write_text(json.dumps(meta, indent=1))
+    downgrade(Path(path), 1)  # .pt rank files by torch.save, no digest
+    assert "digest" not in json.loads((Path(path) / "metadata.json").read_text())
     got = FakeEngine(9)
     load_checkpoint(got, tmp_path)
     _same(src, got)

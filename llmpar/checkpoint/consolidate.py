@@ -43,11 +43,11 @@ def _read(path: str, tag: str | None, dtype: torch.dtype | None) -> tuple[dict[s
     """({name: full tensor}, metadata.json) of the checkpoint, every file verified first."""
     ckpt = _locate(os.fspath(path), tag)
     meta = files.read_metadata(ckpt)
-    for fname, entry in sorted(meta["files"].items()):
-        why = files.check_file(ckpt, fname, entry)
+    reader = CheckpointReader(ckpt, meta)
+    for fname in sorted(meta["files"]):
+        why = reader.files.check(fname, full=True)  # every block; read below from the same opened files
         if why is not None:
             raise CheckpointError(f"checkpoint shard {os.path.join(ckpt, fname)} is {why}")
-    reader = CheckpointReader(ckpt, meta)
     out: dict[str, torch.Tensor] = {}
     for name, (bi, _, _) in reader.where.items():
         key = "master" if "master" in meta["layout"]["buffers"][bi]["state_keys"] else "params"

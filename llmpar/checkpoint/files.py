@@ -5,17 +5,20 @@ A checkpoint ``DIR/TAG/`` holds, once published:
 
     metadata.json          the global layout and run state (written last, by rank 0; its presence marks completeness),
                            with ``"digest"``: the sha256 of its own content (every key but the digest, canonical JSON),
-                           which covers the shard list (each file's sha256 and size) and every number in it; for a
-                           HuggingFace model ``"model"``: its config and generation config (``consolidate`` writes
-                           them as ``config.json`` / ``generation_config.json``; absent in older checkpoints)
-    dp{d:03d}-tp{t:02d}.pt  one file per rank: its own shards, its RNG states (``shards.py`` says what is inside);
-                           ``pp{p:02d}-dp{d:03d}-tp{t:02d}.pt`` when the run had pp > 1 pipeline ranks
-    client_state.pt        the caller's ``client_state`` (rank 0)
+                           which covers the shard list (each file's size and the sha256 of its index, which lists
+                           the sha256 of each of its blocks) and every number in it; for a HuggingFace model
+                           ``"model"``: its config and generation config (``consolidate`` writes them as
+                           ``config.json`` / ``generation_config.json``; absent in older checkpoints)
+    dp{d:03d}-tp{t:02d}.shard  one file per rank (``blockfile.py``): its own shards, its RNG states (``shards.py`` says
+                           what is inside); ``pp{p:02d}-dp{d:03d}-tp{t:02d}.shard`` when the run had pp > 1 pipeline ranks
+    client_state.pt        the caller's ``client_state`` (rank 0, ``torch.save``; its whole sha256 recorded)
 
 It is written under ``DIR/.tmp-TAG`` and published by rank 0 (``publish.py``): renamed to ``DIR/TAG`` only once every
 rank's file is there, then ``DIR/latest`` (the tag, one line) is replaced atomically. Re-saving an existing tag moves
 the old copy to ``DIR/.old-TAG`` first; :func:`resolve` loads that copy when a crash came between the two renames.
-Format 2 added the digest; a format-1 checkpoint (no digest) still loads.
+Format 3 writes the rank files in llmpar's block format (raw tensors, hashed per block while written, verified per
+block as read); format 2 added the digest; checkpoints of formats 1 and 2 (``.pt`` rank files by ``torch.save``,
+each file's whole sha256 recorded) still load.
 """
 from __future__ import annotations
 
@@ -33,8 +36,8 @@ from llmpar.distributed.collectives import Group, all_reduce
 METADATA = "metadata.json"
 LATEST = "latest"
 CLIENT_STATE = "client_state.pt"
-FORMAT_VERSION = 2  # 2: metadata.json carries its own digest
-READABLE_FORMATS = (1, 2)  # 1: written before the digest (loads unverified)
+FORMAT_VERSION = 3  # 3: rank files in llmpar's block format (blockfile.py); 2: metadata.json carries its own digest
+READABLE_FORMATS = (1, 2, 3)  # 1: written before the digest (loads unverified); 1-2: rank files by torch.save
 OLD_PREFIX, TMP_PREFIX = ".old-", ".tmp-"
 PART = METADATA + ".part"  # metadata.json less what rank 0 collects from the ranks (in DIR/.tmp-TAG only)
 FAILED = ".failed"  # a rank file's name + this: its writer failed (the error inside)
@@ -52,9 +55,10 @@ def fault(hook: FaultHook | None, point: str) -> None:
         hook(point)
 
 
-def rank_file(dp_rank: int, tp_rank: int, pp_rank: int = 0, pp: int = 1) -> str:
-    """The file of rank (pp_rank, dp_rank, tp_rank) in a run with ``pp`` pipeline ranks (no pp part when pp == 1)."""
-    name = f"dp{dp_rank:03d}-tp{tp_rank:02d}.pt"
+def rank_file(dp_rank: int, tp_rank: int, pp_rank: int = 0, pp: int = 1, *, fmt: int = FORMAT_VERSION) -> str:
+    """The file of rank (pp_rank, dp_rank, tp_rank) in a run with ``pp`` pipeline ranks (no pp part when pp == 1), in
+    a checkpoint of format ``fmt`` (``.shard``: a block file; ``.pt`` before format 3)."""
+    name = f"dp{dp_rank:03d}-tp{tp_rank:02d}" + (".shard" if fmt >= 3 else ".pt")
     return f"pp{pp_rank:02d}-{name}" if pp > 1 else name
 
 
@@ -239,10 +243,15 @@ def agree(code: int, groups: list[Group], device: torch.device) -> int:
 
 def agree_all(values: list[int], groups: list[Group], device: torch.device) -> list[int]:
     """The elementwise max of ``values`` (the same length on every rank) over the grid ``groups`` span."""
-    t = torch.tensor(values, dtype=torch.int64, device=device)
+    return [int(v) for v in agree_tensor(torch.tensor(values, dtype=torch.int64), groups, device).tolist()]
+
+
+def agree_tensor(t: torch.Tensor, groups: list[Group], device: torch.device) -> torch.Tensor:
+    """The elementwise max of int64 ``t`` (the same shape on every rank) over the grid ``groups`` span, on the CPU."""
+    t = t.to(device, copy=True)
     for g in groups:
         all_reduce(t, g, op="max", what="checkpoint agreement (do all ranks save / load the same step?)")
-    return [int(v) for v in t.tolist()]
+    return t.cpu()
 
 
 def fingerprint(text: str) -> int:

@@ -3,9 +3,11 @@
 Every rank resolves the tag (``latest`` when None) and reads ``metadata.json`` (its digest checked); the ranks agree
 that they read the same checkpoint (the sha256 of its ``metadata.json``: different tags, or a ``latest`` that moved
 between the ranks' reads, fail on every rank, naming each rank's choice). Each rank then plans what it needs (by
-param name and element range), checks the sha256 of exactly the files it will read, and the ranks agree on the
-outcome before anything is modified: a missing or corrupt file is an error naming that file on every rank, and so is
-(``strict=True``) a param or buffer of the model that the checkpoint lacks or one of the checkpoint that no rank's
+param name and element range), checks the files it will read (size and index sha256; a format 1-2 file's whole
+sha256) and notes the blocks it will read (``blockfile.py``); the ranks split the hashing of those blocks (each block
+wanted by several ranks is hashed once, by the rank that wrote the file when it is one of them: at the same layout
+each rank hashes its own file) and agree on the outcome before anything is modified: a missing or corrupt file is an
+error naming that file on every rank, and so is (``strict=True``) a param or buffer of the model that the checkpoint lacks or one of the checkpoint that no rank's
 model has (``strict=False``: the model's keep their values, optimizer states and steps; the checkpoint's are
 ignored; a warning names them). Then:
 
@@ -33,11 +35,12 @@ import traceback
 import torch
 
 from llmpar.checkpoint import files, publish
+from llmpar.checkpoint.blockfile import CorruptFile
 from llmpar.checkpoint.files import CheckpointError
 from llmpar.checkpoint.protocol import Checkpointable, DescribesModel, Grid
 from llmpar.checkpoint.reshard import CheckpointReader, Cut
 from llmpar.checkpoint.save import wait_checkpoint
-from llmpar.checkpoint.shards import extras_names, set_rng_state
+from llmpar.checkpoint.shards import RankFiles, extras_names, set_rng_state
 from llmpar.checkpoint.view import EngineView
 
 logger = logging.getLogger("llmpar")
@@ -121,7 +124,56 @@ def _unsaved(engine: Checkpointable) -> set[str]:
 
 def _own_file(g: Grid, meta: dict) -> str:
     """This rank's file in the saved run, if it had a rank at the same place (its RNG states)."""
-    return files.rank_file(g.dp_rank, g.tp_rank, g.pp_rank, int(meta.get("pp", 1)))
+    return files.rank_file(g.dp_rank, g.tp_rank, g.pp_rank, int(meta.get("pp", 1)), fmt=int(meta.get("format", 1)))
+
+
+def _touch_reads(view: EngineView, reader: CheckpointReader, cuts: dict[str, Cut], keep: set[str]) -> None:
+    """Read, copying nothing, what :func:`_apply` will read (recorded: ``RankFiles.record``, then hashed by
+    :func:`_hash_shared`): the "params" of every range of ``checkpoint_reads``, the states in the ranges this rank
+    holds (``checkpoint_held``). A block outside those is verified when read (an older checkpoint's files: checked
+    whole)."""
+    for local, a, z in view.opt.checkpoint_reads():
+        if local not in keep:
+            reader.verify(view.saved_name[local], "params", a, z, cuts[local])
+    for desc, held in zip(view.layout, view.opt.checkpoint_held()):
+        for local, a, z, _ in held:
+            name = view.saved_name[local]
+            if local in keep:
+                continue
+            for key in desc["state_keys"]:
+                if key != "params" and reader.has(name, key):
+                    reader.verify(name, key, a, z, cuts[local])
+
+
+def _hash_shared(rank_files: RankFiles | None, blank: RankFiles, meta: dict, g: Grid, code: int) -> int:
+    """Collective over the grid: hash the blocks this rank read while recording (``rank_files``; None: it failed
+    before) that the ranks' claims give it: a block wanted by several ranks is hashed once, by the rank that wrote
+    the file when it is one of them (a same-layout load: each rank its own file), else by the lowest. Returns
+    ``code``, or that of the corrupt file found. ``blank``: the same checkpoint, nothing opened (the claims' size)."""
+    index, world = (g.pp_rank * g.dp + g.dp_rank) * g.tp + g.tp_rank, g.pp * g.dp * g.tp
+    here = (g.pp_rank, g.dp_rank, g.tp_rank)
+
+    def owns(name: str) -> bool:
+        e = meta["files"][name]
+        return (e.get("pp_rank", 0), e.get("dp_rank"), e.get("tp_rank")) == here
+
+    claims = (rank_files or blank).claims(owns, index, world)
+    if claims.numel() == 0:  # no block files (an older checkpoint): each file was checked whole
+        return code
+    top = files.agree_tensor(claims, g.groups, g.device)
+    if rank_files is not None:
+        try:
+            rank_files.verify_mine(top, owns, index, world)
+        except CorruptFile as e:
+            return _file_code(meta, e.name, "corrupt")
+    return code
+
+
+def _file_code(meta: dict, fname: str, why: str) -> int:
+    """The agreement code of rank file ``fname`` being ``why`` ("missing" / "corrupt"); decoded in
+    :func:`load_checkpoint`."""
+    names = sorted(meta["files"])
+    return 2 + 2 * (names.index(fname) if fname in names else len(names)) + (why == "corrupt")
 
 
 def _extras(view: EngineView, reader: CheckpointReader, strict: bool) -> dict[str, torch.Tensor]:
@@ -230,21 +282,28 @@ def load_checkpoint(engine: Checkpointable, load_dir: str, tag: str | None = Non
     cuts: dict[str, Cut] = {}
     keep: set[str] = set()
     extras: dict[str, torch.Tensor] = {}
+    rng, own = None, _own_file(g, meta)
     code = 0
     try:
         reader, cuts, need, keep = _plan(view, path, meta, strict)
-        names = sorted(meta["files"])
         for fname in sorted(need):
-            why = files.check_file(path, fname, meta["files"][fname]) if fname in meta["files"] else "missing"
+            why = reader.files.check(fname)
             if why is not None:
-                code = 2 + 2 * (names.index(fname) if fname in names else len(names)) + (why == "corrupt")
+                code = _file_code(meta, fname, why)
                 break
         if code == 0:
+            reader.files.record(True)  # the blocks these read are noted, then each hashed by one rank
+            _touch_reads(view, reader, cuts, keep)
             extras = _extras(view, reader, strict)
+            rng = reader.rng(own) if own in meta["files"] else None
+    except CorruptFile as e:
+        code = _file_code(meta, e.name, "corrupt")
     except Exception as e:  # noqa: BLE001 - agreed with the other ranks, then raised everywhere
         err = f"{e}" if isinstance(e, (CheckpointError, ValueError, TypeError)) else repr(e)
         logger.debug("load_checkpoint: %s", traceback.format_exc())
         code = 1
+    rank_files = reader.files if reader is not None and code == 0 else None
+    code = _hash_shared(rank_files, RankFiles(path, meta), meta, g, code)
     stored = _stored_names(meta)  # the same list on every rank (the same metadata.json, agreed above)
     mine = set(view.saved_name.values()) | set(view.targets()) | _unsaved(engine)
     code, *held = files.agree_all([code, *(int(n in mine) for n in stored)], g.groups, g.device)
@@ -264,6 +323,7 @@ def load_checkpoint(engine: Checkpointable, load_dir: str, tag: str | None = Non
         logger.warning("load_checkpoint(strict=False): %d params / buffers in %s are in no rank's model, ignored: %s",
                        len(unexpected), path, _names(unexpected))
     assert reader is not None
+    reader.files.trust()  # every block read was hashed by one rank, and none differed
 
     opt = engine.optimizer
     try:
@@ -282,9 +342,8 @@ def load_checkpoint(engine: Checkpointable, load_dir: str, tag: str | None = Non
     engine.restore_counters(meta["engine"])
     if engine.lr_scheduler is not None and meta["scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(meta["scheduler"])
-    own = _own_file(g, meta)
-    if own in meta["files"]:
-        set_rng_state(reader.rank_file(own)["rng"])
+    if rng is not None:
+        set_rng_state(rng)
     else:
         logger.warning("load_checkpoint: the saved run had no rank pp=%d dp=%d tp=%d: RNG states not restored",
                        g.pp_rank, g.dp_rank, g.tp_rank)

@@ -20,6 +20,7 @@ and an element range ``[start, stop)`` of its flat (``reshape(-1)``) view, whate
       checkpoint_facts(), checkpoint_device(), stage, dp, param_groups, skipped_steps, last_grad_norm
                                                               (optional, ``DescribesModel``) checkpoint_model():
                                                                HF config + generation config, buffers not saved
+      (optional, ``ShardViews``) checkpoint_shard_views(): the partitions as views of the live buffers, no copy
 
 The protocols are structural (``typing.Protocol``): an implementation needs no import of this module, and the data
 crossing the seam is plain (str, int, tuples, dicts, CPU tensors).
@@ -221,6 +222,18 @@ class Checkpointable(Protocol):
 
 
 @runtime_checkable
+class ShardViews(Protocol):
+    """Optional for an optimizer: :meth:`CheckpointOptimizer.checkpoint_shards` without the copies, for a save that
+    writes them before the state changes (a synchronous save) or copies them itself (an async save's snapshot)."""
+
+    def checkpoint_shard_views(self) -> list[dict[str, list[torch.Tensor]]] | None:
+        """Per buffer, each key of :meth:`CheckpointOptimizer.checkpoint_shards` as the list of tensors whose
+        concatenation (flattened) it is: views of the live state, on its device; None where ``checkpoint_shards``
+        is None."""
+        ...
+
+
+@runtime_checkable
 class DescribesModel(Protocol):
     """Optional for an engine: what a checkpoint records about the model beyond its tensors (an engine without it
     saves checkpoints without them: ``consolidate`` then writes no ``config.json``)."""
@@ -235,4 +248,4 @@ class DescribesModel(Protocol):
 
 
 __all__ = ["CheckpointOptimizer", "Checkpointable", "DescribesModel", "FaultHook", "Fetch", "Grid", "HeldPiece",
-           "PendingSave", "Piece", "SchedulerState", "StepOf"]
+           "PendingSave", "Piece", "SchedulerState", "ShardViews", "StepOf"]

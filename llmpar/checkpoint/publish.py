@@ -98,8 +98,8 @@ def state(tmp: str) -> tuple[bool, list[str], dict[str, str]]:
 
 def _expected(part: dict) -> list[str]:
     """The files a save of this grid writes (each with its ``.json`` side file)."""
-    pp, dp, tp = int(part["pp"]), int(part["dp"]), int(part["tp"])
-    out = [files.rank_file(d, t, p, pp) for p in range(pp) for d in range(dp) for t in range(tp)]
+    pp, dp, tp, fmt = int(part["pp"]), int(part["dp"]), int(part["tp"]), int(part.get("format", 2))
+    out = [files.rank_file(d, t, p, pp, fmt=fmt) for p in range(pp) for d in range(dp) for t in range(tp)]
     return out + ([files.CLIENT_STATE] if part.get("has_client") else [])
 
 

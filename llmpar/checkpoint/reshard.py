@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from llmpar.checkpoint.files import CheckpointError
-from llmpar.checkpoint.shards import ShardReader
+from llmpar.checkpoint.shards import RankFiles, ShardReader
 
 UNKNOWN = "unknown"  # a tp > 1 checkpoint written before the split was recorded: loadable at the same tp only
 
@@ -79,7 +79,8 @@ class CheckpointReader:
 
     def __init__(self, path: str, meta: dict) -> None:
         self.path, self.meta, self.tp = path, meta, int(meta["tp"])
-        self.readers = [ShardReader(path, meta, t) for t in range(self.tp)]
+        self.files = RankFiles(path, meta)  # every rank file, opened once
+        self.readers = [ShardReader(path, meta, t, self.files) for t in range(self.tp)]
         self.where = self.readers[0].where
         self._cache: tuple[tuple, torch.Tensor] | None = None
 
@@ -159,9 +160,19 @@ class CheckpointReader:
         """The step count saved for the unit holding ``name``."""
         return float(self.readers[0].step(name))
 
-    def rank_file(self, fname: str) -> dict:
-        """The saved rank file ``fname`` whole (its RNG states, extras), read once."""
-        return self.readers[0].file_any(fname)
+    def rng(self, fname: str) -> dict:
+        """The RNG states in saved rank file ``fname``."""
+        return self.readers[0].rng(fname)
+
+    def verify(self, name: str, key: str, a: int, z: int, cut: Cut) -> None:
+        """Verify the blocks :meth:`get` reads for the same arguments (a ``blockfile.CorruptFile`` if one differs),
+        copying nothing."""
+        route = self._route(name, cut)
+        if len(route) == 1:
+            self.readers[route[0]].verify(name, key, a, z)
+            return
+        for t, _, _ in self._sources(name, *route):
+            self.readers[t].verify(name, key, 0, self.readers[t].numel(name))
 
     def get(self, name: str, key: str, a: int, z: int, cut: Cut) -> torch.Tensor:
         """Elements [a, z) of this rank's ``cut`` of ``name`` (state ``key``: "params", "exp_avg", ...), flat."""

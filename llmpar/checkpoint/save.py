@@ -3,13 +3,15 @@ publishes.
 
     1. prepare (collective): rank 0 clears ``DIR/.tmp-TAG``; barrier (an error agreement over dp, tp, pp = the grid,
        which also checks that every rank saves the same tag)
-    2. snapshot: this rank's shards, extras, RNG states, the run state for ``metadata.json`` and ``client_state`` are
-       copied to host memory (fresh tensors, deep copies): training may change the live state from here on
-    3. write: (rank 0) ``metadata.json.part``; ``dp{d}-tp{t}.pt`` (``pp{p}-dp{d}-tp{t}.pt`` under a pipeline of
-       pp > 1) + last a small ``.json`` with its
-       sha256, the names of its extras, and (dp rank 0, tp rank 0 of each pp rank) that pp rank's layout with each
-       param under its name in the unsplit model and its tp split; stage 0 dp ranks > 0 write only their RNG states:
-       bytes written = the model state once, no duplication across dp ranks (a tied weight: once, by its lowest stage)
+    2. snapshot: this rank's extras, RNG states, the run state for ``metadata.json`` and ``client_state`` are copied
+       (fresh tensors, deep copies); its shards too under ``async_save`` (training may change the live state from
+       there on), else they are written from the live buffers themselves (``ShardViews``: no copy)
+    3. write: (rank 0) ``metadata.json.part``; ``dp{d}-tp{t}.shard`` (``pp{p}-dp{d}-tp{t}.shard`` under a pipeline of
+       pp > 1; ``blockfile.py``: raw tensors, hashed per block while written, one fsync) + last a small ``.json`` with
+       its size and index sha256, the names of its extras, and (dp rank 0, tp rank 0 of each pp rank) that pp rank's
+       layout with each param under its name in the unsplit model and its tp split; stage 0 dp ranks > 0 write only
+       their RNG states: bytes written = the model state once, no duplication across dp ranks (a tied weight: once,
+       by its lowest stage)
     4. finish (collective): agreement: if any rank failed, every rank raises (nothing is published; the old checkpoint
        stays ``latest``; rank 0 deletes ``DIR/.tmp-TAG``); rank 0 writes ``metadata.json`` (one for all pp ranks, from
        the side files, with its digest), renames the directory to ``DIR/TAG``, updates ``DIR/latest``
@@ -49,7 +51,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmpar.checkpoint import files, publish
+from llmpar.checkpoint import blockfile, files, publish
 from llmpar.checkpoint.files import CheckpointError
 from llmpar.checkpoint.protocol import Checkpointable, DescribesModel, FaultHook, Grid
 from llmpar.checkpoint.shards import extras, local_buffers, rng_state
@@ -108,7 +110,7 @@ class _Save:
     tag: str
     tmp: str
     grid: Grid
-    payload: dict  # this rank's file: host copies only
+    payload: dict  # this rank's file: host copies, or (a synchronous save) views of the live shards
     meta: dict  # metadata.json without what rank 0 collects at the publish, as of the snapshot (rank 0)
     side: dict  # what this rank tells rank 0 next to its file: its pp rank's layout, its extras' names
     client_state: Any  # deep copy (rank 0), else None
@@ -129,8 +131,9 @@ class _Save:
             files.fault(self.fault_hook, "before_write")
             if g.rank0:
                 files.write_json_atomic(os.path.join(self.tmp, files.PART), {
-                    "meta": self.meta, "pp": g.pp, "dp": g.dp, "tp": g.tp, "has_client": self.has_client})
-            info = files.save_file(self.payload, os.path.join(self.tmp, name))
+                    "meta": self.meta, "pp": g.pp, "dp": g.dp, "tp": g.tp, "has_client": self.has_client,
+                    "format": files.FORMAT_VERSION})
+            info = blockfile.write(os.path.join(self.tmp, name), self.payload)
             info.update(dp_rank=g.dp_rank, tp_rank=g.tp_rank, pp_rank=g.pp_rank,
                         has_shards=self.payload["buffers"] is not None, **self.side)
             if g.rank0 and self.has_client:
@@ -263,8 +266,9 @@ def wait_checkpoint(engine: Checkpointable) -> str | None:
 
 
 def _prepare(engine: Checkpointable, save_dir: Any, tag: str | None, client_state: dict | None,
-             fault_hook: FaultHook | None) -> _Save:
-    """Phases 1-2: checks, the tmp directory (collective), and the host snapshot of this rank's state."""
+             fault_hook: FaultHook | None, snapshot: bool) -> _Save:
+    """Phases 1-2: checks, the tmp directory (collective), and what this rank writes (``snapshot``: host copies of
+    its shards, else views of the live ones)."""
     if not isinstance(save_dir, (str, os.PathLike)):
         raise TypeError(f"save_dir must be a path, got {type(save_dir).__name__}")
     save_dir = os.fspath(save_dir)
@@ -302,14 +306,14 @@ def _prepare(engine: Checkpointable, save_dir: Any, tag: str | None, client_stat
     if code:
         raise CheckpointError(err or f"rank 0 could not create {tmp}: checkpoint {tag!r} not saved")
 
-    try:  # host copies (local_buffers / extras copy every tensor; rng_state returns fresh ones)
+    try:  # extras copies every tensor, rng_state returns fresh ones, local_buffers copies when snapshot
         trained = set(view.saved_name.values())
         frozen = opt.frozen_shapes()
         kept = extras(view.targets(), trained | set(frozen)) if g.dp_rank == 0 else {}
         if frozen:  # ZeRO-3 shards frozen params too: gathered whole to dp rank 0 (collective over dp)
             kept.update(opt.gather_frozen())
         payload = {"format": files.FORMAT_VERSION, "dp_rank": g.dp_rank, "tp_rank": g.tp_rank,
-                   "pp_rank": g.pp_rank, "buffers": local_buffers(opt, view.duplicates), "extras": kept,
+                   "pp_rank": g.pp_rank, "buffers": local_buffers(opt, view.duplicates, copy=snapshot), "extras": kept,
                    "rng": rng_state()}
     except BaseException:
         if g.rank0:
@@ -342,7 +346,7 @@ def save_checkpoint(engine: Checkpointable, save_dir: str, tag: str | None = Non
     if not isinstance(async_save, bool):
         raise TypeError(f"async_save must be a bool, got {type(async_save).__name__}")
     wait_checkpoint(engine)
-    job = _prepare(engine, save_dir, tag, client_state, fault_hook)
+    job = _prepare(engine, save_dir, tag, client_state, fault_hook, snapshot=async_save)
     if not async_save:
         job.write()
         return job.finish()

@@ -1,6 +1,7 @@
 """What a rank's checkpoint file holds, and cutting any saved layout back into named param ranges.
 
-Rank file ``dp{d}-tp{t}.pt`` / ``pp{p}-dp{d}-tp{t}.pt`` (plain tensors, ``torch.load(weights_only=True)``-safe):
+Rank file ``dp{d}-tp{t}.shard`` / ``pp{p}-dp{d}-tp{t}.shard`` (``blockfile.py``; ``.pt``, a ``torch.save`` file, in
+checkpoint formats 1-2):
 
     "buffers": one dict per flat buffer of the optimizer (``CheckpointOptimizer.checkpoint_shards``), or None on a
                rank that holds no unique shard (stage 0, dp rank > 0):  "params" [partition] (the params' dtype),
@@ -21,32 +22,44 @@ from __future__ import annotations
 
 import os
 import random
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-from llmpar.checkpoint.files import CheckpointError, load_file, rank_file
-from llmpar.checkpoint.protocol import CheckpointOptimizer
+from llmpar.checkpoint.blockfile import BLOCK, BlockFile, Concat, CorruptFile, elements, materialize
+from llmpar.checkpoint.files import CheckpointError, check_file, load_file, rank_file
+from llmpar.checkpoint.protocol import CheckpointOptimizer, ShardViews
 
-def local_buffers(opt: CheckpointOptimizer, skip: set[str] | frozenset = frozenset()) -> list[dict] | None:
-    """This rank's shards of every flat buffer of ``opt`` (fresh CPU tensors, ``checkpoint_shards``), None if it owns
-    none. ``skip``: names of params not to write (tied copies written by another pp rank): their elements are cut out
-    of every state and their ``[start, count]`` in the partition listed under ``"holes"``."""
-    shards = opt.checkpoint_shards()
-    if shards is None:
+def local_buffers(opt: CheckpointOptimizer, skip: set[str] | frozenset = frozenset(), *, copy: bool = True
+                  ) -> list[dict] | None:
+    """This rank's shards of every flat buffer of ``opt``, None if it owns none. ``copy``: fresh CPU tensors (an
+    async save's snapshot); else, from an optimizer with ``checkpoint_shard_views``, the live memory itself (one
+    tensor, or a :class:`blockfile.Concat` of the pieces a partition is made of: written as one record, no copy).
+    ``skip``: names of params not to write (tied copies written by another pp rank): their elements are cut out of
+    every state and their ``[start, count]`` in the partition listed under ``"holes"``."""
+    if isinstance(opt, ShardViews):
+        views = opt.checkpoint_shard_views()
+    else:  # fresh tensors already
+        shards, copy = opt.checkpoint_shards(), False
+        views = None if shards is None else [{k: [v] for k, v in e.items()} for e in shards]
+    if views is None:
         return None
     out = []
-    for entry, held in zip(shards, opt.checkpoint_held()):
-        steps = entry.pop("steps")
+    for entry, held in zip(views, opt.checkpoint_held()):
+        steps = Concat(entry.pop("steps")).tensor()
         holes = [(at, z - a) for name, a, z, at in held if name in skip]
         if holes:
-            keep = torch.ones(entry["params"].numel(), dtype=torch.bool)
+            keep = torch.ones(sum(p.numel() for p in entry["params"]), dtype=torch.bool)
             for start, count in holes:
                 keep[start:start + count] = False
-            entry = {k: v[keep] for k, v in entry.items()}
-            entry["holes"] = torch.tensor(sorted(holes), dtype=torch.int64)
-        entry["steps"] = steps
-        out.append(entry)
+            cut: dict = {k: Concat(v).tensor()[keep] for k, v in entry.items()}
+            cut["holes"] = torch.tensor(sorted(holes), dtype=torch.int64)
+        elif copy:
+            cut = {k: Concat(v).tensor() for k, v in entry.items()}
+        else:
+            cut = {k: v[0] if len(v) == 1 else Concat(v) for k, v in entry.items()}
+        cut["steps"] = steps
+        out.append(cut)
     return out
 
 
@@ -55,7 +68,7 @@ def _compacted(entry: dict, start: int) -> int:
     holes = entry.get("holes")
     if holes is None:
         return start
-    return start - sum(count for at, count in holes.tolist() if at < start)
+    return start - sum(count for at, count in materialize(holes).tolist() if at < start)
 
 
 def extras_names(targets: dict[str, tuple[torch.Tensor, bool]], trained: set[str]) -> list[str]:
@@ -107,11 +120,113 @@ def set_rng_state(st: dict) -> None:
             pass
 
 
+def _claim(slot: int, owner: bool, index: int, world: int) -> int:
+    """Rank ``index``'s bid (of ``world``) to hash block ``slot``: the file's writer bids highest, the others in an
+    order rotated by the slot (``world - (index - slot) mod world``), so that blocks no writer wants are spread."""
+    return world + 1 if owner else world - (index - slot) % world
+
+
+class RankFiles:
+    """The rank files of one checkpoint, each opened once: format 3 block files (``blockfile.py``: size and index
+    checked on open, each block verified when first read) or format 1-2 ``torch.save`` files (their whole sha256
+    checked by :meth:`check`, then read through ``mmap``)."""
+
+    def __init__(self, path: str, meta: dict) -> None:
+        self.path, self.meta = path, meta
+        self._trees: dict[str, Any] = {}  # file name -> its object (a block file's tensors: Records, read lazily)
+        self._blocks: dict[str, BlockFile] = {}
+        self._checked: set[str] = set()  # older files whose sha256 was checked
+        self.recording = False
+
+    def check(self, fname: str, *, full: bool = False) -> str | None:
+        """None when ``fname`` is there and matches ``metadata.json``, else "missing" / "corrupt". A block file's
+        size and index are checked (``full``: every block too; the others when read); an older file's sha256."""
+        entry = self.meta["files"].get(fname)
+        if entry is None or not os.path.isfile(os.path.join(self.path, fname)):
+            return "missing"
+        if "index_sha256" not in entry:
+            if fname not in self._checked:
+                why = check_file(self.path, fname, entry)
+                if why is not None:
+                    return why
+                self._checked.add(fname)
+            return None
+        try:
+            self.tree(fname)
+            if full:
+                self._blocks[fname].verify_all()
+        except CorruptFile:
+            return "corrupt"
+        return None
+
+    def tree(self, fname: str) -> dict:
+        """The object rank file ``fname`` holds (tensors of a block file as lazy :class:`blockfile.Record`)."""
+        if fname not in self._trees:
+            full, entry = os.path.join(self.path, fname), self.meta["files"].get(fname, {})
+            if "index_sha256" in entry:
+                self._blocks[fname] = BlockFile(full, entry)
+                self._blocks[fname].recording = self.recording
+                self._trees[fname] = self._blocks[fname].value()
+            else:
+                self._trees[fname] = load_file(full)
+        return self._trees[fname]
+
+    # ------------------------------------------------------------------ sharing the hashing between ranks
+    def record(self, on: bool) -> None:
+        """While on, reads note the blocks they touch (``BlockFile.wanted``) instead of hashing them."""
+        self.recording = on
+        for f in self._blocks.values():
+            f.recording = on
+
+    def _slots(self) -> list[tuple[str, int, int]]:
+        """(block file, first slot, slots) of every block file of ``metadata.json``, sorted by name: one slot per
+        block of :data:`blockfile.BLOCK` bytes the size allows (the same on every rank, opened or not)."""
+        out, at = [], 0
+        for name in sorted(self.meta["files"]):
+            entry = self.meta["files"][name]
+            if "index_sha256" in entry:
+                out.append((name, at, int(entry["bytes"]) // BLOCK + 1))
+                at += out[-1][2]
+        return out
+
+    def claims(self, owns: Callable[[str], bool], index: int, world: int) -> torch.Tensor:
+        """int64 per slot (:meth:`_slots`), for each block this rank wants, else 0: their max over the ranks names
+        one verifier per block wanted (:meth:`_claim`)."""
+        slots = self._slots()
+        out = [0] * sum(n for *_, n in slots)
+        for name, at, n in slots:
+            f = self._blocks.get(name)
+            if f is not None and f.block == BLOCK and len(f.digests) <= n:
+                for k in f.wanted:
+                    out[at + k] = _claim(at + k, owns(name), index, world)
+        return torch.tensor(out, dtype=torch.int64)
+
+    def verify_mine(self, top: torch.Tensor, owns: Callable[[str], bool], index: int, world: int) -> None:
+        """Hash the blocks the max of the ranks' :meth:`claims` (``top``) gives this rank, and every wanted block
+        of a file not shared (another block size); ``blockfile.CorruptFile`` when one differs."""
+        slots, best = {name: (at, n) for name, at, n in self._slots()}, top.tolist()
+        for name, f in self._blocks.items():
+            at, n = slots.get(name, (0, 0))
+            shared = f.block == BLOCK and len(f.digests) <= n
+            f.verify_blocks(sorted(k for k in f.wanted
+                                   if not shared or best[at + k] == _claim(at + k, owns(name), index, world)))
+
+    def trust(self) -> None:
+        """Once the ranks agreed that each verified its blocks: every wanted block is verified; recording stops."""
+        for f in self._blocks.values():
+            for k in f.wanted:
+                f.verified[k] = 1
+            f.wanted.clear()
+        self.record(False)
+
+
 class ShardReader:
     """Element ranges of named params (and their optimizer state) from a saved checkpoint, for one tp rank."""
 
-    def __init__(self, path: str, meta: dict, tp_rank: int) -> None:
+    def __init__(self, path: str, meta: dict, tp_rank: int, files: RankFiles | None = None) -> None:
         self.path, self.meta, self.tp_rank = path, meta, tp_rank
+        self.files = files if files is not None else RankFiles(path, meta)
+        self.fmt = int(meta.get("format", 1))
         self.shards = 1 if meta["stage"] == 0 else meta["dp"]
         self.pp = int(meta.get("pp", 1))
         self.buffers = meta["layout"]["buffers"]
@@ -120,11 +235,10 @@ class ShardReader:
             for slot in b["params"]:
                 if not slot.get("dup"):  # a tied copy also written by a lower stage
                     self.where.setdefault(slot["name"], (bi, slot, b["units"][slot["unit"]]))
-        self._cache: dict[str, dict] = {}
 
     def file_of(self, dp_rank: int, bi: int) -> str:
         """The file of saved dp rank ``dp_rank`` holding buffer ``bi`` (of the pp rank that wrote it)."""
-        return rank_file(dp_rank, self.tp_rank, self.buffers[bi].get("pp_rank", 0), self.pp)
+        return rank_file(dp_rank, self.tp_rank, self.buffers[bi].get("pp_rank", 0), self.pp, fmt=self.fmt)
 
     def numel(self, name: str) -> int:
         n = 1
@@ -150,29 +264,38 @@ class ShardReader:
         return {self.file_of(r, bi) for r, *_ in self._pieces(name, a, z)}
 
     def _file(self, fname: str) -> dict:
-        if fname not in self._cache:
-            obj = load_file(os.path.join(self.path, fname))
-            if not isinstance(obj, dict) or obj.get("buffers") is None:
-                raise CheckpointError(f"{os.path.join(self.path, fname)} holds no shards but the metadata says it does")
-            self._cache[fname] = obj
-        return self._cache[fname]
+        obj = self.files.tree(fname)
+        if not isinstance(obj, dict) or obj.get("buffers") is None:
+            raise CheckpointError(f"{os.path.join(self.path, fname)} holds no shards but the metadata says it does")
+        return obj
 
     def has(self, name: str, key: str) -> bool:
         return key in self.meta["layout"]["buffers"][self.where[name][0]]["state_keys"]
 
-    def get(self, name: str, key: str, a: int, z: int) -> torch.Tensor:
-        """Elements [a, z) of ``name``'s flat view, from state ``key`` ("params", "exp_avg", ...)."""
+    def _sources(self, name: str, key: str, a: int, z: int) -> list[tuple[torch.Tensor, int, int]]:
+        """(elements, start in the output, count) covering elements [a, z) of ``name``'s state ``key``: views of
+        the files (their blocks verified)."""
         bi = self.where[name][0]
-        pieces = self._pieces(name, a, z)
-        out = None
-        for r, start, count, at in pieces:
+        out = []
+        for r, start, count, at in self._pieces(name, a, z):
             entry = self._file(self.file_of(r, bi))["buffers"][self.buffers[bi].get("index", bi)]
             pos = _compacted(entry, start)
-            src = entry[key][pos:pos + count]
-            if out is None:
-                out = torch.empty(z - a, dtype=src.dtype)
+            out.append((elements(entry[key], pos, pos + count), at, count))
+        return out
+
+    def verify(self, name: str, key: str, a: int, z: int) -> None:
+        """Read (and so verify) the blocks holding elements [a, z) of ``name``'s state ``key``."""
+        self._sources(name, key, a, z)
+
+    def get(self, name: str, key: str, a: int, z: int) -> torch.Tensor:
+        """Elements [a, z) of ``name``'s flat view, from state ``key`` ("params", "exp_avg", ...): a view of the
+        file when one rank's file holds them all (read it, do not write it), else a fresh tensor."""
+        parts = self._sources(name, key, a, z)
+        if len(parts) == 1:
+            return parts[0][0]
+        out = torch.empty(z - a, dtype=parts[0][0].dtype)
+        for src, at, count in parts:
             out[at:at + count] = src
-        assert out is not None
         return out
 
     def step(self, name: str) -> float:
@@ -183,20 +306,19 @@ class ShardReader:
     def extras_files(self) -> dict[str, str]:
         """{module buffer / frozen param name: the file holding it}."""
         if "extras" in self.meta:
-            return {n: rank_file(0, self.tp_rank, pp_rank, self.pp) for n, pp_rank in self.meta["extras"].items()}
-        return {"*": rank_file(0, self.tp_rank)}  # written before the names were recorded: dp rank 0's file
+            return {n: rank_file(0, self.tp_rank, pp_rank, self.pp, fmt=self.fmt)
+                    for n, pp_rank in self.meta["extras"].items()}
+        return {"*": rank_file(0, self.tp_rank, fmt=self.fmt)}  # written before the names were recorded
 
     def extras(self, names: set[str] | None = None) -> dict[str, torch.Tensor]:
         """Module buffers and frozen params (``names`` only, when given)."""
         out: dict[str, torch.Tensor] = {}
         for fname in sorted(set(self.extras_files().values())):
-            for n, t in self.file_any(fname).get("extras", {}).items():
+            for n, t in self.files.tree(fname).get("extras", {}).items():
                 if names is None or n in names:
-                    out.setdefault(n, t)
+                    out.setdefault(n, materialize(t))
         return out
 
-    def file_any(self, fname: str) -> dict:
-        """The whole rank file ``fname`` (any rank's, with or without shards), read once."""
-        if fname not in self._cache:
-            self._cache[fname] = load_file(os.path.join(self.path, fname))
-        return self._cache[fname]
+    def rng(self, fname: str) -> dict:
+        """The RNG states in rank file ``fname``."""
+        return materialize(self.files.tree(fname)["rng"])

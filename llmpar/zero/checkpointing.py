@@ -77,19 +77,25 @@ class ZeroCheckpointing:
     def checkpoint_shards(self) -> list[dict[str, torch.Tensor]] | None:
         """Per buffer: this rank's partition of the params and of every state (``[partition]``) and the unit steps
         (``[units]`` float32), fresh CPU tensors; None on a stage-0 rank other than 0 (it holds what rank 0 does)."""
+        views = self.checkpoint_shard_views()
+        if views is None:
+            return None
+        return [{key: pieces[0].to("cpu", copy=True) if len(pieces) == 1 else torch.cat([p.cpu() for p in pieces])
+                 for key, pieces in entry.items()} for entry in views]
+
+    def checkpoint_shard_views(self) -> list[dict[str, list[torch.Tensor]]] | None:
+        """:meth:`checkpoint_shards` without copies: each key as the list of views of the live buffers (on their
+        device) whose concatenation it is (the params of stages 0-2: this rank's shard of each unit); "steps" fresh."""
         if self.stage == 0 and self.rank != 0:
             return None
         rank, out = self._ckpt_rank(), []
         for b in self.buffers:
-            units = range(len(b.layout.units))
             if b.shard is not None:
-                params = b.shard.detach().to("cpu", copy=True)
+                params = [b.shard.detach()]
             else:
-                params = torch.cat([b.layout.shard_of_full(b.flat, u, rank).detach().cpu() for u in units])
-            entry = {"params": params}
-            for key, t in b.state.items():
-                entry[key] = t.detach().to("cpu", copy=True)
-            entry["steps"] = torch.stack([s.detach().float().cpu() for s in b.steps])
+                params = [b.layout.shard_of_full(b.flat, u, rank).detach() for u in range(len(b.layout.units))]
+            entry = {"params": params, **{key: [t.detach()] for key, t in b.state.items()}}
+            entry["steps"] = [torch.stack([s.detach().float().cpu() for s in b.steps])]
             out.append(entry)
         return out
 
