@@ -71,7 +71,7 @@ def timing_run(args) -> None:
                 "threads_per_rank": torch.get_num_threads()}
         print(json.dumps(rows, indent=1))
         if not args.no_write:
-            write_results("zero_step", rows, meta)
+            write_results(args.name, rows, meta)
 
     time_cases(args, build, report)
 
@@ -116,11 +116,15 @@ def main() -> None:
     p.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
     p.add_argument("--mode", choices=("all", "time", "memory"), default="all")
     p.add_argument("--no-write", action="store_true")
+    p.add_argument("--name", default="zero_step", help="results file name (bench/results/NAME.md)")
     args = p.parse_args()
     if "RANK" in os.environ:
         (timing_run if args.mode == "time" else memory_run)(args)
         return
     passthrough = [a for a in sys.argv[1:] if a not in ("--mode", "all", "time", "memory")]
+    if "--nproc" in passthrough:  # torchrun's own option (it would read it as an abbreviation of --nproc-per-node)
+        i = passthrough.index("--nproc")
+        del passthrough[i:i + 2]
     mem: dict[str, dict] = {}
     if args.mode in ("all", "memory"):
         for case in args.cases:
