@@ -134,6 +134,17 @@ def test_trainer_resumes_bitwise(tmp_path, ds_ext_dir):
 
 
 # ---- the config's "auto" values (single process) ----
+@pytest.fixture(autouse=True)
+def _environment_restored():
+    """transformers / accelerate write torchrun's variables (RANK, ...) into os.environ when they find a process
+    group already up in this process (an earlier test's world of one): put the environment back after each test,
+    so that later tests (``llmpar train``'s launcher reads RANK) see the session's own."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 def _args(tmp_path, **kw):
     base = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, gradient_accumulation_steps=2,
                 learning_rate=2e-3, warmup_steps=3, weight_decay=0.01, max_grad_norm=0.5, report_to=[],
