@@ -50,6 +50,15 @@ def _body(stage, overlap, tmp):
         elif step == 4:
             engine.save_checkpoint(str(tmp), tag=f"s{stage}{overlap}")
             snapshots.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    # one more step (its all-gather left in flight), then load the step-4 checkpoint over it: the load waits first,
+    # so the late all-gather cannot land over the loaded params
+    x = torch.randint(0, 61, (3, 10), generator=g)
+    for _ in range(2):
+        engine.backward(model.loss(engine(x[:, :-1]), x[:, 1:]))
+        engine.step()
+    engine.load_checkpoint(str(tmp), tag=f"s{stage}{overlap}")
+    snapshots.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    assert torch.equal(snapshots[-1], snapshots[-2])
     return losses, snapshots
 
 

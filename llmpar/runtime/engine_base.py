@@ -109,7 +109,6 @@ class EngineBase(DeepSpeedAPI):
         ``save_latest`` / ``exclude_frozen_parameters``: see ``engine_ckpt``. ``async_save``: written by a thread from
         a host copy, published at the next ``wait_checkpoint`` / ``save_checkpoint`` / ``load_checkpoint``; one still
         pending when the engine is collected or the interpreter exits is finished then, with a warning."""
-        getattr(self.optimizer, "wait_params", lambda: None)()  # overlap_param_gather: the params whole first
         return engine_ckpt.save(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters, async_save)
 
     @reports_step

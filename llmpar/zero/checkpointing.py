@@ -47,6 +47,8 @@ class ZeroCheckpointing:
     if TYPE_CHECKING:
         def describe(self) -> dict: ...
 
+        def wait_params(self) -> None: ...
+
     def _ckpt_rank(self) -> int:
         """The shard this rank owns in every unit (stage 0: one shard, rank 0's)."""
         return self.rank if self.stage > 0 else 0
@@ -132,7 +134,8 @@ class ZeroCheckpointing:
 
     def prepare_save(self) -> None:
         """Raise ``ValueError`` in the middle of a gradient accumulation (the grads are not part of a checkpoint);
-        wait for stage-3 gathers in flight."""
+        wait for gathers in flight (stage 3's, and a deferred all-gather of updated params: ``wait_params``)."""
+        self.wait_params()
         if self.reducer.micro_steps != 0:
             raise ValueError(f"save_checkpoint in the middle of a gradient accumulation ({self.reducer.micro_steps} "
                              f"micro-steps since the last optimizer step): save after engine.step() at a boundary")
@@ -162,6 +165,7 @@ class ZeroCheckpointing:
         checkpoint) and ``step(name)``; params named in ``keep`` (not in the checkpoint, a non-strict load) keep
         their values and states, a unit's step comes from its first param not kept (none: the step stays). Not
         collective; call :meth:`after_load` on every rank afterwards."""
+        self.wait_params()  # a deferred all-gather still in flight would land over the loaded params
         rank = self._ckpt_rank()
 
         def need(name: str, key: str, a: int, z: int) -> torch.Tensor:
