@@ -45,7 +45,8 @@ class RankTimeout(RankFailure):
     """Some ranks did not finish within the timeout."""
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a torchrun --master_port or a store)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -108,7 +109,7 @@ class _Pool:
         self.logs = [os.path.join(self.tmp.name, f"rank{r}.log") for r in range(world_size)]
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(world_size)]
-        port = _free_port()
+        port = free_port()
         self.procs = [
             ctx.Process(
                 target=_worker, daemon=True, name=f"llmpar-rank{r}",

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import warnings
@@ -18,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from multirank import run_ranks
+from multirank import free_port, run_ranks
 
 TESTS = Path(__file__).resolve().parent
 ROOT, DATA = TESTS.parent, TESTS / "data"
@@ -27,19 +26,13 @@ CONFIG = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
           "steps_per_print": 2, "zero_allow_untested_optimizer": True}
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _script(which, tmp_path, ext):
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps(CONFIG))
     out = tmp_path / f"{which}.json"
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
            "TORCH_EXTENSIONS_DIR": str(ext), "PYTHONWARNINGS": "always"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            str(DATA / "pipe_launch.py"), which, str(DATA / "ds_script.py"), "--deepspeed", "--deepspeed_config",
            str(cfg), "--out", str(out), "--ckpt", str(tmp_path / f"ckpt_{which}")]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -13,16 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from multirank import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data"
 STEPS = 30
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def config(stage: int) -> dict:
@@ -46,7 +40,7 @@ def run_script(which: str, stage: int, tmp: Path, ext: Path | None = None) -> tu
     out = tmp / f"{which}_s{stage}.json"
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
            "TORCH_EXTENSIONS_DIR": str(ext if ext is not None else tmp / f"ext_{which}")}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            str(DATA / "pipe_launch.py"), which, str(DATA / "cifar_script.py"), "--deepspeed", "--deepspeed_config",
            str(cfg), "--steps", str(STEPS), "--out", str(out)]
     t0 = time.perf_counter()

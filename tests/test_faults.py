@@ -7,20 +7,14 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import socket
 import time
 import traceback
 
 import pytest
 import torch
+from multirank import free_port
 
 TIMEOUT_S = 4.0
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world: int, port: int, body: str, args: tuple, out) -> None:
@@ -41,7 +35,7 @@ def _worker(rank: int, world: int, port: int, body: str, args: tuple, out) -> No
 def _spawn(body: str, world: int, *args, wait_s: float = 90.0) -> dict[int, tuple]:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world, port, body, args, out)) for r in range(world)]
     for p in procs:
         p.start()

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -25,12 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "data" / "hf_trainer_script.py"
 sys.path.insert(0, str(SCRIPT.parent))
 import hf_trainer_script  # noqa: E402
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from multirank import free_port  # noqa: E402
 
 
 def run(backend: str, tmp: Path, ext: Path, *flags: str, nproc: int = 2, tag: str = "") -> dict:
@@ -40,7 +34,7 @@ def run(backend: str, tmp: Path, ext: Path, *flags: str, nproc: int = 2, tag: st
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
            "TORCH_EXTENSIONS_DIR": str(ext)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-           str(_port()), str(SCRIPT), "--backend", backend, "--output-dir", str(tmp / name), "--out", str(out),
+           str(free_port()), str(SCRIPT), "--backend", backend, "--output-dir", str(tmp / name), "--out", str(out),
            *flags]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{backend} {flags} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"

@@ -7,7 +7,6 @@ with DeepSpeed and with ``import llmpar as deepspeed``: the same 30 losses (fp32
 import copy
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from multirank import run_ranks
+from multirank import free_port, run_ranks
 
 from llmpar.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from llmpar.pipeline.specs import partition_layers
@@ -283,17 +282,12 @@ def test_errors_name_the_argument():
 
 # ------------------------------------------------------------------------- the script, DeepSpeed vs llmpar
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _run_script(which, partition, tmp_path, steps, ext):
     out = tmp_path / f"{which}.json"
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
            "TORCH_EXTENSIONS_DIR": str(ext), "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            str(DATA / "pipe_launch.py"), which, str(DATA / "pipe_script.py"), str(out), str(steps), partition]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{which} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
