@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import os
 from typing import Callable, Iterator
 
 import torch
@@ -44,19 +45,40 @@ class CommCounter:
 
     Per op name: ``calls``, ``volume`` (elements in the ZeRO paper's units: an all-reduce of n counts 2n, a
     reduce-scatter of an [N*n] input counts N*n, an all-gather into an [N*n] output counts N*n, a broadcast of n counts
-    n) and ``bytes_sent`` (bytes this rank sends under the ring algorithm: all-reduce 2 (N-1)/N of the payload,
-    reduce-scatter and all-gather (N-1)/N, broadcast the payload from the root). Owned by whoever passes it.
+    n), ``bytes_sent`` (bytes this rank sends under the ring algorithm: all-reduce 2 (N-1)/N of the payload,
+    reduce-scatter and all-gather (N-1)/N, broadcast the payload from the root) and ``cross_node_bytes`` (bytes this
+    rank receives from ranks on other nodes when the collective runs in its direct form, each peer's chunk straight
+    to its destination: an all-gather or reduce-scatter of chunk c gets c from each peer, an all-reduce 2c, an
+    all-to-all its row; what must cross the slow links whatever the algorithm). Nodes are ``ranks_per_node``
+    consecutive global ranks (torchrun's layout; default: ``LOCAL_WORLD_SIZE``, else one node). The compressed
+    collectives (``compressed.py``) count their wire bytes under their own op names. Owned by whoever passes it.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, ranks_per_node: int | None = None) -> None:
+        if ranks_per_node is not None and (isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int)
+                                           or ranks_per_node < 1):
+            raise ValueError(f"ranks_per_node={ranks_per_node!r} must be a positive int or None")
+        self.ranks_per_node = ranks_per_node
         self.calls: dict[str, int] = {}
         self.volume: dict[str, int] = {}
         self.bytes_sent: dict[str, float] = {}
+        self.cross_node_bytes: dict[str, float] = {}
 
-    def record(self, op: str, volume: int, sent_bytes: float) -> None:
+    def record(self, op: str, volume: int, sent_bytes: float, cross_bytes: float = 0.0) -> None:
         self.calls[op] = self.calls.get(op, 0) + 1
         self.volume[op] = self.volume.get(op, 0) + int(volume)
         self.bytes_sent[op] = self.bytes_sent.get(op, 0.0) + float(sent_bytes)
+        self.cross_node_bytes[op] = self.cross_node_bytes.get(op, 0.0) + float(cross_bytes)
+
+    def node_of(self, rank: int) -> int:
+        """The node of global ``rank``."""
+        per_node = self.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or dist.get_world_size()
+        return rank // per_node
+
+    def cross_peers(self, group: "Group | GroupRef") -> int:
+        """How many members of ``group`` sit on another node than this rank."""
+        mine = self.node_of(dist.get_rank())
+        return sum(1 for g in dist.get_process_group_ranks(as_group(group)) if self.node_of(g) != mine)
 
     def total_volume(self) -> int:
         return sum(self.volume.values())
@@ -64,10 +86,14 @@ class CommCounter:
     def total_bytes_sent(self) -> float:
         return sum(self.bytes_sent.values())
 
+    def total_cross_node_bytes(self) -> float:
+        return sum(self.cross_node_bytes.values())
+
     def reset(self) -> None:
         self.calls.clear()
         self.volume.clear()
         self.bytes_sent.clear()
+        self.cross_node_bytes.clear()
 
 
 class Handle:
@@ -137,8 +163,9 @@ def all_reduce(tensor: torch.Tensor, group: Group, *, op: str = "sum", async_op:
         work = dist.all_reduce(tensor, op=_op(op), group=pg, async_op=True)
     size = dist.get_world_size(pg)
     if counter is not None:
-        counter.record("all_reduce", 2 * tensor.numel(),
-                       2 * (size - 1) / size * tensor.numel() * tensor.element_size())
+        nbytes = tensor.numel() * tensor.element_size()
+        counter.record("all_reduce", 2 * tensor.numel(), 2 * (size - 1) / size * nbytes,
+                       2 * nbytes / size * counter.cross_peers(pg))
     finish = (lambda: tensor.div_(size)) if op == "avg" else None
     return _finish(async_op, [work], finish, what, pg)
 
@@ -212,7 +239,8 @@ def reduce_scatter_flat(
 def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, pg: dist.ProcessGroup, size: int, op: str,
                     reduce_op: dist.ReduceOp, async_op: bool, counter: CommCounter | None, what: str) -> Handle | None:
     if counter is not None:
-        counter.record("reduce_scatter", input.numel(), (size - 1) / size * input.numel() * input.element_size())
+        nbytes = input.numel() * input.element_size()
+        counter.record("reduce_scatter", input.numel(), (size - 1) / size * nbytes, nbytes / size * counter.cross_peers(pg))
     if op in ("sum", "avg") and reduce_scatter_uses_exchange(pg, input.device):
         received = torch.empty_like(input)
         try:
@@ -257,7 +285,8 @@ def all_gather_flat(
     _check_pair(output, input, "output", size)
     what = what or f"all-gather of {output.numel()} elements"
     if counter is not None:
-        counter.record("all_gather", output.numel(), (size - 1) / size * output.numel() * output.element_size())
+        nbytes = output.numel() * output.element_size()
+        counter.record("all_gather", output.numel(), (size - 1) / size * nbytes, nbytes / size * counter.cross_peers(pg))
     with failing_as(what, pg):
         try:
             work = TORCH_ALL_GATHER_INTO_TENSOR(output, input, group=pg, async_op=True)
@@ -275,8 +304,10 @@ def broadcast(tensor: torch.Tensor, src: int, group: Group, *, async_op: bool = 
     pg = as_group(group)
     what = what or f"broadcast of {tensor.numel()} elements from group rank {src}"
     if counter is not None:
-        sent = tensor.numel() * tensor.element_size() if dist.get_rank(pg) == src else 0
-        counter.record("broadcast", tensor.numel(), sent)
+        nbytes = tensor.numel() * tensor.element_size()
+        me = dist.get_rank(pg)
+        remote = counter.node_of(global_rank(pg, src)) != counter.node_of(dist.get_rank())
+        counter.record("broadcast", tensor.numel(), nbytes if me == src else 0, nbytes if remote else 0)
     with failing_as(what, pg):
         work = dist.broadcast(tensor, src=global_rank(pg, src), group=pg, async_op=True)
     return _finish(async_op, [work], None, what, pg)

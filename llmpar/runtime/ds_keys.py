@@ -116,10 +116,8 @@ ZERO: dict[str, Any] = {
     "load_from_fp32_weights": _d(True, reason="llmpar restores the fp32 master when the checkpoint has one"),
     "use_multi_rank_bucket_allreduce": Inert(),
     "stage3_module_granularity_threshold": _d(0, reason="sharding units are modules (initialize(unit_policy=))"),
-    "zero_hpz_partition_size": _d(1, reason="hierarchical partitioning (ZeRO++) is not supported"),
-    "zero_quantized_weights": _d(False, reason="quantized communication (ZeRO++) is not supported"),
-    "zero_quantized_nontrainable_weights": _d(False, reason="quantized communication (ZeRO++) is not supported"),
-    "zero_quantized_gradients": _d(False, reason="quantized communication (ZeRO++) is not supported"),
+    "zero_quantized_nontrainable_weights": _d(False, reason="frozen weights are not stored quantized "
+                                                  "(zero_quantized_weights quantizes their all-gather)"),
     "mics_shard_size": _d(-1, reason="MiCS is not supported"),
     "mics_hierarchical_params_gather": _d(False, reason="MiCS is not supported"),
     "memory_efficient_linear": Inert(),

@@ -59,6 +59,17 @@ class ZeroConfig:
     ``overlap_param_gather`` (llmpar's, off by default; ``param_gather.py``): stages 1-2 launch the all-gather of the
     updated params at the end of ``step()`` and wait for each unit at the next forward, overlapping it; read params
     directly between the two only after ``optimizer.wait_params()``.
+    Compressed communication (ZeRO++'s keys; ``llmpar/distributed/compressed.py``): ``zero_quantized_weights``
+    (stage 3) all-gathers the params as blockwise int8 codes + fp32 scales, every rank computing with the dequantized
+    values; ``zero_hpz_partition_size`` k (stage 3, dividing dp) keeps after forward a secondary shard of each unit
+    over the k dp ranks of a node, from which backward gathers inside the node; ``zero_quantized_gradients`` (stages
+    2-3) reduce-scatters int4 codes through all-to-alls, summed inside the node first when the dp ranks span several
+    nodes (``zero_hpz_partition_size`` or torchrun's ``LOCAL_WORLD_SIZE`` says which). llmpar's own:
+    ``zero_quantized_gradients_error_feedback`` carries each rank's compression error (x - dequant) to its next
+    reduction, so the error does not accumulate over steps (costs a float32 copy of the gradients per rank, + 1/k of
+    it with two levels; not saved in checkpoints: a resumed run restarts it from zero);
+    ``zero_quantization_block_size`` values per scale; ``zero_quantized_weights_bits`` /
+    ``zero_quantized_gradients_bits`` (8 or 4).
     """
 
     stage: int = 0
@@ -76,6 +87,13 @@ class ZeroConfig:
     sub_group_size: int = 1_000_000_000
     offload_optimizer: OffloadConfig | dict | None = None
     offload_param: OffloadConfig | dict | None = None
+    zero_quantized_weights: bool = False
+    zero_hpz_partition_size: int = 1
+    zero_quantized_gradients: bool = False
+    zero_quantized_gradients_error_feedback: bool = False  # llmpar
+    zero_quantization_block_size: int = 256  # llmpar
+    zero_quantized_weights_bits: int = 8  # llmpar
+    zero_quantized_gradients_bits: int = 4  # llmpar
 
     def __post_init__(self) -> None:
         self.stage = as_int("zero_optimization.stage", self.stage, minimum=0)
@@ -95,6 +113,36 @@ class ZeroConfig:
             raise ValueError(f'"zero_optimization.offload_optimizer" needs stage 1, 2 or 3, got stage {self.stage}')
         if self.offload_param.enabled and self.stage != 3:
             raise ValueError(f'"zero_optimization.offload_param" needs stage 3, got stage {self.stage}')
+        self._check_compression()
+
+    def _check_compression(self) -> None:
+        for name in ("zero_quantized_weights", "zero_quantized_gradients", "zero_quantized_gradients_error_feedback"):
+            setattr(self, name, as_bool(f"zero_optimization.{name}", getattr(self, name)))
+        self.zero_hpz_partition_size = as_int("zero_optimization.zero_hpz_partition_size",
+                                              self.zero_hpz_partition_size, minimum=1)
+        block = as_int("zero_optimization.zero_quantization_block_size", self.zero_quantization_block_size, minimum=1)
+        if block & (block - 1) or not 16 <= block <= 4096:
+            raise ValueError(f'"zero_optimization.zero_quantization_block_size"={block} must be a power of two in '
+                             "[16, 4096]")
+        self.zero_quantization_block_size = block
+        for name in ("zero_quantized_weights_bits", "zero_quantized_gradients_bits"):
+            bits = as_int(f"zero_optimization.{name}", getattr(self, name), minimum=1)
+            if bits not in (4, 8):
+                raise ValueError(f'"zero_optimization.{name}"={bits} must be 8 or 4')
+            setattr(self, name, bits)
+        if (self.zero_quantized_weights or self.zero_hpz_partition_size > 1) and self.stage != 3:
+            key = "zero_quantized_weights" if self.zero_quantized_weights else "zero_hpz_partition_size"
+            raise ValueError(f'"zero_optimization.{key}" applies to the stage-3 parameter all-gather: needs stage 3, '
+                             f"got stage {self.stage}")
+        if self.zero_quantized_gradients and self.stage not in (2, 3):
+            raise ValueError('"zero_optimization.zero_quantized_gradients" applies to the per-micro-step gradient '
+                             f"reduce-scatter of stages 2 and 3, got stage {self.stage}")
+        if self.zero_quantized_gradients_error_feedback and not self.zero_quantized_gradients:
+            raise ValueError('"zero_optimization.zero_quantized_gradients_error_feedback" needs '
+                             '"zero_quantized_gradients": true')
+        if self.offload_param.enabled and (self.zero_quantized_weights or self.zero_hpz_partition_size > 1):
+            raise ValueError('"zero_optimization.offload_param" cannot be combined with zero_quantized_weights / '
+                             "zero_hpz_partition_size (the host shards are gathered as they are)")
 
 
 OPTIMIZER_TYPES = {"adamw": "AdamW", "adam": "Adam"}

@@ -26,6 +26,7 @@ import torch
 from llmpar.distributed.collectives import (CommCounter, Group, Handle, all_reduce, reduce_scatter_flat,
                                             reduce_scatter_uses_exchange)
 from llmpar.ops.bucket import pack_bucket
+from llmpar.zero.compressed import GradQuantizer
 from llmpar.zero.layout import FlatLayout
 
 
@@ -68,7 +69,8 @@ class GradReducer:
 
     def __init__(self, buffers: list[FlatBuffer], *, stage: int, dp_group: Group, dp: int, rank: int,
                  overlap: bool, reduce_dtype_of: Callable[[FlatBuffer], torch.dtype],
-                 counter: CommCounter | None, inflight_budget: int = 0, copier: Any = None) -> None:
+                 counter: CommCounter | None, inflight_budget: int = 0, copier: Any = None,
+                 quantizer: GradQuantizer | None = None) -> None:
         self.buffers = buffers
         self.stage = stage
         self.group = dp_group
@@ -80,6 +82,7 @@ class GradReducer:
         # gloo: reduce_scatter_flat runs as an all-to-all + local sum, holding the received chunks while in flight
         self.exchange = reduce_scatter_uses_exchange(dp_group, buffers[0].flat.device if buffers else "cpu")
         self.copier = copier  # offload_optimizer: offload.Copier taking each reduced shard out to the host
+        self.quantizer = quantizer  # zero_quantized_gradients (stage 2/3): packed + quantized, codes reduce-scattered
         self.log: list[tuple[str, tuple[int, int]]] | None = None  # ("reduce" | "reduced", (buffer, unit)), tests
         self._bindex = {id(b): bi for bi, b in enumerate(buffers)}
         # with overlap: reductions in flight (not waited for during backward) while the staging they hold stays within
@@ -144,6 +147,9 @@ class GradReducer:
             self.log.append(("reduce", key))
         grads = self._unit_grads(b, u)
         scale = 1.0 / self.dp
+        if self.stage == 2 and self.quantizer is not None:
+            self._reduce_quantized(b, u, grads, scale, key)
+            return
         if self.stage == 2:
             staging = torch.empty(unit.padded, dtype=self.reduce_dtype_of(b), device=b.flat.device)
             pack_bucket(grads, out=staging, scale=scale)
@@ -181,6 +187,29 @@ class GradReducer:
             tmp = torch.empty_like(layout.shard_of_full(b.grad, u, self.rank))
             self._launch(self._reduce_scatter(tmp, region, key), self._land(b, u, tmp), None, key)
 
+    def _reduce_quantized(self, b: FlatBuffer, u: int, grads: list[torch.Tensor], scale: float,
+                          key: tuple[int, int]) -> None:
+        """Stage 2/3 with zero_quantized_gradients: pack + scale + quantize in one pass, reduce-scatter the codes;
+        the sum lands in the partition accumulator (added after the first micro-step) or goes out to the host."""
+        q, unit = self.quantizer, b.layout.units[u]
+        assert q is not None
+        wire = q.pack(key, grads, unit.padded, scale, b.flat.device)
+        del grads
+        shard = b.layout.shard_of_partition(b.grad, u)
+        if self.on_unit_reduced is not None:  # stage 3: the grads are packed, the gathered unit can go
+            self.on_unit_reduced(b, u)
+        what = f"quantized reduce-scatter of gradients, buffer {key[0]} unit {key[1]}"
+        held = q.held_elements(unit.padded, shard.dtype)
+        if self.copier is None:  # summed straight into the accumulator
+            self._launch(q.reduce(key, wire, shard, accumulate=not self.fresh, what=what), None, None, key, held)
+            return
+        tmp = torch.empty(shard.numel(), dtype=torch.float32, device=wire.device)
+        if not self.fresh:
+            finish = lambda: self._sync_copies() or shard.add_(tmp.to(shard.device, shard.dtype))  # noqa: E731
+        else:
+            finish = lambda: self.copier.to_host(shard, tmp)  # noqa: E731
+        self._launch(q.reduce(key, wire, tmp, accumulate=False, what=what), finish, None, key, held)
+
     def _land(self, b: FlatBuffer, u: int, tmp: torch.Tensor) -> Callable[[], None]:
         """Stage 1: where unit ``u``'s reduced shard ``tmp`` goes once its reduce-scatter has finished: back into the
         accumulator, or (offload_optimizer) out to the host partition the host step reads."""
@@ -197,8 +226,9 @@ class GradReducer:
         return handle
 
     def _launch(self, handle: Handle, finish: Callable[[], None] | None, staging: torch.Tensor | None,
-                key: tuple[int, int]) -> None:
-        held = staging.numel() * (2 if self.exchange else 1) if staging is not None else 0  # + received chunks
+                key: tuple[int, int], held: int = 0) -> None:
+        if staging is not None:  # + the received chunks
+            held = staging.numel() * (2 if self.exchange else 1)
         self._inflight.append((handle, finish, held, key))
         self._staging_live += held
         self.staging_peak = max(self.staging_peak, self._staging_live)

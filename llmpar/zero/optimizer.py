@@ -40,6 +40,7 @@ from llmpar.ops.bucket import pack_bucket
 from llmpar.optim.adamw import state_dtypes
 from llmpar.optim.grad_norm import global_grad_norm
 from llmpar.zero.checkpointing import ZeroCheckpointing
+from llmpar.zero.compressed import compression
 from llmpar.zero.config import OptimizerConfig, ZeroConfig, param_groups
 from llmpar.zero.grads import FlatBuffer, GradReducer
 from llmpar.zero.init import default_device, materialize_sharded, remap_params, replace_meta_params
@@ -63,7 +64,7 @@ class ZeroOptimizer(ZeroCheckpointing):
                  counter: CommCounter | None = None, align: int = 16, seed: int = 0,
                  module: nn.Module | None = None, unit_policy: UnitPolicy | None = None,
                  pp_group: Group | None = None, norm_skip: Iterable[torch.Tensor] = (),
-                 loss_scaler: LossScaler | None = None) -> None:
+                 loss_scaler: LossScaler | None = None, ranks_per_node: int | None = None) -> None:
         cfg = optimizer_config if optimizer_config is not None else OptimizerConfig()
         if isinstance(cfg, dict):
             cfg = OptimizerConfig(**cfg)
@@ -120,10 +121,11 @@ class ZeroOptimizer(ZeroCheckpointing):
         self._check_same_model()
         if self._deferred:
             materialize_sharded(self)
+        quantizer, weights = compression(zcfg, self.dp_group, self.dp, counter, ranks_per_node)
         self.reducer = GradReducer(self.buffers, stage=min(stage, 2), dp_group=self.dp_group, dp=self.dp,
                                    rank=self.rank, overlap=zcfg.overlap_comm, reduce_dtype_of=lambda b: b.layout.dtype,
                                    counter=counter, copier=self.copier if self.placement.offload_optimizer else None,
-                                   inflight_budget=4 * zcfg.reduce_bucket_size)
+                                   inflight_budget=4 * zcfg.reduce_bucket_size, quantizer=quantizer)
         if zcfg.overlap_param_gather and stage in (1, 2) and self.dp > 1:
             if module is None:
                 raise ValueError("zero_config.overlap_param_gather needs module= (the model whose forward waits for "
@@ -136,7 +138,8 @@ class ZeroOptimizer(ZeroCheckpointing):
                                         device=device, prefetch_numel=zcfg.stage3_prefetch_bucket_size,
                                         max_live_numel=zcfg.stage3_max_live_parameters,
                                         persist_numel=zcfg.stage3_param_persistence_threshold, counter=counter,
-                                        copier=self.copier, host_shards=self.placement.offload_param)
+                                        copier=self.copier, host_shards=self.placement.offload_param,
+                                        weights=weights)
             self.reducer.on_unit_reduced = self.stage3.unit_reduced
             self.reducer.on_backward_end = self.stage3.end_backward
 

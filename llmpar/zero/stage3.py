@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from llmpar.distributed.collectives import CommCounter, Group, Handle, all_gather_flat, group_rank
+from llmpar.zero.compressed import WeightGather
 from llmpar.zero.grads import FlatBuffer
 from llmpar.zero.layout import FlatLayout
 from llmpar.zero.offload import Copier, Placement
@@ -119,8 +120,10 @@ class Stage3Runtime:
 
     def __init__(self, plan: UnitPlan, buffers: list[FlatBuffer], *, dp_group: Group, device: torch.device,
                  prefetch_numel: int, max_live_numel: int, persist_numel: int,
-                 counter: CommCounter | None, copier: Copier | None = None, host_shards: bool = False) -> None:
+                 counter: CommCounter | None, copier: Copier | None = None, host_shards: bool = False,
+                 weights: WeightGather | None = None) -> None:
         self.plan, self.buffers, self.group, self.device = plan, buffers, dp_group, device
+        self.weights = weights  # zero_quantized_weights / zero_hpz_partition_size (``compressed.py``)
         self.host_shards = host_shards  # offload_param: the shards live in the host pool
         self.prefetch_numel, self.max_live_numel, self.counter = prefetch_numel, max_live_numel, counter
         self.copier = copier if copier is not None else Copier(device)
@@ -186,7 +189,7 @@ class Stage3Runtime:
         if self.log is not None:
             self.log.append((what, key))
 
-    def _gather(self, key: Key) -> None:
+    def _gather(self, key: Key, phase: str | None = None) -> None:
         if key in self.live:
             return
         b, u = self.buffers[key[0]], key[1]
@@ -197,6 +200,8 @@ class Stage3Runtime:
         if self.host_shards:  # offload_param: the host shard is copied in first (side stream on CUDA)
             self._note("h2d", key)
             self.pending[key] = self.copier.gather_from_host(full, src, self.group, self.counter)
+        elif self.weights is not None and key not in self.persistent:
+            self.pending[key] = self.weights.gather(key, full, src, phase=phase or "", grad=torch.is_grad_enabled())
         else:
             self.pending[key] = all_gather_flat(full, src, self.group, async_op=True, counter=self.counter,
                                                 what=f"all-gather of stage-3 params, buffer {key[0]} unit {key[1]}")
@@ -210,6 +215,8 @@ class Stage3Runtime:
         h = self.pending.pop(key, None)
         if h is not None:
             h.wait()
+            if self.weights is not None:
+                self.weights.landed(key, self.full[key])
             self._note("wait", key)
 
     def wait_all(self) -> None:
@@ -234,6 +241,8 @@ class Stage3Runtime:
 
     def regather_persistent(self) -> None:
         """After a step: the persistent units' gathered copies take the updated shards."""
+        if self.weights is not None:
+            self.weights.clear()
         for key in sorted(self.persistent):
             self.live.discard(key)
             self.live_numel -= self._numel(key)
@@ -265,6 +274,8 @@ class Stage3Runtime:
                 mine = b.layout.shard_of_partition(b.shard, u)
                 n = mine.numel()
                 mine.copy_(self.full[key][r * n:(r + 1) * n])
+                if self.weights is not None:
+                    self.weights.clear([key])
             self.users[key] -= 1
             self.release(key)
 
@@ -280,7 +291,7 @@ class Stage3Runtime:
                     self.pos[phase] = trace.index(key, self.pos[phase] + 1)
                 except ValueError:
                     pass  # off the recorded path: no prefetch hint, still correct
-            self._gather(key)
+            self._gather(key, phase)
         if not self.recording[phase] and self.prefetch_numel > 0:  # the window: the next units, live or not,
             budget = self.prefetch_numel                            # within stage3_prefetch_bucket_size elements
             for key in trace[self.pos[phase] + 1:]:
@@ -291,7 +302,7 @@ class Stage3Runtime:
                 if key not in self.live:
                     if self.live_numel + n > self.max_live_numel:
                         break
-                    self._gather(key)
+                    self._gather(key, phase)
         for key in keys:
             self._wait(key)
 
@@ -299,6 +310,8 @@ class Stage3Runtime:
         if mi == 0:
             self._forward_keeps = False
             self.release_all()  # leftovers of a backward that never reached a ZeRO param
+            if self.weights is not None:
+                self.weights.clear()  # secondaries of a forward whose backward never ran
             self._forward_keeps = torch.is_grad_enabled()
             self.pos["fwd"] = -1
         keys = self.needs[mi]
@@ -338,6 +351,8 @@ class Stage3Runtime:
     def end_backward(self) -> None:
         self.wait_all()
         self.release_all()
+        if self.weights is not None:
+            self.weights.clear()
         if self.trace["bwd"] and self.recording["bwd"]:
             self.recording["bwd"] = False
             budget = min(self.prefetch_numel, self.max_live_numel)
