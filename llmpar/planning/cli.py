@@ -2,6 +2,7 @@
 
     llmpar plan --model llama-7b --gpus 64 --gpu-mem 80GB [--nodes 8] [--seq 4096] [--micro-batch 1]
                 [--global-batch 1024] [--gpu h100] [--precision fp32_master] [--mfu 0.5] [--top 10] [--json]
+                [--zeropp]
     llmpar chinchilla --compute 5.76e23 [--params 70B | --tokens 1.4T] [--model llama-7b] [--gpus 1024 --gpu h100
                       --mfu 0.4] [--json]
 """
@@ -40,6 +41,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--cpu-mem", default=None, help="host memory per node for offload (default 1TB)")
     p.add_argument("--no-offload", action="store_true", help="do not consider CPU offload")
     p.add_argument("--no-sequence-parallel", action="store_true", help="tp without sequence parallelism")
+    p.add_argument("--zeropp", action="store_true",
+                   help="also try ZeRO++ (qwZ int8 + hpZ over a node + qgZ int4) for ZeRO-2/3 over several nodes")
     p.add_argument("--top", type=int, default=10, help="rows to print (default 10)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run_plan)
@@ -88,7 +91,8 @@ def build_request(args: argparse.Namespace) -> PlanRequest:
     return PlanRequest(model=spec, gpus=args.gpus, hardware=hw, micro_batch=args.micro_batch,
                        global_batch=args.global_batch, precision=args.precision, mfu=args.mfu,
                        reserve_bytes=parse_bytes(args.reserve, name="--reserve") if args.reserve != "0" else 0.0,
-                       allow_offload=not args.no_offload, sequence_parallel=not args.no_sequence_parallel)
+                       allow_offload=not args.no_offload, sequence_parallel=not args.no_sequence_parallel,
+                       zeropp=args.zeropp)
 
 
 def run_plan(args: argparse.Namespace) -> int:

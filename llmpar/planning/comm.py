@@ -15,8 +15,40 @@ psi = parameters on the rank's (tp, pp) shard, P / G = bytes per parameter / gra
     offload  host <-> device over PCIe: gradients down and parameters up for the rank's 1/d partition per step
          (ZeRO-3 parameter offload: parameters up twice per micro-batch), plus the CPU Adam step
 
-Links: ranks are ordered tp (innermost), dp, pp. tp stays in a node; dp and pp use NVLink when their groups fit in a
-node and the network otherwise.
+Links: ranks are ordered tp (innermost), dp, pp; a node holds ``gpus_per_node`` ranks. tp stays in a node; pp uses
+NVLink when its groups fit in a node and the network otherwise. The dp axis splits its bytes by link: with p dp ranks
+on a node (gpus_per_node / tp when tp dp spans nodes, else dp; the busiest rank's when the nodes split a dp group
+unevenly) and c = psi / d, ``cross_node_bytes`` is what a rank receives from ranks on other nodes when each
+collective runs in its direct form (every peer's chunk straight to its destination; what ``CommCounter`` reports as
+``cross_node_bytes``): an all-gather or reduce-scatter over a group with x peers off the node receives x chunks
+from the network (flat over dp: x = d - p), an all-reduce 2x, an all-to-all one row from each such peer. Seconds:
+cross-node bytes at ``inter_node_bw`` plus the rest at ``intra_node_bw`` (the two links not overlapped).
+
+    uncompressed, per step (G / P as above):
+         ZeRO 0: 2 (d-p) G c      ZeRO 1: (d-p) (G + P) c      ZeRO 2: (d-p) (m G + P) c
+         ZeRO 3: m (d-p) (2 P + G) c      (dp=16 over two 8-GPU nodes, bf16: 3 psi bytes, 3 x the unit (d-p) 2 c)
+
+ZeRO++ (Wang et al. 2023; ``Layout``'s zero_quantized_* / zero_hpz_partition_size, ``llmpar/zero/compressed.py``).
+A quantized row of n values is R_b(n) = round_up(ceil(n b / 8), 4) + 4 ceil(n / B) bytes (b bits, B =
+zero_quantization_block_size values per fp32 scale; ``llmpar.ops.quant.row_bytes``):
+
+    qwZ  (stage 3)  each param all-gather sends R_bw(c) codes + scales:  bytes (d-1) R_bw(c),  cross (d-p) R_bw(c)
+    hpZ k (stage 3, 1 < k < d; k = d is plain ZeRO-3, as in the runtime)  forward gathers over dp as above
+                    (quantized with qwZ); backward gathers the unit over the k dp ranks of the node from the
+                    secondary shards, in param dtype:
+                    bytes (k-1)/k P psi,  cross max(0, k-p) P psi / k  (0 when k <= p)
+    qgZ  (stages 2-3)  the gradient reduce-scatter becomes all-to-alls of R_bg(c) rows. With q = k (hpZ) or p dp
+                    ranks per node and n = d / q > 1 nodes (q > 1), two levels: inside the node each rank sends n
+                    rows to each of its q-1 peers (bytes (q-1) n R_bg(c) = (q-1)/q psi quantized, cross
+                    max(0, q-p) n R_bg(c)), then the partial sums between nodes, one row to each of n-1 peers
+                    (bytes (n-1) R_bg(c) = (n-1)/n psi/q quantized, cross (n - max(1, p/q)) R_bg(c)); otherwise
+                    one level:
+                    bytes (d-1) R_bg(c), cross (d-p) R_bg(c)
+    per step, stage 3: m x (forward gather + backward gather + gradient reduction); stage 2: m x reduction + the
+                    flat param all-gather. dp=16 over two 8-GPU nodes, bf16, qwZ int8 + hpZ 8 + qgZ int4 two-level:
+                    cross = R_8(c) (d-p) + 0 + R_4(c) ~ (8.13 + 0.52) c ~ 0.54 psi bytes, vs 3 psi uncompressed.
+Stage-3 persistent params (``stage3_param_persistence_threshold``) are counted like the others: the runtime gathers
+them uncompressed once per step instead, a small difference for models whose small params are a small share.
 """
 from __future__ import annotations
 
@@ -25,6 +57,7 @@ from dataclasses import asdict, dataclass
 from .memory import PRECISION_BYTES, Layout, _check_degree
 from .model_spec import ModelSpec
 from .presets import Hardware
+from .zeropp import dp_comm, dp_nodes
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -33,6 +66,7 @@ class AxisComm:
     bytes: float  # sent by one rank per step
     seconds: float
     link: str  # "nvlink", "network", "pcie" or "-"
+    cross_node_bytes: float = 0.0  # received by one rank per step from ranks on other nodes (direct form)
 
     def to_dict(self) -> dict[str, float | str]:
         return asdict(self)
@@ -70,22 +104,16 @@ def estimate_comm(
     tp_bytes = (spec.n_layers // p) * m * n_ar * 2 * (t - 1) / t * bsh
     out["tp"] = AxisComm(axis="tp", bytes=tp_bytes, seconds=tp_bytes / hw.intra_node_bw, link="nvlink" if t > 1 else "-")
 
-    ring = (d - 1) / d
-    stage = layout.zero_stage
-    if stage == 0:
-        dp_bytes = 2 * ring * gb * psi
-    elif stage == 1:
-        dp_bytes = ring * (gb + pb) * psi
-    elif stage == 2:
-        dp_bytes = ring * (m * gb + pb) * psi
-    else:
-        dp_bytes = ring * m * (2 * pb + gb) * psi
-    link, bw = _link(hw, t * d)
-    out["dp"] = AxisComm(axis="dp", bytes=dp_bytes, seconds=dp_bytes / bw, link=link if d > 1 else "-")
+    per_node, even = dp_nodes(tp=t, dp=d, pp=p, gpus_per_node=hw.gpus_per_node)
+    dp_bytes, dp_cross = dp_comm(layout, psi, pb=pb, gb=gb, micro_batches=m, per_node=per_node, even=even)
+    link = "-" if d == 1 else ("network" if per_node < d else "nvlink")
+    out["dp"] = AxisComm(axis="dp", bytes=dp_bytes, cross_node_bytes=dp_cross, link=link,
+                         seconds=dp_cross / hw.inter_node_bw + (dp_bytes - dp_cross) / hw.intra_node_bw)
 
     pp_bytes = 2 * m * bsh / (t if layout.sequence_parallel else 1) if p > 1 else 0.0
     link, bw = _link(hw, t * d * p)
-    out["pp"] = AxisComm(axis="pp", bytes=pp_bytes, seconds=pp_bytes / bw, link=link if p > 1 else "-")
+    out["pp"] = AxisComm(axis="pp", bytes=pp_bytes, seconds=pp_bytes / bw, link=link if p > 1 else "-",
+                         cross_node_bytes=pp_bytes if link == "network" else 0.0)
 
     off_bytes, off_seconds = 0.0, 0.0
     if layout.offload != "none":

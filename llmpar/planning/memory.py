@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from .model_spec import ModelSpec, count_params
+from .zeropp import dp_nodes, zeropp_state_bytes
 
 # mode -> (param bytes P, grad bytes G, optimizer bytes K) per parameter
 PRECISION_BYTES: dict[str, tuple[int, int, int]] = {
@@ -57,7 +58,12 @@ def _check_degree(name: str, value: Any) -> None:
 @dataclass(kw_only=True, frozen=True)
 class Layout:
     """A parallel layout: degrees tp x pp x dp = world size, ZeRO stage over dp, offload, sequence parallelism
-    (tp > 1 only) and activation checkpointing (``"none"``, ``"selective"``: attention core only, ``"full"``)."""
+    (tp > 1 only) and activation checkpointing (``"none"``, ``"selective"``: attention core only, ``"full"``).
+
+    ZeRO++-class compressed communication, under ``zero_optimization``'s key names and checks
+    (``llmpar.zero.ZeroConfig``): ``zero_quantized_weights`` (qwZ, stage 3), ``zero_hpz_partition_size`` (hpZ,
+    stage 3, divides dp), ``zero_quantized_gradients`` (qgZ, stages 2-3) with ``..._error_feedback``, the bits
+    (8 or 4) and ``zero_quantization_block_size`` (values per fp32 scale). ``comm.py`` gives their bytes."""
 
     tp: int = 1
     pp: int = 1
@@ -66,6 +72,13 @@ class Layout:
     offload: str = "none"
     sequence_parallel: bool = False
     activation_checkpointing: str = "none"
+    zero_quantized_weights: bool = False
+    zero_hpz_partition_size: int = 1
+    zero_quantized_gradients: bool = False
+    zero_quantized_gradients_error_feedback: bool = False
+    zero_quantization_block_size: int = 256
+    zero_quantized_weights_bits: int = 8
+    zero_quantized_gradients_bits: int = 4
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp"):
@@ -79,6 +92,46 @@ class Layout:
             raise ValueError(f"offload={self.offload!r} needs a ZeRO stage >= 1, got zero_stage=0")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence_parallel=True needs tp > 1, got tp=1")
+        self._check_compression()
+
+    def _check_compression(self) -> None:
+        """The checks of ``ZeroConfig._check_compression``, plus hpZ dividing this layout's dp."""
+        for name in ("zero_quantized_weights", "zero_quantized_gradients", "zero_quantized_gradients_error_feedback"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
+        _check_degree("zero_hpz_partition_size", self.zero_hpz_partition_size)
+        block = self.zero_quantization_block_size
+        _check_degree("zero_quantization_block_size", block)
+        if block & (block - 1) or not 16 <= block <= 4096:
+            raise ValueError(f"zero_quantization_block_size={block} must be a power of two in [16, 4096]")
+        _check_choice("zero_quantized_weights_bits", self.zero_quantized_weights_bits, (8, 4))
+        _check_choice("zero_quantized_gradients_bits", self.zero_quantized_gradients_bits, (8, 4))
+        k = self.zero_hpz_partition_size
+        if (self.zero_quantized_weights or k > 1) and self.zero_stage != 3:
+            key = "zero_quantized_weights" if self.zero_quantized_weights else f"zero_hpz_partition_size={k}"
+            raise ValueError(f"{key} applies to the stage-3 parameter all-gather: needs zero_stage=3, got "
+                             f"zero_stage={self.zero_stage}")
+        if self.zero_quantized_gradients and self.zero_stage not in (2, 3):
+            raise ValueError("zero_quantized_gradients applies to the gradient reduce-scatter of stages 2 and 3, got "
+                             f"zero_stage={self.zero_stage}")
+        if self.zero_quantized_gradients_error_feedback and not self.zero_quantized_gradients:
+            raise ValueError("zero_quantized_gradients_error_feedback needs zero_quantized_gradients=True")
+        if self.dp % k:
+            raise ValueError(f"zero_hpz_partition_size={k} must divide dp={self.dp}")
+        if self.offload == "optimizer+params" and (self.zero_quantized_weights or k > 1):
+            raise ValueError("offload='optimizer+params' cannot be combined with zero_quantized_weights / "
+                             "zero_hpz_partition_size (the host shards are gathered as they are)")
+
+    @property
+    def hpz(self) -> int:
+        """The hpZ partition in effect: ``zero_hpz_partition_size`` when 1 < k < dp (k = dp is plain ZeRO-3), else 1."""
+        k = self.zero_hpz_partition_size
+        return k if 1 < k < self.dp else 1
+
+    @property
+    def compressed(self) -> bool:
+        """Whether any ZeRO++-class option is on (dp > 1)."""
+        return self.dp > 1 and (self.zero_quantized_weights or self.hpz > 1 or self.zero_quantized_gradients)
 
     @property
     def world_size(self) -> int:
@@ -100,6 +153,7 @@ class MemoryEstimate:
     activations: float
     buffers: float
     cpu: float  # host bytes of this rank (offload)
+    zeropp: float = 0.0  # hpZ secondary shard + qgZ error-feedback residuals (``zeropp.zeropp_state_bytes``)
 
     @property
     def model_states(self) -> float:
@@ -107,8 +161,8 @@ class MemoryEstimate:
 
     @property
     def total(self) -> float:
-        """GPU bytes: model states + activations + communication buffers."""
-        return self.model_states + self.activations + self.buffers
+        """GPU bytes: model states + activations + communication buffers + ZeRO++ state."""
+        return self.model_states + self.activations + self.buffers + self.zeropp
 
     def to_dict(self) -> dict[str, float]:
         return {**asdict(self), "model_states": self.model_states, "total": self.total}
@@ -193,6 +247,7 @@ def estimate_memory(
     activation_spec: ModelSpec | None = None,
     persistence_threshold: int = PERSISTENCE_THRESHOLD,
     grad_accum_fp32: bool = False,
+    gpus_per_node: int | None = None,
 ) -> MemoryEstimate:
     """Per-rank memory of ``model`` (a ``ModelSpec`` or an ``nn.Module``) trained with ``layout``.
 
@@ -203,7 +258,11 @@ def estimate_memory(
       (1F1B: the first stage holds min(pp, m) of them; default pp), plus 4 s b V / t bytes of fp32 logits on the
       last stage; with full recompute, one more layer's full activations while it is recomputed;
     - buffers: two gradient buckets of ``bucket_bytes`` when dp > 1, and at ZeRO-3 two gathered layers
-      (current + prefetched) in parameter precision.
+      (current + prefetched) in parameter precision;
+    - zeropp (the layout's ZeRO++ options): hpZ's secondary shard, P (psi - psi_persist) / k, held from forward to
+      backward (persistent params are not gathered through it), and with qgZ error feedback a float32 residual of
+      every gradient, 4 psi, + 4 psi / k' when the reduction runs in two levels (k' = hpZ's k, else the dp ranks of
+      a node: ``gpus_per_node`` / tp; None: one node).
     Activations are bf16 (doubled for ``precision="fp32"``).
     For an ``nn.Module`` the activations come from ``activation_spec`` (zero without one).
     """
@@ -240,4 +299,7 @@ def estimate_memory(
         activations *= 2.0 if precision == "fp32" else 1.0  # the formula counts 2-byte activations
         if layout.zero_stage == 3:
             buffers += 2.0 * p_bytes * spec.layer_params(layout.tp)
-    return MemoryEstimate(psi_rank=psi_rank, activations=activations, buffers=buffers, **states)
+    per_node = None if gpus_per_node is None else dp_nodes(tp=layout.tp, dp=layout.dp, pp=layout.pp,
+                                                           gpus_per_node=gpus_per_node)[0]
+    zeropp = zeropp_state_bytes(layout, psi_rank, psi_rank - small, p_bytes, per_node)
+    return MemoryEstimate(psi_rank=psi_rank, activations=activations, buffers=buffers, zeropp=zeropp, **states)

@@ -9,6 +9,11 @@ Step time of one rank (m micro-batches, p pipeline stages, world W, T tokens per
                 ZeRO-3 prefetching hides behind forward and backward)
     step      = pipeline + max(0, dp - overlap) + offload (PCIe + CPU Adam, not overlapped)
 
+With ``PlanRequest.zeropp`` each ZeRO-2/3 layout whose dp ranks span whole nodes is also tried in its ZeRO++ form
+(stage 3: qwZ int8 + hpZ over a node's dp ranks + qgZ int4; stage 2: qgZ), shown as ZeRO "3++" / "2++": its dp
+seconds charge the cross-node bytes at the network's speed and the rest at NVLink's (``comm.py``), its memory adds
+hpZ's secondary shard (``memory.py``).
+
 Constraints: tp divides the GPUs of a node and the (query and KV) heads, pp divides the layers, tp pp dp = GPUs,
 the global batch is a multiple of dp x micro-batch, GPU bytes <= gpu memory - reserve, offloaded bytes of a
 node's ranks <= host memory.
@@ -24,7 +29,8 @@ from .comm import AxisComm, estimate_comm
 from .memory import CHECKPOINT_MODES, PRECISION_BYTES, Layout, MemoryEstimate, estimate_memory
 from .model_spec import ModelSpec
 from .presets import Hardware
-from .units import format_seconds
+from .units import format_bytes, format_seconds
+from .zeropp import dp_nodes
 
 DEFAULT_BATCH_TOKENS = 2**22  # ~4M tokens per step when no global batch is given (Llama's batch)
 MAX_SEARCH_GPUS = 65536
@@ -46,6 +52,7 @@ class PlanRequest:
     sequence_parallel: bool = True  # used whenever tp > 1
     allow_offload: bool = True
     bucket_bytes: float = 100e6
+    zeropp: bool = False  # also try ZeRO++ (qwZ int8 + hpZ over a node + qgZ int4) where dp spans whole nodes
 
     def __post_init__(self) -> None:
         for name in ("gpus", "micro_batch"):
@@ -137,9 +144,44 @@ def enumerate_layouts(req: PlanRequest, *, gpus: int | None = None) -> list[Layo
             dp = gpus // (tp * pp)
             for stage, offload in _zero_offload_choices(dp, req.allow_offload):
                 for ckpt in CHECKPOINT_MODES:
-                    out.append(Layout(tp=tp, pp=pp, dp=dp, zero_stage=stage, offload=offload,
-                                      sequence_parallel=req.sequence_parallel and tp > 1, activation_checkpointing=ckpt))
+                    lay = Layout(tp=tp, pp=pp, dp=dp, zero_stage=stage, offload=offload,
+                                 sequence_parallel=req.sequence_parallel and tp > 1, activation_checkpointing=ckpt)
+                    out.append(lay)
+                    packed = _zeropp_variant(lay, req.hardware.gpus_per_node) if req.zeropp else None
+                    if packed is not None:
+                        out.append(packed)
     return out
+
+
+def _zeropp_variant(lay: Layout, gpus_per_node: int) -> Layout | None:
+    """The ZeRO++ form of a ZeRO-2/3 layout whose dp ranks span whole nodes: stage 3 with qwZ + hpZ (k = the dp ranks
+    of a node) + qgZ, stage 2 with qgZ; None where it does not apply."""
+    if lay.zero_stage < 2 or lay.dp == 1 or lay.offload == "optimizer+params":
+        return None
+    per_node, even = dp_nodes(tp=lay.tp, dp=lay.dp, pp=lay.pp, gpus_per_node=gpus_per_node)
+    if per_node == lay.dp or not even:
+        return None
+    if lay.zero_stage == 2:
+        return replace(lay, zero_quantized_gradients=True)
+    return replace(lay, zero_quantized_weights=True, zero_hpz_partition_size=per_node if per_node > 1 else 1,
+                   zero_quantized_gradients=True)
+
+
+def zero_label(lay: Layout) -> str:
+    """The ZeRO stage, ``++`` when ZeRO++ options are on."""
+    return f"{lay.zero_stage}++" if lay.compressed else str(lay.zero_stage)
+
+
+def _zeropp_words(lay: Layout) -> str:
+    words = []
+    if lay.zero_quantized_weights:
+        words.append(f"qwZ int{lay.zero_quantized_weights_bits}")
+    if lay.hpz > 1:
+        words.append(f"hpZ {lay.hpz}")
+    if lay.zero_quantized_gradients:
+        ef = " + error feedback" if lay.zero_quantized_gradients_error_feedback else ""
+        words.append(f"qgZ int{lay.zero_quantized_gradients_bits}{ef}")
+    return ", ".join(words)
 
 
 def _hardware_flops_per_token(spec: ModelSpec, ckpt: str) -> float:
@@ -158,7 +200,7 @@ def evaluate(req: PlanRequest, layout: Layout) -> PlanRow:
     else:
         why, m = "", batch // (layout.dp * req.micro_batch)
     mem = estimate_memory(spec, layout, precision=req.precision, micro_batch=req.micro_batch,
-                          micro_batches_in_flight=m, bucket_bytes=req.bucket_bytes)
+                          micro_batches_in_flight=m, bucket_bytes=req.bucket_bytes, gpus_per_node=hw.gpus_per_node)
     comm = estimate_comm(spec, layout, hw, precision=req.precision, micro_batch=req.micro_batch, micro_batches=m)
     tokens = batch * spec.seq_len
     compute = _hardware_flops_per_token(spec, layout.activation_checkpointing) * tokens / (
@@ -198,6 +240,10 @@ def explain(row: PlanRow, req: PlanRequest) -> str:
     if lay.dp > 1:
         parts.append(f"dp={lay.dp} ZeRO-{lay.zero_stage} ({what} /{lay.dp}), {format_seconds(c['dp'].seconds)} sync on "
                      f"{c['dp'].link}, {format_seconds(row.exposed_dp_s)} exposed")
+        if lay.compressed:
+            parts.append(f"ZeRO++ ({_zeropp_words(lay)}): {format_bytes(c['dp'].bytes)} sent, "
+                         f"{format_bytes(c['dp'].cross_node_bytes)} from other nodes per step, "
+                         f"+{format_bytes(row.memory.zeropp)} per GPU")
     elif lay.zero_stage:
         parts.append(f"dp=1: ZeRO-{lay.zero_stage} used only for its CPU offload")
     else:
@@ -247,7 +293,7 @@ def smallest_cluster(req: PlanRequest, *, limit: int = MAX_SEARCH_GPUS) -> tuple
 
 
 def _short(lay: Layout) -> str:
-    return (f"tp={lay.tp} pp={lay.pp} dp={lay.dp} ZeRO-{lay.zero_stage} offload={lay.offload} "
+    return (f"tp={lay.tp} pp={lay.pp} dp={lay.dp} ZeRO-{zero_label(lay)} offload={lay.offload} "
             f"recompute={lay.activation_checkpointing}")
 
 

@@ -5,7 +5,7 @@ import json
 from typing import Any
 
 from .chinchilla import ChinchillaResult
-from .planner import PlanResult, model_flops_utilisation
+from .planner import PlanResult, model_flops_utilisation, zero_label
 from .units import format_bytes, format_count, format_seconds
 
 
@@ -31,7 +31,7 @@ def plan_table(result: PlanResult, *, top: int = 10, explain: bool = True) -> st
     for i, row in enumerate(result.ranked[:top], 1):
         lay = row.layout
         lines.append(
-            f"{i:>3} {lay.tp:>3} {lay.pp:>3} {lay.dp:>4} {lay.zero_stage:>4} {lay.offload:<16} "
+            f"{i:>3} {lay.tp:>3} {lay.pp:>3} {lay.dp:>4} {zero_label(lay):>4} {lay.offload:<16} "
             f"{lay.activation_checkpointing:<9} {row.memory.total / 1e9:>7.1f} {format_seconds(row.step_s):>9} "
             f"{format_count(row.tokens_per_s):>9} {model_flops_utilisation(row, result.request):>5.0%} "
             f"{row.bubble:>6.0%}")
