@@ -21,6 +21,7 @@ from llmpar.ops import _dispatch, _ext
 from llmpar.ops._library import ADAMW_CHUNK, OPS
 from llmpar.ops.adamw import MODES, PRECISIONS, adamw_step, mode_code
 from llmpar.ops.gemm import ACTIVATIONS
+from llmpar.ops.quant import row_bytes
 
 L = torch.ops.llmpar
 
@@ -78,6 +79,17 @@ def _cases():
     cases["linear_lt"] += [("none bias residual", (x, w, b, 0, r)), ("gelu_tanh bias", (x, w, b, 1, None)),
                            ("relu bf16 no bias", (x.bfloat16(), w.bfloat16(), None, 4, None))]
     cases["linear_lt_aux"] += [("fp32", (x, w, b)), ("bf16 no bias", (x.bfloat16(), w.bfloat16(), None))]
+    for bits, block in ((8, 64), (4, 32)):  # wire buffers start as random bytes: every write is visible
+        rb = row_bytes(123, bits, block)
+        wire = torch.randint(0, 256, (3, rb), dtype=torch.uint8, generator=torch.Generator().manual_seed(bits))
+        cases["quantize_rows"].append((f"int{bits} bf16", (_rand((3, 123), bf16), wire.clone(), 123, bits, block)))
+        tensors = [_rand((5,), seed=1), _rand((3, 41), seed=2), _rand((200,), seed=3)]
+        cases["pack_quantize"] += [(f"int{bits} residual", (tensors, wire.clone(), 3, 123, bits, block, 0.37,
+                                                            _rand((369,), seed=4, scale=0.01))),
+                                   (f"int{bits} no residual", (tensors, wire.clone(), 3, 123, bits, block, 1.0, None))]
+        cases["dequantize_rows"].append((f"int{bits} -> bf16", (wire, _rand((3, 123), bf16, seed=5), 123, bits, block)))
+        cases["dequantize_sum"] += [(f"int{bits} accumulate", (wire, _rand((123,), seed=6), 123, bits, block, True)),
+                                    (f"int{bits} fp16", (wire, _rand((123,), f16, seed=7), 123, bits, block, False))]
     return cases
 
 
@@ -103,7 +115,8 @@ def test_schemas_and_cpu_kernels_are_registered():
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"llmpar::{name}", "Meta"), "the fake serves Meta"
     mutable = {name for name in OPS if any(a.is_write for s in [getattr(L, name).default._schema]
                                            for a in [x.alias_info for x in s.arguments] if a is not None)}
-    assert mutable == {"pack_bucket", "unpack_bucket", "adamw_step"}
+    assert mutable == {"pack_bucket", "unpack_bucket", "adamw_step", "quantize_rows", "pack_quantize",
+                       "dequantize_rows", "dequantize_sum"}
 
 
 def test_adamw_step_traces_under_torch_compile():

@@ -15,6 +15,12 @@ it may be loaded before or after this module is imported. Whether a build has th
     bias_act_backward(grad, pre, act)    (grad * act'(pre) in pre's dtype [M, N], its float32 column sums [N])
     linear_lt(x, weight, bias, act, residual)  act(x W^T + b) (+ residual) in x's dtype [M, N]; act 0, 1 or 4
     linear_lt_aux(x, weight, bias)       (gelu_tanh(z), z) for z = x W^T + b; z: a [M, N] view of [M, ceil8(N)]
+    quantize_rows(x, wire, m, bits, block)   wire [rows, row_bytes] := int8/int4 codes + float32 scales of x [rows, m]
+    pack_quantize(tensors, wire, rows, m, bits, block, scale, residual)  wire := quantized rows of
+                                         [cat(tensors), 0...] * scale (+ residual); residual := x - dequant(wire)
+    dequantize_rows(wire, out, m, bits, block)          out [rows, m] := dequant(wire)
+    dequantize_sum(wire, out, m, bits, block, accumulate)  out [m] (+)= sum over rows of dequant(wire), float32
+(wire format: llmpar/ops/quant.py.)
 (o_i = n_0 + ... + n_{i-1}; act codes: positions in llmpar.ops.gemm.ACTIVATIONS.)
 ``CPU_OPS`` holds the ops of the CPU extension ``llmpar._C_cpu`` (csrc/cpu/), defined here the same way but without a
 Python CPU impl: their CPU kernel is the C++ one, registered when the extension loads (llmpar/ops/_cpu_ext.py);
@@ -36,6 +42,8 @@ import torch
 from llmpar.ops.adamw import PRECISIONS, _torch_step
 from llmpar.ops.gemm import (ACTIVATIONS, LT_ACTS, bias_act_backward_reference, linear_lt_aux_reference,
                              linear_lt_reference)
+from llmpar.ops.quant import (_check_wire, _torch_dequantize, _torch_dequantize_sum, _torch_pack_quantize,
+                              _torch_quantize)
 
 ADAMW_CHUNK = 4096  # LLMPAR_ADAMW_CHUNK of csrc/adamw.cuh: elements per block of sum_squares, one partial each
 _LT_CODES = tuple(ACTIVATIONS.index(a) for a in LT_ACTS)
@@ -202,6 +210,38 @@ def _ref_linear_lt_aux(x: torch.Tensor, weight: torch.Tensor,
     return y.contiguous(), pre
 
 
+def _ref_quantize_rows(x: torch.Tensor, wire: torch.Tensor, m: int, bits: int, block: int) -> None:
+    if x.dim() != 2 or x.shape[1] != m:
+        raise ValueError(f"quantize_rows: x must be [rows, {m}], got {tuple(x.shape)}")
+    _torch_quantize(x, _check_wire(wire, m, bits, block, x.shape[0]), m, bits, block, None)
+
+
+def _ref_pack_quantize(tensors: Sequence[torch.Tensor], wire: torch.Tensor, rows: int, m: int, bits: int, block: int,
+                       scale: float, residual: torch.Tensor | None) -> None:
+    _check_wire(wire, m, bits, block, rows)
+    total = sum(t.numel() for t in tensors)
+    if total > rows * m:
+        raise ValueError(f"pack_quantize: tensors hold {total} elements, more than rows * m = {rows * m}")
+    if residual is not None and (residual.dtype != torch.float32 or residual.shape != (rows * m,)):
+        raise ValueError(f"pack_quantize: residual must be float32 [{rows * m}], got {residual.dtype} "
+                         f"{tuple(residual.shape)}")
+    _torch_pack_quantize(list(tensors), wire, rows, m, bits, block, scale, residual)
+
+
+def _ref_dequantize_rows(wire: torch.Tensor, out: torch.Tensor, m: int, bits: int, block: int) -> None:
+    _check_wire(wire, m, bits, block)
+    if out.shape != (wire.shape[0], m):
+        raise ValueError(f"dequantize_rows: out must be [{wire.shape[0]}, {m}], got {tuple(out.shape)}")
+    _torch_dequantize(wire, m, bits, block, out)
+
+
+def _ref_dequantize_sum(wire: torch.Tensor, out: torch.Tensor, m: int, bits: int, block: int, accumulate: bool) -> None:
+    _check_wire(wire, m, bits, block)
+    if out.shape != (m,):
+        raise ValueError(f"dequantize_sum: out must be [{m}], got {tuple(out.shape)}")
+    _torch_dequantize_sum(wire, m, bits, block, out, accumulate)
+
+
 # ------------------------------------------------------------------------------------------------- the table
 
 OPS: dict[str, OpDef] = {op.name: op for op in (
@@ -221,6 +261,15 @@ OPS: dict[str, OpDef] = {op.name: op for op in (
           fake=_fake_linear_lt, reference=_ref_linear_lt),
     OpDef(schema="linear_lt_aux(Tensor x, Tensor weight, Tensor? bias) -> (Tensor, Tensor)",
           fake=_fake_linear_lt_aux, reference=_ref_linear_lt_aux),
+    OpDef(schema="quantize_rows(Tensor x, Tensor(a!) wire, int m, int bits, int block) -> ()",
+          fake=_fake_none, reference=_ref_quantize_rows),
+    OpDef(schema="pack_quantize(Tensor[] tensors, Tensor(a!) wire, int rows, int m, int bits, int block, float scale, "
+                 "Tensor(b!)? residual) -> ()",
+          fake=_fake_none, reference=_ref_pack_quantize),
+    OpDef(schema="dequantize_rows(Tensor wire, Tensor(a!) out, int m, int bits, int block) -> ()",
+          fake=_fake_none, reference=_ref_dequantize_rows),
+    OpDef(schema="dequantize_sum(Tensor wire, Tensor(a!) out, int m, int bits, int block, bool accumulate) -> ()",
+          fake=_fake_none, reference=_ref_dequantize_sum),
 )}
 
 CPU_OPS: dict[str, OpDef] = {op.name: op for op in (

@@ -292,9 +292,9 @@ def dequantize_sum(wire: torch.Tensor, *, m: int, bits: int = 8, block: int = DE
 def _kernels(backend: str):
     """The kernel module of ``backend`` ("cuda": the extension's ops, "triton": llmpar.kernels.quant)."""
     if backend == "cuda":
-        from llmpar.ops import _quant_cuda
+        import llmpar.ops._quant_cuda as quant_cuda
 
-        return _quant_cuda
+        return quant_cuda
     from llmpar.kernels import quant
 
     return quant
