@@ -102,6 +102,34 @@ def ddp_step(model: Any, args: Any, inp: torch.Tensor, tgt: torch.Tensor) -> Ste
     return _torch_step(model, ddp, opt, inp, tgt)
 
 
+def no_comm_step(model: Any, args: Any, inp: torch.Tensor, tgt: torch.Tensor) -> Step:
+    """The compute floor: each rank trains its own copy with no collective at all (fwd + bwd + clipping + fused AdamW
+    on every param); what any data-parallel step costs before it moves a byte."""
+    if args.bf16:
+        model.to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=True)
+    return _torch_step(model, model, opt, inp, tgt)
+
+
+def comm_only_step(model: Any, gathers: int) -> Step:
+    """Only the bytes of a ZeRO step, as one flat collective each over all params (psi): ``gathers`` all-gathers
+    (ZeRO-3: 2, forward and backward; ZeRO-1/2: 1) and one reduce-scatter as llmpar runs it on gloo (all-to-all +
+    local sum). No compute: with the no_comm step, the floor of a step that does not overlap."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    n = -(-sum(p.numel() for p in model.parameters()) // world) * world
+    full, shard = torch.empty(n), torch.randn(n // world)
+    grads, received = torch.randn(n), torch.empty(n)
+
+    def step() -> None:
+        for _ in range(gathers):
+            dist.all_gather_into_tensor(full, shard)
+        dist.all_to_all_single(received, grads)
+        torch.sum(received.view(world, -1), dim=0)
+    return step
+
+
 def fsdp2_step(model: Any, args: Any, inp: torch.Tensor, tgt: torch.Tensor) -> Step:
     from torch.distributed.fsdp import fully_shard
 

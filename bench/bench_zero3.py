@@ -1,6 +1,9 @@
 """Benchmark: one training step of a small GPT at dp=2 on CPU/gloo with ZeRO stage 3, side by side in one run:
 llmpar stage 3 (with / without offload_optimizer) vs DeepSpeed stage 3 (same configs) vs torch FSDP2 (``fully_shard``
 per block + root). Timing as in ``bench_zero.py`` (order rotated per repeat, barrier, slowest rank, median).
+Two floors beside them: ``no_comm`` (each rank trains alone: the compute every case pays) and ``comm_only_s3`` /
+``comm_only_s2`` (the step's bytes alone, one flat gloo collective per psi); no_comm + comm_only is what a step
+costs when nothing overlaps.
 
     python bench/bench_zero3.py                       # launches torchrun itself
     python bench/bench_zero3.py --d-model 256 --n-layer 4 --repeats 5
@@ -18,10 +21,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from baselines import (batch, deepspeed_step, fsdp2_step, gpt, llmpar_step, time_cases, torchrun,  # noqa: E402
-                       zero_config)
+from baselines import (batch, comm_only_step, deepspeed_step, fsdp2_step, gpt, llmpar_step,  # noqa: E402
+                       no_comm_step, time_cases, torchrun, zero_config)
 
-CASES = ("llmpar_s3", "llmpar_s2", "deepspeed_s3", "fsdp2", "llmpar_s3_offload", "deepspeed_s3_offload")
+CASES = ("llmpar_s3", "llmpar_s2", "deepspeed_s3", "fsdp2", "llmpar_s3_offload", "deepspeed_s3_offload", "no_comm",
+         "comm_only_s3", "comm_only_s2")
 GOALS = {"llmpar_s3": ("deepspeed_s3", 0.67), "llmpar_s3_offload": ("deepspeed_s3_offload", 0.67)}
 
 
@@ -42,6 +46,10 @@ def build(case: str, args):
         return llmpar_step(model, _cfg(args, case.endswith("offload")), inp, tgt)
     if case.startswith("deepspeed"):
         return deepspeed_step(model, _cfg(args, case.endswith("offload")), inp, tgt)
+    if case == "no_comm":  # the floor: no collective at all
+        return no_comm_step(model, args, inp, tgt)
+    if case.startswith("comm_only"):  # the bytes alone: 3 psi (stage 3) / 2 psi (stage 2), one collective each
+        return comm_only_step(model, 2 if case.endswith("s3") else 1)
     return fsdp2_step(model, args, inp, tgt)
 
 
@@ -52,7 +60,7 @@ def timing_run(args) -> None:
         rows = []
         for name in (c for c in args.cases if c in timings):
             row = {"case": name, **timings[name].row()}
-            for other in ("llmpar_s2", "deepspeed_s3", "deepspeed_s3_offload", "fsdp2"):
+            for other in ("llmpar_s2", "deepspeed_s3", "deepspeed_s3_offload", "fsdp2", "no_comm"):
                 if other in timings and other != name:
                     row[f"time_vs_{other}"] = timings[name].median_s / timings[other].median_s
             rows.append(row)
