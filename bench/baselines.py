@@ -111,22 +111,44 @@ def no_comm_step(model: Any, args: Any, inp: torch.Tensor, tgt: torch.Tensor) ->
     return _torch_step(model, model, opt, inp, tgt)
 
 
-def comm_only_step(model: Any, gathers: int) -> Step:
-    """Only the bytes of a ZeRO step, as one flat collective each over all params (psi): ``gathers`` all-gathers
-    (ZeRO-3: 2, forward and backward; ZeRO-1/2: 1) and one reduce-scatter as llmpar runs it on gloo (all-to-all +
-    local sum). No compute: with the no_comm step, the floor of a step that does not overlap."""
+def comm_only_step(model: Any, gathers: int, dtype: torch.dtype = torch.float32, all_reduce: bool = False) -> Step:
+    """Only the bytes of a data-parallel step, as one flat collective each over all params (psi) in ``dtype``, moved
+    the way llmpar moves them (``llmpar.distributed.collectives``: on gloo a direct point-to-point exchange):
+    ``gathers`` all-gathers (ZeRO-3: 2, forward and backward; ZeRO-1/2: 1) and one reduce-scatter, or
+    (``all_reduce``: DDP) one all-reduce. No compute: with the no_comm step, the floor of a step where nothing
+    overlaps."""
     import torch.distributed as dist
+
+    from llmpar.distributed.collectives import all_gather_flat, reduce_scatter_flat
 
     world = dist.get_world_size()
     n = -(-sum(p.numel() for p in model.parameters()) // world) * world
-    full, shard = torch.empty(n), torch.randn(n // world)
-    grads, received = torch.randn(n), torch.empty(n)
+    full, shard = torch.empty(n, dtype=dtype), torch.randn(n // world).to(dtype)
+    grads, mine = torch.randn(n).to(dtype), torch.empty(n // world, dtype=dtype)
 
     def step() -> None:
+        if all_reduce:
+            dist.all_reduce(grads)
+            return
         for _ in range(gathers):
-            dist.all_gather_into_tensor(full, shard)
-        dist.all_to_all_single(received, grads)
-        torch.sum(received.view(world, -1), dim=0)
+            all_gather_flat(full, shard, dist.group.WORLD)
+        reduce_scatter_flat(mine, grads, dist.group.WORLD)
+    return step
+
+
+def no_comm_master_step(model: Any, inp: torch.Tensor, tgt: torch.Tensor) -> Step:
+    """Like :func:`no_comm_step` for a bf16 model, with what ZeRO's bf16 step does per param: llmpar's FusedAdamW
+    on fp32 masters (``fp32_master``), clipping included; ZeRO at dp=N runs this step on 1/N of the params."""
+    from llmpar.optim import FusedAdamW
+
+    model.to(torch.bfloat16)
+    opt = FusedAdamW(model.parameters(), lr=3e-4, weight_decay=0.1, precision="fp32_master", max_grad_norm=1.0)
+
+    def step() -> None:
+        loss = model.loss(model(inp), tgt)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
     return step
 
 

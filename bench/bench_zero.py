@@ -16,6 +16,7 @@ import argparse
 import gc
 import json
 import os
+import re
 import resource
 import sys
 from pathlib import Path
@@ -23,10 +24,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from baselines import (batch, ddp_step, ddp_zero_redundancy_step, deepspeed_step, gpt, llmpar_step,  # noqa: E402
-                       time_cases, torchrun, zero_config)
+from baselines import (batch, comm_only_step, ddp_step, ddp_zero_redundancy_step, deepspeed_step, gpt,  # noqa: E402
+                       llmpar_step, no_comm_master_step, no_comm_step, time_cases, torchrun, zero_config)
 
-CASES = ("llmpar_s1", "llmpar_s2", "llmpar_s1_overlap", "llmpar_s2_overlap", "ddp", "deepspeed_s1", "deepspeed_s2", "ddp_zero_redundancy")
+CASES = ("llmpar_s1", "llmpar_s2", "llmpar_s1_overlap", "llmpar_s2_overlap", "ddp", "deepspeed_s1", "deepspeed_s2",
+         "ddp_zero_redundancy", "no_comm", "no_comm_master", "comm_only_s2", "comm_only_ddp")
+LLMPAR_CASE = re.compile(r"llmpar_s(?P<stage>[0-3])(?P<overlap>_overlap)?")
 
 
 def _rss_mb() -> float:
@@ -41,8 +44,16 @@ def build(case: str, args):
     """Returns step() running one training step of ``case``."""
     inp, tgt = batch(args)
     model = gpt(args)
-    if case.startswith("llmpar"):  # llmpar_s{stage}[_overlap]: overlap_param_gather
-        return llmpar_step(model, zero_config(args, int(case[8]), case.endswith("_overlap")), inp, tgt)
+    named = LLMPAR_CASE.fullmatch(case)
+    if named:  # llmpar_s{stage}[_overlap]: overlap_param_gather
+        return llmpar_step(model, zero_config(args, int(named["stage"]), bool(named["overlap"])), inp, tgt)
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    if case == "no_comm":  # the floors: compute alone (DDP's: plain fused AdamW), ZeRO's per-param bf16 step
+        return no_comm_step(model, args, inp, tgt)
+    if case == "no_comm_master":
+        return no_comm_master_step(model, inp, tgt)
+    if case.startswith("comm_only"):  # the bytes alone: ZeRO-1/2 all-gather + reduce-scatter, DDP all-reduce
+        return comm_only_step(model, 1, dtype, all_reduce=case.endswith("ddp"))
     if case.startswith("deepspeed"):
         return deepspeed_step(model, zero_config(args, int(case[-1])), inp, tgt)
     if case == "ddp":

@@ -284,3 +284,42 @@ def _same_on_ranks_body():
 
 def test_check_same_on_ranks_fails_on_every_rank():
     assert run_ranks(_same_on_ranks_body, 3) == [True] * 3
+
+
+def _inflight_body():
+    """Flat collectives of several sizes in flight at once on the tp subgroups (gloo: point-to-point exchanges),
+    waited in reverse order; bf16 reduce-scatter sums in float32 and rounds once."""
+    env = llmpar.init_distributed(tp=2)
+    group = env.mesh["dp"]
+    w, r = ld.group_size(group), ld.group_rank(group)
+    handles, outs, ins = [], [], []
+    for i, n in enumerate((7, 1, 300)):
+        x = _rank_data(10 * i + dist.get_rank(), w * n, torch.float32)
+        ag, rs = torch.empty(w * n), torch.empty(n)
+        handles.append(ld.all_gather_flat(ag, x[:n].contiguous(), group, async_op=True))
+        handles.append(ld.reduce_scatter_flat(rs, x, group, async_op=True))
+        outs.append((ag, rs))
+        ins.append(x)
+    for h in reversed(handles):
+        h.wait()
+    xb = _rank_data(dist.get_rank(), w * 33, torch.bfloat16)
+    rb = torch.empty(33, dtype=torch.bfloat16)
+    ld.reduce_scatter_flat(rb, xb, group)
+    everyone = [torch.empty_like(xb) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, xb)
+    mine = [everyone[g] for g in dist.get_process_group_ranks(ld.as_group(group))]
+    want = torch.stack(mine).double().sum(0)[r * 33:(r + 1) * 33].to(torch.bfloat16)
+    assert torch.equal(rb, want)
+    return [(ag, rs) for ag, rs in outs], [x for x in ins], dist.get_process_group_ranks(ld.as_group(group)), r
+
+
+def test_flat_collectives_in_flight_together_on_a_subgroup():
+    results = run_ranks(_inflight_body, 4, timeout=60)
+    by_rank = {dist_rank: res for dist_rank, res in enumerate(results)}
+    for outs, ins, members, r in results:
+        peers = [by_rank[g][1] for g in members]  # the inputs of the group's ranks, in group order
+        for i, (ag, rs) in enumerate(outs):
+            n = rs.numel()
+            assert torch.equal(ag, torch.cat([p[i][:n] for p in peers]))
+            want = sum(p[i].double() for p in peers)[r * n:(r + 1) * n]
+            torch.testing.assert_close(rs.double(), want, rtol=1e-6, atol=1e-6)

@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from llmpar.distributed.collectives import CommCounter, Handle, TORCH_ALL_GATHER_INTO_TENSOR, failing_as
+from llmpar.distributed.collectives import CommCounter, Handle, all_gather_flat, failing_as
 from llmpar.distributed.groups import Group, GroupRef, as_group, group_rank
 from llmpar.ops.quant import dequantize_rows, dequantize_sum, pack_quantize, quantize_rows, row_bytes
 
@@ -164,13 +164,13 @@ def all_gather_quantized(output: torch.Tensor, input: torch.Tensor, group: "Grou
         nbytes = wire.numel()
         counter.record("all_gather_q", output.numel(), (size - 1) / size * nbytes,
                        nbytes / size * counter.cross_peers(pg))
-    with failing_as(what, pg):
-        work = TORCH_ALL_GATHER_INTO_TENSOR(wire.view(-1), mine.view(-1), group=pg, async_op=True)
+    gathered = all_gather_flat(wire.view(-1), mine.view(-1), pg, async_op=True, what=what)
+    assert gathered is not None
 
     def unpack() -> None:
         dequantize_rows(wire, m=n, bits=bits, block=block, out=output.view(size, n))
 
-    handle = Handle([work], unpack, what=what, pg=pg)
+    handle = Handle([gathered], unpack, what=what, pg=pg)
     if async_op:
         return handle
     handle.wait()
