@@ -3,22 +3,12 @@
 // the divisions): the codes come from a correctly rounded division (__fdiv_rn) and rintf (round half to even).
 #include "quant.cuh"
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
+#include "dtype_convert.cuh"
 
 namespace {
 
-template <typename T> __device__ __forceinline__ float to_float(T x);
-template <> __device__ __forceinline__ float to_float<float>(float x) { return x; }
-template <> __device__ __forceinline__ float to_float<__half>(__half x) { return __half2float(x); }
-template <> __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
-
-template <typename T> __device__ __forceinline__ T from_float(float x);
-template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
-template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
-}
+using llmpar::from_float;
+using llmpar::to_float;
 
 struct Geometry {
   int64_t m;     // values per row

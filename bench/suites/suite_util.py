@@ -148,3 +148,25 @@ def run(benchmark: Any, fn: Callable[[], Any], *, device: torch.device, group: s
             rounds = rounds_for(statistics.median(times), float(getattr(benchmark, "_max_time", 0.2)),
                                 int(getattr(benchmark, "_min_rounds", 5)))
         benchmark.pedantic(call, rounds=rounds, iterations=1)
+
+
+def bucket_ident(size: tuple[int, int]) -> str:
+    """A bucket size ``(elements, tensors)`` as a test id: ``4Mx64``."""
+    return f"{size[0] / 2**20:g}Mx{size[1]}"
+
+
+def bucket_shapes(numel: int, n: int) -> list[tuple[int]]:
+    """n odd sizes summing to about numel: a few big, many small (a model's gradients)."""
+    g = torch.Generator().manual_seed(0)
+    weights = torch.rand(n, generator=g) ** 3 + 1e-3
+    sizes = (weights / weights.sum() * numel).long().clamp(min=1) | 1
+    return [(int(s),) for s in sizes]
+
+
+@once
+def bucket_tensors(size: tuple[int, int], dtype: torch.dtype) -> list[torch.Tensor]:
+    """The tensors of a bucket of ``size``: the tests' ``make_tensors`` (tests/test_ops_bucket.py) at
+    :func:`bucket_shapes`."""
+    from test_ops_bucket import make_tensors
+
+    return make_tensors(bucket_shapes(*size), dtype)

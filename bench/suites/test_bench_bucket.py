@@ -6,8 +6,7 @@ scaling) and ``_unflatten_dense_tensors`` + a ``copy_`` per tensor. Inputs: the 
 from __future__ import annotations
 
 import torch
-from suite_util import IMPLS, grid, once, require, run
-from test_ops_bucket import make_tensors
+from suite_util import IMPLS, bucket_ident, bucket_tensors, grid, require, run
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from llmpar.ops import pack_bucket, unpack_bucket
@@ -16,31 +15,14 @@ SIZES = {"cpu": [(1 << 20, 64), (1 << 22, 64)], "cuda": [(1 << 24, 200), (1 << 2
 CASES = {"fp32": (torch.float32, torch.float32, 1.0), "bf16->fp32 x1/8": (torch.bfloat16, torch.float32, 0.125)}
 
 
-def _ident(size: tuple[int, int]) -> str:
-    return f"{size[0] / 2**20:g}Mx{size[1]}"
-
-
-def _shapes(numel: int, n: int) -> list[tuple[int]]:
-    """n odd sizes summing to about numel: a few big, many small (a model's gradients)."""
-    g = torch.Generator().manual_seed(0)
-    weights = torch.rand(n, generator=g) ** 3 + 1e-3
-    sizes = (weights / weights.sum() * numel).long().clamp(min=1) | 1
-    return [(int(s),) for s in sizes]
-
-
-@once
-def _tensors(size: tuple[int, int], dtype: torch.dtype) -> list[torch.Tensor]:
-    return make_tensors(_shapes(*size), dtype)
-
-
 def _bucket(device, size, case):
     dtype_in, dtype_out, scale = CASES[case]
-    tensors = _tensors(device, size, dtype_in)
+    tensors = bucket_tensors(device, size, dtype_in)
     flat = torch.empty(sum(t.numel() for t in tensors), dtype=dtype_out, device=device)
     return tensors, flat, scale
 
 
-@grid(SIZES, _ident, case=CASES, impl=IMPLS)
+@grid(SIZES, bucket_ident, case=CASES, impl=IMPLS)
 def test_pack_bucket(benchmark, device, size, case, impl):
     require(impl, device, ("pack_bucket",))
     tensors, flat, scale = _bucket(device, size, case)
@@ -53,10 +35,10 @@ def test_pack_bucket(benchmark, device, size, case, impl):
     else:
         def fn():
             return torch.cat([t.reshape(-1) for t in tensors]).to(flat.dtype).mul_(scale)
-    run(benchmark, fn, device=device, group=f"pack_bucket {case} {_ident(size)}", impl=impl)
+    run(benchmark, fn, device=device, group=f"pack_bucket {case} {bucket_ident(size)}", impl=impl)
 
 
-@grid(SIZES, _ident, case=CASES, impl=IMPLS)
+@grid(SIZES, bucket_ident, case=CASES, impl=IMPLS)
 def test_unpack_bucket(benchmark, device, size, case, impl):
     require(impl, device, ("unpack_bucket",))
     tensors, flat, scale = _bucket(device, size, case)
@@ -69,4 +51,4 @@ def test_unpack_bucket(benchmark, device, size, case, impl):
         def fn():
             for o, v in zip(outs, _unflatten_dense_tensors(flat, outs)):
                 o.copy_(v) if scale == 1.0 else o.copy_(v).mul_(1.0 / scale)
-    run(benchmark, fn, device=device, group=f"unpack_bucket {case} {_ident(size)}", impl=impl)
+    run(benchmark, fn, device=device, group=f"unpack_bucket {case} {bucket_ident(size)}", impl=impl)

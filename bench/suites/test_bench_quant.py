@@ -10,8 +10,7 @@ from __future__ import annotations
 import math
 
 import torch
-from suite_util import IMPLS, grid, once, require, run
-from test_ops_bucket import make_tensors
+from suite_util import IMPLS, bucket_ident, bucket_tensors, grid, require, run
 
 from llmpar.ops import quant as Q
 
@@ -23,26 +22,9 @@ BITS = {"int8": 8, "int4": 4}
 BITS_NAME = {v: k for k, v in BITS.items()}
 
 
-def _ident(size: tuple[int, int]) -> str:
-    return f"{size[0] / 2**20:g}Mx{size[1]}"
-
-
-def _shapes(numel: int, n: int) -> list[tuple[int]]:
-    """n odd sizes summing to about numel: a few big, many small (a model's gradients)."""
-    g = torch.Generator().manual_seed(0)
-    weights = torch.rand(n, generator=g) ** 3 + 1e-3
-    sizes = (weights / weights.sum() * numel).long().clamp(min=1) | 1
-    return [(int(s),) for s in sizes]
-
-
-@once
-def _tensors(size: tuple[int, int], dtype: torch.dtype) -> list[torch.Tensor]:
-    return make_tensors(_shapes(*size), dtype)
-
-
 def _bucket(device, size, case, bits):
     dtype, scale, ef = CASES[case]
-    tensors = _tensors(device, size, dtype)
+    tensors = bucket_tensors(device, size, dtype)
     total = sum(t.numel() for t in tensors)
     m = math.ceil(total / ROWS)
     residual = torch.zeros(ROWS * m, device=device) if ef else None
@@ -50,7 +32,7 @@ def _bucket(device, size, case, bits):
     return tensors, total, m, scale, residual, wire
 
 
-@grid(SIZES, _ident, case=CASES, bits=BITS, impl=IMPLS)
+@grid(SIZES, bucket_ident, case=CASES, bits=BITS, impl=IMPLS)
 def test_pack_quantize(benchmark, device, size, case, bits, impl):
     require(impl, device, ("pack_quantize",))
     bits = BITS[bits]
@@ -71,10 +53,10 @@ def test_pack_quantize(benchmark, device, size, case, bits, impl):
             Q._torch_quantize(flat.view(ROWS, m), wire, m, bits, BLOCK,
                               residual.view(ROWS, m) if residual is not None else None)
             return wire
-    run(benchmark, fn, device=device, group=f"pack_quantize {case} {BITS_NAME[bits]} {_ident(size)}", impl=impl)
+    run(benchmark, fn, device=device, group=f"pack_quantize {case} {BITS_NAME[bits]} {bucket_ident(size)}", impl=impl)
 
 
-@grid(SIZES, _ident, bits=BITS, impl=IMPLS)
+@grid(SIZES, bucket_ident, bits=BITS, impl=IMPLS)
 def test_dequantize_sum(benchmark, device, size, bits, impl):
     require(impl, device, ("dequantize_sum",))
     bits = BITS[bits]
@@ -90,5 +72,5 @@ def test_dequantize_sum(benchmark, device, size, bits, impl):
         def fn():
             Q._torch_dequantize(wire, m, bits, BLOCK, rows)
             return out.add_(rows.sum(0))
-    run(benchmark, fn, device=device, group=f"dequantize_sum {BITS_NAME[bits]} {_ident(size)}", impl=impl)
+    run(benchmark, fn, device=device, group=f"dequantize_sum {BITS_NAME[bits]} {bucket_ident(size)}", impl=impl)
 

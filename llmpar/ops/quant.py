@@ -242,6 +242,15 @@ def pack_quantize(tensors: Sequence[torch.Tensor], *, rows: int, m: int, bits: i
     return wire
 
 
+def _check_out(out: object, shape: tuple[int, ...], device: torch.device, op: str, block: int) -> str:
+    """Checks a dequantization's ``out``; returns the backend that writes it."""
+    if (not isinstance(out, torch.Tensor) or not out.is_floating_point() or tuple(out.shape) != shape
+            or out.device != device):
+        raise ValueError(f"out must be a floating {list(shape)} tensor on {device}, got "
+                         f"{getattr(out, 'dtype', None)} {tuple(getattr(out, 'shape', ()))}")
+    return _backend(device, {out.dtype}, op, block, None if out.is_contiguous() else "out is not contiguous")
+
+
 def dequantize_rows(wire: torch.Tensor, *, m: int, bits: int = 8, block: int = DEFAULT_BLOCK,
                     out: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Each wire row back to ``m`` values: ``out [rows, m]`` (any floating dtype; allocated as ``dtype`` when None)."""
@@ -250,12 +259,7 @@ def dequantize_rows(wire: torch.Tensor, *, m: int, bits: int = 8, block: int = D
     rows = wire.shape[0]
     if out is None:
         out = torch.empty(rows, m, dtype=dtype, device=wire.device)
-    if (not isinstance(out, torch.Tensor) or not out.is_floating_point() or out.shape != (rows, m)
-            or out.device != wire.device):
-        raise ValueError(f"out must be a floating [{rows}, {m}] tensor on {wire.device}, got "
-                         f"{getattr(out, 'dtype', None)} {tuple(getattr(out, 'shape', ()))}")
-    backend = _backend(wire.device, {out.dtype}, "dequantize_rows", block,
-                       None if out.is_contiguous() else "out is not contiguous")
+    backend = _check_out(out, (rows, m), wire.device, "dequantize_rows", block)
     with torch.no_grad():
         if backend == "torch":
             _torch_dequantize(wire, m, bits, block, out)
@@ -275,12 +279,7 @@ def dequantize_sum(wire: torch.Tensor, *, m: int, bits: int = 8, block: int = DE
         if accumulate:
             raise ValueError("accumulate=True needs out=")
         out = torch.empty(m, dtype=torch.float32, device=wire.device)
-    if (not isinstance(out, torch.Tensor) or not out.is_floating_point() or out.shape != (m,)
-            or out.device != wire.device):
-        raise ValueError(f"out must be a floating [{m}] tensor on {wire.device}, got "
-                         f"{getattr(out, 'dtype', None)} {tuple(getattr(out, 'shape', ()))}")
-    backend = _backend(wire.device, {out.dtype}, "dequantize_sum", block,
-                       None if out.is_contiguous() else "out is not contiguous")
+    backend = _check_out(out, (m,), wire.device, "dequantize_sum", block)
     with torch.no_grad():
         if backend == "torch":
             _torch_dequantize_sum(wire, m, bits, block, out, bool(accumulate))
