@@ -51,6 +51,8 @@ def build(case: str, args):
     if case == "no_comm":  # the floors: compute alone (DDP's: plain fused AdamW), ZeRO's per-param bf16 step
         return no_comm_step(model, args, inp, tgt)
     if case == "no_comm_master":
+        if not args.bf16:
+            raise ValueError("no_comm_master is the bf16 floor (fp32 masters of a bf16 model): run it with --bf16")
         return no_comm_master_step(model, inp, tgt)
     if case.startswith("comm_only"):  # the bytes alone: ZeRO-1/2 all-gather + reduce-scatter, DDP all-reduce
         return comm_only_step(model, 1, dtype, all_reduce=case.endswith("ddp"))
@@ -129,6 +131,8 @@ def main() -> None:
     p.add_argument("--no-write", action="store_true")
     p.add_argument("--name", default="zero_step", help="results file name (bench/results/NAME.md)")
     args = p.parse_args()
+    if not args.bf16 and "--cases" not in sys.argv:  # fp32: DDP's compute is ZeRO's, no master floor
+        args.cases = [c for c in args.cases if c != "no_comm_master"]
     if "RANK" in os.environ:
         (timing_run if args.mode == "time" else memory_run)(args)
         return

@@ -209,7 +209,7 @@ def _backend(pg: dist.ProcessGroup, device_type: str) -> str:
 
 
 def reduce_scatter_uses_exchange(group: "Group | GroupRef", device: torch.device | str = "cpu") -> bool:
-    """Whether :func:`reduce_scatter_flat` (sum / avg) on ``group`` runs as an all-to-all plus a local sum (gloo):
+    """Whether :func:`reduce_scatter_flat` (sum / avg) on ``group`` runs as a direct exchange plus a local sum (gloo):
     it then holds one more ``input``-sized buffer (the received chunks) while in flight."""
     return _backend(as_group(group), torch.device(device).type) == "gloo"
 

@@ -79,7 +79,7 @@ class GradReducer:
         self.overlap = overlap
         self.counter = counter
         self.reduce_dtype_of = reduce_dtype_of
-        # gloo: reduce_scatter_flat runs as an all-to-all + local sum, holding the received chunks while in flight
+        # gloo: reduce_scatter_flat runs as a direct exchange + local sum, holding the received chunks while in flight
         self.exchange = reduce_scatter_uses_exchange(dp_group, buffers[0].flat.device if buffers else "cpu")
         self.copier = copier  # offload_optimizer: offload.Copier taking each reduced shard out to the host
         self.quantizer = quantizer  # zero_quantized_gradients (stage 2/3): packed + quantized, codes reduce-scattered
