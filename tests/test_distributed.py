@@ -287,13 +287,13 @@ def test_check_same_on_ranks_fails_on_every_rank():
 
 
 def _inflight_body():
-    """Flat collectives of several sizes in flight at once on the tp subgroups (gloo: point-to-point exchanges),
+    """Flat collectives of several sizes in flight at once on the dp subgroups (gloo: point-to-point exchanges),
     waited in reverse order; bf16 reduce-scatter sums in float32 and rounds once."""
     env = llmpar.init_distributed(tp=2)
     group = env.mesh["dp"]
     w, r = ld.group_size(group), ld.group_rank(group)
     handles, outs, ins = [], [], []
-    for i, n in enumerate((7, 1, 300)):
+    for i, n in enumerate((7, 1, 300, 131075)):  # the last: a point-to-point reduce-scatter (>= 1 << 18)
         x = _rank_data(10 * i + dist.get_rank(), w * n, torch.float32)
         ag, rs = torch.empty(w * n), torch.empty(n)
         handles.append(ld.all_gather_flat(ag, x[:n].contiguous(), group, async_op=True))

@@ -31,6 +31,10 @@ from llmpar.distributed.groups import Group, GroupRef, as_group, global_rank, gr
 TORCH_ALL_GATHER_INTO_TENSOR = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 TORCH_REDUCE_SCATTER_TENSOR = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
+# on gloo, reduce-scatters of at least this many elements exchange their chunks point to point (below it an
+# all-to-all: measured at dp=2, 0.16 vs 0.22 ms at 1k elements, equal at 128k, 0.8 vs 1.0 ms at 512k)
+DIRECT_REDUCE_SCATTER_MIN = 1 << 18
+
 _OPS = {
     "sum": dist.ReduceOp.SUM,
     "max": dist.ReduceOp.MAX,
@@ -188,12 +192,17 @@ def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, pg: dist.ProcessG
     if op in ("sum", "avg") and reduce_scatter_uses_exchange(pg, input.device):
         me = dist.get_rank(pg)
         chunks = input.view(size, -1)
-        received = torch.empty(size - 1, chunks.shape[1], dtype=input.dtype, device=input.device)
-        peers = [j for j in range(size) if j != me]
-        works = _exchange(pg, [(j, chunks[j], received[i]) for i, j in enumerate(peers)])
+        if input.numel() >= DIRECT_REDUCE_SCATTER_MIN:  # point to point: this rank's own chunk is not copied
+            received = torch.empty(size - 1, chunks.shape[1], dtype=input.dtype, device=input.device)
+            peers = [j for j in range(size) if j != me]
+            works = _exchange(pg, [(j, chunks[j], received[i]) for i, j in enumerate(peers)])
+            parts = [chunks[me] if j == me else received[peers.index(j)] for j in range(size)]
+        else:  # small buffers: one all-to-all costs less Python than a batch of point-to-point ops
+            everyone = torch.empty_like(input)
+            works = [dist.all_to_all_single(everyone, input, group=pg, async_op=True)]
+            parts = list(everyone.view(size, -1))
 
         def summed() -> None:  # in rank order; bf16 / fp16 in float32, rounded once
-            parts = [chunks[me] if j == me else received[peers.index(j)] for j in range(size)]
             if size == 2:
                 torch.add(parts[0], parts[1], out=output.view(-1))
             else:
