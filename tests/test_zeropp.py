@@ -208,6 +208,37 @@ def test_qwz_ranks_compute_with_the_same_weights_close_to_plain(bits, tol):
         assert cross > 0
 
 
+def exact_body():
+    """With qwZ the forward computes with quantized weights, but what users read, save or write back is exact."""
+    from llmpar.zero import GatheredParameters, consolidated_state_dict
+
+    _, model, opt = _train({"zero_quantized_weights": True, "zero_quantized_weights_bits": 4}, steps=3,
+                           return_model=True)
+    shards = [b.shard.clone() for b in opt.buffers]
+    names = {id(p): n for n, p in model.named_parameters()}
+    full = consolidated_state_dict(model, opt, rank0_only=False)
+    everyone = []
+    for b in opt.buffers:  # every rank's exact shard, unit by unit, in the layout's order
+        parts = [torch.empty_like(b.shard) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, b.shard)
+        everyone.append(parts)
+    for bi, b in enumerate(opt.buffers):
+        for u, unit in enumerate(b.layout.units):
+            gathered = torch.cat([b.layout.shard_of_partition(p, u) for p in everyone[bi]])
+            for i in unit.params:
+                name = names[id(b.params[i])]
+                want = b.layout.param_in_unit(gathered, i).view(full[name].shape)
+                assert torch.equal(full[name], want), name
+    with GatheredParameters(list(model.parameters()), opt, modifier_rank=0):
+        pass  # rank 0's gathered values are written back into every shard
+    for before, b in zip(shards, opt.buffers):
+        assert torch.equal(before, b.shard), "a write-back replaced exact shards by quantized values"
+
+
+def test_qwz_users_read_save_and_write_back_exact_values():
+    run_ranks(exact_body, 4, timeout=120)
+
+
 def _reduced_grads(zero, micro_steps):
     """Stage 2, lr 0: the reduced gradient partition after ``micro_steps`` backward passes of one batch."""
     rank, world = dist.get_rank(), dist.get_world_size()

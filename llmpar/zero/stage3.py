@@ -189,8 +189,16 @@ class Stage3Runtime:
         if self.log is not None:
             self.log.append((what, key))
 
-    def _gather(self, key: Key, phase: str | None = None) -> None:
+    def _gather(self, key: Key, phase: str | None = None, exact: bool = False) -> None:
+        """Launch the all-gather of unit ``key`` (``exact``: never quantized, for :meth:`hold`: what users read,
+        save or write back must be the shards' own values)."""
         if key in self.live:
+            if exact and self.weights is not None and self.weights.bits is not None and key not in self.persistent:
+                self._wait(key)  # gathered quantized for compute: gathered again, exactly
+                b = self.buffers[key[0]]
+                self.pending[key] = all_gather_flat(
+                    self.full[key], b.layout.shard_of_partition(b.shard, key[1]), self.group, async_op=True,
+                    counter=self.counter, what=f"all-gather of stage-3 params, buffer {key[0]} unit {key[1]}")
             return
         b, u = self.buffers[key[0]], key[1]
         full = self.full[key]
@@ -200,7 +208,7 @@ class Stage3Runtime:
         if self.host_shards:  # offload_param: the host shard is copied in first (side stream on CUDA)
             self._note("h2d", key)
             self.pending[key] = self.copier.gather_from_host(full, src, self.group, self.counter)
-        elif self.weights is not None and key not in self.persistent:
+        elif self.weights is not None and key not in self.persistent and not exact:
             self.pending[key] = self.weights.gather(key, full, src, phase=phase or "", grad=torch.is_grad_enabled())
         else:
             self.pending[key] = all_gather_flat(full, src, self.group, async_op=True, counter=self.counter,
@@ -261,7 +269,7 @@ class Stage3Runtime:
         """Gather ``keys`` and keep them gathered until :meth:`unhold` (for inspection / modification)."""
         for key in keys:
             self.users[key] += 1
-            self._gather(key)
+            self._gather(key, exact=True)
         for key in keys:
             self._wait(key)
 
