@@ -379,3 +379,45 @@ def test_deepspeed_config_with_hpz_larger_than_dp_is_refused():
     with pytest.raises(ValueError, match="zero_hpz_partition_size"):
         Config.from_deepspeed({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {
             "stage": 3, "zero_hpz_partition_size": 8}}, dp=4)
+
+
+def tp_body(stage, zero):
+    """tp=2 x dp=2 with torchrun's two-node layout (LOCAL_WORLD_SIZE=2: each dp group spans both nodes, one rank
+    on each): the compressed reductions run over the dp groups only."""
+    from zero_helpers import GPT_CFG, engine_loop
+
+    old = os.environ.get("LOCAL_WORLD_SIZE")
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    try:
+        env = llmpar.init_distributed(tp=2)
+        out = []
+        for z in ({}, zero):
+            model = GPT(GPTConfig(**GPT_CFG), seed=1)
+            llmpar.parallelize(model, env.mesh["tp"])
+            cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
+                   "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+                   "zero_optimization": {"stage": stage, "reduce_bucket_size": 700, "overlap_comm": True,
+                                         "stage3_param_persistence_threshold": 0, **z}}
+            engine, opt, _, _ = llmpar.initialize(model=model, config=cfg, mesh=env.mesh)
+            if z:
+                split = opt.reducer.quantizer.split
+                assert (split.nodes, split.per_node) == (2, 1), split  # one dp rank per node
+            out.append(engine_loop(engine, model, 5, 2, env.mesh["dp"]))
+        return out
+    finally:
+        if old is None:
+            os.environ.pop("LOCAL_WORLD_SIZE", None)
+        else:
+            os.environ["LOCAL_WORLD_SIZE"] = old
+
+
+@pytest.mark.parametrize("stage, zero", [
+    (2, {"zero_quantized_gradients": True, "zero_quantized_gradients_bits": 8}),
+    (3, {"zero_quantized_gradients": True, "zero_quantized_weights": True,
+         "zero_quantized_gradients_error_feedback": True}),
+])
+def test_compression_over_the_dp_groups_of_a_tp_mesh(stage, zero):
+    for plain, comp in run_ranks(tp_body, 4, stage, zero, timeout=180):
+        assert comp != plain
+        rel = max(abs(a - b) / a for a, b in zip(plain, comp))
+        assert rel < 0.01, rel
