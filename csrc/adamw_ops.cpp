@@ -11,18 +11,11 @@
 #include <vector>
 
 #include "adamw.cuh"
+#include "dtype_code.h"
 
 namespace {
 
-int code_of(at::ScalarType t, const char* what) {
-  switch (t) {
-    case at::kFloat: return LLMPAR_F32;
-    case at::kHalf: return LLMPAR_F16;
-    case at::kBFloat16: return LLMPAR_BF16;
-    default: TORCH_CHECK_TYPE(false, what, " has dtype ", t, "; the AdamW kernels take float32, float16, bfloat16");
-  }
-  return -1;
-}
+int code_of(at::ScalarType t, const char* what) { return llmpar::dtype_code(t, "the AdamW kernels", what); }
 
 // one dtype per list, contiguous, on `device`, numel matching params; returns the list's dtype code (-1 if empty)
 int check_list(at::TensorList list, const char* name, const at::Device& device, at::TensorList params) {

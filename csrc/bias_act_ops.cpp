@@ -14,19 +14,12 @@
 #include <tuple>
 
 #include "bias_act.cuh"
+#include "dtype_code.h"
 
 namespace {
 
 int code_of(const at::Tensor& t, const char* what) {
-  switch (t.scalar_type()) {
-    case at::kFloat: return LLMPAR_F32;
-    case at::kHalf: return LLMPAR_F16;
-    case at::kBFloat16: return LLMPAR_BF16;
-    default:
-      TORCH_CHECK_TYPE(false, "bias_act_backward: ", what, " has dtype ", t.scalar_type(),
-                       "; it takes float32, float16, bfloat16");
-  }
-  return -1;
+  return llmpar::dtype_code(t.scalar_type(), "bias_act_backward", what);
 }
 
 void check_args(const at::Tensor& grad, const at::Tensor& pre, int64_t act) {

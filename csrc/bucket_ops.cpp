@@ -12,18 +12,11 @@
 #include <vector>
 
 #include "bucket.cuh"
+#include "dtype_code.h"
 
 namespace {
 
-int dtype_code(at::ScalarType t, const char* what) {
-  switch (t) {
-    case at::kFloat: return LLMPAR_F32;
-    case at::kHalf: return LLMPAR_F16;
-    case at::kBFloat16: return LLMPAR_BF16;
-    default: TORCH_CHECK_TYPE(false, what, " has dtype ", t, "; llmpar._C supports float32, float16, bfloat16");
-  }
-  return -1;
-}
+int dtype_code(at::ScalarType t, const char* what) { return llmpar::dtype_code(t, "llmpar._C bucket ops", what); }
 
 // Checks the list, builds the int64 table (see bucket.cuh) in pinned memory and copies it to the flat's device.
 // Returns the source/destination dtype of the list and fills num_blocks.

@@ -9,20 +9,12 @@
 #include <optional>
 #include <vector>
 
+#include "dtype_code.h"
 #include "quant.cuh"
 
 namespace {
 
-int dtype_code(at::ScalarType t, const char* what) {
-  switch (t) {
-    case at::kFloat: return LLMPAR_F32;
-    case at::kHalf: return LLMPAR_F16;
-    case at::kBFloat16: return LLMPAR_BF16;
-    default:
-      TORCH_CHECK_TYPE(false, what, " has dtype ", t, "; the quantization kernels take float32, float16, bfloat16");
-  }
-  return -1;
-}
+int dtype_code(at::ScalarType t, const char* what) { return llmpar::dtype_code(t, "the quantization kernels", what); }
 
 void check_layout(int64_t m, int64_t bits, int64_t block) {
   TORCH_CHECK(m >= 1, "m=", m, " must be positive");
