@@ -344,6 +344,30 @@ def engine_body(tmp):
             os.environ["LOCAL_WORLD_SIZE"] = old
 
 
+def ef_load_body(tmp):
+    """With error feedback, a load drops the residuals of the trajectory before it (they are not in checkpoints)."""
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
+           "zero_optimization": {"stage": 2, "zero_quantized_gradients": True, "reduce_bucket_size": 5000,
+                                 "zero_quantized_gradients_error_feedback": True}}
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**GPT_SMALL))
+    engine, opt, _, _ = llmpar.initialize(model=model, config=cfg)
+    x = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(dist.get_rank()))
+    engine.backward(model.loss(engine(x[:, :-1]), x[:, 1:]))
+    engine.step()
+    engine.save_checkpoint(tmp, tag="t")
+    engine.backward(model.loss(engine(x[:, :-1]), x[:, 1:]))
+    engine.step()
+    q = opt.reducer.quantizer
+    assert q.residual and all(r.abs().sum() > 0 for r in q.residual.values())
+    engine.load_checkpoint(tmp, tag="t")
+    assert not q.residual and not q.residual2
+
+
+def test_error_feedback_residuals_restart_after_a_load(tmp_path):
+    run_ranks(ef_load_body, 2, str(tmp_path), timeout=120)
+
+
 def test_deepspeed_zeropp_config_trains_and_resumes_exactly(tmp_path):
     run_ranks(engine_body, 4, str(tmp_path), timeout=240)
 

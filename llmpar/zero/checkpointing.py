@@ -14,6 +14,7 @@ partition of each state; stage 3 its own param shard and states. A state the che
 """
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -232,9 +233,19 @@ class ZeroCheckpointing:
         return taken
 
     def after_load(self) -> None:
-        """Stage 3: re-gather the persistent units from the loaded shards (collective over dp)."""
+        """Stage 3: re-gather the persistent units from the loaded shards (collective over dp). Error feedback of
+        quantized gradients: the residuals belong to the trajectory before the load and are not in checkpoints:
+        they restart from zero (said once in the log)."""
         if self.stage3 is not None:
             self.stage3.regather_persistent()
+        q = self.reducer.quantizer
+        if q is not None and q.error_feedback:
+            q.residual.clear()
+            q.residual2.clear()
+            if self.rank == 0:
+                logging.getLogger("llmpar").warning(
+                    "zero_quantized_gradients_error_feedback: the compression residuals are not saved in checkpoints; "
+                    "after this load they restart from zero")
 
 
 __all__ = ["STATE_FALLBACK", "ZeroCheckpointing"]
