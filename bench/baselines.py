@@ -29,6 +29,19 @@ def zero_config(args: Any, stage: int, overlap_param_gather: bool = False) -> di
             "zero_optimization": zero, "bf16": {"enabled": args.bf16}, "steps_per_print": 10**9}
 
 
+def add_step_args(p: Any, *, n_head: int = 8, micro: int = 2, bucket: int = 5_000_000, warmup: int = 2,
+                  repeats: int = 8) -> None:
+    """The flags every GPT training-step benchmark (bench_zero, bench_zero3, bench_scaling) takes: model heads and
+    batch (``--n-head --seq --micro``), ZeRO bucket size, ``--bf16``, timing (``--warmup --repeats``)."""
+    p.add_argument("--n-head", type=int, default=n_head)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--micro", type=int, default=micro)
+    p.add_argument("--bucket", type=int, default=bucket, help="reduce/allgather bucket size in elements")
+    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--warmup", type=int, default=warmup)
+    p.add_argument("--repeats", type=int, default=repeats)
+
+
 def gpt(args: Any):
     from llmpar.models import GPT, GPTConfig
 

@@ -47,8 +47,8 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from baselines import (batch, ddp_step, deepspeed_step, fsdp2_step, gpt, llmpar_step, time_cases,  # noqa: E402
-                       torchrun, zero_config)
+from baselines import (add_step_args, batch, ddp_step, deepspeed_step, fsdp2_step, gpt, llmpar_step,  # noqa: E402
+                       time_cases, torchrun, zero_config)
 
 SIZES = {"5M": dict(d_model=256, n_layer=6), "20M": dict(d_model=512, n_layer=6),
          "50M": dict(d_model=640, n_layer=10)}
@@ -343,13 +343,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", nargs="+", default=["5M", "20M"], choices=list(SIZES))
     p.add_argument("--dps", nargs="+", type=int, default=[1, 2, 4])
-    p.add_argument("--n-head", type=int, default=8)
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--micro", type=int, default=2)
-    p.add_argument("--bucket", type=int, default=5_000_000, help="reduce/allgather bucket size in elements")
-    p.add_argument("--bf16", action="store_true")
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=5)
+    add_step_args(p, warmup=1, repeats=5)
     p.add_argument("--mem-steps", type=int, default=2, help="steps of a memory run (>= 2: the first allocates the "
                                                               "optimizer state, the last is measured)")
     p.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES + EXTRA)

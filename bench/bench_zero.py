@@ -24,8 +24,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from baselines import (batch, comm_only_step, ddp_step, ddp_zero_redundancy_step, deepspeed_step, gpt,  # noqa: E402
-                       llmpar_step, no_comm_master_step, no_comm_step, time_cases, torchrun, zero_config)
+from baselines import (add_step_args, batch, comm_only_step, ddp_step, ddp_zero_redundancy_step,  # noqa: E402
+                       deepspeed_step, gpt, llmpar_step, no_comm_master_step, no_comm_step, time_cases,
+                       torchrun, zero_config)
 
 CASES = ("llmpar_s1", "llmpar_s2", "llmpar_s1_overlap", "llmpar_s2_overlap", "ddp", "deepspeed_s1", "deepspeed_s2",
          "ddp_zero_redundancy", "no_comm", "no_comm_master", "comm_only_s2", "comm_only_ddp")
@@ -117,13 +118,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--d-model", type=int, default=512)
     p.add_argument("--n-layer", type=int, default=6)
-    p.add_argument("--n-head", type=int, default=8)
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--micro", type=int, default=2)
-    p.add_argument("--bucket", type=int, default=5_000_000, help="reduce/allgather bucket size in elements")
-    p.add_argument("--bf16", action="store_true")
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=8)
+    add_step_args(p)
     p.add_argument("--mem-steps", type=int, default=3)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)

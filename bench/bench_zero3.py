@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from baselines import (batch, comm_only_step, deepspeed_step, fsdp2_step, gpt, llmpar_step,  # noqa: E402
+from baselines import (add_step_args, batch, comm_only_step, deepspeed_step, fsdp2_step, gpt, llmpar_step,  # noqa: E402
                        no_comm_step, time_cases, torchrun, zero_config)
 
 CASES = ("llmpar_s3", "llmpar_s2", "deepspeed_s3", "fsdp2", "llmpar_s3_offload", "deepspeed_s3_offload", "no_comm",
@@ -79,13 +79,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--n-layer", type=int, default=4)
-    p.add_argument("--n-head", type=int, default=4)
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--micro", type=int, default=2)
-    p.add_argument("--bucket", type=int, default=2_000_000)
-    p.add_argument("--bf16", action="store_true")
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=6)
+    add_step_args(p, n_head=4, bucket=2_000_000, repeats=6)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
     p.add_argument("--no-write", action="store_true")

@@ -19,21 +19,15 @@ has landed, so a poller (the gradient reducer) keeps both levels in flight witho
 """
 from __future__ import annotations
 
-import os
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from llmpar.distributed.collectives import CommCounter, Handle, all_gather_flat, failing_as
+from llmpar.distributed.counter import ranks_per_node as local_ranks_per_node
 from llmpar.distributed.groups import Group, GroupRef, as_group, group_rank
 from llmpar.ops.quant import dequantize_rows, dequantize_sum, pack_quantize, quantize_rows, row_bytes
-
-
-def ranks_per_node_from_env() -> int | None:
-    """Ranks per node as torchrun says (``LOCAL_WORLD_SIZE``), or None when not launched that way."""
-    value = os.environ.get("LOCAL_WORLD_SIZE", "")
-    return int(value) if value.isdigit() and int(value) > 0 else None
 
 
 class NodeSplit:
@@ -51,7 +45,7 @@ class NodeSplit:
         ranks = dist.get_process_group_ranks(pg)
         world = len(ranks)
         if per_node is None:
-            rpn = ranks_per_node or ranks_per_node_from_env() or dist.get_world_size()
+            rpn = ranks_per_node or local_ranks_per_node()
             nodes_of = [g // rpn for g in ranks]
             per_node = nodes_of.count(nodes_of[0])
             blocks = [nodes_of[i:i + per_node] for i in range(0, world, per_node)]
@@ -231,5 +225,4 @@ def reduce_scatter_quantized(output: torch.Tensor, wire: torch.Tensor, split: No
     return None
 
 
-__all__ = ["ChainHandle", "NodeSplit", "all_gather_quantized", "ranks_per_node_from_env",
-           "reduce_scatter_quantized"]
+__all__ = ["ChainHandle", "NodeSplit", "all_gather_quantized", "reduce_scatter_quantized"]

@@ -8,6 +8,12 @@ import torch.distributed as dist
 from llmpar.distributed.groups import Group, GroupRef, as_group
 
 
+def ranks_per_node() -> int:
+    """Global ranks per node as torchrun lays them out: ``LOCAL_WORLD_SIZE`` when set, else the world (one node)."""
+    value = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return int(value) if value.isdigit() and int(value) > 0 else dist.get_world_size()
+
+
 class CommCounter:
     """Tally of what the collectives it is passed to (``counter=``) move; pass None (the default) and nothing is counted.
 
@@ -40,8 +46,7 @@ class CommCounter:
 
     def node_of(self, rank: int) -> int:
         """The node of global ``rank``."""
-        per_node = self.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or dist.get_world_size()
-        return rank // per_node
+        return rank // (self.ranks_per_node or ranks_per_node())
 
     def cross_peers(self, group: "Group | GroupRef") -> int:
         """How many members of ``group`` sit on another node than this rank."""
@@ -64,4 +69,4 @@ class CommCounter:
         self.cross_node_bytes.clear()
 
 
-__all__ = ["CommCounter"]
+__all__ = ["CommCounter", "ranks_per_node"]

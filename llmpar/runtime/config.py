@@ -137,10 +137,7 @@ class Config(Blocks):
         dp = as_int("dp", dp, minimum=1)
         pipe = copy.deepcopy(blocks.pipeline)
         micro, gas, train = _batch_sizes(blocks.raw, dp, pipe)
-        hpz = blocks.zero.zero_hpz_partition_size
-        if dp % hpz:
-            raise ValueError(f'"zero_optimization.zero_hpz_partition_size"={hpz} must be a divisor of the '
-                             f"data-parallel degree dp={dp} (the dp ranks of one node)")
+        blocks.zero.check_dp(dp)
         if pipe is not None:
             pipe.micro_batches = gas
         if not blocks.optimizer_given:

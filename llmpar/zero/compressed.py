@@ -106,7 +106,7 @@ class GradQuantizer:
     def held_elements(self, padded: int, dtype: torch.dtype) -> int:
         """Staging a reduction in flight holds (wire + what arrives), in elements of ``dtype``, for the budget."""
         nbytes = 2 * self.split.world * row_bytes(padded // self.split.world, self.bits, self.block)
-        return -(-nbytes // torch.empty((), dtype=dtype).element_size())
+        return -(-nbytes // dtype.itemsize)
 
     def residual_numel(self) -> int:
         return sum(t.numel() for t in self.residual.values()) + sum(t.numel() for t in self.residual2.values())
@@ -117,10 +117,8 @@ def compression(zcfg, dp_group, dp: int, counter: CommCounter | None,
     """The compressors a :class:`~llmpar.zero.config.ZeroConfig` asks for over ``dp_group`` (None: off). Builds the
     node split (a collective over the dp ranks) when one is needed: from ``zero_hpz_partition_size`` when set, else
     from ``ranks_per_node`` (torchrun's ``LOCAL_WORLD_SIZE`` when None)."""
+    zcfg.check_dp(dp)
     hpz = zcfg.zero_hpz_partition_size
-    if hpz > 1 and dp % hpz:
-        raise ValueError(f'"zero_optimization.zero_hpz_partition_size"={hpz} must be a divisor of the data-parallel '
-                         f"degree dp={dp} (the dp ranks of one node)")
     if dp == 1 or not (zcfg.zero_quantized_gradients or zcfg.zero_quantized_weights or hpz > 1):
         return None, None
     split = None

@@ -115,6 +115,14 @@ class ZeroConfig:
             raise ValueError(f'"zero_optimization.offload_param" needs stage 3, got stage {self.stage}')
         self._check_compression()
 
+    def check_dp(self, dp: int) -> None:
+        """What can only be checked once the data-parallel degree is known (the runtime config and the optimizer
+        both ask): ``zero_hpz_partition_size`` divides it."""
+        hpz = self.zero_hpz_partition_size
+        if dp % hpz:
+            raise ValueError(f'"zero_optimization.zero_hpz_partition_size"={hpz} must be a divisor of the '
+                             f"data-parallel degree dp={dp} (the dp ranks of one node)")
+
     def _check_compression(self) -> None:
         for name in ("zero_quantized_weights", "zero_quantized_gradients", "zero_quantized_gradients_error_feedback"):
             setattr(self, name, as_bool(f"zero_optimization.{name}", getattr(self, name)))

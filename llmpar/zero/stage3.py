@@ -195,10 +195,7 @@ class Stage3Runtime:
         if key in self.live:
             if exact and self.weights is not None and self.weights.bits is not None and key not in self.persistent:
                 self._wait(key)  # gathered quantized for compute: gathered again, exactly
-                b = self.buffers[key[0]]
-                self.pending[key] = all_gather_flat(
-                    self.full[key], b.layout.shard_of_partition(b.shard, key[1]), self.group, async_op=True,
-                    counter=self.counter, what=f"all-gather of stage-3 params, buffer {key[0]} unit {key[1]}")
+                self.pending[key] = self._gather_exact(key)
             return
         b, u = self.buffers[key[0]], key[1]
         full = self.full[key]
@@ -211,13 +208,21 @@ class Stage3Runtime:
         elif self.weights is not None and key not in self.persistent and not exact:
             self.pending[key] = self.weights.gather(key, full, src, phase=phase or "", grad=torch.is_grad_enabled())
         else:
-            self.pending[key] = all_gather_flat(full, src, self.group, async_op=True, counter=self.counter,
-                                                what=f"all-gather of stage-3 params, buffer {key[0]} unit {key[1]}")
+            self.pending[key] = self._gather_exact(key)
         self._note("gather", key)
         self.live.add(key)
         self.gathers += 1
         self.live_numel += self._numel(key)
         self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
+
+    def _gather_exact(self, key: Key) -> Handle:
+        """The plain all-gather of this rank's shard of unit ``key`` into its gathered tensor."""
+        b = self.buffers[key[0]]
+        handle = all_gather_flat(self.full[key], b.layout.shard_of_partition(b.shard, key[1]), self.group,
+                                 async_op=True, counter=self.counter,
+                                 what=f"all-gather of stage-3 params, buffer {key[0]} unit {key[1]}")
+        assert handle is not None
+        return handle
 
     def _wait(self, key: Key) -> None:
         h = self.pending.pop(key, None)
