@@ -311,7 +311,7 @@ def test_comm_per_axis() -> None:
     assert c["tp"].seconds == pytest.approx(512 / 1e9)
     psi = spec.params_per_rank()
     d0 = estimate_comm(spec, Layout(dp=4, zero_stage=0), _HW)["dp"]
-    d3 = estimate_comm(spec, Layout(dp=4, zero_stage=3), _HW)["dp"]
+    d3 = estimate_comm(spec, Layout(dp=4, zero_stage=3, stage3_max_reuse_distance=0), _HW)["dp"]
     assert d0.bytes == pytest.approx(2 * psi * 2 * 3 / 4)  # 2 psi, bf16, ring (d-1)/d
     assert d3.bytes == pytest.approx(3 * psi * 2 * 3 / 4)  # 3 psi
     assert d0.link == "nvlink"
@@ -461,3 +461,28 @@ def test_planning_imports_without_torch() -> None:
     """``llmpar plan`` stays cheap: the planning package does not import torch (modules are only duck-typed)."""
     code = "import sys, llmpar.planning.cli; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_stage3_reuse_distance_keeps_the_last_layers() -> None:
+    """``stage3_max_reuse_distance`` (DeepSpeed's default 1e9): layer i of L is kept gathered from forward to backward
+    when 2 (L-1-i) layers + the head twice are fewer elements than the distance; kept layers leave the backward
+    all-gather and add to the gathered memory."""
+    spec = ModelSpec(n_layers=4, hidden=8, n_heads=2, vocab=10, seq_len=4)
+    lp, head = spec.layer_params(), 10 * 8
+    gaps = [2 * (4 - 1 - i) * lp + 2 * head for i in range(4)]  # 6 lp + 160, 4 lp + 160, 2 lp + 160, 160
+    assert [spec.stage3_kept_layers(g, tp=1, pp=1) for g in gaps] == [3, 2, 1, 0]  # fewer than: the gap itself misses
+    assert [spec.stage3_kept_layers(g + 1) for g in gaps] == [4, 3, 2, 1]
+    assert spec.stage3_kept_layers(0) == 0 and spec.stage3_kept_layers(10**9) == 4
+    psi = spec.params_per_rank()
+    lean = estimate_comm(spec, Layout(dp=4, zero_stage=3, stage3_max_reuse_distance=0), _HW)["dp"]
+    two = estimate_comm(spec, Layout(dp=4, zero_stage=3, stage3_max_reuse_distance=gaps[2] + 1), _HW)["dp"]
+    assert lean.bytes == pytest.approx(3 * psi * 2 * 3 / 4)
+    assert two.bytes == pytest.approx((3 * psi - 2 * lp) * 2 * 3 / 4)  # the last two layers not gathered again
+    whole = estimate_comm(spec, Layout(dp=4, zero_stage=3), _HW)["dp"]  # default: every layer kept
+    assert whole.bytes == pytest.approx((3 * psi - 4 * lp) * 2 * 3 / 4)
+    gathered = {r: estimate_memory(spec, Layout(dp=4, zero_stage=3, stage3_max_reuse_distance=r)).buffers
+                for r in (0, gaps[2] + 1, gaps[1] + 1, 10**9)}
+    base = gathered[0] - 2 * 2 * lp  # the buckets; two bf16 layers gathered in the lean form
+    assert [(v - base) / (2 * lp) for v in gathered.values()] == [2, 3, 4, 4]  # K + 1 layers, at most L
+    with pytest.raises(ValueError, match="stage3_max_reuse_distance"):
+        Layout(zero_stage=3, stage3_max_reuse_distance=-1)

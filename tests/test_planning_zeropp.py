@@ -15,7 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from llmpar.planning import Hardware, Layout, ModelSpec, PlanRequest, estimate_comm, estimate_memory, plan
+from llmpar.planning import Hardware, ModelSpec, PlanRequest, estimate_comm, estimate_memory, plan
+from llmpar.planning import Layout as _Layout
 from llmpar.planning.report import plan_json, plan_table
 from llmpar.planning.zeropp import quant_row_bytes
 from multirank import run_ranks
@@ -31,6 +32,13 @@ INTRA, INTER = 1e11, 1e10
 HW8 = Hardware(name="test", mem_bytes=1e12, peak_flops=1e15, intra_node_bw=INTRA, inter_node_bw=INTER,
                gpus_per_node=8)
 QWZ = dict(zero_quantized_weights=True)
+
+
+def Layout(**kw) -> _Layout:  # noqa: N802 - the lean ZeRO-3 these formulas count: every unit gathered again for
+    return _Layout(**{"stage3_max_reuse_distance": 0, **kw})  # backward (the reuse distance: test_planning.py)
+
+
+
 QGZ = dict(zero_quantized_gradients=True)
 ALL = dict(zero_quantized_weights=True, zero_hpz_partition_size=8, zero_quantized_gradients=True)
 
@@ -220,7 +228,8 @@ def _measure_body(cases):
     for name, opts in cases.items():
         model = GPT(GPTConfig(**GPT_CFG), seed=0)
         counter = CommCounter(ranks_per_node=2)
-        zc = ZeroConfig(stage=3, stage3_prefetch_bucket_size=0, stage3_param_persistence_threshold=0, **opts)
+        zc = ZeroConfig(stage=3, stage3_prefetch_bucket_size=0, stage3_param_persistence_threshold=0,
+                        stage3_max_reuse_distance=0, **opts)
         opt = ZeroOptimizer(model.parameters(), OptimizerConfig(lr=1e-3), dist.group.WORLD, stage=3, zero_config=zc,
                             module=model, counter=counter, ranks_per_node=2)
         gen = torch.Generator().manual_seed(dist.get_rank())
@@ -247,11 +256,12 @@ def _measure_body(cases):
 
 
 def test_estimate_matches_comm_counter_on_two_nodes_of_two():
-    """dp=4 as two nodes of 2 ranks (CommCounter(ranks_per_node=2), tp=1), fp32 GPT, stage3_prefetch_bucket_size=0
-    and no persistent params: every unit is gathered in forward and again in backward (none is kept between them),
-    as the estimate counts. Measured per step (all ops: the ZeRO collectives plus the gradient-norm all-reduce,
-    16 cross-node bytes) against estimate_comm's dp axis within 2%: the estimate works on psi = 30080 where the
-    runtime pads each of the 6 units to a multiple of dp x 16 (30144, +0.21%) and rounds rows per unit."""
+    """dp=4 as two nodes of 2 ranks (CommCounter(ranks_per_node=2), tp=1), fp32 GPT, stage3_prefetch_bucket_size=0,
+    stage3_max_reuse_distance=0 and no persistent params: every unit is gathered in forward and again in backward
+    (none is kept between them), as the estimate counts. Measured per step (all ops: the ZeRO collectives plus the
+    gradient-norm all-reduce, 16 cross-node bytes) against estimate_comm's dp axis within 2%: the estimate works on
+    psi = 30080 where the runtime pads each of the 6 units to a multiple of dp x 16 (30144, +0.21%) and rounds rows
+    per unit."""
     spec = ModelSpec(n_layers=2, hidden=32, n_heads=4, vocab=64, seq_len=16, tied_embeddings=False, bias=True,
                      learned_positions=True)
     hw = Hardware(name="2-per-node", mem_bytes=1e12, peak_flops=1e12, intra_node_bw=1e9, inter_node_bw=1e8,

@@ -53,7 +53,7 @@ def memory_body(offload):
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=97, n_layer=3, n_head=2, d_model=40, seq_len=SEQ), seed=2)
     zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 25_000,
-            "reduce_bucket_size": 10 ** 6}
+            "reduce_bucket_size": 10 ** 6, "stage3_max_reuse_distance": 0}  # lean: re-gathered for backward
     if offload:
         zero.update(offload_optimizer={"device": "cpu"}, offload_param={"device": "cpu"})
     counter = CommCounter()

@@ -148,7 +148,7 @@ def _train(zero, steps=6, stage=3, gas=1, lr=3e-3, seed=0, counter=None, return_
     torch.manual_seed(seed)
     model = GPT(GPTConfig(**GPT_SMALL)).to(dtype)
     zc = ZeroConfig(stage=stage, reduce_bucket_size=5000, overlap_comm=True, stage3_param_persistence_threshold=100,
-                    stage3_prefetch_bucket_size=0, **zero)
+                    stage3_prefetch_bucket_size=0, **{"stage3_max_reuse_distance": 0, **zero})  # backward gathers again
     opt = ZeroOptimizer(model.parameters(), OptimizerConfig(lr=lr), dist.group.WORLD, stage=stage, zero_config=zc,
                         module=model, counter=counter, ranks_per_node=2, max_grad_norm=1.0,
                         grad_accum_dtype=torch.float32 if dtype != torch.float32 else None)

@@ -44,9 +44,11 @@ zero_quantization_block_size values per fp32 scale; ``llmpar.ops.quant.row_bytes
                     (bytes (n-1) R_bg(c) = (n-1)/n psi/q quantized, cross (n - max(1, p/q)) R_bg(c)); otherwise
                     one level:
                     bytes (d-1) R_bg(c), cross (d-p) R_bg(c)
-    per step, stage 3: m x (forward gather + backward gather + gradient reduction); stage 2: m x reduction + the
-                    flat param all-gather. dp=16 over two 8-GPU nodes, bf16, qwZ int8 + hpZ 8 + qgZ int4 two-level:
-                    cross = R_8(c) (d-p) + 0 + R_4(c) ~ (8.13 + 0.52) c ~ 0.54 psi bytes, vs 3 psi uncompressed.
+    per step, stage 3: m x (forward gather + backward gather + gradient reduction), the backward gather less the
+                    layers ``stage3_max_reuse_distance`` keeps (``ModelSpec.stage3_kept_layers``); stage 2:
+                    m x reduction + the flat param all-gather. dp=16 over two 8-GPU nodes, bf16, qwZ int8 + hpZ 8 +
+                    qgZ int4 two-level: cross = R_8(c) (d-p) + 0 + R_4(c) ~ (8.13 + 0.52) c ~ 0.54 psi bytes,
+                    vs 3 psi uncompressed.
 Stage-3 persistent params (``stage3_param_persistence_threshold``) are counted like the others: the runtime gathers
 them uncompressed once per step instead, a small difference for models whose small params are a small share.
 """
@@ -105,7 +107,9 @@ def estimate_comm(
     out["tp"] = AxisComm(axis="tp", bytes=tp_bytes, seconds=tp_bytes / hw.intra_node_bw, link="nvlink" if t > 1 else "-")
 
     per_node, even = dp_nodes(tp=t, dp=d, pp=p, gpus_per_node=hw.gpus_per_node)
-    dp_bytes, dp_cross = dp_comm(layout, psi, pb=pb, gb=gb, micro_batches=m, per_node=per_node, even=even)
+    kept = spec.stage3_kept_layers(layout.stage3_max_reuse_distance, tp=t, pp=p) * spec.layer_params(t)
+    dp_bytes, dp_cross = dp_comm(layout, psi, pb=pb, gb=gb, micro_batches=m, per_node=per_node, even=even,
+                                 kept=kept if layout.zero_stage == 3 else 0.0)
     link = "-" if d == 1 else ("network" if per_node < d else "nvlink")
     out["dp"] = AxisComm(axis="dp", bytes=dp_bytes, cross_node_bytes=dp_cross, link=link,
                          seconds=dp_cross / hw.inter_node_bw + (dp_bytes - dp_cross) / hw.intra_node_bw)

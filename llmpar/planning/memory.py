@@ -63,7 +63,9 @@ class Layout:
     ZeRO++-class compressed communication, under ``zero_optimization``'s key names and checks
     (``llmpar.zero.ZeroConfig``): ``zero_quantized_weights`` (qwZ, stage 3), ``zero_hpz_partition_size`` (hpZ,
     stage 3, divides dp), ``zero_quantized_gradients`` (qgZ, stages 2-3) with ``..._error_feedback``, the bits
-    (8 or 4) and ``zero_quantization_block_size`` (values per fp32 scale). ``comm.py`` gives their bytes."""
+    (8 or 4) and ``zero_quantization_block_size`` (values per fp32 scale). ``comm.py`` gives their bytes.
+    ``stage3_max_reuse_distance`` (stage 3, DeepSpeed's default 1e9): layers that close to their backward use stay
+    gathered from forward to backward (``ModelSpec.stage3_kept_layers``): more gathered memory, less traffic."""
 
     tp: int = 1
     pp: int = 1
@@ -79,6 +81,7 @@ class Layout:
     zero_quantization_block_size: int = 256
     zero_quantized_weights_bits: int = 8
     zero_quantized_gradients_bits: int = 4
+    stage3_max_reuse_distance: int = 1_000_000_000
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp"):
@@ -92,6 +95,9 @@ class Layout:
             raise ValueError(f"offload={self.offload!r} needs a ZeRO stage >= 1, got zero_stage=0")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence_parallel=True needs tp > 1, got tp=1")
+        reuse = self.stage3_max_reuse_distance
+        if not isinstance(reuse, int) or isinstance(reuse, bool) or reuse < 0:
+            raise ValueError(f"stage3_max_reuse_distance={reuse!r} must be an integer >= 0 (elements)")
         self._check_compression()
 
     def _check_compression(self) -> None:
@@ -257,8 +263,9 @@ def estimate_memory(
     - activations: per layer as in ``activation_bytes_per_layer``, x layers per stage x micro-batches in flight
       (1F1B: the first stage holds min(pp, m) of them; default pp), plus 4 s b V / t bytes of fp32 logits on the
       last stage; with full recompute, one more layer's full activations while it is recomputed;
-    - buffers: two gradient buckets of ``bucket_bytes`` when dp > 1, and at ZeRO-3 two gathered layers
-      (current + prefetched) in parameter precision;
+    - buffers: two gradient buckets of ``bucket_bytes`` when dp > 1, and at ZeRO-3 the gathered layers in
+      parameter precision: two (current + prefetched), or K + 1 when ``stage3_max_reuse_distance`` keeps K layers
+      gathered from forward to backward (at most all of them);
     - zeropp (the layout's ZeRO++ options): hpZ's secondary shard, P (psi - psi_persist) / k, held from forward to
       backward (persistent params are not gathered through it), and with qgZ error feedback a float32 residual of
       every gradient, 4 psi, + 4 psi / k' when the reduction runs in two levels (k' = hpZ's k, else the dp ranks of
@@ -298,7 +305,8 @@ def estimate_memory(
         activations = max(first, last) if layout.pp > 1 else layers * per_layer + recompute + logits
         activations *= 2.0 if precision == "fp32" else 1.0  # the formula counts 2-byte activations
         if layout.zero_stage == 3:
-            buffers += 2.0 * p_bytes * spec.layer_params(layout.tp)
+            kept = spec.stage3_kept_layers(layout.stage3_max_reuse_distance, tp=layout.tp, pp=layout.pp)
+            buffers += max(2, min(layers, kept + 1)) * p_bytes * spec.layer_params(layout.tp)
     per_node = None if gpus_per_node is None else dp_nodes(tp=layout.tp, dp=layout.dp, pp=layout.pp,
                                                            gpus_per_node=gpus_per_node)[0]
     zeropp = zeropp_state_bytes(layout, psi_rank, psi_rank - small, p_bytes, per_node)

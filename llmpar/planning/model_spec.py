@@ -170,6 +170,15 @@ class ModelSpec:
             return embedding + layers + head
         return embedding + layers if sum(embedding) >= sum(head) else layers + head
 
+    def stage3_kept_layers(self, reuse: int, *, tp: int = 1, pp: int = 1) -> int:
+        """Layers of the busiest (tp, pp) rank that ZeRO-3 keeps gathered from forward to backward under
+        ``stage3_max_reuse_distance`` ``reuse`` (elements; the runtime's rule, ``llmpar.zero.units.kept_units``):
+        layer i of a stage's L when fewer than ``reuse`` elements are gathered between its forward and its backward
+        use, the 2 (L-1-i) layers after it and the output head twice (its forward and its backward gather)."""
+        self.check_layout(tp=tp, pp=pp)
+        n, lp, head = self.n_layers // pp, self._layer_params(tp), math.ceil(self.vocab / tp) * self.hidden
+        return sum(1 for i in range(n) if 2 * (n - 1 - i) * lp + 2 * head < reuse)
+
     def small_params(self, threshold: int, *, tp: int = 1, pp: int = 1) -> int:
         """Elements in tensors of at most ``threshold`` elements on the busiest (tp, pp) rank: what ZeRO-3 keeps
         gathered on every rank (``stage3_param_persistence_threshold``: biases, norms, small matrices)."""

@@ -61,8 +61,9 @@ def grad_per_node(layout: Any, per_node: int, even: bool) -> int:
 
 
 def dp_comm(layout: Any, psi: float, *, pb: int, gb: int, micro_batches: int, per_node: int,
-            even: bool) -> tuple[float, float]:
-    """(bytes one dp rank sends, bytes it receives from other nodes in the direct form) per step."""
+            even: bool, kept: float = 0.0) -> tuple[float, float]:
+    """(bytes one dp rank sends, bytes it receives from other nodes in the direct form) per step; stage 3:
+    ``kept`` of the ``psi`` params stay gathered from forward to backward (not gathered again)."""
     d, m = layout.dp, micro_batches
     if d == 1:
         return 0.0, 0.0
@@ -96,6 +97,8 @@ def dp_comm(layout: Any, psi: float, *, pb: int, gb: int, micro_batches: int, pe
     if k > 1:  # from the secondary shards over the k dp ranks of the node, as stored (param dtype)
         _check_nested("zero_hpz_partition_size", k, per_node, even, layout)
         bwd = ((k - 1) / k * pb * psi, _cross(k, per_node) * pb * psi / k)
+    again = 1.0 - kept / psi
+    bwd = (bwd[0] * again, bwd[1] * again)
     return (m * (fwd[0] + bwd[0] + reduce[0]), m * (fwd[1] + bwd[1] + reduce[1]))
 
 

@@ -50,8 +50,10 @@ class ZeroConfig:
     Stage 3 (parameter sharding, ``stage3.py``): ``stage3_prefetch_bucket_size`` elements gathered ahead of use,
     ``stage3_max_live_parameters`` caps gathered elements held by prefetch, units of at most
     ``stage3_param_persistence_threshold`` elements stay gathered; ``stage3_gather_16bit_weights_on_model_save``
-    lets ``engine.save_16bit_model`` gather full weights. ``stage3_max_reuse_distance`` and ``sub_group_size`` are
-    accepted and have no effect (units are freed after use; the step runs per flat buffer).
+    lets ``engine.save_16bit_model`` gather full weights; a unit fewer than ``stage3_max_reuse_distance`` gathered
+    elements from its next use stays gathered (DeepSpeed's rule and default, 1e9: models that small are gathered once
+    per step, forward to backward; 0: every unit is gathered again for backward except those backward starts with).
+    ``sub_group_size`` is accepted and has no effect (the step runs per flat buffer).
     Offload (``offload.py``): ``offload_optimizer`` (stage 1, 2 or 3) keeps the fp32 master, moments and gradient
     partition on the host and steps there (stage 1: the gradient accumulator stays on the device, its reduced
     partition is copied out at the accumulation boundary); ``offload_param`` (stage 3) keeps the parameter shards

@@ -137,6 +137,7 @@ class ZeroOptimizer(ZeroCheckpointing):
             self.stage3 = Stage3Runtime(self.plan, self.buffers + self.frozen_buffers, dp_group=self.dp_group,
                                         device=device, prefetch_numel=zcfg.stage3_prefetch_bucket_size,
                                         max_live_numel=zcfg.stage3_max_live_parameters,
+                                        reuse_numel=zcfg.stage3_max_reuse_distance,
                                         persist_numel=zcfg.stage3_param_persistence_threshold, counter=counter,
                                         copier=self.copier, host_shards=self.placement.offload_param,
                                         weights=weights)

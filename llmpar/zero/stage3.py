@@ -19,8 +19,11 @@ resizes its storage to 0 bytes and re-gathering resizes it back (as FSDP1 does),
     grad hooks (``grads.py``):     when a unit's grads are complete, reduce-scatter them (async) into the owner's
                                    partition and free the unit at once
     end of backward:               free whatever is still gathered
-    (from the second step on, the units backward starts with -- the last of forward, within the prefetch budget --
-    stay gathered from forward to backward instead of being freed and gathered again, as FSDP2 does for its root)
+    (from the second step on, a unit stays gathered from its forward to its backward, instead of being freed and
+    gathered again, when backward starts with it (within the prefetch budget, as FSDP2 keeps its root) or when
+    fewer than ``stage3_max_reuse_distance`` elements are gathered between its uses in the recorded order
+    (DeepSpeed's rule and default, 1e9: a model that small is gathered once per step; 0 keeps only the former);
+    never more than ``stage3_max_live_parameters`` elements kept)
 Params of at most ``stage3_param_persistence_threshold`` elements (biases, norms: DeepSpeed's per-param rule) leave
 their module's unit for one *persistent* unit per flat buffer that stays gathered on every rank (re-gathered after each
 step); a unit is persistent when all its params are that small. Frozen params (``requires_grad=False``) are sharded
@@ -44,7 +47,7 @@ from llmpar.zero.compressed import WeightGather
 from llmpar.zero.grads import FlatBuffer
 from llmpar.zero.layout import FlatLayout
 from llmpar.zero.offload import Copier, Placement
-from llmpar.zero.units import UnitPlan, UnitPolicy, map_tensors, unit_modules
+from llmpar.zero.units import UnitPlan, UnitPolicy, kept_units, map_tensors, unit_modules
 
 __all__ = ["Key", "Stage3Runtime", "UnitPlan", "UnitPolicy", "is_persistent", "shard_params", "split_persistent",
            "unit_modules"]
@@ -120,12 +123,13 @@ class Stage3Runtime:
 
     def __init__(self, plan: UnitPlan, buffers: list[FlatBuffer], *, dp_group: Group, device: torch.device,
                  prefetch_numel: int, max_live_numel: int, persist_numel: int,
-                 counter: CommCounter | None, copier: Copier | None = None, host_shards: bool = False,
-                 weights: WeightGather | None = None) -> None:
+                 counter: CommCounter | None, reuse_numel: int = 0, copier: Copier | None = None,
+                 host_shards: bool = False, weights: WeightGather | None = None) -> None:
         self.plan, self.buffers, self.group, self.device = plan, buffers, dp_group, device
         self.weights = weights  # zero_quantized_weights / zero_hpz_partition_size (``compressed.py``)
         self.host_shards = host_shards  # offload_param: the shards live in the host pool
         self.prefetch_numel, self.max_live_numel, self.counter = prefetch_numel, max_live_numel, counter
+        self.reuse_numel = reuse_numel
         self.copier = copier if copier is not None else Copier(device)
         self.log: list[tuple[str, Key]] | None = None
         self.full: dict[Key, torch.Tensor] = {}  # the gathered [padded] tensor of each unit (storage 0 when free)
@@ -206,7 +210,9 @@ class Stage3Runtime:
             self._note("h2d", key)
             self.pending[key] = self.copier.gather_from_host(full, src, self.group, self.counter)
         elif self.weights is not None and key not in self.persistent and not exact:
-            self.pending[key] = self.weights.gather(key, full, src, phase=phase or "", grad=torch.is_grad_enabled())
+            kept = self._forward_keeps and key in self.keep_for_bwd  # gathered until backward: no secondary shard
+            self.pending[key] = self.weights.gather(key, full, src, phase=phase or "",
+                                                    grad=torch.is_grad_enabled() and not kept)
         else:
             self.pending[key] = self._gather_exact(key)
         self._note("gather", key)
@@ -368,12 +374,9 @@ class Stage3Runtime:
             self.weights.clear()
         if self.trace["bwd"] and self.recording["bwd"]:
             self.recording["bwd"] = False
-            budget = min(self.prefetch_numel, self.max_live_numel)
-            for key in self.trace["bwd"]:  # the first backward units within the prefetch budget stay from forward
-                budget -= self._numel(key)
-                if budget < 0:
-                    break
-                self.keep_for_bwd.add(key)
+            self.keep_for_bwd = kept_units(self.trace["fwd"], self.trace["bwd"], self._numel,
+                                           prefetch=min(self.prefetch_numel, self.max_live_numel),
+                                           max_live=self.max_live_numel, reuse=self.reuse_numel)
         self.pos["bwd"] = -1
 
 

@@ -1,13 +1,15 @@
 """Sharding units of ZeRO stage 3 (see ``stage3.py``): which modules are units, which unit owns each param and which
-params each unit module needs, and a helper mapping a module's tensor outputs."""
+params each unit module needs, which units stay gathered from forward to backward, and a helper mapping a module's
+tensor outputs."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Hashable, TypeVar
 
 import torch
 from torch import nn
 
 UnitPolicy = Callable[[str, nn.Module], bool]
+K = TypeVar("K", bound=Hashable)
 
 
 def unit_modules(model: nn.Module, policy: UnitPolicy | None = None) -> list[tuple[str, nn.Module]]:
@@ -66,6 +68,42 @@ class UnitPlan:
                                  "given as module=: stage 3 gathers params through the module's forward hooks")
             by_unit.setdefault(self.owner[id(p)], []).append(i)
         return [by_unit[u] for u in sorted(by_unit)]
+
+
+def kept_units(fwd: list[K], bwd: list[K], numel: Callable[[K], int], *, prefetch: int, max_live: int,
+               reuse: int) -> set[K]:
+    """The units to keep gathered from forward to backward, from the recorded gather orders ``fwd`` and ``bwd``:
+    those backward starts with, within ``prefetch`` elements (as FSDP2 keeps its root), then, in backward order,
+    those with fewer than ``reuse`` elements gathered between any two of their uses (DeepSpeed's
+    ``stage3_max_reuse_distance``; a use: each forward gather, the first backward one), while the kept elements stay
+    within ``max_live``."""
+    kept: set[K] = set()
+    budget = prefetch
+    for key in bwd:
+        budget -= numel(key)
+        if budget < 0:
+            break
+        kept.add(key)
+    if reuse <= 0:
+        return kept
+    order = list(fwd) + list(dict.fromkeys(bwd))
+    before = [0]  # elements gathered before each position of ``order``
+    for key in order:
+        before.append(before[-1] + numel(key))
+    last: dict[K, int] = {}
+    gap: dict[K, int] = {}
+    for i, key in enumerate(order):
+        if key in last:
+            gap[key] = max(gap.get(key, 0), before[i] - before[last[key] + 1])
+        last[key] = i
+    held = sum(numel(k) for k in kept)
+    for key in dict.fromkeys(bwd):
+        if key not in kept and gap.get(key, reuse) < reuse:
+            if held + numel(key) > max_live:
+                break
+            kept.add(key)
+            held += numel(key)
+    return kept
 
 
 def _collect(x: Any, found: list[torch.Tensor]) -> None:
