@@ -1,6 +1,10 @@
 """Benchmark: one training step of a small GPT at dp=2 on CPU/gloo with ZeRO stage 3, side by side in one run:
 llmpar stage 3 (with / without offload_optimizer) vs DeepSpeed stage 3 (same configs) vs torch FSDP2 (``fully_shard``
-per block + root). Timing as in ``bench_zero.py`` (order rotated per repeat, barrier, slowest rank, median).
+per block + root). The config leaves ``stage3_max_reuse_distance`` at DeepSpeed's default (1e9): both keep this model
+gathered from forward to backward (one all-gather of psi and one reduce-scatter a step, counted on both);
+``llmpar_s3_lean`` sets it to 0: every unit gathered again for backward, the memory-lean form (~1.5 psi gathered
+here, the prefetch window of 2M elements kept). Timing as in ``bench_zero.py`` (order rotated per repeat, barrier,
+slowest rank, median).
 Two floors beside them: ``no_comm`` (each rank trains alone: the compute every case pays) and ``comm_only_s3`` /
 ``comm_only_s2`` (the step's bytes alone, one flat gloo collective per psi); no_comm + comm_only is what a step
 costs when nothing overlaps.
@@ -24,14 +28,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from baselines import (add_step_args, batch, comm_only_step, deepspeed_step, fsdp2_step, gpt, llmpar_step,  # noqa: E402
                        no_comm_step, time_cases, torchrun, zero_config)
 
-CASES = ("llmpar_s3", "llmpar_s2", "deepspeed_s3", "fsdp2", "llmpar_s3_offload", "deepspeed_s3_offload", "no_comm",
-         "comm_only_s3", "comm_only_s2")
+CASES = ("llmpar_s3", "llmpar_s3_lean", "llmpar_s2", "deepspeed_s3", "fsdp2", "llmpar_s3_offload",
+         "deepspeed_s3_offload", "no_comm", "comm_only_s3", "comm_only_s2")
 GOALS = {"llmpar_s3": ("deepspeed_s3", 0.67), "llmpar_s3_offload": ("deepspeed_s3_offload", 0.67)}
 
 
-def _cfg(args, offload: bool) -> dict:
+def _cfg(args, offload: bool, lean: bool = False) -> dict:
     cfg = zero_config(args, 3)
     cfg["zero_optimization"].update(stage3_prefetch_bucket_size=args.bucket, stage3_param_persistence_threshold=0)
+    if lean:  # every unit gathered again for backward (but those it starts with): 3 psi - the prefetch window
+        cfg["zero_optimization"]["stage3_max_reuse_distance"] = 0
     if offload:
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     return cfg
@@ -43,7 +49,7 @@ def build(case: str, args):
     if case == "llmpar_s2":  # llmpar's own ZeRO-2 on the same model: what stage 3's extra all-gathers cost
         return llmpar_step(model, zero_config(args, 2), inp, tgt)
     if case.startswith("llmpar"):
-        return llmpar_step(model, _cfg(args, case.endswith("offload")), inp, tgt)
+        return llmpar_step(model, _cfg(args, case.endswith("offload"), case.endswith("lean")), inp, tgt)
     if case.startswith("deepspeed"):
         return deepspeed_step(model, _cfg(args, case.endswith("offload")), inp, tgt)
     if case == "no_comm":  # the floor: no collective at all
