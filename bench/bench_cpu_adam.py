@@ -8,7 +8,8 @@ Groups (the cases of a group share the params and grads; each optimizer keeps it
     step     the AdamW step alone:
              torch fused (baseline: torch.optim.AdamW(fused=True).step()) | torch foreach | deepspeed cpu adam
              (DeepSpeedCPUAdam(adamw_mode=True), its C++ AVX kernel, when importable) | llmpar torch path (what the
-             offload step ran before: adamw_step(precision="fp32"), i.e. torch._fused_adamw_) | llmpar kernel
+             offload step ran before: adamw_step(precision="fp32"), i.e. torch._fused_adamw_) | llmpar kernel |
+             streams floor (no math): a C++ loop moving the same 28 bytes per param with one add, the memory floor
     offload  what ZeRO-Offload does every step: AdamW with the clip coefficient folded in (gscale = 1 here: the grads are
              reused across repeats, a real clip would shrink them into denormals), then the params' bf16 copy:
              llmpar before (baseline: adamw_step with gscale, whose fused kernel writes the unscaled grads back,
@@ -79,7 +80,46 @@ def deepspeed_step(params) -> Callable[[], object] | None:
         return None
 
 
-def cases_for(group: str, params, deepspeed: bool) -> tuple[dict[str, Callable[[], object]], dict[str, str]]:
+_STREAMS_SRC = """
+#include <torch/extension.h>
+// The bytes of an AdamW step with no math: per element read p, g, m, v and write p, m, v (one add each).
+void streams(std::vector<torch::Tensor> ps, std::vector<torch::Tensor> gs, std::vector<torch::Tensor> ms,
+             std::vector<torch::Tensor> vs) {
+  for (size_t t = 0; t < ps.size(); ++t) {
+    float* __restrict p = ps[t].data_ptr<float>();
+    const float* __restrict g = gs[t].data_ptr<float>();
+    float* __restrict m = ms[t].data_ptr<float>();
+    float* __restrict v = vs[t].data_ptr<float>();
+    const int64_t n = ps[t].numel();
+    for (int64_t i = 0; i < n; ++i) {
+      const float x = g[i];
+      p[i] += x;
+      m[i] += x;
+      v[i] += x;
+    }
+  }
+}
+"""
+
+
+def streams_floor() -> Callable[..., None] | None:
+    """The memory floor of the step: a C++ loop (``-O3 -march=native``, vectorised by the compiler) moving the same
+    28 bytes per param as AdamW with one add instead of the math; None when it does not build."""
+    import tempfile
+
+    from torch.utils.cpp_extension import load_inline
+
+    try:
+        build = tempfile.mkdtemp(prefix="llmpar_bench_streams_")
+        mod = load_inline("llmpar_bench_streams", cpp_sources=_STREAMS_SRC, functions=["streams"],
+                          extra_cflags=["-O3", "-march=native"], build_directory=build, verbose=False)
+        return mod.streams
+    except Exception as exc:  # noqa: BLE001 - an optional floor
+        print(f"  (streams floor skipped: {type(exc).__name__}: {str(exc)[:160]})")
+        return None
+
+
+def cases_for(group: str, params, deepspeed: bool, floor: Callable[..., None] | None = None) -> tuple[dict[str, Callable[[], object]], dict[str, str]]:
     """{name: step()} and {name: key of BYTES} of one group."""
     cases: dict[str, Callable[[], object]] = {}
     kinds: dict[str, str] = {}
@@ -103,6 +143,10 @@ def cases_for(group: str, params, deepspeed: bool) -> tuple[dict[str, Callable[[
         add("deepspeed cpu adam", ds, "adamw")
         add("llmpar torch path", lambda: adamw_step(ps, gs, ms, vs, steps, precision="fp32", **kw), "adamw")
         add("llmpar kernel", lambda: cpu_adamw_step(ps, gs, ms, vs, steps, **kw), "adamw")
+        if floor is not None:  # the same streams with no math: what any AdamW step over them costs at least
+            fm, fv = [torch.zeros_like(p) for p in ps], [torch.zeros_like(p) for p in ps]
+            fp = [p.clone() for p in ps]
+            add("streams floor (no math)", lambda: floor(fp, gs, fm, fv), "adamw")
         return cases, kinds
 
     def before() -> None:  # llmpar.zero.offload.host_step_buffer until now
@@ -141,6 +185,7 @@ def main() -> None:
     if not status.available:
         sys.exit(f"the CPU extension is unavailable ({status.reason}): nothing to compare")
     copy_gbs = copy_bandwidth(torch.device("cpu"))
+    floor = streams_floor()
     isa = f"{ISAS[isa_code()]} cap, torch CPU capability {torch.backends.cpu.get_cpu_capability()}"
     print(f"copy bandwidth {copy_gbs:.1f} GB/s; torch threads {torch.get_num_threads()}; kernel ISA: {isa}")
     rows: list[dict] = []
@@ -150,7 +195,7 @@ def main() -> None:
         for layout in args.layouts:
             for group in args.groups:
                 params = make_params(shapes, layout)
-                cases, kinds = cases_for(group, params, args.deepspeed)
+                cases, kinds = cases_for(group, params, args.deepspeed, floor)
                 print(f"== {size} ({n / 1e6:.1f}M params), {group}, layout {layout}: {len(params)} tensors")
                 cmp = compare(cases, baseline=BASELINES[group], warmup=args.warmup, repeats=args.repeats)
                 print(cmp.table())
