@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from llmpar.ops._dispatch import cuda_unavailable_reason, triton_unavailable_reason
+from llmpar.ops import adamw as adamw_module
 from llmpar.ops.adamw import adamw_step
 from llmpar.ops.grad_norm import clip_coefficient, grad_norm
 
@@ -153,6 +154,25 @@ def test_bf16_sr_reproducible_per_seed(backend):
         outs.append(torch.cat([torch.cat([t.float().cpu().reshape(-1) for t in st[k]]) for k in "pmv"]))
     assert torch.equal(outs[0], outs[1]), "same seed and step must give the same bits"
     assert not torch.equal(outs[0], outs[2]), "another seed must give other roundings"
+
+
+@pytest.mark.parametrize("precision", ["bf16_sr", "bf16_kahan", "fp32_master", "fp32"])
+def test_same_bits_however_the_tensors_are_split_into_calls(backend, precision, monkeypatch):
+    """One call over all tensors == one call per tensor with its salt: the stochastic-rounding stream is a function of
+    (seed, step, salt, element), not of the batching (ZeRO steps its units one call each). The torch path's batches
+    made small (1000 elements) so that they span tensors and split them."""
+    monkeypatch.setattr(adamw_module, "_CHUNK", 1000)
+    sizes = [(3, 41), (2501,), (7,), (1999,), (5,)]
+    whole, split = make_state(precision, sizes, seed=3), make_state(precision, sizes, seed=3)
+    run(precision, whole, seed=11)
+    for i in range(len(sizes)):
+        one = {k: v[i:i + 1] for k, v in split.items()}
+        adamw_step(one["p"], one["g"], one["m"], one["v"], one["s"], precision=precision, extras=one["x"] or None,
+                   seed=11, salts=[i], **HYPER)
+    for k in "pmvx":
+        for a, b in zip(whole[k], split[k]):
+            assert torch.equal(a, b), f"{k} differs between one call and one call per tensor"
+    assert not torch.equal(whole["p"][1], make_state(precision, sizes, seed=3)["p"][1])
 
 
 def test_bf16_kahan_one_step(backend):

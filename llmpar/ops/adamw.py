@@ -306,11 +306,10 @@ def _torch_low_precision(precision, params, grads, exp_avgs, exp_avg_sqs, steps,
             torch._foreach_copy_(m, m32)
             torch._foreach_copy_(v, v32)
             torch._foreach_copy_(p, p32)
-        elif precision == "bf16_sr":
-            gen.manual_seed(_mix(seed, int(float(st[0])), salts[owner[0]], p[0].data_ptr() - params[owner[0]].data_ptr()))
-            _sr_copy_(p, p32, gen)
-            _sr_copy_(m, m32, gen)
-            _sr_copy_(v, v32, gen)
+        elif precision == "bf16_sr":  # one stream per slice, keyed by (seed, step, salt, offset in its tensor):
+            for k, i in enumerate(owner):  # the same bits however the tensors are split into calls and batches
+                gen.manual_seed(_mix(seed, int(float(steps[i])), salts[i], p[k].data_ptr() - params[i].data_ptr()))
+                _sr_copy_([p[k], m[k], v[k]], [p32[k], m32[k], v32[k]], gen)
         else:  # Kahan: y = update + compensation; p = rn(p + y); c = rn(y - (p_new - p))
             y = torch._foreach_sub(p32, p_old)
             torch._foreach_add_(y, [t.float() for t in x])

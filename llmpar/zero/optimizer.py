@@ -20,14 +20,15 @@ step(): the global gradient norm (``llmpar.optim.grad_norm``: partition norms su
 summed over tp, replicated ones counted once) -> clip coefficient and found-inf flag -> one fused ``adamw_step`` per
 flat buffer over this rank's partition (the coefficient applied inside; a non-finite norm skips the step on every
 rank: norm, flag and skip count stay on the device, ``stats.py``; ``skipped_steps`` / ``last_grad_norm`` read them
-when asked) -> the updated shards all-gathered unit by unit straight into the param buffer (stages 1/2; at most
-``allgather_bucket_size`` elements in flight). Communication per step: stage 0 an all-reduce (2 psi), stages 1/2
+when asked) -> the updated shards all-gathered unit by unit straight into the param buffer (stages 1/2: one fused
+step per unit, each unit's gather launched as soon as its shard is stepped; at most ``allgather_bucket_size``
+elements in flight). Communication per step: stage 0 an all-reduce (2 psi), stages 1/2
 reduce-scatter + all-gather (psi + psi).
 """
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -47,14 +48,14 @@ from llmpar.zero.init import default_device, materialize_sharded, remap_params, 
 from llmpar.zero.layout import FlatLayout
 from llmpar.zero.loss_scale import LossScaler, unscale_and_clip
 from llmpar.zero.offload import Copier, Placement, host_step_buffer, master_dtype, memory_bytes
-from llmpar.zero.param_gather import DeferredGather, start_gather
+from llmpar.zero.param_gather import DeferredGather, step_gather
 from llmpar.zero.stage3 import (Stage3Runtime, UnitPlan, UnitPolicy, frozen_buffers, shard_params,
                                  split_persistent)
-from llmpar.zero.stats import NormStats, StepApplied
+from llmpar.zero.stats import NormStats, StepApplied, StepStatsView
 
 logger = logging.getLogger("llmpar")
 
-class ZeroOptimizer(ZeroCheckpointing):
+class ZeroOptimizer(StepStatsView, ZeroCheckpointing):
     """AdamW with ZeRO stage 0/1/2 over ``dp_group`` (module docstring). ``param_groups[i]["lr"]`` may be changed by a
     scheduler between steps."""
 
@@ -143,36 +144,6 @@ class ZeroOptimizer(ZeroCheckpointing):
                                         weights=weights)
             self.reducer.on_unit_reduced = self.stage3.unit_reduced
             self.reducer.on_backward_end = self.stage3.end_backward
-
-    @property
-    def skipped_steps(self) -> int:
-        """Steps skipped for non-finite grads (reading it syncs with the device once)."""
-        return self.stats.skipped_steps
-
-    @skipped_steps.setter
-    def skipped_steps(self, value: int) -> None:
-        self.stats.skipped_steps = value
-
-    @property
-    def last_grad_norm(self) -> float | None:
-        """The global grad norm of the last step (reading it syncs with the device once)."""
-        return self.stats.last_grad_norm
-
-    @last_grad_norm.setter
-    def last_grad_norm(self, value: float | None) -> None:
-        self.stats.last_grad_norm = value
-
-    @property
-    def loss_scale(self) -> float:
-        """The fp16 loss scale (DeepSpeed's ``loss_scale`` / ``cur_scale``; 1.0 without a scaler; reading syncs)."""
-        return self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
-
-    cur_scale = loss_scale
-
-    @property
-    def overflow(self) -> bool:
-        """The last step was skipped for non-finite grads (DeepSpeed's name; reading it syncs)."""
-        return self.stats.overflow
 
     # ---------------------------------------------------------------- layout
     def _layout(self, named: list[tuple[str, torch.Tensor]], shards: int, align: int) -> FlatLayout:
@@ -331,7 +302,10 @@ class ZeroOptimizer(ZeroCheckpointing):
         # the norm of the grads / loss scale; the clip coefficient with 1/scale folded in; found-inf skips the step
         norm, gscale, gscale64, found_inf = unscale_and_clip(self._global_norm(), self.max_grad_norm,
                                                              self.loss_scaler)
-        for b in self.buffers:
+        # stages 1/2: each unit's all-gather starts as soon as its shard is stepped, while the next units step
+        # (``param_gather.py``); a skipped step left the shards as they were: gathering them is harmless
+        gather = step_gather(self)
+        for bi, b in enumerate(self.buffers):
             g = self.param_groups[b.group_index]
             hyper = dict(lr=g["lr"], beta1=g["betas"][0], beta2=g["betas"][1], eps=g["eps"],
                          weight_decay=g["weight_decay"])
@@ -339,22 +313,34 @@ class ZeroOptimizer(ZeroCheckpointing):
             if gscale64 is not None and b.grad.dtype == torch.float64:  # the fused step takes a float32 coefficient:
                 torch._foreach_mul_(grads, gscale64.to(b.grad.device))  # float64 grads get theirs exactly
                 scale = None
-            if self.placement.offload_optimizer:
-                host_step_buffer(b, self._shards(b), grads, gscale=scale, found_inf=found_inf, **hyper)
-                continue
-            extra = MODES[b.mode].extra
-            adamw_step(self._shards(b), grads, self._units(b, "exp_avg"), self._units(b, "exp_avg_sq"), b.steps,
-                       precision=b.mode, extras=None if extra is None else self._units(b, extra[0]), gscale=scale,
-                       found_inf=found_inf, seed=self.seed, **hyper)
+            for u in self._step_units(b, grads, each=gather is not None, gscale=scale, found_inf=found_inf, **hyper):
+                if gather is not None:
+                    gather.unit_stepped(bi, u)
+        if gather is not None:
+            gather.finish()
         self.stats.record(norm, found_inf)
         if self.loss_scaler is not None:
             self.loss_scaler.update(found_inf)
         if self.stage3 is not None:  # a skipped step left the shards as they were: re-gathering is harmless
             self.stage3.regather_persistent()
-        elif self.stage > 0 and self.dp > 1:
-            start_gather(self)
         r.reset()
         return StepApplied(found_inf)
+
+    def _step_units(self, b: FlatBuffer, grads: list[torch.Tensor], *, each: bool, **kw: Any) -> Iterator[int]:
+        """Step buffer ``b``'s partition, yielding each unit once its shard holds the new values: one fused call per
+        unit when ``each`` (the same math and rounding stream as one call), else one call (the host step: one)."""
+        units = list(range(len(b.layout.units)))
+        if self.placement.offload_optimizer:
+            host_step_buffer(b, self._shards(b), grads, **kw)
+            yield from units
+            return
+        extra = MODES[b.mode].extra
+        state = [self._shards(b), grads, self._units(b, "exp_avg"), self._units(b, "exp_avg_sq"), b.steps,
+                 None if extra is None else self._units(b, extra[0])]
+        for sel in [[u] for u in units] if each else [units]:
+            p, g, m, v, st, ex = (None if xs is None else [xs[u] for u in sel] for xs in state)
+            adamw_step(p, g, m, v, st, precision=b.mode, extras=ex, seed=self.seed, salts=sel, **kw)
+            yield from sel
 
     def wait_params(self) -> None:
         """Wait for a deferred all-gather of updated params (``overlap_param_gather``; ``param_gather.py``): call it

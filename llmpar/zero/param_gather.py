@@ -1,7 +1,9 @@
 """ZeRO-1/2: the all-gather of the updated params after ``step()``, waited for at once or as late as possible.
 
 After a stage-1/2 step each rank holds only its partition of the new params; an all-gather makes them whole again.
-``gather_now`` waits for it inside ``step()`` (the default). With ``zero_optimization.overlap_param_gather`` (the
+``step()`` steps one unit at a time and launches that unit's all-gather as soon as its shard is updated
+(:func:`step_gather`), so the gathers of the first units run while the later ones are stepped. By default
+(:class:`BoundedGather`) ``step()`` waits for them all before it returns. With ``zero_optimization.overlap_param_gather`` (the
 name Megatron-Core uses for the same option), :class:`DeferredGather` launches the all-gathers at the end of
 ``step()`` and waits for each unit just before the first module that holds one of its params runs forward (a forward
 pre-hook per such module), so the communication overlaps whatever runs until then and the early layers of the next
@@ -14,7 +16,6 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-import torch
 from torch import nn
 
 from llmpar.distributed.collectives import Handle, all_gather_flat
@@ -27,21 +28,36 @@ def _launch(opt: Any, b: Any, u: int) -> tuple[Handle, int]:
     return h, out.numel()
 
 
+class BoundedGather:
+    """Unit all-gathers launched one by one, at most ``allgather_bucket_size`` elements in flight (the oldest is
+    waited for first); :meth:`finish` waits for the rest (the default: params whole when ``step()`` returns)."""
+
+    def __init__(self, opt: Any) -> None:
+        self.opt, self.limit = opt, opt.zero_config.allgather_bucket_size
+        self.inflight: list[tuple[Handle, int]] = []
+        self.live = 0
+
+    def unit_stepped(self, bi: int, u: int) -> None:
+        self.inflight.append(_launch(self.opt, self.opt.buffers[bi], u))
+        self.live += self.inflight[-1][1]
+        while self.live > self.limit and len(self.inflight) > 1:
+            h0, n0 = self.inflight.pop(0)
+            h0.wait()
+            self.live -= n0
+
+    def finish(self) -> None:
+        while self.inflight:
+            self.inflight.pop(0)[0].wait()
+        self.live = 0
+
+
 def gather_now(opt: Any) -> None:
     """All-gather every unit of every buffer, at most ``allgather_bucket_size`` elements in flight; wait for all."""
-    limit = opt.zero_config.allgather_bucket_size
-    inflight: list[tuple[Handle, int]] = []
-    live = 0
-    for b in opt.buffers:
+    g = BoundedGather(opt)
+    for bi, b in enumerate(opt.buffers):
         for u in range(len(b.layout.units)):
-            inflight.append(_launch(opt, b, u))
-            live += inflight[-1][1]
-            while live > limit and len(inflight) > 1:
-                h0, n0 = inflight.pop(0)
-                h0.wait()
-                live -= n0
-    for h, _ in inflight:
-        h.wait()
+            g.unit_stepped(bi, u)
+    g.finish()
 
 
 class DeferredGather:
@@ -74,7 +90,14 @@ class DeferredGather:
         self.wait_all()
         for bi, b in enumerate(self.opt.buffers):
             for u in range(len(b.layout.units)):
-                self.pending[(bi, u)] = _launch(self.opt, b, u)[0]
+                self.unit_stepped(bi, u)
+
+    def unit_stepped(self, bi: int, u: int) -> None:
+        """Start unit ``u`` of buffer ``bi``'s all-gather (its shard was just stepped); a forward pre-hook waits."""
+        self.pending[(bi, u)] = _launch(self.opt, self.opt.buffers[bi], u)[0]
+
+    def finish(self) -> None:
+        """The end of ``step()``: nothing to wait for here (the forward pre-hooks wait)."""
 
     def wait_all(self) -> None:
         while self.pending:
@@ -86,14 +109,14 @@ class DeferredGather:
             h.remove()
 
 
-@torch.no_grad()
-def start_gather(opt: Any) -> None:
-    """The end of a stage-1/2 step: gather now, or launch and wait later (``overlap_param_gather``)."""
+def step_gather(opt: Any) -> BoundedGather | DeferredGather | None:
+    """What a stage-1/2 ``step()`` hands each stepped unit to (``unit_stepped(bi, u)``, then ``finish()``): the
+    deferred gather (``overlap_param_gather``) or a bounded one waited at the end of the step; None when there is
+    nothing to gather (stage 0 or 3, one dp rank)."""
+    if opt.stage not in (1, 2) or opt.dp == 1:
+        return None
     deferred = getattr(opt, "deferred_gather", None)
-    if deferred is None:
-        gather_now(opt)
-    else:
-        deferred.launch()
+    return deferred if deferred is not None else BoundedGather(opt)
 
 
-__all__ = ["DeferredGather", "gather_now", "start_gather"]
+__all__ = ["BoundedGather", "DeferredGather", "gather_now", "step_gather"]

@@ -10,6 +10,7 @@ read) once that copy has landed.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 
@@ -89,3 +90,41 @@ class NormStats:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"skipped_steps must be a non-negative int, got {value!r}")
         self._base, self._skips, self._reported, self._seen = value, None, value, None
+
+
+class StepStatsView:
+    """Mixin for ``ZeroOptimizer``: its step statistics under DeepSpeed's names, read from ``self.stats`` (a
+    :class:`NormStats`) and ``self.loss_scaler``."""
+
+    stats: NormStats
+    loss_scaler: Any
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for non-finite grads (reading it syncs with the device once)."""
+        return self.stats.skipped_steps
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self.stats.skipped_steps = value
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The global grad norm of the last step (reading it syncs with the device once)."""
+        return self.stats.last_grad_norm
+
+    @last_grad_norm.setter
+    def last_grad_norm(self, value: float | None) -> None:
+        self.stats.last_grad_norm = value
+
+    @property
+    def loss_scale(self) -> float:
+        """The fp16 loss scale (DeepSpeed's ``loss_scale`` / ``cur_scale``; 1.0 without a scaler; reading syncs)."""
+        return self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
+
+    cur_scale = loss_scale
+
+    @property
+    def overflow(self) -> bool:
+        """The last step was skipped for non-finite grads (DeepSpeed's name; reading it syncs)."""
+        return self.stats.overflow
