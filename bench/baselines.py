@@ -138,6 +138,7 @@ def comm_only_step(model: Any, gathers: int, dtype: torch.dtype = torch.float32,
     n = -(-sum(p.numel() for p in model.parameters()) // world) * world
     full, shard = torch.empty(n, dtype=dtype), torch.randn(n // world).to(dtype)
     grads, mine = torch.randn(n).to(dtype), torch.empty(n // world, dtype=dtype)
+    scratch = torch.empty((world - 1) * (n // world), dtype=dtype)  # received chunks, reused (as ZeRO's pool does)
 
     def step() -> None:
         if all_reduce:
@@ -145,7 +146,7 @@ def comm_only_step(model: Any, gathers: int, dtype: torch.dtype = torch.float32,
             return
         for _ in range(gathers):
             all_gather_flat(full, shard, dist.group.WORLD)
-        reduce_scatter_flat(mine, grads, dist.group.WORLD)
+        reduce_scatter_flat(mine, grads, dist.group.WORLD, scratch=scratch)
     return step
 
 

@@ -164,7 +164,7 @@ def reduce_scatter_uses_exchange(group: "Group | GroupRef", device: torch.device
 
 def reduce_scatter_flat(
     output: torch.Tensor, input: torch.Tensor, group: Group, *, op: str = "sum", async_op: bool = False,
-    counter: CommCounter | None = None, what: str | None = None,
+    counter: CommCounter | None = None, what: str | None = None, scratch: torch.Tensor | None = None,
 ) -> Handle | None:
     """``output[n] = reduce_r input_r[group_rank * n : (group_rank + 1) * n]`` over the ranks r of ``group``.
 
@@ -173,19 +173,28 @@ def reduce_scatter_flat(
     reduce-scatter; it holds up to one more ``input``-sized buffer while in flight, see
     :func:`reduce_scatter_uses_exchange`); elsewhere ``reduce_scatter_tensor`` (``reduce_scatter_single`` from torch
     2.13); where neither exists, an all-reduce of a copy (2x traffic). Counted once, as the reduce-scatter it is,
-    whichever path runs.
+    whichever path runs. ``scratch``: where the exchange receives the other ranks' chunks (at least ``(size - 1) *
+    output.numel()`` elements of ``input``'s dtype and device, untouched until the handle is waited for), instead of
+    a fresh buffer: on the CPU a fresh one page-faults on every 4 KiB it receives (ZeRO passes reused ones); ignored
+    on the other paths.
     """
     pg = as_group(group)
     size = dist.get_world_size(pg)
     _check_pair(output, input, "input", size)
+    if scratch is not None and (scratch.dtype != input.dtype or scratch.device != input.device
+                                or not scratch.is_contiguous() or scratch.numel() < (size - 1) * output.numel()):
+        raise ValueError(f"scratch ({scratch.dtype}, {scratch.numel()} elements on {scratch.device}) must be a "
+                         f"contiguous {input.dtype} tensor on {input.device} of at least (group size - 1) x "
+                         f"output = {(size - 1) * output.numel()} elements")
     reduce_op = _op(op)
     what = what or f"reduce-scatter ({op}) of {input.numel()} elements"
     with failing_as(what, pg):
-        return _reduce_scatter(output, input, pg, size, op, reduce_op, async_op, counter, what)
+        return _reduce_scatter(output, input, pg, size, op, reduce_op, async_op, counter, what, scratch)
 
 
 def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, pg: dist.ProcessGroup, size: int, op: str,
-                    reduce_op: dist.ReduceOp, async_op: bool, counter: CommCounter | None, what: str) -> Handle | None:
+                    reduce_op: dist.ReduceOp, async_op: bool, counter: CommCounter | None, what: str,
+                    scratch: torch.Tensor | None = None) -> Handle | None:
     if counter is not None:
         nbytes = input.numel() * input.element_size()
         counter.record("reduce_scatter", input.numel(), (size - 1) / size * nbytes, nbytes / size * counter.cross_peers(pg))
@@ -193,7 +202,9 @@ def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, pg: dist.ProcessG
         me = dist.get_rank(pg)
         chunks = input.view(size, -1)
         if input.numel() >= DIRECT_REDUCE_SCATTER_MIN:  # point to point: this rank's own chunk is not copied
-            received = torch.empty(size - 1, chunks.shape[1], dtype=input.dtype, device=input.device)
+            n = chunks.shape[1]
+            received = (scratch.view(-1)[:(size - 1) * n].view(size - 1, n) if scratch is not None
+                        else torch.empty(size - 1, n, dtype=input.dtype, device=input.device))
             peers = [j for j in range(size) if j != me]
             works = _exchange(pg, [(j, chunks[j], received[i]) for i, j in enumerate(peers)])
             parts = [chunks[me] if j == me else received[peers.index(j)] for j in range(size)]

@@ -23,11 +23,12 @@ from typing import Any, Callable
 
 import torch
 
-from llmpar.distributed.collectives import (CommCounter, Group, Handle, all_reduce, reduce_scatter_flat,
-                                            reduce_scatter_uses_exchange)
+from llmpar.distributed.collectives import (DIRECT_REDUCE_SCATTER_MIN, CommCounter, Group, Handle, all_reduce,
+                                            reduce_scatter_flat, reduce_scatter_uses_exchange)
 from llmpar.ops.bucket import pack_bucket
 from llmpar.zero.compressed import GradQuantizer
 from llmpar.zero.layout import FlatLayout
+from llmpar.zero.scratch import ScratchPool
 
 
 @dataclass(kw_only=True)
@@ -94,7 +95,9 @@ class GradReducer:
         self.micro_steps = 0  # backwards since the last step
         self.staging_peak = 0  # most staging elements held at once (stage 2), for memory reports
         self._armed = False
-        self._inflight: deque[tuple[Handle, Callable[[], None] | None, int, tuple[int, int]]] = deque()
+        # (handle, finish, elements held, key, scratch buffers given back to the pool once finished)
+        self._inflight: deque[tuple[Handle, Callable[[], None] | None, int, tuple[int, int], list]] = deque()
+        self.pool = ScratchPool()  # staging, receive and landing buffers reused across units and steps (CPU)
         self._staging_live = 0
         self._where: dict[int, tuple[FlatBuffer, int]] = {}
         self._hooks = []
@@ -151,7 +154,7 @@ class GradReducer:
             self._reduce_quantized(b, u, grads, scale, key)
             return
         if self.stage == 2:
-            staging = torch.empty(unit.padded, dtype=self.reduce_dtype_of(b), device=b.flat.device)
+            staging = self.pool.take(unit.padded, self.reduce_dtype_of(b), b.flat.device)
             pack_bucket(grads, out=staging, scale=scale)
             staging[unit.numel:].zero_()
             del grads
@@ -159,24 +162,27 @@ class GradReducer:
             if self.on_unit_reduced is not None:  # stage 3: the grads are packed, the gathered unit can go
                 self.on_unit_reduced(b, u)
             if self.fresh and self.copier is None and shard.dtype == staging.dtype and shard.device == staging.device:
-                self._launch(self._reduce_scatter(shard, staging, key),
-                             None, staging, key)
+                bufs = [staging]
+                self._launch(self._reduce_scatter(shard, staging, key, bufs), None, staging, key, bufs=bufs)
             else:  # another dtype / the host partition (offload_optimizer): copied out when the reduction lands
-                tmp = staging.new_empty(shard.numel())
-                h = self._reduce_scatter(tmp, staging, key)
+                tmp = self.pool.take(shard.numel(), staging.dtype, staging.device)
+                bufs = [staging, tmp]
+                h = self._reduce_scatter(tmp, staging, key, bufs)
                 if not self.fresh:  # accumulate (after the copies-out of the first micro-step have landed)
                     finish = lambda: self._sync_copies() or shard.add_(tmp.to(shard.device, shard.dtype))  # noqa: E731
                 elif self.copier is not None:
                     finish = lambda: self.copier.to_host(shard, tmp)  # noqa: E731
                 else:
                     finish = lambda: shard.copy_(tmp)  # noqa: E731
-                self._launch(h, finish, staging, key)
+                self._launch(h, finish, staging, key, bufs=bufs)
             return
         region = layout.unit_view(b.grad, u)
         if self.fresh:
             pack_bucket(grads, out=region, scale=scale)
         else:
-            region[: unit.numel].add_(pack_bucket(grads, dtype=region.dtype, scale=scale))
+            packed = self.pool.take(unit.numel, region.dtype, region.device)
+            region[: unit.numel].add_(pack_bucket(grads, out=packed, scale=scale))
+            self.pool.give(packed)
         del grads
         if not self.boundary:
             return
@@ -184,8 +190,7 @@ class GradReducer:
             self._launch(all_reduce(region, self.group, async_op=True, counter=self.counter,
                                     what=f"all-reduce of gradients, buffer {key[0]} unit {key[1]}"), None, None, key)
         else:
-            tmp = torch.empty_like(layout.shard_of_full(b.grad, u, self.rank))
-            self._launch(self._reduce_scatter(tmp, region, key), self._land(b, u, tmp), None, key)
+            self._reduce_shard(b, u, region, key)
 
     def _reduce_quantized(self, b: FlatBuffer, u: int, grads: list[torch.Tensor], scale: float,
                           key: tuple[int, int]) -> None:
@@ -210,6 +215,12 @@ class GradReducer:
             finish = lambda: self.copier.to_host(shard, tmp)  # noqa: E731
         self._launch(q.reduce(key, wire, tmp, accumulate=False, what=what), finish, None, key, held)
 
+    def _reduce_shard(self, b: FlatBuffer, u: int, region: torch.Tensor, key: tuple[int, int]) -> None:
+        """Stage 1: reduce-scatter unit ``u``'s accumulator ``region`` into a landing buffer, then :meth:`_land`."""
+        tmp = self.pool.take(region.numel() // self.dp, region.dtype, region.device)
+        bufs = [tmp]
+        self._launch(self._reduce_scatter(tmp, region, key, bufs), self._land(b, u, tmp), None, key, bufs=bufs)
+
     def _land(self, b: FlatBuffer, u: int, tmp: torch.Tensor) -> Callable[[], None]:
         """Stage 1: where unit ``u``'s reduced shard ``tmp`` goes once its reduce-scatter has finished: back into the
         accumulator, or (offload_optimizer) out to the host partition the host step reads."""
@@ -219,17 +230,25 @@ class GradReducer:
         mine = b.layout.shard_of_full(b.grad, u, self.rank)
         return lambda: mine.copy_(tmp)
 
-    def _reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, key: tuple[int, int]) -> Handle:
+    def _reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, key: tuple[int, int],
+                        bufs: list[torch.Tensor]) -> Handle:
+        """Launch the reduce-scatter; on the exchange path (gloo) the received chunks go into a pooled buffer,
+        appended to ``bufs`` (given back once the reduction has finished)."""
+        scratch = None
+        if self.exchange and output.numel() * self.dp >= DIRECT_REDUCE_SCATTER_MIN:
+            scratch = self.pool.take((self.dp - 1) * output.numel(), input.dtype, input.device)
+            bufs.append(scratch)
         handle = reduce_scatter_flat(output, input, self.group, async_op=True, counter=self.counter,
-                                     what=f"reduce-scatter of gradients, buffer {key[0]} unit {key[1]}")
+                                     what=f"reduce-scatter of gradients, buffer {key[0]} unit {key[1]}",
+                                     scratch=scratch)
         assert handle is not None
         return handle
 
     def _launch(self, handle: Handle, finish: Callable[[], None] | None, staging: torch.Tensor | None,
-                key: tuple[int, int], held: int = 0) -> None:
+                key: tuple[int, int], held: int = 0, bufs: list[torch.Tensor] = ()) -> None:
         if staging is not None:  # + the received chunks
             held = staging.numel() * (2 if self.exchange else 1)
-        self._inflight.append((handle, finish, held, key))
+        self._inflight.append((handle, finish, held, key, list(bufs)))
         self._staging_live += held
         self.staging_peak = max(self.staging_peak, self._staging_live)
         if not self.overlap:
@@ -238,10 +257,12 @@ class GradReducer:
             self._wait_oldest()
 
     def _wait_oldest(self) -> None:
-        handle, finish, held, key = self._inflight.popleft()
+        handle, finish, held, key, bufs = self._inflight.popleft()
         handle.wait()
         if finish is not None:
             finish()
+        for buf in bufs:  # CPU buffers only are pooled, and CPU copies out of them are done by now (Copier)
+            self.pool.give(buf)
         self._staging_live -= held
         if self.log is not None:
             self.log.append(("reduced", key))
@@ -292,8 +313,7 @@ class GradReducer:
                     self._launch(all_reduce(region, self.group, async_op=True, counter=self.counter, what=what),
                                  None, None, key)
                 else:
-                    tmp = torch.empty_like(b.layout.shard_of_full(b.grad, u, self.rank))
-                    self._launch(self._reduce_scatter(tmp, region, key), self._land(b, u, tmp), None, key)
+                    self._reduce_shard(b, u, region, key)
         self.wait_all()
         self.boundary = boundary
         self.reduced = True
