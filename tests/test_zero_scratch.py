@@ -108,6 +108,9 @@ class _Fresh:
     def give(self, tensor):
         pass
 
+    def clear(self):
+        pass
+
 
 def _zero_body(stage, pooled, dtype):
     import llmpar
@@ -122,7 +125,7 @@ def _zero_body(stage, pooled, dtype):
                                  "allgather_bucket_size": 10 ** 6}}
     engine, opt, _, _ = llmpar.initialize(model=model, config=cfg)
     units = opt.buffers[0].layout.units
-    assert len(units) >= 2 and max(u.padded for u in units) >= DIRECT_REDUCE_SCATTER_MIN  # the exchange path too
+    assert len(units) >= 2 and max(u.padded for u in units) >= DIRECT_REDUCE_SCATTER_MIN or stage == 3
     if not pooled:
         opt.reducer.pool = _Fresh()
     g = torch.Generator().manual_seed(1 + dist.get_rank())
@@ -135,7 +138,10 @@ def _zero_body(stage, pooled, dtype):
             engine.step()
             losses.append(loss.item())
         allocations.append(opt.reducer.pool.allocations)
-    params = torch.cat([p.detach().float().flatten() for p in model.parameters()])
+        if stage == 3 and pooled:
+            assert opt.reducer.pool.free_bytes == 0  # stage 3 holds nothing between steps
+    with llmpar.zero.GatheredParameters(list(model.parameters())):  # stage 3: sharded params are read gathered
+        params = torch.cat([p.detach().float().flatten() for p in model.parameters()])
     peak = opt.reducer.pool.peak_bytes if pooled else 0
     elt = torch.finfo(dtype).bits // 8
     # what one step needs at once: stage 2 its staging + received chunks (``staging_peak`` counts both), stage 1 a
@@ -153,3 +159,11 @@ def test_zero_reduction_reuses_its_buffers(stage, dtype):
         assert a0[0] > 0 and a0[-1] == a0[0], f"allocations after each step {a0}: none once the first step ran"
         assert a1 == [a1[0] * k for k in (1, 2, 3, 4)] and a1[0] > 0
         assert 0 < peak <= 2 * bound, (peak, bound)  # a buffer serves requests down to half its size
+
+
+def test_zero3_holds_no_scratch_between_steps():
+    pooled = run_ranks(_zero_body, 2, 3, True, torch.float32)
+    fresh = run_ranks(_zero_body, 2, 3, False, torch.float32)
+    for (l0, p0, a0, _, _), (l1, p1, _, _, _) in zip(pooled, fresh):
+        assert l0 == l1 and torch.equal(p0, p1)
+        assert a0 == [a0[0] * k for k in (1, 2, 3, 4)] and a0[0] > 0  # allocated anew every step

@@ -71,7 +71,7 @@ class GradReducer:
     def __init__(self, buffers: list[FlatBuffer], *, stage: int, dp_group: Group, dp: int, rank: int,
                  overlap: bool, reduce_dtype_of: Callable[[FlatBuffer], torch.dtype],
                  counter: CommCounter | None, inflight_budget: int = 0, copier: Any = None,
-                 quantizer: GradQuantizer | None = None) -> None:
+                 quantizer: GradQuantizer | None = None, keep_scratch: bool = True) -> None:
         self.buffers = buffers
         self.stage = stage
         self.group = dp_group
@@ -97,7 +97,9 @@ class GradReducer:
         self._armed = False
         # (handle, finish, elements held, key, scratch buffers given back to the pool once finished)
         self._inflight: deque[tuple[Handle, Callable[[], None] | None, int, tuple[int, int], list]] = deque()
-        self.pool = ScratchPool()  # staging, receive and landing buffers reused across units and steps (CPU)
+        # staging, receive and landing buffers reused across units (CPU), and across steps when ``keep_scratch``
+        # (stages 1/2; stage 3 holds nothing between steps: the pool is emptied after each backward)
+        self.pool, self.keep_scratch = ScratchPool(), keep_scratch
         self._staging_live = 0
         self._where: dict[int, tuple[FlatBuffer, int]] = {}
         self._hooks = []
@@ -288,6 +290,8 @@ class GradReducer:
                 if left > 0:
                     self._unit_ready(b, u)
         self.wait_all()
+        if not self.keep_scratch:
+            self.pool.clear()
         if self.on_backward_end is not None:
             self.on_backward_end()
         for b in self.buffers:

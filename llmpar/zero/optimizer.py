@@ -126,7 +126,8 @@ class ZeroOptimizer(StepStatsView, ZeroCheckpointing):
         self.reducer = GradReducer(self.buffers, stage=min(stage, 2), dp_group=self.dp_group, dp=self.dp,
                                    rank=self.rank, overlap=zcfg.overlap_comm, reduce_dtype_of=lambda b: b.layout.dtype,
                                    counter=counter, copier=self.copier if self.placement.offload_optimizer else None,
-                                   inflight_budget=4 * zcfg.reduce_bucket_size, quantizer=quantizer)
+                                   inflight_budget=4 * zcfg.reduce_bucket_size, quantizer=quantizer,
+                                   keep_scratch=stage < 3)
         if zcfg.overlap_param_gather and stage in (1, 2) and self.dp > 1:
             if module is None:
                 raise ValueError("zero_config.overlap_param_gather needs module= (the model whose forward waits for "

@@ -5,10 +5,14 @@ unmaps them when freed), and the first write to each 4 KiB page of it faults and
 2-core CPU machine (gloo, dp=2): receiving 38 MB into a fresh buffer takes 49.5 ms and 9.4k page faults, into a
 reused one 20.4 ms; a reduce-scatter of 19.2M fp32 values 66.8 vs 33.2 ms. ZeRO-1/2 took a fresh staging bucket, a
 fresh receive buffer and (stage 1) a fresh landing buffer for every unit of every step: 20.1k page faults per step on
-the bench GPT against DDP's 7.9k. :class:`ScratchPool` hands out again the buffers given back (the smallest free one
-of the dtype that holds the request and is at most twice its size, as a view of its first ``numel`` elements) and keeps at most twice the most
-bytes ever taken at once in free buffers (the smallest go first), so what it holds is bounded by the reduction's own
-peak.
+the bench GPT against DDP's 7.9k (now 0.8k). :class:`ScratchPool` hands out again the buffers given back (the
+smallest free one of the dtype that holds the request and is at most twice its size, as a view of its first
+``numel`` elements) and keeps at most twice the most bytes ever taken at once in free buffers (the smallest go
+first), so what it holds is bounded by the reduction's own peak.
+
+ZeRO-1/2 keep the pool from step to step (between steps it holds about what one step's reduction held at its peak,
+as DDP keeps its buckets; the peak itself is unchanged); ZeRO-3 empties it after each backward, so that nothing is
+held between steps.
 
 Only CPU tensors are pooled: on CUDA the caching allocator already reuses memory, with the stream semantics a pool
 of its own would have to repeat; there ``take`` is ``torch.empty`` and ``give`` does nothing.
