@@ -28,9 +28,10 @@ from baselines import (add_step_args, batch, comm_only_step, ddp_step, ddp_zero_
                        deepspeed_step, gpt, llmpar_step, no_comm_master_step, no_comm_step, time_cases,
                        torchrun, zero_config)
 
-CASES = ("llmpar_s1", "llmpar_s2", "llmpar_s1_overlap", "llmpar_s2_overlap", "ddp", "deepspeed_s1", "deepspeed_s2",
-         "ddp_zero_redundancy", "no_comm", "no_comm_master", "comm_only_s2", "comm_only_ddp")
-LLMPAR_CASE = re.compile(r"llmpar_s(?P<stage>[0-3])(?P<overlap>_overlap)?")
+CASES = ("llmpar_s1", "llmpar_s2", "llmpar_s1_overlap", "llmpar_s2_overlap", "llmpar_s1_fresh", "llmpar_s2_fresh",
+         "ddp", "deepspeed_s1", "deepspeed_s2", "ddp_zero_redundancy", "no_comm", "no_comm_master", "comm_only_s2",
+         "comm_only_ddp")
+LLMPAR_CASE = re.compile(r"llmpar_s(?P<stage>[0-3])(?P<overlap>_overlap)?(?P<fresh>_fresh)?")
 
 
 def _rss_mb() -> float:
@@ -46,8 +47,9 @@ def build(case: str, args):
     inp, tgt = batch(args)
     model = gpt(args)
     named = LLMPAR_CASE.fullmatch(case)
-    if named:  # llmpar_s{stage}[_overlap]: overlap_param_gather
-        return llmpar_step(model, zero_config(args, int(named["stage"]), bool(named["overlap"])), inp, tgt)
+    if named:  # llmpar_s{stage}[_overlap]: overlap_param_gather; _fresh: the reduction without its scratch pool
+        return llmpar_step(model, zero_config(args, int(named["stage"]), bool(named["overlap"])), inp, tgt,
+                           fresh_buffers=bool(named["fresh"]))
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     if case == "no_comm":  # the floors: compute alone (DDP's: plain fused AdamW), ZeRO's per-param bf16 step
         return no_comm_step(model, args, inp, tgt)
@@ -82,6 +84,8 @@ def timing_run(args) -> None:
                          f"({n_params / 1e6:.1f}M params)",
                 "batch": f"micro {args.micro} x seq {args.seq} per rank, dp={world}", "bf16": args.bf16,
                 "bucket": args.bucket, "goal": "llmpar_s1, llmpar_s2 <= 1.0 x ddp (DDP + fused AdamW) step time",
+                "fresh": "llmpar_s*_fresh: the reduction taking a fresh CPU buffer for every staging bucket, received "
+                         "chunk and landing shard (before llmpar.zero.scratch)",
                 "threads_per_rank": torch.get_num_threads()}
         print(json.dumps(rows, indent=1))
         if not args.no_write:
