@@ -9,6 +9,7 @@ import torch.distributed as dist
 import llmpar
 from llmpar.models import GPT, GPTConfig
 from multirank import run_ranks
+from zero_helpers import engine_micro_steps
 
 STEPS = 5
 
@@ -30,12 +31,7 @@ def _body(stage, overlap, tmp):
     g = torch.Generator().manual_seed(1 + dist.get_rank())
     losses, snapshots = [], []
     for step in range(STEPS):
-        for _ in range(2):
-            x = torch.randint(0, 61, (3, 10), generator=g)
-            loss = model.loss(engine(x[:, :-1]), x[:, 1:])
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
+        losses += engine_micro_steps(engine, model, g)
         if overlap:
             assert opt.deferred_gather.pending  # launched, not yet waited
         if step == 1:

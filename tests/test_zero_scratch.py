@@ -9,6 +9,7 @@ from llmpar.distributed.collectives import DIRECT_REDUCE_SCATTER_MIN, reduce_sca
 from llmpar.models import GPT, GPTConfig
 from llmpar.zero.scratch import ScratchPool
 from multirank import run_ranks
+from zero_helpers import engine_micro_steps
 
 
 def test_pool_serves_from_the_smallest_free_buffer_that_holds_the_request():
@@ -131,12 +132,7 @@ def _zero_body(stage, pooled, dtype):
     g = torch.Generator().manual_seed(1 + dist.get_rank())
     losses, allocations = [], []
     for _ in range(4):
-        for _ in range(2):
-            x = torch.randint(0, 61, (3, 10), generator=g)
-            loss = model.loss(engine(x[:, :-1]), x[:, 1:])
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
+        losses += engine_micro_steps(engine, model, g)
         allocations.append(opt.reducer.pool.allocations)
         if stage == 3 and pooled:
             assert opt.reducer.pool.free_bytes == 0  # stage 3 holds nothing between steps

@@ -90,3 +90,16 @@ def single_gpt_losses(model, steps, n, clip=0.3, lr=1e-2, weight_decay=0.1):
         opt.zero_grad()
         losses.append(loss.item())
     return losses
+
+
+def engine_micro_steps(engine, model, g, micro=2, batch=3, vocab=61, seq=9):
+    """``micro`` engine micro-steps (forward, backward, step) on random token batches drawn from generator ``g``;
+    returns their losses."""
+    losses = []
+    for _ in range(micro):
+        x = torch.randint(0, vocab, (batch, seq + 1), generator=g)
+        loss = model.loss(engine(x[:, :-1]), x[:, 1:])
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
