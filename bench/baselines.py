@@ -76,28 +76,15 @@ def _torch_step(model: Any, forward: Callable, opt: Any, inp: torch.Tensor, tgt:
     return step
 
 
-class FreshBuffers:
-    """Stands in for ZeRO's reduction scratch pool (``llmpar.zero.scratch.ScratchPool``) with what the reduction did
-    before it: a fresh buffer for every staging bucket, received chunk and landing shard."""
-
-    def take(self, numel: int, dtype: torch.dtype, device: Any) -> torch.Tensor:
-        return torch.empty(numel, dtype=dtype, device=device)
-
-    def give(self, tensor: torch.Tensor) -> None:
-        pass
-
-    def clear(self) -> None:
-        pass
-
-
 def llmpar_step(model: Any, cfg: dict, inp: torch.Tensor, tgt: torch.Tensor, fresh_buffers: bool = False) -> Step:
-    """llmpar.initialize on ``cfg``; ``fresh_buffers``: the reduction without its scratch pool (:class:`FreshBuffers`),
-    to measure what the pool saves."""
+    """llmpar.initialize on ``cfg``; ``fresh_buffers``: the reduction's scratch pool not reusing (a fresh buffer for
+    every staging bucket, received chunk and landing shard, as before the pool), to measure what the pool saves."""
     import llmpar
+    from llmpar.zero.scratch import ScratchPool
 
     engine, opt, _, _ = llmpar.initialize(model=model, config=cfg)
     if fresh_buffers:
-        opt.reducer.pool = FreshBuffers()
+        opt.reducer.pool = ScratchPool(reuse=False)
     return _engine_step(engine, inp, tgt)
 
 

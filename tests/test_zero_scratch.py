@@ -97,22 +97,6 @@ def test_reduce_scatter_into_scratch_equals_a_fresh_buffer(world):
     assert "at least (group size - 1) x output" in results[0][0]
 
 
-class _Fresh:
-    """What the reduction did before the pool: a fresh buffer every time."""
-
-    allocations = 0
-
-    def take(self, numel, dtype, device):
-        self.allocations += 1
-        return torch.empty(numel, dtype=dtype, device=device)
-
-    def give(self, tensor):
-        pass
-
-    def clear(self):
-        pass
-
-
 def _zero_body(stage, pooled, dtype):
     import llmpar
 
@@ -128,13 +112,13 @@ def _zero_body(stage, pooled, dtype):
     units = opt.buffers[0].layout.units
     assert len(units) >= 2 and max(u.padded for u in units) >= DIRECT_REDUCE_SCATTER_MIN or stage == 3
     if not pooled:
-        opt.reducer.pool = _Fresh()
+        opt.reducer.pool = ScratchPool(reuse=False)  # what the reduction did before: a fresh buffer every time
     g = torch.Generator().manual_seed(1 + dist.get_rank())
     losses, allocations = [], []
     for _ in range(4):
         losses += engine_micro_steps(engine, model, g)
         allocations.append(opt.reducer.pool.allocations)
-        if stage == 3 and pooled:
+        if stage == 3:
             assert opt.reducer.pool.free_bytes == 0  # stage 3 holds nothing between steps
     with llmpar.zero.GatheredParameters(list(model.parameters())):  # stage 3: sharded params are read gathered
         params = torch.cat([p.detach().float().flatten() for p in model.parameters()])

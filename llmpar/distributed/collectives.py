@@ -162,6 +162,16 @@ def reduce_scatter_uses_exchange(group: "Group | GroupRef", device: torch.device
     return _backend(as_group(group), torch.device(device).type) == "gloo"
 
 
+def reduce_scatter_scratch_numel(input: torch.Tensor, group: "Group | GroupRef") -> int:
+    """How many elements of ``scratch`` :func:`reduce_scatter_flat` (sum / avg) receives into for this ``input`` on
+    ``group``: ``(size - 1) / size`` of it on the point-to-point exchange (gloo, from DIRECT_REDUCE_SCATTER_MIN
+    elements), else 0 (the path takes no scratch)."""
+    if not reduce_scatter_uses_exchange(group, input.device) or input.numel() < DIRECT_REDUCE_SCATTER_MIN:
+        return 0
+    size = dist.get_world_size(as_group(group))
+    return (size - 1) * (input.numel() // size)
+
+
 def reduce_scatter_flat(
     output: torch.Tensor, input: torch.Tensor, group: Group, *, op: str = "sum", async_op: bool = False,
     counter: CommCounter | None = None, what: str | None = None, scratch: torch.Tensor | None = None,
@@ -176,7 +186,7 @@ def reduce_scatter_flat(
     whichever path runs. ``scratch``: where the exchange receives the other ranks' chunks (at least ``(size - 1) *
     output.numel()`` elements of ``input``'s dtype and device, untouched until the handle is waited for), instead of
     a fresh buffer: on the CPU a fresh one page-faults on every 4 KiB it receives (ZeRO passes reused ones); ignored
-    on the other paths.
+    on the other paths (:func:`reduce_scatter_scratch_numel` says how much a call uses).
     """
     pg = as_group(group)
     size = dist.get_world_size(pg)

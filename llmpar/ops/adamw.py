@@ -291,6 +291,7 @@ def _torch_low_precision(precision, params, grads, exp_avgs, exp_avg_sqs, steps,
     lr = float(lr)
     gs = None if gscale is None else float(gscale)
     gen = torch.Generator(device=device)
+    step_of = torch.stack(steps).tolist() if precision == "bf16_sr" else None  # one host read for the seeds
     for owner, (p, g, m, v, x) in _chunks([params, grads, exp_avgs, exp_avg_sqs, extras or [None] * len(params)],
                                           _CHUNK):
         g32 = [t.float() for t in g]
@@ -308,7 +309,7 @@ def _torch_low_precision(precision, params, grads, exp_avgs, exp_avg_sqs, steps,
             torch._foreach_copy_(p, p32)
         elif precision == "bf16_sr":  # one stream per slice, keyed by (seed, step, salt, offset in its tensor):
             for k, i in enumerate(owner):  # the same bits however the tensors are split into calls and batches
-                gen.manual_seed(_mix(seed, int(float(steps[i])), salts[i], p[k].data_ptr() - params[i].data_ptr()))
+                gen.manual_seed(_mix(seed, int(step_of[i]), salts[i], p[k].data_ptr() - params[i].data_ptr()))
                 _sr_copy_([p[k], m[k], v[k]], [p32[k], m32[k], v32[k]], gen)
         else:  # Kahan: y = update + compensation; p = rn(p + y); c = rn(y - (p_new - p))
             y = torch._foreach_sub(p32, p_old)

@@ -23,8 +23,8 @@ from typing import Any, Callable
 
 import torch
 
-from llmpar.distributed.collectives import (DIRECT_REDUCE_SCATTER_MIN, CommCounter, Group, Handle, all_reduce,
-                                            reduce_scatter_flat, reduce_scatter_uses_exchange)
+from llmpar.distributed.collectives import (CommCounter, Group, Handle, all_reduce, reduce_scatter_flat,
+                                            reduce_scatter_scratch_numel, reduce_scatter_uses_exchange)
 from llmpar.ops.bucket import pack_bucket
 from llmpar.zero.compressed import GradQuantizer
 from llmpar.zero.layout import FlatLayout
@@ -237,8 +237,9 @@ class GradReducer:
         """Launch the reduce-scatter; on the exchange path (gloo) the received chunks go into a pooled buffer,
         appended to ``bufs`` (given back once the reduction has finished)."""
         scratch = None
-        if self.exchange and output.numel() * self.dp >= DIRECT_REDUCE_SCATTER_MIN:
-            scratch = self.pool.take((self.dp - 1) * output.numel(), input.dtype, input.device)
+        need = reduce_scatter_scratch_numel(input, self.group)
+        if need:
+            scratch = self.pool.take(need, input.dtype, input.device)
             bufs.append(scratch)
         handle = reduce_scatter_flat(output, input, self.group, async_op=True, counter=self.counter,
                                      what=f"reduce-scatter of gradients, buffer {key[0]} unit {key[1]}",

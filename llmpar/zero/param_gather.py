@@ -3,11 +3,11 @@
 After a stage-1/2 step each rank holds only its partition of the new params; an all-gather makes them whole again.
 ``step()`` steps one unit at a time and launches that unit's all-gather as soon as its shard is updated
 (:func:`step_gather`), so the gathers of the first units run while the later ones are stepped. By default
-(:class:`BoundedGather`) ``step()`` waits for them all before it returns. With ``zero_optimization.overlap_param_gather`` (the
-name Megatron-Core uses for the same option), :class:`DeferredGather` launches the all-gathers at the end of
-``step()`` and waits for each unit just before the first module that holds one of its params runs forward (a forward
-pre-hook per such module), so the communication overlaps whatever runs until then and the early layers of the next
-forward. Everything in llmpar that reads params waits first (``ZeroOptimizer.wait_params``: the next step, a
+(:class:`BoundedGather`) ``step()`` waits for them all before it returns. With
+``zero_optimization.overlap_param_gather`` (the name Megatron-Core uses for the same option), :class:`DeferredGather`
+takes the same launches but does not wait for them in ``step()``: it waits for each unit just before the first module
+that holds one of its params runs forward (a forward pre-hook per such module), so the communication overlaps
+whatever runs until then and the early layers of the next forward. Everything in llmpar that reads params waits first (``ZeroOptimizer.wait_params``: the next step, a
 checkpoint save, the gathered state dict, ``GatheredParameters``, the module's ``state_dict()``). Code that reads
 ``param.data`` directly between ``step()`` and the next forward (an EMA of the weights, say) must call
 ``optimizer.wait_params()`` first: that is why the option is off by default.
@@ -51,18 +51,9 @@ class BoundedGather:
         self.live = 0
 
 
-def gather_now(opt: Any) -> None:
-    """All-gather every unit of every buffer, at most ``allgather_bucket_size`` elements in flight; wait for all."""
-    g = BoundedGather(opt)
-    for bi, b in enumerate(opt.buffers):
-        for u in range(len(b.layout.units)):
-            g.unit_stepped(bi, u)
-    g.finish()
-
-
 class DeferredGather:
-    """The all-gathers of one step, launched by :meth:`launch` and waited per unit by forward pre-hooks on
-    ``module``'s submodules (or all at once by :meth:`wait_all`)."""
+    """The all-gathers of one step, launched by ``step()`` (:meth:`unit_stepped`) and waited per unit by forward
+    pre-hooks on ``module``'s submodules (or all at once by :meth:`wait_all`)."""
 
     def __init__(self, opt: Any, module: nn.Module) -> None:
         self.opt = opt
@@ -84,13 +75,6 @@ class DeferredGather:
                     if h is not None:
                         h.wait()
         return hook
-
-    def launch(self) -> None:
-        """Start every unit's all-gather (in unit order: the order the forward meets them)."""
-        self.wait_all()
-        for bi, b in enumerate(self.opt.buffers):
-            for u in range(len(b.layout.units)):
-                self.unit_stepped(bi, u)
 
     def unit_stepped(self, bi: int, u: int) -> None:
         """Start unit ``u`` of buffer ``bi``'s all-gather (its shard was just stepped); a forward pre-hook waits."""
@@ -119,4 +103,4 @@ def step_gather(opt: Any) -> BoundedGather | DeferredGather | None:
     return deferred if deferred is not None else BoundedGather(opt)
 
 
-__all__ = ["BoundedGather", "DeferredGather", "gather_now", "step_gather"]
+__all__ = ["BoundedGather", "DeferredGather", "step_gather"]

@@ -26,7 +26,8 @@ class ScratchPool:
     """Free CPU buffers, handed out by :meth:`take` and returned by :meth:`give` once nothing (no collective in
     flight) uses them any more."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, reuse: bool = True) -> None:
+        self.reuse = reuse  # False: every take allocates, give keeps nothing (what the reduction did before; benches)
         self._free: list[torch.Tensor] = []
         self.free_bytes = 0  # held by the free buffers
         self.live_bytes = 0  # taken and not given back (whole buffers)
@@ -56,6 +57,8 @@ class ScratchPool:
             return
         buf = tensor._base if tensor._base is not None else tensor
         self.live_bytes -= _nbytes(buf)
+        if not self.reuse:
+            return
         self._free.append(buf)
         self.free_bytes += _nbytes(buf)
         while self.free_bytes > 2 * self.peak_bytes:  # the smallest go first: the large ones serve every request
