@@ -5,11 +5,15 @@ The top-level names are imported lazily so that ``import llmpar`` stays cheap an
 DeepSpeed scripts run with ``import llmpar as deepspeed``: ``initialize``, ``add_config_arguments``,
 ``init_distributed``, ``comm``, ``zero``, ``checkpointing``, ``utils`` (``log_dist``, ``zero_to_fp32``),
 ``ops.adam`` (``FusedAdam``, ``DeepSpeedCPUAdam``) and ``DeepSpeedEngine`` (the base of both engines) are here under
-DeepSpeed's names.
+DeepSpeed's names. A ``from deepspeed.X import ...`` line becomes ``from llmpar.X import ...``: ``llmpar.accelerator``
+(``get_accelerator``), ``llmpar.runtime.lr_schedules``, ``llmpar.comm``, ``llmpar.utils``, ``llmpar.ops.adam``,
+``llmpar.pipe``, ``llmpar.zero``, ``llmpar.checkpointing``; a DeepSpeed module llmpar has no counterpart of
+(``deepspeed.moe``, ``deepspeed.profiling``, ...: :data:`NO_COUNTERPART`) is an ``ImportError`` saying what to use.
 """
 from __future__ import annotations
 
 import importlib
+import importlib.abc
 import sys
 from typing import Any
 
@@ -43,10 +47,73 @@ _EXPORTS: dict[str, str] = {
     "ops": "ops",
     "pipe": "pipe",
     "PipelineModule": "llmpar.pipe:PipelineModule",
+    "accelerator": "accelerator",
+    "runtime": "runtime",
 }
 # DeepSpeed's module names inside lower packages (``deepspeed.ops.adam``): loaded with any export once their package
 # is an attribute here, so that ``llmpar.ops.adam`` is one whenever ``llmpar.ops`` is
 _COMPAT_SHIMS = ("llmpar.ops.adam",)
+
+_OPS = "of DeepSpeed's ops llmpar provides llmpar.ops.adam (FusedAdam, DeepSpeedCPUAdam) only"
+_ZERO = ("ZeRO's user API is llmpar.zero (Init, GatheredParameters); memory estimates are "
+         "llmpar.planning.estimate_memory (`llmpar plan`)")
+# DeepSpeed module paths (after ``deepspeed.``) with no llmpar counterpart: what to use instead
+NO_COUNTERPART = {
+    "moe": "mixture-of-experts layers are not provided",
+    "profiling": "the FLOPs profiler is not provided: use torch.profiler.profile(with_flops=True), or "
+                 "llmpar.planning for model FLOPs and memory",
+    "monitor": "the monitors are configured in the config's tensorboard / csv_monitor / wandb blocks; write your own "
+               "events with engine.monitor.write_events([(name, value, step), ...]) (llmpar.runtime.monitor)",
+    "inference": "the inference engine is not provided: run engine.module in eval mode",
+    "module_inject": "kernel injection is not provided (llmpar.parallelize splits a model for tensor parallelism)",
+    "model_implementations": "DeepSpeed's inference model implementations are not provided",
+    "compression": "DeepSpeed's compression library is not provided",
+    "autotuning": "the autotuner is not provided: `llmpar plan` suggests layouts",
+    "elasticity": "elastic training is not provided (checkpoints reshard to any dp / tp / pp at load)",
+    "launcher": "launch with torchrun (or `llmpar launch`, which translates onto torchrun / srun / mpirun)",
+    "sequence": "Ulysses sequence parallelism is not provided: use tensor parallelism with sequence_parallel=True",
+    "nvme": "NVMe offload is not provided (offload_optimizer / offload_param to the CPU are)",
+    "ops.lamb": _OPS, "ops.transformer": _OPS, "ops.sparse_attention": _OPS, "ops.op_builder": _OPS,
+    "ops.aio": _OPS, "ops.deepspeed4science": _OPS, "ops.quantizer": _OPS, "ops.lion": _OPS, "ops.adagrad": _OPS,
+    "runtime.zero": _ZERO,
+    "runtime.utils": "see_memory_usage: llmpar.accelerator.get_accelerator().memory_allocated() / "
+                     "max_memory_allocated(); gradient clipping is the config's gradient_clipping",
+    "runtime.dataloader": "RepeatingLoader is llmpar.utils.RepeatingLoader; DeepSpeed's loader is "
+                          "engine.deepspeed_io(dataset)",
+    "runtime.pipe": "the pipeline API is llmpar.pipe (PipelineModule, LayerSpec, TiedLayerSpec); the engine is "
+                    "llmpar.PipelineEngine",
+    "runtime.activation_checkpointing": "activation checkpointing is llmpar.checkpointing (checkpoint) or the "
+                                        "config's activation_checkpointing block",
+    "runtime.fp16": "fp16 loss scaling is the config's fp16 block (llmpar.zero.loss_scale)",
+    "runtime.bf16_optimizer": "bf16 is the config's bf16 block (fp32 masters in the ZeRO optimizer)",
+    "utils.timer": "DeepSpeed's timers are not provided: use time.perf_counter or torch.profiler",
+    "utils.logging": "the logger and log_dist are in llmpar.utils",
+    "checkpoint.universal_checkpoint": "llmpar checkpoints load at any dp / tp / pp layout without conversion",
+    "checkpoint.deepspeed_checkpoint": "llmpar checkpoints load at any dp / tp / pp layout without conversion",
+}
+
+
+class _NoCounterpart(importlib.abc.MetaPathFinder):
+    """Last on ``sys.meta_path``: asked only for modules no other finder found. ``llmpar.<path>`` for a DeepSpeed
+    path in :data:`NO_COUNTERPART` (or below one) raises a ``ModuleNotFoundError`` saying what to use; anything else
+    is left to Python's own error."""
+
+    @staticmethod
+    def find_spec(fullname: str, path: Any = None, target: Any = None) -> None:
+        if not fullname.startswith(f"{__name__}."):
+            return None
+        rest = fullname[len(__name__) + 1:]
+        parts = rest.split(".")
+        for n in range(len(parts), 0, -1):
+            why = NO_COUNTERPART.get(".".join(parts[:n]))
+            if why is not None:
+                raise ModuleNotFoundError(f"No module named {fullname!r}: llmpar has no counterpart of DeepSpeed's "
+                                          f"deepspeed.{rest}: {why}", name=fullname)
+        return None
+
+
+if not any(isinstance(f, _NoCounterpart) for f in sys.meta_path):
+    sys.meta_path.append(_NoCounterpart())
 
 
 def __getattr__(name: str) -> Any:

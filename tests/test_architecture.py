@@ -22,6 +22,7 @@ FLOORS = {
     "runtime": 4,
     "cli": 5, "train": 5, "env_report": 5, "pipe": 5, "integrations": 5, "": 5,
     "comm": 5, "checkpointing": 5, "utils": 5,  # deepspeed.comm, deepspeed.checkpointing, deepspeed.utils
+    "accelerator": 5,  # deepspeed.accelerator
 }
 # DeepSpeed-compatible shims that must sit at DeepSpeed's module names inside a lower part (``deepspeed.ops.adam`` ->
 # ``llmpar.ops.adam``): they belong to the top floor, and nothing in llmpar may import them

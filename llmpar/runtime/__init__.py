@@ -9,6 +9,7 @@ from llmpar.runtime.config import Blocks, Config, read_config
 from llmpar.runtime.engine import Engine
 from llmpar.runtime.engine_base import EngineBase
 from llmpar.runtime.initialize import initialize
+from llmpar.runtime import lr_schedules  # noqa: F401  (deepspeed.runtime.lr_schedules as an attribute too)
 from llmpar.runtime.pipeline_engine import PipelineEngine
 from llmpar.runtime.schedules import SchedulerConfig, WarmupSchedule
 

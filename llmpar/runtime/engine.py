@@ -190,4 +190,6 @@ class Engine(EngineBase):
             scaler.load_state_dict(counters["loss_scaler"])
 
 
-__all__ = ["Engine"]
+DeepSpeedEngine = EngineBase  # deepspeed.runtime.engine.DeepSpeedEngine: the base of both engines (isinstance checks)
+
+__all__ = ["DeepSpeedEngine", "Engine"]

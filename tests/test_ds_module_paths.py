@@ -1,0 +1,220 @@
+"""DeepSpeed's module paths under llmpar: every ``from deepspeed.X import name`` line of DeepSpeed's example scripts
+renames to ``from llmpar.X import name`` (or fails with an ImportError saying what to use instead);
+``llmpar.accelerator.get_accelerator()`` answers DeepSpeed's accelerator API on the CPU; the classes of
+``llmpar.runtime.lr_schedules`` set the same lrs as DeepSpeed's, step for step."""
+from __future__ import annotations
+
+import importlib
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import llmpar
+
+# (DeepSpeed module path, names scripts import from it): each must exist under llmpar.<path>
+PROVIDED = [
+    ("deepspeed", ["initialize", "add_config_arguments", "init_distributed", "DeepSpeedEngine", "PipelineEngine"]),
+    ("deepspeed.accelerator", ["get_accelerator"]),
+    ("deepspeed.accelerator.real_accelerator", ["get_accelerator"]),
+    ("deepspeed.runtime.lr_schedules", ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"]),
+    ("deepspeed.comm", ["get_rank", "get_world_size", "barrier", "all_reduce"]),
+    ("deepspeed.utils", ["logger", "log_dist", "RepeatingLoader"]),
+    ("deepspeed.utils.zero_to_fp32", ["get_fp32_state_dict_from_zero_checkpoint"]),
+    ("deepspeed.ops.adam", ["FusedAdam", "DeepSpeedCPUAdam"]),
+    ("deepspeed.pipe", ["PipelineModule", "LayerSpec", "TiedLayerSpec"]),
+    ("deepspeed.zero", ["Init", "GatheredParameters"]),
+    ("deepspeed.checkpointing", ["checkpoint"]),
+    ("deepspeed.runtime.engine", ["DeepSpeedEngine"]),
+]
+# DeepSpeed module paths without a counterpart: the ImportError names the path and says what to use
+REFUSED = [
+    ("deepspeed.moe.layer", "mixture-of-experts"),
+    ("deepspeed.moe.utils", "mixture-of-experts"),
+    ("deepspeed.profiling.flops_profiler", "torch.profiler"),
+    ("deepspeed.monitor.monitor", "engine.monitor"),
+    ("deepspeed.ops.lamb", "llmpar.ops.adam"),
+    ("deepspeed.ops.transformer", "llmpar.ops.adam"),
+    ("deepspeed.runtime.utils", "memory_allocated"),
+    ("deepspeed.runtime.dataloader", "llmpar.utils.RepeatingLoader"),
+    ("deepspeed.runtime.pipe.topology", "llmpar.pipe"),
+    ("deepspeed.runtime.zero.stage3", "llmpar.zero"),
+    ("deepspeed.runtime.activation_checkpointing.checkpointing", "llmpar.checkpointing"),
+    ("deepspeed.inference", "eval mode"),
+    ("deepspeed.compression.compress", "compression"),
+    ("deepspeed.utils.timer", "perf_counter"),
+    ("deepspeed.launcher.runner", "torchrun"),
+]
+
+
+def _renamed(path: str) -> str:
+    return "llmpar" + path[len("deepspeed"):]
+
+
+@pytest.mark.parametrize("path,names", PROVIDED, ids=[p for p, _ in PROVIDED])
+def test_deepspeed_module_path_has_a_counterpart(path, names):
+    module = importlib.import_module(_renamed(path))
+    missing = [n for n in names if not hasattr(module, n)]
+    assert not missing, f"{_renamed(path)} lacks {missing}"
+
+
+@pytest.mark.parametrize("path,hint", REFUSED, ids=[p for p, _ in REFUSED])
+def test_deepspeed_module_path_without_counterpart_says_what_to_use(path, hint):
+    with pytest.raises(ImportError) as info:
+        importlib.import_module(_renamed(path))
+    message = str(info.value)
+    top = path.split(".")[1]
+    assert f"deepspeed.{top}" in message and hint in message, message
+
+
+def test_missing_private_module_is_not_intercepted():
+    """Probing an optional llmpar module (``importlib.util.find_spec``) still answers None, not an error."""
+    assert importlib.util.find_spec("llmpar.no_such_module_here") is None
+    with pytest.raises(ModuleNotFoundError, match="No module named 'llmpar.no_such_module_here'$"):
+        importlib.import_module("llmpar.no_such_module_here")
+
+
+def test_attribute_access_as_deepspeed_scripts_use_it():
+    """``import llmpar as deepspeed; deepspeed.accelerator.get_accelerator()`` / ``deepspeed.runtime.lr_schedules``."""
+    code = ("import llmpar as deepspeed; acc = deepspeed.accelerator.get_accelerator(); "
+            "print(acc.device_name(), deepspeed.runtime.lr_schedules.WarmupLR.__name__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={"PATH": "/usr/bin:/bin", "DS_ACCELERATOR": "cpu"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["cpu", "WarmupLR"]
+
+
+# ---------------------------------------------------------------------------------------------------- accelerator
+def test_cpu_accelerator_answers_deepspeeds_api(monkeypatch):
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    from llmpar.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    assert acc is get_accelerator()
+    assert (acc.device_name(), acc.device_name(1), acc.current_device_name()) == ("cpu", "cpu", "cpu")
+    assert acc.current_device() == 1 and acc.device_count() == 3
+    assert acc.communication_backend_name() == "gloo" and acc.is_available()
+    assert acc.is_bf16_supported() and torch.bfloat16 in acc.supported_dtypes()
+    x = torch.randn(3)
+    assert acc.on_accelerator(x) and acc.pin_memory(x) is x
+    acc.set_device(1)
+    acc.synchronize()
+    acc.empty_cache()
+    acc.manual_seed(7)
+    a = torch.rand(4)
+    acc.manual_seed_all(7)
+    assert torch.equal(a, torch.rand(4))
+    state = acc.get_rng_state()
+    b = torch.rand(2)
+    acc.set_rng_state(state)
+    assert torch.equal(b, torch.rand(2))
+    with acc.stream(acc.Stream()):
+        e = acc.Event(enable_timing=True)
+        e.record()
+        e.synchronize()
+    assert isinstance(acc.FloatTensor([1.0, 2.0]), torch.Tensor) and acc.LongTensor([1]).dtype == torch.long
+    # memory statistics: the process's resident set; a big allocation raises the current and the peak values
+    acc.reset_peak_memory_stats()
+    before, peak0 = acc.memory_allocated(), acc.max_memory_allocated()
+    assert 0 < before <= peak0 <= acc.total_memory()
+    big = torch.ones(64 * 2 ** 20 // 4)  # 64 MiB, touched
+    assert acc.memory_allocated() >= before + 32 * 2 ** 20
+    assert acc.max_memory_allocated() >= acc.memory_allocated()
+    del big
+    assert acc.available_memory() > 0
+    with pytest.raises(NotImplementedError, match="llmpar.ops"):
+        acc.create_op_builder("FusedAdamBuilder")
+
+
+def test_accelerator_choice_is_checked(monkeypatch):
+    from llmpar.accelerator import get_accelerator
+
+    monkeypatch.setenv("DS_ACCELERATOR", "xpu")
+    with pytest.raises(ValueError, match="DS_ACCELERATOR='xpu'.*cuda or cpu"):
+        get_accelerator()
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("DS_ACCELERATOR", "cuda")
+        with pytest.raises(ValueError, match="is_available"):
+            get_accelerator()
+
+
+# ---------------------------------------------------------------------------------------------------- lr_schedules
+def _optimizer(seed: int) -> torch.optim.Optimizer:
+    g = torch.Generator().manual_seed(seed)
+    p = [torch.nn.Parameter(torch.randn(5, generator=g)), torch.nn.Parameter(torch.randn(3, generator=g))]
+    return torch.optim.AdamW([{"params": [p[0]], "lr": 3e-3}, {"params": [p[1]], "lr": 7e-4}])
+
+
+SCHEDULES = [
+    ("WarmupLR", dict(warmup_min_lr=1e-5, warmup_max_lr=[2e-3, 4e-3], warmup_num_steps=7)),
+    ("WarmupLR", dict(warmup_num_steps=5, warmup_type="linear")),  # max lr: each group's own
+    ("WarmupDecayLR", dict(total_num_steps=23, warmup_min_lr=[1e-5, 2e-5], warmup_num_steps=7)),
+    ("WarmupCosineLR", dict(total_num_steps=23, warmup_min_ratio=0.1, warmup_num_steps=6, cos_min_ratio=0.01)),
+    ("WarmupCosineLR", dict(total_num_steps=23, warmup_num_steps=6, warmup_type="linear")),
+]
+
+
+@pytest.mark.parametrize("name,kwargs", SCHEDULES, ids=[f"{n}-{i}" for i, (n, _) in enumerate(SCHEDULES)])
+def test_lr_schedules_match_deepspeed(name, kwargs):
+    """The same constructor call on DeepSpeed's class and on llmpar's: the same lrs for 30 steps, and a
+    state_dict round trip resumes the sequence."""
+    theirs_mod = pytest.importorskip("deepspeed.runtime.lr_schedules", reason="DeepSpeed is not installed")
+    from llmpar.runtime import lr_schedules
+
+    o1, o2 = _optimizer(0), _optimizer(0)
+    theirs, ours = getattr(theirs_mod, name)(o1, **kwargs), getattr(lr_schedules, name)(o2, **kwargs)
+    seen = []
+    for t in range(30):
+        a, b = [g["lr"] for g in o1.param_groups], [g["lr"] for g in o2.param_groups]
+        assert all(math.isclose(x, y, rel_tol=1e-12, abs_tol=1e-300) for x, y in zip(a, b)), (t, a, b)
+        seen.append(b)
+        if t == 12:
+            resumed = getattr(lr_schedules, name)(_optimizer(1), **kwargs)
+            resumed.load_state_dict(ours.state_dict())
+            assert [g["lr"] for g in resumed.optimizer.param_groups] == b
+        theirs.step()
+        ours.step()
+    assert len({tuple(s) for s in seen}) > 5  # the schedule moved
+
+
+def test_lr_schedules_refuse_what_they_cannot_do():
+    from llmpar.runtime.lr_schedules import LRRangeTest, OneCycle, WarmupDecayLR, WarmupLR
+
+    with pytest.raises(NotImplementedError, match="OneCycle is not implemented.*OneCycleLR"):
+        OneCycle(_optimizer(0), cycle_min_lr=1e-4, cycle_max_lr=1e-3)
+    with pytest.raises(NotImplementedError, match="LRRangeTest"):
+        LRRangeTest(_optimizer(0))
+    with pytest.raises(ValueError, match=r"warmup_max_lr=\[0.1, 0.2, 0.3\] has 3 values.*2 param groups"):
+        WarmupLR(_optimizer(0), warmup_max_lr=[0.1, 0.2, 0.3])
+    with pytest.raises(ValueError, match="warmup_type"):
+        WarmupLR(_optimizer(0), warmup_type="cubic")
+    with pytest.raises(ValueError, match="warmup_num_steps"):
+        WarmupLR(_optimizer(0), warmup_num_steps=0)
+    with pytest.raises(ValueError, match="total_num_steps"):
+        WarmupDecayLR(_optimizer(0), total_num_steps=-3)
+    with pytest.raises(TypeError, match="param_groups"):
+        WarmupLR(object())
+
+
+def test_lr_schedule_drives_the_engine_as_a_client_scheduler():
+    """``WarmupDecayLR`` built on a client optimizer and given to ``initialize``: the engine's lrs follow it."""
+    from llmpar.runtime.lr_schedules import WarmupDecayLR
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    sched = WarmupDecayLR(opt, total_num_steps=9, warmup_max_lr=2e-3, warmup_num_steps=3, warmup_type="linear")
+    engine, *_ = llmpar.initialize(model=model, optimizer=opt, lr_scheduler=sched,
+                                   config={"train_micro_batch_size_per_gpu": 4, "steps_per_print": 10 ** 6})
+    ref = WarmupDecayLR(_optimizer(0), total_num_steps=9, warmup_max_lr=2e-3, warmup_num_steps=3,
+                        warmup_type="linear")
+    for _ in range(6):
+        assert engine.get_lr()[0] == pytest.approx(ref.get_lr()[0], rel=1e-12)
+        loss = model(torch.randn(4, 7)).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        ref.step()
