@@ -17,6 +17,7 @@ read it with ``.item()`` only when you need it). The math and the backends are i
 """
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -25,8 +26,40 @@ import torch
 from llmpar.ops.adamw import MODES, adamw_step, check_param_dtype, check_precision, resolve_precision
 from llmpar.ops.grad_norm import clip_coefficient
 from llmpar.optim.grad_norm import global_grad_norm
+from llmpar.validation import FLOAT32_MAX, FLOAT32_TINY
 
 _STATE_KEYS = ("exp_avg", "exp_avg_sq", "master", "kahan_comp")
+
+
+def check_eps(name: str, eps: Any) -> float:
+    """``eps`` as a float, refused (naming ``name``) unless in [FLOAT32_TINY, FLOAT32_MAX]: the step divides by
+    ``sqrt(v) + eps`` in float32, and v is 0 wherever a gradient has been 0 (unused embedding rows, padding), so eps 0
+    (or one that rounds to 0 in float32) turns those params into NaN at the first step."""
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {eps!r}")
+    if not FLOAT32_TINY <= float(eps) <= FLOAT32_MAX:
+        raise ValueError(f"{name}={eps!r} must be > 0 and finite: in [{FLOAT32_TINY:g}, {FLOAT32_MAX:g}] (a normal "
+                         "float32; AdamW divides by sqrt(v) + eps, and v is 0 wherever a gradient is 0: eps 0 makes "
+                         "those params NaN)")
+    return float(eps)
+
+
+def check_hyperparameters(*, lr: Any, betas: Any, eps: Any, weight_decay: Any, where: str = "") -> None:
+    """AdamW's hyper-parameters in the ranges the fused step computes with (float32 inside the kernels), each error
+    naming ``where`` + the name: lr (a number or a one-element tensor) and weight_decay in [0, FLOAT32_MAX], betas
+    two numbers in [0, 1), eps as :func:`check_eps`."""
+    if isinstance(lr, torch.Tensor):
+        if lr.numel() != 1:
+            raise ValueError(f"{where}lr as a tensor must have one element, got shape {tuple(lr.shape)}")
+    elif isinstance(lr, bool) or not isinstance(lr, numbers.Real) or not 0.0 <= lr <= FLOAT32_MAX:
+        raise ValueError(f"{where}lr={lr!r} must be >= 0 and finite (<= {FLOAT32_MAX:g}, a float32)")
+    if (not isinstance(betas, (list, tuple)) or len(betas) != 2
+            or not all(isinstance(b, numbers.Real) and not isinstance(b, bool) and 0.0 <= b < 1.0 for b in betas)):
+        raise ValueError(f"{where}betas={betas!r} must be two numbers in [0, 1)")
+    check_eps(f"{where}eps", eps)
+    if isinstance(weight_decay, bool) or not isinstance(weight_decay, numbers.Real) or \
+            not 0.0 <= weight_decay <= FLOAT32_MAX:
+        raise ValueError(f"{where}weight_decay={weight_decay!r} must be >= 0 and finite (<= {FLOAT32_MAX:g})")
 
 
 def state_dtypes(precision: str, dtype: torch.dtype) -> dict[str, torch.dtype]:
@@ -45,17 +78,7 @@ class FusedAdamW(torch.optim.Optimizer):
     def __init__(self, params: Iterable[Any], lr: float | torch.Tensor = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, precision: str = "auto",
                  max_grad_norm: float | None = None, seed: int = 0) -> None:
-        if isinstance(lr, torch.Tensor):
-            if lr.numel() != 1:
-                raise ValueError(f"lr as a tensor must have one element, got shape {tuple(lr.shape)}")
-        elif not lr >= 0.0:
-            raise ValueError(f"lr={lr} must be >= 0")
-        if not eps >= 0.0:
-            raise ValueError(f"eps={eps} must be >= 0")
-        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-            raise ValueError(f"betas={betas} must be two numbers in [0, 1)")
-        if not weight_decay >= 0.0:
-            raise ValueError(f"weight_decay={weight_decay} must be >= 0")
+        check_hyperparameters(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         check_precision(precision, allow_auto=True)
         if max_grad_norm is not None and not (max_grad_norm > 0 and max_grad_norm < float("inf")):
             raise ValueError(f"max_grad_norm={max_grad_norm} must be a positive finite number or None")
@@ -69,7 +92,10 @@ class FusedAdamW(torch.optim.Optimizer):
 
     @staticmethod
     def _check_group(group: dict[str, Any]) -> None:
-        """The group's precision is "auto" or a mode that takes each of its params (llmpar.ops.adamw's checks)."""
+        """The group's hyper-parameters in range (:func:`check_hyperparameters`: a group may override the defaults);
+        its precision is "auto" or a mode that takes each of its params (llmpar.ops.adamw's checks)."""
+        check_hyperparameters(lr=group["lr"], betas=group["betas"], eps=group["eps"],
+                              weight_decay=group["weight_decay"], where="param group: ")
         check_precision(group["precision"], allow_auto=True)
         for p in group["params"]:
             check_param_dtype(resolve_precision(group["precision"], p.dtype), p.dtype,

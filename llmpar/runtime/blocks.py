@@ -17,6 +17,7 @@ from llmpar.pipeline.schedules import normalize_schedule
 from llmpar.runtime.schedules import SchedulerConfig
 from llmpar.validation import as_bool, as_float, as_int, check_keys, nearest
 from llmpar.zero.config import OPTIMIZER_TYPES, OffloadConfig, OptimizerConfig, ZeroConfig
+from llmpar.zero.loss_scale import check_scaling
 
 _UNSUPPORTED_OPTIMIZERS = ("OneBitAdam", "ZeroOneAdam", "OneBitLamb", "Lamb", "Lion", "Adagrad", "Muon", "SGD")
 _OPTIMIZER_PARAMS = ["lr", "betas", "eps", "weight_decay", "precision"]
@@ -158,12 +159,12 @@ class Fp16Config:
 
     def __post_init__(self) -> None:
         self.enabled = as_bool("fp16.enabled", self.enabled)
-        self.loss_scale = as_float("fp16.loss_scale", self.loss_scale, minimum=0.0)
-        self.initial_scale_power = as_int("fp16.initial_scale_power", self.initial_scale_power, minimum=0)
-        self.loss_scale_window = as_int("fp16.loss_scale_window", self.loss_scale_window, minimum=1)
-        self.hysteresis = as_int("fp16.hysteresis", self.hysteresis, minimum=1)
-        self.consecutive_hysteresis = as_bool("fp16.consecutive_hysteresis", self.consecutive_hysteresis)
-        self.min_loss_scale = as_float("fp16.min_loss_scale", self.min_loss_scale, minimum=0.0)
+        checked = check_scaling(loss_scale=self.loss_scale, initial_scale_power=self.initial_scale_power,
+                                loss_scale_window=self.loss_scale_window, hysteresis=self.hysteresis,
+                                consecutive_hysteresis=self.consecutive_hysteresis,
+                                min_loss_scale=self.min_loss_scale)  # the LossScaler's own ranges, at parse time
+        for name, value in checked.items():
+            setattr(self, name, value)
         self.auto_cast = as_bool("fp16.auto_cast", self.auto_cast)
         if self.auto_cast:
             raise ValueError('"fp16.auto_cast"=true: not supported: the model runs in float16 (autocast inside the '

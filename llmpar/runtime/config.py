@@ -29,7 +29,7 @@ from llmpar.runtime.blocks import (ActivationCheckpointingConfig, Fp16Config, Pi
                                    scheduler_block, tensor_parallel_block, zero_block)
 from llmpar.runtime.ds_keys import strip_inert
 from llmpar.runtime.schedules import SchedulerConfig
-from llmpar.validation import as_bool, as_float, as_int, check_keys
+from llmpar.validation import FLOAT32_MAX, FLOAT32_TINY, as_bool, as_float, as_int, check_keys
 from llmpar.zero.config import OptimizerConfig, ZeroConfig
 
 logger = logging.getLogger("llmpar")
@@ -99,7 +99,7 @@ class Blocks:
         opt_given = "optimizer" in given
         ckpt = given.get("activation_checkpointing")
         return cls(raw=raw, bf16=bf16, fp16=fp16,
-                   gradient_clipping=as_float("gradient_clipping", given.get("gradient_clipping", 0.0), minimum=0.0),
+                   gradient_clipping=_clipping(given.get("gradient_clipping", 0.0)),
                    steps_per_print=as_int("steps_per_print", given.get("steps_per_print", 10), minimum=1),
                    optimizer=optimizer_block(given["optimizer"]) if opt_given else OptimizerConfig(),
                    optimizer_given=opt_given,
@@ -149,6 +149,16 @@ class Config(Blocks):
     def fingerprint(self) -> str:
         """Canonical JSON of what was given (for the cross-rank equality check)."""
         return json.dumps(self.raw, sort_keys=True, default=str)
+
+
+def _clipping(value: Any) -> float:
+    """``gradient_clipping``: 0 (off) or a max norm in [FLOAT32_TINY, FLOAT32_MAX] (the clip coefficient is computed
+    in float32: a smaller one rounds to 0 and silently stops training)."""
+    value = as_float("gradient_clipping", value, minimum=0.0, maximum=FLOAT32_MAX)
+    if 0.0 < value < FLOAT32_TINY:
+        raise ValueError(f'"gradient_clipping"={value} must be 0 (off) or in [{FLOAT32_TINY:g}, {FLOAT32_MAX:g}] '
+                         "(the clip coefficient is a float32)")
+    return value
 
 
 def _batch_sizes(raw: dict[str, Any], dp: int, pipe: PipelineConfig | None) -> tuple[int, int, int]:

@@ -11,7 +11,8 @@ from typing import Any
 import torch
 
 from llmpar.ops.adamw import check_precision
-from llmpar.validation import as_bool, as_float, as_int
+from llmpar.optim.adamw import check_eps, check_hyperparameters
+from llmpar.validation import FLOAT32_MAX, as_bool, as_float, as_int
 
 
 @dataclass(kw_only=True)
@@ -177,12 +178,13 @@ class OptimizerConfig:
         if not isinstance(self.type, str) or self.type.lower() not in OPTIMIZER_TYPES:
             raise ValueError(f'"optimizer.type"={self.type!r} is not known; use AdamW or Adam')
         self.type = OPTIMIZER_TYPES[self.type.lower()]
-        self.lr = as_float("optimizer.params.lr", self.lr, minimum=0.0)
+        self.lr = as_float("optimizer.params.lr", self.lr, minimum=0.0, maximum=FLOAT32_MAX)
         if not isinstance(self.betas, (list, tuple)) or len(self.betas) != 2:
             raise ValueError(f'"optimizer.params.betas"={self.betas!r} must be two numbers in [0, 1)')
         self.betas = tuple(as_float("optimizer.params.betas", b, minimum=0.0, below=1.0) for b in self.betas)
-        self.eps = as_float("optimizer.params.eps", self.eps, minimum=0.0)
-        self.weight_decay = as_float("optimizer.params.weight_decay", self.weight_decay, minimum=0.0)
+        self.eps = check_eps('"optimizer.params.eps"', as_float("optimizer.params.eps", self.eps))
+        self.weight_decay = as_float("optimizer.params.weight_decay", self.weight_decay, minimum=0.0,
+                                     maximum=FLOAT32_MAX)
         try:
             check_precision(self.precision, allow_auto=True)
         except ValueError as e:
@@ -224,5 +226,7 @@ def param_groups(params: Any, cfg: OptimizerConfig) -> list[dict]:
         group = {"params": [p for _, p in named], "names": [n for n, _ in named]}
         for key in _GROUP_KEYS:
             group[key] = g.get(key, getattr(cfg, key))
+        check_hyperparameters(lr=group["lr"], betas=group["betas"], eps=group["eps"],
+                              weight_decay=group["weight_decay"], where=f"param group {gi}: ")  # overrides too
         groups.append(group)
     return groups

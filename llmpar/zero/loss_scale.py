@@ -33,22 +33,48 @@ _AT_MINIMUM = ("Current loss scale already at minimum ({}) - cannot decrease sca
                "bf16")
 
 
+MAX_SCALE_POWER = 64  # S <= 2**64: far above any useful fp16 scale; S and 1/S stay finite and normal in float32
+
+
+def check_scaling(*, loss_scale: float, initial_scale_power: int, loss_scale_window: int, hysteresis: int,
+                  consecutive_hysteresis: bool, min_loss_scale: float) -> dict:
+    """The loss-scaling settings checked and typed (DeepSpeed's ``"fp16"`` names in every error, with the range):
+    ``loss_scale`` 0 (dynamic) or a static scale in [2**-64, 2**64]; ``initial_scale_power`` in [0, 64] (2**128 is
+    already infinite in float32, and every power above the useful ~16-32 costs one skipped step per halving);
+    ``loss_scale_window`` and ``hysteresis`` >= 1 (int64 counters on the device); ``min_loss_scale`` (dynamic) in
+    [2**-64, 2**initial_scale_power]: a floor above the starting scale would raise the scale on an overflow."""
+    lo, hi = 2.0 ** -MAX_SCALE_POWER, 2.0 ** MAX_SCALE_POWER
+    static = as_float("fp16.loss_scale", loss_scale)
+    if static != 0.0 and not lo <= static <= hi:
+        raise ValueError(f'"fp16.loss_scale"={static} must be 0 (dynamic) or a static scale in [2**-64, 2**64] (the '
+                         "scale and 1/scale are float32)")
+    power = as_int("fp16.initial_scale_power", initial_scale_power, minimum=0, maximum=MAX_SCALE_POWER)
+    out = {"loss_scale": static, "initial_scale_power": power,
+           "loss_scale_window": as_int("fp16.loss_scale_window", loss_scale_window, minimum=1),
+           "hysteresis": as_int("fp16.hysteresis", hysteresis, minimum=1),
+           "consecutive_hysteresis": as_bool("fp16.consecutive_hysteresis", consecutive_hysteresis),
+           "min_loss_scale": as_float("fp16.min_loss_scale", min_loss_scale, minimum=0.0)}
+    floor = out["min_loss_scale"]
+    if (static == 0.0 and not lo <= floor <= 2.0 ** power) or floor > hi:
+        raise ValueError(f'"fp16.min_loss_scale"={floor} must be > 0 with dynamic loss scaling, in [2**-64, '
+                         f'2**"fp16.initial_scale_power" = 2**{power}] (a floor above the initial scale would '
+                         "raise the scale on an overflow)")
+    return out
+
+
 class LossScaler:
     """The loss scale S of fp16 training (module docstring); keyword names as in DeepSpeed's ``"fp16"`` block."""
 
     def __init__(self, *, loss_scale: float = 0.0, initial_scale_power: int = 16, loss_scale_window: int = 1000,
                  hysteresis: int = 2, consecutive_hysteresis: bool = False, min_loss_scale: float = 1.0,
                  device: torch.device | str = "cpu") -> None:
-        static = as_float("fp16.loss_scale", loss_scale, minimum=0.0)
-        self.dynamic = static == 0.0
-        self.scale_window = as_int("fp16.loss_scale_window", loss_scale_window, minimum=1)
-        self.delayed_shift = as_int("fp16.hysteresis", hysteresis, minimum=1)
-        self.consecutive_hysteresis = as_bool("fp16.consecutive_hysteresis", consecutive_hysteresis)
-        self.min_scale = as_float("fp16.min_loss_scale", min_loss_scale, minimum=0.0)
-        power = as_int("fp16.initial_scale_power", initial_scale_power, minimum=0)
-        if self.dynamic and self.min_scale <= 0:
-            raise ValueError(f'"fp16.min_loss_scale"={min_loss_scale} must be > 0 with dynamic loss scaling')
-        init = float(2 ** power) if self.dynamic else static
+        s = check_scaling(loss_scale=loss_scale, initial_scale_power=initial_scale_power,
+                          loss_scale_window=loss_scale_window, hysteresis=hysteresis,
+                          consecutive_hysteresis=consecutive_hysteresis, min_loss_scale=min_loss_scale)
+        self.dynamic = s["loss_scale"] == 0.0
+        self.scale_window, self.delayed_shift = s["loss_scale_window"], s["hysteresis"]
+        self.consecutive_hysteresis, self.min_scale = s["consecutive_hysteresis"], s["min_loss_scale"]
+        init = float(2 ** s["initial_scale_power"]) if self.dynamic else s["loss_scale"]
         self.device = torch.device(device)
         self.cur_iter = 0
         self._scale = torch.tensor(init, dtype=torch.float64, device=self.device)
@@ -197,4 +223,4 @@ def unscale_and_clip(norm: torch.Tensor, max_grad_norm: float | None, scaler: Lo
     return norm, gscale, clip64, found_inf
 
 
-__all__ = ["LossScaler", "unscale_and_clip"]
+__all__ = ["MAX_SCALE_POWER", "LossScaler", "check_scaling", "unscale_and_clip"]

@@ -1,0 +1,121 @@
+"""Faults found by a fault campaign on the ZeRO side and the config, each a test that failed before its fix:
+
+- every numeric config key is bounded, a value out of range refused naming the key and the range (an fp16
+  ``initial_scale_power`` of 128 gave an infinite float32 scale, 1024 an OverflowError naming no key);
+- ``eps`` 0 (params NaN after the first step) is refused in the config, in param groups and in ``FusedAdamW``;
+- one non-finite gradient no longer poisons the qgZ error-feedback residuals: the skipped step resets them and
+  training goes on as it does without error feedback;
+- a write to a param of a model built under ``llmpar.zero.Init`` between the block and ``initialize``
+  (``load_state_dict``, an in-place init) takes effect in the engine instead of being dropped.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from llmpar.optim import FusedAdamW
+from llmpar.runtime import Config
+from llmpar.zero import LossScaler
+from llmpar.zero.config import OptimizerConfig, param_groups
+
+BASE = {"train_batch_size": 8}
+I64 = 2**63 - 1
+
+
+def _with(path: str, value):
+    """BASE with ``value`` at the dotted ``path`` (blocks created as needed; fp16 enabled when touched)."""
+    cfg = {**BASE}
+    parts = path.split(".")
+    block = cfg
+    for part in parts[:-1]:
+        block = block.setdefault(part, {})
+    block[parts[-1]] = value
+    if parts[0] == "optimizer":
+        cfg["optimizer"]["type"] = "AdamW"
+    if parts[0] == "zero_optimization":
+        cfg["zero_optimization"].setdefault("stage", 3)
+    if parts[0] == "fp16":
+        cfg["fp16"]["enabled"] = True
+    return cfg
+
+
+# (key, values refused, a value at the edge that is accepted, what the error says is accepted)
+BOUNDS = [
+    ("fp16.initial_scale_power", [128, 1024, 65, -1], 64, "<= 64"),
+    ("fp16.loss_scale", [2.0**65, 1e300, 1e-30, -1.0], 2.0**64, "2**64"),
+    ("fp16.loss_scale_window", [2**63, 0], I64, "<= 2**63 - 1"),
+    ("fp16.hysteresis", [2**63, 0], I64, "<= 2**63 - 1"),
+    ("fp16.min_loss_scale", [0.0, 2.0**17, 1e300], 2.0**16, "2**16"),  # with the default initial_scale_power 16
+    ("zero_optimization.reduce_bucket_size", [2**63, 1e30, 0], I64, "<= 2**63 - 1"),
+    ("zero_optimization.allgather_bucket_size", [2**63, 0], I64, "<= 2**63 - 1"),
+    ("zero_optimization.stage3_prefetch_bucket_size", [2**64, -1], I64, "<= 2**63 - 1"),
+    ("zero_optimization.stage3_param_persistence_threshold", [2**64, -1], 0, "<= 2**63 - 1"),
+    ("zero_optimization.stage3_max_live_parameters", [2**64], I64, "<= 2**63 - 1"),
+    ("zero_optimization.stage3_max_reuse_distance", [2**64], I64, "<= 2**63 - 1"),
+    ("zero_optimization.sub_group_size", [2**64], I64, "<= 2**63 - 1"),
+    ("gradient_clipping", [1e39, 1e-40, -1.0], 1e38, "3.40282e+38"),
+    ("steps_per_print", [2**63, 0], I64, "<= 2**63 - 1"),
+    ("optimizer.params.lr", [1e39, -1.0], 3e38, "3.40282e+38"),
+    ("optimizer.params.weight_decay", [1e39, -0.5], 0.0, "3.40282e+38"),
+    ("optimizer.params.eps", [0, 0.0, 1e-40, 1e39, -1e-8], 1.2e-38, "must be > 0 and finite"),
+    ("optimizer.params.betas", [[0.9, 1.0], [-0.1, 0.9]], [0.0, 0.999999], "< 1"),
+]
+
+
+@pytest.mark.parametrize("key, bad, edge, accepted", BOUNDS, ids=[b[0] for b in BOUNDS])
+def test_numeric_config_keys_are_bounded_naming_the_key_and_the_range(key, bad, edge, accepted):
+    for value in bad:
+        with pytest.raises(ValueError) as info:
+            Config.from_deepspeed(_with(key, value), dp=2)
+        msg = str(info.value)
+        assert f'"{key}"' in msg and accepted in msg, (value, msg)
+    Config.from_deepspeed(_with(key, edge), dp=2)  # the edge of the range is taken
+
+
+def test_initial_scale_power_at_the_bound_gives_a_finite_float32_scale_and_above_is_refused_by_the_scaler():
+    scaler = LossScaler(initial_scale_power=64)
+    assert torch.isfinite(scaler.scale) and float(scaler.scale) == 2.0**64
+    assert torch.isfinite(scaler.inv_scale().to(torch.float32)) and float(scaler.inv_scale()) > 0
+    for power in (128, 1024):  # was: an infinite float32 scale / OverflowError naming no key
+        with pytest.raises(ValueError, match=r'"fp16.initial_scale_power"=\d+ must be >= 0 and <= 64'):
+            LossScaler(initial_scale_power=power)
+    with pytest.raises(ValueError, match=r'"fp16.min_loss_scale"=64.0 .*2\*\*5'):
+        LossScaler(initial_scale_power=5, min_loss_scale=64.0)  # a floor above the start would raise the scale
+
+
+# ------------------------------------------------------------------------------------------------------ eps
+def _params():
+    g = torch.Generator().manual_seed(4)
+    return [torch.nn.Parameter(torch.randn(5, 3, generator=g)), torch.nn.Parameter(torch.randn(7, generator=g))]
+
+
+@pytest.mark.parametrize("eps", [0, 0.0, 1e-45, -1e-8, math.inf, math.nan])
+def test_eps_zero_or_out_of_range_is_refused_everywhere_naming_it(eps):
+    with pytest.raises(ValueError, match=r"eps.*must be (> 0 and )?(a )?finite"):
+        Config.from_deepspeed(_with("optimizer.params.eps", eps), dp=2)
+    with pytest.raises(ValueError, match=r'"optimizer.params.eps"=.* must be'):
+        OptimizerConfig(eps=eps)
+    with pytest.raises(ValueError, match=r"^eps=.* must be > 0 and finite"):
+        FusedAdamW(_params(), eps=eps)
+    opt = FusedAdamW(_params()[:1])
+    with pytest.raises(ValueError, match=r"param group: eps=.* must be > 0 and finite"):
+        opt.add_param_group({"params": _params()[1:], "eps": eps})
+    with pytest.raises(ValueError, match=r"param group 1: eps=.* must be > 0 and finite"):
+        param_groups([{"params": _params()[:1]}, {"params": _params()[1:], "eps": eps}], OptimizerConfig())
+
+
+def test_the_smallest_accepted_eps_keeps_params_finite_where_grads_are_zero():
+    """eps 0 made every element with a zero gradient NaN at the first step; the smallest eps taken does not."""
+    ps = _params()
+    opt = FusedAdamW(ps, eps=1.2e-38, weight_decay=0.0)
+    for p in ps:
+        g = torch.randn(p.shape, dtype=torch.float64).to(p.dtype)
+        g.view(-1)[::2] = 0.0  # unused rows / padding: v stays 0 there
+        p.grad = g
+    before = [p.detach().clone() for p in ps]
+    opt.step()
+    for p, b in zip(ps, before):
+        assert torch.isfinite(p).all()
+        assert torch.equal(p.detach().view(-1)[::2], b.view(-1)[::2])  # zero grad, no decay: unchanged
