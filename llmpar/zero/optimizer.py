@@ -51,13 +51,14 @@ from llmpar.zero.offload import Copier, Placement, host_step_buffer, master_dtyp
 from llmpar.zero.param_gather import DeferredGather, step_gather
 from llmpar.zero.stage3 import (Stage3Runtime, UnitPlan, UnitPolicy, frozen_buffers, shard_params,
                                  split_persistent)
+from llmpar.zero.state_dict import OptimizerStateDict
 from llmpar.zero.stats import NormStats, StepApplied, StepStatsView
 
 logger = logging.getLogger("llmpar")
 
-class ZeroOptimizer(StepStatsView, ZeroCheckpointing):
+class ZeroOptimizer(StepStatsView, ZeroCheckpointing, OptimizerStateDict):
     """AdamW with ZeRO stage 0/1/2 over ``dp_group`` (module docstring). ``param_groups[i]["lr"]`` may be changed by a
-    scheduler between steps."""
+    scheduler between steps. ``state_dict()`` / ``load_state_dict()`` / ``destroy()``: ``state_dict.py``."""
 
     def __init__(self, params: Iterable[Any], optimizer_config: OptimizerConfig | dict | None, dp_group: Group, *,
                  stage: int = 2, zero_config: ZeroConfig | None = None, tp_group: Group | None = None,
@@ -292,6 +293,7 @@ class ZeroOptimizer(StepStatsView, ZeroCheckpointing):
     def step(self) -> StepApplied:
         """Apply one AdamW step from the accumulated grads. Returns a :class:`StepApplied`, false when the step was
         skipped for non-finite grads (its ``bool()`` reads the device flag; nothing else here does)."""
+        self._check_alive("step")
         r = self.reducer
         r.wait_all()
         self.wait_params()
