@@ -191,7 +191,7 @@ def test_cuda_bias_act_backward_vs_reference(act, grad_dtype, pre_dtype):
     for got, want in zip(torch.ops.llmpar.bias_act_backward(strided, pre, code),
                          bias_act_backward_reference(strided, pre, code)):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=torch.finfo(pre_dtype).eps)
-    torch.library.opcheck(torch.ops.llmpar.bias_act_backward.default, (grad, pre, code))
+    torch.library.opcheck(torch.ops.llmpar.bias_act_backward.default, (strided, pre, code))  # this block's pair
 
 
 @pytest.mark.gpu
