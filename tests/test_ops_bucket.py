@@ -62,6 +62,20 @@ def test_pack_unpack_torch_vs_float64(torch_backend, dtype_in, dtype_out, scale)
         assert_rounded_once(o, back)
 
 
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16))
+def test_torch_path_rounds_the_float32_product_once(torch_backend, dtype):
+    """The torch path is bitwise the documented math (what the CUDA / Triton kernels compute): out =
+    dtype(float32(x) * float32(scale)) for 16-bit -> same 16-bit dtype too. (torch's CPU _foreach_mul_ on bfloat16 /
+    float16 tensors rounded the scale to the tensors' dtype first: ~3% of the elements one unit off.)"""
+    tensors = make_tensors([(4097,), (3, 41), (123,)], dtype, seed=5)
+    for scale in (1 / 0.37, 0.37, 1 / 3):
+        want = torch.cat([(t.reshape(-1).float() * scale).to(dtype) for t in tensors])
+        assert torch.equal(pack_bucket(tensors, scale=scale), want), scale
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        outs = unpack_bucket(flat, [torch.empty_like(t) for t in tensors], scale=scale)
+        assert torch.equal(torch.cat([o.reshape(-1) for o in outs]), want), scale
+
+
 def test_many_tensors_into_larger_out(torch_backend):
     shapes = [(k % 37 + 1,) for k in range(300)]
     tensors = make_tensors(shapes, torch.float32)
