@@ -119,3 +119,83 @@ def test_the_smallest_accepted_eps_keeps_params_finite_where_grads_are_zero():
     for p, b in zip(ps, before):
         assert torch.isfinite(p).all()
         assert torch.equal(p.detach().view(-1)[::2], b.view(-1)[::2])  # zero grad, no decay: unchanged
+
+
+# ------------------------------------------------------------------------------------ qgZ error feedback
+GPT_SMALL = dict(vocab_size=64, n_layer=2, n_head=4, d_model=32, seq_len=16)
+EF_STEPS, EF_BAD = 6, 1  # the step whose gradient is non-finite on rank 1
+
+
+def _ef_run(fp16: bool, feedback: bool) -> dict:
+    """6 steps at ZeRO-2 with quantized gradients; at step EF_BAD rank 1's loss is multiplied by inf (fp32: NaN / inf
+    gradients) or 1e30 (fp16: an overflow at any scale)."""
+    import torch.distributed as dist
+
+    import llmpar
+    from llmpar.models import GPT, GPTConfig
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0,
+           "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
+           "zero_optimization": {"stage": 2, "reduce_bucket_size": 5000, "zero_quantized_gradients": True,
+                                 "zero_quantized_gradients_error_feedback": feedback}}
+    if fp16:
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**GPT_SMALL))
+    engine, opt, _, _ = llmpar.initialize(model=model, config=cfg)
+    losses = []
+    for s in range(EF_STEPS):
+        g = torch.Generator().manual_seed(100 + s)
+        x = torch.randint(0, 64, (4 * world, 17), generator=g)[4 * rank:4 * (rank + 1)]
+        loss = model.loss(engine(x[:, :-1]), x[:, 1:])
+        bad = s == EF_BAD and rank == 1
+        engine.backward(loss * (1e30 if fp16 else float("inf")) if bad else loss)
+        engine.step()
+        total = loss.detach().float().reshape(1)
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+    q = opt.reducer.quantizer
+    return {"losses": losses, "skipped": opt.skipped_steps, "scale": opt.loss_scale,
+            "finite": all(bool(torch.isfinite(r).all()) for r in list(q.residual.values()) + list(q.residual2.values())),
+            "held": q.residual_numel()}
+
+
+def ef_body():
+    return {(fp16, fb): _ef_run(fp16, fb) for fp16 in (False, True) for fb in (False, True)}
+
+
+def test_a_non_finite_gradient_does_not_poison_error_feedback():
+    """Before: the residual took the NaN, was never reset, and every later step was skipped (fp32: only a warning;
+    fp16: the scale halved at every step down to DeepSpeed's 'overflow at every scale'). Now the skipped step resets
+    the residuals and the run goes on like the same run without error feedback (close: quantization differs)."""
+    from multirank import run_ranks
+
+    for out in run_ranks(ef_body, 2, timeout=240):
+        for fp16 in (False, True):
+            plain, fed = out[(fp16, False)], out[(fp16, True)]
+            assert plain["skipped"] == 1 and fed["skipped"] == 1, (fp16, plain["skipped"], fed["skipped"])
+            assert fed["finite"] and fed["held"] > 0
+            assert fed["scale"] == plain["scale"]
+            after = slice(EF_BAD + 1, None)
+            assert all(math.isfinite(v) for v in fed["losses"][after])
+            rel = max(abs(a - b) / a for a, b in zip(plain["losses"][after], fed["losses"][after]))
+            assert rel < 0.01, (fp16, rel, plain["losses"], fed["losses"])
+
+
+def test_on_a_device_the_residuals_are_masked_without_reading_the_flag():
+    """The CUDA path (the flag stays on the device): residuals zeroed in place on a skip, kept otherwise."""
+    from llmpar.zero.compressed import GradQuantizer
+
+    q = GradQuantizer(split=None, bits=4, block=16, error_feedback=True, counter=None)
+    g = torch.Generator().manual_seed(3)
+    q.residual[(0, 0)] = torch.randn(37, generator=g)
+    q.residual[(0, 1)] = torch.full((5,), float("nan"))
+    q.residual2[(0, 0)] = torch.randn(11, generator=g)
+    kept = {k: v.clone() for k, v in q.residual.items()}
+    q.mask_residuals(torch.tensor(False))
+    assert torch.equal(q.residual[(0, 0)], kept[(0, 0)]) and torch.isnan(q.residual[(0, 1)]).all()
+    q.mask_residuals(torch.tensor(True))
+    assert all(not r.any() for r in list(q.residual.values()) + list(q.residual2.values()))
+    assert q.reset_if_skipped(torch.tensor(0.0)) is False and q.residual  # host flag, no skip: kept
+    assert q.reset_if_skipped(torch.tensor(1.0)) is True and not q.residual and not q.residual2

@@ -10,7 +10,8 @@
     GradQuantizer (2, 3)     qgZ: a unit's gradients are packed, scaled by 1/dp and quantized in one pass
                              (``pack_quantize``: no unquantized staging bucket), then reduce-scattered as codes through
                              all-to-alls, inside the node first when the dp ranks span nodes; with error feedback
-                             each rank adds its previous compression error of that unit before quantizing.
+                             each rank adds its previous compression error of that unit before quantizing (reset
+                             when a step is skipped for non-finite gradients: ``reset_if_skipped``).
 Persistent stage-3 units (small params) are gathered as they are: few bytes, and the norms keep full precision.
 """
 from __future__ import annotations
@@ -102,6 +103,30 @@ class GradQuantizer:
         return reduce_scatter_quantized(out, wire, self.split, n=n, bits=self.bits, block=self.block,
                                         accumulate=accumulate, residual=res2, counter=self.counter, what=what,
                                         async_op=True)
+
+    def reset_if_skipped(self, found_inf: torch.Tensor) -> bool | None:
+        """After a step: when it was skipped (``found_inf`` != 0) the residuals are zeroed. A skipped step's
+        gradients were never applied, and a non-finite one left inf / NaN in the residuals, which every later
+        reduction would add back (every later step skipped, or with fp16 the scale halved down to the minimum).
+        A flag in host memory is read (no cost) and the residuals dropped only on a skip: returns whether they were;
+        on a device the flag stays there (no sync): each residual is masked in place (None)."""
+        tables = [self.residual, self.residual2]
+        if not self.error_feedback or not any(tables):
+            return False
+        if found_inf.device.type == "cpu":
+            if float(found_inf) == 0:
+                return False
+            for t in tables:
+                t.clear()  # made again, as zeros, by the next reduction
+            return True
+        self.mask_residuals(found_inf.reshape(()) != 0)
+        return None
+
+    def mask_residuals(self, skipped: torch.Tensor) -> None:
+        """Zero every residual in place where the 0-d bool ``skipped`` is true (on the device, no sync)."""
+        for t in (self.residual, self.residual2):
+            for r in t.values():
+                r.masked_fill_(skipped.to(r.device), 0.0)
 
     def held_elements(self, padded: int, dtype: torch.dtype) -> int:
         """Staging a reduction in flight holds (wire + what arrives), in elements of ``dtype``, for the budget."""

@@ -321,6 +321,9 @@ class ZeroOptimizer(StepStatsView, ZeroCheckpointing, OptimizerStateDict):
                     gather.unit_stepped(bi, u)
         if gather is not None:
             gather.finish()
+        if r.quantizer is not None and r.quantizer.reset_if_skipped(found_inf):  # a skip: no stale / NaN error
+            logger.warning("ZeroOptimizer: step skipped for non-finite gradients: the error-feedback residuals of "
+                           "the quantized gradients were reset")
         self.stats.record(norm, found_inf)
         if self.loss_scaler is not None:
             self.loss_scaler.update(found_inf)
