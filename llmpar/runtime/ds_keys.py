@@ -10,6 +10,8 @@ configs fail. A rule per key says which values change nothing in llmpar:
     Disabled()        a block that is off (``"enabled": false``); its other keys are then irrelevant
     Absent()          a block that acts whenever it is there (no ``enabled`` switch): accepted only as null
     Renamed(path)     DeepSpeed's legacy spelling of a key llmpar supports: the value moves there
+    Parsed(check)     a block another module reads from the raw config (the monitors: ``runtime/monitor.py``):
+                      ``check(name, value)`` raises for a bad one, here, on every rank, before initialize goes on
 
 Anything else in the table is an error ``"<key>"=<value>: not supported: <reason>``.
 """
@@ -18,7 +20,9 @@ from __future__ import annotations
 import copy
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
+
+from llmpar.runtime.monitor import monitor_block
 
 
 @dataclass(frozen=True)
@@ -48,11 +52,15 @@ class Renamed:
     value: Any = None  # the value written there when the old key is true (None: the old key's own value)
 
 
+@dataclass(frozen=True)
+class Parsed:
+    check: Callable[[str, Any], Any]
+
+
 def _d(*values: Any, reason: str) -> Default:
     return Default(values, reason)
 
 
-_MONITOR = "monitors are not supported (log from your loop; llmpar logs every steps_per_print steps)"
 TOP: dict[str, Any] = {
     "wall_clock_breakdown": _d(False, reason="use the benchmarks in bench/ or torch.profiler"),
     "memory_breakdown": _d(False, reason="use llmpar.planning.estimate_memory or torch.cuda.memory_summary"),
@@ -75,10 +83,14 @@ TOP: dict[str, Any] = {
     "amp": Disabled("apex AMP is not supported; use bf16 or fp16"),
     "amp_enabled": _d(False, reason="apex AMP is not supported; use bf16 or fp16"),
     "torch_autocast": Disabled("torch autocast inside the engine is not supported; use bf16 or fp16"),
-    "tensorboard": Disabled(_MONITOR), "wandb": Disabled(_MONITOR), "csv_monitor": Disabled(_MONITOR),
-    "comet": Disabled(_MONITOR), "monitor_config": Inert(),
-    "comms_logger": Disabled("use llmpar's CommCounter (initialize(counter=...))"),
-    "flops_profiler": Disabled("use torch.profiler or llmpar.planning"),
+    "tensorboard": Parsed(monitor_block), "wandb": Parsed(monitor_block), "csv_monitor": Parsed(monitor_block),
+    "comet": Disabled("the comet monitor is not provided: use tensorboard, csv_monitor or wandb"),
+    "monitor_config": Inert(),
+    "comms_logger": Disabled("DeepSpeed's per-collective log is not provided: pass initialize(counter="
+                             "llmpar.distributed.counter.CommCounter()) to count every collective's calls, volume "
+                             "and bytes, or use torch.profiler"),
+    "flops_profiler": Disabled("DeepSpeed's FLOPs profiler is not provided: use torch.profiler.profile("
+                               "with_flops=True), or llmpar.planning for model FLOPs and memory"),
     "autotuning": Disabled("use llmpar plan for layouts"),
     "elasticity": Disabled("elastic training is not supported (checkpoints reshard to any dp / tp / pp instead)"),
     "compression_training": Inert(),  # only acts through DeepSpeed's compression API, which scripts call themselves
@@ -178,6 +190,9 @@ def _apply(block: dict, table: dict[str, Any], where: str) -> None:
                                  '(accepted: "enabled": false)')
             if not isinstance(value, dict) and value not in (None, False):
                 raise ValueError(f'"{name}"={_show(value)}: not supported: {rule.reason}')
+            del block[key]
+        elif isinstance(rule, Parsed):
+            rule.check(name, value)
             del block[key]
         elif isinstance(rule, Absent):
             if value is not None:

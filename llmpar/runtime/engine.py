@@ -101,6 +101,7 @@ class Engine(EngineBase):
         scaled = loss / gas if gas > 1 else loss
         scaler = getattr(self.optimizer, "loss_scaler", None)  # fp16: the step divides by the scale again
         (scaled if scaler is None else scaler.scale_loss(scaled)).backward(retain_graph=retain_graph)
+        self._monitor_loss(scaled, self.is_gradient_accumulation_boundary())
         return scaled
 
     @reports_step

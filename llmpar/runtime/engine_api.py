@@ -1,5 +1,5 @@
 """DeepSpeed's engine API as scripts call it, for both engines (``EngineBase`` derives from :class:`DeepSpeedAPI`):
-ranks and device, the config accessors, the step flags, the monitor and ``deepspeed_io``.
+ranks and device, the config accessors, the step flags and ``deepspeed_io`` (``engine.monitor``: ``monitor.py``).
 
     engine.global_rank, engine.local_rank, engine.world_size, engine.dp_world_size, engine.device
     engine.gradient_clipping(), engine.steps_per_print(), engine.zero_optimization_stage(), engine.get_data_types()
@@ -19,19 +19,6 @@ from torch import nn
 
 from llmpar.distributed.collectives import collective_device, group_rank, group_size
 from llmpar.zero.config import OffloadConfig
-
-
-class Monitor:
-    """``engine.monitor``: DeepSpeed's monitor with no writer enabled (llmpar takes no tensorboard / wandb /
-    csv_monitor writer): ``enabled`` is False and :meth:`write_events` does nothing, as DeepSpeed's does when no
-    writer is enabled. Log with ``logging.getLogger("llmpar")`` or your own writer."""
-
-    enabled = False
-
-    def write_events(self, event_list: list) -> None:
-        """DeepSpeed's ``[(name, value, step), ...]`` events; no writer is enabled, so nothing is written."""
-        if not isinstance(event_list, (list, tuple)):
-            raise TypeError(f"event_list must be a list of (name, value, step) tuples, got {type(event_list).__name__}")
 
 
 class DeepSpeedLoader(torch.utils.data.DataLoader):
@@ -237,10 +224,6 @@ class DeepSpeedAPI:
         and for a step skipped for non-finite gradients (reading it syncs with the device once)."""
         return bool(self._step_applied)
 
-    @property
-    def monitor(self) -> Monitor:
-        return Monitor()
-
     # data
     def deepspeed_io(self, dataset: Any, batch_size: int | None = None, route: str = "train", pin_memory: bool = True,
                      data_sampler: Any = None, collate_fn: Callable | None = None,
@@ -268,4 +251,4 @@ class DeepSpeedAPI:
                                num_workers=num_local_io_workers or 0)
 
 
-__all__ = ["DeepSpeedAPI", "DeepSpeedLoader", "Monitor", "local_rank_from_env"]
+__all__ = ["DeepSpeedAPI", "DeepSpeedLoader", "local_rank_from_env"]

@@ -17,13 +17,16 @@ import logging
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from llmpar.distributed.agree import raise_if_any_failed
 from llmpar.distributed.errors import CollectiveError
 from llmpar.runtime import engine_ckpt
 from llmpar.runtime.client import mirror_groups, step_scheduler
 from llmpar.runtime.config import Config
 from llmpar.runtime.engine_api import DeepSpeedAPI
+from llmpar.runtime.monitor import MonitorMaster, monitor_config
 
 if TYPE_CHECKING:
     from llmpar.checkpoint.protocol import Grid, PendingSave
@@ -32,9 +35,13 @@ logger = logging.getLogger("llmpar")
 
 
 def reports_step(method: Callable[..., Any]) -> Callable[..., Any]:
-    """A collective failing inside ``method`` (a dead or stuck peer) reports the engine's step with its operation."""
+    """A collective failing inside ``method`` (a dead or stuck peer) reports the engine's step with its operation;
+    ``method`` after :meth:`EngineBase.destroy` is a ``RuntimeError`` saying so."""
     @functools.wraps(method)
     def wrapper(self: "EngineBase", *args: Any, **kwargs: Any) -> Any:
+        if self.destroyed:
+            raise RuntimeError(f"engine.{method.__name__}() after engine.destroy(): the engine released its hooks, "
+                               "gradients and optimizer state; build a new one with llmpar.initialize")
         try:
             return method(self, *args, **kwargs)
         except CollectiveError as err:
@@ -60,6 +67,63 @@ class EngineBase(DeepSpeedAPI):
         self.client_optimizer: torch.optim.Optimizer | None = None  # a client lr_scheduler sets lrs here (client.py)
         self.client_optimizer_name: str | None = None
         self.exclude_frozen = False  # during save_checkpoint(exclude_frozen_parameters=True)
+        self.destroyed = False
+        self.losses: torch.Tensor | None = None  # this accumulation's sum of loss / gas (DeepSpeed's; for the monitor)
+        self.monitor = self._build_monitor()
+
+    def _build_monitor(self) -> MonitorMaster:
+        """DeepSpeed's monitors (``monitor.py``), writing on global rank 0; a writer failing to start there (an
+        unwritable output_path, say) fails initialize on every rank."""
+        cfg = monitor_config(self.config.raw)
+        if not cfg.enabled:
+            return MonitorMaster(cfg, rank=self.global_rank)
+        error, monitor = None, None
+        try:
+            monitor = MonitorMaster(cfg, rank=self.global_rank)
+        except Exception as e:  # noqa: BLE001 - agreed with the other ranks, then raised everywhere
+            error = e if isinstance(e, (ValueError, TypeError, OSError)) else RuntimeError(f"monitor: {e!r}")
+        if dist.is_initialized():
+            raise_if_any_failed(error, dist.group.WORLD, what="a monitor could not start on global rank 0")
+        elif error is not None:
+            raise error
+        assert monitor is not None
+        return monitor
+
+    def _monitor_loss(self, scaled: torch.Tensor, boundary: bool) -> None:
+        """Add one micro-step's ``loss / gas`` to :attr:`losses`; at the boundary rank 0 writes their sum as
+        ``Train/Samples/train_loss`` at the samples seen before this step (DeepSpeed's plain engine)."""
+        if not self.monitor.enabled:
+            return
+        loss = scaled.detach().float()
+        self.losses = loss if self.losses is None else self.losses + loss
+        if boundary and self.global_rank == 0:
+            self.monitor.write_events([("Train/Samples/train_loss", self.losses.item(), self.global_samples)])
+
+    def _monitor_step(self, loss: float | None) -> None:
+        """After an optimizer step, on rank 0: ``Train/Samples/lr`` (and ``loss_scale`` with fp16, ``train_loss``
+        for a pipeline step's mean loss) at the samples seen now (DeepSpeed's)."""
+        if self.global_rank != 0:
+            return
+        events = [("Train/Samples/lr", self.get_lr()[0], self.global_samples)]
+        if self.fp16_enabled():
+            events.append(("Train/Samples/loss_scale", self.optimizer.loss_scale, self.global_samples))
+        if loss is not None:
+            events.append(("Train/Samples/train_loss", loss, self.global_samples))
+        self.monitor.write_events(events)
+
+    def destroy(self) -> None:
+        """DeepSpeed's cleanup: publish a pending async save (collective, as the save was), close the monitors'
+        writers, and release the optimizer's hooks, gradients and states (``llmpar.zero.state_dict``). Calling
+        it again does nothing; the engine's other methods raise ``RuntimeError`` afterwards. Under ZeRO 0-2 the
+        model stays a plain module with the trained weights; under stage 3 each rank holds only its shards."""
+        if self.destroyed:
+            return
+        if self.checkpoint_pending is not None:
+            self.wait_checkpoint()
+        self.monitor.close()
+        self.optimizer.destroy()
+        self.losses = None
+        self.destroyed = True
 
     @property
     def skipped_steps(self) -> int:
@@ -82,6 +146,9 @@ class EngineBase(DeepSpeedAPI):
         self.optimizer.zero_grad()
         self.global_steps += 1
         self.global_samples += self.config.train_batch_size
+        self.losses = None
+        if self.monitor.enabled:
+            self._monitor_step(loss)
         if (self.global_steps % self.config.steps_per_print == 0 and self.global_rank == 0
                 and logger.isEnabledFor(logging.INFO)):
             logger.info("step=%d, skipped=%d, lr=%s, mom=%s, grad_norm=%.4g%s", self.global_steps, self.skipped_steps,
