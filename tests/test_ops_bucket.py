@@ -129,6 +129,48 @@ def test_roundtrip_property(sizes, scale, seed):
         torch.testing.assert_close(o, t, rtol=3e-7, atol=0)
 
 
+# ---- the Triton kernel's launch table (llmpar.kernels.bucket) ----
+
+TABLE_LAYOUTS = ([1], [1024], [1025], [5, 1024, 1, 3 * 1024 + 17, 2047], [3] * 7, [2, 0, 3, 0], [0, 5],
+                 [k % 37 * 97 + 1 for k in range(300)])
+
+
+@pytest.mark.parametrize("sizes", TABLE_LAYOUTS, ids=lambda s: f"{len(s)}x{sum(s)}")
+def test_launch_table_equals_the_loop_it_replaced(sizes):
+    """Both builders (numpy on the CPU, the torch ops a GPU runs) give exactly the table of the old per-block loop
+    (bench/bench_bucket.py:loop_table), on odd layouts: one element, one block, a block and one, empty tensors."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from bench_bucket import loop_table
+
+    from llmpar.kernels import bucket
+
+    tensors = [torch.empty(k) for k in sizes]
+    ptrs, numels = tuple(t.data_ptr() for t in tensors), tuple(sizes)
+    want = loop_table(tensors, bucket.BLOCK)
+    programs = sum(-(-k // bucket.BLOCK) for k in sizes)
+    for got, p in (bucket.table_rows(ptrs, numels, torch.device("cpu")),
+                   bucket._rows_torch(ptrs, numels, torch.device("cpu"))):
+        assert got.dtype == torch.int64 and p == programs and torch.equal(got, want)
+
+
+def test_launch_table_is_cached_per_layout(monkeypatch):
+    from llmpar.kernels import bucket
+
+    built = []
+    real = bucket.table_rows
+    monkeypatch.setattr(bucket, "table_rows", lambda *a: built.append(a[1]) or real(*a))
+    bucket._cached_table.cache_clear()
+    a, b = [torch.empty(5), torch.empty(3000)], [torch.empty(5), torch.empty(2999)]
+    flat = torch.empty(0)
+    first = bucket._table(flat, a)
+    assert bucket._table(flat, a)[0] is first[0] and built == [(5, 3000)], "same layout: the cached table"
+    assert bucket._table(flat, b)[0] is not first[0] and built == [(5, 3000), (5, 2999)], "a new size: a new table"
+    bucket._cached_table.cache_clear()
+
+
 # ---- bad inputs: the error names the argument ----
 
 @pytest.mark.parametrize("call, exc, words", [
