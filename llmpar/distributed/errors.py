@@ -52,6 +52,13 @@ class CollectiveError(RuntimeError):
                 f"[{type(self.cause).__name__}: {first}]")
 
 
+class TokenIdError(ValueError, IndexError):
+    """A token / class id outside the vocabulary (a tensor-parallel embedding or loss, a model's loss). A ValueError
+    (llmpar's bad-input error) and an IndexError (what ``nn.Embedding`` and ``F.cross_entropy`` raise on CPU), so
+    either ``except`` catches it. Defined here, on the lowest floor, so that the models and the tensor-parallel layers
+    raise the same class."""
+
+
 def describe_group(pg: dist.ProcessGroup) -> str:
     """"the group of global ranks [0, 2]" (or the whole job)."""
     try:
@@ -70,4 +77,4 @@ def collective_error(err: BaseException, what: str, pg: dist.ProcessGroup) -> Co
     return CollectiveError(what, describe_group(pg), dist.get_rank() if dist.is_initialized() else 0, err)
 
 
-__all__ = ["CollectiveError", "collective_error", "describe_group"]
+__all__ = ["CollectiveError", "TokenIdError", "collective_error", "describe_group"]

@@ -1,8 +1,10 @@
 """Agreement between the ranks of a tensor-parallel group: same input shapes, valid token ids.
 
 Every rank of a tp group must see the same tokens. Inputs of different shapes but the same element count pass every
-collective and silently mix unrelated rows; an id outside the vocabulary is seen only by the rank(s) holding it. Both
-are turned into the same clear error on every rank, in one of two ways:
+collective and silently mix unrelated rows; inputs of different element counts make the ranks issue collectives of
+different sizes, which gloo answers by aborting the process and NCCL by hanging or reading past the data; an id outside
+the vocabulary is seen only by the rank(s) holding it. All are turned into the same clear error on every rank, in one
+of two ways:
 
 * :class:`ShapeGuard` (the linear layers): a shape not seen before is all-gathered once and compared
   (:func:`check_same_shape`); shapes the group agreed on are remembered by the layer, so steady-state training pays a
@@ -11,26 +13,23 @@ are turned into the same clear error on every rank, in one of two ways:
   group hangs (until the collective timeout) instead of failing clearly; and two ranks each reusing a different agreed
   shape are not caught. In a model the always-on checks below come first (the vocab-parallel embedding in front, the
   loss behind), so the linear layers' caches only ever see shapes that agree.
-* a **rank table** riding in a collective the layer issues anyway (the embedding's reduction, the loss's max
-  all-reduce): each rank appends a ``[tp, k]`` table, zeros except its own row ``[fault flag, 8 bytes of a hash of
-  its input shape]``, so a sum or a max over the group hands every rank every row. Every call, no extra collective,
-  no host sync: on CPU the table is read and a ValueError raised; on an accelerator a device-side assert
-  (``torch._assert_async``) fires instead. The values are integers <= 255, exact in every float dtype down to bf16.
+* a **rank table** exchanged every call, before the layer's own (input-sized) collective: one all-gather of a fixed
+  ``ROW_COLS`` int64 per rank, ``[fault flag, ndim, dims...]`` (:func:`exchange_rows`), so every rank learns every
+  rank's fault flag and input shape whatever the inputs are. No host sync is needed: on CPU the table is read and a
+  ValueError raised (:func:`raise_for_rows`); on an accelerator a device-side assert (``torch._assert_async``,
+  :func:`assert_rows_ok`) fires instead, and a rank meeting an input shape new to it reads the table once for the
+  clear error naming every rank's shape.
 """
 from __future__ import annotations
 
 import torch
 
 from llmpar.distributed.collectives import all_gather_flat, as_group, collective_device, group_rank, group_size
+from llmpar.distributed.errors import TokenIdError
 
-TABLE_COLS = 9  # fault flag + 8 hash bytes
 _MAX_DIMS = 8  # dims a shape check sends in clear (more are folded into a hash)
+ROW_COLS = 2 + _MAX_DIMS  # a rank's row of the exchanged table: fault flag, then the shape code (ndim, dims)
 _MAX_AGREED = 64  # shapes a ShapeGuard remembers before starting over
-
-
-class TokenIdError(ValueError, IndexError):
-    """A token / class id outside the vocabulary. A ValueError (llmpar's bad-input error) and an IndexError (what
-    ``nn.Embedding`` and ``F.cross_entropy`` raise on CPU), so either ``except`` catches it."""
 
 
 def _shape_code(shape: tuple[int, ...]) -> list[int]:
@@ -54,11 +53,15 @@ def check_same_shape(shape: tuple[int, ...], group: object, *, what: str) -> Non
     mine = torch.tensor(_shape_code(tuple(shape)), dtype=torch.int64, device=collective_device(pg))
     everyone = torch.empty(group_size(pg) * mine.numel(), dtype=torch.int64, device=mine.device)
     all_gather_flat(everyone, mine, pg)
-    codes = everyone.view(group_size(pg), -1).tolist()
+    _raise_if_shapes_differ(everyone.view(group_size(pg), -1).tolist(), group_rank(pg), what)
+
+
+def _raise_if_shapes_differ(codes: list[list[int]], rank: int, what: str) -> None:
+    """The ValueError naming every rank's shape, unless all the shape ``codes`` (one per group rank) are equal."""
     if any(c != codes[0] for c in codes):
         shapes = ", ".join(f"group rank {r} {_shape_text(c)}" for r, c in enumerate(codes))
         raise ValueError(f"{what}: the ranks of the tensor-parallel group got inputs of different shapes ({shapes}; "
-                         f"this is group rank {group_rank(pg)}): every tp rank must get the same input")
+                         f"this is group rank {rank}): every tp rank must get the same input")
 
 
 class ShapeGuard:
@@ -97,50 +100,38 @@ def host_checks(t: torch.Tensor) -> bool:
     return t.device.type == "cpu"
 
 
-def _hash_bytes(shape: tuple[int, ...]) -> list[int]:
-    return list(hash(tuple(shape)).to_bytes(8, "little", signed=True))
+def exchange_rows(fault: torch.Tensor, shape: tuple[int, ...], group: object) -> torch.Tensor:
+    """Every rank's ``[fault, ndim, dims...]`` row: one all-gather of ``ROW_COLS`` int64 per rank (a fixed size
+    whatever the inputs), on ``fault``'s device (a 0-d bool tensor; no host sync: the shape code travels host ->
+    device asynchronously). Returns ``[tp, ROW_COLS]`` int64, row r from group rank r."""
+    pg = as_group(group)
+    row = torch.tensor([0] + _shape_code(tuple(shape)), dtype=torch.int64)
+    if fault.device.type != "cpu":
+        row = row.to(fault.device, non_blocking=True)
+    row[0] = fault.to(torch.int64)
+    rows = torch.empty(group_size(pg) * ROW_COLS, dtype=torch.int64, device=row.device)
+    all_gather_flat(rows, row, pg, what=f"input agreement of {ROW_COLS} int64")
+    return rows.view(-1, ROW_COLS)
 
 
-def rank_table(fault: torch.Tensor, shape: tuple[int, ...], tp: int, rank: int, dtype: torch.dtype) -> torch.Tensor:
-    """``[tp * TABLE_COLS]`` zeros except row ``rank`` = ``[fault (a bool tensor), hash bytes of shape]``; built on
-    ``fault``'s device without a host sync (the bytes travel host -> device asynchronously)."""
-    table = torch.zeros(tp, TABLE_COLS, dtype=dtype, device=fault.device)
-    row = torch.tensor([0] + _hash_bytes(shape), dtype=dtype)
-    table[rank] = row.to(fault.device, non_blocking=True) if fault.device.type != "cpu" else row
-    table[rank, 0] = fault.to(dtype)
-    return table.view(-1)
+def shapes_differ(rows: torch.Tensor) -> bool:
+    """Host read of exchanged ``rows``: whether the ranks' shapes differ."""
+    codes = rows[:, 1:].tolist()
+    return any(c != codes[0] for c in codes)
 
 
-def table_problems(table: torch.Tensor, tp: int) -> tuple[list[int], list[list[int]]]:
-    """Host read of a reduced table: (group ranks that flagged a fault, the groups of ranks whose shape hashes agree:
-    one group when all agree)."""
-    rows = table.view(tp, TABLE_COLS).tolist()
-    by_hash: dict[tuple, list[int]] = {}
-    for r, row in enumerate(rows):
-        by_hash.setdefault(tuple(row[1:]), []).append(r)
-    return [r for r, row in enumerate(rows) if row[0] != 0], sorted(by_hash.values())
-
-
-def assert_table_ok(table: torch.Tensor, tp: int, message: str) -> None:
-    """Device-side assert (no host sync) that no rank flagged a fault and all shape hashes agree."""
-    t = table.view(tp, TABLE_COLS)
-    ok = (t[:, 0] == 0).all() & (t[:, 1:] == t[:1, 1:]).all()
+def assert_rows_ok(rows: torch.Tensor, message: str) -> None:
+    """Device-side assert (no host sync) that no rank flagged a fault and all ranks' shapes agree."""
+    ok = (rows[:, 0] == 0).all() & (rows[:, 1:] == rows[:1, 1:]).all()
     torch._assert_async(ok, message)
 
 
-def raise_for_table(table: torch.Tensor, tp: int, group: object, shape: tuple[int, ...], *, what: str,
-                    fault_error, every_rank_reads: bool = True) -> None:
-    """Raise if the reduced ``table`` shows a shape mismatch or a fault. Shapes come first (a fault seen under
-    mismatched inputs may be an artifact of them). ``every_rank_reads``: every rank of the group is reading this
-    table now (CPU), so all take part in one more all-gather that names every rank's shape; otherwise (a rank's first
-    read of a new shape on an accelerator) the error names this rank's shape and which ranks agree.
-    ``fault_error(ranks)`` builds the exception for a fault on ``ranks``."""
-    faulty, groups = table_problems(table, tp)
-    if len(groups) > 1:
-        if every_rank_reads:
-            check_same_shape(shape, group, what=what)
-        raise ValueError(f"{what}: the ranks of the tensor-parallel group got inputs of different shapes (group ranks "
-                         f"{groups} agree among themselves; this is group rank {group_rank(as_group(group))} with "
-                         f"{tuple(shape)}): every tp rank must get the same input")
+def raise_for_rows(rows: torch.Tensor, group: object, *, what: str, fault_error) -> None:
+    """Raise if the exchanged ``rows`` show inputs of different shapes (a ValueError naming every rank's shape) or a
+    fault (``fault_error(ranks)``, the exception for a fault on group ``ranks``). Shapes come first: a fault seen
+    under mismatched inputs may be an artifact of them. Every rank holds the same rows, so every rank raises."""
+    table = rows.tolist()
+    _raise_if_shapes_differ([r[1:] for r in table], group_rank(as_group(group)), what)
+    faulty = [r for r, row in enumerate(table) if row[0] != 0]
     if faulty:
         raise fault_error(faulty)

@@ -12,10 +12,13 @@ with ``m = max_v z_v`` and ``Z = sum_v exp(z_v - m)`` (both reduced over the gro
 
 The real columns, which label smoothing sums over, are those not -inf for every token (a -inf logit in a real column
 makes the smoothed loss huge, ~1e38 / V, where F.cross_entropy gives inf). Two all-reduces of ``[tokens]``-sized
-vectors (max, then the stacked sums); low-precision logits are upcast to fp32. Riding in the max: each rank's fault flag (a target outside ``[0, V_pad)``, or ``[0, vocab_size)``, that is not
-``ignore_index``) and a hash of its logits' shape (see ``_agree``); a target on a -inf column shows up as a -inf target
-logit after the sum. Either raises on every rank, a :class:`TokenIdError` (a ValueError) on CPU and a device-side
-assert on accelerators (no host sync), instead of a wrong loss or a rank left waiting.
+vectors (max, then the stacked sums); low-precision logits are upcast to fp32. Before them, a fixed-size exchange
+(``_agree.exchange_rows``: one all-gather of 10 int64 per rank) hands every rank each rank's fault flag (a target
+outside ``[0, V_pad)``, or ``[0, vocab_size)``, that is not ``ignore_index``) and its logits' shape, so that logits of
+different shapes (also of different token counts, which would give the reductions different sizes) fail before any
+token-sized collective; a target on a -inf column shows up as a -inf target logit after the sum. Each raises on every
+rank, a :class:`TokenIdError` (a ValueError) or a ValueError naming every rank's shape on CPU and a device-side assert
+on accelerators (no host sync), instead of a wrong loss, an aborted process or a rank left waiting.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ import torch
 
 from llmpar.distributed.collectives import all_reduce
 from llmpar.tensor_parallel import _agree
-from llmpar.tensor_parallel._agree import TokenIdError, assert_table_ok, raise_for_table, rank_table
+from llmpar.tensor_parallel._agree import TokenIdError, assert_rows_ok, exchange_rows, raise_for_rows
 from llmpar.tensor_parallel._utils import Group, resolve_tp_group, tp_size_rank
 
 _WHAT = "vocab_parallel_cross_entropy"
@@ -34,8 +37,9 @@ def _some(ids: torch.Tensor, k: int = 8) -> list[int]:
 
 
 def _reduce_max_checked(m, outside, t, shape, group, limit: int, ignore_index: int) -> torch.Tensor:
-    """``m`` max-reduced over ``group``; raises (CPU) / asserts (device) on every rank when any rank's target has ids
-    outside ``[0, limit)`` or the ranks' logits shapes differ."""
+    """``m`` max-reduced over ``group``; first raises (CPU) / asserts (device) on every rank when any rank's target has
+    ids outside ``[0, limit)`` or the ranks' logits shapes differ (checked in a fixed-size exchange, so before the
+    token-sized max is issued)."""
     tp, rank = tp_size_rank(group)
     range_msg = f"{_WHAT}: target holds class ids outside [0, {limit}) that are not ignore_index={ignore_index}"
     cpu = _agree.host_checks(m)
@@ -45,19 +49,16 @@ def _reduce_max_checked(m, outside, t, shape, group, limit: int, ignore_index: i
         elif bool(outside.any()):
             raise TokenIdError(f"{range_msg}: {_some(t[outside])}")
         return m
-    n = m.numel()
-    buf = torch.cat([m, rank_table(outside.any(), shape, tp, rank, m.dtype)])
-    all_reduce(buf, group, op="max")
-    m, table = buf[:n], buf[n:]
-    if not cpu:
-        assert_table_ok(table, tp, f"{range_msg}, or the tp ranks passed logits of different shapes")
-        return m
+    rows = exchange_rows(outside.any(), shape, group)
+    if cpu:
+        def fault(ranks: list[int]) -> TokenIdError:
+            mine = f": {_some(t[outside])}" if rank in ranks else ""
+            return TokenIdError(f"{range_msg} (on tp group rank(s) {ranks}; this is group rank {rank}){mine}")
 
-    def fault(ranks: list[int]) -> TokenIdError:
-        mine = f": {_some(t[outside])}" if rank in ranks else ""
-        return TokenIdError(f"{range_msg} (on tp group rank(s) {ranks}; this is group rank {rank}){mine}")
-
-    raise_for_table(table, tp, group, shape, what=_WHAT, fault_error=fault)
+        raise_for_rows(rows, group, what=_WHAT, fault_error=fault)
+    else:
+        assert_rows_ok(rows, f"{range_msg}, or the tp ranks passed logits of different shapes")
+    all_reduce(m, group, op="max")
     return m
 
 

@@ -5,11 +5,13 @@
 in its range, writes zeros for the others, and the partial results are summed over the group (all-reduce; a
 reduce-scatter along dim 0 under ``sequence_parallel``, giving this rank's ``[s/tp, ..., d]`` shard).
 
-Riding in that reduction (``_agree`` rank table, a few elements, every call): each rank's flag for ids outside
-``[0, V)`` and a hash of its ``ids`` shape. An id outside the vocabulary, or ids of different shapes on the tp ranks,
-raise on every rank: a :class:`TokenIdError` (an IndexError like ``nn.Embedding``'s, and a ValueError) or a
-ValueError naming the shapes on CPU; a device-side assert on accelerators (no host sync; the first time a rank sees
-an ids shape it reads the table, so a shape mismatch there raises the clear ValueError too).
+Before the lookup, every call, the ranks exchange a fixed-size row each (``_agree.exchange_rows``: a flag for ids
+outside ``[0, V)`` and the ids' shape, one all-gather of 10 int64 per rank), so that ids outside the vocabulary or ids
+of different shapes on the tp ranks (also of different element counts, which would give the sum collectives of
+different sizes) raise on every rank before the sum is issued: a :class:`TokenIdError` (an IndexError like
+``nn.Embedding``'s, and a ValueError) or a ValueError naming every rank's shape on CPU; a device-side assert on
+accelerators (no host sync; the first time a rank sees an ids shape it reads the rows, so a shape mismatch there raises
+the clear ValueError too). Nothing is left half done: the layer stays usable after the error.
 """
 from __future__ import annotations
 
@@ -17,56 +19,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmpar.distributed.collectives import GroupRef, all_reduce, reduce_scatter_flat
+from llmpar.distributed.collectives import GroupRef
 from llmpar.tensor_parallel import _agree
 from llmpar.tensor_parallel._agree import (
-    TABLE_COLS,
     ShapeGuard,
     TokenIdError,
-    assert_table_ok,
-    raise_for_table,
-    rank_table,
-    table_problems,
+    assert_rows_ok,
+    exchange_rows,
+    raise_for_rows,
+    shapes_differ,
 )
 from llmpar.tensor_parallel._utils import Group, check_positive, pad_to_multiple, resolve_tp_group, tp_size_rank
-from llmpar.tensor_parallel.comm import all_gather_dim0
+from llmpar.tensor_parallel.comm import reduce_from_tensor_region, reduce_scatter_to_sequence_region
 from llmpar.tensor_parallel.linear import _tag
 
 _SKIP_INIT = object()
-
-
-class _ReduceWithTable(torch.autograd.Function):
-    """Sum the partial embedding ``out: [s, ..., d]`` over the group with a rank ``table: [T]`` appended, in the one
-    collective (a reduce-scatter along dim 0 under sequence parallelism, every chunk carrying the table). Returns
-    ``(reduced, table)``: ``reduced`` [s, ..., d] (or [s/tp, ..., d]) lives in the collective's buffer, set as a plain
-    tensor (not a view) so that the gradient arrives without a copy and in-place ops on it stay legal. Backward:
-    identity (an all-gather along dim 0 under sequence parallelism)."""
-
-    @staticmethod
-    def forward(ctx, out, table, group, sequence_parallel):
-        tp, k = table.numel() // TABLE_COLS, table.numel()
-        ctx.group, ctx.sp = group, sequence_parallel
-        if not sequence_parallel:
-            shape, n = out.shape, out.numel()
-            flat = torch.empty(n + k, dtype=out.dtype, device=out.device)
-            flat[:n] = out.reshape(-1)
-            flat[n:] = table
-            all_reduce(flat, group)
-        else:
-            shape = torch.Size((out.shape[0] // tp, *out.shape[1:]))
-            n = shape.numel()
-            buf = torch.empty(tp, n + k, dtype=out.dtype, device=out.device)
-            buf[:, :n] = out.reshape(tp, n)
-            buf[:, n:] = table
-            flat = torch.empty(n + k, dtype=out.dtype, device=out.device)
-            reduce_scatter_flat(flat, buf.view(-1), group)
-        reduced_table = flat[n:].clone()
-        ctx.mark_non_differentiable(reduced_table)
-        return flat.new_empty(0).set_(flat.untyped_storage(), 0, shape), reduced_table
-
-    @staticmethod
-    def backward(ctx, grad, _grad_table):
-        return (all_gather_dim0(grad, ctx.group) if ctx.sp else grad), None, None, None
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -140,9 +107,11 @@ class VocabParallelEmbedding(nn.Module):
         """ids: [...] int -> [..., d] (or this rank's dim-0 shard [s/tp, ..., d] under sequence_parallel)."""
         if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
             raise TypeError(f"ids must be an integer tensor, got dtype {ids.dtype}")
-        if self.sequence_parallel and (ids.dim() < 1 or ids.shape[0] % self.tp):
-            raise ValueError(f"sequence_parallel needs ids dim 0 divisible by tp={self.tp}, got {tuple(ids.shape)}")
         bad = (ids < 0) | (ids >= self.num_embeddings)
+        if self.tp > 1:  # every rank's flag and shape, before anything sized by the ids is issued
+            self._check(exchange_rows(bad.any(), tuple(ids.shape), self.group), ids, bad)
+        if self.sequence_parallel and (ids.dim() < 1 or ids.shape[0] % self.tp):  # the same shape on every rank
+            raise ValueError(f"sequence_parallel needs ids dim 0 divisible by tp={self.tp}, got {tuple(ids.shape)}")
         if self.tp == 1:
             if _agree.host_checks(ids) and bool(bad.any()):  # elsewhere F.embedding's device-side assert
                 raise self._id_error([0], ids[bad])
@@ -151,10 +120,9 @@ class VocabParallelEmbedding(nn.Module):
         local = (ids - self.vocab_start).masked_fill(outside, 0)
         out = F.embedding(local, self.weight, self._local_padding_idx)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        table = rank_table(bad.any(), tuple(ids.shape), self.tp, self.tp_rank, out.dtype)
-        out, table = _ReduceWithTable.apply(out, table, self.group, self.sequence_parallel)
-        self._check(table, ids, bad)
-        return out
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_region(out, self.group)
+        return reduce_from_tensor_region(out, self.group)
 
     def _id_error(self, ranks: list[int], mine: torch.Tensor | None) -> TokenIdError:
         where = f" on tp group rank(s) {ranks} (this is group rank {self.tp_rank})" if self.tp > 1 else ""
@@ -162,20 +130,19 @@ class VocabParallelEmbedding(nn.Module):
         return TokenIdError(f"token ids outside [0, {self.num_embeddings}) (VocabParallelEmbedding of "
                             f"{self.num_embeddings} rows, tp={self.tp}){where}{ids}")
 
-    def _check(self, table: torch.Tensor, ids: torch.Tensor, bad: torch.Tensor) -> None:
-        """Raise (CPU) / assert (accelerators) on every rank if the reduced ``table`` shows bad ids or shapes."""
+    def _check(self, rows: torch.Tensor, ids: torch.Tensor, bad: torch.Tensor) -> None:
+        """Raise (CPU) / assert (accelerators) on every rank if the exchanged ``rows`` show bad ids or shapes."""
         what = type(self).__name__
         fault = lambda ranks: self._id_error(ranks, ids[bad] if self.tp_rank in ranks else None)  # noqa: E731
-        if _agree.host_checks(table):
-            raise_for_table(table, self.tp, self.group, tuple(ids.shape), what=what, fault_error=fault)
+        if _agree.host_checks(rows):
+            raise_for_rows(rows, self.group, what=what, fault_error=fault)
             return
-        if ids.shape not in self._shapes:  # a new ids shape: read the table once (host sync) for a clear error
-            if len(table_problems(table, self.tp)[1]) > 1:  # no collective here: the other ranks may not read
-                raise_for_table(table, self.tp, self.group, tuple(ids.shape), what=what, fault_error=fault,
-                                every_rank_reads=False)
+        if ids.shape not in self._shapes:  # a new ids shape: read the rows once (host sync) for a clear error
+            if shapes_differ(rows):
+                raise_for_rows(rows, self.group, what=what, fault_error=fault)
             self._shapes.add(ids.shape)
-        assert_table_ok(table, self.tp, f"{what}: token ids outside [0, {self.num_embeddings}), or ids of "
-                                        "different shapes on the tp ranks")
+        assert_rows_ok(rows, f"{what}: token ids outside [0, {self.num_embeddings}), or ids of different shapes on "
+                             "the tp ranks")
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim}, tp={self.tp}, padding_idx={self.padding_idx}, "
