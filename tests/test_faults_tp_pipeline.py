@@ -3,7 +3,10 @@ leave the ranks usable (CPU/gloo ranks):
 
 * tp ranks given inputs of different element counts (the embedding, the vocab-parallel loss) raise a ValueError naming
   each rank's shape on every rank; before, the shape check rode inside the input-sized reduction and gloo aborted the
-  process (SIGABRT: "Received data size doesn't match expected size").
+  process (SIGABRT: "Received data size doesn't match expected size");
+* an out-of-range target through ``model.loss`` of a tensor-parallel GPT, on one rank only or on all, raises on every
+  rank naming the target and the vocabulary size; before, ``F.cross_entropy`` raised on that rank and the others
+  waited in the backward's collectives.
 """
 import time
 
@@ -84,3 +87,60 @@ def _numel_body(sp: bool):
 def test_inputs_of_different_element_counts_raise_on_every_rank_naming_the_shapes(sp):
     times = run_ranks(_numel_body, 2, sp, timeout=60)
     assert max(max(t) for t in times) < FAIL_WITHIN
+
+
+# ---------------------------------------------------------------- model.loss of a tensor-parallel GPT
+def _model_loss_body():
+    from llmpar.models.gpt import GPT, GPTConfig
+    from llmpar.tensor_parallel import TokenIdError, parallelize
+
+    g = dist.group.WORLD
+    rank, tp = dist.get_rank(), dist.get_world_size()
+    V = 67
+    cfg = GPTConfig(vocab_size=V, n_layer=1, n_head=2, d_model=8, seq_len=7)
+    ref = GPT(cfg, seed=1, dtype=torch.float64)
+    model = parallelize(GPT(cfg, seed=1, dtype=torch.float64), g)
+    idx = torch.randint(0, V, (3, 7), generator=torch.Generator().manual_seed(5))
+    y = torch.roll(idx, -1, 1)
+    y[1, 2] = -100  # ignored
+    logits = model(idx)
+    torch.testing.assert_close(model.loss(logits, y), F.cross_entropy(ref(idx).reshape(-1, V), y.reshape(-1)),
+                               rtol=1e-10, atol=1e-12)
+    times = []
+    for bad, only in [(V, tp - 1), (10**6, 0), (-1, None), (-7, tp - 1)]:
+        yb = y.clone()
+        if only is None or rank == only:
+            yb[2, 4] = bad
+        t, err = _timed(lambda: model.loss(logits, yb), TokenIdError, rf"GPT.loss: target .*\[0, {V}\)")
+        times.append(t)
+        assert isinstance(err, ValueError) and isinstance(err, IndexError)
+        assert str(bad) in str(err) and f"vocabulary of {V}" in str(err), str(err)
+    model.loss(logits, y).backward()  # the ranks are still in step: the backward's collectives meet
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    split = parallelize(GPT(cfg, seed=1, dtype=torch.float64), g, gather_logits=False)
+    with pytest.raises(ValueError, match=rf"GPT.loss: logits have {-(-V // tp)} classes.*vocab_size={V}"):
+        split.loss(split(idx), y)
+    return times
+
+
+def test_out_of_range_target_through_model_loss_raises_on_every_rank():
+    times = run_ranks(_model_loss_body, 2, timeout=60)
+    assert max(max(t) for t in times) < FAIL_WITHIN
+
+
+def test_out_of_range_target_names_value_and_vocab_size_on_one_process():
+    from llmpar.models.gpt import GPT, GPTConfig
+    from llmpar.tensor_parallel import TokenIdError
+
+    model = GPT(GPTConfig(vocab_size=13, n_layer=1, n_head=1, d_model=4, seq_len=5))
+    idx = torch.randint(0, 13, (2, 5), generator=torch.Generator().manual_seed(0))
+    logits = model(idx)
+    for bad in (13, -2):
+        y = idx.clone()
+        y[1, 3] = bad
+        for loss in (model.loss, GPT.loss):  # bound to a model, or called on the class
+            with pytest.raises(TokenIdError, match=rf"GPT.loss: target id\(s\) \[{bad}\] .*\[0, 13\)"):
+                loss(logits, y)
+    y = idx.clone()
+    y[0, 0] = -100
+    assert torch.equal(GPT.loss(logits, y), F.cross_entropy(logits.reshape(-1, 13), y.reshape(-1)))

@@ -32,11 +32,13 @@ def check_same_on_ranks(fingerprint: str, group: "Group | GroupRef", *, what: st
                          f"{dist.get_rank(pg)}); {hint}")
 
 
-def raise_if_any_failed(error: BaseException | None, groups: "Group | GroupRef | list", *, what: str) -> None:
+def raise_if_any_failed(error: BaseException | None, groups: "Group | GroupRef | list", *, what: str,
+                        types: tuple[type[BaseException], ...] = ()) -> None:
     """Collective over ``groups`` (one group, or several spanning a grid such as a mesh's axes, taken in turn): when
     any rank passes an ``error``, every rank raises. A failing rank re-raises its own error; the others raise the same
     exception type naming a failing rank (global rank) and its message, so that a fault on one rank (a config it
     cannot read, a bad value) is reported everywhere, not as a hang or a "connection closed by peer" on the others.
+    The same type: TypeError, ValueError or one of ``types`` (classes taking a message), by name; else RuntimeError.
     Costs one small all-reduce per group (and a gather of the messages per group on failure)."""
     pgs = [as_group(g) for g in (groups if isinstance(groups, (list, tuple)) else [groups])]
     device = collective_device(pgs[0])
@@ -53,7 +55,7 @@ def raise_if_any_failed(error: BaseException | None, groups: "Group | GroupRef |
     if error is not None:
         raise error
     rank, kind, message = known if known is not None else ("?", "RuntimeError", "(no message)")
-    exc = {"TypeError": TypeError, "ValueError": ValueError}.get(kind, RuntimeError)
+    exc = {t.__name__: t for t in (TypeError, ValueError, *types)}.get(kind, RuntimeError)
     raise exc(f"{what}: rank {rank} failed: {message}")
 
 

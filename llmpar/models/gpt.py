@@ -28,10 +28,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from llmpar.distributed.agree import raise_if_any_failed
+from llmpar.distributed.collectives import all_reduce, group_size
+from llmpar.distributed.errors import TokenIdError
 
 
 @dataclass(kw_only=True)
@@ -131,14 +137,73 @@ class Block(nn.Module):
         return x + self.drop(self.mlp(self.ln2(x)))
 
 
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy. logits: [B, T, V], targets: [B, T] (int64) -> scalar (fp32 or wider)."""
+IGNORE_INDEX = -100  # F.cross_entropy's default: targets holding it are left out of the mean
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor, *, vocab_size: int | None = None,
+            group: Any = None) -> torch.Tensor:
+    """Mean next-token cross-entropy. logits: [B, T, V], targets: [B, T] (int64) -> scalar (fp32 or wider); targets
+    equal to ``IGNORE_INDEX`` (-100) are left out.
+
+    A target outside ``[0, V)`` (other than -100) raises a :class:`TokenIdError` (a ValueError and an IndexError)
+    naming it and ``V`` on CPU; on an accelerator ``F.cross_entropy``'s device-side assert fires. ``vocab_size``: the
+    V the logits must have (a model's loss passes its own; split vocab-parallel logits are refused, they need
+    ``llmpar.vocab_parallel_cross_entropy``). ``group``: the tensor-parallel group whose ranks compute this same loss
+    (a model split by ``llmpar.parallelize``): a bad target on any of its ranks then raises on every one of them (CPU:
+    one 1-element all-reduce per call, the message gathered only on failure; accelerators: a 1-element all-reduce and a
+    device-side assert, no host sync), instead of one rank raising while the others wait in the backward.
+    """
     if logits.shape[:-1] != targets.shape:
         raise ValueError(f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} disagree on [B, T]")
-    flat = logits.reshape(-1, logits.shape[-1])
+    if targets.is_floating_point() or targets.is_complex():
+        raise TypeError(f"targets must hold integer class ids, got dtype {targets.dtype}")
+    V = logits.shape[-1]
+    if vocab_size is not None and V != vocab_size:
+        raise ValueError(f"GPT.loss: logits have {V} classes, the model's vocab_size={vocab_size}: GPT.loss takes the "
+                         "full-vocabulary logits; split vocab-parallel logits (parallelize(..., gather_logits=False)) "
+                         "go to llmpar.vocab_parallel_cross_entropy(logits, targets, group)")
+    _check_targets(targets, V, group)
+    flat = logits.reshape(-1, V)
     if flat.dtype in (torch.float16, torch.bfloat16):
         flat = flat.float()
-    return F.cross_entropy(flat, targets.reshape(-1))
+    return F.cross_entropy(flat, targets.reshape(-1), ignore_index=IGNORE_INDEX)
+
+
+def _check_targets(targets: torch.Tensor, V: int, group: Any) -> None:
+    """Raise (CPU) / assert (accelerators) on every rank of ``group`` if any rank holds a target outside [0, V)."""
+    bad = ((targets < 0) | (targets >= V)) & (targets != IGNORE_INDEX)
+    cpu = targets.device.type == "cpu"
+    if group is None or group_size(group) == 1:
+        if cpu and bool(bad.any()):  # elsewhere F.cross_entropy's device-side assert
+            raise _target_error(targets[bad], V)
+        return
+    if cpu:
+        where = f" on global rank {dist.get_rank()}"
+        raise_if_any_failed(_target_error(targets[bad], V, where) if bool(bad.any()) else None, group,
+                            what="GPT.loss", types=(TokenIdError,))
+        return
+    flag = bad.any().to(torch.int32).reshape(1)
+    all_reduce(flag, group, op="max")
+    torch._assert_async(flag[0] == 0, f"GPT.loss: a target id outside the vocabulary [0, {V}) on a rank of the "
+                                      "tensor-parallel group")
+
+
+def _target_error(bad: torch.Tensor, V: int, where: str = "") -> TokenIdError:
+    ids = sorted(set(bad.tolist()))
+    return TokenIdError(f"GPT.loss: target id(s) {ids[:8]}{' ...' if len(ids) > 8 else ''}{where} outside the "
+                        f"vocabulary of {V} classes: targets must be in [0, {V}) or {IGNORE_INDEX} (ignored)")
+
+
+class _StaticOrBound:
+    """A function that is static on the class (``GPT.loss(logits, y)``) and bound on a model (``model.loss``: then
+    ``bound(model, ...)``)."""
+
+    def __init__(self, static: Callable[..., Any], bound: Callable[..., Any]) -> None:
+        self.static, self.bound = static, bound
+        self.__doc__ = bound.__doc__
+
+    def __get__(self, obj: Any, owner: Any = None) -> Callable[..., Any]:
+        return self.static if obj is None else self.bound.__get__(obj, owner)
 
 
 class GPTEmbedding(nn.Module):
@@ -239,10 +304,21 @@ class GPT(nn.Module):
         return [("embed", GPTEmbedding(self)), *((f"blocks.{i}", b) for i, b in enumerate(self.blocks)),
                 ("head", GPTHead(self))]
 
-    @staticmethod
-    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy; see :func:`lm_loss`."""
-        return lm_loss(logits, targets)
+    def _model_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy of this model's logits (:func:`lm_loss`): the logits must cover the model's
+        vocabulary, and under tensor parallelism (the model split by ``llmpar.parallelize``) a bad target on any rank
+        of the tp group raises on every rank. ``GPT.loss(logits, targets)`` on the class: :func:`lm_loss` alone."""
+        return lm_loss(logits, targets, vocab_size=self.config.vocab_size, group=self.tp_group())
+
+    loss = _StaticOrBound(lm_loss, _model_loss)
+
+    def tp_group(self) -> Any:
+        """The tensor-parallel group of this model's parallel layers (the first module holding a ``group`` of more
+        than one rank), or None when it is not split."""
+        for m in self.modules():
+            if getattr(m, "tp", 1) > 1 and getattr(m, "group", None) is not None:
+                return m.group
+        return None
 
     def num_params(self, *, exclude_embeddings: bool = False) -> int:
         """Parameter count (shared tensors once); optionally without the token and position embeddings."""
