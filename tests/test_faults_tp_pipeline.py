@@ -6,7 +6,9 @@ leave the ranks usable (CPU/gloo ranks):
   process (SIGABRT: "Received data size doesn't match expected size");
 * an out-of-range target through ``model.loss`` of a tensor-parallel GPT, on one rank only or on all, raises on every
   rank naming the target and the vocabulary size; before, ``F.cross_entropy`` raised on that rank and the others
-  waited in the backward's collectives.
+  waited in the backward's collectives;
+* a pipeline engine's data iterator running out on one rank raises on every rank of the engine, naming the rank, the
+  step and the micro-batches it expected; before, a bare ``StopIteration`` there and a hang everywhere else.
 """
 import time
 
@@ -144,3 +146,53 @@ def test_out_of_range_target_names_value_and_vocab_size_on_one_process():
     y = idx.clone()
     y[0, 0] = -100
     assert torch.equal(GPT.loss(logits, y), F.cross_entropy(logits.reshape(-1, 13), y.reshape(-1)))
+
+
+# ---------------------------------------------------------------- a pipeline data iterator that runs out
+PP_MICRO, PP_M, PP_T, PP_V = 2, 4, 6, 29
+
+
+def _pairs(n: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, PP_V, (PP_MICRO, PP_T), generator=g),
+             torch.randint(0, PP_V, (PP_MICRO, PP_T), generator=g)) for _ in range(n)]
+
+
+def _pipeline_data_body():
+    """pp=4 on 4 ranks (ranks 1 and 2 run middle stages, which pull no data): the first stage's iterator runs out in
+    step 2 (2 of 4 micro-batches), then the last stage's in an eval_batch: every rank raises, naming the rank, the
+    step and the micro-batches; the engine then still trains on every rank."""
+    import llmpar
+    from llmpar.models import GPT, GPTConfig
+    from llmpar.runtime.pipeline_engine import DataExhaustedError
+
+    rank = dist.get_rank()
+    model = GPT(GPTConfig(vocab_size=PP_V, n_layer=2, n_head=2, d_model=8, seq_len=PP_T), seed=0)
+    engine, _, _, _ = llmpar.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": PP_MICRO, "steps_per_print": 10**6,
+        "pipeline": {"stages": 4, "micro_batches": PP_M},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+    short = rank == 0  # the first stage's data ends two micro-batches early
+    it = iter(_pairs(2 * PP_M - (2 if short else 0), 7))
+    assert torch.isfinite(engine.train_batch(data_iter=it))
+    times = []
+    t, err = _timed(lambda: engine.train_batch(data_iter=it), DataExhaustedError,
+                    r"train_batch: the data iterator ran out on global rank 0 \(pp stage 0\) in optimizer step 2 "
+                    rf"after 2 of the {PP_M} micro-batches train_batch pulls")
+    times.append(t)
+    assert isinstance(err, StopIteration)  # a DeepSpeed loop ending on StopIteration still ends, on every rank
+    assert engine.global_steps == 1
+    last = rank == 3
+    t, err = _timed(lambda: engine.eval_batch(iter(_pairs(PP_M - (1 if last else 0), 8))), DataExhaustedError,
+                    rf"eval_batch: the data iterator ran out on global rank 3 \(pp stage 3\) .*after {PP_M - 1} of "
+                    rf"the {PP_M} micro-batches eval_batch pulls")
+    times.append(t)
+    x = torch.cat([p[0] for p in _pairs(PP_M, 9)])
+    y = torch.cat([p[1] for p in _pairs(PP_M, 9)])
+    assert torch.isfinite(engine.train_batch(x, y)) and engine.global_steps == 2
+    return times
+
+
+def test_a_pipeline_data_iterator_running_out_fails_every_rank_clearly():
+    times = run_ranks(_pipeline_data_body, 4, timeout=120)
+    assert max(max(t) for t in times) < FAIL_WITHIN

@@ -23,6 +23,10 @@ loader ``initialize(training_data=...)`` built as DeepSpeed's PipelineEngine doe
 shuffling, restarting at the end: :class:`RepeatingLoader`). As in DeepSpeed only the first and the last stage pull
 (the inputs and the labels), and ``train_batch`` puts the stages in train mode. ``eval_batch(data_iter)`` pulls
 ``micro_batches`` the same way and returns their mean loss, forward only (no gradients, stages left in eval mode).
+Pulling ends with one small agreement over the engine's ranks (every rank, the stages between too), so that an
+iterator running out on one rank (:class:`DataExhaustedError`, a StopIteration naming the rank, the step and the
+micro-batches pulled and expected) or failing there raises on every rank before the step starts, instead of that rank
+failing while the others wait in the schedule; the engine stays usable.
 """
 from __future__ import annotations
 
@@ -31,7 +35,10 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import torch
 from torch import nn
 
+import torch.distributed as dist
+
 from llmpar.checkpoint.protocol import Grid
+from llmpar.distributed.agree import raise_if_any_failed
 from llmpar.distributed.collectives import Group, group_rank, group_size
 from llmpar.runtime.config import Config
 from llmpar.runtime.engine_base import EngineBase, reports_step
@@ -39,6 +46,12 @@ from llmpar.runtime.params import unsplit_names
 
 if TYPE_CHECKING:  # the runner module loads torch.distributed.pipelining
     from llmpar.pipeline.runner import PipelineRunner, StepStats
+
+
+class DataExhaustedError(StopIteration):
+    """A pipeline engine's data iterator ran out before giving a step's micro-batches. A StopIteration, so that a
+    DeepSpeed loop ending on ``except StopIteration`` still ends, on every rank; the message names the rank, the step,
+    and how many micro-batches were pulled of how many expected."""
 
 
 class PipelineEngine(EngineBase):
@@ -159,14 +172,45 @@ class PipelineEngine(EngineBase):
 
     def _pull(self, data_iter: Iterator, what: str) -> tuple[list | None, list | None]:
         """``micro_batches`` (inputs, labels) pairs from ``data_iter``, pulled on the first and the last stage only
-        (as DeepSpeed): (inputs, labels) lists there, (None, None) on the stages between."""
-        if not (self.runner.has_first or self.runner.has_last):
+        (as DeepSpeed): (inputs, labels) lists there, (None, None) on the stages between. Then every rank of the
+        engine agrees that every rank pulled its data (one 1-element all-reduce over the mesh): a rank whose iterator
+        ran out or failed re-raises its error, the others raise the same type naming it."""
+        pairs: list | None = None
+        error: BaseException | None = None
+        if self.runner.has_first or self.runner.has_last:
+            try:
+                pairs = self._pairs(data_iter, what)
+            except Exception as err:  # noqa: BLE001 - reported to every rank below
+                error = err
+        groups = [self.mesh.get_group(a) for a in ("pp", "dp", "tp") if self.mesh[a].size() > 1]
+        if dist.is_initialized() and self.mesh.size() == dist.get_world_size():
+            groups = [dist.group.WORLD]  # the mesh is the job: one all-reduce over it
+        if groups:
+            raise_if_any_failed(error, groups, what=what, types=(DataExhaustedError,))
+        elif error is not None:
+            raise error
+        if pairs is None:
             return None, None
-        pairs = [next(data_iter) for _ in range(self.config.gradient_accumulation_steps)]
-        if not all(isinstance(p, (tuple, list)) and len(p) == 2 for p in pairs):
-            bad = next(p for p in pairs if not isinstance(p, (tuple, list)) or len(p) != 2)
-            raise TypeError(f"{what}: the data must yield (inputs, labels) pairs, got {type(bad).__name__}")
         return [p[0] for p in pairs], [p[1] for p in pairs]
+
+    def _pairs(self, data_iter: Iterator, what: str) -> list:
+        m = self.config.gradient_accumulation_steps
+        pairs = []
+        for _ in range(m):
+            try:
+                pairs.append(next(data_iter))
+            except StopIteration:
+                stage = ", ".join(map(str, self.runner.split.stage_indices))
+                raise DataExhaustedError(
+                    f"{what}: the data iterator ran out on global rank {self.global_rank} (pp stage {stage}) in "
+                    f"optimizer step {self.global_steps + 1} after {len(pairs)} of the {m} micro-batches {what} "
+                    f"pulls (gradient_accumulation_steps = pipeline micro_batches = {m}): give every step {m} "
+                    "(inputs, labels) pairs on the first and the last stage, or repeat the data (initialize("
+                    "training_data=...) builds a repeating loader)") from None
+        bad = next((p for p in pairs if not isinstance(p, (tuple, list)) or len(p) != 2), None)
+        if bad is not None:
+            raise TypeError(f"{what}: the data must yield (inputs, labels) pairs, got {type(bad).__name__}")
+        return pairs
 
     # bubble accounting
     def bubble_fraction(self) -> float:
