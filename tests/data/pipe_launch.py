@@ -2,14 +2,24 @@
 
     torchrun --nproc_per_node 2 tests/data/pipe_launch.py deepspeed|llmpar SCRIPT ARGS...
 
-``llmpar``: the script's ``import deepspeed`` line becomes ``import llmpar as deepspeed`` (the only change) and the
-script runs as ``__main__``. ``deepspeed``: the script runs as it is, on DeepSpeed's CPU accelerator, with its
-shared-memory comm op switched off (it would be JIT-compiled with a C++ toolchain).
+``llmpar``: the script's import lines are renamed mechanically and nothing else changes: ``import deepspeed`` becomes
+``import llmpar as deepspeed``, ``from deepspeed.X import ...`` becomes ``from llmpar.X import ...`` and ``import
+deepspeed.X as Y`` becomes ``import llmpar.X as Y``; the script runs as ``__main__``. ``deepspeed``: the script runs
+as it is, on DeepSpeed's CPU accelerator, with its shared-memory comm op switched off (it would be JIT-compiled with a
+C++ toolchain).
 """
 import os
+import re
 import sys
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def rename(source: str) -> str:
+    """The script with its DeepSpeed import lines renamed to llmpar's (module docstring)."""
+    source = source.replace("\nimport deepspeed\n", "\nimport llmpar as deepspeed\n")
+    source = re.sub(r"^(\s*)from deepspeed((?:\.\w+)*) import ", r"\1from llmpar\2 import ", source, flags=re.M)
+    return re.sub(r"^(\s*)import deepspeed((?:\.\w+)+) as ", r"\1import llmpar\2 as ", source, flags=re.M)
 
 
 def main():
@@ -19,7 +29,7 @@ def main():
     if which == "llmpar":
         if source.count("\nimport deepspeed\n") != 1:
             raise SystemExit(f"{script} must have one 'import deepspeed' line")
-        source = source.replace("\nimport deepspeed\n", "\nimport llmpar as deepspeed\n")
+        source = rename(source)
     elif which == "deepspeed":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         import deepspeed.ops
