@@ -37,8 +37,9 @@ def config(stage: int) -> dict:
 
 def run_script(which: str, stage: int, tmp: Path, ext: Path | None = None) -> tuple[list[float], float]:
     """(losses, wall seconds) of the cifar script run by ``which`` (deepspeed | llmpar) on 2 ranks."""
-    cfg = tmp / f"ds_s{stage}.json"
-    cfg.write_text(json.dumps(config(stage)))
+    cfg = tmp / f"ds_{which}_s{stage}.json"
+    csv_dir = {"enabled": True, "output_path": str(tmp / f"csv_{which}"), "job_name": f"s{stage}"}
+    cfg.write_text(json.dumps({**config(stage), "csv_monitor": csv_dir}))
     out = tmp / f"{which}_s{stage}.json"
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
            "TORCH_EXTENSIONS_DIR": str(ext if ext is not None else tmp / f"ext_{which}")}
@@ -63,6 +64,11 @@ def test_cifar_script_matches_deepspeed(stage, tmp_path, ds_ext_dir):
     torch.testing.assert_close(torch.tensor(ours, dtype=torch.float64), torch.tensor(theirs, dtype=torch.float64),
                                rtol=1e-5, atol=0)
     assert sum(ours[-5:]) < sum(ours[:5])  # and it trains
+    # the csv monitor: the files DeepSpeed writes, with its header, sample steps and lrs
+    theirs_dir, ours_dir = tmp_path / "csv_deepspeed" / f"s{stage}", tmp_path / "csv_llmpar" / f"s{stage}"
+    assert set(os.listdir(theirs_dir)) == {"Train_Samples_lr.csv"}  # DeepSpeed 0.19's plain engine: lr only
+    assert set(os.listdir(ours_dir)) == {"Train_Samples_lr.csv", "Train_Samples_train_loss.csv"}
+    assert (ours_dir / "Train_Samples_lr.csv").read_text() == (theirs_dir / "Train_Samples_lr.csv").read_text()
 
 
 def _read_csv(path: Path) -> tuple[list[str], list[tuple[int, float]]]:
