@@ -13,12 +13,15 @@ residual add (no activation). Cases, side by side in one run (bench/harness.py i
     llmpar fused        linear_act(x, W, b, act=..., residual=r), Triton
     cublasLt epilogue   torch.ops.llmpar.linear_lt (csrc/gemm_lt.cpp), where built and the epilogue exists
     llmpar cuda         linear_act with LLMPAR_BACKEND=cuda: linear_lt, or linear_lt_aux (keeps z) for gelu_tanh
-TFLOP/s counts 2*M*N*K per call. The first Triton call per shape autotunes (done in warmup).
+TFLOP/s counts 2*M*N*K per call. The first Triton call per shape autotunes (done in warmup). On CUDA each sample is a
+CUDA graph of back-to-back calls (bench/harness.py: graph="auto"; a case that cannot be captured runs them eagerly,
+its row says so), so a tp=8 row (~0.2 ms of GPU work) is not timed with its 50-150 us Python launch path.
 
 Parallel-linear path (``--layers``, on by default on CUDA; a world-1 process group, so tp=1 layers holding the
 shard a tp rank would hold): forward + backward of ColumnParallelLinear(activation=act) (up) and RowParallelLinear
 (down), with LLMPAR_BACKEND=torch (the plain composition through autograd) vs triton vs cuda (cuBLASLt forward,
-bias_act_backward + cuBLAS backward); TFLOP/s count 6*M*N*K per step. Baseline: torch.
+bias_act_backward + cuBLAS backward); TFLOP/s count 6*M*N*K per step. Baseline: torch. Samples hold back-to-back
+steps (no graph: autograd's backward is timed as it runs in training).
 """
 from __future__ import annotations
 
@@ -93,7 +96,7 @@ def run(device: torch.device, tps: list[int], tokens: int, dtype: torch.dtype, r
                 cases["cublasLt epilogue"] = lambda: torch.ops.llmpar.linear_lt(x, w, b, LT_ACTS[act], r)
             if device.type == "cuda" and _cuda_path_ok(act, res):
                 cases["llmpar cuda"] = forced("cuda", lambda: linear_act(x, w, b, act=act, residual=r))
-            cmp = compare(cases, baseline="torch.matmul", warmup=5, repeats=repeats, device=device)
+            cmp = compare(cases, baseline="torch.matmul", warmup=5, repeats=repeats, device=device, graph="auto")
         flops = 2.0 * m * n * k
         got = {}
         for row in cmp.rows(shape=name, M=m, K=k, N=n, act=act, residual=res, dtype=str(dtype)[6:]):

@@ -7,9 +7,15 @@
     print(cmp.table())                                             # speedup = baseline median / case median
     write_results("fused_adamw", cmp.rows(size=4096), meta={"dtype": "bf16"})  # .json, .md and a .png plot
 
-Timers: CUDA events around each call on a CUDA device (``timer="do_bench"`` uses ``triton.testing.do_bench``
-instead), ``time.perf_counter`` on CPU. ``compare`` interleaves the repeats of all cases (case order rotated every
-round), so slow drift and noise bursts hit the baseline and the candidates alike: ratios come from one run.
+Timers: on a CUDA device each sample is ``number`` back-to-back calls between two CUDA events, reported per call;
+``number=None`` (the default) picks it on CUDA so that a sample lasts about ``SAMPLE_S`` (2 ms): one call between
+events would also count the Python launch path (50-150 us) of an op whose GPU work is ~0.2 ms, since the GPU idles
+until the launch reaches it. ``graph="auto"`` captures the ``number`` calls in a CUDA graph and times its replay (no
+launch path at all), falling back to back-to-back calls where the op cannot be captured; each row says which timer
+ran (``timer``) and how many calls a sample held (``calls``). ``timer="do_bench"`` uses ``triton.testing.do_bench``
+instead. On CPU: ``time.perf_counter``, one call per sample unless ``number`` says otherwise. ``compare`` interleaves
+the repeats of all cases (case order rotated every round), so slow drift and noise bursts hit the baseline and the
+candidates alike: ratios come from one run.
 Multi-rank (under torchrun): ``measure_distributed`` lines ranks up with a barrier before each repeat and takes
 the max over ranks of each repeat (the slowest rank is the step time).
 """
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import platform
 import re
@@ -38,11 +45,14 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 @dataclass(kw_only=True)
 class Timing:
-    """Seconds per call of ``repeats`` timed runs (each the mean of ``number`` back-to-back calls)."""
+    """Seconds per call of ``repeats`` timed runs (each the mean of ``number`` back-to-back calls), and the timer
+    that took them ("perf_counter", "cuda events", "cuda graph", "do_bench"; ``note``: why a graph was not used)."""
 
     name: str = ""
     times_s: list[float]
     number: int = 1
+    timer: str = ""
+    note: str = ""
 
     def __post_init__(self) -> None:
         if not self.times_s:
@@ -66,26 +76,48 @@ class Timing:
 
     def row(self) -> dict[str, Any]:
         return {"name": self.name, "median_ms": self.median_s * 1e3, "min_ms": self.min_s * 1e3,
-                "iqr_ms": self.iqr_s * 1e3, "repeats": len(self.times_s)}
+                "iqr_ms": self.iqr_s * 1e3, "repeats": len(self.times_s), "calls": self.number,
+                "timer": self.timer, **({"note": self.note} if self.note else {})}
 
 
 def _is_cuda(device: torch.device | str | None) -> bool:
     return device is not None and torch.device(device).type == "cuda"
 
 
-def _check_counts(warmup: int, repeats: int, number: int) -> None:
+def _check_counts(warmup: int, repeats: int, number: int | None) -> None:
     if warmup < 0:
         raise ValueError(f"warmup={warmup} must be >= 0")
     if repeats < 1:
         raise ValueError(f"repeats={repeats} must be >= 1")
-    if number < 1:
-        raise ValueError(f"number={number} must be >= 1")
+    if number is not None and (isinstance(number, bool) or not isinstance(number, int) or number < 1):
+        raise ValueError(f"number={number!r} must be an int >= 1, or None (chosen per case on CUDA)")
+
+
+SAMPLE_S = 2e-3  # number=None on CUDA: back-to-back calls per sample until a sample lasts about this long
+MAX_NUMBER = 100
+
+
+def calls_per_sample(one_call_s: float, *, target_s: float = SAMPLE_S, max_number: int = MAX_NUMBER) -> int:
+    """How many back-to-back calls one sample holds so that it lasts >= ``target_s`` (1 for calls that long already,
+    at most ``max_number``)."""
+    if not one_call_s > 0:
+        return max_number
+    return max(1, min(max_number, math.ceil(target_s / one_call_s)))
+
+
+def _sync(device: torch.device | str | None) -> None:
+    if _is_cuda(device):
+        torch.cuda.synchronize(device)
+
+
+def _events() -> tuple[Any, Any]:
+    return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
 
 def _time_once(fn: Callable[[], Any], device: torch.device | str | None, number: int) -> float:
-    """Seconds per call for ``number`` back-to-back calls of ``fn``."""
+    """Seconds per call for ``number`` back-to-back calls of ``fn`` (between two CUDA events on a CUDA device)."""
     if _is_cuda(device):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start, end = _events()
         start.record()
         for _ in range(number):
             fn()
@@ -98,37 +130,95 @@ def _time_once(fn: Callable[[], Any], device: torch.device | str | None, number:
     return (time.perf_counter() - t0) / number
 
 
+def _capture(fn: Callable[[], Any], number: int, device: torch.device | str) -> Callable[[], Any]:
+    """A callable replaying a CUDA graph of ``number`` back-to-back calls of ``fn`` (warmed up on a side stream first,
+    as capture requires). Raises whatever capture raises."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(number):
+            fn()
+    return graph.replay
+
+
+class _Sampler:
+    """How one case is timed: ``sample()`` returns seconds per call of one sample (``number`` calls, eager or one
+    graph replay). Built after the case's warm-up (it may time one call to pick ``number``)."""
+
+    def __init__(self, fn: Callable[[], Any], device: torch.device | str | None, number: int | None,
+                 graph: bool | str) -> None:
+        self.fn, self.device, self.note = fn, device, ""
+        cuda = _is_cuda(device)
+        if number is None:
+            number = calls_per_sample(min(_time_once(fn, device, 1) for _ in range(3))) if cuda else 1
+        self.number = number
+        self.timer = "cuda events" if cuda else "perf_counter"
+        self.replay: Callable[[], Any] | None = None
+        if graph and cuda:
+            try:
+                self.replay = _capture(fn, number, device)
+                self.timer = "cuda graph"
+            except Exception as exc:  # noqa: BLE001 - an op that cannot be captured is timed eagerly
+                if graph is True:
+                    raise
+                _sync(device)
+                self.note = f"not captured ({type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''})"
+        _sync(device)
+
+    def sample(self) -> float:
+        if self.replay is not None:
+            return _time_once(self.replay, self.device, 1) / self.number
+        return _time_once(self.fn, self.device, self.number)
+
+    def timing(self, name: str, times: list[float]) -> Timing:
+        return Timing(name=name, times_s=times, number=self.number, timer=self.timer, note=self.note)
+
+
+def _check_graph(graph: bool | str) -> None:
+    if graph not in (False, True, "auto"):
+        raise ValueError(f"graph={graph!r} is not one of False, True, 'auto'")
+
+
 def measure(
     fn: Callable[[], Any],
     *,
     warmup: int = 3,
     repeats: int = 20,
     device: torch.device | str | None = None,
-    number: int = 1,
+    number: int | None = None,
     name: str = "",
     timer: str = "auto",
+    graph: bool | str = False,
 ) -> Timing:
-    """Time ``fn()``: ``warmup`` untimed calls, then ``repeats`` timed runs of ``number`` calls each.
+    """Time ``fn()``: ``warmup`` untimed calls, then ``repeats`` timed samples of ``number`` calls each, per call.
 
+    ``number``: calls per sample; None: 1 on CPU, on CUDA as many as make a sample last ~``SAMPLE_S``.
+    ``graph``: on CUDA, time a CUDA graph of the ``number`` calls (True: it must capture; "auto": else eager).
     ``timer``: "auto" (CUDA events on a CUDA device, perf_counter otherwise), "perf_counter", or "do_bench"
     (``triton.testing.do_bench`` on CUDA; ``warmup``/``repeats`` then count calls, converted to its milliseconds).
     """
     _check_counts(warmup, repeats, number)
+    _check_graph(graph)
     if timer not in ("auto", "perf_counter", "do_bench"):
         raise ValueError(f"timer={timer!r} is not one of 'auto', 'perf_counter', 'do_bench'")
     if timer == "do_bench":
         if not _is_cuda(device):
             raise ValueError(f"timer='do_bench' needs a CUDA device, got device={device!r}")
         return _do_bench(fn, warmup=warmup, repeats=repeats, name=name)
-    timing_device = None if timer == "perf_counter" else device
     for _ in range(warmup):
         fn()
-    if _is_cuda(device):
-        torch.cuda.synchronize(device)
-    times = [_time_once(fn, timing_device, number) for _ in range(repeats)]
-    if timer == "perf_counter" and _is_cuda(device):
-        torch.cuda.synchronize(device)
-    return Timing(name=name, times_s=times, number=number)
+    _sync(device)
+    if timer == "perf_counter":
+        t = Timing(name=name, times_s=[_time_once(fn, None, number or 1) for _ in range(repeats)], number=number or 1,
+                   timer="perf_counter")
+        _sync(device)
+        return t
+    sampler = _Sampler(fn, device, number, graph)
+    return sampler.timing(name, [sampler.sample() for _ in range(repeats)])
 
 
 def _do_bench(fn: Callable[[], Any], *, warmup: int, repeats: int, name: str) -> Timing:
@@ -141,7 +231,7 @@ def _do_bench(fn: Callable[[], Any], *, warmup: int, repeats: int, name: str) ->
     except (AssertionError, TypeError):  # older triton: no return_mode="all"
         ms = do_bench(fn, quantiles=[0.25, 0.5, 0.75], **kw)
     times = ms if isinstance(ms, list) else [float(ms)]
-    return Timing(name=name, times_s=[t / 1e3 for t in times])
+    return Timing(name=name, times_s=[t / 1e3 for t in times], timer="do_bench")
 
 
 @dataclass(kw_only=True)
@@ -180,27 +270,30 @@ def compare(
     warmup: int = 3,
     repeats: int = 20,
     device: torch.device | str | None = None,
-    number: int = 1,
+    number: int | None = None,
+    graph: bool | str = False,
 ) -> Comparison:
     """Time every case of ``cases`` side by side: warm each up, then ``repeats`` rounds that time each case once,
-    starting at a different case every round."""
+    starting at a different case every round. ``number`` and ``graph`` as in :func:`measure`, chosen per case (each
+    row reports per-call times, its ``calls`` per sample and its ``timer``)."""
     if not cases:
         raise ValueError("cases is empty: give at least the baseline")
     if baseline not in cases:
         raise ValueError(f"baseline={baseline!r} is not one of the cases {sorted(cases)}")
     _check_counts(warmup, repeats, number)
+    _check_graph(graph)
     names = list(cases)
     for name in names:
         for _ in range(warmup):
             cases[name]()
-    if _is_cuda(device):
-        torch.cuda.synchronize(device)
+    _sync(device)
+    samplers = {n: _Sampler(cases[n], device, number, graph) for n in names}
     times: dict[str, list[float]] = {n: [] for n in names}
     for r in range(repeats):
         for i in range(len(names)):
             name = names[(r + i) % len(names)]
-            times[name].append(_time_once(cases[name], device, number))
-    return Comparison(baseline=baseline, timings={n: Timing(name=n, times_s=times[n], number=number) for n in names})
+            times[name].append(samplers[name].sample())
+    return Comparison(baseline=baseline, timings={n: samplers[n].timing(n, times[n]) for n in names})
 
 
 def compare_distributed(

@@ -3,6 +3,7 @@ well-formed JSON / markdown results (asserting orderings, never absolute timings
 no absolute machine paths in any committed result, and the pytest-benchmark suites of bench/suites/ (run once,
 saved, compared, rendered by bench/benchmark_table.py)."""
 import json
+import math
 import os
 import re
 import subprocess
@@ -81,6 +82,119 @@ def test_write_results_json_and_markdown(tmp_path):
 
 def test_markdown_table_empty():
     assert markdown_table([]) == "(no rows)\n"
+
+
+class _FakeGpu:
+    """A GPU timeline for the harness's CUDA logic on CPU: a call costs ``launch`` seconds of host time, then ``gpu``
+    seconds on the device once the launch has reached it; an event records when the device reaches it. A graph
+    replay is one launch for all its calls. ``fail`` makes capture raise (an op that cannot be captured)."""
+
+    def __init__(self, launch: float, gpu: float, fail: bool = False) -> None:
+        self.launch, self.gpu, self.fail = launch, gpu, fail
+        self.host = self.free = 0.0
+        self.capturing, self.captured, self.replays, self.calls = False, 0, 0, 0
+
+    def call(self) -> None:
+        if self.capturing:
+            if self.fail:
+                raise RuntimeError("operation not permitted when stream is capturing")
+            self.captured += 1
+            return
+        self.calls += 1
+        self._run(self.gpu)
+
+    def sync(self, device=None) -> None:
+        self.host = max(self.host, self.free)
+
+    def _run(self, work: float) -> None:
+        self.host += self.launch
+        self.free = max(self.free, self.host) + work
+
+    def events(self):
+        gpu = self
+
+        class Event:
+            def record(self) -> None:
+                self.t = max(gpu.host, gpu.free)
+
+            def synchronize(self) -> None:
+                gpu.host = max(gpu.host, self.t)
+
+            def elapsed_time(self, end) -> float:
+                return (end.t - self.t) * 1e3
+
+        return Event(), Event()
+
+    def capture(self, fn, number, device):
+        self.capturing = True
+        try:
+            for _ in range(number):
+                fn()
+        finally:
+            self.capturing = False
+        n = self.captured
+
+        def replay() -> None:
+            self.replays += 1
+            self._run(n * self.gpu)
+        return replay
+
+
+def _fake_gpu(monkeypatch, **kw) -> _FakeGpu:
+    import harness
+
+    gpu = _FakeGpu(**kw)
+    monkeypatch.setattr(harness, "_events", gpu.events)
+    monkeypatch.setattr(harness, "_capture", gpu.capture)
+    monkeypatch.setattr(harness, "_sync", gpu.sync)
+    return gpu
+
+
+def test_cuda_samples_hold_enough_back_to_back_calls(monkeypatch):
+    """One call between events counts the launch path too (100 + 200 us for 200 us of work); number=None packs
+    ceil(2 ms / one call) calls into each sample and reports per call: the launch is paid once per sample."""
+    launch, work = 100e-6, 200e-6
+    gpu = _fake_gpu(monkeypatch, launch=launch, gpu=work)
+    one = measure(gpu.call, warmup=1, repeats=5, device="cuda", number=1)
+    assert one.median_s == pytest.approx(launch + work) and one.row()["calls"] == 1
+    auto = measure(gpu.call, warmup=1, repeats=5, device="cuda")
+    n = math.ceil(2e-3 / (launch + work))
+    assert auto.number == n == 7 and auto.timer == "cuda events"
+    assert auto.median_s == pytest.approx((launch + n * work) / n)
+    calls = gpu.calls
+    measure(gpu.call, warmup=2, repeats=4, device="cuda", number=3)
+    assert gpu.calls - calls == 2 + 4 * 3
+
+
+def test_cuda_graph_removes_the_launch_path_and_falls_back(monkeypatch):
+    """A launch-bound op (150 us launch, 50 us work): back-to-back calls still measure the launch, a graph of them
+    measures the work; an op that cannot be captured is timed back to back, and the row says so."""
+    launch, work = 150e-6, 50e-6
+    gpu = _fake_gpu(monkeypatch, launch=launch, gpu=work)
+    cmp = compare({"eager": gpu.call, "graph": gpu.call}, baseline="eager", warmup=1, repeats=4, device="cuda")
+    eager = cmp.timings["eager"]
+    assert eager.timer == "cuda events" and eager.median_s == pytest.approx(launch + work / eager.number)
+    g = measure(gpu.call, warmup=1, repeats=4, device="cuda", graph="auto")
+    assert g.timer == "cuda graph" and gpu.replays == 4 and gpu.captured == g.number == 10
+    assert g.median_s == pytest.approx((launch + g.number * work) / g.number)
+    assert g.median_s < 0.5 * eager.median_s
+    failing = _fake_gpu(monkeypatch, launch=launch, gpu=work, fail=True)
+    f = measure(failing.call, warmup=1, repeats=3, device="cuda", graph="auto")
+    assert f.timer == "cuda events" and "not captured (RuntimeError: operation not permitted" in f.note
+    assert f.row()["note"] == f.note and f.median_s == pytest.approx(launch + work / f.number)
+    with pytest.raises(RuntimeError, match="capturing"):
+        measure(failing.call, warmup=1, repeats=3, device="cuda", graph=True)
+    with pytest.raises(ValueError, match="graph='yes'"):
+        measure(gpu.call, device="cuda", graph="yes")
+    with pytest.raises(ValueError, match="number=0"):
+        compare({"a": gpu.call}, baseline="a", device="cuda", number=0)
+
+
+def test_calls_per_sample():
+    from harness import calls_per_sample
+
+    assert calls_per_sample(3e-4) == 7 and calls_per_sample(5e-3) == 1 and calls_per_sample(1e-9) == 100
+    assert calls_per_sample(0.0) == 100 and calls_per_sample(1e-3, target_s=1e-2, max_number=4) == 4
 
 
 def _dist_body():
