@@ -209,3 +209,41 @@ def test_no_monitor_configured_writes_nothing(tmp_path, monkeypatch):
     engine.monitor.write_events([("x", 1.0, 1)])
     engine.destroy()
     assert list(tmp_path.iterdir()) == []
+
+
+def _pipeline_run(tmp: str) -> tuple[list[float], list[float], str]:
+    from zero_helpers import GPT_CFG, gpt_batch
+
+    from llmpar.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 10 ** 6,
+           "pipeline": {"stages": 2}, "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
+           "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4, "warmup_type": "linear"}},
+           "csv_monitor": {"enabled": True, "output_path": tmp, "job_name": "pipe"}}
+    engine, *_ = llmpar.initialize(model=GPT(GPTConfig(**GPT_CFG)), config=cfg)
+    losses, lrs = [], []
+    for s in range(3):
+        losses.append(float(engine.train_batch(*gpt_batch(s, 4))))
+        lrs.append(engine.get_lr()[0])
+    engine.destroy()
+    try:
+        engine.train_batch(*gpt_batch(9, 4))
+        err = ""
+    except RuntimeError as e:
+        err = str(e)
+    return losses, lrs, err
+
+
+def test_pipeline_engine_writes_the_step_loss_after_the_step(tmp_path):
+    """DeepSpeed's pipeline engine: train_loss is the step's mean loss, written after the step (at the samples seen
+    then, as lr); destroy() then refuses train_batch."""
+    from multirank import run_ranks
+
+    (losses, lrs, err), _ = run_ranks(_pipeline_run, 2, str(tmp_path), timeout=180)
+    steps = [4 * (k + 1) for k in range(3)]  # train_batch_size 4 (pp=2, dp=1)
+    _, rows = read_csv(tmp_path / "pipe" / "Train_Samples_train_loss.csv")
+    assert rows == list(zip(steps, losses))
+    _, rows = read_csv(tmp_path / "pipe" / "Train_Samples_lr.csv")
+    assert rows == list(zip(steps, lrs)) and len(set(lrs)) == 3
+    assert "after engine.destroy()" in err
