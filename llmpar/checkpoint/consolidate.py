@@ -17,7 +17,7 @@ rank 0's files (a checkpoint written before llmpar left non-persistent buffers o
 written too). Names are the model's own (``model.named_parameters()``); a tied weight appears once, under its first
 name. The files are written by ``hf_files.write_hf_model``, ``config.json`` from the HuggingFace config the engine
 recorded in ``metadata.json`` (none for an older checkpoint or a model without one). ``metadata.json``'s digest and
-every file's sha256 are verified first.
+fields (``metacheck``) and every file's sha256 are verified first.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from llmpar.checkpoint import files, hf_files, publish
+from llmpar.checkpoint import files, hf_files, metacheck, publish
 from llmpar.checkpoint.files import CheckpointError
 from llmpar.checkpoint.reshard import CheckpointReader
 
@@ -42,7 +42,7 @@ def _locate(path: str, tag: str | None) -> str:
 def _read(path: str, tag: str | None, dtype: torch.dtype | None) -> tuple[dict[str, torch.Tensor], dict]:
     """({name: full tensor}, metadata.json) of the checkpoint, every file verified first."""
     ckpt = _locate(os.fspath(path), tag)
-    meta = files.read_metadata(ckpt)
+    meta = metacheck.read(ckpt)
     reader = CheckpointReader(ckpt, meta)
     for fname in sorted(meta["files"]):
         why = reader.files.check(fname, full=True)  # every block; read below from the same opened files

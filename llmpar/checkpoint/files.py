@@ -26,6 +26,7 @@ import hashlib
 import json
 import os
 import logging
+import shutil
 from typing import Any, BinaryIO, cast
 
 import torch
@@ -41,6 +42,7 @@ READABLE_FORMATS = (1, 2, 3)  # 1: written before the digest (loads unverified);
 OLD_PREFIX, TMP_PREFIX = ".old-", ".tmp-"
 PART = METADATA + ".part"  # metadata.json less what rank 0 collects from the ranks (in DIR/.tmp-TAG only)
 FAILED = ".failed"  # a rank file's name + this: its writer failed (the error inside)
+MAX_TAG_BYTES = 255 - len(OLD_PREFIX)  # .old-TAG and .tmp-TAG must fit a file name (255 bytes)
 
 logger = logging.getLogger("llmpar")
 
@@ -134,15 +136,52 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def write_latest(save_dir: str, tag: str) -> None:
-    """``save_dir/latest`` names ``tag`` (written aside, fsynced, renamed over the old one)."""
-    latest = os.path.join(save_dir, LATEST)
-    with open(latest + ".tmp", "w") as f:
-        f.write(tag + "\n")
+def replace_file(path: str, data: bytes) -> None:
+    """``path`` holds exactly ``data`` (written aside, fsynced, renamed over the old one; its directory fsynced)."""
+    with open(path + ".tmp", "wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(latest + ".tmp", latest)
-    fsync_dir(save_dir)
+    os.replace(path + ".tmp", path)
+    fsync_dir(os.path.dirname(path) or ".")
+
+
+def write_latest(save_dir: str, tag: str) -> None:
+    """``save_dir/latest`` names ``tag``: the tag and one newline, replaced atomically (:func:`replace_file`)."""
+    replace_file(os.path.join(save_dir, LATEST), (check_tag(tag) + "\n").encode())
+
+
+def read_latest(save_dir: str) -> str | None:
+    """The tag ``save_dir/latest`` names, read exactly: its text less one final newline (``\\n`` or ``\\r\\n``;
+    DeepSpeed writes none), nothing else stripped. None when there is no such file; a ``CheckpointError`` naming the
+    file when what it holds is not an accepted tag (:func:`check_tag`): a ``latest`` naming ``"a "`` is never read
+    as ``"a"``."""
+    latest = os.path.join(save_dir, LATEST)
+    if not os.path.isfile(latest):
+        return None
+    try:
+        with open(latest, "rb") as f:
+            raw = f.read(4 * MAX_TAG_BYTES)
+        text = raw.decode()
+    except OSError as e:
+        raise CheckpointError(f"cannot read {latest}: {e.strerror or e}") from e
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{latest} is not UTF-8 text ({raw[:40]!r}): pass tag=") from e
+    tag = text.removesuffix("\n").removesuffix("\r") if text.endswith("\n") else text
+    try:
+        return check_tag(tag)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{latest} names {tag!r}, which is not a checkpoint tag ({e}); pass tag= (the "
+                              f"checkpoints are the directories of {save_dir})") from e
+
+
+def remove_path(path: str) -> None:
+    """Remove ``path`` without following a symlink: a link or file is unlinked (a link's target is left as it is),
+    a directory deleted with its contents; nothing when it does not exist. Raises ``OSError``."""
+    if os.path.islink(path) or (os.path.lexists(path) and not os.path.isdir(path)):
+        os.unlink(path)
+    elif os.path.isdir(path):
+        shutil.rmtree(path)
 
 
 def complete(path: str) -> bool:
@@ -158,13 +197,10 @@ def resolve(load_dir: str, tag: str | None) -> tuple[str, str]:
         raise TypeError(f"load_dir must be a path, got {type(load_dir).__name__}")
     load_dir = os.fspath(load_dir)
     if tag is None:
-        latest = os.path.join(load_dir, LATEST)
-        if not os.path.isfile(latest):
-            raise CheckpointError(f"no checkpoint to load: {latest} does not exist (pass tag= or save one first)")
-        with open(latest) as f:
-            tag = f.read().strip()
-        if not tag:
-            raise CheckpointError(f"{latest} is empty: pass tag= (the checkpoints are the directories of {load_dir})")
+        tag = read_latest(load_dir)
+        if tag is None:
+            raise CheckpointError(f"no checkpoint to load: {os.path.join(load_dir, LATEST)} does not exist (pass "
+                                  f"tag= or save one first)")
     check_tag(tag)
     path = os.path.join(load_dir, tag)
     if complete(path):
@@ -182,11 +218,42 @@ def resolve(load_dir: str, tag: str | None) -> tuple[str, str]:
     raise CheckpointError(f"checkpoint {path} is not complete: {os.path.join(path, METADATA)} is missing")
 
 
-def check_tag(tag: object) -> str:
-    if not isinstance(tag, str) or not tag or tag.startswith(".") or "/" in tag or "\\" in tag or tag == LATEST:
-        raise ValueError(f"tag={tag!r} must be a non-empty name without '/' that does not start with '.' and is not "
-                         f"{LATEST!r}")
+def check_tag(tag: object, *, what: str = "tag") -> str:
+    """``tag`` when it is an accepted checkpoint tag, else a ``TypeError`` (not a str) / ``ValueError`` naming it
+    (``what``: how the caller calls it) and what is accepted. A tag names one directory of the save directory, the
+    same on every file system and read back exactly from ``latest``: a non-empty str of printable characters (no
+    NUL, newline, tab or other control or format character), without leading or trailing whitespace, without
+    '/' or '\\', not starting with '.' (so not '.', '..' and not llmpar's own ``.tmp-TAG`` / ``.old-TAG``), not
+    'latest' or 'latest.tmp', at most 250 bytes in UTF-8 (``.old-TAG`` must fit a file name). Pure: every rank
+    checks its own tag before any collective."""
+    if not isinstance(tag, str):
+        raise TypeError(f"{what}={tag!r} must be a str (a directory name), got {type(tag).__name__}")
+    why = _tag_problem(tag)
+    if why is not None:
+        raise ValueError(f"{what}={tag!r} {why}; a tag is a non-empty name of printable characters without "
+                         f"leading or trailing whitespace, without '/' or '\\', not starting with '.', at most "
+                         f"{MAX_TAG_BYTES} bytes, and not {LATEST!r} or {LATEST + '.tmp'!r}")
     return tag
+
+
+def _tag_problem(tag: str) -> str | None:
+    """Why ``tag`` is not accepted (:func:`check_tag`), None when it is."""
+    if not tag:
+        return "is empty"
+    if not tag.isprintable():
+        bad = next(c for c in tag if not c.isprintable())
+        return f"holds the non-printable character {bad!r}"
+    if tag != tag.strip():
+        return "has leading or trailing whitespace"
+    if "/" in tag or "\\" in tag:
+        return "holds a path separator"
+    if tag.startswith("."):
+        return "starts with '.'"
+    if tag in (LATEST, LATEST + ".tmp"):
+        return "is a file name llmpar uses in the save directory"
+    if len(tag.encode()) > MAX_TAG_BYTES:
+        return f"is {len(tag.encode())} bytes long in UTF-8"
+    return None
 
 
 def _canonical(meta: dict) -> bytes:

@@ -1,6 +1,7 @@
 """``load_checkpoint(engine, load_dir, tag, strict)``: fill the engine's (possibly different) layout from a saved one.
 
-Every rank resolves the tag (``latest`` when None) and reads ``metadata.json`` (its digest checked); the ranks agree
+Every rank checks a given tag (``files.check_tag``, before any collective), resolves it (``latest``, read exactly, when
+None) and reads ``metadata.json`` (its digest and every field a load uses checked: ``metacheck.py``); the ranks agree
 that they read the same checkpoint (the sha256 of its ``metadata.json``: different tags, or a ``latest`` that moved
 between the ranks' reads, fail on every rank, naming each rank's choice). Each rank then plans what it needs (by
 param name and element range), checks the files it will read (size and index sha256; a format 1-2 file's whole
@@ -34,7 +35,7 @@ import traceback
 
 import torch
 
-from llmpar.checkpoint import files, publish
+from llmpar.checkpoint import files, metacheck, publish
 from llmpar.checkpoint.blockfile import CorruptFile
 from llmpar.checkpoint.files import CheckpointError
 from llmpar.checkpoint.protocol import Checkpointable, DescribesModel, Grid
@@ -237,7 +238,7 @@ def _open(g: Grid, load_dir: str, tag: str | None) -> tuple[str, dict]:
     err, path, meta, ident = None, str(load_dir), None, ""
     try:
         _, path = files.resolve(load_dir, tag)
-        meta = files.read_metadata(path)
+        meta = metacheck.read(path)  # its digest, then every field a load uses
         ident = files.identity(path)
     except Exception as e:  # noqa: BLE001 - agreed with the other ranks, then raised everywhere
         err = f"{e}" if isinstance(e, (CheckpointError, ValueError, TypeError)) else repr(e)
@@ -265,15 +266,22 @@ def _open(g: Grid, load_dir: str, tag: str | None) -> tuple[str, dict]:
     return path, meta
 
 
-def load_checkpoint(engine: Checkpointable, load_dir: str, tag: str | None = None, *, strict: bool = True
-                    ) -> tuple[str, dict | None]:
-    """Load checkpoint ``load_dir/tag`` (default: the one ``load_dir/latest`` names) into ``engine``.
-    Returns ``(path, client_state)``. Collective over the engine's dp, tp (and pp) groups. A pending async save of this
-    engine is published first. ``strict``: a param or buffer of the model the checkpoint lacks, or one of the
-    checkpoint no rank's model has, is an error naming it (False: the model's keep their values, the checkpoint's
-    are ignored, with a warning)."""
+def load_checkpoint(engine: Checkpointable, load_dir: str, tag: str | None = None, *, strict: bool = True,
+                    scheduler: bool = True) -> tuple[str, dict | None]:
+    """Load checkpoint ``load_dir/tag`` (default: the one ``load_dir/latest`` names, read exactly) into ``engine``.
+    Returns ``(path, client_state)``. Collective over the engine's dp, tp (and pp) groups. A ``tag`` that is not a
+    plain directory name (``files.check_tag``) is a ValueError naming it, raised by each rank before any collective.
+    A pending async save of this engine is published first. ``metadata.json`` is checked whole (``metacheck``: a
+    malformed field is an error naming it and the file) before anything of the engine is modified. ``strict``: a param
+    or buffer of the model the checkpoint lacks, or one of the checkpoint no rank's model has, is an error naming it
+    (False: the model's keep their values, the checkpoint's are ignored, with a warning). ``scheduler=False``: the
+    engine's LR scheduler is neither checked against the saved one nor loaded."""
     if not isinstance(strict, bool):
         raise TypeError(f"strict must be a bool, got {type(strict).__name__}")
+    if not isinstance(scheduler, bool):
+        raise TypeError(f"scheduler must be a bool, got {type(scheduler).__name__}")
+    if tag is not None:  # on every rank before any collective (the pending save's publish is one)
+        files.check_tag(tag)
     wait_checkpoint(engine)
     view = EngineView(engine)
     g = view.grid
@@ -284,7 +292,10 @@ def load_checkpoint(engine: Checkpointable, load_dir: str, tag: str | None = Non
     extras: dict[str, torch.Tensor] = {}
     rng, own = None, _own_file(g, meta)
     code = 0
+    sched = engine.lr_scheduler if scheduler else None
     try:
+        metacheck.check_engine(meta, os.path.join(path, files.METADATA), engine.checkpoint_counters(),
+                               None if sched is None else sched.state_dict())
         reader, cuts, need, keep = _plan(view, path, meta, strict)
         for fname in sorted(need):
             why = reader.files.check(fname)
@@ -340,8 +351,8 @@ def load_checkpoint(engine: Checkpointable, load_dir: str, tag: str | None = Non
     opt.skipped_steps = meta["optimizer"]["skipped_steps"]  # first: engine.skipped_steps is counted relative to it
     opt.last_grad_norm = meta["optimizer"]["last_grad_norm"]
     engine.restore_counters(meta["engine"])
-    if engine.lr_scheduler is not None and meta["scheduler"] is not None:
-        engine.lr_scheduler.load_state_dict(meta["scheduler"])
+    if sched is not None and meta["scheduler"] is not None:
+        sched.load_state_dict(meta["scheduler"])
     if rng is not None:
         set_rng_state(rng)
     else:

@@ -15,6 +15,11 @@ Instants of a publish and what a crash there leaves (every one loadable):
 A publish that raises (disk full) rolls back: the old copy back under TAG, the new files deleted. After a successful
 publish, :func:`cleanup` deletes stale ``.tmp-*`` directories (failed or never published saves), ``.old-*`` copies
 whose tag is in place again, and puts back an ``.old-TAG`` whose TAG is missing.
+
+A TAG that is a symlink (a checkpoint moved to other storage and linked back) is handled as the directory entry it
+is: a re-save moves the link aside as ``.old-TAG`` and, once the new copy is in, unlinks it. So the new checkpoint
+is a real directory ``DIR/TAG`` next to ``latest`` (its files written and renamed on the save directory's file
+system), and the link's target, the previous copy, is left as it is: nothing is ever deleted through a link.
 """
 from __future__ import annotations
 
@@ -40,13 +45,13 @@ def publish(save_dir: str, tmp: str, tag: str, fault_hook: FaultHook | None = No
     moved = False
     files.fault(fault_hook, "before_publish")
     try:
-        if os.path.exists(final):
+        if os.path.lexists(final):  # a symlink (even a dangling one) is moved aside like a directory
             if files.complete(final) or not files.complete(old):
-                shutil.rmtree(old, ignore_errors=True)  # stale: the tag itself is complete
+                files.remove_path(old)  # stale: the tag itself is complete
                 os.rename(final, old)
                 moved = True
             else:  # an incomplete TAG next to a complete .old-TAG: the old copy is the good one, keep it
-                shutil.rmtree(final)
+                files.remove_path(final)
             files.fsync_dir(save_dir)
             files.fault(fault_hook, "old_moved_aside")
         os.rename(tmp, final)
@@ -56,9 +61,12 @@ def publish(save_dir: str, tmp: str, tag: str, fault_hook: FaultHook | None = No
     except Exception:
         _roll_back(final, old, tmp, moved)
         raise
-    if os.path.exists(old):
+    if os.path.lexists(old):
         files.fault(fault_hook, "before_cleanup")
-        shutil.rmtree(old, ignore_errors=True)
+        try:
+            files.remove_path(old)  # a link: unlinked, its target left as it is
+        except OSError:  # the published checkpoint is in place; cleanup() retries (and says why it cannot)
+            pass
     return final
 
 
@@ -66,8 +74,7 @@ def _roll_back(final: str, old: str, tmp: str, moved: bool) -> None:
     """After a publish raised: the previous copy of the tag back in place, the new files gone."""
     try:
         if moved and files.complete(old):
-            if os.path.exists(final):
-                shutil.rmtree(final)
+            files.remove_path(final)
             os.rename(old, final)
         shutil.rmtree(tmp, ignore_errors=True)
     except OSError as e:  # the loader still finds .old-TAG; the next cleanup retries
@@ -168,15 +175,15 @@ def cleanup(save_dir: str) -> None:
     for name in sorted(os.listdir(save_dir)):
         path = os.path.join(save_dir, name)
         try:
-            if name.startswith(files.TMP_PREFIX) and os.path.isdir(path):
+            if name.startswith(files.TMP_PREFIX) and (os.path.isdir(path) or os.path.islink(path)):
                 if state(path)[0]:
                     logger.warning("deleting %s: a complete save of tag %r that was never published (a newer "
                                    "checkpoint was saved since)", path, name[len(files.TMP_PREFIX):])
-                shutil.rmtree(path)
-            elif name.startswith(files.OLD_PREFIX) and os.path.isdir(path):
+                files.remove_path(path)
+            elif name.startswith(files.OLD_PREFIX) and (os.path.isdir(path) or os.path.islink(path)):
                 final = os.path.join(save_dir, name[len(files.OLD_PREFIX):])
-                if files.complete(final):
-                    shutil.rmtree(path)
+                if files.complete(final) or not os.path.exists(path):  # or a dangling link: nothing to put back
+                    files.remove_path(path)
                 elif files.complete(path) and not os.path.exists(final):
                     os.rename(path, final)
                     logger.warning("put %s back as %s (a re-save of that tag had stopped between its renames)",

@@ -287,7 +287,7 @@ def _prepare(engine: Checkpointable, save_dir: Any, tag: str | None, client_stat
     if g.rank0:
         try:
             os.makedirs(save_dir, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
+            files.remove_path(tmp)  # a failed save's files (a link there: unlinked, never followed)
             os.makedirs(tmp)
         except OSError as e:
             err = f"cannot create {tmp}: {e}"
@@ -331,8 +331,10 @@ def _prepare(engine: Checkpointable, save_dir: Any, tag: str | None, client_stat
 def save_checkpoint(engine: Checkpointable, save_dir: str, tag: str | None = None, client_state: dict | None = None,
                     async_save: bool = False, *, fault_hook: FaultHook | None = None) -> str:
     """Write the engine's state as checkpoint ``save_dir/tag`` (default ``global_step{N}``); returns its path.
-    Collective over the engine's dp, tp (and pp) groups; call it at a gradient accumulation boundary. A pending async
-    save of this engine is finished (published) first. ``async_save=True``: returns once the state is copied to host
+    Collective over the engine's dp, tp (and pp) groups; call it at a gradient accumulation boundary. A ``tag`` that
+    is not a plain directory name (``files.check_tag``: whitespace around it, a control character, path syntax) is a
+    ValueError naming it, raised by each rank before any collective. A pending async save of this engine is finished
+    (published) first. ``async_save=True``: returns once the state is copied to host
     memory, the files are written by a thread while training goes on, and the checkpoint is published by the next
     ``wait_checkpoint`` / ``save_checkpoint`` / ``load_checkpoint`` (the path returned is where it will be).
     An async save still pending when the engine is garbage-collected or the interpreter exits is finished then (a
@@ -345,6 +347,8 @@ def save_checkpoint(engine: Checkpointable, save_dir: str, tag: str | None = Non
     a dead process would)."""
     if not isinstance(async_save, bool):
         raise TypeError(f"async_save must be a bool, got {type(async_save).__name__}")
+    if tag is not None:  # on every rank before any collective (the pending save's publish is one)
+        files.check_tag(tag)
     wait_checkpoint(engine)
     job = _prepare(engine, save_dir, tag, client_state, fault_hook, snapshot=async_save)
     if not async_save:

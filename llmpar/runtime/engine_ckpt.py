@@ -4,10 +4,11 @@
     engine.load_checkpoint(dir, tag=None, load_optimizer_states=True, load_lr_scheduler_states=True,
                            load_module_only=False, load_module_strict=True)
 
-save_latest=False: the checkpoint is published, then ``DIR/latest`` is put back as it was (atomic rewrite; removed
-when there was none) before any rank returns. exclude_frozen_parameters=True: frozen params (``requires_grad=False``)
-are not written (stages 0-2; ZeRO-3 shards them and writes them anyway, with a warning); loading such a checkpoint
-into a model that has them needs ``load_module_strict=False``, as in DeepSpeed.
+A ``tag`` is checked (``files.check_tag``: a plain directory name) by each rank before any collective.
+save_latest=False: the checkpoint is published, then ``DIR/latest`` is put back exactly as it was (atomic rewrite;
+removed when there was none) before any rank returns. exclude_frozen_parameters=True: frozen params
+(``requires_grad=False``) are not written (stages 0-2; ZeRO-3 shards them and writes them anyway, with a warning);
+loading such a checkpoint into a model that has them needs ``load_module_strict=False``, as in DeepSpeed.
 load_optimizer_states=False: weights (and the fp32 masters, from the checkpoint) are loaded; Adam moments, step counts
 and param-group hyper-parameters stay as they were. load_lr_scheduler_states=False: the scheduler (and the lrs it set)
 stay. load_module_only=True: only the weights; optimizer, scheduler, engine counters and RNG states stay (client_state
@@ -55,23 +56,29 @@ def save(engine: Any, save_dir: Any, tag: str | None, client_state: dict | None,
     if exclude_frozen_parameters and engine.optimizer.frozen_shapes():
         logger.warning("save_checkpoint(exclude_frozen_parameters=True): ZeRO-3 shards the frozen params; they are "
                        "written anyway")
+    if tag is not None:  # on every rank before any collective
+        files.check_tag(tag)
     grid = engine.checkpoint_grid()
     latest = os.path.join(os.fspath(save_dir), files.LATEST) if isinstance(save_dir, (str, os.PathLike)) else None
-    before = None
+    before: bytes | None = None  # latest's exact bytes, put back as they were
+    err = 0  # agreed on every rank even when nothing is to be done (the ranks' save_latest may differ)
     if not save_latest and grid.rank0 and latest is not None and os.path.isfile(latest):
-        with open(latest) as f:
-            before = f.read().strip()
+        try:
+            with open(latest, "rb") as f:
+                before = f.read()
+        except OSError as e:  # saved all the same; every rank raises below
+            logger.error("save_checkpoint(save_latest=False): could not read %s: %s", latest, e)
+            err = 1
     engine.exclude_frozen = exclude_frozen_parameters
     try:
         path = save_checkpoint(engine, save_dir, tag=tag, client_state=client_state, async_save=async_save)
     finally:
         engine.exclude_frozen = False
-    err = 0  # agreed on every rank even when nothing is to be done (the ranks' save_latest may differ)
     if not save_latest:
-        if grid.rank0:
+        if grid.rank0 and not err:
             try:
-                if before:
-                    files.write_latest(os.fspath(save_dir), before)
+                if before is not None:
+                    files.replace_file(latest, before)
                 elif os.path.exists(latest):
                     os.remove(latest)
             except OSError as e:
@@ -126,6 +133,8 @@ def load(engine: Any, load_dir: Any, tag: str | None, load_optimizer_states: boo
                         ("load_lr_scheduler_states", load_lr_scheduler_states)):
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    if tag is not None:  # on every rank before any collective
+        files.check_tag(tag)
     if isinstance(load_dir, (str, os.PathLike)):  # every rank agrees, whatever its tag (ranks may differ: an error)
         grid = engine.checkpoint_grid()
         found = tag is not None or os.path.isfile(os.path.join(os.fspath(load_dir), files.LATEST))
@@ -135,7 +144,8 @@ def load(engine: Any, load_dir: Any, tag: str | None, load_optimizer_states: boo
                                "checkpoint by its name)", load_dir)
             return None, None
     saved = _snapshot(engine, not load_optimizer_states, not load_lr_scheduler_states, load_module_only)
-    path, client = load_checkpoint(engine, load_dir, tag=tag, strict=strict)
+    path, client = load_checkpoint(engine, load_dir, tag=tag, strict=strict,  # a scheduler put back is not checked
+                                   scheduler=load_lr_scheduler_states and not load_module_only)
     _restore(engine, saved)
     engine.mirror_lrs_to_client()
     return path, client
