@@ -156,9 +156,9 @@ def _ef_run(fp16: bool, feedback: bool) -> dict:
         dist.all_reduce(total)
         losses.append(total.item() / world)
     q = opt.reducer.quantizer
+    residuals = list(q.residual.values()) + list(q.residual2.values())
     return {"losses": losses, "skipped": opt.skipped_steps, "scale": opt.loss_scale,
-            "finite": all(bool(torch.isfinite(r).all()) for r in list(q.residual.values()) + list(q.residual2.values())),
-            "held": q.residual_numel()}
+            "finite": all(bool(torch.isfinite(r).all()) for r in residuals), "held": q.residual_numel()}
 
 
 def ef_body():
@@ -199,3 +199,144 @@ def test_on_a_device_the_residuals_are_masked_without_reading_the_flag():
     assert all(not r.any() for r in list(q.residual.values()) + list(q.residual2.values()))
     assert q.reset_if_skipped(torch.tensor(0.0)) is False and q.residual  # host flag, no skip: kept
     assert q.reset_if_skipped(torch.tensor(1.0)) is True and not q.residual and not q.residual2
+
+
+# ------------------------------------------------------------------------- writes after a zero.Init block
+def _writes(model, sd):
+    """What users do between the block and initialize: load a state dict, then a few in-place inits."""
+    from torch import nn
+
+    model.load_state_dict(sd)
+    with torch.no_grad():
+        model.head.bias.zero_()
+        model.head.weight.data[1].fill_(0.25)  # through .data and a view
+        model.body[0].weight.view(-1)[::3].mul_(-1.5)
+    nn.init.trunc_normal_(model.body[2].weight, std=0.05)  # a random init: draws as a plain build does
+    nn.init.normal_(model.body[2].bias, std=0.3)
+
+
+def _make():
+    from torch import nn
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Sequential(nn.Linear(13, 11), nn.Tanh(), nn.Linear(11, 9))
+            self.head = nn.Linear(9, 5)
+
+        def forward(self, x):
+            return self.head(self.body(x))
+
+    return Net()
+
+
+def init_writes_body():
+    import torch.distributed as dist
+
+    import llmpar
+    import llmpar.zero
+
+    cfg = {"train_micro_batch_size_per_gpu": 3, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    g = torch.Generator().manual_seed(11)
+    sd = {k: torch.randn(v.shape, generator=g, dtype=torch.float64).float() for k, v in _make().state_dict().items()}
+    runs = {}
+    for sharded in (False, True):
+        torch.manual_seed(5)
+        with llmpar.zero.Init(enabled=sharded):
+            model = _make()
+        meta = all(p.is_meta for p in model.parameters())
+        _writes(model, {k: v.clone() for k, v in sd.items()})
+        rng = torch.random.get_rng_state()
+        engine, *_ = llmpar.initialize(model=model, config=cfg)
+        with llmpar.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
+            params = {n: p.detach().clone() for n, p in model.named_parameters()}
+        x = torch.randn(2, 3, 13, generator=torch.Generator().manual_seed(dist.get_rank()), dtype=torch.float64)
+        losses = []
+        for xb in x.float():
+            loss = engine(xb).square().mean()
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        runs[sharded] = dict(meta=meta, params=params, rng=rng, losses=losses)
+    # init_fn (as the sharded from_pretrained's checkpoint reader) runs when a unit is materialised; what was written
+    # after the block came later and wins over it. In bf16: initialize's own model.to() casts are replayed too
+    with llmpar.zero.Init(init_fn=lambda unit: [p.fill_(0.125) for p in unit.parameters(recurse=False)]):
+        model = _make()
+    model.load_state_dict({"head.weight": sd["head.weight"]}, strict=False)
+    with torch.no_grad():
+        model.head.bias.zero_()
+    engine = llmpar.initialize(model=model, config={**cfg, "bf16": {"enabled": True}})[0]  # held: owns the params
+    with llmpar.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
+        runs["init_fn"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return runs, sd
+
+
+def test_writes_after_a_zero_init_block_take_effect_in_the_engine():
+    """Before: the params outside the block were meta tensors, so load_state_dict reported 'All keys matched' and
+    copied nothing, and in-place inits did nothing: the engine trained from the recorded random init. Now every
+    write is recorded and replayed: the engine starts from exactly what a plain build + the same writes gives."""
+    from multirank import run_ranks
+
+    for runs, sd in run_ranks(init_writes_body, 2, timeout=120):
+        plain, sharded = runs[False], runs[True]
+        assert sharded["meta"] and not plain["meta"]
+        assert torch.equal(plain["params"]["body.0.bias"], sd["body.0.bias"])  # the reference loaded it
+        for name, want in plain["params"].items():
+            assert torch.equal(sharded["params"][name], want), name
+        assert torch.equal(sharded["rng"], plain["rng"])  # the random init after the block drew as a plain one
+        assert sharded["losses"] == plain["losses"]
+        got = runs["init_fn"]
+        assert all(p.dtype == torch.bfloat16 for p in got.values())
+        assert torch.equal(got["head.weight"], sd["head.weight"].bfloat16())
+        assert not got["head.bias"].any()
+        for name in ("body.0.weight", "body.0.bias", "body.2.weight", "body.2.bias"):
+            assert (got[name] == 0.125).all(), name
+
+
+def test_a_loaded_tensor_changed_before_initialize_or_a_swapped_param_is_refused_naming_the_param():
+    """Loaded tensors are held by reference (no copy of the state dict): one changed in place before initialize
+    reads it has lost the values written, which is an error naming the param, as is a param swapped for an empty
+    meta tensor."""
+    import llmpar.zero
+    from llmpar.zero.init import replace_meta_params
+    from llmpar.zero.replay import Kept
+
+    with llmpar.zero.Init():
+        model = _make()
+    sd = {k: torch.randn(v.shape) for k, v in model.state_dict().items()}
+    model.load_state_dict(sd)
+    rec = model.head.weight.__dict__["_llmpar_recorder"]
+    held = [x.tensor for s in rec.storages.values() for op in s.log for x in op.flat if isinstance(x, Kept)]
+    assert any(t.data_ptr() == sd["head.weight"].data_ptr() for t in held)  # by reference, not a copy
+    sd["head.weight"].add_(1.0)
+    with pytest.raises(ValueError, match=r"param head\.weight: a tensor written into it .* changed in place"):
+        replace_meta_params(model, torch.device("cpu"))
+
+    with llmpar.zero.Init():
+        model = _make()
+    model.body[2].weight.data = torch.empty(9, 11, device="meta")
+    with pytest.raises(ValueError, match=r"param body\.2\.weight \(9, 11\) .* replaced after the block"):
+        replace_meta_params(model, torch.device("cpu"))
+
+
+def test_a_deep_copy_after_the_block_materialises_as_the_original_and_its_writes_stay_its_own():
+    import copy
+
+    import llmpar.zero
+    from llmpar.zero.init import _DEFERRED, replace_meta_params
+
+    torch.manual_seed(8)
+    ref = _make()
+    torch.manual_seed(8)
+    with llmpar.zero.Init():
+        model = _make()
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        twin.head.weight.fill_(2.0)
+    for m in (model, twin):
+        replace_meta_params(m, torch.device("cpu"))
+    for (name, p), (_, q), (_, r) in zip(model.named_parameters(), twin.named_parameters(), ref.named_parameters()):
+        assert torch.equal(getattr(p, _DEFERRED).value(), r), name
+        want = torch.full_like(r, 2.0) if name == "head.weight" else r
+        assert torch.equal(getattr(q, _DEFERRED).value(), want), name

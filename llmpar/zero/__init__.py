@@ -42,10 +42,11 @@ class Init(_init.Init):
     """``with llmpar.zero.Init(): model = LlamaForCausalLM(cfg)``: params on the meta device, their construction
     recorded and replayed by ZeRO-3 one unit at a time, so every param and buffer equals the plain build's under the
     same seed (``llmpar.zero.init``; an op the replay cannot reproduce is refused where it runs, naming the module;
-    ``init_fn=`` a per-unit init run after the replay). DeepSpeed's arguments are taken too: ``enabled=False`` is a
-    plain block (the model is built normally); ``config_dict_or_path`` / ``config``, ``dtype`` (the engine puts the
-    params in the config's precision), ``remote_device`` "cpu" / "none" (offload is the config's ``offload_param``),
-    ``pin_memory``, ``mem_efficient_linear`` are accepted. What would change the partitioning here is refused with
+    ``init_fn=`` a per-unit init run after the replay; writes into the params between the block and
+    ``initialize``, ``load_state_dict`` included, are recorded and replayed too). DeepSpeed's arguments are taken
+    too: ``enabled=False`` is a plain block (the model is built normally); ``config_dict_or_path`` / ``config``,
+    ``dtype`` (the engine puts the params in the config's precision), ``remote_device`` "cpu" / "none" (offload is
+    the config's ``offload_param``), ``pin_memory``, ``mem_efficient_linear`` are accepted. What would change the partitioning here is refused with
     the alternative: ``module=`` (an already built model), process groups / ``mpu`` (``initialize`` takes
     ``dp_group=`` / ``mesh=``), NVMe, quantized weights, a param swapper."""
 
@@ -118,7 +119,8 @@ def GatheredParameters(params: Any, optimizer_or_modifier_rank: Any = None, fwd_
     plist = [] if params is None else [params] if isinstance(params, torch.Tensor) else list(params)
     if any(isinstance(p, torch.Tensor) and p.is_meta for p in plist):
         raise ValueError("GatheredParameters: params on the meta device (built under llmpar.zero.Init) have no values "
-                         "before llmpar.initialize materialises them: modify them after initialize, or give "
+                         "before llmpar.initialize materialises them: write into them directly (model.load_state_dict, "
+                         "in-place ops: recorded and replayed by initialize), modify them after initialize, or give "
                          "Init(init_fn=...)")
     owners = {id(o): o for o in (getattr(p, OWNER_ATTR, lambda: None)() for p in plist) if o is not None}
     if len(owners) > 1:

@@ -27,7 +27,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from llmpar.zero.replay import Op, Ref, Replayer, Storage, covers, geometry, needed_ops
+from llmpar.zero.replay import Kept, Op, Ref, Replayer, Storage, covers, geometry, needed_ops
 
 __all__ = ["DeferredInitError", "Looks", "Recorder"]
 
@@ -86,6 +86,7 @@ class Recorder(TorchDispatchMode):
         self.storages: dict[int, Storage] = {}
         self.busy = False  # inside __torch_dispatch__: Looks lets every property through
         self.scratch: dict[torch.device, torch.UntypedStorage] = {}  # what random draws are thrown into, reused
+        self.by_reference = False  # after the block (``after_init.py``): real inputs kept, not copied (``Kept``)
 
     # ------------------------------------------------------------------ lookups
     def key_of(self, t: Any) -> int | None:
@@ -104,13 +105,19 @@ class Recorder(TorchDispatchMode):
         return self.storages[t.untyped_storage()._cdata].device
 
     def fingerprint(self) -> int:
-        """A checksum of the generator states a replay uses (after :meth:`prune`): equal on ranks whose replays give
-        the same values (storages in creation order, the same on every rank)."""
+        """A checksum of the generator states a replay uses (after :meth:`prune`) and of a sample of every real
+        tensor written after the block: equal on ranks whose replays give the same values (storages in creation
+        order, the same on every rank)."""
         crc = 0
         for s in self.storages.values():
             for op in s.log:
                 if op.rng is not None:
                     crc = zlib.crc32(op.rng[1].numpy().tobytes(), crc)
+                for x in op.flat:  # values written after the block (a loaded state dict): a sample of each
+                    if isinstance(x, Kept):
+                        flat = x.tensor.detach().reshape(-1)
+                        sample = flat[::max(1, flat.numel() // 4096)].contiguous().view(torch.uint8)
+                        crc = zlib.crc32(sample.cpu().numpy().tobytes(), crc)
         return crc
 
     def prune(self, keep: list[Ref]) -> None:
@@ -201,7 +208,7 @@ class Recorder(TorchDispatchMode):
         if self.key_of(x) is not None:
             return self.ref(x)
         if isinstance(x, torch.Tensor):
-            return x.detach().clone()
+            return Kept(x, x._version) if self.by_reference else x.detach().clone()
         if isinstance(x, torch.device) and x.type == "meta":
             return real_dev
         return x

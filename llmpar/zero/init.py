@@ -24,10 +24,16 @@ mismatch is an error on every rank). Cost: the block draws what a plain build dr
 scratch tensor the size of the largest param); materialising replays each param's last full init once per rank
 (a ~53M-param Llama on CPU: block 0.50 s vs plain build 0.49 s, replay 0.29 s).
 
+Between the block and ``initialize`` the params are still recorded (``after_init.py``): ``model.load_state_dict(sd)``,
+``p.zero_()``, ``p.data[i].fill_(v)``, ``nn.init.*_(p)``, a ``model.to(dtype)`` are appended to their recordings and
+replayed after the block's ops, so the engine starts from what a plain build given the same calls holds (the loaded
+tensors are held by reference until then, not copied; one changed in place before initialize is an error).
+
 ``Init(init_fn=f)``: after a unit's params got their recorded values, ``f(unit)`` runs on them (under
 ``torch.no_grad``, the CPU generator seeded with ``seed`` and the unit's index, the same on every rank) and may
-overwrite them; only the unit's own params have storage then (others: 0 bytes). A meta param with no recording
-(built under ``torch.device("meta")`` rather than ``Init``) needs ``init_fn``; without it initialize refuses it.
+overwrite them (what was written after the block is replayed after it: it came later); only the unit's own params
+have storage then (others: 0 bytes). A meta param with no recording (built under ``torch.device("meta")`` rather
+than ``Init``) needs ``init_fn``; without it initialize refuses it.
 """
 from __future__ import annotations
 
@@ -39,8 +45,9 @@ from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from llmpar.distributed.agree import check_same_on_ranks
+from llmpar.zero.after_init import watch
 from llmpar.zero.deferred import Looks, Recorder
-from llmpar.zero.replay import Ref, Replayer
+from llmpar.zero.replay import Kept, Ref, Replayer, covers, needed_ops, view_of
 
 InitFn = Callable[[nn.Module], None]
 _INIT_FN = "_llmpar_init_fn"  # attribute naming the init_fn on params built inside an Init(init_fn=...) block
@@ -49,21 +56,62 @@ _DEFERRED = "_llmpar_deferred"  # attribute on each param built inside an Init b
 
 @dataclasses.dataclass(frozen=True)
 class Deferred:
-    """How to rebuild one param: its recording and its Ref (storage, version, geometry) at the end of the block."""
+    """How to rebuild one param: its recording, its Ref (storage, version, geometry) now, and ``block``, its Ref at
+    the end of the block (the same unless something was written into it afterwards, ``after_init.py``)."""
     recorder: Recorder
     ref: Ref
+    block: Ref
+
+    def now(self, p: torch.Tensor, name: str) -> "Deferred":
+        """This recipe for ``p`` as it is now: the ops recorded on it after the block (``after_init.py``) included.
+        Refused, naming ``name``: a param whose storage is no longer recorded (swapped for another meta tensor), or
+        one written from a tensor changed in place since (its values are gone)."""
+        with torch._C.DisableTorchFunctionSubclass():
+            if self.recorder.key_of(p) is None:
+                raise ValueError(f"param {name} {tuple(p.shape)} built inside llmpar.zero.Init was replaced after the "
+                                 "block by a meta tensor with no recorded values: write into the param (in place, "
+                                 "load_state_dict) or assign a real tensor")
+            ref = self.recorder.ref(p)
+        storages = self.recorder.storages
+        if any(isinstance(x, Kept) and x.changed() for k, i in needed_ops(storages, [ref])
+               for x in storages[k].log[i].flat):
+            raise ValueError(f"param {name}: a tensor written into it after the llmpar.zero.Init block (e.g. by "
+                             "load_state_dict) was changed in place before llmpar.initialize read it: keep the "
+                             "tensors you load unchanged until initialize (or load a .clone())")
+        return Deferred(self.recorder, ref, self.block)
+
+    @property
+    def written_after(self) -> bool:
+        """Something was recorded on the param after the block (a write, a cast by ``model.to``)."""
+        return self.ref != self.block
 
     def value(self) -> torch.Tensor:
         """The param as a plain build would have made it (dtype and device of the build; a fresh replay)."""
         return Replayer(self.recorder).value(self.ref)
 
-    def replay_into(self, p: torch.Tensor) -> None:
-        """``p`` (allocated, same shape) takes the recorded values: rebuilt in its own storage when it can be,
-        else replayed apart and copied (cast to ``p``'s dtype and device, as ``model.to`` after a plain build)."""
-        if tuple(p.shape) != self.ref.size:
-            raise ValueError(f"a param recorded by llmpar.zero.Init as {self.ref.size} is now {tuple(p.shape)}: "
+    def replay_into(self, p: torch.Tensor, *, at_block: bool = False) -> None:
+        """``p`` (allocated, same shape) takes the recorded values (``at_block``: those at the end of the block):
+        rebuilt in its own storage when it can be, else replayed apart and copied (cast to ``p``'s dtype and
+        device, as ``model.to`` after a plain build)."""
+        ref = self.block if at_block else self.ref
+        if tuple(p.shape) != ref.size:
+            raise ValueError(f"a param recorded by llmpar.zero.Init as {ref.size} is now {tuple(p.shape)}: "
                              "reshape params inside the Init block, not after it")
-        v = Replayer(self.recorder).value(self.ref, into=p)
+        v = Replayer(self.recorder).value(ref, into=p)
+        if v.untyped_storage().data_ptr() != p.untyped_storage().data_ptr():
+            p.copy_(v)
+
+    def replay_after(self, p: torch.Tensor) -> None:
+        """``p`` holds the param as at the end of the block, as modified since by ``init_fn``: what was recorded
+        on it after the block is replayed on top of these values (so a state dict loaded after the block wins
+        over ``init_fn``, as it came later)."""
+        rec, b = self.recorder, self.block
+        s = rec.storages[b.key]
+        base = torch.empty(s.nbytes, dtype=torch.uint8, device=s.device).untyped_storage()
+        if not covers(view_of(base, b, s.device), s.nbytes):  # p views part of its storage: the rest replayed
+            base = Replayer(rec).storage_copy(b)
+        view_of(base, b, s.device).copy_(p)
+        v = Replayer(rec, base={b.key: (b.version, base)}).value(self.ref, into=p)
         if v.untyped_storage().data_ptr() != p.untyped_storage().data_ptr():
             p.copy_(v)
 
@@ -127,7 +175,8 @@ def _finish(rec: Recorder, params: list[nn.Parameter], modules: list[nn.Module])
     for p in params:
         if rec.key_of(p) is not None:
             keep.append(rec.ref(p))
-            setattr(p, _DEFERRED, Deferred(rec, keep[-1]))
+            setattr(p, _DEFERRED, Deferred(rec, keep[-1], keep[-1]))
+            watch(p, rec)  # what is written into it until initialize is recorded too (``after_init.py``)
     replay, done = Replayer(rec), {}
 
     def real(t: torch.Tensor) -> torch.Tensor:
@@ -175,9 +224,10 @@ def replace_meta_params(model: nn.Module, device: torch.device) -> dict[int, nn.
                                      "the Init block): ZeRO-3 has no values for it; build the model inside `with "
                                      "llmpar.zero.Init():` or give Init(init_fn=...)")
                 new = mapping[id(p)] = nn.Parameter(_empty_like_meta(p, device), requires_grad=p.requires_grad)
-                for attr in (_INIT_FN, _DEFERRED):
-                    if hasattr(p, attr):
-                        setattr(new, attr, getattr(p, attr))
+                if hasattr(p, _INIT_FN):
+                    setattr(new, _INIT_FN, getattr(p, _INIT_FN))
+                if hasattr(p, _DEFERRED):  # with what was written into it since the block
+                    setattr(new, _DEFERRED, getattr(p, _DEFERRED).now(p, _qual(mname, name)))
             mod._parameters[name] = new
         for name, buf in list(mod._buffers.items()):
             if buf is not None and buf.is_meta:
@@ -203,11 +253,15 @@ def materialize_unit(unit: nn.Module, owned: list[nn.Parameter], seed: int, inde
         for p in owned:
             d = getattr(p, _DEFERRED, None)
             if d is not None:
-                d.replay_into(p)
+                d.replay_into(p, at_block=init_fn is not None)
         if init_fn is not None:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed * 1_000_003 + index)
                 init_fn(unit)
+            for p in owned:  # written after the block (a loaded state dict): later than init_fn, so it wins
+                d = getattr(p, _DEFERRED, None)
+                if d is not None and d.written_after:
+                    d.replay_after(p)
 
 
 def check_same_recordings(opt: Any, params: list[nn.Parameter]) -> None:
@@ -216,8 +270,9 @@ def check_same_recordings(opt: Any, params: list[nn.Parameter]) -> None:
     recorders = {id(d.recorder): d.recorder for d in (getattr(p, _DEFERRED, None) for p in params) if d is not None}
     fingerprint = repr(sorted(r.fingerprint() for r in recorders.values()))
     check_same_on_ranks(fingerprint, opt.dp_group, what="llmpar.zero.Init: the data-parallel ranks built the model "
-                        "from different random states", hint="seed every rank the same (torch.manual_seed(s)) before "
-                        "the Init block: each rank replays its own recording and keeps its slice")
+                        "from different random states (or wrote different values into it after the block)",
+                        hint="seed every rank the same (torch.manual_seed(s)) before the Init block, and load the "
+                        "same state dict on every rank: each rank replays its own recording and keeps its slice")
 
 
 def release_storage(params: list[nn.Parameter]) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-__all__ = ["Op", "Ref", "Replayer", "Storage", "covers", "geometry", "needed_ops"]
+__all__ = ["Kept", "Op", "Ref", "Replayer", "Storage", "covers", "geometry", "needed_ops", "view_of"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,6 +23,24 @@ class Ref:
     size: tuple[int, ...]
     stride: tuple[int, ...]
     offset: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Kept:
+    """A real tensor read by an op recorded after the block (``after_init.py``: a loaded state dict), held by
+    reference, not copied, with its version counter at the time: changed in place since, its values are gone."""
+    tensor: torch.Tensor
+    version: int
+
+    def changed(self) -> bool:
+        return self.tensor._version != self.version
+
+    def get(self) -> torch.Tensor:
+        if self.changed():
+            raise ValueError(f"a tensor {tuple(self.tensor.shape)} written into a param of a model built under "
+                             "llmpar.zero.Init (after the block) was changed in place before llmpar.initialize read "
+                             "it: write a tensor you leave alone until initialize (or a .clone())")
+        return self.tensor.detach()
 
 
 @dataclasses.dataclass
@@ -55,7 +73,8 @@ def geometry(t: torch.Tensor, key: int, version: int) -> Ref:
     return Ref(key, version, t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
 
 
-def _view(storage: torch.UntypedStorage, ref: Ref, device: torch.device) -> torch.Tensor:
+def view_of(storage: torch.UntypedStorage, ref: Ref, device: torch.device) -> torch.Tensor:
+    """The tensor ``ref`` describes, over ``storage`` (a real one holding that recorded storage's bytes)."""
     return torch.empty(0, dtype=ref.dtype, device=device).set_(storage, ref.offset, ref.size, ref.stride)
 
 
@@ -97,9 +116,18 @@ class Replayer:
     """Rebuilds recorded tensors for real (module docstring). One per param or batch of buffers: it keeps every
     storage it built (``memo``) until dropped."""
 
-    def __init__(self, recorder: Recorder) -> None:
+    def __init__(self, recorder: Recorder,
+                 base: dict[int, tuple[int, torch.UntypedStorage]] | None = None) -> None:
         self.storages = recorder.storages
         self.memo: dict[tuple[int, int], torch.UntypedStorage] = {}
+        self.base = base or {}  # storage key -> (version, its bytes at that version): replays start there
+
+    def storage_copy(self, ref: Ref) -> torch.UntypedStorage:
+        """A new real storage holding ``ref``'s whole recorded storage at ``ref.version`` (the caller's to write)."""
+        st = self._storage(ref.key, ref.version)
+        out = torch.empty(st.nbytes(), dtype=torch.uint8, device=self.storages[ref.key].device).untyped_storage()
+        out.copy_(st)
+        return out
 
     def value(self, ref: Ref, into: torch.Tensor | None = None) -> torch.Tensor:
         """The tensor ``ref`` stands for. ``into``: a tensor of the same geometry, dtype and device covering its
@@ -107,7 +135,7 @@ class Replayer:
         s = self.storages[ref.key]
         fits = into is not None and into.dtype == ref.dtype and into.device == s.device and \
             covers(into, s.nbytes) and geometry(into, ref.key, ref.version) == ref
-        return _view(self._storage(ref.key, ref.version, into.untyped_storage() if fits else None), ref, s.device)
+        return view_of(self._storage(ref.key, ref.version, into.untyped_storage() if fits else None), ref, s.device)
 
     def _storage(self, key: int, version: int, into: torch.UntypedStorage | None = None) -> torch.UntypedStorage:
         got = self.memo.get((key, version))
@@ -115,13 +143,22 @@ class Replayer:
             return got
         s = self.storages[key]
         start = _start(s.log, version)
+        given = self.base.get(key)
+        if given is not None and start < given[0] <= version:  # the bytes at version given[0] are known
+            st = into if into is not None else torch.empty(s.nbytes, dtype=torch.uint8,
+                                                           device=s.device).untyped_storage()
+            st.copy_(given[1])
+            for op in s.log[given[0]:version]:
+                self._run(op, st, s.device)
+            self.memo[(key, version)] = st
+            return st
         first = s.log[start]
         if first.target is None:
             o = tree_flatten(self._run(first, None, s.device))[0][first.out]
             st = o.untyped_storage()
             if st.nbytes() != s.nbytes or geometry(o, key, 0) != first.view:
                 st = torch.empty(s.nbytes, dtype=torch.uint8, device=s.device).untyped_storage()
-                _view(st, first.view, s.device).copy_(o)
+                view_of(st, first.view, s.device).copy_(o)
         else:
             st = into if into is not None else torch.empty(s.nbytes, dtype=torch.uint8,
                                                            device=s.device).untyped_storage()
@@ -132,8 +169,8 @@ class Replayer:
         return st
 
     def _run(self, op: Op, st: torch.UntypedStorage | None, device: torch.device) -> Any:
-        flat = [_view(st, op.view, device) if i == op.target else self.value(x) if isinstance(x, Ref) else x
-                for i, x in enumerate(op.flat)]
+        flat = [view_of(st, op.view, device) if i == op.target else self.value(x) if isinstance(x, Ref) else
+                x.get() if isinstance(x, Kept) else x for i, x in enumerate(op.flat)]
         args, kwargs = tree_unflatten(flat, op.spec)
         with torch.no_grad():
             if op.rng is None:
