@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from ._triton import HAS_TRITON, INTERPRETED, TRITON_IMPORT_ERROR, tl, triton  # noqa: F401
 from .gemm_configs import (AMPERE_CONFIGS, HOPPER_CONFIGS, INTERPRET_CONFIG, SMEM_LIMIT, TUNE_KEY,  # noqa: F401
-                           fitting)
+                           autotune_limit, fitting)
 
 # activation codes shared with llmpar/ops/gemm.py
 ACTS = {"none": 0, "gelu_tanh": 1, "gelu_erf": 2, "silu": 3, "relu": 4}
@@ -191,15 +191,18 @@ def smem_limit(device) -> int:
     return _SMEM[index]
 
 
+def _fitting_rows(table, a, b, z, c, flags):
+    """The rows of ``table`` whose shared memory fits this call's device, dtypes and flags (kernels/gemm_configs.py),
+    cut to LLMPAR_AUTOTUNE_CONFIGS."""
+    return fitting(table, smem_limit(c.device), a.element_size(), b.element_size(), z.element_size(),
+                   gate=flags.get("GATE_ACT", 0) != 0, rowsum=bool(flags.get("ROWSUM", False)))
+
+
 def _prune(table):
-    """early_config_prune for Triton's autotuner: the configs of ``table`` whose shared memory fits this call's
-    device, dtypes and flags (kernels/gemm_configs.py), cut to LLMPAR_AUTOTUNE_CONFIGS."""
+    """early_config_prune for Triton's autotuner: ``_fitting_rows`` of ``table`` as the autotuner's configs."""
     def prune(configs, named_args, **kwargs):
-        a, b, c = named_args["a_ptr"], named_args["b_ptr"], named_args["c_ptr"]
-        gate = kwargs.get("GATE_ACT", 0) != 0
-        z = named_args["z_ptr"]
-        rows = fitting(table, smem_limit(c.device), a.element_size(), b.element_size(), z.element_size(), gate=gate,
-                       rowsum=bool(kwargs.get("ROWSUM", False)))
+        rows = _fitting_rows(table, named_args["a_ptr"], named_args["b_ptr"], named_args["z_ptr"],
+                             named_args["c_ptr"], kwargs)
         by_row = {(cf.kwargs["BLOCK_M"], cf.kwargs["BLOCK_N"], cf.kwargs["BLOCK_K"], cf.kwargs["GROUP_M"],
                    cf.num_stages, cf.num_warps): cf for cf in configs}
         return [by_row[r] for r in rows]
@@ -239,7 +242,23 @@ def _launch(role, a, b, c, M, N, K, a_strides, b_strides, c_strides, *, z=None, 
         grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
         _gemm_kernel[grid](*args, **flags, **cfg)
         return
-    kernel = _tuned_kernel(_arch_family(c.device), role)
+    _launch_compiled(role, args, flags, M, N)
+
+
+def _launch_compiled(role, args, flags, M, N):
+    """Launch on a GPU: through the autotuner, or, with LLMPAR_AUTOTUNE_CONFIGS=1, straight with the first fitting
+    config (Triton's autotuner counts its configs before pruning them: with several in the table it benchmarks even
+    the one config left, ~0.1-0.3 s per new shape and flag set in a check run; triton 3.6 does)."""
+    a, b, c, z = args[0], args[1], args[2], args[3]
+    family = _arch_family(c.device)
+    if autotune_limit() == 1:
+        bm, bn, bk, group, stages, warps = _fitting_rows(HOPPER_CONFIGS if family == "hopper" else AMPERE_CONFIGS,
+                                                         a, b, z, c, flags)[0]
+        grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
+        _gemm_kernel[grid](*args, **flags, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group, num_stages=stages,
+                           num_warps=warps)
+        return
+    kernel = _tuned_kernel(family, role)
 
     def grid(meta):
         return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)

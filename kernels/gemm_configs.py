@@ -9,8 +9,10 @@ bound passes the device's limit (227 KB per block on Hopper) is dropped before t
 one that does not fit; the autotune key holds every flag (``TUNE_KEY``), so a config chosen for one variant is never
 reused for another.
 
-``LLMPAR_AUTOTUNE_CONFIGS=N`` keeps only the first N fitting configs of the list (1: no tuning at all): a check run
-that compiles many variants (bench/gpu_check.sh) spends seconds instead of minutes in autotuning.
+``LLMPAR_AUTOTUNE_CONFIGS=N`` keeps only the first N fitting configs of the list: a check run that compiles many
+variants (bench/gpu_check.sh) spends seconds instead of minutes in autotuning. N=1 means no tuning at all: the kernel
+is launched straight with the first fitting config, past Triton's autotuner (which counts its configs before pruning
+them, so on some versions, triton 3.6 among them, it still benchmarks the one config left).
 """
 from __future__ import annotations
 

@@ -127,6 +127,77 @@ def test_bias_act_backward_reference_vs_float64(act, dtype):
         torch.testing.assert_close(bias_act_backward_reference(grad, F.relu(pre), 4)[0], gp, rtol=0, atol=0)
 
 
+@in_main
+def test_no_pre_activation_written_without_a_backward(monkeypatch):
+    """linear_act under no_grad (or with nothing requiring grad): the Triton kernel gets no pre buffer and the CUDA
+    path calls linear_lt (GELU epilogue alone) instead of linear_lt_aux; with a backward to come, both keep pre."""
+    pytest.importorskip("triton")
+    from llmpar.kernels import gemm as K
+
+    seen, calls = [], []
+
+    def linear_fwd(x, w, bias, residual, out, pre, act, *, allow_tf32=False):
+        seen.append(pre is not None)
+        z = F.linear(x, w, bias)
+        out.copy_(gemm_ops._act_torch(z, ACTIVATIONS[act]) + (residual if residual is not None else 0))
+        if pre is not None:
+            pre.copy_(z)
+
+    ops = type("Ops", (), {n: staticmethod(lambda *a, n=n: calls.append(n) or getattr(torch.ops.llmpar, n)(*a))
+                           for n in EXT_OPS})
+    monkeypatch.setattr(K, "linear_fwd", linear_fwd)
+    monkeypatch.setattr(gemm_ops, "_ext_ops", lambda: ops)
+    _fake_ext(monkeypatch, EXT_OPS)
+    x, w, b, _, dy = _inputs(9, 37, 23, torch.float32, seed=8)
+    for backend in ("triton", "cuda"):
+        monkeypatch.setenv("LLMPAR_BACKEND", backend)
+        want = F.gelu(F.linear(x, w, b), approximate="tanh")
+        with torch.no_grad():
+            torch.testing.assert_close(linear_act(x, w, b, act="gelu_tanh"), want)
+        torch.testing.assert_close(linear_act(x, w, b, act="gelu_tanh"), want)  # nothing requires grad
+        xg = x.clone().requires_grad_()
+        y = linear_act(xg, w, b, act="gelu_tanh")
+        if backend == "cuda":  # (the Triton backward kernels cannot run here)
+            y.backward(dy)
+            torch.testing.assert_close(xg.grad, _grads(lambda *t: _composition(*t, None, "gelu_tanh", torch.float32),
+                                                       [x, w, b], dy)[1][0], rtol=1e-5, atol=1e-5)
+    assert seen == [False, False, True], seen
+    assert calls == ["linear_lt", "linear_lt", "linear_lt_aux", "bias_act_backward"], calls
+
+
+def test_one_autotune_config_launches_without_the_autotuner(monkeypatch):
+    """LLMPAR_AUTOTUNE_CONFIGS=1: the GEMM kernel is launched straight with the first config that fits (Triton's
+    autotuner would still benchmark the one config its pruning leaves); 2: through the autotuner."""
+    pytest.importorskip("triton")
+    from llmpar.kernels import gemm as K
+    from llmpar.kernels.gemm_configs import HOPPER_CONFIGS, fitting
+
+    launches, tuned = [], []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launches.append((grid, kw))
+
+    monkeypatch.setattr(K, "_gemm_kernel", Kernel())
+    monkeypatch.setattr(K, "_tuned_kernel", lambda family, role: tuned.append((family, role)) or Kernel())
+    monkeypatch.setattr(K, "_arch_family", lambda device: "hopper")
+    monkeypatch.setattr(K, "smem_limit", lambda device: 232448)
+    g = torch.Generator().manual_seed(4)
+    dy, x, dw = _rand((300, 77), torch.float32, g), _rand((300, 45), torch.float32, g), torch.empty(77, 45)
+    args = (dy, x, dw, dy, dw, dw, dw, dw, 77, 45, 300)
+    flags = dict(ACT=0, GATE_ACT=1, HAS_BIAS=False, HAS_RES=False, SAVE_PRE=False, ROWSUM=True, ACCUMULATE=False,
+                 IEEE=True, INTERPRETER=False)
+    monkeypatch.setenv("LLMPAR_AUTOTUNE_CONFIGS", "1")
+    K._launch_compiled("wgrad", args, flags, 77, 45)
+    bm, bn, bk, group, stages, warps = fitting(HOPPER_CONFIGS, 232448, 4, 4, 4, gate=True, rowsum=True)[0]
+    assert bm == 128 and bk == 32, "fp32 with the gated operand: the smaller tile that fits, not the table's first"
+    assert not tuned and launches == [((-(-77 // bm) * -(-45 // bn),), {**flags, "BLOCK_M": bm, "BLOCK_N": bn,
+                                       "BLOCK_K": bk, "GROUP_M": group, "num_stages": stages, "num_warps": warps})]
+    monkeypatch.setenv("LLMPAR_AUTOTUNE_CONFIGS", "2")
+    K._launch_compiled("wgrad", args, flags, 77, 45)
+    assert tuned == [("hopper", "wgrad")] and len(launches) == 2
+
+
 # ---------------------------------------------------------------- CUDA (run by bench/gpu_check.sh: pytest -m gpu)
 
 @pytest.mark.gpu

@@ -198,11 +198,12 @@ def _triton_slow(x: torch.Tensor) -> str | None:
     return None
 
 
-def _forward(x2, weight, bias, r2, act, out_dtype, backend, *, out=None, pre_out=None):
+def _forward(x2, weight, bias, r2, act, out_dtype, backend, *, out=None, pre_out=None, keep_pre=True):
     """(y, pre) for 2-D x2: y = act(x2 W^T + b) (+ r2) (into ``out`` when given), pre = what the backward takes
-    act' from (None for act none; z, or relu(z) for relu on the CUDA backend), copied into ``pre_out`` when given."""
+    act' from (None for act none; z, or relu(z) for relu on the CUDA backend), copied into ``pre_out`` when given.
+    ``keep_pre=False``: no backward will run, pre is not written (an M x N store the fused kernels skip) and is None."""
     m, n = x2.shape[0], weight.shape[0]
-    keep_pre = act != "none"  # saved for act'(pre) in backward: cheaper than re-running the GEMM
+    keep_pre = keep_pre and act != "none"  # saved for act'(pre) in backward: cheaper than re-running the GEMM
     if backend == "triton":
         from llmpar.kernels import gemm as kernels
 
@@ -215,7 +216,7 @@ def _forward(x2, weight, bias, r2, act, out_dtype, backend, *, out=None, pre_out
         return torch.matmul(x2, weight.t(), out=out), None  # a plain GEMM straight into the rows of out
     if backend == "cuda":
         ops = _ext_ops()
-        if act == "gelu_tanh":
+        if act == "gelu_tanh" and keep_pre:
             y, pre = ops.linear_lt_aux(x2, weight, bias)
         else:
             y = ops.linear_lt(x2, weight, bias, _ACT_CODE[act], r2)
@@ -308,7 +309,8 @@ def linear_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 
     x: [..., K], weight: [N, K], bias: [N], residual: [..., N] -> [..., N].
     main_grad: fp32 [N, K]; when given, the backward adds dW into it (fp32, no rounding to weight's dtype, like
-    Megatron's gradient_accumulation_fusion) and returns no gradient for ``weight``.
+    Megatron's gradient_accumulation_fusion) and returns no gradient for ``weight``. With nothing to differentiate
+    (grad mode off, or no input requiring grad) the fused kernels do not write the pre-activation.
     """
     out_dtype = _check(x, weight, bias, act, residual, out_dtype, main_grad)
     k, n = weight.shape[1], weight.shape[0]
@@ -320,6 +322,10 @@ def linear_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
             y = y + residual
         return y.to(out_dtype)
     r2 = residual.reshape(-1, n) if residual is not None else None
+    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias, residual))):
+        with torch.no_grad():  # no backward can follow: no autograd node, no pre-activation written
+            y, _ = _forward(x.reshape(-1, k), weight, bias, r2, act, out_dtype, backend, keep_pre=False)
+        return y.reshape(*lead, n)
     y = _LinearAct.apply(x.reshape(-1, k), weight, bias, r2, act, out_dtype, main_grad, backend)
     return y.reshape(*lead, n)
 
