@@ -28,7 +28,7 @@ def persistence_body(threshold):
     engine, opt = _engine(model, stage3_param_persistence_threshold=threshold)
     losses = engine_loop(engine, model, 3, 2, engine.dp_mesh)
     whole = {n: p.untyped_storage().nbytes() > 0 for n, p in model.named_parameters()}
-    numel = {n: p.numel() for n, p in model.named_parameters()}
+    numel = {n: p.ds_numel for n, p in model.named_parameters()}  # a released param is empty: its size kept aside
     persistent = sum(opt.stage3._numel(k) for k in opt.stage3.persistent)
     return losses, whole, numel, opt.memory_bytes(), persistent, opt.stage3.live_numel
 
@@ -63,7 +63,7 @@ def frozen_body():
     model.tok_emb.weight.register_post_accumulate_grad_hook(  # the last grad of a backward: frozen units gone?
         lambda p: frozen_live.append(len(set(opt.stage3.live) & opt.stage3.frozen_keys)))
     losses = engine_loop(engine, model, 3, 2, engine.dp_mesh)
-    frozen_numel = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    frozen_numel = sum(p.ds_numel for p in model.parameters() if not p.requires_grad)
     frozen_bytes = sum(p.untyped_storage().nbytes() for p in model.parameters() if not p.requires_grad)
     full = llmpar.zero.consolidated_state_dict(model, opt, rank0_only=False)
     frozen = llmpar.zero.frozen_state_dict(opt, rank0_only=False)  # what a checkpoint stores for them

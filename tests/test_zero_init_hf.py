@@ -95,10 +95,10 @@ def built_sharded_body(cases, seed, extra):
         want = dict(ref.named_parameters(remove_duplicate=False))
         bad = [n for n in want if n not in params or not torch.equal(params[n], want[n].detach())]
         bad += [n for n, b in ref.named_buffers() if not torch.equal(buffers[n], b)]
-        biggest_unit = max(sum(p.numel() for p in ps) for ps in opt.plan.needs)
-        biggest_param = max(p.numel() for p in model.parameters())
+        biggest_unit = max(sum(p.ds_numel for p in ps) for ps in opt.plan.needs)  # ds_numel: released params
+        biggest_param = max(p.ds_numel for p in model.parameters())                # are empty tensors
         out[str(case)] = dict(bad=bad, rng=same_rng, peak=opt.init_peak_numel, unit=biggest_unit,
-                              param=biggest_param, total=sum(p.numel() for p in model.parameters()),
+                              param=biggest_param, total=sum(p.ds_numel for p in model.parameters()),
                               tied=_n_tied(model), ref_tied=_n_tied(ref),
                               std=float(params[next(iter(params))].float().std()))
     return out

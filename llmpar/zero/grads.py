@@ -139,9 +139,10 @@ class GradReducer:
 
     def _unit_grads(self, b: FlatBuffer, u: int) -> list[torch.Tensor]:
         out = []
-        for i in b.layout.units[u].params:
-            p = b.params[i]
-            out.append(p.grad if p.grad is not None else torch.zeros_like(p))
+        for i in b.layout.units[u].params:  # a missing grad is zeros of the layout's shape (a released stage-3
+            p = b.params[i]                  # param is an empty tensor: ``views.py``)
+            out.append(p.grad if p.grad is not None else
+                       torch.zeros(b.layout.slot(i).shape, dtype=b.layout.dtype, device=b.flat.device))
             p.grad = None
         return out
 

@@ -6,9 +6,11 @@ final norm, head). A param belongs to the first unit module (registration order)
 so a tied embedding / head weight is one param of the embedding's unit that the head's unit also *needs*. In each
 flat buffer (``layout.py``) one module's params form one unit, so "gather module m" is one all-gather per buffer.
 
-Per unit the gathered ``[padded]`` tensor is allocated once and the params are views into it, forever; freeing it
-resizes its storage to 0 bytes and re-gathering resizes it back (as FSDP1 does), so tensors autograd saved in forward
-(``weight.t()`` ...) see the re-gathered values in backward and the memory really goes.
+Per unit the gathered ``[padded]`` tensor is allocated once, with one view per param; freeing it resizes its storage
+to 0 bytes and re-gathering resizes it back (as FSDP1 does), so tensors autograd saved in forward (``weight.t()`` ...)
+see the re-gathered values in backward and the memory really goes. A param is its view while its unit is gathered and
+an empty tensor otherwise (``views.py``: real shape in ``param.ds_shape``, as DeepSpeed), so no read outside a gather
+touches freed memory.
 
     forward pre-hook of module m:  gather every unit m needs (async all-gather of this rank's shard, the shard copied
                                    in from the host first under offload_param), prefetch the next units of the recorded
@@ -47,24 +49,14 @@ from llmpar.zero.compressed import WeightGather
 from llmpar.zero.grads import FlatBuffer
 from llmpar.zero.layout import FlatLayout
 from llmpar.zero.offload import Copier, Placement
-from llmpar.zero.units import UnitPlan, UnitPolicy, kept_units, map_tensors, unit_modules
+from llmpar.zero.units import (UnitPlan, UnitPolicy, is_persistent, kept_units, map_tensors, split_persistent,
+                               unit_modules)
+from llmpar.zero.views import ParamViews
 
 __all__ = ["Key", "Stage3Runtime", "UnitPlan", "UnitPolicy", "is_persistent", "shard_params", "split_persistent",
            "unit_modules"]
 
 Key = tuple[int, int]  # (flat buffer index, unit index in its layout)
-
-
-def split_persistent(groups: list[list[int]], params: list[torch.Tensor], persist_numel: int) -> list[list[int]]:
-    """Per-param persistence: params of at most ``persist_numel`` elements leave their module's unit for one persistent
-    unit (last); module units left empty disappear."""
-    small = [i for g in groups for i in g if params[i].numel() <= persist_numel]
-    out = [big for big in ([i for i in g if params[i].numel() > persist_numel] for g in groups) if big]
-    return out + [small] if small else out
-
-
-def is_persistent(layout: FlatLayout, params: list[torch.Tensor], unit: int, persist_numel: int) -> bool:
-    return all(params[i].numel() <= persist_numel for i in layout.units[unit].params)
 
 
 @torch.no_grad()
@@ -133,6 +125,7 @@ class Stage3Runtime:
         self.copier = copier if copier is not None else Copier(device)
         self.log: list[tuple[str, Key]] | None = None
         self.full: dict[Key, torch.Tensor] = {}  # the gathered [padded] tensor of each unit (storage 0 when free)
+        self.views = ParamViews()  # the params: views into ``full`` while gathered, empty tensors otherwise
         self.live: set[Key] = set()
         self.pending: dict[Key, Handle] = {}
         self.users: dict[Key, int] = {}
@@ -149,12 +142,13 @@ class Stage3Runtime:
                 self.full[key], self.users[key], self._numels[key] = full, 0, unit.padded
                 for i in unit.params:
                     where[id(b.params[i])] = key
-                    with torch.no_grad():
-                        b.params[i].data = b.layout.param_in_unit(full, i)
-                if is_persistent(b.layout, b.params, u, persist_numel):
+                    self.views.add(key, b.params[i], b.layout.param_in_unit(full, i))
+                self.views.gathered(key)
+                if is_persistent(b.layout, u, persist_numel):
                     self.persistent.add(key)
                 else:
                     full.untyped_storage().resize_(0)
+                    self.views.released(key)
         self.frozen_keys = {(bi, u) for bi, b in enumerate(buffers) if b.frozen
                             for u in range(len(b.layout.units))} - self.persistent
         self.needs: list[list[Key]] = []  # per unit module: the non-persistent units its forward gathers
@@ -205,6 +199,7 @@ class Stage3Runtime:
         full = self.full[key]
         if key not in self.persistent or full.untyped_storage().nbytes() == 0:
             full.untyped_storage().resize_(full.numel() * full.element_size())
+        self.views.gathered(key)
         src = b.layout.shard_of_partition(b.shard, u)
         if self.host_shards:  # offload_param: the host shard is copied in first (side stream on CUDA)
             self._note("h2d", key)
@@ -248,6 +243,7 @@ class Stage3Runtime:
         if self._forward_keeps and key in self.keep_for_bwd:  # backward starts with it: not freed after forward
             return
         self._wait(key)
+        self.views.released(key)
         self.full[key].untyped_storage().resize_(0)
         self._note("free", key)
         self.live.discard(key)

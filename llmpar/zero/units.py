@@ -8,6 +8,8 @@ from typing import Any, Callable, Hashable, TypeVar
 import torch
 from torch import nn
 
+from llmpar.zero.layout import FlatLayout
+
 UnitPolicy = Callable[[str, nn.Module], bool]
 K = TypeVar("K", bound=Hashable)
 
@@ -68,6 +70,19 @@ class UnitPlan:
                                  "given as module=: stage 3 gathers params through the module's forward hooks")
             by_unit.setdefault(self.owner[id(p)], []).append(i)
         return [by_unit[u] for u in sorted(by_unit)]
+
+
+def split_persistent(groups: list[list[int]], params: list[torch.Tensor], persist_numel: int) -> list[list[int]]:
+    """Per-param persistence: params of at most ``persist_numel`` elements leave their module's unit for one persistent
+    unit (last); module units left empty disappear."""
+    small = [i for g in groups for i in g if params[i].numel() <= persist_numel]
+    out = [big for big in ([i for i in g if params[i].numel() > persist_numel] for g in groups) if big]
+    return out + [small] if small else out
+
+
+def is_persistent(layout: FlatLayout, unit: int, persist_numel: int) -> bool:
+    """Whether unit ``unit`` of ``layout`` stays gathered: all its params have at most ``persist_numel`` elements."""
+    return all(layout.slot(i).numel <= persist_numel for i in layout.units[unit].params)
 
 
 def kept_units(fwd: list[K], bwd: list[K], numel: Callable[[K], int], *, prefetch: int, max_live: int,
