@@ -3,7 +3,10 @@ configs, vocab 67, a DeepSpeed config with "auto" values) run by Trainer + DeepS
 import changed), 2 CPU ranks, 20 optimizer steps, gradient accumulation 2, clipping, WarmupDecayLR or the Trainer's own
 schedule: the per-step losses agree to 1e-5 (relative). Also: tp 2 x dp 2 against DeepSpeed at dp 2, a bitwise resume
 from a Trainer checkpoint, the saved model reloaded by ``from_pretrained`` with DeepSpeed's logits, and the config's
-"auto" filling and its errors."""
+"auto" filling and its errors. Under ZeRO-3: evaluation during training, ``evaluate`` / ``predict`` / ``generate``
+after it (equal to DeepSpeed's and to the plain model's), ``evaluate`` before ``train`` on a model that
+``from_config`` built sharded because the TrainingArguments carry a ZeRO-3 config, and ``from_config`` /
+``from_pretrained`` builds sharded that way (equal to the plain builds)."""
 from __future__ import annotations
 
 import json
@@ -18,13 +21,15 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
+import llmpar  # noqa: E402
+import llmpar.zero  # noqa: E402
 from llmpar.integrations.hf_auto import fill_auto, tensor_parallel_size  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "data" / "hf_trainer_script.py"
 sys.path.insert(0, str(SCRIPT.parent))
 import hf_trainer_script  # noqa: E402
-from multirank import free_port  # noqa: E402
+from multirank import free_port, run_ranks  # noqa: E402
 
 
 def run(backend: str, tmp: Path, ext: Path, *flags: str, nproc: int = 2, tag: str = "") -> dict:
@@ -60,11 +65,37 @@ def logits(model_dir: str) -> torch.Tensor:
         return model(input_ids=ids).logits
 
 
+def plain_eval_loss(model) -> float:
+    """The Trainer's eval loss of the script's eval set, computed by the plain model: the mean of the per-batch
+    mean losses (batches of 4 consecutive samples, 2 per rank at dp 2)."""
+    model.eval()
+    with torch.no_grad():
+        losses = [model(input_ids=b, labels=b).loss.double() for b in hf_trainer_script.EVAL.x.split(4)]
+    return float(torch.stack(losses).mean())
+
+
+def assert_evaluation_matches(ours: dict, theirs: dict) -> None:
+    """The ZeRO-3 run's evaluations equal DeepSpeed's and the plain model's (the saved final model)."""
+    plain = transformers.AutoModelForCausalLM.from_pretrained(ours["final"], dtype=torch.float32)
+    assert [s for s, _ in ours["eval_steps"]] == [s for s, _ in theirs["eval_steps"]] == [10, 20]
+    torch.testing.assert_close(torch.tensor([v for _, v in ours["eval_steps"]], dtype=torch.float64),
+                               torch.tensor([v for _, v in theirs["eval_steps"]], dtype=torch.float64),
+                               rtol=1e-5, atol=0)
+    want = plain_eval_loss(plain)
+    for got in (ours["eval_final"], ours["predict_loss"], theirs["eval_final"]):
+        assert got == pytest.approx(want, rel=1e-5)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.tensor(ours["predict_logits"]),
+                                   plain(input_ids=hf_trainer_script.EVAL.x[:2]).logits, rtol=1e-4, atol=1e-5)
+        generated = plain.generate(hf_trainer_script.PROMPT, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert ours["generated"] == generated.tolist() == theirs["generated"]
+
+
 CASES = {  # id: script flags (fp32 unless --bf16)
     "llama-z2": ["--model", "llama", "--stage", "2"],
     "llama-z2-bf16": ["--model", "llama", "--stage", "2", "--bf16"],
     "qwen2-z2-offload": ["--model", "qwen2", "--stage", "2", "--offload"],
-    "llama-z3-untied-hf-schedule": ["--model", "llama", "--stage", "3", "--untied", "--hf-schedule"],
+    "llama-z3-untied-hf-schedule": ["--model", "llama", "--stage", "3", "--untied", "--hf-schedule", "--eval"],
     "qwen2-z3-offload": ["--model", "qwen2", "--stage", "3", "--offload"],
 }
 
@@ -81,16 +112,23 @@ def test_trainer_matches_deepspeed(case, tmp_path, ds_ext_dir):
     # the model saved by trainer.save_model() loads with from_pretrained and computes DeepSpeed's logits
     tol = dict(rtol=2e-2, atol=2e-2) if bf16 else dict(rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(logits(ours["final"]), logits(theirs["final"]), **tol)
+    if "--eval" in CASES[case]:  # evaluated every 10 steps (no crash: ZeRO-3 params read outside a gather are
+        assert_evaluation_matches(ours, theirs)  # empty, never freed memory), then evaluate / predict / generate
 
 
 @pytest.mark.slow
-def test_trainer_on_a_zero_init_build_matches_deepspeed(tmp_path, ds_ext_dir):
-    """The model built inside llmpar.zero.Init() (never whole on a rank) trains as DeepSpeed trains the plain build
-    of the same seed: the same weights, the same losses."""
+def test_trainer_on_a_sharded_build_matches_deepspeed(tmp_path, ds_ext_dir):
+    """``AutoModelForCausalLM.from_config`` after llmpar's TrainingArguments with a ZeRO-3 config builds the model
+    inside llmpar.zero.Init (never whole on a rank), as transformers does for DeepSpeed; evaluate() before train()
+    builds the engine and gives the plain model's loss; it then trains as DeepSpeed trains the plain build of the same
+    seed: the same weights, the same losses."""
     pytest.importorskip("deepspeed", reason="DeepSpeed is not installed")
     flags = ["--model", "llama", "--stage", "3"]
     theirs = run("deepspeed", tmp_path, ds_ext_dir, *flags)
-    ours = run("llmpar", tmp_path, ds_ext_dir, *flags, "--zero-init")
+    ours = run("llmpar", tmp_path, ds_ext_dir, *flags, "--auto-build", "--eval-first")
+    assert ours["sharded_build"] and not theirs["sharded_build"]
+    torch.manual_seed(0)
+    assert ours["eval_first"] == pytest.approx(plain_eval_loss(hf_trainer_script.build_model("llama", True)), rel=1e-5)
     assert_same_losses(ours, theirs)
     torch.testing.assert_close(logits(ours["final"]), logits(theirs["final"]), rtol=1e-4, atol=1e-5)
 
@@ -125,6 +163,78 @@ def test_trainer_resumes_bitwise(tmp_path, ds_ext_dir):
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert torch.equal(logits(str(consolidated)), logits(str(ckpt)))
+
+
+# ---- HF builds sharded by llmpar's TrainingArguments (2 ranks, in process) ----
+def _zero3_config(stage: int = 3) -> dict:
+    return {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+
+
+def _whole(model, opt=None) -> dict:
+    """Params and persistent buffers by name (gathered under ZeRO-3), every buffer also as ``buffer:<name>``."""
+    state = model.state_dict() if opt is None else llmpar.zero.consolidated_state_dict(model, opt, rank0_only=False)
+    return {**state, **{f"buffer:{n}": b.clone() for n, b in model.named_buffers()}}
+
+
+def _differ(got: dict, model) -> list[str]:
+    want = {**model.state_dict(), **{f"buffer:{n}": b for n, b in model.named_buffers()}}
+    return sorted(n for n in want if n not in got or not torch.equal(got[n], want[n].detach()))
+
+
+def sharded_builds_body(tmp: str) -> dict:
+    import gc
+
+    from llmpar.integrations.hf_zero3 import is_llmpar_zero3_enabled
+    from llmpar.integrations.transformers import TrainingArguments
+
+    auto = transformers.AutoModelForCausalLM
+    out = {"before": is_llmpar_zero3_enabled()}
+    torch.manual_seed(0)
+    saved = hf_trainer_script.build_model("qwen2", tie=False)
+    with torch.no_grad():  # trained-looking weights, not what a fresh build draws
+        for p in saved.parameters():
+            p.add_(torch.randn(p.shape) * 0.1)
+    path = os.path.join(tmp, "saved")
+    if torch.distributed.get_rank() == 0:
+        saved.save_pretrained(path)
+    torch.distributed.barrier()
+    args = TrainingArguments(output_dir=tmp, report_to=[], use_cpu=True, deepspeed=_zero3_config())
+    out["on"] = is_llmpar_zero3_enabled()
+    torch.manual_seed(0)
+    built = auto.from_config(hf_trainer_script.model_config("qwen2", tie=False))
+    loaded = auto.from_pretrained(path)
+    out["meta"] = [all(p.is_meta for p in m.parameters()) for m in (built, loaded)]
+    whole, info = auto.from_pretrained(path, output_loading_info=True)  # an argument the sharded path does not take
+    out["fallback_meta"] = any(p.is_meta for p in whole.parameters())
+    out["fallback_differ"] = _differ(_whole(whole), saved)
+    torch.manual_seed(0)
+    plain = hf_trainer_script.build_model("qwen2", tie=False)
+    for key, model, ref in (("config", built, plain), ("pretrained", loaded, saved)):
+        engine, opt, _, _ = llmpar.initialize(model=model, config=_zero3_config())
+        out[f"{key}_differ"] = _differ(_whole(model, opt), ref)
+        out[f"{key}_peak"] = (opt.init_peak_numel, sum(p.numel() for p in ref.parameters()))
+    stage2 = TrainingArguments(output_dir=tmp, report_to=[], use_cpu=True, deepspeed=_zero3_config(2))
+    out["off_by_stage2"] = not is_llmpar_zero3_enabled()
+    del args, stage2
+    gc.collect()
+    out["off"] = not is_llmpar_zero3_enabled() and not any(
+        p.is_meta for p in auto.from_config(hf_trainer_script.model_config("qwen2", tie=False)).parameters())
+    return out
+
+
+def test_hf_builds_are_sharded_under_zero3_arguments(tmp_path):
+    """After llmpar's TrainingArguments with a ZeRO-3 config (while they are alive, until a later config without
+    ZeRO-3), ``from_config`` and ``from_pretrained`` build on the meta device (llmpar.zero.Init) and ZeRO-3 gives the
+    plain build's / the checkpoint's values, one unit at a time; a from_pretrained call the sharded path does not take
+    is built whole by transformers."""
+    for out in run_ranks(sharded_builds_body, 2, str(tmp_path), timeout=180):
+        assert not out["before"] and out["on"] and out["meta"] == [True, True]
+        assert out["config_differ"] == [] and out["pretrained_differ"] == []
+        for peak, psi in (out["config_peak"], out["pretrained_peak"]):
+            assert 0 < peak < psi / 2  # at most one unit whole at a time
+        assert not out["fallback_meta"] and out["fallback_differ"] == []
+        assert out["off_by_stage2"] and out["off"]
 
 
 # ---- the config's "auto" values (single process) ----

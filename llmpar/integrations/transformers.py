@@ -19,14 +19,21 @@ normalised by the Trainer, as for DeepSpeed), ``engine.step`` at the accumulatio
 Checkpoints: ``checkpoint-N/`` holds the model for ``from_pretrained`` (``engine.save_hf_model``: safetensors under
 the model's names, config.json) and llmpar's sharded checkpoint (``global_stepN/``: params, optimizer, scheduler,
 counters), with the Trainer's state and RNG files; ``train(resume_from_checkpoint=...)`` loads it into the engine
-and resumes where it stopped. ``save_model()`` writes the gathered weights the same way. A ``"tensor_parallel"``
-block splits the model with ``llmpar.parallelize`` and feeds the ranks of one tensor-parallel group the same batches.
+and resumes where it stopped. ``save_model()`` writes the gathered weights the same way.
+``evaluate()`` / ``predict()`` (and evaluation during training) run the model's forward as training does: under
+ZeRO-3 each unit module is gathered for its forward and freed after it; with several ranks ``model.generate``
+defaults to ``synced_gpus=True``, as under DeepSpeed ZeRO-3. A ZeRO-3 config also makes ``from_config`` /
+``from_pretrained`` called after these TrainingArguments are built build the model sharded (``hf_zero3.py``), as
+transformers does for DeepSpeed; an evaluate() before train() on such a model builds the engine first.
+A ``"tensor_parallel"`` block splits the model with ``llmpar.parallelize`` and feeds the ranks of one tensor-parallel
+group the same batches.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import os
+import weakref
 from typing import Any
 
 import torch
@@ -36,6 +43,7 @@ from torch.utils.data import DataLoader
 
 from llmpar.distributed.init import init_distributed
 from llmpar.integrations.hf_auto import fill_auto, tensor_parallel_size
+from llmpar.integrations.hf_zero3 import is_zero3, register
 from llmpar.runtime.config import read_config
 from llmpar.runtime.initialize import initialize
 from llmpar.tensor_parallel.parallelize import parallelize
@@ -54,6 +62,8 @@ class TrainingArguments(transformers.TrainingArguments):
                 raise ValueError("TrainingArguments: give the config once, deepspeed= or llmpar_config=")
             self.llmpar_config, self.deepspeed = self.deepspeed, None
         super().__post_init__()
+        if self.llmpar_config is not None:  # a ZeRO-3 config: from_config / from_pretrained build sharded from now on
+            register(self, read_config(self.llmpar_config))
 
 
 class _EngineOptimizer:
@@ -141,6 +151,7 @@ class Trainer(transformers.Trainer):
         if world % self.tp_size:
             raise ValueError(f"tensor_parallel.size={self.tp_size} does not divide the {world} processes")
         self.engine: Any = None
+        self._engine_steps = 0  # the optimizer steps the engine's schedule was built for
 
     def _move_model_to_device(self, model: Any, device: Any) -> None:
         if any(p.is_meta for p in model.parameters()):
@@ -150,7 +161,12 @@ class Trainer(transformers.Trainer):
     # ---- the engine ----
     def _build_engine(self, num_training_steps: int) -> None:
         if self.engine is not None:
+            if num_training_steps != self._engine_steps:
+                raise ValueError(f"the engine was built for {self._engine_steps} optimizer steps (evaluate() before "
+                                 f"train() on a model built sharded) but train() runs {num_training_steps}: give "
+                                 "the TrainingArguments the same max_steps / epochs, or train() before evaluating")
             return
+        self._engine_steps = num_training_steps
         dp = self.args.world_size // self.tp_size
         config = fill_auto(self.llmpar_config, self.args, model=self.model, num_training_steps=num_training_steps,
                            dp=dp)
@@ -171,6 +187,27 @@ class Trainer(transformers.Trainer):
                                           lr_scheduler=scheduler, config=config, mesh=mesh)
         self.optimizer = _EngineOptimizer(self.engine)
         self.lr_scheduler = _EngineScheduler(self.engine)
+        if is_zero3(config) and dp > 1:
+            _synced_generate(self.model)
+
+    def _engine_for_eval(self) -> None:
+        """evaluate() / predict() before train() on a model built sharded (its params on the meta device, nothing
+        to compute with): the engine is built now, for the steps train() will run, and materialises the params."""
+        if self.engine is None and any(p.is_meta for p in self.model.parameters()):
+            steps = max(1, self.args.max_steps)
+            if self.train_dataset is not None:
+                steps = self.set_initial_training_values(self.args, self.get_train_dataloader())[-1]
+            self._build_engine(steps)
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        """transformers' evaluate; under ZeRO-3 each unit module is gathered for its forward, as in training."""
+        self._engine_for_eval()
+        return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args: Any, **kwargs: Any) -> Any:
+        """transformers' predict; under ZeRO-3 each unit module is gathered for its forward, as in training."""
+        self._engine_for_eval()
+        return super().predict(*args, **kwargs)
 
     def _trainer_schedule(self, num_training_steps: int) -> Any:
         args = self.args
@@ -275,6 +312,23 @@ class Trainer(transformers.Trainer):
         path, _ = self.engine.load_checkpoint(best, load_optimizer_states=False, load_lr_scheduler_states=False)
         if path is None:
             raise FileNotFoundError(f"best model checkpoint {best!r} holds no llmpar checkpoint")
+
+
+def _synced_generate(model: Any) -> None:
+    """ZeRO-3 over several ranks: ``model.generate`` defaults to ``synced_gpus=True`` (what transformers does under
+    DeepSpeed ZeRO-3), so a rank whose sequences ended keeps running forwards, whose gathers the others wait for."""
+    method = getattr(type(model), "generate", None)
+    if method is None or getattr(model.__dict__.get("generate"), "_llmpar_synced", False):
+        return
+    ref = weakref.ref(model)  # no model -> attribute -> model cycle
+
+    def generate(*args: Any, **kwargs: Any) -> Any:
+        kwargs.setdefault("synced_gpus", True)
+        return method(ref(), *args, **kwargs)
+
+    generate._llmpar_synced = True  # type: ignore[attr-defined]
+    generate.__doc__ = method.__doc__
+    model.generate = generate
 
 
 __all__ = ["Trainer", "TrainingArguments"]

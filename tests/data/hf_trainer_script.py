@@ -15,21 +15,28 @@ import sys
 import torch
 
 
-def build_model(kind: str, tie: bool):
+def model_config(kind: str, tie: bool):
     import transformers
 
     common = dict(vocab_size=67, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tie)
     if kind == "llama":
-        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+        return transformers.LlamaConfig(**common)
     if kind == "qwen2":
-        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+        return transformers.Qwen2Config(**common)
     raise ValueError(f"--model {kind}")
 
 
+def build_model(kind: str, tie: bool):
+    import transformers
+
+    config = model_config(kind, tie)
+    return (transformers.LlamaForCausalLM if kind == "llama" else transformers.Qwen2ForCausalLM)(config)
+
+
 class Tokens(torch.utils.data.Dataset):
-    def __init__(self, n: int = 96, seq: int = 11) -> None:
-        g = torch.Generator().manual_seed(1234)
+    def __init__(self, n: int = 96, seq: int = 11, seed: int = 1234) -> None:
+        g = torch.Generator().manual_seed(seed)
         self.x = torch.randint(0, 67, (n, seq), generator=g)
 
     def __len__(self) -> int:
@@ -37,6 +44,10 @@ class Tokens(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict:
         return {"input_ids": self.x[i], "labels": self.x[i]}
+
+
+EVAL = Tokens(n=16, seq=11, seed=99)  # 4 batches of 4: 2 per rank at dp 2
+PROMPT = Tokens(n=2, seq=5, seed=7).x
 
 
 def ds_config(stage: int, offload: bool, tp: int, hf_schedule: bool) -> dict:
@@ -73,6 +84,11 @@ def main() -> None:
     ap.add_argument("--hf-schedule", action="store_true", help="no scheduler block: the Trainer's linear schedule")
     ap.add_argument("--bf16", action="store_true")
     ap.add_argument("--zero-init", action="store_true", help="llmpar: build the model inside llmpar.zero.Init()")
+    ap.add_argument("--auto-build", action="store_true", help="build by AutoModelForCausalLM.from_config after the "
+                    "TrainingArguments (sharded by the ZeRO-3 config, as transformers does for DeepSpeed)")
+    ap.add_argument("--eval", action="store_true", help="an eval set: evaluated every 10 steps, then evaluate(), "
+                    "predict() and generate() after training")
+    ap.add_argument("--eval-first", action="store_true", help="evaluate() before train()")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--save-steps", type=int, default=0)
     ap.add_argument("--resume", default=None)
@@ -92,33 +108,56 @@ def main() -> None:
 
         with llmpar.zero.Init():
             model = build_model(a.model, tie=not a.untied)
-    else:
+    elif not a.auto_build:
         model = build_model(a.model, tie=not a.untied)
+    evaluating = a.eval or a.eval_first
     args = TrainingArguments(output_dir=a.output_dir, per_device_train_batch_size=4, gradient_accumulation_steps=2,
                              max_steps=a.steps, learning_rate=2e-3, warmup_steps=3, weight_decay=0.01,
                              max_grad_norm=1.0, logging_steps=1, report_to=[], use_cpu=True, seed=42,
                              save_strategy="steps" if a.save_steps else "no", save_steps=a.save_steps or 500,
                              deepspeed=ds_config(a.stage, a.offload, a.tp, a.hf_schedule), disable_tqdm=True,
-                             bf16=a.bf16)
+                             bf16=a.bf16, per_device_eval_batch_size=4,
+                             eval_strategy="steps" if a.eval else "no", eval_steps=10)
+    if a.auto_build:  # after the arguments: transformers / llmpar build it sharded under a ZeRO-3 config
+        import transformers
+
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(model_config(a.model, tie=not a.untied))
+    record = {"sharded_build": all(p.is_meta for p in model.parameters()), "training": False, "eval_steps": []}
 
     class Record(TrainerCallback):
         rows: list = []
 
         def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "eval_loss" in logs and record["training"]:  # evaluation during training
+                record["eval_steps"].append([state.global_step, float(logs["eval_loss"])])
             if logs and "loss" in logs:
                 self.rows.append({"step": state.global_step, "loss": float(logs["loss"]),
                                   "grad_norm": float(logs.get("grad_norm") or 0.0),
                                   "lr": float(logs.get("learning_rate") or 0.0)})
 
-    trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[Record()])
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[Record()],
+                      eval_dataset=EVAL if evaluating else None)
+    if a.eval_first:
+        record["eval_first"] = trainer.evaluate()["eval_loss"]
+    record["training"] = True
     trainer.train(resume_from_checkpoint=a.resume)
+    record["training"] = False
+    if a.eval:  # the trained model: evaluated, predicted, and greedy generation from the same prompt on every rank
+        record["eval_final"] = trainer.evaluate()["eval_loss"]
+        pred = trainer.predict(EVAL)
+        record["predict_loss"] = pred.metrics["test_loss"]
+        record["predict_logits"] = torch.as_tensor(pred.predictions[:2]).tolist()
+        with torch.no_grad():
+            record["generated"] = trainer.model.generate(PROMPT, max_new_tokens=4, do_sample=False,
+                                                         pad_token_id=0).tolist()
     final = os.path.join(a.output_dir, "final")
     if int(os.environ.get("RANK", "0")) == 0:
         rows = Record.rows
         with open(a.out, "w") as f:
             json.dump({"step": [r["step"] for r in rows], "loss": [r["loss"] for r in rows],
                        "grad_norm": [r["grad_norm"] for r in rows], "lr": [r["lr"] for r in rows],
-                       "final": final}, f)
+                       "final": final, **record}, f)
     if os.environ.get("HF_SCRIPT_SAVE", "1") == "1":
         trainer.save_model(final)
     if torch.distributed.is_initialized():
