@@ -9,7 +9,7 @@ TORCH  ?= torch==2.13.0
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip -q --disable-pip-version-check
 
-.PHONY: demo test install install-test cuda-ext bench bench-suite clean
+.PHONY: demo test install install-test cuda-ext gpu-wheelhouse bench bench-suite clean
 
 $(VENV)/.llmpar-installed: pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -41,6 +41,11 @@ bench-suite: install-test
 # compile csrc/ against a CUDA build of torch in a separate venv and check the binary (no GPU needed)
 cuda-ext:
 	bash .ci/build_cuda_ext.sh
+
+# the wheels bench/gpu_check.sh needs on an offline GPU machine (pytest-xdist, pytest-timeout, ninja, ...) into
+# .gpu-wheelhouse/; carry that folder to the GPU machine (README: GPU check)
+gpu-wheelhouse:
+	bash bench/gpu_wheelhouse.sh
 
 clean:
 	rm -rf build dist wheelhouse *.egg-info

@@ -1,20 +1,30 @@
 #!/usr/bin/env bash
 # One-shot check on a GPU machine (made for a short H200 lease: no network, a 10-minute command limit, and only the
-# files written under $OUT come back). Builds llmpar._C, runs the GPU tests (bf16 cases first), one bf16 training run
-# of the demo GPT through llmpar.initialize, and the optimizer / GEMM / bucket benchmarks at LLM shapes.
+# files written under $OUT come back). Builds llmpar._C, runs the GPU tests (bf16 cases first) on pytest-xdist
+# workers, two bf16 training runs of the demo GPT through llmpar.initialize on NCCL (world size 1: ZeRO-2, then ZeRO-3
+# with overlap_comm and optimizer offload), and the optimizer / GEMM / bucket benchmarks at LLM shapes.
 #
-#   bash bench/gpu_check.sh                          everything, in the order of --plan (it cd's to the repo root)
-#   bash bench/gpu_check.sh --plan                   print the steps and their time budgets; run nothing
+#   bash bench/gpu_wheelhouse.sh                     HERE, once (network): the wheels the GPU machine lacks, into
+#                                                    .gpu-wheelhouse/ (ignored: name it in the device tool's carry)
+#   bash bench/gpu_check.sh                          THERE: everything, in the order of --plan (it cd's to the repo root)
+#   bash bench/gpu_check.sh --plan                   print the steps, their time budgets and how pytest-xdist gets
+#                                                    there; run nothing
 #   bash bench/gpu_check.sh --only build_ext,train_bf16   only these steps (a rerun)
 #
 # Time: a global deadline (GPU_CHECK_DEADLINE, default 460 s: the run ends within 8 minutes) bounds the whole run.
 # Each step runs under min(its budget, the time left); a step that no longer fits is skipped and listed as such.
-# Output: summary.md (step table, test counts, figures, versions, device, date) and gpu_check.tar.gz (every log and
-# result table) in $OUT when it is set, else in bench/results/gpu_check_<date>/. Both are rewritten after every step
-# and by a trap on exit / INT / TERM, so a run killed part-way still leaves what it measured.
+# Test steps run pytest -v (a step killed at its limit still lists the tests that passed) with a per-test timeout
+# shorter than the step's budget, and junit XML.
+# Wheels: the env step installs what python3 lacks of pytest-xdist, execnet, pytest-timeout, ninja (pytest) from
+# .gpu-wheelhouse/ offline (pip --no-index --target WORK/site, put on PYTHONPATH / PATH); without the wheelhouse and
+# without xdist in the image the tests run serially (slower: they will not fit their budgets) and summary.md says so.
+# Output: summary.md (step table, test counts, figures, versions, device, build tools, date) and gpu_check.tar.gz
+# (every log and result table) in $OUT when it is set, else in bench/results/gpu_check_<date>/. Both are rewritten
+# after every step and by a trap on exit / INT / TERM, so a run killed part-way still leaves what it measured.
 # Env: PYTHON (default python3), MAX_JOBS (16), TORCH_CUDA_ARCH_LIST (this GPU's arch), GPU_CHECK_DEADLINE (460),
-#      GPU_CHECK_WORKERS (pytest-xdist workers, 8), LLMPAR_AUTOTUNE_CONFIGS for the tests (1) and
-#      GPU_CHECK_BENCH_CONFIGS for the benchmarks (2): Triton's GEMM autotunes over that many configs only.
+#      GPU_CHECK_WORKERS (pytest-xdist workers, 14), GPU_CHECK_WHEELHOUSE (.gpu-wheelhouse), LLMPAR_AUTOTUNE_CONFIGS
+#      for the tests (1: no autotuning) and GPU_CHECK_BENCH_CONFIGS for the benchmarks (2): Triton's GEMM autotunes
+#      over that many configs only.
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -23,25 +33,29 @@ PY="${PYTHON:-python3}"
 SUMMARY_PY="$(command -v python3 || echo "$PY")"  # the summary helper needs the standard library only
 DEADLINE="${GPU_CHECK_DEADLINE:-460}"
 export MAX_JOBS="${MAX_JOBS:-16}"
-WORKERS="${GPU_CHECK_WORKERS:-8}"
+WORKERS="${GPU_CHECK_WORKERS:-14}"
+WHEELHOUSE="${GPU_CHECK_WHEELHOUSE:-$ROOT/.gpu-wheelhouse}"
 TEST_CONFIGS="${LLMPAR_AUTOTUNE_CONFIGS:-1}"
 BENCH_CONFIGS="${GPU_CHECK_BENCH_CONFIGS:-2}"
 export PYTHONUNBUFFERED=1
 STAMP="$(date -u +%Y%m%d-%H%M%S)"
 
 # name|budget in seconds|what it does. The order is the priority: what matters most runs while time is plentiful.
+# Budgets from measured runs: build_ext ~20-30 s with ninja (80-90 s without), tests_gpu_other ~90 s on 14 workers
+# (~300 s serially, compile-bound), tests_gpu_bf16 about half of that, bench_bucket ~35 s before its table fix.
 PLAN=(
-  "env|10|device, driver, python3 / torch / triton / nvcc versions"
-  "install|20|pip install -e . --no-deps --no-build-isolation (offline)"
-  "build_ext|110|LLMPAR_BUILD_CUDA=1 setup.py build_ext --inplace for this GPU's arch, MAX_JOBS=$MAX_JOBS"
-  "load_ext|15|load llmpar._C, list its ops, backend report; later steps never JIT-build (LLMPAR_NO_JIT=1)"
-  "tests_gpu_bf16|50|pytest -m gpu, bf16 cases, on the files with GPU tests ($WORKERS xdist workers)"
-  "tests_gpu_other|55|pytest -m gpu, the other cases (fp32, fp16, dtype-free)"
+  "env|15|device, driver, python3 / torch / triton / nvcc versions; missing wheels from the wheelhouse (offline)"
+  "install|15|pip install -e . --no-deps --no-build-isolation (offline)"
+  "build_ext|45|LLMPAR_BUILD_CUDA=1 setup.py build_ext --inplace for this GPU's arch, MAX_JOBS=$MAX_JOBS, ninja"
+  "load_ext|10|load llmpar._C, list its ops, backend report; later steps never JIT-build (LLMPAR_NO_JIT=1)"
+  "tests_gpu_bf16|60|pytest -m gpu, bf16 cases, on the files with GPU tests (xdist workers)"
+  "tests_gpu_other|100|pytest -m gpu, the other cases (fp32, fp16, dtype-free)"
   "tests_optim_cuda|35|pytest tests/test_optim_ops.py on the GPU: torch, triton and cuda backends"
-  "train_bf16|35|llmpar train --nproc 1 --device cuda --bf16 --steps 30: the demo GPT through llmpar.initialize"
+  "train_bf16|30|llmpar train --nproc 1 --device cuda --bf16 --steps 30: the demo GPT through llmpar.initialize"
+  "zero3_nccl|20|the same on ZeRO-3 + overlap_comm + optimizer offload (NCCL, world size 1: async streams)"
   "bench_optim|35|FusedAdamW (every precision) vs torch AdamW, GPT parameter lists of 100M and 1B"
-  "bench_gemm|70|linear_act vs cuBLAS, 8192 tokens x LLaMA 7B/8B MLP shapes, tp 1 and 8; parallel layers fwd+bwd"
-  "bench_bucket|20|pack/unpack of a 1e8-element gradient bucket, every backend"
+  "bench_gemm|65|linear_act vs cuBLAS, 8192 tokens x LLaMA 7B/8B MLP shapes, tp 1 and 8; parallel layers fwd+bwd"
+  "bench_bucket|25|pack/unpack of a 1e8-element gradient bucket, every backend"
 )
 NAMES=(); BUDGETS=(); WHATS=()
 for row in "${PLAN[@]}"; do
@@ -50,6 +64,25 @@ for row in "${PLAN[@]}"; do
 done
 
 if [[ -n "${OUT:-}" ]]; then DEST="$OUT"; else DEST="$ROOT/bench/results/gpu_check_$STAMP"; fi
+
+xdist_route() {  # how pytest-xdist reaches the test steps, in one line
+  local wheels
+  wheels="$(compgen -G "$WHEELHOUSE/pytest_xdist-*.whl" | head -n 1)"
+  if timeout 20 "$PY" -c "import xdist" >/dev/null 2>&1; then
+    echo "in $PY's own environment (the image); $WORKERS workers"
+  elif [[ -n "$wheels" ]]; then
+    echo "from ${WHEELHOUSE#"$ROOT"/}/ ($(compgen -G "$WHEELHOUSE/*.whl" | wc -l | tr -d ' ') wheels, $(basename "$wheels")" \
+      "among them), installed offline by the env step (pip --no-index --target WORK/site); $WORKERS workers"
+  else
+    echo "MISSING: $PY has no xdist and there is no ${WHEELHOUSE#"$ROOT"/}/ (make it here with" \
+      "bash bench/gpu_wheelhouse.sh and carry it): the tests run serially and will not fit their budgets"
+  fi
+}
+
+test_timeout() {  # test_timeout BUDGET: pytest-timeout's per-test limit, shorter than the step's budget
+  local t=$(( $1 - 10 < 60 ? $1 - 10 : 60 ))
+  echo $(( t < 10 ? 10 : t ))
+}
 
 print_plan() {
   local total=0 i
@@ -60,6 +93,9 @@ print_plan() {
     total=$((total + BUDGETS[i]))
   done
   echo "  sum of budgets ${total}s; each step runs under min(budget, time left before the deadline)"
+  echo "  pytest-xdist: $(xdist_route)"
+  echo "  test steps: pytest -v, junit XML, per-test timeout $(test_timeout 60)s / $(test_timeout 100)s /" \
+    "$(test_timeout 35)s (bf16 / other / optim)"
   echo "  python: $PY; MAX_JOBS=$MAX_JOBS; Triton autotune configs: tests $TEST_CONFIGS, benchmarks $BENCH_CONFIGS"
   echo "  output: $DEST/summary.md and $DEST/gpu_check.tar.gz${OUT:+ (\$OUT)}"
 }
@@ -100,7 +136,7 @@ write_outputs() {  # steps.tsv -> summary.md, then the tarball; cheap enough to 
   fi
   cp "$DEST/summary.md" "$WORK/summary.md" 2>/dev/null || true
   tar -czf "$DEST/gpu_check.tar.gz.tmp" -C "$WORK" logs results steps.tsv summary.md \
-    $( [[ -f "$WORK/env.json" ]] && echo env.json ) 2>/dev/null \
+    $( [[ -f "$WORK/env.json" ]] && echo env.json ) $( [[ -f "$WORK/tools.txt" ]] && echo tools.txt ) 2>/dev/null \
     && mv -f "$DEST/gpu_check.tar.gz.tmp" "$DEST/gpu_check.tar.gz"
 }
 
@@ -141,8 +177,17 @@ run_step() {  # run_step INDEX CMD...: under min(budget, time left), output to l
 
 # --------------------------------------------------------------------------------------------- the steps
 
+SITE="$WORK/site"
 SETTINGS="deadline ${DEADLINE}s, MAX_JOBS=$MAX_JOBS, autotune configs tests $TEST_CONFIGS / benches $BENCH_CONFIGS"
-run_step 0 "$PY" bench/gpu_check_summary.py env "$WORK" "$SETTINGS"
+run_step 0 bash -c '"$1" bench/gpu_check_summary.py env "$2" "$3" || exit; echo; echo "wheels (${4#"$6"/}):"
+  PYTHON="$1" GPU_CHECK_WHEELHOUSE="$4" bash bench/gpu_wheelhouse.sh --install "$5" || exit
+  export PYTHONPATH="$5${PYTHONPATH:+:$PYTHONPATH}" PATH="$5/bin:$5/ninja/data/bin:$PATH"
+  { echo "ninja $(ninja --version 2>/dev/null || echo "not found")"
+    echo "pytest-xdist $("$1" -c "import xdist; print(xdist.__version__)" 2>/dev/null || echo "not found")"
+  } | tee "$2/tools.txt"' _ "$PY" "$WORK" "$SETTINGS" "$WHEELHOUSE" "$SITE" "$ROOT"
+if [[ -d "$SITE" ]]; then  # what the env step installed from the wheelhouse
+  export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" PATH="$SITE/bin:$SITE/ninja/data/bin:$PATH"
+fi
 
 run_step 1 "$PY" -m pip install -e . --no-deps --no-build-isolation -q --disable-pip-version-check
 
@@ -166,21 +211,48 @@ for name in OPS:
 print(json.dumps(backend_report(), indent=1))
 assert s.available, s.reason"
 
-GPU_FILES=($(grep -l "pytest.mark.gpu" tests/test_*.py))
-PYTEST=(env "PYTHONPATH=$ROOT/tests${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m pytest -q -p no:cacheprovider -p dtype_select -rfE)
-if "$PY" -c "import xdist" 2>/dev/null && (( WORKERS > 1 )); then PYTEST+=(-n "$WORKERS"); fi
-if "$PY" -c "import pytest_timeout" 2>/dev/null; then PYTEST+=(--timeout 120); fi
+GPU_FILES=($(grep -lE '^ *(@pytest\.mark\.gpu|[A-Za-z_]+ = pytest\.mark\.gpu)' tests/test_*.py))  # files that use the mark
+PYTEST=(env "PYTHONPATH=$ROOT/tests${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m pytest -v -p no:cacheprovider -p dtype_select
+        -rfE)
+if "$PY" -c "import xdist" 2>/dev/null && (( WORKERS > 1 )); then
+  PYTEST+=(-n "$WORKERS"); TESTS_HOW="pytest-xdist, $WORKERS workers"
+else
+  TESTS_HOW="SERIAL: no pytest-xdist (no wheelhouse?), slower than the budgets assume"
+fi
+HAS_TIMEOUT=0; "$PY" -c "import pytest_timeout" 2>/dev/null && HAS_TIMEOUT=1
+echo "test steps: $TESTS_HOW; per-test timeout: $( ((HAS_TIMEOUT)) && echo yes || echo 'NO (pytest-timeout missing)')" \
+  | tee -a "$LOGS/env.log"
+echo "tests $TESTS_HOW" >>"$WORK/tools.txt"
+pytest_step() {  # pytest_step INDEX ARGS...: the test command with a per-test timeout under the step's budget
+  local i="$1"; shift
+  local extra=()
+  ((HAS_TIMEOUT)) && extra=(--timeout "$(test_timeout "${BUDGETS[$i]}")")
+  run_step "$i" "${PYTEST[@]}" "${extra[@]}" --junitxml="$LOGS/${NAMES[$i]}.xml" "$@"
+}
 export LLMPAR_AUTOTUNE_CONFIGS="$TEST_CONFIGS"
-run_step 4 "${PYTEST[@]}" -m gpu --dtype-group bf16 --junitxml="$LOGS/tests_gpu_bf16.xml" "${GPU_FILES[@]}"
-run_step 5 "${PYTEST[@]}" -m gpu --dtype-group other --junitxml="$LOGS/tests_gpu_other.xml" "${GPU_FILES[@]}"
-run_step 6 "${PYTEST[@]}" --junitxml="$LOGS/tests_optim_cuda.xml" tests/test_optim_ops.py
+pytest_step 4 -m gpu --dtype-group bf16 "${GPU_FILES[@]}"
+pytest_step 5 -m gpu --dtype-group other "${GPU_FILES[@]}"
+pytest_step 6 tests/test_optim_ops.py
 
 run_step 7 "$PY" -m llmpar.cli train --nproc 1 --device cuda --bf16 --steps 30 --sample 0 --json "$RESULTS/train.json"
+# ZeRO-3 with overlap_comm (async reduce-scatters), small buckets (several of them in flight) and the optimizer on the
+# CPU (its copy stream): the async paths on NCCL, with one GPU (two ranks cannot share a GPU under NCCL)
+cat >"$WORK/zero3.json" <<'JSON'
+{"train_micro_batch_size_per_gpu": 16, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
+ "optimizer": {"type": "AdamW", "params": {"lr": 0.003, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}},
+ "scheduler": {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 5, "total_num_steps": 30}},
+ "zero_optimization": {"stage": 3, "overlap_comm": true, "contiguous_gradients": true, "reduce_bucket_size": 50000,
+   "stage3_prefetch_bucket_size": 50000, "stage3_param_persistence_threshold": 1000,
+   "offload_optimizer": {"device": "cpu", "pin_memory": true}},
+ "bf16": {"enabled": true}}
+JSON
+run_step 8 "$PY" -m llmpar.cli train --nproc 1 --device cuda --config "$WORK/zero3.json" --steps 30 --sample 0 \
+  --json "$RESULTS/train_zero3.json"
 
 export LLMPAR_AUTOTUNE_CONFIGS="$BENCH_CONFIGS"
-run_step 8 "$PY" bench/bench_optim.py --device cuda --sizes 100M 1B --no-deepspeed --out "$RESULTS"
-run_step 9 "$PY" bench/bench_gemm.py --device cuda --tp 1 8 --out "$RESULTS"
-run_step 10 "$PY" bench/bench_bucket.py --device cuda --out "$RESULTS"
+run_step 9 "$PY" bench/bench_optim.py --device cuda --sizes 100M 1B --no-deepspeed --out "$RESULTS"
+run_step 10 "$PY" bench/bench_gemm.py --device cuda --tp 1 8 --out "$RESULTS"
+run_step 11 "$PY" bench/bench_bucket.py --device cuda --repeats 15 --out "$RESULTS"
 
 echo
 echo "| step              | status             | time  |"

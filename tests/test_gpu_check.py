@@ -22,7 +22,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 import gpu_check_summary  # noqa: E402
 
 STEPS = ("env", "install", "build_ext", "load_ext", "tests_gpu_bf16", "tests_gpu_other", "tests_optim_cuda",
-         "train_bf16", "bench_optim", "bench_gemm", "bench_bucket")
+         "train_bf16", "zero3_nccl", "bench_optim", "bench_gemm", "bench_bucket")
+WHEELS = ROOT / "bench" / "gpu_wheelhouse.sh"
 
 
 def _run(args, out: Path, **env):
@@ -36,16 +37,51 @@ def _tar_names(out: Path) -> set[str]:
         return set(tar.getnames())
 
 
+def _fake_wheelhouse(folder: Path) -> Path:
+    """A wheelhouse holding one wheel: a stand-in pytest_xdist whose module says where it came from."""
+    import zipfile
+
+    folder.mkdir(parents=True, exist_ok=True)
+    wheel = folder / "pytest_xdist-3.8.0-py3-none-any.whl"
+    info = "pytest_xdist-3.8.0.dist-info"
+    files = {"xdist/__init__.py": '__version__ = "3.8.0-from-the-wheelhouse"\n',
+             f"{info}/METADATA": "Metadata-Version: 2.1\nName: pytest-xdist\nVersion: 3.8.0\n",
+             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    files[f"{info}/RECORD"] = "".join(f"{name},,\n" for name in [*files, f"{info}/RECORD"])
+    with zipfile.ZipFile(wheel, "w") as z:
+        for name, text in files.items():
+            z.writestr(name, text)
+    return folder
+
+
+def _no_xdist_python() -> bool:
+    return subprocess.run([sys.executable, "-c", "import xdist"], capture_output=True).returncode != 0
+
+
 def test_plan_lists_every_step_within_eight_minutes(tmp_path):
-    proc = _run(["--plan"], tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = _run(["--plan"], out)
     assert proc.returncode == 0, proc.stderr
     budgets = dict(re.findall(r"^  (\w+)\s+(\d+)s  ", proc.stdout, flags=re.M))
     assert tuple(budgets) == STEPS
     deadline = int(re.search(r"global deadline (\d+)s", proc.stdout).group(1))
-    assert deadline <= 480 and sum(map(int, budgets.values())) <= deadline
-    assert f"output: {tmp_path}/summary.md" in proc.stdout
+    assert deadline <= 460 and sum(map(int, budgets.values())) <= deadline
+    assert int(budgets["build_ext"]) >= 40 and int(budgets["tests_gpu_other"]) >= 100  # measured: ~30 s, ~90 s
+    assert f"output: {out}/summary.md" in proc.stdout
     assert "tests 1, benchmarks 2" in proc.stdout and "MAX_JOBS=16" in proc.stdout
-    assert list(tmp_path.iterdir()) == [], "--plan must run nothing"
+    timeouts = [int(t) for t in re.search(r"per-test timeout (\d+)s / (\d+)s / (\d+)s", proc.stdout).groups()]
+    assert [t < int(budgets[n]) for t, n in zip(timeouts, ("tests_gpu_bf16", "tests_gpu_other",
+                                                             "tests_optim_cuda"))] == [True] * 3
+    route = re.search(r"^  pytest-xdist: (.*)$", proc.stdout, flags=re.M).group(1)
+    if _no_xdist_python():
+        for wheelhouse, words in ((_fake_wheelhouse(tmp_path / "wh"), "from "), (tmp_path / "none", "MISSING")):
+            plan = _run(["--plan"], out, GPU_CHECK_WHEELHOUSE=str(wheelhouse)).stdout
+            assert words in re.search(r"^  pytest-xdist: (.*)$", plan, flags=re.M).group(1), plan
+        assert "bash bench/gpu_wheelhouse.sh" in plan and "serially" in plan
+    else:
+        assert route.startswith("in ")
+    assert list(out.iterdir()) == [], "--plan must run nothing"
     text = SCRIPT.read_text()
     assert "bench_zero" not in text and "gloo" not in text, "no CPU / gloo benchmarks in the GPU check"
     assert re.search(r'PY="\$\{PYTHON:-python3\}"', text)
@@ -98,6 +134,44 @@ def test_a_killed_run_still_leaves_its_outputs(tmp_path):
     assert "logs/install.log" in _tar_names(out)
 
 
+@pytest.mark.skipif(not _no_xdist_python(), reason="the test python has xdist: nothing to install")
+def test_env_step_installs_missing_wheels_offline(tmp_path):
+    """The env step installs what python lacks from the wheelhouse (offline) and the test steps then see it: the
+    summary names the xdist that came from the wheelhouse and the workers the tests would use."""
+    out = tmp_path / "out"
+    proc = _run(["--only", "env"], out, GPU_CHECK_WHEELHOUSE=str(_fake_wheelhouse(tmp_path / "wh")),
+                GPU_CHECK_WORKERS="3")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = (out / "summary.md").read_text()
+    assert "tests: pytest-xdist, 3 workers (pytest-xdist 3.8.0-from-the-wheelhouse)" in summary, summary
+    with tarfile.open(out / "gpu_check.tar.gz") as tar:
+        log = tar.extractfile("logs/env.log").read().decode()
+    assert "installed offline into" in log and "pytest-xdist" in log and "execnet: MISSING" in log
+    bare = _run(["--only", "env"], tmp_path / "bare", GPU_CHECK_WHEELHOUSE=str(tmp_path / "nothing"))
+    assert "tests: SERIAL: no pytest-xdist" in (tmp_path / "bare" / "summary.md").read_text(), bare.stdout
+
+
+def test_wheelhouse_script_arguments(tmp_path):
+    assert subprocess.run(["bash", str(WHEELS), "--bogus"], capture_output=True).returncode == 2
+    proc = subprocess.run(["bash", str(WHEELS), "--status"], capture_output=True, text=True,
+                          env={**os.environ, "PYTHON": sys.executable, "GPU_CHECK_WHEELHOUSE": str(tmp_path)})
+    assert proc.returncode == 0 and "pytest-xdist==3.8.0" in proc.stdout and "ninja==" in proc.stdout
+
+
+def test_killed_test_step_still_counts_what_passed(tmp_path):
+    log = tmp_path / "t.log"
+    log.write_text("[gw3] [ 45%] PASSED tests/test_a.py::test_x[bf16-5]\n"
+                   "[gw1] [ 46%] FAILED tests/test_a.py::test_y[bf16]\n"
+                   "tests/test_b.py::test_z PASSED                    [ 50%]\n"
+                   "tests/test_b.py::test_w SKIPPED (no triton)       [ 51%]\n")
+    assert gpu_check_summary._pytest_line(log) == ("killed before the end; finished so far (pytest -v lines): "
+                                                   "2 passed, 1 failed, 1 skipped; failed: tests/test_a.py::test_y[bf16]")
+    log.write_text(log.read_text() + "FAILED tests/test_a.py::test_y[bf16] - AssertionError\n"
+                   "===== 1 failed, 2 passed, 1 skipped in 9.10s =====\n")
+    assert gpu_check_summary._pytest_line(log) == "1 failed, 2 passed, 1 skipped in 9.10s; failed: " \
+                                                  "tests/test_a.py::test_y[bf16]"
+
+
 def test_summary_renders_tests_and_figures(tmp_path):
     (tmp_path / "logs").mkdir()
     (tmp_path / "results").mkdir()
@@ -111,7 +185,9 @@ def test_summary_renders_tests_and_figures(tmp_path):
     gpu_check_summary.record_env(tmp_path, "deadline 460s")
     text = gpu_check_summary.render(tmp_path)
     assert "- tests_gpu_bf16: 41 passed, 3 skipped in 29.80s" in text
-    assert "123,456 tokens/s; loss 5.500 -> 3.100 over 3 steps" in text
+    assert "- train: demo GPT (0.48M params, bfloat16, Engine, ZeRO-2): 123,456 tokens/s; loss 5.500 -> 3.100 " \
+           "over 3 steps" in text
+    assert "- build: nvcc " in text and "ninja unknown (build_ext did not run)" in text
     assert "### optim_cuda" in text and "| a | 2 |" in text
     assert "Skipped at the deadline: bench_gemm." in text
     assert "- settings: deadline 460s" in text
