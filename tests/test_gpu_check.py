@@ -164,8 +164,9 @@ def test_killed_test_step_still_counts_what_passed(tmp_path):
                    "[gw1] [ 46%] FAILED tests/test_a.py::test_y[bf16]\n"
                    "tests/test_b.py::test_z PASSED                    [ 50%]\n"
                    "tests/test_b.py::test_w SKIPPED (no triton)       [ 51%]\n")
-    assert gpu_check_summary._pytest_line(log) == ("killed before the end; finished so far (pytest -v lines): "
-                                                   "2 passed, 1 failed, 1 skipped; failed: tests/test_a.py::test_y[bf16]")
+    assert gpu_check_summary._pytest_line(log) == (
+        "killed before the end; finished so far (pytest -v lines): 2 passed, 1 failed, 1 skipped; "
+        "failed: tests/test_a.py::test_y[bf16]")
     log.write_text(log.read_text() + "FAILED tests/test_a.py::test_y[bf16] - AssertionError\n"
                    "===== 1 failed, 2 passed, 1 skipped in 9.10s =====\n")
     assert gpu_check_summary._pytest_line(log) == "1 failed, 2 passed, 1 skipped in 9.10s; failed: " \
