@@ -73,6 +73,21 @@ def _pytest_line(log: Path) -> str | None:
     return line
 
 
+_FINDINGS = re.compile(r"(cuBLASLt's GELU epilogue is .*)$")
+
+
+def _findings(logs: Path) -> list[str]:
+    """Warnings the GPU tests raise to report what they measured (e.g. how far cuBLASLt's GELU epilogue is from
+    tanh-GELU), once each, from every test log."""
+    seen: list[str] = []
+    for log in sorted(logs.glob("tests*.log")) if logs.exists() else []:
+        for line in log.read_text(errors="replace").splitlines():
+            m = _FINDINGS.search(line)
+            if m and m.group(1) not in seen:
+                seen.append(m.group(1))
+    return seen[:5]
+
+
 def _train(results: Path) -> list[str]:
     out = []
     for path in sorted(results.glob("train*.json")) if results.exists() else []:
@@ -137,6 +152,7 @@ def render(work: Path) -> str:
     tests = [(n, line) for n, line in tests if line]
     if tests:
         out += ["", "## Tests", ""] + [f"- {n}: {line}" for n, line in tests]
+        out += [f"- finding: {w}" for w in _findings(work / "logs")]
     results = work / "results"
     figures = _train(results)
     tables = sorted(results.glob("*.md")) if results.exists() else []

@@ -178,7 +178,10 @@ def test_summary_renders_tests_and_figures(tmp_path):
     (tmp_path / "results").mkdir()
     (tmp_path / "steps.tsv").write_text("tests_gpu_bf16\tok\t31\t50\tpytest bf16\n"
                                         "train_bf16\tok\t20\t35\ttrain\nbench_gemm\tSKIPPED (deadline)\t\t70\tgemm\n")
-    (tmp_path / "logs" / "tests_gpu_bf16.log").write_text("....\n===== 41 passed, 3 skipped in 29.80s =====\n")
+    (tmp_path / "logs" / "tests_gpu_bf16.log").write_text(
+        "....\n  tests/test_ops_gemm_ext.py:250: UserWarning: linear_lt act=1: cuBLASLt's GELU epilogue is 0.000412 "
+        "off tanh-GELU (torch.float32 bound 4.1e-06): it evaluates tanh approximately\n"
+        "===== 41 passed, 3 skipped in 29.80s =====\n")
     (tmp_path / "results" / "train.json").write_text(json.dumps(
         {"losses": [5.5, 4.0, 3.1], "tokens_per_s": 123456.0, "n_params": 478720, "dtype": "bfloat16",
          "engine": "Engine", "zero_stage": 2, "mem_mb": [812.0], "mem_kind": "CUDA peak", "wall_s": 9.5}))
@@ -186,6 +189,7 @@ def test_summary_renders_tests_and_figures(tmp_path):
     gpu_check_summary.record_env(tmp_path, "deadline 460s")
     text = gpu_check_summary.render(tmp_path)
     assert "- tests_gpu_bf16: 41 passed, 3 skipped in 29.80s" in text
+    assert "- finding: cuBLASLt's GELU epilogue is 0.000412 off tanh-GELU (torch.float32 bound 4.1e-06)" in text
     assert "- train: demo GPT (0.48M params, bfloat16, Engine, ZeRO-2): 123,456 tokens/s; loss 5.500 -> 3.100 " \
            "over 3 steps" in text
     assert "- build: nvcc " in text and "ninja unknown (build_ext did not run)" in text
