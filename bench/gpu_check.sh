@@ -105,7 +105,7 @@ while [[ $# -gt 0 ]]; do
   case "$1" in
     --plan) print_plan; exit 0 ;;
     --only) ONLY=",${2:?--only needs a comma-separated list of steps},"; shift 2 ;;
-    -h|--help) sed -n '2,20p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    -h|--help) sed -n '2,27p' "${BASH_SOURCE[0]}"; exit 0 ;;
     *) echo "gpu_check.sh: unknown argument $1 (use --plan, --only STEPS)" >&2; exit 2 ;;
   esac
 done
@@ -179,12 +179,12 @@ run_step() {  # run_step INDEX CMD...: under min(budget, time left), output to l
 
 SITE="$WORK/site"
 SETTINGS="deadline ${DEADLINE}s, MAX_JOBS=$MAX_JOBS, autotune configs tests $TEST_CONFIGS / benches $BENCH_CONFIGS"
-run_step 0 bash -c '"$1" bench/gpu_check_summary.py env "$2" "$3" || exit; echo; echo "wheels (${4#"$6"/}):"
-  PYTHON="$1" GPU_CHECK_WHEELHOUSE="$4" bash bench/gpu_wheelhouse.sh --install "$5" || exit
+run_step 0 bash -c '"$1" bench/gpu_check_summary.py env "$2" "$3"; rc=$?; echo; echo "wheels (${4#"$6"/}):"
+  PYTHON="$1" GPU_CHECK_WHEELHOUSE="$4" bash bench/gpu_wheelhouse.sh --install "$5" || rc=1
   export PYTHONPATH="$5${PYTHONPATH:+:$PYTHONPATH}" PATH="$5/bin:$5/ninja/data/bin:$PATH"
   { echo "ninja $(ninja --version 2>/dev/null || echo "not found")"
     echo "pytest-xdist $("$1" -c "import xdist; print(xdist.__version__)" 2>/dev/null || echo "not found")"
-  } | tee "$2/tools.txt"' _ "$PY" "$WORK" "$SETTINGS" "$WHEELHOUSE" "$SITE" "$ROOT"
+  } | tee "$2/tools.txt"; exit $rc' _ "$PY" "$WORK" "$SETTINGS" "$WHEELHOUSE" "$SITE" "$ROOT"
 if [[ -d "$SITE" ]]; then  # what the env step installed from the wheelhouse
   export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" PATH="$SITE/bin:$SITE/ninja/data/bin:$PATH"
 fi
