@@ -1,4 +1,4 @@
-"""Benchmark: what the tensor-parallel agreement checks cost (issue #15 items 8-9).
+"""Benchmark: what the tensor-parallel agreement checks cost.
 
     torchrun --nproc_per_node 2 bench/bench_tp_checks.py            # CPU / gloo
     torchrun --nproc_per_node 2 bench/bench_tp_checks.py --tokens 4096 --d-model 512 --vocab 32001
@@ -7,8 +7,9 @@ Timed, side by side, max over ranks:
 * the input-shape check of a linear layer (``_agree.ShapeGuard.check``): a shape new to the layer (one all-gather of
   9 int64 per rank) vs a shape it already agreed on (a set lookup), and a ColumnParallelLinear forward with its
   guard vs with the guard stubbed out;
-* a VocabParallelEmbedding forward + backward, which carries the id-range flag and the ids-shape hash in its
-  reduction (every call), vs the same lookup with a plain all-reduce and no check (the layer before the checks).
+* a VocabParallelEmbedding forward + backward, which agrees on the id-range flag and the ids' shape in one
+  fixed-size exchange before its reduction (an all-gather of 10 int64 per rank, every call), vs the same lookup with
+  a plain all-reduce and no check (the layer before the checks).
 Results: bench/results/tp_checks.{md,json}.
 """
 from __future__ import annotations
@@ -78,7 +79,7 @@ def _measure(args: argparse.Namespace) -> list[dict]:
             (fn(ids) * grad).sum().backward()
         return run
 
-    t = compare_distributed({"checked (table in the reduction)": step(emb),
+    t = compare_distributed({"checked (fixed-size exchange first)": step(emb),
                              "unchecked (plain all-reduce)": step(lambda i: _unchecked_embedding(emb, i))},
                             group=g, repeats=args.repeats)
     base = t["unchecked (plain all-reduce)"].median_s
