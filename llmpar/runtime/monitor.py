@@ -98,10 +98,11 @@ def monitor_block(name: str, block: Any) -> WriterConfig | WandbConfig:
             project=_string("wandb.project", block.get("project", "deepspeed"), nonempty=True))
     else:
         check_keys(name, block, ["enabled", "output_path", "job_name"])
-        cfg = WriterConfig(enabled=as_bool(f"{name}.enabled", block.get("enabled", False)),
+        enabled = as_bool(f"{name}.enabled", block.get("enabled", False))  # a disabled block may leave names empty
+        cfg = WriterConfig(enabled=enabled,
                            output_path=_string(f"{name}.output_path", block.get("output_path", "")),
                            job_name=_string(f"{name}.job_name", block.get("job_name", "DeepSpeedJobName"),
-                                            nonempty=True))
+                                            nonempty=enabled))
     package = _PACKAGE.get(name)
     if cfg.enabled and package is not None and importlib.util.find_spec(package) is None:
         raise MissingPackage(f'"{name}.enabled"=true needs the {package!r} package, which is not installed: '
