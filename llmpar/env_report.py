@@ -1,7 +1,8 @@
 """``llmpar env``: what this machine offers llmpar. The first thing to run when something is off.
 
 Versions (Python, torch, CUDA, Triton, DeepSpeed...), devices, which op backends can run (CUDA extension built
-or JIT-buildable, Triton, torch), distributed backends, and the environment switches llmpar reads.
+or JIT-buildable, Triton, torch), distributed backends, where the launcher (torchrun, mpirun, srun) placed this
+process and from which variables, and the environment switches llmpar reads.
 """
 from __future__ import annotations
 
@@ -77,6 +78,20 @@ def _backends() -> dict[str, Any]:
         return {"error": f"{type(err).__name__}: {err}"}
 
 
+def _launch() -> dict[str, Any]:
+    """What ``init_distributed`` would read: rank, sizes, master and the launcher variables they came from."""
+    from llmpar.distributed.discovery import discover
+
+    try:
+        info = discover()
+    except ValueError as err:  # a bad launcher variable: show it, the rest of the report still matters
+        return {"error": str(err)}
+    return {"source": info.source, "rank": info.rank, "world_size": info.world_size, "local_rank": info.local_rank,
+            "local_world_size": info.local_world_size, "master_addr": info.master_addr,
+            "master_port": info.master_port, "master_from": info.master_from, "read": info.read,
+            "description": info.describe()}
+
+
 def collect() -> dict[str, Any]:
     """Everything the report shows, as plain data (what ``--json`` prints)."""
     import torch
@@ -93,6 +108,7 @@ def collect() -> dict[str, Any]:
         "devices": _devices(),
         "op_backends": _backends(),
         "distributed": _distributed(),
+        "launch": _launch(),
         "env": {k: os.environ[k] for k in ENV_SWITCHES if k in os.environ},
     }
 
@@ -140,6 +156,8 @@ def format_report(data: dict[str, Any]) -> str:
         for name in ("gloo", "nccl", "mpi", "ucc"):
             extra = f" ({d['nccl_version']})" if name == "nccl" and "nccl_version" in d else ""
             row(f"distributed {name}", _yes(d[name]) + extra)
+    launch = data["launch"]
+    row("launcher", f"error: {launch['error']}" if "error" in launch else launch["description"])
     if data["env"]:
         lines.append("-" * 60)
         for k, v in data["env"].items():

@@ -1,7 +1,10 @@
-"""Joining the job: read torchrun's environment, pick the backend, optionally build the mesh.
+"""Joining the job: read the launcher's environment, pick the backend, optionally build the mesh.
 
 ``init_distributed()`` works in three situations:
-  * under ``torchrun`` (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT set): joins the job;
+  * started by ``torchrun``, ``mpirun`` (OpenMPI, MPICH, Intel MPI) or Slurm's ``srun``: joins the job. The launcher's
+    variables are read by :func:`llmpar.distributed.discovery.discover` (precedence, master address and port rules
+    there) and written back as torchrun's RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+    before the process group is created, so everything downstream reads one set of variables;
   * a plain ``python script.py`` (no such variables): a world of size 1 on an in-memory store, no port needed;
   * torch.distributed already initialized by the caller: adopts that group and builds nothing new but the mesh.
 The backend is NCCL when CUDA is available and gloo otherwise, unless ``backend=`` says otherwise.
@@ -20,6 +23,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from llmpar.distributed.dims import ParallelDims
+from llmpar.distributed.discovery import discover, export
 
 logger = logging.getLogger("llmpar")
 
@@ -42,16 +46,6 @@ class DistEnv:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
 
 
 def _pick_backend(backend: str | None) -> str:
@@ -94,6 +88,8 @@ def init_distributed(
     dp: int | None = None,
     timeout_s: float | None = None,
     device_type: str | None = None,
+    master_addr: str | None = None,
+    master_port: int | None = None,
 ) -> DistEnv:
     """Initialise torch.distributed from the environment and return a :class:`DistEnv`.
 
@@ -104,16 +100,18 @@ def init_distributed(
     :data:`DEFAULT_TIMEOUT_S` = 10 minutes, not torch's 30): a rank that died, stopped or runs another collective
     then fails the others with a :class:`~llmpar.distributed.errors.CollectiveError` naming the operation. Used when
     this call creates the default group (an existing group keeps its own).
+
+    ``master_addr`` / ``master_port``: rank 0's host and port for the rendezvous, over ``MASTER_ADDR`` /
+    ``MASTER_PORT`` and over what Slurm's variables give; needed under ``mpirun`` outside Slurm (MPI does not name
+    rank 0's host). A launcher's values that are not integers or not consistent raise a ValueError naming the
+    variable, on every rank, before any rendezvous.
     """
     if dims is not None and any(v is not None for v in (tp, pp, dp)):
         raise ValueError("pass either dims= or tp=/pp=/dp=, not both")
     timeout_s = collective_timeout(timeout_s)
-    rank = _env_int("RANK", 0)
-    world_size = _env_int("WORLD_SIZE", 1)
-    local_rank = _env_int("LOCAL_RANK", rank)
-    local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
-    if not 0 <= rank < world_size:
-        raise ValueError(f"RANK={rank} is outside [0, WORLD_SIZE={world_size})")
+    launch = discover(master_addr=master_addr, master_port=master_port)
+    rank, world_size = launch.rank, launch.world_size
+    local_rank, local_world_size = launch.local_rank, launch.local_world_size
 
     if dist.is_initialized():
         rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -125,15 +123,19 @@ def init_distributed(
         timeout = datetime.timedelta(seconds=timeout_s)
         if "nccl" in chosen:
             torch.cuda.set_device(local_rank % torch.cuda.device_count())
-        if world_size == 1 and "MASTER_ADDR" not in os.environ:
+        if world_size == 1 and "MASTER_ADDR" not in os.environ and master_addr is None:
             dist.init_process_group(chosen, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         else:
-            for var in ("MASTER_ADDR", "MASTER_PORT"):
-                if var not in os.environ:
-                    raise RuntimeError(
-                        f"WORLD_SIZE={world_size} but {var} is not set: launch with torchrun "
-                        f"(torchrun --nproc_per_node {world_size} ...)"
-                    )
+            if launch.master_addr is None or launch.master_port is None:
+                missing = "MASTER_ADDR" if launch.master_addr is None else "MASTER_PORT"
+                hint = (f"launch with torchrun (torchrun --nproc_per_node {world_size} ...)" if launch.source
+                        in ("torchrun", "none") else launch.master_from)
+                raise RuntimeError(f"WORLD_SIZE={world_size} (from {launch.source}) but {missing} is not set: {hint}")
+            if launch.source != "torchrun" or master_addr is not None or master_port is not None:
+                export(launch)  # torch's env:// rendezvous and LOCAL_WORLD_SIZE users read these
+            if launch.warning:
+                logger.warning("llmpar: %s", launch.warning)
+            logger.info("llmpar: %s", launch.describe())
             dist.init_process_group(chosen, rank=rank, world_size=world_size, timeout=timeout)
         atexit.register(_leave_at_exit)  # the group llmpar made is torn down by llmpar (see _leave_at_exit)
         logger.debug("joined process group: rank %d of %d, backend %s", rank, world_size, chosen)
