@@ -10,6 +10,7 @@ Four ranks play two nodes of two (``ranks_per_node=2``).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -303,12 +304,26 @@ def test_compressed_runs_train_close_to_plain(dtype, gas, stage, offload):
             torch.testing.assert_close(torch.tensor(offloaded), torch.tensor(comp), rtol=1e-5, atol=0)
 
 
+
+@contextlib.contextmanager
+def _two_nodes_of_two():
+    """torchrun's variables for a 4-rank job as two nodes of two (LOCAL_RANK = rank % 2), restored after."""
+    keys = ("LOCAL_WORLD_SIZE", "LOCAL_RANK")
+    old = {k: os.environ.get(k) for k in keys}
+    os.environ.update(LOCAL_WORLD_SIZE="2", LOCAL_RANK=str(dist.get_rank() % 2))
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
 def engine_body(tmp):
     """A DeepSpeed config with ZeRO++'s keys, through llmpar.initialize; LOCAL_WORLD_SIZE says two nodes of two.
     Checkpoint at step 3, resume in a new engine: steps 4-6 equal the uninterrupted run."""
-    old = os.environ.get("LOCAL_WORLD_SIZE")
-    os.environ["LOCAL_WORLD_SIZE"] = "2"
-    try:
+    with _two_nodes_of_two():
         cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
                "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
                "zero_optimization": {"stage": 3, "zero_quantized_weights": True, "zero_hpz_partition_size": 2,
@@ -337,11 +352,6 @@ def engine_body(tmp):
         whole = run((0, 6), save=True)
         resumed = run((3, 6), load=True)
         assert resumed == whole[3:], (resumed, whole[3:])
-    finally:
-        if old is None:
-            os.environ.pop("LOCAL_WORLD_SIZE", None)
-        else:
-            os.environ["LOCAL_WORLD_SIZE"] = old
 
 
 def ef_load_body(tmp):
@@ -410,9 +420,7 @@ def tp_body(stage, zero):
     on each): the compressed reductions run over the dp groups only."""
     from zero_helpers import GPT_CFG, engine_loop
 
-    old = os.environ.get("LOCAL_WORLD_SIZE")
-    os.environ["LOCAL_WORLD_SIZE"] = "2"
-    try:
+    with _two_nodes_of_two():
         env = llmpar.init_distributed(tp=2)
         out = []
         for z in ({}, zero):
@@ -428,11 +436,6 @@ def tp_body(stage, zero):
                 assert (split.nodes, split.per_node) == (2, 1), split  # one dp rank per node
             out.append(engine_loop(engine, model, 5, 2, env.mesh["dp"]))
         return out
-    finally:
-        if old is None:
-            os.environ.pop("LOCAL_WORLD_SIZE", None)
-        else:
-            os.environ["LOCAL_WORLD_SIZE"] = old
 
 
 @pytest.mark.parametrize("stage, zero", [
