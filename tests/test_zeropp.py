@@ -10,8 +10,8 @@ Four ranks play two nodes of two (``ranks_per_node=2``).
 """
 from __future__ import annotations
 
-import contextlib
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -305,20 +305,10 @@ def test_compressed_runs_train_close_to_plain(dtype, gas, stage, offload):
 
 
 
-@contextlib.contextmanager
 def _two_nodes_of_two():
     """torchrun's variables for a 4-rank job as two nodes of two (LOCAL_RANK = rank % 2), restored after."""
-    keys = ("LOCAL_WORLD_SIZE", "LOCAL_RANK")
-    old = {k: os.environ.get(k) for k in keys}
-    os.environ.update(LOCAL_WORLD_SIZE="2", LOCAL_RANK=str(dist.get_rank() % 2))
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    return mock.patch.dict(os.environ, LOCAL_WORLD_SIZE="2", LOCAL_RANK=str(dist.get_rank() % 2))
+
 
 def engine_body(tmp):
     """A DeepSpeed config with ZeRO++'s keys, through llmpar.initialize; LOCAL_WORLD_SIZE says two nodes of two.
