@@ -1,0 +1,197 @@
+"""Attention on blocks of keys, returning the per-row log-sum-exp, so partial results over key blocks merge exactly.
+
+Shapes (SDPA's layout): q: [B, Hq, Sq, D], k / v: [B, Hkv, Sk, D] with Hq % Hkv == 0 (grouped-query attention: query
+head h reads key/value head h // (Hq / Hkv)). Masking is by global token index, not by the block's own index, so a
+block of a sharded sequence (a ring step, a zigzag chunk) masks as the whole sequence would:
+
+    visible[b, i, j] = (not causal or k_pos[j] <= q_pos[i]) and (k_valid is None or k_valid[b, j])
+    s = scale * q @ k^T  (masked to -inf where not visible),   lse = logsumexp_j s,   out = softmax_j(s) @ v
+
+q_pos: [Sq], k_pos: [Sk] integer global indices (default arange). k_valid: [B, Sk] bool (False = padding key).
+A row with no visible key has out = 0 and lse = -inf (never NaN). lse is float32 (float64 for float64 inputs).
+
+Merging two partial results (o1, lse1), (o2, lse2) over disjoint key sets: lse = logaddexp(lse1, lse2),
+o = exp(lse1 - lse) o1 + exp(lse2 - lse) o2 (:func:`merge_partials`).
+
+Backward on a key block given the *final* out and lse (of all key blocks): with p = exp(s - lse) (0 where masked) and
+delta = rowsum(dout * out): dv = p^T dout, ds = p (dout v^T - delta), dq = scale ds k, dk = scale ds^T q; for GQA, dk
+and dv sum over the query heads of a group. Summing dq over key blocks and taking each block's dk / dv gives the
+full-sequence gradients (the ring's backward).
+
+Backends: Triton (``llmpar.kernels.attention``) on CUDA tensors when available, else torch (this file: fp32 math,
+queries processed in chunks of ``Q_CHUNK`` rows so the score matrix held at once is [B, Hq, Q_CHUNK, Sk]).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+Q_CHUNK = 1024
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos, k_pos, k_valid) -> tuple[int, int]:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be [batch, heads, seq, head_dim], got shape {tuple(t.shape)}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} has dtype {t.dtype}; attention takes floating-point tensors")
+    B, Hq, Sq, D = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[0] != B or k.shape[3] != D:
+        raise ValueError(f"k/v shape {tuple(k.shape)} does not match q {tuple(q.shape)} in batch or head_dim")
+    Hkv = k.shape[1]
+    if Hkv == 0 or Hq % Hkv:
+        raise ValueError(f"query heads {Hq} must be a multiple of key/value heads {Hkv}")
+    if q_pos is not None and (q_pos.dim() != 1 or q_pos.numel() != Sq):
+        raise ValueError(f"q_pos must be 1-D of length Sq={Sq}, got shape {tuple(q_pos.shape)}")
+    if k_pos is not None and (k_pos.dim() != 1 or k_pos.numel() != k.shape[2]):
+        raise ValueError(f"k_pos must be 1-D of length Sk={k.shape[2]}, got shape {tuple(k_pos.shape)}")
+    if k_valid is not None and (k_valid.dtype != torch.bool or tuple(k_valid.shape) != (B, k.shape[2])):
+        raise ValueError(f"k_valid must be a bool tensor of shape {(B, k.shape[2])}, got "
+                         f"{k_valid.dtype} {tuple(k_valid.shape)}")
+    return Hq // Hkv, D
+
+
+def _acc_dtype(q: torch.Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _visible(q_pos, k_pos, k_valid, causal: bool, rows: slice, Sq: int, Sk: int, device) -> torch.Tensor | None:
+    """[B or 1, 1, rows, Sk] bool, or None when everything is visible."""
+    mask = None
+    if causal:
+        qp = (q_pos if q_pos is not None else torch.arange(Sq, device=device))[rows]
+        kp = k_pos if k_pos is not None else torch.arange(Sk, device=device)
+        mask = (kp[None, :] <= qp[:, None])[None, None]
+    if k_valid is not None:
+        kv = k_valid[:, None, None, :]
+        mask = kv if mask is None else mask & kv
+    return mask
+
+
+def _torch_fwd(q, k, v, scale, causal, q_pos, k_pos, k_valid):
+    B, Hq, Sq, D = q.shape
+    g, acc = Hq // k.shape[1], _acc_dtype(q)
+    kk = k.to(acc).repeat_interleave(g, dim=1)
+    vv = v.to(acc).repeat_interleave(g, dim=1)
+    out = torch.empty(B, Hq, Sq, D, dtype=acc, device=q.device)
+    lse = torch.empty(B, Hq, Sq, dtype=acc, device=q.device)
+    for r0 in range(0, Sq, Q_CHUNK):
+        rows = slice(r0, min(Sq, r0 + Q_CHUNK))
+        s = (q[:, :, rows].to(acc) @ kk.transpose(-1, -2)) * scale
+        mask = _visible(q_pos, k_pos, k_valid, causal, rows, Sq, k.shape[2], q.device)
+        if mask is not None:
+            s = s.masked_fill(~mask, -math.inf)
+        m = torch.logsumexp(s, dim=-1)
+        p = torch.exp(s - m.masked_fill(torch.isinf(m), 0.0)[..., None])  # empty rows: exp(-inf) = 0, no NaN
+        out[:, :, rows] = p @ vv
+        lse[:, :, rows] = m
+    return out.to(q.dtype), lse
+
+
+def _torch_bwd(q, k, v, out, lse, dout, scale, causal, q_pos, k_pos, k_valid):
+    B, Hq, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    g, acc = Hq // Hkv, _acc_dtype(q)
+    kk = k.to(acc).repeat_interleave(g, dim=1)
+    vv = v.to(acc).repeat_interleave(g, dim=1)
+    dq = torch.empty(B, Hq, Sq, D, dtype=acc, device=q.device)
+    dk = torch.zeros(B, Hq, Sk, D, dtype=acc, device=q.device)
+    dv = torch.zeros(B, Hq, Sk, D, dtype=acc, device=q.device)
+    delta = (dout.to(acc) * out.to(acc)).sum(-1)  # [B, Hq, Sq]
+    for r0 in range(0, Sq, Q_CHUNK):
+        rows = slice(r0, min(Sq, r0 + Q_CHUNK))
+        qr, dor = q[:, :, rows].to(acc), dout[:, :, rows].to(acc)
+        s = (qr @ kk.transpose(-1, -2)) * scale
+        mask = _visible(q_pos, k_pos, k_valid, causal, rows, Sq, Sk, q.device)
+        lr = lse[:, :, rows].to(acc)
+        p = torch.exp(s - lr.masked_fill(torch.isinf(lr), 0.0)[..., None])
+        p = p.masked_fill(torch.isinf(lr)[..., None], 0.0)
+        if mask is not None:
+            p = p.masked_fill(~mask, 0.0)
+        dv += p.transpose(-1, -2) @ dor
+        ds = p * (dor @ vv.transpose(-1, -2) - delta[:, :, rows, None])
+        dq[:, :, rows] = (ds @ kk) * scale
+        dk += (ds.transpose(-1, -2) @ qr) * scale
+    dk = dk.view(B, Hkv, g, Sk, D).sum(2)
+    dv = dv.view(B, Hkv, g, Sk, D).sum(2)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _use_triton(q: torch.Tensor) -> bool:
+    if q.device.type != "cuda" or q.dtype == torch.float64:
+        return False
+    try:
+        from llmpar.kernels import attention as kernel  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
+                  causal: bool = True, q_pos: torch.Tensor | None = None, k_pos: torch.Tensor | None = None,
+                  k_valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out [B, Hq, Sq, D] in q's dtype, lse [B, Hq, Sq] float32/float64)`` of q over this key block."""
+    _, D = _check(q, k, v, q_pos, k_pos, k_valid)
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    if _use_triton(q):
+        from llmpar.kernels import attention as kernel
+        return kernel.attention_fwd(q, k, v, scale=scale, causal=causal, q_pos=q_pos, k_pos=k_pos, k_valid=k_valid)
+    return _torch_fwd(q, k, v, scale, causal, q_pos, k_pos, k_valid)
+
+
+def attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                  dout: torch.Tensor, *, scale: float | None = None, causal: bool = True,
+                  q_pos: torch.Tensor | None = None, k_pos: torch.Tensor | None = None,
+                  k_valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` of this key block given the final ``out`` / ``lse`` over all key blocks (see module doc)."""
+    _, D = _check(q, k, v, q_pos, k_pos, k_valid)
+    if out.shape != q.shape or dout.shape != q.shape or lse.shape != q.shape[:3]:
+        raise ValueError(f"out/dout must have q's shape {tuple(q.shape)} and lse {tuple(q.shape[:3])}, got "
+                         f"{tuple(out.shape)}, {tuple(dout.shape)}, {tuple(lse.shape)}")
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    if _use_triton(q):
+        from llmpar.kernels import attention as kernel
+        return kernel.attention_bwd(q, k, v, out, lse, dout, scale=scale, causal=causal, q_pos=q_pos, k_pos=k_pos,
+                                    k_valid=k_valid)
+    return _torch_bwd(q, k, v, out, lse, dout, scale, causal, q_pos, k_pos, k_valid)
+
+
+def merge_partials(out1: torch.Tensor, lse1: torch.Tensor, out2: torch.Tensor,
+                   lse2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine attention over two disjoint key sets: ``lse = logaddexp(lse1, lse2)``, outputs weighted by
+    ``exp(lse_i - lse)`` (rows empty in both stay 0 / -inf). Returns (out in out1's dtype, lse)."""
+    lse = torch.logaddexp(lse1, lse2)
+    safe = lse.masked_fill(torch.isinf(lse), 0.0)
+    w1 = torch.exp(lse1 - safe)[..., None]
+    w2 = torch.exp(lse2 - safe)[..., None]
+    acc = lse.dtype
+    return (w1 * out1.to(acc) + w2 * out2.to(acc)).to(out1.dtype), lse
+
+
+class _FlashAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, scale, causal, q_pos, k_pos, k_valid):
+        out, lse = attention_fwd(q, k, v, scale=scale, causal=causal, q_pos=q_pos, k_pos=k_pos, k_valid=k_valid)
+        ctx.save_for_backward(q, k, v, out, lse, q_pos, k_pos, k_valid)
+        ctx.scale, ctx.causal = scale, causal
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, q_pos, k_pos, k_valid = ctx.saved_tensors
+        dq, dk, dv = attention_bwd(q, k, v, out, lse, dout.contiguous(), scale=ctx.scale, causal=ctx.causal,
+                                   q_pos=q_pos, k_pos=k_pos, k_valid=k_valid)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
+                    causal: bool = True, q_pos: torch.Tensor | None = None, k_pos: torch.Tensor | None = None,
+                    k_valid: torch.Tensor | None = None, return_lse: bool = False):
+    """Differentiable attention (out, and lse when ``return_lse``; lse carries no gradient)."""
+    out, lse = _FlashAttention.apply(q, k, v, scale, causal, q_pos, k_pos, k_valid)
+    return (out, lse) if return_lse else out
