@@ -37,14 +37,17 @@ def test_degree_types_are_checked():
 
 def test_dp_is_inferred_and_coordinates_match_axis_ranks():
     d = ParallelDims(tp=2, pp=3, world_size=12)
-    assert (d.pp, d.dp, d.tp) == (3, 2, 2) and d.shape == (3, 2, 2)
-    grid = torch.arange(12).view(3, 2, 2)  # the [pp, dp, tp] layout in row-major order
-    for rank in range(12):
+    assert (d.pp, d.dp, d.cp, d.tp) == (3, 2, 1, 2) and d.shape == (3, 2, 1, 2)
+    d = ParallelDims(tp=2, pp=3, cp=2, world_size=24)
+    assert d.shape == (3, 2, 2, 2)
+    grid = torch.arange(24).view(3, 2, 2, 2)  # the [pp, dp, cp, tp] layout in row-major order
+    for rank in range(24):
         c = d.coordinates(rank)
-        assert grid[c["pp"], c["dp"], c["tp"]] == rank
-        assert d.axis_ranks("tp", rank) == grid[c["pp"], c["dp"], :].tolist()
-        assert d.axis_ranks("dp", rank) == grid[c["pp"], :, c["tp"]].tolist()
-        assert d.axis_ranks("pp", rank) == grid[:, c["dp"], c["tp"]].tolist()
+        assert grid[c["pp"], c["dp"], c["cp"], c["tp"]] == rank
+        assert d.axis_ranks("tp", rank) == grid[c["pp"], c["dp"], c["cp"], :].tolist()
+        assert d.axis_ranks("cp", rank) == grid[c["pp"], c["dp"], :, c["tp"]].tolist()
+        assert d.axis_ranks("dp", rank) == grid[c["pp"], :, c["cp"], c["tp"]].tolist()
+        assert d.axis_ranks("pp", rank) == grid[:, c["dp"], c["cp"], c["tp"]].tolist()
 
 
 def test_init_distributed_single_process_without_torchrun(monkeypatch):
@@ -58,7 +61,7 @@ def test_init_distributed_single_process_without_torchrun(monkeypatch):
         "import llmpar, torch\n"
         "env = llmpar.init_distributed(tp=1)\n"
         "assert (env.rank, env.world_size, env.backend, env.device.type) == (0, 1, 'gloo', 'cpu'), env\n"
-        "assert env.mesh.mesh_dim_names == ('pp', 'dp', 'tp') and env.mesh.shape == (1, 1, 1)\n"
+        "assert env.mesh.mesh_dim_names == ('pp', 'dp', 'cp', 'tp') and env.mesh.shape == (1, 1, 1, 1)\n"
         "t = torch.ones(3); llmpar.distributed.all_reduce(t, env.mesh['dp']); assert t.tolist() == [1.0] * 3\n"
         "print('OK', flush=True)\n"
         # leave without the interpreter's teardown: torch 2.13's gloo can rarely abort there ("terminate called

@@ -1,18 +1,23 @@
 """Parallel degrees and the named device mesh they build.
 
-``ParallelDims(tp=2, pp=2, dp=-1)`` is validated against the world size (``dp=-1`` takes what is left) and
-builds a ``torch.distributed.device_mesh.DeviceMesh`` of shape ``[pp, dp, tp]`` with the axis names
-``("pp", "dp", "tp")``: tp is innermost, so tensor-parallel peers are neighbouring ranks (same node on GPUs),
-dp next, pp outermost. Axes of size 1 are kept, so code can always ask for ``mesh["tp"]``.
+``ParallelDims(tp=2, pp=2, cp=1, dp=-1)`` is validated against the world size (``dp=-1`` takes what is left) and
+builds a ``torch.distributed.device_mesh.DeviceMesh`` of shape ``[pp, dp, cp, tp]`` with the axis names
+``("pp", "dp", "cp", "tp")``: tp is innermost, so tensor-parallel peers are neighbouring ranks (same node on GPUs),
+cp (context parallelism: the ranks that split one sequence) next, then dp, pp outermost. Axes of size 1 are kept, so
+code can always ask for ``mesh["tp"]`` or ``mesh["cp"]``.
+
+Groups the mesh has no axis for (ZeRO's dp x cp group, the Ulysses and ring parts of a hybrid cp axis) are built by
+:meth:`ParallelDims.new_group`, which partitions the ranks by a key (a collective: every rank calls it alike).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable, Hashable
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-MESH_AXES: tuple[str, ...] = ("pp", "dp", "tp")
+MESH_AXES: tuple[str, ...] = ("pp", "dp", "cp", "tp")
 
 
 def _check_degree(name: str, value: object, *, allow_infer: bool = False) -> None:
@@ -27,19 +32,21 @@ def _check_degree(name: str, value: object, *, allow_infer: bool = False) -> Non
 
 @dataclass(kw_only=True)
 class ParallelDims:
-    """Degrees of tensor (``tp``), pipeline (``pp``) and data (``dp``) parallelism.
+    """Degrees of tensor (``tp``), pipeline (``pp``), context (``cp``) and data (``dp``) parallelism.
 
-    ``tp * pp * dp == world_size`` must hold; ``dp=-1`` infers ``dp = world_size // (tp * pp)``.
+    ``tp * pp * cp * dp == world_size`` must hold; ``dp=-1`` infers ``dp = world_size // (tp * pp * cp)``.
     """
 
     tp: int = 1
     pp: int = 1
     dp: int = -1
+    cp: int = 1
     world_size: int = field(default=-1)
 
     def __post_init__(self) -> None:
         _check_degree("tp", self.tp)
         _check_degree("pp", self.pp)
+        _check_degree("cp", self.cp)
         _check_degree("dp", self.dp, allow_infer=True)
         if self.world_size == -1:
             if not dist.is_available() or not dist.is_initialized():
@@ -48,28 +55,30 @@ class ParallelDims:
                         "world_size is not given and torch.distributed is not initialized: pass world_size= "
                         "or call llmpar.init_distributed() first"
                     )
-                self.world_size = self.tp * self.pp * self.dp
+                self.world_size = self.tp * self.pp * self.cp * self.dp
             else:
                 self.world_size = dist.get_world_size()
         _check_degree("world_size", self.world_size)
-        model_parallel = self.tp * self.pp
+        model_parallel = self.tp * self.pp * self.cp
         if self.dp == -1:
             if self.world_size % model_parallel:
+                what = "tp*pp" if self.cp == 1 else "tp*pp*cp"
+                given = f"{self.tp}*{self.pp}" + ("" if self.cp == 1 else f"*{self.cp}")
                 raise ValueError(
-                    f"world size {self.world_size} is not divisible by tp*pp = {self.tp}*{self.pp} = {model_parallel}; "
-                    f"choose tp and pp whose product divides {self.world_size}"
+                    f"world size {self.world_size} is not divisible by {what} = {given} = {model_parallel}; "
+                    f"choose degrees whose product divides {self.world_size}"
                 )
             self.dp = self.world_size // model_parallel
-        if self.tp * self.pp * self.dp != self.world_size:
+        if model_parallel * self.dp != self.world_size:
             raise ValueError(
-                f"tp*pp*dp = {self.tp}*{self.pp}*{self.dp} = {self.tp * self.pp * self.dp} does not equal the "
-                f"world size {self.world_size}; set dp=-1 to infer it"
+                f"tp*pp*cp*dp = {self.tp}*{self.pp}*{self.cp}*{self.dp} = {model_parallel * self.dp} does not equal "
+                f"the world size {self.world_size}; set dp=-1 to infer it"
             )
 
     @property
-    def shape(self) -> tuple[int, int, int]:
-        """Mesh shape in ``MESH_AXES`` order: ``(pp, dp, tp)``."""
-        return (self.pp, self.dp, self.tp)
+    def shape(self) -> tuple[int, int, int, int]:
+        """Mesh shape in ``MESH_AXES`` order: ``(pp, dp, cp, tp)``."""
+        return (self.pp, self.dp, self.cp, self.tp)
 
     def degree(self, axis: str) -> int:
         if axis not in MESH_AXES:
@@ -80,20 +89,42 @@ class ParallelDims:
         """Position of global ``rank`` on each axis (tp fastest), without needing a mesh."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside [0, {self.world_size})")
-        tp_idx = rank % self.tp
-        dp_idx = (rank // self.tp) % self.dp
-        pp_idx = rank // (self.tp * self.dp)
-        return {"pp": pp_idx, "dp": dp_idx, "tp": tp_idx}
+        strides = self._strides()
+        return {axis: (rank // strides[axis]) % self.degree(axis) for axis in MESH_AXES}
+
+    def _strides(self) -> dict[str, int]:
+        return {"tp": 1, "cp": self.tp, "dp": self.tp * self.cp, "pp": self.tp * self.cp * self.dp}
 
     def axis_ranks(self, axis: str, rank: int) -> list[int]:
         """Global ranks that share ``axis``'s group with ``rank`` (ordered by their index on the axis)."""
         c = self.coordinates(rank)
-        strides = {"tp": 1, "dp": self.tp, "pp": self.tp * self.dp}
-        base = rank - c[axis] * strides[axis]
-        return [base + i * strides[axis] for i in range(self.degree(axis))]
+        stride = self._strides()[axis]
+        base = rank - c[axis] * stride
+        return [base + i * stride for i in range(self.degree(axis))]
+
+    def new_group(self, key: Callable[[int], Hashable]) -> dist.ProcessGroup:
+        """This rank's group of the partition of all ranks by ``key(rank)`` (ranks with equal keys share a group,
+        ordered by global rank), e.g. ``key=lambda r: (c := dims.coordinates(r))["pp"], c["tp"]`` for the dp x cp
+        group ZeRO reduces over. A collective: every rank must call it with the same ``key``; each group of the
+        partition is created once, in a fixed order."""
+        if not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialized: call llmpar.init_distributed() first")
+        if dist.get_world_size() != self.world_size:
+            raise ValueError(f"ParallelDims was built for world size {self.world_size} but the process group has "
+                             f"{dist.get_world_size()} ranks")
+        parts: dict[Hashable, list[int]] = {}
+        for r in range(self.world_size):
+            parts.setdefault(key(r), []).append(r)
+        me, mine = dist.get_rank(), None
+        for ranks in sorted(parts.values()):
+            group = dist.new_group(ranks)
+            if me in ranks:
+                mine = group
+        assert mine is not None
+        return mine
 
     def build_mesh(self, device_type: str | None = None) -> DeviceMesh:
-        """Build the ``[pp, dp, tp]`` DeviceMesh over the default process group (a collective call).
+        """Build the ``[pp, dp, cp, tp]`` DeviceMesh over the default process group (a collective call).
 
         ``device_type`` defaults to ``"cuda"`` when the default backend is NCCL, else ``"cpu"``.
         """

@@ -86,6 +86,7 @@ def init_distributed(
     tp: int | None = None,
     pp: int | None = None,
     dp: int | None = None,
+    cp: int | None = None,
     timeout_s: float | None = None,
     device_type: str | None = None,
     master_addr: str | None = None,
@@ -93,7 +94,7 @@ def init_distributed(
 ) -> DistEnv:
     """Initialise torch.distributed from the environment and return a :class:`DistEnv`.
 
-    Give either ``dims`` or any of ``tp``/``pp``/``dp`` to also build the ``[pp, dp, tp]`` DeviceMesh
+    Give either ``dims`` or any of ``tp``/``pp``/``cp``/``dp`` to also build the ``[pp, dp, cp, tp]`` DeviceMesh
     (a collective call: every rank must pass the same degrees).
 
     ``timeout_s``: how long a collective waits for its peers before it fails (default ``LLMPAR_TIMEOUT_S`` or
@@ -106,8 +107,8 @@ def init_distributed(
     rank 0's host). A launcher's values that are not integers or not consistent raise a ValueError naming the
     variable, on every rank, before any rendezvous.
     """
-    if dims is not None and any(v is not None for v in (tp, pp, dp)):
-        raise ValueError("pass either dims= or tp=/pp=/dp=, not both")
+    if dims is not None and any(v is not None for v in (tp, pp, dp, cp)):
+        raise ValueError("pass either dims= or tp=/pp=/cp=/dp=, not both")
     timeout_s = collective_timeout(timeout_s)
     launch = discover(master_addr=master_addr, master_port=master_port)
     rank, world_size = launch.rank, launch.world_size
@@ -144,8 +145,8 @@ def init_distributed(
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         device = torch.device("cpu")
-    if dims is None and any(v is not None for v in (tp, pp, dp)):
-        dims = ParallelDims(tp=tp or 1, pp=pp or 1, dp=-1 if dp is None else dp, world_size=world_size)
+    if dims is None and any(v is not None for v in (tp, pp, dp, cp)):
+        dims = ParallelDims(tp=tp or 1, pp=pp or 1, cp=cp or 1, dp=-1 if dp is None else dp, world_size=world_size)
     mesh = None
     if dims is not None:
         if dims.world_size != world_size:

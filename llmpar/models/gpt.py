@@ -96,7 +96,9 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cp_batch: tuple | None = None) -> torch.Tensor:
+        """``cp_batch``: ``(cp, shard, k_valid)`` when x holds this rank's tokens of a sequence split by context
+        parallelism (``GPT.forward`` passes it): attention over the whole sequence through ``cp.attention``."""
         B, T, _ = x.shape
         qkv = self.qkv(x)
         width = qkv.shape[-1]
@@ -104,7 +106,12 @@ class CausalSelfAttention(nn.Module):
             raise ValueError(f"qkv output width {width} is not a multiple of 3 * head_dim = {3 * self.head_dim}")
         local_heads = width // (3 * self.head_dim)
         q, k, v = qkv.view(B, T, local_heads, 3, self.head_dim).permute(3, 0, 2, 1, 4).unbind(0)
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        if cp_batch is not None:
+            cp, shard, k_valid = cp_batch
+            y = cp.attention(q, k, v, shard=shard, k_valid=k_valid, causal=True)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
+                                               is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(B, T, local_heads * self.head_dim))
 
 
@@ -132,8 +139,8 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.ln1(x)))
+    def forward(self, x: torch.Tensor, cp_batch: tuple | None = None) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.ln1(x), cp_batch) if cp_batch is not None else self.attn(self.ln1(x)))
         return x + self.drop(self.mlp(self.ln2(x)))
 
 
@@ -141,9 +148,9 @@ IGNORE_INDEX = -100  # F.cross_entropy's default: targets holding it are left ou
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor, *, vocab_size: int | None = None,
-            group: Any = None) -> torch.Tensor:
+            group: Any = None, reduction: str = "mean") -> torch.Tensor:
     """Mean next-token cross-entropy. logits: [B, T, V], targets: [B, T] (int64) -> scalar (fp32 or wider); targets
-    equal to ``IGNORE_INDEX`` (-100) are left out.
+    equal to ``IGNORE_INDEX`` (-100) are left out. ``reduction="sum"``: their sum instead (context parallelism).
 
     A target outside ``[0, V)`` (other than -100) raises a :class:`TokenIdError` (a ValueError and an IndexError)
     naming it and ``V`` on CPU; on an accelerator ``F.cross_entropy``'s device-side assert fires. ``vocab_size``: the
@@ -166,7 +173,9 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor, *, vocab_size: int | No
     flat = logits.reshape(-1, V)
     if flat.dtype in (torch.float16, torch.bfloat16):
         flat = flat.float()
-    return F.cross_entropy(flat, targets.reshape(-1), ignore_index=IGNORE_INDEX)
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f'reduction={reduction!r} must be "mean" or "sum"')
+    return F.cross_entropy(flat, targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction=reduction)
 
 
 def _check_targets(targets: torch.Tensor, V: int, group: Any) -> None:
@@ -282,8 +291,10 @@ class GPT(nn.Module):
                 std = resid_std if owner == "proj" else cfg.init_std
                 p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * std)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """idx: [B, T] token ids (int64), T <= seq_len -> logits [B, T, V]."""
+    def forward(self, idx: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """idx: [B, T] token ids (int64), T <= seq_len -> logits [B, T, V]. ``position_ids``: [T] or [B, T] (default
+        ``arange(T)``). Prepared for context parallelism (``llmpar.context_parallel.adapters``) and inside
+        ``cp.batch``, idx holds this rank's tokens and attention runs over the whole sequence."""
         if idx.dim() != 2:
             raise ValueError(f"idx must be [batch, tokens], got shape {tuple(idx.shape)}")
         if idx.dtype not in (torch.int64, torch.int32):
@@ -291,10 +302,13 @@ class GPT(nn.Module):
         T = idx.shape[1]
         if T > self.config.seq_len:
             raise ValueError(f"sequence of {T} tokens is longer than seq_len={self.config.seq_len}")
-        pos = torch.arange(T, device=idx.device)
+        pos = torch.arange(T, device=idx.device) if position_ids is None else position_ids
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+        cp = self.__dict__.get("context_parallel")  # a plain attribute set by the adapter, never a submodule
+        current = cp.current if cp is not None else None
+        batch = (cp, *current) if current is not None else None  # passed on, so a block's recompute sees it too
         for block in self.blocks:
-            x = block(x)
+            x = block(x, batch) if batch is not None else block(x)
         return self.lm_head(self.ln_f(x))
 
     def pipeline_blocks(self) -> list[tuple[str, nn.Module]]:

@@ -11,7 +11,8 @@ Top-level keys (DeepSpeed's names and meaning):
     gradient_clipping (0 = off), steps_per_print (default 10), optimizer (absent: AdamW lr=1e-3, logged), scheduler,
     bf16 / bfloat16 {enabled}, zero_optimization -- each block read by ``blocks.py`` into its component's config
 llmpar's own blocks: pipeline (its micro_batches is gradient_accumulation_steps, as in DeepSpeed's PipelineEngine),
-    tensor_parallel {size}
+    tensor_parallel {size}, context_parallel {size, mode, ulysses_size} (:func:`context_parallel_block`; DeepSpeed's
+    top-level sequence_parallel_size=N is its Ulysses form, {"size": N, "mode": "ulysses"})
 An unknown key is an error naming the nearest valid key; a DeepSpeed key llmpar does not support yet is an error
 saying so.
 """
@@ -36,7 +37,57 @@ logger = logging.getLogger("llmpar")
 
 _VALID = ["train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
           "steps_per_print", "optimizer", "scheduler", "bf16", "bfloat16", "fp16", "zero_optimization", "pipeline",
-          "tensor_parallel", "activation_checkpointing"]
+          "tensor_parallel", "activation_checkpointing", "context_parallel", "sequence_parallel_size"]
+CP_MODES = ("ulysses", "ring", "hybrid")
+
+
+@dataclass(kw_only=True)
+class ContextParallelConfig:
+    """``"context_parallel"``: ``size`` ranks split each sequence (1: off). ``mode``: "ulysses" (all-to-all of heads
+    <-> sequence over all ``size`` ranks), "ring" (key/value blocks passed around ``size`` ranks), "hybrid" (Ulysses
+    over ``ulysses_size`` adjacent ranks, ring across the ``size / ulysses_size`` groups). ``ulysses_size`` is the
+    Ulysses part: ``size`` for "ulysses", 1 for "ring"."""
+
+    size: int = 1
+    mode: str = "ulysses"
+    ulysses_size: int = 1
+
+    @property
+    def ring_size(self) -> int:
+        return self.size // self.ulysses_size
+
+
+def context_parallel_block(block: Any, sequence_parallel_size: Any = None) -> ContextParallelConfig:
+    """``"context_parallel": {"size": N, "mode": "ulysses" | "ring" | "hybrid", "ulysses_size": k}`` and/or DeepSpeed's
+    ``"sequence_parallel_size": N`` (Ulysses over N ranks) -> :class:`ContextParallelConfig`; both given must agree."""
+    if block is None:
+        block = {}
+    check_keys("context_parallel", block, ["size", "mode", "ulysses_size"])
+    size = as_int("context_parallel.size", block.get("size", 1), minimum=1)
+    mode = block.get("mode", "ulysses")
+    if mode not in CP_MODES:
+        raise ValueError(f'"context_parallel.mode"={mode!r} is not valid: expected one of {", ".join(CP_MODES)}')
+    if sequence_parallel_size is not None:
+        sp = as_int("sequence_parallel_size", sequence_parallel_size, minimum=1)
+        if block and sp != 1 and (("size" in block and size != sp) or mode != "ulysses"):
+            raise ValueError(f'"sequence_parallel_size"={sp} (Ulysses over {sp} ranks, as in DeepSpeed) and '
+                             f'"context_parallel" {json.dumps(block)} disagree: give one of them')
+        if not block:
+            size = sp
+        elif "size" not in block and sp != 1:
+            size = sp
+    default_u = {"ulysses": size, "ring": 1, "hybrid": None}[mode]
+    if "ulysses_size" not in block and default_u is None:
+        raise ValueError(f'"context_parallel.mode"="hybrid" needs "context_parallel.ulysses_size": the Ulysses part, '
+                         f"a divisor of size={size}")
+    u = as_int("context_parallel.ulysses_size", block.get("ulysses_size", default_u), minimum=1)
+    if default_u is not None and u != default_u:
+        raise ValueError(f'"context_parallel.ulysses_size"={u} is not valid with mode "{mode}" and size={size}: '
+                         f'it is {default_u} there (use mode "hybrid" to mix Ulysses and ring)')
+    if size % u:
+        raise ValueError(f'"context_parallel.ulysses_size"={u} does not divide "context_parallel.size"={size}: '
+                         f"the hybrid mode runs Ulysses over ulysses_size ranks and ring across size/ulysses_size")
+    return ContextParallelConfig(size=size, mode=mode, ulysses_size=u)
 
 
 def read_config(config: Any) -> dict:
@@ -75,6 +126,7 @@ class Blocks:
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     pipeline: PipelineConfig | None = None
     tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
+    context_parallel: ContextParallelConfig = field(default_factory=ContextParallelConfig)
 
     @classmethod
     def parse(cls, raw: dict) -> "Blocks":
@@ -98,6 +150,10 @@ class Blocks:
             raise ValueError('"fp16.enabled" and "bf16.enabled" are both true: pick one precision')
         opt_given = "optimizer" in given
         ckpt = given.get("activation_checkpointing")
+        cp = context_parallel_block(given.get("context_parallel"), given.get("sequence_parallel_size"))
+        if cp.size > 1 and "pipeline" in given:
+            raise ValueError(f'"context_parallel.size"={cp.size} (or "sequence_parallel_size") with a "pipeline" '
+                             "block: context parallelism is not supported with pipeline parallelism; use one of them")
         return cls(raw=raw, bf16=bf16, fp16=fp16,
                    gradient_clipping=_clipping(given.get("gradient_clipping", 0.0)),
                    steps_per_print=as_int("steps_per_print", given.get("steps_per_print", 10), minimum=1),
@@ -106,7 +162,7 @@ class Blocks:
                    scheduler=scheduler_block(given["scheduler"]) if "scheduler" in given else None,
                    zero=zero_block(given.get("zero_optimization", {})),
                    pipeline=pipeline_block(given["pipeline"]) if "pipeline" in given else None,
-                   tensor_parallel=tensor_parallel_block(given.get("tensor_parallel", {})),
+                   tensor_parallel=tensor_parallel_block(given.get("tensor_parallel", {})), context_parallel=cp,
                    activation_checkpointing=activation_checkpointing_block(ckpt) if ckpt is not None
                    else ActivationCheckpointingConfig())
 
@@ -194,4 +250,4 @@ def _batch_sizes(raw: dict[str, Any], dp: int, pipe: PipelineConfig | None) -> t
     return micro, gas, train
 
 
-__all__ = ["Blocks", "Config", "read_config"]
+__all__ = ["Blocks", "Config", "ContextParallelConfig", "context_parallel_block", "read_config"]

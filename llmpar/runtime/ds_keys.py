@@ -74,7 +74,6 @@ TOP: dict[str, Any] = {
     "sparse_gradients": _d(False, reason="sparse gradients are not supported"),
     "communication_data_type": _d(None, reason="gradients are reduced in the params' dtype"),
     "seq_parallel_communication_data_type": Inert(),
-    "sequence_parallel_size": _d(1, reason="use llmpar tensor parallelism (sequence_parallel=True)"),
     "vocabulary_size": Inert(),
     "use_data_before_expert_parallelism": _d(False, reason="expert parallelism is not supported"),
     "disable_python_gc": Inert(),
