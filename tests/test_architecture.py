@@ -17,7 +17,7 @@ MAX_LINES = 400
 FLOORS = {
     "validation": 0, "kernels": 0, "_C": 0,
     "distributed": 1, "ops": 1, "data": 1, "models": 1, "planning": 1,
-    "tensor_parallel": 2, "optim": 2,
+    "tensor_parallel": 2, "optim": 2, "context_parallel": 2,
     "zero": 3, "pipeline": 3, "checkpoint": 3,
     "runtime": 4,
     "cli": 5, "train": 5, "env_report": 5, "pipe": 5, "integrations": 5, "": 5,

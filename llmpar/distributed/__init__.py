@@ -21,6 +21,7 @@ from llmpar.distributed.collectives import (
 )
 from llmpar.distributed.agree import check_same_on_ranks, raise_if_any_failed
 from llmpar.distributed.errors import CollectiveError
+from llmpar.distributed.exchange import all_to_all_single, exchange
 from llmpar.distributed.dims import MESH_AXES, ParallelDims
 from llmpar.distributed.init import DistEnv, destroy_distributed, init_distributed
 
@@ -33,6 +34,7 @@ __all__ = [
     "ParallelDims",
     "all_gather_flat",
     "all_reduce",
+    "all_to_all_single",
     "as_group",
     "barrier",
     "broadcast",
@@ -40,6 +42,7 @@ __all__ = [
     "check_same_on_ranks",
     "collective_device",
     "destroy_distributed",
+    "exchange",
     "global_rank",
     "group_rank",
     "group_size",

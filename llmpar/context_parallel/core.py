@@ -1,0 +1,184 @@
+"""ContextParallel: the sequence dimension split over sp ranks, and attention / loss that see the whole sequence.
+
+    cp = ContextParallel("ring", ring_group=mesh["cp"])         # or "ulysses" (ulysses_group), "hybrid" (both)
+    shard = cp.shard(seq_len, device)                           # this rank's tokens (see shard.py)
+    x_local = shard_tensor(x, shard, dim=1)                     # ids, labels (pad_value=-100), masks ...
+    with cp.batch(shard, k_valid):                              # what attention modules read during one forward
+        out = cp.attention(q, k, v, **cp.attention_kwargs())    # q/k/v: this rank's [B, H, S_local, D]
+    loss = cp.token_mean(loss_sum, count)                       # the full-sequence mean, on every rank
+
+Modes: "ulysses" (all-to-all over heads, :mod:`.ulysses`), "ring" (k/v blocks passed around, :mod:`.ring`),
+"hybrid" (Ulysses inside each group of adjacent ranks, ring across them: sp = ring_size * ulysses_size). cp ranks:
+``cp_rank = ring_rank * ulysses_size + ulysses_rank``.
+
+Validation is local (shapes, heads, the shard) and happens before any collective, so with the same model and
+sequence length on every rank a bad input raises the same error on every rank instead of hanging a peer.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Iterator
+
+import torch
+
+from llmpar.context_parallel.ring import RingSpec, RingStats, ring_attention
+from llmpar.context_parallel.shard import MODES, SeqShard, check_seq_len, layout
+from llmpar.context_parallel.ulysses import gather_valid, heads_to_seq, kv_repeats, seq_to_heads
+from llmpar.context_parallel.loss import token_mean
+from llmpar.distributed.groups import Group, GroupRef, as_group, group_rank, group_size
+from llmpar.ops.attention import flash_attention
+
+
+class ContextParallel:
+    """Context parallelism over ``ulysses_group`` and / or ``ring_group`` (process groups or 1-D meshes).
+
+    ``mode``: "ulysses" (ulysses_group only), "ring" (ring_group only) or "hybrid" (both; the Ulysses groups are the
+    inner, adjacent ranks). ``size``: sp; ``rank``: this rank's cp rank; ``ring_stats``: per-step compute / wait
+    seconds of the ring (:class:`~llmpar.context_parallel.ring.RingStats`)."""
+
+    def __init__(self, mode: str, *, ulysses_group: Group | GroupRef | None = None,
+                 ring_group: Group | GroupRef | None = None) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode={mode!r} is not a context-parallel mode: expected one of {MODES}")
+        needs = {"ulysses": (True, False), "ring": (False, True), "hybrid": (True, True)}[mode]
+        for name, group, needed in (("ulysses_group", ulysses_group, needs[0]), ("ring_group", ring_group, needs[1])):
+            if needed and group is None:
+                raise ValueError(f"mode={mode!r} needs {name} (a process group or 1-D DeviceMesh), got None")
+            if not needed and group is not None:
+                raise ValueError(f"mode={mode!r} takes no {name} (ulysses: ulysses_group only; ring: ring_group "
+                                 "only; hybrid: both)")
+        self.mode = mode
+        self.ulysses_group = None if ulysses_group is None else GroupRef(ulysses_group)
+        self.ring_group = None if ring_group is None else GroupRef(ring_group)
+        self.ulysses_size = 1 if ulysses_group is None else group_size(as_group(ulysses_group))
+        self.ulysses_rank = 0 if ulysses_group is None else group_rank(as_group(ulysses_group))
+        self.ring_size = 1 if ring_group is None else group_size(as_group(ring_group))
+        self.ring_rank = 0 if ring_group is None else group_rank(as_group(ring_group))
+        self.size = self.ulysses_size * self.ring_size
+        self.rank = self.ring_rank * self.ulysses_size + self.ulysses_rank
+        self.ring_stats = RingStats()
+        self._current: tuple[SeqShard, torch.Tensor | None] | None = None
+
+    def __repr__(self) -> str:
+        return (f"ContextParallel(mode={self.mode!r}, size={self.size}, rank={self.rank}, "
+                f"ulysses_size={self.ulysses_size}, ring_size={self.ring_size})")
+
+    @property
+    def groups(self) -> list[GroupRef]:
+        """The cp process groups (Ulysses first): together they span this rank's sp ranks."""
+        return [g for g in (self.ulysses_group, self.ring_group) if g is not None]
+
+    # ------------------------------------------------------------------ sharding
+    def shard(self, seq_len: int, device: torch.device | str | None = None) -> SeqShard:
+        """This rank's tokens of a ``seq_len``-token sequence (see :mod:`llmpar.context_parallel.shard`)."""
+        check_seq_len(seq_len)
+        padded, table = layout(seq_len, self.mode, self.ring_size, self.ulysses_size)
+        return SeqShard(index=table[self.rank].to(device or "cpu"), padded_len=padded, seq_len=seq_len)
+
+    # ------------------------------------------------------------------ one forward's batch
+    @contextlib.contextmanager
+    def batch(self, shard: SeqShard, k_valid: torch.Tensor | None = None) -> Iterator[None]:
+        """Within the block, :attr:`current` is ``(shard, k_valid)`` (what attention modules read); restored after."""
+        self._check_shard(shard)
+        previous, self._current = self._current, (shard, k_valid)
+        try:
+            yield
+        finally:
+            self._current = previous
+
+    @property
+    def current(self) -> tuple[SeqShard, torch.Tensor | None] | None:
+        """``(shard, k_valid)`` of the batch being run (inside :meth:`batch`), else None."""
+        return self._current
+
+    def attention_kwargs(self) -> dict:
+        """``{"shard": ..., "k_valid": ...}`` of the current batch, for ``cp.attention(q, k, v, **...)``."""
+        if self._current is None:
+            raise RuntimeError("context-parallel attention ran outside `with cp.batch(shard, k_valid):` (the model "
+                               "was prepared for context parallelism but called without a sharded batch)")
+        shard, k_valid = self._current
+        return {"shard": shard, "k_valid": k_valid}
+
+    # ------------------------------------------------------------------ attention
+    def _check_shard(self, shard: SeqShard) -> None:
+        if not isinstance(shard, SeqShard):
+            raise TypeError(f"shard must be a SeqShard (from ContextParallel.shard), got {type(shard).__name__}")
+        padded, _ = layout(shard.seq_len, self.mode, self.ring_size, self.ulysses_size)
+        if shard.padded_len != padded or shard.local_len * self.size != padded:
+            raise ValueError(f"shard (seq_len={shard.seq_len}, padded_len={shard.padded_len}, {shard.local_len} "
+                             f"tokens) was not made by this {self!r} (expected padded_len={padded}, "
+                             f"{padded // self.size} tokens per rank)")
+
+    def _check_qkv(self, q, k, v, shard: SeqShard, k_valid) -> tuple[int, int]:
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dim() != 4:
+                raise ValueError(f"{name} must be [batch, heads, S_local, head_dim], got shape {tuple(t.shape)}")
+        B, Hq, S, D = q.shape
+        Hkv = k.shape[1]
+        if k.shape != v.shape or k.shape[0] != B or k.shape[2] != S or k.shape[3] != D:
+            raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must both be [{B}, kv_heads, {S}, {D}] "
+                             f"to match q {tuple(q.shape)}")
+        if q.dtype != k.dtype or q.dtype != v.dtype or not q.is_floating_point():
+            raise TypeError(f"q, k, v must share one floating-point dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+        if S != shard.local_len:
+            raise ValueError(f"q has S_local={S} tokens but this rank's shard holds {shard.local_len} (seq_len="
+                             f"{shard.seq_len} padded to {shard.padded_len} over sp={self.size})")
+        if Hkv == 0 or Hq % Hkv:
+            raise ValueError(f"query heads {Hq} must be a multiple of kv heads {Hkv}")
+        if k_valid is not None and (not isinstance(k_valid, torch.Tensor) or k_valid.dtype != torch.bool
+                                    or tuple(k_valid.shape) != (B, S)):
+            got = f"{k_valid.dtype} {tuple(k_valid.shape)}" if isinstance(k_valid, torch.Tensor) else type(k_valid)
+            raise ValueError(f"k_valid must be a bool tensor of shape {(B, S)} ([batch, S_local]), got {got}")
+        return Hq, Hkv
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, shard: SeqShard,
+                  k_valid: torch.Tensor | None = None, causal: bool = True,
+                  scale: float | None = None) -> torch.Tensor:
+        """Attention of this rank's queries over the whole sequence's keys: ``q`` [B, Hq, S_local, D], ``k`` / ``v``
+        [B, Hkv, S_local, D] (rotary already applied), ``k_valid`` [B, S_local] bool (False = a padding key; the
+        tokens added to reach ``padded_len`` are masked whatever it says). Causal by global token index. Returns
+        [B, Hq, S_local, D] in q's dtype, differentiable in q, k, v. Hq must be a multiple of the Ulysses size."""
+        self._check_shard(shard)
+        Hq, Hkv = self._check_qkv(q, k, v, shard, k_valid)
+        u = self.ulysses_size
+        reps = kv_repeats(Hq, Hkv, u)
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+        _, table = layout(shard.seq_len, self.mode, self.ring_size, u)
+        groups = table.view(self.ring_size, -1)  # each Ulysses group's token set, in rank order
+        valid = None if k_valid is None else k_valid.to(torch.uint8)
+        if reps > 1:
+            k, v = k.repeat_interleave(reps, dim=1), v.repeat_interleave(reps, dim=1)
+        q = seq_to_heads(q, self.ulysses_group, u)
+        kv = seq_to_heads(torch.cat([k, v]), self.ulysses_group, u)  # one all-to-all for both
+        k, v = kv.chunk(2)
+        if valid is not None:
+            valid = gather_valid(valid, self.ulysses_group, u)
+        if self.mode == "ulysses":
+            pos = groups[0].to(q.device)
+            mask = pos < shard.seq_len
+            if valid is not None or not bool(mask.all()):
+                mask = mask[None].expand(q.shape[0], -1)
+                mask = mask if valid is None else mask & valid.bool()
+            else:
+                mask = None
+            out = flash_attention(q, k, v, scale=scale, causal=causal, q_pos=pos, k_pos=pos, k_valid=mask)
+        else:
+            spec = RingSpec(group=self.ring_group, positions=groups, seq_len=shard.seq_len, causal=bool(causal),
+                            scale=scale, stats=self.ring_stats)
+            out = ring_attention(q.contiguous(), k.contiguous(), v.contiguous(), valid, spec)
+        return heads_to_seq(out, self.ulysses_group, u)
+
+    # ------------------------------------------------------------------ loss
+    def token_mean(self, loss_sum: torch.Tensor, count: torch.Tensor | int, *,
+                   grad_factor: float | None = None) -> torch.Tensor:
+        """The mean per-token loss over every cp rank's real tokens (see :func:`.loss.token_mean`); the gradient
+        w.r.t. this rank's ``loss_sum`` is ``grad_factor / global_count``, ``grad_factor`` = sp by default (the
+        gradient reduction then averages over dp * cp, which sums the cp ranks' parts of a sample)."""
+        factor = float(self.size) if grad_factor is None else grad_factor
+        return token_mean(loss_sum, count, self.groups, grad_factor=factor)
+
+
+__all__ = ["ContextParallel"]
