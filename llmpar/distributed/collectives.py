@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from llmpar.distributed.counter import CommCounter
 from llmpar.distributed.errors import CollectiveError, collective_error
+from llmpar.distributed.flight import RECORDER, Entry, end
 from llmpar.distributed.groups import Group, GroupRef, as_group, global_rank, group_rank, group_size
 
 
@@ -49,8 +50,8 @@ class Handle:
     the collective raises :class:`~llmpar.distributed.errors.CollectiveError` naming ``what`` and the group."""
 
     def __init__(self, works: list, finish: Callable[[], None] | None = None, *, what: str = "a collective",
-                 pg: dist.ProcessGroup | None = None) -> None:
-        self._works = works
+                 pg: dist.ProcessGroup | None = None, entry: Entry | None = None) -> None:
+        self._works, self._entry = works, entry  # entry: the flight recorder's, marked done once waited for
         self._finish = finish
         self._done = False
         self._what, self._pg = what, pg
@@ -61,6 +62,7 @@ class Handle:
         with failing_as(self._what, self._pg):
             for w in self._works:
                 w.wait()
+        end(self._entry)
         if self._finish is not None:
             self._finish()
         self._done = True
@@ -88,8 +90,8 @@ def failing_as(what: str, pg: dist.ProcessGroup | None) -> Iterator[None]:
 
 
 def _finish(async_op: bool, works: list, finish: Callable[[], None] | None, what: str,
-            pg: dist.ProcessGroup) -> Handle | None:
-    handle = Handle([w for w in works if w is not None], finish, what=what, pg=pg)
+            pg: dist.ProcessGroup, entry: Entry | None = None) -> Handle | None:
+    handle = Handle([w for w in works if w is not None], finish, what=what, pg=pg, entry=entry)
     if async_op:
         return handle
     handle.wait()
@@ -107,6 +109,7 @@ def all_reduce(tensor: torch.Tensor, group: Group, *, op: str = "sum", async_op:
     operation in a failure's message (every collective here takes it)."""
     pg = as_group(group)
     what = what or f"all-reduce ({op}) of {tensor.numel()} elements"
+    entry = RECORDER.start(pg, "all_reduce", tensor, what)
     with failing_as(what, pg):
         work = dist.all_reduce(tensor, op=_op(op), group=pg, async_op=True)
     size = dist.get_world_size(pg)
@@ -115,7 +118,7 @@ def all_reduce(tensor: torch.Tensor, group: Group, *, op: str = "sum", async_op:
         counter.record("all_reduce", 2 * tensor.numel(), 2 * (size - 1) / size * nbytes,
                        2 * nbytes / size * counter.cross_peers(pg))
     finish = (lambda: tensor.div_(size)) if op == "avg" else None
-    return _finish(async_op, [work], finish, what, pg)
+    return _finish(async_op, [work], finish, what, pg, entry)
 
 
 def _check_flat(name: str, t: torch.Tensor) -> None:
@@ -198,13 +201,14 @@ def reduce_scatter_flat(
                          f"output = {(size - 1) * output.numel()} elements")
     reduce_op = _op(op)
     what = what or f"reduce-scatter ({op}) of {input.numel()} elements"
+    entry = RECORDER.start(pg, "reduce_scatter", input, what)
     with failing_as(what, pg):
-        return _reduce_scatter(output, input, pg, size, op, reduce_op, async_op, counter, what, scratch)
+        return _reduce_scatter(output, input, pg, size, op, reduce_op, async_op, counter, what, scratch, entry)
 
 
 def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, pg: dist.ProcessGroup, size: int, op: str,
                     reduce_op: dist.ReduceOp, async_op: bool, counter: CommCounter | None, what: str,
-                    scratch: torch.Tensor | None = None) -> Handle | None:
+                    scratch: torch.Tensor | None = None, entry: Entry | None = None) -> Handle | None:
     if counter is not None:
         nbytes = input.numel() * input.element_size()
         counter.record("reduce_scatter", input.numel(), (size - 1) / size * nbytes, nbytes / size * counter.cross_peers(pg))
@@ -234,7 +238,7 @@ def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, pg: dist.ProcessG
             if op == "avg":
                 output.div_(size)
 
-        return _finish(async_op, works, summed, what, pg)
+        return _finish(async_op, works, summed, what, pg, entry)
     finish = (lambda: output.div_(size)) if op == "avg" else None
     try:
         work = TORCH_REDUCE_SCATTER_TENSOR(output, input, op=reduce_op, group=pg, async_op=True)
@@ -252,7 +256,7 @@ def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, pg: dist.ProcessG
             if op == "avg":
                 output.div_(size)
 
-    return _finish(async_op, [work], finish, what, pg)
+    return _finish(async_op, [work], finish, what, pg, entry)
 
 
 def _exchange(pg: dist.ProcessGroup, pairs: list[tuple[int, torch.Tensor, torch.Tensor]]) -> list:
@@ -279,6 +283,7 @@ def all_gather_flat(
     size = dist.get_world_size(pg)
     _check_pair(output, input, "output", size)
     what = what or f"all-gather of {output.numel()} elements"
+    entry = RECORDER.start(pg, "all_gather", input, what)
     if counter is not None:
         nbytes = output.numel() * output.element_size()
         counter.record("all_gather", output.numel(), (size - 1) / size * nbytes, nbytes / size * counter.cross_peers(pg))
@@ -288,7 +293,7 @@ def all_gather_flat(
             chunks = output.view(size, -1)
             works = _exchange(pg, [(j, input.view(-1), chunks[j]) for j in range(size) if j != me])
             chunks[me].copy_(input.view(-1))
-            return _finish(async_op, works, None, what, pg)
+            return _finish(async_op, works, None, what, pg, entry)
         try:
             work = TORCH_ALL_GATHER_INTO_TENSOR(output, input, group=pg, async_op=True)
         except (RuntimeError, NotImplementedError, AttributeError) as err:
@@ -296,7 +301,7 @@ def all_gather_flat(
                 raise
             chunks = list(output.view(-1).chunk(size))
             work = dist.all_gather(chunks, input.view(-1), group=pg, async_op=True)
-    return _finish(async_op, [work], None, what, pg)
+    return _finish(async_op, [work], None, what, pg, entry)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: Group, *, async_op: bool = False,
@@ -309,9 +314,10 @@ def broadcast(tensor: torch.Tensor, src: int, group: Group, *, async_op: bool = 
         me = dist.get_rank(pg)
         remote = counter.node_of(global_rank(pg, src)) != counter.node_of(dist.get_rank())
         counter.record("broadcast", tensor.numel(), nbytes if me == src else 0, nbytes if remote else 0)
+    entry = RECORDER.start(pg, "broadcast", tensor, what)
     with failing_as(what, pg):
         work = dist.broadcast(tensor, src=global_rank(pg, src), group=pg, async_op=True)
-    return _finish(async_op, [work], None, what, pg)
+    return _finish(async_op, [work], None, what, pg, entry)
 
 
 @functools.lru_cache(maxsize=None)
@@ -353,8 +359,10 @@ def irecv(tensor: torch.Tensor, src: int, group: Group) -> Handle:
 
 def barrier(group: Group, *, what: str = "barrier") -> None:
     pg = as_group(group)
+    entry = RECORDER.start(pg, "barrier", None, what)
     with failing_as(what, pg):
         dist.barrier(group=pg)
+    end(entry)
 
 
 def broadcast_coalesced(tensors: list[torch.Tensor], src: int, group: Group, *, bucket_numel: int = 1 << 25,

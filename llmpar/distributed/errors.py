@@ -5,11 +5,14 @@ stops (SIGSTOP, a stuck data loader) or runs a different collective (uneven step
 leaves them waiting until the group's timeout. Either way the survivors raise :class:`CollectiveError`, which says
 which operation failed (``what``: "reduce-scatter of gradient unit 3", "checkpoint agreement", ...), on which ranks,
 on which rank, and what probably happened; callers that know more (the engine: its step) add it with
-:meth:`CollectiveError.add_context`.
+:meth:`CollectiveError.add_context`. The flight recorder (``flight.py``) adds what the ranks' records say: which rank
+is behind, ahead or ran a different collective, and what it was doing (:attr:`CollectiveError.flight`).
 """
 from __future__ import annotations
 
 import torch.distributed as dist
+
+from llmpar.distributed.flight import RECORDER, on_failure
 
 _GONE = ("connection reset", "connection closed", "broken pipe", "end of file", "eof", "connection refused",
          "socket closed", "peer")
@@ -22,6 +25,7 @@ class CollectiveError(RuntimeError):
     def __init__(self, what: str, group: str, rank: int, cause: BaseException) -> None:
         self.what, self.group, self.rank, self.cause = what, group, rank, cause
         self.context: list[str] = []
+        self.flight = ""  # the flight recorder's diagnosis (flight.on_failure), appended to the message
         super().__init__(what)
 
     @property
@@ -49,7 +53,7 @@ class CollectiveError(RuntimeError):
         where = "".join(f", {c}" for c in self.context)
         first = str(self.cause).strip().splitlines()[0] if str(self.cause).strip() else type(self.cause).__name__
         return (f"llmpar: {self.what} over {self.group} failed on global rank {self.rank}{where}: {why} "
-                f"[{type(self.cause).__name__}: {first}]")
+                f"[{type(self.cause).__name__}: {first}]" + (f". {self.flight}" if self.flight else ""))
 
 
 class TokenIdError(ValueError, IndexError):
@@ -71,10 +75,13 @@ def describe_group(pg: dist.ProcessGroup) -> str:
 
 
 def collective_error(err: BaseException, what: str, pg: dist.ProcessGroup) -> CollectiveError:
-    """``err`` raised by a collective on ``pg`` as a :class:`CollectiveError` (an existing one passes through)."""
+    """``err`` raised by a collective on ``pg`` as a :class:`CollectiveError` (an existing one passes through), with
+    the flight recorder's diagnosis (this rank's record written, the group's ranks' records compared)."""
     if isinstance(err, CollectiveError):
         return err
-    return CollectiveError(what, describe_group(pg), dist.get_rank() if dist.is_initialized() else 0, err)
+    error = CollectiveError(what, describe_group(pg), dist.get_rank() if dist.is_initialized() else 0, err)
+    error.flight = on_failure(RECORDER, pg, err, error.kind)
+    return error
 
 
 __all__ = ["CollectiveError", "TokenIdError", "collective_error", "describe_group"]
