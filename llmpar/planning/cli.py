@@ -2,7 +2,7 @@
 
     llmpar plan --model llama-7b --gpus 64 --gpu-mem 80GB [--nodes 8] [--seq 4096] [--micro-batch 1]
                 [--global-batch 1024] [--gpu h100] [--precision fp32_master] [--mfu 0.5] [--top 10] [--json]
-                [--zeropp]
+                [--zeropp] [--seq-len 131072 --context-parallel auto|on|off]
     llmpar chinchilla --compute 5.76e23 [--params 70B | --tokens 1.4T] [--model llama-7b] [--gpus 1024 --gpu h100
                       --mfu 0.4] [--json]
 """
@@ -31,7 +31,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--gpu", default="h100", help=f"GPU type for speeds ({', '.join(GPU_PRESETS)}); default h100")
     p.add_argument("--gpu-mem", default=None, help="memory per GPU, e.g. 80GB or 80GiB (default: the GPU type's)")
     p.add_argument("--nodes", type=int, default=None, help="nodes (default: 8 GPUs per node)")
-    p.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
+    p.add_argument("--seq", "--seq-len", dest="seq", type=int, default=None,
+                   help="sequence length (default: the model's)")
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch (default 1)")
     p.add_argument("--global-batch", type=int, default=None,
                    help="sequences per step (default: a multiple of gpus x micro-batch holding >= 4M tokens)")
@@ -43,6 +44,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--no-sequence-parallel", action="store_true", help="tp without sequence parallelism")
     p.add_argument("--zeropp", action="store_true",
                    help="also try ZeRO++ (qwZ int8 + hpZ over a node + qgZ int4) for ZeRO-2/3 over several nodes")
+    p.add_argument("--context-parallel", choices=("auto", "on", "off"), default="auto",
+                   help="context parallelism (Ulysses / ring / hybrid over cp ranks) with the tiled loss and MLP: "
+                        "auto (default) tries it when no other layout fits, on always, off never")
     p.add_argument("--top", type=int, default=10, help="rows to print (default 10)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run_plan)
@@ -92,7 +96,7 @@ def build_request(args: argparse.Namespace) -> PlanRequest:
                        global_batch=args.global_batch, precision=args.precision, mfu=args.mfu,
                        reserve_bytes=parse_bytes(args.reserve, name="--reserve") if args.reserve != "0" else 0.0,
                        allow_offload=not args.no_offload, sequence_parallel=not args.no_sequence_parallel,
-                       zeropp=args.zeropp)
+                       zeropp=args.zeropp, context_parallel=args.context_parallel)
 
 
 def run_plan(args: argparse.Namespace) -> int:

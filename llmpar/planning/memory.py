@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from .context import CP_MODES, DEFAULT_TILE, activation_breakdown
 from .model_spec import ModelSpec, count_params
 from .zeropp import dp_nodes, zeropp_state_bytes
 
@@ -65,7 +66,11 @@ class Layout:
     stage 3, divides dp), ``zero_quantized_gradients`` (qgZ, stages 2-3) with ``..._error_feedback``, the bits
     (8 or 4) and ``zero_quantization_block_size`` (values per fp32 scale). ``comm.py`` gives their bytes.
     ``stage3_max_reuse_distance`` (stage 3, DeepSpeed's default 1e9): layers that close to their backward use stay
-    gathered from forward to backward (``ModelSpec.stage3_kept_layers``): more gathered memory, less traffic."""
+    gathered from forward to backward (``ModelSpec.stage3_kept_layers``): more gathered memory, less traffic.
+
+    Long context (``context.py``): ``cp`` context-parallel ranks per dp rank (the sequence split over them;
+    ``cp_mode`` "ulysses", "ring" or "hybrid" with ``ulysses_size`` Ulysses ranks inside), ZeRO shards over dp x cp;
+    ``tiled``: the sequence-tiled loss and MLP with ``tile`` tokens per tile. Both need pp=1."""
 
     tp: int = 1
     pp: int = 1
@@ -82,10 +87,16 @@ class Layout:
     zero_quantized_weights_bits: int = 8
     zero_quantized_gradients_bits: int = 4
     stage3_max_reuse_distance: int = 1_000_000_000
+    cp: int = 1
+    cp_mode: str = "ulysses"
+    ulysses_size: int = 1
+    tiled: bool = False
+    tile: int = DEFAULT_TILE
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp"):
+        for name in ("tp", "pp", "dp", "cp", "ulysses_size", "tile"):
             _check_degree(name, getattr(self, name))
+        self._check_context()
         _check_choice("zero_stage", self.zero_stage, (0, 1, 2, 3))
         _check_choice("offload", self.offload, OFFLOAD_MODES)
         _check_choice("activation_checkpointing", self.activation_checkpointing, CHECKPOINT_MODES)
@@ -99,6 +110,17 @@ class Layout:
         if not isinstance(reuse, int) or isinstance(reuse, bool) or reuse < 0:
             raise ValueError(f"stage3_max_reuse_distance={reuse!r} must be an integer >= 0 (elements)")
         self._check_compression()
+
+    def _check_context(self) -> None:
+        _check_choice("cp_mode", self.cp_mode, CP_MODES)
+        if not isinstance(self.tiled, bool):
+            raise ValueError(f"tiled={self.tiled!r} must be True or False")
+        u = self.ulysses_size
+        if self.cp_mode == "hybrid" and self.cp > 1 and not (1 < u < self.cp and self.cp % u == 0):
+            raise ValueError(f"cp_mode='hybrid' needs 1 < ulysses_size < cp dividing cp={self.cp}, got ulysses_size={u}")
+        if (self.cp > 1 or self.tiled) and self.pp > 1:
+            raise ValueError(f"cp={self.cp} / tiled={self.tiled} needs pp=1 (context parallelism is not planned with "
+                             f"pipeline stages), got pp={self.pp}")
 
     def _check_compression(self) -> None:
         """The checks of ``ZeroConfig._check_compression``, plus hpZ dividing this layout's dp."""
@@ -141,7 +163,7 @@ class Layout:
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.dp * self.cp
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -254,6 +276,7 @@ def estimate_memory(
     persistence_threshold: int = PERSISTENCE_THRESHOLD,
     grad_accum_fp32: bool = False,
     gpus_per_node: int | None = None,
+    attention_q_chunk: int | None = None,
 ) -> MemoryEstimate:
     """Per-rank memory of ``model`` (a ``ModelSpec`` or an ``nn.Module``) trained with ``layout``.
 
@@ -270,7 +293,9 @@ def estimate_memory(
       backward (persistent params are not gathered through it), and with qgZ error feedback a float32 residual of
       every gradient, 4 psi, + 4 psi / k' when the reduction runs in two levels (k' = hpZ's k, else the dp ranks of
       a node: ``gpus_per_node`` / tp; None: one node).
-    Activations are bf16 (doubled for ``precision="fp32"``).
+    Activations are bf16 (doubled for ``precision="fp32"``). With ``layout.cp > 1`` or ``layout.tiled`` they are
+    ``context.activation_breakdown(...).peak`` instead (flash-style attention; ``attention_q_chunk``: the torch
+    attention path's score tile, None for a fused kernel), and the model states shard over dp x cp.
     For an ``nn.Module`` the activations come from ``activation_spec`` (zero without one).
     """
     _check_degree("micro_batch", micro_batch)
@@ -283,7 +308,7 @@ def estimate_memory(
         small = sum(p.numel() for p in model.parameters() if p.numel() <= persistence_threshold) / (
             layout.tp * layout.pp)
     states = model_state_bytes(
-        psi_rank, dp=layout.dp, zero_stage=layout.zero_stage, precision=precision, offload=layout.offload,
+        psi_rank, dp=layout.dp * layout.cp, zero_stage=layout.zero_stage, precision=precision, offload=layout.offload,
         persistent=small if layout.zero_stage == 3 else 0.0, grad_accum_fp32=grad_accum_fp32,
     )
     p_bytes = PRECISION_BYTES[precision][0]
@@ -304,6 +329,10 @@ def estimate_memory(
         last = layers * per_layer + recompute + logits
         activations = max(first, last) if layout.pp > 1 else layers * per_layer + recompute + logits
         activations *= 2.0 if precision == "fp32" else 1.0  # the formula counts 2-byte activations
+        if layout.cp > 1 or layout.tiled:
+            activations = activation_breakdown(spec, layout, seq_len=s, micro_batch=micro_batch,
+                                               act_bytes=4 if precision == "fp32" else 2,
+                                               q_chunk=attention_q_chunk).peak
         if layout.zero_stage == 3:
             kept = spec.stage3_kept_layers(layout.stage3_max_reuse_distance, tp=layout.tp, pp=layout.pp)
             buffers += max(2, min(layers, kept + 1)) * p_bytes * spec.layer_params(layout.tp)

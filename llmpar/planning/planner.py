@@ -14,6 +14,11 @@ With ``PlanRequest.zeropp`` each ZeRO-2/3 layout whose dp ranks span whole nodes
 seconds charge the cross-node bytes at the network's speed and the rest at NVLink's (``comm.py``), its memory adds
 hpZ's secondary shard (``memory.py``).
 
+Long context (``context.py``): with ``PlanRequest.context_parallel`` "on", or "auto" when no other layout fits,
+the layouts with cp context-parallel ranks (ulysses when tp cp divides the heads, ring, hybrid) and the sequence-tiled
+loss and MLP (cp = 1 included) are tried too, at pp=1: the sequence / cp per rank, ZeRO over dp x cp, the tp and dp
+traffic of s / cp tokens, plus the exposed cp traffic (Ulysses' all-to-alls; the ring's excess over attention).
+
 Constraints: tp divides the GPUs of a node and the (query and KV) heads, pp divides the layers, tp pp dp = GPUs,
 the global batch is a multiple of dp x micro-batch, GPU bytes <= gpu memory - reserve, offloaded bytes of a
 node's ranks <= host memory.
@@ -26,6 +31,8 @@ from typing import Any
 
 from .chinchilla import flops_per_token
 from .comm import AxisComm, estimate_comm
+from .context import cp_words
+from .cp_plan import context_layouts, cp_comm
 from .memory import CHECKPOINT_MODES, PRECISION_BYTES, Layout, MemoryEstimate, estimate_memory
 from .model_spec import ModelSpec
 from .presets import Hardware
@@ -53,6 +60,7 @@ class PlanRequest:
     allow_offload: bool = True
     bucket_bytes: float = 100e6
     zeropp: bool = False  # also try ZeRO++ (qwZ int8 + hpZ over a node + qgZ int4) where dp spans whole nodes
+    context_parallel: str = "auto"  # "auto": cp / tiled layouts when nothing else fits; "on": always; "off": never
 
     def __post_init__(self) -> None:
         for name in ("gpus", "micro_batch"):
@@ -67,6 +75,8 @@ class PlanRequest:
             raise ValueError(f"precision={self.precision!r}; accepted: {', '.join(PRECISION_BYTES)}")
         if not 0 < self.mfu <= 1:
             raise ValueError(f"mfu={self.mfu!r} must be in (0, 1]")
+        if self.context_parallel not in ("auto", "on", "off"):
+            raise ValueError(f"context_parallel={self.context_parallel!r}; accepted: 'auto', 'on', 'off'")
         if not 0 <= self.reserve_bytes < self.hardware.mem_bytes:
             raise ValueError(f"reserve_bytes={self.reserve_bytes!r} must be >= 0 and below the gpu memory")
 
@@ -130,13 +140,17 @@ def _zero_offload_choices(dp: int, allow_offload: bool) -> list[tuple[int, str]]
     return pairs
 
 
-def enumerate_layouts(req: PlanRequest, *, gpus: int | None = None) -> list[Layout]:
-    """Every layout with tp | gpus per node, tp | heads and KV heads, pp | layers, tp pp dp = gpus."""
+def enumerate_layouts(req: PlanRequest, *, gpus: int | None = None, context: bool = False) -> list[Layout]:
+    """Every layout with tp | gpus per node, tp | heads and KV heads, pp | layers, tp pp dp = gpus; with
+    ``context``, the context-parallel and tiled layouts instead (``_context_layouts``)."""
     gpus = req.gpus if gpus is None else gpus
     spec, gpn = req.model, min(req.hardware.gpus_per_node, gpus)
     out: list[Layout] = []
     for tp in _divisors(gpn):
         if gpus % tp or spec.n_heads % tp or spec.n_kv_heads % tp:  # type: ignore[operator]
+            continue
+        if context:
+            out += context_layouts(req, gpus, tp, _zero_offload_choices)
             continue
         for pp in _divisors(spec.n_layers):
             if gpus % (tp * pp):
@@ -201,12 +215,19 @@ def evaluate(req: PlanRequest, layout: Layout) -> PlanRow:
         why, m = "", batch // (layout.dp * req.micro_batch)
     mem = estimate_memory(spec, layout, precision=req.precision, micro_batch=req.micro_batch,
                           micro_batches_in_flight=m, bucket_bytes=req.bucket_bytes, gpus_per_node=hw.gpus_per_node)
-    comm = estimate_comm(spec, layout, hw, precision=req.precision, micro_batch=req.micro_batch, micro_batches=m)
+    cp = layout.cp
+    flat = replace(layout, dp=layout.dp * cp, cp=1, tiled=False) if cp > 1 else layout  # ZeRO over dp x cp
+    comm = estimate_comm(spec, flat, hw, precision=req.precision, micro_batch=req.micro_batch, micro_batches=m,
+                         seq_len=math.ceil(spec.seq_len / cp))
     tokens = batch * spec.seq_len
     compute = _hardware_flops_per_token(spec, layout.activation_checkpointing) * tokens / (
         layout.world_size * hw.peak_flops * req.mfu)
+    exposed_cp = 0.0
+    if cp > 1:
+        comm["cp"], exposed_cp = cp_comm(spec, layout, hw, micro_batch=req.micro_batch, micro_batches=m,
+                                         precision=req.precision, mfu=req.mfu, tokens=tokens)
     p = layout.pp
-    pipelined = (compute + comm["tp"].seconds + comm["pp"].seconds) * (m + p - 1) / m
+    pipelined = (compute + comm["tp"].seconds + comm["pp"].seconds + exposed_cp) * (m + p - 1) / m
     overlap = compute if layout.zero_stage == 3 else compute * 2.0 / 3.0
     exposed_dp = max(0.0, comm["dp"].seconds - overlap)
     step = pipelined + exposed_dp + comm["offload"].seconds
@@ -237,8 +258,9 @@ def explain(row: PlanRow, req: PlanRequest) -> str:
                      f"with m={row.micro_batches}")
     what = {0: "replicated states", 1: "optimizer states sharded", 2: "optimizer states + grads sharded",
             3: "all model states sharded"}[lay.zero_stage]
-    if lay.dp > 1:
-        parts.append(f"dp={lay.dp} ZeRO-{lay.zero_stage} ({what} /{lay.dp}), {format_seconds(c['dp'].seconds)} sync on "
+    if lay.dp * lay.cp > 1:
+        over = f"dp={lay.dp}" + (f" x cp={lay.cp}" if lay.cp > 1 else "")
+        parts.append(f"{over} ZeRO-{lay.zero_stage} ({what} /{lay.dp * lay.cp}), {format_seconds(c['dp'].seconds)} sync on "
                      f"{c['dp'].link}, {format_seconds(row.exposed_dp_s)} exposed")
         if lay.compressed:
             parts.append(f"ZeRO++ ({_zeropp_words(lay)}): {format_bytes(c['dp'].bytes)} sent, "
@@ -253,6 +275,9 @@ def explain(row: PlanRow, req: PlanRequest) -> str:
     ckpt = {"none": "no recompute", "selective": "selective recompute (attention scores)",
             "full": "full recompute (+1 forward)"}[lay.activation_checkpointing]
     parts.append(f"{ckpt}: activations {row.memory.activations / 1e9:.1f} GB")
+    if lay.cp > 1 or lay.tiled:
+        cp_s = f", {format_seconds(c['cp'].seconds)} of cp traffic on {c['cp'].link}" if lay.cp > 1 else ""
+        parts.append(cp_words(lay) + cp_s)
     return "; ".join(parts)
 
 
@@ -293,7 +318,8 @@ def smallest_cluster(req: PlanRequest, *, limit: int = MAX_SEARCH_GPUS) -> tuple
 
 
 def _short(lay: Layout) -> str:
-    return (f"tp={lay.tp} pp={lay.pp} dp={lay.dp} ZeRO-{zero_label(lay)} offload={lay.offload} "
+    cp = (f" cp={lay.cp} ({lay.cp_mode})" if lay.cp > 1 else "") + (" tiled" if lay.tiled else "")
+    return (f"tp={lay.tp} pp={lay.pp} dp={lay.dp}{cp} ZeRO-{zero_label(lay)} offload={lay.offload} "
             f"recompute={lay.activation_checkpointing}")
 
 
@@ -312,12 +338,21 @@ def model_flops_utilisation(row: PlanRow, req: PlanRequest) -> float:
 def plan(req: PlanRequest) -> PlanResult:
     """Rank the fitting layouts by step time (ties: less memory first); when none fits, find the smallest cluster."""
     rows = [evaluate(req, layout) for layout in enumerate_layouts(req)]
+    note = ""
+    if req.context_parallel == "on" or (req.context_parallel == "auto" and not any(r.fits for r in rows)):
+        long_rows = [evaluate(req, layout) for layout in enumerate_layouts(req, context=True)]
+        if req.context_parallel == "auto" and any(r.fits for r in long_rows):
+            rows = long_rows  # the recommendation: what fits only with context parallelism / tiling
+            note = (f"no layout without context parallelism or the tiled loss / MLP fits seq {req.model.seq_len}; "
+                    f"these do")
+        else:
+            rows += long_rows
     ranked = sorted((r for r in rows if r.fits), key=lambda r: (r.step_s, r.memory.total))
     rejected: dict[str, int] = {}
     for r in rows:
         if not r.fits:
             rejected[_reject_kind(r.why_not)] = rejected.get(_reject_kind(r.why_not), 0) + 1
-    result = PlanResult(request=req, ranked=ranked, rejected=rejected)
+    result = PlanResult(request=req, ranked=ranked, rejected=rejected, message=note if ranked else "")
     if not ranked:
         gb = req.hardware.mem_bytes / 1e9
         name = req.model.name

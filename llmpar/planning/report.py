@@ -25,13 +25,18 @@ def plan_table(result: PlanResult, *, top: int = 10, explain: bool = True) -> st
     if not result.ranked:
         lines.append(result.message)
         return "\n".join(lines)
-    head = (f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>4} {'ZeRO':>4} {'offload':<16} {'recompute':<9} "
+    if result.message:
+        lines += [result.message, ""]
+    long = any(r.layout.cp > 1 or r.layout.tiled for r in result.ranked[:top])
+    cp_head = f" {'cp':>8}" if long else ""
+    head = (f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>4}{cp_head} {'ZeRO':>4} {'offload':<16} {'recompute':<9} "
             f"{'GB/GPU':>7} {'step':>9} {'tokens/s':>9} {'MFU':>5} {'bubble':>6}")
     lines += [head, "-" * len(head)]
     for i, row in enumerate(result.ranked[:top], 1):
         lay = row.layout
+        cp = f" {_cp_cell(lay):>8}" if long else ""
         lines.append(
-            f"{i:>3} {lay.tp:>3} {lay.pp:>3} {lay.dp:>4} {zero_label(lay):>4} {lay.offload:<16} "
+            f"{i:>3} {lay.tp:>3} {lay.pp:>3} {lay.dp:>4}{cp} {zero_label(lay):>4} {lay.offload:<16} "
             f"{lay.activation_checkpointing:<9} {row.memory.total / 1e9:>7.1f} {format_seconds(row.step_s):>9} "
             f"{format_count(row.tokens_per_s):>9} {model_flops_utilisation(row, result.request):>5.0%} "
             f"{row.bubble:>6.0%}")
@@ -43,6 +48,12 @@ def plan_table(result: PlanResult, *, top: int = 10, explain: bool = True) -> st
     if result.rejected:
         lines.append("rejected: " + ", ".join(f"{n} {why}" for why, n in sorted(result.rejected.items())))
     return "\n".join(lines)
+
+
+def _cp_cell(lay: Any) -> str:
+    """``4 ring``, ``2 uly``, ``4 hyb``, with ``+T`` for the tiled loss / MLP."""
+    mode = {"ulysses": "uly", "ring": "ring", "hybrid": "hyb"}[lay.cp_mode] if lay.cp > 1 else ""
+    return f"{lay.cp}{' ' + mode if mode else ''}{'+T' if lay.tiled else ''}"
 
 
 def plan_json(result: PlanResult, *, top: int | None = None) -> str:
