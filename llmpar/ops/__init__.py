@@ -10,6 +10,7 @@ from __future__ import annotations
 from llmpar.ops import _library  # noqa: F401  (defines the llmpar:: ops before any op can run)
 from llmpar.ops._dispatch import BACKENDS, backend_report, select_backend
 from llmpar.ops.adamw import MODES, PRECISIONS, adamw_step
+from llmpar.ops.attention import attention_bwd, attention_fwd, flash_attention, merge_partials
 from llmpar.ops.bucket import pack_bucket, unpack_bucket
 from llmpar.ops.cpu_adam import cpu_adamw_step
 from llmpar.ops.gemm import ACTIVATIONS, linear_act, linear_act_backward, linear_act_rows
@@ -17,4 +18,4 @@ from llmpar.ops.grad_norm import clip_coefficient, grad_norm
 
 __all__ = ["BACKENDS", "backend_report", "select_backend", "pack_bucket", "unpack_bucket", "MODES", "PRECISIONS",
            "adamw_step", "cpu_adamw_step", "grad_norm", "clip_coefficient", "ACTIVATIONS", "linear_act", "linear_act_rows",
-           "linear_act_backward"]
+           "linear_act_backward", "attention_fwd", "attention_bwd", "merge_partials", "flash_attention"]

@@ -18,8 +18,11 @@ delta = rowsum(dout * out): dv = p^T dout, ds = p (dout v^T - delta), dq = scale
 and dv sum over the query heads of a group. Summing dq over key blocks and taking each block's dk / dv gives the
 full-sequence gradients (the ring's backward).
 
-Backends: Triton (``llmpar.kernels.attention``) on CUDA tensors when available, else torch (this file: fp32 math,
-queries processed in chunks of ``Q_CHUNK`` rows so the score matrix held at once is [B, Hq, Q_CHUNK, Sk]).
+Backends (``_dispatch.select_backend``; ``LLMPAR_BACKEND=triton|torch`` forces one): Triton
+(``llmpar.kernels.attention``: flash attention, O(S) memory) on CUDA tensors, or on CPU under ``TRITON_INTERPRET=1``,
+for q, k, v of one dtype among fp32 / bf16 / fp16 and head_dim <= 128 (fp32 uses TF32 only where torch's matmul
+setting allows it); else torch (this file: fp32 math, queries processed in chunks of ``Q_CHUNK`` rows so the score
+matrix held at once is [B, Hq, Q_CHUNK, Sk]). There is no CUDA-extension kernel: forcing ``cuda`` raises.
 """
 from __future__ import annotations
 
@@ -27,7 +30,11 @@ import math
 
 import torch
 
+from llmpar.ops._dispatch import select_backend, tf32_allowed
+
 Q_CHUNK = 1024
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MAX_KERNEL_HEAD_DIM = 128
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos, k_pos, k_valid) -> tuple[int, int]:
@@ -46,14 +53,37 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos, k_pos, k_va
     Hkv = k.shape[1]
     if Hkv == 0 or Hq % Hkv:
         raise ValueError(f"query heads {Hq} must be a multiple of key/value heads {Hkv}")
-    if q_pos is not None and (q_pos.dim() != 1 or q_pos.numel() != Sq):
-        raise ValueError(f"q_pos must be 1-D of length Sq={Sq}, got shape {tuple(q_pos.shape)}")
-    if k_pos is not None and (k_pos.dim() != 1 or k_pos.numel() != k.shape[2]):
-        raise ValueError(f"k_pos must be 1-D of length Sk={k.shape[2]}, got shape {tuple(k_pos.shape)}")
-    if k_valid is not None and (k_valid.dtype != torch.bool or tuple(k_valid.shape) != (B, k.shape[2])):
-        raise ValueError(f"k_valid must be a bool tensor of shape {(B, k.shape[2])}, got "
-                         f"{k_valid.dtype} {tuple(k_valid.shape)}")
+    for name, t in (("k", k), ("v", v)):
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; q, k, v must share a device")
+    for name, pos, n in (("q_pos", q_pos, Sq), ("k_pos", k_pos, k.shape[2])):
+        if pos is None:
+            continue
+        if not isinstance(pos, torch.Tensor) or pos.is_floating_point() or pos.is_complex() or pos.dtype == torch.bool:
+            raise TypeError(f"{name} must be an integer tensor of global token indices, got "
+                            f"{getattr(pos, 'dtype', type(pos).__name__)}")
+        if pos.dim() != 1 or pos.numel() != n:
+            raise ValueError(f"{name} must be 1-D of length {'Sq' if name == 'q_pos' else 'Sk'}={n}, got shape "
+                             f"{tuple(pos.shape)}")
+        if pos.device != q.device:
+            raise ValueError(f"{name} is on {pos.device} but q is on {q.device}")
+    if k_valid is not None:
+        if not isinstance(k_valid, torch.Tensor) or k_valid.dtype != torch.bool \
+                or tuple(k_valid.shape) != (B, k.shape[2]):
+            raise ValueError(f"k_valid must be a bool tensor of shape {(B, k.shape[2])}, got "
+                             f"{getattr(k_valid, 'dtype', type(k_valid).__name__)} "
+                             f"{tuple(getattr(k_valid, 'shape', ()))}")
+        if k_valid.device != q.device:
+            raise ValueError(f"k_valid is on {k_valid.device} but q is on {q.device}")
     return Hq // Hkv, D
+
+
+def _scale(scale, D: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(D)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite number (default 1/sqrt(head_dim)), got {scale!r}")
+    return float(scale)
 
 
 def _acc_dtype(q: torch.Tensor) -> torch.dtype:
@@ -122,14 +152,21 @@ def _torch_bwd(q, k, v, out, lse, dout, scale, causal, q_pos, k_pos, k_valid):
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def _use_triton(q: torch.Tensor) -> bool:
-    if q.device.type != "cuda" or q.dtype == torch.float64:
-        return False
-    try:
-        from llmpar.kernels import attention as kernel  # noqa: F401
-    except ImportError:
-        return False
-    return True
+def _kernel_unfit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
+    """Why the Triton kernels cannot take these inputs (the torch path then runs), or None."""
+    if q.dtype not in KERNEL_DTYPES:
+        return f"dtype {q.dtype} (the kernels take {', '.join(map(str, KERNEL_DTYPES))})"
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"mixed dtypes q {q.dtype}, k {k.dtype}, v {v.dtype}"
+    if q.shape[-1] > MAX_KERNEL_HEAD_DIM:
+        return f"head_dim {q.shape[-1]} > {MAX_KERNEL_HEAD_DIM}"
+    return None
+
+
+def _backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, op: str) -> str:
+    """"triton" or "torch" (LLMPAR_BACKEND may force either; there is no CUDA-extension kernel for attention)."""
+    return select_backend(q.device, kernel_unfit=_kernel_unfit(q, k, v), op=op,
+                          cuda_unfit="attention has no CUDA-extension kernel (Triton or torch run it)")
 
 
 def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
@@ -137,10 +174,11 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: f
                   k_valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [B, Hq, Sq, D] in q's dtype, lse [B, Hq, Sq] float32/float64)`` of q over this key block."""
     _, D = _check(q, k, v, q_pos, k_pos, k_valid)
-    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    if _use_triton(q):
+    scale = _scale(scale, D)
+    if _backend(q, k, v, "attention_fwd") == "triton":
         from llmpar.kernels import attention as kernel
-        return kernel.attention_fwd(q, k, v, scale=scale, causal=causal, q_pos=q_pos, k_pos=k_pos, k_valid=k_valid)
+        return kernel.attention_fwd(q, k, v, scale=scale, causal=causal, q_pos=q_pos, k_pos=k_pos, k_valid=k_valid,
+                                    allow_tf32=tf32_allowed())
     return _torch_fwd(q, k, v, scale, causal, q_pos, k_pos, k_valid)
 
 
@@ -153,11 +191,11 @@ def attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
     if out.shape != q.shape or dout.shape != q.shape or lse.shape != q.shape[:3]:
         raise ValueError(f"out/dout must have q's shape {tuple(q.shape)} and lse {tuple(q.shape[:3])}, got "
                          f"{tuple(out.shape)}, {tuple(dout.shape)}, {tuple(lse.shape)}")
-    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    if _use_triton(q):
+    scale = _scale(scale, D)
+    if _backend(q, k, v, "attention_bwd") == "triton":
         from llmpar.kernels import attention as kernel
         return kernel.attention_bwd(q, k, v, out, lse, dout, scale=scale, causal=causal, q_pos=q_pos, k_pos=k_pos,
-                                    k_valid=k_valid)
+                                    k_valid=k_valid, allow_tf32=tf32_allowed())
     return _torch_bwd(q, k, v, out, lse, dout, scale, causal, q_pos, k_pos, k_valid)
 
 
