@@ -137,7 +137,8 @@ def _attention_case(cp: ContextParallel, case: dict) -> None:
     real = shard.valid
     mine = shard.index[real]
     local = [shard_tensor(t, shard, dim=2).to(dtype).requires_grad_() for t in (q, k, v)]
-    lvalid = None if valid is None else shard_tensor(valid, shard, dim=1, pad_value=False)
+    # pad_value=True: the keys added to reach padded_len must be masked by position, whatever k_valid says
+    lvalid = None if valid is None else shard_tensor(valid, shard, dim=1, pad_value=True)
     with cp.batch(shard, lvalid):
         out = cp.attention(*local, causal=causal, **cp.attention_kwargs())
     out.backward(shard_tensor(dout, shard, dim=2).to(dtype))

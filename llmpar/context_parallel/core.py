@@ -157,13 +157,10 @@ class ContextParallel:
         if valid is not None:
             valid = gather_valid(valid, self.ulysses_group, u)
         if self.mode == "ulysses":
-            pos = groups[0].to(q.device)
-            mask = pos < shard.seq_len
-            if valid is not None or not bool(mask.all()):
-                mask = mask[None].expand(q.shape[0], -1)
+            pos, mask = groups[0].to(q.device), None
+            if valid is not None or int(groups[0][-1]) >= shard.seq_len:  # user padding, or tokens added to pad
+                mask = (pos < shard.seq_len)[None].expand(q.shape[0], -1)
                 mask = mask if valid is None else mask & valid.bool()
-            else:
-                mask = None
             out = flash_attention(q, k, v, scale=scale, causal=causal, q_pos=pos, k_pos=pos, k_valid=mask)
         else:
             spec = RingSpec(group=self.ring_group, positions=groups, seq_len=shard.seq_len, causal=bool(causal),

@@ -11,7 +11,8 @@ is skipped, and with the zigzag split every off-diagonal block costs half of a f
 
 Backward runs the same ring: dq accumulates locally; the (dk, dv) accumulator of a block travels with it, each rank
 adding its contribution (``attention_bwd`` given the *final* out / lse), and after R steps one more hop brings it
-home. Key padding (``k_valid``, the user's mask) travels with its block; padding added to reach ``padded_len``
+home (in float32 for half-precision inputs, float64 for float64). Key padding (``k_valid``, the user's mask) travels
+with its block; padding added to reach ``padded_len``
 (positions >= seq_len) is masked from the positions, which every rank knows.
 
 :class:`RingStats` records, per step, the host seconds spent computing and waiting on the exchange.
@@ -85,9 +86,10 @@ def _part(x: torch.Tensor, span: slice) -> torch.Tensor:
     return x[:, :, span].contiguous()
 
 
-def _key_mask(valid: torch.Tensor | None, k_pos: torch.Tensor, seq_len: int, batch: int) -> torch.Tensor | None:
-    """[B, Sk] bool of the keys that are real and not masked by the user's ``valid`` (uint8), or None if all are."""
-    padded = bool((k_pos >= seq_len).any())
+def _key_mask(valid: torch.Tensor | None, k_pos: torch.Tensor, seq_len: int, batch: int,
+              padded: bool) -> torch.Tensor | None:
+    """[B, Sk] bool of the keys that are real and not masked by the user's ``valid`` (uint8), or None if all are
+    (``padded``: whether any of ``k_pos`` is >= seq_len, decided on the CPU copy so no device sync is needed)."""
     if valid is None and not padded:
         return None
     mask = (k_pos < seq_len)[None].expand(batch, -1)
@@ -121,7 +123,8 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch
             handle = exchange(sends, recvs, pg, what=f"ring attention forward step {step} (k/v block of rank {src})")
         rows, cols = _visible(spec.positions[r], spec.positions[src], spec.causal)
         if rows.start < rows.stop and cols.start < cols.stop:
-            mask = _key_mask(None if bvalid is None else bvalid[:, cols], pos[src, cols], spec.seq_len, B)
+            mask = _key_mask(None if bvalid is None else bvalid[:, cols], pos[src, cols], spec.seq_len, B,
+                             bool(spec.positions[src, cols.stop - 1] >= spec.seq_len))
             o, l = attention_fwd(_part(q, rows), _part(block[0], cols), _part(block[1], cols), scale=spec.scale,
                                  causal=spec.causal, q_pos=pos[r, rows], k_pos=pos[src, cols], k_valid=mask)
             out[:, :, rows], lse[:, :, rows] = merge_partials(out[:, :, rows], lse[:, :, rows], o, l)
@@ -158,7 +161,8 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         rows, cols = _visible(spec.positions[r], spec.positions[src], spec.causal)
         part = None
         if rows.start < rows.stop and cols.start < cols.stop:
-            mask = _key_mask(None if bvalid is None else bvalid[:, cols], pos[src, cols], spec.seq_len, B)
+            mask = _key_mask(None if bvalid is None else bvalid[:, cols], pos[src, cols], spec.seq_len, B,
+                             bool(spec.positions[src, cols.stop - 1] >= spec.seq_len))
             dq_c, dk_c, dv_c = attention_bwd(_part(q, rows), _part(block[0], cols), _part(block[1], cols),
                                              _part(out, rows), lse[:, :, rows].contiguous(), _part(dout, rows),
                                              scale=spec.scale,
