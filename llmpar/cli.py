@@ -16,6 +16,7 @@ _COMMAND_MODULES = (
     "llmpar.train",
     "llmpar.planning.cli",
     "llmpar.checkpoint.consolidate",
+    "llmpar.launch",
 )
 
 

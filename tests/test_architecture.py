@@ -20,7 +20,7 @@ FLOORS = {
     "tensor_parallel": 2, "optim": 2, "context_parallel": 2,
     "zero": 3, "pipeline": 3, "checkpoint": 3,
     "runtime": 4,
-    "cli": 5, "train": 5, "env_report": 5, "pipe": 5, "integrations": 5, "": 5,
+    "cli": 5, "train": 5, "launch": 5, "env_report": 5, "pipe": 5, "integrations": 5, "": 5,
     "comm": 5, "checkpointing": 5, "utils": 5,  # deepspeed.comm, deepspeed.checkpointing, deepspeed.utils
     "accelerator": 5,  # deepspeed.accelerator
 }

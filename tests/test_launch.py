@@ -1,0 +1,262 @@
+"""``llmpar launch``: DeepSpeed's hostfile and --include / --exclude rules, the commands each launcher runs
+(--dry-run), and a real two-node launch simulated on this machine (two torch.distributed.run agents meeting
+through c10d). The elastic restart (a real --num_gpus 2 --max_restarts 1 launch) is in test_elastic.py."""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from collections import OrderedDict
+
+import pytest
+from multirank import free_port
+
+from llmpar import cli
+from llmpar.launch import build_commands, describe, filter_pool, launch_from_args, parse_hostfile, resolve_pool
+from llmpar.launch.cli import build_parser
+from llmpar.launch.commands import exported_env
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HOSTFILE = """# the cluster
+worker-0 slots=4
+
+worker-1   slots=4   # the second node
+worker-2 slots=2
+"""
+
+
+def _pool() -> OrderedDict:
+    return parse_hostfile(HOSTFILE.splitlines(), name="hosts")
+
+
+def test_hostfile_format():
+    assert list(_pool().items()) == [("worker-0", 4), ("worker-1", 4), ("worker-2", 2)]
+
+
+@pytest.mark.parametrize("text, match", [
+    ("worker-0 slots=4\nworker-1 4\n", r"hosts:2: 'worker-1 4' is not a hostfile entry.*HOST slots=N"),
+    ("worker-0 slots=4\nworker-0 slots=2\n", r"hosts:2: host 'worker-0' is listed again \(first on line 1\)"),
+    ("# only comments\n\n", r"hosts: no hosts"),
+    ("w slots=0\n", r"hosts:1: host 'w' has slots=0"),
+    ("w slots=2 extra\n", r"hosts:1: 'w slots=2 extra' is not a hostfile entry"),
+])
+def test_bad_hostfile_names_the_line(text, match):
+    with pytest.raises(ValueError, match=match):
+        parse_hostfile(text.splitlines(), name="hosts")
+
+
+@pytest.mark.parametrize("include, exclude, expect", [
+    # DeepSpeed's own examples (runner.py's help), checked against deepspeed.launcher.runner when written
+    ("worker-0@worker-1:0,2", "", {"worker-0": [0, 1, 2, 3], "worker-1": [0, 2]}),
+    ("", "worker-1:0", {"worker-0": [0, 1, 2, 3], "worker-1": [1, 2, 3], "worker-2": [0, 1]}),
+    ("", "worker-1@worker-0:3", {"worker-0": [0, 1, 2], "worker-2": [0, 1]}),
+    ("worker-2@worker-0:1", "", {"worker-0": [1], "worker-2": [0, 1]}),  # hostfile order, not the filter's
+    ("worker-1:3@worker-1:1", "", {"worker-1": [1, 3]}),  # one host named twice: slots merge
+    ("", "", {"worker-0": [0, 1, 2, 3], "worker-1": [0, 1, 2, 3], "worker-2": [0, 1]}),
+])
+def test_include_exclude(include, exclude, expect):
+    assert filter_pool(_pool(), include, exclude) == OrderedDict(expect)
+
+
+@pytest.mark.parametrize("include, exclude, match", [
+    ("worker-0", "worker-1", r"--include 'worker-0' and --exclude 'worker-1': give one of them"),
+    ("worker-9", "", r"--include 'worker-9': host 'worker-9' is not in the pool \(hosts: worker-0, worker-1"),
+    ("worker-2:2", "", r"host 'worker-2' has no slot 2 \(it has slots 0-1\)"),
+    ("", "worker-1:x", r"--exclude 'worker-1:x': slots 'x' of 'worker-1' must be integers"),
+    ("worker-0@", "", r"'' is not NAME or NAME:SLOT"),
+    ("", "worker-0@worker-1@worker-2", r"--exclude .* leaves no host and slot"),
+])
+def test_bad_include_exclude(include, exclude, match):
+    with pytest.raises(ValueError, match=match):
+        filter_pool(_pool(), include, exclude)
+
+
+def test_num_nodes_and_gpus_trim_or_refuse(tmp_path):
+    path = tmp_path / "hosts"
+    path.write_text(HOSTFILE)
+    kw = dict(hostfile=str(path), include="", exclude="", local_slots=1)
+    assert resolve_pool(**kw, num_nodes=2, num_gpus=3) == OrderedDict([("worker-0", [0, 1, 2]),
+                                                                       ("worker-1", [0, 1, 2])])
+    with pytest.raises(ValueError, match=r"--num_nodes 4: the hostfile has 3 host\(s\)"):
+        resolve_pool(**kw, num_nodes=4, num_gpus=None)
+    with pytest.raises(ValueError, match=r"--num_gpus 3: more than the hostfile gives worker-2 \(slots=2\)"):
+        resolve_pool(**kw, num_nodes=None, num_gpus=3)
+    with pytest.raises(ValueError, match=r"--num_nodes / --num_gpus cannot be combined with --include"):
+        resolve_pool(**{**kw, "include": "worker-0"}, num_nodes=None, num_gpus=2)
+    with pytest.raises(ValueError, match=r"--hostfile .*nope: cannot be read"):
+        resolve_pool(**{**kw, "hostfile": str(tmp_path / "nope")}, num_nodes=None, num_gpus=None)
+
+
+# ---------------------------------------------------------------------------------------------------- dry runs
+ENV = {"NCCL_DEBUG": "INFO", "PYTHONPATH": "/src", "HOME_ONLY": "x", "LLMPAR_TIMEOUT_S": "60"}
+
+
+def _commands(argv: list[str], tmp_path, environ: dict | None = None):
+    (tmp_path / "hosts").write_text(HOSTFILE)
+    args = build_parser().parse_args(["launch", *argv, "train.py", "--deepspeed_config", "ds.json"])
+    cwd = os.getcwd()
+    os.chdir(tmp_path)  # no ./.deepspeed_env from the repository
+    try:
+        return build_commands(launch_from_args(args), ENV if environ is None else environ)
+    finally:
+        os.chdir(cwd)
+
+
+def _torchrun_flags(argv: list[str]) -> dict[str, str]:
+    """torch.distributed.run's own ``--flag=value`` / ``--flag`` arguments (up to the script)."""
+    out = {}
+    for a in argv[argv.index("torch.distributed.run") + 1:]:
+        if not a.startswith("--"):
+            break
+        key, _, value = a[2:].partition("=")
+        out[key] = value
+    return out
+
+
+def test_dry_run_torchrun_one_node(tmp_path):
+    (c,) = _commands(["--num_gpus", "2"], tmp_path)
+    assert c.argv[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert c.argv[-3:] == ["train.py", "--deepspeed_config", "ds.json"]
+    assert _torchrun_flags(c.argv) == {"nnodes": "1", "nproc_per_node": "2", "standalone": "", "max_restarts": "0"}
+    assert c.env == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # pytorch#135712: restarts get a fresh store
+    (c,) = _commands(["--nproc_per_node", "3", "--master_port", "2345", "--max_restarts", "2", "--module"], tmp_path)
+    flags = _torchrun_flags(c.argv)
+    assert (flags["nproc_per_node"], flags["rdzv_endpoint"], flags["rdzv_backend"], flags["max_restarts"]) == \
+        ("3", "127.0.0.1:2345", "c10d", "2")
+    assert c.argv[-4:] == ["-m", "train.py", "--deepspeed_config", "ds.json"]
+    (c,) = _commands(["-H", "hosts", "-i", "worker-1:1,3"], tmp_path)  # one host left: a local launch
+    assert _torchrun_flags(c.argv)["nproc_per_node"] == "2" and c.env["CUDA_VISIBLE_DEVICES"] == "1,3"
+
+
+def test_dry_run_torchrun_node_of_many(tmp_path):
+    (c,) = _commands(["--nnodes", "2", "--master_addr", "10.0.0.1", "--num_gpus", "4"], tmp_path)
+    flags = _torchrun_flags(c.argv)  # no --node_rank: c10d numbers the nodes (torchrun ignores it, with a warning)
+    assert flags == {"nnodes": "2", "nproc_per_node": "4", "rdzv_backend": "c10d", "rdzv_endpoint": "10.0.0.1:29500",
+                     "rdzv_id": "llmpar", "max_restarts": "0"}
+    (c,) = _commands(["-H", "hosts", "--node_rank", "2", "--launcher", "torchrun"], tmp_path,
+                     {"SLURM_JOB_ID": "77"})
+    flags = _torchrun_flags(c.argv)
+    assert (flags["nnodes"], flags["nproc_per_node"], flags["rdzv_endpoint"], flags["rdzv_id"]) == \
+        ("3", "2", "worker-0:29500", "77")
+    with pytest.raises(ValueError, match=r"--node_rank 2: expected 0..1 \(--nnodes 2\)"):
+        _commands(["--nnodes", "2", "--master_addr", "a", "--node_rank", "2"], tmp_path)
+    with pytest.raises(ValueError, match=r"--nnodes 2: give --master_addr"):
+        _commands(["--nnodes", "2"], tmp_path)
+    with pytest.raises(ValueError, match=r"--launcher torchrun starts one node, and the hostfile has 3"):
+        _commands(["-H", "hosts", "--launcher", "torchrun"], tmp_path)
+    with pytest.raises(ValueError, match=r"--node_rank 3: expected 0..2"):
+        _commands(["-H", "hosts", "--node_rank", "3"], tmp_path)
+
+
+def test_dry_run_ssh(tmp_path):
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / ".deepspeed_env").write_text("# extra\nFOO=bar baz\n")
+    assert exported_env(ENV, home=str(home), cwd=str(tmp_path)) == {
+        "LLMPAR_TIMEOUT_S": "60", "NCCL_DEBUG": "INFO", "PYTHONPATH": "/src", "FOO": "bar baz"}
+    cmds = _commands(["-H", "hosts", "-e", "worker-0:0", "--master_port", "3456", "--launcher_args", "-p 2222"],
+                     tmp_path)  # several hosts: ssh is the default
+    assert [(c.node, c.host) for c in cmds] == [(0, "worker-0"), (1, "worker-1"), (2, "worker-2")]
+    for i, c in enumerate(cmds):
+        assert c.argv[:4] == ["ssh", "-p", "2222", c.host] and not c.env
+        remote = shlex.split(c.argv[4])
+        assert remote[:4] == ["cd", str(tmp_path), "&&", "env"]
+        assigned = dict(a.split("=", 1) for a in remote[4:] if "=" in a and not a.startswith("-"))
+        assert assigned["NCCL_DEBUG"] == "INFO" and assigned["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+        assert "HOME_ONLY" not in assigned
+        assert assigned.get("CUDA_VISIBLE_DEVICES") == ("1,2,3" if i == 0 else None)
+        flags = _torchrun_flags(remote)
+        assert (flags["nnodes"], flags["nproc_per_node"], flags["rdzv_endpoint"]) == \
+            ("3", ["3", "4", "2"][i], "worker-0:3456")
+    text = describe(cmds)
+    assert text.splitlines()[0] == "# node 0 (worker-0)" and text.count("ssh -p 2222 worker-") == 3
+    with pytest.raises(ValueError, match=r"--launcher ssh needs --hostfile"):
+        _commands(["--launcher", "ssh"], tmp_path)
+
+
+def test_dry_run_slurm(tmp_path):
+    (c,) = _commands(["--launcher", "slurm", "--num_nodes", "2", "--num_gpus", "4"], tmp_path)
+    assert c.argv == ["srun", "--nodes=2", "--ntasks-per-node=4", sys.executable, "-u", "train.py",
+                      "--deepspeed_config", "ds.json"] and c.env == {}
+    env = {"SLURM_JOB_ID": "123", "SLURM_JOB_NODELIST": "gpu[07-08]"}
+    (c,) = _commands(["--launcher", "slurm", "--num_nodes", "2", "--num_gpus", "4", "--max_restarts", "1"],
+                     tmp_path, env)
+    assert c.argv[:4] == ["srun", "--nodes=2", "--ntasks-per-node=1", sys.executable]
+    flags = _torchrun_flags(c.argv)
+    assert (flags["nnodes"], flags["nproc_per_node"], flags["rdzv_endpoint"], flags["rdzv_id"],
+            flags["max_restarts"]) == ("2", "4", "gpu07:15123", "123", "1")  # port: 15000 + job id % 20000
+    (c,) = _commands(["--launcher", "slurm", "-H", "hosts", "-i", "worker-0@worker-1"], tmp_path)
+    assert c.argv[:4] == ["srun", "--nodes=2", "--nodelist=worker-0,worker-1", "--ntasks-per-node=4"]
+    with pytest.raises(ValueError, match=r"--launcher slurm starts the same processes on every node"):
+        _commands(["--launcher", "slurm", "-H", "hosts"], tmp_path)
+    with pytest.raises(ValueError, match=r"--node_rank is for --launcher torchrun; slurm"):
+        _commands(["--launcher", "slurm", "--node_rank", "0"], tmp_path)
+    with pytest.raises(ValueError, match=r"outside a Slurm allocation .* give --master_addr or --hostfile"):
+        _commands(["--launcher", "slurm", "--num_gpus", "2", "--max_restarts", "1"], tmp_path)
+
+
+def test_dry_run_mpi(tmp_path):
+    (c,) = _commands(["--launcher", "mpi", "-H", "hosts", "-i", "worker-0:0,1@worker-2"], tmp_path)
+    i = c.argv.index(sys.executable)
+    assert c.argv[:7] == ["mpirun", "-n", "4", "-H", "worker-0:2,worker-2:2", "--npernode", "2"]
+    exported = [c.argv[j + 1] for j in range(7, i) if c.argv[j] == "-x"]
+    assert {"MASTER_ADDR=worker-0", "MASTER_PORT=29500", "NCCL_DEBUG=INFO", "PYTHONPATH=/src"} <= set(exported)
+    assert c.argv[i:] == [sys.executable, "-u", "train.py", "--deepspeed_config", "ds.json"]
+    with pytest.raises(ValueError, match=r"--max_restarts 1: mpirun does not restart ranks"):
+        _commands(["--launcher", "mpi", "--num_gpus", "2", "--max_restarts", "1"], tmp_path)
+    with pytest.raises(ValueError, match=r"--launcher mpi on 2 nodes without a hostfile: give --master_addr"):
+        _commands(["--launcher", "mpi", "--num_nodes", "2", "--num_gpus", "2"], tmp_path)
+
+
+def test_bad_flags_exit_2_naming_the_flag(tmp_path, capsys):
+    assert "llmpar.launch" in cli._COMMAND_MODULES  # `llmpar launch` is this parser
+    args = build_parser().parse_args(["launch", "--num_gpus", "0", "--dry-run", "x.py"])
+    assert args.func(args) == 2
+    assert "--num_gpus 0: must be >= 1" in capsys.readouterr().err
+    args = build_parser().parse_args(["launch", "--num_gpus", "2", "--dry-run", "x.py", "--lr", "1"])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "# node 0 (localhost)" and out[1].endswith("x.py --lr 1")
+
+
+# ----------------------------------------------------------------------------------- a real two-node launch
+SCRIPT = """
+import json, os, sys
+import torch, torch.distributed as dist
+import llmpar
+env = llmpar.init_distributed()
+x = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(x)
+with open(os.path.join(sys.argv[1], f"rank{dist.get_rank()}.json"), "w") as f:
+    json.dump({"rank": dist.get_rank(), "world": dist.get_world_size(), "sum": x.item(), "arg": sys.argv[2],
+               "node_env": os.environ["GROUP_RANK"], "local": os.environ["LOCAL_RANK"]}, f)
+"""
+
+
+def test_two_nodes_on_one_machine(tmp_path):
+    """``--nnodes 2`` twice on localhost (as on two nodes): two agents meet through c10d, one rank each, one world
+    of 2. Through ``python -m llmpar.launch`` (``llmpar launch`` without loading torch in the launching process)."""
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    procs = [subprocess.Popen([sys.executable, "-m", "llmpar.launch", "--nnodes", "2",
+                               "--master_addr", "127.0.0.1", "--master_port", str(port), "--num_gpus", "1",
+                               str(script), str(tmp_path), "hello world"],
+                              cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for _ in (0, 1)]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=240)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outs)
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [(g["rank"], g["world"], g["sum"], g["arg"], g["local"]) for g in got] == \
+        [(0, 2, 3.0, "hello world", "0"), (1, 2, 3.0, "hello world", "0")]
+    assert sorted(g["node_env"] for g in got) == ["0", "1"]  # one rank on each simulated node
