@@ -8,7 +8,9 @@ Counters (DeepSpeed's meaning): ``micro_steps`` forward/backward passes, ``globa
 (applied or skipped), ``global_samples`` samples seen, ``skipped_steps`` optimizer steps skipped for non-finite
 gradients (the optimizer's device counter, read only when asked; assignable, e.g. by a checkpoint load).
 Every ``steps_per_print`` optimizer steps global rank 0 logs DeepSpeed's progress line to the ``llmpar`` logger:
-``step=100, skipped=0, lr=[0.0003], mom=[(0.9, 0.999)], grad_norm=0.4321`` (``, loss=...`` for a pipeline step).
+``step=100, skipped=0, lr=[0.0003], mom=[(0.9, 0.999)], grad_norm=0.4321`` (``, loss=...`` for a pipeline step),
+then the throughput since the previous line (``mfu.py``): ``, tokens/s=52100, TFLOP/s/device=401, MFU=40.5%`` (tokens:
+this rank's training forwards' batches times the data ranks, or ``set_tokens_per_step``).
 """
 from __future__ import annotations
 
@@ -22,10 +24,12 @@ from torch import nn
 
 from llmpar.distributed.agree import raise_if_any_failed
 from llmpar.distributed.errors import CollectiveError
+from llmpar.distributed.flight import RECORDER
 from llmpar.runtime import engine_ckpt
 from llmpar.runtime.client import mirror_groups, step_scheduler
 from llmpar.runtime.config import Config
 from llmpar.runtime.engine_api import DeepSpeedAPI
+from llmpar.runtime.mfu import Throughput
 from llmpar.runtime.monitor import MonitorMaster, monitor_config
 
 if TYPE_CHECKING:
@@ -58,6 +62,7 @@ class EngineBase(DeepSpeedAPI):
         self.module, self.config, self.optimizer, self.lr_scheduler = module, config, optimizer, scheduler
         self.micro_steps = 0
         self.global_steps = 0
+        RECORDER.step = 0
         self.global_samples = 0
         self._skip_offset = 0  # skipped_steps = the optimizer's count + offset
         self.checkpoint_pending: PendingSave | None = None  # this engine's async save, published at the next wait
@@ -70,6 +75,21 @@ class EngineBase(DeepSpeedAPI):
         self.destroyed = False
         self.losses: torch.Tensor | None = None  # this accumulation's sum of loss / gas (DeepSpeed's; for the monitor)
         self.monitor = self._build_monitor()
+        self.throughput = Throughput()  # tokens and time between steps_per_print lines
+        self._token_hook = module.register_forward_pre_hook(self._count_tokens, with_kwargs=True) \
+            if isinstance(module, nn.Module) else None
+
+    def _count_tokens(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if module.training and torch.is_grad_enabled():
+            self.throughput.seen(args, kwargs)
+
+    def set_tokens_per_step(self, tokens: int) -> None:
+        """The job's tokens per optimizer step (all ranks) for the progress lines' throughput and MFU, instead of
+        counting this rank's batches (for inputs that are not token ids, or a pipeline engine)."""
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+            raise ValueError(f"set_tokens_per_step(tokens={tokens!r}): expected a positive int (tokens per optimizer "
+                             "step, all ranks together)")
+        self.throughput.tokens_per_step = tokens
 
     def _build_monitor(self) -> MonitorMaster:
         """DeepSpeed's monitors (``monitor.py``), writing on global rank 0; a writer failing to start there (an
@@ -121,6 +141,8 @@ class EngineBase(DeepSpeedAPI):
         if self.checkpoint_pending is not None:
             self.wait_checkpoint()
         self.monitor.close()
+        if self._token_hook is not None:
+            self._token_hook.remove()
         self.optimizer.destroy()
         self.losses = None
         self.destroyed = True
@@ -145,15 +167,20 @@ class EngineBase(DeepSpeedAPI):
                 self.lr_scheduler.step(**(lr_kwargs or {}))
         self.optimizer.zero_grad()
         self.global_steps += 1
+        RECORDER.step = self.global_steps  # stamped on the flight recorder's entries
         self.global_samples += self.config.train_batch_size
+        self.throughput.steps += 1
         self.losses = None
         if self.monitor.enabled:
             self._monitor_step(loss)
         if (self.global_steps % self.config.steps_per_print == 0 and self.global_rank == 0
                 and logger.isEnabledFor(logging.INFO)):
-            logger.info("step=%d, skipped=%d, lr=%s, mom=%s, grad_norm=%.4g%s", self.global_steps, self.skipped_steps,
-                        [round(lr, 8) for lr in self.get_lr()], self.get_mom(), self.optimizer.last_grad_norm or 0.0,
-                        "" if loss is None else f", loss={loss:.4f}")
+            rate = self.throughput.report(self.module, tp=self.mp_world_size, world=self.world_size,
+                                          data_ranks=self.world_size // self.mp_world_size, device=self.device)
+            logger.info("step=%d, skipped=%d, lr=%s, mom=%s, grad_norm=%.4g%s%s", self.global_steps,
+                        self.skipped_steps, [round(lr, 8) for lr in self.get_lr()], self.get_mom(),
+                        self.optimizer.last_grad_norm or 0.0, "" if loss is None else f", loss={loss:.4f}",
+                        f", {rate}" if rate else "")
 
     def mirror_lrs_from_client(self) -> None:
         """Copy the lrs a client scheduler set in its optimizer into the engine's optimizer."""
@@ -262,6 +289,7 @@ class EngineBase(DeepSpeedAPI):
         for k in self._COUNTERS:
             if k in counters:
                 setattr(self, k, counters[k])
+        RECORDER.step = self.global_steps
 
 
 __all__ = ["EngineBase"]

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from llmpar.data import BatchLoader, ByteTokenizer, load_tokens
 from llmpar.distributed import all_gather_flat, all_reduce
 from llmpar.models import GPT
+from llmpar.runtime import mfu
 from llmpar.train.options import TrainOptions, build_config, check_layout, degrees
 
 logger = logging.getLogger("llmpar")
@@ -55,6 +56,9 @@ class TrainResult:
     micro_batch: int = 1
     grad_accum: int = 1
     n_params: int = 0
+    tflops_per_device: float = 0.0  # tokens_per_s x FLOPs per token / ranks (llmpar.runtime.mfu's count)
+    peak_tflops: float | None = None  # one device's peak (None: unknown, peak_source says why)
+    peak_source: str = ""
     sample: str = ""
     config: dict = field(default_factory=dict)  # {"deepspeed": the config initialize got, "options": the rest}
 
@@ -72,9 +76,15 @@ class TrainResult:
     def fell(self) -> bool:
         return self.final_loss < MIN_DROP * self.first_loss
 
+    @property
+    def mfu(self) -> float | None:
+        """Model FLOPs utilisation: achieved / peak TFLOP/s per device (None when the peak is unknown)."""
+        return self.tflops_per_device / self.peak_tflops if self.peak_tflops else None
+
     def summary(self) -> dict:
         out = asdict(self)
-        out.update(first_loss=self.first_loss, final_loss=self.final_loss, fell=self.fell, min_drop=MIN_DROP)
+        out.update(first_loss=self.first_loss, final_loss=self.final_loss, fell=self.fell, min_drop=MIN_DROP,
+                   mfu=self.mfu)
         return out
 
 
@@ -145,6 +155,7 @@ def train(opts: TrainOptions, config: dict | None = None, *, backend: str | None
     model = GPT(opts.model_config(tokenizer.vocab_size), seed=opts.seed, device=device,
                 dtype=getattr(torch, opts.model_dtype))
     n_params = model.num_params()  # of the whole model, before any split
+    per_token = mfu.flops_per_token(mfu.matmul_params(model), opts.seq_len, mfu.attention_dims(model))
     engine = _initialize(model, config)
     dp, dp_rank, dp_group = engine.dp_world_size, engine.dp_rank, engine.optimizer.dp_group
     if opts.dropout > 0:
@@ -199,12 +210,14 @@ def train(opts: TrainOptions, config: dict | None = None, *, backend: str | None
     timed = t_end - t_after_first
     tps = (tokens_per_step * (opts.steps - 1) / timed if opts.steps > 1 and timed > 0
            else tokens_per_step / (t_end - t_start))
+    peak, peak_source = mfu.peak_tflops(device)
     text = _sample(engine.module, tokenizer, opts.seed, sample_chars, device) \
         if sample_chars > 0 and not pipeline and (dp_rank == 0 or stage == 3) else ""
     result = TrainResult(
         losses=losses, tokens_per_s=tps, wall_s=t_end - t_start, mem_mb=mem, mem_kind=peak_memory_mb(device)[1],
         dp=dp, tp=tp, pp=pp, zero_stage=stage, dtype="bfloat16" if bf16 else opts.model_dtype,
         engine=type(engine).__name__, micro_batch=micro, grad_accum=gas, n_params=n_params, sample=text,
+        tflops_per_device=tps * per_token / env.world_size / 1e12, peak_tflops=peak, peak_source=peak_source,
         config={"deepspeed": config, "options": asdict(opts)},
     )
     return engine, result
@@ -238,7 +251,9 @@ def format_summary(r: TrainResult) -> str:
         f"x dp {r.dp} = {r.micro_batch * r.grad_accum * r.dp} sequences/step",
         f"first loss      {r.first_loss:.4f}",
         f"final loss      {r.final_loss:.4f}  (mean of the last {max(1, min(10, len(r.losses) // 20))} steps)",
-        f"throughput      {r.tokens_per_s:,.0f} tokens/s (all ranks, after step 1)",
+        f"throughput      {r.tokens_per_s:,.0f} tokens/s (all ranks, after step 1), {r.tflops_per_device:.4g} TFLOP/s "
+        "per device" + (f", MFU {100 * r.mfu:.3g}% of {r.peak_tflops:.4g} TFLOP/s ({r.peak_source})" if r.mfu is not None
+                        else f" (MFU: {r.peak_source})"),
         f"peak memory     {mem}  ({r.mem_kind})",
         f"wall time       {r.wall_s:.1f} s",
     ]
