@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from llmpar.context_parallel.shard import shard_tensor
+from llmpar.distributed.groups import group_size
 from llmpar.models.gpt import GPT, IGNORE_INDEX, lm_loss
 
 
@@ -95,7 +96,7 @@ class GPTAdapter:
             raise ValueError(f"GPTConfig.dropout={cfg.dropout}: attention dropout is not supported with context "
                              "parallelism; build the model with dropout=0.0")
         group = model.tp_group()
-        tp = torch.distributed.get_world_size(group) if group is not None else 1
+        tp = group_size(group) if group is not None else 1
         ulysses = int(getattr(cp, "ulysses_size", 1))
         if (cfg.n_head // tp) % ulysses:
             raise ValueError(f"GPTConfig.n_head={cfg.n_head} over tp={tp} leaves {cfg.n_head // tp} heads per rank, "

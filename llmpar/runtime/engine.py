@@ -6,6 +6,12 @@ Engine semantics are DeepSpeed's: ``backward`` scales the loss by 1/gradient_acc
 (stage 2: every micro-step into the partition; stages 0/1: at the boundary); ``step`` applies the optimizer and the
 scheduler only at the accumulation boundary ((micro_steps + 1) % gas == 0) and counts micro-steps always. ZeRO runs
 over ``dp_group``; tensor-parallel layers on ``tp_group`` compose with it.
+
+Context parallelism (``context_parallel``, a ``llmpar.context_parallel.ContextParallel``, with the model's
+``adapter``): ``engine(...)`` takes the full batch (the same on every cp rank of a data-parallel group), runs the
+model on this rank's slice of each sequence (``adapter.shard_call``) and returns the full-sequence loss, the same on
+every cp rank. ZeRO then runs over the dp x cp group (its state sharded over dp * cp) while ``dp_group``,
+``dp_world_size`` / ``dp_rank`` and the data loader stay the data-parallel ones.
 """
 from __future__ import annotations
 
@@ -19,7 +25,7 @@ from torch import nn
 
 from llmpar.checkpoint.hf_files import save_safetensors
 from llmpar.checkpoint.protocol import Grid
-from llmpar.distributed.collectives import Group, GroupRef, group_rank
+from llmpar.distributed.collectives import Group, GroupRef, group_rank, group_size
 from llmpar.runtime import engine_ckpt
 from llmpar.runtime.config import Config
 from llmpar.runtime.engine_base import EngineBase, reports_step
@@ -32,8 +38,13 @@ class Engine(EngineBase):
     """Wraps the model, the ZeroOptimizer and the schedule; ``engine(*args)`` runs ``module(*args)``."""
 
     def __init__(self, module: nn.Module, config: Config, optimizer: Any, scheduler: Any, *, dp_group: Group,
-                 tp_group: Group | None, mesh: Any = None) -> None:
+                 tp_group: Group | None, mesh: Any = None, context_parallel: Any = None,
+                 adapter: Any = None) -> None:
         super().__init__(module, config, optimizer, scheduler)
+        if (context_parallel is None) != (adapter is None):
+            raise ValueError("context_parallel= and adapter= go together (llmpar.context_parallel.adapters)")
+        self.context_parallel = context_parallel  # None: every rank runs whole sequences
+        self.adapter = adapter
         self.mesh = mesh  # the DeviceMesh the engine runs on, when it was given or built one
         self.dp_group = GroupRef(dp_group)  # by name: see GroupRef
         self.tp_group = GroupRef(tp_group) if tp_group is not None else None
@@ -81,9 +92,31 @@ class Engine(EngineBase):
     def eval(self) -> "Engine":
         return self.train(False)
 
+    @property
+    def dp_world_size(self) -> int:
+        """Data-parallel ranks (under context parallelism: not the cp ranks ZeRO also reduces over)."""
+        return group_size(self.dp_group.get()) if self.context_parallel is not None else super().dp_world_size
+
+    @property
+    def dp_rank(self) -> int:
+        return group_rank(self.dp_group.get()) if self.context_parallel is not None else super().dp_rank
+
     @reports_step
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
+        """``module(*args, **kwargs)``; under context parallelism the adapter's sharded call, returning the loss
+        (llmpar GPT: ``engine(idx, targets, attention_mask=None)``; transformers: ``engine(input_ids=, labels=,
+        attention_mask=, position_ids=)``, the output with its loss)."""
+        if self.context_parallel is None:
+            return self.module(*args, **kwargs)
+        args, kwargs, finish = self.adapter.shard_call(self.context_parallel, args, kwargs)
+        try:
+            output = self.module(*args, **kwargs)
+        except BaseException:
+            closer = getattr(finish, "close", None)  # leave cp.batch (llmpar.context_parallel.adapters.Finish)
+            if callable(closer):
+                closer()
+            raise
+        return finish(output)
 
     forward = __call__
 
@@ -138,7 +171,7 @@ class Engine(EngineBase):
         if exclude_frozen_parameters:
             frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
             state = {k: v for k, v in state.items() if k not in frozen}
-        if group_rank(self.dp_group) == 0:
+        if group_rank(self.optimizer.dp_group) == 0:  # the rank the state dict was gathered on (dp x cp under cp)
             os.makedirs(save_dir, exist_ok=True)
             path = os.path.join(save_dir, save_filename)
             if save_filename.endswith(".safetensors"):

@@ -8,6 +8,10 @@ gives dp, and dp gives the typed :class:`Config`. Then one of two engines is bui
 
 * no ``"pipeline"`` block: :class:`Engine` with a ZeroOptimizer (stages 0-3, CPU offload). A ``"tensor_parallel":
   {"size": N}`` block without a mesh builds the dp x tp mesh and splits the model with ``llmpar.parallelize``.
+* ``"context_parallel": {"size": N, "mode": ...}`` (or DeepSpeed's ``"sequence_parallel_size": N``): the
+  ``[pp, dp, cp, tp]`` mesh (built here, or the caller's ``mesh=`` with a "cp" axis of N), a ``ContextParallel``
+  over its cp axis (hybrid: Ulysses over the inner ``ulysses_size`` ranks, ring across), the model prepared by its
+  adapter (``llmpar.context_parallel.adapters``), ZeRO over the dp x cp group; ``engine(...)`` shards each batch.
 * a ``"pipeline"`` block: :class:`PipelineEngine`: the model cut into stages over the [pp, dp, tp] mesh, tensor
   parallel inside each, a ZeroOptimizer (stages 0-2) per stage.
 
@@ -129,6 +133,9 @@ def _build(model: nn.Module, blocks: Blocks, model_parameters: Any, training_dat
     if blocks.pipeline is not None and blocks.pipeline.stages is None and not is_pipeline_module(model):
         raise ValueError('"pipeline.stages"="auto" takes the stage count of a llmpar.pipe.PipelineModule; this model '
                          "is not one: give the number of stages")
+    if blocks.context_parallel.size > 1 and is_pipeline_module(model):
+        raise ValueError(f'"context_parallel.size"={blocks.context_parallel.size} with a PipelineModule: context '
+                         "parallelism is not supported with pipeline parallelism; use one of them")
     if "pipeline" in raw or is_pipeline_module(model):  # a PipelineModule: a pipeline engine, block or not
         if dp_group is not None or tp_group is not None or unit_policy is not None:
             raise ValueError("with a \"pipeline\" block llmpar.initialize splits the model itself: pass mesh= at "
@@ -138,13 +145,22 @@ def _build(model: nn.Module, blocks: Blocks, model_parameters: Any, training_dat
     if loss_fn is not None:
         raise ValueError("loss_fn= is used by pipeline engines only (a config with a \"pipeline\" block)")
     split_here = False
-    if tp > 1 and mesh is None and dp_group is None and tp_group is None:
+    cpc = blocks.context_parallel
+    if cpc.size > 1:
+        mesh = _cp_mesh(cpc.size, tp, mesh, dp_group, tp_group)
+        if tp > 1 and not any(getattr(p, "tensor_model_parallel", False) for p in model.parameters()):
+            parallelize(model, mesh["tp"])
+            split_here = True
+    elif tp > 1 and mesh is None and dp_group is None and tp_group is None:
         mesh = init_distributed(tp=tp).mesh  # the dp x tp mesh; the model is split over its tp axis below
         if not any(getattr(p, "tensor_model_parallel", False) for p in model.parameters()):
             parallelize(model, mesh["tp"])
             split_here = True
     dp_group, tp_group = _resolve_groups(mesh, dp_group, tp_group)
     cfg = _typed(blocks, group_size(dp_group))
+    cp, adapter, zero_group = None, None, dp_group
+    if cpc.size > 1:
+        cp, adapter, zero_group = _context_parallel(model, cpc, mesh)
     tp_now = group_size(tp_group) if tp_group is not None else 1
     if "tensor_parallel" in raw and tp != tp_now:
         raise ValueError(f'"tensor_parallel.size"={tp} but tp_group has {tp_now} ranks: pass the mesh of '
@@ -156,14 +172,65 @@ def _build(model: nn.Module, blocks: Blocks, model_parameters: Any, training_dat
     if dtype is not None:
         model.to(dtype)
     apply_activation_checkpointing(model, cfg.activation_checkpointing, tp_group)
-    opt = ZeroOptimizer(named_groups(model, model_parameters, strict=split_here), cfg.optimizer, dp_group,
+    opt = ZeroOptimizer(named_groups(model, model_parameters, strict=split_here), cfg.optimizer, zero_group,
                         stage=cfg.zero.stage, zero_config=cfg.zero,
                         tp_group=tp_group, max_grad_norm=cfg.gradient_clipping or None, counter=counter,
                         grad_accum_dtype=_accum_dtype(cfg), module=model, unit_policy=unit_policy,
                         loss_scaler=build_loss_scaler(cfg.fp16))
     sched = WarmupSchedule(opt, cfg.scheduler) if cfg.scheduler is not None else None
-    engine = Engine(model, cfg, opt, sched, dp_group=dp_group, tp_group=tp_group, mesh=mesh)
+    engine = Engine(model, cfg, opt, sched, dp_group=dp_group, tp_group=tp_group, mesh=mesh, context_parallel=cp,
+                    adapter=adapter)
     return engine, opt, None, sched
+
+
+def _cp_mesh(size: int, tp: int, mesh: Any, dp_group: Group | None, tp_group: Group | None) -> Any:
+    """The ``[pp, dp, cp, tp]`` mesh of a context-parallel run: built here, or the caller's (checked)."""
+    if dp_group is not None or tp_group is not None:
+        raise ValueError('"context_parallel" takes its groups from the [pp, dp, cp, tp] mesh: pass mesh='
+                         f"llmpar.init_distributed(cp={size}, tp={tp}).mesh (or nothing), not dp_group= / tp_group=")
+    if mesh is None:
+        world = dist.get_world_size()
+        if world % (size * tp):
+            what = f'"context_parallel.size"={size}' + (f' x "tensor_parallel.size"={tp}' if tp > 1 else "")
+            raise ValueError(f"{what} does not divide the world size {world}: the cp (x tp) ranks of each "
+                             "data-parallel group split one sequence; choose sizes whose product divides it")
+        return init_distributed(cp=size, tp=tp).mesh
+    names = mesh.mesh_dim_names or ()
+    if "cp" not in names or mesh["cp"].size() != size:
+        got = f"cp={mesh['cp'].size()}" if "cp" in names else f"axes {names}"
+        raise ValueError(f'"context_parallel.size"={size} but mesh= has {got}: pass '
+                         f"llmpar.init_distributed(cp={size}, tp={tp}).mesh")
+    return mesh
+
+
+def _context_parallel(model: nn.Module, cpc: Any, mesh: Any) -> tuple[Any, Any, dist.ProcessGroup]:
+    """(ContextParallel over the mesh's cp axis, the model's adapter (model prepared), ZeRO's dp x cp group)."""
+    from llmpar.context_parallel.adapters import adapter_for
+    from llmpar.context_parallel.core import ContextParallel
+    from llmpar.distributed.dims import ParallelDims
+
+    adapter = adapter_for(model)  # a TypeError for a model no adapter runs: on every rank alike
+    names = mesh.mesh_dim_names
+    dims = ParallelDims(**{n: mesh[n].size() for n in ("pp", "dp", "cp", "tp") if n in names},
+                        world_size=dist.get_world_size())
+    u = cpc.ulysses_size
+
+    def coords(r: int, *axes: str) -> tuple:
+        c = dims.coordinates(r)
+        return tuple(c[a] for a in axes)
+
+    zero_group = (mesh["cp"].get_group() if dims.dp == 1 and dims.pp == 1 and dims.tp == 1 else
+                  dims.new_group(lambda r: coords(r, "pp", "tp")))
+    if cpc.mode == "ulysses":
+        cp = ContextParallel("ulysses", ulysses_group=mesh["cp"].get_group())
+    elif cpc.mode == "ring":
+        cp = ContextParallel("ring", ring_group=mesh["cp"].get_group())
+    else:  # cp rank = ring rank * u + ulysses rank: Ulysses over adjacent cp ranks, ring across
+        uly = dims.new_group(lambda r: (*coords(r, "pp", "dp", "tp"), coords(r, "cp")[0] // u))
+        ring = dims.new_group(lambda r: (*coords(r, "pp", "dp", "tp"), coords(r, "cp")[0] % u))
+        cp = ContextParallel("hybrid", ulysses_group=uly, ring_group=ring)
+    adapter.prepare(model, cp)
+    return cp, adapter, zero_group
 
 
 def _initialize_pipeline(model: nn.Module, blocks: Blocks | Config, pp: int, tp: int, mesh: Any, loss_fn: Any,

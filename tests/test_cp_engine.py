@@ -1,0 +1,200 @@
+"""Context parallelism through llmpar.initialize: the llmpar GPT split along the sequence (Ulysses, ring, hybrid;
+with dp, ZeRO 2 / 3, tp, gradient accumulation, activation checkpointing, padding) trains exactly as the unsplit model
+on one process (float64: losses, every reduced gradient and the grad norms to 1e-10), and bad configs fail on every
+rank with a message naming the key."""
+from __future__ import annotations
+
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import llmpar
+from llmpar.models import GPT, GPTConfig
+from llmpar.optim import FusedAdamW
+from llmpar.runtime.config import Blocks
+from multirank import run_ranks
+
+CFG = dict(vocab_size=61, n_layer=2, n_head=4, d_model=32, seq_len=16)
+T, MICRO, GAS, STEPS, LR, WD, CLIP = 13, 2, 2, 2, 1e-2, 0.1, 0.5
+
+
+def batch(step: int, micro: int, dp: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The full micro-batch of all dp ranks ([dp * MICRO, T]): ids, next-token targets (a few -100), and a right-padding
+    mask; at (step 1, micro 0) every row is short, so the ranks holding the sequence's tail hold padding only."""
+    g = torch.Generator().manual_seed(100 * step + micro)
+    n = dp * MICRO
+    x = torch.randint(0, CFG["vocab_size"], (n, T + 1), generator=g)
+    idx, targets = x[:, :-1], x[:, 1:].clone()
+    targets[torch.rand(n, T, generator=g) < 0.15] = -100
+    lengths = torch.randint(2, 5, (n,), generator=g) if (step, micro) == (1, 0) else \
+        torch.randint(T - 5, T + 1, (n,), generator=g)
+    mask = torch.arange(T)[None] < lengths[:, None]
+    return idx, targets, mask
+
+
+def _config(cp: dict, stage: int, **extra) -> dict:
+    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS, "gradient_clipping": CLIP,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
+            "zero_optimization": {"stage": stage}, "context_parallel": cp, **extra}
+
+
+def cp_body(cp: dict, stage: int, extra: dict, grads: bool) -> dict:
+    """Train STEPS x GAS micro-steps; return the losses, grad norms and (``grads``) this rank's pieces of every
+    reduced gradient at the first step's boundary, with the engine's dp / cp view."""
+    model = GPT(GPTConfig(**CFG), seed=3, dtype=torch.float64)
+    engine, opt, _, _ = llmpar.initialize(model=model, config=_config(cp, stage, **extra))
+    dp, dp_rank = engine.dp_world_size, engine.dp_rank
+    out = {"dp": dp, "cp": engine.context_parallel.size, "losses": [], "norms": [], "pieces": {},
+           "sampler": engine.deepspeed_io(list(range(8))).sampler.num_replicas}
+    for s in range(STEPS):
+        for m in range(GAS):
+            idx, targets, mask = batch(s, m, dp)
+            rows = slice(dp_rank * MICRO, (dp_rank + 1) * MICRO)
+            loss = engine(idx[rows], targets[rows], attention_mask=mask[rows])
+            engine.backward(loss)
+            out["losses"].append(loss.item())
+            if grads and s == 0 and m == GAS - 1:
+                opt.reduce_gradients()
+                out["pieces"] = {n: [(a, z, v.clone()) for v, a, z in opt.grad_pieces(p)]
+                                 for n, p in model.named_parameters()}
+            engine.step()
+        out["norms"].append(engine.get_global_grad_norm())
+    if grads and stage < 3:  # which ranks write the 16-bit model: one, with every weight (torch.save recorded)
+        written, save = [], torch.save
+        torch.save = lambda obj, path: written.append(sorted(obj))
+        try:
+            engine.save_16bit_model(tempfile.mkdtemp())
+        finally:
+            torch.save = save
+        out["written"] = written
+    engine.destroy()
+    return out
+
+
+def reference(dp: int) -> dict:
+    """The same training on one process: each dp slice's mean over its real targets, averaged over dp and GAS."""
+    model = GPT(GPTConfig(**CFG), seed=3, dtype=torch.float64)
+    opt = FusedAdamW(model.parameters(), lr=LR, weight_decay=WD)
+    out = {"losses": [], "norms": [], "grads": {}}
+    for s in range(STEPS):
+        for m in range(GAS):
+            idx, targets, mask = batch(s, m, dp)
+            targets = targets.masked_fill(~mask, -100)
+            total = 0.0
+            for d in range(dp):
+                rows = slice(d * MICRO, (d + 1) * MICRO)
+                loss = F.cross_entropy(model(idx[rows]).flatten(0, 1), targets[rows].flatten(), ignore_index=-100)
+                (loss / (GAS * dp)).backward()
+                out["losses"].append((d, loss.item()))
+                total += loss.item()
+        if s == 0:
+            out["grads"] = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        out["norms"].append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
+        opt.step()
+        opt.zero_grad()
+    return out
+
+
+def check(outs: list[dict], world: int, cp: int, *, grads: bool = True) -> None:
+    dp = world // cp // (outs[0].get("tp", 1))
+    ref = reference(dp)
+    full = {n: torch.full((g.numel(),), float("nan"), dtype=torch.float64) for n, g in ref["grads"].items()}
+    for rank, out in enumerate(outs):
+        assert (out["dp"], out["cp"], out["sampler"]) == (dp, cp, dp), (rank, out["dp"], out["cp"])
+        d = rank // (world // dp)  # dp is outside cp and tp on the mesh
+        want = [loss for dd, loss in ref["losses"] if dd == d]
+        f64 = dict(dtype=torch.float64)
+        torch.testing.assert_close(torch.tensor(out["losses"], **f64), torch.tensor(want, **f64), rtol=1e-10,
+                                   atol=1e-12, msg=f"losses on rank {rank}")
+        torch.testing.assert_close(torch.tensor(out["norms"], **f64), torch.tensor(ref["norms"], **f64), rtol=1e-10,
+                                   atol=1e-12, msg=f"grad norms on rank {rank}")
+        for n, pieces in out["pieces"].items():
+            for a, z, v in pieces:
+                full[n][a:z] = v.reshape(-1)
+    if "written" in outs[0]:
+        assert [w for out in outs for w in out["written"]] == [sorted(ref["grads"])], "one rank writes every weight"
+    if grads:
+        for n, g in ref["grads"].items():
+            assert not full[n].isnan().any(), f"no rank holds part of {n}'s gradient"
+            torch.testing.assert_close(full[n].view_as(g), g, rtol=1e-10, atol=1e-13, msg=f"gradient of {n}")
+
+
+@pytest.mark.parametrize("cp, stage, world", [
+    ({"size": 2, "mode": "ulysses"}, 2, 2),
+    ({"size": 2, "mode": "ring"}, 3, 4),  # dp=2 x cp=2: ZeRO-3 over the dp x cp group
+])
+def test_cp2_matches_single_process(cp, stage, world):
+    check(run_ranks(cp_body, world, cp, stage, {}, True, timeout=120), world, cp["size"])
+
+
+def ring3_body() -> dict:
+    """Ring over 3 ranks (sequence 13 padded to 18); first a Ulysses config whose heads (4) do not split over 3."""
+    try:
+        llmpar.initialize(model=GPT(GPTConfig(**CFG), dtype=torch.float64), config=_config({"size": 3}, 2))
+        error = None
+    except ValueError as e:
+        error = str(e)
+    out = cp_body({"size": 3, "mode": "ring"}, 2, {}, True)
+    out["error"] = error
+    return out
+
+
+def test_ring_over_3_ranks_and_heads_not_divisible_by_ulysses():
+    outs = run_ranks(ring3_body, 3, timeout=120)
+    for out in outs:
+        assert out["error"] and "n_head=4" in out["error"] and "Ulysses size 3" in out["error"], out["error"]
+    check(outs, 3, 3)
+
+
+def test_hybrid_2x2_with_activation_checkpointing():
+    cp = {"size": 4, "mode": "hybrid", "ulysses_size": 2}
+    check(run_ranks(cp_body, 4, cp, 2, {"activation_checkpointing": {}}, True, timeout=120), 4, 4)
+
+
+def tp_body() -> dict:
+    out = cp_body({"size": 2, "mode": "ulysses"}, 1, {"tensor_parallel": {"size": 2}}, False)
+    out["tp"] = 2
+    return out
+
+
+def test_tp2_x_ulysses2():
+    """4 ranks: tp=2 (heads 4 -> 2 per rank) x Ulysses 2 (-> 1); the tp-split gradients are compared by their norm."""
+    check(run_ranks(tp_body, 4, timeout=120), 4, 2, grads=False)
+
+
+@pytest.mark.parametrize("raw, match", [
+    ({"context_parallel": {"size": 2, "mode": "zigzag"}}, "context_parallel.mode.*ulysses, ring, hybrid"),
+    ({"context_parallel": {"size": 4, "mode": "hybrid"}}, "needs \"context_parallel.ulysses_size\""),
+    ({"context_parallel": {"size": 4, "mode": "hybrid", "ulysses_size": 3}}, "ulysses_size\"=3 does not divide"),
+    ({"context_parallel": {"size": 4, "mode": "ring", "ulysses_size": 2}}, "ulysses_size\"=2 is not valid"),
+    ({"context_parallel": {"size": 2, "mode": "ring"}, "sequence_parallel_size": 2}, "disagree"),
+    ({"context_parallel": {"size": 2}, "pipeline": {"stages": 2}}, "not supported with pipeline"),
+    ({"context_parallel": {"size": 0}}, "context_parallel.size"),
+    ({"context_parallel": {"sise": 2}}, "did you mean \"size\""),
+])
+def test_bad_context_parallel_configs(raw, match):
+    with pytest.raises(ValueError, match=match):
+        Blocks.parse(raw)
+
+
+def test_sequence_parallel_size_is_ulysses():
+    cp = Blocks.parse({"sequence_parallel_size": 4}).context_parallel
+    assert (cp.size, cp.mode, cp.ulysses_size, cp.ring_size) == (4, "ulysses", 4, 1)
+    cp = Blocks.parse({"context_parallel": {"size": 4, "mode": "hybrid", "ulysses_size": 2}}).context_parallel
+    assert (cp.ulysses_size, cp.ring_size) == (2, 2)
+
+
+def world_error_body() -> str:
+    try:
+        llmpar.initialize(model=GPT(GPTConfig(**CFG)), config=_config({"size": 3, "mode": "ring"}, 1))
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_size_not_dividing_the_world_fails_on_every_rank():
+    for msg in run_ranks(world_error_body, 2, timeout=60):
+        assert "\"context_parallel.size\"=3 does not divide the world size 2" in msg, msg
