@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from triton_aot import Recorder, bind_like_launcher, compile_like_launcher, specialised
+from triton_aot import SMEM_LIMIT, Recorder, bind_like_launcher, compile_like_launcher, specialised
 
 from llmpar.kernels import adamw as adamw_kernels  # noqa: E402
 from llmpar.kernels import bucket as bucket_kernels  # noqa: E402
@@ -115,3 +115,42 @@ def test_bucket_kernel_compiles_as_launched(arch, unpack, list_dtype, flat_dtype
         (lambda: bucket_kernels.pack(tensors, flat, scale))
     (args, kwargs), = record(bucket_kernels, "_bucket_kernel", launch)
     compile_like_launcher(bucket_kernels._bucket_kernel, args, kwargs, arch=arch)
+
+
+# ------------------------------------------------------------------------------------------------ attention
+from llmpar.kernels import attention as attention_kernels  # noqa: E402
+
+_ATTN_KERNELS = ("_fwd_kernel", "_delta_kernel", "_dq_kernel", "_dkdv_kernel")
+
+
+def attention_launches(arch: int, dtype: torch.dtype, d: int, *, causal: bool, padded: bool) -> dict:
+    """kernel name -> (args, kwargs) of the launches attention_fwd / attention_bwd make for sm_``arch`` (GQA 4:2,
+    q / k / v as [B, S, H, D] views, odd sequence lengths)."""
+    q = torch.randn(2, 37, 4, d).to(dtype).transpose(1, 2)
+    k, v = (torch.randn(2, 53, 2, d).to(dtype).transpose(1, 2) for _ in range(2))
+    valid = torch.rand(2, 53) > 0.2 if padded else None
+    kw = dict(scale=0.125, causal=causal, q_pos=torch.arange(16, 53) if causal else None, k_valid=valid)
+    recs = {name: Recorder() for name in _ATTN_KERNELS}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(attention_kernels, "_arch", lambda device: arch)
+        for name, rec in recs.items():
+            mp.setattr(attention_kernels, name, rec)
+        out, lse = attention_kernels.attention_fwd(q, k, v, **kw)
+        lse.uniform_(1.0, 2.0)
+        attention_kernels.attention_bwd(q, k, v, out, lse, torch.randn_like(q), **kw)
+    return {name: rec.calls[0] for name, rec in recs.items()}
+
+
+@pytest.mark.parametrize("arch, dtype, d, causal, padded", [
+    (90, torch.bfloat16, 128, True, True),     # the training case: every flag, widest 16-bit tiles
+    (80, torch.float32, 128, True, False),     # fp32 tiles: the most shared memory
+    (80, torch.float16, 24, False, True),      # head_dim padded to 32
+])
+def test_attention_kernels_compile_as_launched(arch, dtype, d, causal, padded):
+    """Each attention kernel compiles for sm_80 / sm_90 with the launcher's specialisations and block config, within
+    the architecture's shared memory."""
+    for name, (args, kwargs) in attention_launches(arch, dtype, d, causal=causal, padded=padded).items():
+        if name == "_delta_kernel" and arch == 80:
+            continue  # no dot, no config dependence beyond BLOCK_M: compiled once, on sm_90
+        kernel = compile_like_launcher(getattr(attention_kernels, name), args, kwargs, arch=arch)
+        assert kernel.metadata.shared <= SMEM_LIMIT[arch], (name, kernel.metadata.shared)
