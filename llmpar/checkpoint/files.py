@@ -215,7 +215,12 @@ def resolve(load_dir: str, tag: str | None) -> tuple[str, str]:
         raise CheckpointError(f"checkpoint {path} was never published: its save stopped before the publish and left "
                               f"its files in {tmp}; `llmpar checkpoint publish {load_dir} {tag}` publishes it if "
                               f"every rank's file is there (the next save into {load_dir} deletes it)")
-    raise CheckpointError(f"checkpoint {path} is not complete: {os.path.join(path, METADATA)} is missing")
+    found = sorted(os.listdir(path)) if os.path.isdir(path) else None
+    what = "does not exist" if found is None else f"holds {found[:8] if found else 'nothing'}" + (
+        f" and {len(found) - 8} more" if found and len(found) > 8 else "")
+    raise CheckpointError(f"checkpoint {path} is not complete: {os.path.join(path, METADATA)} is missing ({path} "
+                          f"{what}: neither llmpar's layout, metadata.json + rank files, nor DeepSpeed's, "
+                          f"mp_rank_00_model_states.pt / *zero_pp_rank_*_optim_states.pt)")
 
 
 def check_tag(tag: object, *, what: str = "tag") -> str:

@@ -25,7 +25,8 @@ with the same pp, dp and tp rank) are restored. dp degree, ZeRO stage and offloa
 so may tp (``reshard.py``: each split param and its optimizer states are rebuilt along the split dim from the saved
 tp ranks' shards whose chunks overlap this rank's, padding dropped and re-added) and pp (params are named as in the
 unsplit model, ``view.py``: a pp=2 pipeline checkpoint loads into a plain engine and the other way round). A param
-whose full shape or split dim differs raises a CheckpointError naming it, on every rank.
+whose full shape or split dim differs raises a CheckpointError naming it, on every rank. A directory with DeepSpeed's
+files instead of ``metadata.json`` (``ds_files.py``) is loaded by ``ds_load.py`` once the ranks agreed on it.
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ import traceback
 
 import torch
 
-from llmpar.checkpoint import files, metacheck, publish
+from llmpar.checkpoint import ds_files, ds_load, files, metacheck, publish
 from llmpar.checkpoint.blockfile import CorruptFile
 from llmpar.checkpoint.files import CheckpointError
 from llmpar.checkpoint.protocol import Checkpointable, DescribesModel, Grid
@@ -237,9 +238,13 @@ def _open(g: Grid, load_dir: str, tag: str | None) -> tuple[str, dict]:
     """Resolve and read the checkpoint on every rank, and agree that every rank reads the same one (collective)."""
     err, path, meta, ident = None, str(load_dir), None, ""
     try:
-        _, path = files.resolve(load_dir, tag)
-        meta = metacheck.read(path)  # its digest, then every field a load uses
-        ident = files.identity(path)
+        ds_path = ds_files.resolve(load_dir, tag)  # no metadata.json but DeepSpeed's files: ds_load.py
+        if ds_path is not None:
+            path, meta, ident = ds_path, {"deepspeed": True}, ds_files.identity(ds_path)
+        else:
+            _, path = files.resolve(load_dir, tag)
+            meta = metacheck.read(path)  # its digest, then every field a load uses
+            ident = files.identity(path)
     except Exception as e:  # noqa: BLE001 - agreed with the other ranks, then raised everywhere
         err = f"{e}" if isinstance(e, (CheckpointError, ValueError, TypeError)) else repr(e)
         logger.debug("load_checkpoint: %s", traceback.format_exc())
@@ -286,6 +291,8 @@ def load_checkpoint(engine: Checkpointable, load_dir: str, tag: str | None = Non
     view = EngineView(engine)
     g = view.grid
     path, meta = _open(g, load_dir, tag)
+    if meta.get("deepspeed"):  # agreed by every rank in _open (the same identity)
+        return ds_load.load(engine, view, path, strict=strict, scheduler=scheduler)
     err, reader = None, None
     cuts: dict[str, Cut] = {}
     keep: set[str] = set()

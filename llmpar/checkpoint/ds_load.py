@@ -1,0 +1,210 @@
+"""``load_checkpoint`` of a DeepSpeed checkpoint (``deepspeed_read.py``) into an engine, through the checkpoint
+protocol: the same named pieces as llmpar's own checkpoints, so any dp, ZeRO stage and tp load it.
+
+Every rank opens the checkpoint (memory-mapped; each optimizer file when first read) and plans what it needs: each
+param of this rank must be in the checkpoint with the same full shape (a tensor-parallel param is cut from the
+full tensor along its split dim, padding re-added: ``reshard.py``'s rule), and each state its optimizer cannot
+derive must be there; ``strict`` as in llmpar's load (a param or buffer the model has and the checkpoint lacks, or
+one of the checkpoint no rank's model has, is an error naming it; False: kept / ignored, with a warning). The ranks
+agree on the outcome before anything is modified. Then ``load_pieces`` fills this rank's params (from the fp32
+masters), moments and step counts; module buffers and frozen params are copied; the param-group hyper-parameters,
+engine counters (``global_steps``, ``global_samples``, ``skipped_steps``: what DeepSpeed restores), the fp16 loss
+scaler and the LR scheduler follow, and the caller's client_state is returned. DeepSpeed saves no RNG states in these
+files: this engine's stay as they are.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import traceback
+from typing import Any
+
+import torch
+
+from llmpar.checkpoint import files
+from llmpar.checkpoint.deepspeed_read import DeepSpeedCheckpoint
+from llmpar.checkpoint.files import CheckpointError
+from llmpar.checkpoint.protocol import Checkpointable, DescribesModel, Grid
+from llmpar.checkpoint.reshard import Cut, full_shape
+from llmpar.checkpoint.shards import extras_names
+from llmpar.checkpoint.view import EngineView
+
+logger = logging.getLogger("llmpar")
+
+_HYPER = ("lr", "betas", "eps", "weight_decay")
+
+
+def _names(names: list[str] | set[str], limit: int = 8) -> str:
+    names = sorted(names)
+    return f"{names[:limit]}" + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _agreed_error(err: str | None, g: Grid) -> str:
+    """Collective: this rank's error, or the first failing rank's, named."""
+    texts = files.gather_text(err or "", g)
+    if err:
+        return err
+    i = next((i for i, t in enumerate(texts) if t), None)
+    return "another rank failed (see its error)" if i is None else f"{files.rank_name(g, i)}: {texts[i]}"
+
+
+class _Source:
+    """The checkpoint's states cut for this rank: a replicated param's elements as saved, a tensor-parallel one's
+    from its full tensor (one full tensor cached at a time)."""
+
+    def __init__(self, ck: DeepSpeedCheckpoint, view: EngineView) -> None:
+        self.ck, self.view = ck, view
+        g, specs = view.grid, view.specs()
+        self.cuts = {n: Cut(shape=s, spec=specs[n], tp=g.tp, rank=g.tp_rank) for n, s in view.shapes().items()}
+        self._cache: tuple[tuple[str, str], torch.Tensor] | None = None
+
+    def check(self, local: str) -> None:
+        """A CheckpointError naming the param when the checkpoint's cannot be cut into this rank's."""
+        name, cut = self.view.saved_name[local], self.cuts[local]
+        here, there = full_shape(cut.shape, cut.spec), self.ck.shapes[self.ck.source(name)]
+        if here != there:
+            raise CheckpointError(f"param {name!r} has full shape {here} here (tp={cut.tp}) but {there} in "
+                                  f"{self.ck.path}")
+
+    def get(self, local: str, key: str, a: int, z: int) -> torch.Tensor | None:
+        name, cut = self.view.saved_name[local], self.cuts[local]
+        if not self.ck.has(name, key):
+            return None
+        if cut.spec is None:
+            return self.ck.read(name, key, a, z)
+        if self._cache is None or self._cache[0] != (local, key):
+            whole = self.ck.read(name, key, 0, math.prod(self.ck.shapes[self.ck.source(name)]))
+            full = whole.view(self.ck.shapes[self.ck.source(name)])
+            dim, chunk = cut.spec["dim"], cut.spec["padded"] // cut.tp
+            lo, hi = cut.rank * chunk, (cut.rank + 1) * chunk
+            part = full.narrow(dim, min(lo, full.shape[dim]), max(0, min(hi, full.shape[dim]) - lo))
+            if part.shape[dim] < chunk:  # this run's padding rows
+                pad = list(part.shape)
+                pad[dim] = chunk - part.shape[dim]
+                part = torch.cat([part, torch.zeros(pad, dtype=part.dtype)], dim)
+            self._cache = ((local, key), part.reshape(-1))
+        return self._cache[1][a:z]
+
+
+def _plan(engine: Checkpointable, view: EngineView, ck: DeepSpeedCheckpoint, src: _Source, strict: bool,
+          sched: Any) -> tuple[set[str], dict[str, torch.Tensor]]:
+    """The optimizer names this rank keeps (not in the checkpoint) and the buffers / frozen params it takes; raises
+    on what cannot be loaded."""
+    missing: set[str] = set()
+    for b, required in zip(view.layout, view.opt.checkpoint_required()):
+        present = []
+        for slot in b["params"]:
+            name = view.saved_name[slot["name"]]
+            if ck.aliases.get(name, name) not in ck.shapes:
+                missing.add(slot["name"])
+                continue
+            src.check(slot["name"])
+            present.append(name)
+        for key in required:
+            if present and not ck.has(present[0], key):
+                raise CheckpointError(f"DeepSpeed checkpoint {ck.path} (ZeRO-{ck.stage}) has no {key!r} state, "
+                                      f"which this optimizer (mode {b['mode']!r}) needs")
+    targets, frozen = view.targets(), view.opt.frozen_shapes()
+    trained = set(view.saved_name.values())
+    unsaved = set(engine.checkpoint_model().get("unsaved_buffers", ())) if isinstance(engine, DescribesModel) else set()
+    saved = {**ck.buffers(), **ck.frozen()}
+    extras, lacking = {}, {view.saved_name[n] for n in missing}
+    for name in set(extras_names(targets, trained | set(frozen))) | set(frozen):
+        if name in unsaved:
+            continue
+        if name not in saved:
+            lacking.add(name)
+            continue
+        shape = frozen.get(name, tuple(targets[name][0].shape) if name in targets else None)
+        if tuple(saved[name].shape) != tuple(shape or ()):
+            raise CheckpointError(f"{name!r} has shape {tuple(saved[name].shape)} in {ck.path} and {shape} here")
+        extras[name] = saved[name]
+    if lacking and strict:
+        raise CheckpointError(f"{len(lacking)} params / buffers of this model are not in DeepSpeed checkpoint "
+                              f"{ck.path}: {_names(lacking)} (load_checkpoint(..., strict=False) keeps their "
+                              "current values)")
+    if lacking:
+        logger.warning("load_checkpoint(strict=False): %d params / buffers of this model are not in %s, they keep "
+                       "their current values: %s", len(lacking), ck.path, _names(lacking))
+    saved_sched = ck.scheduler()
+    if sched is not None and isinstance(saved_sched, dict):
+        mine = sched.state_dict()
+        if set(mine) != set(saved_sched):
+            raise CheckpointError(f"the LR scheduler in {ck.path} has state {sorted(saved_sched)}, this engine's "
+                                  f"{type(sched).__name__} {sorted(mine)} (load_lr_scheduler_states=False keeps "
+                                  "this engine's)")
+    return missing, extras
+
+
+def _stored(ck: DeepSpeedCheckpoint) -> list[str]:
+    return sorted(set(ck.names) | set(ck.aliases) | set(ck.buffers()) | set(ck.frozen()))
+
+
+def load(engine: Checkpointable, view: EngineView, path: str, *, strict: bool, scheduler: bool
+         ) -> tuple[str, dict | None]:
+    """Load DeepSpeed checkpoint directory ``path`` into ``engine`` (collective over its grid; ``load.py``'s
+    ``load_checkpoint`` calls it once the ranks agreed they read the same checkpoint). Returns ``(path,
+    client_state)``."""
+    g, opt = view.grid, engine.optimizer
+    sched = engine.lr_scheduler if scheduler else None
+    err, ck, src, keep, extras = None, None, None, set(), {}
+    try:
+        ck = DeepSpeedCheckpoint(path)
+        src = _Source(ck, view)
+        keep, extras = _plan(engine, view, ck, src, strict, sched)
+    except Exception as e:  # noqa: BLE001 - agreed with the other ranks, then raised everywhere
+        err = f"{e}" if isinstance(e, (CheckpointError, ValueError, TypeError)) else repr(e)
+        logger.debug("load_checkpoint: %s", traceback.format_exc())
+    if files.agree(1 if err else 0, g.groups, g.device):
+        raise CheckpointError(_agreed_error(err, g))
+    assert ck is not None and src is not None
+    stored = _stored(ck)  # the same on every rank: the same files
+    mine = set(view.saved_name.values()) | set(view.targets())
+    held = files.agree_all([int(n in mine) for n in stored], g.groups, g.device)
+    unexpected = [n for n, h in zip(stored, held) if not h]
+    if unexpected and strict:
+        raise CheckpointError(f"{len(unexpected)} params / buffers in DeepSpeed checkpoint {path} are in no rank's "
+                              f"model: {_names(unexpected)} (load_checkpoint(..., strict=False) ignores them)")
+    if unexpected and g.rank0:
+        logger.warning("load_checkpoint(strict=False): %d params / buffers in %s are in no rank's model, ignored: %s",
+                       len(unexpected), path, _names(unexpected))
+    try:
+        step = lambda local: ck.step(view.saved_name[local])  # noqa: E731
+        if keep:
+            opt.load_pieces(src.get, step, keep=frozenset(keep))
+        else:
+            opt.load_pieces(src.get, step)
+        targets, frozen, to_shards = view.targets(), opt.frozen_shapes(), {}
+        with torch.no_grad():
+            for name, value in extras.items():
+                if name in frozen:
+                    to_shards[name] = value
+                else:
+                    targets[name][0].copy_(value)
+        if to_shards:
+            opt.load_frozen(to_shards)
+        err = None
+    except Exception as e:  # noqa: BLE001 - agreed before the stage-3 re-gather so that no rank waits alone
+        err = f"loading {path} failed part-way, the engine's state is mixed: {e!r}"
+        logger.error("%s\n%s", err, traceback.format_exc())
+    if files.agree(1 if err else 0, g.groups, g.device):
+        raise CheckpointError(err or f"another rank failed part-way loading {path}; the engine's state is mixed")
+    opt.after_load()
+    groups = ck.param_groups()
+    if len(groups) == len(opt.param_groups):
+        for group, saved in zip(opt.param_groups, groups):
+            group.update({k: (tuple(saved[k]) if k == "betas" else saved[k]) for k in _HYPER if k in saved})
+    elif g.rank0:
+        logger.warning("load_checkpoint: %s has %d param groups, this optimizer %d: their hyper-parameters (lr, "
+                       "betas, eps, weight_decay) stay as configured", path, len(groups), len(opt.param_groups))
+    engine.restore_counters(ck.counters())
+    if sched is not None and ck.scheduler() is not None:
+        sched.load_state_dict(ck.scheduler())
+    if g.rank0:
+        logger.info("loaded DeepSpeed checkpoint %s (ZeRO-%d at dp=%d; loaded at pp=%d dp=%d tp=%d stage %d); "
+                    "DeepSpeed saves no RNG states: this run's are kept", path, ck.stage, ck.dp, g.pp, g.dp, g.tp,
+                    opt.stage)
+    return path, ck.client_state()
+
+
+__all__ = ["load"]

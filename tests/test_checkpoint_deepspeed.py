@@ -1,0 +1,241 @@
+"""Checkpoints written by real DeepSpeed (0.19, CPU accelerator, gloo) load into llmpar as they are.
+
+One launch on 2 ranks: DeepSpeed trains the demo GPT K steps at ZeRO 0, 1, 2, 3 (fp32) and ZeRO-2 bf16, saves, and
+continues N steps; llmpar loads each checkpoint at another ZeRO stage (dp=2) and at tp=2 x dp=1 (the vocabulary 61
+padded to 62 rows), continues the same N steps on the same global batches, and its losses equal DeepSpeed's
+continuation (<= 1e-6 relative in fp32, bf16-level in bf16; DeepSpeed continuing after its save and DeepSpeed
+loading that checkpoint give the same losses, bitwise, so the cheaper one is the reference). The same run checks
+the counters, the LR scheduler, client_state, load_module_only / load_optimizer_states=False, and the errors (a
+missing optimizer file, an unknown layout, a param of another shape) naming what was found, on every rank.
+"""
+import math
+import os
+import shutil
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from multirank import run_ranks
+
+pytest.importorskip("deepspeed", reason="DeepSpeed is not installed")
+
+K, N = 2, 3  # steps DeepSpeed trains before its save, steps both continue
+GAS, MICRO, SEQ, V = 2, 2, 16, 61
+
+
+def _model():
+    from llmpar.models import GPT, GPTConfig
+
+    return GPT(GPTConfig(vocab_size=V, n_layer=2, n_head=2, d_model=24, seq_len=SEQ), seed=3)
+
+
+def _config(stage, micro=MICRO, bf16=False):
+    return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": GAS, "gradient_clipping": 0.5,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1, "betas": [0.9, 0.95],
+                                                      "eps": 1e-8}},
+            "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 3, "total_num_steps": 20,
+                                                              "warmup_max_lr": 1e-2, "warmup_type": "linear"}},
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": 5000, "allgather_bucket_size": 5000},
+            "bf16": {"enabled": bf16}, "steps_per_print": 1000}
+
+
+def _batch(step, micro, rank):
+    """Random tokens (odd vocabulary), different for every step, micro-batch and dp rank."""
+    g = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
+    x = torch.randint(0, V, (MICRO, SEQ + 1), generator=g)
+    return x[:, :-1], x[:, 1:]
+
+
+def _train(engine, steps, whole):
+    """``steps`` global steps; ``whole``: this rank takes both dp ranks' rows (a dp=1 engine). Returns the mean
+    loss of each step over all rows."""
+    out = []
+    for step in steps:
+        total = torch.zeros(1, dtype=torch.float64)
+        for micro in range(GAS):
+            if whole:
+                parts = [_batch(step, micro, r) for r in range(2)]
+                x, y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+            else:
+                x, y = _batch(step, micro, dist.get_rank())
+            loss = engine.module.loss(engine(x), y).float()
+            engine.backward(loss)
+            engine.step()
+            total += loss.item() / GAS
+        if not whole:
+            dist.all_reduce(total)
+            total /= 2
+        out.append(total.item())
+    return out
+
+
+def _llmpar(stage, tp=1, bf16=False):
+    import llmpar
+
+    env = llmpar.init_distributed(tp=tp)
+    model = _model()
+    if tp > 1:
+        llmpar.parallelize(model, env.mesh["tp"])
+    micro = MICRO * 2 // env.mesh["dp"].size()
+    engine, *_ = llmpar.initialize(model=model, config=_config(stage, micro, bf16), mesh=env.mesh)
+    return engine
+
+
+def _error(fn):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test looks at the text
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def body(root, ext_dir):
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", ext_dir)
+    import deepspeed
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no JIT build of DeepSpeed's CPU comm op
+    rank, out = dist.get_rank(), {"ds": {}, "ours": {}}
+
+    for name, stage, bf16 in (("z0", 0, False), ("z1", 1, False), ("z2", 2, False), ("z3", 3, False),
+                              ("b2", 2, True)):
+        cfg = _config(stage, bf16=bf16)
+        cfg["optimizer"]["params"]["torch_adam"] = True
+        ds, *_ = deepspeed.initialize(model=_model(), model_parameters=None, config=cfg)
+        _train(ds, range(K), False)
+        ds.save_checkpoint(f"{root}/{name}", client_state={"data_pos": 17 + K})
+        if name == "z2":  # the weights as saved, for the load_module_only check
+            out["z2_weights"] = {n: p.detach().clone() for n, p in ds.module.named_parameters()}
+        out["ds"][name] = _train(ds, range(K, K + N), False)
+        del ds
+    dist.barrier()
+    for name, stage, tp, bf16 in (("z0", 2, 1, False), ("z1", 3, 1, False), ("z2", 1, 2, False),
+                                  ("z3", 1, 1, False), ("z3", 2, 2, False), ("b2", 3, 1, True)):
+        engine = _llmpar(stage, tp, bf16)
+        path, client = engine.load_checkpoint(f"{root}/{name}")
+        facts = (os.path.basename(path), client, engine.global_steps, engine.global_samples,
+                 engine.lr_scheduler.state_dict())
+        out["ours"][(name, stage, tp)] = (_train(engine, range(K, K + N), tp > 1), facts)
+    # load_module_only: the weights, and the optimizer, scheduler and counters as they were
+    engine = _llmpar(1)
+    before = [{k: t.clone() for k, t in b.state.items()} for b in engine.optimizer.buffers]
+    engine.load_checkpoint(f"{root}/z2", load_module_only=True)
+    out["module_only"] = ({n: p.detach().clone() for n, p in engine.module.named_parameters()},
+                          all(torch.equal(t, b0[k]) for b, b0 in zip(engine.optimizer.buffers, before)
+                              for k, t in b.state.items()),
+                          engine.global_steps, engine.lr_scheduler.state_dict()["last_batch_iteration"])
+    engine.load_checkpoint(f"{root}/z1", load_optimizer_states=False)
+    out["no_opt"] = (all(torch.equal(t, b0[k]) for b, b0 in zip(engine.optimizer.buffers, before)
+                         for k, t in b.state.items()), engine.global_steps)
+    # errors, on every rank: a missing optimizer file, an unknown layout, a model with another shape
+    if rank == 0:
+        shutil.copytree(f"{root}/z2", f"{root}/lacking")
+        os.remove(f"{root}/lacking/global_step{K}/zero_pp_rank_1_mp_rank_00_optim_states.pt")
+        os.makedirs(f"{root}/junk/step9")
+        open(f"{root}/junk/step9/weights.bin", "wb").close()
+    dist.barrier()
+    out["lacking"] = _error(lambda: engine.load_checkpoint(f"{root}/lacking"))
+    out["junk"] = _error(lambda: engine.load_checkpoint(f"{root}/junk", tag="step9"))
+    import llmpar
+    from llmpar.models import GPT, GPTConfig
+
+    wide = GPT(GPTConfig(vocab_size=V + 2, n_layer=2, n_head=2, d_model=24, seq_len=SEQ), seed=3)
+    engine, *_ = llmpar.initialize(model=wide, config=_config(2))
+    out["shape"] = _error(lambda: engine.load_checkpoint(f"{root}/z3"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, ds_ext_dir):
+    root = tmp_path_factory.mktemp("dsck")
+    return run_ranks(body, 2, str(root), str(ds_ext_dir), timeout=300)
+
+
+def test_llmpar_continues_deepspeed_checkpoints(runs):
+    out = runs[0]
+    assert set(out["ours"]) == {("z0", 2, 1), ("z1", 3, 1), ("z2", 1, 2), ("z3", 1, 1), ("z3", 2, 2),
+                                ("b2", 3, 1)}
+    for (name, stage, tp), (losses, facts) in out["ours"].items():
+        theirs = out["ds"][name]
+        rtol = 1e-2 if name.startswith("b") else 1e-6
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(theirs), rtol=rtol, atol=0,
+                                   msg=lambda m: f"{name} -> stage {stage} tp {tp}: {m}")
+        assert facts == (f"global_step{K}", {"data_pos": 17 + K}, K, K * GAS * MICRO * 2,
+                         {"last_batch_iteration": K - 1}), (name, stage, tp, facts)
+    for r in runs[1:]:  # every rank saw the same global losses
+        assert r["ours"].keys() == out["ours"].keys()
+        for key, (losses, _) in r["ours"].items():
+            assert losses == out["ours"][key][0]
+
+
+def test_module_only_and_without_optimizer_states(runs):
+    weights, states_kept, steps, last = runs[0]["module_only"]
+    saved = runs[0]["z2_weights"]
+    assert weights.keys() == saved.keys()
+    for n in saved:
+        torch.testing.assert_close(weights[n], saved[n], rtol=0, atol=0)
+    assert states_kept and steps == 0 and last == -1  # optimizer, counters and scheduler as they were
+    kept, steps = runs[0]["no_opt"]
+    assert kept and steps == K
+
+
+def test_errors_name_what_was_found(runs):
+    for out in runs:
+        assert "zero_pp_rank_1_mp_rank_00_optim_states.pt" not in out["lacking"].split("found")[-1]
+        assert "lacks the optimizer files of dp ranks [1]" in out["lacking"], out["lacking"]
+        assert "is not complete" in out["junk"] and "weights.bin" in out["junk"], out["junk"]
+        assert "neither llmpar's layout" in out["junk"]
+        assert "'tok_emb.weight' has full shape (63, 24) here" in out["shape"], out["shape"]
+        assert "(61, 24)" in out["shape"]
+
+
+def test_deepspeed_checkpoint_reads_without_deepspeed(tmp_path):
+    """A hand-made ZeRO-3 checkpoint of dp=3 (params of 7 and 5 elements: chunks of 3 and 2, the last padded): any
+    element range of the masters and moments reads back across rank boundaries, and DeepSpeed's pickled classes are
+    read as stand-ins (DeepSpeed's module is replaced here by one DeepSpeed cannot import from)."""
+    import types
+    from unittest import mock
+
+    from llmpar.checkpoint import deepspeed_read, ds_files
+
+    class ZeroStageEnum:
+        def __init__(self, value):
+            self.value = value
+
+        def __reduce__(self):
+            return (ZeroStageEnum, (self.value,))
+
+    ZeroStageEnum.__module__, ZeroStageEnum.__qualname__ = "deepspeed", "ZeroStageEnum"
+    shapes = {"a": (7,), "b": (5,)}
+    full = {n: torch.randn(math.prod(s), dtype=torch.float64).float() for n, s in shapes.items()}
+    moments = {n: torch.randn(math.prod(s), dtype=torch.float64).float() for n, s in shapes.items()}
+    d = tmp_path / "global_step1"
+    d.mkdir()
+    (tmp_path / "latest").write_text("global_step1")
+
+    def chunk(t, r, c):
+        return torch.cat([t, torch.zeros(3 * c - t.numel())])[r * c:(r + 1) * c]
+
+    with mock.patch.dict("sys.modules", {"deepspeed": types.SimpleNamespace(ZeroStageEnum=ZeroStageEnum)}):
+        for r in range(3):
+            flat = torch.cat([chunk(full["a"], r, 3), chunk(full["b"], r, 2)])
+            mom = torch.cat([chunk(moments["a"], r, 3), chunk(moments["b"], r, 2)])
+            state = {"state": {0: {"step": torch.tensor(4.0), "exp_avg": mom}}, "param_groups": [{"params": [0]}]}
+            torch.save({"optimizer_state_dict": {"zero_stage": ZeroStageEnum(3), "partition_count": 3,
+                                                 "fp32_flat_groups": [flat], "optimizer_state_dict": state}},
+                       d / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt")
+            torch.save({"module": {}, "param_shapes": [{n: torch.Size(s) for n, s in shapes.items()}],
+                        "global_steps": 1, "my_key": r}, d / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt")
+    assert ds_files.resolve(str(tmp_path), None) == str(d)
+    ck = deepspeed_read.DeepSpeedCheckpoint(str(d))
+    assert isinstance(ck._zero(0)["zero_stage"], ds_files.Foreign)
+    assert (ck.stage, ck.dp, ck.names, ck.step("b")) == (3, 3, ["a", "b"], 4.0)
+    for n in shapes:
+        k = full[n].numel()
+        for a in range(k):
+            for z in range(a + 1, k + 1):
+                assert torch.equal(ck.read(n, "master", a, z), full[n][a:z])
+                assert torch.equal(ck.read(n, "exp_avg", a, z), moments[n][a:z])
+    assert ck.client_state() == {"my_key": 0}
