@@ -198,3 +198,34 @@ def world_error_body() -> str:
 def test_size_not_dividing_the_world_fails_on_every_rank():
     for msg in run_ranks(world_error_body, 2, timeout=60):
         assert "\"context_parallel.size\"=3 does not divide the world size 2" in msg, msg
+
+
+class _NoCollectives:
+    """Stands in for a ContextParallel where the adapter must refuse a batch before sharding it."""
+
+    ulysses_size = 1
+
+    def shard(self, *args):
+        raise AssertionError("the batch was sharded before it was checked")
+
+
+@pytest.mark.parametrize("args, kwargs, error, match", [
+    ((torch.zeros(1, 17, dtype=torch.long), torch.zeros(1, 17, dtype=torch.long)), {}, ValueError,
+     "sequence of 17 tokens is longer than the model's seq_len=16"),
+    ((torch.zeros(1, 5, dtype=torch.long),), {}, TypeError, "call engine\\(idx, targets\\)"),
+    ((torch.zeros(1, 5, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long)), {}, ValueError, "must have idx's"),
+    ((torch.zeros(1, 5), torch.zeros(1, 5, dtype=torch.long)), {}, TypeError, "integer token ids"),
+    ((torch.zeros(1, 5, dtype=torch.long), torch.zeros(1, 5, dtype=torch.long)), {"attention_mask": torch.ones(5)},
+     ValueError, "attention_mask must be a \\[batch=1, tokens=5\\]"),
+    ((torch.zeros(1, 5, dtype=torch.long),), {"labels": 1}, TypeError, "unexpected argument 'labels'"),
+])
+def test_gpt_adapter_refuses_bad_batches_before_sharding(args, kwargs, error, match):
+    from llmpar.context_parallel.adapters import adapter_for
+
+    model = GPT(GPTConfig(**CFG))
+    adapter = adapter_for(model)
+    adapter.prepare(model, _NoCollectives())
+    with pytest.raises(error, match=match):
+        adapter.shard_call(_NoCollectives(), args, kwargs)
+    with pytest.raises(TypeError, match="no adapter shards its batch"):
+        adapter_for(torch.nn.Linear(2, 2))

@@ -87,6 +87,7 @@ class GPTAdapter:
     def __init__(self) -> None:
         self.tp_group: Any = None  # the model's tensor-parallel group (its loss checks targets over it)
         self.vocab_size: int | None = None
+        self.seq_len = 0  # the model's longest sequence (its position table)
 
     def prepare(self, model: nn.Module, cp: Any) -> None:
         if not isinstance(model, GPT):
@@ -102,7 +103,7 @@ class GPTAdapter:
             raise ValueError(f"GPTConfig.n_head={cfg.n_head} over tp={tp} leaves {cfg.n_head // tp} heads per rank, "
                              f"not divisible by the Ulysses size {ulysses} (context_parallel.ulysses_size / size): "
                              "choose n_head divisible by tp * ulysses_size, or the ring mode")
-        self.tp_group, self.vocab_size = group, cfg.vocab_size
+        self.tp_group, self.vocab_size, self.seq_len = group, cfg.vocab_size, cfg.seq_len
         model.__dict__["context_parallel"] = cp  # a plain reference: never a submodule, never in the state dict
 
     def shard_call(self, cp: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict, Callable[[Any], Any]]:
@@ -126,6 +127,11 @@ class GPTAdapter:
             raise TypeError("under context parallelism the engine computes the loss: call engine(idx, targets) "
                             f"(targets [batch, tokens]), got targets={type(targets).__name__}")
         B, T = idx.shape
+        if idx.dtype not in (torch.int64, torch.int32) or targets.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"idx and targets must hold integer token ids, got {idx.dtype} and {targets.dtype}")
+        if T > self.seq_len:
+            raise ValueError(f"sequence of {T} tokens is longer than the model's seq_len={self.seq_len} (the whole "
+                             "sequence, before it is split over the context-parallel ranks)")
         if targets.shape != idx.shape:
             raise ValueError(f"targets {tuple(targets.shape)} must have idx's shape {tuple(idx.shape)}")
         if mask is not None and (not isinstance(mask, torch.Tensor) or tuple(mask.shape) != (B, T)):
