@@ -1,0 +1,249 @@
+"""Hugging Face causal LMs (Llama, Qwen2, Mistral) with context parallelism, no model code copied.
+
+Attention: llmpar's context-parallel attention is registered in transformers' attention-function registry
+(``AttentionInterface``) under the name ``"llmpar_cp"``, and :meth:`HFCausalLMAdapter.prepare` switches the model's
+``config._attn_implementation`` to it and hands every attention module the ``ContextParallel`` object. The models call
+``ALL_ATTENTION_FUNCTIONS[config._attn_implementation](module, q, k, v, attention_mask, scaling=..., dropout=...,
+sliding_window=...)`` with q: [B, Hq, S_local, D], k / v: [B, Hkv, S_local, D] already rotary-embedded (rotary from the
+global position ids the adapter passes); on a sharded batch the function ignores HF's mask (the adapter passes an empty
+4-D one, which transformers' mask builders return as it is) and returns ``cp.attention(q, k, v, shard=...,
+k_valid=..., causal=True, scale=scaling)`` as [B, S_local, Hq, D]. The batch's ``(shard, k_valid)`` reaches it as
+the forward keyword ``llmpar_cp_batch`` (transformers hands a forward's keywords down to the attention function, and
+activation checkpointing replays them when it recomputes a layer in backward, after ``cp.batch`` has closed), else
+``cp.current``. Outside ``cp.batch`` (``evaluate`` / ``generate`` on whole sequences) it is transformers' SDPA
+attention with HF's own mask (the registered mask builder is SDPA's), so a prepared model still runs unsharded.
+
+Batch (:meth:`HFCausalLMAdapter.shard_call`), over this rank's :class:`SeqShard` (global token indices ``index``,
+sequence padded to ``padded_len``): ``labels`` [B, S] are shifted on the full sequence first
+(``shift[:, i] = labels[:, i + 1]``, -100 at the end; a given ``shift_labels`` is used as it is), then
+``input_ids`` / ``inputs_embeds`` / ``attention_mask`` / ``position_ids`` / shifted labels are padded to
+``padded_len`` (pad ids 0, labels -100, mask False) and this rank's columns taken. ``position_ids`` default to the
+global indices, so rotary follows each rank's slice. Keys are valid where the attention mask is 1 and the token is
+not padding (``k_valid`` [B, S_local]). The model runs without labels (its own loss would shift the local slice);
+``finish`` computes ``loss_sum`` = sum of float32 cross entropies of the local logits over labels != -100 and returns
+the output with ``loss = cp.token_mean(loss_sum, count)``: the full-sequence mean over real tokens. With the
+Trainer's ``num_items_in_batch`` (the accumulated batch's token count over all ranks, each cp rank counting the same
+batch) the loss is ``token_mean * global_count * cp.size / num_items_in_batch`` (transformers' sum / items,
+multiplied back by its world size as for tensor-parallel replicas).
+
+Refused with a message (every rank, before any collective): a KV cache, ``logits_to_keep``, a 4-D mask, attention
+dropout while training, a sliding window shorter than the sequence (Mistral / Qwen2: a window >= the sequence length
+is plain causal attention and runs), a model type outside Llama / Qwen2 / Mistral.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from llmpar.context_parallel.shard import shard_tensor
+from llmpar.distributed.collectives import all_reduce
+
+ATTN_NAME = "llmpar_cp"
+BATCH_KEY = "llmpar_cp_batch"  # the forward keyword carrying (shard, k_valid) down to the attention function
+SUPPORTED = ("llama", "qwen2", "mistral")
+_SEQ_KEYS = ("input_ids", "inputs_embeds", "attention_mask", "position_ids", "labels", "shift_labels")
+
+
+def cp_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attention_mask: Any, scaling: float | None = None, dropout: float = 0.0,
+                 sliding_window: int | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature: ``(out [B, S, Hq, D], None)``. Inside ``cp.batch``: the context-
+    parallel attention over the whole sequence; otherwise transformers' SDPA attention with ``attention_mask``."""
+    cp = getattr(module, "_llmpar_cp", None)
+    current = kwargs.pop(BATCH_KEY, None)  # the forward's (shard, k_valid), also there when a block is recomputed
+    if current is None and cp is not None:
+        current = cp.current
+    if current is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        if isinstance(attention_mask, torch.Tensor) and attention_mask.numel() == 0:  # the sharded path's marker
+            raise RuntimeError("llmpar context-parallel attention got a sharded batch without its shard: call the "
+                               "model through the engine (adapter.shard_call)")
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      sliding_window=sliding_window, **kwargs)
+    shard, k_valid = current
+    if dropout:
+        raise ValueError(f"attention dropout {dropout} is not supported with context parallelism: set the model "
+                         "config's attention_dropout to 0")
+    if sliding_window is not None and sliding_window < shard.seq_len:
+        raise ValueError(f"sliding_window={sliding_window} is shorter than the sequence ({shard.seq_len} tokens): "
+                         "context parallelism runs full causal attention; use sequences of at most the window")
+    out = cp.attention(query, key, value, shard=shard, k_valid=k_valid, causal=getattr(module, "is_causal", True),
+                       scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register() -> None:
+    """Register ``"llmpar_cp"`` with transformers' attention functions and mask builders (idempotent)."""
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.modeling_utils import AttentionInterface
+
+    AttentionInterface.register(ATTN_NAME, cp_attention)
+    AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
+
+
+def _window(config: Any) -> int | None:
+    """The model's sliding window if any layer uses one (Mistral: ``sliding_window``; Qwen2: ``use_sliding_window``
+    and layer types), else None."""
+    window = getattr(config, "sliding_window", None)
+    if window is None:
+        return None
+    if getattr(config, "model_type", "") == "qwen2":
+        if not getattr(config, "use_sliding_window", False):
+            return None
+        types = getattr(config, "layer_types", None)
+        if types is not None and "sliding_attention" not in types:
+            return None
+    return int(window)
+
+
+class HFCausalLMAdapter:
+    """The context-parallel adapter of a transformers causal LM (``LlamaForCausalLM``, ``Qwen2ForCausalLM``,
+    ``MistralForCausalLM``); see the module docstring."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []  # forward's positional parameter names
+        self.window: int | None = None
+
+    # ---- once per model ----
+    def prepare(self, model: torch.nn.Module, cp: Any) -> None:
+        """Route the model's attention through ``cp``: register ``"llmpar_cp"``, set it as the config's attention
+        implementation, attach ``cp`` to every attention module."""
+        config = getattr(model, "config", None)
+        kind = getattr(config, "model_type", None)
+        if kind not in SUPPORTED:
+            raise ValueError(f"context parallelism supports transformers models of type {', '.join(SUPPORTED)}; got "
+                             f"{type(model).__name__} (model_type={kind!r})")
+        if getattr(config, "attention_dropout", 0.0):
+            raise ValueError(f"{type(model).__name__}: attention_dropout={config.attention_dropout} is not supported "
+                             "with context parallelism (set it to 0)")
+        modules = [m for m in model.modules() if hasattr(m, "is_causal") and hasattr(m, "head_dim")
+                   and hasattr(m, "config")]
+        if not modules:
+            raise ValueError(f"{type(model).__name__}: no attention module found to route through context parallelism")
+        register()
+        config._attn_implementation = ATTN_NAME
+        for m in modules:
+            object.__setattr__(m, "_llmpar_cp", cp)  # a plain reference, never a registered submodule
+        params = inspect.signature(model.forward).parameters.values()
+        self.names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        self.window = _window(config)
+
+    # ---- every forward ----
+    def shard_call(self, cp: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict, Callable[[Any], Any]]:
+        """This rank's slice of the batch (see the module docstring), inside ``cp.batch``; ``finish(output)`` leaves
+        ``cp.batch`` and returns the output with the full-sequence loss."""
+        if len(args) > len(self.names):
+            raise TypeError(f"forward takes {len(self.names)} positional arguments, got {len(args)}")
+        kw = dict(zip(self.names, args))
+        for name, value in kwargs.items():
+            if name in kw:
+                raise TypeError(f"forward got argument {name!r} twice (positionally and by keyword)")
+            kw[name] = value
+        for name in ("cache", "past_key_values"):
+            if kw.get(name) is not None:
+                raise ValueError(f"{name}: a KV cache is not supported with context parallelism (training forward)")
+        if kw.get("logits_to_keep", 0) not in (0, None):
+            raise ValueError(f"logits_to_keep={kw['logits_to_keep']!r} is not supported with context parallelism")
+        ids, embeds = kw.get("input_ids"), kw.get("inputs_embeds")
+        if (ids is None) == (embeds is None):
+            raise ValueError("give exactly one of input_ids / inputs_embeds")
+        lead = ids if ids is not None else embeds
+        if not isinstance(lead, torch.Tensor) or lead.dim() != (2 if ids is not None else 3):
+            raise ValueError(f"input_ids must be [batch, seq] (inputs_embeds [batch, seq, hidden]), got "
+                             f"{type(lead).__name__} {tuple(getattr(lead, 'shape', ()))}")
+        B, S = lead.shape[:2]
+        for name in ("attention_mask", "position_ids", "labels", "shift_labels"):
+            t = kw.get(name)
+            if t is None:
+                continue
+            if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape[1] != S or t.shape[0] not in (1, B):
+                raise ValueError(f"{name} must be [batch={B}, seq={S}] with context parallelism (a 2-D padding mask, "
+                                 f"not a 4-D one), got {type(t).__name__} {tuple(getattr(t, 'shape', ()))}")
+        if self.window is not None and self.window < S:
+            raise ValueError(f"sliding_window={self.window} is shorter than the sequence ({S} tokens): context "
+                             "parallelism runs full causal attention; use sequences of at most the window")
+        device = lead.device
+        shard = cp.shard(S, device)
+        labels = kw.pop("shift_labels", None)
+        given = kw.pop("labels", None)
+        if labels is None and given is not None:
+            labels = torch.cat([given[:, 1:], given.new_full((given.shape[0], 1), -100)], dim=1)
+        items = kw.pop("num_items_in_batch", None)
+        mask = kw.pop("attention_mask", None)
+        out: dict[str, Any] = {k: v for k, v in kw.items() if k not in _SEQ_KEYS}
+        if ids is not None:
+            out["input_ids"] = shard_tensor(ids, shard, 1, 0)
+        else:
+            out["inputs_embeds"] = shard_tensor(embeds, shard, 1, 0.0)
+        pos = kw.get("position_ids")
+        idx = shard.index.to(device)
+        out["position_ids"] = shard_tensor(pos, shard, 1, 0) if pos is not None else idx[None].expand(B, -1)
+        valid = (idx < S)[None].expand(B, -1)
+        if mask is not None:
+            valid = valid & shard_tensor(mask.to(device).bool(), shard, 1, False).expand(B, -1)
+        k_valid = None if mask is None and shard.padded_len == S else valid.contiguous()
+        # a 4-D (empty) mask: transformers' mask builders return it as it is, never materialising [S_local]^2
+        out["attention_mask"] = torch.ones(B, 1, 0, 0, dtype=torch.bool, device=device)
+        out["use_cache"] = False
+        out[BATCH_KEY] = (shard, k_valid)  # kwargs reach every attention call, recomputations in backward included
+        local = shard_tensor(labels.to(device), shard, 1, -100).expand(B, -1) if labels is not None else None
+
+        def loss_of(output: Any) -> Any:
+            if local is None:
+                return output
+            logits = output["logits"] if isinstance(output, dict) else output[0]
+            logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # float32, float64 kept
+            loss_sum = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), local.reshape(-1), ignore_index=-100,
+                                       reduction="sum")
+            count = (local != -100).sum()
+            loss = cp.token_mean(loss_sum, count)
+            if items is not None:
+                loss = _per_item(loss, count, items, cp)
+            if isinstance(output, dict):
+                return type(output)(loss=loss, **{k: v for k, v in output.items() if k != "loss"})
+            return (loss, *output)
+
+        return (), out, _Finish(cp, shard, k_valid, loss_of)
+
+
+def _per_item(loss: torch.Tensor, count: torch.Tensor, items: Any, cp: Any) -> torch.Tensor:
+    """The Trainer's normalisation, ``sum / num_items_in_batch``, from ``loss = sum / global_count`` (the gradient
+    factor of ``token_mean`` kept): ``loss * global_count / num_items_in_batch``. ``num_items_in_batch`` counts the
+    batch once per cp rank when the Trainer gathers it over every process, which its world-size factor undoes."""
+    total = count.detach().to(torch.float64).reshape(1)
+    for group in cp.groups:
+        all_reduce(total, group, what="context-parallel token count")
+    items = torch.as_tensor(items, dtype=torch.float64, device=total.device).reshape(-1)[0]
+    if not bool(items > 0):
+        return loss * 0.0  # no label in the accumulated batch: 0, as token_mean gives, never NaN
+    return loss * (total[0] / items).to(loss.dtype)
+
+
+class _Finish:
+    """``finish`` of :meth:`HFCausalLMAdapter.shard_call`: enters ``cp.batch`` when built, leaves it on ``close()``
+    (the engine calls it when the forward raised) or on the call, which returns ``loss_of(output)``."""
+
+    def __init__(self, cp: Any, shard: Any, k_valid: torch.Tensor | None, loss_of: Callable[[Any], Any]) -> None:
+        self._stack = contextlib.ExitStack()
+        self._stack.enter_context(cp.batch(shard, k_valid))
+        self._loss_of = loss_of
+
+    def close(self) -> None:
+        self._stack.close()
+
+    def __call__(self, output: Any) -> Any:
+        self.close()
+        return self._loss_of(output)
+
+
+def adapter(model: torch.nn.Module) -> HFCausalLMAdapter:
+    """The adapter for a transformers causal LM (``adapter_for`` calls this for ``PreTrainedModel``)."""
+    return HFCausalLMAdapter()
+
+
+__all__ = ["ATTN_NAME", "HFCausalLMAdapter", "adapter", "cp_attention", "register"]
