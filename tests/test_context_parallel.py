@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from llmpar.context_parallel import ContextParallel, SeqShard, layout, padded_length, shard_tensor
 from llmpar.context_parallel.ring import RingStats
+from llmpar.distributed import all_to_all_single, exchange
 from multirank import run_ranks
 
 
@@ -223,6 +224,14 @@ def _bad_inputs(cp: ContextParallel) -> None:
         cp.attention(ok, ok, ok, shard=None)
     with pytest.raises(RuntimeError, match="outside `with cp.batch"):
         cp.attention_kwargs()
+    with pytest.raises(ValueError, match="scale must be a finite number"):
+        cp.attention(ok, ok, ok, shard=shard, scale=float("nan"))
+    with pytest.raises(ValueError, match="same size, a multiple of the group size"):
+        all_to_all_single(torch.empty(cp.size + 1), torch.empty(cp.size + 1), dist.group.WORLD)
+    with pytest.raises(ValueError, match="contiguous"):
+        exchange([(torch.empty(4, 4).t(), 0)], [], dist.group.WORLD)
+    with pytest.raises(ValueError, match="peer=9"):
+        exchange([], [(torch.empty(3), 9)], dist.group.WORLD)
     with pytest.raises(ValueError, match="grad_factor"):
         cp.token_mean(torch.tensor(1.0), 1, grad_factor=0.0)
     with pytest.raises(ValueError, match="non-negative whole number"):

@@ -121,6 +121,9 @@ class ContextParallel:
         if k.shape != v.shape or k.shape[0] != B or k.shape[2] != S or k.shape[3] != D:
             raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must both be [{B}, kv_heads, {S}, {D}] "
                              f"to match q {tuple(q.shape)}")
+        for name, t in (("k", k), ("v", v), ("k_valid", k_valid)):
+            if isinstance(t, torch.Tensor) and t.device != q.device:
+                raise ValueError(f"{name} is on {t.device} but q is on {q.device}; they must share a device")
         if q.dtype != k.dtype or q.dtype != v.dtype or not q.is_floating_point():
             raise TypeError(f"q, k, v must share one floating-point dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
         if S != shard.local_len:
@@ -143,9 +146,12 @@ class ContextParallel:
         [B, Hq, S_local, D] in q's dtype, differentiable in q, k, v. Hq must be a multiple of the Ulysses size."""
         self._check_shard(shard)
         Hq, Hkv = self._check_qkv(q, k, v, shard, k_valid)
+        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                                  or not math.isfinite(scale)):
+            raise ValueError(f"scale must be a finite number (default 1/sqrt(head_dim)), got {scale!r}")
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
         u = self.ulysses_size
         reps = kv_repeats(Hq, Hkv, u)
-        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
         _, table = layout(shard.seq_len, self.mode, self.ring_size, u)
         groups = table.view(self.ring_size, -1)  # each Ulysses group's token set, in rank order
         valid = None if k_valid is None else k_valid.to(torch.uint8)
