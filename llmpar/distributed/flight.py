@@ -1,6 +1,6 @@
 """Flight recorder: every rank keeps its last N collectives, and a failed one says which rank is behind or different.
 
-Each collective of ``collectives.py`` starts an :class:`Entry` in the process's :data:`RECORDER` (a bounded deque;
+Each collective of ``collectives.py`` starts an entry in the process's :data:`RECORDER` (a bounded deque;
 ``LLMPAR_FLIGHT_RECORDER=N`` keeps the last N, default 256, 0 turns it off): the operation and its description
 (``what``), the group (its name and global ranks) with a sequence number per group (the k-th collective this rank
 started on that group: the same k names the same collective on every member), elements and dtype, the engine's
@@ -69,11 +69,13 @@ def env_wait_s(environ: Any = os.environ) -> float:
 
 
 class GroupLog:
-    """Per process group: its name, global ranks and how many collectives this rank started on it."""
+    """Per process group: its name, global ranks and how many collectives this rank started on it (``pg``: a weak
+    reference to the group)."""
 
-    __slots__ = ("name", "ranks", "seq", "__weakref__")
+    __slots__ = ("name", "ranks", "seq", "pg")
 
     def __init__(self, pg: dist.ProcessGroup) -> None:
+        self.pg = weakref.ref(pg)
         self.name = str(getattr(pg, "group_name", "") or f"id{id(pg)}")
         try:
             self.ranks = list(dist.get_process_group_ranks(pg))
@@ -82,21 +84,24 @@ class GroupLog:
         self.seq = 0
 
 
-class Entry:
-    """One collective as this rank saw it (``t0`` / ``t1``: wall-clock start and end, seconds)."""
+# an entry is a plain list (a list literal costs a fifth of a class instance's __init__), indexed by these; the call
+# site is kept as the frame's code and instruction offset, turned into file:line only when written out (site())
+SEQ, OP, GROUP, NUMEL, DTYPE, WHAT, STEP, CODE, LASTI, T0, T1, STATE = range(12)
+Entry = list  # [seq, op, GroupLog, numel, torch.dtype | None, what, step, code, lasti, t0, t1 (wall s), state]
 
-    __slots__ = ("seq", "op", "group", "numel", "dtype", "what", "step", "file", "line", "t0", "t1", "state")
 
-    def __init__(self, seq: int, op: str, group: GroupLog, numel: int, dtype: str, what: str, step: int, file: str,
-                 line: int) -> None:
-        self.seq, self.op, self.group, self.numel, self.dtype, self.what = seq, op, group, numel, dtype, what
-        self.step, self.file, self.line = step, file, line
-        self.t0, self.t1, self.state = time.time(), 0.0, "started"
+def site(entry: Entry) -> str:
+    """``file:line`` of the entry's call site."""
+    code, lasti = entry[CODE], entry[LASTI]
+    line = next((n for a, b, n in code.co_lines() if a <= lasti < b and n is not None), code.co_firstlineno)
+    return f"{code.co_filename}:{line}"
 
-    def as_dict(self) -> dict[str, Any]:
-        return {"seq": self.seq, "op": self.op, "group": self.group.name, "ranks": self.group.ranks,
-                "numel": self.numel, "dtype": self.dtype, "what": self.what, "step": self.step,
-                "site": f"{self.file}:{self.line}", "t0": self.t0, "t1": self.t1, "state": self.state}
+
+def as_dict(e: Entry) -> dict[str, Any]:
+    """An entry as JSON-ready fields."""
+    return {"seq": e[SEQ], "op": e[OP], "group": e[GROUP].name, "ranks": e[GROUP].ranks, "numel": e[NUMEL],
+            "dtype": str(e[DTYPE] or "")[6:], "what": e[WHAT], "step": e[STEP], "site": site(e), "t0": e[T0],
+            "t1": e[T1], "state": e[STATE]}
 
 
 class FlightRecorder:
@@ -112,49 +117,52 @@ class FlightRecorder:
             raise ValueError(f"flight recorder size={size!r} must be an int >= 0 (0 turns it off)")
         self.size = size
         self.entries: collections.deque[Entry] = collections.deque(maxlen=max(size, 1))
-        self.groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.groups: dict[int, GroupLog] = {}  # by id() of the group, checked against the log's weak reference
         self.step = 0
 
     def start(self, pg: dist.ProcessGroup, op: str, tensor: torch.Tensor | None, what: str) -> Entry | None:
         """Record that this rank starts ``op`` on ``pg`` (called by the collectives; None when off)."""
         if not self.size:
             return None
-        log = self.groups.get(pg)
-        if log is None:
-            log = self.groups[pg] = GroupLog(pg)
+        log = self.groups.get(id(pg))
+        if log is None or log.pg() is not pg:
+            log = self.groups[id(pg)] = GroupLog(pg)
         log.seq += 1
         frame = sys._getframe(1)
         while frame.f_back is not None and frame.f_code.co_filename.startswith(_HERE):
             frame = frame.f_back
-        code = frame.f_code
-        numel, dtype = (tensor.numel(), str(tensor.dtype)[6:]) if tensor is not None else (0, "")
-        entry = Entry(log.seq, op, log, numel, dtype, what, self.step, code.co_filename, frame.f_lineno)
+        entry = [log.seq, op, log, tensor.numel() if tensor is not None else 0,
+                 tensor.dtype if tensor is not None else None, what, self.step, frame.f_code, frame.f_lasti,
+                 time.time(), 0.0, "started"]
         self.entries.append(entry)
         return entry
 
     def first_unfinished(self, pg: dist.ProcessGroup) -> Entry | None:
         """The earliest entry of ``pg`` still started (collectives on a group finish in order): the stuck one."""
-        log = self.groups.get(pg)
-        return next((e for e in self.entries if e.group is log and e.state == "started"), None)
+        log = self.groups.get(id(pg))
+        return next((e for e in self.entries if e[GROUP] is log and e[STATE] == "started"), None)
 
     def summary(self, failed: Entry | None, error: str) -> dict[str, Any]:
         """What this rank publishes to its peers: per group the count started and the last few entries."""
         groups: dict[str, dict[str, Any]] = {}
         for e in self.entries:
-            g = groups.setdefault(e.group.name, {"ranks": e.group.ranks, "seq": e.group.seq, "last": []})
-            g["last"] = (g["last"] + [e.as_dict()])[-PUBLISHED_PER_GROUP:]
+            log = e[GROUP]
+            g = groups.setdefault(log.name, {"ranks": log.ranks, "seq": log.seq, "entries": []})
+            g["entries"].append(e)
+        for g in groups.values():
+            g["last"] = [as_dict(e) for e in g.pop("entries")[-PUBLISHED_PER_GROUP:]]
         return {"rank": dist.get_rank() if dist.is_initialized() else 0, "at": time.time(), "step": self.step,
-                "failed": None if failed is None else failed.as_dict(), "error": error, "groups": groups}
+                "failed": None if failed is None else as_dict(failed), "error": error, "groups": groups}
 
     def last_done_with(self, rank: int) -> float:
         """When this rank last finished a collective on a group that has global ``rank`` in it (0.0: never)."""
-        return max((e.t1 for e in self.entries if e.state == "done" and rank in e.group.ranks), default=0.0)
+        return max((e[T1] for e in self.entries if e[STATE] == "done" and rank in e[GROUP].ranks), default=0.0)
 
 
 def end(entry: Entry | None) -> None:
     """Mark ``entry`` finished (its handle was waited for)."""
     if entry is not None:
-        entry.t1, entry.state = time.time(), "done"
+        entry[T1], entry[STATE] = time.time(), "done"
 
 
 def _dump(recorder: FlightRecorder, failed: Entry | None, error: str) -> str:
@@ -162,7 +170,7 @@ def _dump(recorder: FlightRecorder, failed: Entry | None, error: str) -> str:
     folder = os.environ.get(ENV_DIR) or os.path.join(os.getcwd(), "llmpar_flight")
     rank = dist.get_rank() if dist.is_initialized() else 0
     path = os.path.join(folder, f"rank{rank}.json")
-    record = {**recorder.summary(failed, error), "entries": [e.as_dict() for e in recorder.entries]}
+    record = {**recorder.summary(failed, error), "entries": [as_dict(e) for e in recorder.entries]}
     try:
         os.makedirs(folder, exist_ok=True)
         with open(path + ".tmp", "w") as f:
@@ -214,7 +222,7 @@ def on_failure(recorder: FlightRecorder, pg: dist.ProcessGroup, cause: BaseExcep
         return ""
     failed = recorder.first_unfinished(pg)
     if failed is not None:
-        failed.t1, failed.state = time.time(), "failed"
+        failed[T1], failed[STATE] = time.time(), "failed"
     text = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
     path = _dump(recorder, failed, text)
     where = f"records in {os.path.dirname(path)}" if path else "its record could not be written"
@@ -282,5 +290,5 @@ def diagnose(mine: dict[str, Any], peers: dict[int, dict | None], wait_s: float)
 
 RECORDER = FlightRecorder(env_size())
 
-__all__ = ["ENV_DIR", "ENV_SIZE", "ENV_WAIT", "Entry", "FlightRecorder", "RECORDER", "describe", "diagnose", "end",
-           "env_size", "env_wait_s", "on_failure"]
+__all__ = ["ENV_DIR", "ENV_SIZE", "ENV_WAIT", "Entry", "FlightRecorder", "RECORDER", "as_dict", "describe", "diagnose",
+           "end", "env_size", "env_wait_s", "on_failure", "site"]
