@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from llmpar.runtime.monitor import monitor_block
+from llmpar.runtime.resume import check_auto_resume
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,7 @@ TOP: dict[str, Any] = {
         "use_node_local_storage": _d(False, reason="checkpoints are written to one shared directory"),
         "parallel_write": Inert(),
         "writer": Inert(),
+        "auto_resume": Parsed(check_auto_resume),  # llmpar's: initialize loads DIR's latest (runtime/resume.py)
     },
     "data_types": {"grad_accum_dtype": _d(None, "fp32", reason="gradients accumulate in fp32 (bf16 with "
                                                                 "accumulation) or the params' dtype")},

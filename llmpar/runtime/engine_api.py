@@ -18,11 +18,13 @@ import torch.distributed as dist
 from torch import nn
 
 from llmpar.distributed.collectives import collective_device, group_rank, group_size
+from llmpar.runtime.resume import ResumableLoader
 from llmpar.zero.config import OffloadConfig
 
 
-class DeepSpeedLoader(torch.utils.data.DataLoader):
-    """A ``torch.utils.data.DataLoader`` with DeepSpeed's ``data_sampler`` name for its sampler."""
+class DeepSpeedLoader(ResumableLoader):
+    """A ``torch.utils.data.DataLoader`` with DeepSpeed's ``data_sampler`` name for its sampler, which knows where its
+    current pass stands (engine checkpoints save it and a load resumes there: ``resume.py``)."""
 
     @property
     def data_sampler(self) -> Any:
@@ -83,6 +85,19 @@ class DeepSpeedAPI:
     def dp_world_size(self) -> int:
         """Data-parallel ranks (DeepSpeed's name)."""
         return group_size(self.optimizer.dp_group)
+
+    @property
+    def dataloader_position(self) -> dict | None:
+        """Where ``training_dataloader``'s current pass stands (saved with the engine counters; None without a
+        loader of ``deepspeed_io``); assigning one (a checkpoint load) makes its next pass start there."""
+        loader = getattr(self, "training_dataloader", None)
+        return loader.position(self.dp_world_size) if isinstance(loader, ResumableLoader) else None
+
+    @dataloader_position.setter
+    def dataloader_position(self, value: dict | None) -> None:
+        loader = getattr(self, "training_dataloader", None)
+        if value is not None and isinstance(loader, ResumableLoader):
+            loader.resume(value, self.dp_world_size)
 
     @property
     def dp_rank(self) -> int:

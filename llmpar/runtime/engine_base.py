@@ -233,7 +233,8 @@ class EngineBase(DeepSpeedAPI):
 
     # the engine's side of the checkpoint protocol (llmpar.checkpoint.protocol.Checkpointable); each engine adds
     # checkpoint_grid() and checkpoint_modules(), and overrides the naming when its modules are not the model
-    _COUNTERS = ("micro_steps", "global_steps", "global_samples", "skipped_steps")
+    # dataloader_position: where training_dataloader's pass stands (DeepSpeedAPI; resume.py)
+    _COUNTERS = ("micro_steps", "global_steps", "global_samples", "skipped_steps", "dataloader_position")
 
     def checkpoint_grid(self) -> Grid:
         """This rank's place in the dp x tp (x pp) grid."""

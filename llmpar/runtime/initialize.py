@@ -40,6 +40,7 @@ from llmpar.runtime.config import Blocks, Config, read_config
 from llmpar.runtime.engine import Engine
 from llmpar.runtime.logs import default_log_handler, log_initialized
 from llmpar.runtime.precision import build_loss_scaler, model_dtype
+from llmpar.runtime.resume import apply_auto_resume
 from llmpar.runtime.params import canonical_names, named_groups, stage_groups, unsplit_names
 from llmpar.runtime.pipeline_engine import PipelineEngine, is_pipeline_module, pipeline_loader
 from llmpar.runtime.schedules import WarmupSchedule
@@ -119,6 +120,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     engine.collate_fn = collate_fn
     if training_data is not None and engine.training_dataloader is None:
         engine.training_dataloader = engine.deepspeed_io(training_data)
+    apply_auto_resume(engine, blocks.raw)  # "checkpoint": {"auto_resume": DIR}: load DIR's latest (resume.py)
     give_local_rank(args, engine.local_rank)
     log_initialized(engine)
     return engine, opt, engine.training_dataloader, engine.lr_scheduler

@@ -1,0 +1,185 @@
+"""Resuming exactly where a run stopped: the data loader's place, and ``"checkpoint": {"auto_resume": DIR}``.
+
+An engine checkpoint already brings back the weights, the optimizer, the LR scheduler, the fp16 loss scale, the engine
+counters and every rank's RNG states. What a restarted loop also needs is the *data*: the engine's
+``training_dataloader`` (``initialize(training_data=...)``, ``engine.deepspeed_io``) is a :class:`ResumableLoader`
+that knows where its current pass stands, the checkpoint saves that place with the engine counters
+(``dataloader_position``: the sampler's epoch and the samples this pass handed out), and a load makes the loader's
+next pass start there (indices skipped, no sample read) with the sampler's epoch set back. So a loop written as
+
+    engine.load_checkpoint(DIR)                        # or "checkpoint": {"auto_resume": DIR}
+    while engine.global_steps < steps:
+        for batch in engine.training_dataloader:       # resumes mid-epoch after a load
+            ...; engine.step()
+            if engine.global_steps % k == 0: engine.save_checkpoint(DIR)
+        else:
+            engine.training_dataloader.data_sampler.set_epoch(...)
+
+sees, after a restart, the batches an uninterrupted run would have seen. A checkpoint saved at dp ranks and loaded at
+dp' skips (samples x dp) / dp' samples per rank (exact for the ``DistributedSampler``, whose ranks interleave; a
+remainder is rounded down with a warning).
+
+``"checkpoint": {"auto_resume": DIR}`` (llmpar's key, opt-in): ``initialize`` loads ``DIR``'s ``latest`` when every
+rank agrees there is one (a first run starts fresh, without a warning); ``engine.resumed_from`` is then its path and
+``engine.resumed_client_state`` the ``client_state`` saved with it (both None on a fresh start). The loop only saves.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from typing import Any, Iterator
+
+import torch
+from torch.utils.data import BatchSampler, DataLoader, Sampler
+
+logger = logging.getLogger("llmpar")
+
+AUTO_RESUME = "auto_resume"
+
+
+class _Skipped(Sampler):
+    """The indices of ``sampler`` without its first ``skip``."""
+
+    def __init__(self, sampler: Any, skip: int) -> None:
+        self.sampler, self.skip = sampler, skip
+
+    def __iter__(self) -> Iterator[Any]:
+        return itertools.islice(iter(self.sampler), self.skip, None)
+
+    def __len__(self) -> int:
+        return max(0, len(self.sampler) - self.skip)
+
+
+class _Counted:
+    """A pass over a loader that counts the batches it hands out (into ``loader._handed``)."""
+
+    def __init__(self, loader: "ResumableLoader", inner: Iterator[Any]) -> None:
+        self.loader, self.inner = loader, inner
+
+    def __iter__(self) -> "_Counted":
+        return self
+
+    def __next__(self) -> Any:
+        batch = next(self.inner)
+        if self.loader._pass is self:
+            self.loader._handed += 1
+        return batch
+
+    def __len__(self) -> int:
+        return len(self.inner)  # type: ignore[arg-type]
+
+
+class ResumableLoader(DataLoader):
+    """A ``torch.utils.data.DataLoader`` that knows where its current pass is: :meth:`position` (saved by engine
+    checkpoints) and :meth:`resume` (a load: the next pass starts there). Only for a loader built from ``sampler=``
+    and ``batch_size=`` (what ``deepspeed_io`` builds); ``len(loader)`` stays a whole pass."""
+
+    _start = 0  # samples skipped at the start of the current pass
+    _handed = 0  # batches the current pass handed out
+    _skip = 0  # samples the next pass skips (set by resume)
+    _skipping = 0  # the skip of the pass being built (read by _index_sampler while __iter__ builds the iterator)
+    _pass: Any = None  # the current pass (an older iterator still running no longer counts)
+
+    @property
+    def _index_sampler(self) -> Any:
+        if self._skipping and self.batch_sampler is not None and self.batch_size is not None:
+            return BatchSampler(_Skipped(self.sampler, self._skipping), self.batch_size, self.drop_last)
+        return super()._index_sampler
+
+    def __iter__(self) -> _Counted:  # type: ignore[override]
+        skip, self._skip = self._skip, 0
+        self._skipping = skip
+        # a pass draws a seed from torch's RNG (for its workers) when it starts; a resumed pass started before the
+        # checkpoint, whose RNG state already follows that draw: drawing again would shift the run's random stream
+        rng = torch.get_rng_state() if skip and self.generator is None else None
+        try:
+            inner = super().__iter__()
+        finally:
+            self._skipping = 0
+            if rng is not None:
+                torch.set_rng_state(rng)
+        self._start, self._handed = skip, 0
+        self._pass = _Counted(self, inner)
+        return self._pass
+
+    def position(self, replicas: int) -> dict[str, Any]:
+        """Where the current pass stands: ``{"epoch": the sampler's epoch (None without one), "samples": this rank's
+        samples handed out in this pass, "replicas": replicas}`` (``replicas``: the data-parallel ranks sharing the
+        data)."""
+        if self._pass is None:  # no pass since the loader was built or resumed: where the next one starts
+            samples = self._skip
+        else:
+            samples = min(self._start + self._handed * (self.batch_size or 1), len(self.sampler))  # type: ignore
+        return {"epoch": getattr(self.sampler, "epoch", None), "samples": samples, "replicas": replicas}
+
+    def resume(self, position: dict[str, Any], replicas: int) -> None:
+        """Make the next pass start at ``position`` (as :meth:`position` gave it, perhaps at another number of
+        ``replicas``): the sampler's epoch is set back and the samples handed out are skipped."""
+        if not isinstance(position, dict):
+            raise TypeError(f"dataloader_position must be a dict, got {type(position).__name__}")
+        epoch, samples, saved = position.get("epoch"), int(position.get("samples", 0)), position.get("replicas")
+        if epoch is not None and hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(int(epoch))
+        saved = int(saved) if saved else replicas
+        total = samples * saved
+        if total % replicas:
+            logger.warning("resuming the data loader at %d data-parallel ranks from a checkpoint of %d: %d samples "
+                           "per rank were handed out there, %d / %d is not whole: %d are skipped here (some samples "
+                           "are seen twice)", replicas, saved, samples, total, replicas, total // replicas)
+        self._skip = total // replicas
+        self._pass = None  # a pass already running stops counting
+
+
+def auto_resume_dir(raw: dict) -> str | None:
+    """``raw["checkpoint"]["auto_resume"]`` of a DeepSpeed config (None when absent)."""
+    block = raw.get("checkpoint")
+    return block.get(AUTO_RESUME) if isinstance(block, dict) else None
+
+
+def check_auto_resume(name: str, value: Any) -> str | None:
+    """``checkpoint.auto_resume``: a directory path (str or ``os.PathLike``, not empty), or null (off). Raises a
+    TypeError / ValueError naming the key."""
+    if value is None:
+        return None
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str):
+        raise TypeError(f'"{name}"={value!r}: expected a directory path (a string), or null for no auto-resume')
+    if not value.strip():
+        raise ValueError(f'"{name}"={value!r}: expected a directory path (a non-empty string)')
+    return value
+
+
+def apply_auto_resume(engine: Any, raw: dict) -> str | None:
+    """``initialize``'s step for ``"checkpoint": {"auto_resume": DIR}``: load ``DIR``'s latest checkpoint when any
+    rank sees ``DIR/latest`` (agreed over the engine's ranks, so all load or none does). Sets
+    ``engine.resumed_from`` (the path, or None) and ``engine.resumed_client_state``; returns the path."""
+    from llmpar.checkpoint import files
+    from llmpar.distributed.agree import raise_if_any_failed
+
+    engine.resumed_from, engine.resumed_client_state = None, None
+    directory = auto_resume_dir(raw)
+    if directory is None:
+        return None
+    directory = os.fspath(directory)
+    grid = engine.checkpoint_grid()
+    error = None
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        error = ValueError(f'"checkpoint.auto_resume"={directory!r} is not a directory')
+    raise_if_any_failed(error, grid.groups, what="llmpar.initialize: checkpoint.auto_resume")
+    found = os.path.isfile(os.path.join(directory, files.LATEST))
+    if not files.agree(int(found), grid.groups, grid.device):
+        if grid.rank0:
+            logger.info("llmpar.initialize: checkpoint.auto_resume: no checkpoint in %s yet: starting fresh",
+                        directory)
+        return None
+    path, client = engine.load_checkpoint(directory)
+    engine.resumed_from, engine.resumed_client_state = path, client
+    if grid.rank0:
+        logger.info("llmpar.initialize: checkpoint.auto_resume: resumed from %s at step %d", path,
+                    engine.global_steps)
+    return path
+
+
+__all__ = ["AUTO_RESUME", "ResumableLoader", "apply_auto_resume", "auto_resume_dir", "check_auto_resume"]
