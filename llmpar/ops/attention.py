@@ -103,23 +103,40 @@ def _visible(q_pos, k_pos, k_valid, causal: bool, rows: slice, Sq: int, Sk: int,
     return mask
 
 
+def _grouped(x: torch.Tensor, hkv: int, acc: torch.dtype) -> torch.Tensor:
+    """[B, Hq, r, D] -> [B, Hkv, g r, D] in ``acc``: the rows of a GQA group stacked, so one matmul against the group's
+    key/value head serves them all (no repeated k / v) and products with them sum over the group."""
+    B, Hq, r, D = x.shape
+    return x.to(acc).reshape(B, hkv, (Hq // hkv) * r, D)
+
+
+def _hidden(q_pos, k_pos, k_valid, causal, rows, Sq, Sk, device) -> torch.Tensor | None:
+    """~visible as [B or 1, 1, 1, r, Sk] (broadcasts over [B, Hkv, g, r, Sk]), or None."""
+    mask = _visible(q_pos, k_pos, k_valid, causal, rows, Sq, Sk, device)
+    return None if mask is None else ~mask[:, :, None]
+
+
 def _torch_fwd(q, k, v, scale, causal, q_pos, k_pos, k_valid):
     B, Hq, Sq, D = q.shape
-    g, acc = Hq // k.shape[1], _acc_dtype(q)
-    kk = k.to(acc).repeat_interleave(g, dim=1)
-    vv = v.to(acc).repeat_interleave(g, dim=1)
+    Hkv, Sk = k.shape[1], k.shape[2]
+    g, acc = Hq // Hkv, _acc_dtype(q)
+    kt, vv = k.to(acc).transpose(-1, -2), v.to(acc)
     out = torch.empty(B, Hq, Sq, D, dtype=acc, device=q.device)
     lse = torch.empty(B, Hq, Sq, dtype=acc, device=q.device)
     for r0 in range(0, Sq, Q_CHUNK):
         rows = slice(r0, min(Sq, r0 + Q_CHUNK))
-        s = (q[:, :, rows].to(acc) @ kk.transpose(-1, -2)) * scale
-        mask = _visible(q_pos, k_pos, k_valid, causal, rows, Sq, k.shape[2], q.device)
-        if mask is not None:
-            s = s.masked_fill(~mask, -math.inf)
-        m = torch.logsumexp(s, dim=-1)
-        p = torch.exp(s - m.masked_fill(torch.isinf(m), 0.0)[..., None])  # empty rows: exp(-inf) = 0, no NaN
-        out[:, :, rows] = p @ vv
-        lse[:, :, rows] = m
+        r = rows.stop - r0
+        s = (_grouped(q[:, :, rows], Hkv, acc) * scale) @ kt  # [B, Hkv, g r, Sk]
+        hidden = _hidden(q_pos, k_pos, k_valid, causal, rows, Sq, Sk, q.device)
+        if hidden is not None:
+            s.view(B, Hkv, g, r, Sk).masked_fill_(hidden, -math.inf)
+        m = s.amax(-1, keepdim=True)
+        m.masked_fill_(m == -math.inf, 0.0)  # empty rows: exp(-inf - 0) = 0, no NaN
+        p = s.sub_(m).exp_()
+        l_sum = p.sum(-1, keepdim=True)
+        o = (p @ vv).div_(l_sum.clamp_min(torch.finfo(acc).tiny))  # empty rows: 0 / tiny = 0
+        out[:, :, rows] = o.view(B, Hq, r, D)
+        lse[:, :, rows] = (m + l_sum.log()).view(B, Hq, r)  # log 0 = -inf for empty rows
     return out.to(q.dtype), lse
 
 
@@ -127,28 +144,25 @@ def _torch_bwd(q, k, v, out, lse, dout, scale, causal, q_pos, k_pos, k_valid):
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     g, acc = Hq // Hkv, _acc_dtype(q)
-    kk = k.to(acc).repeat_interleave(g, dim=1)
-    vv = v.to(acc).repeat_interleave(g, dim=1)
+    kk, vt = k.to(acc), v.to(acc).transpose(-1, -2)
     dq = torch.empty(B, Hq, Sq, D, dtype=acc, device=q.device)
-    dk = torch.zeros(B, Hq, Sk, D, dtype=acc, device=q.device)
-    dv = torch.zeros(B, Hq, Sk, D, dtype=acc, device=q.device)
+    dk = torch.zeros(B, Hkv, Sk, D, dtype=acc, device=q.device)
+    dv = torch.zeros(B, Hkv, Sk, D, dtype=acc, device=q.device)
     delta = (dout.to(acc) * out.to(acc)).sum(-1)  # [B, Hq, Sq]
     for r0 in range(0, Sq, Q_CHUNK):
         rows = slice(r0, min(Sq, r0 + Q_CHUNK))
-        qr, dor = q[:, :, rows].to(acc), dout[:, :, rows].to(acc)
-        s = (qr @ kk.transpose(-1, -2)) * scale
-        mask = _visible(q_pos, k_pos, k_valid, causal, rows, Sq, Sk, q.device)
-        lr = lse[:, :, rows].to(acc)
-        p = torch.exp(s - lr.masked_fill(torch.isinf(lr), 0.0)[..., None])
-        p = p.masked_fill(torch.isinf(lr)[..., None], 0.0)
-        if mask is not None:
-            p = p.masked_fill(~mask, 0.0)
-        dv += p.transpose(-1, -2) @ dor
-        ds = p * (dor @ vv.transpose(-1, -2) - delta[:, :, rows, None])
-        dq[:, :, rows] = (ds @ kk) * scale
+        r = rows.stop - r0
+        qr, dor = _grouped(q[:, :, rows], Hkv, acc), _grouped(dout[:, :, rows], Hkv, acc)
+        s = (qr * scale) @ kk.transpose(-1, -2)  # [B, Hkv, g r, Sk]
+        hidden = _hidden(q_pos, k_pos, k_valid, causal, rows, Sq, Sk, q.device)
+        if hidden is not None:
+            s.view(B, Hkv, g, r, Sk).masked_fill_(hidden, -math.inf)
+        lr = lse[:, :, rows].to(acc).reshape(B, Hkv, g * r, 1)
+        p = s.sub_(lr.masked_fill(lr == -math.inf, math.inf)).exp_()  # empty rows (lse -inf): exp(-inf) = 0
+        dv += p.transpose(-1, -2) @ dor  # sums over the group's rows
+        ds = (dor @ vt).sub_(delta[:, :, rows].reshape(B, Hkv, g * r, 1)).mul_(p)
+        dq[:, :, rows] = ((ds @ kk) * scale).view(B, Hq, r, D)
         dk += (ds.transpose(-1, -2) @ qr) * scale
-    dk = dk.view(B, Hkv, g, Sk, D).sum(2)
-    dv = dv.view(B, Hkv, g, Sk, D).sum(2)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
