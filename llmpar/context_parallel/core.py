@@ -59,6 +59,8 @@ class ContextParallel:
         self.rank = self.ring_rank * self.ulysses_size + self.ulysses_rank
         self.ring_stats = RingStats()
         self._current: tuple[SeqShard, torch.Tensor | None] | None = None
+        self._memo: dict = {}  # "positions": the last layout used (host and device); "valid": the batch's gathered
+        # key mask (a fresh memo inside each batch(), the outer one restored after)
 
     def __repr__(self) -> str:
         return (f"ContextParallel(mode={self.mode!r}, size={self.size}, rank={self.rank}, "
@@ -82,10 +84,11 @@ class ContextParallel:
         """Within the block, :attr:`current` is ``(shard, k_valid)`` (what attention modules read); restored after."""
         self._check_shard(shard)
         previous, self._current = self._current, (shard, k_valid)
+        saved, self._memo = self._memo, {}
         try:
             yield
         finally:
-            self._current = previous
+            self._current, self._memo = previous, saved
 
     @property
     def current(self) -> tuple[SeqShard, torch.Tensor | None] | None:
@@ -152,27 +155,39 @@ class ContextParallel:
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
         u = self.ulysses_size
         reps = kv_repeats(Hq, Hkv, u)
-        _, table = layout(shard.seq_len, self.mode, self.ring_size, u)
-        groups = table.view(self.ring_size, -1)  # each Ulysses group's token set, in rank order
-        valid = None if k_valid is None else k_valid.to(torch.uint8)
+        groups, device_groups = self._positions(shard.seq_len, q.device)
+        in_batch = self._current is not None and self._current[0] is shard and self._current[1] is k_valid
         if reps > 1:
             k, v = k.repeat_interleave(reps, dim=1), v.repeat_interleave(reps, dim=1)
         q = seq_to_heads(q, self.ulysses_group, u)
         kv = seq_to_heads(torch.cat([k, v]), self.ulysses_group, u)  # one all-to-all for both
         k, v = kv.chunk(2)
-        if valid is not None:
-            valid = gather_valid(valid, self.ulysses_group, u)
+        valid = self._memo.get("valid") if in_batch else None
+        if valid is None and k_valid is not None:  # the group's key mask: gathered once per batch
+            valid = gather_valid(k_valid.to(torch.uint8), self.ulysses_group, u)
+            if in_batch:
+                self._memo["valid"] = valid
         if self.mode == "ulysses":
-            pos, mask = groups[0].to(q.device), None
+            pos, mask = device_groups[0], None
             if valid is not None or int(groups[0][-1]) >= shard.seq_len:  # user padding, or tokens added to pad
                 mask = (pos < shard.seq_len)[None].expand(q.shape[0], -1)
                 mask = mask if valid is None else mask & valid.bool()
             out = flash_attention(q, k, v, scale=scale, causal=causal, q_pos=pos, k_pos=pos, k_valid=mask)
         else:
             spec = RingSpec(group=self.ring_group, positions=groups, seq_len=shard.seq_len, causal=bool(causal),
-                            scale=scale, stats=self.ring_stats)
+                            scale=scale, stats=self.ring_stats, device_positions=device_groups)
             out = ring_attention(q.contiguous(), k.contiguous(), v.contiguous(), valid, spec)
         return heads_to_seq(out, self.ulysses_group, u)
+
+    def _positions(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each Ulysses group's token set in rank order, [ring_size, u * S_local] on the CPU and on ``device``
+        (kept for the batch: every layer asks for the same)."""
+        cached = self._memo.get("positions")
+        if cached is None or cached[0] != (seq_len, device):
+            _, table = layout(seq_len, self.mode, self.ring_size, self.ulysses_size)
+            groups = table.view(self.ring_size, -1)
+            cached = self._memo["positions"] = ((seq_len, device), groups, groups.to(device))
+        return cached[1], cached[2]
 
     # ------------------------------------------------------------------ loss
     def token_mean(self, loss_sum: torch.Tensor, count: torch.Tensor | int, *,

@@ -56,7 +56,8 @@ class RingStats:
 @dataclass(frozen=True)
 class RingSpec:
     """What a ring attention call needs besides tensors. ``positions`` [R, S] int64 (CPU): ring rank s's global
-    token indices (ascending); ``seq_len``: indices >= it are padding."""
+    token indices (ascending), bisected on the host; ``device_positions``: the same on the tensors' device (None:
+    copied at each call); ``seq_len``: indices >= it are padding."""
 
     group: GroupRef
     positions: torch.Tensor
@@ -64,6 +65,12 @@ class RingSpec:
     causal: bool
     scale: float
     stats: RingStats
+    device_positions: torch.Tensor | None = None
+
+    def on(self, device: torch.device) -> torch.Tensor:
+        """``positions`` on ``device``."""
+        dp = self.device_positions
+        return dp if dp is not None and dp.device == device else self.positions.to(device)
 
 
 def _clock(device: torch.device, stats: RingStats) -> float:
@@ -109,7 +116,7 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     out = torch.zeros(B, Hq, S, D, dtype=acc, device=q.device)
     lse = torch.full((B, Hq, S), -float("inf"), dtype=acc, device=q.device)
-    pos = spec.positions.to(q.device)
+    pos = spec.on(q.device)
     block, bvalid = torch.stack([k, v]).contiguous(), valid
     for step in range(R):
         src = (r - step) % R
@@ -145,7 +152,7 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dkv = torch.zeros((2, *k.shape), dtype=acc, device=q.device)  # accumulator of the block held now
-    pos = spec.positions.to(q.device)
+    pos = spec.on(q.device)
     block, bvalid = torch.stack([k, v]).contiguous(), valid
     acc_handle = nacc = None
     for step in range(R):
