@@ -316,16 +316,15 @@ def config(kernel: str, itemsize: int, block_d: int, arch: int) -> dict:
 
 def _block_tables(q_pos, k_pos, sq: int, sk: int, bm: int, bn: int):
     """(n_end [MB], kmin [NB], m_start [NB], qmax [MB]) int32 on the positions' device: per query block the max
-    position and the end of the last key block whose min position is <= it; per key block the min position and the
-    first query block whose max position is >= it. Device ops only (no host sync)."""
+    position and the end of the last key block whose min position is <= it (a search in the suffix minima of kmin);
+    per key block the min position and the first query block whose max is >= it. Device ops only, O(MB + NB)."""
     mb, nb = triton.cdiv(sq, bm), triton.cdiv(sk, bn)
     qmax = F.pad(q_pos, (0, mb * bm - sq), value=POS_MIN).view(mb, bm).amax(1)
     kmin = F.pad(k_pos, (0, nb * bn - sk), value=POS_MAX).view(nb, bn).amin(1)
-    vis = kmin[None, :] <= qmax[:, None]  # [MB, NB]: key block j may be visible to query block i
-    i32 = dict(dtype=torch.int32, device=q_pos.device)
-    n_end = (vis * torch.arange(1, nb + 1, **i32)).amax(1).to(torch.int32)
-    m_start = torch.where(vis, torch.arange(mb, **i32)[:, None], mb).amin(0).to(torch.int32)
-    return n_end, kmin.to(torch.int32), m_start, qmax.to(torch.int32)
+    suffix_min = kmin.flip(0).cummin(0).values.flip(0).contiguous()  # nondecreasing
+    n_end = torch.searchsorted(suffix_min, qmax, right=True).to(torch.int32)
+    m_start = torch.searchsorted(qmax.cummax(0).values.contiguous(), kmin).to(torch.int32)
+    return n_end, kmin, m_start, qmax
 
 
 def _common(q, k, v, causal, q_pos, k_pos, k_valid, allow_tf32):
