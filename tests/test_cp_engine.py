@@ -15,6 +15,7 @@ import llmpar
 from llmpar.models import GPT, GPTConfig
 from llmpar.optim import FusedAdamW
 from llmpar.runtime.config import Blocks
+from llmpar.runtime.logs import describe
 from multirank import run_ranks
 
 CFG = dict(vocab_size=61, n_layer=2, n_head=4, d_model=32, seq_len=16)
@@ -48,6 +49,7 @@ def cp_body(cp: dict, stage: int, extra: dict, grads: bool) -> dict:
     engine, opt, _, _ = llmpar.initialize(model=model, config=_config(cp, stage, **extra))
     dp, dp_rank = engine.dp_world_size, engine.dp_rank
     out = {"dp": dp, "cp": engine.context_parallel.size, "losses": [], "norms": [], "pieces": {},
+           "describe": describe(engine, dist.get_world_size()),
            "sampler": engine.deepspeed_io(list(range(8))).sampler.num_replicas}
     for s in range(STEPS):
         for m in range(GAS):
@@ -151,7 +153,9 @@ def test_ring_over_3_ranks_and_heads_not_divisible_by_ulysses():
 
 def test_hybrid_2x2_with_activation_checkpointing():
     cp = {"size": 4, "mode": "hybrid", "ulysses_size": 2}
-    check(run_ranks(cp_body, 4, cp, 2, {"activation_checkpointing": {}}, True, timeout=120), 4, 4)
+    outs = run_ranks(cp_body, 4, cp, 2, {"activation_checkpointing": {}}, True, timeout=120)
+    assert "4 ranks (context parallel: cp=4 hybrid = ulysses 2 x ring 2) (dp=1 x tp=1" in outs[0]["describe"]
+    check(outs, 4, 4)
 
 
 def tp_body() -> dict:

@@ -82,6 +82,10 @@ def describe(engine: Any, world: int) -> str:
     sched = "none" if sched is None else engine.scheduler_name() if type(sched).__name__ == "WarmupSchedule" \
         else f"{type(sched).__name__} (client)"
     ranks = f"{world} rank{'s' if world != 1 else ''}"
+    cp = getattr(engine, "context_parallel", None)
+    if cp is not None:  # ZeRO shards over dp x cp
+        ranks += f" (context parallel: cp={cp.size} {cp.mode}" + (
+            f" = ulysses {cp.ulysses_size} x ring {cp.ring_size}" if cp.mode == "hybrid" else "") + ")"
     return (f"llmpar.initialize: {type(engine).__name__} on {ranks} (dp={dp} x tp={tp} x pp={pp}), {zero}, "
             f"{dtype}, train_batch_size {cfg.train_batch_size} = micro {cfg.train_micro_batch_size_per_gpu} x "
             f"gradient accumulation {cfg.gradient_accumulation_steps} x dp {dp}, optimizer "
