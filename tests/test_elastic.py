@@ -110,3 +110,81 @@ def test_auto_resume_in_initialize(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(ValueError, match=r'"checkpoint.auto_resume"=.*file.* is not a directory'):
         _engine(_config(checkpoint={"auto_resume": str(tmp_path / "file")}))
+
+
+# ------------------------------------------------------------------------------- a killed rank, restarted
+JOB = r'''
+import json, os, signal, sys
+import torch
+from torch import nn
+import llmpar
+
+out, steps, kill_at, every = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+torch.set_num_threads(1)
+g = torch.Generator().manual_seed(123)
+data = torch.utils.data.TensorDataset(torch.randn(37, 5, generator=g), torch.randn(37, 1, generator=g))
+config = {"train_micro_batch_size_per_gpu": 3, "optimizer": {"type": "AdamW", "params": {"lr": 0.02}},
+          "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5, "warmup_max_lr": 0.02}},
+          "zero_optimization": {"stage": 1}, "steps_per_print": 1000,
+          "fp16": {"enabled": True, "initial_scale_power": 4, "loss_scale_window": 2}}
+
+
+def run(name, extra):
+    torch.manual_seed(7)
+    model = nn.Sequential(nn.Linear(5, 11), nn.GELU(), nn.Dropout(0.2), nn.Linear(11, 1))
+    engine, _, loader, _ = llmpar.initialize(model=model, config={**config, **extra}, training_data=data)
+    log = open(os.path.join(out, f"{name}{rank}.jsonl"), "a")
+    log.write(json.dumps({"attempt": attempt, "world": world, "resumed_from": getattr(engine, "resumed_from", None),
+                          "start": engine.global_steps}) + "\n")
+    while engine.global_steps < steps:
+        for x, y in engine.training_dataloader:
+            loss = nn.functional.mse_loss(engine(x.half()).float(), y)
+            engine.backward(loss)
+            engine.step()
+            s = engine.global_steps
+            log.write(json.dumps({"step": s, "loss": loss.item().hex(), "attempt": attempt,
+                                  "scale": engine.optimizer.loss_scaler.cur_scale}) + "\n")
+            log.flush()
+            if extra and s % every == 0:
+                engine.save_checkpoint(os.path.join(out, "ckpt"))
+            if extra and attempt == 0 and s == kill_at and rank == 1:
+                os.kill(os.getpid(), signal.SIGKILL)  # a rank dies; the agent restarts every rank
+            if s >= steps:
+                break
+        else:
+            sampler = engine.training_dataloader.data_sampler
+            sampler.set_epoch(sampler.epoch + 1)
+
+
+if attempt == 0:  # the uninterrupted reference, in the same processes
+    run("ref", {})
+run("run", {"checkpoint": {"auto_resume": os.path.join(out, "ckpt")}})
+'''
+
+
+@pytest.mark.slow
+def test_killed_rank_restarts_and_resumes_exactly(tmp_path):
+    """``python -m llmpar.launch --num_gpus 2 --max_restarts 1`` (``llmpar launch``): rank 1 is SIGKILLed after step
+    8 (checkpoints every 3 steps, auto_resume); the agent restarts both ranks, which load step 6 and train on to
+    step 12 with the losses (and fp16 loss scales) of an uninterrupted run, bit for bit, on both ranks."""
+    script = tmp_path / "job.py"
+    script.write_text(JOB)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, "-m", "llmpar.launch", "--num_gpus", "2", "--max_restarts", "1",
+                           str(script), str(tmp_path), "12", "8", "3"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    for rank in (0, 1):
+        ref = [json.loads(line) for line in (tmp_path / f"ref{rank}.jsonl").read_text().splitlines()]
+        run = [json.loads(line) for line in (tmp_path / f"run{rank}.jsonl").read_text().splitlines()]
+        headers = [r for r in run if "start" in r]
+        assert [(h["attempt"], h["world"], h["start"]) for h in headers] == [(0, 2, 0), (1, 2, 6)]
+        assert headers[0]["resumed_from"] is None and headers[1]["resumed_from"].endswith("global_step6")
+        first = [r["step"] for r in run if "step" in r and r["attempt"] == 0]
+        assert first == list(range(1, 9)) if rank == 1 else first[:8] == list(range(1, 9))
+        final = {r["step"]: (r["loss"], r["scale"]) for r in run if "step" in r}  # the restart's overwrite
+        assert [r["step"] for r in run if "step" in r and r["attempt"] == 1] == list(range(7, 13))
+        assert final == {r["step"]: (r["loss"], r["scale"]) for r in ref if "step" in r}, rank
+        assert len({r["scale"] for r in ref if "step" in r}) > 1  # the loss scale moved (and was restored)

@@ -221,6 +221,22 @@ def test_bad_flags_exit_2_naming_the_flag(tmp_path, capsys):
     assert out[0] == "# node 0 (localhost)" and out[1].endswith("x.py --lr 1")
 
 
+def test_train_started_by_srun_is_a_rank_of_that_job(monkeypatch, capsys):
+    """``llmpar train`` in a task of ``srun`` (``--launcher slurm``) is a rank of the srun job (the launcher
+    discovery of init_distributed), not a new torchrun job of --nproc ranks: 3 tasks do not divide by --tp 2."""
+    from llmpar.train import command
+
+    for k in [k for k in os.environ if k.startswith(("SLURM_", "OMPI_", "PMI_"))] + ["RANK", "WORLD_SIZE"]:
+        monkeypatch.delenv(k, raising=False)
+    for k, v in {"SLURM_PROCID": "0", "SLURM_NTASKS": "3", "SLURM_STEP_NUM_TASKS": "3", "SLURM_LOCALID": "0",
+                 "SLURM_STEP_TASKS_PER_NODE": "3", "SLURM_JOB_NODELIST": "n1", "SLURM_JOB_ID": "5"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(command, "_relaunch", lambda args: pytest.fail("llmpar train relaunched under torchrun"))
+    args = cli.build_parser().parse_args(["train", "--tp", "2", "--steps", "1"])
+    assert command.main(args) == 2
+    assert "--tp=2 does not divide the 3 ranks" in capsys.readouterr().err
+
+
 # ----------------------------------------------------------------------------------- a real two-node launch
 SCRIPT = """
 import json, os, sys
@@ -235,6 +251,7 @@ with open(os.path.join(sys.argv[1], f"rank{dist.get_rank()}.json"), "w") as f:
 """
 
 
+@pytest.mark.slow
 def test_two_nodes_on_one_machine(tmp_path):
     """``--nnodes 2`` twice on localhost (as on two nodes): two agents meet through c10d, one rank each, one world
     of 2. Through ``python -m llmpar.launch`` (``llmpar launch`` without loading torch in the launching process)."""

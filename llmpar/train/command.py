@@ -6,6 +6,7 @@
     llmpar train --config ds.json                   # your DeepSpeed JSON instead of the training flags
     llmpar train --print-config                     # the DeepSpeed config the flags build, then exit
     torchrun --nproc_per_node 4 -m llmpar.cli train --steps 100
+    llmpar launch --launcher slurm --num_nodes 2 --num_gpus 4 --module llmpar.cli train   # srun: each task a rank
 
 The training flags build one DeepSpeed config (batch, accumulation, AdamW, WarmupCosineLR, clipping, ZeRO stage and
 offload, bf16, "pipeline", "tensor_parallel"); ``llmpar.initialize`` turns it into the engine, which reduces the
@@ -32,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from llmpar.distributed.discovery import discover
 from llmpar.train.loop import ConfigError, format_summary, train
 from llmpar.train.options import MODEL_DTYPES, SCHEDULES, TrainOptions, check_layout, degrees, flag, resolve
 
@@ -132,9 +134,12 @@ def main(args: argparse.Namespace) -> int:
 
     Exit status: 0 PASS, 3 FAIL (the loss did not fall below 80% of its start), 2 a bad command line or config.
     The process group is torn down at the end only if this call created it."""
-    under_torchrun = "RANK" in os.environ
-    rank = int(os.environ.get("RANK", "0"))
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+    try:  # started by torchrun, srun or mpirun (llmpar launch): a rank of that job, else this command launches
+        launch = discover()
+    except ValueError as err:
+        return _error(err)
+    under_launcher, rank = launch.source != "none", launch.rank
     _setup_logging(rank)
     try:
         if args.nproc < 1:
@@ -145,13 +150,13 @@ def main(args: argparse.Namespace) -> int:
                 print(json.dumps(config, indent=2))
             return 0
         pp, tp = degrees(config)
-        world = int(os.environ.get("WORLD_SIZE", "1")) if under_torchrun else args.nproc
+        world = launch.world_size if under_launcher else args.nproc
         check_layout(opts, pp=pp, tp=tp, world=world, from_config=args.config is not None)
         if args.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda: no CUDA device is available; use --device cpu")
     except (ValueError, TypeError) as err:
         return _error(err)
-    if not under_torchrun and args.nproc > 1:
+    if not under_launcher and args.nproc > 1:
         return _relaunch(args)
 
     owns_group = not dist.is_initialized()
