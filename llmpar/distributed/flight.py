@@ -233,7 +233,10 @@ def on_failure(recorder: FlightRecorder, pg: dist.ProcessGroup, cause: BaseExcep
         peers = [r for r in dist.get_process_group_ranks(pg) if r != me]
     except (RuntimeError, ValueError):
         peers = []
-    wait_s = env_wait_s()
+    try:
+        wait_s = env_wait_s()
+    except ValueError:  # checked at import; set wrong since: the default rather than an error hiding this one
+        wait_s = DEFAULT_WAIT_S
     mine = recorder.summary(failed, text)
     found, problem = _exchange(mine, peers, {p: recorder.last_done_with(p) for p in peers}, wait_s)
     lines = diagnose(mine, {p: found.get(p) for p in peers}, wait_s)
@@ -289,6 +292,7 @@ def diagnose(mine: dict[str, Any], peers: dict[int, dict | None], wait_s: float)
 
 
 RECORDER = FlightRecorder(env_size())
+env_wait_s()  # a bad LLMPAR_FLIGHT_WAIT_S fails the import on every rank, not the report of a failure
 
 __all__ = ["ENV_DIR", "ENV_SIZE", "ENV_WAIT", "Entry", "FlightRecorder", "RECORDER", "as_dict", "describe", "diagnose",
            "end", "env_size", "env_wait_s", "on_failure", "site"]
