@@ -11,8 +11,6 @@ One multirank run per world size feeds every assertion of that world (a launch o
 """
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -65,13 +63,12 @@ def ds_config(mode: str, size: int, ulysses: int | None, stage: int | str) -> di
 
 
 def engine_body(cases: list) -> list:
-    """For each case: per step (loss, {param: [(start, stop, reduced grad piece)]}) of this rank, and the dp size."""
+    """For each case: (per step (loss, {param: [(start, stop, reduced grad piece)]}), dp size, dp rank) of this
+    rank."""
     import llmpar
 
-    import time
     out = []
     for kind, mode, size, ulysses, stage in cases:
-        t0 = time.perf_counter()
         model = build(kind)
         engine, *_ = llmpar.initialize(model=model, config=ds_config(mode, size, ulysses, stage))
         dp, r = engine.dp_world_size, engine.dp_rank
@@ -85,7 +82,7 @@ def engine_body(cases: list) -> list:
                       for n, p in model.named_parameters()}
             engine.step()
             steps.append((float(output.loss), pieces))
-        out.append((steps, dp, r, time.perf_counter() - t0))
+        out.append((steps, dp, r))
     return out
 
 
@@ -114,10 +111,9 @@ def reference(kind: str, dp: int) -> list:
 
 def check_against_reference(case: tuple, ranks: list, rtol: float = 1e-10) -> None:
     dp = ranks[0][1]
-    print(case, [r[3] for r in ranks])
     ref = reference(case[0], dp)
     for step, (want_losses, want_grads) in enumerate(ref):
-        for rank, (steps, _, dp_rank, _) in enumerate(ranks):
+        for rank, (steps, _, dp_rank) in enumerate(ranks):
             got, want_loss = steps[step][0], want_losses[dp_rank]
             assert abs(got - want_loss) <= rtol * abs(want_loss), f"{case} step {step} rank {rank}: loss {got} " \
                                                                   f"!= {want_loss}"
@@ -143,3 +139,138 @@ def test_hf_models_equal_the_unsplit_model_ulysses_and_ring():
 
 def test_hf_models_equal_the_unsplit_model_hybrid_and_dp_x_cp():
     _run(WORLD4, 4)
+
+
+# ---- the Trainer: llmpar's with "context_parallel" against transformers' own on one process ----
+class Rows(torch.utils.data.Dataset):
+    """16 rows of SEQ tokens, some padded (mask 0, labels -100)."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(7)
+        self.ids = torch.randint(0, VOCAB, (16, SEQ), generator=g)
+        self.mask = torch.ones_like(self.ids)
+        self.mask[::3, 8:] = 0
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "attention_mask": self.mask[i],
+                "labels": self.ids[i].masked_fill(self.mask[i] == 0, -100)}
+
+
+def trainer_run(output_dir: str, llmpar_config: dict | None) -> list:
+    """[(loss, grad_norm)] per optimizer step: 3 steps of 2 x 2 rows (gradient accumulation 2), the Trainer's AdamW
+    and linear schedule, clipping at 1.0; llmpar's Trainer when a config is given, else transformers' own."""
+    from transformers import TrainerCallback
+
+    if llmpar_config is not None:
+        from llmpar.integrations.transformers import Trainer, TrainingArguments
+        extra = {"deepspeed": llmpar_config}
+    else:
+        from transformers import Trainer, TrainingArguments
+        extra = {}
+    rows: list = []
+
+    class Record(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "loss" in logs:
+                rows.append((float(logs["loss"]), float(logs["grad_norm"])))
+
+    args = TrainingArguments(output_dir=output_dir, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                             max_steps=3, learning_rate=5e-3, warmup_steps=1, max_grad_norm=1.0, logging_steps=1,
+                             report_to=[], use_cpu=True, seed=42, save_strategy="no", disable_tqdm=True, **extra)
+    Trainer(model=build("llama").float(), args=args, train_dataset=Rows(), callbacks=[Record()]).train()
+    return rows
+
+
+def trainer_body(output_dir: str) -> list:
+    import os
+
+    saved = dict(os.environ)  # transformers / accelerate write the launcher's variables: leave the pool as found
+    try:
+        config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                  "train_batch_size": "auto", "gradient_clipping": "auto", "steps_per_print": 10 ** 6,
+                  "zero_optimization": {"stage": 2}, "context_parallel": {"size": 2, "mode": "ring"}}
+        return trainer_run(os.path.join(output_dir, str(dist.get_rank())), config)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def test_trainer_with_context_parallelism_equals_the_plain_trainer(tmp_path, monkeypatch):
+    """2 ranks, ring cp=2 (one data-parallel rank: both read the same batches): the logged full-sequence losses and
+    grad norms equal transformers' Trainer on one process (fp32, 1e-5)."""
+    ours = run_ranks(trainer_body, 2, str(tmp_path), timeout=300)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    theirs = trainer_run(str(tmp_path / "plain"), None)
+    assert len(theirs) == 3 and ours[0] == ours[1]
+    torch.testing.assert_close(torch.tensor(ours[0], dtype=torch.float64), torch.tensor(theirs, dtype=torch.float64),
+                               rtol=1e-5, atol=0)
+
+
+# ---- refusals, and the prepared model run whole (one process, before any collective) ----
+class _Reached(Exception):
+    """The stub's ``shard`` was called: every check before it passed."""
+
+
+class StubCP:
+    """Enough of a ContextParallel for what runs before the first collective."""
+
+    size, current = 2, None
+
+    def shard(self, seq_len: int, device) -> None:
+        raise _Reached(seq_len)
+
+
+def _prepared(kind: str, **kw):
+    from llmpar.context_parallel.hf import HFCausalLMAdapter
+
+    model, adapter = build(kind, **kw), HFCausalLMAdapter()
+    adapter.prepare(model, StubCP())
+    return model, adapter
+
+
+def test_refusals_name_the_argument():
+    from llmpar.context_parallel.hf import HFCausalLMAdapter
+
+    ids = batch(0, 2)["input_ids"]
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=VOCAB, n_embd=16, n_layer=1, n_head=2))
+    with pytest.raises(ValueError, match="model_type='gpt2'"):
+        HFCausalLMAdapter().prepare(gpt2, StubCP())
+    with pytest.raises(ValueError, match="attention_dropout=0.1"):
+        HFCausalLMAdapter().prepare(build("llama", attention_dropout=0.1), StubCP())
+    _, mistral = _prepared("mistral", sliding_window=8)
+    with pytest.raises(ValueError, match="sliding_window=8 is shorter than the sequence"):
+        mistral.shard_call(StubCP(), (ids,), {})
+    _, qwen = _prepared("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=0)
+    with pytest.raises(ValueError, match="sliding_window=8 is shorter than the sequence"):
+        qwen.shard_call(StubCP(), (ids,), {})
+    _, wide = _prepared("mistral", sliding_window=SEQ)  # a window covering the sequence is plain causal attention
+    with pytest.raises(_Reached):
+        wide.shard_call(StubCP(), (ids,), {})
+    _, llama = _prepared("llama")
+    with pytest.raises(ValueError, match="KV cache"):
+        llama.shard_call(StubCP(), (ids,), {"cache": transformers.DynamicCache()})
+    with pytest.raises(ValueError, match="attention_mask must be .batch=2, seq=13."):
+        llama.shard_call(StubCP(), (ids,), {"attention_mask": torch.ones(2, 1, SEQ, SEQ)})
+    with pytest.raises(ValueError, match="logits_to_keep=1"):
+        llama.shard_call(StubCP(), (ids,), {"logits_to_keep": 1})
+    with pytest.raises(ValueError, match="exactly one of input_ids / inputs_embeds"):
+        llama.shard_call(StubCP(), (), {"labels": ids})
+    with pytest.raises(TypeError, match="'input_ids' twice"):
+        llama.shard_call(StubCP(), (ids,), {"input_ids": ids})
+
+
+def test_a_prepared_model_called_whole_is_the_plain_model():
+    """Outside a sharded batch (evaluate / predict / generate) the registered attention is transformers' SDPA with
+    its own mask: the same logits as before prepare, padded rows included."""
+    plain = build("llama")
+    model, _ = _prepared("llama")
+    assert model.config._attn_implementation == "llmpar_cp"
+    b = batch(0, 2)
+    with torch.no_grad():
+        want = plain(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+        got = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

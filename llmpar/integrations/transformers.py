@@ -26,7 +26,11 @@ defaults to ``synced_gpus=True``, as under DeepSpeed ZeRO-3. A ZeRO-3 config als
 ``from_pretrained`` called after these TrainingArguments are built build the model sharded (``hf_zero3.py``), as
 transformers does for DeepSpeed; an evaluate() before train() on such a model builds the engine first.
 A ``"tensor_parallel"`` block splits the model with ``llmpar.parallelize`` and feeds the ranks of one tensor-parallel
-group the same batches.
+group the same batches. A ``"context_parallel"`` block (or DeepSpeed's ``"sequence_parallel_size"``) splits each
+sequence over its cp ranks (Llama / Qwen2 / Mistral, ``llmpar.context_parallel.hf``): the cp (x tp) ranks of a
+data-parallel group read the same batches (the sampler shards over ``world / (cp * tp)`` ranks), the engine shards
+each one along the sequence, and the loss the Trainer logs and optimises is the full-sequence one, equal to the same
+run without context parallelism (``num_items_in_batch`` included). ``evaluate`` / ``predict`` run whole sequences.
 """
 from __future__ import annotations
 
@@ -44,7 +48,7 @@ from torch.utils.data import DataLoader
 from llmpar.distributed.init import init_distributed
 from llmpar.integrations.hf_auto import fill_auto, tensor_parallel_size
 from llmpar.integrations.hf_zero3 import is_zero3, register
-from llmpar.runtime.config import read_config
+from llmpar.runtime.config import context_parallel_block, read_config
 from llmpar.runtime.initialize import initialize
 from llmpar.tensor_parallel.parallelize import parallelize
 
@@ -147,9 +151,13 @@ class Trainer(transformers.Trainer):
                              "per device with torchrun")
         self.llmpar_config = read_config(given)
         self.tp_size = tensor_parallel_size(self.llmpar_config)
+        self.cp_size = context_parallel_size(self.llmpar_config)
         world = self.args.world_size
         if world % self.tp_size:
             raise ValueError(f"tensor_parallel.size={self.tp_size} does not divide the {world} processes")
+        if world % (self.tp_size * self.cp_size):
+            raise ValueError(f"context_parallel.size={self.cp_size} x tensor_parallel.size={self.tp_size} does not "
+                             f"divide the {world} processes")
         self.engine: Any = None
         self._engine_steps = 0  # the optimizer steps the engine's schedule was built for
 
@@ -167,13 +175,14 @@ class Trainer(transformers.Trainer):
                                  "the TrainingArguments the same max_steps / epochs, or train() before evaluating")
             return
         self._engine_steps = num_training_steps
-        dp = self.args.world_size // self.tp_size
+        dp = self.args.world_size // (self.tp_size * self.cp_size)
         config = fill_auto(self.llmpar_config, self.args, model=self.model, num_training_steps=num_training_steps,
                            dp=dp)
         mesh = None
-        if self.tp_size > 1:  # split first, so that the Trainer's optimizer (if any) is built on the split params
-            mesh = init_distributed(tp=self.tp_size).mesh
-            parallelize(self.model, mesh["tp"])
+        if self.tp_size > 1 or self.cp_size > 1:  # the Trainer's optimizer (if any) is built on the split params
+            mesh = init_distributed(tp=self.tp_size, cp=self.cp_size).mesh
+            if self.tp_size > 1:
+                parallelize(self.model, mesh["tp"])
         optimizer = None
         if "optimizer" not in config:
             optimizer = transformers.Trainer.create_optimizer(self)  # args.optim, decay groups
@@ -187,7 +196,7 @@ class Trainer(transformers.Trainer):
                                           lr_scheduler=scheduler, config=config, mesh=mesh)
         self.optimizer = _EngineOptimizer(self.engine)
         self.lr_scheduler = _EngineScheduler(self.engine)
-        if is_zero3(config) and dp > 1:
+        if is_zero3(config) and dp * self.cp_size > 1:  # ZeRO-3 shards over dp x cp
             _synced_generate(self.model)
 
     def _engine_for_eval(self) -> None:
@@ -263,19 +272,21 @@ class Trainer(transformers.Trainer):
         norm = self.engine.get_global_grad_norm() if grad_norm is None else grad_norm
         return norm.item() if hasattr(norm, "item") else norm
 
-    # ---- data: the ranks of one tensor-parallel group read the same batches ----
+    # ---- data: the ranks of one tensor- / context-parallel group read the same batches ----
     def get_train_dataloader(self) -> DataLoader:
-        """The Trainer's loader, sharded over the dp ranks (rank // tp) instead of every process when tp > 1 (the
-        tensor-parallel ranks of a group are consecutive: llmpar's mesh puts tp innermost)."""
+        """The Trainer's loader, sharded over the dp ranks (rank // (cp * tp)) instead of every process when
+        cp * tp > 1 (the cp x tp ranks of a data-parallel group are consecutive: llmpar's mesh is [pp, dp, cp, tp])."""
         loader = super().get_train_dataloader()
-        if self.tp_size == 1:
+        replicas = self.tp_size * self.cp_size
+        if replicas == 1:
             return loader
-        dp, dp_rank = self.args.world_size // self.tp_size, self.args.process_index // self.tp_size
+        dp, dp_rank = self.args.world_size // replicas, self.args.process_index // replicas
         shard = getattr(loader, "batch_sampler", None)
         if not isinstance(shard, BatchSamplerShard):
             shard = getattr(loader, "dataset", None)
             if not isinstance(shard, IterableDatasetShard):
-                raise ValueError(f"tensor_parallel.size={self.tp_size}: the Trainer built a {type(loader).__name__} "
+                raise ValueError(f"tensor_parallel.size={self.tp_size} x context_parallel.size={self.cp_size}: "
+                                 f"the Trainer built a {type(loader).__name__} "
                                  "that llmpar cannot shard over dp ranks (dispatch_batches / a batch sampler of "
                                  "its own); use the default loader")
         shard.num_processes, shard.process_index = dp, dp_rank
@@ -312,6 +323,11 @@ class Trainer(transformers.Trainer):
         path, _ = self.engine.load_checkpoint(best, load_optimizer_states=False, load_lr_scheduler_states=False)
         if path is None:
             raise FileNotFoundError(f"best model checkpoint {best!r} holds no llmpar checkpoint")
+
+
+def context_parallel_size(config: dict) -> int:
+    """The config's context-parallel degree (``context_parallel.size`` or ``sequence_parallel_size``), 1 without."""
+    return context_parallel_block(config.get("context_parallel"), config.get("sequence_parallel_size")).size
 
 
 def _synced_generate(model: Any) -> None:
