@@ -191,17 +191,26 @@ def test_sequence_parallel_size_is_ulysses():
     assert (cp.ulysses_size, cp.ring_size) == (2, 2)
 
 
-def world_error_body() -> str:
-    try:
-        llmpar.initialize(model=GPT(GPTConfig(**CFG)), config=_config({"size": 3, "mode": "ring"}, 1))
-    except ValueError as e:
-        return str(e)
-    return "no error"
+def world_error_body() -> list[str]:
+    mesh = llmpar.init_distributed(tp=1).mesh  # cp=1
+    tries = [dict(config=_config({"size": 3, "mode": "ring"}, 1)),
+             dict(config=_config({"size": 2}, 1), mesh=mesh),
+             dict(config=_config({"size": 2}, 1), dp_group=mesh["dp"])]
+    errors = []
+    for kwargs in tries:
+        try:
+            llmpar.initialize(model=GPT(GPTConfig(**CFG)), **kwargs)
+            errors.append("no error")
+        except ValueError as e:
+            errors.append(str(e))
+    return errors
 
 
-def test_size_not_dividing_the_world_fails_on_every_rank():
-    for msg in run_ranks(world_error_body, 2, timeout=60):
-        assert "\"context_parallel.size\"=3 does not divide the world size 2" in msg, msg
+def test_sizes_and_groups_that_do_not_fit_fail_on_every_rank():
+    for world, mesh, groups in run_ranks(world_error_body, 2, timeout=60):
+        assert "\"context_parallel.size\"=3 does not divide the world size 2" in world, world
+        assert "\"context_parallel.size\"=2 but mesh= has cp=1" in mesh, mesh
+        assert "not dp_group= / tp_group=" in groups, groups
 
 
 class _NoCollectives:
