@@ -258,6 +258,9 @@ def _run_modes(modes: list[tuple[str, int]], cases: list[dict]) -> dict:
             _attention_case(cp, case)
         _grad_parity_case(cp, seed=world)
         _token_mean_cases(cp)
+        cp.check_batch(37, "same ids")
+        with pytest.raises(ValueError, match="cp ranks hold different batches"):
+            cp.check_batch(37 + (cp.rank == cp.size - 1), "same ids")
         stats[mode] = (len(cp.ring_stats.forward_wait_s), len(cp.ring_stats.backward_wait_s),
                        cp.ring_stats.exposed_fraction())
     return stats

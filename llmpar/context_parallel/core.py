@@ -17,6 +17,7 @@ sequence length on every rank a bad input raises the same error on every rank in
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 from typing import Iterator
 
@@ -26,6 +27,7 @@ from llmpar.context_parallel.ring import RingSpec, RingStats, ring_attention
 from llmpar.context_parallel.shard import MODES, SeqShard, check_seq_len, layout
 from llmpar.context_parallel.ulysses import gather_valid, heads_to_seq, kv_repeats, seq_to_heads
 from llmpar.context_parallel.loss import token_mean
+from llmpar.distributed.collectives import all_reduce, collective_device
 from llmpar.distributed.groups import Group, GroupRef, as_group, group_rank, group_size
 from llmpar.ops.attention import flash_attention
 
@@ -77,6 +79,22 @@ class ContextParallel:
         check_seq_len(seq_len)
         padded, table = layout(seq_len, self.mode, self.ring_size, self.ulysses_size)
         return SeqShard(index=table[self.rank].to(device or "cpu"), padded_len=padded, seq_len=seq_len)
+
+    def check_batch(self, seq_len: int, fingerprint: str = "") -> None:
+        """Raise the same ValueError on every cp rank unless all of them hold a sequence of ``seq_len`` tokens (and
+        the same ``fingerprint``, e.g. a digest of the batch's ids): the cp ranks of a group must be fed the same
+        batch, else attention's exchanges hang (different lengths) or train on a mix of samples. A max-all-reduce of
+        (digest, -digest) over each cp group in turn (two int64 per group)."""
+        check_seq_len(seq_len)
+        digest = int(hashlib.sha256(f"{seq_len}|{fingerprint}".encode()).hexdigest()[:15], 16)
+        device = collective_device(self.groups[0])
+        both = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
+        for group in self.groups:  # Ulysses then ring: the max and min over the whole cp grid
+            all_reduce(both, group, op="max", what="context-parallel batch check")
+        if int(both[0]) != -int(both[1]):
+            raise ValueError(f"context-parallel batch: the cp ranks hold different batches (this is cp rank "
+                             f"{self.rank} of {self.size}, seq_len={seq_len}); the cp ranks of a group must read the "
+                             "same batch (a sampler over the dp rank and dp size only)")
 
     # ------------------------------------------------------------------ one forward's batch
     @contextlib.contextmanager
@@ -159,9 +177,9 @@ class ContextParallel:
         in_batch = self._current is not None and self._current[0] is shard and self._current[1] is k_valid
         if reps > 1:
             k, v = k.repeat_interleave(reps, dim=1), v.repeat_interleave(reps, dim=1)
-        q = seq_to_heads(q, self.ulysses_group, u)
-        kv = seq_to_heads(torch.cat([k, v]), self.ulysses_group, u)  # one all-to-all for both
-        k, v = kv.chunk(2)
+        if u > 1:
+            q = seq_to_heads(q, self.ulysses_group, u)
+            k, v = seq_to_heads(torch.cat([k, v]), self.ulysses_group, u).chunk(2)  # one all-to-all for both
         valid = self._memo.get("valid") if in_batch else None
         if valid is None and k_valid is not None:  # the group's key mask: gathered once per batch
             valid = gather_valid(k_valid.to(torch.uint8), self.ulysses_group, u)
