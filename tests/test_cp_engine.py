@@ -242,3 +242,17 @@ def test_gpt_adapter_refuses_bad_batches_before_sharding(args, kwargs, error, ma
         adapter.shard_call(_NoCollectives(), args, kwargs)
     with pytest.raises(TypeError, match="no adapter shards its batch"):
         adapter_for(torch.nn.Linear(2, 2))
+
+
+def test_a_prepared_gpt_called_outside_a_sharded_batch_is_the_plain_gpt():
+    from llmpar.context_parallel.adapters import adapter_for
+
+    class _Idle(_NoCollectives):
+        current = None
+
+    plain, prepared = GPT(GPTConfig(**CFG), seed=5), GPT(GPTConfig(**CFG), seed=5)
+    adapter_for(prepared).prepare(prepared, _Idle())
+    idx = torch.randint(0, CFG["vocab_size"], (2, 11))
+    torch.testing.assert_close(prepared(idx), plain(idx), rtol=0, atol=0)
+    assert "context_parallel" not in dict(prepared.named_modules()) and not any(
+        "context_parallel" in k for k in prepared.state_dict())
