@@ -106,8 +106,8 @@ def body(root, ext_dir):
         ds, *_ = deepspeed.initialize(model=_model(), model_parameters=None, config=cfg)
         _train(ds, range(K), False)
         ds.save_checkpoint(f"{root}/{name}", client_state={"data_pos": 17 + K})
-        if name == "z2":  # the weights as saved, for the load_module_only check
-            out["z2_weights"] = {n: p.detach().clone() for n, p in ds.module.named_parameters()}
+        with deepspeed.zero.GatheredParameters(list(ds.module.parameters()), enabled=stage == 3):
+            out.setdefault("weights", {})[name] = {n: p.detach().clone() for n, p in ds.module.named_parameters()}
         out["ds"][name] = _train(ds, range(K, K + N), False)
         del ds
     dist.barrier()
@@ -118,6 +118,8 @@ def body(root, ext_dir):
         facts = (os.path.basename(path), client, engine.global_steps, engine.global_samples,
                  engine.lr_scheduler.state_dict())
         out["ours"][(name, stage, tp)] = (_train(engine, range(K, K + N), tp > 1), facts)
+        if (name, stage, tp) == ("z1", 3, 1):  # an llmpar checkpoint for convert's auto-detection
+            engine.save_checkpoint(f"{root}/ours")
     # load_module_only: the weights, and the optimizer, scheduler and counters as they were
     engine = _llmpar(1)
     before = [{k: t.clone() for k, t in b.state.items()} for b in engine.optimizer.buffers]
@@ -150,10 +152,11 @@ def body(root, ext_dir):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, ds_ext_dir):
     root = tmp_path_factory.mktemp("dsck")
-    return run_ranks(body, 2, str(root), str(ds_ext_dir), timeout=300)
+    return run_ranks(body, 2, str(root), str(ds_ext_dir), timeout=300), root
 
 
 def test_llmpar_continues_deepspeed_checkpoints(runs):
+    runs, _ = runs
     out = runs[0]
     assert set(out["ours"]) == {("z0", 2, 1), ("z1", 3, 1), ("z2", 1, 2), ("z3", 1, 1), ("z3", 2, 2),
                                 ("b2", 3, 1)}
@@ -171,8 +174,9 @@ def test_llmpar_continues_deepspeed_checkpoints(runs):
 
 
 def test_module_only_and_without_optimizer_states(runs):
+    runs, _ = runs
     weights, states_kept, steps, last = runs[0]["module_only"]
-    saved = runs[0]["z2_weights"]
+    saved = runs[0]["weights"]["z2"]
     assert weights.keys() == saved.keys()
     for n in saved:
         torch.testing.assert_close(weights[n], saved[n], rtol=0, atol=0)
@@ -182,6 +186,7 @@ def test_module_only_and_without_optimizer_states(runs):
 
 
 def test_errors_name_what_was_found(runs):
+    runs, _ = runs
     for out in runs:
         assert "zero_pp_rank_1_mp_rank_00_optim_states.pt" not in out["lacking"].split("found")[-1]
         assert "lacks the optimizer files of dp ranks [1]" in out["lacking"], out["lacking"]
@@ -189,6 +194,41 @@ def test_errors_name_what_was_found(runs):
         assert "neither llmpar's layout" in out["junk"]
         assert "'tok_emb.weight' has full shape (63, 24) here" in out["shape"], out["shape"]
         assert "(61, 24)" in out["shape"]
+
+
+def test_convert_to_hf_verifies_what_it_wrote(runs, tmp_path):
+    """``llmpar checkpoint convert`` (source auto-detected): DeepSpeed ZeRO-0 / ZeRO-3 (dp=2) / bf16 ZeRO-2
+    checkpoints give DeepSpeed's weights at the save (the fp32 masters; bf16: they round to the bf16 weights), an
+    llmpar checkpoint gives its consolidated state dict; the check reads back what was written and catches a
+    difference; a wrong --from or --to is refused naming the layout."""
+    from safetensors.torch import load_file
+
+    from llmpar.checkpoint import consolidate, ds_convert
+    from llmpar.cli import main
+
+    runs, root = runs
+    weights = runs[0]["weights"]
+    for name in ("z0", "z3", "b2"):
+        assert main(["checkpoint", "convert", str(root / name), str(tmp_path / name)]) == 0
+        got = load_file(tmp_path / name / "model.safetensors")
+        assert got.keys() == weights[name].keys()
+        for n, w in weights[name].items():
+            assert got[n].dtype == torch.float32
+            torch.testing.assert_close(got[n].to(w.dtype), w, rtol=0, atol=0)
+    assert main(["checkpoint", "convert", str(root / "ours"), str(tmp_path / "ours"), "--dtype", "bf16"]) == 0
+    got, ref = load_file(tmp_path / "ours" / "model.safetensors"), consolidate.consolidated_state_dict(
+        str(root / "ours"), dtype=torch.bfloat16)
+    assert got.keys() == ref.keys() and all(torch.equal(got[n], ref[n]) for n in ref)
+    bad = dict(got)
+    bad["ln_f.bias"] = bad["ln_f.bias"] + 1
+    with pytest.raises(ds_convert.CheckpointError, match="'ln_f.bias' in .* differs"):
+        ds_convert.verify(bad, [str(tmp_path / "ours" / "model.safetensors")])
+    with pytest.raises(ds_convert.CheckpointError, match="is a DeepSpeed checkpoint"):
+        consolidate.convert(str(root / "z3"), str(tmp_path / "x"), source="llmpar")
+    with pytest.raises(ds_convert.CheckpointError, match="not a DeepSpeed checkpoint .* holds"):
+        consolidate.convert(str(root / "ours"), str(tmp_path / "x"), source="deepspeed")
+    with pytest.raises(ValueError, match="to='dcp'"):
+        consolidate.convert(str(root / "z3"), str(tmp_path / "x"), to="dcp")
 
 
 def test_deepspeed_checkpoint_reads_without_deepspeed(tmp_path):
@@ -207,7 +247,13 @@ def test_deepspeed_checkpoint_reads_without_deepspeed(tmp_path):
         def __reduce__(self):
             return (ZeroStageEnum, (self.value,))
 
+    class DynamicLossScaler:  # an fp16 run's scaler, pickled with its __dict__
+        pass
+
     ZeroStageEnum.__module__, ZeroStageEnum.__qualname__ = "deepspeed", "ZeroStageEnum"
+    DynamicLossScaler.__module__, DynamicLossScaler.__qualname__ = "deepspeed", "DynamicLossScaler"
+    scaler = DynamicLossScaler()
+    scaler.__dict__.update(cur_scale=256.0, cur_iter=5, last_overflow_iter=0, cur_hysteresis=2, dynamic=True)
     shapes = {"a": (7,), "b": (5,)}
     full = {n: torch.randn(math.prod(s), dtype=torch.float64).float() for n, s in shapes.items()}
     moments = {n: torch.randn(math.prod(s), dtype=torch.float64).float() for n, s in shapes.items()}
@@ -218,12 +264,14 @@ def test_deepspeed_checkpoint_reads_without_deepspeed(tmp_path):
     def chunk(t, r, c):
         return torch.cat([t, torch.zeros(3 * c - t.numel())])[r * c:(r + 1) * c]
 
-    with mock.patch.dict("sys.modules", {"deepspeed": types.SimpleNamespace(ZeroStageEnum=ZeroStageEnum)}):
+    fake = types.SimpleNamespace(ZeroStageEnum=ZeroStageEnum, DynamicLossScaler=DynamicLossScaler)
+    with mock.patch.dict("sys.modules", {"deepspeed": fake}):
         for r in range(3):
             flat = torch.cat([chunk(full["a"], r, 3), chunk(full["b"], r, 2)])
             mom = torch.cat([chunk(moments["a"], r, 3), chunk(moments["b"], r, 2)])
             state = {"state": {0: {"step": torch.tensor(4.0), "exp_avg": mom}}, "param_groups": [{"params": [0]}]}
             torch.save({"optimizer_state_dict": {"zero_stage": ZeroStageEnum(3), "partition_count": 3,
+                                                 "loss_scaler": scaler,
                                                  "fp32_flat_groups": [flat], "optimizer_state_dict": state}},
                        d / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt")
             torch.save({"module": {}, "param_shapes": [{n: torch.Size(s) for n, s in shapes.items()}],
@@ -239,3 +287,22 @@ def test_deepspeed_checkpoint_reads_without_deepspeed(tmp_path):
                 assert torch.equal(ck.read(n, "master", a, z), full[n][a:z])
                 assert torch.equal(ck.read(n, "exp_avg", a, z), moments[n][a:z])
     assert ck.client_state() == {"my_key": 0}
+    assert ck.counters() == {"global_steps": 1, "global_samples": 0, "skipped_steps": 0, "loss_scaler": {
+        "cur_scale": 256.0, "cur_iter": 5, "last_overflow_iter": 0, "cur_hysteresis": 2, "dynamic": True}}
+
+
+def test_deepspeed_layouts_not_read_are_named(tmp_path):
+    """A pipeline (layer_*) or model-parallel (mp_rank_01) DeepSpeed checkpoint is refused naming its files."""
+    from llmpar.checkpoint import deepspeed_read
+    from llmpar.checkpoint.files import CheckpointError
+
+    for sub, names, match in (("pipe", ["layer_01-model_00-model_states.pt", "mp_rank_00_model_states.pt"],
+                               r"pipeline checkpoint \(\['layer_01-model_00-model_states.pt'\]"),
+                              ("mp", ["mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"],
+                               r"model-parallel ranks \[0, 1\]")):
+        d = tmp_path / sub
+        d.mkdir()
+        for n in names:
+            (d / n).write_bytes(b"")
+        with pytest.raises(CheckpointError, match=match):
+            deepspeed_read.DeepSpeedCheckpoint(str(d))

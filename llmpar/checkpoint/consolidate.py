@@ -7,6 +7,7 @@
     llmpar checkpoint consolidate ckpts out/ --dtype bf16         # float tensors in bf16 (default fp32; keep: as saved)
     llmpar checkpoint consolidate ckpts out/ --format bin         # pytorch_model.bin (torch.save) instead
     llmpar checkpoint publish ckpts global_step100               # a save whose publish never ran (ckpts/.tmp-TAG)
+    llmpar checkpoint convert ds_ckpts out/ --to hf              # a DeepSpeed (or llmpar) checkpoint, auto-detected
 
 Each trained param is rebuilt whole from the shards by name (``CheckpointReader.full``: a tensor-parallel param is
 concatenated over the saved tp ranks along its split dim, vocabulary padding dropped; a pipeline checkpoint already
@@ -18,6 +19,10 @@ written too). Names are the model's own (``model.named_parameters()``); a tied w
 name. The files are written by ``hf_files.write_hf_model``, ``config.json`` from the HuggingFace config the engine
 recorded in ``metadata.json`` (none for an older checkpoint or a model without one). ``metadata.json``'s digest and
 fields (``metacheck``) and every file's sha256 are verified first.
+
+``convert`` (``ds_convert.py``) takes a checkpoint of either layout (``--from`` auto-detected: DeepSpeed's files, or
+llmpar's ``metadata.json``) to HuggingFace's layout as ``consolidate`` writes it (no ``config.json`` from a DeepSpeed
+checkpoint: it records none), then reads every written file back and compares each tensor with the source, bitwise.
 """
 from __future__ import annotations
 
@@ -28,7 +33,7 @@ from typing import Any
 
 import torch
 
-from llmpar.checkpoint import files, hf_files, metacheck, publish
+from llmpar.checkpoint import ds_convert, files, hf_files, metacheck, publish
 from llmpar.checkpoint.files import CheckpointError
 from llmpar.checkpoint.reshard import CheckpointReader
 
@@ -84,6 +89,43 @@ def consolidate(path: str, out_dir: str, tag: str | None = None, *, dtype: Any =
                                    max_shard_size=max_shard_size, format=format)
 
 
+def convert(src: str, out_dir: str, *, to: str = "hf", source: str = "auto", tag: str | None = None,
+            dtype: Any = torch.float32, max_shard_size: Any = hf_files.DEFAULT_SHARD_SIZE,
+            format: str | None = None) -> list[str]:
+    """Convert checkpoint ``src`` (``source``: "auto", "deepspeed" or "llmpar") to ``to`` ("hf": HuggingFace's
+    layout, as :func:`consolidate` writes it) in ``out_dir``; every file written is read back and each tensor
+    compared with the source. Returns the paths written."""
+    if to != "hf":
+        raise ValueError(f"to={to!r}: convert writes 'hf' (HuggingFace's layout); a DeepSpeed checkpoint loads into "
+                         "llmpar as it is (engine.load_checkpoint)")
+    target = hf_files.parse_dtype(dtype)
+    hf_files.parse_size(max_shard_size)
+    hf_files.parse_format(format)
+    kind, path = ds_convert.locate(src, tag, source)
+    if kind == "deepspeed":
+        state, model = ds_convert.state_dict(path, target), {}
+    else:
+        state, meta = _read(path, None, target)
+        model = meta.get("model", {})
+    written = hf_files.write_hf_model(out_dir, state, config=model.get("hf_config"),
+                                      generation_config=model.get("hf_generation_config"),
+                                      max_shard_size=max_shard_size, format=format)
+    ds_convert.verify(state, written)
+    return written
+
+
+def _convert(args: argparse.Namespace) -> int:
+    try:
+        paths = convert(args.src, args.dst, to=args.to, source=args.source, tag=args.tag, dtype=args.dtype,
+                        max_shard_size=args.max_shard_size, format=args.format)
+    except (CheckpointError, OSError, ValueError, ImportError) as e:
+        print(f"llmpar checkpoint convert: {e}", file=sys.stderr)
+        return 1
+    for p in paths:
+        print(p)
+    return 0
+
+
 def _size_arg(text: str) -> str:
     try:
         hf_files.parse_size(text)
@@ -115,7 +157,7 @@ def _publish(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: Any) -> None:
-    p = subparsers.add_parser("checkpoint", help="work with sharded checkpoints (consolidate, publish)")
+    p = subparsers.add_parser("checkpoint", help="work with sharded checkpoints (consolidate, convert, publish)")
     sub = p.add_subparsers(dest="checkpoint_command", metavar="ACTION")
     sub.required = True
     c = sub.add_parser("consolidate", help="write a checkpoint's weights as a HuggingFace model directory "
@@ -132,6 +174,21 @@ def register(subparsers: Any) -> None:
     c.add_argument("--format", default=None, choices=sorted(hf_files.FORMATS),
                    help="safetensors (the default when installed) or bin (pytorch_model.bin, torch.save)")
     c.set_defaults(func=_run)
+    v = sub.add_parser("convert", help="convert a DeepSpeed or llmpar checkpoint (auto-detected) to HuggingFace's "
+                                       "layout, every tensor written read back and compared")
+    v.add_argument("src", help="a checkpoint directory, or the save directory (its 'latest', or --tag)")
+    v.add_argument("dst", help="output directory")
+    v.add_argument("--to", default="hf", choices=["hf"], help="output layout: hf (safetensors shards + index)")
+    v.add_argument("--from", dest="source", default="auto", choices=list(ds_convert.SOURCES),
+                   help="source layout (default: detected)")
+    v.add_argument("--tag", default=None, help="checkpoint tag inside SRC (default: SRC/latest)")
+    v.add_argument("--dtype", default="fp32", choices=sorted(hf_files.DTYPES) + ["keep"],
+                   help="dtype of float tensors (default fp32, from the fp32 masters); 'keep': as saved")
+    v.add_argument("--max-shard-size", default=hf_files.DEFAULT_SHARD_SIZE, type=_size_arg,
+                   help="largest shard, e.g. 5GB (the default), 500MB or bytes")
+    v.add_argument("--format", default=None, choices=sorted(hf_files.FORMATS),
+                   help="safetensors (the default when installed) or bin")
+    v.set_defaults(func=_convert)
     u = sub.add_parser("publish", help="publish a save left in DIR/.tmp-TAG (its run ended before the publish) once "
                                        "every rank's file is there; DIR/latest then names it")
     u.add_argument("dir", help="the save directory")

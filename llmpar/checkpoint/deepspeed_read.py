@@ -98,10 +98,12 @@ class DeepSpeedCheckpoint:
         self.stage = 0 if not self.optim else int(self._zero(0)["zero_stage"].args[0])
         self.dp = 1 if self.stage == 0 else self._partition_count()
         missing = [r for r in range(self.dp) if r not in self.optim] if self.stage else []
-        if missing or (self.stage and len(self.optim) != self.dp):
-            raise CheckpointError(f"{path}: DeepSpeed ZeRO-{self.stage} checkpoint of dp={self.dp} lacks the "
-                                  f"optimizer files of dp ranks {missing or sorted(set(self.optim) - set(range(self.dp)))}"
-                                  f" (found {sorted(self.optim.values())})")
+        extra = sorted(set(self.optim) - set(range(self.dp))) if self.stage else []
+        if missing or extra:
+            why = f"lacks the optimizer files of dp ranks {missing}" if missing else (
+                f"has optimizer files of dp ranks {extra} beyond its partition_count (files of another save?)")
+            raise CheckpointError(f"{path}: DeepSpeed ZeRO-{self.stage} checkpoint of dp={self.dp} {why} (found "
+                                  f"{sorted(self.optim.values())})")
         if self.stage == 3 and zero_models != list(range(self.dp)):
             raise CheckpointError(f"{path}: DeepSpeed ZeRO-3 checkpoint of dp={self.dp} has the model states files of "
                                   f"dp ranks {zero_models}")
@@ -294,8 +296,9 @@ class DeepSpeedCheckpoint:
         if isinstance(opt, dict) and "cur_scale" in opt:  # stage 0, fp16 / bf16 optimizer
             st = {**opt, "dynamic": opt.get("dynamic_loss_scale", False)}
         if "cur_scale" in st:
+            last = st.get("last_overflow_iter")
             out["loss_scaler"] = {"cur_scale": float(st["cur_scale"]), "cur_iter": int(st.get("cur_iter", 0)),
-                                  "last_overflow_iter": int(st.get("last_overflow_iter", -1) or -1),
+                                  "last_overflow_iter": int(last) if last is not None else -1,
                                   "cur_hysteresis": int(st.get("cur_hysteresis", 1)),
                                   "dynamic": bool(st.get("dynamic", False))}
         return out
