@@ -41,7 +41,7 @@ def build(kind: str, **kw):
 
 def batch(step: int, rows: int) -> dict:
     """``rows`` sequences of SEQ random tokens: row 1 is padding after token 9 (mask 0, labels -100); at step 1 only
-    the first 3 labels of every row count (the later cp ranks hold none)."""
+    the first 3 labels of every row count (the later cp ranks hold none); at step 2 position ids are given."""
     g = torch.Generator().manual_seed(100 + step)
     ids = torch.randint(0, VOCAB, (rows, SEQ), generator=g)
     mask = torch.ones_like(ids)
@@ -49,7 +49,10 @@ def batch(step: int, rows: int) -> dict:
     labels = ids.masked_fill(mask == 0, -100)
     if step == 1:
         labels[:, 3:] = -100
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    out = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    if step == 2:  # given position ids (offset by 5) are sharded with the tokens
+        out["position_ids"] = (torch.arange(SEQ) + 5)[None].expand(rows, -1)
+    return out
 
 
 def ds_config(mode: str, size: int, ulysses: int | None, stage: int | str) -> dict:
@@ -86,9 +89,9 @@ def engine_body(cases: list) -> list:
     return out
 
 
-def token_mean_loss(model, input_ids, attention_mask, labels) -> torch.Tensor:
+def token_mean_loss(model, input_ids, attention_mask, labels, **kw) -> torch.Tensor:
     """The causal-LM loss in the logits' dtype (transformers' own rounds float64 logits to float32)."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, **kw).logits[:, :-1]
     return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels[:, 1:].reshape(-1), ignore_index=-100)
 
 
@@ -255,6 +258,11 @@ def test_refusals_name_the_argument():
         llama.shard_call(StubCP(), (ids,), {"cache": transformers.DynamicCache()})
     with pytest.raises(ValueError, match="attention_mask must be .batch=2, seq=13."):
         llama.shard_call(StubCP(), (ids,), {"attention_mask": torch.ones(2, 1, SEQ, SEQ)})
+    packed = torch.cat([torch.arange(6), torch.arange(SEQ - 6)])[None].expand(2, -1)
+    with pytest.raises(ValueError, match="position_ids restart inside a row and there is no attention_mask"):
+        llama.shard_call(StubCP(), (ids,), {"position_ids": packed})
+    with pytest.raises(_Reached):  # with a mask transformers reads them as positions only, and so does the adapter
+        llama.shard_call(StubCP(), (ids,), {"position_ids": packed, "attention_mask": torch.ones_like(ids)})
     with pytest.raises(ValueError, match="logits_to_keep=1"):
         llama.shard_call(StubCP(), (ids,), {"logits_to_keep": 1})
     with pytest.raises(ValueError, match="exactly one of input_ids / inputs_embeds"):

@@ -27,8 +27,9 @@ batch) the loss is ``token_mean * global_count * cp.size / num_items_in_batch`` 
 multiplied back by its world size as for tensor-parallel replicas).
 
 Refused with a message (every rank, before any collective): a KV cache, ``logits_to_keep``, a 4-D mask, attention
-dropout while training, a sliding window shorter than the sequence (Mistral / Qwen2: a window >= the sequence length
-is plain causal attention and runs), a model type outside Llama / Qwen2 / Mistral.
+dropout, packed sequences (``position_ids`` restarting in a row without an attention mask), a sliding window shorter
+than the sequence (Mistral / Qwen2: a window >= the sequence length is plain causal attention and runs), a model type
+outside Llama / Qwen2 / Mistral.
 """
 from __future__ import annotations
 
@@ -164,6 +165,11 @@ class HFCausalLMAdapter:
             if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape[1] != S or t.shape[0] not in (1, B):
                 raise ValueError(f"{name} must be [batch={B}, seq={S}] with context parallelism (a 2-D padding mask, "
                                  f"not a 4-D one), got {type(t).__name__} {tuple(getattr(t, 'shape', ()))}")
+        pos = kw.get("position_ids")
+        if pos is not None and kw.get("attention_mask") is None and S > 1 and not bool((pos.diff(dim=1) == 1).all()):
+            raise ValueError("position_ids restart inside a row and there is no attention_mask: transformers reads "
+                             "that as packed sequences (attention kept within each), which context parallelism does "
+                             "not run; give one sequence per row (padding masked by attention_mask)")
         if self.window is not None and self.window < S:
             raise ValueError(f"sliding_window={self.window} is shorter than the sequence ({S} tokens): context "
                              "parallelism runs full causal attention; use sequences of at most the window")
@@ -180,7 +186,6 @@ class HFCausalLMAdapter:
             out["input_ids"] = shard_tensor(ids, shard, 1, 0)
         else:
             out["inputs_embeds"] = shard_tensor(embeds, shard, 1, 0.0)
-        pos = kw.get("position_ids")
         idx = shard.index.to(device)
         out["position_ids"] = shard_tensor(pos, shard, 1, 0) if pos is not None else idx[None].expand(B, -1)
         valid = (idx < S)[None].expand(B, -1)
