@@ -258,6 +258,11 @@ def _run_modes(modes: list[tuple[str, int]], cases: list[dict]) -> dict:
             _attention_case(cp, case)
         _grad_parity_case(cp, seed=world)
         _token_mean_cases(cp)
+        if mode == "hybrid":  # ring groups that mix Ulysses ranks: refused on every rank
+            me = dist.get_rank()
+            bad_ring = [dist.new_group(r) for r in ([0, 3], [1, 2])][0 if me in (0, 3) else 1]
+            with pytest.raises(ValueError, match="do not form a grid"):
+                ContextParallel(mode, ulysses_group=ug, ring_group=bad_ring)
         cp.check_batch(37, "same ids")
         with pytest.raises(ValueError, match="cp ranks hold different batches"):
             cp.check_batch(37 + (cp.rank == cp.size - 1), "same ids")

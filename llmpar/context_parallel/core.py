@@ -1,6 +1,7 @@
 """ContextParallel: the sequence dimension split over sp ranks, and attention / loss that see the whole sequence.
 
     cp = ContextParallel("ring", ring_group=mesh["cp"])         # or "ulysses" (ulysses_group), "hybrid" (both)
+    cp.check_batch(seq_len, digest)                             # optional: the cp ranks hold the same batch
     shard = cp.shard(seq_len, device)                           # this rank's tokens (see shard.py)
     x_local = shard_tensor(x, shard, dim=1)                     # ids, labels (pad_value=-100), masks ...
     with cp.batch(shard, k_valid):                              # what attention modules read during one forward
@@ -11,8 +12,10 @@ Modes: "ulysses" (all-to-all over heads, :mod:`.ulysses`), "ring" (k/v blocks pa
 "hybrid" (Ulysses inside each group of adjacent ranks, ring across them: sp = ring_size * ulysses_size). cp ranks:
 ``cp_rank = ring_rank * ulysses_size + ulysses_rank``.
 
-Validation is local (shapes, heads, the shard) and happens before any collective, so with the same model and
-sequence length on every rank a bad input raises the same error on every rank instead of hanging a peer.
+Validation in attention is local (shapes, heads, devices, the shard) and happens before any collective, so with the
+same model and sequence length on every rank a bad input raises the same error on every rank instead of hanging a
+peer; :meth:`ContextParallel.check_batch` (one tiny all-reduce per cp group) catches ranks fed different batches, and
+a hybrid layout whose groups do not form a grid is refused at construction on every rank.
 """
 from __future__ import annotations
 
@@ -60,6 +63,8 @@ class ContextParallel:
         self.size = self.ulysses_size * self.ring_size
         self.rank = self.ring_rank * self.ulysses_size + self.ulysses_rank
         self.ring_stats = RingStats()
+        if mode == "hybrid":
+            self._check_grid()
         self._current: tuple[SeqShard, torch.Tensor | None] | None = None
         self._memo: dict = {}  # "positions": the last layout used (host and device); "valid": the batch's gathered
         # key mask (a fresh memo inside each batch(), the outer one restored after)
@@ -67,6 +72,23 @@ class ContextParallel:
     def __repr__(self) -> str:
         return (f"ContextParallel(mode={self.mode!r}, size={self.size}, rank={self.rank}, "
                 f"ulysses_size={self.ulysses_size}, ring_size={self.ring_size})")
+
+    def _check_grid(self) -> None:
+        """Hybrid: every ring group must join ranks of one Ulysses rank (they hold the same head chunk) and every
+        Ulysses group ranks of one ring rank; else raise on every rank (four two-int all-reduces, once)."""
+        device = collective_device(self.ulysses_group)
+        same = torch.tensor([self.ulysses_rank, -self.ulysses_rank], dtype=torch.int64, device=device)
+        all_reduce(same, self.ring_group, op="max", what="context-parallel grid check")
+        ring = torch.tensor([self.ring_rank, -self.ring_rank], dtype=torch.int64, device=device)
+        all_reduce(ring, self.ulysses_group, op="max", what="context-parallel grid check")
+        bad = torch.tensor([int(same[0] != -same[1]) + int(ring[0] != -ring[1])], dtype=torch.int64, device=device)
+        for group in self.groups:
+            all_reduce(bad, group, op="max", what="context-parallel grid check")
+        if int(bad):
+            raise ValueError(f"hybrid context parallelism: ulysses_group ({self.ulysses_size} ranks) and ring_group "
+                             f"({self.ring_size} ranks) do not form a grid: each ring group must join the ranks of "
+                             "one Ulysses rank across the Ulysses groups (e.g. Ulysses [0, 1], [2, 3]; ring [0, 2], "
+                             "[1, 3])")
 
     @property
     def groups(self) -> list[GroupRef]:
