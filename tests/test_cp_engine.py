@@ -256,3 +256,31 @@ def test_a_prepared_gpt_called_outside_a_sharded_batch_is_the_plain_gpt():
     torch.testing.assert_close(prepared(idx), plain(idx), rtol=0, atol=0)
     assert "context_parallel" not in dict(prepared.named_modules()) and not any(
         "context_parallel" in k for k in prepared.state_dict())
+
+
+TRAIN = dict(steps=4, batch_size=2, seq_len=16, n_layer=2, n_head=2, d_model=16, lr=1e-2, warmup_steps=1, log_every=2,
+             dtype="float64", grad_accum=2)
+
+
+def train_body() -> tuple[torch.Tensor, list[float]]:
+    from llmpar.train import TrainOptions, build_config
+    from llmpar.train.loop import train
+
+    opts = TrainOptions(**TRAIN)
+    config = {**build_config(opts), "context_parallel": {"size": 2, "mode": "ring"}}
+    engine, result = train(opts, config)
+    return torch.cat([p.detach().reshape(-1) for p in engine.module.parameters()]), result.losses
+
+
+def test_llmpar_train_with_context_parallelism_equals_one_process():
+    """``llmpar train``'s loop (a config with "context_parallel") on 2 ranks: the one process's losses and weights."""
+    from llmpar.train import TrainOptions
+    from llmpar.train.loop import train
+
+    (p0, losses0), (p1, losses1) = run_ranks(train_body, 2, timeout=120)
+    engine, single = train(TrainOptions(**TRAIN))
+    ref = torch.cat([p.detach().reshape(-1) for p in engine.module.parameters()])
+    assert torch.equal(p0, p1) and losses0 == losses1
+    torch.testing.assert_close(p0, ref, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(torch.tensor(losses0, dtype=torch.float64),
+                               torch.tensor(single.losses, dtype=torch.float64), rtol=1e-10, atol=1e-12)

@@ -128,8 +128,9 @@ def _initialize(model: GPT, config: dict) -> Any:
 def _micro_steps(engine: Any, x: torch.Tensor, y: torch.Tensor, gas: int) -> torch.Tensor:
     """One optimizer step of the plain engine: ``gas`` micro-batches; returns this rank's mean loss (float64)."""
     total = torch.zeros((), dtype=torch.float64, device=x.device)
+    cp = getattr(engine, "context_parallel", None)  # the engine shards the batch and computes the loss itself
     for xi, yi in zip(x.chunk(gas), y.chunk(gas)):
-        loss = GPT.loss(engine(xi), yi)
+        loss = engine(xi, yi) if cp is not None else GPT.loss(engine(xi), yi)
         engine.backward(loss)
         engine.step()
         total += loss.detach().to(torch.float64)
