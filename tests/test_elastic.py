@@ -70,6 +70,32 @@ def test_loader_resumes_mid_pass_after_load(tmp_path):
         assert position == {"epoch": (start - 1) // 13, "samples": min(start * 3, 37), "replicas": 1}
 
 
+def test_pipeline_engine_loader_resumes(tmp_path):
+    """The pipeline engine's loader (``train_batch()`` pulls it): 23 samples, micro-batches of 2 (12 a pass), 2 a
+    step; from a checkpoint mid-pass (step 4) the losses go on, across the pass's end, as without the restart."""
+    from llmpar.pipe import PipelineModule
+
+    data = _data(23)
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+              "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}}
+
+    def engine():
+        torch.manual_seed(3)
+        net = PipelineModule(layers=[nn.Linear(5, 7), nn.Dropout(0.3), nn.Tanh(), nn.Linear(7, 1)], num_stages=1,
+                             loss_fn=nn.MSELoss()).double()
+        return llmpar.initialize(model=net, config=config, training_data=data)[0]
+
+    ckpt, first = str(tmp_path / "pipe"), engine()
+    ref = []
+    for step in range(1, 9):
+        ref.append(float(first.train_batch()).hex())
+        if step == 4:
+            first.save_checkpoint(ckpt)
+    again = engine()
+    again.load_checkpoint(ckpt)
+    assert [float(again.train_batch()).hex() for _ in range(4, 8)] == ref[4:]  # steps 5-8: into the next pass
+
+
 def test_position_at_another_dp():
     """The DistributedSampler interleaves its ranks: after each of 2 ranks handed out 2 batches of 3, the first 12
     indices of the epoch's permutation are used; a 1-rank loader resumed there goes on with index 12."""

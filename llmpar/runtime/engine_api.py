@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from llmpar.distributed.collectives import collective_device, group_rank, group_size
-from llmpar.runtime.resume import ResumableLoader
+from llmpar.runtime.resume import ResumableLoader, resumable
 from llmpar.zero.config import OffloadConfig
 
 
@@ -90,13 +90,13 @@ class DeepSpeedAPI:
     def dataloader_position(self) -> dict | None:
         """Where ``training_dataloader``'s current pass stands (saved with the engine counters; None without a
         loader of ``deepspeed_io``); assigning one (a checkpoint load) makes its next pass start there."""
-        loader = getattr(self, "training_dataloader", None)
-        return loader.position(self.dp_world_size) if isinstance(loader, ResumableLoader) else None
+        loader = resumable(getattr(self, "training_dataloader", None))
+        return loader.position(self.dp_world_size) if loader is not None else None
 
     @dataloader_position.setter
     def dataloader_position(self, value: dict | None) -> None:
-        loader = getattr(self, "training_dataloader", None)
-        if value is not None and isinstance(loader, ResumableLoader):
+        loader = resumable(getattr(self, "training_dataloader", None))
+        if value is not None and loader is not None:
             loader.resume(value, self.dp_world_size)
 
     @property

@@ -43,6 +43,7 @@ from llmpar.distributed.collectives import Group, group_rank, group_size
 from llmpar.runtime.config import Config
 from llmpar.runtime.engine_base import EngineBase, reports_step
 from llmpar.runtime.params import unsplit_names
+from llmpar.runtime.resume import ResumableLoader
 
 if TYPE_CHECKING:  # the runner module loads torch.distributed.pipelining
     from llmpar.pipeline.runner import PipelineRunner, StepStats
@@ -276,19 +277,29 @@ class RepeatingLoader:
             self.data_iter = iter(self.loader)
             return next(self.data_iter)
 
+    def position(self, replicas: int) -> dict[str, Any]:
+        """Where the pass in progress stands (``ResumableLoader.position``; a checkpoint saves it)."""
+        return self.loader.position(replicas)
+
+    def resume(self, position: dict[str, Any], replicas: int) -> None:
+        """Go on from ``position`` (a checkpoint load): the pass in progress is replaced by one starting there."""
+        self.loader.resume(position, replicas)
+        self.data_iter = iter(self.loader)
+
 
 def pipeline_loader(training_data: Any, collate_fn: Callable | None, micro_batch: int, dp_group: Group
                     ) -> RepeatingLoader:
     """DeepSpeed's PipelineEngine loader: this dp rank's share of ``training_data`` (a ``DistributedSampler``
     without shuffling: samples ``rank, rank + dp, ...``), ``micro_batch`` samples a batch, repeated forever."""
-    from torch.utils.data import DataLoader, DistributedSampler
+    from torch.utils.data import DistributedSampler
 
     if not hasattr(training_data, "__getitem__") or not hasattr(training_data, "__len__"):
         raise TypeError(f"training_data must be a map-style dataset (__getitem__ and __len__), got "
                         f"{type(training_data).__name__}")
     sampler = DistributedSampler(training_data, num_replicas=group_size(dp_group), rank=group_rank(dp_group),
                                  shuffle=False)
-    return RepeatingLoader(DataLoader(training_data, batch_size=micro_batch, sampler=sampler, collate_fn=collate_fn))
+    return RepeatingLoader(ResumableLoader(training_data, batch_size=micro_batch, sampler=sampler,
+                                           collate_fn=collate_fn))
 
 
 def is_pipeline_module(model: Any) -> bool:

@@ -15,7 +15,8 @@ next pass start there (indices skipped, no sample read) with the sampler's epoch
         else:
             engine.training_dataloader.data_sampler.set_epoch(...)
 
-sees, after a restart, the batches an uninterrupted run would have seen. A checkpoint saved at dp ranks and loaded at
+sees, after a restart, the batches an uninterrupted run would have seen. The pipeline engine's loader
+(``initialize(training_data=...)`` with a ``"pipeline"`` block, which ``train_batch()`` pulls) resumes likewise. A checkpoint saved at dp ranks and loaded at
 dp' skips (samples x dp) / dp' samples per rank (exact for the ``DistributedSampler``, whose ranks interleave; a
 remainder is rounded down with a warning).
 
@@ -131,6 +132,15 @@ class ResumableLoader(DataLoader):
         self._pass = None  # a pass already running stops counting
 
 
+def resumable(loader: Any) -> Any:
+    """``loader`` when checkpoints can save and restore its place: a :class:`ResumableLoader`, or a wrapper of one
+    with its own ``position`` / ``resume`` (the pipeline engine's ``RepeatingLoader``); else None."""
+    if isinstance(loader, ResumableLoader):
+        return loader
+    inner = getattr(loader, "loader", None)
+    return loader if isinstance(inner, ResumableLoader) and callable(getattr(loader, "resume", None)) else None
+
+
 def auto_resume_dir(raw: dict) -> str | None:
     """``raw["checkpoint"]["auto_resume"]`` of a DeepSpeed config (None when absent)."""
     block = raw.get("checkpoint")
@@ -182,4 +192,4 @@ def apply_auto_resume(engine: Any, raw: dict) -> str | None:
     return path
 
 
-__all__ = ["AUTO_RESUME", "ResumableLoader", "apply_auto_resume", "auto_resume_dir", "check_auto_resume"]
+__all__ = ["AUTO_RESUME", "ResumableLoader", "apply_auto_resume", "auto_resume_dir", "check_auto_resume", "resumable"]
