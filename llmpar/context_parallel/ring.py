@@ -172,9 +172,8 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
                              bool(spec.positions[src, cols.stop - 1] >= spec.seq_len))
             dq_c, dk_c, dv_c = attention_bwd(_part(q, rows), _part(block[0], cols), _part(block[1], cols),
                                              _part(out, rows), lse[:, :, rows].contiguous(), _part(dout, rows),
-                                             scale=spec.scale,
-                                             causal=spec.causal, q_pos=pos[r, rows], k_pos=pos[src, cols],
-                                             k_valid=mask)
+                                             scale=spec.scale, causal=spec.causal, q_pos=pos[r, rows],
+                                             k_pos=pos[src, cols], k_valid=mask)
             dq[:, :, rows] += dq_c
             part = (dk_c, dv_c)
         t1 = _clock(q.device, spec.stats)
