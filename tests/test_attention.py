@@ -265,3 +265,19 @@ def test_backend_choice_on_cpu(monkeypatch):
     monkeypatch.delenv("LLMPAR_BACKEND")
     out, lse = attention_fwd(*(t.double() for t in args.values()))
     assert out.dtype == lse.dtype == torch.float64
+
+
+def check_no_keys(device: str = "cpu") -> None:
+    """A block with no keys at all (Sk = 0): every row is empty (out 0, lse -inf), gradients 0, and no NaN."""
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 4, 5, 16, generator=g).to(device)
+    k = v = torch.randn(2, 2, 0, 16, generator=g).to(device)
+    out, lse = attention_fwd(q, k, v, q_pos=torch.arange(3, 8, device=device), k_pos=torch.arange(0, device=device))
+    assert torch.equal(out, torch.zeros_like(q)) and bool(torch.isneginf(lse).all())
+    dq, dk, dv = attention_bwd(q, k, v, out, lse, torch.randn_like(q))
+    assert torch.equal(dq, torch.zeros_like(q)) and dk.shape == k.shape and dv.shape == v.shape
+
+
+def test_a_block_without_keys(monkeypatch):
+    monkeypatch.setenv("LLMPAR_BACKEND", "torch")
+    check_no_keys()

@@ -121,9 +121,9 @@ def _torch_fwd(q, k, v, scale, causal, q_pos, k_pos, k_valid):
     Hkv, Sk = k.shape[1], k.shape[2]
     g, acc = Hq // Hkv, _acc_dtype(q)
     kt, vv = k.to(acc).transpose(-1, -2), v.to(acc)
-    out = torch.empty(B, Hq, Sq, D, dtype=acc, device=q.device)
-    lse = torch.empty(B, Hq, Sq, dtype=acc, device=q.device)
-    for r0 in range(0, Sq, Q_CHUNK):
+    out = torch.zeros(B, Hq, Sq, D, dtype=acc, device=q.device)
+    lse = torch.full((B, Hq, Sq), -math.inf, dtype=acc, device=q.device)
+    for r0 in range(0, Sq if Sk else 0, Q_CHUNK):  # no keys: every row is empty
         rows = slice(r0, min(Sq, r0 + Q_CHUNK))
         r = rows.stop - r0
         s = (_grouped(q[:, :, rows], Hkv, acc) * scale) @ kt  # [B, Hkv, g r, Sk]
