@@ -253,17 +253,19 @@ with open(os.path.join(sys.argv[1], f"rank{dist.get_rank()}.json"), "w") as f:
 
 @pytest.mark.slow
 def test_two_nodes_on_one_machine(tmp_path):
-    """``--nnodes 2`` twice on localhost (as on two nodes): two agents meet through c10d, one rank each, one world
-    of 2. Through ``python -m llmpar.launch`` (``llmpar launch`` without loading torch in the launching process)."""
+    """Two nodes simulated on localhost: the same hostfile (``127.0.0.1 slots=1``, ``localhost slots=1``) on both,
+    ``--node_rank 0`` and ``--node_rank 1`` (as on two machines); the two torch.distributed.run agents meet through
+    c10d at the first host, one rank each, one world of 2. Through ``python -m llmpar.launch`` (``llmpar launch``
+    without loading torch in the launching process)."""
     script = tmp_path / "job.py"
     script.write_text(SCRIPT)
+    (tmp_path / "hosts").write_text("# two nodes, one slot each\n127.0.0.1 slots=1\nlocalhost slots=1\n")
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    procs = [subprocess.Popen([sys.executable, "-m", "llmpar.launch", "--nnodes", "2",
-                               "--master_addr", "127.0.0.1", "--master_port", str(port), "--num_gpus", "1",
-                               str(script), str(tmp_path), "hello world"],
+    procs = [subprocess.Popen([sys.executable, "-m", "llmpar.launch", "--hostfile", "hosts", "--node_rank", str(n),
+                               "--master_port", str(port), str(script), str(tmp_path), "hello world"],
                               cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for _ in (0, 1)]
+             for n in (0, 1)]
     outs = []
     try:
         for p in procs:
@@ -273,6 +275,7 @@ def test_two_nodes_on_one_machine(tmp_path):
             if p.poll() is None:
                 p.kill()
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outs)
+    assert all("--nnodes=2 --nproc_per_node=1 --rdzv_backend=c10d --rdzv_endpoint=127.0.0.1:" in o for o in outs)
     got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [(g["rank"], g["world"], g["sum"], g["arg"], g["local"]) for g in got] == \
         [(0, 2, 3.0, "hello world", "0"), (1, 2, 3.0, "hello world", "0")]
