@@ -244,11 +244,15 @@ def test_bad_inputs_raise_naming_the_argument(change, exc, words):
             attention_bwd(**args, out=q, lse=q[..., 0], dout=q, **kw)
 
 
-def test_backward_checks_out_lse_dout_shapes():
+def test_backward_checks_out_lse_dout():
     args, _ = _bad()
     q = args["q"]
     with pytest.raises(ValueError, match="out/dout must have q's shape"):
         attention_bwd(**args, out=q, lse=q[..., :2], dout=q)
+    with pytest.raises(TypeError, match="lse must be a floating-point tensor, got torch.int64"):
+        attention_bwd(**args, out=q, lse=q[..., 0].long(), dout=q)
+    with pytest.raises(TypeError, match="dout must be a floating-point tensor, got NoneType"):
+        attention_bwd(**args, out=q, lse=q[..., 0], dout=None)
 
 
 def test_backend_choice_on_cpu(monkeypatch):

@@ -202,6 +202,11 @@ def attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
                   k_valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of this key block given the final ``out`` / ``lse`` over all key blocks (see module doc)."""
     _, D = _check(q, k, v, q_pos, k_pos, k_valid)
+    for name, t in (("out", out), ("lse", lse), ("dout", dout)):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {getattr(t, 'dtype', type(t).__name__)}")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
     if out.shape != q.shape or dout.shape != q.shape or lse.shape != q.shape[:3]:
         raise ValueError(f"out/dout must have q's shape {tuple(q.shape)} and lse {tuple(q.shape[:3])}, got "
                          f"{tuple(out.shape)}, {tuple(dout.shape)}, {tuple(lse.shape)}")
