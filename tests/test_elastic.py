@@ -129,10 +129,20 @@ def test_auto_resume_in_initialize(tmp_path):
     assert again.resumed_from == os.path.join(ckpt, "global_step4") and again.global_steps == 4
     assert again.resumed_client_state is None
     assert _train(again, 9) == {s: ref[s] for s in range(5, 10)}
-    for value, kind, match in ((3, TypeError, r'"checkpoint.auto_resume"=3: expected a directory path'),
-                               ("  ", ValueError, r'"checkpoint.auto_resume"=.*non-empty')):
+    every = str(tmp_path / "every")  # "auto_resume_interval": the engine saves there itself
+    _train(_engine(_config(checkpoint={"auto_resume": every, "auto_resume_interval": 2})), 5)
+    assert sorted(os.listdir(every)) == ["global_step2", "global_step4", "latest"]
+    again = _engine(_config(checkpoint={"auto_resume": every, "auto_resume_interval": 2}))
+    assert again.global_steps == 4 and _train(again, 9) == {s: ref[s] for s in range(5, 10)}
+    for block, kind, match in (
+            ({"auto_resume": 3}, TypeError, r'"checkpoint.auto_resume"=3: expected a directory path'),
+            ({"auto_resume": "  "}, ValueError, r'"checkpoint.auto_resume"=.*non-empty'),
+            ({"auto_resume": ckpt, "auto_resume_interval": 0}, ValueError,
+             r'"checkpoint.auto_resume_interval"=0: expected a positive integer'),
+            ({"auto_resume_interval": 5}, ValueError, r'"checkpoint.auto_resume_interval"=5 needs '
+                                                      r'"checkpoint.auto_resume"')):
         with pytest.raises(kind, match=match):
-            _engine(_config(checkpoint={"auto_resume": value}))
+            _engine(_config(checkpoint=block))
     (tmp_path / "file").write_text("x")
     with pytest.raises(ValueError, match=r'"checkpoint.auto_resume"=.*file.* is not a directory'):
         _engine(_config(checkpoint={"auto_resume": str(tmp_path / "file")}))

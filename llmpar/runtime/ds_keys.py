@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from llmpar.runtime.monitor import monitor_block
-from llmpar.runtime.resume import check_auto_resume
+from llmpar.runtime.resume import check_auto_resume, check_interval
 
 
 @dataclass(frozen=True)
@@ -113,6 +113,7 @@ TOP: dict[str, Any] = {
         "parallel_write": Inert(),
         "writer": Inert(),
         "auto_resume": Parsed(check_auto_resume),  # llmpar's: initialize loads DIR's latest (runtime/resume.py)
+        "auto_resume_interval": Parsed(check_interval),  # llmpar's: the engine saves there every N steps
     },
     "data_types": {"grad_accum_dtype": _d(None, "fp32", reason="gradients accumulate in fp32 (bf16 with "
                                                                 "accumulation) or the params' dtype")},

@@ -31,6 +31,7 @@ from llmpar.runtime.config import Config
 from llmpar.runtime.engine_api import DeepSpeedAPI
 from llmpar.runtime.mfu import Throughput
 from llmpar.runtime.monitor import MonitorMaster, monitor_config
+from llmpar.runtime.resume import save_if_due
 
 if TYPE_CHECKING:
     from llmpar.checkpoint.protocol import Grid, PendingSave
@@ -181,6 +182,8 @@ class EngineBase(DeepSpeedAPI):
                         self.skipped_steps, [round(lr, 8) for lr in self.get_lr()], self.get_mom(),
                         self.optimizer.last_grad_norm or 0.0, "" if loss is None else f", loss={loss:.4f}",
                         f", {rate}" if rate else "")
+        if getattr(self, "auto_save", None) is not None:  # "checkpoint.auto_resume_interval" (resume.py)
+            save_if_due(self)
 
     def mirror_lrs_from_client(self) -> None:
         """Copy the lrs a client scheduler set in its optimizer into the engine's optimizer."""

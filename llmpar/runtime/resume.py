@@ -22,7 +22,9 @@ remainder is rounded down with a warning).
 
 ``"checkpoint": {"auto_resume": DIR}`` (llmpar's key, opt-in): ``initialize`` loads ``DIR``'s ``latest`` when every
 rank agrees there is one (a first run starts fresh, without a warning); ``engine.resumed_from`` is then its path and
-``engine.resumed_client_state`` the ``client_state`` saved with it (both None on a fresh start). The loop only saves.
+``engine.resumed_client_state`` the ``client_state`` saved with it (both None on a fresh start). The loop only saves;
+with ``"auto_resume_interval": k`` the engine saves there itself after every k-th optimizer step (``engine.step()``
+or ``train_batch()``), so the loop has nothing to add.
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ from torch.utils.data import BatchSampler, DataLoader, Sampler
 logger = logging.getLogger("llmpar")
 
 AUTO_RESUME = "auto_resume"
+INTERVAL = "auto_resume_interval"
 
 
 class _Skipped(Sampler):
@@ -161,6 +164,24 @@ def check_auto_resume(name: str, value: Any) -> str | None:
     return value
 
 
+def check_interval(name: str, value: Any) -> int | None:
+    """``checkpoint.auto_resume_interval``: a positive int (save every that many optimizer steps), or null."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f'"{name}"={value!r}: expected a positive integer (optimizer steps between the saves), or '
+                         "null")
+    return value
+
+
+def save_if_due(engine: Any) -> None:
+    """The engine's step hook for ``auto_resume_interval``: save to the auto-resume directory every that many
+    optimizer steps (collective, on every rank at the same step)."""
+    directory, every = engine.auto_save
+    if engine.global_steps % every == 0:
+        engine.save_checkpoint(directory)
+
+
 def apply_auto_resume(engine: Any, raw: dict) -> str | None:
     """``initialize``'s step for ``"checkpoint": {"auto_resume": DIR}``: load ``DIR``'s latest checkpoint when any
     rank sees ``DIR/latest`` (agreed over the engine's ranks, so all load or none does). Sets
@@ -168,11 +189,16 @@ def apply_auto_resume(engine: Any, raw: dict) -> str | None:
     from llmpar.checkpoint import files
     from llmpar.distributed.agree import raise_if_any_failed
 
-    engine.resumed_from, engine.resumed_client_state = None, None
+    engine.resumed_from, engine.resumed_client_state, engine.auto_save = None, None, None
     directory = auto_resume_dir(raw)
+    every = raw["checkpoint"].get(INTERVAL) if isinstance(raw.get("checkpoint"), dict) else None
+    if every is not None and directory is None:  # the config is the same on every rank: all raise here
+        raise ValueError(f'"checkpoint.{INTERVAL}"={every} needs "checkpoint.{AUTO_RESUME}": the directory to save '
+                         "to and resume from")
     if directory is None:
         return None
     directory = os.fspath(directory)
+    engine.auto_save = (directory, every) if every is not None else None
     grid = engine.checkpoint_grid()
     error = None
     if os.path.exists(directory) and not os.path.isdir(directory):
@@ -192,4 +218,5 @@ def apply_auto_resume(engine: Any, raw: dict) -> str | None:
     return path
 
 
-__all__ = ["AUTO_RESUME", "ResumableLoader", "apply_auto_resume", "auto_resume_dir", "check_auto_resume", "resumable"]
+__all__ = ["AUTO_RESUME", "INTERVAL", "ResumableLoader", "apply_auto_resume", "auto_resume_dir", "check_auto_resume",
+           "check_interval", "resumable", "save_if_due"]
