@@ -1,12 +1,14 @@
 """Checkpoints written by real DeepSpeed (0.19, CPU accelerator, gloo) load into llmpar as they are.
 
-One launch on 2 ranks: DeepSpeed trains the demo GPT K steps at ZeRO 0, 1, 2, 3 (fp32) and ZeRO-2 bf16, saves, and
-continues N steps; llmpar loads each checkpoint at another ZeRO stage (dp=2) and at tp=2 x dp=1 (the vocabulary 61
-padded to 62 rows), continues the same N steps on the same global batches, and its losses equal DeepSpeed's
-continuation (<= 1e-6 relative in fp32, bf16-level in bf16; DeepSpeed continuing after its save and DeepSpeed
-loading that checkpoint give the same losses, bitwise, so the cheaper one is the reference). The same run checks
-the counters, the LR scheduler, client_state, load_module_only / load_optimizer_states=False, and the errors (a
-missing optimizer file, an unknown layout, a param of another shape) naming what was found, on every rank.
+One launch on 2 ranks: DeepSpeed trains the demo GPT K steps at ZeRO 0, 1, 2, 3 (fp32), ZeRO-2 bf16 and ZeRO-3 with
+two frozen params (saved in chunks apart from the trained ones), saves, and continues N steps; llmpar builds the
+model from another seed (the load must overwrite every value), loads each checkpoint at another ZeRO stage (dp=2)
+and at tp=2 x dp=1 (the vocabulary 61 padded to 62 rows), continues the same N steps on the same global batches,
+and its losses equal DeepSpeed's continuation (<= 1e-6 relative in fp32, bf16-level in bf16; DeepSpeed continuing
+after its save and DeepSpeed loading that checkpoint give the same losses, bitwise, so the cheaper one is the
+reference). The same run checks the counters, the LR scheduler, client_state, load_module_only /
+load_optimizer_states=False, and the errors (a missing optimizer file, an unknown layout, a param of another shape)
+naming what was found, on every rank.
 """
 import math
 import os
@@ -24,10 +26,15 @@ K, N = 2, 3  # steps DeepSpeed trains before its save, steps both continue
 GAS, MICRO, SEQ, V = 2, 2, 16, 61
 
 
-def _model():
+def _model(frozen=False, seed=3):
+    """The demo GPT; ``frozen``: its position embedding and last norm's bias frozen (DeepSpeed saves them apart)."""
     from llmpar.models import GPT, GPTConfig
 
-    return GPT(GPTConfig(vocab_size=V, n_layer=2, n_head=2, d_model=24, seq_len=SEQ), seed=3)
+    model = GPT(GPTConfig(vocab_size=V, n_layer=2, n_head=2, d_model=24, seq_len=SEQ), seed=seed)
+    if frozen:
+        model.pos_emb.weight.requires_grad_(False)
+        model.ln_f.bias.requires_grad_(False)
+    return model
 
 
 def _config(stage, micro=MICRO, bf16=False):
@@ -70,11 +77,11 @@ def _train(engine, steps, whole):
     return out
 
 
-def _llmpar(stage, tp=1, bf16=False):
+def _llmpar(stage, tp=1, bf16=False, frozen=False):
     import llmpar
 
     env = llmpar.init_distributed(tp=tp)
-    model = _model()
+    model = _model(frozen, seed=11)  # not DeepSpeed's initial values: the load must overwrite them all
     if tp > 1:
         llmpar.parallelize(model, env.mesh["tp"])
     micro = MICRO * 2 // env.mesh["dp"].size()
@@ -100,10 +107,10 @@ def body(root, ext_dir):
     rank, out = dist.get_rank(), {"ds": {}, "ours": {}}
 
     for name, stage, bf16 in (("z0", 0, False), ("z1", 1, False), ("z2", 2, False), ("z3", 3, False),
-                              ("b2", 2, True)):
+                              ("b2", 2, True), ("f3", 3, False)):
         cfg = _config(stage, bf16=bf16)
         cfg["optimizer"]["params"]["torch_adam"] = True
-        ds, *_ = deepspeed.initialize(model=_model(), model_parameters=None, config=cfg)
+        ds, *_ = deepspeed.initialize(model=_model(name.startswith("f")), model_parameters=None, config=cfg)
         _train(ds, range(K), False)
         ds.save_checkpoint(f"{root}/{name}", client_state={"data_pos": 17 + K})
         with deepspeed.zero.GatheredParameters(list(ds.module.parameters()), enabled=stage == 3):
@@ -112,8 +119,9 @@ def body(root, ext_dir):
         del ds
     dist.barrier()
     for name, stage, tp, bf16 in (("z0", 2, 1, False), ("z1", 3, 1, False), ("z2", 1, 2, False),
-                                  ("z3", 1, 1, False), ("z3", 2, 2, False), ("b2", 3, 1, True)):
-        engine = _llmpar(stage, tp, bf16)
+                                  ("z3", 1, 1, False), ("z3", 2, 2, False), ("b2", 3, 1, True),
+                                  ("f3", 3, 1, False), ("f3", 1, 1, False)):
+        engine = _llmpar(stage, tp, bf16, frozen=name.startswith("f"))
         path, client = engine.load_checkpoint(f"{root}/{name}")
         facts = (os.path.basename(path), client, engine.global_steps, engine.global_samples,
                  engine.lr_scheduler.state_dict())
@@ -159,7 +167,7 @@ def test_llmpar_continues_deepspeed_checkpoints(runs):
     runs, _ = runs
     out = runs[0]
     assert set(out["ours"]) == {("z0", 2, 1), ("z1", 3, 1), ("z2", 1, 2), ("z3", 1, 1), ("z3", 2, 2),
-                                ("b2", 3, 1)}
+                                ("b2", 3, 1), ("f3", 3, 1), ("f3", 1, 1)}
     for (name, stage, tp), (losses, facts) in out["ours"].items():
         theirs = out["ds"][name]
         rtol = 1e-2 if name.startswith("b") else 1e-6

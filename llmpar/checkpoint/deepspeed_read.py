@@ -94,6 +94,7 @@ class DeepSpeedCheckpoint:
             raise CheckpointError(f"{os.path.join(path, model_file)} is not a DeepSpeed model states file (no "
                                   "'module' key)")
         self._opened: dict[int, dict] = {}
+        self._frozen: dict[str, torch.Tensor] | None = None
         self._zero_models = zero_models
         self.stage = 0 if not self.optim else int(self._zero(0)["zero_stage"].args[0])
         self.dp = 1 if self.stage == 0 else self._partition_count()
@@ -275,14 +276,16 @@ class DeepSpeedCheckpoint:
         """Frozen params (``requires_grad=False``) whole: stages 0-2 from the model states file, stage 3 from the
         chunks of every rank's model states file."""
         shapes = self.model.get("frozen_param_shapes") or {}
-        if self.stage == 0:
+        if self.stage == 0 or not shapes:
             return {}
         if self.stage < 3:
             return {n: t for n, t in (self.model.get("frozen_param_fragments") or {}).items() if n in shapes}
-        chunks = [load_file(os.path.join(self.path, f"zero_pp_rank_{r}_mp_rank_00_model_states.pt"))
-                  .get("frozen_param_fragments") or {} for r in range(self.dp)]
-        return {n: torch.cat([c[n].reshape(-1) for c in chunks])[:math.prod(s)].view(tuple(s))
-                for n, s in shapes.items()}
+        if self._frozen is None:  # every rank's model states file: read once
+            chunks = [load_file(os.path.join(self.path, f"zero_pp_rank_{r}_mp_rank_00_model_states.pt"))
+                      .get("frozen_param_fragments") or {} for r in range(self.dp)]
+            self._frozen = {n: torch.cat([c[n].reshape(-1) for c in chunks])[:math.prod(s)].view(tuple(s))
+                            for n, s in shapes.items()}
+        return self._frozen
 
     def counters(self) -> dict[str, Any]:
         """Engine counters and the fp16 loss scaler as llmpar saves them (``Engine.restore_counters``)."""

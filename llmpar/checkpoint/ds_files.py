@@ -88,8 +88,9 @@ def resolve(load_dir: Any, tag: str | None) -> str | None:
 
 
 def identity(path: str) -> str:
-    """What tells one DeepSpeed checkpoint from another: its path and each file's name, size and mtime."""
-    parts = [os.path.abspath(path)]
+    """What tells one DeepSpeed checkpoint from another: its tag (the directory's name) and each file's name, size
+    and mtime (not the path: ranks may mount the same directory at different places)."""
+    parts = [os.path.basename(os.path.normpath(path))]
     for f in detect(path):
         st = os.stat(os.path.join(path, f))
         parts.append(f"{f}:{st.st_size}:{st.st_mtime_ns}")

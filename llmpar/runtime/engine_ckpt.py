@@ -4,7 +4,9 @@
     engine.load_checkpoint(dir, tag=None, load_optimizer_states=True, load_lr_scheduler_states=True,
                            load_module_only=False, load_module_strict=True)
 
-A ``tag`` is checked (``files.check_tag``: a plain directory name) by each rank before any collective.
+A ``tag`` is checked (``files.check_tag``: a plain directory name) by each rank before any collective. A directory
+written by DeepSpeed's ``save_checkpoint`` (no ``metadata.json``; ``llmpar.checkpoint.ds_load``) loads the same way,
+with every option below; its client_state is the keys the caller saved.
 save_latest=False: the checkpoint is published, then ``DIR/latest`` is put back exactly as it was (atomic rewrite;
 removed when there was none) before any rank returns. exclude_frozen_parameters=True: frozen params
 (``requires_grad=False``) are not written (stages 0-2; ZeRO-3 shards them and writes them anyway, with a warning);
