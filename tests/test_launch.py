@@ -130,6 +130,17 @@ def test_dry_run_torchrun_one_node(tmp_path):
     assert _torchrun_flags(c.argv)["nproc_per_node"] == "2" and c.env["CUDA_VISIBLE_DEVICES"] == "1,3"
 
 
+def test_dry_run_filters_this_machine(tmp_path, monkeypatch):
+    """Without a hostfile the pool is this machine's devices (as DeepSpeed's): ``--exclude localhost:0``."""
+    monkeypatch.setattr("llmpar.launch.cli._local_slots", lambda: 4)
+    (c,) = _commands(["--exclude", "localhost:0"], tmp_path)
+    assert _torchrun_flags(c.argv)["nproc_per_node"] == "3" and c.env["CUDA_VISIBLE_DEVICES"] == "1,2,3"
+    (c,) = _commands([], tmp_path)
+    assert _torchrun_flags(c.argv)["nproc_per_node"] == "4" and "CUDA_VISIBLE_DEVICES" not in c.env
+    with pytest.raises(ValueError, match=r"host 'localhost' has no slot 4 \(it has slots 0-3\)"):
+        _commands(["--include", "localhost:4"], tmp_path)
+
+
 def test_dry_run_torchrun_node_of_many(tmp_path):
     (c,) = _commands(["--nnodes", "2", "--master_addr", "10.0.0.1", "--num_gpus", "4"], tmp_path)
     flags = _torchrun_flags(c.argv)  # no --node_rank: c10d numbers the nodes (torchrun ignores it, with a warning)
