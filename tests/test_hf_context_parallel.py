@@ -24,7 +24,8 @@ WORLD2 = [  # (model, mode, cp size, ulysses size, zero stage): each mode with Z
     ("llama", "ulysses", 2, None, 2), ("llama", "ring", 2, None, 3), ("qwen2", "ring", 2, None, 2),
     ("qwen2", "ulysses", 2, None, 3), ("mistral", "ulysses", 2, None, 2), ("mistral", "ring", 2, None, 3),
     ("llama", "ring", 2, None, "2+ckpt")]  # activation checkpointing: layers recomputed in backward
-WORLD4 = [("llama", "hybrid", 4, 2, 2), ("qwen2", "hybrid", 4, 2, 3), ("mistral", "ulysses", 2, None, 3)]
+WORLD4 = [("llama", "hybrid", 4, 2, 2), ("qwen2", "hybrid", 4, 2, 3), ("mistral", "ulysses", 2, None, 3),
+          ("llama", "ulysses", 2, None, "2+tp")]  # cp=2 x tp=2: losses and the grad norm (params split over tp)
 
 
 def model_config(kind: str, **kw):
@@ -59,15 +60,18 @@ def ds_config(mode: str, size: int, ulysses: int | None, stage: int | str) -> di
     block = {"size": size, "mode": mode, **({"ulysses_size": ulysses} if ulysses else {})}
     config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "steps_per_print": 10 ** 6,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}},
-              "zero_optimization": {"stage": int(str(stage)[0])}, "context_parallel": block}
+              "zero_optimization": {"stage": int(str(stage)[0])}, "context_parallel": block,
+              "gradient_clipping": 1e9}  # never clips; the engine reports the norm
     if str(stage).endswith("+ckpt"):
         config["activation_checkpointing"] = {}
+    if str(stage).endswith("+tp"):
+        config["tensor_parallel"] = {"size": 2}
     return config
 
 
 def engine_body(cases: list) -> list:
-    """For each case: (per step (loss, {param: [(start, stop, reduced grad piece)]}), dp size, dp rank) of this
-    rank."""
+    """For each case: (per step (loss, {param: [(start, stop, reduced grad piece)]}, grad norm), dp size, dp rank)
+    of this rank."""
     import llmpar
 
     out = []
@@ -75,16 +79,19 @@ def engine_body(cases: list) -> list:
         model = build(kind)
         engine, *_ = llmpar.initialize(model=model, config=ds_config(mode, size, ulysses, stage))
         dp, r = engine.dp_world_size, engine.dp_rank
+        split = any(getattr(p, "tensor_model_parallel", False) for p in model.parameters())
+        assert split == str(stage).endswith("+tp"), f"{kind} {mode} {stage}: split over tp: {split}"
         steps = []
         for step in range(STEPS):
             full = batch(step, MICRO * dp)
             output = engine(**{k: v[r * MICRO:(r + 1) * MICRO] for k, v in full.items()})
             engine.backward(output.loss)
             engine.optimizer.reduce_gradients()
-            pieces = {n: [(a, z, v.detach().clone()) for v, a, z in engine.optimizer.grad_pieces(p)]
-                      for n, p in model.named_parameters()}
+            pieces = {} if str(stage).endswith("+tp") else {  # tp: pieces of tp shards, the norm is compared
+                n: [(a, z, v.detach().clone()) for v, a, z in engine.optimizer.grad_pieces(p)]
+                for n, p in model.named_parameters()}
             engine.step()
-            steps.append((float(output.loss), pieces))
+            steps.append((float(output.loss), pieces, float(engine.get_global_grad_norm())))
         out.append((steps, dp, r))
     return out
 
@@ -120,6 +127,10 @@ def check_against_reference(case: tuple, ranks: list, rtol: float = 1e-10) -> No
             got, want_loss = steps[step][0], want_losses[dp_rank]
             assert abs(got - want_loss) <= rtol * abs(want_loss), f"{case} step {step} rank {rank}: loss {got} " \
                                                                   f"!= {want_loss}"
+            norm = float(torch.stack([g.norm() for g in want_grads.values()]).norm())
+            assert abs(steps[step][2] - norm) <= rtol * norm, f"{case} step {step}: grad norm {steps[step][2]} != {norm}"
+        if str(case[4]).endswith("+tp"):
+            continue
         for name, want in want_grads.items():
             flat, seen = torch.zeros(want.numel(), dtype=want.dtype), torch.zeros(want.numel())
             for steps, *_ in ranks:
