@@ -96,6 +96,17 @@ def test_pipeline_engine_loader_resumes(tmp_path):
     assert [float(again.train_batch()).hex() for _ in range(4, 8)] == ref[4:]  # steps 5-8: into the next pass
 
 
+def test_progress_line_leaves_the_random_stream_alone():
+    """The first steps_per_print line measures the CPU's matmul peak once per process (for MFU); drawing its
+    matrices from torch's global RNG shifted the dropout stream of a restarted process, which measures again at
+    another step, so its losses left the uninterrupted run's."""
+    from llmpar.runtime.mfu import cpu_matmul_tflops
+
+    state = torch.get_rng_state()
+    cpu_matmul_tflops.__wrapped__(n=8, repeats=1)
+    assert torch.equal(torch.get_rng_state(), state)
+
+
 def test_position_at_another_dp():
     """The DistributedSampler interleaves its ranks: after each of 2 ranks handed out 2 batches of 3, the first 12
     indices of the epoch's permutation are used; a 1-rank loader resumed there goes on with index 12."""

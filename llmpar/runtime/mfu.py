@@ -69,7 +69,8 @@ def peak_for_name(name: str) -> tuple[float | None, str]:
 @functools.lru_cache(maxsize=None)
 def cpu_matmul_tflops(n: int = 512, repeats: int = 5) -> float:
     """Best of ``repeats`` timed ``n x n`` float32 matmuls on the CPU, in TFLOP/s (measured once per process)."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
+    g = torch.Generator().manual_seed(0)  # not torch's global RNG: the first log line must not move the training's
+    a, b = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)  # random stream (dropout after a resume)
     torch.mm(a, b)  # warm-up
     best = float("inf")
     for _ in range(repeats):
