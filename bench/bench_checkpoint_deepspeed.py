@@ -12,6 +12,8 @@ checkpoint, each in a fresh process (wall time and peak RSS of that process, ``o
   the same output, not verified);
 * ``engine.load_checkpoint`` of the checkpoint into an llmpar engine at dp=2 (the slowest rank's time).
 
+The two tools run ``--repeats`` times each, interleaved with the order alternating; the medians are reported.
+
 Results: bench/results/checkpoint_deepspeed.{md,json} (sizes of the checkpoints and outputs, time, peak RSS).
 """
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -104,6 +107,7 @@ def main() -> None:
     p.add_argument("--n-head", type=int, default=8)
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--dir", default=None)
+    p.add_argument("--repeats", type=int, default=3, help="runs of each tool per checkpoint (median kept)")
     p.add_argument("--mode", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if "RANK" in os.environ:
@@ -124,10 +128,15 @@ def main() -> None:
         for stage in (2, 3):
             ck = os.path.join(tmp, f"zero{stage}")
             tag = Path(ck, "latest").read_text().strip()
-            ours = _measured([sys.executable, "-m", "llmpar.cli", "checkpoint", "convert", ck,
-                              os.path.join(tmp, f"hf{stage}")], env)
-            theirs = _measured([sys.executable, os.path.join(ck, "zero_to_fp32.py"), ck,
-                                os.path.join(tmp, f"ds{stage}"), "--tag", tag, "--safe_serialization"], env)
+            runs: dict[str, list[tuple[float, float]]] = {"ours": [], "theirs": []}
+            for i in range(args.repeats):  # interleaved, the order alternating: drift hits both alike
+                for who in (("ours", "theirs") if i % 2 == 0 else ("theirs", "ours")):
+                    cmd = ([sys.executable, "-m", "llmpar.cli", "checkpoint", "convert", ck,
+                            os.path.join(tmp, f"hf{stage}")] if who == "ours" else
+                           [sys.executable, os.path.join(ck, "zero_to_fp32.py"), ck, os.path.join(tmp, f"ds{stage}"),
+                            "--tag", tag, "--safe_serialization"])
+                    runs[who].append(_measured(cmd, env))
+            ours, theirs = (tuple(statistics.median(x) for x in zip(*runs[w])) for w in ("ours", "theirs"))
             rows.append({"checkpoint": f"ZeRO-{stage} dp=2", "ckpt_MiB": round(_size(os.path.join(ck, tag)), 1),
                          "fp32_out_MiB": round(_size(os.path.join(tmp, f"hf{stage}")), 1),
                          "convert_s": round(ours[0], 2), "zero_to_fp32_s": round(theirs[0], 2),
@@ -143,7 +152,8 @@ def main() -> None:
     print(markdown_table(rows))
     write_results("checkpoint_deepspeed", rows, {
         "model": f"GPT d_model={args.d_model} n_layer={args.n_layer} vocab={args.vocab}",
-        "note": "each tool in a fresh process: wall time and peak RSS (ru_maxrss) of that process, python start and "
+        "repeats": args.repeats, "load_average": os.getloadavg()[0],
+        "note": "each tool in a fresh process (median of the repeats): wall time and peak RSS (ru_maxrss) of that process, python start and "
                 "imports included; convert reads every tensor it wrote back and compares it, zero_to_fp32 does not; "
                 "load: engine.load_checkpoint at dp=2 (ZeRO stage as saved), slowest rank"})
 
