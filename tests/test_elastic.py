@@ -174,7 +174,7 @@ g = torch.Generator().manual_seed(123)
 data = torch.utils.data.TensorDataset(torch.randn(37, 5, generator=g), torch.randn(37, 1, generator=g))
 config = {"train_micro_batch_size_per_gpu": 3, "optimizer": {"type": "AdamW", "params": {"lr": 0.02}},
           "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5, "warmup_max_lr": 0.02}},
-          "zero_optimization": {"stage": 1}, "steps_per_print": 1000,
+          "zero_optimization": {"stage": 1}, "steps_per_print": 4,  # progress lines at 4, 8, 12
           "fp16": {"enabled": True, "initial_scale_power": 4, "loss_scale_window": 2}}
 
 
