@@ -226,6 +226,9 @@ def test_bad_flags_exit_2_naming_the_flag(tmp_path, capsys):
     args = build_parser().parse_args(["launch", "--num_gpus", "0", "--dry-run", "x.py"])
     assert args.func(args) == 2
     assert "--num_gpus 0: must be >= 1" in capsys.readouterr().err
+    args = build_parser().parse_args(["launch", "--num_gpus", "2", "--launcher_args", "'-x", "--dry-run", "x.py"])
+    assert args.func(args) == 2
+    assert "--launcher_args \"'-x\": No closing quotation" in capsys.readouterr().err
     args = build_parser().parse_args(["launch", "--num_gpus", "2", "--dry-run", "x.py", "--lr", "1"])
     assert args.func(args) == 0
     out = capsys.readouterr().out.splitlines()

@@ -88,13 +88,17 @@ def launch_from_args(args: argparse.Namespace) -> Launch:
     hosts = resolve_pool(hostfile=args.hostfile, include=args.include, exclude=args.exclude,
                          num_nodes=args.num_nodes, num_gpus=args.num_gpus, local_slots=_local_slots() if need_local
                          else 1)
+    try:
+        launcher_args = shlex.split(args.launcher_args)
+    except ValueError as e:
+        raise ValueError(f"--launcher_args {args.launcher_args!r}: {e}") from None
     local = hosts if args.hostfile is None else None
     slots = next(iter(local.values())) if local is not None else []
     return Launch(script=args.script, script_args=list(args.script_args), module=args.module,
                   hosts=hosts if args.hostfile is not None else None, nnodes=args.num_nodes or 1,
                   nproc=len(slots) or 1, node_rank=args.node_rank, master_addr=args.master_addr,
                   master_port=args.master_port, max_restarts=args.max_restarts, launcher=args.launcher,
-                  launcher_args=shlex.split(args.launcher_args), rdzv_id=args.rdzv_id,
+                  launcher_args=launcher_args, rdzv_id=args.rdzv_id,
                   visible=(None if slots == list(range(len(slots))) else ",".join(map(str, slots))))
 
 

@@ -22,7 +22,7 @@ import os
 import shlex
 import sys
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Mapping
 
 LAUNCHERS = ("torchrun", "slurm", "mpi", "ssh")
@@ -278,14 +278,8 @@ def build_commands(launch: Launch, environ: Mapping[str, str] | None = None) -> 
     kind = resolve_launcher(launch)
     if kind in ("slurm", "mpi") and launch.node_rank is not None:
         raise ValueError(f"--node_rank is for --launcher torchrun; {kind} places the nodes itself")
-    launch = launch if launch.launcher == kind else _with_launcher(launch, kind)
+    launch = launch if launch.launcher == kind else replace(launch, launcher=kind)
     return {"torchrun": _for_torchrun, "ssh": _for_ssh, "slurm": _for_slurm, "mpi": _for_mpi}[kind](launch, environ)
-
-
-def _with_launcher(launch: Launch, kind: str) -> Launch:
-    from dataclasses import replace
-
-    return replace(launch, launcher=kind)
 
 
 __all__ = ["LAUNCHERS", "Launch", "NodeCommand", "build_commands", "exported_env", "resolve_launcher"]
