@@ -42,7 +42,8 @@ def build(kind: str, **kw):
 
 def batch(step: int, rows: int) -> dict:
     """``rows`` sequences of SEQ random tokens: row 1 is padding after token 9 (mask 0, labels -100); at step 1 only
-    the first 3 labels of every row count (the later cp ranks hold none); at step 2 position ids are given."""
+    the first 3 labels of every row count (the later cp ranks hold none); at step 2 embeddings and position ids are
+    given instead of token ids."""
     g = torch.Generator().manual_seed(100 + step)
     ids = torch.randint(0, VOCAB, (rows, SEQ), generator=g)
     mask = torch.ones_like(ids)
@@ -51,8 +52,10 @@ def batch(step: int, rows: int) -> dict:
     if step == 1:
         labels[:, 3:] = -100
     out = {"input_ids": ids, "attention_mask": mask, "labels": labels}
-    if step == 2:  # given position ids (offset by 5) are sharded with the tokens
+    if step == 2:  # given embeddings and position ids (offset by 5) are sharded with the tokens
         out["position_ids"] = (torch.arange(SEQ) + 5)[None].expand(rows, -1)
+        out["inputs_embeds"] = torch.randn(rows, SEQ, 32, generator=g, dtype=torch.float64)
+        del out["input_ids"]
     return out
 
 
@@ -96,9 +99,9 @@ def engine_body(cases: list) -> list:
     return out
 
 
-def token_mean_loss(model, input_ids, attention_mask, labels, **kw) -> torch.Tensor:
+def token_mean_loss(model, attention_mask, labels, **kw) -> torch.Tensor:
     """The causal-LM loss in the logits' dtype (transformers' own rounds float64 logits to float32)."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, **kw).logits[:, :-1]
+    logits = model(attention_mask=attention_mask, **kw).logits[:, :-1]
     return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels[:, 1:].reshape(-1), ignore_index=-100)
 
 
@@ -114,7 +117,9 @@ def reference(kind: str, dp: int) -> list:
                  for r in range(dp)]
         opt.zero_grad()
         (sum(parts) / dp).backward()
-        steps.append(([float(p.detach()) for p in parts], {n: p.grad.clone() for n, p in model.named_parameters()}))
+        grads = {n: torch.zeros_like(p) if p.grad is None else p.grad.clone()  # no grad: the embedding at step 2
+                 for n, p in model.named_parameters()}
+        steps.append(([float(p.detach()) for p in parts], grads))
         opt.step()
     return steps
 
@@ -127,8 +132,8 @@ def check_against_reference(case: tuple, ranks: list, rtol: float = 1e-10) -> No
             got, want_loss = steps[step][0], want_losses[dp_rank]
             assert abs(got - want_loss) <= rtol * abs(want_loss), f"{case} step {step} rank {rank}: loss {got} " \
                                                                   f"!= {want_loss}"
-            norm = float(torch.stack([g.norm() for g in want_grads.values()]).norm())
-            assert abs(steps[step][2] - norm) <= rtol * norm, f"{case} step {step}: grad norm {steps[step][2]} != {norm}"
+            norm, got_norm = float(torch.stack([g.norm() for g in want_grads.values()]).norm()), steps[step][2]
+            assert abs(got_norm - norm) <= rtol * norm, f"{case} step {step}: grad norm {got_norm} != {norm}"
         if str(case[4]).endswith("+tp"):
             continue
         for name, want in want_grads.items():
