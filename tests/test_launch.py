@@ -198,6 +198,11 @@ def test_dry_run_slurm(tmp_path):
     flags = _torchrun_flags(c.argv)
     assert (flags["nnodes"], flags["nproc_per_node"], flags["rdzv_endpoint"], flags["rdzv_id"],
             flags["max_restarts"]) == ("2", "4", "gpu07:15123", "123", "1")  # port: 15000 + job id % 20000
+    from llmpar.distributed import discovery
+    from llmpar.launch import commands  # the launcher keeps discovery's rule without importing torch
+
+    assert (commands.SLURM_PORT_BASE, commands.SLURM_PORT_SPAN) == (discovery.SLURM_PORT_BASE,
+                                                                      discovery.SLURM_PORT_SPAN)
     (c,) = _commands(["--launcher", "slurm", "-H", "hosts", "-i", "worker-0@worker-1"], tmp_path)
     assert c.argv[:4] == ["srun", "--nodes=2", "--nodelist=worker-0,worker-1", "--ntasks-per-node=4"]
     with pytest.raises(ValueError, match=r"--launcher slurm starts the same processes on every node"):

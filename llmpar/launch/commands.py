@@ -29,7 +29,7 @@ LAUNCHERS = ("torchrun", "slurm", "mpi", "ssh")
 DEFAULT_PORT = 29500
 EXPORT_PREFIXES = ("NCCL_", "PYTHON", "UCX_", "MV2_", "MLFLOW", "LLMPAR_")
 ENV_FILE = ".deepspeed_env"
-SLURM_PORT_BASE, SLURM_PORT_SPAN = 15000, 20000  # the rule of llmpar.distributed.discovery
+SLURM_PORT_BASE, SLURM_PORT_SPAN = 15000, 20000  # llmpar.distributed.discovery's rule (it imports torch; tested equal)
 # torch.distributed.run's agent shares its rendezvous TCPStore with the workers and keeps it across restarts without
 # a per-attempt prefix (pytorch/pytorch#135712): a restarted rank can read a dead peer's address left by the previous
 # attempt and fail to connect. With this set, rank 0 of each attempt hosts a fresh store instead.

@@ -15,13 +15,14 @@ next pass start there (indices skipped, no sample read) with the sampler's epoch
         else:
             engine.training_dataloader.data_sampler.set_epoch(...)
 
-sees, after a restart, the batches an uninterrupted run would have seen. The pipeline engine's loader
-(``initialize(training_data=...)`` with a ``"pipeline"`` block, which ``train_batch()`` pulls) resumes likewise. A checkpoint saved at dp ranks and loaded at
+sees, after a restart, the batches an uninterrupted run would have seen (a resumed pass draws no seed from torch's RNG,
+whose saved state already follows the draw its pass made). The pipeline engine's loader (``training_data`` with a
+``"pipeline"`` block, which ``train_batch()`` pulls) resumes likewise. A checkpoint saved at dp ranks and loaded at
 dp' skips (samples x dp) / dp' samples per rank (exact for the ``DistributedSampler``, whose ranks interleave; a
 remainder is rounded down with a warning).
 
-``"checkpoint": {"auto_resume": DIR}`` (llmpar's key, opt-in): ``initialize`` loads ``DIR``'s ``latest`` when every
-rank agrees there is one (a first run starts fresh, without a warning); ``engine.resumed_from`` is then its path and
+``"checkpoint": {"auto_resume": DIR}`` (llmpar's key, opt-in): ``initialize`` loads ``DIR``'s ``latest`` when any rank
+sees one (agreed, so every rank loads or none does; a first run starts fresh, without a warning); ``engine.resumed_from`` is then its path and
 ``engine.resumed_client_state`` the ``client_state`` saved with it (both None on a fresh start). The loop only saves;
 with ``"auto_resume_interval": k`` the engine saves there itself after every k-th optimizer step (``engine.step()``
 or ``train_batch()``), so the loop has nothing to add.
