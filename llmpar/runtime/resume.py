@@ -22,8 +22,9 @@ dp' skips (samples x dp) / dp' samples per rank (exact for the ``DistributedSamp
 remainder is rounded down with a warning).
 
 ``"checkpoint": {"auto_resume": DIR}`` (llmpar's key, opt-in): ``initialize`` loads ``DIR``'s ``latest`` when any rank
-sees one (agreed, so every rank loads or none does; a first run starts fresh, without a warning); ``engine.resumed_from`` is then its path and
-``engine.resumed_client_state`` the ``client_state`` saved with it (both None on a fresh start). The loop only saves;
+sees one (agreed, so every rank loads or none does; a first run starts fresh, without a warning);
+``engine.resumed_from`` is then its path and ``engine.resumed_client_state`` the ``client_state`` saved with it (both
+None on a fresh start). The loop only saves;
 with ``"auto_resume_interval": k`` the engine saves there itself after every k-th optimizer step (``engine.step()``
 or ``train_batch()``), so the loop has nothing to add.
 """
