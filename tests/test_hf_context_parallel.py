@@ -258,6 +258,8 @@ def test_refusals_name_the_argument():
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=VOCAB, n_embd=16, n_layer=1, n_head=2))
     with pytest.raises(ValueError, match="model_type='gpt2'"):
         HFCausalLMAdapter().prepare(gpt2, StubCP())
+    with pytest.raises(ValueError, match="got LlamaForSequenceClassification"):
+        HFCausalLMAdapter().prepare(transformers.LlamaForSequenceClassification(model_config("llama")), StubCP())
     with pytest.raises(ValueError, match="attention_dropout=0.1"):
         HFCausalLMAdapter().prepare(build("llama", attention_dropout=0.1), StubCP())
     _, mistral = _prepared("mistral", sliding_window=8)

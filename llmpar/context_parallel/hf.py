@@ -66,6 +66,9 @@ def cp_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor
                                "model through the engine (adapter.shard_call)")
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       sliding_window=sliding_window, **kwargs)
+    if cp is None:
+        raise RuntimeError(f"{type(module).__name__} got a sharded batch but was not prepared for context "
+                           "parallelism (HFCausalLMAdapter.prepare attaches the ContextParallel to each attention)")
     shard, k_valid = current
     if dropout:
         raise ValueError(f"attention dropout {dropout} is not supported with context parallelism: set the model "
@@ -116,16 +119,18 @@ class HFCausalLMAdapter:
         implementation, attach ``cp`` to every attention module."""
         config = getattr(model, "config", None)
         kind = getattr(config, "model_type", None)
-        if kind not in SUPPORTED:
-            raise ValueError(f"context parallelism supports transformers models of type {', '.join(SUPPORTED)}; got "
-                             f"{type(model).__name__} (model_type={kind!r})")
+        if kind not in SUPPORTED or not type(model).__name__.endswith("ForCausalLM"):
+            raise ValueError(f"context parallelism supports the transformers causal LMs of type {', '.join(SUPPORTED)} "
+                             f"(LlamaForCausalLM, ...); got {type(model).__name__} (model_type={kind!r})")
         if getattr(config, "attention_dropout", 0.0):
             raise ValueError(f"{type(model).__name__}: attention_dropout={config.attention_dropout} is not supported "
                              "with context parallelism (set it to 0)")
         modules = [m for m in model.modules() if hasattr(m, "is_causal") and hasattr(m, "head_dim")
                    and hasattr(m, "config")]
-        if not modules:
-            raise ValueError(f"{type(model).__name__}: no attention module found to route through context parallelism")
+        layers = getattr(config, "num_hidden_layers", None)
+        if not modules or (layers is not None and len(modules) != layers):
+            raise ValueError(f"{type(model).__name__}: found {len(modules)} attention modules for {layers} layers; "
+                             "cannot route every one through context parallelism")
         register()
         config._attn_implementation = ATTN_NAME
         for m in modules:
