@@ -81,6 +81,7 @@ def engine_body(cases: list) -> list:
     for kind, mode, size, ulysses, stage in cases:
         model = build(kind)
         engine, *_ = llmpar.initialize(model=model, config=ds_config(mode, size, ulysses, stage))
+        engine.adapter.tiled_chunk = 5  # the loss in tiles of 5 of the 14 or 16 local tokens (where it tiles)
         dp, r = engine.dp_world_size, engine.dp_rank
         split = any(getattr(p, "tensor_model_parallel", False) for p in model.parameters())
         assert split == str(stage).endswith("+tp"), f"{kind} {mode} {stage}: split over tp: {split}"
@@ -88,6 +89,8 @@ def engine_body(cases: list) -> list:
         for step in range(STEPS):
             full = batch(step, MICRO * dp)
             output = engine(**{k: v[r * MICRO:(r + 1) * MICRO] for k, v in full.items()})
+            tiled = str(stage).startswith("2") and not str(stage).endswith("+tp")  # whole head weight: tiled
+            assert (output.logits.shape[1] == 0) == tiled, f"{kind} {mode} {stage}: logits {output.logits.shape}"
             engine.backward(output.loss)
             engine.optimizer.reduce_gradients()
             pieces = {} if str(stage).endswith("+tp") else {  # tp: pieces of tp shards, the norm is compared

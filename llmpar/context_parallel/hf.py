@@ -20,8 +20,13 @@ sequence padded to ``padded_len``): ``labels`` [B, S] are shifted on the full se
 ``padded_len`` (pad ids 0, labels -100, mask False) and this rank's columns taken. ``position_ids`` default to the
 global indices, so rotary follows each rank's slice. Keys are valid where the attention mask is 1 and the token is
 not padding (``k_valid`` [B, S_local]). The model runs without labels (its own loss would shift the local slice);
-``finish`` computes ``loss_sum`` = sum of float32 cross entropies of the local logits over labels != -100 and returns
-the output with ``loss = cp.token_mean(loss_sum, count)``: the full-sequence mean over real tokens. With the
+``finish`` computes ``loss_sum`` = the sum of cross entropies (float32, float64 kept) over this rank's labels != -100
+and returns the output with ``loss = cp.token_mean(loss_sum, count)``: the full-sequence mean over real tokens.
+Where the head's weight is whole on the rank (ZeRO 0-2, no tensor parallelism) the loss is sequence-tiled
+(``llmpar.context_parallel.tiled.tiled_lm_loss`` on the base model's final hidden states, ``tiled_chunk`` tokens
+at a time; the head runs on no position, ``logits_to_keep`` empty, so the output's logits are [B, 0, V] and the
+[B, S_local, V] logits never exist); otherwise (ZeRO-3, a vocab-parallel head, ``tiled_chunk=None``) it is the
+cross entropy of the model's local logits. With the
 Trainer's ``num_items_in_batch`` (the accumulated batch's token count over all ranks, each cp rank counting the same
 batch) the loss is ``token_mean * global_count * cp.size / num_items_in_batch`` (transformers' sum / items,
 multiplied back by its world size as for tensor-parallel replicas).
@@ -41,9 +46,11 @@ import torch
 import torch.nn.functional as F
 
 from llmpar.context_parallel.shard import shard_tensor
+from llmpar.context_parallel.tiled import tiled_lm_loss
 from llmpar.distributed.collectives import all_reduce
 
 ATTN_NAME = "llmpar_cp"
+TILED_CHUNK = 2048  # tokens per tile of the sequence-tiled loss
 BATCH_KEY = "llmpar_cp_batch"  # the forward keyword carrying (shard, k_valid) down to the attention function
 SUPPORTED = ("llama", "qwen2", "mistral")
 _SEQ_KEYS = ("input_ids", "inputs_embeds", "attention_mask", "position_ids", "labels", "shift_labels")
@@ -109,9 +116,12 @@ class HFCausalLMAdapter:
     """The context-parallel adapter of a transformers causal LM (``LlamaForCausalLM``, ``Qwen2ForCausalLM``,
     ``MistralForCausalLM``); see the module docstring."""
 
-    def __init__(self) -> None:
+    def __init__(self, tiled_chunk: int | None = TILED_CHUNK) -> None:
         self.names: list[str] = []  # forward's positional parameter names
         self.window: int | None = None
+        self.tiled_chunk = tiled_chunk  # tokens per tile of the loss; None: the model's logits
+        self._head: torch.nn.Module | None = None
+        self._hidden: list[torch.Tensor] = []  # the base model's output of the running forward (tiled loss)
 
     # ---- once per model ----
     def prepare(self, model: torch.nn.Module, cp: Any) -> None:
@@ -135,9 +145,27 @@ class HFCausalLMAdapter:
         config._attn_implementation = ATTN_NAME
         for m in modules:
             object.__setattr__(m, "_llmpar_cp", cp)  # a plain reference, never a registered submodule
+        self._head = model.get_output_embeddings()
+        base = getattr(model, "base_model", None)
+        if base is not None and base is not model:
+            base.register_forward_hook(self._keep_hidden)
+        else:
+            self._head = None  # no separate base model to take the hidden states from: the model's logits
         params = inspect.signature(model.forward).parameters.values()
         self.names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         self.window = _window(config)
+
+    def _keep_hidden(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if self._hidden:  # a tiled-loss forward is running: its final hidden states [B, S_local, d]
+            self._hidden[0] = output["last_hidden_state"] if isinstance(output, dict) else output[0]
+
+    def _tiles(self) -> bool:
+        """The loss is tiled when the head's weight is whole on this rank (not a ZeRO-3 shard, not split over tp)
+        and has no bias."""
+        head = self._head
+        weight = getattr(head, "weight", None)
+        return (self.tiled_chunk is not None and weight is not None and getattr(head, "bias", None) is None
+                and not hasattr(weight, "ds_numel") and not getattr(weight, "tensor_model_parallel", False))
 
     # ---- every forward ----
     def shard_call(self, cp: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict, Callable[[Any], Any]]:
@@ -202,15 +230,25 @@ class HFCausalLMAdapter:
         out["use_cache"] = False
         out[BATCH_KEY] = (shard, k_valid)  # kwargs reach every attention call, recomputations in backward included
         local = shard_tensor(labels.to(device), shard, 1, -100).expand(B, -1) if labels is not None else None
+        tiled = local is not None and self._tiles()
+        if tiled:  # the head runs on no position; the loss is taken from the hidden states a tile at a time
+            out["logits_to_keep"] = torch.empty(0, dtype=torch.long, device=device)
+            self._hidden[:] = [None]
 
         def loss_of(output: Any) -> Any:
+            hidden = self._hidden[0] if tiled else None
+            self._hidden.clear()
             if local is None:
                 return output
-            logits = output["logits"] if isinstance(output, dict) else output[0]
-            logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # float32, float64 kept
-            loss_sum = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), local.reshape(-1), ignore_index=-100,
-                                       reduction="sum")
-            count = (local != -100).sum()
+            if tiled:
+                loss_sum, count = tiled_lm_loss(hidden, self._head.weight, local.contiguous(),
+                                                chunk=self.tiled_chunk)
+            else:
+                logits = output["logits"] if isinstance(output, dict) else output[0]
+                logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # float32, float64 kept
+                loss_sum = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), local.reshape(-1),
+                                           ignore_index=-100, reduction="sum")
+                count = (local != -100).sum()
             loss = cp.token_mean(loss_sum, count)
             if items is not None:
                 loss = _per_item(loss, count, items, cp)
@@ -218,7 +256,7 @@ class HFCausalLMAdapter:
                 return type(output)(loss=loss, **{k: v for k, v in output.items() if k != "loss"})
             return (loss, *output)
 
-        return (), out, _Finish(cp, shard, k_valid, loss_of)
+        return (), out, _Finish(cp, shard, k_valid, loss_of, self._hidden.clear)
 
 
 def _per_item(loss: torch.Tensor, count: torch.Tensor, items: Any, cp: Any) -> torch.Tensor:
@@ -236,18 +274,21 @@ def _per_item(loss: torch.Tensor, count: torch.Tensor, items: Any, cp: Any) -> t
 
 class _Finish:
     """``finish`` of :meth:`HFCausalLMAdapter.shard_call`: enters ``cp.batch`` when built, leaves it on ``close()``
-    (the engine calls it when the forward raised) or on the call, which returns ``loss_of(output)``."""
+    (the engine calls it when the forward raised; ``on_fail`` drops what the forward left) or on the call, which
+    returns ``loss_of(output)``."""
 
-    def __init__(self, cp: Any, shard: Any, k_valid: torch.Tensor | None, loss_of: Callable[[Any], Any]) -> None:
+    def __init__(self, cp: Any, shard: Any, k_valid: torch.Tensor | None, loss_of: Callable[[Any], Any],
+                 on_fail: Callable[[], None]) -> None:
         self._stack = contextlib.ExitStack()
         self._stack.enter_context(cp.batch(shard, k_valid))
-        self._loss_of = loss_of
+        self._loss_of, self._on_fail = loss_of, on_fail
 
     def close(self) -> None:
         self._stack.close()
+        self._on_fail()
 
     def __call__(self, output: Any) -> Any:
-        self.close()
+        self._stack.close()
         return self._loss_of(output)
 
 
