@@ -114,6 +114,21 @@ def test_engine_line_against_a_hand_computed_example(monkeypatch, caplog):
     engine.destroy()
 
 
+def test_context_parallel_window_counts_whole_sequences(monkeypatch):
+    """Under context parallelism each forward sees 1/cp of a sequence: [3, 11] here with cp=4 is a 44-token sequence
+    whose attention term is 12 L d 44; the tokens (local count times the dp x cp ranks) are the job's."""
+    monkeypatch.setenv("LLMPAR_PEAK_TFLOPS", "0.0002")
+    t = mfu.Throughput()
+    t.clock = _Clock(10.0)
+    t.seen((torch.zeros(3, 11, dtype=torch.long),), {})
+    t.clock.t += 0.5
+    t.steps = 1
+    line = t.report(_Tiny(), tp=1, data_ranks=8, world=8, device=torch.device("cpu"), seq_scale=4)
+    tps = 3 * 11 * 8 / 0.5
+    achieved = tps * (6 * (D * D + D + V * D) + 12 * LAYERS * D * 44) / 8 / 1e12
+    assert line == f"tokens/s={tps:.0f}, TFLOP/s/device={achieved:.4g}, MFU={100 * achieved / 0.0002:.3g}%"
+
+
 def test_train_summary_reports_mfu():
     from llmpar.train.loop import TrainResult, format_summary
 

@@ -176,8 +176,10 @@ class EngineBase(DeepSpeedAPI):
             self._monitor_step(loss)
         if (self.global_steps % self.config.steps_per_print == 0 and self.global_rank == 0
                 and logger.isEnabledFor(logging.INFO)):
+            cp = getattr(self, "context_parallel", None)  # forwards see 1/cp of each sequence (and of its tokens)
             rate = self.throughput.report(self.module, tp=self.mp_world_size, world=self.world_size,
-                                          data_ranks=self.world_size // self.mp_world_size, device=self.device)
+                                          data_ranks=self.world_size // self.mp_world_size, device=self.device,
+                                          seq_scale=cp.size if cp is not None else 1)
             logger.info("step=%d, skipped=%d, lr=%s, mom=%s, grad_norm=%.4g%s%s", self.global_steps,
                         self.skipped_steps, [round(lr, 8) for lr in self.get_lr()], self.get_mom(),
                         self.optimizer.last_grad_norm or 0.0, "" if loss is None else f", loss={loss:.4f}",

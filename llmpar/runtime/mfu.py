@@ -146,8 +146,11 @@ class Throughput:
         self.tokens += tokens
         self.seq = seq or self.seq
 
-    def report(self, module: nn.Module, *, tp: int, data_ranks: int, world: int, device: torch.device) -> str:
-        """The window's figures as text ("" when no step was timed), and a fresh window from now."""
+    def report(self, module: nn.Module, *, tp: int, data_ranks: int, world: int, device: torch.device,
+               seq_scale: int = 1) -> str:
+        """The window's figures as text ("" when no step was timed), and a fresh window from now. ``seq_scale``: how
+        many ranks share one sequence (context parallelism: each forward sees 1/cp of it, the attention term is
+        that of the whole sequence)."""
         now = self.clock()
         steps, tokens, t0 = self.steps, self.tokens, self.t0
         self.tokens, self.steps, self.t0 = 0, 0, now
@@ -158,7 +161,7 @@ class Throughput:
             return ""
         if self.n_params is None:
             self.n_params = matmul_params(module, tp)
-        return format_throughput(total / (now - t0), flops_per_token(self.n_params, self.seq or 1,
+        return format_throughput(total / (now - t0), flops_per_token(self.n_params, (self.seq or 1) * seq_scale,
                                                                      attention_dims(module)), world, device)
 
 
