@@ -38,6 +38,10 @@ def _flight_body(folder: str) -> dict:
     g, h, g2 = (dist.new_group(timeout=TIMEOUT) for _ in range(3))
     x = torch.randn(5, generator=torch.Generator().manual_seed(rank))
     out: dict = {}
+    from llmpar.distributed import all_to_all_single
+
+    got = torch.empty(10)
+    all_to_all_single(got, torch.arange(10.0) + 100 * rank, dist.group.WORLD, what="the all-to-all")  # recorded too
     dist.barrier()  # on the world (long timeout): the ranks start each scenario together, well inside the 2 s
     # 1. rank 1 runs one all-reduce more on g
     start = time.monotonic()
@@ -83,7 +87,10 @@ def test_a_timeout_names_the_rank_with_an_extra_collective_and_the_stopped_rank(
         assert record["rank"] == rank and record["failed"]["state"] == "failed"
         whats = [e["what"] for e in record["entries"]]
         assert ("the extra all-reduce" in whats) == (rank == 1), whats
-        assert all(e["step"] == 7 and e["dtype"] == "float32" and e["numel"] == 5 for e in record["entries"])
+        assert [(e["what"], e["numel"], e["state"]) for e in record["entries"] if e["op"] == "all_to_all"] == \
+            [("the all-to-all", 10, "done")], record["entries"]
+        assert all(e["step"] == 7 and e["dtype"] == "float32" and e["numel"] == 5 for e in record["entries"]
+                   if e["op"] != "all_to_all")
     assert (tmp_path / "rank0.json").exists() and (tmp_path / "rank1.json").exists()
     message, seconds = res[0]["stopped"]
     # rank 1's record from scenario 1 is older than the all-reduce it completed since: stale, not read as its answer

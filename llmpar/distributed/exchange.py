@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from llmpar.distributed.collectives import Handle, _has_kw, failing_as
+from llmpar.distributed.flight import RECORDER
 from llmpar.distributed.groups import Group, GroupRef, as_group, global_rank
 
 
@@ -44,9 +45,10 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group: "Group |
     if size == 1:
         output.copy_(input)
         return Handle([], what=what, pg=pg) if async_op else None
+    entry = RECORDER.start(pg, "all_to_all", input, what)  # a collective every rank of the group runs: recorded
     with failing_as(what, pg):
         work = dist.all_to_all_single(output.view(-1), input.view(-1), group=pg, async_op=True)
-    handle = Handle([work], what=what, pg=pg)
+    handle = Handle([work], what=what, pg=pg, entry=entry)
     if async_op:
         return handle
     handle.wait()
