@@ -136,3 +136,118 @@ def test_hf_weights_into_tp_zero3(tmp_path, world: int) -> None:
         assert 0 < r["bytes"] <= shard + largest, f"rank {rank}: read {r['bytes']} bytes, shard {shard} + " \
                                                   f"largest tensor {largest}"
         assert r["bytes"] <= total / world + largest, f"rank {rank}: read {r['bytes']} of the model's {total} bytes"
+
+
+# ---------------------------------------------------------------- bounded-memory convert (DeepSpeed -> HF)
+def write_zero3(d, params: dict, dp: int, stage=None, buffers: dict | None = None, shared: dict | None = None):
+    """A DeepSpeed ZeRO-3 checkpoint of ``params`` ({name: fp32 tensor}) at ``dp`` written by hand in DeepSpeed
+    0.19's layout (``deepspeed_read.py``): each param cut into ``ceil(numel / dp)`` chunks (the last padded), rank
+    R's flat the concat of its chunks. ``stage``: the pickled zero_stage object (DeepSpeed's ZeroStageEnum(3) for
+    DeepSpeed's own reader; None: a stand-in pickled as ``deepspeed.ZeroStageEnum``, read without DeepSpeed)."""
+    import types
+    from unittest import mock
+
+    class ZeroStageEnum:
+        def __init__(self, value):
+            self.value = value
+
+        def __reduce__(self):
+            return (ZeroStageEnum, (self.value,))
+
+    ZeroStageEnum.__module__, ZeroStageEnum.__qualname__ = "deepspeed", "ZeroStageEnum"
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(os.path.dirname(d), "latest"), "w") as f:
+        f.write(os.path.basename(d))
+    with mock.patch.dict("sys.modules", {"deepspeed": types.SimpleNamespace(ZeroStageEnum=ZeroStageEnum)}) \
+            if stage is None else _nothing():
+        for r in range(dp):
+            parts = []
+            for t in params.values():
+                c = -(-t.numel() // dp)
+                flat = torch.cat([t.reshape(-1).float(), torch.zeros(c * dp - t.numel())])
+                parts.append(flat[r * c:(r + 1) * c])
+            torch.save({"optimizer_state_dict": {"zero_stage": stage if stage is not None else ZeroStageEnum(3),
+                                                 "partition_count": dp, "fp32_flat_groups": [torch.cat(parts)],
+                                                 "optimizer_state_dict": {"state": {}, "param_groups": [
+                                                     {"params": [0]}]}}},
+                       os.path.join(d, f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"))
+            del parts
+            torch.save({"module": dict(buffers or {}), "buffer_names": list(buffers or {}),
+                        "param_shapes": [{n: t.shape for n, t in params.items()}], "frozen_param_shapes": None,
+                        "shared_params": dict(shared or {}), "ds_version": "0.19.8", "global_steps": 1},
+                       os.path.join(d, f"zero_pp_rank_{r}_mp_rank_00_model_states.pt"))
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_convert_streams_zero3_to_hf(tmp_path, monkeypatch) -> None:
+    """A hand-made ZeRO-3 checkpoint (dp=3, odd shapes, a tied copy, a buffer) converted in pieces of 50 elements
+    with the source reopened along the way: the same files, index and tensors (bitwise) as the whole-state
+    export, in fp32 and bf16; no read takes more than a piece (a param is never gathered whole); a byte changed
+    on disk, or a tensor of another value, is caught by the check naming the tensor."""
+    from safetensors.torch import load_file
+
+    from llmpar.checkpoint import consolidate, deepspeed_read, ds_convert, hf_files
+
+    g = torch.Generator().manual_seed(7)
+    params = {"emb.weight": torch.randn(61, 13, generator=g), "h.0.w": torch.randn(29, 13, generator=g),
+              "h.0.b": torch.randn(29, generator=g), "h.1.w": torch.randn(13, 29, generator=g),
+              "norm": torch.randn(13, generator=g).double().float()}
+    buffers = {"mask": torch.randint(0, 2, (5, 5), generator=g).bool()}
+    d = str(tmp_path / "ds" / "global_step1")
+    write_zero3(d, params, 3, buffers=buffers, shared={"head.weight": "emb.weight"})
+    reads, opens, real_read, real_init = [], [0], deepspeed_read.DeepSpeedCheckpoint.read, \
+        deepspeed_read.DeepSpeedCheckpoint.__init__
+
+    def read(self, name, key, a, z):
+        reads.append(z - a)
+        return real_read(self, name, key, a, z)
+
+    def init(self, path):
+        opens[0] += 1
+        real_init(self, path)
+
+    monkeypatch.setattr(deepspeed_read.DeepSpeedCheckpoint, "read", read)
+    monkeypatch.setattr(deepspeed_read.DeepSpeedCheckpoint, "__init__", init)
+    monkeypatch.setattr(ds_convert, "PIECE", 50)
+    monkeypatch.setattr(ds_convert, "REOPEN_MIN", 1)
+    for dtype in (None, torch.bfloat16):
+        out, ref_dir = str(tmp_path / f"out{dtype}"), str(tmp_path / f"ref{dtype}")
+        opens[0] = 0
+        written = consolidate.convert(str(tmp_path / "ds"), out, dtype=dtype, max_shard_size="3KB")
+        assert max(reads) <= 50 and opens[0] >= 3, (max(reads), opens[0])  # reopened along the way
+        state = ds_convert.state_dict(d, dtype)
+        want = hf_files.write_hf_model(ref_dir, state, dtype=dtype, max_shard_size="3KB")
+        assert [os.path.basename(p) for p in written] == [os.path.basename(p) for p in want]
+        assert len(written) >= 3, written
+        with open(written[-1]) as f, open(want[-1]) as h:
+            assert f.read() == h.read()  # the index
+        for p in written[:-1]:
+            got = load_file(p)
+            ref = load_file(os.path.join(ref_dir, os.path.basename(p)))
+            assert got.keys() == ref.keys() and all(got[n].dtype == ref[n].dtype and torch.equal(got[n], ref[n])
+                                                    for n in ref), p
+        reads.clear()
+    src = ds_convert._Stream(d, None, 1 << 30)
+    names = list(load_file(written[0]))
+    crcs = {n: __import__("zlib").crc32(ds_convert._bytes(src.tensor(n).to(torch.bfloat16))) for n in names}
+    ds_convert._check_file(written[0], ds_convert._Stream(d, torch.bfloat16, 1 << 30), names, crcs)
+    with open(written[0], "r+b") as f:  # one byte of the last tensor's data
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 1]))
+    with pytest.raises(ds_convert.CheckpointError, match=f"bytes of '{names[-1]}' read back"):
+        ds_convert._check_file(written[0], ds_convert._Stream(d, torch.bfloat16, 1 << 30), names, crcs)
+    with pytest.raises(ds_convert.CheckpointError, match="is BF16 .*, the source torch.float32"):
+        ds_convert._check_file(written[0], ds_convert._Stream(d, None, 1 << 30), names, crcs)
+    other = str(tmp_path / "other" / "global_step1")  # the same shapes, other values
+    write_zero3(other, {n: t + 1 for n, t in params.items()}, 3, buffers=buffers, shared={"head.weight": "emb.weight"})
+    with pytest.raises(ds_convert.CheckpointError, match=f"'{names[0]}' in .* differs from the source"):
+        ds_convert._check_file(written[0], ds_convert._Stream(other, torch.bfloat16, 1 << 30), names, crcs)

@@ -102,6 +102,8 @@ def convert(src: str, out_dir: str, *, to: str = "hf", source: str = "auto", tag
     hf_files.parse_size(max_shard_size)
     hf_files.parse_format(format)
     kind, path = ds_convert.locate(src, tag, source)
+    if kind == "deepspeed" and hf_files.parse_format(format) == "safetensors":  # streamed, bounded memory
+        return ds_convert.write_hf(path, out_dir, dtype=target, max_shard_size=max_shard_size)
     if kind == "deepspeed":
         state, model = ds_convert.state_dict(path, target), {}
     else:
