@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import pytest
 
@@ -26,7 +27,7 @@ def test_activation_breakdown_by_hand() -> None:
     assert ring.loss == 8 * 5 * 100  # fp32 logits + log-softmax of 5 tokens
     assert ring.peak == 1760 + 4000
     uly = activation_breakdown(TINY, Layout(cp=2, cp_mode="ulysses"), seq_len=10)
-    assert uly.kept == 1760 and uly.workspace == 5 * (8 + 2 * 4) * 2  # the all-to-all copies of q, k, v
+    assert uly.kept == 1760 and uly.workspace == 2 * 5 * (8 + 2 * 4) * 2  # local q, k, v + their all-to-all copies
     # Ulysses over 4 with 2 KV heads: each rank keeps one whole KV head of the full sequence: k' = 4 x 2 = 8
     uly4 = activation_breakdown(TINY, Layout(cp=4, cp_mode="ulysses"), seq_len=12)
     assert uly4.tokens == 3 and uly4.kept == 2 * ((4 * 3 * 8 + 3 * (16 + 16)) * 2 + 2 * 3 * 16 * 2)
@@ -37,9 +38,12 @@ def test_activation_breakdown_by_hand() -> None:
     assert full.kept == 2 * 5 * 8 * 2 and full.rebuilt == 880 and full.peak == 160 + max(4000, 880 + 320)
     plain = activation_breakdown(TINY, Layout(tiled=True, tile=4), seq_len=10)  # cp = 1, tiled only
     assert plain.tokens == 10 and plain.workspace == 2 * 4 * 16 * 2
-    # the torch attention path (query tiles of 4 rows), fp32: 5 b a_r S_k d + 2 b a_r min(4, s_q) S_k
+    # the torch attention path (query tiles of 4 rows), fp32, next to the ring's buffers: 4 a s (5 d + 3 min(4, s))
     torch_path = activation_breakdown(TINY, Layout(cp=2, cp_mode="ring"), seq_len=10, q_chunk=4)
-    assert torch_path.workspace == 4 * 4 * 5 * (5 * 2 + 2 * 4)
+    assert torch_path.workspace == 320 + 4 * 4 * 5 * (5 * 2 + 3 * 4)
+    # hybrid u=2 x r=2 over 12 tokens: s = 3, a ring step sees s u = 6 keys of a / u = 2 heads (d = 2)
+    hyb = activation_breakdown(TINY, Layout(cp=4, cp_mode="hybrid", ulysses_size=2), seq_len=12, q_chunk=4)
+    assert hyb.workspace == 2 * 3 * (8 + 8) * 2 + 8 * 3 * 4 * 2 + 4 * 2 * 6 * (5 * 2 + 3 * 4)
 
 
 def test_activations_fall_with_cp_and_gated_mlp_counts_four() -> None:
@@ -114,3 +118,27 @@ def test_refused_long_context_inputs() -> None:
         Layout(tiled=True, tile=0)
     with pytest.raises(ValueError, match="context_parallel='maybe'; accepted"):
         PlanRequest(model=TINY, gpus=2, hardware=plan_cli.load_gpu("h100"), context_parallel="maybe")
+
+
+def test_estimate_against_the_bench_measurement() -> None:
+    """The planner's activation peak vs the peak the long-context bench measured (bench/results/long_context_cpu.json:
+    RSS of each rank in fresh processes, fp32, torch attention path) for plain, Ulysses and ring at every length it
+    ran: within 25 %. The estimate is recomputed here from the recorded shape, so a formula change is checked too."""
+    path = Path(__file__).resolve().parents[1] / "bench" / "results" / "long_context_cpu.json"
+    if not path.is_file():
+        pytest.skip("run bench/bench_long_context.py first")
+    record = json.loads(path.read_text())
+    meta = record["meta"]
+    shape = meta["shape"]
+    modes = set()
+    for row in record["rows"]:
+        spec = ModelSpec(n_layers=shape["n_layers"], hidden=shape["hidden"], n_heads=shape["n_heads"],
+                         n_kv_heads=shape["n_kv_heads"], vocab=shape["vocab"], seq_len=row["seq"],
+                         ffn_hidden=shape["ffn_hidden"], gated_mlp=True)
+        mode = "ulysses" if row["mode"] == "plain" else row["mode"]
+        lay = Layout(cp=row["sp"], cp_mode=mode, tiled=True, tile=meta["tile"])
+        est = activation_breakdown(spec, lay, seq_len=row["seq"], act_bytes=4, q_chunk=meta["q_chunk"]).peak
+        measured = row["peak_mib"] * 2**20
+        assert 0.8 <= measured / est <= 1.25, (row, est / 2**20)
+        modes.add(row["mode"])
+    assert modes == {"plain", "ulysses", "ring"}

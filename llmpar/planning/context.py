@@ -14,14 +14,17 @@ the S x S scores):
     full recompute                s b h /t* per layer (its input), plus one layer rebuilt during its backward
 
 Ulysses holds the full sequence for h / u heads inside attention, the same element count as s tokens of all heads;
-ring holds s tokens and passes k / v blocks. Transient, inside one layer (the largest counts, once):
+ring holds s tokens and passes k / v blocks. Transient, inside one layer, the larger of attention's and the MLP's:
 
-    Ulysses     the all-to-all copies of q, k, v:                       s b (h + 2k') / t
-    ring        the k / v block computed and the one arriving, and in backward the travelling dk / dv: 8 s b k / t
+    attention, the sum of what applies:
+      Ulysses   the local q, k, v (held by the caller during the call) and their all-to-all send copies:
+                                                                        2 s b (h + 2k') / t
+      ring      the k / v block computed and the one arriving, and in backward the travelling dk / dv: 8 s b k_r / t
+      torch attention path (``q_chunk`` rows per score tile; None = a fused kernel, no workspace), fp32:
+                keys and values upcast and repeated to the query heads, dq / dk / dv accumulators, and three
+                score-sized tiles alive at once (forward: s, s - lse, p; backward: p, dout v^T - delta, ds):
+                4 b a_r s_k (5 d + 3 min(q_chunk, s_k))      a_r = a / (t u), s_k = s u (the block one step sees)
     tiled MLP   one slice's intermediates:                              n_f min(tile, s) b f / t
-    torch attention path (``q_chunk`` rows per score tile; None = a fused kernel, no workspace), fp32:
-                keys and values upcast and repeated to the query heads, dq / dk / dv accumulators and two score tiles:
-                5 b a_r S_k d + 2 b a_r min(q_chunk, s_q) S_k     (Ulysses: a_r = a / (t u), S_k = S; ring: a / t, s)
 
 The loss: untiled, fp32 logits and their log-softmax for every token, 8 s b V / t bytes; tiled, the fp32 lse of every
 token and one tile's logits and probabilities: 4 s b + 8 min(tile, s) b V / t.
@@ -103,17 +106,13 @@ def activation_breakdown(
     ckpt = layout.activation_checkpointing == "full"
     per_layer = s * b * h / tsp * e if ckpt else full
     n_layers = spec.n_layers if layers is None else layers
-    work = 0.0
-    if u > 1:
-        work = max(work, s * b * (h + 2 * kk) / t * e)
+    attn = 2 * s * b * (h + 2 * kk) / t * e if u > 1 else 0.0
     if r > 1:
-        work = max(work, 8 * s * b * (kk if u > 1 else k) / t * e)
-    if layout.tiled:
-        work = max(work, n_f * min(layout.tile, s) * b * f / t * e)
+        attn += 8 * s * b * (kk if u > 1 else k) / t * e
     if q_chunk is not None:
-        a_r, s_k = (spec.n_heads / (t * u), S) if r == 1 and u > 1 else (spec.n_heads / t, s)
-        s_q = S if u > 1 and r == 1 else s
-        work = max(work, 4.0 * b * a_r * s_k * (5 * (h // spec.n_heads) + 2 * min(q_chunk, s_q)))
+        a_r, s_k = spec.n_heads / (t * u), s * u
+        attn += 4.0 * b * a_r * s_k * (5 * (h // spec.n_heads) + 3 * min(q_chunk, s_k))
+    work = max(attn, n_f * min(layout.tile, s) * b * f / t * e if layout.tiled else 0.0)
     V = spec.vocab
     loss = 4.0 * s * b + 8.0 * min(layout.tile, s) * b * V / t if layout.tiled else 8.0 * s * b * V / t
     return ActivationBreakdown(kept=n_layers * per_layer, rebuilt=full if ckpt else 0.0, workspace=work, loss=loss,
