@@ -284,3 +284,10 @@ def test_llmpar_train_with_context_parallelism_equals_one_process():
     torch.testing.assert_close(p0, ref, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(torch.tensor(losses0, dtype=torch.float64),
                                torch.tensor(single.losses, dtype=torch.float64), rtol=1e-10, atol=1e-12)
+
+
+def test_zero1_with_cpu_offload_under_ring():
+    """ZeRO-1 with the optimizer state on the CPU (the offload step) over the dp x cp group: the same losses, grad
+    norms and gradients as one process."""
+    extra = {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}
+    check(run_ranks(cp_body, 2, {"size": 2, "mode": "ring"}, 1, extra, True, timeout=120), 2, 2)
