@@ -10,7 +10,9 @@ spec: dim, full and padded size) and, under ZeRO-3, the element ranges ``[a, z)`
 (the optimizer's ``load_pieces``) are read with ``safe_open(file).get_slice(name)[rows, cols]``: the rows of the cut
 covering ``[a, z)`` (at most one row more on either side) and, for a param split along dim 1, only this rank's
 columns. Padding rows / columns of a padded split (vocab) are zeros. No rank ever reads a whole tensor it does not
-hold, nor the whole model: bytes read per rank <= its shard + two rows per piece (``stats["bytes_read"]``).
+hold, nor the whole model: bytes read per rank <= its shard + two rows per piece (``stats["bytes_read"]``); the files
+are closed after every ``REOPEN`` bytes read, so the pages mapped to read them (a column slice maps whole rows) leave
+the process's RSS.
 
 Module buffers and frozen params found in the files are read whole (small: norms' buffers). The optimizer's state
 restarts: moments zero, step 0, fp32 masters from the weights read (a load of pretrained weights, not a resume).
@@ -46,6 +48,7 @@ def safe_open(path: str, framework: str = "pt") -> Any:
     return safetensors.safe_open(path, framework=framework)
 
 
+REOPEN = 64 << 20  # bytes read before the open files are closed (their mapped pages let go)
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
            "BOOL": torch.bool}
@@ -87,6 +90,7 @@ class SliceReader:
         self._open: dict[str, Any] = {}
         self.bytes_read = 0
         self.largest_read = 0
+        self._since = 0
 
     def _file(self, name: str) -> Any:
         path = self.where[name]
@@ -103,6 +107,10 @@ class SliceReader:
         n = t.numel() * t.element_size()
         self.bytes_read += n
         self.largest_read = max(self.largest_read, n)
+        self._since += n
+        if self._since > REOPEN:  # close the files: the mapped pages read so far leave this process's RSS
+            self._open.clear()
+            self._since = 0
         return t
 
     def whole(self, name: str) -> torch.Tensor:
