@@ -36,7 +36,7 @@ import traceback
 
 import torch
 
-from llmpar.checkpoint import ds_files, ds_load, files, metacheck, publish
+from llmpar.checkpoint import dcp_format, dcp_load, ds_files, ds_load, files, metacheck, publish
 from llmpar.checkpoint.blockfile import CorruptFile
 from llmpar.checkpoint.files import CheckpointError
 from llmpar.checkpoint.protocol import Checkpointable, DescribesModel, Grid
@@ -239,7 +239,10 @@ def _open(g: Grid, load_dir: str, tag: str | None) -> tuple[str, dict]:
     err, path, meta, ident = None, str(load_dir), None, ""
     try:
         ds_path = ds_files.resolve(load_dir, tag)  # no metadata.json but DeepSpeed's files: ds_load.py
-        if ds_path is not None:
+        dcp_path = dcp_format.resolve(load_dir, tag)  # torch.distributed.checkpoint's files: dcp_load.py
+        if dcp_path is not None and ds_path is None:
+            path, meta, ident = dcp_path, {"dcp": True}, dcp_format.identity(dcp_path)
+        elif ds_path is not None:
             path, meta, ident = ds_path, {"deepspeed": True}, ds_files.identity(ds_path)
         else:
             _, path = files.resolve(load_dir, tag)
@@ -291,6 +294,8 @@ def load_checkpoint(engine: Checkpointable, load_dir: str, tag: str | None = Non
     view = EngineView(engine)
     g = view.grid
     path, meta = _open(g, load_dir, tag)
+    if meta.get("dcp"):  # agreed by every rank in _open (the same identity)
+        return dcp_load.load(engine, view, path, strict=strict, scheduler=scheduler)
     if meta.get("deepspeed"):  # agreed by every rank in _open (the same identity)
         return ds_load.load(engine, view, path, strict=strict, scheduler=scheduler)
     err, reader = None, None

@@ -1,0 +1,257 @@
+"""A ``torch.distributed.checkpoint`` (DCP) directory of a model and its Adam states, read and written by name.
+
+The layout is the one FSDP2 / torchtitan runs write with ``dcp.save``: ``.metadata`` and one ``__{rank}_{n}.distcp``
+file per writing rank, holding a flat state dict whose keys are
+
+    [model.]NAME                         the model's params and persistent buffers (torchtitan: no ``model.`` prefix)
+    {optim|optimizer}.state.NAME.KEY     Adam's ``exp_avg``, ``exp_avg_sq`` ([*shape] like the param) and ``step``
+                                         (a 0-d tensor), as ``get_state_dict(model, optimizer)`` names them (the
+                                         flattened and the nested optimizer state dicts give the same DCP keys)
+    {optim|optimizer}.param_groups.NAME.lr ...   (flattened) hyper-parameters, stored as bytes: not read
+
+:class:`DcpCheckpoint` answers what ``ds_load._Source`` asks of a foreign checkpoint (``shapes``, ``has``, ``read``,
+``step``, ``buffers``): ``read(name, key, a, z)`` reads only the rows of the saved tensor that hold flat elements
+``[a, z)`` (a load plan of one chunk per tensor: DCP reads the saved chunks overlapping it, nothing else), and
+:meth:`DcpCheckpoint.prefetch` reads every range a rank will ask for in one ``dcp.load``. Reads run without
+collectives (``no_dist=True``): each rank reads on its own. ``params`` are the model tensors that have an optimizer
+state (all of them when the checkpoint holds none); the others are buffers (or frozen params).
+
+:func:`write_dcp` writes named full tensors (the same keys, ``model.`` / ``optim.`` prefixed) from one process;
+FSDP2 loads such a directory into its sharded params with ``dcp.load`` + ``set_state_dict`` (DCP reshards).
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from llmpar.checkpoint.files import CheckpointError, check_tag, read_latest
+
+METADATA = ".metadata"
+DATA_RE = re.compile(r"^__\d+_\d+\.distcp$")
+OPTIM_PREFIXES = ("optim.", "optimizer.", "")
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+Rows = tuple[int, int]
+
+
+def detect(path: str) -> bool:
+    """Whether directory ``path`` is a DCP checkpoint: ``.metadata`` and at least one ``__R_N.distcp`` file."""
+    if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, METADATA)):
+        return False
+    return any(DATA_RE.match(f) for f in os.listdir(path))
+
+
+def resolve(load_dir: Any, tag: str | None) -> str | None:
+    """The DCP checkpoint ``load_dir`` names: ``load_dir`` itself (``tag`` None and a DCP directory), else
+    ``load_dir/tag`` (``tag`` None: the tag ``load_dir/latest`` names) when that is one; None otherwise."""
+    if not isinstance(load_dir, (str, os.PathLike)):
+        return None
+    load_dir = os.fspath(load_dir)
+    if tag is None and detect(load_dir):
+        return load_dir
+    try:
+        tag = read_latest(load_dir) if tag is None else check_tag(tag)
+    except (CheckpointError, TypeError, ValueError):
+        return None
+    if tag is None:
+        return None
+    path = os.path.join(load_dir, tag)
+    return path if detect(path) else None
+
+
+def identity(path: str) -> str:
+    """What tells one DCP checkpoint from another: its directory name and each file's name, size and mtime."""
+    parts = [os.path.basename(os.path.normpath(path))]
+    for f in sorted(os.listdir(path)):
+        if f == METADATA or DATA_RE.match(f):
+            st = os.stat(os.path.join(path, f))
+            parts.append(f"{f}:{st.st_size}:{st.st_mtime_ns}")
+    return "dcp:" + "|".join(parts)
+
+
+class _RowsPlanner(DefaultLoadPlanner):
+    """Loads, for each key of the state dict, the saved rows ``[r0, r0 + len)`` along dim 0 into its tensor (``rows``:
+    {key: r0}; a 0-d tensor whole)."""
+
+    def __init__(self, rows: dict[str, int]) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.rows = rows
+
+    def create_local_plan(self) -> LoadPlan:
+        items = []
+        for fqn, t in self.state_dict.items():
+            md = self.metadata.state_dict_metadata[fqn]
+            offsets = [self.rows[fqn]] + [0] * (t.dim() - 1) if t.dim() else []
+            chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=t.size())
+            items += create_read_items_for_chunk_list(fqn, md, [chunk])
+        return LoadPlan(items)
+
+    def resolve_tensor(self, read_item: Any) -> torch.Tensor:
+        """The part of the state dict's tensor a read item fills (``dest_offsets``: within the rows read)."""
+        t, offsets = self.state_dict[read_item.dest_index.fqn], list(read_item.dest_offsets)
+        for dim, (o, n) in enumerate(zip(offsets, read_item.lengths)):
+            t = t.narrow(dim, o, n)
+        return t
+
+
+def _read(path: str, sd: dict[str, torch.Tensor], rows: dict[str, int]) -> None:
+    """``dcp.load`` of ``sd`` (rows ``rows`` of each key) from ``path``, no collective; a CheckpointError naming the
+    directory when it fails (DCP's own ``CheckpointException`` is a ``BaseException``)."""
+    try:
+        dcp.load(sd, storage_reader=FileSystemReader(path), planner=_RowsPlanner(rows), no_dist=True)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 - named, and agreed between the ranks by the caller
+        raise CheckpointError(f"reading {sorted(sd)[:4]} from DCP checkpoint {path} failed: {e!r}") from e
+
+
+def _rows(shape: tuple[int, ...], a: int, z: int) -> Rows:
+    """The rows along dim 0 holding flat elements ``[a, z)`` of a tensor of ``shape``."""
+    if not shape:
+        return (0, 1)
+    row = math.prod(shape[1:])
+    return (a // row, -(-z // row)) if row else (0, shape[0])
+
+
+class DcpCheckpoint:
+    """DCP checkpoint directory ``path`` (module docstring); raises a ``CheckpointError`` naming it when its
+    ``.metadata`` cannot be read or holds no model tensor."""
+
+    kind = "DCP"
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        try:
+            self.md = FileSystemReader(path).read_metadata()
+        except Exception as e:  # noqa: BLE001 - a foreign or truncated file: named
+            raise CheckpointError(f"cannot read DCP metadata {os.path.join(path, METADATA)}: {e!r}") from e
+        tensors = {k: v for k, v in self.md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+        self.optim_prefix = next((p for p in OPTIM_PREFIXES if any(k.startswith(p + "state.") for k in tensors)),
+                                 None)
+        opt = self.optim_prefix
+        model = [k for k in tensors if opt is None or not k.startswith(opt + "state.")]
+        model = [k for k in model if not re.match(r"^(optim|optimizer)\.", k)]
+        self.model_prefix = "model." if model and all(k.startswith("model.") for k in model) else ""
+        cut = len(self.model_prefix)
+        self.shapes: dict[str, tuple[int, ...]] = {k[cut:]: tuple(tensors[k].size) for k in model}
+        self.dtypes = {k[cut:]: tensors[k].properties.dtype for k in model}
+        if not self.shapes:
+            raise CheckpointError(f"DCP checkpoint {path} holds no model tensors (its keys: "
+                                  f"{sorted(self.md.state_dict_metadata)[:8]})")
+        with_state = {n for n in self.shapes if any(self._key(n, k) in tensors for k in (*MOMENTS, "step"))}
+        self.names = sorted(with_state or self.shapes)
+        self.aliases: dict[str, str] = {}
+        self._pieces: dict[tuple[str, str], tuple[Rows, torch.Tensor]] = {}
+        self._buffers: dict[str, torch.Tensor] | None = None
+
+    def _key(self, name: str, key: str) -> str:
+        """The DCP key of param ``name``'s state ``key`` ("params" / "master": the model's tensor)."""
+        if key in ("params", "master"):
+            return self.model_prefix + name
+        return f"{self.optim_prefix or ''}state.{name}.{key}"
+
+    def source(self, name: str) -> str:
+        return name
+
+    def has(self, name: str, key: str) -> bool:
+        """Whether the checkpoint holds param ``name``'s state ``key``."""
+        return name in self.shapes and (key in ("params", "master") or (
+            key in MOMENTS and self._key(name, key) in self.md.state_dict_metadata))
+
+    def _load(self, wanted: dict[tuple[str, str], Rows]) -> None:
+        """Read the rows ``wanted`` of each (name, key) in one ``dcp.load`` (no collective)."""
+        sd, rows = {}, {}
+        for (name, key), (r0, r1) in wanted.items():
+            fqn, shape = self._key(name, key), self.shapes[name]
+            dtype = self.md.state_dict_metadata[fqn].properties.dtype
+            sd[fqn] = torch.empty((r1 - r0, *shape[1:]) if shape else (), dtype=dtype)
+            rows[fqn] = r0
+        if sd:
+            _read(self.path, sd, rows)
+        for (name, key), r in wanted.items():
+            self._pieces[(name, key)] = (r, sd[self._key(name, key)])
+
+    def prefetch(self, ranges: list[tuple[str, str, int, int]]) -> None:
+        """Read, in one ``dcp.load``, the rows holding every ``(name, key, a, z)`` of ``ranges`` (those it has)."""
+        wanted: dict[tuple[str, str], Rows] = {}
+        for name, key, a, z in ranges:
+            if self.has(name, key) and z > a:
+                r0, r1 = _rows(self.shapes[name], a, z)
+                old = wanted.get((name, key))
+                wanted[(name, key)] = (min(r0, old[0]), max(r1, old[1])) if old else (r0, r1)
+        self._load(wanted)
+
+    def read(self, name: str, key: str, a: int, z: int) -> torch.Tensor:
+        """Elements ``[a, z)`` of param ``name``'s state ``key`` (its flat view), fp32 as saved, a flat CPU tensor."""
+        shape = self.shapes[name]
+        r0, r1 = _rows(shape, a, z)
+        have = self._pieces.get((name, key))
+        if have is None or have[0][0] > r0 or have[0][1] < r1:
+            self._load({(name, key): (r0, r1)})
+            have = self._pieces[(name, key)]
+        base = have[0][0] * (math.prod(shape[1:]) if shape else 1)
+        return have[1].reshape(-1)[a - base:z - base]
+
+    def step(self, name: str) -> float:
+        """Adam's step count saved for param ``name``."""
+        fqn = self._key(name, "step")
+        if fqn not in self.md.state_dict_metadata:
+            raise CheckpointError(f"DCP checkpoint {self.path} has no {fqn!r} (Adam's step count of {name!r})")
+        if (name, "step") not in self._pieces:
+            sd = {fqn: torch.empty((), dtype=self.md.state_dict_metadata[fqn].properties.dtype)}
+            _read(self.path, sd, {fqn: 0})
+            self._pieces[(name, "step")] = ((0, 1), sd[fqn])
+        return float(self._pieces[(name, "step")][1])
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """The model tensors without optimizer state (buffers, frozen params), whole (read once)."""
+        if self._buffers is None:
+            rest = [n for n in self.shapes if n not in set(self.names)]
+            self._load({(n, "params"): (0, self.shapes[n][0] if self.shapes[n] else 1) for n in rest})
+            self._buffers = {n: self._pieces[(n, "params")][1].reshape(self.shapes[n]) for n in rest}
+        return self._buffers
+
+    def frozen(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def scheduler(self) -> None:
+        return None
+
+
+ADAMW_FLAGS = {"amsgrad": False, "maximize": False, "foreach": None, "capturable": False, "differentiable": False,
+               "fused": None, "decoupled_weight_decay": True}  # torch.optim.AdamW's, beside the hyper-parameters
+
+
+def write_dcp(out_dir: str, model: dict[str, torch.Tensor], moments: dict[str, dict[str, torch.Tensor]],
+              steps: dict[str, float], hyper: dict[str, dict[str, Any]]) -> None:
+    """Write a DCP directory FSDP2 loads (``{"model": ..., "optim": ...}``, the optimizer state flattened as
+    ``get_state_dict(..., options=StateDictOptions(flatten_optimizer_state_dict=True))`` gives it): ``model``:
+    {name: full tensor}; ``moments``: {name: {"exp_avg": t, "exp_avg_sq": t}} of the trained params; ``steps``:
+    {name: Adam step}; ``hyper``: {name: {"lr", "betas", "eps", "weight_decay"}} (torch AdamW's other flags added).
+    One process, no collective (``no_dist``)."""
+    for name, states in moments.items():
+        if name not in model or name not in steps or name not in hyper:
+            raise ValueError(f"moments of {name!r} without its weight, step or hyper-parameters: every trained param needs them")
+        for k, t in states.items():
+            if k not in MOMENTS or tuple(t.shape) != tuple(model[name].shape):
+                raise ValueError(f"moment {k!r} of {name!r} with shape {tuple(t.shape)}: accepted {list(MOMENTS)} "
+                                 f"of the param's shape {tuple(model[name].shape)}")
+    optim: dict[str, Any] = {"state": {n: {**{k: t.contiguous() for k, t in s.items()},
+                                          "step": torch.tensor(float(steps[n]))} for n, s in moments.items()},
+                           "param_groups": {n: {**hyper[n], **ADAMW_FLAGS} for n in moments}}
+    sd = {"model": {n: t.contiguous() for n, t in model.items()}, "optim": optim}
+    os.makedirs(out_dir, exist_ok=True)
+    dcp.save(sd, storage_writer=FileSystemWriter(out_dir), no_dist=True)
+
+
+__all__ = ["DATA_RE", "METADATA", "DcpCheckpoint", "detect", "identity", "resolve", "write_dcp"]
