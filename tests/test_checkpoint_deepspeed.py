@@ -123,6 +123,8 @@ def body(root, ext_dir):
                                   ("f3", 3, 1, False), ("f3", 1, 1, False)):
         engine = _llmpar(stage, tp, bf16, frozen=name.startswith("f"))
         path, client = engine.load_checkpoint(f"{root}/{name}")
+        if (name, stage, tp) in (("z0", 2, 1), ("z2", 1, 2)):  # llmpar checkpoints at step K, for convert
+            engine.save_checkpoint(f"{root}/ours_k" if tp == 1 else f"{root}/ours_tp")
         facts = (os.path.basename(path), client, engine.global_steps, engine.global_samples,
                  engine.lr_scheduler.state_dict())
         out["ours"][(name, stage, tp)] = (_train(engine, range(K, K + N), tp > 1), facts)
@@ -154,7 +156,45 @@ def body(root, ext_dir):
     wide = GPT(GPTConfig(vocab_size=V + 2, n_layer=2, n_head=2, d_model=24, seq_len=SEQ), seed=3)
     engine, *_ = llmpar.initialize(model=wide, config=_config(2))
     out["shape"] = _error(lambda: engine.load_checkpoint(f"{root}/z3"))
+    _deepspeed_resumes_converted(root, out)
     return out
+
+
+# (source, layout, ZeRO stage DeepSpeed loads it at): llmpar's ZeRO-2 dp=2 checkpoint at step K, DeepSpeed's ZeRO-1,
+# llmpar's ZeRO-1 tp=2 x dp=1 one (its tp shards merged; a universal checkpoint, loaded at dp=2)
+CONVERTED = (("ours_k", "deepspeed", 2), ("ours_k", "deepspeed", 3), ("z1", "deepspeed", 3),
+             ("ours_tp", "universal", 2), ("ours_tp", "universal", 3))
+
+
+def _deepspeed_resumes_converted(root, out):
+    """Second phase: ``convert --to deepspeed`` (rank 0), then real DeepSpeed loads each result on a model of
+    another seed and trains the same N steps."""
+    import time
+
+    import deepspeed
+
+    from llmpar.checkpoint import consolidate
+    from llmpar.checkpoint.deepspeed_read import DS_KEYS
+
+    t0 = time.perf_counter()
+    if dist.get_rank() == 0:
+        for src, to, stage in CONVERTED:
+            if to == "deepspeed" or stage == 2:
+                consolidate.convert(f"{root}/{src}", f"{root}/to_{to}_{src}_{stage}", to=to,
+                                    stage=stage if to == "deepspeed" else None)
+    dist.barrier()
+    out["to_ds"] = {}
+    for src, to, stage in CONVERTED:
+        cfg = _config(stage)
+        cfg["optimizer"]["params"]["torch_adam"] = True
+        cfg["checkpoint"] = {"load_universal": to == "universal"}
+        ds, *_ = deepspeed.initialize(model=_model(seed=5), model_parameters=None, config=cfg)
+        path, client = ds.load_checkpoint(f"{root}/to_{to}_{src}_{2 if to == 'universal' else stage}")
+        facts = (os.path.basename(os.path.dirname(path)), {k: v for k, v in client.items() if k not in DS_KEYS},
+                 ds.global_steps, ds.global_samples, ds.lr_scheduler.state_dict())
+        out["to_ds"][(src, to, stage)] = (_train(ds, range(K, K + N), False), facts)
+        del ds
+    out["t_phase2"] = time.perf_counter() - t0
 
 
 @pytest.fixture(scope="module")
@@ -314,3 +354,64 @@ def test_deepspeed_layouts_not_read_are_named(tmp_path):
             (d / n).write_bytes(b"")
         with pytest.raises(CheckpointError, match=match):
             deepspeed_read.DeepSpeedCheckpoint(str(d))
+
+
+def test_deepspeed_resumes_what_convert_wrote(runs, tmp_path):
+    """``llmpar checkpoint convert SRC DST --to deepspeed --stage S`` / ``--to universal``: real DeepSpeed loads what
+    was written from an llmpar ZeRO-2 checkpoint (at ZeRO-2 and ZeRO-3), from a DeepSpeed ZeRO-1 one (at ZeRO-3) and,
+    as a universal checkpoint with load_universal, from an llmpar tp=2 x dp=1 one (at ZeRO-2 and ZeRO-3, dp=2), and
+    its next N losses equal llmpar continuing from the source (DeepSpeed continuing, for its own checkpoint),
+    <= 1e-6 rel; the counters, scheduler and client_state travel. What was written reads back through llmpar's
+    DeepSpeed reader bitwise (the converter's own check, also run here on a DeepSpeed source with frozen params to
+    another dp); the checks catch a difference; bad arguments and a pipeline source are refused naming them."""
+    from unittest import mock
+
+    from llmpar.checkpoint import consolidate, ds_universal, ds_write
+    from llmpar.checkpoint.deepspeed_read import DeepSpeedCheckpoint
+    from llmpar.checkpoint.files import CheckpointError
+    from llmpar.cli import main
+
+    runs, root = runs
+    for r in runs:
+        assert set(r["to_ds"]) == set(CONVERTED)
+        for (src, to, stage), (losses, facts) in r["to_ds"].items():
+            ref = runs[0]["ds"][src] if src in runs[0]["ds"] else runs[0]["ours"][
+                {"ours_k": ("z0", 2, 1), "ours_tp": ("z2", 1, 2)}[src]][0]
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-6, atol=0,
+                                       msg=lambda m: f"{src} -> {to}, DeepSpeed ZeRO-{stage}: {m}")
+            client = {} if src.startswith("ours") else {"data_pos": 17 + K}
+            assert facts == (f"global_step{K}", client, K, K * GAS * MICRO * 2, {"last_batch_iteration": K - 1}), \
+                (src, stage, facts)
+    # the CLI, a DeepSpeed ZeRO-3 source with frozen params to ZeRO-2 at dp=3; read back by llmpar
+    assert main(["checkpoint", "convert", str(root / "f3"), str(tmp_path / "f"), "--to", "deepspeed", "--stage", "2",
+                 "--dp", "3"]) == 0
+    ck, src = DeepSpeedCheckpoint(str(tmp_path / "f" / f"global_step{K}")), DeepSpeedCheckpoint(
+        str(root / "f3" / f"global_step{K}"))
+    assert (ck.stage, ck.dp, ck.names) == (2, 3, src.names)
+    for n in src.names:
+        k = math.prod(src.shapes[n])
+        for key in ("master", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(ck.read(n, key, 0, k), src.read(n, key, 0, k)), (n, key)
+    assert ck.frozen().keys() == src.frozen().keys() == {"pos_emb.weight", "ln_f.bias"}
+    assert all(torch.equal(ck.frozen()[n], src.frozen()[n]) for n in src.frozen())
+    assert ck.client_state() == {"data_pos": 17 + K}
+    # the checks catch a difference: a source read differently from what was written
+    src = ds_write.open_source(str(root / "ours_k"))
+    ds_write.write_deepspeed(str(root / "ours_k"), str(tmp_path / "k3"), stage=3)
+    ds_universal.write_universal(str(root / "ours_k"), str(tmp_path / "u"))
+    full = src.full
+    src.full = lambda n, key: full(n, key) + (key == "exp_avg" and n == "ln_f.bias")
+    with pytest.raises(CheckpointError, match="param 'ln_f.bias' exp_avg read back differs"):
+        ds_write.verify(src, str(tmp_path / "k3" / f"global_step{K}"), 3, 2)
+    with pytest.raises(CheckpointError, match="exp_avg of 'ln_f.bias'"):
+        ds_universal.verify(src, str(tmp_path / "u" / f"global_step{K}"))
+    meta = {"pp": 2, "stage": 1}
+    with mock.patch.object(ds_write.metacheck, "read", lambda path: meta), \
+            pytest.raises(CheckpointError, match=r"pipeline checkpoint \(pp=2\)"):
+        ds_write.write_deepspeed(str(root / "ours_k"), str(tmp_path / "x"))
+    with pytest.raises(ValueError, match="stage=4: DeepSpeed's ZeRO layout is written for stages 1, 2 or 3"):
+        consolidate.convert(str(root / "z2"), str(tmp_path / "x"), to="deepspeed", stage=4)
+    with pytest.raises(ValueError, match="dp=0"):
+        ds_write.write_deepspeed(str(root / "z2"), str(tmp_path / "x"), dp=0)
+    with pytest.raises(ValueError, match="only for to='deepspeed'"):
+        consolidate.convert(str(root / "z2"), str(tmp_path / "x"), stage=2)

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from llmpar.checkpoint import ds_convert, files, hf_files, metacheck, publish
+from llmpar.checkpoint import ds_convert, ds_universal, ds_write, files, hf_files, metacheck, publish
 from llmpar.checkpoint.files import CheckpointError
 from llmpar.checkpoint.reshard import CheckpointReader
 
@@ -91,13 +91,21 @@ def consolidate(path: str, out_dir: str, tag: str | None = None, *, dtype: Any =
 
 def convert(src: str, out_dir: str, *, to: str = "hf", source: str = "auto", tag: str | None = None,
             dtype: Any = torch.float32, max_shard_size: Any = hf_files.DEFAULT_SHARD_SIZE,
-            format: str | None = None) -> list[str]:
+            format: str | None = None, stage: int | None = None, dp: int | None = None) -> list[str]:
     """Convert checkpoint ``src`` (``source``: "auto", "deepspeed" or "llmpar") to ``to`` ("hf": HuggingFace's
-    layout, as :func:`consolidate` writes it) in ``out_dir``; every file written is read back and each tensor
+    layout, as :func:`consolidate` writes it; "deepspeed": DeepSpeed's ZeRO-``stage`` layout for ``dp`` ranks,
+    ``ds_write.py``, defaults: the source's; "universal": DeepSpeed's universal layout, ``ds_universal.py``) in
+    ``out_dir``; every file written is read back and each tensor
     compared with the source. Returns the paths written."""
+    if to == "deepspeed":
+        return ds_write.write_deepspeed(src, out_dir, stage=stage, dp=dp, tag=tag, source=source)
+    if to == "universal" and stage is None and dp is None:
+        return ds_universal.write_universal(src, out_dir, tag=tag, source=source)
+    if stage is not None or dp is not None:
+        raise ValueError(f"stage={stage!r} / dp={dp!r}: only for to='deepspeed', not to={to!r}")
     if to != "hf":
-        raise ValueError(f"to={to!r}: convert writes 'hf' (HuggingFace's layout); a DeepSpeed checkpoint loads into "
-                         "llmpar as it is (engine.load_checkpoint)")
+        raise ValueError(f"to={to!r}: convert writes 'hf' (HuggingFace's layout), 'deepspeed' or 'universal' "
+                         "(DeepSpeed's); a DeepSpeed checkpoint loads into llmpar as it is (engine.load_checkpoint)")
     target = hf_files.parse_dtype(dtype)
     hf_files.parse_size(max_shard_size)
     hf_files.parse_format(format)
@@ -119,7 +127,7 @@ def convert(src: str, out_dir: str, *, to: str = "hf", source: str = "auto", tag
 def _convert(args: argparse.Namespace) -> int:
     try:
         paths = convert(args.src, args.dst, to=args.to, source=args.source, tag=args.tag, dtype=args.dtype,
-                        max_shard_size=args.max_shard_size, format=args.format)
+                        max_shard_size=args.max_shard_size, format=args.format, stage=args.stage, dp=args.dp)
     except (CheckpointError, OSError, ValueError, ImportError) as e:
         print(f"llmpar checkpoint convert: {e}", file=sys.stderr)
         return 1
@@ -180,7 +188,13 @@ def register(subparsers: Any) -> None:
                                        "layout, every tensor written read back and compared")
     v.add_argument("src", help="a checkpoint directory, or the save directory (its 'latest', or --tag)")
     v.add_argument("dst", help="output directory")
-    v.add_argument("--to", default="hf", choices=["hf"], help="output layout: hf (safetensors shards + index)")
+    v.add_argument("--to", default="hf", choices=["hf", "deepspeed", "universal"],
+                   help="output layout: hf (safetensors shards + index), deepspeed (its ZeRO 1-3 files) or universal "
+                        "(DeepSpeed's universal checkpoint, loaded with checkpoint.load_universal at any dp)")
+    v.add_argument("--stage", type=int, default=None, choices=[1, 2, 3],
+                   help="--to deepspeed: the ZeRO stage to write for (default: the source's, 0 -> 1)")
+    v.add_argument("--dp", type=int, default=None,
+                   help="--to deepspeed: the data-parallel degree (default: the source's)")
     v.add_argument("--from", dest="source", default="auto", choices=list(ds_convert.SOURCES),
                    help="source layout (default: detected)")
     v.add_argument("--tag", default=None, help="checkpoint tag inside SRC (default: SRC/latest)")
