@@ -403,10 +403,11 @@ def test_deepspeed_resumes_what_convert_wrote(runs, tmp_path):
         ds_write.verify(src, str(tmp_path / "k3" / f"global_step{K}"), 3, 2)
     with pytest.raises(CheckpointError, match="exp_avg of 'ln_f.bias'"):
         ds_universal.verify(src, str(tmp_path / "u" / f"global_step{K}"))
-    meta = {"pp": 2, "stage": 1}
-    with mock.patch.object(ds_write.metacheck, "read", lambda path: meta), \
-            pytest.raises(CheckpointError, match=r"pipeline checkpoint \(pp=2\)"):
-        ds_write.write_deepspeed(str(root / "ours_k"), str(tmp_path / "x"))
+    for meta, match in (({"pp": 2}, r"pipeline checkpoint \(pp=2\)"),
+                        ({"pp": 1, "param_groups": [{}, {}]}, "llmpar checkpoint of 2 param groups")):
+        with mock.patch.object(ds_write.metacheck, "read", lambda path: meta), pytest.raises(CheckpointError,
+                                                                                             match=match):
+            ds_write.write_deepspeed(str(root / "ours_k"), str(tmp_path / "x"))
     with pytest.raises(ValueError, match="stage=4: DeepSpeed's ZeRO layout is written for stages 1, 2 or 3"):
         consolidate.convert(str(root / "z2"), str(tmp_path / "x"), to="deepspeed", stage=4)
     with pytest.raises(ValueError, match="dp=0"):

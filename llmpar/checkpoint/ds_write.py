@@ -33,8 +33,9 @@ or > 3, dp < 1, an llmpar pipeline (pp > 1) source and DeepSpeed pipeline / mode
 A tensor-parallel llmpar source is merged (``CheckpointReader.full``: params named and shaped as in the unsplit model,
 vocabulary padding dropped), so the output is model-parallel degree 1. Params are written in the order the source
 lists them (DeepSpeed's param_shapes; llmpar's layout, the model's order): DeepSpeed's ZeRO 1-2 flat groups follow
-the model's parameter order, so a model whose order differs would load other values. After writing, every file is read back
-with ``deepspeed_read.DeepSpeedCheckpoint`` and every param's master and moments compared bitwise with the source.
+the model's parameter order, so a model whose order differs would load other values. After writing, every file is
+read back with ``deepspeed_read.DeepSpeedCheckpoint`` and every param's master and moments compared bitwise with the
+source. Memory: every param's master and moments are held whole while writing (not streamed).
 """
 from __future__ import annotations
 
@@ -192,6 +193,9 @@ class _LlmparSource(Source):
         if int(meta.get("pp", 1)) > 1:
             raise CheckpointError(f"{path}: llmpar pipeline checkpoint (pp={meta['pp']}): DeepSpeed's ZeRO and "
                                   "universal layouts are written from pp=1 checkpoints only (load it at pp=1 and save)")
+        if len(meta["param_groups"]) != 1:
+            raise CheckpointError(f"{path}: llmpar checkpoint of {len(meta['param_groups'])} param groups: which "
+                                  "param is in which is not recorded; only one group is written to DeepSpeed's layout")
         reader = self.reader = CheckpointReader(path, meta)
         for fname in sorted(meta["files"]):
             why = reader.files.check(fname, full=True)
@@ -199,9 +203,6 @@ class _LlmparSource(Source):
                 raise CheckpointError(f"checkpoint shard {os.path.join(path, fname)} is {why}")
         self.keys = {name: meta["layout"]["buffers"][bi]["state_keys"] for name, (bi, _, _) in reader.where.items()}
         names = list(reader.where)
-        if len(meta["param_groups"]) != 1:
-            raise CheckpointError(f"{path}: llmpar checkpoint of {len(meta['param_groups'])} param groups: which "
-                                  "param is in which is not recorded; only one group is written to DeepSpeed's layout")
         self.groups, self.shapes = [names], {n: reader.full_shape(n) for n in names}
         self.hyper = [dict(meta["param_groups"][0], betas=tuple(meta["param_groups"][0]["betas"]))]
         self.step = _one_step({reader.step(n) for n in names}, path)
