@@ -102,8 +102,6 @@ def body(root):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-    from llmpar.checkpoint.dcp_convert import to_dcp
-
     opts = StateDictOptions(flatten_optimizer_state_dict=True)
     rank, res = dist.get_rank(), {}
     model, opt = _fsdp(seed=1)
@@ -131,8 +129,11 @@ def body(root):
         res["error"] = f"{type(e).__name__}: {e}"
 
     z2.save_checkpoint(os.path.join(root, "llmpar"), tag="t")
-    if rank == 0:
-        to_dcp(os.path.join(root, "llmpar"), os.path.join(root, "converted"))
+    if rank == 0:  # the command line's route: llmpar checkpoint convert llmpar/ converted/ --to dcp
+        from llmpar.cli import main
+
+        res["convert_status"] = main(["checkpoint", "convert", os.path.join(root, "llmpar"),
+                                      os.path.join(root, "converted"), "--to", "dcp"])
     dist.barrier()
     model, opt = _fsdp(seed=4)
     msd, osd = get_state_dict(model, opt, options=opts)
@@ -164,6 +165,7 @@ def test_llmpar_continues_fsdp2_dcp_checkpoint(runs):
 
 
 def test_fsdp2_continues_llmpar_checkpoint_converted_to_dcp(runs):
+    assert runs[0]["convert_status"] == 0  # `llmpar checkpoint convert SRC DST --to dcp`
     for r in runs:
         _close(r["fsdp_from_llmpar"], r["llmpar_after"])
 

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from llmpar.checkpoint import ds_convert, ds_universal, ds_write, files, hf_files, metacheck, publish
+from llmpar.checkpoint import dcp_convert, ds_convert, ds_universal, ds_write, files, hf_files, metacheck, publish
 from llmpar.checkpoint.files import CheckpointError
 from llmpar.checkpoint.reshard import CheckpointReader
 
@@ -94,18 +94,27 @@ def convert(src: str, out_dir: str, *, to: str = "hf", source: str = "auto", tag
             format: str | None = None, stage: int | None = None, dp: int | None = None) -> list[str]:
     """Convert checkpoint ``src`` (``source``: "auto", "deepspeed" or "llmpar") to ``to`` ("hf": HuggingFace's
     layout, as :func:`consolidate` writes it; "deepspeed": DeepSpeed's ZeRO-``stage`` layout for ``dp`` ranks,
-    ``ds_write.py``, defaults: the source's; "universal": DeepSpeed's universal layout, ``ds_universal.py``) in
-    ``out_dir``; every file written is read back and each tensor
-    compared with the source. Returns the paths written."""
+    ``ds_write.py``, defaults: the source's; "universal": DeepSpeed's universal layout, ``ds_universal.py``; "dcp":
+    a ``torch.distributed.checkpoint`` directory FSDP2 / torchtitan load, from an llmpar checkpoint,
+    ``dcp_convert.py``) in ``out_dir``; every file written is read back and each tensor compared with the source
+    (dcp: the source's files are verified before anything is written). Returns the paths written."""
     if to == "deepspeed":
         return ds_write.write_deepspeed(src, out_dir, stage=stage, dp=dp, tag=tag, source=source)
     if to == "universal" and stage is None and dp is None:
         return ds_universal.write_universal(src, out_dir, tag=tag, source=source)
     if stage is not None or dp is not None:
         raise ValueError(f"stage={stage!r} / dp={dp!r}: only for to='deepspeed', not to={to!r}")
+    if to == "dcp":
+        kind, path = ds_convert.locate(src, tag, source)
+        if kind != "llmpar":
+            raise ValueError(f"to='dcp' converts llmpar checkpoints; {path} is DeepSpeed's: load it into an engine "
+                             "(engine.load_checkpoint), save, and convert that")
+        dcp_convert.to_dcp(path, out_dir)
+        return sorted(os.path.join(out_dir, f) for f in os.listdir(out_dir))
     if to != "hf":
-        raise ValueError(f"to={to!r}: convert writes 'hf' (HuggingFace's layout), 'deepspeed' or 'universal' "
-                         "(DeepSpeed's); a DeepSpeed checkpoint loads into llmpar as it is (engine.load_checkpoint)")
+        raise ValueError(f"to={to!r}: convert writes 'hf' (HuggingFace's layout), 'deepspeed', 'universal' "
+                         "(DeepSpeed's) or 'dcp' (torch.distributed.checkpoint); a DeepSpeed or DCP checkpoint loads "
+                         "into llmpar as it is (engine.load_checkpoint)")
     target = hf_files.parse_dtype(dtype)
     hf_files.parse_size(max_shard_size)
     hf_files.parse_format(format)
@@ -188,9 +197,10 @@ def register(subparsers: Any) -> None:
                                        "layout, every tensor written read back and compared")
     v.add_argument("src", help="a checkpoint directory, or the save directory (its 'latest', or --tag)")
     v.add_argument("dst", help="output directory")
-    v.add_argument("--to", default="hf", choices=["hf", "deepspeed", "universal"],
-                   help="output layout: hf (safetensors shards + index), deepspeed (its ZeRO 1-3 files) or universal "
-                        "(DeepSpeed's universal checkpoint, loaded with checkpoint.load_universal at any dp)")
+    v.add_argument("--to", default="hf", choices=["hf", "deepspeed", "universal", "dcp"],
+                   help="output layout: hf (safetensors shards + index), deepspeed (its ZeRO 1-3 files), universal "
+                        "(DeepSpeed's universal checkpoint, loaded with checkpoint.load_universal at any dp) or dcp "
+                        "(torch.distributed.checkpoint for FSDP2 / torchtitan; from an llmpar checkpoint)")
     v.add_argument("--stage", type=int, default=None, choices=[1, 2, 3],
                    help="--to deepspeed: the ZeRO stage to write for (default: the source's, 0 -> 1)")
     v.add_argument("--dp", type=int, default=None,
