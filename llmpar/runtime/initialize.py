@@ -46,6 +46,7 @@ from llmpar.runtime.pipeline_engine import PipelineEngine, is_pipeline_module, p
 from llmpar.runtime.schedules import WarmupSchedule
 from llmpar.tensor_parallel.parallelize import parallelize
 from llmpar.zero import mark_owner
+from llmpar.zero.init import recording
 from llmpar.zero.optimizer import ZeroOptimizer
 
 logger = logging.getLogger("llmpar")
@@ -151,12 +152,14 @@ def _build(model: nn.Module, blocks: Blocks, model_parameters: Any, training_dat
     if cpc.size > 1:
         mesh = _cp_mesh(cpc.size, tp, mesh, dp_group, tp_group)
         if tp > 1 and not any(getattr(p, "tensor_model_parallel", False) for p in model.parameters()):
-            parallelize(model, mesh["tp"])
+            with recording(model):  # a model built in llmpar.zero.Init: each rank records its slices
+                parallelize(model, mesh["tp"])
             split_here = True
     elif tp > 1 and mesh is None and dp_group is None and tp_group is None:
         mesh = init_distributed(tp=tp).mesh  # the dp x tp mesh; the model is split over its tp axis below
         if not any(getattr(p, "tensor_model_parallel", False) for p in model.parameters()):
-            parallelize(model, mesh["tp"])
+            with recording(model):  # a model built in llmpar.zero.Init: each rank records its slices
+                parallelize(model, mesh["tp"])
             split_here = True
     dp_group, tp_group = _resolve_groups(mesh, dp_group, tp_group)
     cfg = _typed(blocks, group_size(dp_group))

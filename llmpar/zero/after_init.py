@@ -28,6 +28,7 @@ import sys
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_flatten, tree_map
 
 from llmpar.zero.deferred import Looks, Recorder
@@ -77,6 +78,8 @@ def _handle(func: Any, args: tuple, kwargs: dict | None) -> Any:
             return _wrap(func(*args, **kwargs), rec)
         if rec.busy:  # a call made by the recording itself
             return func(*args, **kwargs)
+        if rec in _get_current_dispatch_mode_stack():  # already recording (``init.recording``)
+            return _wrap(func(*args, **kwargs), rec)
         looks = Looks(rec)
         rec.by_reference = True
         rec.__enter__()

@@ -37,8 +37,9 @@ than ``Init``) needs ``init_fn``; without it initialize refuses it.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -166,6 +167,43 @@ class Init:
             rec.__exit__(*exc)
             if exc[0] is None:
                 _finish(rec, params, modules)
+
+
+@contextlib.contextmanager
+def recording(model: nn.Module) -> Iterator[None]:
+    """Inside: the block that built ``model`` records again, so that code changing an unmaterialised model (a
+    tensor-parallel split, ``llmpar.parallelize``, run by ``llmpar.initialize``) makes recorded meta params: a
+    tensor made there is a recorded meta tensor, a slice of a param copied into it is recorded, and every new param
+    registered gets its recipe (replaying it replays the param it was sliced from, one param at a time, and keeps
+    the slice). Nothing happens for a model with no recorded params (or params of several blocks)."""
+    recs = {id(d.recorder): d.recorder for d in (getattr(p, _DEFERRED, None) for p in model.parameters())
+            if d is not None}
+    if len(recs) != 1:
+        yield
+        return
+    rec = next(iter(recs.values()))
+    new: dict[int, nn.Parameter] = {}
+
+    def on_param(module: nn.Module, name: str, param: Any) -> None:
+        if param is not None:
+            new[id(param)] = param
+
+    hook = nn.modules.module.register_module_parameter_registration_hook(on_param)
+    looks = Looks(rec)
+    rec.__enter__()
+    looks.__enter__()
+    try:
+        yield
+    finally:
+        looks.__exit__(None, None, None)
+        rec.__exit__(None, None, None)
+        hook.remove()
+        rec.scratch.clear()
+    for p in new.values():
+        if not hasattr(p, _DEFERRED) and rec.key_of(p) is not None:
+            ref = rec.ref(p)
+            setattr(p, _DEFERRED, Deferred(rec, ref, ref))
+            watch(p, rec)
 
 
 @torch.no_grad()
