@@ -14,11 +14,10 @@ them (a DCP checkpoint of FSDP2 carries no llmpar scheduler: configure the same 
 from __future__ import annotations
 
 import logging
-import traceback
 
 from llmpar.checkpoint import files
 from llmpar.checkpoint.dcp_format import MOMENTS, DcpCheckpoint
-from llmpar.checkpoint.ds_load import _agreed_error, _names, _Source
+from llmpar.checkpoint.ds_load import _names, _Source
 from llmpar.checkpoint.files import CheckpointError
 from llmpar.checkpoint.protocol import Checkpointable, DescribesModel
 from llmpar.checkpoint.shards import extras_names
@@ -108,17 +107,10 @@ def load(engine: Checkpointable, view: EngineView, path: str, *, strict: bool, s
     """Load DCP directory ``path`` into ``engine`` (collective over its grid; ``load.py`` calls it once the ranks
     agreed they read the same checkpoint). Returns ``(path, None)``: DCP holds no llmpar client_state."""
     g, opt = view.grid, engine.optimizer
-    err, ck, src, keep, extras = None, None, None, set(), {}
-    try:
+    with files.agreed(g, "load_checkpoint"):
         ck = DcpCheckpoint(path)
         src = _Source(ck, view)  # type: ignore[arg-type] - the same questions as a DeepSpeed checkpoint's
         keep, extras = _plan(engine, view, ck, src, strict)
-    except Exception as e:  # noqa: BLE001 - agreed with the other ranks, then raised everywhere
-        err = f"{e}" if isinstance(e, (CheckpointError, ValueError, TypeError)) else repr(e)
-        logger.debug("load_checkpoint: %s", traceback.format_exc())
-    if files.agree(1 if err else 0, g.groups, g.device):
-        raise CheckpointError(_agreed_error(err, g))
-    assert ck is not None and src is not None
     stored = sorted(ck.shapes)  # the same on every rank: the same metadata
     mine = set(view.saved_name.values()) | set(view.targets())
     held = files.agree_all([int(n in mine) for n in stored], g.groups, g.device)
@@ -127,7 +119,7 @@ def load(engine: Checkpointable, view: EngineView, path: str, *, strict: bool, s
         raise CheckpointError(f"{len(unexpected)} params / buffers in DCP checkpoint {path} are in no rank's model: "
                               f"{_names(unexpected)} (load_checkpoint(..., strict=False) ignores them)")
     steps = []
-    try:
+    with files.all_or_mixed(g, path):  # agreed before the stage-3 re-gather so that no rank waits alone
         _prefetch(view, ck, src, keep)
 
         def step(local: str) -> float:
@@ -138,20 +130,7 @@ def load(engine: Checkpointable, view: EngineView, path: str, *, strict: bool, s
             opt.load_pieces(src.get, step, keep=frozenset(keep))
         else:
             opt.load_pieces(src.get, step)
-        targets, frozen, to_shards = view.targets(), opt.frozen_shapes(), {}
-        for name, value in extras.items():
-            if name in frozen:
-                to_shards[name] = value
-            else:
-                targets[name][0].data.copy_(value)
-        if to_shards:
-            opt.load_frozen(to_shards)
-        err = None
-    except Exception as e:  # noqa: BLE001 - agreed before the stage-3 re-gather so that no rank waits alone
-        err = f"loading {path} failed part-way, the engine's state is mixed: {e!r}"
-        logger.error("%s\n%s", err, traceback.format_exc())
-    if files.agree(1 if err else 0, g.groups, g.device):
-        raise CheckpointError(err or f"another rank failed part-way loading {path}; the engine's state is mixed")
+        view.put_extras(extras)
     opt.after_load()
     top = files.agree_all([int(max(steps, default=0))], g.groups, g.device)[0]
     engine.restore_counters({"global_steps": int(top)})

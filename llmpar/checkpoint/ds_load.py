@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import math
-import traceback
 from typing import Any
 
 import torch
@@ -24,7 +23,7 @@ import torch
 from llmpar.checkpoint import files
 from llmpar.checkpoint.deepspeed_read import DeepSpeedCheckpoint
 from llmpar.checkpoint.files import CheckpointError
-from llmpar.checkpoint.protocol import Checkpointable, DescribesModel, Grid
+from llmpar.checkpoint.protocol import Checkpointable, DescribesModel
 from llmpar.checkpoint.reshard import Cut, full_shape
 from llmpar.checkpoint.shards import extras_names
 from llmpar.checkpoint.view import EngineView
@@ -37,15 +36,6 @@ _HYPER = ("lr", "betas", "eps", "weight_decay")
 def _names(names: list[str] | set[str], limit: int = 8) -> str:
     names = sorted(names)
     return f"{names[:limit]}" + (f" and {len(names) - limit} more" if len(names) > limit else "")
-
-
-def _agreed_error(err: str | None, g: Grid) -> str:
-    """Collective: this rank's error, or the first failing rank's, named."""
-    texts = files.gather_text(err or "", g)
-    if err:
-        return err
-    i = next((i for i, t in enumerate(texts) if t), None)
-    return "another rank failed (see its error)" if i is None else f"{files.rank_name(g, i)}: {texts[i]}"
 
 
 class _Source:
@@ -147,17 +137,10 @@ def load(engine: Checkpointable, view: EngineView, path: str, *, strict: bool, s
     client_state)``."""
     g, opt = view.grid, engine.optimizer
     sched = engine.lr_scheduler if scheduler else None
-    err, ck, src, keep, extras = None, None, None, set(), {}
-    try:
+    with files.agreed(g, "load_checkpoint"):
         ck = DeepSpeedCheckpoint(path)
         src = _Source(ck, view)
         keep, extras = _plan(engine, view, ck, src, strict, sched)
-    except Exception as e:  # noqa: BLE001 - agreed with the other ranks, then raised everywhere
-        err = f"{e}" if isinstance(e, (CheckpointError, ValueError, TypeError)) else repr(e)
-        logger.debug("load_checkpoint: %s", traceback.format_exc())
-    if files.agree(1 if err else 0, g.groups, g.device):
-        raise CheckpointError(_agreed_error(err, g))
-    assert ck is not None and src is not None
     stored = _stored(ck)  # the same on every rank: the same files
     mine = set(view.saved_name.values()) | set(view.targets())
     held = files.agree_all([int(n in mine) for n in stored], g.groups, g.device)
@@ -168,27 +151,13 @@ def load(engine: Checkpointable, view: EngineView, path: str, *, strict: bool, s
     if unexpected and g.rank0:
         logger.warning("load_checkpoint(strict=False): %d params / buffers in %s are in no rank's model, ignored: %s",
                        len(unexpected), path, _names(unexpected))
-    try:
+    with files.all_or_mixed(g, path):
         step = lambda local: ck.step(view.saved_name[local])  # noqa: E731
         if keep:
             opt.load_pieces(src.get, step, keep=frozenset(keep))
         else:
             opt.load_pieces(src.get, step)
-        targets, frozen, to_shards = view.targets(), opt.frozen_shapes(), {}
-        with torch.no_grad():
-            for name, value in extras.items():
-                if name in frozen:
-                    to_shards[name] = value
-                else:
-                    targets[name][0].copy_(value)
-        if to_shards:
-            opt.load_frozen(to_shards)
-        err = None
-    except Exception as e:  # noqa: BLE001 - agreed before the stage-3 re-gather so that no rank waits alone
-        err = f"loading {path} failed part-way, the engine's state is mixed: {e!r}"
-        logger.error("%s\n%s", err, traceback.format_exc())
-    if files.agree(1 if err else 0, g.groups, g.device):
-        raise CheckpointError(err or f"another rank failed part-way loading {path}; the engine's state is mixed")
+        view.put_extras(extras)
     opt.after_load()
     groups = ck.param_groups()
     if len(groups) == len(opt.param_groups):

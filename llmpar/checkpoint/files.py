@@ -22,12 +22,14 @@ each file's whole sha256 recorded) still load.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import logging
 import shutil
-from typing import Any, BinaryIO, cast
+import traceback
+from typing import Any, BinaryIO, Iterator, cast
 
 import torch
 
@@ -311,6 +313,45 @@ def agree(code: int, groups: list[Group], device: torch.device) -> int:
     """The largest ``code`` over every rank of the grid ``groups`` span (max over each group in turn).
     ``device``: where the collective runs (cuda under NCCL)."""
     return agree_all([code], groups, device)[0]
+
+
+def agreed_error(err: str | None, g: Grid) -> str:
+    """Collective: this rank's error, or the first failing rank's, named."""
+    texts = gather_text(err or "", g)
+    if err:
+        return err
+    i = next((i for i, t in enumerate(texts) if t), None)
+    return "another rank failed (see its error)" if i is None else f"{rank_name(g, i)}: {texts[i]}"
+
+
+@contextlib.contextmanager
+def agreed(g: Grid, what: str) -> Iterator[None]:
+    """Collective: the block runs on every rank of ``g``; if it raises on any rank, every rank raises a
+    CheckpointError with that rank's error (its own first), so no rank walks into a later collective alone. For the
+    checks before anything changes (``what``: the caller, in the debug log)."""
+    err = None
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - agreed with the other ranks, then raised everywhere
+        err = f"{e}" if isinstance(e, (CheckpointError, ValueError, TypeError)) else repr(e)
+        logger.debug("%s: %s", what, traceback.format_exc())
+    if agree(1 if err else 0, g.groups, g.device):
+        raise CheckpointError(agreed_error(err, g))
+
+
+@contextlib.contextmanager
+def all_or_mixed(g: Grid, path: str, state: str = "state") -> Iterator[None]:
+    """Collective: the block writes into the engine on every rank of ``g``; if it fails on any rank, every rank
+    raises a CheckpointError saying the engine's ``state`` is now mixed (agreed before any re-gather, so that no
+    rank waits alone)."""
+    err = None
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - agreed, then raised everywhere
+        err = f"loading {path} failed part-way, the engine's {state} is mixed: {e!r}"
+        logger.error("%s\n%s", err, traceback.format_exc())
+    if agree(1 if err else 0, g.groups, g.device):
+        raise CheckpointError(err or f"another rank failed part-way loading {path}; the engine's {state} is mixed")
 
 
 def agree_all(values: list[int], groups: list[Group], device: torch.device) -> list[int]:

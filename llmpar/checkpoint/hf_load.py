@@ -25,7 +25,6 @@ import json
 import logging
 import math
 import os
-import traceback
 from typing import Any
 
 import torch
@@ -184,8 +183,8 @@ def load_hf_weights(engine: Checkpointable, path: str, *, strict: bool = True) -
         raise TypeError(f"load_hf_weights takes the engine llmpar.initialize returned, got {type(engine).__name__}")
     view = EngineView(engine)
     g, opt = view.grid, engine.optimizer
-    err, src, extras, where = None, None, {}, {}
-    try:
+    extras: dict[str, Any] = {}
+    with files.agreed(g, "load_hf_weights"):
         where = weight_files(path)
         src = _Source(SliceReader(where), view)
         for b in view.layout:
@@ -202,14 +201,6 @@ def load_hf_weights(engine: Checkpointable, path: str, *, strict: bool = True) -
                 raise CheckpointError(f"{name!r} has shape {src.reader.header(name)[0]} in {where[name]} and "
                                       f"{shape} here")
             extras[name] = shape
-    except Exception as e:  # noqa: BLE001 - agreed with the other ranks, then raised everywhere
-        err = f"{e}" if isinstance(e, (CheckpointError, ValueError, TypeError)) else repr(e)
-        logger.debug("load_hf_weights: %s", traceback.format_exc())
-    if files.agree(1 if err else 0, g.groups, g.device):
-        texts = files.gather_text(err or "", g)
-        i = next((i for i, t in enumerate(texts) if t), 0)
-        raise CheckpointError(err or f"{files.rank_name(g, i)}: {texts[i]}")
-    assert src is not None
     stored = sorted(where)
     mine = set(view.saved_name.values()) | set(view.targets())
     held = files.agree_all([int(n in mine) for n in stored], g.groups, g.device)
@@ -217,24 +208,9 @@ def load_hf_weights(engine: Checkpointable, path: str, *, strict: bool = True) -
     if unexpected and strict:
         raise CheckpointError(f"{len(unexpected)} tensors in the HuggingFace weights {path} are in no rank's model: "
                               f"{unexpected[:8]} (load_hf_weights(..., strict=False) ignores them)")
-    try:
+    with files.all_or_mixed(g, path, "weights"):  # agreed before the stage-3 re-gather: no rank waits alone
         opt.load_pieces(src.get, lambda local: 0.0)
-        targets, frozen, to_shards = view.targets(), opt.frozen_shapes(), {}
-        with torch.no_grad():
-            for name in extras:
-                value = src.reader.whole(name)
-                if name in frozen:
-                    to_shards[name] = value
-                else:
-                    targets[name][0].copy_(value)
-        if to_shards:
-            opt.load_frozen(to_shards)
-        err = None
-    except Exception as e:  # noqa: BLE001 - agreed before the stage-3 re-gather so that no rank waits alone
-        err = f"loading {path} failed part-way, the engine's weights are mixed: {e!r}"
-        logger.error("%s\n%s", err, traceback.format_exc())
-    if files.agree(1 if err else 0, g.groups, g.device):
-        raise CheckpointError(err or f"another rank failed part-way loading {path}; the engine's weights are mixed")
+        view.put_extras({name: src.reader.whole(name) for name in extras})
     opt.after_load()
     if g.rank0:
         logger.info("loaded HuggingFace weights %s at pp=%d dp=%d tp=%d stage %d: %d bytes read on rank 0", path,

@@ -214,24 +214,7 @@ def _apply(view: EngineView, reader: CheckpointReader, cuts: dict[str, Cut], kee
         opt.load_pieces(get, step, keep=frozenset(keep))
     else:
         opt.load_pieces(get, step)
-    targets, frozen, to_shards = view.targets(), opt.frozen_shapes(), {}
-    for name, value in extras.items():
-        if name in frozen:  # a ZeRO-3 frozen param: into this rank's shard of it
-            to_shards[name] = value
-        else:
-            targets[name][0].copy_(value)
-    if to_shards:
-        opt.load_frozen(to_shards)
-
-
-def _agreed_error(err: str | None, g: Grid) -> str:
-    """This rank's error, or (collective: every rank calls it once an agreement said some rank failed) the first
-    failing rank's, named."""
-    texts = files.gather_text(err or "", g)
-    if err:
-        return err
-    i = next((i for i, t in enumerate(texts) if t), None)
-    return "another rank failed (see its error)" if i is None else f"{files.rank_name(g, i)}: {texts[i]}"
+    view.put_extras(extras)  # a ZeRO-3 frozen param: into this rank's shard of it
 
 
 def _open(g: Grid, load_dir: str, tag: str | None) -> tuple[str, dict]:
@@ -254,7 +237,7 @@ def _open(g: Grid, load_dir: str, tag: str | None) -> tuple[str, dict]:
     h = files.fingerprint(ident) if err is None else 0
     code, high, neg_low = files.agree_all([1 if err else 0, h, -h], g.groups, g.device)
     if code:
-        raise CheckpointError(_agreed_error(err, g))
+        raise CheckpointError(files.agreed_error(err, g))
     if high != -neg_low:
         chosen = files.gather_text(f"{path} (metadata.json sha256 {ident[:12]})", g)
         by: dict[str, list[str]] = {}
@@ -336,7 +319,7 @@ def load_checkpoint(engine: Checkpointable, load_dir: str, tag: str | None = Non
         fname = sorted(meta["files"])[i] if i < len(meta["files"]) else "a file metadata.json does not list"
         why = "is corrupt (sha256 or size differs from metadata.json)" if (code - 2) % 2 else "is missing"
         raise CheckpointError(f"checkpoint shard {os.path.join(path, fname)} {why}")
-    problems = [_agreed_error(err, g)] if code else []
+    problems = [files.agreed_error(err, g)] if code else []
     if unexpected and strict:
         problems.append(f"{len(unexpected)} params / buffers in {path} are in no rank's model: "
                         f"{_names(unexpected)} (load_checkpoint(..., strict=False) ignores them)")
@@ -349,14 +332,8 @@ def load_checkpoint(engine: Checkpointable, load_dir: str, tag: str | None = Non
     reader.files.trust()  # every block read was hashed by one rank, and none differed
 
     opt = engine.optimizer
-    try:
+    with files.all_or_mixed(g, path):  # agreed before the stage-3 re-gather so that no rank waits alone
         _apply(view, reader, cuts, keep, extras)
-        err = None
-    except Exception as e:  # noqa: BLE001 - agreed before the stage-3 re-gather so that no rank waits alone
-        err = f"loading {path} failed part-way, the engine's state is mixed: {e!r}"
-        logger.error("%s\n%s", err, traceback.format_exc())
-    if files.agree(1 if err else 0, g.groups, g.device):
-        raise CheckpointError(err or f"another rank failed part-way loading {path}; the engine's state is mixed")
     opt.after_load()
     for group, saved in zip(opt.param_groups, meta["param_groups"]):
         group.update({k: (tuple(v) if k == "betas" else v) for k, v in saved.items()})

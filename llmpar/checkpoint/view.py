@@ -8,6 +8,7 @@
     view.duplicates            # optimizer param names not written (tied copies also held by a lower stage)
     view.targets()             # {checkpoint name: (live tensor, is_param)} of the modules this rank holds
     view.specs()               # {optimizer param name: tp split spec or None}
+    view.put_extras(values)    # buffers and frozen params written by name
 
 How a pipeline engine's stage-local names (``stage1.blocks_3.attn.qkv.weight``) map to the unsplit model's
 (``blocks.3.attn.qkv.weight``) is the engine's business (``checkpoint_names``); a weight tied between stages maps to
@@ -39,6 +40,19 @@ class EngineView:
     def targets(self) -> dict[str, tuple[torch.Tensor, bool]]:
         """{checkpoint name: (live tensor, is_param)} of this rank's modules (the first holder of a shared one)."""
         return self.engine.checkpoint_targets()
+
+    def put_extras(self, values: dict[str, torch.Tensor]) -> None:
+        """Write buffers and frozen params by checkpoint name: a frozen param into the optimizer's shards (it may be
+        partitioned), anything else into the live tensor."""
+        targets, frozen, to_shards = self.targets(), self.opt.frozen_shapes(), {}
+        with torch.no_grad():
+            for name, value in values.items():
+                if name in frozen:
+                    to_shards[name] = value
+                else:
+                    targets[name][0].copy_(value)
+        if to_shards:
+            self.opt.load_frozen(to_shards)
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """{optimizer param name: its local shape}."""
