@@ -148,13 +148,13 @@ class DcpCheckpoint:
         if not self.shapes:
             raise CheckpointError(f"DCP checkpoint {path} holds no model tensors (its keys: "
                                   f"{sorted(self.md.state_dict_metadata)[:8]})")
-        with_state = {n for n in self.shapes if any(self._key(n, k) in tensors for k in (*MOMENTS, "step"))}
+        with_state = {n for n in self.shapes if any(self.key(n, k) in tensors for k in (*MOMENTS, "step"))}
         self.names = sorted(with_state or self.shapes)
         self.aliases: dict[str, str] = {}
         self._pieces: dict[tuple[str, str], tuple[Rows, torch.Tensor]] = {}
         self._buffers: dict[str, torch.Tensor] | None = None
 
-    def _key(self, name: str, key: str) -> str:
+    def key(self, name: str, key: str) -> str:
         """The DCP key of param ``name``'s state ``key`` ("params" / "master": the model's tensor)."""
         if key in ("params", "master"):
             return self.model_prefix + name
@@ -166,20 +166,20 @@ class DcpCheckpoint:
     def has(self, name: str, key: str) -> bool:
         """Whether the checkpoint holds param ``name``'s state ``key``."""
         return name in self.shapes and (key in ("params", "master") or (
-            key in MOMENTS and self._key(name, key) in self.md.state_dict_metadata))
+            key in MOMENTS and self.key(name, key) in self.md.state_dict_metadata))
 
     def _load(self, wanted: dict[tuple[str, str], Rows]) -> None:
         """Read the rows ``wanted`` of each (name, key) in one ``dcp.load`` (no collective)."""
         sd, rows = {}, {}
         for (name, key), (r0, r1) in wanted.items():
-            fqn, shape = self._key(name, key), self.shapes[name]
+            fqn, shape = self.key(name, key), self.shapes[name]
             dtype = self.md.state_dict_metadata[fqn].properties.dtype
             sd[fqn] = torch.empty((r1 - r0, *shape[1:]) if shape else (), dtype=dtype)
             rows[fqn] = r0
         if sd:
             _read(self.path, sd, rows)
         for (name, key), r in wanted.items():
-            self._pieces[(name, key)] = (r, sd[self._key(name, key)])
+            self._pieces[(name, key)] = (r, sd[self.key(name, key)])
 
     def prefetch(self, ranges: list[tuple[str, str, int, int]]) -> None:
         """Read, in one ``dcp.load``, the rows holding every ``(name, key, a, z)`` of ``ranges`` (those it has)."""
@@ -204,7 +204,7 @@ class DcpCheckpoint:
 
     def step(self, name: str) -> float:
         """Adam's step count saved for param ``name``."""
-        fqn = self._key(name, "step")
+        fqn = self.key(name, "step")
         if fqn not in self.md.state_dict_metadata:
             raise CheckpointError(f"DCP checkpoint {self.path} has no {fqn!r} (Adam's step count of {name!r})")
         if (name, "step") not in self._pieces:

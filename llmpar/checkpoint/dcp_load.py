@@ -41,9 +41,9 @@ def _plan(engine: Checkpointable, view: EngineView, ck: DcpCheckpoint, src: _Sou
             src.check(slot["name"])
             for key in required:
                 if key != "params" and not ck.has(name, key):
-                    lacking_keys.append(ck._key(name, key) + ("" if key in MOMENTS else f" (state {key!r})"))
-            if any(k in MOMENTS for k in required) and ck._key(name, "step") not in ck.md.state_dict_metadata:
-                lacking_keys.append(ck._key(name, "step"))
+                    lacking_keys.append(ck.key(name, key) + ("" if key in MOMENTS else f" (state {key!r})"))
+            if any(k in MOMENTS for k in required) and ck.key(name, "step") not in ck.md.state_dict_metadata:
+                lacking_keys.append(ck.key(name, "step"))
     if lacking_keys:
         raise CheckpointError(f"DCP checkpoint {ck.path} lacks {len(lacking_keys)} keys this optimizer needs (Adam's "
                               f"moments and step of every trained param, saved as get_state_dict(model, optimizer) "

@@ -249,7 +249,7 @@ def write_hf(path: str, out_dir: str, *, dtype: torch.dtype | None, max_shard_si
     names = hf_files.shard_files(len(shards), "safetensors")
     index = "model.safetensors.index.json"
     os.makedirs(out_dir, exist_ok=True)
-    hf_files._clean(out_dir, set(names) | ({index} if len(names) > 1 else set()))
+    hf_files.clean(out_dir, set(names) | ({index} if len(names) > 1 else set()))
     total = sum(t.numel() * t.element_size() for t in src.meta.values())
     written, crcs = [], {}
     with tqdm(total=total, unit="B", unit_scale=True, desc="convert", disable=None if progress is None
@@ -258,7 +258,7 @@ def write_hf(path: str, out_dir: str, *, dtype: torch.dtype | None, max_shard_si
             crcs[fname] = _write_file(os.path.join(out_dir, fname), src, keys, bar)
             written.append(os.path.join(out_dir, fname))
     if len(names) > 1:
-        hf_files._write_json(os.path.join(out_dir, index), {
+        hf_files.write_json(os.path.join(out_dir, index), {
             "metadata": {"total_size": total, "total_parameters": sum(t.numel() for t in src.meta.values())},
             "weight_map": {k: fname for fname, keys in zip(names, shards) for k in keys}})
         written.append(os.path.join(out_dir, index))

@@ -153,7 +153,7 @@ def save_safetensors(path: str, state: dict[str, torch.Tensor]) -> None:
     _write_tensors(path, {k: v.contiguous() for k, v in untied(state).items()}, "safetensors")
 
 
-def _clean(out_dir: str, keep: set[str]) -> None:
+def clean(out_dir: str, keep: set[str]) -> None:
     """Remove the weight files and index of an earlier export (either format: ``from_pretrained`` would prefer a
     stale ``model.safetensors`` to a new ``pytorch_model.bin``) that are not in ``keep``."""
     patterns = [re.compile(rf"{re.escape(stem)}(-\d{{5}}-of-\d{{5}})?\.{ext}(\.index\.json)?")
@@ -164,7 +164,7 @@ def _clean(out_dir: str, keep: set[str]) -> None:
             os.remove(os.path.join(out_dir, name))
 
 
-def _write_json(path: str, obj: dict) -> None:
+def write_json(path: str, obj: dict) -> None:
     """As HuggingFace writes its json files (indent 2, sorted keys), aside and renamed into place."""
     with open(path + ".tmp", "w", encoding="utf-8") as f:
         f.write(json.dumps(obj, indent=2, sort_keys=True) + "\n")
@@ -209,7 +209,7 @@ def write_hf_model(out_dir: str, state: dict[str, torch.Tensor], *, config: dict
     names = shard_files(len(shards), fmt)
     index = "{}.{}.index.json".format(*FORMATS[fmt])
     os.makedirs(out_dir, exist_ok=True)
-    _clean(out_dir, set(names) | ({index} if len(names) > 1 else set()))
+    clean(out_dir, set(names) | ({index} if len(names) > 1 else set()))
     written = []
     for fname, keys in zip(names, shards):
         _write_tensors(os.path.join(out_dir, fname), {k: final(tensors[k]) for k in keys}, fmt)
@@ -224,7 +224,7 @@ def write_hf_model(out_dir: str, state: dict[str, torch.Tensor], *, config: dict
     if generation_config is not None:
         files["generation_config.json"] = generation_config
     for fname, obj in files.items():
-        _write_json(os.path.join(out_dir, fname), obj)
+        write_json(os.path.join(out_dir, fname), obj)
         written.append(os.path.join(out_dir, fname))
     return written
 
