@@ -86,7 +86,11 @@ def test_bad_flags_fail_clearly(flags, match):
         resolve(flags)
 
 
-def test_layouts_that_do_not_fit_fail_clearly(capsys):
+def test_layouts_that_do_not_fit_fail_clearly(capsys, monkeypatch):
+    for key in list(os.environ):  # this command is not a rank of a launched job, whatever earlier tests left set
+        if key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE") or key.startswith(
+                ("SLURM_", "OMPI_COMM_WORLD_", "PMI_", "PMIX_", "MPI_LOCAL")):
+            monkeypatch.delenv(key)
     with pytest.raises(ValueError, match="--n-head=4 is not divisible by --tp=8"):
         check_layout(TrainOptions(), pp=1, tp=8, world=8)
     with pytest.raises(ValueError, match="--n-layer=2 blocks cannot fill --pp=4 pipeline stages"):
