@@ -34,7 +34,8 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorSt
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from llmpar.checkpoint.files import CheckpointError, check_tag, read_latest
+from llmpar.checkpoint.files import CheckpointError
+from llmpar.checkpoint.tags import tagged_dir
 
 METADATA = ".metadata"
 DATA_RE = re.compile(r"^__\d+_\d+\.distcp$")
@@ -54,19 +55,9 @@ def detect(path: str) -> bool:
 def resolve(load_dir: Any, tag: str | None) -> str | None:
     """The DCP checkpoint ``load_dir`` names: ``load_dir`` itself (``tag`` None and a DCP directory), else
     ``load_dir/tag`` (``tag`` None: the tag ``load_dir/latest`` names) when that is one; None otherwise."""
-    if not isinstance(load_dir, (str, os.PathLike)):
-        return None
-    load_dir = os.fspath(load_dir)
-    if tag is None and detect(load_dir):
-        return load_dir
-    try:
-        tag = read_latest(load_dir) if tag is None else check_tag(tag)
-    except (CheckpointError, TypeError, ValueError):
-        return None
-    if tag is None:
-        return None
-    path = os.path.join(load_dir, tag)
-    return path if detect(path) else None
+    if tag is None and isinstance(load_dir, (str, os.PathLike)) and detect(os.fspath(load_dir)):
+        return os.fspath(load_dir)
+    return tagged_dir(load_dir, tag, detect)
 
 
 def identity(path: str) -> str:

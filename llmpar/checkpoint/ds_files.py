@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from llmpar.checkpoint.files import METADATA, CheckpointError, check_tag, read_latest
+from llmpar.checkpoint.files import METADATA, CheckpointError
+from llmpar.checkpoint.tags import tagged_dir
 
 MODEL_RE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
 OPTIM_RE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
@@ -74,17 +75,7 @@ def detect(path: str) -> list[str]:
 def resolve(load_dir: Any, tag: str | None) -> str | None:
     """``load_dir/tag`` (``tag`` None: the one ``load_dir/latest`` names) when it is a DeepSpeed checkpoint, else
     None (no such tag, or llmpar's layout: ``files.resolve`` reports it)."""
-    if not isinstance(load_dir, (str, os.PathLike)):
-        return None
-    load_dir = os.fspath(load_dir)
-    try:
-        tag = read_latest(load_dir) if tag is None else check_tag(tag)
-    except (CheckpointError, TypeError, ValueError):
-        return None
-    if tag is None:
-        return None
-    path = os.path.join(load_dir, tag)
-    return path if detect(path) else None
+    return tagged_dir(load_dir, tag, detect)
 
 
 def identity(path: str) -> str:
