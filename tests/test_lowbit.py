@@ -1,0 +1,266 @@
+"""llmpar.ops.lowbit: the maps, block quantize / dequantize against float64 brute force, 4-bit packing, the float32
+torch step against the float64 reference, stochastic rounding, bad inputs."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from llmpar.ops import lowbit as L
+
+SIZES = (5, 123, 4097)
+CASES = [(b, s) for b in (8, 4) for s in (True, False)]
+
+
+def moments(n: int, signed: bool, seed: int) -> torch.Tensor:
+    """Adam-like moments: heavy-tailed magnitudes over several decades, one block all zero when n allows."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * torch.exp(2.0 * torch.randn(n, generator=g))
+    if not signed:
+        x = x * x
+    if n > 300:
+        x[128:256] = 0.0  # a zero block at 4 bits (B=128), half of one at 8 bits
+    return x
+
+
+def brute_codes(x: torch.Tensor, bits: int, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 argmin |qmap - y| per element (lower code on ties), and the tie mask of the float32 math."""
+    block = L.BLOCK[bits]
+    x64 = x.to(torch.float64)
+    n = x.numel()
+    q = L.qmap(bits, signed).to(torch.float64)
+    codes = torch.empty(n, dtype=torch.long)
+    ys = torch.empty(n, dtype=torch.float64)
+    for start in range(0, n, block):
+        xb = x64[start:start + block]
+        s = float(x[start:start + block].abs().max())
+        y = xb / s if s != 0 else torch.zeros_like(xb)
+        dist = (y[:, None] - q[None, :]).abs()
+        codes[start:start + block] = dist.argmin(dim=1)  # first minimum: ties go low
+        ys[start:start + block] = y
+    return codes, L.near_tie(ys, bits, signed, ulps=2.0)
+
+
+@pytest.mark.parametrize("bits,signed", CASES)
+def test_maps(bits, signed):
+    q = L.qmap(bits, signed)
+    assert q.dtype == torch.float32 and q.numel() == 2 ** bits
+    assert bool((q[1:] > q[:-1]).all()), "sorted, distinct"
+    assert float(q.max()) == 1.0 and float(q.min()) >= (-1.0 if signed else 0.0)
+    if signed or bits == 8:
+        assert 0.0 in q.tolist()
+    else:
+        assert float(q.min()) == 1 / 16, "4-bit v map has no zero (Li et al. 2023)"
+    if bits == 8:  # the dynamic map resolves 1e-6 relative to the absmax
+        pos = q[q > 0]
+        assert float(pos.min()) < 1e-6
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("bits,signed", CASES)
+def test_codes_match_float64_argmin(bits, signed, n):
+    x = moments(n, signed, seed=n + bits)
+    codes, scale = L.quantize(x, bits, signed)
+    assert codes.dtype == torch.uint8 and codes.numel() == L.code_bytes(n, bits)
+    assert scale.dtype == torch.float32 and scale.numel() == L.num_blocks(n, bits)
+    flat = codes if bits == 8 else L.unpack4(codes, n)
+    want, tie = brute_codes(x, bits, signed)
+    diff = flat.long() != want
+    assert not bool((diff & ~tie).any()), f"{int((diff & ~tie).sum())} codes differ away from ties"
+    block = L.BLOCK[bits]
+    ref_scale = torch.stack([x[i:i + block].abs().max() for i in range(0, n, block)])
+    assert torch.equal(scale, ref_scale)
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("bits,signed", CASES)
+def test_round_trip_error_bound(bits, signed, n):
+    """|deq(q(x)) - x| <= half the widest gap of the map around y, times the block scale; zero blocks exact."""
+    x = moments(n, signed, seed=7 * n + bits)
+    codes, scale = L.quantize(x, bits, signed)
+    back = L.dequantize(codes, scale, bits, signed, n)
+    assert back.dtype == torch.float32 and back.shape == (n,)
+    q = L.qmap(bits, signed).to(torch.float64)
+    block = L.BLOCK[bits]
+    s = scale.to(torch.float64).repeat_interleave(block)[:n]
+    y = x.to(torch.float64) / torch.where(s == 0, torch.ones_like(s), s)
+    k = torch.searchsorted(q, y).clamp(1, q.numel() - 1)
+    gap = (q[k] - q[k - 1]).clamp_min(0)
+    below = y < q[0]  # only the 4-bit v map (no zero): values under 1/16 of the absmax round up to it
+    bound = (torch.where(below, q[0] - y, gap / 2) + 4 * 2.0 ** -23) * s  # + float32 rounding of y and q*s
+    err = (back.to(torch.float64) - x.to(torch.float64)).abs()
+    assert bool((err <= bound).all()), float((err - bound).max())
+    zero = s == 0
+    assert bool((back[zero] == 0).all())
+    # every block's absmax element comes back exactly (its y is +-1, an entry of the map, except -1 when signed)
+    for i in range(0, n, block):
+        j = int(x[i:i + block].abs().argmax()) + i
+        if x[j] > 0:
+            assert float(back[j]) == float(x[j])
+    rel = float(err.sum() / x.abs().sum().clamp_min(1e-30))
+    if (bits, signed) != (4, False):  # the 4-bit v map lifts everything under absmax/16 to it: no mean bound
+        assert rel < (0.02 if bits == 8 else 0.25), rel
+
+
+@pytest.mark.parametrize("n", (1, 2, 5, 6, 127))
+def test_pack4(n):
+    codes = torch.randint(0, 16, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
+    packed = L.pack4(codes)
+    assert packed.numel() == (n + 1) // 2
+    assert torch.equal(L.unpack4(packed, n), codes)
+    assert int(packed[0]) & 15 == int(codes[0]), "element 0 in the low nibble"
+    if n > 1:
+        assert int(packed[0]) >> 4 == int(codes[1]), "element 1 in the high nibble"
+    if n % 2:
+        assert int(packed[-1]) >> 4 == 0, "odd n pads the last high nibble with 0"
+
+
+def _random_case(n, bits, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    master = torch.randn(n, generator=g)
+    param = master.to(dtype) if dtype != torch.float32 else master.clone()
+    state = L.new_state(n, bits)
+    m = torch.randn(n, generator=g) * 1e-2 * torch.exp(torch.randn(n, generator=g))
+    v = (torch.randn(n, generator=g) * 1e-2) ** 2
+    state["m_codes"], state["m_scale"] = L.quantize(m, bits, True)
+    state["v_codes"], state["v_scale"] = L.quantize(v, bits, False)
+    grad = torch.randn(n, generator=g) * 3e-2
+    return param, (master if dtype != torch.float32 else None), grad, state
+
+
+HYPER = dict(lr=3e-3, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_step_matches_float64_reference(bits, dtype):
+    """The float32 torch path over a list of odd-sized tensors, 3 steps, vs the float64 reference fed the same codes
+    each step: params within float32 rounding, codes equal except at ties."""
+    cases = [_random_case(n, bits, dtype, seed=n) for n in SIZES]
+    params = [c[0] for c in cases]
+    masters = [c[1] for c in cases] if dtype != torch.float32 else None
+    grads = [c[2] for c in cases]
+    states = [c[3] for c in cases]
+    steps = [torch.tensor(3.0) for _ in cases]  # resumes at step 3: t = 4, 5, 6
+    gscale = torch.tensor(0.7)
+    for k in range(3):
+        t = 4 + k
+        refs = [L.adamw_lowbit_reference(p, g, s["m_codes"], s["m_scale"], s["v_codes"], s["v_scale"], t,
+                                         None if masters is None else masters[i], bits=bits, gscale=0.7, **HYPER)
+                for i, (p, g, s) in enumerate(zip(params, grads, states))]
+        L.adamw_lowbit_step(params, grads, [s["m_codes"] for s in states], [s["m_scale"] for s in states],
+                            [s["v_codes"] for s in states], [s["v_scale"] for s in states], steps, masters,
+                            bits=bits, gscale=gscale, **HYPER)
+        for i, (p, s, r) in enumerate(zip(params, states, refs)):
+            assert float(steps[i]) == t
+            w = masters[i] if masters is not None else p
+            torch.testing.assert_close(w.to(torch.float64), r.master if masters is not None else r.param,
+                                       rtol=4e-7, atol=1e-7)
+            if masters is not None:
+                assert torch.equal(p, masters[i].to(torch.bfloat16)), "bf16 param = master rounded to nearest even"
+            torch.testing.assert_close(s["m_scale"].double(), r.m_scale.double(), rtol=1e-6, atol=0)
+            torch.testing.assert_close(s["v_scale"].double(), r.v_scale.double(), rtol=1e-6, atol=0)
+            n = p.numel()
+            for name, signed, y in (("m_codes", True, r.y_m), ("v_codes", False, r.y_v)):
+                ours = s[name] if bits == 8 else L.unpack4(s[name], n)
+                ref = getattr(r, name) if bits == 8 else L.unpack4(getattr(r, name), n)
+                bad = (ours != ref) & ~L.near_tie(y, bits, signed, ulps=8.0)
+                assert not bool(bad.any()), f"{name}[{i}] differs at {int(bad.sum())} non-tie elements"
+            # carry on from the reference's codes so the next step compares like with like
+            for name in ("m_codes", "m_scale", "v_codes", "v_scale"):
+                s[name].copy_(getattr(r, name))
+            w.copy_(r.master if masters is not None else r.param)
+            if masters is not None:
+                p.copy_(masters[i])
+        grads = [torch.randn_like(g) * 3e-2 for g in grads]
+
+
+def test_found_inf_skips_everything():
+    param, _, grad, s = _random_case(123, 8, torch.float32, seed=1)
+    before = (param.clone(), {k: v.clone() for k, v in s.items()})
+    step = torch.tensor(2.0)
+    L.adamw_lowbit_step([param], [grad], [s["m_codes"]], [s["m_scale"]], [s["v_codes"]], [s["v_scale"]], [step],
+                        None, bits=8, found_inf=torch.tensor(1.0), **HYPER)
+    assert float(step) == 2.0 and torch.equal(param, before[0])
+    assert all(torch.equal(s[k], before[1][k]) for k in s)
+
+
+def test_zero_grads_keep_v_zero_and_params_finite():
+    """A param that never gets a gradient keeps v = 0 (4-bit v map has no zero entry, but a zero block has scale
+    0) and moves only by weight decay."""
+    n = 300
+    p = torch.randn(n)
+    s = L.new_state(n, 4)
+    step = torch.tensor(0.0)
+    L.adamw_lowbit_step([p.clone()], [torch.zeros(n)], [s["m_codes"]], [s["m_scale"]], [s["v_codes"]],
+                        [s["v_scale"]], [step], None, bits=4, **HYPER)
+    assert float(s["v_scale"].abs().max()) == 0.0
+    out = p.clone()
+    L.adamw_lowbit_step([out], [torch.zeros(n)], [s["m_codes"]], [s["m_scale"]], [s["v_codes"]],
+                        [s["v_scale"]], [step], None, bits=4, **HYPER)
+    torch.testing.assert_close(out, p * (1 - HYPER["lr"] * HYPER["weight_decay"]))
+
+
+def test_stochastic_rounding_unbiased_and_reproducible():
+    x = moments(4096, True, seed=3)
+    x[128:256] = 1.0  # not needed zero here
+    reps = []
+    for k in range(64):
+        codes, scale = L.quantize(x, 4, True, generator=L._sr_generator(11, k, x.device))
+        reps.append(L.dequantize(codes, scale, 4, True, x.numel()))
+    mean = torch.stack(reps).mean(0)
+    nearest = L.dequantize(*L.quantize(x, 4, True), 4, True, x.numel())
+    inside = x.abs() <= float(x.abs().max())  # every element lies inside the map's range of its block
+    err_sr = (mean - x)[inside].abs().mean()
+    err_rn = (nearest - x)[inside].abs().mean()
+    assert float(err_sr) < 0.5 * float(err_rn), (float(err_sr), float(err_rn))
+    a = L.quantize(x, 4, True, generator=L._sr_generator(11, 0, x.device))
+    b = L.quantize(x, 4, True, generator=L._sr_generator(11, 0, x.device))
+    assert torch.equal(a[0], b[0])
+
+    def run(seed):
+        p, _, g, s = _random_case(257, 8, torch.float32, seed=4)
+        L.adamw_lowbit_step([p], [g], [s["m_codes"]], [s["m_scale"]], [s["v_codes"]], [s["v_scale"]],
+                            [torch.tensor(0.0)], None, bits=8, seed=seed, **HYPER)
+        return s["m_codes"]
+
+    assert torch.equal(run(5), run(5)) and not torch.equal(run(5), run(6))
+
+
+def test_bad_inputs():
+    x = torch.randn(10)
+    with pytest.raises(ValueError, match="bits=3"):
+        L.quantize(x, 3, True)
+    with pytest.raises(ValueError, match="bits=3"):
+        L.qmap(3, True)
+    with pytest.raises(TypeError, match="floating"):
+        L.quantize(torch.arange(10), 8, True)
+    with pytest.raises(ValueError, match="negative"):
+        L.quantize(x, 8, False)
+    codes, scale = L.quantize(x, 4, True)
+    with pytest.raises(ValueError, match="codes has 4 bytes; 10 elements at 4 bits take 5"):
+        L.dequantize(codes[:4], scale, 4, True, 10)
+    with pytest.raises(TypeError, match="uint8"):
+        L.dequantize(codes.to(torch.int32), scale, 4, True, 10)
+    with pytest.raises(TypeError, match="float32"):
+        L.dequantize(codes, scale.double(), 4, True, 10)
+    p, _, g, s = _random_case(123, 8, torch.float32, seed=1)
+    args = lambda **kw: {**dict(params=[p], grads=[g], m_codes=[s["m_codes"]], m_scales=[s["m_scale"]],  # noqa
+                                v_codes=[s["v_codes"]], v_scales=[s["v_scale"]], steps=[torch.tensor(0.0)],
+                                masters=None), **kw}
+    with pytest.raises(ValueError, match=r"grads\[0\]"):
+        L.adamw_lowbit_step(**args(grads=[g[:5]]), bits=8, **HYPER)
+    with pytest.raises(ValueError, match="m_scales has 2 tensors"):
+        L.adamw_lowbit_step(**args(m_scales=[s["m_scale"]] * 2), bits=8, **HYPER)
+    with pytest.raises(ValueError, match=r"v_codes\[0\] has 62 bytes"):
+        L.adamw_lowbit_step(**args(v_codes=[s["v_codes"][:62]]), bits=8, **HYPER)
+    with pytest.raises(ValueError, match="bits=3"):
+        L.adamw_lowbit_step(**args(), bits=3, **HYPER)
+    with pytest.raises(TypeError, match=r"params\[0\] has dtype torch.bfloat16.*masters"):
+        L.adamw_lowbit_step(**args(params=[p.bfloat16()]), bits=8, **HYPER)
+    with pytest.raises(TypeError, match=r"masters\[0\]"):
+        L.adamw_lowbit_step(**args(params=[p.bfloat16()], masters=[p.bfloat16()]), bits=8, **HYPER)
+    with pytest.raises(TypeError, match=r"steps\[0\]"):
+        L.adamw_lowbit_step(**args(steps=[torch.tensor(0, dtype=torch.int64)]), bits=8, **HYPER)
+    assert math.isfinite(float(p.sum()))
