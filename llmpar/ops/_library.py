@@ -27,6 +27,9 @@ Python CPU impl: their CPU kernel is the C++ one, registered when the extension 
 without the build, the op function (llmpar/ops/cpu_adam.py) runs its torch path instead of calling the op.
     cpu_adamw_step(params, grads, exp_avgs, exp_avg_sqs, outs, steps, lr, ..., gscale, isa)  steps += 1, then float32
                                          AdamW in place; outs[i] = the new params[i], rounded (float32/bfloat16/float16)
+    cpu_adamw_lowbit_step(params, grads, m_codes, m_scales, v_codes, v_scales, outs, qmap_m, qmap_v, steps, bits,
+                          lr, ..., gscale, isa)  AdamW with 8/4-bit block-quantized moments (llmpar/ops/lowbit.py's
+                                         contract), t = steps[i]; outs[i] = the new params[i] in bfloat16
 The schemas are the ones the CUDA kernels were written against, with one rename: adamw_step's ``int mode`` is
 ``int mode_code`` (an argument named ``mode`` collides with torch's auto_functionalized, so torch.compile could not
 trace the op; the C++ kernel binds arguments by position, so it is unaffected).
@@ -276,6 +279,11 @@ CPU_OPS: dict[str, OpDef] = {op.name: op for op in (
     OpDef(schema="cpu_adamw_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
                  "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] outs, Tensor(e!)[] steps, float lr, float beta1, float beta2, "
                  "float eps, float weight_decay, float gscale, int isa) -> ()",
+          fake=_fake_none, reference=None),
+    OpDef(schema="cpu_adamw_lowbit_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] m_codes, "
+                 "Tensor(c!)[] m_scales, Tensor(d!)[] v_codes, Tensor(e!)[] v_scales, Tensor(f!)[] outs, "
+                 "Tensor qmap_m, Tensor qmap_v, int[] steps, int bits, float lr, float beta1, float beta2, float eps, "
+                 "float weight_decay, float gscale, int isa) -> ()",
           fake=_fake_none, reference=None),
 )}
 

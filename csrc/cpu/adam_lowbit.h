@@ -1,0 +1,65 @@
+// AdamW with 8- or 4-bit block-quantized moments on the CPU: the interface between the torch-facing
+// adam_lowbit_ops.cpp and the torch-free kernels adam_lowbit_<isa>.cpp (the contract: llmpar/ops/lowbit.py).
+//
+// One flat tensor of n elements in blocks of B (8 bits: 256, 4 bits: 128). m_codes / v_codes: uint8, one code a byte
+// (8 bits) or two (4 bits: element 2i in the low nibble of byte i, 2i + 1 in the high one); m_scale / v_scale: float32,
+// one per block (the block's absmax). Dequantize: x = q[code] * scale. Per element, in float32, t = the step after
+// its increment:
+//   g = grad * gscale;  m = deq(m);  v = deq(v);  p = p * decay  (decay = 1 - lr * wd)
+//   m = beta1 m + (1 - beta1) g;  v = beta2 v + (1 - beta2) (g g)
+//   p = p - step_size * (m / (sqrt(v) / bc2_sqrt + eps))   (step_size = lr / (1 - beta1^t), bc2_sqrt = sqrt(1 - beta2^t))
+// then per block s = max |x| of the new m (v); s == 0: every code is zero_code; else y = x / s (a float32 division)
+// and code = the number of midpoints mid[k] = (q[k] + q[k + 1]) / 2 with mid[k] < y (ties to the lower code).
+// p is the float32 param or master; out (if not null) receives p as bfloat16, round to nearest even, in the same pass.
+#pragma once
+
+#include <cstdint>
+
+#include "adam.h"  // LLMPAR_TARGET_BEGIN / END, Isa
+
+namespace llmpar_cpu {
+
+constexpr int kLowbitMaxCodes = 256;
+
+// One quantization map, prepared once per call from its float32 tensor (2^bits entries, sorted ascending).
+struct alignas(64) LowbitMap {
+  float q[kLowbitMaxCodes];      // the map (first 2^bits entries)
+  float mid[kLowbitMaxCodes];    // mid[k] = (q[k] + q[k + 1]) / 2, k < 2^bits - 1
+  // binary search, level l (l = 0 .. bits - 1, stride s = 2^(bits - 1 - l)): entry j = mid[j * 2s + s - 1];
+  // code = 0; for each level: code += s if level[l][code / 2s] < y. Unused entries are 0.
+  float level[8][128];
+  int zero_code;                 // the code of y = 0: the entry nearest 0, ties to the lower code
+};
+
+// Hyper-parameters of one tensor, rounded once to float32 from double.
+struct LowbitHyper {
+  float decay, beta1, one_minus_beta1, beta2, one_minus_beta2, step_size, bc2_sqrt, eps, gscale;
+};
+
+// Blocks [block_begin, block_end) of one tensor of n elements (pointers to the tensor's first element).
+struct LowbitRange {
+  float* param;
+  const float* grad;
+  uint8_t* m_codes;
+  float* m_scale;
+  uint8_t* v_codes;
+  float* v_scale;
+  uint16_t* out;  // bfloat16 bits, or nullptr
+  int64_t n;
+  int64_t block_begin, block_end;
+};
+
+using LowbitRangeFn = void (*)(const LowbitRange&, const LowbitHyper&, const LowbitMap& m, const LowbitMap& v,
+                               int bits);
+
+inline constexpr int lowbit_block(int bits) { return bits == 8 ? 256 : 128; }
+
+// builds a LowbitMap from 2^bits floats
+void lowbit_prepare_map(const float* q, int bits, LowbitMap* out);
+
+void adam_lowbit_scalar(const LowbitRange& r, const LowbitHyper& h, const LowbitMap& m, const LowbitMap& v, int bits);
+#if defined(__x86_64__)
+void adam_lowbit_avx512(const LowbitRange& r, const LowbitHyper& h, const LowbitMap& m, const LowbitMap& v, int bits);
+#endif
+
+}  // namespace llmpar_cpu

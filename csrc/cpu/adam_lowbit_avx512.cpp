@@ -1,0 +1,197 @@
+// AVX-512 build of the low-bit AdamW kernel (adam_lowbit.h), 16 elements per vector, compiled for that ISA by a
+// target pragma (adam.h): adam_lowbit_ops.cpp calls it only where __builtin_cpu_supports finds the instructions.
+//
+// One block at a time: dequantize (8 bits: a gather from the 256-entry map; 4 bits: a permute of the 16-entry map),
+// update, write p (and its bfloat16 copy), keep the new m / v of the block in L1 with their absmax; then quantize them
+// with an 8- (4-) level binary search whose level tables live in registers (permutexvar for <= 16 entries,
+// permutex2var and blends for 32 / 64 / 128). Same IEEE operations as adam_lowbit_scalar.cpp (no contraction), so the
+// same bits. A block cut short by the tensor's end runs on a padded copy, its absmax masked to the valid lanes.
+#include <algorithm>
+#include <cstring>
+
+#include "adam_lowbit.h"
+
+#if defined(__x86_64__)
+LLMPAR_TARGET_BEGIN("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
+#if !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
+
+namespace {
+
+using llmpar_cpu::LowbitMap;
+
+// level l's table (2^l entries) looked up at j (int lanes, 0 <= j < 2^l)
+template <int L>
+inline __m512 lookup(const float* t, __m512i j) {
+  if constexpr (L <= 4) {
+    return _mm512_permutexvar_ps(j, _mm512_load_ps(t));
+  } else {
+    __m512 r = _mm512_permutex2var_ps(_mm512_load_ps(t), j, _mm512_load_ps(t + 16));
+    if constexpr (L >= 6) {
+      const __m512i hi = _mm512_srli_epi32(j, 5);
+      for (int q = 1; q < (1 << (L - 5)); ++q) {
+        const __m512 part = _mm512_permutex2var_ps(_mm512_load_ps(t + 32 * q), j, _mm512_load_ps(t + 32 * q + 16));
+        r = _mm512_mask_blend_ps(_mm512_cmpeq_epi32_mask(hi, _mm512_set1_epi32(q)), r, part);
+      }
+    }
+    return r;
+  }
+}
+
+template <int BITS, int L = 0>
+inline __m512i search(const LowbitMap& map, __m512 y, __m512i code) {
+  if constexpr (L == BITS) {
+    return code;
+  } else {
+    const __m512i j = _mm512_srli_epi32(code, BITS - L);
+    const __mmask16 lt = _mm512_cmp_ps_mask(lookup<L>(map.level[L], j), y, _CMP_LT_OQ);
+    code = _mm512_mask_add_epi32(code, lt, code, _mm512_set1_epi32(1 << (BITS - 1 - L)));
+    return search<BITS, L + 1>(map, y, code);
+  }
+}
+
+template <int BITS>
+inline __m512i load_codes(const uint8_t* codes, int v) {  // 16 codes of vector v of the block, as int lanes
+  if constexpr (BITS == 8) {
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * v)));
+  } else {
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 8 * v));
+    const __m512i twice = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(bytes, bytes));  // byte i in lanes 2i, 2i + 1
+    const __m512i shift = _mm512_set_epi32(4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0);
+    return _mm512_and_si512(_mm512_srlv_epi32(twice, shift), _mm512_set1_epi32(0xF));
+  }
+}
+
+template <int BITS>
+inline void store_codes(uint8_t* codes, int v, __m512i c) {
+  const __m128i bytes = _mm512_cvtepi32_epi8(c);
+  if constexpr (BITS == 8) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + 16 * v), bytes);
+  } else {  // u16 lane i = c[2i] | c[2i + 1] << 8  ->  c[2i] | c[2i + 1] << 4
+    const __m128i lo = _mm_and_si128(bytes, _mm_set1_epi16(0x000F));
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi16(0x00F0));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + 8 * v), _mm_packus_epi16(_mm_or_si128(lo, hi), lo));
+  }
+}
+
+template <int BITS>
+inline __m512 dequant(const LowbitMap& map, __m512i code) {
+  if constexpr (BITS == 8) {
+    return _mm512_i32gather_ps(code, map.q, 4);
+  } else {
+    return _mm512_permutexvar_ps(code, _mm512_load_ps(map.q));
+  }
+}
+
+inline void store_bf16(uint16_t* p, __m512 x) {  // round to nearest even on the bits; NaN: quiet
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i hi = _mm512_srli_epi32(u, 16);
+  const __m512i bias = _mm512_add_epi32(_mm512_and_si512(hi, _mm512_set1_epi32(1)), _mm512_set1_epi32(0x7FFF));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  const __m512i r = _mm512_mask_blend_epi32(nan, rounded, _mm512_or_si512(hi, _mm512_set1_epi32(0x40)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+}
+
+struct Consts {
+  __m512 decay, b1, w1, b2, w2, step, bc2, eps, gscale;
+  explicit Consts(const llmpar_cpu::LowbitHyper& h)
+      : decay(_mm512_set1_ps(h.decay)), b1(_mm512_set1_ps(h.beta1)), w1(_mm512_set1_ps(h.one_minus_beta1)),
+        b2(_mm512_set1_ps(h.beta2)), w2(_mm512_set1_ps(h.one_minus_beta2)), step(_mm512_set1_ps(h.step_size)),
+        bc2(_mm512_set1_ps(h.bc2_sqrt)), eps(_mm512_set1_ps(h.eps)), gscale(_mm512_set1_ps(h.gscale)) {}
+};
+
+// One block of B elements at p / g / mc / vc / out (k of them valid, the rest padding); scales in *ms / *vs.
+template <int BITS>
+inline void block(const Consts& c, const LowbitMap& mm, const LowbitMap& vm, float* p, const float* g, uint8_t* mc,
+                  float* ms, uint8_t* vc, float* vs, uint16_t* out, int k) {
+  constexpr int B = llmpar_cpu::lowbit_block(BITS);
+  constexpr int NV = B / 16;
+  alignas(64) float mb[B];
+  alignas(64) float vb[B];
+  const __m512 msv = _mm512_set1_ps(*ms), vsv = _mm512_set1_ps(*vs);
+  const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+  __m512 mabs = _mm512_setzero_ps(), vabs = _mm512_setzero_ps();
+  for (int v = 0; v < NV; ++v) {
+    const __m512 gv = _mm512_mul_ps(_mm512_loadu_ps(g + 16 * v), c.gscale);
+    __m512 m = _mm512_mul_ps(dequant<BITS>(mm, load_codes<BITS>(mc, v)), msv);
+    __m512 s = _mm512_mul_ps(dequant<BITS>(vm, load_codes<BITS>(vc, v)), vsv);
+    __m512 pv = _mm512_mul_ps(_mm512_loadu_ps(p + 16 * v), c.decay);
+    m = _mm512_add_ps(_mm512_mul_ps(c.b1, m), _mm512_mul_ps(c.w1, gv));
+    s = _mm512_add_ps(_mm512_mul_ps(c.b2, s), _mm512_mul_ps(c.w2, _mm512_mul_ps(gv, gv)));
+    const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(s), c.bc2), c.eps);
+    pv = _mm512_sub_ps(pv, _mm512_mul_ps(c.step, _mm512_div_ps(m, denom)));
+    _mm512_storeu_ps(p + 16 * v, pv);
+    if (out != nullptr) store_bf16(out + 16 * v, pv);
+    _mm512_store_ps(mb + 16 * v, m);
+    _mm512_store_ps(vb + 16 * v, s);
+    const int valid = k - 16 * v;
+    const __mmask16 live = valid >= 16 ? __mmask16(0xFFFF) : valid <= 0 ? __mmask16(0) : __mmask16((1u << valid) - 1);
+    mabs = _mm512_mask_max_ps(mabs, live, mabs, _mm512_and_ps(m, absmask));
+    vabs = _mm512_mask_max_ps(vabs, live, vabs, _mm512_and_ps(s, absmask));
+  }
+  const float m_max = _mm512_reduce_max_ps(mabs), v_max = _mm512_reduce_max_ps(vabs);
+  const __m512 mden = _mm512_set1_ps(m_max), vden = _mm512_set1_ps(v_max);
+  for (int v = 0; v < NV; ++v) {
+    const __m512i zero = _mm512_setzero_si512();
+    const __m512i cm = m_max == 0.0f ? _mm512_set1_epi32(mm.zero_code)
+                                     : search<BITS>(mm, _mm512_div_ps(_mm512_load_ps(mb + 16 * v), mden), zero);
+    const __m512i cv = v_max == 0.0f ? _mm512_set1_epi32(vm.zero_code)
+                                     : search<BITS>(vm, _mm512_div_ps(_mm512_load_ps(vb + 16 * v), vden), zero);
+    store_codes<BITS>(mc, v, cm);
+    store_codes<BITS>(vc, v, cv);
+  }
+  *ms = m_max;
+  *vs = v_max;
+}
+
+template <int BITS>
+void run(const llmpar_cpu::LowbitRange& r, const llmpar_cpu::LowbitHyper& h, const LowbitMap& mm,
+         const LowbitMap& vm) {
+  constexpr int B = llmpar_cpu::lowbit_block(BITS);
+  constexpr int CB = B * BITS / 8;  // code bytes per block
+  const Consts c(h);
+  const int64_t full = std::min(r.block_end, r.n / B);  // blocks wholly inside the tensor
+  for (int64_t b = r.block_begin; b < full; ++b) {
+    const int64_t i0 = b * B;
+    block<BITS>(c, mm, vm, r.param + i0, r.grad + i0, r.m_codes + b * CB, r.m_scale + b, r.v_codes + b * CB,
+                r.v_scale + b, r.out != nullptr ? r.out + i0 : nullptr, B);
+  }
+  for (int64_t b = std::max(full, r.block_begin); b < r.block_end; ++b) {  // the tensor's last, partial block
+    const int64_t i0 = b * B;
+    const int k = static_cast<int>(r.n - i0);
+    const int kb = (k * BITS + 7) / 8;
+    alignas(64) float p[B] = {}, g[B] = {};
+    alignas(64) uint8_t mc[CB] = {}, vc[CB] = {};
+    alignas(64) uint16_t o[B];
+    std::memcpy(p, r.param + i0, sizeof(float) * k);
+    std::memcpy(g, r.grad + i0, sizeof(float) * k);
+    std::memcpy(mc, r.m_codes + b * CB, kb);
+    std::memcpy(vc, r.v_codes + b * CB, kb);
+    block<BITS>(c, mm, vm, p, g, mc, r.m_scale + b, vc, r.v_scale + b, r.out != nullptr ? o : nullptr, k);
+    if (BITS == 4 && (k & 1)) {  // the unused high nibble of the last byte: 0
+      mc[kb - 1] &= 0x0F;
+      vc[kb - 1] &= 0x0F;
+    }
+    std::memcpy(r.param + i0, p, sizeof(float) * k);
+    std::memcpy(r.m_codes + b * CB, mc, kb);
+    std::memcpy(r.v_codes + b * CB, vc, kb);
+    if (r.out != nullptr) std::memcpy(r.out + i0, o, sizeof(uint16_t) * k);
+  }
+}
+
+}  // namespace
+
+void llmpar_cpu::adam_lowbit_avx512(const LowbitRange& r, const LowbitHyper& h, const LowbitMap& m,
+                                    const LowbitMap& v, int bits) {
+  if (bits == 8) {
+    run<8>(r, h, m, v);
+  } else {
+    run<4>(r, h, m, v);
+  }
+}
+
+LLMPAR_TARGET_END()
+#endif  // __x86_64__

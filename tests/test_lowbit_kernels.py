@@ -1,0 +1,212 @@
+"""The fused low-bit AdamW kernels (llmpar/ops/lowbit_kernels.py) against the float64 reference of the contract
+(llmpar.ops.lowbit.adamw_lowbit_reference), on random data of odd sizes (5, 123, 4097, 2B+1 and a multi-block one,
+all in one call), 8 and 4 bits, float32 params and bf16 params with float32 masters, several steps, a grad scale:
+- params (masters) within float32 rounding of the reference (a few ulps of the operands p * decay and the update)
+- codes equal to the reference's except where its y lies within 4 float32 ulps of a midpoint (the kernel's m, v and
+  absmax are float32, each a rounding from the float64 ones), scales within float32 rounding
+- bf16 params exactly the round-to-nearest-even of the kernel's own masters
+- found_inf skips everything (steps too); an all-zero block gets the zero code; the odd tail's pad nibble is 0
+- CPU: AVX-512 and the scalar build give the same bits; bad inputs raise TypeError naming the argument
+- Triton: the same checks under TRITON_INTERPRET=1 (a subprocess, small sizes); the interpreter casts float32 to
+  bfloat16 by truncation, but the kernel rounds on the bits itself, so bf16 params are checked exactly there too
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from interp import INTERPRET, run_interpreted
+from llmpar.ops import _cpu_ext, lowbit
+from llmpar.ops import lowbit_kernels as lk
+
+ROOT = Path(__file__).resolve().parents[1]
+HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
+EPS32 = torch.finfo(torch.float32).eps
+
+
+def sizes(bits: int, small: bool = False) -> tuple[int, ...]:
+    b = lowbit.BLOCK[bits]
+    return (5, 123, 2 * b + 1) if small else (5, 123, 4097, 2 * b + 1, 150 * b + 77)
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def make_state(ns, bits, *, master: bool, seed=0):
+    """Random params / grads / moments (quantized from random data with per-block magnitudes spread over decades;
+    block 1 of the 4th tensor all zero, state and grad: the s == 0 path) and steps 3, 4, ..."""
+    st = dict(params=[], grads=[], masters=[] if master else None, m_codes=[], m_scales=[], v_codes=[], v_scales=[],
+              steps=[])
+    for i, n in enumerate(ns):
+        g = _gen(seed + 7 * i)
+        block = lowbit.BLOCK[bits]
+        nb = -(-n // block)
+        mag = 10.0 ** (-torch.rand(nb, generator=g) * 4)  # per-block magnitudes 1e-4 .. 1
+        spread = mag.repeat_interleave(block)[:n]
+        p = torch.randn(n, generator=g)
+        grad = torch.randn(n, generator=g) * spread
+        m = torch.randn(n, generator=g) * spread * 0.1
+        v = torch.rand(n, generator=g) * spread ** 2 * 0.01
+        if i == 3 and nb > 1:
+            for x in (grad, m, v):
+                x[block:2 * block] = 0.0
+        mc, ms = lowbit.quantize(m, bits, True)
+        vc, vs = lowbit.quantize(v, bits, False)
+        if master:
+            st["masters"].append(p.clone())
+            st["params"].append(p.to(torch.bfloat16))
+        else:
+            st["params"].append(p)
+        st["grads"].append(grad)
+        st["m_codes"].append(mc)
+        st["m_scales"].append(ms)
+        st["v_codes"].append(vc)
+        st["v_scales"].append(vs)
+        st["steps"].append(torch.tensor(float(3 + i)))
+    return st
+
+
+def clone_state(st):
+    return {k: (None if v is None else [t.clone() for t in v]) for k, v in st.items()}
+
+
+def run(fn, st, bits, **kw):
+    args = {**HYPER, **kw}
+    return fn(st["params"], st["grads"], st["m_codes"], st["m_scales"], st["v_codes"], st["v_scales"], st["steps"],
+              st["masters"], bits=bits, qmap_m=lowbit.qmap(bits, True), qmap_v=lowbit.qmap(bits, False), **args)
+
+
+def _codes(c, bits, n):
+    return c.view(-1) if bits == 8 else lowbit.unpack4(c.view(-1), n)
+
+
+def check_against_reference(before, after, bits, *, gscale=1.0, zero_block=False):
+    """after = the kernel's step from ``before``: compare with the float64 reference, tensor by tensor."""
+    for i, p0 in enumerate(before["params"]):
+        n = p0.numel()
+        master0 = None if before["masters"] is None else before["masters"][i]
+        t = int(float(after["steps"][i]))
+        assert t == int(float(before["steps"][i])) + 1
+        ref = lowbit.adamw_lowbit_reference(
+            p0, before["grads"][i], before["m_codes"][i], before["m_scales"][i], before["v_codes"][i],
+            before["v_scales"][i], t, master0, bits=bits, gscale=gscale, **HYPER)
+        w0 = (master0 if master0 is not None else p0).double() * (1 - HYPER["lr"] * HYPER["weight_decay"])
+        w_ref = ref.master if master0 is not None else ref.param
+        w = (after["masters"][i] if master0 is not None else after["params"][i]).double()
+        # float32 rounding of the operands: p * decay, the update, and m's two terms (they may cancel)
+        m0 = lowbit.dequantize(before["m_codes"][i], before["m_scales"][i], bits, True, n, dtype=torch.float64)
+        g = before["grads"][i].double() * gscale
+        denom = ref.v.sqrt() / (1 - HYPER["beta2"] ** t) ** 0.5 + HYPER["eps"]
+        m_ops = (HYPER["beta1"] * m0).abs() + ((1 - HYPER["beta1"]) * g).abs()
+        step_size = HYPER["lr"] / (1 - HYPER["beta1"] ** t)
+        tol = 4 * EPS32 * (w0.abs() + (w0 - w_ref).abs() + step_size * m_ops / denom)
+        bad = (w - w_ref).abs() > tol
+        assert not bad.any(), f"tensor {i} (n={n}): {int(bad.sum())} params off, max err " \
+                              f"{((w - w_ref).abs() / tol).max():.2f} x tolerance"
+        if master0 is not None:
+            assert torch.equal(after["params"][i], after["masters"][i].to(torch.bfloat16)), "bf16 != rn(master)"
+        for name, signed, y in (("m", True, ref.y_m), ("v", False, ref.y_v)):
+            got = _codes(after[f"{name}_codes"][i], bits, n)
+            want = _codes(getattr(ref, f"{name}_codes"), bits, n)
+            diff = got != want
+            ties = lowbit.near_tie(y, bits, signed, ulps=4.0)
+            assert not (diff & ~ties).any(), f"tensor {i} {name}: {int((diff & ~ties).sum())} codes differ off ties"
+            assert int(diff.sum()) <= max(2, n // 1000), f"tensor {i} {name}: {int(diff.sum())} tie flips"
+            s_got, s_ref = after[f"{name}_scales"][i].double(), getattr(ref, f"{name}_scale").double()
+            torch.testing.assert_close(s_got, s_ref, rtol=4 * EPS32, atol=0.0)
+            if bits == 4 and n % 2:
+                assert int(after[f"{name}_codes"][i].view(-1)[-1]) >> 4 == 0, "pad nibble not 0"
+        if zero_block and i == 3 and n > 2 * lowbit.BLOCK[bits]:  # the all-zero block (first step only)
+            block = lowbit.BLOCK[bits]
+            assert float(after["m_scales"][i][1]) == 0.0 and float(after["v_scales"][i][1]) == 0.0
+            zc_m = int(torch.searchsorted(lowbit.midpoints(lowbit.qmap(bits, True)), torch.tensor([0.0])))
+            zc_v = int(torch.searchsorted(lowbit.midpoints(lowbit.qmap(bits, False)), torch.tensor([0.0])))
+            assert (_codes(after["m_codes"][i], bits, n)[block:2 * block] == zc_m).all()
+            assert (_codes(after["v_codes"][i], bits, n)[block:2 * block] == zc_v).all()
+
+
+def steps_against_reference(fn, bits, master, ns, *, nsteps=3, gscale=None):
+    st = make_state(ns, bits, master=master)
+    for k in range(nsteps):
+        before = clone_state(st)
+        assert run(fn, st, bits, gscale=gscale) is True
+        check_against_reference(before, st, bits, gscale=1.0 if gscale is None else gscale, zero_block=k == 0)
+        for i, g in enumerate(st["grads"]):  # fresh grads, the same magnitudes
+            st["grads"][i] = g[torch.randperm(g.numel(), generator=_gen(i))]
+
+
+def found_inf_skips(fn, bits):
+    st = make_state(sizes(bits, small=True), bits, master=True)
+    before = clone_state(st)
+    assert run(fn, st, bits, found_inf=torch.tensor(1.0)) is True
+    for k, v in before.items():
+        for a, b in zip(v, st[k]):
+            assert torch.equal(a, b), f"{k} changed under found_inf"
+
+
+# ----------------------------------------------------------------------------------------------------- CPU C++
+
+
+@pytest.fixture(scope="module")
+def cpu_kernel():
+    status = _cpu_ext.load()
+    if not status.available:
+        if _cpu_ext.jit_unavailable_reason() is None:
+            pytest.fail(f"the CPU extension did not build: {status.reason}")
+        pytest.skip(f"no CPU extension: {status.reason}")
+    return status
+
+
+@pytest.mark.skipif(INTERPRET, reason="runs in the main process")
+@pytest.mark.parametrize("bits", (8, 4))
+@pytest.mark.parametrize("master", (False, True), ids=("fp32", "bf16_master"))
+def test_cpu_matches_reference(cpu_kernel, bits, master):
+    steps_against_reference(lk.cpu_step, bits, master, sizes(bits), gscale=0.37 if master else None)
+
+
+@pytest.mark.skipif(INTERPRET, reason="runs in the main process")
+@pytest.mark.parametrize("bits", (8, 4))
+def test_cpu_isas_same_bits(cpu_kernel, monkeypatch, bits):
+    st = make_state(sizes(bits), bits, master=True, seed=5)
+    outs = []
+    for isa in ("scalar", "avx512"):
+        monkeypatch.setenv("LLMPAR_CPU_ISA", isa)
+        s = clone_state(st)
+        run(lk.cpu_step, s, bits, gscale=0.5)
+        outs.append(s)
+    for k in outs[0]:
+        for a, b in zip(outs[0][k], outs[1][k]):
+            assert torch.equal(a, b), f"{k}: scalar and AVX-512 builds differ"
+
+
+@pytest.mark.skipif(INTERPRET, reason="runs in the main process")
+def test_cpu_found_inf_and_dispatch(cpu_kernel, monkeypatch):
+    found_inf_skips(lk.cpu_step, 8)
+    # adamw_lowbit_step picks the C++ kernel for CPU tensors it takes; the torch path for others (False)
+    st = make_state((300,), 4, master=False)
+    assert run(lk.adamw_lowbit_step, clone_state(st), 4) is True
+    half = clone_state(st)
+    half["grads"] = [g.half() for g in half["grads"]]
+    assert run(lk.adamw_lowbit_step, half, 4) is False
+    monkeypatch.setenv("LLMPAR_BACKEND", "torch")
+    assert run(lk.adamw_lowbit_step, clone_state(st), 4) is False
+
+
+@pytest.mark.skipif(INTERPRET, reason="runs in the main process")
+def test_cpu_bad_inputs_name_the_argument(cpu_kernel):
+    st = make_state((300,), 8, master=False)
+    bad = clone_state(st)
+    bad["grads"] = [bad["grads"][0].double()]
+    with pytest.raises(TypeError, match=r"grads\[0\] has dtype torch.float64"):
+        run(lk.cpu_step, bad, 8)
+    with pytest.raises(TypeError, match=r"qmap_m must be float32 \[256\]"):
+        lk.cpu_step(*[st[k] for k in ("params", "grads", "m_codes", "m_scales", "v_codes", "v_scales", "steps")],
+                    None, bits=8, qmap_m=lowbit.qmap(4, True), qmap_v=lowbit.qmap(8, False), **HYPER)
+    bad = clone_state(st)
+    bad["m_scales"] = [bad["m_scales"][0][:1].clone()]
+    with pytest.raises(ValueError, match=r"m_scales\[0\] has 1 elements; expected 2"):
+        run(lk.cpu_step, bad, 8)
