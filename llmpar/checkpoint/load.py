@@ -26,7 +26,9 @@ so may tp (``reshard.py``: each split param and its optimizer states are rebuilt
 tp ranks' shards whose chunks overlap this rank's, padding dropped and re-added) and pp (params are named as in the
 unsplit model, ``view.py``: a pp=2 pipeline checkpoint loads into a plain engine and the other way round). A param
 whose full shape or split dim differs raises a CheckpointError naming it, on every rank. A directory with DeepSpeed's
-files instead of ``metadata.json`` (``ds_files.py``) is loaded by ``ds_load.py`` once the ranks agreed on it.
+files instead of ``metadata.json`` (``ds_files.py``) is loaded by ``ds_load.py`` once the ranks agreed on it, one in
+DeepSpeed's universal layout (``zero/<param>/fp32.pt``, found also through ``latest_universal``) by
+``universal_read.py``, a ``torch.distributed.checkpoint`` directory by ``dcp_load.py``.
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ import traceback
 
 import torch
 
-from llmpar.checkpoint import dcp_format, dcp_load, ds_files, ds_load, files, metacheck, publish
+from llmpar.checkpoint import dcp_format, dcp_load, ds_files, ds_load, files, metacheck, publish, universal_read
 from llmpar.checkpoint.blockfile import CorruptFile
 from llmpar.checkpoint.files import CheckpointError
 from llmpar.checkpoint.protocol import Checkpointable, DescribesModel, Grid
@@ -221,9 +223,12 @@ def _open(g: Grid, load_dir: str, tag: str | None) -> tuple[str, dict]:
     """Resolve and read the checkpoint on every rank, and agree that every rank reads the same one (collective)."""
     err, path, meta, ident = None, str(load_dir), None, ""
     try:
+        uni_path = universal_read.resolve(load_dir, tag)  # DeepSpeed's universal layout (zero/<param>/...)
         ds_path = ds_files.resolve(load_dir, tag)  # no metadata.json but DeepSpeed's files: ds_load.py
         dcp_path = dcp_format.resolve(load_dir, tag)  # torch.distributed.checkpoint's files: dcp_load.py
-        if dcp_path is not None and ds_path is None:
+        if uni_path is not None:
+            path, meta, ident = uni_path, {"universal": True}, universal_read.identity(uni_path)
+        elif dcp_path is not None and ds_path is None:
             path, meta, ident = dcp_path, {"dcp": True}, dcp_format.identity(dcp_path)
         elif ds_path is not None:
             path, meta, ident = ds_path, {"deepspeed": True}, ds_files.identity(ds_path)
@@ -279,6 +284,8 @@ def load_checkpoint(engine: Checkpointable, load_dir: str, tag: str | None = Non
     path, meta = _open(g, load_dir, tag)
     if meta.get("dcp"):  # agreed by every rank in _open (the same identity)
         return dcp_load.load(engine, view, path, strict=strict, scheduler=scheduler)
+    if meta.get("universal"):  # agreed by every rank in _open (the same identity)
+        return universal_read.load(engine, view, path, strict=strict, scheduler=scheduler)
     if meta.get("deepspeed"):  # agreed by every rank in _open (the same identity)
         return ds_load.load(engine, view, path, strict=strict, scheduler=scheduler)
     err, reader = None, None

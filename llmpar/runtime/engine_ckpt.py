@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmpar.checkpoint import dcp_format, files, hf_files
+from llmpar.checkpoint import dcp_format, files, hf_files, universal_read
 from llmpar.checkpoint.reshard import tp_specs
 from llmpar.checkpoint.shards import rng_state, set_rng_state
 from llmpar.distributed.collectives import all_gather_flat, collective_device, group_rank, group_size
@@ -140,7 +140,8 @@ def load(engine: Any, load_dir: Any, tag: str | None, load_optimizer_states: boo
     if isinstance(load_dir, (str, os.PathLike)):  # every rank agrees, whatever its tag (ranks may differ: an error)
         grid = engine.checkpoint_grid()
         found = tag is not None or os.path.isfile(os.path.join(os.fspath(load_dir), files.LATEST)) or (
-            dcp_format.detect(os.fspath(load_dir)))  # a torch.distributed.checkpoint directory itself
+            dcp_format.detect(os.fspath(load_dir))) or (  # a torch.distributed.checkpoint directory itself
+            universal_read.resolve(load_dir, None) is not None)  # DeepSpeed's latest_universal, or such a directory
         if files.agree(int(found), grid.groups, grid.device) == 0:  # no rank has one: DeepSpeed's (None, None)
             if grid.rank0:
                 logger.warning("load_checkpoint: %s has no 'latest' file: nothing loaded (pass tag= to load a "

@@ -1,0 +1,175 @@
+"""DeepSpeed *universal* checkpoints load into llmpar as they are (``llmpar.checkpoint.universal_read``).
+
+One launch on 2 ranks: real DeepSpeed (0.19, CPU, gloo) trains the demo GPT K steps at ZeRO-2 and ZeRO-3 (fp32),
+saves, and DeepSpeed's own ``ds_to_universal`` converts each save (``DIR/TAG_universal`` + ``DIR/latest_universal``;
+ZeRO-2: ``{"param", "cat_dim"}`` files and ``step.pt``, ZeRO-3: bare flat tensors, the step in
+``optimizer_state.pt``). DeepSpeed then resumes each with ``checkpoint.load_universal`` on a model of another seed and
+trains N steps: the reference. llmpar builds the model from a third seed, loads each universal checkpoint at another
+ZeRO stage / dp / tp (with CPU offload once; tp=2 pads the vocabulary 61 -> 62 rows), continues the same N steps on the
+same global batches, and its losses equal DeepSpeed's (<= 1e-6 relative, fp32); counters, scheduler and
+client_state travel. The same launch: an llmpar checkpoint converted with ``convert --to universal`` and read back
+by llmpar equals the llmpar checkpoint it came from (masters, moments, steps, params bitwise); a missing param
+folder, a truncated file and a model of another shape fail on every rank naming the path / param.
+"""
+import argparse
+import os
+import shutil
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from multirank import run_ranks
+from test_checkpoint_deepspeed import GAS, K, MICRO, N, V, _config, _error, _model, _train
+
+pytest.importorskip("deepspeed", reason="DeepSpeed is not installed")
+
+# (universal checkpoint, ZeRO stage, tp, offload) llmpar loads it at
+CASES = (("z2", 3, 1, False), ("z2", 1, 2, False), ("z3", 2, 1, True), ("z3", 1, 2, False))
+
+
+def _engine(stage, tp=1, offload=False, vocab=V):
+    import llmpar
+    from llmpar.models import GPT, GPTConfig
+
+    env = llmpar.init_distributed(tp=tp)
+    model = GPT(GPTConfig(vocab_size=vocab, n_layer=2, n_head=2, d_model=24, seq_len=16), seed=11)
+    if tp > 1:
+        llmpar.parallelize(model, env.mesh["tp"])
+    cfg = _config(stage, MICRO * 2 // env.mesh["dp"].size())
+    if offload:
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    engine, *_ = llmpar.initialize(model=model, config=cfg, mesh=env.mesh)
+    return engine
+
+
+def _state(engine):
+    """This rank's optimizer states and step counts, and the module's params (copies)."""
+    opt = engine.optimizer
+    return ([{k: t.clone() for k, t in b.state.items()} for b in opt.buffers],
+            [[s.clone() for s in b.steps] for b in opt.buffers],
+            {n: p.detach().clone() for n, p in engine.module.named_parameters()})
+
+
+def _to_universal(root, name):
+    """DeepSpeed's ``ds_to_universal`` of ``root/name``'s save, as its command line runs it (one worker)."""
+    from deepspeed.checkpoint import ds_to_universal
+
+    args = argparse.Namespace(input_folder=f"{root}/{name}/global_step{K}",
+                              output_folder=f"{root}/{name}/global_step{K}_universal", num_extract_workers=1,
+                              num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=False)
+    ds_to_universal.main(args)
+
+
+def body(root, ext_dir):
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", ext_dir)
+    import deepspeed
+    import deepspeed.ops
+
+    from llmpar.checkpoint import consolidate
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no JIT build of DeepSpeed's CPU comm op
+    rank, out = dist.get_rank(), {"ds": {}, "ours": {}}
+    info = {"universal_checkpoint_version": 0.2}  # ds_to_universal of ZeRO 1-2 needs it (the caller's state)
+    for name, stage in (("z2", 2), ("z3", 3)):
+        cfg = _config(stage)
+        cfg["optimizer"]["params"]["torch_adam"] = True
+        ds, *_ = deepspeed.initialize(model=_model(), model_parameters=None, config=cfg)
+        _train(ds, range(K), False)
+        ds.save_checkpoint(f"{root}/{name}", client_state={"data_pos": 17 + K, "universal_checkpoint_info": info})
+        del ds
+    dist.barrier()
+    if rank == 0:
+        for name in ("z2", "z3"):
+            _to_universal(root, name)
+            os.remove(f"{root}/{name}/latest")  # DIR/latest_universal only: llmpar finds it with tag=None
+    dist.barrier()
+    for name, stage in (("z2", 1), ("z3", 3)):  # DeepSpeed resumes its universal checkpoint: the reference
+        cfg = _config(stage)
+        cfg["optimizer"]["params"]["torch_adam"] = True
+        cfg["checkpoint"] = {"load_universal": True}
+        ds, *_ = deepspeed.initialize(model=_model(seed=5), model_parameters=None, config=cfg)
+        ds.load_checkpoint(f"{root}/{name}")
+        out["ds"][name] = _train(ds, range(K, K + N), False)
+        del ds
+    for name, stage, tp, offload in CASES:
+        engine = _engine(stage, tp, offload)
+        path, client = engine.load_checkpoint(f"{root}/{name}")
+        facts = (os.path.basename(path), client, engine.global_steps, engine.global_samples,
+                 engine.lr_scheduler.state_dict())
+        if (name, stage, tp) == ("z2", 3, 1):
+            engine.save_checkpoint(f"{root}/ours")
+        out["ours"][(name, stage, tp)] = (_train(engine, range(K, K + N), tp > 1), facts)
+    # llmpar's own --to universal, read back by llmpar: the same state as the llmpar checkpoint it came from
+    if rank == 0:
+        consolidate.convert(f"{root}/ours", f"{root}/ours_u", to="universal")
+    dist.barrier()
+    states = []
+    for src in ("ours", "ours_u"):
+        engine = _engine(2)
+        engine.load_checkpoint(f"{root}/{src}")
+        states.append((_state(engine), engine.global_steps, engine.lr_scheduler.state_dict()))
+    out["roundtrip"] = states
+    # errors, on every rank: a missing param folder, a truncated file, a model of another shape
+    uni = f"global_step{K}_universal"
+    if rank == 0:
+        for bad in ("nofolder", "truncated"):
+            shutil.copytree(f"{root}/z2", f"{root}/{bad}")
+        shutil.rmtree(f"{root}/nofolder/{uni}/zero/ln_f.bias")
+        victim = f"{root}/truncated/{uni}/zero/blocks.0.attn.qkv.weight/exp_avg.pt"
+        with open(victim, "r+b") as f:
+            f.truncate(os.path.getsize(victim) // 2)
+    dist.barrier()
+    engine = _engine(2)
+    out["nofolder"] = _error(lambda: engine.load_checkpoint(f"{root}/nofolder"))
+    out["truncated"] = _error(lambda: engine.load_checkpoint(f"{root}/truncated", tag=uni))
+    out["shape"] = _error(lambda: _engine(2, vocab=V + 2).load_checkpoint(f"{root}/z3"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, ds_ext_dir):
+    root = tmp_path_factory.mktemp("ucp")
+    return run_ranks(body, 2, str(root), str(ds_ext_dir), timeout=400), root
+
+
+def test_llmpar_continues_deepspeed_universal_checkpoints(runs):
+    """DeepSpeed's ds_to_universal output (ZeRO-2 and ZeRO-3 sources) loaded by llmpar at another stage / dp / tp /
+    offload: the next N losses equal DeepSpeed resuming the same universal checkpoint (<= 1e-6 rel), on every rank;
+    the tag comes from latest_universal, counters, scheduler and client_state travel."""
+    runs, _ = runs
+    out = runs[0]
+    assert set(out["ours"]) == {c[:3] for c in CASES}
+    for (name, stage, tp), (losses, facts) in out["ours"].items():
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(out["ds"][name]), rtol=1e-6, atol=0,
+                                   msg=lambda m: f"universal {name} -> stage {stage} tp {tp}: {m}")
+        assert facts[0] == f"global_step{K}_universal"
+        assert facts[1]["data_pos"] == 17 + K and "universal_checkpoint_info" in facts[1]
+        assert facts[2:] == (K, K * GAS * MICRO * 2, {"last_batch_iteration": K - 1}), (name, stage, tp, facts)
+    for r in runs[1:]:
+        for key, (losses, _) in r["ours"].items():
+            assert losses == out["ours"][key][0]
+
+
+def test_llmpar_universal_output_reads_back_equal(runs):
+    """``convert --to universal`` of an llmpar checkpoint, loaded by llmpar at ZeRO-2 dp=2, holds exactly the state
+    the llmpar checkpoint loads (masters, moments, steps, params: bitwise), counters and scheduler too."""
+    runs, _ = runs
+    for r in runs:
+        (a, sa, ca), (b, sb, cb) = r["roundtrip"]
+        assert (sa, ca) == (sb, cb) and sa == K
+        for x, y in zip(a[0], b[0]):
+            assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+        assert all(torch.equal(s, t) for xs, ys in zip(a[1], b[1]) for s, t in zip(xs, ys))
+        assert a[2].keys() == b[2].keys() and all(torch.equal(a[2][n], b[2][n]) for n in a[2])
+
+
+def test_bad_universal_checkpoints_fail_on_every_rank_naming_the_path(runs):
+    runs, _ = runs
+    for out in runs:
+        assert "zero/ln_f.bias" in out["nofolder"] and "is missing" in out["nofolder"], out["nofolder"]
+        assert "blocks.0.attn.qkv.weight/exp_avg.pt" in out["truncated"], out["truncated"]
+        assert "cannot read" in out["truncated"], out["truncated"]
+        assert "'tok_emb.weight' has full shape (63, 24) here" in out["shape"] and "(61, 24)" in out["shape"], \
+            out["shape"]
