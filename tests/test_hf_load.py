@@ -9,6 +9,7 @@ One multirank run per world size feeds every assertion.
 from __future__ import annotations
 
 import os
+import zlib
 
 import pytest
 import torch
@@ -193,7 +194,7 @@ def test_convert_streams_zero3_to_hf(tmp_path, monkeypatch) -> None:
     on disk, or a tensor of another value, is caught by the check naming the tensor."""
     from safetensors.torch import load_file
 
-    from llmpar.checkpoint import consolidate, deepspeed_read, ds_convert, hf_files
+    from llmpar.checkpoint import consolidate, deepspeed_read, ds_convert, hf_files, hf_stream
 
     g = torch.Generator().manual_seed(7)
     params = {"emb.weight": torch.randn(61, 13, generator=g), "h.0.w": torch.randn(29, 13, generator=g),
@@ -236,22 +237,63 @@ def test_convert_streams_zero3_to_hf(tmp_path, monkeypatch) -> None:
         reads.clear()
     src = ds_convert._Stream(d, None, 1 << 30)
     names = list(load_file(written[0]))
-    crcs = {n: __import__("zlib").crc32(ds_convert._bytes(src.tensor(n).to(torch.bfloat16))) for n in names}
-    ds_convert._check_file(written[0], ds_convert._Stream(d, torch.bfloat16, 1 << 30), names, crcs)
+    bf16 = ds_convert._Stream(d, torch.bfloat16, 1 << 30)
+    crcs = {n: zlib.crc32(hf_stream.as_bytes(src.tensor(n).to(torch.bfloat16))) for n in names}
+    hf_stream.check_file(written[0], bf16.meta, names, crcs)
+    hf_stream.sample(written[0], bf16, names)
     with open(written[0], "r+b") as f:  # one byte of the last tensor's data
         f.seek(-1, os.SEEK_END)
         last = f.read(1)
         f.seek(-1, os.SEEK_END)
         f.write(bytes([last[0] ^ 1]))
     with pytest.raises(ds_convert.CheckpointError, match=f"bytes of '{names[-1]}' read back"):
-        ds_convert._check_file(written[0], ds_convert._Stream(d, torch.bfloat16, 1 << 30), names, crcs)
+        hf_stream.check_file(written[0], bf16.meta, names, crcs)
     with pytest.raises(ds_convert.CheckpointError, match="is BF16 .*, the source torch.float32"):
-        ds_convert._check_file(written[0], ds_convert._Stream(d, None, 1 << 30), names, crcs)
-    with open(written[0], "r+b") as f:  # the byte restored
+        hf_stream.check_file(written[0], ds_convert._Stream(d, None, 1 << 30).meta, names, crcs)
+    with open(written[0], "r+b") as f:  # the byte restored; then the file cut short by one byte
         f.seek(-1, os.SEEK_END)
         f.write(last)
+    with open(written[0], "rb") as f:
+        whole = f.read()
+    with open(written[0], "wb") as f:
+        f.write(whole[:-1])
+    with pytest.raises(ds_convert.CheckpointError, match="cannot be parsed|is [0-9]+ bytes, the plan"):
+        hf_stream.check_file(written[0], bf16.meta, names, crcs)
+    with open(written[0], "wb") as f:
+        f.write(whole)
     other = str(tmp_path / "other" / "global_step1")  # the same shapes, other values
     write_zero3(other, {n: t + 1 for n, t in params.items()}, 3, buffers=buffers, shared={"head.weight": "emb.weight"})
-    sample = min(names, key=lambda n: load_file(written[0])[n].numel())  # the tensor the check reloads
-    with pytest.raises(ds_convert.CheckpointError, match=f"'{sample}' in .* differs from the source"):
-        ds_convert._check_file(written[0], ds_convert._Stream(other, torch.bfloat16, 1 << 30), names, crcs)
+    with pytest.raises(ds_convert.CheckpointError, match="in .* differs from the source"):
+        hf_stream.sample(written[0], ds_convert._Stream(other, torch.bfloat16, 1 << 30), names)
+
+
+@pytest.mark.parametrize("what", ["bytes", "lost"])
+def test_convert_catches_a_corrupted_write(tmp_path, monkeypatch, what) -> None:
+    """A write that puts a wrong byte in the file (one flipped bit in one tensor's bytes), or a write lost (a hole
+    of zeros in the file), is caught by the convert itself: a CheckpointError naming the tensor, no file of that
+    export left in place, no ``.tmp`` left."""
+    from llmpar.checkpoint import consolidate, ds_convert, hf_stream
+
+    g = torch.Generator().manual_seed(11)
+    params = {"a": torch.randn(37, 5, generator=g), "b": torch.randn(23, generator=g), "c": torch.randn(9, 7, generator=g)}
+    write_zero3(str(tmp_path / "ds" / "global_step1"), params, 2)
+    real, calls = hf_stream.pwrite_all, [0]
+
+    def bad(fd, data, at):
+        calls[0] += 1
+        if calls[0] == 3:  # a piece of a tensor's bytes (the header is the first write)
+            if what == "bytes":
+                data = bytearray(data)
+                data[len(data) // 2] ^= 4
+                data = memoryview(data)
+            else:
+                return
+        real(fd, data, at)
+
+    monkeypatch.setattr(hf_stream, "pwrite_all", bad)
+    monkeypatch.setattr(ds_convert, "PIECE", 64)
+    out = tmp_path / "out"
+    with pytest.raises(ds_convert.CheckpointError, match="bytes of '[abc]' read back from .* differ"):
+        consolidate.convert(str(tmp_path / "ds"), str(out), max_shard_size="1KB")
+    assert calls[0] >= 3
+    assert not [f for f in os.listdir(out) if f.endswith((".safetensors", ".tmp"))], os.listdir(out)

@@ -13,33 +13,27 @@ checkpoint's full weights tensor by tensor, and the check of what was written.
                                checkpoint convert --to hf`` runs on a DeepSpeed source (safetensors)
 
 Streaming (``write_hf``): the output shards are planned from the shapes alone (``hf_files.shard_plan``); each
-safetensors file is written by hand (its header, then each tensor's bytes) from pieces of at most ``PIECE`` elements
-read from the memory-mapped source (a ZeRO-3 param: its ranks' chunks in turn, no piece across two, never
-gathered whole), cast piece by piece, a CRC-32 of each tensor's bytes kept; the source is reopened after every
-``budget`` bytes read so that the mapped pages already read leave the process (mapped pages count in its RSS).
-Peak memory: the pages of ``budget`` bytes of the source plus a piece, whatever the model's size. The check: each
-file parsed back by safetensors (names, dtypes, shapes equal the plan), every tensor's bytes read back from disk and
-their CRC-32 compared, and each file's smallest tensor's bytes compared with a fresh read of the source.
+safetensors file is written by ``hf_stream.write_shards`` (its header, then each tensor's bytes, written by a
+thread while the next piece is read; checked while the next file is written: see there) from pieces of at most
+``PIECE`` elements read from the memory-mapped source (a ZeRO-3 param: its ranks' chunks in turn, no piece across
+two, never gathered whole), cast piece by piece; the source is reopened after every ``budget`` bytes read so that
+the mapped pages already read leave the process (mapped pages count in its RSS). Peak memory: the pages of
+``budget`` bytes of the source plus a few pieces and a read-back window, whatever the model's size.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
-import struct
-import zlib
 from typing import Any, Iterator
 
 import torch
 
-from llmpar.checkpoint import ds_files, files, hf_files
+from llmpar.checkpoint import ds_files, files, hf_files, hf_stream
 from llmpar.checkpoint.deepspeed_read import DeepSpeedCheckpoint
 from llmpar.checkpoint.files import CheckpointError
 
 PIECE = 1 << 24  # elements read, cast and written at a time
 REOPEN_MIN = 256 << 20  # bytes read from the source before it is reopened (or one shard's, when smaller)
-_ST = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
-       torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
 
 SOURCES = ("auto", "deepspeed", "llmpar")
 
@@ -162,79 +156,6 @@ class _Stream:
             torch.empty(self.meta[name].shape, dtype=self.meta[name].dtype)
 
 
-def _bytes(t: torch.Tensor) -> memoryview:
-    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
-
-
-def _header(meta: dict[str, torch.Tensor], names: list[str]) -> tuple[bytes, list[tuple[int, int]]]:
-    """A safetensors header for ``names`` (data in that order) and each tensor's data range."""
-    head: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    at, spans = 0, []
-    for n in names:
-        size = meta[n].numel() * meta[n].element_size()
-        head[n] = {"dtype": _ST[meta[n].dtype], "shape": list(meta[n].shape), "data_offsets": [at, at + size]}
-        spans.append((at, at + size))
-        at += size
-    raw = json.dumps(head, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    return struct.pack("<Q", len(raw)) + raw, spans
-
-
-def _write_file(path: str, src: _Stream, names: list[str], bar: Any) -> dict[str, int]:
-    """One safetensors file of ``names`` from ``src``, written aside and renamed; {name: CRC-32 of its bytes}."""
-    head, _ = _header(src.meta, names)
-    crcs = {}
-    with open(path + ".tmp", "wb") as f:
-        f.write(head)
-        for n in names:
-            crc = 0
-            for piece in src.pieces(n):
-                data = _bytes(piece)
-                crc = zlib.crc32(data, crc)
-                f.write(data)
-                bar.update(len(data))
-            crcs[n] = crc
-    os.replace(path + ".tmp", path)
-    return crcs
-
-
-def _check_file(path: str, src: _Stream, names: list[str], crcs: dict[str, int]) -> None:
-    """``path`` as safetensors parses it has ``names`` with the planned dtypes and shapes; every tensor's bytes on
-    disk have the CRC-32 written; its smallest tensor's bytes equal a fresh read of the source."""
-    from safetensors import safe_open
-
-    with safe_open(path, framework="pt") as f:
-        if sorted(f.keys()) != sorted(names):
-            raise CheckpointError(f"convert: {path} holds {sorted(f.keys())[:8]}, not the planned {sorted(names)[:8]}")
-        for n in names:
-            s = f.get_slice(n)
-            if tuple(s.get_shape()) != tuple(src.meta[n].shape) or s.get_dtype() != _ST[src.meta[n].dtype]:
-                raise CheckpointError(f"convert: {n!r} in {path} is {s.get_dtype()} {tuple(s.get_shape())}, the "
-                                      f"source {src.meta[n].dtype} {tuple(src.meta[n].shape)}")
-    _, spans = _header(src.meta, names)
-    with open(path, "rb") as fh:
-        (start,) = struct.unpack("<Q", fh.read(8))
-        for n, (a, z) in zip(names, spans):
-            fh.seek(8 + start + a)
-            crc, left = 0, z - a
-            while left:
-                chunk = fh.read(min(left, PIECE * 4))
-                if not chunk:
-                    break
-                crc, left = zlib.crc32(chunk, crc), left - len(chunk)
-            if left or crc != crcs[n]:
-                raise CheckpointError(f"convert: the bytes of {n!r} read back from {path} differ from those written "
-                                      "(CRC-32)")
-    if names:  # the sample: the file's smallest tensor, its bytes on disk against a fresh read of the source
-        i = min(range(len(names)), key=lambda k: src.meta[names[k]].numel())
-        with open(path, "rb") as fh:
-            fh.seek(8 + start + spans[i][0])
-            for piece in src.pieces(names[i]):
-                data = _bytes(piece)
-                if fh.read(len(data)) != data:
-                    raise CheckpointError(f"convert: {names[i]!r} in {path} differs from the source")
-
-
 def write_hf(path: str, out_dir: str, *, dtype: torch.dtype | None, max_shard_size: Any = hf_files.DEFAULT_SHARD_SIZE,
              progress: bool | None = None) -> list[str]:
     """DeepSpeed checkpoint directory ``path`` written to ``out_dir`` as HuggingFace safetensors (``write_hf_model``'s
@@ -251,19 +172,14 @@ def write_hf(path: str, out_dir: str, *, dtype: torch.dtype | None, max_shard_si
     os.makedirs(out_dir, exist_ok=True)
     hf_files.clean(out_dir, set(names) | ({index} if len(names) > 1 else set()))
     total = sum(t.numel() * t.element_size() for t in src.meta.values())
-    written, crcs = [], {}
     with tqdm(total=total, unit="B", unit_scale=True, desc="convert", disable=None if progress is None
               else not progress) as bar:
-        for fname, keys in zip(names, shards):
-            crcs[fname] = _write_file(os.path.join(out_dir, fname), src, keys, bar)
-            written.append(os.path.join(out_dir, fname))
+        written = hf_stream.write_shards(out_dir, dict(zip(names, shards)), src, bar)
     if len(names) > 1:
         hf_files.write_json(os.path.join(out_dir, index), {
             "metadata": {"total_size": total, "total_parameters": sum(t.numel() for t in src.meta.values())},
             "weight_map": {k: fname for fname, keys in zip(names, shards) for k in keys}})
         written.append(os.path.join(out_dir, index))
-    for fname, keys in zip(names, shards):
-        _check_file(os.path.join(out_dir, fname), src, keys, crcs[fname])
     return written
 
 
