@@ -70,25 +70,39 @@ class DeepSpeedCheckpoint:
     """The DeepSpeed checkpoint in directory ``path`` (module docstring). ``names``: the trained params in DeepSpeed's
     order; ``shapes``: their full shapes; :meth:`read` / :meth:`step`: their states."""
 
-    def __init__(self, path: str) -> None:
+    def __new__(cls, path: str, mp_rank: int | None = None) -> "DeepSpeedCheckpoint":
+        if cls is DeepSpeedCheckpoint and mp_rank is None and any(LAYER_RE.match(f) for f in detect(path)):
+            from llmpar.checkpoint.ds_pipe_read import DeepSpeedPipelineCheckpoint  # a subclass: no cycle at import
+
+            return object.__new__(DeepSpeedPipelineCheckpoint)
+        return object.__new__(cls)
+
+    def __init__(self, path: str, mp_rank: int | None = None) -> None:
+        """``mp_rank``: read the files of that model-parallel rank alone (a pipeline stage's, ``ds_pipe_read.py``);
+        None: the directory, which must hold mp_rank_00's alone (a pipeline directory opens as
+        :class:`~llmpar.checkpoint.ds_pipe_read.DeepSpeedPipelineCheckpoint`)."""
         self.path = path
         found = detect(path)
-        layers = [f for f in found if LAYER_RE.match(f)]
-        if layers:
-            raise CheckpointError(f"{path} is a DeepSpeed pipeline checkpoint ({layers[:3]}...): pipeline "
-                                  "(layer_*-model_states.pt) checkpoints are not read yet")
-        mp = sorted({int((MODEL_RE.match(f) or OPTIM_RE.match(f)).groups()[-1]) for f in found})  # type: ignore
-        if mp != [0]:
-            raise CheckpointError(f"{path} holds DeepSpeed files of model-parallel ranks {mp} ({found[:4]}): only "
-                                  "mp_rank_00 (model-parallel degree 1) checkpoints are read")
+        mp = sorted({int((MODEL_RE.match(f) or OPTIM_RE.match(f)).groups()[-1])  # type: ignore[union-attr]
+                     for f in found if not LAYER_RE.match(f)})
+        if mp_rank is None:
+            if mp != [0]:
+                raise CheckpointError(f"{path} holds DeepSpeed files of model-parallel ranks {mp} ({found[:4]}): "
+                                      "only mp_rank_00 (model-parallel degree 1) and pipeline (layer_*) "
+                                      "checkpoints are read")
+            mp_rank = 0
+        self.mp_rank = mp_rank
+        found = [f for f in found if not LAYER_RE.match(f)
+                 and int((MODEL_RE.match(f) or OPTIM_RE.match(f)).groups()[-1]) == mp_rank]  # type: ignore
+        mp_name = f"mp_rank_{mp_rank:02d}"
         self.optim = {int(m.group(2)): f for f in found if (m := OPTIM_RE.match(f))}
         self.bf16 = any(f.startswith("bf16_") for f in self.optim.values())
         zero_models = sorted(int(m.group(1)) for f in found if (m := MODEL_RE.match(f)) and m.group(1) is not None)
-        model_file = "mp_rank_00_model_states.pt" if "mp_rank_00_model_states.pt" in found else (
-            f"zero_pp_rank_{zero_models[0]}_mp_rank_00_model_states.pt" if zero_models else None)
+        model_file = f"{mp_name}_model_states.pt" if f"{mp_name}_model_states.pt" in found else (
+            f"zero_pp_rank_{zero_models[0]}_{mp_name}_model_states.pt" if zero_models else None)
         if model_file is None:
             raise CheckpointError(f"{path} has DeepSpeed optimizer files {found[:4]} but no model states file "
-                                  "(mp_rank_00_model_states.pt or zero_pp_rank_0_mp_rank_00_model_states.pt)")
+                                  f"({mp_name}_model_states.pt or zero_pp_rank_0_{mp_name}_model_states.pt)")
         self.model = load_file(os.path.join(path, model_file))
         if not isinstance(self.model, dict) or "module" not in self.model:
             raise CheckpointError(f"{os.path.join(path, model_file)} is not a DeepSpeed model states file (no "
@@ -210,6 +224,14 @@ class DeepSpeedCheckpoint:
         return m["exp_avg"].numel() if "exp_avg" in m else self._fp32(0)[g].numel()
 
     # ------------------------------------------------------------------ reads
+    def file_of(self, name: str) -> str:
+        """Where ``name`` is saved, for error messages ("" when the directory says it: one model states file)."""
+        return ""
+
+    def describe(self) -> str:
+        """The layout in words, for messages."""
+        return f"ZeRO-{self.stage} at dp={self.dp}"
+
     def source(self, name: str) -> str:
         """The name ``name``'s values are stored under (a tied copy: its source), or a CheckpointError."""
         src = self.aliases.get(name, name)
@@ -281,7 +303,8 @@ class DeepSpeedCheckpoint:
         if self.stage < 3:
             return {n: t for n, t in (self.model.get("frozen_param_fragments") or {}).items() if n in shapes}
         if self._frozen is None:  # every rank's model states file: read once
-            chunks = [load_file(os.path.join(self.path, f"zero_pp_rank_{r}_mp_rank_00_model_states.pt"))
+            mp = f"mp_rank_{self.mp_rank:02d}"
+            chunks = [load_file(os.path.join(self.path, f"zero_pp_rank_{r}_{mp}_model_states.pt"))
                       .get("frozen_param_fragments") or {} for r in range(self.dp)]
             self._frozen = {n: torch.cat([c[n].reshape(-1) for c in chunks])[:math.prod(s)].view(tuple(s))
                             for n, s in shapes.items()}

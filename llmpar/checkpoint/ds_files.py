@@ -21,7 +21,8 @@ from llmpar.checkpoint.tags import tagged_dir
 
 MODEL_RE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
 OPTIM_RE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
-LAYER_RE = re.compile(r"^layer_\d+-model_\d+-model_states\.pt$")
+# a pipeline layer file: layer index, then the model-parallel (tensor) rank when the topology has a "model" axis
+LAYER_RE = re.compile(r"^layer_(\d+)-(?:model_(\d+)-)?model_states\.pt$")
 
 
 class Foreign:

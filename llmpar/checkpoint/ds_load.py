@@ -33,9 +33,12 @@ logger = logging.getLogger("llmpar")
 _HYPER = ("lr", "betas", "eps", "weight_decay")
 
 
-def _names(names: list[str] | set[str], limit: int = 8) -> str:
+def _names(names: list[str] | set[str], limit: int = 8, ck: DeepSpeedCheckpoint | None = None) -> str:
+    """The first ``limit`` names, each with the file holding it in ``ck`` where it tells (a pipeline checkpoint)."""
     names = sorted(names)
-    return f"{names[:limit]}" + (f" and {len(names) - limit} more" if len(names) > limit else "")
+    where = {n: ck.file_of(n) for n in names[:limit]} if ck is not None else {}
+    shown = ", ".join(repr(n) + (f" ({where[n]})" if where.get(n) else "") for n in names[:limit])
+    return f"[{shown}]" + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
 class _Source:
@@ -111,8 +114,8 @@ def _plan(engine: Checkpointable, view: EngineView, ck: DeepSpeedCheckpoint, src
         extras[name] = saved[name]
     if lacking and strict:
         raise CheckpointError(f"{len(lacking)} params / buffers of this model are not in DeepSpeed checkpoint "
-                              f"{ck.path}: {_names(lacking)} (load_checkpoint(..., strict=False) keeps their "
-                              "current values)")
+                              f"{ck.path} ({ck.describe()}): {_names(lacking)} (load_checkpoint(..., strict=False) "
+                              "keeps their current values)")
     if lacking:
         logger.warning("load_checkpoint(strict=False): %d params / buffers of this model are not in %s, they keep "
                        "their current values: %s", len(lacking), ck.path, _names(lacking))
@@ -146,8 +149,9 @@ def load(engine: Checkpointable, view: EngineView, path: str, *, strict: bool, s
     held = files.agree_all([int(n in mine) for n in stored], g.groups, g.device)
     unexpected = [n for n, h in zip(stored, held) if not h]
     if unexpected and strict:
-        raise CheckpointError(f"{len(unexpected)} params / buffers in DeepSpeed checkpoint {path} are in no rank's "
-                              f"model: {_names(unexpected)} (load_checkpoint(..., strict=False) ignores them)")
+        raise CheckpointError(f"{len(unexpected)} params / buffers in DeepSpeed checkpoint {path} ({ck.describe()}) "
+                              f"are in no rank's model: {_names(unexpected, ck=ck)} (load_checkpoint(..., "
+                              "strict=False) ignores them)")
     if unexpected and g.rank0:
         logger.warning("load_checkpoint(strict=False): %d params / buffers in %s are in no rank's model, ignored: %s",
                        len(unexpected), path, _names(unexpected))
@@ -170,8 +174,8 @@ def load(engine: Checkpointable, view: EngineView, path: str, *, strict: bool, s
     if sched is not None and ck.scheduler() is not None:
         sched.load_state_dict(ck.scheduler())
     if g.rank0:
-        logger.info("loaded DeepSpeed checkpoint %s (ZeRO-%d at dp=%d; loaded at pp=%d dp=%d tp=%d stage %d); "
-                    "DeepSpeed saves no RNG states: this run's are kept", path, ck.stage, ck.dp, g.pp, g.dp, g.tp,
+        logger.info("loaded DeepSpeed checkpoint %s (%s; loaded at pp=%d dp=%d tp=%d stage %d); "
+                    "DeepSpeed saves no RNG states: this run's are kept", path, ck.describe(), g.pp, g.dp, g.tp,
                     opt.stage)
     return path, ck.client_state()
 

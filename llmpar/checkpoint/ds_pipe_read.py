@@ -1,0 +1,200 @@
+"""A checkpoint written by DeepSpeed's *pipeline* engine (``PipelineModule`` + ``PipelineEngine.save_checkpoint``),
+read as it is, under the names of the unsplit ``PipelineModule`` (``2.fc.weight``, ``tied_modules.embed.weight``):
+what llmpar's pipeline engine and a plain model with those names load. DeepSpeed 0.19's layout, ZeRO-1, pp stages,
+dp data-parallel ranks per stage, tensor-parallel degree 1:
+
+    DIR/TAG/layer_II-model_states.pt   one per layer I (the global index in the layer list) holding a
+                                       ``state_dict`` (also layers without state: {}); ``layer_II-model_00-...`` when
+                                       the topology has a "model" axis. Written by the stage holding layer I (its dp
+                                       rank 0). A TiedLayerSpec called with ``forward_fn`` has no file; one called as
+                                       a module is saved at its index, by every stage holding it, under the tied
+                                       module's own keys (``weight``, not ``tied_modules.embed.weight``).
+    DIR/TAG/mp_rank_SS_model_states.pt per stage S (DeepSpeed's model-parallel rank: the rank within the stages of one
+                                       dp replica, ``stage x tp + tp rank``): "module" None, "param_shapes" (the
+                                       stage's trained params in its ZeRO flat order; a tied weight in every stage
+                                       holding it), "buffer_names", counters, "lr_scheduler", client_state,
+                                       "checkpoint_parallel_dimensions" {"pp_degree", "tp_degree"}
+    DIR/TAG/[bf16_]zero_pp_rank_R_mp_rank_SS_optim_states.pt   stage S's ZeRO-1 partition of dp rank R: the stage's
+                                       flat fp32 masters and Adam moments over its ``param_shapes`` (``deepspeed_read``)
+
+Each stage is read by a :class:`~llmpar.checkpoint.deepspeed_read.DeepSpeedCheckpoint` of its model-parallel rank;
+this class joins them: a param held by several stages (a tied weight) is read from the lowest one (its copies are
+equal: DeepSpeed sums their gradients over the stages). Buffers and frozen params come from the layer files (a tied
+module's keys mapped back to ``tied_modules.KEY.``), which are all read when the checkpoint opens (small: weights
+in the model's dtype), so a missing, truncated or foreign layer file fails then, naming it. Not read (refused naming
+what was found): pipeline checkpoints without ZeRO (their optimizer is in the model states files), tp > 1.
+"""
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from llmpar.checkpoint.deepspeed_read import DeepSpeedCheckpoint
+from llmpar.checkpoint.ds_files import LAYER_RE, MODEL_RE, OPTIM_RE, detect, load_file
+from llmpar.checkpoint.files import CheckpointError
+
+TIED = "tied_modules."
+
+
+class DeepSpeedPipelineCheckpoint(DeepSpeedCheckpoint):
+    """A DeepSpeed pipeline checkpoint (module docstring): the reader's interface over all its stages. ``pp``: the
+    number of stages; ``stages[s]``: stage s's reader."""
+
+    def __init__(self, path: str, mp_rank: int | None = None) -> None:
+        self.path = path
+        found = detect(path)
+        layers = {f: LAYER_RE.match(f) for f in found if LAYER_RE.match(f)}
+        tp_ranks = sorted({int(m.group(2)) for m in layers.values() if m.group(2) is not None})
+        if tp_ranks not in ([], [0]):
+            raise CheckpointError(f"{path} is a DeepSpeed pipeline checkpoint with tensor-parallel ranks {tp_ranks} "
+                                  "(layer_*-model_YY-model_states.pt): only tp=1 pipeline checkpoints are read")
+        mp = sorted({int((MODEL_RE.match(f) or OPTIM_RE.match(f)).groups()[-1])  # type: ignore[union-attr]
+                     for f in found if f not in layers})
+        if 0 not in mp:
+            raise CheckpointError(f"{path} has DeepSpeed pipeline layer files {sorted(layers)[:3]}... but no "
+                                  "mp_rank_00_model_states.pt")
+        first = DeepSpeedCheckpoint(path, mp_rank=0)
+        dims = first.model.get("checkpoint_parallel_dimensions") or {}
+        pp, tp = int(dims.get("pp_degree", len(mp))), int(dims.get("tp_degree", 1))
+        if tp != 1:
+            raise CheckpointError(f"{path}: DeepSpeed pipeline checkpoint of tp_degree={tp}: only tp=1 pipeline "
+                                  "checkpoints are read")
+        if mp != list(range(pp)):
+            raise CheckpointError(f"{path}: DeepSpeed pipeline checkpoint of pp_degree={pp} has the model states / "
+                                  f"optimizer files of stages (mp_rank) {mp}, not 0..{pp - 1}")
+        self.pp = pp
+        self.stages = [first] + [DeepSpeedCheckpoint(path, mp_rank=s) for s in range(1, pp)]
+        for s, st in enumerate(self.stages):
+            if st.stage == 0:
+                raise CheckpointError(f"{path}: DeepSpeed pipeline checkpoint without ZeRO (no zero_pp_rank_*_"
+                                      f"mp_rank_{s:02d}_optim_states.pt; the optimizer inside the model states "
+                                      "files): only ZeRO-1 pipeline checkpoints are read")
+            if (st.stage, st.dp) != (first.stage, first.dp):
+                raise CheckpointError(f"{path}: stage {s}'s files are ZeRO-{st.stage} at dp={st.dp}, stage 0's "
+                                      f"ZeRO-{first.stage} at dp={first.dp}")
+        self.stage, self.dp, self.bf16, self.mp_rank = first.stage, first.dp, first.bf16, 0
+        self.aliases: dict[str, str] = {}
+        self.names: list[str] = []
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self._owner: dict[str, int] = {}
+        for s, st in enumerate(self.stages):
+            for name in st.names:
+                if name in self._owner:  # a tied weight: every holder must agree on its shape
+                    if st.shapes[name] != self.shapes[name]:
+                        raise CheckpointError(f"{path}: tied param {name!r} has shape {st.shapes[name]} in stage {s}"
+                                              f" and {self.shapes[name]} in stage {self._owner[name]}")
+                    continue
+                self._owner[name] = s
+                self.names.append(name)
+                self.shapes[name] = st.shapes[name]
+        self._buffer_names = {n for st in self.stages for n in st.model.get("buffer_names") or ()}
+        self.model = self._merged_model()
+        self._layer_ids = sorted(int(m.group(1)) for m in layers.values())
+        self._layers, self._origin = self._read_layers(sorted(layers, key=lambda f: int(layers[f].group(1))))
+
+    # ------------------------------------------------------------------ the layer files
+    def _read_layers(self, files: list[str]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """{model name: tensor} of every layer file, and {model name: the file it came from}."""
+        known = set(self.names) | self._buffer_names
+        regular = {int(n.split(".", 1)[0]) for n in known if n.split(".", 1)[0].isdigit()}
+        have = {int(LAYER_RE.match(f).group(1)): f for f in files}  # type: ignore[union-attr]
+        lacking = sorted(regular - set(have))
+        if lacking:
+            i = lacking[0]
+            held = sorted(n for n in known if n.startswith(f"{i}."))
+            raise CheckpointError(f"DeepSpeed pipeline checkpoint {self.path} lacks layer file "
+                                  f"layer_{i:02d}-model_states.pt (layer {i} holds {held[:4]} by the model states "
+                                  f"files){f'; layers {lacking[1:]} lack theirs too' if len(lacking) > 1 else ''}")
+        module: dict[str, torch.Tensor] = {}
+        origin: dict[str, str] = {}
+        for i, f in sorted(have.items()):
+            sd = load_file(os.path.join(self.path, f))
+            if not isinstance(sd, dict) or any(not isinstance(t, torch.Tensor) for t in sd.values()):
+                raise CheckpointError(f"{os.path.join(self.path, f)} is not a DeepSpeed layer file (a state_dict of "
+                                      f"tensors), it holds a {type(sd).__name__}")
+            prefix = f"{i}." if i in regular or not sd else self._tied_prefix(f, sd, known)
+            for key, t in sd.items():
+                name = prefix + key
+                if name in self.shapes and tuple(t.shape) != self.shapes[name]:
+                    raise CheckpointError(f"{os.path.join(self.path, f)}: {key!r} ({name!r}) has shape "
+                                          f"{tuple(t.shape)}, the model states files {self.shapes[name]}")
+                if name not in module:  # a tied module saved by several stages: the lowest layer's copy
+                    module[name], origin[name] = t, f
+        return module, origin
+
+    def _tied_prefix(self, f: str, sd: dict[str, torch.Tensor], known: set[str]) -> str:
+        """``tied_modules.KEY.`` of the tied module whose state layer file ``f`` holds (found by its trained params'
+        and buffers' names and shapes), or ``I.`` (a layer all of whose params are frozen)."""
+        i = int(LAYER_RE.match(f).group(1))  # type: ignore[union-attr]
+        keys = {n[len(TIED):].split(".", 1)[0] for n in known if n.startswith(TIED)}
+        fits = []
+        for k in sorted(keys):
+            want = {n[len(TIED) + len(k) + 1:] for n in known if n.startswith(f"{TIED}{k}.")}
+            if want <= set(sd) and all(tuple(sd[w].shape) == self.shapes.get(f"{TIED}{k}.{w}", tuple(sd[w].shape))
+                                       for w in want):
+                fits.append(k)
+        if len(fits) > 1:
+            raise CheckpointError(f"{os.path.join(self.path, f)}: the state of layer {i} ({sorted(sd)}) fits the tied "
+                                  f"modules {fits} alike: which one it is cannot be told")
+        return f"{TIED}{fits[0]}." if fits else f"{i}."
+
+    def _merged_model(self) -> dict[str, Any]:
+        """Stage 0's model states with ``param_shapes`` of all stages (group by group, each name once)."""
+        counts = {len(st.model.get("param_shapes") or []) for st in self.stages}
+        if len(counts) != 1:
+            raise CheckpointError(f"{self.path}: the stages hold {sorted(counts)} param groups: they cannot be joined")
+        groups: list[OrderedDict] = [OrderedDict() for _ in range(counts.pop())]
+        for st in self.stages:
+            for g, shapes in enumerate(st.model["param_shapes"]):
+                for name, shape in shapes.items():
+                    groups[g].setdefault(name, shape)
+        return {**self.stages[0].model, "param_shapes": groups, "buffer_names": sorted(self._buffer_names)}
+
+    # ------------------------------------------------------------------ reads (by the stage holding the param)
+    def file_of(self, name: str) -> str:
+        """Where ``name`` is saved: its layer file, or the optimizer files of the stage holding it."""
+        if name in self._owner:
+            files = f"zero_pp_rank_*_mp_rank_{self._owner[name]:02d}_optim_states.pt"
+            return files + (f", {self._origin[name]}" if name in self._origin else "")
+        return self._origin.get(name, self.path)
+
+    def describe(self) -> str:
+        span = f", layer files of layers {min(self._layer_ids)}..{max(self._layer_ids)}" if self._layer_ids else ""
+        return f"pipeline of pp={self.pp} stages, ZeRO-{self.stage} at dp={self.dp}{span}"
+
+    def has(self, name: str, key: str) -> bool:
+        name = self.source(name)
+        return self.stages[self._owner[name]].has(name, key)
+
+    def read(self, name: str, key: str, a: int, z: int) -> torch.Tensor:
+        name = self.source(name)
+        return self.stages[self._owner[name]].read(name, key, a, z)
+
+    def step(self, name: str) -> float:
+        name = self.source(name)
+        return self.stages[self._owner[name]].step(name)
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        return {n: t for n, t in self._layers.items() if n in self._buffer_names}
+
+    def frozen(self) -> dict[str, torch.Tensor]:
+        """The layer files' params that no stage trains (``requires_grad=False`` in DeepSpeed's run)."""
+        return {n: t for n, t in self._layers.items() if n not in self.shapes and n not in self._buffer_names}
+
+    def counters(self) -> dict[str, Any]:
+        return self.stages[0].counters()
+
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.stages[0].param_groups()
+
+    def scheduler(self) -> dict | None:
+        return self.stages[0].scheduler()
+
+    def client_state(self) -> dict:
+        return self.stages[0].client_state()
+
+
+__all__ = ["DeepSpeedPipelineCheckpoint"]

@@ -1,0 +1,242 @@
+"""DeepSpeed *pipeline* checkpoints (``layer_II-model_states.pt`` per layer, ``mp_rank_SS_model_states.pt`` and ZeRO-1
+``zero_pp_rank_R_mp_rank_SS_optim_states.pt`` per stage) load into llmpar as they are (``ds_pipe_read.py``).
+
+One launch on 2 ranks (the rank pool): real DeepSpeed (0.19, CPU, gloo) trains ``tests/data/pipe_ckpt_model.py``'s
+PipelineModule (a weight tied between the stages, called through a ``forward_fn`` on stage 1, a frozen param, random
+persistent buffers, odd widths) at pp=2 x dp=1, ZeRO-1, with a WarmupLR schedule and gradient clipping, for K steps,
+saves with a client_state, and continues N steps on given batches. llmpar builds the model from another seed (the load
+must overwrite every value) and loads the checkpoint at the same layout (pp=2, ZeRO-1), at pp=1 x dp=2 (ZeRO-2) and
+into a plain (non-pipeline) engine at dp=2 (ZeRO-3) of a module with the PipelineModule's names, continues the same N
+steps on the same global batches, and its losses equal DeepSpeed's continuation (<= 1e-6 relative; at the same layout
+the weights after those steps equal DeepSpeed's to 1e-6 too); counters, scheduler, client_state, lr, buffers
+and the frozen param travel. The same launch checks the errors, on both ranks: a missing layer file, a truncated one,
+a model with a layer fewer, each naming the file.
+"""
+import os
+import shutil
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from multirank import run_ranks
+
+pytest.importorskip("deepspeed", reason="DeepSpeed is not installed")
+
+K, N = 2, 3  # steps DeepSpeed trains before its save, steps both continue
+MICRO, GAS = 3, 4  # DeepSpeed's pp=2 x dp=1 run: 12 rows per step
+TAG = "saved"
+
+
+def _model_file():
+    """``tests/data/pipe_ckpt_model.py`` (imported on the ranks, whose path may not hold tests/data)."""
+    data = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+    if data not in sys.path:
+        sys.path.insert(0, data)
+    import pipe_ckpt_model
+
+    return pipe_ckpt_model
+
+
+def _config(stage, micro=MICRO, gas=GAS):
+    return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas, "steps_per_print": 1000,
+            "gradient_clipping": 0.5, "zero_optimization": {"stage": stage},
+            "optimizer": {"type": "AdamW", "params": {"lr": 2e-2, "weight_decay": 0.01, "betas": [0.9, 0.95],
+                                                      "torch_adam": True}},
+            "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4, "warmup_max_lr": 2e-2,
+                                                         "warmup_type": "linear"}}}
+
+
+def _data(step, dp):
+    """This rank's micro-batches of global step ``step`` (the same 12 rows split over dp)."""
+    mine = _model_file().batches(step, GAS, MICRO)
+    per = GAS // dp
+    r = dist.get_rank() if dp > 1 else 0
+    return mine[r * per:(r + 1) * per]
+
+
+def _deepspeed(root):
+    import deepspeed
+    import deepspeed.ops
+
+    M = _model_file()
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no JIT build of DeepSpeed's CPU comm op
+    deepspeed.init_distributed()
+    torch.manual_seed(1234)
+    net = deepspeed.pipe.PipelineModule(layers=M.layers(deepspeed.pipe), loss_fn=torch.nn.CrossEntropyLoss(),
+                                        num_stages=2)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for b in net.buffers():  # random buffers: the load must carry them
+            b.copy_(torch.rand(b.shape, generator=g) + 0.5)
+    engine, *_ = deepspeed.initialize(model=net, config=_config(1),
+                                      model_parameters=[p for p in net.parameters() if p.requires_grad])
+    for step in range(K):
+        engine.train_batch(iter(_data(step, 1)))
+    engine.save_checkpoint(root, tag=TAG, client_state={"epoch": 7, "note": "pipe"})
+    state = {n: t.detach().clone() for n, t in [*net.named_parameters(), *net.named_buffers()]}
+    run = (engine.lr_scheduler.state_dict(), engine.get_lr())
+    losses = [float(engine.train_batch(iter(_data(step, 1)))) for step in range(K, K + N)]
+    end = {n: t.detach().clone() for n, t in net.named_parameters()}
+    return (losses, end), state, run
+
+
+def _llmpar(layout, layers=None):
+    """An llmpar engine of ``layout``: "pp2" (pp=2, ZeRO-1), "pp1" (PipelineModule at pp=1 x dp=2, ZeRO-2), "plain"
+    (a plain module with the PipelineModule's names, dp=2, ZeRO-3), built from another seed."""
+    import llmpar
+    import llmpar.pipe
+
+    M = _model_file()
+    torch.manual_seed(99)
+    if layout == "plain":
+        model = M.Flat(llmpar.pipe)
+        engine, *_ = llmpar.initialize(model=model, config=_config(3, gas=GAS // 2))
+        return engine, model
+    pp = 2 if layout == "pp2" else 1
+    net = llmpar.pipe.PipelineModule(layers=layers or M.layers(llmpar.pipe), loss_fn=torch.nn.CrossEntropyLoss(),
+                                     num_stages=pp)
+    engine, *_ = llmpar.initialize(model=net, config=_config(1 if pp == 2 else 2, gas=GAS * pp // 2),
+                                   training_data=None)
+    return engine, net
+
+
+def _train(engine, model, layout):
+    dp = 1 if layout == "pp2" else 2
+    if layout != "plain":
+        return [float(engine.train_batch(iter(_data(step, dp)))) for step in range(K, K + N)]
+    out = []
+    for step in range(K, K + N):
+        total = torch.zeros(1, dtype=torch.float64)
+        for x, y in _data(step, dp):
+            loss = torch.nn.functional.cross_entropy(engine(x), y)
+            engine.backward(loss)
+            engine.step()
+            total += loss.item() / len(_data(step, dp))
+        dist.all_reduce(total)
+        out.append(total.item() / dp)
+    return out
+
+
+def _error(fn):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test reads the text
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def body(root, ext_dir):
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", ext_dir)
+    out = {}
+    out["ds"], out["ds_state"], out["ds_run"] = _deepspeed(root)
+    dist.barrier()
+    for layout in ("pp2", "pp1", "plain"):
+        engine, model = _llmpar(layout)
+        path, client = engine.load_checkpoint(root)
+        loaded = {n: t.detach().clone() for n, t in [*model.named_parameters(), *model.named_buffers()]}
+        if layout == "plain":  # ZeRO-3: gathered to compare
+            loaded = {n: t.detach().clone() for n, t in engine.module_state_dict().items()}
+        facts = (os.path.basename(path), client, engine.global_steps, engine.global_samples,
+                 engine.lr_scheduler.state_dict(), [g["lr"] for g in engine.optimizer.param_groups])
+        losses = _train(engine, model, layout)
+        end = {n: t.detach().clone() for n, t in model.named_parameters()} if layout == "pp2" else None
+        out[layout] = ((losses, end), facts, loaded)
+    # errors, on both ranks: a missing layer file, a truncated one, a model of another layer count
+    import llmpar.pipe
+
+    M = _model_file()
+    if dist.get_rank() == 0:
+        for bad in ("missing", "truncated"):
+            shutil.copytree(os.path.join(root, TAG), os.path.join(root, bad, TAG))
+        os.remove(os.path.join(root, "missing", TAG, "layer_03-model_states.pt"))
+        victim = os.path.join(root, "truncated", TAG, "layer_07-model_states.pt")
+        with open(victim, "rb") as f:
+            head = f.read()[:200]
+        with open(victim, "wb") as f:
+            f.write(head)
+    dist.barrier()
+    errors = {}
+    for bad in ("missing", "truncated"):
+        engine, _ = _llmpar("pp2")
+        errors[bad] = _error(lambda: engine.load_checkpoint(os.path.join(root, bad), tag=TAG))
+    fewer = M.layers(llmpar.pipe)[:-1]  # no last Linear: the checkpoint's layer 10 has no place
+    engine, _ = _llmpar("pp2", layers=fewer)
+    errors["fewer"] = _error(lambda: engine.load_checkpoint(root))
+    out["errors"] = errors
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, ds_ext_dir):
+    root = tmp_path_factory.mktemp("dspipe")
+    return run_ranks(body, 2, str(root), str(ds_ext_dir), timeout=240), root
+
+
+def test_deepspeed_pipeline_checkpoint_files(runs):
+    """The layout this reader expects is the one DeepSpeed wrote: a layer file per layer but the tied head called
+    through forward_fn, a model states file and a ZeRO-1 optimizer file per stage; the reader joins the stages, the
+    tied weight once (its stage-1 copy equal to stage 0's), buffers and the frozen param from the layer files."""
+    from llmpar.checkpoint.deepspeed_read import DeepSpeedCheckpoint
+    from llmpar.checkpoint.ds_pipe_read import DeepSpeedPipelineCheckpoint
+
+    runs, root = runs
+    files = sorted(os.listdir(root / TAG))
+    assert files == [f"layer_{i:02d}-model_states.pt" for i in (0, 1, 2, 3, 4, 5, 6, 7, 10)] + [
+        "mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "zero_pp_rank_0_mp_rank_01_optim_states.pt"]
+    ck = DeepSpeedCheckpoint(str(root / TAG))
+    assert isinstance(ck, DeepSpeedPipelineCheckpoint) and (ck.pp, ck.stage, ck.dp) == (2, 1, 1)
+    state = runs[0]["ds_state"]  # DeepSpeed's params right after its save: stage 0's on rank 0, stage 1's on rank 1
+    both = {**runs[1]["ds_state"], **state}
+    trained = {n for n in both if n != "2.norm.bias" and not n.endswith("scale")}
+    assert set(ck.names) == trained and ck.names[0] == "tied_modules.embed.weight"
+    for n in trained:
+        assert torch.equal(ck.read(n, "master", 0, both[n].numel()), both[n].reshape(-1)), n
+    tied = "tied_modules.embed.weight"
+    for key in ("master", "exp_avg", "exp_avg_sq"):
+        assert torch.equal(ck.stages[0].read(tied, key, 0, 91), ck.stages[1].read(tied, key, 0, 91))
+    assert ck.frozen().keys() == {"2.norm.bias"} and torch.equal(ck.frozen()["2.norm.bias"], both["2.norm.bias"])
+    assert ck.buffers().keys() == {"2.scale", "7.scale"}
+    assert all(torch.equal(ck.buffers()[n], both[n]) for n in ck.buffers())
+
+
+@pytest.mark.parametrize("layout", ["pp2", "pp1", "plain"])
+def test_llmpar_continues_deepspeed_pipeline(runs, layout):
+    """llmpar continues DeepSpeed's pipeline checkpoint at the same layout (pp=2, ZeRO-1), at pp=1 x dp=2 ZeRO-2 and
+    in a plain engine at dp=2 ZeRO-3: the next losses are DeepSpeed's (<= 1e-6 relative); every value it loaded is
+    DeepSpeed's, bitwise (its own build drew others); counters, scheduler, lr and client_state are DeepSpeed's."""
+    runs, _ = runs
+    theirs = runs[0]["ds"][0]
+    both = {**runs[1]["ds_state"], **runs[0]["ds_state"]}
+    for r, out in enumerate(runs):
+        (losses, end), facts, loaded = out[layout]
+        # DeepSpeed sums the micro-batch losses in fp32, llmpar in fp64: the reported losses differ in the last bits
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(theirs), rtol=1e-6, atol=0)
+        if layout == "pp2":  # the same layout: the weights after the N steps are DeepSpeed's, to an ulp or two (not
+            ds_end = out["ds"][1]  # bitwise: the sums of the step run in another order)
+            assert end.keys() == ds_end.keys()
+            for n in end:
+                torch.testing.assert_close(end[n], ds_end[n], rtol=1e-6, atol=1e-7, msg=lambda m: f"{r} {n}: {m}")
+        name, client, steps, samples, sched, lrs = facts
+        assert (name, client, steps, samples) == (TAG, {"epoch": 7, "note": "pipe"}, K, K * MICRO * GAS)
+        assert (sched, lrs) == runs[0]["ds_run"], (sched, lrs)
+        for n, t in loaded.items():
+            assert torch.equal(t, both[n]), (layout, r, n)
+        if layout == "pp2":
+            assert len(loaded) == len(out["ds_state"])  # the rank's own stage, the tied weight on both
+        elif layout == "pp1" or r == 0:  # the plain engine's ZeRO-3 state dict is gathered on rank 0
+            assert loaded.keys() == both.keys()
+
+
+def test_bad_pipeline_checkpoints_fail_on_every_rank_naming_the_file(runs):
+    runs, _ = runs
+    for out in runs:
+        e = out["errors"]
+        assert e["missing"] and "lacks layer file layer_03-model_states.pt" in e["missing"], e["missing"]
+        assert e["truncated"] and "layer_07-model_states.pt" in e["truncated"] and \
+            "cannot read DeepSpeed checkpoint file" in e["truncated"], e["truncated"]
+        assert e["fewer"] and "in no rank's model" in e["fewer"] and "'10.weight' (" in e["fewer"] and \
+            "layer_10-model_states.pt" in e["fewer"], e["fewer"]
