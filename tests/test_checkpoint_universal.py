@@ -173,3 +173,59 @@ def test_bad_universal_checkpoints_fail_on_every_rank_naming_the_path(runs):
         assert "cannot read" in out["truncated"], out["truncated"]
         assert "'tok_emb.weight' has full shape (63, 24) here" in out["shape"] and "(61, 24)" in out["shape"], \
             out["shape"]
+
+
+def test_convert_from_universal(runs, tmp_path):
+    """``llmpar checkpoint convert`` of DeepSpeed's universal checkpoints (found through latest_universal, or
+    ``--from universal``): to hf (the fp32 masters), deepspeed (ZeRO-3 at dp=3, ZeRO-2), universal and dcp; what was
+    written equals the universal source bitwise (masters, moments, step); a directory that is not one is refused
+    naming what it holds."""
+    import math
+
+    from safetensors.torch import load_file
+
+    from llmpar.checkpoint import consolidate
+    from llmpar.checkpoint.dcp_format import DcpCheckpoint
+    from llmpar.checkpoint.deepspeed_read import DeepSpeedCheckpoint
+    from llmpar.checkpoint.files import CheckpointError
+    from llmpar.checkpoint.universal_read import UniversalCheckpoint
+    from llmpar.cli import main
+
+    _, root = runs
+    uni = f"global_step{K}_universal"
+    for name in ("z2", "z3"):
+        src = UniversalCheckpoint(str(root / name / uni))
+        size = {n: math.prod(src.shapes[n]) for n in src.names}
+        for n in src.names:
+            src.open(n)
+        assert main(["checkpoint", "convert", str(root / name), str(tmp_path / f"{name}_hf"), "--from",
+                     "universal"]) == 0
+        hf = load_file(tmp_path / f"{name}_hf" / "model.safetensors")
+        assert set(src.names) <= set(hf)
+        for n in src.names:
+            assert torch.equal(hf[n].reshape(-1), src.read(n, "master", 0, size[n])), n
+        for stage, dp in ((3, 3), (2, 2)):
+            out = tmp_path / f"{name}_ds{stage}"
+            consolidate.convert(str(root / name), str(out), to="deepspeed", stage=stage, dp=dp)
+            ck = DeepSpeedCheckpoint(str(out / f"global_step{K}"))
+            assert (ck.stage, ck.dp, sorted(ck.names)) == (stage, dp, sorted(src.names))
+            for n in src.names:
+                for key in ("master", "exp_avg", "exp_avg_sq"):
+                    assert torch.equal(ck.read(n, key, 0, size[n]), src.read(n, key, 0, size[n])), (n, key)
+                assert ck.step(n) == src.step(n) == K
+        consolidate.convert(str(root / name), str(tmp_path / f"{name}_u"), to="universal")
+        back = UniversalCheckpoint(str(tmp_path / f"{name}_u" / f"global_step{K}"))
+        dcp_dir = tmp_path / f"{name}_dcp"
+        consolidate.convert(str(root / name), str(dcp_dir), to="dcp")
+        dc = DcpCheckpoint(str(dcp_dir))
+        for n in src.names:
+            for key in ("master", "exp_avg", "exp_avg_sq"):
+                want = src.read(n, key, 0, size[n])
+                assert torch.equal(back.read(n, key, 0, size[n]), want), (n, key)
+                assert torch.equal(dc.read(n, key, 0, size[n]), want), (n, key)
+            assert back.step(n) == dc.step(n) == K
+        assert back.client_state()["data_pos"] == 17 + K and back.counters()["global_steps"] == K
+    with pytest.raises(CheckpointError, match="is not a universal checkpoint .* holds"):
+        consolidate.convert(str(root / "ours"), str(tmp_path / "x"), source="universal")
+    with pytest.raises(ValueError, match="source='zip' is not one of"):
+        consolidate.convert(str(root / "ours"), str(tmp_path / "x"), source="zip")

@@ -23,6 +23,8 @@ fields (``metacheck``) and every file's sha256 are verified first.
 ``convert`` (``ds_convert.py``) takes a checkpoint of either layout (``--from`` auto-detected: DeepSpeed's files, or
 llmpar's ``metadata.json``) to HuggingFace's layout as ``consolidate`` writes it (no ``config.json`` from a DeepSpeed
 checkpoint: it records none), then reads every written file back and compares each tensor with the source, bitwise.
+A universal checkpoint (``ds_to_universal``'s, or ``--to universal``'s) converts to every layout (``--from universal``
+or detected: ``zero/`` beside a model states file, or ``latest_universal`` naming one).
 """
 from __future__ import annotations
 
@@ -33,7 +35,8 @@ from typing import Any
 
 import torch
 
-from llmpar.checkpoint import dcp_convert, ds_convert, ds_universal, ds_write, files, hf_files, metacheck, publish
+from llmpar.checkpoint import (dcp_convert, dcp_format, ds_convert, ds_universal, ds_write, files, hf_files, metacheck,
+                               publish)
 from llmpar.checkpoint.files import CheckpointError
 from llmpar.checkpoint.reshard import CheckpointReader
 
@@ -92,18 +95,24 @@ def consolidate(path: str, out_dir: str, tag: str | None = None, *, dtype: Any =
 def convert(src: str, out_dir: str, *, to: str = "hf", source: str = "auto", tag: str | None = None,
             dtype: Any = torch.float32, max_shard_size: Any = hf_files.DEFAULT_SHARD_SIZE,
             format: str | None = None, stage: int | None = None, dp: int | None = None) -> list[str]:
-    """Convert checkpoint ``src`` (``source``: "auto", "deepspeed" or "llmpar") to ``to`` ("hf": HuggingFace's
+    """Convert checkpoint ``src`` (``source``: "auto", "deepspeed", "llmpar" or "universal": DeepSpeed's universal
+    layout, ``universal_read.py``, also detected) to ``to`` ("hf": HuggingFace's
     layout, as :func:`consolidate` writes it; "deepspeed": DeepSpeed's ZeRO-``stage`` layout for ``dp`` ranks,
     ``ds_write.py``, defaults: the source's; "universal": DeepSpeed's universal layout, ``ds_universal.py``; "dcp":
     a ``torch.distributed.checkpoint`` directory FSDP2 / torchtitan load, from an llmpar checkpoint,
     ``dcp_convert.py``) in ``out_dir``; every file written is read back and each tensor compared with the source
     (dcp: the source's files are verified before anything is written). Returns the paths written."""
+    if source not in (*ds_convert.SOURCES, "universal"):
+        raise ValueError(f"source={source!r} is not one of {[*ds_convert.SOURCES, 'universal']}")
     if to == "deepspeed":
         return ds_write.write_deepspeed(src, out_dir, stage=stage, dp=dp, tag=tag, source=source)
     if to == "universal" and stage is None and dp is None:
         return ds_universal.write_universal(src, out_dir, tag=tag, source=source)
     if stage is not None or dp is not None:
         raise ValueError(f"stage={stage!r} / dp={dp!r}: only for to='deepspeed', not to={to!r}")
+    uni = ds_write.locate_universal(src, tag, source) if to in ("dcp", "hf") else None
+    if uni is not None:
+        return _from_universal(uni, out_dir, to, dtype=dtype, max_shard_size=max_shard_size, format=format)
     if to == "dcp":
         kind, path = ds_convert.locate(src, tag, source)
         if kind != "llmpar":
@@ -129,6 +138,33 @@ def convert(src: str, out_dir: str, *, to: str = "hf", source: str = "auto", tag
     written = hf_files.write_hf_model(out_dir, state, config=model.get("hf_config"),
                                       generation_config=model.get("hf_generation_config"),
                                       max_shard_size=max_shard_size, format=format)
+    ds_convert.verify(state, written)
+    return written
+
+
+def _from_universal(path: str, out_dir: str, to: str, **hf: Any) -> list[str]:
+    """Universal checkpoint ``path`` as HuggingFace weights (the fp32 masters, tied names, buffers and frozen params;
+    every tensor read back and compared) or as a DCP directory (masters, Adam moments, steps, hyper-parameters per
+    param group)."""
+    s = ds_write.open_source(path, None, "universal")
+    names = [n for g in s.groups for n in g]
+    model = {n: s.full(n, "master").view(s.shapes[n]) for n in names}
+    if to == "dcp":
+        moments = {n: {k: s.full(n, k).view(s.shapes[n]) for k in dcp_format.MOMENTS} for n in names}
+        hyper = {n: {k: (tuple(h[k]) if k == "betas" else h[k]) for k in ("lr", "betas", "eps", "weight_decay")}
+                 for g, h in zip(s.groups, s.hyper) for n in g}
+        dcp_format.write_dcp(out_dir, {**model, **s.buffers, **s.frozen}, moments, dict.fromkeys(names, s.step),
+                             hyper)
+        return sorted(os.path.join(out_dir, f) for f in os.listdir(out_dir))
+    target = hf_files.parse_dtype(hf["dtype"])
+    state = {n: t.to(target) if target is not None and t.dtype != torch.float64 else t for n, t in model.items()}
+    for alias, name in getattr(s, "aliases", {}).items():
+        if name in state:
+            state[alias] = state[name]
+    for n, t in {**s.buffers, **s.frozen}.items():
+        state.setdefault(n, t.to(target) if target is not None and t.is_floating_point() and
+                         t.dtype != torch.float64 else t)
+    written = hf_files.write_hf_model(out_dir, state, max_shard_size=hf["max_shard_size"], format=hf["format"])
     ds_convert.verify(state, written)
     return written
 
@@ -205,7 +241,7 @@ def register(subparsers: Any) -> None:
                    help="--to deepspeed: the ZeRO stage to write for (default: the source's, 0 -> 1)")
     v.add_argument("--dp", type=int, default=None,
                    help="--to deepspeed: the data-parallel degree (default: the source's)")
-    v.add_argument("--from", dest="source", default="auto", choices=list(ds_convert.SOURCES),
+    v.add_argument("--from", dest="source", default="auto", choices=[*ds_convert.SOURCES, "universal"],
                    help="source layout (default: detected)")
     v.add_argument("--tag", default=None, help="checkpoint tag inside SRC (default: SRC/latest)")
     v.add_argument("--dtype", default="fp32", choices=sorted(hf_files.DTYPES) + ["keep"],

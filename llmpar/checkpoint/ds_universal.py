@@ -19,7 +19,9 @@ ZeRO stage 1-3 with ``"checkpoint": {"load_universal": true}``:
 
 A universal load restores only the trained params (DeepSpeed skips the module state dict): buffers and frozen params
 keep the model's values, as with DeepSpeed's own universal checkpoints. Every tensor file written is read back and
-compared bitwise with the source. The refusals are ``ds_write``'s.
+compared bitwise with the source. The refusals are ``ds_write``'s. Memory: one param's tensor at a time (read from the
+memory-mapped source, streamed into its file, checked in pieces against the source, dropped), and the model states
+file (every param whole in ``module``, as DeepSpeed writes it). A universal checkpoint is a source too.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from llmpar.checkpoint.ds_files import load_file
 from llmpar.checkpoint.files import CheckpointError
 
 FILES = {"master": "fp32", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
+PIECE = 1 << 24  # elements compared at a time
 
 
 def write_universal(src: str, out_dir: str, *, tag: str | None = None, source: str = "auto") -> list[str]:
@@ -44,11 +47,13 @@ def write_universal(src: str, out_dir: str, *, tag: str | None = None, source: s
     zero = os.path.join(d, "zero")
     written: list[str] = []
     names = [n for g in s.groups for n in g]
-    for n in names:
+    for n in names:  # one tensor in memory at a time, written streamed
         os.makedirs(os.path.join(zero, n), exist_ok=True)
         for key, fname in FILES.items():
             path = os.path.join(zero, n, f"{fname}.pt")
-            ds_write.save_pickled({"param": s.full(n, key).view(s.shapes[n]).clone()}, path)
+            t = ds_write.owned(s.full(n, key)).view(s.shapes[n])
+            ds_write.save_pickled({"param": t}, path)
+            del t
             written.append(path)
         path = os.path.join(zero, n, "step.pt")
         ds_write.save_pickled(torch.tensor(s.step, dtype=torch.float32), path)
@@ -72,19 +77,30 @@ def write_universal(src: str, out_dir: str, *, tag: str | None = None, source: s
     return written
 
 
+def _check(s: ds_write.Source, n: str, key: str, path: str) -> None:
+    """``path`` (memory-mapped) equals the source's ``key`` of ``n`` bitwise, in its full shape, compared in pieces
+    of at most ``PIECE`` elements; a CheckpointError naming it otherwise."""
+    got = load_file(path)
+    t = got.get("param") if isinstance(got, dict) else None
+    k = math.prod(s.shapes[n])
+    same = t is not None and tuple(t.shape) == tuple(s.shapes[n])
+    flat = t.reshape(-1) if same else None
+    for a in range(0, k, PIECE) if same else ():
+        if not torch.equal(flat[a:a + PIECE], s.piece(n, key, a, min(a + PIECE, k))):
+            same = False
+            break
+    if not same:
+        raise CheckpointError(f"{path[:-3]}.pt read back differs from the source's {key} of {n!r} (shape "
+                              f"{tuple(s.shapes[n])}, {k} elements)")
+
+
 def verify(s: ds_write.Source, path: str) -> None:
     """Every ``zero/<name>/*.pt`` of universal checkpoint ``path`` read back equals the source's tensor, bitwise, in
     its full shape; the step and the param groups too; a CheckpointError naming what differs."""
     zero = os.path.join(path, "zero")
     for n in (n for g in s.groups for n in g):
         for key, fname in FILES.items():
-            got = load_file(os.path.join(zero, n, f"{fname}.pt"))
-            t = got.get("param") if isinstance(got, dict) else None
-            want = s.full(n, key)
-            if t is None or tuple(t.shape) != tuple(s.shapes[n]) or not torch.equal(t.reshape(-1), want):
-                raise CheckpointError(f"{os.path.join(zero, n, fname)}.pt read back differs from the source's "
-                                      f"{key} of {n!r} (shape {tuple(s.shapes[n])}, {math.prod(s.shapes[n])} "
-                                      "elements)")
+            _check(s, n, key, os.path.join(zero, n, f"{fname}.pt"))
         step = load_file(os.path.join(zero, n, "step.pt"))
         if float(step) != s.step:
             raise CheckpointError(f"{zero}/{n}/step.pt reads back {float(step)}, the source's step is {s.step}")

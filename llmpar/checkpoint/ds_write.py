@@ -35,12 +35,15 @@ vocabulary padding dropped), so the output is model-parallel degree 1. Params ar
 lists them (DeepSpeed's param_shapes; llmpar's layout, the model's order): DeepSpeed's ZeRO 1-2 flat groups follow
 the model's parameter order, so a model whose order differs would load other values. After writing, every file is
 read back with ``deepspeed_read.DeepSpeedCheckpoint`` and every param's master and moments compared bitwise with the
-source. Memory: every param's master and moments are held whole while writing (not streamed).
+source. Memory: each rank's optimizer file is built from pieces of the params it overlaps (``Source.piece``: a
+range of the memory-mapped source; an llmpar source reads one whole param at a time), written streamed into its file
+and dropped before the next; the stage 1-2 model states file holds every param whole, as DeepSpeed's does; the check
+reads back one param at a time. Peak: one output file + about two copies of the largest tensor.
+A universal checkpoint (``universal_read``) is a source too (``--from universal``, or detected).
 """
 from __future__ import annotations
 
 import copyreg
-import io
 import math
 import os
 import pickle
@@ -49,10 +52,11 @@ from typing import Any
 
 import torch
 
-from llmpar.checkpoint import ds_convert, files, metacheck
+from llmpar.checkpoint import ds_convert, files, metacheck, universal_read
 from llmpar.checkpoint.deepspeed_read import DeepSpeedCheckpoint
 from llmpar.checkpoint.files import CheckpointError
 from llmpar.checkpoint.reshard import CheckpointReader
+from llmpar.checkpoint.universal_read import UniversalCheckpoint
 
 DS_VERSION = "0.19.8"
 KEYS = ("master", "exp_avg", "exp_avg_sq")
@@ -101,10 +105,23 @@ _PICKLE = types.SimpleNamespace(Pickler=_Pickler, dump=pickle.dump, __name__="ll
 
 
 def save_pickled(obj: Any, path: str) -> None:
-    """``torch.save`` of ``obj`` to ``path`` (written whole, then renamed), DeepSpeed's classes by name."""
-    buf = io.BytesIO()
-    torch.save(obj, buf, pickle_module=_PICKLE)
-    write_bytes(path, buf.getvalue())
+    """``torch.save`` of ``obj`` to ``path``, DeepSpeed's classes by name: streamed into a ``.part`` file (no copy of
+    the bytes in memory), fsynced, renamed."""
+    tmp = path + ".part"
+    with open(tmp, "wb") as f:
+        torch.save(obj, f, pickle_module=_PICKLE)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def owned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` contiguous and alone in its storage (``torch.save`` writes a view's whole storage: a slice of a
+    memory-mapped partition would write the partition)."""
+    t = t.contiguous()
+    if t.untyped_storage().nbytes() != t.numel() * t.element_size() or t.storage_offset():
+        t = t.clone()
+    return t
 
 
 def write_bytes(path: str, data: bytes) -> None:
@@ -162,6 +179,10 @@ class Source:
     def full(self, name: str, key: str) -> torch.Tensor:
         raise NotImplementedError
 
+    def piece(self, name: str, key: str, a: int, z: int) -> torch.Tensor:
+        """Elements ``[a, z)`` of :meth:`full`'s flat view (a source reads only those when it can)."""
+        return self.full(name, key).reshape(-1)[a:z]
+
 
 class _DeepSpeedSource(Source):
     def __init__(self, path: str) -> None:
@@ -186,6 +207,40 @@ class _DeepSpeedSource(Source):
         n = math.prod(self.shapes[name])
         return self.ck.read(name, key, 0, n).to(torch.float32)
 
+    def piece(self, name: str, key: str, a: int, z: int) -> torch.Tensor:
+        if key == "master" and not self.ck.has(name, "master"):
+            key = "params"
+        return self.ck.read(name, key, a, z).to(torch.float32)
+
+
+class _UniversalSource(Source):
+    """A universal checkpoint (``universal_read``): every param's files opened (memory-mapped) and checked."""
+
+    def __init__(self, path: str) -> None:
+        ck = self.ck = UniversalCheckpoint(path)
+        groups = ck.model.get("param_shapes")
+        self.groups = [list(g) for g in groups] if isinstance(groups, list) and groups else [list(ck.names)]
+        for n in ck.names:
+            ck.open(n)
+        self.shapes, self.aliases = dict(ck.shapes), dict(ck.aliases)
+        self.hyper = ck.param_groups()
+        if len(self.hyper) != len(self.groups):
+            raise CheckpointError(f"{path}: {len(self.groups)} param groups by param_shapes, {len(self.hyper)} in "
+                                  "zero/optimizer_state.pt: cannot be written")
+        self.step = _one_step({ck.step(n) for n in ck.names}, path)
+        self.buffers, self.frozen = ck.buffers(), ck.frozen()
+        self.counters, self.scheduler, self.client = ck.counters(), ck.scheduler(), ck.client_state()
+        self.ds_config = dict(ck.model.get("ds_config") or {})
+        self.stage, self.dp = min(max(ck.stage, 1), 3), ck.dp
+
+    def full(self, name: str, key: str) -> torch.Tensor:
+        return self.piece(name, key, 0, math.prod(self.shapes[name]))
+
+    def piece(self, name: str, key: str, a: int, z: int) -> torch.Tensor:
+        if not self.ck.has(name, key):
+            raise CheckpointError(f"universal checkpoint {self.ck.path} has no {key!r} of {name!r}")
+        return self.ck.read(name, key, a, z).to(torch.float32)
+
 
 class _LlmparSource(Source):
     def __init__(self, path: str) -> None:
@@ -197,6 +252,7 @@ class _LlmparSource(Source):
             raise CheckpointError(f"{path}: llmpar checkpoint of {len(meta['param_groups'])} param groups: which "
                                   "param is in which is not recorded; only one group is written to DeepSpeed's layout")
         reader = self.reader = CheckpointReader(path, meta)
+        self._last: tuple[tuple[str, str], torch.Tensor] | None = None
         for fname in sorted(meta["files"]):
             why = reader.files.check(fname, full=True)
             if why is not None:
@@ -220,7 +276,9 @@ class _LlmparSource(Source):
         if key not in self.keys[name]:
             raise CheckpointError(f"param {name!r} has no {key!r} in the llmpar checkpoint (saved: "
                                   f"{self.keys[name]}): an optimizer without Adam moments is not written")
-        return self.reader.full(name, key).reshape(-1).to(torch.float32)
+        if self._last is None or self._last[0] != (name, key):  # one param's whole tensor at a time
+            self._last = ((name, key), self.reader.full(name, key).reshape(-1).to(torch.float32))
+        return self._last[1]
 
 
 def _one_step(steps: set[float], path: str) -> float:
@@ -229,8 +287,27 @@ def _one_step(steps: set[float], path: str) -> float:
     return float(next(iter(steps), 0.0))
 
 
+def locate_universal(src: str, tag: str | None, source: str) -> str | None:
+    """The universal checkpoint ``src`` names (``universal_read.resolve``) when ``source`` is "auto" or
+    "universal"; None otherwise; a CheckpointError naming what ``src`` holds when ``source`` is "universal" and it
+    is not one."""
+    if source not in ("auto", "universal"):
+        return None
+    path = universal_read.resolve(os.fspath(src), tag)
+    if path is None and source == "universal":
+        where = os.path.join(os.fspath(src), tag) if tag is not None else os.fspath(src)
+        found = sorted(os.listdir(where))[:8] if os.path.isdir(where) else "nothing (no such directory)"
+        raise CheckpointError(f"{where} is not a universal checkpoint (no zero/ folder beside a model states file, "
+                              f"and no latest_universal naming one): it holds {found}")
+    return path
+
+
 def open_source(src: str, tag: str | None = None, source: str = "auto") -> Source:
-    """The checkpoint ``src`` (llmpar's or DeepSpeed's, ``ds_convert.locate``) as the writers read it."""
+    """The checkpoint ``src`` (universal, llmpar's or DeepSpeed's: ``locate_universal``, ``ds_convert.locate``) as
+    the writers read it."""
+    uni = locate_universal(src, tag, source)
+    if uni is not None:
+        return _UniversalSource(uni)
     kind, path = ds_convert.locate(src, tag, source)
     return _DeepSpeedSource(path) if kind == "deepspeed" else _LlmparSource(path)
 
@@ -258,18 +335,17 @@ def write_deepspeed(src: str, out_dir: str, *, stage: int | None = None, dp: int
     d = os.path.join(out_dir, out_tag)
     os.makedirs(d, exist_ok=True)
     written: list[str] = []
-    full = {k: [[s.full(n, k) for n in g] for g in s.groups] for k in KEYS}
     hyper = torch_groups(s.hyper)
     for r in range(dp):
         flats, state, extra = [], {}, {}
         if stage < 3:
             pads, slices, groups_pad = [], [], []
             for g, names in enumerate(s.groups):
-                total = sum(t.numel() for t in full["master"][g])
+                total = sum(math.prod(s.shapes[n]) for n in names)
                 padded = -(-total // (2 * dp)) * (2 * dp)
                 part = padded // dp
                 lo, hi = r * part, (r + 1) * part
-                cut = {k: torch.cat(full[k][g] + [torch.zeros(padded - total)])[lo:hi].clone() for k in KEYS}
+                cut = {k: _partition(s, names, k, lo, hi) for k in KEYS}
                 keep = max(0, min(hi, total) - lo)
                 flats.append(cut["master"][:keep].clone())
                 state[g] = {"step": torch.tensor(s.step), "exp_avg": cut["exp_avg"], "exp_avg_sq": cut["exp_avg_sq"]}
@@ -291,13 +367,7 @@ def write_deepspeed(src: str, out_dir: str, *, stage: int | None = None, dp: int
             base_key = "base_optimizer_state"
         else:
             for g, names in enumerate(s.groups):
-                cut = {k: [] for k in KEYS}
-                for i, n in enumerate(names):
-                    c = -(-math.prod(s.shapes[n]) // dp)
-                    for k in KEYS:
-                        t = full[k][g][i]
-                        cut[k].append(torch.cat([t, torch.zeros(c * dp - t.numel())])[r * c:(r + 1) * c])
-                cut = {k: torch.cat(v) if v else torch.zeros(0) for k, v in cut.items()}
+                cut = {k: _chunks(s, names, k, r, dp) for k in KEYS}
                 flats.append(cut["master"])
                 state[g] = {"step": torch.tensor(s.step), "exp_avg": cut["exp_avg"], "exp_avg_sq": cut["exp_avg_sq"]}
             extra = {"zero_stage": zero_stage(3), "partition_count": dp, "fp32_flat_groups": flats}
@@ -314,6 +384,32 @@ def write_deepspeed(src: str, out_dir: str, *, stage: int | None = None, dp: int
     write_bytes(os.path.join(out_dir, "latest"), out_tag.encode())
     verify(s, d, stage, dp)
     return written
+
+
+def _partition(s: Source, names: list[str], key: str, lo: int, hi: int) -> torch.Tensor:
+    """Elements ``[lo, hi)`` of the group of ``names`` flat in turn (zeros past its end), state ``key``: filled
+    from the pieces of the params that overlap it, none read whole."""
+    out, at = torch.zeros(hi - lo), 0
+    for n in names:
+        k = math.prod(s.shapes[n])
+        a, z = max(at, lo), min(at + k, hi)
+        if a < z:
+            out[a - lo:z - lo] = s.piece(n, key, a - at, z - at)
+        at += k
+    return out
+
+
+def _chunks(s: Source, names: list[str], key: str, r: int, dp: int) -> torch.Tensor:
+    """ZeRO-3: rank ``r``'s chunk of each param of ``names`` in turn (``ceil(numel / dp)`` elements, the last
+    padded with zeros), state ``key``, each read as a piece."""
+    sizes = [-(-math.prod(s.shapes[n]) // dp) for n in names]
+    out, at = torch.zeros(sum(sizes)), 0
+    for n, c in zip(names, sizes):
+        a, z = r * c, min((r + 1) * c, math.prod(s.shapes[n]))
+        if a < z:
+            out[at:at + z - a] = s.piece(n, key, a, z)
+        at += c
+    return out
 
 
 def model_states(s: Source, stage: int, dp: int, r: int) -> dict:
