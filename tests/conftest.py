@@ -26,6 +26,28 @@ def cpu_ext_built():
     return _cpu_ext.load()
 
 
+# what a launcher (torchrun, srun, mpirun) sets for a rank: a test that leaves any of them in the pytest process's
+# environment makes every later test that starts a job believe it is a rank of a launched one
+_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
+                  "NODE_RANK", "TORCHELASTIC_RUN_ID", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")
+
+
+@pytest.fixture(autouse=True)
+def launcher_environment_untouched(request):
+    """Fail (at teardown) a test that leaves launcher variables set or changed in this process, and restore them."""
+    before = {k: os.environ.get(k) for k in _LAUNCHER_VARS}
+    yield
+    changed = {k: (v, os.environ.get(k)) for k, v in before.items() if os.environ.get(k) != v}
+    for k, (v, _) in changed.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    if changed:
+        pytest.fail(f"{request.node.nodeid} left launcher variables changed in the test process (before, after): "
+                    f"{changed}; restore them (monkeypatch.setenv / a try-finally)", pytrace=False)
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
 

@@ -12,13 +12,16 @@ Ranks are kept alive between tests (one pool of processes per world size) becaus
 the slow part on a 2-core machine. A test that raises on any rank fails with that rank's traceback; a test that
 does not finish within ``timeout`` seconds fails naming the ranks still running, with their Python stacks
 (faulthandler), and the pool is torn down so the next test starts clean. Workers run the default process group
-with the same environment torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT).
+with the same environment torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT). After each test
+the ranks destroy the process groups it created (gloo keeps I/O threads per group, and hundreds of idle ones cost
+a 2-core machine a good part of a core), and a rank still holding more than MAX_THREADS threads retires its pool.
 """
 from __future__ import annotations
 
 import atexit
 import datetime
 import faulthandler
+import gc
 import importlib
 import multiprocessing as mp
 import os
@@ -34,6 +37,7 @@ import pytest
 
 DEFAULT_TIMEOUT = float(os.environ.get("LLMPAR_TEST_TIMEOUT", "120"))
 STARTUP_TIMEOUT = 180.0
+CLEANUP_TIMEOUT = 60.0  # seconds the ranks get to drop a passed test's groups before the pool is replaced
 ERROR_GRACE = 3.0  # seconds the other ranks get to report after one rank failed
 
 
@@ -87,16 +91,66 @@ def _worker(rank: int, world_size: int, port: int, store_path: str, tasks, resul
         if task is None:
             break
         task_id, module, qualname, args, kwargs = task
+        kept = set(_groups())
         try:
             value = _resolve(module, qualname)(*args, **kwargs)
-            results.put((task_id, rank, "ok", value))
         except BaseException:  # noqa: BLE001 - everything goes back to the parent
+            # the parent tears the pool down on any rank's error: no cleanup follows
             results.put((task_id, rank, "error", traceback.format_exc()))
-        if not dist.is_initialized():  # the body tore the group down: this pool cannot be reused
-            results.put((task_id, rank, "closed", None))
+            if not dist.is_initialized():
+                results.put((task_id, rank, "closed", None))
+                break
+            continue
+        results.put((task_id, rank, "ok", value))
+        # then the cleanup, which the parent waits for once every rank reported: drop the groups the body made;
+        # a body that tore the default group down, or left threads behind that would keep burning CPU while the
+        # pool idles, retires the pool
+        if dist.is_initialized() and not _drop_groups(kept):
+            dist.destroy_process_group()
+        value = None
+        gc.collect()  # engines in reference cycles hold the dropped groups, whose gloo threads live until then
+        retire = not dist.is_initialized() or _threads() > MAX_THREADS
+        if retire and os.environ.get("LLMPAR_POOL_LOG"):
+            with open(os.environ["LLMPAR_POOL_LOG"], "a") as f:
+                f.write(f"{world_size} ranks, rank {rank}: retired after {module}.{qualname} ({_threads()} threads)\n")
+        results.put((("cleanup", task_id), rank, "ok", retire))
+        if retire:
             break
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+MAX_THREADS = 64  # a worker left with more threads than this after a test is retired (see _worker)
+
+
+def _groups() -> list:
+    from torch.distributed import distributed_c10d as c10d
+
+    return list(c10d._world.pg_map)
+
+
+def _threads() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 0
+
+
+def _drop_groups(kept: set) -> bool:
+    """Destroy the process groups a test body created (each holds gloo I/O threads that otherwise live, and poll,
+    for the rest of the session). Every rank first passes a barrier on the default group (all of them, whether or
+    not they belong to a new group), so no peer is still using them. False if that failed."""
+    import torch.distributed as dist
+
+    try:
+        dist.barrier()
+        for pg in _groups():
+            if pg not in kept:
+                dist.destroy_process_group(pg)
+    except BaseException:  # noqa: BLE001
+        traceback.print_exc()
+        return False
+    return True
 
 
 class _Pool:
@@ -196,6 +250,9 @@ class _Pool:
             msg = self._format_errors(name, errors)
             self.close()
             raise RankFailure(msg)
+        cleanup = self._collect(("cleanup", self.task_id), CLEANUP_TIMEOUT, f"{name} cleanup")
+        if len(cleanup) < self.world_size or any(s != "ok" or retire for s, retire in cleanup.values()):
+            self.close()  # the next test gets a fresh pool
         return [replies[r][1] for r in range(self.world_size)]
 
     def _dump_stacks(self, ranks: list[int]) -> str:

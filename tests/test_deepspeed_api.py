@@ -53,7 +53,9 @@ def test_add_config_arguments_adds_deepspeeds_flags():
         deepspeed.add_config_arguments(None)
 
 
-def test_initialize_reads_args_deepspeed_config_and_local_rank(tmp_path):
+def test_initialize_reads_args_deepspeed_config_and_local_rank(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "")  # recorded, so monkeypatch unsets it again after the test
+    monkeypatch.delenv("LOCAL_RANK")  # initialize sets it from args.local_rank below
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(_cfg(1, gradient_clipping=0.5)))
     parser = argparse.ArgumentParser()
