@@ -56,7 +56,9 @@ def _data(step, dp):
     return mine[r * per:(r + 1) * per]
 
 
-def _deepspeed(root):
+def _deepspeed(root, pp):
+    """DeepSpeed trains the pipeline at pp x dp=2/pp for K steps, saves, continues N steps: (losses, params after),
+    params and buffers at the save, (scheduler state, lr) at the save."""
     import deepspeed
     import deepspeed.ops
 
@@ -65,19 +67,19 @@ def _deepspeed(root):
     deepspeed.init_distributed()
     torch.manual_seed(1234)
     net = deepspeed.pipe.PipelineModule(layers=M.layers(deepspeed.pipe), loss_fn=torch.nn.CrossEntropyLoss(),
-                                        num_stages=2)
+                                        num_stages=pp)
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for b in net.buffers():  # random buffers: the load must carry them
             b.copy_(torch.rand(b.shape, generator=g) + 0.5)
-    engine, *_ = deepspeed.initialize(model=net, config=_config(1),
+    engine, *_ = deepspeed.initialize(model=net, config=_config(1, gas=GAS * pp // 2),
                                       model_parameters=[p for p in net.parameters() if p.requires_grad])
     for step in range(K):
-        engine.train_batch(iter(_data(step, 1)))
+        engine.train_batch(iter(_data(step, 2 // pp)))
     engine.save_checkpoint(root, tag=TAG, client_state={"epoch": 7, "note": "pipe"})
     state = {n: t.detach().clone() for n, t in [*net.named_parameters(), *net.named_buffers()]}
     run = (engine.lr_scheduler.state_dict(), engine.get_lr())
-    losses = [float(engine.train_batch(iter(_data(step, 1)))) for step in range(K, K + N)]
+    losses = [float(engine.train_batch(iter(_data(step, 2 // pp)))) for step in range(K, K + N)]
     end = {n: t.detach().clone() for n, t in net.named_parameters()}
     return (losses, end), state, run
 
@@ -131,17 +133,18 @@ def body(root, ext_dir):
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", ext_dir)
     out = {}
-    out["ds"], out["ds_state"], out["ds_run"] = _deepspeed(root)
+    out["ds"], out["ds_state"], out["ds_run"] = _deepspeed(root, 2)
+    out["ds_dp2"], out["ds_dp2_state"], out["ds_dp2_run"] = _deepspeed(os.path.join(root, "dp2"), 1)
     dist.barrier()
-    for layout in ("pp2", "pp1", "plain"):
-        engine, model = _llmpar(layout)
-        path, client = engine.load_checkpoint(root)
+    for layout in ("pp2", "pp1", "plain", "pp2<dp2"):
+        engine, model = _llmpar(layout.split("<")[0])
+        path, client = engine.load_checkpoint(root if "<" not in layout else os.path.join(root, "dp2"))
         loaded = {n: t.detach().clone() for n, t in [*model.named_parameters(), *model.named_buffers()]}
         if layout == "plain":  # ZeRO-3: gathered to compare
             loaded = {n: t.detach().clone() for n, t in engine.module_state_dict().items()}
         facts = (os.path.basename(path), client, engine.global_steps, engine.global_samples,
                  engine.lr_scheduler.state_dict(), [g["lr"] for g in engine.optimizer.param_groups])
-        losses = _train(engine, model, layout)
+        losses = _train(engine, model, layout.split("<")[0])
         end = {n: t.detach().clone() for n, t in model.named_parameters()} if layout == "pp2" else None
         out[layout] = ((losses, end), facts, loaded)
     # errors, on both ranks: a missing layer file, a truncated one, a model of another layer count
@@ -203,14 +206,16 @@ def test_deepspeed_pipeline_checkpoint_files(runs):
     assert all(torch.equal(ck.buffers()[n], both[n]) for n in ck.buffers())
 
 
-@pytest.mark.parametrize("layout", ["pp2", "pp1", "plain"])
+@pytest.mark.parametrize("layout", ["pp2", "pp1", "plain", "pp2<dp2"])
 def test_llmpar_continues_deepspeed_pipeline(runs, layout):
-    """llmpar continues DeepSpeed's pipeline checkpoint at the same layout (pp=2, ZeRO-1), at pp=1 x dp=2 ZeRO-2 and
-    in a plain engine at dp=2 ZeRO-3: the next losses are DeepSpeed's (<= 1e-6 relative); every value it loaded is
-    DeepSpeed's, bitwise (its own build drew others); counters, scheduler, lr and client_state are DeepSpeed's."""
+    """llmpar continues DeepSpeed's pp=2 checkpoint at the same layout (pp=2, ZeRO-1), at pp=1 x dp=2 ZeRO-2 and in a
+    plain engine at dp=2 ZeRO-3, and DeepSpeed's pp=1 x dp=2 checkpoint (each optimizer file a dp partition) at pp=2
+    ("pp2<dp2"): the next losses are DeepSpeed's (<= 1e-6 relative); every value it loaded is DeepSpeed's, bitwise
+    (its own build drew others); counters, scheduler, lr and client_state are DeepSpeed's."""
     runs, _ = runs
-    theirs = runs[0]["ds"][0]
-    both = {**runs[1]["ds_state"], **runs[0]["ds_state"]}
+    src = "ds_dp2" if "<" in layout else "ds"
+    theirs = runs[0][src][0]
+    both = {**runs[1][f"{src}_state"], **runs[0][f"{src}_state"]}
     for r, out in enumerate(runs):
         (losses, end), facts, loaded = out[layout]
         # DeepSpeed sums the micro-batch losses in fp32, llmpar in fp64: the reported losses differ in the last bits
@@ -222,13 +227,43 @@ def test_llmpar_continues_deepspeed_pipeline(runs, layout):
                 torch.testing.assert_close(end[n], ds_end[n], rtol=1e-6, atol=1e-7, msg=lambda m: f"{r} {n}: {m}")
         name, client, steps, samples, sched, lrs = facts
         assert (name, client, steps, samples) == (TAG, {"epoch": 7, "note": "pipe"}, K, K * MICRO * GAS)
-        assert (sched, lrs) == runs[0]["ds_run"], (sched, lrs)
+        assert (sched, lrs) == runs[0][f"{src}_run"], (sched, lrs)
         for n, t in loaded.items():
             assert torch.equal(t, both[n]), (layout, r, n)
-        if layout == "pp2":
-            assert len(loaded) == len(out["ds_state"])  # the rank's own stage, the tied weight on both
+        if layout.startswith("pp2"):  # the rank's own stage, the tied weight on both
+            assert len(loaded) == len(runs[r]["ds_state"])
         elif layout == "pp1" or r == 0:  # the plain engine's ZeRO-3 state dict is gathered on rank 0
             assert loaded.keys() == both.keys()
+
+
+def test_convert_deepspeed_pipeline_checkpoint(runs, tmp_path):
+    """``llmpar checkpoint convert`` reads a DeepSpeed pipeline checkpoint too: to HF safetensors (every tensor under
+    the PipelineModule's names, DeepSpeed's values bitwise, the tied weight once) and to DeepSpeed's ZeRO layout (one
+    model-parallel rank; read back equal to the pipeline checkpoint: masters, moments, steps)."""
+    from safetensors.torch import load_file
+
+    from llmpar.checkpoint.deepspeed_read import DeepSpeedCheckpoint
+    from llmpar.cli import main
+
+    runs, root = runs
+    both = {**runs[1]["ds_state"], **runs[0]["ds_state"]}
+    assert main(["checkpoint", "convert", str(root), str(tmp_path / "hf"), "--to", "hf"]) == 0
+    got = {}
+    for f in sorted(os.listdir(tmp_path / "hf")):
+        if f.endswith(".safetensors"):
+            got.update(load_file(str(tmp_path / "hf" / f)))
+    assert got.keys() == both.keys() and all(torch.equal(got[n], both[n]) for n in both)
+    assert main(["checkpoint", "convert", str(root), str(tmp_path / "z"), "--to", "deepspeed"]) == 0
+    src = DeepSpeedCheckpoint(str(root / TAG))
+    (tag,) = [d for d in os.listdir(tmp_path / "z") if d != "latest"]
+    ck = DeepSpeedCheckpoint(str(tmp_path / "z" / tag))
+    assert type(ck) is DeepSpeedCheckpoint and ck.names == src.names and (ck.stage, ck.dp) == (1, 1)
+    for n in src.names:
+        k = both[n].numel()
+        assert ck.step(n) == src.step(n) == K
+        for key in ("master", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(ck.read(n, key, 0, k), src.read(n, key, 0, k)), (n, key)
+    assert ck.client_state() == src.client_state() == {"epoch": 7, "note": "pipe"}
 
 
 def test_bad_pipeline_checkpoints_fail_on_every_rank_naming_the_file(runs):
