@@ -14,6 +14,10 @@ hold, nor the whole model: bytes read per rank <= its shard + two rows per piece
 are closed after every ``REOPEN`` bytes read, so the pages mapped to read them (a column slice maps whole rows) leave
 the process's RSS.
 
+A pipeline engine (pp > 1, any tp and dp its stages run) loads the same way: each rank reads its stage's params
+only, found by their names in the unsplit model (``engine.checkpoint_names``), a weight tied across stages (the
+last stage's head tied to the embedding) read by each stage holding it from the one tensor the files have.
+
 Module buffers and frozen params found in the files are read whole (small: norms' buffers). The optimizer's state
 restarts: moments zero, step 0, fp32 masters from the weights read (a load of pretrained weights, not a resume).
 Every rank checks the files first (every param present with its full shape; with ``strict``, nothing in the files
