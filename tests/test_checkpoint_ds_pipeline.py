@@ -275,3 +275,22 @@ def test_bad_pipeline_checkpoints_fail_on_every_rank_naming_the_file(runs):
             "cannot read DeepSpeed checkpoint file" in e["truncated"], e["truncated"]
         assert e["fewer"] and "in no rank's model" in e["fewer"] and "'10.weight' (" in e["fewer"] and \
             "layer_10-model_states.pt" in e["fewer"], e["fewer"]
+
+
+def test_pipeline_layouts_not_read_are_named(tmp_path):
+    """A tensor-parallel pipeline checkpoint (layer_*-model_01-*) and a pipeline directory without its model states
+    files are refused naming what was found, before any file is read."""
+    from llmpar.checkpoint.deepspeed_read import DeepSpeedCheckpoint
+    from llmpar.checkpoint.files import CheckpointError
+
+    for sub, names, match in (("tp", ["layer_01-model_00-model_states.pt", "layer_01-model_01-model_states.pt",
+                                      "mp_rank_00_model_states.pt"], r"tensor-parallel ranks \[0, 1\]"),
+                              ("bare", ["layer_00-model_states.pt", "layer_01-model_states.pt"],
+                               r"layer files \['layer_00-model_states.pt', 'layer_01-model_states.pt'\]\.\.\. "
+                               "but no mp_rank_00_model_states.pt")):
+        d = tmp_path / sub
+        d.mkdir()
+        for n in names:
+            (d / n).write_bytes(b"")
+        with pytest.raises(CheckpointError, match=match):
+            DeepSpeedCheckpoint(str(d))

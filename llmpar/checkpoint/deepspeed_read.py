@@ -28,6 +28,10 @@ in turn) holds its chunk of every param in ``param_shapes`` order: element e is 
 ``offset + e % c``.
 
 The files are read by ``ds_files.py`` (memory-mapped, without DeepSpeed); each optimizer file when first read.
+``DeepSpeedCheckpoint(path, mp_rank=S)`` reads the files of model-parallel rank S alone: a pipeline stage's
+(``ds_pipe_read.py`` joins the stages; ``DeepSpeedCheckpoint(path)`` of a directory with ``layer_*`` files opens as
+its :class:`~llmpar.checkpoint.ds_pipe_read.DeepSpeedPipelineCheckpoint`). Model-parallel (mp > 1, not pipeline)
+checkpoints are refused naming their ranks.
 """
 from __future__ import annotations
 
