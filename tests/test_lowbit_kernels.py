@@ -210,3 +210,49 @@ def test_cpu_bad_inputs_name_the_argument(cpu_kernel):
     bad["m_scales"] = [bad["m_scales"][0][:1].clone()]
     with pytest.raises(ValueError, match=r"m_scales\[0\] has 1 elements; expected 2"):
         run(lk.cpu_step, bad, 8)
+
+
+# ------------------------------------------------------------------------------------ Triton (interpreter)
+
+needs_interp = pytest.mark.skipif(not INTERPRET, reason="runs under TRITON_INTERPRET=1 (test_triton_interpreted)")
+
+
+@needs_interp
+@pytest.mark.parametrize("bits", (8, 4))
+@pytest.mark.parametrize("master", (False, True), ids=("fp32", "bf16_master"))
+def test_triton_matches_reference(bits, master):
+    steps_against_reference(lk.triton_step, bits, master, sizes(bits, small=True), nsteps=2,
+                            gscale=torch.tensor(0.37) if master else None)
+
+
+@needs_interp
+def test_triton_found_inf_and_lr_tensor():
+    found_inf_skips(lk.triton_step, 4)
+    st = make_state(sizes(8, small=True), 8, master=False)
+    a, b = clone_state(st), clone_state(st)
+    run(lk.triton_step, a, 8)
+    run(lk.triton_step, b, 8, lr=torch.tensor(HYPER["lr"]))
+    for k in a:
+        for x, y in zip(a[k] or (), b[k] or ()):
+            assert torch.equal(x, y), f"{k}: lr as a tensor differs from lr as a float"
+
+
+@needs_interp
+def test_triton_bf16_grads():
+    """bf16 grads (the GPU kernels take them): the same step as their float32 values."""
+    st = make_state(sizes(4, small=True), 4, master=True)
+    st["grads"] = [g.to(torch.bfloat16) for g in st["grads"]]
+    before = clone_state(st)
+    run(lk.triton_step, st, 4)
+    before["grads"] = [g.float() for g in before["grads"]]
+    check_against_reference(before, st, 4, zero_block=True)
+
+
+@pytest.mark.skipif(INTERPRET, reason="launches the interpreted tests")
+def test_triton_interpreted():
+    from llmpar.kernels import adamw_lowbit as tk
+
+    if not tk.HAS_TRITON:
+        pytest.skip(tk.TRITON_IMPORT_ERROR)
+    assert tk.BLOCK == lowbit.BLOCK
+    run_interpreted(__file__, timeout=900, select="triton and not interpreted", what="interpreted low-bit Triton")

@@ -5,7 +5,8 @@
 // update, write p (and its bfloat16 copy), keep the new m / v of the block in L1 with their absmax; then quantize them
 // with an 8- (4-) level binary search whose level tables live in registers (permutexvar for <= 16 entries,
 // permutex2var and blends for 32 / 64 / 128). Same IEEE operations as adam_lowbit_scalar.cpp (no contraction), so the
-// same bits. A block cut short by the tensor's end runs on a padded copy, its absmax masked to the valid lanes.
+// same bits. (A bucket table on the float bits of y with gathers instead of the 8-bit search measured no faster on
+// Zen 4, whose gathers are slow; the dequantize gathers cost as much as 8 permutes + blends.) A block cut short by the tensor's end runs on a padded copy, its absmax masked to the valid lanes.
 #include <algorithm>
 #include <cstring>
 
@@ -27,28 +28,30 @@ template <int L>
 inline __m512 lookup(const float* t, __m512i j) {
   if constexpr (L <= 4) {
     return _mm512_permutexvar_ps(j, _mm512_load_ps(t));
-  } else {
-    __m512 r = _mm512_permutex2var_ps(_mm512_load_ps(t), j, _mm512_load_ps(t + 16));
-    if constexpr (L >= 6) {
-      const __m512i hi = _mm512_srli_epi32(j, 5);
-      for (int q = 1; q < (1 << (L - 5)); ++q) {
-        const __m512 part = _mm512_permutex2var_ps(_mm512_load_ps(t + 32 * q), j, _mm512_load_ps(t + 32 * q + 16));
-        r = _mm512_mask_blend_ps(_mm512_cmpeq_epi32_mask(hi, _mm512_set1_epi32(q)), r, part);
-      }
+  } else if constexpr (L == 5) {
+    return _mm512_permutex2var_ps(_mm512_load_ps(t), j, _mm512_load_ps(t + 16));
+  } else {  // 64 or 128 entries: 32-entry lookups, blended by bit 5 (and bit 6) of j
+    const __mmask16 b5 = _mm512_test_epi32_mask(j, _mm512_set1_epi32(32));
+    const __m512 lo = _mm512_mask_blend_ps(b5, lookup<5>(t, j), lookup<5>(t + 32, j));
+    if constexpr (L == 6) {
+      return lo;
+    } else {
+      const __m512 hi = _mm512_mask_blend_ps(b5, lookup<5>(t + 64, j), lookup<5>(t + 96, j));
+      return _mm512_mask_blend_ps(_mm512_test_epi32_mask(j, _mm512_set1_epi32(64)), lo, hi);
     }
-    return r;
   }
 }
 
+// the number of midpoints < y: j = the code's top L bits, one bit more per level
 template <int BITS, int L = 0>
-inline __m512i search(const LowbitMap& map, __m512 y, __m512i code) {
+inline __m512i search(const LowbitMap& map, __m512 y, __m512i j) {
   if constexpr (L == BITS) {
-    return code;
+    return j;
   } else {
-    const __m512i j = _mm512_srli_epi32(code, BITS - L);
     const __mmask16 lt = _mm512_cmp_ps_mask(lookup<L>(map.level[L], j), y, _CMP_LT_OQ);
-    code = _mm512_mask_add_epi32(code, lt, code, _mm512_set1_epi32(1 << (BITS - 1 - L)));
-    return search<BITS, L + 1>(map, y, code);
+    j = _mm512_add_epi32(j, j);
+    j = _mm512_mask_add_epi32(j, lt, j, _mm512_set1_epi32(1));
+    return search<BITS, L + 1>(map, y, j);
   }
 }
 

@@ -90,7 +90,7 @@ void run(const llmpar_cpu::LowbitRange& r, const llmpar_cpu::LowbitHyper& h, con
 }  // namespace
 
 void llmpar_cpu::lowbit_prepare_map(const float* q, int bits, LowbitMap* out) {
-  std::memset(out, 0, sizeof(LowbitMap));
+  std::memset(static_cast<void*>(out), 0, sizeof(LowbitMap));
   const int n = 1 << bits;
   std::copy(q, q + n, out->q);
   for (int k = 0; k + 1 < n; ++k) out->mid[k] = (q[k] + q[k + 1]) / 2.0f;
