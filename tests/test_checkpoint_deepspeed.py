@@ -338,12 +338,13 @@ def test_deepspeed_checkpoint_reads_without_deepspeed(tmp_path):
 
 
 def test_deepspeed_layouts_not_read_are_named(tmp_path):
-    """A pipeline (layer_*) or model-parallel (mp_rank_01) DeepSpeed checkpoint is refused naming its files."""
+    """A tensor-parallel pipeline (layer_*-model_01) or model-parallel (mp_rank_01) DeepSpeed checkpoint is refused
+    naming its files."""
     from llmpar.checkpoint import deepspeed_read
     from llmpar.checkpoint.files import CheckpointError
 
-    for sub, names, match in (("pipe", ["layer_01-model_00-model_states.pt", "mp_rank_00_model_states.pt"],
-                               r"pipeline checkpoint \(\['layer_01-model_00-model_states.pt'\]"),
+    for sub, names, match in (("pipe", ["layer_01-model_01-model_states.pt", "mp_rank_00_model_states.pt"],
+                               r"tensor-parallel ranks \[1\]"),
                               ("mp", ["mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"],
                                r"model-parallel ranks \[0, 1\]")):
         d = tmp_path / sub
