@@ -55,7 +55,7 @@ import torch
 
 BLOCK: dict[int, int] = {8: 256, 4: 128}
 BITS: tuple[int, ...] = (8, 4)
-_PARAM_DTYPES = (torch.float32, torch.bfloat16)
+_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # with masters (the kernels: bf16)
 
 
 def check_bits(bits: object) -> int:
@@ -308,7 +308,8 @@ def _check_step_lists(params, grads, m_codes, m_scales, v_codes, v_scales, steps
                             "(bf16 params need float32 masters=)")
         if masters is not None:
             if p.dtype not in _PARAM_DTYPES:
-                raise TypeError(f"params[{i}] has dtype {p.dtype}; with masters the params are bfloat16 or float32")
+                raise TypeError(f"params[{i}] has dtype {p.dtype}; with masters the params are bfloat16, float16 or "
+                                "float32")
             if masters[i].dtype != torch.float32 or masters[i].numel() != k:
                 raise TypeError(f"masters[{i}] ({masters[i].dtype}, {masters[i].numel()} elements) must be float32 "
                                 f"with the {k} elements of params[{i}]")

@@ -20,7 +20,7 @@ from llmpar.zero.config import OPTIMIZER_TYPES, OffloadConfig, OptimizerConfig, 
 from llmpar.zero.loss_scale import check_scaling
 
 _UNSUPPORTED_OPTIMIZERS = ("OneBitAdam", "ZeroOneAdam", "OneBitLamb", "Lamb", "Lion", "Adagrad", "Muon", "SGD")
-_OPTIMIZER_PARAMS = ["lr", "betas", "eps", "weight_decay", "precision"]
+_OPTIMIZER_PARAMS = ["lr", "betas", "eps", "weight_decay", "precision", "state_precision"]
 _SCHEDULER_PARAMS = {  # the params block each schedule takes
     "WarmupLR": ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type"),
     "WarmupDecayLR": ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "total_num_steps"),
@@ -46,17 +46,18 @@ def zero_block(block: Any) -> ZeroConfig:
 
 
 def optimizer_block(block: Any) -> OptimizerConfig:
-    """``"optimizer": {"type": "AdamW" | "Adam", "params": {...}}`` -> :class:`OptimizerConfig`."""
+    """``"optimizer": {"type": "AdamW" | "Adam" | "AdamW8bit" | "AdamW4bit", "params": {...}}`` ->
+    :class:`OptimizerConfig` (the 8/4-bit types: AdamW with quantized moments, ``llmpar.ops.lowbit``)."""
     check_keys("optimizer", block, ["type", "params"])
     if "type" not in block:
-        raise ValueError('"optimizer" needs a "type" (AdamW or Adam)')
+        raise ValueError('"optimizer" needs a "type" (AdamW, Adam, AdamW8bit or AdamW4bit)')
     typ = block["type"]
     if not isinstance(typ, str) or typ.lower() not in OPTIMIZER_TYPES:
         if isinstance(typ, str) and typ.lower() in {t.lower() for t in _UNSUPPORTED_OPTIMIZERS}:
             raise ValueError(f'"optimizer.type"={typ!r} is a DeepSpeed optimizer llmpar does not support; '
-                             "use AdamW or Adam")
+                             "use AdamW, Adam, AdamW8bit or AdamW4bit")
         raise ValueError(f'"optimizer.type"={typ!r} is not known{nearest(str(typ), list(OPTIMIZER_TYPES.values()))}; '
-                         "use AdamW or Adam")
+                         "use AdamW, Adam, AdamW8bit or AdamW4bit")
     params = block.get("params", {})
     check_keys("optimizer.params", params, _OPTIMIZER_PARAMS)  # DeepSpeed's switches were taken out by ds_keys
     return OptimizerConfig(type=typ, **params)

@@ -156,7 +156,8 @@ class ZeroConfig:
                              "zero_hpz_partition_size (the host shards are gathered as they are)")
 
 
-OPTIMIZER_TYPES = {"adamw": "AdamW", "adam": "Adam"}
+OPTIMIZER_TYPES = {"adamw": "AdamW", "adam": "Adam", "adamw8bit": "AdamW8bit", "adamw4bit": "AdamW4bit"}
+LOWBIT_TYPES = {"AdamW8bit": "int8", "AdamW4bit": "int4"}  # type -> state_precision (``llmpar.ops.lowbit``)
 
 
 @dataclass(kw_only=True)
@@ -165,6 +166,9 @@ class OptimizerConfig:
 
     ``type`` "Adam" is AdamW too (DeepSpeed's default ``adam_w_mode``); Adam's L2 mode is not supported.
     ``precision``: a FusedAdamW mode ("auto": fp32 for fp32 params, fp32_master for bf16 ones).
+    ``type`` "AdamW8bit" / "AdamW4bit": AdamW with block-quantized 8- / 4-bit moments (``llmpar.ops.lowbit``), i.e.
+    ``state_precision`` "int8" / "int4" (which may also be given directly, with type AdamW); float32 params step in
+    place, bf16 params keep a float32 master.
     """
 
     type: str = "AdamW"
@@ -173,11 +177,27 @@ class OptimizerConfig:
     eps: float = 1e-8
     weight_decay: float = 0.0
     precision: str = "auto"
+    state_precision: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.type, str) or self.type.lower() not in OPTIMIZER_TYPES:
-            raise ValueError(f'"optimizer.type"={self.type!r} is not known; use AdamW or Adam')
+            raise ValueError(f'"optimizer.type"={self.type!r} is not known; use {", ".join(OPTIMIZER_TYPES.values())}')
         self.type = OPTIMIZER_TYPES[self.type.lower()]
+        if self.state_precision is not None and self.state_precision not in ("fp32", "int8", "int4"):
+            raise ValueError(f'"optimizer.params.state_precision"={self.state_precision!r} is not known; use "fp32", '
+                             '"int8" or "int4" (or the types AdamW8bit / AdamW4bit)')
+        implied = LOWBIT_TYPES.get(self.type)
+        if implied is not None:
+            if self.state_precision not in (None, implied):
+                raise ValueError(f'"optimizer.type"={self.type!r} keeps {implied} states but '
+                                 f'"optimizer.params.state_precision" is {self.state_precision!r}')
+            self.state_precision = implied
+        if self.state_precision == "fp32":
+            self.state_precision = None
+        if self.state_precision is not None and self.precision != "auto":
+            raise ValueError(f'"optimizer.params.precision"={self.precision!r} cannot be combined with '
+                             f'{self.state_precision} states (type {self.type}): leave precision "auto" (float32 params '
+                             "step in place, bf16 ones keep a float32 master)")
         self.lr = as_float("optimizer.params.lr", self.lr, minimum=0.0, maximum=FLOAT32_MAX)
         if not isinstance(self.betas, (list, tuple)) or len(self.betas) != 2:
             raise ValueError(f'"optimizer.params.betas"={self.betas!r} must be two numbers in [0, 1)')
@@ -191,7 +211,7 @@ class OptimizerConfig:
             raise ValueError(f'"optimizer.params.precision": {e}') from None
 
 
-__all__ = ["OPTIMIZER_TYPES", "OffloadConfig", "OptimizerConfig", "ZeroConfig", "param_groups"]
+__all__ = ["LOWBIT_TYPES", "OPTIMIZER_TYPES", "OffloadConfig", "OptimizerConfig", "ZeroConfig", "param_groups"]
 
 
 _GROUP_KEYS = ("lr", "betas", "eps", "weight_decay")

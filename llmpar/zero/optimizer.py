@@ -36,9 +36,9 @@ from torch import nn
 
 from llmpar.distributed.agree import check_same_on_ranks
 from llmpar.distributed.collectives import CommCounter, Group, GroupRef, broadcast_coalesced, group_rank, group_size
-from llmpar.ops.adamw import MODES, adamw_step, check_param_dtype, resolve_precision
+from llmpar.ops.adamw import MODES, adamw_step, check_param_dtype
 from llmpar.ops.bucket import pack_bucket
-from llmpar.optim.adamw import state_dtypes
+from llmpar.optim.adamw import group_mode, state_dtypes
 from llmpar.optim.grad_norm import global_grad_norm
 from llmpar.zero.checkpointing import ZeroCheckpointing
 from llmpar.zero.compressed import compression
@@ -46,6 +46,7 @@ from llmpar.zero.config import OptimizerConfig, ZeroConfig, param_groups
 from llmpar.zero.grads import FlatBuffer, GradReducer
 from llmpar.zero.init import default_device, materialize_sharded, remap_params, replace_meta_params
 from llmpar.zero.layout import FlatLayout
+from llmpar.zero import lowbit_state
 from llmpar.zero.loss_scale import LossScaler, unscale_and_clip
 from llmpar.zero.offload import Copier, Placement, host_step_buffer, master_dtype, memory_bytes
 from llmpar.zero.param_gather import DeferredGather, step_gather
@@ -117,7 +118,7 @@ class ZeroOptimizer(StepStatsView, ZeroCheckpointing, OptimizerStateDict):
         # every dp rank starts from dp rank 0's params (as DDP and DeepSpeed do): ranks built with different seeds
         # would otherwise train different models (stage 0) or step mixed shards
         broadcast_coalesced([p for g in groups for p in g["params"] if id(p) not in self._deferred], 0, self.dp_group)
-        self.buffers = self._build_buffers(cfg.precision, grad_accum_dtype, align)
+        self.buffers = self._build_buffers(cfg, grad_accum_dtype, align)
         self.frozen_buffers = frozen_buffers(module, self.buffers, lambda named: self._layout(named, self.dp, align),
                                              self.placement, self.rank, self._deferred) if stage == 3 else []
         self._check_same_model()
@@ -157,7 +158,8 @@ class ZeroOptimizer(StepStatsView, ZeroCheckpointing, OptimizerStateDict):
         return FlatLayout(params, [n for n, _ in named], shards=shards, unit_numel=self.zero_config.reduce_bucket_size,
                           align=align, groups=groups)
 
-    def _build_buffers(self, precision: str, grad_accum_dtype: torch.dtype | None, align: int) -> list[FlatBuffer]:
+    def _build_buffers(self, cfg: OptimizerConfig, grad_accum_dtype: torch.dtype | None,
+                       align: int) -> list[FlatBuffer]:
         shards = 1 if self.stage == 0 else self.dp
         keyed: dict[tuple, list[tuple[str, torch.nn.Parameter]]] = {}
         for gi, g in enumerate(self.param_groups):
@@ -174,10 +176,15 @@ class ZeroOptimizer(StepStatsView, ZeroCheckpointing, OptimizerStateDict):
         pool, rank = self.placement, self._rank()
         for key, named in keyed.items():
             gi, dtype, device, tp_split = key
-            mode = resolve_precision(precision, dtype)
-            check_param_dtype(mode, dtype, f"param {named[0][0]!r}")
+            try:  # low-bit states ("int8" / "int4": lowbit_state.py) or a MODES precision
+                mode = group_mode(cfg.precision, cfg.state_precision, dtype)
+            except TypeError as e:
+                raise TypeError(f"param {named[0][0]!r}: {e}") from None
+            bits = lowbit_state.bits_of(mode)
+            if bits is None:
+                check_param_dtype(mode, dtype, f"param {named[0][0]!r}")
             params = [p for _, p in named]
-            layout = self._layout(named, shards, align)
+            layout = self._layout(named, shards, lowbit_state.block_align(align, mode))
             shard = None
             if self.stage == 3:  # only this rank's shard is kept; Stage3Runtime re-points the params
                 flat = torch.empty(0, dtype=dtype, device=device)
@@ -197,6 +204,8 @@ class ZeroOptimizer(StepStatsView, ZeroCheckpointing, OptimizerStateDict):
             if pool.offload_optimizer:  # the host steps in fp32 (float64 for float64 params) on a master copy
                 host = master_dtype(dtype)
                 sdtypes = {"exp_avg": host, "exp_avg_sq": host, "master": host}
+                if bits is not None:
+                    sdtypes = {**state_dtypes(mode, torch.float32), "master": host}
                 if self.stage == 1:  # the accumulator stays on the device; the reduced partition goes to the host
                     host_grad = pool.zeros("grads", layout.partition, host)
                 else:
@@ -207,11 +216,13 @@ class ZeroOptimizer(StepStatsView, ZeroCheckpointing, OptimizerStateDict):
                 grad = pool.zeros("grads", layout.partition, acc_dtype)
             state = {}
             for name, sdtype in sdtypes.items():
-                state[name] = pool.zeros("master" if name == "master" else "optimizer_state", layout.partition,
-                                         sdtype)
+                numel = layout.partition if bits is None else lowbit_state.state_numel(name, layout.partition, bits)
+                state[name] = pool.zeros("master" if name == "master" else "optimizer_state", numel, sdtype)
                 if name == "master":
                     for u in range(len(layout.units)):
                         layout.shard_of_partition(state[name], u).copy_(mine_of(u))
+            if bits is not None:
+                lowbit_state.zero_fill_(state, bits)
             step_device = pool.host if pool.offload_optimizer else device
             steps = [torch.zeros((), dtype=torch.float32, device=step_device) for _ in layout.units]
             buffers.append(FlatBuffer(key=key, group_index=gi, tp_split=tp_split, layout=layout, params=params,
@@ -336,9 +347,19 @@ class ZeroOptimizer(StepStatsView, ZeroCheckpointing, OptimizerStateDict):
         """Step buffer ``b``'s partition, yielding each unit once its shard holds the new values: one fused call per
         unit when ``each`` (the same math and rounding stream as one call), else one call (the host step: one)."""
         units = list(range(len(b.layout.units)))
+        lowbit = lowbit_state.bits_of(b.mode) is not None
         if self.placement.offload_optimizer:
-            host_step_buffer(b, self._shards(b), grads, **kw)
+            (lowbit_state.host_step if lowbit else host_step_buffer)(b, self._shards(b), grads, **kw)
             yield from units
+            return
+        if lowbit:  # codes + scales per unit shard, whole blocks (lowbit_state.py)
+            shards = self._shards(b)
+            masters = self._units(b, "master") if "master" in b.state else None
+            for sel in [[u] for u in units] if each else [units]:
+                lowbit_state.step_units(b, [shards[u] for u in sel], [grads[u] for u in sel], sel,
+                                        masters=None if masters is None else [masters[u] for u in sel],
+                                        steps=[b.steps[u] for u in sel], **kw)
+                yield from sel
             return
         extra = MODES[b.mode].extra
         state = [self._shards(b), grads, self._units(b, "exp_avg"), self._units(b, "exp_avg_sq"), b.steps,

@@ -1,0 +1,100 @@
+"""8- and 4-bit AdamW states (``llmpar.ops.lowbit``) inside ZeRO's flat partitions.
+
+Where the blocks lie: along each *unit* of the flat layout (``layout.py``), from the unit's first element, in blocks of
+B = ``lowbit.BLOCK[bits]`` (256 / 128). A buffer with low-bit states is laid out with ``align`` a multiple of B, so
+every unit shard is a whole number of blocks and starts on a block boundary: rank r's shard of unit u holds exactly
+blocks [r * shard / B, (r + 1) * shard / B) of the unit, and quantizing the shard on its own is quantizing those blocks
+of the whole unit. Hence:
+  - no block straddles two ranks (no communication to find a block's absmax; each rank re-quantizes its own codes);
+  - the blocks do not depend on the dp degree or the stage: units are cut by ``reduce_bucket_size`` (stage 3: by
+    module) and padded with zeros, and zero padding changes no block's absmax. A run at dp=1, 2 or 8 quantizes the
+    same values in the same blocks, so checkpoints reshard the codes and scales exactly (no dequantize/requantize);
+  - a block may hold the end of one param and the start of the next (params are packed back to back in a unit):
+    single-process FusedAdamW blocks each param on its own instead, so ZeRO matches it only where params are whole
+    multiples of B; ZeRO at dp=N matches ZeRO at dp=1 (and the torch step over each whole unit) exactly.
+The cost: up to ``shards * B`` padding elements per unit (4 KiB of bf16 at dp=8, 8-bit).
+
+Per buffer, ``FlatBuffer.state`` holds partition-sized tensors, each unit's shard at a fixed ratio of the element
+offsets: m_codes / v_codes uint8 [partition] (8 bits) or [partition / 2] (4 bits), m_scale / v_scale float32
+[partition / B], plus "master" float32 [partition] for bf16 params or under offload_optimizer (the host steps the
+masters, as for fp32 states).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from llmpar.ops import lowbit
+from llmpar.optim.adamw import LOWBIT_BITS
+
+CODE_KEYS = ("m_codes", "m_scale", "v_codes", "v_scale")
+
+
+def bits_of(mode: str) -> int | None:
+    """8 / 4 for the low-bit modes ("int8" / "int4"), None for the others."""
+    return LOWBIT_BITS.get(mode)
+
+
+def block_align(align: int, mode: str) -> int:
+    """The layout's ``align`` for a buffer of ``mode``: a multiple of the block size for low-bit states."""
+    bits = bits_of(mode)
+    return align if bits is None else math.lcm(align, lowbit.BLOCK[bits])
+
+
+def state_numel(key: str, numel: int, bits: int) -> int:
+    """Entries of state ``key`` for ``numel`` elements (block-aligned numel: codes, scales; else the elements)."""
+    if key.endswith("_codes"):
+        return lowbit.code_bytes(numel, bits)
+    if key.endswith("_scale"):
+        return lowbit.num_blocks(numel, bits)
+    return numel
+
+
+def zero_fill_(state: dict[str, torch.Tensor], bits: int) -> None:
+    """Codes of 0.0 in each map (the moments start at zero; scales are zero already)."""
+    for key, signed in (("m_codes", True), ("v_codes", False)):
+        code = int(torch.searchsorted(lowbit.midpoints(lowbit.qmap(bits, signed)), torch.tensor(0.0)))
+        byte = code if bits == 8 else code | (code << 4)
+        state[key].fill_(byte)
+
+
+def unit_view(layout: Any, part: torch.Tensor, key: str, unit: int, bits: int) -> torch.Tensor:
+    """Unit ``unit``'s shard of the partition-sized state tensor ``part`` of ``key``."""
+    u = layout.units[unit]
+    n = u.shard_numel(layout.shards)
+    start, size = state_numel(key, u.shard_offset, bits), state_numel(key, n, bits)
+    return part[start:start + size]
+
+
+def unit_views(b: Any, key: str, units: list[int] | range | None = None) -> list[torch.Tensor]:
+    bits = bits_of(b.mode)
+    assert bits is not None
+    units = range(len(b.layout.units)) if units is None else units
+    return [unit_view(b.layout, b.state[key], key, u, bits) for u in units]
+
+
+def step_units(b: Any, params: list[torch.Tensor], grads: list[torch.Tensor], units: list[int], *,
+               masters: list[torch.Tensor] | None, steps: list[torch.Tensor], **hyper: Any) -> None:
+    """The low-bit AdamW step over units ``units`` of buffer ``b`` (params / grads / masters: those units' shards)."""
+    bits = bits_of(b.mode)
+    assert bits is not None
+    m_codes, m_scale, v_codes, v_scale = (unit_views(b, k, units) for k in CODE_KEYS)
+    lowbit.adamw_lowbit_step(params, grads, m_codes, m_scale, v_codes, v_scale, steps, masters, bits=bits,
+                             **hyper)
+
+
+def host_step(b: Any, shards: list[torch.Tensor], grads: list[torch.Tensor], **hyper: Any) -> None:
+    """offload_optimizer: the step on the host masters (float32; the CPU kernel of ``lowbit_kernels`` when built),
+    then the param shards (device or host, any float dtype) take them, rounded to nearest."""
+    units = list(range(len(b.layout.units)))
+    masters = [b.layout.shard_of_partition(b.state["master"], u) for u in units]
+    host = masters[0].device
+    gscale, found_inf = hyper.pop("gscale"), hyper.pop("found_inf")
+    grads = [g if g.dtype == torch.float32 else g.float() for g in grads]
+    step_units(b, masters, grads, units, masters=None, steps=b.steps,
+               gscale=None if gscale is None else gscale.to(host),
+               found_inf=None if found_inf is None else found_inf.to(host), **hyper)
+    for dst, src in zip(shards, masters):  # (a skipped step: the masters as they were)
+        dst.copy_(src, non_blocking=dst.device.type != "cpu")
