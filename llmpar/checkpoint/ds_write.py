@@ -239,7 +239,9 @@ class _UniversalSource(Source):
     def piece(self, name: str, key: str, a: int, z: int) -> torch.Tensor:
         if not self.ck.has(name, key):
             raise CheckpointError(f"universal checkpoint {self.ck.path} has no {key!r} of {name!r}")
-        return self.ck.read(name, key, a, z).to(torch.float32)
+        t = self.ck.read(name, key, a, z).to(torch.float32).clone()  # not a view of the mapped file
+        self.ck.release(name)  # its mapped pages leave the RSS
+        return t
 
 
 class _LlmparSource(Source):

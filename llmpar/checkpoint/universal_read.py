@@ -210,6 +210,11 @@ class UniversalCheckpoint:
             self._pad[src] = math.prod(shape) - math.prod(have)
             self.shapes[src] = tuple(shape)
 
+    def release(self, name: str) -> None:
+        """Drop param ``name``'s opened files (their mapped pages leave this process once no tensor holds them)."""
+        for key in [k for k in self._open if k[0] == self.source(name)]:
+            del self._open[key]
+
     def has(self, name: str, key: str) -> bool:
         if key in ("params", "master"):
             return True
