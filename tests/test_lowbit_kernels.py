@@ -212,6 +212,22 @@ def test_cpu_bad_inputs_name_the_argument(cpu_kernel):
         run(lk.cpu_step, bad, 8)
 
 
+@pytest.mark.skipif(INTERPRET, reason="runs in the main process")
+@pytest.mark.parametrize("bits", (8, 4))
+def test_opcheck(cpu_kernel, bits):
+    """Schemas, fake impls and the CPU kernels agree (llmpar::cpu_adamw_lowbit_step: the C++ kernel;
+    llmpar::adamw_lowbit_step: its CPU impl is the float64 reference written back, what the CUDA kernel is held to)."""
+    st = make_state((300, 77), bits, master=True)
+    maps = (lowbit.qmap(bits, True), lowbit.qmap(bits, False))
+    lists = [st[k] for k in ("m_codes", "m_scales", "v_codes", "v_scales")]
+    torch.library.opcheck(torch.ops.llmpar.cpu_adamw_lowbit_step.default,
+                          (st["masters"], st["grads"], *lists, st["params"], *maps, [4, 5], bits, 1e-2, 0.9, 0.999,
+                           1e-8, 0.1, 0.5, 2))
+    torch.library.opcheck(torch.ops.llmpar.adamw_lowbit_step.default,
+                          (st["params"], st["grads"], *lists, st["masters"], st["steps"], *maps, bits, 1e-2, None,
+                           torch.tensor(0.5), None, 0.9, 0.999, 1e-8, 0.1))
+
+
 # ------------------------------------------------------------------------------------ Triton (interpreter)
 
 needs_interp = pytest.mark.skipif(not INTERPRET, reason="runs under TRITON_INTERPRET=1 (test_triton_interpreted)")

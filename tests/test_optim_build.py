@@ -87,3 +87,49 @@ def test_adamw_binding_syntax_against_torch_headers(tmp_path):
            f"-I{sysconfig.get_paths()['include']}", str(CSRC / "adamw_ops.cpp")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+# ------------------------------------------------------------------- the low-bit AdamW kernel (issue #33)
+
+
+@pytest.mark.skipif(_nvcc() is None, reason="nvcc not found")
+def test_lowbit_kernels_compile_without_spills(tmp_path):
+    obj = tmp_path / "adamw_lowbit_kernels.o"
+    cmd = [_nvcc(), "-c", "-std=c++17", "-O3", "-Werror=all-warnings", f"-I{CSRC}", "-Xptxas=-v",
+           "-gencode=arch=compute_90,code=sm_90", "-gencode=arch=compute_80,code=sm_80",
+           str(CSRC / "adamw_lowbit_kernels.cu"), "-o", str(obj)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}"
+    # 2 bit widths x (fp32 | bf16 + master) x 3 grad dtypes, each for sm_80 and sm_90
+    assert proc.stderr.count("spill stores") >= 24, proc.stderr[-3000:]
+    assert not re.search(r"[1-9]\d* bytes spill stores", proc.stderr), "a kernel spills registers:\n" + proc.stderr
+
+
+def test_lowbit_twins_agree_on_layout():
+    """The CUDA kernel, its Triton twin and the contract agree on block sizes and the table's rows."""
+    from llmpar.kernels import adamw_lowbit as triton_lowbit
+    from llmpar.ops.lowbit import BLOCK
+
+    cuh = (CSRC / "adamw_lowbit.cuh").read_text()
+    assert not re.search(r"#include\s*[<\"](torch|ATen|c10)/", cuh + (CSRC / "adamw_lowbit_kernels.cu").read_text())
+    assert int(re.search(r"#define LLMPAR_LOWBIT_BLOCK8 (\d+)", cuh).group(1)) == BLOCK[8] == triton_lowbit.BLOCK[8]
+    assert int(re.search(r"#define LLMPAR_LOWBIT_BLOCK4 (\d+)", cuh).group(1)) == BLOCK[4] == triton_lowbit.BLOCK[4]
+    rows = int(re.search(r"#define LLMPAR_LOWBIT_TABLE_ROWS (\d+)", cuh).group(1))
+    assert rows == len(triton_lowbit.TABLE_ROWS)
+    ops = (CSRC / "adamw_lowbit_ops.cpp").read_text()
+    assert "TORCH_LIBRARY_IMPL(llmpar, CUDA, m)" in ops and "m.def(" not in ops and "PyInit" not in ops
+
+
+@pytest.mark.skipif(shutil.which("g++") is None or not (CUDA_HOME / "include/cuda_runtime.h").exists(),
+                    reason="g++ or the CUDA headers are missing")
+def test_lowbit_binding_syntax_against_torch_headers(tmp_path):
+    from torch.utils import cpp_extension
+
+    stub = tmp_path / "c10" / "cuda" / "impl"
+    stub.mkdir(parents=True)
+    (stub / "cuda_cmake_macros.h").write_text("#pragma once\n")
+    cmd = ["g++", "-std=c++20", "-fsyntax-only", "-Wall", "-Werror", f"-I{tmp_path}",
+           *[f"-I{p}" for p in cpp_extension.include_paths()], f"-I{CUDA_HOME / 'include'}", f"-I{CSRC}",
+           f"-I{sysconfig.get_paths()['include']}", str(CSRC / "adamw_lowbit_ops.cpp")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]

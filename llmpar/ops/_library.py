@@ -10,6 +10,9 @@ it may be loaded before or after this module is imported. Whether a build has th
     pack_bucket(tensors, out, scale)     out[o_i : o_i + n_i] = Out(float32(tensors[i].flatten()) * scale)
     unpack_bucket(flat, outs, scale)     outs[i][...] = Out(float32(flat[o_i : o_i + n_i]) * scale)
     adamw_step(params, ..., mode_code, ...)  one AdamW step in place; mode_code: position in llmpar.ops.adamw.MODES
+    adamw_lowbit_step(params, grads, m_codes, m_scales, v_codes, v_scales, masters, steps, qmap_m, qmap_v, bits,
+                      lr, lr_tensor, gscale, found_inf, ...)  AdamW with 8/4-bit block-quantized moments in place
+                                         (llmpar/ops/lowbit.py's contract), t = steps[i] (read, already incremented)
     sum_squares(tensors)                 float32 [max(1, sum_i ceil(n_i / ADAMW_CHUNK))]: per-block sums of squares
                                          (one dtype for all tensors)
     bias_act_backward(grad, pre, act)    (grad * act'(pre) in pre's dtype [M, N], its float32 column sums [N])
@@ -178,6 +181,37 @@ def _ref_adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor], exp_a
                 weight_decay=weight_decay, gscale=gscale, found_inf=found_inf, seed=seed)
 
 
+def _ref_adamw_lowbit_step(params: list[torch.Tensor], grads: list[torch.Tensor], m_codes: list[torch.Tensor],
+                           m_scales: list[torch.Tensor], v_codes: list[torch.Tensor], v_scales: list[torch.Tensor],
+                           masters: list[torch.Tensor], steps: list[torch.Tensor], qmap_m: torch.Tensor,
+                           qmap_v: torch.Tensor, bits: int, lr: float, lr_tensor: torch.Tensor | None,
+                           gscale: torch.Tensor | None, found_inf: torch.Tensor | None, beta1: float, beta2: float,
+                           eps: float, weight_decay: float) -> None:
+    """The contract's float64 reference (llmpar.ops.lowbit), written back in place; steps are read (already
+    incremented), as the CUDA kernel reads them. The maps must be llmpar.ops.lowbit's (the reference uses them)."""
+    from llmpar.ops import lowbit
+
+    if found_inf is not None and float(found_inf) != 0:
+        return
+    for name, q, signed in (("qmap_m", qmap_m, True), ("qmap_v", qmap_v, False)):
+        if not torch.equal(q.cpu(), lowbit.qmap(bits, signed)):
+            raise ValueError(f"adamw_lowbit_step (CPU reference): {name} is not llmpar.ops.lowbit.qmap({bits}, "
+                             f"signed={signed})")
+    lr = float(lr_tensor) if lr_tensor is not None else lr
+    for i, p in enumerate(params):
+        master = masters[i] if masters else None
+        ref = lowbit.adamw_lowbit_reference(p, grads[i], m_codes[i], m_scales[i], v_codes[i], v_scales[i],
+                                            int(float(steps[i])), master, bits=bits, lr=lr, beta1=beta1, beta2=beta2,
+                                            eps=eps, weight_decay=weight_decay,
+                                            gscale=1.0 if gscale is None else float(gscale))
+        if master is not None:
+            master.view(-1).copy_(ref.master)
+        p.view(-1).copy_(ref.param)
+        for t, new in ((m_codes[i], ref.m_codes), (m_scales[i], ref.m_scale), (v_codes[i], ref.v_codes),
+                       (v_scales[i], ref.v_scale)):
+            t.view(-1).copy_(new.view(-1))
+
+
 def _ref_sum_squares(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     dtypes = {t.dtype for t in tensors}
     if len(dtypes) > 1:  # as the CUDA kernel (one dtype per launch): callers group by dtype
@@ -257,6 +291,11 @@ OPS: dict[str, OpDef] = {op.name: op for op in (
                  "Tensor? gscale, Tensor? found_inf, float beta1, float beta2, float eps, float weight_decay, "
                  "int seed) -> ()",
           fake=_fake_none, reference=_ref_adamw_step),
+    OpDef(schema="adamw_lowbit_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] m_codes, Tensor(c!)[] m_scales, "
+                 "Tensor(d!)[] v_codes, Tensor(e!)[] v_scales, Tensor(f!)[] masters, Tensor[] steps, Tensor qmap_m, "
+                 "Tensor qmap_v, int bits, float lr, Tensor? lr_tensor, Tensor? gscale, Tensor? found_inf, "
+                 "float beta1, float beta2, float eps, float weight_decay) -> ()",
+          fake=_fake_none, reference=_ref_adamw_lowbit_step),
     OpDef(schema="sum_squares(Tensor[] tensors) -> Tensor", fake=_fake_sum_squares, reference=_ref_sum_squares),
     OpDef(schema="bias_act_backward(Tensor grad, Tensor pre, int act) -> (Tensor, Tensor)",
           fake=_fake_bias_act_backward, reference=_ref_bias_act_backward),
