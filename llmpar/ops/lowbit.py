@@ -32,13 +32,19 @@ as bitsandbytes and torchao build it. A code is a sign bit (signed map only), th
 is a decimal exponent (10^-e, e = 0..6), an indicator 1 bit, and the remaining bits as a linear fraction: entry values
 are the centres of 2^f equal bins of [0.1, 1] times 10^-e. Precision thus moves between range and resolution, which
 fits Adam's moments: most of a block is orders of magnitude below its absmax, and block-wise scaling keeps outliers
-from widening other blocks. Signed: 127 magnitudes per sign (1 + 2 + ... + 64 fraction bins), 0 and +1 (256 entries;
-the most negative entry is -0.99297, so a block whose absmax element is negative loses < 0.8 % of it, as in
-bitsandbytes). Unsigned: 254 positive magnitudes (the sign bit becomes one more fraction bit), 0 and 1.
+from widening other blocks. Signed: 127 magnitudes per sign (1 + 2 + ... + 64 fraction bins), 0 and +1 make 256
+entries in bitsandbytes, whose map lacks -1 (a block whose absmax element is negative stores it as -0.99297 s).
+Here the smallest negative magnitude (-5.5e-7, the one-bin decade) is traded for -1, so that every block's absmax
+element dequantizes to exactly +-s. That makes dequantize -> quantize the identity on (codes, scales) for normal
+floats (the scale is found again exactly, and every other y = fl(q s) / s lies within an ulp of its entry, far from
+any midpoint), which is what lets checkpoints store plain float32 moments and reload them bitwise. Unsigned: 254
+positive magnitudes (the sign bit becomes one more fraction bit), 0 and 1.
 4 bits: Li et al. 2023 ("Memory Efficient Optimizers with 4-bit States"), as torchao's AdamW4bit uses them with block
 128. m: the dynamic map shrunk to 4 bits (3 exponent steps 10^0, 10^-1, 10^-2 with 4, 2, 1 fraction bins per sign,
-plus 0 and 1; the most negative entry is -0.8875, as in torchao). v: linear, without zero ({1/16, 2/16, ..., 1}): the paper's "zero-point problem" is that v quantized to
-0 turns the update m / (sqrt(v) + eps) into m / eps, and a map without zero removes exactly that failure.
+plus 0 and 1; as at 8 bits, the smallest negative entry -0.0055 gives way to -1, where torchao's most negative entry
+is -0.8875: an 11 % error on every negative block maximum). v: linear, without zero ({1/16, 2/16, ..., 1}): the
+paper's "zero-point problem" is that v quantized to 0 turns the update m / (sqrt(v) + eps) into m / eps, and a map
+without zero removes exactly that failure.
 
 Backends: ``adamw_lowbit_step`` hands the whole list to ``llmpar.ops.lowbit_kernels.adamw_lowbit_step`` (CUDA C++,
 Triton, CPU C++: that module chooses with ``_dispatch.select_backend``) when that module exists; it returns True when
@@ -70,7 +76,8 @@ def check_bits(bits: object) -> int:
 def dynamic_map(*, signed: bool, exponent_bits: int, total_bits: int) -> list[float]:
     """Dettmers' dynamic (tree) map: for e = 0 .. exponent_bits-1, the centres of equal bins of [0.1, 1] scaled by
     10^(e - exponent_bits + 1); 2^e bins per sign when signed (the sign bit spends one bit), 2^(e+1) unsigned; then
-    0 and 1. Sorted ascending, 2^total_bits entries."""
+    0 and 1. Signed: the negative entry of smallest magnitude gives its code to -1 (module docstring: both signs'
+    absmax then dequantize exactly). Sorted ascending, 2^total_bits entries."""
     values: list[float] = [0.0, 1.0]
     data_bits = total_bits - 1  # the sign bit (signed), or the bit the unsigned map gives to the fraction instead
     for e in range(exponent_bits):
@@ -78,6 +85,9 @@ def dynamic_map(*, signed: bool, exponent_bits: int, total_bits: int) -> list[fl
         edges = torch.linspace(0.1, 1.0, bins + 1, dtype=torch.float64)
         centres = ((edges[:-1] + edges[1:]) / 2 * 10.0 ** (e - exponent_bits + 1)).tolist()
         values += centres + ([-c for c in centres] if signed else [])
+    if signed:
+        values.remove(max(v for v in values if v < 0))
+        values.append(-1.0)
     if len(values) != 2 ** total_bits:
         raise AssertionError(f"dynamic map has {len(values)} entries, not {2 ** total_bits}")
     return sorted(values)
