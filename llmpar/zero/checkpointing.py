@@ -11,6 +11,9 @@ Loading (``load_pieces``): stages 0-2 fill the whole param buffer (params are wh
 partition of each state; stage 3 its own param shard and states. A state the checkpoint lacks is derived
 (:data:`STATE_FALLBACK`: ``master`` from the params, ``kahan_comp`` zero); any other missing state is an error, which
 ``checkpoint_required`` lets the loader raise before anything is modified.
+
+Low-bit states (``lowbit_state.py``): the seam shows float32 ``exp_avg`` / ``exp_avg_sq`` (dequantized) instead of the
+codes and scales, and loading quantizes them again, which restores the codes and scales exactly at the same units.
 """
 from __future__ import annotations
 
@@ -18,6 +21,8 @@ import logging
 from typing import TYPE_CHECKING, Callable
 
 import torch
+
+from llmpar.zero import lowbit_state
 
 if TYPE_CHECKING:
     from llmpar.zero.config import ZeroConfig
@@ -70,7 +75,7 @@ class ZeroCheckpointing:
         ``"steps"`` (one float per unit) added."""
         out = self.describe()["buffers"]
         for desc, b in zip(out, self.buffers):
-            desc.update(state_keys=["params", *b.state], steps=[float(s) for s in b.steps])
+            desc.update(state_keys=["params", *lowbit_state.seam_keys(b)], steps=[float(s) for s in b.steps])
         return out
 
     def checkpoint_params(self) -> list[list[tuple[str, torch.Tensor]]]:
@@ -97,10 +102,17 @@ class ZeroCheckpointing:
                 params = [b.shard.detach()]
             else:
                 params = [b.layout.shard_of_full(b.flat, u, rank).detach() for u in range(len(b.layout.units))]
-            entry = {"params": params, **{key: [t.detach()] for key, t in b.state.items()}}
+            entry = {"params": params, **{key: [self._seam_state(b, key)] for key in lowbit_state.seam_keys(b)}}
             entry["steps"] = [torch.stack([s.detach().float().cpu() for s in b.steps])]
             out.append(entry)
         return out
+
+    @staticmethod
+    def _seam_state(b: FlatBuffer, key: str) -> torch.Tensor:
+        """State ``key`` of ``b`` as the seam shows it: the live tensor, or a low-bit moment dequantized."""
+        if key in b.state:
+            return b.state[key].detach()
+        return lowbit_state.dequantized(b, key)
 
     def checkpoint_held(self) -> list[list[tuple[str, int, int, int]]]:
         """Per buffer, ``(name, start, stop, at)``: elements ``[start, stop)`` of param ``name`` sit at ``at`` in this
@@ -158,7 +170,7 @@ class ZeroCheckpointing:
 
     def checkpoint_required(self) -> list[list[str]]:
         """Per buffer, the states a checkpoint must hold (the others are derived, :data:`STATE_FALLBACK`)."""
-        return [["params", *(k for k in b.state if k not in STATE_FALLBACK)] for b in self.buffers]
+        return [["params", *(k for k in lowbit_state.seam_keys(b) if k not in STATE_FALLBACK)] for b in self.buffers]
 
     @torch.no_grad()
     def load_pieces(self, get: Fetch, step: Callable[[str], float], keep: frozenset[str] = frozenset()) -> None:
@@ -177,6 +189,10 @@ class ZeroCheckpointing:
 
         for b in self.buffers:
             lay = b.layout
+            # low-bit moments arrive as float32 (the seam's exp_avg / exp_avg_sq): into a partition-sized scratch,
+            # starting from the live values (params in ``keep`` keep theirs), quantized per unit shard at the end
+            seam = {k: b.state[k] if k in b.state else lowbit_state.dequantized(b, k)
+                    for k in lowbit_state.seam_keys(b)}
             if b.shard is None:  # stages 0-2: the whole params on every rank
                 for i in range(len(b.params)):
                     s = lay.slot(i)
@@ -189,7 +205,7 @@ class ZeroCheckpointing:
                     mine = lay.shard_of_partition(b.shard, u)
                     for name, a, z, at in pieces:
                         mine[at:at + z - a].copy_(need(name, "params", a, z))
-                for key, t in b.state.items():
+                for key, t in seam.items():
                     mine = lay.shard_of_partition(t, u)
                     for name, a, z, at in pieces:
                         value = get(name, key, a, z)
@@ -205,6 +221,9 @@ class ZeroCheckpointing:
                 loaded = [lay.slot(i).name for i in lay.units[u].params if lay.slot(i).name not in keep]
                 if loaded:
                     b.steps[u].fill_(step(loaded[0]))
+            for key, t in seam.items():
+                if key not in b.state:
+                    lowbit_state.quantize_into(b, key, t)
 
     @torch.no_grad()
     def load_frozen(self, tensors: dict[str, torch.Tensor]) -> list[str]:

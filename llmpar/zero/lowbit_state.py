@@ -98,3 +98,46 @@ def host_step(b: Any, shards: list[torch.Tensor], grads: list[torch.Tensor], **h
                found_inf=None if found_inf is None else found_inf.to(host), **hyper)
     for dst, src in zip(shards, masters):  # (a skipped step: the masters as they were)
         dst.copy_(src, non_blocking=dst.device.type != "cpu")
+
+
+# ------------------------------------------------------------------------------------------------- checkpoints
+# At the checkpoint seam (``checkpointing.py``) a low-bit buffer shows float32 moments "exp_avg" / "exp_avg_sq"
+# (dequantized, element for element like an fp32-state buffer), so every writer, reader, consolidation and conversion
+# handles it unchanged. Loading quantizes them again per unit shard: dequantize -> quantize is the identity on codes
+# and scales (``llmpar.ops.lowbit``: both signs' absmax entries are exact), and the blocks do not depend on dp, so a
+# load at the same units (any dp degree, any stage with the same units) restores the state bitwise; at other units
+# (another reduce_bucket_size, stage 3 vs 1/2, another tp split) the moments are re-quantized in the new blocks.
+
+SEAM_KEYS = {"exp_avg": ("m_codes", "m_scale", True), "exp_avg_sq": ("v_codes", "v_scale", False)}
+
+
+def seam_keys(b: Any) -> list[str]:
+    """The state keys buffer ``b`` shows a checkpoint."""
+    if bits_of(b.mode) is None:
+        return list(b.state)
+    return [*SEAM_KEYS, *(k for k in b.state if k not in CODE_KEYS)]
+
+
+def dequantized(b: Any, key: str) -> torch.Tensor:
+    """This rank's partition of moment ``key`` ("exp_avg" / "exp_avg_sq"), float32 [partition], fresh."""
+    bits = bits_of(b.mode)
+    codes_key, scale_key, signed = SEAM_KEYS[key]
+    lay = b.layout
+    parts = [lowbit.dequantize(unit_view(lay, b.state[codes_key], codes_key, u, bits),
+                               unit_view(lay, b.state[scale_key], scale_key, u, bits), bits, signed,
+                               lay.units[u].shard_numel(lay.shards)) for u in range(len(lay.units))]
+    return torch.cat(parts) if parts else torch.zeros(0)
+
+
+@torch.no_grad()
+def quantize_into(b: Any, key: str, values: torch.Tensor) -> None:
+    """Moment ``key`` of this rank's partition from float32 ``values: [partition]`` (quantized per unit shard)."""
+    bits = bits_of(b.mode)
+    codes_key, scale_key, signed = SEAM_KEYS[key]
+    lay = b.layout
+    if not signed:
+        values = values.clamp_min(0)  # a foreign checkpoint's v is >= 0 up to its own rounding
+    for u in range(len(lay.units)):
+        codes, scale = lowbit.quantize(lay.shard_of_partition(values, u), bits, signed)
+        unit_view(lay, b.state[codes_key], codes_key, u, bits).copy_(codes)
+        unit_view(lay, b.state[scale_key], scale_key, u, bits).copy_(scale)
