@@ -39,9 +39,11 @@ def _model_file():
     return pipe_ckpt_model
 
 
-def _config(stage, micro=MICRO, gas=GAS):
+def _config(stage, micro=MICRO, gas=GAS, clip=0.5):
+    """``stage`` None: no "zero_optimization" (DeepSpeed's default for pipelines: the optimizer in the model files)."""
+    zero = {} if stage is None else {"zero_optimization": {"stage": stage}}
     return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas, "steps_per_print": 1000,
-            "gradient_clipping": 0.5, "zero_optimization": {"stage": stage},
+            "gradient_clipping": clip, **zero,
             "optimizer": {"type": "AdamW", "params": {"lr": 2e-2, "weight_decay": 0.01, "betas": [0.9, 0.95],
                                                       "torch_adam": True}},
             "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4, "warmup_max_lr": 2e-2,
@@ -56,9 +58,12 @@ def _data(step, dp):
     return mine[r * per:(r + 1) * per]
 
 
-def _deepspeed(root, pp):
+def _deepspeed(root, pp, stage=1):
     """DeepSpeed trains the pipeline at pp x dp=2/pp for K steps, saves, continues N steps: (losses, params after),
-    params and buffers at the save, (scheduler state, lr) at the save."""
+    params and buffers at the save, (scheduler state, lr) at the save. ``stage`` None: no ZeRO, and DeepSpeed's
+    optimizer holds every param (the frozen one too, stateless), not only the trained ones; no gradient clipping
+    (DeepSpeed's non-ZeRO pipeline clips by a norm that counts a tied weight's gradient once per stage holding it,
+    llmpar once)."""
     import deepspeed
     import deepspeed.ops
 
@@ -72,8 +77,9 @@ def _deepspeed(root, pp):
     with torch.no_grad():
         for b in net.buffers():  # random buffers: the load must carry them
             b.copy_(torch.rand(b.shape, generator=g) + 0.5)
-    engine, *_ = deepspeed.initialize(model=net, config=_config(1, gas=GAS * pp // 2),
-                                      model_parameters=[p for p in net.parameters() if p.requires_grad])
+    trained = [p for p in net.parameters() if p.requires_grad or stage is None]
+    config = _config(stage, gas=GAS * pp // 2, clip=0.5 if stage else 0.0)
+    engine, *_ = deepspeed.initialize(model=net, config=config, model_parameters=trained)
     for step in range(K):
         engine.train_batch(iter(_data(step, 2 // pp)))
     engine.save_checkpoint(root, tag=TAG, client_state={"epoch": 7, "note": "pipe"})
@@ -84,7 +90,7 @@ def _deepspeed(root, pp):
     return (losses, end), state, run
 
 
-def _llmpar(layout, layers=None):
+def _llmpar(layout, layers=None, clip=0.5):
     """An llmpar engine of ``layout``: "pp2" (pp=2, ZeRO-1), "pp1" (PipelineModule at pp=1 x dp=2, ZeRO-2), "plain"
     (a plain module with the PipelineModule's names, dp=2, ZeRO-3), built from another seed."""
     import llmpar
@@ -94,12 +100,12 @@ def _llmpar(layout, layers=None):
     torch.manual_seed(99)
     if layout == "plain":
         model = M.Flat(llmpar.pipe)
-        engine, *_ = llmpar.initialize(model=model, config=_config(3, gas=GAS // 2))
+        engine, *_ = llmpar.initialize(model=model, config=_config(3, gas=GAS // 2, clip=clip))
         return engine, model
     pp = 2 if layout == "pp2" else 1
     net = llmpar.pipe.PipelineModule(layers=layers or M.layers(llmpar.pipe), loss_fn=torch.nn.CrossEntropyLoss(),
                                      num_stages=pp)
-    engine, *_ = llmpar.initialize(model=net, config=_config(1 if pp == 2 else 2, gas=GAS * pp // 2),
+    engine, *_ = llmpar.initialize(model=net, config=_config(1 if pp == 2 else 2, gas=GAS * pp // 2, clip=clip),
                                    training_data=None)
     return engine, net
 
@@ -135,17 +141,18 @@ def body(root, ext_dir):
     out = {}
     out["ds"], out["ds_state"], out["ds_run"] = _deepspeed(root, 2)
     out["ds_dp2"], out["ds_dp2_state"], out["ds_dp2_run"] = _deepspeed(os.path.join(root, "dp2"), 1)
+    out["ds_z0"], out["ds_z0_state"], out["ds_z0_run"] = _deepspeed(os.path.join(root, "z0"), 2, stage=None)
     dist.barrier()
-    for layout in ("pp2", "pp1", "plain", "pp2<dp2"):
-        engine, model = _llmpar(layout.split("<")[0])
-        path, client = engine.load_checkpoint(root if "<" not in layout else os.path.join(root, "dp2"))
+    for layout in ("pp2", "pp1", "plain", "pp2<dp2", "pp2<z0", "pp1<z0"):
+        engine, model = _llmpar(layout.split("<")[0], clip=0.0 if "z0" in layout else 0.5)
+        path, client = engine.load_checkpoint(root if "<" not in layout else os.path.join(root, layout.split("<")[1]))
         loaded = {n: t.detach().clone() for n, t in [*model.named_parameters(), *model.named_buffers()]}
         if layout == "plain":  # ZeRO-3: gathered to compare
             loaded = {n: t.detach().clone() for n, t in engine.module_state_dict().items()}
         facts = (os.path.basename(path), client, engine.global_steps, engine.global_samples,
                  engine.lr_scheduler.state_dict(), [g["lr"] for g in engine.optimizer.param_groups])
         losses = _train(engine, model, layout.split("<")[0])
-        end = {n: t.detach().clone() for n, t in model.named_parameters()} if layout == "pp2" else None
+        end = {n: t.detach().clone() for n, t in model.named_parameters()} if layout in ("pp2", "pp2<z0") else None
         out[layout] = ((losses, end), facts, loaded)
     # errors, on both ranks: a missing layer file, a truncated one, a model of another layer count
     import llmpar.pipe
@@ -204,24 +211,32 @@ def test_deepspeed_pipeline_checkpoint_files(runs):
     assert ck.frozen().keys() == {"2.norm.bias"} and torch.equal(ck.frozen()["2.norm.bias"], both["2.norm.bias"])
     assert ck.buffers().keys() == {"2.scale", "7.scale"}
     assert all(torch.equal(ck.buffers()[n], both[n]) for n in ck.buffers())
+    # without ZeRO: the optimizer in the model states files (params by index, the frozen one stateless), no names
+    from llmpar.checkpoint.files import CheckpointError
+
+    assert sorted(os.listdir(root / "z0" / TAG)) == files[:-2]
+    with pytest.raises(CheckpointError, match=r"without ZeRO \(torch optimizer\): its files name no params"):
+        DeepSpeedCheckpoint(str(root / "z0" / TAG))
 
 
-@pytest.mark.parametrize("layout", ["pp2", "pp1", "plain", "pp2<dp2"])
+@pytest.mark.parametrize("layout", ["pp2", "pp1", "plain", "pp2<dp2", "pp2<z0", "pp1<z0"])
 def test_llmpar_continues_deepspeed_pipeline(runs, layout):
     """llmpar continues DeepSpeed's pp=2 checkpoint at the same layout (pp=2, ZeRO-1), at pp=1 x dp=2 ZeRO-2 and in a
     plain engine at dp=2 ZeRO-3, and DeepSpeed's pp=1 x dp=2 checkpoint (each optimizer file a dp partition) at pp=2
-    ("pp2<dp2"): the next losses are DeepSpeed's (<= 1e-6 relative); every value it loaded is DeepSpeed's, bitwise
-    (its own build drew others); counters, scheduler, lr and client_state are DeepSpeed's."""
+    ("pp2<dp2"), and DeepSpeed's pp=2 checkpoint without ZeRO (torch's optimizer state in the model states files,
+    the params named from llmpar's model) at pp=2 and pp=1 x dp=2 ("<z0"): the next losses are DeepSpeed's (<= 1e-6
+    relative); every value it loaded is DeepSpeed's, bitwise (its own build drew others); counters, scheduler, lr and
+    client_state are DeepSpeed's."""
     runs, _ = runs
-    src = "ds_dp2" if "<" in layout else "ds"
+    src = f"ds_{layout.split('<')[1]}" if "<" in layout else "ds"
     theirs = runs[0][src][0]
     both = {**runs[1][f"{src}_state"], **runs[0][f"{src}_state"]}
     for r, out in enumerate(runs):
         (losses, end), facts, loaded = out[layout]
         # DeepSpeed sums the micro-batch losses in fp32, llmpar in fp64: the reported losses differ in the last bits
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(theirs), rtol=1e-6, atol=0)
-        if layout == "pp2":  # the same layout: the weights after the N steps are DeepSpeed's, to an ulp or two (not
-            ds_end = out["ds"][1]  # bitwise: the sums of the step run in another order)
+        if layout in ("pp2", "pp2<z0"):  # the same layout: the weights after the N steps are DeepSpeed's, to an ulp or two (not
+            ds_end = out[src][1]  # bitwise: the sums of the step run in another order)
             assert end.keys() == ds_end.keys()
             for n in end:
                 torch.testing.assert_close(end[n], ds_end[n], rtol=1e-6, atol=1e-7, msg=lambda m: f"{r} {n}: {m}")
@@ -294,3 +309,22 @@ def test_pipeline_layouts_not_read_are_named(tmp_path):
             (d / n).write_bytes(b"")
         with pytest.raises(CheckpointError, match=match):
             DeepSpeedCheckpoint(str(d))
+
+
+def test_unnamed_pipeline_params_that_cannot_be_placed_are_refused():
+    """Without ZeRO the stages' optimizer states are matched to the model's params by count and shape: states that
+    fit two assignments (two tied modules of one shape, one per stage) or none are refused, naming the stage."""
+    from llmpar.checkpoint.ds_pipe_names import Stage, infer
+    from llmpar.checkpoint.files import CheckpointError
+
+    model = {"tied_modules.e.w": ((3,), True), "tied_modules.f.w": ((3,), True)}
+    with pytest.raises(CheckpointError, match=r"stage 0's optimizer states fit the params \['tied_modules.e.w'\] "
+                                              r"and \['tied_modules.f.w'\] alike"):
+        infer(model, {}, [Stage([(3,)], None, set()), Stage([(3,)], None, set())], "DIR")
+    model = {"1.w": ((3,), True), "2.w": ((3,), False), "tied_modules.e.w": ((3,), True)}
+    layers = {1: {"w": torch.ones(3)}, 2: {"w": torch.ones(3)}}
+    got = infer(model, layers, [Stage([(3,), None], None, set()), Stage([(3,)], None, {2})], "DIR")
+    # stage 1's state is the tied weight's, not the frozen 2.w's (a frozen param has no state)
+    assert got == [(["tied_modules.e.w", "1.w"], set()), (["tied_modules.e.w"], set())]
+    with pytest.raises(CheckpointError, match="no split of this model's 3 params over its 2 stages"):
+        infer(model, layers, [Stage([(4,)], None, set()), Stage([(3,)], None, set())], "DIR")

@@ -74,7 +74,7 @@ class DeepSpeedCheckpoint:
     """The DeepSpeed checkpoint in directory ``path`` (module docstring). ``names``: the trained params in DeepSpeed's
     order; ``shapes``: their full shapes; :meth:`read` / :meth:`step`: their states."""
 
-    def __new__(cls, path: str, mp_rank: int | None = None) -> "DeepSpeedCheckpoint":
+    def __new__(cls, path: str, mp_rank: int | None = None, **kwargs: Any) -> "DeepSpeedCheckpoint":
         if cls is DeepSpeedCheckpoint and mp_rank is None and any(LAYER_RE.match(f) for f in detect(path)):
             from llmpar.checkpoint.ds_pipe_read import DeepSpeedPipelineCheckpoint  # a subclass: no cycle at import
 
@@ -114,7 +114,19 @@ class DeepSpeedCheckpoint:
         self._opened: dict[int, dict] = {}
         self._frozen: dict[str, torch.Tensor] | None = None
         self._zero_models = zero_models
-        self.stage = 0 if not self.optim else int(self._zero(0)["zero_stage"].args[0])
+        self.kind = "ZeRO"  # or "BF16_Optimizer" / "FP16_Optimizer": their flat groups read as ZeRO-1's
+        opt = self.model.get("optimizer")
+        if not self.optim and isinstance(opt, dict) and "fp32_groups_flat" in opt:  # fp16, no ZeRO: one flat group
+            self.kind, self.optim = "FP16_Optimizer", {0: model_file}  # each, dp=1: ZeRO-1's layout at dp=1
+            self._opened[0] = {"single_partition_of_fp32_groups": opt["fp32_groups_flat"], "partition_count": 1,
+                               "base_optimizer_state": opt["optimizer_state_dict"]}
+        if not self.optim:
+            self.stage, self.kind = 0, "torch"  # the optimizer's state dict in the model states file
+        elif "zero_stage" not in self._zero(0) and "single_partition_of_fp32_groups" in self._zero(0):
+            self.stage = 1  # BF16_Optimizer (bf16 with ZeRO-1 or none): ZeRO-1's flat partitions, no alignment pads
+            self.kind = "BF16_Optimizer" if self.kind == "ZeRO" else self.kind
+        else:
+            self.stage = int(self._zero(0)["zero_stage"].args[0])
         self.dp = 1 if self.stage == 0 else self._partition_count()
         missing = [r for r in range(self.dp) if r not in self.optim] if self.stage else []
         extra = sorted(set(self.optim) - set(range(self.dp))) if self.stage else []
@@ -127,6 +139,16 @@ class DeepSpeedCheckpoint:
             raise CheckpointError(f"{path}: DeepSpeed ZeRO-3 checkpoint of dp={self.dp} has the model states files of "
                                   f"dp ranks {zero_models}")
         self.aliases: dict[str, str] = dict(self.model.get("shared_params") or {})
+        # a pipeline stage without ZeRO: "module" None, no param_shapes: no names until set_names (ds_pipe_names.py)
+        self.unnamed = self.model["module"] is None and not isinstance(self.model.get("param_shapes"), list)
+        self._skip: set[str] = set()
+        self._layout()
+
+    def set_names(self, groups: list[dict[str, tuple[int, ...]]], skip: set[str]) -> None:
+        """Name the saved params of a checkpoint whose files do not (``unnamed``): ``groups`` in the optimizer's
+        order, every param it holds (as ``param_shapes``); ``skip``: those of them not read as trained (frozen)."""
+        self.model = {**self.model, "param_shapes": groups}
+        self._skip, self.unnamed = set(skip), False
         self._layout()
 
     # ------------------------------------------------------------------ files
@@ -164,6 +186,8 @@ class DeepSpeedCheckpoint:
         self.names: list[str] = []
         self.shapes: dict[str, tuple[int, ...]] = {}
         self._where: dict[str, tuple[int, int]] = {}  # name -> (group / stage 0: param index, offset)
+        if self.unnamed:
+            return
         if self.stage == 0:
             self._layout0()
             return
@@ -175,9 +199,10 @@ class DeepSpeedCheckpoint:
         for g, shapes in enumerate(groups):
             at = 0
             for i, (name, shape) in enumerate(shapes.items()):
-                self.names.append(name)
-                self.shapes[name] = tuple(int(d) for d in shape)
-                n = math.prod(self.shapes[name])
+                n = math.prod(int(d) for d in shape)
+                if name not in self._skip:
+                    self.names.append(name)
+                    self.shapes[name] = tuple(int(d) for d in shape)
                 if self.stage == 3:
                     self._where[name] = (0, size3)
                     size3 += -(-n // self.dp)
@@ -197,6 +222,9 @@ class DeepSpeedCheckpoint:
 
     def _layout0(self) -> None:
         module, opt = self.model["module"], self.model.get("optimizer")
+        if module is None:  # a pipeline stage: the names set_names gave, in the optimizer's order
+            self._layout0_named(opt)
+            return
         buffers = set(self.model.get("buffer_names") or ())
         seen: dict[tuple, str] = {}
         for name, t in module.items():
@@ -222,6 +250,21 @@ class DeepSpeedCheckpoint:
         for k, name in enumerate(self.names):
             self._where[name] = (index[k], k)
 
+    def _layout0_named(self, opt: Any) -> None:
+        shapes = [(n, tuple(int(d) for d in s)) for g in self.model["param_shapes"] for n, s in g.items()]
+        sd = opt.get("optimizer_state_dict", opt) if isinstance(opt, dict) else None
+        if sd is None or "param_groups" not in sd:
+            raise CheckpointError(f"{self.path}: the model states file holds no torch optimizer state dict")
+        index = [i for group in sd["param_groups"] for i in group["params"]]
+        if len(index) != len(shapes):
+            raise CheckpointError(f"{self.path}: the optimizer holds {len(index)} params, {len(shapes)} named")
+        self._state0, self._fp32_0 = sd["state"], None
+        for k, (name, shape) in enumerate(shapes):
+            if name not in self._skip:
+                self.names.append(name)
+                self.shapes[name] = shape
+                self._where[name] = (index[k], k)
+
     def _part_size(self, g: int) -> int:
         """Stages 1-2: the partition size of group ``g`` (the moments keep the end padding, the fp32 copy not)."""
         m = self._moments(0)[g]
@@ -234,6 +277,8 @@ class DeepSpeedCheckpoint:
 
     def describe(self) -> str:
         """The layout in words, for messages."""
+        if self.kind not in ("ZeRO", "torch"):
+            return f"{self.kind} at dp={self.dp}"
         return f"ZeRO-{self.stage} at dp={self.dp}"
 
     def source(self, name: str) -> str:
@@ -258,8 +303,9 @@ class DeepSpeedCheckpoint:
         name = self.source(name)
         g, at = self._where[name]
         if self.stage == 0:
-            if key in MOMENTS:
-                return self._state0[g][key].reshape(-1)[a:z]
+            if key in MOMENTS:  # a param without state (never stepped): torch's zeros
+                st = self._state0.get(g, {})
+                return st[key].reshape(-1)[a:z] if key in st else torch.zeros(z - a, dtype=torch.float32)
             t = self._fp32_0[at] if self._fp32_0 is not None else self.model["module"][name]
             return t.reshape(-1)[a:z]
         if self.stage == 3:
@@ -282,7 +328,7 @@ class DeepSpeedCheckpoint:
         name = self.source(name)
         g, at = self._where[name]
         if self.stage == 0:
-            return _scalar(self._state0[g].get("step", 0)) if hasattr(self, "_state0") else 0.0
+            return _scalar(self._state0.get(g, {}).get("step", 0)) if hasattr(self, "_state0") else 0.0
         if self.stage < 3:
             return _scalar(self._moments(0)[g].get("step", 0))
         moments, start = self._moments(0), 0

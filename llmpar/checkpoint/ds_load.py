@@ -14,14 +14,17 @@ files: this engine's stay as they are.
 """
 from __future__ import annotations
 
+import json
 import logging
 import math
+import os
 from typing import Any
 
 import torch
 
 from llmpar.checkpoint import files
 from llmpar.checkpoint.deepspeed_read import DeepSpeedCheckpoint
+from llmpar.checkpoint.ds_files import LAYER_RE, detect, load_file
 from llmpar.checkpoint.files import CheckpointError
 from llmpar.checkpoint.protocol import Checkpointable, DescribesModel
 from llmpar.checkpoint.reshard import Cut, full_shape
@@ -129,6 +132,30 @@ def _plan(engine: Checkpointable, view: EngineView, ck: DeepSpeedCheckpoint, src
     return missing, extras
 
 
+def _unnamed(path: str) -> bool:
+    """A pipeline checkpoint saved without ZeRO, whose files name no params (``ds_pipe_names.py``)."""
+    found = detect(path)
+    if not any(LAYER_RE.match(f) for f in found) or "mp_rank_00_model_states.pt" not in found:
+        return False
+    try:
+        m = load_file(os.path.join(path, "mp_rank_00_model_states.pt"))
+    except CheckpointError:
+        return False  # reported when the checkpoint opens
+    return isinstance(m, dict) and m.get("module") is None and not isinstance(m.get("param_shapes"), list)
+
+
+def _model_names(view: EngineView) -> dict[str, tuple[list[int], bool]]:
+    """Collective: {checkpoint name: (full shape, trained)} of the whole model, every rank's params joined."""
+    specs, shapes = view.specs(), view.shapes()
+    mine = {view.saved_name[n]: (list(full_shape(s, specs[n])), True) for n, s in shapes.items()}
+    frozen = {n: tuple(t.shape) for n, (t, is_param) in view.targets().items() if is_param and n not in mine}
+    mine.update({n: (list(s), False) for n, s in {**frozen, **view.opt.frozen_shapes()}.items()})
+    out: dict[str, tuple[list[int], bool]] = {}
+    for text in files.gather_text(json.dumps(mine), view.grid, limit=1 << 22):
+        out.update({k: (v[0], v[1]) for k, v in json.loads(text or "{}").items()})
+    return out
+
+
 def _stored(ck: DeepSpeedCheckpoint) -> list[str]:
     return sorted(set(ck.names) | set(ck.aliases) | set(ck.buffers()) | set(ck.frozen()))
 
@@ -140,8 +167,9 @@ def load(engine: Checkpointable, view: EngineView, path: str, *, strict: bool, s
     client_state)``."""
     g, opt = view.grid, engine.optimizer
     sched = engine.lr_scheduler if scheduler else None
+    model = _model_names(view) if _unnamed(path) else None  # collective: every rank sees the same files
     with files.agreed(g, "load_checkpoint"):
-        ck = DeepSpeedCheckpoint(path)
+        ck = DeepSpeedCheckpoint(path, model=model) if model is not None else DeepSpeedCheckpoint(path)
         src = _Source(ck, view)
         keep, extras = _plan(engine, view, ck, src, strict, sched)
     stored = _stored(ck)  # the same on every rank: the same files

@@ -34,6 +34,7 @@ import torch
 
 from llmpar.checkpoint.deepspeed_read import DeepSpeedCheckpoint
 from llmpar.checkpoint.ds_files import LAYER_RE, MODEL_RE, OPTIM_RE, detect, load_file
+from llmpar.checkpoint.ds_pipe_names import Stage, groups, infer
 from llmpar.checkpoint.files import CheckpointError
 
 TIED = "tied_modules."
@@ -43,7 +44,9 @@ class DeepSpeedPipelineCheckpoint(DeepSpeedCheckpoint):
     """A DeepSpeed pipeline checkpoint (module docstring): the reader's interface over all its stages. ``pp``: the
     number of stages; ``stages[s]``: stage s's reader."""
 
-    def __init__(self, path: str, mp_rank: int | None = None) -> None:
+    def __init__(self, path: str, mp_rank: int | None = None, model: dict | None = None) -> None:
+        """``model``: {name: (shape, trained)} of the model loading it, which names the params of a checkpoint
+        saved without ZeRO (``ds_pipe_names.py``); not needed otherwise."""
         self.path = path
         found = detect(path)
         layers = {f: LAYER_RE.match(f) for f in found if LAYER_RE.match(f)}
@@ -68,14 +71,13 @@ class DeepSpeedPipelineCheckpoint(DeepSpeedCheckpoint):
         self.pp = pp
         self.stages = [first] + [DeepSpeedCheckpoint(path, mp_rank=s) for s in range(1, pp)]
         for s, st in enumerate(self.stages):
-            if st.stage == 0:
-                raise CheckpointError(f"{path}: DeepSpeed pipeline checkpoint without ZeRO (no zero_pp_rank_*_"
-                                      f"mp_rank_{s:02d}_optim_states.pt; the optimizer inside the model states "
-                                      "files): only ZeRO-1 pipeline checkpoints are read")
-            if (st.stage, st.dp) != (first.stage, first.dp):
-                raise CheckpointError(f"{path}: stage {s}'s files are ZeRO-{st.stage} at dp={st.dp}, stage 0's "
-                                      f"ZeRO-{first.stage} at dp={first.dp}")
-        self.stage, self.dp, self.bf16, self.mp_rank = first.stage, first.dp, first.bf16, 0
+            if (st.kind, st.stage, st.dp, st.unnamed) != (first.kind, first.stage, first.dp, first.unnamed):
+                raise CheckpointError(f"{path}: stage {s}'s files are {st.describe()}, stage 0's {first.describe()}")
+        self.stage, self.dp, self.bf16, self.mp_rank, self.kind = first.stage, first.dp, first.bf16, 0, first.kind
+        order = sorted(layers, key=lambda f: int(layers[f].group(1)))
+        raw = {int(layers[f].group(1)): self._load_layer(f) for f in order}  # type: ignore[union-attr]
+        if first.unnamed:
+            self._name_stages(raw, model)
         self.aliases: dict[str, str] = {}
         self.names: list[str] = []
         self.shapes: dict[str, tuple[int, ...]] = {}
@@ -93,10 +95,46 @@ class DeepSpeedPipelineCheckpoint(DeepSpeedCheckpoint):
         self._buffer_names = {n for st in self.stages for n in st.model.get("buffer_names") or ()}
         self.model = self._merged_model()
         self._layer_ids = sorted(int(m.group(1)) for m in layers.values())
-        self._layers, self._origin = self._read_layers(sorted(layers, key=lambda f: int(layers[f].group(1))))
+        self._layers, self._origin = self._read_layers(order, raw)
 
     # ------------------------------------------------------------------ the layer files
-    def _read_layers(self, files: list[str]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    def _load_layer(self, f: str) -> dict[str, torch.Tensor]:
+        sd = load_file(os.path.join(self.path, f))
+        if not isinstance(sd, dict) or any(not isinstance(t, torch.Tensor) for t in sd.values()):
+            raise CheckpointError(f"{os.path.join(self.path, f)} is not a DeepSpeed layer file (a state_dict of "
+                                  f"tensors), it holds a {type(sd).__name__}")
+        return sd
+
+    def _name_stages(self, raw: dict[int, dict[str, torch.Tensor]], model: dict | None) -> None:
+        """Saved without ZeRO: each stage's params named from ``model`` (``ds_pipe_names.py``)."""
+        if not model:
+            raise CheckpointError(f"{self.path} is a DeepSpeed pipeline checkpoint without ZeRO ({self.kind} optimizer): "
+                                  "its files name no params; load it with engine.load_checkpoint, whose model names "
+                                  "them")
+        stages = []
+        for s, st in enumerate(self.stages):
+            buffers = {int(b.split(".", 1)[0]) for b in st.model.get("buffer_names") or () if b.split(".")[0].isdigit()}
+            if st.stage == 0:
+                opt = st.model.get("optimizer")
+                sd = opt.get("optimizer_state_dict", opt) if isinstance(opt, dict) else None
+                if not isinstance(sd, dict) or len(sd.get("param_groups") or ()) != 1:
+                    raise CheckpointError(f"{self.path}: stage {s}'s model states file holds no one-group torch "
+                                          f"optimizer state dict ({type(opt).__name__}): not read")
+                state = sd["state"]
+                entries = [tuple(state[i]["exp_avg"].shape) if "exp_avg" in state.get(i, {}) else None
+                           for i in sd["param_groups"][0]["params"]]
+                stages.append(Stage(entries, None, buffers))
+            else:
+                if len(st._moments(0)) != 1:
+                    raise CheckpointError(f"{self.path}: stage {s}'s {st.kind} holds several param groups: not read")
+                total = sum(st._part_size(0) for _ in range(st.dp))
+                stages.append(Stage(None, (total, 0 if st.kind == "FP16_Optimizer" else 2 * st.dp - 1), buffers))
+        model = {n: (tuple(int(d) for d in shape), bool(trained)) for n, (shape, trained) in model.items()}
+        for st, (names, skip) in zip(self.stages, infer(model, raw, stages, self.path)):
+            st.set_names(groups(names, model), skip)
+
+    def _read_layers(self, files: list[str], raw: dict[int, dict[str, torch.Tensor]]
+                     ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         """{model name: tensor} of every layer file, and {model name: the file it came from}."""
         known = set(self.names) | self._buffer_names
         regular = {int(n.split(".", 1)[0]) for n in known if n.split(".", 1)[0].isdigit()}
@@ -111,10 +149,7 @@ class DeepSpeedPipelineCheckpoint(DeepSpeedCheckpoint):
         module: dict[str, torch.Tensor] = {}
         origin: dict[str, str] = {}
         for i, f in sorted(have.items()):
-            sd = load_file(os.path.join(self.path, f))
-            if not isinstance(sd, dict) or any(not isinstance(t, torch.Tensor) for t in sd.values()):
-                raise CheckpointError(f"{os.path.join(self.path, f)} is not a DeepSpeed layer file (a state_dict of "
-                                      f"tensors), it holds a {type(sd).__name__}")
+            sd = raw[i]
             prefix = f"{i}." if i in regular or not sd else self._tied_prefix(f, sd, known)
             for key, t in sd.items():
                 name = prefix + key
@@ -156,6 +191,9 @@ class DeepSpeedPipelineCheckpoint(DeepSpeedCheckpoint):
     # ------------------------------------------------------------------ reads (by the stage holding the param)
     def file_of(self, name: str) -> str:
         """Where ``name`` is saved: its layer file, or the optimizer files of the stage holding it."""
+        if name in self._owner and self.stage == 0:
+            files = f"mp_rank_{self._owner[name]:02d}_model_states.pt"
+            return files + (f", {self._origin[name]}" if name in self._origin else "")
         if name in self._owner:
             files = f"zero_pp_rank_*_mp_rank_{self._owner[name]:02d}_optim_states.pt"
             return files + (f", {self._origin[name]}" if name in self._origin else "")
@@ -163,14 +201,22 @@ class DeepSpeedPipelineCheckpoint(DeepSpeedCheckpoint):
 
     def describe(self) -> str:
         span = f", layer files of layers {min(self._layer_ids)}..{max(self._layer_ids)}" if self._layer_ids else ""
-        return f"pipeline of pp={self.pp} stages, ZeRO-{self.stage} at dp={self.dp}{span}"
+        how = {"ZeRO": f"ZeRO-{self.stage}", "torch": "no ZeRO (torch optimizer)"}.get(self.kind, self.kind)
+        return f"pipeline of pp={self.pp} stages, {how} at dp={self.dp}{span}"
 
     def has(self, name: str, key: str) -> bool:
         name = self.source(name)
+        if self.stage == 0 and key in ("params", "master"):  # no ZeRO, fp32: the weights are the layer files'
+            return name in self._layers
         return self.stages[self._owner[name]].has(name, key)
 
     def read(self, name: str, key: str, a: int, z: int) -> torch.Tensor:
         name = self.source(name)
+        if self.stage == 0 and key in ("params", "master"):
+            if name not in self._layers:
+                raise CheckpointError(f"{self.path}: no layer file holds {name!r} (a tied module called only "
+                                      "through forward_fn has none)")
+            return self._layers[name].reshape(-1)[a:z]
         return self.stages[self._owner[name]].read(name, key, a, z)
 
     def step(self, name: str) -> float:
