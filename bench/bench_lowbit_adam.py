@@ -1,0 +1,157 @@
+"""Benchmark: the ZeRO-Offload host step with 8- and 4-bit AdamW states (llmpar's CPU kernel, csrc/cpu/adam_lowbit*)
+vs torch's fused CPU AdamW (fp32 states), llmpar's fp32 CPU kernel and torchao's AdamW8bit / AdamW4bit on the CPU,
+side by side in one interleaved run, at 10M, 30M and 100M params.
+
+    python bench/bench_lowbit_adam.py                       # 10M 30M 100M
+    python bench/bench_lowbit_adam.py --sizes 10M --repeats 5
+
+Cases (all share one flat float32 param buffer and its grad, as the offload step sees a ZeRO flat shard; each keeps
+its own state):
+    torch fused            torch.optim.AdamW(fused=True).step(): fp32 m, v (the baseline)
+    llmpar fp32+bf16       llmpar.ops.cpu_adamw_step with the bf16 copy of the params in the same pass
+    llmpar int8+bf16       llmpar.ops.lowbit_kernels.cpu_step, 8-bit m, v, float32 master, bf16 params in the pass
+    llmpar int4+bf16       the same with 4-bit m, v
+    torchao AdamW8bit/4bit torchao.optim on the CPU (fp32 params; its step is torch.compile'd), when it imports
+Bytes per param a step must move (read + written), the floor each case is held to: torch fused 28 (p, g, m, v read;
+p, m, v written); llmpar fp32+bf16 30; int8+bf16 18 + scales (master 8, grad 4, codes 2 + 2, bf16 2); int4+bf16 16 +
+scales; torchao int8 / int4 (fp32 params, no copy): 14 / 13 + scales. GB/s = those bytes / median time, next to the
+machine's copy bandwidth (dst.copy_(src) of 256 MiB, bytes read + written). Results: bench/results/lowbit_adam_cpu.*
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_optim import copy_bandwidth  # noqa: E402
+from harness import compare, write_results  # noqa: E402
+
+from llmpar.ops import _cpu_ext, lowbit  # noqa: E402
+from llmpar.ops.cpu_adam import ISAS, cpu_adamw_step, isa_code  # noqa: E402
+from llmpar.ops.lowbit_kernels import cpu_step  # noqa: E402
+
+SIZES = {"10M": 10_000_000, "30M": 30_000_000, "100M": 100_000_000}
+HYPER = dict(lr=1e-4, weight_decay=0.1, betas=(0.9, 0.999), eps=1e-8)
+BASELINE = "torch fused"
+
+
+def state_bytes_per_param(bits: int) -> float:
+    """codes read + written and scales read + written, per param, for m and v together."""
+    return 2 * 2 * (bits / 8 + 4 / lowbit.BLOCK[bits])
+
+
+BYTES = {"torch fused": 28.0, "llmpar fp32+bf16": 30.0,
+         "llmpar int8+bf16": 14.0 + state_bytes_per_param(8), "llmpar int4+bf16": 14.0 + state_bytes_per_param(4),
+         "torchao AdamW8bit": 12.0 + state_bytes_per_param(8), "torchao AdamW4bit": 12.0 + state_bytes_per_param(4)}
+
+
+def torchao_step(params: list[torch.nn.Parameter], bits: int) -> tuple[Callable[[], object] | None, str]:
+    """torchao's AdamW8bit / AdamW4bit on the CPU, warmed up (its first step compiles); (None, why) if it fails."""
+    try:
+        from torchao.optim import AdamW4bit, AdamW8bit
+
+        cls = AdamW8bit if bits == 8 else AdamW4bit
+        opt = cls(params, **HYPER)
+        start = time.perf_counter()
+        opt.step()
+        return opt.step, f"first step (compile) {time.perf_counter() - start:.1f} s"
+    except Exception as exc:  # noqa: BLE001 - an optional baseline
+        return None, f"{type(exc).__name__}: {str(exc)[:200]}"
+
+
+def cases_for(n: int, torchao: bool) -> tuple[dict[str, Callable[[], object]], dict[str, str]]:
+    g = torch.Generator().manual_seed(0)
+    flat = torch.randn(n, generator=g).mul_(0.02)
+    grad = torch.randn(n, generator=g).mul_(1e-3)
+    param = torch.nn.Parameter(flat)
+    param.grad = grad
+    cases: dict[str, Callable[[], object]] = {}
+    notes: dict[str, str] = {}
+    cases[BASELINE] = torch.optim.AdamW([param], fused=True, **HYPER).step
+    kw = dict(lr=HYPER["lr"], beta1=HYPER["betas"][0], beta2=HYPER["betas"][1], eps=HYPER["eps"],
+              weight_decay=HYPER["weight_decay"])
+    p32 = [param.detach()]
+    m32, v32 = [torch.zeros(n)], [torch.zeros(n)]
+    s32 = [torch.zeros(())]
+    out16 = [torch.empty(n, dtype=torch.bfloat16)]
+    cases["llmpar fp32+bf16"] = lambda: cpu_adamw_step(p32, [grad], m32, v32, s32, outs=out16, **kw)
+    for bits in (8, 4):
+        master = [param.detach().clone()]
+        bf16 = [master[0].to(torch.bfloat16)]
+        st = lowbit.new_state(n, bits)
+        steps = [torch.zeros(())]
+        qm, qv = lowbit.qmap(bits, True), lowbit.qmap(bits, False)
+
+        def step(bits=bits, master=master, bf16=bf16, st=st, steps=steps, qm=qm, qv=qv):
+            cpu_step(bf16, [grad], [st["m_codes"]], [st["m_scale"]], [st["v_codes"]], [st["v_scale"]], steps, master,
+                     bits=bits, qmap_m=qm, qmap_v=qv, **kw)
+
+        cases[f"llmpar int{bits}+bf16"] = step
+    if torchao:
+        for bits in (8, 4):
+            p = torch.nn.Parameter(param.detach().clone())
+            p.grad = grad
+            fn, note = torchao_step([p], bits)
+            notes[f"torchao AdamW{bits}bit"] = note
+            print(f"  torchao AdamW{bits}bit: {note}")
+            if fn is not None:
+                cases[f"torchao AdamW{bits}bit"] = fn
+    return cases, notes
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--out", default=None, help="results folder (default bench/results)")
+    ap.add_argument("--name", default="lowbit_adam_cpu", help="results file stem")
+    ap.add_argument("--torchao", action=argparse.BooleanOptionalAction, default=True,
+                    help="time torchao's AdamW8bit / AdamW4bit too where importable")
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    args = ap.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    load_avg = os.getloadavg()
+    status = _cpu_ext.load()
+    if not status.available:
+        sys.exit(f"the CPU extension is unavailable ({status.reason}): nothing to compare")
+    copy_gbs = copy_bandwidth(torch.device("cpu"))
+    isa = f"{ISAS[isa_code()]} cap, torch CPU capability {torch.backends.cpu.get_cpu_capability()}"
+    print(f"copy bandwidth {copy_gbs:.1f} GB/s; torch threads {torch.get_num_threads()}; kernel ISA: {isa}; "
+          f"load average {load_avg}")
+    rows: list[dict] = []
+    notes: dict[str, str] = {}
+    for size in args.sizes:
+        n = SIZES[size]
+        cases, size_notes = cases_for(n, args.torchao)
+        notes.update({f"{size} {k}": v for k, v in size_notes.items()})
+        print(f"== {size}: {', '.join(cases)}")
+        cmp = compare(cases, baseline=BASELINE, warmup=args.warmup, repeats=args.repeats)
+        print(cmp.table())
+        for row in cmp.rows(size=size, params_M=round(n / 1e6, 1)):
+            gbs = BYTES[row["name"]] * n / (row["median_ms"] / 1e3) / 1e9
+            row["bytes/param"] = round(BYTES[row["name"]], 2)
+            row["GB/s"], row["% copy BW"] = gbs, 100 * gbs / copy_gbs
+            row["floor_ms"] = BYTES[row["name"]] * n / (copy_gbs * 1e9) * 1e3
+            rows.append(row)
+        del cases
+        gc.collect()
+    meta = {"copy_bandwidth_GBps": round(copy_gbs, 1), "torch_threads": torch.get_num_threads(),
+            "load_average_at_start (1, 5, 15 min)": tuple(round(x, 2) for x in load_avg),
+            "load_average_at_end (1, 5, 15 min)": tuple(round(x, 2) for x in os.getloadavg()),
+            "kernel_isa": isa, "cpu_ext": status.reason.split(" in ")[0], "hyper": str(HYPER),
+            "speedup": "torch fused's median / case median (side by side, interleaved rounds)",
+            "floor_ms": "bytes/param * params / copy bandwidth: the step at the machine's copy speed", **notes}
+    paths = write_results(args.name, rows, meta, out_dir=args.out)
+    print("wrote", ", ".join(str(p) for p in paths.values()))
+
+
+if __name__ == "__main__":
+    main()
