@@ -28,7 +28,7 @@ pytest.importorskip("deepspeed", reason="DeepSpeed is not installed")
 CASES = (("z2", 3, 1, False), ("z2", 1, 2, False), ("z3", 2, 1, True), ("z3", 1, 2, False))
 
 
-def _engine(stage, tp=1, offload=False, vocab=V):
+def _engine(stage, tp=1, offload=False, vocab=V, universal=None):
     import llmpar
     from llmpar.models import GPT, GPTConfig
 
@@ -39,6 +39,8 @@ def _engine(stage, tp=1, offload=False, vocab=V):
     cfg = _config(stage, MICRO * 2 // env.mesh["dp"].size())
     if offload:
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    if universal is not None:
+        cfg["checkpoint"] = {"load_universal": universal}
     engine, *_ = llmpar.initialize(model=model, config=cfg, mesh=env.mesh)
     return engine
 
@@ -125,6 +127,21 @@ def body(root, ext_dir):
     out["nofolder"] = _error(lambda: engine.load_checkpoint(f"{root}/nofolder"))
     out["truncated"] = _error(lambda: engine.load_checkpoint(f"{root}/truncated", tag=uni))
     out["shape"] = _error(lambda: _engine(2, vocab=V + 2).load_checkpoint(f"{root}/z3"))
+    # "checkpoint": {"load_universal": true}: tag=None reads latest_universal even beside DeepSpeed's own latest
+    if rank == 0:
+        shutil.copytree(f"{root}/z2", f"{root}/both")
+        with open(f"{root}/both/latest", "w") as f:
+            f.write(f"global_step{K}")
+    dist.barrier()
+    flags = {}
+    for flag in (True, False, None):
+        engine = _engine(2, universal=flag)
+        path, _ = engine.load_checkpoint(f"{root}/both")
+        flags[flag] = (os.path.basename(path), _state(engine))
+    out["flags"] = flags
+    engine = _engine(2, universal=True)
+    out["no_latest_universal"] = _error(lambda: engine.load_checkpoint(f"{root}/ours"))
+    out["not_universal"] = _error(lambda: engine.load_checkpoint(f"{root}/both", tag=f"global_step{K}"))
     return out
 
 
@@ -229,3 +246,28 @@ def test_convert_from_universal(runs, tmp_path):
         consolidate.convert(str(root / "ours"), str(tmp_path / "x"), source="universal")
     with pytest.raises(ValueError, match="source='zip' is not one of"):
         consolidate.convert(str(root / "ours"), str(tmp_path / "x"), source="zip")
+
+
+def test_load_universal_config_reads_latest_universal(runs):
+    """``"checkpoint": {"load_universal": true}``, as in DeepSpeed: ``load_checkpoint(DIR)`` loads the universal
+    checkpoint ``DIR/latest_universal`` names even when ``DIR/latest`` names DeepSpeed's own save of the same run;
+    false / absent loads ``latest``. The two hold the same state (the same save, two layouts). With the flag, a
+    directory without ``latest_universal`` and a tag that is not a universal checkpoint fail on every rank naming
+    them; a value that is not a bool is refused by the config."""
+    from llmpar.runtime import Config
+
+    runs, _ = runs
+    for out in runs:
+        flags = out["flags"]
+        assert flags[True][0] == f"global_step{K}_universal"
+        assert flags[False][0] == flags[None][0] == f"global_step{K}"
+        (a, sa, pa), (b, sb, pb) = flags[True][1], flags[False][1]
+        for x, y in zip(a, b):
+            assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+        assert all(torch.equal(s, t) for xs, ys in zip(sa, sb) for s, t in zip(xs, ys))
+        assert all(torch.equal(pa[n], pb[n]) for n in pa)
+        assert '"checkpoint.load_universal"=true' in out["no_latest_universal"], out["no_latest_universal"]
+        assert "ours/latest_universal is missing" in out["no_latest_universal"], out["no_latest_universal"]
+        assert f"both/global_step{K} is not a universal checkpoint" in out["not_universal"], out["not_universal"]
+    with pytest.raises(ValueError, match='"checkpoint.load_universal"="yes": a bool'):
+        Config.from_deepspeed({"train_batch_size": 8, "checkpoint": {"load_universal": "yes"}}, dp=2)

@@ -219,11 +219,17 @@ def _apply(view: EngineView, reader: CheckpointReader, cuts: dict[str, Cut], kee
     view.put_extras(extras)  # a ZeRO-3 frozen param: into this rank's shard of it
 
 
-def _open(g: Grid, load_dir: str, tag: str | None) -> tuple[str, dict]:
-    """Resolve and read the checkpoint on every rank, and agree that every rank reads the same one (collective)."""
+def _open(g: Grid, load_dir: str, tag: str | None, universal: bool = False) -> tuple[str, dict]:
+    """Resolve and read the checkpoint on every rank, and agree that every rank reads the same one (collective).
+    ``universal``: it must be a universal checkpoint (DeepSpeed's ``checkpoint.load_universal``)."""
     err, path, meta, ident = None, str(load_dir), None, ""
     try:
         uni_path = universal_read.resolve(load_dir, tag)  # DeepSpeed's universal layout (zero/<param>/...)
+        if universal and uni_path is None:
+            where = os.path.join(str(load_dir), tag) if tag is not None else str(load_dir)
+            raise CheckpointError(f'"checkpoint.load_universal"=true: {where} is not a universal checkpoint (no '
+                                  "zero/ folder beside a model states file); convert it with ds_to_universal or "
+                                  "`llmpar checkpoint convert --to universal`, or set load_universal to false")
         ds_path = ds_files.resolve(load_dir, tag)  # no metadata.json but DeepSpeed's files: ds_load.py
         dcp_path = dcp_format.resolve(load_dir, tag)  # torch.distributed.checkpoint's files: dcp_load.py
         if uni_path is not None:
@@ -263,7 +269,7 @@ def _open(g: Grid, load_dir: str, tag: str | None) -> tuple[str, dict]:
 
 
 def load_checkpoint(engine: Checkpointable, load_dir: str, tag: str | None = None, *, strict: bool = True,
-                    scheduler: bool = True) -> tuple[str, dict | None]:
+                    scheduler: bool = True, universal: bool = False) -> tuple[str, dict | None]:
     """Load checkpoint ``load_dir/tag`` (default: the one ``load_dir/latest`` names, read exactly) into ``engine``.
     Returns ``(path, client_state)``. Collective over the engine's dp, tp (and pp) groups. A ``tag`` that is not a
     plain directory name (``files.check_tag``) is a ValueError naming it, raised by each rank before any collective.
@@ -271,17 +277,21 @@ def load_checkpoint(engine: Checkpointable, load_dir: str, tag: str | None = Non
     malformed field is an error naming it and the file) before anything of the engine is modified. ``strict``: a param
     or buffer of the model the checkpoint lacks, or one of the checkpoint no rank's model has, is an error naming it
     (False: the model's keep their values, the checkpoint's are ignored, with a warning). ``scheduler=False``: the
-    engine's LR scheduler is neither checked against the saved one nor loaded."""
+    engine's LR scheduler is neither checked against the saved one nor loaded. ``universal=True``: ``load_dir/tag``
+    must be a DeepSpeed universal checkpoint (an error on every rank otherwise; ``engine_ckpt`` resolves tag None
+    to ``load_dir/latest_universal`` first)."""
     if not isinstance(strict, bool):
         raise TypeError(f"strict must be a bool, got {type(strict).__name__}")
     if not isinstance(scheduler, bool):
         raise TypeError(f"scheduler must be a bool, got {type(scheduler).__name__}")
+    if not isinstance(universal, bool):
+        raise TypeError(f"universal must be a bool, got {type(universal).__name__}")
     if tag is not None:  # on every rank before any collective (the pending save's publish is one)
         files.check_tag(tag)
     wait_checkpoint(engine)
     view = EngineView(engine)
     g = view.grid
-    path, meta = _open(g, load_dir, tag)
+    path, meta = _open(g, load_dir, tag, universal)
     if meta.get("dcp"):  # agreed by every rank in _open (the same identity)
         return dcp_load.load(engine, view, path, strict=strict, scheduler=scheduler)
     if meta.get("universal"):  # agreed by every rank in _open (the same identity)

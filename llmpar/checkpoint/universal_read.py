@@ -73,7 +73,8 @@ def detect(path: str) -> bool:
     return os.path.isfile(os.path.join(path, MODEL_FILE)) or bool(_zero3_files(path))
 
 
-def _read_tag(load_dir: str) -> str | None:
+def latest_tag(load_dir: str) -> str | None:
+    """The tag ``load_dir/latest_universal`` names (None when it is absent, unreadable or not a plain name)."""
     try:
         with open(os.path.join(load_dir, LATEST_UNIVERSAL)) as f:
             return files.check_tag(f.read().strip())
@@ -94,7 +95,7 @@ def resolve(load_dir: Any, tag: str | None) -> str | None:
     found = tagged_dir(load_dir, tag, detect)
     if found is not None or tag is not None or os.path.exists(os.path.join(load_dir, files.LATEST)):
         return found
-    name = _read_tag(load_dir)
+    name = latest_tag(load_dir)
     return os.path.join(load_dir, name) if name is not None and detect(os.path.join(load_dir, name)) else None
 
 
@@ -344,4 +345,4 @@ def load(engine: Checkpointable, view: EngineView, path: str, *, strict: bool, s
     return path, ck.client_state()
 
 
-__all__ = ["LATEST_UNIVERSAL", "UniversalCheckpoint", "detect", "identity", "load", "resolve"]
+__all__ = ["LATEST_UNIVERSAL", "UniversalCheckpoint", "detect", "identity", "latest_tag", "load", "resolve"]

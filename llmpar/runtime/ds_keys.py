@@ -58,6 +58,13 @@ class Parsed:
     check: Callable[[str, Any], Any]
 
 
+def check_load_universal(name: str, value: Any) -> None:
+    """``checkpoint.load_universal``: a bool or null (``engine_ckpt.load_universal`` reads it)."""
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f'"{name}"={_show(value)}: a bool (true: load_checkpoint(dir) loads the universal '
+                         "checkpoint dir/latest_universal names) or null")
+
+
 def _d(*values: Any, reason: str) -> Default:
     return Default(values, reason)
 
@@ -108,7 +115,7 @@ TOP: dict[str, Any] = {
     "checkpoint": {
         "tag_validation": _d("Warn", "WARN", "warn", "Fail", "FAIL", "fail", "Ignore", "IGNORE", "ignore",
                              reason="tag_validation is one of Warn, Fail, Ignore"),  # llmpar agrees on tags (Fail)
-        "load_universal": _d(False, reason="llmpar checkpoints load at any layout without conversion"),
+        "load_universal": Parsed(check_load_universal),  # load_checkpoint(tag=None) reads latest_universal
         "use_node_local_storage": _d(False, reason="checkpoints are written to one shared directory"),
         "parallel_write": Inert(),
         "writer": Inert(),

@@ -11,6 +11,10 @@ save_latest=False: the checkpoint is published, then ``DIR/latest`` is put back 
 removed when there was none) before any rank returns. exclude_frozen_parameters=True: frozen params
 (``requires_grad=False``) are not written (stages 0-2; ZeRO-3 shards them and writes them anyway, with a warning);
 loading such a checkpoint into a model that has them needs ``load_module_strict=False``, as in DeepSpeed.
+``"checkpoint": {"load_universal": true}`` in the config (DeepSpeed's meaning): a load with ``tag=None`` reads the tag
+from ``DIR/latest_universal`` (an error on every rank when it is missing) even when ``DIR/latest`` exists, and the
+checkpoint loaded must be a universal one (``universal_read``); false / absent: ``latest``, else
+``latest_universal``, any layout.
 load_optimizer_states=False: weights (and the fp32 masters, from the checkpoint) are loaded; Adam moments, step counts
 and param-group hyper-parameters stay as they were. load_lr_scheduler_states=False: the scheduler (and the lrs it set)
 stay. load_module_only=True: only the weights; optimizer, scheduler, engine counters and RNG states stay (client_state
@@ -137,6 +141,9 @@ def load(engine: Any, load_dir: Any, tag: str | None, load_optimizer_states: boo
             raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
     if tag is not None:  # on every rank before any collective
         files.check_tag(tag)
+    universal = load_universal(engine.config.raw)
+    if universal and tag is None and isinstance(load_dir, (str, os.PathLike)):
+        tag = _universal_tag(engine, os.fspath(load_dir))
     if isinstance(load_dir, (str, os.PathLike)):  # every rank agrees, whatever its tag (ranks may differ: an error)
         grid = engine.checkpoint_grid()
         found = tag is not None or os.path.isfile(os.path.join(os.fspath(load_dir), files.LATEST)) or (
@@ -149,10 +156,31 @@ def load(engine: Any, load_dir: Any, tag: str | None, load_optimizer_states: boo
             return None, None
     saved = _snapshot(engine, not load_optimizer_states, not load_lr_scheduler_states, load_module_only)
     path, client = load_checkpoint(engine, load_dir, tag=tag, strict=strict,  # a scheduler put back is not checked
-                                   scheduler=load_lr_scheduler_states and not load_module_only)
+                                   scheduler=load_lr_scheduler_states and not load_module_only, universal=universal)
     _restore(engine, saved)
     engine.mirror_lrs_to_client()
     return path, client
+
+
+def load_universal(raw: dict) -> bool:
+    """``"checkpoint": {"load_universal": ...}`` of a DeepSpeed config (``ds_keys`` checked it is a bool or null)."""
+    block = raw.get("checkpoint") if isinstance(raw, dict) else None
+    return bool(block.get("load_universal")) if isinstance(block, dict) else False
+
+
+def _universal_tag(engine: Any, load_dir: str) -> str | None:
+    """``load_checkpoint(load_dir)`` with ``load_universal``: the tag ``load_dir/latest_universal`` names, as
+    DeepSpeed reads it even when ``load_dir/latest`` exists (None: ``load_dir`` is a universal checkpoint itself);
+    an error on every rank when there is neither."""
+    tag = universal_read.latest_tag(load_dir)
+    missing = tag is None and not universal_read.detect(load_dir)
+    grid = engine.checkpoint_grid()
+    if files.agree(int(missing), grid.groups, grid.device):
+        where = os.path.join(load_dir, universal_read.LATEST_UNIVERSAL)
+        raise ValueError(f'"checkpoint.load_universal"=true: {where} is missing or does not name a tag (on at least '
+                         "one rank), and the directory is not a universal checkpoint itself: pass tag=, or set "
+                         "load_universal to false to load DeepSpeed's or llmpar's own checkpoint")
+    return tag
 
 
 def _json_dict(obj: Any) -> dict | None:
@@ -241,4 +269,4 @@ def save_hf(engine: Any, save_dir: Any, dtype: Any, max_shard_size: Any) -> bool
     return True
 
 
-__all__ = ["hf_configs", "load", "save", "save_hf", "unsaved_buffers"]
+__all__ = ["hf_configs", "load", "load_universal", "save", "save_hf", "unsaved_buffers"]
