@@ -10,7 +10,10 @@ into a plain (non-pipeline) engine at dp=2 (ZeRO-3) of a module with the Pipelin
 steps on the same global batches, and its losses equal DeepSpeed's continuation (<= 1e-6 relative; at the same layout
 the weights after those steps equal DeepSpeed's to 1e-6 too); counters, scheduler, client_state, lr, buffers
 and the frozen param travel. The same launch checks the errors, on both ranks: a missing layer file, a truncated one,
-a model with a layer fewer, each naming the file.
+a model with a layer fewer, each naming the file. The same launch has DeepSpeed save the pipeline without ZeRO
+(fp32: torch's optimizer state in the model states files, the frozen param in it, stateless; bf16: BF16_Optimizer's
+flat files), which llmpar continues at pp=2 and pp=1 x dp=2 (fp32) and reads bitwise (bf16), the params named by the
+loading model.
 """
 import os
 import shutil
@@ -90,6 +93,28 @@ def _deepspeed(root, pp, stage=1):
     return (losses, end), state, run
 
 
+def _deepspeed_bf16(root):
+    """DeepSpeed trains the bf16 pipeline (pp=2, no ZeRO: its BF16_Optimizer, bf16_zero_pp_rank_0_mp_rank_SS files)
+    for K steps and saves: this stage's params, its fp32 flat masters and Adam moments (DeepSpeed's own tensors)."""
+    import deepspeed
+
+    M = _model_file()
+    torch.manual_seed(1234)
+    net = deepspeed.pipe.PipelineModule(layers=M.layers(deepspeed.pipe), loss_fn=torch.nn.CrossEntropyLoss(),
+                                        num_stages=2).to(torch.bfloat16)
+    config = {**_config(None, clip=0.0), "bf16": {"enabled": True}}
+    engine, *_ = deepspeed.initialize(model=net, config=config,
+                                      model_parameters=[p for p in net.parameters() if p.requires_grad])
+    for step in range(K):
+        engine.train_batch(iter([(x.to(torch.bfloat16), y) for x, y in _data(step, 1)]))
+    engine.save_checkpoint(root, tag=TAG)
+    opt = engine.optimizer
+    state = opt.optimizer.state[opt.optimizer.param_groups[0]["params"][0]]
+    flat = {k: state[k].detach().clone() for k in ("exp_avg", "exp_avg_sq")}
+    flat["master"] = opt.fp32_groups_flat_partition[0].detach().clone()
+    return type(opt).__name__, {n: t.detach().clone() for n, t in net.named_parameters()}, flat
+
+
 def _llmpar(layout, layers=None, clip=0.5):
     """An llmpar engine of ``layout``: "pp2" (pp=2, ZeRO-1), "pp1" (PipelineModule at pp=1 x dp=2, ZeRO-2), "plain"
     (a plain module with the PipelineModule's names, dp=2, ZeRO-3), built from another seed."""
@@ -142,6 +167,7 @@ def body(root, ext_dir):
     out["ds"], out["ds_state"], out["ds_run"] = _deepspeed(root, 2)
     out["ds_dp2"], out["ds_dp2_state"], out["ds_dp2_run"] = _deepspeed(os.path.join(root, "dp2"), 1)
     out["ds_z0"], out["ds_z0_state"], out["ds_z0_run"] = _deepspeed(os.path.join(root, "z0"), 2, stage=None)
+    out["ds_bf16"] = _deepspeed_bf16(os.path.join(root, "bf16"))
     dist.barrier()
     for layout in ("pp2", "pp1", "plain", "pp2<dp2", "pp2<z0", "pp1<z0"):
         engine, model = _llmpar(layout.split("<")[0], clip=0.0 if "z0" in layout else 0.5)
@@ -235,8 +261,8 @@ def test_llmpar_continues_deepspeed_pipeline(runs, layout):
         (losses, end), facts, loaded = out[layout]
         # DeepSpeed sums the micro-batch losses in fp32, llmpar in fp64: the reported losses differ in the last bits
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(theirs), rtol=1e-6, atol=0)
-        if layout in ("pp2", "pp2<z0"):  # the same layout: the weights after the N steps are DeepSpeed's, to an ulp or two (not
-            ds_end = out[src][1]  # bitwise: the sums of the step run in another order)
+        if layout in ("pp2", "pp2<z0"):  # the same layout: the weights after the N steps are DeepSpeed's, to an ulp
+            ds_end = out[src][1]  # or two (not bitwise: the sums of the step run in another order)
             assert end.keys() == ds_end.keys()
             for n in end:
                 torch.testing.assert_close(end[n], ds_end[n], rtol=1e-6, atol=1e-7, msg=lambda m: f"{r} {n}: {m}")
@@ -328,3 +354,31 @@ def test_unnamed_pipeline_params_that_cannot_be_placed_are_refused():
     assert got == [(["tied_modules.e.w", "1.w"], set()), (["tied_modules.e.w"], set())]
     with pytest.raises(CheckpointError, match="no split of this model's 3 params over its 2 stages"):
         infer(model, layers, [Stage([(4,)], None, set()), Stage([(3,)], None, set())], "DIR")
+
+
+def test_bf16_pipeline_checkpoint_without_zero(runs):
+    """bf16 without ZeRO: DeepSpeed's BF16_Optimizer writes its flat fp32 masters and moments per stage into
+    bf16_zero_pp_rank_0_mp_rank_SS files (the model states files name no params); read with the model's names, each
+    param's master and moments are DeepSpeed's, bitwise, at its place in the stage's flat group (frozen params out of
+    it), and DeepSpeed's bf16 weights are those masters rounded."""
+    from llmpar.checkpoint.deepspeed_read import DeepSpeedCheckpoint
+
+    runs, root = runs
+    kinds = {out["ds_bf16"][0] for out in runs}
+    assert kinds == {"BF16_Optimizer"}, kinds
+    params = {**runs[1]["ds_bf16"][1], **runs[0]["ds_bf16"][1]}
+    model = {n: (tuple(t.shape), n != "2.norm.bias") for n, t in params.items()}
+    ck = DeepSpeedCheckpoint(str(root / "bf16" / TAG), model=model)
+    assert (ck.pp, ck.kind, ck.dp, ck.bf16) == (2, "BF16_Optimizer", 1, True)
+    assert ck.frozen().keys() == {"2.norm.bias"} and torch.equal(ck.frozen()["2.norm.bias"], params["2.norm.bias"])
+    for s, out in enumerate(runs):
+        _, mine, flat = out["ds_bf16"]
+        names = ck.stages[s].names
+        assert names == [n for n in mine if n != "2.norm.bias"], names
+        for key in ("master", "exp_avg", "exp_avg_sq"):
+            got = torch.cat([ck.stages[s].read(n, key, 0, mine[n].numel()) for n in names])
+            assert torch.equal(got, flat[key][:got.numel()]), (s, key)
+        for n in names:
+            assert ck.step(n) == K
+            master = ck.read(n, "master", 0, mine[n].numel()).view(mine[n].shape)
+            assert torch.equal(master.to(torch.bfloat16), mine[n]), n  # DeepSpeed's bf16 weights: its masters rounded

@@ -27,6 +27,10 @@ param alone is cut into dp chunks of ``c = ceil(numel / dp)`` (the last one padd
 in turn) holds its chunk of every param in ``param_shapes`` order: element e is at rank ``e // c``, position
 ``offset + e % c``.
 
+BF16_Optimizer (bf16 without ZeRO, or pipelines) writes "single_partition_of_fp32_groups", "base_optimizer_state",
+"group_paddings" (end padding only) and no "zero_stage": read as ZeRO-1 (``kind`` says which). fp16 without ZeRO
+(FP16_Optimizer): "fp32_groups_flat" and its optimizer's flat state in the model states file, read as ZeRO-1 at dp=1.
+
 The files are read by ``ds_files.py`` (memory-mapped, without DeepSpeed); each optimizer file when first read.
 ``DeepSpeedCheckpoint(path, mp_rank=S)`` reads the files of model-parallel rank S alone: a pipeline stage's
 (``ds_pipe_read.py`` joins the stages; ``DeepSpeedCheckpoint(path)`` of a directory with ``layer_*`` files opens as
@@ -264,6 +268,10 @@ class DeepSpeedCheckpoint:
                 self.names.append(name)
                 self.shapes[name] = shape
                 self._where[name] = (index[k], k)
+
+    def flat_sizes(self) -> list[int]:
+        """Stages 1-2: the elements of each group's flat fp32 copy over all dp partitions (end padding included)."""
+        return [self._part_size(g) * self.dp for g in range(len(self._moments(0)))]
 
     def _part_size(self, g: int) -> int:
         """Stages 1-2: the partition size of group ``g`` (the moments keep the end padding, the fp32 copy not)."""

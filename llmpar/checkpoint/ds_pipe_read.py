@@ -21,8 +21,13 @@ Each stage is read by a :class:`~llmpar.checkpoint.deepspeed_read.DeepSpeedCheck
 this class joins them: a param held by several stages (a tied weight) is read from the lowest one (its copies are
 equal: DeepSpeed sums their gradients over the stages). Buffers and frozen params come from the layer files (a tied
 module's keys mapped back to ``tied_modules.KEY.``), which are all read when the checkpoint opens (small: weights
-in the model's dtype), so a missing, truncated or foreign layer file fails then, naming it. Not read (refused naming
-what was found): pipeline checkpoints without ZeRO (their optimizer is in the model states files), tp > 1.
+in the model's dtype), so a missing, truncated or foreign layer file fails then, naming it.
+
+Without ZeRO (DeepSpeed's default for pipelines) each stage's optimizer is in its ``mp_rank_SS_model_states.pt``
+("optimizer": torch's state dict, params by index; fp16: FP16_Optimizer's flat fp32 group and scaler), or, bf16, in
+``bf16_zero_pp_rank_R_mp_rank_SS_optim_states.pt`` (BF16_Optimizer: flat partitions read as ZeRO-1's); "param_shapes"
+is None: the files name no params, so ``model`` (the loading model's names, ``ds_pipe_names.py``) names them. fp32:
+the masters are the layer files' weights. Not read (refused naming what was found): tp > 1.
 """
 from __future__ import annotations
 
@@ -108,8 +113,8 @@ class DeepSpeedPipelineCheckpoint(DeepSpeedCheckpoint):
     def _name_stages(self, raw: dict[int, dict[str, torch.Tensor]], model: dict | None) -> None:
         """Saved without ZeRO: each stage's params named from ``model`` (``ds_pipe_names.py``)."""
         if not model:
-            raise CheckpointError(f"{self.path} is a DeepSpeed pipeline checkpoint without ZeRO ({self.kind} optimizer): "
-                                  "its files name no params; load it with engine.load_checkpoint, whose model names "
+            raise CheckpointError(f"{self.path} is a DeepSpeed pipeline checkpoint without ZeRO ({self.kind} "
+                                  "optimizer): its files name no params; load it with engine.load_checkpoint, whose model names "
                                   "them")
         stages = []
         for s, st in enumerate(self.stages):
@@ -125,9 +130,11 @@ class DeepSpeedPipelineCheckpoint(DeepSpeedCheckpoint):
                            for i in sd["param_groups"][0]["params"]]
                 stages.append(Stage(entries, None, buffers))
             else:
-                if len(st._moments(0)) != 1:
-                    raise CheckpointError(f"{self.path}: stage {s}'s {st.kind} holds several param groups: not read")
-                total = sum(st._part_size(0) for _ in range(st.dp))
+                sizes = st.flat_sizes()
+                if len(sizes) != 1:
+                    raise CheckpointError(f"{self.path}: stage {s}'s {st.kind} holds {len(sizes)} param groups: not "
+                                          "read")
+                total = sizes[0]
                 stages.append(Stage(None, (total, 0 if st.kind == "FP16_Optimizer" else 2 * st.dp - 1), buffers))
         model = {n: (tuple(int(d) for d in shape), bool(trained)) for n, (shape, trained) in model.items()}
         for st, (names, skip) in zip(self.stages, infer(model, raw, stages, self.path)):
