@@ -4,6 +4,7 @@ side by side in one interleaved run, at 10M, 30M and 100M params.
 
     python bench/bench_lowbit_adam.py                       # 10M 30M 100M
     python bench/bench_lowbit_adam.py --sizes 10M --repeats 5
+    python bench/bench_lowbit_adam.py --device cuda        # GPU: torch fused vs llmpar CUDA / Triton int8, int4
 
 Cases (all share one flat float32 param buffer and its grad, as the offload step sees a ZeRO flat shard; each keeps
 its own state):
@@ -14,7 +15,9 @@ its own state):
     torchao AdamW8bit/4bit torchao.optim on the CPU (fp32 params; its step is torch.compile'd), when it imports
 Bytes per param a step must move (read + written), the floor each case is held to: torch fused 28 (p, g, m, v read;
 p, m, v written); llmpar fp32+bf16 30; int8+bf16 18 + scales (master 8, grad 4, codes 2 + 2, bf16 2); int4+bf16 16 +
-scales; torchao int8 / int4 (fp32 params, no copy): 14 / 13 + scales. GB/s = those bytes / median time, next to the
+scales; torchao int8 / int4 (fp32 params, no copy): 14 / 13 + scales. On the GPU (--device cuda, results
+lowbit_adam_gpu.*): torch fused (fp32 params, m, v), then llmpar's CUDA and Triton kernels with bf16 params + float32
+masters (the bytes of int8+bf16 / int4+bf16). GB/s = those bytes / median time, next to the
 machine's copy bandwidth (dst.copy_(src) of 256 MiB, bytes read + written). Results: bench/results/lowbit_adam_cpu.*
 """
 from __future__ import annotations
@@ -34,7 +37,7 @@ from harness import compare, write_results  # noqa: E402
 
 from llmpar.ops import _cpu_ext, lowbit  # noqa: E402
 from llmpar.ops.cpu_adam import ISAS, cpu_adamw_step, isa_code  # noqa: E402
-from llmpar.ops.lowbit_kernels import cpu_step  # noqa: E402
+from llmpar.ops.lowbit_kernels import cpu_step, cuda_step, triton_step  # noqa: E402
 
 SIZES = {"10M": 10_000_000, "30M": 30_000_000, "100M": 100_000_000}
 HYPER = dict(lr=1e-4, weight_decay=0.1, betas=(0.9, 0.999), eps=1e-8)
@@ -46,7 +49,10 @@ def state_bytes_per_param(bits: int) -> float:
     return 2 * 2 * (bits / 8 + 4 / lowbit.BLOCK[bits])
 
 
-BYTES = {"torch fused": 28.0, "llmpar fp32+bf16": 30.0,
+BYTES = {"torch fused": 28.0, "llmpar cuda int8+bf16": 14.0 + state_bytes_per_param(8),
+         "llmpar cuda int4+bf16": 14.0 + state_bytes_per_param(4),
+         "llmpar triton int8+bf16": 14.0 + state_bytes_per_param(8),
+         "llmpar triton int4+bf16": 14.0 + state_bytes_per_param(4), "llmpar fp32+bf16": 30.0,
          "llmpar int8+bf16": 14.0 + state_bytes_per_param(8), "llmpar int4+bf16": 14.0 + state_bytes_per_param(4),
          "torchao AdamW8bit": 12.0 + state_bytes_per_param(8), "torchao AdamW4bit": 12.0 + state_bytes_per_param(4)}
 
@@ -105,6 +111,55 @@ def cases_for(n: int, torchao: bool) -> tuple[dict[str, Callable[[], object]], d
     return cases, notes
 
 
+def gpu_cases(n: int) -> dict[str, Callable[[], object]]:
+    """torch fused AdamW on the GPU, and llmpar's CUDA and Triton low-bit kernels (bf16 params, float32 masters)."""
+    device = torch.device("cuda")
+    g = torch.Generator(device=device).manual_seed(0)
+    param = torch.nn.Parameter(torch.randn(n, device=device, generator=g).mul_(0.02))
+    grad = torch.randn(n, device=device, generator=g).mul_(1e-3)
+    param.grad = grad
+    cases: dict[str, Callable[[], object]] = {BASELINE: torch.optim.AdamW([param], fused=True, **HYPER).step}
+    kw = dict(lr=HYPER["lr"], beta1=HYPER["betas"][0], beta2=HYPER["betas"][1], eps=HYPER["eps"],
+              weight_decay=HYPER["weight_decay"])
+    for backend, fn in (("cuda", cuda_step), ("triton", triton_step)):
+        for bits in (8, 4):
+            master = [param.detach().clone()]
+            bf16 = [master[0].to(torch.bfloat16)]
+            st = lowbit.new_state(n, bits, device)
+            steps = [torch.zeros((), device=device)]
+            qm, qv = lowbit.qmap(bits, True, device), lowbit.qmap(bits, False, device)
+
+            def step(fn=fn, bits=bits, master=master, bf16=bf16, st=st, steps=steps, qm=qm, qv=qv):
+                fn(bf16, [grad], [st["m_codes"]], [st["m_scale"]], [st["v_codes"]], [st["v_scale"]], steps, master,
+                   bits=bits, qmap_m=qm, qmap_v=qv, **kw)
+
+            cases[f"llmpar {backend} int{bits}+bf16"] = step
+    return cases
+
+
+def main_gpu(args) -> None:
+    device = torch.device("cuda")
+    copy_gbs = copy_bandwidth(device)
+    print(f"{torch.cuda.get_device_name()}: copy bandwidth {copy_gbs:.0f} GB/s")
+    rows: list[dict] = []
+    for size in args.sizes:
+        n = SIZES[size]
+        cases = gpu_cases(n)
+        cmp = compare(cases, baseline=BASELINE, warmup=args.warmup, repeats=args.repeats, device=device)
+        print(f"== {size}\n{cmp.table()}")
+        for row in cmp.rows(size=size, params_M=round(n / 1e6, 1)):
+            gbs = BYTES[row["name"]] * n / (row["median_ms"] / 1e3) / 1e9
+            row["bytes/param"] = round(BYTES[row["name"]], 2)
+            row["GB/s"], row["% copy BW"] = gbs, 100 * gbs / copy_gbs
+            rows.append(row)
+        del cases
+        torch.cuda.empty_cache()
+    meta = {"device": torch.cuda.get_device_name(), "copy_bandwidth_GBps": round(copy_gbs, 1), "hyper": str(HYPER),
+            "speedup": "torch fused's median / case median (side by side, interleaved rounds)"}
+    paths = write_results(args.name.replace("_cpu", "_gpu"), rows, meta, out_dir=args.out)
+    print("wrote", ", ".join(str(p) for p in paths.values()))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
@@ -115,7 +170,10 @@ def main() -> None:
     ap.add_argument("--torchao", action=argparse.BooleanOptionalAction, default=True,
                     help="time torchao's AdamW8bit / AdamW4bit too where importable")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = ap.parse_args()
+    if args.device == "cuda":
+        return main_gpu(args)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     load_avg = os.getloadavg()

@@ -272,3 +272,41 @@ def test_triton_interpreted():
         pytest.skip(tk.TRITON_IMPORT_ERROR)
     assert tk.BLOCK == lowbit.BLOCK
     run_interpreted(__file__, timeout=900, select="triton and not interpreted", what="interpreted low-bit Triton")
+
+
+# ------------------------------------------------------------------------------------------ GPU (CUDA, Triton)
+
+needs_cuda = pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _on(st, device):
+    return {k: (None if v is None else [t.to(device) for t in v]) for k, v in st.items()}
+
+
+@needs_cuda
+@pytest.mark.parametrize("backend", ("cuda", "triton"))
+@pytest.mark.parametrize("bits", (8, 4))
+@pytest.mark.parametrize("master", (False, True), ids=("fp32", "bf16_master"))
+def test_gpu_matches_reference(backend, bits, master):
+    from llmpar.ops._dispatch import cuda_unavailable_reason, triton_unavailable_reason
+
+    device = torch.device("cuda")
+    why = (cuda_unavailable_reason(device, op="adamw_lowbit_step") if backend == "cuda"
+           else triton_unavailable_reason(device))
+    if why is not None:
+        pytest.fail(f"{backend} cannot run on this GPU machine: {why}")
+    fn = lk.cuda_step if backend == "cuda" else lk.triton_step
+    gscale = torch.tensor(0.37, device=device) if master else None
+    st = make_state(sizes(bits), bits, master=master)
+    for k in range(3):
+        before = clone_state(st)
+        on_gpu = _on(st, device)
+        assert run(fn, on_gpu, bits, gscale=gscale) is True
+        st = _on(on_gpu, "cpu")
+        check_against_reference(before, st, bits, gscale=1.0 if gscale is None else 0.37, zero_block=k == 0)
+    on_gpu = _on(st, device)
+    frozen = clone_state(on_gpu)
+    run(fn, on_gpu, bits, found_inf=torch.tensor(1.0, device=device))
+    for name, v in frozen.items():
+        for a, b in zip(v or (), on_gpu[name] or ()):
+            assert torch.equal(a, b), f"{name} changed under found_inf"
