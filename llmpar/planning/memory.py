@@ -9,6 +9,11 @@ P bytes of parameters, G of gradients and K of optimizer state (fp32 master copy
     fp32_master   2  2  12   16      bf16 params/grads, fp32 master + m + v (the ZeRO paper's K = 12)
     bf16_sr       2  2   4    8      bf16 params/grads/m/v, stochastic rounding instead of a master copy
     bf16_kahan    2  2   6   10      bf16 params/grads/m/v + a bf16 Kahan compensation buffer
+    int8          4  4   2.03  10.03 fp32 params/grads, 8-bit m, v + a float32 scale per 256 (AdamW8bit)
+    int4          4  4   1.06   9.06 fp32 params/grads, 4-bit m, v + a float32 scale per 128 (AdamW4bit)
+    int8_master   2  2   6.03  10.03 bf16 params/grads, fp32 master + 8-bit m, v (+ scales)
+    int4_master   2  2   5.06   9.06 bf16 params/grads, fp32 master + 4-bit m, v (+ scales)
+    (low-bit states: ``llmpar.ops.lowbit``; each moment takes bits/8 B + 4 B per block of 256 / 128 elements)
 
     stage 0: (P + G + K) psi        stage 1: (P + G) psi + K psi / dp
     stage 2: P psi + (G + K) psi / dp   stage 3: (P + G + K) psi / dp + P psi_persist
@@ -32,14 +37,28 @@ from .context import CP_MODES, DEFAULT_TILE, activation_breakdown
 from .model_spec import ModelSpec, count_params
 from .zeropp import dp_nodes, zeropp_state_bytes
 
+# low-bit states: bytes of m + v per parameter (codes + one float32 scale per block; llmpar.ops.lowbit's BLOCK)
+LOWBIT_MOMENT_BYTES: dict[str, float] = {"int8": 2 * (1 + 4 / 256), "int4": 2 * (0.5 + 4 / 128)}
 # mode -> (param bytes P, grad bytes G, optimizer bytes K) per parameter
-PRECISION_BYTES: dict[str, tuple[int, int, int]] = {
+PRECISION_BYTES: dict[str, tuple[int, int, float]] = {
     "fp32": (4, 4, 8),
     "fp32_master": (2, 2, 12),
     "bf16_sr": (2, 2, 4),
     "bf16_kahan": (2, 2, 6),
+    "int8": (4, 4, LOWBIT_MOMENT_BYTES["int8"]),
+    "int4": (4, 4, LOWBIT_MOMENT_BYTES["int4"]),
+    "int8_master": (2, 2, 4 + LOWBIT_MOMENT_BYTES["int8"]),
+    "int4_master": (2, 2, 4 + LOWBIT_MOMENT_BYTES["int4"]),
 }
+_MASTER_MODES = ("fp32_master", "int8_master", "int4_master")
 HOST_STEP_BYTES = 16  # offload: fp32 master + fp32 m, v + the fp32 gradient partition, per param, over dp
+
+
+def host_step_bytes(precision: str) -> float:
+    """Host bytes per parameter (over dp) of the offloaded step: fp32 master + gradient partition + m, v (fp32, or
+    the low-bit codes and scales)."""
+    moments = LOWBIT_MOMENT_BYTES.get(precision.removesuffix("_master"))
+    return HOST_STEP_BYTES if moments is None else 8 + moments
 PERSISTENCE_THRESHOLD = 100_000  # stage3_param_persistence_threshold's default (llmpar's and DeepSpeed's)
 OFFLOAD_MODES = ("none", "optimizer", "optimizer+params")
 CHECKPOINT_MODES = ("none", "selective", "full")
@@ -212,7 +231,7 @@ def model_state_bytes(
         raise ValueError(f"psi={psi!r} must be >= 0 and persistent={persistent!r} in [0, psi]")
     p, g, k = PRECISION_BYTES[precision]
     g = max(g, 4) if grad_accum_fp32 else g
-    master_k = 4 if precision == "fp32_master" else 0
+    master_k = 4 if precision in _MASTER_MODES else 0
     params = p * psi / (dp if zero_stage >= 3 else 1)
     grads = g * psi / (dp if zero_stage >= 2 else 1)
     master = master_k * psi / (dp if zero_stage >= 1 else 1)
@@ -220,7 +239,7 @@ def model_state_bytes(
     cpu = 0.0
     if offload != "none":
         # the host step's fp32 master, m, v and gradient partition; from stage 2 on the device keeps no gradients
-        cpu += HOST_STEP_BYTES * psi / dp
+        cpu += host_step_bytes(precision) * psi / dp
         master = optimizer = 0.0
         if zero_stage >= 2:
             grads = 0.0
@@ -293,7 +312,7 @@ def estimate_memory(
       backward (persistent params are not gathered through it), and with qgZ error feedback a float32 residual of
       every gradient, 4 psi, + 4 psi / k' when the reduction runs in two levels (k' = hpZ's k, else the dp ranks of
       a node: ``gpus_per_node`` / tp; None: one node).
-    Activations are bf16 (doubled for ``precision="fp32"``). With ``layout.cp > 1`` or ``layout.tiled`` they are
+    Activations are bf16 (doubled for fp32 params: ``precision`` "fp32", "int8", "int4"). With ``layout.cp > 1`` or ``layout.tiled`` they are
     ``context.activation_breakdown(...).peak`` instead (flash-style attention; ``attention_q_chunk``: the torch
     attention path's score tile, None for a fused kernel), and the model states shard over dp x cp.
     For an ``nn.Module`` the activations come from ``activation_spec`` (zero without one).
@@ -328,10 +347,10 @@ def estimate_memory(
         first = in_flight * layers * per_layer + recompute
         last = layers * per_layer + recompute + logits
         activations = max(first, last) if layout.pp > 1 else layers * per_layer + recompute + logits
-        activations *= 2.0 if precision == "fp32" else 1.0  # the formula counts 2-byte activations
+        activations *= 2.0 if p_bytes == 4 else 1.0  # the formula counts 2-byte activations (fp32 params: 4)
         if layout.cp > 1 or layout.tiled:
             activations = activation_breakdown(spec, layout, seq_len=s, micro_batch=micro_batch,
-                                               act_bytes=4 if precision == "fp32" else 2,
+                                               act_bytes=4 if p_bytes == 4 else 2,
                                                q_chunk=attention_q_chunk).peak
         if layout.zero_stage == 3:
             kept = spec.stage3_kept_layers(layout.stage3_max_reuse_distance, tp=layout.tp, pp=layout.pp)

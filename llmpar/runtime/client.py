@@ -75,12 +75,15 @@ def client_optimizer(model: nn.Module, optimizer: Any, model_parameters: Any, cl
         named = [(name_of.get(id(p), f"group{gi}.param{k}"), p) for k, p in enumerate(g["params"])]
         groups.append({"params": named, "lr": _float(g["lr"]), "betas": tuple(_float(b) for b in g["betas"]),
                        "eps": _float(g["eps"]), "weight_decay": _float(g["weight_decay"])})
-        precisions.add(g.get("precision", "auto"))
+        precisions.add((g.get("precision", "auto"), g.get("state_precision")))
     if len(precisions) > 1:
         raise ValueError(f"optimizer={type(optimizer).__name__} has param groups of different precisions "
-                         f"{sorted(precisions)}: the engine runs one precision mode; give every group the same")
+                         f"{sorted(precisions, key=str)}: the engine runs one precision mode; give every group the same")
     first = groups[0] if groups else {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
-    cfg = OptimizerConfig(type="AdamW", precision=precisions.pop() if precisions else "auto",
+    precision, state_precision = precisions.pop() if precisions else ("auto", None)
+    if state_precision == "bf16":  # FusedAdamW's spelling of the bf16_sr mode
+        precision, state_precision = "bf16_sr", None
+    cfg = OptimizerConfig(type="AdamW", precision=precision, state_precision=state_precision,
                           **{k: first[k] for k in _HYPER})
     return optimizer, groups, cfg
 
