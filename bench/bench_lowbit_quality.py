@@ -146,7 +146,8 @@ def main() -> None:
             "batch": BATCH, "bigram_entropy": entropy, "torchao": torchao_version, "backend": args.backend,
             "goals": "loss_vs_fp32 <= 1.01 (8-bit), <= 1.02 (4-bit); state_bytes_vs_fp32 <= 0.3 / 0.2"}
     write_results("lowbit_quality", rows, meta)
-    _plot(curves, entropy, os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "lowbit_quality_curves.png"))
+    here = os.path.dirname(os.path.abspath(__file__))
+    _plot(curves, entropy, os.path.join(here, "results", "lowbit_quality_curves.png"))
 
 
 def _plot(curves: dict[str, list[float]], entropy: float, path: str) -> None:

@@ -312,8 +312,8 @@ def estimate_memory(
       backward (persistent params are not gathered through it), and with qgZ error feedback a float32 residual of
       every gradient, 4 psi, + 4 psi / k' when the reduction runs in two levels (k' = hpZ's k, else the dp ranks of
       a node: ``gpus_per_node`` / tp; None: one node).
-    Activations are bf16 (doubled for fp32 params: ``precision`` "fp32", "int8", "int4"). With ``layout.cp > 1`` or ``layout.tiled`` they are
-    ``context.activation_breakdown(...).peak`` instead (flash-style attention; ``attention_q_chunk``: the torch
+    Activations are bf16 (doubled for fp32 params: ``precision`` "fp32", "int8", "int4"). With ``layout.cp > 1``
+    or ``layout.tiled`` they are ``context.activation_breakdown(...).peak`` instead (flash-style attention; ``attention_q_chunk``: the torch
     attention path's score tile, None for a fused kernel), and the model states shard over dp x cp.
     For an ``nn.Module`` the activations come from ``activation_spec`` (zero without one).
     """

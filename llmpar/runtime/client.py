@@ -78,7 +78,8 @@ def client_optimizer(model: nn.Module, optimizer: Any, model_parameters: Any, cl
         precisions.add((g.get("precision", "auto"), g.get("state_precision")))
     if len(precisions) > 1:
         raise ValueError(f"optimizer={type(optimizer).__name__} has param groups of different precisions "
-                         f"{sorted(precisions, key=str)}: the engine runs one precision mode; give every group the same")
+                         f"{sorted(precisions, key=str)}: the engine runs one precision mode; give every group the "
+                         "same")
     first = groups[0] if groups else {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
     precision, state_precision = precisions.pop() if precisions else ("auto", None)
     if state_precision == "bf16":  # FusedAdamW's spelling of the bf16_sr mode

@@ -196,8 +196,8 @@ class OptimizerConfig:
             self.state_precision = None
         if self.state_precision is not None and self.precision != "auto":
             raise ValueError(f'"optimizer.params.precision"={self.precision!r} cannot be combined with '
-                             f'{self.state_precision} states (type {self.type}): leave precision "auto" (float32 params '
-                             "step in place, bf16 ones keep a float32 master)")
+                             f'{self.state_precision} states (type {self.type}): leave precision "auto" (float32 '
+                             "params step in place, bf16 ones keep a float32 master)")
         self.lr = as_float("optimizer.params.lr", self.lr, minimum=0.0, maximum=FLOAT32_MAX)
         if not isinstance(self.betas, (list, tuple)) or len(self.betas) != 2:
             raise ValueError(f'"optimizer.params.betas"={self.betas!r} must be two numbers in [0, 1)')

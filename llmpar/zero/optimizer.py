@@ -15,6 +15,9 @@ accumulator on the device and copies the reduced partition out), offload_param t
 (``offload.py``). fp16: ``loss_scaler=`` (``loss_scale.py``) unscales inside the step and skips overflowing steps.
 Stage 3 shards frozen params too (``frozen_buffers``: gathered, never stepped).
 (fp32 grad accumulators when ``grad_accum_dtype=torch.float32``: grads 4 psi resp. 4 psi / N.)
+Low-bit states (``OptimizerConfig.state_precision`` "int8" / "int4", types AdamW8bit / AdamW4bit): m and v as codes +
+float32 block scales in the same partitions, ~2.03 resp. ~1.06 B per element instead of 8 (plus the fp32 master of
+16-bit params, or under offload); blocks run along each unit, every shard whole blocks (``lowbit_state.py``).
 
 step(): the global gradient norm (``llmpar.optim.grad_norm``: partition norms summed over dp; tensor-parallel params
 summed over tp, replicated ones counted once) -> clip coefficient and found-inf flag -> one fused ``adamw_step`` per
