@@ -283,6 +283,7 @@ def _on(st, device):
     return {k: (None if v is None else [t.to(device) for t in v]) for k, v in st.items()}
 
 
+@pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("backend", ("cuda", "triton"))
 @pytest.mark.parametrize("bits", (8, 4))
