@@ -34,8 +34,8 @@ BF16_Optimizer (bf16 without ZeRO, or pipelines) writes "single_partition_of_fp3
 The files are read by ``ds_files.py`` (memory-mapped, without DeepSpeed); each optimizer file when first read.
 ``DeepSpeedCheckpoint(path, mp_rank=S)`` reads the files of model-parallel rank S alone: a pipeline stage's
 (``ds_pipe_read.py`` joins the stages; ``DeepSpeedCheckpoint(path)`` of a directory with ``layer_*`` files opens as
-its :class:`~llmpar.checkpoint.ds_pipe_read.DeepSpeedPipelineCheckpoint`). Model-parallel (mp > 1, not pipeline)
-checkpoints are refused naming their ranks.
+its :class:`~llmpar.checkpoint.ds_pipe_read.DeepSpeedPipelineCheckpoint`; one with the files of mp ranks > 0 and no
+layer files, a tensor-parallel checkpoint, as its :class:`~llmpar.checkpoint.ds_mp_read.DeepSpeedTPCheckpoint`).
 """
 from __future__ import annotations
 
@@ -79,10 +79,15 @@ class DeepSpeedCheckpoint:
     order; ``shapes``: their full shapes; :meth:`read` / :meth:`step`: their states."""
 
     def __new__(cls, path: str, mp_rank: int | None = None, **kwargs: Any) -> "DeepSpeedCheckpoint":
-        if cls is DeepSpeedCheckpoint and mp_rank is None and any(LAYER_RE.match(f) for f in detect(path)):
+        found = detect(path) if cls is DeepSpeedCheckpoint and mp_rank is None else []
+        if any(LAYER_RE.match(f) for f in found):
             from llmpar.checkpoint.ds_pipe_read import DeepSpeedPipelineCheckpoint  # a subclass: no cycle at import
 
             return object.__new__(DeepSpeedPipelineCheckpoint)
+        if any((m := MODEL_RE.match(f) or OPTIM_RE.match(f)) and int(m.groups()[-1]) > 0 for f in found):
+            from llmpar.checkpoint.ds_mp_read import DeepSpeedTPCheckpoint
+
+            return object.__new__(DeepSpeedTPCheckpoint)
         return object.__new__(cls)
 
     def __init__(self, path: str, mp_rank: int | None = None) -> None:

@@ -24,7 +24,7 @@ import torch
 
 from llmpar.checkpoint import files
 from llmpar.checkpoint.deepspeed_read import DeepSpeedCheckpoint
-from llmpar.checkpoint.ds_files import LAYER_RE, detect, load_file
+from llmpar.checkpoint.ds_files import LAYER_RE, MODEL_RE, OPTIM_RE, detect, load_file
 from llmpar.checkpoint.files import CheckpointError
 from llmpar.checkpoint.protocol import Checkpointable, DescribesModel
 from llmpar.checkpoint.reshard import Cut, full_shape
@@ -132,10 +132,14 @@ def _plan(engine: Checkpointable, view: EngineView, ck: DeepSpeedCheckpoint, src
     return missing, extras
 
 
-def _unnamed(path: str) -> bool:
-    """A pipeline checkpoint saved without ZeRO, whose files name no params (``ds_pipe_names.py``)."""
+def _needs_model(path: str) -> bool:
+    """A checkpoint read with the loading model's names and full shapes: a tensor-parallel one (files of mp ranks >
+    0, no layer files: ``ds_mp_read.py``) or a pipeline one saved without ZeRO, whose files name no params
+    (``ds_pipe_names.py``)."""
     found = detect(path)
-    if not any(LAYER_RE.match(f) for f in found) or "mp_rank_00_model_states.pt" not in found:
+    if not any(LAYER_RE.match(f) for f in found):
+        return any((m := MODEL_RE.match(f) or OPTIM_RE.match(f)) and int(m.groups()[-1]) > 0 for f in found)
+    if "mp_rank_00_model_states.pt" not in found:
         return False
     try:
         m = load_file(os.path.join(path, "mp_rank_00_model_states.pt"))
@@ -167,7 +171,7 @@ def load(engine: Checkpointable, view: EngineView, path: str, *, strict: bool, s
     client_state)``."""
     g, opt = view.grid, engine.optimizer
     sched = engine.lr_scheduler if scheduler else None
-    model = _model_names(view) if _unnamed(path) else None  # collective: every rank sees the same files
+    model = _model_names(view) if _needs_model(path) else None  # collective: every rank sees the same files
     with files.agreed(g, "load_checkpoint"):
         ck = DeepSpeedCheckpoint(path, model=model) if model is not None else DeepSpeedCheckpoint(path)
         src = _Source(ck, view)
