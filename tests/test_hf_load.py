@@ -9,7 +9,6 @@ One multirank run per world size feeds every assertion.
 from __future__ import annotations
 
 import os
-import zlib
 
 import pytest
 import torch
@@ -238,7 +237,7 @@ def test_convert_streams_zero3_to_hf(tmp_path, monkeypatch) -> None:
     src = ds_convert._Stream(d, None, 1 << 30)
     names = list(load_file(written[0]))
     bf16 = ds_convert._Stream(d, torch.bfloat16, 1 << 30)
-    crcs = {n: zlib.crc32(hf_stream.as_bytes(src.tensor(n).to(torch.bfloat16))) for n in names}
+    crcs = {n: hf_stream.digest(hf_stream.as_bytes(src.tensor(n).to(torch.bfloat16))) for n in names}
     hf_stream.check_file(written[0], bf16.meta, names, crcs)
     hf_stream.sample(written[0], bf16, names)
     with open(written[0], "r+b") as f:  # one byte of the last tensor's data
@@ -267,11 +266,12 @@ def test_convert_streams_zero3_to_hf(tmp_path, monkeypatch) -> None:
         hf_stream.sample(written[0], ds_convert._Stream(other, torch.bfloat16, 1 << 30), names)
 
 
+@pytest.mark.parametrize("digest", ["default", "crc32"])
 @pytest.mark.parametrize("what", ["bytes", "lost"])
-def test_convert_catches_a_corrupted_write(tmp_path, monkeypatch, what) -> None:
+def test_convert_catches_a_corrupted_write(tmp_path, monkeypatch, what, digest) -> None:
     """A write that puts a wrong byte in the file (one flipped bit in one tensor's bytes), or a write lost (a hole
     of zeros in the file), is caught by the convert itself: a CheckpointError naming the tensor, no file of that
-    export left in place, no ``.tmp`` left."""
+    export left in place, no ``.tmp`` left; with the default digest (XXH3-64 where xxhash is installed) and CRC-32."""
     from llmpar.checkpoint import consolidate, ds_convert, hf_stream
 
     g = torch.Generator().manual_seed(11)
@@ -291,6 +291,8 @@ def test_convert_catches_a_corrupted_write(tmp_path, monkeypatch, what) -> None:
         real(fd, data, at)
 
     monkeypatch.setattr(hf_stream, "pwrite_all", bad)
+    if digest == "crc32":
+        monkeypatch.setattr(hf_stream, "new_digest", hf_stream.Crc32)
     monkeypatch.setattr(ds_convert, "PIECE", 64)
     out = tmp_path / "out"
     with pytest.raises(ds_convert.CheckpointError, match="bytes of '[abc]' read back from .* differ"):

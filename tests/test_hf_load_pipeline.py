@@ -142,7 +142,7 @@ def reference(state: dict[str, torch.Tensor]) -> list[float]:
     for step in range(2):
         x, y = batch(step)
         loss = m.loss(m(x), y)
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         opt.zero_grad()
         loss.backward()
         opt.step()

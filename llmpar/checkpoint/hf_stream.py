@@ -9,17 +9,18 @@ the pieces come from (``ds_convert._Stream`` reads them from a DeepSpeed checkpo
 
 How a file is written (``write_file``): its safetensors header (names in the given order, HuggingFace's
 ``{"format": "pt"}`` metadata, padded to 8 bytes), then each tensor's bytes. The calling thread reads a piece and
-takes its CRC-32 while its bytes are hot; a writer thread puts the piece where it goes with ``os.pwrite`` (large
-sequential writes, no second copy in Python), so reading the next piece overlaps writing this one (zlib and the
-write release the GIL). At most ``DEPTH`` pieces wait to be written: memory stays ``(DEPTH + 1)`` pieces.
+takes its digest (``new_digest``: XXH3-64, or CRC-32 without the ``xxhash`` package) while its bytes are hot; a
+writer thread puts the piece where it goes with ``os.pwrite`` (large sequential writes, no second copy in Python),
+so reading the next piece overlaps writing this one (the digests and the write release the GIL). At most ``DEPTH``
+pieces wait to be written: memory stays ``(DEPTH + 1)`` pieces.
 
 How a file is checked (on a checker thread, while the next tensor is written): every tensor's bytes, read back
 from the file once written through read-only mappings of ``WINDOW`` bytes at a time (no copy, the mapping dropped
-after each window: RSS stays a window), have the CRC-32 taken of the bytes sent (``check_bytes``); once the file is
-written, safetensors parses it (names, dtypes and shapes equal the plan, ``check_header``). Then (``sample``, once all files are written) a sample is reloaded through
-safetensors and compared bitwise with a fresh read of the source: in each file the smallest tensor whole and the
-first rows of the largest. A file that differs raises a ``CheckpointError`` naming the file and tensor; the
-half-written ``.tmp`` files are removed.
+after each window: RSS stays a window), have the digest taken of the bytes sent (``check_bytes``); once the file is
+written, safetensors parses it (names, dtypes and shapes equal the plan, ``check_header``). Then (``sample``, once
+all files are written) a sample is reloaded through safetensors and compared bitwise with a fresh read of the
+source: in each file the smallest tensor whole and the first rows of the largest. A file that differs raises a
+``CheckpointError`` naming the file and tensor; the half-written ``.tmp`` files are removed.
 """
 from __future__ import annotations
 
@@ -42,6 +43,38 @@ SAMPLE_ELEMS = 1 << 16  # elements of each file's largest tensor reloaded by the
 ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
              torch.bool: "BOOL"}
+
+
+class Crc32:
+    """``zlib.crc32`` behind hashlib's streaming interface (``update``, ``intdigest``)."""
+
+    name = "CRC-32"
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def update(self, data: Any) -> None:
+        self.value = zlib.crc32(data, self.value)
+
+    def intdigest(self) -> int:
+        return self.value
+
+
+def new_digest() -> Any:
+    """A fresh streaming digest: xxHash's XXH3-64 when the ``xxhash`` package is installed (~4x faster than
+    CRC-32 here, and it releases the GIL), else :class:`Crc32`."""
+    try:
+        import xxhash
+    except ImportError:
+        return Crc32()
+    return xxhash.xxh3_64()
+
+
+def digest(data: Any) -> int:
+    """The digest :func:`new_digest` takes of ``data`` (bytes or a memoryview)."""
+    h = new_digest()
+    h.update(data)
+    return h.intdigest()
 
 
 class PieceSource(Protocol):
@@ -81,11 +114,11 @@ def pwrite_all(fd: int, data: memoryview, at: int) -> None:
 
 def write_file(path: str, src: PieceSource, names: list[str], bar: Any, writer: ThreadPoolExecutor,
                checker: ThreadPoolExecutor | None = None) -> tuple[dict[str, int], list[Future]]:
-    """One safetensors file of ``names`` from ``src`` at ``path + ".tmp"`` (module docstring): ({name: CRC-32 of the
+    """One safetensors file of ``names`` from ``src`` at ``path + ".tmp"`` (module docstring): ({name: digest of the
     bytes sent}, the checks started on ``checker``: each tensor's bytes read back once written, then the header).
     The caller waits for the checks and renames the file into place."""
     head, _ = header(src.meta, names)
-    crcs: dict[str, int] = {}
+    digests: dict[str, int] = {}
     checks: list[Future] = []
     tmp = path + ".tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -94,19 +127,19 @@ def write_file(path: str, src: PieceSource, names: list[str], bar: Any, writer: 
         pending.append(writer.submit(pwrite_all, fd, memoryview(head), 0))
         at = len(head)
         for n in names:
-            crc, first = 0, at
+            h, first = new_digest(), at
             for piece in src.pieces(n):
                 data = as_bytes(piece)
-                crc = zlib.crc32(data, crc)
+                h.update(data)
                 pending.append(writer.submit(pwrite_all, fd, data, at))  # ``data`` keeps ``piece`` alive
                 at += len(data)
                 bar.update(len(data))
                 while len(pending) > DEPTH:
                     pending.popleft().result()
-            crcs[n] = crc
+            digests[n] = h.intdigest()
             if checker is not None:  # the writer runs in order: once its last write is done, the tensor is there
                 checks.append(checker.submit(_check_after, pending[-1] if pending else None, check_bytes, tmp, n,
-                                             first, at, crc))
+                                             first, at, digests[n]))
         while pending:
             pending.popleft().result()
     finally:
@@ -115,7 +148,7 @@ def write_file(path: str, src: PieceSource, names: list[str], bar: Any, writer: 
         os.close(fd)
     if checker is not None:
         checks.append(checker.submit(check_header, tmp, src.meta, names))
-    return crcs, checks
+    return digests, checks
 
 
 def _check_after(write: Future | None, check: Any, *args: Any) -> None:
@@ -124,29 +157,29 @@ def _check_after(write: Future | None, check: Any, *args: Any) -> None:
     check(*args)
 
 
-def _file_crc(fd: int, a: int, z: int) -> int:
-    """CRC-32 of bytes [a, z) of ``fd``, read through read-only mappings of at most ``WINDOW`` bytes."""
-    a0, crc = a - a % mmap.ALLOCATIONGRANULARITY, 0
+def _file_digest(fd: int, a: int, z: int) -> int:
+    """:func:`new_digest` of bytes [a, z) of ``fd``, read through read-only mappings of at most ``WINDOW`` bytes."""
+    a0, h = a - a % mmap.ALLOCATIONGRANULARITY, new_digest()
     while a < z:
         b = min(z, a0 + WINDOW)
         with mmap.mmap(fd, b - a0, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=mmap.PROT_READ,
                        offset=a0) as m:
             view = memoryview(m)
             try:
-                crc = zlib.crc32(view[a - a0:], crc)
+                h.update(view[a - a0:])
             finally:
                 view.release()
         a = a0 = b
-    return crc
+    return h.intdigest()
 
 
-def check_bytes(path: str, name: str, a: int, z: int, crc: int) -> None:
-    """Bytes [a, z) of file ``path`` (tensor ``name``'s) have CRC-32 ``crc``; a ``CheckpointError`` otherwise."""
+def check_bytes(path: str, name: str, a: int, z: int, want: int) -> None:
+    """Bytes [a, z) of file ``path`` (tensor ``name``'s) have digest ``want``; a ``CheckpointError`` otherwise."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        if os.fstat(fd).st_size < z or _file_crc(fd, a, z) != crc:
+        if os.fstat(fd).st_size < z or _file_digest(fd, a, z) != want:
             raise CheckpointError(f"convert: the bytes of {name!r} read back from {path} differ from those written "
-                                  "(CRC-32)")
+                                  f"({getattr(new_digest(), 'name', 'digest')})")
     finally:
         os.close(fd)
 
@@ -174,12 +207,13 @@ def check_header(path: str, meta: dict[str, torch.Tensor], names: list[str]) -> 
         raise CheckpointError(f"convert: {path} is {os.path.getsize(path)} bytes, the plan {want}")
 
 
-def check_file(path: str, meta: dict[str, torch.Tensor], names: list[str], crcs: dict[str, int]) -> None:
-    """The whole check of a written file: ``check_header``, then every tensor's bytes against ``crcs``."""
+def check_file(path: str, meta: dict[str, torch.Tensor], names: list[str], digests: dict[str, int]) -> None:
+    """The whole check of a written file: ``check_header``, then every tensor's bytes against ``digests`` (each its
+    :func:`digest`)."""
     check_header(path, meta, names)
     head, spans = header(meta, names)
     for n, (a, z) in zip(names, spans):
-        check_bytes(path, n, len(head) + a, len(head) + z, crcs[n])
+        check_bytes(path, n, len(head) + a, len(head) + z, digests[n])
 
 
 def _rows(shape: torch.Size) -> int:
@@ -228,6 +262,9 @@ def write_shards(out_dir: str, plan: dict[str, list[str]], src: PieceSource, bar
                 ThreadPoolExecutor(1, thread_name_prefix="llmpar-check") as checker:
             for path, names in zip(paths, plan.values()):
                 checks += write_file(path, src, names, bar, writer, checker)[1]
+                for c in checks:  # a file that failed its check already: stop before writing the next
+                    if c.done():
+                        c.result()
             for c in checks:
                 c.result()
         for path, names in zip(paths, plan.values()):
@@ -242,6 +279,6 @@ def write_shards(out_dir: str, plan: dict[str, list[str]], src: PieceSource, bar
     return paths
 
 
-__all__ = ["DEPTH", "ST_DTYPES", "WINDOW", "PieceSource", "as_bytes", "check_bytes", "check_file", "check_header",
-           "header", "sample",
+__all__ = ["DEPTH", "ST_DTYPES", "WINDOW", "Crc32", "PieceSource", "as_bytes", "check_bytes", "check_file",
+           "check_header", "digest", "header", "new_digest", "sample",
            "write_file", "write_shards"]
