@@ -5,7 +5,7 @@ One launch on 2 ranks (the rank pool): real DeepSpeed (0.19, CPU, gloo) trains `
 hand-written Megatron-style model (column-parallel ``up``, row-parallel ``down``, replicated rest, odd widths) at tp=2
 x dp=1, ZeRO-1, with a WarmupLR schedule and gradient clipping, for K steps, saves with a client_state and continues
 N steps. llmpar builds the unsplit model from another seed and loads the checkpoint at dp=2 ZeRO-2 and ZeRO-3 (each
-param's shards merged along the dim the model's full shape tells), continues the same N steps on the same global
+param's shards merged along the dim the model's full shape tells) and at tp=2 with its own layers, continues the same N steps on the same global
 batches, and its losses equal DeepSpeed's continuation (<= 1e-6 relative); the loaded weights are DeepSpeed's shards
 merged, bitwise. The same launch checks that a model whose shape fits no merge of the shards is refused on both ranks,
 naming the param and the shapes.
@@ -110,6 +110,18 @@ def body(root, ext_dir):
             dist.all_reduce(loss)
             losses.append(loss.item() / 2)
         out[stage] = (losses, facts, loaded)
+    # llmpar at tp=2 x dp=1, ZeRO-1 (its own column / row layers): each rank cuts its shards from the merged params
+    import llmpar
+
+    env = llmpar.init_distributed(tp=2)
+    torch.manual_seed(99)
+    model = llmpar.parallelize(M.Full(), env.mesh["tp"], plan={"up": "column", "down": "row"})
+    engine, *_ = llmpar.initialize(model=model, config=_config(1, ROWS), mesh=env.mesh)
+    path, client = engine.load_checkpoint(root)
+    loaded = {n: t.detach().clone() for n, t in model.named_parameters()}
+    facts = (os.path.basename(path), client, engine.global_steps, engine.lr_scheduler.state_dict(),
+             [g["lr"] for g in engine.optimizer.param_groups])
+    out["tp2"] = ([float(_step(engine, *M.batch(step))) for step in range(K, K + N)], facts, loaded)
     M.FFN += 2  # a model whose up / down do not fit the shards
     try:
         engine = _llmpar(2, M.Full())
@@ -151,11 +163,11 @@ def test_deepspeed_tensor_parallel_checkpoint_files(runs):
         assert ck.read(n, "exp_avg", 0, want.numel()).abs().sum() > 0 and ck.step(n) == K
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [2, 3, "tp2"])
 def test_llmpar_continues_deepspeed_tensor_parallel(runs, stage):
-    """llmpar's unsplit model at dp=2 (ZeRO-2, ZeRO-3) continues DeepSpeed's tp=2 checkpoint: the next losses are
-    DeepSpeed's (<= 1e-6 relative), the loaded weights its shards merged (bitwise), counters, scheduler, lr and
-    client_state its own."""
+    """llmpar's unsplit model at dp=2 (ZeRO-2, ZeRO-3) and its own tp=2 layers ("tp2": ZeRO-1) continue DeepSpeed's
+    tp=2 checkpoint: the next losses are DeepSpeed's (<= 1e-6 relative), the loaded weights its shards merged (at
+    tp=2: each rank's shards DeepSpeed's on that rank), bitwise; counters, scheduler, lr and client_state its own."""
     runs, _ = runs
     theirs, _, run = runs[0]["ds"]
     shards = [out["ds"][1] for out in runs]
@@ -166,7 +178,10 @@ def test_llmpar_continues_deepspeed_tensor_parallel(runs, stage):
         name, client, steps, sched, lrs = facts
         assert (name, client, steps) == (TAG, {"epoch": 3}, K)
         assert (sched, lrs) == run
-        if r == 0:  # the state dict is gathered on rank 0
+        if stage == "tp2":
+            assert loaded.keys() == shards[r].keys()
+            assert all(torch.equal(t, shards[r][n]) for n, t in loaded.items()), r
+        elif r == 0:  # the state dict is gathered on rank 0
             assert loaded.keys() == shards[0].keys()
             for n, t in loaded.items():
                 want = torch.cat([s[n] for s in shards], dims[n]) if n in dims else shards[0][n]
