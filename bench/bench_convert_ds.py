@@ -103,6 +103,7 @@ def main() -> None:
     ap.add_argument("--mb", type=int, default=512, help="MB of fp32 weights per state")
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
+    load_before = os.getloadavg()  # the machine is shared: its load is recorded beside the figures
     work = Path(tempfile.mkdtemp(prefix="bench_convert_ds_"))
     try:
         shapes = make_universal(work / "src", args.mb)
@@ -128,12 +129,15 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
     meta = {"command": "python bench/bench_convert_ds.py " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d"),
             "machine": f"{platform.node()} {os.cpu_count()} cpus, {platform.platform()}, torch {torch.__version__}",
-            "weights_mb_per_state": weights / 2**20, "largest_tensor_mb": largest / 2**20, "rounds": args.rounds}
+            "weights_mb_per_state": weights / 2**20, "largest_tensor_mb": largest / 2**20, "rounds": args.rounds,
+            "loadavg_1_5_15": {"before": load_before, "after": os.getloadavg()}}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "checkpoint_convert_ds.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     mb = 2**20
     lines = ["# llmpar checkpoint convert --to deepspeed | universal: peak memory (streamed)", "",
              f"Command: `{meta['command']}`  ", f"Date: {meta['date']}  ", f"Machine: {meta['machine']}  ",
+             "Load average (1, 5, 15 min) before / after: " + " / ".join(
+                 ", ".join(f"{x:.1f}" for x in meta["loadavg_1_5_15"][k]) for k in ("before", "after")) + "  ",
              f"Source: synthetic universal checkpoint, {weights / mb:.0f} MB of fp32 weights per state (x3 states), "
              f"largest tensor {largest / mb:.0f} MB; best of {args.rounds} fresh processes.", "",
              "| conversion | wall s | peak RSS MB | rise over imports MB | largest output file MB | rise / largest "

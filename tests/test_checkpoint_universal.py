@@ -12,6 +12,7 @@ by llmpar equals the llmpar checkpoint it came from (masters, moments, steps, pa
 folder, a truncated file and a model of another shape fail on every rank naming the path / param.
 """
 import argparse
+import math
 import os
 import shutil
 
@@ -192,13 +193,40 @@ def test_bad_universal_checkpoints_fail_on_every_rank_naming_the_path(runs):
             out["shape"]
 
 
+def _verify_catches(src_dir, out):
+    """``ds_write.verify`` (one rank file at a time) of a ZeRO-2 dp=2 output: passes as written; catches a
+    difference in the last element of the last param (the last rank's file) and in a stage 1-2 module weight."""
+    from llmpar.checkpoint import ds_write
+    from llmpar.checkpoint.files import CheckpointError
+
+    s = ds_write.open_source(src_dir)
+    ds_write.verify(s, out, 2, 2)
+    last, piece = s.groups[-1][-1], s.piece
+
+    def bad(n, key, a, z):
+        t = piece(n, key, a, z)
+        if n == last and key == "exp_avg_sq" and z == math.prod(s.shapes[n]):
+            t = t.clone()
+            t[-1] += 1
+        return t
+
+    s.piece = bad
+    with pytest.raises(CheckpointError, match=f"param '{last}' exp_avg_sq read back differs"):
+        ds_write.verify(s, out, 2, 2)
+    s.piece = piece
+    model = os.path.join(out, "mp_rank_00_model_states.pt")
+    sd = torch.load(model, weights_only=False)
+    sd["module"]["blocks.1.mlp.fc.weight"][3, 5] += 1
+    torch.save(sd, model)
+    with pytest.raises(CheckpointError, match="module weight 'blocks.1.mlp.fc.weight' master read back differs"):
+        ds_write.verify(s, out, 2, 2)
+
+
 def test_convert_from_universal(runs, tmp_path):
     """``llmpar checkpoint convert`` of DeepSpeed's universal checkpoints (found through latest_universal, or
     ``--from universal``): to hf (the fp32 masters), deepspeed (ZeRO-3 at dp=3, ZeRO-2), universal and dcp; what was
-    written equals the universal source bitwise (masters, moments, step); a directory that is not one is refused
-    naming what it holds."""
-    import math
-
+    written equals the universal source bitwise (masters, moments, step); the converter's read-back catches a
+    difference (``_verify_catches``); a directory that is not one is refused naming what it holds."""
     from safetensors.torch import load_file
 
     from llmpar.checkpoint import consolidate
@@ -230,6 +258,7 @@ def test_convert_from_universal(runs, tmp_path):
                 for key in ("master", "exp_avg", "exp_avg_sq"):
                     assert torch.equal(ck.read(n, key, 0, size[n]), src.read(n, key, 0, size[n])), (n, key)
                 assert ck.step(n) == src.step(n) == K
+        _verify_catches(str(root / name), str(tmp_path / f"{name}_ds2" / f"global_step{K}"))
         consolidate.convert(str(root / name), str(tmp_path / f"{name}_u"), to="universal")
         back = UniversalCheckpoint(str(tmp_path / f"{name}_u" / f"global_step{K}"))
         dcp_dir = tmp_path / f"{name}_dcp"

@@ -38,6 +38,7 @@ FILES = {"master": "fp32", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
 PIECE = 1 << 24  # elements compared at a time
 
 
+@torch.no_grad()  # the sources' tensors may require grad (DeepSpeed saves params so)
 def write_universal(src: str, out_dir: str, *, tag: str | None = None, source: str = "auto") -> list[str]:
     """Write checkpoint ``src`` to ``out_dir`` in DeepSpeed's universal layout (module docstring), verify it and
     return the paths written."""

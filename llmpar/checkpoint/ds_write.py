@@ -33,12 +33,15 @@ or > 3, dp < 1, an llmpar pipeline (pp > 1) source and DeepSpeed pipeline / mode
 A tensor-parallel llmpar source is merged (``CheckpointReader.full``: params named and shaped as in the unsplit model,
 vocabulary padding dropped), so the output is model-parallel degree 1. Params are written in the order the source
 lists them (DeepSpeed's param_shapes; llmpar's layout, the model's order): DeepSpeed's ZeRO 1-2 flat groups follow
-the model's parameter order, so a model whose order differs would load other values. After writing, every file is
-read back with ``deepspeed_read.DeepSpeedCheckpoint`` and every param's master and moments compared bitwise with the
-source. Memory: each rank's optimizer file is built from pieces of the params it overlaps (``Source.piece``: a
-range of the memory-mapped source; an llmpar source reads one whole param at a time), written streamed into its file
-and dropped before the next; the stage 1-2 model states file holds every param whole, as DeepSpeed's does; the check
-reads back one param at a time. Peak: one output file + about two copies of the largest tensor.
+the model's parameter order, so a model whose order differs would load other values. The sources (``ds_sources.py``):
+a DeepSpeed, universal or llmpar checkpoint. After writing, :func:`verify` reads every file back with
+``deepspeed_read.DeepSpeedCheckpoint`` and compares every element of every param's master and moments, its step, the
+stage 1-2 module weights, buffers and frozen params with the source, bitwise. Memory: the model states file is
+written first (stages 1-2: every param whole, as DeepSpeed's), then each rank's optimizer file, built from pieces of
+the params it overlaps (``Source.piece``: a range of the memory-mapped source; an llmpar source reads one whole param
+at a time), streamed into its file and dropped before the next; the check reads one rank's file at a time through a
+reader of its own, dropped (its mapped pages released) before the next. Peak: one output file + about two copies of
+the largest tensor.
 A universal checkpoint (``universal_read``) is a source too (``--from universal``, or detected).
 """
 from __future__ import annotations
@@ -52,14 +55,14 @@ from typing import Any
 
 import torch
 
-from llmpar.checkpoint import ds_convert, files, metacheck, universal_read
+from llmpar.checkpoint import metacheck  # noqa: F401 - the sources read through it (a test patches it here)
 from llmpar.checkpoint.deepspeed_read import DeepSpeedCheckpoint
+from llmpar.checkpoint.ds_sources import Source, locate_universal, open_source
 from llmpar.checkpoint.files import CheckpointError
-from llmpar.checkpoint.reshard import CheckpointReader
-from llmpar.checkpoint.universal_read import UniversalCheckpoint
 
 DS_VERSION = "0.19.8"
 KEYS = ("master", "exp_avg", "exp_avg_sq")
+PIECE = 1 << 22  # elements compared at a time
 _ADAMW = {"amsgrad": False, "maximize": False, "foreach": None, "capturable": False, "differentiable": False,
           "fused": None, "decoupled_weight_decay": True}
 
@@ -157,163 +160,6 @@ def torch_groups(hyper: list[dict]) -> list[dict]:
     return [{**_ADAMW, **h, "betas": tuple(h["betas"]), "params": [g]} for g, h in enumerate(hyper)]
 
 
-# ---------------------------------------------------------------------- sources
-class Source:
-    """What the writer needs of a checkpoint: ``groups`` [[name]], ``shapes``, ``hyper`` [per group {lr, betas,
-    eps, weight_decay}], :meth:`full`, ``step``, ``extras`` (buffers), ``frozen``, ``run`` (counters, scheduler,
-    client_state, ds_config)."""
-
-    groups: list[list[str]]
-    shapes: dict[str, tuple[int, ...]]
-    hyper: list[dict]
-    step: float
-    buffers: dict[str, torch.Tensor]
-    frozen: dict[str, torch.Tensor]
-    counters: dict[str, Any]
-    scheduler: Any
-    client: dict
-    ds_config: dict
-    stage: int
-    dp: int
-
-    def full(self, name: str, key: str) -> torch.Tensor:
-        raise NotImplementedError
-
-    def piece(self, name: str, key: str, a: int, z: int) -> torch.Tensor:
-        """Elements ``[a, z)`` of :meth:`full`'s flat view (a source reads only those when it can)."""
-        return self.full(name, key).reshape(-1)[a:z]
-
-
-class _DeepSpeedSource(Source):
-    def __init__(self, path: str) -> None:
-        ck = self.ck = DeepSpeedCheckpoint(path)
-        shapes = ck.model.get("param_shapes") if ck.stage > 0 else [dict.fromkeys(ck.names)]
-        self.groups = [list(g) for g in shapes]
-        self.shapes = dict(ck.shapes)
-        self.hyper = ck.param_groups()
-        if len(self.hyper) != len(self.groups):
-            raise CheckpointError(f"{path}: {len(self.groups)} param groups by param_shapes, {len(self.hyper)} "
-                                  "in the optimizer state: cannot be written")
-        steps = {ck.step(g[0]) for g in self.groups if g}
-        self.step = _one_step(steps, path)
-        self.buffers, self.frozen = ck.buffers(), ck.frozen()
-        self.counters, self.scheduler, self.client = ck.counters(), ck.scheduler(), ck.client_state()
-        self.ds_config = dict(ck.model.get("ds_config") or {})
-        self.stage, self.dp = max(ck.stage, 1), ck.dp
-
-    def full(self, name: str, key: str) -> torch.Tensor:
-        if key == "master" and not self.ck.has(name, "master"):
-            key = "params"
-        n = math.prod(self.shapes[name])
-        return self.ck.read(name, key, 0, n).to(torch.float32)
-
-    def piece(self, name: str, key: str, a: int, z: int) -> torch.Tensor:
-        if key == "master" and not self.ck.has(name, "master"):
-            key = "params"
-        return self.ck.read(name, key, a, z).to(torch.float32)
-
-
-class _UniversalSource(Source):
-    """A universal checkpoint (``universal_read``): every param's files opened (memory-mapped) and checked."""
-
-    def __init__(self, path: str) -> None:
-        ck = self.ck = UniversalCheckpoint(path)
-        groups = ck.model.get("param_shapes")
-        self.groups = [list(g) for g in groups] if isinstance(groups, list) and groups else [list(ck.names)]
-        for n in ck.names:
-            ck.open(n)
-        self.shapes, self.aliases = dict(ck.shapes), dict(ck.aliases)
-        self.hyper = ck.param_groups()
-        if len(self.hyper) != len(self.groups):
-            raise CheckpointError(f"{path}: {len(self.groups)} param groups by param_shapes, {len(self.hyper)} in "
-                                  "zero/optimizer_state.pt: cannot be written")
-        self.step = _one_step({ck.step(n) for n in ck.names}, path)
-        self.buffers, self.frozen = ck.buffers(), ck.frozen()
-        self.counters, self.scheduler, self.client = ck.counters(), ck.scheduler(), ck.client_state()
-        self.ds_config = dict(ck.model.get("ds_config") or {})
-        self.stage, self.dp = min(max(ck.stage, 1), 3), ck.dp
-
-    def full(self, name: str, key: str) -> torch.Tensor:
-        return self.piece(name, key, 0, math.prod(self.shapes[name]))
-
-    def piece(self, name: str, key: str, a: int, z: int) -> torch.Tensor:
-        if not self.ck.has(name, key):
-            raise CheckpointError(f"universal checkpoint {self.ck.path} has no {key!r} of {name!r}")
-        t = self.ck.read(name, key, a, z).to(torch.float32).clone()  # not a view of the mapped file
-        self.ck.release(name)  # its mapped pages leave the RSS
-        return t
-
-
-class _LlmparSource(Source):
-    def __init__(self, path: str) -> None:
-        meta = metacheck.read(path)
-        if int(meta.get("pp", 1)) > 1:
-            raise CheckpointError(f"{path}: llmpar pipeline checkpoint (pp={meta['pp']}): DeepSpeed's ZeRO and "
-                                  "universal layouts are written from pp=1 checkpoints only (load it at pp=1 and save)")
-        if len(meta["param_groups"]) != 1:
-            raise CheckpointError(f"{path}: llmpar checkpoint of {len(meta['param_groups'])} param groups: which "
-                                  "param is in which is not recorded; only one group is written to DeepSpeed's layout")
-        reader = self.reader = CheckpointReader(path, meta)
-        self._last: tuple[tuple[str, str], torch.Tensor] | None = None
-        for fname in sorted(meta["files"]):
-            why = reader.files.check(fname, full=True)
-            if why is not None:
-                raise CheckpointError(f"checkpoint shard {os.path.join(path, fname)} is {why}")
-        self.keys = {name: meta["layout"]["buffers"][bi]["state_keys"] for name, (bi, _, _) in reader.where.items()}
-        names = list(reader.where)
-        self.groups, self.shapes = [names], {n: reader.full_shape(n) for n in names}
-        self.hyper = [dict(meta["param_groups"][0], betas=tuple(meta["param_groups"][0]["betas"]))]
-        self.step = _one_step({reader.step(n) for n in names}, path)
-        self.buffers, self.frozen = reader.extras(reader.tp, 0), {}
-        eng = meta["engine"]
-        self.counters = {k: eng.get(k, 0) for k in ("global_steps", "global_samples", "skipped_steps")}
-        self.scheduler, self.ds_config = meta["scheduler"], {}
-        self.client = files.load_file(os.path.join(path, files.CLIENT_STATE), mmap=False) \
-            if files.CLIENT_STATE in meta["files"] else {}
-        self.stage, self.dp = min(max(int(meta["stage"]), 1), 3), int(meta["dp"])
-
-    def full(self, name: str, key: str) -> torch.Tensor:
-        if key == "master" and key not in self.keys[name]:
-            key = "params"
-        if key not in self.keys[name]:
-            raise CheckpointError(f"param {name!r} has no {key!r} in the llmpar checkpoint (saved: "
-                                  f"{self.keys[name]}): an optimizer without Adam moments is not written")
-        if self._last is None or self._last[0] != (name, key):  # one param's whole tensor at a time
-            self._last = ((name, key), self.reader.full(name, key).reshape(-1).to(torch.float32))
-        return self._last[1]
-
-
-def _one_step(steps: set[float], path: str) -> float:
-    if len(steps) > 1:
-        raise CheckpointError(f"{path}: param groups at different step counts {sorted(steps)}: DeepSpeed keeps one")
-    return float(next(iter(steps), 0.0))
-
-
-def locate_universal(src: str, tag: str | None, source: str) -> str | None:
-    """The universal checkpoint ``src`` names (``universal_read.resolve``) when ``source`` is "auto" or
-    "universal"; None otherwise; a CheckpointError naming what ``src`` holds when ``source`` is "universal" and it
-    is not one."""
-    if source not in ("auto", "universal"):
-        return None
-    path = universal_read.resolve(os.fspath(src), tag)
-    if path is None and source == "universal":
-        where = os.path.join(os.fspath(src), tag) if tag is not None else os.fspath(src)
-        found = sorted(os.listdir(where))[:8] if os.path.isdir(where) else "nothing (no such directory)"
-        raise CheckpointError(f"{where} is not a universal checkpoint (no zero/ folder beside a model states file, "
-                              f"and no latest_universal naming one): it holds {found}")
-    return path
-
-
-def open_source(src: str, tag: str | None = None, source: str = "auto") -> Source:
-    """The checkpoint ``src`` (universal, llmpar's or DeepSpeed's: ``locate_universal``, ``ds_convert.locate``) as
-    the writers read it."""
-    uni = locate_universal(src, tag, source)
-    if uni is not None:
-        return _UniversalSource(uni)
-    kind, path = ds_convert.locate(src, tag, source)
-    return _DeepSpeedSource(path) if kind == "deepspeed" else _LlmparSource(path)
-
-
 # ---------------------------------------------------------------------- the writer
 def _check_args(stage: Any, dp: Any) -> None:
     if stage is not None and (not isinstance(stage, int) or isinstance(stage, bool) or stage not in (1, 2, 3)):
@@ -322,6 +168,7 @@ def _check_args(stage: Any, dp: Any) -> None:
         raise ValueError(f"dp={dp!r}: the data-parallel degree to write for is an int >= 1")
 
 
+@torch.no_grad()  # the sources' tensors may require grad (DeepSpeed saves params so)
 def write_deepspeed(src: str, out_dir: str, *, stage: int | None = None, dp: int | None = None,
                     tag: str | None = None, source: str = "auto") -> list[str]:
     """Write checkpoint ``src`` to ``out_dir`` in DeepSpeed's ZeRO-``stage`` layout for ``dp`` ranks (defaults: the
@@ -329,7 +176,7 @@ def write_deepspeed(src: str, out_dir: str, *, stage: int | None = None, dp: int
     _check_args(stage, dp)
     s = open_source(src, tag, source)
     stage, dp = stage or s.stage, dp or s.dp
-    if stage == 3 and s.buffers and isinstance(s, _LlmparSource):
+    if stage == 3 and s.buffers and s.kind == "llmpar":
         raise CheckpointError(f"{src}: llmpar checkpoint with buffers / frozen params {sorted(s.buffers)[:8]}: "
                               "llmpar does not record which are frozen params, so they cannot be placed in a "
                               "ZeRO-3 layout; write stage 1 or 2")
@@ -337,55 +184,59 @@ def write_deepspeed(src: str, out_dir: str, *, stage: int | None = None, dp: int
     d = os.path.join(out_dir, out_tag)
     os.makedirs(d, exist_ok=True)
     written: list[str] = []
-    hyper = torch_groups(s.hyper)
-    for r in range(dp):
-        flats, state, extra = [], {}, {}
-        if stage < 3:
-            pads, slices, groups_pad = [], [], []
-            for g, names in enumerate(s.groups):
-                total = sum(math.prod(s.shapes[n]) for n in names)
-                padded = -(-total // (2 * dp)) * (2 * dp)
-                part = padded // dp
-                lo, hi = r * part, (r + 1) * part
-                cut = {k: _partition(s, names, k, lo, hi) for k in KEYS}
-                keep = max(0, min(hi, total) - lo)
-                flats.append(cut["master"][:keep].clone())
-                state[g] = {"step": torch.tensor(s.step), "exp_avg": cut["exp_avg"], "exp_avg_sq": cut["exp_avg_sq"]}
-                pads.append([0] * len(names))
-                groups_pad.append(part - keep)
-                at, m = 0, {}
-                for n in names:
-                    k = math.prod(s.shapes[n])
-                    a, z = max(at, lo), min(at + k, hi)
-                    if a < z:
-                        m[n] = _Object("deepspeed.utils.tensor_fragment", "fragment_address",
-                                       {"numel": z - a, "start": a - lo})
-                    at += k
-                slices.append(m)
-            extra = {"single_partition_of_fp32_groups": flats, "zero_stage": zero_stage(stage),
-                     "group_paddings": groups_pad, "param_alignment_paddings": pads,
-                     "partition_count": [dp] * len(s.groups), "param_slice_mappings": slices,
-                     "ds_version": DS_VERSION, **clip_grad(s)}
-            base_key = "base_optimizer_state"
-        else:
-            for g, names in enumerate(s.groups):
-                cut = {k: _chunks(s, names, k, r, dp) for k in KEYS}
-                flats.append(cut["master"])
-                state[g] = {"step": torch.tensor(s.step), "exp_avg": cut["exp_avg"], "exp_avg_sq": cut["exp_avg_sq"]}
-            extra = {"zero_stage": zero_stage(3), "partition_count": dp, "fp32_flat_groups": flats}
-            base_key = "optimizer_state_dict"
-        osd = {"loss_scaler": loss_scaler(), "dynamic_loss_scale": False, "overflow": False,
-               base_key: {"state": state, "param_groups": hyper}, **extra}
-        path = os.path.join(d, f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt")
-        save_pickled({"optimizer_state_dict": osd, "ds_config": s.ds_config, "ds_version": DS_VERSION}, path)
-        written.append(path)
+    for r in range(dp):  # each file built, streamed into place and dropped before the next
         if stage == 3 or r == 0:
             name = f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" if stage == 3 else "mp_rank_00_model_states.pt"
             save_pickled(model_states(s, stage, dp, r), os.path.join(d, name))
             written.append(os.path.join(d, name))
+        path = os.path.join(d, f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt")
+        save_pickled(optim_states(s, stage, dp, r), path)
+        written.append(path)
     write_bytes(os.path.join(out_dir, "latest"), out_tag.encode())
     verify(s, d, stage, dp)
     return written
+
+
+@torch.no_grad()
+def optim_states(s: Source, stage: int, dp: int, r: int) -> dict:
+    """The optimizer file of dp rank ``r`` for ZeRO-``stage`` at ``dp`` ranks (module docstring)."""
+    flats, state, hyper = [], {}, torch_groups(s.hyper)
+    if stage < 3:
+        pads, slices, groups_pad = [], [], []
+        for g, names in enumerate(s.groups):
+            total = sum(math.prod(s.shapes[n]) for n in names)
+            part = -(-total // (2 * dp)) * 2  # the group padded to a multiple of 2 x dp, cut into dp partitions
+            lo, hi = r * part, (r + 1) * part
+            keep = max(0, min(hi, total) - lo)
+            cut = {k: _partition(s, names, k, lo, hi if k != "master" else lo + keep) for k in KEYS}
+            flats.append(cut.pop("master"))  # the fp32 copy without the group's end padding
+            state[g] = {"step": torch.tensor(s.step), "exp_avg": cut["exp_avg"], "exp_avg_sq": cut["exp_avg_sq"]}
+            pads.append([0] * len(names))
+            groups_pad.append(part - keep)
+            at, m = 0, {}
+            for n in names:
+                k = math.prod(s.shapes[n])
+                a, z = max(at, lo), min(at + k, hi)
+                if a < z:
+                    m[n] = _Object("deepspeed.utils.tensor_fragment", "fragment_address",
+                                   {"numel": z - a, "start": a - lo})
+                at += k
+            slices.append(m)
+        extra = {"single_partition_of_fp32_groups": flats, "zero_stage": zero_stage(stage),
+                 "group_paddings": groups_pad, "param_alignment_paddings": pads,
+                 "partition_count": [dp] * len(s.groups), "param_slice_mappings": slices,
+                 "ds_version": DS_VERSION, **clip_grad(s)}
+        base_key = "base_optimizer_state"
+    else:
+        for g, names in enumerate(s.groups):
+            cut = {k: _chunks(s, names, k, r, dp) for k in KEYS}
+            flats.append(cut["master"])
+            state[g] = {"step": torch.tensor(s.step), "exp_avg": cut["exp_avg"], "exp_avg_sq": cut["exp_avg_sq"]}
+        extra = {"zero_stage": zero_stage(3), "partition_count": dp, "fp32_flat_groups": flats}
+        base_key = "optimizer_state_dict"
+    osd = {"loss_scaler": loss_scaler(), "dynamic_loss_scale": False, "overflow": False,
+           base_key: {"state": state, "param_groups": hyper}, **extra}
+    return {"optimizer_state_dict": osd, "ds_config": s.ds_config, "ds_version": DS_VERSION}
 
 
 def _partition(s: Source, names: list[str], key: str, lo: int, hi: int) -> torch.Tensor:
@@ -396,7 +247,7 @@ def _partition(s: Source, names: list[str], key: str, lo: int, hi: int) -> torch
         k = math.prod(s.shapes[n])
         a, z = max(at, lo), min(at + k, hi)
         if a < z:
-            out[a - lo:z - lo] = s.piece(n, key, a - at, z - at)
+            s.piece_into(n, key, a - at, z - at, out[a - lo:z - lo])
         at += k
     return out
 
@@ -409,14 +260,15 @@ def _chunks(s: Source, names: list[str], key: str, r: int, dp: int) -> torch.Ten
     for n, c in zip(names, sizes):
         a, z = r * c, min((r + 1) * c, math.prod(s.shapes[n]))
         if a < z:
-            out[at:at + z - a] = s.piece(n, key, a, z)
+            s.piece_into(n, key, a, z, out[at:at + z - a])
         at += c
     return out
 
 
+@torch.no_grad()
 def model_states(s: Source, stage: int, dp: int, r: int) -> dict:
     """The model states file of dp rank ``r`` (stages 1-2: the one file) for ZeRO-``stage`` at ``dp`` ranks."""
-    module = {n: torch.empty(0) if stage == 3 else s.full(n, "master").view(s.shapes[n]).clone()
+    module = {n: torch.empty(0) if stage == 3 else owned(s.full(n, "master")).view(s.shapes[n])
               for g in s.groups for n in g}
     frozen = {n: t.reshape(-1) for n, t in s.frozen.items()}
     if stage == 3:
@@ -438,24 +290,79 @@ def model_states(s: Source, stage: int, dp: int, r: int) -> dict:
             "frozen_param_fragments": frozen, **run, **s.client}
 
 
+def _held(s: Source, stage: int, dp: int, r: int) -> list[tuple[str, int, int]]:
+    """(name, a, z): the element ranges ``[a, z)`` of each param that dp rank ``r``'s optimizer file holds."""
+    out = []
+    for names in s.groups:
+        if stage == 3:
+            for n in names:
+                k = math.prod(s.shapes[n])
+                c = -(-k // dp)
+                if r * c < k:
+                    out.append((n, r * c, min((r + 1) * c, k)))
+            continue
+        total = sum(math.prod(s.shapes[n]) for n in names)
+        part = -(-total // (2 * dp)) * 2
+        lo, hi, at = r * part, (r + 1) * part, 0
+        for n in names:
+            k = math.prod(s.shapes[n])
+            if max(at, lo) < min(at + k, hi):
+                out.append((n, max(at, lo) - at, min(at + k, hi) - at))
+            at += k
+    return out
+
+
+def _same(s: Source, path: str, what: str, n: str, key: str, a: int, z: int, got: Any) -> None:
+    """``got(b, e)`` (elements [b, e) read back) equals the source's ``key`` of ``n`` over [a, z), compared in
+    pieces of at most ``PIECE`` elements; a CheckpointError naming it otherwise."""
+    for b in range(a, z, PIECE):
+        e = min(b + PIECE, z)
+        if not torch.equal(got(b, e), s.piece(n, key, b, e)):
+            raise CheckpointError(f"{path}: {what} {n!r} {key} read back differs from the source (elements "
+                                  f"[{b}, {e}))")
+
+
 def verify(s: Source, path: str, stage: int, dp: int) -> None:
-    """Read DeepSpeed checkpoint ``path`` back (``DeepSpeedCheckpoint``): its layout (stage, dp, names, shapes) and
-    every param's master and moments equal the source's, bitwise; a CheckpointError naming what differs."""
-    ck = DeepSpeedCheckpoint(path)
+    """Read DeepSpeed checkpoint ``path`` back (``DeepSpeedCheckpoint``): its layout (stage, dp, names, shapes),
+    every param's master and moments (every element, bitwise), its step, the stage 1-2 module weights, the buffers
+    and the frozen params equal the source's; a CheckpointError naming what differs. Bounded: one rank's optimizer
+    file at a time (a reader opened for it, dropped before the next: its mapped pages leave the RSS), the model states
+    file on its own, compared in pieces of at most ``PIECE`` elements."""
     names = [n for g in s.groups for n in g]
-    if (ck.stage, ck.dp, ck.names) != (stage, dp, names):
+    ck = DeepSpeedCheckpoint(path)
+    if (ck.stage, ck.dp, ck.names) != (stage, dp, names) or ck.shapes != {n: tuple(s.shapes[n]) for n in names}:
         raise CheckpointError(f"{path} reads back as ZeRO-{ck.stage} dp={ck.dp} with params {ck.names[:4]}..., "
                               f"written as ZeRO-{stage} dp={dp} with {names[:4]}...")
     for n in names:
-        for key in KEYS:
-            got, want = ck.read(n, key, 0, math.prod(s.shapes[n])), s.full(n, key)
-            if not torch.equal(got, want):
-                raise CheckpointError(f"{path}: param {n!r} {key} read back differs from the source")
         if ck.step(n) != s.step:
             raise CheckpointError(f"{path}: param {n!r} step {ck.step(n)} read back, {s.step} in the source")
+    seen = dict.fromkeys(names, 0)
+    for r in range(dp):
+        ck = DeepSpeedCheckpoint(path)  # a fresh reader: only rank r's file is read, released with it
+        for n, a, z in _held(s, stage, dp, r):
+            seen[n] += z - a
+            for key in KEYS:
+                _same(s, path, "param", n, key, a, z, lambda b, e: ck.read(n, key, b, e))  # noqa: B023
+        del ck
+    short = [n for n in names if seen[n] != math.prod(s.shapes[n])]
+    if short:  # the ranges above must cover every element: else some were never compared
+        raise CheckpointError(f"{path}: the read-back covered {[seen[n] for n in short[:4]]} elements of params "
+                              f"{short[:4]}, not all of them")
+    ck = DeepSpeedCheckpoint(path)  # the model states file(s), on their own
+    module = ck.model["module"]
+    for n in names if stage < 3 else ():
+        t = module.get(n)
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(s.shapes[n]):
+            raise CheckpointError(f"{path}: module weight {n!r} reads back as {type(t).__name__} "
+                                  f"{tuple(getattr(t, 'shape', ()))}, the source's shape is {tuple(s.shapes[n])}")
+        _same(s, path, "module weight", n, "master", 0, t.numel(), lambda b, e: t.reshape(-1)[b:e])  # noqa: B023
+    for n, t in s.buffers.items():
+        if not torch.equal(ck.buffers().get(n, torch.empty(0)), t):
+            raise CheckpointError(f"{path}: buffer {n!r} read back differs from the source")
+    frozen = ck.frozen()
     for n, t in s.frozen.items():
-        if not torch.equal(ck.frozen()[n].reshape(t.shape), t):
+        if n not in frozen or not torch.equal(frozen[n].reshape(t.shape), t):
             raise CheckpointError(f"{path}: frozen param {n!r} read back differs from the source")
 
 
-__all__ = ["open_source", "verify", "write_deepspeed"]
+__all__ = ["Source", "locate_universal", "open_source", "verify", "write_deepspeed"]
