@@ -294,7 +294,7 @@ def batch(step: int, dtype=torch.float32):
 @pytest.mark.parametrize("state_precision,dtype", [("int8", torch.float32), ("int4", torch.float32),
                                                    ("int8", torch.bfloat16)])
 def test_fused_adamw_matches_float64_reference_loop(state_precision, dtype):
-    """25 steps of FusedAdamW (clipping on) vs a float64 loop of adamw_lowbit_reference fed the same grads: params
+    """20 steps of FusedAdamW (clipping on) vs a float64 loop of adamw_lowbit_reference fed the same grads: params
     close, codes equal but for rare ties."""
     bits = {"int8": 8, "int4": 4}[state_precision]
     model = tiny_mlp(dtype=dtype)
@@ -304,7 +304,7 @@ def test_fused_adamw_matches_float64_reference_loop(state_precision, dtype):
     ref = [dict(p=p.detach().double().clone() if dtype == torch.float32 else None,
                 master=p.detach().double().clone(), **L.new_state(p.numel(), bits)) for p in params]
     mismatched = total = 0
-    for step in range(1, 26):
+    for step in range(1, 21):
         x, y = batch(step, dtype)
         loss = torch.nn.functional.mse_loss(model(x).float(), y.float())
         loss.backward()
@@ -332,7 +332,7 @@ def test_fused_adamw_matches_float64_reference_loop(state_precision, dtype):
         assert int((diff > 1e-5).sum()) <= max(2, diff.numel() // 200), int((diff > 1e-5).sum())  # bf16 grads: ties
         if dtype == torch.bfloat16:
             assert torch.equal(p.detach(), w.to(torch.bfloat16))
-        assert int(opt.state[p]["step"]) == 25
+        assert int(opt.state[p]["step"]) == 20
 
 
 def _train(state_precision, steps=30, **kw):
