@@ -108,7 +108,7 @@ def _worker(rank: int, world_size: int, port: int, store_path: str, tasks, resul
         if dist.is_initialized() and not _drop_groups(kept):
             dist.destroy_process_group()
         value = None
-        gc.collect()  # engines in reference cycles hold the dropped groups, whose gloo threads live until then
+        gc.collect()  # the dropped groups' gloo threads end with their last reference
         retire = not dist.is_initialized() or _threads() > MAX_THREADS
         if retire and os.environ.get("LLMPAR_POOL_LOG"):
             with open(os.environ["LLMPAR_POOL_LOG"], "a") as f:
@@ -136,17 +136,35 @@ def _threads() -> int:
         return 0
 
 
+def _droppable(pg: Any, listed: list) -> bool:
+    """Whether group ``pg`` may be destroyed: named by torch's counter (a group made with
+    ``use_local_synchronization`` is named by a hash of its ranks, and a later group of the same ranks would read the
+    dead one's addresses from the store under that name), and referenced only by torch's registry (not by a cache
+    that outlives the test, such as DeepSpeed's world-group clone)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    world = c10d._world
+    if not str(world.pg_names.get(pg, "")).isdigit():
+        return False
+    registry = [world.pg_map, world.pg_names, world.pg_group_ranks, world.pg_backend_config, world.pg_to_tag,
+                world.pg_coalesce_state, listed, *world.tags_to_pg.values()]
+    ours = {id(x) for x in registry} | {id(sys._getframe()), id(sys._getframe(1))}
+    return all(id(r) in ours for r in gc.get_referrers(pg))
+
+
 def _drop_groups(kept: set) -> bool:
     """Destroy the process groups a test body created (each holds gloo I/O threads that otherwise live, and poll,
-    for the rest of the session). Every rank first passes a barrier on the default group (all of them, whether or
-    not they belong to a new group), so no peer is still using them. False if that failed."""
+    for the rest of the session), except those :func:`_droppable` keeps. Every rank first passes a barrier on the
+    default group (all of them, whether or not they belong to a new group), so no peer is still using them. False if
+    that failed."""
     import torch.distributed as dist
 
     try:
         dist.barrier()
-        for pg in _groups():
-            if pg not in kept:
-                dist.destroy_process_group(pg)
+        gc.collect()  # engines in reference cycles still hold the groups they made
+        listed = _groups()
+        for pg in [pg for pg in listed if pg not in kept and _droppable(pg, listed)]:
+            dist.destroy_process_group(pg)
     except BaseException:  # noqa: BLE001
         traceback.print_exc()
         return False
