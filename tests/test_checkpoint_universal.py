@@ -9,7 +9,11 @@ ZeRO stage / dp / tp (with CPU offload once; tp=2 pads the vocabulary 61 -> 62 r
 same global batches, and its losses equal DeepSpeed's (<= 1e-6 relative, fp32); counters, scheduler and
 client_state travel. The same launch: an llmpar checkpoint converted with ``convert --to universal`` and read back
 by llmpar equals the llmpar checkpoint it came from (masters, moments, steps, params bitwise); a missing param
-folder, a truncated file and a model of another shape fail on every rank naming the path / param.
+folder, a truncated file and a model of another shape fail on every rank naming the path / param. Also in it:
+``"checkpoint": {"load_universal": true}`` picks ``latest_universal`` over ``latest``; and a DeepSpeed save at
+tensor-parallel degree 2 (an mpu, ``test_checkpoint_ds_mp``'s model) carrying ``universal_checkpoint_info`` merge
+patterns goes through ``ds_to_universal`` (slices concatenated on each param's cat_dim) and llmpar continues it equal
+to DeepSpeed's own tp=2 run.
 """
 import argparse
 import math
@@ -62,6 +66,53 @@ def _to_universal(root, name):
                               output_folder=f"{root}/{name}/global_step{K}_universal", num_extract_workers=1,
                               num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=False)
     ds_to_universal.main(args)
+
+
+# ds_to_universal's merge patterns for tests/data/tp_ckpt_model.py (``up``: column-parallel, cat_dim 0 by default)
+TP_INFO = {"universal_checkpoint_version": 0.2, "tp_replicated_parameter_patterns": [r"inp\.", r"out\.", r"down_bias"],
+           "parameter_with_row_parallelism_patterns": [r"down\.weight"]}
+
+
+def _tp_universal(root):
+    """DeepSpeed at tp=2 x dp=1 (an mpu; ``test_checkpoint_ds_mp``'s Megatron-style model), ZeRO-1: K steps, a save
+    carrying ``TP_INFO``, converted by ``ds_to_universal`` (the tp slices merged), N more steps. llmpar loads the
+    universal checkpoint into the unsplit model at dp=2 ZeRO-2 (``load_universal``) and continues the same N steps.
+    Returns (DeepSpeed's losses, this rank's shards at the save, llmpar's losses, llmpar's loaded weights)."""
+    import deepspeed
+
+    import llmpar
+    from test_checkpoint_ds_mp import ROWS, _model_file, _step
+    from test_checkpoint_ds_mp import _config as mp_config
+
+    M = _model_file()
+    mpu = M.MPU(2)
+    torch.manual_seed(3)
+    net = M.TP(mpu)
+    net.load_full(M.Full())
+    engine, *_ = deepspeed.initialize(model=net, config=mp_config(1, ROWS), model_parameters=net.parameters(), mpu=mpu)
+    for step in range(K):
+        _step(engine, *M.batch(step))
+    engine.save_checkpoint(f"{root}/tp", client_state={"universal_checkpoint_info": TP_INFO})
+    shards = {n: t.detach().clone() for n, t in net.named_parameters()}
+    theirs = [float(_step(engine, *M.batch(step))) for step in range(K, K + N)]
+    del engine
+    dist.barrier()
+    if dist.get_rank() == 0:
+        _to_universal(root, "tp")
+    dist.barrier()
+    torch.manual_seed(99)
+    cfg = mp_config(2, ROWS // 2)
+    cfg["checkpoint"] = {"load_universal": True}
+    engine, *_ = llmpar.initialize(model=M.Full(), config=cfg)
+    engine.load_checkpoint(f"{root}/tp")
+    loaded = {n: t.detach().clone() for n, t in engine.module_state_dict().items()}
+    r, ours = dist.get_rank(), []
+    for step in range(K, K + N):
+        x, y = M.batch(step)
+        loss = _step(engine, x[r * 3:(r + 1) * 3], y[r * 3:(r + 1) * 3]).to(torch.float64)
+        dist.all_reduce(loss)
+        ours.append(loss.item() / 2)
+    return theirs, shards, ours, loaded
 
 
 def body(root, ext_dir):
@@ -143,6 +194,7 @@ def body(root, ext_dir):
     engine = _engine(2, universal=True)
     out["no_latest_universal"] = _error(lambda: engine.load_checkpoint(f"{root}/ours"))
     out["not_universal"] = _error(lambda: engine.load_checkpoint(f"{root}/both", tag=f"global_step{K}"))
+    out["tp"] = _tp_universal(root)
     return out
 
 
@@ -300,3 +352,24 @@ def test_load_universal_config_reads_latest_universal(runs):
         assert f"both/global_step{K} is not a universal checkpoint" in out["not_universal"], out["not_universal"]
     with pytest.raises(ValueError, match='"checkpoint.load_universal"="yes": a bool'):
         Config.from_deepspeed({"train_batch_size": 8, "checkpoint": {"load_universal": "yes"}}, dp=2)
+
+
+def test_deepspeed_tensor_parallel_save_to_universal(runs):
+    """A DeepSpeed save at tp=2 (two mp_rank file sets) converted by ds_to_universal with merge patterns (column-
+    parallel ``up`` on dim 0, row-parallel ``down.weight`` on dim 1, the rest replicated): the universal files record
+    each cat_dim, llmpar's unsplit model at dp=2 ZeRO-2 loads DeepSpeed's shards merged (bitwise) and its next N
+    losses equal DeepSpeed's own tp=2 continuation (<= 1e-6 relative)."""
+    runs, root = runs
+    zero = root / "tp" / f"global_step{K}_universal" / "zero"
+    dims = {"up.weight": 0, "up.bias": 0, "down.weight": 1}
+    for name, dim in dims.items():
+        assert torch.load(zero / name / "fp32.pt", weights_only=False)["cat_dim"] == dim, name
+    shards = [out["tp"][1] for out in runs]
+    for out in runs:
+        theirs, _, ours, _ = out["tp"]
+        torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=1e-6, atol=0)
+    loaded = runs[0]["tp"][3]  # the state dict is gathered on rank 0
+    assert loaded.keys() == shards[0].keys()
+    for n, t in loaded.items():
+        want = torch.cat([s[n] for s in shards], dims[n]) if n in dims else shards[0][n]
+        assert torch.equal(t, want), n
