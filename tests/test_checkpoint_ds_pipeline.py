@@ -65,8 +65,8 @@ def _deepspeed(root, pp, stage=1):
     """DeepSpeed trains the pipeline at pp x dp=2/pp for K steps, saves, continues N steps: (losses, params after),
     params and buffers at the save, (scheduler state, lr) at the save. ``stage`` None: no ZeRO, and DeepSpeed's
     optimizer holds every param (the frozen one too, stateless), not only the trained ones; no gradient clipping
-    (DeepSpeed's non-ZeRO pipeline clips by a norm that counts a tied weight's gradient once per stage holding it,
-    llmpar once)."""
+    (DeepSpeed's fp32 pipeline without ZeRO clips by the norm of stage 0's gradients only, llmpar by the whole
+    model's: README)."""
     import deepspeed
     import deepspeed.ops
 
