@@ -29,7 +29,8 @@ DeepSpeed's own classes (``LossScaler``, ``ZeroStageEnum``, ``fragment_address``
 importing DeepSpeed. Refused (a ``CheckpointError`` / ``ValueError`` naming what was found): a source whose groups
 have different step counts, an llmpar source of several param groups (which param is in which is not recorded), an
 llmpar source with buffers or frozen params converted to stage 3 (the checkpoint does not tell them apart), stage 0
-or > 3, dp < 1, an llmpar pipeline (pp > 1) source and DeepSpeed pipeline / model-parallel ones (``deepspeed_read``).
+or > 3, dp < 1, an llmpar pipeline (pp > 1) source and DeepSpeed model-parallel ones (``deepspeed_read``); a
+DeepSpeed pipeline source is written under its PipelineModule's names as one model-parallel rank.
 A tensor-parallel llmpar source is merged (``CheckpointReader.full``: params named and shaped as in the unsplit model,
 vocabulary padding dropped), so the output is model-parallel degree 1. Params are written in the order the source
 lists them (DeepSpeed's param_shapes; llmpar's layout, the model's order): DeepSpeed's ZeRO 1-2 flat groups follow
