@@ -44,9 +44,8 @@ if HAS_TRITON:
             for k in tl.static_range(15):
                 code += (tl.load(mids_ptr + k) < y).to(tl.int32)
         else:
-            for lvl in tl.static_range(8):
-                s: tl.constexpr = 128 >> lvl
-                code += tl.where(tl.load(mids_ptr + code + (s - 1)) < y, s, 0)
+            for lvl in tl.static_range(8):  # stride 128 >> lvl
+                code += tl.where(tl.load(mids_ptr + code + ((128 >> lvl) - 1)) < y, 128 >> lvl, 0)
         return code
 
     @triton.jit

@@ -274,6 +274,31 @@ def test_triton_interpreted():
     run_interpreted(__file__, timeout=900, select="triton and not interpreted", what="interpreted low-bit Triton")
 
 
+@pytest.mark.skipif(INTERPRET, reason="compiles the real kernel")
+@pytest.mark.parametrize("arch, bits, master", [(90, 8, False), (90, 8, True), (90, 4, False), (90, 4, True),
+                                                (80, 8, True)])
+def test_triton_compiles_for_gpu(arch, bits, master, monkeypatch):
+    """The Triton kernel compiles to sm_90 / sm_80 machine code as its launcher specialises it (tests/triton_aot.py):
+    one tensor (n = 1 stays a runtime value), device lr / gscale / found_inf, bf16 grads."""
+    from triton_aot import Recorder, compile_like_launcher, specialised, bind_like_launcher
+
+    from llmpar.kernels import adamw_lowbit as tk
+
+    st = make_state((300,), bits, master=master)
+    rec = Recorder()
+    monkeypatch.setattr(tk, "_adamw_lowbit_kernel", rec)
+    flat = {k: (None if v is None else [t.view(-1) for t in v]) for k, v in st.items()}
+    tk.step(flat["params"], [g.to(torch.bfloat16) for g in flat["grads"]], flat["m_codes"], flat["m_scales"],
+            flat["v_codes"], flat["v_scales"], flat["masters"], flat["steps"], lowbit.qmap(bits, True),
+            lowbit.qmap(bits, False), bits=bits, lr=torch.tensor(1e-3), beta1=0.9, beta2=0.999, eps=1e-8,
+            weight_decay=0.1, gscale=torch.tensor(0.5), found_inf=torch.tensor(0.0))
+    monkeypatch.undo()
+    (args, kwargs), = rec.calls
+    signature, constexprs, _, _ = bind_like_launcher(tk._adamw_lowbit_kernel, args, kwargs, arch)
+    assert "n" not in specialised(signature, constexprs, tk._adamw_lowbit_kernel)
+    compile_like_launcher(tk._adamw_lowbit_kernel, args, kwargs, arch=arch)
+
+
 # ------------------------------------------------------------------------------------------ GPU (CUDA, Triton)
 
 needs_cuda = pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="needs a CUDA GPU")
