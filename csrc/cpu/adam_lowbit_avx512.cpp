@@ -6,8 +6,8 @@
 // (and its bfloat16 copy), keep the block's new m / v in L1 with their absmax; then quantize them by a binary search
 // whose level tables live in registers (4 bits: 4 levels; 8 bits: 5 levels find the group of 8 codes, then its 7
 // inner midpoints are compared independently, a shorter dependency chain than 3 more levels). Same IEEE operations
-// as adam_lowbit_scalar.cpp (no contraction), so the same bits. Per param, one thread, 8 bits: ~1.9 ns, 4 bits:
-// ~0.8 ns (gathers instead of the 8-bit lookups: +0.25 ns; a full 8-level search: +0.1 ns). A block cut short by the
+// as adam_lowbit_scalar.cpp (no contraction), so the same bits. Per param, one thread, 4M params: 8 bits ~1.9 ns,
+// 4 bits ~0.8 ns (gathers instead of the 8-bit lookups: +0.25 ns; a full 8-level search: +0.1 ns); 30M: ~3 / ~1.2 ns. A block cut short by the
 // tensor's end runs on a padded copy, its absmax masked to the valid lanes.
 #include <algorithm>
 #include <cstring>
