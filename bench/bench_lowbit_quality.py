@@ -126,7 +126,7 @@ def main() -> None:
             torchao_version = torchao.__version__
             kinds += ["torchao-8bit", "torchao-4bit"]
         except ImportError as e:
-            print(f"torchao not available ({e}): its runs are left out")
+            print(f"torchao not available ({e}): its runs are left out (pip install -e \".[baselines]\")")
     chain = bigram_chain()
     entropy = float(-(chain * chain.log()).sum(1).mean())
     rows, curves = [], {}

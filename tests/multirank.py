@@ -217,6 +217,7 @@ class _Pool:
 
     def _collect(self, task_id, timeout: float, what: str) -> dict[int, tuple[str, Any]]:
         replies: dict[int, tuple[str, Any]] = {}
+        exited: set[int] = set()
         deadline = time.monotonic() + timeout
         while len(replies) < self.world_size:
             if any(s == "error" for s, _ in replies.values()):
@@ -227,11 +228,14 @@ class _Pool:
             try:
                 tid, rank, status, payload = self.results.get(timeout=min(0.5, deadline - now))
             except Exception:  # queue.Empty
+                # a rank that exits right after its last message (a retiring pool) can be found dead while that
+                # message is still in the pipe: it is reported dead only when a further poll brought nothing
                 dead = [r for r, p in enumerate(self.procs) if not p.is_alive() and r not in replies]
-                if dead:
-                    for r in dead:
+                for r in dead:
+                    if r in exited:
                         code = self.procs[r].exitcode
                         replies[r] = ("error", f"rank {r} process died (exit code {code}) during {what}\n")
+                exited.update(dead)
                 continue
             if tid != task_id:
                 continue  # a late reply of an earlier, abandoned task
