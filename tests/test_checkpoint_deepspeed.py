@@ -338,8 +338,8 @@ def test_deepspeed_checkpoint_reads_without_deepspeed(tmp_path):
 
 
 def test_deepspeed_layouts_not_read_are_named(tmp_path):
-    """A tensor-parallel pipeline (layer_*-model_01) or model-parallel (mp_rank_01) DeepSpeed checkpoint is refused
-    naming its files."""
+    """A tensor-parallel pipeline (layer_*-model_01) DeepSpeed checkpoint is refused naming its files; a
+    tensor-parallel one (mp_rank_01) whose files cannot be read fails naming its ranks."""
     from llmpar.checkpoint import deepspeed_read
     from llmpar.checkpoint.files import CheckpointError
 
