@@ -56,8 +56,6 @@ PLAN=(
   "bench_optim|35|FusedAdamW (every precision) vs torch AdamW, GPT parameter lists of 100M and 1B"
   "bench_gemm|65|linear_act vs cuBLAS, 8192 tokens x LLaMA 7B/8B MLP shapes, tp 1 and 8; parallel layers fwd+bwd"
   "bench_bucket|25|pack/unpack of a 1e8-element gradient bucket, every backend"
-  "bench_lowbit|20|low-bit AdamW (CUDA, Triton int8/int4) vs torch fused AdamW, 100M params"
-  "bench_attention|30|attention fwd+bwd: the Triton kernel vs torch SDPA, causal, bf16"
 )
 NAMES=(); BUDGETS=(); WHATS=()
 for row in "${PLAN[@]}"; do
@@ -255,8 +253,6 @@ export LLMPAR_AUTOTUNE_CONFIGS="$BENCH_CONFIGS"
 run_step 9 "$PY" bench/bench_optim.py --device cuda --sizes 100M 1B --no-deepspeed --out "$RESULTS"
 run_step 10 "$PY" bench/bench_gemm.py --device cuda --tp 1 8 --out "$RESULTS"
 run_step 11 "$PY" bench/bench_bucket.py --device cuda --repeats 15 --out "$RESULTS"
-run_step 12 "$PY" bench/bench_lowbit_adam.py --device cuda --sizes 100M --out "$RESULTS"
-run_step 13 "$PY" bench/bench_attention.py --device cuda --out "$RESULTS"
 
 echo
 echo "| step              | status             | time  |"
