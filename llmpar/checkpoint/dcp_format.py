@@ -9,7 +9,7 @@ file per writing rank, holding a flat state dict whose keys are
                                          flattened and the nested optimizer state dicts give the same DCP keys)
     {optim|optimizer}.param_groups.NAME.lr ...   (flattened) hyper-parameters, stored as bytes: not read
 
-:class:`DcpCheckpoint` answers what ``ds_load._Source`` asks of a foreign checkpoint (``shapes``, ``has``, ``read``,
+:class:`DcpCheckpoint` answers what ``ds_load.Source`` asks of a foreign checkpoint (``shapes``, ``has``, ``read``,
 ``step``, ``buffers``): ``read(name, key, a, z)`` reads only the rows of the saved tensor that hold flat elements
 ``[a, z)`` (a load plan of one chunk per tensor: DCP reads the saved chunks overlapping it, nothing else), and
 :meth:`DcpCheckpoint.prefetch` reads every range a rank will ask for in one ``dcp.load``. Reads run without

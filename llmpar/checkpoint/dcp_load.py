@@ -2,7 +2,7 @@
 engine, through the checkpoint protocol, at any dp, ZeRO stage and tp.
 
 Every rank reads the DCP metadata and plans what it needs: each param of this rank must be in the checkpoint with the
-same full shape (a tensor-parallel param is cut from the full tensor, ``ds_load._Source``), and the states its
+same full shape (a tensor-parallel param is cut from the full tensor, ``ds_load.Source``), and the states its
 optimizer cannot derive must be there (Adam's ``exp_avg`` / ``exp_avg_sq`` and each param's ``step``: a CheckpointError
 names the DCP keys that are missing); ``strict`` as in llmpar's own load. The ranks agree on the outcome before
 anything is modified. Then each rank reads, in one ``dcp.load`` without collectives, only the rows holding the
@@ -17,7 +17,7 @@ import logging
 
 from llmpar.checkpoint import files
 from llmpar.checkpoint.dcp_format import MOMENTS, DcpCheckpoint
-from llmpar.checkpoint.ds_load import _names, _Source
+from llmpar.checkpoint.ds_load import Source, shown
 from llmpar.checkpoint.files import CheckpointError
 from llmpar.checkpoint.protocol import Checkpointable, DescribesModel
 from llmpar.checkpoint.shards import extras_names
@@ -26,7 +26,7 @@ from llmpar.checkpoint.view import EngineView
 logger = logging.getLogger("llmpar")
 
 
-def _plan(engine: Checkpointable, view: EngineView, ck: DcpCheckpoint, src: _Source, strict: bool
+def _plan(engine: Checkpointable, view: EngineView, ck: DcpCheckpoint, src: Source, strict: bool
           ) -> tuple[set[str], dict]:
     """The optimizer names this rank keeps (absent from the checkpoint) and the buffers it takes; raises naming the
     DCP keys a load needs and the checkpoint lacks."""
@@ -47,7 +47,7 @@ def _plan(engine: Checkpointable, view: EngineView, ck: DcpCheckpoint, src: _Sou
     if lacking_keys:
         raise CheckpointError(f"DCP checkpoint {ck.path} lacks {len(lacking_keys)} keys this optimizer needs (Adam's "
                               f"moments and step of every trained param, saved as get_state_dict(model, optimizer) "
-                              f"names them): {_names(lacking_keys)}")
+                              f"names them): {shown(lacking_keys)}")
     targets, frozen = view.targets(), view.opt.frozen_shapes()
     unsaved = set(engine.checkpoint_model().get("unsaved_buffers", ())) if isinstance(engine, DescribesModel) else set()
     extras, lacking = {}, {view.saved_name[n] for n in missing}
@@ -65,16 +65,16 @@ def _plan(engine: Checkpointable, view: EngineView, ck: DcpCheckpoint, src: _Sou
             ck.shapes[name])
     if lacking and strict:
         raise CheckpointError(f"{len(lacking)} params / buffers of this model are not in DCP checkpoint {ck.path}: "
-                              f"{_names(lacking)} (load_checkpoint(..., strict=False) keeps their current values)")
+                              f"{shown(lacking)} (load_checkpoint(..., strict=False) keeps their current values)")
     if lacking:
         logger.warning("load_checkpoint(strict=False): %d params / buffers of this model are not in %s, they keep "
-                       "their current values: %s", len(lacking), ck.path, _names(lacking))
+                       "their current values: %s", len(lacking), ck.path, shown(lacking))
     return missing, extras
 
 
-def _prefetch(view: EngineView, ck: DcpCheckpoint, src: _Source, keep: set[str]) -> None:
+def _prefetch(view: EngineView, ck: DcpCheckpoint, src: Source, keep: set[str]) -> None:
     """Read in one go what ``load_pieces`` will ask for: the params' ranges and this rank's moments (whole tensors
-    of a tensor-parallel param, which ``_Source`` cuts)."""
+    of a tensor-parallel param, which ``Source`` cuts)."""
     ranges = []
 
     def add(local: str, key: str, a: int, z: int) -> None:
@@ -109,15 +109,9 @@ def load(engine: Checkpointable, view: EngineView, path: str, *, strict: bool, s
     g, opt = view.grid, engine.optimizer
     with files.agreed(g, "load_checkpoint"):
         ck = DcpCheckpoint(path)
-        src = _Source(ck, view)  # type: ignore[arg-type] - the same questions as a DeepSpeed checkpoint's
+        src = Source(ck, view)  # type: ignore[arg-type] - the same questions as a DeepSpeed checkpoint's
         keep, extras = _plan(engine, view, ck, src, strict)
-    stored = sorted(ck.shapes)  # the same on every rank: the same metadata
-    mine = set(view.saved_name.values()) | set(view.targets())
-    held = files.agree_all([int(n in mine) for n in stored], g.groups, g.device)
-    unexpected = [n for n, h in zip(stored, held) if not h]
-    if unexpected and strict:
-        raise CheckpointError(f"{len(unexpected)} params / buffers in DCP checkpoint {path} are in no rank's model: "
-                              f"{_names(unexpected)} (load_checkpoint(..., strict=False) ignores them)")
+    view.unexpected(sorted(ck.shapes), strict=strict, where=f"DCP checkpoint {path}", show=shown)  # same metadata
     steps = []
     with files.all_or_mixed(g, path):  # agreed before the stage-3 re-gather so that no rank waits alone
         _prefetch(view, ck, src, keep)

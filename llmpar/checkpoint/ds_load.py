@@ -18,7 +18,7 @@ import json
 import logging
 import math
 import os
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -36,7 +36,7 @@ logger = logging.getLogger("llmpar")
 _HYPER = ("lr", "betas", "eps", "weight_decay")
 
 
-def _names(names: list[str] | set[str], limit: int = 8, ck: DeepSpeedCheckpoint | None = None) -> str:
+def shown(names: list[str] | set[str], limit: int = 8, ck: DeepSpeedCheckpoint | None = None) -> str:
     """The first ``limit`` names, each with the file holding it in ``ck`` where it tells (a pipeline checkpoint)."""
     names = sorted(names)
     where = {n: ck.file_of(n) for n in names[:limit]} if ck is not None else {}
@@ -44,7 +44,7 @@ def _names(names: list[str] | set[str], limit: int = 8, ck: DeepSpeedCheckpoint 
     return f"[{shown}]" + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-class _Source:
+class Source:
     """The checkpoint's states cut for this rank: a replicated param's elements as saved, a tensor-parallel one's
     from its full tensor (one full tensor cached at a time)."""
 
@@ -82,7 +82,7 @@ class _Source:
         return self._cache[1][a:z]
 
 
-def _plan(engine: Checkpointable, view: EngineView, ck: DeepSpeedCheckpoint, src: _Source, strict: bool,
+def plan(engine: Checkpointable, view: EngineView, ck: DeepSpeedCheckpoint, src: Source, strict: bool,
           sched: Any) -> tuple[set[str], dict[str, torch.Tensor]]:
     """The optimizer names this rank keeps (not in the checkpoint) and the buffers / frozen params it takes; raises
     on what cannot be loaded."""
@@ -117,11 +117,11 @@ def _plan(engine: Checkpointable, view: EngineView, ck: DeepSpeedCheckpoint, src
         extras[name] = saved[name]
     if lacking and strict:
         raise CheckpointError(f"{len(lacking)} params / buffers of this model are not in DeepSpeed checkpoint "
-                              f"{ck.path} ({ck.describe()}): {_names(lacking)} (load_checkpoint(..., strict=False) "
+                              f"{ck.path} ({ck.describe()}): {shown(lacking)} (load_checkpoint(..., strict=False) "
                               "keeps their current values)")
     if lacking:
         logger.warning("load_checkpoint(strict=False): %d params / buffers of this model are not in %s, they keep "
-                       "their current values: %s", len(lacking), ck.path, _names(lacking))
+                       "their current values: %s", len(lacking), ck.path, shown(lacking))
     saved_sched = ck.scheduler()
     if sched is not None and isinstance(saved_sched, dict):
         mine = sched.state_dict()
@@ -160,33 +160,16 @@ def _model_names(view: EngineView) -> dict[str, tuple[list[int], bool]]:
     return out
 
 
-def _stored(ck: DeepSpeedCheckpoint) -> list[str]:
-    return sorted(set(ck.names) | set(ck.aliases) | set(ck.buffers()) | set(ck.frozen()))
-
-
-def load(engine: Checkpointable, view: EngineView, path: str, *, strict: bool, scheduler: bool
-         ) -> tuple[str, dict | None]:
-    """Load DeepSpeed checkpoint directory ``path`` into ``engine`` (collective over its grid; ``load.py``'s
-    ``load_checkpoint`` calls it once the ranks agreed they read the same checkpoint). Returns ``(path,
-    client_state)``."""
+def apply(engine: Checkpointable, view: EngineView, path: str, ck: DeepSpeedCheckpoint, src: Source,
+          keep: set[str] | None, extras: dict, *, strict: bool, sched: Any, where: str,
+          show: Callable[[list[str]], str]) -> None:
+    """Collective: what a DeepSpeed-shaped checkpoint ``ck`` (this reader's, or the universal reader's) holds, put
+    into ``engine`` once :func:`plan` agreed: refuse (``strict``) or ignore names in no rank's model, load the states
+    (``keep``: the optimizer names to load, None: all), buffers and frozen params, hyper-parameters, counters and
+    the scheduler."""
     g, opt = view.grid, engine.optimizer
-    sched = engine.lr_scheduler if scheduler else None
-    model = _model_names(view) if _needs_model(path) else None  # collective: every rank sees the same files
-    with files.agreed(g, "load_checkpoint"):
-        ck = DeepSpeedCheckpoint(path, model=model) if model is not None else DeepSpeedCheckpoint(path)
-        src = _Source(ck, view)
-        keep, extras = _plan(engine, view, ck, src, strict, sched)
-    stored = _stored(ck)  # the same on every rank: the same files
-    mine = set(view.saved_name.values()) | set(view.targets())
-    held = files.agree_all([int(n in mine) for n in stored], g.groups, g.device)
-    unexpected = [n for n, h in zip(stored, held) if not h]
-    if unexpected and strict:
-        raise CheckpointError(f"{len(unexpected)} params / buffers in DeepSpeed checkpoint {path} ({ck.describe()}) "
-                              f"are in no rank's model: {_names(unexpected, ck=ck)} (load_checkpoint(..., "
-                              "strict=False) ignores them)")
-    if unexpected and g.rank0:
-        logger.warning("load_checkpoint(strict=False): %d params / buffers in %s are in no rank's model, ignored: %s",
-                       len(unexpected), path, _names(unexpected))
+    stored = sorted(set(ck.names) | set(ck.aliases) | set(ck.buffers()) | set(ck.frozen()))  # the same on every rank
+    view.unexpected(stored, strict=strict, where=where, show=show)
     with files.all_or_mixed(g, path):
         step = lambda local: ck.step(view.saved_name[local])  # noqa: E731
         if keep:
@@ -205,6 +188,22 @@ def load(engine: Checkpointable, view: EngineView, path: str, *, strict: bool, s
     engine.restore_counters(ck.counters())
     if sched is not None and ck.scheduler() is not None:
         sched.load_state_dict(ck.scheduler())
+
+
+def load(engine: Checkpointable, view: EngineView, path: str, *, strict: bool, scheduler: bool
+         ) -> tuple[str, dict | None]:
+    """Load DeepSpeed checkpoint directory ``path`` into ``engine`` (collective over its grid; ``load.py``'s
+    ``load_checkpoint`` calls it once the ranks agreed they read the same checkpoint). Returns ``(path,
+    client_state)``."""
+    g, opt = view.grid, engine.optimizer
+    sched = engine.lr_scheduler if scheduler else None
+    model = _model_names(view) if _needs_model(path) else None  # collective: every rank sees the same files
+    with files.agreed(g, "load_checkpoint"):
+        ck = DeepSpeedCheckpoint(path, model=model) if model is not None else DeepSpeedCheckpoint(path)
+        src = Source(ck, view)
+        keep, extras = plan(engine, view, ck, src, strict, sched)
+    apply(engine, view, path, ck, src, keep, extras, strict=strict, sched=sched,
+          where=f"DeepSpeed checkpoint {path} ({ck.describe()})", show=lambda names: shown(names, ck=ck))
     if g.rank0:
         logger.info("loaded DeepSpeed checkpoint %s (%s; loaded at pp=%d dp=%d tp=%d stage %d); "
                     "DeepSpeed saves no RNG states: this run's are kept", path, ck.describe(), g.pp, g.dp, g.tp,
@@ -212,4 +211,4 @@ def load(engine: Checkpointable, view: EngineView, path: str, *, strict: bool, s
     return path, ck.client_state()
 
 
-__all__ = ["load"]
+__all__ = ["Source", "apply", "load", "plan", "shown"]

@@ -6,7 +6,7 @@ Megatron style), read as the unsplit model's: DeepSpeed 0.19 writes one file set
                                                            model states at stage 3), "checkpoint_parallel_dimensions"
                                                            {"tp_degree": tp, "pp_degree": 1}
 
-each read by a :class:`~llmpar.checkpoint.deepspeed_read.DeepSpeedCheckpoint` of that rank. Which dim a param is
+each read by a :class:`~llmpar.checkpoint.ds_rank_read.RankCheckpoint` of that rank. Which dim a param is
 split on the files do not say; the model loading it does (``model``: {name: (full shape, trained)}, the loading
 engine's full shapes, ``ds_load.py``): a param whose shards all have its full shape is replicated (read from rank 0),
 one whose shards concatenate to it along exactly one dim is split there (Megatron's convention: column-parallel
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from llmpar.checkpoint.deepspeed_read import DeepSpeedCheckpoint
+from llmpar.checkpoint.ds_rank_read import RankCheckpoint
 from llmpar.checkpoint.ds_files import MODEL_RE, OPTIM_RE, detect
 from llmpar.checkpoint.files import CheckpointError
 
@@ -36,7 +36,7 @@ def _split_dim(shards: list[tuple[int, ...]], full: tuple[int, ...]) -> int | No
     return fits[0] if len(fits) == 1 else "?"
 
 
-class DeepSpeedTPCheckpoint(DeepSpeedCheckpoint):
+class DeepSpeedTPCheckpoint(RankCheckpoint):
     """A tensor-parallel DeepSpeed checkpoint (module docstring). ``tp``: its degree; ``parts[t]``: rank t's reader;
     ``dims``: {name: split dim or None}."""
 
@@ -48,7 +48,7 @@ class DeepSpeedTPCheckpoint(DeepSpeedCheckpoint):
             raise CheckpointError(f"{path}: DeepSpeed model-parallel ranks {mp} are not 0..{len(mp) - 1}")
         self.tp = len(mp)
         try:
-            self.parts = [DeepSpeedCheckpoint(path, mp_rank=t) for t in range(self.tp)]
+            self.parts = [RankCheckpoint(path, mp_rank=t) for t in range(self.tp)]
         except CheckpointError as e:
             raise CheckpointError(f"tensor-parallel DeepSpeed checkpoint {path} of model-parallel ranks {mp}: {e}") \
                 from e

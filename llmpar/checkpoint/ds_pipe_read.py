@@ -17,7 +17,7 @@ dp data-parallel ranks per stage, tensor-parallel degree 1:
     DIR/TAG/[bf16_]zero_pp_rank_R_mp_rank_SS_optim_states.pt   stage S's ZeRO-1 partition of dp rank R: the stage's
                                        flat fp32 masters and Adam moments over its ``param_shapes`` (``deepspeed_read``)
 
-Each stage is read by a :class:`~llmpar.checkpoint.deepspeed_read.DeepSpeedCheckpoint` of its model-parallel rank;
+Each stage is read by a :class:`~llmpar.checkpoint.ds_rank_read.RankCheckpoint` of its model-parallel rank;
 this class joins them: a param held by several stages (a tied weight) is read from the lowest one (its copies are
 equal: DeepSpeed sums their gradients over the stages). Buffers and frozen params come from the layer files (a tied
 module's keys mapped back to ``tied_modules.KEY.``), which are all read when the checkpoint opens (small: weights
@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from llmpar.checkpoint.deepspeed_read import DeepSpeedCheckpoint
+from llmpar.checkpoint.ds_rank_read import RankCheckpoint
 from llmpar.checkpoint.ds_files import LAYER_RE, MODEL_RE, OPTIM_RE, detect, load_file
 from llmpar.checkpoint.ds_pipe_names import Stage, groups, infer
 from llmpar.checkpoint.files import CheckpointError
@@ -45,7 +45,7 @@ from llmpar.checkpoint.files import CheckpointError
 TIED = "tied_modules."
 
 
-class DeepSpeedPipelineCheckpoint(DeepSpeedCheckpoint):
+class DeepSpeedPipelineCheckpoint(RankCheckpoint):
     """A DeepSpeed pipeline checkpoint (module docstring): the reader's interface over all its stages. ``pp``: the
     number of stages; ``stages[s]``: stage s's reader."""
 
@@ -64,7 +64,7 @@ class DeepSpeedPipelineCheckpoint(DeepSpeedCheckpoint):
         if 0 not in mp:
             raise CheckpointError(f"{path} has DeepSpeed pipeline layer files {sorted(layers)[:3]}... but no "
                                   "mp_rank_00_model_states.pt")
-        first = DeepSpeedCheckpoint(path, mp_rank=0)
+        first = RankCheckpoint(path, mp_rank=0)
         dims = first.model.get("checkpoint_parallel_dimensions") or {}
         pp, tp = int(dims.get("pp_degree", len(mp))), int(dims.get("tp_degree", 1))
         if tp != 1:
@@ -74,7 +74,7 @@ class DeepSpeedPipelineCheckpoint(DeepSpeedCheckpoint):
             raise CheckpointError(f"{path}: DeepSpeed pipeline checkpoint of pp_degree={pp} has the model states / "
                                   f"optimizer files of stages (mp_rank) {mp}, not 0..{pp - 1}")
         self.pp = pp
-        self.stages = [first] + [DeepSpeedCheckpoint(path, mp_rank=s) for s in range(1, pp)]
+        self.stages = [first] + [RankCheckpoint(path, mp_rank=s) for s in range(1, pp)]
         for s, st in enumerate(self.stages):
             if (st.kind, st.stage, st.dp, st.unnamed) != (first.kind, first.stage, first.dp, first.unnamed):
                 raise CheckpointError(f"{path}: stage {s}'s files are {st.describe()}, stage 0's {first.describe()}")

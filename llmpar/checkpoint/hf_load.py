@@ -205,13 +205,8 @@ def load_hf_weights(engine: Checkpointable, path: str, *, strict: bool = True) -
                 raise CheckpointError(f"{name!r} has shape {src.reader.header(name)[0]} in {where[name]} and "
                                       f"{shape} here")
             extras[name] = shape
-    stored = sorted(where)
-    mine = set(view.saved_name.values()) | set(view.targets())
-    held = files.agree_all([int(n in mine) for n in stored], g.groups, g.device)
-    unexpected = [n for n, h in zip(stored, held) if not h]
-    if unexpected and strict:
-        raise CheckpointError(f"{len(unexpected)} tensors in the HuggingFace weights {path} are in no rank's model: "
-                              f"{unexpected[:8]} (load_hf_weights(..., strict=False) ignores them)")
+    view.unexpected(sorted(where), strict=strict, where=f"the HuggingFace weights {path}", show=lambda n: str(n[:8]),
+                    noun="tensors", call="load_hf_weights")
     with files.all_or_mixed(g, path, "weights"):  # agreed before the stage-3 re-gather: no rank waits alone
         opt.load_pieces(src.get, lambda local: 0.0)
         view.put_extras({name: src.reader.whole(name) for name in extras})

@@ -15,7 +15,7 @@ read as it is, and ``load_checkpoint`` of one into an engine at any dp, ZeRO sta
                                          counters, "universal_checkpoint_info" and the caller's client_state keys
 
 Each tensor file is memory-mapped when first needed and only this rank's element ranges are read from it; a
-tensor-parallel param is cut from the whole tensor along llmpar's own split dim (``ds_load._Source``), a vocabulary
+tensor-parallel param is cut from the whole tensor along llmpar's own split dim (``ds_load.Source``), a vocabulary
 tensor (``vocab_tensor``) padded back with zero rows to this model's vocabulary when that is larger, as DeepSpeed
 does. The trained params are those of ``param_shapes`` (the folders of ``zero/`` when absent); ``ds_to_universal``
 also writes ``fp32.pt`` folders for buffers and frozen params, which are read from the model states instead.
@@ -37,7 +37,7 @@ import torch
 from llmpar.checkpoint import files
 from llmpar.checkpoint.deepspeed_read import DS_KEYS, MOMENTS
 from llmpar.checkpoint.ds_files import Foreign, load_file
-from llmpar.checkpoint.ds_load import _names, _plan, _Source
+from llmpar.checkpoint.ds_load import Source, apply, plan, shown
 from llmpar.checkpoint.files import CheckpointError
 from llmpar.checkpoint.protocol import Checkpointable
 from llmpar.checkpoint.reshard import full_shape
@@ -115,7 +115,7 @@ def _scalar(v: Any) -> float:
 
 
 class UniversalCheckpoint:
-    """Universal checkpoint directory ``path`` (module docstring): what ``ds_load._Source`` and ``_plan`` ask of a
+    """Universal checkpoint directory ``path`` (module docstring): what ``ds_load.Source`` and ``plan`` ask of a
     foreign checkpoint (``names``, ``shapes``, ``aliases``, ``has``, ``read``, ``step``, ``buffers``, ``frozen``,
     ``scheduler``), the run's state (``counters``, ``param_groups``, ``client_state``), and :meth:`open`, which
     opens a param's files and checks them."""
@@ -291,7 +291,7 @@ class UniversalCheckpoint:
         return {k: v for k, v in self.model.items() if k not in DS_KEYS}
 
 
-def _open_mine(view: EngineView, ck: UniversalCheckpoint, src: _Source) -> None:
+def _open_mine(view: EngineView, ck: UniversalCheckpoint, src: Source) -> None:
     """Open and check the files of this rank's params; a vocabulary tensor fitted to this model's rows."""
     for local, cut in src.cuts.items():
         name = view.saved_name[local]
@@ -308,37 +308,11 @@ def load(engine: Checkpointable, view: EngineView, path: str, *, strict: bool, s
     sched = engine.lr_scheduler if scheduler else None
     with files.agreed(g, "load_checkpoint"):
         ck = UniversalCheckpoint(path)
-        src = _Source(ck, view)  # type: ignore[arg-type] - the same questions as a DeepSpeed checkpoint's
+        src = Source(ck, view)  # type: ignore[arg-type] - the same questions as a DeepSpeed checkpoint's
         _open_mine(view, ck, src)
-        keep, extras = _plan(engine, view, ck, src, strict, sched)  # type: ignore[arg-type]
-    stored = sorted(set(ck.names) | set(ck.aliases) | set(ck.buffers()) | set(ck.frozen()))
-    mine = set(view.saved_name.values()) | set(view.targets())
-    held = files.agree_all([int(n in mine) for n in stored], g.groups, g.device)
-    unexpected = [n for n, h in zip(stored, held) if not h]
-    if unexpected and strict:
-        raise CheckpointError(f"{len(unexpected)} params / buffers in universal checkpoint {path} are in no rank's "
-                              f"model: {_names(unexpected)} (load_checkpoint(..., strict=False) ignores them)")
-    if unexpected and g.rank0:
-        logger.warning("load_checkpoint(strict=False): %d params / buffers in %s are in no rank's model, ignored: %s",
-                       len(unexpected), path, _names(unexpected))
-    with files.all_or_mixed(g, path):
-        step = lambda local: ck.step(view.saved_name[local])  # noqa: E731
-        if keep:
-            opt.load_pieces(src.get, step, keep=frozenset(keep))
-        else:
-            opt.load_pieces(src.get, step)
-        view.put_extras(extras)
-    opt.after_load()
-    groups = ck.param_groups()
-    if len(groups) == len(opt.param_groups):
-        for group, saved in zip(opt.param_groups, groups):
-            group.update({k: (tuple(saved[k]) if k == "betas" else saved[k]) for k in _HYPER if k in saved})
-    elif g.rank0:
-        logger.warning("load_checkpoint: %s has %d param groups, this optimizer %d: their hyper-parameters (lr, "
-                       "betas, eps, weight_decay) stay as configured", path, len(groups), len(opt.param_groups))
-    engine.restore_counters(ck.counters())
-    if sched is not None and ck.scheduler() is not None:
-        sched.load_state_dict(ck.scheduler())
+        keep, extras = plan(engine, view, ck, src, strict, sched)  # type: ignore[arg-type]
+    apply(engine, view, path, ck, src, keep, extras, strict=strict, sched=sched,  # type: ignore[arg-type]
+          where=f"universal checkpoint {path}", show=shown)
     if g.rank0:
         logger.info("loaded universal checkpoint %s (ZeRO-%d at dp=%d; loaded at pp=%d dp=%d tp=%d stage %d); it "
                     "holds no RNG states: this run's are kept", path, ck.stage, ck.dp, g.pp, g.dp, g.tp, opt.stage)

@@ -9,6 +9,7 @@
     view.targets()             # {checkpoint name: (live tensor, is_param)} of the modules this rank holds
     view.specs()               # {optimizer param name: tp split spec or None}
     view.put_extras(values)    # buffers and frozen params written by name
+    view.unexpected(stored, strict=..., where=..., show=...)  # names of a checkpoint in no rank's model (collective)
 
 How a pipeline engine's stage-local names (``stage1.blocks_3.attn.qkv.weight``) map to the unsplit model's
 (``blocks.3.attn.qkv.weight``) is the engine's business (``checkpoint_names``); a weight tied between stages maps to
@@ -16,8 +17,12 @@ one name and is written once, by the lowest stage holding it (``checkpoint_dupli
 """
 from __future__ import annotations
 
+import logging
+from typing import Callable
+
 import torch
 
+from llmpar.checkpoint.files import CheckpointError, agree_all
 from llmpar.checkpoint.protocol import Checkpointable, CheckpointOptimizer, Grid
 from llmpar.checkpoint.reshard import tp_specs
 
@@ -40,6 +45,23 @@ class EngineView:
     def targets(self) -> dict[str, tuple[torch.Tensor, bool]]:
         """{checkpoint name: (live tensor, is_param)} of this rank's modules (the first holder of a shared one)."""
         return self.engine.checkpoint_targets()
+
+    def unexpected(self, stored: list[str], *, strict: bool, where: str, show: Callable[[list[str]], str],
+                   noun: str = "params / buffers", call: str = "load_checkpoint") -> list[str]:
+        """Collective: the names of ``stored`` (the same list on every rank) that no rank's model holds. With
+        ``strict`` they fail every rank (``where``: what the checkpoint is, ``show``: how the names are listed);
+        otherwise rank 0 warns that they are ignored."""
+        g = self.grid
+        mine = set(self.saved_name.values()) | set(self.targets())
+        held = agree_all([int(n in mine) for n in stored], g.groups, g.device)
+        out = [n for n, h in zip(stored, held) if not h]
+        if out and strict:
+            raise CheckpointError(f"{len(out)} {noun} in {where} are in no rank's model: {show(out)} "
+                                  f"({call}(..., strict=False) ignores them)")
+        if out and g.rank0:
+            logging.getLogger("llmpar").warning("%s(strict=False): %d %s in %s are in no rank's model, ignored: %s",
+                                                call, len(out), noun, where, show(out))
+        return out
 
     def put_extras(self, values: dict[str, torch.Tensor]) -> None:
         """Write buffers and frozen params by checkpoint name: a frozen param into the optimizer's shards (it may be
