@@ -22,12 +22,13 @@ masters, as for fp32 states).
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
 from llmpar.ops import lowbit
-from llmpar.optim.adamw import LOWBIT_BITS
+from llmpar.ops.adamw import check_param_dtype
+from llmpar.optim.adamw import LOWBIT_BITS, group_mode
 
 CODE_KEYS = ("m_codes", "m_scale", "v_codes", "v_scale")
 
@@ -35,6 +36,18 @@ CODE_KEYS = ("m_codes", "m_scale", "v_codes", "v_scale")
 def bits_of(mode: str) -> int | None:
     """8 / 4 for the low-bit modes ("int8" / "int4"), None for the others."""
     return LOWBIT_BITS.get(mode)
+
+
+def buffer_mode(precision: str, state_precision: str, dtype: torch.dtype, what: str) -> str:
+    """The mode of a flat buffer of ``dtype`` params: low-bit states ("int8" / "int4") or a MODES precision, its
+    errors naming ``what``."""
+    try:
+        mode = group_mode(precision, state_precision, dtype)
+    except TypeError as e:
+        raise TypeError(f"{what}: {e}") from None
+    if bits_of(mode) is None:
+        check_param_dtype(mode, dtype, what)
+    return mode
 
 
 def block_align(align: int, mode: str) -> int:
@@ -83,6 +96,17 @@ def step_units(b: Any, params: list[torch.Tensor], grads: list[torch.Tensor], un
     m_codes, m_scale, v_codes, v_scale = (unit_views(b, k, units) for k in CODE_KEYS)
     lowbit.adamw_lowbit_step(params, grads, m_codes, m_scale, v_codes, v_scale, steps, masters, bits=bits,
                              **hyper)
+
+
+def step_each(b: Any, shards: list[torch.Tensor], grads: list[torch.Tensor], units: list[int],
+              masters: list[torch.Tensor] | None, *, each: bool, **kw: Any) -> Iterator[int]:
+    """:func:`step_units` over ``units`` of buffer ``b``: one call per unit when ``each``, else one call; yields each
+    unit once its shard holds the new values."""
+    for sel in [[u] for u in units] if each else [units]:
+        step_units(b, [shards[u] for u in sel], [grads[u] for u in sel], sel,
+                   masters=None if masters is None else [masters[u] for u in sel], steps=[b.steps[u] for u in sel],
+                   **kw)
+        yield from sel
 
 
 def host_step(b: Any, shards: list[torch.Tensor], grads: list[torch.Tensor], **hyper: Any) -> None:

@@ -39,9 +39,9 @@ from torch import nn
 
 from llmpar.distributed.agree import check_same_on_ranks
 from llmpar.distributed.collectives import CommCounter, Group, GroupRef, broadcast_coalesced, group_rank, group_size
-from llmpar.ops.adamw import MODES, adamw_step, check_param_dtype
+from llmpar.ops.adamw import MODES, adamw_step
 from llmpar.ops.bucket import pack_bucket
-from llmpar.optim.adamw import group_mode, state_dtypes
+from llmpar.optim.adamw import state_dtypes
 from llmpar.optim.grad_norm import global_grad_norm
 from llmpar.zero.checkpointing import ZeroCheckpointing
 from llmpar.zero.compressed import compression
@@ -161,8 +161,7 @@ class ZeroOptimizer(StepStatsView, ZeroCheckpointing, OptimizerStateDict):
         return FlatLayout(params, [n for n, _ in named], shards=shards, unit_numel=self.zero_config.reduce_bucket_size,
                           align=align, groups=groups)
 
-    def _build_buffers(self, cfg: OptimizerConfig, grad_accum_dtype: torch.dtype | None,
-                       align: int) -> list[FlatBuffer]:
+    def _build_buffers(self, cfg: OptimizerConfig, grad_accum_dtype: torch.dtype | None, align: int) -> list:
         shards = 1 if self.stage == 0 else self.dp
         keyed: dict[tuple, list[tuple[str, torch.nn.Parameter]]] = {}
         for gi, g in enumerate(self.param_groups):
@@ -179,13 +178,8 @@ class ZeroOptimizer(StepStatsView, ZeroCheckpointing, OptimizerStateDict):
         pool, rank = self.placement, self._rank()
         for key, named in keyed.items():
             gi, dtype, device, tp_split = key
-            try:  # low-bit states ("int8" / "int4": lowbit_state.py) or a MODES precision
-                mode = group_mode(cfg.precision, cfg.state_precision, dtype)
-            except TypeError as e:
-                raise TypeError(f"param {named[0][0]!r}: {e}") from None
+            mode = lowbit_state.buffer_mode(cfg.precision, cfg.state_precision, dtype, f"param {named[0][0]!r}")
             bits = lowbit_state.bits_of(mode)
-            if bits is None:
-                check_param_dtype(mode, dtype, f"param {named[0][0]!r}")
             params = [p for _, p in named]
             layout = self._layout(named, shards, lowbit_state.block_align(align, mode))
             shard = None
@@ -356,13 +350,8 @@ class ZeroOptimizer(StepStatsView, ZeroCheckpointing, OptimizerStateDict):
             yield from units
             return
         if lowbit:  # codes + scales per unit shard, whole blocks (lowbit_state.py)
-            shards = self._shards(b)
             masters = self._units(b, "master") if "master" in b.state else None
-            for sel in [[u] for u in units] if each else [units]:
-                lowbit_state.step_units(b, [shards[u] for u in sel], [grads[u] for u in sel], sel,
-                                        masters=None if masters is None else [masters[u] for u in sel],
-                                        steps=[b.steps[u] for u in sel], **kw)
-                yield from sel
+            yield from lowbit_state.step_each(b, self._shards(b), grads, units, masters, each=each, **kw)
             return
         extra = MODES[b.mode].extra
         state = [self._shards(b), grads, self._units(b, "exp_avg"), self._units(b, "exp_avg_sq"), b.steps,
