@@ -70,6 +70,7 @@ def _deepspeed(root):
     shards = {n: t.detach().clone() for n, t in net.named_parameters()}
     run = (engine.lr_scheduler.state_dict(), engine.get_lr())
     losses = [float(_step(engine, *M.batch(step))) for step in range(K, K + N)]
+    M.forget_mpu()
     return losses, shards, run
 
 

@@ -96,6 +96,7 @@ def _tp_universal(root):
     shards = {n: t.detach().clone() for n, t in net.named_parameters()}
     theirs = [float(_step(engine, *M.batch(step))) for step in range(K, K + N)]
     del engine
+    M.forget_mpu()
     dist.barrier()
     if dist.get_rank() == 0:
         _to_universal(root, "tp")
