@@ -90,7 +90,25 @@ def _cases():
         cases["dequantize_rows"].append((f"int{bits} -> bf16", (wire, _rand((3, 123), bf16, seed=5), 123, bits, block)))
         cases["dequantize_sum"] += [(f"int{bits} accumulate", (wire, _rand((123,), seed=6), 123, bits, block, True)),
                                     (f"int{bits} fp16", (wire, _rand((123,), f16, seed=7), 123, bits, block, False))]
+    for bits in (8, 4):  # the float64 reference written back: params fp32, and bf16 params with fp32 masters
+        for master in (False, True):
+            cases["adamw_lowbit_step"].append((f"int{bits}" + (" bf16+master" if master else ""),
+                                               _lowbit_args(bits, master)))
     return cases
+
+
+def _lowbit_args(bits, master):
+    from llmpar.ops import lowbit
+
+    sizes = (5, 300)
+    ms = [lowbit.quantize(_rand((n,), seed=10 + n, scale=0.01), bits, True) for n in sizes]
+    vs = [lowbit.quantize(_rand((n,), seed=20 + n, scale=1e-4).abs(), bits, False) for n in sizes]
+    masters = [_rand((n,), seed=30 + n) for n in sizes]
+    params = [m.bfloat16() for m in masters] if master else masters
+    return (params, [_rand((n,), seed=40 + n) for n in sizes], [c for c, _ in ms], [sc for _, sc in ms],
+            [c for c, _ in vs], [sc for _, sc in vs], masters if master else [],
+            [torch.tensor(3.0), torch.tensor(4.0)], lowbit.qmap(bits, True), lowbit.qmap(bits, False), bits, 1e-2,
+            None, torch.tensor(0.5), None, 0.9, 0.999, 1e-8, 0.1)
 
 
 CASES = _cases()
@@ -116,7 +134,7 @@ def test_schemas_and_cpu_kernels_are_registered():
     mutable = {name for name in OPS if any(a.is_write for s in [getattr(L, name).default._schema]
                                            for a in [x.alias_info for x in s.arguments] if a is not None)}
     assert mutable == {"pack_bucket", "unpack_bucket", "adamw_step", "quantize_rows", "pack_quantize",
-                       "dequantize_rows", "dequantize_sum"}
+                       "dequantize_rows", "dequantize_sum", "adamw_lowbit_step"}
 
 
 def test_adamw_step_traces_under_torch_compile():

@@ -189,7 +189,7 @@ def _ref_adamw_lowbit_step(params: list[torch.Tensor], grads: list[torch.Tensor]
                            eps: float, weight_decay: float) -> None:
     """The contract's float64 reference (llmpar.ops.lowbit), written back in place; steps are read (already
     incremented), as the CUDA kernel reads them. The maps must be llmpar.ops.lowbit's (the reference uses them)."""
-    from llmpar.ops import lowbit
+    import llmpar.ops.lowbit as lowbit
 
     if found_inf is not None and float(found_inf) != 0:
         return

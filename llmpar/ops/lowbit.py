@@ -287,7 +287,7 @@ def _check_step_lists(params, grads, m_codes, m_scales, v_codes, v_scales, steps
 
 def _kernels():
     try:
-        from llmpar.ops import lowbit_kernels
+        import llmpar.ops.lowbit_kernels as lowbit_kernels
     except ImportError:
         return None
     return getattr(lowbit_kernels, "adamw_lowbit_step", None)
