@@ -25,6 +25,7 @@ import gc
 import importlib
 import multiprocessing as mp
 import os
+import queue
 import signal
 import socket
 import sys
@@ -114,8 +115,8 @@ def _worker(rank: int, world_size: int, port: int, store_path: str, tasks, resul
             with open(os.environ["LLMPAR_POOL_LOG"], "a") as f:
                 f.write(f"{world_size} ranks, rank {rank}: retired after {module}.{qualname} ({_threads()} threads)\n")
         results.put((("cleanup", task_id), rank, "ok", retire))
-        if retire:
-            break
+        # a retiring rank still waits for the parent's close (None): tensors in its result travel as shared
+        # memory that the parent can open only while this process lives
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -227,7 +228,7 @@ class _Pool:
                 break
             try:
                 tid, rank, status, payload = self.results.get(timeout=min(0.5, deadline - now))
-            except Exception:  # queue.Empty
+            except queue.Empty:
                 # a rank that exits right after its last message (a retiring pool) can be found dead while that
                 # message is still in the pipe: it is reported dead only when a further poll brought nothing
                 dead = [r for r, p in enumerate(self.procs) if not p.is_alive() and r not in replies]
