@@ -89,4 +89,12 @@ def identity(path: str) -> str:
     return "deepspeed:" + "|".join(parts)
 
 
-__all__ = ["LAYER_RE", "MODEL_RE", "OPTIM_RE", "Foreign", "detect", "identity", "load_file", "resolve"]
+def loss_scaler(st: dict[str, Any]) -> dict[str, Any]:
+    """The engine's loss-scaler counters from the state of DeepSpeed's scaler (``cur_scale`` in it)."""
+    last = st.get("last_overflow_iter")
+    return {"cur_scale": float(st["cur_scale"]), "cur_iter": int(st.get("cur_iter", 0)),
+            "last_overflow_iter": int(last) if last is not None else -1,
+            "cur_hysteresis": int(st.get("cur_hysteresis", 1)), "dynamic": bool(st.get("dynamic", False))}
+
+
+__all__ = ["LAYER_RE", "MODEL_RE", "OPTIM_RE", "Foreign", "detect", "identity", "load_file", "loss_scaler", "resolve"]

@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from llmpar.checkpoint.ds_files import LAYER_RE, MODEL_RE, OPTIM_RE, Foreign, detect, load_file
+from llmpar.checkpoint.ds_files import LAYER_RE, MODEL_RE, OPTIM_RE, Foreign, detect, load_file, loss_scaler
 from llmpar.checkpoint.files import CheckpointError
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -372,11 +372,7 @@ class RankCheckpoint:
         if isinstance(opt, dict) and "cur_scale" in opt:  # stage 0, fp16 / bf16 optimizer
             st = {**opt, "dynamic": opt.get("dynamic_loss_scale", False)}
         if "cur_scale" in st:
-            last = st.get("last_overflow_iter")
-            out["loss_scaler"] = {"cur_scale": float(st["cur_scale"]), "cur_iter": int(st.get("cur_iter", 0)),
-                                  "last_overflow_iter": int(last) if last is not None else -1,
-                                  "cur_hysteresis": int(st.get("cur_hysteresis", 1)),
-                                  "dynamic": bool(st.get("dynamic", False))}
+            out["loss_scaler"] = loss_scaler(st)
         return out
 
     def param_groups(self) -> list[dict[str, Any]]:

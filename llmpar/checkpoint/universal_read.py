@@ -35,8 +35,8 @@ from typing import Any
 import torch
 
 from llmpar.checkpoint import files
-from llmpar.checkpoint.deepspeed_read import DS_KEYS, MOMENTS
-from llmpar.checkpoint.ds_files import Foreign, load_file
+from llmpar.checkpoint.ds_rank_read import DS_KEYS, MOMENTS
+from llmpar.checkpoint.ds_files import Foreign, load_file, loss_scaler
 from llmpar.checkpoint.ds_load import Source, apply, plan, shown
 from llmpar.checkpoint.files import CheckpointError
 from llmpar.checkpoint.protocol import Checkpointable
@@ -271,11 +271,7 @@ class UniversalCheckpoint:
         scaler = self.optim.get("loss_scaler")
         st = scaler.state if isinstance(scaler, Foreign) else {}
         if "cur_scale" in st:
-            last = st.get("last_overflow_iter")
-            out["loss_scaler"] = {"cur_scale": float(st["cur_scale"]), "cur_iter": int(st.get("cur_iter", 0)),
-                                  "last_overflow_iter": int(last) if last is not None else -1,
-                                  "cur_hysteresis": int(st.get("cur_hysteresis", 1)),
-                                  "dynamic": bool(st.get("dynamic", False))}
+            out["loss_scaler"] = loss_scaler(st)
         return out
 
     def param_groups(self) -> list[dict[str, Any]]:

@@ -137,6 +137,14 @@ def _kernel_unfit(params, grads, exp_avgs, exp_avg_sqs, extras, steps, lr, gscal
     return None
 
 
+def step_salts(salts: Sequence[int] | None, n: int) -> list[int]:
+    """The stochastic-rounding salt of each of ``n`` tensors: ``salts`` as ints, or 0 .. n-1."""
+    out = list(range(n)) if salts is None else [int(s) for s in salts]
+    if len(out) != n:
+        raise ValueError(f"salts has {len(out)} entries but params has {n}")
+    return out
+
+
 def adamw_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor],
                exp_avg_sqs: Sequence[torch.Tensor], steps: Sequence[torch.Tensor], *, precision: str,
                lr: float | torch.Tensor, beta1: float, beta2: float, eps: float, weight_decay: float,
@@ -159,9 +167,7 @@ def adamw_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], ex
         raise ValueError(f"betas ({beta1}, {beta2}) must lie in [0, 1)")
     if not params:
         return
-    salts = list(range(len(params))) if salts is None else [int(s) for s in salts]
-    if len(salts) != len(params):
-        raise ValueError(f"salts has {len(salts)} entries but params has {len(params)}")
+    salts = step_salts(salts, len(params))
     unfit = _kernel_unfit(params, grads, exp_avgs, exp_avg_sqs, extras, steps, lr, gscale, found_inf)
     backend = select_backend(params[0].device, kernel_unfit=unfit, op="adamw_step")
     live = [i for i, p in enumerate(params) if p.numel() > 0]

@@ -58,6 +58,7 @@ from typing import NamedTuple
 
 import torch
 
+from llmpar.ops.adamw import step_salts
 from llmpar.ops.lowbit_maps import BITS, BLOCK, check_bits, dynamic_map, midpoints, qmap
 
 _PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # with masters (the kernels: bf16)
@@ -316,9 +317,7 @@ def adamw_lowbit_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tens
         raise ValueError(f"betas ({beta1}, {beta2}) must lie in [0, 1)")
     if not params:
         return
-    salts = list(range(len(params))) if salts is None else [int(s) for s in salts]
-    if len(salts) != len(params):
-        raise ValueError(f"salts has {len(salts)} entries but params has {len(params)}")
+    salts = step_salts(salts, len(params))
     with torch.no_grad():
         kernel = _kernels() if seed is None else None
         device = params[0].device
