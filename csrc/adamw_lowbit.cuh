@@ -4,8 +4,8 @@
 //   a float32 absmax scale, float32 maps of 2^bits entries (m signed, v unsigned), passed in as data.
 //   Per element, float32, t = the tensor's step (already incremented), bcK = 1 - betaK^t = -expm1(t ln betaK):
 //     g = G(grad) * gscale;  m = qm[code] * scale;  v = qv[code] * scale;  p = p (1 - lr wd)
-//     m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g g;  p = p - lr / bc1 * (m / (sqrt(v) / sqrt(bc2) + eps))
-//   then per block s = max |x|, y = x / s (y = 0 where s = 0), code = the number of midpoints
+//     m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g g;  p = p - lr / bc1 * (m / (sqrt(v) * (1 / sqrt(bc2)) + eps))
+//   then per block s = max |x|, y = x * (1 / s) (y = 0 where s = 0), code = the number of midpoints
 //   mid[k] = (q[k] + q[k + 1]) / 2 (float32) with mid[k] < y. p: the float32 param, or the float32 master with the
 //   bf16 param rounded from it (to nearest even) in the same pass.
 // A nonzero *found_inf skips the step. lr_ptr / gscale / found_inf may be null.

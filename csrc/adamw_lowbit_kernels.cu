@@ -1,6 +1,6 @@
 // AdamW with 8- / 4-bit block-quantized moments (see adamw_lowbit.cuh for the math, the table and the layout);
 // kernels/adamw_lowbit.py is the Triton twin. Compiles with nvcc alone: no torch headers. No fast math: the division
-// y = x / s, sqrtf and expm1f stay IEEE (the codes must match the contract's float32 math).
+// 1 / s, sqrtf and expm1f stay IEEE (the codes must match the contract's float32 math).
 #include "adamw_lowbit.cuh"
 
 #include <cuda_bf16.h>
@@ -92,7 +92,7 @@ lowbit_kernel(const int64_t* __restrict__ table, int64_t n, int64_t num_blocks, 
     const float step = *reinterpret_cast<const float*>(table[8 * n + t]);
     const int64_t numel = table[9 * n + t];
     const float step_size = lr / one_minus_pow(a.ln_beta1, step);
-    const float bc2_sqrt = sqrtf(one_minus_pow(a.ln_beta2, step));
+    const float bc2_rsqrt = 1.0f / sqrtf(one_minus_pow(a.ln_beta2, step));
     const int64_t e = blk * B + threadIdx.x;
     const bool valid = e < numel;
     float m = 0.0f, v = 0.0f;
@@ -103,7 +103,7 @@ lowbit_kernel(const int64_t* __restrict__ table, int64_t n, int64_t num_blocks, 
       float p = (MASTER ? master[e] : param[e]) * decay;
       m = a.beta1 * m + a.one_minus_beta1 * g;
       v = a.beta2 * v + a.one_minus_beta2 * (g * g);
-      p = p - step_size * (m / (sqrtf(v) / bc2_sqrt + a.eps));
+      p = p - step_size * (m / (sqrtf(v) * bc2_rsqrt + a.eps));
       if constexpr (MASTER) {
         master[e] = p;
         pbf[e] = __float2bfloat16_rn(p);
@@ -114,8 +114,8 @@ lowbit_kernel(const int64_t* __restrict__ table, int64_t n, int64_t num_blocks, 
     const float sm = block_max(fabsf(m), red[0]);
     const float sv = block_max(fabsf(v), red[1]);
     // (every code read of this block happened before the reductions' barrier: the writes below cannot race them)
-    const int cm = search<BITS>(mid_m, m / (sm == 0.0f ? 1.0f : sm));  // s == 0: y = 0, the entry nearest 0
-    const int cv = search<BITS>(mid_v, v / (sv == 0.0f ? 1.0f : sv));
+    const int cm = search<BITS>(mid_m, m * (1.0f / (sm == 0.0f ? 1.0f : sm)));  // s == 0: y = 0, the entry nearest 0
+    const int cv = search<BITS>(mid_v, v * (1.0f / (sv == 0.0f ? 1.0f : sv)));
     put_code<BITS>(m_codes, e, cm, valid);
     put_code<BITS>(v_codes, e, cv, valid);
     if (threadIdx.x == 0) {

@@ -5,8 +5,8 @@ The contract (llmpar/ops/lowbit.py): per block of B elements (8 bits: 256, 4 bit
 entries (m signed, v unsigned) passed as tensors. Per element, in float32, t = the tensor's step (already incremented):
     g = float(grad) * gscale;  m = qmap_m[code] * scale;  v = qmap_v[code] * scale;  p = p * (1 - lr * wd)
     m = beta1 m + (1 - beta1) g;  v = beta2 v + (1 - beta2) g g
-    p = p - lr / bc1 * (m / (sqrt(v) / sqrt(bc2) + eps)),   bcK = 1 - betaK**t
-then per block s = max |m| (|v|), y = m / s (y = 0 where s = 0) and code = the number of midpoints < y (midpoints
+    p = p - lr / bc1 * (m / (sqrt(v) * (1 / sqrt(bc2)) + eps)),   bcK = 1 - betaK**t
+then per block s = max |m| (|v|), y = m * (1 / s) (y = 0 where s = 0) and code = the number of midpoints < y (midpoints
 mid[k] = (q[k] + q[k+1]) / 2 in float32, given as a tensor): for 4 bits an unrolled compare over the 15 midpoints, for 8
 bits a binary search of 8 steps over the 255. p is the float32 param, or the float32 master with the bf16 param rounded
 from it (to nearest even, on the bits: the interpreter's own cast truncates) in the same pass. A nonzero found_inf
@@ -97,7 +97,7 @@ if HAS_TRITON:
         else:
             lr = lr_value
         step_size = lr / _one_minus_pow(ln_beta1, step)
-        bc2_sqrt = tl.sqrt(_one_minus_pow(ln_beta2, step))
+        bc2_rsqrt = 1.0 / tl.sqrt(_one_minus_pow(ln_beta2, step))
 
         g = tl.load(g_ptr + idx, mask=mask, other=0.0).to(tl.float32)
         if HAS_GSCALE:
@@ -113,7 +113,7 @@ if HAS_TRITON:
         p = p * (1.0 - lr * weight_decay)
         m = beta1 * m + one_minus_beta1 * g
         v = beta2 * v + one_minus_beta2 * (g * g)
-        p = p - step_size * (m / (tl.sqrt(v) / bc2_sqrt + eps))
+        p = p - step_size * (m / (tl.sqrt(v) * bc2_rsqrt + eps))
         if MASTER:
             tl.store(x_ptr + idx, p, mask=mask)
             tl.store(p_ptr + idx, _bf16_bits(p, 0, True).to(tl.bfloat16), mask=mask)
@@ -122,8 +122,8 @@ if HAS_TRITON:
 
         m_abs = tl.max(tl.where(mask, tl.abs(m), 0.0), axis=0)
         v_abs = tl.max(tl.where(mask, tl.abs(v), 0.0), axis=0)
-        y_m = m / tl.where(m_abs == 0.0, 1.0, m_abs)  # s == 0: m == 0, y = 0, the code of the entry nearest 0
-        y_v = v / tl.where(v_abs == 0.0, 1.0, v_abs)
+        y_m = m * (1.0 / tl.where(m_abs == 0.0, 1.0, m_abs))  # s == 0: m == 0, y = 0, the code of the entry nearest 0
+        y_v = v * (1.0 / tl.where(v_abs == 0.0, 1.0, v_abs))
         _store_codes(mc_ptr, blk, lane, idx, mask, _search(midm_ptr, y_m, BITS), BITS, B)
         _store_codes(vc_ptr, blk, lane, idx, mask, _search(midv_ptr, y_v, BITS), BITS, B)
         tl.store(ms_ptr + blk, m_abs, mask=live)

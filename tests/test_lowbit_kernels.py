@@ -173,14 +173,15 @@ def test_cpu_matches_reference(cpu_kernel, bits, master):
 def test_cpu_isas_same_bits(cpu_kernel, monkeypatch, bits):
     st = make_state(sizes(bits), bits, master=True, seed=5)
     outs = []
-    for isa in ("scalar", "avx512"):
+    for isa in ("scalar", "avx512", "avx512vbmi"):  # (a CPU without one runs the next narrower: the same bits)
         monkeypatch.setenv("LLMPAR_CPU_ISA", isa)
         s = clone_state(st)
         run(lk.cpu_step, s, bits, gscale=0.5)
         outs.append(s)
     for k in outs[0]:
-        for a, b in zip(outs[0][k], outs[1][k]):
-            assert torch.equal(a, b), f"{k}: scalar and AVX-512 builds differ"
+        for o, isa in zip(outs[1:], ("AVX-512", "AVX-512 + VBMI")):
+            for a, b in zip(outs[0][k], o[k]):
+                assert torch.equal(a, b), f"{k}: scalar and {isa} builds differ"
 
 
 @pytest.mark.skipif(INTERPRET, reason="runs in the main process")

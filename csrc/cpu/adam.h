@@ -33,7 +33,7 @@
 namespace llmpar_cpu {
 
 enum OutKind : int { kOutNone = 0, kOutF32 = 1, kOutBF16 = 2, kOutF16 = 3 };
-enum Isa : int { kIsaScalar = 0, kIsaAvx2 = 1, kIsaAvx512 = 2 };
+enum Isa : int { kIsaScalar = 0, kIsaAvx2 = 1, kIsaAvx512 = 2, kIsaAvx512Vbmi = 3 };  // (fp32 kernel: 3 runs 2)
 
 // Hyper-parameters of one tensor, rounded once to float32 from double (as torch does).
 struct AdamHyper {

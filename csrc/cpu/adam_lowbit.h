@@ -7,8 +7,8 @@
 // its increment:
 //   g = grad * gscale;  m = deq(m);  v = deq(v);  p = p * decay  (decay = 1 - lr * wd)
 //   m = beta1 m + (1 - beta1) g;  v = beta2 v + (1 - beta2) (g g)
-//   p = p - step_size * (m / (sqrt(v) / bc2_sqrt + eps))   (step_size = lr / (1 - beta1^t), bc2_sqrt = sqrt(1 - beta2^t))
-// then per block s = max |x| of the new m (v); s == 0: every code is zero_code; else y = x / s (a float32 division)
+//   p = p - step_size * (m / (sqrt(v) * bc2_rsqrt + eps))   (step_size = lr / (1 - beta1^t), bc2_rsqrt = 1 / sqrt(1 - beta2^t))
+// then per block s = max |x| of the new m (v); s == 0: every code is zero_code; else y = x * r, r = 1 / s (one float32 division per block)
 // and code = the number of midpoints mid[k] = (q[k] + q[k + 1]) / 2 with mid[k] < y (ties to the lower code).
 // p is the float32 param or master; out (if not null) receives p as bfloat16, round to nearest even, in the same pass.
 #pragma once
@@ -30,11 +30,12 @@ struct alignas(64) LowbitMap {
   float level[8][128];
   float group[7][32];            // 8 bits: group[r][j] = mid[8j + r], the midpoints inside group j of 8 codes
   int zero_code;                 // the code of y = 0: the entry nearest 0, ties to the lower code
+  alignas(64) uint8_t plane[4][kLowbitMaxCodes];  // plane[k][j] = byte k of q[j]'s float32 bits (little-endian; the VBMI lookup)
 };
 
 // Hyper-parameters of one tensor, rounded once to float32 from double.
 struct LowbitHyper {
-  float decay, beta1, one_minus_beta1, beta2, one_minus_beta2, step_size, bc2_sqrt, eps, gscale;
+  float decay, beta1, one_minus_beta1, beta2, one_minus_beta2, step_size, bc2_rsqrt, eps, gscale;
 };
 
 // Blocks [block_begin, block_end) of one tensor of n elements (pointers to the tensor's first element).
@@ -61,6 +62,8 @@ void lowbit_prepare_map(const float* q, int bits, LowbitMap* out);
 void adam_lowbit_scalar(const LowbitRange& r, const LowbitHyper& h, const LowbitMap& m, const LowbitMap& v, int bits);
 #if defined(__x86_64__)
 void adam_lowbit_avx512(const LowbitRange& r, const LowbitHyper& h, const LowbitMap& m, const LowbitMap& v, int bits);
+void adam_lowbit_avx512_vbmi(const LowbitRange& r, const LowbitHyper& h, const LowbitMap& m, const LowbitMap& v,
+                             int bits);
 #endif
 
 }  // namespace llmpar_cpu

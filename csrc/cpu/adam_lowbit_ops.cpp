@@ -4,7 +4,7 @@
 //
 // The work: the blocks of all tensors as one index space, split by at::parallel_for into contiguous pieces of whole
 // blocks; each piece runs the ISA kernel picked once per call (AVX-512 where the CPU has it and `isa` allows, else
-// scalar; AVX2 machines run the scalar build).
+// scalar; AVX2 machines run the scalar build; AVX-512 with VBMI runs adam_lowbit_avx512_vbmi.cpp).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -25,26 +25,34 @@ using llmpar_cpu::LowbitRangeFn;
 
 constexpr int64_t kGrainBlocks = 128;  // fewer blocks than this run on the calling thread
 
-bool has_avx512() {
+// the widest ISA code this CPU runs: 3 (AVX-512 F / BW / VL / DQ + VBMI), 2 (without VBMI), or 0
+int lowbit_isa() {
 #if defined(__x86_64__)
-  static const bool yes = [] {
+  static const int isa = [] {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+    if (!(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))) {
+      return static_cast<int>(llmpar_cpu::kIsaScalar);
+    }
+    return static_cast<int>(__builtin_cpu_supports("avx512vbmi") ? llmpar_cpu::kIsaAvx512Vbmi
+                                                                   : llmpar_cpu::kIsaAvx512);
   }();
-  return yes;
+  return isa;
 #else
-  return false;
+  return llmpar_cpu::kIsaScalar;
 #endif
 }
 
 LowbitRangeFn kernel_for(int64_t isa) {
-  TORCH_CHECK_VALUE(isa >= 0 && isa <= 2, "cpu_adamw_lowbit_step: isa=", isa,
-                    " is not an ISA code (0 scalar, 1 AVX2, 2 AVX-512)");
+  TORCH_CHECK_VALUE(isa >= 0 && isa <= 3, "cpu_adamw_lowbit_step: isa=", isa,
+                    " is not an ISA code (0 scalar, 1 AVX2, 2 AVX-512, 3 AVX-512 + VBMI)");
+  switch (std::min<int>(static_cast<int>(isa), lowbit_isa())) {
 #if defined(__x86_64__)
-  if (isa >= llmpar_cpu::kIsaAvx512 && has_avx512()) return &llmpar_cpu::adam_lowbit_avx512;
+    case llmpar_cpu::kIsaAvx512Vbmi: return &llmpar_cpu::adam_lowbit_avx512_vbmi;
+    case llmpar_cpu::kIsaAvx512: return &llmpar_cpu::adam_lowbit_avx512;
 #endif
-  return &llmpar_cpu::adam_lowbit_scalar;
+    default: return &llmpar_cpu::adam_lowbit_scalar;
+  }
 }
 
 void check(const at::Tensor& t, const char* name, size_t i, at::ScalarType dtype, int64_t numel) {
@@ -101,7 +109,7 @@ void cpu_adamw_lowbit_step(at::TensorList params, at::TensorList grads, at::Tens
     h.beta2 = static_cast<float>(beta2);
     h.one_minus_beta2 = static_cast<float>(1.0 - beta2);
     h.step_size = static_cast<float>(lr / -std::expm1(t * std::log(beta1)));
-    h.bc2_sqrt = static_cast<float>(std::sqrt(-std::expm1(t * std::log(beta2))));
+    h.bc2_rsqrt = static_cast<float>(1.0 / std::sqrt(-std::expm1(t * std::log(beta2))));
     h.eps = static_cast<float>(eps);
     h.gscale = static_cast<float>(gscale);
     first[i + 1] = first[i] + nb;

@@ -41,8 +41,9 @@ int search_any(const llmpar_cpu::LowbitMap& map, int bits, float y) {
 
 template <int BITS>
 void quantize_block(const float* x, int k, float s, const llmpar_cpu::LowbitMap& map, uint8_t* codes, int64_t i0) {
+  const float r = 1.0f / s;
   for (int i = 0; i < k; ++i) {
-    const int c = s == 0.0f ? map.zero_code : search<BITS>(map, x[i] / s);
+    const int c = s == 0.0f ? map.zero_code : search<BITS>(map, x[i] * r);
     if constexpr (BITS == 8) {
       codes[i0 + i] = static_cast<uint8_t>(c);
     } else {
@@ -71,7 +72,7 @@ void run(const llmpar_cpu::LowbitRange& r, const llmpar_cpu::LowbitHyper& h, con
       float p = r.param[e] * h.decay;
       m = h.beta1 * m + h.one_minus_beta1 * g;
       v = h.beta2 * v + h.one_minus_beta2 * (g * g);
-      const float denom = std::sqrt(v) / h.bc2_sqrt + h.eps;
+      const float denom = std::sqrt(v) * h.bc2_rsqrt + h.eps;
       p = p - h.step_size * (m / denom);
       r.param[e] = p;
       if (r.out != nullptr) r.out[e] = bf16_bits(p);
@@ -94,6 +95,11 @@ void llmpar_cpu::lowbit_prepare_map(const float* q, int bits, LowbitMap* out) {
   const int n = 1 << bits;
   std::copy(q, q + n, out->q);
   for (int k = 0; k + 1 < n; ++k) out->mid[k] = (q[k] + q[k + 1]) / 2.0f;
+  for (int j = 0; j < n; ++j) {
+    uint32_t u;
+    std::memcpy(&u, &q[j], sizeof(u));
+    for (int k = 0; k < 4; ++k) out->plane[k][j] = static_cast<uint8_t>(u >> (8 * k));
+  }
   for (int l = 0; l < bits; ++l) {
     const int s = 1 << (bits - 1 - l);
     for (int j = 0; j < (1 << l); ++j) out->level[l][j] = out->mid[j * 2 * s + s - 1];

@@ -48,8 +48,8 @@ int cpu_isa() {
 }
 
 AdamRangeFn kernel_for(int64_t isa) {
-  TORCH_CHECK_VALUE(isa >= 0 && isa <= 2, "cpu_adamw_step: isa=", isa,
-                    " is not an ISA code (0 scalar, 1 AVX2, 2 AVX-512)");
+  TORCH_CHECK_VALUE(isa >= 0 && isa <= 3, "cpu_adamw_step: isa=", isa,
+                    " is not an ISA code (0 scalar, 1 AVX2, 2 AVX-512, 3 AVX-512 + VBMI)");
   switch (std::min<int>(static_cast<int>(isa), cpu_isa())) {
 #if defined(__x86_64__)
     case llmpar_cpu::kIsaAvx512: return &llmpar_cpu::adam_range_avx512;

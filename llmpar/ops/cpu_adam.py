@@ -29,7 +29,8 @@ import llmpar.ops._cpu_ext as _cpu_ext
 from llmpar.ops._dispatch import forced_backend
 from llmpar.ops.adamw import _torch_fp32
 
-ISAS = ("scalar", "avx2", "avx512")  # position = the op's ``isa`` code: the widest instruction set it may use
+ISAS = ("scalar", "avx2", "avx512", "avx512vbmi")  # position = the ops' ``isa`` code: the widest ISA they may use
+# (avx512vbmi: the low-bit kernel's 8-bit dequantize by byte lookups; the fp32 kernel runs its AVX-512 build there)
 ISA_ENV = "LLMPAR_CPU_ISA"
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -12,14 +12,16 @@ b in {8, 4} and block size B = ``BLOCK[b]`` (256 for 8 bits, 128 for 4 bits):
             (``qmap(b, signed=False)``). The maps are data, passed to every kernel; no kernel hard-codes them.
 Dequantize: x[i] = qmap[code[i]] * scale[i // B].
 Quantize a block x[0..B): s = max |x| (float32). If s == 0 every code is that of the map's entry nearest 0. Else
-y = x / s (a float32 division) and code = the number of midpoints mid[k] = (qmap[k] + qmap[k+1]) / 2 (in float32,
+y = x * r with r = 1 / s (one float32 division per block, then a multiply per element: the vector kernels
+would spend as much on a division per element as on the rest of the quantization) and code = the number of midpoints mid[k] = (qmap[k] + qmap[k+1]) / 2 (in float32,
 k = 0 .. 2^b - 2) with mid[k] < y strictly: round to nearest entry, ties to the lower code. (With y = 0 this count is
 already the code of the entry nearest 0, so s == 0 needs no special case beyond y = 0.)
 The step, per element in float32, t = the step count after this step's increment; skipped entirely (params, codes,
 scales, step counts unchanged) when found_inf is nonzero:
     g = grad * gscale;  m = deq(m);  v = deq(v);  p = p * (1 - lr * wd)
     m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2
-    p = p - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+    p = p - lr / (1 - b1^t) * m / (sqrt(v) * c + eps),  c = 1 / sqrt(1 - b2^t) rounded to float32 once per tensor
+(a multiply where torch's AdamW divides: a vector CPU core has one divider, and the step already needs it twice)
 then m and v are re-quantized with their new block absmax. Params are float32, or bf16 with a float32 master
 (the bf16 param is the master rounded to nearest even, written in the same pass).
 Kernels match this module: params within float32 rounding; codes equal except where y falls within a float32 ulp of
@@ -36,7 +38,7 @@ from widening other blocks. Signed: 127 magnitudes per sign (1 + 2 + ... + 64 fr
 entries in bitsandbytes, whose map lacks -1 (a block whose absmax element is negative stores it as -0.99297 s).
 Here the smallest negative magnitude (-5.5e-7, the one-bin decade) is traded for -1, so that every block's absmax
 element dequantizes to exactly +-s. That makes dequantize -> quantize the identity on (codes, scales) for normal
-floats (the scale is found again exactly, and every other y = fl(q s) / s lies within an ulp of its entry, far from
+floats (the scale is found again exactly, and every other y = fl(fl(q s) r) lies within two ulps of its entry, far from
 any midpoint), which is what lets checkpoints store plain float32 moments and reload them bitwise. Unsigned: 254
 positive magnitudes (the sign bit becomes one more fraction bit), 0 and 1.
 4 bits: Li et al. 2023 ("Memory Efficient Optimizers with 4-bit States"), as torchao's AdamW4bit uses them with block
@@ -125,7 +127,8 @@ def quantize(x: torch.Tensor, bits: int, signed: bool, *, qmap_: torch.Tensor | 
         flat = torch.cat([flat, flat.new_zeros(nb * block - n)])
     xb = flat.view(nb, block)
     scale = xb.abs().amax(dim=1) if n else flat.new_zeros(0)
-    y = xb / torch.where(scale == 0, torch.ones_like(scale), scale)[:, None]  # s == 0: x == 0, y = 0
+    r = torch.where(scale == 0, torch.ones_like(scale), scale).reciprocal()  # s == 0: x == 0, y = 0
+    y = xb * r[:, None]
     if generator is None:
         codes = torch.searchsorted(midpoints(q), y, side="left")
     else:
@@ -345,7 +348,7 @@ def adamw_lowbit_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tens
             w.mul_(1.0 - lr_f * weight_decay)
             m.mul_(beta1).add_(g, alpha=1.0 - beta1)
             v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
-            denom = v.sqrt().div_(math.sqrt(1.0 - beta2 ** t)).add_(eps)
+            denom = v.sqrt().mul_(1.0 / math.sqrt(1.0 - beta2 ** t)).add_(eps)
             w.addcdiv_(m, denom, value=-lr_f / (1.0 - beta1 ** t))
             if masters is not None:
                 p.view(-1).copy_(w)

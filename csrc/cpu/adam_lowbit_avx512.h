@@ -1,0 +1,265 @@
+// The AVX-512 low-bit AdamW kernel (adam_lowbit.h) as templates, included by adam_lowbit_avx512.cpp and
+// adam_lowbit_avx512_vbmi.cpp after each has opened its target pragma; the second defines LLMPAR_LOWBIT_VBMI, which
+// turns on the 8-bit dequantize by byte lookups (AVX512-VBMI: Ice Lake, Zen 4 and later).
+//
+// One block at a time: dequantize, update, write p (and its bfloat16 copy), keep the block's new m / v in L1 with
+// their absmax; then quantize them by a binary search whose level tables live in registers (4 bits: 4 levels; 8 bits:
+// 5 levels find the group of 8 codes, then its 7 inner midpoints are compared independently, a shorter dependency
+// chain than 3 more levels). Lookups are register permutes, not gathers (a 16-lane gather costs ~20 cycles on the
+// team's Sapphire Rapids and Zen 4 machines). Dequantize: 4 bits, one permutexvar of the 16 entries; 8 bits, without
+// VBMI 8 permutex2var of 32 entries blended by the code's bits 5-7 (18 instructions per 16 codes); with VBMI, the
+// 4 bytes of the entries looked up for 64 codes at once (2 vpermi2b of 128 entries per byte, blended by the top bit)
+// and interleaved back into floats (23 instructions per 64 codes). Same IEEE operations as adam_lowbit_scalar.cpp
+// (no contraction), so the same bits. The next blocks' params, grads and codes are prefetched (4 blocks ahead). A block
+// cut short by the tensor's end runs on a padded copy, its absmax masked to the valid lanes.
+#pragma once
+
+#include <algorithm>
+#include <cstring>
+
+#include "adam_lowbit.h"
+
+namespace {
+
+using llmpar_cpu::LowbitMap;
+
+// level l's table (2^l entries) looked up at j (int lanes, 0 <= j < 2^l)
+template <int L>
+inline __m512 lookup(const float* t, __m512i j) {
+  if constexpr (L <= 4) {
+    return _mm512_permutexvar_ps(j, _mm512_load_ps(t));
+  } else if constexpr (L == 5) {
+    return _mm512_permutex2var_ps(_mm512_load_ps(t), j, _mm512_load_ps(t + 16));
+  } else {  // 64 or 128 entries: 32-entry lookups, blended by bit 5 (and bit 6) of j
+    const __mmask16 b5 = _mm512_test_epi32_mask(j, _mm512_set1_epi32(32));
+    const __m512 lo = _mm512_mask_blend_ps(b5, lookup<5>(t, j), lookup<5>(t + 32, j));
+    if constexpr (L == 6) {
+      return lo;
+    } else {
+      const __m512 hi = _mm512_mask_blend_ps(b5, lookup<5>(t + 64, j), lookup<5>(t + 96, j));
+      return _mm512_mask_blend_ps(_mm512_test_epi32_mask(j, _mm512_set1_epi32(64)), lo, hi);
+    }
+  }
+}
+
+// the number of midpoints < y: j = the code's top L bits, one bit more per level
+template <int BITS, int L = 0>
+inline __m512i search(const LowbitMap& map, __m512 y, __m512i j) {
+  if constexpr (L == BITS) {
+    return j;
+  } else if constexpr (BITS == 8 && L == 5) {  // j: the group of 8 codes; its 7 inner midpoints, independently
+    __m512i code = _mm512_slli_epi32(j, 3);
+    for (int r = 0; r < 7; ++r) {
+      const __mmask16 lt = _mm512_cmp_ps_mask(lookup<5>(map.group[r], j), y, _CMP_LT_OQ);
+      code = _mm512_mask_add_epi32(code, lt, code, _mm512_set1_epi32(1));
+    }
+    return code;
+  } else {
+    const __mmask16 lt = _mm512_cmp_ps_mask(lookup<L>(map.level[L], j), y, _CMP_LT_OQ);
+    j = _mm512_add_epi32(j, j);
+    j = _mm512_mask_add_epi32(j, lt, j, _mm512_set1_epi32(1));
+    return search<BITS, L + 1>(map, y, j);
+  }
+}
+
+template <int BITS>
+inline __m512i load_codes(const uint8_t* codes, int v) {  // 16 codes of vector v of the block, as int lanes
+  if constexpr (BITS == 8) {
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * v)));
+  } else {
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 8 * v));
+    const __m512i twice = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(bytes, bytes));  // byte i in lanes 2i, 2i + 1
+    const __m512i shift = _mm512_set_epi32(4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0);
+    return _mm512_and_si512(_mm512_srlv_epi32(twice, shift), _mm512_set1_epi32(0xF));
+  }
+}
+
+template <int BITS>
+inline void store_codes(uint8_t* codes, int v, __m512i c) {
+  const __m128i bytes = _mm512_cvtepi32_epi8(c);
+  if constexpr (BITS == 8) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + 16 * v), bytes);
+  } else {  // u16 lane i = c[2i] | c[2i + 1] << 8  ->  c[2i] | c[2i + 1] << 4
+    const __m128i lo = _mm_and_si128(bytes, _mm_set1_epi16(0x000F));
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi16(0x00F0));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + 8 * v), _mm_packus_epi16(_mm_or_si128(lo, hi), lo));
+  }
+}
+
+#if defined(LLMPAR_LOWBIT_VBMI)
+// 64 codes -> out[0..4): q[code] as 4 vectors of 16, in order. Byte k of every entry is looked up for all 64 codes
+// (plane[k]: 256 bytes; vpermi2b over entries 0-127 and 128-255, blended by the code's top bit); unpacks interleave
+// the 4 byte planes into floats within each 128-bit lane, so the codes are first permuted into the order that makes
+// those lanes come out in place: code position 16 L + 4 g + i holds code 16 g + 4 L + i (out[g], lane L, float i).
+inline void dequant64(const LowbitMap& map, const uint8_t* codes, __m512* out) {
+  alignas(64) static const uint8_t order[64] = {
+      0, 1, 2, 3, 16, 17, 18, 19, 32, 33, 34, 35, 48, 49, 50, 51, 4, 5, 6, 7, 20, 21, 22, 23, 36, 37, 38, 39,
+      52, 53, 54, 55, 8, 9, 10, 11, 24, 25, 26, 27, 40, 41, 42, 43, 56, 57, 58, 59, 12, 13, 14, 15, 28, 29, 30, 31,
+      44, 45, 46, 47, 60, 61, 62, 63};
+  const __m512i c = _mm512_permutexvar_epi8(_mm512_load_si512(order), _mm512_loadu_si512(codes));
+  const __mmask64 top = _mm512_movepi8_mask(c);
+  __m512i b[4];
+  for (int k = 0; k < 4; ++k) {
+    const uint8_t* t = map.plane[k];
+    const __m512i lo = _mm512_permutex2var_epi8(_mm512_load_si512(t), c, _mm512_load_si512(t + 64));
+    const __m512i hi = _mm512_permutex2var_epi8(_mm512_load_si512(t + 128), c, _mm512_load_si512(t + 192));
+    b[k] = _mm512_mask_blend_epi8(top, lo, hi);
+  }
+  const __m512i w01l = _mm512_unpacklo_epi8(b[0], b[1]), w01h = _mm512_unpackhi_epi8(b[0], b[1]);
+  const __m512i w23l = _mm512_unpacklo_epi8(b[2], b[3]), w23h = _mm512_unpackhi_epi8(b[2], b[3]);
+  out[0] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(w01l, w23l));
+  out[1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(w01l, w23l));
+  out[2] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(w01h, w23h));
+  out[3] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(w01h, w23h));
+}
+constexpr bool kVbmi = true;
+#else
+inline void dequant64(const LowbitMap&, const uint8_t*, __m512*) {}
+constexpr bool kVbmi = false;
+#endif
+
+template <int BITS>
+inline __m512 dequant(const LowbitMap& map, __m512i code) {
+  if constexpr (BITS == 8) {  // 8 lookups of 32 entries, blended by bits 5, 6, 7 of the code
+    const __mmask16 b5 = _mm512_test_epi32_mask(code, _mm512_set1_epi32(32));
+    const __mmask16 b6 = _mm512_test_epi32_mask(code, _mm512_set1_epi32(64));
+    const __m512 a = _mm512_mask_blend_ps(b6, _mm512_mask_blend_ps(b5, lookup<5>(map.q, code), lookup<5>(map.q + 32, code)),
+                                          _mm512_mask_blend_ps(b5, lookup<5>(map.q + 64, code), lookup<5>(map.q + 96, code)));
+    const __m512 b = _mm512_mask_blend_ps(b6, _mm512_mask_blend_ps(b5, lookup<5>(map.q + 128, code), lookup<5>(map.q + 160, code)),
+                                          _mm512_mask_blend_ps(b5, lookup<5>(map.q + 192, code), lookup<5>(map.q + 224, code)));
+    return _mm512_mask_blend_ps(_mm512_test_epi32_mask(code, _mm512_set1_epi32(128)), a, b);
+  } else {
+    return _mm512_permutexvar_ps(code, _mm512_load_ps(map.q));
+  }
+}
+
+inline void store_bf16(uint16_t* p, __m512 x) {  // round to nearest even on the bits; NaN: quiet
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i hi = _mm512_srli_epi32(u, 16);
+  const __m512i bias = _mm512_add_epi32(_mm512_and_si512(hi, _mm512_set1_epi32(1)), _mm512_set1_epi32(0x7FFF));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  const __m512i r = _mm512_mask_blend_epi32(nan, rounded, _mm512_or_si512(hi, _mm512_set1_epi32(0x40)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+}
+
+struct Consts {
+  __m512 decay, b1, w1, b2, w2, step, bc2, eps, gscale;
+  explicit Consts(const llmpar_cpu::LowbitHyper& h)
+      : decay(_mm512_set1_ps(h.decay)), b1(_mm512_set1_ps(h.beta1)), w1(_mm512_set1_ps(h.one_minus_beta1)),
+        b2(_mm512_set1_ps(h.beta2)), w2(_mm512_set1_ps(h.one_minus_beta2)), step(_mm512_set1_ps(h.step_size)),
+        bc2(_mm512_set1_ps(h.bc2_rsqrt)), eps(_mm512_set1_ps(h.eps)), gscale(_mm512_set1_ps(h.gscale)) {}
+};
+
+// One block of B elements at p / g / mc / vc / out (k of them valid, the rest padding); scales in *ms / *vs.
+template <int BITS>
+inline void block(const Consts& c, const LowbitMap& mm, const LowbitMap& vm, float* p, const float* g, uint8_t* mc,
+                  float* ms, uint8_t* vc, float* vs, uint16_t* out, int k) {
+  constexpr int B = llmpar_cpu::lowbit_block(BITS);
+  constexpr int NV = B / 16;
+  alignas(64) float mb[B];
+  alignas(64) float vb[B];
+  const __m512 msv = _mm512_set1_ps(*ms), vsv = _mm512_set1_ps(*vs);
+  const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+  __m512 mabs = _mm512_setzero_ps(), vabs = _mm512_setzero_ps();
+  for (int v0 = 0; v0 < NV; v0 += 4) {
+    __m512 qm[4], qv[4];
+    if constexpr (BITS == 8 && kVbmi) {
+      dequant64(mm, mc + 16 * v0, qm);
+      dequant64(vm, vc + 16 * v0, qv);
+    } else {
+      for (int u = 0; u < 4; ++u) {
+        qm[u] = dequant<BITS>(mm, load_codes<BITS>(mc, v0 + u));
+        qv[u] = dequant<BITS>(vm, load_codes<BITS>(vc, v0 + u));
+      }
+    }
+    for (int u = 0; u < 4; ++u) {
+      const int v = v0 + u;
+      const __m512 gv = _mm512_mul_ps(_mm512_loadu_ps(g + 16 * v), c.gscale);
+      __m512 m = _mm512_mul_ps(qm[u], msv);
+      __m512 s = _mm512_mul_ps(qv[u], vsv);
+      __m512 pv = _mm512_mul_ps(_mm512_loadu_ps(p + 16 * v), c.decay);
+      m = _mm512_add_ps(_mm512_mul_ps(c.b1, m), _mm512_mul_ps(c.w1, gv));
+      s = _mm512_add_ps(_mm512_mul_ps(c.b2, s), _mm512_mul_ps(c.w2, _mm512_mul_ps(gv, gv)));
+      const __m512 denom = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(s), c.bc2), c.eps);
+      pv = _mm512_sub_ps(pv, _mm512_mul_ps(c.step, _mm512_div_ps(m, denom)));
+      _mm512_storeu_ps(p + 16 * v, pv);
+      if (out != nullptr) store_bf16(out + 16 * v, pv);
+      _mm512_store_ps(mb + 16 * v, m);
+      _mm512_store_ps(vb + 16 * v, s);
+      const int valid = k - 16 * v;
+      const __mmask16 live = valid >= 16 ? __mmask16(0xFFFF) : valid <= 0 ? __mmask16(0) : __mmask16((1u << valid) - 1);
+      mabs = _mm512_mask_max_ps(mabs, live, mabs, _mm512_and_ps(m, absmask));
+      vabs = _mm512_mask_max_ps(vabs, live, vabs, _mm512_and_ps(s, absmask));
+    }
+  }
+  const float m_max = _mm512_reduce_max_ps(mabs), v_max = _mm512_reduce_max_ps(vabs);
+  const __m512 mrcp = _mm512_set1_ps(1.0f / m_max), vrcp = _mm512_set1_ps(1.0f / v_max);
+  for (int v = 0; v < NV; ++v) {
+    const __m512i zero = _mm512_setzero_si512();
+    const __m512i cm = m_max == 0.0f ? _mm512_set1_epi32(mm.zero_code)
+                                     : search<BITS>(mm, _mm512_mul_ps(_mm512_load_ps(mb + 16 * v), mrcp), zero);
+    const __m512i cv = v_max == 0.0f ? _mm512_set1_epi32(vm.zero_code)
+                                     : search<BITS>(vm, _mm512_mul_ps(_mm512_load_ps(vb + 16 * v), vrcp), zero);
+    store_codes<BITS>(mc, v, cm);
+    store_codes<BITS>(vc, v, cv);
+  }
+  *ms = m_max;
+  *vs = v_max;
+}
+
+constexpr int64_t kAhead = 4;  // blocks prefetched ahead: +10 % at 4 bits on tensors larger than the caches
+
+template <int BITS>
+inline void prefetch_block(const llmpar_cpu::LowbitRange& r, int64_t b) {
+  constexpr int B = llmpar_cpu::lowbit_block(BITS);
+  constexpr int CB = B * BITS / 8;
+  const char* p = reinterpret_cast<const char*>(r.param + b * B);
+  const char* g = reinterpret_cast<const char*>(r.grad + b * B);
+  for (int k = 0; k < B * 4; k += 64) {
+    _mm_prefetch(p + k, _MM_HINT_T0);
+    _mm_prefetch(g + k, _MM_HINT_T0);
+  }
+  for (int k = 0; k < CB; k += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(r.m_codes + b * CB) + k, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(r.v_codes + b * CB) + k, _MM_HINT_T0);
+  }
+}
+
+template <int BITS>
+void run(const llmpar_cpu::LowbitRange& r, const llmpar_cpu::LowbitHyper& h, const LowbitMap& mm,
+         const LowbitMap& vm) {
+  constexpr int B = llmpar_cpu::lowbit_block(BITS);
+  constexpr int CB = B * BITS / 8;  // code bytes per block
+  const Consts c(h);
+  const int64_t full = std::min(r.block_end, r.n / B);  // blocks wholly inside the tensor
+  for (int64_t b = r.block_begin; b < full; ++b) {
+    const int64_t i0 = b * B;
+    if (b + kAhead < full) prefetch_block<BITS>(r, b + kAhead);
+    block<BITS>(c, mm, vm, r.param + i0, r.grad + i0, r.m_codes + b * CB, r.m_scale + b, r.v_codes + b * CB,
+                r.v_scale + b, r.out != nullptr ? r.out + i0 : nullptr, B);
+  }
+  for (int64_t b = std::max(full, r.block_begin); b < r.block_end; ++b) {  // the tensor's last, partial block
+    const int64_t i0 = b * B;
+    const int k = static_cast<int>(r.n - i0);
+    const int kb = (k * BITS + 7) / 8;
+    alignas(64) float p[B] = {}, g[B] = {};
+    alignas(64) uint8_t mc[CB] = {}, vc[CB] = {};
+    alignas(64) uint16_t o[B];
+    std::memcpy(p, r.param + i0, sizeof(float) * k);
+    std::memcpy(g, r.grad + i0, sizeof(float) * k);
+    std::memcpy(mc, r.m_codes + b * CB, kb);
+    std::memcpy(vc, r.v_codes + b * CB, kb);
+    block<BITS>(c, mm, vm, p, g, mc, r.m_scale + b, vc, r.v_scale + b, r.out != nullptr ? o : nullptr, k);
+    if (BITS == 4 && (k & 1)) {  // the unused high nibble of the last byte: 0
+      mc[kb - 1] &= 0x0F;
+      vc[kb - 1] &= 0x0F;
+    }
+    std::memcpy(r.param + i0, p, sizeof(float) * k);
+    std::memcpy(r.m_codes + b * CB, mc, kb);
+    std::memcpy(r.v_codes + b * CB, vc, kb);
+    if (r.out != nullptr) std::memcpy(r.out + i0, o, sizeof(uint16_t) * k);
+  }
+}
+
+}  // namespace
