@@ -184,6 +184,62 @@ def test_cpu_isas_same_bits(cpu_kernel, monkeypatch, bits):
                 assert torch.equal(a, b), f"{k}: scalar and {isa} builds differ"
 
 
+def _edge_ys(bits: int, qm: torch.Tensor, qv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """y values for m (signed) and v on and around every midpoint: the midpoint, one float32 ulp either side, the
+    edges of the 8-bit quantizer's buckets around it (|y|'s bits with the low 16 bits 0 / 0xFFFF, and the next bucket's
+    start), both signs for m; +-0, denormals, 2^-24 and the first bucket's end, +-1. All within [-1, 1]."""
+    def around(mids):
+        hi = mids.abs().view(torch.int32) & ~0xFFFF
+        edges = torch.cat([hi, hi | 0xFFFF, hi + 0x10000]).view(torch.float32)
+        up, down = torch.full_like(mids, float("inf")), torch.full_like(mids, -float("inf"))
+        return torch.cat([mids, mids.nextafter(up), mids.nextafter(down), edges])
+    special = torch.tensor([0.0, 1e-40, 2.0 ** -24, 2.0 ** -24 * (1 + 1 / 128), 5.9e-8, 1.0])
+    ym = torch.cat([around(lowbit.midpoints(qm)), special])
+    ym = torch.cat([ym, -ym])
+    yv = torch.cat([around(lowbit.midpoints(qv)).abs(), special])
+    return ym[ym.abs() <= 1.0], yv[yv <= 1.0]
+
+
+@pytest.mark.skipif(INTERPRET, reason="runs in the main process")
+@pytest.mark.parametrize("bits,custom", ((8, False), (4, False), (8, True)), ids=("8", "4", "8-unbucketed-map"))
+def test_cpu_codes_on_midpoints_and_edges(cpu_kernel, monkeypatch, bits, custom):
+    """y on and around every midpoint and the 8-bit bucket edges: every CPU build gives the contract's codes exactly
+    (the number of midpoints < y). With beta1 = beta2 = 2^-30 (1 - beta rounds to 1.0) and a zero state, m = g and
+    v = g * g exactly; each block starts with a 1.0, so s = 1 and y = m (v). Grads for v are square roots of the
+    wanted y, so v lands within ulps of the v map's midpoints. custom: a linear 8-bit m map, whose zero midpoint keeps
+    it off the bucket tables (the search runs): the same codes."""
+    qm = torch.linspace(-1.0, 1.0, 256) if custom else lowbit.qmap(bits, True)
+    qv = lowbit.qmap(bits, False)
+    ym, yv = _edge_ys(bits, qm, qv)
+    block = lowbit.BLOCK[bits]
+
+    def blocks(y):  # a 1.0 first in every block of B - 1 values
+        y = torch.cat([y, y.new_zeros(-y.numel() % (block - 1))]).view(-1, block - 1)
+        return torch.cat([torch.ones(y.shape[0], 1), y], dim=1).reshape(-1)
+
+    grads = [blocks(ym), blocks(yv).sqrt()]
+    hyper = dict(lr=1e-3, beta1=2.0 ** -30, beta2=2.0 ** -30, eps=1e-8, weight_decay=0.0)
+    for isa in ("scalar", "avx512", "avx512vbmi"):
+        monkeypatch.setenv("LLMPAR_CPU_ISA", isa)
+        st = {k: [] for k in ("m_codes", "m_scales", "v_codes", "v_scales")}
+        for g in grads:
+            for key, signed in (("m", True), ("v", False)):
+                fresh = lowbit.new_state(g.numel(), bits)
+                st[f"{key}_codes"].append(fresh["m_codes" if signed else "v_codes"])
+                st[f"{key}_scales"].append(fresh["m_scale" if signed else "v_scale"])
+        params = [torch.randn(g.numel()) for g in grads]
+        lk.cpu_step(params, grads, st["m_codes"], st["m_scales"], st["v_codes"], st["v_scales"],
+                    [torch.zeros(()) for _ in grads], None, bits=bits, qmap_m=qm, qmap_v=qv, **hyper)
+        for i, g in enumerate(grads):
+            assert float(st["m_scales"][i].min()) == 1.0 and float(st["v_scales"][i].min()) == 1.0
+            for key, q, yy in (("m", qm, g), ("v", qv, g * g)):  # y = m / 1, v / 1
+                got = _codes(st[f"{key}_codes"][i], bits, g.numel()).long()
+                expect = torch.searchsorted(lowbit.midpoints(q), yy, side="left")
+                bad = (got != expect).nonzero().flatten()
+                assert bad.numel() == 0, (f"{isa}: {key} codes differ at y={yy[bad[:5]].tolist()}: "
+                                          f"{got[bad[:5]].tolist()} != {expect[bad[:5]].tolist()}")
+
+
 @pytest.mark.skipif(INTERPRET, reason="runs in the main process")
 def test_cpu_found_inf_and_dispatch(cpu_kernel, monkeypatch):
     found_inf_skips(lk.cpu_step, 8)

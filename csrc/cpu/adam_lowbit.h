@@ -20,6 +20,11 @@
 namespace llmpar_cpu {
 
 constexpr int kLowbitMaxCodes = 256;
+// The bucket tables of the 8-bit quantizer: |y|'s float32 bits >> 16 (exponent and 7 mantissa bits) less the bits of
+// 2^-24, clamped to [0, kBucketCount): bucket 0 holds every |y| < 2^-24 (1 + 1/128), the last every |y| >= 2 - 2^-6.
+constexpr int kBucketShift = 16;
+constexpr uint32_t kBucketBase = (127 - 24) << 7;
+constexpr int kBucketCount = 25 << 7;
 
 // One quantization map, prepared once per call from its float32 tensor (2^bits entries, sorted ascending).
 struct alignas(64) LowbitMap {
@@ -31,6 +36,14 @@ struct alignas(64) LowbitMap {
   float group[7][32];            // 8 bits: group[r][j] = mid[8j + r], the midpoints inside group j of 8 codes
   int zero_code;                 // the code of y = 0: the entry nearest 0, ties to the lower code
   alignas(64) uint8_t plane[4][kLowbitMaxCodes];  // plane[k][j] = byte k of q[j]'s float32 bits (little-endian; the VBMI lookup)
+  // 8 bits: code = (e >> 16) + (low > (e & 0xFFFF)), e = bucket[y < 0][bucket of |y|], low = |y|'s low 16 bits (y >= 0)
+  // or 0xFFFF - them (y < 0); NaN: 0. Exact (the search's codes) when `bucketed`: no midpoint is 0, lies in the first
+  // or last bucket, or shares a bucket with another of its sign (the maps of lowbit_maps.py qualify); else 0 and the
+  // search runs. Positive y: e = (number of midpoints below the bucket) << 16 | the low bits of the one inside (0xFFFF:
+  // none). Negative y: (number of negative midpoints of larger magnitude than the bucket's) << 16 | 0xFFFF - the low
+  // bits of the one inside (0xFFFF: none).
+  int bucketed;
+  alignas(64) uint32_t bucket[2][kBucketCount];
 };
 
 // Hyper-parameters of one tensor, rounded once to float32 from double.

@@ -62,6 +62,32 @@ inline __m512i search(const LowbitMap& map, __m512 y, __m512i j) {
   }
 }
 
+// 8 bits, a bucketed map: the code of y by one gather from the bucket table (adam_lowbit.h), in place of the 8-level
+// search (-30 % of the step)
+inline __m512i bucket_code(const LowbitMap& map, __m512 y) {
+  const __m512i u = _mm512_castps_si512(y);
+  const __m512i neg = _mm512_srai_epi32(u, 31);  // all ones where y < 0
+  const __m512i mag = _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF));
+  const __m512i low = _mm512_and_si512(_mm512_xor_si512(mag, neg), _mm512_set1_epi32(0xFFFF));
+  __m512i b = _mm512_sub_epi32(_mm512_srli_epi32(mag, llmpar_cpu::kBucketShift),
+                               _mm512_set1_epi32(static_cast<int>(llmpar_cpu::kBucketBase)));
+  b = _mm512_min_epi32(_mm512_max_epi32(b, _mm512_setzero_si512()), _mm512_set1_epi32(llmpar_cpu::kBucketCount - 1));
+  b = _mm512_add_epi32(b, _mm512_and_si512(neg, _mm512_set1_epi32(llmpar_cpu::kBucketCount)));
+  const __m512i e = _mm512_i32gather_epi32(b, map.bucket[0], 4);
+  const __m512i base = _mm512_srli_epi32(e, 16);
+  const __mmask16 up = _mm512_cmpgt_epi32_mask(low, _mm512_and_si512(e, _mm512_set1_epi32(0xFFFF)));
+  const __m512i code = _mm512_mask_add_epi32(base, up, base, _mm512_set1_epi32(1));
+  return _mm512_mask_mov_epi32(code, _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q), _mm512_setzero_si512());  // NaN: 0
+}
+
+template <int BITS>
+inline __m512i quantize(const LowbitMap& map, __m512 y) {
+  if constexpr (BITS == 8) {
+    if (map.bucketed) return bucket_code(map, y);
+  }
+  return search<BITS>(map, y, _mm512_setzero_si512());
+}
+
 template <int BITS>
 inline __m512i load_codes(const uint8_t* codes, int v) {  // 16 codes of vector v of the block, as int lanes
   if constexpr (BITS == 8) {
@@ -196,11 +222,10 @@ inline void block(const Consts& c, const LowbitMap& mm, const LowbitMap& vm, flo
   const float m_max = _mm512_reduce_max_ps(mabs), v_max = _mm512_reduce_max_ps(vabs);
   const __m512 mrcp = _mm512_set1_ps(1.0f / m_max), vrcp = _mm512_set1_ps(1.0f / v_max);
   for (int v = 0; v < NV; ++v) {
-    const __m512i zero = _mm512_setzero_si512();
     const __m512i cm = m_max == 0.0f ? _mm512_set1_epi32(mm.zero_code)
-                                     : search<BITS>(mm, _mm512_mul_ps(_mm512_load_ps(mb + 16 * v), mrcp), zero);
+                                     : quantize<BITS>(mm, _mm512_mul_ps(_mm512_load_ps(mb + 16 * v), mrcp));
     const __m512i cv = v_max == 0.0f ? _mm512_set1_epi32(vm.zero_code)
-                                     : search<BITS>(vm, _mm512_mul_ps(_mm512_load_ps(vb + 16 * v), vrcp), zero);
+                                     : quantize<BITS>(vm, _mm512_mul_ps(_mm512_load_ps(vb + 16 * v), vrcp));
     store_codes<BITS>(mc, v, cm);
     store_codes<BITS>(vc, v, cv);
   }

@@ -12,6 +12,8 @@
 #include <algorithm>
 #include <cmath>
 #include <memory>
+#include <mutex>
+#include <utility>
 #include <vector>
 
 #include "adam_lowbit.h"
@@ -65,14 +67,26 @@ void check(const at::Tensor& t, const char* name, size_t i, at::ScalarType dtype
                     " elements; expected ", numel);
 }
 
-std::unique_ptr<LowbitMap> prepare(const at::Tensor& qmap, const char* name, int64_t bits) {
+// the prepared map (search tables, byte planes, 8-bit bucket tables: ~10 us to build), kept by content for the next
+// calls (a few maps at most: the last 8 are kept)
+std::shared_ptr<const LowbitMap> prepare(const at::Tensor& qmap, const char* name, int64_t bits) {
   TORCH_CHECK_TYPE(qmap.device().is_cpu() && qmap.scalar_type() == at::kFloat && qmap.dim() == 1 &&
                        qmap.numel() == (int64_t{1} << bits),
                    "cpu_adamw_lowbit_step: ", name, " must be a float32 CPU vector of ", int64_t{1} << bits,
                    " entries, got ", qmap.scalar_type(), " ", qmap.sizes(), " on ", qmap.device());
   const at::Tensor q = qmap.contiguous();
-  auto map = std::make_unique<LowbitMap>();
+  const auto* bytes = reinterpret_cast<const uint8_t*>(q.data_ptr<float>());
+  std::vector<uint8_t> key(bytes, bytes + q.numel() * sizeof(float));
+  static std::mutex mutex;
+  static std::vector<std::pair<std::vector<uint8_t>, std::shared_ptr<const LowbitMap>>> cache;
+  const std::lock_guard<std::mutex> lock(mutex);
+  for (const auto& [k, map] : cache) {
+    if (k == key) return map;
+  }
+  auto map = std::make_shared<LowbitMap>();
   llmpar_cpu::lowbit_prepare_map(q.data_ptr<float>(), static_cast<int>(bits), map.get());
+  if (cache.size() >= 8) cache.erase(cache.begin());
+  cache.emplace_back(std::move(key), map);
   return map;
 }
 

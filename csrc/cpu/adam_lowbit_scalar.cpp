@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "adam_lowbit.h"
 
@@ -88,6 +89,38 @@ void run(const llmpar_cpu::LowbitRange& r, const llmpar_cpu::LowbitHyper& h, con
   }
 }
 
+// LowbitMap::bucket from the midpoints (adam_lowbit.h); bucketed = 0 where the map does not qualify
+void build_buckets(llmpar_cpu::LowbitMap* map, int nmid) {
+  using llmpar_cpu::kBucketBase;
+  using llmpar_cpu::kBucketCount;
+  map->bucketed = 0;
+  std::vector<int> mids(2 * kBucketCount, 0);  // [sign][bucket]: midpoints inside
+  std::vector<uint32_t> low(2 * kBucketCount, 0);
+  int negative = 0;
+  for (int k = 0; k < nmid; ++k) {
+    const float m = map->mid[k];
+    const float a = std::fabs(m);
+    if (!(a > 0.0f)) return;  // 0 or NaN
+    uint32_t u;
+    std::memcpy(&u, &a, sizeof(u));
+    const int64_t b = static_cast<int64_t>(u >> llmpar_cpu::kBucketShift) - kBucketBase;
+    if (b <= 0 || b >= kBucketCount - 1) return;
+    const int64_t at = (m < 0.0f) * kBucketCount + b;
+    if (mids[at]++ > 0) return;
+    low[at] = u & 0xFFFFu;
+    negative += m < 0.0f;
+  }
+  uint32_t below = negative, larger = 0;
+  for (int b = 0; b < kBucketCount; ++b) {
+    map->bucket[0][b] = below << 16 | (mids[b] ? low[b] : 0xFFFFu);
+    below += mids[b];
+    const int nb = kBucketCount - 1 - b;
+    map->bucket[1][nb] = larger << 16 | (0xFFFFu - (mids[kBucketCount + nb] ? low[kBucketCount + nb] : 0u));
+    larger += mids[kBucketCount + nb];
+  }
+  map->bucketed = 1;
+}
+
 }  // namespace
 
 void llmpar_cpu::lowbit_prepare_map(const float* q, int bits, LowbitMap* out) {
@@ -107,7 +140,8 @@ void llmpar_cpu::lowbit_prepare_map(const float* q, int bits, LowbitMap* out) {
   for (int r = 0; bits == 8 && r < 7; ++r) {
     for (int j = 0; j < 32; ++j) out->group[r][j] = out->mid[8 * j + r];
   }
-  out->zero_code = search_any(*out, bits, 0.0f);  // the entry nearest 0, ties to the lower code (y = 0's code)
+  out->zero_code = search_any(*out, bits, 0.0f);
+  if (bits == 8) build_buckets(out, n - 1);  // the entry nearest 0, ties to the lower code (y = 0's code)
 }
 
 void llmpar_cpu::adam_lowbit_scalar(const LowbitRange& r, const LowbitHyper& h, const LowbitMap& m,
