@@ -173,13 +173,13 @@ def test_cpu_matches_reference(cpu_kernel, bits, master):
 def test_cpu_isas_same_bits(cpu_kernel, monkeypatch, bits):
     st = make_state(sizes(bits), bits, master=True, seed=5)
     outs = []
-    for isa in ("scalar", "avx512", "avx512vbmi"):  # (a CPU without one runs the next narrower: the same bits)
+    for isa in ("scalar", "avx2", "avx512", "avx512vbmi"):  # (a CPU without one runs the next narrower: the same bits)
         monkeypatch.setenv("LLMPAR_CPU_ISA", isa)
         s = clone_state(st)
         run(lk.cpu_step, s, bits, gscale=0.5)
         outs.append(s)
     for k in outs[0]:
-        for o, isa in zip(outs[1:], ("AVX-512", "AVX-512 + VBMI")):
+        for o, isa in zip(outs[1:], ("AVX2", "AVX-512", "AVX-512 + VBMI")):
             for a, b in zip(outs[0][k], o[k]):
                 assert torch.equal(a, b), f"{k}: scalar and {isa} builds differ"
 
@@ -219,7 +219,7 @@ def test_cpu_codes_on_midpoints_and_edges(cpu_kernel, monkeypatch, bits, custom)
 
     grads = [blocks(ym), blocks(yv).sqrt()]
     hyper = dict(lr=1e-3, beta1=2.0 ** -30, beta2=2.0 ** -30, eps=1e-8, weight_decay=0.0)
-    for isa in ("scalar", "avx512", "avx512vbmi"):
+    for isa in ("scalar", "avx2", "avx512", "avx512vbmi"):
         monkeypatch.setenv("LLMPAR_CPU_ISA", isa)
         st = {k: [] for k in ("m_codes", "m_scales", "v_codes", "v_scales")}
         for g in grads:
@@ -238,6 +238,30 @@ def test_cpu_codes_on_midpoints_and_edges(cpu_kernel, monkeypatch, bits, custom)
                 bad = (got != expect).nonzero().flatten()
                 assert bad.numel() == 0, (f"{isa}: {key} codes differ at y={yy[bad[:5]].tolist()}: "
                                           f"{got[bad[:5]].tolist()} != {expect[bad[:5]].tolist()}")
+
+
+@pytest.mark.skipif(INTERPRET, reason="runs in the main process")
+def test_cpu_bf16_copies_of_edge_masters(cpu_kernel, monkeypatch):
+    """The bf16 params written in the pass are the masters rounded to nearest even, on every CPU build, for masters
+    that are denormal (the AVX512-BF16 conversion would flush them: the kernel rounds those lanes itself), +-0, ties
+    of bf16 rounding, FLT_MIN / FLT_MAX neighbours, scattered through blocks of ordinary values."""
+    special = torch.tensor([1e-40, -1e-40, 1.4e-45, -2.3e-39, 0.0, -0.0, 1.1754944e-38, -1.1754942e-38, 3.4e38,
+                            1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8, -(1.0 + 2.0 ** -8), 2.0 ** -126 * (1 + 2.0 ** -8)])
+    n = 3 * 128 + 5
+    for isa in ("scalar", "avx512", "avx512vbmi"):
+        monkeypatch.setenv("LLMPAR_CPU_ISA", isa)
+        master = torch.randn(n, generator=_gen(11))
+        master[::29][:special.numel()] = special[:master[::29].numel()]
+        master[3:3 + special.numel()] = special  # several in one vector
+        param = master.to(torch.bfloat16)
+        grad = torch.randn(n, generator=_gen(12)) * 1e-3
+        for bits in (8, 4):
+            st = lowbit.new_state(n, bits)
+            lk.cpu_step([param], [grad], [st["m_codes"]], [st["m_scale"]], [st["v_codes"]], [st["v_scale"]],
+                        [torch.zeros(())], [master], bits=bits, qmap_m=lowbit.qmap(bits, True),
+                        qmap_v=lowbit.qmap(bits, False), lr=0.0, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
+            want = master.to(torch.bfloat16)
+            assert torch.equal(param.view(torch.int16), want.view(torch.int16)), f"{isa}, {bits} bits"
 
 
 @pytest.mark.skipif(INTERPRET, reason="runs in the main process")

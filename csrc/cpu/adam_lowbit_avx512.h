@@ -1,16 +1,19 @@
 // The AVX-512 low-bit AdamW kernel (adam_lowbit.h) as templates, included by adam_lowbit_avx512.cpp and
 // adam_lowbit_avx512_vbmi.cpp after each has opened its target pragma; the second defines LLMPAR_LOWBIT_VBMI, which
-// turns on the 8-bit dequantize by byte lookups (AVX512-VBMI: Ice Lake, Zen 4 and later).
+// turns on the 8-bit dequantize by byte lookups (AVX512-VBMI: Ice Lake, Zen 4 and later) and, where the CPU has
+// AVX512-BF16, vcvtneps2bf16 for the bf16 copies.
 //
 // One block at a time: dequantize, update, write p (and its bfloat16 copy), keep the block's new m / v in L1 with
-// their absmax; then quantize them by a binary search whose level tables live in registers (4 bits: 4 levels; 8 bits:
-// 5 levels find the group of 8 codes, then its 7 inner midpoints are compared independently, a shorter dependency
-// chain than 3 more levels). Lookups are register permutes, not gathers (a 16-lane gather costs ~20 cycles on the
-// team's Sapphire Rapids and Zen 4 machines). Dequantize: 4 bits, one permutexvar of the 16 entries; 8 bits, without
-// VBMI 8 permutex2var of 32 entries blended by the code's bits 5-7 (18 instructions per 16 codes); with VBMI, the
-// 4 bytes of the entries looked up for 64 codes at once (2 vpermi2b of 128 entries per byte, blended by the top bit)
-// and interleaved back into floats (23 instructions per 64 codes). Same IEEE operations as adam_lowbit_scalar.cpp
-// (no contraction), so the same bits. The next blocks' params, grads and codes are prefetched (4 blocks ahead). A block
+// their absmax; then quantize them. Dequantize: 4 bits, one permutexvar of the 16 entries; 8 bits, without VBMI 8
+// permutex2var of 32 entries blended by the code's bits 5-7 (18 instructions per 16 codes), with VBMI the 4 bytes of
+// the entries looked up for 64 codes at once (2 vpermi2b of 128 entries per byte, blended by the top bit) and
+// interleaved back into floats (23 instructions per 64 codes). Quantize: 8 bits, one gather from the map's bucket
+// table (bucket_code; a 16-lane gather costs ~11 cycles on the team's Sapphire Rapids, against ~40 instructions for
+// the 8-level search it replaces); 4 bits, and maps the tables refuse, a binary search whose level tables live in
+// registers (8 bits: 5 levels find the group of 8 codes, then its 7 inner midpoints are compared independently).
+// Per param, one thread, 64K params in cache (Sapphire Rapids): 8 bits ~1.2 ns, 4 bits ~0.9 ns, against ~2.0 / ~1.1
+// ns for the division-per-element, search-only kernel before. Same IEEE operations as adam_lowbit_scalar.cpp (no
+// contraction), so the same bits. The next blocks' params, grads and codes are prefetched (4 blocks ahead). A block
 // cut short by the tensor's end runs on a padded copy, its absmax masked to the valid lanes.
 #pragma once
 
@@ -54,6 +57,9 @@ inline __m512i search(const LowbitMap& map, __m512 y, __m512i j) {
       code = _mm512_mask_add_epi32(code, lt, code, _mm512_set1_epi32(1));
     }
     return code;
+  } else if constexpr (L == 0) {  // one midpoint for every lane: a broadcast, no lookup
+    const __mmask16 lt = _mm512_cmp_ps_mask(_mm512_set1_ps(map.level[0][0]), y, _CMP_LT_OQ);
+    return search<BITS, 1>(map, y, _mm512_maskz_mov_epi32(lt, _mm512_set1_epi32(1)));
   } else {
     const __mmask16 lt = _mm512_cmp_ps_mask(lookup<L>(map.level[L], j), y, _CMP_LT_OQ);
     j = _mm512_add_epi32(j, j);
@@ -92,23 +98,18 @@ template <int BITS>
 inline __m512i load_codes(const uint8_t* codes, int v) {  // 16 codes of vector v of the block, as int lanes
   if constexpr (BITS == 8) {
     return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * v)));
-  } else {
-    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 8 * v));
-    const __m512i twice = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(bytes, bytes));  // byte i in lanes 2i, 2i + 1
-    const __m512i shift = _mm512_set_epi32(4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0);
-    return _mm512_and_si512(_mm512_srlv_epi32(twice, shift), _mm512_set1_epi32(0xF));
+  } else {  // byte i in qword i: its low nibble to dword 2i, its high nibble (shifted up 28) to dword 2i + 1
+    const __m512i b = _mm512_cvtepu8_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 8 * v)));
+    return _mm512_and_si512(_mm512_or_si512(b, _mm512_slli_epi64(b, 28)), _mm512_set1_epi64(0x0000000F0000000FLL));
   }
 }
 
 template <int BITS>
 inline void store_codes(uint8_t* codes, int v, __m512i c) {
-  const __m128i bytes = _mm512_cvtepi32_epi8(c);
   if constexpr (BITS == 8) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + 16 * v), bytes);
-  } else {  // u16 lane i = c[2i] | c[2i + 1] << 8  ->  c[2i] | c[2i + 1] << 4
-    const __m128i lo = _mm_and_si128(bytes, _mm_set1_epi16(0x000F));
-    const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi16(0x00F0));
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + 8 * v), _mm_packus_epi16(_mm_or_si128(lo, hi), lo));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + 16 * v), _mm512_cvtepi32_epi8(c));
+  } else {  // qword i = c[2i] | c[2i + 1] << 32: its low byte after | (>> 28) is c[2i] | c[2i + 1] << 4
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + 8 * v), _mm512_cvtepi64_epi8(_mm512_or_si512(c, _mm512_srli_epi64(c, 28))));
   }
 }
 
@@ -159,7 +160,18 @@ inline __m512 dequant(const LowbitMap& map, __m512i code) {
   }
 }
 
+// CVT (AVX512-BF16, the VBMI build on CPUs that have it): vcvtneps2bf16, unless a lane is denormal (the instruction
+// flushes those to 0; the bits below round them)
+template <bool CVT>
 inline void store_bf16(uint16_t* p, __m512 x) {  // round to nearest even on the bits; NaN: quiet
+#if defined(LLMPAR_LOWBIT_VBMI)
+  if constexpr (CVT) {
+    if (_mm512_fpclass_ps_mask(x, 0x20) == 0) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x)));
+      return;
+    }
+  }
+#endif
   const __m512i u = _mm512_castps_si512(x);
   const __m512i hi = _mm512_srli_epi32(u, 16);
   const __m512i bias = _mm512_add_epi32(_mm512_and_si512(hi, _mm512_set1_epi32(1)), _mm512_set1_epi32(0x7FFF));
@@ -178,7 +190,7 @@ struct Consts {
 };
 
 // One block of B elements at p / g / mc / vc / out (k of them valid, the rest padding); scales in *ms / *vs.
-template <int BITS>
+template <int BITS, bool CVT>
 inline void block(const Consts& c, const LowbitMap& mm, const LowbitMap& vm, float* p, const float* g, uint8_t* mc,
                   float* ms, uint8_t* vc, float* vs, uint16_t* out, int k) {
   constexpr int B = llmpar_cpu::lowbit_block(BITS);
@@ -210,7 +222,7 @@ inline void block(const Consts& c, const LowbitMap& mm, const LowbitMap& vm, flo
       const __m512 denom = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(s), c.bc2), c.eps);
       pv = _mm512_sub_ps(pv, _mm512_mul_ps(c.step, _mm512_div_ps(m, denom)));
       _mm512_storeu_ps(p + 16 * v, pv);
-      if (out != nullptr) store_bf16(out + 16 * v, pv);
+      if (out != nullptr) store_bf16<CVT>(out + 16 * v, pv);
       _mm512_store_ps(mb + 16 * v, m);
       _mm512_store_ps(vb + 16 * v, s);
       const int valid = k - 16 * v;
@@ -251,7 +263,7 @@ inline void prefetch_block(const llmpar_cpu::LowbitRange& r, int64_t b) {
   }
 }
 
-template <int BITS>
+template <int BITS, bool CVT = false>
 void run(const llmpar_cpu::LowbitRange& r, const llmpar_cpu::LowbitHyper& h, const LowbitMap& mm,
          const LowbitMap& vm) {
   constexpr int B = llmpar_cpu::lowbit_block(BITS);
@@ -261,7 +273,7 @@ void run(const llmpar_cpu::LowbitRange& r, const llmpar_cpu::LowbitHyper& h, con
   for (int64_t b = r.block_begin; b < full; ++b) {
     const int64_t i0 = b * B;
     if (b + kAhead < full) prefetch_block<BITS>(r, b + kAhead);
-    block<BITS>(c, mm, vm, r.param + i0, r.grad + i0, r.m_codes + b * CB, r.m_scale + b, r.v_codes + b * CB,
+    block<BITS, CVT>(c, mm, vm, r.param + i0, r.grad + i0, r.m_codes + b * CB, r.m_scale + b, r.v_codes + b * CB,
                 r.v_scale + b, r.out != nullptr ? r.out + i0 : nullptr, B);
   }
   for (int64_t b = std::max(full, r.block_begin); b < r.block_end; ++b) {  // the tensor's last, partial block
@@ -275,7 +287,7 @@ void run(const llmpar_cpu::LowbitRange& r, const llmpar_cpu::LowbitHyper& h, con
     std::memcpy(g, r.grad + i0, sizeof(float) * k);
     std::memcpy(mc, r.m_codes + b * CB, kb);
     std::memcpy(vc, r.v_codes + b * CB, kb);
-    block<BITS>(c, mm, vm, p, g, mc, r.m_scale + b, vc, r.v_scale + b, r.out != nullptr ? o : nullptr, k);
+    block<BITS, CVT>(c, mm, vm, p, g, mc, r.m_scale + b, vc, r.v_scale + b, r.out != nullptr ? o : nullptr, k);
     if (BITS == 4 && (k & 1)) {  // the unused high nibble of the last byte: 0
       mc[kb - 1] &= 0x0F;
       vc[kb - 1] &= 0x0F;
