@@ -74,6 +74,7 @@ void lowbit_prepare_map(const float* q, int bits, LowbitMap* out);
 
 void adam_lowbit_scalar(const LowbitRange& r, const LowbitHyper& h, const LowbitMap& m, const LowbitMap& v, int bits);
 #if defined(__x86_64__)
+void adam_lowbit_avx2(const LowbitRange& r, const LowbitHyper& h, const LowbitMap& m, const LowbitMap& v, int bits);
 void adam_lowbit_avx512(const LowbitRange& r, const LowbitHyper& h, const LowbitMap& m, const LowbitMap& v, int bits);
 void adam_lowbit_avx512_vbmi(const LowbitRange& r, const LowbitHyper& h, const LowbitMap& m, const LowbitMap& v,
                              int bits);

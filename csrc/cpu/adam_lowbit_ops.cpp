@@ -3,8 +3,9 @@
 // arguments first with messages naming them; the checks here are the last line of defence.
 //
 // The work: the blocks of all tensors as one index space, split by at::parallel_for into contiguous pieces of whole
-// blocks; each piece runs the ISA kernel picked once per call (AVX-512 where the CPU has it and `isa` allows, else
-// scalar; AVX2 machines run the scalar build; AVX-512 with VBMI runs adam_lowbit_avx512_vbmi.cpp).
+// blocks; each piece runs the ISA kernel picked once per call: the widest build that both the CPU has
+// (__builtin_cpu_supports) and `isa` allows: AVX-512 with VBMI (adam_lowbit_avx512_vbmi.cpp), AVX-512
+// (adam_lowbit_avx512.cpp), AVX2 + FMA + F16C (adam_lowbit_avx2.cpp), else scalar. All give the same bits.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -27,14 +28,17 @@ using llmpar_cpu::LowbitRangeFn;
 
 constexpr int64_t kGrainBlocks = 128;  // fewer blocks than this run on the calling thread
 
-// the widest ISA code this CPU runs: 3 (AVX-512 F / BW / VL / DQ + VBMI), 2 (without VBMI), or 0
+// the widest ISA code this CPU runs: 3 (AVX-512 F / BW / VL / DQ + VBMI), 2 (without VBMI), 1 (AVX2 + FMA + F16C),
+// or 0
 int lowbit_isa() {
 #if defined(__x86_64__)
   static const int isa = [] {
     __builtin_cpu_init();
     if (!(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))) {
-      return static_cast<int>(llmpar_cpu::kIsaScalar);
+      const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                        __builtin_cpu_supports("f16c");
+      return static_cast<int>(avx2 ? llmpar_cpu::kIsaAvx2 : llmpar_cpu::kIsaScalar);
     }
     return static_cast<int>(__builtin_cpu_supports("avx512vbmi") ? llmpar_cpu::kIsaAvx512Vbmi
                                                                    : llmpar_cpu::kIsaAvx512);
@@ -52,6 +56,7 @@ LowbitRangeFn kernel_for(int64_t isa) {
 #if defined(__x86_64__)
     case llmpar_cpu::kIsaAvx512Vbmi: return &llmpar_cpu::adam_lowbit_avx512_vbmi;
     case llmpar_cpu::kIsaAvx512: return &llmpar_cpu::adam_lowbit_avx512;
+    case llmpar_cpu::kIsaAvx2: return &llmpar_cpu::adam_lowbit_avx2;
 #endif
     default: return &llmpar_cpu::adam_lowbit_scalar;
   }
