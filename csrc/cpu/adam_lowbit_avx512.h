@@ -227,8 +227,8 @@ inline void block(const Consts& c, const LowbitMap& mm, const LowbitMap& vm, flo
       _mm512_store_ps(vb + 16 * v, s);
       const int valid = k - 16 * v;
       const __mmask16 live = valid >= 16 ? __mmask16(0xFFFF) : valid <= 0 ? __mmask16(0) : __mmask16((1u << valid) - 1);
-      mabs = _mm512_mask_max_ps(mabs, live, mabs, _mm512_and_ps(m, absmask));
-      vabs = _mm512_mask_max_ps(vabs, live, vabs, _mm512_and_ps(s, absmask));
+      mabs = _mm512_mask_max_ps(mabs, live, _mm512_and_ps(m, absmask), mabs);  // NaN: keeps mabs, as std::max
+      vabs = _mm512_mask_max_ps(vabs, live, _mm512_and_ps(s, absmask), vabs);
     }
   }
   const float m_max = _mm512_reduce_max_ps(mabs), v_max = _mm512_reduce_max_ps(vabs);

@@ -14,7 +14,7 @@ the CPU, contiguous, float32 (outs: float32, bfloat16 or float16, one dtype for 
 found_inf (nonzero): the step is skipped, nothing is written, steps keep their count; returns whether it ran.
 
 Backends: the C++ kernel of the CPU extension (csrc/cpu/, ``llmpar::cpu_adamw_step``; AVX-512, AVX2 or scalar, by
-what the CPU has, ``LLMPAR_CPU_ISA=avx2|scalar`` caps it; the same bits on each), JIT-built on first use
+what the CPU has, ``LLMPAR_CPU_ISA=avx512|avx2|scalar`` caps it; the same bits on each), JIT-built on first use
 (llmpar/ops/_cpu_ext.py); else, or under ``LLMPAR_BACKEND=torch``, the torch path: torch's fused CPU AdamW then
 ``out.copy_(param)``. Both only read the grads.
 """
@@ -36,7 +36,8 @@ OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def isa_code() -> int:
-    """The widest ISA the kernel may use: ``LLMPAR_CPU_ISA`` (scalar, avx2, avx512; unset/auto: the widest)."""
+    """The widest ISA the kernels may use: ``LLMPAR_CPU_ISA`` (scalar, avx2, avx512, avx512vbmi; unset/auto: the
+    widest)."""
     value = os.environ.get(ISA_ENV, "").strip().lower()
     if value in ("", "auto"):
         return len(ISAS) - 1

@@ -77,8 +77,9 @@ def _flat(ts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 def cpu_step(params, grads, m_codes, m_scales, v_codes, v_scales, steps, masters=None, *, bits: int, lr, beta1: float,
              beta2: float, eps: float, weight_decay: float, gscale=None, found_inf=None, qmap_m: torch.Tensor,
              qmap_v: torch.Tensor) -> bool:
-    """The CPU C++ kernel (csrc/cpu/adam_lowbit*.cpp, ``llmpar::cpu_adamw_lowbit_step``): AVX-512 or scalar by the
-    CPU (``LLMPAR_CPU_ISA`` caps it), at::parallel_for over blocks; the bf16 params written in the same pass."""
+    """The CPU C++ kernel (csrc/cpu/adam_lowbit*.cpp, ``llmpar::cpu_adamw_lowbit_step``): AVX-512 (+ VBMI / BF16),
+    AVX2 or scalar by the CPU (``LLMPAR_CPU_ISA`` caps it; the same bits on each), at::parallel_for over blocks; the
+    bf16 params written in the same pass."""
     _hyper_check(bits, beta1, beta2, qmap_m, qmap_v)
     why = kernel_unfit(params, grads, m_codes, m_scales, v_codes, v_scales, masters, cpu=True)
     if why is None and params and params[0].device.type != "cpu":
