@@ -13,8 +13,8 @@
 // registers (8 bits: 5 levels find the group of 8 codes, then its 7 inner midpoints are compared independently).
 // Per param, one thread, 64K params in cache (Sapphire Rapids): 8 bits ~1.2 ns, 4 bits ~0.9 ns, against ~2.0 / ~1.1
 // ns for the division-per-element, search-only kernel before. Same IEEE operations as adam_lowbit_scalar.cpp (no
-// contraction), so the same bits. The next blocks' params, grads and codes are prefetched (4 blocks ahead). A block
-// cut short by the tensor's end runs on a padded copy, its absmax masked to the valid lanes.
+// contraction), so the same bits. A block cut short by the tensor's end runs on a padded copy, its absmax masked to
+// the valid lanes. (Software prefetch 1-16 blocks ahead measured within noise on tensors larger than the caches.)
 #pragma once
 
 #include <algorithm>
@@ -245,24 +245,6 @@ inline void block(const Consts& c, const LowbitMap& mm, const LowbitMap& vm, flo
   *vs = v_max;
 }
 
-constexpr int64_t kAhead = 4;  // blocks prefetched ahead: +10 % at 4 bits on tensors larger than the caches
-
-template <int BITS>
-inline void prefetch_block(const llmpar_cpu::LowbitRange& r, int64_t b) {
-  constexpr int B = llmpar_cpu::lowbit_block(BITS);
-  constexpr int CB = B * BITS / 8;
-  const char* p = reinterpret_cast<const char*>(r.param + b * B);
-  const char* g = reinterpret_cast<const char*>(r.grad + b * B);
-  for (int k = 0; k < B * 4; k += 64) {
-    _mm_prefetch(p + k, _MM_HINT_T0);
-    _mm_prefetch(g + k, _MM_HINT_T0);
-  }
-  for (int k = 0; k < CB; k += 64) {
-    _mm_prefetch(reinterpret_cast<const char*>(r.m_codes + b * CB) + k, _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(r.v_codes + b * CB) + k, _MM_HINT_T0);
-  }
-}
-
 template <int BITS, bool CVT = false>
 void run(const llmpar_cpu::LowbitRange& r, const llmpar_cpu::LowbitHyper& h, const LowbitMap& mm,
          const LowbitMap& vm) {
@@ -272,7 +254,6 @@ void run(const llmpar_cpu::LowbitRange& r, const llmpar_cpu::LowbitHyper& h, con
   const int64_t full = std::min(r.block_end, r.n / B);  // blocks wholly inside the tensor
   for (int64_t b = r.block_begin; b < full; ++b) {
     const int64_t i0 = b * B;
-    if (b + kAhead < full) prefetch_block<BITS>(r, b + kAhead);
     block<BITS, CVT>(c, mm, vm, r.param + i0, r.grad + i0, r.m_codes + b * CB, r.m_scale + b, r.v_codes + b * CB,
                 r.v_scale + b, r.out != nullptr ? r.out + i0 : nullptr, B);
   }
