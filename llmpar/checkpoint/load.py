@@ -81,6 +81,7 @@ def _plan(view: EngineView, path: str, meta: dict, strict: bool
             if any(not reader.has(name, key) for name in present):
                 raise CheckpointError(f"{path} has no {key!r} state for buffer of mode {b['mode']!r}: saved modes "
                                       f"{sorted({x['mode'] for x in meta['layout']['buffers']})}")
+    _note_state_precision(view, meta, path)
     lacking = sorted(set(missing.values()) | _missing_extras(view, meta))
     if lacking and strict:
         raise CheckpointError(f"{len(lacking)} params / buffers of this model are not in {path}: {_names(lacking)} "
@@ -99,6 +100,18 @@ def _plan(view: EngineView, path: str, meta: dict, strict: bool
     if files.CLIENT_STATE in meta["files"]:
         need.add(files.CLIENT_STATE)
     return reader, cuts, need, set(missing)
+
+
+def _note_state_precision(view: EngineView, meta: dict, path: str) -> None:
+    """A load across state precisions works (the checkpoint holds float32 moments either way: 8- / 4-bit states are
+    saved dequantized): said once, since a run keeping low-bit states re-quantizes them (exact at the saved blocks)."""
+    saved = sorted({str(b.get("mode")) for b in meta["layout"]["buffers"]})
+    here = sorted({str(b["mode"]) for b in view.layout})
+    first = view.grid.dp_rank == view.grid.tp_rank == view.grid.pp_rank == 0
+    if saved != here and {"int8", "int4"} & {*saved, *here} and first:
+        logger.info("load_checkpoint: %s was saved with optimizer states %s, this run keeps %s: the moments load as "
+                    "their float32 values%s", path, saved, here,
+                    ", re-quantized in this run's blocks" if {"int8", "int4"} & set(here) else "")
 
 
 def _missing_extras(view: EngineView, meta: dict) -> set[str]:

@@ -168,7 +168,10 @@ class OptimizerConfig:
     ``precision``: a FusedAdamW mode ("auto": fp32 for fp32 params, fp32_master for bf16 ones).
     ``type`` "AdamW8bit" / "AdamW4bit": AdamW with block-quantized 8- / 4-bit moments (``llmpar.ops.lowbit``), i.e.
     ``state_precision`` "int8" / "int4" (which may also be given directly, with type AdamW); float32 params step in
-    place, bf16 params keep a float32 master.
+    place, bf16 params keep a float32 master. ``stochastic_rounding`` (low-bit states only): the codes are rounded
+    stochastically (unbiased; the torch path), reproducibly from the optimizer's ``seed``, the step count, and each
+    unit shard's place in the flat layout (``lowbit_state.sr_salt``): a rerun at the same dp degree and units repeats
+    the run bitwise, one at another dp degree draws other random numbers (shards start at other blocks).
     """
 
     type: str = "AdamW"
@@ -178,6 +181,7 @@ class OptimizerConfig:
     weight_decay: float = 0.0
     precision: str = "auto"
     state_precision: str | None = None
+    stochastic_rounding: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.type, str) or self.type.lower() not in OPTIMIZER_TYPES:
@@ -198,6 +202,11 @@ class OptimizerConfig:
             raise ValueError(f'"optimizer.params.precision"={self.precision!r} cannot be combined with '
                              f'{self.state_precision} states (type {self.type}): leave precision "auto" (float32 '
                              "params step in place, bf16 ones keep a float32 master)")
+        self.stochastic_rounding = as_bool("optimizer.params.stochastic_rounding", self.stochastic_rounding)
+        if self.stochastic_rounding and self.state_precision is None:
+            raise ValueError('"optimizer.params.stochastic_rounding"=true applies to the 8- / 4-bit states (types '
+                             f'AdamW8bit / AdamW4bit), not to type {self.type!r} with fp32 states (bf16 params and '
+                             'moments with stochastic rounding: "precision": "bf16_sr")')
         self.lr = as_float("optimizer.params.lr", self.lr, minimum=0.0, maximum=FLOAT32_MAX)
         if not isinstance(self.betas, (list, tuple)) or len(self.betas) != 2:
             raise ValueError(f'"optimizer.params.betas"={self.betas!r} must be two numbers in [0, 1)')

@@ -18,10 +18,19 @@ Per buffer, ``FlatBuffer.state`` holds partition-sized tensors, each unit's shar
 offsets: m_codes / v_codes uint8 [partition] (8 bits) or [partition / 2] (4 bits), m_scale / v_scale float32
 [partition / B], plus "master" float32 [partition] for bf16 params or under offload_optimizer (the host steps the
 masters, as for fp32 states).
+
+Stochastic rounding (``OptimizerConfig.stochastic_rounding``; ``sr=(seed, rank)`` below): each unit shard is one tensor
+of the low-bit step, whose random stream is a function of (seed, step count, salt); the salt is :func:`sr_salt` of
+the buffer's key, the unit and the shard's first block in the unit. So the rounding does not depend on the stage, the
+offload or the order of the unit steps, and a rerun (or a resumed run) at the same dp degree and units repeats it
+bitwise; at another dp degree the shards start at other blocks and draw other (equally distributed) numbers. (A
+stream per block, independent of dp, would need the step to take a per-block salt: a stream per tensor is what
+``llmpar.ops.lowbit`` offers, and one call per block would cost a launch per 128 / 256 elements.)
 """
 from __future__ import annotations
 
 import math
+import zlib
 from typing import Any, Iterator
 
 import torch
@@ -88,14 +97,26 @@ def unit_views(b: Any, key: str, units: list[int] | range | None = None) -> list
     return [unit_view(b.layout, b.state[key], key, u, bits) for u in units]
 
 
+def sr_salt(b: Any, unit: int, rank: int) -> int:
+    """The stochastic-rounding salt (32 bits) of rank ``rank``'s shard of unit ``unit`` of buffer ``b``: a hash of
+    the buffer's key (param group, dtype, tensor-parallel kind), the unit and the shard's first block in the unit."""
+    u, bits = b.layout.units[unit], bits_of(b.mode)
+    assert bits is not None
+    first_block = rank * u.shard_numel(b.layout.shards) // lowbit.BLOCK[bits]
+    return zlib.crc32(repr((b.key[0], str(b.key[1]), bool(b.key[3]), unit, first_block)).encode())
+
+
 def step_units(b: Any, params: list[torch.Tensor], grads: list[torch.Tensor], units: list[int], *,
-               masters: list[torch.Tensor] | None, steps: list[torch.Tensor], **hyper: Any) -> None:
-    """The low-bit AdamW step over units ``units`` of buffer ``b`` (params / grads / masters: those units' shards)."""
+               masters: list[torch.Tensor] | None, steps: list[torch.Tensor], sr: tuple[int, int] | None = None,
+               **hyper: Any) -> None:
+    """The low-bit AdamW step over units ``units`` of buffer ``b`` (params / grads / masters: those units' shards).
+    ``sr``: None rounds the codes to nearest; ``(seed, rank)`` stochastically, salted by :func:`sr_salt`."""
     bits = bits_of(b.mode)
     assert bits is not None
     m_codes, m_scale, v_codes, v_scale = (unit_views(b, k, units) for k in CODE_KEYS)
+    seed, salts = (None, None) if sr is None else (int(sr[0]), [sr_salt(b, u, sr[1]) for u in units])
     lowbit.adamw_lowbit_step(params, grads, m_codes, m_scale, v_codes, v_scale, steps, masters, bits=bits,
-                             **hyper)
+                             seed=seed, salts=salts, **hyper)
 
 
 def step_each(b: Any, shards: list[torch.Tensor], grads: list[torch.Tensor], units: list[int],

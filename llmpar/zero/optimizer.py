@@ -17,7 +17,8 @@ Stage 3 shards frozen params too (``frozen_buffers``: gathered, never stepped).
 (fp32 grad accumulators when ``grad_accum_dtype=torch.float32``: grads 4 psi resp. 4 psi / N.)
 Low-bit states (``OptimizerConfig.state_precision`` "int8" / "int4", types AdamW8bit / AdamW4bit): m and v as codes +
 float32 block scales in the same partitions, ~2.03 resp. ~1.06 B per element instead of 8 (plus the fp32 master of
-16-bit params, or under offload); blocks run along each unit, every shard whole blocks (``lowbit_state.py``).
+16-bit params, or under offload); blocks run along each unit, every shard whole blocks; optional stochastic rounding
+of the codes from ``seed`` (``lowbit_state.py``).
 
 step(): the global gradient norm (``llmpar.optim.grad_norm``: partition norms summed over dp; tensor-parallel params
 summed over tp, replicated ones counted once) -> clip coefficient and found-inf flag -> one fused ``adamw_step`` per
@@ -25,8 +26,7 @@ flat buffer over this rank's partition (the coefficient applied inside; a non-fi
 rank: norm, flag and skip count stay on the device, ``stats.py``; ``skipped_steps`` / ``last_grad_norm`` read them
 when asked) -> the updated shards all-gathered unit by unit straight into the param buffer (stages 1/2: one fused
 step per unit, each unit's gather launched as soon as its shard is stepped; at most ``allgather_bucket_size``
-elements in flight). Communication per step: stage 0 an all-reduce (2 psi), stages 1/2
-reduce-scatter + all-gather (psi + psi).
+elements in flight). Per step: stage 0 an all-reduce (2 psi), stages 1/2 reduce-scatter + all-gather (psi + psi).
 """
 from __future__ import annotations
 
@@ -79,8 +79,6 @@ class ZeroOptimizer(StepStatsView, ZeroCheckpointing, OptimizerStateDict):
         zcfg = zero_config if zero_config is not None else ZeroConfig(stage=stage)
         if zero_config is not None and stage != zcfg.stage:
             raise ValueError(f"stage={stage} disagrees with zero_config.stage={zcfg.stage}; pass one of them")
-        if zero_config is None:
-            ZeroConfig(stage=stage)  # range check
         if stage == 3 and not isinstance(module, nn.Module):
             raise TypeError("ZeRO stage 3 needs module= (the model whose forward gathers the sharded params), got "
                             f"{type(module).__name__}")
@@ -345,6 +343,8 @@ class ZeroOptimizer(StepStatsView, ZeroCheckpointing, OptimizerStateDict):
         unit when ``each`` (the same math and rounding stream as one call), else one call (the host step: one)."""
         units = list(range(len(b.layout.units)))
         lowbit = lowbit_state.bits_of(b.mode) is not None
+        if lowbit:  # stochastic rounding of the codes: seeded per unit shard (lowbit_state.sr_salt)
+            kw["sr"] = (self.seed, self._rank()) if self.config.stochastic_rounding else None
         if self.placement.offload_optimizer:
             (lowbit_state.host_step if lowbit else host_step_buffer)(b, self._shards(b), grads, **kw)
             yield from units
