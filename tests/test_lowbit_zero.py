@@ -426,13 +426,22 @@ def test_zero_lowbit_step_equals_reference_on_the_reduced_gradients(step_runs, n
     assert torch.equal(step_runs[0][name]["params"], step_runs[1][name]["params"]), "dp ranks drifted apart"
 
 
+def hpz_body(names):
+    """step_checks_body, its arrays reduced to digests (a small result)."""
+    import hashlib
+
+    out = step_checks_body(names)
+    return {n: {k: hashlib.sha256(v.tobytes()).hexdigest() if hasattr(v, "tobytes") else v for k, v in r.items()}
+            for n, r in out.items()}
+
+
 def test_zero_lowbit_step_with_hpz_on_four_ranks():
     """hpZ (``zero_hpz_partition_size`` 2 of dp 4, ranks_per_node from it) with qwZ + two-level qgZ: each step of
     each rank equals the low-bit reference on the gradients it received; the ranks agree on the params."""
-    outs = run_ranks(step_checks_body, 4, list(HPZ_CASES), timeout=300)
+    outs = run_ranks(hpz_body, 4, list(HPZ_CASES), timeout=300)
     for name in HPZ_CASES:
         assert all(r[name]["exact"] == [True] * STEPS for r in outs), [r[name]["exact"] for r in outs]
-        assert all((r[name]["params"] == outs[0][name]["params"]).all() for r in outs), "dp ranks drifted apart"
+        assert len({r[name]["params"] for r in outs}) == 1, "dp ranks drifted apart"
         assert all(r[name]["from_secondary"] > 0 for r in outs), "backward gathered from the secondary shards"
         assert all(r[name]["calls"].get("all_gather_q") and r[name]["calls"].get("all_to_all_q") for r in outs)
 
