@@ -193,6 +193,7 @@ class _Pool:
         for p in self.procs:
             p.start()
         self.task_id = 0
+        self.early: list[tuple[int, str, Any]] = []  # cleanup replies that came before the task's last result
         self.alive = True
         replies = self._collect("ready", STARTUP_TIMEOUT, "start-up")
         errors = {r: tb for r, (status, tb) in replies.items() if status != "ok"}
@@ -218,6 +219,9 @@ class _Pool:
 
     def _collect(self, task_id, timeout: float, what: str) -> dict[int, tuple[str, Any]]:
         replies: dict[int, tuple[str, Any]] = {}
+        if task_id == ("cleanup", self.task_id):
+            replies.update({rank: (status, payload) for rank, status, payload in self.early})
+        self.early = []
         exited: set[int] = set()
         deadline = time.monotonic() + timeout
         while len(replies) < self.world_size:
@@ -239,7 +243,12 @@ class _Pool:
                 exited.update(dead)
                 continue
             if tid != task_id:
-                continue  # a late reply of an earlier, abandoned task
+                # a fast rank's cleanup reply can come while a slower rank's large result is still in the pipe:
+                # kept for the cleanup's collect (dropped, it cost that collect its whole timeout); else a late
+                # reply of an earlier, abandoned task
+                if tid == ("cleanup", self.task_id):
+                    self.early.append((rank, status, payload))
+                continue
             if status == "closed":
                 self.alive = False
                 continue

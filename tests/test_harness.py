@@ -97,3 +97,23 @@ def test_decorated_body_sees_its_world():
 def test_lambda_body_is_rejected():
     with pytest.raises(TypeError, match="module-level"):
         run_ranks(lambda: None, 1)
+
+
+def test_cleanup_reply_ahead_of_a_slower_result_is_kept():
+    """A fast rank's cleanup reply can reach the parent while a slower rank's large result is still in the pipe: the
+    cleanup collect must count it (dropping it cost the collect its whole timeout, then the pool). Replies fed in that
+    order to a pool's collect, as run() makes them: the task's, then the cleanup's, which has both ranks at once."""
+    import queue
+
+    import multirank
+
+    pool = multirank._Pool.__new__(multirank._Pool)
+    pool.world_size, pool.procs, pool.task_id, pool.early, pool.alive = 2, [], 7, [], True
+    pool.results = queue.Queue()
+    for reply in ((7, 1, "ok", "small"), (("cleanup", 7), 1, "ok", False), (6, 0, "ok", "stale"),
+                  (7, 0, "ok", "large"), (("cleanup", 7), 0, "ok", False)):
+        pool.results.put(reply)
+    assert pool._collect(7, 5.0, "body") == {0: ("ok", "large"), 1: ("ok", "small")}
+    start = time.monotonic()
+    assert pool._collect(("cleanup", 7), 5.0, "body cleanup") == {0: ("ok", False), 1: ("ok", False)}
+    assert time.monotonic() - start < 1.0 and pool.early == []
