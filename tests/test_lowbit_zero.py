@@ -21,7 +21,7 @@ from llmpar.distributed.collectives import CommCounter
 from llmpar.ops import lowbit as L
 from llmpar.zero import GatheredParameters, OptimizerConfig, ZeroConfig, ZeroOptimizer
 from llmpar.zero.loss_scale import LossScaler
-from multirank import run_ranks
+from multirank import multirank, run_ranks
 
 MICRO, STEPS, GAS, CLIP, LR, WD = 3, 3, 2, 0.5, 1e-2, 0.1
 BETAS = (0.9, 0.95)
@@ -489,12 +489,47 @@ def test_stochastic_rounding_setting_is_checked():
         OptimizerConfig(type="AdamW", stochastic_rounding=True)
 
 
-@pytest.mark.xfail(strict=True, reason="llmpar/runtime/blocks.py's _OPTIMIZER_PARAMS does not list "
-                                       "stochastic_rounding yet (OptimizerConfig takes it)")
 def test_stochastic_rounding_from_the_deepspeed_config():
     from llmpar.runtime.blocks import optimizer_block
 
-    cfg = optimizer_block({"type": "AdamW8bit", "params": {"lr": 1e-3, "stochastic_rounding": True}})
-    assert cfg.stochastic_rounding and cfg.state_precision == "int8"
+    cfg = optimizer_block({"type": "AdamW8bit", "params": {"lr": 1e-3, "stochastic_rounding": True, "seed": 7}})
+    assert cfg.stochastic_rounding and cfg.state_precision == "int8" and cfg.seed == 7
     with pytest.raises(TypeError, match="optimizer.params.stochastic_rounding"):
         optimizer_block({"type": "AdamW8bit", "params": {"stochastic_rounding": "true"}})
+    with pytest.raises(TypeError, match="optimizer.params.seed"):
+        optimizer_block({"type": "AdamW8bit", "params": {"seed": 1.5}})
+
+
+def test_client_fused_adamw_brings_its_rounding_and_seed():
+    """llmpar.initialize(optimizer=FusedAdamW(state_precision="int8", stochastic_rounding=True, seed=5)): the engine's
+    ZeRO optimizer rounds the codes stochastically from seed 5 (it used to drop both)."""
+    from llmpar.optim import FusedAdamW
+    from llmpar.runtime.client import client_optimizer
+
+    model = torch.nn.Linear(8, 4)
+    for sr, sp in ((True, "int8"), (False, "int4"), (True, None)):
+        opt = FusedAdamW(model.parameters(), lr=1e-3, state_precision=sp, stochastic_rounding=sr, seed=5)
+        _, _, cfg = client_optimizer(model, opt, None, 0.0)
+        assert cfg.seed == 5 and cfg.state_precision == sp
+        assert cfg.stochastic_rounding == (sr and sp is not None)  # (fp32 states: the flag rounds nothing)
+
+
+@multirank(2)
+def test_engine_takes_stochastic_rounding_and_seed_from_the_config():
+    """llmpar.initialize with {"type": "AdamW8bit", "params": {"stochastic_rounding": true, "seed": 3}}: the engine's
+    ZeRO optimizer rounds the codes from seed 3, and a second engine built alike steps to the same codes."""
+    import llmpar
+    from llmpar.models import GPT, GPTConfig
+
+    states = []
+    for _ in range(2):
+        model = GPT(GPTConfig(vocab_size=67, n_layer=1, n_head=2, d_model=16, seq_len=T), seed=0, dtype=torch.float32)
+        cfg = {"train_micro_batch_size_per_gpu": ROWS // 2, "steps_per_print": 1000,
+               "optimizer": {"type": "AdamW8bit", "params": {"lr": 1e-2, "stochastic_rounding": True, "seed": 3}},
+               "zero_optimization": {"stage": 2}}
+        engine, *_ = llmpar.initialize(model=model, config=cfg)
+        assert engine.optimizer.seed == 3 and engine.optimizer.config.stochastic_rounding
+        _train_step(engine, model, 0)
+        states.append(_states(engine))
+    for a, b in zip(*states):
+        assert all(torch.equal(a[k], b[k]) for k in a)

@@ -20,7 +20,8 @@ from llmpar.zero.config import OPTIMIZER_TYPES, OffloadConfig, OptimizerConfig, 
 from llmpar.zero.loss_scale import check_scaling
 
 _UNSUPPORTED_OPTIMIZERS = ("OneBitAdam", "ZeroOneAdam", "OneBitLamb", "Lamb", "Lion", "Adagrad", "Muon", "SGD")
-_OPTIMIZER_PARAMS = ["lr", "betas", "eps", "weight_decay", "precision", "state_precision"]
+_OPTIMIZER_PARAMS = ["lr", "betas", "eps", "weight_decay", "precision", "state_precision", "stochastic_rounding",
+                     "seed"]
 _SCHEDULER_PARAMS = {  # the params block each schedule takes
     "WarmupLR": ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type"),
     "WarmupDecayLR": ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "total_num_steps"),

@@ -84,8 +84,9 @@ def client_optimizer(model: nn.Module, optimizer: Any, model_parameters: Any, cl
     precision, state_precision = precisions.pop() if precisions else ("auto", None)
     if state_precision == "bf16":  # FusedAdamW's spelling of the bf16_sr mode
         precision, state_precision = "bf16_sr", None
-    cfg = OptimizerConfig(type="AdamW", precision=precision, state_precision=state_precision,
-                          **{k: first[k] for k in _HYPER})
+    sr = bool(getattr(optimizer, "stochastic_rounding", False)) and state_precision in ("int8", "int4")
+    cfg = OptimizerConfig(type="AdamW", precision=precision, state_precision=state_precision, stochastic_rounding=sr,
+                          seed=int(getattr(optimizer, "seed", 0)), **{k: first[k] for k in _HYPER})
     return optimizer, groups, cfg
 
 

@@ -182,6 +182,7 @@ class OptimizerConfig:
     precision: str = "auto"
     state_precision: str | None = None
     stochastic_rounding: bool = False
+    seed: int = 0  # of the stochastic rounding (low-bit codes, and the bf16_sr / bf16 states' rounding)
 
     def __post_init__(self) -> None:
         if not isinstance(self.type, str) or self.type.lower() not in OPTIMIZER_TYPES:
@@ -207,6 +208,8 @@ class OptimizerConfig:
             raise ValueError('"optimizer.params.stochastic_rounding"=true applies to the 8- / 4-bit states (types '
                              f'AdamW8bit / AdamW4bit), not to type {self.type!r} with fp32 states (bf16 params and '
                              'moments with stochastic rounding: "precision": "bf16_sr")')
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2 ** 63:
+            raise TypeError(f'"optimizer.params.seed"={self.seed!r} must be an integer in [0, 2^63)')
         self.lr = as_float("optimizer.params.lr", self.lr, minimum=0.0, maximum=FLOAT32_MAX)
         if not isinstance(self.betas, (list, tuple)) or len(self.betas) != 2:
             raise ValueError(f'"optimizer.params.betas"={self.betas!r} must be two numbers in [0, 1)')
