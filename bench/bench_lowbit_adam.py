@@ -5,6 +5,8 @@ side by side in one interleaved run, at 10M, 30M and 100M params.
     python bench/bench_lowbit_adam.py                       # 10M 30M 100M
     python bench/bench_lowbit_adam.py --sizes 10M --repeats 5
     python bench/bench_lowbit_adam.py --device cuda        # GPU: torch fused vs llmpar CUDA / Triton int8, int4
+    python bench/bench_lowbit_adam.py --sizes 10M --isas scalar avx2 avx512 --name lowbit_adam_cpu_isas
+                                                           # + the low-bit kernel capped at each CPU build
 
 Cases (all share one flat float32 param buffer and its grad, as the offload step sees a ZeRO flat shard; each keeps
 its own state):
@@ -36,7 +38,7 @@ from bench_optim import copy_bandwidth  # noqa: E402
 from harness import compare, write_results  # noqa: E402
 
 from llmpar.ops import _cpu_ext, lowbit  # noqa: E402
-from llmpar.ops.cpu_adam import ISAS, cpu_adamw_step, isa_code  # noqa: E402
+from llmpar.ops.cpu_adam import ISA_ENV, ISAS, cpu_adamw_step, isa_code  # noqa: E402
 from llmpar.ops.lowbit_kernels import cpu_step, cuda_step, triton_step  # noqa: E402
 
 # multiples of 256: torchao quantizes a param's state only when its numel is a multiple of the block size (else it
@@ -76,7 +78,27 @@ def torchao_step(params: list[torch.nn.Parameter], bits: int) -> tuple[Callable[
         return None, f"{type(exc).__name__}: {str(exc)[:200]}"
 
 
-def cases_for(n: int, torchao: bool) -> tuple[dict[str, Callable[[], object]], dict[str, str]]:
+def with_isa(fn: Callable[[], object], isa: str) -> Callable[[], object]:
+    """fn run under LLMPAR_CPU_ISA=isa (the kernel reads it per call)."""
+    def run() -> object:
+        old = os.environ.get(ISA_ENV)
+        os.environ[ISA_ENV] = isa
+        try:
+            return fn()
+        finally:
+            if old is None:
+                os.environ.pop(ISA_ENV, None)
+            else:
+                os.environ[ISA_ENV] = old
+    return run
+
+
+def bytes_of(name: str) -> float:
+    return BYTES[name.split(" [")[0]]  # "llmpar int8+bf16 [avx2]": the bytes of its kernel
+
+
+def cases_for(n: int, torchao: bool, isas: list[str] | None = None
+              ) -> tuple[dict[str, Callable[[], object]], dict[str, str]]:
     g = torch.Generator().manual_seed(0)
     flat = torch.randn(n, generator=g).mul_(0.02)
     grad = torch.randn(n, generator=g).mul_(1e-3)
@@ -104,6 +126,8 @@ def cases_for(n: int, torchao: bool) -> tuple[dict[str, Callable[[], object]], d
                      bits=bits, qmap_m=qm, qmap_v=qv, **kw)
 
         cases[f"llmpar int{bits}+bf16"] = step
+        for isa in isas or ():  # the same kernel capped at narrower builds, side by side
+            cases[f"llmpar int{bits}+bf16 [{isa}]"] = with_isa(step, isa)
     if torchao:
         for bits in (8, 4):
             p = torch.nn.Parameter(param.detach().clone())
@@ -153,8 +177,8 @@ def main_gpu(args) -> None:
         cmp = compare(cases, baseline=BASELINE, warmup=args.warmup, repeats=args.repeats, device=device)
         print(f"== {size}\n{cmp.table()}")
         for row in cmp.rows(size=size, params_M=round(n / 1e6, 1)):
-            gbs = BYTES[row["name"]] * n / (row["median_ms"] / 1e3) / 1e9
-            row["bytes/param"] = round(BYTES[row["name"]], 2)
+            gbs = bytes_of(row["name"]) * n / (row["median_ms"] / 1e3) / 1e9
+            row["bytes/param"] = round(bytes_of(row["name"]), 2)
             row["GB/s"], row["% copy BW"] = gbs, 100 * gbs / copy_gbs
             rows.append(row)
         del cases
@@ -176,6 +200,8 @@ def main() -> None:
                     help="time torchao's AdamW8bit / AdamW4bit too where importable")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--isas", nargs="*", default=[], choices=list(ISAS),
+                    help="also time the low-bit kernel capped at these CPU builds (LLMPAR_CPU_ISA), e.g. avx2 avx512")
     args = ap.parse_args()
     if args.device == "cuda":
         return main_gpu(args)
@@ -193,16 +219,16 @@ def main() -> None:
     notes: dict[str, str] = {}
     for size in args.sizes:
         n = SIZES[size]
-        cases, size_notes = cases_for(n, args.torchao)
+        cases, size_notes = cases_for(n, args.torchao, args.isas)
         notes.update({f"{size} {k}": v for k, v in size_notes.items()})
         print(f"== {size}: {', '.join(cases)}")
         cmp = compare(cases, baseline=BASELINE, warmup=args.warmup, repeats=args.repeats)
         print(cmp.table())
         for row in cmp.rows(size=size, params_M=round(n / 1e6, 1)):
-            gbs = BYTES[row["name"]] * n / (row["median_ms"] / 1e3) / 1e9
-            row["bytes/param"] = round(BYTES[row["name"]], 2)
+            gbs = bytes_of(row["name"]) * n / (row["median_ms"] / 1e3) / 1e9
+            row["bytes/param"] = round(bytes_of(row["name"]), 2)
             row["GB/s"], row["% copy BW"] = gbs, 100 * gbs / copy_gbs
-            row["floor_ms"] = BYTES[row["name"]] * n / (copy_gbs * 1e9) * 1e3
+            row["floor_ms"] = bytes_of(row["name"]) * n / (copy_gbs * 1e9) * 1e3
             rows.append(row)
         del cases
         gc.collect()
