@@ -13,7 +13,9 @@
 // p is the float32 param or master; out (if not null) receives p as bfloat16, round to nearest even, in the same pass.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 #include "adam.h"  // LLMPAR_TARGET_BEGIN / END, Isa
 
@@ -68,6 +70,43 @@ using LowbitRangeFn = void (*)(const LowbitRange&, const LowbitHyper&, const Low
                                int bits);
 
 inline constexpr int lowbit_block(int bits) { return bits == 8 ? 256 : 128; }
+
+// The blocks [block_begin, block_end) of r, one call fn(p, g, m_codes, m_scale, v_codes, v_scale, out, k) each
+// (the block's first element, code byte and scale; out nullptr when r has none; k valid elements): the blocks wholly
+// inside the tensor in place, the tensor's last, partial block on a zero-padded copy (64-byte aligned), copied back
+// with the unused high nibble of its last code byte cleared at 4 bits. The loop of the vector builds.
+template <int BITS, typename Fn>
+inline void for_each_block(const LowbitRange& r, Fn&& fn) {
+  constexpr int B = lowbit_block(BITS);
+  constexpr int CB = B * BITS / 8;  // code bytes per block
+  const int64_t full = std::min(r.block_end, r.n / B);
+  for (int64_t b = r.block_begin; b < full; ++b) {
+    const int64_t i0 = b * B;
+    fn(r.param + i0, r.grad + i0, r.m_codes + b * CB, r.m_scale + b, r.v_codes + b * CB, r.v_scale + b,
+       r.out != nullptr ? r.out + i0 : nullptr, B);
+  }
+  for (int64_t b = std::max(full, r.block_begin); b < r.block_end; ++b) {
+    const int64_t i0 = b * B;
+    const int k = static_cast<int>(r.n - i0);
+    const int kb = (k * BITS + 7) / 8;
+    alignas(64) float p[B] = {}, g[B] = {};
+    alignas(64) uint8_t mc[CB] = {}, vc[CB] = {};
+    alignas(64) uint16_t o[B];
+    std::memcpy(p, r.param + i0, sizeof(float) * k);
+    std::memcpy(g, r.grad + i0, sizeof(float) * k);
+    std::memcpy(mc, r.m_codes + b * CB, kb);
+    std::memcpy(vc, r.v_codes + b * CB, kb);
+    fn(p, g, mc, r.m_scale + b, vc, r.v_scale + b, r.out != nullptr ? o : nullptr, k);
+    if (BITS == 4 && (k & 1)) {
+      mc[kb - 1] &= 0x0F;
+      vc[kb - 1] &= 0x0F;
+    }
+    std::memcpy(r.param + i0, p, sizeof(float) * k);
+    std::memcpy(r.m_codes + b * CB, mc, kb);
+    std::memcpy(r.v_codes + b * CB, vc, kb);
+    if (r.out != nullptr) std::memcpy(r.out + i0, o, sizeof(uint16_t) * k);
+  }
+}
 
 // builds a LowbitMap from 2^bits floats
 void lowbit_prepare_map(const float* q, int bits, LowbitMap* out);

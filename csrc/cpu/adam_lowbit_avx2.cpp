@@ -222,38 +222,17 @@ inline void block(const Consts& c, const LowbitMap& mm, const MapRegs& mr, const
 template <int BITS>
 void run(const llmpar_cpu::LowbitRange& r, const llmpar_cpu::LowbitHyper& h, const LowbitMap& mm,
          const LowbitMap& vm) {
-  constexpr int B = llmpar_cpu::lowbit_block(BITS);
-  constexpr int CB = B * BITS / 8;  // code bytes per block
   const Consts c(h);
   const MapRegs mr(mm, BITS), vr(vm, BITS);
-  const int64_t full = std::min(r.block_end, r.n / B);  // blocks wholly inside the tensor
-  for (int64_t b = r.block_begin; b < full; ++b) {
-    const int64_t i0 = b * B;
-    block<BITS, false>(c, mm, mr, vm, vr, r.param + i0, r.grad + i0, r.m_codes + b * CB, r.m_scale + b,
-                       r.v_codes + b * CB, r.v_scale + b, r.out != nullptr ? r.out + i0 : nullptr, B);
-  }
-  for (int64_t b = std::max(full, r.block_begin); b < r.block_end; ++b) {  // the tensor's last, partial block
-    const int64_t i0 = b * B;
-    const int k = static_cast<int>(r.n - i0);
-    const int kb = (k * BITS + 7) / 8;
-    alignas(32) float p[B] = {}, g[B] = {};
-    alignas(32) uint8_t mc[CB] = {}, vc[CB] = {};
-    alignas(32) uint16_t o[B];
-    std::memcpy(p, r.param + i0, sizeof(float) * k);
-    std::memcpy(g, r.grad + i0, sizeof(float) * k);
-    std::memcpy(mc, r.m_codes + b * CB, kb);
-    std::memcpy(vc, r.v_codes + b * CB, kb);
-    block<BITS, true>(c, mm, mr, vm, vr, p, g, mc, r.m_scale + b, vc, r.v_scale + b, r.out != nullptr ? o : nullptr,
-                      k);
-    if (BITS == 4 && (k & 1)) {  // the unused high nibble of the last byte: 0
-      mc[kb - 1] &= 0x0F;
-      vc[kb - 1] &= 0x0F;
+  constexpr int B = llmpar_cpu::lowbit_block(BITS);
+  llmpar_cpu::for_each_block<BITS>(r, [&](float* p, const float* g, uint8_t* mc, float* ms, uint8_t* vc, float* vs,
+                                          uint16_t* out, int k) {
+    if (k == B) {
+      block<BITS, false>(c, mm, mr, vm, vr, p, g, mc, ms, vc, vs, out, B);
+    } else {
+      block<BITS, true>(c, mm, mr, vm, vr, p, g, mc, ms, vc, vs, out, k);
     }
-    std::memcpy(r.param + i0, p, sizeof(float) * k);
-    std::memcpy(r.m_codes + b * CB, mc, kb);
-    std::memcpy(r.v_codes + b * CB, vc, kb);
-    if (r.out != nullptr) std::memcpy(r.out + i0, o, sizeof(uint16_t) * k);
-  }
+  });
 }
 
 }  // namespace
