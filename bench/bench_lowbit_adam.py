@@ -11,12 +11,14 @@ side by side in one interleaved run, at 10M, 30M and 100M params.
 Cases (all share one flat float32 param buffer and its grad, as the offload step sees a ZeRO flat shard; each keeps
 its own state):
     torch fused            torch.optim.AdamW(fused=True).step(): fp32 m, v (the baseline)
+    torch fused + bf16     the same, then the bf16 copy of the params the offload step hands back (out.copy_(p)):
+                           what torch does for the whole host step; the low-bit cases write that copy in their pass
     llmpar fp32+bf16       llmpar.ops.cpu_adamw_step with the bf16 copy of the params in the same pass
     llmpar int8+bf16       llmpar.ops.lowbit_kernels.cpu_step, 8-bit m, v, float32 master, bf16 params in the pass
     llmpar int4+bf16       the same with 4-bit m, v
     torchao AdamW8bit/4bit torchao.optim on the CPU (fp32 params; its step is torch.compile'd), when it imports
 Bytes per param a step must move (read + written), the floor each case is held to: torch fused 28 (p, g, m, v read;
-p, m, v written); llmpar fp32+bf16 30; int8+bf16 18 + scales (master 8, grad 4, codes 2 + 2, bf16 2); int4+bf16 16 +
+p, m, v written), + bf16 34 (p read again, 2 written); llmpar fp32+bf16 30; int8+bf16 18 + scales (master 8, grad 4, codes 2 + 2, bf16 2); int4+bf16 16 +
 scales; torchao int8 / int4 (fp32 params, no copy): 14 / 13 + scales. On the GPU (--device cuda, results
 lowbit_adam_gpu.*): torch fused (fp32 params, m, v), then llmpar's CUDA and Triton kernels with bf16 params + float32
 masters (the bytes of int8+bf16 / int4+bf16). GB/s = those bytes / median time, next to the
@@ -53,7 +55,7 @@ def state_bytes_per_param(bits: int) -> float:
     return 2 * 2 * (bits / 8 + 4 / lowbit.BLOCK[bits])
 
 
-BYTES = {"torch fused": 28.0, "llmpar cuda int8+bf16": 14.0 + state_bytes_per_param(8),
+BYTES = {"torch fused": 28.0, "torch fused + bf16": 34.0, "llmpar cuda int8+bf16": 14.0 + state_bytes_per_param(8),
          "llmpar cuda int4+bf16": 14.0 + state_bytes_per_param(4),
          "llmpar triton int8+bf16": 14.0 + state_bytes_per_param(8),
          "llmpar triton int4+bf16": 14.0 + state_bytes_per_param(4), "llmpar fp32+bf16": 30.0,
@@ -107,6 +109,10 @@ def cases_for(n: int, torchao: bool, isas: list[str] | None = None
     cases: dict[str, Callable[[], object]] = {}
     notes: dict[str, str] = {}
     cases[BASELINE] = torch.optim.AdamW([param], fused=True, **HYPER).step
+    twin = torch.nn.Parameter(param.detach().clone())
+    twin.grad = grad
+    twin_step, twin16 = torch.optim.AdamW([twin], fused=True, **HYPER).step, torch.empty(n, dtype=torch.bfloat16)
+    cases["torch fused + bf16"] = lambda: (twin_step(), twin16.copy_(twin.detach()))
     kw = dict(lr=HYPER["lr"], beta1=HYPER["betas"][0], beta2=HYPER["betas"][1], eps=HYPER["eps"],
               weight_decay=HYPER["weight_decay"])
     p32 = [param.detach()]
