@@ -215,7 +215,7 @@ def test_stochastic_rounding_unbiased_and_reproducible():
     x[128:256] = 1.0  # not needed zero here
     reps = []
     for k in range(64):
-        codes, scale = L.quantize(x, 4, True, generator=L._sr_generator(11, k, x.device))
+        codes, scale = L.quantize(x, 4, True, noise=L._uniform(k, 0, x.numel(), x.device))
         reps.append(L.dequantize(codes, scale, 4, True, x.numel()))
     mean = torch.stack(reps).mean(0)
     nearest = L.dequantize(*L.quantize(x, 4, True), 4, True, x.numel())
@@ -223,8 +223,8 @@ def test_stochastic_rounding_unbiased_and_reproducible():
     err_sr = (mean - x)[inside].abs().mean()
     err_rn = (nearest - x)[inside].abs().mean()
     assert float(err_sr) < 0.5 * float(err_rn), (float(err_sr), float(err_rn))
-    a = L.quantize(x, 4, True, generator=L._sr_generator(11, 0, x.device))
-    b = L.quantize(x, 4, True, generator=L._sr_generator(11, 0, x.device))
+    a = L.quantize(x, 4, True, generator=torch.Generator().manual_seed(11))
+    b = L.quantize(x, 4, True, generator=torch.Generator().manual_seed(11))
     assert torch.equal(a[0], b[0])
 
     def run(seed):
@@ -234,6 +234,39 @@ def test_stochastic_rounding_unbiased_and_reproducible():
         return s["m_codes"]
 
     assert torch.equal(run(5), run(5)) and not torch.equal(run(5), run(6))
+
+
+@pytest.mark.parametrize("bits", (8, 4))
+def test_stochastic_rounding_of_shards_equals_the_whole(bits):
+    """A tensor cut into block-aligned shards, each stepped with the whole's salt and its offset in the whole
+    (``sr_offsets``, as ZeRO steps its unit shards), rounds exactly as the whole does: stochastic rounding does not
+    depend on how many shards there are. Other offsets draw other numbers."""
+    block = L.BLOCK[bits]
+    n = 7 * block + 5
+    p, _, g, s = _random_case(n, bits, torch.float32, seed=9)
+    whole = {k: t.clone() for k, t in s.items()}
+    pw = p.clone()
+    L.adamw_lowbit_step([pw], [g], [whole["m_codes"]], [whole["m_scale"]], [whole["v_codes"]], [whole["v_scale"]],
+                        [torch.tensor(2.0)], None, bits=bits, seed=3, salts=[17], **HYPER)
+    cuts = (0, 2 * block, 3 * block, n)
+    cb = 1 if bits == 8 else 2  # elements per code byte
+    for shift, same in ((0, True), (block, False)):
+        shards = []
+        for a, b in zip(cuts[:-1], cuts[1:]):
+            st = {k: s[k][a // cb:-(-b // cb)].clone() for k in ("m_codes", "v_codes")}
+            st.update({k: s[k][a // block:-(-b // block)].clone() for k in ("m_scale", "v_scale")})
+            ps = p[a:b].clone()
+            L.adamw_lowbit_step([ps], [g[a:b]], [st["m_codes"]], [st["m_scale"]], [st["v_codes"]], [st["v_scale"]],
+                                [torch.tensor(2.0)], None, bits=bits, seed=3, salts=[17], sr_offsets=[a + shift],
+                                **HYPER)
+            shards.append((ps, st))
+        for k in ("m_codes", "v_codes", "m_scale", "v_scale"):  # (scales: the absmax, before any rounding)
+            got = torch.cat([st[k] for _, st in shards])
+            assert torch.equal(got, whole[k]) == (same or "scale" in k), (k, shift)
+        assert torch.equal(torch.cat([ps for ps, _ in shards]), pw)
+    with pytest.raises(ValueError, match="sr_offsets"):
+        L.adamw_lowbit_step([p], [g], [s["m_codes"]], [s["m_scale"]], [s["v_codes"]], [s["v_scale"]],
+                            [torch.tensor(2.0)], None, bits=bits, seed=3, sr_offsets=[-1], **HYPER)
 
 
 def test_bad_inputs():

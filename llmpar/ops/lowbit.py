@@ -60,7 +60,7 @@ from typing import NamedTuple
 
 import torch
 
-from llmpar.ops.adamw import step_salts
+from llmpar.ops.adamw import _mix, step_salts
 from llmpar.ops.lowbit_maps import BITS, BLOCK, check_bits, dynamic_map, midpoints, qmap
 
 _PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # with masters (the kernels: bf16)
@@ -100,20 +100,32 @@ def unpack4(packed: torch.Tensor, n: int) -> torch.Tensor:
 # ------------------------------------------------------------------------------------- quantize / dequantize
 
 
-def _sr_generator(seed: int, salt: int, device: torch.device) -> torch.Generator:
-    from llmpar.ops.adamw import _mix
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit multiply-xorshift hash of int64 lanes < 2^32 (multipliers < 2^31: the products stay below 2^63)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x = x ^ (x >> 15)
+    x = (x * 0x2C1B3C6D) & 0xFFFFFFFF
+    return x ^ (x >> 16)
 
-    gen = torch.Generator(device=device)
-    gen.manual_seed(_mix(int(seed), int(salt)))
-    return gen
+
+def _uniform(key: int, start: int, n: int, device: torch.device) -> torch.Tensor:
+    """float32 [n] in [0, 1): counters start .. start + n - 1 of stream ``key`` (< 2^63), each hashed on its own, so
+    a counter gives its number wherever it is drawn: a shard of a tensor draws what the whole tensor draws there."""
+    c = torch.arange(start, start + n, device=device, dtype=torch.int64)
+    x = _hash32((c & 0xFFFFFFFF) ^ (key & 0xFFFFFFFF))
+    x = _hash32(x ^ (c >> 32) ^ (key >> 32))
+    return (x >> 8).to(torch.float32) * 2.0 ** -24
 
 
 def quantize(x: torch.Tensor, bits: int, signed: bool, *, qmap_: torch.Tensor | None = None,
-             generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             generator: torch.Generator | None = None, noise: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
     """Block quantization of ``x`` (any shape, n elements, read flat, float32 math) -> (codes uint8 [n] or
     [ceil(n/2)], scale float32 [ceil(n/B)]), as the module docstring states. ``generator``: stochastic rounding (the
     code is one of the two entries around y, the upper with probability (y - lo) / (hi - lo): unbiased inside the
-    map's range); None rounds to nearest. ``qmap_``: the map (default ``qmap(bits, signed)``)."""
+    map's range); None rounds to nearest. ``noise``: stochastic rounding with these uniforms in [0, 1) instead (float32,
+    ceil(n/B) * B of them: one per element of the padded blocks). ``qmap_``: the map (default ``qmap(bits, signed)``)."""
     bits = check_bits(bits)
     if not x.is_floating_point():
         raise TypeError(f"x has dtype {x.dtype}; quantize takes floating-point tensors")
@@ -129,13 +141,13 @@ def quantize(x: torch.Tensor, bits: int, signed: bool, *, qmap_: torch.Tensor | 
     scale = xb.abs().amax(dim=1) if n else flat.new_zeros(0)
     r = torch.where(scale == 0, torch.ones_like(scale), scale).reciprocal()  # s == 0: x == 0, y = 0
     y = xb * r[:, None]
-    if generator is None:
+    if generator is None and noise is None:
         codes = torch.searchsorted(midpoints(q), y, side="left")
     else:
         lo = (torch.searchsorted(q, y, side="right") - 1).clamp_(0, q.numel() - 2)
         qlo, qhi = q[lo], q[lo + 1]
         frac = ((y - qlo) / (qhi - qlo)).clamp_(0.0, 1.0)
-        u = torch.rand(y.shape, generator=generator, device=y.device, dtype=torch.float32)
+        u = noise.view(y.shape) if noise is not None else torch.rand(y.shape, generator=generator, device=y.device)
         codes = lo + (u < frac).to(lo.dtype)
     codes = codes.reshape(-1)[:n].to(torch.uint8)
     return (codes if bits == 8 else pack4(codes)), scale.contiguous()
@@ -303,13 +315,16 @@ def adamw_lowbit_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tens
                       steps: Sequence[torch.Tensor], masters: Sequence[torch.Tensor] | None, *, bits: int,
                       lr: float | torch.Tensor, beta1: float, beta2: float, eps: float, weight_decay: float,
                       gscale: float | torch.Tensor | None = None, found_inf: torch.Tensor | None = None,
-                      seed: int | None = None, salts: Sequence[int] | None = None) -> None:
+                      seed: int | None = None, salts: Sequence[int] | None = None,
+                      sr_offsets: Sequence[int] | None = None) -> None:
     """One low-bit AdamW step, in place, over every tensor (module docstring); increments ``steps`` unless found_inf.
 
     params[i] any shape (float32, or bf16 / float32 with float32 ``masters[i]``); grads[i] the same numel; codes and
     scales as :func:`check_state`; steps[i] float32 0-d. gscale multiplies the grads (clip coefficient, loss-scale
     inverse) and is not left in them. seed: None rounds codes to nearest (kernels may run); an int rounds them
-    stochastically on the torch path, reproducibly as a function of (seed, step, salts[i]).
+    stochastically on the torch path: element e of tensor i draws counter sr_offsets[i] + e (default 0) of the stream
+    of (seed, step, salts[i], moment), so tensors that are shards of one (ZeRO's unit shards: the same salt, their
+    offsets in the unit) round exactly as the whole would, at any number of shards.
     """
     bits = check_bits(bits)
     lists = [list(x) for x in (params, grads, m_codes, m_scales, v_codes, v_scales, steps)]
@@ -321,6 +336,9 @@ def adamw_lowbit_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tens
     if not params:
         return
     salts = step_salts(salts, len(params))
+    offsets = [0] * len(params) if sr_offsets is None else [int(o) for o in sr_offsets]
+    if len(offsets) != len(params) or any(o < 0 for o in offsets):
+        raise ValueError(f"sr_offsets={list(sr_offsets or [])} must hold one int >= 0 per param ({len(params)})")
     with torch.no_grad():
         kernel = _kernels() if seed is None else None
         device = params[0].device
@@ -352,12 +370,13 @@ def adamw_lowbit_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tens
             w.addcdiv_(m, denom, value=-lr_f / (1.0 - beta1 ** t))
             if masters is not None:
                 p.view(-1).copy_(w)
-            gen_m = gen_v = None
+            u_m = u_v = None
             if seed is not None:
-                gen_m = _sr_generator(seed, (salts[i] << 32) + int(t) * 2, device)
-                gen_v = _sr_generator(seed, (salts[i] << 32) + int(t) * 2 + 1, device)
-            mc, ms = quantize(m, bits, True, qmap_=qm, generator=gen_m)
-            vc, vs = quantize(v, bits, False, qmap_=qv, generator=gen_v)
+                count = num_blocks(n, bits) * BLOCK[bits]
+                u_m = _uniform(_mix(seed, int(t), salts[i], 0), offsets[i], count, device)
+                u_v = _uniform(_mix(seed, int(t), salts[i], 1), offsets[i], count, device)
+            mc, ms = quantize(m, bits, True, qmap_=qm, noise=u_m)
+            vc, vs = quantize(v, bits, False, qmap_=qv, noise=u_v)
             m_codes[i].view(-1).copy_(mc)
             m_scales[i].copy_(ms)
             v_codes[i].view(-1).copy_(vc)

@@ -169,9 +169,8 @@ class OptimizerConfig:
     ``type`` "AdamW8bit" / "AdamW4bit": AdamW with block-quantized 8- / 4-bit moments (``llmpar.ops.lowbit``), i.e.
     ``state_precision`` "int8" / "int4" (which may also be given directly, with type AdamW); float32 params step in
     place, bf16 params keep a float32 master. ``stochastic_rounding`` (low-bit states only): the codes are rounded
-    stochastically (unbiased; the torch path), reproducibly from the optimizer's ``seed``, the step count, and each
-    unit shard's place in the flat layout (``lowbit_state.sr_salt``): a rerun at the same dp degree and units repeats
-    the run bitwise, one at another dp degree draws other random numbers (shards start at other blocks).
+    stochastically (unbiased; the torch path), reproducibly from ``seed``, the step count and each element's place in
+    its ZeRO unit (``lowbit_state.sr_salt`` / ``sr_offset``): the same codes at any dp degree, and bitwise on a rerun.
     """
 
     type: str = "AdamW"

@@ -20,12 +20,10 @@ offsets: m_codes / v_codes uint8 [partition] (8 bits) or [partition / 2] (4 bits
 masters, as for fp32 states).
 
 Stochastic rounding (``OptimizerConfig.stochastic_rounding``; ``sr=(seed, rank)`` below): each unit shard is one tensor
-of the low-bit step, whose random stream is a function of (seed, step count, salt); the salt is :func:`sr_salt` of
-the buffer's key, the unit and the shard's first block in the unit. So the rounding does not depend on the stage, the
-offload or the order of the unit steps, and a rerun (or a resumed run) at the same dp degree and units repeats it
-bitwise; at another dp degree the shards start at other blocks and draw other (equally distributed) numbers. (A
-stream per block, independent of dp, would need the step to take a per-block salt: a stream per tensor is what
-``llmpar.ops.lowbit`` offers, and one call per block would cost a launch per 128 / 256 elements.)
+of the low-bit step, salted by :func:`sr_salt` (the buffer's key and the unit) and offset by the shard's first element
+in the unit: an element draws the counter of its place in the unit from the stream of (seed, step count, salt), as
+the whole unit would (``lowbit.adamw_lowbit_step``'s ``sr_offsets``). So, like nearest rounding, it gives the same
+codes at any dp degree, stage, offload or order of the unit steps, and a resumed run repeats it bitwise.
 """
 from __future__ import annotations
 
@@ -97,26 +95,30 @@ def unit_views(b: Any, key: str, units: list[int] | range | None = None) -> list
     return [unit_view(b.layout, b.state[key], key, u, bits) for u in units]
 
 
-def sr_salt(b: Any, unit: int, rank: int) -> int:
-    """The stochastic-rounding salt (32 bits) of rank ``rank``'s shard of unit ``unit`` of buffer ``b``: a hash of
-    the buffer's key (param group, dtype, tensor-parallel kind), the unit and the shard's first block in the unit."""
-    u, bits = b.layout.units[unit], bits_of(b.mode)
-    assert bits is not None
-    first_block = rank * u.shard_numel(b.layout.shards) // lowbit.BLOCK[bits]
-    return zlib.crc32(repr((b.key[0], str(b.key[1]), bool(b.key[3]), unit, first_block)).encode())
+def sr_salt(b: Any, unit: int) -> int:
+    """The stochastic-rounding salt (32 bits) of unit ``unit`` of buffer ``b``: a hash of the buffer's key (param
+    group, dtype, tensor-parallel kind) and the unit; every shard of the unit draws from its stream."""
+    return zlib.crc32(repr((b.key[0], str(b.key[1]), bool(b.key[3]), unit)).encode())
+
+
+def sr_offset(b: Any, unit: int, rank: int) -> int:
+    """Where rank ``rank``'s shard of unit ``unit`` starts in the unit (elements): its first counter of the stream."""
+    return rank * b.layout.units[unit].shard_numel(b.layout.shards)
 
 
 def step_units(b: Any, params: list[torch.Tensor], grads: list[torch.Tensor], units: list[int], *,
                masters: list[torch.Tensor] | None, steps: list[torch.Tensor], sr: tuple[int, int] | None = None,
                **hyper: Any) -> None:
     """The low-bit AdamW step over units ``units`` of buffer ``b`` (params / grads / masters: those units' shards).
-    ``sr``: None rounds the codes to nearest; ``(seed, rank)`` stochastically, salted by :func:`sr_salt`."""
+    ``sr``: None rounds the codes to nearest; ``(seed, rank)`` stochastically (:func:`sr_salt`, :func:`sr_offset`)."""
     bits = bits_of(b.mode)
     assert bits is not None
     m_codes, m_scale, v_codes, v_scale = (unit_views(b, k, units) for k in CODE_KEYS)
-    seed, salts = (None, None) if sr is None else (int(sr[0]), [sr_salt(b, u, sr[1]) for u in units])
+    seed, salts, offsets = None, None, None
+    if sr is not None:
+        seed, salts, offsets = int(sr[0]), [sr_salt(b, u) for u in units], [sr_offset(b, u, sr[1]) for u in units]
     lowbit.adamw_lowbit_step(params, grads, m_codes, m_scale, v_codes, v_scale, steps, masters, bits=bits,
-                             seed=seed, salts=salts, **hyper)
+                             seed=seed, salts=salts, sr_offsets=offsets, **hyper)
 
 
 def step_each(b: Any, shards: list[torch.Tensor], grads: list[torch.Tensor], units: list[int],
