@@ -533,3 +533,52 @@ def test_engine_takes_stochastic_rounding_and_seed_from_the_config():
         states.append(_states(engine))
     for a, b in zip(*states):
         assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def sr_dp_body(cases):
+    """Each rank: one ZeroOptimizer over dp=2 (the world) and one over dp=1 (a group of itself), identical nets and
+    identical gradients on every rank (the dp=2 mean of two equal gradients is that gradient, exactly), stochastic
+    rounding from seed 5; after 3 steps, each unit's codes gathered from the dp=2 shards and the dp=1 codes."""
+    from llmpar.zero import lowbit_state
+
+    os.environ["LLMPAR_BACKEND"] = "torch"
+    rank = dist.get_rank()
+    solo = [dist.new_group([r]) for r in range(dist.get_world_size())][rank]
+    out = {}
+    for typ, stage, bucket in cases:
+        runs = []
+        for group in (dist.group.WORLD, solo):
+            net = Net(torch.float32)
+            cfg = OptimizerConfig(type=typ, lr=LR, betas=BETAS, weight_decay=WD, stochastic_rounding=True)
+            opt = ZeroOptimizer(groups(net), cfg, group, stage=stage, seed=5,
+                                zero_config=ZeroConfig(stage=stage, reduce_bucket_size=bucket))
+            for s in range(3):
+                x, y = batch(s, 0, 2 * MICRO, torch.float32)
+                loss_fn(net, x, y).backward()
+                opt.step()
+                opt.zero_grad()
+            units = []
+            for b in opt.buffers:
+                for u in range(len(b.layout.units)):
+                    for key in lowbit_state.CODE_KEYS:
+                        shard = lowbit_state.unit_view(b.layout, b.state[key], key, u, lowbit_state.bits_of(b.mode))
+                        parts = [torch.empty_like(shard) for _ in range(dist.get_world_size(group))]
+                        dist.all_gather(parts, shard.contiguous(), group=group)
+                        units.append(torch.cat(parts).float().numpy())
+            runs.append(dict(units=units, params=flat(net).numpy(), n_units=[len(b.layout.units) for b in opt.buffers]))
+            opt.destroy()
+        out[typ] = runs
+    return out
+
+
+def test_zero_stochastic_rounding_does_not_depend_on_dp():
+    """The same training with stochastic rounding at dp=2 and at dp=1: every unit's codes and scales agree bitwise
+    (up to the dp=2 unit's extra padding at its end: zeros), and so do the params: each element draws the random
+    number of its place in its unit, whichever shard holds it."""
+    outs = run_ranks(sr_dp_body, 2, [("AdamW8bit", 2, 700), ("AdamW4bit", 1, 300)], timeout=300)
+    for typ, (dp2, dp1) in outs[0].items():
+        assert dp2["n_units"] == dp1["n_units"] and sum(dp1["n_units"]) > 2, (typ, dp2["n_units"], dp1["n_units"])
+        for a, b in zip(dp2["units"], dp1["units"]):
+            assert len(a) >= len(b) and (a[:len(b)] == b).all(), typ
+            assert (a[len(b):] == (a[-1] if len(a) > len(b) else 0)).all(), "the padding holds the codes of 0"
+        assert (dp2["params"] == dp1["params"]).all(), typ
