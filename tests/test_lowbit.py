@@ -223,9 +223,9 @@ def test_stochastic_rounding_unbiased_and_reproducible():
     err_sr = (mean - x)[inside].abs().mean()
     err_rn = (nearest - x)[inside].abs().mean()
     assert float(err_sr) < 0.5 * float(err_rn), (float(err_sr), float(err_rn))
-    a = L.quantize(x, 4, True, generator=torch.Generator().manual_seed(11))
-    b = L.quantize(x, 4, True, generator=torch.Generator().manual_seed(11))
-    assert torch.equal(a[0], b[0])
+    same, other = L._uniform(11, 0, x.numel(), x.device), L._uniform(11, 1, x.numel(), x.device)
+    assert torch.equal(L.quantize(x, 4, True, noise=same)[0], L.quantize(x, 4, True, noise=same.clone())[0])
+    assert not torch.equal(L.quantize(x, 4, True, noise=same)[0], L.quantize(x, 4, True, noise=other)[0])
 
     def run(seed):
         p, _, g, s = _random_case(257, 8, torch.float32, seed=4)

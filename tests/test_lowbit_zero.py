@@ -21,7 +21,7 @@ from llmpar.distributed.collectives import CommCounter
 from llmpar.ops import lowbit as L
 from llmpar.zero import GatheredParameters, OptimizerConfig, ZeroConfig, ZeroOptimizer
 from llmpar.zero.loss_scale import LossScaler
-from multirank import multirank, run_ranks
+from multirank import run_ranks
 
 MICRO, STEPS, GAS, CLIP, LR, WD = 3, 3, 2, 0.5, 1e-2, 0.1
 BETAS = (0.9, 0.95)
@@ -514,25 +514,24 @@ def test_client_fused_adamw_brings_its_rounding_and_seed():
         assert cfg.stochastic_rounding == (sr and sp is not None)  # (fp32 states: the flag rounds nothing)
 
 
-@multirank(2)
-def test_engine_takes_stochastic_rounding_and_seed_from_the_config():
-    """llmpar.initialize with {"type": "AdamW8bit", "params": {"stochastic_rounding": true, "seed": 3}}: the engine's
-    ZeRO optimizer rounds the codes from seed 3, and a second engine built alike steps to the same codes."""
+def engine_sr_body():
+    """Two engines from {"type": "AdamW8bit", "params": {"stochastic_rounding": true, "seed": 3}}, one step each:
+    their optimizers' seed and flag, and whether they stepped to the same codes."""
     import llmpar
     from llmpar.models import GPT, GPTConfig
 
-    states = []
+    states, seen = [], []
     for _ in range(2):
         model = GPT(GPTConfig(vocab_size=67, n_layer=1, n_head=2, d_model=16, seq_len=T), seed=0, dtype=torch.float32)
         cfg = {"train_micro_batch_size_per_gpu": ROWS // 2, "steps_per_print": 1000,
                "optimizer": {"type": "AdamW8bit", "params": {"lr": 1e-2, "stochastic_rounding": True, "seed": 3}},
                "zero_optimization": {"stage": 2}}
         engine, *_ = llmpar.initialize(model=model, config=cfg)
-        assert engine.optimizer.seed == 3 and engine.optimizer.config.stochastic_rounding
+        seen.append((engine.optimizer.seed, engine.optimizer.config.stochastic_rounding))
         _train_step(engine, model, 0)
         states.append(_states(engine))
-    for a, b in zip(*states):
-        assert all(torch.equal(a[k], b[k]) for k in a)
+    same = all(torch.equal(a[k], b[k]) for a, b in zip(*states) for k in a)
+    return dict(seen=seen, same=same)
 
 
 def sr_dp_body(cases):
@@ -571,12 +570,28 @@ def sr_dp_body(cases):
     return out
 
 
-def test_zero_stochastic_rounding_does_not_depend_on_dp():
+def sr_body(cases):
+    return dict(dp=sr_dp_body(cases), engine=engine_sr_body())
+
+
+@pytest.fixture(scope="module")
+def sr_runs():
+    """One 2-rank job for the stochastic-rounding checks below."""
+    return run_ranks(sr_body, 2, [("AdamW8bit", 2, 700), ("AdamW4bit", 1, 300)], timeout=300)
+
+
+def test_engine_takes_stochastic_rounding_and_seed_from_the_config(sr_runs):
+    """llmpar.initialize with {"type": "AdamW8bit", "params": {"stochastic_rounding": true, "seed": 3}}: the engine's
+    ZeRO optimizer rounds the codes from seed 3, and a second engine built alike steps to the same codes."""
+    for r in sr_runs:
+        assert r["engine"]["seen"] == [(3, True), (3, True)] and r["engine"]["same"]
+
+
+def test_zero_stochastic_rounding_does_not_depend_on_dp(sr_runs):
     """The same training with stochastic rounding at dp=2 and at dp=1: every unit's codes and scales agree bitwise
     (up to the dp=2 unit's extra padding at its end: zeros), and so do the params: each element draws the random
     number of its place in its unit, whichever shard holds it."""
-    outs = run_ranks(sr_dp_body, 2, [("AdamW8bit", 2, 700), ("AdamW4bit", 1, 300)], timeout=300)
-    for typ, (dp2, dp1) in outs[0].items():
+    for typ, (dp2, dp1) in sr_runs[0]["dp"].items():
         assert dp2["n_units"] == dp1["n_units"] and sum(dp1["n_units"]) > 2, (typ, dp2["n_units"], dp1["n_units"])
         for a, b in zip(dp2["units"], dp1["units"]):
             assert len(a) >= len(b) and (a[:len(b)] == b).all(), typ

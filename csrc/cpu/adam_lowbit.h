@@ -35,7 +35,6 @@ struct alignas(64) LowbitMap {
   // binary search, level l (l = 0 .. bits - 1, stride s = 2^(bits - 1 - l)): entry j = mid[j * 2s + s - 1];
   // code = 0; for each level: code += s if level[l][code / 2s] < y. Unused entries are 0.
   float level[8][128];
-  float group[7][32];            // 8 bits: group[r][j] = mid[8j + r], the midpoints inside group j of 8 codes
   int zero_code;                 // the code of y = 0: the entry nearest 0, ties to the lower code
   alignas(64) uint8_t plane[4][kLowbitMaxCodes];  // plane[k][j] = byte k of q[j]'s float32 bits (little-endian; the VBMI lookup)
   // 8 bits: code = (e >> 16) + (low > (e & 0xFFFF)), e = bucket[y < 0][bucket of |y|], low = |y|'s low 16 bits (y >= 0)

@@ -10,9 +10,9 @@
 // search's level tables: <= 8 entries by one vpermps (level 0: a broadcast), 16 by two blended by bit 3, 32 - 128 by
 // a gather. Codes are packed 32 at a time. Same IEEE operations as adam_lowbit_scalar.cpp in the same order, with no
 // contraction (FMA belongs to the target ISA level, never to the math: -ffp-contract=off), so the same bits, NaN grads
-// included: the absmax skips a NaN as std::max does. No software prefetch: the AVX-512 build's (4 blocks ahead)
-// measured within noise here (+-4 % on 10M params, one thread): the hardware prefetchers follow the streams. A block
-// cut short by the tensor's end runs on a padded copy, its absmax masked to the valid lanes.
+// included: the absmax skips a NaN as std::max does. No software prefetch: 0-4 blocks ahead measured within noise (+-4 % on 10M
+// params, one thread): the hardware prefetchers follow the streams. A block cut short by the tensor's end runs on a
+// padded copy (llmpar_cpu::for_each_block), its absmax masked to the valid lanes.
 #include <algorithm>
 #include <cstring>
 

@@ -10,15 +10,12 @@
 // interleaved back into floats (23 instructions per 64 codes). Quantize: 8 bits, one gather from the map's bucket
 // table (bucket_code; a 16-lane gather costs ~11 cycles on the team's Sapphire Rapids, against ~40 instructions for
 // the 8-level search it replaces); 4 bits, and maps the tables refuse, a binary search whose level tables live in
-// registers (8 bits: 5 levels find the group of 8 codes, then its 7 inner midpoints are compared independently).
+// registers.
 // Per param, one thread, 64K params in cache (Sapphire Rapids): 8 bits ~1.2 ns, 4 bits ~0.9 ns, against ~2.0 / ~1.1
 // ns for the division-per-element, search-only kernel before. Same IEEE operations as adam_lowbit_scalar.cpp (no
 // contraction), so the same bits. A block cut short by the tensor's end runs on a padded copy, its absmax masked to
 // the valid lanes. (Software prefetch 1-16 blocks ahead measured within noise on tensors larger than the caches.)
 #pragma once
-
-#include <algorithm>
-#include <cstring>
 
 #include "adam_lowbit.h"
 
@@ -26,37 +23,26 @@ namespace {
 
 using llmpar_cpu::LowbitMap;
 
-// level l's table (2^l entries) looked up at j (int lanes, 0 <= j < 2^l)
+// a table of 2^L floats looked up at j (int lanes, 0 <= j < 2^L): one permute up to 32 entries; above, the two
+// halves looked up and blended by bit L - 1 of j (256 entries: 8 permutex2var and 7 blends)
 template <int L>
 inline __m512 lookup(const float* t, __m512i j) {
   if constexpr (L <= 4) {
     return _mm512_permutexvar_ps(j, _mm512_load_ps(t));
   } else if constexpr (L == 5) {
     return _mm512_permutex2var_ps(_mm512_load_ps(t), j, _mm512_load_ps(t + 16));
-  } else {  // 64 or 128 entries: 32-entry lookups, blended by bit 5 (and bit 6) of j
-    const __mmask16 b5 = _mm512_test_epi32_mask(j, _mm512_set1_epi32(32));
-    const __m512 lo = _mm512_mask_blend_ps(b5, lookup<5>(t, j), lookup<5>(t + 32, j));
-    if constexpr (L == 6) {
-      return lo;
-    } else {
-      const __m512 hi = _mm512_mask_blend_ps(b5, lookup<5>(t + 64, j), lookup<5>(t + 96, j));
-      return _mm512_mask_blend_ps(_mm512_test_epi32_mask(j, _mm512_set1_epi32(64)), lo, hi);
-    }
+  } else {
+    const __mmask16 upper = _mm512_test_epi32_mask(j, _mm512_set1_epi32(1 << (L - 1)));
+    return _mm512_mask_blend_ps(upper, lookup<L - 1>(t, j), lookup<L - 1>(t + (1 << (L - 1)), j));
   }
 }
 
-// the number of midpoints < y: j = the code's top L bits, one bit more per level
+// the number of midpoints < y (4 bits, and 8-bit maps the bucket tables refuse): j = the code's top L bits, one bit
+// more per level
 template <int BITS, int L = 0>
 inline __m512i search(const LowbitMap& map, __m512 y, __m512i j) {
   if constexpr (L == BITS) {
     return j;
-  } else if constexpr (BITS == 8 && L == 5) {  // j: the group of 8 codes; its 7 inner midpoints, independently
-    __m512i code = _mm512_slli_epi32(j, 3);
-    for (int r = 0; r < 7; ++r) {
-      const __mmask16 lt = _mm512_cmp_ps_mask(lookup<5>(map.group[r], j), y, _CMP_LT_OQ);
-      code = _mm512_mask_add_epi32(code, lt, code, _mm512_set1_epi32(1));
-    }
-    return code;
   } else if constexpr (L == 0) {  // one midpoint for every lane: a broadcast, no lookup
     const __mmask16 lt = _mm512_cmp_ps_mask(_mm512_set1_ps(map.level[0][0]), y, _CMP_LT_OQ);
     return search<BITS, 1>(map, y, _mm512_maskz_mov_epi32(lt, _mm512_set1_epi32(1)));
@@ -147,17 +133,7 @@ constexpr bool kVbmi = false;
 
 template <int BITS>
 inline __m512 dequant(const LowbitMap& map, __m512i code) {
-  if constexpr (BITS == 8) {  // 8 lookups of 32 entries, blended by bits 5, 6, 7 of the code
-    const __mmask16 b5 = _mm512_test_epi32_mask(code, _mm512_set1_epi32(32));
-    const __mmask16 b6 = _mm512_test_epi32_mask(code, _mm512_set1_epi32(64));
-    const __m512 a = _mm512_mask_blend_ps(b6, _mm512_mask_blend_ps(b5, lookup<5>(map.q, code), lookup<5>(map.q + 32, code)),
-                                          _mm512_mask_blend_ps(b5, lookup<5>(map.q + 64, code), lookup<5>(map.q + 96, code)));
-    const __m512 b = _mm512_mask_blend_ps(b6, _mm512_mask_blend_ps(b5, lookup<5>(map.q + 128, code), lookup<5>(map.q + 160, code)),
-                                          _mm512_mask_blend_ps(b5, lookup<5>(map.q + 192, code), lookup<5>(map.q + 224, code)));
-    return _mm512_mask_blend_ps(_mm512_test_epi32_mask(code, _mm512_set1_epi32(128)), a, b);
-  } else {
-    return _mm512_permutexvar_ps(code, _mm512_load_ps(map.q));
-  }
+  return lookup<BITS>(map.q, code);
 }
 
 // CVT (AVX512-BF16, the VBMI build on CPUs that have it): vcvtneps2bf16, unless a lane is denormal (the instruction

@@ -137,11 +137,8 @@ void llmpar_cpu::lowbit_prepare_map(const float* q, int bits, LowbitMap* out) {
     const int s = 1 << (bits - 1 - l);
     for (int j = 0; j < (1 << l); ++j) out->level[l][j] = out->mid[j * 2 * s + s - 1];
   }
-  for (int r = 0; bits == 8 && r < 7; ++r) {
-    for (int j = 0; j < 32; ++j) out->group[r][j] = out->mid[8 * j + r];
-  }
-  out->zero_code = search_any(*out, bits, 0.0f);
-  if (bits == 8) build_buckets(out, n - 1);  // the entry nearest 0, ties to the lower code (y = 0's code)
+  out->zero_code = search_any(*out, bits, 0.0f);  // the entry nearest 0, ties to the lower code (y = 0's code)
+  if (bits == 8) build_buckets(out, n - 1);
 }
 
 void llmpar_cpu::adam_lowbit_scalar(const LowbitRange& r, const LowbitHyper& h, const LowbitMap& m,

@@ -119,13 +119,12 @@ def _uniform(key: int, start: int, n: int, device: torch.device) -> torch.Tensor
 
 
 def quantize(x: torch.Tensor, bits: int, signed: bool, *, qmap_: torch.Tensor | None = None,
-             generator: torch.Generator | None = None, noise: torch.Tensor | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+             noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Block quantization of ``x`` (any shape, n elements, read flat, float32 math) -> (codes uint8 [n] or
-    [ceil(n/2)], scale float32 [ceil(n/B)]), as the module docstring states. ``generator``: stochastic rounding (the
-    code is one of the two entries around y, the upper with probability (y - lo) / (hi - lo): unbiased inside the
-    map's range); None rounds to nearest. ``noise``: stochastic rounding with these uniforms in [0, 1) instead (float32,
-    ceil(n/B) * B of them: one per element of the padded blocks). ``qmap_``: the map (default ``qmap(bits, signed)``)."""
+    [ceil(n/2)], scale float32 [ceil(n/B)]), as the module docstring states. ``noise``: stochastic rounding with these
+    uniforms in [0, 1), float32, ceil(n/B) * B of them (one per element of the padded blocks; ``_uniform`` draws them):
+    the code is one of the two entries around y, the upper where u < (y - lo) / (hi - lo), unbiased inside the map's
+    range; None rounds to nearest. ``qmap_``: the map (default ``qmap(bits, signed)``)."""
     bits = check_bits(bits)
     if not x.is_floating_point():
         raise TypeError(f"x has dtype {x.dtype}; quantize takes floating-point tensors")
@@ -141,14 +140,13 @@ def quantize(x: torch.Tensor, bits: int, signed: bool, *, qmap_: torch.Tensor | 
     scale = xb.abs().amax(dim=1) if n else flat.new_zeros(0)
     r = torch.where(scale == 0, torch.ones_like(scale), scale).reciprocal()  # s == 0: x == 0, y = 0
     y = xb * r[:, None]
-    if generator is None and noise is None:
+    if noise is None:
         codes = torch.searchsorted(midpoints(q), y, side="left")
     else:
         lo = (torch.searchsorted(q, y, side="right") - 1).clamp_(0, q.numel() - 2)
         qlo, qhi = q[lo], q[lo + 1]
         frac = ((y - qlo) / (qhi - qlo)).clamp_(0.0, 1.0)
-        u = noise.view(y.shape) if noise is not None else torch.rand(y.shape, generator=generator, device=y.device)
-        codes = lo + (u < frac).to(lo.dtype)
+        codes = lo + (noise.view(y.shape) < frac).to(lo.dtype)
     codes = codes.reshape(-1)[:n].to(torch.uint8)
     return (codes if bits == 8 else pack4(codes)), scale.contiguous()
 

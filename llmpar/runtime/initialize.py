@@ -181,7 +181,7 @@ def _build(model: nn.Module, blocks: Blocks, model_parameters: Any, training_dat
                         stage=cfg.zero.stage, zero_config=cfg.zero,
                         tp_group=tp_group, max_grad_norm=cfg.gradient_clipping or None, counter=counter,
                         grad_accum_dtype=_accum_dtype(cfg), module=model, unit_policy=unit_policy,
-                        loss_scaler=build_loss_scaler(cfg.fp16), seed=cfg.optimizer.seed)
+                        loss_scaler=build_loss_scaler(cfg.fp16))
     sched = WarmupSchedule(opt, cfg.scheduler) if cfg.scheduler is not None else None
     engine = Engine(model, cfg, opt, sched, dp_group=dp_group, tp_group=tp_group, mesh=mesh, context_parallel=cp,
                     adapter=adapter)
@@ -285,7 +285,7 @@ def _initialize_pipeline(model: nn.Module, blocks: Blocks | Config, pp: int, tp:
     opt = zero_optimizer(runner, cfg.optimizer, stage=cfg.zero.stage, zero_config=cfg.zero,
                          param_groups=stage_groups(groups, stage_named, unsplit_names(model, stage_named), canonical),
                          max_grad_norm=cfg.gradient_clipping or None, counter=counter,
-                         grad_accum_dtype=_accum_dtype(cfg), seed=cfg.optimizer.seed)
+                         grad_accum_dtype=_accum_dtype(cfg))
     sched = WarmupSchedule(opt, cfg.scheduler) if cfg.scheduler is not None else None
     engine = PipelineEngine(model, cfg, runner, opt, sched, mesh)
     if training_data is not None:  # DeepSpeed's PipelineEngine loader: in order, repeating; train_batch() pulls it

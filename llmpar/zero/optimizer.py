@@ -18,7 +18,7 @@ Stage 3 shards frozen params too (``frozen_buffers``: gathered, never stepped).
 Low-bit states (``OptimizerConfig.state_precision`` "int8" / "int4", types AdamW8bit / AdamW4bit): m and v as codes +
 float32 block scales in the same partitions, ~2.03 resp. ~1.06 B per element instead of 8 (plus the fp32 master of
 16-bit params, or under offload); blocks run along each unit, every shard whole blocks; optional stochastic rounding
-of the codes from ``seed`` (``lowbit_state.py``).
+of the codes from ``seed`` (default: the config's; ``lowbit_state.py``).
 
 step(): the global gradient norm (``llmpar.optim.grad_norm``: partition norms summed over dp; tensor-parallel params
 summed over tp, replicated ones counted once) -> clip coefficient and found-inf flag -> one fused ``adamw_step`` per
@@ -67,7 +67,7 @@ class ZeroOptimizer(StepStatsView, ZeroCheckpointing, OptimizerStateDict):
     def __init__(self, params: Iterable[Any], optimizer_config: OptimizerConfig | dict | None, dp_group: Group, *,
                  stage: int = 2, zero_config: ZeroConfig | None = None, tp_group: Group | None = None,
                  max_grad_norm: float | None = None, grad_accum_dtype: torch.dtype | None = None,
-                 counter: CommCounter | None = None, align: int = 16, seed: int = 0,
+                 counter: CommCounter | None = None, align: int = 16, seed: int | None = None,
                  module: nn.Module | None = None, unit_policy: UnitPolicy | None = None,
                  pp_group: Group | None = None, norm_skip: Iterable[torch.Tensor] = (),
                  loss_scaler: LossScaler | None = None, ranks_per_node: int | None = None) -> None:
@@ -104,7 +104,7 @@ class ZeroOptimizer(StepStatsView, ZeroCheckpointing, OptimizerStateDict):
         self.pp_group = GroupRef(pp_group) if pp_group is not None else None
         self._norm_skip = {id(p) for p in norm_skip}
         self.dp, self.rank = group_size(self.dp_group), group_rank(self.dp_group)
-        self.max_grad_norm, self.counter, self.seed = max_grad_norm, counter, seed
+        self.max_grad_norm, self.counter, self.seed = max_grad_norm, counter, cfg.seed if seed is None else seed
         self.param_groups = groups
         self.stats = NormStats()  # grad norm + skipped steps, on the device until read
         # fp16: grads arrive multiplied by the loss scale; the step divides by it (``loss_scale.py``)
