@@ -3,7 +3,8 @@ with the rank that ran an extra collective, or the one that stopped, named with 
 
 Two scenarios in one 2-rank run, each on fresh gloo groups with a 2 s timeout: rank 1 runs an extra all-reduce (both
 ranks then time out: rank 1 in the all-reduce rank 0 already paired with the extra one, rank 0 in another group that
-rank 1 never reaches), and rank 1 skips an all-reduce (rank 0 times out; rank 1 publishes nothing)."""
+rank 1 never reaches), and rank 1 skips an all-reduce (rank 0 times out; rank 1 publishes nothing). The extra
+all-reduce goes through ``llmpar.comm`` (the ``deepspeed.comm`` drop-in), recorded like llmpar's own collectives."""
 from __future__ import annotations
 
 import datetime
@@ -42,13 +43,16 @@ def _flight_body(folder: str) -> dict:
 
     got = torch.empty(10)
     all_to_all_single(got, torch.arange(10.0) + 100 * rank, dist.group.WORLD, what="the all-to-all")  # recorded too
+    from llmpar import comm
+
+    comm.all_reduce(x.clone(), async_op=True).wait()  # deepspeed.comm's, asynchronous: done once waited for  # ASYNC
     dist.barrier()  # on the world (long timeout): the ranks start each scenario together, well inside the 2 s
     # 1. rank 1 runs one all-reduce more on g
     start = time.monotonic()
     try:
         all_reduce(x, g, what="the first all-reduce")
         if rank == 1:
-            all_reduce(x, g, what="the extra all-reduce")  # EXTRA
+            comm.all_reduce(x, group=g)  # EXTRA
         all_reduce(x, g, what="the common all-reduce")  # COMMON
         if rank == 0:
             all_reduce(x, h, what="the all-reduce on h")
@@ -75,7 +79,7 @@ def test_a_timeout_names_the_rank_with_an_extra_collective_and_the_stopped_rank(
         message, seconds = out["extra"]
         assert "did not take part within the collective timeout" in message, message
         # the extra all-reduce, by rank, description, call site and engine step, in every rank's error
-        assert f"global rank 1 ran #2 the extra all-reduce (float32) at {site}, step 7" in message, message
+        assert f"global rank 1 ran #2 all-reduce of 5 elements (float32) at {site}, step 7" in message, message
         assert f"global rank 0 ran #2 the common all-reduce (float32) at test_flight_recorder.py:{_line('COMMON')}" \
             in message, message
         other = 1 - rank
@@ -86,7 +90,11 @@ def test_a_timeout_names_the_rank_with_an_extra_collective_and_the_stopped_rank(
         record = out["record"]
         assert record["rank"] == rank and record["failed"]["state"] == "failed"
         whats = [e["what"] for e in record["entries"]]
-        assert ("the extra all-reduce" in whats) == (rank == 1), whats
+        assert whats.count("all-reduce of 5 elements") == 1 + (rank == 1), whats  # the async one; rank 1's extra
+        a2a = next(e for e in record["entries"] if e["op"] == "all_to_all")  # then llmpar.comm's on the world
+        assert [(e["op"], e["state"], os.path.basename(e["site"])) for e in record["entries"]
+                if e["group"] == a2a["group"] and e["seq"] == a2a["seq"] + 1] == \
+            [("all_reduce", "done", f"test_flight_recorder.py:{_line('ASYNC')}")], record["entries"]
         assert [(e["what"], e["numel"], e["state"]) for e in record["entries"] if e["op"] == "all_to_all"] == \
             [("the all-to-all", 10, "done")], record["entries"]
         assert all(e["step"] == 7 and e["dtype"] == "float32" and e["numel"] == 5 for e in record["entries"]

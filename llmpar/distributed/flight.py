@@ -1,12 +1,13 @@
 """Flight recorder: every rank keeps its last N collectives, and a failed one says which rank is behind or different.
 
-Each collective of ``collectives.py`` starts an entry in the process's :data:`RECORDER` (a bounded deque;
-``LLMPAR_FLIGHT_RECORDER=N`` keeps the last N, default 256, 0 turns it off): the operation and its description
-(``what``), the group (its name and global ranks) with a sequence number per group (the k-th collective this rank
-started on that group: the same k names the same collective on every member), elements and dtype, the engine's
-optimizer step (:attr:`FlightRecorder.step`, set by the engine), the call site (file:line of the first frame outside
-``llmpar/distributed``) and the state: ``started`` -> ``done`` when waited for, or ``failed``. Cost: one frame walk
-and a deque append per collective (``bench/bench_flight.py`` measures it).
+Each collective of ``collectives.py`` and of ``llmpar.comm`` (the ``deepspeed.comm`` drop-in) starts an entry in the
+process's :data:`RECORDER` (a bounded deque; ``LLMPAR_FLIGHT_RECORDER=N`` keeps the last N, default 256, 0 turns it
+off): the operation and its description (``what``), the group (its name and global ranks) with a sequence number per
+group (the k-th collective this rank started on that group: the same k names the same collective on every member),
+elements and dtype, the engine's optimizer step (:attr:`FlightRecorder.step`, set by the engine), the call site
+(file:line of the first frame outside ``llmpar/distributed`` and ``llmpar/comm.py``) and the state: ``started`` ->
+``done`` when waited for, or ``failed``. Cost: one frame walk and a deque append per collective
+(``bench/bench_flight.py`` measures it).
 
 When a collective fails or times out (:func:`on_failure`, called where the
 :class:`~llmpar.distributed.errors.CollectiveError` is made), this rank:
@@ -42,6 +43,8 @@ ENV_SIZE, ENV_DIR, ENV_WAIT = "LLMPAR_FLIGHT_RECORDER", "LLMPAR_FLIGHT_DIR", "LL
 DEFAULT_SIZE, DEFAULT_WAIT_S, PUBLISHED_PER_GROUP = 256, 2.0, 8
 STORE_KEY = "llmpar/flight/{rank}"
 _HERE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+# call sites inside these are not the caller's: llmpar's collectives and the deepspeed.comm drop-in (llmpar/comm.py)
+_INTERNAL = (_HERE, os.path.join(os.path.dirname(os.path.dirname(_HERE)), "comm.py"))
 
 
 def env_size(environ: Any = os.environ) -> int:
@@ -129,7 +132,7 @@ class FlightRecorder:
             log = self.groups[id(pg)] = GroupLog(pg)
         log.seq += 1
         frame = sys._getframe(1)
-        while frame.f_back is not None and frame.f_code.co_filename.startswith(_HERE):
+        while frame.f_back is not None and frame.f_code.co_filename.startswith(_INTERNAL):
             frame = frame.f_back
         entry = [log.seq, op, log, tensor.numel() if tensor is not None else 0,
                  tensor.dtype if tensor is not None else None, what, self.step, frame.f_code, frame.f_lasti,
