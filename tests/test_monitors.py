@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import importlib.util
 import json
+import logging
 import os
 import struct
 from pathlib import Path
@@ -247,3 +248,35 @@ def test_pipeline_engine_writes_the_step_loss_after_the_step(tmp_path):
     _, rows = read_csv(tmp_path / "pipe" / "Train_Samples_lr.csv")
     assert rows == list(zip(steps, lrs)) and len(set(lrs)) == 3
     assert "after engine.destroy()" in err
+
+
+def test_a_writer_that_fails_mid_run_is_logged_once_and_training_goes_on(tmp_path, caplog):
+    """The csv directory replaced by a file (every later open fails) and the tensorboard writer raising OSError on
+    each write: ``engine.step()`` goes on, one warning per writer naming it and its path; the run's counters and lrs
+    equal a run with no monitor."""
+    writers = ("csv_monitor",) + (("tensorboard",) if HAVE_TB else ())
+    engine, model = _engine(tmp_path, writers=writers)
+    _train(engine, model, 1)
+    job = tmp_path / "csv_monitor" / "job"
+    for f in job.iterdir():
+        f.unlink()
+    job.rmdir()
+    job.write_text("not a directory")
+    if HAVE_TB:
+        def full(*args, **kwargs):
+            raise OSError(28, "No space left on device")
+
+        engine.monitor.writers["tensorboard"].writer.add_scalar = full
+    with caplog.at_level(logging.WARNING, logger="llmpar"):
+        losses, lrs, _ = _train(engine, model, 3)
+        engine.destroy()
+    warnings = [r.getMessage() for r in caplog.records if r.name == "llmpar" and "monitor" in r.getMessage()]
+    assert len(warnings) == len(writers), warnings
+    assert any(f"monitor csv_monitor ({job}): write failed (NotADirectoryError" in w for w in warnings), warnings
+    if HAVE_TB:
+        assert any("monitor tensorboard (" in w and "No space left on device" in w for w in warnings), warnings
+    plain, plain_model = _engine(tmp_path, writers=())
+    _train(plain, plain_model, 1)
+    want = _train(plain, plain_model, 3)
+    assert engine.global_steps == plain.global_steps == 4
+    assert (losses, lrs) == want[:2]

@@ -20,12 +20,16 @@ Events are ``(name, value, step)`` with the step = samples seen (``engine.global
 ``output_path/job_name/<name with / and spaces as _>.csv`` with a ``step,<last part of the name>`` header written
 once per process (DeepSpeed's); wandb through ``wandb.log({name: value}, step=step)`` (needs the ``wandb``
 package; ``WANDB_MODE=offline`` works without a network). An enabled writer whose package is missing is an error at
-``initialize`` on every rank, naming the package. DeepSpeed's ``comet`` monitor is not provided (an error saying so).
+``initialize`` on every rank, naming the package. A writer that fails later (its directory removed or turned
+unwritable, a full disk, a wandb error) is a warning on the ``llmpar`` logger, once per writer, naming the writer, its
+path and the error; training goes on, and the writer is tried again with each later event (they are lost while it
+fails). DeepSpeed's ``comet`` monitor is not provided (an error saying so).
 """
 from __future__ import annotations
 
 import csv
 import importlib.util
+import logging
 import math
 import os
 from dataclasses import dataclass, field
@@ -34,6 +38,7 @@ from typing import Any
 from llmpar.validation import as_bool, check_keys
 
 BLOCKS = ("tensorboard", "csv_monitor", "wandb")
+logger = logging.getLogger("llmpar")
 
 
 class MissingPackage(ImportError, ValueError):
@@ -175,6 +180,7 @@ class MonitorMaster:
         self.config, self.rank = config, rank
         self.enabled = config.enabled
         self.writers: dict[str, Any] = {}
+        self.failed: dict[str, str] = {}  # writer -> its first failure (logged once; events lost while it fails)
         if rank == 0:
             if config.tensorboard.enabled:
                 self.writers["tensorboard"] = _TensorBoard(config.tensorboard)
@@ -198,13 +204,24 @@ class MonitorMaster:
             if not ok:
                 raise TypeError(f"event {e!r} must be (name: str, value: number, step: int)")
             events.append((e[0], value, step))
-        for w in self.writers.values():
-            w.write(events)
+        for name, w in self.writers.items():
+            self._guarded(name, w, "write", w.write, events)
+
+    def _guarded(self, name: str, writer: Any, doing: str, fn: Any, *args: Any) -> None:
+        """``fn(*args)``; an exception is logged once per writer (a monitor never stops training)."""
+        try:
+            fn(*args)
+        except Exception as err:  # noqa: BLE001 - any writer failure: logged, never raised into the step
+            if name not in self.failed:
+                self.failed[name] = f"{type(err).__name__}: {err}"
+                where = getattr(writer, "log_dir", None)
+                logger.warning("monitor %s%s: %s failed (%s); training goes on without its events (this warning is "
+                               "not repeated)", name, f" ({where})" if where else "", doing, self.failed[name])
 
     def close(self) -> None:
         """Flush and close the writers (``engine.destroy()`` calls it); later events are dropped."""
-        for w in self.writers.values():
-            w.close()
+        for name, w in self.writers.items():
+            self._guarded(name, w, "close", w.close)
         self.writers.clear()
         self.enabled = False
 
