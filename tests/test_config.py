@@ -157,3 +157,45 @@ def test_a_file_is_read_once_and_gives_the_same_config_as_the_dict(tmp_path, mon
     assert a == b and len(opened) == 1
     assert (a.gradient_accumulation_steps, a.train_batch_size, a.bf16, a.zero.reduce_bucket_size) == (4, 24, True, 50000)
     assert a.pipeline.stages == 2 and a.tensor_parallel.size == 2
+
+
+@pytest.mark.parametrize("zero, want", [
+    ({"gather_16bit_weights_on_model_save": True}, True),  # DeepSpeed's field name
+    ({"stage3_gather_16bit_weights_on_model_save": True}, True),  # its alias
+    ({"stage3_gather_fp16_weights_on_model_save": True}, True),  # the older alias
+    ({"gather_16bit_weights_on_model_save": False}, False),
+])
+def test_gather_16bit_weights_under_each_of_deepspeeds_names(zero, want):
+    c = Config.from_deepspeed({"train_batch_size": 8, "zero_optimization": {"stage": 3, **zero}}, dp=2)
+    assert c.zero.stage3_gather_16bit_weights_on_model_save is want
+
+
+def test_gather_16bit_weights_given_twice_is_refused():
+    with pytest.raises(ValueError, match="'stage3_gather_16bit_weights_on_model_save' and "
+                                         "'gather_16bit_weights_on_model_save' are one setting"):
+        Config.from_deepspeed({"train_batch_size": 8, "zero_optimization": {
+            "stage": 3, "gather_16bit_weights_on_model_save": True,
+            "stage3_gather_16bit_weights_on_model_save": True}}, dp=2)
+
+
+@pytest.mark.parametrize("block, tp", [({"autotp_size": 0}, 1), ({"autotp_size": 1}, 1), ({"autotp_size": 2}, 2),
+                                       ({"size": 2}, 2), ({}, 1)])
+def test_tensor_parallel_autotp_size_zero_is_off(block, tp):
+    """DeepSpeed's default ``"autotp_size": 0`` means no tensor parallelism."""
+    assert Config.from_deepspeed({"train_batch_size": 8, "tensor_parallel": block}, dp=2).tensor_parallel.size == tp
+
+
+@pytest.mark.parametrize("block, match", [({"autotp_size": -1}, '"tensor_parallel.autotp_size"=-1 must be >= 0'),
+                                          ({"size": 0}, '"tensor_parallel.size"=0 must be >= 1'),
+                                          ({"autotp_size": 2, "size": 2}, "not both")])
+def test_tensor_parallel_errors_name_the_key_given(block, match):
+    with pytest.raises(ValueError, match=match):
+        Config.from_deepspeed({"train_batch_size": 8, "tensor_parallel": block}, dp=2)
+
+
+@pytest.mark.parametrize("typ", ["AdamW", "Adam", "AdamW8bit", "AdamW4bit"])
+def test_deepspeed_implementation_switches_are_taken_by_every_adam_type(typ):
+    """``torch_adam`` / ``fused`` pick DeepSpeed's implementation of the same math: accepted for every Adam type."""
+    c = Config.from_deepspeed({"train_batch_size": 8, "optimizer": {"type": typ, "params": {
+        "lr": 2e-3, "torch_adam": True, "fused": False}}}, dp=2)
+    assert c.optimizer.type == typ and c.optimizer.lr == 2e-3

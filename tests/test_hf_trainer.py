@@ -314,9 +314,10 @@ def test_fill_auto_refuses_what_it_cannot_fill(tmp_path):
                   model=torch.nn.Linear(2, 2), num_training_steps=10, dp=1)
     with pytest.raises(TypeError, match="config must be a dict"):
         fill_auto("ds.json", _args(tmp_path), model=_model(), num_training_steps=10, dp=1)
-    with pytest.raises(ValueError, match="tensor_parallel.size must be a positive int"):
-        tensor_parallel_size({"tensor_parallel": {"autotp_size": 0}})
+    with pytest.raises(ValueError, match='"tensor_parallel.autotp_size"=-1 must be >= 0'):
+        tensor_parallel_size({"tensor_parallel": {"autotp_size": -1}})
     assert tensor_parallel_size({"tensor_parallel": {"autotp_size": 2}}) == 2 and tensor_parallel_size({}) == 1
+    assert tensor_parallel_size({"tensor_parallel": {"autotp_size": 0}}) == 1  # DeepSpeed's default: off
 
 
 def test_trainer_needs_its_config_once(tmp_path):

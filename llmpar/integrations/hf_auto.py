@@ -18,6 +18,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from llmpar.runtime.blocks import tensor_parallel_block
+
 _HIDDEN_KEYS = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")
 
 
@@ -117,14 +119,12 @@ def fill_auto(config: dict, args: Any, *, model: Any, num_training_steps: int, d
 
 
 def tensor_parallel_size(config: dict) -> int:
-    """The config's tensor-parallel degree (``tensor_parallel.size`` or DeepSpeed's ``autotp_size``), 1 without."""
+    """The config's tensor-parallel degree (``tensor_parallel.size`` or DeepSpeed's ``autotp_size``, whose 0 means
+    off), 1 without."""
     block = config.get("tensor_parallel") if isinstance(config, dict) else None
-    if not isinstance(block, dict):
+    if block is None:
         return 1
-    size = block.get("size", block.get("autotp_size", 1))
-    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-        raise ValueError(f"tensor_parallel.size must be a positive int, got {size!r}")
-    return size
+    return tensor_parallel_block(block).size
 
 
 __all__ = ["fill_auto", "hidden_size", "tensor_parallel_size"]

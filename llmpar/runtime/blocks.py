@@ -4,7 +4,7 @@
     "scheduler"         -> runtime.schedules.SchedulerConfig
     "pipeline"          -> PipelineConfig (below)        "tensor_parallel" -> TensorParallelConfig (below)
 
-DeepSpeed's spelling lives here only: its aliases (``stage3_gather_fp16_weights_on_model_save``, ``adam_w_mode``),
+DeepSpeed's spelling lives here only: its aliases (``gather_16bit_weights_on_model_save``, ``adam_w_mode``, ...),
 its implementation switches (``torch_adam``, ``fused``) and the keys llmpar does not support, each an error saying so.
 An unknown key is an error naming the nearest valid one.
 """
@@ -29,16 +29,22 @@ _SCHEDULER_PARAMS = {  # the params block each schedule takes
 }
 
 
+# the name llmpar's ZeroConfig keeps, and DeepSpeed's other names for it: ``gather_16bit_weights_on_model_save`` (its
+# field name; the ``stage3_`` form is its alias) and the older ``stage3_gather_fp16_weights_on_model_save``
+_GATHER_16BIT = ("stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
+                 "stage3_gather_fp16_weights_on_model_save")
+
+
 def zero_block(block: Any) -> ZeroConfig:
     """``"zero_optimization"`` -> :class:`ZeroConfig`."""
-    check_keys("zero_optimization", block, [f.name for f in fields(ZeroConfig)]
-               + ["stage3_gather_fp16_weights_on_model_save"])
+    check_keys("zero_optimization", block, [f.name for f in fields(ZeroConfig)] + list(_GATHER_16BIT[1:]))
     d = dict(block)
-    if "stage3_gather_fp16_weights_on_model_save" in d:  # DeepSpeed's older alias
-        if "stage3_gather_16bit_weights_on_model_save" in d:
-            raise ValueError('give "stage3_gather_16bit_weights_on_model_save" or its alias '
-                             '"stage3_gather_fp16_weights_on_model_save", not both')
-        d["stage3_gather_16bit_weights_on_model_save"] = d.pop("stage3_gather_fp16_weights_on_model_save")
+    given = [k for k in _GATHER_16BIT if k in d]
+    if len(given) > 1:
+        raise ValueError(f"zero_optimization: {' and '.join(repr(k) for k in given)} are one setting under several "
+                         "names (DeepSpeed's aliases): give one of them")
+    if given:
+        d[_GATHER_16BIT[0]] = d.pop(given[0])
     for key in ("offload_optimizer", "offload_param"):
         if d.get(key) is not None:
             check_keys(f"zero_optimization.{key}", d[key], ["device", "pin_memory"])
@@ -137,11 +143,15 @@ class TensorParallelConfig:
 
 
 def tensor_parallel_block(block: Any) -> TensorParallelConfig:
+    """``"tensor_parallel": {"size": tp}`` or DeepSpeed's ``{"autotp_size": tp}`` (AutoTP: ``llmpar.parallelize``
+    splits the model); DeepSpeed's default ``"autotp_size": 0`` means off, as ``1``."""
     check_keys("tensor_parallel", block, ["size", "autotp_size"], {"tp_size": 'call it "size"'})
     if "size" in block and "autotp_size" in block:
         raise ValueError('give "tensor_parallel.size" or DeepSpeed\'s "autotp_size", not both')
-    size = block.get("size", block.get("autotp_size", 1))  # DeepSpeed's AutoTP size: llmpar.parallelize splits
-    return TensorParallelConfig(size=as_int("tensor_parallel.size", size, minimum=1))
+    if "autotp_size" in block:
+        size = as_int("tensor_parallel.autotp_size", block["autotp_size"], minimum=0)
+        return TensorParallelConfig(size=max(size, 1))
+    return TensorParallelConfig(size=as_int("tensor_parallel.size", block.get("size", 1), minimum=1))
 
 
 @dataclass(kw_only=True)

@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 from llmpar.runtime.monitor import monitor_block
 from llmpar.runtime.resume import check_auto_resume, check_interval
+from llmpar.zero.config import OPTIMIZER_TYPES
 
 
 @dataclass(frozen=True)
@@ -235,7 +236,7 @@ def strip_inert(raw: dict) -> dict:
             if isinstance(zero.get(key), dict):
                 _apply(zero[key], OFFLOAD, f"zero_optimization.{key}")
     opt = out.get("optimizer")
-    adam = isinstance(opt, dict) and str(opt.get("type", "")).lower() in ("adam", "adamw")  # others: refused by type
+    adam = isinstance(opt, dict) and str(opt.get("type", "")).lower() in OPTIMIZER_TYPES  # others: refused by type
     if adam and isinstance(opt.get("params"), dict):
         _apply(opt["params"], OPTIMIZER_PARAMS, "optimizer.params")
     return out
