@@ -233,3 +233,31 @@ def test_bad_config_is_a_clear_error(tmp_path, capsys):
     err = capsys.readouterr().err
     # checked by the runtime's own parser before any rank starts
     assert err.count("llmpar train: error:") == 1 and 'did you mean "zero_optimization"' in err
+
+
+def test_a_ranks_config_error_exits_2_through_the_relaunch(tmp_path):
+    """A config the ranks reject (batch sizes that need dp, known only on the ranks) under ``--nproc 2``: the
+    command exits 2 as documented, not torchrun's 1 for a failed child."""
+    path = _write(tmp_path / "ds.json", {"train_batch_size": 7, "train_micro_batch_size_per_gpu": 2,
+                                         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    out = subprocess.run([sys.executable, "-m", "llmpar.cli", "train", "--nproc", "2", "--config", path, "--steps",
+                          "2"], capture_output=True, text=True, timeout=240, env={**env, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 2, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "llmpar train: error: llmpar.initialize rejected the config: batch sizes are inconsistent" in out.stderr
+
+
+def test_ranks_status_precedence(tmp_path):
+    from llmpar.train.command import _ranks_status
+
+    def status(*codes):
+        folder = tmp_path / "_".join(map(str, codes))
+        folder.mkdir()
+        for r, c in enumerate(codes):
+            if c is not None:
+                (folder / f"rank{r}").write_text(str(c))
+        return str(folder)
+
+    assert _ranks_status(status(2, 3), 2, 1) == 2 and _ranks_status(status(3, 0), 2, 1) == 3
+    assert _ranks_status(status(0, 0), 2, 0) == 0
+    assert _ranks_status(status(2, None), 2, 1) == 1  # a rank that crashed: the launcher's status

@@ -27,6 +27,7 @@ import logging
 import os
 import subprocess
 import sys
+import tempfile
 import warnings
 from typing import Any
 
@@ -112,7 +113,29 @@ def _relaunch(args: argparse.Namespace) -> int:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
     logger.info("launching %d ranks: %s", args.nproc, " ".join(cmd))
-    return subprocess.call(cmd, env=env)
+    with tempfile.TemporaryDirectory(prefix="llmpar-train-") as status:
+        env[_STATUS_ENV] = status
+        code = subprocess.call(cmd, env=env)
+        return _ranks_status(status, args.nproc, code)
+
+
+_STATUS_ENV = "LLMPAR_TRAIN_STATUS_DIR"  # set by _relaunch: each rank writes its exit status there
+
+
+def _ranks_status(folder: str, nproc: int, launcher_code: int) -> int:
+    """This command's exit status from its ranks' (torchrun exits 1 whenever a rank fails, whatever its status): a
+    rank's 2 (bad flags or config) before a 3 (FAIL); the launcher's own status when a rank left none (it crashed)."""
+    codes = []
+    for rank in range(nproc):
+        try:
+            with open(os.path.join(folder, f"rank{rank}")) as f:
+                codes.append(int(f.read()))
+        except (OSError, ValueError):
+            return launcher_code
+    for wanted in (2, 3):
+        if wanted in codes:
+            return wanted
+    return launcher_code if launcher_code else max(codes)
 
 
 def _setup_logging(rank: int) -> None:
@@ -132,8 +155,19 @@ def _error(err: BaseException) -> int:
 def main(args: argparse.Namespace) -> int:
     """Entry point of ``llmpar train``: validate, re-launch under torchrun if needed, train, summarise.
 
-    Exit status: 0 PASS, 3 FAIL (the loss did not fall below 80% of its start), 2 a bad command line or config.
+    Exit status: 0 PASS, 3 FAIL (the loss did not fall below 80% of its start), 2 a bad command line or config;
+    re-launched on ``--nproc`` ranks, the ranks' status (a rank's 2 first), not torchrun's 1.
     The process group is torn down at the end only if this call created it."""
+    code = _main(args)
+    folder = os.environ.get(_STATUS_ENV)
+    rank = os.environ.get("RANK")
+    if folder and rank is not None and os.path.isdir(folder):
+        with open(os.path.join(folder, f"rank{int(rank)}"), "w") as f:
+            f.write(str(code))
+    return code
+
+
+def _main(args: argparse.Namespace) -> int:
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
     try:  # started by torchrun, srun or mpirun (llmpar launch): a rank of that job, else this command launches
         launch = discover()
