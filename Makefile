@@ -2,26 +2,34 @@
 #   make demo   install llmpar and run the main job (`llmpar train` on 2 CPU ranks)
 #   make test   install llmpar with its test extras and run the test suite
 #   make bench-suite  the op micro-benchmarks (pytest-benchmark, bench/suites/; BENCH_ARGS=--benchmark-save=NAME)
+#   make lock         refresh constraints.txt (the known-good versions every install here uses) from the newest releases
+#   make test-latest  the suite against the newest releases (.venv-latest, no constraints): finds an upstream break
 PYTHON ?= python3
 VENV   ?= .venv
 # torch 2.13.0: a CPU build on the team's machines (from local disk); pick another pin for a GPU machine
 TORCH  ?= torch==2.13.0
+# the triton that CPU build is tested with (the interpreter runs the kernels); a CUDA build of torch pins its own
+TRITON ?= $(if $(filter torch==2.13.0,$(TORCH)),triton==3.9.0)
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip -q --disable-pip-version-check
+# known-good versions of every dependency but torch and what its build pins (TORCH picks those); `make lock` writes it
+CONSTRAINTS ?= constraints.txt
+# pytest's own script, not `python -m pytest`: `-m` would put the working directory first on sys.path
+PYTEST := $(VENV)/bin/pytest
 
-.PHONY: demo test install install-test cuda-ext gpu-wheelhouse bench bench-suite clean
+.PHONY: demo test test-latest lock install install-test cuda-ext gpu-wheelhouse bench bench-suite clean
 
-$(VENV)/.llmpar-installed: pyproject.toml setup.py
+$(VENV)/.llmpar-installed: pyproject.toml setup.py $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade "setuptools>=68" wheel
-	$(PIP) install "$(TORCH)"
-	$(PIP) install -e .
+	$(PIP) install "$(TORCH)" $(TRITON)
+	$(PIP) install -c $(CONSTRAINTS) -e .
 	touch $@
 
 $(VENV)/.llmpar-test-installed: $(VENV)/.llmpar-installed
 	# deepspeed builds from source and imports torch while doing so: build it against the torch we have
-	$(PIP) install --no-build-isolation "deepspeed>=0.14"
-	$(PIP) install -e ".[test,bench]"
+	$(PIP) install -c $(CONSTRAINTS) --no-build-isolation "deepspeed>=0.14"
+	$(PIP) install -c $(CONSTRAINTS) -e ".[test,bench]"
 	touch $@
 
 install: $(VENV)/.llmpar-installed
@@ -32,11 +40,23 @@ demo: install
 	$(VENV)/bin/llmpar train
 
 test: install-test
-	$(PY) -m pytest -q -ra tests
+	$(PYTEST) -q -ra tests
+
+# the suite against the newest releases of every dependency (torch stays $(TORCH)), in a venv made afresh
+test-latest:
+	rm -rf .venv-latest
+	$(MAKE) test VENV=.venv-latest CONSTRAINTS=/dev/null TRITON=triton
+
+# constraints.txt from a fresh install of the newest releases (commit the refresh on its own, after `make test-latest`)
+lock:
+	rm -rf .venv-lock
+	$(MAKE) install-test VENV=.venv-lock CONSTRAINTS=/dev/null TRITON=triton
+	bash .ci/lock.sh .venv-lock/bin/python "$(TORCH)" > constraints.txt.new
+	mv constraints.txt.new constraints.txt
 
 # llmpar's ops vs torch, one pytest-benchmark group per op, size and device (CPU, and CUDA when present; ~1 min on CPU)
 bench-suite: install-test
-	$(PY) -m pytest bench/ --benchmark-only $(BENCH_ARGS)
+	$(PYTEST) bench/ --benchmark-only $(BENCH_ARGS)
 
 # compile csrc/ against a CUDA build of torch in a separate venv and check the binary (no GPU needed)
 cuda-ext:
@@ -48,4 +68,4 @@ gpu-wheelhouse:
 	bash bench/gpu_wheelhouse.sh
 
 clean:
-	rm -rf build dist wheelhouse *.egg-info
+	rm -rf build dist wheelhouse *.egg-info .venv-lock .venv-latest

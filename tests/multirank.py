@@ -50,6 +50,16 @@ class RankTimeout(RankFailure):
     """Some ranks did not finish within the timeout."""
 
 
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def worker_sys_path() -> list[str]:
+    """This process's ``sys.path`` without the clone's root (nor ``''`` standing for it as the working directory):
+    the ranks import llmpar as installed, as a launched job's ranks do, and the top-level ``kernels/`` folder is never
+    found under the bare name ``kernels`` (HF's package of that name, which transformers imports)."""
+    return [p for p in sys.path if os.path.abspath(p or os.curdir) != REPO_ROOT]
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now (for a torchrun --master_port or a store)."""
     with socket.socket() as s:
@@ -186,7 +196,7 @@ class _Pool:
         self.procs = [
             ctx.Process(
                 target=_worker, daemon=True, name=f"llmpar-rank{r}",
-                args=(r, world_size, port, store, self.tasks[r], self.results, list(sys.path), self.logs[r]),
+                args=(r, world_size, port, store, self.tasks[r], self.results, worker_sys_path(), self.logs[r]),
             )
             for r in range(world_size)
         ]
