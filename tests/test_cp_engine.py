@@ -42,9 +42,48 @@ def _config(cp: dict, stage: int, **extra) -> dict:
             "zero_optimization": {"stage": stage}, "context_parallel": cp, **extra}
 
 
-def cp_body(cp: dict, stage: int, extra: dict, grads: bool) -> dict:
+def mismatched_batches(engine, dp: int, dp_rank: int) -> list[str]:
+    """The errors of three forwards where the last cp rank of each group is fed otherwise than the others: other rows
+    of the same shape (a sampler over the global rank), a shorter sequence (a ragged last batch), fewer rows."""
+    cp = engine.context_parallel
+    idx, targets, mask = batch(0, 0, dp)
+    rows = slice(dp_rank * MICRO, (dp_rank + 1) * MICRO)
+    odd = cp.rank == cp.size - 1
+    tries = [(idx.roll(1, 0) if odd else idx)[rows], targets[rows], mask[rows]], \
+        [idx[rows, :T - odd], targets[rows, :T - odd], mask[rows, :T - odd]], \
+        [idx[rows][:MICRO - odd], targets[rows][:MICRO - odd], mask[rows][:MICRO - odd]]
+    errors = []
+    for i, t, m in tries:
+        try:
+            engine(i, t, attention_mask=m)
+            errors.append("no error")
+        except ValueError as e:
+            errors.append(str(e))
+    return errors
+
+
+def check_mismatch_errors(outs: list[dict], world: int, cp: int) -> None:
+    """Every rank raised, naming every cp rank of its group with its global rank and shapes, and the loader fix."""
+    dp = world // cp
+    for rank, out in enumerate(outs):
+        first = rank - rank % cp
+        same, shorter, fewer = out["mismatch"]
+        for err in (same, shorter, fewer):
+            assert err.startswith(f"context-parallel batch: the {cp} cp ranks of a group were fed"), err
+            assert f"num_replicas=engine.dp_world_size, rank=engine.dp_rank) (here dp size {dp}, dp rank " \
+                   f"{rank // cp})" in err, err
+        assert "the same shapes but different contents (arg0 differ)" in same, same
+        last = f"cp rank {cp - 1} (global rank {first + cp - 1}): arg0 [{MICRO}, {T - 1}], arg1 [{MICRO}, {T - 1}]"
+        assert "different tensor shapes" in shorter and last in shorter, shorter
+        assert f"cp rank 0 (global rank {first}): arg0 [{MICRO}, {T}], arg1 [{MICRO}, {T}], attention_mask " \
+               f"[{MICRO}, {T}]" in shorter, shorter
+        assert f"(global rank {first + cp - 1}): arg0 [{MICRO - 1}, {T}]" in fewer, fewer
+
+
+def cp_body(cp: dict, stage: int, extra: dict, grads: bool, mismatch: bool = False) -> dict:
     """Train STEPS x GAS micro-steps; return the losses, grad norms and (``grads``) this rank's pieces of every
-    reduced gradient at the first step's boundary, with the engine's dp / cp view."""
+    reduced gradient at the first step's boundary, with the engine's dp / cp view (``mismatch``: and the errors of
+    :func:`mismatched_batches` after training)."""
     model = GPT(GPTConfig(**CFG), seed=3, dtype=torch.float64)
     engine, opt, _, _ = llmpar.initialize(model=model, config=_config(cp, stage, **extra))
     dp, dp_rank = engine.dp_world_size, engine.dp_rank
@@ -72,6 +111,8 @@ def cp_body(cp: dict, stage: int, extra: dict, grads: bool) -> dict:
         finally:
             torch.save = save
         out["written"] = written
+    if mismatch:
+        out["mismatch"] = mismatched_batches(engine, dp, dp_rank)
     engine.destroy()
     return out
 
@@ -129,7 +170,10 @@ def check(outs: list[dict], world: int, cp: int, *, grads: bool = True) -> None:
     ({"size": 2, "mode": "ring"}, 3, 4),  # dp=2 x cp=2: ZeRO-3 over the dp x cp group
 ])
 def test_cp2_matches_single_process(cp, stage, world):
-    check(run_ranks(cp_body, world, cp, stage, {}, True, timeout=120), world, cp["size"])
+    """And cp ranks fed different batches (rows, sequence lengths, row counts) are refused on every rank."""
+    outs = run_ranks(cp_body, world, cp, stage, {}, True, True, timeout=120)
+    check(outs, world, cp["size"])
+    check_mismatch_errors(outs, world, cp["size"])
 
 
 def ring3_body() -> dict:

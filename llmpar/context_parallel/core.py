@@ -14,7 +14,8 @@ Modes: "ulysses" (all-to-all over heads, :mod:`.ulysses`), "ring" (k/v blocks pa
 
 Validation in attention is local (shapes, heads, devices, the shard) and happens before any collective, so with the
 same model and sequence length on every rank a bad input raises the same error on every rank instead of hanging a
-peer; :meth:`ContextParallel.check_batch` (one tiny all-reduce per cp group) catches ranks fed different batches, and
+peer; :meth:`ContextParallel.check_batch` (one tiny all-reduce per cp group) catches ranks fed different batches (the
+engine agrees on every call's tensors instead, ``llmpar.context_parallel.batch_check``, naming each rank's shapes), and
 a hybrid layout whose groups do not form a grid is refused at construction on every rank.
 """
 from __future__ import annotations

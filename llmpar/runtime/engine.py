@@ -8,10 +8,11 @@ scheduler only at the accumulation boundary ((micro_steps + 1) % gas == 0) and c
 over ``dp_group``; tensor-parallel layers on ``tp_group`` compose with it.
 
 Context parallelism (``context_parallel``, a ``llmpar.context_parallel.ContextParallel``, with the model's
-``adapter``): ``engine(...)`` takes the full batch (the same on every cp rank of a data-parallel group), runs the
-model on this rank's slice of each sequence (``adapter.shard_call``) and returns the full-sequence loss, the same on
-every cp rank. ZeRO then runs over the dp x cp group (its state sharded over dp * cp) while ``dp_group``,
-``dp_world_size`` / ``dp_rank`` and the data loader stay the data-parallel ones.
+``adapter``): ``engine(...)`` takes the full batch (the same on every cp rank of a data-parallel group: agreed first,
+``llmpar.context_parallel.batch_check``, one small all-gather per cp group, else a ValueError on every cp rank naming
+each rank's shapes), runs the model on this rank's slice of each sequence (``adapter.shard_call``) and returns the
+full-sequence loss, the same on every cp rank. ZeRO then runs over the dp x cp group (its state sharded over dp * cp)
+while ``dp_group``, ``dp_world_size`` / ``dp_rank`` and the data loader stay the data-parallel ones.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from torch import nn
 
 from llmpar.checkpoint.hf_files import save_safetensors
 from llmpar.checkpoint.protocol import Grid
+from llmpar.context_parallel.batch_check import agree_batch
 from llmpar.distributed.collectives import Group, GroupRef, group_rank, group_size
 from llmpar.runtime import engine_ckpt
 from llmpar.runtime.config import Config
@@ -108,6 +110,7 @@ class Engine(EngineBase):
         attention_mask=, position_ids=)``, the output with its loss)."""
         if self.context_parallel is None:
             return self.module(*args, **kwargs)
+        agree_batch(self.context_parallel, args, kwargs, dp_size=self.dp_world_size, dp_rank=self.dp_rank)
         args, kwargs, finish = self.adapter.shard_call(self.context_parallel, args, kwargs)
         try:
             output = self.module(*args, **kwargs)
