@@ -71,7 +71,11 @@ NO_COUNTERPART = {
     "autotuning": "the autotuner is not provided: `llmpar plan` suggests layouts",
     "elasticity": "elastic training is not provided (checkpoints reshard to any dp / tp / pp at load)",
     "launcher": "launch with torchrun (or `llmpar launch`, which translates onto torchrun / srun / mpirun)",
-    "sequence": "Ulysses sequence parallelism is not provided: use tensor parallelism with sequence_parallel=True",
+    "sequence": "Ulysses sequence parallelism is llmpar's context parallelism (llmpar.context_parallel): the config's "
+                "\"context_parallel\": {\"mode\": \"ulysses\", \"size\": N} block (DeepSpeed's "
+                "\"sequence_parallel_size\": N means the same) makes llmpar.initialize shard the sequence and run "
+                "attention through the all-to-all; a hand-built model uses llmpar.context_parallel.ContextParallel("
+                "\"ulysses\", ulysses_group=...) (README: Long context)",
     "nvme": "NVMe offload is not provided (offload_optimizer / offload_param to the CPU are)",
     "ops.lamb": _OPS, "ops.transformer": _OPS, "ops.sparse_attention": _OPS, "ops.op_builder": _OPS,
     "ops.aio": _OPS, "ops.deepspeed4science": _OPS, "ops.quantizer": _OPS, "ops.lion": _OPS, "ops.adagrad": _OPS,

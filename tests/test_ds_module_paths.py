@@ -47,6 +47,7 @@ REFUSED = [
     ("deepspeed.compression.compress", "compression"),
     ("deepspeed.utils.timer", "perf_counter"),
     ("deepspeed.launcher.runner", "torchrun"),
+    ("deepspeed.sequence.layer", "\"context_parallel\": {\"mode\": \"ulysses\""),  # Ulysses: cp's mode, not "absent"
 ]
 
 
