@@ -118,6 +118,8 @@ def body(root, ext_dir):
         with deepspeed.zero.GatheredParameters(list(ds.module.parameters()), enabled=stage == 3):
             out.setdefault("weights", {})[name] = {n: p.detach().clone() for n, p in ds.module.named_parameters()}
         out["ds"][name] = _train(ds, range(K, K + N), False)
+        if name in ("z2", "z3"):  # a later save: its rank files mixed into the one at step K below
+            ds.save_checkpoint(f"{root}/{name}_late")
         del ds
     dist.barrier()
     for name, stage, tp, bf16 in (("z0", 2, 1, False), ("z1", 3, 1, False), ("z2", 1, 2, False),
@@ -158,8 +160,38 @@ def body(root, ext_dir):
     wide = GPT(GPTConfig(vocab_size=V + 2, n_layer=2, n_head=2, d_model=24, seq_len=SEQ), seed=3)
     engine, *_ = llmpar.initialize(model=wide, config=_config(2))
     out["shape"] = _error(lambda: engine.load_checkpoint(f"{root}/z3"))
+    _mixed_saves(root, out)
     _deepspeed_resumes_converted(root, out)
     return out
+
+
+# checkpoints at step K whose rank files were mixed by hand: (name, source, {file: where it comes from}); "late":
+# the same file of the save at step K + N, "cut": truncated to half, another file name: that file of this save
+OPT = "zero_pp_rank_{}_mp_rank_00_optim_states.pt"
+MIXED = (("mixed2", "z2", {OPT.format(1): "late"}), ("swapped2", "z2", {OPT.format(0): OPT.format(1),
+                                                                         OPT.format(1): OPT.format(0)}),
+         ("late_opt2", "z2", {OPT.format(0): "late", OPT.format(1): "late"}), ("mixed3", "z3", {OPT.format(1): "late"}),
+         ("cut2", "z2", {OPT.format(1): "cut"}))
+
+
+def _mixed_saves(root, out):
+    """Each MIXED checkpoint loaded into a ZeRO-2 engine on both ranks: the errors, and whether the engine's params
+    are what they were."""
+    if dist.get_rank() == 0:
+        for name, src, swaps in MIXED:
+            shutil.copytree(f"{root}/{src}", f"{root}/{name}")
+            d, late = f"{root}/{name}/global_step{K}", f"{root}/{src}_late/global_step{K + N}"
+            for f, frm in swaps.items():
+                if frm == "cut":
+                    data = open(f"{d}/{f}", "rb").read()
+                    open(f"{d}/{f}", "wb").write(data[:len(data) // 2])
+                else:
+                    shutil.copy(f"{late}/{f}" if frm == "late" else f"{root}/{src}/global_step{K}/{frm}", f"{d}/{f}")
+    dist.barrier()
+    engine = _llmpar(2)
+    before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    out["mixed"] = {name: _error(lambda: engine.load_checkpoint(f"{root}/{name}")) for name, _, _ in MIXED}  # noqa
+    out["mixed_untouched"] = all(torch.equal(p, before[n]) for n, p in engine.module.named_parameters())
 
 
 # (source, layout, ZeRO stage DeepSpeed loads it at): llmpar's ZeRO-2 dp=2 checkpoint at step K, DeepSpeed's ZeRO-1,
@@ -240,6 +272,32 @@ def test_errors_name_what_was_found(runs):
         assert "neither llmpar's layout" in out["junk"]
         assert "'tok_emb.weight' has full shape (63, 24) here" in out["shape"], out["shape"]
         assert "(61, 24)" in out["shape"]
+
+
+def test_rank_files_of_different_saves_or_swapped_are_refused_naming_them(runs, tmp_path):
+    """DeepSpeed optimizer files of another save (Adam step 5 beside 2, ZeRO-2 and ZeRO-3), swapped between the
+    ranks, all of a later save than the model states file, or one truncated: refused on every rank naming the files,
+    before anything of the engine changed (they loaded silently, or failed mid-load); convert refuses them too."""
+    from llmpar.checkpoint import consolidate
+    from llmpar.checkpoint.files import CheckpointError
+
+    runs, root = runs
+    for out in runs:
+        err = out["mixed"]
+        for name in ("mixed2", "mixed3"):
+            assert "the optimizer files are of different saves" in err[name], err[name]
+            assert f"{OPT.format(0)}: [{float(K)}]" in err[name] and f"{OPT.format(1)}: [{float(K + N)}]" in err[name]
+        for name, rank in (("swapped2", 0), ("late_opt2", 0)):
+            assert f"{OPT.format(rank)} does not hold dp rank {rank}'s partition of this save" in err[name], err[name]
+            assert "differs from the weights in the model states file" in err[name]
+        assert f"cannot read DeepSpeed checkpoint file {root}/cut2/global_step{K}/{OPT.format(1)}" in err["cut2"], \
+            err["cut2"]
+        assert "mixed" not in err["cut2"].split(OPT.format(1))[-1]  # found before the load began, not mid-load
+        assert out["mixed_untouched"]
+    for name in ("mixed2", "swapped2", "mixed3"):
+        with pytest.raises(CheckpointError, match="different saves|partition of this save"):
+            consolidate.convert(str(root / name), str(tmp_path / name))
+        assert not (tmp_path / name).exists()
 
 
 def test_convert_to_hf_verifies_what_it_wrote(runs, tmp_path):

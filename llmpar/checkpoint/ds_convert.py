@@ -28,7 +28,7 @@ from typing import Any, Iterator
 
 import torch
 
-from llmpar.checkpoint import ds_files, files, hf_files, hf_stream
+from llmpar.checkpoint import ds_check, ds_files, files, hf_files, hf_stream
 from llmpar.checkpoint.deepspeed_read import DeepSpeedCheckpoint
 from llmpar.checkpoint.files import CheckpointError
 
@@ -63,6 +63,7 @@ def locate(src: str, tag: str | None, source: str = "auto") -> tuple[str, str]:
 def state_dict(path: str, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
     """The full weights of DeepSpeed checkpoint directory ``path`` (module docstring)."""
     ck = DeepSpeedCheckpoint(path)
+    ds_check.validate(ck)
 
     def cast(t: torch.Tensor) -> torch.Tensor:
         return t.to(dtype) if dtype is not None and t.is_floating_point() and t.dtype != torch.float64 else t
@@ -116,6 +117,7 @@ class _Stream:
     def __init__(self, path: str, dtype: torch.dtype | None, budget: int) -> None:
         self.path, self.dtype, self.budget, self.since = path, dtype, budget, 0
         self.ck = ck = DeepSpeedCheckpoint(path)
+        ds_check.validate(ck)  # once, before the first file is written
         self.small = {n: t for n, t in {**ck.buffers(), **ck.frozen()}.items() if n not in ck.shapes
                       and n not in ck.aliases}  # buffers and frozen params, read whole (as saved)
         self.meta: dict[str, torch.Tensor] = {}  # name -> meta tensor of the shape and dtype written
@@ -170,7 +172,7 @@ def write_hf(path: str, out_dir: str, *, dtype: torch.dtype | None, max_shard_si
     names = hf_files.shard_files(len(shards), "safetensors")
     index = "model.safetensors.index.json"
     os.makedirs(out_dir, exist_ok=True)
-    hf_files.clean(out_dir, set(names) | ({index} if len(names) > 1 else set()))
+    hf_files.clean(out_dir, set())  # an earlier export's weights gone before the first new file lands
     total = sum(t.numel() * t.element_size() for t in src.meta.values())
     with tqdm(total=total, unit="B", unit_scale=True, desc="convert", disable=None if progress is None
               else not progress) as bar:

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import torch
 
-from llmpar.checkpoint import files
+from llmpar.checkpoint import ds_check, files
 from llmpar.checkpoint.deepspeed_read import DeepSpeedCheckpoint
 from llmpar.checkpoint.ds_files import LAYER_RE, MODEL_RE, OPTIM_RE, detect, load_file
 from llmpar.checkpoint.files import CheckpointError
@@ -200,6 +200,7 @@ def load(engine: Checkpointable, view: EngineView, path: str, *, strict: bool, s
     model = _model_names(view) if _needs_model(path) else None  # collective: every rank sees the same files
     with files.agreed(g, "load_checkpoint"):
         ck = DeepSpeedCheckpoint(path, model=model) if model is not None else DeepSpeedCheckpoint(path)
+        ds_check.validate(ck)  # every file opened and checked against the others before anything changes
         src = Source(ck, view)
         keep, extras = plan(engine, view, ck, src, strict, sched)
     apply(engine, view, path, ck, src, keep, extras, strict=strict, sched=sched,

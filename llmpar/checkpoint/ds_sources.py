@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from llmpar.checkpoint import ds_convert, files, metacheck, universal_read
+from llmpar.checkpoint import ds_check, ds_convert, files, metacheck, universal_read
 from llmpar.checkpoint.deepspeed_read import DeepSpeedCheckpoint
 from llmpar.checkpoint.files import CheckpointError
 from llmpar.checkpoint.reshard import CheckpointReader
@@ -66,6 +66,7 @@ class _DeepSpeedSource(Source):
 
     def __init__(self, path: str) -> None:
         ck = self.ck = DeepSpeedCheckpoint(path)
+        ds_check.validate(ck)
         shapes = ck.model.get("param_shapes") if ck.stage > 0 else [dict.fromkeys(ck.names)]
         self.groups = [list(g) for g in shapes]
         self.shapes = dict(ck.shapes)
