@@ -242,7 +242,7 @@ def test_consolidate_equals_gathered_model(stage, bf16, frozen, tmp_path):
     assert sorted(sd) == sorted(want)
     for name, t in want.items():
         assert sd[name].dtype == torch.float32 and torch.equal(sd[name], t.float()), name
-    assert main(["checkpoint", "consolidate", str(tmp_path / "ck"), str(out), "--format", "bin"]) == 0
+    assert main(["checkpoint", "consolidate", str(tmp_path / "ck"), str(out), "--format", "bin", "--overwrite"]) == 0
     bin_sd = torch.load(out / "pytorch_model.bin", weights_only=True)
     assert sorted(os.listdir(out)) == ["pytorch_model.bin"]  # the safetensors file of the export before is gone
     assert all(torch.equal(bin_sd[n], sd[n]) for n in sd) and sorted(bin_sd) == sorted(sd)
@@ -251,7 +251,7 @@ def test_consolidate_equals_gathered_model(stage, bf16, frozen, tmp_path):
     kept = consolidated_state_dict(str(tmp_path / "ck"), dtype=None)
     if bf16:
         assert all(kept[n].dtype == torch.float32 for n in kept)  # masters are fp32 already
-    assert main(["checkpoint", "consolidate", str(tmp_path / "nothing"), str(out)]) == 1
+    assert main(["checkpoint", "consolidate", str(tmp_path / "nothing"), str(tmp_path / "out2")]) == 1
 
 
 def tp_body(root, stage):

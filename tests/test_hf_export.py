@@ -178,8 +178,11 @@ def test_trained_model_exports_load_with_from_pretrained(case, tmp_path):
     assert main(["checkpoint", "consolidate", str(tmp_path / "ck"), str(out), "--max-shard-size", ck_shard]) == 0
     _check_export(out, state, logits, ref, tie)
     _check_shards(out, ck_shard != "5GB")
-    if case == "llama-s2-untied":  # (e) --dtype bf16 into the same directory: the fp32 shards are replaced
-        assert main(["checkpoint", "consolidate", str(tmp_path / "ck"), str(out), "--dtype", "bf16"]) == 0
+    if case == "llama-s2-untied":  # (e) --dtype bf16 into the same directory: refused, then replaced whole
+        assert main(["checkpoint", "consolidate", str(tmp_path / "ck"), str(out), "--dtype", "bf16"]) == 1
+        _check_shards(out, ck_shard != "5GB")
+        assert main(["checkpoint", "consolidate", str(tmp_path / "ck"), str(out), "--dtype", "bf16",
+                     "--overwrite"]) == 0
         _check_export(out, state, logits, ref, tie, dtype=torch.bfloat16)
         _check_shards(out, False)
 

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from llmpar.checkpoint import (dcp_convert, dcp_format, ds_convert, ds_universal, ds_write, files, hf_files, metacheck,
-                               publish)
+                               outdir, publish)
 from llmpar.checkpoint.files import CheckpointError
 from llmpar.checkpoint.reshard import CheckpointReader
 
@@ -76,32 +76,49 @@ def consolidated_state_dict(path: str, tag: str | None = None, *, dtype: torch.d
 
 
 def consolidate(path: str, out_dir: str, tag: str | None = None, *, dtype: Any = torch.float32,
-                max_shard_size: Any = hf_files.DEFAULT_SHARD_SIZE, format: str | None = None) -> list[str]:
+                max_shard_size: Any = hf_files.DEFAULT_SHARD_SIZE, format: str | None = None,
+                overwrite: bool = False) -> list[str]:
     """Write the checkpoint's weights into ``out_dir`` as HuggingFace does (``hf_files.write_hf_model``): float
     tensors in ``dtype`` (bf16 / fp16 / fp32 or a torch dtype, float64 ones kept; None / "keep": as saved), shards of
     at most ``max_shard_size`` ("5GB", or bytes) with an index, ``config.json`` / ``generation_config.json`` when the
     checkpoint recorded the model's HuggingFace config. ``format``: "safetensors" (default when installed) or "bin".
-    Returns the paths written."""
+    ``out_dir`` is built beside and swapped in whole (``outdir.py``): a non-empty one is refused unless
+    ``overwrite``. Returns the paths written."""
     target = hf_files.parse_dtype(dtype)
     hf_files.parse_size(max_shard_size)  # bad arguments fail before the checkpoint is read
     hf_files.parse_format(format)
+    outdir.check_target(out_dir, overwrite, path)
     state, meta = _read(path, tag, target)
     model = meta.get("model", {})
-    return hf_files.write_hf_model(out_dir, state, config=model.get("hf_config"),
-                                   generation_config=model.get("hf_generation_config"),
-                                   max_shard_size=max_shard_size, format=format)
+    with outdir.staged(out_dir, overwrite=overwrite, source=path, what="consolidate") as tmp:
+        written = hf_files.write_hf_model(tmp, state, config=model.get("hf_config"),
+                                          generation_config=model.get("hf_generation_config"),
+                                          max_shard_size=max_shard_size, format=format)
+    return outdir.moved(written, tmp, out_dir)
 
 
 def convert(src: str, out_dir: str, *, to: str = "hf", source: str = "auto", tag: str | None = None,
             dtype: Any = torch.float32, max_shard_size: Any = hf_files.DEFAULT_SHARD_SIZE,
-            format: str | None = None, stage: int | None = None, dp: int | None = None) -> list[str]:
+            format: str | None = None, stage: int | None = None, dp: int | None = None,
+            overwrite: bool = False) -> list[str]:
     """Convert checkpoint ``src`` (``source``: "auto", "deepspeed", "llmpar" or "universal": DeepSpeed's universal
     layout, ``universal_read.py``, also detected) to ``to`` ("hf": HuggingFace's
     layout, as :func:`consolidate` writes it; "deepspeed": DeepSpeed's ZeRO-``stage`` layout for ``dp`` ranks,
     ``ds_write.py``, defaults: the source's; "universal": DeepSpeed's universal layout, ``ds_universal.py``; "dcp":
     a ``torch.distributed.checkpoint`` directory FSDP2 / torchtitan load, from an llmpar checkpoint,
     ``dcp_convert.py``) in ``out_dir``; every file written is read back and each tensor compared with the source
-    (dcp: the source's files are verified before anything is written). Returns the paths written."""
+    (dcp: the source's files are verified before anything is written). ``out_dir`` is built beside and swapped in
+    whole once every file is written and checked (``outdir.py``): a non-empty one is refused unless ``overwrite``,
+    an interrupted convert leaves it as it was. Returns the paths written."""
+    with outdir.staged(out_dir, overwrite=overwrite, source=src, what="convert") as tmp:
+        written = _convert(src, tmp, to=to, source=source, tag=tag, dtype=dtype, max_shard_size=max_shard_size,
+                           format=format, stage=stage, dp=dp)
+    return outdir.moved(written, tmp, out_dir)
+
+
+def _convert(src: str, out_dir: str, *, to: str, source: str, tag: str | None, dtype: Any, max_shard_size: Any,
+             format: str | None, stage: int | None, dp: int | None) -> list[str]:
+    """:func:`convert` into the new directory ``out_dir``."""
     if source not in (*ds_convert.SOURCES, "universal"):
         raise ValueError(f"source={source!r} is not one of {[*ds_convert.SOURCES, 'universal']}")
     if to == "deepspeed":
@@ -169,10 +186,11 @@ def _from_universal(path: str, out_dir: str, to: str, **hf: Any) -> list[str]:
     return written
 
 
-def _convert(args: argparse.Namespace) -> int:
+def _convert_cli(args: argparse.Namespace) -> int:
     try:
         paths = convert(args.src, args.dst, to=args.to, source=args.source, tag=args.tag, dtype=args.dtype,
-                        max_shard_size=args.max_shard_size, format=args.format, stage=args.stage, dp=args.dp)
+                        max_shard_size=args.max_shard_size, format=args.format, stage=args.stage, dp=args.dp,
+                        overwrite=args.overwrite)
     except (CheckpointError, OSError, ValueError, ImportError) as e:
         print(f"llmpar checkpoint convert: {e}", file=sys.stderr)
         return 1
@@ -192,7 +210,7 @@ def _size_arg(text: str) -> str:
 def _run(args: argparse.Namespace) -> int:
     try:
         paths = consolidate(args.dir, args.out, args.tag, dtype=args.dtype, max_shard_size=args.max_shard_size,
-                            format=args.format)
+                            format=args.format, overwrite=args.overwrite)
     except (CheckpointError, OSError, ValueError, ImportError) as e:
         print(f"llmpar checkpoint consolidate: {e}", file=sys.stderr)
         return 1
@@ -228,6 +246,8 @@ def register(subparsers: Any) -> None:
                    help="largest shard, e.g. 5GB (the default, HuggingFace's), 500MB, 2GiB or bytes")
     c.add_argument("--format", default=None, choices=sorted(hf_files.FORMATS),
                    help="safetensors (the default when installed) or bin (pytorch_model.bin, torch.save)")
+    c.add_argument("--overwrite", action="store_true",
+                   help="replace a non-empty output directory whole (refused otherwise)")
     c.set_defaults(func=_run)
     v = sub.add_parser("convert", help="convert a DeepSpeed or llmpar checkpoint (auto-detected) to HuggingFace's "
                                        "layout, every tensor written read back and compared")
@@ -250,7 +270,9 @@ def register(subparsers: Any) -> None:
                    help="largest shard, e.g. 5GB (the default), 500MB or bytes")
     v.add_argument("--format", default=None, choices=sorted(hf_files.FORMATS),
                    help="safetensors (the default when installed) or bin")
-    v.set_defaults(func=_convert)
+    v.add_argument("--overwrite", action="store_true",
+                   help="replace a non-empty output directory whole (refused otherwise)")
+    v.set_defaults(func=_convert_cli)
     u = sub.add_parser("publish", help="publish a save left in DIR/.tmp-TAG (its run ended before the publish) once "
                                        "every rank's file is there; DIR/latest then names it")
     u.add_argument("dir", help="the save directory")

@@ -108,15 +108,51 @@ class _Pickler(pickle._Pickler):  # type: ignore[name-defined, misc]
 _PICKLE = types.SimpleNamespace(Pickler=_Pickler, dump=pickle.dump, __name__="llmpar_ds_pickle")
 
 
+class _Recording:
+    """A binary file keeping its writes' first ``OSError``: ``torch.save`` reports a failed write (a full disk) as a
+    ``RuntimeError`` ("unexpected pos ...") naming neither the file nor the cause."""
+
+    def __init__(self, f: Any) -> None:
+        self.f, self.error = f, None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = self.error or e
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _written(path: str, write: Any) -> None:
+    """``write(f)`` into ``path + ".part"``, fsynced, renamed to ``path``. A failure removes the ``.part`` file and
+    raises an ``OSError`` with the cause (``errno``, ``strerror``) and ``filename`` ``path``."""
+    tmp, rec = path + ".part", None
+    try:
+        with open(tmp, "wb") as f:
+            rec = _Recording(f)
+            write(rec)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        cause = rec.error if rec is not None and rec.error is not None else e
+        if isinstance(cause, OSError):
+            raise OSError(cause.errno, cause.strerror or str(cause), path) from e
+        raise
+
+
 def save_pickled(obj: Any, path: str) -> None:
     """``torch.save`` of ``obj`` to ``path``, DeepSpeed's classes by name: streamed into a ``.part`` file (no copy of
-    the bytes in memory), fsynced, renamed."""
-    tmp = path + ".part"
-    with open(tmp, "wb") as f:
-        torch.save(obj, f, pickle_module=_PICKLE)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    the bytes in memory), fsynced, renamed; a failed write (a full disk) raises an ``OSError`` naming ``path`` and
+    the cause, its ``.part`` removed."""
+    _written(path, lambda f: torch.save(obj, f, pickle_module=_PICKLE))
 
 
 def owned(t: torch.Tensor) -> torch.Tensor:
@@ -129,13 +165,8 @@ def owned(t: torch.Tensor) -> torch.Tensor:
 
 
 def write_bytes(path: str, data: bytes) -> None:
-    """``data`` into ``path``: a ``.part`` file, fsynced, renamed."""
-    tmp = path + ".part"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """``data`` into ``path``: a ``.part`` file, fsynced, renamed (a failure: as :func:`save_pickled`)."""
+    _written(path, lambda f: f.write(data))
 
 
 def loss_scaler() -> _Object:

@@ -17,9 +17,11 @@ and by ``engine.save_hf_model`` (the live model's). HuggingFace's rules, followe
   ``max_shard_size`` (a tensor bigger than that gets a shard of its own), ``huggingface_hub``'s split; one shard is
   named ``model.safetensors`` and gets no index. Sizes are HuggingFace's: ``"5GB"`` is 5 * 10**9 bytes (``"5GiB"``
   is 5 * 2**30); an int is bytes;
-* weight files of an earlier export in ``out`` that this one does not replace (``model-*-of-*.safetensors``, the
-  index, ``pytorch_model*.bin``) are removed, so the directory never mixes two exports; every file is written aside
-  and renamed into place.
+* the weight files of an earlier export in ``out`` (``model*.safetensors``, the index, ``pytorch_model*.bin``) are
+  removed before the first new file lands, then the configs are written, the shards, and the index last (each file
+  written aside and renamed into place): an interrupted export leaves no loadable mix of two models (weights
+  without their index, or a config without weights). ``consolidate`` / ``convert`` go further: they write into a
+  new directory and swap it in whole (``outdir.py``).
 ``format="bin"`` writes ``pytorch_model.bin`` (``torch.save``) with the same sharding and index names.
 """
 from __future__ import annotations
@@ -209,24 +211,25 @@ def write_hf_model(out_dir: str, state: dict[str, torch.Tensor], *, config: dict
     names = shard_files(len(shards), fmt)
     index = "{}.{}.index.json".format(*FORMATS[fmt])
     os.makedirs(out_dir, exist_ok=True)
-    clean(out_dir, set(names) | ({index} if len(names) > 1 else set()))
+    clean(out_dir, set())  # the earlier export's weights gone before any new file lands (module docstring)
+    configs = {}
+    if config is not None:
+        configs["config.json"] = config_with_dtype(config, _float_dtype(sized))
+    if generation_config is not None:
+        configs["generation_config.json"] = generation_config
+    for fname, obj in configs.items():
+        write_json(os.path.join(out_dir, fname), obj)
     written = []
     for fname, keys in zip(names, shards):
         _write_tensors(os.path.join(out_dir, fname), {k: final(tensors[k]) for k in keys}, fmt)
         written.append(os.path.join(out_dir, fname))
-    files = {}
     if len(names) > 1:
-        files[index] = {"metadata": {"total_size": sum(_nbytes(t) for t in sized.values()),
-                                     "total_parameters": sum(t.numel() for t in sized.values())},
-                        "weight_map": {k: fname for fname, keys in zip(names, shards) for k in keys}}
-    if config is not None:
-        files["config.json"] = config_with_dtype(config, _float_dtype(sized))
-    if generation_config is not None:
-        files["generation_config.json"] = generation_config
-    for fname, obj in files.items():
-        write_json(os.path.join(out_dir, fname), obj)
-        written.append(os.path.join(out_dir, fname))
-    return written
+        write_json(os.path.join(out_dir, index), {
+            "metadata": {"total_size": sum(_nbytes(t) for t in sized.values()),
+                         "total_parameters": sum(t.numel() for t in sized.values())},
+            "weight_map": {k: fname for fname, keys in zip(names, shards) for k in keys}})
+        written.append(os.path.join(out_dir, index))
+    return written + [os.path.join(out_dir, fname) for fname in configs]
 
 
 __all__ = ["DEFAULT_SHARD_SIZE", "DTYPES", "FORMATS", "config_with_dtype", "parse_dtype", "parse_format",
