@@ -296,6 +296,7 @@ def ranks_body(root: str):
     engine, model = _engine(2)
     _train(engine, model, 0, 1)
     engine.save_checkpoint(root, tag="a")
+    auto = _auto_resume_on_ranks(engine, root + "_auto")
     refused: dict[str, tuple[str, str, float]] = {}
     real = ckfiles.agree_tensor, ckfiles.all_reduce
     ckfiles.agree_tensor = ckfiles.all_reduce = _no_collective
@@ -325,12 +326,37 @@ def ranks_body(root: str):
     except BaseException as e:  # noqa: BLE001
         bad_meta = (type(e).__name__, str(e), time.perf_counter() - t0)
     unchanged = all(torch.equal(t, before[n]) for n, t in fmodel.state_dict().items())
-    return refused, bad_meta, unchanged, fresh.global_steps, sorted(os.listdir(root))
+    return refused, bad_meta, unchanged, fresh.global_steps, sorted(os.listdir(root)), auto
+
+
+def _auto_resume_on_ranks(engine, auto: str) -> tuple:
+    """A checkpoint saved without ``latest``: an engine built with auto_resume there resumes from it on both ranks;
+    with a copy at the same step beside it, both ranks refuse."""
+    import torch.distributed as dist
+
+    import llmpar
+    from test_checkpoint import _config, GPT, GPT_CFG, GPTConfig
+
+    engine.save_checkpoint(auto, save_latest=False)
+    cfg = {**_config(2, 2), "checkpoint": {"auto_resume": auto}}
+    resumed = llmpar.initialize(model=GPT(GPTConfig(**GPT_CFG), seed=5), config=cfg)[0]
+    if dist.get_rank() == 0:
+        shutil.copytree(os.path.join(auto, "global_step1"), os.path.join(auto, "copy"))
+    dist.barrier()
+    try:
+        llmpar.initialize(model=GPT(GPTConfig(**GPT_CFG), seed=5), config=cfg)
+        refused = ""
+    except CheckpointError as e:
+        refused = str(e)
+    return resumed.resumed_from, resumed.global_steps, refused
 
 
 def test_bad_tags_and_metadata_are_refused_on_every_rank(tmp_path):
+    """... and auto_resume without ``latest`` resumes the same checkpoint on both ranks, or refuses on both."""
     outs = run_ranks(ranks_body, 2, str(tmp_path), timeout=120)
-    for rank, (refused, bad_meta, unchanged, steps, listing) in enumerate(outs):
+    for rank, (refused, bad_meta, unchanged, steps, listing, auto) in enumerate(outs):
+        assert auto[:2] == (str(tmp_path) + "_auto/global_step1", 1), auto
+        assert "2 complete checkpoints at step 1: ['copy', 'global_step1']" in auto[2], auto
         for call, (kind, message, seconds) in refused.items():
             print(f"rank {rank}: {call}: {kind} in {seconds:.4f}s: {message[:100]!r}")
             tag = call.split(" ", 1)[1]
@@ -341,3 +367,58 @@ def test_bad_tags_and_metadata_are_refused_on_every_rank(tmp_path):
         assert os.path.join(str(tmp_path), "a", "metadata.json") in message, message
         assert unchanged and steps == 0, (rank, unchanged, steps)
         assert listing == ["a", "latest"], listing
+
+
+# ---------------------------------------------------------------------------------------------------- auto_resume
+def _resumable(directory) -> "object":
+    import llmpar
+
+    torch.manual_seed(7)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.GELU(), torch.nn.Linear(7, 1)).double()
+    cfg = {"train_micro_batch_size_per_gpu": 3, "optimizer": {"type": "AdamW", "params": {"lr": 0.02}},
+           "zero_optimization": {"stage": 1}}
+    if directory is not None:
+        cfg["checkpoint"] = {"auto_resume": str(directory)}
+    return llmpar.initialize(model=model, config=cfg)[0]
+
+
+def _steps(engine, until: int, save_to=None) -> dict[int, str]:
+    """Steps up to ``until`` on batches drawn from the step number; saves (no ``latest``) after steps 2 and 4."""
+    losses = {}
+    while engine.global_steps < until:
+        g = torch.Generator().manual_seed(100 + engine.global_steps)
+        x, y = torch.randn(3, 5, generator=g, dtype=torch.float64), torch.randn(3, 1, generator=g, dtype=torch.float64)
+        loss = torch.nn.functional.mse_loss(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        losses[engine.global_steps] = loss.item().hex()
+        if save_to is not None and engine.global_steps in (2, 4):
+            engine.save_checkpoint(str(save_to), save_latest=False)
+    return losses
+
+
+def test_auto_resume_without_latest_resumes_the_newest_complete_checkpoint_or_refuses(tmp_path, caplog):
+    """Complete checkpoints and no ``latest`` (``save_latest=False``, deleted, a run stopped before its first
+    ``latest``, copied in): auto_resume loads the newest by the step its metadata records, whatever the directory
+    names say, and trains on to the uninterrupted losses (it started fresh at step 0 and re-saved over them); two at
+    the same step, or one that cannot be read, are refused naming them, the directory left as it was."""
+    ref = _steps(_resumable(None), 6)
+    d = tmp_path / "ck"
+    _steps(_resumable(d), 4, save_to=d)
+    assert sorted(os.listdir(d)) == ["global_step2", "global_step4"]  # no latest
+    os.rename(d / "global_step4", d / "aaa")  # names that sort the other way
+    os.rename(d / "global_step2", d / "zzz_step9")
+    with caplog.at_level(logging.WARNING, logger="llmpar"):
+        again = _resumable(d)
+    assert again.resumed_from == str(d / "aaa") and again.global_steps == 4
+    assert "has no 'latest': resuming from the newest complete checkpoint, aaa (step 4" in caplog.text
+    assert _steps(again, 6) == {s: ref[s] for s in (5, 6)}
+    shutil.copytree(d / "aaa", d / "bbb")  # a copy at the same step: which one is not clear
+    listing = sorted(os.listdir(d))
+    with pytest.raises(CheckpointError, match=r"2 complete checkpoints at step 4: \['aaa', 'bbb'\]"):
+        _resumable(d)
+    shutil.rmtree(d / "bbb")
+    (d / "zzz_step9" / "metadata.json").write_text('{"format": 3')
+    with pytest.raises(CheckpointError, match=r"cannot be read: .*zzz_step9"):
+        _resumable(d)
+    assert sorted(os.listdir(d)) == [n for n in listing if n != "bbb"]  # nothing saved, moved or removed

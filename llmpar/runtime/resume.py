@@ -22,7 +22,11 @@ dp' skips (samples x dp) / dp' samples per rank (exact for the ``DistributedSamp
 remainder is rounded down with a warning).
 
 ``"checkpoint": {"auto_resume": DIR}`` (llmpar's key, opt-in): ``initialize`` loads ``DIR``'s ``latest`` when any rank
-sees one (agreed, so every rank loads or none does; a first run starts fresh, without a warning);
+sees one (agreed, so every rank loads or none does; a first run starts fresh, without a warning). Without ``latest``
+(deleted, ``save_latest=False``, a run stopped before its first ``latest``, checkpoints copied in) it loads the
+newest complete checkpoint there by the step its own files record (``checkpoint/scan.py``), with a warning, and
+refuses on every rank, naming them, checkpoints it cannot order (two at the same step, unreadable, unpublished):
+a fresh start would re-save over them;
 ``engine.resumed_from`` is then its path and ``engine.resumed_client_state`` the ``client_state`` saved with it (both
 None on a fresh start). The loop only saves;
 with ``"auto_resume_interval": k`` the engine saves there itself after every k-th optimizer step (``engine.step()``
@@ -207,17 +211,49 @@ def apply_auto_resume(engine: Any, raw: dict) -> str | None:
         error = ValueError(f'"checkpoint.auto_resume"={directory!r} is not a directory')
     raise_if_any_failed(error, grid.groups, what="llmpar.initialize: checkpoint.auto_resume")
     found = os.path.isfile(os.path.join(directory, files.LATEST))
+    tag = None
     if not files.agree(int(found), grid.groups, grid.device):
-        if grid.rank0:
-            logger.info("llmpar.initialize: checkpoint.auto_resume: no checkpoint in %s yet: starting fresh",
-                        directory)
-        return None
-    path, client = engine.load_checkpoint(directory)
+        tag = _newest_without_latest(directory, grid)
+        if tag is None:
+            if grid.rank0:
+                logger.info("llmpar.initialize: checkpoint.auto_resume: no checkpoint in %s yet: starting fresh",
+                            directory)
+            return None
+    path, client = engine.load_checkpoint(directory, tag=tag)
     engine.resumed_from, engine.resumed_client_state = path, client
     if grid.rank0:
         logger.info("llmpar.initialize: checkpoint.auto_resume: resumed from %s at step %d", path,
                     engine.global_steps)
     return path
+
+
+def _newest_without_latest(directory: str, grid: Any) -> str | None:
+    """Collective: the tag of the newest complete checkpoint of ``directory`` (by the step its metadata records,
+    ``checkpoint.scan``), the same on every rank, or None when there is none; an error on every rank naming them when
+    they cannot be told apart or read (a fresh start would re-save over them)."""
+    from llmpar.checkpoint import files, scan
+    from llmpar.checkpoint.files import CheckpointError
+    from llmpar.distributed.agree import raise_if_any_failed
+
+    newest, error = None, None
+    try:
+        newest = scan.newest(directory)
+    except (CheckpointError, OSError) as e:
+        error = CheckpointError(f"llmpar.initialize: checkpoint.auto_resume: {e}")
+    raise_if_any_failed(error, grid.groups, what="llmpar.initialize: checkpoint.auto_resume",
+                        types=(CheckpointError,))
+    text = "" if newest is None else f"{newest.tag}\0{newest.steps}"
+    h = files.fingerprint(text)
+    hi, neg = files.agree_all([h, -h], grid.groups, grid.device)
+    if (hi, -neg) != (h, h):
+        mine = f"{newest.tag} at step {newest.steps}" if newest is not None else "none"
+        raise CheckpointError(f"llmpar.initialize: checkpoint.auto_resume: the ranks see different checkpoints in "
+                              f"{directory} (no 'latest'; this rank's newest: {mine}): is the directory shared by "
+                              "every rank?")
+    if newest is not None and grid.rank0:
+        logger.warning("llmpar.initialize: checkpoint.auto_resume: %s has no 'latest': resuming from the newest "
+                       "complete checkpoint, %s (step %d by its own record)", directory, newest.tag, newest.steps)
+    return None if newest is None else newest.tag
 
 
 __all__ = ["AUTO_RESUME", "INTERVAL", "ResumableLoader", "apply_auto_resume", "auto_resume_dir", "check_auto_resume",
