@@ -2,7 +2,13 @@
 torch step against the float64 reference, stochastic rounding, bad inputs."""
 from __future__ import annotations
 
+import importlib
+import importlib.abc
+import importlib.util
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -192,6 +198,56 @@ def test_found_inf_skips_everything():
                         None, bits=8, found_inf=torch.tensor(1.0), **HYPER)
     assert float(step) == 2.0 and torch.equal(param, before[0])
     assert all(torch.equal(s[k], before[1][k]) for k in s)
+
+
+def test_a_broken_kernel_module_is_an_error_not_a_silent_torch_path(monkeypatch):
+    """An error inside llmpar.ops.lowbit_kernels (here: a name it imports gone) surfaces; it used to be caught as
+    "kernels absent", sending every step down the torch path without a word."""
+    class Broken(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+        def find_spec(self, name, path, target=None):
+            return importlib.util.spec_from_loader(name, self) if name == "llmpar.ops.lowbit_kernels" else None
+
+        def create_module(self, spec):
+            return None
+
+        def exec_module(self, module):
+            raise ImportError("cannot import name 'isa_code' from 'llmpar.ops.cpu_adam'")
+
+    monkeypatch.setattr(sys, "meta_path", [Broken(), *sys.meta_path])
+    for name in ("llmpar.ops.lowbit", "llmpar.ops.lowbit_kernels"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    param, _, grad, s = _random_case(123, 8, torch.float32, seed=1)
+    with pytest.raises(ImportError, match="isa_code"):
+        lowbit = importlib.import_module("llmpar.ops.lowbit")
+        lowbit.adamw_lowbit_step([param], [grad], [s["m_codes"]], [s["m_scale"]], [s["v_codes"]], [s["v_scale"]],
+                                 [torch.tensor(0.0)], None, bits=8, **HYPER)
+
+
+def test_the_step_runs_where_triton_is_missing(tmp_path):
+    """The kernel module is imported plainly, so it must import without triton: a process where ``import triton``
+    fails still imports llmpar.ops.lowbit and steps (on the torch path) exactly as here."""
+    param, _, grad, s = _random_case(123, 4, torch.float32, seed=2)
+    torch.save({"param": param, "grad": grad, **s}, tmp_path / "case.pt")
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import torch, llmpar.kernels, llmpar.ops.lowbit as L\n"
+        "assert not llmpar.kernels.HAS_TRITON, 'triton should be blocked'\n"
+        f"c = torch.load({str(tmp_path / 'case.pt')!r})\n"
+        "step = torch.tensor(0.0)\n"
+        "L.adamw_lowbit_step([c['param']], [c['grad']], [c['m_codes']], [c['m_scale']], [c['v_codes']],\n"
+        f"                    [c['v_scale']], [step], None, bits=4, **{HYPER!r})\n"
+        f"torch.save({{**c, 'step': step}}, {str(tmp_path / 'out.pt')!r})\n")
+    env = {**os.environ, "LLMPAR_BACKEND": "torch"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = torch.load(tmp_path / "out.pt")
+    step = torch.tensor(0.0)
+    L.adamw_lowbit_step([param], [grad], [s["m_codes"]], [s["m_scale"]], [s["v_codes"]], [s["v_scale"]], [step],
+                        None, bits=4, **HYPER)
+    assert float(out["step"]) == float(step) == 1.0
+    assert torch.equal(out["param"], param) and not torch.equal(param, torch.load(tmp_path / "case.pt")["param"])
+    assert all(torch.equal(out[k], s[k]) for k in s)
 
 
 def test_zero_grads_keep_v_zero_and_params_finite():

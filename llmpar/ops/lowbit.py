@@ -49,8 +49,10 @@ paper's "zero-point problem" is that v quantized to 0 turns the update m / (sqrt
 without zero removes exactly that failure.
 
 Backends: ``adamw_lowbit_step`` hands the whole list to ``llmpar.ops.lowbit_kernels.adamw_lowbit_step`` (CUDA C++,
-Triton, CPU C++: that module chooses with ``_dispatch.select_backend``) when that module exists; it returns True when
-it did the step, False when the inputs do not suit a kernel (then the torch path here runs).
+Triton, CPU C++: that module chooses with ``_dispatch.select_backend``, which knows what this machine has); it returns
+True when it did the step, False when no kernel suits the inputs or is available (then the torch path here runs). That
+module imports without triton or a built extension, so it is imported plainly: an error in it is an error here, never a
+silent switch of every step to the torch path.
 """
 from __future__ import annotations
 
@@ -60,6 +62,7 @@ from typing import NamedTuple
 
 import torch
 
+import llmpar.ops.lowbit_kernels as lowbit_kernels
 from llmpar.ops.adamw import _mix, step_salts
 from llmpar.ops.lowbit_maps import BITS, BLOCK, check_bits, dynamic_map, midpoints, qmap
 
@@ -299,14 +302,6 @@ def _check_step_lists(params, grads, m_codes, m_scales, v_codes, v_scales, steps
             raise TypeError(f"steps[{i}] must be a float32 scalar tensor, got {s.dtype} of shape {tuple(s.shape)}")
 
 
-def _kernels():
-    try:
-        import llmpar.ops.lowbit_kernels as lowbit_kernels
-    except ImportError:
-        return None
-    return getattr(lowbit_kernels, "adamw_lowbit_step", None)
-
-
 def adamw_lowbit_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                       m_codes: Sequence[torch.Tensor], m_scales: Sequence[torch.Tensor],
                       v_codes: Sequence[torch.Tensor], v_scales: Sequence[torch.Tensor],
@@ -338,12 +333,11 @@ def adamw_lowbit_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tens
     if len(offsets) != len(params) or any(o < 0 for o in offsets):
         raise ValueError(f"sr_offsets={list(sr_offsets or [])} must hold one int >= 0 per param ({len(params)})")
     with torch.no_grad():
-        kernel = _kernels() if seed is None else None
         device = params[0].device
-        if kernel is not None and kernel(params, grads, m_codes, m_scales, v_codes, v_scales, steps, masters,
-                                         bits=bits, lr=lr, beta1=float(beta1), beta2=float(beta2), eps=float(eps),
-                                         weight_decay=float(weight_decay), gscale=gscale, found_inf=found_inf,
-                                         qmap_m=qmap(bits, True, device), qmap_v=qmap(bits, False, device)):
+        if seed is None and lowbit_kernels.adamw_lowbit_step(
+                params, grads, m_codes, m_scales, v_codes, v_scales, steps, masters, bits=bits, lr=lr,
+                beta1=float(beta1), beta2=float(beta2), eps=float(eps), weight_decay=float(weight_decay),
+                gscale=gscale, found_inf=found_inf, qmap_m=qmap(bits, True, device), qmap_v=qmap(bits, False, device)):
             return
         if found_inf is not None and float(found_inf) != 0:
             return
