@@ -347,7 +347,7 @@ def zero_offload_body(backend: str, dtype: torch.dtype, stage: int):
         net = torch.nn.Sequential(torch.nn.Linear(37, 53), torch.nn.Tanh(), torch.nn.Linear(53, 11)).to(dtype)
         named = list(net.named_parameters())
         opt = ZeroOptimizer([{"params": named}], OptimizerConfig(lr=2e-2, weight_decay=0.1), dist.group.WORLD,
-                            stage=stage, module=net if stage == 3 else None,
+                            module=net if stage == 3 else None,
                             zero_config=ZeroConfig(stage=stage, reduce_bucket_size=500, allgather_bucket_size=500,
                                                    offload_optimizer={"device": "cpu"}),
                             max_grad_norm=0.5)

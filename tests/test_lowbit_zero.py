@@ -85,7 +85,7 @@ def zero_body(names):
         cfg = OptimizerConfig(type={"int8": "AdamW8bit", "int4": "AdamW4bit"}[sp], lr=LR, betas=BETAS,
                               weight_decay=WD)
         scaler = LossScaler(loss_scale=256.0) if dtype == torch.float16 else None
-        opt = ZeroOptimizer(groups(net), cfg, dist.group.WORLD, stage=stage, module=net if stage == 3 else None,
+        opt = ZeroOptimizer(groups(net), cfg, dist.group.WORLD, module=net if stage == 3 else None,
                             zero_config=ZeroConfig(stage=stage, reduce_bucket_size=bucket, allgather_bucket_size=bucket,
                                                    offload_optimizer={"device": "cpu" if offload else "none"}),
                             max_grad_norm=CLIP, grad_accum_dtype=torch.float32 if dtype != torch.float32 else None,
@@ -378,7 +378,7 @@ def step_checks_body(names):
         net = Net(torch.float32)
         cfg = OptimizerConfig(type=typ, lr=LR, betas=BETAS, weight_decay=WD, stochastic_rounding=sr)
         counter = CommCounter()
-        opt = ZeroOptimizer(groups(net), cfg, dist.group.WORLD, stage=stage, module=net if stage == 3 else None,
+        opt = ZeroOptimizer(groups(net), cfg, dist.group.WORLD, module=net if stage == 3 else None,
                             zero_config=ZeroConfig(stage=stage, reduce_bucket_size=700, **zkw), align=256, seed=seed,
                             counter=counter)
         exact, first_grads = [], None
@@ -549,7 +549,7 @@ def sr_dp_body(cases):
         for group in (dist.group.WORLD, solo):
             net = Net(torch.float32)
             cfg = OptimizerConfig(type=typ, lr=LR, betas=BETAS, weight_decay=WD, stochastic_rounding=True)
-            opt = ZeroOptimizer(groups(net), cfg, group, stage=stage, seed=5,
+            opt = ZeroOptimizer(groups(net), cfg, group, seed=5,
                                 zero_config=ZeroConfig(stage=stage, reduce_bucket_size=bucket))
             for s in range(3):
                 x, y = batch(s, 0, 2 * MICRO, torch.float32)

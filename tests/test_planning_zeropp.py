@@ -230,7 +230,7 @@ def _measure_body(cases):
         counter = CommCounter(ranks_per_node=2)
         zc = ZeroConfig(stage=3, stage3_prefetch_bucket_size=0, stage3_param_persistence_threshold=0,
                         stage3_max_reuse_distance=0, **opts)
-        opt = ZeroOptimizer(model.parameters(), OptimizerConfig(lr=1e-3), dist.group.WORLD, stage=3, zero_config=zc,
+        opt = ZeroOptimizer(model.parameters(), OptimizerConfig(lr=1e-3), dist.group.WORLD, zero_config=zc,
                             module=model, counter=counter, ranks_per_node=2)
         gen = torch.Generator().manual_seed(dist.get_rank())
         steps, secondary = [], 0

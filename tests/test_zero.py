@@ -63,7 +63,7 @@ def reference(dtype, world, gas, clip=0.5, steps=STEPS):
 def zero_body(stage, dtype, gas, bucket, overlap, clip=0.5, steps=STEPS, offload=False):
     world = dist.get_world_size()
     net = Net(dtype)
-    opt = ZeroOptimizer(_groups(net), OptimizerConfig(lr=2e-2, weight_decay=0.1), dist.group.WORLD, stage=stage,
+    opt = ZeroOptimizer(_groups(net), OptimizerConfig(lr=2e-2, weight_decay=0.1), dist.group.WORLD,
                         zero_config=ZeroConfig(stage=stage, reduce_bucket_size=bucket, overlap_comm=overlap,
                                                allgather_bucket_size=bucket,
                                                offload_optimizer={"device": "cpu" if offload else "none"}),
@@ -168,6 +168,25 @@ def test_bad_arguments_raise_clearly():
         ZeroOptimizer(net.parameters(), None, None, stage=4)
     with pytest.raises(ValueError, match="params is empty"):
         ZeroOptimizer([], None, object())
+
+
+def test_the_stage_has_one_source():
+    """zero_config carries the stage: given alone it decides (stage 3 asks for module=; it used to be refused as
+    disagreeing with the default stage=2); stage= is its shorthand without one; both given: a different stage= is an
+    error naming both, an equal one a FutureWarning."""
+    net = Net(torch.float32)
+    with pytest.raises(TypeError, match="needs module="):
+        ZeroOptimizer(net.parameters(), None, None, zero_config=ZeroConfig(stage=3))
+    with pytest.raises(ValueError, match=r"stage=1 disagrees with zero_config.stage=3"):
+        ZeroOptimizer(net.parameters(), None, None, stage=1, zero_config=ZeroConfig(stage=3))
+    with pytest.warns(FutureWarning, match="zero_config alone"), pytest.raises(TypeError, match="needs module="):
+        ZeroOptimizer(net.parameters(), None, None, stage=3, zero_config=ZeroConfig(stage=3))
+    with pytest.raises(TypeError, match="zero_config must be a ZeroConfig or None, got dict"):
+        ZeroOptimizer(net.parameters(), None, None, zero_config={"stage": 3})
+    assert ZeroConfig.resolve(None, None, default_stage=1).stage == 1
+    assert ZeroConfig.resolve(0, None, default_stage=2).stage == 0
+    given = ZeroConfig(stage=3, reduce_bucket_size=99)
+    assert ZeroConfig.resolve(None, given, default_stage=2) is given
 
 
 def mismatch_body():

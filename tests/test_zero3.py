@@ -47,7 +47,7 @@ def zero3_body(dtype, offload_opt, offload_param, prefetch, steps=STEPS, stage=3
                     stage3_prefetch_bucket_size=prefetch,
                     offload_optimizer={"device": "cpu" if offload_opt else "none"},
                     offload_param={"device": "cpu" if offload_param else "none"})
-    opt = ZeroOptimizer(_groups(net), OptimizerConfig(lr=2e-2, weight_decay=0.1), dist.group.WORLD, stage=stage,
+    opt = ZeroOptimizer(_groups(net), OptimizerConfig(lr=2e-2, weight_decay=0.1), dist.group.WORLD,
                         zero_config=zc, max_grad_norm=0.5, module=net,
                         grad_accum_dtype=torch.float32 if dtype != torch.float64 else None)
     losses = zero_loop(opt, net, steps, GAS, lambda s, m: _batch(s, m, MICRO * world, dtype), _loss, MICRO)

@@ -104,7 +104,7 @@ def _pipelined_body(stage, precision, one_call):
         model = GPT(GPTConfig(vocab_size=61, n_layer=2, n_head=2, d_model=24, seq_len=9)).to(dtype)
         opt = zopt.ZeroOptimizer(model.named_parameters(), OptimizerConfig(lr=3e-3, weight_decay=0.1,
                                                                            precision=precision),
-                                 dist.group.WORLD, stage=stage, module=model, max_grad_norm=0.5, seed=7,
+                                 dist.group.WORLD, module=model, max_grad_norm=0.5, seed=7,
                                  zero_config=ZeroConfig(stage=stage, reduce_bucket_size=1500,
                                                         allgather_bucket_size=3000))
         assert len(opt.buffers[0].layout.units) >= 4

@@ -150,7 +150,7 @@ def _train(zero, steps=6, stage=3, gas=1, lr=3e-3, seed=0, counter=None, return_
     model = GPT(GPTConfig(**GPT_SMALL)).to(dtype)
     zc = ZeroConfig(stage=stage, reduce_bucket_size=5000, overlap_comm=True, stage3_param_persistence_threshold=100,
                     stage3_prefetch_bucket_size=0, **{"stage3_max_reuse_distance": 0, **zero})  # backward gathers again
-    opt = ZeroOptimizer(model.parameters(), OptimizerConfig(lr=lr), dist.group.WORLD, stage=stage, zero_config=zc,
+    opt = ZeroOptimizer(model.parameters(), OptimizerConfig(lr=lr), dist.group.WORLD, zero_config=zc,
                         module=model, counter=counter, ranks_per_node=2, max_grad_norm=1.0,
                         grad_accum_dtype=torch.float32 if dtype != torch.float32 else None)
     losses = []
@@ -246,7 +246,7 @@ def _reduced_grads(zero, micro_steps):
     torch.manual_seed(0)
     model = GPT(GPTConfig(**GPT_SMALL))
     zc = ZeroConfig(stage=2, reduce_bucket_size=3000, overlap_comm=True, **zero)
-    opt = ZeroOptimizer(model.parameters(), OptimizerConfig(lr=0.0), dist.group.WORLD, stage=2, zero_config=zc,
+    opt = ZeroOptimizer(model.parameters(), OptimizerConfig(lr=0.0), dist.group.WORLD, zero_config=zc,
                         ranks_per_node=2)
     g = torch.Generator().manual_seed(3)
     x = torch.randint(0, 64, (4 * world, 17), generator=g)[4 * rank:4 * (rank + 1)]
@@ -391,7 +391,7 @@ def test_bad_compression_settings_are_refused(kw, match):
 def bad_hpz_body():
     model = GPT(GPTConfig(**GPT_SMALL))
     with pytest.raises(ValueError, match="must be a divisor of the data-parallel degree dp=2"):
-        ZeroOptimizer(model.parameters(), None, dist.group.WORLD, stage=3, module=model,
+        ZeroOptimizer(model.parameters(), None, dist.group.WORLD, module=model,
                       zero_config=ZeroConfig(stage=3, zero_hpz_partition_size=4))
 
 

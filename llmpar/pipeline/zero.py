@@ -19,15 +19,17 @@ from typing import Any, Sequence
 
 from llmpar.pipeline.runner import PipelineRunner
 from llmpar.pipeline.tied import sync_tied_zero
+from llmpar.zero.config import ZeroConfig
 from llmpar.zero.optimizer import ZeroOptimizer
 
 
-def zero_optimizer(runner: PipelineRunner, optimizer_config: Any = None, *, stage: int = 1,
+def zero_optimizer(runner: PipelineRunner, optimizer_config: Any = None, *, stage: int | None = None,
                    dp_group: Any = "split", param_groups: Sequence[dict] | None = None,
-                   **kwargs: Any) -> ZeroOptimizer:
+                   zero_config: ZeroConfig | None = None, **kwargs: Any) -> ZeroOptimizer:
     """A ZeroOptimizer over ``runner.parameters()`` on the split's dp group (``dp_group=`` to override), with the
     split's tp and pp groups for the global norm and tied copies skipped there; attached to the runner
-    (:meth:`PipelineRunner.attach_zero`). ``kwargs`` go to ZeroOptimizer (``max_grad_norm``, ``zero_config``, ...).
+    (:meth:`PipelineRunner.attach_zero`). ``kwargs`` go to ZeroOptimizer (``max_grad_norm``, ...). The stage is
+    ``zero_config.stage``, or ``stage=`` (default 1) without a zero_config (:meth:`ZeroConfig.resolve`).
 
     ``param_groups``: optimizer groups over this rank's params (dicts with ``"params"``, bare or ``(name, param)``,
     and per-group ``lr`` / ``betas`` / ``eps`` / ``weight_decay``); together they must hold exactly
@@ -35,7 +37,8 @@ def zero_optimizer(runner: PipelineRunner, optimizer_config: Any = None, *, stag
     group with the optimizer config's values. Params are named ``stage{s}.{name in the stage module}``."""
     if not isinstance(runner, PipelineRunner):
         raise TypeError(f"runner must be a PipelineRunner, got {type(runner).__name__}")
-    if stage == 3:
+    zcfg = ZeroConfig.resolve(stage, zero_config, default_stage=1, where="zero_optimizer")
+    if zcfg.stage == 3:
         raise ValueError("stage=3: ZeRO-3 does not run inside pipeline stages; use stage 0, 1 or 2")
     for key in ("tp_group", "pp_group", "norm_skip", "module"):
         if key in kwargs:
@@ -51,7 +54,7 @@ def zero_optimizer(runner: PipelineRunner, optimizer_config: Any = None, *, stag
     params: Any = [(names.get(id(p), f"param{i}"), p) for i, p in enumerate(runner.parameters())]
     if param_groups is not None:
         params = _own_groups(runner, param_groups, names)
-    opt = ZeroOptimizer(params, optimizer_config, dp_group, stage=stage, tp_group=split.tp_group,
+    opt = ZeroOptimizer(params, optimizer_config, dp_group, zero_config=zcfg, tp_group=split.tp_group,
                         pp_group=split.pp_group if split.pp > 1 else None,
                         norm_skip=runner.tied_duplicates, **kwargs)
     runner.attach_zero(opt)

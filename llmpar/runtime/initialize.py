@@ -178,7 +178,7 @@ def _build(model: nn.Module, blocks: Blocks, model_parameters: Any, training_dat
         model.to(dtype)
     apply_activation_checkpointing(model, cfg.activation_checkpointing, tp_group)
     opt = ZeroOptimizer(named_groups(model, model_parameters, strict=split_here), cfg.optimizer, zero_group,
-                        stage=cfg.zero.stage, zero_config=cfg.zero,
+                        zero_config=cfg.zero,
                         tp_group=tp_group, max_grad_norm=cfg.gradient_clipping or None, counter=counter,
                         grad_accum_dtype=_accum_dtype(cfg), module=model, unit_policy=unit_policy,
                         loss_scaler=build_loss_scaler(cfg.fp16))
@@ -282,7 +282,7 @@ def _initialize_pipeline(model: nn.Module, blocks: Blocks | Config, pp: int, tp:
     split = runner.split
     stage_named = [(f"stage{s}.{n}", p) for m, s in zip(split.modules, split.stage_indices)
                    for n, p in m.named_parameters()]
-    opt = zero_optimizer(runner, cfg.optimizer, stage=cfg.zero.stage, zero_config=cfg.zero,
+    opt = zero_optimizer(runner, cfg.optimizer, zero_config=cfg.zero,
                          param_groups=stage_groups(groups, stage_named, unsplit_names(model, stage_named), canonical),
                          max_grad_norm=cfg.gradient_clipping or None, counter=counter,
                          grad_accum_dtype=_accum_dtype(cfg))

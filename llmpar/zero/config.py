@@ -5,6 +5,7 @@ support) is read by ``llmpar.runtime.blocks``, which builds them.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,6 +118,25 @@ class ZeroConfig:
         if self.offload_param.enabled and self.stage != 3:
             raise ValueError(f'"zero_optimization.offload_param" needs stage 3, got stage {self.stage}')
         self._check_compression()
+
+    @classmethod
+    def resolve(cls, stage: int | None, zero_config: "ZeroConfig | None", *, default_stage: int,
+                where: str = "ZeroOptimizer") -> "ZeroConfig":
+        """The one source of a ZeRO stage: ``zero_config`` (its ``.stage``), or ``stage=`` as the shorthand for
+        ``ZeroConfig(stage=stage)`` when no config is given (``default_stage`` when neither is). Both given: the
+        config decides; an equal ``stage=`` is accepted with a FutureWarning (it used to be required alongside the
+        config), a different one is an error naming both."""
+        if zero_config is None:
+            return cls(stage=default_stage if stage is None else stage)
+        if not isinstance(zero_config, ZeroConfig):
+            raise TypeError(f"{where}: zero_config must be a ZeroConfig or None, got {type(zero_config).__name__}")
+        if stage is not None:
+            if stage != zero_config.stage:
+                raise ValueError(f"{where}: stage={stage} disagrees with zero_config.stage={zero_config.stage}; "
+                                 "pass one of them (zero_config carries the stage)")
+            warnings.warn(f"{where}: stage= next to zero_config= is redundant (zero_config.stage is the stage); "
+                          "pass zero_config alone", FutureWarning, stacklevel=3)
+        return zero_config
 
     def check_dp(self, dp: int) -> None:
         """What can only be checked once the data-parallel degree is known (the runtime config and the optimizer

@@ -62,10 +62,11 @@ logger = logging.getLogger("llmpar")
 
 class ZeroOptimizer(StepStatsView, ZeroCheckpointing, OptimizerStateDict):
     """AdamW with ZeRO stage 0/1/2 over ``dp_group`` (module docstring). ``param_groups[i]["lr"]`` may be changed by a
-    scheduler between steps. ``state_dict()`` / ``load_state_dict()`` / ``destroy()``: ``state_dict.py``."""
+    scheduler between steps. The stage is ``zero_config.stage``, or ``stage=`` (default 2) without a zero_config
+    (:meth:`ZeroConfig.resolve`). ``state_dict()`` / ``load_state_dict()`` / ``destroy()``: ``state_dict.py``."""
 
     def __init__(self, params: Iterable[Any], optimizer_config: OptimizerConfig | dict | None, dp_group: Group, *,
-                 stage: int = 2, zero_config: ZeroConfig | None = None, tp_group: Group | None = None,
+                 stage: int | None = None, zero_config: ZeroConfig | None = None, tp_group: Group | None = None,
                  max_grad_norm: float | None = None, grad_accum_dtype: torch.dtype | None = None,
                  counter: CommCounter | None = None, align: int = 16, seed: int | None = None,
                  module: nn.Module | None = None, unit_policy: UnitPolicy | None = None,
@@ -76,9 +77,8 @@ class ZeroOptimizer(StepStatsView, ZeroCheckpointing, OptimizerStateDict):
             cfg = OptimizerConfig(**cfg)
         if not isinstance(cfg, OptimizerConfig):
             raise TypeError(f"optimizer_config must be an OptimizerConfig or a dict, got {type(cfg).__name__}")
-        zcfg = zero_config if zero_config is not None else ZeroConfig(stage=stage)
-        if zero_config is not None and stage != zcfg.stage:
-            raise ValueError(f"stage={stage} disagrees with zero_config.stage={zcfg.stage}; pass one of them")
+        zcfg = ZeroConfig.resolve(stage, zero_config, default_stage=2)  # the one source of the stage
+        stage = zcfg.stage
         if stage == 3 and not isinstance(module, nn.Module):
             raise TypeError("ZeRO stage 3 needs module= (the model whose forward gathers the sharded params), got "
                             f"{type(module).__name__}")
