@@ -79,15 +79,69 @@ def accumulation_body():
         engine.backward(loss)
         engine.step()
         seen.append((not torch.equal(before, model.weight), engine.global_steps, engine.get_lr()[0]))
-    return engine.gradient_accumulation_steps(), seen
+    skips = {stage: (_skip_run(stage, {(1, 2), (0, 7)}, ()), _skip_run(stage, (), {2, 3, 6, 7}))
+             for stage in (0, 1, 2, 3)}
+    return engine.gradient_accumulation_steps(), seen, skips
+
+
+def _skip_run(stage: int, skip_backward, drop) -> tuple:
+    """8 micro-steps (gas 2) on 2 ranks; ``(rank, micro)`` in ``skip_backward``: that rank calls step() without
+    backward(); a micro in ``drop``: no rank runs it. Returns (params, global / skipped steps, lr, warnings)."""
+    import logging
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3)).double()
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
+           "steps_per_print": 10 ** 6, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+           "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4, "warmup_max_lr": 0.1,
+                                                        "warmup_min_lr": 0.01, "warmup_type": "linear"}},
+           "zero_optimization": {"stage": stage}}
+    engine, *_ = llmpar.initialize(model=model, config=cfg)
+    g = torch.Generator().manual_seed(rank)
+    records: list = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("llmpar").addHandler(handler)
+    try:
+        for micro in range(8):
+            x = torch.randn(2, 5, generator=g, dtype=torch.float64)
+            if micro in drop:
+                continue
+            loss = engine(x).pow(2).mean()
+            if (rank, micro) not in skip_backward:
+                engine.backward(loss)
+            engine.step()
+    finally:
+        logging.getLogger("llmpar").removeHandler(handler)
+    with llmpar.zero.GatheredParameters(list(model.parameters())):
+        params = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+    warned = [r.getMessage() for r in records if "without engine.backward()" in r.getMessage()]
+    out = (params, engine.global_steps, engine.skipped_steps, engine.get_lr()[0], warned)
+    engine.destroy()
+    return out
 
 
 def test_step_applies_only_at_accumulation_boundaries():
-    gas, seen = run_ranks(accumulation_body, 2, timeout=60)[0]
+    """And a rank whose step() comes without backward() (rank 1 on a first micro-step, rank 0 on a boundary one):
+    every rank runs the same reductions and skips that optimizer step (ZeRO 0-3): the same params and lr as a run
+    without those accumulations, the skips counted on every rank, a warning on the rank that skipped."""
+    outs = run_ranks(accumulation_body, 2, timeout=120)
+    gas, seen, _ = outs[0]
     assert gas == 3
     assert [changed for changed, _, _ in seen] == [False, False, True] * 3
     assert [steps for _, steps, _ in seen] == [0, 0, 1, 1, 1, 2, 2, 2, 3]
     assert [lr for _, _, lr in seen][2::3] == pytest.approx([0.01, 0.0325, 0.055])  # DeepSpeed's linear warm-up
+    for rank, (_, _, skips) in enumerate(outs):
+        for stage, ((params, steps, skipped, lr, warned), (want, want_steps, want_skipped, want_lr, none)) in \
+                skips.items():
+            assert (steps, skipped, want_steps, want_skipped) == (4, 2, 2, 0), (stage, rank)
+            torch.testing.assert_close(params, want, rtol=0, atol=0, msg=f"stage {stage} rank {rank}")
+            torch.testing.assert_close(params, outs[0][2][stage][0][0], rtol=0, atol=0)
+            assert lr == want_lr and not none, stage
+            at = "optimizer step 3, micro step 7" if rank == 0 else "optimizer step 1, micro step 2"
+            assert len(warned) == 1 and f"global rank {rank} without engine.backward() since the last step ({at})" \
+                in warned[0], (stage, rank, warned)
 
 
 def mismatch_body():

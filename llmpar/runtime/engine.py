@@ -4,7 +4,16 @@
 
 Engine semantics are DeepSpeed's: ``backward`` scales the loss by 1/gradient_accumulation_steps and reduces gradients
 (stage 2: every micro-step into the partition; stages 0/1: at the boundary); ``step`` applies the optimizer and the
-scheduler only at the accumulation boundary ((micro_steps + 1) % gas == 0) and counts micro-steps always. ZeRO runs
+scheduler only at the accumulation boundary ((micro_steps + 1) % gas == 0) and counts micro-steps always.
+
+A rank whose ``step()`` comes without a ``backward()`` since the last one (a script skipping a batch on one rank)
+would run none of the micro-step's gradient reductions that the other ranks run, and every later reduction would mix
+different steps. Such a ``step()`` first runs the skipped backward from the output of the engine's last training
+forward with non-finite (NaN) output gradients: the same gradient reductions as the other ranks, and the non-finite
+gradients reach every rank, so the optimizer step of that accumulation is skipped on every rank (DeepSpeed's found-inf
+path: ``skipped_steps`` + 1 everywhere, params, optimizer state and scheduler untouched; under fp16 the loss scale is
+lowered as for an overflow); the rank says so in a warning. Without such a forward (nothing to run backward from) the
+optimizer has nothing to step: the step is neither taken nor counted. ZeRO runs
 over ``dp_group``; tensor-parallel layers on ``tp_group`` compose with it.
 
 Context parallelism (``context_parallel``, a ``llmpar.context_parallel.ContextParallel``, with the model's
@@ -52,6 +61,10 @@ class Engine(EngineBase):
         self.tp_group = GroupRef(tp_group) if tp_group is not None else None
         self._boundary: bool | None = None  # set_gradient_accumulation_boundary's override
         self._in_no_sync = False
+        self._backward_done = False  # an engine.backward() since the last step()
+        self._backwards_then = 0  # the optimizer's count of backwards (its reducer's) after the last step(): one
+        # that ran loss.backward() directly counts too
+        self._last_output: Any = None  # the last training forward's output until its backward (a skipped one's replay)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether this micro-step ends a gradient accumulation: ``(micro_steps + 1) % gas == 0``, unless
@@ -109,7 +122,7 @@ class Engine(EngineBase):
         (llmpar GPT: ``engine(idx, targets, attention_mask=None)``; transformers: ``engine(input_ids=, labels=,
         attention_mask=, position_ids=)``, the output with its loss)."""
         if self.context_parallel is None:
-            return self.module(*args, **kwargs)
+            return self._keep(self.module(*args, **kwargs))
         agree_batch(self.context_parallel, args, kwargs, dp_size=self.dp_world_size, dp_rank=self.dp_rank)
         args, kwargs, finish = self.adapter.shard_call(self.context_parallel, args, kwargs)
         try:
@@ -119,9 +132,15 @@ class Engine(EngineBase):
             if callable(closer):
                 closer()
             raise
-        return finish(output)
+        return self._keep(finish(output))
 
     forward = __call__
+
+    def _keep(self, output: Any) -> Any:
+        """Hold a training forward's output until its backward (no memory beyond what the caller holds anyway)."""
+        if torch.is_grad_enabled() and getattr(self.module, "training", True):
+            self._last_output = output
+        return output
 
     @reports_step
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
@@ -136,6 +155,7 @@ class Engine(EngineBase):
                                                           and not self._in_no_sync)
         scaled = loss / gas if gas > 1 else loss
         scaler = getattr(self.optimizer, "loss_scaler", None)  # fp16: the step divides by the scale again
+        self._last_output, self._backward_done = None, True
         (scaled if scaler is None else scaler.scale_loss(scaled)).backward(retain_graph=retain_graph)
         self._monitor_loss(scaled, self.is_gradient_accumulation_boundary())
         return scaled
@@ -147,14 +167,48 @@ class Engine(EngineBase):
         if self._in_no_sync:
             raise RuntimeError("engine.step() inside engine.no_sync(): leave the block first (its gradients are "
                                "reduced by the next backward outside it)")
+        seen = self._backwards_seen()
+        if not self._backward_done and (seen is None or seen == self._backwards_then):
+            self._replay_skipped_backward()
+        self._backward_done = False
         if self.is_gradient_accumulation_boundary():
-            self._finish_step(self.optimizer.step(), lr_kwargs=lr_kwargs)
+            applied = self.optimizer.step()
+            if getattr(applied, "found_inf", False) is None:  # no backward in the whole accumulation: nothing stepped
+                logger.warning("engine.step() on global rank %d at optimizer step %d: no backward since the last "
+                               "step, nothing to step; the step is not counted", self.global_rank, self.global_steps)
+                self._step_applied = False
+            else:
+                self._finish_step(applied, lr_kwargs=lr_kwargs)
         else:
             self._step_applied = False
         self.micro_steps += 1
+        self._backwards_then = self._backwards_seen() or 0
+
+    def _backwards_seen(self) -> int | None:
+        """Backwards that reached the optimizer's gradient hooks since its last step (``loss.backward()`` called
+        directly included); None for an optimizer without a reducer."""
+        return getattr(getattr(self.optimizer, "reducer", None), "micro_steps", None)
+
+    def _replay_skipped_backward(self) -> None:
+        """``step()`` without ``backward()``: run the backward of the last training forward's output with NaN output
+        gradients (the other ranks' reductions, and a found-inf skip of this accumulation's step everywhere); see the
+        module docstring."""
+        output, self._last_output = self._last_output, None
+        tensors = _grad_outputs(output)
+        if not tensors:
+            return
+        logger.warning("engine.step() on global rank %d without engine.backward() since the last step (optimizer "
+                       "step %d, micro step %d): running that backward with non-finite gradients so that every rank "
+                       "runs the same reductions and skips this optimizer step (counted in skipped_steps); call "
+                       "engine.backward() on every rank, or skip a batch on every rank", self.global_rank,
+                       self.global_steps, self.micro_steps)
+        self.optimizer.set_gradient_accumulation_boundary(self.is_gradient_accumulation_boundary()
+                                                          and not self._in_no_sync)
+        torch.autograd.backward(tensors, [torch.full_like(t, float("nan")) for t in tensors])
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad()
+        self._backwards_then = self._backwards_seen() or 0
 
     def module_state_dict(self) -> dict:
         """The model's full state dict on dp rank 0 ({} elsewhere); stage 3 gathers it one unit at a time."""
@@ -225,6 +279,19 @@ class Engine(EngineBase):
         scaler = getattr(self.optimizer, "loss_scaler", None)
         if scaler is not None and isinstance(counters.get("loss_scaler"), dict):
             scaler.load_state_dict(counters["loss_scaler"])
+
+
+def _grad_outputs(output: Any) -> list[torch.Tensor]:
+    """The tensors of a forward's output to run its backward from: its ``loss`` when it has one (a transformers
+    output, a dict), else every floating-point tensor needing a gradient in it (a tensor, a tuple / list)."""
+    if isinstance(output, dict) or hasattr(output, "keys"):
+        loss = output.get("loss") if hasattr(output, "get") else None
+        items = [loss] if isinstance(loss, torch.Tensor) and loss.requires_grad else list(output.values())
+    elif isinstance(output, (tuple, list)):
+        items = list(output)
+    else:
+        items = [output]
+    return [t for t in items if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
 
 
 DeepSpeedEngine = EngineBase  # deepspeed.runtime.engine.DeepSpeedEngine: the base of both engines (isinstance checks)
