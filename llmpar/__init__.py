@@ -4,9 +4,10 @@ The top-level names are imported lazily so that ``import llmpar`` stays cheap an
 
 DeepSpeed scripts run with ``import llmpar as deepspeed``: ``initialize``, ``add_config_arguments``,
 ``init_distributed``, ``comm``, ``zero``, ``checkpointing``, ``utils`` (``log_dist``, ``zero_to_fp32``),
-``ops.adam`` (``FusedAdam``, ``DeepSpeedCPUAdam``) and ``DeepSpeedEngine`` (the base of both engines) are here under
-DeepSpeed's names. A ``from deepspeed.X import ...`` line becomes ``from llmpar.X import ...``: ``llmpar.accelerator``
-(``get_accelerator``), ``llmpar.runtime.lr_schedules``, ``llmpar.comm``, ``llmpar.utils``, ``llmpar.ops.adam``,
+``ops.adam`` (``FusedAdam``, ``DeepSpeedCPUAdam``), ``get_accelerator`` and ``DeepSpeedEngine`` (the base of both
+engines) are here under DeepSpeed's names. A ``from deepspeed.X import ...`` line becomes ``from llmpar.X import ...``:
+``llmpar.accelerator`` (``get_accelerator``), ``llmpar.runtime.lr_schedules``, ``llmpar.runtime.utils``
+(``set_random_seed``, ``see_memory_usage``), ``llmpar.comm``, ``llmpar.utils``, ``llmpar.ops.adam``,
 ``llmpar.pipe``, ``llmpar.zero``, ``llmpar.checkpointing``; a DeepSpeed module llmpar has no counterpart of
 (``deepspeed.moe``, ``deepspeed.profiling``, ...: :data:`NO_COUNTERPART`) is an ``ImportError`` saying what to use.
 """
@@ -48,11 +49,12 @@ _EXPORTS: dict[str, str] = {
     "pipe": "pipe",
     "PipelineModule": "llmpar.pipe:PipelineModule",
     "accelerator": "accelerator",
+    "get_accelerator": "llmpar.accelerator:get_accelerator",
     "runtime": "runtime",
 }
-# DeepSpeed's module names inside lower packages (``deepspeed.ops.adam``): loaded with any export once their package
+# DeepSpeed's module names inside lower packages (``deepspeed.ops.adam``, ``deepspeed.runtime.utils``): loaded with any export once their package
 # is an attribute here, so that ``llmpar.ops.adam`` is one whenever ``llmpar.ops`` is
-_COMPAT_SHIMS = ("llmpar.ops.adam",)
+_COMPAT_SHIMS = ("llmpar.ops.adam", "llmpar.runtime.utils")
 
 _OPS = "of DeepSpeed's ops llmpar provides llmpar.ops.adam (FusedAdam, DeepSpeedCPUAdam) only"
 _ZERO = ("ZeRO's user API is llmpar.zero (Init, GatheredParameters); memory estimates are "
@@ -80,8 +82,6 @@ NO_COUNTERPART = {
     "ops.lamb": _OPS, "ops.transformer": _OPS, "ops.sparse_attention": _OPS, "ops.op_builder": _OPS,
     "ops.aio": _OPS, "ops.deepspeed4science": _OPS, "ops.quantizer": _OPS, "ops.lion": _OPS, "ops.adagrad": _OPS,
     "runtime.zero": _ZERO,
-    "runtime.utils": "see_memory_usage: llmpar.accelerator.get_accelerator().memory_allocated() / "
-                     "max_memory_allocated(); gradient clipping is the config's gradient_clipping",
     "runtime.dataloader": "RepeatingLoader is llmpar.utils.RepeatingLoader; DeepSpeed's loader is "
                           "engine.deepspeed_io(dataset)",
     "runtime.pipe": "the pipeline API is llmpar.pipe (PipelineModule, LayerSpec, TiedLayerSpec); the engine is "

@@ -31,6 +31,7 @@ FLOORS = {
 # ``llmpar.ops.adam``): they belong to the top floor, and nothing in llmpar may import them
 COMPAT_MODULES: dict[str, str] = {
     "llmpar.ops.adam": "top",  # deepspeed.ops.adam: FusedAdam, DeepSpeedCPUAdam over llmpar.optim.FusedAdamW
+    "llmpar.runtime.utils": "top",  # deepspeed.runtime.utils: set_random_seed, see_memory_usage (llmpar.accelerator)
 }
 # module-level names that are caches (state that is only ever a memo of something recomputable), with the reason
 CACHES = {

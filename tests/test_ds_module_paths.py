@@ -1,6 +1,7 @@
 """DeepSpeed's module paths under llmpar: every ``from deepspeed.X import name`` line of DeepSpeed's example scripts
 renames to ``from llmpar.X import name`` (or fails with an ImportError saying what to use instead);
-``llmpar.accelerator.get_accelerator()`` answers DeepSpeed's accelerator API on the CPU; the classes of
+``llmpar.accelerator.get_accelerator()`` (also ``llmpar.get_accelerator``) answers DeepSpeed's accelerator API on the
+CPU; ``llmpar.runtime.utils.set_random_seed`` seeds as DeepSpeed's; the classes of
 ``llmpar.runtime.lr_schedules`` set the same lrs as DeepSpeed's, step for step."""
 from __future__ import annotations
 
@@ -15,19 +16,29 @@ import torch
 
 import llmpar
 
-# (DeepSpeed module path, names scripts import from it): each must exist under llmpar.<path>
+# (DeepSpeed module path, names scripts import from it): each must exist under llmpar.<path>. The names DeepSpeed's
+# example scripts use most (DeepSpeedExamples' training/ and DeepSpeed-Chat: `from deepspeed import get_accelerator`,
+# `deepspeed.runtime.utils.set_random_seed`, the comm / utils / checkpointing / zero / pipe / ops.adam calls)
 PROVIDED = [
-    ("deepspeed", ["initialize", "add_config_arguments", "init_distributed", "DeepSpeedEngine", "PipelineEngine"]),
+    ("deepspeed", ["initialize", "add_config_arguments", "init_distributed", "DeepSpeedEngine", "PipelineEngine",
+                   "get_accelerator", "comm", "zero", "checkpointing", "utils", "ops", "pipe", "accelerator",
+                   "runtime", "PipelineModule", "__version__"]),
     ("deepspeed.accelerator", ["get_accelerator"]),
     ("deepspeed.accelerator.real_accelerator", ["get_accelerator"]),
     ("deepspeed.runtime.lr_schedules", ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"]),
-    ("deepspeed.comm", ["get_rank", "get_world_size", "barrier", "all_reduce"]),
-    ("deepspeed.utils", ["logger", "log_dist", "RepeatingLoader"]),
+    ("deepspeed.runtime.utils", ["set_random_seed", "see_memory_usage", "torch_memory_reserved",
+                                 "torch_max_memory_reserved"]),
+    ("deepspeed.comm", ["get_rank", "get_world_size", "get_local_rank", "barrier", "all_reduce", "all_gather",
+                        "broadcast", "is_initialized", "new_group", "ReduceOp", "get_global_rank",
+                        "all_gather_into_tensor", "reduce_scatter", "destroy_process_group"]),
+    ("deepspeed.utils", ["logger", "log_dist", "RepeatingLoader", "safe_get_full_fp32_param", "safe_get_full_grad",
+                         "safe_get_full_optimizer_state", "safe_set_full_fp32_param", "zero_to_fp32"]),
     ("deepspeed.utils.zero_to_fp32", ["get_fp32_state_dict_from_zero_checkpoint"]),
     ("deepspeed.ops.adam", ["FusedAdam", "DeepSpeedCPUAdam"]),
     ("deepspeed.pipe", ["PipelineModule", "LayerSpec", "TiedLayerSpec"]),
-    ("deepspeed.zero", ["Init", "GatheredParameters"]),
-    ("deepspeed.checkpointing", ["checkpoint"]),
+    ("deepspeed.zero", ["Init", "GatheredParameters", "register_external_parameter"]),
+    ("deepspeed.checkpointing", ["checkpoint", "configure", "is_configured", "model_parallel_cuda_manual_seed",
+                                 "get_cuda_rng_tracker"]),
     ("deepspeed.runtime.engine", ["DeepSpeedEngine"]),
 ]
 # DeepSpeed module paths without a counterpart: the ImportError names the path and says what to use
@@ -38,7 +49,7 @@ REFUSED = [
     ("deepspeed.monitor.monitor", "engine.monitor"),
     ("deepspeed.ops.lamb", "llmpar.ops.adam"),
     ("deepspeed.ops.transformer", "llmpar.ops.adam"),
-    ("deepspeed.runtime.utils", "memory_allocated"),
+    ("deepspeed.runtime.zero.partition_parameters", "llmpar.zero"),
     ("deepspeed.runtime.dataloader", "llmpar.utils.RepeatingLoader"),
     ("deepspeed.runtime.pipe.topology", "llmpar.pipe"),
     ("deepspeed.runtime.zero.stage3", "llmpar.zero"),
@@ -62,6 +73,55 @@ def test_deepspeed_module_path_has_a_counterpart(path, names):
     assert not missing, f"{_renamed(path)} lacks {missing}"
 
 
+def test_the_names_are_deepspeeds():
+    """Every name of PROVIDED is DeepSpeed's own (stock DeepSpeed has it under that path): the list is the renaming
+    rule's, not ours."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed")
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+    def resolve(path: str):  # a module, or an attribute of one (deepspeed.zero is deepspeed.runtime.zero's alias)
+        try:
+            return importlib.import_module(path)
+        except ModuleNotFoundError:
+            parent, _, name = path.rpartition(".")
+            return getattr(resolve(parent), name)
+
+    missing = [f"{path}.{n}" for path, names in PROVIDED for n in names if not hasattr(resolve(path), n)]
+    assert not missing
+
+
+def test_set_random_seed_seeds_as_deepspeeds():
+    """``llmpar.runtime.utils.set_random_seed`` leaves random, numpy and torch where DeepSpeed's leaves them (a seed
+    above 2**32, which both reduce)."""
+    import random
+
+    import numpy as np
+
+    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed")
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from deepspeed.runtime.utils import set_random_seed as theirs
+
+    from llmpar.runtime.utils import set_random_seed as ours
+
+    draws = []
+    for seed_fn in (ours, theirs):
+        random.seed(0), np.random.seed(0), torch.manual_seed(0)
+        seed_fn(2 ** 40 + 5)
+        draws.append((random.random(), np.random.rand(3).tolist(), torch.rand(3).tolist()))
+    assert draws[0] == draws[1]
+    with pytest.raises(TypeError, match="seed must be an int, got str"):
+        ours("5")
+
+
+def test_runtime_utils_names_what_it_does_not_provide():
+    from llmpar.runtime import utils
+
+    with pytest.raises(AttributeError, match='clip_grad_norm_.*"gradient_clipping"'):
+        utils.clip_grad_norm_  # noqa: B018
+    with pytest.raises(AttributeError, match="has no attribute 'nothing_here'"):
+        utils.nothing_here  # noqa: B018
+
+
 @pytest.mark.parametrize("path,hint", REFUSED, ids=[p for p, _ in REFUSED])
 def test_deepspeed_module_path_without_counterpart_says_what_to_use(path, hint):
     with pytest.raises(ImportError) as info:
@@ -81,11 +141,14 @@ def test_missing_private_module_is_not_intercepted():
 def test_attribute_access_as_deepspeed_scripts_use_it():
     """``import llmpar as deepspeed; deepspeed.accelerator.get_accelerator()`` / ``deepspeed.runtime.lr_schedules``."""
     code = ("import llmpar as deepspeed; acc = deepspeed.accelerator.get_accelerator(); "
-            "print(acc.device_name(), deepspeed.runtime.lr_schedules.WarmupLR.__name__)")
+            "from llmpar import get_accelerator; assert get_accelerator() is acc; "
+            "deepspeed.runtime.utils.set_random_seed(1); "
+            "print(acc.device_name(), deepspeed.runtime.lr_schedules.WarmupLR.__name__, "
+            "deepspeed.get_accelerator().device_name())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={"PATH": "/usr/bin:/bin", "DS_ACCELERATOR": "cpu"})
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["cpu", "WarmupLR"]
+    assert out.stdout.split() == ["cpu", "WarmupLR", "cpu"]
 
 
 # ---------------------------------------------------------------------------------------------------- accelerator
