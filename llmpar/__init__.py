@@ -52,8 +52,8 @@ _EXPORTS: dict[str, str] = {
     "get_accelerator": "llmpar.accelerator:get_accelerator",
     "runtime": "runtime",
 }
-# DeepSpeed's module names inside lower packages (``deepspeed.ops.adam``, ``deepspeed.runtime.utils``): loaded with any export once their package
-# is an attribute here, so that ``llmpar.ops.adam`` is one whenever ``llmpar.ops`` is
+# DeepSpeed's module names inside lower packages (``deepspeed.ops.adam``, ``deepspeed.runtime.utils``): loaded with
+# any export once their package is an attribute here, so that ``llmpar.ops.adam`` is one whenever ``llmpar.ops`` is
 _COMPAT_SHIMS = ("llmpar.ops.adam", "llmpar.runtime.utils")
 
 _OPS = "of DeepSpeed's ops llmpar provides llmpar.ops.adam (FusedAdam, DeepSpeedCPUAdam) only"
