@@ -133,6 +133,27 @@ def test_load_state_resumes_bitwise(run):
 
 
 @pytest.mark.slow
+def test_save_state_in_the_middle_of_an_accumulation(run):
+    """The script saves every 3 optimizer steps with accelerate's examples' test, which also holds on the micro-steps
+    after step N (and before the first step): those saves fall between the micro-steps of an accumulation. They are
+    written as DeepSpeed writes them (no error), the log says once per save on rank 0 that the accumulated gradients
+    are not in it, and training goes on unchanged (the losses equal DeepSpeed's, which saved at the same places:
+    test_losses_equal_accelerate_deepspeed; a later load_state resumes bitwise: test_load_state_resumes_bitwise)."""
+    for r, flows in enumerate(run["ranks"]):
+        rec = flows["llmpar_same"]
+        mid = [s for s, boundary in rec["saved"] if not boundary]
+        assert mid[:3] == [0, 3, 6] and len(rec["saved"]) > len(mid) > 0
+        said = [line for line in rec["log"] if "in the middle of a gradient accumulation" in line]
+        assert len(said) == (len(mid) if r == 0 else 0)
+        if r == 0:
+            assert "without the accumulated gradients" in said[0]
+        if "deepspeed" in flows:
+            assert flows["deepspeed"]["saved"] == rec["saved"]  # stock accelerate + DeepSpeed saved there too
+    for step in (0, 3):
+        assert (run["tmp"] / "ckpt_same" / f"step_{step}" / "pytorch_model" / "metadata.json").is_file()
+
+
+@pytest.mark.slow
 def test_gather_for_metrics_reduce_and_save_model(run):
     """gather_for_metrics gives every rank the 11 eval samples once (the padding of the last batch dropped): their
     loss is the final model's on the whole eval set; reduce(mean) averages the ranks; save_model writes the weights."""

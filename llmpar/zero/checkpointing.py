@@ -49,6 +49,9 @@ class ZeroCheckpointing:
     stage3: Stage3Runtime | None
     placement: Placement
     zero_config: ZeroConfig
+    # True while a caller that saves where DeepSpeed saves (accelerate's save_state, which a script may call between
+    # micro-steps) writes a checkpoint: the gradients accumulated so far are left out, as from DeepSpeed's
+    save_mid_accumulation: bool = False
 
     if TYPE_CHECKING:
         def describe(self) -> dict: ...
@@ -146,10 +149,11 @@ class ZeroCheckpointing:
         return out
 
     def prepare_save(self) -> None:
-        """Raise ``ValueError`` in the middle of a gradient accumulation (the grads are not part of a checkpoint);
-        wait for gathers in flight (stage 3's, and a deferred all-gather of updated params: ``wait_params``)."""
+        """Raise ``ValueError`` in the middle of a gradient accumulation (the grads are not part of a checkpoint)
+        unless ``save_mid_accumulation``; wait for gathers in flight (stage 3's, and a deferred all-gather of updated
+        params: ``wait_params``)."""
         self.wait_params()
-        if self.reducer.micro_steps != 0:
+        if self.reducer.micro_steps != 0 and not self.save_mid_accumulation:
             raise ValueError(f"save_checkpoint in the middle of a gradient accumulation ({self.reducer.micro_steps} "
                              f"micro-steps since the last optimizer step): save after engine.step() at a boundary")
         if self.stage3 is not None:

@@ -3,14 +3,16 @@
 1. ``llmpar``: accelerate_script.py under llmpar's Accelerator (2 ranks, each its own shard of the data);
 2. ``direct``: ``llmpar.initialize`` driven by a plain engine loop on the batches flow 1 read on this rank, with the
    config written out by hand (the values accelerate's "auto" filling must give), the same optimizer and schedule;
-3. ``llmpar_same``: flow 1 with every rank reading the batches of one unsharded loader;
+3. ``llmpar_same``: flow 1 with every rank reading the batches of one unsharded loader, and saving every 3 optimizer
+   steps as accelerate's examples do (also between micro-steps); its llmpar log lines kept;
 4. ``deepspeed``: the script under stock accelerate + DeepSpeed, which on CPU ranks sees one process (it reads the
-   unsharded loader on every rank, as flow 3 does, and DeepSpeed averages over the 2 ranks).
+   unsharded loader on every rank, as flow 3 does, and DeepSpeed averages over the 2 ranks), saving as flow 3.
 
     torchrun --nproc_per_node 2 accelerate_driver.py --stage 2 --config ds.json --tmp DIR
 Writes DIR/rank{R}.pt: {flow: record} (tensors as they are).
 """
 import argparse
+import logging
 import os
 import sys
 
@@ -21,6 +23,17 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import accelerate_script  # noqa: E402
 
 SKIP = ("batches",)
+
+
+class _LogLines(logging.Handler):
+    """The llmpar log's lines (warnings and up), kept."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
 
 
 def reset_accelerate() -> None:
@@ -85,8 +98,12 @@ def main() -> None:
     reset_accelerate()
     ran = out["llmpar"]["batches"][: len(out["llmpar"]["loss"])]
     out["direct"] = direct(config_path, ran, a.stage)
+    warnings = _LogLines()
+    logging.getLogger("llmpar").addHandler(warnings)
     out["llmpar_same"] = accelerate_script.main(["--backend", "llmpar", "--ckpt", f"{a.tmp}/ckpt_same",
-                                                 "--same-batches", *base])
+                                                 "--same-batches", "--checkpointing-steps", "3", *base])
+    logging.getLogger("llmpar").removeHandler(warnings)
+    out["llmpar_same"]["log"] = warnings.lines
     reset_accelerate()
     if not a.no_deepspeed:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -94,7 +111,8 @@ def main() -> None:
 
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # else JIT-compiled with a C++ toolchain
         out["deepspeed"] = accelerate_script.main(["--backend", "accelerate", "--ckpt", f"{a.tmp}/ckpt_ds",
-                                                   "--same-batches", "--train-only", *base])
+                                                   "--same-batches", "--train-only", "--checkpointing-steps", "3",
+                                                   *base])
     for rec in out.values():
         for k in SKIP:
             rec.pop(k, None)

@@ -49,6 +49,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--train-only", action="store_true", help="skip the gathered eval and save_model (stock "
                     "accelerate on CPU ranks counts one process: its all-gather gets an output list of 1 for 2 "
                     "ranks, and every rank is the main process)")
+    ap.add_argument("--checkpointing-steps", type=int, default=0, help="save_state every N optimizer steps, as "
+                    "accelerate's examples do (their test also holds on the micro-steps after step N: saves there "
+                    "fall in the middle of a gradient accumulation)")
     a = ap.parse_args(argv)
     if a.backend == "llmpar":
         from llmpar.integrations.accelerate import Accelerator, DeepSpeedPlugin, DummyOptim, DummyScheduler
@@ -72,9 +75,11 @@ def main(argv=None) -> dict:
     else:  # accelerate steps it num_processes times per optimizer step: its unit is one process's step
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s / procs + 1) / 3))
     model, optimizer, train, evals, scheduler = accelerator.prepare(model, optimizer, train, evals, scheduler)
-    rec = {"grad_norm": [], "lr": [], "batches": [], "config": dict(accelerator.deepspeed_config)}
+    rec = {"grad_norm": [], "lr": [], "batches": [], "config": dict(accelerator.deepspeed_config), "saved": []}
+    completed_steps = 0
 
     def epoch():
+        nonlocal completed_steps
         model.train()
         losses = []
         for x, y in train:
@@ -90,6 +95,11 @@ def main(argv=None) -> dict:
                     rec["lr"].append(scheduler.get_last_lr()[0])  # the next step's
             losses.append(loss.item())
             rec["batches"].append((x, y))
+            if accelerator.sync_gradients:
+                completed_steps += 1
+            if a.checkpointing_steps and completed_steps % a.checkpointing_steps == 0:  # the examples' test
+                accelerator.save_state(f"{a.ckpt}/step_{completed_steps}")
+                rec["saved"].append((completed_steps, accelerator.sync_gradients))
         return losses
 
     rec["loss"] = [v for _ in range(a.epochs - 1) for v in epoch()]

@@ -28,7 +28,8 @@ engine with ``llmpar.initialize``. A real torch optimizer is mapped onto the ZeR
 (``llmpar.runtime.client``); a torch LR scheduler is stepped by accelerate's ``AcceleratedScheduler`` (once per
 process per optimizer step, accelerate's rule) and its lrs are copied into the engine's optimizer; a
 ``DummyScheduler`` / the config's ``"scheduler"`` is stepped by the engine. Everything else (``accumulate``,
-``backward``, ``save_state`` / ``load_state`` through the engine's checkpoint, ``gather`` / ``reduce`` /
+``backward``, ``save_state`` / ``load_state`` through the engine's checkpoint (a ``save_state`` between micro-steps
+saves what DeepSpeed saves there, the accumulated gradients left out, said in the log), ``gather`` / ``reduce`` /
 ``gather_for_metrics``, ``print``, ``wait_for_everyone``, ...) is accelerate's code on the engine's
 DeepSpeed-compatible API; ``get_state_dict`` / ``save_model`` gather the full weights (ZeRO-3: onto rank 0, None
 elsewhere, as DeepSpeed), ``unwrap_model`` gives the engine's module. On a machine without CUDA, or with ``cpu=True``,

@@ -257,6 +257,28 @@ class Accelerator(accelerate.Accelerator):
         engine = self._engine(model)
         super().save_model(engine.module if engine is not None else model, save_directory, **kwargs)
 
+    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True,
+                   **save_model_func_kwargs: Any) -> str:
+        """accelerate's, the engine writing its checkpoint into ``output_dir/pytorch_model``. Called between the
+        micro-steps of an accumulation (a script checkpointing every N optimizer steps saves again on the micro-steps
+        after step N), it saves what DeepSpeed saves there: params, optimizer, schedule and counters, not the gradients
+        accumulated so far (said in the log); a run resumed from it starts that accumulation afresh."""
+        engine = self._engine()
+        if engine is None:
+            return super().save_state(output_dir, safe_serialization, **save_model_func_kwargs)
+        optimizer = engine.optimizer
+        pending = optimizer.reducer.micro_steps
+        if pending and self.is_main_process:
+            logger.warning("save_state in the middle of a gradient accumulation (%d of %d micro-steps since the last "
+                           "optimizer step): saved as DeepSpeed saves there, without the accumulated gradients (they "
+                           "are not part of a checkpoint); a run resumed from it starts the accumulation afresh",
+                           pending, self.gradient_accumulation_steps)
+        optimizer.save_mid_accumulation = True
+        try:
+            return super().save_state(output_dir, safe_serialization, **save_model_func_kwargs)
+        finally:
+            optimizer.save_mid_accumulation = False
+
     def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None,
                    **load_model_func_kwargs: Any) -> None:
         """accelerate's, the engine loading its checkpoint (params, optimizer, engine schedule, counters) from
