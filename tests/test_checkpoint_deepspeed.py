@@ -165,13 +165,14 @@ def body(root, ext_dir):
     return out
 
 
-# checkpoints at step K whose rank files were mixed by hand: (name, source, {file: where it comes from}); "late":
-# the same file of the save at step K + N, "cut": truncated to half, another file name: that file of this save
+# checkpoints whose rank files were mixed by hand: (name, source, {file: where it comes from}); "late" / "early": the
+# same file of the save at step K + N / K, "cut": truncated to half, another file name: that file of this save
 OPT = "zero_pp_rank_{}_mp_rank_00_optim_states.pt"
 MIXED = (("mixed2", "z2", {OPT.format(1): "late"}), ("swapped2", "z2", {OPT.format(0): OPT.format(1),
                                                                          OPT.format(1): OPT.format(0)}),
          ("late_opt2", "z2", {OPT.format(0): "late", OPT.format(1): "late"}), ("mixed3", "z3", {OPT.format(1): "late"}),
-         ("cut2", "z2", {OPT.format(1): "cut"}))
+         ("late_opt3", "z3", {OPT.format(0): "late", OPT.format(1): "late"}), ("cut2", "z2", {OPT.format(1): "cut"}),
+         ("early_opt2", "z2_late", {OPT.format(0): "early", OPT.format(1): "early"}))
 
 
 def _mixed_saves(root, out):
@@ -180,13 +181,16 @@ def _mixed_saves(root, out):
     if dist.get_rank() == 0:
         for name, src, swaps in MIXED:
             shutil.copytree(f"{root}/{src}", f"{root}/{name}")
-            d, late = f"{root}/{name}/global_step{K}", f"{root}/{src}_late/global_step{K + N}"
+            step = K + N if src.endswith("_late") else K
+            d, late = f"{root}/{name}/global_step{step}", f"{root}/{src}_late/global_step{K + N}"
+            early = f"{root}/{src.removesuffix('_late')}/global_step{K}"
             for f, frm in swaps.items():
                 if frm == "cut":
                     data = open(f"{d}/{f}", "rb").read()
                     open(f"{d}/{f}", "wb").write(data[:len(data) // 2])
                 else:
-                    shutil.copy(f"{late}/{f}" if frm == "late" else f"{root}/{src}/global_step{K}/{frm}", f"{d}/{f}")
+                    where = {"late": late, "early": early}.get(frm, f"{root}/{src}/global_step{K}")
+                    shutil.copy(f"{where}/{f if frm in ('late', 'early') else frm}", f"{d}/{f}")
     dist.barrier()
     engine = _llmpar(2)
     before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
@@ -276,7 +280,8 @@ def test_errors_name_what_was_found(runs):
 
 def test_rank_files_of_different_saves_or_swapped_are_refused_naming_them(runs, tmp_path):
     """DeepSpeed optimizer files of another save (Adam step 5 beside 2, ZeRO-2 and ZeRO-3), swapped between the
-    ranks, all of a later save than the model states file, or one truncated: refused on every rank naming the files,
+    ranks, all of a later or an earlier save than the model states file, or one truncated: refused on every rank
+    naming the files,
     before anything of the engine changed (they loaded silently, or failed mid-load); convert refuses them too."""
     from llmpar.checkpoint import consolidate
     from llmpar.checkpoint.files import CheckpointError
@@ -287,15 +292,18 @@ def test_rank_files_of_different_saves_or_swapped_are_refused_naming_them(runs, 
         for name in ("mixed2", "mixed3"):
             assert "the optimizer files are of different saves" in err[name], err[name]
             assert f"{OPT.format(0)}: [{float(K)}]" in err[name] and f"{OPT.format(1)}: [{float(K + N)}]" in err[name]
-        for name, rank in (("swapped2", 0), ("late_opt2", 0)):
-            assert f"{OPT.format(rank)} does not hold dp rank {rank}'s partition of this save" in err[name], err[name]
+        for name in ("swapped2", "early_opt2"):  # the same steps in every file: the masters tell
+            assert f"{OPT.format(0)} does not hold dp rank 0's partition of this save" in err[name], err[name]
             assert "differs from the weights in the model states file" in err[name]
+        for name in ("late_opt2", "late_opt3"):
+            assert f"the optimizer files record {K + N} optimizer steps, more than the {K} global steps" in \
+                err[name], err[name]
         assert f"cannot read DeepSpeed checkpoint file {root}/cut2/global_step{K}/{OPT.format(1)}" in err["cut2"], \
             err["cut2"]
         assert "mixed" not in err["cut2"].split(OPT.format(1))[-1]  # found before the load began, not mid-load
         assert out["mixed_untouched"]
-    for name in ("mixed2", "swapped2", "mixed3"):
-        with pytest.raises(CheckpointError, match="different saves|partition of this save"):
+    for name in ("mixed2", "swapped2", "mixed3", "late_opt3"):
+        with pytest.raises(CheckpointError, match="different saves|partition of this save|of a later save"):
             consolidate.convert(str(root / name), str(tmp_path / name))
         assert not (tmp_path / name).exists()
 

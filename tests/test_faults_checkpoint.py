@@ -401,7 +401,8 @@ def test_auto_resume_without_latest_resumes_the_newest_complete_checkpoint_or_re
     """Complete checkpoints and no ``latest`` (``save_latest=False``, deleted, a run stopped before its first
     ``latest``, copied in): auto_resume loads the newest by the step its metadata records, whatever the directory
     names say, and trains on to the uninterrupted losses (it started fresh at step 0 and re-saved over them); two at
-    the same step, or one that cannot be read, are refused naming them, the directory left as it was."""
+    the same step, or one that cannot be read, are refused naming them, the directory left as it was. With a
+    ``latest`` naming an older one, that one loads and the newer ones are named in a warning."""
     ref = _steps(_resumable(None), 6)
     d = tmp_path / "ck"
     _steps(_resumable(d), 4, save_to=d)
@@ -413,6 +414,12 @@ def test_auto_resume_without_latest_resumes_the_newest_complete_checkpoint_or_re
     assert again.resumed_from == str(d / "aaa") and again.global_steps == 4
     assert "has no 'latest': resuming from the newest complete checkpoint, aaa (step 4" in caplog.text
     assert _steps(again, 6) == {s: ref[s] for s in (5, 6)}
+    (d / "latest").write_text("zzz_step9")  # latest names the older one: loaded, the newer one named in a warning
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="llmpar"):
+        assert _resumable(d).global_steps == 2
+    assert "holds newer complete ones: ['aaa (step 4)']" in caplog.text, caplog.text
+    (d / "latest").unlink()
     shutil.copytree(d / "aaa", d / "bbb")  # a copy at the same step: which one is not clear
     listing = sorted(os.listdir(d))
     with pytest.raises(CheckpointError, match=r"2 complete checkpoints at step 4: \['aaa', 'bbb'\]"):

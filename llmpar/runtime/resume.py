@@ -26,7 +26,8 @@ sees one (agreed, so every rank loads or none does; a first run starts fresh, wi
 (deleted, ``save_latest=False``, a run stopped before its first ``latest``, checkpoints copied in) it loads the
 newest complete checkpoint there by the step its own files record (``checkpoint/scan.py``), with a warning, and
 refuses on every rank, naming them, checkpoints it cannot order (two at the same step, unreadable, unpublished):
-a fresh start would re-save over them;
+a fresh start would re-save over them. Resuming from ``latest``, newer complete checkpoints beside it (another run's,
+or saved with ``save_latest=False``) are named in a warning;
 ``engine.resumed_from`` is then its path and ``engine.resumed_client_state`` the ``client_state`` saved with it (both
 None on a fresh start). The loop only saves;
 with ``"auto_resume_interval": k`` the engine saves there itself after every k-th optimizer step (``engine.step()``
@@ -224,7 +225,24 @@ def apply_auto_resume(engine: Any, raw: dict) -> str | None:
     if grid.rank0:
         logger.info("llmpar.initialize: checkpoint.auto_resume: resumed from %s at step %d", path,
                     engine.global_steps)
+        if tag is None:
+            _warn_newer(directory, engine.global_steps)
     return path
+
+
+def _warn_newer(directory: str, steps: int) -> None:
+    """Rank 0, after resuming from ``latest``: a warning naming complete checkpoints of more steps (another run's,
+    or saves with ``save_latest=False``), which saves of this run at their tags would replace."""
+    from llmpar.checkpoint import scan
+
+    try:
+        newer = [f"{f.tag} (step {f.steps})" for f in scan.found(directory)[0] if f.steps > steps]
+    except OSError:
+        return
+    if newer:
+        logger.warning("llmpar.initialize: checkpoint.auto_resume: %s/latest names a checkpoint of step %d, but %s "
+                       "holds newer complete ones: %s; a save of this run under one of their tags replaces it",
+                       directory, steps, directory, newer[:8])
 
 
 def _newest_without_latest(directory: str, grid: Any) -> str | None:
