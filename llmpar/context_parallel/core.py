@@ -31,7 +31,7 @@ from llmpar.context_parallel.ring import RingSpec, RingStats, ring_attention
 from llmpar.context_parallel.shard import MODES, SeqShard, check_seq_len, layout
 from llmpar.context_parallel.ulysses import gather_valid, heads_to_seq, kv_repeats, seq_to_heads
 from llmpar.context_parallel.loss import token_mean
-from llmpar.distributed.collectives import all_reduce, collective_device
+from llmpar.distributed.collectives import all_gather_flat, all_reduce, collective_device
 from llmpar.distributed.groups import Group, GroupRef, as_group, group_rank, group_size
 from llmpar.ops.attention import flash_attention
 
@@ -118,6 +118,25 @@ class ContextParallel:
             raise ValueError(f"context-parallel batch: the cp ranks hold different batches (this is cp rank "
                              f"{self.rank} of {self.size}, seq_len={seq_len}); the cp ranks of a group must read the "
                              "same batch (a sampler over the dp rank and dp size only)")
+
+    def gather_sequence(self, x: torch.Tensor, shard: SeqShard, dim: int = 1) -> torch.Tensor:
+        """The whole sequence of a tensor sharded along ``dim`` by ``shard`` (this rank's ``S_local`` positions,
+        e.g. local logits [B, S_local, V]) -> [..., seq_len, ...] in sequence order on every cp rank, padding dropped;
+        detached (for metrics and inspection: the loss is computed on the shards). All-gathers over each cp group in
+        turn (collective: every cp rank calls it)."""
+        self._check_shard(shard)
+        if x.shape[dim] != shard.local_len:
+            raise ValueError(f"x has {x.shape[dim]} positions along dim {dim} but the shard holds {shard.local_len}")
+        out = x.detach().movedim(dim, 0).contiguous()  # [S_local, ...]
+        for group in self.groups:  # Ulysses then ring: rows in cp-rank order
+            size = group_size(as_group(group))
+            buf = torch.empty((size * out.shape[0], *out.shape[1:]), dtype=out.dtype, device=out.device)
+            all_gather_flat(buf.view(-1), out.view(-1), group, what="context-parallel gather of a sequence")
+            out = buf
+        _, table = layout(shard.seq_len, self.mode, self.ring_size, self.ulysses_size)
+        full = torch.empty_like(out)
+        full[table.reshape(-1).to(out.device)] = out
+        return full[:shard.seq_len].movedim(0, dim)
 
     # ------------------------------------------------------------------ one forward's batch
     @contextlib.contextmanager

@@ -26,7 +26,11 @@ Where the head's weight is whole on the rank (ZeRO 0-2, no tensor parallelism) t
 (``llmpar.context_parallel.tiled.tiled_lm_loss`` on the base model's final hidden states, ``tiled_chunk`` tokens
 at a time; the head runs on no position, ``logits_to_keep`` empty, so the output's logits are [B, 0, V] and the
 [B, S_local, V] logits never exist); otherwise (ZeRO-3, a vocab-parallel head, ``tiled_chunk=None``) it is the
-cross entropy of the model's local logits. With the
+cross entropy of the model's local logits, and ``out.logits`` is this rank's [B, S_local, V] slice (zigzag under
+ring). For the whole sequence's logits set ``engine.adapter.gather_logits = True`` on every rank: the loss is then
+the local logits' (no tiling) and ``out.logits`` the [B, S, V] logits of every position in order, all-gathered over
+the cp ranks (``ContextParallel.gather_sequence``; detached: for metrics, the gradient flows through ``out.loss``;
+with a vocab-parallel head each tp rank's vocabulary slice). With the
 Trainer's ``num_items_in_batch`` (the accumulated batch's token count over all ranks, each cp rank counting the same
 batch) the loss is ``token_mean * global_count * cp.size / num_items_in_batch`` (transformers' sum / items,
 multiplied back by its world size as for tensor-parallel replicas).
@@ -120,6 +124,7 @@ class HFCausalLMAdapter:
         self.names: list[str] = []  # forward's positional parameter names
         self.window: int | None = None
         self.tiled_chunk = tiled_chunk  # tokens per tile of the loss; None: the model's logits
+        self.gather_logits = False  # True: out.logits is the whole sequence's [B, S, V] (gathered, detached)
         self._head: torch.nn.Module | None = None
         self._hidden: list[torch.Tensor] = []  # the base model's output of the running forward (tiled loss)
 
@@ -230,7 +235,8 @@ class HFCausalLMAdapter:
         out["use_cache"] = False
         out[BATCH_KEY] = (shard, k_valid)  # kwargs reach every attention call, recomputations in backward included
         local = shard_tensor(labels.to(device), shard, 1, -100).expand(B, -1) if labels is not None else None
-        tiled = local is not None and self._tiles()
+        tiled = local is not None and self._tiles() and not self.gather_logits
+        gather = self.gather_logits
         if tiled:  # the head runs on no position; the loss is taken from the hidden states a tile at a time
             out["logits_to_keep"] = torch.empty(0, dtype=torch.long, device=device)
             self._hidden[:] = [None]
@@ -239,7 +245,7 @@ class HFCausalLMAdapter:
             hidden = self._hidden[0] if tiled else None
             self._hidden.clear()
             if local is None:
-                return output
+                return _with_full_logits(output, cp, shard) if gather else output
             if tiled:
                 loss_sum, count = tiled_lm_loss(hidden, self._head.weight, local.contiguous(),
                                                 chunk=self.tiled_chunk)
@@ -252,11 +258,21 @@ class HFCausalLMAdapter:
             loss = cp.token_mean(loss_sum, count)
             if items is not None:
                 loss = _per_item(loss, count, items, cp)
+            if gather:
+                output = _with_full_logits(output, cp, shard)
             if isinstance(output, dict):
                 return type(output)(loss=loss, **{k: v for k, v in output.items() if k != "loss"})
             return (loss, *output)
 
         return (), out, _Finish(cp, shard, k_valid, loss_of, self._hidden.clear)
+
+
+def _with_full_logits(output: Any, cp: Any, shard: Any) -> Any:
+    """``output`` with its logits [B, S_local, V] replaced by the whole sequence's [B, S, V] (``gather_logits``)."""
+    if isinstance(output, dict):
+        output["logits"] = cp.gather_sequence(output["logits"], shard)
+        return output
+    return (cp.gather_sequence(output[0], shard), *output[1:])
 
 
 def _per_item(loss: torch.Tensor, count: torch.Tensor, items: Any, cp: Any) -> torch.Tensor:
