@@ -11,6 +11,8 @@ One multirank run per world size feeds every assertion of that world (a launch o
 """
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -77,7 +79,7 @@ def engine_body(cases: list) -> list:
     of this rank."""
     import llmpar
 
-    out = []
+    out, logits = [], []
     for kind, mode, size, ulysses, stage in cases:
         model = build(kind)
         engine, *_ = llmpar.initialize(model=model, config=ds_config(mode, size, ulysses, stage))
@@ -99,6 +101,8 @@ def engine_body(cases: list) -> list:
             engine.step()
             steps.append((float(output.loss), pieces, float(engine.get_global_grad_norm())))
         out.append((steps, dp, r))
+        if len(out) <= 2:  # the whole sequence's logits on request (ZeRO-2: the loss is tiled otherwise)
+            logits.append(full_logits(engine, model, dp, r))
         if len(out) == 1:  # the last cp rank fed a shorter sequence (a ragged last batch): refused on every rank
             full, short = batch(0, MICRO * dp), engine.context_parallel.rank == engine.context_parallel.size - 1
             try:
@@ -106,8 +110,21 @@ def engine_body(cases: list) -> list:
                 mismatch = "no error"
             except ValueError as e:
                 mismatch = str(e)
-    out.append({"mismatch": mismatch})
+    out.append({"mismatch": mismatch, "logits": logits})
     return out
+
+
+def full_logits(engine, model, dp: int, r: int) -> tuple:
+    """(out.logits by default, with ``gather_logits``, the unsplit model's logits; both losses)."""
+    mine = {k: v[r * MICRO:(r + 1) * MICRO] for k, v in batch(0, MICRO * dp).items()}
+    default = engine(**mine)
+    engine.adapter.gather_logits = True
+    gathered = engine(**mine)
+    engine.adapter.gather_logits = False
+    with torch.no_grad():  # the prepared model called whole: transformers' attention over the whole sequence
+        want = model(input_ids=mine["input_ids"], attention_mask=mine["attention_mask"]).logits
+    return (tuple(default.logits.shape), gathered.logits, want, float(default.loss), float(gathered.loss),
+            gathered.logits.requires_grad)
 
 
 def token_mean_loss(model, attention_mask, labels, **kw) -> torch.Tensor:
@@ -163,6 +180,13 @@ def _run(cases: list, world: int) -> None:
         check_against_reference(case, [o[i] for o in outs])
     size = cases[0][2]
     for rank, o in enumerate(outs):
+        for case, (shape, got, want, loss, gathered_loss, grad) in zip(cases, o[-1]["logits"]):
+            tiled, multiple = str(case[4]) == "2", case[2] * (1 if case[1] == "ulysses" else 2)
+            local = -(-SEQ // multiple) * multiple // case[2]  # this rank's slice of the padded sequence
+            assert shape == (MICRO, 0 if tiled else local, VOCAB), (case, shape)
+            assert got.shape == (MICRO, SEQ, VOCAB) and not grad, (case, got.shape)
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12, msg=f"{case} rank {rank}: logits")
+            assert abs(loss - gathered_loss) <= 1e-12 * abs(loss), (case, loss, gathered_loss)
         err, first = o[-1]["mismatch"], rank - rank % size
         assert f"cp rank {size - 1} (global rank {first + size - 1}): attention_mask [{MICRO}, {SEQ - 1}], " \
                f"input_ids [{MICRO}, {SEQ - 1}], labels [{MICRO}, {SEQ - 1}]" in err, err
@@ -178,7 +202,7 @@ def test_hf_models_equal_the_unsplit_model_hybrid_and_dp_x_cp():
 
 # ---- the Trainer: llmpar's with "context_parallel" against transformers' own on one process ----
 class Rows(torch.utils.data.Dataset):
-    """16 rows of SEQ tokens, some padded (mask 0, labels -100)."""
+    """13 rows of SEQ tokens, some padded (mask 0, labels -100): an epoch of batches of 2 ends on a batch of 1."""
 
     def __init__(self) -> None:
         g = torch.Generator().manual_seed(7)
@@ -187,7 +211,7 @@ class Rows(torch.utils.data.Dataset):
         self.mask[::3, 8:] = 0
 
     def __len__(self) -> int:
-        return len(self.ids)
+        return 13
 
     def __getitem__(self, i: int) -> dict:
         return {"input_ids": self.ids[i], "attention_mask": self.mask[i],
@@ -195,8 +219,9 @@ class Rows(torch.utils.data.Dataset):
 
 
 def trainer_run(output_dir: str, llmpar_config: dict | None) -> list:
-    """[(loss, grad_norm)] per optimizer step: 3 steps of 2 x 2 rows (gradient accumulation 2), the Trainer's AdamW
-    and linear schedule, clipping at 1.0; llmpar's Trainer when a config is given, else transformers' own."""
+    """[(loss, grad_norm)] per optimizer step: 5 steps of 2 x 2 rows (gradient accumulation 2; the 4th ends the epoch
+    on one micro-batch of one row), the Trainer's AdamW and linear schedule, clipping at 1.0; llmpar's Trainer when a
+    config is given, else transformers' own."""
     from transformers import TrainerCallback
 
     if llmpar_config is not None:
@@ -213,7 +238,7 @@ def trainer_run(output_dir: str, llmpar_config: dict | None) -> list:
                 rows.append((float(logs["loss"]), float(logs["grad_norm"])))
 
     args = TrainingArguments(output_dir=output_dir, per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                             max_steps=3, learning_rate=5e-3, warmup_steps=1, max_grad_norm=1.0, logging_steps=1,
+                             max_steps=5, learning_rate=5e-3, warmup_steps=1, max_grad_norm=1.0, logging_steps=1,
                              report_to=[], use_cpu=True, seed=42, save_strategy="no", disable_tqdm=True, **extra)
     Trainer(model=build("llama").float(), args=args, train_dataset=Rows(), callbacks=[Record()]).train()
     return rows
@@ -227,7 +252,18 @@ def trainer_body(output_dir: str) -> list:
         config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
                   "train_batch_size": "auto", "gradient_clipping": "auto", "steps_per_print": 10 ** 6,
                   "zero_optimization": {"stage": 2}, "context_parallel": {"size": 2, "mode": "ring"}}
-        return trainer_run(os.path.join(output_dir, str(dist.get_rank())), config)
+        trainer_logger = transformers.trainer.logger
+        lines: list = []
+        handler = logging.Handler()
+        handler.emit = lambda record: lines.append(record.getMessage())
+        level, trainer_logger.level = trainer_logger.level, logging.INFO
+        trainer_logger.addHandler(handler)
+        try:
+            rows = trainer_run(os.path.join(output_dir, str(dist.get_rank())), config)
+        finally:
+            trainer_logger.removeHandler(handler)
+            trainer_logger.setLevel(level)
+        return rows, [line for line in lines if "Context parallelism" in line or "Total train batch" in line]
     finally:
         os.environ.clear()
         os.environ.update(saved)
@@ -235,12 +271,17 @@ def trainer_body(output_dir: str) -> list:
 
 def test_trainer_with_context_parallelism_equals_the_plain_trainer(tmp_path, monkeypatch):
     """2 ranks, ring cp=2 (one data-parallel rank: both read the same batches): the logged full-sequence losses and
-    grad norms equal transformers' Trainer on one process (fp32, 1e-5)."""
-    ours = run_ranks(trainer_body, 2, str(tmp_path), timeout=300)
+    grad norms equal transformers' Trainer on one process (fp32, 1e-5), the epoch's partial last batch included; the
+    log says cp is on, and the banner's batch counts the one data-parallel rank (2 x 2, not 2 x 2 x 2)."""
+    outs = run_ranks(trainer_body, 2, str(tmp_path), timeout=300)
+    ours = [rows for rows, _ in outs]
+    assert outs[0][1] == ["  Context parallelism = on: cp=2 (ring), each sequence split over 2 ranks; data-parallel "
+                          "ranks = 1 (the batch size counts these)",
+                          "  Total train batch size (w. parallel, distributed & accumulation) = 4"], outs[0][1]
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
     theirs = trainer_run(str(tmp_path / "plain"), None)
-    assert len(theirs) == 3 and ours[0] == ours[1]
+    assert len(theirs) == 5 and ours[0] == ours[1]
     torch.testing.assert_close(torch.tensor(ours[0], dtype=torch.float64), torch.tensor(theirs, dtype=torch.float64),
                                rtol=1e-5, atol=0)
 
