@@ -6,6 +6,7 @@ an output directory that is not empty.
   one, byte for byte, never a mix (it was 26 old + 4 new tensors that ``from_pretrained`` loaded without a word);
 * a non-empty output directory is refused naming it and ``--overwrite``, untouched; with ``--overwrite`` it is
   replaced whole (a stale ``config.json``, another dp's rank files gone), for every ``--to``;
+* ``write_hf_model`` in place (``save_hf_model``), failing after its first new shard: no old weight file or index left;
 * a full disk (``ENOSPC``, injected into the writes) during ``convert --to deepspeed``: a CheckpointError naming the
   file and the cause (was torch's ``inline_container`` RuntimeError), no ``.part`` and no new directory left, the
   target as it was.
@@ -216,3 +217,33 @@ def test_a_full_disk_during_convert_to_deepspeed_is_named_and_leaves_nothing(llm
         ds_write.save_pickled({"t": torch.randn(5000)}, str(tmp_path / "f.pt"))
     assert info.value.filename == str(tmp_path / "f.pt") and info.value.errno == errno.ENOSPC
     assert sorted(os.listdir(tmp_path)) == ["ds"]
+
+
+def test_an_in_place_export_interrupted_after_its_first_shard_leaves_no_loadable_mix(tmp_path, monkeypatch):
+    """``write_hf_model`` into an existing export (``engine.save_hf_model``'s path, which keeps the directory's
+    other files): a failure after its first new shard leaves no old weight file and no index, so nothing loads a mix
+    (it replaced shard by shard under the old index); the other files stay."""
+    from llmpar.checkpoint import hf_files
+
+    g = torch.Generator().manual_seed(5)
+    old = {f"w{i}": torch.randn(9, 11, generator=g) for i in range(4)}
+    new = {n: t + 1 for n, t in old.items()}
+    hf_files.write_hf_model(str(tmp_path), old, config={"model_type": "x"}, max_shard_size="400B")
+    (tmp_path / "tokenizer.json").write_text("{}")
+    assert len(list(tmp_path.glob("model-*.safetensors"))) == 4
+    real, calls = hf_files._write_tensors, [0]
+
+    def fail_after_one(path, tensors, fmt):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise OSError(errno.EIO, "stopped")
+        real(path, tensors, fmt)
+
+    monkeypatch.setattr(hf_files, "_write_tensors", fail_after_one)
+    with pytest.raises(OSError, match="stopped"):
+        hf_files.write_hf_model(str(tmp_path), new, config={"model_type": "x"}, max_shard_size="400B")
+    left = sorted(os.listdir(tmp_path))
+    assert left == ["config.json", "model-00001-of-00004.safetensors", "tokenizer.json"], left
+    from safetensors.torch import load_file
+
+    assert torch.equal(load_file(str(tmp_path / "model-00001-of-00004.safetensors"))["w0"], new["w0"])
