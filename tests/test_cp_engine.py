@@ -335,3 +335,26 @@ def test_zero1_with_cpu_offload_under_ring():
     norms and gradients as one process."""
     extra = {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}
     check(run_ranks(cp_body, 2, {"size": 2, "mode": "ring"}, 1, extra, True, timeout=120), 2, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool, torch.float64, torch.float32, torch.bfloat16])
+def test_batch_digest_tells_batches_apart_whatever_its_chunking(dtype, monkeypatch):
+    """The cp batch agreement's digest: equal for equal tensors, different for a row swap or one changed element
+    (and -0.0 vs 0.0: the bits), the same when long tensors are taken in chunks."""
+    from llmpar.context_parallel import batch_check
+
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randint(0, 2, (3, 37), generator=g) if dtype == torch.bool else
+         torch.randint(-50, 50, (3, 37), generator=g)).to(dtype)
+    if dtype.is_floating_point:
+        x = x + torch.rand(3, 37, generator=g, dtype=torch.float64).to(dtype)
+    whole = int(batch_check.digest(x))
+    assert whole == int(batch_check.digest(x.clone()))
+    changed = x.clone()
+    changed[2, 11] = ~changed[2, 11] if dtype == torch.bool else changed[2, 11] + 1
+    assert len({whole, int(batch_check.digest(x[[1, 0, 2]])), int(batch_check.digest(changed))}) == 3
+    if dtype.is_floating_point:
+        zero = torch.zeros(4, dtype=dtype)
+        assert int(batch_check.digest(zero)) != int(batch_check.digest(-zero))
+    monkeypatch.setattr(batch_check, "_CHUNK", 10)
+    assert int(batch_check.digest(x)) == whole

@@ -13,9 +13,9 @@ one fixed-size all-gather per cp group (``RECORD`` = 2 + 8 * MAX_TENSORS int64),
 different shapes meet in it and raise; then, on every cp rank, the same ``ValueError`` when the records differ, naming
 each cp rank's global rank and tensor shapes (and which tensors' contents differ) and how to build the loader over
 the data-parallel ranks. Tensors are the call's positional (``arg0``, ...) and keyword tensors (sorted by name);
-``digest`` is ``sum_i v_i * (i * 0x9E3779B1 + 1)`` in wrapping int64 over the tensor's flattened values ``v`` (integers
-as they are, floats by their bits): cheap on the device, equal for equal tensors, and different for practically all
-different ones. Tensors past ``MAX_TENSORS`` are folded into the last slot's digest.
+``digest`` is ``sum_i m(v_i) * (i * 0x9E3779B1 + 1)`` in wrapping int64 over the tensor's flattened values ``v``
+(integers as they are, floats by their bits; ``m(v) = v ^ (v >> 32)``): cheap on the device, equal for equal tensors,
+and different for practically all different ones. Tensors past ``MAX_TENSORS`` are folded into the last slot's digest.
 """
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ MAX_TENSORS, DIMS = 6, 4
 SLOT = 3 + DIMS  # name id, ndim, dims, digest
 RECORD = 2 + SLOT * MAX_TENSORS
 _GOLDEN = 0x9E3779B1
+_CHUNK = 1 << 24
 _BITS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
@@ -40,14 +41,20 @@ def _name_id(name: str) -> int:
 
 
 def digest(t: torch.Tensor) -> torch.Tensor:
-    """0-d int64 on ``t``'s device: ``sum_i v_i * (i * 0x9E3779B1 + 1)`` (wrapping) over the flattened values."""
+    """0-d int64 on ``t``'s device: ``sum_i m(v_i) * (i * 0x9E3779B1 + 1)`` (wrapping, ``m(v) = v ^ (v >> 32)``) over
+    the flattened values (floats by their bits), taken ``_CHUNK`` elements at a time."""
     flat = t.detach().reshape(-1)
     if flat.is_complex():
         flat = torch.view_as_real(flat).reshape(-1)
     if flat.is_floating_point():
         flat = flat.contiguous().view(_BITS[flat.element_size()])
-    weights = torch.arange(flat.numel(), dtype=torch.int64, device=flat.device) * _GOLDEN + 1
-    return (flat.to(torch.int64) * weights).sum()
+    total = torch.zeros((), dtype=torch.int64, device=flat.device)
+    for start in range(0, flat.numel(), _CHUNK):  # int64 temporaries of at most _CHUNK elements (long embeddings)
+        part = flat[start:start + _CHUNK].to(torch.int64)
+        part = part ^ (part >> 32)  # the high bits into the low ones (else e.g. +-0.0 differ by 2^63 and cancel)
+        weights = torch.arange(start, start + part.numel(), dtype=torch.int64, device=flat.device) * _GOLDEN + 1
+        total += (part * weights).sum()
+    return total
 
 
 def named_tensors(args: tuple, kwargs: dict) -> list[tuple[str, torch.Tensor]]:
