@@ -194,11 +194,10 @@ class Trainer(transformers.Trainer):
             params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self.engine, _, _, _ = initialize(model=self.model, model_parameters=params, optimizer=optimizer,
                                           lr_scheduler=scheduler, config=config, mesh=mesh)
-        if self.cp_size > 1:  # beside the Trainer's banner (its logger: the script's log level)
-            cp = self.engine.context_parallel
-            transformers.trainer.logger.info(
-                "  Context parallelism = on: cp=%d (%s), each sequence split over %d ranks; data-parallel ranks = %d "
-                "(the batch size counts these)", cp.size, cp.mode, cp.size, dp)
+        if self.cp_size > 1:  # beside the Trainer's banner, on its logger (the script's log level)
+            transformers.trainer.logger.info("  Context parallelism = on: cp=%d (%s), each sequence split over %d "
+                                             "ranks; data-parallel ranks = %d (the batch size counts these)",
+                                             self.cp_size, self.engine.context_parallel.mode, self.cp_size, dp)
         self.optimizer = _EngineOptimizer(self.engine)
         self.lr_scheduler = _EngineScheduler(self.engine)
         if is_zero3(config) and dp * self.cp_size > 1:  # ZeRO-3 shards over dp x cp
@@ -295,18 +294,14 @@ class Trainer(transformers.Trainer):
                                  "that llmpar cannot shard over dp ranks (dispatch_batches / a batch sampler of "
                                  "its own); use the default loader")
         shard.num_processes, shard.process_index = dp, dp_rank
-        if dp == 1 and isinstance(shard, BatchSamplerShard):
-            # one data-parallel replica reads the data as one process does: the epoch's partial last batch as it
-            # is (accelerate's even_batches would complete it with the epoch's first samples, which a single
-            # process never does: a different last step than the same run without context parallelism)
-            shard.even_batches = False
+        if dp == 1 and isinstance(shard, BatchSamplerShard):  # as one process: a partial last batch as it is, not
+            shard.even_batches = False  # completed with the epoch's first samples (accelerate's even_batches)
         return loader
 
     def get_total_train_batch_size(self, args: Any) -> int:
-        """The banner's and the step count's batch: micro-batch x accumulation x the data-parallel ranks (world /
-        (cp * tp): the cp and tp ranks of a group read the same batch)."""
-        return self._train_batch_size * args.gradient_accumulation_steps * (
-            args.world_size // (self.tp_size * self.cp_size))
+        """Micro-batch x accumulation x the data-parallel ranks (world / (cp * tp)): the banner's batch."""
+        return self._train_batch_size * args.gradient_accumulation_steps * args.world_size // (self.tp_size *
+                                                                                               self.cp_size)
 
     # ---- checkpoints ----
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
