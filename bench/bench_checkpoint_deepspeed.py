@@ -132,7 +132,7 @@ def main() -> None:
             for i in range(args.repeats):  # interleaved, the order alternating: drift hits both alike
                 for who in (("ours", "theirs") if i % 2 == 0 else ("theirs", "ours")):
                     cmd = ([sys.executable, "-m", "llmpar.cli", "checkpoint", "convert", ck,
-                            os.path.join(tmp, f"hf{stage}")] if who == "ours" else
+                            os.path.join(tmp, f"hf{stage}"), "--overwrite"] if who == "ours" else
                            [sys.executable, os.path.join(ck, "zero_to_fp32.py"), ck, os.path.join(tmp, f"ds{stage}"),
                             "--tag", tag, "--safe_serialization"])
                     runs[who].append(_measured(cmd, env))
