@@ -35,6 +35,8 @@ def _broken(module: str, err: BaseException, sub: argparse._SubParsersAction) ->
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llmpar", description="llmpar: parallel LLM training on plain PyTorch")
+    # DeepSpeed's launcher (and `llmpar launch`) put --local_rank=N right after the program: `--module llmpar.cli`
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name in _COMMAND_MODULES:

@@ -2,6 +2,7 @@
 and processes started with only Slurm's or only OpenMPI's variables joining one world (init_distributed)."""
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -32,7 +33,24 @@ def test_nodelist_expansion(nodelist, hosts):
     assert list(expand_nodelist(nodelist)) == hosts
 
 
-@pytest.mark.parametrize("nodelist", ["node[01-04", "node]1[", "node[a-b]", "node[4-2]", "a,,b", "n[[1]]", "n[1-]"])
+def test_nodelist_is_expanded_lazily():
+    """The first host of a huge range without building the range (it took a list of 10^8 names, MemoryError)."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        assert next(expand_nodelist("node[0-3000000]")) == "node0"
+        assert tracemalloc.get_traced_memory()[1] < 1 << 20  # peak: < 1 MiB (the old list of 3M names: ~200 MiB)
+    finally:
+        tracemalloc.stop()
+    env = {**SLURM, "SLURM_STEP_NODELIST": "node[0-100000000]", "SLURM_STEP_NUM_TASKS": "8",
+           "SLURM_STEP_TASKS_PER_NODE": "4(x2)"}
+    assert discover(env).master_addr == "node0"
+    assert list(itertools.islice(expand_nodelist("a[8-9]-[1-100000000],b"), 3)) == ["a8-1", "a8-2", "a8-3"]
+
+
+@pytest.mark.parametrize("nodelist", ["node[01-04", "node]1[", "node[a-b]", "node[4-2]", "a,,b", "n[[1]]", "n[1-]",
+                                      "n[1-" + "9" * 19 + "]", "n[" + "1" * 5000 + "]"])
 def test_bad_nodelist_raises_naming_the_variable(nodelist):
     with pytest.raises(ValueError, match=r"SLURM_JOB_NODELIST=.*not a Slurm hostlist"):
         list(expand_nodelist(nodelist, name="SLURM_JOB_NODELIST"))
@@ -122,6 +140,10 @@ def test_arguments_win_over_variables_and_describe_says_where_from():
     ({"OMPI_COMM_WORLD_RANK": "0"}, "OMPI_COMM_WORLD_RANK is set \\(OpenMPI\\) but OMPI_COMM_WORLD_SIZE is not"),
     ({**PMI, "PMI_SIZE": "1.5"}, r"PMI_SIZE='1.5' \(from MPICH/PMI\) is not an integer"),
     ({"PMIX_RANK": "0"}, "PMIX_RANK='0' is set .* but no world size"),
+    ({"PMI_RANK": "1"}, r"PMI_RANK='1' is set \(PMI\) but no world size is \(PMI_SIZE"),  # was "PMIX_RANK=None"
+    ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "7"}, r"LOCAL_RANK=7 \(from torchrun\) is not below WORLD_SIZE=2"),
+    ({**PMI, "MPI_LOCALNRANKS": "", "MPI_LOCALRANKID": "4"}, r"MPI_LOCALRANKID=4 \(from MPICH/PMI\) is not below PMI_SIZE"),
+    ({**SLURM, "SLURM_STEP_NODELIST": "n[0-" + "9" * 19 + "]"}, r"SLURM_STEP_NODELIST=.*more than 18 digits"),
     ({**TORCHRUN, "RANK": "2"}, r"RANK=2 \(from torchrun\) is not below WORLD_SIZE=2"),
     ({**TORCHRUN, "RANK": "-1"}, r"RANK='-1' \(from torchrun\) must be >= 0"),
     ({**OMPI, "MASTER_ADDR": "m", "MASTER_PORT": "http"}, r"MASTER_PORT='http' \(from the user\) is not an integer"),
@@ -236,3 +258,39 @@ def test_env_report_shows_the_launcher_and_where_from(monkeypatch):
     data["launch"] = env_report._launch()
     assert "launcher                     error: environment variable SLURM_PROCID='five' (from Slurm)" in (
         env_report.format_report(data))
+
+
+@pytest.mark.parametrize("through", ["Slurm", "llmpar launch"])
+def test_port_clash_says_the_port_came_from_the_job_id(monkeypatch, through):
+    """Two jobs whose ids are equal mod 20000 on one node derive one port: rank 0's bind fails, and the error says
+    the port came from SLURM_JOB_ID and how to set MASTER_PORT (read from Slurm's variables directly, or from the
+    torchrun variables llmpar launch's per-task wrapper wrote for them), not a bare EADDRINUSE."""
+    if dist.is_initialized():
+        pytest.skip("a process group from an earlier test is live in this process")
+    import llmpar
+    from llmpar.launch.rank import rank_environment
+
+    for k in list(os.environ):
+        if k.startswith(_LAUNCH_PREFIXES) or k.startswith("LLMPAR_MASTER"):
+            monkeypatch.delenv(k)
+    for k in _TORCHRUN:  # init_distributed writes them: undone at teardown
+        monkeypatch.setenv(k, "")
+        monkeypatch.delenv(k)
+    with socket.socket() as held:  # the other job's store
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        port, job = _slurm_port()
+        held.bind(("", port))
+        held.listen()
+        slurm = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_STEP_NUM_TASKS": "2", "SLURM_LOCALID": "0",
+                 "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_JOB_NODELIST": "127.0.0.1", "SLURM_JOB_ID": str(job + 20000)}
+        env = slurm if through == "Slurm" else rank_environment(slurm)[0]
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        with pytest.raises(RuntimeError) as caught:
+            llmpar.init_distributed(backend="gloo", timeout_s=10)
+    text = str(caught.value)
+    assert f"rendezvous port {port} is already in use on 127.0.0.1:{port}" in text, text
+    assert f"the port came from SLURM_JOB_ID={job + 20000} (15000 + job id % 20000)" in text, text
+    assert "set MASTER_PORT to a free port" in text and "--master_port" in text, text
+    assert "EADDRINUSE" in str(caught.value.__cause__)
+    assert not dist.is_initialized()

@@ -166,7 +166,13 @@ import torch
 from torch import nn
 import llmpar
 
-out, steps, kill_at, every = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+import argparse  # DeepSpeed-shaped: llmpar launch passes --local_rank=N right after the script, as DeepSpeed's
+parser = argparse.ArgumentParser()
+parser.add_argument("--local_rank", type=int, default=-1)
+parser.add_argument("rest", nargs=4)
+cli = parser.parse_args()
+assert cli.local_rank == int(os.environ["LOCAL_RANK"]), (cli.local_rank, os.environ["LOCAL_RANK"])
+out, steps, kill_at, every = cli.rest[0], int(cli.rest[1]), int(cli.rest[2]), int(cli.rest[3])
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
 torch.set_num_threads(1)

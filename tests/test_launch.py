@@ -41,6 +41,8 @@ def test_hostfile_format():
     ("# only comments\n\n", r"hosts: no hosts"),
     ("w slots=0\n", r"hosts:1: host 'w' has slots=0"),
     ("w slots=2 extra\n", r"hosts:1: 'w slots=2 extra' is not a hostfile entry"),
+    ("a slots=2\nw slots=" + "9" * 20 + "\n", r"hosts:2: host 'w' has slots=9{20}: slots must be in 1..4096"),
+    ("w slots=4097\n", r"hosts:1: host 'w' has slots=4097: slots must be in 1\.\.4096"),
 ])
 def test_bad_hostfile_names_the_line(text, match):
     with pytest.raises(ValueError, match=match):
@@ -115,17 +117,28 @@ def _torchrun_flags(argv: list[str]) -> dict[str, str]:
     return out
 
 
+def _program(argv: list[str]) -> list[str]:
+    """What torch.distributed.run starts per rank (after its own flags)."""
+    start = argv.index("torch.distributed.run") + 1
+    return argv[start + len(_torchrun_flags(argv)):]
+
+
+WRAP = ["-m", "llmpar.launch.rank"]  # the per-rank wrapper (llmpar/launch/rank.py)
+
+
 def test_dry_run_torchrun_one_node(tmp_path):
     (c,) = _commands(["--num_gpus", "2"], tmp_path)
     assert c.argv[:3] == [sys.executable, "-m", "torch.distributed.run"]
-    assert c.argv[-3:] == ["train.py", "--deepspeed_config", "ds.json"]
+    assert _program(c.argv) == [*WRAP, "--pass_local_rank", "train.py", "--deepspeed_config", "ds.json"]
     assert _torchrun_flags(c.argv) == {"nnodes": "1", "nproc_per_node": "2", "standalone": "", "max_restarts": "0"}
     assert c.env == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # pytorch#135712: restarts get a fresh store
     (c,) = _commands(["--nproc_per_node", "3", "--master_port", "2345", "--max_restarts", "2", "--module"], tmp_path)
     flags = _torchrun_flags(c.argv)
     assert (flags["nproc_per_node"], flags["rdzv_endpoint"], flags["rdzv_backend"], flags["max_restarts"]) == \
         ("3", "127.0.0.1:2345", "c10d", "2")
-    assert c.argv[-4:] == ["-m", "train.py", "--deepspeed_config", "ds.json"]
+    assert _program(c.argv) == [*WRAP, "--pass_local_rank", "--module", "train.py", "--deepspeed_config", "ds.json"]
+    (c,) = _commands(["--nproc_per_node", "3", "--module", "--no_local_rank"], tmp_path)  # nothing to do per rank
+    assert _program(c.argv) == ["-m", "train.py", "--deepspeed_config", "ds.json"]
     (c,) = _commands(["-H", "hosts", "-i", "worker-1:1,3"], tmp_path)  # one host left: a local launch
     assert _torchrun_flags(c.argv)["nproc_per_node"] == "2" and c.env["CUDA_VISIBLE_DEVICES"] == "1,3"
 
@@ -189,7 +202,8 @@ def test_dry_run_ssh(tmp_path):
 
 def test_dry_run_slurm(tmp_path):
     (c,) = _commands(["--launcher", "slurm", "--num_nodes", "2", "--num_gpus", "4"], tmp_path)
-    assert c.argv == ["srun", "--nodes=2", "--ntasks-per-node=4", sys.executable, "-u", "train.py",
+    # every task through the wrapper (torchrun's variables before the script), no --local_rank (as DeepSpeed's runner)
+    assert c.argv == ["srun", "--nodes=2", "--ntasks-per-node=4", sys.executable, "-u", *WRAP, "train.py",
                       "--deepspeed_config", "ds.json"] and c.env == {}
     env = {"SLURM_JOB_ID": "123", "SLURM_JOB_NODELIST": "gpu[07-08]"}
     (c,) = _commands(["--launcher", "slurm", "--num_nodes", "2", "--num_gpus", "4", "--max_restarts", "1"],
@@ -219,7 +233,7 @@ def test_dry_run_mpi(tmp_path):
     assert c.argv[:7] == ["mpirun", "-n", "4", "-H", "worker-0:2,worker-2:2", "--npernode", "2"]
     exported = [c.argv[j + 1] for j in range(7, i) if c.argv[j] == "-x"]
     assert {"MASTER_ADDR=worker-0", "MASTER_PORT=29500", "NCCL_DEBUG=INFO", "PYTHONPATH=/src"} <= set(exported)
-    assert c.argv[i:] == [sys.executable, "-u", "train.py", "--deepspeed_config", "ds.json"]
+    assert c.argv[i:] == [sys.executable, "-u", *WRAP, "train.py", "--deepspeed_config", "ds.json"]
     with pytest.raises(ValueError, match=r"--max_restarts 1: mpirun does not restart ranks"):
         _commands(["--launcher", "mpi", "--num_gpus", "2", "--max_restarts", "1"], tmp_path)
     with pytest.raises(ValueError, match=r"--launcher mpi on 2 nodes without a hostfile: give --master_addr"):
@@ -234,6 +248,9 @@ def test_bad_flags_exit_2_naming_the_flag(tmp_path, capsys):
     args = build_parser().parse_args(["launch", "--num_gpus", "2", "--launcher_args", "'-x", "--dry-run", "x.py"])
     assert args.func(args) == 2
     assert "--launcher_args \"'-x\": No closing quotation" in capsys.readouterr().err
+    args = build_parser().parse_args(["launch", "--num_gpus", "9" * 20, "--dry-run", "x.py"])  # not OverflowError
+    assert args.func(args) == 2
+    assert f"--num_gpus {'9' * 20}: processes per node must be in 1..4096" in capsys.readouterr().err
     args = build_parser().parse_args(["launch", "--num_gpus", "2", "--dry-run", "x.py", "--lr", "1"])
     assert args.func(args) == 0
     out = capsys.readouterr().out.splitlines()
@@ -260,13 +277,18 @@ def test_train_started_by_srun_is_a_rank_of_that_job(monkeypatch, capsys):
 SCRIPT = """
 import json, os, sys
 import torch, torch.distributed as dist
+import argparse
 import llmpar
+parser = argparse.ArgumentParser()  # a DeepSpeed script's: the launcher passes --local_rank=N
+parser.add_argument("--local_rank", type=int, default=-1)
+parser.add_argument("rest", nargs=2)
+args = parser.parse_args()
 env = llmpar.init_distributed()
 x = torch.tensor([float(dist.get_rank() + 1)])
 dist.all_reduce(x)
-with open(os.path.join(sys.argv[1], f"rank{dist.get_rank()}.json"), "w") as f:
-    json.dump({"rank": dist.get_rank(), "world": dist.get_world_size(), "sum": x.item(), "arg": sys.argv[2],
-               "node_env": os.environ["GROUP_RANK"], "local": os.environ["LOCAL_RANK"]}, f)
+with open(os.path.join(args.rest[0], f"rank{dist.get_rank()}.json"), "w") as f:
+    json.dump({"rank": dist.get_rank(), "world": dist.get_world_size(), "sum": x.item(), "arg": args.rest[1],
+               "node_env": os.environ["GROUP_RANK"], "local": os.environ["LOCAL_RANK"], "arg_local": args.local_rank}, f)
 """
 
 
@@ -296,6 +318,6 @@ def test_two_nodes_on_one_machine(tmp_path):
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outs)
     assert all("--nnodes=2 --nproc_per_node=1 --rdzv_backend=c10d --rdzv_endpoint=127.0.0.1:" in o for o in outs)
     got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
-    assert [(g["rank"], g["world"], g["sum"], g["arg"], g["local"]) for g in got] == \
-        [(0, 2, 3.0, "hello world", "0"), (1, 2, 3.0, "hello world", "0")]
+    assert [(g["rank"], g["world"], g["sum"], g["arg"], g["local"], g["arg_local"]) for g in got] == \
+        [(0, 2, 3.0, "hello world", "0", 0), (1, 2, 3.0, "hello world", "0", 0)]
     assert sorted(g["node_env"] for g in got) == ["0", "1"]  # one rank on each simulated node

@@ -14,8 +14,11 @@ The rendezvous address is ``MASTER_ADDR`` / ``MASTER_PORT`` when the user set th
 first host of ``SLURM_STEP_NODELIST`` / ``SLURM_JOB_NODELIST`` / ``SLURM_NODELIST`` (expanded here, without
 ``scontrol``) and port ``15000 + SLURM_JOB_ID % 20000`` (so in [15000, 35000)); ``mpirun`` / PMI inside a Slurm
 allocation use the same; outside Slurm the address must be given (MPI has no variable for it). A port nothing names
-is 29500, torch's own default.
-A value that is not an integer, or a rank outside its size, raises a ValueError naming the variable and launcher.
+is 29500, torch's own default. ``llmpar launch``'s per-task wrapper writes torchrun's variables for srun / mpirun
+tasks, and ``LLMPAR_MASTER_PORT_FROM=PORT:SLURM_JOB_ID=J`` when it derived the port, so an error can still say where
+the port came from.
+A value that is not an integer, a rank outside its size, or a local rank not below the local size (or, without a
+local size, the world size) raises a ValueError naming the variable and launcher.
 """
 from __future__ import annotations
 
@@ -23,13 +26,14 @@ import itertools
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Iterator, Mapping, MutableMapping
+from typing import Callable, Iterator, Mapping, MutableMapping
 
 SLURM_PORT_BASE = 15000
 SLURM_PORT_SPAN = 20000
 DEFAULT_PORT = 29500
 _NODELIST_VARS = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
 _JOB_ID_VARS = ("SLURM_JOB_ID", "SLURM_JOBID")
+PORT_FROM_VAR = "LLMPAR_MASTER_PORT_FROM"  # "PORT:SLURM_JOB_ID=J": llmpar launch derived MASTER_PORT=PORT from J
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,6 +52,7 @@ class LaunchInfo:
     master_from: str = ""
     read: dict[str, str] = field(default_factory=dict)
     warning: str = ""
+    job_port: str = ""  # "SLURM_JOB_ID=123042" when the port was derived from the job id (here or by llmpar launch)
 
     def torchrun_env(self) -> dict[str, str]:
         """The variables torch's ``env://`` rendezvous and llmpar's local-rank users read (MASTER_* only if known)."""
@@ -88,12 +93,52 @@ def _first(env: Mapping[str, str], names: tuple[str, ...]) -> str | None:
     return next((n for n in names if env.get(n, "").strip()), None)
 
 
+MAX_NODELIST_DIGITS = 18  # a host number in a hostlist range: Slurm's are far shorter; longer is corrupt input
+
+
+def _range_values(part: str, bad: Callable[[str], ValueError]) -> list[tuple[int, int, int]]:
+    """The pieces of one bracket ``[01-04,07]`` as (low, high, width), checked (never expanded: a range of 10^8
+    hosts costs three integers)."""
+    out = []
+    for piece in part.split(","):
+        lo, sep, hi = piece.strip().partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise bad(f"range [{part}] is not numbers like 01-04")
+        if max(len(lo), len(hi)) > MAX_NODELIST_DIGITS:
+            raise bad(f"range [{part}] has a number of more than {MAX_NODELIST_DIGITS} digits")
+        low, high = int(lo), int(hi) if sep else int(lo)
+        if high < low:
+            raise bad(f"range {piece} runs backwards")
+        out.append((low, high, len(lo)))
+    return out
+
+
+def _combine(choices: list[list[tuple[int, int, int]] | str]) -> Iterator[str]:
+    """Every host of one item, lazily: text parts are fixed, bracket parts run through their ranges (the last
+    bracket fastest, as Slurm lists them)."""
+    if not choices:
+        yield ""
+        return
+    head, rest = choices[0], choices[1:]
+    if isinstance(head, str):
+        for tail in _combine(rest):
+            yield head + tail
+        return
+    for low, high, width in head:
+        for v in range(low, high + 1):
+            for tail in _combine(rest):
+                yield str(v).zfill(width) + tail
+
+
 def expand_nodelist(nodelist: str, *, name: str = "nodelist") -> Iterator[str]:
     """The hosts of a Slurm hostlist, in Slurm's order: ``"node[01-03,07]"`` -> node01 node02 node03 node07,
     ``"a1,b2"`` -> a1 b2, ``"gpu-[1-2]-[3-4]"`` -> gpu-1-3 gpu-1-4 gpu-2-3 gpu-2-4. A range keeps the zero padding
-    of its lower end. A malformed list raises a ValueError naming ``name``."""
+    of its lower end. Lazy: the whole list is checked first (a malformed list, or a number of more than
+    :data:`MAX_NODELIST_DIGITS` digits, raises a ValueError naming ``name``), then hosts are made one at a time, so
+    taking the first host of ``node[0-100000000]`` builds one name."""
     def bad(why: str) -> ValueError:
-        return ValueError(f"{name}={nodelist!r} is not a Slurm hostlist ({why}); expected e.g. 'node[01-04,07],gpu1'")
+        shown = nodelist if len(nodelist) <= 200 else nodelist[:200] + "..."
+        return ValueError(f"{name}={shown!r} is not a Slurm hostlist ({why}); expected e.g. 'node[01-04,07],gpu1'")
 
     items, depth, start = [], 0, 0
     for i, ch in enumerate(nodelist):
@@ -111,30 +156,14 @@ def expand_nodelist(nodelist: str, *, name: str = "nodelist") -> Iterator[str]:
     if depth != 0:
         raise bad("'[' without ']'")
     items.append(nodelist[start:])
+    parsed: list[list[list[tuple[int, int, int]] | str]] = []
     for item in items:
         item = item.strip()
         if not item:
             raise bad("an empty host name")
         parts = re.split(r"\[([^\]]*)\]", item)  # text, range, text, range, ..., text
-        choices: list[list[str]] = []
-        for k, part in enumerate(parts):
-            if k % 2 == 0:
-                choices.append([part])
-                continue
-            values: list[str] = []
-            for piece in part.split(","):
-                lo, sep, hi = piece.strip().partition("-")
-                if not lo.isdigit() or (sep and not hi.isdigit()):
-                    raise bad(f"range [{part}] is not numbers like 01-04")
-                if not sep:
-                    values.append(lo)
-                    continue
-                if int(hi) < int(lo):
-                    raise bad(f"range {piece} runs backwards")
-                values.extend(str(v).zfill(len(lo)) for v in range(int(lo), int(hi) + 1))
-            choices.append(values)
-        for combo in itertools.product(*choices):
-            yield "".join(combo)
+        parsed.append([part if k % 2 == 0 else _range_values(part, bad) for k, part in enumerate(parts)])
+    return itertools.chain.from_iterable(_combine(choices) for choices in parsed)
 
 
 def parse_tasks_per_node(value: str, *, name: str = "SLURM_TASKS_PER_NODE") -> list[int]:
@@ -160,14 +189,18 @@ def _check(source: str, rank: int, size: int, local: int, local_size: int, names
         raise ValueError(f"{names[2]}={local} (from {source}) is not below {names[3]}={local_size}")
 
 
-def _ranks(env: Mapping[str, str], source: str, names: tuple[str, str, str, str]) -> tuple[int, int, int, int]:
+def _ranks(env: Mapping[str, str], source: str, names: tuple[str, str, str, str], *,
+           size_given: bool = True) -> tuple[int, int, int, int]:
     rank = _int(env, names[0], source)
     size = _int(env, names[1], source, minimum=1)
     assert rank is not None and size is not None
     local = _int(env, names[2], source)
     local_size = _int(env, names[3], source, minimum=1)
-    if local_size is None:  # no per-node count: one node; a LOCAL_RANK alone is taken as given, unchecked
-        _check(source, rank, size, 0, 1, names)
+    if local_size is None:  # no per-node count: at most the world on this node (a LOCAL_RANK alone, no WORLD_SIZE,
+        _check(source, rank, size, 0, 1, names)  # is a device choice of a single process: taken as given)
+        if local is not None and size_given and local >= size:
+            raise ValueError(f"{names[2]}={local} (from {source}) is not below {names[1]}={size}: a node holds at "
+                             f"most the job's ranks (without {names[3]}, local ranks must be < {names[1]})")
         return rank, size, rank if local is None else local, size
     if local is None:
         local = rank % local_size
@@ -210,7 +243,7 @@ def discover(environ: Mapping[str, str] | None = None, *, master_addr: str | Non
         present = {n: env[n] for n in names if env.get(n, "").strip()}
         source = "torchrun" if present else "none"
         filled = {"RANK": "0", "WORLD_SIZE": "1", **present}
-        rank, size, local, local_size = _ranks(filled, source, names)
+        rank, size, local, local_size = _ranks(filled, source, names, size_given="WORLD_SIZE" in present)
         read = present
     elif env.get("OMPI_COMM_WORLD_RANK", "").strip():
         source = "OpenMPI"
@@ -242,12 +275,15 @@ def discover(environ: Mapping[str, str] | None = None, *, master_addr: str | Non
         if size_var != "SLURM_STEP_NUM_TASKS" and size > 1:
             warning = (f"{size_var}={size} but no SLURM_STEP_NUM_TASKS: if this is the batch script itself rather "
                        "than a task started by srun, the other ranks will never join; launch with srun")
-    else:
-        raise ValueError(f"PMIX_RANK={env.get('PMIX_RANK')!r} is set (PMIx) but no world size is (PMI_SIZE or "
-                         "SLURM_NTASKS): set WORLD_SIZE and RANK, or launch with srun / mpirun")
-    addr, port, origin = _master(env, source, master_addr, master_port)
+    else:  # PMI_RANK or PMIX_RANK without PMI_SIZE (and no Slurm task variables)
+        var = _first(env, ("PMI_RANK", "PMIX_RANK"))
+        assert var is not None
+        raise ValueError(f"{var}={env[var]!r} is set ({'PMIx' if var == 'PMIX_RANK' else 'PMI'}) but no world size "
+                         "is (PMI_SIZE or SLURM_NTASKS): set WORLD_SIZE and RANK, or launch with srun / mpirun")
+    addr, port, origin, job_port = _master(env, source, master_addr, master_port)
     return LaunchInfo(source=source, rank=rank, world_size=size, local_rank=local, local_world_size=local_size,
-                      master_addr=addr, master_port=port, master_from=origin, read=read, warning=warning)
+                      master_addr=addr, master_port=port, master_from=origin, read=read, warning=warning,
+                      job_port=job_port)
 
 
 def _require(env: Mapping[str, str], names: tuple[str, ...], source: str) -> None:
@@ -257,8 +293,9 @@ def _require(env: Mapping[str, str], names: tuple[str, ...], source: str) -> Non
 
 
 def _master(env: Mapping[str, str], source: str, addr: str | None,
-            port: int | None) -> tuple[str | None, int | None, str]:
-    """The rendezvous address and port, and a phrase saying where they came from."""
+            port: int | None) -> tuple[str | None, int | None, str, str]:
+    """The rendezvous address and port, a phrase saying where they came from, and ``"SLURM_JOB_ID=J"`` when the
+    port is the job id's (derived here, or by ``llmpar launch``, which says so in :data:`PORT_FROM_VAR`)."""
     if addr is not None and (not isinstance(addr, str) or not addr.strip()):
         raise ValueError(f"master_addr={addr!r} must be a host name or address (a non-empty string)")
     if port is not None and (not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536):
@@ -267,10 +304,16 @@ def _master(env: Mapping[str, str], source: str, addr: str | None,
     if addr is None and env.get("MASTER_ADDR", "").strip():
         addr, addr_from = env["MASTER_ADDR"].strip(), "MASTER_ADDR"
     port_from = "master_port=" if port is not None else None
+    job_port = ""
     if port is None and env.get("MASTER_PORT", "").strip():
         port, port_from = _int(env, "MASTER_PORT", "the user", minimum=1), "MASTER_PORT"
         if port is not None and port > 65535:
             raise ValueError(f"MASTER_PORT={port} is not a TCP port (1..65535)")
+        marked, _, job_port = env.get(PORT_FROM_VAR, "").partition(":")
+        if marked.strip() == str(port) and job_port:  # the launcher derived it (and nothing changed it since)
+            port_from = f"MASTER_PORT from {job_port} (set by llmpar launch)"
+        else:
+            job_port = ""
     in_slurm = source not in ("torchrun", "none") and _first(env, _NODELIST_VARS) is not None
     if addr is None and in_slurm:
         var = _first(env, _NODELIST_VARS)
@@ -282,13 +325,15 @@ def _master(env: Mapping[str, str], source: str, addr: str | None,
         job = _int(env, var, "Slurm")
         assert job is not None
         port, port_from = SLURM_PORT_BASE + job % SLURM_PORT_SPAN, f"port from {var}"
+        job_port = f"{var}={job}"
     if addr is None:
         if source in ("none", "torchrun"):
-            return None, port, ""
-        return None, port, f"set MASTER_ADDR to rank 0's host (or pass master_addr=): {source} does not name it"
+            return None, port, "", job_port
+        return (None, port, f"set MASTER_ADDR to rank 0's host (or pass master_addr=): {source} does not name it",
+                job_port)
     if port is None:
         port, port_from = DEFAULT_PORT, f"default port {DEFAULT_PORT}"
-    return addr, port, f"{addr_from}, {port_from}"
+    return addr, port, f"{addr_from}, {port_from}", job_port
 
 
 def export(info: LaunchInfo, environ: MutableMapping[str, str] | None = None) -> None:

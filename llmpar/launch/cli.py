@@ -10,6 +10,16 @@ launcher (``torch.distributed.run``), ``ssh``, ``srun`` or ``mpirun`` (``command
 
 Torchrun's spellings are accepted too (``--nnodes``, ``--nproc_per_node``, dashes for underscores). The exit
 status is the job's (the first failing node's under ssh), 2 for bad flags.
+
+DeepSpeed's launcher flags mean what they mean there: each rank's script gets ``--local_rank=N`` after the script
+(torchrun / ssh routes; ``--no_local_rank`` drops it; srun / mpirun tasks get none, as under DeepSpeed),
+``--no_python`` runs the script as an executable, ``--bind_cores_to_rank`` [``--bind_core_list 0,2-5``] gives each
+local rank its own consecutive cores (``sched_setaffinity``, ``OMP_NUM_THREADS``), ``--enable_each_rank_log DIR``
+writes ``DIR/<time>_rank<R>.log`` per rank, ``--no_ssh`` starts this node only (torchrun, with ``--node_rank``),
+``--force_multi`` uses ssh for a one-host hostfile, ``--ssh_port`` / ``--venv_script`` go to ssh (``. SCRIPT``
+first on each host), ``--save_pid`` writes ``/tmp/<this pid>.deepspeed`` with the started commands' pids,
+``--log_level`` / ``--quiet`` set what this command prints. A flag with no meaning on the chosen route
+(``--no_ssh_check``: no ssh check is made) is accepted and said once.
 """
 from __future__ import annotations
 
@@ -19,10 +29,14 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
-from llmpar.launch.commands import LAUNCHERS, Launch, NodeCommand, build_commands
-from llmpar.launch.resources import resolve_pool
+from llmpar.launch.commands import LAUNCHERS, Launch, NodeCommand, build_commands, resolve_launcher
+from llmpar.launch.rank import parse_core_list
+from llmpar.launch.resources import MAX_SLOTS, resolve_pool
+
+PID_DIR = "/tmp"  # --save_pid writes PID_DIR/<pid of this command>.deepspeed (DeepSpeed's place and name)
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -55,6 +69,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="extra arguments for torch.distributed.run / ssh / srun / mpirun, one quoted string")
     add("--rdzv_id", "--rdzv-id", dest="rdzv_id", default=None, help="rendezvous id (default: SLURM_JOB_ID or llmpar)")
     add("--module", action="store_true", help="the script is a module name (python -m)")
+    add("--no_local_rank", "--no-local-rank", dest="no_local_rank", action="store_true",
+        help="do not pass --local_rank=N to the script (DeepSpeed's flag; srun / mpirun tasks never get it)")
+    add("--no_python", "--no-python", dest="no_python", action="store_true",
+        help="run the script as an executable, not under python")
+    add("--bind_cores_to_rank", action="store_true", help="give each local rank its own consecutive cores "
+        "(sched_setaffinity) and OMP_NUM_THREADS = its core count")
+    add("--bind_core_list", default=None, help="the cores --bind_cores_to_rank shares out, e.g. '0,2-5' (default: the "
+        "CPUs the rank may use)")
+    add("--enable_each_rank_log", default=None, metavar="DIR",
+        help="each rank's stdout and stderr to DIR/<time>_rank<R>.log")
+    add("--force_multi", action="store_true", help="use ssh even for a hostfile of one host")
+    add("--no_ssh", action="store_true", help="start this node only (torchrun; --node_rank names it in the hostfile)")
+    add("--no_ssh_check", action="store_true", help="accepted (DeepSpeed's flag): llmpar launch makes no ssh check")
+    add("--ssh_port", type=int, default=None, help="ssh's port (--launcher ssh)")
+    add("--venv_script", default=None, help="a script each ssh host sources before the command (--launcher ssh)")
+    add("--save_pid", action="store_true", help=f"write the started commands' pids to {PID_DIR}/<pid>.deepspeed")
+    add("--log_level", type=str.lower, choices=LOG_LEVELS, default="info",
+        help="what this command prints: info shows the commands, warning only notes, error only errors")
+    add("-q", "--quiet", action="store_true", help="print errors only (--log_level error)")
+    add("--autotuning", default="", choices=["tune", "run"], help="DeepSpeed's autotuner: not in llmpar (refused)")
     add("--dry-run", "--dry_run", dest="dry_run", action="store_true", help="print the commands per node and exit")
     add("script", help="the training script (or module with --module)")
     add("script_args", nargs=argparse.REMAINDER, help="its arguments")
@@ -82,6 +116,23 @@ def launch_from_args(args: argparse.Namespace) -> Launch:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name} {value}: must be >= 1")
+    if args.num_gpus is not None and args.num_gpus > MAX_SLOTS:
+        raise ValueError(f"--num_gpus {args.num_gpus}: processes per node must be in 1..{MAX_SLOTS}")
+    if args.autotuning:
+        raise ValueError(f"--autotuning {args.autotuning}: llmpar has no autotuner; run DeepSpeed's, or size the "
+                         "batch with `llmpar plan`")
+    if args.bind_core_list is not None:
+        parse_core_list(args.bind_core_list)
+    log_dir = None if args.enable_each_rank_log in (None, "None") else args.enable_each_rank_log
+    if log_dir is not None and os.path.exists(log_dir) and not os.path.isdir(log_dir):
+        raise ValueError(f"--enable_each_rank_log {log_dir}: is a file; give a directory (created if missing)")
+    launcher = args.launcher
+    if args.no_ssh:
+        if launcher not in (None, "torchrun"):
+            raise ValueError(f"--no_ssh starts this node only (torchrun), not --launcher {launcher}")
+        launcher = "torchrun"
+    elif args.force_multi and launcher is None and args.hostfile is not None:
+        launcher = "ssh"
     if args.node_rank is not None and args.node_rank < 0:
         raise ValueError(f"--node_rank {args.node_rank}: must be >= 0")
     need_local = args.hostfile is None and args.num_gpus is None
@@ -97,9 +148,30 @@ def launch_from_args(args: argparse.Namespace) -> Launch:
     return Launch(script=args.script, script_args=list(args.script_args), module=args.module,
                   hosts=hosts if args.hostfile is not None else None, nnodes=args.num_nodes or 1,
                   nproc=len(slots) or 1, node_rank=args.node_rank, master_addr=args.master_addr,
-                  master_port=args.master_port, max_restarts=args.max_restarts, launcher=args.launcher,
+                  master_port=args.master_port, max_restarts=args.max_restarts, launcher=launcher,
                   launcher_args=launcher_args, rdzv_id=args.rdzv_id,
-                  visible=(None if slots == list(range(len(slots))) else ",".join(map(str, slots))))
+                  visible=(None if slots == list(range(len(slots))) else ",".join(map(str, slots))),
+                  local_rank_arg=not args.no_local_rank, no_python=args.no_python, bind_cores=args.bind_cores_to_rank,
+                  bind_core_list=args.bind_core_list, rank_log_dir=log_dir,
+                  log_prefix=time.strftime("%Y%m%d%H%M%S"), ssh_port=args.ssh_port, venv_script=args.venv_script)
+
+
+def notes(args: argparse.Namespace, launch: Launch) -> list[str]:
+    """One line per DeepSpeed launcher flag given that means nothing on this launch's route (said once)."""
+    kind, out = resolve_launcher(launch), []
+    if args.no_ssh_check:
+        out.append("--no_ssh_check: llmpar launch makes no ssh check (an unreachable host fails its own ssh)")
+    if kind != "ssh":
+        for flag, value in (("--ssh_port", args.ssh_port), ("--venv_script", args.venv_script)):
+            if value is not None:
+                out.append(f"{flag}: used by --launcher ssh only; this launch runs {kind} in this environment")
+    if args.force_multi and args.hostfile is None:
+        out.append("--force_multi: without --hostfile there is no host to reach by ssh; running on this machine")
+    if args.bind_core_list is not None and not args.bind_cores_to_rank:
+        out.append("--bind_core_list: used with --bind_cores_to_rank (as in DeepSpeed); no cores are bound")
+    if args.no_local_rank and kind in ("slurm", "mpi"):
+        out.append(f"--no_local_rank: {kind} tasks get no --local_rank anyway (they read LOCAL_RANK)")
+    return out
 
 
 def describe(commands: list[NodeCommand]) -> str:
@@ -111,10 +183,14 @@ def describe(commands: list[NodeCommand]) -> str:
     return "\n".join(lines)
 
 
-def run_commands(commands: list[NodeCommand], poll_s: float = 0.2) -> int:
+def run_commands(commands: list[NodeCommand], poll_s: float = 0.2,
+                 on_start: Callable[[list[int]], None] | None = None) -> int:
     """Run the commands side by side; SIGINT / SIGTERM are passed on to them. When one fails the others are
-    terminated. Returns the first non-zero exit status (0 when every command succeeded)."""
+    terminated. ``on_start`` gets their pids once all started. Returns the first non-zero exit status (0 when every
+    command succeeded)."""
     procs = [subprocess.Popen(c.argv, env={**os.environ, **c.env}) for c in commands]
+    if on_start is not None:
+        on_start([p.pid for p in procs])
 
     def forward(signum: int, frame: Any) -> None:
         for p in procs:
@@ -140,17 +216,40 @@ def run_commands(commands: list[NodeCommand], poll_s: float = 0.2) -> int:
 
 def main(args: argparse.Namespace) -> int:
     """Entry point of ``llmpar launch``: build the commands, print them (``--dry-run``) or run them."""
+    level = LOG_LEVELS.index("error" if args.quiet else args.log_level)
     try:
-        commands = build_commands(launch_from_args(args))
-    except ValueError as err:
+        launch = launch_from_args(args)
+        commands = build_commands(launch)
+        said = notes(args, launch)
+        if launch.rank_log_dir is not None and not args.dry_run:
+            os.makedirs(launch.rank_log_dir, exist_ok=True)
+    except (ValueError, OSError) as err:
         print(f"llmpar launch: error: {err}", file=sys.stderr)
         return 2
+    if level <= LOG_LEVELS.index("warning"):
+        for line in said:
+            print(f"llmpar launch: note: {line}", file=sys.stderr, flush=True)
     if args.dry_run:
         print(describe(commands))
         return 0
-    for c in commands:
-        print(f"llmpar launch: {c.shell()}", file=sys.stderr, flush=True)
-    return run_commands(commands)
+    if level <= LOG_LEVELS.index("info"):
+        for c in commands:
+            print(f"llmpar launch: {c.shell()}", file=sys.stderr, flush=True)
+    if not args.save_pid:
+        return run_commands(commands)
+    pid_file = os.path.join(PID_DIR, f"{os.getpid()}.deepspeed")
+
+    def save(pids: list[int]) -> None:
+        with open(pid_file, "w") as f:
+            f.write("".join(f"{p}\n" for p in pids))
+        if level <= LOG_LEVELS.index("info"):
+            print(f"llmpar launch: pid {os.getpid()}, started {pids} (in {pid_file})", file=sys.stderr, flush=True)
+
+    try:
+        return run_commands(commands, on_start=save)
+    finally:
+        if os.path.exists(pid_file):
+            os.remove(pid_file)
 
 
-__all__ = ["build_parser", "describe", "launch_from_args", "main", "register", "run_commands"]
+__all__ = ["build_parser", "describe", "launch_from_args", "main", "notes", "register", "run_commands"]

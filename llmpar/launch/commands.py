@@ -7,10 +7,13 @@
                each node (same ``--master_addr``); with a hostfile, ``--node_rank`` says which host this is.
     ssh        every host of the hostfile: ``ssh HOST 'cd CWD && env VARS python -m torch.distributed.run ...'``,
                all started from here; the rendezvous is the first host (or ``--master_addr``).
-    slurm      ``srun`` inside an allocation: one task per rank (llmpar's ``init_distributed`` reads Slurm's
-               variables), or with ``--max_restarts`` one task per node running ``torch.distributed.run``.
-    mpi        OpenMPI's ``mpirun``: one process per rank (``init_distributed`` reads ``OMPI_COMM_WORLD_*``);
-               it has no restarts, so ``--max_restarts`` is refused.
+    slurm      ``srun`` inside an allocation: one task per rank, or with ``--max_restarts`` one task per node running
+               ``torch.distributed.run``.
+    mpi        OpenMPI's ``mpirun``: one process per rank; it has no restarts, so ``--max_restarts`` is refused.
+Each srun / mpirun task starts through ``python -m llmpar.launch.rank`` (``rank.py``), which writes torchrun's
+variables from Slurm's / OpenMPI's before the script starts (so transformers and accelerate read the job's sizes);
+torchrun / ssh ranks go through it too when they get DeepSpeed's ``--local_rank=N`` argument (the default, not
+under srun / mpirun: DeepSpeed's Slurm and MPI runners pass none), bound cores or a log file each.
 ``ssh`` and ``mpi`` forward the variables DeepSpeed's launcher forwards (``NCCL_*``, ``PYTHON*``, ``UCX_*``,
 ``MV2_*``, ``MLFLOW*``, and llmpar's ``LLMPAR_*``) and the ``KEY=VALUE`` lines of ``~/.deepspeed_env`` and
 ``./.deepspeed_env``. A host's slots other than ``0..n-1`` (``--include host:1,3``) become its
@@ -30,6 +33,7 @@ DEFAULT_PORT = 29500
 EXPORT_PREFIXES = ("NCCL_", "PYTHON", "UCX_", "MV2_", "MLFLOW", "LLMPAR_")
 ENV_FILE = ".deepspeed_env"
 SLURM_PORT_BASE, SLURM_PORT_SPAN = 15000, 20000  # llmpar.distributed.discovery's rule (it imports torch; tested equal)
+PORT_FROM_VAR = "LLMPAR_MASTER_PORT_FROM"  # discovery's: "PORT:SLURM_JOB_ID=J" says MASTER_PORT came from the job id
 # torch.distributed.run's agent shares its rendezvous TCPStore with the workers and keeps it across restarts without
 # a per-attempt prefix (pytorch/pytorch#135712): a restarted rank can read a dead peer's address left by the previous
 # attempt and fail to connect. With this set, rank 0 of each attempt hosts a fresh store instead.
@@ -70,14 +74,43 @@ class Launch:
     launcher_args: list[str] = field(default_factory=list)
     rdzv_id: str | None = None
     visible: str | None = None  # CUDA_VISIBLE_DEVICES of a single local node filtered by --include / --exclude
+    local_rank_arg: bool = True  # --local_rank=N after the script (torchrun / ssh routes, as DeepSpeed's launch.py)
+    no_python: bool = False
+    bind_cores: bool = False
+    bind_core_list: str | None = None
+    rank_log_dir: str | None = None
+    log_prefix: str = "llmpar"
+    ssh_port: int | None = None
+    venv_script: str | None = None
 
 
 def _visible(slots: list[int]) -> str | None:
     return None if slots == list(range(len(slots))) else ",".join(map(str, slots))
 
 
+def rank_options(launch: Launch) -> list[str] | None:
+    """The per-rank wrapper's options (``llmpar/launch/rank.py``), or None when the script can start directly.
+    srun / mpirun tasks always go through it (torchrun's variables before the script); torchrun / ssh ranks when
+    they get ``--local_rank`` (DeepSpeed's launch.py passes it there; its Slurm and MPI runners do not), cores,
+    a log file each, or run the script without python."""
+    opts = ["--pass_local_rank"] if launch.local_rank_arg and launch.launcher in ("torchrun", "ssh") else []
+    opts += ["--no_python"] if launch.no_python else []
+    if launch.bind_cores:
+        opts.append("--bind_cores_to_rank")
+        opts += [f"--bind_core_list={launch.bind_core_list}"] if launch.bind_core_list is not None else []
+    if launch.rank_log_dir is not None:
+        opts += [f"--enable_each_rank_log={launch.rank_log_dir}", f"--log_name_prefix={launch.log_prefix}"]
+    if not opts and launch.launcher not in ("slurm", "mpi"):
+        return None
+    return opts + (["--module"] if launch.module else [])
+
+
 def _program(launch: Launch) -> list[str]:
-    return (["-m", launch.script] if launch.module else [launch.script]) + list(launch.script_args)
+    """What follows ``python -u`` (or torch.distributed.run's flags): the script, or the wrapper and the script."""
+    opts = rank_options(launch)
+    if opts is None:
+        return (["-m", launch.script] if launch.module else [launch.script]) + list(launch.script_args)
+    return ["-m", "llmpar.launch.rank", *opts, launch.script, *launch.script_args]
 
 
 def _torchrun(launch: Launch, *, nnodes: int, nproc: int, endpoint: str | None, rdzv_id: str) -> list[str]:
@@ -190,7 +223,10 @@ def _for_ssh(launch: Launch, environ: Mapping[str, str]) -> list[NodeCommand]:
                           rdzv_id=_rdzv_id(launch, environ))
         assignments = [f"{k}={shlex.quote(v)}" for k, v in env.items()]
         remote = f"cd {shlex.quote(os.getcwd())} && " + " ".join(["env", *assignments, shlex.join(inner)])
-        out.append(NodeCommand(node=i, host=host, argv=["ssh", *launch.launcher_args, host, remote]))
+        if launch.venv_script is not None:  # DeepSpeed's --venv_script: sourced before the command on each host
+            remote = f". {shlex.quote(launch.venv_script)} && {remote}"
+        port = ["-p", str(launch.ssh_port)] if launch.ssh_port is not None else []
+        out.append(NodeCommand(node=i, host=host, argv=["ssh", *port, *launch.launcher_args, host, remote]))
     return out
 
 
@@ -255,6 +291,9 @@ def _for_mpi(launch: Launch, environ: Mapping[str, str]) -> list[NodeCommand]:
     if addr is not None:
         env["MASTER_ADDR"] = addr
     env["MASTER_PORT"] = str(_endpoint_port(launch, environ))
+    job = environ.get("SLURM_JOB_ID", environ.get("SLURM_JOBID", ""))
+    if launch.master_port is None and job.isdigit():  # so that a port clash can name the job id
+        env[PORT_FROM_VAR] = f"{env['MASTER_PORT']}:SLURM_JOB_ID={job}"
     if visible is not None:
         env["CUDA_VISIBLE_DEVICES"] = visible
     argv = ["mpirun", "-n", str(nnodes * nproc)]
@@ -275,6 +314,10 @@ def build_commands(launch: Launch, environ: Mapping[str, str] | None = None) -> 
         raise ValueError(f"--max_restarts {launch.max_restarts}: must be >= 0")
     if launch.master_port is not None and not 0 < launch.master_port < 65536:
         raise ValueError(f"--master_port {launch.master_port}: must be in 1..65535")
+    if launch.ssh_port is not None and not 0 < launch.ssh_port < 65536:
+        raise ValueError(f"--ssh_port {launch.ssh_port}: must be in 1..65535")
+    if launch.module and launch.no_python:
+        raise ValueError("--no_python and --module cannot be combined (as in DeepSpeed): a module runs under python")
     kind = resolve_launcher(launch)
     if kind in ("slurm", "mpi") and launch.node_rank is not None:
         raise ValueError(f"--node_rank is for --launcher torchrun; {kind} places the nodes itself")

@@ -20,13 +20,15 @@ from collections import OrderedDict
 from typing import Iterable
 
 Pool = "OrderedDict[str, list[int]]"  # host -> slot ids, in hostfile order
+MAX_SLOTS = 4096  # processes per host: far above any node's devices or cores; more is a typo (or hostile input)
 
 _LINE = re.compile(r"^(?P<host>\S+)\s+slots\s*=\s*(?P<slots>\d+)\s*(#.*)?$")
 
 
 def parse_hostfile(lines: Iterable[str], *, name: str = "hostfile") -> "OrderedDict[str, int]":
     """``host slots=N`` lines -> {host: N} in file order. Comments (``#``) and blank lines are skipped. A malformed
-    line, a host listed twice, ``slots=0`` or a file without hosts raises a ValueError naming ``name:line``."""
+    line, a host listed twice, ``slots`` outside 1..:data:`MAX_SLOTS` or a file without hosts raises a ValueError
+    naming ``name:line``."""
     pool: OrderedDict[str, int] = OrderedDict()
     first_line: dict[str, int] = {}
     for number, raw in enumerate(lines, start=1):
@@ -37,12 +39,15 @@ def parse_hostfile(lines: Iterable[str], *, name: str = "hostfile") -> "OrderedD
         if match is None:
             raise ValueError(f"{name}:{number}: {line!r} is not a hostfile entry: expected 'HOST slots=N' (e.g. "
                              "'worker-0 slots=8'), a '# comment' or a blank line")
-        host, slots = match["host"], int(match["slots"])
+        host, digits = match["host"], match["slots"]
+        if len(digits.lstrip("0")) > len(str(MAX_SLOTS)) or int(digits) > MAX_SLOTS:
+            raise ValueError(f"{name}:{number}: host {host!r} has slots={digits}: slots must be in 1..{MAX_SLOTS}")
+        slots = int(digits)
         if host in pool:
             raise ValueError(f"{name}:{number}: host {host!r} is listed again (first on line {first_line[host]}): "
                              "give each host once")
         if slots < 1:
-            raise ValueError(f"{name}:{number}: host {host!r} has slots={slots}: slots must be >= 1")
+            raise ValueError(f"{name}:{number}: host {host!r} has slots={slots}: slots must be in 1..{MAX_SLOTS}")
         pool[host], first_line[host] = slots, number
     if not pool:
         raise ValueError(f"{name}: no hosts: expected lines 'HOST slots=N'")
@@ -146,4 +151,4 @@ def resolve_pool(*, hostfile: str | None, include: str, exclude: str, num_nodes:
     return trim(filter_pool(pool, include, exclude), num_nodes, num_gpus)
 
 
-__all__ = ["filter_pool", "parse_hostfile", "read_hostfile", "resolve_pool", "trim"]
+__all__ = ["MAX_SLOTS", "filter_pool", "parse_hostfile", "read_hostfile", "resolve_pool", "trim"]
