@@ -176,22 +176,27 @@ def _env(**extra: str) -> dict[str, str]:
     return {**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT + os.pathsep + env.get("PYTHONPATH", ""), **extra}
 
 
-def test_deepspeed_script_gets_local_rank_cores_logs_and_pid_file(tmp_path):
+def _rank_logs(folder) -> list[dict]:
+    logs = sorted(folder.iterdir())
+    assert [re.fullmatch(r"\d{14}_rank(\d)\.log", p.name).group(1) for p in logs] == ["0", "1"], logs
+    return [json.loads(p.read_text().strip().splitlines()[-1]) for p in logs]
+
+
+def test_deepspeed_script_gets_local_rank_cores_logs_and_pid_file(tmp_path, ds_ext_dir):
     """``llmpar launch --num_gpus 2 --bind_cores_to_rank --enable_each_rank_log logs --save_pid job.py --tag t``:
     each rank's DeepSpeed-shaped script parses ``--local_rank`` = its LOCAL_RANK, runs on its own half of the
     cores with OMP_NUM_THREADS to match, prints into its own log file, and finds /tmp/<launcher pid>.deepspeed
-    naming its torchrun agent; the pid file is gone after the launch."""
+    naming its torchrun agent; the pid file is gone after the launch. Stock ``deepspeed`` with the same flags (but
+    core binding, which needs numactl there) gives the script the same arguments, log names and pid file."""
     allowed = sorted(os.sched_getaffinity(0))
     if len(allowed) < 2:
         pytest.skip("needs 2 CPUs")
     (tmp_path / "job.py").write_text(DS_JOB)
-    proc = subprocess.run([sys.executable, "-m", "llmpar.launch", "--num_gpus", "2", "--bind_cores_to_rank",
-                           "--enable_each_rank_log", "logs", "--save_pid", "job.py", "--tag", "t"], cwd=tmp_path,
+    flags = ["--num_gpus", "2", "--enable_each_rank_log", "logs", "--save_pid", "job.py", "--tag", "t"]
+    proc = subprocess.run([sys.executable, "-m", "llmpar.launch", "--bind_cores_to_rank", *flags], cwd=tmp_path,
                           env=_env(), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    logs = sorted((tmp_path / "logs").iterdir())
-    assert [re.fullmatch(r"\d{14}_rank(\d)\.log", p.name).group(1) for p in logs] == ["0", "1"]
-    got = [json.loads(p.read_text().strip().splitlines()[-1]) for p in logs]
+    got = _rank_logs(tmp_path / "logs")
     half = len(allowed) // 2
     for r, g in enumerate(got):
         assert (g["local_rank"], g["tag"], g["env_local"], g["rank"]) == (r, "t", str(r), str(r))
@@ -199,6 +204,18 @@ def test_deepspeed_script_gets_local_rank_cores_logs_and_pid_file(tmp_path):
         assert g["pids"] == [str(g["agent"])]
     launcher_pid = re.search(r"pid (\d+), started", proc.stderr).group(1)
     assert not os.path.exists(f"/tmp/{launcher_pid}.deepspeed")
+    if importlib.util.find_spec("deepspeed") is None:
+        return
+    (tmp_path / "logs").rename(tmp_path / "ours")
+    stock = subprocess.run([os.path.join(os.path.dirname(sys.executable), "deepspeed"), *flags], cwd=tmp_path,
+                           env=_env(DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=str(ds_ext_dir)),
+                           capture_output=True, text=True, timeout=240)
+    assert stock.returncode == 0, stock.stderr[-3000:]
+    theirs = _rank_logs(tmp_path / "logs")
+    for g in theirs:
+        assert g["pids"] == [str(g["agent"])]
+    keys = ("local_rank", "tag", "env_local", "rank")
+    assert [[g[k] for k in keys] for g in got] == [[g[k] for k in keys] for g in theirs]
 
 
 FAKE_SRUN = r'''#!{python}
