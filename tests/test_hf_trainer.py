@@ -95,13 +95,17 @@ CASES = {  # id: script flags (fp32 unless --bf16)
     "llama-z2": ["--model", "llama", "--stage", "2"],
     "llama-z2-bf16": ["--model", "llama", "--stage", "2", "--bf16"],
     "qwen2-z2-offload": ["--model", "qwen2", "--stage", "2", "--offload"],
-    "llama-z3-untied-hf-schedule": ["--model", "llama", "--stage", "3", "--untied", "--hf-schedule", "--eval"],
-    "qwen2-z3-offload": ["--model", "qwen2", "--stage", "3", "--offload"],
+    "llama-z3-untied-hf-schedule": ["--model", "llama", "--stage", "3", "--untied", "--hf-schedule", "--eval",
+                                    "--resize"],
+    "qwen2-z3-offload": ["--model", "qwen2", "--stage", "3", "--offload", "--resize"],
 }
 # what llmpar's run of a case also does, so that one launch feeds several tests (a launch costs ~25-50 s here):
-# the ZeRO-3 eval case builds its model by from_config under the Trainer's ZeRO-3 arguments (sharded) and evaluates
-# before training; the ZeRO-3 offload case saves at step 10 for the resume test
-EXTRA = {"llama-z3-untied-hf-schedule": ["--auto-build", "--eval-first"], "qwen2-z3-offload": ["--save-steps", "10"]}
+# the ZeRO-3 eval case builds its model by from_config under the script's own subclass of transformers'
+# TrainingArguments carrying the ZeRO-3 config (sharded), resizes it (--resize, both backends) and evaluates before
+# training; the ZeRO-3 offload case builds its tied model sharded too, resizes it, and saves at step 10 for the resume
+# test
+EXTRA = {"llama-z3-untied-hf-schedule": ["--auto-build", "--eval-first", "--stock-args"],
+         "qwen2-z3-offload": ["--auto-build", "--save-steps", "10"]}
 
 
 @pytest.fixture(scope="module")
@@ -136,18 +140,23 @@ def test_trainer_matches_deepspeed(case, runs):
 
 @pytest.mark.slow
 def test_trainer_on_a_sharded_build_matches_deepspeed(runs):
-    """``AutoModelForCausalLM.from_config`` after llmpar's TrainingArguments with a ZeRO-3 config builds the model
-    inside llmpar.zero.Init (never whole on a rank), as transformers does for DeepSpeed; evaluate() before train()
-    builds the engine and gives the plain model's loss; it then trains as DeepSpeed trains the plain build of the same
-    seed (the ZeRO-3 eval case's launches: test_trainer_matches_deepspeed checks the losses and the weights)."""
+    """``AutoModelForCausalLM.from_config`` after the script's TrainingArguments (a subclass of transformers' own:
+    only the Trainer import changed) with a ZeRO-3 config builds the model inside llmpar.zero.Init (never whole on a
+    rank), as transformers does for DeepSpeed; ``resize_token_embeddings`` on it ("add a pad token") works as on the
+    plain model; evaluate() before train() builds the engine and gives the plain resized model's loss; it then trains
+    as DeepSpeed trains the plain build of the same seed, resized the same way (the ZeRO-3 eval case's launches:
+    test_trainer_matches_deepspeed checks the losses and the weights)."""
     pytest.importorskip("deepspeed", reason="DeepSpeed is not installed")
     case = "llama-z3-untied-hf-schedule"
     theirs = runs("deepspeed", *CASES[case])
     ours = runs("llmpar", *CASES[case], *EXTRA[case])
     assert ours["sharded_build"] and not theirs["sharded_build"]
+    # the script's TrainingArguments subclass transformers' own; its deepspeed= went to llmpar (DeepSpeed untouched)
+    assert ours["args_class"] == "ScriptArguments" and not ours["args_deepspeed"]
     torch.manual_seed(0)
-    assert ours["eval_first"] == pytest.approx(plain_eval_loss(hf_trainer_script.build_model("llama", False)),
-                                               rel=1e-5)
+    plain = hf_trainer_script.build_model("llama", False)
+    hf_trainer_script.add_pad_token(plain)  # what the script did to the sharded build (--resize)
+    assert ours["eval_first"] == pytest.approx(plain_eval_loss(plain), rel=1e-5)
     assert_same_losses(ours, theirs)
 
 
@@ -201,6 +210,7 @@ def _differ(got: dict, model) -> list[str]:
 
 
 def sharded_builds_body(tmp: str) -> dict:
+    import copy
     import gc
 
     from llmpar.integrations.hf_zero3 import is_llmpar_zero3_enabled
@@ -226,12 +236,35 @@ def sharded_builds_body(tmp: str) -> dict:
     whole, info = auto.from_pretrained(path, output_loading_info=True)  # an argument the sharded path does not take
     out["fallback_meta"] = any(p.is_meta for p in whole.parameters())
     out["fallback_differ"] = _differ(_whole(whole), saved)
+    torch.manual_seed(1)
+    tied = auto.from_config(hf_trainer_script.model_config("llama", tie=True))
+    # "add a pad token": resized before initialize (recorded, then replayed by ZeRO-3) as the plain models are
+    for model, seed, how in ((built, 5, dict(new_num_tokens=70)), (loaded, 6, dict(pad_to_multiple_of=8)),
+                             (tied, 7, dict(new_num_tokens=69, mean_resizing=False))):
+        torch.manual_seed(seed)
+        model.resize_token_embeddings(**how)
+    out["resized_meta"] = [all(p.is_meta for p in m.parameters()) for m in (built, loaded, tied)]
+    out["resized_vocab"] = [m.config.vocab_size for m in (built, loaded, tied)]
     torch.manual_seed(0)
     plain = hf_trainer_script.build_model("qwen2", tie=False)
-    for key, model, ref in (("config", built, plain), ("pretrained", loaded, saved)):
+    torch.manual_seed(1)
+    plain_tied = hf_trainer_script.build_model("llama", tie=True)
+    saved_resized = copy.deepcopy(saved)
+    for model, seed, how in ((plain, 5, dict(new_num_tokens=70)), (saved_resized, 6, dict(pad_to_multiple_of=8)),
+                             (plain_tied, 7, dict(new_num_tokens=69, mean_resizing=False))):
+        torch.manual_seed(seed)
+        model.resize_token_embeddings(**how)
+    for key, model, ref in (("config", built, plain), ("pretrained", loaded, saved_resized),
+                            ("tied", tied, plain_tied)):
         engine, opt, _, _ = llmpar.initialize(model=model, config=_zero3_config())
         out[f"{key}_differ"] = _differ(_whole(model, opt), ref)
         out[f"{key}_peak"] = (opt.init_peak_numel, sum(p.numel() for p in ref.parameters()))
+        if key == "tied":
+            out["tied_shared"] = model.lm_head.weight is model.model.embed_tokens.weight
+            try:
+                model.resize_token_embeddings(80)
+            except ValueError as e:
+                out["resize_after_initialize"] = str(e)
     stage2 = TrainingArguments(output_dir=tmp, report_to=[], use_cpu=True, deepspeed=_zero3_config(2))
     out["off_by_stage2"] = not is_llmpar_zero3_enabled()
     del args, stage2
@@ -245,11 +278,14 @@ def test_hf_builds_are_sharded_under_zero3_arguments(tmp_path):
     """After llmpar's TrainingArguments with a ZeRO-3 config (while they are alive, until a later config without
     ZeRO-3), ``from_config`` and ``from_pretrained`` build on the meta device (llmpar.zero.Init) and ZeRO-3 gives the
     plain build's / the checkpoint's values, one unit at a time; a from_pretrained call the sharded path does not take
-    is built whole by transformers."""
+    is built whole by transformers. ``resize_token_embeddings`` on those models before initialize (mean resizing,
+    ``pad_to_multiple_of``, a tied LM head) gives the plain resize of the plain build; after it, a clear error."""
     for out in run_ranks(sharded_builds_body, 2, str(tmp_path), timeout=180):
         assert not out["before"] and out["on"] and out["meta"] == [True, True]
-        assert out["config_differ"] == [] and out["pretrained_differ"] == []
-        for peak, psi in (out["config_peak"], out["pretrained_peak"]):
+        assert out["config_differ"] == [] and out["pretrained_differ"] == [] and out["tied_differ"] == []
+        assert out["resized_meta"] == [True, True, True] and out["resized_vocab"] == [70, 72, 69]
+        assert out["tied_shared"] and "resize it before" in out["resize_after_initialize"]
+        for peak, psi in (out["config_peak"], out["pretrained_peak"], out["tied_peak"]):
             assert 0 < peak < psi / 2  # at most one unit whole at a time
         assert not out["fallback_meta"] and out["fallback_differ"] == []
         assert out["off_by_stage2"] and out["off"]
@@ -327,6 +363,14 @@ def test_trainer_needs_its_config_once(tmp_path):
         TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, deepspeed={}, llmpar_config={})
     args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, deepspeed={"a": 1})
     assert args.deepspeed is None and args.llmpar_config == {"a": 1}  # transformers never sees it
+    # a script's own subclass of transformers' TrainingArguments: its deepspeed= goes to llmpar too (DeepSpeed is
+    # never configured), and llmpar's Trainer takes the arguments as they are
+    stock = hf_trainer_script.ScriptArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True,
+                                              deepspeed={"train_micro_batch_size_per_gpu": 2})
+    assert stock.deepspeed is None and stock.llmpar_config == {"train_micro_batch_size_per_gpu": 2}
+    assert stock.deepspeed_plugin is None and not hasattr(stock, "hf_deepspeed_config")
+    trainer = Trainer(model=_model(), args=stock, train_dataset=hf_trainer_script.Tokens())
+    assert not trainer.is_deepspeed_enabled and trainer.llmpar_config == {"train_micro_batch_size_per_gpu": 2}
     plain = transformers.TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
     with pytest.raises(ValueError, match="needs a DeepSpeed config"):
         Trainer(model=_model(), args=plain, train_dataset=hf_trainer_script.Tokens())

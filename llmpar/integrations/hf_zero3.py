@@ -13,10 +13,18 @@ for DeepSpeed (``is_deepspeed_zero3_enabled()``: ``from_config`` / ``from_pretra
 arguments at their defaults); anything else (renamed or missing keys, ``device_map``, quantization, ``.bin`` files, a
 hub id) is built whole by transformers' own ``from_pretrained``, with one info line in the ``llmpar`` log saying why.
 
+``model.resize_token_embeddings(...)`` on a model built that way (before ``initialize``) runs inside its recording
+(``resize_sharded``): what transformers does under DeepSpeed's ``GatheredParameters``, giving the plain resize of the
+plain build. The other ``is_deepspeed_zero3_enabled()`` branches of transformers are DeepSpeed's API calls and stay
+off (llmpar never sets transformers' DeepSpeed config): ``from_config`` / ``from_pretrained`` are the builds above,
+``tie_weights`` ties the recorded params (ZeRO-3 gathers a tied param for every module holding it), and the
+Trainer's ``generate`` sets ``synced_gpus`` itself (``transformers.py``).
+
 Registration, as transformers keeps its ``HfDeepSpeedConfig``: one per process, a weak reference to the latest llmpar
 ``TrainingArguments`` given a config (ZeRO-3 or not: a later non-ZeRO-3 config turns it off), held by the methods this
-module installs on ``transformers.PreTrainedModel`` (``_from_config``, ``from_pretrained``; installed once, they call
-the originals whenever no ZeRO-3 arguments are alive). Nothing is kept in llmpar's own modules.
+module installs on ``transformers.PreTrainedModel`` (``_from_config``, ``from_pretrained``,
+``resize_token_embeddings``; installed once, they call the originals whenever no ZeRO-3 arguments are alive / the
+model is not built sharded). Nothing is kept in llmpar's own modules.
 """
 from __future__ import annotations
 
@@ -32,6 +40,7 @@ import transformers
 from torch import nn
 
 from llmpar.zero import Init
+from llmpar.zero.init import _INIT_FN
 
 logger = logging.getLogger("llmpar")
 _ATTR = "_llmpar_zero3_builds"  # on transformers.PreTrainedModel: the one _Builds of this process
@@ -76,6 +85,14 @@ class _Builds:
         from_pretrained.__doc__ = self.from_pretrained.__doc__
         cls._from_config = classmethod(_from_config)
         cls.from_pretrained = classmethod(from_pretrained)
+        self.resize = cls.__dict__["resize_token_embeddings"]
+        resize = self.resize
+
+        def resize_token_embeddings(model: Any, *args: Any, **kwargs: Any) -> Any:
+            return resize_sharded(model, resize, args, kwargs)
+
+        resize_token_embeddings.__doc__ = resize.__doc__
+        cls.resize_token_embeddings = resize_token_embeddings
 
     def on(self) -> bool:
         return self.args is not None and self.args() is not None
@@ -91,6 +108,59 @@ def register(args: Any, config: Any) -> None:
         builds = _Builds()
         setattr(transformers.PreTrainedModel, _ATTR, builds)
     builds.args = weakref.ref(args) if is_zero3(config) else None
+
+
+def resize_sharded(model: nn.Module, resize: Any, args: tuple, kwargs: dict) -> Any:
+    """``model.resize_token_embeddings(...)`` (transformers' ``resize``) on a model built sharded, before
+    ``llmpar.initialize``: its params are recorded meta tensors, so the resize runs inside the recording of the block
+    that built it (``llmpar.zero.init.recording``): the new rows, their mean-resizing draws and the copy of the old
+    rows are recorded and replayed by ZeRO-3 one unit at a time, giving what the plain resize of the plain build gives
+    (what DeepSpeed does with ``GatheredParameters`` around these steps). A model ``from_pretrained`` built sharded
+    reads its embeddings from the checkpoint first (recorded writes: the mean of the old rows is the checkpoint's; the
+    tensors read are held until initialize, as a state dict loaded then), and a resized param takes its values from
+    the recording alone. After ``initialize`` at ZeRO-3 (each param a shard) it is refused: resize before training."""
+    from llmpar.zero import OWNER_ATTR
+    from llmpar.zero.init import _DEFERRED, _INIT_FN, Deferred, recording
+
+    params = list(model.parameters())
+    if any(getattr(getattr(p, OWNER_ATTR, lambda: None)(), "stage3", None) is not None for p in params):
+        raise ValueError("resize_token_embeddings on a model ZeRO-3 has already sharded (after llmpar.initialize / "
+                         "trainer.train()): resize it before, where its params are still whole or recorded")
+    if not any(hasattr(p, _DEFERRED) for p in params):
+        return resize(model, *args, **kwargs)
+    embeddings = [m.weight for m in (model.get_input_embeddings(), model.get_output_embeddings())
+                  if m is not None and isinstance(getattr(m, "weight", None), torch.Tensor)]
+    _read_from_checkpoint(model, embeddings)
+    with recording(model):
+        out = resize(model, *args, **kwargs)
+    with torch._C.DisableTorchFunctionSubclass():
+        for name, p in model.named_parameters():
+            d = getattr(p, _DEFERRED, None)
+            if d is not None and d.recorder.key_of(p) != d.block.key:  # its storage was replaced by the resize
+                now = d.now(p, name)
+                setattr(p, _DEFERRED, Deferred(d.recorder, now.ref, now.ref))
+                if hasattr(p, _INIT_FN):
+                    delattr(p, _INIT_FN)  # its values are the recording's (the checkpoint's rows were copied in)
+    return out
+
+
+@torch.no_grad()
+def _read_from_checkpoint(model: nn.Module, params: list[torch.Tensor]) -> None:
+    """Params a sharded ``from_pretrained`` reads at materialisation (``CheckpointLoad``) take the checkpoint's
+    values now, as recorded writes."""
+    from safetensors import safe_open
+
+    from llmpar.zero.init import _INIT_FN
+
+    for p in params:
+        loader = getattr(p, _INIT_FN, None)
+        if not isinstance(loader, CheckpointLoad):
+            continue
+        name = next((n for n, q in model.named_parameters(remove_duplicate=False) if q is p and n in loader.files),
+                    None)
+        if name is not None:
+            with safe_open(loader.files[name], framework="pt") as f:
+                p.copy_(f.get_tensor(name))
 
 
 def is_llmpar_zero3_enabled() -> bool:
@@ -119,7 +189,7 @@ class CheckpointLoad:
             raise RuntimeError("the checkpoint reader lost its model (from_pretrained under llmpar ZeRO-3)")
         name_of: dict[int, str] = {}
         for n, p in root.named_parameters(remove_duplicate=False):
-            if n in self.files:
+            if n in self.files and getattr(p, _INIT_FN, None) is self:  # not a param resized since (resize_sharded)
                 name_of.setdefault(id(p), n)
         by_file: dict[str, list[tuple[str, torch.Tensor]]] = {}
         for p in unit.parameters():
@@ -254,4 +324,5 @@ def sharded_from_pretrained(cls: type, path: Any, model_args: tuple, kwargs: dic
     return model
 
 
-__all__ = ["CheckpointLoad", "is_llmpar_zero3_enabled", "is_zero3", "register", "sharded_from_pretrained"]
+__all__ = ["CheckpointLoad", "is_llmpar_zero3_enabled", "is_zero3", "register", "resize_sharded",
+           "sharded_from_pretrained"]

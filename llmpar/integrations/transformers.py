@@ -6,8 +6,11 @@ DeepSpeed. A Trainer + DeepSpeed script changes its import line and nothing else
     Trainer(model=model, args=args, train_dataset=ds).train()                  # torchrun --nproc_per_node N train.py
 
 ``TrainingArguments(deepspeed=...)`` here takes the DeepSpeed config (a dict or a JSON path) for llmpar instead of
-starting DeepSpeed (``llmpar_config=`` is the same thing; a stock ``transformers.TrainingArguments`` with its own
-``deepspeed=`` is refused, since it has already started DeepSpeed). ``Trainer(..., llmpar_config=...)`` also takes it.
+starting DeepSpeed (``llmpar_config=`` is the same thing). ``Trainer(..., llmpar_config=...)`` also takes it. A script
+whose arguments are transformers' own ``TrainingArguments`` (or a subclass of it, or ``HfArgumentParser``'s) keeps
+them: once this module is imported, ``transformers.TrainingArguments(deepspeed=...)`` hands the config to llmpar the
+same way (``args.deepspeed`` is None after it, ``args.llmpar_config`` holds it; said once in the log), so only the
+``Trainer`` import changes. Arguments built before this module was imported have started DeepSpeed: refused.
 
 What the Trainer does with it, as it does for DeepSpeed: the ``"auto"`` values are filled from the arguments
 (``hf_auto.fill_auto``); ``llmpar.initialize`` builds the engine at the start of ``train()``. Without an
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import weakref
 from typing import Any
@@ -51,6 +55,8 @@ from llmpar.integrations.hf_zero3 import is_zero3, register
 from llmpar.runtime.config import context_parallel_block, read_config
 from llmpar.runtime.initialize import initialize
 from llmpar.tensor_parallel.parallelize import parallelize
+
+logger = logging.getLogger("llmpar")
 
 
 @dataclasses.dataclass
@@ -68,6 +74,38 @@ class TrainingArguments(transformers.TrainingArguments):
         super().__post_init__()
         if self.llmpar_config is not None:  # a ZeRO-3 config: from_config / from_pretrained build sharded from now on
             register(self, read_config(self.llmpar_config))
+
+
+def _route_deepspeed_to_llmpar() -> None:
+    """From now on ``transformers.TrainingArguments(deepspeed=cfg)`` (and its subclasses') gives ``cfg`` to llmpar:
+    ``llmpar_config`` set, ``deepspeed`` None before transformers' ``__post_init__`` runs (so DeepSpeed is never
+    configured), and a ZeRO-3 config registered for sharded HF builds (``hf_zero3``). Installed once."""
+    cls = transformers.TrainingArguments
+    if getattr(cls.__post_init__, "_llmpar", False):
+        return
+    original = cls.__post_init__
+    said: list[bool] = []  # the log line, once per process
+
+    def __post_init__(self: Any) -> None:
+        config = None if isinstance(self, TrainingArguments) else self.deepspeed
+        if config is not None:
+            if getattr(self, "llmpar_config", None) is not None:
+                raise ValueError("TrainingArguments: give the config once, deepspeed= or llmpar_config=")
+            self.llmpar_config, self.deepspeed = config, None
+            if not said:
+                said.append(True)
+                logger.info("llmpar: %s(deepspeed=...) runs its config on llmpar's engine (llmpar's Trainer), not "
+                            "DeepSpeed", type(self).__name__)
+        original(self)
+        if config is not None:
+            register(self, read_config(config))
+
+    __post_init__._llmpar = True  # type: ignore[attr-defined]
+    __post_init__.__doc__ = original.__doc__
+    cls.__post_init__ = __post_init__
+
+
+_route_deepspeed_to_llmpar()
 
 
 class _EngineOptimizer:
@@ -139,9 +177,10 @@ class Trainer(transformers.Trainer):
     def __init__(self, *args: Any, llmpar_config: Any = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if self.is_deepspeed_enabled:
-            raise ValueError("these TrainingArguments started DeepSpeed (transformers.TrainingArguments(deepspeed=)): "
-                             "use llmpar.integrations.transformers.TrainingArguments, whose deepspeed= goes to llmpar, "
-                             "or pass the config as Trainer(llmpar_config=...)")
+            raise ValueError("these TrainingArguments started DeepSpeed: they were built before "
+                             "llmpar.integrations.transformers was imported (after it, TrainingArguments(deepspeed=) "
+                             "gives the config to llmpar): import llmpar's Trainer at the top of the script, or pass "
+                             "the config as Trainer(llmpar_config=...) and no deepspeed=")
         given = llmpar_config if llmpar_config is not None else getattr(self.args, "llmpar_config", None)
         if given is None:
             raise ValueError("llmpar's Trainer needs a DeepSpeed config: TrainingArguments(deepspeed=...) from "

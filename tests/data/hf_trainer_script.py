@@ -8,11 +8,13 @@ Writes {"loss": [per-step loss], "grad_norm": [...], "lr": [...]} (rank 0) to --
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 
 import torch
+import transformers
 
 
 def model_config(kind: str, tie: bool):
@@ -32,6 +34,21 @@ def build_model(kind: str, tie: bool):
 
     config = model_config(kind, tie)
     return (transformers.LlamaForCausalLM if kind == "llama" else transformers.Qwen2ForCausalLM)(config)
+
+
+@dataclasses.dataclass
+class ScriptArguments(transformers.TrainingArguments):
+    """A script's arguments as fine-tuning scripts write them: transformers' TrainingArguments and a field of
+    its own."""
+
+    max_seq_length: int = dataclasses.field(default=11)
+
+
+def add_pad_token(model) -> None:
+    """What SFT scripts do after adding a pad token to the tokenizer: one more row in the embeddings (and an untied
+    LM head), drawn from the old rows' mean and covariance (transformers' default)."""
+    torch.manual_seed(1)
+    model.resize_token_embeddings(68)
 
 
 class Tokens(torch.utils.data.Dataset):
@@ -89,6 +106,10 @@ def main() -> None:
     ap.add_argument("--eval", action="store_true", help="an eval set: evaluated every 10 steps, then evaluate(), "
                     "predict() and generate() after training")
     ap.add_argument("--eval-first", action="store_true", help="evaluate() before train()")
+    ap.add_argument("--resize", action="store_true", help="add a pad token after the arguments: "
+                    "model.resize_token_embeddings(68), as SFT scripts do (under ZeRO-3: on the sharded build)")
+    ap.add_argument("--stock-args", action="store_true", help="llmpar: the script's arguments subclass "
+                    "transformers.TrainingArguments (only the Trainer import changed)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--save-steps", type=int, default=0)
     ap.add_argument("--resume", default=None)
@@ -101,6 +122,9 @@ def main() -> None:
     else:
         from transformers import Trainer, TrainingArguments
     from transformers import TrainerCallback
+
+    if a.stock_args:  # the script's own arguments class, over transformers' (not llmpar's) TrainingArguments
+        TrainingArguments = ScriptArguments  # noqa: N806
 
     torch.manual_seed(0)
     if a.zero_init:  # the same weights as the plain build below, never whole on one rank
@@ -123,7 +147,10 @@ def main() -> None:
 
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(model_config(a.model, tie=not a.untied))
-    record = {"sharded_build": all(p.is_meta for p in model.parameters()), "training": False, "eval_steps": []}
+    record = {"sharded_build": all(p.is_meta for p in model.parameters()), "training": False, "eval_steps": [],
+              "args_class": type(args).__name__, "args_deepspeed": args.deepspeed is not None}
+    if a.resize:
+        add_pad_token(model)
 
     class Record(TrainerCallback):
         rows: list = []
