@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "adamw_lowbit.cuh"
+#include "capture_check.h"
 #include "dtype_code.h"
 
 namespace {
@@ -77,6 +78,7 @@ void adamw_lowbit_step(at::TensorList params, at::TensorList grads, at::TensorLi
   }
   const int64_t num_blocks = llmpar_lowbit_plan(numels.data(), static_cast<int64_t>(n), static_cast<int>(bits),
                                                 rows.data());
+  llmpar_refuse_capture("adamw_lowbit_step");
   at::Tensor host = at::empty({static_cast<int64_t>(rows.size())},
                               at::TensorOptions().dtype(at::kLong).pinned_memory(true));
   std::copy(rows.begin(), rows.end(), host.data_ptr<int64_t>());

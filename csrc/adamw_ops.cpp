@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "adamw.cuh"
+#include "capture_check.h"
 #include "dtype_code.h"
 
 namespace {
@@ -40,7 +41,8 @@ const float* scalar_ptr(const c10::optional<at::Tensor>& t, const at::Device& de
   return t->data_ptr<float>();
 }
 
-at::Tensor to_device(std::vector<int64_t>& rows, const at::Device& device) {
+at::Tensor to_device(std::vector<int64_t>& rows, const at::Device& device, const char* op) {
+  llmpar_refuse_capture(op);
   at::Tensor host = at::empty({static_cast<int64_t>(rows.size())},
                               at::TensorOptions().dtype(at::kLong).pinned_memory(true));
   std::copy(rows.begin(), rows.end(), host.data_ptr<int64_t>());
@@ -92,7 +94,7 @@ void adamw_step(at::TensorList params, at::TensorList grads, at::TensorList exp_
   }
   const int64_t num_blocks = llmpar_adamw_plan(numels.data(), n, rows.data());
   TORCH_CHECK(num_blocks < (int64_t{1} << 31), "adamw_step: ", num_blocks, " blocks exceed the grid limit");
-  at::Tensor d_table = to_device(rows, device);
+  at::Tensor d_table = to_device(rows, device, "adamw_step");
   LlmparAdamwArgs a;
   a.lr = static_cast<float>(lr);
   a.lr_ptr = scalar_ptr(lr_tensor, device, "lr");
@@ -128,7 +130,7 @@ at::Tensor sum_squares(at::TensorList tensors) {
   const int64_t num_blocks = llmpar_adamw_plan(numels.data(), n, rows.data());
   at::Tensor partials = at::zeros({std::max<int64_t>(num_blocks, 1)}, tensors[0].options().dtype(at::kFloat));
   if (num_blocks == 0) return partials;
-  at::Tensor d_table = to_device(rows, device);
+  at::Tensor d_table = to_device(rows, device, "sum_squares");
   const cudaError_t err = llmpar_sum_squares_launch(code, d_table.data_ptr<int64_t>(), n, num_blocks,
                                                     partials.data_ptr<float>(),
                                                     c10::cuda::getCurrentCUDAStream().stream());

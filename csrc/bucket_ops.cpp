@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "bucket.cuh"
+#include "capture_check.h"
 #include "dtype_code.h"
 
 namespace {
@@ -59,6 +60,7 @@ int check_and_table(const at::Tensor& flat, at::TensorList tensors, const char* 
 
 void launch(int direction, const at::Tensor& flat, at::TensorList tensors, double scale, const char* list_name) {
   if (tensors.empty()) return;
+  llmpar_refuse_capture(direction == 0 ? "pack_bucket" : "unpack_bucket");
   const c10::cuda::CUDAGuard guard(flat.device());
   at::Tensor d_table;
   int64_t num_blocks = 0;

@@ -9,6 +9,7 @@
 #include <optional>
 #include <vector>
 
+#include "capture_check.h"
 #include "dtype_code.h"
 #include "quant.cuh"
 
@@ -82,6 +83,7 @@ void pack_quantize(at::TensorList tensors, const at::Tensor& wire, int64_t rows,
   }
   const int64_t n = static_cast<int64_t>(live.size());
   const int64_t nb = (m + block - 1) / block, programs = rows * nb;
+  llmpar_refuse_capture("pack_quantize");
   at::Tensor table = at::empty({3 * n + 2 * programs}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
   int64_t* h = table.data_ptr<int64_t>();
   int64_t offset = 0;

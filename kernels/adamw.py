@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 
-from ._triton import HAS_TRITON, INTERPRETED, TRITON_IMPORT_ERROR, tl, triton
+from ._triton import HAS_TRITON, INTERPRETED, TRITON_IMPORT_ERROR, pinned_to_device, tl, triton
 
 __all__ = ["HAS_TRITON", "INTERPRETED", "TRITON_IMPORT_ERROR", "BLOCK", "TABLE_ROWS", "log_beta", "step", "sum_squares"]
 
@@ -61,7 +61,7 @@ if HAS_TRITON:
         """1 - b**t = -expm1(t * ln b), with Kahan's expm1 from exp and log (accurate for tiny t * ln b)."""
         x = t * ln_b
         u = tl.exp(x)
-        em1 = tl.where(u == 1.0, x, (u - 1.0) * x / tl.log(u))
+        em1 = tl.where(u == 1.0, x, tl.math.div_rn((u - 1.0) * x, tl.log(u)))  # IEEE: see adamw_lowbit.py
         em1 = tl.where(u == 0.0, -1.0, em1)
         return -em1
 
@@ -193,13 +193,10 @@ def _first_programs(numels: list[int]) -> tuple[list[int], int]:
     return first, acc
 
 
-def _to_device(rows: list[int], device):
+def _to_device(rows: list[int], device, op: str = "adamw_step"):
     import torch
 
-    table = torch.tensor(rows, dtype=torch.int64)
-    if device.type != "cpu":
-        table = table.pin_memory().to(device, non_blocking=True)
-    return table
+    return pinned_to_device(torch.tensor(rows, dtype=torch.int64), device, op)
 
 
 def step(params, grads, exp_avgs, exp_avg_sqs, extras, steps, salts, *, mode: int, lr, beta1: float, beta2: float,
@@ -245,7 +242,7 @@ def sum_squares(grads, out_dtype=None):
         raise RuntimeError(TRITON_IMPORT_ERROR)
     first, programs = _first_programs([g.numel() for g in grads])
     device = grads[0].device
-    table = _to_device(first + [g.data_ptr() for g in grads] + [g.numel() for g in grads], device)
+    table = _to_device(first + [g.data_ptr() for g in grads] + [g.numel() for g in grads], device, "sum_squares")
     partials = torch.empty(programs, dtype=torch.float32, device=device)
     _sum_squares_kernel[(programs,)](table, len(grads), partials, G_DTYPE=_tl(grads[0].dtype), BLOCK=BLOCK)
     return partials

@@ -10,7 +10,9 @@ then per block s = max |m| (|v|), y = m * (1 / s) (y = 0 where s = 0) and code =
 mid[k] = (q[k] + q[k+1]) / 2 in float32, given as a tensor): for 4 bits an unrolled compare over the 15 midpoints, for 8
 bits a binary search of 8 steps over the 255. p is the float32 param, or the float32 master with the bf16 param rounded
 from it (to nearest even, on the bits: the interpreter's own cast truncates) in the same pass. A nonzero found_inf
-masks every lane: nothing is read or written.
+masks every lane: nothing is read or written. Every division and square root rounds to nearest (tl.math.div_rn /
+sqrt_rn, as the CUDA twin's IEEE `/` and sqrtf): Triton's plain `/` and tl.sqrt compile to div.full / sqrt.approx,
+which move a value sitting on a midpoint to the neighbouring code (tests/test_lowbit_kernels.py reads the sm_90 PTX).
 
 One launch covers all tensors: the int64 ``table`` has TABLE_ROWS rows of n entries; program b finds its tensor by binary
 search in row 0 (the first program of each tensor). Runs under ``TRITON_INTERPRET=1`` on CPU tensors.
@@ -96,8 +98,8 @@ if HAS_TRITON:
             lr = tl.load(lr_ptr).to(tl.float32)
         else:
             lr = lr_value
-        step_size = lr / _one_minus_pow(ln_beta1, step)
-        bc2_rsqrt = 1.0 / tl.sqrt(_one_minus_pow(ln_beta2, step))
+        step_size = tl.math.div_rn(lr, _one_minus_pow(ln_beta1, step))
+        bc2_rsqrt = tl.math.div_rn(1.0, tl.math.sqrt_rn(_one_minus_pow(ln_beta2, step)))
 
         g = tl.load(g_ptr + idx, mask=mask, other=0.0).to(tl.float32)
         if HAS_GSCALE:
@@ -113,7 +115,7 @@ if HAS_TRITON:
         p = p * (1.0 - lr * weight_decay)
         m = beta1 * m + one_minus_beta1 * g
         v = beta2 * v + one_minus_beta2 * (g * g)
-        p = p - step_size * (m / (tl.sqrt(v) * bc2_rsqrt + eps))
+        p = p - step_size * tl.math.div_rn(m, tl.math.sqrt_rn(v) * bc2_rsqrt + eps)
         if MASTER:
             tl.store(x_ptr + idx, p, mask=mask)
             tl.store(p_ptr + idx, _bf16_bits(p, 0, True).to(tl.bfloat16), mask=mask)
@@ -122,8 +124,8 @@ if HAS_TRITON:
 
         m_abs = tl.max(tl.where(mask, tl.abs(m), 0.0), axis=0)
         v_abs = tl.max(tl.where(mask, tl.abs(v), 0.0), axis=0)
-        y_m = m * (1.0 / tl.where(m_abs == 0.0, 1.0, m_abs))  # s == 0: m == 0, y = 0, the code of the entry nearest 0
-        y_v = v * (1.0 / tl.where(v_abs == 0.0, 1.0, v_abs))
+        y_m = m * tl.math.div_rn(1.0, tl.where(m_abs == 0.0, 1.0, m_abs))  # s == 0: m == 0, y = 0 (entry nearest 0)
+        y_v = v * tl.math.div_rn(1.0, tl.where(v_abs == 0.0, 1.0, v_abs))
         _store_codes(mc_ptr, blk, lane, idx, mask, _search(midm_ptr, y_m, BITS), BITS, B)
         _store_codes(vc_ptr, blk, lane, idx, mask, _search(midv_ptr, y_v, BITS), BITS, B)
         tl.store(ms_ptr + blk, m_abs, mask=live)
@@ -149,7 +151,7 @@ def step(params, grads, m_codes, m_scales, v_codes, v_scales, masters, steps, qm
     rows = (first + ptr(params) + ptr(grads) + ptr(m_codes) + ptr(m_scales) + ptr(v_codes) + ptr(v_scales)
             + (ptr(masters) if masters is not None else [0] * n) + ptr(steps) + [p.numel() for p in params])
     device = params[0].device
-    table = _to_device(rows, device)
+    table = _to_device(rows, device, "adamw_lowbit_step")
     mid_m = ((qmap_m[:-1] + qmap_m[1:]) / 2).contiguous()  # float32, as the contract computes them
     mid_v = ((qmap_v[:-1] + qmap_v[1:]) / 2).contiguous()
     lr_on_device = isinstance(lr, torch.Tensor)

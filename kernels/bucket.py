@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 
-from ._triton import HAS_TRITON, INTERPRETED, TRITON_IMPORT_ERROR, tl, triton  # noqa: F401
+from ._triton import HAS_TRITON, INTERPRETED, TRITON_IMPORT_ERROR, pinned_to_device, tl, triton  # noqa: F401
 
 BLOCK = 1024
 
@@ -99,8 +99,7 @@ def _rows_torch(ptrs, numels, device):
     blocks, offsets = _per_tensor(numels)
     programs = sum(blocks)
     head = torch.tensor(list(ptrs) + list(numels) + offsets + blocks, dtype=torch.int64)
-    if device.type != "cpu":
-        head = head.pin_memory().to(device, non_blocking=True)
+    head = pinned_to_device(head, device, "pack_bucket / unpack_bucket")
     i64 = dict(dtype=torch.int64, device=device)
     per_tensor = head[3 * n:]
     first = torch.cumsum(per_tensor, 0) - per_tensor  # each tensor's first program

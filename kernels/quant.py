@@ -23,7 +23,7 @@ order with a float32 accumulator (dequantize_sum). Runs under ``TRITON_INTERPRET
 """
 from __future__ import annotations
 
-from ._triton import HAS_TRITON, INTERPRETED, TRITON_IMPORT_ERROR, tl, triton  # noqa: F401
+from ._triton import HAS_TRITON, INTERPRETED, TRITON_IMPORT_ERROR, pinned_to_device, tl, triton  # noqa: F401
 
 MAX_BLOCK = 4096  # largest quantization block a program holds (values in registers)
 QMAX = {8: 127, 4: 7}
@@ -173,9 +173,7 @@ def _pack_table(srcs, device, rows: int, m: int, block: int, nb: int):
     t1 = torch.searchsorted(starts, bend, right=False)  # first tensor starting at or after its end
     addrs = torch.tensor([t.data_ptr() for t in srcs], dtype=torch.int64)
     table = torch.cat([addrs, starts, numels, t0, t1])
-    if device.type != "cpu":
-        table = table.pin_memory().to(device, non_blocking=True)
-    return table
+    return pinned_to_device(table, device, "pack_quantize")
 
 
 def _launch_quantize(src, srcs, wire, rows: int, m: int, bits: int, block: int, scale: float, residual) -> None:

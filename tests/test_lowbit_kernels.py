@@ -13,6 +13,7 @@ all in one call), 8 and 4 bits, float32 params and bf16 params with float32 mast
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -383,7 +384,13 @@ def test_triton_compiles_for_gpu(arch, bits, master, monkeypatch):
     (args, kwargs), = rec.calls
     signature, constexprs, _, _ = bind_like_launcher(tk._adamw_lowbit_kernel, args, kwargs, arch)
     assert "n" not in specialised(signature, constexprs, tk._adamw_lowbit_kernel)
-    compile_like_launcher(tk._adamw_lowbit_kernel, args, kwargs, arch=arch)
+    kernel = compile_like_launcher(tk._adamw_lowbit_kernel, args, kwargs, arch=arch)
+    # IEEE like the CUDA twin and the contract: every division and square root rounds to nearest (an approximate one
+    # moves codes that sit on a midpoint, so the backends would disagree there)
+    ptx = kernel.asm["ptx"]
+    approx = sorted(set(re.findall(r"\b(div\.full\.\w+|div\.approx\.\w+|sqrt\.approx\.[\w.]+|rcp\.approx\.[\w.]+)", ptx)))
+    assert not approx, f"approximate ops in the sm_{arch} PTX: {approx}"
+    assert re.search(r"\bdiv\.rn\.f32\b", ptx) and re.search(r"\bsqrt\.rn\.f32\b", ptx), "no IEEE div / sqrt found"
 
 
 # ------------------------------------------------------------------------------------------ GPU (CUDA, Triton)
