@@ -113,6 +113,16 @@ def test_every_part_has_a_floor():
     assert not missing, f"parts of llmpar without a floor in {__file__}: {missing}"
 
 
+def test_model_anatomy_sits_on_the_models_floor_below_its_callers():
+    """``llmpar.models.anatomy`` answers the pipeline split, ZeRO-3 units, activation checkpointing and tensor
+    parallel plans, so it sits below all of them, on the models floor, and imports nothing from llmpar."""
+    anatomy = "llmpar.models.anatomy"
+    assert _part(anatomy) == "models" and not GRAPH[anatomy], GRAPH[anatomy]
+    callers = ["llmpar.pipeline.blocks", "llmpar.zero.units", "llmpar.runtime.activations",
+               "llmpar.tensor_parallel.parallelize"]
+    assert all(anatomy in {t for t, _ in GRAPH[c]} and FLOORS[_part(c)] > FLOORS["models"] for c in callers)
+
+
 def test_compat_shims_are_not_used_inside_llmpar():
     bad = [f"{m}:{line} imports the DeepSpeed shim {t}" for m, edges in GRAPH.items() for t, line in edges
            if t in COMPAT_MODULES and m not in COMPAT_MODULES and _part(m) not in ("", "utils")]

@@ -100,8 +100,11 @@ def test_to_blocks_rejects_unknown_models():
 
 def test_pipeline_does_not_import_the_demo_model():
     """A model enters a pipeline through its ``pipeline_blocks()`` hook (GPT has one); pipeline/ never imports
-    llmpar.models."""
+    llmpar.models' demo model: only the model anatomy (``llmpar.models.anatomy``, which says what a model's pipeline
+    sequence is), and importing llmpar.pipeline loads no module of the demo model."""
     import ast
+    import subprocess
+    import sys
     from pathlib import Path
 
     import llmpar.pipeline
@@ -111,5 +114,12 @@ def test_pipeline_does_not_import_the_demo_model():
         for node in ast.walk(ast.parse(path.read_text())):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else []
-            bad += [f"{path.name}:{node.lineno} imports {n}" for n in names if n.startswith("llmpar.models")]
+            bad += [f"{path.name}:{node.lineno} imports {n}" for n in names
+                    if n.startswith("llmpar.models") and n != "llmpar.models.anatomy"]
     assert not bad, bad
+    code = ("import sys, llmpar.pipeline, llmpar.pipeline.stages, llmpar.pipeline.zero\n"
+            "print(sorted(m for m in sys.modules if m.startswith('llmpar.models')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).parent)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n")[-2] == "['llmpar.models', 'llmpar.models.anatomy']", done.stdout

@@ -13,24 +13,13 @@ from __future__ import annotations
 
 from torch import nn
 
+from llmpar.models.anatomy import pipeline_sequence
+
 
 def to_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The model as an ordered list of ``(name, block)``; see the module docstring for what is accepted."""
-    blocks: list[tuple[str, nn.Module]]
-    if callable(getattr(model, "pipeline_blocks", None)):
-        blocks = list(model.pipeline_blocks())
-    elif isinstance(model, nn.Sequential):
-        blocks = list(model.named_children())
-    else:
-        raise TypeError(f"model is a {type(model).__name__}: pass an nn.Sequential or a module with a "
-                        "pipeline_blocks() method returning [(name, module), ...] (llmpar's GPT has one)")
-    if not blocks:
-        raise ValueError(f"model {type(model).__name__} has no blocks to split")
-    for item in blocks:
-        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
-                and isinstance(item[1], nn.Module)):
-            raise TypeError(f"pipeline blocks must be (name, nn.Module) pairs, got {item!r}")
-    return blocks
+    """The model as an ordered list of ``(name, block)``; see the module docstring for what is accepted (the rule:
+    :func:`llmpar.models.anatomy.pipeline_sequence`)."""
+    return pipeline_sequence(model)
 
 
 class StageModule(nn.Sequential):

@@ -3,12 +3,13 @@
     "activation_checkpointing": {"partition_activations": false, "cpu_checkpointing": false,
                                  "number_checkpoints": null, ...}     # the block present: checkpointing is on
 
-Blocks (:func:`exposed_blocks`): each element of the outermost ``nn.ModuleList`` / ``nn.Sequential`` of modules with
-params (a transformer's layers; the model's own children when it is an ``nn.Sequential``), else the model's own
-modules among ``model.pipeline_blocks()``. Each one's ``forward`` is replaced (on the instance: names, params, hooks
-and ZeRO-3 units stay as they are) by ``torch.utils.checkpoint.checkpoint(forward, ..., use_reentrant=False)``: its
-forward keeps only its inputs, backward runs it again (same RNG state, so dropout matches) before its gradient. The
-planner's "full" recompute: one layer input of 2 s b h bytes kept per layer (``llmpar.planning.memory``).
+Blocks (:func:`exposed_blocks`, the model anatomy's :func:`llmpar.models.anatomy.blocks`): each element of the
+outermost ``nn.ModuleList`` / ``nn.Sequential`` of modules with params (a transformer's layers; the model's own
+children when it is an ``nn.Sequential``), else the model's own modules among ``model.pipeline_blocks()``. Each
+one's ``forward`` is replaced (on the instance: names, params, hooks and ZeRO-3 units stay as they are) by
+``torch.utils.checkpoint.checkpoint(forward, ..., use_reentrant=False)``: its forward keeps only its inputs, backward
+runs it again (same RNG state, so dropout matches) before its gradient. The planner's "full" recompute: one layer
+input of 2 s b h bytes kept per layer (``llmpar.planning.memory``).
 
 Keys (DeepSpeed's meaning where it carries over):
     number_checkpoints=N: the first N blocks only (Megatron's "block" method; DeepSpeed sizes a buffer with it);
@@ -43,6 +44,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from llmpar.distributed.collectives import Group, GroupRef, all_gather_flat, group_rank, group_size
+from llmpar.models.anatomy import blocks as anatomy_blocks
 from llmpar.runtime.blocks import ActivationCheckpointingConfig
 
 logger = logging.getLogger("llmpar")
@@ -51,18 +53,9 @@ SaveContext = Callable[[], contextlib.AbstractContextManager]
 
 
 def exposed_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """(name, module) of the blocks the model exposes (module docstring), in registration order."""
-    out: list[tuple[str, nn.Module]] = []
-    for name, m in model.named_modules():
-        if any(name == n or name.startswith(n + ".") for n, _ in out):
-            continue  # inside a block already chosen
-        if isinstance(m, (nn.ModuleList, nn.Sequential)):
-            out += [(f"{name}.{c}" if name else c, child) for c, child in m.named_children()
-                    if any(True for _ in child.parameters())]
-    if not out and callable(getattr(model, "pipeline_blocks", None)):
-        own = {id(m) for m in model.modules()}
-        out = [(n, b) for n, b in model.pipeline_blocks() if id(b) in own and b is not model]
-    return out
+    """(name, module) of the blocks the model exposes (module docstring; the rule:
+    :func:`llmpar.models.anatomy.blocks`), in registration order."""
+    return anatomy_blocks(model)
 
 
 class PartitionedInputs(torch.autograd.graph.saved_tensors_hooks):

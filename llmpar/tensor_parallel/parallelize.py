@@ -9,7 +9,8 @@ A plan maps module-name patterns (``fnmatch``; ``"self_attn.q_proj"`` matches an
 * ``"vocab_head"`` -> :class:`ParallelLMHead` (vocabulary padded to a multiple of tp; output gathered to the full
   vocabulary unless ``gather_logits=False``, then feed it to :func:`vocab_parallel_cross_entropy`).
 
-The module that owns column layers (an attention or an MLP) gets its head-count attributes divided by tp, after
+The module that owns column layers (an attention or an MLP) gets its head-count attributes
+(:func:`llmpar.models.anatomy.head_counts`) divided by tp, after
 checking that every column split holds whole heads. Everything is validated before the first module is replaced,
 so a plan that does not fit raises the same error on every rank, naming the module.
 
@@ -21,12 +22,13 @@ parameters outside the parallel layers (norms, position embeddings) are all-redu
 """
 from __future__ import annotations
 
-import fnmatch
 from typing import Mapping
 
 from torch import nn
 
 from llmpar.distributed.collectives import GroupRef
+from llmpar.models.anatomy import family, head_counts
+from llmpar.models.anatomy import name_matches as _matches
 from llmpar.tensor_parallel._utils import Group, check_positive, resolve_tp_group, tp_size_rank
 from llmpar.tensor_parallel.comm import all_reduce_sum, gather_from_sequence_region
 from llmpar.tensor_parallel.embedding import VocabParallelEmbedding
@@ -58,20 +60,13 @@ GPT_PLAN: dict[str, str] = {
 """llmpar's GPT (``llmpar.models.gpt``) and nanoGPT-style names (``qkv`` laid out head-major)."""
 
 DEFAULT_PLANS: dict[str, dict[str, str]] = {"llama": LLAMA_PLAN, "gpt": GPT_PLAN}
-HEAD_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads", "n_head", "n_heads",
-              "n_kv_heads")
 _HIDDEN_KWARGS = ("hidden_states", "x", "hidden_state", "input")
 
 
-def _matches(name: str, pattern: str) -> bool:
-    return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, "*." + pattern)
-
-
 def _pick_default_plan(model: nn.Module) -> dict[str, str]:
-    names = [n for n, _ in model.named_modules()]
-    for plan in (LLAMA_PLAN, GPT_PLAN):
-        if any(_matches(n, "self_attn.q_proj" if plan is LLAMA_PLAN else "attn.qkv") for n in names):
-            return plan
+    fam = family(model)  # the layout family, by module names (llmpar.models.anatomy)
+    if fam is not None:
+        return DEFAULT_PLANS[fam]
     raise ValueError(f"no default tensor-parallel plan fits {type(model).__name__} (known: Llama-style "
                      f"'self_attn.q_proj', GPT-style 'attn.qkv' names); pass plan={{pattern: kind}}")
 
@@ -90,12 +85,10 @@ def _check_module(name: str, module: nn.Module, kind: str, tp: int) -> None:
 def _check_heads(owner_name: str, owner: nn.Module, columns: list[tuple[str, nn.Linear]], tp: int) -> dict[str, int]:
     """New head-count attribute values for ``owner``; raises if a split would cut a head."""
     updates = {}
-    for attr in HEAD_ATTRS:
-        value = getattr(owner, attr, None)
-        if isinstance(value, int) and not isinstance(value, bool):
-            if value % tp:
-                raise ValueError(f"module {owner_name!r}: {attr}={value} is not divisible by tp={tp}")
-            updates[attr] = value // tp
+    for attr, value in head_counts(owner).items():
+        if value % tp:
+            raise ValueError(f"module {owner_name!r}: {attr}={value} is not divisible by tp={tp}")
+        updates[attr] = value // tp
     head_dim = getattr(owner, "head_dim", None)
     if isinstance(head_dim, int) and head_dim > 0:
         for cname, lin in columns:

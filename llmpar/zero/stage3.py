@@ -1,10 +1,11 @@
 """ZeRO stage 3: every rank keeps only its shard of each parameter; modules gather their params just in time.
 
-Sharding units are modules (:func:`unit_modules`: by default the root, every element of every ``nn.ModuleList`` /
-``nn.Sequential`` -- the transformer blocks -- and every other direct child of the root holding params: embeddings,
-final norm, head). A param belongs to the first unit module (registration order) that holds it outside a nested unit,
-so a tied embedding / head weight is one param of the embedding's unit that the head's unit also *needs*. In each
-flat buffer (``layout.py``) one module's params form one unit, so "gather module m" is one all-gather per buffer.
+Sharding units are modules (:func:`unit_modules`, by default the model anatomy's ``shard_units``: the root, every
+element of every ``nn.ModuleList`` / ``nn.Sequential`` -- the transformer blocks -- and every other direct child of
+the root holding params: embeddings, final norm, head). A param belongs to the first unit module (registration
+order) that holds it outside a nested unit, so a tied embedding / head weight is one param of the embedding's unit
+that the head's unit also *needs*. In each flat buffer (``layout.py``) one module's params form one unit, so
+"gather module m" is one all-gather per buffer.
 
 Per unit the gathered ``[padded]`` tensor is allocated once, with one view per param; freeing it resizes its storage
 to 0 bytes and re-gathering resizes it back (as FSDP1 does), so tensors autograd saved in forward (``weight.t()`` ...)

@@ -8,6 +8,7 @@ from typing import Any, Callable, Hashable, TypeVar
 import torch
 from torch import nn
 
+from llmpar.models.anatomy import shard_units
 from llmpar.zero.layout import FlatLayout
 
 UnitPolicy = Callable[[str, nn.Module], bool]
@@ -16,26 +17,10 @@ K = TypeVar("K", bound=Hashable)
 
 def unit_modules(model: nn.Module, policy: UnitPolicy | None = None) -> list[tuple[str, nn.Module]]:
     """The sharding units, root first then registration order. ``policy(name, module)`` replaces the default choice
-    (the root is always a unit: it holds whatever no other unit does)."""
-    out: list[tuple[str, nn.Module]] = [("", model)]
+    (:func:`llmpar.models.anatomy.shard_units`; the root is always a unit: it holds whatever no other unit does)."""
     if policy is not None:
-        out += [(n, m) for n, m in model.named_modules() if n and policy(n, m)]
-        return out
-    chosen: set[int] = set()
-    for name, m in model.named_modules():
-        if isinstance(m, (nn.ModuleList, nn.Sequential)) and m is not model:
-            for child_name, child in m.named_children():
-                if id(child) not in chosen and any(True for _ in child.parameters()):
-                    chosen.add(id(child))
-                    out.append((f"{name}.{child_name}" if name else child_name, child))
-    for name, child in model.named_children():
-        if isinstance(child, (nn.ModuleList, nn.Sequential)) or id(child) in chosen:
-            continue
-        if any(True for _ in child.parameters()):
-            chosen.add(id(child))
-            out.append((name, child))
-    order = {id(m): i for i, (_, m) in enumerate(model.named_modules())}
-    return [out[0]] + sorted(out[1:], key=lambda nm: order[id(nm[1])])
+        return [("", model)] + [(n, m) for n, m in model.named_modules() if n and policy(n, m)]
+    return shard_units(model)
 
 
 class UnitPlan:
