@@ -6,7 +6,8 @@ Scores use exp2 with log2(e) folded into the scale; every product accumulates in
 to v's dtype before the P @ V product (as FlashAttention does: 16-bit tensor cores); fp32 inputs use IEEE fp32 products
 unless ``allow_tf32``. head_dim is padded to a power of two >= 16 (masked loads), at most 128.
 
-Kernels (grid: one program per (row block, batch x head)):
+Kernels (grid: one program per (batch x head, row block); batch x head on axis 0, which takes 2^31 - 1 programs where
+axes 1 / 2 stop at 65535):
     _fwd_kernel:   per query block, loop over key blocks: m, l, acc (online softmax) -> out, lse
     _delta_kernel: delta = rowsum(dout * out) in fp32 (the backward's preprocess)
     _dq_kernel:    per query block, loop over key blocks: dq = scale * sum_j ds k
@@ -16,25 +17,27 @@ Two backward kernels that each recompute p (FlashAttention-2's split), not one w
 scratch, deterministic sums, GQA's dk / dv summed in one program. out / lse are taken as given: the final ones over
 all key blocks (a ring step's backward), not this block's own.
 
-Skipping masked blocks (causal): the launcher reduces q_pos to the max of each query block and k_pos to the min of
-each key block (device ops, no host sync), and hands the kernels, per query block, the end of the last key block that
-can be visible (and per key block the first query block); inside that range a block is skipped when min k_pos > max
-q_pos. With sorted positions (contiguous, zigzag, ring) this visits exactly the blocks a diagonal touches; unsorted
-positions stay correct (more blocks visited).
+Causal blocks: loop bounds, no per-block test (kernels/attention_tiles.py computes them from the positions on the
+device, no host sync). The forward and dq loops are FlashAttention-2's split: per query block, the leading n_full key
+blocks every row sees whole run without the position compare, then [n_full, n_end) (the diagonal) with it; dk / dv
+loops over the query blocks [m_start, end) with the compare (one loop: a second body pushed sm_90's dkdv over 255
+registers). The same blocks in the same order as one masked loop, so the sums are the same bits. No branch around
+the K / V loads, so Triton pipelines every loop (num_stages buffers in shared memory, as in the non-causal kernels).
+With sorted positions (contiguous, zigzag, ring) the ranges are exactly the blocks a diagonal touches; unsorted
+positions stay correct (a masked block in range that no row sees adds exact zeros).
 Under TRITON_INTERPRET=1 (CPU) 16 x 16 blocks run and dot operands are widened to fp32 (the interpreter's dot
 mishandles 16-bit; the rounding of p to v's dtype is kept).
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ._triton import HAS_TRITON, INTERPRETED, TRITON_IMPORT_ERROR, tl, triton  # noqa: F401
 
+from .attention_tiles import INTERPRET_CONFIG, POS_MAX, POS_MIN, _block_tables, config, row_blocks  # noqa: F401
+
 MAX_HEAD_DIM = 128
 LOG2E = 1.4426950408889634
-POS_MIN, POS_MAX = -(2 ** 31) + 1, 2 ** 31 - 1  # padding rows / keys of a block: never visible
-INTERPRET_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 1, "num_stages": 1}
 
 if HAS_TRITON:
     _POS_MIN, _POS_MAX = tl.constexpr(POS_MIN), tl.constexpr(POS_MAX)
@@ -65,39 +68,35 @@ if HAS_TRITON:
         return ok
 
     @triton.jit
-    def _fwd_step(acc, m_i, l_i, q, qp, qmax, j, offs_m, offs_n0, offs_d, Sq, Sk, D, k_base, v_base, s_kn, s_kd,
-                  s_vn, s_vd, kp_ptr, kmin_ptr, valid_row_ptr, s_ln, qk_scale, CAUSAL: tl.constexpr,
-                  HAS_VALID: tl.constexpr, IEEE: tl.constexpr, INTERPRETER: tl.constexpr, BLOCK_N: tl.constexpr):
-        kmin = _POS_MIN
-        if CAUSAL:
-            kmin = tl.load(kmin_ptr + j)
-        if kmin <= qmax:  # a scalar branch: skips a key block that no row of this query block sees
-            offs_n = j * BLOCK_N + offs_n0
-            rn = offs_n.to(tl.int64)
-            kv_mask = (offs_n < Sk)[:, None] & (offs_d < D)[None, :]
-            k = tl.load(k_base + rn[:, None] * s_kn + offs_d[None, :] * s_kd, mask=kv_mask, other=0.0)
-            s = _dot(q, tl.trans(k), tl.zeros([q.shape[0], BLOCK_N], tl.float32), IEEE, INTERPRETER) * qk_scale
-            ok = _visible(offs_m, offs_n, Sq, Sk, qp, kp_ptr, valid_row_ptr, s_ln, CAUSAL, HAS_VALID)
-            s = tl.where(ok, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet: no inf - inf
-            p = tl.math.exp2(s - m_safe[:, None])
-            alpha = tl.math.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_base + rn[:, None] * s_vn + offs_d[None, :] * s_vd, mask=kv_mask, other=0.0)
-            acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], IEEE, INTERPRETER)
-            m_i = m_new
-        return acc, m_i, l_i
+    def _fwd_step(acc, m_i, l_i, q, qp, j, offs_m, offs_n0, offs_d, Sq, Sk, D, k_base, v_base, s_kn, s_kd, s_vn,
+                  s_vd, kp_ptr, valid_row_ptr, s_ln, qk_scale, CAUSAL: tl.constexpr, HAS_VALID: tl.constexpr,
+                  IEEE: tl.constexpr, INTERPRETER: tl.constexpr, BLOCK_N: tl.constexpr):
+        """One key block j of the online softmax; CAUSAL: compare positions (the diagonal blocks only)."""
+        offs_n = j * BLOCK_N + offs_n0
+        rn = offs_n.to(tl.int64)
+        kv_mask = (offs_n < Sk)[:, None] & (offs_d < D)[None, :]
+        k = tl.load(k_base + rn[:, None] * s_kn + offs_d[None, :] * s_kd, mask=kv_mask, other=0.0)
+        s = _dot(q, tl.trans(k), tl.zeros([q.shape[0], BLOCK_N], tl.float32), IEEE, INTERPRETER) * qk_scale
+        ok = _visible(offs_m, offs_n, Sq, Sk, qp, kp_ptr, valid_row_ptr, s_ln, CAUSAL, HAS_VALID)
+        s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet: no inf - inf
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + rn[:, None] * s_vn + offs_d[None, :] * s_vd, mask=kv_mask, other=0.0)
+        acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], IEEE, INTERPRETER)
+        return acc, m_new, l_i
 
     @triton.jit
-    def _fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, qpos_ptr, kpos_ptr, valid_ptr, nend_ptr, kmin_ptr,
+    def _fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, qpos_ptr, kpos_ptr, valid_ptr, nend_ptr, nfull_ptr,
                     qk_scale, Sq, Sk, H, G, D,
                     s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
                     s_ob, s_oh, s_om, s_od, s_lb, s_ln,
                     CAUSAL: tl.constexpr, HAS_VALID: tl.constexpr, IEEE: tl.constexpr, INTERPRETER: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-        pid_m = tl.program_id(0)
-        bh = tl.program_id(1)
+        bh = tl.program_id(0)
+        pid_m = tl.program_id(1)
         b = (bh // H).to(tl.int64)
         h = (bh % H).to(tl.int64)
         hk = h // G
@@ -114,16 +113,21 @@ if HAS_TRITON:
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         qp = offs_m
-        qmax = _POS_MAX
-        n_end = tl.cdiv(Sk, BLOCK_N)
+        n_full = tl.cdiv(Sk, BLOCK_N)
+        n_end = n_full
         if CAUSAL:
             qp = tl.load(qpos_ptr + offs_m, mask=offs_m < Sq, other=_POS_MIN)
-            qmax = tl.max(qp, 0)
+            n_full = tl.load(nfull_ptr + pid_m)
             n_end = tl.load(nend_ptr + pid_m)
-        for j in range(0, n_end):
-            acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, qp, qmax, j, offs_m, offs_n0, offs_d, Sq, Sk, D, k_base,
-                                      v_base, s_kn, s_kd, s_vn, s_vd, kpos_ptr, kmin_ptr, valid_row_ptr, s_ln,
-                                      qk_scale, CAUSAL, HAS_VALID, IEEE, INTERPRETER, BLOCK_N)
+        for j in range(0, n_full):  # key blocks every row sees whole: no causal compare
+            acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, qp, j, offs_m, offs_n0, offs_d, Sq, Sk, D, k_base, v_base,
+                                      s_kn, s_kd, s_vn, s_vd, kpos_ptr, valid_row_ptr, s_ln, qk_scale, False,
+                                      HAS_VALID, IEEE, INTERPRETER, BLOCK_N)
+        if CAUSAL:
+            for j in range(n_full, n_end):  # the diagonal: masked by position
+                acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, qp, j, offs_m, offs_n0, offs_d, Sq, Sk, D, k_base,
+                                          v_base, s_kn, s_kd, s_vn, s_vd, kpos_ptr, valid_row_ptr, s_ln, qk_scale,
+                                          True, HAS_VALID, IEEE, INTERPRETER, BLOCK_N)
         empty = l_i == 0.0
         l_safe = tl.where(empty, 1.0, l_i)
         out = acc / l_safe[:, None]
@@ -135,8 +139,8 @@ if HAS_TRITON:
     @triton.jit
     def _delta_kernel(o_ptr, do_ptr, delta_ptr, Sq, H, D, s_ob, s_oh, s_om, s_od, s_db, s_dh, s_dm, s_dd,
                       BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-        pid_m = tl.program_id(0)
-        bh = tl.program_id(1)
+        bh = tl.program_id(0)
+        pid_m = tl.program_id(1)
         b = (bh // H).to(tl.int64)
         h = (bh % H).to(tl.int64)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -149,36 +153,31 @@ if HAS_TRITON:
         tl.store(delta_ptr + bh.to(tl.int64) * Sq + offs_m, delta, mask=offs_m < Sq)
 
     @triton.jit
-    def _dq_step(dq, q, do, lse2, delta, qp, qmax, j, offs_m, offs_n0, offs_d, Sq, Sk, D, k_base, v_base, s_kn, s_kd,
-                 s_vn, s_vd, kp_ptr, kmin_ptr, valid_row_ptr, s_ln, qk_scale, CAUSAL: tl.constexpr,
-                 HAS_VALID: tl.constexpr, IEEE: tl.constexpr, INTERPRETER: tl.constexpr, BLOCK_N: tl.constexpr):
-        kmin = _POS_MIN
-        if CAUSAL:
-            kmin = tl.load(kmin_ptr + j)
-        if kmin <= qmax:
-            offs_n = j * BLOCK_N + offs_n0
-            rn = offs_n.to(tl.int64)
-            kv_mask = (offs_n < Sk)[:, None] & (offs_d < D)[None, :]
-            k = tl.load(k_base + rn[:, None] * s_kn + offs_d[None, :] * s_kd, mask=kv_mask, other=0.0)
-            v = tl.load(v_base + rn[:, None] * s_vn + offs_d[None, :] * s_vd, mask=kv_mask, other=0.0)
-            s = _dot(q, tl.trans(k), tl.zeros([q.shape[0], BLOCK_N], tl.float32), IEEE, INTERPRETER) * qk_scale
-            ok = _visible(offs_m, offs_n, Sq, Sk, qp, kp_ptr, valid_row_ptr, s_ln, CAUSAL, HAS_VALID)
-            p = tl.where(ok, tl.math.exp2(s - lse2[:, None]), 0.0)
-            dp = _dot(do, tl.trans(v), tl.zeros([q.shape[0], BLOCK_N], tl.float32), IEEE, INTERPRETER)
-            ds = p * (dp - delta[:, None])
-            dq = _dot(ds.to(k.dtype), k, dq, IEEE, INTERPRETER)
-        return dq
+    def _dq_step(dq, q, do, lse2, delta, qp, j, offs_m, offs_n0, offs_d, Sq, Sk, D, k_base, v_base, s_kn, s_kd,
+                 s_vn, s_vd, kp_ptr, valid_row_ptr, s_ln, qk_scale, CAUSAL: tl.constexpr, HAS_VALID: tl.constexpr,
+                 IEEE: tl.constexpr, INTERPRETER: tl.constexpr, BLOCK_N: tl.constexpr):
+        offs_n = j * BLOCK_N + offs_n0
+        rn = offs_n.to(tl.int64)
+        kv_mask = (offs_n < Sk)[:, None] & (offs_d < D)[None, :]
+        k = tl.load(k_base + rn[:, None] * s_kn + offs_d[None, :] * s_kd, mask=kv_mask, other=0.0)
+        v = tl.load(v_base + rn[:, None] * s_vn + offs_d[None, :] * s_vd, mask=kv_mask, other=0.0)
+        s = _dot(q, tl.trans(k), tl.zeros([q.shape[0], BLOCK_N], tl.float32), IEEE, INTERPRETER) * qk_scale
+        ok = _visible(offs_m, offs_n, Sq, Sk, qp, kp_ptr, valid_row_ptr, s_ln, CAUSAL, HAS_VALID)
+        p = tl.where(ok, tl.math.exp2(s - lse2[:, None]), 0.0)
+        dp = _dot(do, tl.trans(v), tl.zeros([q.shape[0], BLOCK_N], tl.float32), IEEE, INTERPRETER)
+        ds = p * (dp - delta[:, None])
+        return _dot(ds.to(k.dtype), k, dq, IEEE, INTERPRETER)
 
     @triton.jit
     def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, lse_ptr, delta_ptr, qpos_ptr, kpos_ptr, valid_ptr, nend_ptr,
-                   kmin_ptr, qk_scale, sm_scale, Sq, Sk, H, G, D,
+                   nfull_ptr, qk_scale, sm_scale, Sq, Sk, H, G, D,
                    s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
                    s_db, s_dh, s_dm, s_dd, s_lb, s_ln,
                    CAUSAL: tl.constexpr, HAS_VALID: tl.constexpr, IEEE: tl.constexpr, INTERPRETER: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
         """dq shares q's strides (a fresh tensor like q); dout shares s_d*."""
-        pid_m = tl.program_id(0)
-        bh = tl.program_id(1)
+        bh = tl.program_id(0)
+        pid_m = tl.program_id(1)
         b = (bh // H).to(tl.int64)
         h = (bh % H).to(tl.int64)
         hk = h // G
@@ -201,60 +200,62 @@ if HAS_TRITON:
         valid_row_ptr = valid_ptr + b * s_lb
         dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         qp = offs_m
-        qmax = _POS_MAX
-        n_end = tl.cdiv(Sk, BLOCK_N)
+        n_full = tl.cdiv(Sk, BLOCK_N)
+        n_end = n_full
         if CAUSAL:
             qp = tl.load(qpos_ptr + offs_m, mask=mask_m, other=_POS_MIN)
-            qmax = tl.max(qp, 0)
+            n_full = tl.load(nfull_ptr + pid_m)
             n_end = tl.load(nend_ptr + pid_m)
-        for j in range(0, n_end):
-            dq = _dq_step(dq, q, do, lse2, delta, qp, qmax, j, offs_m, offs_n0, offs_d, Sq, Sk, D, k_base, v_base,
-                          s_kn, s_kd, s_vn, s_vd, kpos_ptr, kmin_ptr, valid_row_ptr, s_ln, qk_scale, CAUSAL,
-                          HAS_VALID, IEEE, INTERPRETER, BLOCK_N)
+        for j in range(0, n_full):  # as in _fwd_kernel: whole blocks unmasked, then the diagonal
+            dq = _dq_step(dq, q, do, lse2, delta, qp, j, offs_m, offs_n0, offs_d, Sq, Sk, D, k_base, v_base, s_kn,
+                          s_kd, s_vn, s_vd, kpos_ptr, valid_row_ptr, s_ln, qk_scale, False, HAS_VALID, IEEE,
+                          INTERPRETER, BLOCK_N)
+        if CAUSAL:
+            for j in range(n_full, n_end):
+                dq = _dq_step(dq, q, do, lse2, delta, qp, j, offs_m, offs_n0, offs_d, Sq, Sk, D, k_base, v_base,
+                              s_kn, s_kd, s_vn, s_vd, kpos_ptr, valid_row_ptr, s_ln, qk_scale, True, HAS_VALID, IEEE,
+                              INTERPRETER, BLOCK_N)
         tl.store(dq_ptr + q_off, (dq * sm_scale).to(dq_ptr.dtype.element_ty), mask=q_mask)
 
     @triton.jit
-    def _dkdv_step(dk, dv, k, v, kp, kmin, i, bh, q_base, do_base, lse_ptr, delta_ptr, qpos_ptr, qmax_ptr, offs_n,
-                   offs_m0, offs_d, Sq, Sk, D, s_qm, s_qd, s_dm, s_dd, vl, qk_scale, CAUSAL: tl.constexpr,
-                   HAS_VALID: tl.constexpr, IEEE: tl.constexpr, INTERPRETER: tl.constexpr, BLOCK_M: tl.constexpr):
-        qmax = _POS_MAX
+    def _dkdv_step(dk, dv, k, v, kp, i, bh, q_base, do_base, lse_ptr, delta_ptr, qpos_ptr, offs_n, offs_m0, offs_d,
+                   Sq, Sk, D, s_qm, s_qd, s_dm, s_dd, vl, qk_scale, CAUSAL: tl.constexpr, HAS_VALID: tl.constexpr,
+                   IEEE: tl.constexpr, INTERPRETER: tl.constexpr, BLOCK_M: tl.constexpr):
+        """Query block i's share of dk / dv; CAUSAL: compare positions (the diagonal blocks only)."""
+        offs_m = i * BLOCK_M + offs_m0
+        rm = offs_m.to(tl.int64)
+        mask_m = offs_m < Sq
+        q_mask = mask_m[:, None] & (offs_d < D)[None, :]
+        q = tl.load(q_base + rm[:, None] * s_qm + offs_d[None, :] * s_qd, mask=q_mask, other=0.0)
+        do = tl.load(do_base + rm[:, None] * s_dm + offs_d[None, :] * s_dd, mask=q_mask, other=0.0)
+        row = bh.to(tl.int64) * Sq + offs_m
+        lse = tl.load(lse_ptr + row, mask=mask_m, other=float("inf"))
+        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+        delta = tl.load(delta_ptr + row, mask=mask_m, other=0.0)
+        ok = mask_m[None, :] & (offs_n < Sk)[:, None]  # [BLOCK_N, BLOCK_M]: keys x queries
         if CAUSAL:
-            qmax = tl.load(qmax_ptr + i)
-        if qmax >= kmin:  # skips a query block that sees no key of this key block
-            offs_m = i * BLOCK_M + offs_m0
-            rm = offs_m.to(tl.int64)
-            mask_m = offs_m < Sq
-            q_mask = mask_m[:, None] & (offs_d < D)[None, :]
-            q = tl.load(q_base + rm[:, None] * s_qm + offs_d[None, :] * s_qd, mask=q_mask, other=0.0)
-            do = tl.load(do_base + rm[:, None] * s_dm + offs_d[None, :] * s_dd, mask=q_mask, other=0.0)
-            row = bh.to(tl.int64) * Sq + offs_m
-            lse = tl.load(lse_ptr + row, mask=mask_m, other=float("inf"))
-            lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-            delta = tl.load(delta_ptr + row, mask=mask_m, other=0.0)
-            ok = mask_m[None, :] & (offs_n < Sk)[:, None]  # [BLOCK_N, BLOCK_M]: keys x queries
-            if CAUSAL:
-                qp = tl.load(qpos_ptr + offs_m, mask=mask_m, other=_POS_MIN)
-                ok = ok & (kp[:, None] <= qp[None, :])
-            if HAS_VALID:
-                ok = ok & (vl != 0)[:, None]
-            st = _dot(k, tl.trans(q), tl.zeros([k.shape[0], BLOCK_M], tl.float32), IEEE, INTERPRETER) * qk_scale
-            pt = tl.where(ok, tl.math.exp2(st - lse2[None, :]), 0.0)
-            dv = _dot(pt.to(do.dtype), do, dv, IEEE, INTERPRETER)
-            dpt = _dot(v, tl.trans(do), tl.zeros([k.shape[0], BLOCK_M], tl.float32), IEEE, INTERPRETER)
-            dst = pt * (dpt - delta[None, :])
-            dk = _dot(dst.to(q.dtype), q, dk, IEEE, INTERPRETER)
+            qp = tl.load(qpos_ptr + offs_m, mask=mask_m, other=_POS_MIN)
+            ok = ok & (kp[:, None] <= qp[None, :])
+        if HAS_VALID:
+            ok = ok & (vl != 0)[:, None]
+        st = _dot(k, tl.trans(q), tl.zeros([k.shape[0], BLOCK_M], tl.float32), IEEE, INTERPRETER) * qk_scale
+        pt = tl.where(ok, tl.math.exp2(st - lse2[None, :]), 0.0)
+        dv = _dot(pt.to(do.dtype), do, dv, IEEE, INTERPRETER)
+        dpt = _dot(v, tl.trans(do), tl.zeros([k.shape[0], BLOCK_M], tl.float32), IEEE, INTERPRETER)
+        dst = pt * (dpt - delta[None, :])
+        dk = _dot(dst.to(q.dtype), q, dk, IEEE, INTERPRETER)
         return dk, dv
 
     @triton.jit
     def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, lse_ptr, delta_ptr, qpos_ptr, kpos_ptr, valid_ptr,
-                     mstart_ptr, qmax_ptr, qk_scale, sm_scale, Sq, Sk, H, G, D,
+                     mstart_ptr, qk_scale, sm_scale, Sq, Sk, H, G, D,
                      s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
                      s_db, s_dh, s_dm, s_dd, s_lb, s_ln,
                      CAUSAL: tl.constexpr, HAS_VALID: tl.constexpr, IEEE: tl.constexpr, INTERPRETER: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-        """Grid (key blocks, B x Hkv); dk / dv share k's / v's strides (fresh tensors like them)."""
-        pid_n = tl.program_id(0)
-        bhk = tl.program_id(1)
+        """Grid (B x Hkv, key blocks); dk / dv share k's / v's strides (fresh tensors like them)."""
+        bhk = tl.program_id(0)
+        pid_n = tl.program_id(1)
         Hkv = H // G
         b = (bhk // Hkv).to(tl.int64)
         hk = (bhk % Hkv).to(tl.int64)
@@ -269,11 +270,9 @@ if HAS_TRITON:
         k = tl.load(k_ptr + k_off, mask=kv_mask, other=0.0)
         v = tl.load(v_ptr + v_off, mask=kv_mask, other=0.0)
         kp = offs_n
-        kmin = _POS_MIN
         m_start = 0
         if CAUSAL:
             kp = tl.load(kpos_ptr + offs_n, mask=mask_n, other=_POS_MAX)
-            kmin = tl.min(kp, 0)
             m_start = tl.load(mstart_ptr + pid_n)
         vl = offs_n
         if HAS_VALID:
@@ -283,10 +282,11 @@ if HAS_TRITON:
         dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
         for g in range(0, G):  # the query heads that read this key/value head
             h = hk * G + g
-            for i in range(m_start, m_blocks):
-                dk, dv = _dkdv_step(dk, dv, k, v, kp, kmin, i, b * H + h, q_ptr + b * s_qb + h * s_qh,
-                                    do_ptr + b * s_db + h * s_dh, lse_ptr, delta_ptr, qpos_ptr, qmax_ptr, offs_n,
-                                    offs_m0, offs_d, Sq, Sk, D, s_qm, s_qd, s_dm, s_dd, vl, qk_scale, CAUSAL,
+            q_base = q_ptr + b * s_qb + h * s_qh
+            do_base = do_ptr + b * s_db + h * s_dh
+            for i in range(m_start, m_blocks):  # the loop bounds skip what no row sees; the mask does the rest
+                dk, dv = _dkdv_step(dk, dv, k, v, kp, i, b * H + h, q_base, do_base, lse_ptr, delta_ptr, qpos_ptr,
+                                    offs_n, offs_m0, offs_d, Sq, Sk, D, s_qm, s_qd, s_dm, s_dd, vl, qk_scale, CAUSAL,
                                     HAS_VALID, IEEE, INTERPRETER, BLOCK_M)
         tl.store(dk_ptr + k_off, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=kv_mask)
         tl.store(dv_ptr + v_off, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
@@ -295,36 +295,6 @@ if HAS_TRITON:
 def _arch(device) -> int:
     """sm version of a CUDA ``device`` (80, 90, ...), 0 elsewhere (the interpreter's config then)."""
     return 0 if device.type != "cuda" else int("%d%d" % torch.cuda.get_device_capability(device))
-
-
-def config(kernel: str, itemsize: int, block_d: int, arch: int) -> dict:
-    """Blocks, warps, stages of ``kernel`` ("fwd", "dq", "dkdv") by element size, padded head_dim, sm version (0: the
-    interpreter's). Fixed, not autotuned: FlashAttention-2's tiles for head_dim 64-128, halved for fp32 where needed
-    (tests/test_triton_compile.py compiles each for sm_80 / sm_90 and checks its shared memory)."""
-    if arch == 0 or INTERPRETED:
-        return dict(INTERPRET_CONFIG)
-    wide = block_d > 64
-    stages = 3 if arch >= 90 and itemsize == 2 else 2
-    if kernel == "fwd":
-        bm, bn = (128, 64) if itemsize == 2 else (64, 32 if wide else 64)
-    elif kernel == "dq":
-        bm, bn = (64, 32) if itemsize == 2 or not wide else (32, 32)
-    else:  # dkdv: k, v, dk, dv stay in registers for the whole program
-        bm, bn = (32, 64) if itemsize == 2 or not wide else (32, 32)
-    return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": 8 if wide and itemsize == 2 else 4, "num_stages": stages}
-
-
-def _block_tables(q_pos, k_pos, sq: int, sk: int, bm: int, bn: int):
-    """(n_end [MB], kmin [NB], m_start [NB], qmax [MB]) int32 on the positions' device: per query block the max
-    position and the end of the last key block whose min position is <= it (a search in the suffix minima of kmin);
-    per key block the min position and the first query block whose max is >= it. Device ops only, O(MB + NB)."""
-    mb, nb = triton.cdiv(sq, bm), triton.cdiv(sk, bn)
-    qmax = F.pad(q_pos, (0, mb * bm - sq), value=POS_MIN).view(mb, bm).amax(1)
-    kmin = F.pad(k_pos, (0, nb * bn - sk), value=POS_MAX).view(nb, bn).amin(1)
-    suffix_min = kmin.flip(0).cummin(0).values.flip(0).contiguous()  # nondecreasing
-    n_end = torch.searchsorted(suffix_min, qmax, right=True).to(torch.int32)
-    m_start = torch.searchsorted(qmax.cummax(0).values.contiguous(), kmin).to(torch.int32)
-    return n_end, kmin, m_start, qmax
 
 
 def _common(q, k, v, causal, q_pos, k_pos, k_valid, allow_tf32):
@@ -354,12 +324,12 @@ def attention_fwd(q, k, v, *, scale: float, causal: bool = True, q_pos=None, k_p
         return out, lse
     cfg = config("fwd", q.element_size(), block_d, _arch(q.device))
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    n_end = kmin = out
+    n_end = n_full = out
     if causal:
-        n_end, kmin, _, _ = _block_tables(qp, kp, Sq, Sk, bm, bn)
-    _fwd_kernel[(triton.cdiv(Sq, bm), B * H)](
+        n_end, n_full, _ = _block_tables(qp, kp, Sq, Sk, bm, bn)
+    _fwd_kernel[(B * H, row_blocks(Sq, bm, "Sq"))](
         q, k, v, out, lse, out if qp is None else qp, out if kp is None else kp, out if valid is None else valid,
-        n_end, kmin, scale * LOG2E, Sq, Sk, H, H // k.shape[1], D, *q.stride(), *k.stride(), *v.stride(),
+        n_end, n_full, scale * LOG2E, Sq, Sk, H, H // k.shape[1], D, *q.stride(), *k.stride(), *v.stride(),
         *out.stride(), *(valid.stride() if valid is not None else (0, 0)), **flags, BLOCK_D=block_d, **cfg)
     return out, lse
 
@@ -376,24 +346,19 @@ def attention_bwd(q, k, v, out, lse, dout, *, scale: float, causal: bool = True,
     q, k, v = (t if t.stride() == d.stride() else t.contiguous() for t, d in ((q, dq), (k, dk), (v, dv)))
     lse = lse.to(torch.float32).contiguous()
     arch = _arch(q.device)
-    delta = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
-    cfg = config("dq", q.element_size(), block_d, arch)
+    cfg, cfg_kv = config("dq", q.element_size(), block_d, arch), config("dkdv", q.element_size(), block_d, arch)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    _delta_kernel[(triton.cdiv(Sq, bm), B * H)](out, dout, delta, Sq, H, D, *out.stride(), *dout.stride(),
-                                                BLOCK_M=bm, BLOCK_D=block_d)
+    grid, grid_kv = (B * H, row_blocks(Sq, bm, "Sq")), (B * k.shape[1], row_blocks(Sk, cfg_kv["BLOCK_N"], "Sk"))
+    delta = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
+    _delta_kernel[grid](out, dout, delta, Sq, H, D, *out.stride(), *dout.stride(), BLOCK_M=bm, BLOCK_D=block_d)
     pos = (dq if qp is None else qp, dq if kp is None else kp, dq if valid is None else valid)
     sizes = (scale * LOG2E, float(scale), Sq, Sk, H, G, D, *q.stride(), *k.stride(), *v.stride(), *dout.stride(),
              *(valid.stride() if valid is not None else (0, 0)))
-    n_end = kmin = dq
+    n_end = n_full = m_start = dq
     if causal:
-        n_end, kmin, _, _ = _block_tables(qp, kp, Sq, Sk, bm, bn)
-    _dq_kernel[(triton.cdiv(Sq, bm), B * H)](q, k, v, dout, dq, lse, delta, *pos, n_end, kmin, *sizes, **flags,
-                                            BLOCK_D=block_d, **cfg)
-    cfg = config("dkdv", q.element_size(), block_d, arch)
-    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    m_start = qmax = dq
-    if causal:
-        _, _, m_start, qmax = _block_tables(qp, kp, Sq, Sk, bm, bn)
-    _dkdv_kernel[(triton.cdiv(Sk, bn), B * k.shape[1])](q, k, v, dout, dk, dv, lse, delta, *pos, m_start, qmax,
-                                                       *sizes, **flags, BLOCK_D=block_d, **cfg)
+        n_end, n_full, _ = _block_tables(qp, kp, Sq, Sk, bm, bn)
+        m_start = _block_tables(qp, kp, Sq, Sk, cfg_kv["BLOCK_M"], cfg_kv["BLOCK_N"])[2]
+    _dq_kernel[grid](q, k, v, dout, dq, lse, delta, *pos, n_end, n_full, *sizes, **flags, BLOCK_D=block_d, **cfg)
+    _dkdv_kernel[grid_kv](q, k, v, dout, dk, dv, lse, delta, *pos, m_start, *sizes, **flags, BLOCK_D=block_d,
+                          **cfg_kv)
     return dq, dk, dv

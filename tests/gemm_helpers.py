@@ -35,8 +35,10 @@ def _composition(x, w, b, r, act, out_dtype):
     return y.to(out_dtype)
 
 
-def _grads(fn, tensors, dy):
-    leaves = [t.detach().clone().requires_grad_() if t is not None else None for t in tensors]
+def _grads(fn, tensors, dy, *, views: bool = False):
+    """(fn(*leaves), their grads) for dy. The leaves are copies, or with ``views`` the tensors' own storage at their
+    own offsets (detached, not copied: a misaligned view reaches ``fn`` misaligned)."""
+    leaves = [None if t is None else (t.detach() if views else t.detach().clone()).requires_grad_() for t in tensors]
     y = fn(*leaves)
     y.backward(dy.to(y.dtype))
     return y.detach(), [t.grad if t is not None else None for t in leaves]
@@ -54,8 +56,9 @@ def _assert_within(got, ref, unfused, dtype, what):
     assert e_got <= 2 * e_unfused + floor, f"{what}: fused error {e_got:.3g} vs unfused {e_unfused:.3g} ({dtype})"
 
 
-def _check_op(x, w, b, r, dy, act, out_dtype=None, *, check_backward=True):
-    """linear_act (whatever backend dispatch picks) vs float64 and vs the torch composition in the same dtype."""
+def _check_op(x, w, b, r, dy, act, out_dtype=None, *, check_backward=True, views=False):
+    """linear_act (whatever backend dispatch picks) vs float64 and vs the torch composition in the same dtype;
+    ``views``: linear_act gets x, w, b, r themselves (their storage and offsets), not aligned copies."""
     dtype = x.dtype
     out_dtype = out_dtype or dtype
     y64, g64 = _grads(lambda *t: _composition(*t, act, torch.float64),
@@ -63,7 +66,7 @@ def _check_op(x, w, b, r, dy, act, out_dtype=None, *, check_backward=True):
                       dy.double())
     y_t, g_t = _grads(lambda *t: _composition(*t, act, out_dtype), [x, w, b, r], dy)
     y_f, g_f = _grads(lambda xx, ww, bb, rr: linear_act(xx, ww, bb, act=act, residual=rr, out_dtype=out_dtype),
-                      [x, w, b, r], dy)
+                      [x, w, b, r], dy, views=views)
     assert y_f.dtype == out_dtype and y_f.shape == y64.shape
     _assert_within(y_f, y64, y_t, out_dtype, f"y ({act})")
     if check_backward:

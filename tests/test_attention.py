@@ -178,6 +178,10 @@ def check_split_keys(case: Case, dtype: torch.dtype, cut: int, *, truncates: boo
                            **kw) for s in blocks]
     out, lse = merge_partials(*parts[0], *parts[1])
     ref_out, ref_lse, ref_grads, mag, smax = reference(q, k, v, dout, k_pos=kp, k_valid=valid, **kw)
+    for s in blocks:  # each block has rows that see some of its keys: otherwise this checks zeros against zeros
+        sees = torch.isfinite(reference(q, k[:, :, s], v[:, :, s], dout, k_pos=kp[s],
+                                        k_valid=None if valid is None else valid[:, s], **kw)[1])
+        assert bool(sees.any()), f"{case}: no row sees a key of block {s}"
     tol = dict(dtype=dtype, d=case.d, smax=smax, g=case.hq // case.hkv, sq=case.sq, sk=case.sk, truncates=truncates)
     assert_within("merged out", out, ref_out, mag["out"], roundings=fwd_roundings + 1, **tol)  # + the merge's rounding
     assert torch.equal(torch.isinf(lse.cpu()), torch.isinf(ref_lse))

@@ -83,11 +83,20 @@ def brute_force_blocks(q_pos, k_pos, bm: int, bn: int) -> torch.Tensor:
                         for i in range(mb)])
 
 
+def brute_force_whole(q_pos, k_pos, bm: int, bn: int) -> torch.Tensor:
+    """[MB, NB] bool: every row of query block i sees every key of key block j."""
+    vis = k_pos[None, :] <= q_pos[:, None]
+    mb, nb = -(-len(q_pos) // bm), -(-len(k_pos) // bn)
+    return torch.stack([torch.stack([vis[i * bm:(i + 1) * bm, j * bn:(j + 1) * bn].all() for j in range(nb)])
+                        for i in range(mb)])
+
+
 @pytest.mark.parametrize("order", ["sorted", "zigzag", "shuffled"])
 def test_block_tables_cover_every_visible_block(order):
-    """The launcher's skip tables: every (query block, key block) pair with a visible key lies inside the range the
-    kernels loop over and passes their in-loop test (kmin <= qmax); for sorted positions the range is exactly the
-    visible blocks."""
+    """The launcher's loop bounds: every (query block, key block) pair with a visible key lies inside the ranges the
+    kernels loop over ([0, n_end) per query block, [m_start, end) per key block), and the blocks the forward / dq run
+    without the position mask ([0, n_full)) are seen whole by every row; for sorted positions the ranges are exactly
+    the visible blocks and the whole ones."""
     from llmpar.kernels.attention import _block_tables
 
     g = torch.Generator().manual_seed(5)
@@ -96,15 +105,43 @@ def test_block_tables_cover_every_visible_block(order):
     k_pos = {"sorted": torch.arange(0, 130), "zigzag": torch.tensor(zigzag(96, 3, 2)),
              "shuffled": torch.randperm(77, generator=g) + 10}[order]
     bm, bn = 16, 32
-    n_end, kmin, m_start, qmax = _block_tables(q_pos, k_pos, len(q_pos), len(k_pos), bm, bn)
-    need = brute_force_blocks(q_pos, k_pos, bm, bn)
+    n_end, n_full, m_start = _block_tables(q_pos, k_pos, len(q_pos), len(k_pos), bm, bn)
+    need, whole = brute_force_blocks(q_pos, k_pos, bm, bn), brute_force_whole(q_pos, k_pos, bm, bn)
     mb, nb = need.shape
-    in_fwd = (torch.arange(nb)[None, :] < n_end[:, None].long()) & (kmin[None, :] <= qmax[:, None])
-    in_bwd = (torch.arange(mb)[:, None] >= m_start[None, :].long()) & (qmax[:, None] >= kmin[None, :])
+    in_fwd = torch.arange(nb)[None, :] < n_end[:, None].long()
+    unmasked = torch.arange(nb)[None, :] < n_full[:, None].long()
+    in_bwd = torch.arange(mb)[:, None] >= m_start[None, :].long()
     assert bool((in_fwd | ~need).all()) and bool((in_bwd | ~need).all())
+    assert bool((whole | ~unmasked).all()), "a block run without the position mask has keys some row must not see"
     if order != "shuffled":
-        assert torch.equal(in_fwd, need) and torch.equal(in_bwd, need)
-        assert 0 < int(need.sum()) < need.numel()  # some blocks skipped, some not
+        assert torch.equal(in_fwd, need) and torch.equal(in_bwd, need) and torch.equal(unmasked, whole)
+        assert 0 < int(need.sum()) < need.numel() and 0 < int(whole.sum())  # some skipped, some masked, some whole
+        assert order != "sorted" or int(whole.sum()) < int(need.sum())
+
+
+@interpreted
+@pytest.mark.parametrize("case", [
+    Case(b=1, hq=2, hkv=1, sq=37, sk=53, d=16, q_pos=list(range(16, 53)), pad="some"),
+    Case(b=1, hq=2, hkv=2, sq=20, sk=40, d=16, q_pos=zigzag(40, 2, 1)),
+], ids=str)
+def test_interp_unmasked_blocks_change_no_bits(case, monkeypatch):
+    """The forward / dq run the blocks every row sees whole without the position compare: the results are the same
+    bits as with every block of the range masked (n_full = 0)."""
+    from llmpar.kernels import attention as kernels
+    from test_attention import make
+
+    q, k, v, dout, q_pos, k_pos, valid = make(case, torch.bfloat16)
+    kw = dict(scale=0.3, causal=True, q_pos=q_pos, k_pos=k_pos, k_valid=valid)
+    split = (*kernels.attention_fwd(q, k, v, **kw), )
+    split += kernels.attention_bwd(q, k, v, *split, dout, **kw)
+    tables = kernels._block_tables
+    assert int(tables(q_pos, torch.arange(case.sk) if k_pos is None else k_pos, case.sq, case.sk, 16, 16)[1].sum())
+    monkeypatch.setattr(kernels, "_block_tables", lambda *a: (lambda t: (t[0], torch.zeros_like(t[1]), t[2]))(
+        tables(*a)))
+    masked = (*kernels.attention_fwd(q, k, v, **kw), )
+    masked += kernels.attention_bwd(q, k, v, *split[:2], dout, **kw)
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), split, masked):
+        assert torch.equal(a, b), name
 
 
 # ------------------------------------------------------------------------------------------------ on a GPU
@@ -124,5 +161,6 @@ def test_gpu_kernels_vs_float64(case, dtype):
 
 @gpu
 def test_gpu_split_key_blocks_backward_from_final_lse_bf16():
-    case = Case(b=1, hq=8, hkv=2, sq=256, sk=512, d=64, q_pos=zigzag(512, 2, 1), pad="row")
+    # pad "row" pads every key of batch 0: a second batch has real keys (one batch alone would check zeros)
+    case = Case(b=2, hq=8, hkv=2, sq=256, sk=512, d=64, q_pos=zigzag(512, 2, 1), pad="row")
     check_split_keys(case, torch.bfloat16, cut=200, device="cuda", **KERNEL)

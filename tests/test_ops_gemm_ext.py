@@ -231,7 +231,7 @@ def _assert_gelu_epilogue(got, ref, unfused, dtype, what, z64):
                   f"{bound:.3g}): it evaluates tanh approximately (within tanh.approx.f32's 2^-10.9)")
 
 
-def _check_op_gelu_epilogue(monkeypatch, x, w, b, r, dy, act):
+def _check_op_gelu_epilogue(monkeypatch, x, w, b, r, dy, act, *, views: bool = False):
     """``_check_op`` where y may come from cuBLASLt's GELU epilogue (LLMPAR_BACKEND=cuda): y of act gelu_tanh is
     checked with ``_assert_gelu_epilogue``; everything else as ``_check_op`` does (``monkeypatch``: a context the
     caller closes right after)."""
@@ -247,7 +247,7 @@ def _check_op_gelu_epilogue(monkeypatch, x, w, b, r, dy, act):
             return plain(got, ref, unfused, dtype, what)
 
         monkeypatch.setattr(gemm_helpers, "_assert_within", within)
-    _check_op(x, w, b, r, dy, act)
+    _check_op(x, w, b, r, dy, act, views=views)
 
 
 def test_gelu_epilogue_bound_takes_tanh_approx_and_no_more():
@@ -409,9 +409,16 @@ def test_linear_act_on_offset_views(monkeypatch, backend, dtype):
         pytest.importorskip("triton")
     monkeypatch.setenv("LLMPAR_BACKEND", backend)
     x, w, b, r, dy = _views([(45, 256), (77, 256), (77,), (45, 77), (45, 77)], dtype, 3, seed=1)
+    import gemm_helpers
+
+    seen, op = [], gemm_helpers.linear_act
+    monkeypatch.setattr(gemm_helpers, "linear_act", lambda xx, ww, bb, **kw: seen.append(
+        (xx.data_ptr(), ww.data_ptr(), bb.data_ptr())) or op(xx, ww, bb, **kw))
     with pytest.MonkeyPatch.context() as mp:
-        _check_op_gelu_epilogue(mp, x, w, b, None, dy, "gelu_tanh")
-    _check_op(x, w, b, r, dy, "none")
+        _check_op_gelu_epilogue(mp, x, w, b, None, dy, "gelu_tanh", views=True)
+    _check_op(x, w, b, r, dy, "none", views=True)
+    want = (x.data_ptr(), w.data_ptr(), b.data_ptr())
+    assert seen == [want, want] and all(p % 16 for p in want), "the op must get the misaligned views themselves"
 
 
 @pytest.mark.gpu

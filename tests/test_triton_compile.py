@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from triton_aot import SMEM_LIMIT, Recorder, bind_like_launcher, compile_like_launcher, specialised
+from triton_aot import SMEM_LIMIT, Recorder, bind_like_launcher, compile_like_launcher, res_usage, specialised
 
 from llmpar.kernels import adamw as adamw_kernels  # noqa: E402
 from llmpar.kernels import bucket as bucket_kernels  # noqa: E402
@@ -123,9 +123,10 @@ from llmpar.kernels import attention as attention_kernels  # noqa: E402
 _ATTN_KERNELS = ("_fwd_kernel", "_delta_kernel", "_dq_kernel", "_dkdv_kernel")
 
 
-def attention_launches(arch: int, dtype: torch.dtype, d: int, *, causal: bool, padded: bool) -> dict:
+def attention_launches(arch: int, dtype: torch.dtype, d: int, *, causal: bool, padded: bool, grids: dict | None = None
+                       ) -> dict:
     """kernel name -> (args, kwargs) of the launches attention_fwd / attention_bwd make for sm_``arch`` (GQA 4:2,
-    q / k / v as [B, S, H, D] views, odd sequence lengths)."""
+    q / k / v as [B, S, H, D] views, odd sequence lengths); ``grids`` (a dict) receives each launch's grid."""
     q = torch.randn(2, 37, 4, d).to(dtype).transpose(1, 2)
     k, v = (torch.randn(2, 53, 2, d).to(dtype).transpose(1, 2) for _ in range(2))
     valid = torch.rand(2, 53) > 0.2 if padded else None
@@ -138,19 +139,63 @@ def attention_launches(arch: int, dtype: torch.dtype, d: int, *, causal: bool, p
         out, lse = attention_kernels.attention_fwd(q, k, v, **kw)
         lse.uniform_(1.0, 2.0)
         attention_kernels.attention_bwd(q, k, v, out, lse, torch.randn_like(q), **kw)
+    if grids is not None:
+        grids.update({name: rec.grids[0] for name, rec in recs.items()})
     return {name: rec.calls[0] for name, rec in recs.items()}
+
+
+_COMPILED: dict[tuple, dict] = {}
+
+
+def compiled_attention(arch: int, dtype: torch.dtype, d: int, causal: bool, padded: bool) -> dict:
+    """kernel name -> the kernel compiled as attention_fwd / attention_bwd launch it (cached: the tests share them)."""
+    key = (arch, dtype, d, causal, padded)
+    if key not in _COMPILED:
+        _COMPILED[key] = {
+            name: compile_like_launcher(getattr(attention_kernels, name), args, kwargs, arch=arch)
+            for name, (args, kwargs) in attention_launches(arch, dtype, d, causal=causal, padded=padded).items()
+            if not (name == "_delta_kernel" and arch == 80)}  # no dot, no config beyond BLOCK_M: sm_90 only
+    return _COMPILED[key]
 
 
 @pytest.mark.parametrize("arch, dtype, d, causal, padded", [
     (90, torch.bfloat16, 128, True, True),     # the training case: every flag, widest 16-bit tiles
-    (80, torch.float32, 128, True, False),     # fp32 tiles: the most shared memory
+    (90, torch.bfloat16, 64, False, False),
+    (80, torch.bfloat16, 128, True, True),
+    (90, torch.float32, 128, True, True),      # fp32 (IEEE, FMA units): the tiles that spilled 8 KB per thread
+    (90, torch.float32, 64, True, False),
+    (80, torch.float32, 128, True, False),
     (80, torch.float16, 24, False, True),      # head_dim padded to 32
 ])
 def test_attention_kernels_compile_as_launched(arch, dtype, d, causal, padded):
     """Each attention kernel compiles for sm_80 / sm_90 with the launcher's specialisations and block config, within
-    the architecture's shared memory."""
-    for name, (args, kwargs) in attention_launches(arch, dtype, d, causal=causal, padded=padded).items():
-        if name == "_delta_kernel" and arch == 80:
-            continue  # no dot, no config dependence beyond BLOCK_M: compiled once, on sm_90
-        kernel = compile_like_launcher(getattr(attention_kernels, name), args, kwargs, arch=arch)
+    the architecture's shared memory, and spills nothing: no stack, no local memory (cuobjdump -res-usage)."""
+    for name, kernel in compiled_attention(arch, dtype, d, causal, padded).items():
         assert kernel.metadata.shared <= SMEM_LIMIT[arch], (name, kernel.metadata.shared)
+        use = res_usage(kernel)
+        assert use["STACK"] == 0 and use["LOCAL"] == 0, f"{name} spills on sm_{arch} ({dtype}, d{d}): {use}"
+
+
+def test_causal_attention_kernels_are_pipelined():
+    """A causal kernel's key / query loop is software-pipelined like the non-causal one: num_stages buffers of K / V
+    (Q / dout) in shared memory, not the single buffer a branch around the loads leaves (48 KB against 128 KB)."""
+    causal, plain = (compiled_attention(90, torch.bfloat16, 128, c, True) for c in (True, False))
+    for name in ("_fwd_kernel", "_dq_kernel", "_dkdv_kernel"):
+        assert causal[name].metadata.shared >= plain[name].metadata.shared, \
+            (name, causal[name].metadata.shared, plain[name].metadata.shared)
+
+
+def test_attention_grid_puts_batch_heads_on_axis_0():
+    """batch x heads on grid axis 0 (2^31 - 1 programs), the row blocks on axis 1 (65535): 4096 sequences of 16 heads
+    fit, and a sequence with more row blocks than axis 1 takes raises a ValueError naming it before any launch."""
+    from llmpar.kernels.attention_tiles import row_blocks
+
+    grids: dict = {}
+    launches = attention_launches(90, torch.bfloat16, 64, causal=True, padded=False, grids=grids)
+    for name, (_, kwargs) in launches.items():  # B = 2, Hq = 4, Hkv = 2, Sq = 37, Sk = 53
+        rows, heads = (53, 2 * 2) if name == "_dkdv_kernel" else (37, 2 * 4)
+        block = kwargs["BLOCK_N" if name == "_dkdv_kernel" else "BLOCK_M"]
+        assert tuple(grids[name]) == (heads, -(-rows // block)), (name, grids[name])
+    assert row_blocks(65535 * 16, 16, "Sq") == 65535
+    with pytest.raises(ValueError, match=r"Sq=1048561 needs 65536 blocks of 16 rows on grid axis 1"):
+        row_blocks(65535 * 16 + 1, 16, "Sq")

@@ -14,6 +14,11 @@ so the signature, constants and divisibility attributes are the launcher's, then
 """
 from __future__ import annotations
 
+import os
+import re
+import shutil
+import subprocess
+import tempfile
 from typing import Any
 
 import pytest
@@ -35,10 +40,12 @@ class Recorder:
 
     def __init__(self) -> None:
         self.calls: list[tuple[tuple, dict]] = []
+        self.grids: list[Any] = []
 
     def __getitem__(self, grid: Any):
         def launch(*args: Any, **kwargs: Any) -> None:
             self.calls.append((args, kwargs))
+            self.grids.append(grid)
         return launch
 
 
@@ -84,3 +91,29 @@ def specialised(signature: dict, constexprs: dict, fn: Any) -> dict[str, Any]:
         if not rest and not p.is_constexpr:
             out[p.name] = value
     return out
+
+
+def cuobjdump() -> str | None:
+    """A cuobjdump binary: Triton's own (it ships one beside its ptxas), else the CUDA toolkit's, else None."""
+    bundled = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if os.access(bundled, os.X_OK):
+        return bundled
+    home = os.environ.get("CUDA_HOME")
+    found = os.path.join(home, "bin", "cuobjdump") if home else ""
+    return found if os.access(found, os.X_OK) else shutil.which("cuobjdump")
+
+
+def res_usage(kernel) -> dict[str, int]:
+    """{"REG", "STACK", "SHARED", "LOCAL"}: ``cuobjdump -res-usage`` of a compiled kernel's cubin (no GPU needed).
+    STACK / LOCAL are bytes per thread: nonzero when registers spilled (or an array went to local memory)."""
+    tool = cuobjdump()
+    if tool is None:
+        pytest.skip("no cuobjdump (neither Triton's nor the CUDA toolkit's)")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        out = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True, timeout=60).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", out)
+    assert m, f"cuobjdump -res-usage printed no resource line:\n{out}"
+    return dict(zip(("REG", "STACK", "SHARED", "LOCAL"), map(int, m.groups())))
