@@ -139,3 +139,31 @@ def test_train_summary_reports_mfu():
             f"{100 * 0.125 / 0.4:.3g}% of 0.4 TFLOP/s (LLMPAR_PEAK_TFLOPS)") in format_summary(r)
     r.peak_tflops, r.peak_source = None, "no bf16 peak known for 'X'"
     assert r.mfu is None and "0.125 TFLOP/s per device (MFU: no bf16 peak known for 'X')" in format_summary(r)
+
+
+@pytest.mark.parametrize("impl", ["transformers", "builtin"])
+def test_bench_mfu_runs_at_toy_size(tmp_path, impl):
+    """bench/bench_mfu.py (the GPU check's MFU command) end to end at toy size on CPU, so it cannot rot: both cases
+    train the same model from the same weights on the same batches (first losses agree), report tokens/s, TFLOP/s and
+    MFU, and the table + PNG land in --out."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if impl == "transformers":
+        pytest.importorskip("transformers")
+    script = Path(__file__).resolve().parents[1] / "bench" / "bench_mfu.py"
+    proc = subprocess.run([sys.executable, str(script), "--toy", "--impl", impl, "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    record = json.loads((tmp_path / "mfu_toy_cpu.json").read_text())
+    torch_row, llmpar_row = record["rows"]
+    assert torch_row["case"].startswith("torch") and llmpar_row["case"].startswith("llmpar")
+    for row in (torch_row, llmpar_row):
+        assert "error" not in row, row
+        assert row["tokens_per_s"] > 0 and row["tflops_per_device"] >= 0 and row["mfu_pct"] > 0, row
+    assert abs(torch_row["first_loss"] - llmpar_row["first_loss"]) < 0.05, (torch_row, llmpar_row)
+    assert llmpar_row["speedup"] == pytest.approx(llmpar_row["tokens_per_s"] / torch_row["tokens_per_s"], rel=1e-2)
+    assert impl in record["meta"]["model"] and "6 N + 12 n_layer d_model seq" in record["meta"]["flops_per_token"]
+    assert (tmp_path / "mfu_toy_cpu.md").exists() and (tmp_path / "mfu_toy_cpu.png").exists()
