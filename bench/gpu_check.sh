@@ -11,7 +11,7 @@
 #                                                    there; run nothing
 #   bash bench/gpu_check.sh --only build_ext,train_bf16   only these steps (a rerun)
 #
-# Time: a global deadline (GPU_CHECK_DEADLINE, default 460 s: the run ends within 8 minutes) bounds the whole run.
+# Time: a global deadline (GPU_CHECK_DEADLINE, default 470 s: the run ends within 8 minutes) bounds the whole run.
 # Each step runs under min(its budget, the time left); a step that no longer fits is skipped and listed as such.
 # Test steps run pytest -v (a step killed at its limit still lists the tests that passed) with a per-test timeout
 # shorter than the step's budget, and junit XML.
@@ -21,7 +21,12 @@
 # Output: summary.md (step table, test counts, figures, versions, device, build tools, date) and gpu_check.tar.gz
 # (every log and result table) in $OUT when it is set, else in bench/results/gpu_check_<date>/. Both are rewritten
 # after every step and by a trap on exit / INT / TERM, so a run killed part-way still leaves what it measured.
-# Env: PYTHON (default python3), MAX_JOBS (16), TORCH_CUDA_ARCH_LIST (this GPU's arch), GPU_CHECK_DEADLINE (460),
+# CUDA_HOME: the toolkit that builds the extension, resolved once and exported (torch's own guess takes `which nvcc`
+# without following links: an nvcc on PATH that is a wrapper script or a link outside the toolkit breaks build_ext).
+# A valid CUDA_HOME from the environment is kept; else nvcc's real location (links followed), else the TOP nvcc reports
+# itself (`nvcc --dryrun`: wrapper scripts), else /usr/local/cuda; valid means include/cuda_runtime.h and libcudart.
+# --plan and summary.md print it as CUDA_HOME=<path>.
+# Env: PYTHON (default python3), MAX_JOBS (16), TORCH_CUDA_ARCH_LIST (this GPU's arch), GPU_CHECK_DEADLINE (470),
 #      GPU_CHECK_WORKERS (pytest-xdist workers, 14), GPU_CHECK_WHEELHOUSE (.gpu-wheelhouse), LLMPAR_AUTOTUNE_CONFIGS
 #      for the tests (1: no autotuning) and GPU_CHECK_BENCH_CONFIGS for the benchmarks (2): Triton's GEMM autotunes
 #      over that many configs only.
@@ -31,7 +36,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 PY="${PYTHON:-python3}"
 SUMMARY_PY="$(command -v python3 || echo "$PY")"  # the summary helper needs the standard library only
-DEADLINE="${GPU_CHECK_DEADLINE:-460}"
+DEADLINE="${GPU_CHECK_DEADLINE:-470}"
 export MAX_JOBS="${MAX_JOBS:-16}"
 WORKERS="${GPU_CHECK_WORKERS:-14}"
 WHEELHOUSE="${GPU_CHECK_WHEELHOUSE:-$ROOT/.gpu-wheelhouse}"
@@ -41,20 +46,22 @@ export PYTHONUNBUFFERED=1
 STAMP="$(date -u +%Y%m%d-%H%M%S)"
 
 # name|budget in seconds|what it does. The order is the priority: what matters most runs while time is plentiful.
-# Budgets from measured runs: build_ext ~20-30 s with ninja (80-90 s without), tests_gpu_other ~90 s on 14 workers
-# (~300 s serially, compile-bound), tests_gpu_bf16 about half of that, bench_bucket ~35 s before its table fix.
+# Budgets from measured runs and static estimates: build_ext ~20-30 s with ninja (80-90 s without), tests_gpu_other
+# 35-55 s on 14 workers (~300 s serially, compile-bound), tests_gpu_bf16 about the same, bench_bucket ~35 s before its
+# table fix; env up to ~20 s (the first torch import on a cold image); bench_gemm 65-85 s (~26 Triton variants
+# compiled, ~30 autotuned keys, 32 CUDA graphs captured).
 PLAN=(
-  "env|15|device, driver, python3 / torch / triton / nvcc versions; missing wheels from the wheelhouse (offline)"
+  "env|25|device, driver, python3 / torch / triton / nvcc versions; missing wheels from the wheelhouse (offline)"
   "install|15|pip install -e . --no-deps --no-build-isolation (offline)"
   "build_ext|45|LLMPAR_BUILD_CUDA=1 setup.py build_ext --inplace for this GPU's arch, MAX_JOBS=$MAX_JOBS, ninja"
   "load_ext|10|load llmpar._C, list its ops, backend report; later steps never JIT-build (LLMPAR_NO_JIT=1)"
   "tests_gpu_bf16|60|pytest -m gpu, bf16 cases, on the files with GPU tests (xdist workers)"
-  "tests_gpu_other|100|pytest -m gpu, the other cases (fp32, fp16, dtype-free)"
+  "tests_gpu_other|80|pytest -m gpu, the other cases (fp32, fp16, dtype-free)"
   "tests_optim_cuda|35|pytest tests/test_optim_ops.py on the GPU: torch, triton and cuda backends"
   "train_bf16|30|llmpar train --nproc 1 --device cuda --bf16 --steps 30: the demo GPT through llmpar.initialize"
   "zero3_nccl|20|the same on ZeRO-3 + overlap_comm + optimizer offload (NCCL, world size 1: async streams)"
   "bench_optim|35|FusedAdamW (every precision) vs torch AdamW, GPT parameter lists of 100M and 1B"
-  "bench_gemm|65|linear_act vs cuBLAS, 8192 tokens x LLaMA 7B/8B MLP shapes, tp 1 and 8; parallel layers fwd+bwd"
+  "bench_gemm|85|linear_act vs cuBLAS, 8192 tokens x LLaMA 7B/8B MLP shapes, tp 1 and 8; parallel layers fwd+bwd"
   "bench_bucket|25|pack/unpack of a 1e8-element gradient bucket, every backend"
 )
 NAMES=(); BUDGETS=(); WHATS=()
@@ -64,6 +71,33 @@ for row in "${PLAN[@]}"; do
 done
 
 if [[ -n "${OUT:-}" ]]; then DEST="$OUT"; else DEST="$ROOT/bench/results/gpu_check_$STAMP"; fi
+
+cuda_toolkit_ok() {  # cuda_toolkit_ok DIR: DIR holds the runtime header and library the extension builds against
+  [[ -n "$1" && -f "$1/include/cuda_runtime.h" ]] && compgen -G "$1/lib64/libcudart*" >/dev/null
+}
+
+resolve_cuda_home() {  # sets CUDA_HOME_PATH (empty when none is valid) and CUDA_HOME_HOW (where it came from)
+  local nvcc top cand
+  CUDA_HOME_PATH=""; CUDA_HOME_HOW=""
+  if [[ -n "${CUDA_HOME:-}" ]]; then
+    if cuda_toolkit_ok "$CUDA_HOME"; then CUDA_HOME_PATH="$CUDA_HOME"; CUDA_HOME_HOW="from the environment"; return; fi
+    CUDA_HOME_HOW="CUDA_HOME=$CUDA_HOME from the environment lacks include/cuda_runtime.h or lib64/libcudart*; "
+  fi
+  nvcc="$(command -v nvcc || true)"
+  if [[ -n "$nvcc" ]]; then
+    cand="$(dirname "$(dirname "$(readlink -f "$nvcc")")")"
+    if cuda_toolkit_ok "$cand"; then CUDA_HOME_PATH="$cand"; CUDA_HOME_HOW+="nvcc at $nvcc, links followed"; return; fi
+    top="$(timeout 20 "$nvcc" --dryrun -x cu -c /dev/null -o /dev/null 2>&1 | sed -n 's/^#\$ TOP=//p' | head -n 1)"
+    if [[ -n "$top" ]] && cand="$(readlink -f "$top")" && cuda_toolkit_ok "$cand"; then
+      CUDA_HOME_PATH="$cand"; CUDA_HOME_HOW+="the toolkit nvcc at $nvcc reports (nvcc --dryrun TOP)"; return
+    fi
+  fi
+  cand="$(readlink -f /usr/local/cuda 2>/dev/null || true)"
+  if cuda_toolkit_ok "$cand"; then CUDA_HOME_PATH="$cand"; CUDA_HOME_HOW+="/usr/local/cuda"; return; fi
+  CUDA_HOME_HOW+="no toolkit found (nvcc ${nvcc:-not on PATH}): build_ext will fail"
+}
+resolve_cuda_home
+if [[ -n "$CUDA_HOME_PATH" ]]; then export CUDA_HOME="$CUDA_HOME_PATH"; fi
 
 xdist_route() {  # how pytest-xdist reaches the test steps, in one line
   local wheels
@@ -94,9 +128,10 @@ print_plan() {
   done
   echo "  sum of budgets ${total}s; each step runs under min(budget, time left before the deadline)"
   echo "  pytest-xdist: $(xdist_route)"
-  echo "  test steps: pytest -v, junit XML, per-test timeout $(test_timeout 60)s / $(test_timeout 100)s /" \
+  echo "  test steps: pytest -v, junit XML, per-test timeout $(test_timeout 60)s / $(test_timeout 80)s /" \
     "$(test_timeout 35)s (bf16 / other / optim)"
   echo "  python: $PY; MAX_JOBS=$MAX_JOBS; Triton autotune configs: tests $TEST_CONFIGS, benchmarks $BENCH_CONFIGS"
+  echo "  CUDA_HOME=${CUDA_HOME_PATH:-NONE} ($CUDA_HOME_HOW)"
   echo "  output: $DEST/summary.md and $DEST/gpu_check.tar.gz${OUT:+ (\$OUT)}"
 }
 
@@ -105,7 +140,7 @@ while [[ $# -gt 0 ]]; do
   case "$1" in
     --plan) print_plan; exit 0 ;;
     --only) ONLY=",${2:?--only needs a comma-separated list of steps},"; shift 2 ;;
-    -h|--help) sed -n '2,27p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    -h|--help) sed -n '2,32p' "${BASH_SOURCE[0]}"; exit 0 ;;
     *) echo "gpu_check.sh: unknown argument $1 (use --plan, --only STEPS)" >&2; exit 2 ;;
   esac
 done
@@ -178,7 +213,8 @@ run_step() {  # run_step INDEX CMD...: under min(budget, time left), output to l
 # --------------------------------------------------------------------------------------------- the steps
 
 SITE="$WORK/site"
-SETTINGS="deadline ${DEADLINE}s, MAX_JOBS=$MAX_JOBS, autotune configs tests $TEST_CONFIGS / benches $BENCH_CONFIGS"
+SETTINGS="deadline ${DEADLINE}s, MAX_JOBS=$MAX_JOBS, autotune configs tests $TEST_CONFIGS / benches $BENCH_CONFIGS,"
+SETTINGS+=" CUDA_HOME=${CUDA_HOME_PATH:-NONE} ($CUDA_HOME_HOW)"
 run_step 0 bash -c '"$1" bench/gpu_check_summary.py env "$2" "$3"; rc=$?; echo; echo "wheels (${4#"$6"/}):"
   PYTHON="$1" GPU_CHECK_WHEELHOUSE="$4" bash bench/gpu_wheelhouse.sh --install "$5" || rc=1
   export PYTHONPATH="$5${PYTHONPATH:+:$PYTHONPATH}" PATH="$5/bin:$5/ninja/data/bin:$PATH"
