@@ -4,7 +4,8 @@
 
 Engine semantics are DeepSpeed's: ``backward`` scales the loss by 1/gradient_accumulation_steps and reduces gradients
 (stage 2: every micro-step into the partition; stages 0/1: at the boundary); ``step`` applies the optimizer and the
-scheduler only at the accumulation boundary ((micro_steps + 1) % gas == 0) and counts micro-steps always.
+scheduler only at the accumulation boundary ((micro_steps + 1) % gas == 0) and counts micro-steps always. ZeRO runs
+over ``dp_group``; tensor-parallel layers on ``tp_group`` compose with it.
 
 A rank whose ``step()`` comes without a ``backward()`` since the last one (a script skipping a batch on one rank)
 would run none of the micro-step's gradient reductions that the other ranks run, and every later reduction would mix
@@ -13,8 +14,7 @@ forward with non-finite (NaN) output gradients: the same gradient reductions as 
 gradients reach every rank, so the optimizer step of that accumulation is skipped on every rank (DeepSpeed's found-inf
 path: ``skipped_steps`` + 1 everywhere, params, optimizer state and scheduler untouched; under fp16 the loss scale is
 lowered as for an overflow); the rank says so in a warning. Without such a forward (nothing to run backward from) the
-optimizer has nothing to step: the step is neither taken nor counted. ZeRO runs
-over ``dp_group``; tensor-parallel layers on ``tp_group`` compose with it.
+optimizer has nothing to step: the step is neither taken nor counted.
 
 Context parallelism (``context_parallel``, a ``llmpar.context_parallel.ContextParallel``, with the model's
 ``adapter``): ``engine(...)`` takes the full batch (the same on every cp rank of a data-parallel group: agreed first,
