@@ -202,9 +202,15 @@ def _cuda_toolkit() -> str:
 
 def record_env(work: Path, settings: str) -> dict:
     """WORK/env.json: date, device (nvidia-smi and torch), versions (python, torch, its CUDA, triton), the CUDA toolkit
-    that builds the extension (nvcc, CUDA_HOME), settings."""
+    that builds the extension (nvcc, CUDA_HOME), settings. A first env.json (date, python, settings) is written before
+    the slow probes (the first torch import on a cold image, nvidia-smi, nvcc), so a step killed during them still
+    leaves the date and settings (CUDA_HOME among them) for the summary."""
     versions = [f"python {platform.python_version()}"]
     device = "no CUDA device"
+    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    early = {"date": date, "device": "unknown (the env step stopped before probing)", "versions": versions[0],
+             "settings": settings}
+    (Path(work) / "env.json").write_text(json.dumps(early, indent=1) + "\n")
     try:
         import torch
 
@@ -227,7 +233,7 @@ def record_env(work: Path, settings: str) -> dict:
     env_cuda = _cuda_toolkit()
     commit = _run(["git", "rev-parse", "--short", "HEAD"])
     versions.append(f"llmpar commit {commit or 'unknown (no git here)'}")
-    env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "device": device,
+    env = {"date": date, "device": device,
            "versions": ", ".join(versions), "cuda_toolkit": env_cuda, "settings": settings}
     (Path(work) / "env.json").write_text(json.dumps(env, indent=1) + "\n")
     return env

@@ -261,3 +261,16 @@ def test_plan_resolves_the_real_cuda_home(tmp_path, how):
         assert "lacks include/cuda_runtime.h" in line.group(2)
     else:
         assert line.group(1) == str(kit), line.group(0)
+
+
+def test_env_record_is_written_before_the_slow_probes(tmp_path, monkeypatch):
+    """A first env.json (date, settings) exists before the probes run: an env step killed while importing torch or
+    asking nvcc still leaves them for summary.md."""
+    def stuck() -> str:
+        raise KeyboardInterrupt  # stands in for the step's timeout killing it here
+    monkeypatch.setattr(gpu_check_summary, "_cuda_toolkit", stuck)
+    with pytest.raises(KeyboardInterrupt):
+        gpu_check_summary.record_env(tmp_path, "deadline 470s, CUDA_HOME=/opt/cuda (from the environment)")
+    env = json.loads((tmp_path / "env.json").read_text())
+    assert env["settings"].endswith("CUDA_HOME=/opt/cuda (from the environment)") and env["date"]
+    assert "- settings: deadline 470s, CUDA_HOME=/opt/cuda" in gpu_check_summary.render(tmp_path)
