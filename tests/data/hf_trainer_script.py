@@ -81,7 +81,7 @@ def ds_config(stage: int, offload: bool, tp: int, hf_schedule: bool) -> dict:
     if stage == 3:
         cfg["zero_optimization"].update({"stage3_prefetch_bucket_size": "auto",
                                          "stage3_param_persistence_threshold": "auto",
-                                         "stage3_gather_16bit_weights_on_model_save": True})
+                                         "gather_16bit_weights_on_model_save": True})  # DeepSpeed's name
     if offload:
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
         del cfg["optimizer"]["params"]["torch_adam"]
