@@ -52,9 +52,10 @@ _EXPORTS: dict[str, str] = {
     "get_accelerator": "llmpar.accelerator:get_accelerator",
     "runtime": "runtime",
 }
-# DeepSpeed's module names inside lower packages (``deepspeed.ops.adam``, ``deepspeed.runtime.utils``): loaded with
-# any export once their package is an attribute here, so that ``llmpar.ops.adam`` is one whenever ``llmpar.ops`` is
-_COMPAT_SHIMS = ("llmpar.ops.adam", "llmpar.runtime.utils")
+# DeepSpeed's module names inside lower packages (``deepspeed.ops.adam``): loaded with any export once their package
+# is an attribute here, so that ``llmpar.ops.adam`` is one whenever ``llmpar.ops`` is (``llmpar.runtime.utils`` is
+# loaded by ``llmpar.runtime`` on first use)
+_COMPAT_SHIMS = ("llmpar.ops.adam",)
 
 _OPS = "of DeepSpeed's ops llmpar provides llmpar.ops.adam (FusedAdam, DeepSpeedCPUAdam) only"
 _ZERO = ("ZeRO's user API is llmpar.zero (Init, GatheredParameters); memory estimates are "

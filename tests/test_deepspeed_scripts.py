@@ -77,7 +77,8 @@ def _read_csv(path: Path) -> tuple[list[str], list[tuple[int, float]]]:
 
 
 def test_example_script_renamed_runs_with_monitors(tmp_path):
-    """One 2-rank run of tests/data/ds_example_script.py after the mechanical rename (get_accelerator,
+    """One 2-rank run of tests/data/ds_example_script.py after the mechanical rename (get_accelerator from the top
+    level, runtime.utils' set_random_seed and see_memory_usage,
     lr_schedules.WarmupDecayLR on a client optimizer, initialize, train loop, optimizer state dict, save_checkpoint,
     destroy) with the csv, tensorboard and wandb monitors on (the last two when installed; wandb offline): it exits
     0, and rank 0's monitor events are the losses and lrs the engine returned, at DeepSpeed's sample steps."""
@@ -102,6 +103,9 @@ def test_example_script_renamed_runs_with_monitors(tmp_path):
     data = json.loads(out.read_text())
     assert (data["device"], data["device_name"], data["backend"]) == ("cpu:0", "cpu", "gloo")
     assert data["peak"] > 0 and "buffers" in data["state_keys"]
+    torch.manual_seed(4321)  # what deepspeed.runtime.utils.set_random_seed(4321) leaves torch's generator at
+    assert data["seeded"] == torch.rand(2).tolist()
+    assert "after initialize: MA" in proc.stdout + proc.stderr  # see_memory_usage(force=True), rank 0
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "global_step6"
     assert data["loss"][-1] < data["loss"][0]
     batch = data["train_batch_size"]  # 16 = 4 x 2 x dp 2

@@ -8,9 +8,8 @@
 (``seed mod 2**63``, every device): afterwards the three draw what they draw after DeepSpeed's. The memory helpers
 read ``llmpar.accelerator.get_accelerator()`` (CUDA's allocator on a GPU; the process's resident set on the CPU).
 DeepSpeed's other helpers of this module (partitioning, its clipping and norm functions) are the engine's job here;
-asking for one is an ``AttributeError`` that says so. A DeepSpeed-compatibility module on the top floor (loaded as
-``llmpar.runtime.utils`` whenever ``llmpar.runtime`` is an attribute of ``llmpar``, as ``llmpar.ops.adam``): nothing
-inside llmpar imports it.
+asking for one is an ``AttributeError`` that says so. A DeepSpeed-compatibility module on the top floor (loaded by
+``llmpar.runtime`` when ``llmpar.runtime.utils`` is first asked for): nothing inside llmpar imports it.
 """
 from __future__ import annotations
 

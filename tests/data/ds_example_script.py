@@ -1,6 +1,8 @@
 """A DeepSpeed training script in the shape of DeepSpeedExamples' training scripts (bf16_master_weight/train.py,
-cifar10_deepspeed.py): the accelerator API, a schedule from ``deepspeed.runtime.lr_schedules`` on a client optimizer,
-``deepspeed.initialize``, a train loop, the optimizer's state dict, ``save_checkpoint``, ``destroy``. It is run on
+cifar10_deepspeed.py, DeepSpeed-Chat): the accelerator API (``from deepspeed import get_accelerator``),
+``deepspeed.runtime.utils`` (set_random_seed, see_memory_usage), a schedule from ``deepspeed.runtime.lr_schedules`` on
+a client optimizer, ``deepspeed.initialize``, a train loop, the optimizer's state dict, ``save_checkpoint``,
+``destroy``. It is run on
 llmpar after the mechanical rename of tests/data/pipe_launch.py (``import deepspeed`` -> ``import llmpar as
 deepspeed``, ``from deepspeed.X import`` -> ``from llmpar.X import``), with nothing else changed:
 
@@ -19,8 +21,9 @@ import torch.nn as nn
 
 import deepspeed
 import deepspeed.comm as dist
-from deepspeed.accelerator import get_accelerator
+from deepspeed import get_accelerator  # DeepSpeed-Chat's form (deepspeed.accelerator's, exported at the top)
 from deepspeed.runtime.lr_schedules import WarmupDecayLR
+from deepspeed.runtime.utils import see_memory_usage
 from deepspeed.utils import log_dist
 
 
@@ -40,6 +43,8 @@ def main():
     device = torch.device(accel.device_name(), local_rank)
     accel.manual_seed_all(1234)
     accel.reset_peak_memory_stats()
+    deepspeed.runtime.utils.set_random_seed(4321)  # the pipeline example's seeding: random, numpy, torch
+    seeded = torch.rand(2).tolist()
 
     model = nn.Sequential(nn.Linear(19, 32), nn.GELU(), nn.Linear(32, 7))
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-2, weight_decay=0.01)
@@ -47,6 +52,7 @@ def main():
                               warmup_type="linear")
     engine, optimizer, _, scheduler = deepspeed.initialize(args=args, model=model, optimizer=optimizer,
                                                            lr_scheduler=scheduler)
+    see_memory_usage("after initialize", force=True)
     criterion = nn.CrossEntropyLoss()
     teacher = torch.randn(19, 7, generator=torch.Generator().manual_seed(7))  # the labels to learn, every rank's
     gen = torch.Generator().manual_seed(100 + dist.get_rank())
@@ -74,7 +80,7 @@ def main():
             json.dump({"loss": losses, "lr": lrs, "device": str(device), "device_name": accel.device_name(),
                        "backend": accel.communication_backend_name(), "samples": engine.global_samples,
                        "train_batch_size": engine.train_batch_size(), "peak": accel.max_memory_allocated(),
-                       "state_keys": sorted(state)}, f)
+                       "state_keys": sorted(state), "seeded": seeded}, f)
     engine.destroy()
     engine.destroy()
 
