@@ -1,6 +1,7 @@
 # Set-up and everyday commands. Everything is installed into $(VENV); nothing is installed by hand.
 #   make demo   install llmpar and run the main job (`llmpar train` on 2 CPU ranks)
 #   make test   install llmpar with its test extras and run the test suite
+#   make docs   the documentation site (docs/, mkdocs --strict) into build/site/, the configuration reference regenerated
 #   make bench-suite  the op micro-benchmarks (pytest-benchmark, bench/suites/; BENCH_ARGS=--benchmark-save=NAME)
 #   make lock         refresh constraints.txt (the known-good versions every install here uses) from the newest releases
 #   make test-latest  the suite against the newest releases (.venv-latest, no constraints): finds an upstream break
@@ -17,7 +18,7 @@ CONSTRAINTS ?= constraints.txt
 # pytest's own script, not `python -m pytest`: `-m` would put the working directory first on sys.path
 PYTEST := $(VENV)/bin/pytest
 
-.PHONY: demo test test-latest lock install install-test cuda-ext gpu-wheelhouse bench bench-suite clean
+.PHONY: demo test test-latest lock docs install install-test install-docs cuda-ext gpu-wheelhouse bench bench-suite clean
 
 $(VENV)/.llmpar-installed: pyproject.toml setup.py $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,8 +33,13 @@ $(VENV)/.llmpar-test-installed: $(VENV)/.llmpar-installed
 	$(PIP) install -c $(CONSTRAINTS) -e ".[test,bench]"
 	touch $@
 
+$(VENV)/.llmpar-docs-installed: $(VENV)/.llmpar-installed
+	$(PIP) install -c $(CONSTRAINTS) -e ".[docs]"
+	touch $@
+
 install: $(VENV)/.llmpar-installed
 install-test: $(VENV)/.llmpar-test-installed
+install-docs: $(VENV)/.llmpar-docs-installed
 
 demo: install
 	$(VENV)/bin/llmpar env
@@ -41,6 +47,11 @@ demo: install
 
 test: install-test
 	$(PYTEST) -q -ra tests
+
+# the configuration reference is generated from the code that reads the config (tests/test_docs.py checks it is current)
+docs: install-docs
+	$(PY) -m llmpar.runtime.reference > docs/configuration.md
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 # the suite against the newest releases of every dependency (torch stays $(TORCH)), in a venv made afresh
 test-latest:
@@ -63,7 +74,7 @@ cuda-ext:
 	bash .ci/build_cuda_ext.sh
 
 # the wheels bench/gpu_check.sh needs on an offline GPU machine (pytest-xdist, pytest-timeout, ninja, ...) into
-# .gpu-wheelhouse/; carry that folder to the GPU machine (README: GPU check)
+# .gpu-wheelhouse/; carry that folder to the GPU machine (docs/gpu-check.md)
 gpu-wheelhouse:
 	bash bench/gpu_wheelhouse.sh
 

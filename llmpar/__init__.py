@@ -78,7 +78,7 @@ NO_COUNTERPART = {
                 "\"context_parallel\": {\"mode\": \"ulysses\", \"size\": N} block (DeepSpeed's "
                 "\"sequence_parallel_size\": N means the same) makes llmpar.initialize shard the sequence and run "
                 "attention through the all-to-all; a hand-built model uses llmpar.context_parallel.ContextParallel("
-                "\"ulysses\", ulysses_group=...) (README: Long context)",
+                "\"ulysses\", ulysses_group=...) (docs/context-parallel.md)",
     "nvme": "NVMe offload is not provided (offload_optimizer / offload_param to the CPU are)",
     "ops.lamb": _OPS, "ops.transformer": _OPS, "ops.sparse_attention": _OPS, "ops.op_builder": _OPS,
     "ops.aio": _OPS, "ops.deepspeed4science": _OPS, "ops.quantizer": _OPS, "ops.lion": _OPS, "ops.adagrad": _OPS,
