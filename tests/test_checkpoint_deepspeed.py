@@ -390,7 +390,7 @@ def test_deepspeed_checkpoint_reads_without_deepspeed(tmp_path):
                         "global_steps": 1, "my_key": r}, d / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt")
     assert ds_files.resolve(str(tmp_path), None) == str(d)
     ck = deepspeed_read.DeepSpeedCheckpoint(str(d))
-    assert isinstance(ck._zero(0)["zero_stage"], ds_files.Foreign)
+    assert isinstance(ck.zero_state(0)["zero_stage"], ds_files.Foreign)
     assert (ck.stage, ck.dp, ck.names, ck.step("b")) == (3, 3, ["a", "b"], 4.0)
     for n in shapes:
         k = full[n].numel()

@@ -45,15 +45,15 @@ def _rank_files(rc: RankCheckpoint) -> None:
     need = ("fp32_flat_groups", "optimizer_state_dict") if rc.stage == 3 else (
         "single_partition_of_fp32_groups", "base_optimizer_state")
     for r, name in files.items():
-        z = rc._zero(r)  # opens the file: a truncated one is named here
+        z = rc.zero_state(r)  # opens the file: a truncated one is named here
         lacking = [k for k in need if k not in z]
         if lacking:
             raise CheckpointError(f"{name} has no {lacking} (it holds {sorted(z)[:8]}): not a ZeRO-{rc.stage} "
                                   "optimizer file of this checkpoint")
         count = z.get("partition_count")
-        if count is not None and count != rc._zero(0).get("partition_count"):
+        if count is not None and count != rc.zero_state(0).get("partition_count"):
             raise CheckpointError(f"{name} has partition_count {count!r}, {files[0]} "
-                                  f"{rc._zero(0).get('partition_count')!r}: files of different saves")
+                                  f"{rc.zero_state(0).get('partition_count')!r}: files of different saves")
     if rc.stage == 3:  # every rank's model states file opens (rank 0's is open already)
         mp = f"mp_rank_{rc.mp_rank:02d}"
         for r in range(1, rc.dp):
@@ -66,7 +66,7 @@ def _rank_files(rc: RankCheckpoint) -> None:
 
 def _steps(rc: RankCheckpoint, files: dict[int, str]) -> None:
     """The step count of every param group is the same in every rank's optimizer file."""
-    steps = {r: [_scalar(m["step"]) if "step" in m else None for m in rc._moments(r)] for r in files}
+    steps = {r: [_scalar(m["step"]) if "step" in m else None for m in rc.moments(r)] for r in files}
     model = rc.model.get("global_steps")
     if all(s == steps[0] for s in steps.values()):
         most = max((s for s in steps[0] if s is not None), default=None)
@@ -84,10 +84,10 @@ def _masters(rc: RankCheckpoint, r: int, file: str) -> None:
     """Rank ``r``'s fp32 masters (from its file, ``file``) at both ends of its partition equal the weights in the
     model states file."""
     module = rc.model["module"]
-    for name, (g, at) in rc._where.items():
+    for name, (g, at) in rc.where.items():
         if name not in rc.shapes or not isinstance(module.get(name), torch.Tensor):
             continue
-        size, n = rc._part_size(g), math.prod(rc.shapes[name])
+        size, n = rc.part_size(g), math.prod(rc.shapes[name])
         a, z = max(at, r * size), min(at + n, (r + 1) * size)
         if a >= z:
             continue

@@ -118,11 +118,11 @@ class RankCheckpoint:
                                "base_optimizer_state": opt["optimizer_state_dict"]}
         if not self.optim:
             self.stage, self.kind = 0, "torch"  # the optimizer's state dict in the model states file
-        elif "zero_stage" not in self._zero(0) and "single_partition_of_fp32_groups" in self._zero(0):
+        elif "zero_stage" not in self.zero_state(0) and "single_partition_of_fp32_groups" in self.zero_state(0):
             self.stage = 1  # BF16_Optimizer (bf16 with ZeRO-1 or none): ZeRO-1's flat partitions, no alignment pads
             self.kind = "BF16_Optimizer" if self.kind == "ZeRO" else self.kind
         else:
-            self.stage = int(self._zero(0)["zero_stage"].args[0])
+            self.stage = int(self.zero_state(0)["zero_stage"].args[0])
         self.dp = 1 if self.stage == 0 else self._partition_count()
         missing = [r for r in range(self.dp) if r not in self.optim] if self.stage else []
         extra = sorted(set(self.optim) - set(range(self.dp))) if self.stage else []
@@ -148,7 +148,7 @@ class RankCheckpoint:
         self._layout()
 
     # ------------------------------------------------------------------ files
-    def _zero(self, rank: int) -> dict:
+    def zero_state(self, rank: int) -> dict:
         """Optimizer file of dp rank ``rank``: its ``optimizer_state_dict``."""
         if rank not in self._opened:
             name = os.path.join(self.path, self.optim[rank])
@@ -159,29 +159,29 @@ class RankCheckpoint:
         return self._opened[rank]
 
     def _partition_count(self) -> int:
-        count = self._zero(0).get("partition_count")
+        count = self.zero_state(0).get("partition_count")
         counts = count if isinstance(count, list) else [count]
         if not counts or any(c != counts[0] for c in counts) or not isinstance(counts[0], int):
             raise CheckpointError(f"{self.path}: partition_count {count!r} (groups of another dp) is not read")
         return counts[0]
 
-    def _moments(self, rank: int) -> list[dict]:
+    def moments(self, rank: int) -> list[dict]:
         """Per group (stages 1-2) / sub group (stage 3), {state key: tensor} of rank ``rank``'s torch optimizer."""
-        z = self._zero(rank)
+        z = self.zero_state(rank)
         base = z["optimizer_state_dict"] if self.stage == 3 else z["base_optimizer_state"]
         if isinstance(base, list):  # elastic: per-group states, the step stored beside them
             return [{"step": z.get("base_optimizer_state_step", 0), **s} for s in base]
         return [base["state"].get(g, {}) for g in range(len(base["param_groups"]))]
 
     def _fp32(self, rank: int) -> list[torch.Tensor]:
-        z = self._zero(rank)
+        z = self.zero_state(rank)
         return list(z["fp32_flat_groups" if self.stage == 3 else "single_partition_of_fp32_groups"])
 
     # ------------------------------------------------------------------ layout
     def _layout(self) -> None:
         self.names: list[str] = []
         self.shapes: dict[str, tuple[int, ...]] = {}
-        self._where: dict[str, tuple[int, int]] = {}  # name -> (group / stage 0: param index, offset)
+        self.where: dict[str, tuple[int, int]] = {}  # name -> (group / stage 0: param index, offset)
         if self.unnamed:
             return
         if self.stage == 0:
@@ -190,7 +190,7 @@ class RankCheckpoint:
         groups = self.model.get("param_shapes")
         if not isinstance(groups, list):
             raise CheckpointError(f"{self.path}: the model states file has no 'param_shapes'")
-        pads = self._zero(0).get("param_alignment_paddings") if self.stage < 3 else None
+        pads = self.zero_state(0).get("param_alignment_paddings") if self.stage < 3 else None
         size3 = 0
         for g, shapes in enumerate(groups):
             at = 0
@@ -200,13 +200,13 @@ class RankCheckpoint:
                     self.names.append(name)
                     self.shapes[name] = tuple(int(d) for d in shape)
                 if self.stage == 3:
-                    self._where[name] = (0, size3)
+                    self.where[name] = (0, size3)
                     size3 += -(-n // self.dp)
                 else:
-                    self._where[name] = (g, at)
+                    self.where[name] = (g, at)
                     at += n + (int(pads[g][i]) if pads else 0)
             if self.stage < 3:
-                have = sum(self._part_size(g) for _ in range(self.dp))
+                have = sum(self.part_size(g) for _ in range(self.dp))
                 if at > have:
                     raise CheckpointError(f"{self.path}: group {g} holds {at} elements by param_shapes but its "
                                           f"{self.dp} partitions {have}")
@@ -244,7 +244,7 @@ class RankCheckpoint:
         if "fp32_groups" in opt:
             self._fp32_0 = [t for group in opt["fp32_groups"] for t in group]
         for k, name in enumerate(self.names):
-            self._where[name] = (index[k], k)
+            self.where[name] = (index[k], k)
 
     def _layout0_named(self, opt: Any) -> None:
         shapes = [(n, tuple(int(d) for d in s)) for g in self.model["param_shapes"] for n, s in g.items()]
@@ -259,15 +259,15 @@ class RankCheckpoint:
             if name not in self._skip:
                 self.names.append(name)
                 self.shapes[name] = shape
-                self._where[name] = (index[k], k)
+                self.where[name] = (index[k], k)
 
     def flat_sizes(self) -> list[int]:
         """Stages 1-2: the elements of each group's flat fp32 copy over all dp partitions (end padding included)."""
-        return [self._part_size(g) * self.dp for g in range(len(self._moments(0)))]
+        return [self.part_size(g) * self.dp for g in range(len(self.moments(0)))]
 
-    def _part_size(self, g: int) -> int:
+    def part_size(self, g: int) -> int:
         """Stages 1-2: the partition size of group ``g`` (the moments keep the end padding, the fp32 copy not)."""
-        m = self._moments(0)[g]
+        m = self.moments(0)[g]
         return m["exp_avg"].numel() if "exp_avg" in m else self._fp32(0)[g].numel()
 
     # ------------------------------------------------------------------ reads
@@ -295,13 +295,13 @@ class RankCheckpoint:
             return False
         if self.stage == 0:
             return hasattr(self, "_state0")
-        return all(key in m for m in self._moments(0))
+        return all(key in m for m in self.moments(0))
 
     def read(self, name: str, key: str, a: int, z: int) -> torch.Tensor:
         """Elements [a, z) of param ``name``'s state ``key`` ("params" / "master": the fp32 master weights,
         "exp_avg", "exp_avg_sq"), flat, as saved (fp32 unless DeepSpeed kept them otherwise)."""
         name = self.source(name)
-        g, at = self._where[name]
+        g, at = self.where[name]
         if self.stage == 0:
             if key in MOMENTS:  # a param without state (never stepped): torch's zeros
                 st = self._state0.get(g, {})
@@ -313,25 +313,25 @@ class RankCheckpoint:
             out = []
             for r in range(a // c, (z - 1) // c + 1):
                 lo, hi = max(a, r * c) - r * c, min(z, (r + 1) * c) - r * c
-                parts = self._fp32(r) if key in ("params", "master") else [m[key] for m in self._moments(r)]
+                parts = self._fp32(r) if key in ("params", "master") else [m[key] for m in self.moments(r)]
                 out.append(_slice(parts, at + lo, at + hi))
             return out[0] if len(out) == 1 else torch.cat(out)
-        size, out = self._part_size(g), []
+        size, out = self.part_size(g), []
         for r in range((at + a) // size, (at + z - 1) // size + 1):
             lo, hi = max(at + a, r * size) - r * size, min(at + z, (r + 1) * size) - r * size
-            t = self._fp32(r)[g] if key in ("params", "master") else self._moments(r)[g][key]
+            t = self._fp32(r)[g] if key in ("params", "master") else self.moments(r)[g][key]
             out.append(_slice([t], lo, hi))
         return out[0] if len(out) == 1 else torch.cat(out)
 
     def step(self, name: str) -> float:
         """The optimizer step count of the group holding ``name`` (0 when it holds no state yet)."""
         name = self.source(name)
-        g, at = self._where[name]
+        g, at = self.where[name]
         if self.stage == 0:
             return _scalar(self._state0.get(g, {}).get("step", 0)) if hasattr(self, "_state0") else 0.0
         if self.stage < 3:
-            return _scalar(self._moments(0)[g].get("step", 0))
-        moments, start = self._moments(0), 0
+            return _scalar(self.moments(0)[g].get("step", 0))
+        moments, start = self.moments(0), 0
         for m, t in zip(moments, self._fp32(0)):
             if at < start + t.numel():
                 return _scalar(m.get("step", 0))
@@ -366,7 +366,7 @@ class RankCheckpoint:
         out: dict[str, Any] = {"global_steps": int(m.get("global_steps", 0)),
                                "global_samples": int(m.get("global_samples", 0)),
                                "skipped_steps": int(m.get("skipped_steps", 0))}
-        scaler = self._zero(0).get("loss_scaler") if self.optim else None
+        scaler = self.zero_state(0).get("loss_scaler") if self.optim else None
         st = scaler.state if isinstance(scaler, Foreign) else {}
         opt = m.get("optimizer")
         if isinstance(opt, dict) and "cur_scale" in opt:  # stage 0, fp16 / bf16 optimizer
@@ -380,7 +380,7 @@ class RankCheckpoint:
         if self.stage == 0:
             opt = self.model.get("optimizer")
             return list(opt.get("optimizer_state_dict", opt)["param_groups"]) if isinstance(opt, dict) else []
-        z = self._zero(0)
+        z = self.zero_state(0)
         base = z["optimizer_state_dict"] if self.stage == 3 else z["base_optimizer_state"]
         return list(base["param_groups"]) if isinstance(base, dict) else []
 
