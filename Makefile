@@ -1,6 +1,7 @@
 # Set-up and everyday commands. Everything is installed into $(VENV); nothing is installed by hand.
 #   make demo   install llmpar and run the main job (`llmpar train` on 2 CPU ranks)
 #   make test   install llmpar with its test extras and run the test suite
+#   make lint   ruff check (pycodestyle, pyflakes, bugbear, import order; pyproject.toml [tool.ruff])
 #   make docs   the documentation site (docs/, mkdocs --strict) into build/site/, the configuration reference regenerated
 #   make bench-suite  the op micro-benchmarks (pytest-benchmark, bench/suites/; BENCH_ARGS=--benchmark-save=NAME)
 #   make lock         refresh constraints.txt (the known-good versions every install here uses) from the newest releases
@@ -18,7 +19,7 @@ CONSTRAINTS ?= constraints.txt
 # pytest's own script, not `python -m pytest`: `-m` would put the working directory first on sys.path
 PYTEST := $(VENV)/bin/pytest
 
-.PHONY: demo test test-latest lock docs install install-test install-docs cuda-ext gpu-wheelhouse bench bench-suite clean
+.PHONY: demo test test-latest lock docs lint install install-test install-docs install-lint cuda-ext gpu-wheelhouse bench bench-suite clean
 
 $(VENV)/.llmpar-installed: pyproject.toml setup.py $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -37,9 +38,17 @@ $(VENV)/.llmpar-docs-installed: $(VENV)/.llmpar-installed
 	$(PIP) install -c $(CONSTRAINTS) -e ".[docs]"
 	touch $@
 
+$(VENV)/.llmpar-lint-installed: $(VENV)/.llmpar-installed
+	$(PIP) install -c $(CONSTRAINTS) -e ".[lint]"
+	touch $@
+
 install: $(VENV)/.llmpar-installed
 install-test: $(VENV)/.llmpar-test-installed
 install-docs: $(VENV)/.llmpar-docs-installed
+install-lint: $(VENV)/.llmpar-lint-installed
+
+lint: install-lint
+	$(VENV)/bin/ruff check .
 
 demo: install
 	$(VENV)/bin/llmpar env

@@ -23,10 +23,10 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import compare, devices_for, forced, markdown_table, write_results  # noqa: E402
-
 from llmpar.ops import flash_attention  # noqa: E402
 from llmpar.ops._dispatch import triton_unavailable_reason  # noqa: E402
+
+from harness import compare, devices_for, forced, markdown_table, write_results  # noqa: E402
 
 # (B, Hq, Hkv, S, D, causal)
 CUDA_SHAPES = [(4, 32, 32, 2048, 128, True), (2, 32, 8, 4096, 128, True), (8, 16, 16, 1024, 64, False),
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                    args.repeats or (20 if cuda else 5))
         print(markdown_table(rows))
         paths = write_results(f"attention_{device.type}", rows, out_dir=args.out,
-                              meta={"shapes": "(B, Hq, Hkv, S, D, causal): " + str(CUDA_SHAPES if cuda else CPU_SHAPES)})
+                              meta={"shapes": f"(B, Hq, Hkv, S, D, causal): {CUDA_SHAPES if cuda else CPU_SHAPES}"})
         print(f"wrote {paths['md']}")
     return 0
 

@@ -24,10 +24,10 @@ import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import compare, devices_for, forced, markdown_table, write_results  # noqa: E402
-
 from llmpar.ops import pack_bucket, unpack_bucket  # noqa: E402
 from llmpar.ops._dispatch import cuda_unavailable_reason, triton_unavailable_reason  # noqa: E402
+
+from harness import compare, devices_for, forced, markdown_table, write_results  # noqa: E402
 
 CASES = ((torch.float32, torch.float32, 1.0), (torch.bfloat16, torch.float32, 1.0 / 8),
          (torch.float32, torch.bfloat16, 1.0 / 8))
@@ -78,8 +78,8 @@ def run_table(numel: int, n: int, repeats: int) -> list[dict]:
 
 
 def backends(device: torch.device) -> list[str]:
-    return [b for b, why in (("cuda", cuda_unavailable_reason(device, op="pack_bucket")), ("triton", triton_unavailable_reason(device)),
-                             ("torch", None)) if why is None]
+    return [b for b, why in (("cuda", cuda_unavailable_reason(device, op="pack_bucket")),
+                             ("triton", triton_unavailable_reason(device)), ("torch", None)) if why is None]
 
 
 def run(device: torch.device, numel: int, n: int, repeats: int) -> list[dict]:

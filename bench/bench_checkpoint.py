@@ -187,8 +187,9 @@ def run(args) -> None:
     import torch.distributed as dist
 
     import llmpar
-    from harness import write_results
     from llmpar.checkpoint import files as ckfiles
+
+    from harness import write_results
 
     dist.init_process_group("gloo")
     pg, rank, world = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
@@ -309,7 +310,8 @@ def run(args) -> None:
             print(f"FAIL: llmpar wrote {ours_row['file_bytes_total']} bytes for {state_bytes} bytes of model state")
         if not args.no_write:
             write_results("checkpoint_dp2", rows, meta)
-    del cases, ours, theirs
+    del cases
+    ours = theirs = None  # drop the engines (not `del`: the closures above read these names)
     gc.collect()
     dist.destroy_process_group()
 
@@ -320,6 +322,7 @@ def run_reshard(args) -> None:
     import torch.distributed as dist
 
     import llmpar
+
     from harness import compare_distributed, write_results
 
     dist.init_process_group("gloo")

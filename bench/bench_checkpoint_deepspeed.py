@@ -153,9 +153,9 @@ def main() -> None:
     write_results("checkpoint_deepspeed", rows, {
         "model": f"GPT d_model={args.d_model} n_layer={args.n_layer} vocab={args.vocab}",
         "repeats": args.repeats, "load_average": os.getloadavg()[0],
-        "note": "each tool in a fresh process (median of the repeats): wall time and peak RSS (ru_maxrss) of that process, python start and "
-                "imports included; convert reads every tensor it wrote back and compares it, zero_to_fp32 does not; "
-                "load: engine.load_checkpoint at dp=2 (ZeRO stage as saved), slowest rank"})
+        "note": "each tool in a fresh process (median of the repeats): wall time and peak RSS (ru_maxrss) of that "
+                "process, python start and imports included; convert reads every tensor it wrote back and compares "
+                "it, zero_to_fp32 does not; load: engine.load_checkpoint at dp=2 (ZeRO stage as saved), slowest rank"})
 
 
 if __name__ == "__main__":

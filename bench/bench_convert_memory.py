@@ -201,11 +201,13 @@ def part_convert(args, rows: list, meta: dict) -> None:
                                                    / (med["deepspeed"]["peak_mb"] - med["deepspeed"]["import_mb"]), 3)})
         meta["load average (1 min) at the end of each run"] = {k: [round(r["loadavg_1m"], 1) for r in v]
                                                                for k, v in got.items()}
-        meta["rounds"] = f"{args.rounds}, interleaved llmpar / deepspeed / floor; time_s the median, best_time_s the best"
+        meta["rounds"] = (f"{args.rounds}, interleaved llmpar / deepspeed / floor; time_s the median, "
+                          "best_time_s the best")
         t, b = {k: m["time_s"] for k, m in med.items()}, best
         meta["time (convert)"] = (
-            f"llmpar {t['llmpar']:.1f} s median ({b['llmpar']:.1f} best), DeepSpeed's zero_to_fp32 {t['deepspeed']:.1f} s "
-            f"({b['deepspeed']:.1f}): {t['llmpar'] / t['deepspeed']:.2f}x median, {b['llmpar'] / b['deepspeed']:.2f}x "
+            f"llmpar {t['llmpar']:.1f} s median ({b['llmpar']:.1f} best), DeepSpeed's zero_to_fp32 "
+            f"{t['deepspeed']:.1f} s ({b['deepspeed']:.1f}): {t['llmpar'] / t['deepspeed']:.2f}x median, "
+            f"{b['llmpar'] / b['deepspeed']:.2f}x "
             f"best (goal <= 0.5x). The floor, {info['bytes'] / 1e9:.2f} GB written from memory with no conversion: "
             f"{t['floor']:.1f} s ({b['floor']:.1f}), {t['floor'] / t['deepspeed']:.2f}x DeepSpeed's median "
             f"({b['floor'] / b['deepspeed']:.2f}x best), {info['bytes'] / b['floor'] / 1e6:.0f} MB/s at best; "

@@ -10,7 +10,7 @@ Groups (the cases of a group share the params and grads; each optimizer keeps it
              (DeepSpeedCPUAdam(adamw_mode=True), its C++ AVX kernel, when importable) | llmpar torch path (what the
              offload step ran before: adamw_step(precision="fp32"), i.e. torch._fused_adamw_) | llmpar kernel |
              streams floor (no math): a C++ loop moving the same 28 bytes per param with one add, the memory floor
-    offload  what ZeRO-Offload does every step: AdamW with the clip coefficient folded in (gscale = 1 here: the grads are
+    offload  what ZeRO-Offload does each step: AdamW with the clip coefficient folded in (gscale = 1 here: the grads are
              reused across repeats, a real clip would shrink them into denormals), then the params' bf16 copy:
              llmpar before (baseline: adamw_step with gscale, whose fused kernel writes the unscaled grads back,
              then a bf16 copy pass) | torch fused (the bare step above, for reference) | deepspeed cpu adam + copy |
@@ -36,11 +36,12 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_optim import PRESETS, copy_bandwidth, gpt_shapes  # noqa: E402
-from harness import compare, write_results  # noqa: E402
 
 from llmpar.ops import _cpu_ext  # noqa: E402
 from llmpar.ops.adamw import adamw_step  # noqa: E402
 from llmpar.ops.cpu_adam import ISAS, cpu_adamw_step, isa_code  # noqa: E402
+
+from harness import compare, write_results  # noqa: E402
 
 HYPER = dict(lr=1e-4, weight_decay=0.1, betas=(0.9, 0.999), eps=1e-8)
 BYTES = {"adamw": 28, "adamw+bf16": 30, "adamw+copy": 34, "adamw+grads+copy": 38}
@@ -119,7 +120,8 @@ def streams_floor() -> Callable[..., None] | None:
         return None
 
 
-def cases_for(group: str, params, deepspeed: bool, floor: Callable[..., None] | None = None) -> tuple[dict[str, Callable[[], object]], dict[str, str]]:
+def cases_for(group: str, params, deepspeed: bool,
+              floor: Callable[..., None] | None = None) -> tuple[dict[str, Callable[[], object]], dict[str, str]]:
     """{name: step()} and {name: key of BYTES} of one group."""
     cases: dict[str, Callable[[], object]] = {}
     kinds: dict[str, str] = {}

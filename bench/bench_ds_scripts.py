@@ -22,6 +22,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 def main() -> None:
     import test_deepspeed_scripts as scripts
+
     from harness import write_results
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -33,11 +33,11 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import compare, devices_for, forced, markdown_table, write_results  # noqa: E402
-
 from llmpar.ops import linear_act  # noqa: E402
 from llmpar.ops._dispatch import triton_unavailable_reason  # noqa: E402
 from llmpar.ops.gemm import _act_torch  # noqa: E402
+
+from harness import compare, devices_for, forced, markdown_table, write_results  # noqa: E402
 
 HIDDEN, FFNS = 4096, (11008, 14336)
 LT_ACTS = {"none": 0, "gelu_tanh": 1, "relu": 4}  # the activations cuBLASLt has epilogues for

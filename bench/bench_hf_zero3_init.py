@@ -110,6 +110,7 @@ def main() -> None:
         rank_run(args)
         return
     import transformers
+
     from baselines import torchrun
 
     flags = ["--hidden", str(args.hidden), "--layers", str(args.layers), "--vocab", str(args.vocab)]

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import math
 import os
 import queue as queue_mod
 import sys
@@ -214,7 +213,8 @@ def run_config(world: int, mode: str, lengths: list[int], ds: bool = False) -> l
             if dead:
                 for p in procs:
                     p.kill()
-                raise RuntimeError(f"a rank of sp={world} {mode} exited with {dead[0]} (its traceback is above)")
+                raise RuntimeError(f"a rank of sp={world} {mode} exited with {dead[0]} "
+                                   "(its traceback is above)") from None
     for p in procs:
         p.join()
         if p.exitcode:
@@ -298,10 +298,12 @@ def main() -> None:
         steps: dict[tuple[str, int], float] = {}  # (kind, i) -> the slowest rank's seconds
         for t in timing:
             steps[t["kind"], t["i"]] = max(steps.get((t["kind"], t["i"]), 0.0), t["step_s"])
-        m = {k: sorted(v for (kind, _), v in steps.items() if kind == k)[DS_PAIRS // 2] for k in ("llmpar", "deepspeed")}
+        m = {k: sorted(v for (kind, _), v in steps.items() if kind == k)[DS_PAIRS // 2]
+             for k in ("llmpar", "deepspeed")}
         meta["ulysses step time (sp=2, seq %d)" % timing[0]["seq"]] = (
             f"llmpar {m['llmpar']:.2f} s, DeepSpeed DistributedAttention {m['deepspeed']:.2f} s "
-            f"(DeepSpeed / llmpar {m['deepspeed'] / m['llmpar']:.2f}; median of {DS_PAIRS} alternating steps, slowest rank)")
+            f"(DeepSpeed / llmpar {m['deepspeed'] / m['llmpar']:.2f}; median of {DS_PAIRS} alternating steps, "
+            "slowest rank)")
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from harness import write_results
     paths = write_results("long_context_cpu", rows, meta, curve={

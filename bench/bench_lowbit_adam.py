@@ -18,10 +18,10 @@ its own state):
     llmpar int4+bf16       the same with 4-bit m, v
     torchao AdamW8bit/4bit torchao.optim on the CPU (fp32 params; its step is torch.compile'd), when it imports
 Bytes per param a step must move (read + written), the floor each case is held to: torch fused 28 (p, g, m, v read;
-p, m, v written), + bf16 34 (p read again, 2 written); llmpar fp32+bf16 30; int8+bf16 18 + scales (master 8, grad 4, codes 2 + 2, bf16 2); int4+bf16 16 +
-scales; torchao int8 / int4 (fp32 params, no copy): 14 / 13 + scales. On the GPU (--device cuda, results
-lowbit_adam_gpu.*): torch fused (fp32 params, m, v), then llmpar's CUDA and Triton kernels with bf16 params + float32
-masters (the bytes of int8+bf16 / int4+bf16). GB/s = those bytes / median time, next to the
+p, m, v written), + bf16 34 (p read again, 2 written); llmpar fp32+bf16 30; int8+bf16 18 + scales (master 8, grad 4,
+codes 2 + 2, bf16 2); int4+bf16 16 + scales; torchao int8 / int4 (fp32 params, no copy): 14 / 13 + scales. On the GPU
+(--device cuda, results lowbit_adam_gpu.*): torch fused (fp32 params, m, v), then llmpar's CUDA and Triton kernels
+with bf16 params + float32 masters (the bytes of int8+bf16 / int4+bf16). GB/s = those bytes / median time, next to the
 machine's copy bandwidth (dst.copy_(src) of 256 MiB, bytes read + written). Results: bench/results/lowbit_adam_cpu.*
 """
 from __future__ import annotations
@@ -37,11 +37,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_optim import copy_bandwidth  # noqa: E402
-from harness import compare, write_results  # noqa: E402
 
 from llmpar.ops import _cpu_ext, lowbit  # noqa: E402
 from llmpar.ops.cpu_adam import ISA_ENV, ISAS, cpu_adamw_step, isa_code  # noqa: E402
 from llmpar.ops.lowbit_kernels import cpu_step, cuda_step, triton_step  # noqa: E402
+
+from harness import compare, write_results  # noqa: E402
 
 # multiples of 256: torchao quantizes a param's state only when its numel is a multiple of the block size (else it
 # keeps float32 m, v silently); the bench checks that its states are quantized

@@ -20,10 +20,10 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import write_results  # noqa: E402
-
 from llmpar.models import GPT, GPTConfig  # noqa: E402
 from llmpar.optim import FusedAdamW  # noqa: E402
+
+from harness import write_results  # noqa: E402
 
 VOCAB, SEQ, BATCH = 96, 32, 16
 

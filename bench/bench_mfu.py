@@ -29,9 +29,9 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import write_results  # noqa: E402
-
 from llmpar.runtime import mfu  # noqa: E402
+
+from harness import write_results  # noqa: E402
 
 SHAPES = {  # LlamaConfig fields
     "1b": dict(num_hidden_layers=22, hidden_size=2048, intermediate_size=5632, num_attention_heads=32,

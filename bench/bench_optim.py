@@ -27,9 +27,9 @@ from collections.abc import Callable
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import compare, measure, write_results  # noqa: E402
-
 from llmpar.optim import FusedAdamW  # noqa: E402
+
+from harness import compare, measure, write_results  # noqa: E402
 
 # name -> (d_model, n_layer, vocab): GPT-2-style blocks (12 d^2 + 13 d per layer), tied embeddings, 1024 positions
 PRESETS = {"10M": (384, 4, 8192), "30M": (512, 8, 16384), "100M": (768, 12, 16384), "300M": (1024, 20, 32768),
@@ -117,7 +117,8 @@ def run_group(group: str, n_params: int, shapes, device, warmup: int, repeats: i
         row["% copy BW"] = 100 * gbs / copy_gbs
         rows.append(row)
     print(cmp.table())
-    del cases, params
+    del cases
+    params = None  # drop the params (not `del`: torch_clip_step above reads the name)
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -49,9 +49,10 @@ def main() -> int:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     import llmpar
-    from harness import measure_distributed, write_results
     from llmpar.models import GPT, GPTConfig
     from llmpar.pipeline import build_pipeline
+
+    from harness import measure_distributed, write_results
 
     env = llmpar.init_distributed(pp=int(os.environ["WORLD_SIZE"]))
     pp = env.world_size

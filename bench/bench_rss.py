@@ -40,6 +40,7 @@ def run(args) -> None:
     import torch.distributed as dist
 
     import llmpar
+
     from harness import write_results
 
     dist.init_process_group("gloo")

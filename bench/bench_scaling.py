@@ -17,10 +17,10 @@ Per (size, dp):
   begins (grads reduced, not yet freed; optimizer state allocated by the first step): every tensor reachable from
   Python (``gc``, after a collection; the smaller of two walks 0.1 s apart), each storage counted once, minus the
   same walk before the model was built, plus torch DDP's gradient buckets (held by its C++ reducer, read from its
-  logging data). On a CPU run "device" and "host" are the same memory, so offloaded state counts too.
-  Activations and in-flight communication buffers are gone by then. ``step_peak_rss_mb``: the peak RSS during the steps after the first over the RSS before them
-  (activations, buckets, gathered params, transient grads, what the allocator keeps); ``peak_rss_over_start_mb``:
-  the peak RSS of build + steps over the RSS just before the build.
+  logging data). On a CPU run "device" and "host" are the same memory, so offloaded state counts too. Activations
+  and in-flight communication buffers are gone by then. ``step_peak_rss_mb``: the peak RSS during the steps after
+  the first over the RSS before them (activations, buckets, gathered params, transient grads, what the allocator
+  keeps); ``peak_rss_over_start_mb``: the peak RSS of build + steps over the RSS just before the build.
 - the planner: ``est_mb`` = ``estimate_memory(model, Layout(dp, zero_stage), precision, bucket_bytes)``'s model
   states (+ host bytes), the stage of each contender (DDP 0, FSDP2 3 with no persistent params);
   ``state_vs_est`` = state_mb / est_mb. For llmpar also ``held_mb`` (``ZeroOptimizer.memory_bytes()``, device +
@@ -47,8 +47,18 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from baselines import (add_step_args, batch, ddp_step, deepspeed_step, fsdp2_step, gpt, llmpar_step,  # noqa: E402
-                       time_cases, torchrun, zero_config)
+from baselines import (  # noqa: E402
+    add_step_args,
+    batch,
+    ddp_step,
+    deepspeed_step,
+    fsdp2_step,
+    gpt,
+    llmpar_step,
+    time_cases,
+    torchrun,
+    zero_config,
+)
 
 SIZES = {"5M": dict(d_model=256, n_layer=6), "20M": dict(d_model=512, n_layer=6),
          "50M": dict(d_model=640, n_layer=10)}

@@ -42,12 +42,12 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import compare_distributed, markdown_table, write_results  # noqa: E402
-
 import llmpar.tensor_parallel._overlap as tp_overlap  # noqa: E402
 import llmpar.tensor_parallel.comm as tp_comm  # noqa: E402
 from llmpar.distributed import all_gather_flat, all_reduce, group_rank, reduce_scatter_flat  # noqa: E402
 from llmpar.tensor_parallel import ColumnParallelLinear, RowParallelLinear, parallelize  # noqa: E402
+
+from harness import compare_distributed, markdown_table, write_results  # noqa: E402
 
 # ----------------------------------------------------------------------------- the collectives, swapped or clocked
 # every collective the tensor-parallel code issues is looked up in these two modules under these names
@@ -151,7 +151,7 @@ def comm_only_fn(x_shape: tuple[int, ...], chunks: int, sp: bool, group):
 
     def step():
         handles = []
-        if sp:  # forward: all-gather (col), reduce-scatter (row); backward: all-gather (row dy), reduce-scatter (col dx)
+        if sp:  # fwd: all-gather (col), reduce-scatter (row); bwd: all-gather (row dy), reduce-scatter (col dx)
             for _ in range(2):
                 for piece in torch.tensor_split(torch.arange(n // tp), chunks):
                     a, b = int(piece[0]), int(piece[-1]) + 1

@@ -23,10 +23,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import compare_distributed, markdown_table, write_results  # noqa: E402
-
 from llmpar.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding, reduce_from_tensor_region  # noqa: E402
 from llmpar.tensor_parallel._agree import ShapeGuard  # noqa: E402
+
+from harness import compare_distributed, markdown_table, write_results  # noqa: E402
 
 
 class _NoGuard:

@@ -15,9 +15,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import compare, write_results  # noqa: E402
-
 from llmpar.models import GPT, GPTConfig  # noqa: E402
+
+from harness import compare, write_results  # noqa: E402
 
 
 def step_fn(width: int, *, layers: int, batch: int, seq: int, device: str, dtype: torch.dtype, foreach: bool):

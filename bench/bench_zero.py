@@ -24,9 +24,21 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from baselines import (add_step_args, batch, comm_only_step, ddp_step, ddp_zero_redundancy_step,  # noqa: E402
-                       deepspeed_step, gpt, llmpar_step, no_comm_master_step, no_comm_step, time_cases,
-                       torchrun, zero_config)
+from baselines import (  # noqa: E402
+    add_step_args,
+    batch,
+    comm_only_step,
+    ddp_step,
+    ddp_zero_redundancy_step,
+    deepspeed_step,
+    gpt,
+    llmpar_step,
+    no_comm_master_step,
+    no_comm_step,
+    time_cases,
+    torchrun,
+    zero_config,
+)
 
 CASES = ("llmpar_s1", "llmpar_s2", "llmpar_s1_overlap", "llmpar_s2_overlap", "llmpar_s1_fresh", "llmpar_s2_fresh",
          "ddp", "deepspeed_s1", "deepspeed_s2", "ddp_zero_redundancy", "no_comm", "no_comm_master", "comm_only_s2",

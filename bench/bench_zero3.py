@@ -25,8 +25,19 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from baselines import (add_step_args, batch, comm_only_step, deepspeed_step, fsdp2_step, gpt, llmpar_step,  # noqa: E402
-                       no_comm_step, time_cases, torchrun, zero_config)
+from baselines import (  # noqa: E402
+    add_step_args,
+    batch,
+    comm_only_step,
+    deepspeed_step,
+    fsdp2_step,
+    gpt,
+    llmpar_step,
+    no_comm_step,
+    time_cases,
+    torchrun,
+    zero_config,
+)
 
 CASES = ("llmpar_s3", "llmpar_s3_lean", "llmpar_s2", "deepspeed_s3", "fsdp2", "llmpar_s3_offload",
          "deepspeed_s3_offload", "no_comm", "comm_only_s3", "comm_only_s2")

@@ -70,7 +70,7 @@ def worker(args: argparse.Namespace) -> None:
                          dp_rank=rank, dp_size=world, seed=opts.seed)
     for step in range(args.steps):
         x, y = loader.batch(step)
-        for name, run in runs.items():
+        for _name, run in runs.items():
             engine, counter = run["engine"], run["counter"]
             counter.reset()
             dist.barrier()

@@ -52,7 +52,7 @@ def rows(data: dict[str, Any]) -> list[dict[str, Any]]:
                                                     "median_s": s["median"], "iqr_s": s.get("iqr", 0.0),
                                                     "rounds": s.get("rounds")})
     out = []
-    for group, cases in groups.items():
+    for _group, cases in groups.items():
         base = next((c["median_s"] for c in cases if c["impl"] == BASELINE), None)
         cases.sort(key=lambda c: (c["impl"] != BASELINE, c["impl"]))
         for c in cases:

@@ -64,7 +64,8 @@ def pytest_benchmark_update_machine_info(config: pytest.Config, machine_info: di
 
 def command(config: pytest.Config) -> str:
     """The pytest command that ran, with LLMPAR_BENCH_THREADS when set (paths made portable by the caller)."""
-    env = f"LLMPAR_BENCH_THREADS={os.environ['LLMPAR_BENCH_THREADS']} " if os.environ.get("LLMPAR_BENCH_THREADS") else ""
+    threads = os.environ.get("LLMPAR_BENCH_THREADS")
+    env = f"LLMPAR_BENCH_THREADS={threads} " if threads else ""
     return env + "pytest " + " ".join(shlex.quote(str(a)) for a in config.invocation_params.args)
 
 
@@ -73,6 +74,7 @@ def pytest_benchmark_update_json(config: pytest.Config, benchmarks: list, output
     ``machine_info``, which --benchmark-compare checks for equality: the commit changes every run); no absolute
     machine paths in what is saved (``harness.portable``)."""
     import torch
+
     from harness import machine_info, portable
 
     output_json["command"] = command(config)

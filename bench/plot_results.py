@@ -302,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
         if png is None:
             continue
         linked = not args.no_link and args.out_dir is None and link_markdown(path.with_suffix(".md"), png)
-        print(f"wrote {png.name} ({png.stat().st_size // 1024} KB){', linked from ' + path.stem + '.md' if linked else ''}")
+        link = f", linked from {path.stem}.md" if linked else ""
+        print(f"wrote {png.name} ({png.stat().st_size // 1024} KB){link}")
     return 0
 
 

@@ -1,5 +1,5 @@
-"""Sources and compiler flags of ``llmpar._C`` and ``llmpar._C_cpu``, shared by setup.py (CUDAExtension, CppExtension) and
-the JIT loaders (llmpar/ops/_ext.py, llmpar/ops/_cpu_ext.py).
+"""Sources and compiler flags of ``llmpar._C`` and ``llmpar._C_cpu``, shared by setup.py (CUDAExtension,
+CppExtension) and the JIT loaders (llmpar/ops/_ext.py, llmpar/ops/_cpu_ext.py).
 
 Torch-free on purpose: setup.py imports it by path before anything of llmpar is importable.
 """

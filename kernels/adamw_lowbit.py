@@ -14,13 +14,13 @@ masks every lane: nothing is read or written. Every division and square root rou
 sqrt_rn, as the CUDA twin's IEEE `/` and sqrtf): Triton's plain `/` and tl.sqrt compile to div.full / sqrt.approx,
 which move a value sitting on a midpoint to the neighbouring code (tests/test_lowbit_kernels.py reads the sm_90 PTX).
 
-One launch covers all tensors: the int64 ``table`` has TABLE_ROWS rows of n entries; program b finds its tensor by binary
-search in row 0 (the first program of each tensor). Runs under ``TRITON_INTERPRET=1`` on CPU tensors.
+One launch covers all tensors: the int64 ``table`` has TABLE_ROWS rows of n entries; program b finds its tensor by
+binary search in row 0 (the first program of each tensor). Runs under ``TRITON_INTERPRET=1`` on CPU tensors.
 """
 from __future__ import annotations
 
 from ._triton import HAS_TRITON, INTERPRETED, TRITON_IMPORT_ERROR, tl, triton
-from .adamw import _to_device, _tl, log_beta
+from .adamw import _tl, _to_device, log_beta
 
 __all__ = ["HAS_TRITON", "INTERPRETED", "TRITON_IMPORT_ERROR", "BLOCK", "TABLE_ROWS", "step"]
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 import torch
 
 from ._triton import HAS_TRITON, INTERPRETED, TRITON_IMPORT_ERROR, tl, triton  # noqa: F401
-
 from .attention_tiles import INTERPRET_CONFIG, POS_MAX, POS_MIN, _block_tables, config, row_blocks  # noqa: F401
 
 MAX_HEAD_DIM = 128

@@ -1,6 +1,6 @@
 """Triton twin of csrc/bucket_kernels.cu: multi-tensor pack/unpack of a gradient bucket with scale and dtype cast.
 
-A bucket is one flat buffer holding n tensors back to back: tensor i lives in ``flat[offsets[i] : offsets[i] + numels[i]]``.
+A bucket is one flat buffer of n tensors back to back: tensor i lives in ``flat[offsets[i] : offsets[i] + numels[i]]``.
     pack:   flat[offsets[i] + j] = Out(float32(tensor_i[j]) * scale)
     unpack: tensor_i[j]          = Out(float32(flat[offsets[i] + j]) * scale)
 One launch covers all tensors: program b handles ``BLOCK`` elements of one tensor, found through an int64 table
@@ -187,5 +187,5 @@ def pack(tensors, flat, scale: float = 1.0) -> None:
 
 
 def unpack(flat, tensors, scale: float = 1.0) -> None:
-    """tensors[i][...] = flat[offset_i : offset_i + numel_i] * scale, cast to each tensor's dtype (one dtype for all)."""
+    """tensors[i][...] = flat[offset_i : offset_i + numel_i] * scale, cast to the tensors' dtype (one for all)."""
     _launch(flat, list(tensors), scale, unpack=True)

@@ -22,8 +22,15 @@ TF32 setting and sends fp32 calls that may not use TF32 to cuBLAS). Every tile o
 from __future__ import annotations
 
 from ._triton import HAS_TRITON, INTERPRETED, TRITON_IMPORT_ERROR, tl, triton  # noqa: F401
-from .gemm_configs import (AMPERE_CONFIGS, HOPPER_CONFIGS, INTERPRET_CONFIG, SMEM_LIMIT, TUNE_KEY,  # noqa: F401
-                           autotune_limit, fitting)
+from .gemm_configs import (  # noqa: F401
+    AMPERE_CONFIGS,
+    HOPPER_CONFIGS,
+    INTERPRET_CONFIG,
+    SMEM_LIMIT,
+    TUNE_KEY,
+    autotune_limit,
+    fitting,
+)
 
 # activation codes shared with llmpar/ops/gemm.py
 ACTS = {"none": 0, "gelu_tanh": 1, "gelu_erf": 2, "silu": 3, "relu": 4}

@@ -30,6 +30,7 @@ from llmpar.distributed.collectives import TORCH_ALL_GATHER_INTO_TENSOR, TORCH_R
 from llmpar.distributed.flight import RECORDER, Entry, end
 from llmpar.distributed.init import DistEnv, collective_timeout
 from llmpar.distributed.init import init_distributed as _llmpar_init
+
 _IGNORED = ("prof", "log_name", "debug")
 
 

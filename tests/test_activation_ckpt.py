@@ -8,15 +8,20 @@ import logging
 import pytest
 import torch
 from torch import nn
+from zero_helpers import GPT_CFG, engine_loop, gpt_batch
 
 import llmpar
 from llmpar.models import GPT, GPTConfig
 from llmpar.planning.memory import activation_bytes_per_layer
-from llmpar.runtime.activations import (PartitionedInputs, apply_activation_checkpointing, checkpoint_blocks,
-                                        exposed_blocks)
+from llmpar.runtime.activations import (
+    PartitionedInputs,
+    apply_activation_checkpointing,
+    checkpoint_blocks,
+    exposed_blocks,
+)
 from llmpar.runtime.blocks import ActivationCheckpointingConfig
+
 from multirank import run_ranks
-from zero_helpers import GPT_CFG, engine_loop, gpt_batch
 
 CFG = dict(vocab_size=64, n_layer=4, n_head=4, d_model=32, seq_len=24, dropout=0.1)
 

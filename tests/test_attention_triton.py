@@ -14,8 +14,9 @@ import os
 
 import pytest
 import torch
-from interp import run_interpreted
 from test_attention import Case, check_case, check_no_keys, check_split_keys, zigzag
+
+from interp import run_interpreted
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 triton = pytest.importorskip("triton")
@@ -127,8 +128,9 @@ def test_block_tables_cover_every_visible_block(order):
 def test_interp_unmasked_blocks_change_no_bits(case, monkeypatch):
     """The forward / dq run the blocks every row sees whole without the position compare: the results are the same
     bits as with every block of the range masked (n_full = 0)."""
-    from llmpar.kernels import attention as kernels
     from test_attention import make
+
+    from llmpar.kernels import attention as kernels
 
     q, k, v, dout, q_pos, k_pos, valid = make(case, torch.bfloat16)
     kw = dict(scale=0.3, causal=True, q_pos=q_pos, k_pos=k_pos, k_valid=valid)

@@ -220,7 +220,8 @@ def test_command_line_records_no_machine_paths(monkeypatch, tmp_path):
                                       f"--out={root / 'bench' / 'results'}", "--repeats", "3", "/opt/data.bin"])
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     line = harness.command_line()
-    assert line == 'python bench/bench_zero.py --dir "$TMPDIR/llmpar-bench-x" --out=bench/results --repeats 3 /opt/data.bin'
+    assert line == ('python bench/bench_zero.py --dir "$TMPDIR/llmpar-bench-x" --out=bench/results'
+                    ' --repeats 3 /opt/data.bin')
     assert str(root) not in line
 
 
@@ -370,7 +371,7 @@ def test_suites_stay_out_of_the_test_run():
 
     ini = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
     assert ini["testpaths"] == ["tests"]  # `pytest` and `make test` never collect bench/
-    assert "pytest -q -ra tests" in (ROOT / "Makefile").read_text()
+    assert "$(PYTEST) -q -ra tests" in (ROOT / "Makefile").read_text()  # the test target names tests/ only
 
 
 def test_suites_run_once_on_cpu():

@@ -11,6 +11,7 @@ import llmpar
 from llmpar.checkpoint import files as ckfiles
 from llmpar.checkpoint import save_checkpoint
 from llmpar.models import GPT, GPTConfig
+
 from multirank import run_ranks
 
 SEQ, GLOBAL_BATCH = 12, 4
@@ -218,7 +219,7 @@ def consolidate_body(root, stage, bf16, frozen=False):
                 b.state["master"])
             # partition order == unit order of each rank's shard: rebuild per unit
             part = b.layout.partition
-            for u, unit in enumerate(b.layout.units):
+            for unit in b.layout.units:
                 n = unit.padded // opt.dp
                 pieces = [full[r * part + unit.shard_offset: r * part + unit.shard_offset + n] for r in range(opt.dp)]
                 unit_full = torch.cat(pieces)
@@ -230,8 +231,8 @@ def consolidate_body(root, stage, bf16, frozen=False):
 @pytest.mark.parametrize("stage, bf16, frozen", [(3, False, False), (2, True, False), (3, False, True)],
                          ids=["s3-fp32", "s2-bf16-master", "s3-frozen"])
 def test_consolidate_equals_gathered_model(stage, bf16, frozen, tmp_path):
-    from llmpar.cli import main
     from llmpar.checkpoint.consolidate import consolidated_state_dict
+    from llmpar.cli import main
 
     gathered, masters = run_ranks(consolidate_body, 2, str(tmp_path / "ck"), stage, bf16, frozen, timeout=120)[0]
     out = tmp_path / "out"
@@ -269,7 +270,8 @@ def tp_body(root, stage):
         micro, losses = GLOBAL_BATCH // dp, []
         for s in range(a, b):
             x, y = _batch(s)
-            loss = model.loss(engine(x[dp_rank * micro:(dp_rank + 1) * micro]), y[dp_rank * micro:(dp_rank + 1) * micro])
+            loss = model.loss(engine(x[dp_rank * micro:(dp_rank + 1) * micro]),
+                              y[dp_rank * micro:(dp_rank + 1) * micro])
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())

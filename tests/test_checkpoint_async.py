@@ -7,11 +7,12 @@ import threading
 
 import pytest
 import torch.distributed as dist
+from test_checkpoint import _engine, _train
 
 from llmpar.checkpoint import files as ckfiles
 from llmpar.checkpoint import save_checkpoint
 from llmpar.checkpoint.save import pending
-from test_checkpoint import _engine, _train
+
 from multirank import run_ranks
 
 

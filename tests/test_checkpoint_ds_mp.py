@@ -5,10 +5,10 @@ One launch on 2 ranks (the rank pool): real DeepSpeed (0.19, CPU, gloo) trains `
 hand-written Megatron-style model (column-parallel ``up``, row-parallel ``down``, replicated rest, odd widths) at tp=2
 x dp=1, ZeRO-1, with a WarmupLR schedule and gradient clipping, for K steps, saves with a client_state and continues
 N steps. llmpar builds the unsplit model from another seed and loads the checkpoint at dp=2 ZeRO-2 and ZeRO-3 (each
-param's shards merged along the dim the model's full shape tells) and at tp=2 with its own layers, continues the same N steps on the same global
-batches, and its losses equal DeepSpeed's continuation (<= 1e-6 relative); the loaded weights are DeepSpeed's shards
-merged, bitwise. The same launch checks that a model whose shape fits no merge of the shards is refused on both ranks,
-naming the param and the shapes.
+param's shards merged along the dim the model's full shape tells) and at tp=2 with its own layers, continues the same N
+steps on the same global batches, and its losses equal DeepSpeed's continuation (<= 1e-6 relative); the loaded weights
+are DeepSpeed's shards merged, bitwise. The same launch checks that a model whose shape fits no merge of the shards is
+refused on both ranks, naming the param and the shapes.
 """
 import os
 import sys

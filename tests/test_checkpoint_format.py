@@ -20,12 +20,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_checkpoint_protocol import FakeEngine, _same
 
 from llmpar.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from llmpar.checkpoint import blockfile as bf
 from llmpar.checkpoint import files as ckfiles
 from llmpar.checkpoint.consolidate import consolidated_state_dict
-from test_checkpoint_protocol import FakeEngine, _same
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int8,
           torch.uint8, torch.bool, torch.complex64]
@@ -230,7 +230,6 @@ def test_zero_shard_views_are_the_live_buffers_and_equal_the_shards(stage, bf16)
 # ---------------------------------------------------------------------------------------------------- shared hashing
 def shared_body(root, corrupt):
     import torch.distributed as dist
-
     from test_checkpoint import _engine, _train
 
     engine, model = _engine(2)

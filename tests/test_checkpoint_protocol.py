@@ -19,8 +19,15 @@ import pytest
 import torch
 from torch import nn
 
-from llmpar.checkpoint import CheckpointError, Checkpointable, CheckpointOptimizer, Grid, load_checkpoint, \
-    save_checkpoint, wait_checkpoint
+from llmpar.checkpoint import (
+    Checkpointable,
+    CheckpointError,
+    CheckpointOptimizer,
+    Grid,
+    load_checkpoint,
+    save_checkpoint,
+    wait_checkpoint,
+)
 from llmpar.checkpoint.consolidate import consolidated_state_dict
 from llmpar.checkpoint.save import pending
 

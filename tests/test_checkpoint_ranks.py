@@ -17,12 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from test_checkpoint import GPT_CFG, _config, _engine, _train
 
 import llmpar
 from llmpar.checkpoint import CheckpointError, save_checkpoint
 from llmpar.models import GPT, GPTConfig
+
 from multirank import run_ranks
-from test_checkpoint import GPT_CFG, _config, _engine, _train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -213,7 +214,8 @@ def test_async_save_pending_when_the_ranks_exit(fail, tmp_path):
     if not fail:
         assert (tmp_path / "latest").read_text().strip() == "global_step2", (os.listdir(tmp_path), outs[0].stderr)
         assert "published now" in outs[0].stderr and "wait_checkpoint" in outs[0].stderr
-        assert sorted(os.listdir(tmp_path / "global_step2")) == ["dp000-tp00.shard", "dp001-tp00.shard", "metadata.json"]
+        assert sorted(os.listdir(tmp_path / "global_step2")) == ["dp000-tp00.shard", "dp001-tp00.shard",
+                                                                 "metadata.json"]
     else:
         assert not (tmp_path / "latest").exists()
         assert "NOT published" in outs[0].stderr and "simulated disk full" in outs[0].stderr, outs[0].stderr

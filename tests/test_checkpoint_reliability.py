@@ -21,11 +21,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_checkpoint_format import downgrade
+from test_checkpoint_protocol import FakeEngine, Tiny, _same
 
 from llmpar.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from llmpar.checkpoint.consolidate import consolidated_state_dict
-from test_checkpoint_format import downgrade
-from test_checkpoint_protocol import FakeEngine, Tiny, _same
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent

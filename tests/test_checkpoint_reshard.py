@@ -21,6 +21,7 @@ import llmpar
 from llmpar.checkpoint import blockfile
 from llmpar.checkpoint import files as ckfiles
 from llmpar.models import GPT, GPTConfig
+
 from multirank import run_ranks
 
 T, ROWS, V = 8, 8, 67  # tokens, rows per step (all dp ranks together), vocabulary (odd: padded at tp = 2, 4)

@@ -23,9 +23,9 @@ import shutil
 import pytest
 import torch
 import torch.distributed as dist
+from test_checkpoint_deepspeed import GAS, MICRO, K, N, V, _config, _error, _model, _train
 
 from multirank import run_ranks
-from test_checkpoint_deepspeed import GAS, K, MICRO, N, V, _config, _error, _model, _train
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed")
 
@@ -79,10 +79,10 @@ def _tp_universal(root):
     universal checkpoint into the unsplit model at dp=2 ZeRO-2 (``load_universal``) and continues the same N steps.
     Returns (DeepSpeed's losses, this rank's shards at the save, llmpar's losses, llmpar's loaded weights)."""
     import deepspeed
-
-    import llmpar
     from test_checkpoint_ds_mp import ROWS, _model_file, _step
     from test_checkpoint_ds_mp import _config as mp_config
+
+    import llmpar
 
     M = _model_file()
     mpu = M.MPU(2)

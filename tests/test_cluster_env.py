@@ -135,14 +135,16 @@ def test_arguments_win_over_variables_and_describe_says_where_from():
     ({**SLURM, "SLURM_JOB_NODELIST": "node[1-"}, r"SLURM_JOB_NODELIST='node\[1-' is not a Slurm hostlist"),
     ({"SLURM_PROCID": "0"}, "none of SLURM_STEP_NUM_TASKS, SLURM_NTASKS"),
     ({**SLURM, "SLURM_TASKS_PER_NODE": ""}, r"SLURM_JOB_NODELIST='node\[01-02\]' names several nodes but none of"),
-    ({**OMPI, "OMPI_COMM_WORLD_RANK": "6"}, r"OMPI_COMM_WORLD_RANK=6 \(from OpenMPI\) is not below OMPI_COMM_WORLD_SIZE"),
+    ({**OMPI, "OMPI_COMM_WORLD_RANK": "6"},
+     r"OMPI_COMM_WORLD_RANK=6 \(from OpenMPI\) is not below OMPI_COMM_WORLD_SIZE"),
     ({**OMPI, "OMPI_COMM_WORLD_LOCAL_SIZE": "7"}, r"OMPI_COMM_WORLD_LOCAL_SIZE=7 \(from OpenMPI\) must be in \[1, "),
     ({"OMPI_COMM_WORLD_RANK": "0"}, "OMPI_COMM_WORLD_RANK is set \\(OpenMPI\\) but OMPI_COMM_WORLD_SIZE is not"),
     ({**PMI, "PMI_SIZE": "1.5"}, r"PMI_SIZE='1.5' \(from MPICH/PMI\) is not an integer"),
     ({"PMIX_RANK": "0"}, "PMIX_RANK='0' is set .* but no world size"),
     ({"PMI_RANK": "1"}, r"PMI_RANK='1' is set \(PMI\) but no world size is \(PMI_SIZE"),  # was "PMIX_RANK=None"
     ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "7"}, r"LOCAL_RANK=7 \(from torchrun\) is not below WORLD_SIZE=2"),
-    ({**PMI, "MPI_LOCALNRANKS": "", "MPI_LOCALRANKID": "4"}, r"MPI_LOCALRANKID=4 \(from MPICH/PMI\) is not below PMI_SIZE"),
+    ({**PMI, "MPI_LOCALNRANKS": "", "MPI_LOCALRANKID": "4"},
+     r"MPI_LOCALRANKID=4 \(from MPICH/PMI\) is not below PMI_SIZE"),
     ({**SLURM, "SLURM_STEP_NODELIST": "n[0-" + "9" * 19 + "]"}, r"SLURM_STEP_NODELIST=.*more than 18 digits"),
     ({**TORCHRUN, "RANK": "2"}, r"RANK=2 \(from torchrun\) is not below WORLD_SIZE=2"),
     ({**TORCHRUN, "RANK": "-1"}, r"RANK='-1' \(from torchrun\) must be >= 0"),
@@ -168,7 +170,8 @@ def test_mpi_without_master_addr_fails_at_init_naming_master_addr(monkeypatch):
             monkeypatch.delenv(k)
     for k, v in OMPI.items():
         monkeypatch.setenv(k, v)
-    with pytest.raises(RuntimeError, match=r"WORLD_SIZE=6 \(from OpenMPI\) but MASTER_ADDR is not set: set MASTER_ADDR"):
+    with pytest.raises(RuntimeError,
+                       match=r"WORLD_SIZE=6 \(from OpenMPI\) but MASTER_ADDR is not set: set MASTER_ADDR"):
         llmpar.init_distributed(backend="gloo", timeout_s=5)
     monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "x")
     with pytest.raises(ValueError, match="OMPI_COMM_WORLD_SIZE='x' \\(from OpenMPI\\)"):

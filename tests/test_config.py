@@ -1,4 +1,4 @@
-"""The DeepSpeed config as llmpar reads it: batch-size arithmetic, clear errors, and DeepSpeed's lr schedules exactly."""
+"""The DeepSpeed config as llmpar reads it: batch-size arithmetic, clear errors, DeepSpeed's lr schedules exactly."""
 import json
 import os
 
@@ -29,7 +29,8 @@ def test_batch_sizes_are_inferred_as_deepspeed_does(given, want):
     (dict(gradient_accumulation_steps=2), "train_micro_batch_size_per_gpu"),
     (dict(train_batch_size=0), ">= 1"),
     (dict(train_batch_size=8, gradient_clipping=-1), "gradient_clipping"),
-    (dict(train_batch_size=8, zero_optimization={"stage": 2, "reduce_bucket_sise": 5}), 'did you mean "reduce_bucket_size"'),
+    (dict(train_batch_size=8, zero_optimization={"stage": 2, "reduce_bucket_sise": 5}),
+     'did you mean "reduce_bucket_size"'),
     (dict(train_batch_size=8, gradient_acumulation_steps=2), 'did you mean "gradient_accumulation_steps"'),
     (dict(train_batch_size=8, zero_optimization={"stage": 4}), "must be 0, 1, 2 or 3"),
     (dict(train_batch_size=8, zero_optimization={"stage": 0, "offload_optimizer": {"device": "cpu"}}),
@@ -137,8 +138,8 @@ def test_non_finite_hyperparameters_are_refused(block, match):
 
 
 def test_a_file_is_read_once_and_gives_the_same_config_as_the_dict(tmp_path, monkeypatch):
-    from llmpar.runtime import config as runtime_config
     from llmpar.runtime import Blocks, read_config
+    from llmpar.runtime import config as runtime_config
 
     cfg = {"train_micro_batch_size_per_gpu": 2, "pipeline": {"stages": 2, "micro_batches": 4},
            "tensor_parallel": {"size": 2}, "bf16": {"enabled": True},
@@ -155,7 +156,8 @@ def test_a_file_is_read_once_and_gives_the_same_config_as_the_dict(tmp_path, mon
     assert blocks.degrees == (2, 2)
     a, b = Config.from_blocks(blocks, dp=3), Config.from_deepspeed(cfg, dp=3)
     assert a == b and len(opened) == 1
-    assert (a.gradient_accumulation_steps, a.train_batch_size, a.bf16, a.zero.reduce_bucket_size) == (4, 24, True, 50000)
+    assert (a.gradient_accumulation_steps, a.train_batch_size, a.bf16,
+            a.zero.reduce_bucket_size) == (4, 24, True, 50000)
     assert a.pipeline.stages == 2 and a.tensor_parallel.size == 2
 
 

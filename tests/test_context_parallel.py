@@ -14,8 +14,8 @@ import torch.distributed as dist
 from llmpar.context_parallel import ContextParallel, SeqShard, layout, padded_length, shard_tensor
 from llmpar.context_parallel.ring import RingStats
 from llmpar.distributed import all_to_all_single, exchange
-from multirank import run_ranks
 
+from multirank import run_ranks
 
 # ----------------------------------------------------------------------------- reference
 

@@ -16,6 +16,7 @@ from llmpar.models import GPT, GPTConfig
 from llmpar.optim import FusedAdamW
 from llmpar.runtime.config import Blocks
 from llmpar.runtime.logs import describe
+
 from multirank import run_ranks
 
 CFG = dict(vocab_size=61, n_layer=2, n_head=4, d_model=32, seq_len=16)

@@ -3,13 +3,14 @@ computation on odd shapes, no NaN without counted tokens, refused inputs, the vo
 bytes autograd holds (counted through saved_tensors_hooks) falling with the tile."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-import pytest
 from torch import nn
 
 from llmpar.context_parallel.tiled import TiledMLP, tiled_lm_loss, tiled_mlp
+
 from multirank import multirank
 
 

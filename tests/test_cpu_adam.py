@@ -27,6 +27,7 @@ from llmpar.ops import _cpu_ext, _ext
 from llmpar.ops._library import CPU_OPS
 from llmpar.ops.cpu_adam import ISAS as ALL_ISAS
 from llmpar.ops.cpu_adam import cpu_adamw_step, cpu_backend, isa_code
+
 from multirank import run_ranks
 
 ISAS = ALL_ISAS[:3]  # the fp32 kernel has no VBMI build: under avx512vbmi it runs the AVX-512 one

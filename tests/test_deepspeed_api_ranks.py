@@ -80,7 +80,7 @@ def loader_body():
 
 def test_training_dataloader_has_deepspeeds_sampler_semantics():
     outs = run_ranks(loader_body, 2, timeout=120)
-    for got, want, again, ordered, n in outs:
+    for got, want, again, _ordered, n in outs:
         assert got == want == again and n == 3  # 11 of 21 samples per rank (padded), the same order every epoch
     assert set(outs[0][0]) | set(outs[1][0]) == set(range(21)) and outs[0][0] != list(range(0, 21, 2))  # shuffled
     assert outs[0][3] == list(range(0, 21, 2)) and outs[1][3] == list(range(1, 21, 2)) + [0]
@@ -165,7 +165,7 @@ def comm_body():
 
 def test_comm_functions():
     outs = run_ranks(comm_body, 2, timeout=120)
-    for rank, (s, b, g, rs, parts, a2a, objs, pair, got, info) in enumerate(outs):
+    for rank, (s, b, g, rs, parts, a2a, objs, pair, _got, info) in enumerate(outs):
         assert s == 3.0 and b == 1.0 and g == [0.0, 0.5, 1.0, 1.5] and rs == [3.0, 6.0][rank]
         assert parts == [0.0, 10.0] and a2a == [float(rank), 10.0 + rank] and objs == [{"rank": 0}, {"rank": 1}]
         assert pair == [[3.0, 3.0], [3.0, 3.0, 3.0]] and info == (rank, 1, [0, 1], True, True, True)
@@ -247,7 +247,7 @@ def gathered_body(stage):
 @pytest.mark.parametrize("stage", [2, 3])
 def test_gathered_parameters_without_the_optimizer_on_two_ranks(stage):
     outs = run_ranks(gathered_body, 2, stage, timeout=120)
-    for shape, full, here in outs:
+    for shape, _full, here in outs:
         assert shape == (64, 4) and torch.all(here == 0.25)  # rank 0's write reached rank 1's shard / copy
     assert torch.all(outs[0][1] == 0.25)
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from multirank import free_port
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,5 +1,4 @@
 """Mesh runtime and collective wrappers, on CPU/gloo ranks, checked against single-process computation."""
-import itertools
 
 import pytest
 import torch
@@ -8,6 +7,7 @@ import torch.distributed as dist
 import llmpar
 from llmpar import distributed as ld
 from llmpar.distributed import ParallelDims
+
 from multirank import multirank, run_ranks
 
 
@@ -319,7 +319,7 @@ def _inflight_body():
 def test_flat_collectives_in_flight_together_on_a_subgroup():
     results = run_ranks(_inflight_body, 4, timeout=60)
     by_rank = {dist_rank: res for dist_rank, res in enumerate(results)}
-    for outs, ins, members, r in results:
+    for outs, _ins, members, r in results:
         peers = [by_rank[g][1] for g in members]  # the inputs of the group's ranks, in group order
         for i, (ag, rs) in enumerate(outs):
             n = rs.numel()

@@ -6,6 +6,7 @@ import json
 import re
 
 import pytest
+
 from docs_blocks import ROOT, all_blocks, blocks_of, doc_files, run_block
 from multirank import run_ranks
 
@@ -22,7 +23,7 @@ def test_python_block_runs(block, tmp_path):
 @pytest.mark.parametrize("block", [b for b in BLOCKS if b.lang == "json"], ids=lambda b: b.id)
 def test_json_block_is_valid(block):
     value = json.loads(block.code)
-    from llmpar.runtime.config import Blocks, _VALID
+    from llmpar.runtime.config import _VALID, Blocks
 
     if isinstance(value, dict) and any(k in _VALID for k in value):
         Blocks.parse(value)  # a DeepSpeed config the engine accepts

@@ -199,7 +199,8 @@ def test_cpu_accelerator_answers_deepspeeds_api(monkeypatch):
     assert isinstance(acc.FloatTensor([1.0, 2.0]), torch.Tensor) and acc.LongTensor([1]).dtype == torch.long
     assert acc.available_memory() > 0
     # memory statistics: the process's resident set. Checked in a fresh process: in this long-lived one, a big
-    # allocation may be served from pages an earlier test freed and the allocator kept, so the resident set need not grow
+    # allocation may be served from pages an earlier test freed and the allocator kept, so the resident set need not
+    # grow
     out = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "DS_ACCELERATOR": "cpu"})
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stdout + out.stderr

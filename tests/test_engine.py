@@ -3,12 +3,14 @@ bytes moved = 2 psi, accumulation boundaries, and configs that differ between ra
 import pytest
 import torch
 import torch.distributed as dist
+from zero_helpers import GPT_CFG, engine_loop, single_gpt_losses
 
 import llmpar
 from llmpar.distributed.collectives import CommCounter
 from llmpar.models import GPT, GPTConfig
+
 from multirank import RankFailure, run_ranks
-from zero_helpers import GPT_CFG, engine_loop, single_gpt_losses
+
 
 def _ds_config(stage, micro, **extra):
     return {"train_micro_batch_size_per_gpu": micro, "gradient_clipping": 0.3,
@@ -68,12 +70,12 @@ def test_memory_and_communication_equal_the_zero_formulas(stage, world):
 def accumulation_body():
     model = torch.nn.Linear(5, 3)
     cfg = {"train_batch_size": 12, "train_micro_batch_size_per_gpu": 2,
-           "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4, "warmup_max_lr": 0.1, "warmup_min_lr": 0.01,
-                                                        "warmup_type": "linear"}},
+           "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4, "warmup_max_lr": 0.1,
+                                                        "warmup_min_lr": 0.01, "warmup_type": "linear"}},
            "zero_optimization": {"stage": 2}}
     engine, _, _, sched = llmpar.initialize(model=model, config=cfg)
     seen = []
-    for micro in range(9):
+    for _micro in range(9):
         before = model.weight.detach().clone()
         loss = engine(torch.randn(2, 5)).pow(2).mean()
         engine.backward(loss)
@@ -160,7 +162,8 @@ def test_initialize_rejects_optimizer_objects_it_cannot_map():
     """AdamW / Adam objects are mapped onto ZeRO (tests/test_deepspeed_api.py); others name what is supported."""
     model = torch.nn.Linear(3, 3)
     with pytest.raises(TypeError, match="optimizer=SGD: .*torch.optim.AdamW"):
-        llmpar.initialize(model=model, config={"train_batch_size": 1}, optimizer=torch.optim.SGD(model.parameters(), 0.1))
+        llmpar.initialize(model=model, config={"train_batch_size": 1},
+                          optimizer=torch.optim.SGD(model.parameters(), 0.1))
 
 
 def tp_block_body(stage, tp, micro, steps):
@@ -182,7 +185,6 @@ def test_tensor_parallel_block_builds_the_mesh_and_splits_the_model():
 
 def one_bad_rank_body(kind, tmpdir):
     """Rank 1 alone gets an invalid config; every rank must report rank 1's own error (no hang, no peer reset)."""
-    import json
     import os
 
     good = {"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}

@@ -12,6 +12,7 @@ import traceback
 
 import pytest
 import torch
+
 from multirank import free_port
 
 TIMEOUT_S = 4.0

@@ -26,14 +26,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_checkpoint_protocol import FakeEngine, _same
 
 from llmpar.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, wait_checkpoint
 from llmpar.checkpoint import files as ckfiles
 from llmpar.checkpoint.consolidate import consolidated_state_dict
 from llmpar.checkpoint.save import pending
 from llmpar.runtime import engine_ckpt
+
 from multirank import run_ranks
-from test_checkpoint_protocol import FakeEngine, _same
 
 
 def _no_collective(*args, **kwargs):
@@ -290,7 +291,6 @@ def test_a_symlinked_old_copy_left_by_an_older_save_is_unlinked_not_followed(tmp
 # ---------------------------------------------------------------------------------------------------- 2 ranks
 def ranks_body(root: str):
     import torch.distributed as dist
-
     from test_checkpoint import _engine, _train
 
     engine, model = _engine(2)
@@ -333,9 +333,9 @@ def _auto_resume_on_ranks(engine, auto: str) -> tuple:
     """A checkpoint saved without ``latest``: an engine built with auto_resume there resumes from it on both ranks;
     with a copy at the same step beside it, both ranks refuse."""
     import torch.distributed as dist
+    from test_checkpoint import GPT, GPT_CFG, GPTConfig, _config
 
     import llmpar
-    from test_checkpoint import _config, GPT, GPT_CFG, GPTConfig
 
     engine.save_checkpoint(auto, save_latest=False)
     cfg = {**_config(2, 2), "checkpoint": {"auto_resume": auto}}

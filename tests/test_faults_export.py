@@ -26,10 +26,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_hf_load import write_zero3
 
 from llmpar.checkpoint import consolidate
 from llmpar.checkpoint.files import CheckpointError
-from test_hf_load import write_zero3
 
 # a child converting into OUT with os.replace / os.rename / os.remove / shutil.rmtree / the directory exchange
 # counted; it SIGKILLs itself right before call K (K=0: never, it prints the count)

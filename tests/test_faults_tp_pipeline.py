@@ -35,8 +35,7 @@ def _timed(fn, exc, match):
 def _numel_body(sp: bool):
     """Embedding and loss with one rank's input of another element count: a ValueError naming both shapes on every
     rank, then (nothing half done) the same layer on agreeing inputs still equals the float64 reference."""
-    from llmpar.tensor_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
-    from llmpar.tensor_parallel import _agree
+    from llmpar.tensor_parallel import VocabParallelEmbedding, _agree, vocab_parallel_cross_entropy
 
     g = dist.group.WORLD
     rank, tp = dist.get_rank(), dist.get_world_size()

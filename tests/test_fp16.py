@@ -9,13 +9,14 @@ import types
 import pytest
 import torch
 import torch.distributed as dist
+from zero_helpers import GPT_CFG, gpt_batch
 
 import llmpar
 from llmpar.models import GPT, GPTConfig
 from llmpar.optim import FusedAdamW
 from llmpar.zero.loss_scale import LossScaler
+
 from multirank import RankFailure, run_ranks
-from zero_helpers import GPT_CFG, gpt_batch
 
 
 # ----------------------------------------------------------------------------------------- the schedule itself

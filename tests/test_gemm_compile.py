@@ -16,11 +16,12 @@ import re
 
 import pytest
 import torch
-
 from triton_aot import SMEM_LIMIT, Recorder, bind_like_launcher, compile_like_launcher
 
-from llmpar.kernels import gemm  # noqa: E402
-from llmpar.kernels import gemm_configs  # noqa: E402
+from llmpar.kernels import (
+    gemm,  # noqa: E402
+    gemm_configs,  # noqa: E402
+)
 
 if gemm.INTERPRETED:
     pytest.skip("TRITON_INTERPRET=1: kernels are interpreted in this process", allow_module_level=True)
@@ -93,7 +94,7 @@ def assert_int64_tile_offsets(ttir: str) -> int:
         if m:
             defs[m.group(1)] = (m.group(2), re.findall(r"%[\w.#]+", m.group(3)), m.group(4), line.strip())
     checked = 0
-    for name, (op, operands, types, line) in defs.items():
+    for _name, (op, operands, types, line) in defs.items():
         if op != "tt.addptr" or not re.search(r"tensor<\d+x\d+x!tt\.ptr", types):
             continue
         checked += 1

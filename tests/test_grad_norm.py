@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from llmpar.optim.grad_norm import clip_grad_norm_, clip_grads_, global_grad_norm, param_grads
+
 from multirank import multirank
 
 SHAPES = [(5, 7), (123,), (3, 41), (4097,), (1,), (9, 13), (2, 3, 7), (37,), (17, 5)]
@@ -143,8 +144,9 @@ def _check_layout(env, tp: int, pp: int, dp: int, kind: str, layout: str) -> Non
 
 @multirank(2, 4, timeout=240)
 def test_norm_of_the_unsplit_model_over_tp_pp_dp():
-    import llmpar
     import torch.distributed as dist
+
+    import llmpar
 
     world = dist.get_world_size()
     configs = [(2, 1, 1), (1, 2, 1), (1, 1, 2)] if world == 2 else [(2, 2, 1), (2, 1, 2), (1, 2, 2)]

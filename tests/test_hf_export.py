@@ -29,6 +29,7 @@ from safetensors import safe_open  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from llmpar.checkpoint import hf_files  # noqa: E402
+
 from multirank import run_ranks  # noqa: E402
 
 VOCAB = 67  # not divisible by tp=2: the vocabulary layers are padded under tensor parallelism

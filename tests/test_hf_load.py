@@ -68,7 +68,7 @@ def body(good: str, bad: str, world: int) -> dict:
             return t
 
         def get_slice(self, name):
-            s, outer = self.f.get_slice(name), self
+            s = self.f.get_slice(name)
 
             class Slice:
                 def get_shape(self):
@@ -275,7 +275,8 @@ def test_convert_catches_a_corrupted_write(tmp_path, monkeypatch, what, digest) 
     from llmpar.checkpoint import consolidate, ds_convert, hf_stream
 
     g = torch.Generator().manual_seed(11)
-    params = {"a": torch.randn(37, 5, generator=g), "b": torch.randn(23, generator=g), "c": torch.randn(9, 7, generator=g)}
+    params = {"a": torch.randn(37, 5, generator=g), "b": torch.randn(23, generator=g),
+              "c": torch.randn(9, 7, generator=g)}
     write_zero3(str(tmp_path / "ds" / "global_step1"), params, 2)
     real, calls = hf_stream.pwrite_all, [0]
 

@@ -120,7 +120,8 @@ def body(good: str, bad: str) -> list[dict]:
             for step in range(2):
                 x, y = batch(step)
                 n = ROWS // dp
-                losses.append(float(engine.train_batch(x[dp_rank * n:(dp_rank + 1) * n], y[dp_rank * n:(dp_rank + 1) * n])))
+                losses.append(float(engine.train_batch(x[dp_rank * n:(dp_rank + 1) * n],
+                                                       y[dp_rank * n:(dp_rank + 1) * n])))
             names = sorted(set(engine.checkpoint_names().values()))
             out.append({"layout": name, "tp": tp, "pp_rank": engine.mesh["pp"].get_local_rank(),
                         "tp_rank": engine.mesh["tp"].get_local_rank() if tp > 1 else 0, "losses": losses,

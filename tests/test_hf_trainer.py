@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "data" / "hf_trainer_script.py"
 sys.path.insert(0, str(SCRIPT.parent))
 import hf_trainer_script  # noqa: E402
+
 from multirank import free_port, run_ranks  # noqa: E402
 
 

@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+
 from multirank import REPO_ROOT, run_ranks, worker_sys_path
 
 

@@ -11,12 +11,13 @@ import sys
 from collections import OrderedDict
 
 import pytest
-from multirank import free_port
 
 from llmpar import cli
 from llmpar.launch import build_commands, describe, filter_pool, launch_from_args, parse_hostfile, resolve_pool
 from llmpar.launch.cli import build_parser
 from llmpar.launch.commands import exported_env
+
+from multirank import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HOSTFILE = """# the cluster
@@ -288,7 +289,8 @@ x = torch.tensor([float(dist.get_rank() + 1)])
 dist.all_reduce(x)
 with open(os.path.join(args.rest[0], f"rank{dist.get_rank()}.json"), "w") as f:
     json.dump({"rank": dist.get_rank(), "world": dist.get_world_size(), "sum": x.item(), "arg": args.rest[1],
-               "node_env": os.environ["GROUP_RANK"], "local": os.environ["LOCAL_RANK"], "arg_local": args.local_rank}, f)
+               "node_env": os.environ["GROUP_RANK"], "local": os.environ["LOCAL_RANK"],
+               "arg_local": args.local_rank}, f)
 """
 
 

@@ -267,8 +267,8 @@ with open(os.path.join(sys.argv[1], f"{sys.argv[2]}{seen['RANK']}.json"), "w") a
 
 
 def test_srun_and_mpirun_tasks_see_torchrun_variables_before_the_script(tmp_path):
-    """The Slurm route of docs/launching.md (``--launcher slurm``, srun simulated) with an HF-Trainer-shaped script: each task
-    sees RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE / MASTER_* before any llmpar call, so transformers'
+    """The Slurm route of docs/launching.md (``--launcher slurm``, srun simulated) with an HF-Trainer-shaped script:
+    each task sees RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE / MASTER_* before any llmpar call, so transformers'
     TrainingArguments counts 2 processes and meets the other task (the port from SLURM_JOB_ID, marked as such);
     the same through ``--launcher mpi`` (mpirun simulated)."""
     from test_cluster_env import _slurm_port

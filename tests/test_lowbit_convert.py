@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from llmpar.ops import lowbit as L
+
 from multirank import run_ranks
 
 T, ROWS, V = 8, 8, 67

@@ -12,16 +12,16 @@ all in one call), 8 and 4 bits, float32 params and bf16 params with float32 mast
 """
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
 import pytest
 import torch
 
-from interp import INTERPRET, run_interpreted
 from llmpar.ops import _cpu_ext, lowbit
 from llmpar.ops import lowbit_kernels as lk
+
+from interp import INTERPRET, run_interpreted
 
 ROOT = Path(__file__).resolve().parents[1]
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
@@ -368,7 +368,7 @@ def test_triton_interpreted():
 def test_triton_compiles_for_gpu(arch, bits, master, monkeypatch):
     """The Triton kernel compiles to sm_90 / sm_80 machine code as its launcher specialises it (tests/triton_aot.py):
     one tensor (n = 1 stays a runtime value), device lr / gscale / found_inf, bf16 grads."""
-    from triton_aot import Recorder, compile_like_launcher, specialised, bind_like_launcher
+    from triton_aot import Recorder, bind_like_launcher, compile_like_launcher, specialised
 
     from llmpar.kernels import adamw_lowbit as tk
 
@@ -388,7 +388,8 @@ def test_triton_compiles_for_gpu(arch, bits, master, monkeypatch):
     # IEEE like the CUDA twin and the contract: every division and square root rounds to nearest (an approximate one
     # moves codes that sit on a midpoint, so the backends would disagree there)
     ptx = kernel.asm["ptx"]
-    approx = sorted(set(re.findall(r"\b(div\.full\.\w+|div\.approx\.\w+|sqrt\.approx\.[\w.]+|rcp\.approx\.[\w.]+)", ptx)))
+    approx = sorted(set(re.findall(r"\b(div\.full\.\w+|div\.approx\.\w+|sqrt\.approx\.[\w.]+|rcp\.approx\.[\w.]+)",
+                                   ptx)))
     assert not approx, f"approximate ops in the sm_{arch} PTX: {approx}"
     assert re.search(r"\bdiv\.rn\.f32\b", ptx) and re.search(r"\bsqrt\.rn\.f32\b", ptx), "no IEEE div / sqrt found"
 

@@ -21,6 +21,7 @@ from llmpar.distributed.collectives import CommCounter
 from llmpar.ops import lowbit as L
 from llmpar.zero import GatheredParameters, OptimizerConfig, ZeroConfig, ZeroOptimizer
 from llmpar.zero.loss_scale import LossScaler
+
 from multirank import run_ranks
 
 MICRO, STEPS, GAS, CLIP, LR, WD = 3, 3, 2, 0.5, 1e-2, 0.1
@@ -360,7 +361,8 @@ def _checked_step(opt, sr):
                  for k in lowbit_state.CODE_KEYS]
         L.adamw_lowbit_step(shards, grads, *views, steps, None, bits=bits, lr=g["lr"], beta1=g["betas"][0],
                             beta2=g["betas"][1], eps=g["eps"], weight_decay=g["weight_decay"],
-                            seed=opt.seed if sr else None, salts=[lowbit_state.sr_salt(b, u) for u in units] if sr else None,
+                            seed=opt.seed if sr else None,
+                            salts=[lowbit_state.sr_salt(b, u) for u in units] if sr else None,
                             sr_offsets=[lowbit_state.sr_offset(b, u, rank) for u in units] if sr else None)
         ok = ok and all(torch.equal(x, y) for x, y in zip(shards, opt._shards(b)))
         ok = ok and all(torch.equal(state[k], b.state[k]) for k in lowbit_state.CODE_KEYS)
@@ -401,7 +403,8 @@ def step_checks_body(names):
         weights = opt.stage3.weights if opt.stage3 is not None else None
         # numpy arrays travel by value (torch tensors in a result would go through shared memory)
         out[name] = dict(exact=exact, calls=dict(counter.calls), params=params.numpy(), codes=codes.numpy(),
-                         first_grads=first_grads.numpy(), salts=salts, from_secondary=weights.from_secondary if weights is not None else 0,
+                         first_grads=first_grads.numpy(), salts=salts,
+                         from_secondary=weights.from_secondary if weights is not None else 0,
                          layout=[(u["offset"], u["padded"]) for b in opt.describe()["buffers"] for u in b["units"]])
         opt.destroy()
     return out

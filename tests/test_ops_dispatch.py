@@ -72,7 +72,8 @@ def test_interpreter_set_too_late(monkeypatch):
 
 
 def test_forced_kernel_backend_with_unfit_inputs(monkeypatch):
-    monkeypatch.setattr(_dispatch, "_unavailable_reason", lambda backend, device, op=None: None)  # pretend triton can run
+    # pretend triton can run
+    monkeypatch.setattr(_dispatch, "_unavailable_reason", lambda backend, device, op=None: None)
     monkeypatch.setenv("LLMPAR_BACKEND", "triton")
     with pytest.raises(TypeError, match="cannot use the triton kernel: dtype torch.float64"):
         pack_bucket([torch.randn(5, dtype=torch.float64)])

@@ -14,9 +14,9 @@ import torch.nn.functional as F
 
 from llmpar.ops import linear_act, linear_act_backward, linear_act_rows
 from llmpar.ops.gemm import ACTIVATIONS, _act_torch
+
 from gemm_helpers import DTYPES, INTERPRET, _assert_within, _check_op, _grads, _inputs, _rand
 from interp import run_interpreted
-
 
 # ---------------------------------------------------------------- torch path (CPU, in-process)
 

@@ -11,10 +11,16 @@ import torch.nn.functional as F
 
 from llmpar.ops import _dispatch, linear_act, linear_act_backward, linear_act_rows
 from llmpar.ops import gemm as gemm_ops
-from llmpar.ops.gemm import (ACTIVATIONS, _act_grad_torch, _act_torch, bias_act_backward_reference,
-                             select_backward_backend, select_forward_backend)
-from gemm_helpers import DTYPES, INTERPRET, _assert_within, _check_op, _composition, _err, _grads, _inputs, _rand
+from llmpar.ops.gemm import (
+    ACTIVATIONS,
+    _act_grad_torch,
+    _act_torch,
+    bias_act_backward_reference,
+    select_backward_backend,
+    select_forward_backend,
+)
 
+from gemm_helpers import DTYPES, INTERPRET, _assert_within, _check_op, _composition, _err, _grads, _inputs, _rand
 
 # ---------------------------------------------------------------- CUDA-extension dispatch and wiring (CPU)
 
@@ -228,7 +234,7 @@ def _assert_gelu_epilogue(got, ref, unfused, dtype, what, z64):
     assert excess <= bound, f"{what}: GELU epilogue error {err.max().item():.3g} beyond tanh.approx's allowance " \
                             f"by {excess:.3g} (bound {bound:.3g}, {dtype})"
     warnings.warn(f"{what}: cuBLASLt's GELU epilogue is {err.max().item():.3g} off tanh-GELU ({dtype} bound "
-                  f"{bound:.3g}): it evaluates tanh approximately (within tanh.approx.f32's 2^-10.9)")
+                  f"{bound:.3g}): it evaluates tanh approximately (within tanh.approx.f32's 2^-10.9)", stacklevel=2)
 
 
 def _check_op_gelu_epilogue(monkeypatch, x, w, b, r, dy, act, *, views: bool = False):

@@ -45,8 +45,8 @@ def test_the_rule_catches_package_imports(tmp_path):
     sample = tmp_path / "mod.py"
     sample.write_text("from . import _ext\nfrom llmpar.ops import select_backend\nfrom llmpar.ops._ext import load\n"
                       "from ._dispatch import select_backend\nfrom .. import ops\n")
-    assert [m for _, m, _ in _imports(sample)] == ["llmpar.ops", "llmpar.ops", "llmpar.ops._ext", "llmpar.ops._dispatch",
-                                                   "llmpar"]
+    assert [m for _, m, _ in _imports(sample)] == ["llmpar.ops", "llmpar.ops", "llmpar.ops._ext",
+                                                   "llmpar.ops._dispatch", "llmpar"]
 
 
 def test_import_llmpar_ops_in_a_fresh_process_in_any_order():

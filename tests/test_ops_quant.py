@@ -26,9 +26,10 @@ import os
 
 import pytest
 import torch
-from interp import run_interpreted
 
 from llmpar.ops import quant as Q
+
+from interp import run_interpreted
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 QMAX = {8: 127, 4: 7}
@@ -208,7 +209,7 @@ def test_torch_pack_quantize_error_feedback(backend, bits, dtype):
     backend("torch")
     tensors, rows, m = pack_inputs(dtype)
     residual = rand((rows * m,), seed=11) * 1e-3
-    for step, scale in enumerate((0.37, 3.0)):  # the residual carries from one call to the next
+    for scale in (0.37, 3.0):  # the residual carries from one call to the next
         before = residual.clone()
         wire = Q.pack_quantize(tensors, rows=rows, m=m, bits=bits, block=32, scale=scale, residual=residual)
         check_wire(wire, pack_x64(tensors, rows, m, scale, before), m, bits, 32, exact=False, residual=residual)

@@ -11,6 +11,7 @@ import os
 
 import pytest
 import torch
+
 from interp import run_interpreted
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"

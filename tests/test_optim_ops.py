@@ -1,7 +1,8 @@
 """llmpar.ops.adamw_step / grad_norm, every precision mode and backend that can run here, vs a float64 reference.
 
-Backends: "torch" always; "triton" when Triton can run (CUDA, or CPU under TRITON_INTERPRET=1: tests/test_optim_triton.py
-reruns this file's triton cases in such a subprocess); "cuda" when the extension loads (GPU machines).
+Backends: "torch" always; "triton" when Triton can run (CUDA, or CPU under TRITON_INTERPRET=1:
+tests/test_optim_triton.py reruns this file's triton cases in such a subprocess); "cuda" when the extension loads (GPU
+machines).
 Criteria (docs/DESIGN habit 6): fp32 math within 2x the error of the same math in plain torch fp32 (plus one fp32 ulp);
 a round-to-nearest write within half a bf16/fp16 ulp; a stochastic write on one of the two neighbours (within one ulp).
 """
@@ -12,8 +13,8 @@ import math
 import pytest
 import torch
 
-from llmpar.ops._dispatch import cuda_unavailable_reason, triton_unavailable_reason
 from llmpar.ops import adamw as adamw_module
+from llmpar.ops._dispatch import cuda_unavailable_reason, triton_unavailable_reason
 from llmpar.ops.adamw import adamw_step
 from llmpar.ops.grad_norm import clip_coefficient, grad_norm
 
@@ -140,7 +141,8 @@ def test_bf16_sr_one_step_on_a_neighbour(backend):
             got = got.double().cpu()
             err = (got - ref).abs()
             bound = ulp(ref, torch.bfloat16) * (1 + 1e-3) + 4 * 2.0 ** -24 * floor
-            assert bool((err <= bound).all()), f"tensor {i}: SR result off its neighbours by {(err / bound).max():.3g} ulp"
+            assert bool((err <= bound).all()), \
+                f"tensor {i}: SR result off its neighbours by {(err / bound).max():.3g} ulp"
             rounded_up += int((got.abs() > ref.abs()).sum())
             total += got.numel()
     assert 0.3 < rounded_up / total < 0.7, "stochastic rounding should round up about half the time on random data"

@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
+
 from interp import run_interpreted
 
 pytest.importorskip("triton")

@@ -7,9 +7,10 @@ import io
 import pytest
 import torch
 import torch.distributed as dist
-from multirank import run_ranks
 
 import llmpar
+
+from multirank import run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from multirank import free_port, run_ranks
-
 from llmpar.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from llmpar.pipeline.specs import partition_layers
+
+from multirank import free_port, run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).resolve().parent / "data"
@@ -70,7 +70,8 @@ def test_partition_matches_deepspeed(method, stages):
     """The same parts, and the same draws from the random generator (``parameters`` builds every spec once)."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     pytest.importorskip("deepspeed", reason="DeepSpeed is not installed")
-    from deepspeed.runtime.pipe import LayerSpec as DSSpec, TiedLayerSpec as DSTied
+    from deepspeed.runtime.pipe import LayerSpec as DSSpec
+    from deepspeed.runtime.pipe import TiedLayerSpec as DSTied
 
     torch.manual_seed(0)
     expected = _deepspeed_parts(_layers(DSSpec, DSTied), stages, method)

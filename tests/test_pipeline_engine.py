@@ -5,10 +5,10 @@ fail with errors naming the key, on every rank."""
 import pytest
 import torch
 
-from multirank import run_ranks
-
-from llmpar.runtime import Config
 from llmpar.models import GPT, GPTConfig
+from llmpar.runtime import Config
+
+from multirank import run_ranks
 
 STEPS, MICRO, T, V = 20, 2, 8, 32
 

@@ -6,8 +6,9 @@ import time
 import pytest
 import torch
 
-import multirank
 from llmpar.models import GPT, GPTConfig
+
+import multirank
 from multirank import run_ranks
 
 STEPS, B, T, V, LR, CLIP = 20, 6, 8, 32, 1e-2, 1.0

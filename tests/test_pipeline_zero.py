@@ -3,11 +3,11 @@ embeddings summed over pp inside its shards, the clipping norm counts the whole 
 trajectory of single-process training on the dp-concatenated batch (20 steps, float64), for 1F1B and GPipe."""
 import pytest
 import torch
-
-from multirank import run_ranks
 from test_pipeline_ranks import CLIP, LR, STEPS, _batch, _cfg, _reference
 
 from llmpar.models import GPT
+
+from multirank import run_ranks
 
 # (ZeRO stage, schedule, micro-batches, tied embeddings); B=6: 3 divides, 4 does not
 RUNS = [(1, "1f1b", 3, True), (1, "gpipe", 4, False), (2, "1f1b", 4, False), (2, "gpipe", 3, True)]

@@ -102,7 +102,8 @@ def test_plan_recommends_context_parallelism_when_nothing_else_fits(capsys: pyte
     assert rc == 0 and "cp=" in out and "ZeRO over dp x cp" in out
     # a sequence that fits without it: auto plans as before, no cp layouts
     rc, out = _plan(["plan", "--model", "llama-7b", "--gpus", "8", "--gpu-mem", "80GB", "--json"], capsys)
-    assert rc == 0 and all(row["layout"]["cp"] == 1 and not row["layout"]["tiled"] for row in json.loads(out)["layouts"])
+    assert rc == 0 and all(row["layout"]["cp"] == 1 and not row["layout"]["tiled"]
+                           for row in json.loads(out)["layouts"])
 
 
 def test_refused_long_context_inputs() -> None:

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from llmpar.models import GPT, GPTConfig
 from llmpar.planning import Layout, ModelSpec, estimate_memory
+
 from multirank import run_ranks
 
 CFG = dict(vocab_size=1001, n_layer=3, n_head=4, d_model=32, seq_len=16, bias=True, tie_embeddings=False)
@@ -39,7 +40,7 @@ def test_estimate_matches_bytes_held_by_tensor_parallel_ranks(tp):
     held = run_ranks(_held_bytes, tp)
     est = estimate_memory(_spec(), Layout(tp=tp), precision="fp32")
     assert est.psi_rank == _spec().params_per_rank(tp=tp)
-    for rank, (param_bytes, grad_bytes, numel) in enumerate(held):
+    for rank, (param_bytes, grad_bytes, _numel) in enumerate(held):
         assert abs(est.params - param_bytes) <= 0.05 * param_bytes, (rank, est.params, param_bytes)
         assert abs(est.grads - grad_bytes) <= 0.05 * grad_bytes, (rank, est.grads, grad_bytes)
     # the busiest rank's parameter count is what the planner computes, to the element
@@ -49,8 +50,9 @@ def test_estimate_matches_bytes_held_by_tensor_parallel_ranks(tp):
 @pytest.mark.parametrize("stage, world", [(0, 2), (1, 2), (2, 2), (1, 4), (2, 4)])
 def test_estimate_matches_bytes_held_by_zero_ranks(stage, world):
     """planning.model_state_bytes (bf16 params, fp32 master + moments) against what ZeroOptimizer really holds."""
-    from llmpar.planning import model_state_bytes
     from test_engine import memory_body
+
+    from llmpar.planning import model_state_bytes
 
     for rank, (mem, psi, _, _) in enumerate(run_ranks(memory_body, world, stage, timeout=60)):
         est = model_state_bytes(psi, dp=world, zero_stage=stage, precision="fp32_master")

@@ -19,6 +19,7 @@ from llmpar.planning import Hardware, ModelSpec, PlanRequest, estimate_comm, est
 from llmpar.planning import Layout as _Layout
 from llmpar.planning.report import plan_json, plan_table
 from llmpar.planning.zeropp import quant_row_bytes
+
 from multirank import run_ranks
 
 # psi = 2 x 256 x 256 (embedding + head) + 27 x 256 (positions) + 2 x (4 x 256^2 + 2 x 256 x 1024) + 5 x 256 (norms)

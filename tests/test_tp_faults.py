@@ -22,9 +22,10 @@ from llmpar.tensor_parallel import (
     RowParallelLinear,
     TokenIdError,
     VocabParallelEmbedding,
+    _agree,
     vocab_parallel_cross_entropy,
 )
-from llmpar.tensor_parallel import _agree
+
 from multirank import multirank, run_ranks
 
 TOL = {torch.float64: dict(rtol=1e-9, atol=1e-11), torch.float32: dict(rtol=1e-5, atol=2e-6)}

@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from multirank import run_ranks
 from interp import run_interpreted
+from multirank import run_ranks
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 D_IN, D_FF = 33, 18  # odd sizes; D_FF / tp is 18 or 9
@@ -146,7 +146,7 @@ def _fused_head_body(bias: bool):
     from llmpar.tensor_parallel import ParallelLMHead, vocab_parallel_cross_entropy
 
     g = dist.group.WORLD
-    tp, rank = dist.get_world_size(), dist.get_rank()
+    rank = dist.get_rank()
     V = 67  # padded to 68 at tp 2
     torch.manual_seed(1)
     ref = nn.Linear(D_IN, V, bias=bias, dtype=torch.float64)

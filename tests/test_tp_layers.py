@@ -23,6 +23,7 @@ from llmpar.tensor_parallel import (
     scatter_to_tensor_region,
     vocab_parallel_cross_entropy,
 )
+
 from multirank import run_ranks
 
 WORLD = (1, 2, 4)

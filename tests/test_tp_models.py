@@ -8,6 +8,7 @@ import torch.distributed as dist
 from torch import nn
 
 from llmpar.tensor_parallel import ColumnParallelLinear, ParallelLMHead, parallelize, vocab_parallel_cross_entropy
+
 from multirank import run_ranks
 
 WORLD = (1, 2, 4)

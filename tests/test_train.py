@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from llmpar.train import TrainOptions, build_config, check_layout, resolve, train
+
 from multirank import run_ranks
 
 # a tiny GPT that learns within 30 steps

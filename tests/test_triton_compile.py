@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from triton_aot import SMEM_LIMIT, Recorder, bind_like_launcher, compile_like_launcher, res_usage, specialised
 
 from llmpar.kernels import adamw as adamw_kernels  # noqa: E402

@@ -8,10 +8,11 @@ bf16 tolerance.
 import pytest
 import torch
 import torch.distributed as dist
+from zero_helpers import reference_loop, zero_loop
 
 from llmpar.zero import FlatLayout, OptimizerConfig, ZeroConfig, ZeroOptimizer
+
 from multirank import run_ranks
-from zero_helpers import reference_loop, zero_loop
 
 MICRO = 3  # samples per rank per micro-step
 STEPS = 4

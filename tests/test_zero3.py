@@ -7,11 +7,12 @@ GPT runs cover tied embeddings and tp=2 x dp=2 through ``llmpar.initialize``.
 import pytest
 import torch
 import torch.distributed as dist
+from test_zero import MICRO, Net, _batch, _groups
+from zero_helpers import reference_loop, zero_loop
 
 from llmpar.zero import OptimizerConfig, ZeroConfig, ZeroOptimizer, consolidated_state_dict
+
 from multirank import run_ranks
-from zero_helpers import reference_loop, zero_loop
-from test_zero import MICRO, Net, _batch, _groups
 
 STEPS = 4
 GAS = 2

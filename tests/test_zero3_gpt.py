@@ -3,13 +3,14 @@ process; per-rank model state = 16 psi / N; bytes moved per step = 3 psi; gather
 import pytest
 import torch
 import torch.distributed as dist
+from zero_helpers import GPT_CFG, SEQ, engine_loop, gpt_batch, single_gpt_losses
 
 import llmpar
 from llmpar.distributed.collectives import CommCounter
 from llmpar.models import GPT, GPTConfig
 from llmpar.zero import GatheredParameters
+
 from multirank import run_ranks
-from zero_helpers import GPT_CFG, SEQ, engine_loop, gpt_batch, single_gpt_losses
 
 _batch = gpt_batch
 
@@ -61,7 +62,7 @@ def memory_body(offload):
                                                                "bf16": {"enabled": True},
                                                                "zero_optimization": zero}, counter=counter)
     x, y = _batch(0, 2)
-    for step in range(2):  # step 0 records the gather order, step 1 prefetches along it
+    for _step in range(2):  # step 0 records the gather order, step 1 prefetches along it
         counter.reset()
         engine.backward(model.loss(engine(x), y))
         engine.step()

@@ -11,12 +11,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from zero_helpers import GPT_CFG, gpt_batch, single_gpt_losses
 
 import llmpar
 import llmpar.zero
 from llmpar.models import GPT, GPTConfig
+
 from multirank import run_ranks
-from zero_helpers import GPT_CFG, gpt_batch, single_gpt_losses
 
 STEPS = 2  # before the reads, and again after them
 MICRO = 2

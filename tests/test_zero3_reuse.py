@@ -4,13 +4,14 @@ next use stays gathered from forward to backward instead of being gathered again
 step, what stays gathered, and the same losses whatever is kept."""
 import pytest
 import torch
+from zero_helpers import SEQ, gpt_batch
 
 import llmpar
 from llmpar.distributed.collectives import CommCounter
 from llmpar.models import GPT, GPTConfig
 from llmpar.zero.units import kept_units
+
 from multirank import run_ranks
-from zero_helpers import SEQ, gpt_batch
 
 SIZES = {"emb": 7, "b0": 11, "b1": 13, "b2": 17, "head": 5}
 
@@ -98,7 +99,7 @@ def test_reuse_distance_sets_what_backward_gathers_again_with_the_same_losses():
     for rank, per_case in enumerate(results):
         default, lean, mid, small_live = per_case
         ref_losses = lean[0]
-        for name, (losses, volume, units, kept, again, kept_in_fwd, as_rule, peak, fc, live) in zip(
+        for name, (losses, volume, units, kept, again, kept_in_fwd, as_rule, _peak, fc, live) in zip(
                 ("default", "reuse 0", "reuse 3000", "max_live 500"), per_case):
             assert losses == ref_losses, (rank, name)  # bitwise: keeping changes where values come from, not them
             assert kept_in_fwd and as_rule, (rank, name)  # kept from forward on, exactly the recorded-order rule
@@ -155,7 +156,7 @@ def test_hpz_builds_no_secondary_shard_for_kept_units():
     needs none (the default reuse distance keeps this whole model: no secondary after the recording step)."""
     lean = run_ranks(_hpz_body, 4, 0, timeout=120)
     kept = run_ranks(_hpz_body, 4, 10**9, timeout=120)
-    for (l_losses, l_sec, l_from), (k_losses, k_sec, k_from) in zip(lean, kept):
+    for (l_losses, l_sec, l_from), (k_losses, k_sec, _k_from) in zip(lean, kept):
         assert k_losses == l_losses
         assert l_sec > 0 and l_from > 0
         assert k_sec == 0

@@ -2,12 +2,13 @@
 early (checked by the order of operations, never by timing), and step() without host reads of device tensors."""
 import pytest
 import torch
+from zero_helpers import GPT_CFG, engine_loop, gpt_batch, single_gpt_losses
 
 import llmpar
 import llmpar.zero
 from llmpar.models import GPT, GPTConfig
+
 from multirank import run_ranks
-from zero_helpers import GPT_CFG, engine_loop, gpt_batch, single_gpt_losses
 
 
 def _engine(model, micro=2, **zero):

@@ -10,6 +10,7 @@ import llmpar
 import llmpar.zero
 from llmpar.models import GPT, GPTConfig
 from llmpar.zero.init import _DEFERRED, replace_meta_params
+
 from multirank import run_ranks
 
 transformers = pytest.importorskip("transformers")

@@ -8,6 +8,7 @@ import llmpar
 import llmpar.zero
 from llmpar.models import GPT, GPTConfig
 from llmpar.tensor_parallel.parallelize import parallelize
+
 from multirank import run_ranks
 
 transformers = pytest.importorskip("transformers")

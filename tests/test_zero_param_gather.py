@@ -5,11 +5,12 @@ same params after every step), and everything that reads params waits first (``w
 import pytest
 import torch
 import torch.distributed as dist
+from zero_helpers import engine_micro_steps
 
 import llmpar
 from llmpar.models import GPT, GPTConfig
+
 from multirank import run_ranks
-from zero_helpers import engine_micro_steps
 
 STEPS = 5
 
@@ -80,7 +81,8 @@ def _pipelined_body(stage, precision, one_call):
     """Three ZeRO steps on a GPT of several units; ``one_call``: the buffer stepped by one fused call and gathered
     after it (forced), else the default (one call per unit, each unit's gather launched before the next unit steps).
     Returns the params after each step and the order of the step / gather events."""
-    from llmpar.zero import optimizer as zopt, param_gather
+    from llmpar.zero import optimizer as zopt
+    from llmpar.zero import param_gather
     from llmpar.zero.config import OptimizerConfig, ZeroConfig
 
     events = []

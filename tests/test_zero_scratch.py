@@ -4,12 +4,13 @@ memory held than the reduction's own peak."""
 import pytest
 import torch
 import torch.distributed as dist
+from zero_helpers import engine_micro_steps
 
 from llmpar.distributed.collectives import DIRECT_REDUCE_SCATTER_MIN, reduce_scatter_flat
 from llmpar.models import GPT, GPTConfig
 from llmpar.zero.scratch import ScratchPool
+
 from multirank import run_ranks
-from zero_helpers import engine_micro_steps
 
 
 def test_pool_serves_from_the_smallest_free_buffer_that_holds_the_request():

@@ -21,9 +21,10 @@ import llmpar
 from llmpar.distributed.collectives import CommCounter
 from llmpar.distributed.compressed import NodeSplit, all_gather_quantized, reduce_scatter_quantized
 from llmpar.models import GPT, GPTConfig
-from llmpar.runtime import Config
 from llmpar.ops.quant import dequantize_rows, pack_quantize, quantize_rows, row_bytes
+from llmpar.runtime import Config
 from llmpar.zero import OptimizerConfig, ZeroConfig, ZeroOptimizer
+
 from multirank import run_ranks
 
 GPT_SMALL = dict(vocab_size=64, n_layer=2, n_head=4, d_model=32, seq_len=16)

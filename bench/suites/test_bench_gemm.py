@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gemm_helpers import _composition, _inputs, _rand
 from suite_util import IMPLS, grid, require, run
 
 from llmpar.ops import linear_act
 from llmpar.ops.gemm import ACTIVATIONS, _act_grad_torch
+
+from gemm_helpers import _composition, _inputs, _rand
 
 SIZES = {"cpu": [(256, 256, 512), (512, 512, 1024)], "cuda": [(2048, 1024, 4096), (8192, 4096, 11008)]}
 DTYPE = {"cpu": torch.float32, "cuda": torch.bfloat16}

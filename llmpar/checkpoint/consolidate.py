@@ -35,8 +35,18 @@ from typing import Any
 
 import torch
 
-from llmpar.checkpoint import (dcp_convert, dcp_format, ds_convert, ds_universal, ds_write, files, hf_files, metacheck,
-                               outdir, publish)
+from llmpar.checkpoint import (
+    dcp_convert,
+    dcp_format,
+    ds_convert,
+    ds_universal,
+    ds_write,
+    files,
+    hf_files,
+    metacheck,
+    outdir,
+    publish,
+)
 from llmpar.checkpoint.files import CheckpointError
 from llmpar.checkpoint.reshard import CheckpointReader
 

@@ -232,7 +232,8 @@ def write_dcp(out_dir: str, model: dict[str, torch.Tensor], moments: dict[str, d
     One process, no collective (``no_dist``)."""
     for name, states in moments.items():
         if name not in model or name not in steps or name not in hyper:
-            raise ValueError(f"moments of {name!r} without its weight, step or hyper-parameters: every trained param needs them")
+            raise ValueError(f"moments of {name!r} without its weight, step or hyper-parameters: every trained param "
+                             "needs them")
         for k, t in states.items():
             if k not in MOMENTS or tuple(t.shape) != tuple(model[name].shape):
                 raise ValueError(f"moment {k!r} of {name!r} with shape {tuple(t.shape)}: accepted {list(MOMENTS)} "

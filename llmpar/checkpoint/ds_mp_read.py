@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from llmpar.checkpoint.ds_rank_read import RankCheckpoint
 from llmpar.checkpoint.ds_files import MODEL_RE, OPTIM_RE, detect
+from llmpar.checkpoint.ds_rank_read import RankCheckpoint
 from llmpar.checkpoint.files import CheckpointError
 
 

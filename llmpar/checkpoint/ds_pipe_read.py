@@ -37,9 +37,9 @@ from typing import Any
 
 import torch
 
-from llmpar.checkpoint.ds_rank_read import RankCheckpoint
 from llmpar.checkpoint.ds_files import LAYER_RE, MODEL_RE, OPTIM_RE, detect, load_file
 from llmpar.checkpoint.ds_pipe_names import Stage, groups, infer
+from llmpar.checkpoint.ds_rank_read import RankCheckpoint
 from llmpar.checkpoint.files import CheckpointError
 
 TIED = "tied_modules."
@@ -114,8 +114,8 @@ class DeepSpeedPipelineCheckpoint(RankCheckpoint):
         """Saved without ZeRO: each stage's params named from ``model`` (``ds_pipe_names.py``)."""
         if not model:
             raise CheckpointError(f"{self.path} is a DeepSpeed pipeline checkpoint without ZeRO ({self.kind} "
-                                  "optimizer): its files name no params; load it with engine.load_checkpoint, whose model names "
-                                  "them")
+                                  "optimizer): its files name no params; load it with engine.load_checkpoint, whose "
+                                  "model names them")
         stages = []
         for s, st in enumerate(self.stages):
             buffers = {int(b.split(".", 1)[0]) for b in st.model.get("buffer_names") or () if b.split(".")[0].isdigit()}

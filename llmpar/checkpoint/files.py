@@ -10,7 +10,7 @@ A checkpoint ``DIR/TAG/`` holds, once published:
                            ``"model"``: its config and generation config (``consolidate`` writes them as
                            ``config.json`` / ``generation_config.json``; absent in older checkpoints)
     dp{d:03d}-tp{t:02d}.shard  one file per rank (``blockfile.py``): its own shards, its RNG states (``shards.py`` says
-                           what is inside); ``pp{p:02d}-dp{d:03d}-tp{t:02d}.shard`` when the run had pp > 1 pipeline ranks
+                           what is inside); ``pp{p:02d}-dp{d:03d}-tp{t:02d}.shard`` when pp > 1 (pipeline ranks)
     client_state.pt        the caller's ``client_state`` (rank 0, ``torch.save``; its whole sha256 recorded)
 
 It is written under ``DIR/.tmp-TAG`` and published by rank 0 (``publish.py``): renamed to ``DIR/TAG`` only once every
@@ -25,8 +25,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 import logging
+import os
 import shutil
 import traceback
 from typing import Any, BinaryIO, Iterator, cast

@@ -8,9 +8,9 @@ param name and element range), checks the files it will read (size and index sha
 sha256) and notes the blocks it will read (``blockfile.py``); the ranks split the hashing of those blocks (each block
 wanted by several ranks is hashed once, by the rank that wrote the file when it is one of them: at the same layout
 each rank hashes its own file) and agree on the outcome before anything is modified: a missing or corrupt file is an
-error naming that file on every rank, and so is (``strict=True``) a param or buffer of the model that the checkpoint lacks or one of the checkpoint that no rank's
-model has (``strict=False``: the model's keep their values, optimizer states and steps; the checkpoint's are
-ignored; a warning names them). Then:
+error naming that file on every rank, and so is (``strict=True``) a param or buffer of the model that the checkpoint
+lacks or one of the checkpoint that no rank's model has (``strict=False``: the model's keep their values, optimizer
+states and steps; the checkpoint's are ignored; a warning names them). Then:
 
     stages 0-2: every rank fills its whole param buffer (the params are whole on every rank) and its own partition of
                 master / moments / kahan compensation;

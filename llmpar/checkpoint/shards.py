@@ -30,6 +30,7 @@ from llmpar.checkpoint.blockfile import BLOCK, BlockFile, Concat, CorruptFile, e
 from llmpar.checkpoint.files import CheckpointError, check_file, load_file, rank_file
 from llmpar.checkpoint.protocol import CheckpointOptimizer, ShardViews
 
+
 def local_buffers(opt: CheckpointOptimizer, skip: set[str] | frozenset = frozenset(), *, copy: bool = True
                   ) -> list[dict] | None:
     """This rank's shards of every flat buffer of ``opt``, None if it owns none. ``copy``: fresh CPU tensors (an
@@ -91,8 +92,8 @@ def rng_state() -> dict:
         import numpy as np
 
         name, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)
-        st["numpy"] = {"keys": torch.from_numpy(np.asarray(keys).astype("int64")), "pos": int(pos), "has_gauss": int(has_gauss),
-                       "gauss": float(gauss)}
+        st["numpy"] = {"keys": torch.from_numpy(np.asarray(keys).astype("int64")), "pos": int(pos),
+                       "has_gauss": int(has_gauss), "gauss": float(gauss)}
     except ImportError:
         pass
     return st

@@ -35,9 +35,9 @@ from typing import Any
 import torch
 
 from llmpar.checkpoint import files
-from llmpar.checkpoint.ds_rank_read import DS_KEYS, MOMENTS
 from llmpar.checkpoint.ds_files import Foreign, load_file, loss_scaler
 from llmpar.checkpoint.ds_load import Source, apply, plan, shown
+from llmpar.checkpoint.ds_rank_read import DS_KEYS, MOMENTS
 from llmpar.checkpoint.files import CheckpointError
 from llmpar.checkpoint.protocol import Checkpointable
 from llmpar.checkpoint.reshard import full_shape

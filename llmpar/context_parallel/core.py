@@ -27,10 +27,10 @@ from typing import Iterator
 
 import torch
 
+from llmpar.context_parallel.loss import token_mean
 from llmpar.context_parallel.ring import RingSpec, RingStats, ring_attention
 from llmpar.context_parallel.shard import MODES, SeqShard, check_seq_len, layout
 from llmpar.context_parallel.ulysses import gather_valid, heads_to_seq, kv_repeats, seq_to_heads
-from llmpar.context_parallel.loss import token_mean
 from llmpar.distributed.collectives import all_gather_flat, all_reduce, collective_device
 from llmpar.distributed.groups import Group, GroupRef, as_group, group_rank, group_size
 from llmpar.ops.attention import flash_attention

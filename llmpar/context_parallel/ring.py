@@ -132,9 +132,9 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch
         if rows.start < rows.stop and cols.start < cols.stop:
             mask = _key_mask(None if bvalid is None else bvalid[:, cols], pos[src, cols], spec.seq_len, B,
                              bool(spec.positions[src, cols.stop - 1] >= spec.seq_len))
-            o, l = attention_fwd(_part(q, rows), _part(block[0], cols), _part(block[1], cols), scale=spec.scale,
-                                 causal=spec.causal, q_pos=pos[r, rows], k_pos=pos[src, cols], k_valid=mask)
-            out[:, :, rows], lse[:, :, rows] = merge_partials(out[:, :, rows], lse[:, :, rows], o, l)
+            o, o_lse = attention_fwd(_part(q, rows), _part(block[0], cols), _part(block[1], cols), scale=spec.scale,
+                                     causal=spec.causal, q_pos=pos[r, rows], k_pos=pos[src, cols], k_valid=mask)
+            out[:, :, rows], lse[:, :, rows] = merge_partials(out[:, :, rows], lse[:, :, rows], o, o_lse)
         t1 = _clock(q.device, spec.stats)
         if handle is not None:
             handle.wait()

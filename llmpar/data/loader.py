@@ -1,7 +1,7 @@
 """Deterministic language-model batches, each data-parallel rank its own disjoint share.
 
 For step ``s`` a generator seeded from ``(seed, s)`` draws ``dp * batch_size`` distinct window starts in the token
-stream (the *global* batch, the same on every rank); dp rank ``r`` takes rows ``[r * batch_size, (r + 1) * batch_size)``.
+stream (the *global* batch, the same on all ranks); dp rank ``r`` takes rows ``[r * batch_size, (r + 1) * batch_size)``.
 So the batches of the dp ranks are disjoint, and concatenated in rank order they are exactly the global batch that a
 single process with ``batch_size * dp`` would draw: the property the parity tests rely on.
 

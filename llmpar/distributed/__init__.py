@@ -1,4 +1,5 @@
 """Where ranks meet: parallel degrees, the named mesh, initialisation, and the collectives every byte goes through."""
+from llmpar.distributed.agree import check_same_on_ranks, raise_if_any_failed
 from llmpar.distributed.collectives import (
     GroupRef,
     Handle,
@@ -19,10 +20,9 @@ from llmpar.distributed.collectives import (
     reduce_scatter_uses_exchange,
     send,
 )
-from llmpar.distributed.agree import check_same_on_ranks, raise_if_any_failed
+from llmpar.distributed.dims import MESH_AXES, ParallelDims
 from llmpar.distributed.errors import CollectiveError
 from llmpar.distributed.exchange import all_to_all_single, exchange
-from llmpar.distributed.dims import MESH_AXES, ParallelDims
 from llmpar.distributed.init import DistEnv, destroy_distributed, init_distributed
 
 __all__ = [

@@ -25,7 +25,6 @@ from llmpar.distributed.errors import CollectiveError, collective_error
 from llmpar.distributed.flight import RECORDER, Entry, end
 from llmpar.distributed.groups import Group, GroupRef, as_group, global_rank, group_rank, group_size
 
-
 # torch 2.13 renamed the flat collectives (the old names warn FutureWarning): the new name where it exists
 # torch's flat all-gather / reduce-scatter under their torch 2.13 names when present (no deprecation warning), else
 # the older ones: the one place that picks (llmpar.comm uses them too)
@@ -211,7 +210,8 @@ def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, pg: dist.ProcessG
                     scratch: torch.Tensor | None = None, entry: Entry | None = None) -> Handle | None:
     if counter is not None:
         nbytes = input.numel() * input.element_size()
-        counter.record("reduce_scatter", input.numel(), (size - 1) / size * nbytes, nbytes / size * counter.cross_peers(pg))
+        counter.record("reduce_scatter", input.numel(), (size - 1) / size * nbytes,
+                       nbytes / size * counter.cross_peers(pg))
     if op in ("sum", "avg") and reduce_scatter_uses_exchange(pg, input.device):
         me = dist.get_rank(pg)
         chunks = input.view(size, -1)
@@ -286,7 +286,8 @@ def all_gather_flat(
     entry = RECORDER.start(pg, "all_gather", input, what)
     if counter is not None:
         nbytes = output.numel() * output.element_size()
-        counter.record("all_gather", output.numel(), (size - 1) / size * nbytes, nbytes / size * counter.cross_peers(pg))
+        counter.record("all_gather", output.numel(), (size - 1) / size * nbytes,
+                       nbytes / size * counter.cross_peers(pg))
     with failing_as(what, pg):
         if reduce_scatter_uses_exchange(pg, input.device):  # gloo: every chunk straight to every peer
             me = dist.get_rank(pg)

@@ -15,7 +15,7 @@ def ranks_per_node() -> int:
 
 
 class CommCounter:
-    """Tally of what the collectives it is passed to (``counter=``) move; pass None (the default) and nothing is counted.
+    """Tally of what the collectives it is passed to (``counter=``) move; with None (the default) nothing is counted.
 
     Per op name: ``calls``, ``volume`` (elements in the ZeRO paper's units: an all-reduce of n counts 2n, a
     reduce-scatter of an [N*n] input counts N*n, an all-gather into an [N*n] output counts N*n, a broadcast of n counts

@@ -17,5 +17,6 @@ from llmpar.ops.gemm import ACTIVATIONS, linear_act, linear_act_backward, linear
 from llmpar.ops.grad_norm import clip_coefficient, grad_norm
 
 __all__ = ["BACKENDS", "backend_report", "select_backend", "pack_bucket", "unpack_bucket", "MODES", "PRECISIONS",
-           "adamw_step", "cpu_adamw_step", "grad_norm", "clip_coefficient", "ACTIVATIONS", "linear_act", "linear_act_rows",
-           "linear_act_backward", "attention_fwd", "attention_bwd", "merge_partials", "flash_attention"]
+           "adamw_step", "cpu_adamw_step", "grad_norm", "clip_coefficient", "ACTIVATIONS", "linear_act",
+           "linear_act_rows", "linear_act_backward", "attention_fwd", "attention_bwd", "merge_partials",
+           "flash_attention"]

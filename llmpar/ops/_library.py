@@ -46,10 +46,20 @@ from typing import Any
 import torch
 
 from llmpar.ops.adamw import PRECISIONS, _torch_step
-from llmpar.ops.gemm import (ACTIVATIONS, LT_ACTS, bias_act_backward_reference, linear_lt_aux_reference,
-                             linear_lt_reference)
-from llmpar.ops.quant import (_check_wire, _torch_dequantize, _torch_dequantize_sum, _torch_pack_quantize,
-                              _torch_quantize)
+from llmpar.ops.gemm import (
+    ACTIVATIONS,
+    LT_ACTS,
+    bias_act_backward_reference,
+    linear_lt_aux_reference,
+    linear_lt_reference,
+)
+from llmpar.ops.quant import (
+    _check_wire,
+    _torch_dequantize,
+    _torch_dequantize_sum,
+    _torch_pack_quantize,
+    _torch_quantize,
+)
 
 ADAMW_CHUNK = 4096  # LLMPAR_ADAMW_CHUNK of csrc/adamw.cuh: elements per block of sum_squares, one partial each
 _LT_CODES = tuple(ACTIVATIONS.index(a) for a in LT_ACTS)

@@ -108,7 +108,8 @@ def _check_lists(precision: str, params, grads, exp_avgs, exp_avg_sqs, extras, s
             if t.numel() != p.numel() or t.device != p.device:
                 raise ValueError(f"{name}[{i}] ({t.numel()} elements on {t.device}) does not match params[{i}] "
                                  f"({p.numel()} elements on {p.device})")
-            want = {"exp_avgs": moment, "exp_avg_sqs": moment, "extras": spec.extra[1] if spec.extra else None}.get(name)
+            want = {"exp_avgs": moment, "exp_avg_sqs": moment,
+                    "extras": spec.extra[1] if spec.extra else None}.get(name)
             if want is not None and t.dtype != want:
                 raise TypeError(f"{name}[{i}] has dtype {t.dtype}; precision={precision!r} keeps it in {want}")
         if not grads[i].is_floating_point():

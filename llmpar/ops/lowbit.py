@@ -12,10 +12,11 @@ b in {8, 4} and block size B = ``BLOCK[b]`` (256 for 8 bits, 128 for 4 bits):
             (``qmap(b, signed=False)``). The maps are data, passed to every kernel; no kernel hard-codes them.
 Dequantize: x[i] = qmap[code[i]] * scale[i // B].
 Quantize a block x[0..B): s = max |x| (float32). If s == 0 every code is that of the map's entry nearest 0. Else
-y = x * r with r = 1 / s (one float32 division per block, then a multiply per element: the vector kernels
-would spend as much on a division per element as on the rest of the quantization) and code = the number of midpoints mid[k] = (qmap[k] + qmap[k+1]) / 2 (in float32,
-k = 0 .. 2^b - 2) with mid[k] < y strictly: round to nearest entry, ties to the lower code. (With y = 0 this count is
-already the code of the entry nearest 0, so s == 0 needs no special case beyond y = 0.)
+y = x * r with r = 1 / s (one float32 division per block, then a multiply per element: the vector kernels would spend
+as much on a division per element as on the rest of the quantization) and code = the number of midpoints
+mid[k] = (qmap[k] + qmap[k+1]) / 2 (in float32, k = 0 .. 2^b - 2) with mid[k] < y strictly: round to nearest entry,
+ties to the lower code. (With y = 0 this count is already the code of the entry nearest 0, so s == 0 needs no special
+case beyond y = 0.)
 The step, per element in float32, t = the step count after this step's increment; skipped entirely (params, codes,
 scales, step counts unchanged) when found_inf is nonzero:
     g = grad * gscale;  m = deq(m);  v = deq(v);  p = p * (1 - lr * wd)
@@ -64,7 +65,7 @@ import torch
 
 import llmpar.ops.lowbit_kernels as lowbit_kernels
 from llmpar.ops.adamw import _mix, step_salts
-from llmpar.ops.lowbit_maps import BITS, BLOCK, check_bits, dynamic_map, midpoints, qmap
+from llmpar.ops.lowbit_maps import BLOCK, check_bits, midpoints, qmap
 
 _PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # with masters (the kernels: bf16)
 

@@ -21,8 +21,8 @@ the same wire format):
         zero past their end, times ``scale``, plus ``residual`` [rows*m] fp32 when given; the residual then holds
         x - dequant(wire): error feedback, the compression error carried to the next call)
     dequantize_rows(wire, m, out [rows, m])                       -> out    (unpack of a gathered buffer)
-    dequantize_sum(wire, m, out [m], accumulate)                  -> out    out (+)= sum_r dequant(row r), in rank order,
-                                                                            in float32 (float64 for float64 out)
+    dequantize_sum(wire, m, out [m], accumulate)                  -> out    out (+)= sum_r dequant(row r), in rank
+                                                                            order, in float32 (float64 for float64 out)
 """
 from __future__ import annotations
 

@@ -116,10 +116,10 @@ def state_dtypes(precision: str, dtype: torch.dtype) -> dict[str, torch.dtype]:
 class FusedAdamW(torch.optim.Optimizer):
     """AdamW (torch's math and defaults) with fused multi-tensor kernels and low-precision modes (module docstring)."""
 
-    def __init__(self, params: Iterable[Any], lr: float | torch.Tensor = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2, *, precision: str = "auto",
-                 max_grad_norm: float | None = None, seed: int = 0, state_precision: str | None = None,
-                 stochastic_rounding: bool = False) -> None:
+    def __init__(self, params: Iterable[Any], lr: float | torch.Tensor = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2, *,
+                 precision: str = "auto", max_grad_norm: float | None = None, seed: int = 0,
+                 state_precision: str | None = None, stochastic_rounding: bool = False) -> None:
         check_hyperparameters(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         check_precision(precision, allow_auto=True)
         check_state_precision(state_precision)

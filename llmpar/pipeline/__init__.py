@@ -8,7 +8,7 @@ gradient-accumulation semantics equal to plain training, bubble accounting, and 
     loss = runner.step(x, y)          # then clip with runner.clip_grad_norm_ and step your optimizer
 
 DeepSpeed's ``PipelineModule(layers=[LayerSpec(...), TiedLayerSpec(...), modules, callables], num_stages=...)``
-(``module.py``, ``specs.py``) cuts itself as DeepSpeed does and builds only this rank's layers; ``split`` takes it as is.
+(``module.py``, ``specs.py``) cuts itself like DeepSpeed and builds only this rank's layers; ``split`` takes it as is.
 
 ZeRO over the dp axis (``zero.py``): build the runner with ``dp_group=None`` and the optimizer with
 ``zero_optimizer(runner, OptimizerConfig(...), stage=1, max_grad_norm=1.0)``; then ``runner.step``; ``opt.step()``.

@@ -139,7 +139,8 @@ def chinchilla_report(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
 
 def run_chinchilla(args: argparse.Namespace) -> int:
     """Given one of compute C, params N, tokens D: the compute-optimal other two (D = 20 N, C = 6 N D, so
-    N = sqrt(C / 120)); given two: the third. With --model, FLOPs per token with attention; with --gpus, time to train."""
+    N = sqrt(C / 120)); given two: the third. With --model, FLOPs per token with attention; with --gpus, time to
+    train."""
     try:
         res, extra = chinchilla_report(args)
     except ValueError as exc:

@@ -104,7 +104,8 @@ def estimate_comm(
 
     n_ar = 6 if layout.activation_checkpointing == "full" else 4
     tp_bytes = (spec.n_layers // p) * m * n_ar * 2 * (t - 1) / t * bsh
-    out["tp"] = AxisComm(axis="tp", bytes=tp_bytes, seconds=tp_bytes / hw.intra_node_bw, link="nvlink" if t > 1 else "-")
+    out["tp"] = AxisComm(axis="tp", bytes=tp_bytes, seconds=tp_bytes / hw.intra_node_bw,
+                         link="nvlink" if t > 1 else "-")
 
     per_node, even = dp_nodes(tp=t, dp=d, pp=p, gpus_per_node=hw.gpus_per_node)
     kept = spec.stage3_kept_layers(layout.stage3_max_reuse_distance, tp=t, pp=p) * spec.layer_params(t)

@@ -136,7 +136,8 @@ class Layout:
             raise ValueError(f"tiled={self.tiled!r} must be True or False")
         u = self.ulysses_size
         if self.cp_mode == "hybrid" and self.cp > 1 and not (1 < u < self.cp and self.cp % u == 0):
-            raise ValueError(f"cp_mode='hybrid' needs 1 < ulysses_size < cp dividing cp={self.cp}, got ulysses_size={u}")
+            raise ValueError(f"cp_mode='hybrid' needs 1 < ulysses_size < cp dividing cp={self.cp}, "
+                             f"got ulysses_size={u}")
         if (self.cp > 1 or self.tiled) and self.pp > 1:
             raise ValueError(f"cp={self.cp} / tiled={self.tiled} needs pp=1 (context parallelism is not planned with "
                              f"pipeline stages), got pp={self.pp}")
@@ -313,8 +314,9 @@ def estimate_memory(
       every gradient, 4 psi, + 4 psi / k' when the reduction runs in two levels (k' = hpZ's k, else the dp ranks of
       a node: ``gpus_per_node`` / tp; None: one node).
     Activations are bf16 (doubled for fp32 params: ``precision`` "fp32", "int8", "int4"). With ``layout.cp > 1``
-    or ``layout.tiled`` they are ``context.activation_breakdown(...).peak`` instead (flash-style attention; ``attention_q_chunk``: the torch
-    attention path's score tile, None for a fused kernel), and the model states shard over dp x cp.
+    or ``layout.tiled`` they are ``context.activation_breakdown(...).peak`` instead (flash-style attention;
+    ``attention_q_chunk``: the torch attention path's score tile, None for a fused kernel), and the model states
+    shard over dp x cp.
     For an ``nn.Module`` the activations come from ``activation_spec`` (zero without one).
     """
     _check_degree("micro_batch", micro_batch)

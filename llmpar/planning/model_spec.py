@@ -71,7 +71,8 @@ class ModelSpec:
         if self.hidden % self.n_heads:
             raise ValueError(f"model hidden={self.hidden} is not divisible by n_heads={self.n_heads}")
         if not isinstance(self.n_kv_heads, int) or self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads:
-            raise ValueError(f"model n_kv_heads={self.n_kv_heads!r} must be a positive divisor of n_heads={self.n_heads}")
+            raise ValueError(f"model n_kv_heads={self.n_kv_heads!r} must be a positive divisor of "
+                             f"n_heads={self.n_heads}")
         if self.norm not in ("layernorm", "rmsnorm"):
             raise ValueError(f"model norm={self.norm!r}; accepted: 'layernorm', 'rmsnorm'")
 

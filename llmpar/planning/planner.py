@@ -260,8 +260,8 @@ def explain(row: PlanRow, req: PlanRequest) -> str:
             3: "all model states sharded"}[lay.zero_stage]
     if lay.dp * lay.cp > 1:
         over = f"dp={lay.dp}" + (f" x cp={lay.cp}" if lay.cp > 1 else "")
-        parts.append(f"{over} ZeRO-{lay.zero_stage} ({what} /{lay.dp * lay.cp}), {format_seconds(c['dp'].seconds)} sync on "
-                     f"{c['dp'].link}, {format_seconds(row.exposed_dp_s)} exposed")
+        parts.append(f"{over} ZeRO-{lay.zero_stage} ({what} /{lay.dp * lay.cp}), {format_seconds(c['dp'].seconds)} "
+                     f"sync on {c['dp'].link}, {format_seconds(row.exposed_dp_s)} exposed")
         if lay.compressed:
             parts.append(f"ZeRO++ ({_zeropp_words(lay)}): {format_bytes(c['dp'].bytes)} sent, "
                          f"{format_bytes(c['dp'].cross_node_bytes)} from other nodes per step, "

@@ -25,7 +25,8 @@ def parse_bytes(text: str | float | int, *, name: str = "size") -> float:
             raise ValueError(f"{name} {text!r} is not a size; expected a number with a unit such as '80GB' or '80GiB'")
         value, unit = float(match.group(1)), (match.group(2).lower() or "gb")
         if unit not in _UNITS:
-            raise ValueError(f"{name} {text!r} has unknown unit {match.group(2)!r}; accepted: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB")
+            raise ValueError(f"{name} {text!r} has unknown unit {match.group(2)!r}; accepted: B, KB, MB, GB, TB, "
+                             "KiB, MiB, GiB, TiB")
     if value <= 0:
         raise ValueError(f"{name} {text!r} must be positive")
     return value * _UNITS[unit]

@@ -8,11 +8,11 @@ checkpoint/, tensor_parallel/, ops/) knows nothing of configs or engines; the co
 import importlib
 from typing import Any
 
+from llmpar.runtime import lr_schedules  # noqa: F401  (deepspeed.runtime.lr_schedules as an attribute too)
 from llmpar.runtime.config import Blocks, Config, read_config
 from llmpar.runtime.engine import Engine
 from llmpar.runtime.engine_base import EngineBase
 from llmpar.runtime.initialize import initialize
-from llmpar.runtime import lr_schedules  # noqa: F401  (deepspeed.runtime.lr_schedules as an attribute too)
 from llmpar.runtime.pipeline_engine import PipelineEngine
 from llmpar.runtime.schedules import SchedulerConfig, WarmupSchedule
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from llmpar.pipeline.schedules import normalize_schedule
 from llmpar.runtime.schedules import SchedulerConfig
-from llmpar.validation import as_bool, as_float, as_int, check_keys, nearest
+from llmpar.validation import as_bool, as_int, check_keys, nearest
 from llmpar.zero.config import OPTIMIZER_TYPES, OffloadConfig, OptimizerConfig, ZeroConfig
 from llmpar.zero.loss_scale import check_scaling
 

@@ -25,9 +25,19 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from llmpar.runtime.blocks import (ActivationCheckpointingConfig, Fp16Config, PipelineConfig, TensorParallelConfig,
-                                   activation_checkpointing_block, fp16_block, optimizer_block, pipeline_block,
-                                   scheduler_block, tensor_parallel_block, zero_block)
+from llmpar.runtime.blocks import (
+    ActivationCheckpointingConfig,
+    Fp16Config,
+    PipelineConfig,
+    TensorParallelConfig,
+    activation_checkpointing_block,
+    fp16_block,
+    optimizer_block,
+    pipeline_block,
+    scheduler_block,
+    tensor_parallel_block,
+    zero_block,
+)
 from llmpar.runtime.ds_keys import strip_inert
 from llmpar.runtime.schedules import SchedulerConfig
 from llmpar.validation import FLOAT32_MAX, FLOAT32_TINY, as_bool, as_float, as_int, check_keys

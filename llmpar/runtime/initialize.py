@@ -39,10 +39,10 @@ from llmpar.runtime.client import client_optimizer, client_scheduler
 from llmpar.runtime.config import Blocks, Config, read_config
 from llmpar.runtime.engine import Engine
 from llmpar.runtime.logs import default_log_handler, log_initialized
-from llmpar.runtime.precision import build_loss_scaler, model_dtype
-from llmpar.runtime.resume import apply_auto_resume
 from llmpar.runtime.params import canonical_names, named_groups, stage_groups, unsplit_names
 from llmpar.runtime.pipeline_engine import PipelineEngine, is_pipeline_module, pipeline_loader
+from llmpar.runtime.precision import build_loss_scaler, model_dtype
+from llmpar.runtime.resume import apply_auto_resume
 from llmpar.runtime.schedules import WarmupSchedule
 from llmpar.tensor_parallel.parallelize import parallelize
 from llmpar.zero import mark_owner

@@ -33,9 +33,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
-from torch import nn
-
 import torch.distributed as dist
+from torch import nn
 
 from llmpar.checkpoint.protocol import Grid
 from llmpar.distributed.agree import raise_if_any_failed

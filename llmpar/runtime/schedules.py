@@ -7,7 +7,8 @@ lr of the first optimizer step), W = max(2, warmup_num_steps), T = total_num_ste
     WarmupLR:        lr = min_lr + (max_lr - min_lr) * (warm(t) if t < W else 1);   t = -1: min_lr
     WarmupDecayLR:   as WarmupLR while t < W, then  (max_lr - min_lr) * max(0, (T - t) / max(1, T - W)) + min_lr
     WarmupCosineLR:  lr = base_lr * ratio;  t < W: ratio = min_ratio + warm(t) (1 - min_ratio);
-                     else p = min(1, (t - W + 1) / max(1, T - W)), ratio = max(0, cos_min + (1 - cos_min)(1+cos(pi p))/2);
+                     else p = min(1, (t - W + 1) / max(1, T - W)),
+                          ratio = max(0, cos_min + (1 - cos_min)(1+cos(pi p))/2);
                      t = -1: 0
 Defaults as DeepSpeed's: WarmupLR max_lr = the optimizer's lr; WarmupDecayLR max_lr = 0.001 (not the optimizer's lr).
 """

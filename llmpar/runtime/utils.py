@@ -23,7 +23,6 @@ import torch.distributed as dist
 
 from llmpar.accelerator import get_accelerator
 
-
 logger = logging.getLogger("llmpar")
 _GB = 1024 ** 3
 

@@ -1,6 +1,6 @@
 """Tensor parallelism: column/row-parallel linears, vocab-parallel embedding and cross-entropy, autograd
 collectives, and ``parallelize`` to swap them into existing models. Groups are always passed explicitly."""
-from llmpar.tensor_parallel._agree import TokenIdError
+from llmpar.distributed.errors import TokenIdError
 from llmpar.tensor_parallel.comm import (
     copy_to_tensor_region,
     gather_from_sequence_region,
@@ -11,8 +11,8 @@ from llmpar.tensor_parallel.comm import (
     scatter_to_tensor_region,
 )
 from llmpar.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from llmpar.tensor_parallel.grad_norm import clip_grad_norm_
 from llmpar.tensor_parallel.embedding import VocabParallelEmbedding
+from llmpar.tensor_parallel.grad_norm import clip_grad_norm_
 from llmpar.tensor_parallel.linear import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
 from llmpar.tensor_parallel.parallelize import DEFAULT_PLANS, GPT_PLAN, LLAMA_PLAN, parallelize
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import torch
 
 from llmpar.distributed.collectives import all_gather_flat, as_group, collective_device, group_rank, group_size
-from llmpar.distributed.errors import TokenIdError
 
 _MAX_DIMS = 8  # dims a shape check sends in clear (more are folded into a hash)
 ROW_COLS = 2 + _MAX_DIMS  # a rank's row of the exchanged table: fault flag, then the shape code (ndim, dims)

@@ -25,8 +25,9 @@ from __future__ import annotations
 import torch
 
 from llmpar.distributed.collectives import all_reduce
+from llmpar.distributed.errors import TokenIdError
 from llmpar.tensor_parallel import _agree
-from llmpar.tensor_parallel._agree import TokenIdError, assert_rows_ok, exchange_rows, raise_for_rows
+from llmpar.tensor_parallel._agree import assert_rows_ok, exchange_rows, raise_for_rows
 from llmpar.tensor_parallel._utils import Group, resolve_tp_group, tp_size_rank
 
 _WHAT = "vocab_parallel_cross_entropy"

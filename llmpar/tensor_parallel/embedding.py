@@ -20,15 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmpar.distributed.collectives import GroupRef
+from llmpar.distributed.errors import TokenIdError
 from llmpar.tensor_parallel import _agree
-from llmpar.tensor_parallel._agree import (
-    ShapeGuard,
-    TokenIdError,
-    assert_rows_ok,
-    exchange_rows,
-    raise_for_rows,
-    shapes_differ,
-)
+from llmpar.tensor_parallel._agree import ShapeGuard, assert_rows_ok, exchange_rows, raise_for_rows, shapes_differ
 from llmpar.tensor_parallel._utils import Group, check_positive, pad_to_multiple, resolve_tp_group, tp_size_rank
 from llmpar.tensor_parallel.comm import reduce_from_tensor_region, reduce_scatter_to_sequence_region
 from llmpar.tensor_parallel.linear import _tag

@@ -32,10 +32,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmpar.distributed.collectives import GroupRef
 from llmpar.ops.gemm import ACTIVATIONS, _act_torch, linear_act
 from llmpar.tensor_parallel._agree import ShapeGuard
 from llmpar.tensor_parallel._overlap import _ColumnParallelMatmul, _RowParallelMatmul, fused_path
-from llmpar.distributed.collectives import GroupRef
 from llmpar.tensor_parallel._utils import Group, check_positive, divide, pad_to_multiple, resolve_tp_group, tp_size_rank
 from llmpar.tensor_parallel.comm import gather_from_tensor_region, scatter_to_tensor_region
 
@@ -147,7 +147,8 @@ class ColumnParallelLinear(nn.Module):
         """Copy this rank's rows of a full ``[out, in]`` weight (and ``[out]`` bias) into the layer."""
         if tuple(weight.shape) != (self.out_features, self.in_features):
             raise ValueError(
-                f"weight has shape {tuple(weight.shape)}, expected [out, in] = [{self.out_features}, {self.in_features}]"
+                f"weight has shape {tuple(weight.shape)}, expected [out, in] = "
+                f"[{self.out_features}, {self.in_features}]"
             )
         pad = self.padded_out_features - self.out_features
         rows = slice(self.tp_rank * self.out_features_per_rank, (self.tp_rank + 1) * self.out_features_per_rank)
@@ -199,8 +200,9 @@ class ParallelLMHead(ColumnParallelLinear):
 
     ``W: [V_pad/tp, in]`` with ``V_pad = ceil(V / tp) * tp``; padded rows are zero. Output ``[..., V]`` when
     gathered, else ``[..., V_pad/tp]`` with -inf in the padding columns (``>= V``): they come from a bias of -inf there,
-    added with the product (the GEMM's bias epilogue, or addmm), and pass no gradient back. Feed it to :func:`vocab_parallel_cross_entropy`, which
-    then knows the real vocabulary; a softmax / argmax of it never picks a padding column.
+    added with the product (the GEMM's bias epilogue, or addmm), and pass no gradient back. Feed it to
+    :func:`vocab_parallel_cross_entropy`, which then knows the real vocabulary; a softmax / argmax of it never picks a
+    padding column.
     """
 
     def _padded_out(self, out_features: int) -> int:
@@ -271,7 +273,8 @@ class RowParallelLinear(nn.Module):
         """Copy this rank's columns of a full ``[out, in]`` weight (and the whole ``[out]`` bias)."""
         if tuple(weight.shape) != (self.out_features, self.in_features):
             raise ValueError(
-                f"weight has shape {tuple(weight.shape)}, expected [out, in] = [{self.out_features}, {self.in_features}]"
+                f"weight has shape {tuple(weight.shape)}, expected [out, in] = "
+                f"[{self.out_features}, {self.in_features}]"
             )
         k = self.in_features_per_rank
         self.weight.copy_(weight[:, self.tp_rank * k : (self.tp_rank + 1) * k])

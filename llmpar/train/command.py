@@ -62,8 +62,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--config", default=None, metavar="DS.JSON",
                    help="a DeepSpeed JSON config for llmpar.initialize; the training flags below (batch, optimizer, "
                         "schedule, clipping, ZeRO, bf16, tp, pp) must then not be given")
-    parser.add_argument("--print-config", action="store_true", help="print the DeepSpeed config this command line runs, "
-                   "and exit")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the DeepSpeed config this command line runs, and exit")
     g = parser.add_argument_group("run and model (also with --config)")
     for name, kind, text in (("steps", int, "optimizer steps"), ("seq_len", int, "tokens per sequence"),
                              ("n_layer", int, "transformer blocks"), ("n_head", int, "attention heads"),

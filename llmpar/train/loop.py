@@ -253,8 +253,8 @@ def format_summary(r: TrainResult) -> str:
         f"first loss      {r.first_loss:.4f}",
         f"final loss      {r.final_loss:.4f}  (mean of the last {max(1, min(10, len(r.losses) // 20))} steps)",
         f"throughput      {r.tokens_per_s:,.0f} tokens/s (all ranks, after step 1), {r.tflops_per_device:.4g} TFLOP/s "
-        "per device" + (f", MFU {100 * r.mfu:.3g}% of {r.peak_tflops:.4g} TFLOP/s ({r.peak_source})" if r.mfu is not None
-                        else f" (MFU: {r.peak_source})"),
+        "per device" + (f", MFU {100 * r.mfu:.3g}% of {r.peak_tflops:.4g} TFLOP/s ({r.peak_source})"
+                        if r.mfu is not None else f" (MFU: {r.peak_source})"),
         f"peak memory     {mem}  ({r.mem_kind})",
         f"wall time       {r.wall_s:.1f} s",
     ]

@@ -9,7 +9,7 @@ the model dtype (float32 / float64; bf16 is the config's), logging.
 Flags -> config (``llmpar train --print-config`` shows it)::
 
     train_micro_batch_size_per_gpu = --batch-size          (sequences per dp rank per micro step)
-    gradient_accumulation_steps    = --grad-accum          (default 1; with --pp the pipeline's micro-batches, default pp)
+    gradient_accumulation_steps    = --grad-accum          (default 1; with --pp: pipeline micro-batches, default pp)
     optimizer      AdamW, lr --lr, betas (0.9, 0.95), weight_decay --weight-decay (matrices only: llmpar train passes
                    param groups; under --pp the pipeline engine splits the model itself and decays every param)
     scheduler      WarmupCosineLR (DeepSpeed's formula), linear warm-up over --warmup-steps, cosine to

@@ -24,6 +24,7 @@ from torch import nn
 from llmpar.checkpoint.consolidate import consolidated_state_dict
 from llmpar.checkpoint.hf_files import parse_dtype, write_hf_model
 
+
 def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: str | None = None,
                                              exclude_frozen_parameters: bool = False,
                                              lazy_mode: bool = False) -> dict[str, torch.Tensor]:

@@ -46,9 +46,9 @@ class Init(_init.Init):
     ``initialize``, ``load_state_dict`` included, are recorded and replayed too). DeepSpeed's arguments are taken
     too: ``enabled=False`` is a plain block (the model is built normally); ``config_dict_or_path`` / ``config``,
     ``dtype`` (the engine puts the params in the config's precision), ``remote_device`` "cpu" / "none" (offload is
-    the config's ``offload_param``), ``pin_memory``, ``mem_efficient_linear`` are accepted. What would change the partitioning here is refused with
-    the alternative: ``module=`` (an already built model), process groups / ``mpu`` (``initialize`` takes
-    ``dp_group=`` / ``mesh=``), NVMe, quantized weights, a param swapper."""
+    the config's ``offload_param``), ``pin_memory``, ``mem_efficient_linear`` are accepted. What would change the
+    partitioning here is refused with the alternative: ``module=`` (an already built model), process groups /
+    ``mpu`` (``initialize`` takes ``dp_group=`` / ``mesh=``), NVMe, quantized weights, a param swapper."""
 
     def __init__(self, module: Any = None, data_parallel_group: Any = None, mem_efficient_linear: bool = True,
                  remote_device: str | None = None, pin_memory: bool = False, config_dict_or_path: Any = None,

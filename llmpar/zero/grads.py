@@ -23,8 +23,15 @@ from typing import Any, Callable
 
 import torch
 
-from llmpar.distributed.collectives import (CommCounter, Group, Handle, all_reduce, reduce_scatter_flat,
-                                            reduce_scatter_scratch_numel, reduce_scatter_uses_exchange)
+from llmpar.distributed.collectives import (
+    CommCounter,
+    Group,
+    Handle,
+    all_reduce,
+    reduce_scatter_flat,
+    reduce_scatter_scratch_numel,
+    reduce_scatter_uses_exchange,
+)
 from llmpar.ops.bucket import pack_bucket
 from llmpar.zero.compressed import GradQuantizer
 from llmpar.zero.layout import FlatLayout

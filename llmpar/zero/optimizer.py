@@ -43,18 +43,17 @@ from llmpar.ops.adamw import MODES, adamw_step
 from llmpar.ops.bucket import pack_bucket
 from llmpar.optim.adamw import state_dtypes
 from llmpar.optim.grad_norm import global_grad_norm
+from llmpar.zero import lowbit_state
 from llmpar.zero.checkpointing import ZeroCheckpointing
 from llmpar.zero.compressed import compression
 from llmpar.zero.config import OptimizerConfig, ZeroConfig, param_groups
 from llmpar.zero.grads import FlatBuffer, GradReducer
 from llmpar.zero.init import default_device, materialize_sharded, remap_params, replace_meta_params
 from llmpar.zero.layout import FlatLayout
-from llmpar.zero import lowbit_state
 from llmpar.zero.loss_scale import LossScaler, unscale_and_clip
 from llmpar.zero.offload import Copier, Placement, host_step_buffer, master_dtype, memory_bytes
 from llmpar.zero.param_gather import DeferredGather, step_gather
-from llmpar.zero.stage3 import (Stage3Runtime, UnitPlan, UnitPolicy, frozen_buffers, shard_params,
-                                 split_persistent)
+from llmpar.zero.stage3 import Stage3Runtime, UnitPlan, UnitPolicy, frozen_buffers, shard_params, split_persistent
 from llmpar.zero.state_dict import OptimizerStateDict
 from llmpar.zero.stats import NormStats, StepApplied, StepStatsView
 

@@ -7,10 +7,11 @@ After a stage-1/2 step each rank holds only its partition of the new params; an 
 ``zero_optimization.overlap_param_gather`` (the name Megatron-Core uses for the same option), :class:`DeferredGather`
 takes the same launches but does not wait for them in ``step()``: it waits for each unit just before the first module
 that holds one of its params runs forward (a forward pre-hook per such module), so the communication overlaps
-whatever runs until then and the early layers of the next forward. Everything in llmpar that reads params waits first (``ZeroOptimizer.wait_params``: the next step, a
-checkpoint save, the gathered state dict, ``GatheredParameters``, the module's ``state_dict()``). Code that reads
-``param.data`` directly between ``step()`` and the next forward (an EMA of the weights, say) must call
-``optimizer.wait_params()`` first: that is why the option is off by default.
+whatever runs until then and the early layers of the next forward. Everything in llmpar that reads params waits
+first (``ZeroOptimizer.wait_params``: the next step, a checkpoint save, the gathered state dict,
+``GatheredParameters``, the module's ``state_dict()``). Code that reads ``param.data`` directly between ``step()``
+and the next forward (an EMA of the weights, say) must call ``optimizer.wait_params()`` first: that is why the option
+is off by default.
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ inputs rebuilt at the versions they were read at."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -112,11 +112,16 @@ def needed_ops(storages: dict[int, Storage], refs: list[Ref]) -> set[tuple[int, 
     return runs
 
 
+class Recording(Protocol):
+    """What a :class:`Replayer` reads of ``deferred.Recorder`` (not imported: deferred.py imports this module)."""
+    storages: dict[int, Storage]
+
+
 class Replayer:
     """Rebuilds recorded tensors for real (module docstring). One per param or batch of buffers: it keeps every
     storage it built (``memo``) until dropped."""
 
-    def __init__(self, recorder: Recorder,
+    def __init__(self, recorder: Recording,
                  base: dict[int, tuple[int, torch.UntypedStorage]] | None = None) -> None:
         self.storages = recorder.storages
         self.memo: dict[tuple[int, int], torch.UntypedStorage] = {}

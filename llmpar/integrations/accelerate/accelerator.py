@@ -19,8 +19,13 @@ from accelerate.scheduler import AcceleratedScheduler
 from accelerate.state import PartialState
 from accelerate.utils import DistributedType, DynamoBackend
 from accelerate.utils.constants import MODEL_NAME
-from accelerate.utils.deepspeed import (DeepSpeedEngineWrapper, DeepSpeedOptimizerWrapper, DeepSpeedSchedulerWrapper,
-                                        DummyOptim, DummyScheduler)
+from accelerate.utils.deepspeed import (
+    DeepSpeedEngineWrapper,
+    DeepSpeedOptimizerWrapper,
+    DeepSpeedSchedulerWrapper,
+    DummyOptim,
+    DummyScheduler,
+)
 from torch.utils.data import DataLoader
 
 from llmpar.distributed.init import init_distributed
