@@ -55,7 +55,8 @@ def raise_if_any_failed(error: BaseException | None, groups: "Group | GroupRef |
     if error is not None:
         raise error
     rank, kind, message = known if known is not None else ("?", "RuntimeError", "(no message)")
-    exc = {t.__name__: t for t in (TypeError, ValueError, *types)}.get(kind, RuntimeError)
+    known_types: tuple[type[BaseException], ...] = (TypeError, ValueError, *types)
+    exc = {t.__name__: t for t in known_types}.get(kind, RuntimeError)
     raise exc(f"{what}: rank {rank} failed: {message}")
 
 

@@ -48,7 +48,7 @@ class Handle:
     """An in-flight collective. ``wait()`` blocks until the result is in the output tensor; a failure or timeout of
     the collective raises :class:`~llmpar.distributed.errors.CollectiveError` naming ``what`` and the group."""
 
-    def __init__(self, works: list, finish: Callable[[], None] | None = None, *, what: str = "a collective",
+    def __init__(self, works: list, finish: Callable[[], object] | None = None, *, what: str = "a collective",
                  pg: dist.ProcessGroup | None = None, entry: Entry | None = None) -> None:
         self._works, self._entry = works, entry  # entry: the flight recorder's, marked done once waited for
         self._finish = finish
@@ -70,7 +70,7 @@ class Handle:
         return self._done or all(w.is_completed() for w in self._works)
 
 
-def _op(op: str) -> dist.ReduceOp:
+def _op(op: str) -> dist.ReduceOp.RedOpType:
     if op not in _OPS:
         raise ValueError(f"op={op!r} is not supported: expected one of {sorted(_OPS)}")
     return _OPS[op]
@@ -88,7 +88,7 @@ def failing_as(what: str, pg: dist.ProcessGroup | None) -> Iterator[None]:
         raise collective_error(err, what, pg) from err
 
 
-def _finish(async_op: bool, works: list, finish: Callable[[], None] | None, what: str,
+def _finish(async_op: bool, works: list, finish: Callable[[], object] | None, what: str,
             pg: dist.ProcessGroup, entry: Entry | None = None) -> Handle | None:
     handle = Handle([w for w in works if w is not None], finish, what=what, pg=pg, entry=entry)
     if async_op:
@@ -206,7 +206,7 @@ def reduce_scatter_flat(
 
 
 def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, pg: dist.ProcessGroup, size: int, op: str,
-                    reduce_op: dist.ReduceOp, async_op: bool, counter: CommCounter | None, what: str,
+                    reduce_op: dist.ReduceOp.RedOpType, async_op: bool, counter: CommCounter | None, what: str,
                     scratch: torch.Tensor | None = None, entry: Entry | None = None) -> Handle | None:
     if counter is not None:
         nbytes = input.numel() * input.element_size()
@@ -239,7 +239,7 @@ def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, pg: dist.ProcessG
                 output.div_(size)
 
         return _finish(async_op, works, summed, what, pg, entry)
-    finish = (lambda: output.div_(size)) if op == "avg" else None
+    finish: Callable[[], object] | None = (lambda: output.div_(size)) if op == "avg" else None
     try:
         work = TORCH_REDUCE_SCATTER_TENSOR(output, input, op=reduce_op, group=pg, async_op=True)
     except (RuntimeError, NotImplementedError, AttributeError) as err:
@@ -251,10 +251,12 @@ def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, pg: dist.ProcessG
         me = dist.get_rank(pg)
         n = output.numel()
 
-        def finish() -> None:  # noqa: F811 - replaces the avg-only finish
+        def from_scratch() -> None:  # replaces the avg-only finish
             output.copy_(scratch.view(-1)[me * n : (me + 1) * n].view_as(output))
             if op == "avg":
                 output.div_(size)
+
+        finish = from_scratch
 
     return _finish(async_op, [work], finish, what, pg, entry)
 
@@ -300,8 +302,8 @@ def all_gather_flat(
         except (RuntimeError, NotImplementedError, AttributeError) as err:
             if not _unsupported(err):
                 raise
-            chunks = list(output.view(-1).chunk(size))
-            work = dist.all_gather(chunks, input.view(-1), group=pg, async_op=True)
+            parts = list(output.view(-1).chunk(size))
+            work = dist.all_gather(parts, input.view(-1), group=pg, async_op=True)
     return _finish(async_op, [work], None, what, pg, entry)
 
 

@@ -202,6 +202,8 @@ def reduce_scatter_quantized(output: torch.Tensor, wire: torch.Tensor, split: No
         steps = [lambda: _all_to_all(state["recv"], wire, group, counter, what)]
         handle = ChainHandle(steps, lambda: land(state["recv"]), split.chains)
     else:
+        intra, inter = split.intra, split.inter
+        assert intra is not None and inter is not None  # a hierarchical split has both groups
         # level 1, inside the node: to intra peer l go the rows of the chunks owned by dp ranks (node', l)
         send1 = wire.view(nodes, k, rb).transpose(0, 1).contiguous()  # [k, nodes, rb]
         state["recv1"] = torch.empty_like(send1)
@@ -214,9 +216,9 @@ def reduce_scatter_quantized(output: torch.Tensor, wire: torch.Tensor, split: No
             # the re-quantization of the partial sums, with its own error feedback
             send2 = pack_quantize([partial.view(-1)], rows=nodes, m=n, bits=bits, block=block, residual=residual)
             state["recv2"] = torch.empty_like(send2)
-            return _all_to_all(state["recv2"], send2, split.inter, counter, what + " (between nodes)")
+            return _all_to_all(state["recv2"], send2, inter, counter, what + " (between nodes)")
 
-        steps = [lambda: _all_to_all(state["recv1"], send1, split.intra, counter, what + " (inside the node)"),
+        steps = [lambda: _all_to_all(state["recv1"], send1, intra, counter, what + " (inside the node)"),
                  level2]
         handle = ChainHandle(steps, lambda: land(state["recv2"]), split.chains)
     if async_op:

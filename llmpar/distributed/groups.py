@@ -36,7 +36,7 @@ class GroupRef:
         if self._pg is not None:
             return self._pg
         try:
-            return dist.distributed_c10d._resolve_process_group(self.name)
+            return dist.distributed_c10d._resolve_process_group(self.name)  # type: ignore[arg-type]  # a name: _pg is set otherwise
         except (RuntimeError, ValueError) as err:
             raise RuntimeError(
                 f"process group {self.name!r} no longer exists (destroy_process_group() was called?): {err}"
