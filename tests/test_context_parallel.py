@@ -264,8 +264,10 @@ def _run_modes(modes: list[tuple[str, int]], cases: list[dict]) -> dict:
             with pytest.raises(ValueError, match="do not form a grid"):
                 ContextParallel(mode, ulysses_group=ug, ring_group=bad_ring)
         cp.check_batch(37, "same ids")
-        with pytest.raises(ValueError, match="cp ranks hold different batches"):
+        with pytest.raises(ValueError, match="cp ranks of a group were fed different tensor shapes"):
             cp.check_batch(37 + (cp.rank == cp.size - 1), "same ids")
+        with pytest.raises(ValueError, match=r"same shapes but different contents \(fingerprint differ"):
+            cp.check_batch(37, "same ids" if cp.rank else "other ids")
         stats[mode] = (len(cp.ring_stats.forward_wait_s), len(cp.ring_stats.backward_wait_s),
                        cp.ring_stats.exposed_fraction())
     return stats

@@ -66,24 +66,23 @@ def named_tensors(args: tuple, kwargs: dict) -> list[tuple[str, torch.Tensor]]:
 def batch_record(args: tuple, kwargs: dict, device: torch.device) -> tuple[torch.Tensor, list[str]]:
     """This rank's ``[RECORD]`` int64 record (module docstring) on ``device``, and the names of its slots."""
     tensors = named_tensors(args, kwargs)
-    head = [dist.get_rank() if dist.is_initialized() else 0, len(tensors)]
-    slots, digests, names = [], [], []
+    fields = [dist.get_rank() if dist.is_initialized() else 0, len(tensors)]  # what the host knows: shapes, names
+    digests, names = [], []
     for k, (name, t) in enumerate(tensors[:MAX_TENSORS]):
         shape = list(t.shape)
         dims = (shape[:DIMS - 1] + [int(torch.Size(shape[DIMS - 1:]).numel())]) if len(shape) > DIMS else shape
-        slots.append([_name_id(name), t.dim(), *dims, *[-1] * (DIMS - len(dims))])
+        fields += [_name_id(name), t.dim(), *dims, *[-1] * (DIMS - len(dims)), -1]  # the digest's slot last
         d = digest(t).to(device)
         if k == MAX_TENSORS - 1:  # the rest folded into the last slot
             for _, extra in tensors[MAX_TENSORS:]:
                 d = d * _GOLDEN + digest(extra).to(device)
         digests.append(d)
         names.append(name)
-    record = torch.full((RECORD,), -1, dtype=torch.int64, device=device)
-    record[:2] = torch.tensor(head, dtype=torch.int64)
-    for k, fields in enumerate(slots):
-        at = 2 + k * SLOT
-        record[at:at + SLOT - 1] = torch.tensor(fields, dtype=torch.int64)
-        record[at + SLOT - 1] = digests[k]
+    fields += [-1] * (RECORD - len(fields))
+    record = torch.tensor(fields, dtype=torch.int64).to(device)  # one host-to-device copy, then the digests
+    if digests:
+        at = torch.arange(len(digests), device=device) * SLOT + 2 + SLOT - 1
+        record[at] = torch.stack(digests)
     return record, names
 
 
@@ -110,10 +109,10 @@ def _describe(row: list[int], names: dict[int, str]) -> str:
     return ", ".join(parts) or "no tensors"
 
 
-def agree_batch(cp: Any, args: tuple, kwargs: dict, *, dp_size: int, dp_rank: int) -> None:
+def agree_batch(cp: Any, args: tuple, kwargs: dict, *, dp_size: int | None = None, dp_rank: int | None = None) -> None:
     """Raise the same ``ValueError`` on every cp rank of ``cp`` (a ``ContextParallel``) unless all of them were called
     with the same tensors (names, shapes, contents); see the module docstring. ``dp_size`` / ``dp_rank``: this rank's
-    data-parallel degree and rank, named in the error as what the loader must be built over."""
+    data-parallel degree and rank, named in the error as what the loader must be built over (when known)."""
     device = collective_device(cp.groups[0])
     record, names = batch_record(args, kwargs, device)
     rows = _gather(record, cp.groups)
@@ -135,7 +134,8 @@ def agree_batch(cp: Any, args: tuple, kwargs: dict, *, dp_size: int, dp_rank: in
         f"context-parallel batch: the {cp.size} cp ranks of a group were fed {what}: {ranks}. Under context "
         "parallelism every cp rank of a data-parallel group is fed the same whole batch (each keeps its slice of the "
         "sequence): build the loader over the data-parallel ranks, e.g. DistributedSampler(dataset, "
-        f"num_replicas=engine.dp_world_size, rank=engine.dp_rank) (here dp size {dp_size}, dp rank {dp_rank}), or "
+        "num_replicas=engine.dp_world_size, rank=engine.dp_rank)"
+        + (f" (here dp size {dp_size}, dp rank {dp_rank})" if dp_size is not None else "") + ", or "
         "engine.deepspeed_io(dataset), not over the global rank and world size; and give every cp rank sequences "
         "of the same length (pad a short last batch, or drop it)")
 

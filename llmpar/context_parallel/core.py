@@ -14,9 +14,9 @@ Modes: "ulysses" (all-to-all over heads, :mod:`.ulysses`), "ring" (k/v blocks pa
 
 Validation in attention is local (shapes, heads, devices, the shard) and happens before any collective, so with the
 same model and sequence length on every rank a bad input raises the same error on every rank instead of hanging a
-peer; :meth:`ContextParallel.check_batch` (one tiny all-reduce per cp group) catches ranks fed different batches (the
-engine agrees on every call's tensors instead, ``llmpar.context_parallel.batch_check``, naming each rank's shapes), and
-a hybrid layout whose groups do not form a grid is refused at construction on every rank.
+peer; :meth:`ContextParallel.check_batch` (one fixed-size all-gather per cp group) catches ranks fed different
+batches (the engine agrees on every call's tensors the same way, ``llmpar.context_parallel.batch_check``), and a hybrid
+layout whose groups do not form a grid is refused at construction on every rank.
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from typing import Iterator
 
 import torch
 
+from llmpar.context_parallel.batch_check import agree_batch
 from llmpar.context_parallel.loss import token_mean
 from llmpar.context_parallel.ring import RingSpec, RingStats, ring_attention
 from llmpar.context_parallel.shard import MODES, SeqShard, check_seq_len, layout
@@ -106,18 +107,13 @@ class ContextParallel:
     def check_batch(self, seq_len: int, fingerprint: str = "") -> None:
         """Raise the same ValueError on every cp rank unless all of them hold a sequence of ``seq_len`` tokens (and
         the same ``fingerprint``, e.g. a digest of the batch's ids): the cp ranks of a group must be fed the same
-        batch, else attention's exchanges hang (different lengths) or train on a mix of samples. A max-all-reduce of
-        (digest, -digest) over each cp group in turn (two int64 per group)."""
+        batch, else attention's exchanges hang (different lengths) or train on a mix of samples. For a loop of one's
+        own: the engine's agreement (:func:`.batch_check.agree_batch`) on a [seq_len]-shaped stand-in and the
+        fingerprint's sha256."""
         check_seq_len(seq_len)
-        digest = int(hashlib.sha256(f"{seq_len}|{fingerprint}".encode()).hexdigest()[:15], 16)
-        device = collective_device(self.groups[0])
-        both = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
-        for group in self.groups:  # Ulysses then ring: the max and min over the whole cp grid
-            all_reduce(both, group, op="max", what="context-parallel batch check")
-        if int(both[0]) != -int(both[1]):
-            raise ValueError(f"context-parallel batch: the cp ranks hold different batches (this is cp rank "
-                             f"{self.rank} of {self.size}, seq_len={seq_len}); the cp ranks of a group must read the "
-                             "same batch (a sampler over the dp rank and dp size only)")
+        fp = torch.frombuffer(bytearray(hashlib.sha256(fingerprint.encode()).digest()), dtype=torch.int64)
+        sequence = torch.ones((), dtype=torch.int8).expand(seq_len)  # only its shape counts
+        agree_batch(self, (), {"sequence": sequence, "fingerprint": fp})
 
     def gather_sequence(self, x: torch.Tensor, shard: SeqShard, dim: int = 1) -> torch.Tensor:
         """The whole sequence of a tensor sharded along ``dim`` by ``shard`` (this rank's ``S_local`` positions,
