@@ -135,6 +135,11 @@ def test_the_callers_ask_the_anatomy():
     assert names(to_blocks(gpt)) == names(A.pipeline_sequence(gpt)) and _pick_default_plan(gpt) is DEFAULT_PLANS["gpt"]
     with pytest.raises(ValueError, match="no default tensor-parallel plan fits Moe"):
         _pick_default_plan(Moe())
+    from llmpar.pipeline.stages import _default_plan  # the pipeline's tp plan: the same family rule
+
+    assert _default_plan(gpt) == DEFAULT_PLANS["gpt"]
+    with pytest.raises(ValueError, match="no default tensor-parallel plan fits Moe"):
+        _default_plan(Moe())
 
 
 def test_transformers_llama():

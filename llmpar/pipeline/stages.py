@@ -30,6 +30,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from llmpar.distributed.collectives import as_group, broadcast, group_rank, group_size
+from llmpar.models.anatomy import family, name_matches
 from llmpar.pipeline.blocks import StageModule, stage_key, to_blocks
 from llmpar.pipeline.partition import balanced_boundaries, check_boundaries, stage_ranges
 
@@ -133,21 +134,13 @@ def _measure_costs(blocks: list[tuple[str, nn.Module]], sample: Any, reps: int) 
 
 
 def _default_plan(model: nn.Module) -> dict[str, str]:
-    """The default plan that matches the most of the model's module names (GPT, Llama, ...)."""
+    """The default plan of the model's layout family (GPT, Llama), chosen as ``llmpar.parallelize`` chooses it."""
     from llmpar.tensor_parallel.parallelize import DEFAULT_PLANS
 
-    names = [n for n, _ in model.named_modules() if n]
-    scored = [(sum(any(_matches(n, p) for n in names) for p in plan), kind) for kind, plan in DEFAULT_PLANS.items()]
-    hits, kind = max(scored)
-    if hits < 2:
+    fam = family(model)
+    if fam is None:
         raise ValueError(f"no default tensor-parallel plan fits {type(model).__name__}; pass tp_plan={{pattern: kind}}")
-    return dict(DEFAULT_PLANS[kind])
-
-
-def _matches(name: str, pattern: str) -> bool:
-    import fnmatch
-
-    return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, "*." + pattern)
+    return dict(DEFAULT_PLANS[fam])
 
 
 def split(
@@ -236,7 +229,7 @@ def split(
         mod = StageModule([blocks[i] for i in ranges[s]], stage_index=s, block_names=stages[s].blocks)
         if plan is not None:
             names = [n for n, _ in mod.named_modules() if n]
-            local_plan = {p: k for p, k in plan.items() if any(_matches(n, p) for n in names)}
+            local_plan = {p: k for p, k in plan.items() if any(name_matches(n, p) for n in names)}
             if local_plan:
                 from llmpar.tensor_parallel.parallelize import parallelize
 

@@ -24,7 +24,7 @@ from llmpar.zero.gather import consolidated_state_dict, frozen_state_dict, load_
 from llmpar.zero.layout import FlatLayout, ParamSlot, Unit
 from llmpar.zero.loss_scale import LossScaler
 from llmpar.zero.optimizer import ZeroOptimizer
-from llmpar.zero.stage3 import unit_modules
+from llmpar.zero.units import unit_modules
 
 OWNER_ATTR = "_llmpar_zero_optimizer"  # on each param: a weakref to the ZeroOptimizer holding it (set by initialize)
 

@@ -53,9 +53,10 @@ from llmpar.zero.layout import FlatLayout
 from llmpar.zero.loss_scale import LossScaler, unscale_and_clip
 from llmpar.zero.offload import Copier, Placement, host_step_buffer, master_dtype, memory_bytes
 from llmpar.zero.param_gather import DeferredGather, step_gather
-from llmpar.zero.stage3 import Stage3Runtime, UnitPlan, UnitPolicy, frozen_buffers, shard_params, split_persistent
+from llmpar.zero.stage3 import Stage3Runtime, frozen_buffers, shard_params
 from llmpar.zero.state_dict import OptimizerStateDict
 from llmpar.zero.stats import NormStats, StepApplied, StepStatsView
+from llmpar.zero.units import UnitPlan, UnitPolicy, split_persistent
 
 logger = logging.getLogger("llmpar")
 

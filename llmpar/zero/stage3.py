@@ -50,19 +50,10 @@ from llmpar.zero.compressed import WeightGather
 from llmpar.zero.grads import FlatBuffer
 from llmpar.zero.layout import FlatLayout
 from llmpar.zero.offload import Copier, Placement
-from llmpar.zero.units import (
-    UnitPlan,
-    UnitPolicy,
-    is_persistent,
-    kept_units,
-    map_tensors,
-    split_persistent,
-    unit_modules,
-)
+from llmpar.zero.units import UnitPlan, is_persistent, kept_units, map_tensors
 from llmpar.zero.views import ParamViews
 
-__all__ = ["Key", "Stage3Runtime", "UnitPlan", "UnitPolicy", "is_persistent", "shard_params", "split_persistent",
-           "unit_modules"]
+__all__ = ["Key", "Stage3Runtime", "shard_params"]
 
 Key = tuple[int, int]  # (flat buffer index, unit index in its layout)
 
