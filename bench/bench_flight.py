@@ -24,10 +24,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import llmpar  # noqa: E402
-from llmpar.distributed import (
-    all_reduce,  # noqa: E402
-    flight,  # noqa: E402
-)
+from llmpar.distributed import all_reduce, flight  # noqa: E402
 from llmpar.models import GPT, GPTConfig  # noqa: E402
 
 from harness import compare_distributed, markdown_table, write_results  # noqa: E402

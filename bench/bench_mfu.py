@@ -31,7 +31,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from llmpar.runtime import mfu  # noqa: E402
 
-from harness import write_results  # noqa: E402
+from harness import _sync, write_results  # noqa: E402
 
 SHAPES = {  # LlamaConfig fields
     "1b": dict(num_hidden_layers=22, hidden_size=2048, intermediate_size=5632, num_attention_heads=32,
@@ -137,11 +137,6 @@ def build_model(shape: dict, attention: str, *, impl: str, device: torch.device,
 
 
 # ------------------------------------------------------------------------------------------------ the cases
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _time_steps(step, batches: list[torch.Tensor], warmup: int, device: torch.device) -> tuple[float, list[float]]:
     """(seconds for the timed steps, every step's loss): ``warmup`` steps, then one per remaining batch."""
     losses = [step(b) for b in batches[:warmup]]
@@ -226,6 +221,7 @@ def main(argv: list[str] | None = None) -> dict:
     rows, per_token, n_params = [], None, None
     for name, (attention, run) in CASES.items():
         row: dict[str, Any] = {"case": name}
+        model = None
         try:
             model = build_model(shape, attention, impl=impl, device=device, seq=args.seq, seed=0)
             n_params = sum(p.numel() for p in model.parameters())
@@ -245,8 +241,7 @@ def main(argv: list[str] | None = None) -> dict:
         except Exception as exc:  # noqa: BLE001 - one case failing (OOM, a kernel) must not lose the other's row
             row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
         rows.append(row)
-        with contextlib.suppress(NameError):
-            del model
+        model = None  # freed before the next case builds its own
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()

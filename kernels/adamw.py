@@ -193,7 +193,7 @@ def _first_programs(numels: list[int]) -> tuple[list[int], int]:
     return first, acc
 
 
-def _to_device(rows: list[int], device, op: str = "adamw_step"):
+def _to_device(rows: list[int], device, op: str):
     import torch
 
     return pinned_to_device(torch.tensor(rows, dtype=torch.int64), device, op)
@@ -219,7 +219,7 @@ def step(params, grads, exp_avgs, exp_avg_sqs, extras, steps, salts, *, mode: in
             + [t.data_ptr() for t in exp_avgs] + [t.data_ptr() for t in exp_avg_sqs] + extra_ptrs
             + [s.data_ptr() for s in steps] + [p.numel() for p in params] + [int(s) & 0xFFFFFFFF for s in salts])
     device = params[0].device
-    table = _to_device(rows, device)
+    table = _to_device(rows, device, "adamw_step")
     lr_on_device = not isinstance(lr, float)
     x_dtype = extras[0].dtype if extras is not None else params[0].dtype
     _adamw_kernel[(programs,)](

@@ -135,15 +135,14 @@ def _table(flat, tensors):
     """The launch table on ``flat.device`` and the number of programs, cached per layout (addresses and sizes: the
     table is a function of them alone, so a reused address with the same sizes reuses a table that is still right).
     A call on another CUDA stream than the one that built the table waits for the build (its event, not the whole
-    stream) and marks the table in use there; inside a CUDA graph capture nothing is cached (a captured table would
-    live in the graph's memory pool)."""
+    stream) and marks the table in use there. Under CUDA graph capture no table is built or cached (a captured one
+    would live in the graph's memory pool): :func:`pinned_to_device` refuses the call, naming the op."""
     import torch
 
     device = flat.device
     ptrs, numels = tuple(t.data_ptr() for t in tensors), tuple(t.numel() for t in tensors)
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        table, programs = table_rows(ptrs, numels, device)
-        return table, len(tensors), programs
+        pinned_to_device(None, device, "pack_bucket / unpack_bucket")  # raises: see the docstring
     table, programs, built = _cached_table(ptrs, numels, device)
     if built is not None:
         stream = torch.cuda.current_stream(device)

@@ -18,10 +18,7 @@ import pytest
 import torch
 from triton_aot import SMEM_LIMIT, Recorder, bind_like_launcher, compile_like_launcher
 
-from llmpar.kernels import (
-    gemm,  # noqa: E402
-    gemm_configs,  # noqa: E402
-)
+from llmpar.kernels import gemm, gemm_configs
 
 if gemm.INTERPRETED:
     pytest.skip("TRITON_INTERPRET=1: kernels are interpreted in this process", allow_module_level=True)
