@@ -77,12 +77,24 @@ def staged(out_dir: str, *, overwrite: bool = False, source: str | None = None, 
             yield tmp
         except OSError as e:
             raise _named(e, tmp, out_dir, what) from e
-        fsync_dir(tmp)
+        _fsync_tree(tmp)  # the new files reach the disk before the old export goes (a power loss, not only a kill)
         check_target(out_dir, overwrite)  # a file that landed in the target meanwhile is not lost silently
         swap(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _fsync_tree(root: str) -> None:
+    """fsync every file and directory under ``root`` (writers that fsync their own files pay a second, cheap one)."""
+    for dirpath, _, names in os.walk(root):
+        for name in names:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(dirpath)
 
 
 def _named(e: OSError, tmp: str, out_dir: str, what: str) -> BaseException:
