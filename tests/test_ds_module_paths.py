@@ -97,11 +97,13 @@ def test_set_random_seed_seeds_as_deepspeeds():
 
     import numpy as np
 
+    from llmpar.runtime.utils import set_random_seed as ours
+
+    with pytest.raises(TypeError, match="seed must be an int, got str"):
+        ours("5")
     pytest.importorskip("deepspeed", reason="DeepSpeed is not installed")
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from deepspeed.runtime.utils import set_random_seed as theirs
-
-    from llmpar.runtime.utils import set_random_seed as ours
 
     draws = []
     for seed_fn in (ours, theirs):
@@ -109,8 +111,6 @@ def test_set_random_seed_seeds_as_deepspeeds():
         seed_fn(2 ** 40 + 5)
         draws.append((random.random(), np.random.rand(3).tolist(), torch.rand(3).tolist()))
     assert draws[0] == draws[1]
-    with pytest.raises(TypeError, match="seed must be an int, got str"):
-        ours("5")
 
 
 def test_runtime_utils_names_what_it_does_not_provide():

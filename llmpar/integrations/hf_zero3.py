@@ -120,7 +120,7 @@ def resize_sharded(model: nn.Module, resize: Any, args: tuple, kwargs: dict) -> 
     tensors read are held until initialize, as a state dict loaded then), and a resized param takes its values from
     the recording alone. After ``initialize`` at ZeRO-3 (each param a shard) it is refused: resize before training."""
     from llmpar.zero import OWNER_ATTR
-    from llmpar.zero.init import _DEFERRED, _INIT_FN, Deferred, recording
+    from llmpar.zero.init import _DEFERRED, Deferred, recording
 
     params = list(model.parameters())
     if any(getattr(getattr(p, OWNER_ATTR, lambda: None)(), "stage3", None) is not None for p in params):
@@ -149,8 +149,6 @@ def _read_from_checkpoint(model: nn.Module, params: list[torch.Tensor]) -> None:
     """Params a sharded ``from_pretrained`` reads at materialisation (``CheckpointLoad``) take the checkpoint's
     values now, as recorded writes."""
     from safetensors import safe_open
-
-    from llmpar.zero.init import _INIT_FN
 
     for p in params:
         loader = getattr(p, _INIT_FN, None)

@@ -17,8 +17,9 @@ codes and scales, and loading quantizes them again, which restores the codes and
 """
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 
@@ -49,9 +50,7 @@ class ZeroCheckpointing:
     stage3: Stage3Runtime | None
     placement: Placement
     zero_config: ZeroConfig
-    # True while a caller that saves where DeepSpeed saves (accelerate's save_state, which a script may call between
-    # micro-steps) writes a checkpoint: the gradients accumulated so far are left out, as from DeepSpeed's
-    save_mid_accumulation: bool = False
+    _save_mid_accumulation: bool = False  # inside saving_mid_accumulation()
 
     if TYPE_CHECKING:
         def describe(self) -> dict: ...
@@ -148,12 +147,22 @@ class ZeroCheckpointing:
             rt.unhold([key], write_back=False)
         return out
 
+    @contextlib.contextmanager
+    def saving_mid_accumulation(self) -> Iterator[None]:
+        """Within it a save between micro-steps writes what DeepSpeed writes there instead of raising: the gradients
+        accumulated so far are not part of a checkpoint (accelerate's ``save_state``, which scripts call there)."""
+        self._save_mid_accumulation = True
+        try:
+            yield
+        finally:
+            self._save_mid_accumulation = False
+
     def prepare_save(self) -> None:
         """Raise ``ValueError`` in the middle of a gradient accumulation (the grads are not part of a checkpoint)
-        unless ``save_mid_accumulation``; wait for gathers in flight (stage 3's, and a deferred all-gather of updated
-        params: ``wait_params``)."""
+        unless inside :meth:`saving_mid_accumulation`; wait for gathers in flight (stage 3's, and a deferred
+        all-gather of updated params: ``wait_params``)."""
         self.wait_params()
-        if self.reducer.micro_steps != 0 and not self.save_mid_accumulation:
+        if self.reducer.micro_steps != 0 and not self._save_mid_accumulation:
             raise ValueError(f"save_checkpoint in the middle of a gradient accumulation ({self.reducer.micro_steps} "
                              f"micro-steps since the last optimizer step): save after engine.step() at a boundary")
         if self.stage3 is not None:

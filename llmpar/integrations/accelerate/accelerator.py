@@ -278,11 +278,8 @@ class Accelerator(accelerate.Accelerator):
                            "optimizer step): saved as DeepSpeed saves there, without the accumulated gradients (they "
                            "are not part of a checkpoint); a run resumed from it starts the accumulation afresh",
                            pending, self.gradient_accumulation_steps)
-        optimizer.save_mid_accumulation = True
-        try:
+        with optimizer.saving_mid_accumulation():
             return super().save_state(output_dir, safe_serialization, **save_model_func_kwargs)
-        finally:
-            optimizer.save_mid_accumulation = False
 
     def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None,
                    **load_model_func_kwargs: Any) -> None:
