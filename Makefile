@@ -1,7 +1,8 @@
 # Set-up and everyday commands. Everything is installed into $(VENV); nothing is installed by hand.
 #   make demo   install llmpar and run the main job (`llmpar train` on 2 CPU ranks)
 #   make test   install llmpar with its test extras and run the test suite
-#   make lint   ruff check (pycodestyle, pyflakes, bugbear, import order) and mypy on the typed floors (pyproject.toml)
+#   make lint   ruff check (pycodestyle, pyflakes, bugbear, import order), ruff format --check, and mypy on the typed
+#               floors (pyproject.toml); `ruff format .` writes the formatting
 #   make docs   the documentation site (docs/, mkdocs --strict) into build/site/, the configuration reference regenerated
 #   make bench-suite  the op micro-benchmarks (pytest-benchmark, bench/suites/; BENCH_ARGS=--benchmark-save=NAME)
 #   make lock         refresh constraints.txt (the known-good versions every install here uses) from the newest releases
@@ -49,6 +50,7 @@ install-lint: $(VENV)/.llmpar-lint-installed
 
 lint: install-lint
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
 demo: install

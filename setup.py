@@ -15,6 +15,7 @@ To build against the torch you already have installed (recommended, the ABI then
   LLMPAR_BUILD_CUDA=1 pip wheel --no-build-isolation .
 Plain `LLMPAR_BUILD_CUDA=1 pip wheel .` also works: torch is then added to the isolated build environment.
 """
+
 from __future__ import annotations
 
 import os
@@ -57,8 +58,9 @@ if BUILD_CUDA or BUILD_CPU:
             os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCHS)
             ext_modules.append(CUDAExtension(name="llmpar._C", **extension_kwargs(ROOT / "csrc", relative_to=ROOT)))
         if BUILD_CPU:
-            ext_modules.append(CppExtension(name="llmpar._C_cpu",
-                                            **cpu_extension_kwargs(ROOT / "csrc", relative_to=ROOT)))
+            ext_modules.append(
+                CppExtension(name="llmpar._C_cpu", **cpu_extension_kwargs(ROOT / "csrc", relative_to=ROOT))
+            )
         cmdclass = {"build_ext": BuildExtension.with_options(use_ninja=True)}
 
 setup(

@@ -6,6 +6,7 @@ Each ``*_step`` returns ``step()`` running forward + backward + optimizer step o
 with its CPU accelerator, ``torch_adam`` (its CPU Adam needs a C++ build) and without its JIT-built shared-memory comm
 op: gloo carries every byte for every contender.
 """
+
 from __future__ import annotations
 
 import os
@@ -20,17 +21,30 @@ Step = Callable[[], None]
 
 def zero_config(args: Any, stage: int, overlap_param_gather: bool = False) -> dict:
     """The DeepSpeed config every ZeRO contender runs (``overlap_param_gather``: llmpar's stage 1/2 option)."""
-    zero = {"stage": stage, "reduce_bucket_size": args.bucket, "allgather_bucket_size": args.bucket,
-            "overlap_comm": True, "contiguous_gradients": True, "reduce_scatter": True}
+    zero = {
+        "stage": stage,
+        "reduce_bucket_size": args.bucket,
+        "allgather_bucket_size": args.bucket,
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "reduce_scatter": True,
+    }
     if overlap_param_gather:
         zero["overlap_param_gather"] = True
-    return {"train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
-            "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.1}},
-            "zero_optimization": zero, "bf16": {"enabled": args.bf16}, "steps_per_print": 10**9}
+    return {
+        "train_micro_batch_size_per_gpu": args.micro,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.1}},
+        "zero_optimization": zero,
+        "bf16": {"enabled": args.bf16},
+        "steps_per_print": 10**9,
+    }
 
 
-def add_step_args(p: Any, *, n_head: int = 8, micro: int = 2, bucket: int = 5_000_000, warmup: int = 2,
-                  repeats: int = 8) -> None:
+def add_step_args(
+    p: Any, *, n_head: int = 8, micro: int = 2, bucket: int = 5_000_000, warmup: int = 2, repeats: int = 8
+) -> None:
     """The flags every GPT training-step benchmark (bench_zero, bench_zero3, bench_scaling) takes: model heads and
     batch (``--n-head --seq --micro``), ZeRO bucket size, ``--bf16``, timing (``--warmup --repeats``)."""
     p.add_argument("--n-head", type=int, default=n_head)
@@ -45,8 +59,10 @@ def add_step_args(p: Any, *, n_head: int = 8, micro: int = 2, bucket: int = 5_00
 def gpt(args: Any):
     from llmpar.models import GPT, GPTConfig
 
-    return GPT(GPTConfig(vocab_size=256, n_layer=args.n_layer, n_head=args.n_head, d_model=args.d_model,
-                         seq_len=args.seq), seed=0)
+    return GPT(
+        GPTConfig(vocab_size=256, n_layer=args.n_layer, n_head=args.n_head, d_model=args.d_model, seq_len=args.seq),
+        seed=0,
+    )
 
 
 def batch(args: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,6 +79,7 @@ def _engine_step(engine: Any, inp: torch.Tensor, tgt: torch.Tensor) -> Step:
         loss = engine.module.loss(engine(inp), tgt)
         engine.backward(loss)
         engine.step()
+
     return step
 
 
@@ -73,6 +90,7 @@ def _torch_step(model: Any, forward: Callable, opt: Any, inp: torch.Tensor, tgt:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+
     return step
 
 
@@ -152,6 +170,7 @@ def comm_only_step(model: Any, gathers: int, dtype: torch.dtype = torch.float32,
         for _ in range(gathers):
             all_gather_flat(full, shard, dist.group.WORLD)
         reduce_scatter_flat(mine, grads, dist.group.WORLD, scratch=scratch)
+
     return step
 
 
@@ -168,6 +187,7 @@ def no_comm_master_step(model: Any, inp: torch.Tensor, tgt: torch.Tensor) -> Ste
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+
     return step
 
 
@@ -186,8 +206,7 @@ def fsdp2_step(model: Any, args: Any, inp: torch.Tensor, tgt: torch.Tensor) -> S
 def torchrun(script: str, argv: list[str], nproc: int) -> str:
     """Run ``script argv`` on ``nproc`` local ranks (DeepSpeed on its CPU accelerator, one thread per rank unless
     OMP_NUM_THREADS says otherwise); returns its stdout, exits with its output on failure."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), script,
-           *argv]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), script, *argv]
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     out = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if out.returncode != 0:

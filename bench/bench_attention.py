@@ -13,6 +13,7 @@ causal mask is by local index). TFLOP/s counts the two matrix products of the fo
 causal), and 2.5 times that for the backward (5 products). On CUDA the inputs are bf16 and ``peak_MiB`` is the
 allocator's peak during one call above what the inputs hold; on CPU fp32.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,12 @@ from llmpar.ops._dispatch import triton_unavailable_reason  # noqa: E402
 from harness import compare, devices_for, forced, markdown_table, write_results  # noqa: E402
 
 # (B, Hq, Hkv, S, D, causal)
-CUDA_SHAPES = [(4, 32, 32, 2048, 128, True), (2, 32, 8, 4096, 128, True), (8, 16, 16, 1024, 64, False),
-               (1, 32, 8, 16384, 128, True)]
+CUDA_SHAPES = [
+    (4, 32, 32, 2048, 128, True),
+    (2, 32, 8, 4096, 128, True),
+    (8, 16, 16, 1024, 64, False),
+    (1, 32, 8, 16384, 128, True),
+]
 CPU_SHAPES = [(1, 8, 8, 512, 64, True), (1, 8, 2, 1024, 64, True), (2, 4, 4, 256, 64, False)]
 
 
@@ -52,7 +57,7 @@ def _peak_mib(fn, device: torch.device) -> float | None:
     torch.cuda.reset_peak_memory_stats(device)
     fn()
     torch.cuda.synchronize(device)
-    return (torch.cuda.max_memory_allocated(device) - base) / 2 ** 20
+    return (torch.cuda.max_memory_allocated(device) - base) / 2**20
 
 
 def run(device: torch.device, shapes, dtype: torch.dtype, repeats: int) -> list[dict]:
@@ -61,8 +66,9 @@ def run(device: torch.device, shapes, dtype: torch.dtype, repeats: int) -> list[
     for b, hq, hkv, s, d, causal in shapes:
         g = torch.Generator(device=device).manual_seed(0)
         q = torch.randn(b, hq, s, d, generator=g, device=device, dtype=dtype, requires_grad=True)
-        k, v = (torch.randn(b, hkv, s, d, generator=g, device=device, dtype=dtype, requires_grad=True)
-                for _ in range(2))
+        k, v = (
+            torch.randn(b, hkv, s, d, generator=g, device=device, dtype=dtype, requires_grad=True) for _ in range(2)
+        )
         dout = torch.randn_like(q)
         fwd_flops = 4.0 * b * hq * s * s * d * (0.5 if causal else 1.0)
 
@@ -72,6 +78,7 @@ def run(device: torch.device, shapes, dtype: torch.dtype, repeats: int) -> list[
                 if backward:
                     out.backward(dout)
                     q.grad = k.grad = v.grad = None
+
             return forced(backend, call)
 
         def theirs(backward: bool):
@@ -80,6 +87,7 @@ def run(device: torch.device, shapes, dtype: torch.dtype, repeats: int) -> list[
                 if backward:
                     out.backward(dout)
                     q.grad = k.grad = v.grad = None
+
             return call
 
         for phase, backward, flops in (("fwd", False, fwd_flops), ("fwd+bwd", True, 3.5 * fwd_flops)):
@@ -107,11 +115,19 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     for device in devices:
         cuda = device.type == "cuda"
-        rows = run(device, CUDA_SHAPES if cuda else CPU_SHAPES, torch.bfloat16 if cuda else torch.float32,
-                   args.repeats or (20 if cuda else 5))
+        rows = run(
+            device,
+            CUDA_SHAPES if cuda else CPU_SHAPES,
+            torch.bfloat16 if cuda else torch.float32,
+            args.repeats or (20 if cuda else 5),
+        )
         print(markdown_table(rows))
-        paths = write_results(f"attention_{device.type}", rows, out_dir=args.out,
-                              meta={"shapes": f"(B, Hq, Hkv, S, D, causal): {CUDA_SHAPES if cuda else CPU_SHAPES}"})
+        paths = write_results(
+            f"attention_{device.type}",
+            rows,
+            out_dir=args.out,
+            meta={"shapes": f"(B, Hq, Hkv, S, D, causal): {CUDA_SHAPES if cuda else CPU_SHAPES}"},
+        )
         print(f"wrote {paths['md']}")
     return 0
 

@@ -14,6 +14,7 @@ one untouched buffer, so no memory is written): the Python loop over every block
 kept here as the baseline), the new build (``table_rows``: numpy on the CPU; on a GPU the same rows come from a few
 tensor ops there), and a call that finds the layout in the cache (what every call after the first costs).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,11 @@ from llmpar.ops._dispatch import cuda_unavailable_reason, triton_unavailable_rea
 
 from harness import compare, devices_for, forced, markdown_table, write_results  # noqa: E402
 
-CASES = ((torch.float32, torch.float32, 1.0), (torch.bfloat16, torch.float32, 1.0 / 8),
-         (torch.float32, torch.bfloat16, 1.0 / 8))
+CASES = (
+    (torch.float32, torch.float32, 1.0),
+    (torch.bfloat16, torch.float32, 1.0 / 8),
+    (torch.float32, torch.bfloat16, 1.0 / 8),
+)
 
 
 def make_bucket(numel: int, n: int, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
@@ -78,8 +82,15 @@ def run_table(numel: int, n: int, repeats: int) -> list[dict]:
 
 
 def backends(device: torch.device) -> list[str]:
-    return [b for b, why in (("cuda", cuda_unavailable_reason(device, op="pack_bucket")),
-                             ("triton", triton_unavailable_reason(device)), ("torch", None)) if why is None]
+    return [
+        b
+        for b, why in (
+            ("cuda", cuda_unavailable_reason(device, op="pack_bucket")),
+            ("triton", triton_unavailable_reason(device)),
+            ("torch", None),
+        )
+        if why is None
+    ]
 
 
 def run(device: torch.device, numel: int, n: int, repeats: int) -> list[dict]:
@@ -135,8 +146,9 @@ def main(argv: list[str] | None = None) -> int:
         numel = int(args.numel or (1e8 if device.type == "cuda" else 2e6))
         rows = run(device, numel, args.tensors or 200, args.repeats or (30 if device.type == "cuda" else 7))
         print(markdown_table(rows))
-        paths = write_results(f"bucket_{device.type}", rows, meta={"tensors": args.tensors or 200, "numel": numel},
-                              out_dir=args.out)
+        paths = write_results(
+            f"bucket_{device.type}", rows, meta={"tensors": args.tensors or 200, "numel": numel}, out_dir=args.out
+        )
         print(f"wrote {paths['md']}")
     return 0
 

@@ -25,6 +25,7 @@ Results: bench/results/checkpoint_dp2.{md,json}.
 ``--reshard``: the cost of tensor-parallel resharding on load (each rank reads the saved tp ranks' shards that overlap
 its slice, so a tp=1 rank reads both); bench/results/checkpoint_reshard_tp.{md,json}.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,18 +47,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def _config(args) -> dict:
-    return {"train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
-            "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.1}},
-            "zero_optimization": {"stage": 2, "reduce_bucket_size": args.bucket, "allgather_bucket_size": args.bucket,
-                                  "overlap_comm": True, "contiguous_gradients": True, "reduce_scatter": True},
-            "steps_per_print": 10**9}
+    return {
+        "train_micro_batch_size_per_gpu": args.micro,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.1}},
+        "zero_optimization": {
+            "stage": 2,
+            "reduce_bucket_size": args.bucket,
+            "allgather_bucket_size": args.bucket,
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+            "reduce_scatter": True,
+        },
+        "steps_per_print": 10**9,
+    }
 
 
 def _model(args, vocab=256):
     from llmpar.models import GPT, GPTConfig
 
-    return GPT(GPTConfig(vocab_size=vocab, n_layer=args.n_layer, n_head=args.n_head, d_model=args.d_model,
-                         seq_len=args.seq), seed=0)
+    return GPT(
+        GPTConfig(vocab_size=vocab, n_layer=args.n_layer, n_head=args.n_head, d_model=args.d_model, seq_len=args.seq),
+        seed=0,
+    )
 
 
 def _wchar() -> int:
@@ -91,16 +104,26 @@ def _ds_rank_files(ckpt: Path, rank: int) -> list[Path]:
 def _phases() -> tuple[list, list]:
     """(label, owner, attribute) of llmpar's save and load phases, timed by wrapping them (the profile pass only)."""
     from llmpar.checkpoint import blockfile, files, load, publish, save, shards
+
     agree = ("agreements (waiting for the slowest rank)", files, "agree_all")
-    return ([("snapshot (views or host copies, tag agreement)", save, "_prepare"),
-             ("rank file: write + sha256 + fsync", blockfile, "write"),
-             ("of which waiting for the hash threads", blockfile._Hasher, "close"), ("fsync (every file)", os, "fsync"),
-             ("publish (rank 0: metadata.json, renames, latest, old copy deleted)", publish, "publish"),
-             ("of which deleting the replaced copy", shutil, "rmtree"), agree],
-            [("open: resolve, metadata.json, agreement", load, "_open"),
-             ("check sizes + index sha256", shards.RankFiles, "check"),
-             ("sha256 of this rank's share of the blocks read", shards.RankFiles, "verify_mine"),
-             ("copy into the engine", load, "_apply"), agree])
+    return (
+        [
+            ("snapshot (views or host copies, tag agreement)", save, "_prepare"),
+            ("rank file: write + sha256 + fsync", blockfile, "write"),
+            ("of which waiting for the hash threads", blockfile._Hasher, "close"),
+            ("fsync (every file)", os, "fsync"),
+            ("publish (rank 0: metadata.json, renames, latest, old copy deleted)", publish, "publish"),
+            ("of which deleting the replaced copy", shutil, "rmtree"),
+            agree,
+        ],
+        [
+            ("open: resolve, metadata.json, agreement", load, "_open"),
+            ("check sizes + index sha256", shards.RankFiles, "check"),
+            ("sha256 of this rank's share of the blocks read", shards.RankFiles, "verify_mine"),
+            ("copy into the engine", load, "_apply"),
+            agree,
+        ],
+    )
 
 
 @contextlib.contextmanager
@@ -116,6 +139,7 @@ def _timers(phases, totals: dict[str, float]):
                 return _fn(*a, **k)
             finally:
                 totals[_label] = totals.get(_label, 0.0) + time.perf_counter() - t0
+
         setattr(owner, attr, functools.wraps(fn)(timed))
         undo.append((owner, attr, fn))
     try:
@@ -158,7 +182,7 @@ class _Dir:
 
     def prune(self, rank: int) -> None:
         """Rank 0: delete every checkpoint but the last."""
-        for p in (self.path.iterdir() if rank == 0 and not self.same_tag and self.path.is_dir() else ()):
+        for p in self.path.iterdir() if rank == 0 and not self.same_tag and self.path.is_dir() else ():
             if p.is_dir() and p.name != self.tag:
                 shutil.rmtree(p)
 
@@ -222,6 +246,7 @@ def run(args) -> None:
             before = _wchar()
             fn()
             written[name] = _wchar() - before
+
         return call
 
     def save_ours(**kw):
@@ -229,8 +254,9 @@ def run(args) -> None:
 
     cases = {
         "llmpar_save": timed_write("llmpar_save", save_ours),
-        "deepspeed_save": timed_write("deepspeed_save",
-                                      lambda: theirs.save_checkpoint(str(other.path), tag=other.new_tag())),
+        "deepspeed_save": timed_write(
+            "deepspeed_save", lambda: theirs.save_checkpoint(str(other.path), tag=other.new_tag())
+        ),
         "llmpar_load": lambda: ours.load_checkpoint(str(mine.path), tag=mine.tag),
         "deepspeed_load": lambda: theirs.load_checkpoint(str(other.path), tag=other.tag),
     }
@@ -250,8 +276,9 @@ def run(args) -> None:
     async_blocking_ms, async_rest_ms, async_total_ms = (float(v.median()) * 1e3 for v in slowest)
     save_phases, load_phases = _phases()
     profile_save = _profile(save_ours, save_phases, args.repeats, pg, settle)
-    profile_load = _profile(lambda: ours.load_checkpoint(str(mine.path), tag=mine.tag), load_phases,
-                            args.repeats, pg, settle)
+    profile_load = _profile(
+        lambda: ours.load_checkpoint(str(mine.path), tag=mine.tag), load_phases, args.repeats, pg, settle
+    )
 
     # bytes per rank: wchar deltas of the last save and the sizes of the files each rank wrote
     meta_files = json.loads((mine.path / mine.tag / ckfiles.METADATA).read_text())["files"]
@@ -268,43 +295,59 @@ def run(args) -> None:
         rows = []
         for lib, col_w, col_f in (("llmpar", 0, 2), ("deepspeed", 1, 3)):
             total = int(per_rank[:, col_f].sum())
-            rows.append({
-                "library": lib,
-                "save_median_ms": round(timings[f"{lib}_save"].median_s * 1e3, 1),
-                "save_min_ms": round(timings[f"{lib}_save"].min_s * 1e3, 1),
-                "load_median_ms": round(timings[f"{lib}_load"].median_s * 1e3, 1),
-                "load_min_ms": round(timings[f"{lib}_load"].min_s * 1e3, 1),
-                "file_bytes_per_rank": [int(v) for v in per_rank[:, col_f]],
-                "wchar_bytes_per_rank": [int(v) for v in per_rank[:, col_w]],
-                "file_bytes_total": total,
-                "total_over_model_state": round(total / state_bytes, 4),
-                "overhead_bytes": total - state_bytes,
-            })
+            rows.append(
+                {
+                    "library": lib,
+                    "save_median_ms": round(timings[f"{lib}_save"].median_s * 1e3, 1),
+                    "save_min_ms": round(timings[f"{lib}_save"].min_s * 1e3, 1),
+                    "load_median_ms": round(timings[f"{lib}_load"].median_s * 1e3, 1),
+                    "load_min_ms": round(timings[f"{lib}_load"].min_s * 1e3, 1),
+                    "file_bytes_per_rank": [int(v) for v in per_rank[:, col_f]],
+                    "wchar_bytes_per_rank": [int(v) for v in per_rank[:, col_w]],
+                    "file_bytes_total": total,
+                    "total_over_model_state": round(total / state_bytes, 4),
+                    "overhead_bytes": total - state_bytes,
+                }
+            )
         ours_row = rows[0]
         # fixed framing (index, RNG states, metadata.json: tens of KB) + padding; a duplicated tensor: >= 1/3 of it
         no_dup = 0 <= ours_row["overhead_bytes"] <= max(1 << 20, 0.002 * state_bytes)
-        rows.insert(1, {"library": "llmpar async_save=True", "save_median_ms": round(async_blocking_ms, 1),
-                        "wait_checkpoint_median_ms": round(async_rest_ms, 1),
-                        "async_total_median_ms": round(async_total_ms, 1),
-                        "file_bytes_total": ours_row["file_bytes_total"]})
+        rows.insert(
+            1,
+            {
+                "library": "llmpar async_save=True",
+                "save_median_ms": round(async_blocking_ms, 1),
+                "wait_checkpoint_median_ms": round(async_rest_ms, 1),
+                "async_total_median_ms": round(async_total_ms, 1),
+                "file_bytes_total": ours_row["file_bytes_total"],
+            },
+        )
         for row in rows:
             row["save_vs_deepspeed"] = round(row["save_median_ms"] / rows[-1]["save_median_ms"], 3)
             if "load_median_ms" in row:
                 row["load_vs_deepspeed"] = round(row["load_median_ms"] / rows[-1]["load_median_ms"], 3)
-        meta = {"model": f"GPT d_model={args.d_model} n_layer={args.n_layer} ({n_params / 1e6:.1f}M params), fp32, "
-                         f"AdamW, ZeRO stage 2, dp={world}",
-                "model_state_bytes": f"{state_bytes} (params + exp_avg + exp_avg_sq + buffers)",
-                "llmpar_no_duplication": f"{no_dup}: files across ranks = {ours_row['total_over_model_state']} x the "
-                                         f"model state (overhead {ours_row['overhead_bytes']} bytes)",
-                "deepspeed_files": ", ".join(ds_files),
-                "note": "llmpar sha256-hashes every byte (per 4 MiB block, verified on load), fsyncs every file and "
-                        "publishes by rename; DeepSpeed does neither. Times: the slowest rank's, repeats interleaved, "
-                        + ("one tag re-saved" if args.same_tag else "a new tag per save, os.sync() (untimed) before "
-                           "every timed call"),
-                "profile_save_ms": profile_save, "profile_load_ms": profile_load,
-                "repeats": args.repeats, "threads_per_rank": torch.get_num_threads(), "dir": str(root),
-                "load_average": f"{os.getloadavg()[0]:.1f} (1 min, at the end: other work shares the machine)",
-                "deepspeed": deepspeed.__version__}
+        meta = {
+            "model": f"GPT d_model={args.d_model} n_layer={args.n_layer} ({n_params / 1e6:.1f}M params), fp32, "
+            f"AdamW, ZeRO stage 2, dp={world}",
+            "model_state_bytes": f"{state_bytes} (params + exp_avg + exp_avg_sq + buffers)",
+            "llmpar_no_duplication": f"{no_dup}: files across ranks = {ours_row['total_over_model_state']} x the "
+            f"model state (overhead {ours_row['overhead_bytes']} bytes)",
+            "deepspeed_files": ", ".join(ds_files),
+            "note": "llmpar sha256-hashes every byte (per 4 MiB block, verified on load), fsyncs every file and "
+            "publishes by rename; DeepSpeed does neither. Times: the slowest rank's, repeats interleaved, "
+            + (
+                "one tag re-saved"
+                if args.same_tag
+                else "a new tag per save, os.sync() (untimed) before every timed call"
+            ),
+            "profile_save_ms": profile_save,
+            "profile_load_ms": profile_load,
+            "repeats": args.repeats,
+            "threads_per_rank": torch.get_num_threads(),
+            "dir": str(root),
+            "load_average": f"{os.getloadavg()[0]:.1f} (1 min, at the end: other work shares the machine)",
+            "deepspeed": deepspeed.__version__,
+        }
         print(json.dumps({"rows": rows, "meta": meta}, indent=1))
         if not no_dup:
             print(f"FAIL: llmpar wrote {ours_row['file_bytes_total']} bytes for {state_bytes} bytes of model state")
@@ -341,18 +384,28 @@ def run_reshard(args) -> None:
             x = torch.randint(0, 257, (args.micro * world, args.seq + 1), generator=torch.Generator().manual_seed(0))
             _train_step(engines[tp], x[:, :-1], x[:, 1:])
             engines[tp].save_checkpoint(str(root / "tp"), tag="bench")
-    cases = {f"load_at_tp{tp}": (lambda e=e: e.load_checkpoint(str(root / "tp"), tag="bench"))
-             for tp, e in engines.items()}
+    cases = {
+        f"load_at_tp{tp}": (lambda e=e: e.load_checkpoint(str(root / "tp"), tag="bench")) for tp, e in engines.items()
+    }
     timings = compare_distributed(cases, warmup=args.warmup, repeats=args.repeats)
     if dist.get_rank() == 0:
         n_params = sum(p.numel() for p in _model(args, vocab=257).parameters())
         same = timings[f"load_at_tp{world}"].median_s
-        rows = [{"load": f"saved tp={world} x dp=1, loaded at tp={tp} x dp={world // tp}",
-                 "median_ms": round(timings[f"load_at_tp{tp}"].median_s * 1e3, 1),
-                 "min_ms": round(timings[f"load_at_tp{tp}"].min_s * 1e3, 1),
-                 "vs_same_layout": round(timings[f"load_at_tp{tp}"].median_s / same, 3)} for tp in engines]
-        meta = {"model": f"GPT d_model={args.d_model} n_layer={args.n_layer} vocab=257 ({n_params / 1e6:.1f}M "
-                         "params), fp32, AdamW, ZeRO stage 2", "repeats": args.repeats, "dir": str(root)}
+        rows = [
+            {
+                "load": f"saved tp={world} x dp=1, loaded at tp={tp} x dp={world // tp}",
+                "median_ms": round(timings[f"load_at_tp{tp}"].median_s * 1e3, 1),
+                "min_ms": round(timings[f"load_at_tp{tp}"].min_s * 1e3, 1),
+                "vs_same_layout": round(timings[f"load_at_tp{tp}"].median_s / same, 3),
+            }
+            for tp in engines
+        ]
+        meta = {
+            "model": f"GPT d_model={args.d_model} n_layer={args.n_layer} vocab=257 ({n_params / 1e6:.1f}M "
+            "params), fp32, AdamW, ZeRO stage 2",
+            "repeats": args.repeats,
+            "dir": str(root),
+        }
         print(json.dumps({"rows": rows, "meta": meta}, indent=1))
         if not args.no_write:
             write_results("checkpoint_reshard_tp", rows, meta)
@@ -374,10 +427,16 @@ def main() -> None:
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--dir", default=None, help="where checkpoints are written (default: a temp dir, removed after)")
     p.add_argument("--no-write", action="store_true")
-    p.add_argument("--same-tag", action="store_true", help="re-save one tag, no page-cache flush between the cases "
-                                                           "(the method of the first results)")
-    p.add_argument("--reshard", action="store_true", help="time a tp=nproc checkpoint loaded at tp=nproc and tp=1 "
-                                                          "instead (no DeepSpeed)")
+    p.add_argument(
+        "--same-tag",
+        action="store_true",
+        help="re-save one tag, no page-cache flush between the cases (the method of the first results)",
+    )
+    p.add_argument(
+        "--reshard",
+        action="store_true",
+        help="time a tp=nproc checkpoint loaded at tp=nproc and tp=1 instead (no DeepSpeed)",
+    )
     args = p.parse_args()
     if "RANK" in os.environ:
         (run_reshard if args.reshard else run)(args)
@@ -386,8 +445,16 @@ def main() -> None:
     if args.dir is None:
         tmp = tempfile.mkdtemp(prefix="llmpar-bench-ckpt-")
     argv = [a for a in sys.argv[1:]] + ([] if args.dir else ["--dir", tmp])
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
-           __file__, *argv]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(args.nproc),
+        __file__,
+        *argv,
+    ]
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     try:
         out = subprocess.run(cmd, env=env, capture_output=True, text=True)

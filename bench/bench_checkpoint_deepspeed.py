@@ -16,6 +16,7 @@ The two tools run ``--repeats`` times each, interleaved with the order alternati
 
 Results: bench/results/checkpoint_deepspeed.{md,json} (sizes of the checkpoints and outputs, time, peak RSS).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,17 +33,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def _config(stage: int) -> dict:
-    return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
-            "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.1, "torch_adam": True}},
-            "zero_optimization": {"stage": stage, "reduce_bucket_size": 5_000_000,
-                                  "allgather_bucket_size": 5_000_000}, "steps_per_print": 10**9}
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.1, "torch_adam": True}},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 5_000_000, "allgather_bucket_size": 5_000_000},
+        "steps_per_print": 10**9,
+    }
 
 
 def _model(args):
     from llmpar.models import GPT, GPTConfig
 
-    return GPT(GPTConfig(vocab_size=args.vocab, n_layer=args.n_layer, n_head=args.n_head, d_model=args.d_model,
-                         seq_len=16), seed=0)
+    return GPT(
+        GPTConfig(vocab_size=args.vocab, n_layer=args.n_layer, n_head=args.n_head, d_model=args.d_model, seq_len=16),
+        seed=0,
+    )
 
 
 def _step(engine, args) -> None:
@@ -114,12 +121,28 @@ def main() -> None:
         write_checkpoints(args)
         return
     tmp = args.dir or tempfile.mkdtemp(prefix="llmpar-bench-dsck-")
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-               TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR", os.path.join(tmp, "ext")))
+    env = dict(
+        os.environ,
+        DS_ACCELERATOR="cpu",
+        OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+        TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR", os.path.join(tmp, "ext")),
+    )
     try:
         for mode in ("save", "load"):
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__,
-                   *sys.argv[1:], "--dir", tmp, "--mode", mode]
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc_per_node",
+                "2",
+                __file__,
+                *sys.argv[1:],
+                "--dir",
+                tmp,
+                "--mode",
+                mode,
+            ]
             out = subprocess.run(cmd, env=env, capture_output=True, text=True)
             if out.returncode != 0:
                 raise SystemExit(f"{' '.join(cmd)} failed:\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}")
@@ -130,32 +153,63 @@ def main() -> None:
             tag = Path(ck, "latest").read_text().strip()
             runs: dict[str, list[tuple[float, float]]] = {"ours": [], "theirs": []}
             for i in range(args.repeats):  # interleaved, the order alternating: drift hits both alike
-                for who in (("ours", "theirs") if i % 2 == 0 else ("theirs", "ours")):
-                    cmd = ([sys.executable, "-m", "llmpar.cli", "checkpoint", "convert", ck,
-                            os.path.join(tmp, f"hf{stage}"), "--overwrite"] if who == "ours" else
-                           [sys.executable, os.path.join(ck, "zero_to_fp32.py"), ck, os.path.join(tmp, f"ds{stage}"),
-                            "--tag", tag, "--safe_serialization"])
+                for who in ("ours", "theirs") if i % 2 == 0 else ("theirs", "ours"):
+                    cmd = (
+                        [
+                            sys.executable,
+                            "-m",
+                            "llmpar.cli",
+                            "checkpoint",
+                            "convert",
+                            ck,
+                            os.path.join(tmp, f"hf{stage}"),
+                            "--overwrite",
+                        ]
+                        if who == "ours"
+                        else [
+                            sys.executable,
+                            os.path.join(ck, "zero_to_fp32.py"),
+                            ck,
+                            os.path.join(tmp, f"ds{stage}"),
+                            "--tag",
+                            tag,
+                            "--safe_serialization",
+                        ]
+                    )
                     runs[who].append(_measured(cmd, env))
             ours, theirs = (tuple(statistics.median(x) for x in zip(*runs[w])) for w in ("ours", "theirs"))
-            rows.append({"checkpoint": f"ZeRO-{stage} dp=2", "ckpt_MiB": round(_size(os.path.join(ck, tag)), 1),
-                         "fp32_out_MiB": round(_size(os.path.join(tmp, f"hf{stage}")), 1),
-                         "convert_s": round(ours[0], 2), "zero_to_fp32_s": round(theirs[0], 2),
-                         "time_vs_zero_to_fp32": round(ours[0] / theirs[0], 3),
-                         "convert_rss_MiB": round(ours[1]), "zero_to_fp32_rss_MiB": round(theirs[1]),
-                         "rss_vs_zero_to_fp32": round(ours[1] / theirs[1], 3),
-                         "llmpar_load_dp2_s": round(float(loads[f"zero{stage}"]), 2)})
+            rows.append(
+                {
+                    "checkpoint": f"ZeRO-{stage} dp=2",
+                    "ckpt_MiB": round(_size(os.path.join(ck, tag)), 1),
+                    "fp32_out_MiB": round(_size(os.path.join(tmp, f"hf{stage}")), 1),
+                    "convert_s": round(ours[0], 2),
+                    "zero_to_fp32_s": round(theirs[0], 2),
+                    "time_vs_zero_to_fp32": round(ours[0] / theirs[0], 3),
+                    "convert_rss_MiB": round(ours[1]),
+                    "zero_to_fp32_rss_MiB": round(theirs[1]),
+                    "rss_vs_zero_to_fp32": round(ours[1] / theirs[1], 3),
+                    "llmpar_load_dp2_s": round(float(loads[f"zero{stage}"]), 2),
+                }
+            )
     finally:
         if args.dir is None:
             shutil.rmtree(tmp, ignore_errors=True)
     from harness import markdown_table, write_results
 
     print(markdown_table(rows))
-    write_results("checkpoint_deepspeed", rows, {
-        "model": f"GPT d_model={args.d_model} n_layer={args.n_layer} vocab={args.vocab}",
-        "repeats": args.repeats, "load_average": os.getloadavg()[0],
-        "note": "each tool in a fresh process (median of the repeats): wall time and peak RSS (ru_maxrss) of that "
-                "process, python start and imports included; convert reads every tensor it wrote back and compares "
-                "it, zero_to_fp32 does not; load: engine.load_checkpoint at dp=2 (ZeRO stage as saved), slowest rank"})
+    write_results(
+        "checkpoint_deepspeed",
+        rows,
+        {
+            "model": f"GPT d_model={args.d_model} n_layer={args.n_layer} vocab={args.vocab}",
+            "repeats": args.repeats,
+            "load_average": os.getloadavg()[0],
+            "note": "each tool in a fresh process (median of the repeats): wall time and peak RSS (ru_maxrss) of that "
+            "process, python start and imports included; convert reads every tensor it wrote back and compares "
+            "it, zero_to_fp32 does not; load: engine.load_checkpoint at dp=2 (ZeRO stage as saved), slowest rank",
+        },
+    )
 
 
 if __name__ == "__main__":

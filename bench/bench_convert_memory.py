@@ -23,6 +23,7 @@ tensor.
 
 Results: bench/results/checkpoint_convert_memory.{md,json}.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -103,22 +104,38 @@ def write_checkpoint(root: str, gb: float, dp: int) -> dict:
         t = torch.randn(math.prod(s), generator=g)
         c = chunks[n]
         for r in range(dp):
-            piece = t[r * c:(r + 1) * c]
-            flats[r][at:at + piece.numel()].copy_(piece)
-            flats[r][at + piece.numel():at + c].zero_()
+            piece = t[r * c : (r + 1) * c]
+            flats[r][at : at + piece.numel()].copy_(piece)
+            flats[r][at + piece.numel() : at + c].zero_()
         at += c
         del t
     d = os.path.join(root, "global_step1")
     os.makedirs(d, exist_ok=True)
     Path(root, "latest").write_text("global_step1")
     for r in range(dp):
-        torch.save({"optimizer_state_dict": {"zero_stage": ZeroStageEnum(3), "partition_count": dp,
-                                             "fp32_flat_groups": [flats[r]],
-                                             "optimizer_state_dict": {"state": {}, "param_groups": [{"params": [0]}]}}},
-                   os.path.join(d, f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"))
-        torch.save({"module": {}, "buffer_names": [], "param_shapes": [{n: torch.Size(s) for n, s in sh.items()}],
-                    "frozen_param_shapes": None, "shared_params": {}, "ds_version": "0.19.8", "global_steps": 1},
-                   os.path.join(d, f"zero_pp_rank_{r}_mp_rank_00_model_states.pt"))
+        torch.save(
+            {
+                "optimizer_state_dict": {
+                    "zero_stage": ZeroStageEnum(3),
+                    "partition_count": dp,
+                    "fp32_flat_groups": [flats[r]],
+                    "optimizer_state_dict": {"state": {}, "param_groups": [{"params": [0]}]},
+                }
+            },
+            os.path.join(d, f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"),
+        )
+        torch.save(
+            {
+                "module": {},
+                "buffer_names": [],
+                "param_shapes": [{n: torch.Size(s) for n, s in sh.items()}],
+                "frozen_param_shapes": None,
+                "shared_params": {},
+                "ds_version": "0.19.8",
+                "global_steps": 1,
+            },
+            os.path.join(d, f"zero_pp_rank_{r}_mp_rank_00_model_states.pt"),
+        )
     return {"bytes": sum(math.prod(s) for s in sh.values()) * 4, "largest": 32000 * 4096 * 4, "params": len(sh)}
 
 
@@ -128,6 +145,7 @@ def child(kind: str, src: str, dst: str, shard: str, nbytes: str = "0") -> None:
     the least time any converter writing those bytes on this disk can take."""
     if kind == "llmpar":
         from llmpar.checkpoint import consolidate
+
         base = rss_mb()
         t0 = time.perf_counter()
         with Sampler() as s:
@@ -141,68 +159,101 @@ def child(kind: str, src: str, dst: str, shard: str, nbytes: str = "0") -> None:
             left, i = int(nbytes), 0
             while left:
                 fd = os.open(os.path.join(dst, f"part{i}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-                at, end = 0, min(left, 10 ** 9)
+                at, end = 0, min(left, 10**9)
                 while at < end:
-                    at += os.pwrite(fd, buf[:min(len(buf), end - at)], at)
+                    at += os.pwrite(fd, buf[: min(len(buf), end - at)], at)
                 os.close(fd)
                 left, i = left - end, i + 1
     else:
         from deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_fp32_state_dict
+
         base = rss_mb()
         t0 = time.perf_counter()
         with Sampler() as s:
             convert_zero_checkpoint_to_fp32_state_dict(src, dst, max_shard_size=shard, safe_serialization=True)
-    print(json.dumps({"time_s": time.perf_counter() - t0, "peak_mb": peak_mb(), "import_mb": base,
-                      "sampled_peak_mb": s.peak, "loadavg_1m": os.getloadavg()[0]}))
+    print(
+        json.dumps(
+            {
+                "time_s": time.perf_counter() - t0,
+                "peak_mb": peak_mb(),
+                "import_mb": base,
+                "sampled_peak_mb": s.peak,
+                "loadavg_1m": os.getloadavg()[0],
+            }
+        )
+    )
 
 
 def part_convert(args, rows: list, meta: dict) -> None:
     root = tempfile.mkdtemp(prefix="llmpar-convert-", dir=args.tmp)
     try:
         src = os.path.join(root, "ds")
-        env = dict(os.environ, DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR",
-                                                                                         "/tmp/tx-bench"))
+        env = dict(
+            os.environ,
+            DS_ACCELERATOR="cpu",
+            TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR", "/tmp/tx-bench"),
+        )
         # written by a child process: ru_maxrss is inherited across fork, so this process must stay small
-        out = subprocess.run([sys.executable, __file__, "--write", src, str(args.gb), str(args.dp)], env=env,
-                             capture_output=True, text=True)
+        out = subprocess.run(
+            [sys.executable, __file__, "--write", src, str(args.gb), str(args.dp)],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
         if out.returncode != 0:
             raise SystemExit(f"writing the checkpoint failed:\n{out.stderr[-4000:]}")
         info = json.loads(out.stdout.strip().splitlines()[-1])
-        shard_bytes = 10 ** 9
-        meta.update({"checkpoint": f"ZeRO-3 dp={args.dp}, {info['params']} params, {info['bytes'] / 1e9:.2f} GB fp32, "
-                                   f"largest tensor {info['largest'] / 1e6:.0f} MB, output shards 1GB",
-                     "bound_mb (convert)": "2 x largest tensor + one output shard, over the RSS after imports"})
+        shard_bytes = 10**9
+        meta.update(
+            {
+                "checkpoint": f"ZeRO-3 dp={args.dp}, {info['params']} params, {info['bytes'] / 1e9:.2f} GB fp32, "
+                f"largest tensor {info['largest'] / 1e6:.0f} MB, output shards 1GB",
+                "bound_mb (convert)": "2 x largest tensor + one output shard, over the RSS after imports",
+            }
+        )
         kinds = ("llmpar", "deepspeed", "floor")
         got: dict[str, list[dict]] = {k: [] for k in kinds}
         for _ in range(args.rounds):
             for kind in kinds:
                 dst = os.path.join(root, f"out-{kind}")
-                out = subprocess.run([sys.executable, __file__, "--child", kind, src, dst, "1GB", str(info["bytes"])],
-                                     env=env, capture_output=True, text=True)
+                out = subprocess.run(
+                    [sys.executable, __file__, "--child", kind, src, dst, "1GB", str(info["bytes"])],
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                )
                 if out.returncode != 0:
                     raise SystemExit(f"{kind} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
                 got[kind].append(json.loads(out.stdout.strip().splitlines()[-1]))
                 shutil.rmtree(dst)
-        bound = (2 * info["largest"] + shard_bytes) / 2 ** 20
+        bound = (2 * info["largest"] + shard_bytes) / 2**20
         fields = ("time_s", "peak_mb", "import_mb", "sampled_peak_mb")
-        med = {k: {f: statistics.median(r[f] for r in v) for f in fields}
-               for k, v in got.items()}
+        med = {k: {f: statistics.median(r[f] for r in v) for f in fields} for k, v in got.items()}
         best = {k: min(r["time_s"] for r in v) for k, v in got.items()}
         for kind, m in med.items():
-            rows.append({"case": f"convert {kind}" if kind != "floor" else "write floor (same bytes, no convert)",
-                         "time_s": round(m["time_s"], 2), "best_time_s": round(best[kind], 2),
-                         "peak_rss_mb": round(m["peak_mb"]),
-                         "peak_over_import_mb": round(m["peak_mb"] - m["import_mb"]),
-                         "sampled_over_import_mb": round(m["sampled_peak_mb"] - m["import_mb"]),
-                         "bound_mb": round(bound),
-                         "vs_deepspeed_time": round(m["time_s"] / med["deepspeed"]["time_s"], 3),
-                         "vs_deepspeed_best_time": round(best[kind] / best["deepspeed"], 3),
-                         "vs_deepspeed_mem": round((m["peak_mb"] - m["import_mb"])
-                                                   / (med["deepspeed"]["peak_mb"] - med["deepspeed"]["import_mb"]), 3)})
-        meta["load average (1 min) at the end of each run"] = {k: [round(r["loadavg_1m"], 1) for r in v]
-                                                               for k, v in got.items()}
-        meta["rounds"] = (f"{args.rounds}, interleaved llmpar / deepspeed / floor; time_s the median, "
-                          "best_time_s the best")
+            rows.append(
+                {
+                    "case": f"convert {kind}" if kind != "floor" else "write floor (same bytes, no convert)",
+                    "time_s": round(m["time_s"], 2),
+                    "best_time_s": round(best[kind], 2),
+                    "peak_rss_mb": round(m["peak_mb"]),
+                    "peak_over_import_mb": round(m["peak_mb"] - m["import_mb"]),
+                    "sampled_over_import_mb": round(m["sampled_peak_mb"] - m["import_mb"]),
+                    "bound_mb": round(bound),
+                    "vs_deepspeed_time": round(m["time_s"] / med["deepspeed"]["time_s"], 3),
+                    "vs_deepspeed_best_time": round(best[kind] / best["deepspeed"], 3),
+                    "vs_deepspeed_mem": round(
+                        (m["peak_mb"] - m["import_mb"]) / (med["deepspeed"]["peak_mb"] - med["deepspeed"]["import_mb"]),
+                        3,
+                    ),
+                }
+            )
+        meta["load average (1 min) at the end of each run"] = {
+            k: [round(r["loadavg_1m"], 1) for r in v] for k, v in got.items()
+        }
+        meta["rounds"] = (
+            f"{args.rounds}, interleaved llmpar / deepspeed / floor; time_s the median, best_time_s the best"
+        )
         t, b = {k: m["time_s"] for k, m in med.items()}, best
         meta["time (convert)"] = (
             f"llmpar {t['llmpar']:.1f} s median ({b['llmpar']:.1f} best), DeepSpeed's zero_to_fp32 "
@@ -213,7 +264,8 @@ def part_convert(args, rows: list, meta: dict) -> None:
             f"({b['floor'] / b['deepspeed']:.2f}x best), {info['bytes'] / b['floor'] / 1e6:.0f} MB/s at best; "
             f"llmpar takes {t['llmpar'] / t['floor']:.2f}x the floor median ({b['llmpar'] / b['floor']:.2f}x best). "
             "No converter that writes these bytes can go below the floor: where the floor is above 0.5x DeepSpeed's "
-            "time, the goal is out of reach on this disk (see the note in the .md)")
+            "time, the goal is out of reach on this disk (see the note in the .md)"
+        )
         meta["convert runs"] = got
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -233,10 +285,16 @@ def load_rank(path: str) -> None:
     cfg = transformers.LlamaConfig.from_pretrained(path)
     torch.manual_seed(1)  # built whole (llmpar.zero.Init with tensor_parallel is refused today), then split
     model = transformers.LlamaForCausalLM(cfg)
-    engine, *_ = llmpar.initialize(model=model, config={
-        "train_micro_batch_size_per_gpu": 1, "steps_per_print": 10 ** 6,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "tensor_parallel": {"size": 2},
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
+    engine, *_ = llmpar.initialize(
+        model=model,
+        config={
+            "train_micro_batch_size_per_gpu": 1,
+            "steps_per_print": 10**6,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+            "tensor_parallel": {"size": 2},
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        },
+    )
     dist.barrier()
     before = rss_mb()
     with Sampler() as s:
@@ -244,9 +302,17 @@ def load_rank(path: str) -> None:
         stats = load_hf_weights(engine, path)
         took = time.perf_counter() - t0
     out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, {"rank": dist.get_rank(), "time_s": took, "rss_before_mb": before,
-                                 "load_peak_mb": s.peak, "bytes_read": stats["bytes_read"],
-                                 "largest_read": stats["largest_read"]})
+    dist.all_gather_object(
+        out,
+        {
+            "rank": dist.get_rank(),
+            "time_s": took,
+            "rss_before_mb": before,
+            "load_peak_mb": s.peak,
+            "bytes_read": stats["bytes_read"],
+            "largest_read": stats["largest_read"],
+        },
+    )
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps(out))
     dist.destroy_process_group()
@@ -260,10 +326,15 @@ def part_load(args, rows: list, meta: dict) -> None:
 
     root = tempfile.mkdtemp(prefix="llmpar-hfload-", dir=args.tmp)
     try:
-        cfg = transformers.LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden,
-                                       intermediate_size=args.hidden * 11 // 4, num_hidden_layers=args.layers,
-                                       num_attention_heads=16, num_key_value_heads=8,
-                                       tie_word_embeddings=False)
+        cfg = transformers.LlamaConfig(
+            vocab_size=args.vocab,
+            hidden_size=args.hidden,
+            intermediate_size=args.hidden * 11 // 4,
+            num_hidden_layers=args.layers,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            tie_word_embeddings=False,
+        )
         torch.manual_seed(0)
         model = transformers.LlamaForCausalLM(cfg)
         model.save_pretrained(root, max_shard_size="200MB")
@@ -272,18 +343,27 @@ def part_load(args, rows: list, meta: dict) -> None:
         del model
         out = torchrun(__file__, ["--load-rank", root], 4)
         ranks = json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
-        meta["load model"] = f"Llama hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}: " \
-                             f"{total / 1e6:.0f} MB fp32 in " \
-                             f"{len([f for f in os.listdir(root) if f.endswith('.safetensors')])} files; " \
-                             f"largest tensor {largest / 1e6:.0f} MB; tp=2 x dp=2 ZeRO-3"
+        meta["load model"] = (
+            f"Llama hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}: "
+            f"{total / 1e6:.0f} MB fp32 in "
+            f"{len([f for f in os.listdir(root) if f.endswith('.safetensors')])} files; "
+            f"largest tensor {largest / 1e6:.0f} MB; tp=2 x dp=2 ZeRO-3"
+        )
         for r in ranks:
-            rows.append({"case": f"load_hf_weights rank {r['rank']}", "time_s": round(r["time_s"], 2),
-                         "peak_rss_mb": round(r["load_peak_mb"]),
-                         "peak_over_import_mb": round(r["load_peak_mb"] - r["rss_before_mb"]),
-                         "bound_mb": round((total / 4 + largest) / 2 ** 20),
-                         "bytes_read_mb": round(r["bytes_read"] / 2 ** 20, 1)})
-        meta["bound_mb (load)"] = "the rank's shard (1/4 of the model) + the largest tensor; peak_over_import_mb " \
-                                  "here is the RSS rise during the load over the RSS just before it"
+            rows.append(
+                {
+                    "case": f"load_hf_weights rank {r['rank']}",
+                    "time_s": round(r["time_s"], 2),
+                    "peak_rss_mb": round(r["load_peak_mb"]),
+                    "peak_over_import_mb": round(r["load_peak_mb"] - r["rss_before_mb"]),
+                    "bound_mb": round((total / 4 + largest) / 2**20),
+                    "bytes_read_mb": round(r["bytes_read"] / 2**20, 1),
+                }
+            )
+        meta["bound_mb (load)"] = (
+            "the rank's shard (1/4 of the model) + the largest tensor; peak_over_import_mb "
+            "here is the RSS rise during the load over the RSS just before it"
+        )
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

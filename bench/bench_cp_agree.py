@@ -10,6 +10,7 @@ tensor's shape and a digest of its values, one fixed-size all-gather). Measured 
   same step with it replaced by a no-op, interleaved; the ratio is the agreement's share of a step.
 Results: bench/results/cp_agree.{md,json}.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,9 +31,16 @@ from harness import compare_distributed, markdown_table, write_results  # noqa: 
 
 def _engine(seq: int):
     model = GPT(GPTConfig(vocab_size=256, n_layer=2, n_head=4, d_model=128, seq_len=seq), seed=0)
-    engine, *_ = llmpar.initialize(model=model, config={
-        "train_micro_batch_size_per_gpu": 1, "steps_per_print": 10 ** 9, "zero_optimization": {"stage": 2},
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "context_parallel": {"size": 2, "mode": "ulysses"}})
+    engine, *_ = llmpar.initialize(
+        model=model,
+        config={
+            "train_micro_batch_size_per_gpu": 1,
+            "steps_per_print": 10**9,
+            "zero_optimization": {"stage": 2},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+            "context_parallel": {"size": 2, "mode": "ulysses"},
+        },
+    )
     g = torch.Generator().manual_seed(7)  # the same batch on both cp ranks
     x = torch.randint(0, 256, (1, seq + 1), generator=g)
     return engine, model, x[:, :-1].contiguous(), x[:, 1:].contiguous()
@@ -42,6 +50,7 @@ def _switched(on: bool, fn):
     def run() -> None:
         engine_module.agree_batch = agree_batch if on else (lambda *a, **k: None)
         fn()
+
     return run
 
 
@@ -54,18 +63,33 @@ def _measure(args: argparse.Namespace) -> list[dict]:
             engine.backward(engine(x, y))  # under cp the engine computes the full-sequence loss
             engine.step()
 
-        alone = compare_distributed({"agreement": lambda: agree_batch(engine.context_parallel, (x, y), {},
-                                                                      dp_size=1, dp_rank=0)},
-                                    repeats=args.repeats, number=20)["agreement"]
-        cases = compare_distributed({"with agreement": _switched(True, step), "no-op": _switched(False, step)},
-                                    repeats=args.repeats)
+        alone = compare_distributed(
+            {"agreement": lambda: agree_batch(engine.context_parallel, (x, y), {}, dp_size=1, dp_rank=0)},
+            repeats=args.repeats,
+            number=20,
+        )["agreement"]
+        cases = compare_distributed(
+            {"with agreement": _switched(True, step), "no-op": _switched(False, step)}, repeats=args.repeats
+        )
         engine_module.agree_batch = agree_batch
         base = cases["no-op"].median_s
-        rows.append({"seq": seq, "what": "agreement alone (ids + labels)", "median_ms": alone.median_s * 1e3,
-                     "ratio": alone.median_s / base})
+        rows.append(
+            {
+                "seq": seq,
+                "what": "agreement alone (ids + labels)",
+                "median_ms": alone.median_s * 1e3,
+                "ratio": alone.median_s / base,
+            }
+        )
         for name, timing in cases.items():
-            rows.append({"seq": seq, "what": f"cp=2 step, {name}", "median_ms": timing.median_s * 1e3,
-                         "ratio": timing.median_s / base})
+            rows.append(
+                {
+                    "seq": seq,
+                    "what": f"cp=2 step, {name}",
+                    "median_ms": timing.median_s * 1e3,
+                    "ratio": timing.median_s / base,
+                }
+            )
         engine.destroy()
     return rows
 
@@ -81,8 +105,9 @@ def main() -> None:
     rows = _measure(args)
     if dist.get_rank() == 0:
         print(markdown_table(rows))
-        write_results("cp_agree", rows, {"cp": dist.get_world_size(), "backend": "gloo", "mode": "ulysses"},
-                      out_dir=args.out)
+        write_results(
+            "cp_agree", rows, {"cp": dist.get_world_size(), "backend": "gloo", "mode": "ulysses"}, out_dir=args.out
+        )
     dist.destroy_process_group()
 
 

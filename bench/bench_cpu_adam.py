@@ -22,6 +22,7 @@ the same pass; +4 B for writing unscaled grads back; +6 B for a separate bf16 co
 machine's copy bandwidth (``dst.copy_(src)`` of 256 MiB, read + written bytes). Results: bench/results/cpu_adam.*
 DeepSpeed runs with its CPU accelerator (``DS_ACCELERATOR=cpu``, set here when unset).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,8 +63,8 @@ def make_params(shapes: list[tuple[int, ...]], layout: str) -> list[torch.nn.Par
         numels = [b - a for a, b in zip(cuts, cuts[1:])]
     params, offset = [], 0
     for n in numels:
-        p = torch.nn.Parameter(flat[offset:offset + n])
-        p.grad = grad[offset:offset + n]
+        p = torch.nn.Parameter(flat[offset : offset + n])
+        p.grad = grad[offset : offset + n]
         params.append(p)
         offset += n
     return params
@@ -112,16 +113,23 @@ def streams_floor() -> Callable[..., None] | None:
 
     try:
         build = tempfile.mkdtemp(prefix="llmpar_bench_streams_")
-        mod = load_inline("llmpar_bench_streams", cpp_sources=_STREAMS_SRC, functions=["streams"],
-                          extra_cflags=["-O3", "-march=native"], build_directory=build, verbose=False)
+        mod = load_inline(
+            "llmpar_bench_streams",
+            cpp_sources=_STREAMS_SRC,
+            functions=["streams"],
+            extra_cflags=["-O3", "-march=native"],
+            build_directory=build,
+            verbose=False,
+        )
         return mod.streams
     except Exception as exc:  # noqa: BLE001 - an optional floor
         print(f"  (streams floor skipped: {type(exc).__name__}: {str(exc)[:160]})")
         return None
 
 
-def cases_for(group: str, params, deepspeed: bool,
-              floor: Callable[..., None] | None = None) -> tuple[dict[str, Callable[[], object]], dict[str, str]]:
+def cases_for(
+    group: str, params, deepspeed: bool, floor: Callable[..., None] | None = None
+) -> tuple[dict[str, Callable[[], object]], dict[str, str]]:
     """{name: step()} and {name: key of BYTES} of one group."""
     cases: dict[str, Callable[[], object]] = {}
     kinds: dict[str, str] = {}
@@ -135,8 +143,13 @@ def cases_for(group: str, params, deepspeed: bool,
     ms, vs = [torch.zeros_like(p) for p in ps], [torch.zeros_like(p) for p in ps]
     steps = [torch.zeros((), dtype=torch.float32) for _ in ps]
     outs = [torch.empty(p.shape, dtype=torch.bfloat16) for p in ps]
-    kw = dict(lr=HYPER["lr"], beta1=HYPER["betas"][0], beta2=HYPER["betas"][1], eps=HYPER["eps"],
-              weight_decay=HYPER["weight_decay"])
+    kw = dict(
+        lr=HYPER["lr"],
+        beta1=HYPER["betas"][0],
+        beta2=HYPER["betas"][1],
+        eps=HYPER["eps"],
+        weight_decay=HYPER["weight_decay"],
+    )
     one = torch.ones((), dtype=torch.float32)
     ds = deepspeed_step(params) if deepspeed else None
     if group == "step":
@@ -162,8 +175,7 @@ def cases_for(group: str, params, deepspeed: bool,
     add("llmpar before", before, "adamw+grads+copy")
     add("torch fused", torch.optim.AdamW(params, fused=True, **HYPER).step, "adamw")
     add("deepspeed cpu adam + copy", ds_copy if ds is not None else None, "adamw+copy")
-    add("llmpar kernel+bf16", lambda: cpu_adamw_step(ps, gs, ms, vs, steps, gscale=one, outs=outs, **kw),
-        "adamw+bf16")
+    add("llmpar kernel+bf16", lambda: cpu_adamw_step(ps, gs, ms, vs, steps, gscale=one, outs=outs, **kw), "adamw+bf16")
     return cases, kinds
 
 
@@ -176,8 +188,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--out", default=None, help="results folder (default bench/results)")
     ap.add_argument("--name", default="cpu_adam", help="results file stem")
-    ap.add_argument("--deepspeed", action=argparse.BooleanOptionalAction, default=True,
-                    help="time DeepSpeedCPUAdam too where importable")
+    ap.add_argument(
+        "--deepspeed",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="time DeepSpeedCPUAdam too where importable",
+    )
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     args = ap.parse_args()
     if args.threads is not None:
@@ -202,21 +218,27 @@ def main() -> None:
                 cmp = compare(cases, baseline=BASELINES[group], warmup=args.warmup, repeats=args.repeats)
                 print(cmp.table())
                 fused = cmp.timings["torch fused"].median_s
-                for row in cmp.rows(size=size, params_M=round(n / 1e6, 1), group=group, layout=layout,
-                                    tensors=len(params)):
+                for row in cmp.rows(
+                    size=size, params_M=round(n / 1e6, 1), group=group, layout=layout, tensors=len(params)
+                ):
                     gbs = BYTES[kinds[row["name"]]] * n / (row["median_ms"] / 1e3) / 1e9
                     row["vs torch fused"] = fused / (row["median_ms"] / 1e3)
                     row["GB/s"], row["% copy BW"] = gbs, 100 * gbs / copy_gbs
                     rows.append(row)
                 del cases, params
                 gc.collect()
-    meta = {"copy_bandwidth_GBps": round(copy_gbs, 1), "torch_threads": torch.get_num_threads(),
-            "load_average_at_start": round(load_avg, 2), "kernel_isa": isa,
-            "cpu_ext": status.reason.split(" in ")[0], "bytes_per_param": BYTES,
-            "hyper": "lr=1e-4, weight_decay=0.1, betas=(0.9, 0.999), eps=1e-8",
-            "speedup": "baseline median / case median, per group (step: torch fused; offload: llmpar before, i.e. "
-                       "torch._fused_adamw_ with grad_scale + a bf16 copy pass); vs torch fused: torch fused's median "
-                       "(the bare step) / case median"}
+    meta = {
+        "copy_bandwidth_GBps": round(copy_gbs, 1),
+        "torch_threads": torch.get_num_threads(),
+        "load_average_at_start": round(load_avg, 2),
+        "kernel_isa": isa,
+        "cpu_ext": status.reason.split(" in ")[0],
+        "bytes_per_param": BYTES,
+        "hyper": "lr=1e-4, weight_decay=0.1, betas=(0.9, 0.999), eps=1e-8",
+        "speedup": "baseline median / case median, per group (step: torch fused; offload: llmpar before, i.e. "
+        "torch._fused_adamw_ with grad_scale + a bf16 copy pass); vs torch fused: torch fused's median "
+        "(the bare step) / case median",
+    }
     paths = write_results(args.name, rows, meta, out_dir=args.out)
     print("wrote", ", ".join(str(p) for p in paths.values()))
 

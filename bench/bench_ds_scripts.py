@@ -6,6 +6,7 @@ launcher's import of the library included in the wall time), step time, and how 
 
 Results: bench/results/ds_scripts.{md,json}.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,16 +44,30 @@ def main() -> None:
                 got[which] = (losses, wall, data["init_s"], data["step_s"])
             (ds, ds_wall, ds_init, ds_step), (ll, ll_wall, ll_init, ll_step) = got["deepspeed"], got["llmpar"]
             rel = max(abs(a - b) / abs(b) for a, b in zip(ll, ds))
-            rows.append({"stage": stage, "deepspeed_wall_s": ds_wall, "llmpar_wall_s": ll_wall,
-                         "deepspeed_init_s": ds_init, "llmpar_init_s": ll_init, "deepspeed_step_ms": 1e3 * ds_step,
-                         "llmpar_step_ms": 1e3 * ll_step, "step_time_ratio": ll_step / ds_step,
-                         "max_rel_loss_diff": rel, "first_loss": ll[0], "last_loss": ll[-1]})
+            rows.append(
+                {
+                    "stage": stage,
+                    "deepspeed_wall_s": ds_wall,
+                    "llmpar_wall_s": ll_wall,
+                    "deepspeed_init_s": ds_init,
+                    "llmpar_init_s": ll_init,
+                    "deepspeed_step_ms": 1e3 * ds_step,
+                    "llmpar_step_ms": 1e3 * ll_step,
+                    "step_time_ratio": ll_step / ds_step,
+                    "max_rel_loss_diff": rel,
+                    "first_loss": ll[0],
+                    "last_loss": ll[-1],
+                }
+            )
             print(json.dumps(rows[-1]), flush=True)
-    meta = {"script": "tests/data/cifar_script.py (CNN 62k params, CIFAR-shaped random data), 2 ranks, gloo, fp32, "
-                      f"{args.steps} optimizer steps of micro 8 x accumulation 2 per rank",
-            "launch": "torchrun --nproc_per_node 2 tests/data/pipe_launch.py deepspeed|llmpar (the script's one "
-                      "'import deepspeed' line swapped for llmpar)",
-            "wall": "whole torchrun job, imports included", "init": "script start -> initialize returned"}
+    meta = {
+        "script": "tests/data/cifar_script.py (CNN 62k params, CIFAR-shaped random data), 2 ranks, gloo, fp32, "
+        f"{args.steps} optimizer steps of micro 8 x accumulation 2 per rank",
+        "launch": "torchrun --nproc_per_node 2 tests/data/pipe_launch.py deepspeed|llmpar (the script's one "
+        "'import deepspeed' line swapped for llmpar)",
+        "wall": "whole torchrun job, imports included",
+        "init": "script start -> initialize returned",
+    }
     if not args.no_write:
         write_results("ds_scripts", rows, meta)
 

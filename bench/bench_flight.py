@@ -12,6 +12,7 @@ Measured, max over ranks:
   (collectives per step x cost per collective / step time).
 Results: bench/results/flight_recorder.{md,json}.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,8 +36,11 @@ def _bookkeeping_ns(pg: dist.ProcessGroup, calls: int) -> float:
     walk, as from ``collectives.all_reduce``); best of 5 rounds."""
     t = torch.ones(1024)
     scope: dict = {"RECORDER": flight.RECORDER, "end": flight.end, "pg": pg, "t": t}
-    code = compile("def inside(n):\n    for _ in range(n):\n        end(RECORDER.start(pg, 'all_reduce', t, 'x'))\n",
-                   flight.__file__.replace("flight.py", "collectives.py"), "exec")
+    code = compile(
+        "def inside(n):\n    for _ in range(n):\n        end(RECORDER.start(pg, 'all_reduce', t, 'x'))\n",
+        flight.__file__.replace("flight.py", "collectives.py"),
+        "exec",
+    )
     exec(code, scope)  # noqa: S102 - a loop whose frames the recorder sees as llmpar/distributed's
     best = float("inf")
     for _ in range(5):
@@ -49,9 +53,15 @@ def _bookkeeping_ns(pg: dist.ProcessGroup, calls: int) -> float:
 def _demo_step(batch: int, seq: int):
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=256, n_layer=2, n_head=4, d_model=128, seq_len=seq), seed=0)
-    engine, *_ = llmpar.initialize(model=model, config={
-        "train_micro_batch_size_per_gpu": batch, "steps_per_print": 10 ** 9, "zero_optimization": {"stage": 2},
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}})
+    engine, *_ = llmpar.initialize(
+        model=model,
+        config={
+            "train_micro_batch_size_per_gpu": batch,
+            "steps_per_print": 10**9,
+            "zero_optimization": {"stage": 2},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+        },
+    )
     g = torch.Generator().manual_seed(dist.get_rank())
     x = torch.randint(0, 256, (batch, seq), generator=g)
     y = torch.randint(0, 256, (batch, seq), generator=g)
@@ -78,14 +88,23 @@ def _measure(args: argparse.Namespace) -> tuple[list[dict], dict]:
         def run() -> None:
             flight.RECORDER.configure(size)
             fn()
+
         return run
 
-    cases = compare_distributed({"on (256)": switched(256, lambda: all_reduce(t, pg)),
-                                 "off": switched(0, lambda: all_reduce(t, pg))},
-                                group=pg, repeats=args.repeats, number=50)
+    cases = compare_distributed(
+        {"on (256)": switched(256, lambda: all_reduce(t, pg)), "off": switched(0, lambda: all_reduce(t, pg))},
+        group=pg,
+        repeats=args.repeats,
+        number=50,
+    )
     for name, timing in cases.items():
-        rows.append({"what": f"all-reduce of 1024 float32, recorder {name}", "median_us": timing.median_s * 1e6,
-                     "ratio": timing.median_s / cases["off"].median_s})
+        rows.append(
+            {
+                "what": f"all-reduce of 1024 float32, recorder {name}",
+                "median_us": timing.median_s * 1e6,
+                "ratio": timing.median_s / cases["off"].median_s,
+            }
+        )
 
     step = _demo_step(args.batch_size, args.seq_len)
     flight.RECORDER.configure(256)
@@ -93,15 +112,27 @@ def _measure(args: argparse.Namespace) -> tuple[list[dict], dict]:
     before = len(flight.RECORDER.entries)
     step()
     per_step = len(flight.RECORDER.entries) - before
-    cases = compare_distributed({"on (256)": switched(256, step), "off": switched(0, step)}, group=pg,
-                                repeats=args.repeats)
+    cases = compare_distributed(
+        {"on (256)": switched(256, step), "off": switched(0, step)}, group=pg, repeats=args.repeats
+    )
     base = cases["off"].median_s
     for name, timing in cases.items():
-        rows.append({"what": f"demo step (GPT 2x128, seq {args.seq_len}, micro batch {args.batch_size}, ZeRO-2), "
-                     f"recorder {name}", "median_us": timing.median_s * 1e6, "ratio": timing.median_s / base})
+        rows.append(
+            {
+                "what": f"demo step (GPT 2x128, seq {args.seq_len}, micro batch {args.batch_size}, ZeRO-2), "
+                f"recorder {name}",
+                "median_us": timing.median_s * 1e6,
+                "ratio": timing.median_s / base,
+            }
+        )
     share = per_step * ns * 1e-9 / base
-    rows.append({"what": f"bookkeeping share of the step ({per_step} collectives x {ns:.0f} ns)",
-                 "median_us": per_step * ns / 1e3, "ratio": share})
+    rows.append(
+        {
+            "what": f"bookkeeping share of the step ({per_step} collectives x {ns:.0f} ns)",
+            "median_us": per_step * ns / 1e3,
+            "ratio": share,
+        }
+    )
     return rows, {"collectives_per_step": per_step, "ns_per_collective": ns, "share_of_step": share}
 
 
@@ -119,8 +150,9 @@ def main() -> None:
     if dist.get_rank() == 0:
         print(markdown_table(rows))
         print(summary)
-        write_results("flight_recorder", rows, {"dp": dist.get_world_size(), "backend": "gloo", **summary},
-                      out_dir=args.out)
+        write_results(
+            "flight_recorder", rows, {"dp": dist.get_world_size(), "backend": "gloo", **summary}, out_dir=args.out
+        )
     dist.destroy_process_group()
 
 

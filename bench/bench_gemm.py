@@ -23,6 +23,7 @@ shard a tp rank would hold): forward + backward of ColumnParallelLinear(activati
 bias_act_backward + cuBLAS backward); TFLOP/s count 6*M*N*K per step. Baseline: torch. Samples hold back-to-back
 steps (no graph: autograd's backward is timed as it runs in training).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -78,14 +79,15 @@ def run(device: torch.device, tps: list[int], tokens: int, dtype: torch.dtype, r
     for name, m, k, n, act, res in shapes(device, tps, tokens):
         g = torch.Generator(device=device).manual_seed(0)
         x = torch.randn(m, k, device=device, dtype=dtype, generator=g)
-        w = torch.randn(n, k, device=device, dtype=dtype, generator=g) * k ** -0.5
+        w = torch.randn(n, k, device=device, dtype=dtype, generator=g) * k**-0.5
         b = torch.randn(n, device=device, dtype=dtype, generator=g)
         r = torch.randn(m, n, device=device, dtype=dtype, generator=g) if res else None
         with torch.no_grad():
             cases = {
                 "torch.matmul": lambda: torch.matmul(x, w.t()),
-                "torch unfused": lambda: (_act_torch(F.linear(x, w, b), act) + r) if r is not None
-                else _act_torch(F.linear(x, w, b), act),
+                "torch unfused": lambda: (
+                    (_act_torch(F.linear(x, w, b), act) + r) if r is not None else _act_torch(F.linear(x, w, b), act)
+                ),
             }
             if triton_ok:
                 cases["llmpar plain"] = forced("triton", lambda: linear_act(x, w))
@@ -158,8 +160,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--out", default=None, help="results folder (default bench/results)")
-    parser.add_argument("--layers", action=argparse.BooleanOptionalAction, default=None,
-                        help="also time the parallel-linear layers fwd+bwd per backend (default: on CUDA only)")
+    parser.add_argument(
+        "--layers",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also time the parallel-linear layers fwd+bwd per backend (default: on CUDA only)",
+    )
     args = parser.parse_args(argv)
     devices = devices_for(args.device, "bench_gemm")
     if devices is None:
@@ -172,13 +178,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {write_results(name, rows, meta=meta, out_dir=args.out)['md']}")
 
     for device in devices:
-        rows = run(device, args.tp, args.tokens, dtype if device.type == "cuda" else torch.float32,
-                   args.repeats or (20 if device.type == "cuda" else 3))
+        rows = run(
+            device,
+            args.tp,
+            args.tokens,
+            dtype if device.type == "cuda" else torch.float32,
+            args.repeats or (20 if device.type == "cuda" else 3),
+        )
         report(f"gemm_{device.type}", rows)
         if args.layers or (args.layers is None and device.type == "cuda"):
-            report(f"gemm_layers_{device.type}",
-                   run_layers(device, args.tp, args.tokens, dtype if device.type == "cuda" else torch.float32,
-                              args.repeats or (10 if device.type == "cuda" else 3)))
+            report(
+                f"gemm_layers_{device.type}",
+                run_layers(
+                    device,
+                    args.tp,
+                    args.tokens,
+                    dtype if device.type == "cuda" else torch.float32,
+                    args.repeats or (10 if device.type == "cuda" else 3),
+                ),
+            )
     return 0
 
 

@@ -17,6 +17,7 @@ sharded build equals the plain one (params gathered, compared with ``torch.equal
 
 Results: bench/results/hf_zero3_init.{md,json}.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,15 +47,24 @@ def _peak_mb() -> float:
 def _config(args):
     import transformers
 
-    return transformers.LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden,
-                                    intermediate_size=args.hidden * 11 // 4, num_hidden_layers=args.layers,
-                                    num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256,
-                                    tie_word_embeddings=False)
+    return transformers.LlamaConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.hidden * 11 // 4,
+        num_hidden_layers=args.layers,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
 
 
 def _zero3() -> dict:
-    return {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-            "zero_optimization": {"stage": 3}}
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+        "zero_optimization": {"stage": 3},
+    }
 
 
 def rank_run(args) -> None:
@@ -71,8 +81,11 @@ def rank_run(args) -> None:
         keep = TrainingArguments(output_dir=args.dir, report_to=[], use_cpu=True, deepspeed=_zero3())
     torch.manual_seed(0)
     if args.case.endswith("config"):
-        model = (transformers.AutoModelForCausalLM.from_config(_config(args)) if keep is not None
-                 else transformers.LlamaForCausalLM(_config(args)))
+        model = (
+            transformers.AutoModelForCausalLM.from_config(_config(args))
+            if keep is not None
+            else transformers.LlamaForCausalLM(_config(args))
+        )
     else:
         model = transformers.AutoModelForCausalLM.from_pretrained(args.dir)
     built = _peak_mb() - base
@@ -85,12 +98,16 @@ def rank_run(args) -> None:
     gc.collect()
     if rank == 0:
         torch.manual_seed(0)
-        ref = (transformers.LlamaForCausalLM(_config(args)) if args.case.endswith("config")
-               else transformers.AutoModelForCausalLM.from_pretrained(args.dir))
+        ref = (
+            transformers.LlamaForCausalLM(_config(args))
+            if args.case.endswith("config")
+            else transformers.AutoModelForCausalLM.from_pretrained(args.dir)
+        )
         same = all(torch.equal(state[n], p.detach()) for n, p in ref.state_dict().items() if n in state)
     rows = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(rows, {"built": built, "started": started, "meta": meta,
-                                               "init_peak_numel": opt.init_peak_numel, "same": same})
+    torch.distributed.all_gather_object(
+        rows, {"built": built, "started": started, "meta": meta, "init_peak_numel": opt.init_peak_numel, "same": same}
+    )
     if rank == 0:
         print("RESULT " + json.dumps(rows))
     torch.distributed.destroy_process_group()
@@ -124,18 +141,27 @@ def main() -> None:
         for case in CASES:
             out = torchrun(__file__, [*flags, "--case", case, "--dir", tmp], args.nproc)
             ranks = json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
-            rows.append({"case": case, "build_peak_mb": max(r["built"] for r in ranks),
-                         "initialize_peak_mb": max(r["started"] for r in ranks), "model_fp32_mb": psi * 4 / 2**20,
-                         "built_on_meta": all(r["meta"] for r in ranks),
-                         "init_peak_numel": max(r["init_peak_numel"] for r in ranks),
-                         "equals_plain": ranks[0]["same"]})
+            rows.append(
+                {
+                    "case": case,
+                    "build_peak_mb": max(r["built"] for r in ranks),
+                    "initialize_peak_mb": max(r["started"] for r in ranks),
+                    "model_fp32_mb": psi * 4 / 2**20,
+                    "built_on_meta": all(r["meta"] for r in ranks),
+                    "init_peak_numel": max(r["init_peak_numel"] for r in ranks),
+                    "equals_plain": ranks[0]["same"],
+                }
+            )
     print(json.dumps(rows, indent=1))
     if not args.no_write:
         from harness import write_results
 
-        meta = {"model": f"Llama hidden={args.hidden} layers={args.layers} vocab={args.vocab} untied "
-                         f"({psi / 1e6:.1f}M params, fp32)", "dp": args.nproc,
-                "peak": "ru_maxrss over the RSS after imports, the larger rank"}
+        meta = {
+            "model": f"Llama hidden={args.hidden} layers={args.layers} vocab={args.vocab} untied "
+            f"({psi / 1e6:.1f}M params, fp32)",
+            "dp": args.nproc,
+            "peak": "ru_maxrss over the RSS after imports, the larger rank",
+        }
         write_results("hf_zero3_init", rows, meta)
 
 

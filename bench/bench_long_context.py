@@ -21,6 +21,7 @@ kernel's peak-RSS mark is reset (``/proc/self/clear_refs``), one step runs, and 
 activation peak (everything the step allocates: saved activations, transients, communication buffers). The reported
 figure is the max over ranks. A length "trains under the cap" when that peak is <= the cap.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -121,9 +122,11 @@ def _attention_fn(kind: str, cp: ContextParallel | None, shard, ds_layer=None):
     if cp is None:
         return lambda q, k, v: flash_attention(q, k, v, causal=True)
     if kind == "deepspeed":  # DeepSpeed's all-to-all around the same local attention; [s, b, h, d] layout
+
         def ds(q, k, v):
             t = [x.permute(2, 0, 1, 3).contiguous() for x in (q, k, v)]
             return ds_layer(*t, 1).permute(1, 2, 0, 3)  # batch_dim_idx=1
+
         return ds
     return lambda q, k, v: cp.attention(q, k, v, shard=shard)
 
@@ -137,8 +140,9 @@ def _step(model, opt, cp, S: int, kind: str = "llmpar", ds_layer=None) -> float:
         shard = cp.shard(S, "cpu")
         pos = shard.index
         attn = _attention_fn(kind, cp, shard, ds_layer)
-        loss_sum, count = model.loss_sum(shard_tensor(ids, shard), shard_tensor(labels, shard, pad_value=-100), pos,
-                                         attn)
+        loss_sum, count = model.loss_sum(
+            shard_tensor(ids, shard), shard_tensor(labels, shard, pad_value=-100), pos, attn
+        )
         loss = cp.token_mean(loss_sum, count, grad_factor=1.0)
     loss.backward()
     if cp is not None:  # the cp ranks' parts of the sample's gradient are summed
@@ -177,6 +181,7 @@ def _rank(rank: int, world: int, mode: str, lengths: list[int], port: int, queue
         try:
             import deepspeed
             from deepspeed.sequence.layer import DistributedAttention
+
             deepspeed.init_distributed(dist_backend="gloo")  # joins the process group already set up
         except Exception as exc:  # noqa: BLE001 - reported in the results instead
             for kind in ("llmpar", "deepspeed") * DS_PAIRS:
@@ -184,7 +189,8 @@ def _rank(rank: int, world: int, mode: str, lengths: list[int], port: int, queue
             DistributedAttention = None
     if ds and cp is not None and mode == "ulysses" and DistributedAttention is not None:
         local = lambda q, k, v, *a, **kw: flash_attention(  # noqa: E731  the local math llmpar's Ulysses runs
-            q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), causal=True).permute(2, 0, 1, 3)
+            q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), causal=True
+        ).permute(2, 0, 1, 3)
         layer = DistributedAttention(local, dist.group.WORLD, scatter_idx=2, gather_idx=0)
         S = DS_SEQ
         for i, kind in enumerate(("llmpar", "deepspeed") * DS_PAIRS):
@@ -213,8 +219,9 @@ def run_config(world: int, mode: str, lengths: list[int], ds: bool = False) -> l
             if dead:
                 for p in procs:
                     p.kill()
-                raise RuntimeError(f"a rank of sp={world} {mode} exited with {dead[0]} "
-                                   "(its traceback is above)") from None
+                raise RuntimeError(
+                    f"a rank of sp={world} {mode} exited with {dead[0]} (its traceback is above)"
+                ) from None
     for p in procs:
         p.join()
         if p.exitcode:
@@ -227,9 +234,21 @@ def estimate(world: int, mode: str, S: int) -> float:
     from llmpar.planning.context import activation_breakdown
     from llmpar.planning.memory import Layout
     from llmpar.planning.model_spec import ModelSpec
-    spec = ModelSpec(n_layers=SHAPE["n_layers"], hidden=SHAPE["hidden"], n_heads=SHAPE["n_heads"],
-                     n_kv_heads=SHAPE["n_kv_heads"], vocab=SHAPE["vocab"], seq_len=S, ffn_hidden=SHAPE["ffn_hidden"],
-                     gated_mlp=True, tied_embeddings=False, learned_positions=False, norm="rmsnorm", bias=False)
+
+    spec = ModelSpec(
+        n_layers=SHAPE["n_layers"],
+        hidden=SHAPE["hidden"],
+        n_heads=SHAPE["n_heads"],
+        n_kv_heads=SHAPE["n_kv_heads"],
+        vocab=SHAPE["vocab"],
+        seq_len=S,
+        ffn_hidden=SHAPE["ffn_hidden"],
+        gated_mlp=True,
+        tied_embeddings=False,
+        learned_positions=False,
+        norm="rmsnorm",
+        bias=False,
+    )
     lay = Layout(cp=world, cp_mode=mode if world > 1 else "ulysses", tiled=True, tile=TILE)
     return activation_breakdown(spec, lay, seq_len=S, act_bytes=4, q_chunk=Q_CHUNK).peak
 
@@ -241,8 +260,12 @@ def main() -> None:
     ap.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeed's DistributedAttention timing")
     args = ap.parse_args()
     # the attention's torch path costs S^2 on 2 shared cores: each configuration runs the lengths around its cap
-    configs = [(1, "plain", [1024, 1536, 1792, 2048]), (2, "ulysses", [2048, 3072, 3584, 4096]),
-               (4, "ulysses", [4096, 6144, 7168, 8192]), (4, "ring", [4096, 6144, 7168, 8192])]
+    configs = [
+        (1, "plain", [1024, 1536, 1792, 2048]),
+        (2, "ulysses", [2048, 3072, 3584, 4096]),
+        (4, "ulysses", [4096, 6144, 7168, 8192]),
+        (4, "ring", [4096, 6144, 7168, 8192]),
+    ]
     if args.quick:
         configs = [(w, m, lengths[:1]) for w, m, lengths in configs]
     cap = args.cap_mib * 2**20
@@ -256,11 +279,20 @@ def main() -> None:
             peak = max(r["peak"] for r in at)
             est = estimate(world, "ulysses" if mode == "plain" else mode, S)
             ex = [r["exposed"] for r in at if r["exposed"] is not None]
-            rows.append(dict(config=f"sp={world} {mode}" if world > 1 else "plain", sp=world, mode=mode, seq=S,
-                             peak_mib=round(peak / 2**20, 1), estimate_mib=round(est / 2**20, 1),
-                             measured_over_estimate=round(peak / est, 3), fits_cap=peak <= cap,
-                             step_s=round(max(r["step_s"] for r in at), 2),
-                             ring_exposed=round(max(ex), 3) if ex else None))
+            rows.append(
+                dict(
+                    config=f"sp={world} {mode}" if world > 1 else "plain",
+                    sp=world,
+                    mode=mode,
+                    seq=S,
+                    peak_mib=round(peak / 2**20, 1),
+                    estimate_mib=round(est / 2**20, 1),
+                    measured_over_estimate=round(peak / est, 3),
+                    fits_cap=peak <= cap,
+                    step_s=round(max(r["step_s"] for r in at), 2),
+                    ring_exposed=round(max(ex), 3) if ex else None,
+                )
+            )
         timing += [r for r in res if "kind" in r]
     longest = {}
     for r in rows:
@@ -281,13 +313,18 @@ def main() -> None:
         summary_i = {c: f"{v:.0f} ({v / reach['plain']:.2f}x plain)" for c, v in reach.items()}
     else:
         summary_i = {c: f"{v:.0f}" for c, v in reach.items()}
-    meta = {"model": f"{SHAPE}, SwiGLU, rotary, fp32, tiled loss + MLP ({TILE} tokens)",
-            "memory": "peak RSS - RSS before the step, fresh process per rank, MALLOC_MMAP_THRESHOLD_=65536, "
-                      "max over ranks",
-            "cap": f"{args.cap_mib} MiB per rank", "longest length tried under the cap": summary,
-            "where the measured peak crosses the cap (linear between the lengths around it)": summary_i,
-            "estimate": "llmpar.planning.context.activation_breakdown (fp32, torch attention path)",
-            "shape": dict(SHAPE), "tile": TILE, "q_chunk": Q_CHUNK}
+    meta = {
+        "model": f"{SHAPE}, SwiGLU, rotary, fp32, tiled loss + MLP ({TILE} tokens)",
+        "memory": "peak RSS - RSS before the step, fresh process per rank, MALLOC_MMAP_THRESHOLD_=65536, "
+        "max over ranks",
+        "cap": f"{args.cap_mib} MiB per rank",
+        "longest length tried under the cap": summary,
+        "where the measured peak crosses the cap (linear between the lengths around it)": summary_i,
+        "estimate": "llmpar.planning.context.activation_breakdown (fp32, torch attention path)",
+        "shape": dict(SHAPE),
+        "tile": TILE,
+        "q_chunk": Q_CHUNK,
+    }
     ring_rows = [r for r in rows if r["mode"] == "ring"]
     if ring_rows:
         meta["ring exposed communication at the longest length"] = ring_rows[-1]["ring_exposed"]
@@ -298,17 +335,29 @@ def main() -> None:
         steps: dict[tuple[str, int], float] = {}  # (kind, i) -> the slowest rank's seconds
         for t in timing:
             steps[t["kind"], t["i"]] = max(steps.get((t["kind"], t["i"]), 0.0), t["step_s"])
-        m = {k: sorted(v for (kind, _), v in steps.items() if kind == k)[DS_PAIRS // 2]
-             for k in ("llmpar", "deepspeed")}
+        m = {
+            k: sorted(v for (kind, _), v in steps.items() if kind == k)[DS_PAIRS // 2] for k in ("llmpar", "deepspeed")
+        }
         meta["ulysses step time (sp=2, seq %d)" % timing[0]["seq"]] = (
             f"llmpar {m['llmpar']:.2f} s, DeepSpeed DistributedAttention {m['deepspeed']:.2f} s "
             f"(DeepSpeed / llmpar {m['deepspeed'] / m['llmpar']:.2f}; median of {DS_PAIRS} alternating steps, "
-            "slowest rank)")
+            "slowest rank)"
+        )
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from harness import write_results
-    paths = write_results("long_context_cpu", rows, meta, curve={
-        "x": "seq", "y": ["peak_mib", "estimate_mib"], "group": "config", "logx": True,
-        "title": f"per-rank activation peak vs sequence (cap {args.cap_mib} MiB)"})
+
+    paths = write_results(
+        "long_context_cpu",
+        rows,
+        meta,
+        curve={
+            "x": "seq",
+            "y": ["peak_mib", "estimate_mib"],
+            "group": "config",
+            "logx": True,
+            "title": f"per-rank activation peak vs sequence (cap {args.cap_mib} MiB)",
+        },
+    )
     print(f"longest under {args.cap_mib} MiB: {summary}; crossing: {summary_i}")
     print("\n".join(str(p) for p in paths.values()))
 

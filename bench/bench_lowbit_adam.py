@@ -24,6 +24,7 @@ codes 2 + 2, bf16 2); int4+bf16 16 + scales; torchao int8 / int4 (fp32 params, n
 with bf16 params + float32 masters (the bytes of int8+bf16 / int4+bf16). GB/s = those bytes / median time, next to the
 machine's copy bandwidth (dst.copy_(src) of 256 MiB, bytes read + written). Results: bench/results/lowbit_adam_cpu.*
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,12 +57,19 @@ def state_bytes_per_param(bits: int) -> float:
     return 2 * 2 * (bits / 8 + 4 / lowbit.BLOCK[bits])
 
 
-BYTES = {"torch fused": 28.0, "torch fused + bf16": 34.0, "llmpar cuda int8+bf16": 14.0 + state_bytes_per_param(8),
-         "llmpar cuda int4+bf16": 14.0 + state_bytes_per_param(4),
-         "llmpar triton int8+bf16": 14.0 + state_bytes_per_param(8),
-         "llmpar triton int4+bf16": 14.0 + state_bytes_per_param(4), "llmpar fp32+bf16": 30.0,
-         "llmpar int8+bf16": 14.0 + state_bytes_per_param(8), "llmpar int4+bf16": 14.0 + state_bytes_per_param(4),
-         "torchao AdamW8bit": 12.0 + state_bytes_per_param(8), "torchao AdamW4bit": 12.0 + state_bytes_per_param(4)}
+BYTES = {
+    "torch fused": 28.0,
+    "torch fused + bf16": 34.0,
+    "llmpar cuda int8+bf16": 14.0 + state_bytes_per_param(8),
+    "llmpar cuda int4+bf16": 14.0 + state_bytes_per_param(4),
+    "llmpar triton int8+bf16": 14.0 + state_bytes_per_param(8),
+    "llmpar triton int4+bf16": 14.0 + state_bytes_per_param(4),
+    "llmpar fp32+bf16": 30.0,
+    "llmpar int8+bf16": 14.0 + state_bytes_per_param(8),
+    "llmpar int4+bf16": 14.0 + state_bytes_per_param(4),
+    "torchao AdamW8bit": 12.0 + state_bytes_per_param(8),
+    "torchao AdamW4bit": 12.0 + state_bytes_per_param(4),
+}
 
 
 def torchao_step(params: list[torch.nn.Parameter], bits: int) -> tuple[Callable[[], object] | None, str]:
@@ -83,6 +91,7 @@ def torchao_step(params: list[torch.nn.Parameter], bits: int) -> tuple[Callable[
 
 def with_isa(fn: Callable[[], object], isa: str) -> Callable[[], object]:
     """fn run under LLMPAR_CPU_ISA=isa (the kernel reads it per call)."""
+
     def run() -> object:
         old = os.environ.get(ISA_ENV)
         os.environ[ISA_ENV] = isa
@@ -93,6 +102,7 @@ def with_isa(fn: Callable[[], object], isa: str) -> Callable[[], object]:
                 os.environ.pop(ISA_ENV, None)
             else:
                 os.environ[ISA_ENV] = old
+
     return run
 
 
@@ -100,8 +110,9 @@ def bytes_of(name: str) -> float:
     return BYTES[name.split(" [")[0]]  # "llmpar int8+bf16 [avx2]": the bytes of its kernel
 
 
-def cases_for(n: int, torchao: bool, isas: list[str] | None = None
-              ) -> tuple[dict[str, Callable[[], object]], dict[str, str]]:
+def cases_for(
+    n: int, torchao: bool, isas: list[str] | None = None
+) -> tuple[dict[str, Callable[[], object]], dict[str, str]]:
     g = torch.Generator().manual_seed(0)
     flat = torch.randn(n, generator=g).mul_(0.02)
     grad = torch.randn(n, generator=g).mul_(1e-3)
@@ -114,8 +125,13 @@ def cases_for(n: int, torchao: bool, isas: list[str] | None = None
     twin.grad = grad
     twin_step, twin16 = torch.optim.AdamW([twin], fused=True, **HYPER).step, torch.empty(n, dtype=torch.bfloat16)
     cases["torch fused + bf16"] = lambda: (twin_step(), twin16.copy_(twin.detach()))
-    kw = dict(lr=HYPER["lr"], beta1=HYPER["betas"][0], beta2=HYPER["betas"][1], eps=HYPER["eps"],
-              weight_decay=HYPER["weight_decay"])
+    kw = dict(
+        lr=HYPER["lr"],
+        beta1=HYPER["betas"][0],
+        beta2=HYPER["betas"][1],
+        eps=HYPER["eps"],
+        weight_decay=HYPER["weight_decay"],
+    )
     p32 = [param.detach()]
     m32, v32 = [torch.zeros(n)], [torch.zeros(n)]
     s32 = [torch.zeros(())]
@@ -129,8 +145,20 @@ def cases_for(n: int, torchao: bool, isas: list[str] | None = None
         qm, qv = lowbit.qmap(bits, True), lowbit.qmap(bits, False)
 
         def step(bits=bits, master=master, bf16=bf16, st=st, steps=steps, qm=qm, qv=qv):
-            cpu_step(bf16, [grad], [st["m_codes"]], [st["m_scale"]], [st["v_codes"]], [st["v_scale"]], steps, master,
-                     bits=bits, qmap_m=qm, qmap_v=qv, **kw)
+            cpu_step(
+                bf16,
+                [grad],
+                [st["m_codes"]],
+                [st["m_scale"]],
+                [st["v_codes"]],
+                [st["v_scale"]],
+                steps,
+                master,
+                bits=bits,
+                qmap_m=qm,
+                qmap_v=qv,
+                **kw,
+            )
 
         cases[f"llmpar int{bits}+bf16"] = step
         for isa in isas or ():  # the same kernel capped at narrower builds, side by side
@@ -155,8 +183,13 @@ def gpu_cases(n: int) -> dict[str, Callable[[], object]]:
     grad = torch.randn(n, device=device, generator=g).mul_(1e-3)
     param.grad = grad
     cases: dict[str, Callable[[], object]] = {BASELINE: torch.optim.AdamW([param], fused=True, **HYPER).step}
-    kw = dict(lr=HYPER["lr"], beta1=HYPER["betas"][0], beta2=HYPER["betas"][1], eps=HYPER["eps"],
-              weight_decay=HYPER["weight_decay"])
+    kw = dict(
+        lr=HYPER["lr"],
+        beta1=HYPER["betas"][0],
+        beta2=HYPER["betas"][1],
+        eps=HYPER["eps"],
+        weight_decay=HYPER["weight_decay"],
+    )
     for backend, fn in (("cuda", cuda_step), ("triton", triton_step)):
         for bits in (8, 4):
             master = [param.detach().clone()]
@@ -166,8 +199,20 @@ def gpu_cases(n: int) -> dict[str, Callable[[], object]]:
             qm, qv = lowbit.qmap(bits, True, device), lowbit.qmap(bits, False, device)
 
             def step(fn=fn, bits=bits, master=master, bf16=bf16, st=st, steps=steps, qm=qm, qv=qv):
-                fn(bf16, [grad], [st["m_codes"]], [st["m_scale"]], [st["v_codes"]], [st["v_scale"]], steps, master,
-                   bits=bits, qmap_m=qm, qmap_v=qv, **kw)
+                fn(
+                    bf16,
+                    [grad],
+                    [st["m_codes"]],
+                    [st["m_scale"]],
+                    [st["v_codes"]],
+                    [st["v_scale"]],
+                    steps,
+                    master,
+                    bits=bits,
+                    qmap_m=qm,
+                    qmap_v=qv,
+                    **kw,
+                )
 
             cases[f"llmpar {backend} int{bits}+bf16"] = step
     return cases
@@ -190,8 +235,12 @@ def main_gpu(args) -> None:
             rows.append(row)
         del cases
         torch.cuda.empty_cache()
-    meta = {"device": torch.cuda.get_device_name(), "copy_bandwidth_GBps": round(copy_gbs, 1), "hyper": str(HYPER),
-            "speedup": "torch fused's median / case median (side by side, interleaved rounds)"}
+    meta = {
+        "device": torch.cuda.get_device_name(),
+        "copy_bandwidth_GBps": round(copy_gbs, 1),
+        "hyper": str(HYPER),
+        "speedup": "torch fused's median / case median (side by side, interleaved rounds)",
+    }
     paths = write_results(args.name.replace("_cpu", "_gpu"), rows, meta, out_dir=args.out)
     print("wrote", ", ".join(str(p) for p in paths.values()))
 
@@ -203,12 +252,21 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--out", default=None, help="results folder (default bench/results)")
     ap.add_argument("--name", default="lowbit_adam_cpu", help="results file stem")
-    ap.add_argument("--torchao", action=argparse.BooleanOptionalAction, default=True,
-                    help="time torchao's AdamW8bit / AdamW4bit too where importable")
+    ap.add_argument(
+        "--torchao",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="time torchao's AdamW8bit / AdamW4bit too where importable",
+    )
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--isas", nargs="*", default=[], choices=list(ISAS),
-                    help="also time the low-bit kernel capped at these CPU builds (LLMPAR_CPU_ISA), e.g. avx2 avx512")
+    ap.add_argument(
+        "--isas",
+        nargs="*",
+        default=[],
+        choices=list(ISAS),
+        help="also time the low-bit kernel capped at these CPU builds (LLMPAR_CPU_ISA), e.g. avx2 avx512",
+    )
     args = ap.parse_args()
     if args.device == "cuda":
         return main_gpu(args)
@@ -220,8 +278,10 @@ def main() -> None:
         sys.exit(f"the CPU extension is unavailable ({status.reason}): nothing to compare")
     copy_gbs = copy_bandwidth(torch.device("cpu"))
     isa = f"{ISAS[isa_code()]} cap, torch CPU capability {torch.backends.cpu.get_cpu_capability()}"
-    print(f"copy bandwidth {copy_gbs:.1f} GB/s; torch threads {torch.get_num_threads()}; kernel ISA: {isa}; "
-          f"load average {load_avg}")
+    print(
+        f"copy bandwidth {copy_gbs:.1f} GB/s; torch threads {torch.get_num_threads()}; kernel ISA: {isa}; "
+        f"load average {load_avg}"
+    )
     rows: list[dict] = []
     notes: dict[str, str] = {}
     for size in args.sizes:
@@ -239,12 +299,18 @@ def main() -> None:
             rows.append(row)
         del cases
         gc.collect()
-    meta = {"copy_bandwidth_GBps": round(copy_gbs, 1), "torch_threads": torch.get_num_threads(),
-            "load_average_at_start (1, 5, 15 min)": tuple(round(x, 2) for x in load_avg),
-            "load_average_at_end (1, 5, 15 min)": tuple(round(x, 2) for x in os.getloadavg()),
-            "kernel_isa": isa, "cpu_ext": status.reason.split(" in ")[0], "hyper": str(HYPER),
-            "speedup": "torch fused's median / case median (side by side, interleaved rounds)",
-            "floor_ms": "bytes/param * params / copy bandwidth: the step at the machine's copy speed", **notes}
+    meta = {
+        "copy_bandwidth_GBps": round(copy_gbs, 1),
+        "torch_threads": torch.get_num_threads(),
+        "load_average_at_start (1, 5, 15 min)": tuple(round(x, 2) for x in load_avg),
+        "load_average_at_end (1, 5, 15 min)": tuple(round(x, 2) for x in os.getloadavg()),
+        "kernel_isa": isa,
+        "cpu_ext": status.reason.split(" in ")[0],
+        "hyper": str(HYPER),
+        "speedup": "torch fused's median / case median (side by side, interleaved rounds)",
+        "floor_ms": "bytes/param * params / copy bandwidth: the step at the machine's copy speed",
+        **notes,
+    }
     paths = write_results(args.name, rows, meta, out_dir=args.out)
     print("wrote", ", ".join(str(p) for p in paths.values()))
 

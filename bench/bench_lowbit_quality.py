@@ -10,6 +10,7 @@ same batches for every optimizer; the final loss is the mean over 4 held-out bat
 starts from the same weights. torchao keeps tensors under 4096 elements in fp32 (its ``min_quant_size``): its
 state bytes count that too. Ours quantize every tensor (blocks of 256 / 128 along each param).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,17 +48,26 @@ def batch(chain: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def make_model(name: str) -> tuple[torch.nn.Module, callable]:
     """(model, loss(x, y)) with fixed initial weights."""
     if name == "gpt":
-        model = GPT(GPTConfig(vocab_size=VOCAB, n_layer=2, n_head=4, d_model=128, seq_len=SEQ), seed=0,
-                    dtype=torch.float32)
+        model = GPT(
+            GPTConfig(vocab_size=VOCAB, n_layer=2, n_head=4, d_model=128, seq_len=SEQ), seed=0, dtype=torch.float32
+        )
         return model, lambda x, y: model.loss(model(x), y)
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+    )
     model = LlamaForCausalLM(cfg)
-    return model, lambda x, y: torch.nn.functional.cross_entropy(model(input_ids=x).logits.reshape(-1, VOCAB),
-                                                                  y.reshape(-1))
+    return model, lambda x, y: torch.nn.functional.cross_entropy(
+        model(input_ids=x).logits.reshape(-1, VOCAB), y.reshape(-1)
+    )
 
 
 def make_optimizer(kind: str, params, lr: float, wd: float) -> torch.optim.Optimizer:
@@ -65,8 +75,12 @@ def make_optimizer(kind: str, params, lr: float, wd: float) -> torch.optim.Optim
         from torchao.optim import AdamW4bit, AdamW8bit
 
         return (AdamW8bit if kind.endswith("8bit") else AdamW4bit)(params, lr=lr, weight_decay=wd)
-    return FusedAdamW(params, lr=lr, weight_decay=wd, state_precision={"fp32": "fp32", "llmpar-int8": "int8",
-                                                                       "llmpar-int4": "int4"}[kind])
+    return FusedAdamW(
+        params,
+        lr=lr,
+        weight_decay=wd,
+        state_precision={"fp32": "fp32", "llmpar-int8": "int8", "llmpar-int4": "int4"}[kind],
+    )
 
 
 def state_bytes(opt: torch.optim.Optimizer) -> int:
@@ -99,8 +113,16 @@ def run(model_name: str, kind: str, steps: int, lr: float, wd: float, chain: tor
     with torch.no_grad():
         final = sum(loss_fn(*batch(chain, 1_000_000 + k)).item() for k in range(4)) / 4
     n = sum(p.numel() for p in model.parameters())
-    return {"model": model_name, "optimizer": kind, "steps": steps, "final_loss": final, "curve": curve,
-            "state_bytes": state_bytes(opt), "params": n, "seconds": seconds}
+    return {
+        "model": model_name,
+        "optimizer": kind,
+        "steps": steps,
+        "final_loss": final,
+        "curve": curve,
+        "state_bytes": state_bytes(opt),
+        "params": n,
+        "seconds": seconds,
+    }
 
 
 def main() -> None:
@@ -110,9 +132,13 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--weight-decay", type=float, default=0.01)
     ap.add_argument("--no-torchao", action="store_true")
-    ap.add_argument("--backend", default="auto", help="LLMPAR_BACKEND for llmpar's step (auto: the fused kernels "
-                                                    "where built, the CPU C++ one here; torch: the reference path, "
-                                                    "~15x slower on CPU)")
+    ap.add_argument(
+        "--backend",
+        default="auto",
+        help="LLMPAR_BACKEND for llmpar's step (auto: the fused kernels "
+        "where built, the CPU C++ one here; torch: the reference path, "
+        "~15x slower on CPU)",
+    )
     args = ap.parse_args()
     if args.backend != "auto":
         os.environ["LLMPAR_BACKEND"] = args.backend
@@ -126,7 +152,7 @@ def main() -> None:
             torchao_version = torchao.__version__
             kinds += ["torchao-8bit", "torchao-4bit"]
         except ImportError as e:
-            print(f"torchao not available ({e}): its runs are left out (pip install -e \".[baselines]\")")
+            print(f'torchao not available ({e}): its runs are left out (pip install -e ".[baselines]")')
     chain = bigram_chain()
     entropy = float(-(chain * chain.log()).sum(1).mean())
     rows, curves = [], {}
@@ -140,12 +166,23 @@ def main() -> None:
             row["state_bytes_vs_fp32"] = r["state_bytes"] / base["state_bytes"]
             rows.append(row)
             curves[f"{model_name}/{kind}"] = r["curve"]
-            print(f"{model_name:6s} {kind:13s} final {r['final_loss']:.4f} ({row['loss_vs_fp32']:.4f}x fp32)  "
-                  f"state {r['state_bytes'] / 1e6:.3f} MB ({row['state_bytes_vs_fp32']:.3f}x)  {r['seconds']:.0f} s",
-                  flush=True)
-    meta = {"steps": args.steps, "lr": args.lr, "weight_decay": args.weight_decay, "vocab": VOCAB, "seq": SEQ,
-            "batch": BATCH, "bigram_entropy": entropy, "torchao": torchao_version, "backend": args.backend,
-            "goals": "loss_vs_fp32 <= 1.01 (8-bit), <= 1.02 (4-bit); state_bytes_vs_fp32 <= 0.3 / 0.2"}
+            print(
+                f"{model_name:6s} {kind:13s} final {r['final_loss']:.4f} ({row['loss_vs_fp32']:.4f}x fp32)  "
+                f"state {r['state_bytes'] / 1e6:.3f} MB ({row['state_bytes_vs_fp32']:.3f}x)  {r['seconds']:.0f} s",
+                flush=True,
+            )
+    meta = {
+        "steps": args.steps,
+        "lr": args.lr,
+        "weight_decay": args.weight_decay,
+        "vocab": VOCAB,
+        "seq": SEQ,
+        "batch": BATCH,
+        "bigram_entropy": entropy,
+        "torchao": torchao_version,
+        "backend": args.backend,
+        "goals": "loss_vs_fp32 <= 1.01 (8-bit), <= 1.02 (4-bit); state_bytes_vs_fp32 <= 0.3 / 0.2",
+    }
     write_results("lowbit_quality", rows, meta)
     here = os.path.dirname(os.path.abspath(__file__))
     _plot(curves, entropy, os.path.join(here, "results", "lowbit_quality_curves.png"))
@@ -165,7 +202,7 @@ def _plot(curves: dict[str, list[float]], entropy: float, path: str) -> None:
         for key, ys in curves.items():
             if key.startswith(m + "/"):
                 k = 10  # moving average over 10 steps
-                sm = [sum(ys[max(0, i - k + 1):i + 1]) / len(ys[max(0, i - k + 1):i + 1]) for i in range(len(ys))]
+                sm = [sum(ys[max(0, i - k + 1) : i + 1]) / len(ys[max(0, i - k + 1) : i + 1]) for i in range(len(ys))]
                 ax.plot(sm, label=key.split("/")[1], linewidth=1)
         ax.axhline(entropy, color="gray", linestyle=":", label="bigram entropy")
         ax.set_title(f"{m}: training loss (10-step mean)")

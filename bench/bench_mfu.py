@@ -13,6 +13,7 @@ steps (Triton compiles, autotuning, allocator warm-up), then ``--steps`` timed s
 step) ending in a device sync; tokens/s = micro-batch x seq x steps / time. Peak memory is torch's allocator peak.
 A case that fails (out of memory, a kernel error) is a row with its error, so the other case still reports.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,17 +35,37 @@ from llmpar.runtime import mfu  # noqa: E402
 from harness import _sync, write_results  # noqa: E402
 
 SHAPES = {  # LlamaConfig fields
-    "1b": dict(num_hidden_layers=22, hidden_size=2048, intermediate_size=5632, num_attention_heads=32,
-               num_key_value_heads=4, vocab_size=32000),
-    "toy": dict(num_hidden_layers=2, hidden_size=64, intermediate_size=176, num_attention_heads=4,
-                num_key_value_heads=2, vocab_size=256),
+    "1b": dict(
+        num_hidden_layers=22,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        vocab_size=32000,
+    ),
+    "toy": dict(
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=176,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+    ),
 }
 ATTN = "llmpar_attention"  # not "*flash*": transformers reads such names as hub kernels
 
 
 # ------------------------------------------------------------------------------------------------ the model
-def _llmpar_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      attention_mask: Any, scaling: float | None = None, dropout: float = 0.0, **kwargs: Any):
+def _llmpar_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+):
     """transformers' attention-function signature over llmpar's flash attention: q [B, Hq, S, D], k / v [B, Hkv, S,
     D] (GQA as is) -> ([B, S, Hq, D], None). Causal, no padding mask (the bench's batches have none)."""
     from llmpar.ops.attention import flash_attention
@@ -70,8 +91,11 @@ class _Block(nn.Module):
         self.norm1, self.norm2 = nn.RMSNorm(d, eps=1e-5), nn.RMSNorm(d, eps=1e-5)
         self.q, self.k, self.v = (nn.Linear(d, h * (d // hq), bias=False) for h in (hq, hkv, hkv))
         self.o = nn.Linear(d, d, bias=False)
-        self.gate, self.up, self.down = nn.Linear(d, f, bias=False), nn.Linear(d, f, bias=False), nn.Linear(f, d,
-                                                                                                            bias=False)
+        self.gate, self.up, self.down = (
+            nn.Linear(d, f, bias=False),
+            nn.Linear(d, f, bias=False),
+            nn.Linear(f, d, bias=False),
+        )
 
     def _rotate(self, x: torch.Tensor) -> torch.Tensor:
         cos, sin = (t[: x.shape[2]].to(x.dtype) for t in self.rope.unbind(0))
@@ -81,15 +105,18 @@ class _Block(nn.Module):
     def forward(self, x: torch.Tensor, attention: str) -> torch.Tensor:
         B, S, _ = x.shape
         h = self.norm1(x)
-        q, k, v = (lin(h).view(B, S, n, self.hd).transpose(1, 2) for lin, n in
-                   ((self.q, self.hq), (self.k, self.hkv), (self.v, self.hkv)))
+        q, k, v = (
+            lin(h).view(B, S, n, self.hd).transpose(1, 2)
+            for lin, n in ((self.q, self.hq), (self.k, self.hkv), (self.v, self.hkv))
+        )
         q, k = self._rotate(q), self._rotate(k)
         if attention == ATTN:
-            a = _llmpar_attention(self, q, k, v, None, scaling=self.hd ** -0.5)[0]
+            a = _llmpar_attention(self, q, k, v, None, scaling=self.hd**-0.5)[0]
         else:
             g = self.hq // self.hkv
-            a = F.scaled_dot_product_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1),
-                                               is_causal=True).transpose(1, 2)
+            a = F.scaled_dot_product_attention(
+                q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), is_causal=True
+            ).transpose(1, 2)
         x = x + self.o(a.reshape(B, S, -1))
         h = self.norm2(x)
         return x + self.down(F.silu(self.gate(h)) * self.up(h))
@@ -131,8 +158,13 @@ def build_model(shape: dict, attention: str, *, impl: str, device: torch.device,
 
         if attention == ATTN:
             _register_attention()
-        cfg = LlamaConfig(**shape, max_position_embeddings=seq, tie_word_embeddings=False, attention_dropout=0.0,
-                          attn_implementation=attention)
+        cfg = LlamaConfig(
+            **shape,
+            max_position_embeddings=seq,
+            tie_word_embeddings=False,
+            attention_dropout=0.0,
+            attn_implementation=attention,
+        )
         return LlamaForCausalLM(cfg)
 
 
@@ -170,10 +202,13 @@ def run_llmpar(model: nn.Module, batches, warmup: int, device: torch.device, che
 
     if checkpoint:
         model.gradient_checkpointing_enable()
-    config = {"train_micro_batch_size_per_gpu": batches[0].shape[0], "gradient_accumulation_steps": 1,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.95], "eps": 1e-8,
-                                                        "weight_decay": 0.1}},
-              "bf16": {"enabled": True}, "zero_optimization": {"stage": 1}}
+    config = {
+        "train_micro_batch_size_per_gpu": batches[0].shape[0],
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}},
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 1},
+    }
     engine = llmpar.initialize(model=model, config=config)[0]
 
     def step(x: torch.Tensor) -> torch.Tensor:
@@ -185,8 +220,10 @@ def run_llmpar(model: nn.Module, batches, warmup: int, device: torch.device, che
     return _time_steps(step, batches, warmup, device)
 
 
-CASES = {"torch (SDPA, fused AdamW, autocast)": ("sdpa", run_torch),
-         "llmpar (initialize, flash attention, FusedAdamW)": (ATTN, run_llmpar)}
+CASES = {
+    "torch (SDPA, fused AdamW, autocast)": ("sdpa", run_torch),
+    "llmpar (initialize, flash attention, FusedAdamW)": (ATTN, run_llmpar),
+}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -209,13 +246,16 @@ def main(argv: list[str] | None = None) -> dict:
     if impl == "auto":
         try:
             import transformers  # noqa: F401
+
             impl = "transformers"
         except ImportError:
             impl = "builtin"
     shape = SHAPES[args.size]
     gen = torch.Generator().manual_seed(1)
-    batches = [torch.randint(0, shape["vocab_size"], (args.micro_batch, args.seq), generator=gen).to(device)
-               for _ in range(args.warmup + args.steps)]
+    batches = [
+        torch.randint(0, shape["vocab_size"], (args.micro_batch, args.seq), generator=gen).to(device)
+        for _ in range(args.warmup + args.steps)
+    ]
     tokens = args.micro_batch * args.seq * args.steps
     peak, peak_from = mfu.peak_tflops(device)
     rows, per_token, n_params = [], None, None
@@ -230,12 +270,16 @@ def main(argv: list[str] | None = None) -> dict:
                 torch.cuda.reset_peak_memory_stats(device)
             seconds, losses = run(model, batches, args.warmup, device, args.checkpoint)
             tps = tokens / seconds
-            row.update(tokens_per_s=round(tps, 1), step_ms=round(1e3 * seconds / args.steps, 2),
-                       tflops_per_device=round(tps * per_token / 1e12, 3),
-                       mfu_pct=round(100 * tps * per_token / (peak * 1e12), 2) if peak else None,
-                       first_loss=round(losses[0], 4), last_loss=round(losses[-1], 4))
+            row.update(
+                tokens_per_s=round(tps, 1),
+                step_ms=round(1e3 * seconds / args.steps, 2),
+                tflops_per_device=round(tps * per_token / 1e12, 3),
+                mfu_pct=round(100 * tps * per_token / (peak * 1e12), 2) if peak else None,
+                first_loss=round(losses[0], 4),
+                last_loss=round(losses[-1], 4),
+            )
             if device.type == "cuda":
-                row["peak_mem_gib"] = round(torch.cuda.max_memory_allocated(device) / 2 ** 30, 2)
+                row["peak_mem_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
             if not all(math.isfinite(x) for x in losses):
                 row["error"] = f"non-finite loss: {losses}"
         except Exception as exc:  # noqa: BLE001 - one case failing (OOM, a kernel) must not lose the other's row
@@ -254,12 +298,14 @@ def main(argv: list[str] | None = None) -> dict:
     for r in rows:
         if base and r.get("tokens_per_s"):
             r["speedup"] = round(r["tokens_per_s"] / base, 3)
-    meta = {"model": f"Llama-shaped {n_params / 1e9:.3f}B params ({impl}): {shape}" if n_params else str(shape),
-            "sequence": f"{args.seq} tokens x micro-batch {args.micro_batch}, {args.warmup} warm-up + "
-                        f"{args.steps} timed steps, activation checkpointing {'on' if args.checkpoint else 'off'}",
-            "flops_per_token": f"{per_token:.4g} (PaLM: 6 N + 12 n_layer d_model seq)" if per_token else None,
-            "peak": f"{peak} TFLOP/s ({peak_from})" if peak else f"unknown ({peak_from}): no MFU",
-            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+    meta = {
+        "model": f"Llama-shaped {n_params / 1e9:.3f}B params ({impl}): {shape}" if n_params else str(shape),
+        "sequence": f"{args.seq} tokens x micro-batch {args.micro_batch}, {args.warmup} warm-up + "
+        f"{args.steps} timed steps, activation checkpointing {'on' if args.checkpoint else 'off'}",
+        "flops_per_token": f"{per_token:.4g} (PaLM: 6 N + 12 n_layer d_model seq)" if per_token else None,
+        "peak": f"{peak} TFLOP/s ({peak_from})" if peak else f"unknown ({peak_from}): no MFU",
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+    }
     name = f"mfu_{'toy_' if args.toy else ''}{device.type}"
     paths = write_results(name, rows, meta, out_dir=args.out)
     print(open(paths["md"]).read())

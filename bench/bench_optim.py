@@ -16,6 +16,7 @@ GB/s = the bytes a step must move at least (per param: fp32 28 B, fp32_master 28
 torch bf16 14 B; +4 B / +2 B of grad reads for the clip norm) / median time, next to the device copy bandwidth
 (``dst.copy_(src)`` of 1 GiB, read + write). Results: bench/results/optim_<device>.{md,json}.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,8 +33,13 @@ from llmpar.optim import FusedAdamW  # noqa: E402
 from harness import compare, measure, write_results  # noqa: E402
 
 # name -> (d_model, n_layer, vocab): GPT-2-style blocks (12 d^2 + 13 d per layer), tied embeddings, 1024 positions
-PRESETS = {"10M": (384, 4, 8192), "30M": (512, 8, 16384), "100M": (768, 12, 16384), "300M": (1024, 20, 32768),
-           "1B": (2048, 18, 50304)}
+PRESETS = {
+    "10M": (384, 4, 8192),
+    "30M": (512, 8, 16384),
+    "100M": (768, 12, 16384),
+    "300M": (1024, 20, 32768),
+    "1B": (2048, 18, 50304),
+}
 CLIP = 1e6
 BYTES = {"fp32": 28, "fp32_master": 28, "bf16_sr": 14, "bf16_kahan": 18, "torch_bf16": 14, "deepspeed": 28}
 
@@ -64,6 +70,7 @@ def copy_bandwidth(device: torch.device) -> float:
 def deepspeed_case(params) -> Callable[[], None] | None:
     try:
         from deepspeed.ops.adam import FusedAdam  # JIT-builds its kernel on first use
+
         opt = FusedAdam(params, lr=1e-4, weight_decay=0.1, adam_w_mode=True)
         opt.step()
         return opt.step
@@ -72,8 +79,9 @@ def deepspeed_case(params) -> Callable[[], None] | None:
         return None
 
 
-def run_group(group: str, n_params: int, shapes, device, warmup: int, repeats: int, copy_gbs: float,
-              deepspeed: bool = True) -> list[dict]:
+def run_group(
+    group: str, n_params: int, shapes, device, warmup: int, repeats: int, copy_gbs: float, deepspeed: bool = True
+) -> list[dict]:
     bf16 = group == "bf16"
     params = make_params(shapes, torch.bfloat16 if bf16 else torch.float32, device)
     hyper = dict(lr=1e-4, weight_decay=0.1)
@@ -128,14 +136,23 @@ def run_group(group: str, n_params: int, shapes, device, warmup: int, repeats: i
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--sizes", nargs="+", default=None, choices=list(PRESETS),
-                    help="model sizes (default: 10M 30M 100M on CPU, 10M 100M 1B on CUDA)")
+    ap.add_argument(
+        "--sizes",
+        nargs="+",
+        default=None,
+        choices=list(PRESETS),
+        help="model sizes (default: 10M 30M 100M on CPU, 10M 100M 1B on CUDA)",
+    )
     ap.add_argument("--groups", nargs="+", default=["fp32", "fp32+clip", "bf16"])
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--out", default=None, help="results folder (default bench/results)")
-    ap.add_argument("--deepspeed", action=argparse.BooleanOptionalAction, default=True,
-                    help="time DeepSpeed's FusedAdam too where importable (--no-deepspeed: machines without it)")
+    ap.add_argument(
+        "--deepspeed",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="time DeepSpeed's FusedAdam too where importable (--no-deepspeed: machines without it)",
+    )
     args = ap.parse_args()
     device = torch.device(args.device)
     cuda = device.type == "cuda"
@@ -151,10 +168,14 @@ def main() -> None:
         for group in args.groups:
             print(f"== {size} ({n_params / 1e6:.1f}M params, {len(shapes)} tensors), {group}")
             rows += run_group(group, n_params, shapes, device, warmup, repeats, copy_gbs, args.deepspeed)
-    meta = {"copy_bandwidth_GBps": round(copy_gbs, 1), "torch_threads": torch.get_num_threads(),
-            "bytes_per_param_floor": BYTES, "hyper": "lr=1e-4, weight_decay=0.1, betas=(0.9, 0.999)",
-            "speedup": "baseline median / case median, per group (fp32: torch fused; fp32+clip: torch clip_grad_norm_ "
-                       "+ fused; bf16: torch fused on bf16 params)"}
+    meta = {
+        "copy_bandwidth_GBps": round(copy_gbs, 1),
+        "torch_threads": torch.get_num_threads(),
+        "bytes_per_param_floor": BYTES,
+        "hyper": "lr=1e-4, weight_decay=0.1, betas=(0.9, 0.999)",
+        "speedup": "baseline median / case median, per group (fp32: torch fused; fp32+clip: torch clip_grad_norm_ "
+        "+ fused; bf16: torch fused on bf16 params)",
+    }
     paths = write_results(f"optim_{device.type}", rows, meta, out_dir=args.out)
     print("wrote", ", ".join(str(p) for p in paths.values()))
 

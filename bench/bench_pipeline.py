@@ -9,6 +9,7 @@ Per (schedule, m): a step is forward + backward of the whole batch (no optimizer
 mean over repeats; it counts waiting on sends and receives as idle. Activation memory: bytes autograd saved for
 backward, at their peak during a step (a separate, metered step). Writes bench/results/pipeline_cpu.{json,md}.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,8 +40,16 @@ def _args() -> argparse.Namespace:
 def main() -> int:
     args = _args()
     if "RANK" not in os.environ:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.ranks),
-               os.path.abspath(__file__), *sys.argv[1:]]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            str(args.ranks),
+            os.path.abspath(__file__),
+            *sys.argv[1:],
+        ]
         env = dict(os.environ, OMP_NUM_THREADS="1")
         return subprocess.call(cmd, env=env)
 
@@ -80,14 +89,28 @@ def main() -> int:
 
             t = measure_distributed(step, warmup=args.warmup, repeats=args.repeats, name=schedule)
             idle /= args.repeats
-            row = dict(schedule=schedule, pp=pp, v=runner.split.virtual_stages, micro_batches=m,
-                       step_ms=1e3 * t.median_s, iqr_ms=1e3 * t.iqr_s,
-                       tokens_per_s=args.batch * args.seq_len / t.median_s,
-                       bubble_formula=runner.bubble_formula(), bubble_measured_mean=float(idle.mean()),
-                       bubble_measured_per_stage=" ".join(f"{v:.2f}" for v in idle.tolist()))
+            row = dict(
+                schedule=schedule,
+                pp=pp,
+                v=runner.split.virtual_stages,
+                micro_batches=m,
+                step_ms=1e3 * t.median_s,
+                iqr_ms=1e3 * t.iqr_s,
+                tokens_per_s=args.batch * args.seq_len / t.median_s,
+                bubble_formula=runner.bubble_formula(),
+                bubble_measured_mean=float(idle.mean()),
+                bubble_measured_per_stage=" ".join(f"{v:.2f}" for v in idle.tolist()),
+            )
             if schedule in ("gpipe", "1f1b"):  # activation memory, in a separate metered step
-                metered = build_pipeline(GPT(cfg, seed=0), env.mesh, GPT.loss, micro_batches=m, schedule=schedule,
-                                         verbose=False, track_memory=True)
+                metered = build_pipeline(
+                    GPT(cfg, seed=0),
+                    env.mesh,
+                    GPT.loss,
+                    micro_batches=m,
+                    schedule=schedule,
+                    verbose=False,
+                    track_memory=True,
+                )
                 metered.step(x, y)
                 stats = metered.gather_stats()
                 row["in_flight_per_stage"] = " ".join(str(s.peak_in_flight) for s in stats)
@@ -102,9 +125,14 @@ def main() -> int:
             for r in rows:
                 if r["micro_batches"] == m:
                     r["speedup_vs_gpipe"] = base["step_ms"] / r["step_ms"]
-        meta = dict(model=f"GPT n_layer={args.n_layer} d_model={args.d_model} seq_len={args.seq_len} fp32",
-                    batch=args.batch, ranks=pp, backend=env.backend, threads_per_rank=torch.get_num_threads(),
-                    cpus=os.cpu_count())
+        meta = dict(
+            model=f"GPT n_layer={args.n_layer} d_model={args.d_model} seq_len={args.seq_len} fp32",
+            batch=args.batch,
+            ranks=pp,
+            backend=env.backend,
+            threads_per_rank=torch.get_num_threads(),
+            cpus=os.cpu_count(),
+        )
         paths = write_results(args.name, rows, meta)
         print("written:", ", ".join(str(p) for p in paths.values()))
     torch.distributed.destroy_process_group()

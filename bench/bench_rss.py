@@ -7,6 +7,7 @@ handles). The demo GPT on random tokens, dp=2 on CPU/gloo, through ``llmpar.init
 
 Results: bench/results/rss_zero{stage}.{md,json}: RSS per rank at each mark, and the growth from step 50 to the end.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,8 +51,9 @@ def run(args) -> None:
     model = gpt(args)
     engine, _, _, _ = llmpar.initialize(model=model, config=cfg)
     inp, tgt = batch(args)
-    marks = sorted({m for m in (50, 150, args.steps) if m <= args.steps} | set(range(args.every, args.steps + 1,
-                                                                                        args.every)))
+    marks = sorted(
+        {m for m in (50, 150, args.steps) if m <= args.steps} | set(range(args.every, args.steps + 1, args.every))
+    )
     seen: dict[int, tuple[float, int, int]] = {}
     losses = []
     for step in range(1, args.steps + 1):
@@ -66,20 +68,32 @@ def run(args) -> None:
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
     if dist.get_rank() == 0:
-        rows = [{"step": m, **{f"rank{r}_rss_mib": round(float(t[i, 0]), 1) for r, t in enumerate(every)},
-                 "rank0_python_objects": int(every[0][i, 1]), "rank0_live_tensors": int(every[0][i, 2])}
-                for i, m in enumerate(marks)]
+        rows = [
+            {
+                "step": m,
+                **{f"rank{r}_rss_mib": round(float(t[i, 0]), 1) for r, t in enumerate(every)},
+                "rank0_python_objects": int(every[0][i, 1]),
+                "rank0_live_tensors": int(every[0][i, 2]),
+            }
+            for i, m in enumerate(marks)
+        ]
         start = marks.index(50) if 50 in marks else 0
         growth = {f"rank{r}_growth_mib": round(float(t[-1, 0] - t[start, 0]), 1) for r, t in enumerate(every)}
-        meta = {"what": f"ZeRO-{args.stage}, dp={dist.get_world_size()}, {args.steps} steps of the demo GPT "
-                        f"(d_model={args.d_model}, n_layer={args.n_layer}, seq={args.seq}, micro {args.micro}), fp32",
-                "growth from step 50 to the end": growth, "loss first -> last": f"{losses[0]:.4f} -> {losses[-1]:.4f}",
-                "threads_per_rank": torch.get_num_threads()}
+        meta = {
+            "what": f"ZeRO-{args.stage}, dp={dist.get_world_size()}, {args.steps} steps of the demo GPT "
+            f"(d_model={args.d_model}, n_layer={args.n_layer}, seq={args.seq}, micro {args.micro}), fp32",
+            "growth from step 50 to the end": growth,
+            "loss first -> last": f"{losses[0]:.4f} -> {losses[-1]:.4f}",
+            "threads_per_rank": torch.get_num_threads(),
+        }
         print(json.dumps({"rows": rows, **meta}, indent=1))
         if not args.no_write:
-            write_results(f"rss_zero{args.stage}", rows, meta,
-                          curve={"x": "step", "y": [k for k in rows[0] if k.endswith("_mib")],
-                                 "title": "RSS per rank (MiB)"})
+            write_results(
+                f"rss_zero{args.stage}",
+                rows,
+                meta,
+                curve={"x": "step", "y": [k for k in rows[0] if k.endswith("_mib")], "title": "RSS per rank (MiB)"},
+            )
     del engine
     gc.collect()
     dist.destroy_process_group()

@@ -30,6 +30,7 @@ Results: bench/results/scaling.{md,json,png} (every column; figure: step time an
 scaling_memory.{md,json,png} (the memory columns; figure: state and state / estimate vs dp), figures drawn by
 ``scaling_plot.py`` (``--replot`` redraws them from scaling.json).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,8 +61,7 @@ from baselines import (  # noqa: E402
     zero_config,
 )
 
-SIZES = {"5M": dict(d_model=256, n_layer=6), "20M": dict(d_model=512, n_layer=6),
-         "50M": dict(d_model=640, n_layer=10)}
+SIZES = {"5M": dict(d_model=256, n_layer=6), "20M": dict(d_model=512, n_layer=6), "50M": dict(d_model=640, n_layer=10)}
 CASES = ("ddp", "llmpar_s1", "llmpar_s2", "llmpar_s3", "fsdp2", "deepspeed_s1", "deepspeed_s2", "deepspeed_s3")
 EXTRA = ("llmpar_s0", "llmpar_s1_offload", "llmpar_s2_offload", "llmpar_s3_offload")  # --mem-only-cases
 STAGE = {"ddp": 0, "fsdp2": 3}
@@ -77,8 +77,17 @@ def offload_of(case: str) -> str:
 
 def model_args(args: Any, size: str) -> SimpleNamespace:
     """What baselines.gpt / batch / zero_config read, for model ``size``."""
-    return SimpleNamespace(**SIZES[size], n_head=args.n_head, seq=args.seq, micro=args.micro, bucket=args.bucket,
-                           bf16=args.bf16, cases=args.cases, warmup=args.warmup, repeats=args.repeats)
+    return SimpleNamespace(
+        **SIZES[size],
+        n_head=args.n_head,
+        seq=args.seq,
+        micro=args.micro,
+        bucket=args.bucket,
+        bf16=args.bf16,
+        cases=args.cases,
+        warmup=args.warmup,
+        repeats=args.repeats,
+    )
 
 
 def build(case: str, args: Any):
@@ -151,7 +160,7 @@ class StepProbe:
     def fire(self) -> None:
         if self.armed:  # what is reachable, not garbage in reference cycles awaiting the collector; the smaller
             self.armed = False  # of two walks 0.1 s apart: buffers of a finished collective that gloo's worker thread
-            walks = []          # has not let go of yet (seen under load) are no state
+            walks = []  # has not let go of yet (seen under load) are no state
             for _ in range(2):
                 gc.collect()
                 walks.append(live_tensor_bytes())
@@ -164,6 +173,7 @@ class StepProbe:
         def step(*a: Any, **k: Any) -> Any:
             self.fire()
             return inner(*a, **k)
+
         opt.step = step
 
 
@@ -189,8 +199,11 @@ def memory_rank(case: str, args: Any) -> dict[str, Any]:
         step()
     probe.handle.remove()
     hwm = _status_kb("VmHWM")
-    out = {"state": (probe.bytes or 0) - base + ddp_bucket_bytes(), "peak_rss": (max(peak, hwm) - rss0) * 1024,
-           "step_rss": (hwm - rss1) * 1024}
+    out = {
+        "state": (probe.bytes or 0) - base + ddp_bucket_bytes(),
+        "peak_rss": (max(peak, hwm) - rss0) * 1024,
+        "step_rss": (hwm - rss1) * 1024,
+    }
     if zero:
         mem = zero[0].memory_bytes()
         out.update(held=mem["device"] + mem["host"], buffers=mem["staging_peak"] + mem.get("gathered_peak", 0))
@@ -206,8 +219,14 @@ def _free_port() -> int:
 def _child(rank: int, world: int, port: int, case: str, args: Any, path: str) -> None:
     import torch.distributed as dist
 
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     torch.set_num_threads(1)
     code = 0
     try:
@@ -251,10 +270,13 @@ def planner_estimate(case: str, args: Any, world: int) -> dict[str, float]:
 
     with torch.device("meta"):
         model = gpt(args)
-    est = estimate_memory(model, Layout(dp=world, zero_stage=stage_of(case), offload=offload_of(case)),
-                          precision="fp32_master" if args.bf16 else "fp32",
-                          bucket_bytes=args.bucket * (2 if args.bf16 else 4),
-                          **({"persistence_threshold": 0} if case == "fsdp2" else {}))
+    est = estimate_memory(
+        model,
+        Layout(dp=world, zero_stage=stage_of(case), offload=offload_of(case)),
+        precision="fp32_master" if args.bf16 else "fp32",
+        bucket_bytes=args.bucket * (2 if args.bf16 else 4),
+        **({"persistence_threshold": 0} if case == "fsdp2" else {}),
+    )
     return {"est": est.model_states + est.cpu, "est_buffers": est.buffers, "params": int(est.psi_rank)}
 
 
@@ -265,9 +287,15 @@ def timing_rank(args: Any) -> None:
 
     def report(timings: dict, world: int, n_params: int) -> None:
         base = timings.get("ddp")
-        rows = [{"case": c, **timings[c].row(),
-                 "time_vs_ddp": timings[c].median_s / base.median_s if base is not None else float("nan")}
-                for c in args.cases if c in timings]
+        rows = [
+            {
+                "case": c,
+                **timings[c].row(),
+                "time_vs_ddp": timings[c].median_s / base.median_s if base is not None else float("nan"),
+            }
+            for c in args.cases
+            if c in timings
+        ]
         print("ROWS " + json.dumps(rows), flush=True)
 
     time_cases(margs, lambda case, a: build(case, a), report)
@@ -284,8 +312,14 @@ def run_size_dp(args: Any, size: str, world: int, tmp: Path, passthrough: list[s
         out = torchrun(__file__, [*passthrough, "--size", size], world)
         line = [ln for ln in out.splitlines() if ln.startswith("ROWS ")][-1]
         for r in json.loads(line[5:]):
-            rows[r["case"]] = {"size": size, "dp": world, "case": r["case"], "median_ms": round(r["median_ms"], 2),
-                               "iqr_ms": round(r["iqr_ms"], 2), "time_vs_ddp": round(r["time_vs_ddp"], 3)}
+            rows[r["case"]] = {
+                "size": size,
+                "dp": world,
+                "case": r["case"],
+                "median_ms": round(r["median_ms"], 2),
+                "iqr_ms": round(r["iqr_ms"], 2),
+                "time_vs_ddp": round(r["time_vs_ddp"], 3),
+            }
         print(f"[{size} dp={world}] timing done", flush=True)
     if args.mode in ("all", "memory"):
         margs = model_args(args, size)
@@ -295,8 +329,11 @@ def run_size_dp(args: Any, size: str, world: int, tmp: Path, passthrough: list[s
             mem = memory_run(case, margs, world, tmp)
             print(f"  {case} memory run {time.monotonic() - t0:.1f} s", flush=True)
             row = rows.setdefault(case, {"size": size, "dp": world, "case": case})
-            row.update(state_mb=_mb(mem["state"]), step_peak_rss_mb=_mb(mem["step_rss"]),
-                       peak_rss_over_start_mb=_mb(mem["peak_rss"]))
+            row.update(
+                state_mb=_mb(mem["state"]),
+                step_peak_rss_mb=_mb(mem["step_rss"]),
+                peak_rss_over_start_mb=_mb(mem["peak_rss"]),
+            )
             if "held" in mem:
                 row.update(held_mb=_mb(mem["held"]), buffers_mb=_mb(mem["buffers"]))
             print(f"[{size} dp={world}] {case}: {row}", flush=True)
@@ -320,23 +357,66 @@ def add_estimates(rows: list[dict[str, Any]], args: Any) -> None:
 def write(rows: list[dict[str, Any]], args: Any) -> None:
     from harness import RESULTS_DIR, write_results
 
-    meta = {"models": ", ".join(f"{s}: GPT d_model={SIZES[s]['d_model']} n_layer={SIZES[s]['n_layer']} "
-                                f"n_head={args.n_head} vocab=256 seq={args.seq}" for s in args.sizes),
-            "batch": f"micro {args.micro} x seq {args.seq} per rank", "bf16": args.bf16,
-            "bucket_elements": args.bucket, "mem_steps": args.mem_steps,
-            "cores": f"{os.cpu_count()} (dp=4 oversubscribes them: 4 single-threaded ranks share the cores)",
-            "state_mb": "live tensors (params, grads, optimizer state, flat/bucket buffers) when the optimizer step "
-                        "of the last step begins, max over ranks",
-            "est_mb": "llmpar.planning.estimate_memory model states (+ host) for the case's stage, dtype, bucket",
-            "goal": "llmpar |est_err_pct| <= 5"}
-    write_results("scaling", rows, meta, curve={"x": "dp", "y": ["median_ms"], "group": ["case", "size"],
-                                                "logy": True, "title": "step time per rank vs dp"})
-    mem_rows = [{k: r[k] for k in ("size", "dp", "case", "params", "state_mb", "est_mb", "state_vs_est",
-                                   "step_peak_rss_mb", "peak_rss_over_start_mb", "held_mb", "est_err_pct") if k in r}
-                for r in rows if "state_mb" in r]
-    write_results("scaling_memory", mem_rows, meta, curve={
-        "x": "dp", "y": ["state_vs_est"], "group": ["case", "size"],
-        "title": "measured state / planner estimate, per rank"})
+    meta = {
+        "models": ", ".join(
+            f"{s}: GPT d_model={SIZES[s]['d_model']} n_layer={SIZES[s]['n_layer']} "
+            f"n_head={args.n_head} vocab=256 seq={args.seq}"
+            for s in args.sizes
+        ),
+        "batch": f"micro {args.micro} x seq {args.seq} per rank",
+        "bf16": args.bf16,
+        "bucket_elements": args.bucket,
+        "mem_steps": args.mem_steps,
+        "cores": f"{os.cpu_count()} (dp=4 oversubscribes them: 4 single-threaded ranks share the cores)",
+        "state_mb": "live tensors (params, grads, optimizer state, flat/bucket buffers) when the optimizer step "
+        "of the last step begins, max over ranks",
+        "est_mb": "llmpar.planning.estimate_memory model states (+ host) for the case's stage, dtype, bucket",
+        "goal": "llmpar |est_err_pct| <= 5",
+    }
+    write_results(
+        "scaling",
+        rows,
+        meta,
+        curve={
+            "x": "dp",
+            "y": ["median_ms"],
+            "group": ["case", "size"],
+            "logy": True,
+            "title": "step time per rank vs dp",
+        },
+    )
+    mem_rows = [
+        {
+            k: r[k]
+            for k in (
+                "size",
+                "dp",
+                "case",
+                "params",
+                "state_mb",
+                "est_mb",
+                "state_vs_est",
+                "step_peak_rss_mb",
+                "peak_rss_over_start_mb",
+                "held_mb",
+                "est_err_pct",
+            )
+            if k in r
+        }
+        for r in rows
+        if "state_mb" in r
+    ]
+    write_results(
+        "scaling_memory",
+        mem_rows,
+        meta,
+        curve={
+            "x": "dp",
+            "y": ["state_vs_est"],
+            "group": ["case", "size"],
+            "title": "measured state / planner estimate, per rank",
+        },
+    )
     replot(RESULTS_DIR)
 
 
@@ -354,11 +434,20 @@ def main() -> None:
     p.add_argument("--sizes", nargs="+", default=["5M", "20M"], choices=list(SIZES))
     p.add_argument("--dps", nargs="+", type=int, default=[1, 2, 4])
     add_step_args(p, warmup=1, repeats=5)
-    p.add_argument("--mem-steps", type=int, default=2, help="steps of a memory run (>= 2: the first allocates the "
-                                                              "optimizer state, the last is measured)")
+    p.add_argument(
+        "--mem-steps",
+        type=int,
+        default=2,
+        help="steps of a memory run (>= 2: the first allocates the optimizer state, the last is measured)",
+    )
     p.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES + EXTRA)
-    p.add_argument("--mem-only-cases", nargs="*", default=list(EXTRA), choices=EXTRA,
-                   help="more llmpar cases whose memory (not time) is measured: stage 0, optimizer offload")
+    p.add_argument(
+        "--mem-only-cases",
+        nargs="*",
+        default=list(EXTRA),
+        choices=EXTRA,
+        help="more llmpar cases whose memory (not time) is measured: stage 0, optimizer offload",
+    )
     p.add_argument("--mode", choices=("all", "time", "memory"), default="all")
     p.add_argument("--size", choices=list(SIZES), help=argparse.SUPPRESS)  # the timing job's size (under torchrun)
     p.add_argument("--no-write", action="store_true")
@@ -378,9 +467,24 @@ def main() -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         import deepspeed  # noqa: F401 - imported once here, before the memory ranks fork
     import llmpar  # noqa: F401
-    passthrough = ["--warmup", str(args.warmup), "--repeats", str(args.repeats), "--n-head", str(args.n_head),
-                   "--seq", str(args.seq), "--micro", str(args.micro), "--bucket", str(args.bucket),
-                   *(["--bf16"] if args.bf16 else []), "--cases", *args.cases]
+
+    passthrough = [
+        "--warmup",
+        str(args.warmup),
+        "--repeats",
+        str(args.repeats),
+        "--n-head",
+        str(args.n_head),
+        "--seq",
+        str(args.seq),
+        "--micro",
+        str(args.micro),
+        "--bucket",
+        str(args.bucket),
+        *(["--bf16"] if args.bf16 else []),
+        "--cases",
+        *args.cases,
+    ]
     import tempfile
 
     rows: list[dict[str, Any]] = []

@@ -24,6 +24,7 @@ Definitions (every time is the max over ranks of one step, medians over the inte
 Results: bench/results/tp_blocks.{md,json} (vs torch), tp_overlap.{md,json} (chunks, layouts) and
 tp_profile.{md,json} (where the block time goes).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -68,6 +69,7 @@ class _Clocked:
 def _local_stand_in(name: str, original, *, sync: bool = False):
     """A collective's local stand-in with the same shapes: no bytes leave the rank (``sync``: the ranks still meet
     at the same points, through a 1-element all-reduce in its place)."""
+
     def call(*args, async_op: bool = False, **kwargs):
         if name == "all_gather_flat":  # (output [tp * n], input [n]): the input in every slot
             out, inp = args[0], args[1]
@@ -78,6 +80,7 @@ def _local_stand_in(name: str, original, *, sync: bool = False):
         if sync:
             return all_reduce(torch.zeros(1), args[2] if name != "all_reduce" else args[1], async_op=async_op)
         return _Clocked(None, None) if async_op else None  # all-reduce: the tensor stays as it is
+
     return call
 
 
@@ -93,6 +96,7 @@ class WaitClock:
             if async_op:
                 return handle
             handle.wait()
+
         return call
 
 
@@ -117,6 +121,7 @@ def no_comm(step, *, sync: bool = False):
     def run():
         with swapped_collectives(make):
             step()
+
     return run
 
 
@@ -138,8 +143,13 @@ def clocked(step, group, steps: int) -> dict[str, float]:
     sums = torch.tensor([wall, main, proc - main, clock.waited_s], dtype=torch.float64)
     dist.all_reduce(sums, group=group)
     wall, main, other, waited = (sums / (steps * dist.get_world_size(group))).tolist()
-    return {"wall_ms": wall * 1e3, "main_cpu_ms": main * 1e3, "other_threads_cpu_ms": other * 1e3,
-            "wait_ms": waited * 1e3, "wait_frac": waited / wall}
+    return {
+        "wall_ms": wall * 1e3,
+        "main_cpu_ms": main * 1e3,
+        "other_threads_cpu_ms": other * 1e3,
+        "wait_ms": waited * 1e3,
+        "wait_frac": waited / wall,
+    }
 
 
 def comm_only_fn(x_shape: tuple[int, ...], chunks: int, sp: bool, group):
@@ -156,8 +166,9 @@ def comm_only_fn(x_shape: tuple[int, ...], chunks: int, sp: bool, group):
                 for piece in torch.tensor_split(torch.arange(n // tp), chunks):
                     a, b = int(piece[0]), int(piece[-1]) + 1
                     out = torch.empty(tp * (b - a), full.shape[1])
-                    handles.append(all_gather_flat(out.view(-1), shard[a:b].contiguous().view(-1), group,
-                                                   async_op=True))
+                    handles.append(
+                        all_gather_flat(out.view(-1), shard[a:b].contiguous().view(-1), group, async_op=True)
+                    )
                 handles.append(reduce_scatter_flat(shard.view(-1), full.view(-1), group, async_op=True))
         else:  # forward: all-reduce of the row output in k pieces; backward: all-reduce of the column input grad
             for piece in torch.tensor_split(torch.arange(n), chunks):
@@ -165,6 +176,7 @@ def comm_only_fn(x_shape: tuple[int, ...], chunks: int, sp: bool, group):
             handles.append(all_reduce(full, group, async_op=True))
         for h in handles:
             h.wait()
+
     return step
 
 
@@ -222,16 +234,23 @@ def local_compute_only(block: nn.Module, kind: str, tp: int) -> nn.Module:
     return out
 
 
-def llmpar_tp(base: nn.Module, kind: str, group, *, chunks: int = 1, overlap: bool = True,
-              sp_layers: bool = False) -> nn.Module:
+def llmpar_tp(
+    base: nn.Module, kind: str, group, *, chunks: int = 1, overlap: bool = True, sp_layers: bool = False
+) -> nn.Module:
     """``parallelize`` (``sp_layers``: the MLP with sequence-parallel layers: the column layer all-gathers its
     input in ``chunks`` pieces pipelined with its matmul, the row layer reduce-scatters in ``chunks`` pieces)."""
     if not sp_layers:
-        return parallelize(copy.deepcopy(base), group, dict(zip(PLANS[kind], ("column", "row"))),
-                           comm_chunks=chunks, overlap_grad_comm=overlap)
+        return parallelize(
+            copy.deepcopy(base),
+            group,
+            dict(zip(PLANS[kind], ("column", "row"))),
+            comm_chunks=chunks,
+            overlap_grad_comm=overlap,
+        )
     out = copy.deepcopy(base)
-    out.fc = ColumnParallelLinear.from_linear(base.fc, group=group, sequence_parallel=True, comm_chunks=chunks,
-                                              overlap_grad_comm=overlap)
+    out.fc = ColumnParallelLinear.from_linear(
+        base.fc, group=group, sequence_parallel=True, comm_chunks=chunks, overlap_grad_comm=overlap
+    )
     out.proj = RowParallelLinear.from_linear(base.proj, group=group, sequence_parallel=True, comm_chunks=chunks)
     return out
 
@@ -242,13 +261,15 @@ def step_fn(block: nn.Module, x: torch.Tensor, w: torch.Tensor):
         (block(xx) * w).sum().backward()
         for p in block.parameters():
             p.grad = None
+
     return step
 
 
 def timed_rounds(cases: dict, group, args) -> list[dict]:
     """``args.rounds`` interleaved comparisons of ``cases`` (each the harness's compare_distributed)."""
-    return [compare_distributed(cases, group=group, warmup=args.warmup, repeats=args.repeats)
-            for _ in range(args.rounds)]
+    return [
+        compare_distributed(cases, group=group, warmup=args.warmup, repeats=args.repeats) for _ in range(args.rounds)
+    ]
 
 
 def _spread(values: list[float], digits: int = 3) -> str:
@@ -277,24 +298,42 @@ def blocks_section(kind: str, base, x, w, group, mesh, args) -> tuple[list[dict]
         if name == "comm_alone":
             continue
         ratio = [r[name].median_s / r["torch_dtensor"].median_s for r in rounds]
-        row = {"block": kind, "B": x.shape[0], "T": x.shape[1], "d": x.shape[2], "tp": tp, "name": name,
-               "median_ms": statistics.median([r[name].median_s for r in rounds]) * 1e3,
-               "min_ms": min(r[name].min_s for r in rounds) * 1e3,
-               "time_vs_torch": statistics.median(ratio), "time_vs_torch_over_rounds": _spread(ratio)}
+        row = {
+            "block": kind,
+            "B": x.shape[0],
+            "T": x.shape[1],
+            "d": x.shape[2],
+            "tp": tp,
+            "name": name,
+            "median_ms": statistics.median([r[name].median_s for r in rounds]) * 1e3,
+            "min_ms": min(r[name].min_s for r in rounds) * 1e3,
+            "time_vs_torch": statistics.median(ratio),
+            "time_vs_torch_over_rounds": _spread(ratio),
+        }
         if name + "_nocomm" in cases:
             exposed = _exposed(rounds, name, name + "_nocomm")
-            row.update(exposed_comm_frac=statistics.median(exposed), exposed_over_rounds=_spread(exposed, 2),
-                       exposed_comm_frac_from_min=statistics.median(_exposed(rounds, name, name + "_nocomm", "min_s")),
-                       wait_frac=clocks[name]["wait_frac"])
+            row.update(
+                exposed_comm_frac=statistics.median(exposed),
+                exposed_over_rounds=_spread(exposed, 2),
+                exposed_comm_frac_from_min=statistics.median(_exposed(rounds, name, name + "_nocomm", "min_s")),
+                wait_frac=clocks[name]["wait_frac"],
+            )
         if name == "llmpar":  # the part of the exposed share that is only the ranks meeting (no bytes)
             row["exposed_sync_only_frac"] = statistics.median(
-                [(r["llmpar_sync_only"].median_s - r["llmpar_nocomm"].median_s) / r["llmpar"].median_s
-                 for r in rounds])
+                [(r["llmpar_sync_only"].median_s - r["llmpar_nocomm"].median_s) / r["llmpar"].median_s for r in rounds]
+            )
         rows.append(row)
     for name, clock in clocks.items():
         off_cpu = clock["wall_ms"] - clock["main_cpu_ms"]
-        profile.append({"block": kind, "case": name, **clock, "main_thread_off_cpu_ms": off_cpu,
-                        "preempted_or_other_ms": off_cpu - clock["wait_ms"]})
+        profile.append(
+            {
+                "block": kind,
+                "case": name,
+                **clock,
+                "main_thread_off_cpu_ms": off_cpu,
+                "preempted_or_other_ms": off_cpu - clock["wait_ms"],
+            }
+        )
     return rows, profile
 
 
@@ -317,16 +356,25 @@ def overlap_section(kind: str, base, x, w, group, args) -> list[dict]:
         for label, cfg in configs.items():
             exposed = _exposed(rounds, label, label + " nocomm")
             k, clock = cfg["chunks"], clocked(cases[label], group, args.wait_steps)
-            rows.append({
-                "block": kind, "sequence_parallel": sp, "case": label, "chunks": k,
-                "t_step_ms": statistics.median([r[label].median_s for r in rounds]) * 1e3,
-                "t_nocomm_ms": statistics.median([r[label + " nocomm"].median_s for r in rounds]) * 1e3,
-                "t_comm_alone_ms": statistics.median([r[f"comm_alone k={k}"].median_s for r in rounds]) * 1e3,
-                "exposed_comm_frac": statistics.median(exposed), "exposed_over_rounds": _spread(exposed, 2),
-                "exposed_comm_frac_from_min": statistics.median(_exposed(rounds, label, label + " nocomm", "min_s")),
-                "wait_frac": clock["wait_frac"], "main_cpu_ms": clock["main_cpu_ms"],
-                "other_threads_cpu_ms": clock["other_threads_cpu_ms"],
-            })
+            rows.append(
+                {
+                    "block": kind,
+                    "sequence_parallel": sp,
+                    "case": label,
+                    "chunks": k,
+                    "t_step_ms": statistics.median([r[label].median_s for r in rounds]) * 1e3,
+                    "t_nocomm_ms": statistics.median([r[label + " nocomm"].median_s for r in rounds]) * 1e3,
+                    "t_comm_alone_ms": statistics.median([r[f"comm_alone k={k}"].median_s for r in rounds]) * 1e3,
+                    "exposed_comm_frac": statistics.median(exposed),
+                    "exposed_over_rounds": _spread(exposed, 2),
+                    "exposed_comm_frac_from_min": statistics.median(
+                        _exposed(rounds, label, label + " nocomm", "min_s")
+                    ),
+                    "wait_frac": clock["wait_frac"],
+                    "main_cpu_ms": clock["main_cpu_ms"],
+                    "other_threads_cpu_ms": clock["other_threads_cpu_ms"],
+                }
+            )
     return rows
 
 
@@ -364,33 +412,62 @@ def main() -> None:
         if not args.skip_overlap:
             overlap_rows += overlap_section(kind, base, x, w, group, args)
     if rank == 0:
-        common = {"world_size": tp, "backend": "gloo", "threads_per_rank": args.threads, "rounds": args.rounds,
-                  "load_average_at_start": load_at_start,
-                  "load_average_at_end": os.getloadavg()[0], "cores": os.cpu_count()}
-        defs = {"exposed_comm_frac": "(t_block - t_nocomm) / t_block, t_nocomm = the same llmpar block with its "
-                "collectives replaced by local stand-ins of the same shapes; median over rounds (goal <= 0.30)",
-                "wait_frac": "time blocked in the collectives' wait() / step time, mean over ranks"}
-        for title, rows in (("blocks vs torch", blocks_rows), ("profile", profile_rows),
-                            ("overlap", overlap_rows)):
+        common = {
+            "world_size": tp,
+            "backend": "gloo",
+            "threads_per_rank": args.threads,
+            "rounds": args.rounds,
+            "load_average_at_start": load_at_start,
+            "load_average_at_end": os.getloadavg()[0],
+            "cores": os.cpu_count(),
+        }
+        defs = {
+            "exposed_comm_frac": "(t_block - t_nocomm) / t_block, t_nocomm = the same llmpar block with its "
+            "collectives replaced by local stand-ins of the same shapes; median over rounds (goal <= 0.30)",
+            "wait_frac": "time blocked in the collectives' wait() / step time, mean over ranks",
+        }
+        for title, rows in (("blocks vs torch", blocks_rows), ("profile", profile_rows), ("overlap", overlap_rows)):
             if rows:
                 print(f"## {title}\n{markdown_table(rows)}")
-        write_results("tp_blocks", blocks_rows, {
-            **common, "timed": "forward+backward of (block(x) * w).sum(), median over repeats of the max over "
-            "ranks; time_vs_torch: median over rounds of the per-round ratio (its range over rounds beside it)",
-            "goal": "llmpar <= 0.7x torch_dtensor time, exposed_comm_frac <= 0.30", **defs}, out_dir=args.out)
-        write_results("tp_profile", profile_rows, {
-            **common, "clocked": f"{args.wait_steps} untimed steps per case after the timed rounds, each after a "
-            "barrier; means per step over the steps and the ranks",
-            "columns": "wall_ms = main_cpu_ms (the calling thread on a core: compute, copies, Python) + "
-            "main_thread_off_cpu_ms; off-CPU = wait_ms (blocked in llmpar's collective waits; torch's DTensor "
-            "waits are not clocked, they land in preempted_or_other_ms) + preempted_or_other_ms (runnable but "
-            "another thread or process on the core); other_threads_cpu_ms: CPU time of the process's other threads "
-            "(gloo's workers: the collectives' own CPU cost)"}, out_dir=args.out)
+        write_results(
+            "tp_blocks",
+            blocks_rows,
+            {
+                **common,
+                "timed": "forward+backward of (block(x) * w).sum(), median over repeats of the max over "
+                "ranks; time_vs_torch: median over rounds of the per-round ratio (its range over rounds beside it)",
+                "goal": "llmpar <= 0.7x torch_dtensor time, exposed_comm_frac <= 0.30",
+                **defs,
+            },
+            out_dir=args.out,
+        )
+        write_results(
+            "tp_profile",
+            profile_rows,
+            {
+                **common,
+                "clocked": f"{args.wait_steps} untimed steps per case after the timed rounds, each after a "
+                "barrier; means per step over the steps and the ranks",
+                "columns": "wall_ms = main_cpu_ms (the calling thread on a core: compute, copies, Python) + "
+                "main_thread_off_cpu_ms; off-CPU = wait_ms (blocked in llmpar's collective waits; torch's DTensor "
+                "waits are not clocked, they land in preempted_or_other_ms) + preempted_or_other_ms (runnable but "
+                "another thread or process on the core); other_threads_cpu_ms: CPU time of the process's other threads "
+                "(gloo's workers: the collectives' own CPU cost)",
+            },
+            out_dir=args.out,
+        )
         if overlap_rows:
-            write_results("tp_overlap", overlap_rows, {
-                **common, **defs, "cpu": "main_cpu_ms / other_threads_cpu_ms: CPU time per step of the calling "
-                "thread (compute, copies, Python) and of the process's other threads (gloo), clocked steps"},
-                out_dir=args.out)
+            write_results(
+                "tp_overlap",
+                overlap_rows,
+                {
+                    **common,
+                    **defs,
+                    "cpu": "main_cpu_ms / other_threads_cpu_ms: CPU time per step of the calling "
+                    "thread (compute, copies, Python) and of the process's other threads (gloo), clocked steps",
+                },
+                out_dir=args.out,
+            )
     dist.destroy_process_group()
 
 

@@ -12,6 +12,7 @@ Timed, side by side, max over ranks:
   a plain all-reduce and no check (the layer before the checks).
 Results: bench/results/tp_checks.{md,json}.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,23 +52,37 @@ def _measure(args: argparse.Namespace) -> list[dict]:
     shape = (B, T, d)
     warm = ShapeGuard("bench")
     warm.check(shape, g)
-    t = compare_distributed({"new shape (all-gather)": lambda: ShapeGuard("bench").check(shape, g),
-                             "agreed shape (cached)": lambda: warm.check(shape, g)},
-                            group=g, repeats=args.repeats, number=20)
+    t = compare_distributed(
+        {
+            "new shape (all-gather)": lambda: ShapeGuard("bench").check(shape, g),
+            "agreed shape (cached)": lambda: warm.check(shape, g),
+        },
+        group=g,
+        repeats=args.repeats,
+        number=20,
+    )
     for name, timing in t.items():
-        rows.append({"what": f"ShapeGuard.check, {name}", "median_us": timing.median_s * 1e6,
-                     "min_us": timing.min_s * 1e6})
+        rows.append(
+            {"what": f"ShapeGuard.check, {name}", "median_us": timing.median_s * 1e6, "min_us": timing.min_s * 1e6}
+        )
 
     col = ColumnParallelLinear(d, 4 * d, group=g)
     unguarded = ColumnParallelLinear(d, 4 * d, group=g)
     unguarded._shapes = _NoGuard()
     x = torch.randn(B, T, d)
-    t = compare_distributed({"guarded": lambda: col(x), "guard stubbed": lambda: unguarded(x)}, group=g,
-                            repeats=args.repeats)
+    t = compare_distributed(
+        {"guarded": lambda: col(x), "guard stubbed": lambda: unguarded(x)}, group=g, repeats=args.repeats
+    )
     base = t["guard stubbed"].median_s
     for name, timing in t.items():
-        rows.append({"what": f"ColumnParallelLinear {d}->{4 * d} forward, {name}", "median_us": timing.median_s * 1e6,
-                     "min_us": timing.min_s * 1e6, "ratio": timing.median_s / base})
+        rows.append(
+            {
+                "what": f"ColumnParallelLinear {d}->{4 * d} forward, {name}",
+                "median_us": timing.median_s * 1e6,
+                "min_us": timing.min_s * 1e6,
+                "ratio": timing.median_s / base,
+            }
+        )
 
     emb = VocabParallelEmbedding(args.vocab, d, group=g)
     ids = torch.randint(0, args.vocab, (B, T))
@@ -77,16 +92,27 @@ def _measure(args: argparse.Namespace) -> list[dict]:
         def run():
             emb.weight.grad = None
             (fn(ids) * grad).sum().backward()
+
         return run
 
-    t = compare_distributed({"checked (fixed-size exchange first)": step(emb),
-                             "unchecked (plain all-reduce)": step(lambda i: _unchecked_embedding(emb, i))},
-                            group=g, repeats=args.repeats)
+    t = compare_distributed(
+        {
+            "checked (fixed-size exchange first)": step(emb),
+            "unchecked (plain all-reduce)": step(lambda i: _unchecked_embedding(emb, i)),
+        },
+        group=g,
+        repeats=args.repeats,
+    )
     base = t["unchecked (plain all-reduce)"].median_s
     for name, timing in t.items():
-        rows.append({"what": f"VocabParallelEmbedding {args.vocab}x{d} fwd+bwd, {name}",
-                     "median_us": timing.median_s * 1e6, "min_us": timing.min_s * 1e6,
-                     "ratio": timing.median_s / base})
+        rows.append(
+            {
+                "what": f"VocabParallelEmbedding {args.vocab}x{d} fwd+bwd, {name}",
+                "median_us": timing.median_s * 1e6,
+                "min_us": timing.min_s * 1e6,
+                "ratio": timing.median_s / base,
+            }
+        )
 
     return rows
 
@@ -104,8 +130,13 @@ def main() -> None:
     rows = _measure(args)  # returns holding no process group, so that it can be destroyed cleanly
     if dist.get_rank() == 0:
         print(markdown_table(rows))
-        meta = {"tp": dist.get_world_size(), "tokens": args.tokens // 8 * 8, "d_model": args.d_model,
-                "vocab": args.vocab, "backend": "gloo"}
+        meta = {
+            "tp": dist.get_world_size(),
+            "tokens": args.tokens // 8 * 8,
+            "d_model": args.d_model,
+            "vocab": args.vocab,
+            "backend": "gloo",
+        }
         write_results("tp_checks", rows, meta, out_dir=args.out)
     dist.destroy_process_group()
 

@@ -6,6 +6,7 @@
 Cases, timed side by side in one run: the optimizer step as a per-tensor loop (``foreach=False``, the baseline)
 and batched (``foreach=True``); later the fused llmpar optimizer joins here as a third case.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,15 +55,22 @@ def main() -> None:
         common = dict(layers=args.layers, batch=args.batch, seq=args.seq, device=args.device, dtype=dtype)
         loop, n_params = step_fn(width, foreach=False, **common)
         batched, _ = step_fn(width, foreach=True, **common)
-        cmp = compare({"adamw_loop": loop, "adamw_foreach": batched}, baseline="adamw_loop",
-                      warmup=args.warmup, repeats=args.repeats, device=args.device)
+        cmp = compare(
+            {"adamw_loop": loop, "adamw_foreach": batched},
+            baseline="adamw_loop",
+            warmup=args.warmup,
+            repeats=args.repeats,
+            device=args.device,
+        )
         tokens = args.batch * args.seq
         for row in cmp.rows(d_model=width, params=n_params):
             row["tokens_per_s"] = tokens / (row["median_ms"] / 1e3)
             rows.append(row)
         print(cmp.table())
     paths = write_results(
-        "train_step", rows, out_dir=args.out,
+        "train_step",
+        rows,
+        out_dir=args.out,
         meta={"device": args.device, "dtype": args.dtype, "layers": args.layers, "batch": args.batch, "seq": args.seq},
         curve={"x": "d_model", "y": "tokens_per_s", "group": "name", "logx": True, "title": "GPT train step"},
     )

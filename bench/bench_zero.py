@@ -10,6 +10,7 @@ median over repeats. Memory: max RSS of each rank minus its RSS just before the 
 optimizer state, buffers, peaks), after ``--mem-steps`` steps. The contenders are built in ``baselines.py``.
 Results: bench/results/zero_step.{md,json}.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,9 +41,22 @@ from baselines import (  # noqa: E402
     zero_config,
 )
 
-CASES = ("llmpar_s1", "llmpar_s2", "llmpar_s1_overlap", "llmpar_s2_overlap", "llmpar_s1_fresh", "llmpar_s2_fresh",
-         "ddp", "deepspeed_s1", "deepspeed_s2", "ddp_zero_redundancy", "no_comm", "no_comm_master", "comm_only_s2",
-         "comm_only_ddp")
+CASES = (
+    "llmpar_s1",
+    "llmpar_s2",
+    "llmpar_s1_overlap",
+    "llmpar_s2_overlap",
+    "llmpar_s1_fresh",
+    "llmpar_s2_fresh",
+    "ddp",
+    "deepspeed_s1",
+    "deepspeed_s2",
+    "ddp_zero_redundancy",
+    "no_comm",
+    "no_comm_master",
+    "comm_only_s2",
+    "comm_only_ddp",
+)
 LLMPAR_CASE = re.compile(r"llmpar_s(?P<stage>[0-3])(?P<overlap>_overlap)?(?P<fresh>_fresh)?")
 
 
@@ -60,8 +74,13 @@ def build(case: str, args):
     model = gpt(args)
     named = LLMPAR_CASE.fullmatch(case)
     if named:  # llmpar_s{stage}[_overlap]: overlap_param_gather; _fresh: the reduction without its scratch pool
-        return llmpar_step(model, zero_config(args, int(named["stage"]), bool(named["overlap"])), inp, tgt,
-                           fresh_buffers=bool(named["fresh"]))
+        return llmpar_step(
+            model,
+            zero_config(args, int(named["stage"]), bool(named["overlap"])),
+            inp,
+            tgt,
+            fresh_buffers=bool(named["fresh"]),
+        )
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     if case == "no_comm":  # the floors: compute alone (DDP's: plain fused AdamW), ZeRO's per-param bf16 step
         return no_comm_step(model, args, inp, tgt)
@@ -92,13 +111,16 @@ def timing_run(args) -> None:
         mem = json.loads(os.environ.get("ZERO_BENCH_MEM", "{}"))
         for row in rows:
             row.update(mem.get(row["case"], {}))
-        meta = {"model": f"GPT d_model={args.d_model} n_layer={args.n_layer} seq={args.seq} "
-                         f"({n_params / 1e6:.1f}M params)",
-                "batch": f"micro {args.micro} x seq {args.seq} per rank, dp={world}", "bf16": args.bf16,
-                "bucket": args.bucket, "goal": "llmpar_s1, llmpar_s2 <= 1.0 x ddp (DDP + fused AdamW) step time",
-                "fresh": "llmpar_s*_fresh: the reduction taking a fresh CPU buffer for every staging bucket, received "
-                         "chunk and landing shard (before llmpar.zero.scratch)",
-                "threads_per_rank": torch.get_num_threads()}
+        meta = {
+            "model": f"GPT d_model={args.d_model} n_layer={args.n_layer} seq={args.seq} ({n_params / 1e6:.1f}M params)",
+            "batch": f"micro {args.micro} x seq {args.seq} per rank, dp={world}",
+            "bf16": args.bf16,
+            "bucket": args.bucket,
+            "goal": "llmpar_s1, llmpar_s2 <= 1.0 x ddp (DDP + fused AdamW) step time",
+            "fresh": "llmpar_s*_fresh: the reduction taking a fresh CPU buffer for every staging bucket, received "
+            "chunk and landing shard (before llmpar.zero.scratch)",
+            "threads_per_rank": torch.get_num_threads(),
+        }
         print(json.dumps(rows, indent=1))
         if not args.no_write:
             write_results(args.name, rows, meta)
@@ -119,8 +141,15 @@ def memory_run(args) -> None:
     everyone = [torch.zeros(2, dtype=torch.float64) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, out)
     if dist.get_rank() == 0:
-        print("MEM " + json.dumps({"peak_rss_over_start_mb": [round(float(e[0]), 1) for e in everyone],
-                                   "peak_rss_mb": [round(float(e[1]), 1) for e in everyone]}))
+        print(
+            "MEM "
+            + json.dumps(
+                {
+                    "peak_rss_over_start_mb": [round(float(e[0]), 1) for e in everyone],
+                    "peak_rss_mb": [round(float(e[1]), 1) for e in everyone],
+                }
+            )
+        )
     del step
     gc.collect()
     dist.destroy_process_group()
@@ -150,7 +179,7 @@ def main() -> None:
     passthrough = [a for a in sys.argv[1:] if a not in ("--mode", "all", "time", "memory")]
     if "--nproc" in passthrough:  # torchrun's own option (it would read it as an abbreviation of --nproc-per-node)
         i = passthrough.index("--nproc")
-        del passthrough[i:i + 2]
+        del passthrough[i : i + 2]
     mem: dict[str, dict] = {}
     if args.mode in ("all", "memory"):
         for case in args.cases:

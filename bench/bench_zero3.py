@@ -14,6 +14,7 @@ costs when nothing overlaps.
 
 Results: bench/results/zero3_step.{md,json}.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,8 +40,18 @@ from baselines import (  # noqa: E402
     zero_config,
 )
 
-CASES = ("llmpar_s3", "llmpar_s3_lean", "llmpar_s2", "deepspeed_s3", "fsdp2", "llmpar_s3_offload",
-         "deepspeed_s3_offload", "no_comm", "comm_only_s3", "comm_only_s2")
+CASES = (
+    "llmpar_s3",
+    "llmpar_s3_lean",
+    "llmpar_s2",
+    "deepspeed_s3",
+    "fsdp2",
+    "llmpar_s3_offload",
+    "deepspeed_s3_offload",
+    "no_comm",
+    "comm_only_s3",
+    "comm_only_s2",
+)
 GOALS = {"llmpar_s3": ("deepspeed_s3", 0.67), "llmpar_s3_offload": ("deepspeed_s3_offload", 0.67)}
 
 
@@ -81,10 +92,14 @@ def timing_run(args) -> None:
                 if other in timings and other != name:
                     row[f"time_vs_{other}"] = timings[name].median_s / timings[other].median_s
             rows.append(row)
-        meta = {"model": f"GPT d_model={args.d_model} n_layer={args.n_layer} seq={args.seq} ({n_params / 1e6:.1f}M)",
-                "batch": f"micro {args.micro} x seq {args.seq} per rank, dp={world}", "bf16": args.bf16,
-                "goals": "llmpar_s3 <= 1.15 x llmpar_s2, <= 0.6 x deepspeed_s3 and fsdp2; llmpar_s3_offload "
-                         "<= 0.67 x deepspeed_s3_offload", "threads_per_rank": torch.get_num_threads()}
+        meta = {
+            "model": f"GPT d_model={args.d_model} n_layer={args.n_layer} seq={args.seq} ({n_params / 1e6:.1f}M)",
+            "batch": f"micro {args.micro} x seq {args.seq} per rank, dp={world}",
+            "bf16": args.bf16,
+            "goals": "llmpar_s3 <= 1.15 x llmpar_s2, <= 0.6 x deepspeed_s3 and fsdp2; llmpar_s3_offload "
+            "<= 0.67 x deepspeed_s3_offload",
+            "threads_per_rank": torch.get_num_threads(),
+        }
         print(json.dumps(rows, indent=1))
         if not args.no_write:
             write_results("zero3_step", rows, meta)

@@ -12,6 +12,7 @@ so their step times share the machine's noise. ZeRO-3 is set up as for a model b
 again in backward: the 3 psi per step of the ZeRO papers. Cross-node bytes come from ``CommCounter`` (received from
 the other node, direct form), in units of psi = one uncompressed fp32 all-gather of all params across the nodes.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,10 +32,17 @@ CASES = {
     "qwZ+hpZ": {"zero_quantized_weights": True, "zero_hpz_partition_size": 2},
     "qgZ": {"zero_quantized_gradients": True},
     "qgZ+EF": {"zero_quantized_gradients": True, "zero_quantized_gradients_error_feedback": True},
-    "qwZ+qgZ+EF": {"zero_quantized_weights": True, "zero_quantized_gradients": True,
-                   "zero_quantized_gradients_error_feedback": True},
-    "qwZ+hpZ+qgZ+EF": {"zero_quantized_weights": True, "zero_hpz_partition_size": 2, "zero_quantized_gradients": True,
-                       "zero_quantized_gradients_error_feedback": True},
+    "qwZ+qgZ+EF": {
+        "zero_quantized_weights": True,
+        "zero_quantized_gradients": True,
+        "zero_quantized_gradients_error_feedback": True,
+    },
+    "qwZ+hpZ+qgZ+EF": {
+        "zero_quantized_weights": True,
+        "zero_hpz_partition_size": 2,
+        "zero_quantized_gradients": True,
+        "zero_quantized_gradients_error_feedback": True,
+    },
 }
 
 
@@ -58,16 +66,28 @@ def worker(args: argparse.Namespace) -> None:
     runs = {}
     for name in args.cases:
         cfg = build_config(opts)
-        cfg["zero_optimization"].update({"stage3_prefetch_bucket_size": args.prefetch,
-                                         "stage3_param_persistence_threshold": 1000, "reduce_bucket_size": 10 ** 6,
-                                         "overlap_comm": True, **CASES[name]})
+        cfg["zero_optimization"].update(
+            {
+                "stage3_prefetch_bucket_size": args.prefetch,
+                "stage3_param_persistence_threshold": 1000,
+                "reduce_bucket_size": 10**6,
+                "overlap_comm": True,
+                **CASES[name],
+            }
+        )
         model = GPT(opts.model_config(tok.vocab_size), seed=opts.seed)
         counter = CommCounter()
         engine = llmpar.initialize(model=model, config=cfg, model_parameters=param_groups(model), counter=counter)[0]
         runs[name] = dict(engine=engine, counter=counter, losses=[], times=[], cross=[], sent=[])
     n_params = sum(p.numel() for p in GPT(opts.model_config(tok.vocab_size), seed=opts.seed).parameters())
-    loader = BatchLoader(tokens=load_tokens(opts.text), batch_size=opts.batch_size, seq_len=opts.seq_len,
-                         dp_rank=rank, dp_size=world, seed=opts.seed)
+    loader = BatchLoader(
+        tokens=load_tokens(opts.text),
+        batch_size=opts.batch_size,
+        seq_len=opts.seq_len,
+        dp_rank=rank,
+        dp_size=world,
+        seed=opts.seed,
+    )
     for step in range(args.steps):
         x, y = loader.batch(step)
         for _name, run in runs.items():
@@ -90,13 +110,30 @@ def worker(args: argparse.Namespace) -> None:
     for name, run in runs.items():
         cross = torch.tensor(run["cross"][1:], dtype=torch.float64).mean().reshape(1)
         dist.all_reduce(cross)
-        out[name] = dict(losses=run["losses"], step_s=statistics.median(run["times"][5:]),
-                         cross_per_step=cross.item() / world, sent_per_step=statistics.mean(run["sent"][1:]),
-                         extra_numel=(run["engine"].optimizer.reducer.quantizer.residual_numel()
-                                      if run["engine"].optimizer.reducer.quantizer is not None else 0))
+        out[name] = dict(
+            losses=run["losses"],
+            step_s=statistics.median(run["times"][5:]),
+            cross_per_step=cross.item() / world,
+            sent_per_step=statistics.mean(run["sent"][1:]),
+            extra_numel=(
+                run["engine"].optimizer.reducer.quantizer.residual_numel()
+                if run["engine"].optimizer.reducer.quantizer is not None
+                else 0
+            ),
+        )
     if rank == 0:
-        Path(args.json).write_text(json.dumps(dict(cases=out, n_params=n_params, world=world, steps=args.steps,
-                                                   batch_size=args.batch_size, prefetch=args.prefetch)))
+        Path(args.json).write_text(
+            json.dumps(
+                dict(
+                    cases=out,
+                    n_params=n_params,
+                    world=world,
+                    steps=args.steps,
+                    batch_size=args.batch_size,
+                    prefetch=args.prefetch,
+                )
+            )
+        )
     dist.barrier()
     dist.destroy_process_group()
 
@@ -108,10 +145,33 @@ def launch(args: argparse.Namespace) -> dict:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "2",
-           "--master_addr", "127.0.0.1", "--master_port", str(port)]
-    tail = [str(Path(__file__).resolve()), "--worker", "--steps", str(args.steps), "--batch-size",
-            str(args.batch_size), "--prefetch", str(args.prefetch), "--json", args.json, "--cases", *args.cases]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(port),
+    ]
+    tail = [
+        str(Path(__file__).resolve()),
+        "--worker",
+        "--steps",
+        str(args.steps),
+        "--batch-size",
+        str(args.batch_size),
+        "--prefetch",
+        str(args.prefetch),
+        "--json",
+        args.json,
+        "--cases",
+        *args.cases,
+    ]
     procs = [subprocess.Popen(cmd + ["--node_rank", str(i)] + tail, env=env) for i in range(2)]
     codes = [p.wait() for p in procs]
     if any(codes):
@@ -129,26 +189,34 @@ def report(data: dict, args: argparse.Namespace, command: str) -> str:
     def final(c):
         return sum(c["losses"][-tail:]) / tail
 
-    lines = [f"# ZeRO-3 compressed communication (ZeRO++ class), demo GPT, dp={data['world']} as 2 nodes x 2 ranks",
-             "", f"Command: `{command}`", "",
-             f"Machine: 2-core CPU, gloo, torch {torch.__version__}; {time.strftime('%Y-%m-%d')}. "
-             f"{data['n_params']:,} params, {data['steps']} steps, micro batch {data['batch_size']} x 4 ranks, "
-             f"stage3_prefetch_bucket_size {data['prefetch']}. Loss: mean of the last {tail} steps (rel. to zero3). "
-             "Cross-node: bytes each rank receives from the other node per step (CommCounter, direct form), in psi "
-             "= one uncompressed fp32 all-gather of all params across nodes (plain ZeRO-3: 3). 'fp16 psi': the same "
-             "bytes over the ZeRO++ papers' fp16 unit (params x 2 bytes x 1/2), the figure an fp16 run of the "
-             "compressed cases would show (their codes do not depend on the params' dtype; an fp16 run's uncompressed "
-             "collectives move half of fp32's, so plain ZeRO-3 is 3 fp16 psi there too; the uncompressed rows are left "
-             "out of that column). Step time: median, interleaved; ratio to zero3.",
-             "", "| case | final loss | vs zero3 | cross-node / step | psi (fp32) | fp16 psi (compressed) | step "
-             "| vs zero3 | extra state / rank |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# ZeRO-3 compressed communication (ZeRO++ class), demo GPT, dp={data['world']} as 2 nodes x 2 ranks",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"Machine: 2-core CPU, gloo, torch {torch.__version__}; {time.strftime('%Y-%m-%d')}. "
+        f"{data['n_params']:,} params, {data['steps']} steps, micro batch {data['batch_size']} x 4 ranks, "
+        f"stage3_prefetch_bucket_size {data['prefetch']}. Loss: mean of the last {tail} steps (rel. to zero3). "
+        "Cross-node: bytes each rank receives from the other node per step (CommCounter, direct form), in psi "
+        "= one uncompressed fp32 all-gather of all params across nodes (plain ZeRO-3: 3). 'fp16 psi': the same "
+        "bytes over the ZeRO++ papers' fp16 unit (params x 2 bytes x 1/2), the figure an fp16 run of the "
+        "compressed cases would show (their codes do not depend on the params' dtype; an fp16 run's uncompressed "
+        "collectives move half of fp32's, so plain ZeRO-3 is 3 fp16 psi there too; the uncompressed rows are left "
+        "out of that column). Step time: median, interleaved; ratio to zero3.",
+        "",
+        "| case | final loss | vs zero3 | cross-node / step | psi (fp32) | fp16 psi (compressed) | step "
+        "| vs zero3 | extra state / rank |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for name, c in data["cases"].items():
         fl = final(c)
         fp16 = f"{2 * c['cross_per_step'] / psi_unit:.3f}" if name in ("qwZ+qgZ+EF", "qwZ+hpZ+qgZ+EF") else "-"
-        lines.append(f"| {name} | {fl:.4f} | {100 * (fl / final(base) - 1):+.2f}% | {c['cross_per_step'] / 1e6:.3f} MB "
-                     f"| {c['cross_per_step'] / psi_unit:.3f} | {fp16} "
-                     f"| {1e3 * c['step_s']:.1f} ms | {c['step_s'] / base['step_s']:.2f}x "
-                     f"| {4 * c['extra_numel'] / 1e6:.2f} MB |")
+        lines.append(
+            f"| {name} | {fl:.4f} | {100 * (fl / final(base) - 1):+.2f}% | {c['cross_per_step'] / 1e6:.3f} MB "
+            f"| {c['cross_per_step'] / psi_unit:.3f} | {fp16} "
+            f"| {1e3 * c['step_s']:.1f} ms | {c['step_s'] / base['step_s']:.2f}x "
+            f"| {4 * c['extra_numel'] / 1e6:.2f} MB |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -162,7 +230,7 @@ def plot(data: dict, path: Path) -> None:
     base = data["cases"]["zero3"]["losses"]
     k = 10
     for name, c in data["cases"].items():
-        rel = [(sum(c["losses"][i - k:i]) / k) / (sum(base[i - k:i]) / k) - 1 for i in range(k, len(base) + 1)]
+        rel = [(sum(c["losses"][i - k : i]) / k) / (sum(base[i - k : i]) / k) - 1 for i in range(k, len(base) + 1)]
         a.plot(range(k, len(base) + 1), [100 * r for r in rel], label=name)
     a.set_xlabel("step")
     a.set_ylabel("loss vs zero3, %, 10-step mean")
@@ -193,7 +261,8 @@ def main() -> None:
         args.cases = ["zero3", *args.cases]
     data = launch(args)
     command = "python bench/bench_zeropp.py " + " ".join(
-        a for a in sys.argv[1:] if not a.startswith("--json") and not a.startswith("--out"))
+        a for a in sys.argv[1:] if not a.startswith("--json") and not a.startswith("--out")
+    )
     text = report(data, args, command.strip())
     out = Path(args.out)
     out.write_text(text + f"\n![loss and bytes]({out.with_suffix('.png').name})\n")

@@ -6,6 +6,7 @@ with the command, machine and versions it ran on; and the same ratios as a bar p
     python bench/benchmark_table.py bench/results/pytest-benchmark/Linux-CPython-3.11-64bit/0001_cpu.json \\
         --out bench/results/pytest-benchmark/ops_cpu.md                # writes ops_cpu.md and ops_cpu.png
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,9 +49,15 @@ def rows(data: dict[str, Any]) -> list[dict[str, Any]]:
     groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for b in data["benchmarks"]:
         s = b["stats"]
-        groups[b.get("group") or b["name"]].append({"group": b.get("group") or b["name"], "impl": _impl(b),
-                                                    "median_s": s["median"], "iqr_s": s.get("iqr", 0.0),
-                                                    "rounds": s.get("rounds")})
+        groups[b.get("group") or b["name"]].append(
+            {
+                "group": b.get("group") or b["name"],
+                "impl": _impl(b),
+                "median_s": s["median"],
+                "iqr_s": s.get("iqr", 0.0),
+                "rounds": s.get("rounds"),
+            }
+        )
     out = []
     for _group, cases in groups.items():
         base = next((c["median_s"] for c in cases if c["impl"] == BASELINE), None)
@@ -67,8 +74,17 @@ def summary(table: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for r in table:
         if r["impl"] != BASELINE and r["time_vs_torch"]:
             by[(r["group"].split()[0] + " " + r["group"].split()[-1], r["impl"])].append(r["time_vs_torch"])
-    return [{"op": op, "impl": impl, "cases": len(v), "geomean": math.exp(sum(map(math.log, v)) / len(v)),
-             "min": min(v), "max": max(v)} for (op, impl), v in by.items()]
+    return [
+        {
+            "op": op,
+            "impl": impl,
+            "cases": len(v),
+            "geomean": math.exp(sum(map(math.log, v)) / len(v)),
+            "min": min(v),
+            "max": max(v),
+        }
+        for (op, impl), v in by.items()
+    ]
 
 
 def fmt_time(seconds: float) -> str:
@@ -90,7 +106,8 @@ def header(data: dict[str, Any], source: str) -> list[str]:
         f"- command: `{data.get('command', 'pytest bench/ --benchmark-only')}`",
         f"- date: {data.get('datetime', '?')}",
         f"- machine: {cpu.get('brand_raw') or ours.get('cpu', '?')} ({cpu.get('count', ours.get('cores', '?'))} cores"
-        + (f", torch threads: {threads}" if threads else "") + f"), GPU: {gpus}, {m.get('system', '')} "
+        + (f", torch threads: {threads}" if threads else "")
+        + f"), GPU: {gpus}, {m.get('system', '')} "
         f"{m.get('machine', '')}",
         f"- versions: python {m.get('python_version', '?')}, torch {ours.get('torch', '?')}, triton "
         f"{ours.get('triton', '?')}, llmpar {ours.get('llmpar', '?')}, pytest-benchmark {data.get('version', '?')} "
@@ -105,10 +122,16 @@ def render(data: dict[str, Any], *, source: str = "", title: str = "llmpar op mi
     lines = [f"# {title}", "", *header(data, source), ""]
     summ = summary(table)
     if summ:
-        lines += ["## Summary per op and device (time vs torch)", "", "| op | impl | cases | geomean | min | max |",
-                  "|---|---|---|---|---|---|"]
-        lines += [f"| {s['op']} | {s['impl']} | {s['cases']} | {s['geomean']:.2f} | {s['min']:.2f} | {s['max']:.2f} |"
-                  for s in summ]
+        lines += [
+            "## Summary per op and device (time vs torch)",
+            "",
+            "| op | impl | cases | geomean | min | max |",
+            "|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {s['op']} | {s['impl']} | {s['cases']} | {s['geomean']:.2f} | {s['min']:.2f} | {s['max']:.2f} |"
+            for s in summ
+        ]
         lines.append("")
     lines += ["## Cases", "", "| group | impl | median | IQR | rounds | time vs torch |", "|---|---|---|---|---|---|"]
     previous = None
@@ -116,8 +139,9 @@ def render(data: dict[str, Any], *, source: str = "", title: str = "llmpar op mi
         ratio = "" if r["time_vs_torch"] is None else f"{r['time_vs_torch']:.2f}"
         cell = r["group"] if r["group"] != previous else ""
         previous = r["group"]
-        lines.append(f"| {cell} | {r['impl']} | {fmt_time(r['median_s'])} | {fmt_time(r['iqr_s'])} | {r['rounds']} | "
-                     f"{ratio} |")
+        lines.append(
+            f"| {cell} | {r['impl']} | {fmt_time(r['median_s'])} | {fmt_time(r['iqr_s'])} | {r['rounds']} | {ratio} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -126,8 +150,11 @@ def plot(data: dict[str, Any], path: Path, *, title: str) -> Path | None:
     sys.path.insert(0, str(BENCH))
     from plot_results import plot_record
 
-    bars = [{"case": r["group"], "impl": r["impl"], "time_vs_torch": r["time_vs_torch"]}
-            for r in rows(data) if r["impl"] != BASELINE and r["time_vs_torch"] is not None]
+    bars = [
+        {"case": r["group"], "impl": r["impl"], "time_vs_torch": r["time_vs_torch"]}
+        for r in rows(data)
+        if r["impl"] != BASELINE and r["time_vs_torch"] is not None
+    ]
     return plot_record({"name": title, "rows": bars}, path)
 
 

@@ -18,6 +18,7 @@ line (or PYTEST_ADDOPTS) sets it:
 Saved JSON carries no host name and no absolute machine paths, and gains the command and llmpar's machine record
 (torch / triton / llmpar versions, GPUs, git commit, torch threads: ``harness.machine_info``) under ``"llmpar"``.
 """
+
 from __future__ import annotations
 
 import os

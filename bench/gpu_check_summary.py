@@ -9,6 +9,7 @@ logs/<step>.log and results/ (bench tables *.md, train*.json). Standard library 
 does not import. A test step killed at its limit has no pytest summary line: its counts then come from the -v lines
 (one per finished test), so the summary still says which tests passed.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -32,8 +33,10 @@ def _steps(work: Path) -> list[dict]:
     return rows
 
 
-_VERBOSE = re.compile(r"(?:^|\] )(PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS) (\S+::\S+)|(\S+::\S+) "
-                      r"(PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b")
+_VERBOSE = re.compile(
+    r"(?:^|\] )(PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS) (\S+::\S+)|(\S+::\S+) "
+    r"(PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b"
+)
 _FAILED = re.compile(r"^(?:FAILED|ERROR) (\S+::\S+)")
 
 
@@ -63,11 +66,14 @@ def _pytest_line(log: Path) -> str | None:
         for outcome in results.values():
             counts[outcome] = counts.get(outcome, 0) + 1
         line = "killed before the end; finished so far (pytest -v lines): " + ", ".join(
-            f"{n} {k}" for k, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+            f"{n} {k}" for k, n in sorted(counts.items(), key=lambda kv: -kv[1])
+        )
     else:
         return None
-    failed = sorted({m.group(1) for m in map(_FAILED.match, text.splitlines()) if m}
-                    | {t for t, o in results.items() if o in ("failed", "error")})
+    failed = sorted(
+        {m.group(1) for m in map(_FAILED.match, text.splitlines()) if m}
+        | {t for t, o in results.items() if o in ("failed", "error")}
+    )
     if failed:
         line += f"; failed: {', '.join(failed[:8])}" + (f" (+{len(failed) - 8} more)" if len(failed) > 8 else "")
     return line
@@ -94,11 +100,13 @@ def _train(results: Path) -> list[str]:
         try:
             data = json.loads(path.read_text())
             losses = data.get("losses") or [float("nan")]
-            tail = losses[-max(1, len(losses) // 20):]
-            out.append(f"- {path.stem}: demo GPT ({data.get('n_params', 0) / 1e6:.2f}M params, {data.get('dtype')}, "
-                       f"{data.get('engine')}, ZeRO-{data.get('zero_stage')}): {data.get('tokens_per_s', 0):,.0f} "
-                       f"tokens/s; loss {losses[0]:.3f} -> {sum(tail) / len(tail):.3f} over {len(losses)} steps; peak "
-                       f"memory {data.get('mem_mb')} MiB ({data.get('mem_kind')}); wall {data.get('wall_s', 0):.1f} s")
+            tail = losses[-max(1, len(losses) // 20) :]
+            out.append(
+                f"- {path.stem}: demo GPT ({data.get('n_params', 0) / 1e6:.2f}M params, {data.get('dtype')}, "
+                f"{data.get('engine')}, ZeRO-{data.get('zero_stage')}): {data.get('tokens_per_s', 0):,.0f} "
+                f"tokens/s; loss {losses[0]:.3f} -> {sum(tail) / len(tail):.3f} over {len(losses)} steps; peak "
+                f"memory {data.get('mem_mb')} MiB ({data.get('mem_kind')}); wall {data.get('wall_s', 0):.1f} s"
+            )
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
             out.append(f"- {path.name} unreadable: {exc}")
     return out
@@ -121,9 +129,11 @@ def _build_tools(work: Path, env: dict) -> str:
             used = "NOT used by build_ext (slow serial build)"
         else:
             used = "build_ext log shows no ninja lines"
-    return (f"- build: {env.get('cuda_toolkit', 'CUDA toolkit unknown (env step did not run)')}; "
-            f"ninja {tools.get('ninja', 'unknown')} ({used}); tests: {tools.get('tests', 'not run')} "
-            f"(pytest-xdist {tools.get('pytest-xdist', 'unknown')})")
+    return (
+        f"- build: {env.get('cuda_toolkit', 'CUDA toolkit unknown (env step did not run)')}; "
+        f"ninja {tools.get('ninja', 'unknown')} ({used}); tests: {tools.get('tests', 'not run')} "
+        f"(pytest-xdist {tools.get('pytest-xdist', 'unknown')})"
+    )
 
 
 def render(work: Path) -> str:
@@ -135,20 +145,29 @@ def render(work: Path) -> str:
         except ValueError:
             env = {}
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    out = ["# GPU check", "", f"- date: {env.get('date', now)} (summary written {now})",
-           f"- device: {env.get('device', 'unknown (env step did not run)')}",
-           f"- versions: {env.get('versions', 'unknown')}",
-           _build_tools(work, env),
-           f"- settings: {env.get('settings', '')}", "", "## Steps", "",
-           "| step | status | time (s) | budget (s) | what |", "|---|---|---|---|---|"]
+    out = [
+        "# GPU check",
+        "",
+        f"- date: {env.get('date', now)} (summary written {now})",
+        f"- device: {env.get('device', 'unknown (env step did not run)')}",
+        f"- versions: {env.get('versions', 'unknown')}",
+        _build_tools(work, env),
+        f"- settings: {env.get('settings', '')}",
+        "",
+        "## Steps",
+        "",
+        "| step | status | time (s) | budget (s) | what |",
+        "|---|---|---|---|---|",
+    ]
     steps = _steps(work)
     for r in steps:
         out.append(f"| {r['name']} | {r['status']} | {r['seconds']} | {r['budget']} | {r['what']} |")
     skipped = [r["name"] for r in steps if r["status"].startswith("SKIPPED")]
     if skipped:
         out += ["", f"Skipped at the deadline: {', '.join(skipped)}."]
-    tests = [(r["name"], _pytest_line(work / "logs" / f"{r['name']}.log")) for r in steps
-             if r["name"].startswith("tests")]
+    tests = [
+        (r["name"], _pytest_line(work / "logs" / f"{r['name']}.log")) for r in steps if r["name"].startswith("tests")
+    ]
     tests = [(n, line) for n, line in tests if line]
     if tests:
         out += ["", "## Tests", ""] + [f"- {n}: {line}" for n, line in tests]
@@ -208,8 +227,12 @@ def record_env(work: Path, settings: str) -> dict:
     versions = [f"python {platform.python_version()}"]
     device = "no CUDA device"
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    early = {"date": date, "device": "unknown (the env step stopped before probing)", "versions": versions[0],
-             "settings": settings}
+    early = {
+        "date": date,
+        "device": "unknown (the env step stopped before probing)",
+        "versions": versions[0],
+        "settings": settings,
+    }
     (Path(work) / "env.json").write_text(json.dumps(early, indent=1) + "\n")
     try:
         import torch
@@ -217,8 +240,10 @@ def record_env(work: Path, settings: str) -> dict:
         versions.append(f"torch {torch.__version__} (CUDA {torch.version.cuda})")
         if torch.cuda.is_available():
             p = torch.cuda.get_device_properties(0)
-            device = (f"{p.name}, {p.total_memory / 2**30:.0f} GiB, sm_{p.major}{p.minor}, "
-                      f"{p.multi_processor_count} SMs, {torch.cuda.device_count()} device(s)")
+            device = (
+                f"{p.name}, {p.total_memory / 2**30:.0f} GiB, sm_{p.major}{p.minor}, "
+                f"{p.multi_processor_count} SMs, {torch.cuda.device_count()} device(s)"
+            )
     except Exception as exc:  # noqa: BLE001 - the record must be written whatever breaks
         versions.append(f"torch not importable ({type(exc).__name__}: {exc})")
     try:
@@ -233,8 +258,13 @@ def record_env(work: Path, settings: str) -> dict:
     env_cuda = _cuda_toolkit()
     commit = _run(["git", "rev-parse", "--short", "HEAD"])
     versions.append(f"llmpar commit {commit or 'unknown (no git here)'}")
-    env = {"date": date, "device": device,
-           "versions": ", ".join(versions), "cuda_toolkit": env_cuda, "settings": settings}
+    env = {
+        "date": date,
+        "device": device,
+        "versions": ", ".join(versions),
+        "cuda_toolkit": env_cuda,
+        "settings": settings,
+    }
     (Path(work) / "env.json").write_text(json.dumps(env, indent=1) + "\n")
     return env
 

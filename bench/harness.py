@@ -19,6 +19,7 @@ candidates alike: ratios come from one run.
 Multi-rank (under torchrun): ``measure_distributed`` lines ranks up with a barrier before each repeat and takes
 the max over ranks of each repeat (the slowest rank is the step time).
 """
+
 from __future__ import annotations
 
 import datetime
@@ -75,9 +76,16 @@ class Timing:
         return q[2] - q[0]
 
     def row(self) -> dict[str, Any]:
-        return {"name": self.name, "median_ms": self.median_s * 1e3, "min_ms": self.min_s * 1e3,
-                "iqr_ms": self.iqr_s * 1e3, "repeats": len(self.times_s), "calls": self.number,
-                "timer": self.timer, **({"note": self.note} if self.note else {})}
+        return {
+            "name": self.name,
+            "median_ms": self.median_s * 1e3,
+            "min_ms": self.min_s * 1e3,
+            "iqr_ms": self.iqr_s * 1e3,
+            "repeats": len(self.times_s),
+            "calls": self.number,
+            "timer": self.timer,
+            **({"note": self.note} if self.note else {}),
+        }
 
 
 def _is_cuda(device: torch.device | str | None) -> bool:
@@ -149,8 +157,9 @@ class _Sampler:
     """How one case is timed: ``sample()`` returns seconds per call of one sample (``number`` calls, eager or one
     graph replay). Built after the case's warm-up (it may time one call to pick ``number``)."""
 
-    def __init__(self, fn: Callable[[], Any], device: torch.device | str | None, number: int | None,
-                 graph: bool | str) -> None:
+    def __init__(
+        self, fn: Callable[[], Any], device: torch.device | str | None, number: int | None, graph: bool | str
+    ) -> None:
         self.fn, self.device, self.note = fn, device, ""
         cuda = _is_cuda(device)
         if number is None:
@@ -213,8 +222,12 @@ def measure(
         fn()
     _sync(device)
     if timer == "perf_counter":
-        t = Timing(name=name, times_s=[_time_once(fn, None, number or 1) for _ in range(repeats)], number=number or 1,
-                   timer="perf_counter")
+        t = Timing(
+            name=name,
+            times_s=[_time_once(fn, None, number or 1) for _ in range(repeats)],
+            number=number or 1,
+            timer="perf_counter",
+        )
         _sync(device)
         return t
     sampler = _Sampler(fn, device, number, graph)
@@ -353,8 +366,9 @@ def measure_distributed(
     name: str = "",
 ) -> Timing:
     """Time ``fn`` on every rank of ``group``; each repeat is the max over ranks (see :func:`compare_distributed`)."""
-    return compare_distributed({name: fn}, group=group, warmup=warmup, repeats=repeats, device=device,
-                               number=number)[name]
+    return compare_distributed({name: fn}, group=group, warmup=warmup, repeats=repeats, device=device, number=number)[
+        name
+    ]
 
 
 # ---------------------------------------------------------------- provenance and output
@@ -362,12 +376,14 @@ def measure_distributed(
 
 def forced(backend: str, fn: Callable[[], Any]) -> Callable[[], Any]:
     """``fn`` run with ``LLMPAR_BACKEND=backend`` (the op's backend picked for a timing); unset again after."""
+
     def call() -> Any:
         os.environ["LLMPAR_BACKEND"] = backend
         try:
             return fn()
         finally:
             os.environ.pop("LLMPAR_BACKEND", None)
+
     return call
 
 
@@ -403,8 +419,13 @@ def _cpu_model() -> str:
 
 def _git_commit() -> str | None:
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parent,
-                             capture_output=True, text=True, timeout=5)
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() or None if out.returncode == 0 else None
@@ -480,8 +501,12 @@ def portable_text(text: str) -> str:
     """``text`` with this machine's paths taken out: the repository root dropped (paths become repo-relative), the
     temp dir written ``$TMPDIR``, the home dir ``~``."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for base, repl in ((root + os.sep, ""), (root, "."), (tempfile.gettempdir(), "$TMPDIR"),
-                       (os.path.expanduser("~"), "~")):
+    for base, repl in (
+        (root + os.sep, ""),
+        (root, "."),
+        (tempfile.gettempdir(), "$TMPDIR"),
+        (os.path.expanduser("~"), "~"),
+    ):
         if len(base) > 1:  # never "/" itself
             text = re.sub(re.escape(base) + (r"(?![\w.-])" if not base.endswith(os.sep) else ""), repl, text)
     return text
@@ -515,7 +540,7 @@ def write_results(
     ``curve``: ``{"x": column, "y": [columns], "group": optional column splitting rows into lines,
     "logx": bool, "logy": bool, "title": str}``; kept in the JSON as ``plot`` so the figure can be redrawn.
     """
-    if not name or any(c in name for c in "/\\ ") :
+    if not name or any(c in name for c in "/\\ "):
         raise ValueError(f"name={name!r} must be a non-empty file stem without slashes or spaces")
     if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
         raise TypeError("rows must be a list of dicts")

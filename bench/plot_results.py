@@ -18,6 +18,7 @@ What is drawn, from the record's rows (a dict per row, as the harness writes the
 Rows are labelled by the columns that tell them apart (text columns, and integer ones as ``key=value``).
 Small files: 7 inches wide, 90 dpi (well under 100 KB).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,8 +52,11 @@ def _columns(rows: list[dict[str, Any]]) -> list[str]:
 
 def ratio_columns(rows: list[dict[str, Any]]) -> list[str]:
     """Columns holding ratios (speedup, time vs a baseline, fractions): numeric in every row that has them."""
-    return [c for c in _columns(rows) if RATIO.search(c)
-            and all(_number(r[c]) for r in rows if c in r) and any(c in r for r in rows)]
+    return [
+        c
+        for c in _columns(rows)
+        if RATIO.search(c) and all(_number(r[c]) for r in rows if c in r) and any(c in r for r in rows)
+    ]
 
 
 def formula_pairs(rows: list[dict[str, Any]]) -> list[tuple[str, str]]:
@@ -62,8 +66,9 @@ def formula_pairs(rows: list[dict[str, Any]]) -> list[tuple[str, str]]:
     for c in cols:
         if c.endswith("_formula"):
             stem = c[: -len("_formula")]
-            measured = [m for m in cols if m.startswith(stem + "_measured") and all(
-                _number(r[m]) for r in rows if m in r)]
+            measured = [
+                m for m in cols if m.startswith(stem + "_measured") and all(_number(r[m]) for r in rows if m in r)
+            ]
             if measured:
                 pairs.append((measured[0], c))
     return pairs
@@ -136,13 +141,20 @@ def _bars(ax, rows, cols, labels, *, title: str, reference: float | None = 1.0) 
         vals = [r.get(col, float("nan")) for r in rows]
         vals = [float("nan") if v is None else float(v) for v in vals]
         colors = [_color(r, v) for r, v in zip(rows, vals)] if k == 1 else None
-        ax.barh(y - 0.4 + h * (j + 0.5), [v - start for v in vals], left=start, height=h, color=colors,
-                label=col if k > 1 else None)
+        ax.barh(
+            y - 0.4 + h * (j + 0.5),
+            [v - start for v in vals],
+            left=start,
+            height=h,
+            color=colors,
+            label=col if k > 1 else None,
+        )
         for yy, v in zip(y - 0.4 + h * (j + 0.5), vals):
             if v == v:  # not NaN
                 left = v < start
-                ax.text(v, yy, f"{v:.3g} " if left else f" {v:.3g}", va="center", ha="right" if left else "left",
-                        fontsize=6)
+                ax.text(
+                    v, yy, f"{v:.3g} " if left else f" {v:.3g}", va="center", ha="right" if left else "left", fontsize=6
+                )
     ax.set_yticks(y, labels, fontsize=7)
     ax.invert_yaxis()
     if log:
@@ -223,12 +235,22 @@ def plot_record(record: dict[str, Any], path: str | Path, *, dpi: int = DPI) -> 
     rows = [r for r in record.get("rows", []) if isinstance(r, dict)]
     name = str(record.get("name", Path(path).stem))
     heights = [h for _, _, h in panels]
-    fig, axes = plt.subplots(len(panels), 1, figsize=(WIDTH_IN, sum(heights)),
-                             gridspec_kw={"height_ratios": heights}, squeeze=False)
+    fig, axes = plt.subplots(
+        len(panels), 1, figsize=(WIDTH_IN, sum(heights)), gridspec_kw={"height_ratios": heights}, squeeze=False
+    )
     for ax, (kind, spec, _) in zip(axes[:, 0], panels):
         if kind == "spec":
-            _curve(ax, rows, spec["x"], spec["y"], spec.get("group"), logx=spec.get("logx", False),
-                   logy=spec.get("logy", False), ylabel=spec.get("ylabel"), title=spec.get("title", name))
+            _curve(
+                ax,
+                rows,
+                spec["x"],
+                spec["y"],
+                spec.get("group"),
+                logx=spec.get("logx", False),
+                logy=spec.get("logy", False),
+                ylabel=spec.get("ylabel"),
+                title=spec.get("title", name),
+            )
         elif kind == "ratios":
             labels = [row_label(r, label_columns(rows, set(spec))) for r in rows]
             _bars(ax, rows, spec[:3], labels, title=f"{name}: ratios per case")

@@ -7,19 +7,31 @@ colour per family (DDP black, llmpar blues, FSDP2 orange, DeepSpeed greens) and 
 
 The harness's single-curve plot cannot tell 16 lines apart; these replace it (``bench_scaling.write``).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-STYLE = {"ddp": ("black", "o", "-"), "llmpar_s0": ("#08306b", "D", "-"), "llmpar_s1": ("#2171b5", "o", "-"),
-         "llmpar_s2": ("#4292c6", "s", "-"), "llmpar_s3": ("#6baed6", "^", "-"),
-         "llmpar_s1_offload": ("#9e9ac8", "o", "-."), "llmpar_s2_offload": ("#807dba", "s", "-."),
-         "llmpar_s3_offload": ("#54278f", "^", "-."), "fsdp2": ("#fd8d3c", "^", "--"),
-         "deepspeed_s1": ("#74c476", "o", "--"), "deepspeed_s2": ("#41ab5d", "s", "--"),
-         "deepspeed_s3": ("#006d2c", "^", "--")}
-PANELS = {"time": ("median_ms", "step time (ms)"), "state": ("state_mb", "state per rank (MB)"),
-          "ratio": ("state_vs_est", "measured / estimate")}
+STYLE = {
+    "ddp": ("black", "o", "-"),
+    "llmpar_s0": ("#08306b", "D", "-"),
+    "llmpar_s1": ("#2171b5", "o", "-"),
+    "llmpar_s2": ("#4292c6", "s", "-"),
+    "llmpar_s3": ("#6baed6", "^", "-"),
+    "llmpar_s1_offload": ("#9e9ac8", "o", "-."),
+    "llmpar_s2_offload": ("#807dba", "s", "-."),
+    "llmpar_s3_offload": ("#54278f", "^", "-."),
+    "fsdp2": ("#fd8d3c", "^", "--"),
+    "deepspeed_s1": ("#74c476", "o", "--"),
+    "deepspeed_s2": ("#41ab5d", "s", "--"),
+    "deepspeed_s3": ("#006d2c", "^", "--"),
+}
+PANELS = {
+    "time": ("median_ms", "step time (ms)"),
+    "state": ("state_mb", "state per rank (MB)"),
+    "ratio": ("state_vs_est", "measured / estimate"),
+}
 MAIN = ("ddp", "llmpar_s1", "llmpar_s2", "llmpar_s3", "fsdp2", "deepspeed_s1", "deepspeed_s2", "deepspeed_s3")
 
 

@@ -3,6 +3,7 @@ CppExtension) and the JIT loaders (llmpar/ops/_ext.py, llmpar/ops/_cpu_ext.py).
 
 Torch-free on purpose: setup.py imports it by path before anything of llmpar is importable.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -29,8 +30,10 @@ def _version_defines() -> list[str]:
     except ImportError:
         return []
     # unquoted pp-number tokens (2.14.1, 13.0): they survive the shell that ninja runs commands in
-    return [f"-DLLMPAR_TORCH_VERSION={torch.__version__.split('+')[0]}",
-            f"-DLLMPAR_CUDA_VERSION={torch.version.cuda or 'none'}"]
+    return [
+        f"-DLLMPAR_TORCH_VERSION={torch.__version__.split('+')[0]}",
+        f"-DLLMPAR_CUDA_VERSION={torch.version.cuda or 'none'}",
+    ]
 
 
 # csrc/gemm_lt.cpp (cuBLASLt epilogues) needs cublasLt.h; it is built only where the header is found (the CUDA
@@ -89,8 +92,11 @@ def extension_kwargs(csrc_dir: Path, relative_to: Path | None = None) -> dict:
         "extra_compile_args": {"cxx": cxx, "nvcc": nvcc},
         # an installed wheel finds libtorch/libc10 and the CUDA runtime wheel next to it even when torch is not
         # imported first (llmpar/_C.so -> site-packages/torch/lib, site-packages/nvidia/cu13/lib)
-        "extra_link_args": ["-Wl,-rpath,$ORIGIN/../torch/lib", "-Wl,-rpath,$ORIGIN/../nvidia/cu13/lib",
-                            "-Wl,-rpath,$ORIGIN/../nvidia/cuda_runtime/lib"],  # cu12 wheels' layout
+        "extra_link_args": [
+            "-Wl,-rpath,$ORIGIN/../torch/lib",
+            "-Wl,-rpath,$ORIGIN/../nvidia/cu13/lib",
+            "-Wl,-rpath,$ORIGIN/../nvidia/cuda_runtime/lib",
+        ],  # cu12 wheels' layout
     }
 
 

@@ -8,6 +8,7 @@ any installed package of that name (Hugging Face's ``kernels``, which transforme
 name, this module hands the import on to the installed package, or fails as if the folder were not there: the
 working directory never changes what ``import kernels`` means.
 """
+
 from __future__ import annotations
 
 if __name__ == "kernels":
@@ -22,7 +23,9 @@ if __name__ == "kernels":
     if _spec is None or _spec.loader is None:
         raise ModuleNotFoundError(
             f"No module named 'kernels' (the folder {_root}/kernels is llmpar's Triton kernels, imported as "
-            "llmpar.kernels, not a package named 'kernels')", name="kernels")
+            "llmpar.kernels, not a package named 'kernels')",
+            name="kernels",
+        )
     _module = _util.module_from_spec(_spec)
     _sys.modules["kernels"] = _module  # what `import kernels` returns once this module body ends
     _spec.loader.exec_module(_module)

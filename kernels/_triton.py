@@ -1,6 +1,7 @@
 """Triton, if importable, for every kernel module: ``HAS_TRITON`` says whether kernels can run, ``TRITON_IMPORT_ERROR``
 why not, ``INTERPRETED`` whether the kernels are decorated under the interpreter (``TRITON_INTERPRET=1`` must be set
 before this module is first imported: triton.jit picks the interpreter when a function is decorated)."""
+
 from __future__ import annotations
 
 import os
@@ -35,5 +36,6 @@ def pinned_to_device(table, device, op: str):
         raise RuntimeError(
             f"{op} (Triton) cannot run under CUDA graph capture: it copies a per-call table of tensor addresses from "
             "a temporary pinned host buffer, which a graph replay would read after a later call reused it. Run it "
-            "outside the captured region (eagerly), or capture the torch backend (LLMPAR_BACKEND=torch) instead")
+            "outside the captured region (eagerly), or capture the torch backend (LLMPAR_BACKEND=torch) instead"
+        )
     return table.pin_memory().to(device, non_blocking=True)

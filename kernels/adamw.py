@@ -17,6 +17,7 @@ finds its tensor by binary search in row 0 (first program of each tensor), then 
 Stochastic rounding adds a 16-bit hash of (seed, step, salt, element index) below the bfloat16 mantissa and truncates:
 the same bits as csrc/adamw_kernels.cu, so a run is reproducible. Runs under ``TRITON_INTERPRET=1`` on CPU tensors.
 """
+
 from __future__ import annotations
 
 import math
@@ -69,10 +70,29 @@ if HAS_TRITON:
     # constant (seed=1: `seed.to(tl.uint32)` then fails to compile) and compiles a variant per value class of each
     @triton.jit(do_not_specialize=["n", "seed"])
     def _adamw_kernel(
-        table_ptr, n, lr_ptr, lr_value, gscale_ptr, found_inf_ptr,
-        beta1, one_minus_beta1, beta2, one_minus_beta2, ln_beta1, ln_beta2, eps, weight_decay, seed,
-        MODE: tl.constexpr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, S_DTYPE: tl.constexpr,
-        X_DTYPE: tl.constexpr, LR_ON_DEVICE: tl.constexpr, HAS_GSCALE: tl.constexpr, HAS_FOUND_INF: tl.constexpr,
+        table_ptr,
+        n,
+        lr_ptr,
+        lr_value,
+        gscale_ptr,
+        found_inf_ptr,
+        beta1,
+        one_minus_beta1,
+        beta2,
+        one_minus_beta2,
+        ln_beta1,
+        ln_beta2,
+        eps,
+        weight_decay,
+        seed,
+        MODE: tl.constexpr,
+        P_DTYPE: tl.constexpr,
+        G_DTYPE: tl.constexpr,
+        S_DTYPE: tl.constexpr,
+        X_DTYPE: tl.constexpr,
+        LR_ON_DEVICE: tl.constexpr,
+        HAS_GSCALE: tl.constexpr,
+        HAS_FOUND_INF: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
         pid = tl.program_id(0)
@@ -199,8 +219,25 @@ def _to_device(rows: list[int], device, op: str):
     return pinned_to_device(torch.tensor(rows, dtype=torch.int64), device, op)
 
 
-def step(params, grads, exp_avgs, exp_avg_sqs, extras, steps, salts, *, mode: int, lr, beta1: float, beta2: float,
-         eps: float, weight_decay: float, gscale=None, found_inf=None, seed: int = 0) -> None:
+def step(
+    params,
+    grads,
+    exp_avgs,
+    exp_avg_sqs,
+    extras,
+    steps,
+    salts,
+    *,
+    mode: int,
+    lr,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    gscale=None,
+    found_inf=None,
+    seed: int = 0,
+) -> None:
     """One AdamW step over all tensors in one launch (see the module docstring for the math and the modes).
 
     mode: the integer code of the precision mode (0 fp32, 1 fp32_master, 2 bf16_sr, 3 bf16_kahan).
@@ -215,21 +252,46 @@ def step(params, grads, exp_avgs, exp_avg_sqs, extras, steps, salts, *, mode: in
         return
     first, programs = _first_programs([p.numel() for p in params])
     extra_ptrs = [x.data_ptr() for x in extras] if extras is not None else [0] * n
-    rows = (first + [t.data_ptr() for t in params] + [t.data_ptr() for t in grads]
-            + [t.data_ptr() for t in exp_avgs] + [t.data_ptr() for t in exp_avg_sqs] + extra_ptrs
-            + [s.data_ptr() for s in steps] + [p.numel() for p in params] + [int(s) & 0xFFFFFFFF for s in salts])
+    rows = (
+        first
+        + [t.data_ptr() for t in params]
+        + [t.data_ptr() for t in grads]
+        + [t.data_ptr() for t in exp_avgs]
+        + [t.data_ptr() for t in exp_avg_sqs]
+        + extra_ptrs
+        + [s.data_ptr() for s in steps]
+        + [p.numel() for p in params]
+        + [int(s) & 0xFFFFFFFF for s in salts]
+    )
     device = params[0].device
     table = _to_device(rows, device, "adamw_step")
     lr_on_device = not isinstance(lr, float)
     x_dtype = extras[0].dtype if extras is not None else params[0].dtype
     _adamw_kernel[(programs,)](
-        table, n, lr if lr_on_device else table, 0.0 if lr_on_device else lr,
-        gscale if gscale is not None else table, found_inf if found_inf is not None else table,
-        beta1, 1.0 - beta1, beta2, 1.0 - beta2, log_beta(beta1), log_beta(beta2), eps, weight_decay,
+        table,
+        n,
+        lr if lr_on_device else table,
+        0.0 if lr_on_device else lr,
+        gscale if gscale is not None else table,
+        found_inf if found_inf is not None else table,
+        beta1,
+        1.0 - beta1,
+        beta2,
+        1.0 - beta2,
+        log_beta(beta1),
+        log_beta(beta2),
+        eps,
+        weight_decay,
         int(seed) & 0x7FFFFFFF,
-        MODE=int(mode), P_DTYPE=_tl(params[0].dtype), G_DTYPE=_tl(grads[0].dtype), S_DTYPE=_tl(exp_avgs[0].dtype),
-        X_DTYPE=_tl(x_dtype), LR_ON_DEVICE=lr_on_device, HAS_GSCALE=gscale is not None,
-        HAS_FOUND_INF=found_inf is not None, BLOCK=BLOCK,
+        MODE=int(mode),
+        P_DTYPE=_tl(params[0].dtype),
+        G_DTYPE=_tl(grads[0].dtype),
+        S_DTYPE=_tl(exp_avgs[0].dtype),
+        X_DTYPE=_tl(x_dtype),
+        LR_ON_DEVICE=lr_on_device,
+        HAS_GSCALE=gscale is not None,
+        HAS_FOUND_INF=found_inf is not None,
+        BLOCK=BLOCK,
     )
 
 

@@ -17,6 +17,7 @@ which move a value sitting on a midpoint to the neighbouring code (tests/test_lo
 One launch covers all tensors: the int64 ``table`` has TABLE_ROWS rows of n entries; program b finds its tensor by
 binary search in row 0 (the first program of each tensor). Runs under ``TRITON_INTERPRET=1`` on CPU tensors.
 """
+
 from __future__ import annotations
 
 from ._triton import HAS_TRITON, INTERPRETED, TRITON_IMPORT_ERROR, tl, triton
@@ -63,10 +64,31 @@ if HAS_TRITON:
 
     @triton.jit(do_not_specialize=["n"])
     def _adamw_lowbit_kernel(
-        table_ptr, n, qm_ptr, qv_ptr, midm_ptr, midv_ptr, lr_ptr, lr_value, gscale_ptr, found_inf_ptr,
-        beta1, one_minus_beta1, beta2, one_minus_beta2, ln_beta1, ln_beta2, eps, weight_decay,
-        BITS: tl.constexpr, B: tl.constexpr, G_DTYPE: tl.constexpr, MASTER: tl.constexpr,
-        LR_ON_DEVICE: tl.constexpr, HAS_GSCALE: tl.constexpr, HAS_FOUND_INF: tl.constexpr,
+        table_ptr,
+        n,
+        qm_ptr,
+        qv_ptr,
+        midm_ptr,
+        midv_ptr,
+        lr_ptr,
+        lr_value,
+        gscale_ptr,
+        found_inf_ptr,
+        beta1,
+        one_minus_beta1,
+        beta2,
+        one_minus_beta2,
+        ln_beta1,
+        ln_beta2,
+        eps,
+        weight_decay,
+        BITS: tl.constexpr,
+        B: tl.constexpr,
+        G_DTYPE: tl.constexpr,
+        MASTER: tl.constexpr,
+        LR_ON_DEVICE: tl.constexpr,
+        HAS_GSCALE: tl.constexpr,
+        HAS_FOUND_INF: tl.constexpr,
     ):
         pid = tl.program_id(0)
         lo = 0
@@ -104,10 +126,12 @@ if HAS_TRITON:
         g = tl.load(g_ptr + idx, mask=mask, other=0.0).to(tl.float32)
         if HAS_GSCALE:
             g = g * tl.load(gscale_ptr)
-        m = tl.load(qm_ptr + _codes_of(mc_ptr, blk, lane, idx, mask, BITS, B)) * tl.load(ms_ptr + blk, mask=live,
-                                                                                         other=0.0)
-        v = tl.load(qv_ptr + _codes_of(vc_ptr, blk, lane, idx, mask, BITS, B)) * tl.load(vs_ptr + blk, mask=live,
-                                                                                         other=0.0)
+        m = tl.load(qm_ptr + _codes_of(mc_ptr, blk, lane, idx, mask, BITS, B)) * tl.load(
+            ms_ptr + blk, mask=live, other=0.0
+        )
+        v = tl.load(qv_ptr + _codes_of(vc_ptr, blk, lane, idx, mask, BITS, B)) * tl.load(
+            vs_ptr + blk, mask=live, other=0.0
+        )
         if MASTER:
             p = tl.load(x_ptr + idx, mask=mask, other=0.0)
         else:
@@ -132,8 +156,27 @@ if HAS_TRITON:
         tl.store(vs_ptr + blk, v_abs, mask=live)
 
 
-def step(params, grads, m_codes, m_scales, v_codes, v_scales, masters, steps, qmap_m, qmap_v, *, bits: int, lr,
-         beta1: float, beta2: float, eps: float, weight_decay: float, gscale=None, found_inf=None) -> None:
+def step(
+    params,
+    grads,
+    m_codes,
+    m_scales,
+    v_codes,
+    v_scales,
+    masters,
+    steps,
+    qmap_m,
+    qmap_v,
+    *,
+    bits: int,
+    lr,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    gscale=None,
+    found_inf=None,
+) -> None:
     """One low-bit AdamW step over all tensors in one launch (module docstring). Flat contiguous tensors on one
     device: params float32 (masters None) or bfloat16 (masters float32); grads one float dtype; steps float32 scalars,
     already incremented; maps float32 [2^bits]. lr: float or a float32 device scalar; gscale / found_inf: float32
@@ -148,19 +191,49 @@ def step(params, grads, m_codes, m_scales, v_codes, v_scales, masters, steps, qm
     block = BLOCK[bits]
     first, programs = _programs([p.numel() for p in params], block)
     ptr = lambda ts: [t.data_ptr() for t in ts]  # noqa: E731
-    rows = (first + ptr(params) + ptr(grads) + ptr(m_codes) + ptr(m_scales) + ptr(v_codes) + ptr(v_scales)
-            + (ptr(masters) if masters is not None else [0] * n) + ptr(steps) + [p.numel() for p in params])
+    rows = (
+        first
+        + ptr(params)
+        + ptr(grads)
+        + ptr(m_codes)
+        + ptr(m_scales)
+        + ptr(v_codes)
+        + ptr(v_scales)
+        + (ptr(masters) if masters is not None else [0] * n)
+        + ptr(steps)
+        + [p.numel() for p in params]
+    )
     device = params[0].device
     table = _to_device(rows, device, "adamw_lowbit_step")
     mid_m = ((qmap_m[:-1] + qmap_m[1:]) / 2).contiguous()  # float32, as the contract computes them
     mid_v = ((qmap_v[:-1] + qmap_v[1:]) / 2).contiguous()
     lr_on_device = isinstance(lr, torch.Tensor)
     _adamw_lowbit_kernel[(programs,)](
-        table, n, qmap_m, qmap_v, mid_m, mid_v, lr if lr_on_device else table, 0.0 if lr_on_device else float(lr),
-        gscale if gscale is not None else table, found_inf if found_inf is not None else table,
-        beta1, 1.0 - beta1, beta2, 1.0 - beta2, log_beta(beta1), log_beta(beta2), eps, weight_decay,
-        BITS=int(bits), B=block, G_DTYPE=_tl(grads[0].dtype), MASTER=masters is not None,
-        LR_ON_DEVICE=lr_on_device, HAS_GSCALE=gscale is not None, HAS_FOUND_INF=found_inf is not None,
+        table,
+        n,
+        qmap_m,
+        qmap_v,
+        mid_m,
+        mid_v,
+        lr if lr_on_device else table,
+        0.0 if lr_on_device else float(lr),
+        gscale if gscale is not None else table,
+        found_inf if found_inf is not None else table,
+        beta1,
+        1.0 - beta1,
+        beta2,
+        1.0 - beta2,
+        log_beta(beta1),
+        log_beta(beta2),
+        eps,
+        weight_decay,
+        BITS=int(bits),
+        B=block,
+        G_DTYPE=_tl(grads[0].dtype),
+        MASTER=masters is not None,
+        LR_ON_DEVICE=lr_on_device,
+        HAS_GSCALE=gscale is not None,
+        HAS_FOUND_INF=found_inf is not None,
     )
 
 

@@ -28,6 +28,7 @@ positions stay correct (a masked block in range that no row sees adds exact zero
 Under TRITON_INTERPRET=1 (CPU) 16 x 16 blocks run and dot operands are widened to fp32 (the interpreter's dot
 mishandles 16-bit; the rounding of p to v's dtype is kept).
 """
+
 from __future__ import annotations
 
 import torch
@@ -53,8 +54,9 @@ if HAS_TRITON:
         return acc
 
     @triton.jit
-    def _visible(offs_m, offs_n, Sq, Sk, qp, kp_ptr, valid_row_ptr, s_vn, CAUSAL: tl.constexpr,
-                 HAS_VALID: tl.constexpr):
+    def _visible(
+        offs_m, offs_n, Sq, Sk, qp, kp_ptr, valid_row_ptr, s_vn, CAUSAL: tl.constexpr, HAS_VALID: tl.constexpr
+    ):
         """[BLOCK_M, BLOCK_N] bool: inside both blocks, causal by position, key not padding."""
         mask_n = offs_n < Sk
         ok = (offs_m < Sq)[:, None] & mask_n[None, :]
@@ -67,9 +69,35 @@ if HAS_TRITON:
         return ok
 
     @triton.jit
-    def _fwd_step(acc, m_i, l_i, q, qp, j, offs_m, offs_n0, offs_d, Sq, Sk, D, k_base, v_base, s_kn, s_kd, s_vn,
-                  s_vd, kp_ptr, valid_row_ptr, s_ln, qk_scale, CAUSAL: tl.constexpr, HAS_VALID: tl.constexpr,
-                  IEEE: tl.constexpr, INTERPRETER: tl.constexpr, BLOCK_N: tl.constexpr):
+    def _fwd_step(
+        acc,
+        m_i,
+        l_i,
+        q,
+        qp,
+        j,
+        offs_m,
+        offs_n0,
+        offs_d,
+        Sq,
+        Sk,
+        D,
+        k_base,
+        v_base,
+        s_kn,
+        s_kd,
+        s_vn,
+        s_vd,
+        kp_ptr,
+        valid_row_ptr,
+        s_ln,
+        qk_scale,
+        CAUSAL: tl.constexpr,
+        HAS_VALID: tl.constexpr,
+        IEEE: tl.constexpr,
+        INTERPRETER: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
         """One key block j of the online softmax; CAUSAL: compare positions (the diagonal blocks only)."""
         offs_n = j * BLOCK_N + offs_n0
         rn = offs_n.to(tl.int64)
@@ -88,12 +116,49 @@ if HAS_TRITON:
         return acc, m_new, l_i
 
     @triton.jit
-    def _fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, qpos_ptr, kpos_ptr, valid_ptr, nend_ptr, nfull_ptr,
-                    qk_scale, Sq, Sk, H, G, D,
-                    s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
-                    s_ob, s_oh, s_om, s_od, s_lb, s_ln,
-                    CAUSAL: tl.constexpr, HAS_VALID: tl.constexpr, IEEE: tl.constexpr, INTERPRETER: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    def _fwd_kernel(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        o_ptr,
+        lse_ptr,
+        qpos_ptr,
+        kpos_ptr,
+        valid_ptr,
+        nend_ptr,
+        nfull_ptr,
+        qk_scale,
+        Sq,
+        Sk,
+        H,
+        G,
+        D,
+        s_qb,
+        s_qh,
+        s_qm,
+        s_qd,
+        s_kb,
+        s_kh,
+        s_kn,
+        s_kd,
+        s_vb,
+        s_vh,
+        s_vn,
+        s_vd,
+        s_ob,
+        s_oh,
+        s_om,
+        s_od,
+        s_lb,
+        s_ln,
+        CAUSAL: tl.constexpr,
+        HAS_VALID: tl.constexpr,
+        IEEE: tl.constexpr,
+        INTERPRETER: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
         bh = tl.program_id(0)
         pid_m = tl.program_id(1)
         b = (bh // H).to(tl.int64)
@@ -119,25 +184,96 @@ if HAS_TRITON:
             n_full = tl.load(nfull_ptr + pid_m)
             n_end = tl.load(nend_ptr + pid_m)
         for j in range(0, n_full):  # key blocks every row sees whole: no causal compare
-            acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, qp, j, offs_m, offs_n0, offs_d, Sq, Sk, D, k_base, v_base,
-                                      s_kn, s_kd, s_vn, s_vd, kpos_ptr, valid_row_ptr, s_ln, qk_scale, False,
-                                      HAS_VALID, IEEE, INTERPRETER, BLOCK_N)
+            acc, m_i, l_i = _fwd_step(
+                acc,
+                m_i,
+                l_i,
+                q,
+                qp,
+                j,
+                offs_m,
+                offs_n0,
+                offs_d,
+                Sq,
+                Sk,
+                D,
+                k_base,
+                v_base,
+                s_kn,
+                s_kd,
+                s_vn,
+                s_vd,
+                kpos_ptr,
+                valid_row_ptr,
+                s_ln,
+                qk_scale,
+                False,
+                HAS_VALID,
+                IEEE,
+                INTERPRETER,
+                BLOCK_N,
+            )
         if CAUSAL:
             for j in range(n_full, n_end):  # the diagonal: masked by position
-                acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, qp, j, offs_m, offs_n0, offs_d, Sq, Sk, D, k_base,
-                                          v_base, s_kn, s_kd, s_vn, s_vd, kpos_ptr, valid_row_ptr, s_ln, qk_scale,
-                                          True, HAS_VALID, IEEE, INTERPRETER, BLOCK_N)
+                acc, m_i, l_i = _fwd_step(
+                    acc,
+                    m_i,
+                    l_i,
+                    q,
+                    qp,
+                    j,
+                    offs_m,
+                    offs_n0,
+                    offs_d,
+                    Sq,
+                    Sk,
+                    D,
+                    k_base,
+                    v_base,
+                    s_kn,
+                    s_kd,
+                    s_vn,
+                    s_vd,
+                    kpos_ptr,
+                    valid_row_ptr,
+                    s_ln,
+                    qk_scale,
+                    True,
+                    HAS_VALID,
+                    IEEE,
+                    INTERPRETER,
+                    BLOCK_N,
+                )
         empty = l_i == 0.0
         l_safe = tl.where(empty, 1.0, l_i)
         out = acc / l_safe[:, None]
         lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
-        tl.store(o_ptr + b * s_ob + h * s_oh + rm[:, None] * s_om + offs_d[None, :] * s_od,
-                 out.to(o_ptr.dtype.element_ty), mask=q_mask)
+        tl.store(
+            o_ptr + b * s_ob + h * s_oh + rm[:, None] * s_om + offs_d[None, :] * s_od,
+            out.to(o_ptr.dtype.element_ty),
+            mask=q_mask,
+        )
         tl.store(lse_ptr + bh.to(tl.int64) * Sq + offs_m, lse, mask=offs_m < Sq)
 
     @triton.jit
-    def _delta_kernel(o_ptr, do_ptr, delta_ptr, Sq, H, D, s_ob, s_oh, s_om, s_od, s_db, s_dh, s_dm, s_dd,
-                      BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    def _delta_kernel(
+        o_ptr,
+        do_ptr,
+        delta_ptr,
+        Sq,
+        H,
+        D,
+        s_ob,
+        s_oh,
+        s_om,
+        s_od,
+        s_db,
+        s_dh,
+        s_dm,
+        s_dd,
+        BLOCK_M: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
         bh = tl.program_id(0)
         pid_m = tl.program_id(1)
         b = (bh // H).to(tl.int64)
@@ -152,9 +288,36 @@ if HAS_TRITON:
         tl.store(delta_ptr + bh.to(tl.int64) * Sq + offs_m, delta, mask=offs_m < Sq)
 
     @triton.jit
-    def _dq_step(dq, q, do, lse2, delta, qp, j, offs_m, offs_n0, offs_d, Sq, Sk, D, k_base, v_base, s_kn, s_kd,
-                 s_vn, s_vd, kp_ptr, valid_row_ptr, s_ln, qk_scale, CAUSAL: tl.constexpr, HAS_VALID: tl.constexpr,
-                 IEEE: tl.constexpr, INTERPRETER: tl.constexpr, BLOCK_N: tl.constexpr):
+    def _dq_step(
+        dq,
+        q,
+        do,
+        lse2,
+        delta,
+        qp,
+        j,
+        offs_m,
+        offs_n0,
+        offs_d,
+        Sq,
+        Sk,
+        D,
+        k_base,
+        v_base,
+        s_kn,
+        s_kd,
+        s_vn,
+        s_vd,
+        kp_ptr,
+        valid_row_ptr,
+        s_ln,
+        qk_scale,
+        CAUSAL: tl.constexpr,
+        HAS_VALID: tl.constexpr,
+        IEEE: tl.constexpr,
+        INTERPRETER: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
         offs_n = j * BLOCK_N + offs_n0
         rn = offs_n.to(tl.int64)
         kv_mask = (offs_n < Sk)[:, None] & (offs_d < D)[None, :]
@@ -168,12 +331,52 @@ if HAS_TRITON:
         return _dot(ds.to(k.dtype), k, dq, IEEE, INTERPRETER)
 
     @triton.jit
-    def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, lse_ptr, delta_ptr, qpos_ptr, kpos_ptr, valid_ptr, nend_ptr,
-                   nfull_ptr, qk_scale, sm_scale, Sq, Sk, H, G, D,
-                   s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
-                   s_db, s_dh, s_dm, s_dd, s_lb, s_ln,
-                   CAUSAL: tl.constexpr, HAS_VALID: tl.constexpr, IEEE: tl.constexpr, INTERPRETER: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    def _dq_kernel(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        do_ptr,
+        dq_ptr,
+        lse_ptr,
+        delta_ptr,
+        qpos_ptr,
+        kpos_ptr,
+        valid_ptr,
+        nend_ptr,
+        nfull_ptr,
+        qk_scale,
+        sm_scale,
+        Sq,
+        Sk,
+        H,
+        G,
+        D,
+        s_qb,
+        s_qh,
+        s_qm,
+        s_qd,
+        s_kb,
+        s_kh,
+        s_kn,
+        s_kd,
+        s_vb,
+        s_vh,
+        s_vn,
+        s_vd,
+        s_db,
+        s_dh,
+        s_dm,
+        s_dd,
+        s_lb,
+        s_ln,
+        CAUSAL: tl.constexpr,
+        HAS_VALID: tl.constexpr,
+        IEEE: tl.constexpr,
+        INTERPRETER: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
         """dq shares q's strides (a fresh tensor like q); dout shares s_d*."""
         bh = tl.program_id(0)
         pid_m = tl.program_id(1)
@@ -188,8 +391,7 @@ if HAS_TRITON:
         q_mask = mask_m[:, None] & (offs_d < D)[None, :]
         q_off = b * s_qb + h * s_qh + rm[:, None] * s_qm + offs_d[None, :] * s_qd
         q = tl.load(q_ptr + q_off, mask=q_mask, other=0.0)
-        do = tl.load(do_ptr + b * s_db + h * s_dh + rm[:, None] * s_dm + offs_d[None, :] * s_dd, mask=q_mask,
-                     other=0.0)
+        do = tl.load(do_ptr + b * s_db + h * s_dh + rm[:, None] * s_dm + offs_d[None, :] * s_dd, mask=q_mask, other=0.0)
         row = bh.to(tl.int64) * Sq + offs_m
         lse = tl.load(lse_ptr + row, mask=mask_m, other=float("inf"))
         lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)  # empty row: p = 0
@@ -206,20 +408,102 @@ if HAS_TRITON:
             n_full = tl.load(nfull_ptr + pid_m)
             n_end = tl.load(nend_ptr + pid_m)
         for j in range(0, n_full):  # as in _fwd_kernel: whole blocks unmasked, then the diagonal
-            dq = _dq_step(dq, q, do, lse2, delta, qp, j, offs_m, offs_n0, offs_d, Sq, Sk, D, k_base, v_base, s_kn,
-                          s_kd, s_vn, s_vd, kpos_ptr, valid_row_ptr, s_ln, qk_scale, False, HAS_VALID, IEEE,
-                          INTERPRETER, BLOCK_N)
+            dq = _dq_step(
+                dq,
+                q,
+                do,
+                lse2,
+                delta,
+                qp,
+                j,
+                offs_m,
+                offs_n0,
+                offs_d,
+                Sq,
+                Sk,
+                D,
+                k_base,
+                v_base,
+                s_kn,
+                s_kd,
+                s_vn,
+                s_vd,
+                kpos_ptr,
+                valid_row_ptr,
+                s_ln,
+                qk_scale,
+                False,
+                HAS_VALID,
+                IEEE,
+                INTERPRETER,
+                BLOCK_N,
+            )
         if CAUSAL:
             for j in range(n_full, n_end):
-                dq = _dq_step(dq, q, do, lse2, delta, qp, j, offs_m, offs_n0, offs_d, Sq, Sk, D, k_base, v_base,
-                              s_kn, s_kd, s_vn, s_vd, kpos_ptr, valid_row_ptr, s_ln, qk_scale, True, HAS_VALID, IEEE,
-                              INTERPRETER, BLOCK_N)
+                dq = _dq_step(
+                    dq,
+                    q,
+                    do,
+                    lse2,
+                    delta,
+                    qp,
+                    j,
+                    offs_m,
+                    offs_n0,
+                    offs_d,
+                    Sq,
+                    Sk,
+                    D,
+                    k_base,
+                    v_base,
+                    s_kn,
+                    s_kd,
+                    s_vn,
+                    s_vd,
+                    kpos_ptr,
+                    valid_row_ptr,
+                    s_ln,
+                    qk_scale,
+                    True,
+                    HAS_VALID,
+                    IEEE,
+                    INTERPRETER,
+                    BLOCK_N,
+                )
         tl.store(dq_ptr + q_off, (dq * sm_scale).to(dq_ptr.dtype.element_ty), mask=q_mask)
 
     @triton.jit
-    def _dkdv_step(dk, dv, k, v, kp, i, bh, q_base, do_base, lse_ptr, delta_ptr, qpos_ptr, offs_n, offs_m0, offs_d,
-                   Sq, Sk, D, s_qm, s_qd, s_dm, s_dd, vl, qk_scale, CAUSAL: tl.constexpr, HAS_VALID: tl.constexpr,
-                   IEEE: tl.constexpr, INTERPRETER: tl.constexpr, BLOCK_M: tl.constexpr):
+    def _dkdv_step(
+        dk,
+        dv,
+        k,
+        v,
+        kp,
+        i,
+        bh,
+        q_base,
+        do_base,
+        lse_ptr,
+        delta_ptr,
+        qpos_ptr,
+        offs_n,
+        offs_m0,
+        offs_d,
+        Sq,
+        Sk,
+        D,
+        s_qm,
+        s_qd,
+        s_dm,
+        s_dd,
+        vl,
+        qk_scale,
+        CAUSAL: tl.constexpr,
+        HAS_VALID: tl.constexpr,
+        IEEE: tl.constexpr,
+        INTERPRETER: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+    ):
         """Query block i's share of dk / dv; CAUSAL: compare positions (the diagonal blocks only)."""
         offs_m = i * BLOCK_M + offs_m0
         rm = offs_m.to(tl.int64)
@@ -246,12 +530,52 @@ if HAS_TRITON:
         return dk, dv
 
     @triton.jit
-    def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, lse_ptr, delta_ptr, qpos_ptr, kpos_ptr, valid_ptr,
-                     mstart_ptr, qk_scale, sm_scale, Sq, Sk, H, G, D,
-                     s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
-                     s_db, s_dh, s_dm, s_dd, s_lb, s_ln,
-                     CAUSAL: tl.constexpr, HAS_VALID: tl.constexpr, IEEE: tl.constexpr, INTERPRETER: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    def _dkdv_kernel(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        do_ptr,
+        dk_ptr,
+        dv_ptr,
+        lse_ptr,
+        delta_ptr,
+        qpos_ptr,
+        kpos_ptr,
+        valid_ptr,
+        mstart_ptr,
+        qk_scale,
+        sm_scale,
+        Sq,
+        Sk,
+        H,
+        G,
+        D,
+        s_qb,
+        s_qh,
+        s_qm,
+        s_qd,
+        s_kb,
+        s_kh,
+        s_kn,
+        s_kd,
+        s_vb,
+        s_vh,
+        s_vn,
+        s_vd,
+        s_db,
+        s_dh,
+        s_dm,
+        s_dd,
+        s_lb,
+        s_ln,
+        CAUSAL: tl.constexpr,
+        HAS_VALID: tl.constexpr,
+        IEEE: tl.constexpr,
+        INTERPRETER: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
         """Grid (B x Hkv, key blocks); dk / dv share k's / v's strides (fresh tensors like them)."""
         bhk = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -284,9 +608,37 @@ if HAS_TRITON:
             q_base = q_ptr + b * s_qb + h * s_qh
             do_base = do_ptr + b * s_db + h * s_dh
             for i in range(m_start, m_blocks):  # the loop bounds skip what no row sees; the mask does the rest
-                dk, dv = _dkdv_step(dk, dv, k, v, kp, i, b * H + h, q_base, do_base, lse_ptr, delta_ptr, qpos_ptr,
-                                    offs_n, offs_m0, offs_d, Sq, Sk, D, s_qm, s_qd, s_dm, s_dd, vl, qk_scale, CAUSAL,
-                                    HAS_VALID, IEEE, INTERPRETER, BLOCK_M)
+                dk, dv = _dkdv_step(
+                    dk,
+                    dv,
+                    k,
+                    v,
+                    kp,
+                    i,
+                    b * H + h,
+                    q_base,
+                    do_base,
+                    lse_ptr,
+                    delta_ptr,
+                    qpos_ptr,
+                    offs_n,
+                    offs_m0,
+                    offs_d,
+                    Sq,
+                    Sk,
+                    D,
+                    s_qm,
+                    s_qd,
+                    s_dm,
+                    s_dd,
+                    vl,
+                    qk_scale,
+                    CAUSAL,
+                    HAS_VALID,
+                    IEEE,
+                    INTERPRETER,
+                    BLOCK_M,
+                )
         tl.store(dk_ptr + k_off, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=kv_mask)
         tl.store(dv_ptr + v_off, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
 
@@ -304,16 +656,27 @@ def _common(q, k, v, causal, q_pos, k_pos, k_valid, allow_tf32):
     block_d = max(16, triton.next_power_of_2(D))
     if D > MAX_HEAD_DIM:
         raise ValueError(f"head_dim {D} > {MAX_HEAD_DIM}: the Triton attention kernels hold a row in registers")
-    qp, kp = (None if not causal else torch.arange(n, dtype=torch.int32, device=q.device) if p is None
-              else p.to(device=q.device, dtype=torch.int32).contiguous() for p, n in ((q_pos, Sq), (k_pos, Sk)))
+    qp, kp = (
+        None
+        if not causal
+        else torch.arange(n, dtype=torch.int32, device=q.device)
+        if p is None
+        else p.to(device=q.device, dtype=torch.int32).contiguous()
+        for p, n in ((q_pos, Sq), (k_pos, Sk))
+    )
     valid = k_valid.view(torch.uint8) if k_valid is not None else None
-    flags = dict(CAUSAL=bool(causal), HAS_VALID=k_valid is not None,
-                 IEEE=q.element_size() == 4 and not allow_tf32, INTERPRETER=INTERPRETED)
+    flags = dict(
+        CAUSAL=bool(causal),
+        HAS_VALID=k_valid is not None,
+        IEEE=q.element_size() == 4 and not allow_tf32,
+        INTERPRETER=INTERPRETED,
+    )
     return B, H, Sq, Sk, D, block_d, qp, kp, valid, flags
 
 
-def attention_fwd(q, k, v, *, scale: float, causal: bool = True, q_pos=None, k_pos=None, k_valid=None,
-                  allow_tf32: bool = False):
+def attention_fwd(
+    q, k, v, *, scale: float, causal: bool = True, q_pos=None, k_pos=None, k_valid=None, allow_tf32: bool = False
+):
     """(out [B, Hq, Sq, D] in q's dtype, lse [B, Hq, Sq] fp32). q, k, v share one dtype (fp32 / bf16 / fp16) and a
     CUDA device (or CPU under the interpreter); checks are the caller's (llmpar/ops/attention.py)."""
     B, H, Sq, Sk, D, block_d, qp, kp, valid, flags = _common(q, k, v, causal, q_pos, k_pos, k_valid, allow_tf32)
@@ -327,14 +690,49 @@ def attention_fwd(q, k, v, *, scale: float, causal: bool = True, q_pos=None, k_p
     if causal:
         n_end, n_full, _ = _block_tables(qp, kp, Sq, Sk, bm, bn)
     _fwd_kernel[(B * H, row_blocks(Sq, bm, "Sq"))](
-        q, k, v, out, lse, out if qp is None else qp, out if kp is None else kp, out if valid is None else valid,
-        n_end, n_full, scale * LOG2E, Sq, Sk, H, H // k.shape[1], D, *q.stride(), *k.stride(), *v.stride(),
-        *out.stride(), *(valid.stride() if valid is not None else (0, 0)), **flags, BLOCK_D=block_d, **cfg)
+        q,
+        k,
+        v,
+        out,
+        lse,
+        out if qp is None else qp,
+        out if kp is None else kp,
+        out if valid is None else valid,
+        n_end,
+        n_full,
+        scale * LOG2E,
+        Sq,
+        Sk,
+        H,
+        H // k.shape[1],
+        D,
+        *q.stride(),
+        *k.stride(),
+        *v.stride(),
+        *out.stride(),
+        *(valid.stride() if valid is not None else (0, 0)),
+        **flags,
+        BLOCK_D=block_d,
+        **cfg,
+    )
     return out, lse
 
 
-def attention_bwd(q, k, v, out, lse, dout, *, scale: float, causal: bool = True, q_pos=None, k_pos=None,
-                  k_valid=None, allow_tf32: bool = False):
+def attention_bwd(
+    q,
+    k,
+    v,
+    out,
+    lse,
+    dout,
+    *,
+    scale: float,
+    causal: bool = True,
+    q_pos=None,
+    k_pos=None,
+    k_valid=None,
+    allow_tf32: bool = False,
+):
     """(dq, dk, dv) of this key block given the final out / lse (fp32 [B, Hq, Sq], -inf for empty rows) over all key
     blocks; in q's / k's / v's dtype. Same conditions as :func:`attention_fwd`; dout shaped like q (any strides)."""
     B, H, Sq, Sk, D, block_d, qp, kp, valid, flags = _common(q, k, v, causal, q_pos, k_pos, k_valid, allow_tf32)
@@ -351,13 +749,24 @@ def attention_bwd(q, k, v, out, lse, dout, *, scale: float, causal: bool = True,
     delta = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
     _delta_kernel[grid](out, dout, delta, Sq, H, D, *out.stride(), *dout.stride(), BLOCK_M=bm, BLOCK_D=block_d)
     pos = (dq if qp is None else qp, dq if kp is None else kp, dq if valid is None else valid)
-    sizes = (scale * LOG2E, float(scale), Sq, Sk, H, G, D, *q.stride(), *k.stride(), *v.stride(), *dout.stride(),
-             *(valid.stride() if valid is not None else (0, 0)))
+    sizes = (
+        scale * LOG2E,
+        float(scale),
+        Sq,
+        Sk,
+        H,
+        G,
+        D,
+        *q.stride(),
+        *k.stride(),
+        *v.stride(),
+        *dout.stride(),
+        *(valid.stride() if valid is not None else (0, 0)),
+    )
     n_end = n_full = m_start = dq
     if causal:
         n_end, n_full, _ = _block_tables(qp, kp, Sq, Sk, bm, bn)
         m_start = _block_tables(qp, kp, Sq, Sk, cfg_kv["BLOCK_M"], cfg_kv["BLOCK_N"])[2]
     _dq_kernel[grid](q, k, v, dout, dq, lse, delta, *pos, n_end, n_full, *sizes, **flags, BLOCK_D=block_d, **cfg)
-    _dkdv_kernel[grid_kv](q, k, v, dout, dk, dv, lse, delta, *pos, m_start, *sizes, **flags, BLOCK_D=block_d,
-                          **cfg_kv)
+    _dkdv_kernel[grid_kv](q, k, v, dout, dk, dv, lse, delta, *pos, m_start, *sizes, **flags, BLOCK_D=block_d, **cfg_kv)
     return dq, dk, dv

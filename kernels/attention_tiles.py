@@ -1,6 +1,7 @@
 """Tiles and causal loop bounds of the Triton flash-attention kernels (kernels/attention.py): which blocks, warps and
 pipeline stages each kernel runs with, and, for causal attention, which key / query blocks each program visits and
 which of them need the position mask. Plain torch (device ops on the positions, no host sync); no Triton needed."""
+
 from __future__ import annotations
 
 import torch
@@ -8,7 +9,7 @@ import torch.nn.functional as F
 
 from ._triton import INTERPRETED
 
-POS_MIN, POS_MAX = -(2 ** 31) + 1, 2 ** 31 - 1  # padding rows / keys of a block: never visible
+POS_MIN, POS_MAX = -(2**31) + 1, 2**31 - 1  # padding rows / keys of a block: never visible
 INTERPRET_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 1, "num_stages": 1}
 MAX_GRID_Y = 65535  # CUDA's limit on grid axes 1 and 2 (the row blocks); axis 0 (batch x heads) takes 2^31 - 1
 
@@ -27,7 +28,7 @@ def config(kernel: str, itemsize: int, block_d: int, arch: int) -> dict:
     if itemsize == 2:
         stages = 3 if arch >= 90 else 2
         fwd = (128, 64) if arch >= 90 or not wide else (64, 64)  # sm_80 (fewer registers): 128 x 64 spills there,
-        dkdv = (32, 64) if arch >= 90 else (32, 32)               # as dkdv's 32 x 64 (k, v, dk, dv stay in registers)
+        dkdv = (32, 64) if arch >= 90 else (32, 32)  # as dkdv's 32 x 64 (k, v, dk, dv stay in registers)
         bm, bn = {"fwd": fwd, "dq": (64, 32)}.get(kernel, dkdv)
         warps = 8 if wide or kernel != "dq" else 4  # fwd / dkdv at 4 warps: 255 registers and a spill on sm_80
         return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
@@ -59,6 +60,8 @@ def row_blocks(n: int, block: int, what: str) -> int:
     """ceil(n / block): the programs on grid axis 1; more than CUDA allows there raises a ValueError naming it."""
     blocks = -(-n // block)
     if blocks > MAX_GRID_Y:
-        raise ValueError(f"{what}={n} needs {blocks} blocks of {block} rows on grid axis 1, over CUDA's {MAX_GRID_Y}: "
-                         "split the sequence (context parallelism) or use the torch path")
+        raise ValueError(
+            f"{what}={n} needs {blocks} blocks of {block} rows on grid axis 1, over CUDA's {MAX_GRID_Y}: "
+            "split the sequence (context parallelism) or use the torch path"
+        )
     return blocks

@@ -8,6 +8,7 @@ One launch covers all tensors: program b handles ``BLOCK`` elements of one tenso
 rows formed on the device with tensor ops, and the table cached per bucket layout (``_table``).
 All tensors of one launch share a dtype (the ops layer groups them). Runs under ``TRITON_INTERPRET=1`` on CPU tensors.
 """
+
 from __future__ import annotations
 
 import functools
@@ -83,11 +84,11 @@ def _rows_numpy(ptrs, numels):
     blocks, offsets = _per_tensor(numels)
     programs = sum(blocks)
     table = np.empty(3 * n + 2 * programs, dtype=np.int64)
-    table[:3 * n] = list(ptrs) + list(numels) + offsets
-    owner = table[3 * n:3 * n + programs]
+    table[: 3 * n] = list(ptrs) + list(numels) + offsets
+    owner = table[3 * n : 3 * n + programs]
     owner[:] = np.repeat(np.arange(n, dtype=np.int64), blocks)
     first = np.cumsum(blocks, dtype=np.int64) - blocks  # each tensor's first program
-    start = table[3 * n + programs:]
+    start = table[3 * n + programs :]
     start[:] = (np.arange(programs, dtype=np.int64) - first[owner]) * BLOCK
     return torch.from_numpy(table), programs
 
@@ -101,17 +102,17 @@ def _rows_torch(ptrs, numels, device):
     head = torch.tensor(list(ptrs) + list(numels) + offsets + blocks, dtype=torch.int64)
     head = pinned_to_device(head, device, "pack_bucket / unpack_bucket")
     i64 = dict(dtype=torch.int64, device=device)
-    per_tensor = head[3 * n:]
+    per_tensor = head[3 * n :]
     first = torch.cumsum(per_tensor, 0) - per_tensor  # each tensor's first program
     table = torch.empty(3 * n + 2 * programs, **i64)
-    table[:3 * n] = head[:3 * n]
+    table[: 3 * n] = head[: 3 * n]
     # owner[b] = how many tensors start at or before program b, minus one: a +1 at every later tensor's first program,
     # summed (index_add_: empty tensors share their neighbour's start; the extra slot takes a start past the end;
     # repeat_interleave would do, but its CPU kernel is ~100x slower and on CUDA it needs the output size anyway)
     marks = torch.zeros(programs + 1, **i64).index_add_(0, first[1:], torch.ones(max(n - 1, 0), **i64))
-    owner = table[3 * n:3 * n + programs]
+    owner = table[3 * n : 3 * n + programs]
     torch.cumsum(marks[:programs], 0, out=owner)
-    start = table[3 * n + programs:]
+    start = table[3 * n + programs :]
     torch.arange(programs, out=start)
     start.sub_(first[owner]).mul_(BLOCK)
     return table, programs
@@ -171,8 +172,15 @@ def _launch(flat, tensors, scale: float, unpack: bool) -> None:
         return
     table, n, programs = _table(flat, tensors)
     _bucket_kernel[(programs,)](
-        flat, table, n, programs, float(scale),
-        UNPACK=unpack, LIST_DTYPE=_tl_dtype(tensors[0].dtype), UNIT_SCALE=float(scale) == 1.0, BLOCK=BLOCK,
+        flat,
+        table,
+        n,
+        programs,
+        float(scale),
+        UNPACK=unpack,
+        LIST_DTYPE=_tl_dtype(tensors[0].dtype),
+        UNIT_SCALE=float(scale) == 1.0,
+        BLOCK=BLOCK,
     )
 
 

@@ -19,6 +19,7 @@ config runs; configs, their shared-memory bound and the autotune key: kernels/ge
 fp32 products (no tensor cores) unless ``allow_tf32`` is passed (TF32 tensor cores; llmpar/ops/gemm.py passes torch's
 TF32 setting and sends fp32 calls that may not use TF32 to cuBLAS). Every tile offset is formed in int64.
 """
+
 from __future__ import annotations
 
 from ._triton import HAS_TRITON, INTERPRETED, TRITON_IMPORT_ERROR, tl, triton  # noqa: F401
@@ -71,8 +72,25 @@ if HAS_TRITON:
         return d
 
     @triton.jit
-    def _k_step(acc, rsum, a_ptrs, b_ptrs, z_ptrs, k0, K, mask_m, mask_n, offs_k, stride_ak, stride_bk, stride_zk,
-                GATE_ACT: tl.constexpr, ROWSUM: tl.constexpr, IEEE: tl.constexpr, INTERPRETER: tl.constexpr):
+    def _k_step(
+        acc,
+        rsum,
+        a_ptrs,
+        b_ptrs,
+        z_ptrs,
+        k0,
+        K,
+        mask_m,
+        mask_n,
+        offs_k,
+        stride_ak,
+        stride_bk,
+        stride_zk,
+        GATE_ACT: tl.constexpr,
+        ROWSUM: tl.constexpr,
+        IEEE: tl.constexpr,
+        INTERPRETER: tl.constexpr,
+    ):
         """One BLOCK_K step of the main loop: acc += gate(A tile) @ B tile; rsum += row sums of the gated A tile.
 
         k0 * stride is formed in int64: it passes 2**31 once K * stride does (dW = dY^T X over 64k tokens: stride
@@ -100,19 +118,42 @@ if HAS_TRITON:
 
     @triton.jit
     def _gemm_kernel(
-        a_ptr, b_ptr, c_ptr,
+        a_ptr,
+        b_ptr,
+        c_ptr,
         z_ptr,  # pre-activation gating A (GATE_ACT != 0), strided like A
         bias_ptr,  # [N] (HAS_BIAS)
         r_ptr,  # residual [M, N] (HAS_RES)
         pre_ptr,  # pre-activation out [M, N] (SAVE_PRE)
         rowsum_ptr,  # fp32 [M] (ROWSUM)
-        M, N, K,
-        stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
-        stride_zm, stride_zk, stride_rm, stride_rn, stride_pm, stride_pn,
-        ACT: tl.constexpr, GATE_ACT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
-        SAVE_PRE: tl.constexpr, ROWSUM: tl.constexpr, ACCUMULATE: tl.constexpr, IEEE: tl.constexpr,
+        M,
+        N,
+        K,
+        stride_am,
+        stride_ak,
+        stride_bk,
+        stride_bn,
+        stride_cm,
+        stride_cn,
+        stride_zm,
+        stride_zk,
+        stride_rm,
+        stride_rn,
+        stride_pm,
+        stride_pn,
+        ACT: tl.constexpr,
+        GATE_ACT: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        HAS_RES: tl.constexpr,
+        SAVE_PRE: tl.constexpr,
+        ROWSUM: tl.constexpr,
+        ACCUMULATE: tl.constexpr,
+        IEEE: tl.constexpr,
         INTERPRETER: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        GROUP_M: tl.constexpr,
     ):
         pid = tl.program_id(0)
         num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -142,13 +183,47 @@ if HAS_TRITON:
         if INTERPRETER:  # the interpreter (numpy >= 2.4) cannot run `for` over a runtime bound; GPUs pipeline `for`
             k0 = 0
             while k0 < K:
-                acc, rsum = _k_step(acc, rsum, a_ptrs, b_ptrs, z_ptrs, k0, K, mask_m, mask_n, offs_k, stride_ak,
-                                    stride_bk, stride_zk, GATE_ACT, ROWSUM, IEEE, INTERPRETER)
+                acc, rsum = _k_step(
+                    acc,
+                    rsum,
+                    a_ptrs,
+                    b_ptrs,
+                    z_ptrs,
+                    k0,
+                    K,
+                    mask_m,
+                    mask_n,
+                    offs_k,
+                    stride_ak,
+                    stride_bk,
+                    stride_zk,
+                    GATE_ACT,
+                    ROWSUM,
+                    IEEE,
+                    INTERPRETER,
+                )
                 k0 += BLOCK_K
         else:
             for k0 in range(0, K, BLOCK_K):
-                acc, rsum = _k_step(acc, rsum, a_ptrs, b_ptrs, z_ptrs, k0, K, mask_m, mask_n, offs_k, stride_ak,
-                                    stride_bk, stride_zk, GATE_ACT, ROWSUM, IEEE, INTERPRETER)
+                acc, rsum = _k_step(
+                    acc,
+                    rsum,
+                    a_ptrs,
+                    b_ptrs,
+                    z_ptrs,
+                    k0,
+                    K,
+                    mask_m,
+                    mask_n,
+                    offs_k,
+                    stride_ak,
+                    stride_bk,
+                    stride_zk,
+                    GATE_ACT,
+                    ROWSUM,
+                    IEEE,
+                    INTERPRETER,
+                )
 
         if ROWSUM:
             if pid_n == 0:  # one column of programs writes db (a scalar branch: newer interpreters reject int masks)
@@ -161,8 +236,9 @@ if HAS_TRITON:
             tl.store(pre_ptrs, acc.to(pre_ptr.dtype.element_ty), mask=c_mask)
         acc = _act_fwd(acc, ACT)
         if HAS_RES:
-            acc += tl.load(r_ptr + rm[:, None] * stride_rm + rn[None, :] * stride_rn, mask=c_mask,
-                           other=0.0).to(tl.float32)
+            acc += tl.load(r_ptr + rm[:, None] * stride_rm + rn[None, :] * stride_rn, mask=c_mask, other=0.0).to(
+                tl.float32
+            )
         c_ptrs = c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn
         if ACCUMULATE:
             acc += tl.load(c_ptrs, mask=c_mask, other=0.0).to(tl.float32)
@@ -201,18 +277,37 @@ def smem_limit(device) -> int:
 def _fitting_rows(table, a, b, z, c, flags):
     """The rows of ``table`` whose shared memory fits this call's device, dtypes and flags (kernels/gemm_configs.py),
     cut to LLMPAR_AUTOTUNE_CONFIGS."""
-    return fitting(table, smem_limit(c.device), a.element_size(), b.element_size(), z.element_size(),
-                   gate=flags.get("GATE_ACT", 0) != 0, rowsum=bool(flags.get("ROWSUM", False)))
+    return fitting(
+        table,
+        smem_limit(c.device),
+        a.element_size(),
+        b.element_size(),
+        z.element_size(),
+        gate=flags.get("GATE_ACT", 0) != 0,
+        rowsum=bool(flags.get("ROWSUM", False)),
+    )
 
 
 def _prune(table):
     """early_config_prune for Triton's autotuner: ``_fitting_rows`` of ``table`` as the autotuner's configs."""
+
     def prune(configs, named_args, **kwargs):
-        rows = _fitting_rows(table, named_args["a_ptr"], named_args["b_ptr"], named_args["z_ptr"],
-                             named_args["c_ptr"], kwargs)
-        by_row = {(cf.kwargs["BLOCK_M"], cf.kwargs["BLOCK_N"], cf.kwargs["BLOCK_K"], cf.kwargs["GROUP_M"],
-                   cf.num_stages, cf.num_warps): cf for cf in configs}
+        rows = _fitting_rows(
+            table, named_args["a_ptr"], named_args["b_ptr"], named_args["z_ptr"], named_args["c_ptr"], kwargs
+        )
+        by_row = {
+            (
+                cf.kwargs["BLOCK_M"],
+                cf.kwargs["BLOCK_N"],
+                cf.kwargs["BLOCK_K"],
+                cf.kwargs["GROUP_M"],
+                cf.num_stages,
+                cf.num_warps,
+            ): cf
+            for cf in configs
+        }
         return [by_row[r] for r in rows]
+
     return prune
 
 
@@ -222,27 +317,79 @@ def _tuned_kernel(family: str, role: str):
     key = (family, role)
     if key not in _TUNED:
         table = HOPPER_CONFIGS if family == "hopper" else AMPERE_CONFIGS
-        configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": g},
-                                 num_stages=s, num_warps=w) for bm, bn, bk, g, s, w in table]
+        configs = [
+            triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": g}, num_stages=s, num_warps=w)
+            for bm, bn, bk, g, s, w in table
+        ]
         # the weight-grad role may accumulate into C: restore it between benchmark runs
         restore = ["c_ptr"] if role == "wgrad" else None
-        _TUNED[key] = triton.autotune(configs=configs, key=list(TUNE_KEY), restore_value=restore,
-                                      prune_configs_by={"early_config_prune": _prune(table)})(_gemm_kernel)
+        _TUNED[key] = triton.autotune(
+            configs=configs,
+            key=list(TUNE_KEY),
+            restore_value=restore,
+            prune_configs_by={"early_config_prune": _prune(table)},
+        )(_gemm_kernel)
     return _TUNED[key]
 
 
-def _launch(role, a, b, c, M, N, K, a_strides, b_strides, c_strides, *, z=None, z_strides=(0, 0), bias=None,
-            res=None, res_strides=(0, 0), pre=None, pre_strides=(0, 0), rowsum=None, act=0, gate_act=0,
-            accumulate=False, allow_tf32=False):
+def _launch(
+    role,
+    a,
+    b,
+    c,
+    M,
+    N,
+    K,
+    a_strides,
+    b_strides,
+    c_strides,
+    *,
+    z=None,
+    z_strides=(0, 0),
+    bias=None,
+    res=None,
+    res_strides=(0, 0),
+    pre=None,
+    pre_strides=(0, 0),
+    rowsum=None,
+    act=0,
+    gate_act=0,
+    accumulate=False,
+    allow_tf32=False,
+):
     if M == 0 or N == 0:
         return
     dummy = c
-    flags = dict(ACT=act, GATE_ACT=gate_act, HAS_BIAS=bias is not None, HAS_RES=res is not None,
-                 SAVE_PRE=pre is not None, ROWSUM=rowsum is not None, ACCUMULATE=accumulate,
-                 IEEE=(b.dtype.itemsize == 4 and not allow_tf32), INTERPRETER=INTERPRETED)
-    args = (a, b, c, dummy if z is None else z, dummy if bias is None else bias, dummy if res is None else res,
-            dummy if pre is None else pre, dummy if rowsum is None else rowsum, M, N, K,
-            *a_strides, *b_strides, *c_strides, *z_strides, *res_strides, *pre_strides)
+    flags = dict(
+        ACT=act,
+        GATE_ACT=gate_act,
+        HAS_BIAS=bias is not None,
+        HAS_RES=res is not None,
+        SAVE_PRE=pre is not None,
+        ROWSUM=rowsum is not None,
+        ACCUMULATE=accumulate,
+        IEEE=(b.dtype.itemsize == 4 and not allow_tf32),
+        INTERPRETER=INTERPRETED,
+    )
+    args = (
+        a,
+        b,
+        c,
+        dummy if z is None else z,
+        dummy if bias is None else bias,
+        dummy if res is None else res,
+        dummy if pre is None else pre,
+        dummy if rowsum is None else rowsum,
+        M,
+        N,
+        K,
+        *a_strides,
+        *b_strides,
+        *c_strides,
+        *z_strides,
+        *res_strides,
+        *pre_strides,
+    )
 
     if INTERPRETED or c.device.type != "cuda":
         cfg = INTERPRET_CONFIG
@@ -259,11 +406,13 @@ def _launch_compiled(role, args, flags, M, N):
     a, b, c, z = args[0], args[1], args[2], args[3]
     family = _arch_family(c.device)
     if autotune_limit() == 1:
-        bm, bn, bk, group, stages, warps = _fitting_rows(HOPPER_CONFIGS if family == "hopper" else AMPERE_CONFIGS,
-                                                         a, b, z, c, flags)[0]
+        bm, bn, bk, group, stages, warps = _fitting_rows(
+            HOPPER_CONFIGS if family == "hopper" else AMPERE_CONFIGS, a, b, z, c, flags
+        )[0]
         grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
-        _gemm_kernel[grid](*args, **flags, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group, num_stages=stages,
-                           num_warps=warps)
+        _gemm_kernel[grid](
+            *args, **flags, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group, num_stages=stages, num_warps=warps
+        )
         return
     kernel = _tuned_kernel(family, role)
 
@@ -281,9 +430,25 @@ def linear_fwd(x, w, bias, residual, out, pre, act: int, *, allow_tf32: bool = F
     """
     M, K = x.shape
     N = w.shape[0]
-    _launch("fwd", x, w, out, M, N, K, x.stride(), (w.stride(1), w.stride(0)), out.stride(), bias=bias,
-            res=residual, res_strides=residual.stride() if residual is not None else (0, 0),
-            pre=pre, pre_strides=pre.stride() if pre is not None else (0, 0), act=act, allow_tf32=allow_tf32)
+    _launch(
+        "fwd",
+        x,
+        w,
+        out,
+        M,
+        N,
+        K,
+        x.stride(),
+        (w.stride(1), w.stride(0)),
+        out.stride(),
+        bias=bias,
+        res=residual,
+        res_strides=residual.stride() if residual is not None else (0, 0),
+        pre=pre,
+        pre_strides=pre.stride() if pre is not None else (0, 0),
+        act=act,
+        allow_tf32=allow_tf32,
+    )
 
 
 def linear_bwd_input(grad_out, w, pre, act: int, grad_x, *, allow_tf32: bool = False) -> None:
@@ -291,12 +456,27 @@ def linear_bwd_input(grad_out, w, pre, act: int, grad_x, *, allow_tf32: bool = F
     M, N = grad_out.shape
     K = w.shape[1]
     gate = act if pre is not None else 0
-    _launch("dgrad", grad_out, w, grad_x, M, K, N, grad_out.stride(), w.stride(), grad_x.stride(),
-            z=pre, z_strides=pre.stride() if pre is not None else (0, 0), gate_act=gate, allow_tf32=allow_tf32)
+    _launch(
+        "dgrad",
+        grad_out,
+        w,
+        grad_x,
+        M,
+        K,
+        N,
+        grad_out.stride(),
+        w.stride(),
+        grad_x.stride(),
+        z=pre,
+        z_strides=pre.stride() if pre is not None else (0, 0),
+        gate_act=gate,
+        allow_tf32=allow_tf32,
+    )
 
 
-def linear_bwd_weight(grad_out, x, pre, act: int, grad_w, grad_b=None, *, accumulate: bool = False,
-                      allow_tf32: bool = False) -> None:
+def linear_bwd_weight(
+    grad_out, x, pre, act: int, grad_w, grad_b=None, *, accumulate: bool = False, allow_tf32: bool = False
+) -> None:
     """grad_w (+)= (grad_out * act'(pre))^T @ x; grad_b = column sums of grad_out * act'(pre) (fp32 [N]).
 
     grad_out/pre: [M, N], x: [M, K], grad_w: [N, K] (fp32 main-grad buffer when ``accumulate``).
@@ -312,5 +492,21 @@ def linear_bwd_weight(grad_out, x, pre, act: int, grad_w, grad_b=None, *, accumu
         if grad_b is not None:
             grad_b.zero_()
         return
-    _launch("wgrad", grad_out, x, grad_w, N, K, M, go_t, x.stride(), grad_w.stride(), z=pre, z_strides=pre_t,
-            rowsum=grad_b, gate_act=gate, accumulate=accumulate, allow_tf32=allow_tf32)
+    _launch(
+        "wgrad",
+        grad_out,
+        x,
+        grad_w,
+        N,
+        K,
+        M,
+        go_t,
+        x.stride(),
+        grad_w.stride(),
+        z=pre,
+        z_strides=pre_t,
+        rowsum=grad_b,
+        gate_act=gate,
+        accumulate=accumulate,
+        allow_tf32=allow_tf32,
+    )

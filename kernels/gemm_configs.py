@@ -14,19 +14,32 @@ variants (bench/gpu_check.sh) spends seconds instead of minutes in autotuning. N
 is launched straight with the first fitting config, past Triton's autotuner (which counts its configs before pruning
 them, so on some versions, triton 3.6 among them, it still benchmarks the one config left).
 """
+
 from __future__ import annotations
 
 import os
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_stages, num_warps), most preferred first
 HOPPER_CONFIGS = [
-    (128, 256, 64, 8, 3, 8), (256, 128, 64, 8, 3, 8), (128, 128, 64, 8, 4, 8), (128, 128, 64, 8, 4, 4),
-    (128, 64, 64, 8, 4, 4), (64, 128, 64, 8, 4, 4), (128, 128, 32, 8, 4, 4), (64, 64, 64, 8, 4, 4),
+    (128, 256, 64, 8, 3, 8),
+    (256, 128, 64, 8, 3, 8),
+    (128, 128, 64, 8, 4, 8),
+    (128, 128, 64, 8, 4, 4),
+    (128, 64, 64, 8, 4, 4),
+    (64, 128, 64, 8, 4, 4),
+    (128, 128, 32, 8, 4, 4),
+    (64, 64, 64, 8, 4, 4),
     (128, 64, 32, 8, 4, 4),  # fits fp32 with the gated (act') operand stream of the backward
 ]
 AMPERE_CONFIGS = [
-    (128, 256, 32, 8, 3, 8), (256, 128, 32, 8, 3, 8), (128, 128, 32, 8, 4, 4), (128, 64, 32, 8, 4, 4),
-    (64, 128, 32, 8, 4, 4), (128, 32, 32, 8, 4, 4), (64, 32, 32, 8, 5, 2), (64, 64, 64, 8, 3, 4),
+    (128, 256, 32, 8, 3, 8),
+    (256, 128, 32, 8, 3, 8),
+    (128, 128, 32, 8, 4, 4),
+    (128, 64, 32, 8, 4, 4),
+    (64, 128, 32, 8, 4, 4),
+    (128, 32, 32, 8, 4, 4),
+    (64, 32, 32, 8, 5, 2),
+    (64, 64, 64, 8, 3, 4),
 ]
 # the fixed config used under the interpreter (tl.dot needs every block dim >= 16)
 INTERPRET_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2}
@@ -60,8 +73,9 @@ def autotune_limit() -> int | None:
     return n or None
 
 
-def fitting(table: list[tuple], limit: int, a_bytes: int, b_bytes: int, z_bytes: int, *, gate: bool,
-            rowsum: bool) -> list[tuple]:
+def fitting(
+    table: list[tuple], limit: int, a_bytes: int, b_bytes: int, z_bytes: int, *, gate: bool, rowsum: bool
+) -> list[tuple]:
     """The rows of ``table`` whose shared-memory bound is within ``limit``, in order, cut to ``autotune_limit()``.
     Never empty: the last row (the smallest tile) stays when nothing fits."""
     keep = [c for c in table if smem_bound(c, a_bytes, b_bytes, z_bytes, gate=gate, rowsum=rowsum) <= limit]

@@ -21,6 +21,7 @@ tensors t0_p <= i < t1_p, the ones that overlap its block (a block may straddle 
 Dequantize: one program per block of a row (dequantize_rows) or per block of the m columns, looping over the rows in
 order with a float32 accumulator (dequantize_sum). Runs under ``TRITON_INTERPRET=1`` on CPU tensors.
 """
+
 from __future__ import annotations
 
 from ._triton import HAS_TRITON, INTERPRETED, TRITON_IMPORT_ERROR, pinned_to_device, tl, triton  # noqa: F401
@@ -45,10 +46,19 @@ if HAS_TRITON:
         programs,  # rows * nb
         wire_ptr,  # uint8 [rows, row_bytes]
         res_ptr,  # float32 [rows * m] (HAS_RES)
-        m, nb, row_bytes, code_bytes, used_bytes,  # used_bytes = ceil(m * BITS / 8)
+        m,
+        nb,
+        row_bytes,
+        code_bytes,
+        used_bytes,  # used_bytes = ceil(m * BITS / 8)
         scale,
-        SINGLE: tl.constexpr, SRC_DTYPE: tl.constexpr, HAS_RES: tl.constexpr, UNIT_SCALE: tl.constexpr,
-        BITS: tl.constexpr, QMAX_F: tl.constexpr, BLOCK: tl.constexpr,
+        SINGLE: tl.constexpr,
+        SRC_DTYPE: tl.constexpr,
+        HAS_RES: tl.constexpr,
+        UNIT_SCALE: tl.constexpr,
+        BITS: tl.constexpr,
+        QMAX_F: tl.constexpr,
+        BLOCK: tl.constexpr,
     ):
         pid = tl.program_id(0)
         row = pid // nb
@@ -108,8 +118,18 @@ if HAS_TRITON:
 
     @triton.jit
     def _dequantize_kernel(
-        wire_ptr, out_ptr, rows, m, nb, row_bytes, code_bytes, used_bytes,
-        SUM: tl.constexpr, ACCUMULATE: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
+        wire_ptr,
+        out_ptr,
+        rows,
+        m,
+        nb,
+        row_bytes,
+        code_bytes,
+        used_bytes,
+        SUM: tl.constexpr,
+        ACCUMULATE: tl.constexpr,
+        BITS: tl.constexpr,
+        BLOCK: tl.constexpr,
     ):
         pid = tl.program_id(0)
         if SUM:  # out[m] (+)= sum_r c_r * s_r in rank order, float32
@@ -192,10 +212,27 @@ def _launch_quantize(src, srcs, wire, rows: int, m: int, bits: int, block: int, 
         table, n = _pack_table(srcs, wire.device, rows, m, block, nb), len(srcs)
         dtype = srcs[0].dtype if srcs else torch.float32
     _quantize_kernel[(programs,)](
-        src if single else wire, table, n, programs, wire, residual if residual is not None else wire,
-        m, nb, rb, code, used, float(scale),
-        SINGLE=single, SRC_DTYPE=_tl_dtype(dtype), HAS_RES=residual is not None, UNIT_SCALE=float(scale) == 1.0,
-        BITS=bits, QMAX_F=float(QMAX[bits]), BLOCK=block, num_warps=_warps(block), enable_fp_fusion=False,
+        src if single else wire,
+        table,
+        n,
+        programs,
+        wire,
+        residual if residual is not None else wire,
+        m,
+        nb,
+        rb,
+        code,
+        used,
+        float(scale),
+        SINGLE=single,
+        SRC_DTYPE=_tl_dtype(dtype),
+        HAS_RES=residual is not None,
+        UNIT_SCALE=float(scale) == 1.0,
+        BITS=bits,
+        QMAX_F=float(QMAX[bits]),
+        BLOCK=block,
+        num_warps=_warps(block),
+        enable_fp_fusion=False,
     )
 
 
@@ -220,8 +257,20 @@ def _launch_dequantize(wire, out, m: int, bits: int, block: int, total: bool, ac
     if programs == 0:
         return
     _dequantize_kernel[(programs,)](
-        wire, out, rows, m, nb, rb, code, used,
-        SUM=total, ACCUMULATE=accumulate, BITS=bits, BLOCK=block, num_warps=_warps(block), enable_fp_fusion=False,
+        wire,
+        out,
+        rows,
+        m,
+        nb,
+        rb,
+        code,
+        used,
+        SUM=total,
+        ACCUMULATE=accumulate,
+        BITS=bits,
+        BLOCK=block,
+        num_warps=_warps(block),
+        enable_fp_fusion=False,
     )
 
 

@@ -11,6 +11,7 @@ engines) are here under DeepSpeed's names. A ``from deepspeed.X import ...`` lin
 ``llmpar.pipe``, ``llmpar.zero``, ``llmpar.checkpointing``; a DeepSpeed module llmpar has no counterpart of
 (``deepspeed.moe``, ``deepspeed.profiling``, ...: :data:`NO_COUNTERPART`) is an ``ImportError`` saying what to use.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -58,15 +59,17 @@ _EXPORTS: dict[str, str] = {
 _COMPAT_SHIMS = ("llmpar.ops.adam",)
 
 _OPS = "of DeepSpeed's ops llmpar provides llmpar.ops.adam (FusedAdam, DeepSpeedCPUAdam) only"
-_ZERO = ("ZeRO's user API is llmpar.zero (Init, GatheredParameters); memory estimates are "
-         "llmpar.planning.estimate_memory (`llmpar plan`)")
+_ZERO = (
+    "ZeRO's user API is llmpar.zero (Init, GatheredParameters); memory estimates are "
+    "llmpar.planning.estimate_memory (`llmpar plan`)"
+)
 # DeepSpeed module paths (after ``deepspeed.``) with no llmpar counterpart: what to use instead
 NO_COUNTERPART = {
     "moe": "mixture-of-experts layers are not provided",
     "profiling": "the FLOPs profiler is not provided: use torch.profiler.profile(with_flops=True), or "
-                 "llmpar.planning for model FLOPs and memory",
+    "llmpar.planning for model FLOPs and memory",
     "monitor": "the monitors are configured in the config's tensorboard / csv_monitor / wandb blocks; write your own "
-               "events with engine.monitor.write_events([(name, value, step), ...]) (llmpar.runtime.monitor)",
+    "events with engine.monitor.write_events([(name, value, step), ...]) (llmpar.runtime.monitor)",
     "inference": "the inference engine is not provided: run engine.module in eval mode",
     "module_inject": "kernel injection is not provided (llmpar.parallelize splits a model for tensor parallelism)",
     "model_implementations": "DeepSpeed's inference model implementations are not provided",
@@ -75,20 +78,27 @@ NO_COUNTERPART = {
     "elasticity": "elastic training is not provided (checkpoints reshard to any dp / tp / pp at load)",
     "launcher": "launch with torchrun (or `llmpar launch`, which translates onto torchrun / srun / mpirun)",
     "sequence": "Ulysses sequence parallelism is llmpar's context parallelism (llmpar.context_parallel): the config's "
-                "\"context_parallel\": {\"mode\": \"ulysses\", \"size\": N} block (DeepSpeed's "
-                "\"sequence_parallel_size\": N means the same) makes llmpar.initialize shard the sequence and run "
-                "attention through the all-to-all; a hand-built model uses llmpar.context_parallel.ContextParallel("
-                "\"ulysses\", ulysses_group=...) (docs/context-parallel.md)",
+    '"context_parallel": {"mode": "ulysses", "size": N} block (DeepSpeed\'s '
+    '"sequence_parallel_size": N means the same) makes llmpar.initialize shard the sequence and run '
+    "attention through the all-to-all; a hand-built model uses llmpar.context_parallel.ContextParallel("
+    '"ulysses", ulysses_group=...) (docs/context-parallel.md)',
     "nvme": "NVMe offload is not provided (offload_optimizer / offload_param to the CPU are)",
-    "ops.lamb": _OPS, "ops.transformer": _OPS, "ops.sparse_attention": _OPS, "ops.op_builder": _OPS,
-    "ops.aio": _OPS, "ops.deepspeed4science": _OPS, "ops.quantizer": _OPS, "ops.lion": _OPS, "ops.adagrad": _OPS,
+    "ops.lamb": _OPS,
+    "ops.transformer": _OPS,
+    "ops.sparse_attention": _OPS,
+    "ops.op_builder": _OPS,
+    "ops.aio": _OPS,
+    "ops.deepspeed4science": _OPS,
+    "ops.quantizer": _OPS,
+    "ops.lion": _OPS,
+    "ops.adagrad": _OPS,
     "runtime.zero": _ZERO,
     "runtime.dataloader": "RepeatingLoader is llmpar.utils.RepeatingLoader; DeepSpeed's loader is "
-                          "engine.deepspeed_io(dataset)",
+    "engine.deepspeed_io(dataset)",
     "runtime.pipe": "the pipeline API is llmpar.pipe (PipelineModule, LayerSpec, TiedLayerSpec); the engine is "
-                    "llmpar.PipelineEngine",
+    "llmpar.PipelineEngine",
     "runtime.activation_checkpointing": "activation checkpointing is llmpar.checkpointing (checkpoint) or the "
-                                        "config's activation_checkpointing block",
+    "config's activation_checkpointing block",
     "runtime.fp16": "fp16 loss scaling is the config's fp16 block (llmpar.zero.loss_scale)",
     "runtime.bf16_optimizer": "bf16 is the config's bf16 block (fp32 masters in the ZeRO optimizer)",
     "utils.timer": "DeepSpeed's timers are not provided: use time.perf_counter or torch.profiler",
@@ -107,13 +117,15 @@ class _NoCounterpart(importlib.abc.MetaPathFinder):
     def find_spec(fullname: str, path: Any = None, target: Any = None) -> None:
         if not fullname.startswith(f"{__name__}."):
             return None
-        rest = fullname[len(__name__) + 1:]
+        rest = fullname[len(__name__) + 1 :]
         parts = rest.split(".")
         for n in range(len(parts), 0, -1):
             why = NO_COUNTERPART.get(".".join(parts[:n]))
             if why is not None:
-                raise ModuleNotFoundError(f"No module named {fullname!r}: llmpar has no counterpart of DeepSpeed's "
-                                          f"deepspeed.{rest}: {why}", name=fullname)
+                raise ModuleNotFoundError(
+                    f"No module named {fullname!r}: llmpar has no counterpart of DeepSpeed's deepspeed.{rest}: {why}",
+                    name=fullname,
+                )
         return None
 
 

@@ -16,6 +16,7 @@ refused, naming what does it in llmpar: ``partition_activations`` and ``checkpoi
 ``profile`` are accepted and have no effect here. Megatron's model-parallel RNG tracker is not provided.
 A DeepSpeed-compatibility module: nothing inside llmpar imports it.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -37,28 +38,43 @@ def checkpoint(function: Callable[..., Any], *args: Any) -> Any:
 non_reentrant_checkpoint = checkpoint
 
 
-def configure(mpu_: Any = None, deepspeed_config: Any = None, partition_activations: bool | None = None,
-              contiguous_checkpointing: bool | None = None, num_checkpoints: int | None = None,
-              checkpoint_in_cpu: bool | None = None, synchronize: bool | None = None,
-              profile: bool | None = None) -> None:
+def configure(
+    mpu_: Any = None,
+    deepspeed_config: Any = None,
+    partition_activations: bool | None = None,
+    contiguous_checkpointing: bool | None = None,
+    num_checkpoints: int | None = None,
+    checkpoint_in_cpu: bool | None = None,
+    synchronize: bool | None = None,
+    profile: bool | None = None,
+) -> None:
     """Check DeepSpeed's activation-checkpointing settings (the arguments, over the ``"activation_checkpointing"``
     block of ``deepspeed_config``, a dict or a JSON path) against what :func:`checkpoint` does (module docstring)."""
     block = {}
     if deepspeed_config is not None:
         block = dict(read_config(deepspeed_config).get("activation_checkpointing", {}))
-    given = {"partition_activations": partition_activations, "contiguous_memory_optimization": contiguous_checkpointing,
-             "number_checkpoints": num_checkpoints, "cpu_checkpointing": checkpoint_in_cpu,
-             "synchronize_checkpoint_boundary": synchronize, "profile": profile}
+    given = {
+        "partition_activations": partition_activations,
+        "contiguous_memory_optimization": contiguous_checkpointing,
+        "number_checkpoints": num_checkpoints,
+        "cpu_checkpointing": checkpoint_in_cpu,
+        "synchronize_checkpoint_boundary": synchronize,
+        "profile": profile,
+    }
     block.update({k: v for k, v in given.items() if v is not None})
     cfg = activation_checkpointing_block(block)
     if cfg.partition_activations:
-        raise ValueError("checkpointing.configure(partition_activations=True): not done by checkpointing.checkpoint; "
-                         "the config's \"activation_checkpointing\": {\"partition_activations\": true} is (llmpar."
-                         "initialize checkpoints the model's blocks, each tp rank keeping 1/tp of their inputs)")
+        raise ValueError(
+            "checkpointing.configure(partition_activations=True): not done by checkpointing.checkpoint; "
+            'the config\'s "activation_checkpointing": {"partition_activations": true} is (llmpar.'
+            "initialize checkpoints the model's blocks, each tp rank keeping 1/tp of their inputs)"
+        )
     if cfg.cpu_checkpointing:
-        raise ValueError("checkpointing.configure(checkpoint_in_cpu=True): not done by checkpointing.checkpoint; wrap "
-                         "the call in `with torch.autograd.graph.save_on_cpu(pin_memory=True):`, or use the config's "
-                         "\"activation_checkpointing\": {\"cpu_checkpointing\": true}")
+        raise ValueError(
+            "checkpointing.configure(checkpoint_in_cpu=True): not done by checkpointing.checkpoint; wrap "
+            "the call in `with torch.autograd.graph.save_on_cpu(pin_memory=True):`, or use the config's "
+            '"activation_checkpointing": {"cpu_checkpointing": true}'
+        )
 
 
 def is_configured() -> bool:
@@ -71,15 +87,26 @@ def reset() -> None:
 
 
 def get_cuda_rng_tracker() -> Any:
-    raise NotImplementedError("the model-parallel CUDA RNG tracker (Megatron's) is not provided: checkpoint() restores "
-                              "the RNG state for the recompute by itself; seed with torch.manual_seed")
+    raise NotImplementedError(
+        "the model-parallel CUDA RNG tracker (Megatron's) is not provided: checkpoint() restores "
+        "the RNG state for the recompute by itself; seed with torch.manual_seed"
+    )
 
 
 def model_parallel_cuda_manual_seed(seed: int) -> None:
-    raise NotImplementedError("model_parallel_cuda_manual_seed (per-tp-rank RNG streams) is not provided: seed every "
-                              "rank with torch.manual_seed(seed); llmpar's tensor-parallel layers take their slice of "
-                              "the same-seed weights")
+    raise NotImplementedError(
+        "model_parallel_cuda_manual_seed (per-tp-rank RNG streams) is not provided: seed every "
+        "rank with torch.manual_seed(seed); llmpar's tensor-parallel layers take their slice of "
+        "the same-seed weights"
+    )
 
 
-__all__ = ["checkpoint", "configure", "get_cuda_rng_tracker", "is_configured", "model_parallel_cuda_manual_seed",
-           "non_reentrant_checkpoint", "reset"]
+__all__ = [
+    "checkpoint",
+    "configure",
+    "get_cuda_rng_tracker",
+    "is_configured",
+    "model_parallel_cuda_manual_seed",
+    "non_reentrant_checkpoint",
+    "reset",
+]

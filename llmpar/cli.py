@@ -3,6 +3,7 @@
 A subcommand whose module fails to import (a missing optional dependency, a broken install) does not take the
 others down: it stays listed and explains the import error when invoked, so ``llmpar env`` always runs.
 """
+
 from __future__ import annotations
 
 import argparse

@@ -16,6 +16,7 @@ name is called when it exists (no deprecation warnings), under both names here. 
 ``debug`` keywords are accepted and ignored; its comms logger (``configure(enabled=True)``, ``log_summary``) is not
 there: count bytes with ``llmpar.distributed.CommCounter``.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -51,8 +52,9 @@ class _Work:
         return getattr(self._work, name)
 
 
-def _run(what: str, group: Any, fn: Any, *args: Any, kind: str = "", record: torch.Tensor | None = None,
-         **kwargs: Any) -> Any:
+def _run(
+    what: str, group: Any, fn: Any, *args: Any, kind: str = "", record: torch.Tensor | None = None, **kwargs: Any
+) -> Any:
     """``fn(*args, group=group, **kwargs)``; a collective (``kind``: "all_reduce", ...; "" for point-to-point, not
     recorded) is recorded by the flight recorder with ``record``'s size and dtype."""
     for k in _IGNORED:
@@ -68,12 +70,26 @@ def _run(what: str, group: Any, fn: Any, *args: Any, kind: str = "", record: tor
 
 
 # --------------------------------------------------------------------------------------------------- the job
-def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool = True, distributed_port: int = 29500,
-                     verbose: bool = True, timeout: datetime.timedelta | None = None, init_method: str | None = None,
-                     dist_init_required: bool | None = None, config: Any = None, rank: int = -1,
-                     world_size: int = -1, *, backend: str | None = None, dims: Any = None, tp: int | None = None,
-                     pp: int | None = None, dp: int | None = None, timeout_s: float | None = None,
-                     device_type: str | None = None) -> DistEnv:
+def init_distributed(
+    dist_backend: str | None = None,
+    auto_mpi_discovery: bool = True,
+    distributed_port: int = 29500,
+    verbose: bool = True,
+    timeout: datetime.timedelta | None = None,
+    init_method: str | None = None,
+    dist_init_required: bool | None = None,
+    config: Any = None,
+    rank: int = -1,
+    world_size: int = -1,
+    *,
+    backend: str | None = None,
+    dims: Any = None,
+    tp: int | None = None,
+    pp: int | None = None,
+    dp: int | None = None,
+    timeout_s: float | None = None,
+    device_type: str | None = None,
+) -> DistEnv:
     """Join the job (DeepSpeed's arguments, and llmpar's keywords: see ``llmpar.distributed.init_distributed``);
     returns llmpar's :class:`~llmpar.distributed.DistEnv`. dist_backend / backend: "nccl" (default on CUDA), "gloo"
     (default on CPU). timeout (a timedelta) / timeout_s: a collective's wait for its peers (default 10 minutes).
@@ -95,10 +111,14 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     if not dist.is_initialized() and (init_method is not None or rank >= 0 or world_size > 0):
         # the caller's rendezvous: torch's init_process_group, then llmpar adopts the group
         kind = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        dist.init_process_group(kind, init_method=init_method or "env://", rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=collective_timeout(timeout_s)))
-    return _llmpar_init(backend=backend, dims=dims, tp=tp, pp=pp, dp=dp, timeout_s=timeout_s,
-                        device_type=device_type)
+        dist.init_process_group(
+            kind,
+            init_method=init_method or "env://",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=collective_timeout(timeout_s)),
+        )
+    return _llmpar_init(backend=backend, dims=dims, tp=tp, pp=pp, dp=dp, timeout_s=timeout_s, device_type=device_type)
 
 
 def is_initialized() -> bool:
@@ -148,23 +168,42 @@ def barrier(group: Any = None, async_op: bool = False, device_ids: list[int] | N
     return _run("barrier", group, dist.barrier, kind="barrier", async_op=async_op, device_ids=device_ids, **kw)
 
 
-def monitored_barrier(group: Any = None, timeout: datetime.timedelta | None = None, wait_all_ranks: bool = False,
-                      **kw: Any) -> Any:
-    return _run("monitored barrier", group, dist.monitored_barrier, kind="barrier", timeout=timeout,
-                wait_all_ranks=wait_all_ranks, **kw)
+def monitored_barrier(
+    group: Any = None, timeout: datetime.timedelta | None = None, wait_all_ranks: bool = False, **kw: Any
+) -> Any:
+    return _run(
+        "monitored barrier",
+        group,
+        dist.monitored_barrier,
+        kind="barrier",
+        timeout=timeout,
+        wait_all_ranks=wait_all_ranks,
+        **kw,
+    )
 
 
-def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False,
-               **kw: Any) -> Any:
-    return _run(f"all-reduce of {tensor.numel()} elements", group, dist.all_reduce, tensor, op=op,
-                kind="all_reduce", record=tensor, async_op=async_op, **kw)
+def all_reduce(
+    tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False, **kw: Any
+) -> Any:
+    return _run(
+        f"all-reduce of {tensor.numel()} elements",
+        group,
+        dist.all_reduce,
+        tensor,
+        op=op,
+        kind="all_reduce",
+        record=tensor,
+        async_op=async_op,
+        **kw,
+    )
 
 
 inference_all_reduce = all_reduce
 
 
-def all_reduce_coalesced(tensors: list[torch.Tensor], op: Any = ReduceOp.SUM, group: Any = None,
-                         async_op: bool = False, **kw: Any) -> Any:
+def all_reduce_coalesced(
+    tensors: list[torch.Tensor], op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False, **kw: Any
+) -> Any:
     """All-reduce of several tensors as one flat buffer per dtype (torch's ``all_reduce_coalesced`` is deprecated)."""
     if async_op:
         raise ValueError("all_reduce_coalesced(async_op=True) is not supported: call it synchronously")
@@ -174,65 +213,145 @@ def all_reduce_coalesced(tensors: list[torch.Tensor], op: Any = ReduceOp.SUM, gr
         all_reduce(flat, op=op, group=group, **kw)
         offset = 0
         for t in same:
-            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
             offset += t.numel()
     return None
 
 
-def reduce(tensor: torch.Tensor, dst: int, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False,
-           **kw: Any) -> Any:
-    return _run(f"reduce to rank {dst}", group, dist.reduce, tensor, dst, op=op, kind="reduce", record=tensor,
-                async_op=async_op, **kw)
+def reduce(
+    tensor: torch.Tensor, dst: int, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False, **kw: Any
+) -> Any:
+    return _run(
+        f"reduce to rank {dst}",
+        group,
+        dist.reduce,
+        tensor,
+        dst,
+        op=op,
+        kind="reduce",
+        record=tensor,
+        async_op=async_op,
+        **kw,
+    )
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: Any = None, async_op: bool = False, **kw: Any) -> Any:
-    return _run(f"broadcast from rank {src}", group, dist.broadcast, tensor, src, kind="broadcast", record=tensor,
-                async_op=async_op, **kw)
+    return _run(
+        f"broadcast from rank {src}",
+        group,
+        dist.broadcast,
+        tensor,
+        src,
+        kind="broadcast",
+        record=tensor,
+        async_op=async_op,
+        **kw,
+    )
 
 
 def broadcast_object_list(object_list: list, src: int, group: Any = None, device: Any = None, **kw: Any) -> Any:
-    return _run(f"broadcast of objects from rank {src}", group, dist.broadcast_object_list, object_list, src,
-                kind="broadcast", device=device, **kw)
+    return _run(
+        f"broadcast of objects from rank {src}",
+        group,
+        dist.broadcast_object_list,
+        object_list,
+        src,
+        kind="broadcast",
+        device=device,
+        **kw,
+    )
 
 
-def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any = None, async_op: bool = False,
-               **kw: Any) -> Any:
-    return _run("all-gather", group, dist.all_gather, tensor_list, tensor, kind="all_gather", record=tensor,
-                async_op=async_op, **kw)
+def all_gather(
+    tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any = None, async_op: bool = False, **kw: Any
+) -> Any:
+    return _run(
+        "all-gather",
+        group,
+        dist.all_gather,
+        tensor_list,
+        tensor,
+        kind="all_gather",
+        record=tensor,
+        async_op=async_op,
+        **kw,
+    )
 
 
 def all_gather_object(object_list: list, obj: Any, group: Any = None, **kw: Any) -> Any:
     return _run("all-gather of objects", group, dist.all_gather_object, object_list, obj, kind="all_gather", **kw)
 
 
-def all_gather_into_tensor(output_tensor: torch.Tensor, tensor: torch.Tensor, group: Any = None,
-                           async_op: bool = False, **kw: Any) -> Any:
+def all_gather_into_tensor(
+    output_tensor: torch.Tensor, tensor: torch.Tensor, group: Any = None, async_op: bool = False, **kw: Any
+) -> Any:
     """``output[r * n:(r + 1) * n] = tensor`` of rank r (torch's ``all_gather_single``, formerly
     ``all_gather_into_tensor``)."""
-    return _run("all-gather into a tensor", group, TORCH_ALL_GATHER_INTO_TENSOR, output_tensor, tensor,
-                kind="all_gather", record=tensor, async_op=async_op, **kw)
+    return _run(
+        "all-gather into a tensor",
+        group,
+        TORCH_ALL_GATHER_INTO_TENSOR,
+        output_tensor,
+        tensor,
+        kind="all_gather",
+        record=tensor,
+        async_op=async_op,
+        **kw,
+    )
 
 
 allgather_fn = all_gather_into_tensor
 all_gather_single = all_gather_into_tensor
 
 
-def reduce_scatter_tensor(output_tensor: torch.Tensor, tensor: torch.Tensor, op: Any = ReduceOp.SUM,
-                          group: Any = None, async_op: bool = False, **kw: Any) -> Any:
+def reduce_scatter_tensor(
+    output_tensor: torch.Tensor,
+    tensor: torch.Tensor,
+    op: Any = ReduceOp.SUM,
+    group: Any = None,
+    async_op: bool = False,
+    **kw: Any,
+) -> Any:
     """``output = reduce_r tensor_r[rank * n:(rank + 1) * n]`` (torch's ``reduce_scatter_single``, formerly
     ``reduce_scatter_tensor``)."""
-    return _run("reduce-scatter of a tensor", group, TORCH_REDUCE_SCATTER_TENSOR, output_tensor, tensor, op=op,
-                kind="reduce_scatter", record=tensor, async_op=async_op, **kw)
+    return _run(
+        "reduce-scatter of a tensor",
+        group,
+        TORCH_REDUCE_SCATTER_TENSOR,
+        output_tensor,
+        tensor,
+        op=op,
+        kind="reduce_scatter",
+        record=tensor,
+        async_op=async_op,
+        **kw,
+    )
 
 
 reduce_scatter_fn = reduce_scatter_tensor
 reduce_scatter_single = reduce_scatter_tensor
 
 
-def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op: Any = ReduceOp.SUM, group: Any = None,
-                   async_op: bool = False, **kw: Any) -> Any:
-    return _run("reduce-scatter", group, dist.reduce_scatter, output, input_list, op=op, kind="reduce_scatter",
-                record=output, async_op=async_op, **kw)
+def reduce_scatter(
+    output: torch.Tensor,
+    input_list: list[torch.Tensor],
+    op: Any = ReduceOp.SUM,
+    group: Any = None,
+    async_op: bool = False,
+    **kw: Any,
+) -> Any:
+    return _run(
+        "reduce-scatter",
+        group,
+        dist.reduce_scatter,
+        output,
+        input_list,
+        op=op,
+        kind="reduce_scatter",
+        record=output,
+        async_op=async_op,
+        **kw,
+    )
 
 
 def has_all_gather_into_tensor() -> bool:
@@ -243,29 +362,91 @@ def has_reduce_scatter_tensor() -> bool:
     return True
 
 
-def all_to_all_single(output: torch.Tensor, tensor: torch.Tensor, output_split_sizes: list[int] | None = None,
-                      input_split_sizes: list[int] | None = None, group: Any = None, async_op: bool = False,
-                      **kw: Any) -> Any:
-    return _run("all-to-all", group, dist.all_to_all_single, output, tensor, kind="all_to_all", record=tensor,
-                output_split_sizes=output_split_sizes, input_split_sizes=input_split_sizes, async_op=async_op, **kw)
+def all_to_all_single(
+    output: torch.Tensor,
+    tensor: torch.Tensor,
+    output_split_sizes: list[int] | None = None,
+    input_split_sizes: list[int] | None = None,
+    group: Any = None,
+    async_op: bool = False,
+    **kw: Any,
+) -> Any:
+    return _run(
+        "all-to-all",
+        group,
+        dist.all_to_all_single,
+        output,
+        tensor,
+        kind="all_to_all",
+        record=tensor,
+        output_split_sizes=output_split_sizes,
+        input_split_sizes=input_split_sizes,
+        async_op=async_op,
+        **kw,
+    )
 
 
-def all_to_all(output_tensor_list: list[torch.Tensor], input_tensor_list: list[torch.Tensor], group: Any = None,
-               async_op: bool = False, **kw: Any) -> Any:
-    return _run("all-to-all of tensor lists", group, dist.all_to_all, output_tensor_list, input_tensor_list,
-                kind="all_to_all", async_op=async_op, **kw)
+def all_to_all(
+    output_tensor_list: list[torch.Tensor],
+    input_tensor_list: list[torch.Tensor],
+    group: Any = None,
+    async_op: bool = False,
+    **kw: Any,
+) -> Any:
+    return _run(
+        "all-to-all of tensor lists",
+        group,
+        dist.all_to_all,
+        output_tensor_list,
+        input_tensor_list,
+        kind="all_to_all",
+        async_op=async_op,
+        **kw,
+    )
 
 
-def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, dst: int = 0, group: Any = None,
-           async_op: bool = False, **kw: Any) -> Any:
-    return _run(f"gather to rank {dst}", group, dist.gather, tensor, gather_list, dst, kind="gather", record=tensor,
-                async_op=async_op, **kw)
+def gather(
+    tensor: torch.Tensor,
+    gather_list: list[torch.Tensor] | None = None,
+    dst: int = 0,
+    group: Any = None,
+    async_op: bool = False,
+    **kw: Any,
+) -> Any:
+    return _run(
+        f"gather to rank {dst}",
+        group,
+        dist.gather,
+        tensor,
+        gather_list,
+        dst,
+        kind="gather",
+        record=tensor,
+        async_op=async_op,
+        **kw,
+    )
 
 
-def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None, src: int = 0, group: Any = None,
-            async_op: bool = False, **kw: Any) -> Any:
-    return _run(f"scatter from rank {src}", group, dist.scatter, tensor, scatter_list, src, kind="scatter",
-                record=tensor, async_op=async_op, **kw)
+def scatter(
+    tensor: torch.Tensor,
+    scatter_list: list[torch.Tensor] | None = None,
+    src: int = 0,
+    group: Any = None,
+    async_op: bool = False,
+    **kw: Any,
+) -> Any:
+    return _run(
+        f"scatter from rank {src}",
+        group,
+        dist.scatter,
+        tensor,
+        scatter_list,
+        src,
+        kind="scatter",
+        record=tensor,
+        async_op=async_op,
+        **kw,
+    )
 
 
 def send(tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0, **kw: Any) -> Any:
@@ -291,26 +472,72 @@ def batch_isend_irecv(p2p_op_list: list, **kw: Any) -> list:
 
 
 # ------------------------------------------------------------------------------------------- DeepSpeed's logger
-def configure(deepspeed_config: Any = None, enabled: bool | None = None, prof_all: bool | None = None,
-              prof_ops: list | None = None, verbose: bool | None = None, debug: bool | None = None) -> None:
+def configure(
+    deepspeed_config: Any = None,
+    enabled: bool | None = None,
+    prof_all: bool | None = None,
+    prof_ops: list | None = None,
+    verbose: bool | None = None,
+    debug: bool | None = None,
+) -> None:
     """DeepSpeed's comms-logger switch: only "off" is accepted (llmpar counts traffic with
     ``llmpar.distributed.CommCounter``, passed to ``llmpar.initialize(counter=...)``)."""
     if enabled or prof_all or prof_ops:
-        raise ValueError("the DeepSpeed comms logger is not supported: pass a llmpar.distributed.CommCounter to "
-                         "llmpar.initialize(counter=...) and read its calls / volume / bytes_sent")
+        raise ValueError(
+            "the DeepSpeed comms logger is not supported: pass a llmpar.distributed.CommCounter to "
+            "llmpar.initialize(counter=...) and read its calls / volume / bytes_sent"
+        )
 
 
 def log_summary(show_straggler: bool = False, return_dict: bool = False) -> Any:
-    raise NotImplementedError("deepspeed.comm.log_summary (the comms logger) is not supported: pass a "
-                              "llmpar.distributed.CommCounter to llmpar.initialize(counter=...) and read it")
+    raise NotImplementedError(
+        "deepspeed.comm.log_summary (the comms logger) is not supported: pass a "
+        "llmpar.distributed.CommCounter to llmpar.initialize(counter=...) and read it"
+    )
 
 
 __all__ = [
-    "P2POp", "ReduceOp", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_gather_single",
-    "all_reduce", "all_reduce_coalesced", "all_to_all", "all_to_all_single", "allgather_fn", "barrier",
-    "batch_isend_irecv", "broadcast", "broadcast_object_list", "configure", "destroy_process_group", "gather",
-    "get_all_ranks_from_group", "get_global_rank", "get_local_rank", "get_rank", "get_world_group", "get_world_size",
-    "has_all_gather_into_tensor", "has_reduce_scatter_tensor", "inference_all_reduce", "init_distributed", "irecv",
-    "is_available", "is_initialized", "isend", "log_summary", "monitored_barrier", "new_group", "recv", "reduce",
-    "reduce_scatter", "reduce_scatter_fn", "reduce_scatter_single", "reduce_scatter_tensor", "scatter", "send",
+    "P2POp",
+    "ReduceOp",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_gather_single",
+    "all_reduce",
+    "all_reduce_coalesced",
+    "all_to_all",
+    "all_to_all_single",
+    "allgather_fn",
+    "barrier",
+    "batch_isend_irecv",
+    "broadcast",
+    "broadcast_object_list",
+    "configure",
+    "destroy_process_group",
+    "gather",
+    "get_all_ranks_from_group",
+    "get_global_rank",
+    "get_local_rank",
+    "get_rank",
+    "get_world_group",
+    "get_world_size",
+    "has_all_gather_into_tensor",
+    "has_reduce_scatter_tensor",
+    "inference_all_reduce",
+    "init_distributed",
+    "irecv",
+    "is_available",
+    "is_initialized",
+    "isend",
+    "log_summary",
+    "monitored_barrier",
+    "new_group",
+    "recv",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_fn",
+    "reduce_scatter_single",
+    "reduce_scatter_tensor",
+    "scatter",
+    "send",
 ]

@@ -4,6 +4,7 @@ Versions (Python, torch, CUDA, Triton, DeepSpeed...), devices, which op backends
 or JIT-buildable, Triton, torch), distributed backends, where the launcher (torchrun, mpirun, srun) placed this
 process and from which variables, and the environment switches llmpar reads.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,7 +18,12 @@ import sys
 from typing import Any
 
 ENV_SWITCHES = (
-    "LLMPAR_BACKEND", "LLMPAR_BUILD_CUDA", "TRITON_INTERPRET", "CUDA_HOME", "TORCH_CUDA_ARCH_LIST", "MAX_JOBS",
+    "LLMPAR_BACKEND",
+    "LLMPAR_BUILD_CUDA",
+    "TRITON_INTERPRET",
+    "CUDA_HOME",
+    "TORCH_CUDA_ARCH_LIST",
+    "MAX_JOBS",
     "OMP_NUM_THREADS",
 )
 OPTIONAL_PACKAGES = ("triton", "numpy", "deepspeed", "transformers", "ninja", "pytest", "safetensors")
@@ -86,10 +92,18 @@ def _launch() -> dict[str, Any]:
         info = discover()
     except ValueError as err:  # a bad launcher variable: show it, the rest of the report still matters
         return {"error": str(err)}
-    return {"source": info.source, "rank": info.rank, "world_size": info.world_size, "local_rank": info.local_rank,
-            "local_world_size": info.local_world_size, "master_addr": info.master_addr,
-            "master_port": info.master_port, "master_from": info.master_from, "read": info.read,
-            "description": info.describe()}
+    return {
+        "source": info.source,
+        "rank": info.rank,
+        "world_size": info.world_size,
+        "local_rank": info.local_rank,
+        "local_world_size": info.local_world_size,
+        "master_addr": info.master_addr,
+        "master_port": info.master_port,
+        "master_from": info.master_from,
+        "read": info.read,
+        "description": info.describe(),
+    }
 
 
 def collect() -> dict[str, Any]:

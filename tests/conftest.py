@@ -28,8 +28,20 @@ def cpu_ext_built():
 
 # what a launcher (torchrun, srun, mpirun) sets for a rank: a test that leaves any of them in the pytest process's
 # environment makes every later test that starts a job believe it is a rank of a launched one
-_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
-                  "NODE_RANK", "TORCHELASTIC_RUN_ID", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")
+_LAUNCHER_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "GROUP_RANK",
+    "NODE_RANK",
+    "TORCHELASTIC_RUN_ID",
+    "OMPI_COMM_WORLD_RANK",
+    "PMI_RANK",
+    "SLURM_PROCID",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -44,8 +56,11 @@ def launcher_environment_untouched(request):
         else:
             os.environ[k] = v
     if changed:
-        pytest.fail(f"{request.node.nodeid} left launcher variables changed in the test process (before, after): "
-                    f"{changed}; restore them (monkeypatch.setenv / a try-finally)", pytrace=False)
+        pytest.fail(
+            f"{request.node.nodeid} left launcher variables changed in the test process (before, after): "
+            f"{changed}; restore them (monkeypatch.setenv / a try-finally)",
+            pytrace=False,
+        )
 
 
 def pytest_configure(config):

@@ -10,6 +10,7 @@ Without a comment a ``python`` block runs on one rank with no setup. Every block
 scratch working directory shared by its ranks; a ``json`` block must parse, and one that holds DeepSpeed keys must
 be a config ``llmpar.initialize`` accepts.
 """
+
 from __future__ import annotations
 
 import os
@@ -70,9 +71,19 @@ def blocks_of(path: Path) -> list[Block]:
         if lang in ("python", "json"):
             mark = _MARK.match(lines[i - 1]) if i > 0 else None
             opts = _parse_mark(mark.group(1), f"{path.name}:{i + 1}") if mark else {}
-            code = "\n".join(line[len(indent):] for line in lines[i + 1:j])
-            out.append(Block(path, i + 1, lang, code, ranks=int(opts.get("ranks", 1)), setup=opts.get("setup"),
-                             skip=opts.get("skip"), options=opts))
+            code = "\n".join(line[len(indent) :] for line in lines[i + 1 : j])
+            out.append(
+                Block(
+                    path,
+                    i + 1,
+                    lang,
+                    code,
+                    ranks=int(opts.get("ranks", 1)),
+                    setup=opts.get("setup"),
+                    skip=opts.get("skip"),
+                    options=opts,
+                )
+            )
         i = j + 1
     return out
 

@@ -3,6 +3,7 @@
 A page shows the lines a user writes; the model, the batch or the directory those lines use come from here, small
 and random (never zeros), so each block runs for real on the test ranks. Each setup returns the block's namespace.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,9 +60,14 @@ def tp() -> dict[str, Any]:
     g = torch.Generator().manual_seed(7)
     logits = torch.randn(5, 2 * 48, generator=g)
     r = env.mesh["tp"].get_local_rank()
-    return {**_base(), "env": env, "existing_linear": nn.Linear(1024, 4096), "model": _gpt(),
-            "logits_shard": logits[:, r * 48:(r + 1) * 48].contiguous(),
-            "target": torch.randint(0, 96, (5,), generator=g)}
+    return {
+        **_base(),
+        "env": env,
+        "existing_linear": nn.Linear(1024, 4096),
+        "model": _gpt(),
+        "logits_shard": logits[:, r * 48 : (r + 1) * 48].contiguous(),
+        "target": torch.randint(0, 96, (5,), generator=g),
+    }
 
 
 def model() -> dict[str, Any]:
@@ -77,16 +83,28 @@ def loss_model() -> dict[str, Any]:
 def ds_script() -> dict[str, Any]:
     """migrating-deepspeed.md: what a DeepSpeed example script has before its deepspeed lines."""
     with open("ds.json", "w") as f:
-        json.dump({"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
-                   "zero_optimization": {"stage": 2}}, f)
+        json.dump(
+            {
+                "train_micro_batch_size_per_gpu": 4,
+                "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+                "zero_optimization": {"stage": 2},
+            },
+            f,
+        )
     net = nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 5))
     g = torch.Generator().manual_seed(3)
-    trainset = torch.utils.data.TensorDataset(torch.randn(32, 12, generator=g), torch.randint(0, 5, (32,),
-                                                                                              generator=g))
+    trainset = torch.utils.data.TensorDataset(torch.randn(32, 12, generator=g), torch.randint(0, 5, (32,), generator=g))
     args = llmpar.add_config_arguments(argparse.ArgumentParser()).parse_args(["--deepspeed_config", "ds.json"])
-    return {**_base(), "parser": argparse.ArgumentParser(), "args": args, "net": net,
-            "params": [p for p in net.parameters() if p.requires_grad], "trainset": trainset,
-            "criterion": nn.CrossEntropyLoss(), "ckpt_dir": "ckpt"}
+    return {
+        **_base(),
+        "parser": argparse.ArgumentParser(),
+        "args": args,
+        "net": net,
+        "params": [p for p in net.parameters() if p.requires_grad],
+        "trainset": trainset,
+        "criterion": nn.CrossEntropyLoss(),
+        "ckpt_dir": "ckpt",
+    }
 
 
 def pipe() -> dict[str, Any]:
@@ -98,8 +116,9 @@ def pipe() -> dict[str, Any]:
 
 def engine() -> dict[str, Any]:
     """checkpoints.md: an engine that took one step."""
-    eng, *_ = llmpar.initialize(model=_gpt(), config={"train_micro_batch_size_per_gpu": 2,
-                                                      "zero_optimization": {"stage": 2}})
+    eng, *_ = llmpar.initialize(
+        model=_gpt(), config={"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2}}
+    )
     x, y = _tokens(2)
     eng.backward(GPT.loss(eng(x), y))
     eng.step()
@@ -110,8 +129,15 @@ def _tiny_llama(path: str) -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     model = LlamaForCausalLM(cfg)
     if dist.get_rank() == 0:
         model.save_pretrained(path)
@@ -122,8 +148,9 @@ def _tiny_llama(path: str) -> Any:
 def hf_weights() -> dict[str, Any]:
     """checkpoint-conversion.md: an engine over a Llama and a save_pretrained directory of its weights."""
     model = _tiny_llama("llama_dir")
-    eng, *_ = llmpar.initialize(model=model, config={"train_micro_batch_size_per_gpu": 1,
-                                                     "zero_optimization": {"stage": 3}})
+    eng, *_ = llmpar.initialize(
+        model=model, config={"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
+    )
     return {**_base(), "engine": eng}
 
 
@@ -131,9 +158,16 @@ def long_context() -> dict[str, Any]:
     """context-parallel.md: a saved Llama (`path`), long.json on 2 ranks (cp=2), and this dp rank's batches."""
     _tiny_llama("llama")
     with open("long.json", "w") as f:
-        json.dump({"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 2e-5}},
-                   "bf16": {"enabled": True}, "zero_optimization": {"stage": 3},
-                   "context_parallel": {"size": 2, "mode": "ring"}}, f)
+        json.dump(
+            {
+                "train_micro_batch_size_per_gpu": 1,
+                "optimizer": {"type": "AdamW", "params": {"lr": 2e-5}},
+                "bf16": {"enabled": True},
+                "zero_optimization": {"stage": 3},
+                "context_parallel": {"size": 2, "mode": "ring"},
+            },
+            f,
+        )
     g = torch.Generator().manual_seed(5)  # the same batches on both ranks: one dp group of 2 cp ranks
     ids = torch.randint(0, VOCAB, (3, 1, 24), generator=g)
     loader = [{"input_ids": x, "labels": x.clone(), "attention_mask": torch.ones_like(x)} for x in ids]
@@ -157,12 +191,30 @@ def ops() -> dict[str, Any]:
     from llmpar.ops import merge_partials
 
     out, lse = merge_partials(o1, lse1, o2, lse2)
-    return {**_base(), "grads": [torch.randn(s, generator=g) for s in shapes], "world": 2, "params": params,
-            "x": torch.randn(600, 24, generator=g), "w": torch.randn(40, 24, generator=g),
-            "b": torch.randn(40, generator=g), "q": q, "k": k, "v": v,
-            "mask": torch.rand(B, S, generator=g) > 0.2, "k_blk": k[:, :, :half], "v_blk": v[:, :, :half],
-            "qp": pos, "kp": pos[:half], "o1": o1, "lse1": lse1, "o2": o2, "lse2": lse2, "out": out, "lse": lse,
-            "dout": torch.randn(B, Hq, S, D, generator=g)}
+    return {
+        **_base(),
+        "grads": [torch.randn(s, generator=g) for s in shapes],
+        "world": 2,
+        "params": params,
+        "x": torch.randn(600, 24, generator=g),
+        "w": torch.randn(40, 24, generator=g),
+        "b": torch.randn(40, generator=g),
+        "q": q,
+        "k": k,
+        "v": v,
+        "mask": torch.rand(B, S, generator=g) > 0.2,
+        "k_blk": k[:, :, :half],
+        "v_blk": v[:, :, :half],
+        "qp": pos,
+        "kp": pos[:half],
+        "o1": o1,
+        "lse1": lse1,
+        "o2": o2,
+        "lse2": lse2,
+        "out": out,
+        "lse": lse,
+        "dout": torch.randn(B, Hq, S, D, generator=g),
+    }
 
 
 SETUPS: dict[str, Callable[[], dict[str, Any]]] = {

@@ -8,6 +8,7 @@ A case is bf16 when one of its parameters is ``torch.bfloat16`` or a string nami
 "bf16_sr", ...), or its test id says so; cases without a dtype parameter count as "other". The two groups together
 are exactly the selection without the option.
 """
+
 from __future__ import annotations
 
 _NAMES = ("bf16", "bfloat16")
@@ -17,7 +18,7 @@ def is_bf16(item) -> bool:
     import torch
 
     spec = getattr(item, "callspec", None)
-    for value in (spec.params.values() if spec is not None else ()):
+    for value in spec.params.values() if spec is not None else ():
         values = value if isinstance(value, (tuple, list)) else (value,)
         for v in values:
             if v is torch.bfloat16 or (isinstance(v, str) and any(n in v.lower() for n in _NAMES)):
@@ -26,8 +27,12 @@ def is_bf16(item) -> bool:
 
 
 def pytest_addoption(parser):
-    parser.addoption("--dtype-group", choices=("bf16", "other"), default=None,
-                     help="keep only the bf16 cases, or only the others (tests/dtype_select.py)")
+    parser.addoption(
+        "--dtype-group",
+        choices=("bf16", "other"),
+        default=None,
+        help="keep only the bf16 cases, or only the others (tests/dtype_select.py)",
+    )
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,4 +1,5 @@
 """Shared inputs, references and error bounds for the linear_act tests (test_ops_gemm*.py)."""
+
 from __future__ import annotations
 
 import os
@@ -21,7 +22,7 @@ def _rand(shape, dtype, g, scale=1.0):
 def _inputs(m, k, n, dtype, seed=0, res_dtype=None):
     g = torch.Generator().manual_seed(seed)
     x = _rand((m, k), dtype, g)
-    w = _rand((n, k), dtype, g, k ** -0.5)
+    w = _rand((n, k), dtype, g, k**-0.5)
     b = _rand((n,), dtype, g, 0.5)
     r = _rand((m, n), res_dtype or dtype, g)
     dy = _rand((m, n), dtype, g)
@@ -61,12 +62,18 @@ def _check_op(x, w, b, r, dy, act, out_dtype=None, *, check_backward=True, views
     ``views``: linear_act gets x, w, b, r themselves (their storage and offsets), not aligned copies."""
     dtype = x.dtype
     out_dtype = out_dtype or dtype
-    y64, g64 = _grads(lambda *t: _composition(*t, act, torch.float64),
-                      [v.double() if v is not None else None for v in (x, w, b, r)],
-                      dy.double())
+    y64, g64 = _grads(
+        lambda *t: _composition(*t, act, torch.float64),
+        [v.double() if v is not None else None for v in (x, w, b, r)],
+        dy.double(),
+    )
     y_t, g_t = _grads(lambda *t: _composition(*t, act, out_dtype), [x, w, b, r], dy)
-    y_f, g_f = _grads(lambda xx, ww, bb, rr: linear_act(xx, ww, bb, act=act, residual=rr, out_dtype=out_dtype),
-                      [x, w, b, r], dy, views=views)
+    y_f, g_f = _grads(
+        lambda xx, ww, bb, rr: linear_act(xx, ww, bb, act=act, residual=rr, out_dtype=out_dtype),
+        [x, w, b, r],
+        dy,
+        views=views,
+    )
     assert y_f.dtype == out_dtype and y_f.shape == y64.shape
     _assert_within(y_f, y64, y_t, out_dtype, f"y ({act})")
     if check_backward:

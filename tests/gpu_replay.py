@@ -19,6 +19,7 @@ What it checks: shapes, dtypes and arguments flow through every GPU test body as
 assertions hold against the references. What it cannot check: the kernels' numerics (the "CUDA" results here are
 the references themselves) and anything that needs a real device (streams, events, graphs).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -76,8 +77,11 @@ def _replay_ops() -> set[str]:
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--no-gpu-replay", action="store_true", help="load tests/gpu_replay.py but do not patch")
-    parser.addoption("--gpu-replay-all", action="store_true",
-                     help="replay every parametrized case (default: a covering subset, see covering_cases)")
+    parser.addoption(
+        "--gpu-replay-all",
+        action="store_true",
+        help="replay every parametrized case (default: a covering subset, see covering_cases)",
+    )
 
 
 def _values(item: pytest.Item) -> set[tuple[str, str]]:
@@ -159,8 +163,9 @@ def _gpu_replay(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(_ext, "load", lambda build=True: status)
     monkeypatch.setattr(_dispatch, "has_ext_op", lambda name: name in ops)
     monkeypatch.setattr(_dispatch, "cuda_unavailable_reason", cuda_reason)
-    monkeypatch.setattr(_dispatch, "triton_unavailable_reason",
-                        lambda device: "CPU replay: the Triton kernels run as the torch path")
+    monkeypatch.setattr(
+        _dispatch, "triton_unavailable_reason", lambda device: "CPU replay: the Triton kernels run as the torch path"
+    )
     monkeypatch.setattr(_dispatch, "forced_backend", lambda: "torch" if real_forced() == "triton" else real_forced())
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with CpuForCuda():

@@ -16,6 +16,7 @@ with the same environment torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_AD
 the ranks destroy the process groups it created (gloo keeps I/O threads per group, and hundreds of idle ones cost
 a 2-core machine a good part of a core), and a rank still holding more than MAX_THREADS threads retires its pool.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -81,8 +82,13 @@ def _worker(rank: int, world_size: int, port: int, store_path: str, tasks, resul
     faulthandler.register(signal.SIGUSR1, file=log, all_threads=True)
     sys.path[:] = sys_path
     os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
     )
     import torch
     import torch.distributed as dist
@@ -90,7 +96,10 @@ def _worker(rank: int, world_size: int, port: int, store_path: str, tasks, resul
     torch.set_num_threads(1)
     try:
         dist.init_process_group(
-            "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size,
+            "gloo",
+            init_method=f"file://{store_path}",
+            rank=rank,
+            world_size=world_size,
             timeout=datetime.timedelta(seconds=900),
         )
     except BaseException:
@@ -157,8 +166,16 @@ def _droppable(pg: Any, listed: list) -> bool:
     world = c10d._world
     if not str(world.pg_names.get(pg, "")).isdigit():
         return False
-    registry = [world.pg_map, world.pg_names, world.pg_group_ranks, world.pg_backend_config, world.pg_to_tag,
-                world.pg_coalesce_state, listed, *world.tags_to_pg.values()]
+    registry = [
+        world.pg_map,
+        world.pg_names,
+        world.pg_group_ranks,
+        world.pg_backend_config,
+        world.pg_to_tag,
+        world.pg_coalesce_state,
+        listed,
+        *world.tags_to_pg.values(),
+    ]
     ours = {id(x) for x in registry} | {id(sys._getframe()), id(sys._getframe(1))}
     return all(id(r) in ours for r in gc.get_referrers(pg))
 
@@ -195,7 +212,9 @@ class _Pool:
         port = free_port()
         self.procs = [
             ctx.Process(
-                target=_worker, daemon=True, name=f"llmpar-rank{r}",
+                target=_worker,
+                daemon=True,
+                name=f"llmpar-rank{r}",
                 args=(r, world_size, port, store, self.tasks[r], self.results, worker_sys_path(), self.logs[r]),
             )
             for r in range(world_size)

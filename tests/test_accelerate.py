@@ -7,6 +7,7 @@ ZeRO-3 under ``accelerate launch`` with an accelerate config naming DeepSpeed (t
 Each launch runs the script under llmpar's Accelerator, ``llmpar.initialize`` driven directly on the same per-rank
 batches, and stock accelerate + DeepSpeed (which on CPU ranks counts one process and feeds every rank the unsharded
 loader's batches; the script under llmpar is run on those same batches for that comparison)."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -32,16 +33,37 @@ import accelerate_script  # noqa: E402
 HAS_DS = importlib.util.find_spec("deepspeed") is not None
 
 CONFIGS = {  # stage 2: the config's optimizer and schedule (DummyOptim / DummyScheduler); 3: a torch AdamW + LambdaLR
-    2: {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
-        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto", "betas": [0.9, 0.999],
-                                                  "eps": 1e-8, "torch_adam": True}},
-        "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
-                                                          "warmup_num_steps": "auto", "total_num_steps": "auto"}},
-        "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto", "overlap_comm": False}},
-    3: {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
-        "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
-                              "stage3_param_persistence_threshold": "auto",
-                              "stage3_gather_16bit_weights_on_model_save": True}},
+    2: {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": "auto", "weight_decay": "auto", "betas": [0.9, 0.999], "eps": 1e-8, "torch_adam": True},
+        },
+        "scheduler": {
+            "type": "WarmupDecayLR",
+            "params": {
+                "warmup_min_lr": "auto",
+                "warmup_max_lr": "auto",
+                "warmup_num_steps": "auto",
+                "total_num_steps": "auto",
+            },
+        },
+        "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto", "overlap_comm": False},
+    },
+    3: {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "zero_optimization": {
+            "stage": 3,
+            "reduce_bucket_size": "auto",
+            "stage3_prefetch_bucket_size": "auto",
+            "stage3_param_persistence_threshold": "auto",
+            "stage3_gather_16bit_weights_on_model_save": True,
+        },
+    },
 }
 
 
@@ -57,15 +79,32 @@ def run(request, tmp_path_factory, ds_ext_dir):
         driver.append("--no-deepspeed")
     if stage == 3 and HAS_DS:  # accelerate's DeepSpeed launcher imports deepspeed
         acc = tmp / "accelerate.yaml"
-        acc.write_text(f"compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\ndeepspeed_config:\n"
-                       f"  deepspeed_config_file: {cfg}\n  zero3_init_flag: false\nnum_machines: 1\n"
-                       f"num_processes: 2\nmachine_rank: 0\nmain_process_port: {free_port()}\nuse_cpu: true\n")
+        acc.write_text(
+            f"compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\ndeepspeed_config:\n"
+            f"  deepspeed_config_file: {cfg}\n  zero3_init_flag: false\nnum_machines: 1\n"
+            f"num_processes: 2\nmachine_rank: 0\nmain_process_port: {free_port()}\nuse_cpu: true\n"
+        )
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(acc), *driver]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(free_port()), *driver, "--config", str(cfg)]
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
-           "TORCH_EXTENSIONS_DIR": str(ds_ext_dir)}
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            *driver,
+            "--config",
+            str(cfg),
+        ]
+    env = {
+        **os.environ,
+        "DS_ACCELERATOR": "cpu",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(ROOT),
+        "TORCH_EXTENSIONS_DIR": str(ds_ext_dir),
+    }
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"stage {stage} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     ranks = [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(2)]
@@ -73,8 +112,9 @@ def run(request, tmp_path_factory, ds_ext_dir):
 
 
 def close(a, b, rtol: float) -> None:
-    torch.testing.assert_close(torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64),
-                               rtol=rtol, atol=0)
+    torch.testing.assert_close(
+        torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64), rtol=rtol, atol=0
+    )
 
 
 @pytest.mark.slow
@@ -86,8 +126,11 @@ def test_script_runs_on_llmpars_engine(run):
         assert rec["distributed_type"] == "DistributedType.DEEPSPEED" and rec["engine"] == "llmpar.runtime.engine"
         assert (rec["procs"], rec["rank"], rec["main"]) == (2, r, r == 0)
         cfg = rec["config"]
-        assert (cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"],
-                cfg["gradient_clipping"]) == (4, 2, 1.0)
+        assert (
+            cfg["train_micro_batch_size_per_gpu"],
+            cfg["gradient_accumulation_steps"],
+            cfg["gradient_clipping"],
+        ) == (4, 2, 1.0)
         assert cfg["zero_optimization"]["reduce_bucket_size"] == 24 * 24  # model.config.hidden_size = 24
         if run["stage"] == 2:  # DummyOptim(lr=3e-3, weight_decay=0.01), DummyScheduler(total 12, warmup 3)
             assert cfg["optimizer"]["params"]["lr"] == 3e-3 and cfg["optimizer"]["params"]["weight_decay"] == 0.01
@@ -128,7 +171,7 @@ def test_load_state_resumes_bitwise(run):
     for flows in run["ranks"]:
         for name in ("llmpar", "llmpar_same"):
             rec = flows[name]
-            assert rec["resumed"] == rec["loss"][-len(rec["resumed"]):]
+            assert rec["resumed"] == rec["loss"][-len(rec["resumed"]) :]
     assert (run["tmp"] / "ckpt_llmpar" / "pytorch_model" / "metadata.json").is_file()
 
 
@@ -167,8 +210,11 @@ def test_gather_for_metrics_reduce_and_save_model(run):
     for flows in ranks:
         assert flows["llmpar"]["eval_n"] == 11
         close([flows["llmpar"]["eval_loss"]], [want], rtol=1e-5)
-        close([flows["llmpar"]["mean_loss"]], [(ranks[0]["llmpar"]["loss"][-1] + ranks[1]["llmpar"]["loss"][-1]) / 2],
-              rtol=1e-6)
+        close(
+            [flows["llmpar"]["mean_loss"]],
+            [(ranks[0]["llmpar"]["loss"][-1] + ranks[1]["llmpar"]["loss"][-1]) / 2],
+            rtol=1e-6,
+        )
     saved = load_file(str(run["tmp"] / "ckpt_llmpar" / "model" / "model.safetensors"))
     assert sorted(saved) == sorted(ranks[0]["llmpar"]["weights"])
     assert all(torch.equal(saved[k], ranks[0]["llmpar"]["weights"][k]) for k in saved)
@@ -187,7 +233,7 @@ def test_losses_equal_accelerate_deepspeed(run):
         close(ours["loss"], theirs["loss"], rtol=1e-5)
         close(ours["grad_norm"], theirs["grad_norm"], rtol=1e-4)
         close(ours["lr"], theirs["lr"], rtol=1e-9)
-        assert theirs["resumed"] == theirs["loss"][-len(theirs["resumed"]):]
+        assert theirs["resumed"] == theirs["loss"][-len(theirs["resumed"]) :]
     ours, theirs = run["ranks"][0]["llmpar_same"]["weights"], run["ranks"][0]["deepspeed"]["weights"]
     for k in theirs:
         torch.testing.assert_close(ours[k], theirs[k], rtol=1e-5, atol=1e-6)
@@ -209,13 +255,21 @@ def _error_cases(tmp: str) -> dict[str, str]:
         except (ValueError, TypeError, RuntimeError, FileNotFoundError) as e:
             out[name] = f"{type(e).__name__}: {e}"
 
-    cfg = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-           "gradient_clipping": "auto", "zero_optimization": {"stage": 2}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "zero_optimization": {"stage": 2},
+    }
     loader = DataLoader(accelerate_script.data(12, 3), batch_size=3)
     try:
         catch("fp8", lambda: Accelerator(mixed_precision="fp8", deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=cfg)))
-        catch("two_plugins", lambda: Accelerator(deepspeed_plugins={"a": DeepSpeedPlugin(hf_ds_config=cfg),
-                                                                    "b": DeepSpeedPlugin(hf_ds_config=cfg)}))
+        catch(
+            "two_plugins",
+            lambda: Accelerator(
+                deepspeed_plugins={"a": DeepSpeedPlugin(hf_ds_config=cfg), "b": DeepSpeedPlugin(hf_ds_config=cfg)}
+            ),
+        )
         acc = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=cfg), cpu=True)
         model = accelerate_script.Net()
         catch("backward_first", lambda: acc.backward(model(torch.ones(2, 13)).sum()))
@@ -246,14 +300,21 @@ def test_refusals_name_the_fix(tmp_path):
         assert e["fp8"].startswith("ValueError") and "fp8" in e["fp8"]
         assert e["two_plugins"].startswith("ValueError") and "one DeepSpeedPlugin" in e["two_plugins"]
         assert e["backward_first"].startswith("RuntimeError") and "prepare" in e["backward_first"]
-        assert e["dummy_optim_without_block"].startswith("ValueError") and '"optimizer" block' in \
-            e["dummy_optim_without_block"]
+        assert (
+            e["dummy_optim_without_block"].startswith("ValueError")
+            and '"optimizer" block' in e["dummy_optim_without_block"]
+        )
         assert e["no_loader"].startswith("ValueError") and "train_micro_batch_size_per_gpu" in e["no_loader"]
         assert e["tensor_parallel"].startswith("ValueError") and "autotp_size" in e["tensor_parallel"]
-        assert e["clip_other_max_norm"].startswith("ValueError") and "gradient_clipping=1.0" in \
-            e["clip_other_max_norm"] and '"gradient_clipping": 0.5' in e["clip_other_max_norm"]
+        assert (
+            e["clip_other_max_norm"].startswith("ValueError")
+            and "gradient_clipping=1.0" in e["clip_other_max_norm"]
+            and '"gradient_clipping": 0.5' in e["clip_other_max_norm"]
+        )
         assert e["clip_norm_type"].startswith("ValueError") and "norm_type=2" in e["clip_norm_type"]
         assert float(e["norm"]) > 0
-        assert e["load_state_without_checkpoint"].startswith("FileNotFoundError") and "pytorch_model" in \
-            e["load_state_without_checkpoint"]
+        assert (
+            e["load_state_without_checkpoint"].startswith("FileNotFoundError")
+            and "pytorch_model" in e["load_state_without_checkpoint"]
+        )
         assert e["second_model"].startswith("ValueError") and "one model" in e["second_model"]

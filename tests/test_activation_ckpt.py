@@ -3,6 +3,7 @@ dropout on: the recompute replays the RNG), the activation bytes kept by the for
 hooks) down to one block input per block, ZeRO-3 and tensor-parallel partitioned inputs on CPU/gloo ranks, and the
 selective recomputation the planner assumes (SDPA keeps no s x s scores) measured on the GPT.
 """
+
 import logging
 
 import pytest
@@ -146,10 +147,18 @@ def test_selective_recompute_the_planner_assumes_is_what_sdpa_does():
 
 # ------------------------------------------------------------------------------------------------ through initialize
 def _cfg(stage, ckpt=None, **extra):
-    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.3,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
-           "zero_optimization": {"stage": stage, "reduce_bucket_size": 700, "overlap_comm": True,
-                                 "stage3_param_persistence_threshold": 50}, **extra}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_clipping": 0.3,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+        "zero_optimization": {
+            "stage": stage,
+            "reduce_bucket_size": 700,
+            "overlap_comm": True,
+            "stage3_param_persistence_threshold": 50,
+        },
+        **extra,
+    }
     if ckpt is not None:
         cfg["activation_checkpointing"] = ckpt
     return cfg
@@ -224,8 +233,13 @@ def test_partitioned_inputs_hold_one_tp_share():
 
 def test_no_effect_settings_are_logged(caplog):
     model = GPT(GPTConfig(**CFG))
-    cfg = ActivationCheckpointingConfig(enabled=True, partition_activations=True, cpu_checkpointing=True,
-                                        contiguous_memory_optimization=True, profile=True)
+    cfg = ActivationCheckpointingConfig(
+        enabled=True,
+        partition_activations=True,
+        cpu_checkpointing=True,
+        contiguous_memory_optimization=True,
+        profile=True,
+    )
     with caplog.at_level(logging.INFO, logger="llmpar"):
         assert len(apply_activation_checkpointing(model, cfg)) == 4
     text = caplog.text

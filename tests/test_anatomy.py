@@ -2,6 +2,7 @@
 llmpar's GPT, nn.Sequential models, nested lists (an MoE-like layer), a module held by two lists, a model that
 answers through pipeline_blocks(), and a transformers Llama; and that the callers (activation checkpointing, ZeRO-3
 units, the pipeline split, tensor-parallel plans) give the anatomy's answers."""
+
 from __future__ import annotations
 
 import pytest
@@ -73,8 +74,16 @@ def test_nested_lists_and_a_shared_module():
     expert held by both layers is one unit (and would be one block), under its first name."""
     model = Moe()
     assert names(A.blocks(model)) == ["layers.0", "layers.1"]
-    assert names(A.shard_units(model)) == ["", "emb", "layers.0", "layers.0.experts.0", "layers.0.experts.1",
-                                           "layers.1", "layers.1.experts.0", "out"]
+    assert names(A.shard_units(model)) == [
+        "",
+        "emb",
+        "layers.0",
+        "layers.0.experts.0",
+        "layers.0.experts.1",
+        "layers.1",
+        "layers.1.experts.0",
+        "out",
+    ]
     lists = nn.Module()
     shared = nn.Linear(2, 2)
     lists.first = nn.ModuleList([shared, nn.Linear(2, 2)])
@@ -144,8 +153,14 @@ def test_the_callers_ask_the_anatomy():
 
 def test_transformers_llama():
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2)
+    cfg = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg)
     layers = ["model.layers.0", "model.layers.1"]

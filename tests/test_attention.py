@@ -8,6 +8,7 @@ r the number of roundings to that dtype on the way to the value, and ``mag`` the
 where c32 u32 covers the fp32 arithmetic (scores summed over D, exp of a score that is that far off, sums over keys
 and over a group's query rows). A wrong mask, position or head mapping is off by O(mag), far outside.
 """
+
 from __future__ import annotations
 
 import math
@@ -24,6 +25,7 @@ U32 = torch.finfo(torch.float32).eps / 2
 @dataclass(kw_only=True)
 class Case:
     """One attention call: q [b, hq, sq, d], k/v [b, hkv, sk, d], positions, key padding."""
+
     b: int
     hq: int
     hkv: int
@@ -47,11 +49,11 @@ def zigzag(seq: int, sp: int, rank: int) -> list[int]:
 
 CASES = [
     Case(b=1, hq=1, hkv=1, sq=1, sk=1, d=16),
-    Case(b=2, hq=4, hkv=1, sq=7, sk=7, d=24, pad="some"),                       # GQA 4:1
-    Case(b=1, hq=6, hkv=2, sq=37, sk=37, d=64, causal=False),                   # GQA 6:2
-    Case(b=2, hq=2, hkv=2, sq=130, sk=130, d=16, pad="row"),                    # a fully padded batch row
+    Case(b=2, hq=4, hkv=1, sq=7, sk=7, d=24, pad="some"),  # GQA 4:1
+    Case(b=1, hq=6, hkv=2, sq=37, sk=37, d=64, causal=False),  # GQA 6:2
+    Case(b=2, hq=2, hkv=2, sq=130, sk=130, d=16, pad="row"),  # a fully padded batch row
     Case(b=1, hq=4, hkv=2, sq=20, sk=20, d=24, q_pos=zigzag(40, 2, 0), k_pos=zigzag(40, 2, 1)),  # zigzag blocks
-    Case(b=2, hq=2, hkv=1, sq=37, sk=130, d=16, q_pos=list(range(93, 130)), pad="some"),         # Sq != Sk
+    Case(b=2, hq=2, hkv=1, sq=37, sk=130, d=16, q_pos=list(range(93, 130)), pad="some"),  # Sq != Sk
 ]
 
 
@@ -64,8 +66,11 @@ def make(case: Case, dtype: torch.dtype, seed: int = 0, device: str = "cpu", *, 
         x = torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype).to(device)
         return x.transpose(1, 2).contiguous().transpose(1, 2) if seq_major else x
 
-    q, k, v = rnd(case.b, case.hq, case.sq, case.d), rnd(case.b, case.hkv, case.sk, case.d), rnd(case.b, case.hkv,
-                                                                                                 case.sk, case.d)
+    q, k, v = (
+        rnd(case.b, case.hq, case.sq, case.d),
+        rnd(case.b, case.hkv, case.sk, case.d),
+        rnd(case.b, case.hkv, case.sk, case.d),
+    )
     dout = rnd(case.b, case.hq, case.sq, case.d)
     pos = [None if p is None else torch.tensor(p, device=device) for p in (case.q_pos, case.k_pos)]
     valid = None
@@ -103,10 +108,12 @@ def reference(q, k, v, dout, *, scale, causal, q_pos, k_pos, k_valid):
         p, ao, ado = p.detach(), out.abs().detach(), dout.abs()
         ds_abs = p * (ado @ vv.abs().transpose(-1, -2) + (ado * ao).sum(-1, keepdim=True))
         red = (B, k.shape[1], g, Sk, D)
-        mag = {"out": p @ vv.abs() + ao,
-               "dq": scale * ds_abs @ kk.abs() + dq.abs(),
-               "dk": (scale * ds_abs.transpose(-1, -2) @ q.abs()).view(red).sum(2) + dk.abs(),
-               "dv": (p.transpose(-1, -2) @ ado).view(red).sum(2) + dv.abs()}
+        mag = {
+            "out": p @ vv.abs() + ao,
+            "dq": scale * ds_abs @ kk.abs() + dq.abs(),
+            "dk": (scale * ds_abs.transpose(-1, -2) @ q.abs()).view(red).sum(2) + dk.abs(),
+            "dv": (p.transpose(-1, -2) @ ado).view(red).sum(2) + dv.abs(),
+        }
         smax = (scale * q.abs() @ kk.abs().transpose(-1, -2)).max().item() if q.numel() and k.numel() else 0.0
     return out.detach(), lse, {"dq": dq, "dk": dk, "dv": dv}, mag, smax
 
@@ -117,30 +124,54 @@ def unit(dtype: torch.dtype, *, truncates: bool = False) -> float:
     return eps if truncates else eps / 2
 
 
-def assert_within(name: str, got: torch.Tensor, ref: torch.Tensor, mag: torch.Tensor, *, roundings: int,
-                  dtype: torch.dtype, d: int, smax: float, g: int, sq: int, sk: int, truncates: bool = False) -> None:
+def assert_within(
+    name: str,
+    got: torch.Tensor,
+    ref: torch.Tensor,
+    mag: torch.Tensor,
+    *,
+    roundings: int,
+    dtype: torch.dtype,
+    d: int,
+    smax: float,
+    g: int,
+    sq: int,
+    sk: int,
+    truncates: bool = False,
+) -> None:
     """|got - ref| <= (roundings u + c32 u32) mag elementwise (module docstring), plus, for float16, the absolute
     error of probabilities below its subnormal range."""
     c32 = 2 * (d + 2) * (1 + smax) + g * sq + sk + 16
     bound = (roundings * unit(dtype, truncates=truncates) + c32 * U32) * mag
     if dtype == torch.float16:
-        bound = bound + (sk + sq) * 2.0 ** -25 * mag.amax()
+        bound = bound + (sk + sq) * 2.0**-25 * mag.amax()
     err = (got.double().cpu() - ref).abs()
     worst = (err - bound).argmax() if err.numel() else None
-    assert bool((err <= bound).all()), (f"{name}: |error| {err.flatten()[worst].item():.3g} > bound "
-                                        f"{bound.flatten()[worst].item():.3g} at flat index {worst.item()}")
+    assert bool((err <= bound).all()), (
+        f"{name}: |error| {err.flatten()[worst].item():.3g} > bound "
+        f"{bound.flatten()[worst].item():.3g} at flat index {worst.item()}"
+    )
 
 
-def check_case(case: Case, dtype: torch.dtype, *, truncates: bool = False, fwd_roundings: int = 1,
-               bwd_roundings: int = 2, device: str = "cpu", seed: int = 0, seq_major: bool = False) -> None:
+def check_case(
+    case: Case,
+    dtype: torch.dtype,
+    *,
+    truncates: bool = False,
+    fwd_roundings: int = 1,
+    bwd_roundings: int = 2,
+    device: str = "cpu",
+    seed: int = 0,
+    seq_major: bool = False,
+) -> None:
     """flash_attention (forward with lse, and backward through autograd) against :func:`reference`."""
     q, k, v, dout, q_pos, k_pos, valid = make(case, dtype, seed, device, seq_major=seq_major)
     scale = 1.0 / math.sqrt(case.d)
-    ref_out, ref_lse, ref_grads, mag, smax = reference(q, k, v, dout, scale=scale, causal=case.causal, q_pos=q_pos,
-                                                       k_pos=k_pos, k_valid=valid)
+    ref_out, ref_lse, ref_grads, mag, smax = reference(
+        q, k, v, dout, scale=scale, causal=case.causal, q_pos=q_pos, k_pos=k_pos, k_valid=valid
+    )
     qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
-    out, lse = flash_attention(qg, kg, vg, causal=case.causal, q_pos=q_pos, k_pos=k_pos, k_valid=valid,
-                               return_lse=True)
+    out, lse = flash_attention(qg, kg, vg, causal=case.causal, q_pos=q_pos, k_pos=k_pos, k_valid=valid, return_lse=True)
     out.backward(dout)
     assert out.dtype == dtype and out.shape == q.shape and lse.shape == q.shape[:3]
     kw = dict(dtype=dtype, d=case.d, smax=smax, g=case.hq // case.hkv, sq=case.sq, sk=case.sk, truncates=truncates)
@@ -165,8 +196,16 @@ def test_torch_path_vs_float64(case, dtype, monkeypatch):
     check_case(case, dtype)
 
 
-def check_split_keys(case: Case, dtype: torch.dtype, cut: int, *, truncates: bool = False, fwd_roundings: int = 1,
-                     bwd_roundings: int = 2, device: str = "cpu") -> None:
+def check_split_keys(
+    case: Case,
+    dtype: torch.dtype,
+    cut: int,
+    *,
+    truncates: bool = False,
+    fwd_roundings: int = 1,
+    bwd_roundings: int = 2,
+    device: str = "cpu",
+) -> None:
     """A ring's use: attention over two disjoint key blocks, merged with merge_partials, equals the unsplit result;
     the backward of each block given the *final* out / lse gives dq (summed over blocks) and each block's dk / dv."""
     q, k, v, dout, q_pos, k_pos, valid = make(case, dtype, 1, device)
@@ -174,20 +213,37 @@ def check_split_keys(case: Case, dtype: torch.dtype, cut: int, *, truncates: boo
     kp = k_pos if k_pos is not None else torch.arange(case.sk, device=device)
     blocks = [slice(0, cut), slice(cut, case.sk)]
     kw = dict(scale=scale, causal=case.causal, q_pos=q_pos)
-    parts = [attention_fwd(q, k[:, :, s], v[:, :, s], k_pos=kp[s], k_valid=None if valid is None else valid[:, s],
-                           **kw) for s in blocks]
+    parts = [
+        attention_fwd(q, k[:, :, s], v[:, :, s], k_pos=kp[s], k_valid=None if valid is None else valid[:, s], **kw)
+        for s in blocks
+    ]
     out, lse = merge_partials(*parts[0], *parts[1])
     ref_out, ref_lse, ref_grads, mag, smax = reference(q, k, v, dout, k_pos=kp, k_valid=valid, **kw)
     for s in blocks:  # each block has rows that see some of its keys: otherwise this checks zeros against zeros
-        sees = torch.isfinite(reference(q, k[:, :, s], v[:, :, s], dout, k_pos=kp[s],
-                                        k_valid=None if valid is None else valid[:, s], **kw)[1])
+        sees = torch.isfinite(
+            reference(
+                q, k[:, :, s], v[:, :, s], dout, k_pos=kp[s], k_valid=None if valid is None else valid[:, s], **kw
+            )[1]
+        )
         assert bool(sees.any()), f"{case}: no row sees a key of block {s}"
     tol = dict(dtype=dtype, d=case.d, smax=smax, g=case.hq // case.hkv, sq=case.sq, sk=case.sk, truncates=truncates)
     assert_within("merged out", out, ref_out, mag["out"], roundings=fwd_roundings + 1, **tol)  # + the merge's rounding
     assert torch.equal(torch.isinf(lse.cpu()), torch.isinf(ref_lse))
     whole_out, whole_lse = attention_fwd(q, k, v, k_pos=kp, k_valid=valid, **kw)
-    grads = [attention_bwd(q, k[:, :, s], v[:, :, s], whole_out, whole_lse, dout, k_pos=kp[s],
-                           k_valid=None if valid is None else valid[:, s], **kw) for s in blocks]
+    grads = [
+        attention_bwd(
+            q,
+            k[:, :, s],
+            v[:, :, s],
+            whole_out,
+            whole_lse,
+            dout,
+            k_pos=kp[s],
+            k_valid=None if valid is None else valid[:, s],
+            **kw,
+        )
+        for s in blocks
+    ]
     dq = grads[0][0].double() + grads[1][0].double()
     assert_within("dq (sum over blocks)", dq, ref_grads["dq"], mag["dq"], roundings=bwd_roundings + 1, **tol)
     for i, name in ((1, "dk"), (2, "dv")):
@@ -217,27 +273,34 @@ def test_merge_partials_of_an_empty_block_is_the_other():
 
 def _bad(**change):
     g = torch.Generator().manual_seed(0)
-    args = dict(q=torch.randn(2, 4, 5, 8, generator=g), k=torch.randn(2, 2, 6, 8, generator=g),
-                v=torch.randn(2, 2, 6, 8, generator=g))
+    args = dict(
+        q=torch.randn(2, 4, 5, 8, generator=g),
+        k=torch.randn(2, 2, 6, 8, generator=g),
+        v=torch.randn(2, 2, 6, 8, generator=g),
+    )
     kw = {}
     for key, value in change.items():
         (args if key in args else kw)[key] = value
     return args, kw
 
 
-@pytest.mark.parametrize("change, exc, words", [
-    (dict(q=torch.randn(4, 5, 8)), ValueError, "q must be [batch, heads, seq, head_dim]"),
-    (dict(k=torch.randn(2, 3, 6, 8), v=torch.randn(2, 3, 6, 8)), ValueError, "query heads 4 must be a multiple of"),
-    (dict(v=torch.randn(2, 2, 7, 8)), ValueError, "k and v must have the same shape"),
-    (dict(k=torch.randn(2, 2, 6, 4), v=torch.randn(2, 2, 6, 4)), ValueError, "head_dim"),
-    (dict(q=torch.ones(2, 4, 5, 8, dtype=torch.int64)), TypeError, "q has dtype torch.int64"),
-    (dict(q_pos=torch.arange(4)), ValueError, "q_pos must be 1-D of length Sq=5"),
-    (dict(k_pos=torch.arange(6.0)), TypeError, "k_pos must be an integer tensor"),
-    (dict(k_valid=torch.ones(2, 5, dtype=torch.bool)), ValueError, "k_valid must be a bool tensor of shape (2, 6)"),
-    (dict(k_valid=torch.ones(2, 6)), ValueError, "k_valid must be a bool tensor"),
-    (dict(scale=float("nan")), ValueError, "scale must be a finite number"),
-    (dict(scale="0.5"), ValueError, "scale must be a finite number"),
-], ids=lambda x: x if isinstance(x, str) else "")
+@pytest.mark.parametrize(
+    "change, exc, words",
+    [
+        (dict(q=torch.randn(4, 5, 8)), ValueError, "q must be [batch, heads, seq, head_dim]"),
+        (dict(k=torch.randn(2, 3, 6, 8), v=torch.randn(2, 3, 6, 8)), ValueError, "query heads 4 must be a multiple of"),
+        (dict(v=torch.randn(2, 2, 7, 8)), ValueError, "k and v must have the same shape"),
+        (dict(k=torch.randn(2, 2, 6, 4), v=torch.randn(2, 2, 6, 4)), ValueError, "head_dim"),
+        (dict(q=torch.ones(2, 4, 5, 8, dtype=torch.int64)), TypeError, "q has dtype torch.int64"),
+        (dict(q_pos=torch.arange(4)), ValueError, "q_pos must be 1-D of length Sq=5"),
+        (dict(k_pos=torch.arange(6.0)), TypeError, "k_pos must be an integer tensor"),
+        (dict(k_valid=torch.ones(2, 5, dtype=torch.bool)), ValueError, "k_valid must be a bool tensor of shape (2, 6)"),
+        (dict(k_valid=torch.ones(2, 6)), ValueError, "k_valid must be a bool tensor"),
+        (dict(scale=float("nan")), ValueError, "scale must be a finite number"),
+        (dict(scale="0.5"), ValueError, "scale must be a finite number"),
+    ],
+    ids=lambda x: x if isinstance(x, str) else "",
+)
 def test_bad_inputs_raise_naming_the_argument(change, exc, words):
     args, kw = _bad(**change)
     with pytest.raises(exc, match=words.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
@@ -266,6 +329,7 @@ def test_backend_choice_on_cpu(monkeypatch):
     with pytest.raises(RuntimeError, match="LLMPAR_BACKEND=cuda"):
         attention_fwd(**args)
     from llmpar.kernels import attention as kernels
+
     if not kernels.INTERPRETED:
         monkeypatch.setenv("LLMPAR_BACKEND", "triton")
         with pytest.raises(RuntimeError, match="LLMPAR_BACKEND=triton.*TRITON_INTERPRET"):

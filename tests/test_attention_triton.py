@@ -8,6 +8,7 @@ a whole ulp (``truncates=True``), not half of one. The interpreted tests run in 
 started by the main-process test below (tests/interp.py), on tiny shapes with 16 x 16 blocks so that every loop
 (key blocks, query blocks, the heads of a GQA group) and the causal block skipping run more than once.
 """
+
 from __future__ import annotations
 
 import os
@@ -31,18 +32,26 @@ def test_attention_kernels_under_interpreter_subprocess():
 
 
 INTERP_CASES = [  # (case, dtype, seq_major)
-    (Case(b=1, hq=4, hkv=1, sq=37, sk=37, d=24, pad="some"), torch.bfloat16, True),   # GQA 4:1, D padded to 32
+    (Case(b=1, hq=4, hkv=1, sq=37, sk=37, d=24, pad="some"), torch.bfloat16, True),  # GQA 4:1, D padded to 32
     (Case(b=2, hq=2, hkv=2, sq=7, sk=20, d=16, causal=False, pad="row"), torch.float32, False),
-    (Case(b=1, hq=6, hkv=2, sq=20, sk=20, d=16, q_pos=zigzag(40, 2, 0), k_pos=zigzag(40, 2, 1)), torch.float16,
-     False),                                                                           # zigzag blocks, empty rows
+    (
+        Case(b=1, hq=6, hkv=2, sq=20, sk=20, d=16, q_pos=zigzag(40, 2, 0), k_pos=zigzag(40, 2, 1)),
+        torch.float16,
+        False,
+    ),  # zigzag blocks, empty rows
     # one row, head_dim 128, whose position equals the key block's first (min k_pos == max q_pos: not skipped)
     (Case(b=1, hq=1, hkv=1, sq=1, sk=9, d=128, q_pos=[6], k_pos=list(range(6, 15))), torch.bfloat16, False),
 ]
 
 
 @interpreted
-@pytest.mark.parametrize("case, dtype, seq_major", INTERP_CASES, ids=lambda x: str(x) if isinstance(x, Case) else
-                         str(x).replace("torch.", "") if isinstance(x, torch.dtype) else None)
+@pytest.mark.parametrize(
+    "case, dtype, seq_major",
+    INTERP_CASES,
+    ids=lambda x: (
+        str(x) if isinstance(x, Case) else str(x).replace("torch.", "") if isinstance(x, torch.dtype) else None
+    ),
+)
 def test_interp_kernels_vs_float64(case, dtype, seq_major, monkeypatch):
     monkeypatch.setenv("LLMPAR_BACKEND", "triton")
     check_case(case, dtype, truncates=True, seq_major=seq_major, **KERNEL)
@@ -80,16 +89,18 @@ def brute_force_blocks(q_pos, k_pos, bm: int, bn: int) -> torch.Tensor:
     """[MB, NB] bool: query block i sees some key of key block j (causal by position)."""
     vis = k_pos[None, :] <= q_pos[:, None]
     mb, nb = -(-len(q_pos) // bm), -(-len(k_pos) // bn)
-    return torch.stack([torch.stack([vis[i * bm:(i + 1) * bm, j * bn:(j + 1) * bn].any() for j in range(nb)])
-                        for i in range(mb)])
+    return torch.stack(
+        [torch.stack([vis[i * bm : (i + 1) * bm, j * bn : (j + 1) * bn].any() for j in range(nb)]) for i in range(mb)]
+    )
 
 
 def brute_force_whole(q_pos, k_pos, bm: int, bn: int) -> torch.Tensor:
     """[MB, NB] bool: every row of query block i sees every key of key block j."""
     vis = k_pos[None, :] <= q_pos[:, None]
     mb, nb = -(-len(q_pos) // bm), -(-len(k_pos) // bn)
-    return torch.stack([torch.stack([vis[i * bm:(i + 1) * bm, j * bn:(j + 1) * bn].all() for j in range(nb)])
-                        for i in range(mb)])
+    return torch.stack(
+        [torch.stack([vis[i * bm : (i + 1) * bm, j * bn : (j + 1) * bn].all() for j in range(nb)]) for i in range(mb)]
+    )
 
 
 @pytest.mark.parametrize("order", ["sorted", "zigzag", "shuffled"])
@@ -101,10 +112,16 @@ def test_block_tables_cover_every_visible_block(order):
     from llmpar.kernels.attention import _block_tables
 
     g = torch.Generator().manual_seed(5)
-    q_pos = {"sorted": torch.arange(50, 123), "zigzag": torch.tensor(zigzag(96, 3, 1) + [200]),
-             "shuffled": torch.randperm(77, generator=g)}[order]
-    k_pos = {"sorted": torch.arange(0, 130), "zigzag": torch.tensor(zigzag(96, 3, 2)),
-             "shuffled": torch.randperm(77, generator=g) + 10}[order]
+    q_pos = {
+        "sorted": torch.arange(50, 123),
+        "zigzag": torch.tensor(zigzag(96, 3, 1) + [200]),
+        "shuffled": torch.randperm(77, generator=g),
+    }[order]
+    k_pos = {
+        "sorted": torch.arange(0, 130),
+        "zigzag": torch.tensor(zigzag(96, 3, 2)),
+        "shuffled": torch.randperm(77, generator=g) + 10,
+    }[order]
     bm, bn = 16, 32
     n_end, n_full, m_start = _block_tables(q_pos, k_pos, len(q_pos), len(k_pos), bm, bn)
     need, whole = brute_force_blocks(q_pos, k_pos, bm, bn), brute_force_whole(q_pos, k_pos, bm, bn)
@@ -121,10 +138,14 @@ def test_block_tables_cover_every_visible_block(order):
 
 
 @interpreted
-@pytest.mark.parametrize("case", [
-    Case(b=1, hq=2, hkv=1, sq=37, sk=53, d=16, q_pos=list(range(16, 53)), pad="some"),
-    Case(b=1, hq=2, hkv=2, sq=20, sk=40, d=16, q_pos=zigzag(40, 2, 1)),
-], ids=str)
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case(b=1, hq=2, hkv=1, sq=37, sk=53, d=16, q_pos=list(range(16, 53)), pad="some"),
+        Case(b=1, hq=2, hkv=2, sq=20, sk=40, d=16, q_pos=zigzag(40, 2, 1)),
+    ],
+    ids=str,
+)
 def test_interp_unmasked_blocks_change_no_bits(case, monkeypatch):
     """The forward / dq run the blocks every row sees whole without the position compare: the results are the same
     bits as with every block of the range masked (n_full = 0)."""
@@ -134,13 +155,14 @@ def test_interp_unmasked_blocks_change_no_bits(case, monkeypatch):
 
     q, k, v, dout, q_pos, k_pos, valid = make(case, torch.bfloat16)
     kw = dict(scale=0.3, causal=True, q_pos=q_pos, k_pos=k_pos, k_valid=valid)
-    split = (*kernels.attention_fwd(q, k, v, **kw), )
+    split = (*kernels.attention_fwd(q, k, v, **kw),)
     split += kernels.attention_bwd(q, k, v, *split, dout, **kw)
     tables = kernels._block_tables
     assert int(tables(q_pos, torch.arange(case.sk) if k_pos is None else k_pos, case.sq, case.sk, 16, 16)[1].sum())
-    monkeypatch.setattr(kernels, "_block_tables", lambda *a: (lambda t: (t[0], torch.zeros_like(t[1]), t[2]))(
-        tables(*a)))
-    masked = (*kernels.attention_fwd(q, k, v, **kw), )
+    monkeypatch.setattr(
+        kernels, "_block_tables", lambda *a: (lambda t: (t[0], torch.zeros_like(t[1]), t[2]))(tables(*a))
+    )
+    masked = (*kernels.attention_fwd(q, k, v, **kw),)
     masked += kernels.attention_bwd(q, k, v, *split[:2], dout, **kw)
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), split, masked):
         assert torch.equal(a, b), name

@@ -2,6 +2,7 @@
 well-formed JSON / markdown results (asserting orderings, never absolute timings); the plots (bench/plot_results.py),
 no absolute machine paths in any committed result, and the pytest-benchmark suites of bench/suites/ (run once,
 saved, compared, rendered by bench/benchmark_table.py)."""
+
 import json
 import math
 import os
@@ -63,8 +64,9 @@ def test_argument_errors():
 
 def test_write_results_json_and_markdown(tmp_path):
     rows = [{"size": 4, "name": "a", "median_ms": 1.5, "ok": True}, {"size": 8, "name": "b|c", "median_ms": 3.25}]
-    paths = write_results("unit_case", rows, meta={"dtype": "fp32"}, out_dir=tmp_path,
-                          curve={"x": "size", "y": ["median_ms"]})
+    paths = write_results(
+        "unit_case", rows, meta={"dtype": "fp32"}, out_dir=tmp_path, curve={"x": "size", "y": ["median_ms"]}
+    )
     data = json.loads(paths["json"].read_text())
     assert data["name"] == "unit_case" and data["rows"] == rows and data["meta"] == {"dtype": "fp32"}
     assert data["command"].startswith("python ") and data["date"]
@@ -137,6 +139,7 @@ class _FakeGpu:
         def replay() -> None:
             self.replays += 1
             self._run(n * self.gpu)
+
         return replay
 
 
@@ -216,12 +219,24 @@ def test_command_line_records_no_machine_paths(monkeypatch, tmp_path):
 
     root = Path(harness.__file__).resolve().parents[1]
     scratch = Path(tempfile.gettempdir()) / "llmpar-bench-x"
-    monkeypatch.setattr(sys, "argv", [str(root / "bench" / "bench_zero.py"), "--dir", str(scratch),
-                                      f"--out={root / 'bench' / 'results'}", "--repeats", "3", "/opt/data.bin"])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            str(root / "bench" / "bench_zero.py"),
+            "--dir",
+            str(scratch),
+            f"--out={root / 'bench' / 'results'}",
+            "--repeats",
+            "3",
+            "/opt/data.bin",
+        ],
+    )
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     line = harness.command_line()
-    assert line == ('python bench/bench_zero.py --dir "$TMPDIR/llmpar-bench-x" --out=bench/results'
-                    ' --repeats 3 /opt/data.bin')
+    assert line == (
+        'python bench/bench_zero.py --dir "$TMPDIR/llmpar-bench-x" --out=bench/results --repeats 3 /opt/data.bin'
+    )
     assert str(root) not in line
 
 
@@ -245,13 +260,21 @@ def _has_matplotlib() -> bool:
 def _run_pytest(*args: str, timeout: int = 300, **env_vars: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", **env_vars}
     env.pop("PYTEST_ADDOPTS", None)
-    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_write_results_plots_ratio_bars_by_default(tmp_path):
-    rows = [{"case": "a", "name": "torch", "median_ms": 2.0, "speedup": 1.0, "baseline": True},
-            {"case": "a", "name": "llmpar", "median_ms": 1.0, "speedup": 2.0, "baseline": False}]
+    rows = [
+        {"case": "a", "name": "torch", "median_ms": 2.0, "speedup": 1.0, "baseline": True},
+        {"case": "a", "name": "llmpar", "median_ms": 1.0, "speedup": 2.0, "baseline": False},
+    ]
     paths = write_results("ratios", rows, out_dir=tmp_path)
     data = json.loads(paths["json"].read_text())
     assert "plot" not in data  # no curve given: the default plot, nothing to record
@@ -268,10 +291,26 @@ def test_write_results_plots_ratio_bars_by_default(tmp_path):
 def test_plot_results_picks_panels_and_skips_existing(tmp_path):
     import plot_results as pr
 
-    rows = [{"schedule": "gpipe", "pp": 2, "step_ms": 3.0, "bubble_formula": 0.2, "bubble_measured_mean": 0.21,
-             "speedup_vs_gpipe": 1.0, "per_stage": "0.33 0.09"},
-            {"schedule": "1f1b", "pp": 2, "step_ms": 2.0, "bubble_formula": 0.2, "bubble_measured_mean": 0.15,
-             "speedup_vs_gpipe": 1.5, "per_stage": "0.20 0.10"}]
+    rows = [
+        {
+            "schedule": "gpipe",
+            "pp": 2,
+            "step_ms": 3.0,
+            "bubble_formula": 0.2,
+            "bubble_measured_mean": 0.21,
+            "speedup_vs_gpipe": 1.0,
+            "per_stage": "0.33 0.09",
+        },
+        {
+            "schedule": "1f1b",
+            "pp": 2,
+            "step_ms": 2.0,
+            "bubble_formula": 0.2,
+            "bubble_measured_mean": 0.15,
+            "speedup_vs_gpipe": 1.5,
+            "per_stage": "0.20 0.10",
+        },
+    ]
     assert pr.ratio_columns(rows) == ["speedup_vs_gpipe"]
     assert pr.formula_pairs(rows) == [("bubble_measured_mean", "bubble_formula")]
     assert pr.label_columns(rows, set()) == ["schedule"]  # pp does not vary; per-stage figures are data
@@ -334,23 +373,39 @@ def test_results_tables_have_small_plots():
 
 
 def _saved_run(benchmarks: list[dict]) -> dict:
-    return {"machine_info": {"node": "", "cpu": {"brand_raw": "Test CPU", "count": 4}, "python_version": "3.11.0"},
-            "llmpar": {"torch": "2.13.0", "triton": None, "llmpar": "0.1.0", "gpus": []},
-            "commit_info": {"id": "0123456789abcdef", "dirty": False}, "datetime": "2026-01-01T00:00:00",
-            "version": "5.3.1", "command": "pytest bench/ --benchmark-only", "benchmarks": benchmarks}
+    return {
+        "machine_info": {"node": "", "cpu": {"brand_raw": "Test CPU", "count": 4}, "python_version": "3.11.0"},
+        "llmpar": {"torch": "2.13.0", "triton": None, "llmpar": "0.1.0", "gpus": []},
+        "commit_info": {"id": "0123456789abcdef", "dirty": False},
+        "datetime": "2026-01-01T00:00:00",
+        "version": "5.3.1",
+        "command": "pytest bench/ --benchmark-only",
+        "benchmarks": benchmarks,
+    }
 
 
 def _case(group: str, impl: str, median: float) -> dict:
-    return {"group": group, "name": f"test_x[cpu-{impl}]", "param": f"cpu-{impl}", "extra_info": {"impl": impl},
-            "stats": {"median": median, "iqr": median / 10, "rounds": 7}}
+    return {
+        "group": group,
+        "name": f"test_x[cpu-{impl}]",
+        "param": f"cpu-{impl}",
+        "extra_info": {"impl": impl},
+        "stats": {"median": median, "iqr": median / 10, "rounds": 7},
+    }
 
 
 def test_benchmark_table_renders_ratios_per_group(tmp_path):
     import benchmark_table as bt
 
-    data = _saved_run([_case("op a cpu", "llmpar", 1e-3), _case("op a cpu", "torch", 2e-3),
-                       _case("op b cpu", "torch", 4e-6), _case("op b cpu", "llmpar", 8e-6),
-                       _case("lonely cpu", "llmpar", 1.5)])
+    data = _saved_run(
+        [
+            _case("op a cpu", "llmpar", 1e-3),
+            _case("op a cpu", "torch", 2e-3),
+            _case("op b cpu", "torch", 4e-6),
+            _case("op b cpu", "llmpar", 8e-6),
+            _case("lonely cpu", "llmpar", 1.5),
+        ]
+    )
     rows = bt.rows(data)
     assert [(r["group"], r["impl"]) for r in rows][:2] == [("op a cpu", "torch"), ("op a cpu", "llmpar")]
     assert [r["time_vs_torch"] for r in rows] == [1.0, 0.5, 1.0, 2.0, None]
@@ -381,8 +436,16 @@ def test_suites_run_once_on_cpu():
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
     assert " passed" in out.stdout and "failed" not in out.stdout and "error" not in out.stdout.lower()
     assert "far too slow to benchmark" in out.stdout  # Triton on CPU: skipped, with the reason
-    for test in ("test_linear_act_forward", "test_linear_act_fwd_bwd", "test_bias_act_backward", "test_pack_bucket",
-                 "test_unpack_bucket", "test_adamw_step", "test_grad_norm", "test_cross_entropy"):
+    for test in (
+        "test_linear_act_forward",
+        "test_linear_act_fwd_bwd",
+        "test_bias_act_backward",
+        "test_pack_bucket",
+        "test_unpack_bucket",
+        "test_adamw_step",
+        "test_grad_norm",
+        "test_cross_entropy",
+    ):
         assert re.search(rf"::{test}\[cpu-\S*-llmpar\S*\] (PASSED|SKIPPED)", out.stdout), test
 
 
@@ -390,8 +453,14 @@ def test_suite_save_compare_and_table(tmp_path):
     """--benchmark-save into a storage folder, --benchmark-compare against it, and the saved JSON's table."""
     import benchmark_table as bt
 
-    sel = ["bench/suites/test_bench_grad_norm.py", "-k", "cpu and 1Mx64 and fp32", "--benchmark-max-time=0.01",
-           "--benchmark-min-rounds=2", f"--benchmark-storage={tmp_path}"]
+    sel = [
+        "bench/suites/test_bench_grad_norm.py",
+        "-k",
+        "cpu and 1Mx64 and fp32",
+        "--benchmark-max-time=0.01",
+        "--benchmark-min-rounds=2",
+        f"--benchmark-storage={tmp_path}",
+    ]
     first = _run_pytest(*sel, "--benchmark-only", "--benchmark-save=unit", "-q")
     assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-2000:]
     saved = list(tmp_path.glob("*/0001_unit.json"))

@@ -3,6 +3,7 @@
 The full extension build (torch headers, wheel, cubins, import) is .ci/build_cuda_ext.sh; on a GPU machine
 bench/gpu_check.sh builds and runs it.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -75,8 +76,9 @@ def test_schemas_live_in_python_only():
             assert banned not in text, f"{src.name} has {banned!r}: define ops in llmpar/ops/_library.py"
         assert set(re.findall(r"TORCH_LIBRARY_IMPL\((\w+), (\w+), m\)", text)) <= {("llmpar", "CUDA")}, src.name
     assert {"pack_bucket", "adamw_step", "linear_lt", "linear_lt_aux", "bias_act_backward"} <= set(OPS)
-    assert _cuda_kernels() == set(OPS), f"no CUDA kernel: {set(OPS) - _cuda_kernels()}; no schema: " \
-                                         f"{_cuda_kernels() - set(OPS)}"
+    assert _cuda_kernels() == set(OPS), (
+        f"no CUDA kernel: {set(OPS) - _cuda_kernels()}; no schema: {_cuda_kernels() - set(OPS)}"
+    )
 
 
 def test_ci_build_checks_every_defined_op():
@@ -103,9 +105,19 @@ def test_version_marker_matches_loader():
 @pytest.mark.parametrize("source", sorted(p.name for p in CSRC.glob("*.cu")))
 def test_kernels_compile_with_nvcc_alone(tmp_path, source):
     obj = tmp_path / "kernel.o"  # sm_90 and sm_80, -std=c++17, warnings are errors, no torch include path
-    cmd = [_nvcc(), "-c", "-std=c++17", "-O3", "-Werror=all-warnings", f"-I{CSRC}",
-           "-gencode=arch=compute_90,code=sm_90", "-gencode=arch=compute_80,code=sm_80",
-           str(CSRC / source), "-o", str(obj)]
+    cmd = [
+        _nvcc(),
+        "-c",
+        "-std=c++17",
+        "-O3",
+        "-Werror=all-warnings",
+        f"-I{CSRC}",
+        "-gencode=arch=compute_90,code=sm_90",
+        "-gencode=arch=compute_80,code=sm_80",
+        str(CSRC / source),
+        "-o",
+        str(obj),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)  # a hang fails, speed is not tested
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}"
     assert obj.stat().st_size > 0
@@ -133,22 +145,29 @@ def test_jit_build_compiles_and_registers(tmp_path):
     import os
     import sys
 
-    code = ("import torch\nfrom llmpar.ops import _dispatch, _ext\n_ext.jit_unavailable_reason = lambda: None\n"
-            "s = _ext._jit_build()\nassert s.available and s.source == 'jit', s\n"
-            f"for name in {sorted(_cuda_kernels(built_only=True))!r}:\n"
-            "    assert _dispatch.has_ext_op(name), name\n"
-            "    print(getattr(torch.ops.llmpar, name).default._schema)\n")
+    code = (
+        "import torch\nfrom llmpar.ops import _dispatch, _ext\n_ext.jit_unavailable_reason = lambda: None\n"
+        "s = _ext._jit_build()\nassert s.available and s.source == 'jit', s\n"
+        f"for name in {sorted(_cuda_kernels(built_only=True))!r}:\n"
+        "    assert _dispatch.has_ext_op(name), name\n"
+        "    print(getattr(torch.ops.llmpar, name).default._schema)\n"
+    )
     env = {**os.environ, "LLMPAR_EXT_CACHE": str(tmp_path), "TORCH_CUDA_ARCH_LIST": "9.0", "MAX_JOBS": "2"}
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
-                          cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for name in _cuda_kernels(built_only=True):
         assert f"llmpar::{name}(" in proc.stdout, name
 
 
 # ------------------------------------------------------------------------------------------ CUDA graph capture
-_TABLE_OPS = {"adamw_ops.cpp": ("adamw_step", "sum_squares"), "adamw_lowbit_ops.cpp": ("adamw_lowbit_step",),
-              "bucket_ops.cpp": ("pack_bucket", "unpack_bucket"), "quant_ops.cpp": ("pack_quantize",)}
+_TABLE_OPS = {
+    "adamw_ops.cpp": ("adamw_step", "sum_squares"),
+    "adamw_lowbit_ops.cpp": ("adamw_lowbit_step",),
+    "bucket_ops.cpp": ("pack_bucket", "unpack_bucket"),
+    "quant_ops.cpp": ("pack_quantize",),
+}
 
 
 def test_table_ops_refuse_graph_capture():

@@ -1,6 +1,7 @@
 """Sharded checkpoints on CPU/gloo ranks: save at step k, load, continue to 2k == uninterrupted (bitwise) for ZeRO
 stages 0-3 (+ offload, bf16 master); resharding dp 4 -> 2 -> 1 -> 2 across stages 2 <-> 3 and offload (fp32
 tolerance); atomic publish under a crash; corrupt / missing shards named on every rank."""
+
 import os
 
 import pytest
@@ -25,13 +26,19 @@ def _batch(step):
 
 
 def _config(stage, dp, *, offload_opt=False, offload_param=False, bf16=False):
-    cfg = {"train_micro_batch_size_per_gpu": GLOBAL_BATCH // dp, "gradient_clipping": 0.5,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
-           "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 3, "warmup_max_lr": 1e-2}},
-           "zero_optimization": {"stage": stage, "reduce_bucket_size": 700,
-                                 "stage3_param_persistence_threshold": 100,
-                                 "offload_optimizer": {"device": "cpu" if offload_opt else "none"},
-                                 "offload_param": {"device": "cpu" if offload_param else "none"}}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": GLOBAL_BATCH // dp,
+        "gradient_clipping": 0.5,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 3, "warmup_max_lr": 1e-2}},
+        "zero_optimization": {
+            "stage": stage,
+            "reduce_bucket_size": 700,
+            "stage3_param_persistence_threshold": 100,
+            "offload_optimizer": {"device": "cpu" if offload_opt else "none"},
+            "offload_param": {"device": "cpu" if offload_param else "none"},
+        },
+    }
     if bf16:
         cfg["bf16"] = {"enabled": True}
     return cfg
@@ -52,7 +59,7 @@ def _train(engine, model, start, stop):
     losses = []
     for s in range(start, stop):
         x, y = _batch(s)
-        loss = model.loss(engine(x[r * micro:(r + 1) * micro]), y[r * micro:(r + 1) * micro]).float()
+        loss = model.loss(engine(x[r * micro : (r + 1) * micro]), y[r * micro : (r + 1) * micro]).float()
         engine.backward(loss)
         engine.step()
         t = loss.detach().reshape(1).clone()
@@ -74,12 +81,31 @@ def resume_body(stage, k, root, kw):
     return ref, resumed, os.path.basename(path)
 
 
-@pytest.mark.parametrize("world, stage, kw", [
-    (2, 0, {}), (2, 1, {}), (2, 2, {}), (2, 3, {}), (1, 2, {}),
-    (2, 3, {"offload_opt": True, "offload_param": True}), (2, 2, {"bf16": True}), (2, 3, {"frozen": True}),
-    (2, 3, {"frozen": True, "offload_param": True}),
-], ids=["dp2-s0", "dp2-s1", "dp2-s2", "dp2-s3", "dp1-s2", "dp2-s3-offload", "dp2-s2-bf16", "dp2-s3-frozen",
-        "dp2-s3-frozen-offload"])
+@pytest.mark.parametrize(
+    "world, stage, kw",
+    [
+        (2, 0, {}),
+        (2, 1, {}),
+        (2, 2, {}),
+        (2, 3, {}),
+        (1, 2, {}),
+        (2, 3, {"offload_opt": True, "offload_param": True}),
+        (2, 2, {"bf16": True}),
+        (2, 3, {"frozen": True}),
+        (2, 3, {"frozen": True, "offload_param": True}),
+    ],
+    ids=[
+        "dp2-s0",
+        "dp2-s1",
+        "dp2-s2",
+        "dp2-s3",
+        "dp1-s2",
+        "dp2-s3-offload",
+        "dp2-s2-bf16",
+        "dp2-s3-frozen",
+        "dp2-s3-frozen-offload",
+    ],
+)
 def test_resume_is_bitwise(world, stage, kw, tmp_path):
     outs = run_ranks(resume_body, world, stage, 3, str(tmp_path), kw, timeout=120)
     for rank, (ref, resumed, tag) in enumerate(outs):
@@ -106,12 +132,18 @@ def segment_body(stage, kw, load_from, save_to, start, stop):
 
 CHAINS = {
     # dp4 stage 2 -> dp2 stage 3 -> dp1 stage 2 + offload -> dp2 stage 3 + param offload == one dp4 run
-    "fp32": ([(4, 2, {}), (2, 3, {}), (1, 2, {"offload_opt": True}),
-              (2, 3, {"offload_opt": True, "offload_param": True})], 1e-5, 1e-6),
+    "fp32": (
+        [(4, 2, {}), (2, 3, {}), (1, 2, {"offload_opt": True}), (2, 3, {"offload_opt": True, "offload_param": True})],
+        1e-5,
+        1e-6,
+    ),
     # bf16 params + fp32 masters: dp2 stage 2 -> dp1 stage 3 -> dp2 stage 1 (bf16 reduction order differs by dp)
     # part of the model frozen: sharded by stage 3, whole under stage 2: dp2 s3 -> dp1 s2 -> dp2 s3 + param offload
-    "frozen": ([(2, 3, {"frozen": True}), (1, 2, {"frozen": True}), (2, 3, {"frozen": True, "offload_param": True})],
-               1e-5, 1e-6),
+    "frozen": (
+        [(2, 3, {"frozen": True}), (1, 2, {"frozen": True}), (2, 3, {"frozen": True, "offload_param": True})],
+        1e-5,
+        1e-6,
+    ),
     "bf16": ([(2, 2, {"bf16": True}), (1, 3, {"bf16": True}), (2, 1, {"bf16": True})], 1e-3, 1e-3),
 }
 
@@ -157,8 +189,9 @@ def crash_body(root, point):
 def test_crash_mid_save_keeps_previous(point, tmp_path):
     outs = run_ranks(crash_body, 2, str(tmp_path), point, timeout=120)
     for rank, (raised, tag, steps, _) in enumerate(outs):
-        assert raised is not None and ("simulated crash" in raised or "another rank" in raised
-                                       or "rank 0 failed publishing" in raised), (rank, raised)
+        assert raised is not None and (
+            "simulated crash" in raised or "another rank" in raised or "rank 0 failed publishing" in raised
+        ), (rank, raised)
         assert tag == "good" and steps == 2
     assert (tmp_path / "latest").read_text().strip() == "good"
     bad_complete = (tmp_path / "bad" / "metadata.json").exists()
@@ -216,20 +249,24 @@ def consolidate_body(root, stage, bf16, frozen=False):
         for b in opt.buffers:
             full = torch.zeros(b.layout.total, dtype=torch.float32)
             dist.all_gather_into_tensor(full, b.state["master"].clone()) if opt.dp > 1 else full.copy_(
-                b.state["master"])
+                b.state["master"]
+            )
             # partition order == unit order of each rank's shard: rebuild per unit
             part = b.layout.partition
             for unit in b.layout.units:
                 n = unit.padded // opt.dp
-                pieces = [full[r * part + unit.shard_offset: r * part + unit.shard_offset + n] for r in range(opt.dp)]
+                pieces = [full[r * part + unit.shard_offset : r * part + unit.shard_offset + n] for r in range(opt.dp)]
                 unit_full = torch.cat(pieces)
                 for i in unit.params:
                     masters[b.layout.slot(i).name] = b.layout.param_in_unit(unit_full, i).clone()
     return gathered, masters
 
 
-@pytest.mark.parametrize("stage, bf16, frozen", [(3, False, False), (2, True, False), (3, False, True)],
-                         ids=["s3-fp32", "s2-bf16-master", "s3-frozen"])
+@pytest.mark.parametrize(
+    "stage, bf16, frozen",
+    [(3, False, False), (2, True, False), (3, False, True)],
+    ids=["s3-fp32", "s2-bf16-master", "s3-frozen"],
+)
 def test_consolidate_equals_gathered_model(stage, bf16, frozen, tmp_path):
     from llmpar.checkpoint.consolidate import consolidated_state_dict
     from llmpar.cli import main
@@ -238,6 +275,7 @@ def test_consolidate_equals_gathered_model(stage, bf16, frozen, tmp_path):
     out = tmp_path / "out"
     assert main(["checkpoint", "consolidate", str(tmp_path / "ck"), str(out)]) == 0
     from safetensors.torch import load_file
+
     sd = load_file(str(out / "model.safetensors"))
     want = masters if bf16 else gathered
     assert sorted(sd) == sorted(want)
@@ -270,8 +308,9 @@ def tp_body(root, stage):
         micro, losses = GLOBAL_BATCH // dp, []
         for s in range(a, b):
             x, y = _batch(s)
-            loss = model.loss(engine(x[dp_rank * micro:(dp_rank + 1) * micro]),
-                              y[dp_rank * micro:(dp_rank + 1) * micro])
+            loss = model.loss(
+                engine(x[dp_rank * micro : (dp_rank + 1) * micro]), y[dp_rank * micro : (dp_rank + 1) * micro]
+            )
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())

@@ -2,6 +2,7 @@
 on (the writer is held until the training after the save is done, so the live state has moved on), the publish comes
 at ``wait_checkpoint``, and the checkpoint loads and resumes bitwise; a writer failure on one rank is an error on
 every rank at the next wait, the previous checkpoint stays ``latest``, and the next save works."""
+
 import os
 import threading
 
@@ -22,6 +23,7 @@ def _hold_writer(release: threading.Event, fail_rank: int | None = None):
             assert release.wait(60), "writer thread was never released"
         if where == "shard_written" and dist.get_rank() == fail_rank:
             raise OSError("simulated disk full in the writer thread")
+
     return hook
 
 
@@ -29,8 +31,9 @@ def async_resume_body(stage, k, root):
     engine, model = _engine(stage)
     ref = _train(engine, model, 0, k)
     release = threading.Event()
-    path = save_checkpoint(engine, root, client_state={"data_pos": k}, async_save=True,
-                           fault_hook=_hold_writer(release))
+    path = save_checkpoint(
+        engine, root, client_state={"data_pos": k}, async_save=True, fault_hook=_hold_writer(release)
+    )
     job = pending(engine)
     assert job is not None and not job.done.is_set()  # returned before anything was written
     ref += _train(engine, model, k, 2 * k)  # training goes on: params, moments, RNG, counters all move

@@ -10,6 +10,7 @@ ZeRO-2 engine then saves, ``to_dcp`` converts that save, a fresh FSDP2 model loa
 ``set_state_dict``) and both continue M steps: equal losses. A DCP directory with the weights alone fails to load on
 every rank, naming the optimizer keys it lacks.
 """
+
 import os
 
 import pytest
@@ -24,8 +25,13 @@ HYPER = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 
 def _mlp(seed):
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(D_IN, D_H), torch.nn.GELU(), torch.nn.Linear(D_H, D_H),
-                               torch.nn.GELU(), torch.nn.Linear(D_H, D_OUT))
+    return torch.nn.Sequential(
+        torch.nn.Linear(D_IN, D_H),
+        torch.nn.GELU(),
+        torch.nn.Linear(D_H, D_H),
+        torch.nn.GELU(),
+        torch.nn.Linear(D_H, D_OUT),
+    )
 
 
 def _batch(step, rank):
@@ -80,9 +86,12 @@ def _fsdp_train(model, opt, steps):
 def _llmpar(stage, dp_group=None):
     import llmpar
 
-    cfg = {"train_micro_batch_size_per_gpu": ROWS * (2 if dp_group is not None else 1), "steps_per_print": 1000,
-           "optimizer": {"type": "AdamW", "params": {**HYPER, "betas": list(HYPER["betas"])}},
-           "zero_optimization": {"stage": stage}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": ROWS * (2 if dp_group is not None else 1),
+        "steps_per_print": 1000,
+        "optimizer": {"type": "AdamW", "params": {**HYPER, "betas": list(HYPER["betas"])}},
+        "zero_optimization": {"stage": stage},
+    }
     engine, *_ = llmpar.initialize(model=_mlp(seed=9), config=cfg, dp_group=dp_group)
     return engine
 
@@ -132,8 +141,9 @@ def body(root):
     if rank == 0:  # the command line's route: llmpar checkpoint convert llmpar/ converted/ --to dcp
         from llmpar.cli import main
 
-        res["convert_status"] = main(["checkpoint", "convert", os.path.join(root, "llmpar"),
-                                      os.path.join(root, "converted"), "--to", "dcp"])
+        res["convert_status"] = main(
+            ["checkpoint", "convert", os.path.join(root, "llmpar"), os.path.join(root, "converted"), "--to", "dcp"]
+        )
     dist.barrier()
     model, opt = _fsdp(seed=4)
     msd, osd = get_state_dict(model, opt, options=opts)

@@ -12,6 +12,7 @@ naming what was found, on every rank. A second phase of the same launch goes the
 right after two of those loads (and a DeepSpeed one) are converted to DeepSpeed's ZeRO and universal layouts
 (``convert --to deepspeed|universal``) and real DeepSpeed resumes them, matching llmpar's continuation.
 """
+
 import math
 import os
 import shutil
@@ -40,13 +41,19 @@ def _model(frozen=False, seed=3):
 
 
 def _config(stage, micro=MICRO, bf16=False):
-    return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": GAS, "gradient_clipping": 0.5,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1, "betas": [0.9, 0.95],
-                                                      "eps": 1e-8}},
-            "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 3, "total_num_steps": 20,
-                                                              "warmup_max_lr": 1e-2, "warmup_type": "linear"}},
-            "zero_optimization": {"stage": stage, "reduce_bucket_size": 5000, "allgather_bucket_size": 5000},
-            "bf16": {"enabled": bf16}, "steps_per_print": 1000}
+    return {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": GAS,
+        "gradient_clipping": 0.5,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1, "betas": [0.9, 0.95], "eps": 1e-8}},
+        "scheduler": {
+            "type": "WarmupDecayLR",
+            "params": {"warmup_num_steps": 3, "total_num_steps": 20, "warmup_max_lr": 1e-2, "warmup_type": "linear"},
+        },
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 5000, "allgather_bucket_size": 5000},
+        "bf16": {"enabled": bf16},
+        "steps_per_print": 1000,
+    }
 
 
 def _batch(step, micro, rank):
@@ -108,8 +115,14 @@ def body(root, ext_dir):
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no JIT build of DeepSpeed's CPU comm op
     rank, out = dist.get_rank(), {"ds": {}, "ours": {}}
 
-    for name, stage, bf16 in (("z0", 0, False), ("z1", 1, False), ("z2", 2, False), ("z3", 3, False),
-                              ("b2", 2, True), ("f3", 3, False)):
+    for name, stage, bf16 in (
+        ("z0", 0, False),
+        ("z1", 1, False),
+        ("z2", 2, False),
+        ("z3", 3, False),
+        ("b2", 2, True),
+        ("f3", 3, False),
+    ):
         cfg = _config(stage, bf16=bf16)
         cfg["optimizer"]["params"]["torch_adam"] = True
         ds, *_ = deepspeed.initialize(model=_model(name.startswith("f")), model_parameters=None, config=cfg)
@@ -122,15 +135,27 @@ def body(root, ext_dir):
             ds.save_checkpoint(f"{root}/{name}_late")
         del ds
     dist.barrier()
-    for name, stage, tp, bf16 in (("z0", 2, 1, False), ("z1", 3, 1, False), ("z2", 1, 2, False),
-                                  ("z3", 1, 1, False), ("z3", 2, 2, False), ("b2", 3, 1, True),
-                                  ("f3", 3, 1, False), ("f3", 1, 1, False)):
+    for name, stage, tp, bf16 in (
+        ("z0", 2, 1, False),
+        ("z1", 3, 1, False),
+        ("z2", 1, 2, False),
+        ("z3", 1, 1, False),
+        ("z3", 2, 2, False),
+        ("b2", 3, 1, True),
+        ("f3", 3, 1, False),
+        ("f3", 1, 1, False),
+    ):
         engine = _llmpar(stage, tp, bf16, frozen=name.startswith("f"))
         path, client = engine.load_checkpoint(f"{root}/{name}")
         if (name, stage, tp) in (("z0", 2, 1), ("z2", 1, 2)):  # llmpar checkpoints at step K, for convert
             engine.save_checkpoint(f"{root}/ours_k" if tp == 1 else f"{root}/ours_tp")
-        facts = (os.path.basename(path), client, engine.global_steps, engine.global_samples,
-                 engine.lr_scheduler.state_dict())
+        facts = (
+            os.path.basename(path),
+            client,
+            engine.global_steps,
+            engine.global_samples,
+            engine.lr_scheduler.state_dict(),
+        )
         out["ours"][(name, stage, tp)] = (_train(engine, range(K, K + N), tp > 1), facts)
         if (name, stage, tp) == ("z1", 3, 1):  # an llmpar checkpoint for convert's auto-detection
             engine.save_checkpoint(f"{root}/ours")
@@ -138,13 +163,17 @@ def body(root, ext_dir):
     engine = _llmpar(1)
     before = [{k: t.clone() for k, t in b.state.items()} for b in engine.optimizer.buffers]
     engine.load_checkpoint(f"{root}/z2", load_module_only=True)
-    out["module_only"] = ({n: p.detach().clone() for n, p in engine.module.named_parameters()},
-                          all(torch.equal(t, b0[k]) for b, b0 in zip(engine.optimizer.buffers, before)
-                              for k, t in b.state.items()),
-                          engine.global_steps, engine.lr_scheduler.state_dict()["last_batch_iteration"])
+    out["module_only"] = (
+        {n: p.detach().clone() for n, p in engine.module.named_parameters()},
+        all(torch.equal(t, b0[k]) for b, b0 in zip(engine.optimizer.buffers, before) for k, t in b.state.items()),
+        engine.global_steps,
+        engine.lr_scheduler.state_dict()["last_batch_iteration"],
+    )
     engine.load_checkpoint(f"{root}/z1", load_optimizer_states=False)
-    out["no_opt"] = (all(torch.equal(t, b0[k]) for b, b0 in zip(engine.optimizer.buffers, before)
-                         for k, t in b.state.items()), engine.global_steps)
+    out["no_opt"] = (
+        all(torch.equal(t, b0[k]) for b, b0 in zip(engine.optimizer.buffers, before) for k, t in b.state.items()),
+        engine.global_steps,
+    )
     # errors, on every rank: a missing optimizer file, an unknown layout, a model with another shape
     if rank == 0:
         shutil.copytree(f"{root}/z2", f"{root}/lacking")
@@ -168,11 +197,15 @@ def body(root, ext_dir):
 # checkpoints whose rank files were mixed by hand: (name, source, {file: where it comes from}); "late" / "early": the
 # same file of the save at step K + N / K, "cut": truncated to half, another file name: that file of this save
 OPT = "zero_pp_rank_{}_mp_rank_00_optim_states.pt"
-MIXED = (("mixed2", "z2", {OPT.format(1): "late"}), ("swapped2", "z2", {OPT.format(0): OPT.format(1),
-                                                                         OPT.format(1): OPT.format(0)}),
-         ("late_opt2", "z2", {OPT.format(0): "late", OPT.format(1): "late"}), ("mixed3", "z3", {OPT.format(1): "late"}),
-         ("late_opt3", "z3", {OPT.format(0): "late", OPT.format(1): "late"}), ("cut2", "z2", {OPT.format(1): "cut"}),
-         ("early_opt2", "z2_late", {OPT.format(0): "early", OPT.format(1): "early"}))
+MIXED = (
+    ("mixed2", "z2", {OPT.format(1): "late"}),
+    ("swapped2", "z2", {OPT.format(0): OPT.format(1), OPT.format(1): OPT.format(0)}),
+    ("late_opt2", "z2", {OPT.format(0): "late", OPT.format(1): "late"}),
+    ("mixed3", "z3", {OPT.format(1): "late"}),
+    ("late_opt3", "z3", {OPT.format(0): "late", OPT.format(1): "late"}),
+    ("cut2", "z2", {OPT.format(1): "cut"}),
+    ("early_opt2", "z2_late", {OPT.format(0): "early", OPT.format(1): "early"}),
+)
 
 
 def _mixed_saves(root, out):
@@ -187,7 +220,7 @@ def _mixed_saves(root, out):
             for f, frm in swaps.items():
                 if frm == "cut":
                     data = open(f"{d}/{f}", "rb").read()
-                    open(f"{d}/{f}", "wb").write(data[:len(data) // 2])
+                    open(f"{d}/{f}", "wb").write(data[: len(data) // 2])
                 else:
                     where = {"late": late, "early": early}.get(frm, f"{root}/{src}/global_step{K}")
                     shutil.copy(f"{where}/{f if frm in ('late', 'early') else frm}", f"{d}/{f}")
@@ -200,8 +233,13 @@ def _mixed_saves(root, out):
 
 # (source, layout, ZeRO stage DeepSpeed loads it at): llmpar's ZeRO-2 dp=2 checkpoint at step K, DeepSpeed's ZeRO-1,
 # llmpar's ZeRO-1 tp=2 x dp=1 one (its tp shards merged; a universal checkpoint, loaded at dp=2)
-CONVERTED = (("ours_k", "deepspeed", 2), ("ours_k", "deepspeed", 3), ("z1", "deepspeed", 3),
-             ("ours_tp", "universal", 2), ("ours_tp", "universal", 3))
+CONVERTED = (
+    ("ours_k", "deepspeed", 2),
+    ("ours_k", "deepspeed", 3),
+    ("z1", "deepspeed", 3),
+    ("ours_tp", "universal", 2),
+    ("ours_tp", "universal", 3),
+)
 
 
 def _deepspeed_resumes_converted(root, out):
@@ -215,8 +253,9 @@ def _deepspeed_resumes_converted(root, out):
     if dist.get_rank() == 0:
         for src, to, stage in CONVERTED:
             if to == "deepspeed" or stage == 2:
-                consolidate.convert(f"{root}/{src}", f"{root}/to_{to}_{src}_{stage}", to=to,
-                                    stage=stage if to == "deepspeed" else None)
+                consolidate.convert(
+                    f"{root}/{src}", f"{root}/to_{to}_{src}_{stage}", to=to, stage=stage if to == "deepspeed" else None
+                )
     dist.barrier()
     out["to_ds"] = {}
     for src, to, stage in CONVERTED:
@@ -225,8 +264,13 @@ def _deepspeed_resumes_converted(root, out):
         cfg["checkpoint"] = {"load_universal": to == "universal"}
         ds, *_ = deepspeed.initialize(model=_model(seed=5), model_parameters=None, config=cfg)
         path, client = ds.load_checkpoint(f"{root}/to_{to}_{src}_{2 if to == 'universal' else stage}")
-        facts = (os.path.basename(os.path.dirname(path)), {k: v for k, v in client.items() if k not in DS_KEYS},
-                 ds.global_steps, ds.global_samples, ds.lr_scheduler.state_dict())
+        facts = (
+            os.path.basename(os.path.dirname(path)),
+            {k: v for k, v in client.items() if k not in DS_KEYS},
+            ds.global_steps,
+            ds.global_samples,
+            ds.lr_scheduler.state_dict(),
+        )
         out["to_ds"][(src, to, stage)] = (_train(ds, range(K, K + N), False), facts)
         del ds
 
@@ -240,15 +284,33 @@ def runs(tmp_path_factory, ds_ext_dir):
 def test_llmpar_continues_deepspeed_checkpoints(runs):
     runs, _ = runs
     out = runs[0]
-    assert set(out["ours"]) == {("z0", 2, 1), ("z1", 3, 1), ("z2", 1, 2), ("z3", 1, 1), ("z3", 2, 2),
-                                ("b2", 3, 1), ("f3", 3, 1), ("f3", 1, 1)}
+    assert set(out["ours"]) == {
+        ("z0", 2, 1),
+        ("z1", 3, 1),
+        ("z2", 1, 2),
+        ("z3", 1, 1),
+        ("z3", 2, 2),
+        ("b2", 3, 1),
+        ("f3", 3, 1),
+        ("f3", 1, 1),
+    }
     for (name, stage, tp), (losses, facts) in out["ours"].items():
         theirs = out["ds"][name]
         rtol = 1e-2 if name.startswith("b") else 1e-6
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(theirs), rtol=rtol, atol=0,
-                                   msg=lambda m: f"{name} -> stage {stage} tp {tp}: {m}")
-        assert facts == (f"global_step{K}", {"data_pos": 17 + K}, K, K * GAS * MICRO * 2,
-                         {"last_batch_iteration": K - 1}), (name, stage, tp, facts)
+        torch.testing.assert_close(
+            torch.tensor(losses),
+            torch.tensor(theirs),
+            rtol=rtol,
+            atol=0,
+            msg=lambda m: f"{name} -> stage {stage} tp {tp}: {m}",
+        )
+        assert facts == (
+            f"global_step{K}",
+            {"data_pos": 17 + K},
+            K,
+            K * GAS * MICRO * 2,
+            {"last_batch_iteration": K - 1},
+        ), (name, stage, tp, facts)
     for r in runs[1:]:  # every rank saw the same global losses
         assert r["ours"].keys() == out["ours"].keys()
         for key, (losses, _) in r["ours"].items():
@@ -296,10 +358,12 @@ def test_rank_files_of_different_saves_or_swapped_are_refused_naming_them(runs, 
             assert f"{OPT.format(0)} does not hold dp rank 0's partition of this save" in err[name], err[name]
             assert "differs from the weights in the model states file" in err[name]
         for name in ("late_opt2", "late_opt3"):
-            assert f"the optimizer files record {K + N} optimizer steps, more than the {K} global steps" in \
-                err[name], err[name]
-        assert f"cannot read DeepSpeed checkpoint file {root}/cut2/global_step{K}/{OPT.format(1)}" in err["cut2"], \
-            err["cut2"]
+            assert f"the optimizer files record {K + N} optimizer steps, more than the {K} global steps" in err[name], (
+                err[name]
+            )
+        assert f"cannot read DeepSpeed checkpoint file {root}/cut2/global_step{K}/{OPT.format(1)}" in err["cut2"], err[
+            "cut2"
+        ]
         assert "mixed" not in err["cut2"].split(OPT.format(1))[-1]  # found before the load began, not mid-load
         assert out["mixed_untouched"]
     for name in ("mixed2", "swapped2", "mixed3", "late_opt3"):
@@ -328,8 +392,10 @@ def test_convert_to_hf_verifies_what_it_wrote(runs, tmp_path):
             assert got[n].dtype == torch.float32
             torch.testing.assert_close(got[n].to(w.dtype), w, rtol=0, atol=0)
     assert main(["checkpoint", "convert", str(root / "ours"), str(tmp_path / "ours"), "--dtype", "bf16"]) == 0
-    got, ref = load_file(tmp_path / "ours" / "model.safetensors"), consolidate.consolidated_state_dict(
-        str(root / "ours"), dtype=torch.bfloat16)
+    got, ref = (
+        load_file(tmp_path / "ours" / "model.safetensors"),
+        consolidate.consolidated_state_dict(str(root / "ours"), dtype=torch.bfloat16),
+    )
     assert got.keys() == ref.keys() and all(torch.equal(got[n], ref[n]) for n in ref)
     bad = dict(got)
     bad["ln_f.bias"] = bad["ln_f.bias"] + 1
@@ -374,7 +440,7 @@ def test_deepspeed_checkpoint_reads_without_deepspeed(tmp_path):
     (tmp_path / "latest").write_text("global_step1")
 
     def chunk(t, r, c):
-        return torch.cat([t, torch.zeros(3 * c - t.numel())])[r * c:(r + 1) * c]
+        return torch.cat([t, torch.zeros(3 * c - t.numel())])[r * c : (r + 1) * c]
 
     fake = types.SimpleNamespace(ZeroStageEnum=ZeroStageEnum, DynamicLossScaler=DynamicLossScaler)
     with mock.patch.dict("sys.modules", {"deepspeed": fake}):
@@ -382,12 +448,27 @@ def test_deepspeed_checkpoint_reads_without_deepspeed(tmp_path):
             flat = torch.cat([chunk(full["a"], r, 3), chunk(full["b"], r, 2)])
             mom = torch.cat([chunk(moments["a"], r, 3), chunk(moments["b"], r, 2)])
             state = {"state": {0: {"step": torch.tensor(4.0), "exp_avg": mom}}, "param_groups": [{"params": [0]}]}
-            torch.save({"optimizer_state_dict": {"zero_stage": ZeroStageEnum(3), "partition_count": 3,
-                                                 "loss_scaler": scaler,
-                                                 "fp32_flat_groups": [flat], "optimizer_state_dict": state}},
-                       d / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt")
-            torch.save({"module": {}, "param_shapes": [{n: torch.Size(s) for n, s in shapes.items()}],
-                        "global_steps": 1, "my_key": r}, d / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt")
+            torch.save(
+                {
+                    "optimizer_state_dict": {
+                        "zero_stage": ZeroStageEnum(3),
+                        "partition_count": 3,
+                        "loss_scaler": scaler,
+                        "fp32_flat_groups": [flat],
+                        "optimizer_state_dict": state,
+                    }
+                },
+                d / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt",
+            )
+            torch.save(
+                {
+                    "module": {},
+                    "param_shapes": [{n: torch.Size(s) for n, s in shapes.items()}],
+                    "global_steps": 1,
+                    "my_key": r,
+                },
+                d / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt",
+            )
     assert ds_files.resolve(str(tmp_path), None) == str(d)
     ck = deepspeed_read.DeepSpeedCheckpoint(str(d))
     assert isinstance(ck.zero_state(0)["zero_stage"], ds_files.Foreign)
@@ -399,8 +480,18 @@ def test_deepspeed_checkpoint_reads_without_deepspeed(tmp_path):
                 assert torch.equal(ck.read(n, "master", a, z), full[n][a:z])
                 assert torch.equal(ck.read(n, "exp_avg", a, z), moments[n][a:z])
     assert ck.client_state() == {"my_key": 0}
-    assert ck.counters() == {"global_steps": 1, "global_samples": 0, "skipped_steps": 0, "loss_scaler": {
-        "cur_scale": 256.0, "cur_iter": 5, "last_overflow_iter": 0, "cur_hysteresis": 2, "dynamic": True}}
+    assert ck.counters() == {
+        "global_steps": 1,
+        "global_samples": 0,
+        "skipped_steps": 0,
+        "loss_scaler": {
+            "cur_scale": 256.0,
+            "cur_iter": 5,
+            "last_overflow_iter": 0,
+            "cur_hysteresis": 2,
+            "dynamic": True,
+        },
+    }
 
 
 def test_deepspeed_layouts_not_read_are_named(tmp_path):
@@ -409,10 +500,10 @@ def test_deepspeed_layouts_not_read_are_named(tmp_path):
     from llmpar.checkpoint import deepspeed_read
     from llmpar.checkpoint.files import CheckpointError
 
-    for sub, names, match in (("pipe", ["layer_01-model_01-model_states.pt", "mp_rank_00_model_states.pt"],
-                               r"tensor-parallel ranks \[1\]"),
-                              ("mp", ["mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"],
-                               r"model-parallel ranks \[0, 1\]")):
+    for sub, names, match in (
+        ("pipe", ["layer_01-model_01-model_states.pt", "mp_rank_00_model_states.pt"], r"tensor-parallel ranks \[1\]"),
+        ("mp", ["mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"], r"model-parallel ranks \[0, 1\]"),
+    ):
         d = tmp_path / sub
         d.mkdir()
         for n in names:
@@ -440,18 +531,46 @@ def test_deepspeed_resumes_what_convert_wrote(runs, tmp_path):
     for r in runs:
         assert set(r["to_ds"]) == set(CONVERTED)
         for (src, to, stage), (losses, facts) in r["to_ds"].items():
-            ref = runs[0]["ds"][src] if src in runs[0]["ds"] else runs[0]["ours"][
-                {"ours_k": ("z0", 2, 1), "ours_tp": ("z2", 1, 2)}[src]][0]
-            torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-6, atol=0,
-                                       msg=lambda m: f"{src} -> {to}, DeepSpeed ZeRO-{stage}: {m}")
+            ref = (
+                runs[0]["ds"][src]
+                if src in runs[0]["ds"]
+                else runs[0]["ours"][{"ours_k": ("z0", 2, 1), "ours_tp": ("z2", 1, 2)}[src]][0]
+            )
+            torch.testing.assert_close(
+                torch.tensor(losses),
+                torch.tensor(ref),
+                rtol=1e-6,
+                atol=0,
+                msg=lambda m: f"{src} -> {to}, DeepSpeed ZeRO-{stage}: {m}",
+            )
             client = {} if src.startswith("ours") else {"data_pos": 17 + K}
-            assert facts == (f"global_step{K}", client, K, K * GAS * MICRO * 2, {"last_batch_iteration": K - 1}), \
-                (src, stage, facts)
+            assert facts == (f"global_step{K}", client, K, K * GAS * MICRO * 2, {"last_batch_iteration": K - 1}), (
+                src,
+                stage,
+                facts,
+            )
     # the CLI, a DeepSpeed ZeRO-3 source with frozen params to ZeRO-2 at dp=3; read back by llmpar
-    assert main(["checkpoint", "convert", str(root / "f3"), str(tmp_path / "f"), "--to", "deepspeed", "--stage", "2",
-                 "--dp", "3"]) == 0
-    ck, src = DeepSpeedCheckpoint(str(tmp_path / "f" / f"global_step{K}")), DeepSpeedCheckpoint(
-        str(root / "f3" / f"global_step{K}"))
+    assert (
+        main(
+            [
+                "checkpoint",
+                "convert",
+                str(root / "f3"),
+                str(tmp_path / "f"),
+                "--to",
+                "deepspeed",
+                "--stage",
+                "2",
+                "--dp",
+                "3",
+            ]
+        )
+        == 0
+    )
+    ck, src = (
+        DeepSpeedCheckpoint(str(tmp_path / "f" / f"global_step{K}")),
+        DeepSpeedCheckpoint(str(root / "f3" / f"global_step{K}")),
+    )
     assert (ck.stage, ck.dp, ck.names) == (2, 3, src.names)
     for n in src.names:
         k = math.prod(src.shapes[n])
@@ -470,10 +589,14 @@ def test_deepspeed_resumes_what_convert_wrote(runs, tmp_path):
         ds_write.verify(src, str(tmp_path / "k3" / f"global_step{K}"), 3, 2)
     with pytest.raises(CheckpointError, match="exp_avg of 'ln_f.bias'"):
         ds_universal.verify(src, str(tmp_path / "u" / f"global_step{K}"))
-    for meta, match in (({"pp": 2}, r"pipeline checkpoint \(pp=2\)"),
-                        ({"pp": 1, "param_groups": [{}, {}]}, "llmpar checkpoint of 2 param groups")):
-        with mock.patch.object(ds_write.metacheck, "read", lambda path: meta), pytest.raises(CheckpointError,
-                                                                                             match=match):
+    for meta, match in (
+        ({"pp": 2}, r"pipeline checkpoint \(pp=2\)"),
+        ({"pp": 1, "param_groups": [{}, {}]}, "llmpar checkpoint of 2 param groups"),
+    ):
+        with (
+            mock.patch.object(ds_write.metacheck, "read", lambda path: meta),
+            pytest.raises(CheckpointError, match=match),
+        ):
             ds_write.write_deepspeed(str(root / "ours_k"), str(tmp_path / "x"))
     with pytest.raises(ValueError, match="stage=4: DeepSpeed's ZeRO layout is written for stages 1, 2 or 3"):
         consolidate.convert(str(root / "z2"), str(tmp_path / "x"), to="deepspeed", stage=4)

@@ -10,6 +10,7 @@ steps on the same global batches, and its losses equal DeepSpeed's continuation 
 are DeepSpeed's shards merged, bitwise. The same launch checks that a model whose shape fits no merge of the shards is
 refused on both ranks, naming the param and the shapes.
 """
+
 import os
 import sys
 
@@ -35,12 +36,21 @@ def _model_file():
 
 
 def _config(stage, micro):
-    return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1, "steps_per_print": 1000,
-            "gradient_clipping": 0.5, "zero_optimization": {"stage": stage},
-            "optimizer": {"type": "AdamW", "params": {"lr": 2e-2, "weight_decay": 0.01, "betas": [0.9, 0.95],
-                                                      "torch_adam": True}},
-            "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4, "warmup_max_lr": 2e-2,
-                                                         "warmup_type": "linear"}}}
+    return {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": 1,
+        "steps_per_print": 1000,
+        "gradient_clipping": 0.5,
+        "zero_optimization": {"stage": stage},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": 2e-2, "weight_decay": 0.01, "betas": [0.9, 0.95], "torch_adam": True},
+        },
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {"warmup_num_steps": 4, "warmup_max_lr": 2e-2, "warmup_type": "linear"},
+        },
+    }
 
 
 def _step(engine, x, y):
@@ -102,12 +112,17 @@ def body(root, ext_dir):
         engine = _llmpar(stage, model)
         path, client = engine.load_checkpoint(root)
         loaded = {n: t.detach().clone() for n, t in engine.module_state_dict().items()}
-        facts = (os.path.basename(path), client, engine.global_steps, engine.lr_scheduler.state_dict(),
-                 [g["lr"] for g in engine.optimizer.param_groups])
+        facts = (
+            os.path.basename(path),
+            client,
+            engine.global_steps,
+            engine.lr_scheduler.state_dict(),
+            [g["lr"] for g in engine.optimizer.param_groups],
+        )
         losses = []
         for step in range(K, K + N):
             x, y = M.batch(step)
-            loss = _step(engine, x[r * 3:(r + 1) * 3], y[r * 3:(r + 1) * 3]).to(torch.float64)
+            loss = _step(engine, x[r * 3 : (r + 1) * 3], y[r * 3 : (r + 1) * 3]).to(torch.float64)
             dist.all_reduce(loss)
             losses.append(loss.item() / 2)
         out[stage] = (losses, facts, loaded)
@@ -120,8 +135,13 @@ def body(root, ext_dir):
     engine, *_ = llmpar.initialize(model=model, config=_config(1, ROWS), mesh=env.mesh)
     path, client = engine.load_checkpoint(root)
     loaded = {n: t.detach().clone() for n, t in model.named_parameters()}
-    facts = (os.path.basename(path), client, engine.global_steps, engine.lr_scheduler.state_dict(),
-             [g["lr"] for g in engine.optimizer.param_groups])
+    facts = (
+        os.path.basename(path),
+        client,
+        engine.global_steps,
+        engine.lr_scheduler.state_dict(),
+        [g["lr"] for g in engine.optimizer.param_groups],
+    )
     out["tp2"] = ([float(_step(engine, *M.batch(step))) for step in range(K, K + N)], facts, loaded)
     M.FFN += 2  # a model whose up / down do not fit the shards
     try:
@@ -146,15 +166,20 @@ def test_deepspeed_tensor_parallel_checkpoint_files(runs):
     from llmpar.checkpoint.files import CheckpointError
 
     runs, root = runs
-    assert sorted(os.listdir(root / TAG)) == ["mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt",
-                                              "zero_pp_rank_0_mp_rank_00_optim_states.pt",
-                                              "zero_pp_rank_0_mp_rank_01_optim_states.pt"]
+    assert sorted(os.listdir(root / TAG)) == [
+        "mp_rank_00_model_states.pt",
+        "mp_rank_01_model_states.pt",
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "zero_pp_rank_0_mp_rank_01_optim_states.pt",
+    ]
     with pytest.raises(CheckpointError, match=r"tensor-parallel \(tp=2\) DeepSpeed checkpoint: its files do not say"):
         DeepSpeedCheckpoint(str(root / TAG))
     shards = [out["ds"][1] for out in runs]
     dims = {"up.weight": 0, "up.bias": 0, "down.weight": 1}
-    model = {n: (tuple(torch.cat([s[n] for s in shards], dims[n]).shape) if n in dims else tuple(t.shape), True)
-             for n, t in shards[0].items()}
+    model = {
+        n: (tuple(torch.cat([s[n] for s in shards], dims[n]).shape) if n in dims else tuple(t.shape), True)
+        for n, t in shards[0].items()
+    }
     ck = DeepSpeedCheckpoint(str(root / TAG), model=model)
     assert isinstance(ck, DeepSpeedTPCheckpoint) and (ck.tp, ck.stage, ck.dp) == (2, 1, 1)
     assert ck.dims == {n: dims.get(n) for n in shards[0]}
@@ -193,5 +218,6 @@ def test_unmergeable_tensor_parallel_params_are_refused_on_every_rank(runs):
     runs, _ = runs
     for out in runs:
         e = out["error"]
-        assert e and "param 'up.weight'" in e and "shards of shapes [(5, 11), (5, 11)]" in e and \
-            "full shape (12, 11)" in e, e
+        assert (
+            e and "param 'up.weight'" in e and "shards of shapes [(5, 11), (5, 11)]" in e and "full shape (12, 11)" in e
+        ), e

@@ -15,6 +15,7 @@ a model with a layer fewer, each naming the file. The same launch has DeepSpeed 
 flat files), which llmpar continues at pp=2 and pp=1 x dp=2 (fp32) and reads bitwise (bf16), the params named by the
 loading model.
 """
+
 import os
 import shutil
 import sys
@@ -45,12 +46,21 @@ def _model_file():
 def _config(stage, micro=MICRO, gas=GAS, clip=0.5):
     """``stage`` None: no "zero_optimization" (DeepSpeed's default for pipelines: the optimizer in the model files)."""
     zero = {} if stage is None else {"zero_optimization": {"stage": stage}}
-    return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas, "steps_per_print": 1000,
-            "gradient_clipping": clip, **zero,
-            "optimizer": {"type": "AdamW", "params": {"lr": 2e-2, "weight_decay": 0.01, "betas": [0.9, 0.95],
-                                                      "torch_adam": True}},
-            "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4, "warmup_max_lr": 2e-2,
-                                                         "warmup_type": "linear"}}}
+    return {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": gas,
+        "steps_per_print": 1000,
+        "gradient_clipping": clip,
+        **zero,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": 2e-2, "weight_decay": 0.01, "betas": [0.9, 0.95], "torch_adam": True},
+        },
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {"warmup_num_steps": 4, "warmup_max_lr": 2e-2, "warmup_type": "linear"},
+        },
+    }
 
 
 def _data(step, dp):
@@ -58,7 +68,7 @@ def _data(step, dp):
     mine = _model_file().batches(step, GAS, MICRO)
     per = GAS // dp
     r = dist.get_rank() if dp > 1 else 0
-    return mine[r * per:(r + 1) * per]
+    return mine[r * per : (r + 1) * per]
 
 
 def _deepspeed(root, pp, stage=1):
@@ -74,8 +84,9 @@ def _deepspeed(root, pp, stage=1):
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no JIT build of DeepSpeed's CPU comm op
     deepspeed.init_distributed()
     torch.manual_seed(1234)
-    net = deepspeed.pipe.PipelineModule(layers=M.layers(deepspeed.pipe), loss_fn=torch.nn.CrossEntropyLoss(),
-                                        num_stages=pp)
+    net = deepspeed.pipe.PipelineModule(
+        layers=M.layers(deepspeed.pipe), loss_fn=torch.nn.CrossEntropyLoss(), num_stages=pp
+    )
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for b in net.buffers():  # random buffers: the load must carry them
@@ -100,11 +111,13 @@ def _deepspeed_bf16(root):
 
     M = _model_file()
     torch.manual_seed(1234)
-    net = deepspeed.pipe.PipelineModule(layers=M.layers(deepspeed.pipe), loss_fn=torch.nn.CrossEntropyLoss(),
-                                        num_stages=2).to(torch.bfloat16)
+    net = deepspeed.pipe.PipelineModule(
+        layers=M.layers(deepspeed.pipe), loss_fn=torch.nn.CrossEntropyLoss(), num_stages=2
+    ).to(torch.bfloat16)
     config = {**_config(None, clip=0.0), "bf16": {"enabled": True}}
-    engine, *_ = deepspeed.initialize(model=net, config=config,
-                                      model_parameters=[p for p in net.parameters() if p.requires_grad])
+    engine, *_ = deepspeed.initialize(
+        model=net, config=config, model_parameters=[p for p in net.parameters() if p.requires_grad]
+    )
     for step in range(K):
         engine.train_batch(iter([(x.to(torch.bfloat16), y) for x, y in _data(step, 1)]))
     engine.save_checkpoint(root, tag=TAG)
@@ -128,10 +141,12 @@ def _llmpar(layout, layers=None, clip=0.5):
         engine, *_ = llmpar.initialize(model=model, config=_config(3, gas=GAS // 2, clip=clip))
         return engine, model
     pp = 2 if layout == "pp2" else 1
-    net = llmpar.pipe.PipelineModule(layers=layers or M.layers(llmpar.pipe), loss_fn=torch.nn.CrossEntropyLoss(),
-                                     num_stages=pp)
-    engine, *_ = llmpar.initialize(model=net, config=_config(1 if pp == 2 else 2, gas=GAS * pp // 2, clip=clip),
-                                   training_data=None)
+    net = llmpar.pipe.PipelineModule(
+        layers=layers or M.layers(llmpar.pipe), loss_fn=torch.nn.CrossEntropyLoss(), num_stages=pp
+    )
+    engine, *_ = llmpar.initialize(
+        model=net, config=_config(1 if pp == 2 else 2, gas=GAS * pp // 2, clip=clip), training_data=None
+    )
     return engine, net
 
 
@@ -175,8 +190,14 @@ def body(root, ext_dir):
         loaded = {n: t.detach().clone() for n, t in [*model.named_parameters(), *model.named_buffers()]}
         if layout == "plain":  # ZeRO-3: gathered to compare
             loaded = {n: t.detach().clone() for n, t in engine.module_state_dict().items()}
-        facts = (os.path.basename(path), client, engine.global_steps, engine.global_samples,
-                 engine.lr_scheduler.state_dict(), [g["lr"] for g in engine.optimizer.param_groups])
+        facts = (
+            os.path.basename(path),
+            client,
+            engine.global_steps,
+            engine.global_samples,
+            engine.lr_scheduler.state_dict(),
+            [g["lr"] for g in engine.optimizer.param_groups],
+        )
         losses = _train(engine, model, layout.split("<")[0])
         end = {n: t.detach().clone() for n, t in model.named_parameters()} if layout in ("pp2", "pp2<z0") else None
         out[layout] = ((losses, end), facts, loaded)
@@ -221,8 +242,11 @@ def test_deepspeed_pipeline_checkpoint_files(runs):
     runs, root = runs
     files = sorted(os.listdir(root / TAG))
     assert files == [f"layer_{i:02d}-model_states.pt" for i in (0, 1, 2, 3, 4, 5, 6, 7, 10)] + [
-        "mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
-        "zero_pp_rank_0_mp_rank_01_optim_states.pt"]
+        "mp_rank_00_model_states.pt",
+        "mp_rank_01_model_states.pt",
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "zero_pp_rank_0_mp_rank_01_optim_states.pt",
+    ]
     ck = DeepSpeedCheckpoint(str(root / TAG))
     assert isinstance(ck, DeepSpeedPipelineCheckpoint) and (ck.pp, ck.stage, ck.dp) == (2, 1, 1)
     state = runs[0]["ds_state"]  # DeepSpeed's params right after its save: stage 0's on rank 0, stage 1's on rank 1
@@ -312,10 +336,17 @@ def test_bad_pipeline_checkpoints_fail_on_every_rank_naming_the_file(runs):
     for out in runs:
         e = out["errors"]
         assert e["missing"] and "lacks layer file layer_03-model_states.pt" in e["missing"], e["missing"]
-        assert e["truncated"] and "layer_07-model_states.pt" in e["truncated"] and \
-            "cannot read DeepSpeed checkpoint file" in e["truncated"], e["truncated"]
-        assert e["fewer"] and "in no rank's model" in e["fewer"] and "'10.weight' (" in e["fewer"] and \
-            "layer_10-model_states.pt" in e["fewer"], e["fewer"]
+        assert (
+            e["truncated"]
+            and "layer_07-model_states.pt" in e["truncated"]
+            and "cannot read DeepSpeed checkpoint file" in e["truncated"]
+        ), e["truncated"]
+        assert (
+            e["fewer"]
+            and "in no rank's model" in e["fewer"]
+            and "'10.weight' (" in e["fewer"]
+            and "layer_10-model_states.pt" in e["fewer"]
+        ), e["fewer"]
 
 
 def test_pipeline_layouts_not_read_are_named(tmp_path):
@@ -324,11 +355,19 @@ def test_pipeline_layouts_not_read_are_named(tmp_path):
     from llmpar.checkpoint.deepspeed_read import DeepSpeedCheckpoint
     from llmpar.checkpoint.files import CheckpointError
 
-    for sub, names, match in (("tp", ["layer_01-model_00-model_states.pt", "layer_01-model_01-model_states.pt",
-                                      "mp_rank_00_model_states.pt"], r"tensor-parallel ranks \[0, 1\]"),
-                              ("bare", ["layer_00-model_states.pt", "layer_01-model_states.pt"],
-                               r"layer files \['layer_00-model_states.pt', 'layer_01-model_states.pt'\]\.\.\. "
-                               "but no mp_rank_00_model_states.pt")):
+    for sub, names, match in (
+        (
+            "tp",
+            ["layer_01-model_00-model_states.pt", "layer_01-model_01-model_states.pt", "mp_rank_00_model_states.pt"],
+            r"tensor-parallel ranks \[0, 1\]",
+        ),
+        (
+            "bare",
+            ["layer_00-model_states.pt", "layer_01-model_states.pt"],
+            r"layer files \['layer_00-model_states.pt', 'layer_01-model_states.pt'\]\.\.\. "
+            "but no mp_rank_00_model_states.pt",
+        ),
+    ):
         d = tmp_path / sub
         d.mkdir()
         for n in names:
@@ -344,8 +383,11 @@ def test_unnamed_pipeline_params_that_cannot_be_placed_are_refused():
     from llmpar.checkpoint.files import CheckpointError
 
     model = {"tied_modules.e.w": ((3,), True), "tied_modules.f.w": ((3,), True)}
-    with pytest.raises(CheckpointError, match=r"stage 0's optimizer states fit the params \['tied_modules.e.w'\] "
-                                              r"and \['tied_modules.f.w'\] alike"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"stage 0's optimizer states fit the params \['tied_modules.e.w'\] "
+        r"and \['tied_modules.f.w'\] alike",
+    ):
         infer(model, {}, [Stage([(3,)], None, set()), Stage([(3,)], None, set())], "DIR")
     model = {"1.w": ((3,), True), "2.w": ((3,), False), "tied_modules.e.w": ((3,), True)}
     layers = {1: {"w": torch.ones(3)}, 2: {"w": torch.ones(3)}}
@@ -377,7 +419,7 @@ def test_bf16_pipeline_checkpoint_without_zero(runs):
         assert names == [n for n in mine if n != "2.norm.bias"], names
         for key in ("master", "exp_avg", "exp_avg_sq"):
             got = torch.cat([ck.stages[s].read(n, key, 0, mine[n].numel()) for n in names])
-            assert torch.equal(got, flat[key][:got.numel()]), (s, key)
+            assert torch.equal(got, flat[key][: got.numel()]), (s, key)
         for n in names:
             assert ck.step(n) == K
             master = ck.read(n, "master", 0, mine[n].numel()).view(mine[n].shape)

@@ -10,6 +10,7 @@
 * ZeRO's ``checkpoint_shard_views`` are the live buffers (a synchronous save copies nothing) and equal
   ``checkpoint_shards``.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -27,8 +28,18 @@ from llmpar.checkpoint import blockfile as bf
 from llmpar.checkpoint import files as ckfiles
 from llmpar.checkpoint.consolidate import consolidated_state_dict
 
-DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int8,
-          torch.uint8, torch.bool, torch.complex64]
+DTYPES = [
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+]
 
 
 def _rand(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -46,9 +57,21 @@ def _obj(seed: int = 0) -> dict:
     shapes = [(5,), (123,), (4097,), (3, 7), (2, 3, 5), (0,), (4, 0), ()]
     tensors = {f"{str(dt)[6:]}_{i}": _rand(s, dt, seed + 10 * i) for dt in DTYPES for i, s in enumerate(shapes)}
     base = torch.randn(6, 9, generator=torch.Generator().manual_seed(seed))
-    return {"tensors": tensors, "t_view": base.t(), "slice": base[1:4, 2:7], "none": None, "f": 1.5,
-            "nan": float("nan"), "inf": -math.inf, "s": "text", "b": True, "i": 2 ** 70, "list": [1, (2, 3), []],
-            "concat": bf.Concat([base[0], base[2, 3:], torch.randn(0)]), "nested": {"x": {"y": [base[5]]}}}
+    return {
+        "tensors": tensors,
+        "t_view": base.t(),
+        "slice": base[1:4, 2:7],
+        "none": None,
+        "f": 1.5,
+        "nan": float("nan"),
+        "inf": -math.inf,
+        "s": "text",
+        "b": True,
+        "i": 2**70,
+        "list": [1, (2, 3), []],
+        "concat": bf.Concat([base[0], base[2, 3:], torch.randn(0)]),
+        "nested": {"x": {"y": [base[5]]}},
+    }
 
 
 def _check(got: dict, want: dict) -> None:
@@ -56,10 +79,11 @@ def _check(got: dict, want: dict) -> None:
         g = got["tensors"][k]
         assert g.dtype == t.dtype and g.shape == t.shape and torch.equal(g, t), k
     assert torch.equal(got["t_view"], want["t_view"]) and torch.equal(got["slice"], want["slice"])
-    assert torch.equal(got["concat"], want["concat"].tensor()) and torch.equal(got["nested"]["x"]["y"][0],
-                                                                                 want["nested"]["x"]["y"][0])
+    assert torch.equal(got["concat"], want["concat"].tensor()) and torch.equal(
+        got["nested"]["x"]["y"][0], want["nested"]["x"]["y"][0]
+    )
     assert got["none"] is None and got["f"] == 1.5 and math.isnan(got["nan"]) and got["inf"] == -math.inf
-    assert (got["s"], got["b"], got["i"], got["list"]) == ("text", True, 2 ** 70, [1, [2, 3], []])
+    assert (got["s"], got["b"], got["i"], got["list"]) == ("text", True, 2**70, [1, [2, 3], []])
 
 
 @pytest.mark.parametrize("block, threads", [(bf.BLOCK, None), (64, 1), (100, 0), (4096, 3)])
@@ -106,8 +130,14 @@ def test_a_flipped_byte_anywhere_is_detected(where, tmp_path):
     info = bf.write(str(path), {"a": torch.randn(3), "b": torch.randn(100)}, block=64)
     f = bf.BlockFile(str(path), info)
     size = path.stat().st_size
-    at = {"header": 9, "data": f.records[1][2] + 5, "padding": f.records[0][2] + 12 + 3, "index": f.data_end + 7,
-          "trailer": size - 12, "last": size - 1}[where]
+    at = {
+        "header": 9,
+        "data": f.records[1][2] + 5,
+        "padding": f.records[0][2] + 12 + 3,
+        "index": f.data_end + 7,
+        "trailer": size - 12,
+        "last": size - 1,
+    }[where]
     _flip(path, at)
     with pytest.raises(CheckpointError, match="f.shard.*corrupt"):
         bf.load(str(path), info)
@@ -149,8 +179,10 @@ def downgrade(path: Path, fmt: int) -> None:
         torch.save(obj, path / old)
         os.remove(path / name)
         digest, n = ckfiles.sha256_file(str(path / old))
-        out[old] = {k: v for k, v in entry.items() if k not in ("index_sha256", "bytes")} | {"sha256": digest,
-                                                                                          "bytes": n}
+        out[old] = {k: v for k, v in entry.items() if k not in ("index_sha256", "bytes")} | {
+            "sha256": digest,
+            "bytes": n,
+        }
     meta.update(files=out, format=fmt)
     meta.pop("digest", None)
     if fmt >= 2:
@@ -208,8 +240,11 @@ def views_body(stage, bf16):
     views, shards = opt.checkpoint_shard_views(), opt.checkpoint_shards()
     if views is None:
         return shards is None
-    live = [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for b in opt.buffers
-            for t in [b.flat, *(() if b.shard is None else [b.shard]), *b.state.values()]]
+    live = [
+        (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        for b in opt.buffers
+        for t in [b.flat, *(() if b.shard is None else [b.shard]), *b.state.values()]
+    ]
     for entry, copy in zip(views, shards):
         assert sorted(entry) == sorted(copy)
         for key, pieces in entry.items():

@@ -7,6 +7,7 @@
   load, async-save, crash at a fault hook passed per call, and consolidate through the real checkpoint code;
 * ZeRO's mixin and both engines implement every method of the protocols.
 """
+
 from __future__ import annotations
 
 import ast
@@ -43,12 +44,19 @@ def test_checkpoint_imports_neither_zero_nor_pipeline():
     bad = []
     for path in _sources():
         for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
-            bad += [f"{path.name}:{node.lineno} imports {n}" for n in names
-                    if n.split(".")[:2] in (["llmpar", "zero"], ["llmpar", "pipeline"], ["llmpar", "runtime"])]
-    assert not bad, "llmpar/checkpoint must see the optimizer and engines through protocol.py only:\n" + \
-        "\n".join(bad)
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
+            bad += [
+                f"{path.name}:{node.lineno} imports {n}"
+                for n in names
+                if n.split(".")[:2] in (["llmpar", "zero"], ["llmpar", "pipeline"], ["llmpar", "runtime"])
+            ]
+    assert not bad, "llmpar/checkpoint must see the optimizer and engines through protocol.py only:\n" + "\n".join(bad)
 
 
 def test_checkpoint_reads_no_private_attribute_of_another_object():
@@ -57,17 +65,24 @@ def test_checkpoint_reads_no_private_attribute_of_another_object():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Attribute):
                 attr, owner = node.attr, node.value
-            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in
-                  ("getattr", "hasattr", "setattr") and len(node.args) > 1 and isinstance(node.args[1], ast.Constant)
-                  and isinstance(node.args[1].value, str)):
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ("getattr", "hasattr", "setattr")
+                and len(node.args) > 1
+                and isinstance(node.args[1], ast.Constant)
+                and isinstance(node.args[1].value, str)
+            ):
                 attr, owner = node.args[1].value, node.args[0]
             else:
                 continue
             private = attr.startswith("_") and not (attr.startswith("__") and attr.endswith("__"))
             # the standard library's pickle internals that writing DeepSpeed's pickles needs (ds_write.py): the
             # pure-Python pickler's save() hook and the reconstructor protocol-2 reductions of plain objects name
-            stdlib = isinstance(owner, ast.Name) and (owner.id, attr) in {("pickle", "_Pickler"),
-                                                                         ("copyreg", "_reconstructor")}
+            stdlib = isinstance(owner, ast.Name) and (owner.id, attr) in {
+                ("pickle", "_Pickler"),
+                ("copyreg", "_reconstructor"),
+            }
             if private and not stdlib and not (isinstance(owner, ast.Name) and owner.id in ("self", "cls")):
                 bad.append(f"{path.name}:{node.lineno} reads .{attr} of {ast.unparse(owner)}")
     assert not bad, "llmpar/checkpoint reads private attributes:\n" + "\n".join(bad)
@@ -88,8 +103,9 @@ def test_checkpoint_has_no_module_level_hook_or_registry():
             is_registry = isinstance(v, ast.Call) and getattr(v.func, "attr", getattr(v.func, "id", "")) in registries
             if is_none or is_registry:
                 bad.append(f"{path.name}:{node.lineno} {ast.unparse(node)}")
-        bad += [f"{path.name}:{n.lineno} global {', '.join(n.names)}" for n in ast.walk(tree)
-                if isinstance(n, ast.Global)]
+        bad += [
+            f"{path.name}:{n.lineno} global {', '.join(n.names)}" for n in ast.walk(tree) if isinstance(n, ast.Global)
+        ]
     assert not bad, "module-level state in llmpar/checkpoint:\n" + "\n".join(bad)
 
 
@@ -130,20 +146,34 @@ class FakeOptimizer:
         return torch.device("cpu")
 
     def checkpoint_layout(self) -> list[dict]:
-        units = [{"params": [i], "numel": p.numel(), "padded": p.numel(), "offset": at, "shard_offset": at}
-                 for i, (_, p, at) in enumerate(self._offsets())]
-        params = [{"name": n, "shape": list(p.shape), "unit": i, "offset": 0}
-                  for i, (n, p, _) in enumerate(self._offsets())]
-        return [{"mode": "fake", "units": units, "params": params, "state_keys": ["params", "exp_avg"],
-                 "steps": [self.step_count] * len(units)}]
+        units = [
+            {"params": [i], "numel": p.numel(), "padded": p.numel(), "offset": at, "shard_offset": at}
+            for i, (_, p, at) in enumerate(self._offsets())
+        ]
+        params = [
+            {"name": n, "shape": list(p.shape), "unit": i, "offset": 0} for i, (n, p, _) in enumerate(self._offsets())
+        ]
+        return [
+            {
+                "mode": "fake",
+                "units": units,
+                "params": params,
+                "state_keys": ["params", "exp_avg"],
+                "steps": [self.step_count] * len(units),
+            }
+        ]
 
     def checkpoint_params(self) -> list[list[tuple[str, torch.Tensor]]]:
         return [list(self.named)]
 
     def checkpoint_shards(self) -> list[dict[str, torch.Tensor]] | None:
-        return [{"params": torch.cat([p.detach().reshape(-1) for _, p in self.named]),
-                 "exp_avg": torch.cat([self.exp_avg[n].reshape(-1) for n, _ in self.named]),
-                 "steps": torch.full((len(self.named),), self.step_count)}]
+        return [
+            {
+                "params": torch.cat([p.detach().reshape(-1) for _, p in self.named]),
+                "exp_avg": torch.cat([self.exp_avg[n].reshape(-1) for n, _ in self.named]),
+                "steps": torch.full((len(self.named),), self.step_count),
+            }
+        ]
 
     def checkpoint_held(self) -> list[list[tuple[str, int, int, int]]]:
         return [[(n, 0, p.numel(), at) for n, p, at in self._offsets()]]
@@ -206,8 +236,11 @@ class FakeEngine:
         return [self.module]
 
     def checkpoint_counters(self) -> dict[str, int]:
-        return {"micro_steps": self.micro_steps, "global_steps": self.global_steps,
-                "global_samples": self.global_samples}
+        return {
+            "micro_steps": self.micro_steps,
+            "global_steps": self.global_steps,
+            "global_samples": self.global_samples,
+        }
 
     def restore_counters(self, counters: dict[str, int]) -> None:
         self.micro_steps, self.global_steps = counters["micro_steps"], counters["global_steps"]
@@ -222,8 +255,10 @@ def _same(a: FakeEngine, b: FakeEngine) -> None:
     assert a.optimizer.step_count == b.optimizer.step_count
     assert a.checkpoint_counters() == b.checkpoint_counters()
     assert a.optimizer.param_groups == b.optimizer.param_groups
-    assert (a.optimizer.skipped_steps, a.optimizer.last_grad_norm) == (b.optimizer.skipped_steps,
-                                                                       b.optimizer.last_grad_norm)
+    assert (a.optimizer.skipped_steps, a.optimizer.last_grad_norm) == (
+        b.optimizer.skipped_steps,
+        b.optimizer.last_grad_norm,
+    )
 
 
 def test_fakes_implement_the_protocols():

@@ -3,6 +3,7 @@ on every rank naming each rank's choice; a 2-layer checkpoint into a 1-layer mod
 params on every rank, ``strict=False`` loads what matches; a re-save of a tag that fails between its renames rolls
 back; an async save pending when the engine is collected, or when the processes exit without waiting, is published.
 """
+
 from __future__ import annotations
 
 import gc
@@ -100,8 +101,9 @@ def strict_body(root, stage, saved_layers, loaded_layers):
     return err, seconds, unchanged, same, kept, other.global_steps
 
 
-@pytest.mark.parametrize("stage, saved, loaded", [(2, 2, 1), (3, 2, 1), (2, 1, 2)],
-                         ids=["s2-2into1", "s3-2into1", "s2-1into2"])
+@pytest.mark.parametrize(
+    "stage, saved, loaded", [(2, 2, 1), (3, 2, 1), (2, 1, 2)], ids=["s2-2into1", "s3-2into1", "s2-1into2"]
+)
 def test_a_checkpoint_of_another_model_is_an_error_naming_the_params(stage, saved, loaded, tmp_path):
     outs = run_ranks(strict_body, 2, str(tmp_path), stage, saved, loaded, timeout=180)
     for rank, (err, seconds, unchanged, same, kept, steps) in enumerate(outs):
@@ -194,10 +196,26 @@ def _run_two(root: Path, fail: bool) -> list[subprocess.CompletedProcess]:
     script = _WORKER.format(tests=str(ROOT / "tests"), root=str(root), fail=fail)
     procs = []
     for rank in range(2):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "MASTER_ADDR":
-               "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "LLMPAR_CKPT_EXIT_WAIT_S": "30"}
-        procs.append(subprocess.Popen([sys.executable, "-c", script], env=env, cwd=str(ROOT), text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+            "LLMPAR_CKPT_EXIT_WAIT_S": "30",
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", script],
+                env=env,
+                cwd=str(ROOT),
+                text=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )
+        )
     out = []
     for p in procs:
         stdout, stderr = p.communicate(timeout=240)
@@ -214,8 +232,11 @@ def test_async_save_pending_when_the_ranks_exit(fail, tmp_path):
     if not fail:
         assert (tmp_path / "latest").read_text().strip() == "global_step2", (os.listdir(tmp_path), outs[0].stderr)
         assert "published now" in outs[0].stderr and "wait_checkpoint" in outs[0].stderr
-        assert sorted(os.listdir(tmp_path / "global_step2")) == ["dp000-tp00.shard", "dp001-tp00.shard",
-                                                                 "metadata.json"]
+        assert sorted(os.listdir(tmp_path / "global_step2")) == [
+            "dp000-tp00.shard",
+            "dp001-tp00.shard",
+            "metadata.json",
+        ]
     else:
         assert not (tmp_path / "latest").exists()
         assert "NOT published" in outs[0].stderr and "simulated disk full" in outs[0].stderr, outs[0].stderr

@@ -9,6 +9,7 @@ process group) and in subprocesses that really exit:
 * ``metadata.json`` is covered by a digest: an edited or truncated one is an error naming the file, on load and on
   consolidate; a checkpoint written before the digest (format 1) still loads.
 """
+
 from __future__ import annotations
 
 import gc
@@ -39,6 +40,7 @@ def _crash_at(point: str):
     def hook(where: str) -> None:
         if where == point:
             raise Crash(where)
+
     return hook
 
 
@@ -57,8 +59,11 @@ def test_resave_crash_between_the_renames_keeps_the_tag_loadable(tmp_path, monke
     real = os.rename
 
     def rename(src, dst):  # the second rename of a re-save (the new copy moved in) never happens
-        if os.path.basename(os.fspath(src)).startswith(".tmp-") and not os.path.exists(dst) and \
-                any(n.startswith(".old-") for n in os.listdir(os.path.dirname(os.fspath(dst)))):
+        if (
+            os.path.basename(os.fspath(src)).startswith(".tmp-")
+            and not os.path.exists(dst)
+            and any(n.startswith(".old-") for n in os.listdir(os.path.dirname(os.fspath(dst))))
+        ):
             raise Crash("died between the renames")
         return real(src, dst)
 
@@ -130,8 +135,7 @@ print("script done", flush=True)
 def test_async_save_never_waited_is_published_at_exit(tmp_path):
     script = _EXIT_SCRIPT.format(tests=str(TESTS), root=str(tmp_path))
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                          cwd=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=str(ROOT))
     assert proc.returncode == 0, proc.stderr
     assert "script done" in proc.stdout
     assert (tmp_path / "latest").read_text().strip() == "global_step3", (os.listdir(tmp_path), proc.stderr)

@@ -10,6 +10,7 @@
   ranks, exactly;
 * a param whose full shape differs raises a CheckpointError naming it, on every rank.
 """
+
 import json
 import os
 
@@ -33,18 +34,22 @@ def _model(tie, vocab=V, seed=0):
 
 
 def _config(stage, micro, extra=None):
-    return {"train_micro_batch_size_per_gpu": micro, "gradient_clipping": 1.0, "steps_per_print": 1000,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
-            "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 3, "warmup_max_lr": 1e-2}},
-            "zero_optimization": {"stage": stage, "reduce_bucket_size": 900,
-                                  "stage3_param_persistence_threshold": 100}, **(extra or {})}
+    return {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_clipping": 1.0,
+        "steps_per_print": 1000,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 3, "warmup_max_lr": 1e-2}},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 900, "stage3_param_persistence_threshold": 100},
+        **(extra or {}),
+    }
 
 
 def _batch(step, dp_rank, dp, vocab=V):
     g = torch.Generator().manual_seed(100 + step)
     d = torch.randint(0, vocab, (ROWS, T + 1), generator=g)
     n = ROWS // dp
-    return d[dp_rank * n:(dp_rank + 1) * n, :-1], d[dp_rank * n:(dp_rank + 1) * n, 1:]
+    return d[dp_rank * n : (dp_rank + 1) * n, :-1], d[dp_rank * n : (dp_rank + 1) * n, 1:]
 
 
 class Run:
@@ -56,10 +61,13 @@ class Run:
         if layout[0] == "pipe":
             _, pp, tp, stage = layout
             dp, m = dist.get_world_size() // (pp * tp), 2
-            extra = {"pipeline": {"stages": pp, "schedule": "1f1b", "micro_batches": m},
-                     "tensor_parallel": {"size": tp}}
-            self.engine, *_ = llmpar.initialize(model=_model(tie, vocab, seed), config=_config(stage, ROWS // dp // m,
-                                                                                               extra))
+            extra = {
+                "pipeline": {"stages": pp, "schedule": "1f1b", "micro_batches": m},
+                "tensor_parallel": {"size": tp},
+            }
+            self.engine, *_ = llmpar.initialize(
+                model=_model(tie, vocab, seed), config=_config(stage, ROWS // dp // m, extra)
+            )
             self.mesh = self.engine.mesh
         else:
             _, tp, stage = layout
@@ -192,8 +200,9 @@ def consolidate_body(root, layout, tie):
     return out
 
 
-@pytest.mark.parametrize("layout, tie", [(("plain", 2, 2), False), (("pipe", 2, 2, 1), True)],
-                         ids=["tp2-dp2", "pp2-tp2-tied"])
+@pytest.mark.parametrize(
+    "layout, tie", [(("plain", 2, 2), False), (("pipe", 2, 2, 1), True)], ids=["tp2-dp2", "pp2-tp2-tied"]
+)
 def test_consolidate_equals_gathered_model(layout, tie, tmp_path):
     from llmpar.cli import main
 
@@ -204,6 +213,7 @@ def test_consolidate_equals_gathered_model(layout, tie, tmp_path):
             assert torch.equal(gathered.setdefault(n, t), t), n
     assert main(["checkpoint", "consolidate", str(tmp_path / "ck"), str(tmp_path / "out"), "--dtype", "keep"]) == 0
     from safetensors.torch import load_file
+
     sd = load_file(str(tmp_path / "out" / "model.safetensors"))
     assert sorted(sd) == sorted(gathered)
     for name, t in gathered.items():

@@ -15,6 +15,7 @@ tensor-parallel degree 2 (an mpu, ``test_checkpoint_ds_mp``'s model) carrying ``
 patterns goes through ``ds_to_universal`` (slices concatenated on each param's cat_dim) and llmpar continues it equal
 to DeepSpeed's own tp=2 run.
 """
+
 import argparse
 import math
 import os
@@ -53,24 +54,35 @@ def _engine(stage, tp=1, offload=False, vocab=V, universal=None):
 def _state(engine):
     """This rank's optimizer states and step counts, and the module's params (copies)."""
     opt = engine.optimizer
-    return ([{k: t.clone() for k, t in b.state.items()} for b in opt.buffers],
-            [[s.clone() for s in b.steps] for b in opt.buffers],
-            {n: p.detach().clone() for n, p in engine.module.named_parameters()})
+    return (
+        [{k: t.clone() for k, t in b.state.items()} for b in opt.buffers],
+        [[s.clone() for s in b.steps] for b in opt.buffers],
+        {n: p.detach().clone() for n, p in engine.module.named_parameters()},
+    )
 
 
 def _to_universal(root, name):
     """DeepSpeed's ``ds_to_universal`` of ``root/name``'s save, as its command line runs it (one worker)."""
     from deepspeed.checkpoint import ds_to_universal
 
-    args = argparse.Namespace(input_folder=f"{root}/{name}/global_step{K}",
-                              output_folder=f"{root}/{name}/global_step{K}_universal", num_extract_workers=1,
-                              num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=False)
+    args = argparse.Namespace(
+        input_folder=f"{root}/{name}/global_step{K}",
+        output_folder=f"{root}/{name}/global_step{K}_universal",
+        num_extract_workers=1,
+        num_merge_workers=1,
+        keep_temp_folder=False,
+        strict=True,
+        inject_missing_state=False,
+    )
     ds_to_universal.main(args)
 
 
 # ds_to_universal's merge patterns for tests/data/tp_ckpt_model.py (``up``: column-parallel, cat_dim 0 by default)
-TP_INFO = {"universal_checkpoint_version": 0.2, "tp_replicated_parameter_patterns": [r"inp\.", r"out\.", r"down_bias"],
-           "parameter_with_row_parallelism_patterns": [r"down\.weight"]}
+TP_INFO = {
+    "universal_checkpoint_version": 0.2,
+    "tp_replicated_parameter_patterns": [r"inp\.", r"out\.", r"down_bias"],
+    "parameter_with_row_parallelism_patterns": [r"down\.weight"],
+}
 
 
 def _tp_universal(root):
@@ -110,7 +122,7 @@ def _tp_universal(root):
     r, ours = dist.get_rank(), []
     for step in range(K, K + N):
         x, y = M.batch(step)
-        loss = _step(engine, x[r * 3:(r + 1) * 3], y[r * 3:(r + 1) * 3]).to(torch.float64)
+        loss = _step(engine, x[r * 3 : (r + 1) * 3], y[r * 3 : (r + 1) * 3]).to(torch.float64)
         dist.all_reduce(loss)
         ours.append(loss.item() / 2)
     return theirs, shards, ours, loaded
@@ -151,8 +163,13 @@ def body(root, ext_dir):
     for name, stage, tp, offload in CASES:
         engine = _engine(stage, tp, offload)
         path, client = engine.load_checkpoint(f"{root}/{name}")
-        facts = (os.path.basename(path), client, engine.global_steps, engine.global_samples,
-                 engine.lr_scheduler.state_dict())
+        facts = (
+            os.path.basename(path),
+            client,
+            engine.global_steps,
+            engine.global_samples,
+            engine.lr_scheduler.state_dict(),
+        )
         if (name, stage, tp) == ("z2", 3, 1):
             engine.save_checkpoint(f"{root}/ours")
         out["ours"][(name, stage, tp)] = (_train(engine, range(K, K + N), tp > 1), facts)
@@ -213,8 +230,13 @@ def test_llmpar_continues_deepspeed_universal_checkpoints(runs):
     out = runs[0]
     assert set(out["ours"]) == {c[:3] for c in CASES}
     for (name, stage, tp), (losses, facts) in out["ours"].items():
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(out["ds"][name]), rtol=1e-6, atol=0,
-                                   msg=lambda m: f"universal {name} -> stage {stage} tp {tp}: {m}")
+        torch.testing.assert_close(
+            torch.tensor(losses),
+            torch.tensor(out["ds"][name]),
+            rtol=1e-6,
+            atol=0,
+            msg=lambda m: f"universal {name} -> stage {stage} tp {tp}: {m}",
+        )
         assert facts[0] == f"global_step{K}_universal"
         assert facts[1]["data_pos"] == 17 + K and "universal_checkpoint_info" in facts[1]
         assert facts[2:] == (K, K * GAS * MICRO * 2, {"last_batch_iteration": K - 1}), (name, stage, tp, facts)
@@ -242,8 +264,9 @@ def test_bad_universal_checkpoints_fail_on_every_rank_naming_the_path(runs):
         assert "zero/ln_f.bias" in out["nofolder"] and "is missing" in out["nofolder"], out["nofolder"]
         assert "blocks.0.attn.qkv.weight/exp_avg.pt" in out["truncated"], out["truncated"]
         assert "cannot read" in out["truncated"], out["truncated"]
-        assert "'tok_emb.weight' has full shape (63, 24) here" in out["shape"] and "(61, 24)" in out["shape"], \
-            out["shape"]
+        assert "'tok_emb.weight' has full shape (63, 24) here" in out["shape"] and "(61, 24)" in out["shape"], out[
+            "shape"
+        ]
 
 
 def _verify_catches(src_dir, out):
@@ -296,8 +319,9 @@ def test_convert_from_universal(runs, tmp_path):
         size = {n: math.prod(src.shapes[n]) for n in src.names}
         for n in src.names:
             src.open(n)
-        assert main(["checkpoint", "convert", str(root / name), str(tmp_path / f"{name}_hf"), "--from",
-                     "universal"]) == 0
+        assert (
+            main(["checkpoint", "convert", str(root / name), str(tmp_path / f"{name}_hf"), "--from", "universal"]) == 0
+        )
         hf = load_file(tmp_path / f"{name}_hf" / "model.safetensors")
         assert set(src.names) <= set(hf)
         for n in src.names:

@@ -1,4 +1,5 @@
 """The DeepSpeed config as llmpar reads it: batch-size arithmetic, clear errors, DeepSpeed's lr schedules exactly."""
+
 import json
 import os
 
@@ -10,67 +11,93 @@ from llmpar.runtime.blocks import scheduler_block
 from llmpar.runtime.schedules import WarmupSchedule
 
 
-@pytest.mark.parametrize("given, want", [
-    (dict(train_batch_size=32, train_micro_batch_size_per_gpu=4), (4, 4, 32)),
-    (dict(train_batch_size=32, gradient_accumulation_steps=2), (8, 2, 32)),
-    (dict(train_micro_batch_size_per_gpu=3, gradient_accumulation_steps=5), (3, 5, 30)),
-    (dict(train_batch_size=6), (3, 1, 6)),
-    (dict(train_micro_batch_size_per_gpu=7), (7, 1, 14)),
-    (dict(train_batch_size=12, train_micro_batch_size_per_gpu=3, gradient_accumulation_steps=2), (3, 2, 12)),
-])
+@pytest.mark.parametrize(
+    "given, want",
+    [
+        (dict(train_batch_size=32, train_micro_batch_size_per_gpu=4), (4, 4, 32)),
+        (dict(train_batch_size=32, gradient_accumulation_steps=2), (8, 2, 32)),
+        (dict(train_micro_batch_size_per_gpu=3, gradient_accumulation_steps=5), (3, 5, 30)),
+        (dict(train_batch_size=6), (3, 1, 6)),
+        (dict(train_micro_batch_size_per_gpu=7), (7, 1, 14)),
+        (dict(train_batch_size=12, train_micro_batch_size_per_gpu=3, gradient_accumulation_steps=2), (3, 2, 12)),
+    ],
+)
 def test_batch_sizes_are_inferred_as_deepspeed_does(given, want):
     c = Config.from_deepspeed(given, dp=2)
     assert (c.train_micro_batch_size_per_gpu, c.gradient_accumulation_steps, c.train_batch_size) == want
 
 
-@pytest.mark.parametrize("given, match", [
-    (dict(train_batch_size=12, train_micro_batch_size_per_gpu=3, gradient_accumulation_steps=3), "inconsistent"),
-    (dict(train_batch_size=10, train_micro_batch_size_per_gpu=3), "inconsistent"),
-    (dict(gradient_accumulation_steps=2), "train_micro_batch_size_per_gpu"),
-    (dict(train_batch_size=0), ">= 1"),
-    (dict(train_batch_size=8, gradient_clipping=-1), "gradient_clipping"),
-    (dict(train_batch_size=8, zero_optimization={"stage": 2, "reduce_bucket_sise": 5}),
-     'did you mean "reduce_bucket_size"'),
-    (dict(train_batch_size=8, gradient_acumulation_steps=2), 'did you mean "gradient_accumulation_steps"'),
-    (dict(train_batch_size=8, zero_optimization={"stage": 4}), "must be 0, 1, 2 or 3"),
-    (dict(train_batch_size=8, zero_optimization={"stage": 0, "offload_optimizer": {"device": "cpu"}}),
-     "offload_optimizer.*needs stage 1, 2 or 3"),
-    (dict(train_batch_size=8, zero_optimization={"stage": 2, "offload_param": {"device": "cpu"}}),
-     "offload_param.*needs stage 3"),
-    (dict(train_batch_size=8, zero_optimization={"stage": 3, "offload_param": {"device": "nvme"}}), "NVMe"),
-    (dict(train_batch_size=8, zero_optimization={"stage": 3, "offload_param": {"device": "cpu", "ratio": 0.5}}),
-     "partial offload is not supported"),
-    (dict(train_batch_size=8, zero_optimization={"stage": 3, "stage3_prefetch_bucket_siz": 5}),
-     'did you mean "stage3_prefetch_bucket_size"'),
-    (dict(train_batch_size=8, fp16={"enabled": True}, bf16={"enabled": True}), "both true: pick one precision"),
-    (dict(train_batch_size=8, fp16={"enabled": True, "auto_cast": True}), '"fp16.auto_cast"=true: not supported'),
-    (dict(train_batch_size=8, prescale_gradients=True), '"prescale_gradients"=true: not supported'),
-    (dict(train_batch_size=8, tensorboard={"enabled": True, "output_path": 3}),
-     '"tensorboard.output_path"=3 must be a string'),
-    (dict(train_batch_size=8, zero_optimization={"stage": 2, "round_robin_gradients": True}),
-     '"zero_optimization.round_robin_gradients"=true: not supported'),
-    (dict(train_batch_size=8, optimizer={"type": "Lamb", "params": {}}), "does not support"),
-    (dict(train_batch_size=8, optimizer={"type": "AdamX"}), "is not known"),
-    (dict(train_batch_size=8, optimizer={"type": "AdamW", "params": {"betas": [0.9, 1.5]}}), "betas"),
-    (dict(train_batch_size=8, optimizer={"type": "AdamW", "params": {"lrr": 1}}), 'did you mean "lr"'),
-    (dict(train_batch_size=8, scheduler={"type": "WarmupDecayLR", "params": {"warmup_num_steps": 5}}),
-     "total_num_steps.*required"),
-    (dict(train_batch_size=8, scheduler={"type": "OneCycle"}), "does not support"),
-    (dict(train_batch_size=8, scheduler={"type": "WarmupLR", "params": {"total_num_steps": 5}}), "unknown key"),
-    (dict(train_batch_size=8, zero_optimization={"stage": 2, "overlap_comm": "yes"}), "true or false"),
-    (dict(train_batch_size=8, zero_optimization={"stage": 1.5}), "must be an integer"),
-])
+@pytest.mark.parametrize(
+    "given, match",
+    [
+        (dict(train_batch_size=12, train_micro_batch_size_per_gpu=3, gradient_accumulation_steps=3), "inconsistent"),
+        (dict(train_batch_size=10, train_micro_batch_size_per_gpu=3), "inconsistent"),
+        (dict(gradient_accumulation_steps=2), "train_micro_batch_size_per_gpu"),
+        (dict(train_batch_size=0), ">= 1"),
+        (dict(train_batch_size=8, gradient_clipping=-1), "gradient_clipping"),
+        (
+            dict(train_batch_size=8, zero_optimization={"stage": 2, "reduce_bucket_sise": 5}),
+            'did you mean "reduce_bucket_size"',
+        ),
+        (dict(train_batch_size=8, gradient_acumulation_steps=2), 'did you mean "gradient_accumulation_steps"'),
+        (dict(train_batch_size=8, zero_optimization={"stage": 4}), "must be 0, 1, 2 or 3"),
+        (
+            dict(train_batch_size=8, zero_optimization={"stage": 0, "offload_optimizer": {"device": "cpu"}}),
+            "offload_optimizer.*needs stage 1, 2 or 3",
+        ),
+        (
+            dict(train_batch_size=8, zero_optimization={"stage": 2, "offload_param": {"device": "cpu"}}),
+            "offload_param.*needs stage 3",
+        ),
+        (dict(train_batch_size=8, zero_optimization={"stage": 3, "offload_param": {"device": "nvme"}}), "NVMe"),
+        (
+            dict(train_batch_size=8, zero_optimization={"stage": 3, "offload_param": {"device": "cpu", "ratio": 0.5}}),
+            "partial offload is not supported",
+        ),
+        (
+            dict(train_batch_size=8, zero_optimization={"stage": 3, "stage3_prefetch_bucket_siz": 5}),
+            'did you mean "stage3_prefetch_bucket_size"',
+        ),
+        (dict(train_batch_size=8, fp16={"enabled": True}, bf16={"enabled": True}), "both true: pick one precision"),
+        (dict(train_batch_size=8, fp16={"enabled": True, "auto_cast": True}), '"fp16.auto_cast"=true: not supported'),
+        (dict(train_batch_size=8, prescale_gradients=True), '"prescale_gradients"=true: not supported'),
+        (
+            dict(train_batch_size=8, tensorboard={"enabled": True, "output_path": 3}),
+            '"tensorboard.output_path"=3 must be a string',
+        ),
+        (
+            dict(train_batch_size=8, zero_optimization={"stage": 2, "round_robin_gradients": True}),
+            '"zero_optimization.round_robin_gradients"=true: not supported',
+        ),
+        (dict(train_batch_size=8, optimizer={"type": "Lamb", "params": {}}), "does not support"),
+        (dict(train_batch_size=8, optimizer={"type": "AdamX"}), "is not known"),
+        (dict(train_batch_size=8, optimizer={"type": "AdamW", "params": {"betas": [0.9, 1.5]}}), "betas"),
+        (dict(train_batch_size=8, optimizer={"type": "AdamW", "params": {"lrr": 1}}), 'did you mean "lr"'),
+        (
+            dict(train_batch_size=8, scheduler={"type": "WarmupDecayLR", "params": {"warmup_num_steps": 5}}),
+            "total_num_steps.*required",
+        ),
+        (dict(train_batch_size=8, scheduler={"type": "OneCycle"}), "does not support"),
+        (dict(train_batch_size=8, scheduler={"type": "WarmupLR", "params": {"total_num_steps": 5}}), "unknown key"),
+        (dict(train_batch_size=8, zero_optimization={"stage": 2, "overlap_comm": "yes"}), "true or false"),
+        (dict(train_batch_size=8, zero_optimization={"stage": 1.5}), "must be an integer"),
+    ],
+)
 def test_bad_configs_name_the_key(given, match):
     with pytest.raises((ValueError, TypeError), match=match):
         Config.from_deepspeed(given, dp=2)
 
 
 def test_full_config_parses_and_defaults(tmp_path):
-    raw = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
-           "optimizer": {"type": "adamw", "params": {"lr": 3e-4, "weight_decay": 0.1}},
-           "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 100, "total_num_steps": 1000}},
-           "zero_optimization": {"stage": 2, "reduce_bucket_size": 5e7, "overlap_comm": True},
-           "bf16": {"enabled": True}}
+    raw = {
+        "train_micro_batch_size_per_gpu": 8,
+        "gradient_accumulation_steps": 2,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "adamw", "params": {"lr": 3e-4, "weight_decay": 0.1}},
+        "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 100, "total_num_steps": 1000}},
+        "zero_optimization": {"stage": 2, "reduce_bucket_size": 5e7, "overlap_comm": True},
+        "bf16": {"enabled": True},
+    }
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(raw))
     c = Config.from_deepspeed(os.fspath(path), dp=4)
@@ -86,16 +113,35 @@ class _Opt:
         self.param_groups = [{"lr": lr} for lr in lrs]
 
 
-@pytest.mark.parametrize("typ, params", [
-    ("WarmupLR", {"warmup_num_steps": 7}),
-    ("WarmupLR", {"warmup_min_lr": 1e-4, "warmup_max_lr": 3e-3, "warmup_num_steps": 10, "warmup_type": "linear"}),
-    ("WarmupDecayLR", {"warmup_num_steps": 5, "total_num_steps": 30}),
-    ("WarmupDecayLR", {"warmup_min_lr": 1e-5, "warmup_max_lr": 2e-3, "warmup_num_steps": 1, "total_num_steps": 20,
-                       "warmup_type": "linear"}),
-    ("WarmupCosineLR", {"warmup_num_steps": 6, "total_num_steps": 25}),
-    ("WarmupCosineLR", {"warmup_min_ratio": 0.1, "cos_min_ratio": 0.05, "warmup_num_steps": 4, "total_num_steps": 12,
-                        "warmup_type": "linear"}),
-])
+@pytest.mark.parametrize(
+    "typ, params",
+    [
+        ("WarmupLR", {"warmup_num_steps": 7}),
+        ("WarmupLR", {"warmup_min_lr": 1e-4, "warmup_max_lr": 3e-3, "warmup_num_steps": 10, "warmup_type": "linear"}),
+        ("WarmupDecayLR", {"warmup_num_steps": 5, "total_num_steps": 30}),
+        (
+            "WarmupDecayLR",
+            {
+                "warmup_min_lr": 1e-5,
+                "warmup_max_lr": 2e-3,
+                "warmup_num_steps": 1,
+                "total_num_steps": 20,
+                "warmup_type": "linear",
+            },
+        ),
+        ("WarmupCosineLR", {"warmup_num_steps": 6, "total_num_steps": 25}),
+        (
+            "WarmupCosineLR",
+            {
+                "warmup_min_ratio": 0.1,
+                "cos_min_ratio": 0.05,
+                "warmup_num_steps": 4,
+                "total_num_steps": 12,
+                "warmup_type": "linear",
+            },
+        ),
+    ],
+)
 def test_schedules_equal_deepspeeds(typ, params):
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     lr_schedules = pytest.importorskip("deepspeed.runtime.lr_schedules")
@@ -125,13 +171,16 @@ def test_config_file_errors_name_the_file(tmp_path):
         Config.from_deepspeed(listed, dp=1)
 
 
-@pytest.mark.parametrize("block, match", [
-    ({"optimizer": {"type": "AdamW", "params": {"lr": float("inf")}}}, "optimizer.params.lr.*finite"),
-    ({"optimizer": {"type": "AdamW", "params": {"eps": float("nan")}}}, "optimizer.params.eps.*finite"),
-    ({"gradient_clipping": float("inf")}, "gradient_clipping.*finite"),
-    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": float("inf")}}}, "warmup_max_lr.*finite"),
-    ({"zero_optimization": {"stage": 2, "reduce_bucket_size": float("inf")}}, "reduce_bucket_size.*integer"),
-])
+@pytest.mark.parametrize(
+    "block, match",
+    [
+        ({"optimizer": {"type": "AdamW", "params": {"lr": float("inf")}}}, "optimizer.params.lr.*finite"),
+        ({"optimizer": {"type": "AdamW", "params": {"eps": float("nan")}}}, "optimizer.params.eps.*finite"),
+        ({"gradient_clipping": float("inf")}, "gradient_clipping.*finite"),
+        ({"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": float("inf")}}}, "warmup_max_lr.*finite"),
+        ({"zero_optimization": {"stage": 2, "reduce_bucket_size": float("inf")}}, "reduce_bucket_size.*integer"),
+    ],
+)
 def test_non_finite_hyperparameters_are_refused(block, match):
     with pytest.raises((ValueError, TypeError), match=match):
         Config.from_deepspeed({"train_batch_size": 8, **block}, dp=2)
@@ -141,55 +190,83 @@ def test_a_file_is_read_once_and_gives_the_same_config_as_the_dict(tmp_path, mon
     from llmpar.runtime import Blocks, read_config
     from llmpar.runtime import config as runtime_config
 
-    cfg = {"train_micro_batch_size_per_gpu": 2, "pipeline": {"stages": 2, "micro_batches": 4},
-           "tensor_parallel": {"size": 2}, "bf16": {"enabled": True},
-           "zero_optimization": {"stage": 1, "reduce_bucket_size": 5e4}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "pipeline": {"stages": 2, "micro_batches": 4},
+        "tensor_parallel": {"size": 2},
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 1, "reduce_bucket_size": 5e4},
+    }
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(cfg))
     opened = []
     real_open = open
-    monkeypatch.setattr(runtime_config, "open", lambda *a, **k: opened.append(a[0]) or real_open(*a, **k),
-                        raising=False)
+    monkeypatch.setattr(
+        runtime_config, "open", lambda *a, **k: opened.append(a[0]) or real_open(*a, **k), raising=False
+    )
     raw = read_config(path)
     assert opened == [os.fspath(path)]
     blocks = Blocks.parse(raw)
     assert blocks.degrees == (2, 2)
     a, b = Config.from_blocks(blocks, dp=3), Config.from_deepspeed(cfg, dp=3)
     assert a == b and len(opened) == 1
-    assert (a.gradient_accumulation_steps, a.train_batch_size, a.bf16,
-            a.zero.reduce_bucket_size) == (4, 24, True, 50000)
+    assert (a.gradient_accumulation_steps, a.train_batch_size, a.bf16, a.zero.reduce_bucket_size) == (
+        4,
+        24,
+        True,
+        50000,
+    )
     assert a.pipeline.stages == 2 and a.tensor_parallel.size == 2
 
 
-@pytest.mark.parametrize("zero, want", [
-    ({"gather_16bit_weights_on_model_save": True}, True),  # DeepSpeed's field name
-    ({"stage3_gather_16bit_weights_on_model_save": True}, True),  # its alias
-    ({"stage3_gather_fp16_weights_on_model_save": True}, True),  # the older alias
-    ({"gather_16bit_weights_on_model_save": False}, False),
-])
+@pytest.mark.parametrize(
+    "zero, want",
+    [
+        ({"gather_16bit_weights_on_model_save": True}, True),  # DeepSpeed's field name
+        ({"stage3_gather_16bit_weights_on_model_save": True}, True),  # its alias
+        ({"stage3_gather_fp16_weights_on_model_save": True}, True),  # the older alias
+        ({"gather_16bit_weights_on_model_save": False}, False),
+    ],
+)
 def test_gather_16bit_weights_under_each_of_deepspeeds_names(zero, want):
     c = Config.from_deepspeed({"train_batch_size": 8, "zero_optimization": {"stage": 3, **zero}}, dp=2)
     assert c.zero.stage3_gather_16bit_weights_on_model_save is want
 
 
 def test_gather_16bit_weights_given_twice_is_refused():
-    with pytest.raises(ValueError, match="'stage3_gather_16bit_weights_on_model_save' and "
-                                         "'gather_16bit_weights_on_model_save' are one setting"):
-        Config.from_deepspeed({"train_batch_size": 8, "zero_optimization": {
-            "stage": 3, "gather_16bit_weights_on_model_save": True,
-            "stage3_gather_16bit_weights_on_model_save": True}}, dp=2)
+    with pytest.raises(
+        ValueError,
+        match="'stage3_gather_16bit_weights_on_model_save' and 'gather_16bit_weights_on_model_save' are one setting",
+    ):
+        Config.from_deepspeed(
+            {
+                "train_batch_size": 8,
+                "zero_optimization": {
+                    "stage": 3,
+                    "gather_16bit_weights_on_model_save": True,
+                    "stage3_gather_16bit_weights_on_model_save": True,
+                },
+            },
+            dp=2,
+        )
 
 
-@pytest.mark.parametrize("block, tp", [({"autotp_size": 0}, 1), ({"autotp_size": 1}, 1), ({"autotp_size": 2}, 2),
-                                       ({"size": 2}, 2), ({}, 1)])
+@pytest.mark.parametrize(
+    "block, tp", [({"autotp_size": 0}, 1), ({"autotp_size": 1}, 1), ({"autotp_size": 2}, 2), ({"size": 2}, 2), ({}, 1)]
+)
 def test_tensor_parallel_autotp_size_zero_is_off(block, tp):
     """DeepSpeed's default ``"autotp_size": 0`` means no tensor parallelism."""
     assert Config.from_deepspeed({"train_batch_size": 8, "tensor_parallel": block}, dp=2).tensor_parallel.size == tp
 
 
-@pytest.mark.parametrize("block, match", [({"autotp_size": -1}, '"tensor_parallel.autotp_size"=-1 must be >= 0'),
-                                          ({"size": 0}, '"tensor_parallel.size"=0 must be >= 1'),
-                                          ({"autotp_size": 2, "size": 2}, "not both")])
+@pytest.mark.parametrize(
+    "block, match",
+    [
+        ({"autotp_size": -1}, '"tensor_parallel.autotp_size"=-1 must be >= 0'),
+        ({"size": 0}, '"tensor_parallel.size"=0 must be >= 1'),
+        ({"autotp_size": 2, "size": 2}, "not both"),
+    ],
+)
 def test_tensor_parallel_errors_name_the_key_given(block, match):
     with pytest.raises(ValueError, match=match):
         Config.from_deepspeed({"train_batch_size": 8, "tensor_parallel": block}, dp=2)
@@ -198,6 +275,8 @@ def test_tensor_parallel_errors_name_the_key_given(block, match):
 @pytest.mark.parametrize("typ", ["AdamW", "Adam", "AdamW8bit", "AdamW4bit"])
 def test_deepspeed_implementation_switches_are_taken_by_every_adam_type(typ):
     """``torch_adam`` / ``fused`` pick DeepSpeed's implementation of the same math: accepted for every Adam type."""
-    c = Config.from_deepspeed({"train_batch_size": 8, "optimizer": {"type": typ, "params": {
-        "lr": 2e-3, "torch_adam": True, "fused": False}}}, dp=2)
+    c = Config.from_deepspeed(
+        {"train_batch_size": 8, "optimizer": {"type": typ, "params": {"lr": 2e-3, "torch_adam": True, "fused": False}}},
+        dp=2,
+    )
     assert c.optimizer.type == typ and c.optimizer.lr == 2e-3

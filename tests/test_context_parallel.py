@@ -3,6 +3,7 @@ against a float64 single-device reference (plain softmax over the whole sequence
 
 One multi-rank launch per world size runs every case (modes, odd lengths, causal + padding, GQA, dtypes, bad inputs,
 the token mean), as the suite's budget asks."""
+
 from __future__ import annotations
 
 import math
@@ -39,8 +40,10 @@ def reference_attention(q, k, v, *, causal: bool, valid: torch.Tensor | None) ->
 # ----------------------------------------------------------------------------- single-process: sharding
 
 
-@pytest.mark.parametrize("mode,ring,uly,seq_len", [("ulysses", 1, 3, 37), ("ring", 4, 1, 61), ("ring", 3, 1, 5),
-                                                     ("hybrid", 2, 2, 37), ("hybrid", 3, 2, 61)])
+@pytest.mark.parametrize(
+    "mode,ring,uly,seq_len",
+    [("ulysses", 1, 3, 37), ("ring", 4, 1, 61), ("ring", 3, 1, 5), ("hybrid", 2, 2, 37), ("hybrid", 3, 2, 61)],
+)
 def test_layout_covers_each_token_once_ascending(mode, ring, uly, seq_len):
     padded, table = layout(seq_len, mode, ring, uly)
     sp = ring * uly
@@ -53,8 +56,9 @@ def test_layout_covers_each_token_once_ascending(mode, ring, uly, seq_len):
     if mode != "ulysses":  # zigzag: ring rank r's group holds chunks r and 2R-1-r; each group's set ascending
         chunk = padded // (2 * ring)
         for r, group in enumerate(table.view(ring, -1)):
-            want = list(range(r * chunk, (r + 1) * chunk)) + list(range((2 * ring - 1 - r) * chunk,
-                                                                        (2 * ring - r) * chunk))
+            want = list(range(r * chunk, (r + 1) * chunk)) + list(
+                range((2 * ring - 1 - r) * chunk, (2 * ring - r) * chunk)
+            )
             assert group.tolist() == want
     else:
         assert table.reshape(-1).tolist() == list(range(padded))
@@ -114,8 +118,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor | None = None) ->
     """max |a - b| relative to max |scale| (default b; at least 1e-3, values here are O(1)): a shard is compared on
     the whole tensor's scale."""
     scale = b if scale is None else scale
-    return float((a.detach().double() - b.detach().double()).abs().max()
-                 / scale.detach().double().abs().max().clamp(min=1e-3))
+    return float(
+        (a.detach().double() - b.detach().double()).abs().max() / scale.detach().double().abs().max().clamp(min=1e-3)
+    )
 
 
 def _attention_case(cp: ContextParallel, case: dict) -> None:
@@ -146,8 +151,12 @@ def _attention_case(cp: ContextParallel, case: dict) -> None:
     tol = 1e-10 if dtype == torch.float64 else 1e-5
     name = f"{cp!r} {case}"
     assert out.dtype == dtype and bool(torch.isfinite(out).all()), name
-    for got, want, what in ((out, ref, "out"), (local[0].grad, ref_in[0].grad, "dq"),
-                            (local[1].grad, ref_in[1].grad, "dk"), (local[2].grad, ref_in[2].grad, "dv")):
+    for got, want, what in (
+        (out, ref, "out"),
+        (local[0].grad, ref_in[0].grad, "dq"),
+        (local[1].grad, ref_in[1].grad, "dk"),
+        (local[2].grad, ref_in[2].grad, "dv"),
+    ):
         assert bool(torch.isfinite(got).all()), f"{what} not finite: {name}"
         if mine.numel():
             err = _rel(got[:, :, real], want[:, :, mine], want)
@@ -212,8 +221,7 @@ def _bad_inputs(cp: ContextParallel) -> None:
         with pytest.raises(ValueError, match=rf"query heads {heads} \(kv heads 1\).*u={cp.ulysses_size}"):
             cp.attention(torch.randn(1, heads, S, 8), torch.randn(1, 1, S, 8), torch.randn(1, 1, S, 8), shard=shard)
     with pytest.raises(ValueError, match=f"S_local={S + 1}"):
-        cp.attention(torch.randn(1, 4, S + 1, 8), torch.randn(1, 4, S + 1, 8), torch.randn(1, 4, S + 1, 8),
-                     shard=shard)
+        cp.attention(torch.randn(1, 4, S + 1, 8), torch.randn(1, 4, S + 1, 8), torch.randn(1, 4, S + 1, 8), shard=shard)
     with pytest.raises(ValueError, match="k_valid must be a bool tensor"):
         cp.attention(ok, ok, ok, shard=shard, k_valid=torch.ones(1, S))
     with pytest.raises(ValueError, match=r"must both be \[1, kv_heads"):
@@ -268,24 +276,28 @@ def _run_modes(modes: list[tuple[str, int]], cases: list[dict]) -> dict:
             cp.check_batch(37 + (cp.rank == cp.size - 1), "same ids")
         with pytest.raises(ValueError, match=r"same shapes but different contents \(fingerprint differ"):
             cp.check_batch(37, "same ids" if cp.rank else "other ids")
-        stats[mode] = (len(cp.ring_stats.forward_wait_s), len(cp.ring_stats.backward_wait_s),
-                       cp.ring_stats.exposed_fraction())
+        stats[mode] = (
+            len(cp.ring_stats.forward_wait_s),
+            len(cp.ring_stats.backward_wait_s),
+            cp.ring_stats.exposed_fraction(),
+        )
     return stats
 
 
 def _case(seq_len, Hq, Hkv, *, causal=True, padding=False, dtype=torch.float64, seed=0, modes=None, B=2, D=8):
-    return dict(seq_len=seq_len, B=B, Hq=Hq, Hkv=Hkv, D=D, causal=causal, padding=padding, dtype=dtype,
-                seed=seed, modes=modes)
+    return dict(
+        seq_len=seq_len, B=B, Hq=Hq, Hkv=Hkv, D=D, causal=causal, padding=padding, dtype=dtype, seed=seed, modes=modes
+    )
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_context_parallel_attention_matches_single_device(world):
     heads = {2: (4, 2), 3: (6, 2), 4: (8, 2)}[world]  # GQA; with u = world > kv heads for 3 and 4 ranks
     cases = [
-        _case(37, *heads, seed=1),                                        # odd length, causal
+        _case(37, *heads, seed=1),  # odd length, causal
         _case(61, heads[0], heads[0], causal=False, padding=True, seed=2),  # non-causal, key padding
-        _case(61, *heads, padding=True, dtype=torch.float32, seed=3),     # fp32, left padding, GQA
-        _case(5, heads[0], 1, padding=True, seed=4),                    # shorter than 2*sp: all-padding ranks
+        _case(61, *heads, padding=True, dtype=torch.float32, seed=3),  # fp32, left padding, GQA
+        _case(5, heads[0], 1, padding=True, seed=4),  # shorter than 2*sp: all-padding ranks
     ]
     modes = [("ulysses", world), ("ring", 1)] + ([("hybrid", 2)] if world == 4 else [])
     stats = run_ranks(_run_modes, world, modes, cases, timeout=120)

@@ -2,6 +2,7 @@
 with dp, ZeRO 2 / 3, tp, gradient accumulation, activation checkpointing, padding) trains exactly as the unsplit model
 on one process (float64: losses, every reduced gradient and the grad norms to 1e-10), and bad configs fail on every
 rank with a message naming the key."""
+
 from __future__ import annotations
 
 import tempfile
@@ -31,16 +32,25 @@ def batch(step: int, micro: int, dp: int) -> tuple[torch.Tensor, torch.Tensor, t
     x = torch.randint(0, CFG["vocab_size"], (n, T + 1), generator=g)
     idx, targets = x[:, :-1], x[:, 1:].clone()
     targets[torch.rand(n, T, generator=g) < 0.15] = -100
-    lengths = torch.randint(2, 5, (n,), generator=g) if (step, micro) == (1, 0) else \
-        torch.randint(T - 5, T + 1, (n,), generator=g)
+    lengths = (
+        torch.randint(2, 5, (n,), generator=g)
+        if (step, micro) == (1, 0)
+        else torch.randint(T - 5, T + 1, (n,), generator=g)
+    )
     mask = torch.arange(T)[None] < lengths[:, None]
     return idx, targets, mask
 
 
 def _config(cp: dict, stage: int, **extra) -> dict:
-    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS, "gradient_clipping": CLIP,
-            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
-            "zero_optimization": {"stage": stage}, "context_parallel": cp, **extra}
+    return {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": GAS,
+        "gradient_clipping": CLIP,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
+        "zero_optimization": {"stage": stage},
+        "context_parallel": cp,
+        **extra,
+    }
 
 
 def mismatched_batches(engine, dp: int, dp_rank: int) -> list[str]:
@@ -50,9 +60,11 @@ def mismatched_batches(engine, dp: int, dp_rank: int) -> list[str]:
     idx, targets, mask = batch(0, 0, dp)
     rows = slice(dp_rank * MICRO, (dp_rank + 1) * MICRO)
     odd = cp.rank == cp.size - 1
-    tries = [(idx.roll(1, 0) if odd else idx)[rows], targets[rows], mask[rows]], \
-        [idx[rows, :T - odd], targets[rows, :T - odd], mask[rows, :T - odd]], \
-        [idx[rows][:MICRO - odd], targets[rows][:MICRO - odd], mask[rows][:MICRO - odd]]
+    tries = (
+        [(idx.roll(1, 0) if odd else idx)[rows], targets[rows], mask[rows]],
+        [idx[rows, : T - odd], targets[rows, : T - odd], mask[rows, : T - odd]],
+        [idx[rows][: MICRO - odd], targets[rows][: MICRO - odd], mask[rows][: MICRO - odd]],
+    )
     errors = []
     for i, t, m in tries:
         try:
@@ -71,13 +83,17 @@ def check_mismatch_errors(outs: list[dict], world: int, cp: int) -> None:
         same, shorter, fewer = out["mismatch"]
         for err in (same, shorter, fewer):
             assert err.startswith(f"context-parallel batch: the {cp} cp ranks of a group were fed"), err
-            assert f"num_replicas=engine.dp_world_size, rank=engine.dp_rank) (here dp size {dp}, dp rank " \
-                   f"{rank // cp})" in err, err
+            assert (
+                f"num_replicas=engine.dp_world_size, rank=engine.dp_rank) (here dp size {dp}, dp rank "
+                f"{rank // cp})" in err
+            ), err
         assert "the same shapes but different contents (arg0 differ)" in same, same
         last = f"cp rank {cp - 1} (global rank {first + cp - 1}): arg0 [{MICRO}, {T - 1}], arg1 [{MICRO}, {T - 1}]"
         assert "different tensor shapes" in shorter and last in shorter, shorter
-        assert f"cp rank 0 (global rank {first}): arg0 [{MICRO}, {T}], arg1 [{MICRO}, {T}], attention_mask " \
-               f"[{MICRO}, {T}]" in shorter, shorter
+        assert (
+            f"cp rank 0 (global rank {first}): arg0 [{MICRO}, {T}], arg1 [{MICRO}, {T}], attention_mask "
+            f"[{MICRO}, {T}]" in shorter
+        ), shorter
         assert f"(global rank {first + cp - 1}): arg0 [{MICRO - 1}, {T}]" in fewer, fewer
 
 
@@ -88,9 +104,15 @@ def cp_body(cp: dict, stage: int, extra: dict, grads: bool, mismatch: bool = Fal
     model = GPT(GPTConfig(**CFG), seed=3, dtype=torch.float64)
     engine, opt, _, _ = llmpar.initialize(model=model, config=_config(cp, stage, **extra))
     dp, dp_rank = engine.dp_world_size, engine.dp_rank
-    out = {"dp": dp, "cp": engine.context_parallel.size, "losses": [], "norms": [], "pieces": {},
-           "describe": describe(engine, dist.get_world_size()),
-           "sampler": engine.deepspeed_io(list(range(8))).sampler.num_replicas}
+    out = {
+        "dp": dp,
+        "cp": engine.context_parallel.size,
+        "losses": [],
+        "norms": [],
+        "pieces": {},
+        "describe": describe(engine, dist.get_world_size()),
+        "sampler": engine.deepspeed_io(list(range(8))).sampler.num_replicas,
+    }
     for s in range(STEPS):
         for m in range(GAS):
             idx, targets, mask = batch(s, m, dp)
@@ -100,8 +122,9 @@ def cp_body(cp: dict, stage: int, extra: dict, grads: bool, mismatch: bool = Fal
             out["losses"].append(loss.item())
             if grads and s == 0 and m == GAS - 1:
                 opt.reduce_gradients()
-                out["pieces"] = {n: [(a, z, v.clone()) for v, a, z in opt.grad_pieces(p)]
-                                 for n, p in model.named_parameters()}
+                out["pieces"] = {
+                    n: [(a, z, v.clone()) for v, a, z in opt.grad_pieces(p)] for n, p in model.named_parameters()
+                }
             engine.step()
         out["norms"].append(engine.get_global_grad_norm())
     if grads and stage < 3:  # which ranks write the 16-bit model: one, with every weight (torch.save recorded)
@@ -151,10 +174,20 @@ def check(outs: list[dict], world: int, cp: int, *, grads: bool = True) -> None:
         d = rank // (world // dp)  # dp is outside cp and tp on the mesh
         want = [loss for dd, loss in ref["losses"] if dd == d]
         f64 = dict(dtype=torch.float64)
-        torch.testing.assert_close(torch.tensor(out["losses"], **f64), torch.tensor(want, **f64), rtol=1e-10,
-                                   atol=1e-12, msg=f"losses on rank {rank}")
-        torch.testing.assert_close(torch.tensor(out["norms"], **f64), torch.tensor(ref["norms"], **f64), rtol=1e-10,
-                                   atol=1e-12, msg=f"grad norms on rank {rank}")
+        torch.testing.assert_close(
+            torch.tensor(out["losses"], **f64),
+            torch.tensor(want, **f64),
+            rtol=1e-10,
+            atol=1e-12,
+            msg=f"losses on rank {rank}",
+        )
+        torch.testing.assert_close(
+            torch.tensor(out["norms"], **f64),
+            torch.tensor(ref["norms"], **f64),
+            rtol=1e-10,
+            atol=1e-12,
+            msg=f"grad norms on rank {rank}",
+        )
         for n, pieces in out["pieces"].items():
             for a, z, v in pieces:
                 full[n][a:z] = v.reshape(-1)
@@ -166,10 +199,13 @@ def check(outs: list[dict], world: int, cp: int, *, grads: bool = True) -> None:
             torch.testing.assert_close(full[n].view_as(g), g, rtol=1e-10, atol=1e-13, msg=f"gradient of {n}")
 
 
-@pytest.mark.parametrize("cp, stage, world", [
-    ({"size": 2, "mode": "ulysses"}, 2, 2),
-    ({"size": 2, "mode": "ring"}, 3, 4),  # dp=2 x cp=2: ZeRO-3 over the dp x cp group
-])
+@pytest.mark.parametrize(
+    "cp, stage, world",
+    [
+        ({"size": 2, "mode": "ulysses"}, 2, 2),
+        ({"size": 2, "mode": "ring"}, 3, 4),  # dp=2 x cp=2: ZeRO-3 over the dp x cp group
+    ],
+)
 def test_cp2_matches_single_process(cp, stage, world):
     """And cp ranks fed different batches (rows, sequence lengths, row counts) are refused on every rank."""
     outs = run_ranks(cp_body, world, cp, stage, {}, True, True, timeout=120)
@@ -214,16 +250,19 @@ def test_tp2_x_ulysses2():
     check(run_ranks(tp_body, 4, timeout=120), 4, 2, grads=False)
 
 
-@pytest.mark.parametrize("raw, match", [
-    ({"context_parallel": {"size": 2, "mode": "zigzag"}}, "context_parallel.mode.*ulysses, ring, hybrid"),
-    ({"context_parallel": {"size": 4, "mode": "hybrid"}}, "needs \"context_parallel.ulysses_size\""),
-    ({"context_parallel": {"size": 4, "mode": "hybrid", "ulysses_size": 3}}, "ulysses_size\"=3 does not divide"),
-    ({"context_parallel": {"size": 4, "mode": "ring", "ulysses_size": 2}}, "ulysses_size\"=2 is not valid"),
-    ({"context_parallel": {"size": 2, "mode": "ring"}, "sequence_parallel_size": 2}, "disagree"),
-    ({"context_parallel": {"size": 2}, "pipeline": {"stages": 2}}, "not supported with pipeline"),
-    ({"context_parallel": {"size": 0}}, "context_parallel.size"),
-    ({"context_parallel": {"sise": 2}}, "did you mean \"size\""),
-])
+@pytest.mark.parametrize(
+    "raw, match",
+    [
+        ({"context_parallel": {"size": 2, "mode": "zigzag"}}, "context_parallel.mode.*ulysses, ring, hybrid"),
+        ({"context_parallel": {"size": 4, "mode": "hybrid"}}, 'needs "context_parallel.ulysses_size"'),
+        ({"context_parallel": {"size": 4, "mode": "hybrid", "ulysses_size": 3}}, 'ulysses_size"=3 does not divide'),
+        ({"context_parallel": {"size": 4, "mode": "ring", "ulysses_size": 2}}, 'ulysses_size"=2 is not valid'),
+        ({"context_parallel": {"size": 2, "mode": "ring"}, "sequence_parallel_size": 2}, "disagree"),
+        ({"context_parallel": {"size": 2}, "pipeline": {"stages": 2}}, "not supported with pipeline"),
+        ({"context_parallel": {"size": 0}}, "context_parallel.size"),
+        ({"context_parallel": {"sise": 2}}, 'did you mean "size"'),
+    ],
+)
 def test_bad_context_parallel_configs(raw, match):
     with pytest.raises(ValueError, match=match):
         Blocks.parse(raw)
@@ -238,9 +277,11 @@ def test_sequence_parallel_size_is_ulysses():
 
 def world_error_body() -> list[str]:
     mesh = llmpar.init_distributed(tp=1).mesh  # cp=1
-    tries = [dict(config=_config({"size": 3, "mode": "ring"}, 1)),
-             dict(config=_config({"size": 2}, 1), mesh=mesh),
-             dict(config=_config({"size": 2}, 1), dp_group=mesh["dp"])]
+    tries = [
+        dict(config=_config({"size": 3, "mode": "ring"}, 1)),
+        dict(config=_config({"size": 2}, 1), mesh=mesh),
+        dict(config=_config({"size": 2}, 1), dp_group=mesh["dp"]),
+    ]
     errors = []
     for kwargs in tries:
         try:
@@ -253,8 +294,8 @@ def world_error_body() -> list[str]:
 
 def test_sizes_and_groups_that_do_not_fit_fail_on_every_rank():
     for world, mesh, groups in run_ranks(world_error_body, 2, timeout=60):
-        assert "\"context_parallel.size\"=3 does not divide the world size 2" in world, world
-        assert "\"context_parallel.size\"=2 but mesh= has cp=1" in mesh, mesh
+        assert '"context_parallel.size"=3 does not divide the world size 2' in world, world
+        assert '"context_parallel.size"=2 but mesh= has cp=1' in mesh, mesh
         assert "not dp_group= / tp_group=" in groups, groups
 
 
@@ -267,16 +308,27 @@ class _NoCollectives:
         raise AssertionError("the batch was sharded before it was checked")
 
 
-@pytest.mark.parametrize("args, kwargs, error, match", [
-    ((torch.zeros(1, 17, dtype=torch.long), torch.zeros(1, 17, dtype=torch.long)), {}, ValueError,
-     "sequence of 17 tokens is longer than the model's seq_len=16"),
-    ((torch.zeros(1, 5, dtype=torch.long),), {}, TypeError, "call engine\\(idx, targets\\)"),
-    ((torch.zeros(1, 5, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long)), {}, ValueError, "must have idx's"),
-    ((torch.zeros(1, 5), torch.zeros(1, 5, dtype=torch.long)), {}, TypeError, "integer token ids"),
-    ((torch.zeros(1, 5, dtype=torch.long), torch.zeros(1, 5, dtype=torch.long)), {"attention_mask": torch.ones(5)},
-     ValueError, "attention_mask must be a \\[batch=1, tokens=5\\]"),
-    ((torch.zeros(1, 5, dtype=torch.long),), {"labels": 1}, TypeError, "unexpected argument 'labels'"),
-])
+@pytest.mark.parametrize(
+    "args, kwargs, error, match",
+    [
+        (
+            (torch.zeros(1, 17, dtype=torch.long), torch.zeros(1, 17, dtype=torch.long)),
+            {},
+            ValueError,
+            "sequence of 17 tokens is longer than the model's seq_len=16",
+        ),
+        ((torch.zeros(1, 5, dtype=torch.long),), {}, TypeError, "call engine\\(idx, targets\\)"),
+        ((torch.zeros(1, 5, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long)), {}, ValueError, "must have idx's"),
+        ((torch.zeros(1, 5), torch.zeros(1, 5, dtype=torch.long)), {}, TypeError, "integer token ids"),
+        (
+            (torch.zeros(1, 5, dtype=torch.long), torch.zeros(1, 5, dtype=torch.long)),
+            {"attention_mask": torch.ones(5)},
+            ValueError,
+            "attention_mask must be a \\[batch=1, tokens=5\\]",
+        ),
+        ((torch.zeros(1, 5, dtype=torch.long),), {"labels": 1}, TypeError, "unexpected argument 'labels'"),
+    ],
+)
 def test_gpt_adapter_refuses_bad_batches_before_sharding(args, kwargs, error, match):
     from llmpar.context_parallel.adapters import adapter_for
 
@@ -300,11 +352,23 @@ def test_a_prepared_gpt_called_outside_a_sharded_batch_is_the_plain_gpt():
     idx = torch.randint(0, CFG["vocab_size"], (2, 11))
     torch.testing.assert_close(prepared(idx), plain(idx), rtol=0, atol=0)
     assert "context_parallel" not in dict(prepared.named_modules()) and not any(
-        "context_parallel" in k for k in prepared.state_dict())
+        "context_parallel" in k for k in prepared.state_dict()
+    )
 
 
-TRAIN = dict(steps=4, batch_size=2, seq_len=16, n_layer=2, n_head=2, d_model=16, lr=1e-2, warmup_steps=1, log_every=2,
-             dtype="float64", grad_accum=2)
+TRAIN = dict(
+    steps=4,
+    batch_size=2,
+    seq_len=16,
+    n_layer=2,
+    n_head=2,
+    d_model=16,
+    lr=1e-2,
+    warmup_steps=1,
+    log_every=2,
+    dtype="float64",
+    grad_accum=2,
+)
 
 
 def train_body() -> tuple[torch.Tensor, list[float]]:
@@ -327,8 +391,12 @@ def test_llmpar_train_with_context_parallelism_equals_one_process():
     ref = torch.cat([p.detach().reshape(-1) for p in engine.module.parameters()])
     assert torch.equal(p0, p1) and losses0 == losses1
     torch.testing.assert_close(p0, ref, rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(torch.tensor(losses0, dtype=torch.float64),
-                               torch.tensor(single.losses, dtype=torch.float64), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(
+        torch.tensor(losses0, dtype=torch.float64),
+        torch.tensor(single.losses, dtype=torch.float64),
+        rtol=1e-10,
+        atol=1e-12,
+    )
 
 
 def test_zero1_with_cpu_offload_under_ring():
@@ -345,8 +413,11 @@ def test_batch_digest_tells_batches_apart_whatever_its_chunking(dtype, monkeypat
     from llmpar.context_parallel import batch_check
 
     g = torch.Generator().manual_seed(5)
-    x = (torch.randint(0, 2, (3, 37), generator=g) if dtype == torch.bool else
-         torch.randint(-50, 50, (3, 37), generator=g)).to(dtype)
+    x = (
+        torch.randint(0, 2, (3, 37), generator=g)
+        if dtype == torch.bool
+        else torch.randint(-50, 50, (3, 37), generator=g)
+    ).to(dtype)
     if dtype.is_floating_point:
         x = x + torch.rand(3, 37, generator=g, dtype=torch.float64).to(dtype)
     whole = int(batch_check.digest(x))

@@ -1,6 +1,7 @@
 """Sequence-tiled loss and MLP (llmpar.context_parallel.tiled): float64 parity of values and gradients with the untiled
 computation on odd shapes, no NaN without counted tokens, refused inputs, the vocab-parallel head on 2 ranks, and the
 bytes autograd holds (counted through saved_tensors_hooks) falling with the tile."""
+
 from __future__ import annotations
 
 import pytest
@@ -64,7 +65,7 @@ class _Held:
 def _loss_case(seed: int, B=3, S=37, d=19, V=53, ignore_frac=0.3, dtype=torch.float64):
     g = torch.Generator().manual_seed(seed)
     h = torch.randn(B, S, d, generator=g, dtype=dtype)
-    w = torch.randn(V, d, generator=g, dtype=dtype) / d ** 0.5
+    w = torch.randn(V, d, generator=g, dtype=dtype) / d**0.5
     b = torch.randn(V, generator=g, dtype=dtype)
     y = torch.randint(0, V, (B, S), generator=g)
     y[torch.rand(B, S, generator=g) < ignore_frac] = -100
@@ -162,8 +163,10 @@ def test_tiled_mlp_matches_untiled_float64_and_hooks_fire_once():
     x = torch.randn(3, 41, 13, dtype=torch.float64, requires_grad=True)
     dy = torch.randn(3, 41, 13, dtype=torch.float64)
     fired = {name: 0 for name, _ in mlp.named_parameters()}
-    hooks = [p.register_post_accumulate_grad_hook(lambda p, n=name: fired.__setitem__(n, fired[n] + 1))
-             for name, p in mlp.named_parameters()]
+    hooks = [
+        p.register_post_accumulate_grad_hook(lambda p, n=name: fired.__setitem__(n, fired[n] + 1))
+        for name, p in mlp.named_parameters()
+    ]
     y = TiledMLP(mlp, 6)(x)
     y.backward(dy)
     got = [x.grad.clone()] + [p.grad.clone() for p in mlp.parameters()]

@@ -11,6 +11,7 @@
 - ZeRO-Offload on CPU ranks: the step with the kernel equals the torch path; bf16 params are exactly the masters'
   rounding
 """
+
 from __future__ import annotations
 
 import logging
@@ -80,7 +81,7 @@ def _reference(state, steps, *, lr, beta1, beta2, eps, weight_decay, gscale):
             p[i] = p[i] * (1 - lr * weight_decay)
             m[i] = m[i] + (1 - beta1) * (gi - m[i])
             v[i] = beta2 * v[i] + (1 - beta2) * gi * gi
-            p[i] = p[i] - lr / (1 - beta1 ** t) * m[i] / (v[i].sqrt() / (1 - beta2 ** t) ** 0.5 + eps)
+            p[i] = p[i] - lr / (1 - beta1**t) * m[i] / (v[i].sqrt() / (1 - beta2**t) ** 0.5 + eps)
     return p, m, v
 
 
@@ -88,8 +89,10 @@ def _rel_err(got, want):
     return max(float((a.double() - b).abs().max() / b.abs().max()) for a, b in zip(got, want))
 
 
-@pytest.mark.parametrize("beta1, gscale, out_dtype", [(0.9, 0.37, torch.bfloat16), (0.3, 1.0, None),
-                                                      (0.0, 2.5, torch.float16), (0.9, 1.0, torch.float32)])
+@pytest.mark.parametrize(
+    "beta1, gscale, out_dtype",
+    [(0.9, 0.37, torch.bfloat16), (0.3, 1.0, None), (0.0, 2.5, torch.float16), (0.9, 1.0, torch.float32)],
+)
 def test_matches_float64_reference(kernel, beta1, gscale, out_dtype):
     """beta1 0.3: torch's lerp takes its other branch (weight >= 0.5); beta1 0: no first-moment bias correction."""
     hyper = {**HYPER, "beta1": beta1}
@@ -105,9 +108,22 @@ def test_matches_float64_reference(kernel, beta1, gscale, out_dtype):
     tp, tg, tm, tv, ts = _clone(state)
     for _ in range(3):
         torch._foreach_add_(ts, 1.0)
-        torch._fused_adamw_(tp, [x.clone() for x in tg], tm, tv, [], ts, lr=hyper["lr"], beta1=beta1,
-                            beta2=hyper["beta2"], weight_decay=hyper["weight_decay"], eps=hyper["eps"],
-                            amsgrad=False, maximize=False, grad_scale=torch.tensor(1 / gscale))
+        torch._fused_adamw_(
+            tp,
+            [x.clone() for x in tg],
+            tm,
+            tv,
+            [],
+            ts,
+            lr=hyper["lr"],
+            beta1=beta1,
+            beta2=hyper["beta2"],
+            weight_decay=hyper["weight_decay"],
+            eps=hyper["eps"],
+            amsgrad=False,
+            maximize=False,
+            grad_scale=torch.tensor(1 / gscale),
+        )
     for ours, theirs, want in ((p, tp, want_p), (m, tm, want_m), (v, tv, want_v)):
         assert _rel_err(ours, want) <= 2 * _rel_err(theirs, want) + 1e-8
     if outs is not None:
@@ -125,11 +141,33 @@ def _edge_values() -> torch.Tensor:
     rand = torch.randint(0, 1 << 32, (20000,), generator=g, dtype=torch.int64)
     bits = torch.cat([ties, rand]).to(torch.int64)
     bits = torch.where(bits >= 1 << 31, bits - (1 << 32), bits).to(torch.int32).view(torch.float32)
-    special = [65504.0, 65519.996, 65520.0, 65535.0, 65536.0, 2.0 ** -14, 2.0 ** -24, 2.0 ** -25, 1.5 * 2.0 ** -25,
-               3 * 2.0 ** -26, 2.0 ** -24 * 2.5, 2.0 ** -24 * 3.5, 1e-40, -1e-45, 3.4e38, 0.0, -0.0,
-               float("inf"), float("-inf"), float("nan"), 1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -9, 1.0 + 2.0 ** -11]
+    special = [
+        65504.0,
+        65519.996,
+        65520.0,
+        65535.0,
+        65536.0,
+        2.0**-14,
+        2.0**-24,
+        2.0**-25,
+        1.5 * 2.0**-25,
+        3 * 2.0**-26,
+        2.0**-24 * 2.5,
+        2.0**-24 * 3.5,
+        1e-40,
+        -1e-45,
+        3.4e38,
+        0.0,
+        -0.0,
+        float("inf"),
+        float("-inf"),
+        float("nan"),
+        1.0 + 2.0**-8,
+        1.0 + 3 * 2.0**-9,
+        1.0 + 2.0**-11,
+    ]
     sp = torch.tensor(special, dtype=torch.float32)
-    fp16_sub = torch.arange(1, 3000, dtype=torch.float64) * 2.0 ** -26  # every fp16 subnormal tie and between
+    fp16_sub = torch.arange(1, 3000, dtype=torch.float64) * 2.0**-26  # every fp16 subnormal tie and between
     return torch.cat([bits, sp, -sp, fp16_sub.float(), -fp16_sub.float()])
 
 
@@ -143,9 +181,15 @@ def test_outs_round_to_nearest_even_like_torch(kernel, monkeypatch, isa, out_dty
     n = p.numel()
     before = p.clone()
     out = torch.empty(n, dtype=out_dtype)
-    assert cpu_adamw_step([p], [_rand(n, seed=1)], [_rand(n, seed=2, positive=True)],
-                          [_rand(n, seed=3, positive=True)], [torch.tensor(0.0)], outs=[out],
-                          **{**HYPER, "lr": 0.0, "weight_decay": 0.0})
+    assert cpu_adamw_step(
+        [p],
+        [_rand(n, seed=1)],
+        [_rand(n, seed=2, positive=True)],
+        [_rand(n, seed=3, positive=True)],
+        [torch.tensor(0.0)],
+        outs=[out],
+        **{**HYPER, "lr": 0.0, "weight_decay": 0.0},
+    )
     num = ~before.isnan()  # (a signalling NaN comes out quiet)
     assert torch.equal(p[num].view(torch.int32), before[num].view(torch.int32)) and p[~num].isnan().all()
     want = before.to(out_dtype)
@@ -201,8 +245,9 @@ def test_kernel_matches_torch_path_and_found_inf_skips(kernel, monkeypatch, foun
         outs = [torch.empty(t.numel(), dtype=torch.bfloat16) for t in p]
         sentinel = [o.fill_(7.0).clone() for o in outs]
         for _ in range(3):
-            applied = cpu_adamw_step(p, g, m, v, s, gscale=torch.tensor(0.8), found_inf=torch.tensor(found),
-                                     outs=outs, **HYPER)
+            applied = cpu_adamw_step(
+                p, g, m, v, s, gscale=torch.tensor(0.8), found_inf=torch.tensor(found), outs=outs, **HYPER
+            )
             assert applied == (found == 0)
         runs[backend] = (p, m, v, s, outs, sentinel)
     if found:
@@ -234,26 +279,59 @@ def test_opcheck(kernel, out_dtype):
 
 def _bad_inputs():
     """(case, mutate(p, g, m, v, s, outs) -> the new lists, error type, message pattern)."""
+
     def swap(lst, i, t):
-        return lst[:i] + [t] + lst[i + 1:]
+        return lst[:i] + [t] + lst[i + 1 :]
 
     return [
-        ("param dtype", lambda p, g, m, v, s, o: (swap(p, 1, p[1].double()), g, m, v, s, o), TypeError,
-         r"params\[1\] has dtype"),
-        ("grad numel", lambda p, g, m, v, s, o: (p, swap(g, 0, g[0][:4]), m, v, s, o), ValueError,
-         r"grads\[0\] has 4 elements, params\[0\] 5"),
-        ("non-contiguous", lambda p, g, m, v, s, o: (p, g, m, swap(v, 2, torch.rand(246)[::2]), s, o), ValueError,
-         r"exp_avg_sqs\[2\] is not contiguous"),
-        ("out dtype", lambda p, g, m, v, s, o: (p, g, m, v, s, swap(o, 0, o[0].int())), TypeError,
-         r"outs\[0\] has dtype"),
-        ("outs mix dtypes", lambda p, g, m, v, s, o: (p, g, m, v, s, swap(o, 2, o[2].half())), TypeError,
-         r"outs\[2\] has dtype"),
-        ("step dtype", lambda p, g, m, v, s, o: (p, g, m, v, swap(s, 1, s[1].double()), o), TypeError,
-         r"steps\[1\] must be a float32 scalar"),
-        ("list length", lambda p, g, m, v, s, o: (p, g[:2], m, v, s, o), ValueError,
-         r"grads has 2 tensors but params has 3"),
-        ("outs length", lambda p, g, m, v, s, o: (p, g, m, v, s, o[:1]), ValueError,
-         r"outs has 1 tensors; give none or one per param \(3\)"),
+        (
+            "param dtype",
+            lambda p, g, m, v, s, o: (swap(p, 1, p[1].double()), g, m, v, s, o),
+            TypeError,
+            r"params\[1\] has dtype",
+        ),
+        (
+            "grad numel",
+            lambda p, g, m, v, s, o: (p, swap(g, 0, g[0][:4]), m, v, s, o),
+            ValueError,
+            r"grads\[0\] has 4 elements, params\[0\] 5",
+        ),
+        (
+            "non-contiguous",
+            lambda p, g, m, v, s, o: (p, g, m, swap(v, 2, torch.rand(246)[::2]), s, o),
+            ValueError,
+            r"exp_avg_sqs\[2\] is not contiguous",
+        ),
+        (
+            "out dtype",
+            lambda p, g, m, v, s, o: (p, g, m, v, s, swap(o, 0, o[0].int())),
+            TypeError,
+            r"outs\[0\] has dtype",
+        ),
+        (
+            "outs mix dtypes",
+            lambda p, g, m, v, s, o: (p, g, m, v, s, swap(o, 2, o[2].half())),
+            TypeError,
+            r"outs\[2\] has dtype",
+        ),
+        (
+            "step dtype",
+            lambda p, g, m, v, s, o: (p, g, m, v, swap(s, 1, s[1].double()), o),
+            TypeError,
+            r"steps\[1\] must be a float32 scalar",
+        ),
+        (
+            "list length",
+            lambda p, g, m, v, s, o: (p, g[:2], m, v, s, o),
+            ValueError,
+            r"grads has 2 tensors but params has 3",
+        ),
+        (
+            "outs length",
+            lambda p, g, m, v, s, o: (p, g, m, v, s, o[:1]),
+            ValueError,
+            r"outs has 1 tensors; give none or one per param \(3\)",
+        ),
     ]
 
 
@@ -272,12 +350,12 @@ def test_bad_inputs_name_the_argument(kernel, monkeypatch, backend, case, mutate
 
 # ------------------------------------------------------------------------------------------------- the extension
 
+
 def test_kernels_are_torch_free_and_ops_register_once():
     """Kernel sources include no torch header; only the bindings (``*_ops.cpp``) do, and they register CPU impls of
     the ops ``_library.py`` defines, each once, and define none."""
     kernels = [p for p in CPU_SRC.iterdir() if p.suffix in (".h", ".cpp") and not p.name.endswith("_ops.cpp")]
-    assert {p.name for p in kernels} >= {"adam.h", "adam_impl.h", "adam_scalar.cpp", "adam_avx2.cpp",
-                                         "adam_avx512.cpp"}
+    assert {p.name for p in kernels} >= {"adam.h", "adam_impl.h", "adam_scalar.cpp", "adam_avx2.cpp", "adam_avx512.cpp"}
     for src in kernels:
         assert not re.search(r"#include\s*[<\"](torch|ATen|c10)/", src.read_text()), f"{src.name} includes torch"
     impls = []
@@ -306,8 +384,9 @@ def test_stale_torch_lock_does_not_hang_the_build(kernel):
     """A build killed midway leaves torch's ``lock`` file, on which every later cpp_extension.load would wait."""
     folder = _cpu_ext.build_dir()
     (folder / "lock").write_text("")
-    code = ("from llmpar.ops import _cpu_ext\ns = _cpu_ext._jit_build()\nassert s.available, s\n"
-            "assert _cpu_ext.loaded()\n")
+    code = (
+        "from llmpar.ops import _cpu_ext\ns = _cpu_ext._jit_build()\nassert s.available, s\nassert _cpu_ext.loaded()\n"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert not (folder / "lock").exists()
@@ -336,6 +415,7 @@ def test_unavailable_extension_falls_back_with_one_log_line(kernel, monkeypatch,
 
 # --------------------------------------------------------------------------------------------- the ZeRO step
 
+
 def zero_offload_body(backend: str, dtype: torch.dtype, stage: int):
     """3 steps of ZeroOptimizer with offload_optimizer on these ranks; returns params, masters, cpu_backend()."""
     import os
@@ -347,11 +427,16 @@ def zero_offload_body(backend: str, dtype: torch.dtype, stage: int):
         torch.manual_seed(0)
         net = torch.nn.Sequential(torch.nn.Linear(37, 53), torch.nn.Tanh(), torch.nn.Linear(53, 11)).to(dtype)
         named = list(net.named_parameters())
-        opt = ZeroOptimizer([{"params": named}], OptimizerConfig(lr=2e-2, weight_decay=0.1), dist.group.WORLD,
-                            module=net if stage == 3 else None,
-                            zero_config=ZeroConfig(stage=stage, reduce_bucket_size=500, allgather_bucket_size=500,
-                                                   offload_optimizer={"device": "cpu"}),
-                            max_grad_norm=0.5)
+        opt = ZeroOptimizer(
+            [{"params": named}],
+            OptimizerConfig(lr=2e-2, weight_decay=0.1),
+            dist.group.WORLD,
+            module=net if stage == 3 else None,
+            zero_config=ZeroConfig(
+                stage=stage, reduce_bucket_size=500, allgather_bucket_size=500, offload_optimizer={"device": "cpu"}
+            ),
+            max_grad_norm=0.5,
+        )
         g = torch.Generator().manual_seed(dist.get_rank())
         for _ in range(3):
             x, y = torch.randn(6, 37, generator=g).to(dtype), torch.randn(6, 11, generator=g).to(dtype)

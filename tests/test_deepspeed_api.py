@@ -2,6 +2,7 @@
 test per entry, in this process (a world of one). The 2-rank entries (sampler semantics, no_sync, comm, zero_to_fp32,
 GatheredParameters) are in ``test_deepspeed_api_ranks.py``, with a DeepSpeed script run under torchrun by DeepSpeed
 and by llmpar side by side."""
+
 from __future__ import annotations
 
 import argparse
@@ -25,8 +26,12 @@ def _net(seed=0, dtype=torch.float64):
 
 
 def _cfg(stage=2, **extra):
-    return {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": stage}, "steps_per_print": 1000,
-            **extra}
+    return {
+        "train_micro_batch_size_per_gpu": 4,
+        "zero_optimization": {"stage": stage},
+        "steps_per_print": 1000,
+        **extra,
+    }
 
 
 def _x(step, dtype=torch.float64):
@@ -40,8 +45,10 @@ def _run(engine, steps, start=0):
 
 
 def _groups(m):
-    return [{"params": [m[0].weight, m[2].weight], "weight_decay": 0.1}, {"params": [m[0].bias, m[2].bias],
-                                                                          "weight_decay": 0.0}]
+    return [
+        {"params": [m[0].weight, m[2].weight], "weight_decay": 0.1},
+        {"params": [m[0].bias, m[2].bias], "weight_decay": 0.0},
+    ]
 
 
 # ------------------------------------------------------------------------------------------ launch and args
@@ -112,8 +119,9 @@ def test_init_distributed_takes_deepspeeds_arguments():
 
 # ------------------------------------------------------------------------------------------- the engine
 def test_ranks_device_and_config_accessors():
-    engine, *_ = deepspeed.initialize(model=_net(), config=_cfg(3, gradient_clipping=0.7, steps_per_print=5,
-                                                                gradient_accumulation_steps=2))
+    engine, *_ = deepspeed.initialize(
+        model=_net(), config=_cfg(3, gradient_clipping=0.7, steps_per_print=5, gradient_accumulation_steps=2)
+    )
     assert (engine.local_rank, engine.global_rank, engine.world_size, engine.dp_world_size) == (0, 0, 1, 1)
     assert engine.mp_world_size == 1 and engine.device == torch.device("cpu")
     assert engine.gradient_clipping() == 0.7 and engine.steps_per_print() == 5
@@ -132,8 +140,9 @@ def test_ranks_device_and_config_accessors():
 
 
 def test_bf16_data_types_and_fp16_flag():
-    engine, *_ = deepspeed.initialize(model=_net(dtype=torch.float32),
-                                      config=_cfg(2, gradient_accumulation_steps=2, bf16={"enabled": True}))
+    engine, *_ = deepspeed.initialize(
+        model=_net(dtype=torch.float32), config=_cfg(2, gradient_accumulation_steps=2, bf16={"enabled": True})
+    )
     assert engine.bfloat16_enabled() and not engine.fp16_enabled()
     assert engine.get_data_types() == (torch.bfloat16, torch.float32)  # fp32 accumulation of bf16 grads
 
@@ -243,8 +252,9 @@ def test_client_adamw_and_lr_scheduler_follow_torch(stage):
     ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda s: (s + 1) / 5)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no torch scheduler-order warning from the engine
-        engine, zero_opt, _, returned = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched,
-                                                             config=_cfg(stage))
+        engine, zero_opt, _, returned = deepspeed.initialize(
+            model=model, optimizer=opt, lr_scheduler=sched, config=_cfg(stage)
+        )
         assert returned is sched and zero_opt is engine.optimizer and len(zero_opt.param_groups) == 2
         for s in range(4):
             _run(engine, 1, s)
@@ -263,22 +273,29 @@ def test_client_optimizer_kinds():
     e, *_ = deepspeed.initialize(model=m, optimizer=torch.optim.Adam(m.parameters(), lr=0.02), config=_cfg())
     assert e.get_lr() == [0.02] and e.optimizer_name() == "Adam"
     m = _net()
-    e, *_ = deepspeed.initialize(model=m, optimizer=lambda params: torch.optim.AdamW(params, lr=0.03),
-                                 model_parameters=m.parameters(), config=_cfg())
+    e, *_ = deepspeed.initialize(
+        model=m,
+        optimizer=lambda params: torch.optim.AdamW(params, lr=0.03),
+        model_parameters=m.parameters(),
+        config=_cfg(),
+    )
     assert e.get_lr() == [0.03]
     m = _net()
-    e, *_ = deepspeed.initialize(model=m, optimizer=deepspeed.ops.adam.FusedAdam(m.parameters(), lr=0.04),
-                                 config=_cfg())
+    e, *_ = deepspeed.initialize(
+        model=m, optimizer=deepspeed.ops.adam.FusedAdam(m.parameters(), lr=0.04), config=_cfg()
+    )
     assert e.get_lr() == [0.04]
     m = _net()
     offload = _cfg(2, zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu"}})
-    e, *_ = deepspeed.initialize(model=m, optimizer=deepspeed.ops.adam.DeepSpeedCPUAdam(m.parameters(), lr=0.05),
-                                 config=offload)
+    e, *_ = deepspeed.initialize(
+        model=m, optimizer=deepspeed.ops.adam.DeepSpeedCPUAdam(m.parameters(), lr=0.05), config=offload
+    )
     _run(e, 1)
     assert e.get_lr() == [0.05] and e.zero_cpu_offload() and e.zero_offload_optimizer().device == "cpu"
-    with pytest.raises(ValueError, match="\"gradient_clipping\""):
-        deepspeed.initialize(model=m, optimizer=llmpar.optim.FusedAdamW(m.parameters(), max_grad_norm=1.0),
-                             config=_cfg())
+    with pytest.raises(ValueError, match='"gradient_clipping"'):
+        deepspeed.initialize(
+            model=m, optimizer=llmpar.optim.FusedAdamW(m.parameters(), max_grad_norm=1.0), config=_cfg()
+        )
     with pytest.raises(ValueError, match="L2 regularisation.*AdamW"):
         deepspeed.initialize(model=m, optimizer=torch.optim.Adam(m.parameters(), weight_decay=0.1), config=_cfg())
     with pytest.raises(TypeError, match="optimizer=SGD.*torch.optim.AdamW"):
@@ -298,9 +315,10 @@ def test_client_optimizer_replaces_the_config_block(caplog):
     cfg = _cfg(optimizer={"type": "AdamW", "params": {"lr": 0.5}}, scheduler={"type": "WarmupLR", "params": {}})
     opt = torch.optim.AdamW(m.parameters(), lr=0.01)
     with caplog.at_level(logging.WARNING, logger="llmpar"):
-        e, *_, sched = deepspeed.initialize(model=m, optimizer=opt, config=cfg,
-                                            lr_scheduler=torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5))
-    assert "replaces the config's \"optimizer\"" in caplog.text and "replaces the config's \"scheduler\"" in caplog.text
+        e, *_, sched = deepspeed.initialize(
+            model=m, optimizer=opt, config=cfg, lr_scheduler=torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+        )
+    assert 'replaces the config\'s "optimizer"' in caplog.text and 'replaces the config\'s "scheduler"' in caplog.text
     _run(e, 2)
     assert e.get_lr() == pytest.approx([0.0025])
 
@@ -308,20 +326,23 @@ def test_client_optimizer_replaces_the_config_block(caplog):
 def test_callable_scheduler_on_the_config_optimizer_and_refusals():
     m = _net()
     cfg = _cfg(optimizer={"type": "AdamW", "params": {"lr": 0.1}})
-    e, *_, sched = deepspeed.initialize(model=m, config=cfg,
-                                        lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.1))
+    e, *_, sched = deepspeed.initialize(
+        model=m, config=cfg, lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.1)
+    )
     _run(e, 2)
     assert e.get_lr() == pytest.approx([0.001]) and sched.get_last_lr() == pytest.approx([0.001])
     opt = torch.optim.AdamW(m.parameters())
     with pytest.raises(TypeError, match="ReduceLROnPlateau"):
-        deepspeed.initialize(model=m, config=_cfg(), optimizer=opt,
-                             lr_scheduler=torch.optim.lr_scheduler.ReduceLROnPlateau(opt))
+        deepspeed.initialize(
+            model=m, config=_cfg(), optimizer=opt, lr_scheduler=torch.optim.lr_scheduler.ReduceLROnPlateau(opt)
+        )
     with pytest.raises(ValueError, match="needs optimizer="):
         deepspeed.initialize(model=m, config=_cfg(), lr_scheduler=torch.optim.lr_scheduler.StepLR(opt, 1))
     other = torch.optim.AdamW(m.parameters())
     with pytest.raises(ValueError, match="another optimizer"):
-        deepspeed.initialize(model=m, config=_cfg(), optimizer=opt,
-                             lr_scheduler=torch.optim.lr_scheduler.StepLR(other, 1))
+        deepspeed.initialize(
+            model=m, config=_cfg(), optimizer=opt, lr_scheduler=torch.optim.lr_scheduler.StepLR(other, 1)
+        )
 
 
 # ----------------------------------------------------------------------------------------- checkpoints
@@ -378,8 +399,9 @@ def test_load_checkpoint_deepspeed_options(tmp_path):
 def test_client_scheduler_state_travels_with_the_checkpoint(tmp_path):
     m = _net()
     opt = torch.optim.AdamW(m.parameters(), lr=0.1)
-    engine, *_ = deepspeed.initialize(model=m, config=_cfg(), optimizer=opt,
-                                      lr_scheduler=torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5))
+    engine, *_ = deepspeed.initialize(
+        model=m, config=_cfg(), optimizer=opt, lr_scheduler=torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    )
     _run(engine, 2)
     engine.save_checkpoint(tmp_path)
     m2 = _net()
@@ -399,8 +421,10 @@ def test_checkpointing_checkpoint_recomputes_with_the_same_gradients(stage):
         def __init__(self, ckpt):
             super().__init__()
             torch.manual_seed(0)
-            self.inp, self.blocks = nn.Linear(4, 8), nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.3))
-                                                                   for _ in range(2))
+            self.inp, self.blocks = (
+                nn.Linear(4, 8),
+                nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.3)) for _ in range(2)),
+            )
             self.out, self.ckpt = nn.Linear(8, 2), ckpt
 
         def forward(self, x):
@@ -427,10 +451,11 @@ def test_checkpointing_checkpoint_recomputes_with_the_same_gradients(stage):
 
 def test_checkpointing_configure_and_is_configured(tmp_path):
     assert deepspeed.checkpointing.is_configured()
-    deepspeed.checkpointing.configure(None, contiguous_checkpointing=True, num_checkpoints=4, synchronize=True,
-                                      profile=True)
+    deepspeed.checkpointing.configure(
+        None, contiguous_checkpointing=True, num_checkpoints=4, synchronize=True, profile=True
+    )
     deepspeed.checkpointing.reset()
-    with pytest.raises(ValueError, match="partition_activations.*\"activation_checkpointing\""):
+    with pytest.raises(ValueError, match='partition_activations.*"activation_checkpointing"'):
         deepspeed.checkpointing.configure(None, partition_activations=True)
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"activation_checkpointing": {"cpu_checkpointing": True}}))
@@ -471,13 +496,20 @@ def test_ops_adam_is_an_attribute_after_initialize():
     import importlib
     import sys
 
-    code = ("import llmpar as deepspeed, torch\n"
-            "deepspeed.initialize(model=torch.nn.Linear(2, 2), config={'train_micro_batch_size_per_gpu': 1})\n"
-            "print(deepspeed.ops.adam.FusedAdam.__name__, deepspeed.ops.adam.DeepSpeedCPUAdam.__name__)\n")
+    code = (
+        "import llmpar as deepspeed, torch\n"
+        "deepspeed.initialize(model=torch.nn.Linear(2, 2), config={'train_micro_batch_size_per_gpu': 1})\n"
+        "print(deepspeed.ops.adam.FusedAdam.__name__, deepspeed.ops.adam.DeepSpeedCPUAdam.__name__)\n"
+    )
     import subprocess
 
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         cwd=os.path.dirname(os.path.dirname(__file__)))
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=os.path.dirname(os.path.dirname(__file__)),
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().endswith("FusedAdam DeepSpeedCPUAdam")
     assert importlib.import_module("llmpar.ops.adam").FusedAdam is deepspeed.ops.adam.FusedAdam
@@ -503,7 +535,7 @@ def test_zero_init_takes_deepspeeds_arguments():
     assert meta.weight.is_meta and not real.weight.is_meta
     engine, *_ = deepspeed.initialize(model=meta, config=_cfg(3))
     assert not meta.weight.is_meta and engine.zero_optimization_partition_weights()
-    with pytest.raises(ValueError, match="module=.*\"zero_optimization.stage\": 3"):
+    with pytest.raises(ValueError, match='module=.*"zero_optimization.stage": 3'):
         deepspeed.zero.Init(module=real)
     with pytest.raises(ValueError, match="dp_group= / mesh="):
         deepspeed.zero.Init(data_parallel_group=object())

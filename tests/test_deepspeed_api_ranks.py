@@ -3,6 +3,7 @@ DeepSpeed itself and by llmpar (``import llmpar as deepspeed``, the only change)
 norms, step flags, loader batches and accessors, and llmpar's run prints DeepSpeed-like log lines from rank 0 and no
 deprecation warning; then the entries whose meaning is about ranks: the training loader's sampler, ``no_sync``,
 ``deepspeed.comm``, ``zero_to_fp32`` on a sharded checkpoint and ``zero.GatheredParameters`` without the optimizer."""
+
 from __future__ import annotations
 
 import json
@@ -21,20 +22,47 @@ from multirank import free_port, run_ranks
 
 TESTS = Path(__file__).resolve().parent
 ROOT, DATA = TESTS.parent, TESTS / "data"
-CONFIG = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
-          "zero_optimization": {"stage": 2, "reduce_bucket_size": 1000, "allgather_bucket_size": 1000},
-          "steps_per_print": 2, "zero_allow_untested_optimizer": True}
+CONFIG = {
+    "train_micro_batch_size_per_gpu": 4,
+    "gradient_accumulation_steps": 2,
+    "gradient_clipping": 1.0,
+    "zero_optimization": {"stage": 2, "reduce_bucket_size": 1000, "allgather_bucket_size": 1000},
+    "steps_per_print": 2,
+    "zero_allow_untested_optimizer": True,
+}
 
 
 def _script(which, tmp_path, ext):
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps(CONFIG))
     out = tmp_path / f"{which}.json"
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
-           "TORCH_EXTENSIONS_DIR": str(ext), "PYTHONWARNINGS": "always"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           str(DATA / "pipe_launch.py"), which, str(DATA / "ds_script.py"), "--deepspeed", "--deepspeed_config",
-           str(cfg), "--out", str(out), "--ckpt", str(tmp_path / f"ckpt_{which}")]
+    env = {
+        **os.environ,
+        "DS_ACCELERATOR": "cpu",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(ROOT),
+        "TORCH_EXTENSIONS_DIR": str(ext),
+        "PYTHONWARNINGS": "always",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        str(DATA / "pipe_launch.py"),
+        which,
+        str(DATA / "ds_script.py"),
+        "--deepspeed",
+        "--deepspeed_config",
+        str(cfg),
+        "--out",
+        str(out),
+        "--ckpt",
+        str(tmp_path / f"ckpt_{which}"),
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{which} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return json.loads(out.read_text()), proc
@@ -45,13 +73,37 @@ def test_deepspeed_script_runs_with_llmpar_and_matches_deepspeed(tmp_path, ds_ex
     theirs, _ = _script("deepspeed", tmp_path, ds_ext_dir)
     ours, proc = _script("llmpar", tmp_path, ds_ext_dir)
     for key in ("loss", "resumed_loss", "grad_norm"):
-        torch.testing.assert_close(torch.tensor(ours[key], dtype=torch.float64),
-                                   torch.tensor(theirs[key], dtype=torch.float64), rtol=1e-5, atol=0, msg=key)
+        torch.testing.assert_close(
+            torch.tensor(ours[key], dtype=torch.float64),
+            torch.tensor(theirs[key], dtype=torch.float64),
+            rtol=1e-5,
+            atol=0,
+            msg=key,
+        )
     for key in ("lr", "resumed_lr", "last_lr"):
         torch.testing.assert_close(torch.tensor(ours[key]), torch.tensor(theirs[key]), rtol=1e-12, atol=0, msg=key)
-    same = ["boundary", "applied", "global_steps", "first_batches", "loader_len", "local_rank", "world_size",
-            "dp_world_size", "global_rank", "device", "bf16", "fp16", "clip", "steps_per_print", "stage",
-            "partition_gradients", "data_types", "monitor", "scheduler_is_client", "batch"]
+    same = [
+        "boundary",
+        "applied",
+        "global_steps",
+        "first_batches",
+        "loader_len",
+        "local_rank",
+        "world_size",
+        "dp_world_size",
+        "global_rank",
+        "device",
+        "bf16",
+        "fp16",
+        "clip",
+        "steps_per_print",
+        "stage",
+        "partition_gradients",
+        "data_types",
+        "monitor",
+        "scheduler_is_client",
+        "batch",
+    ]
     assert {k: ours[k] for k in same} == {k: theirs[k] for k in same}
     assert ours["loss"][-1] < 0.5 * ours["loss"][0]
     # item 6: what initialize chose and DeepSpeed's progress lines, from rank 0 only; no deprecation warning
@@ -68,8 +120,9 @@ def loader_body():
     import llmpar as deepspeed
 
     data = torch.utils.data.TensorDataset(torch.arange(21))
-    engine, _, loader, _ = deepspeed.initialize(model=nn.Linear(2, 2), training_data=data,
-                                                config={"train_micro_batch_size_per_gpu": 4})
+    engine, _, loader, _ = deepspeed.initialize(
+        model=nn.Linear(2, 2), training_data=data, config={"train_micro_batch_size_per_gpu": 4}
+    )
     rank = dist.get_rank()
     want = list(torch.utils.data.DistributedSampler(data, num_replicas=2, rank=rank))  # DeepSpeed's sampler
     got = torch.cat([b for (b,) in loader]).tolist()
@@ -95,8 +148,11 @@ def no_sync_body(stage):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).double()
         counter = CommCounter()
-        engine, *_ = deepspeed.initialize(model=model, counter=counter, config={
-            "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage}})
+        engine, *_ = deepspeed.initialize(
+            model=model,
+            counter=counter,
+            config={"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage}},
+        )
         counter.reset()
         for k in range(3):
             x = torch.randn(2, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(10 * k + rank))
@@ -157,10 +213,26 @@ def comm_body():
             c.recv(got, src=0)
             got = got.item()
         group = c.new_group([0, 1])
-        info = (c.get_local_rank(), c.get_global_rank(group, 1), c.get_all_ranks_from_group(group),
-                c.is_initialized(), c.has_all_gather_into_tensor(), c.has_reduce_scatter_tensor())
-    return (t.item(), b.item(), gathered.tolist(), scattered.item(), [p.item() for p in parts], a2a.tolist(), objs,
-            [p.tolist() for p in pair], got, info)
+        info = (
+            c.get_local_rank(),
+            c.get_global_rank(group, 1),
+            c.get_all_ranks_from_group(group),
+            c.is_initialized(),
+            c.has_all_gather_into_tensor(),
+            c.has_reduce_scatter_tensor(),
+        )
+    return (
+        t.item(),
+        b.item(),
+        gathered.tolist(),
+        scattered.item(),
+        [p.item() for p in parts],
+        a2a.tolist(),
+        objs,
+        [p.tolist() for p in pair],
+        got,
+        info,
+    )
 
 
 def test_comm_functions():
@@ -183,9 +255,14 @@ def zero_to_fp32_body(stage, root):
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 50), nn.Tanh(), nn.LayerNorm(50), nn.Linear(50, 3))
-    engine, *_ = deepspeed.initialize(model=model, config={
-        "train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
-        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}})
+    engine, *_ = deepspeed.initialize(
+        model=model,
+        config={
+            "train_micro_batch_size_per_gpu": 2,
+            "bf16": {"enabled": True},
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        },
+    )
     x = torch.randn(2, 6, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(dist.get_rank()))
     engine.backward(engine(x).float().pow(2).mean())
     engine.step()
@@ -213,8 +290,9 @@ def test_zero_to_fp32_consolidates_a_sharded_checkpoint(stage, tmp_path):
     merged = {k: v for f in files[:-1] for k, v in torch.load(f).items()}
     assert set(index["weight_map"]) == set(merged) == set(state)
     assert all(torch.equal(merged[k], state[k]) for k in state)
-    one = z.convert_zero_checkpoint_to_state_dict(str(tmp_path), str(tmp_path / "st"), dtype="bf16",
-                                                 safe_serialization=True)
+    one = z.convert_zero_checkpoint_to_state_dict(
+        str(tmp_path), str(tmp_path / "st"), dtype="bf16", safe_serialization=True
+    )
     from safetensors.torch import load_file
 
     assert [Path(f).name for f in one] == ["model.safetensors"]
@@ -231,9 +309,13 @@ def gathered_body(stage):
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 64), nn.Tanh(), nn.Linear(64, 2))
-    engine, *_ = deepspeed.initialize(model=model, config={
-        "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage,
-                                                                   "stage3_param_persistence_threshold": 0}})
+    engine, *_ = deepspeed.initialize(
+        model=model,
+        config={
+            "train_micro_batch_size_per_gpu": 2,
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        },
+    )
     with deepspeed.zero.GatheredParameters(model[0].weight, modifier_rank=0):  # DeepSpeed's form: no optimizer
         shape = tuple(model[0].weight.shape)
         if dist.get_rank() == 0:
@@ -258,11 +340,17 @@ def warnings_body(root):
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for i, extra in enumerate(({"tensor_parallel": {"size": 2}}, {"zero_optimization": {"stage": 3}},
-                                   {"pipeline": {"stages": 2}, "gradient_accumulation_steps": 2})):
+        for i, extra in enumerate(
+            (
+                {"tensor_parallel": {"size": 2}},
+                {"zero_optimization": {"stage": 3}},
+                {"pipeline": {"stages": 2}, "gradient_accumulation_steps": 2},
+            )
+        ):
             model = GPT(GPTConfig(vocab_size=64, n_layer=2, n_head=4, d_model=16, seq_len=8), seed=1)
-            engine, *_ = llmpar.initialize(model=model, config={"train_micro_batch_size_per_gpu": 2,
-                                                                "zero_optimization": {"stage": 1}, **extra})
+            engine, *_ = llmpar.initialize(
+                model=model, config={"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1}, **extra}
+            )
             x = torch.randint(0, 64, (4 if "pipeline" in extra else 2, 8), generator=torch.Generator().manual_seed(i))
             for _ in range(2):
                 if "pipeline" in extra:

@@ -3,6 +3,7 @@ cifar10 example) under DeepSpeed and under ``import llmpar as deepspeed``, 2 CPU
 steps each: the losses agree to 1e-5 (relative). And a script in the shape of DeepSpeedExamples' training scripts
 (tests/data/ds_example_script.py), its ``deepspeed`` imports renamed to ``llmpar`` and nothing else, runs to the end
 with the monitors on (one 2-rank run)."""
+
 from __future__ import annotations
 
 import json
@@ -23,17 +24,32 @@ STEPS = 30
 
 
 def config(stage: int) -> dict:
-    return {"train_batch_size": 16, "gradient_accumulation_steps": 2, "steps_per_print": 10 ** 6,
-            "gradient_clipping": 1.0, "prescale_gradients": False, "wall_clock_breakdown": False,
-            "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.999], "eps": 1e-8,
-                                                      "weight_decay": 3e-7, "torch_adam": True}},
-            "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 3e-3,
-                                                         "warmup_num_steps": 5}},
-            "fp16": {"enabled": False}, "bf16": {"enabled": False},
-            "zero_optimization": {"stage": stage, "allgather_partitions": True, "reduce_scatter": True,
-                                  "allgather_bucket_size": 50000, "reduce_bucket_size": 50000, "overlap_comm": True,
-                                  "contiguous_gradients": True, "cpu_offload": False,
-                                  "stage3_param_persistence_threshold": 0}}
+    return {
+        "train_batch_size": 16,
+        "gradient_accumulation_steps": 2,
+        "steps_per_print": 10**6,
+        "gradient_clipping": 1.0,
+        "prescale_gradients": False,
+        "wall_clock_breakdown": False,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": 3e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 3e-7, "torch_adam": True},
+        },
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 3e-3, "warmup_num_steps": 5}},
+        "fp16": {"enabled": False},
+        "bf16": {"enabled": False},
+        "zero_optimization": {
+            "stage": stage,
+            "allgather_partitions": True,
+            "reduce_scatter": True,
+            "allgather_bucket_size": 50000,
+            "reduce_bucket_size": 50000,
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+            "cpu_offload": False,
+            "stage3_param_persistence_threshold": 0,
+        },
+    }
 
 
 def run_script(which: str, stage: int, tmp: Path, ext: Path | None = None) -> tuple[list[float], float]:
@@ -42,11 +58,32 @@ def run_script(which: str, stage: int, tmp: Path, ext: Path | None = None) -> tu
     csv_dir = {"enabled": True, "output_path": str(tmp / f"csv_{which}"), "job_name": f"s{stage}"}
     cfg.write_text(json.dumps({**config(stage), "csv_monitor": csv_dir}))
     out = tmp / f"{which}_s{stage}.json"
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
-           "TORCH_EXTENSIONS_DIR": str(ext if ext is not None else tmp / f"ext_{which}")}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           str(DATA / "pipe_launch.py"), which, str(DATA / "cifar_script.py"), "--deepspeed", "--deepspeed_config",
-           str(cfg), "--steps", str(STEPS), "--out", str(out)]
+    env = {
+        **os.environ,
+        "DS_ACCELERATOR": "cpu",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(ROOT),
+        "TORCH_EXTENSIONS_DIR": str(ext if ext is not None else tmp / f"ext_{which}"),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        str(DATA / "pipe_launch.py"),
+        which,
+        str(DATA / "cifar_script.py"),
+        "--deepspeed",
+        "--deepspeed_config",
+        str(cfg),
+        "--steps",
+        str(STEPS),
+        "--out",
+        str(out),
+    ]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     wall = time.perf_counter() - t0
@@ -62,8 +99,9 @@ def test_cifar_script_matches_deepspeed(stage, tmp_path, ds_ext_dir):
     theirs, _ = run_script("deepspeed", stage, tmp_path, ds_ext_dir)
     ours, _ = run_script("llmpar", stage, tmp_path, ds_ext_dir)
     assert len(ours) == len(theirs) == STEPS
-    torch.testing.assert_close(torch.tensor(ours, dtype=torch.float64), torch.tensor(theirs, dtype=torch.float64),
-                               rtol=1e-5, atol=0)
+    torch.testing.assert_close(
+        torch.tensor(ours, dtype=torch.float64), torch.tensor(theirs, dtype=torch.float64), rtol=1e-5, atol=0
+    )
     assert sum(ours[-5:]) < sum(ours[:5])  # and it trains
     # the csv monitor: the files DeepSpeed writes, with its header, sample steps and lrs
     theirs_dir, ours_dir = tmp_path / "csv_deepspeed" / f"s{stage}", tmp_path / "csv_llmpar" / f"s{stage}"
@@ -85,20 +123,48 @@ def test_example_script_renamed_runs_with_monitors(tmp_path):
     0, and rank 0's monitor events are the losses and lrs the engine returned, at DeepSpeed's sample steps."""
     from test_monitors import HAVE_TB, HAVE_WANDB, read_tensorboard, read_wandb
 
-    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "steps_per_print": 10 ** 6,
-           "zero_optimization": {"stage": 2},
-           "csv_monitor": {"enabled": True, "output_path": str(tmp_path / "csv"), "job_name": "run"},
-           "tensorboard": {"enabled": HAVE_TB, "output_path": str(tmp_path / "tb"), "job_name": "run"},
-           "wandb": {"enabled": HAVE_WANDB, "project": "llmpar-test", "group": "ranks"}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 2,
+        "steps_per_print": 10**6,
+        "zero_optimization": {"stage": 2},
+        "csv_monitor": {"enabled": True, "output_path": str(tmp_path / "csv"), "job_name": "run"},
+        "tensorboard": {"enabled": HAVE_TB, "output_path": str(tmp_path / "tb"), "job_name": "run"},
+        "wandb": {"enabled": HAVE_WANDB, "project": "llmpar-test", "group": "ranks"},
+    }
     (tmp_path / "ds.json").write_text(json.dumps(cfg))
     out = tmp_path / "out.json"
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, "DS_ACCELERATOR": "cpu",
-           "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           str(DATA / "pipe_launch.py"), "llmpar", str(DATA / "ds_example_script.py"), "--deepspeed",
-           "--deepspeed_config", str(tmp_path / "ds.json"), "--steps", "6", "--out", str(out), "--save_dir",
-           str(tmp_path / "ckpt")]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": path,
+        "DS_ACCELERATOR": "cpu",
+        "WANDB_MODE": "offline",
+        "WANDB_DIR": str(tmp_path),
+        "WANDB_SILENT": "true",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        str(DATA / "pipe_launch.py"),
+        "llmpar",
+        str(DATA / "ds_example_script.py"),
+        "--deepspeed",
+        "--deepspeed_config",
+        str(tmp_path / "ds.json"),
+        "--steps",
+        "6",
+        "--out",
+        str(out),
+        "--save_dir",
+        str(tmp_path / "ckpt"),
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     data = json.loads(out.read_text())
@@ -110,12 +176,16 @@ def test_example_script_renamed_runs_with_monitors(tmp_path):
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "global_step6"
     assert data["loss"][-1] < data["loss"][0]
     batch = data["train_batch_size"]  # 16 = 4 x 2 x dp 2
-    want = {"Train/Samples/train_loss": [(k * batch, v) for k, v in enumerate(data["loss"])],  # before each step
-            "Train/Samples/lr": [((k + 1) * batch, v) for k, v in enumerate(data["lr"])]}  # after it
+    want = {
+        "Train/Samples/train_loss": [(k * batch, v) for k, v in enumerate(data["loss"])],  # before each step
+        "Train/Samples/lr": [((k + 1) * batch, v) for k, v in enumerate(data["lr"])],
+    }  # after it
     assert len(set(data["lr"])) >= 4  # the schedule moved
     job = tmp_path / "csv" / "run"
-    got = {"Train/Samples/train_loss": _read_csv(job / "Train_Samples_train_loss.csv"),
-           "Train/Samples/lr": _read_csv(job / "Train_Samples_lr.csv")}
+    got = {
+        "Train/Samples/train_loss": _read_csv(job / "Train_Samples_train_loss.csv"),
+        "Train/Samples/lr": _read_csv(job / "Train_Samples_lr.csv"),
+    }
     assert got["Train/Samples/train_loss"][0] == ["step", "train_loss"] and got["Train/Samples/lr"][0] == ["step", "lr"]
     assert _read_csv(job / "Train_Samples_script_event.csv") == (["step", "script_event"], [(6 * batch, 1.5)])
     readers = {"csv": {k: v[1] for k, v in got.items()}}
@@ -128,6 +198,10 @@ def test_example_script_renamed_runs_with_monitors(tmp_path):
     for writer, events in readers.items():
         for tag, rows in want.items():  # rank 0 wrote each step once (rank 1 wrote nothing)
             assert [s for s, _ in events[tag]] == [s for s, _ in rows], (writer, tag)
-            torch.testing.assert_close(torch.tensor([v for _, v in events[tag]], dtype=torch.float64),
-                                       torch.tensor([v for _, v in rows], dtype=torch.float64), rtol=1e-6, atol=0,
-                                       msg=f"{writer} {tag}")
+            torch.testing.assert_close(
+                torch.tensor([v for _, v in events[tag]], dtype=torch.float64),
+                torch.tensor([v for _, v in rows], dtype=torch.float64),
+                rtol=1e-6,
+                atol=0,
+                msg=f"{writer} {tag}",
+            )

@@ -159,9 +159,10 @@ def _collectives_body(n, dtype_name, async_op):
     return out
 
 
-@pytest.mark.parametrize("world_size, n, dtype, async_op",
-                         [(2, 5, "float32", False), (3, 123, "float32", True), (4, 17, "bfloat16", True),
-                          (4, 1, "float64", False)])
+@pytest.mark.parametrize(
+    "world_size, n, dtype, async_op",
+    [(2, 5, "float32", False), (3, 123, "float32", True), (4, 17, "bfloat16", True), (4, 1, "float64", False)],
+)
 def test_collectives_match_single_process(world_size, n, dtype, async_op):
     results = run_ranks(_collectives_body, world_size, n, dtype, async_op)
     dt = getattr(torch, dtype)
@@ -169,8 +170,10 @@ def test_collectives_match_single_process(world_size, n, dtype, async_op):
     ref = xs.double()
     tol = dict(rtol=1e-6, atol=1e-6) if dt != torch.bfloat16 else dict(rtol=2e-2, atol=2e-2)
     expected = {
-        "all_reduce_sum": ref.sum(0), "all_reduce_avg": ref.mean(0),
-        "all_reduce_max": ref.max(0).values, "all_reduce_min": ref.min(0).values,
+        "all_reduce_sum": ref.sum(0),
+        "all_reduce_avg": ref.mean(0),
+        "all_reduce_max": ref.max(0).values,
+        "all_reduce_min": ref.min(0).values,
     }
     for rank, out in enumerate(results):
         for key, exp in expected.items():
@@ -280,8 +283,7 @@ def test_group_ref_after_destroy_is_a_clear_error():
 def _same_on_ranks_body():
     ld.check_same_on_ranks("same", dist.group.WORLD, what="x differs", hint="fix it")  # passes everywhere
     with pytest.raises(ValueError, match=r"y differs: group ranks \[\[0, 2\], \[1\]\] disagree .*; fix it"):
-        ld.check_same_on_ranks("a" if dist.get_rank() != 1 else "b", dist.group.WORLD, what="y differs",
-                               hint="fix it")
+        ld.check_same_on_ranks("a" if dist.get_rank() != 1 else "b", dist.group.WORLD, what="y differs", hint="fix it")
     return True
 
 
@@ -311,7 +313,7 @@ def _inflight_body():
     everyone = [torch.empty_like(xb) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, xb)
     mine = [everyone[g] for g in dist.get_process_group_ranks(ld.as_group(group))]
-    want = torch.stack(mine).double().sum(0)[r * 33:(r + 1) * 33].to(torch.bfloat16)
+    want = torch.stack(mine).double().sum(0)[r * 33 : (r + 1) * 33].to(torch.bfloat16)
     assert torch.equal(rb, want)
     return [(ag, rs) for ag, rs in outs], [x for x in ins], dist.get_process_group_ranks(ld.as_group(group)), r
 
@@ -324,5 +326,5 @@ def test_flat_collectives_in_flight_together_on_a_subgroup():
         for i, (ag, rs) in enumerate(outs):
             n = rs.numel()
             assert torch.equal(ag, torch.cat([p[i][:n] for p in peers]))
-            want = sum(p[i].double() for p in peers)[r * n:(r + 1) * n]
+            want = sum(p[i].double() for p in peers)[r * n : (r + 1) * n]
             torch.testing.assert_close(rs.double(), want, rtol=1e-6, atol=1e-6)

@@ -1,5 +1,6 @@
 """The README and the docs site stay true: every code block runs, the configuration reference is the code's, and
 every page is in the site's navigation (``mkdocs build --strict`` in CI checks the links)."""
+
 from __future__ import annotations
 
 import json
@@ -33,16 +34,18 @@ def test_configuration_reference_is_generated_from_the_code():
     from llmpar.runtime.reference import render
 
     page = (ROOT / "docs" / "configuration.md").read_text()
-    assert page == render(), "docs/configuration.md is stale: run `python -m llmpar.runtime.reference > " \
-                             "docs/configuration.md` (make docs)"
+    assert page == render(), (
+        "docs/configuration.md is stale: run `python -m llmpar.runtime.reference > docs/configuration.md` (make docs)"
+    )
 
 
 def test_every_page_is_in_the_navigation():
     nav = (ROOT / "mkdocs.yml").read_text()
     pages = {p.name for p in (ROOT / "docs").glob("*.md")}
     listed = set(re.findall(r"([\w-]+\.md)\s*$", nav, re.M))
-    assert pages == listed, f"pages not in mkdocs.yml's nav: {sorted(pages - listed)}; nav entries without a " \
-                            f"page: {sorted(listed - pages)}"
+    assert pages == listed, (
+        f"pages not in mkdocs.yml's nav: {sorted(pages - listed)}; nav entries without a page: {sorted(listed - pages)}"
+    )
 
 
 def test_skips_say_why_and_marks_are_known(tmp_path):

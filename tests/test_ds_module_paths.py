@@ -3,6 +3,7 @@ renames to ``from llmpar.X import name`` (or fails with an ImportError saying wh
 ``llmpar.accelerator.get_accelerator()`` (also ``llmpar.get_accelerator``) answers DeepSpeed's accelerator API on the
 CPU; ``llmpar.runtime.utils.set_random_seed`` seeds as DeepSpeed's; the classes of
 ``llmpar.runtime.lr_schedules`` set the same lrs as DeepSpeed's, step for step."""
+
 from __future__ import annotations
 
 import importlib
@@ -20,25 +21,74 @@ import llmpar
 # example scripts use most (DeepSpeedExamples' training/ and DeepSpeed-Chat: `from deepspeed import get_accelerator`,
 # `deepspeed.runtime.utils.set_random_seed`, the comm / utils / checkpointing / zero / pipe / ops.adam calls)
 PROVIDED = [
-    ("deepspeed", ["initialize", "add_config_arguments", "init_distributed", "DeepSpeedEngine", "PipelineEngine",
-                   "get_accelerator", "comm", "zero", "checkpointing", "utils", "ops", "pipe", "accelerator",
-                   "runtime", "PipelineModule", "__version__"]),
+    (
+        "deepspeed",
+        [
+            "initialize",
+            "add_config_arguments",
+            "init_distributed",
+            "DeepSpeedEngine",
+            "PipelineEngine",
+            "get_accelerator",
+            "comm",
+            "zero",
+            "checkpointing",
+            "utils",
+            "ops",
+            "pipe",
+            "accelerator",
+            "runtime",
+            "PipelineModule",
+            "__version__",
+        ],
+    ),
     ("deepspeed.accelerator", ["get_accelerator"]),
     ("deepspeed.accelerator.real_accelerator", ["get_accelerator"]),
     ("deepspeed.runtime.lr_schedules", ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"]),
-    ("deepspeed.runtime.utils", ["set_random_seed", "see_memory_usage", "torch_memory_reserved",
-                                 "torch_max_memory_reserved"]),
-    ("deepspeed.comm", ["get_rank", "get_world_size", "get_local_rank", "barrier", "all_reduce", "all_gather",
-                        "broadcast", "is_initialized", "new_group", "ReduceOp", "get_global_rank",
-                        "all_gather_into_tensor", "reduce_scatter", "destroy_process_group"]),
-    ("deepspeed.utils", ["logger", "log_dist", "RepeatingLoader", "safe_get_full_fp32_param", "safe_get_full_grad",
-                         "safe_get_full_optimizer_state", "safe_set_full_fp32_param", "zero_to_fp32"]),
+    (
+        "deepspeed.runtime.utils",
+        ["set_random_seed", "see_memory_usage", "torch_memory_reserved", "torch_max_memory_reserved"],
+    ),
+    (
+        "deepspeed.comm",
+        [
+            "get_rank",
+            "get_world_size",
+            "get_local_rank",
+            "barrier",
+            "all_reduce",
+            "all_gather",
+            "broadcast",
+            "is_initialized",
+            "new_group",
+            "ReduceOp",
+            "get_global_rank",
+            "all_gather_into_tensor",
+            "reduce_scatter",
+            "destroy_process_group",
+        ],
+    ),
+    (
+        "deepspeed.utils",
+        [
+            "logger",
+            "log_dist",
+            "RepeatingLoader",
+            "safe_get_full_fp32_param",
+            "safe_get_full_grad",
+            "safe_get_full_optimizer_state",
+            "safe_set_full_fp32_param",
+            "zero_to_fp32",
+        ],
+    ),
     ("deepspeed.utils.zero_to_fp32", ["get_fp32_state_dict_from_zero_checkpoint"]),
     ("deepspeed.ops.adam", ["FusedAdam", "DeepSpeedCPUAdam"]),
     ("deepspeed.pipe", ["PipelineModule", "LayerSpec", "TiedLayerSpec"]),
     ("deepspeed.zero", ["Init", "GatheredParameters", "register_external_parameter"]),
-    ("deepspeed.checkpointing", ["checkpoint", "configure", "is_configured", "model_parallel_cuda_manual_seed",
-                                 "get_cuda_rng_tracker"]),
+    (
+        "deepspeed.checkpointing",
+        ["checkpoint", "configure", "is_configured", "model_parallel_cuda_manual_seed", "get_cuda_rng_tracker"],
+    ),
     ("deepspeed.runtime.engine", ["DeepSpeedEngine"]),
 ]
 # DeepSpeed module paths without a counterpart: the ImportError names the path and says what to use
@@ -58,12 +108,12 @@ REFUSED = [
     ("deepspeed.compression.compress", "compression"),
     ("deepspeed.utils.timer", "perf_counter"),
     ("deepspeed.launcher.runner", "torchrun"),
-    ("deepspeed.sequence.layer", "\"context_parallel\": {\"mode\": \"ulysses\""),  # Ulysses: cp's mode, not "absent"
+    ("deepspeed.sequence.layer", '"context_parallel": {"mode": "ulysses"'),  # Ulysses: cp's mode, not "absent"
 ]
 
 
 def _renamed(path: str) -> str:
-    return "llmpar" + path[len("deepspeed"):]
+    return "llmpar" + path[len("deepspeed") :]
 
 
 @pytest.mark.parametrize("path,names", PROVIDED, ids=[p for p, _ in PROVIDED])
@@ -108,7 +158,7 @@ def test_set_random_seed_seeds_as_deepspeeds():
     draws = []
     for seed_fn in (ours, theirs):
         random.seed(0), np.random.seed(0), torch.manual_seed(0)
-        seed_fn(2 ** 40 + 5)
+        seed_fn(2**40 + 5)
         draws.append((random.random(), np.random.rand(3).tolist(), torch.rand(3).tolist()))
     assert draws[0] == draws[1]
 
@@ -140,13 +190,20 @@ def test_missing_private_module_is_not_intercepted():
 
 def test_attribute_access_as_deepspeed_scripts_use_it():
     """``import llmpar as deepspeed; deepspeed.accelerator.get_accelerator()`` / ``deepspeed.runtime.lr_schedules``."""
-    code = ("import llmpar as deepspeed; acc = deepspeed.accelerator.get_accelerator(); "
-            "from llmpar import get_accelerator; assert get_accelerator() is acc; "
-            "deepspeed.runtime.utils.set_random_seed(1); "
-            "print(acc.device_name(), deepspeed.runtime.lr_schedules.WarmupLR.__name__, "
-            "deepspeed.get_accelerator().device_name())")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={"PATH": "/usr/bin:/bin", "DS_ACCELERATOR": "cpu"})
+    code = (
+        "import llmpar as deepspeed; acc = deepspeed.accelerator.get_accelerator(); "
+        "from llmpar import get_accelerator; assert get_accelerator() is acc; "
+        "deepspeed.runtime.utils.set_random_seed(1); "
+        "print(acc.device_name(), deepspeed.runtime.lr_schedules.WarmupLR.__name__, "
+        "deepspeed.get_accelerator().device_name())"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": "/usr/bin:/bin", "DS_ACCELERATOR": "cpu"},
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["cpu", "WarmupLR", "cpu"]
 
@@ -201,8 +258,13 @@ def test_cpu_accelerator_answers_deepspeeds_api(monkeypatch):
     # memory statistics: the process's resident set. Checked in a fresh process: in this long-lived one, a big
     # allocation may be served from pages an earlier test freed and the allocator kept, so the resident set need not
     # grow
-    out = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    out = subprocess.run(
+        [sys.executable, "-c", _MEMORY_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "DS_ACCELERATOR": "cpu"},
+    )
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stdout + out.stderr
     with pytest.raises(NotImplementedError, match="llmpar.ops"):
         acc.create_op_builder("FusedAdamBuilder")
@@ -286,10 +348,13 @@ def test_lr_schedule_drives_the_engine_as_a_client_scheduler():
     model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
     sched = WarmupDecayLR(opt, total_num_steps=9, warmup_max_lr=2e-3, warmup_num_steps=3, warmup_type="linear")
-    engine, *_ = llmpar.initialize(model=model, optimizer=opt, lr_scheduler=sched,
-                                   config={"train_micro_batch_size_per_gpu": 4, "steps_per_print": 10 ** 6})
-    ref = WarmupDecayLR(_optimizer(0), total_num_steps=9, warmup_max_lr=2e-3, warmup_num_steps=3,
-                        warmup_type="linear")
+    engine, *_ = llmpar.initialize(
+        model=model,
+        optimizer=opt,
+        lr_scheduler=sched,
+        config={"train_micro_batch_size_per_gpu": 4, "steps_per_print": 10**6},
+    )
+    ref = WarmupDecayLR(_optimizer(0), total_num_steps=9, warmup_max_lr=2e-3, warmup_num_steps=3, warmup_type="linear")
     for _ in range(6):
         assert engine.get_lr()[0] == pytest.approx(ref.get_lr()[0], rel=1e-12)
         loss = model(torch.randn(4, 7)).pow(2).mean()

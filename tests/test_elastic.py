@@ -2,6 +2,7 @@
 ``"checkpoint": {"auto_resume": DIR}`` loads DIR's latest in initialize, and a job launched with
 ``llmpar launch --num_gpus 2 --max_restarts 1`` whose rank 1 is killed mid-run comes back and trains on to the
 same losses, bit for bit, as an uninterrupted run."""
+
 from __future__ import annotations
 
 import json
@@ -21,14 +22,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _data(n: int = 37) -> torch.utils.data.TensorDataset:
     g = torch.Generator().manual_seed(123)
-    return torch.utils.data.TensorDataset(torch.randn(n, 5, generator=g, dtype=torch.float64),
-                                          torch.randn(n, 1, generator=g, dtype=torch.float64))
+    return torch.utils.data.TensorDataset(
+        torch.randn(n, 5, generator=g, dtype=torch.float64), torch.randn(n, 1, generator=g, dtype=torch.float64)
+    )
 
 
 def _config(**extra) -> dict:
-    return {"train_micro_batch_size_per_gpu": 3, "optimizer": {"type": "AdamW", "params": {"lr": 0.02}},
-            "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5, "warmup_max_lr": 0.02}},
-            "zero_optimization": {"stage": 1}, **extra}
+    return {
+        "train_micro_batch_size_per_gpu": 3,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.02}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5, "warmup_max_lr": 0.02}},
+        "zero_optimization": {"stage": 1},
+        **extra,
+    }
 
 
 def _engine(config: dict):
@@ -76,13 +82,17 @@ def test_pipeline_engine_loader_resumes(tmp_path):
     from llmpar.pipe import PipelineModule
 
     data = _data(23)
-    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
-              "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}}
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+    }
 
     def engine():
         torch.manual_seed(3)
-        net = PipelineModule(layers=[nn.Linear(5, 7), nn.Dropout(0.3), nn.Tanh(), nn.Linear(7, 1)], num_stages=1,
-                             loss_fn=nn.MSELoss()).double()
+        net = PipelineModule(
+            layers=[nn.Linear(5, 7), nn.Dropout(0.3), nn.Tanh(), nn.Linear(7, 1)], num_stages=1, loss_fn=nn.MSELoss()
+        ).double()
         return llmpar.initialize(model=net, config=config, training_data=data)[0]
 
     ckpt, first = str(tmp_path / "pipe"), engine()
@@ -114,14 +124,14 @@ def test_position_at_another_dp():
     order = list(torch.utils.data.DistributedSampler(data, num_replicas=1, rank=0, seed=0))
     positions = []
     for rank in (0, 1):
-        loader = ResumableLoader(data, batch_size=3, sampler=torch.utils.data.DistributedSampler(
-            data, num_replicas=2, rank=rank))
+        loader = ResumableLoader(
+            data, batch_size=3, sampler=torch.utils.data.DistributedSampler(data, num_replicas=2, rank=rank)
+        )
         it = iter(loader)
         next(it), next(it)
         positions.append(loader.position(2))
     assert positions == [{"epoch": 0, "samples": 6, "replicas": 2}] * 2
-    one = ResumableLoader(data, batch_size=4, sampler=torch.utils.data.DistributedSampler(data, num_replicas=1,
-                                                                                          rank=0))
+    one = ResumableLoader(data, batch_size=4, sampler=torch.utils.data.DistributedSampler(data, num_replicas=1, rank=0))
     one.resume(positions[0], 1)
     rest = torch.cat([x[:, 0] for x, _ in one])
     assert torch.equal(rest, data.tensors[0][order[12:], 0])
@@ -146,12 +156,20 @@ def test_auto_resume_in_initialize(tmp_path):
     again = _engine(_config(checkpoint={"auto_resume": every, "auto_resume_interval": 2}))
     assert again.global_steps == 4 and _train(again, 9) == {s: ref[s] for s in range(5, 10)}
     for block, kind, match in (
-            ({"auto_resume": 3}, TypeError, r'"checkpoint.auto_resume"=3: expected a directory path'),
-            ({"auto_resume": "  "}, ValueError, r'"checkpoint.auto_resume"=.*non-empty'),
-            ({"auto_resume": ckpt, "auto_resume_interval": 0}, ValueError,
-             r'"checkpoint.auto_resume_interval"=0: expected a positive integer'),
-            ({"auto_resume_interval": 5}, ValueError, r'"checkpoint.auto_resume_interval"=5 needs '
-                                                      r'"checkpoint.auto_resume"')):
+        ({"auto_resume": 3}, TypeError, r'"checkpoint.auto_resume"=3: expected a directory path'),
+        ({"auto_resume": "  "}, ValueError, r'"checkpoint.auto_resume"=.*non-empty'),
+        (
+            {"auto_resume": ckpt, "auto_resume_interval": 0},
+            ValueError,
+            r'"checkpoint.auto_resume_interval"=0: expected a positive integer',
+        ),
+        (
+            {"auto_resume_interval": 5},
+            ValueError,
+            r'"checkpoint.auto_resume_interval"=5 needs '
+            r'"checkpoint.auto_resume"',
+        ),
+    ):
         with pytest.raises(kind, match=match):
             _engine(_config(checkpoint=block))
     (tmp_path / "file").write_text("x")
@@ -160,7 +178,7 @@ def test_auto_resume_in_initialize(tmp_path):
 
 
 # ------------------------------------------------------------------------------- a killed rank, restarted
-JOB = r'''
+JOB = r"""
 import json, os, signal, sys
 import torch
 from torch import nn
@@ -214,7 +232,7 @@ def run(name, extra):
 if attempt == 0:  # the uninterrupted reference, in the same processes
     run("ref", {})
 run("run", {"checkpoint": {"auto_resume": os.path.join(out, "ckpt")}})
-'''
+"""
 
 
 @pytest.mark.slow
@@ -225,9 +243,27 @@ def test_killed_rank_restarts_and_resumes_exactly(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(JOB)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.run([sys.executable, "-m", "llmpar.launch", "--num_gpus", "2", "--max_restarts", "1",
-                           str(script), str(tmp_path), "12", "8", "3"], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=400)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "llmpar.launch",
+            "--num_gpus",
+            "2",
+            "--max_restarts",
+            "1",
+            str(script),
+            str(tmp_path),
+            "12",
+            "8",
+            "3",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     for rank in (0, 1):
         ref = [json.loads(line) for line in (tmp_path / f"ref{rank}.jsonl").read_text().splitlines()]

@@ -1,5 +1,6 @@
 """llmpar.initialize + Engine on CPU/gloo ranks: tp x dp parity with one process, memory held = the ZeRO formula,
 bytes moved = 2 psi, accumulation boundaries, and configs that differ between ranks."""
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -13,9 +14,13 @@ from multirank import RankFailure, run_ranks
 
 
 def _ds_config(stage, micro, **extra):
-    return {"train_micro_batch_size_per_gpu": micro, "gradient_clipping": 0.3,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
-            "zero_optimization": {"stage": stage, "reduce_bucket_size": 700, "overlap_comm": True}, **extra}
+    return {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_clipping": 0.3,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 700, "overlap_comm": True},
+        **extra,
+    }
 
 
 def tp_dp_body(stage, tp, micro, steps):
@@ -41,8 +46,11 @@ def test_tp2_dp2_matches_single_process(stage):
 def memory_body(stage):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(301, 257), torch.nn.GELU(), torch.nn.Linear(257, 129))
-    cfg = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
-           "zero_optimization": {"stage": stage, "reduce_bucket_size": 20000}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 20000},
+    }
     counter = CommCounter()
     engine, opt, _, _ = llmpar.initialize(model=model, config=cfg, counter=counter)
     counter.reset()
@@ -69,10 +77,15 @@ def test_memory_and_communication_equal_the_zero_formulas(stage, world):
 
 def accumulation_body():
     model = torch.nn.Linear(5, 3)
-    cfg = {"train_batch_size": 12, "train_micro_batch_size_per_gpu": 2,
-           "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4, "warmup_max_lr": 0.1,
-                                                        "warmup_min_lr": 0.01, "warmup_type": "linear"}},
-           "zero_optimization": {"stage": 2}}
+    cfg = {
+        "train_batch_size": 12,
+        "train_micro_batch_size_per_gpu": 2,
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {"warmup_num_steps": 4, "warmup_max_lr": 0.1, "warmup_min_lr": 0.01, "warmup_type": "linear"},
+        },
+        "zero_optimization": {"stage": 2},
+    }
     engine, _, _, sched = llmpar.initialize(model=model, config=cfg)
     seen = []
     for _micro in range(9):
@@ -81,8 +94,9 @@ def accumulation_body():
         engine.backward(loss)
         engine.step()
         seen.append((not torch.equal(before, model.weight), engine.global_steps, engine.get_lr()[0]))
-    skips = {stage: (_skip_run(stage, {(1, 2), (0, 7)}, ()), _skip_run(stage, (), {2, 3, 6, 7}))
-             for stage in (0, 1, 2, 3)}
+    skips = {
+        stage: (_skip_run(stage, {(1, 2), (0, 7)}, ()), _skip_run(stage, (), {2, 3, 6, 7})) for stage in (0, 1, 2, 3)
+    }
     return engine.gradient_accumulation_steps(), seen, skips
 
 
@@ -94,11 +108,18 @@ def _skip_run(stage: int, skip_backward, drop) -> tuple:
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3)).double()
-    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
-           "steps_per_print": 10 ** 6, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-           "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4, "warmup_max_lr": 0.1,
-                                                        "warmup_min_lr": 0.01, "warmup_type": "linear"}},
-           "zero_optimization": {"stage": stage}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+        "gradient_clipping": 1.0,
+        "steps_per_print": 10**6,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {"warmup_num_steps": 4, "warmup_max_lr": 0.1, "warmup_min_lr": 0.01, "warmup_type": "linear"},
+        },
+        "zero_optimization": {"stage": stage},
+    }
     engine, *_ = llmpar.initialize(model=model, config=cfg)
     g = torch.Generator().manual_seed(rank)
     records: list = []
@@ -135,21 +156,27 @@ def test_step_applies_only_at_accumulation_boundaries():
     assert [steps for _, steps, _ in seen] == [0, 0, 1, 1, 1, 2, 2, 2, 3]
     assert [lr for _, _, lr in seen][2::3] == pytest.approx([0.01, 0.0325, 0.055])  # DeepSpeed's linear warm-up
     for rank, (_, _, skips) in enumerate(outs):
-        for stage, ((params, steps, skipped, lr, warned), (want, want_steps, want_skipped, want_lr, none)) in \
-                skips.items():
+        for stage, (
+            (params, steps, skipped, lr, warned),
+            (want, want_steps, want_skipped, want_lr, none),
+        ) in skips.items():
             assert (steps, skipped, want_steps, want_skipped) == (4, 2, 2, 0), (stage, rank)
             torch.testing.assert_close(params, want, rtol=0, atol=0, msg=f"stage {stage} rank {rank}")
             torch.testing.assert_close(params, outs[0][2][stage][0][0], rtol=0, atol=0)
             assert lr == want_lr and not none, stage
             at = "optimizer step 3, micro step 7" if rank == 0 else "optimizer step 1, micro step 2"
-            assert len(warned) == 1 and f"global rank {rank} without engine.backward() since the last step ({at})" \
-                in warned[0], (stage, rank, warned)
+            assert (
+                len(warned) == 1
+                and f"global rank {rank} without engine.backward() since the last step ({at})" in warned[0]
+            ), (stage, rank, warned)
 
 
 def mismatch_body():
     lr = 1e-3 * (1 + dist.get_rank())
-    llmpar.initialize(model=torch.nn.Linear(3, 3), config={"train_batch_size": 4, "optimizer": {
-        "type": "AdamW", "params": {"lr": lr}}})
+    llmpar.initialize(
+        model=torch.nn.Linear(3, 3),
+        config={"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": lr}}},
+    )
 
 
 def test_config_mismatch_between_ranks_is_a_clear_error_everywhere():
@@ -162,8 +189,9 @@ def test_initialize_rejects_optimizer_objects_it_cannot_map():
     """AdamW / Adam objects are mapped onto ZeRO (tests/test_deepspeed_api.py); others name what is supported."""
     model = torch.nn.Linear(3, 3)
     with pytest.raises(TypeError, match="optimizer=SGD: .*torch.optim.AdamW"):
-        llmpar.initialize(model=model, config={"train_batch_size": 1},
-                          optimizer=torch.optim.SGD(model.parameters(), 0.1))
+        llmpar.initialize(
+            model=model, config={"train_batch_size": 1}, optimizer=torch.optim.SGD(model.parameters(), 0.1)
+        )
 
 
 def tp_block_body(stage, tp, micro, steps):
@@ -201,11 +229,14 @@ def one_bad_rank_body(kind, tmpdir):
     return None
 
 
-@pytest.mark.parametrize("kind, world, match", [
-    ("key", 2, 'did you mean "zero_optimization"'),
-    ("file", 2, "missing.json cannot be read"),
-    ("mesh", 4, "optimizer.params.lr.*finite"),
-])
+@pytest.mark.parametrize(
+    "kind, world, match",
+    [
+        ("key", 2, 'did you mean "zero_optimization"'),
+        ("file", 2, "missing.json cannot be read"),
+        ("mesh", 4, "optimizer.params.lr.*finite"),
+    ],
+)
 def test_a_config_invalid_on_one_rank_fails_every_rank_with_its_message(kind, world, match, tmp_path):
     import re
 
@@ -238,8 +269,10 @@ def test_ranks_built_with_different_seeds_start_from_rank0(stage):
 
 def test_bare_model_parameters_keep_the_models_names():
     model = GPT(GPTConfig(**{**GPT_CFG, "tie_embeddings": True}), seed=1, dtype=torch.float64)
-    groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
-              {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+        {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0},
+    ]
     for given in (model.parameters(), groups):
         _, opt, _, _ = llmpar.initialize(model=model, config={"train_batch_size": 1}, model_parameters=given)
         names = [n for g in opt.param_groups for n in g["names"]]

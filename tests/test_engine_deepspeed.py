@@ -4,6 +4,7 @@
 DeepSpeed runs with its CPU accelerator, on the gloo group the harness already made, with ``torch_adam`` (no C++ op
 build) and its shared-memory comm op switched off (it would be JIT-compiled).
 """
+
 import os
 
 import pytest
@@ -22,14 +23,24 @@ SEQ = 16
 
 def _config(stage, bf16=False):
     return {
-        "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS, "gradient_clipping": 0.5,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1, "betas": [0.9, 0.95],
-                                                  "eps": 1e-8}},
-        "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 5, "total_num_steps": STEPS,
-                                                          "warmup_max_lr": 1e-2, "warmup_type": "linear"}},
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": 20000, "allgather_bucket_size": 20000,
-                              "overlap_comm": True, "contiguous_gradients": True, "reduce_scatter": True},
-        "bf16": {"enabled": bf16}, "steps_per_print": 1000,
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": GAS,
+        "gradient_clipping": 0.5,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1, "betas": [0.9, 0.95], "eps": 1e-8}},
+        "scheduler": {
+            "type": "WarmupDecayLR",
+            "params": {"warmup_num_steps": 5, "total_num_steps": STEPS, "warmup_max_lr": 1e-2, "warmup_type": "linear"},
+        },
+        "zero_optimization": {
+            "stage": stage,
+            "reduce_bucket_size": 20000,
+            "allgather_bucket_size": 20000,
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+            "reduce_scatter": True,
+        },
+        "bf16": {"enabled": bf16},
+        "steps_per_print": 1000,
     }
 
 
@@ -77,8 +88,7 @@ def both_body(stage, bf16):
     cfg = _config(stage, bf16)
     engine, _, _, _ = llmpar.initialize(model=_model(), config=cfg)
     ours = _train(engine, rank)
-    ds_cfg = {**cfg, "optimizer": {**cfg["optimizer"],
-                                   "params": {**cfg["optimizer"]["params"], "torch_adam": True}}}
+    ds_cfg = {**cfg, "optimizer": {**cfg["optimizer"], "params": {**cfg["optimizer"]["params"], "torch_adam": True}}}
     ds_engine, _, _, _ = deepspeed.initialize(model=_model(), model_parameters=None, config=ds_cfg)
     theirs = _train(ds_engine, rank)
     return ours, theirs

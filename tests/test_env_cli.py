@@ -1,4 +1,5 @@
 """`llmpar env` and the command-line entry point."""
+
 import json
 import subprocess
 import sys
@@ -20,8 +21,9 @@ def test_env_report_collects_versions_devices_and_backends():
 
 
 def test_env_command_prints_json():
-    out = subprocess.run([sys.executable, "-m", "llmpar.cli", "env", "--json"], capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "llmpar.cli", "env", "--json"], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
     assert data["llmpar"] and data["python"].startswith(f"{sys.version_info.major}.{sys.version_info.minor}")

@@ -1,4 +1,5 @@
 """The fault matrix (tests/FAULTS.md) names only tests that exist, and every fault test file appears in it."""
+
 from __future__ import annotations
 
 import ast
@@ -15,8 +16,11 @@ def _matrix_refs() -> list[tuple[str, str]]:
 
 def _test_names(path: Path) -> set[str]:
     tree = ast.parse(path.read_text(), filename=str(path))
-    return {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
-            and n.name.startswith("test_")}
+    return {
+        n.name
+        for n in ast.walk(tree)
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name.startswith("test_")
+    }
 
 
 def test_every_test_the_matrix_names_exists() -> None:

@@ -3,6 +3,7 @@ bare gloo error or a half-hour hang: a rank that dies, a rank that stops, ranks 
 
 These run real processes outside the pooled harness (a dead rank must not take the pool down): ``_spawn`` starts
 ``world`` fresh processes joined with a short ``LLMPAR_TIMEOUT_S`` and collects what each returns or raises."""
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -19,8 +20,15 @@ TIMEOUT_S = 4.0
 
 
 def _worker(rank: int, world: int, port: int, body: str, args: tuple, out) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), LLMPAR_TIMEOUT_S=str(TIMEOUT_S), OMP_NUM_THREADS="1")
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        LLMPAR_TIMEOUT_S=str(TIMEOUT_S),
+        OMP_NUM_THREADS="1",
+    )
     t0 = time.perf_counter()
     try:
         value = globals()[body](rank, *args)
@@ -61,9 +69,14 @@ def _engine(stage: int = 2):
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(33, 65), torch.nn.GELU(), torch.nn.Linear(65, 17))
-    engine, _, _, _ = llmpar.initialize(model=model, config={
-        "train_micro_batch_size_per_gpu": 4, "steps_per_print": 10 ** 6,
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": 700}})
+    engine, _, _, _ = llmpar.initialize(
+        model=model,
+        config={
+            "train_micro_batch_size_per_gpu": 4,
+            "steps_per_print": 10**6,
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": 700},
+        },
+    )
     return engine
 
 
@@ -115,8 +128,12 @@ def test_a_rank_that_dies_fails_the_others_with_context(stage):
 
 def test_a_stopped_rank_fails_the_others_within_the_timeout():
     res = _spawn("stops_body", 2)
-    seconds = _check_survivor(res[0], "did not take part within the collective timeout",
-                              "reduce-scatter of gradients, buffer 0 unit", "engine.backward() at optimizer step 1")
+    seconds = _check_survivor(
+        res[0],
+        "did not take part within the collective timeout",
+        "reduce-scatter of gradients, buffer 0 unit",
+        "engine.backward() at optimizer step 1",
+    )
     assert seconds < 20 * TIMEOUT_S
 
 
@@ -146,7 +163,8 @@ def test_the_group_init_distributed_made_is_torn_down_at_exit(tmp_path):
         "m = torch.nn.Linear(4, 4)\n"
         "e, *_ = llmpar.initialize(model=m, config={'train_micro_batch_size_per_gpu': 2,"
         " 'zero_optimization': {'stage': 2}})\n"
-        "e.backward(e(torch.randn(2, 4)).pow(2).mean()); e.step()\n")
+        "e.backward(e(torch.randn(2, 4)).pow(2).mean()); e.step()\n"
+    )
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -14,6 +14,7 @@
 Single-process cases use the fake engine of ``test_checkpoint_protocol`` (no process group); one 2-rank run on
 CPU/gloo checks the refusals on every rank of a real ZeRO engine.
 """
+
 from __future__ import annotations
 
 import json
@@ -93,18 +94,36 @@ def test_save_latest_false_puts_latest_back_byte_for_byte(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------- item 6
-BAD_TAGS = ["a\0b", "", ".", "..", "../x", "x/..", "a/b", "/abs/x", "a\\b", "a\tb", "a\x7fb", "a\u200bb",
-            "latest", "latest.tmp", ".tmp-x", "x" * 251]
+BAD_TAGS = [
+    "a\0b",
+    "",
+    ".",
+    "..",
+    "../x",
+    "x/..",
+    "a/b",
+    "/abs/x",
+    "a\\b",
+    "a\tb",
+    "a\x7fb",
+    "a\u200bb",
+    "latest",
+    "latest.tmp",
+    ".tmp-x",
+    "x" * 251,
+]
 
 
 @pytest.mark.parametrize("tag", BAD_TAGS, ids=[repr(t)[:16] for t in BAD_TAGS])
 def test_a_tag_with_path_syntax_is_refused_before_any_collective(tag, tmp_path, no_collectives):
     src = FakeEngine(2)
-    for call in (lambda: save_checkpoint(src, tmp_path, tag=tag),
-                 lambda: save_checkpoint(src, tmp_path, tag=tag, async_save=True),
-                 lambda: load_checkpoint(src, tmp_path, tag=tag),
-                 lambda: engine_ckpt.save(src, tmp_path, tag, None, False, False, False),  # engine.save_checkpoint
-                 lambda: engine_ckpt.load(src, tmp_path, tag, True, True, False, True)):  # engine.load_checkpoint
+    for call in (
+        lambda: save_checkpoint(src, tmp_path, tag=tag),
+        lambda: save_checkpoint(src, tmp_path, tag=tag, async_save=True),
+        lambda: load_checkpoint(src, tmp_path, tag=tag),
+        lambda: engine_ckpt.save(src, tmp_path, tag, None, False, False, False),  # engine.save_checkpoint
+        lambda: engine_ckpt.load(src, tmp_path, tag, True, True, False, True),
+    ):  # engine.load_checkpoint
         with pytest.raises(ValueError, match=re.escape(f"tag={tag!r}")):
             call()
     assert pending(src) is None
@@ -113,8 +132,10 @@ def test_a_tag_with_path_syntax_is_refused_before_any_collective(tag, tmp_path, 
 
 @pytest.mark.parametrize("tag", [5, b"a", ["t"]])
 def test_a_tag_of_the_wrong_type_is_a_type_error(tag, tmp_path, no_collectives):
-    for call in (lambda: save_checkpoint(FakeEngine(2), tmp_path, tag=tag),
-                 lambda: load_checkpoint(FakeEngine(2), tmp_path, tag=tag)):
+    for call in (
+        lambda: save_checkpoint(FakeEngine(2), tmp_path, tag=tag),
+        lambda: load_checkpoint(FakeEngine(2), tmp_path, tag=tag),
+    ):
         with pytest.raises(TypeError, match="tag"):
             call()
 
@@ -126,8 +147,10 @@ def test_a_bad_tag_is_refused_before_a_pending_save_is_waited_for(tmp_path, monk
     job = pending(src)
     with monkeypatch.context() as m:
         m.setattr(ckfiles, "agree_tensor", _no_collective)
-        for call in (lambda: save_checkpoint(src, tmp_path, tag="a\0b"),
-                     lambda: load_checkpoint(src, tmp_path, tag="../ok")):
+        for call in (
+            lambda: save_checkpoint(src, tmp_path, tag="a\0b"),
+            lambda: load_checkpoint(src, tmp_path, tag="../ok"),
+        ):
             with pytest.raises(ValueError, match="tag="):
                 call()
     assert pending(src) is job  # still pending, finished by the next call
@@ -182,8 +205,9 @@ BAD_META = [  # (field, value, what the error names)
 ]
 
 
-@pytest.mark.parametrize("field, value, named", BAD_META,
-                         ids=[f"{f}={'DELETE' if v is DELETE else str(v)[:12]}" for f, v, _ in BAD_META])
+@pytest.mark.parametrize(
+    "field, value, named", BAD_META, ids=[f"{f}={'DELETE' if v is DELETE else str(v)[:12]}" for f, v, _ in BAD_META]
+)
 def test_bad_metadata_is_refused_naming_the_field_before_anything_changes(field, value, named, tmp_path):
     path = Path(save_checkpoint(FakeEngine(3), tmp_path, tag="t"))
     meta = json.loads((path / "metadata.json").read_text())
@@ -226,9 +250,11 @@ def test_metadata_is_checked_against_the_engines_counters_and_scheduler(tmp_path
     src.lr_scheduler = Sched()
     path = Path(save_checkpoint(src, tmp_path, tag="t"))
     meta = json.loads((path / "metadata.json").read_text())
-    for sched, named in (({"name": "warmup"}, "scheduler.last_batch_iteration"),
-                         ({"last_batch_iteration": "3"}, "scheduler.last_batch_iteration"),
-                         ([3], "scheduler")):
+    for sched, named in (
+        ({"name": "warmup"}, "scheduler.last_batch_iteration"),
+        ({"last_batch_iteration": "3"}, "scheduler.last_batch_iteration"),
+        ([3], "scheduler"),
+    ):
         ckfiles.write_metadata(str(path), {**meta, "scheduler": sched})
         got = FakeEngine(9)
         got.lr_scheduler = Sched()
@@ -302,8 +328,10 @@ def ranks_body(root: str):
     ckfiles.agree_tensor = ckfiles.all_reduce = _no_collective
     try:
         for tag in ("a\0b", "step\n", "a ", "../a", "/abs", "."):
-            for what, call in (("save", lambda: engine.save_checkpoint(root, tag=tag)),
-                               ("load", lambda: engine.load_checkpoint(root, tag=tag))):
+            for what, call in (
+                ("save", lambda: engine.save_checkpoint(root, tag=tag)),
+                ("load", lambda: engine.load_checkpoint(root, tag=tag)),
+            ):
                 t0 = time.perf_counter()
                 try:
                     call()
@@ -375,8 +403,11 @@ def _resumable(directory) -> "object":
 
     torch.manual_seed(7)
     model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.GELU(), torch.nn.Linear(7, 1)).double()
-    cfg = {"train_micro_batch_size_per_gpu": 3, "optimizer": {"type": "AdamW", "params": {"lr": 0.02}},
-           "zero_optimization": {"stage": 1}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 3,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.02}},
+        "zero_optimization": {"stage": 1},
+    }
     if directory is not None:
         cfg["checkpoint"] = {"auto_resume": str(directory)}
     return llmpar.initialize(model=model, config=cfg)[0]

@@ -13,6 +13,7 @@ an output directory that is not empty.
 
 One small llmpar checkpoint (a single-process engine) and hand-made DeepSpeed ZeRO-3 ones are the sources.
 """
+
 from __future__ import annotations
 
 import errno
@@ -33,7 +34,7 @@ from llmpar.checkpoint.files import CheckpointError
 
 # a child converting into OUT with os.replace / os.rename / os.remove / shutil.rmtree / the directory exchange
 # counted; it SIGKILLs itself right before call K (K=0: never, it prints the count)
-CHILD = r'''
+CHILD = r"""
 import os, shutil, signal, sys
 from llmpar.checkpoint import consolidate, outdir
 mode, src, out, k = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
@@ -54,7 +55,7 @@ if mode == "stream":
 else:
     consolidate.consolidate(src, out, max_shard_size="3KB", overwrite=True)
 print(calls[0])
-'''
+"""
 
 
 def _tree(path: Path) -> dict[str, bytes] | None:
@@ -72,8 +73,11 @@ def llmpar_ckpt(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("src")
     model = GPT(GPTConfig(vocab_size=37, n_layer=1, n_head=2, d_model=8, seq_len=8), seed=5)
-    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-           "zero_optimization": {"stage": 2}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": 2},
+    }
     engine, *_ = llmpar.initialize(model=model, config=cfg)
     g = torch.Generator().manual_seed(3)
     for _ in range(2):
@@ -86,8 +90,12 @@ def llmpar_ckpt(tmp_path_factory):
 
 def _zero3(d: Path, shift: float) -> str:
     g = torch.Generator().manual_seed(7)
-    params = {"emb.weight": torch.randn(31, 7, generator=g), "h.0.w": torch.randn(19, 7, generator=g),
-              "h.0.b": torch.randn(19, generator=g), "h.1.w": torch.randn(7, 19, generator=g)}
+    params = {
+        "emb.weight": torch.randn(31, 7, generator=g),
+        "h.0.w": torch.randn(19, 7, generator=g),
+        "h.0.b": torch.randn(19, generator=g),
+        "h.1.w": torch.randn(7, 19, generator=g),
+    }
     write_zero3(str(d / "global_step1"), {n: t + shift for n, t in params.items()}, 3)
     return str(d)
 
@@ -112,9 +120,14 @@ def test_a_convert_killed_at_any_instant_leaves_the_old_export_or_the_new_one(mo
     def run(k: int) -> tuple[int, dict | None, str]:
         out = tmp_path / f"out{k}"
         shutil.copytree(tmp_path / "old", out)
-        p = subprocess.run([sys.executable, "-c", CHILD, mode, src, str(out), str(k)], cwd=tmp_path,
-                           capture_output=True, text=True, timeout=120,
-                           env={**os.environ, "NO_EXCHANGE": "" if exchange else "1"})
+        p = subprocess.run(
+            [sys.executable, "-c", CHILD, mode, src, str(out), str(k)],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "NO_EXCHANGE": "" if exchange else "1"},
+        )
         return p.returncode, _tree(out), p.stdout + p.stderr
 
     rc, tree, text = run(0)
@@ -136,16 +149,20 @@ def test_a_convert_killed_at_any_instant_leaves_the_old_export_or_the_new_one(mo
             assert [n for n in os.listdir(tmp_path) if n.startswith(f".out{k}.old-")], os.listdir(tmp_path)
             outdir.check_target(str(tmp_path / f"out{k}"), True)
             tree = _tree(tmp_path / f"out{k}")
-        assert tree == old or tree == new, f"killed before file operation {k} of {count}: the directory holds " \
+        assert tree == old or tree == new, (
+            f"killed before file operation {k} of {count}: the directory holds "
             f"{sorted(tree or {})}, neither the old export {sorted(old)} nor the new one {sorted(new)}"
+        )
         seen.append("old" if tree == old else "new")
     assert "old" in seen and seen == sorted(seen, reverse=True), seen  # old until the swap, new after it
     assert put_back == (0 if exchange else 1), put_back
     # what the killed converts left beside the targets is removed by the next convert into them
     for k in ks:
-        consolidate.convert(src, str(tmp_path / f"out{k}"), max_shard_size="2KB", overwrite=True) \
-            if mode == "stream" else consolidate.consolidate(src, str(tmp_path / f"out{k}"),
-                                                             max_shard_size="3KB", overwrite=True)
+        consolidate.convert(
+            src, str(tmp_path / f"out{k}"), max_shard_size="2KB", overwrite=True
+        ) if mode == "stream" else consolidate.consolidate(
+            src, str(tmp_path / f"out{k}"), max_shard_size="3KB", overwrite=True
+        )
         assert _tree(tmp_path / f"out{k}") == new
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".")], os.listdir(tmp_path)
 
@@ -160,12 +177,18 @@ def test_a_non_empty_output_directory_is_refused_unless_overwrite(llmpar_ckpt, t
     (out / "config.json").write_text('{"model_type": "another"}')
     (out / "notes.txt").write_text("mine")
     before = _tree(out)
-    for call in (lambda: consolidate.consolidate(src, str(out)), lambda: consolidate.convert(src, str(out)),
-                 lambda: consolidate.convert(src, str(out), to="deepspeed"),
-                 lambda: consolidate.convert(src, str(out), to="universal"),
-                 lambda: consolidate.convert(src, str(out), to="dcp")):
-        with pytest.raises(ValueError, match=rf"output directory {out} is not empty \(it holds config.json, "
-                                             r"notes.txt\): pass overwrite=True \(--overwrite\)"):
+    for call in (
+        lambda: consolidate.consolidate(src, str(out)),
+        lambda: consolidate.convert(src, str(out)),
+        lambda: consolidate.convert(src, str(out), to="deepspeed"),
+        lambda: consolidate.convert(src, str(out), to="universal"),
+        lambda: consolidate.convert(src, str(out), to="dcp"),
+    ):
+        with pytest.raises(
+            ValueError,
+            match=rf"output directory {out} is not empty \(it holds config.json, "
+            r"notes.txt\): pass overwrite=True \(--overwrite\)",
+        ):
             call()
         assert _tree(out) == before
     assert main(["checkpoint", "convert", src, str(out)]) == 1
@@ -182,14 +205,18 @@ def test_a_non_empty_output_directory_is_refused_unless_overwrite(llmpar_ckpt, t
     assert main(["checkpoint", "convert", src, str(ds), "--to", "deepspeed", "--dp", "2"]) == 1
     assert main(["checkpoint", "convert", src, str(ds), "--to", "deepspeed", "--dp", "2", "--overwrite"]) == 0
     (tag,) = [d for d in os.listdir(ds) if d != "latest"]
-    assert sorted(os.listdir(ds / tag)) == ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
-                                            "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    assert sorted(os.listdir(ds / tag)) == [
+        "mp_rank_00_model_states.pt",
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+    ]
     assert DeepSpeedCheckpoint(str(ds / tag)).dp == 2
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".")], os.listdir(tmp_path)
 
 
-def test_a_full_disk_during_convert_to_deepspeed_is_named_and_leaves_nothing(llmpar_ckpt, tmp_path, monkeypatch,
-                                                                             capsys):
+def test_a_full_disk_during_convert_to_deepspeed_is_named_and_leaves_nothing(
+    llmpar_ckpt, tmp_path, monkeypatch, capsys
+):
     from llmpar.checkpoint import ds_write
     from llmpar.cli import main
 
@@ -227,8 +254,11 @@ def test_a_full_disk_during_convert_to_deepspeed_is_named_and_leaves_nothing(llm
     wrote[0] = 0
     assert main(["checkpoint", "convert", src, str(tmp_path / "other"), "--to", "deepspeed"]) == 1
     err = capsys.readouterr().err
-    assert err.startswith(f"llmpar checkpoint convert: convert: cannot write {tmp_path / 'other'}/") and \
-        "ENOSPC" in err and "Traceback" not in err, err
+    assert (
+        err.startswith(f"llmpar checkpoint convert: convert: cannot write {tmp_path / 'other'}/")
+        and "ENOSPC" in err
+        and "Traceback" not in err
+    ), err
     assert sorted(os.listdir(tmp_path)) == ["ds"]
     # written directly (not through convert): the .part removed, the OSError names the file
     wrote[0] = 0

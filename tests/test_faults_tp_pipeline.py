@@ -10,6 +10,7 @@ leave the ranks usable (CPU/gloo ranks):
 * a pipeline engine's data iterator running out on one rank raises on every rank of the engine, naming the rank, the
   step and the micro-batches it expected; before, a bare ``StopIteration`` there and a hang everywhere else.
 """
+
 import time
 
 import pytest
@@ -46,25 +47,31 @@ def _numel_body(sp: bool):
     good, short = (2 * tp, 3), (tp, 3)  # dim 0 divisible by tp for sequence parallelism
     ids = torch.randint(0, V, good)
     times = []
-    t, err = _timed(lambda: emb(ids[: short[0]] if rank == tp - 1 else ids), ValueError,
-                    r"VocabParallelEmbedding: the ranks of the tensor-parallel group got inputs of different shapes")
+    t, err = _timed(
+        lambda: emb(ids[: short[0]] if rank == tp - 1 else ids),
+        ValueError,
+        r"VocabParallelEmbedding: the ranks of the tensor-parallel group got inputs of different shapes",
+    )
     times.append(t)
     assert f"group rank 0 {good}" in str(err) and f"group rank {tp - 1} {short}" in str(err)
     want = ref(ids)
     out = emb(ids)
     n = want.shape[0] // tp
-    torch.testing.assert_close(out, want[rank * n:(rank + 1) * n] if sp else want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out, want[rank * n : (rank + 1) * n] if sp else want, rtol=1e-12, atol=1e-12)
 
     logits = torch.randn(7 if rank == 0 else 6, 11, dtype=torch.float64)
     target = torch.randint(0, 11 * tp, logits.shape[:1])
-    t, err = _timed(lambda: vocab_parallel_cross_entropy(logits, target, g), ValueError,
-                    r"vocab_parallel_cross_entropy: the ranks of the tensor-parallel group got inputs of "
-                    + _SHAPES.format("7, 11", "6, 11"))
+    t, err = _timed(
+        lambda: vocab_parallel_cross_entropy(logits, target, g),
+        ValueError,
+        r"vocab_parallel_cross_entropy: the ranks of the tensor-parallel group got inputs of "
+        + _SHAPES.format("7, 11", "6, 11"),
+    )
     times.append(t)
     same = torch.Generator().manual_seed(4)  # the same logits and targets on every rank
     full = torch.randn(6, 11 * tp, dtype=torch.float64, generator=same)
     target = torch.randint(0, 11 * tp, (6,), generator=same)
-    got = vocab_parallel_cross_entropy(full[:, rank * 11:(rank + 1) * 11], target, g)
+    got = vocab_parallel_cross_entropy(full[:, rank * 11 : (rank + 1) * 11], target, g)
     torch.testing.assert_close(got, F.cross_entropy(full, target), rtol=1e-12, atol=1e-12)
 
     # the accelerator path (device-side asserts, no host read; on CPU the assert raises a RuntimeError): a rank meeting
@@ -105,8 +112,9 @@ def _model_loss_body():
     y = torch.roll(idx, -1, 1)
     y[1, 2] = -100  # ignored
     logits = model(idx)
-    torch.testing.assert_close(model.loss(logits, y), F.cross_entropy(ref(idx).reshape(-1, V), y.reshape(-1)),
-                               rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(
+        model.loss(logits, y), F.cross_entropy(ref(idx).reshape(-1, V), y.reshape(-1)), rtol=1e-10, atol=1e-12
+    )
     times = []
     for bad, only in [(V, tp - 1), (10**6, 0), (-1, None), (-7, tp - 1)]:
         yb = y.clone()
@@ -153,8 +161,10 @@ PP_MICRO, PP_M, PP_T, PP_V = 2, 4, 6, 29
 
 def _pairs(n: int, seed: int):
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randint(0, PP_V, (PP_MICRO, PP_T), generator=g),
-             torch.randint(0, PP_V, (PP_MICRO, PP_T), generator=g)) for _ in range(n)]
+    return [
+        (torch.randint(0, PP_V, (PP_MICRO, PP_T), generator=g), torch.randint(0, PP_V, (PP_MICRO, PP_T), generator=g))
+        for _ in range(n)
+    ]
 
 
 def _pipeline_data_body():
@@ -167,24 +177,35 @@ def _pipeline_data_body():
 
     rank = dist.get_rank()
     model = GPT(GPTConfig(vocab_size=PP_V, n_layer=2, n_head=2, d_model=8, seq_len=PP_T), seed=0)
-    engine, _, _, _ = llmpar.initialize(model=model, config={
-        "train_micro_batch_size_per_gpu": PP_MICRO, "steps_per_print": 10**6,
-        "pipeline": {"stages": 4, "micro_batches": PP_M},
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+    engine, _, _, _ = llmpar.initialize(
+        model=model,
+        config={
+            "train_micro_batch_size_per_gpu": PP_MICRO,
+            "steps_per_print": 10**6,
+            "pipeline": {"stages": 4, "micro_batches": PP_M},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        },
+    )
     short = rank == 0  # the first stage's data ends two micro-batches early
     it = iter(_pairs(2 * PP_M - (2 if short else 0), 7))
     assert torch.isfinite(engine.train_batch(data_iter=it))
     times = []
-    t, err = _timed(lambda: engine.train_batch(data_iter=it), DataExhaustedError,
-                    r"train_batch: the data iterator ran out on global rank 0 \(pp stage 0\) in optimizer step 2 "
-                    rf"after 2 of the {PP_M} micro-batches train_batch pulls")
+    t, err = _timed(
+        lambda: engine.train_batch(data_iter=it),
+        DataExhaustedError,
+        r"train_batch: the data iterator ran out on global rank 0 \(pp stage 0\) in optimizer step 2 "
+        rf"after 2 of the {PP_M} micro-batches train_batch pulls",
+    )
     times.append(t)
     assert isinstance(err, StopIteration)  # a DeepSpeed loop ending on StopIteration still ends, on every rank
     assert engine.global_steps == 1
     last = rank == 3
-    t, err = _timed(lambda: engine.eval_batch(iter(_pairs(PP_M - (1 if last else 0), 8))), DataExhaustedError,
-                    rf"eval_batch: the data iterator ran out on global rank 3 \(pp stage 3\) .*after {PP_M - 1} of "
-                    rf"the {PP_M} micro-batches eval_batch pulls")
+    t, err = _timed(
+        lambda: engine.eval_batch(iter(_pairs(PP_M - (1 if last else 0), 8))),
+        DataExhaustedError,
+        rf"eval_batch: the data iterator ran out on global rank 3 \(pp stage 3\) .*after {PP_M - 1} of "
+        rf"the {PP_M} micro-batches eval_batch pulls",
+    )
     times.append(t)
     x = torch.cat([p[0] for p in _pairs(PP_M, 9)])
     y = torch.cat([p[1] for p in _pairs(PP_M, 9)])

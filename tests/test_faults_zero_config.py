@@ -8,6 +8,7 @@
 - a write to a param of a model built under ``llmpar.zero.Init`` between the block and ``initialize``
   (``load_state_dict``, an in-place init) takes effect in the engine instead of being dropped.
 """
+
 from __future__ import annotations
 
 import math
@@ -135,10 +136,17 @@ def _ef_run(fp16: bool, feedback: bool) -> dict:
     from llmpar.models import GPT, GPTConfig
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0,
-           "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
-           "zero_optimization": {"stage": 2, "reduce_bucket_size": 5000, "zero_quantized_gradients": True,
-                                 "zero_quantized_gradients_error_feedback": feedback}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
+        "zero_optimization": {
+            "stage": 2,
+            "reduce_bucket_size": 5000,
+            "zero_quantized_gradients": True,
+            "zero_quantized_gradients_error_feedback": feedback,
+        },
+    }
     if fp16:
         cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
     torch.manual_seed(0)
@@ -147,7 +155,7 @@ def _ef_run(fp16: bool, feedback: bool) -> dict:
     losses = []
     for s in range(EF_STEPS):
         g = torch.Generator().manual_seed(100 + s)
-        x = torch.randint(0, 64, (4 * world, 17), generator=g)[4 * rank:4 * (rank + 1)]
+        x = torch.randint(0, 64, (4 * world, 17), generator=g)[4 * rank : 4 * (rank + 1)]
         loss = model.loss(engine(x[:, :-1]), x[:, 1:])
         bad = s == EF_BAD and rank == 1
         engine.backward(loss * (1e30 if fp16 else float("inf")) if bad else loss)
@@ -157,8 +165,13 @@ def _ef_run(fp16: bool, feedback: bool) -> dict:
         losses.append(total.item() / world)
     q = opt.reducer.quantizer
     residuals = list(q.residual.values()) + list(q.residual2.values())
-    return {"losses": losses, "skipped": opt.skipped_steps, "scale": opt.loss_scale,
-            "finite": all(bool(torch.isfinite(r).all()) for r in residuals), "held": q.residual_numel()}
+    return {
+        "losses": losses,
+        "skipped": opt.skipped_steps,
+        "scale": opt.loss_scale,
+        "finite": all(bool(torch.isfinite(r).all()) for r in residuals),
+        "held": q.residual_numel(),
+    }
 
 
 def ef_body():
@@ -236,8 +249,11 @@ def init_writes_body():
     import llmpar
     import llmpar.zero
 
-    cfg = {"train_micro_batch_size_per_gpu": 3, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 3,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    }
     g = torch.Generator().manual_seed(11)
     sd = {k: torch.randn(v.shape, generator=g, dtype=torch.float64).float() for k, v in _make().state_dict().items()}
     runs = {}

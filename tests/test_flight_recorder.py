@@ -5,6 +5,7 @@ Two scenarios in one 2-rank run, each on fresh gloo groups with a 2 s timeout: r
 ranks then time out: rank 1 in the all-reduce rank 0 already paired with the extra one, rank 0 in another group that
 rank 1 never reaches), and rank 1 skips an all-reduce (rank 0 times out; rank 1 publishes nothing). The extra
 all-reduce goes through ``llmpar.comm`` (the ``deepspeed.comm`` drop-in), recorded like llmpar's own collectives."""
+
 from __future__ import annotations
 
 import datetime
@@ -80,8 +81,10 @@ def test_a_timeout_names_the_rank_with_an_extra_collective_and_the_stopped_rank(
         assert "did not take part within the collective timeout" in message, message
         # the extra all-reduce, by rank, description, call site and engine step, in every rank's error
         assert f"global rank 1 ran #2 all-reduce of 5 elements (float32) at {site}, step 7" in message, message
-        assert f"global rank 0 ran #2 the common all-reduce (float32) at test_flight_recorder.py:{_line('COMMON')}" \
-            in message, message
+        assert (
+            f"global rank 0 ran #2 the common all-reduce (float32) at test_flight_recorder.py:{_line('COMMON')}"
+            in message
+        ), message
         other = 1 - rank
         assert f"global rank {other} is {'ahead' if other == 1 else 'behind'} on group" in message, message
         assert f"global rank {other} failed in" in message, message
@@ -92,20 +95,28 @@ def test_a_timeout_names_the_rank_with_an_extra_collective_and_the_stopped_rank(
         whats = [e["what"] for e in record["entries"]]
         assert whats.count("all-reduce of 5 elements") == 1 + (rank == 1), whats  # the async one; rank 1's extra
         a2a = next(e for e in record["entries"] if e["op"] == "all_to_all")  # then llmpar.comm's on the world
-        assert [(e["op"], e["state"], os.path.basename(e["site"])) for e in record["entries"]
-                if e["group"] == a2a["group"] and e["seq"] == a2a["seq"] + 1] == \
-            [("all_reduce", "done", f"test_flight_recorder.py:{_line('ASYNC')}")], record["entries"]
-        assert [(e["what"], e["numel"], e["state"]) for e in record["entries"] if e["op"] == "all_to_all"] == \
-            [("the all-to-all", 10, "done")], record["entries"]
-        assert all(e["step"] == 7 and e["dtype"] == "float32" and e["numel"] == 5 for e in record["entries"]
-                   if e["op"] != "all_to_all")
+        assert [
+            (e["op"], e["state"], os.path.basename(e["site"]))
+            for e in record["entries"]
+            if e["group"] == a2a["group"] and e["seq"] == a2a["seq"] + 1
+        ] == [("all_reduce", "done", f"test_flight_recorder.py:{_line('ASYNC')}")], record["entries"]
+        assert [(e["what"], e["numel"], e["state"]) for e in record["entries"] if e["op"] == "all_to_all"] == [
+            ("the all-to-all", 10, "done")
+        ], record["entries"]
+        assert all(
+            e["step"] == 7 and e["dtype"] == "float32" and e["numel"] == 5
+            for e in record["entries"]
+            if e["op"] != "all_to_all"
+        )
     assert (tmp_path / "rank0.json").exists() and (tmp_path / "rank1.json").exists()
     message, seconds = res[0]["stopped"]
     # rank 1's record from scenario 1 is older than the all-reduce it completed since: stale, not read as its answer
     assert "global rank 1 sent no flight record within 1s" in message, message
     assert "it has not joined #2 the all-reduce rank 1 skips (float32)" in message, message
-    assert (f"its last collective there, completed with this rank: #1 the last agreed all-reduce (float32) at "
-            f"test_flight_recorder.py:{_line('AGREED')}, step 7, done") in message, message
+    assert (
+        f"its last collective there, completed with this rank: #1 the last agreed all-reduce (float32) at "
+        f"test_flight_recorder.py:{_line('AGREED')}, step 7, done"
+    ) in message, message
     assert seconds < 15, seconds
     assert "stopped" not in res[1]
 
@@ -115,23 +126,40 @@ def _summary(rank: int, groups: dict, failed: dict | None = None) -> dict:
 
 
 def _entry(seq: int, what: str, site: str, state: str = "done", numel: int = 5) -> dict:
-    return {"seq": seq, "op": "all_reduce", "group": "g", "ranks": [0, 1, 2], "numel": numel, "dtype": "float32",
-            "what": what, "step": 3, "site": site, "t0": 0.0, "t1": 0.0, "state": state}
+    return {
+        "seq": seq,
+        "op": "all_reduce",
+        "group": "g",
+        "ranks": [0, 1, 2],
+        "numel": numel,
+        "dtype": "float32",
+        "what": what,
+        "step": 3,
+        "site": site,
+        "t0": 0.0,
+        "t1": 0.0,
+        "state": state,
+    }
 
 
 def test_diagnose_compares_records_without_ranks():
     from llmpar.distributed.flight import diagnose
 
     a = _entry(1, "grads", "/x/train.py:10")
-    mine = _summary(0, {"g": {"ranks": [0, 1, 2], "seq": 2, "last": [a, _entry(2, "loss", "/x/train.py:12",
-                                                                               "failed")]}},
-                    failed=_entry(2, "loss", "/x/train.py:12", "failed"))
-    other = _summary(1, {"g": {"ranks": [0, 1, 2], "seq": 2, "last": [a, _entry(2, "loss", "/x/train.py:12",
-                                                                                "started", numel=9)]}})
+    mine = _summary(
+        0,
+        {"g": {"ranks": [0, 1, 2], "seq": 2, "last": [a, _entry(2, "loss", "/x/train.py:12", "failed")]}},
+        failed=_entry(2, "loss", "/x/train.py:12", "failed"),
+    )
+    other = _summary(
+        1, {"g": {"ranks": [0, 1, 2], "seq": 2, "last": [a, _entry(2, "loss", "/x/train.py:12", "started", numel=9)]}}
+    )
     lines = diagnose(mine, {1: other, 2: None}, 1.5)
-    assert lines[0] == ("collective #2 on group g [0, 1, 2] differs: global rank 1 ran #2 loss (float32) at "
-                        "train.py:12, step 3, started; global rank 0 ran #2 loss (float32) at train.py:12, step 3, "
-                        "failed")
+    assert lines[0] == (
+        "collective #2 on group g [0, 1, 2] differs: global rank 1 ran #2 loss (float32) at "
+        "train.py:12, step 3, started; global rank 0 ran #2 loss (float32) at train.py:12, step 3, "
+        "failed"
+    )
     assert lines[1].startswith("global rank 2 sent no flight record within 1.5s")
     assert "its last collective there, completed with this rank: #1 grads (float32) at train.py:10" in lines[1]
     assert len(lines) == 2  # same counts: neither behind nor ahead

@@ -3,6 +3,7 @@ from the installed DeepSpeed: pure Python, no op build), and fp16 training throu
 ranks (float16 model, fp32 masters) against a float32 single-process reference, with overflows injected on one rank
 skipped on every rank, the scale lowered by DeepSpeed's hysteresis rule, and the scale state carried by checkpoints.
 """
+
 import random
 import types
 
@@ -26,9 +27,13 @@ def _deepspeed_scaler(monkeypatch, **kw):
     monkeypatch.setattr(ds, "dist", types.SimpleNamespace(get_rank=lambda: 0))  # its log lines ask for the rank
     if kw["loss_scale"]:
         return ds.LossScaler(scale=kw["loss_scale"])
-    return ds.DynamicLossScaler(init_scale=2 ** kw["initial_scale_power"], scale_window=kw["loss_scale_window"],
-                                min_scale=kw["min_loss_scale"], delayed_shift=kw["hysteresis"],
-                                consecutive_hysteresis=kw["consecutive_hysteresis"])
+    return ds.DynamicLossScaler(
+        init_scale=2 ** kw["initial_scale_power"],
+        scale_window=kw["loss_scale_window"],
+        min_scale=kw["min_loss_scale"],
+        delayed_shift=kw["hysteresis"],
+        consecutive_hysteresis=kw["consecutive_hysteresis"],
+    )
 
 
 def _overflows(seed, n):
@@ -43,16 +48,30 @@ def _overflows(seed, n):
     return out[:n]
 
 
-@pytest.mark.parametrize("kw", [
-    dict(initial_scale_power=16, loss_scale_window=1000, hysteresis=2, consecutive_hysteresis=False,
-         min_loss_scale=1.0),  # DeepSpeed's defaults
-    dict(initial_scale_power=6, loss_scale_window=3, hysteresis=2, consecutive_hysteresis=False, min_loss_scale=1.0),
-    dict(initial_scale_power=6, loss_scale_window=3, hysteresis=2, consecutive_hysteresis=True, min_loss_scale=1.0),
-    dict(initial_scale_power=5, loss_scale_window=1, hysteresis=1, consecutive_hysteresis=False, min_loss_scale=0.25),
-    dict(initial_scale_power=8, loss_scale_window=4, hysteresis=3, consecutive_hysteresis=True, min_loss_scale=3.0),
-    dict(initial_scale_power=4, loss_scale_window=2, hysteresis=4, consecutive_hysteresis=False, min_loss_scale=1.0),
-    dict(loss_scale=128.0),
-])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(
+            initial_scale_power=16,
+            loss_scale_window=1000,
+            hysteresis=2,
+            consecutive_hysteresis=False,
+            min_loss_scale=1.0,
+        ),  # DeepSpeed's defaults
+        dict(
+            initial_scale_power=6, loss_scale_window=3, hysteresis=2, consecutive_hysteresis=False, min_loss_scale=1.0
+        ),
+        dict(initial_scale_power=6, loss_scale_window=3, hysteresis=2, consecutive_hysteresis=True, min_loss_scale=1.0),
+        dict(
+            initial_scale_power=5, loss_scale_window=1, hysteresis=1, consecutive_hysteresis=False, min_loss_scale=0.25
+        ),
+        dict(initial_scale_power=8, loss_scale_window=4, hysteresis=3, consecutive_hysteresis=True, min_loss_scale=3.0),
+        dict(
+            initial_scale_power=4, loss_scale_window=2, hysteresis=4, consecutive_hysteresis=False, min_loss_scale=1.0
+        ),
+        dict(loss_scale=128.0),
+    ],
+)
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_scale_schedule_matches_deepspeed_step_for_step(monkeypatch, kw, seed):
     full = {"loss_scale": 0.0, **kw}
@@ -101,12 +120,19 @@ MICRO, STEPS = 2, 8
 
 
 def _config(stage, gas=1, **fp16):
-    return {"train_micro_batch_size_per_gpu": MICRO // gas, "gradient_accumulation_steps": gas,
-            "gradient_clipping": 0.3,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
-            "zero_optimization": {"stage": stage, "reduce_bucket_size": 700, "overlap_comm": True,
-                                  **({"offload_optimizer": {"device": "cpu"}} if stage == 2 else {})},
-            "fp16": {"enabled": True, **fp16}}
+    return {
+        "train_micro_batch_size_per_gpu": MICRO // gas,
+        "gradient_accumulation_steps": gas,
+        "gradient_clipping": 0.3,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+        "zero_optimization": {
+            "stage": stage,
+            "reduce_bucket_size": 700,
+            "overlap_comm": True,
+            **({"offload_optimizer": {"device": "cpu"}} if stage == 2 else {}),
+        },
+        "fp16": {"enabled": True, **fp16},
+    }
 
 
 def reference(skip=(), steps=STEPS, dtype=torch.float32):
@@ -171,9 +197,10 @@ def test_fp16_training_matches_fp32_reference(stage, gas):
     _, fp16_params = reference(dtype=torch.float16)
     outs = run_ranks(fp16_body, 2, stage, gas=gas, timeout=120)
     for rank, (losses, params, _, skipped, scale, steps) in enumerate(outs):
-        assert skipped == 0 and scale == 2.0 ** 16 and steps == STEPS
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-3, atol=2e-3,
-                                   msg=lambda m: f"rank {rank}: {m}")
+        assert skipped == 0 and scale == 2.0**16 and steps == STEPS
+        torch.testing.assert_close(
+            torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-3, atol=2e-3, msg=lambda m: f"rank {rank}: {m}"
+        )
         if params is not None:
             assert _drift(params, ref_params) < max(0.05, 1.5 * _drift(fp16_params, ref_params))
             assert torch.equal(params, outs[0][1])
@@ -185,8 +212,8 @@ def test_overflow_on_one_rank_skips_the_step_everywhere_and_lowers_the_scale():
     ref_losses, ref_params = reference(skip=(2, 3))
     outs = run_ranks(fp16_body, 2, 1, inject=(2, 3), timeout=120)
     for rank, (losses, params, seen, skipped, scale, steps) in enumerate(outs):
-        assert seen == [(2, True, 2.0 ** 16, 1, True), (3, True, 2.0 ** 15, 1, True)], f"rank {rank}"
-        assert skipped == 2 and scale == 2.0 ** 15 and steps == STEPS
+        assert seen == [(2, True, 2.0**16, 1, True), (3, True, 2.0**15, 1, True)], f"rank {rank}"
+        assert skipped == 2 and scale == 2.0**15 and steps == STEPS
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-3, atol=2e-3)
         assert _drift(params, ref_params) < 0.05
 
@@ -201,8 +228,9 @@ def test_static_loss_scale_stays_and_overflow_still_skips():
 
 def at_minimum_body():
     model = GPT(GPTConfig(**GPT_CFG), seed=1)
-    engine, _, _, _ = llmpar.initialize(model=model, config=_config(
-        1, initial_scale_power=0, hysteresis=1, min_loss_scale=1))
+    engine, _, _, _ = llmpar.initialize(
+        model=model, config=_config(1, initial_scale_power=0, hysteresis=1, min_loss_scale=1)
+    )
     x, y = gpt_batch(0, MICRO)
     engine.backward(model.loss(engine(x), y) * (1e30 if dist.get_rank() == 0 else 1.0))
     engine.step()
@@ -221,7 +249,7 @@ def checkpoint_body(root):
     rank = dist.get_rank()
     for s in range(5):
         x, y = gpt_batch(s, MICRO * 2)
-        loss = model.loss(engine(x[rank * MICRO:(rank + 1) * MICRO]), y[rank * MICRO:(rank + 1) * MICRO])
+        loss = model.loss(engine(x[rank * MICRO : (rank + 1) * MICRO]), y[rank * MICRO : (rank + 1) * MICRO])
         engine.backward(loss * (1e30 if s == 1 and rank == 0 else 1.0))
         engine.step()
     saved = opt.loss_scaler.state_dict()
@@ -234,4 +262,4 @@ def checkpoint_body(root):
 def test_loss_scale_state_is_saved_and_loaded_with_checkpoints(tmp_path):
     for saved, loaded, skipped in run_ranks(checkpoint_body, 2, str(tmp_path), timeout=120):
         assert saved == loaded and skipped == 1
-        assert saved["cur_scale"] == 2.0 ** 11 and saved["cur_iter"] == 5 and saved["last_overflow_iter"] == 1
+        assert saved["cur_scale"] == 2.0**11 and saved["cur_iter"] == 5 and saved["last_overflow_iter"] == 1

@@ -10,6 +10,7 @@ the GPU. Checked:
     kernels/gemm_configs.py or compiles for sm_90 within that bound and within 227 KB; the pruner the autotuner calls
     keeps exactly those, and the autotune key holds every flag.
 """
+
 from __future__ import annotations
 
 import re
@@ -25,13 +26,18 @@ if gemm.INTERPRETED:
 
 _TILE = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")
 # dtype variant -> (torch dtype, allow_tf32)
-DTYPES = {"bf16": (torch.bfloat16, False), "fp16": (torch.float16, False), "fp32": (torch.float32, False),
-          "tf32": (torch.float32, True)}
+DTYPES = {
+    "bf16": (torch.bfloat16, False),
+    "fp16": (torch.float16, False),
+    "fp32": (torch.float32, False),
+    "tf32": (torch.float32, True),
+}
 VARIANTS = ("fwd_max", "fwd_min", "dgrad", "dgrad_gate", "wgrad_max", "wgrad_min")
 
 
-def launcher_calls(dtype: torch.dtype, tf32: bool, m: int = 256, k: int = 128, n: int = 384, *,
-                   misalign: int = 0) -> dict[str, tuple[tuple, dict]]:
+def launcher_calls(
+    dtype: torch.dtype, tf32: bool, m: int = 256, k: int = 128, n: int = 384, *, misalign: int = 0
+) -> dict[str, tuple[tuple, dict]]:
     """variant -> (args, kwargs) of the kernel launch each launcher makes (on CPU tensors). ``misalign``: tensors
     start that many elements into their storage (a ZeRO flat-buffer slice), so no pointer is 16-byte aligned."""
     rec = Recorder()
@@ -72,9 +78,14 @@ def with_config(kwargs: dict, cfg: tuple) -> dict:
 
 def bound_of(args: tuple, kwargs: dict, cfg: tuple) -> int:
     named = dict(zip(gemm._gemm_kernel.arg_names, args))
-    return gemm_configs.smem_bound(cfg, named["a_ptr"].element_size(), named["b_ptr"].element_size(),
-                                   named["z_ptr"].element_size(), gate=kwargs["GATE_ACT"] != 0,
-                                   rowsum=kwargs["ROWSUM"])
+    return gemm_configs.smem_bound(
+        cfg,
+        named["a_ptr"].element_size(),
+        named["b_ptr"].element_size(),
+        named["z_ptr"].element_size(),
+        gate=kwargs["GATE_ACT"] != 0,
+        rowsum=kwargs["ROWSUM"],
+    )
 
 
 # ------------------------------------------------------------------------------------ 64-bit address arithmetic
@@ -126,14 +137,17 @@ def test_tile_offsets_are_int64(variant, dtype):
 
 
 def test_int64_check_catches_a_32bit_product():
-    bad = ("%a = arith.muli %k0, %stride_ak : i32 loc(#loc1)\n"
-           "%b = tt.splat %a : i32 -> tensor<64x64xi32> loc(#loc2)\n"
-           "%c = tt.addptr %p, %b : tensor<64x64x!tt.ptr<bf16>>, tensor<64x64xi32> loc(#loc3)\n")
+    bad = (
+        "%a = arith.muli %k0, %stride_ak : i32 loc(#loc1)\n"
+        "%b = tt.splat %a : i32 -> tensor<64x64xi32> loc(#loc2)\n"
+        "%c = tt.addptr %p, %b : tensor<64x64x!tt.ptr<bf16>>, tensor<64x64xi32> loc(#loc3)\n"
+    )
     with pytest.raises(AssertionError, match="32-bit offsets"):
         assert_int64_tile_offsets(bad)
-    widened = bad.replace("%b = tt.splat %a : i32 -> tensor<64x64xi32>", "%w = arith.extsi %a : i32 to i64\n"
-                          "%b = tt.splat %w : i64 -> tensor<64x64xi64>").replace("tensor<64x64xi32> loc(#loc3)",
-                                                                                "tensor<64x64xi64> loc(#loc3)")
+    widened = bad.replace(
+        "%b = tt.splat %a : i32 -> tensor<64x64xi32>",
+        "%w = arith.extsi %a : i32 to i64\n%b = tt.splat %w : i64 -> tensor<64x64xi64>",
+    ).replace("tensor<64x64xi32> loc(#loc3)", "tensor<64x64xi64> loc(#loc3)")
     with pytest.raises(AssertionError, match="widened"):
         assert_int64_tile_offsets(widened)
 
@@ -159,8 +173,10 @@ def test_every_hopper_config_fits_or_is_pruned(monkeypatch, dtype, variant):
     assert kept, f"no Hopper config fits {dtype} {variant}"
     # the autotuner's pruner keeps exactly these (on a device with Hopper's limit)
     monkeypatch.setattr(gemm, "smem_limit", lambda device: limit)
-    configs = [gemm.triton.Config(dict(zip(_TILE, c[:4])), num_stages=c[4], num_warps=c[5])
-               for c in gemm_configs.HOPPER_CONFIGS]
+    configs = [
+        gemm.triton.Config(dict(zip(_TILE, c[:4])), num_stages=c[4], num_warps=c[5])
+        for c in gemm_configs.HOPPER_CONFIGS
+    ]
     named = dict(zip(gemm._gemm_kernel.arg_names, args))
     flags = {k: v for k, v in kwargs.items() if k in gemm_configs.FLAGS}
     pruned = gemm._prune(gemm_configs.HOPPER_CONFIGS)(configs, named, **flags)
@@ -196,8 +212,7 @@ def test_first_fitting_ampere_config_compiles(dtype, variant):
 
 def test_autotune_key_holds_every_flag_and_the_limit_switch(monkeypatch):
     assert set(gemm_configs.FLAGS) <= set(gemm_configs.TUNE_KEY)
-    flags = {p.name for p in gemm._gemm_kernel.params
-             if p.is_constexpr and p.name not in (*_TILE, "INTERPRETER")}
+    flags = {p.name for p in gemm._gemm_kernel.params if p.is_constexpr and p.name not in (*_TILE, "INTERPRETER")}
     assert flags == set(gemm_configs.FLAGS), "a constexpr flag of _gemm_kernel is missing from the autotune key"
     monkeypatch.setattr(gemm, "_TUNED", {})
     tuner = gemm._tuned_kernel("hopper", "dgrad")

@@ -1,5 +1,6 @@
 """bench/gpu_check.sh without a GPU: the plan fits the lease, the outputs land in $OUT after every step and after a
 kill, the deadline skips and lists steps, and summary.md carries steps, tests, figures, versions, device and date."""
+
 from __future__ import annotations
 
 import json
@@ -21,15 +22,26 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import gpu_check_summary  # noqa: E402
 
-STEPS = ("env", "install", "build_ext", "load_ext", "tests_gpu_bf16", "tests_gpu_other", "tests_optim_cuda",
-         "train_bf16", "zero3_nccl", "bench_optim", "bench_gemm", "bench_bucket")
+STEPS = (
+    "env",
+    "install",
+    "build_ext",
+    "load_ext",
+    "tests_gpu_bf16",
+    "tests_gpu_other",
+    "tests_optim_cuda",
+    "train_bf16",
+    "zero3_nccl",
+    "bench_optim",
+    "bench_gemm",
+    "bench_bucket",
+)
 WHEELS = ROOT / "bench" / "gpu_wheelhouse.sh"
 
 
 def _run(args, out: Path, **env):
     full = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, **env}
-    return subprocess.run(["bash", str(SCRIPT), *args], env=full, capture_output=True, text=True, timeout=120,
-                          cwd=ROOT)
+    return subprocess.run(["bash", str(SCRIPT), *args], env=full, capture_output=True, text=True, timeout=120, cwd=ROOT)
 
 
 def _tar_names(out: Path) -> set[str]:
@@ -44,9 +56,11 @@ def _fake_wheelhouse(folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     wheel = folder / "pytest_xdist-3.8.0-py3-none-any.whl"
     info = "pytest_xdist-3.8.0.dist-info"
-    files = {"xdist/__init__.py": '__version__ = "3.8.0-from-the-wheelhouse"\n',
-             f"{info}/METADATA": "Metadata-Version: 2.1\nName: pytest-xdist\nVersion: 3.8.0\n",
-             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    files = {
+        "xdist/__init__.py": '__version__ = "3.8.0-from-the-wheelhouse"\n',
+        f"{info}/METADATA": "Metadata-Version: 2.1\nName: pytest-xdist\nVersion: 3.8.0\n",
+        f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
     files[f"{info}/RECORD"] = "".join(f"{name},,\n" for name in [*files, f"{info}/RECORD"])
     with zipfile.ZipFile(wheel, "w") as z:
         for name, text in files.items():
@@ -74,8 +88,9 @@ def test_plan_lists_every_step_within_eight_minutes(tmp_path):
     assert f"output: {out}/summary.md" in proc.stdout
     assert "tests 1, benchmarks 2" in proc.stdout and "MAX_JOBS=16" in proc.stdout
     timeouts = [int(t) for t in re.search(r"per-test timeout (\d+)s / (\d+)s / (\d+)s", proc.stdout).groups()]
-    assert [t < int(budgets[n]) for t, n in zip(timeouts, ("tests_gpu_bf16", "tests_gpu_other",
-                                                             "tests_optim_cuda"))] == [True] * 3
+    assert [
+        t < int(budgets[n]) for t, n in zip(timeouts, ("tests_gpu_bf16", "tests_gpu_other", "tests_optim_cuda"))
+    ] == [True] * 3
     route = re.search(r"^  pytest-xdist: (.*)$", proc.stdout, flags=re.M).group(1)
     if _no_xdist_python():
         for wheelhouse, words in ((_fake_wheelhouse(tmp_path / "wh"), "from "), (tmp_path / "none", "MISSING")):
@@ -124,8 +139,14 @@ def test_a_killed_run_still_leaves_its_outputs(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     env = {**os.environ, "OUT": str(out), "PYTHON": str(fake)}
-    proc = subprocess.Popen(["bash", str(SCRIPT), "--only", "install"], env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        ["bash", str(SCRIPT), "--only", "install"],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     summary, deadline = out / "summary.md", time.time() + 30
     while time.time() < deadline and not (summary.exists() and "| install | running |" in summary.read_text()):
         time.sleep(0.2)
@@ -143,8 +164,9 @@ def test_env_step_installs_missing_wheels_offline(tmp_path):
     """The env step installs what python lacks from the wheelhouse (offline) and the test steps then see it: the
     summary names the xdist that came from the wheelhouse and the workers the tests would use."""
     out = tmp_path / "out"
-    proc = _run(["--only", "env"], out, GPU_CHECK_WHEELHOUSE=str(_fake_wheelhouse(tmp_path / "wh")),
-                GPU_CHECK_WORKERS="3")
+    proc = _run(
+        ["--only", "env"], out, GPU_CHECK_WHEELHOUSE=str(_fake_wheelhouse(tmp_path / "wh")), GPU_CHECK_WORKERS="3"
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = (out / "summary.md").read_text()
     assert "tests: pytest-xdist, 3 workers (pytest-xdist 3.8.0-from-the-wheelhouse)" in summary, summary
@@ -157,45 +179,73 @@ def test_env_step_installs_missing_wheels_offline(tmp_path):
 
 def test_wheelhouse_script_arguments(tmp_path):
     assert subprocess.run(["bash", str(WHEELS), "--bogus"], capture_output=True).returncode == 2
-    proc = subprocess.run(["bash", str(WHEELS), "--status"], capture_output=True, text=True,
-                          env={**os.environ, "PYTHON": sys.executable, "GPU_CHECK_WHEELHOUSE": str(tmp_path)})
+    proc = subprocess.run(
+        ["bash", str(WHEELS), "--status"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHON": sys.executable, "GPU_CHECK_WHEELHOUSE": str(tmp_path)},
+    )
     assert proc.returncode == 0 and "pytest-xdist==3.8.0" in proc.stdout and "ninja==" in proc.stdout
 
 
 def test_killed_test_step_still_counts_what_passed(tmp_path):
     log = tmp_path / "t.log"
-    log.write_text("[gw3] [ 45%] PASSED tests/test_a.py::test_x[bf16-5]\n"
-                   "[gw1] [ 46%] FAILED tests/test_a.py::test_y[bf16]\n"
-                   "tests/test_b.py::test_z PASSED                    [ 50%]\n"
-                   "tests/test_b.py::test_w SKIPPED (no triton)       [ 51%]\n")
+    log.write_text(
+        "[gw3] [ 45%] PASSED tests/test_a.py::test_x[bf16-5]\n"
+        "[gw1] [ 46%] FAILED tests/test_a.py::test_y[bf16]\n"
+        "tests/test_b.py::test_z PASSED                    [ 50%]\n"
+        "tests/test_b.py::test_w SKIPPED (no triton)       [ 51%]\n"
+    )
     assert gpu_check_summary._pytest_line(log) == (
         "killed before the end; finished so far (pytest -v lines): 2 passed, 1 failed, 1 skipped; "
-        "failed: tests/test_a.py::test_y[bf16]")
-    log.write_text(log.read_text() + "FAILED tests/test_a.py::test_y[bf16] - AssertionError\n"
-                   "===== 1 failed, 2 passed, 1 skipped in 9.10s =====\n")
-    assert gpu_check_summary._pytest_line(log) == "1 failed, 2 passed, 1 skipped in 9.10s; failed: " \
-                                                  "tests/test_a.py::test_y[bf16]"
+        "failed: tests/test_a.py::test_y[bf16]"
+    )
+    log.write_text(
+        log.read_text() + "FAILED tests/test_a.py::test_y[bf16] - AssertionError\n"
+        "===== 1 failed, 2 passed, 1 skipped in 9.10s =====\n"
+    )
+    assert (
+        gpu_check_summary._pytest_line(log) == "1 failed, 2 passed, 1 skipped in 9.10s; failed: "
+        "tests/test_a.py::test_y[bf16]"
+    )
 
 
 def test_summary_renders_tests_and_figures(tmp_path):
     (tmp_path / "logs").mkdir()
     (tmp_path / "results").mkdir()
-    (tmp_path / "steps.tsv").write_text("tests_gpu_bf16\tok\t31\t50\tpytest bf16\n"
-                                        "train_bf16\tok\t20\t35\ttrain\nbench_gemm\tSKIPPED (deadline)\t\t70\tgemm\n")
+    (tmp_path / "steps.tsv").write_text(
+        "tests_gpu_bf16\tok\t31\t50\tpytest bf16\n"
+        "train_bf16\tok\t20\t35\ttrain\nbench_gemm\tSKIPPED (deadline)\t\t70\tgemm\n"
+    )
     (tmp_path / "logs" / "tests_gpu_bf16.log").write_text(
         "....\n  tests/test_ops_gemm_ext.py:250: UserWarning: linear_lt act=1: cuBLASLt's GELU epilogue is 0.000412 "
         "off tanh-GELU (torch.float32 bound 4.1e-06): it evaluates tanh approximately\n"
-        "===== 41 passed, 3 skipped in 29.80s =====\n")
-    (tmp_path / "results" / "train.json").write_text(json.dumps(
-        {"losses": [5.5, 4.0, 3.1], "tokens_per_s": 123456.0, "n_params": 478720, "dtype": "bfloat16",
-         "engine": "Engine", "zero_stage": 2, "mem_mb": [812.0], "mem_kind": "CUDA peak", "wall_s": 9.5}))
+        "===== 41 passed, 3 skipped in 29.80s =====\n"
+    )
+    (tmp_path / "results" / "train.json").write_text(
+        json.dumps(
+            {
+                "losses": [5.5, 4.0, 3.1],
+                "tokens_per_s": 123456.0,
+                "n_params": 478720,
+                "dtype": "bfloat16",
+                "engine": "Engine",
+                "zero_stage": 2,
+                "mem_mb": [812.0],
+                "mem_kind": "CUDA peak",
+                "wall_s": 9.5,
+            }
+        )
+    )
     (tmp_path / "results" / "optim_cuda.md").write_text("# optim_cuda\n\n| name | speedup |\n|---|---|\n| a | 2 |\n")
     gpu_check_summary.record_env(tmp_path, "deadline 460s")
     text = gpu_check_summary.render(tmp_path)
     assert "- tests_gpu_bf16: 41 passed, 3 skipped in 29.80s" in text
     assert "- finding: cuBLASLt's GELU epilogue is 0.000412 off tanh-GELU (torch.float32 bound 4.1e-06)" in text
-    assert "- train: demo GPT (0.48M params, bfloat16, Engine, ZeRO-2): 123,456 tokens/s; loss 5.500 -> 3.100 " \
-           "over 3 steps" in text
+    assert (
+        "- train: demo GPT (0.48M params, bfloat16, Engine, ZeRO-2): 123,456 tokens/s; loss 5.500 -> 3.100 "
+        "over 3 steps" in text
+    )
     assert "- build: nvcc " in text and "ninja unknown (build_ext did not run)" in text
     assert "### optim_cuda" in text and "| a | 2 |" in text
     assert "Skipped at the deadline: bench_gemm." in text
@@ -209,9 +259,28 @@ def test_dtype_groups_partition_the_gpu_tests():
 
     def collect(*extra):
         env = {**os.environ, "PYTHONPATH": str(ROOT / "tests")}
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider",
-                               "-p", "dtype_select", "-m", "gpu", *extra, *files], env=env, capture_output=True,
-                              text=True, timeout=300, cwd=ROOT / "tests")
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-q",
+                "--collect-only",
+                "-p",
+                "no:cacheprovider",
+                "-p",
+                "dtype_select",
+                "-m",
+                "gpu",
+                *extra,
+                *files,
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=ROOT / "tests",
+        )
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
         return {ln for ln in proc.stdout.splitlines() if "::" in ln}
 
@@ -266,8 +335,10 @@ def test_plan_resolves_the_real_cuda_home(tmp_path, how):
 def test_env_record_is_written_before_the_slow_probes(tmp_path, monkeypatch):
     """A first env.json (date, settings) exists before the probes run: an env step killed while importing torch or
     asking nvcc still leaves them for summary.md."""
+
     def stuck() -> str:
         raise KeyboardInterrupt  # stands in for the step's timeout killing it here
+
     monkeypatch.setattr(gpu_check_summary, "_cuda_toolkit", stuck)
     with pytest.raises(KeyboardInterrupt):
         gpu_check_summary.record_env(tmp_path, "deadline 470s, CUDA_HOME=/opt/cuda (from the environment)")

@@ -2,6 +2,7 @@
 tests/gpu_replay.py: every GPU test body runs here with its CUDA ops replaced by their CPU references, so a mistake
 in a body's argument flow (a tensor left over from a loop handed to ``opcheck``, a wrong shape) fails here, in
 `make test`, instead of on a GPU lease."""
+
 from __future__ import annotations
 
 import os
@@ -29,9 +30,28 @@ def test_gpu_tests_replay_on_cpu(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
     for var in ("LLMPAR_BACKEND", "TRITON_INTERPRET"):
         env.pop(var, None)
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "gpu_replay",
-                           "-m", "gpu", "-rfEs", f"--junitxml={xml}", *map(str, files)],
-                          env=env, capture_output=True, text=True, timeout=900, cwd=ROOT / "tests")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "gpu_replay",
+            "-m",
+            "gpu",
+            "-rfEs",
+            f"--junitxml={xml}",
+            *map(str, files),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=ROOT / "tests",
+    )
     out = proc.stdout[-8000:] + proc.stderr[-3000:]
     assert xml.exists(), out
     cases = list(ET.parse(xml).getroot().iter("testcase"))
@@ -44,8 +64,9 @@ def test_gpu_tests_replay_on_cpu(tmp_path):
 
 
 def _item(name: str, **params):
-    return SimpleNamespace(nodeid=f"t.py::{name}[{'-'.join(map(str, params.values()))}]",
-                           callspec=SimpleNamespace(params=params))
+    return SimpleNamespace(
+        nodeid=f"t.py::{name}[{'-'.join(map(str, params.values()))}]", callspec=SimpleNamespace(params=params)
+    )
 
 
 def test_covering_cases_keep_every_function_and_value():

@@ -4,6 +4,7 @@ unsplit model in float64, on fresh random grads of odd shapes in mixed dtypes, s
 parallel parts spread them: tensor-parallel shards (summed over tp), replicated grads (counted once), disjoint dp
 partitions (summed over dp), pipeline stages (summed over pp) and a weight tied between the first and last stage
 (counted once). Runs at tp=2, pp=2, dp=2 on 2 ranks and every pair of them on 4."""
+
 from __future__ import annotations
 
 import pytest
@@ -17,8 +18,12 @@ SHAPES = [(5, 7), (123,), (3, 41), (4097,), (1,), (9, 13), (2, 3, 7), (37,), (17
 SPLIT = {0, 2, 5, 7}  # tensor-parallel along dim 0 (uneven shards; (37,) on 4 ranks too)
 TIED = 3  # held by the first and the last stage; the last stage's copy is the duplicate
 MIXED = (torch.float32, torch.bfloat16, torch.float64, torch.float16)
-TOL = {torch.float64: dict(rtol=1e-12, atol=1e-14), torch.float32: dict(rtol=2e-6, atol=1e-7),
-       torch.bfloat16: dict(rtol=1e-2, atol=1e-4), torch.float16: dict(rtol=2e-3, atol=1e-5)}
+TOL = {
+    torch.float64: dict(rtol=1e-12, atol=1e-14),
+    torch.float32: dict(rtol=2e-6, atol=1e-7),
+    torch.bfloat16: dict(rtol=1e-2, atol=1e-4),
+    torch.float16: dict(rtol=2e-3, atol=1e-5),
+}
 NORM_RTOL = {"float64": 1e-12, "mixed": 2e-6}  # float32 accumulation for the non-float64 grads
 _READS = ("item", "__float__", "__int__", "__bool__", "tolist", "__index__")
 
@@ -120,8 +125,12 @@ def _check_layout(env, tp: int, pp: int, dp: int, kind: str, layout: str) -> Non
                 continue
             shard = torch.tensor_split(ref_clipped[i], tp, dim=0)[tp_rank] if i in SPLIT else ref_clipped[i]
             want = shard.reshape(-1)[where[i]]
-            torch.testing.assert_close(piece.double(), want.to(piece.dtype).double(), **_tol(piece.dtype, kind),
-                                       msg=lambda m: f"{what} grad {i} ({piece.dtype}): {m}")
+            torch.testing.assert_close(
+                piece.double(),
+                want.to(piece.dtype).double(),
+                **_tol(piece.dtype, kind),
+                msg=lambda m: f"{what} grad {i} ({piece.dtype}): {m}",
+            )
         if dp == 1:  # the params-level entry point (tp / runner): whole grads on the params, duplicates skipped
             params, dup = [], []
             for i in mine:
@@ -133,8 +142,9 @@ def _check_layout(env, tp: int, pp: int, dp: int, kind: str, layout: str) -> Non
                 params.append(p)
                 if i == TIED and pp > 1 and pp_rank == pp - 1:
                     dup.append(p)
-            got = clip_grad_norm_(params + params[:1], max_norm, tp_group=env.mesh["tp"], pp_group=env.mesh["pp"],
-                                  skip=dup)  # a param listed twice counts (and is clipped) once
+            got = clip_grad_norm_(
+                params + params[:1], max_norm, tp_group=env.mesh["tp"], pp_group=env.mesh["pp"], skip=dup
+            )  # a param listed twice counts (and is clipped) once
             torch.testing.assert_close(got, norm, rtol=NORM_RTOL[kind], atol=0, msg=lambda m: f"{what}: {m}")
             for i, p in zip(mine, params):
                 if max_norm != 1e6:

@@ -1,5 +1,6 @@
 """The multi-rank harness itself: results come back per rank, errors carry the failing rank's traceback, a hang
 becomes a failure naming the stuck rank within its timeout, and ranks are reused between tests."""
+
 import os
 import time
 
@@ -110,8 +111,13 @@ def test_cleanup_reply_ahead_of_a_slower_result_is_kept():
     pool = multirank._Pool.__new__(multirank._Pool)
     pool.world_size, pool.procs, pool.task_id, pool.early, pool.alive = 2, [], 7, [], True
     pool.results = queue.Queue()
-    for reply in ((7, 1, "ok", "small"), (("cleanup", 7), 1, "ok", False), (6, 0, "ok", "stale"),
-                  (7, 0, "ok", "large"), (("cleanup", 7), 0, "ok", False)):
+    for reply in (
+        (7, 1, "ok", "small"),
+        (("cleanup", 7), 1, "ok", False),
+        (6, 0, "ok", "stale"),
+        (7, 0, "ok", "large"),
+        (("cleanup", 7), 0, "ok", False),
+    ):
         pool.results.put(reply)
     assert pool._collect(7, 5.0, "body") == {0: ("ok", "large"), 1: ("ok", "small")}
     start = time.monotonic()

@@ -9,6 +9,7 @@ attention dropout, a model type outside the three), before any collective.
 
 One multirank run per world size feeds every assertion of that world (a launch of HF models costs seconds here).
 """
+
 from __future__ import annotations
 
 import logging
@@ -23,18 +24,36 @@ from multirank import run_ranks  # noqa: E402
 
 VOCAB, SEQ, MICRO, STEPS = 61, 13, 2, 3
 WORLD2 = [  # (model, mode, cp size, ulysses size, zero stage): each mode with ZeRO-2 and ZeRO-3, each model twice
-    ("llama", "ulysses", 2, None, 2), ("llama", "ring", 2, None, 3), ("qwen2", "ring", 2, None, 2),
-    ("qwen2", "ulysses", 2, None, 3), ("mistral", "ulysses", 2, None, 2), ("mistral", "ring", 2, None, 3),
-    ("llama", "ring", 2, None, "2+ckpt")]  # activation checkpointing: layers recomputed in backward
-WORLD4 = [("llama", "hybrid", 4, 2, 2), ("qwen2", "hybrid", 4, 2, 3), ("mistral", "ulysses", 2, None, 3),
-          ("llama", "ulysses", 2, None, "2+tp")]  # cp=2 x tp=2: losses and the grad norm (params split over tp)
+    ("llama", "ulysses", 2, None, 2),
+    ("llama", "ring", 2, None, 3),
+    ("qwen2", "ring", 2, None, 2),
+    ("qwen2", "ulysses", 2, None, 3),
+    ("mistral", "ulysses", 2, None, 2),
+    ("mistral", "ring", 2, None, 3),
+    ("llama", "ring", 2, None, "2+ckpt"),
+]  # activation checkpointing: layers recomputed in backward
+WORLD4 = [
+    ("llama", "hybrid", 4, 2, 2),
+    ("qwen2", "hybrid", 4, 2, 3),
+    ("mistral", "ulysses", 2, None, 3),
+    ("llama", "ulysses", 2, None, "2+tp"),
+]  # cp=2 x tp=2: losses and the grad norm (params split over tp)
 
 
 def model_config(kind: str, **kw):
-    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-           "mistral": transformers.MistralConfig}[kind]
-    return cls(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=64, **kw)
+    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "mistral": transformers.MistralConfig}[
+        kind
+    ]
+    return cls(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        **kw,
+    )
 
 
 def build(kind: str, **kw):
@@ -63,10 +82,15 @@ def batch(step: int, rows: int) -> dict:
 
 def ds_config(mode: str, size: int, ulysses: int | None, stage: int | str) -> dict:
     block = {"size": size, "mode": mode, **({"ulysses_size": ulysses} if ulysses else {})}
-    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "steps_per_print": 10 ** 6,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}},
-              "zero_optimization": {"stage": int(str(stage)[0])}, "context_parallel": block,
-              "gradient_clipping": 1e9}  # never clips; the engine reports the norm
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": 1,
+        "steps_per_print": 10**6,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}},
+        "zero_optimization": {"stage": int(str(stage)[0])},
+        "context_parallel": block,
+        "gradient_clipping": 1e9,
+    }  # never clips; the engine reports the norm
     if str(stage).endswith("+ckpt"):
         config["activation_checkpointing"] = {}
     if str(stage).endswith("+tp"):
@@ -90,14 +114,19 @@ def engine_body(cases: list) -> list:
         steps = []
         for step in range(STEPS):
             full = batch(step, MICRO * dp)
-            output = engine(**{k: v[r * MICRO:(r + 1) * MICRO] for k, v in full.items()})
+            output = engine(**{k: v[r * MICRO : (r + 1) * MICRO] for k, v in full.items()})
             tiled = str(stage).startswith("2") and not str(stage).endswith("+tp")  # whole head weight: tiled
             assert (output.logits.shape[1] == 0) == tiled, f"{kind} {mode} {stage}: logits {output.logits.shape}"
             engine.backward(output.loss)
             engine.optimizer.reduce_gradients()
-            pieces = {} if str(stage).endswith("+tp") else {  # tp: pieces of tp shards, the norm is compared
-                n: [(a, z, v.detach().clone()) for v, a, z in engine.optimizer.grad_pieces(p)]
-                for n, p in model.named_parameters()}
+            pieces = (
+                {}
+                if str(stage).endswith("+tp")
+                else {  # tp: pieces of tp shards, the norm is compared
+                    n: [(a, z, v.detach().clone()) for v, a, z in engine.optimizer.grad_pieces(p)]
+                    for n, p in model.named_parameters()
+                }
+            )
             engine.step()
             steps.append((float(output.loss), pieces, float(engine.get_global_grad_norm())))
         out.append((steps, dp, r))
@@ -106,7 +135,7 @@ def engine_body(cases: list) -> list:
         if len(out) == 1:  # the last cp rank fed a shorter sequence (a ragged last batch): refused on every rank
             full, short = batch(0, MICRO * dp), engine.context_parallel.rank == engine.context_parallel.size - 1
             try:
-                engine(**{k: v[r * MICRO:(r + 1) * MICRO, :SEQ - short] for k, v in full.items()})
+                engine(**{k: v[r * MICRO : (r + 1) * MICRO, : SEQ - short] for k, v in full.items()})
                 mismatch = "no error"
             except ValueError as e:
                 mismatch = str(e)
@@ -116,15 +145,21 @@ def engine_body(cases: list) -> list:
 
 def full_logits(engine, model, dp: int, r: int) -> tuple:
     """(out.logits by default, with ``gather_logits``, the unsplit model's logits; both losses)."""
-    mine = {k: v[r * MICRO:(r + 1) * MICRO] for k, v in batch(0, MICRO * dp).items()}
+    mine = {k: v[r * MICRO : (r + 1) * MICRO] for k, v in batch(0, MICRO * dp).items()}
     default = engine(**mine)
     engine.adapter.gather_logits = True
     gathered = engine(**mine)
     engine.adapter.gather_logits = False
     with torch.no_grad():  # the prepared model called whole: transformers' attention over the whole sequence
         want = model(input_ids=mine["input_ids"], attention_mask=mine["attention_mask"]).logits
-    return (tuple(default.logits.shape), gathered.logits, want, float(default.loss), float(gathered.loss),
-            gathered.logits.requires_grad)
+    return (
+        tuple(default.logits.shape),
+        gathered.logits,
+        want,
+        float(default.loss),
+        float(gathered.loss),
+        gathered.logits.requires_grad,
+    )
 
 
 def token_mean_loss(model, attention_mask, labels, **kw) -> torch.Tensor:
@@ -141,12 +176,15 @@ def reference(kind: str, dp: int) -> list:
     steps = []
     for step in range(STEPS):
         full = batch(step, MICRO * dp)
-        parts = [token_mean_loss(model, **{k: v[r * MICRO:(r + 1) * MICRO] for k, v in full.items()})
-                 for r in range(dp)]
+        parts = [
+            token_mean_loss(model, **{k: v[r * MICRO : (r + 1) * MICRO] for k, v in full.items()}) for r in range(dp)
+        ]
         opt.zero_grad()
         (sum(parts) / dp).backward()
-        grads = {n: torch.zeros_like(p) if p.grad is None else p.grad.clone()  # no grad: the embedding at step 2
-                 for n, p in model.named_parameters()}
+        grads = {
+            n: torch.zeros_like(p) if p.grad is None else p.grad.clone()  # no grad: the embedding at step 2
+            for n, p in model.named_parameters()
+        }
         steps.append(([float(p.detach()) for p in parts], grads))
         opt.step()
     return steps
@@ -158,8 +196,9 @@ def check_against_reference(case: tuple, ranks: list, rtol: float = 1e-10) -> No
     for step, (want_losses, want_grads) in enumerate(ref):
         for rank, (steps, _, dp_rank) in enumerate(ranks):
             got, want_loss = steps[step][0], want_losses[dp_rank]
-            assert abs(got - want_loss) <= rtol * abs(want_loss), f"{case} step {step} rank {rank}: loss {got} " \
-                                                                  f"!= {want_loss}"
+            assert abs(got - want_loss) <= rtol * abs(want_loss), (
+                f"{case} step {step} rank {rank}: loss {got} != {want_loss}"
+            )
             norm, got_norm = float(torch.stack([g.norm() for g in want_grads.values()]).norm()), steps[step][2]
             assert abs(got_norm - norm) <= rtol * norm, f"{case} step {step}: grad norm {got_norm} != {norm}"
         if str(case[4]).endswith("+tp"):
@@ -188,8 +227,10 @@ def _run(cases: list, world: int) -> None:
             torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12, msg=f"{case} rank {rank}: logits")
             assert abs(loss - gathered_loss) <= 1e-12 * abs(loss), (case, loss, gathered_loss)
         err, first = o[-1]["mismatch"], rank - rank % size
-        assert f"cp rank {size - 1} (global rank {first + size - 1}): attention_mask [{MICRO}, {SEQ - 1}], " \
-               f"input_ids [{MICRO}, {SEQ - 1}], labels [{MICRO}, {SEQ - 1}]" in err, err
+        assert (
+            f"cp rank {size - 1} (global rank {first + size - 1}): attention_mask [{MICRO}, {SEQ - 1}], "
+            f"input_ids [{MICRO}, {SEQ - 1}], labels [{MICRO}, {SEQ - 1}]" in err
+        ), err
 
 
 def test_hf_models_equal_the_unsplit_model_ulysses_and_ring():
@@ -214,8 +255,11 @@ class Rows(torch.utils.data.Dataset):
         return 13
 
     def __getitem__(self, i: int) -> dict:
-        return {"input_ids": self.ids[i], "attention_mask": self.mask[i],
-                "labels": self.ids[i].masked_fill(self.mask[i] == 0, -100)}
+        return {
+            "input_ids": self.ids[i],
+            "attention_mask": self.mask[i],
+            "labels": self.ids[i].masked_fill(self.mask[i] == 0, -100),
+        }
 
 
 def trainer_run(output_dir: str, llmpar_config: dict | None) -> list:
@@ -226,9 +270,11 @@ def trainer_run(output_dir: str, llmpar_config: dict | None) -> list:
 
     if llmpar_config is not None:
         from llmpar.integrations.transformers import Trainer, TrainingArguments
+
         extra = {"deepspeed": llmpar_config}
     else:
         from transformers import Trainer, TrainingArguments
+
         extra = {}
     rows: list = []
 
@@ -237,9 +283,22 @@ def trainer_run(output_dir: str, llmpar_config: dict | None) -> list:
             if logs and "loss" in logs:
                 rows.append((float(logs["loss"]), float(logs["grad_norm"])))
 
-    args = TrainingArguments(output_dir=output_dir, per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                             max_steps=5, learning_rate=5e-3, warmup_steps=1, max_grad_norm=1.0, logging_steps=1,
-                             report_to=[], use_cpu=True, seed=42, save_strategy="no", disable_tqdm=True, **extra)
+    args = TrainingArguments(
+        output_dir=output_dir,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_steps=5,
+        learning_rate=5e-3,
+        warmup_steps=1,
+        max_grad_norm=1.0,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        seed=42,
+        save_strategy="no",
+        disable_tqdm=True,
+        **extra,
+    )
     Trainer(model=build("llama").float(), args=args, train_dataset=Rows(), callbacks=[Record()]).train()
     return rows
 
@@ -249,9 +308,15 @@ def trainer_body(output_dir: str) -> list:
 
     saved = dict(os.environ)  # transformers / accelerate write the launcher's variables: leave the pool as found
     try:
-        config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-                  "train_batch_size": "auto", "gradient_clipping": "auto", "steps_per_print": 10 ** 6,
-                  "zero_optimization": {"stage": 2}, "context_parallel": {"size": 2, "mode": "ring"}}
+        config = {
+            "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": "auto",
+            "train_batch_size": "auto",
+            "gradient_clipping": "auto",
+            "steps_per_print": 10**6,
+            "zero_optimization": {"stage": 2},
+            "context_parallel": {"size": 2, "mode": "ring"},
+        }
         trainer_logger = transformers.trainer.logger
         lines: list = []
         handler = logging.Handler()
@@ -275,15 +340,18 @@ def test_trainer_with_context_parallelism_equals_the_plain_trainer(tmp_path, mon
     log says cp is on, and the banner's batch counts the one data-parallel rank (2 x 2, not 2 x 2 x 2)."""
     outs = run_ranks(trainer_body, 2, str(tmp_path), timeout=300)
     ours = [rows for rows, _ in outs]
-    assert outs[0][1] == ["  Context parallelism = on: cp=2 (ring), each sequence split over 2 ranks; data-parallel "
-                          "ranks = 1 (the batch size counts these)",
-                          "  Total train batch size (w. parallel, distributed & accumulation) = 4"], outs[0][1]
+    assert outs[0][1] == [
+        "  Context parallelism = on: cp=2 (ring), each sequence split over 2 ranks; data-parallel "
+        "ranks = 1 (the batch size counts these)",
+        "  Total train batch size (w. parallel, distributed & accumulation) = 4",
+    ], outs[0][1]
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
     theirs = trainer_run(str(tmp_path / "plain"), None)
     assert len(theirs) == 5 and ours[0] == ours[1]
-    torch.testing.assert_close(torch.tensor(ours[0], dtype=torch.float64), torch.tensor(theirs, dtype=torch.float64),
-                               rtol=1e-5, atol=0)
+    torch.testing.assert_close(
+        torch.tensor(ours[0], dtype=torch.float64), torch.tensor(theirs, dtype=torch.float64), rtol=1e-5, atol=0
+    )
 
 
 # ---- refusals, and the prepared model run whole (one process, before any collective) ----

@@ -12,6 +12,7 @@ index at a small ``max_shard_size``, exactly ``huggingface_hub``'s split; ``--dt
 or shard size is an error naming the argument; a checkpoint written before non-persistent buffers were left out
 still loads strictly; ``save_16bit_model(..., "model.safetensors")`` writes safetensors.
 """
+
 from __future__ import annotations
 
 import json
@@ -41,18 +42,27 @@ def _hf_model(kind: str, tie: bool):
     if kind == "gpt2":
         cfg = transformers.GPT2Config(n_positions=32, n_embd=32, n_layer=2, n_head=4, **common)
         return transformers.GPT2LMHeadModel(cfg)
-    llama_like = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=32, **common)
+    llama_like = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        **common,
+    )
     if kind == "qwen2":
         return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**llama_like))
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**llama_like))
 
 
 def _ds_config(stage: int, tp: int = 1) -> dict:
-    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
-           "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000,
-                                 "stage3_param_persistence_threshold": 64}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000, "stage3_param_persistence_threshold": 64},
+    }
     if tp > 1:
         cfg["tensor_parallel"] = {"size": tp}
     return cfg
@@ -69,16 +79,20 @@ def train_body(root: str, kind: str, tie: bool, stage: int, tp: int, client_opt:
 
     model = _hf_model(kind, tie)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1) if client_opt else None
-    engine, zopt, _, _ = llmpar.initialize(model=model, model_parameters=model.parameters(), optimizer=opt,
-                                           config=_ds_config(stage, tp))
+    engine, zopt, _, _ = llmpar.initialize(
+        model=model, model_parameters=model.parameters(), optimizer=opt, config=_ds_config(stage, tp)
+    )
     rank = dist.get_rank() if tp == 1 else 0  # under tp every rank sees the same batch
     for step in range(3):
         ids = _ids(100 * step + rank)
         engine.backward(engine(input_ids=ids, labels=ids).loss)
         engine.step()
     engine.save_checkpoint(os.path.join(root, "ck"))
-    for bad, match in ((dict(dtype="int8"), "dtype='int8'"), (dict(max_shard_size="5XB"), "max_shard_size='5XB'"),
-                       (dict(max_shard_size=0), "max_shard_size=0")):
+    for bad, match in (
+        (dict(dtype="int8"), "dtype='int8'"),
+        (dict(max_shard_size="5XB"), "max_shard_size='5XB'"),
+        (dict(max_shard_size=0), "max_shard_size=0"),
+    ):
         with pytest.raises(ValueError, match=match):  # on every rank, before any collective
             engine.save_hf_model(os.path.join(root, "never"), **bad)
     assert engine.save_hf_model(os.path.join(root, "hf"), max_shard_size=shard) is True
@@ -109,7 +123,7 @@ def _check_export(path: Path, state: dict, logits: torch.Tensor, model_ref, tie:
     once, no non-persistent buffer) and gives the trained model's logits."""
     saved = _files(path)
     expected = set(model_ref.state_dict()) - ({"lm_head.weight"} if tie else set())
-    assert set(saved) == expected, (sorted(set(saved) ^ expected))
+    assert set(saved) == expected, sorted(set(saved) ^ expected)
     assert not any("inv_freq" in k for k in saved)
     for name, t in saved.items():
         assert t.dtype == dtype, name
@@ -166,8 +180,9 @@ def test_trained_model_exports_load_with_from_pretrained(case, tmp_path):
     from llmpar.cli import main
 
     kind, tie, stage, client_opt, hf_shard, ck_shard = CASES[case]
-    state, logits, names = run_ranks(train_body, 2, str(tmp_path), kind, tie, stage, 1, client_opt, hf_shard,
-                                     timeout=180)[0]
+    state, logits, names = run_ranks(
+        train_body, 2, str(tmp_path), kind, tie, stage, 1, client_opt, hf_shard, timeout=180
+    )[0]
     ref = _hf_model(kind, tie)
     assert set(names) <= set(ref.state_dict()) and not any(n.startswith("group") for n in names)
     # (b) engine.save_hf_model
@@ -182,8 +197,9 @@ def test_trained_model_exports_load_with_from_pretrained(case, tmp_path):
     if case == "llama-s2-untied":  # (e) --dtype bf16 into the same directory: refused, then replaced whole
         assert main(["checkpoint", "consolidate", str(tmp_path / "ck"), str(out), "--dtype", "bf16"]) == 1
         _check_shards(out, ck_shard != "5GB")
-        assert main(["checkpoint", "consolidate", str(tmp_path / "ck"), str(out), "--dtype", "bf16",
-                     "--overwrite"]) == 0
+        assert (
+            main(["checkpoint", "consolidate", str(tmp_path / "ck"), str(out), "--dtype", "bf16", "--overwrite"]) == 0
+        )
         _check_export(out, state, logits, ref, tie, dtype=torch.bfloat16)
         _check_shards(out, False)
 
@@ -198,8 +214,9 @@ def test_tensor_parallel_model_exports_unsplit(tie, tmp_path):
     ref = _hf_model("llama", tie)
     assert any(t.shape != ref.state_dict()[n].shape for n, t in state.items())  # the engine's state is split
     hf = _files(tmp_path / "hf")
-    assert {n: tuple(t.shape) for n, t in hf.items()} == {n: tuple(t.shape) for n, t in ref.state_dict().items()
-                                                         if not (tie and n == "lm_head.weight")}
+    assert {n: tuple(t.shape) for n, t in hf.items()} == {
+        n: tuple(t.shape) for n, t in ref.state_dict().items() if not (tie and n == "lm_head.weight")
+    }
     consolidate(str(tmp_path / "ck"), str(tmp_path / "out"))
     assert all(torch.equal(t, hf[n]) for n, t in _files(tmp_path / "out").items())
     loaded = _load(tmp_path / "hf")
@@ -228,8 +245,9 @@ def old_checkpoint_body(root: str):
     new = engine.save_checkpoint(os.path.join(root, "new"))
     extras = [json.load(open(os.path.join(p, "metadata.json")))["extras"] for p in (old, new)]
     other = _hf_model("llama", True)  # its params given under other names: the checkpoint still uses the model's
-    fresh, fopt, *_ = llmpar.initialize(model=other, config=_ds_config(2),
-                                        model_parameters=[(f"p{i}", p) for i, p in enumerate(other.parameters())])
+    fresh, fopt, *_ = llmpar.initialize(
+        model=other, config=_ds_config(2), model_parameters=[(f"p{i}", p) for i, p in enumerate(other.parameters())]
+    )
     assert [s["name"] for b in fopt.checkpoint_layout() for s in b["params"]][:2] == ["p0", "p1"]
     fresh.load_checkpoint(os.path.join(root, "old"))  # strict: the saved inv_freq is not "unexpected"
     same = all(torch.equal(a, b) for a, b in zip(fresh.module.state_dict().values(), model.state_dict().values()))

@@ -6,6 +6,7 @@ gives the plain model's logits (fp32, 1e-5 relative); every rank's bytes read, c
 another shape is refused on every rank naming the param, before any weight changes.
 One multirank run per world size feeds every assertion.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,9 +23,16 @@ VOCAB, SEQ = 61, 7
 
 
 def config(hidden: int = 40):
-    return transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=52, num_hidden_layers=2,
-                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                                    tie_word_embeddings=False)
+    return transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=52,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+    )
 
 
 def save(path: str, seed: int, hidden: int = 40) -> None:
@@ -81,15 +89,20 @@ def body(good: str, bad: str, world: int) -> dict:
                     t = s[index]
                     counted["bytes"] += t.numel() * t.element_size()
                     return t
+
             return Slice()
 
     safetensors.safe_open = Counting
     try:
         torch.manual_seed(1)  # other weights than the files'
         model = transformers.LlamaForCausalLM(config())
-        cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10 ** 6,
-               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-               "zero_optimization": {"stage": 3}, "tensor_parallel": {"size": 2}}
+        cfg = {
+            "train_micro_batch_size_per_gpu": 2,
+            "steps_per_print": 10**6,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "zero_optimization": {"stage": 3},
+            "tensor_parallel": {"size": 2},
+        }
         engine, *_ = llmpar.initialize(model=model, config=cfg)
         try:
             load_hf_weights(engine, bad)
@@ -114,6 +127,7 @@ def test_hf_weights_into_tp_zero3(tmp_path, world: int) -> None:
     shards = [f for f in os.listdir(good) if f.endswith(".safetensors")]
     assert len(shards) >= 2, shards
     from safetensors import safe_open
+
     sizes = {}
     for f in shards:
         with safe_open(os.path.join(good, f), framework="pt") as h:
@@ -130,11 +144,13 @@ def test_hf_weights_into_tp_zero3(tmp_path, world: int) -> None:
         err = float((got - want).abs().max() / want.abs().max())
         assert err <= 1e-5, f"rank {rank} (world {world}): logits differ by {err:.2e} (relative to max)"
         tp, dp = 2, world // 2  # split params: 1/(tp dp) of their elements per rank, the norms 1/dp
-        shard = (sum(v for n, v in sizes.items() if "norm" not in n) // tp
-                 + sum(v for n, v in sizes.items() if "norm" in n)) // dp
+        shard = (
+            sum(v for n, v in sizes.items() if "norm" not in n) // tp + sum(v for n, v in sizes.items() if "norm" in n)
+        ) // dp
         assert r["bytes"] == r["stats"]["bytes_read"], (r["bytes"], r["stats"])
-        assert 0 < r["bytes"] <= shard + largest, f"rank {rank}: read {r['bytes']} bytes, shard {shard} + " \
-                                                  f"largest tensor {largest}"
+        assert 0 < r["bytes"] <= shard + largest, (
+            f"rank {rank}: read {r['bytes']} bytes, shard {shard} + largest tensor {largest}"
+        )
         assert r["bytes"] <= total / world + largest, f"rank {rank}: read {r['bytes']} of the model's {total} bytes"
 
 
@@ -158,24 +174,41 @@ def write_zero3(d, params: dict, dp: int, stage=None, buffers: dict | None = Non
     os.makedirs(d, exist_ok=True)
     with open(os.path.join(os.path.dirname(d), "latest"), "w") as f:
         f.write(os.path.basename(d))
-    with mock.patch.dict("sys.modules", {"deepspeed": types.SimpleNamespace(ZeroStageEnum=ZeroStageEnum)}) \
-            if stage is None else _nothing():
+    with (
+        mock.patch.dict("sys.modules", {"deepspeed": types.SimpleNamespace(ZeroStageEnum=ZeroStageEnum)})
+        if stage is None
+        else _nothing()
+    ):
         for r in range(dp):
             parts = []
             for t in params.values():
                 c = -(-t.numel() // dp)
                 flat = torch.cat([t.reshape(-1).float(), torch.zeros(c * dp - t.numel())])
-                parts.append(flat[r * c:(r + 1) * c])
-            torch.save({"optimizer_state_dict": {"zero_stage": stage if stage is not None else ZeroStageEnum(3),
-                                                 "partition_count": dp, "fp32_flat_groups": [torch.cat(parts)],
-                                                 "optimizer_state_dict": {"state": {}, "param_groups": [
-                                                     {"params": [0]}]}}},
-                       os.path.join(d, f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"))
+                parts.append(flat[r * c : (r + 1) * c])
+            torch.save(
+                {
+                    "optimizer_state_dict": {
+                        "zero_stage": stage if stage is not None else ZeroStageEnum(3),
+                        "partition_count": dp,
+                        "fp32_flat_groups": [torch.cat(parts)],
+                        "optimizer_state_dict": {"state": {}, "param_groups": [{"params": [0]}]},
+                    }
+                },
+                os.path.join(d, f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"),
+            )
             del parts
-            torch.save({"module": dict(buffers or {}), "buffer_names": list(buffers or {}),
-                        "param_shapes": [{n: t.shape for n, t in params.items()}], "frozen_param_shapes": None,
-                        "shared_params": dict(shared or {}), "ds_version": "0.19.8", "global_steps": 1},
-                       os.path.join(d, f"zero_pp_rank_{r}_mp_rank_00_model_states.pt"))
+            torch.save(
+                {
+                    "module": dict(buffers or {}),
+                    "buffer_names": list(buffers or {}),
+                    "param_shapes": [{n: t.shape for n, t in params.items()}],
+                    "frozen_param_shapes": None,
+                    "shared_params": dict(shared or {}),
+                    "ds_version": "0.19.8",
+                    "global_steps": 1,
+                },
+                os.path.join(d, f"zero_pp_rank_{r}_mp_rank_00_model_states.pt"),
+            )
 
 
 class _nothing:
@@ -196,14 +229,22 @@ def test_convert_streams_zero3_to_hf(tmp_path, monkeypatch) -> None:
     from llmpar.checkpoint import consolidate, deepspeed_read, ds_convert, hf_files, hf_stream
 
     g = torch.Generator().manual_seed(7)
-    params = {"emb.weight": torch.randn(61, 13, generator=g), "h.0.w": torch.randn(29, 13, generator=g),
-              "h.0.b": torch.randn(29, generator=g), "h.1.w": torch.randn(13, 29, generator=g),
-              "norm": torch.randn(13, generator=g).double().float()}
+    params = {
+        "emb.weight": torch.randn(61, 13, generator=g),
+        "h.0.w": torch.randn(29, 13, generator=g),
+        "h.0.b": torch.randn(29, generator=g),
+        "h.1.w": torch.randn(13, 29, generator=g),
+        "norm": torch.randn(13, generator=g).double().float(),
+    }
     buffers = {"mask": torch.randint(0, 2, (5, 5), generator=g).bool()}
     d = str(tmp_path / "ds" / "global_step1")
     write_zero3(d, params, 3, buffers=buffers, shared={"head.weight": "emb.weight"})
-    reads, opens, real_read, real_init = [], [0], deepspeed_read.DeepSpeedCheckpoint.read, \
-        deepspeed_read.DeepSpeedCheckpoint.__init__
+    reads, opens, real_read, real_init = (
+        [],
+        [0],
+        deepspeed_read.DeepSpeedCheckpoint.read,
+        deepspeed_read.DeepSpeedCheckpoint.__init__,
+    )
 
     def read(self, name, key, a, z):
         reads.append(z - a)
@@ -231,8 +272,9 @@ def test_convert_streams_zero3_to_hf(tmp_path, monkeypatch) -> None:
         for p in written[:-1]:
             got = load_file(p)
             ref = load_file(os.path.join(ref_dir, os.path.basename(p)))
-            assert got.keys() == ref.keys() and all(got[n].dtype == ref[n].dtype and torch.equal(got[n], ref[n])
-                                                    for n in ref), p
+            assert got.keys() == ref.keys() and all(
+                got[n].dtype == ref[n].dtype and torch.equal(got[n], ref[n]) for n in ref
+            ), p
         reads.clear()
     src = ds_convert._Stream(d, None, 1 << 30)
     names = list(load_file(written[0]))
@@ -275,8 +317,11 @@ def test_convert_catches_a_corrupted_write(tmp_path, monkeypatch, what, digest) 
     from llmpar.checkpoint import consolidate, ds_convert, hf_stream
 
     g = torch.Generator().manual_seed(11)
-    params = {"a": torch.randn(37, 5, generator=g), "b": torch.randn(23, generator=g),
-              "c": torch.randn(9, 7, generator=g)}
+    params = {
+        "a": torch.randn(37, 5, generator=g),
+        "b": torch.randn(23, generator=g),
+        "c": torch.randn(9, 7, generator=g),
+    }
     write_zero3(str(tmp_path / "ds" / "global_step1"), params, 2)
     real, calls = hf_stream.pwrite_all, [0]
 

@@ -11,6 +11,7 @@ counter, and a count of what ``safe_open`` handed out) are at most its stage's s
 tensor, and the last stage's tied head is read from the embedding's tensor. Files of another shape are refused on
 every rank naming the param, before any weight changes.
 """
+
 from __future__ import annotations
 
 import os
@@ -48,7 +49,7 @@ def save(path: str, seed: int, d: int = D) -> dict[str, torch.Tensor]:
         for p in m.parameters():
             p.add_(torch.randn_like(p) * 0.1)
     state = dict(m.state_dict())
-    hf_files.write_hf_model(path, state, max_shard_size=3000 if d == D else 10 ** 9)
+    hf_files.write_hf_model(path, state, max_shard_size=3000 if d == D else 10**9)
     return {n: t.clone() for n, t in hf_files.untied(state).items()}
 
 
@@ -95,6 +96,7 @@ def body(good: str, bad: str) -> list[dict]:
 
                 def __getitem__(self, index):
                     return count(name, s[index])
+
             return Slice()
 
     out = []
@@ -102,11 +104,17 @@ def body(good: str, bad: str) -> list[dict]:
     try:
         for name, tp, stage in LAYOUTS:
             dp = dist.get_world_size() // (2 * tp)
-            engine, *_ = llmpar.initialize(model=model(seed=5), config={
-                "train_micro_batch_size_per_gpu": ROWS // dp // 2, "steps_per_print": 10 ** 6,
-                "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
-                "zero_optimization": {"stage": stage}, "tensor_parallel": {"size": tp},
-                "pipeline": {"stages": 2, "schedule": "1f1b", "micro_batches": 2}})
+            engine, *_ = llmpar.initialize(
+                model=model(seed=5),
+                config={
+                    "train_micro_batch_size_per_gpu": ROWS // dp // 2,
+                    "steps_per_print": 10**6,
+                    "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
+                    "zero_optimization": {"stage": stage},
+                    "tensor_parallel": {"size": tp},
+                    "pipeline": {"stages": 2, "schedule": "1f1b", "micro_batches": 2},
+                },
+            )
             counted.update(bytes=0, names=set())
             try:
                 load_hf_weights(engine, bad)
@@ -120,13 +128,25 @@ def body(good: str, bad: str) -> list[dict]:
             for step in range(2):
                 x, y = batch(step)
                 n = ROWS // dp
-                losses.append(float(engine.train_batch(x[dp_rank * n:(dp_rank + 1) * n],
-                                                       y[dp_rank * n:(dp_rank + 1) * n])))
+                losses.append(
+                    float(engine.train_batch(x[dp_rank * n : (dp_rank + 1) * n], y[dp_rank * n : (dp_rank + 1) * n]))
+                )
             names = sorted(set(engine.checkpoint_names().values()))
-            out.append({"layout": name, "tp": tp, "pp_rank": engine.mesh["pp"].get_local_rank(),
-                        "tp_rank": engine.mesh["tp"].get_local_rank() if tp > 1 else 0, "losses": losses,
-                        "stats": stats, "counted": counted["bytes"], "read": sorted(counted["names"]),
-                        "names": names, "refused": refused, "refused_bytes": refused_bytes})
+            out.append(
+                {
+                    "layout": name,
+                    "tp": tp,
+                    "pp_rank": engine.mesh["pp"].get_local_rank(),
+                    "tp_rank": engine.mesh["tp"].get_local_rank() if tp > 1 else 0,
+                    "losses": losses,
+                    "stats": stats,
+                    "counted": counted["bytes"],
+                    "read": sorted(counted["names"]),
+                    "names": names,
+                    "refused": refused,
+                    "refused_bytes": refused_bytes,
+                }
+            )
             dist.barrier()
     finally:
         safetensors.safe_open = real
@@ -171,10 +191,27 @@ def test_hf_weights_into_pipeline(tmp_path) -> None:
             mine.discard("lm_head.weight")
             assert set(r["read"]) <= mine, f"{where}: read {sorted(set(r['read']) - mine)}, not its stage's"
             assert set(r["read"]) == {n for n in mine if n in sizes}, f"{where}: {r['read']} vs {sorted(mine)}"
-            share = sum(sizes[n] // (r["tp"] if n.endswith(("tok_emb.weight", "qkv.weight", "fc.weight",
-                                                             "fc.bias", "qkv.bias", "attn.proj.weight",
-                                                             "mlp.proj.weight")) else 1) for n in mine)
+            share = sum(
+                sizes[n]
+                // (
+                    r["tp"]
+                    if n.endswith(
+                        (
+                            "tok_emb.weight",
+                            "qkv.weight",
+                            "fc.weight",
+                            "fc.bias",
+                            "qkv.bias",
+                            "attn.proj.weight",
+                            "mlp.proj.weight",
+                        )
+                    )
+                    else 1
+                )
+                for n in mine
+            )
             assert r["counted"] == r["stats"]["bytes_read"], (where, r["counted"], r["stats"])
-            assert 0 < r["stats"]["bytes_read"] <= share + largest, \
+            assert 0 < r["stats"]["bytes_read"] <= share + largest, (
                 f"{where}: read {r['stats']['bytes_read']} bytes, its stage's share {share} + largest {largest}"
+            )
             assert r["stats"]["bytes_read"] < sum(sizes.values()) * 0.75, (where, r["stats"])

@@ -7,6 +7,7 @@ from a Trainer checkpoint, the saved model reloaded by ``from_pretrained`` with 
 after it (equal to DeepSpeed's and to the plain model's), ``evaluate`` before ``train`` on a model that
 ``from_config`` built sharded because the TrainingArguments carry a ZeRO-3 config, and ``from_config`` /
 ``from_pretrained`` builds sharded that way (equal to the plain builds)."""
+
 from __future__ import annotations
 
 import json
@@ -37,11 +38,30 @@ def run(backend: str, tmp: Path, ext: Path, *flags: str, nproc: int = 2, tag: st
     """The script's record ({"loss": [...], "grad_norm": [...], "lr": [...], "final": dir}) for ``backend``."""
     name = f"{backend}{tag}"
     out = tmp / f"{name}.json"
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
-           "TORCH_EXTENSIONS_DIR": str(ext)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-           str(free_port()), str(SCRIPT), "--backend", backend, "--output-dir", str(tmp / name), "--out", str(out),
-           *flags]
+    env = {
+        **os.environ,
+        "DS_ACCELERATOR": "cpu",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(ROOT),
+        "TORCH_EXTENSIONS_DIR": str(ext),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--master_port",
+        str(free_port()),
+        str(SCRIPT),
+        "--backend",
+        backend,
+        "--output-dir",
+        str(tmp / name),
+        "--out",
+        str(out),
+        *flags,
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{backend} {flags} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return json.loads(out.read_text())
@@ -50,12 +70,24 @@ def run(backend: str, tmp: Path, ext: Path, *flags: str, nproc: int = 2, tag: st
 def assert_same_losses(ours: dict, theirs: dict, steps: int = 20, rtol: float = 1e-5) -> None:
     """Per-step losses within ``rtol`` (fp32: 1e-5), the same lrs, grad norms within 10 rtol."""
     assert len(ours["loss"]) == len(theirs["loss"]) == steps
-    torch.testing.assert_close(torch.tensor(ours["loss"], dtype=torch.float64),
-                               torch.tensor(theirs["loss"], dtype=torch.float64), rtol=rtol, atol=0)
-    torch.testing.assert_close(torch.tensor(ours["lr"], dtype=torch.float64),
-                               torch.tensor(theirs["lr"], dtype=torch.float64), rtol=1e-9, atol=0)
-    torch.testing.assert_close(torch.tensor(ours["grad_norm"], dtype=torch.float64),
-                               torch.tensor(theirs["grad_norm"], dtype=torch.float64), rtol=10 * rtol, atol=0)
+    torch.testing.assert_close(
+        torch.tensor(ours["loss"], dtype=torch.float64),
+        torch.tensor(theirs["loss"], dtype=torch.float64),
+        rtol=rtol,
+        atol=0,
+    )
+    torch.testing.assert_close(
+        torch.tensor(ours["lr"], dtype=torch.float64),
+        torch.tensor(theirs["lr"], dtype=torch.float64),
+        rtol=1e-9,
+        atol=0,
+    )
+    torch.testing.assert_close(
+        torch.tensor(ours["grad_norm"], dtype=torch.float64),
+        torch.tensor(theirs["grad_norm"], dtype=torch.float64),
+        rtol=10 * rtol,
+        atol=0,
+    )
     assert sum(ours["loss"][-5:]) < sum(ours["loss"][:5])  # and it trains
 
 
@@ -79,15 +111,22 @@ def assert_evaluation_matches(ours: dict, theirs: dict) -> None:
     """The ZeRO-3 run's evaluations equal DeepSpeed's and the plain model's (the saved final model)."""
     plain = transformers.AutoModelForCausalLM.from_pretrained(ours["final"], dtype=torch.float32)
     assert [s for s, _ in ours["eval_steps"]] == [s for s, _ in theirs["eval_steps"]] == [10, 20]
-    torch.testing.assert_close(torch.tensor([v for _, v in ours["eval_steps"]], dtype=torch.float64),
-                               torch.tensor([v for _, v in theirs["eval_steps"]], dtype=torch.float64),
-                               rtol=1e-5, atol=0)
+    torch.testing.assert_close(
+        torch.tensor([v for _, v in ours["eval_steps"]], dtype=torch.float64),
+        torch.tensor([v for _, v in theirs["eval_steps"]], dtype=torch.float64),
+        rtol=1e-5,
+        atol=0,
+    )
     want = plain_eval_loss(plain)
     for got in (ours["eval_final"], ours["predict_loss"], theirs["eval_final"]):
         assert got == pytest.approx(want, rel=1e-5)
     with torch.no_grad():
-        torch.testing.assert_close(torch.tensor(ours["predict_logits"]),
-                                   plain(input_ids=hf_trainer_script.EVAL.x[:2]).logits, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(
+            torch.tensor(ours["predict_logits"]),
+            plain(input_ids=hf_trainer_script.EVAL.x[:2]).logits,
+            rtol=1e-4,
+            atol=1e-5,
+        )
         generated = plain.generate(hf_trainer_script.PROMPT, max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert ours["generated"] == generated.tolist() == theirs["generated"]
 
@@ -96,8 +135,16 @@ CASES = {  # id: script flags (fp32 unless --bf16)
     "llama-z2": ["--model", "llama", "--stage", "2"],
     "llama-z2-bf16": ["--model", "llama", "--stage", "2", "--bf16"],
     "qwen2-z2-offload": ["--model", "qwen2", "--stage", "2", "--offload"],
-    "llama-z3-untied-hf-schedule": ["--model", "llama", "--stage", "3", "--untied", "--hf-schedule", "--eval",
-                                    "--resize"],
+    "llama-z3-untied-hf-schedule": [
+        "--model",
+        "llama",
+        "--stage",
+        "3",
+        "--untied",
+        "--hf-schedule",
+        "--eval",
+        "--resize",
+    ],
     "qwen2-z3-offload": ["--model", "qwen2", "--stage", "3", "--offload", "--resize"],
 }
 # what llmpar's run of a case also does, so that one launch feeds several tests (a launch costs ~25-50 s here):
@@ -105,8 +152,10 @@ CASES = {  # id: script flags (fp32 unless --bf16)
 # TrainingArguments carrying the ZeRO-3 config (sharded), resizes it (--resize, both backends) and evaluates before
 # training; the ZeRO-3 offload case builds its tied model sharded too, resizes it, and saves at step 10 for the resume
 # test
-EXTRA = {"llama-z3-untied-hf-schedule": ["--auto-build", "--eval-first", "--stock-args"],
-         "qwen2-z3-offload": ["--auto-build", "--save-steps", "10"]}
+EXTRA = {
+    "llama-z3-untied-hf-schedule": ["--auto-build", "--eval-first", "--stock-args"],
+    "qwen2-z3-offload": ["--auto-build", "--save-steps", "10"],
+}
 
 
 @pytest.fixture(scope="module")
@@ -186,17 +235,25 @@ def test_trainer_resumes_bitwise(runs, tmp_path):
     assert resumed["grad_norm"] == whole["grad_norm"][10:]
     assert torch.equal(logits(resumed["final"]), logits(whole["final"]))
     consolidated = tmp_path / "consolidated"
-    proc = subprocess.run([sys.executable, "-m", "llmpar.cli", "checkpoint", "consolidate", str(ckpt),
-                           str(consolidated)], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.run(
+        [sys.executable, "-m", "llmpar.cli", "checkpoint", "consolidate", str(ckpt), str(consolidated)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert torch.equal(logits(str(consolidated)), logits(str(ckpt)))
 
 
 # ---- HF builds sharded by llmpar's TrainingArguments (2 ranks, in process) ----
 def _zero3_config(stage: int = 3) -> dict:
-    return {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+    }
 
 
 def _whole(model, opt=None) -> dict:
@@ -240,8 +297,11 @@ def sharded_builds_body(tmp: str) -> dict:
     torch.manual_seed(1)
     tied = auto.from_config(hf_trainer_script.model_config("llama", tie=True))
     # "add a pad token": resized before initialize (recorded, then replayed by ZeRO-3) as the plain models are
-    for model, seed, how in ((built, 5, dict(new_num_tokens=70)), (loaded, 6, dict(pad_to_multiple_of=8)),
-                             (tied, 7, dict(new_num_tokens=69, mean_resizing=False))):
+    for model, seed, how in (
+        (built, 5, dict(new_num_tokens=70)),
+        (loaded, 6, dict(pad_to_multiple_of=8)),
+        (tied, 7, dict(new_num_tokens=69, mean_resizing=False)),
+    ):
         torch.manual_seed(seed)
         model.resize_token_embeddings(**how)
     out["resized_meta"] = [all(p.is_meta for p in m.parameters()) for m in (built, loaded, tied)]
@@ -251,12 +311,18 @@ def sharded_builds_body(tmp: str) -> dict:
     torch.manual_seed(1)
     plain_tied = hf_trainer_script.build_model("llama", tie=True)
     saved_resized = copy.deepcopy(saved)
-    for model, seed, how in ((plain, 5, dict(new_num_tokens=70)), (saved_resized, 6, dict(pad_to_multiple_of=8)),
-                             (plain_tied, 7, dict(new_num_tokens=69, mean_resizing=False))):
+    for model, seed, how in (
+        (plain, 5, dict(new_num_tokens=70)),
+        (saved_resized, 6, dict(pad_to_multiple_of=8)),
+        (plain_tied, 7, dict(new_num_tokens=69, mean_resizing=False)),
+    ):
         torch.manual_seed(seed)
         model.resize_token_embeddings(**how)
-    for key, model, ref in (("config", built, plain), ("pretrained", loaded, saved_resized),
-                            ("tied", tied, plain_tied)):
+    for key, model, ref in (
+        ("config", built, plain),
+        ("pretrained", loaded, saved_resized),
+        ("tied", tied, plain_tied),
+    ):
         engine, opt, _, _ = llmpar.initialize(model=model, config=_zero3_config())
         out[f"{key}_differ"] = _differ(_whole(model, opt), ref)
         out[f"{key}_peak"] = (opt.init_peak_numel, sum(p.numel() for p in ref.parameters()))
@@ -271,7 +337,8 @@ def sharded_builds_body(tmp: str) -> dict:
     del args, stage2
     gc.collect()
     out["off"] = not is_llmpar_zero3_enabled() and not any(
-        p.is_meta for p in auto.from_config(hf_trainer_script.model_config("qwen2", tie=False)).parameters())
+        p.is_meta for p in auto.from_config(hf_trainer_script.model_config("qwen2", tie=False)).parameters()
+    )
     return out
 
 
@@ -305,9 +372,20 @@ def _environment_restored():
 
 
 def _args(tmp_path, **kw):
-    base = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, gradient_accumulation_steps=2,
-                learning_rate=2e-3, warmup_steps=3, weight_decay=0.01, max_grad_norm=0.5, report_to=[],
-                use_cpu=True, adam_beta1=0.8, adam_beta2=0.95, adam_epsilon=1e-7)
+    base = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        learning_rate=2e-3,
+        warmup_steps=3,
+        weight_decay=0.01,
+        max_grad_norm=0.5,
+        report_to=[],
+        use_cpu=True,
+        adam_beta1=0.8,
+        adam_beta2=0.95,
+        adam_epsilon=1e-7,
+    )
     base.update(kw)
     return transformers.TrainingArguments(**base)
 
@@ -321,20 +399,36 @@ def test_fill_auto_fills_from_the_arguments(tmp_path):
     out = fill_auto(cfg, _args(tmp_path), model=_model(), num_training_steps=50, dp=3)
     assert out["train_micro_batch_size_per_gpu"] == 4 and out["gradient_accumulation_steps"] == 2
     assert out["train_batch_size"] == 4 * 2 * 3 and out["gradient_clipping"] == 0.5
-    assert out["optimizer"]["params"] == {"lr": 2e-3, "betas": [0.8, 0.95], "eps": 1e-7, "weight_decay": 0.01,
-                                          "torch_adam": True}
-    assert out["scheduler"]["params"] == {"warmup_min_lr": 0, "warmup_max_lr": 2e-3, "warmup_num_steps": 3,
-                                          "total_num_steps": 50}
+    assert out["optimizer"]["params"] == {
+        "lr": 2e-3,
+        "betas": [0.8, 0.95],
+        "eps": 1e-7,
+        "weight_decay": 0.01,
+        "torch_adam": True,
+    }
+    assert out["scheduler"]["params"] == {
+        "warmup_min_lr": 0,
+        "warmup_max_lr": 2e-3,
+        "warmup_num_steps": 3,
+        "total_num_steps": 50,
+    }
     z = out["zero_optimization"]
-    assert (z["reduce_bucket_size"], z["stage3_prefetch_bucket_size"], z["stage3_param_persistence_threshold"]) == \
-        (32 * 32, int(0.9 * 32 * 32), 320)
+    assert (z["reduce_bucket_size"], z["stage3_prefetch_bucket_size"], z["stage3_param_persistence_threshold"]) == (
+        32 * 32,
+        int(0.9 * 32 * 32),
+        320,
+    )
     assert out["bf16"]["enabled"] is False and out["fp16"]["enabled"] is False
     assert cfg["train_batch_size"] == "auto"  # the caller's dict is left alone
 
 
 def test_fill_auto_names_every_mismatch(tmp_path):
-    cfg = {"gradient_accumulation_steps": 3, "train_micro_batch_size_per_gpu": 4,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "bf16": {"enabled": True}}
+    cfg = {
+        "gradient_accumulation_steps": 3,
+        "train_micro_batch_size_per_gpu": 4,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "bf16": {"enabled": True},
+    }
     with pytest.raises(ValueError) as e:
         fill_auto(cfg, _args(tmp_path), model=_model(), num_training_steps=10, dp=2)
     msg = str(e.value)
@@ -344,11 +438,21 @@ def test_fill_auto_names_every_mismatch(tmp_path):
 
 def test_fill_auto_refuses_what_it_cannot_fill(tmp_path):
     with pytest.raises(ValueError, match=r"\"auto\" is not filled for \['zero_optimization.sub_group_size'\]"):
-        fill_auto({"zero_optimization": {"stage": 3, "sub_group_size": "auto"}}, _args(tmp_path), model=_model(),
-                  num_training_steps=10, dp=1)
+        fill_auto(
+            {"zero_optimization": {"stage": 3, "sub_group_size": "auto"}},
+            _args(tmp_path),
+            model=_model(),
+            num_training_steps=10,
+            dp=1,
+        )
     with pytest.raises(ValueError, match="no hidden_size"):
-        fill_auto({"zero_optimization": {"reduce_bucket_size": "auto"}}, _args(tmp_path),
-                  model=torch.nn.Linear(2, 2), num_training_steps=10, dp=1)
+        fill_auto(
+            {"zero_optimization": {"reduce_bucket_size": "auto"}},
+            _args(tmp_path),
+            model=torch.nn.Linear(2, 2),
+            num_training_steps=10,
+            dp=1,
+        )
     with pytest.raises(TypeError, match="config must be a dict"):
         fill_auto("ds.json", _args(tmp_path), model=_model(), num_training_steps=10, dp=1)
     with pytest.raises(ValueError, match='"tensor_parallel.autotp_size"=-1 must be >= 0'):
@@ -366,8 +470,9 @@ def test_trainer_needs_its_config_once(tmp_path):
     assert args.deepspeed is None and args.llmpar_config == {"a": 1}  # transformers never sees it
     # a script's own subclass of transformers' TrainingArguments: its deepspeed= goes to llmpar too (DeepSpeed is
     # never configured), and llmpar's Trainer takes the arguments as they are
-    stock = hf_trainer_script.ScriptArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True,
-                                              deepspeed={"train_micro_batch_size_per_gpu": 2})
+    stock = hf_trainer_script.ScriptArguments(
+        output_dir=str(tmp_path), report_to=[], use_cpu=True, deepspeed={"train_micro_batch_size_per_gpu": 2}
+    )
     assert stock.deepspeed is None and stock.llmpar_config == {"train_micro_batch_size_per_gpu": 2}
     assert stock.deepspeed_plugin is None and not hasattr(stock, "hf_deepspeed_config")
     trainer = Trainer(model=_model(), args=stock, train_dataset=hf_trainer_script.Tokens())
@@ -376,16 +481,28 @@ def test_trainer_needs_its_config_once(tmp_path):
     with pytest.raises(ValueError, match="needs a DeepSpeed config"):
         Trainer(model=_model(), args=plain, train_dataset=hf_trainer_script.Tokens())
     with pytest.raises(ValueError, match="tensor_parallel.size=3 does not divide the 1 processes"):
-        Trainer(model=_model(), args=plain, train_dataset=hf_trainer_script.Tokens(),
-                llmpar_config={"tensor_parallel": {"autotp_size": 3}})
+        Trainer(
+            model=_model(),
+            args=plain,
+            train_dataset=hf_trainer_script.Tokens(),
+            llmpar_config={"tensor_parallel": {"autotp_size": 3}},
+        )
 
 
 def test_zero_init_is_reachable_after_import_llmpar():
     """``llmpar.zero.Init`` / ``GatheredParameters`` as DeepSpeed scripts write them, with only ``import llmpar``
     (a fresh interpreter: nothing imported llmpar.zero before)."""
-    code = ("import llmpar, sys; assert 'llmpar.zero' not in sys.modules; "
-            "print(llmpar.zero.Init.__name__, llmpar.zero.GatheredParameters.__name__)")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    code = (
+        "import llmpar, sys; assert 'llmpar.zero' not in sys.modules; "
+        "print(llmpar.zero.Init.__name__, llmpar.zero.GatheredParameters.__name__)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == ["Init", "GatheredParameters"]

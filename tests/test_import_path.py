@@ -5,6 +5,7 @@ A clone's root holds ``kernels/`` (llmpar's Triton kernels, installed as ``llmpa
 Hugging Face's package named ``kernels`` whenever it is installed, and found our folder instead (an ImportError in
 every test that built a transformers model, from a fresh clone's ``make test``).
 """
+
 from __future__ import annotations
 
 import importlib.metadata
@@ -29,8 +30,9 @@ def _python(code: str, *flags: str) -> subprocess.CompletedProcess:
     """``python [flags] -c code`` from the clone's root, as the README's commands run (the root first on sys.path)."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSAFEPATH")}
     env["HF_HUB_OFFLINE"] = "1"
-    return subprocess.run([sys.executable, *flags, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, *flags, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_a_transformers_model_builds_from_the_repo_root():

@@ -4,6 +4,7 @@ its script (``llmpar/launch/rank.py``): DeepSpeed's ``--local_rank=N`` and launc
 that see torchrun's variables before the script starts (an HF ``TrainingArguments`` reads them at once), with
 ``srun`` / ``mpirun`` simulated by small stand-ins on PATH that start N local processes with Slurm's / OpenMPI's
 variables, as the real ones do on one node."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -39,12 +40,28 @@ def _deepspeed_runner_flags() -> list[str]:
 
 
 # a value for each DeepSpeed runner option that takes one (the others are switches); None: tested on its own
-SAMPLE = {"--hostfile": ["hosts"], "-H": ["hosts"], "--include": ["w1"], "-i": ["w1"], "--exclude": ["w1"],
-          "-e": ["w1"], "--num_nodes": ["1"], "--num_gpus": ["2"], "--num_accelerators": ["2"],
-          "--master_port": ["29511"], "--master_addr": ["127.0.0.1"], "--node_rank": ["0"],
-          "--launcher": ["torchrun"], "--launcher_args": [""], "--enable_each_rank_log": ["logs"],
-          "--bind_core_list": ["0-1"], "--ssh_port": ["2222"], "--venv_script": ["venv/bin/activate"],
-          "--log_level": ["warning"], "--autotuning": None}
+SAMPLE = {
+    "--hostfile": ["hosts"],
+    "-H": ["hosts"],
+    "--include": ["w1"],
+    "-i": ["w1"],
+    "--exclude": ["w1"],
+    "-e": ["w1"],
+    "--num_nodes": ["1"],
+    "--num_gpus": ["2"],
+    "--num_accelerators": ["2"],
+    "--master_port": ["29511"],
+    "--master_addr": ["127.0.0.1"],
+    "--node_rank": ["0"],
+    "--launcher": ["torchrun"],
+    "--launcher_args": [""],
+    "--enable_each_rank_log": ["logs"],
+    "--bind_core_list": ["0-1"],
+    "--ssh_port": ["2222"],
+    "--venv_script": ["venv/bin/activate"],
+    "--log_level": ["warning"],
+    "--autotuning": None,
+}
 
 
 def test_every_deepspeed_launcher_flag_is_accepted(tmp_path, capsys, monkeypatch):
@@ -66,13 +83,32 @@ def test_every_deepspeed_launcher_flag_is_accepted(tmp_path, capsys, monkeypatch
         capsys.readouterr()
     args = parser.parse_args(["launch", "--dry-run", "--autotuning", "tune", "train.py"])
     assert main(args) == 2 and "--autotuning tune: llmpar has no autotuner" in capsys.readouterr().err
-    args = parser.parse_args(["launch", "--dry-run", "--num_gpus", "2", "--no_ssh_check", "--ssh_port", "22",
-                              "--venv_script", "v.sh", "--bind_core_list", "0", "--force_multi", "train.py"])
+    args = parser.parse_args(
+        [
+            "launch",
+            "--dry-run",
+            "--num_gpus",
+            "2",
+            "--no_ssh_check",
+            "--ssh_port",
+            "22",
+            "--venv_script",
+            "v.sh",
+            "--bind_core_list",
+            "0",
+            "--force_multi",
+            "train.py",
+        ]
+    )
     assert main(args) == 0
     err = capsys.readouterr().err
-    for said in ("--no_ssh_check: llmpar launch makes no ssh check", "--ssh_port: used by --launcher ssh only",
-                 "--venv_script: used by --launcher ssh only", "--bind_core_list: used with --bind_cores_to_rank",
-                 "--force_multi: without --hostfile"):
+    for said in (
+        "--no_ssh_check: llmpar launch makes no ssh check",
+        "--ssh_port: used by --launcher ssh only",
+        "--venv_script: used by --launcher ssh only",
+        "--bind_core_list: used with --bind_cores_to_rank",
+        "--force_multi: without --hostfile",
+    ):
         assert err.count(said) == 1, (said, err)
     args = parser.parse_args(["launch", "--dry-run", "-q", "--num_gpus", "2", "--no_ssh_check", "train.py"])
     assert main(args) == 0 and capsys.readouterr().err == ""  # --quiet: errors only
@@ -86,13 +122,24 @@ def _commands(argv: list[str], tmp_path, environ: dict | None = None):
 
 
 def _after(argv: list[str], token: str) -> list[str]:
-    return argv[argv.index(token) + 1:]
+    return argv[argv.index(token) + 1 :]
 
 
 def test_deepspeed_flags_on_each_route(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    (c,) = _commands(["--num_gpus", "2", "--no_python", "--bind_cores_to_rank", "--bind_core_list", "0,1",
-                      "--enable_each_rank_log", "logs"], tmp_path)
+    (c,) = _commands(
+        [
+            "--num_gpus",
+            "2",
+            "--no_python",
+            "--bind_cores_to_rank",
+            "--bind_core_list",
+            "0,1",
+            "--enable_each_rank_log",
+            "logs",
+        ],
+        tmp_path,
+    )
     opts = _after(c.argv, "llmpar.launch.rank")
     assert opts[:4] == ["--pass_local_rank", "--no_python", "--bind_cores_to_rank", "--bind_core_list=0,1"]
     assert opts[4] == "--enable_each_rank_log=logs" and re.fullmatch(r"--log_name_prefix=\d{14}", opts[5])
@@ -128,34 +175,63 @@ def test_rank_wrapper_pieces():
     with pytest.raises(ValueError, match=r"--bind_cores_to_rank: 2 core\(s\) \(s\) for 3 ranks"):
         rank.rank_cores([0, 1], 0, 3, source="s")
     opts, program = rank.parse(["--pass_local_rank", "--bind_core_list=0-3", "x.py", "--lr", "--pass_local_rank"])
-    assert opts == {"pass_local_rank": True, "bind_core_list": "0-3"} and program == ["x.py", "--lr",
-                                                                                       "--pass_local_rank"]
-    assert rank.command(opts, program, 3) == [sys.executable, "-u", "x.py", "--local_rank=3", "--lr",
-                                              "--pass_local_rank"]
+    assert opts == {"pass_local_rank": True, "bind_core_list": "0-3"} and program == [
+        "x.py",
+        "--lr",
+        "--pass_local_rank",
+    ]
+    assert rank.command(opts, program, 3) == [
+        sys.executable,
+        "-u",
+        "x.py",
+        "--local_rank=3",
+        "--lr",
+        "--pass_local_rank",
+    ]
     assert rank.command({"no_python": True}, ["./run.sh", "a"], 1) == ["./run.sh", "a"]
-    assert rank.command({"module": True, "pass_local_rank": True}, ["pkg.m"], 0)[2:] == ["-m", "pkg.m",
-                                                                                         "--local_rank=0"]
+    assert rank.command({"module": True, "pass_local_rank": True}, ["pkg.m"], 0)[2:] == [
+        "-m",
+        "pkg.m",
+        "--local_rank=0",
+    ]
     for bad in (["--bogus", "x.py"], ["--bind_core_list", "x.py"], ["--module"], ["--module", "--no_python", "x"]):
         with pytest.raises(ValueError):
             rank.parse(bad)
-    slurm = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_STEP_NUM_TASKS": "4", "SLURM_LOCALID": "1",
-             "SLURM_STEP_TASKS_PER_NODE": "2(x2)", "SLURM_NODEID": "1", "SLURM_STEP_NODELIST": "gpu[7-8]",
-             "SLURM_JOB_ID": "123042", "PATH": "/bin"}
+    slurm = {
+        "SLURM_PROCID": "3",
+        "SLURM_NTASKS": "4",
+        "SLURM_STEP_NUM_TASKS": "4",
+        "SLURM_LOCALID": "1",
+        "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
+        "SLURM_NODEID": "1",
+        "SLURM_STEP_NODELIST": "gpu[7-8]",
+        "SLURM_JOB_ID": "123042",
+        "PATH": "/bin",
+    }
     env, r, local, local_world = rank.rank_environment(slurm)
     assert (r, local, local_world) == (3, 1, 2)
     assert {k: env[k] for k in (*_TORCHRUN, "LLMPAR_MASTER_PORT_FROM", "PATH")} == {
-        "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "gpu7",
-        "MASTER_PORT": "18042", "LLMPAR_MASTER_PORT_FROM": "18042:SLURM_JOB_ID=123042", "PATH": "/bin"}
+        "RANK": "3",
+        "WORLD_SIZE": "4",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "gpu7",
+        "MASTER_PORT": "18042",
+        "LLMPAR_MASTER_PORT_FROM": "18042:SLURM_JOB_ID=123042",
+        "PATH": "/bin",
+    }
     torchrun = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
     assert rank.rank_environment(torchrun)[0] == torchrun  # torchrun's own: as they are
-    probe = ("import sys; from llmpar.launch import rank; print(rank.rank_environment(dict(SLURM_PROCID='0', "
-             "SLURM_NTASKS='1'))[0]['WORLD_SIZE'], 'torch' in sys.modules)")
+    probe = (
+        "import sys; from llmpar.launch import rank; print(rank.rank_environment(dict(SLURM_PROCID='0', "
+        "SLURM_NTASKS='1'))[0]['WORLD_SIZE'], 'torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", probe], env=_env(), capture_output=True, text=True, timeout=60)
     assert out.stdout.split() == ["1", "False"], out.stderr  # the wrapper does not import torch before the exec
 
 
 # ------------------------------------------------------------------------------------------- real launches
-DS_JOB = r'''
+DS_JOB = r"""
 import argparse, json, os, sys
 parser = argparse.ArgumentParser()  # DeepSpeedExamples' shape: -1 means "not distributed"
 parser.add_argument("--local_rank", type=int, default=-1)
@@ -168,7 +244,7 @@ print(json.dumps({"local_rank": args.local_rank, "tag": args.tag, "env_local": o
                   "rank": os.environ["RANK"], "cores": sorted(os.sched_getaffinity(0)),
                   "omp": os.environ.get("OMP_NUM_THREADS"), "agent": os.getppid(),
                   "pids": open(pid_file).read().split() if os.path.exists(pid_file) else None}))
-'''
+"""
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -193,23 +269,34 @@ def test_deepspeed_script_gets_local_rank_cores_logs_and_pid_file(tmp_path, ds_e
         pytest.skip("needs 2 CPUs")
     (tmp_path / "job.py").write_text(DS_JOB)
     flags = ["--num_gpus", "2", "--enable_each_rank_log", "logs", "--save_pid", "job.py", "--tag", "t"]
-    proc = subprocess.run([sys.executable, "-m", "llmpar.launch", "--bind_cores_to_rank", *flags], cwd=tmp_path,
-                          env=_env(), capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        [sys.executable, "-m", "llmpar.launch", "--bind_cores_to_rank", *flags],
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = _rank_logs(tmp_path / "logs")
     half = len(allowed) // 2
     for r, g in enumerate(got):
         assert (g["local_rank"], g["tag"], g["env_local"], g["rank"]) == (r, "t", str(r), str(r))
-        assert g["cores"] == allowed[r * half:(r + 1) * half] and g["omp"] == str(half)
+        assert g["cores"] == allowed[r * half : (r + 1) * half] and g["omp"] == str(half)
         assert g["pids"] == [str(g["agent"])]
     launcher_pid = re.search(r"pid (\d+), started", proc.stderr).group(1)
     assert not os.path.exists(f"/tmp/{launcher_pid}.deepspeed")
     if importlib.util.find_spec("deepspeed") is None:
         return
     (tmp_path / "logs").rename(tmp_path / "ours")
-    stock = subprocess.run([os.path.join(os.path.dirname(sys.executable), "deepspeed"), *flags], cwd=tmp_path,
-                           env=_env(DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=str(ds_ext_dir)),
-                           capture_output=True, text=True, timeout=240)
+    stock = subprocess.run(
+        [os.path.join(os.path.dirname(sys.executable), "deepspeed"), *flags],
+        cwd=tmp_path,
+        env=_env(DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=str(ds_ext_dir)),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert stock.returncode == 0, stock.stderr[-3000:]
     theirs = _rank_logs(tmp_path / "logs")
     for g in theirs:
@@ -251,7 +338,7 @@ procs = [subprocess.Popen(args, env={{**env, "OMPI_COMM_WORLD_RANK": str(i), "OM
          for i in range(n)]
 sys.exit(max(p.wait() for p in procs))
 '''
-HF_JOB = r'''
+HF_JOB = r"""
 import json, os, sys
 seen = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                                        "MASTER_PORT", "LLMPAR_MASTER_PORT_FROM")}
@@ -263,7 +350,7 @@ if sys.argv[2] == "hf":  # what HF Trainer scripts do first: TrainingArguments r
                 group=dist.get_world_size() if dist.is_initialized() else None)
 with open(os.path.join(sys.argv[1], f"{sys.argv[2]}{seen['RANK']}.json"), "w") as f:
     json.dump(seen, f)
-'''
+"""
 
 
 def test_srun_and_mpirun_tasks_see_torchrun_variables_before_the_script(tmp_path):
@@ -280,17 +367,40 @@ def test_srun_and_mpirun_tasks_see_torchrun_variables_before_the_script(tmp_path
         (bin_dir / name).chmod(stat.S_IRWXU)
     (tmp_path / "job.py").write_text(HF_JOB)
     port, job = _slurm_port()
-    env = _env(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", SLURM_JOB_ID=str(job),
-               SLURM_JOB_NODELIST="127.0.0.1")
+    env = _env(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", SLURM_JOB_ID=str(job), SLURM_JOB_NODELIST="127.0.0.1")
     for launcher, kind in (("slurm", "hf"), ("mpi", "plain")):
-        proc = subprocess.run([sys.executable, "-m", "llmpar.launch", "--launcher", launcher, "--num_nodes", "1",
-                               "--num_gpus", "2", "job.py", str(tmp_path), kind], cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "llmpar.launch",
+                "--launcher",
+                launcher,
+                "--num_nodes",
+                "1",
+                "--num_gpus",
+                "2",
+                "job.py",
+                str(tmp_path),
+                kind,
+            ],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert proc.returncode == 0, (launcher, proc.stderr[-3000:])
     for r in (0, 1):
-        want = {"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": "2",
-                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                "LLMPAR_MASTER_PORT_FROM": f"{port}:SLURM_JOB_ID={job}"}
+        want = {
+            "RANK": str(r),
+            "WORLD_SIZE": "2",
+            "LOCAL_RANK": str(r),
+            "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "LLMPAR_MASTER_PORT_FROM": f"{port}:SLURM_JOB_ID={job}",
+        }
         hf = json.loads((tmp_path / f"hf{r}.json").read_text())
         assert hf == {**want, "world": 2, "process": r, "local": r, "group": 2}, hf
         assert json.loads((tmp_path / f"plain{r}.json").read_text()) == want

@@ -1,5 +1,6 @@
 """llmpar.ops.lowbit: the maps, block quantize / dequantize against float64 brute force, 4-bit packing, the float32
 torch step against the float64 reference, stochastic rounding, bad inputs."""
+
 from __future__ import annotations
 
 import importlib
@@ -22,6 +23,8 @@ SIZES = (5, 123, 4097)
 def torch_path(monkeypatch):
     """The torch path is the ground truth here (the kernels are checked against it in test_lowbit_kernels.py)."""
     monkeypatch.setenv("LLMPAR_BACKEND", "torch")
+
+
 CASES = [(b, s) for b in (8, 4) for s in (True, False)]
 
 
@@ -45,19 +48,19 @@ def brute_codes(x: torch.Tensor, bits: int, signed: bool) -> tuple[torch.Tensor,
     codes = torch.empty(n, dtype=torch.long)
     ys = torch.empty(n, dtype=torch.float64)
     for start in range(0, n, block):
-        xb = x64[start:start + block]
-        s = float(x[start:start + block].abs().max())
+        xb = x64[start : start + block]
+        s = float(x[start : start + block].abs().max())
         y = xb / s if s != 0 else torch.zeros_like(xb)
         dist = (y[:, None] - q[None, :]).abs()
-        codes[start:start + block] = dist.argmin(dim=1)  # first minimum: ties go low
-        ys[start:start + block] = y
+        codes[start : start + block] = dist.argmin(dim=1)  # first minimum: ties go low
+        ys[start : start + block] = y
     return codes, L.near_tie(ys, bits, signed, ulps=2.0)
 
 
 @pytest.mark.parametrize("bits,signed", CASES)
 def test_maps(bits, signed):
     q = L.qmap(bits, signed)
-    assert q.dtype == torch.float32 and q.numel() == 2 ** bits
+    assert q.dtype == torch.float32 and q.numel() == 2**bits
     assert bool((q[1:] > q[:-1]).all()), "sorted, distinct"
     assert float(q.max()) == 1.0 and float(q.min()) == (-1.0 if signed else 1 / 16 if bits == 4 else 0.0)
     if signed or bits == 8:
@@ -81,7 +84,7 @@ def test_codes_match_float64_argmin(bits, signed, n):
     diff = flat.long() != want
     assert not bool((diff & ~tie).any()), f"{int((diff & ~tie).sum())} codes differ away from ties"
     block = L.BLOCK[bits]
-    ref_scale = torch.stack([x[i:i + block].abs().max() for i in range(0, n, block)])
+    ref_scale = torch.stack([x[i : i + block].abs().max() for i in range(0, n, block)])
     assert torch.equal(scale, ref_scale)
 
 
@@ -100,14 +103,14 @@ def test_round_trip_error_bound(bits, signed, n):
     k = torch.searchsorted(q, y).clamp(1, q.numel() - 1)
     gap = (q[k] - q[k - 1]).clamp_min(0)
     below = y < q[0]  # only the 4-bit v map (no zero): values under 1/16 of the absmax round up to it
-    bound = (torch.where(below, q[0] - y, gap / 2) + 4 * 2.0 ** -23) * s  # + float32 rounding of y and q*s
+    bound = (torch.where(below, q[0] - y, gap / 2) + 4 * 2.0**-23) * s  # + float32 rounding of y and q*s
     err = (back.to(torch.float64) - x.to(torch.float64)).abs()
     assert bool((err <= bound).all()), float((err - bound).max())
     zero = s == 0
     assert bool((back[zero] == 0).all())
     # every block's absmax element comes back exactly (its y is +-1, both entries of the signed map)
     for i in range(0, n, block):
-        j = int(x[i:i + block].abs().argmax()) + i
+        j = int(x[i : i + block].abs().argmax()) + i
         assert float(back[j]) == float(x[j])
     # dequantize -> quantize is the identity (what checkpoints of float32 moments rely on)
     codes2, scale2 = L.quantize(back, bits, signed)
@@ -160,17 +163,41 @@ def test_step_matches_float64_reference(bits, dtype):
     gscale = torch.tensor(0.7)
     for k in range(3):
         t = 4 + k
-        refs = [L.adamw_lowbit_reference(p, g, s["m_codes"], s["m_scale"], s["v_codes"], s["v_scale"], t,
-                                         None if masters is None else masters[i], bits=bits, gscale=0.7, **HYPER)
-                for i, (p, g, s) in enumerate(zip(params, grads, states))]
-        L.adamw_lowbit_step(params, grads, [s["m_codes"] for s in states], [s["m_scale"] for s in states],
-                            [s["v_codes"] for s in states], [s["v_scale"] for s in states], steps, masters,
-                            bits=bits, gscale=gscale, **HYPER)
+        refs = [
+            L.adamw_lowbit_reference(
+                p,
+                g,
+                s["m_codes"],
+                s["m_scale"],
+                s["v_codes"],
+                s["v_scale"],
+                t,
+                None if masters is None else masters[i],
+                bits=bits,
+                gscale=0.7,
+                **HYPER,
+            )
+            for i, (p, g, s) in enumerate(zip(params, grads, states))
+        ]
+        L.adamw_lowbit_step(
+            params,
+            grads,
+            [s["m_codes"] for s in states],
+            [s["m_scale"] for s in states],
+            [s["v_codes"] for s in states],
+            [s["v_scale"] for s in states],
+            steps,
+            masters,
+            bits=bits,
+            gscale=gscale,
+            **HYPER,
+        )
         for i, (p, s, r) in enumerate(zip(params, states, refs)):
             assert float(steps[i]) == t
             w = masters[i] if masters is not None else p
-            torch.testing.assert_close(w.to(torch.float64), r.master if masters is not None else r.param,
-                                       rtol=4e-7, atol=1e-7)
+            torch.testing.assert_close(
+                w.to(torch.float64), r.master if masters is not None else r.param, rtol=4e-7, atol=1e-7
+            )
             if masters is not None:
                 assert torch.equal(p, masters[i].to(torch.bfloat16)), "bf16 param = master rounded to nearest even"
             torch.testing.assert_close(s["m_scale"].double(), r.m_scale.double(), rtol=1e-6, atol=0)
@@ -194,8 +221,19 @@ def test_found_inf_skips_everything():
     param, _, grad, s = _random_case(123, 8, torch.float32, seed=1)
     before = (param.clone(), {k: v.clone() for k, v in s.items()})
     step = torch.tensor(2.0)
-    L.adamw_lowbit_step([param], [grad], [s["m_codes"]], [s["m_scale"]], [s["v_codes"]], [s["v_scale"]], [step],
-                        None, bits=8, found_inf=torch.tensor(1.0), **HYPER)
+    L.adamw_lowbit_step(
+        [param],
+        [grad],
+        [s["m_codes"]],
+        [s["m_scale"]],
+        [s["v_codes"]],
+        [s["v_scale"]],
+        [step],
+        None,
+        bits=8,
+        found_inf=torch.tensor(1.0),
+        **HYPER,
+    )
     assert float(step) == 2.0 and torch.equal(param, before[0])
     assert all(torch.equal(s[k], before[1][k]) for k in s)
 
@@ -203,6 +241,7 @@ def test_found_inf_skips_everything():
 def test_a_broken_kernel_module_is_an_error_not_a_silent_torch_path(monkeypatch):
     """An error inside llmpar.ops.lowbit_kernels (here: a name it imports gone) surfaces; it used to be caught as
     "kernels absent", sending every step down the torch path without a word."""
+
     class Broken(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         def find_spec(self, name, path, target=None):
             return importlib.util.spec_from_loader(name, self) if name == "llmpar.ops.lowbit_kernels" else None
@@ -219,8 +258,18 @@ def test_a_broken_kernel_module_is_an_error_not_a_silent_torch_path(monkeypatch)
     param, _, grad, s = _random_case(123, 8, torch.float32, seed=1)
     with pytest.raises(ImportError, match="isa_code"):
         lowbit = importlib.import_module("llmpar.ops.lowbit")
-        lowbit.adamw_lowbit_step([param], [grad], [s["m_codes"]], [s["m_scale"]], [s["v_codes"]], [s["v_scale"]],
-                                 [torch.tensor(0.0)], None, bits=8, **HYPER)
+        lowbit.adamw_lowbit_step(
+            [param],
+            [grad],
+            [s["m_codes"]],
+            [s["m_scale"]],
+            [s["v_codes"]],
+            [s["v_scale"]],
+            [torch.tensor(0.0)],
+            None,
+            bits=8,
+            **HYPER,
+        )
 
 
 def test_the_step_runs_where_triton_is_missing(tmp_path):
@@ -236,15 +285,18 @@ def test_the_step_runs_where_triton_is_missing(tmp_path):
         "step = torch.tensor(0.0)\n"
         "L.adamw_lowbit_step([c['param']], [c['grad']], [c['m_codes']], [c['m_scale']], [c['v_codes']],\n"
         f"                    [c['v_scale']], [step], None, bits=4, **{HYPER!r})\n"
-        f"torch.save({{**c, 'step': step}}, {str(tmp_path / 'out.pt')!r})\n")
+        f"torch.save({{**c, 'step': step}}, {str(tmp_path / 'out.pt')!r})\n"
+    )
     env = {**os.environ, "LLMPAR_BACKEND": "torch"}
-    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     out = torch.load(tmp_path / "out.pt")
     step = torch.tensor(0.0)
-    L.adamw_lowbit_step([param], [grad], [s["m_codes"]], [s["m_scale"]], [s["v_codes"]], [s["v_scale"]], [step],
-                        None, bits=4, **HYPER)
+    L.adamw_lowbit_step(
+        [param], [grad], [s["m_codes"]], [s["m_scale"]], [s["v_codes"]], [s["v_scale"]], [step], None, bits=4, **HYPER
+    )
     assert float(out["step"]) == float(step) == 1.0
     assert torch.equal(out["param"], param) and not torch.equal(param, torch.load(tmp_path / "case.pt")["param"])
     assert all(torch.equal(out[k], s[k]) for k in s)
@@ -257,12 +309,32 @@ def test_zero_grads_keep_v_zero_and_params_finite():
     p = torch.randn(n)
     s = L.new_state(n, 4)
     step = torch.tensor(0.0)
-    L.adamw_lowbit_step([p.clone()], [torch.zeros(n)], [s["m_codes"]], [s["m_scale"]], [s["v_codes"]],
-                        [s["v_scale"]], [step], None, bits=4, **HYPER)
+    L.adamw_lowbit_step(
+        [p.clone()],
+        [torch.zeros(n)],
+        [s["m_codes"]],
+        [s["m_scale"]],
+        [s["v_codes"]],
+        [s["v_scale"]],
+        [step],
+        None,
+        bits=4,
+        **HYPER,
+    )
     assert float(s["v_scale"].abs().max()) == 0.0
     out = p.clone()
-    L.adamw_lowbit_step([out], [torch.zeros(n)], [s["m_codes"]], [s["m_scale"]], [s["v_codes"]],
-                        [s["v_scale"]], [step], None, bits=4, **HYPER)
+    L.adamw_lowbit_step(
+        [out],
+        [torch.zeros(n)],
+        [s["m_codes"]],
+        [s["m_scale"]],
+        [s["v_codes"]],
+        [s["v_scale"]],
+        [step],
+        None,
+        bits=4,
+        **HYPER,
+    )
     torch.testing.assert_close(out, p * (1 - HYPER["lr"] * HYPER["weight_decay"]))
 
 
@@ -285,8 +357,19 @@ def test_stochastic_rounding_unbiased_and_reproducible():
 
     def run(seed):
         p, _, g, s = _random_case(257, 8, torch.float32, seed=4)
-        L.adamw_lowbit_step([p], [g], [s["m_codes"]], [s["m_scale"]], [s["v_codes"]], [s["v_scale"]],
-                            [torch.tensor(0.0)], None, bits=8, seed=seed, **HYPER)
+        L.adamw_lowbit_step(
+            [p],
+            [g],
+            [s["m_codes"]],
+            [s["m_scale"]],
+            [s["v_codes"]],
+            [s["v_scale"]],
+            [torch.tensor(0.0)],
+            None,
+            bits=8,
+            seed=seed,
+            **HYPER,
+        )
         return s["m_codes"]
 
     assert torch.equal(run(5), run(5)) and not torch.equal(run(5), run(6))
@@ -302,27 +385,63 @@ def test_stochastic_rounding_of_shards_equals_the_whole(bits):
     p, _, g, s = _random_case(n, bits, torch.float32, seed=9)
     whole = {k: t.clone() for k, t in s.items()}
     pw = p.clone()
-    L.adamw_lowbit_step([pw], [g], [whole["m_codes"]], [whole["m_scale"]], [whole["v_codes"]], [whole["v_scale"]],
-                        [torch.tensor(2.0)], None, bits=bits, seed=3, salts=[17], **HYPER)
+    L.adamw_lowbit_step(
+        [pw],
+        [g],
+        [whole["m_codes"]],
+        [whole["m_scale"]],
+        [whole["v_codes"]],
+        [whole["v_scale"]],
+        [torch.tensor(2.0)],
+        None,
+        bits=bits,
+        seed=3,
+        salts=[17],
+        **HYPER,
+    )
     cuts = (0, 2 * block, 3 * block, n)
     cb = 1 if bits == 8 else 2  # elements per code byte
     for shift, same in ((0, True), (block, False)):
         shards = []
         for a, b in zip(cuts[:-1], cuts[1:]):
-            st = {k: s[k][a // cb:-(-b // cb)].clone() for k in ("m_codes", "v_codes")}
-            st.update({k: s[k][a // block:-(-b // block)].clone() for k in ("m_scale", "v_scale")})
+            st = {k: s[k][a // cb : -(-b // cb)].clone() for k in ("m_codes", "v_codes")}
+            st.update({k: s[k][a // block : -(-b // block)].clone() for k in ("m_scale", "v_scale")})
             ps = p[a:b].clone()
-            L.adamw_lowbit_step([ps], [g[a:b]], [st["m_codes"]], [st["m_scale"]], [st["v_codes"]], [st["v_scale"]],
-                                [torch.tensor(2.0)], None, bits=bits, seed=3, salts=[17], sr_offsets=[a + shift],
-                                **HYPER)
+            L.adamw_lowbit_step(
+                [ps],
+                [g[a:b]],
+                [st["m_codes"]],
+                [st["m_scale"]],
+                [st["v_codes"]],
+                [st["v_scale"]],
+                [torch.tensor(2.0)],
+                None,
+                bits=bits,
+                seed=3,
+                salts=[17],
+                sr_offsets=[a + shift],
+                **HYPER,
+            )
             shards.append((ps, st))
         for k in ("m_codes", "v_codes", "m_scale", "v_scale"):  # (scales: the absmax, before any rounding)
             got = torch.cat([st[k] for _, st in shards])
             assert torch.equal(got, whole[k]) == (same or "scale" in k), (k, shift)
         assert torch.equal(torch.cat([ps for ps, _ in shards]), pw)
     with pytest.raises(ValueError, match="sr_offsets"):
-        L.adamw_lowbit_step([p], [g], [s["m_codes"]], [s["m_scale"]], [s["v_codes"]], [s["v_scale"]],
-                            [torch.tensor(2.0)], None, bits=bits, seed=3, sr_offsets=[-1], **HYPER)
+        L.adamw_lowbit_step(
+            [p],
+            [g],
+            [s["m_codes"]],
+            [s["m_scale"]],
+            [s["v_codes"]],
+            [s["v_scale"]],
+            [torch.tensor(2.0)],
+            None,
+            bits=bits,
+            seed=3,
+            sr_offsets=[-1],
+            **HYPER,
+        )
 
 
 def test_bad_inputs():
@@ -343,9 +462,19 @@ def test_bad_inputs():
     with pytest.raises(TypeError, match="float32"):
         L.dequantize(codes, scale.double(), 4, True, 10)
     p, _, g, s = _random_case(123, 8, torch.float32, seed=1)
-    args = lambda **kw: {**dict(params=[p], grads=[g], m_codes=[s["m_codes"]], m_scales=[s["m_scale"]],  # noqa
-                                v_codes=[s["v_codes"]], v_scales=[s["v_scale"]], steps=[torch.tensor(0.0)],
-                                masters=None), **kw}
+    args = lambda **kw: {
+        **dict(
+            params=[p],
+            grads=[g],
+            m_codes=[s["m_codes"]],
+            m_scales=[s["m_scale"]],  # noqa
+            v_codes=[s["v_codes"]],
+            v_scales=[s["v_scale"]],
+            steps=[torch.tensor(0.0)],
+            masters=None,
+        ),
+        **kw,
+    }
     with pytest.raises(ValueError, match=r"grads\[0\]"):
         L.adamw_lowbit_step(**args(grads=[g[:5]]), bits=8, **HYPER)
     with pytest.raises(ValueError, match="m_scales has 2 tensors"):
@@ -370,8 +499,9 @@ from llmpar.optim import FusedAdamW  # noqa: E402
 
 def tiny_mlp(seed: int = 0, dtype=torch.float32) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(13, 37), torch.nn.GELU(), torch.nn.Linear(37, 300),
-                               torch.nn.GELU(), torch.nn.Linear(300, 5)).to(dtype)
+    return torch.nn.Sequential(
+        torch.nn.Linear(13, 37), torch.nn.GELU(), torch.nn.Linear(37, 300), torch.nn.GELU(), torch.nn.Linear(300, 5)
+    ).to(dtype)
 
 
 def batch(step: int, dtype=torch.float32):
@@ -380,8 +510,9 @@ def batch(step: int, dtype=torch.float32):
     return x.to(dtype), (x[:, :5] * 2 - x[:, 5:10]).sin().to(dtype)
 
 
-@pytest.mark.parametrize("state_precision,dtype", [("int8", torch.float32), ("int4", torch.float32),
-                                                   ("int8", torch.bfloat16)])
+@pytest.mark.parametrize(
+    "state_precision,dtype", [("int8", torch.float32), ("int4", torch.float32), ("int8", torch.bfloat16)]
+)
 def test_fused_adamw_matches_float64_reference_loop(state_precision, dtype):
     """20 steps of FusedAdamW (clipping on) vs a float64 loop of adamw_lowbit_reference fed the same grads: params
     close, codes equal but for rare ties."""
@@ -390,8 +521,14 @@ def test_fused_adamw_matches_float64_reference_loop(state_precision, dtype):
     params = list(model.parameters())
     hyper = dict(lr=2e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.05)
     opt = FusedAdamW(params, **hyper, state_precision=state_precision, max_grad_norm=0.5)
-    ref = [dict(p=p.detach().double().clone() if dtype == torch.float32 else None,
-                master=p.detach().double().clone(), **L.new_state(p.numel(), bits)) for p in params]
+    ref = [
+        dict(
+            p=p.detach().double().clone() if dtype == torch.float32 else None,
+            master=p.detach().double().clone(),
+            **L.new_state(p.numel(), bits),
+        )
+        for p in params
+    ]
     mismatched = total = 0
     for step in range(1, 21):
         x, y = batch(step, dtype)
@@ -403,11 +540,25 @@ def test_fused_adamw_matches_float64_reference_loop(state_precision, dtype):
         opt.step()
         opt.zero_grad()
         for p, r, g in zip(params, ref, grads):
-            out = L.adamw_lowbit_reference(r["master"], g, r["m_codes"], r["m_scale"], r["v_codes"], r["v_scale"],
-                                           step, bits=bits, lr=hyper["lr"], beta1=0.9, beta2=0.95, eps=1e-8,
-                                           weight_decay=0.05, gscale=coef)
-            r.update(master=out.param, m_codes=out.m_codes, m_scale=out.m_scale, v_codes=out.v_codes,
-                     v_scale=out.v_scale)
+            out = L.adamw_lowbit_reference(
+                r["master"],
+                g,
+                r["m_codes"],
+                r["m_scale"],
+                r["v_codes"],
+                r["v_scale"],
+                step,
+                bits=bits,
+                lr=hyper["lr"],
+                beta1=0.9,
+                beta2=0.95,
+                eps=1e-8,
+                weight_decay=0.05,
+                gscale=coef,
+            )
+            r.update(
+                master=out.param, m_codes=out.m_codes, m_scale=out.m_scale, v_codes=out.v_codes, v_scale=out.v_scale
+            )
             st = opt.state[p]
             total += st["m_codes"].numel()
             mismatched += int((st["m_codes"] != out.m_codes).sum())

@@ -12,6 +12,7 @@ A low-bit ZeRO run saves its moments as float32 ``exp_avg`` / ``exp_avg_sq`` (th
     ``lowbit.quantize`` does it on the unit's values): switching precision is a config change, said in the log.
 One pool job (2 ranks) does the runs, saves, conversions (rank 0) and loads; the checks read its results.
 """
+
 from __future__ import annotations
 
 import os
@@ -34,10 +35,13 @@ def _engine(stage, typ):
     from llmpar.models import GPT, GPTConfig
 
     model = GPT(GPTConfig(vocab_size=V, n_layer=2, n_head=4, d_model=16, seq_len=T), seed=0, dtype=torch.float32)
-    cfg = {"train_micro_batch_size_per_gpu": ROWS // dist.get_world_size(), "gradient_clipping": 1.0,
-           "steps_per_print": 1000, "optimizer": {"type": typ, "params": {"lr": 1e-2, "weight_decay": 0.01}},
-           "zero_optimization": {"stage": stage, "reduce_bucket_size": 700,
-                                 "stage3_param_persistence_threshold": 100}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": ROWS // dist.get_world_size(),
+        "gradient_clipping": 1.0,
+        "steps_per_print": 1000,
+        "optimizer": {"type": typ, "params": {"lr": 1e-2, "weight_decay": 0.01}},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 700, "stage3_param_persistence_threshold": 100},
+    }
     engine, *_ = llmpar.initialize(model=model, config=cfg)
     return engine, model
 
@@ -47,7 +51,7 @@ def _train(engine, model, steps):
     n = ROWS // world
     for s in steps:
         d = torch.randint(0, V, (ROWS, T + 1), generator=torch.Generator().manual_seed(100 + s))
-        x, y = d[rank * n:(rank + 1) * n, :-1], d[rank * n:(rank + 1) * n, 1:]
+        x, y = d[rank * n : (rank + 1) * n, :-1], d[rank * n : (rank + 1) * n, 1:]
         engine.backward(model.loss(engine(x), y))
         engine.step()
 
@@ -70,12 +74,21 @@ def _moments(engine):
             if bits is None:
                 part = shard[key]
             else:
-                part = torch.cat([L.dequantize(lowbit_state.unit_view(lay, b.state[ck], ck, u, bits),
-                                               lowbit_state.unit_view(lay, b.state[sk], sk, u, bits), bits, signed,
-                                               lay.units[u].shard_numel(lay.shards)) for u in range(len(lay.units))])
+                part = torch.cat(
+                    [
+                        L.dequantize(
+                            lowbit_state.unit_view(lay, b.state[ck], ck, u, bits),
+                            lowbit_state.unit_view(lay, b.state[sk], sk, u, bits),
+                            bits,
+                            signed,
+                            lay.units[u].shard_numel(lay.shards),
+                        )
+                        for u in range(len(lay.units))
+                    ]
+                )
                 assert torch.equal(part, shard[key]), "the seam shows the dequantized codes"
             for name, a, z, at in held:
-                out[key].setdefault(name, []).append((a, z, part[at:at + z - a].numpy().copy()))
+                out[key].setdefault(name, []).append((a, z, part[at : at + z - a].numpy().copy()))
     return out
 
 
@@ -87,8 +100,15 @@ def _unit_codes(engine):
     out = []
     for b in opt.buffers:
         bits = lowbit_state.bits_of(b.mode)
-        out.append([{k: lowbit_state.unit_view(b.layout, b.state[k], k, u, bits).numpy().copy()
-                     for k in lowbit_state.CODE_KEYS} for u in range(len(b.layout.units))])
+        out.append(
+            [
+                {
+                    k: lowbit_state.unit_view(b.layout, b.state[k], k, u, bits).numpy().copy()
+                    for k in lowbit_state.CODE_KEYS
+                }
+                for u in range(len(b.layout.units))
+            ]
+        )
     return out, opt.describe()["buffers"]
 
 
@@ -110,13 +130,22 @@ def body(root):
         live[name] = _codes(e)
         out[f"moments/{name}"] = _moments(e)
     if rank == 0:
-        for src, to, stage in (("s2-int8", "deepspeed", None), ("s2-int8", "universal", None), ("s2-int8", "dcp", None),
-                               ("s2-int8", "hf", None), ("s3-int4", "deepspeed", 3)):
+        for src, to, stage in (
+            ("s2-int8", "deepspeed", None),
+            ("s2-int8", "universal", None),
+            ("s2-int8", "dcp", None),
+            ("s2-int8", "hf", None),
+            ("s3-int4", "deepspeed", 3),
+        ):
             consolidate.convert(f"{root}/{src}", f"{root}/{src}-{to}", to=to, stage=stage)
     dist.barrier()
     # converted checkpoints back into a low-bit run at the same units: the same codes and scales
-    for src, to, stage, typ in (("s2-int8", "deepspeed", 2, "AdamW8bit"), ("s2-int8", "universal", 2, "AdamW8bit"),
-                                ("s2-int8", "dcp", 2, "AdamW8bit"), ("s3-int4", "deepspeed", 3, "AdamW4bit")):
+    for src, to, stage, typ in (
+        ("s2-int8", "deepspeed", 2, "AdamW8bit"),
+        ("s2-int8", "universal", 2, "AdamW8bit"),
+        ("s2-int8", "dcp", 2, "AdamW8bit"),
+        ("s3-int4", "deepspeed", 3, "AdamW4bit"),
+    ):
         e, _ = _engine(stage, typ)
         e.load_checkpoint(f"{root}/{src}-{to}")
         out[f"back/{src}-{to}"] = _same(live[src], _codes(e))
@@ -127,8 +156,12 @@ def body(root):
     handler = logging.Handler()
     handler.emit = lambda record: notes.append(record.getMessage())
     logging.getLogger("llmpar").addHandler(handler)
-    for src, stage, typ in (("s2-int8", 2, "AdamW"), ("s3-int4", 2, "AdamW"), ("s2-fp32", 2, "AdamW8bit"),
-                            ("s2-int8", 3, "AdamW4bit")):
+    for src, stage, typ in (
+        ("s2-int8", 2, "AdamW"),
+        ("s3-int4", 2, "AdamW"),
+        ("s2-fp32", 2, "AdamW8bit"),
+        ("s2-int8", 3, "AdamW4bit"),
+    ):
         e, m = _engine(stage, typ)
         e.load_checkpoint(f"{root}/{src}", tag="t2")
         out[f"cross/{src}->{typ}@{stage}"] = _moments(e)
@@ -226,10 +259,15 @@ def test_checkpoint_loads_into_lowbit_states_quantized_per_unit_shard(runs, src,
                     for i in unit["params"]:
                         p = buf["params"][i]
                         v = saved[key][p["name"]]
-                        flat[p["offset"]:p["offset"] + v.numel()] = v
-                    c, s = L.quantize(flat[rank * shard:(rank + 1) * shard], bits, signed)
-                    assert torch.equal(torch.from_numpy(got[ck]), c) and torch.equal(torch.from_numpy(got[sk]), s), \
-                        (src, typ, rank, ui, key)
+                        flat[p["offset"] : p["offset"] + v.numel()] = v
+                    c, s = L.quantize(flat[rank * shard : (rank + 1) * shard], bits, signed)
+                    assert torch.equal(torch.from_numpy(got[ck]), c) and torch.equal(torch.from_numpy(got[sk]), s), (
+                        src,
+                        typ,
+                        rank,
+                        ui,
+                        key,
+                    )
         # and the loaded run shows those codes dequantized
         for key in MOMENTS:
             got = _full(outs, key, f"cross/{src}->{typ}@{stage}")

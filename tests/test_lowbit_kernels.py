@@ -10,6 +10,7 @@ all in one call), 8 and 4 bits, float32 params and bf16 params with float32 mast
 - Triton: the same checks under TRITON_INTERPRET=1 (a subprocess, small sizes); the interpreter casts float32 to
   bfloat16 by truncation, but the kernel rounds on the bits itself, so bf16 params are checked exactly there too
 """
+
 from __future__ import annotations
 
 import re
@@ -40,8 +41,9 @@ def _gen(seed):
 def make_state(ns, bits, *, master: bool, seed=0):
     """Random params / grads / moments (quantized from random data with per-block magnitudes spread over decades;
     block 1 of the 4th tensor all zero, state and grad: the s == 0 path) and steps 3, 4, ..."""
-    st = dict(params=[], grads=[], masters=[] if master else None, m_codes=[], m_scales=[], v_codes=[], v_scales=[],
-              steps=[])
+    st = dict(
+        params=[], grads=[], masters=[] if master else None, m_codes=[], m_scales=[], v_codes=[], v_scales=[], steps=[]
+    )
     for i, n in enumerate(ns):
         g = _gen(seed + 7 * i)
         block = lowbit.BLOCK[bits]
@@ -51,10 +53,10 @@ def make_state(ns, bits, *, master: bool, seed=0):
         p = torch.randn(n, generator=g)
         grad = torch.randn(n, generator=g) * spread
         m = torch.randn(n, generator=g) * spread * 0.1
-        v = torch.rand(n, generator=g) * spread ** 2 * 0.01
+        v = torch.rand(n, generator=g) * spread**2 * 0.01
         if i == 3 and nb > 1:
             for x in (grad, m, v):
-                x[block:2 * block] = 0.0
+                x[block : 2 * block] = 0.0
         mc, ms = lowbit.quantize(m, bits, True)
         vc, vs = lowbit.quantize(v, bits, False)
         if master:
@@ -77,8 +79,20 @@ def clone_state(st):
 
 def run(fn, st, bits, **kw):
     args = {**HYPER, **kw}
-    return fn(st["params"], st["grads"], st["m_codes"], st["m_scales"], st["v_codes"], st["v_scales"], st["steps"],
-              st["masters"], bits=bits, qmap_m=lowbit.qmap(bits, True), qmap_v=lowbit.qmap(bits, False), **args)
+    return fn(
+        st["params"],
+        st["grads"],
+        st["m_codes"],
+        st["m_scales"],
+        st["v_codes"],
+        st["v_scales"],
+        st["steps"],
+        st["masters"],
+        bits=bits,
+        qmap_m=lowbit.qmap(bits, True),
+        qmap_v=lowbit.qmap(bits, False),
+        **args,
+    )
 
 
 def _codes(c, bits, n):
@@ -93,8 +107,18 @@ def check_against_reference(before, after, bits, *, gscale=1.0, zero_block=False
         t = int(float(after["steps"][i]))
         assert t == int(float(before["steps"][i])) + 1
         ref = lowbit.adamw_lowbit_reference(
-            p0, before["grads"][i], before["m_codes"][i], before["m_scales"][i], before["v_codes"][i],
-            before["v_scales"][i], t, master0, bits=bits, gscale=gscale, **HYPER)
+            p0,
+            before["grads"][i],
+            before["m_codes"][i],
+            before["m_scales"][i],
+            before["v_codes"][i],
+            before["v_scales"][i],
+            t,
+            master0,
+            bits=bits,
+            gscale=gscale,
+            **HYPER,
+        )
         w0 = (master0 if master0 is not None else p0).double() * (1 - HYPER["lr"] * HYPER["weight_decay"])
         w_ref = ref.master if master0 is not None else ref.param
         w = (after["masters"][i] if master0 is not None else after["params"][i]).double()
@@ -106,8 +130,10 @@ def check_against_reference(before, after, bits, *, gscale=1.0, zero_block=False
         step_size = HYPER["lr"] / (1 - HYPER["beta1"] ** t)
         tol = 4 * EPS32 * (w0.abs() + (w0 - w_ref).abs() + step_size * m_ops / denom)
         bad = (w - w_ref).abs() > tol
-        assert not bad.any(), f"tensor {i} (n={n}): {int(bad.sum())} params off, max err " \
-                              f"{((w - w_ref).abs() / tol).max():.2f} x tolerance"
+        assert not bad.any(), (
+            f"tensor {i} (n={n}): {int(bad.sum())} params off, max err "
+            f"{((w - w_ref).abs() / tol).max():.2f} x tolerance"
+        )
         if master0 is not None:
             assert torch.equal(after["params"][i], after["masters"][i].to(torch.bfloat16)), "bf16 != rn(master)"
         for name, signed, y in (("m", True, ref.y_m), ("v", False, ref.y_v)):
@@ -126,8 +152,8 @@ def check_against_reference(before, after, bits, *, gscale=1.0, zero_block=False
             assert float(after["m_scales"][i][1]) == 0.0 and float(after["v_scales"][i][1]) == 0.0
             zc_m = int(torch.searchsorted(lowbit.midpoints(lowbit.qmap(bits, True)), torch.tensor([0.0])))
             zc_v = int(torch.searchsorted(lowbit.midpoints(lowbit.qmap(bits, False)), torch.tensor([0.0])))
-            assert (_codes(after["m_codes"][i], bits, n)[block:2 * block] == zc_m).all()
-            assert (_codes(after["v_codes"][i], bits, n)[block:2 * block] == zc_v).all()
+            assert (_codes(after["m_codes"][i], bits, n)[block : 2 * block] == zc_m).all()
+            assert (_codes(after["v_codes"][i], bits, n)[block : 2 * block] == zc_v).all()
 
 
 def steps_against_reference(fn, bits, master, ns, *, nsteps=3, gscale=None):
@@ -186,8 +212,9 @@ def test_cpu_isas_same_bits(cpu_kernel, monkeypatch, bits):
     for k in outs[0]:
         for o, isa in zip(outs[1:], ("AVX2", "AVX-512", "AVX-512 + VBMI")):
             for a, b in zip(outs[0][k], o[k]):
-                bits_of = (lambda t: t.view(torch.int16 if t.element_size() == 2 else torch.int32)
-                           if t.is_floating_point() else t)
+                bits_of = lambda t: (
+                    t.view(torch.int16 if t.element_size() == 2 else torch.int32) if t.is_floating_point() else t
+                )
                 assert torch.equal(bits_of(a), bits_of(b)), f"{k}: scalar and {isa} builds differ"
 
 
@@ -195,12 +222,14 @@ def _edge_ys(bits: int, qm: torch.Tensor, qv: torch.Tensor) -> tuple[torch.Tenso
     """y values for m (signed) and v on and around every midpoint: the midpoint, one float32 ulp either side, the
     edges of the 8-bit quantizer's buckets around it (|y|'s bits with the low 16 bits 0 / 0xFFFF, and the next bucket's
     start), both signs for m; +-0, denormals, 2^-24 and the first bucket's end, +-1. All within [-1, 1]."""
+
     def around(mids):
         hi = mids.abs().view(torch.int32) & ~0xFFFF
         edges = torch.cat([hi, hi | 0xFFFF, hi + 0x10000]).view(torch.float32)
         up, down = torch.full_like(mids, float("inf")), torch.full_like(mids, -float("inf"))
         return torch.cat([mids, mids.nextafter(up), mids.nextafter(down), edges])
-    special = torch.tensor([0.0, 1e-40, 2.0 ** -24, 2.0 ** -24 * (1 + 1 / 128), 5.9e-8, 1.0])
+
+    special = torch.tensor([0.0, 1e-40, 2.0**-24, 2.0**-24 * (1 + 1 / 128), 5.9e-8, 1.0])
     ym = torch.cat([around(lowbit.midpoints(qm)), special])
     ym = torch.cat([ym, -ym])
     yv = torch.cat([around(lowbit.midpoints(qv)).abs(), special])
@@ -225,7 +254,7 @@ def test_cpu_codes_on_midpoints_and_edges(cpu_kernel, monkeypatch, bits, custom)
         return torch.cat([torch.ones(y.shape[0], 1), y], dim=1).reshape(-1)
 
     grads = [blocks(ym), blocks(yv).sqrt()]
-    hyper = dict(lr=1e-3, beta1=2.0 ** -30, beta2=2.0 ** -30, eps=1e-8, weight_decay=0.0)
+    hyper = dict(lr=1e-3, beta1=2.0**-30, beta2=2.0**-30, eps=1e-8, weight_decay=0.0)
     for isa in ("scalar", "avx2", "avx512", "avx512vbmi"):
         monkeypatch.setenv("LLMPAR_CPU_ISA", isa)
         st = {k: [] for k in ("m_codes", "m_scales", "v_codes", "v_scales")}
@@ -235,16 +264,30 @@ def test_cpu_codes_on_midpoints_and_edges(cpu_kernel, monkeypatch, bits, custom)
                 st[f"{key}_codes"].append(fresh["m_codes" if signed else "v_codes"])
                 st[f"{key}_scales"].append(fresh["m_scale" if signed else "v_scale"])
         params = [torch.randn(g.numel()) for g in grads]
-        lk.cpu_step(params, grads, st["m_codes"], st["m_scales"], st["v_codes"], st["v_scales"],
-                    [torch.zeros(()) for _ in grads], None, bits=bits, qmap_m=qm, qmap_v=qv, **hyper)
+        lk.cpu_step(
+            params,
+            grads,
+            st["m_codes"],
+            st["m_scales"],
+            st["v_codes"],
+            st["v_scales"],
+            [torch.zeros(()) for _ in grads],
+            None,
+            bits=bits,
+            qmap_m=qm,
+            qmap_v=qv,
+            **hyper,
+        )
         for i, g in enumerate(grads):
             assert float(st["m_scales"][i].min()) == 1.0 and float(st["v_scales"][i].min()) == 1.0
             for key, q, yy in (("m", qm, g), ("v", qv, g * g)):  # y = m / 1, v / 1
                 got = _codes(st[f"{key}_codes"][i], bits, g.numel()).long()
                 expect = torch.searchsorted(lowbit.midpoints(q), yy, side="left")
                 bad = (got != expect).nonzero().flatten()
-                assert bad.numel() == 0, (f"{isa}: {key} codes differ at y={yy[bad[:5]].tolist()}: "
-                                          f"{got[bad[:5]].tolist()} != {expect[bad[:5]].tolist()}")
+                assert bad.numel() == 0, (
+                    f"{isa}: {key} codes differ at y={yy[bad[:5]].tolist()}: "
+                    f"{got[bad[:5]].tolist()} != {expect[bad[:5]].tolist()}"
+                )
 
 
 @pytest.mark.skipif(INTERPRET, reason="runs in the main process")
@@ -252,21 +295,51 @@ def test_cpu_bf16_copies_of_edge_masters(cpu_kernel, monkeypatch):
     """The bf16 params written in the pass are the masters rounded to nearest even, on every CPU build, for masters
     that are denormal (the AVX512-BF16 conversion would flush them: the kernel rounds those lanes itself), +-0, ties
     of bf16 rounding, FLT_MIN / FLT_MAX neighbours, scattered through blocks of ordinary values."""
-    special = torch.tensor([1e-40, -1e-40, 1.4e-45, -2.3e-39, 0.0, -0.0, 1.1754944e-38, -1.1754942e-38, 3.4e38,
-                            1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8, -(1.0 + 2.0 ** -8), 2.0 ** -126 * (1 + 2.0 ** -8)])
+    special = torch.tensor(
+        [
+            1e-40,
+            -1e-40,
+            1.4e-45,
+            -2.3e-39,
+            0.0,
+            -0.0,
+            1.1754944e-38,
+            -1.1754942e-38,
+            3.4e38,
+            1.0 + 2.0**-8,
+            1.0 + 3 * 2.0**-8,
+            -(1.0 + 2.0**-8),
+            2.0**-126 * (1 + 2.0**-8),
+        ]
+    )
     n = 3 * 128 + 5
     for isa in ("scalar", "avx2", "avx512", "avx512vbmi"):
         monkeypatch.setenv("LLMPAR_CPU_ISA", isa)
         master = torch.randn(n, generator=_gen(11))
-        master[::29][:special.numel()] = special[:master[::29].numel()]
-        master[3:3 + special.numel()] = special  # several in one vector
+        master[::29][: special.numel()] = special[: master[::29].numel()]
+        master[3 : 3 + special.numel()] = special  # several in one vector
         param = master.to(torch.bfloat16)
         grad = torch.randn(n, generator=_gen(12)) * 1e-3
         for bits in (8, 4):
             st = lowbit.new_state(n, bits)
-            lk.cpu_step([param], [grad], [st["m_codes"]], [st["m_scale"]], [st["v_codes"]], [st["v_scale"]],
-                        [torch.zeros(())], [master], bits=bits, qmap_m=lowbit.qmap(bits, True),
-                        qmap_v=lowbit.qmap(bits, False), lr=0.0, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
+            lk.cpu_step(
+                [param],
+                [grad],
+                [st["m_codes"]],
+                [st["m_scale"]],
+                [st["v_codes"]],
+                [st["v_scale"]],
+                [torch.zeros(())],
+                [master],
+                bits=bits,
+                qmap_m=lowbit.qmap(bits, True),
+                qmap_v=lowbit.qmap(bits, False),
+                lr=0.0,
+                beta1=0.9,
+                beta2=0.999,
+                eps=1e-8,
+                weight_decay=0.0,
+            )
             want = master.to(torch.bfloat16)
             assert torch.equal(param.view(torch.int16), want.view(torch.int16)), f"{isa}, {bits} bits"
 
@@ -292,8 +365,14 @@ def test_cpu_bad_inputs_name_the_argument(cpu_kernel):
     with pytest.raises(TypeError, match=r"grads\[0\] has dtype torch.float64"):
         run(lk.cpu_step, bad, 8)
     with pytest.raises(TypeError, match=r"qmap_m must be float32 \[256\]"):
-        lk.cpu_step(*[st[k] for k in ("params", "grads", "m_codes", "m_scales", "v_codes", "v_scales", "steps")],
-                    None, bits=8, qmap_m=lowbit.qmap(4, True), qmap_v=lowbit.qmap(8, False), **HYPER)
+        lk.cpu_step(
+            *[st[k] for k in ("params", "grads", "m_codes", "m_scales", "v_codes", "v_scales", "steps")],
+            None,
+            bits=8,
+            qmap_m=lowbit.qmap(4, True),
+            qmap_v=lowbit.qmap(8, False),
+            **HYPER,
+        )
     bad = clone_state(st)
     bad["m_scales"] = [bad["m_scales"][0][:1].clone()]
     with pytest.raises(ValueError, match=r"m_scales\[0\] has 1 elements; expected 2"):
@@ -308,12 +387,30 @@ def test_opcheck(cpu_kernel, bits):
     st = make_state((300, 77), bits, master=True)
     maps = (lowbit.qmap(bits, True), lowbit.qmap(bits, False))
     lists = [st[k] for k in ("m_codes", "m_scales", "v_codes", "v_scales")]
-    torch.library.opcheck(torch.ops.llmpar.cpu_adamw_lowbit_step.default,
-                          (st["masters"], st["grads"], *lists, st["params"], *maps, [4, 5], bits, 1e-2, 0.9, 0.999,
-                           1e-8, 0.1, 0.5, 2))
-    torch.library.opcheck(torch.ops.llmpar.adamw_lowbit_step.default,
-                          (st["params"], st["grads"], *lists, st["masters"], st["steps"], *maps, bits, 1e-2, None,
-                           torch.tensor(0.5), None, 0.9, 0.999, 1e-8, 0.1))
+    torch.library.opcheck(
+        torch.ops.llmpar.cpu_adamw_lowbit_step.default,
+        (st["masters"], st["grads"], *lists, st["params"], *maps, [4, 5], bits, 1e-2, 0.9, 0.999, 1e-8, 0.1, 0.5, 2),
+    )
+    torch.library.opcheck(
+        torch.ops.llmpar.adamw_lowbit_step.default,
+        (
+            st["params"],
+            st["grads"],
+            *lists,
+            st["masters"],
+            st["steps"],
+            *maps,
+            bits,
+            1e-2,
+            None,
+            torch.tensor(0.5),
+            None,
+            0.9,
+            0.999,
+            1e-8,
+            0.1,
+        ),
+    )
 
 
 # ------------------------------------------------------------------------------------ Triton (interpreter)
@@ -325,8 +422,9 @@ needs_interp = pytest.mark.skipif(not INTERPRET, reason="runs under TRITON_INTER
 @pytest.mark.parametrize("bits", (8, 4))
 @pytest.mark.parametrize("master", (False, True), ids=("fp32", "bf16_master"))
 def test_triton_matches_reference(bits, master):
-    steps_against_reference(lk.triton_step, bits, master, sizes(bits, small=True), nsteps=2,
-                            gscale=torch.tensor(0.37) if master else None)
+    steps_against_reference(
+        lk.triton_step, bits, master, sizes(bits, small=True), nsteps=2, gscale=torch.tensor(0.37) if master else None
+    )
 
 
 @needs_interp
@@ -363,8 +461,9 @@ def test_triton_interpreted():
 
 
 @pytest.mark.skipif(INTERPRET, reason="compiles the real kernel")
-@pytest.mark.parametrize("arch, bits, master", [(90, 8, False), (90, 8, True), (90, 4, False), (90, 4, True),
-                                                (80, 8, True)])
+@pytest.mark.parametrize(
+    "arch, bits, master", [(90, 8, False), (90, 8, True), (90, 4, False), (90, 4, True), (80, 8, True)]
+)
 def test_triton_compiles_for_gpu(arch, bits, master, monkeypatch):
     """The Triton kernel compiles to sm_90 / sm_80 machine code as its launcher specialises it (tests/triton_aot.py):
     one tensor (n = 1 stays a runtime value), device lr / gscale / found_inf, bf16 grads."""
@@ -376,20 +475,37 @@ def test_triton_compiles_for_gpu(arch, bits, master, monkeypatch):
     rec = Recorder()
     monkeypatch.setattr(tk, "_adamw_lowbit_kernel", rec)
     flat = {k: (None if v is None else [t.view(-1) for t in v]) for k, v in st.items()}
-    tk.step(flat["params"], [g.to(torch.bfloat16) for g in flat["grads"]], flat["m_codes"], flat["m_scales"],
-            flat["v_codes"], flat["v_scales"], flat["masters"], flat["steps"], lowbit.qmap(bits, True),
-            lowbit.qmap(bits, False), bits=bits, lr=torch.tensor(1e-3), beta1=0.9, beta2=0.999, eps=1e-8,
-            weight_decay=0.1, gscale=torch.tensor(0.5), found_inf=torch.tensor(0.0))
+    tk.step(
+        flat["params"],
+        [g.to(torch.bfloat16) for g in flat["grads"]],
+        flat["m_codes"],
+        flat["m_scales"],
+        flat["v_codes"],
+        flat["v_scales"],
+        flat["masters"],
+        flat["steps"],
+        lowbit.qmap(bits, True),
+        lowbit.qmap(bits, False),
+        bits=bits,
+        lr=torch.tensor(1e-3),
+        beta1=0.9,
+        beta2=0.999,
+        eps=1e-8,
+        weight_decay=0.1,
+        gscale=torch.tensor(0.5),
+        found_inf=torch.tensor(0.0),
+    )
     monkeypatch.undo()
-    (args, kwargs), = rec.calls
+    ((args, kwargs),) = rec.calls
     signature, constexprs, _, _ = bind_like_launcher(tk._adamw_lowbit_kernel, args, kwargs, arch)
     assert "n" not in specialised(signature, constexprs, tk._adamw_lowbit_kernel)
     kernel = compile_like_launcher(tk._adamw_lowbit_kernel, args, kwargs, arch=arch)
     # IEEE like the CUDA twin and the contract: every division and square root rounds to nearest (an approximate one
     # moves codes that sit on a midpoint, so the backends would disagree there)
     ptx = kernel.asm["ptx"]
-    approx = sorted(set(re.findall(r"\b(div\.full\.\w+|div\.approx\.\w+|sqrt\.approx\.[\w.]+|rcp\.approx\.[\w.]+)",
-                                   ptx)))
+    approx = sorted(
+        set(re.findall(r"\b(div\.full\.\w+|div\.approx\.\w+|sqrt\.approx\.[\w.]+|rcp\.approx\.[\w.]+)", ptx))
+    )
     assert not approx, f"approximate ops in the sm_{arch} PTX: {approx}"
     assert re.search(r"\bdiv\.rn\.f32\b", ptx) and re.search(r"\bsqrt\.rn\.f32\b", ptx), "no IEEE div / sqrt found"
 
@@ -418,8 +534,11 @@ def test_gpu_matches_reference(backend, bits, master):
     from llmpar.ops._dispatch import cuda_unavailable_reason, triton_unavailable_reason
 
     device = torch.device("cuda")
-    why = (cuda_unavailable_reason(device, op="adamw_lowbit_step") if backend == "cuda"
-           else triton_unavailable_reason(device))
+    why = (
+        cuda_unavailable_reason(device, op="adamw_lowbit_step")
+        if backend == "cuda"
+        else triton_unavailable_reason(device)
+    )
     replay = why is not None and why.startswith("CPU replay")  # tests/gpu_replay.py: Triton runs as the torch path
     if why is not None and not replay:
         pytest.fail(f"{backend} cannot run on this GPU machine: {why}")

@@ -9,6 +9,7 @@ A second job checks every step where it happens against the low-bit torch step o
 stochastic rounding (``stochastic_rounding``: seeded per unit shard) and ZeRO++ compression (qwZ, qgZ with error
 feedback; hpZ on four ranks in a third job), and compares low-bit and fp32-state runs under the same compression.
 """
+
 from __future__ import annotations
 
 import os
@@ -60,8 +61,10 @@ class Net(torch.nn.Module):
 
 def groups(net):
     named = list(net.named_parameters())
-    return [{"params": [(n, p) for n, p in named if p.dim() >= 2]},
-            {"params": [(n, p) for n, p in named if p.dim() < 2], "weight_decay": 0.0}]
+    return [
+        {"params": [(n, p) for n, p in named if p.dim() >= 2]},
+        {"params": [(n, p) for n, p in named if p.dim() < 2], "weight_decay": 0.0},
+    ]
 
 
 def batch(step, micro, n, dtype):
@@ -83,14 +86,23 @@ def zero_body(names):
     for name in names:
         stage, sp, dtype, offload, bucket = CONFIGS[name]
         net = Net(dtype)
-        cfg = OptimizerConfig(type={"int8": "AdamW8bit", "int4": "AdamW4bit"}[sp], lr=LR, betas=BETAS,
-                              weight_decay=WD)
+        cfg = OptimizerConfig(type={"int8": "AdamW8bit", "int4": "AdamW4bit"}[sp], lr=LR, betas=BETAS, weight_decay=WD)
         scaler = LossScaler(loss_scale=256.0) if dtype == torch.float16 else None
-        opt = ZeroOptimizer(groups(net), cfg, dist.group.WORLD, module=net if stage == 3 else None,
-                            zero_config=ZeroConfig(stage=stage, reduce_bucket_size=bucket, allgather_bucket_size=bucket,
-                                                   offload_optimizer={"device": "cpu" if offload else "none"}),
-                            max_grad_norm=CLIP, grad_accum_dtype=torch.float32 if dtype != torch.float32 else None,
-                            loss_scaler=scaler)
+        opt = ZeroOptimizer(
+            groups(net),
+            cfg,
+            dist.group.WORLD,
+            module=net if stage == 3 else None,
+            zero_config=ZeroConfig(
+                stage=stage,
+                reduce_bucket_size=bucket,
+                allgather_bucket_size=bucket,
+                offload_optimizer={"device": "cpu" if offload else "none"},
+            ),
+            max_grad_norm=CLIP,
+            grad_accum_dtype=torch.float32 if dtype != torch.float32 else None,
+            loss_scaler=scaler,
+        )
         losses, skipped = [], None
         for s in range(STEPS + (1 if scaler is not None else 0)):
             overflow = scaler is not None and s == 1  # an inf gradient on rank 1: the step is skipped everywhere
@@ -98,7 +110,7 @@ def zero_body(names):
             total = torch.zeros((), dtype=torch.float64)
             for m in range(GAS):
                 x, y = batch(len(losses) if not overflow else 99, m, MICRO * world, dtype)
-                x, y = x[rank * MICRO:(rank + 1) * MICRO], y[rank * MICRO:(rank + 1) * MICRO]
+                x, y = x[rank * MICRO : (rank + 1) * MICRO], y[rank * MICRO : (rank + 1) * MICRO]
                 opt.set_gradient_accumulation_boundary(m == GAS - 1)
                 loss = loss_fn(net, x, y) / GAS
                 if overflow and rank == 1 and m == 0:
@@ -118,8 +130,14 @@ def zero_body(names):
                 params = flat(net)
         else:
             params = flat(net)
-        out[name] = dict(losses=losses, params=params, mem=opt.memory_bytes(), layout=opt.describe()["buffers"],
-                         skipped=skipped, sd_keys=sorted(opt.state_dict()["buffers"][0]["state"]))
+        out[name] = dict(
+            losses=losses,
+            params=params,
+            mem=opt.memory_bytes(),
+            layout=opt.describe()["buffers"],
+            skipped=skipped,
+            sd_keys=sorted(opt.state_dict()["buffers"][0]["state"]),
+        )
         opt.destroy()
     return out
 
@@ -168,14 +186,27 @@ def reference(name, layout):
         coef = min(1.0, CLIP / (float(norm) + 1e-6))
         for names, master, st, step in units:
             g = torch.cat([grads[n].flatten() for n in names]) * coef
-            L.adamw_lowbit_step([master], [g], [st["m_codes"]], [st["m_scale"]], [st["v_codes"]], [st["v_scale"]],
-                                [step], None, bits=bits, lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=1e-8,
-                                weight_decay=wd_of[names[0]])
+            L.adamw_lowbit_step(
+                [master],
+                [g],
+                [st["m_codes"]],
+                [st["m_scale"]],
+                [st["v_codes"]],
+                [st["v_scale"]],
+                [step],
+                None,
+                bits=bits,
+                lr=LR,
+                beta1=BETAS[0],
+                beta2=BETAS[1],
+                eps=1e-8,
+                weight_decay=wd_of[names[0]],
+            )
             at = 0
             with torch.no_grad():
                 for n in names:
                     p = byname[n]
-                    p.copy_(master[at:at + p.numel()].view(p.shape))
+                    p.copy_(master[at : at + p.numel()].view(p.shape))
                     at += p.numel()
         net.zero_grad(set_to_none=True)
         losses.append(total)
@@ -213,8 +244,9 @@ def test_zero_lowbit_matches_single_process(zero_runs, name):
     assert {"m_codes", "m_scale", "v_codes", "v_scale"} <= set(r0["sd_keys"])
     for buf in r0["layout"]:
         assert buf["mode"] == sp
-        assert all(u["padded"] // 2 % L.BLOCK[{"int8": 8, "int4": 4}[sp]] == 0 for u in buf["units"]) or \
-            buf["shards"] == 1
+        assert (
+            all(u["padded"] // 2 % L.BLOCK[{"int8": 8, "int4": 4}[sp]] == 0 for u in buf["units"]) or buf["shards"] == 1
+        )
 
 
 def test_zero_lowbit_state_bytes(zero_runs):
@@ -243,10 +275,13 @@ def _engine(stage, typ="AdamW8bit", bucket=700):
     from llmpar.models import GPT, GPTConfig
 
     model = GPT(GPTConfig(vocab_size=67, n_layer=2, n_head=4, d_model=16, seq_len=T), seed=0, dtype=torch.float32)
-    cfg = {"train_micro_batch_size_per_gpu": ROWS // dist.get_world_size(), "gradient_clipping": 1.0,
-           "steps_per_print": 1000, "optimizer": {"type": typ, "params": {"lr": 1e-2, "weight_decay": 0.01}},
-           "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket,
-                                 "stage3_param_persistence_threshold": 100}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": ROWS // dist.get_world_size(),
+        "gradient_clipping": 1.0,
+        "steps_per_print": 1000,
+        "optimizer": {"type": typ, "params": {"lr": 1e-2, "weight_decay": 0.01}},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "stage3_param_persistence_threshold": 100},
+    }
     engine, *_ = llmpar.initialize(model=model, config=cfg)
     return engine, model
 
@@ -256,7 +291,7 @@ def _train_step(engine, model, s):
     g = torch.Generator().manual_seed(100 + s)
     d = torch.randint(0, 67, (ROWS, T + 1), generator=g)
     n = ROWS // world
-    x, y = d[rank * n:(rank + 1) * n, :-1], d[rank * n:(rank + 1) * n, 1:]
+    x, y = d[rank * n : (rank + 1) * n, :-1], d[rank * n : (rank + 1) * n, 1:]
     loss = model.loss(engine(x), y)
     engine.backward(loss)
     engine.step()
@@ -291,8 +326,16 @@ def ckpt_body(path):
         tail_c = [_train_step(c, mc, s) for s in range(2, 4)]
         kinds = sorted({k for bufs in a.optimizer.checkpoint_layout() for k in bufs["state_keys"]})
         modes = sorted({bf.mode for e in (a, b, c) for bf in e.optimizer.buffers})
-        return dict(tail=tail, tail_b=tail_b, tail_c=tail_c, loaded_exact=loaded_exact, same_after=same_after,
-                    kinds=kinds, modes=modes, live_keys=sorted(saved[0]))
+        return dict(
+            tail=tail,
+            tail_b=tail_b,
+            tail_c=tail_c,
+            loaded_exact=loaded_exact,
+            same_after=same_after,
+            kinds=kinds,
+            modes=modes,
+            live_keys=sorted(saved[0]),
+        )
     finally:
         if old is None:
             os.environ.pop("LLMPAR_BACKEND", None)
@@ -351,19 +394,39 @@ def _checked_step(opt, sr):
     for b in opt.buffers:
         bits = lowbit_state.bits_of(b.mode)
         if bits is not None:
-            todo.append((b, bits, {k: t.clone() for k, t in b.state.items()}, [s.clone() for s in opt._shards(b)],
-                         [g.float().clone() for g in opt._grads(b)], [s.clone() for s in b.steps]))
+            todo.append(
+                (
+                    b,
+                    bits,
+                    {k: t.clone() for k, t in b.state.items()},
+                    [s.clone() for s in opt._shards(b)],
+                    [g.float().clone() for g in opt._grads(b)],
+                    [s.clone() for s in b.steps],
+                )
+            )
     opt.step()
     ok = True
     for b, bits, state, shards, grads, steps in todo:
         g, units = opt.param_groups[b.group_index], range(len(b.layout.units))
-        views = [[lowbit_state.unit_view(b.layout, state[k], k, u, bits) for u in units]
-                 for k in lowbit_state.CODE_KEYS]
-        L.adamw_lowbit_step(shards, grads, *views, steps, None, bits=bits, lr=g["lr"], beta1=g["betas"][0],
-                            beta2=g["betas"][1], eps=g["eps"], weight_decay=g["weight_decay"],
-                            seed=opt.seed if sr else None,
-                            salts=[lowbit_state.sr_salt(b, u) for u in units] if sr else None,
-                            sr_offsets=[lowbit_state.sr_offset(b, u, rank) for u in units] if sr else None)
+        views = [
+            [lowbit_state.unit_view(b.layout, state[k], k, u, bits) for u in units] for k in lowbit_state.CODE_KEYS
+        ]
+        L.adamw_lowbit_step(
+            shards,
+            grads,
+            *views,
+            steps,
+            None,
+            bits=bits,
+            lr=g["lr"],
+            beta1=g["betas"][0],
+            beta2=g["betas"][1],
+            eps=g["eps"],
+            weight_decay=g["weight_decay"],
+            seed=opt.seed if sr else None,
+            salts=[lowbit_state.sr_salt(b, u) for u in units] if sr else None,
+            sr_offsets=[lowbit_state.sr_offset(b, u, rank) for u in units] if sr else None,
+        )
         ok = ok and all(torch.equal(x, y) for x, y in zip(shards, opt._shards(b)))
         ok = ok and all(torch.equal(state[k], b.state[k]) for k in lowbit_state.CODE_KEYS)
     return ok
@@ -380,13 +443,20 @@ def step_checks_body(names):
         net = Net(torch.float32)
         cfg = OptimizerConfig(type=typ, lr=LR, betas=BETAS, weight_decay=WD, stochastic_rounding=sr)
         counter = CommCounter()
-        opt = ZeroOptimizer(groups(net), cfg, dist.group.WORLD, module=net if stage == 3 else None,
-                            zero_config=ZeroConfig(stage=stage, reduce_bucket_size=700, **zkw), align=256, seed=seed,
-                            counter=counter)
+        opt = ZeroOptimizer(
+            groups(net),
+            cfg,
+            dist.group.WORLD,
+            module=net if stage == 3 else None,
+            zero_config=ZeroConfig(stage=stage, reduce_bucket_size=700, **zkw),
+            align=256,
+            seed=seed,
+            counter=counter,
+        )
         exact, first_grads = [], None
         for s in range(STEPS):
             x, y = batch(s, 0, MICRO * world, torch.float32)
-            loss_fn(net, x[rank * MICRO:(rank + 1) * MICRO], y[rank * MICRO:(rank + 1) * MICRO]).backward()
+            loss_fn(net, x[rank * MICRO : (rank + 1) * MICRO], y[rank * MICRO : (rank + 1) * MICRO]).backward()
             if s == 0:
                 opt.reduce_gradients()
                 first_grads = torch.cat([g.float().flatten() for b in opt.buffers for g in opt._grads(b)]).clone()
@@ -396,16 +466,27 @@ def step_checks_body(names):
                 params = flat(net)
         else:
             params = flat(net)
-        codes = torch.cat([b.state[k].float().flatten() for b in opt.buffers for k in lowbit_state.CODE_KEYS
-                           if k in b.state] or [torch.zeros(0)])
-        salts = [lowbit_state.sr_salt(b, u) for b in opt.buffers for u in range(len(b.layout.units))] \
-            if lowbit_state.bits_of(opt.buffers[0].mode) else []
+        codes = torch.cat(
+            [b.state[k].float().flatten() for b in opt.buffers for k in lowbit_state.CODE_KEYS if k in b.state]
+            or [torch.zeros(0)]
+        )
+        salts = (
+            [lowbit_state.sr_salt(b, u) for b in opt.buffers for u in range(len(b.layout.units))]
+            if lowbit_state.bits_of(opt.buffers[0].mode)
+            else []
+        )
         weights = opt.stage3.weights if opt.stage3 is not None else None
         # numpy arrays travel by value (torch tensors in a result would go through shared memory)
-        out[name] = dict(exact=exact, calls=dict(counter.calls), params=params.numpy(), codes=codes.numpy(),
-                         first_grads=first_grads.numpy(), salts=salts,
-                         from_secondary=weights.from_secondary if weights is not None else 0,
-                         layout=[(u["offset"], u["padded"]) for b in opt.describe()["buffers"] for u in b["units"]])
+        out[name] = dict(
+            exact=exact,
+            calls=dict(counter.calls),
+            params=params.numpy(),
+            codes=codes.numpy(),
+            first_grads=first_grads.numpy(),
+            salts=salts,
+            from_secondary=weights.from_secondary if weights is not None else 0,
+            layout=[(u["offset"], u["padded"]) for b in opt.describe()["buffers"] for u in b["units"]],
+        )
         opt.destroy()
     return out
 
@@ -413,8 +494,10 @@ def step_checks_body(names):
 @pytest.fixture(scope="module")
 def step_runs():
     outs = run_ranks(step_checks_body, 2, list(STEP_CASES), timeout=300)
-    return [{n: {k: torch.from_numpy(v) if hasattr(v, "dtype") else v for k, v in r.items()} for n, r in o.items()}
-            for o in outs]
+    return [
+        {n: {k: torch.from_numpy(v) if hasattr(v, "dtype") else v for k, v in r.items()} for n, r in o.items()}
+        for o in outs
+    ]
 
 
 @pytest.mark.parametrize("name", [n for n, c in STEP_CASES.items() if c[1] != "AdamW"])
@@ -434,8 +517,10 @@ def hpz_body(names):
     import hashlib
 
     out = step_checks_body(names)
-    return {n: {k: hashlib.sha256(v.tobytes()).hexdigest() if hasattr(v, "tobytes") else v for k, v in r.items()}
-            for n, r in out.items()}
+    return {
+        n: {k: hashlib.sha256(v.tobytes()).hexdigest() if hasattr(v, "tobytes") else v for k, v in r.items()}
+        for n, r in out.items()
+    }
 
 
 def test_zero_lowbit_step_with_hpz_on_four_ranks():
@@ -461,12 +546,14 @@ def test_zero_stochastic_rounding_is_seeded_and_differs_from_nearest(step_runs):
     assert len(set(salts)) == len(salts) > 2 and salts == step_runs[1]["s2-int8-sr"]["salts"]
 
 
-@pytest.mark.parametrize("lowbit, fp32, plain_lowbit, plain_fp32", [
-    ("s3-int8-comp", "s3-fp32-comp", "s3-int8-plain", "s3-fp32-plain"),
-    ("s2-int4-qgef", "s2-fp32-qgef", "s2-int4-plain", "s2-fp32-plain"),
-])
-def test_zero_lowbit_under_compression_stays_within_the_lowbit_error(step_runs, lowbit, fp32, plain_lowbit,
-                                                                     plain_fp32):
+@pytest.mark.parametrize(
+    "lowbit, fp32, plain_lowbit, plain_fp32",
+    [
+        ("s3-int8-comp", "s3-fp32-comp", "s3-int8-plain", "s3-fp32-plain"),
+        ("s2-int4-qgef", "s2-fp32-qgef", "s2-int4-plain", "s2-fp32-plain"),
+    ],
+)
+def test_zero_lowbit_under_compression_stays_within_the_lowbit_error(step_runs, lowbit, fp32, plain_lowbit, plain_fp32):
     """Compression does not see the state precision: at the same layout, the first reduced gradients of the low-bit
     and the fp32-state run are bitwise equal (and the first step, which reads zero moments, moves both alike). After
     the run the two differ on average by the low-bit error as it is without compression (within 2x), and no element
@@ -526,9 +613,12 @@ def engine_sr_body():
     states, seen = [], []
     for _ in range(2):
         model = GPT(GPTConfig(vocab_size=67, n_layer=1, n_head=2, d_model=16, seq_len=T), seed=0, dtype=torch.float32)
-        cfg = {"train_micro_batch_size_per_gpu": ROWS // 2, "steps_per_print": 1000,
-               "optimizer": {"type": "AdamW8bit", "params": {"lr": 1e-2, "stochastic_rounding": True, "seed": 3}},
-               "zero_optimization": {"stage": 2}}
+        cfg = {
+            "train_micro_batch_size_per_gpu": ROWS // 2,
+            "steps_per_print": 1000,
+            "optimizer": {"type": "AdamW8bit", "params": {"lr": 1e-2, "stochastic_rounding": True, "seed": 3}},
+            "zero_optimization": {"stage": 2},
+        }
         engine, *_ = llmpar.initialize(model=model, config=cfg)
         seen.append((engine.optimizer.seed, engine.optimizer.config.stochastic_rounding))
         _train_step(engine, model, 0)
@@ -552,8 +642,9 @@ def sr_dp_body(cases):
         for group in (dist.group.WORLD, solo):
             net = Net(torch.float32)
             cfg = OptimizerConfig(type=typ, lr=LR, betas=BETAS, weight_decay=WD, stochastic_rounding=True)
-            opt = ZeroOptimizer(groups(net), cfg, group, seed=5,
-                                zero_config=ZeroConfig(stage=stage, reduce_bucket_size=bucket))
+            opt = ZeroOptimizer(
+                groups(net), cfg, group, seed=5, zero_config=ZeroConfig(stage=stage, reduce_bucket_size=bucket)
+            )
             for s in range(3):
                 x, y = batch(s, 0, 2 * MICRO, torch.float32)
                 loss_fn(net, x, y).backward()
@@ -597,6 +688,6 @@ def test_zero_stochastic_rounding_does_not_depend_on_dp(sr_runs):
     for typ, (dp2, dp1) in sr_runs[0]["dp"].items():
         assert dp2["n_units"] == dp1["n_units"] and sum(dp1["n_units"]) > 2, (typ, dp2["n_units"], dp1["n_units"])
         for a, b in zip(dp2["units"], dp1["units"]):
-            assert len(a) >= len(b) and (a[:len(b)] == b).all(), typ
-            assert (a[len(b):] == (a[-1] if len(a) > len(b) else 0)).all(), "the padding holds the codes of 0"
+            assert len(a) >= len(b) and (a[: len(b)] == b).all(), typ
+            assert (a[len(b) :] == (a[-1] if len(a) > len(b) else 0)).all(), "the padding holds the codes of 0"
         assert (dp2["params"] == dp1["params"]).all(), typ

@@ -1,5 +1,6 @@
 """Tokens/s, achieved TFLOP/s and MFU: the FLOP count against a hand-computed model, the engine's steps_per_print line
 on a fake clock, the device peak table, and ``llmpar train``'s summary."""
+
 from __future__ import annotations
 
 import logging
@@ -50,9 +51,17 @@ def test_batch_tokens():
     assert mfu.batch_tokens(("text",), {}) == (0, 0)
 
 
-@pytest.mark.parametrize("name,peak", [("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0),
-                                       ("NVIDIA H200", 989.0), ("NVIDIA B200", 2250.0),
-                                       ("NVIDIA A100-SXM4-80GB", 312.0), ("NVIDIA GeForce RTX 4090", None)])
+@pytest.mark.parametrize(
+    "name,peak",
+    [
+        ("NVIDIA H100 80GB HBM3", 989.0),
+        ("NVIDIA H100 PCIe", 756.0),
+        ("NVIDIA H200", 989.0),
+        ("NVIDIA B200", 2250.0),
+        ("NVIDIA A100-SXM4-80GB", 312.0),
+        ("NVIDIA GeForce RTX 4090", None),
+    ],
+)
 def test_peak_table(name, peak):
     assert mfu.peak_for_name(name)[0] == peak
 
@@ -80,9 +89,15 @@ def test_engine_line_against_a_hand_computed_example(monkeypatch, caplog):
     monkeypatch.setenv("LLMPAR_PEAK_TFLOPS", "0.0002")
     torch.manual_seed(0)
     model = _Tiny().double()
-    engine, *_ = llmpar.initialize(model=model, config={
-        "train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2, "steps_per_print": 2,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+    engine, *_ = llmpar.initialize(
+        model=model,
+        config={
+            "train_micro_batch_size_per_gpu": 3,
+            "gradient_accumulation_steps": 2,
+            "steps_per_print": 2,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        },
+    )
     clock = engine.throughput.clock = _Clock(100.0)
     g = torch.Generator().manual_seed(1)
     with caplog.at_level(logging.INFO, logger="llmpar"):
@@ -100,8 +115,11 @@ def test_engine_line_against_a_hand_computed_example(monkeypatch, caplog):
     for line, seconds in zip(lines, (0.75, 1.0)):
         tps = 2 * 2 * 3 * 11 / seconds
         achieved = tps * fpt / 1 / 1e12
-        assert re.fullmatch(r"step=\d+, skipped=0, lr=\[.*\], mom=\[.*\], grad_norm=\S+, tokens/s=\S+, "
-                            r"TFLOP/s/device=\S+, MFU=\S+%", line), line
+        assert re.fullmatch(
+            r"step=\d+, skipped=0, lr=\[.*\], mom=\[.*\], grad_norm=\S+, tokens/s=\S+, "
+            r"TFLOP/s/device=\S+, MFU=\S+%",
+            line,
+        ), line
         assert f"tokens/s={tps:.0f}, TFLOP/s/device={achieved:.4g}, MFU={100 * achieved / 0.0002:.3g}%" in line, line
     from llmpar.distributed.flight import RECORDER
 
@@ -132,11 +150,22 @@ def test_context_parallel_window_counts_whole_sequences(monkeypatch):
 def test_train_summary_reports_mfu():
     from llmpar.train.loop import TrainResult, format_summary
 
-    r = TrainResult(losses=[3.0, 1.0], tokens_per_s=2500.0, wall_s=1.0, mem_mb=[1.0], mem_kind="rss", dp=1,
-                    tflops_per_device=0.125, peak_tflops=0.4, peak_source="LLMPAR_PEAK_TFLOPS")
+    r = TrainResult(
+        losses=[3.0, 1.0],
+        tokens_per_s=2500.0,
+        wall_s=1.0,
+        mem_mb=[1.0],
+        mem_kind="rss",
+        dp=1,
+        tflops_per_device=0.125,
+        peak_tflops=0.4,
+        peak_source="LLMPAR_PEAK_TFLOPS",
+    )
     assert r.mfu == 0.125 / 0.4 and r.summary()["mfu"] == r.mfu
-    assert (f"throughput      2,500 tokens/s (all ranks, after step 1), 0.125 TFLOP/s per device, MFU "
-            f"{100 * 0.125 / 0.4:.3g}% of 0.4 TFLOP/s (LLMPAR_PEAK_TFLOPS)") in format_summary(r)
+    assert (
+        f"throughput      2,500 tokens/s (all ranks, after step 1), 0.125 TFLOP/s per device, MFU "
+        f"{100 * 0.125 / 0.4:.3g}% of 0.4 TFLOP/s (LLMPAR_PEAK_TFLOPS)"
+    ) in format_summary(r)
     r.peak_tflops, r.peak_source = None, "no bf16 peak known for 'X'"
     assert r.mfu is None and "0.125 TFLOP/s per device (MFU: no bf16 peak known for 'X')" in format_summary(r)
 
@@ -154,8 +183,13 @@ def test_bench_mfu_runs_at_toy_size(tmp_path, impl):
     if impl == "transformers":
         pytest.importorskip("transformers")
     script = Path(__file__).resolve().parents[1] / "bench" / "bench_mfu.py"
-    proc = subprocess.run([sys.executable, str(script), "--toy", "--impl", impl, "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, str(script), "--toy", "--impl", impl, "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     record = json.loads((tmp_path / "mfu_toy_cpu.json").read_text())
     torch_row, llmpar_row = record["rows"]

@@ -1,5 +1,6 @@
 """The small GPT: shapes, causality, deterministic init, loss, config errors, and a qkv/proj layout that a
 tensor-parallel split (whole heads per rank) can cut."""
+
 import math
 
 import pytest
@@ -20,8 +21,16 @@ def test_forward_shape_and_names():
     idx = torch.randint(0, 61, (3, 11))
     assert model(idx).shape == (3, 11, 61)
     names = dict(model.named_modules())
-    for n in ("tok_emb", "pos_emb", "blocks.1.attn.qkv", "blocks.1.attn.proj", "blocks.0.mlp.fc",
-              "blocks.0.mlp.proj", "ln_f", "lm_head"):
+    for n in (
+        "tok_emb",
+        "pos_emb",
+        "blocks.1.attn.qkv",
+        "blocks.1.attn.proj",
+        "blocks.0.mlp.fc",
+        "blocks.0.mlp.proj",
+        "ln_f",
+        "lm_head",
+    ):
         assert n in names, n
     assert isinstance(model.blocks, nn.ModuleList) and len(model.blocks) == 2
     assert model.blocks[0].attn.n_head == 4
@@ -81,8 +90,11 @@ def test_tied_embeddings_share_one_tensor():
 
 @pytest.mark.parametrize(
     "kw, match",
-    [(dict(d_model=30, n_head=4), "not divisible by n_head=4"), (dict(n_layer=0), "n_layer"),
-     (dict(dropout=1.5), "dropout")],
+    [
+        (dict(d_model=30, n_head=4), "not divisible by n_head=4"),
+        (dict(n_layer=0), "n_layer"),
+        (dict(dropout=1.5), "dropout"),
+    ],
 )
 def test_config_errors_name_the_argument(kw, match):
     with pytest.raises(ValueError, match=match):

@@ -2,6 +2,7 @@
 written on rank 0 with DeepSpeed's event names, files and sample steps, read back and compared with what the engine
 returned. One rank here (cheap, in-process); the 2-rank run of a DeepSpeed-style script with the monitors on is in
 tests/test_deepspeed_scripts.py. The tensorboard / wandb writers are checked when their packages are installed."""
+
 from __future__ import annotations
 
 import csv
@@ -50,12 +51,12 @@ def read_wandb(run_file: Path) -> dict[str, list[tuple[int, float]]]:
         if room < 7:
             pos += room
             continue
-        _, n, kind = struct.unpack("<IHB", buf[pos:pos + 7])
+        _, n, kind = struct.unpack("<IHB", buf[pos : pos + 7])
         pos += 7
         if kind == 0:  # zero padding to the end of the block
             pos += room - 7
             continue
-        chunk, pos = buf[pos:pos + n], pos + n
+        chunk, pos = buf[pos : pos + n], pos + n
         pending = chunk if kind in (1, 2) else pending + chunk
         if kind in (1, 4):
             record = pb.Record()
@@ -70,8 +71,12 @@ def read_wandb(run_file: Path) -> dict[str, list[tuple[int, float]]]:
 
 # --------------------------------------------------------------------------------------------------- the config
 def test_monitor_blocks_are_read_with_deepspeeds_keys_and_defaults(tmp_path):
-    raw = {"train_batch_size": 8, "csv_monitor": {"enabled": True, "output_path": str(tmp_path), "job_name": "j1"},
-           "tensorboard": {"enabled": False, "output_path": "x"}, "wandb": {"enabled": False, "team": "t"}}
+    raw = {
+        "train_batch_size": 8,
+        "csv_monitor": {"enabled": True, "output_path": str(tmp_path), "job_name": "j1"},
+        "tensorboard": {"enabled": False, "output_path": "x"},
+        "wandb": {"enabled": False, "team": "t"},
+    }
     Blocks.parse(raw)  # accepted
     cfg = monitor_config(raw)
     assert cfg.enabled and cfg.csv_monitor.job_name == "j1" and not cfg.tensorboard.enabled
@@ -81,16 +86,23 @@ def test_monitor_blocks_are_read_with_deepspeeds_keys_and_defaults(tmp_path):
     assert not monitor_config({}).enabled
 
 
-@pytest.mark.parametrize("raw,error,match", [
-    ({"csv_monitor": {"enabled": True, "outputpath": "x"}}, ValueError, 'did you mean "output_path"'),
-    ({"csv_monitor": {"enabled": True, "output_path": 3}}, TypeError, '"csv_monitor.output_path"=3 must be a string'),
-    ({"tensorboard": {"enabled": True, "job_name": ""}}, TypeError, "tensorboard.job_name.*non-empty"),
-    ({"wandb": {"enabled": True, "team": 5}}, TypeError, '"wandb.team"=5 must be a string or null'),
-    ({"csv_monitor": {"enabled": "yes"}}, TypeError, "csv_monitor.enabled"),
-    ({"comet": {"enabled": True}}, ValueError, '"comet.enabled"=true: not supported: the comet monitor'),
-    ({"comms_logger": {"enabled": True}}, ValueError, "comms_logger.enabled.*CommCounter"),
-    ({"flops_profiler": {"enabled": True}}, ValueError, "flops_profiler.enabled.*with_flops"),
-])
+@pytest.mark.parametrize(
+    "raw,error,match",
+    [
+        ({"csv_monitor": {"enabled": True, "outputpath": "x"}}, ValueError, 'did you mean "output_path"'),
+        (
+            {"csv_monitor": {"enabled": True, "output_path": 3}},
+            TypeError,
+            '"csv_monitor.output_path"=3 must be a string',
+        ),
+        ({"tensorboard": {"enabled": True, "job_name": ""}}, TypeError, "tensorboard.job_name.*non-empty"),
+        ({"wandb": {"enabled": True, "team": 5}}, TypeError, '"wandb.team"=5 must be a string or null'),
+        ({"csv_monitor": {"enabled": "yes"}}, TypeError, "csv_monitor.enabled"),
+        ({"comet": {"enabled": True}}, ValueError, '"comet.enabled"=true: not supported: the comet monitor'),
+        ({"comms_logger": {"enabled": True}}, ValueError, "comms_logger.enabled.*CommCounter"),
+        ({"flops_profiler": {"enabled": True}}, ValueError, "flops_profiler.enabled.*with_flops"),
+    ],
+)
 def test_bad_monitor_blocks_name_the_key(raw, error, match):
     with pytest.raises(error, match=match):
         Blocks.parse({"train_batch_size": 8, **raw})
@@ -98,8 +110,9 @@ def test_bad_monitor_blocks_name_the_key(raw, error, match):
 
 def test_enabled_writer_without_its_package_names_the_package(monkeypatch):
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name in ("tensorboard", "wandb") else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name in ("tensorboard", "wandb") else real(name, *a)
+    )
     for block, package in (("tensorboard", "tensorboard"), ("wandb", "wandb")):
         with pytest.raises(MissingPackage, match=f"needs the '{package}' package.*pip install {package}") as info:
             Blocks.parse({"train_batch_size": 8, block: {"enabled": True}})
@@ -111,16 +124,25 @@ def test_enabled_writer_without_its_package_names_the_package(monkeypatch):
 def _engine(tmp_path: Path, *, fp16: bool = False, writers: tuple[str, ...] = ("csv_monitor",)):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(13, 9), torch.nn.Tanh(), torch.nn.Linear(9, 5))
-    cfg = {"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2, "steps_per_print": 10 ** 6,
-           "optimizer": {"type": "AdamW", "params": {"lr": 4e-3}},
-           "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 3, "total_num_steps": 9,
-                                                             "warmup_max_lr": 4e-3, "warmup_type": "linear"}},
-           "zero_optimization": {"stage": 2}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 3,
+        "gradient_accumulation_steps": 2,
+        "steps_per_print": 10**6,
+        "optimizer": {"type": "AdamW", "params": {"lr": 4e-3}},
+        "scheduler": {
+            "type": "WarmupDecayLR",
+            "params": {"warmup_num_steps": 3, "total_num_steps": 9, "warmup_max_lr": 4e-3, "warmup_type": "linear"},
+        },
+        "zero_optimization": {"stage": 2},
+    }
     if fp16:
         cfg["fp16"] = {"enabled": True, "initial_scale_power": 6, "loss_scale_window": 2}
     for w in writers:
-        cfg[w] = ({"enabled": True, "project": "llmpar-test", "group": "g"} if w == "wandb" else
-                  {"enabled": True, "output_path": str(tmp_path / w), "job_name": "job"})
+        cfg[w] = (
+            {"enabled": True, "project": "llmpar-test", "group": "g"}
+            if w == "wandb"
+            else {"enabled": True, "output_path": str(tmp_path / w), "job_name": "job"}
+        )
     engine, *_ = llmpar.initialize(model=model, config=cfg)
     return engine, model
 
@@ -167,8 +189,12 @@ def test_monitors_write_deepspeeds_events_on_one_rank(tmp_path, wandb_offline):
     assert sorted(os.listdir(job)) == ["Custom_my_value.csv", "Train_Samples_lr.csv", "Train_Samples_train_loss.csv"]
     header, rows = read_csv(job / "Train_Samples_train_loss.csv")
     assert header == ["step", "train_loss"] and [s for s, _ in rows] == [s for s, _ in want_loss]
-    torch.testing.assert_close(torch.tensor([v for _, v in rows], dtype=torch.float64),
-                               torch.tensor([v for _, v in want_loss], dtype=torch.float64), rtol=1e-6, atol=0)
+    torch.testing.assert_close(
+        torch.tensor([v for _, v in rows], dtype=torch.float64),
+        torch.tensor([v for _, v in want_loss], dtype=torch.float64),
+        rtol=1e-6,
+        atol=0,
+    )
     header, rows = read_csv(job / "Train_Samples_lr.csv")
     assert header == ["step", "lr"] and rows == want_lr  # exact: repr of the same float
     assert len({v for _, v in rows}) >= 4  # the schedule moved
@@ -178,16 +204,24 @@ def test_monitors_write_deepspeeds_events_on_one_rank(tmp_path, wandb_offline):
         assert set(tb) == {"Train/Samples/train_loss", "Train/Samples/lr", "Custom/my value"}
         for tag, want in (("Train/Samples/train_loss", want_loss), ("Train/Samples/lr", want_lr)):
             assert [s for s, _ in tb[tag]] == [s for s, _ in want]
-            torch.testing.assert_close(torch.tensor([v for _, v in tb[tag]], dtype=torch.float64),
-                                       torch.tensor([v for _, v in want], dtype=torch.float64), rtol=1e-6, atol=0)
+            torch.testing.assert_close(
+                torch.tensor([v for _, v in tb[tag]], dtype=torch.float64),
+                torch.tensor([v for _, v in want], dtype=torch.float64),
+                rtol=1e-6,
+                atol=0,
+            )
     if "wandb" in writers:  # the offline run's history: the same series (a step below the last one is dropped by wandb)
         runs = list(wandb_offline.glob("wandb/offline-run-*/run-*.wandb"))
         assert len(runs) == 1, runs
         history = read_wandb(runs[0])
         for tag, want in (("Train/Samples/train_loss", want_loss), ("Train/Samples/lr", want_lr)):
             assert [s for s, _ in history[tag]] == [s for s, _ in want], tag
-            torch.testing.assert_close(torch.tensor([v for _, v in history[tag]], dtype=torch.float64),
-                                       torch.tensor([v for _, v in want], dtype=torch.float64), rtol=1e-6, atol=0)
+            torch.testing.assert_close(
+                torch.tensor([v for _, v in history[tag]], dtype=torch.float64),
+                torch.tensor([v for _, v in want], dtype=torch.float64),
+                rtol=1e-6,
+                atol=0,
+            )
 
 
 def test_fp16_loss_scale_events(tmp_path):
@@ -218,10 +252,15 @@ def _pipeline_run(tmp: str) -> tuple[list[float], list[float], str]:
     from llmpar.models import GPT, GPTConfig
 
     torch.manual_seed(0)
-    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 10 ** 6,
-           "pipeline": {"stages": 2}, "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
-           "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4, "warmup_type": "linear"}},
-           "csv_monitor": {"enabled": True, "output_path": tmp, "job_name": "pipe"}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+        "steps_per_print": 10**6,
+        "pipeline": {"stages": 2},
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4, "warmup_type": "linear"}},
+        "csv_monitor": {"enabled": True, "output_path": tmp, "job_name": "pipe"},
+    }
     engine, *_ = llmpar.initialize(model=GPT(GPTConfig(**GPT_CFG)), config=cfg)
     losses, lrs = [], []
     for s in range(3):
@@ -263,6 +302,7 @@ def test_a_writer_that_fails_mid_run_is_logged_once_and_training_goes_on(tmp_pat
     job.rmdir()
     job.write_text("not a directory")
     if HAVE_TB:
+
         def full(*args, **kwargs):
             raise OSError(28, "No space left on device")
 

@@ -1,4 +1,5 @@
 """llmpar.ops.pack_bucket / unpack_bucket: torch path (and CUDA extension, marked gpu) vs a float64 reference."""
+
 from __future__ import annotations
 
 import math
@@ -119,8 +120,11 @@ def test_default_dtype_and_empty_list():
 
 
 @settings(max_examples=25, deadline=None)
-@given(sizes=st.lists(st.integers(1, 300), min_size=1, max_size=12), scale=st.floats(0.01, 100.0),
-       seed=st.integers(0, 2**16))
+@given(
+    sizes=st.lists(st.integers(1, 300), min_size=1, max_size=12),
+    scale=st.floats(0.01, 100.0),
+    seed=st.integers(0, 2**16),
+)
 def test_roundtrip_property(sizes, scale, seed):
     tensors = make_tensors([(s,) for s in sizes], torch.float32, seed=seed)
     flat = pack_bucket(tensors, scale=scale)
@@ -131,8 +135,16 @@ def test_roundtrip_property(sizes, scale, seed):
 
 # ---- the Triton kernel's launch table (llmpar.kernels.bucket) ----
 
-TABLE_LAYOUTS = ([1], [1024], [1025], [5, 1024, 1, 3 * 1024 + 17, 2047], [3] * 7, [2, 0, 3, 0], [0, 5],
-                 [k % 37 * 97 + 1 for k in range(300)])
+TABLE_LAYOUTS = (
+    [1],
+    [1024],
+    [1025],
+    [5, 1024, 1, 3 * 1024 + 17, 2047],
+    [3] * 7,
+    [2, 0, 3, 0],
+    [0, 5],
+    [k % 37 * 97 + 1 for k in range(300)],
+)
 
 
 @pytest.mark.parametrize("sizes", TABLE_LAYOUTS, ids=lambda s: f"{len(s)}x{sum(s)}")
@@ -151,8 +163,10 @@ def test_launch_table_equals_the_loop_it_replaced(sizes):
     ptrs, numels = tuple(t.data_ptr() for t in tensors), tuple(sizes)
     want = loop_table(tensors, bucket.BLOCK)
     programs = sum(-(-k // bucket.BLOCK) for k in sizes)
-    for got, p in (bucket.table_rows(ptrs, numels, torch.device("cpu")),
-                   bucket._rows_torch(ptrs, numels, torch.device("cpu"))):
+    for got, p in (
+        bucket.table_rows(ptrs, numels, torch.device("cpu")),
+        bucket._rows_torch(ptrs, numels, torch.device("cpu")),
+    ):
         assert got.dtype == torch.int64 and p == programs and torch.equal(got, want)
 
 
@@ -173,26 +187,30 @@ def test_launch_table_is_cached_per_layout(monkeypatch):
 
 # ---- bad inputs: the error names the argument ----
 
-@pytest.mark.parametrize("call, exc, words", [
-    (lambda: pack_bucket(torch.ones(3)), TypeError, "tensors must be a list"),
-    (lambda: pack_bucket([torch.ones(3), 2.0]), TypeError, "tensors[1]"),
-    (lambda: pack_bucket([torch.ones(3, dtype=torch.int32)]), TypeError, "tensors[0] has dtype torch.int32"),
-    (lambda: pack_bucket([torch.ones(3), torch.ones(2, device="meta")]), ValueError, "tensors[1] is on meta"),
-    (lambda: pack_bucket([torch.ones(3)], torch.empty(2)), ValueError, "out has 2 elements"),
-    (lambda: pack_bucket([torch.ones(4)], torch.empty(2, 2)), ValueError, "out must be 1-D"),
-    (lambda: pack_bucket([torch.ones(3)], torch.empty(3, dtype=torch.int64)), TypeError, "out has dtype"),
-    (lambda: pack_bucket([torch.ones(3)], torch.empty(3), dtype=torch.float16), ValueError, "disagrees with out"),
-    (lambda: pack_bucket([torch.ones(3)], dtype=torch.int8), TypeError, "dtype must be a floating"),
-    (lambda: pack_bucket([torch.ones(3)], scale=True), TypeError, "scale must be a real number"),
-    (lambda: pack_bucket([torch.ones(3)], scale=torch.tensor(2.0)), TypeError, "scale must be a real number"),
-    (lambda: pack_bucket([torch.ones(3)], scale=math.inf), ValueError, "scale must be finite"),
-    (lambda: pack_bucket([]), ValueError, "tensors is empty"),
-    (lambda: unpack_bucket(torch.ones(2), [torch.empty(3)]), ValueError, "flat has 2 elements"),
-    (lambda: unpack_bucket([1.0], [torch.empty(1)]), TypeError, "flat must be a torch.Tensor"),
-    (lambda: unpack_bucket(torch.ones(3, 1), [torch.empty(3)]), ValueError, "flat must be 1-D"),
-    (lambda: unpack_bucket(torch.ones(3), torch.empty(3)), TypeError, "tensors must be a list"),
-    (lambda: unpack_bucket(torch.ones(3, device="meta"), [torch.empty(3)]), ValueError, "flat is on meta"),
-])
+
+@pytest.mark.parametrize(
+    "call, exc, words",
+    [
+        (lambda: pack_bucket(torch.ones(3)), TypeError, "tensors must be a list"),
+        (lambda: pack_bucket([torch.ones(3), 2.0]), TypeError, "tensors[1]"),
+        (lambda: pack_bucket([torch.ones(3, dtype=torch.int32)]), TypeError, "tensors[0] has dtype torch.int32"),
+        (lambda: pack_bucket([torch.ones(3), torch.ones(2, device="meta")]), ValueError, "tensors[1] is on meta"),
+        (lambda: pack_bucket([torch.ones(3)], torch.empty(2)), ValueError, "out has 2 elements"),
+        (lambda: pack_bucket([torch.ones(4)], torch.empty(2, 2)), ValueError, "out must be 1-D"),
+        (lambda: pack_bucket([torch.ones(3)], torch.empty(3, dtype=torch.int64)), TypeError, "out has dtype"),
+        (lambda: pack_bucket([torch.ones(3)], torch.empty(3), dtype=torch.float16), ValueError, "disagrees with out"),
+        (lambda: pack_bucket([torch.ones(3)], dtype=torch.int8), TypeError, "dtype must be a floating"),
+        (lambda: pack_bucket([torch.ones(3)], scale=True), TypeError, "scale must be a real number"),
+        (lambda: pack_bucket([torch.ones(3)], scale=torch.tensor(2.0)), TypeError, "scale must be a real number"),
+        (lambda: pack_bucket([torch.ones(3)], scale=math.inf), ValueError, "scale must be finite"),
+        (lambda: pack_bucket([]), ValueError, "tensors is empty"),
+        (lambda: unpack_bucket(torch.ones(2), [torch.empty(3)]), ValueError, "flat has 2 elements"),
+        (lambda: unpack_bucket([1.0], [torch.empty(1)]), TypeError, "flat must be a torch.Tensor"),
+        (lambda: unpack_bucket(torch.ones(3, 1), [torch.empty(3)]), ValueError, "flat must be 1-D"),
+        (lambda: unpack_bucket(torch.ones(3), torch.empty(3)), TypeError, "tensors must be a list"),
+        (lambda: unpack_bucket(torch.ones(3, device="meta"), [torch.empty(3)]), ValueError, "flat is on meta"),
+    ],
+)
 def test_bad_inputs(call, exc, words):
     with pytest.raises(exc) as info:
         call()
@@ -225,8 +243,8 @@ def test_gpu_backend_vs_torch(monkeypatch, dtype_in, dtype_out, scale, backend):
     monkeypatch.setenv("LLMPAR_BACKEND", "torch")
     expect = pack_bucket(tensors, scale=scale, dtype=dtype_out)
     ref = ref_flat(tensors, f32(scale))
-    assert_rounded_once(out[1:total + 1], ref)
-    torch.testing.assert_close(out[1:total + 1], expect, rtol=0, atol=0)  # same math, same rounding
+    assert_rounded_once(out[1 : total + 1], ref)
+    torch.testing.assert_close(out[1 : total + 1], expect, rtol=0, atol=0)  # same math, same rounding
     assert out[0].item() == 5.0 and out[-2:].eq(5.0).all()
     monkeypatch.setenv("LLMPAR_BACKEND", backend)
     outs = unpack_bucket(out[1:], [torch.empty_like(t) for t in tensors], scale=1 / scale)

@@ -1,4 +1,5 @@
 """Backend choice: LLMPAR_BACKEND forcing, clear errors for unavailable backends, the extension loader's checks."""
+
 from __future__ import annotations
 
 import os
@@ -32,8 +33,11 @@ def test_auto_and_forced_torch_on_cpu(monkeypatch, value):
 
 def test_forced_cuda_on_cpu_tensors_names_backend_and_reason(monkeypatch):
     monkeypatch.setenv("LLMPAR_BACKEND", "cuda")
-    with pytest.raises(RuntimeError, match=r"LLMPAR_BACKEND=cuda but the cuda backend cannot run pack_bucket: "
-                                           r"tensors are on cpu; the CUDA extension runs on CUDA tensors only"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"LLMPAR_BACKEND=cuda but the cuda backend cannot run pack_bucket: "
+        r"tensors are on cpu; the CUDA extension runs on CUDA tensors only",
+    ):
         pack_bucket([torch.randn(5)])
 
 
@@ -47,8 +51,9 @@ def test_forced_cuda_without_cuda_says_why(monkeypatch):
 def test_forced_triton_on_cpu_without_interpreter(monkeypatch):
     monkeypatch.setenv("LLMPAR_BACKEND", "triton")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    with pytest.raises(RuntimeError, match="LLMPAR_BACKEND=triton but the triton backend cannot run pack_bucket: "
-                                           ".*TRITON_INTERPRET"):
+    with pytest.raises(
+        RuntimeError, match="LLMPAR_BACKEND=triton but the triton backend cannot run pack_bucket: .*TRITON_INTERPRET"
+    ):
         pack_bucket([torch.randn(5)])
 
 
@@ -135,8 +140,9 @@ def test_fp32_gemm_without_tf32_prefers_cublas(monkeypatch):
 
     from llmpar.ops import gemm as gemm_ops
 
-    monkeypatch.setattr(_dispatch, "_unavailable_reason", lambda backend, device, ops=(): "no ext" if backend == "cuda"
-                        else None)
+    monkeypatch.setattr(
+        _dispatch, "_unavailable_reason", lambda backend, device, ops=(): "no ext" if backend == "cuda" else None
+    )
     cuda32 = SimpleNamespace(dtype=torch.float32, device=torch.device("cuda"))
     monkeypatch.setattr(gemm_ops, "tf32_allowed", lambda: False)
     why = gemm_ops._triton_slow(cuda32)
@@ -166,7 +172,8 @@ def test_tf32_allowed_follows_both_torch_apis():
         "    m.fp32_precision = 'ieee'; out.append(t()); m.fp32_precision = 'tf32'; out.append(t())\n"
         "else:\n"
         "    out += [False, True]\n"
-        "print(out)\n")
+        "print(out)\n"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1] == "[False, True, False, True, False, True]"

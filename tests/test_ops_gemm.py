@@ -6,6 +6,7 @@ must be set before llmpar.kernels is imported, and setting it in the main pytest
 Error bound (DESIGN habit 6): the fused kernel's error vs float64 is at most 2x the error of the unfused torch
 composition in the same dtype (plus one output rounding as a floor).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -19,6 +20,7 @@ from gemm_helpers import DTYPES, INTERPRET, _assert_within, _check_op, _grads, _
 from interp import run_interpreted
 
 # ---------------------------------------------------------------- torch path (CPU, in-process)
+
 
 @pytest.mark.skipif(INTERPRET, reason="torch-path tests run in the main process")
 @pytest.mark.parametrize("act", ACTIVATIONS)
@@ -80,6 +82,7 @@ def test_bad_arguments_name_themselves():
 
 
 # ---------------------------------------------------------------- Triton kernel under the interpreter
+
 
 @pytest.mark.skipif(INTERPRET, reason="already under TRITON_INTERPRET=1: the tests below run in-process")
 def test_triton_gemm_under_interpreter_subprocess():

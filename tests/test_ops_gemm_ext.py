@@ -1,6 +1,7 @@
 """linear_act's CUDA-extension path: dispatch to llmpar::linear_lt / linear_lt_aux / bias_act_backward (faked
 CUDA availability; the ops' CPU references from llmpar/ops/_library.py run on CPU), the bias-activation backward's math
 vs float64, and the GPU tests run by bench/gpu_check.sh (pytest -m gpu)."""
+
 from __future__ import annotations
 
 import warnings
@@ -30,6 +31,7 @@ in_main = pytest.mark.skipif(INTERPRET, reason="runs in the main process")
 
 def _fake_ext(monkeypatch, registered):
     """Pretend the CUDA extension is loaded with exactly these ops (device checks skipped) and Triton can run."""
+
     def cuda_reason(device, *, build=True, op=None, ops=()):
         missing = [name for name in ((op,) if op else ()) + tuple(ops) if name not in registered]
         return f"llmpar._C has no op llmpar::{missing[0]}" if missing else None
@@ -43,12 +45,20 @@ def test_dispatch_picks_linear_lt_only_when_registered_and_eligible(monkeypatch)
     monkeypatch.setenv("LLMPAR_BACKEND", "")
     x, w, _, r, dy = _inputs(5, 33, 23, torch.bfloat16)
     no_aux, no_bwd = EXT_OPS - {"linear_lt_aux"}, EXT_OPS - {"bias_act_backward"}
-    cases = [(EXT_OPS, "none", r, None, "cuda"), (EXT_OPS, "gelu_tanh", None, None, "cuda"),
-             (EXT_OPS, "relu", None, None, "cuda"), (EXT_OPS, "silu", None, None, "triton"),
-             (EXT_OPS, "gelu_erf", None, None, "triton"), (EXT_OPS, "relu", r, None, "triton"),
-             (EXT_OPS, "none", None, torch.float32, "triton"), (EXT_OPS, "none", r.float(), None, "triton"),
-             (no_aux, "gelu_tanh", None, None, "triton"), (no_aux, "relu", None, None, "cuda"),
-             (no_bwd, "none", None, None, "triton"), (set(), "none", None, None, "triton")]
+    cases = [
+        (EXT_OPS, "none", r, None, "cuda"),
+        (EXT_OPS, "gelu_tanh", None, None, "cuda"),
+        (EXT_OPS, "relu", None, None, "cuda"),
+        (EXT_OPS, "silu", None, None, "triton"),
+        (EXT_OPS, "gelu_erf", None, None, "triton"),
+        (EXT_OPS, "relu", r, None, "triton"),
+        (EXT_OPS, "none", None, torch.float32, "triton"),
+        (EXT_OPS, "none", r.float(), None, "triton"),
+        (no_aux, "gelu_tanh", None, None, "triton"),
+        (no_aux, "relu", None, None, "cuda"),
+        (no_bwd, "none", None, None, "triton"),
+        (set(), "none", None, None, "triton"),
+    ]
     for registered, act, res, out_dtype, want in cases:
         _fake_ext(monkeypatch, registered)
         got = select_forward_backend(x, w, act, res, out_dtype)
@@ -72,8 +82,9 @@ def test_cuda_reason_names_the_missing_op(monkeypatch):
     monkeypatch.setattr(_dispatch, "has_ext_op", lambda name: name == "linear_lt")
     cuda = torch.device("cuda")
     assert _dispatch.cuda_unavailable_reason(cuda, ops=("linear_lt",)) is None
-    assert "no op llmpar::bias_act_backward" in _dispatch.cuda_unavailable_reason(cuda, ops=("linear_lt",
-                                                                                             "bias_act_backward"))
+    assert "no op llmpar::bias_act_backward" in _dispatch.cuda_unavailable_reason(
+        cuda, ops=("linear_lt", "bias_act_backward")
+    )
 
 
 @in_main
@@ -87,6 +98,7 @@ def test_cuda_path_wiring_with_reference_ops(monkeypatch, dtype):
         def call(*args):
             calls[name] = calls.get(name, 0) + 1
             return fn(*args)
+
         return call
 
     ops = type("Ops", (), {name: staticmethod(counted(name, getattr(torch.ops.llmpar, name))) for name in EXT_OPS})
@@ -108,8 +120,16 @@ def test_cuda_path_wiring_with_reference_ops(monkeypatch, dtype):
     torch.testing.assert_close(plain, x @ w.t())
     main = _rand((23, 33), torch.float32, torch.Generator().manual_seed(2))
     start, seen = main.clone(), []
-    dx, dw, db = linear_act_backward(dy, x, w, pre, act="gelu_tanh", has_bias=True, main_grad=main,
-                                     on_grad_input=lambda g: seen.append(torch.equal(main, start)))
+    dx, dw, db = linear_act_backward(
+        dy,
+        x,
+        w,
+        pre,
+        act="gelu_tanh",
+        has_bias=True,
+        main_grad=main,
+        on_grad_input=lambda g: seen.append(torch.equal(main, start)),
+    )
     assert seen == [True] and dw is None, "dX's hook must run before dW is accumulated"
     _, (gx, gw, gb) = _grads(lambda *t: _composition(*t, None, "gelu_tanh", dtype), [x, w, b], dy)
     tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
@@ -151,8 +171,11 @@ def test_no_pre_activation_written_without_a_backward(monkeypatch):
         if pre is not None:
             pre.copy_(z)
 
-    ops = type("Ops", (), {n: staticmethod(lambda *a, n=n: calls.append(n) or getattr(torch.ops.llmpar, n)(*a))
-                           for n in EXT_OPS})
+    ops = type(
+        "Ops",
+        (),
+        {n: staticmethod(lambda *a, n=n: calls.append(n) or getattr(torch.ops.llmpar, n)(*a)) for n in EXT_OPS},
+    )
     monkeypatch.setattr(K, "linear_fwd", linear_fwd)
     monkeypatch.setattr(gemm_ops, "_ext_ops", lambda: ops)
     _fake_ext(monkeypatch, EXT_OPS)
@@ -167,8 +190,12 @@ def test_no_pre_activation_written_without_a_backward(monkeypatch):
         y = linear_act(xg, w, b, act="gelu_tanh")
         if backend == "cuda":  # (the Triton backward kernels cannot run here)
             y.backward(dy)
-            torch.testing.assert_close(xg.grad, _grads(lambda *t: _composition(*t, None, "gelu_tanh", torch.float32),
-                                                       [x, w, b], dy)[1][0], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(
+                xg.grad,
+                _grads(lambda *t: _composition(*t, None, "gelu_tanh", torch.float32), [x, w, b], dy)[1][0],
+                rtol=1e-5,
+                atol=1e-5,
+            )
     assert seen == [False, False, True], seen
     assert calls == ["linear_lt", "linear_lt", "linear_lt_aux", "bias_act_backward"], calls
 
@@ -193,14 +220,35 @@ def test_one_autotune_config_launches_without_the_autotuner(monkeypatch):
     g = torch.Generator().manual_seed(4)
     dy, x, dw = _rand((300, 77), torch.float32, g), _rand((300, 45), torch.float32, g), torch.empty(77, 45)
     args = (dy, x, dw, dy, dw, dw, dw, dw, 77, 45, 300)
-    flags = dict(ACT=0, GATE_ACT=1, HAS_BIAS=False, HAS_RES=False, SAVE_PRE=False, ROWSUM=True, ACCUMULATE=False,
-                 IEEE=True, INTERPRETER=False)
+    flags = dict(
+        ACT=0,
+        GATE_ACT=1,
+        HAS_BIAS=False,
+        HAS_RES=False,
+        SAVE_PRE=False,
+        ROWSUM=True,
+        ACCUMULATE=False,
+        IEEE=True,
+        INTERPRETER=False,
+    )
     monkeypatch.setenv("LLMPAR_AUTOTUNE_CONFIGS", "1")
     K._launch_compiled("wgrad", args, flags, 77, 45)
     bm, bn, bk, group, stages, warps = fitting(HOPPER_CONFIGS, 232448, 4, 4, 4, gate=True, rowsum=True)[0]
     assert bm == 128 and bk == 32, "fp32 with the gated operand: the smaller tile that fits, not the table's first"
-    assert not tuned and launches == [((-(-77 // bm) * -(-45 // bn),), {**flags, "BLOCK_M": bm, "BLOCK_N": bn,
-                                       "BLOCK_K": bk, "GROUP_M": group, "num_stages": stages, "num_warps": warps})]
+    assert not tuned and launches == [
+        (
+            (-(-77 // bm) * -(-45 // bn),),
+            {
+                **flags,
+                "BLOCK_M": bm,
+                "BLOCK_N": bn,
+                "BLOCK_K": bk,
+                "GROUP_M": group,
+                "num_stages": stages,
+                "num_warps": warps,
+            },
+        )
+    ]
     monkeypatch.setenv("LLMPAR_AUTOTUNE_CONFIGS", "2")
     K._launch_compiled("wgrad", args, flags, 77, 45)
     assert tuned == [("hopper", "wgrad")] and len(launches) == 2
@@ -217,7 +265,7 @@ def test_one_autotune_config_launches_without_the_autotuner(monkeypatch):
 # closer (L2) to tanh-GELU than to exact (erf) GELU: the allowance is as large as their difference, but an
 # approximation's errors do not follow that difference's pattern. The second case warns with the size of the error,
 # so the GPU run's log says which one the epilogue is.
-TANH_APPROX_REL = 2.0 ** -10.9
+TANH_APPROX_REL = 2.0**-10.9
 
 
 def _assert_gelu_epilogue(got, ref, unfused, dtype, what, z64):
@@ -231,10 +279,15 @@ def _assert_gelu_epilogue(got, ref, unfused, dtype, what, z64):
     to_tanh, to_erf = err.norm().item(), (got.double() - F.gelu(z64)).norm().item()
     assert to_tanh < to_erf, f"{what}: closer to exact (erf) GELU ({to_erf:.3g}) than to tanh-GELU ({to_tanh:.3g})"
     excess = (err - 0.5 * z64.abs() * TANH_APPROX_REL).max().item()
-    assert excess <= bound, f"{what}: GELU epilogue error {err.max().item():.3g} beyond tanh.approx's allowance " \
-                            f"by {excess:.3g} (bound {bound:.3g}, {dtype})"
-    warnings.warn(f"{what}: cuBLASLt's GELU epilogue is {err.max().item():.3g} off tanh-GELU ({dtype} bound "
-                  f"{bound:.3g}): it evaluates tanh approximately (within tanh.approx.f32's 2^-10.9)", stacklevel=2)
+    assert excess <= bound, (
+        f"{what}: GELU epilogue error {err.max().item():.3g} beyond tanh.approx's allowance "
+        f"by {excess:.3g} (bound {bound:.3g}, {dtype})"
+    )
+    warnings.warn(
+        f"{what}: cuBLASLt's GELU epilogue is {err.max().item():.3g} off tanh-GELU ({dtype} bound "
+        f"{bound:.3g}): it evaluates tanh approximately (within tanh.approx.f32's 2^-10.9)",
+        stacklevel=2,
+    )
 
 
 def _check_op_gelu_epilogue(monkeypatch, x, w, b, r, dy, act, *, views: bool = False):
@@ -266,9 +319,10 @@ def test_gelu_epilogue_bound_takes_tanh_approx_and_no_more():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _assert_gelu_epilogue(ref.float(), ref, unfused, torch.float32, "exact", z)
-    u = 0.7978845608028654 * (z + 0.044715 * z ** 3)
-    t_approx = torch.tanh(u) * (1 + TANH_APPROX_REL * 0.9 * torch.sign(torch.randn(z.shape, generator=g,
-                                                                                    dtype=torch.float64)))
+    u = 0.7978845608028654 * (z + 0.044715 * z**3)
+    t_approx = torch.tanh(u) * (
+        1 + TANH_APPROX_REL * 0.9 * torch.sign(torch.randn(z.shape, generator=g, dtype=torch.float64))
+    )
     approx = (0.5 * z * (1 + t_approx)).float()
     with pytest.warns(UserWarning, match="evaluates tanh approximately"):
         _assert_gelu_epilogue(approx, ref, unfused, torch.float32, "approx", z)
@@ -279,6 +333,7 @@ def test_gelu_epilogue_bound_takes_tanh_approx_and_no_more():
 
 
 # ---------------------------------------------------------------- CUDA (run by bench/gpu_check.sh: pytest -m gpu)
+
 
 @pytest.mark.gpu
 @pytest.mark.skipif(INTERPRET, reason="CUDA tests run in the main process")
@@ -295,8 +350,10 @@ def test_triton_cuda_vs_float64(monkeypatch, act, dtype, m, k, n):
 @pytest.mark.gpu
 @pytest.mark.skipif(INTERPRET, reason="CUDA tests run in the main process")
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("act, with_bias, with_res", [(0, True, True), (0, False, False), (1, True, False),
-                                                       (1, False, False), (4, True, False)])
+@pytest.mark.parametrize(
+    "act, with_bias, with_res",
+    [(0, True, True), (0, False, False), (1, True, False), (1, False, False), (4, True, False)],
+)
 def test_cublaslt_linear_lt_vs_float64(dtype, act, with_bias, with_res):
     from llmpar.ops import _ext
 
@@ -306,8 +363,14 @@ def test_cublaslt_linear_lt_vs_float64(dtype, act, with_bias, with_res):
     x, w, b, r, _ = (t.cuda() for t in _inputs(5, 4097, 123, dtype, seed=act))
     b, r = (b if with_bias else None), (r if with_res else None)
     got = torch.ops.llmpar.linear_lt(x, w, b, act, r)
-    ref = _composition(x.double(), w.double(), b.double() if b is not None else None,
-                       r.double() if r is not None else None, name, torch.float64)
+    ref = _composition(
+        x.double(),
+        w.double(),
+        b.double() if b is not None else None,
+        r.double() if r is not None else None,
+        name,
+        torch.float64,
+    )
     unfused = _composition(x, w, b, r, name, dtype)
     if name == "gelu_tanh":
         z64 = F.linear(x.double(), w.double(), b.double() if b is not None else None)
@@ -328,8 +391,15 @@ def _require_ext_ops(*names):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(INTERPRET, reason="CUDA tests run in the main process")
-@pytest.mark.parametrize("grad_dtype, pre_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
-                                                   (torch.float16, torch.float16), (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize(
+    "grad_dtype, pre_dtype",
+    [
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float32, torch.float32),
+        (torch.float16, torch.float16),
+        (torch.float32, torch.bfloat16),
+    ],
+)
 @pytest.mark.parametrize("act", ACTIVATIONS)
 def test_cuda_bias_act_backward_vs_reference(act, grad_dtype, pre_dtype):
     _require_ext_ops("bias_act_backward")
@@ -344,8 +414,9 @@ def test_cuda_bias_act_backward_vs_reference(act, grad_dtype, pre_dtype):
         torch.testing.assert_close(db, want_db, rtol=1e-5, atol=1e-5 * want_db.abs().max().item())
     strided = _rand((9, 80), grad_dtype, g).cuda()[:, 3:40]  # rows with a stride of 80: a column slice
     pre = _rand((9, 37), pre_dtype, g, 2.0).cuda()
-    for got, want in zip(torch.ops.llmpar.bias_act_backward(strided, pre, code),
-                         bias_act_backward_reference(strided, pre, code)):
+    for got, want in zip(
+        torch.ops.llmpar.bias_act_backward(strided, pre, code), bias_act_backward_reference(strided, pre, code)
+    ):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=torch.finfo(pre_dtype).eps)
     torch.library.opcheck(torch.ops.llmpar.bias_act_backward.default, (strided, pre, code))  # this block's pair
 
@@ -375,7 +446,7 @@ def _views(shapes, dtype, offset, seed):
     out, at = [], offset
     for s in shapes:
         n = torch.Size(s).numel()
-        out.append(flat[at:at + n].view(s))
+        out.append(flat[at : at + n].view(s))
         at += n
     return out
 
@@ -393,14 +464,21 @@ def test_cublaslt_on_offset_views(dtype, offset):
     for act, res in ((0, r), (1, None), (4, None), (0, None)):
         name = ACTIVATIONS[act]
         got = torch.ops.llmpar.linear_lt(x, w, b, act, res)
-        ref = _composition(x.double(), w.double(), b.double(), res.double() if res is not None else None, name,
-                           torch.float64)
+        ref = _composition(
+            x.double(), w.double(), b.double(), res.double() if res is not None else None, name, torch.float64
+        )
         check = (lambda *a: _assert_gelu_epilogue(*a, z64)) if name == "gelu_tanh" else _assert_within
         check(got, ref, _composition(x, w, b, res, name, dtype), dtype, f"linear_lt act={act} +{offset}")
     y, pre = torch.ops.llmpar.linear_lt_aux(x, w, b)
     _assert_within(pre, z64, F.linear(x, w, b), dtype, f"linear_lt_aux pre +{offset}")
-    _assert_gelu_epilogue(y, F.gelu(z64, approximate="tanh"), F.gelu(F.linear(x, w, b), approximate="tanh"), dtype,
-                          f"linear_lt_aux y +{offset}", z64)
+    _assert_gelu_epilogue(
+        y,
+        F.gelu(z64, approximate="tanh"),
+        F.gelu(F.linear(x, w, b), approximate="tanh"),
+        dtype,
+        f"linear_lt_aux y +{offset}",
+        z64,
+    )
 
 
 @pytest.mark.gpu
@@ -418,8 +496,11 @@ def test_linear_act_on_offset_views(monkeypatch, backend, dtype):
     import gemm_helpers
 
     seen, op = [], gemm_helpers.linear_act
-    monkeypatch.setattr(gemm_helpers, "linear_act", lambda xx, ww, bb, **kw: seen.append(
-        (xx.data_ptr(), ww.data_ptr(), bb.data_ptr())) or op(xx, ww, bb, **kw))
+    monkeypatch.setattr(
+        gemm_helpers,
+        "linear_act",
+        lambda xx, ww, bb, **kw: seen.append((xx.data_ptr(), ww.data_ptr(), bb.data_ptr())) or op(xx, ww, bb, **kw),
+    )
     with pytest.MonkeyPatch.context() as mp:
         _check_op_gelu_epilogue(mp, x, w, b, None, dy, "gelu_tanh", views=True)
     _check_op(x, w, b, r, dy, "none", views=True)

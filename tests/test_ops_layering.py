@@ -1,6 +1,7 @@
 """Imports inside llmpar/ops: no module of it imports the package ``llmpar.ops`` itself (only its __init__ gathers the
 submodules, which import each other directly), and each submodule imports cleanly first in a fresh process.
 (Floors, cycles, module-level state and file sizes of all of llmpar: tests/test_architecture.py.)"""
+
 from __future__ import annotations
 
 import ast
@@ -43,18 +44,27 @@ def test_ops_modules_import_submodules_directly(path):
 
 def test_the_rule_catches_package_imports(tmp_path):
     sample = tmp_path / "mod.py"
-    sample.write_text("from . import _ext\nfrom llmpar.ops import select_backend\nfrom llmpar.ops._ext import load\n"
-                      "from ._dispatch import select_backend\nfrom .. import ops\n")
-    assert [m for _, m, _ in _imports(sample)] == ["llmpar.ops", "llmpar.ops", "llmpar.ops._ext",
-                                                   "llmpar.ops._dispatch", "llmpar"]
+    sample.write_text(
+        "from . import _ext\nfrom llmpar.ops import select_backend\nfrom llmpar.ops._ext import load\n"
+        "from ._dispatch import select_backend\nfrom .. import ops\n"
+    )
+    assert [m for _, m, _ in _imports(sample)] == [
+        "llmpar.ops",
+        "llmpar.ops",
+        "llmpar.ops._ext",
+        "llmpar.ops._dispatch",
+        "llmpar",
+    ]
 
 
 def test_import_llmpar_ops_in_a_fresh_process_in_any_order():
     """Each submodule imported first, alone, in a fresh interpreter: no cycle leaves a half-initialised module."""
     for path in sorted(OPS.glob("*.py")):
         name = "llmpar.ops" if path.stem == "__init__" else f"llmpar.ops.{path.stem}"
-        code = (f"import {name}, llmpar.ops as ops, torch\n"
-                "assert all(hasattr(torch.ops.llmpar, n) for n in ops._library.OPS)\n"
-                "assert ops.pack_bucket and ops.linear_act and ops.adamw_step and ops.grad_norm and ops.MODES\n")
+        code = (
+            f"import {name}, llmpar.ops as ops, torch\n"
+            "assert all(hasattr(torch.ops.llmpar, n) for n in ops._library.OPS)\n"
+            "assert ops.pack_bucket and ops.linear_act and ops.adamw_step and ops.grad_norm and ops.MODES\n"
+        )
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, f"import {name} first:\n{proc.stderr[-2000:]}"

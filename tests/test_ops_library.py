@@ -11,6 +11,7 @@
                               auto_functionalized) gives the eager results
 The CPU references are also checked against float64 math here; the CUDA kernels against them on GPUs (pytest -m gpu).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -46,9 +47,25 @@ def _adamw_args(precision, *, seed=0, gscale=0.7, found_inf=0.0, lr_tensor=False
     extras = [rnd[4](s, spec.extra[1], scale=1e-3) for s in shapes] if spec.extra else []
     steps = [torch.tensor(float(3 + i), dtype=torch.float32) for i in range(len(shapes))]
     lr = torch.tensor(3e-2) if lr_tensor else None
-    return (params, grads, exp_avgs, exp_avg_sqs, extras, steps, [7, 8, 9], mode_code(precision),
-            0.0 if lr_tensor else 3e-2, lr, torch.tensor(gscale) if gscale is not None else None,
-            torch.tensor(found_inf) if found_inf is not None else None, 0.9, 0.999, 1e-8, 0.1, 11)
+    return (
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        extras,
+        steps,
+        [7, 8, 9],
+        mode_code(precision),
+        0.0 if lr_tensor else 3e-2,
+        lr,
+        torch.tensor(gscale) if gscale is not None else None,
+        torch.tensor(found_inf) if found_inf is not None else None,
+        0.9,
+        0.999,
+        1e-8,
+        0.1,
+        11,
+    )
 
 
 def _bucket(dtype_in, dtype_out):
@@ -66,34 +83,47 @@ def _cases():
         cases["unpack_bucket"].append((f"{dout}->{din}", (out, [t.clone() for t in tensors], 1.7)))
     for precision in PRECISIONS:
         cases["adamw_step"].append((precision, _adamw_args(precision)))
-    cases["adamw_step"].append(("fp32 lr_tensor no-clip", _adamw_args("fp32", lr_tensor=True, gscale=None,
-                                                                      found_inf=None)))
+    cases["adamw_step"].append(
+        ("fp32 lr_tensor no-clip", _adamw_args("fp32", lr_tensor=True, gscale=None, found_inf=None))
+    )
     for dtype in (f32, bf16):
-        cases["sum_squares"].append((str(dtype), ([_rand((5,), dtype), _rand((4097,), dtype, seed=1),
-                                                   _rand((3, 41), dtype, seed=2)],)))
+        cases["sum_squares"].append(
+            (str(dtype), ([_rand((5,), dtype), _rand((4097,), dtype, seed=1), _rand((3, 41), dtype, seed=2)],))
+        )
     for act in range(len(ACTIVATIONS)):
-        cases["bias_act_backward"].append((ACTIVATIONS[act], (_rand((37, 19), bf16), _rand((37, 19), bf16, seed=1,
-                                                                                            scale=2.0), act)))
+        cases["bias_act_backward"].append(
+            (ACTIVATIONS[act], (_rand((37, 19), bf16), _rand((37, 19), bf16, seed=1, scale=2.0), act))
+        )
     cases["bias_act_backward"].append(("fp32 grad, bf16 pre", (_rand((9, 21)), _rand((9, 21), bf16, seed=1), 3)))
     x, w, b, r = _rand((5, 33)), _rand((23, 33), seed=1, scale=0.2), _rand((23,), seed=2), _rand((5, 23), seed=3)
-    cases["linear_lt"] += [("none bias residual", (x, w, b, 0, r)), ("gelu_tanh bias", (x, w, b, 1, None)),
-                           ("relu bf16 no bias", (x.bfloat16(), w.bfloat16(), None, 4, None))]
+    cases["linear_lt"] += [
+        ("none bias residual", (x, w, b, 0, r)),
+        ("gelu_tanh bias", (x, w, b, 1, None)),
+        ("relu bf16 no bias", (x.bfloat16(), w.bfloat16(), None, 4, None)),
+    ]
     cases["linear_lt_aux"] += [("fp32", (x, w, b)), ("bf16 no bias", (x.bfloat16(), w.bfloat16(), None))]
     for bits, block in ((8, 64), (4, 32)):  # wire buffers start as random bytes: every write is visible
         rb = row_bytes(123, bits, block)
         wire = torch.randint(0, 256, (3, rb), dtype=torch.uint8, generator=torch.Generator().manual_seed(bits))
         cases["quantize_rows"].append((f"int{bits} bf16", (_rand((3, 123), bf16), wire.clone(), 123, bits, block)))
         tensors = [_rand((5,), seed=1), _rand((3, 41), seed=2), _rand((200,), seed=3)]
-        cases["pack_quantize"] += [(f"int{bits} residual", (tensors, wire.clone(), 3, 123, bits, block, 0.37,
-                                                            _rand((369,), seed=4, scale=0.01))),
-                                   (f"int{bits} no residual", (tensors, wire.clone(), 3, 123, bits, block, 1.0, None))]
+        cases["pack_quantize"] += [
+            (
+                f"int{bits} residual",
+                (tensors, wire.clone(), 3, 123, bits, block, 0.37, _rand((369,), seed=4, scale=0.01)),
+            ),
+            (f"int{bits} no residual", (tensors, wire.clone(), 3, 123, bits, block, 1.0, None)),
+        ]
         cases["dequantize_rows"].append((f"int{bits} -> bf16", (wire, _rand((3, 123), bf16, seed=5), 123, bits, block)))
-        cases["dequantize_sum"] += [(f"int{bits} accumulate", (wire, _rand((123,), seed=6), 123, bits, block, True)),
-                                    (f"int{bits} fp16", (wire, _rand((123,), f16, seed=7), 123, bits, block, False))]
+        cases["dequantize_sum"] += [
+            (f"int{bits} accumulate", (wire, _rand((123,), seed=6), 123, bits, block, True)),
+            (f"int{bits} fp16", (wire, _rand((123,), f16, seed=7), 123, bits, block, False)),
+        ]
     for bits in (8, 4):  # the float64 reference written back: params fp32, and bf16 params with fp32 masters
         for master in (False, True):
-            cases["adamw_lowbit_step"].append((f"int{bits}" + (" bf16+master" if master else ""),
-                                               _lowbit_args(bits, master)))
+            cases["adamw_lowbit_step"].append(
+                (f"int{bits}" + (" bf16+master" if master else ""), _lowbit_args(bits, master))
+            )
     return cases
 
 
@@ -105,10 +135,27 @@ def _lowbit_args(bits, master):
     vs = [lowbit.quantize(_rand((n,), seed=20 + n, scale=1e-4).abs(), bits, False) for n in sizes]
     masters = [_rand((n,), seed=30 + n) for n in sizes]
     params = [m.bfloat16() for m in masters] if master else masters
-    return (params, [_rand((n,), seed=40 + n) for n in sizes], [c for c, _ in ms], [sc for _, sc in ms],
-            [c for c, _ in vs], [sc for _, sc in vs], masters if master else [],
-            [torch.tensor(3.0), torch.tensor(4.0)], lowbit.qmap(bits, True), lowbit.qmap(bits, False), bits, 1e-2,
-            None, torch.tensor(0.5), None, 0.9, 0.999, 1e-8, 0.1)
+    return (
+        params,
+        [_rand((n,), seed=40 + n) for n in sizes],
+        [c for c, _ in ms],
+        [sc for _, sc in ms],
+        [c for c, _ in vs],
+        [sc for _, sc in vs],
+        masters if master else [],
+        [torch.tensor(3.0), torch.tensor(4.0)],
+        lowbit.qmap(bits, True),
+        lowbit.qmap(bits, False),
+        bits,
+        1e-2,
+        None,
+        torch.tensor(0.5),
+        None,
+        0.9,
+        0.999,
+        1e-8,
+        0.1,
+    )
 
 
 CASES = _cases()
@@ -131,10 +178,26 @@ def test_schemas_and_cpu_kernels_are_registered():
         assert str(schema) == str(torch._C.parse_schema(f"llmpar::{op.schema}"))
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"llmpar::{name}", "CPU")
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"llmpar::{name}", "Meta"), "the fake serves Meta"
-    mutable = {name for name in OPS if any(a.is_write for s in [getattr(L, name).default._schema]
-                                           for a in [x.alias_info for x in s.arguments] if a is not None)}
-    assert mutable == {"pack_bucket", "unpack_bucket", "adamw_step", "quantize_rows", "pack_quantize",
-                       "dequantize_rows", "dequantize_sum", "adamw_lowbit_step"}
+    mutable = {
+        name
+        for name in OPS
+        if any(
+            a.is_write
+            for s in [getattr(L, name).default._schema]
+            for a in [x.alias_info for x in s.arguments]
+            if a is not None
+        )
+    }
+    assert mutable == {
+        "pack_bucket",
+        "unpack_bucket",
+        "adamw_step",
+        "quantize_rows",
+        "pack_quantize",
+        "dequantize_rows",
+        "dequantize_sum",
+        "adamw_lowbit_step",
+    }
 
 
 def test_adamw_step_traces_under_torch_compile():
@@ -165,8 +228,11 @@ def test_fake_impls_on_the_meta_device():
     y, pre = L.linear_lt_aux(x, w, None)
     assert y.shape == pre.shape == (5, 21) and pre.stride() == (24, 1) and y.is_contiguous()
     assert L.linear_lt(x, w, None, 4, None).shape == (5, 21)
-    with pytest.raises(ValueError, match=r"linear_lt: act=3 has no cuBLASLt epilogue; it takes 0 \(none\), "
-                                         r"1 \(gelu_tanh\), 4 \(relu\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"linear_lt: act=3 has no cuBLASLt epilogue; it takes 0 \(none\), "
+        r"1 \(gelu_tanh\), 4 \(relu\)",
+    ):
         L.linear_lt(x, w, None, 3, None)
     with pytest.raises(ValueError, match="only act 0 takes one"):
         L.linear_lt(x, w, None, 1, torch.empty(5, 21, dtype=torch.bfloat16, **meta))
@@ -177,8 +243,9 @@ def test_fake_impls_on_the_meta_device():
 # ------------------------------------------------------------------- the CPU references vs float64 math
 
 
-@pytest.mark.parametrize("din, dout", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32),
-                                       (torch.float16, torch.float16)])
+@pytest.mark.parametrize(
+    "din, dout", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32), (torch.float16, torch.float16)]
+)
 def test_pack_unpack_reference_vs_float64(din, dout):
     tensors, out = _bucket(din, dout)
     tail = out[-7:].clone()
@@ -191,8 +258,9 @@ def test_pack_unpack_reference_vs_float64(din, dout):
     outs = [_rand(t.shape, din, seed=9) for t in tensors]
     L.unpack_bucket(out, outs, 1 / scale)
     back = out[:-7].double() * float(torch.tensor(1 / scale, dtype=torch.float32))
-    torch.testing.assert_close(torch.cat([o.double().reshape(-1) for o in outs]), back,
-                               rtol=torch.finfo(din).eps, atol=0)
+    torch.testing.assert_close(
+        torch.cat([o.double().reshape(-1) for o in outs]), back, rtol=torch.finfo(din).eps, atol=0
+    )
     with pytest.raises(ValueError, match="tensors hold 251 elements, the flat buffer only 250"):
         L.pack_bucket(tensors, out[:250], 1.0)
 
@@ -201,8 +269,14 @@ def test_sum_squares_reference_blocks_vs_float64():
     ts = [_rand((5,)), _rand((4097,), seed=1), _rand((3, 41), seed=2, scale=10.0)]
     got = L.sum_squares(ts)
     flat1 = ts[1].double()
-    want = torch.stack([ts[0].double().square().sum(), flat1[:ADAMW_CHUNK].square().sum(),
-                        flat1[ADAMW_CHUNK:].square().sum(), ts[2].double().square().sum()])
+    want = torch.stack(
+        [
+            ts[0].double().square().sum(),
+            flat1[:ADAMW_CHUNK].square().sum(),
+            flat1[ADAMW_CHUNK:].square().sum(),
+            ts[2].double().square().sum(),
+        ]
+    )
     assert got.dtype == torch.float32 and got.shape == (4,)
     torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=0)
     torch.testing.assert_close(L.sum_squares([torch.empty(0)]), torch.zeros(1), rtol=0, atol=0)
@@ -237,9 +311,24 @@ def test_adamw_reference_is_the_torch_path_and_reads_grads_only(precision, monke
     monkeypatch.setenv("LLMPAR_BACKEND", "torch")
     before = [s.clone() for s in steps]
     torch._foreach_sub_(before, 1.0)  # adamw_step increments them before the update
-    adamw_step(params, [g.clone() for g in grads], m, v, before, precision=precision, extras=extras or None,
-               lr=3e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, gscale=torch.tensor(0.7),
-               found_inf=torch.tensor(0.0), seed=11, salts=[7, 8, 9])
+    adamw_step(
+        params,
+        [g.clone() for g in grads],
+        m,
+        v,
+        before,
+        precision=precision,
+        extras=extras or None,
+        lr=3e-2,
+        beta1=0.9,
+        beta2=0.999,
+        eps=1e-8,
+        weight_decay=0.1,
+        gscale=torch.tensor(0.7),
+        found_inf=torch.tensor(0.0),
+        seed=11,
+        salts=[7, 8, 9],
+    )
     grads0 = [g.clone() for g in args[1]]
     L.adamw_step(*args)
     for got, want in zip(args[0] + args[2] + args[3] + args[4], params + m + v + extras):
@@ -272,5 +361,7 @@ def test_defined_ops_without_cuda_kernels_are_not_ext_ops(monkeypatch):
     monkeypatch.setattr(_ext, "load", lambda build=True: _ext.ExtStatus(available=True, source="wheel", reason="x"))
     for name in OPS:
         assert hasattr(L, name) and not _dispatch.has_ext_op(name)
-        assert _dispatch.cuda_unavailable_reason(torch.device("cuda"), op=name) == \
-            f"llmpar._C (wheel) has no op llmpar::{name}: built from older sources? rebuild it"
+        assert (
+            _dispatch.cuda_unavailable_reason(torch.device("cuda"), op=name)
+            == f"llmpar._C (wheel) has no op llmpar::{name}: built from older sources? rebuild it"
+        )

@@ -19,6 +19,7 @@ Backends: torch always; Triton under TRITON_INTERPRET=1 in a subprocess (small s
 to the torch path's: same roundings); Triton compiled for sm_80/sm_90 without a GPU (no FMA, div.rn); the CUDA
 extension and Triton on CUDA when a GPU is there (marked gpu: bitwise equal to the torch path).
 """
+
 from __future__ import annotations
 
 import math
@@ -33,8 +34,8 @@ from interp import run_interpreted
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 QMAX = {8: 127, 4: 7}
-EPS32 = 2.0 ** -23
-TIE_EXACT, TIE_FORMED = 2.0 ** -16, 2.0 ** -13
+EPS32 = 2.0**-23
+TIE_EXACT, TIE_FORMED = 2.0**-16, 2.0**-13
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # (m, rows, block): odd sizes, one value, blocks straddling nothing / everything, a short last block
 SHAPES = ((1, 1, 32), (5, 4, 32), (123, 3, 64), (257, 2, 256), (4097, 1, 256), (4097, 2, 64))
@@ -87,8 +88,9 @@ def blocks(x: torch.Tensor, m: int, block: int) -> torch.Tensor:
     return torch.nn.functional.pad(x.double(), (0, nb * block - m)).view(x.shape[0], nb, block)
 
 
-def check_wire(wire, x64: torch.Tensor, m: int, bits: int, block: int, *, exact: bool,
-               residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def check_wire(
+    wire, x64: torch.Tensor, m: int, bits: int, block: int, *, exact: bool, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """All reference checks of a quantized wire of x64 [rows, m] (float64, the values the op quantized);
     residual: the op's updated residual [rows * m]. Returns (codes, scales)."""
     qmax = QMAX[bits]
@@ -112,7 +114,7 @@ def check_wire(wire, x64: torch.Tensor, m: int, bits: int, block: int, *, exact:
     top = cbk.abs().amax(dim=2)
     assert torch.equal(top, torch.where(scales > 0, float(qmax), 0.0)), "a block's largest |code| is qmax"
     err = (xb - cbk * scales.unsqueeze(2)).abs()
-    assert (err <= scales.unsqueeze(2) / 2 * (1 + 2.0 ** -10)).all(), "round trip beyond s / 2"
+    assert (err <= scales.unsqueeze(2) / 2 * (1 + 2.0**-10)).all(), "round trip beyond s / 2"
     if residual is not None:
         want = (xb - cbk * scales.unsqueeze(2)).reshape(x64.shape[0], -1)[:, :m].reshape(-1)
         atol = (4 * EPS32 * absmax).repeat_interleave(block, dim=1)[:, :m].reshape(-1)
@@ -121,7 +123,7 @@ def check_wire(wire, x64: torch.Tensor, m: int, bits: int, block: int, *, exact:
 
 
 def check_dequant(out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, m: int, block: int) -> None:
-    exact = (codes.double() * scales.repeat_interleave(block, dim=1)[:, :m])
+    exact = codes.double() * scales.repeat_interleave(block, dim=1)[:, :m]
     got = out.double().cpu()
     fi = torch.finfo(out.dtype)
     assert ((got - exact).abs() <= exact.abs() * fi.eps + fi.tiny * fi.eps).all(), "not c * s rounded once"
@@ -144,9 +146,10 @@ def pack_inputs(dtype, *, seed=0, device="cpu"):
     """Many small tensors of odd sizes (blocks straddle them) + a few bigger ones; rows * m leaves a zero tail."""
     sizes = [1, 3, 5, 2, 7, 31, 1, 64, 33, 9, 130, 1, 17, 300, 2, 5]
     g = torch.Generator().manual_seed(seed)
-    tensors = [rand((k,), dtype, seed=seed * 100 + i, device=device) * 10.0 ** float(torch.randint(-2, 2, (1,),
-                                                                                          generator=g))
-               for i, k in enumerate(sizes)]
+    tensors = [
+        rand((k,), dtype, seed=seed * 100 + i, device=device) * 10.0 ** float(torch.randint(-2, 2, (1,), generator=g))
+        for i, k in enumerate(sizes)
+    ]
     tensors[5] = tensors[5].view(31, 1)  # any shape
     total = sum(sizes)
     rows, m = 3, (total + 40) // 3  # zero tail of ~40 values
@@ -156,7 +159,7 @@ def pack_inputs(dtype, *, seed=0, device="cpu"):
 def pack_x64(tensors, rows, m, scale, residual0):
     x = torch.zeros(rows * m, dtype=torch.float64)
     flat = torch.cat([t.double().cpu().reshape(-1) for t in tensors])
-    x[:flat.numel()] = flat * f32(scale)
+    x[: flat.numel()] = flat * f32(scale)
     if residual0 is not None:
         x += residual0.double().cpu()
     return x.view(rows, m)
@@ -166,6 +169,7 @@ def pack_x64(tensors, rows, m, scale, residual0):
 def backend(monkeypatch):
     def use(name: str) -> None:
         monkeypatch.setenv("LLMPAR_BACKEND", name)
+
     return use
 
 
@@ -233,32 +237,38 @@ def _w(rows=2, m=10, bits=8, block=32, dtype=torch.uint8):
 
 
 @main_only
-@pytest.mark.parametrize("call, exc, words", [
-    (lambda: Q.quantize_rows(torch.ones(2, 10), bits=3), ValueError, "bits=3"),
-    (lambda: Q.quantize_rows(torch.ones(2, 10), block=0), ValueError, "block=0"),
-    (lambda: Q.quantize_rows(torch.ones(10)), ValueError, "x must be a floating-point [rows, m]"),
-    (lambda: Q.quantize_rows(torch.ones(2, 10, dtype=torch.int32)), ValueError, "x must be a floating-point"),
-    (lambda: Q.quantize_rows(torch.ones(2, 10), out=_w(m=20)), ValueError, "wire must be a contiguous uint8"),
-    (lambda: Q.quantize_rows(torch.ones(2, 10), out=_w(rows=3)), ValueError, "wire has 3 rows, expected 2"),
-    (lambda: Q.quantize_rows(torch.ones(2, 10), out=_w().to("meta")), ValueError, "out (the wire) is on meta"),
-    (lambda: Q.dequantize_rows(_w(dtype=torch.int8), m=10), ValueError, "wire must be a contiguous uint8"),
-    (lambda: Q.dequantize_rows(torch.zeros(2, 7, dtype=torch.uint8), m=10), ValueError, "wire must be"),
-    (lambda: Q.dequantize_rows([1, 2], m=10), TypeError, "wire must be a torch.Tensor"),
-    (lambda: Q.dequantize_rows(_w(), m=10, bits=4), ValueError, "wire must be"),
-    (lambda: Q.dequantize_rows(_w(), m=10, out=torch.empty(2, 11)), ValueError, "out must be a floating [2, 10]"),
-    (lambda: Q.dequantize_rows(_w(), m=10, out=torch.empty(2, 10, dtype=torch.int32)), ValueError, "out must be"),
-    (lambda: Q.dequantize_sum(_w(), m=10, out=torch.empty(11)), ValueError, "out must be a floating [10]"),
-    (lambda: Q.dequantize_sum(_w(), m=10, accumulate=True), ValueError, "accumulate=True needs out="),
-    (lambda: Q.pack_quantize([torch.ones(25)], rows=2, m=10), ValueError, "more than rows * m"),
-    (lambda: Q.pack_quantize(torch.ones(5), rows=2, m=10), TypeError, "tensors must be a list"),
-    (lambda: Q.pack_quantize([torch.ones(5, dtype=torch.int64)], rows=2, m=10), TypeError, "tensors[0] has dtype"),
-    (lambda: Q.pack_quantize([torch.ones(5)], rows=0, m=10), ValueError, "rows=0"),
-    (lambda: Q.pack_quantize([torch.ones(5)], rows=2, m=10, scale=math.nan), ValueError, "scale must be finite"),
-    (lambda: Q.pack_quantize([torch.ones(5)], rows=2, m=10, residual=torch.zeros(20, dtype=torch.float64)),
-     ValueError, "residual must be a contiguous float32 [20]"),
-    (lambda: Q.pack_quantize([torch.ones(5)], rows=2, m=10, residual=torch.zeros(19)), ValueError, "residual must"),
-    (lambda: Q.pack_quantize([torch.ones(5)], rows=2, m=10, out=_w(m=10, bits=4)), ValueError, "wire must be"),
-])
+@pytest.mark.parametrize(
+    "call, exc, words",
+    [
+        (lambda: Q.quantize_rows(torch.ones(2, 10), bits=3), ValueError, "bits=3"),
+        (lambda: Q.quantize_rows(torch.ones(2, 10), block=0), ValueError, "block=0"),
+        (lambda: Q.quantize_rows(torch.ones(10)), ValueError, "x must be a floating-point [rows, m]"),
+        (lambda: Q.quantize_rows(torch.ones(2, 10, dtype=torch.int32)), ValueError, "x must be a floating-point"),
+        (lambda: Q.quantize_rows(torch.ones(2, 10), out=_w(m=20)), ValueError, "wire must be a contiguous uint8"),
+        (lambda: Q.quantize_rows(torch.ones(2, 10), out=_w(rows=3)), ValueError, "wire has 3 rows, expected 2"),
+        (lambda: Q.quantize_rows(torch.ones(2, 10), out=_w().to("meta")), ValueError, "out (the wire) is on meta"),
+        (lambda: Q.dequantize_rows(_w(dtype=torch.int8), m=10), ValueError, "wire must be a contiguous uint8"),
+        (lambda: Q.dequantize_rows(torch.zeros(2, 7, dtype=torch.uint8), m=10), ValueError, "wire must be"),
+        (lambda: Q.dequantize_rows([1, 2], m=10), TypeError, "wire must be a torch.Tensor"),
+        (lambda: Q.dequantize_rows(_w(), m=10, bits=4), ValueError, "wire must be"),
+        (lambda: Q.dequantize_rows(_w(), m=10, out=torch.empty(2, 11)), ValueError, "out must be a floating [2, 10]"),
+        (lambda: Q.dequantize_rows(_w(), m=10, out=torch.empty(2, 10, dtype=torch.int32)), ValueError, "out must be"),
+        (lambda: Q.dequantize_sum(_w(), m=10, out=torch.empty(11)), ValueError, "out must be a floating [10]"),
+        (lambda: Q.dequantize_sum(_w(), m=10, accumulate=True), ValueError, "accumulate=True needs out="),
+        (lambda: Q.pack_quantize([torch.ones(25)], rows=2, m=10), ValueError, "more than rows * m"),
+        (lambda: Q.pack_quantize(torch.ones(5), rows=2, m=10), TypeError, "tensors must be a list"),
+        (lambda: Q.pack_quantize([torch.ones(5, dtype=torch.int64)], rows=2, m=10), TypeError, "tensors[0] has dtype"),
+        (lambda: Q.pack_quantize([torch.ones(5)], rows=0, m=10), ValueError, "rows=0"),
+        (lambda: Q.pack_quantize([torch.ones(5)], rows=2, m=10, scale=math.nan), ValueError, "scale must be finite"),
+        (
+            lambda: Q.pack_quantize([torch.ones(5)], rows=2, m=10, residual=torch.zeros(20, dtype=torch.float64)),
+            ValueError,
+            "residual must be a contiguous float32 [20]",
+        ),
+        (lambda: Q.pack_quantize([torch.ones(5)], rows=2, m=10, residual=torch.zeros(19)), ValueError, "residual must"),
+        (lambda: Q.pack_quantize([torch.ones(5)], rows=2, m=10, out=_w(m=10, bits=4)), ValueError, "wire must be"),
+    ],
+)
 def test_bad_inputs(call, exc, words):
     with pytest.raises(exc) as info:
         call()
@@ -303,8 +313,9 @@ def test_interp_quantize_dequantize(backend, m, rows, block, bits):
         assert torch.equal(wire, Q.quantize_rows(x, bits=bits, block=block)), "same roundings as the torch path"
         if dtype != torch.bfloat16:  # the interpreter truncates float32 -> bf16 (checked within an ulp above)
             assert torch.equal(out, Q.dequantize_rows(wire, m=m, bits=bits, block=block, dtype=dtype))
-            assert torch.equal(total, Q.dequantize_sum(wire, m=m, bits=bits, block=block, out=start.clone(),
-                                                       accumulate=True))
+            assert torch.equal(
+                total, Q.dequantize_sum(wire, m=m, bits=bits, block=block, out=start.clone(), accumulate=True)
+            )
 
 
 @interpreted
@@ -319,8 +330,9 @@ def test_interp_pack_quantize_error_feedback(backend, bits, dtype):
     check_wire(wire, pack_x64(tensors, rows, m, 0.37, before), m, bits, 32, exact=False, residual=residual)
     backend("torch")
     res_torch = before.clone()
-    assert torch.equal(wire, Q.pack_quantize(tensors, rows=rows, m=m, bits=bits, block=32, scale=0.37,
-                                             residual=res_torch))
+    assert torch.equal(
+        wire, Q.pack_quantize(tensors, rows=rows, m=m, bits=bits, block=32, scale=0.37, residual=res_torch)
+    )
     assert torch.equal(residual, res_torch), "error feedback rounds like the torch path"
     backend("triton")
     plain = Q.pack_quantize(tensors[:3], rows=2, m=7, bits=bits, block=2)  # block 2: the smallest the kernels take
@@ -366,12 +378,18 @@ def test_triton_kernels_compile_as_launched(arch):
 
     for bits, m, rows in ((8, 123, 3), (4, 1, 1)):
         wire = torch.empty(rows, Q.row_bytes(m, bits, 64), dtype=torch.uint8)
-        calls = [("_quantize_kernel", lambda: K.quantize_rows(rand((rows, m), torch.bfloat16), wire, m, bits, 64)),
-                 ("_quantize_kernel", lambda: K.pack_quantize([rand((m,))], wire, rows, m, bits, 64, 0.5,
-                                                              torch.zeros(rows * m))),
-                 ("_dequantize_kernel", lambda: K.dequantize_rows(wire, torch.empty(rows, m), m, bits, 64)),
-                 ("_dequantize_kernel", lambda: K.dequantize_sum(wire, torch.empty(m, dtype=torch.float16), m, bits,
-                                                                 64, True))]
+        calls = [
+            ("_quantize_kernel", lambda: K.quantize_rows(rand((rows, m), torch.bfloat16), wire, m, bits, 64)),
+            (
+                "_quantize_kernel",
+                lambda: K.pack_quantize([rand((m,))], wire, rows, m, bits, 64, 0.5, torch.zeros(rows * m)),
+            ),
+            ("_dequantize_kernel", lambda: K.dequantize_rows(wire, torch.empty(rows, m), m, bits, 64)),
+            (
+                "_dequantize_kernel",
+                lambda: K.dequantize_sum(wire, torch.empty(m, dtype=torch.float16), m, bits, 64, True),
+            ),
+        ]
         for name, launch in calls:
             kernel = compile_like_launcher(getattr(K, name), *record(name, launch), arch=arch)
             ptx = kernel.asm["ptx"]
@@ -408,8 +426,9 @@ def test_gpu_kernels_match_torch_path_bitwise(backend, impl, bits, dtype):
         for out, d in zip(outs, DTYPES):
             check_dequant(out, codes, scales, m, block)
             assert torch.equal(out, Q.dequantize_rows(wire, m=m, bits=bits, block=block, dtype=d))
-        assert torch.equal(total, Q.dequantize_sum(wire, m=m, bits=bits, block=block, out=start.clone(),
-                                                   accumulate=True))
+        assert torch.equal(
+            total, Q.dequantize_sum(wire, m=m, bits=bits, block=block, out=start.clone(), accumulate=True)
+        )
     tensors, rows, m = pack_inputs(dtype, device="cuda")
     tensors.append(rand((4096 * 3 + 5,), dtype, seed=9, device="cuda")[1:])  # misaligned, many blocks
     rows, m = 4, (sum(t.numel() for t in tensors) + 100) // 4
@@ -421,8 +440,9 @@ def test_gpu_kernels_match_torch_path_bitwise(backend, impl, bits, dtype):
         check_wire(wire, pack_x64(tensors, rows, m, 0.37, before), m, bits, block, exact=False, residual=residual)
         backend("torch")
         res_torch = before.clone()
-        assert torch.equal(wire, Q.pack_quantize(tensors, rows=rows, m=m, bits=bits, block=block, scale=0.37,
-                                                 residual=res_torch))
+        assert torch.equal(
+            wire, Q.pack_quantize(tensors, rows=rows, m=m, bits=bits, block=block, scale=0.37, residual=res_torch)
+        )
         assert torch.equal(residual, res_torch)
 
 
@@ -438,7 +458,8 @@ def test_cuda_ext_opcheck():
     wire = torch.zeros(3, Q.row_bytes(123, 4, 32), dtype=torch.uint8, device="cuda")
     tensors = [rand((5,), device="cuda"), rand((3, 41), seed=1, device="cuda"), rand((200,), seed=2, device="cuda")]
     torch.library.opcheck(L.quantize_rows.default, (x, wire, 123, 4, 32))
-    torch.library.opcheck(L.pack_quantize.default, (tensors, wire, 3, 123, 4, 32, 0.37,
-                                                    rand((369,), seed=3, device="cuda")))
+    torch.library.opcheck(
+        L.pack_quantize.default, (tensors, wire, 3, 123, 4, 32, 0.37, rand((369,), seed=3, device="cuda"))
+    )
     torch.library.opcheck(L.dequantize_rows.default, (wire, torch.empty(3, 123, device="cuda"), 123, 4, 32))
     torch.library.opcheck(L.dequantize_sum.default, (wire, rand((123,), device="cuda"), 123, 4, 32, True))

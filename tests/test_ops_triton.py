@@ -5,6 +5,7 @@ is imported, and setting it in the main pytest process would send every other CP
 run without TRITON_INTERPRET=1, this module runs itself under pytest in a subprocess that has it set; run with
 TRITON_INTERPRET=1 from the start (that subprocess, or a whole suite run that way), the tests below run in-process.
 """
+
 from __future__ import annotations
 
 import os
@@ -66,7 +67,7 @@ def test_triton_pack_unpack_vs_float64_and_torch(monkeypatch, dtype_in, dtype_ou
     pack_bucket(tensors, out[1:], scale=scale)
     scale32 = float(torch.tensor(scale, dtype=torch.float32))
     ref = torch.cat([t.double().reshape(-1) for t in tensors]) * scale32
-    _close_to(out[1:total + 1], ref)
+    _close_to(out[1 : total + 1], ref)
     assert out[0] == 3.0 and out[-1] == 3.0
     outs = unpack_bucket(out[1:], [torch.empty_like(t) for t in tensors], scale=2.0)
 
@@ -74,7 +75,7 @@ def test_triton_pack_unpack_vs_float64_and_torch(monkeypatch, dtype_in, dtype_ou
     expect = pack_bucket(tensors, scale=scale, dtype=dtype_out)
     # same math, one rounding each; allow one unit in the last place where rounding of ties may differ
     fi = torch.finfo(dtype_out)
-    torch.testing.assert_close(out[1:total + 1], expect, rtol=fi.eps, atol=fi.tiny * fi.eps)
+    torch.testing.assert_close(out[1 : total + 1], expect, rtol=fi.eps, atol=fi.tiny * fi.eps)
     expect_outs = unpack_bucket(out[1:], [torch.empty_like(t) for t in tensors], scale=2.0)
     for o, e in zip(outs, expect_outs):
         fo = torch.finfo(o.dtype)

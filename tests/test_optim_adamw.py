@@ -1,5 +1,6 @@
 """llmpar.optim.FusedAdamW as a torch.optim.Optimizer: parity with torch.optim.AdamW, clipping, skip on non-finite
 grads, param groups, state_dict round trips (also from torch's AdamW), LR schedulers, precision modes' state."""
+
 from __future__ import annotations
 
 import copy
@@ -50,8 +51,7 @@ def test_matches_torch_adamw_fp32(max_grad_norm):
     assert_close_list(ours, ref, rtol=2e-6, atol=1e-7)
     for p, q in zip(ours, ref):
         for k in ("exp_avg", "exp_avg_sq", "step"):
-            torch.testing.assert_close(opt.state[p][k], tor.state[q][k].to(opt.state[p][k].dtype), rtol=2e-6,
-                                       atol=1e-7)
+            torch.testing.assert_close(opt.state[p][k], tor.state[q][k].to(opt.state[p][k].dtype), rtol=2e-6, atol=1e-7)
     if max_grad_norm is not None:
         assert opt.last_grad_norm is not None and opt.last_grad_norm.dim() == 0
 
@@ -74,8 +74,8 @@ def test_low_precision_modes_track_fp32(precision):
         tor.step()
     for p, q in zip(ours, ref):
         err = (p.float() - q).abs().max().item()
-        ulps = 3 * 20 ** 0.5 if precision == "bf16_sr" else 4
-        assert err <= ulps * 2.0 ** -8 * q.abs().max().item(), f"{precision}: drift {err}"
+        ulps = 3 * 20**0.5 if precision == "bf16_sr" else 4
+        assert err <= ulps * 2.0**-8 * q.abs().max().item(), f"{precision}: drift {err}"
     want = state_dtypes(precision, torch.bfloat16)
     state = opt.state[ours[2]]
     assert {k: v.dtype for k, v in state.items() if k != "step"} == want
@@ -86,15 +86,23 @@ def test_low_precision_modes_track_fp32(precision):
 
 def test_auto_precision_and_bytes_per_param():
     bytes_per = {}
-    for precision, dtype in (("auto", torch.float32), ("auto", torch.bfloat16), ("bf16_sr", torch.bfloat16),
-                             ("bf16_kahan", torch.bfloat16)):
+    for precision, dtype in (
+        ("auto", torch.float32),
+        ("auto", torch.bfloat16),
+        ("bf16_sr", torch.bfloat16),
+        ("bf16_kahan", torch.bfloat16),
+    ):
         p = torch.nn.Parameter(torch.randn(11).to(dtype))
         opt = FusedAdamW([p], precision=precision)
         p.grad = torch.randn_like(p)
         opt.step()
         bytes_per[(precision, dtype)] = sum(t.element_size() for k, t in opt.state[p].items() if k != "step")
-    assert bytes_per == {("auto", torch.float32): 8, ("auto", torch.bfloat16): 12, ("bf16_sr", torch.bfloat16): 4,
-                         ("bf16_kahan", torch.bfloat16): 6}
+    assert bytes_per == {
+        ("auto", torch.float32): 8,
+        ("auto", torch.bfloat16): 12,
+        ("bf16_sr", torch.bfloat16): 4,
+        ("bf16_kahan", torch.bfloat16): 6,
+    }
 
 
 def test_nonfinite_grad_skips_step_with_clipping():
@@ -196,8 +204,11 @@ def test_precision_checks_are_the_ops_ones(monkeypatch):
     from llmpar.ops import adamw as ops_adamw
 
     ps = make_params()
-    with pytest.raises(ValueError, match=r"precision='fp16' is not a mode; use 'auto' or one of fp32, fp32_master, "
-                                         r"bf16_sr, bf16_kahan$"):
+    with pytest.raises(
+        ValueError,
+        match=r"precision='fp16' is not a mode; use 'auto' or one of fp32, fp32_master, "
+        r"bf16_sr, bf16_kahan$",
+    ):
         FusedAdamW(ps, precision="fp16")
     with pytest.raises(ValueError, match="precision='auto' is not a mode; use one of fp32, "):
         ops_adamw.check_precision("auto")  # the op itself takes no "auto"
@@ -206,8 +217,12 @@ def test_precision_checks_are_the_ops_ones(monkeypatch):
         opt.add_param_group({"params": [], "precision": "fp16"})
     monkeypatch.setitem(ops_adamw.MODES, "fp32_plain", ops_adamw.MODES["fp32"])
     FusedAdamW(ps, precision="fp32_plain")
-    monkeypatch.setitem(ops_adamw.MODES, "fp32", ops_adamw.ModeSpec(param_dtypes=(torch.float64,), moment_dtype=None,
-                                                                    extra=None))
-    with pytest.raises(TypeError, match=r"a parameter of shape \(7, 5\) has dtype torch.float32; precision='fp32' "
-                                        r"takes torch.float64 params"):
+    monkeypatch.setitem(
+        ops_adamw.MODES, "fp32", ops_adamw.ModeSpec(param_dtypes=(torch.float64,), moment_dtype=None, extra=None)
+    )
+    with pytest.raises(
+        TypeError,
+        match=r"a parameter of shape \(7, 5\) has dtype torch.float32; precision='fp32' "
+        r"takes torch.float64 params",
+    ):
         FusedAdamW(ps, precision="fp32")

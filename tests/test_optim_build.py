@@ -2,6 +2,7 @@
 a C++ syntax check against torch's headers, the C enum of modes matches llmpar.ops.adamw.MODES, and the C++/Triton
 twins agree on hash and chunk constants.
 Running the CUDA ops needs a GPU: tests/test_optim_ops.py runs them there (backend "cuda")."""
+
 from __future__ import annotations
 
 import re
@@ -24,14 +25,26 @@ def _nvcc() -> str | None:
 @pytest.mark.skipif(_nvcc() is None, reason="nvcc not found")
 def test_adamw_kernels_compile_with_nvcc_alone(tmp_path):
     obj = tmp_path / "adamw_kernels.o"
-    cmd = [_nvcc(), "-c", "-std=c++17", "-O3", "-Werror=all-warnings", f"-I{CSRC}", "-Xptxas=-v",
-           "-gencode=arch=compute_90,code=sm_90", "-gencode=arch=compute_80,code=sm_80",
-           str(CSRC / "adamw_kernels.cu"), "-o", str(obj)]
+    cmd = [
+        _nvcc(),
+        "-c",
+        "-std=c++17",
+        "-O3",
+        "-Werror=all-warnings",
+        f"-I{CSRC}",
+        "-Xptxas=-v",
+        "-gencode=arch=compute_90,code=sm_90",
+        "-gencode=arch=compute_80,code=sm_80",
+        str(CSRC / "adamw_kernels.cu"),
+        "-o",
+        str(obj),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}"
     assert obj.stat().st_size > 0
-    assert "spill stores" in proc.stderr and not re.search(r"[1-9]\d* bytes spill stores", proc.stderr), \
+    assert "spill stores" in proc.stderr and not re.search(r"[1-9]\d* bytes spill stores", proc.stderr), (
         "a kernel spills registers:\n" + proc.stderr[-3000:]
+    )
 
 
 def test_adamw_sources_layering():
@@ -40,8 +53,9 @@ def test_adamw_sources_layering():
         assert not re.search(r"#include\s*[<\"](torch|ATen|c10)/", text), f"{name} includes torch headers"
     ops = (CSRC / "adamw_ops.cpp").read_text()
     assert "TORCH_LIBRARY_IMPL(llmpar, CUDA, m)" in ops, "adamw_ops.cpp adds the CUDA kernels"
-    assert "TORCH_LIBRARY(" not in ops and "TORCH_LIBRARY_FRAGMENT" not in ops and "m.def(" not in ops, \
+    assert "TORCH_LIBRARY(" not in ops and "TORCH_LIBRARY_FRAGMENT" not in ops and "m.def(" not in ops, (
         "the schemas live in llmpar/ops/_library.py only"
+    )
     assert "PyInit" not in ops, "bucket_ops.cpp owns the module init"
 
 
@@ -73,8 +87,10 @@ def test_twins_agree_on_constants():
     assert len(triton_adamw.TABLE_ROWS) == int(re.search(r"#define LLMPAR_ADAMW_TABLE_ROWS (\d+)", cuh).group(1))
 
 
-@pytest.mark.skipif(shutil.which("g++") is None or not (CUDA_HOME / "include/cuda_runtime.h").exists(),
-                    reason="g++ or the CUDA headers are missing")
+@pytest.mark.skipif(
+    shutil.which("g++") is None or not (CUDA_HOME / "include/cuda_runtime.h").exists(),
+    reason="g++ or the CUDA headers are missing",
+)
 @pytest.mark.parametrize("source", ["adamw_ops.cpp", "adamw_lowbit_ops.cpp"])  # both include capture_check.h
 def test_binding_syntax_against_torch_headers(tmp_path, source):
     from torch.utils import cpp_extension
@@ -83,9 +99,19 @@ def test_binding_syntax_against_torch_headers(tmp_path, source):
     stub = tmp_path / "c10" / "cuda" / "impl"
     stub.mkdir(parents=True)
     (stub / "cuda_cmake_macros.h").write_text("#pragma once\n")
-    cmd = ["g++", "-std=c++20", "-fsyntax-only", "-Wall", "-Werror", f"-I{tmp_path}",
-           *[f"-I{p}" for p in cpp_extension.include_paths()], f"-I{CUDA_HOME / 'include'}", f"-I{CSRC}",
-           f"-I{sysconfig.get_paths()['include']}", str(CSRC / source)]
+    cmd = [
+        "g++",
+        "-std=c++20",
+        "-fsyntax-only",
+        "-Wall",
+        "-Werror",
+        f"-I{tmp_path}",
+        *[f"-I{p}" for p in cpp_extension.include_paths()],
+        f"-I{CUDA_HOME / 'include'}",
+        f"-I{CSRC}",
+        f"-I{sysconfig.get_paths()['include']}",
+        str(CSRC / source),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
 
@@ -96,9 +122,20 @@ def test_binding_syntax_against_torch_headers(tmp_path, source):
 @pytest.mark.skipif(_nvcc() is None, reason="nvcc not found")
 def test_lowbit_kernels_compile_without_spills(tmp_path):
     obj = tmp_path / "adamw_lowbit_kernels.o"
-    cmd = [_nvcc(), "-c", "-std=c++17", "-O3", "-Werror=all-warnings", f"-I{CSRC}", "-Xptxas=-v",
-           "-gencode=arch=compute_90,code=sm_90", "-gencode=arch=compute_80,code=sm_80",
-           str(CSRC / "adamw_lowbit_kernels.cu"), "-o", str(obj)]
+    cmd = [
+        _nvcc(),
+        "-c",
+        "-std=c++17",
+        "-O3",
+        "-Werror=all-warnings",
+        f"-I{CSRC}",
+        "-Xptxas=-v",
+        "-gencode=arch=compute_90,code=sm_90",
+        "-gencode=arch=compute_80,code=sm_80",
+        str(CSRC / "adamw_lowbit_kernels.cu"),
+        "-o",
+        str(obj),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}"
     # 2 bit widths x (fp32 | bf16 + master) x 3 grad dtypes, each for sm_80 and sm_90

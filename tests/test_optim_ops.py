@@ -6,6 +6,7 @@ machines).
 Criteria (docs/DESIGN habit 6): fp32 math within 2x the error of the same math in plain torch fp32 (plus one fp32 ulp);
 a round-to-nearest write within half a bf16/fp16 ulp; a stochastic write on one of the two neighbours (within one ulp).
 """
+
 from __future__ import annotations
 
 import math
@@ -19,15 +20,28 @@ from llmpar.ops.adamw import adamw_step
 from llmpar.ops.grad_norm import clip_coefficient, grad_norm
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-BACKENDS = ["torch"] + [b for b, why in (("triton", triton_unavailable_reason(DEVICE)),
-                                         ("cuda", cuda_unavailable_reason(DEVICE, build=False)
-                                          if DEVICE.type == "cuda" else "no GPU")) if why is None]
+BACKENDS = ["torch"] + [
+    b
+    for b, why in (
+        ("triton", triton_unavailable_reason(DEVICE)),
+        ("cuda", cuda_unavailable_reason(DEVICE, build=False) if DEVICE.type == "cuda" else "no GPU"),
+    )
+    if why is None
+]
 SIZES = [(1,), (7,), (4097,), (65537,), (3, 41)] + [(k % 13 + 2,) for k in range(30)]  # odd sizes + many tensors
 HYPER = dict(lr=3e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
-PARAM_DTYPE = {"fp32": torch.float32, "fp32_master": torch.bfloat16, "bf16_sr": torch.bfloat16,
-               "bf16_kahan": torch.bfloat16}
-MOMENT_DTYPE = {"fp32": torch.float32, "fp32_master": torch.float32, "bf16_sr": torch.bfloat16,
-                "bf16_kahan": torch.bfloat16}
+PARAM_DTYPE = {
+    "fp32": torch.float32,
+    "fp32_master": torch.bfloat16,
+    "bf16_sr": torch.bfloat16,
+    "bf16_kahan": torch.bfloat16,
+}
+MOMENT_DTYPE = {
+    "fp32": torch.float32,
+    "fp32_master": torch.float32,
+    "bf16_sr": torch.bfloat16,
+    "bf16_kahan": torch.bfloat16,
+}
 
 
 @pytest.fixture(params=BACKENDS)
@@ -71,7 +85,7 @@ def reference(p, g, m, v, t, *, lr, beta1, beta2, eps, weight_decay, gscale=1.0,
     p = p * (1 - lr * weight_decay)
     m = beta1 * m + (1 - beta1) * g
     v = beta2 * v + (1 - beta2) * g * g
-    bc1, bc2 = 1 - beta1 ** t, 1 - beta2 ** t
+    bc1, bc2 = 1 - beta1**t, 1 - beta2**t
     p = p - lr / bc1 * m / (v.sqrt() / math.sqrt(bc2) + eps)
     return p, m, v
 
@@ -133,16 +147,18 @@ def test_bf16_sr_one_step_on_a_neighbour(backend):
     rounded_up = total = 0
     for i in range(len(SIZES)):
         refs = reference(before["p"][i], before["g"][i], before["m"][i], before["v"][i], 5.0, **HYPER)
-        p0, g0, m0, v0 = (t.double().cpu().abs() for t in (before["p"][i], before["g"][i], before["m"][i],
-                                                            before["v"][i]))
+        p0, g0, m0, v0 = (
+            t.double().cpu().abs() for t in (before["p"][i], before["g"][i], before["m"][i], before["v"][i])
+        )
         # the float32 math before the rounding: a few float32 ulps of the terms (matters where they cancel)
         floors = (p0 + 1e-2, m0 + g0, v0 + g0 * g0)
         for got, ref, floor in zip((st["p"][i], st["m"][i], st["v"][i]), refs, floors):
             got = got.double().cpu()
             err = (got - ref).abs()
-            bound = ulp(ref, torch.bfloat16) * (1 + 1e-3) + 4 * 2.0 ** -24 * floor
-            assert bool((err <= bound).all()), \
+            bound = ulp(ref, torch.bfloat16) * (1 + 1e-3) + 4 * 2.0**-24 * floor
+            assert bool((err <= bound).all()), (
                 f"tensor {i}: SR result off its neighbours by {(err / bound).max():.3g} ulp"
+            )
             rounded_up += int((got.abs() > ref.abs()).sum())
             total += got.numel()
     assert 0.3 < rounded_up / total < 0.7, "stochastic rounding should round up about half the time on random data"
@@ -168,9 +184,19 @@ def test_same_bits_however_the_tensors_are_split_into_calls(backend, precision, 
     whole, split = make_state(precision, sizes, seed=3), make_state(precision, sizes, seed=3)
     run(precision, whole, seed=11)
     for i in range(len(sizes)):
-        one = {k: v[i:i + 1] for k, v in split.items()}
-        adamw_step(one["p"], one["g"], one["m"], one["v"], one["s"], precision=precision, extras=one["x"] or None,
-                   seed=11, salts=[i], **HYPER)
+        one = {k: v[i : i + 1] for k, v in split.items()}
+        adamw_step(
+            one["p"],
+            one["g"],
+            one["m"],
+            one["v"],
+            one["s"],
+            precision=precision,
+            extras=one["x"] or None,
+            seed=11,
+            salts=[i],
+            **HYPER,
+        )
     for k in "pmvx":
         for a, b in zip(whole[k], split[k]):
             assert torch.equal(a, b), f"{k} differs between one call and one call per tensor"
@@ -192,7 +218,7 @@ def test_bf16_kahan_one_step(backend):
         g0, m0, v0 = (t.double().cpu().abs() for t in (before["g"][i], before["m"][i], before["v"][i]))
         for got_s, ref, floor in ((st["m"][i], ref_m, m0 + g0), (st["v"][i], ref_v, v0 + g0 * g0)):
             e = (got_s.double().cpu() - ref).abs()
-            assert bool((e <= 0.5 * ulp(ref, torch.bfloat16) * (1 + 1e-3) + 4 * 2.0 ** -24 * floor).all())
+            assert bool((e <= 0.5 * ulp(ref, torch.bfloat16) * (1 + 1e-3) + 4 * 2.0**-24 * floor).all())
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp32_master", "bf16_sr", "bf16_kahan"])
@@ -222,22 +248,29 @@ def test_stochastic_rounding_is_unbiased(backend, precision):
 
     m_new = 0.9 m + 0.1 g lands 0.3 ulp above a bf16 value; nearest rounds every copy down, SR rounds ~30% up."""
     n = 65537
-    base = torch.tensor(1.0 + 2.0 ** -7 * 5, dtype=torch.float64)  # a bf16 value; ulp there is 2**-7
-    target = base + 0.3 * 2.0 ** -7
+    base = torch.tensor(1.0 + 2.0**-7 * 5, dtype=torch.float64)  # a bf16 value; ulp there is 2**-7
+    target = base + 0.3 * 2.0**-7
     g_val = (target - 0.9 * base) / 0.1  # so that 0.9 * base + 0.1 * g = target (in float32, up to its rounding)
     md = MOMENT_DTYPE[precision]
-    st = {"p": [torch.full((n,), 1.0, dtype=torch.bfloat16, device=DEVICE)],
-          "g": [torch.full((n,), float(g_val), dtype=torch.bfloat16 if precision == "bf16_sr" else torch.bfloat16,
-                           device=DEVICE)],
-          "m": [torch.full((n,), float(base), dtype=md, device=DEVICE)], "v": [torch.ones(n, dtype=md, device=DEVICE)],
-          "x": [torch.ones(n, device=DEVICE)] if precision == "fp32_master" else [],
-          "s": [torch.tensor(9.0, device=DEVICE)]}
+    st = {
+        "p": [torch.full((n,), 1.0, dtype=torch.bfloat16, device=DEVICE)],
+        "g": [
+            torch.full(
+                (n,), float(g_val), dtype=torch.bfloat16 if precision == "bf16_sr" else torch.bfloat16, device=DEVICE
+            )
+        ],
+        "m": [torch.full((n,), float(base), dtype=md, device=DEVICE)],
+        "v": [torch.ones(n, dtype=md, device=DEVICE)],
+        "x": [torch.ones(n, device=DEVICE)] if precision == "fp32_master" else [],
+        "s": [torch.tensor(9.0, device=DEVICE)],
+    }
     g32 = st["g"][0][0].double()
-    exact = float(torch.tensor(0.9, dtype=torch.float32).double() * base
-                  + torch.tensor(0.1, dtype=torch.float32).double() * g32)
+    exact = float(
+        torch.tensor(0.9, dtype=torch.float32).double() * base + torch.tensor(0.1, dtype=torch.float32).double() * g32
+    )
     run(precision, st, beta1=0.9, weight_decay=0.0, lr=1e-3, seed=1)
     stored = st["m"][0].double().cpu()
-    sigma = 0.5 * 2.0 ** -7 / math.sqrt(n)  # an SR result has std <= ulp / 2
+    sigma = 0.5 * 2.0**-7 / math.sqrt(n)  # an SR result has std <= ulp / 2
     if precision == "bf16_sr":
         assert abs(stored.mean().item() - exact) < 5 * sigma, "SR mean differs from the exact value"
         assert 0.2 < (stored > exact).double().mean().item() < 0.4
@@ -248,8 +281,10 @@ def test_stochastic_rounding_is_unbiased(backend, precision):
 @pytest.mark.parametrize("dtypes", [(torch.float32,), (torch.bfloat16, torch.float32), (torch.float16,)])
 def test_grad_norm_vs_float64(backend, dtypes):
     g = torch.Generator().manual_seed(3)
-    grads = [(torch.randn(s, generator=g, dtype=torch.float64) * 10.0 ** (i % 3 - 1)).to(dtypes[i % len(dtypes)])
-             .to(DEVICE) for i, s in enumerate(SIZES)]
+    grads = [
+        (torch.randn(s, generator=g, dtype=torch.float64) * 10.0 ** (i % 3 - 1)).to(dtypes[i % len(dtypes)]).to(DEVICE)
+        for i, s in enumerate(SIZES)
+    ]
     norm = grad_norm(grads)
     assert norm.dtype == torch.float32 and norm.device.type == DEVICE.type and norm.dim() == 0
     ref = math.sqrt(sum(float((t.double().cpu() ** 2).sum()) for t in grads))
@@ -283,8 +318,10 @@ def test_grad_norm_mixed_dtypes_through_the_cuda_dispatch(monkeypatch):
     monkeypatch.setattr(grad_norm_mod, "select_backend", lambda device, **kw: "cuda")
     monkeypatch.setattr(torch.ops.llmpar, "sum_squares", sum_squares)
     g = torch.Generator().manual_seed(5)
-    grads = [torch.randn(s, generator=g, dtype=torch.float64).to(dt) for s, dt in
-             (((7,), torch.float32), ((4097,), torch.bfloat16), ((3, 5), torch.float32), ((9,), torch.bfloat16))]
+    grads = [
+        torch.randn(s, generator=g, dtype=torch.float64).to(dt)
+        for s, dt in (((7,), torch.float32), ((4097,), torch.bfloat16), ((3, 5), torch.float32), ((9,), torch.bfloat16))
+    ]
     ref = math.sqrt(sum(float((t.double() ** 2).sum()) for t in grads))
     assert abs(grad_norm(grads).item() - ref) <= 1e-5 * ref
     assert sorted(map(str, calls)) == [str({torch.bfloat16}), str({torch.float32})]

@@ -1,5 +1,6 @@
 """Runs the triton cases of tests/test_optim_ops.py under TRITON_INTERPRET=1 in a subprocess (see test_ops_triton.py
 for why: the interpreter must be chosen before llmpar.kernels is imported, and would slow every other CPU test)."""
+
 from __future__ import annotations
 
 import os

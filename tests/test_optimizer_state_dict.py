@@ -1,5 +1,6 @@
 """``engine.optimizer.state_dict()`` / ``load_state_dict()`` (this rank's shard, DeepSpeed's meaning) and
 ``engine.destroy()``, on 2 CPU ranks at ZeRO stages 0-3 (one run of the ranks for every stage)."""
+
 from __future__ import annotations
 
 import io
@@ -17,8 +18,9 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(13, 11), torch.nn.Tanh(), torch.nn.Linear(11, 7),
-                               torch.nn.Tanh(), torch.nn.Linear(7, 5))
+    return torch.nn.Sequential(
+        torch.nn.Linear(13, 11), torch.nn.Tanh(), torch.nn.Linear(11, 7), torch.nn.Tanh(), torch.nn.Linear(7, 5)
+    )
 
 
 def _batch(step: int) -> torch.Tensor:
@@ -41,9 +43,14 @@ def _train(engine: object, steps: range) -> list[float]:
 def _round_trip(stage: int) -> dict:
     model = _model()
     total = sum(p.numel() for p in model.parameters())
-    cfg = {"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2, "steps_per_print": 10 ** 6,
-           "gradient_clipping": 0.5, "optimizer": {"type": "AdamW", "params": {"lr": 2e-2, "weight_decay": 0.1}},
-           "zero_optimization": {"stage": stage, "reduce_bucket_size": 64, "stage3_param_persistence_threshold": 20}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 3,
+        "gradient_accumulation_steps": 2,
+        "steps_per_print": 10**6,
+        "gradient_clipping": 0.5,
+        "optimizer": {"type": "AdamW", "params": {"lr": 2e-2, "weight_decay": 0.1}},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 64, "stage3_param_persistence_threshold": 20},
+    }
     engine, opt, _, _ = llmpar.initialize(model=model, config=cfg)
     _train(engine, range(3))
     buf = io.BytesIO()
@@ -87,8 +94,16 @@ def _round_trip(stage: int) -> dict:
             model(x)
         except RuntimeError as e:
             plain = str(e)
-    return {"after": after, "again": again, "numel": numel, "total": total, "refused": refused,
-            "errors": errors, "hooks": hooks, "stage3_forward": plain}
+    return {
+        "after": after,
+        "again": again,
+        "numel": numel,
+        "total": total,
+        "refused": refused,
+        "errors": errors,
+        "hooks": hooks,
+        "stage3_forward": plain,
+    }
 
 
 def _all_stages() -> dict[int, dict]:
@@ -117,8 +132,9 @@ def test_optimizer_state_dict_round_trip_and_destroy():
 def test_load_state_dict_refuses_foreign_input():
     """Not a state dict of this optimizer: a ValueError naming what was expected (one rank, no collective)."""
     model = _model()
-    engine, opt, _, _ = llmpar.initialize(model=model, config={"train_micro_batch_size_per_gpu": 2,
-                                                               "steps_per_print": 10 ** 6})
+    engine, opt, _, _ = llmpar.initialize(
+        model=model, config={"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**6}
+    )
     with pytest.raises(ValueError, match="ZeroOptimizer.state_dict"):
         opt.load_state_dict(torch.optim.AdamW(model.parameters()).state_dict())
     sd = opt.state_dict()

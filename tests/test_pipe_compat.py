@@ -4,6 +4,7 @@ stage, ``train_batch()`` pulling ``training_data`` in order, ``eval_batch``, in-
 boundary, and a DeepSpeed pipeline script (``tests/data/pipe_script.py``) run under torchrun on 2 CPU ranks (pp=2)
 with DeepSpeed and with ``import llmpar as deepspeed``: the same 30 losses (fp32, <= 1e-5 relative).
 """
+
 import copy
 import json
 import os
@@ -42,11 +43,22 @@ def flatten(x):
 def _layers(spec, tied):
     """The same layer list with DeepSpeed's or llmpar's spec classes: specs, a frozen bias, modules, callables, a
     tied key used three times."""
-    return [tied("emb", nn.Linear, 6, 24, bias=False), spec(Block, 24), nn.ReLU(), spec(nn.Linear, 24, 40),
-            spec(Block, 40, frozen_bias=True), flatten, nn.Tanh(), spec(nn.Linear, 40, 24), spec(Block, 24),
-            tied("emb", nn.Linear, 6, 24, bias=False, forward_fn=lambda m, x: x @ m.weight),
-            spec(nn.Linear, 6, 6), lambda x: x * 2, tied("emb", nn.Linear, 6, 24, bias=False),
-            spec(nn.LayerNorm, 24)]
+    return [
+        tied("emb", nn.Linear, 6, 24, bias=False),
+        spec(Block, 24),
+        nn.ReLU(),
+        spec(nn.Linear, 24, 40),
+        spec(Block, 40, frozen_bias=True),
+        flatten,
+        nn.Tanh(),
+        spec(nn.Linear, 40, 24),
+        spec(Block, 24),
+        tied("emb", nn.Linear, 6, 24, bias=False, forward_fn=lambda m, x: x @ m.weight),
+        spec(nn.Linear, 6, 6),
+        lambda x: x * 2,
+        tied("emb", nn.Linear, 6, 24, bias=False),
+        spec(nn.LayerNorm, 24),
+    ]
 
 
 def _deepspeed_parts(layers, stages, method):
@@ -63,8 +75,9 @@ def _deepspeed_parts(layers, stages, method):
     return [int(p) for p in ds.parts]
 
 
-@pytest.mark.parametrize("method", ["parameters", "uniform", "type:linear", "TYPE:Block", "type:block|tanh",
-                                   "type:^(flatten|<lambda>)$"])
+@pytest.mark.parametrize(
+    "method", ["parameters", "uniform", "type:linear", "TYPE:Block", "type:block|tanh", "type:^(flatten|<lambda>)$"]
+)
 @pytest.mark.parametrize("stages", [1, 2, 3, 5, 13, 16])
 def test_partition_matches_deepspeed(method, stages):
     """The same parts, and the same draws from the random generator (``parameters`` builds every spec once)."""
@@ -96,8 +109,12 @@ def test_partition_errors():
 # ---------------------------------------------------------------------------------------------- on 2 ranks (pp=2)
 
 MICRO, GAS = 2, 4
-CONFIG = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS, "steps_per_print": 1000,
-          "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}}}
+CONFIG = {
+    "train_micro_batch_size_per_gpu": MICRO,
+    "gradient_accumulation_steps": GAS,
+    "steps_per_print": 1000,
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},
+}
 
 
 class Recorded(nn.Linear):
@@ -135,8 +152,14 @@ def _inplace_layers():
     """Prebuilt modules (the same weights on every rank): stage 0 ends with an in-place ReLU, stage 1 starts with one
     (uniform: [0, 3, 6])."""
     torch.manual_seed(5)
-    return [nn.Linear(6, 16), nn.Linear(16, 16), nn.ReLU(inplace=True), nn.ReLU(inplace=True), nn.Linear(16, 3),
-            nn.Tanh()]
+    return [
+        nn.Linear(6, 16),
+        nn.Linear(16, 16),
+        nn.ReLU(inplace=True),
+        nn.ReLU(inplace=True),
+        nn.Linear(16, 3),
+        nn.Tanh(),
+    ]
 
 
 def inplace_body(steps):
@@ -157,7 +180,7 @@ def inplace_body(steps):
     for s in range(steps):
         total = 0.0
         for i in range(GAS):
-            x, y = data[(s * GAS + i) * MICRO:(s * GAS + i + 1) * MICRO]
+            x, y = data[(s * GAS + i) * MICRO : (s * GAS + i + 1) * MICRO]
             loss = nn.functional.cross_entropy(reference(x), y) / GAS
             loss.backward()
             total += float(loss)
@@ -175,12 +198,21 @@ def test_inplace_relu_at_the_stage_boundary_trains_like_one_process():
 
 def _tied_net(interval=0, model_loss=False, loss_fn=None):
     torch.manual_seed(11)
-    layers = [TiedLayerSpec("emb", nn.Linear, 6, 12, bias=False), nn.ReLU(inplace=True), LayerSpec(nn.Linear, 12, 12),
-              TiedLayerSpec("emb", nn.Linear, 6, 12, bias=False, forward_fn=lambda m, x: x @ m.weight),
-              LayerSpec(nn.Linear, 6, 3)] + ([lambda out: (out ** 2).mean()] if model_loss else [])
+    layers = [
+        TiedLayerSpec("emb", nn.Linear, 6, 12, bias=False),
+        nn.ReLU(inplace=True),
+        LayerSpec(nn.Linear, 12, 12),
+        TiedLayerSpec("emb", nn.Linear, 6, 12, bias=False, forward_fn=lambda m, x: x @ m.weight),
+        LayerSpec(nn.Linear, 6, 3),
+    ] + ([lambda out: (out**2).mean()] if model_loss else [])
     loss_fn = None if model_loss else loss_fn or nn.CrossEntropyLoss()
-    return PipelineModule(layers=layers, num_stages=2, loss_fn=loss_fn, partition_method="uniform",
-                          activation_checkpoint_interval=interval)
+    return PipelineModule(
+        layers=layers,
+        num_stages=2,
+        loss_fn=loss_fn,
+        partition_method="uniform",
+        activation_checkpoint_interval=interval,
+    )
 
 
 def data_body(steps):
@@ -196,12 +228,12 @@ def data_body(steps):
     start = [tied.detach().clone()]
     dist.all_reduce(start[0])  # stage 0 + stage 1
     same_start = torch.equal(start[0], 2 * tied.detach())
-    in_order = [data[i * MICRO:(i + 1) * MICRO] for i in range(len(data) // MICRO)]
+    in_order = [data[i * MICRO : (i + 1) * MICRO] for i in range(len(data) // MICRO)]
     stream = iter(in_order * steps)
     loss_a = [float(a.train_batch()) for _ in range(steps)]
     loss_b = [float(b.train_batch(stream)) for _ in range(steps)]  # DeepSpeed's positional data_iter
 
-    eval_batches = [data[i * MICRO:(i + 1) * MICRO] for i in range(GAS)]
+    eval_batches = [data[i * MICRO : (i + 1) * MICRO] for i in range(GAS)]
     before = [p.detach().clone() for p in a.module.parameters()]
     kept = a.data_iterator
     ev = float(a.eval_batch(iter(eval_batches)))
@@ -211,13 +243,24 @@ def data_body(steps):
     train_loss = float(a.train_batch(iter(eval_batches)))  # the same batch, before its step
     end = tied.detach().clone()
     dist.all_reduce(end)
-    return (loss_a, loss_b, same_start, torch.equal(end, 2 * tied.detach()), ev, train_loss, unchanged, no_grad,
-            untouched and a.data_iterator is not kept, a.global_steps)
+    return (
+        loss_a,
+        loss_b,
+        same_start,
+        torch.equal(end, 2 * tied.detach()),
+        ev,
+        train_loss,
+        unchanged,
+        no_grad,
+        untouched and a.data_iterator is not kept,
+        a.global_steps,
+    )
 
 
 def test_train_batch_pulls_training_data_in_order_and_eval_batch():
-    for loss_a, loss_b, same_start, same_end, ev, train_loss, unchanged, no_grad, replaced, steps in \
-            run_ranks(data_body, 2, 4):
+    for loss_a, loss_b, same_start, same_end, ev, train_loss, unchanged, no_grad, replaced, steps in run_ranks(
+        data_body, 2, 4
+    ):
         assert loss_a == loss_b and loss_a[-1] < loss_a[0]
         assert same_start and same_end
         assert ev == pytest.approx(train_loss, rel=1e-6)
@@ -234,7 +277,7 @@ def variants_body(steps):
     for net in (_tied_net(), _tied_net(interval=2), _tied_net(model_loss=True)):
         engine, _, _, _ = llmpar.initialize(model=net, config=CONFIG, training_data=data)
         out.append([float(engine.train_batch()) for _ in range(steps)])
-    squares = _tied_net(loss_fn=lambda output, labels: (output ** 2).mean())
+    squares = _tied_net(loss_fn=lambda output, labels: (output**2).mean())
     engine, _, _, _ = llmpar.initialize(model=squares, config=CONFIG, training_data=data)
     out.append([float(engine.train_batch()) for _ in range(steps)])
     return out
@@ -286,10 +329,28 @@ def test_errors_name_the_argument():
 
 def _run_script(which, partition, tmp_path, steps, ext):
     out = tmp_path / f"{which}.json"
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
-           "TORCH_EXTENSIONS_DIR": str(ext), "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           str(DATA / "pipe_launch.py"), which, str(DATA / "pipe_script.py"), str(out), str(steps), partition]
+    env = {
+        **os.environ,
+        "DS_ACCELERATOR": "cpu",
+        "OMP_NUM_THREADS": "1",
+        "TORCH_EXTENSIONS_DIR": str(ext),
+        "PYTHONPATH": str(ROOT),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        str(DATA / "pipe_launch.py"),
+        which,
+        str(DATA / "pipe_script.py"),
+        str(out),
+        str(steps),
+        partition,
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{which} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return json.loads(out.read_text())
@@ -302,7 +363,11 @@ def test_deepspeed_pipeline_script_runs_with_llmpar_and_matches(partition, tmp_p
     theirs = _run_script("deepspeed", partition, tmp_path, 30, ds_ext_dir)
     ours = _run_script("llmpar", partition, tmp_path, 30, ds_ext_dir)
     assert ours["parts"] == theirs["parts"] == ([0, 5, 11] if partition == "parameters" else [0, 6, 11])
-    torch.testing.assert_close(torch.tensor(ours["train"], dtype=torch.float64),
-                               torch.tensor(theirs["train"], dtype=torch.float64), rtol=1e-5, atol=0)
+    torch.testing.assert_close(
+        torch.tensor(ours["train"], dtype=torch.float64),
+        torch.tensor(theirs["train"], dtype=torch.float64),
+        rtol=1e-5,
+        atol=0,
+    )
     assert ours["eval"] == pytest.approx(theirs["eval"], rel=1e-5)
     assert ours["train"][-1] < 0.7 * ours["train"][0]

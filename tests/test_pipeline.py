@@ -1,4 +1,5 @@
 """Pipeline pieces that need no ranks: the balanced cut, boundaries, schedule checks, bubble formula, blocks."""
+
 import itertools
 import random
 
@@ -112,14 +113,25 @@ def test_pipeline_does_not_import_the_demo_model():
     bad = []
     for path in sorted(Path(llmpar.pipeline.__file__).parent.glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
-            bad += [f"{path.name}:{node.lineno} imports {n}" for n in names
-                    if n.startswith("llmpar.models") and n != "llmpar.models.anatomy"]
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
+            bad += [
+                f"{path.name}:{node.lineno} imports {n}"
+                for n in names
+                if n.startswith("llmpar.models") and n != "llmpar.models.anatomy"
+            ]
     assert not bad, bad
-    code = ("import sys, llmpar.pipeline, llmpar.pipeline.stages, llmpar.pipeline.zero\n"
-            "print(sorted(m for m in sys.modules if m.startswith('llmpar.models')))")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          cwd=Path(__file__).parent)
+    code = (
+        "import sys, llmpar.pipeline, llmpar.pipeline.stages, llmpar.pipeline.zero\n"
+        "print(sorted(m for m in sys.modules if m.startswith('llmpar.models')))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=Path(__file__).parent
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split("\n")[-2] == "['llmpar.models', 'llmpar.models.anatomy']", done.stdout

@@ -1,6 +1,7 @@
 """Pipeline parallelism on CPU/gloo ranks: every schedule, pp = 2 and 4, pp x tp, pp x dp and tied embeddings give
 the loss trajectory of single-process training (20 steps, micro-batch counts that do and do not divide the batch);
 the layout is the same on every rank; bubble and activation accounting; a stage that raises fails every rank."""
+
 import time
 
 import pytest
@@ -72,8 +73,9 @@ def _check(outs, runs, tie=False, dp=1):
     ref = torch.tensor(_reference(tie, dp))
     for rank, (results, _) in enumerate(outs):
         for run in runs:
-            torch.testing.assert_close(torch.tensor(results[run]), ref, rtol=1e-10, atol=1e-10,
-                                       msg=lambda m: f"rank {rank} {run}: {m}")
+            torch.testing.assert_close(
+                torch.tensor(results[run]), ref, rtol=1e-10, atol=1e-10, msg=lambda m: f"rank {rank} {run}: {m}"
+            )
 
 
 PP2_RUNS = [(s, m) for s in ("gpipe", "1f1b", "interleaved_1f1b") for m in (3, 4)]  # B=6: 3 divides, 4 does not
@@ -136,8 +138,9 @@ def _accounting_body(schedule, m):
 
     env = llmpar.init_distributed(pp=2)
     model = GPT(_cfg(n_layer=2), seed=0)
-    runner = build_pipeline(model, env.mesh, GPT.loss, micro_batches=m, schedule=schedule, verbose=False,
-                            track_memory=True)
+    runner = build_pipeline(
+        model, env.mesh, GPT.loss, micro_batches=m, schedule=schedule, verbose=False, track_memory=True
+    )
     x, y = _batch(0, 0)
     x, y = x.repeat(2, 1), y.repeat(2, 1)  # 12 rows
     for _ in range(2):
@@ -209,8 +212,9 @@ def _failure_body():
     coords = env.dims.coordinates(env.rank)
     when = 7 if coords["dp"] == 0 else 10**9  # only the stage-1 copy of dp rank 0 explodes, in step 2
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), Bomb(when), torch.nn.Linear(4, 4))
-    runner = build_pipeline(model, env.mesh, lambda out, y: (out - y).pow(2).mean(), micro_batches=2,
-                            boundaries=[2], verbose=False)
+    runner = build_pipeline(
+        model, env.mesh, lambda out, y: (out - y).pow(2).mean(), micro_batches=2, boundaries=[2], verbose=False
+    )
     t0 = time.monotonic()
     for _ in range(3):
         try:

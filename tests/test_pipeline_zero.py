@@ -1,6 +1,7 @@
 """Pipeline x ZeRO on CPU/gloo ranks: pp=2 x dp=2 with ZeRO-1 and ZeRO-2 (the optimizer reduces over dp, tied
 embeddings summed over pp inside its shards, the clipping norm counts the whole model over pp) gives the loss
 trajectory of single-process training on the dp-concatenated batch (20 steps, float64), for 1F1B and GPipe."""
+
 import pytest
 import torch
 from test_pipeline_ranks import CLIP, LR, STEPS, _batch, _cfg, _reference
@@ -23,8 +24,9 @@ def _zero_body(pp, tp, runs):
     results, norms = {}, {}
     for stage, schedule, m, tie in runs:
         model = GPT(_cfg(tie), seed=0, dtype=torch.float64)
-        runner = build_pipeline(model, env.mesh, GPT.loss, micro_batches=m, schedule=schedule, dp_group=None,
-                                verbose=False)
+        runner = build_pipeline(
+            model, env.mesh, GPT.loss, micro_batches=m, schedule=schedule, dp_group=None, verbose=False
+        )
         opt = zero_optimizer(runner, OptimizerConfig(lr=LR, weight_decay=0.01), stage=stage, max_grad_norm=CLIP)
         losses = []
         for s in range(STEPS):
@@ -56,6 +58,11 @@ def test_pp2_dp2_zero_matches_single_process():
     ref_norm = {tie: _reference_norm(tie, 2) for tie in (False, True)}
     for rank, (results, norms) in enumerate(outs):
         for run in RUNS:
-            torch.testing.assert_close(torch.tensor(results[run]), refs[run[3]], rtol=1e-10, atol=1e-10,
-                                       msg=lambda m: f"rank {rank} {run}: {m}")
+            torch.testing.assert_close(
+                torch.tensor(results[run]),
+                refs[run[3]],
+                rtol=1e-10,
+                atol=1e-10,
+                msg=lambda m: f"rank {rank} {run}: {m}",
+            )
             assert norms[run] == pytest.approx(ref_norm[run[3]], rel=1e-9), (rank, run)

@@ -3,6 +3,7 @@
 Expected numbers come from the papers (ZeRO table, Chinchilla budget, published parameter counts) or from arithmetic
 written out in the test, never from the code's own output.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -107,8 +108,9 @@ def test_zero_savings_tend_to_4x_8x_nd() -> None:
     assert zero_savings(stage=1, dp=64) == pytest.approx(16 / (4 + 12 / 64))
 
 
-@pytest.mark.parametrize("precision, per_param", [("fp32", 16), ("fp32_master", 16), ("bf16_sr", 8),
-                                                  ("bf16_kahan", 10)])
+@pytest.mark.parametrize(
+    "precision, per_param", [("fp32", 16), ("fp32_master", 16), ("bf16_sr", 8), ("bf16_kahan", 10)]
+)
 def test_precision_bytes_per_param(precision: str, per_param: int) -> None:
     assert sum(model_state_bytes(1000, precision=precision).values()) == pytest.approx(1000 * per_param)
 
@@ -162,8 +164,9 @@ def test_stage3_keeps_small_params_gathered() -> None:
     s = model_state_bytes(psi, dp=dp, zero_stage=3, precision="fp32_master", persistent=small)
     assert s["params"] == pytest.approx(2 * psi / dp + 2 * small)
     assert s["grads"] == pytest.approx(2 * psi / dp)
-    s = model_state_bytes(psi, dp=dp, zero_stage=3, precision="fp32_master", offload="optimizer+params",
-                          persistent=small)
+    s = model_state_bytes(
+        psi, dp=dp, zero_stage=3, precision="fp32_master", offload="optimizer+params", persistent=small
+    )
     assert s["params"] == pytest.approx(2 * small) and s["cpu"] == pytest.approx(18 * psi / dp)
     est = estimate_memory(spec, Layout(dp=dp, zero_stage=3), precision="fp32_master")
     assert est.params == pytest.approx(2 * psi / dp + 2 * small)
@@ -175,11 +178,25 @@ def test_stage3_keeps_small_params_gathered() -> None:
 @pytest.mark.parametrize("tp, pp", [(1, 1), (2, 1), (4, 2), (1, 4), (8, 3)])
 def test_stage_tensors_sum_to_the_rank_counts(tp: int, pp: int) -> None:
     specs = [load_model(n) for n in ("gpt2", "llama-7b", "llama-70b")] + [
-        ModelSpec(n_layers=12, hidden=48, n_heads=8, n_kv_heads=n_kv, vocab=1001, seq_len=16, tied_embeddings=tied,
-                  norm=norm, bias=bias, gated_mlp=gated, fused_qkv=fused)
-        for n_kv, tied, norm, bias, gated, fused in [(8, True, "layernorm", True, False, True),
-                                                     (4, False, "rmsnorm", False, True, False),
-                                                     (8, True, "rmsnorm", True, True, False)]]
+        ModelSpec(
+            n_layers=12,
+            hidden=48,
+            n_heads=8,
+            n_kv_heads=n_kv,
+            vocab=1001,
+            seq_len=16,
+            tied_embeddings=tied,
+            norm=norm,
+            bias=bias,
+            gated_mlp=gated,
+            fused_qkv=fused,
+        )
+        for n_kv, tied, norm, bias, gated, fused in [
+            (8, True, "layernorm", True, False, True),
+            (4, False, "rmsnorm", False, True, False),
+            (8, True, "rmsnorm", True, True, False),
+        ]
+    ]
     for spec in specs:
         if spec.n_heads % tp or spec.n_kv_heads % tp or spec.n_layers % pp:  # type: ignore[operator]
             continue
@@ -219,10 +236,17 @@ class _LlamaBlock(nn.Module):
     def __init__(self, h: int, kv: int, f: int) -> None:
         super().__init__()
         self.n1, self.n2 = nn.RMSNorm(h), nn.RMSNorm(h)
-        self.q, self.k, self.v, self.o = (nn.Linear(h, h, bias=False), nn.Linear(h, kv, bias=False),
-                                          nn.Linear(h, kv, bias=False), nn.Linear(h, h, bias=False))
-        self.gate, self.up, self.down = (nn.Linear(h, f, bias=False), nn.Linear(h, f, bias=False),
-                                         nn.Linear(f, h, bias=False))
+        self.q, self.k, self.v, self.o = (
+            nn.Linear(h, h, bias=False),
+            nn.Linear(h, kv, bias=False),
+            nn.Linear(h, kv, bias=False),
+            nn.Linear(h, h, bias=False),
+        )
+        self.gate, self.up, self.down = (
+            nn.Linear(h, f, bias=False),
+            nn.Linear(h, f, bias=False),
+            nn.Linear(f, h, bias=False),
+        )
 
 
 def test_memory_from_module_equals_memory_from_config() -> None:
@@ -244,8 +268,9 @@ def test_memory_from_module_equals_memory_from_config() -> None:
     fused = ModelSpec(n_layers=layers, hidden=h, n_heads=4, vocab=vocab, seq_len=seq, ffn_hidden=f, fused_qkv=True)
     layout = Layout(dp=4, zero_stage=3)
     from_module = estimate_memory(module, layout, persistence_threshold=1000)
-    assert from_module.model_states == pytest.approx(estimate_memory(fused, layout, persistence_threshold=1000).
-                                                     model_states)
+    assert from_module.model_states == pytest.approx(
+        estimate_memory(fused, layout, persistence_threshold=1000).model_states
+    )
     assert from_module.model_states < estimate_memory(spec, layout, persistence_threshold=1000).model_states
     small = seq * h + layers * (4 * h + 3 * h + h * h + h + 2 * h * f + f + h) + 2 * h  # wpe, blocks, ln_f
     assert from_module.params == pytest.approx(2 * count_params(module) / 4 + 2 * small)
@@ -254,20 +279,47 @@ def test_memory_from_module_equals_memory_from_config() -> None:
 def test_llama_like_module_matches_config() -> None:
     h, heads, kv_heads, f, vocab, layers = 32, 8, 2, 56, 77, 2
     kv = kv_heads * (h // heads)
-    module = nn.ModuleDict(dict(
-        emb=nn.Embedding(vocab, h), blocks=nn.ModuleList(_LlamaBlock(h, kv, f) for _ in range(layers)),
-        norm=nn.RMSNorm(h), head=nn.Linear(h, vocab, bias=False)))
-    spec = ModelSpec(n_layers=layers, hidden=h, n_heads=heads, n_kv_heads=kv_heads, vocab=vocab, seq_len=9,
-                     ffn_hidden=f, tied_embeddings=False, gated_mlp=True, learned_positions=False, norm="rmsnorm",
-                     bias=False)
+    module = nn.ModuleDict(
+        dict(
+            emb=nn.Embedding(vocab, h),
+            blocks=nn.ModuleList(_LlamaBlock(h, kv, f) for _ in range(layers)),
+            norm=nn.RMSNorm(h),
+            head=nn.Linear(h, vocab, bias=False),
+        )
+    )
+    spec = ModelSpec(
+        n_layers=layers,
+        hidden=h,
+        n_heads=heads,
+        n_kv_heads=kv_heads,
+        vocab=vocab,
+        seq_len=9,
+        ffn_hidden=f,
+        tied_embeddings=False,
+        gated_mlp=True,
+        learned_positions=False,
+        norm="rmsnorm",
+        bias=False,
+    )
     assert spec.num_params() == count_params(module)
 
 
 def test_tp_pp_shards() -> None:
     """Bias-free RMSNorm model, untied, no learned positions: everything but the (2L + 1) h norm weights splits
     by tp; pp=2 puts half the layers on each stage and the larger of embedding / head+norm on the busiest."""
-    spec = ModelSpec(n_layers=4, hidden=64, n_heads=8, vocab=1000, seq_len=16, ffn_hidden=128, tied_embeddings=False,
-                     gated_mlp=True, learned_positions=False, norm="rmsnorm", bias=False)
+    spec = ModelSpec(
+        n_layers=4,
+        hidden=64,
+        n_heads=8,
+        vocab=1000,
+        seq_len=16,
+        ffn_hidden=128,
+        tied_embeddings=False,
+        gated_mlp=True,
+        learned_positions=False,
+        norm="rmsnorm",
+        bias=False,
+    )
     norms = (2 * 4 + 1) * 64
     psi = spec.num_params()
     assert spec.params_per_rank(tp=4) == (psi - norms) // 4 + norms
@@ -283,9 +335,11 @@ def test_activation_formula_korthikanti() -> None:
     assert activation_bytes_per_layer(**kw) == pytest.approx(sbh * (34 + 5 * a * s / h))
     assert activation_bytes_per_layer(**kw, tp=2) == pytest.approx(sbh * (10 + 24 / 2 + 5 * a * s / (h * 2)))
     assert activation_bytes_per_layer(**kw, tp=2, sequence_parallel=True) == pytest.approx(
-        sbh * (34 + 5 * a * s / h) / 2)
+        sbh * (34 + 5 * a * s / h) / 2
+    )
     assert activation_bytes_per_layer(**kw, tp=2, sequence_parallel=True, checkpointing="selective") == (
-        pytest.approx(sbh * 34 / 2))
+        pytest.approx(sbh * 34 / 2)
+    )
     assert activation_bytes_per_layer(**kw, checkpointing="full") == pytest.approx(2 * sbh)
 
 
@@ -296,11 +350,11 @@ def test_activation_memory_scales_with_layers_and_pipeline() -> None:
     assert estimate_memory(spec, Layout()).activations == pytest.approx(4 * per_layer + logits)
     # pp=2, 1F1B with m >= 2: the first stage holds 2 micro-batches of its 2 layers
     assert estimate_memory(spec, Layout(pp=2), micro_batches_in_flight=8).activations == pytest.approx(
-        2 * 2 * per_layer)
+        2 * 2 * per_layer
+    )
 
 
-_HW = Hardware(name="test", mem_bytes=1e12, peak_flops=1e12, intra_node_bw=1e9, inter_node_bw=1e8,
-               gpus_per_node=8)
+_HW = Hardware(name="test", mem_bytes=1e12, peak_flops=1e12, intra_node_bw=1e9, inter_node_bw=1e8, gpus_per_node=8)
 
 
 def test_comm_per_axis() -> None:
@@ -348,8 +402,7 @@ def test_planner_memory_cut_hand_checked() -> None:
     mem = (zero1 + zero2) / 2
     assert zero3 < zero2 < mem < zero1
     hw = Hardware(name="t", mem_bytes=mem, peak_flops=1e12, intra_node_bw=1e11, inter_node_bw=1e10)
-    res = plan(PlanRequest(model=spec, gpus=2, hardware=hw, reserve_bytes=0, allow_offload=False,
-                           bucket_bytes=bucket))
+    res = plan(PlanRequest(model=spec, gpus=2, hardware=hw, reserve_bytes=0, allow_offload=False, bucket_bytes=bucket))
     fitting = {(r.layout.dp, r.layout.zero_stage) for r in res.ranked if r.layout.activation_checkpointing == "none"}
     assert fitting == {(2, 2), (2, 3)}
     assert res.rejected.get("exceeds GPU memory", 0) >= 2
@@ -393,8 +446,9 @@ def test_impossible_request_names_smallest_cluster(capsys: pytest.CaptureFixture
 
 
 def test_plan_json_parses(capsys: pytest.CaptureFixture[str]) -> None:
-    rc, out, _ = run_cli(["plan", "--model", "gpt2", "--gpus", "8", "--gpu-mem", "40GB", "--json", "--top", "5"],
-                         capsys)
+    rc, out, _ = run_cli(
+        ["plan", "--model", "gpt2", "--gpus", "8", "--gpu-mem", "40GB", "--json", "--top", "5"], capsys
+    )
     assert rc == 0
     doc = json.loads(out)
     assert doc["fits"] and len(doc["layouts"]) == 5 and doc["model"]["params"] == 124_439_808
@@ -409,15 +463,15 @@ def test_plan_table_and_chinchilla_cli(capsys: pytest.CaptureFixture[str]) -> No
     rc, out, _ = run_cli(["chinchilla", "--compute", "5.76e23", "--json"], capsys)
     doc = json.loads(out)
     assert rc == 0 and doc["params"] == pytest.approx(math.sqrt(5.76e23 / 120))
-    rc, out, _ = run_cli(["chinchilla", "--params", "7B", "--gpus", "8", "--peak-tflops", "100", "--mfu", "0.5"],
-                         capsys)
+    rc, out, _ = run_cli(
+        ["chinchilla", "--params", "7B", "--gpus", "8", "--peak-tflops", "100", "--mfu", "0.5"], capsys
+    )
     assert rc == 0 and "time to train" in out
 
 
 def test_json_config_file(tmp_path: pytest.TempPathFactory) -> None:
     path = tmp_path / "gpt2.json"  # type: ignore[operator]
-    path.write_text(json.dumps({"n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 50257,
-                                "n_positions": 1024}))
+    path.write_text(json.dumps({"n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 50257, "n_positions": 1024}))
     assert load_model(str(path)).num_params() == 124_439_808
 
 
@@ -480,8 +534,10 @@ def test_stage3_reuse_distance_keeps_the_last_layers() -> None:
     assert two.bytes == pytest.approx((3 * psi - 2 * lp) * 2 * 3 / 4)  # the last two layers not gathered again
     whole = estimate_comm(spec, Layout(dp=4, zero_stage=3), _HW)["dp"]  # default: every layer kept
     assert whole.bytes == pytest.approx((3 * psi - 4 * lp) * 2 * 3 / 4)
-    gathered = {r: estimate_memory(spec, Layout(dp=4, zero_stage=3, stage3_max_reuse_distance=r)).buffers
-                for r in (0, gaps[2] + 1, gaps[1] + 1, 10**9)}
+    gathered = {
+        r: estimate_memory(spec, Layout(dp=4, zero_stage=3, stage3_max_reuse_distance=r)).buffers
+        for r in (0, gaps[2] + 1, gaps[1] + 1, 10**9)
+    }
     base = gathered[0] - 2 * 2 * lp  # the buckets; two bf16 layers gathered in the lean form
     assert [(v - base) / (2 * lp) for v in gathered.values()] == [2, 3, 4, 4]  # K + 1 layers, at most L
     with pytest.raises(ValueError, match="stage3_max_reuse_distance"):

@@ -1,6 +1,7 @@
 """The planner's long-context terms (llmpar.planning.context / cp_plan): activation bytes by sequence, cp and mode,
 tiled loss / MLP and recompute, hand-computed on a tiny shape; model states over dp x cp; the context-parallel
 traffic; ``llmpar plan --seq-len`` recommending context parallelism only when nothing else fits; refused inputs."""
+
 from __future__ import annotations
 
 import argparse
@@ -48,8 +49,10 @@ def test_activation_breakdown_by_hand() -> None:
 
 def test_activations_fall_with_cp_and_gated_mlp_counts_four() -> None:
     spec = ModelSpec(n_layers=4, hidden=64, n_heads=8, vocab=128, seq_len=8192, gated_mlp=True, ffn_hidden=176)
-    parts = [activation_breakdown(spec, Layout(cp=cp, cp_mode="ring", tiled=True, tile=64), seq_len=8192)
-             for cp in (1, 2, 4, 8)]
+    parts = [
+        activation_breakdown(spec, Layout(cp=cp, cp_mode="ring", tiled=True, tile=64), seq_len=8192)
+        for cp in (1, 2, 4, 8)
+    ]
     for a, b in zip(parts, parts[1:]):
         assert a.kept == 2 * b.kept  # every kept term is per token
         assert 1.5 < a.peak / b.peak <= 2.0  # a layer's ring buffers (8 s k) and the loss tile stay
@@ -102,8 +105,9 @@ def test_plan_recommends_context_parallelism_when_nothing_else_fits(capsys: pyte
     assert rc == 0 and "cp=" in out and "ZeRO over dp x cp" in out
     # a sequence that fits without it: auto plans as before, no cp layouts
     rc, out = _plan(["plan", "--model", "llama-7b", "--gpus", "8", "--gpu-mem", "80GB", "--json"], capsys)
-    assert rc == 0 and all(row["layout"]["cp"] == 1 and not row["layout"]["tiled"]
-                           for row in json.loads(out)["layouts"])
+    assert rc == 0 and all(
+        row["layout"]["cp"] == 1 and not row["layout"]["tiled"] for row in json.loads(out)["layouts"]
+    )
 
 
 def test_refused_long_context_inputs() -> None:
@@ -133,9 +137,16 @@ def test_estimate_against_the_bench_measurement() -> None:
     shape = meta["shape"]
     modes = set()
     for row in record["rows"]:
-        spec = ModelSpec(n_layers=shape["n_layers"], hidden=shape["hidden"], n_heads=shape["n_heads"],
-                         n_kv_heads=shape["n_kv_heads"], vocab=shape["vocab"], seq_len=row["seq"],
-                         ffn_hidden=shape["ffn_hidden"], gated_mlp=True)
+        spec = ModelSpec(
+            n_layers=shape["n_layers"],
+            hidden=shape["hidden"],
+            n_heads=shape["n_heads"],
+            n_kv_heads=shape["n_kv_heads"],
+            vocab=shape["vocab"],
+            seq_len=row["seq"],
+            ffn_hidden=shape["ffn_hidden"],
+            gated_mlp=True,
+        )
         mode = "ulysses" if row["mode"] == "plain" else row["mode"]
         lay = Layout(cp=row["sp"], cp_mode=mode, tiled=True, tile=meta["tile"])
         est = activation_breakdown(spec, lay, seq_len=row["seq"], act_bytes=4, q_chunk=meta["q_chunk"]).peak

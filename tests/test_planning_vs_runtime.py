@@ -5,6 +5,7 @@ gradient bytes it holds, and the planner's per-rank estimate for the same shape 
 exact for the parameter count when the planner's model of the split is right). The ZeRO tests compare the model
 states ZeroOptimizer.memory_bytes() reports (device and host pools) with the planner's, within 5% (issue #19 goal 6;
 bench/bench_scaling.py reports the same comparison for the bench GPTs)."""
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -31,8 +32,16 @@ def _held_bytes():
 
 
 def _spec() -> ModelSpec:
-    return ModelSpec(n_layers=CFG["n_layer"], hidden=CFG["d_model"], n_heads=CFG["n_head"], vocab=CFG["vocab_size"],
-                     seq_len=CFG["seq_len"], tied_embeddings=False, bias=True, learned_positions=True)
+    return ModelSpec(
+        n_layers=CFG["n_layer"],
+        hidden=CFG["d_model"],
+        n_heads=CFG["n_head"],
+        vocab=CFG["vocab_size"],
+        seq_len=CFG["seq_len"],
+        tied_embeddings=False,
+        bias=True,
+        learned_positions=True,
+    )
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
@@ -56,8 +65,11 @@ def test_estimate_matches_bytes_held_by_zero_ranks(stage, world):
 
     for rank, (mem, psi, _, _) in enumerate(run_ranks(memory_body, world, stage, timeout=60)):
         est = model_state_bytes(psi, dp=world, zero_stage=stage, precision="fp32_master")
-        pairs = {"params": mem["params"], "grads": mem["grads"],
-                 "master+optimizer": mem["master"] + mem["optimizer_state"]}
+        pairs = {
+            "params": mem["params"],
+            "grads": mem["grads"],
+            "master+optimizer": mem["master"] + mem["optimizer_state"],
+        }
         want = {"params": est["params"], "grads": est["grads"], "master+optimizer": est["master"] + est["optimizer"]}
         for kind, held in pairs.items():
             assert abs(want[kind] - held) <= 0.05 * held, (rank, kind, want[kind], held)
@@ -71,8 +83,9 @@ def _zero3_memory_body(offload):
     zero = {"stage": 3, "reduce_bucket_size": 20000, "stage3_param_persistence_threshold": 0}
     if offload:
         zero["offload_optimizer"] = {"device": "cpu"}
-    engine, opt, _, _ = llmpar.initialize(model=model, config={
-        "train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True}, "zero_optimization": zero})
+    engine, opt, _, _ = llmpar.initialize(
+        model=model, config={"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True}, "zero_optimization": zero}
+    )
     x = torch.randn(2, 301, dtype=torch.bfloat16)
     engine.backward(engine(x).float().pow(2).mean())
     engine.step()
@@ -85,8 +98,9 @@ def test_estimate_matches_bytes_held_by_zero3_ranks(world, offload):
     from llmpar.planning import model_state_bytes
 
     for rank, (mem, psi) in enumerate(run_ranks(_zero3_memory_body, world, offload, timeout=90)):
-        est = model_state_bytes(psi, dp=world, zero_stage=3, precision="fp32_master",
-                                offload="optimizer" if offload else "none")
+        est = model_state_bytes(
+            psi, dp=world, zero_stage=3, precision="fp32_master", offload="optimizer" if offload else "none"
+        )
         est_device = est["params"] + est["grads"] + est["master"] + est["optimizer"]
         assert abs(est_device - mem["device"]) <= 0.05 * mem["device"], (rank, est, mem)
         if offload:
@@ -108,15 +122,25 @@ def _zero_bytes_body(stage, cases, bucket):
 
     out = []
     for bf16, offload in cases:
-        zero = {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
-                "stage3_param_persistence_threshold": PERSIST}
+        zero = {
+            "stage": stage,
+            "reduce_bucket_size": bucket,
+            "allgather_bucket_size": bucket,
+            "stage3_param_persistence_threshold": PERSIST,
+        }
         if offload != "none":
             zero["offload_optimizer"] = {"device": "cpu"}
         if offload == "optimizer+params":
             zero["offload_param"] = {"device": "cpu"}
-        engine, opt, _, _ = llmpar.initialize(model=GPT(GPTConfig(**ODD), seed=0), config={
-            "train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": bf16}, "zero_optimization": zero,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+        engine, opt, _, _ = llmpar.initialize(
+            model=GPT(GPTConfig(**ODD), seed=0),
+            config={
+                "train_micro_batch_size_per_gpu": 2,
+                "bf16": {"enabled": bf16},
+                "zero_optimization": zero,
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            },
+        )
         x = torch.randint(0, ODD["vocab_size"], (2, ODD["seq_len"] + 1), generator=torch.Generator().manual_seed(0))
         for _ in range(2):
             engine.backward(engine.module.loss(engine(x[:, :-1]), x[:, 1:]))
@@ -142,9 +166,13 @@ def test_estimate_memory_matches_zero_optimizer_bytes(stage, world):
     for rank, held in enumerate(run_ranks(_zero_bytes_body, world, stage, cases, bucket, timeout=120)):
         for (bf16, offload), mem in zip(cases, held):
             assert mem["psi"] == sum(p.numel() for p in model.parameters())
-            est = estimate_memory(model, Layout(dp=world, zero_stage=stage, offload=offload),
-                                  precision="fp32_master" if bf16 else "fp32", bucket_bytes=bucket * (2 if bf16 else 4),
-                                  persistence_threshold=PERSIST)
+            est = estimate_memory(
+                model,
+                Layout(dp=world, zero_stage=stage, offload=offload),
+                precision="fp32_master" if bf16 else "fp32",
+                bucket_bytes=bucket * (2 if bf16 else 4),
+                persistence_threshold=PERSIST,
+            )
             what = (rank, bf16, offload, est.to_dict(), mem)
             assert abs(est.model_states - mem["device"]) <= 0.05 * mem["device"], what
             assert abs(est.cpu - mem["host"]) <= 0.05 * max(mem["host"], 1), what

@@ -7,6 +7,7 @@ reduce-scatter) of all psi params then receives 8 chunks of c = psi / 16 params 
 psi bytes. We call psi bytes "one psi unit" (= the fp16 model bytes 2 psi x (d - p) / d, p = 8 dp ranks a node):
 uncompressed ZeRO-3 moves 3 of them across nodes per step, ZeRO++ (qwZ + hpZ + qgZ) about 0.54.
 """
+
 from __future__ import annotations
 
 import math
@@ -24,20 +25,19 @@ from multirank import run_ranks
 
 # psi = 2 x 256 x 256 (embedding + head) + 27 x 256 (positions) + 2 x (4 x 256^2 + 2 x 256 x 1024) + 5 x 256 (norms)
 #     = 131072 + 6912 + 1572864 + 1280 = 1712128;  c = psi / 16 = 107008 = 418 blocks of 256
-SPEC = ModelSpec(n_layers=2, hidden=256, n_heads=4, vocab=256, seq_len=27, tied_embeddings=False, norm="rmsnorm",
-                 bias=False)
+SPEC = ModelSpec(
+    n_layers=2, hidden=256, n_heads=4, vocab=256, seq_len=27, tied_embeddings=False, norm="rmsnorm", bias=False
+)
 PSI, C = 1_712_128, 107_008
 R8 = C + 4 * 418  # int8 codes (C bytes, a multiple of 4) + 418 fp32 scales = 108680
 R4 = C // 2 + 4 * 418  # int4: two codes a byte = 53504 + 1672 = 55176
 INTRA, INTER = 1e11, 1e10
-HW8 = Hardware(name="test", mem_bytes=1e12, peak_flops=1e15, intra_node_bw=INTRA, inter_node_bw=INTER,
-               gpus_per_node=8)
+HW8 = Hardware(name="test", mem_bytes=1e12, peak_flops=1e15, intra_node_bw=INTRA, inter_node_bw=INTER, gpus_per_node=8)
 QWZ = dict(zero_quantized_weights=True)
 
 
 def Layout(**kw) -> _Layout:  # noqa: N802 - the lean ZeRO-3 these formulas count: every unit gathered again for
     return _Layout(**{"stage3_max_reuse_distance": 0, **kw})  # backward (the reuse distance: test_planning.py)
-
 
 
 QGZ = dict(zero_quantized_gradients=True)
@@ -104,12 +104,15 @@ def test_qwz_hpz_qgz_two_nodes():
     assert d.seconds < _dp(dp=16, zero_stage=3).seconds / 3
 
 
-@pytest.mark.parametrize("opts, cross, sent", [
-    (QWZ, 8 * R8 + 8 * R8 + 8 * 2 * C, 15 * R8 + 15 * R8 + 15 * 2 * C),
-    (dict(zero_hpz_partition_size=8), 8 * 2 * C + 0 + 8 * 2 * C, 15 * 2 * C + 7 / 8 * 2 * PSI + 15 * 2 * C),
-    # qgZ without hpZ: the node split comes from the 8 GPUs a node (tp=1): the same two levels
-    (QGZ, 8 * 2 * C + 8 * 2 * C + R4, 15 * 2 * C + 15 * 2 * C + 15 * R4),
-])
+@pytest.mark.parametrize(
+    "opts, cross, sent",
+    [
+        (QWZ, 8 * R8 + 8 * R8 + 8 * 2 * C, 15 * R8 + 15 * R8 + 15 * 2 * C),
+        (dict(zero_hpz_partition_size=8), 8 * 2 * C + 0 + 8 * 2 * C, 15 * 2 * C + 7 / 8 * 2 * PSI + 15 * 2 * C),
+        # qgZ without hpZ: the node split comes from the 8 GPUs a node (tp=1): the same two levels
+        (QGZ, 8 * 2 * C + 8 * 2 * C + R4, 15 * 2 * C + 15 * 2 * C + 15 * R4),
+    ],
+)
 def test_each_option_alone_two_nodes(opts, cross, sent):
     d = _dp(dp=16, zero_stage=3, **opts)
     assert d.cross_node_bytes == pytest.approx(cross)
@@ -117,8 +120,9 @@ def test_each_option_alone_two_nodes(opts, cross, sent):
 
 
 def test_qgz_levels_and_hpz_groups():
-    one_gpu_nodes = Hardware(name="t", mem_bytes=1e12, peak_flops=1e15, intra_node_bw=INTRA, inter_node_bw=INTER,
-                             gpus_per_node=1)
+    one_gpu_nodes = Hardware(
+        name="t", mem_bytes=1e12, peak_flops=1e15, intra_node_bw=INTRA, inter_node_bw=INTER, gpus_per_node=1
+    )
     # one rank a node: a single level, a row to each of the 15 others, all across nodes
     d = _dp(hw=one_gpu_nodes, dp=16, zero_stage=2, **QGZ)
     assert (d.cross_node_bytes, d.bytes) == (15 * R4 + 15 * 2 * C, 15 * R4 + 15 * 2 * C)
@@ -158,18 +162,23 @@ def test_hpz_and_error_feedback_memory():
 
 
 # ----------------------------------------------------------------------------- bad inputs
-@pytest.mark.parametrize("opts, name", [
-    (dict(zero_stage=3, zero_hpz_partition_size=3), "zero_hpz_partition_size=3"),
-    (dict(zero_stage=2, zero_quantized_weights=True), "zero_quantized_weights"),
-    (dict(zero_stage=2, zero_hpz_partition_size=2), "zero_hpz_partition_size"),
-    (dict(zero_stage=1, zero_quantized_gradients=True), "zero_quantized_gradients"),
-    (dict(zero_stage=3, zero_quantized_weights=True, zero_quantized_weights_bits=6), "zero_quantized_weights_bits"),
-    (dict(zero_stage=3, zero_quantized_gradients=True, zero_quantized_gradients_bits=2),
-     "zero_quantized_gradients_bits"),
-    (dict(zero_stage=3, zero_quantization_block_size=100), "zero_quantization_block_size"),
-    (dict(zero_stage=3, zero_quantized_gradients_error_feedback=True), "zero_quantized_gradients_error_feedback"),
-    (dict(zero_stage=3, offload="optimizer+params", zero_quantized_weights=True), "optimizer\\+params"),
-])
+@pytest.mark.parametrize(
+    "opts, name",
+    [
+        (dict(zero_stage=3, zero_hpz_partition_size=3), "zero_hpz_partition_size=3"),
+        (dict(zero_stage=2, zero_quantized_weights=True), "zero_quantized_weights"),
+        (dict(zero_stage=2, zero_hpz_partition_size=2), "zero_hpz_partition_size"),
+        (dict(zero_stage=1, zero_quantized_gradients=True), "zero_quantized_gradients"),
+        (dict(zero_stage=3, zero_quantized_weights=True, zero_quantized_weights_bits=6), "zero_quantized_weights_bits"),
+        (
+            dict(zero_stage=3, zero_quantized_gradients=True, zero_quantized_gradients_bits=2),
+            "zero_quantized_gradients_bits",
+        ),
+        (dict(zero_stage=3, zero_quantization_block_size=100), "zero_quantization_block_size"),
+        (dict(zero_stage=3, zero_quantized_gradients_error_feedback=True), "zero_quantized_gradients_error_feedback"),
+        (dict(zero_stage=3, offload="optimizer+params", zero_quantized_weights=True), "optimizer\\+params"),
+    ],
+)
 def test_bad_options_raise_naming_the_argument_as_zero_config_does(opts, name):
     from llmpar.zero import ZeroConfig
 
@@ -191,8 +200,9 @@ def test_hpz_groups_must_nest_with_nodes():
 # ----------------------------------------------------------------------------- planner and report
 def test_planner_offers_zeropp_layouts_and_shows_them():
     spec = ModelSpec(n_layers=4, hidden=256, n_heads=4, vocab=1000, seq_len=256)
-    hw = Hardware(name="slow-net", mem_bytes=80e9, peak_flops=1e15, intra_node_bw=3e11, inter_node_bw=3e9,
-                  gpus_per_node=8)
+    hw = Hardware(
+        name="slow-net", mem_bytes=80e9, peak_flops=1e15, intra_node_bw=3e11, inter_node_bw=3e9, gpus_per_node=8
+    )
     base = plan(PlanRequest(model=spec, gpus=16, hardware=hw, allow_offload=False, global_batch=32))
     packed = plan(PlanRequest(model=spec, gpus=16, hardware=hw, allow_offload=False, global_batch=32, zeropp=True))
     assert not any(r.layout.compressed for r in base.ranked)
@@ -209,10 +219,17 @@ def test_planner_offers_zeropp_layouts_and_shows_them():
 # ----------------------------------------------------------------------------- against the runtime
 GPT_CFG = dict(vocab_size=64, n_layer=2, n_head=4, d_model=32, seq_len=16)
 RUNTIME_CASES = {
-    "plain": {}, "qwZ": QWZ, "hpZ": dict(zero_hpz_partition_size=2), "qgZ": QGZ,
+    "plain": {},
+    "qwZ": QWZ,
+    "hpZ": dict(zero_hpz_partition_size=2),
+    "qgZ": QGZ,
     "all": dict(zero_quantized_weights=True, zero_hpz_partition_size=2, zero_quantized_gradients=True),
-    "all+ef": dict(zero_quantized_weights=True, zero_hpz_partition_size=2, zero_quantized_gradients=True,
-                   zero_quantized_gradients_error_feedback=True),
+    "all+ef": dict(
+        zero_quantized_weights=True,
+        zero_hpz_partition_size=2,
+        zero_quantized_gradients=True,
+        zero_quantized_gradients_error_feedback=True,
+    ),
 }
 STEPS, MICRO = 3, {"plain": 1, "qwZ": 1, "hpZ": 1, "qgZ": 1, "all": 2, "all+ef": 1}
 
@@ -229,10 +246,22 @@ def _measure_body(cases):
     for name, opts in cases.items():
         model = GPT(GPTConfig(**GPT_CFG), seed=0)
         counter = CommCounter(ranks_per_node=2)
-        zc = ZeroConfig(stage=3, stage3_prefetch_bucket_size=0, stage3_param_persistence_threshold=0,
-                        stage3_max_reuse_distance=0, **opts)
-        opt = ZeroOptimizer(model.parameters(), OptimizerConfig(lr=1e-3), dist.group.WORLD, zero_config=zc,
-                            module=model, counter=counter, ranks_per_node=2)
+        zc = ZeroConfig(
+            stage=3,
+            stage3_prefetch_bucket_size=0,
+            stage3_param_persistence_threshold=0,
+            stage3_max_reuse_distance=0,
+            **opts,
+        )
+        opt = ZeroOptimizer(
+            model.parameters(),
+            OptimizerConfig(lr=1e-3),
+            dist.group.WORLD,
+            zero_config=zc,
+            module=model,
+            counter=counter,
+            ranks_per_node=2,
+        )
         gen = torch.Generator().manual_seed(dist.get_rank())
         steps, secondary = [], 0
         for s in range(STEPS):
@@ -245,13 +274,22 @@ def _measure_body(cases):
                 loss.backward()
             opt.step()
             if s:
-                steps.append({"cross": dict(counter.cross_node_bytes), "sent": dict(counter.bytes_sent),
-                              "calls": dict(counter.calls)})
+                steps.append(
+                    {
+                        "cross": dict(counter.cross_node_bytes),
+                        "sent": dict(counter.bytes_sent),
+                        "calls": dict(counter.calls),
+                    }
+                )
             counter.reset()
         quantizer = opt.reducer.quantizer
-        out[name] = {"steps": steps, "psi": opt.num_params(), "secondary": secondary,
-                     "residual": quantizer.residual_numel() if quantizer is not None else 0,
-                     "units": sum(len(b.layout.units) for b in opt.buffers)}
+        out[name] = {
+            "steps": steps,
+            "psi": opt.num_params(),
+            "secondary": secondary,
+            "residual": quantizer.residual_numel() if quantizer is not None else 0,
+            "units": sum(len(b.layout.units) for b in opt.buffers),
+        }
         del opt, model
     return out
 
@@ -263,10 +301,12 @@ def test_estimate_matches_comm_counter_on_two_nodes_of_two():
     gradient-norm all-reduce, 16 cross-node bytes) against estimate_comm's dp axis within 2%: the estimate works on
     psi = 30080 where the runtime pads each of the 6 units to a multiple of dp x 16 (30144, +0.21%) and rounds rows
     per unit."""
-    spec = ModelSpec(n_layers=2, hidden=32, n_heads=4, vocab=64, seq_len=16, tied_embeddings=False, bias=True,
-                     learned_positions=True)
-    hw = Hardware(name="2-per-node", mem_bytes=1e12, peak_flops=1e12, intra_node_bw=1e9, inter_node_bw=1e8,
-                  gpus_per_node=2)
+    spec = ModelSpec(
+        n_layers=2, hidden=32, n_heads=4, vocab=64, seq_len=16, tied_embeddings=False, bias=True, learned_positions=True
+    )
+    hw = Hardware(
+        name="2-per-node", mem_bytes=1e12, peak_flops=1e12, intra_node_bw=1e9, inter_node_bw=1e8, gpus_per_node=2
+    )
     results = run_ranks(_measure_body, 4, RUNTIME_CASES, timeout=300)
     report = []
     for name, opts in RUNTIME_CASES.items():
@@ -284,8 +324,9 @@ def test_estimate_matches_comm_counter_on_two_nodes_of_two():
                 assert abs(cross - est.cross_node_bytes) <= 0.02 * est.cross_node_bytes, what
                 assert abs(sent - est.bytes) <= 0.02 * est.bytes, what
                 if rank == 0 and step is got["steps"][-1]:
-                    report.append(f"{name}: cross {cross:.0f} vs {est.cross_node_bytes:.0f}, sent {sent:.0f} vs "
-                                  f"{est.bytes:.0f}")
+                    report.append(
+                        f"{name}: cross {cross:.0f} vs {est.cross_node_bytes:.0f}, sent {sent:.0f} vs {est.bytes:.0f}"
+                    )
             mem = estimate_memory(spec, layout, precision="fp32", persistence_threshold=0, gpus_per_node=2)
             held = 4 * got["secondary"] + 4 * got["residual"]  # fp32 params, float32 residuals
             assert abs(held - mem.zeropp) <= 0.02 * max(mem.zeropp, 1), (name, rank, held, mem.zeropp)
@@ -305,7 +346,8 @@ def test_plan_cli_zeropp_flag(capsys):
 
     parser = argparse.ArgumentParser(prog="llmpar")
     planning_cli.register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["plan", "--model", "gpt2-124m", "--gpus", "16", "--zeropp", "--top", "200",
-                              "--no-offload"])
+    args = parser.parse_args(
+        ["plan", "--model", "gpt2-124m", "--gpus", "16", "--zeropp", "--top", "200", "--no-offload"]
+    )
     assert args.func(args) == 0
     assert "++" in capsys.readouterr().out

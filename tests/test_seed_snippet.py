@@ -1,6 +1,7 @@
 """The product's documentation snippet ("Implémentation avec DeepSpeed") runs exactly as written, with
 ``llmpar.initialize`` in place of ``deepspeed.initialize``: ZeRO-3 + offload_optimizer cpu + offload_param cpu + bf16,
 then trains (loss falls) on 2 CPU/gloo ranks."""
+
 import glob
 import os
 import re
@@ -19,8 +20,11 @@ def _snippet() -> str:
         text = open(path, encoding="utf-8").read()
         m = re.search(r"Implémentation avec DeepSpeed\s*\n(.*?\n\))\s*\n", text, re.S)
         if m:
-            return m.group(1).replace("import deepspeed", "import llmpar").replace("deepspeed.initialize",
-                                                                                 "llmpar.initialize")
+            return (
+                m.group(1)
+                .replace("import deepspeed", "import llmpar")
+                .replace("deepspeed.initialize", "llmpar.initialize")
+            )
     pytest.skip(f"no seed file with the DeepSpeed snippet under {SEED_DIR}")
 
 
@@ -41,8 +45,13 @@ def snippet_body(code):
         engine.step()
         losses.append(loss.item())
     mem = optimizer.memory_bytes()
-    return (losses, engine.zero_optimization_stage(), dict(optimizer.placement.where), mem,
-            next(model.parameters()).dtype)
+    return (
+        losses,
+        engine.zero_optimization_stage(),
+        dict(optimizer.placement.where),
+        mem,
+        next(model.parameters()).dtype,
+    )
 
 
 def test_doc_snippet_runs_as_written():

@@ -8,6 +8,7 @@
 * inputs of different shapes (same element count) on the tp ranks raise on every rank, naming the shapes; a layer
   checks a new shape once and remembers it.
 """
+
 import time
 
 import pytest
@@ -72,8 +73,9 @@ def _loss_parity_body(V: int, smoothing: float, dtype_name: str):
     _close(head.weight.grad, _shard(ref.weight.grad), "head weight grad (padded rows: zero)", dtype)
     _close(head.bias.grad, _shard(ref.bias.grad), "head bias grad", dtype)
     # vocab_size= still works and agrees; so does a gathered head (padding dropped, no -inf)
-    explicit = vocab_parallel_cross_entropy(logits.detach(), target, g, label_smoothing=smoothing, vocab_size=V,
-                                            reduction="none")
+    explicit = vocab_parallel_cross_entropy(
+        logits.detach(), target, g, label_smoothing=smoothing, vocab_size=V, reduction="none"
+    )
     _close(explicit, per_tok.detach(), "vocab_size= given", dtype)
     gathered = ParallelLMHead.from_linear(ref, group=g, gather_output=True)(x)
     _close(gathered, ref(x), "gathered logits", torch.float64)
@@ -176,15 +178,20 @@ def _shape_body(layer_kind: str, sp: bool):
     # (a linear layer checks a shape new to it: a rank reusing an agreed shape would skip the check; see _agree)
     shape = swapped if rank == tp - 1 else good
     name = type(layer).__name__
-    with pytest.raises(ValueError, match=rf"{name}: the ranks of the tensor-parallel group got inputs of different "
-                                         r"shapes \(group rank 0 .*group rank \d+ \(") as err:
+    with pytest.raises(
+        ValueError,
+        match=rf"{name}: the ranks of the tensor-parallel group got inputs of different "
+        r"shapes \(group rank 0 .*group rank \d+ \(",
+    ) as err:
         layer(make(shape))
     assert str(tuple(make(swapped).shape)) in str(err.value) and str(tuple(make(good).shape)) in str(err.value)
 
 
 @pytest.mark.parametrize("world_size", (2, 4))
-@pytest.mark.parametrize("layer_kind,sp", [("embedding", False), ("embedding", True), ("column", False),
-                                           ("column", True), ("row", False), ("row", True)])
+@pytest.mark.parametrize(
+    "layer_kind,sp",
+    [("embedding", False), ("embedding", True), ("column", False), ("column", True), ("row", False), ("row", True)],
+)
 def test_inputs_of_different_shapes_raise_on_every_rank_naming_them(world_size, layer_kind, sp):
     run_ranks(_shape_body, world_size, layer_kind, sp, timeout=60)
 
@@ -196,9 +203,12 @@ def _loss_shape_body():
     target = torch.randint(0, 5 * tp, (24,))
     vocab_parallel_cross_entropy(logits, target, g)
     shape = (6, 4) if rank == 1 else (4, 6)
-    with pytest.raises(ValueError, match=r"vocab_parallel_cross_entropy: the ranks of the tensor-parallel group got "
-                                         r"inputs of different shapes \(group rank 0 \(4, 6, 5\), group rank 1 "
-                                         r"\(6, 4, 5\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"vocab_parallel_cross_entropy: the ranks of the tensor-parallel group got "
+        r"inputs of different shapes \(group rank 0 \(4, 6, 5\), group rank 1 "
+        r"\(6, 4, 5\)",
+    ):
         vocab_parallel_cross_entropy(logits.view(*shape, 5), target.view(shape), g)
 
 
@@ -233,13 +243,17 @@ def _model_later_step_body():
     from llmpar.tensor_parallel import parallelize
 
     g = dist.group.WORLD
-    model = parallelize(GPT(GPTConfig(vocab_size=67, n_layer=1, n_head=4, d_model=16, seq_len=8)), g,
-                        gather_logits=False)
+    model = parallelize(
+        GPT(GPTConfig(vocab_size=67, n_layer=1, n_head=4, d_model=16, seq_len=8)), g, gather_logits=False
+    )
     idx = torch.randint(0, 67, (4, 4), generator=torch.Generator().manual_seed(0))
     for _ in range(2):
         assert torch.isfinite(vocab_parallel_cross_entropy(model(idx), idx, g))
-    with pytest.raises(ValueError, match=r"VocabParallelEmbedding: .*different shapes \(group rank 0 \(4, 4\), "
-                                         r"group rank 1 \(2, 8\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"VocabParallelEmbedding: .*different shapes \(group rank 0 \(4, 4\), "
+        r"group rank 1 \(2, 8\)",
+    ):
         model(idx.view(2, 8) if dist.get_rank() == 1 else idx)  # same element count, other shape
 
 

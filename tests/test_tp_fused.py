@@ -8,6 +8,7 @@ it once plain and once fused on the same input, checks that the fused run really
 (and the plain one did not), and compares output and every gradient with the float64 reference: the fused error is
 at most 2x the plain layers' error in the same dtype, plus one rounding of the reference as a floor.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -51,6 +52,7 @@ def _count_kernel_calls():
         def counted(*args, **kwargs):
             counts[name] = counts.get(name, 0) + 1
             return fn(*args, **kwargs)
+
         return counted
 
     for name, fn in saved.items():
@@ -78,10 +80,17 @@ def _mlp_run(fc, proj, x, w_out, act, sp, chunks, overlap, dtype, backend):
     g = dist.group.WORLD
     tp, rank = dist.get_world_size(), dist.get_rank()
     with _backend(backend), _count_kernel_calls() as counts:
-        col = ColumnParallelLinear.from_linear(copy.deepcopy(fc).to(dtype), group=g, activation=act,
-                                               sequence_parallel=sp, comm_chunks=chunks, overlap_grad_comm=overlap)
-        row = RowParallelLinear.from_linear(copy.deepcopy(proj).to(dtype), group=g, sequence_parallel=sp,
-                                            comm_chunks=chunks)
+        col = ColumnParallelLinear.from_linear(
+            copy.deepcopy(fc).to(dtype),
+            group=g,
+            activation=act,
+            sequence_parallel=sp,
+            comm_chunks=chunks,
+            overlap_grad_comm=overlap,
+        )
+        row = RowParallelLinear.from_linear(
+            copy.deepcopy(proj).to(dtype), group=g, sequence_parallel=sp, comm_chunks=chunks
+        )
         xin = (_rows(x, rank, tp) if sp else x).to(dtype).clone().requires_grad_()
         out = row(col(xin))
         (out * (_rows(w_out, rank, tp) if sp else w_out).to(dtype)).sum().backward()
@@ -104,23 +113,33 @@ def _fused_mlp_body(act: str, sp: bool, chunks: int, overlap: bool, dtype_name: 
     xr = x.clone().requires_grad_()
     ref_out = proj(_act_torch(fc(xr), act))
     (ref_out * w_out).sum().backward()
-    refs = [_rows(ref_out.detach(), rank, tp) if sp else ref_out.detach(),
-            _rows(xr.grad, rank, tp) if sp else xr.grad, _rows(fc.weight.grad, rank, tp),
-            _rows(fc.bias.grad, rank, tp), _rows(proj.weight.grad, rank, tp, 1), proj.bias.grad]
+    refs = [
+        _rows(ref_out.detach(), rank, tp) if sp else ref_out.detach(),
+        _rows(xr.grad, rank, tp) if sp else xr.grad,
+        _rows(fc.weight.grad, rank, tp),
+        _rows(fc.bias.grad, rank, tp),
+        _rows(proj.weight.grad, rank, tp, 1),
+        proj.bias.grad,
+    ]
     plain_out, plain_grads, plain_calls = _mlp_run(fc, proj, x, w_out, act, sp, chunks, overlap, dtype, None)
     fused_out, fused_grads, fused_calls = _mlp_run(fc, proj, x, w_out, act, sp, chunks, overlap, dtype, "triton")
     assert plain_calls == {}, f"the plain layers launched Triton kernels: {plain_calls}"
     # column + row forward (row: one launch per chunk without sequence parallelism), and both backward GEMMs
-    assert fused_calls.get("linear_fwd", 0) >= 2 and fused_calls.get("linear_bwd_input", 0) >= 2 \
-        and fused_calls.get("linear_bwd_weight", 0) >= 2, f"the fused layers skipped the kernels: {fused_calls}"
+    assert (
+        fused_calls.get("linear_fwd", 0) >= 2
+        and fused_calls.get("linear_bwd_input", 0) >= 2
+        and fused_calls.get("linear_bwd_weight", 0) >= 2
+    ), f"the fused layers skipped the kernels: {fused_calls}"
     floor_eps = torch.finfo(dtype).eps
     names = ["output", "x grad", "fc.weight grad", "fc.bias grad", "proj.weight grad", "proj.bias grad"]
     for name, got, plain, ref in zip(names, [fused_out, *fused_grads], [plain_out, *plain_grads], refs):
         assert got is not None and got.dtype == dtype and got.shape == ref.shape, name
         e_got, e_plain = _err(got, ref), _err(plain, ref)
         floor = floor_eps * ref.abs().max().item()
-        assert e_got <= 2 * e_plain + floor, (f"rank {rank} {name} ({act}, sp={sp}, chunks={chunks}, {dtype_name}):"
-                                              f" fused error {e_got:.3g} vs plain {e_plain:.3g}")
+        assert e_got <= 2 * e_plain + floor, (
+            f"rank {rank} {name} ({act}, sp={sp}, chunks={chunks}, {dtype_name}):"
+            f" fused error {e_got:.3g} vs plain {e_plain:.3g}"
+        )
 
 
 CASES = [  # (world size, activation, sequence parallel, chunks, overlapped input-grad collective, dtype)
@@ -168,8 +187,11 @@ def _fused_head_body(bias: bool):
         results.append((loss.detach(), head.weight.grad))
     (plain_loss, plain_grad), (fused_loss, fused_grad) = results
     floor = torch.finfo(torch.float32).eps * want.abs().item()
-    assert (fused_loss.double() - want).abs() <= 2 * (plain_loss.double() - want).abs() + 4 * floor, \
-        (fused_loss, plain_loss, want)
+    assert (fused_loss.double() - want).abs() <= 2 * (plain_loss.double() - want).abs() + 4 * floor, (
+        fused_loss,
+        plain_loss,
+        want,
+    )
     torch.testing.assert_close(fused_grad, plain_grad, rtol=1e-4, atol=1e-6)
 
 

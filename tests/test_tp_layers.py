@@ -3,6 +3,7 @@
 Each body builds the plain layers in float64 on every rank (same seed), the parallel layers from them, feeds the
 same random input (a shard of it under sequence parallelism) and compares outputs and gradients.
 """
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -102,8 +103,9 @@ def _mlp_body(sp: bool, chunks: int, overlap: bool, dtype_name: str):
     ref = ref_proj(F.gelu(ref_fc(xr)))
     (ref * w_out).sum().backward()
 
-    fc = ColumnParallelLinear.from_linear(ref_fc.to(dtype), group=g, sequence_parallel=sp, comm_chunks=chunks,
-                                          overlap_grad_comm=overlap)
+    fc = ColumnParallelLinear.from_linear(
+        ref_fc.to(dtype), group=g, sequence_parallel=sp, comm_chunks=chunks, overlap_grad_comm=overlap
+    )
     proj = RowParallelLinear.from_linear(ref_proj.to(dtype), group=g, sequence_parallel=sp, comm_chunks=chunks)
     ref_fc.double(), ref_proj.double()
     xin = (_rows(x, rank, tp) if sp else x).to(dtype).clone().requires_grad_()
@@ -119,8 +121,9 @@ def _mlp_body(sp: bool, chunks: int, overlap: bool, dtype_name: str):
 
 
 @pytest.mark.parametrize("world_size", WORLD)
-@pytest.mark.parametrize("sp,chunks,overlap", [(False, 1, False), (False, 3, True), (True, 1, True),
-                                               (True, 3, False), (True, 2, True)])
+@pytest.mark.parametrize(
+    "sp,chunks,overlap", [(False, 1, False), (False, 3, True), (True, 1, True), (True, 3, False), (True, 2, True)]
+)
 def test_column_row_mlp_matches_single_device(world_size, sp, chunks, overlap):
     for dtype in ("float64", "float32"):
         run_ranks(_mlp_body, world_size, sp, chunks, overlap, dtype)

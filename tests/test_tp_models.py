@@ -1,5 +1,6 @@
 """``llmpar.parallelize`` on whole models == the unsplit model: llmpar's GPT and a HuggingFace Llama built from a
 config (random init, no download); logits, every gradient, and a short training run's losses step by step."""
+
 import copy
 
 import pytest
@@ -51,8 +52,13 @@ def _gpt_body(sp: bool, chunks: int, overlap: bool, dtype_name: str, tie: bool =
     tgt = torch.randint(0, 1001, (4, 5))
     logits_ref = ref(idx)
     ref.loss(logits_ref, tgt).backward()
-    par = parallelize(copy.deepcopy(ref).to(dtype), dist.group.WORLD, sequence_parallel=sp, comm_chunks=chunks,
-                      overlap_grad_comm=overlap)
+    par = parallelize(
+        copy.deepcopy(ref).to(dtype),
+        dist.group.WORLD,
+        sequence_parallel=sp,
+        comm_chunks=chunks,
+        overlap_grad_comm=overlap,
+    )
     par.zero_grad(set_to_none=True)
     assert isinstance(par.blocks[0].attn.qkv, ColumnParallelLinear) and isinstance(par.lm_head, ParallelLMHead)
     assert (par.lm_head.weight is par.tok_emb.weight) == tie  # a tied embedding stays one (split) parameter
@@ -111,9 +117,18 @@ def test_gpt_training_losses_match_tp1_step_by_step(world_size, sp, vocab_loss):
 def _llama(dtype, kv_heads=4):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=1001, hidden_size=32, intermediate_size=44, num_hidden_layers=2,
-                      num_attention_heads=8, num_key_value_heads=kv_heads, max_position_embeddings=16,
-                      pad_token_id=0, use_cache=False, attn_implementation="sdpa")
+    cfg = LlamaConfig(
+        vocab_size=1001,
+        hidden_size=32,
+        intermediate_size=44,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=16,
+        pad_token_id=0,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
     torch.manual_seed(0)
     return LlamaForCausalLM(cfg).to(dtype)
 

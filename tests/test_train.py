@@ -1,6 +1,7 @@
 """`llmpar train`: the DeepSpeed config its flags build, `--config`, clear errors for bad flags, and short runs through
 the real command path (``llmpar.cli.main`` on gloo ranks, and torchrun) for dp=2, tp=2 and pp=2 x tp=2 (ZeRO-1),
 checked against one process training on the whole batch."""
+
 from __future__ import annotations
 
 import json
@@ -17,19 +18,45 @@ from llmpar.train import TrainOptions, build_config, check_layout, resolve, trai
 from multirank import run_ranks
 
 # a tiny GPT that learns within 30 steps
-SMALL = ["--steps", "30", "--batch-size", "8", "--seq-len", "32", "--n-layer", "2", "--n-head", "2", "--d-model",
-         "32", "--lr", "1e-2", "--warmup-steps", "5", "--log-every", "10"]
-SMALL_OPTS = dict(steps=30, batch_size=8, seq_len=32, n_layer=2, n_head=2, d_model=32, lr=1e-2, warmup_steps=5,
-                  log_every=10)
+SMALL = [
+    "--steps",
+    "30",
+    "--batch-size",
+    "8",
+    "--seq-len",
+    "32",
+    "--n-layer",
+    "2",
+    "--n-head",
+    "2",
+    "--d-model",
+    "32",
+    "--lr",
+    "1e-2",
+    "--warmup-steps",
+    "5",
+    "--log-every",
+    "10",
+]
+SMALL_OPTS = dict(
+    steps=30, batch_size=8, seq_len=32, n_layer=2, n_head=2, d_model=32, lr=1e-2, warmup_steps=5, log_every=10
+)
 
 DEMO_CONFIG = {
     "train_micro_batch_size_per_gpu": 16,
     "gradient_accumulation_steps": 1,
     "steps_per_print": 100,
     "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}},
-    "scheduler": {"type": "WarmupCosineLR", "params": {"warmup_type": "linear", "warmup_num_steps": 20,
-                                                       "total_num_steps": 300, "warmup_min_ratio": 0.0,
-                                                       "cos_min_ratio": 0.1}},
+    "scheduler": {
+        "type": "WarmupCosineLR",
+        "params": {
+            "warmup_type": "linear",
+            "warmup_num_steps": 20,
+            "total_num_steps": 300,
+            "warmup_min_ratio": 0.0,
+            "cos_min_ratio": 0.1,
+        },
+    },
     "gradient_clipping": 1.0,
     "zero_optimization": {"stage": 2},
     "bf16": {"enabled": False},
@@ -56,8 +83,20 @@ def test_flag_combinations_build_config():
     assert cfg["gradient_accumulation_steps"] == 8
     assert cfg["zero_optimization"] == {"stage": 2, "offload_optimizer": {"device": "cpu"}}
 
-    cfg = build_config(TrainOptions(tp=2, grad_accum=4, zero=3, bf16=True, batch_size=2, lr=1e-4, grad_clip=0.0,
-                                    steps=50, warmup_steps=0, print_every=5))
+    cfg = build_config(
+        TrainOptions(
+            tp=2,
+            grad_accum=4,
+            zero=3,
+            bf16=True,
+            batch_size=2,
+            lr=1e-4,
+            grad_clip=0.0,
+            steps=50,
+            warmup_steps=0,
+            print_every=5,
+        )
+    )
     assert "pipeline" not in cfg and cfg["tensor_parallel"] == {"size": 2}
     assert cfg["gradient_accumulation_steps"] == 4 and cfg["train_micro_batch_size_per_gpu"] == 2
     assert cfg["zero_optimization"] == {"stage": 3} and cfg["bf16"] == {"enabled": True}
@@ -70,18 +109,21 @@ def test_flag_combinations_build_config():
     assert "tensor_parallel" not in build_config(TrainOptions()) and "pipeline" not in build_config(TrainOptions())
 
 
-@pytest.mark.parametrize("flags, match", [
-    (dict(pp=2, zero=3), "--zero 3 with --pp 2: pipelines run ZeRO stages 0, 1 or 2"),
-    (dict(offload=True, zero=0), "--offload needs --zero 1, 2 or 3"),
-    (dict(bf16=True, dtype="float64"), "--bf16 and --dtype float64 contradict"),
-    (dict(schedule="gpipe"), "--schedule=gpipe is a pipeline schedule: it needs --pp > 1"),
-    (dict(zero=4), "--zero=4 must be 0, 1, 2 or 3"),
-    (dict(tp=0), "--tp=0 must be a positive integer"),
-    (dict(batch_size=0), "--batch-size=0 must be a positive integer"),
-    (dict(grad_accum=0), "--grad-accum=0 must be a positive integer"),
-    (dict(lr=0.0), "--lr=0.0 must be positive"),
-    (dict(dtype="float16"), "--dtype='float16' is not one of"),
-])
+@pytest.mark.parametrize(
+    "flags, match",
+    [
+        (dict(pp=2, zero=3), "--zero 3 with --pp 2: pipelines run ZeRO stages 0, 1 or 2"),
+        (dict(offload=True, zero=0), "--offload needs --zero 1, 2 or 3"),
+        (dict(bf16=True, dtype="float64"), "--bf16 and --dtype float64 contradict"),
+        (dict(schedule="gpipe"), "--schedule=gpipe is a pipeline schedule: it needs --pp > 1"),
+        (dict(zero=4), "--zero=4 must be 0, 1, 2 or 3"),
+        (dict(tp=0), "--tp=0 must be a positive integer"),
+        (dict(batch_size=0), "--batch-size=0 must be a positive integer"),
+        (dict(grad_accum=0), "--grad-accum=0 must be a positive integer"),
+        (dict(lr=0.0), "--lr=0.0 must be positive"),
+        (dict(dtype="float16"), "--dtype='float16' is not one of"),
+    ],
+)
 def test_bad_flags_fail_clearly(flags, match):
     with pytest.raises(ValueError, match=match):
         resolve(flags)
@@ -90,7 +132,8 @@ def test_bad_flags_fail_clearly(flags, match):
 def test_layouts_that_do_not_fit_fail_clearly(capsys, monkeypatch):
     for key in list(os.environ):  # this command is not a rank of a launched job, whatever earlier tests left set
         if key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE") or key.startswith(
-                ("SLURM_", "OMPI_COMM_WORLD_", "PMI_", "PMIX_", "MPI_LOCAL")):
+            ("SLURM_", "OMPI_COMM_WORLD_", "PMI_", "PMIX_", "MPI_LOCAL")
+        ):
             monkeypatch.delenv(key)
     with pytest.raises(ValueError, match="--n-head=4 is not divisible by --tp=8"):
         check_layout(TrainOptions(), pp=1, tp=8, world=8)
@@ -115,8 +158,13 @@ def _write(path: Path, config: dict) -> str:
 
 
 def test_config_file_is_the_config(tmp_path, capsys):
-    user = {"train_batch_size": 32, "gradient_accumulation_steps": 2, "zero_optimization": {"stage": 1},
-            "pipeline": {"stages": 2}, "tensor_parallel": {"size": 2}}
+    user = {
+        "train_batch_size": 32,
+        "gradient_accumulation_steps": 2,
+        "zero_optimization": {"stage": 1},
+        "pipeline": {"stages": 2},
+        "tensor_parallel": {"size": 2},
+    }
     path = _write(tmp_path / "ds.json", user)
     opts, config = resolve({"steps": 7, "n_layer": 4, "dtype": "float64"}, path)
     assert config == user and opts.steps == 7 and opts.n_layer == 4 and opts.model_dtype == "float64"
@@ -130,8 +178,11 @@ def test_config_file_is_the_config(tmp_path, capsys):
 
 def test_config_file_and_training_flags_do_not_mix(tmp_path, capsys):
     path = _write(tmp_path / "ds.json", {"train_micro_batch_size_per_gpu": 4})
-    with pytest.raises(ValueError, match=r"--lr \(config key optimizer.params.lr\), --zero \(config key "
-                                         r"zero_optimization.stage\) cannot be given with it"):
+    with pytest.raises(
+        ValueError,
+        match=r"--lr \(config key optimizer.params.lr\), --zero \(config key "
+        r"zero_optimization.stage\) cannot be given with it",
+    ):
         resolve({"lr": 1e-3, "zero": 1, "steps": 3}, path)
     with pytest.raises(ValueError, match=r"--dtype \(config key bf16.enabled\)"):
         resolve({"dtype": "bfloat16"}, path)
@@ -151,8 +202,19 @@ def test_config_file_and_training_flags_do_not_mix(tmp_path, capsys):
 # ----------------------------------------------------------------- runs through llmpar.initialize
 
 
-TINY = dict(steps=6, batch_size=3, seq_len=16, n_layer=2, n_head=2, d_model=16, lr=1e-2, warmup_steps=2, log_every=2,
-            dtype="float64", grad_accum=2)
+TINY = dict(
+    steps=6,
+    batch_size=3,
+    seq_len=16,
+    n_layer=2,
+    n_head=2,
+    d_model=16,
+    lr=1e-2,
+    warmup_steps=2,
+    log_every=2,
+    dtype="float64",
+    grad_accum=2,
+)
 
 
 def _flat_params(engine):
@@ -183,12 +245,19 @@ def _cli_body(argv):
     return main(["train", *argv])
 
 
-@pytest.mark.parametrize("world, flags, single", [
-    (2, [], dict(batch_size=16)),  # dp=2, ZeRO-2, fp32
-    (2, ["--tp", "2", "--dtype", "float64"], dict(dtype="float64")),  # tp=2, ZeRO-2 over dp=1
-    (4, ["--pp", "2", "--tp", "2", "--zero", "1", "--dtype", "float64"],
-     dict(dtype="float64", grad_accum=2)),  # pipeline engine, same param groups (decay on matrices only)
-], ids=["dp2", "tp2", "pp2xtp2-zero1"])
+@pytest.mark.parametrize(
+    "world, flags, single",
+    [
+        (2, [], dict(batch_size=16)),  # dp=2, ZeRO-2, fp32
+        (2, ["--tp", "2", "--dtype", "float64"], dict(dtype="float64")),  # tp=2, ZeRO-2 over dp=1
+        (
+            4,
+            ["--pp", "2", "--tp", "2", "--zero", "1", "--dtype", "float64"],
+            dict(dtype="float64", grad_accum=2),
+        ),  # pipeline engine, same param groups (decay on matrices only)
+    ],
+    ids=["dp2", "tp2", "pp2xtp2-zero1"],
+)
 def test_command_trains_through_initialize(world, flags, single, tmp_path):
     """``llmpar train`` on gloo ranks: the loss falls, and the curve is the one process's on the whole batch."""
     summary = tmp_path / "summary.json"
@@ -208,16 +277,48 @@ def test_command_trains_through_initialize(world, flags, single, tmp_path):
 def test_command_with_config_under_torchrun(tmp_path):
     """``llmpar train --config ds.json`` re-launches itself under torchrun and trains the user's config (bf16, ZeRO-2
     with CPU offload, accumulation, WarmupLR)."""
-    path = _write(tmp_path / "ds.json", {
-        "train_batch_size": 32, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
-        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5, "warmup_type": "linear"}},
-        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}, "bf16": {"enabled": True}})
+    path = _write(
+        tmp_path / "ds.json",
+        {
+            "train_batch_size": 32,
+            "gradient_accumulation_steps": 2,
+            "gradient_clipping": 1.0,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+            "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5, "warmup_type": "linear"}},
+            "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+            "bf16": {"enabled": True},
+        },
+    )
     summary = tmp_path / "summary.json"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    out = subprocess.run([sys.executable, "-m", "llmpar.cli", "train", "--nproc", "2", "--config", path, "--steps",
-                          "30", "--seq-len", "32", "--d-model", "32", "--n-head", "2", "--sample", "0", "--json",
-                          str(summary)], capture_output=True, text=True, timeout=240, env=env)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "llmpar.cli",
+            "train",
+            "--nproc",
+            "2",
+            "--config",
+            path,
+            "--steps",
+            "30",
+            "--seq-len",
+            "32",
+            "--d-model",
+            "32",
+            "--n-head",
+            "2",
+            "--sample",
+            "0",
+            "--json",
+            str(summary),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "PASS: loss fell" in out.stdout and "ZeRO-2 + offload, bfloat16" in out.stdout
     assert "micro batch 8 x accumulation 2 x dp 2 = 32 sequences/step" in out.stdout and "rank 1:" in out.stdout
@@ -239,11 +340,22 @@ def test_bad_config_is_a_clear_error(tmp_path, capsys):
 def test_a_ranks_config_error_exits_2_through_the_relaunch(tmp_path):
     """A config the ranks reject (batch sizes that need dp, known only on the ranks) under ``--nproc 2``: the
     command exits 2 as documented, not torchrun's 1 for a failed child."""
-    path = _write(tmp_path / "ds.json", {"train_batch_size": 7, "train_micro_batch_size_per_gpu": 2,
-                                         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+    path = _write(
+        tmp_path / "ds.json",
+        {
+            "train_batch_size": 7,
+            "train_micro_batch_size_per_gpu": 2,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        },
+    )
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    out = subprocess.run([sys.executable, "-m", "llmpar.cli", "train", "--nproc", "2", "--config", path, "--steps",
-                          "2"], capture_output=True, text=True, timeout=240, env={**env, "OMP_NUM_THREADS": "1"})
+    out = subprocess.run(
+        [sys.executable, "-m", "llmpar.cli", "train", "--nproc", "2", "--config", path, "--steps", "2"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**env, "OMP_NUM_THREADS": "1"},
+    )
     assert out.returncode == 2, out.stdout[-3000:] + out.stderr[-3000:]
     assert "llmpar train: error: llmpar.initialize rejected the config: batch sizes are inconsistent" in out.stderr
 

@@ -1,4 +1,5 @@
 """The shipped text, the byte tokenizer and the data-parallel batch loader."""
+
 import pytest
 import torch
 

@@ -7,6 +7,7 @@ through Triton's own binder (tests/triton_aot.py): ints equal to 1 become consta
 (do_not_specialize), pointers and ints divisible by 16 get divisibility hints, exactly as on the GPU. So seed=1, one
 tensor (n=1), one program and misaligned buffers are all compiled the way the first GPU would compile them.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -67,10 +68,29 @@ def test_adamw_kernel_compiles_as_launched(arch, precision, sizes, seed, on_devi
     p, g, m, v, x, s = _adamw_state(precision, sizes, misalign=int(misalign))
     scalar = torch.tensor(0.5) if on_device else None
     lr = torch.tensor(1e-3) if on_device else 1e-3
-    calls = record(adamw_kernels, "_adamw_kernel", lambda: adamw_kernels.step(
-        p, g, m, v, x, s, list(range(len(sizes))), mode=mode_code(precision), lr=lr, beta1=0.9, beta2=0.999,
-        eps=1e-8, weight_decay=0.1, gscale=scalar, found_inf=scalar, seed=seed))
-    (args, kwargs), = calls
+    calls = record(
+        adamw_kernels,
+        "_adamw_kernel",
+        lambda: adamw_kernels.step(
+            p,
+            g,
+            m,
+            v,
+            x,
+            s,
+            list(range(len(sizes))),
+            mode=mode_code(precision),
+            lr=lr,
+            beta1=0.9,
+            beta2=0.999,
+            eps=1e-8,
+            weight_decay=0.1,
+            gscale=scalar,
+            found_inf=scalar,
+            seed=seed,
+        ),
+    )
+    ((args, kwargs),) = calls
     fn = adamw_kernels._adamw_kernel
     signature, constexprs, _, _ = bind_like_launcher(fn, args, kwargs, arch)
     consts = specialised(signature, constexprs, fn)
@@ -81,19 +101,25 @@ def test_adamw_kernel_compiles_as_launched(arch, precision, sizes, seed, on_devi
 @pytest.mark.parametrize("beta1, beta2", [(0.0, 0.999), (0.9, 0.0)])
 def test_adamw_launch_takes_zero_betas(beta1, beta2):
     p, g, m, v, x, s = _adamw_state("fp32", [5])
-    (args, kwargs), = record(adamw_kernels, "_adamw_kernel", lambda: adamw_kernels.step(
-        p, g, m, v, x, s, [0], mode=0, lr=1e-3, beta1=beta1, beta2=beta2, eps=1e-8, weight_decay=0.0))
+    ((args, kwargs),) = record(
+        adamw_kernels,
+        "_adamw_kernel",
+        lambda: adamw_kernels.step(
+            p, g, m, v, x, s, [0], mode=0, lr=1e-3, beta1=beta1, beta2=beta2, eps=1e-8, weight_decay=0.0
+        ),
+    )
     named = dict(zip(adamw_kernels._adamw_kernel.arg_names, args))
     assert named["ln_beta1" if beta1 == 0 else "ln_beta2"] == float("-inf")
     compile_like_launcher(adamw_kernels._adamw_kernel, args, kwargs, arch=90)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("dtype, sizes", [(torch.float32, [5]), (torch.bfloat16, [5, 4097, 3]),
-                                          (torch.float16, [16] * 16)])
+@pytest.mark.parametrize(
+    "dtype, sizes", [(torch.float32, [5]), (torch.bfloat16, [5, 4097, 3]), (torch.float16, [16] * 16)]
+)
 def test_sum_squares_kernel_compiles_as_launched(arch, dtype, sizes):
     grads = [torch.randn(n).to(dtype) for n in sizes]
-    (args, kwargs), = record(adamw_kernels, "_sum_squares_kernel", lambda: adamw_kernels.sum_squares(grads))
+    ((args, kwargs),) = record(adamw_kernels, "_sum_squares_kernel", lambda: adamw_kernels.sum_squares(grads))
     signature, constexprs, _, _ = bind_like_launcher(adamw_kernels._sum_squares_kernel, args, kwargs, arch)
     assert "n" not in specialised(signature, constexprs, adamw_kernels._sum_squares_kernel)
     compile_like_launcher(adamw_kernels._sum_squares_kernel, args, kwargs, arch=arch)
@@ -101,18 +127,24 @@ def test_sum_squares_kernel_compiles_as_launched(arch, dtype, sizes):
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("unpack", [False, True])
-@pytest.mark.parametrize("list_dtype, flat_dtype, sizes, offset, scale", [
-    (torch.float32, torch.float32, [5], 0, 1.0),                        # one tensor, one program: n = 1 constant
-    (torch.bfloat16, torch.float32, [5, 4097, 123], 3, 0.125),          # flat is a misaligned slice
-    (torch.float32, torch.bfloat16, [7] * 16, 0, 0.5),                   # 16 tensors: divisibility hint on n
-    (torch.float16, torch.float16, [2048, 1024], 8, 2.0),
-])
+@pytest.mark.parametrize(
+    "list_dtype, flat_dtype, sizes, offset, scale",
+    [
+        (torch.float32, torch.float32, [5], 0, 1.0),  # one tensor, one program: n = 1 constant
+        (torch.bfloat16, torch.float32, [5, 4097, 123], 3, 0.125),  # flat is a misaligned slice
+        (torch.float32, torch.bfloat16, [7] * 16, 0, 0.5),  # 16 tensors: divisibility hint on n
+        (torch.float16, torch.float16, [2048, 1024], 8, 2.0),
+    ],
+)
 def test_bucket_kernel_compiles_as_launched(arch, unpack, list_dtype, flat_dtype, sizes, offset, scale):
     tensors = [torch.randn(n).to(list_dtype) for n in sizes]
     flat = torch.empty(sum(sizes) + offset, dtype=flat_dtype)[offset:]
-    launch = (lambda: bucket_kernels.unpack(flat, tensors, scale)) if unpack else \
-        (lambda: bucket_kernels.pack(tensors, flat, scale))
-    (args, kwargs), = record(bucket_kernels, "_bucket_kernel", launch)
+    launch = (
+        (lambda: bucket_kernels.unpack(flat, tensors, scale))
+        if unpack
+        else (lambda: bucket_kernels.pack(tensors, flat, scale))
+    )
+    ((args, kwargs),) = record(bucket_kernels, "_bucket_kernel", launch)
     compile_like_launcher(bucket_kernels._bucket_kernel, args, kwargs, arch=arch)
 
 
@@ -122,8 +154,9 @@ from llmpar.kernels import attention as attention_kernels  # noqa: E402
 _ATTN_KERNELS = ("_fwd_kernel", "_delta_kernel", "_dq_kernel", "_dkdv_kernel")
 
 
-def attention_launches(arch: int, dtype: torch.dtype, d: int, *, causal: bool, padded: bool, grids: dict | None = None
-                       ) -> dict:
+def attention_launches(
+    arch: int, dtype: torch.dtype, d: int, *, causal: bool, padded: bool, grids: dict | None = None
+) -> dict:
     """kernel name -> (args, kwargs) of the launches attention_fwd / attention_bwd make for sm_``arch`` (GQA 4:2,
     q / k / v as [B, S, H, D] views, odd sequence lengths); ``grids`` (a dict) receives each launch's grid."""
     q = torch.randn(2, 37, 4, d).to(dtype).transpose(1, 2)
@@ -153,19 +186,23 @@ def compiled_attention(arch: int, dtype: torch.dtype, d: int, causal: bool, padd
         _COMPILED[key] = {
             name: compile_like_launcher(getattr(attention_kernels, name), args, kwargs, arch=arch)
             for name, (args, kwargs) in attention_launches(arch, dtype, d, causal=causal, padded=padded).items()
-            if not (name == "_delta_kernel" and arch == 80)}  # no dot, no config beyond BLOCK_M: sm_90 only
+            if not (name == "_delta_kernel" and arch == 80)
+        }  # no dot, no config beyond BLOCK_M: sm_90 only
     return _COMPILED[key]
 
 
-@pytest.mark.parametrize("arch, dtype, d, causal, padded", [
-    (90, torch.bfloat16, 128, True, True),     # the training case: every flag, widest 16-bit tiles
-    (90, torch.bfloat16, 64, False, False),
-    (80, torch.bfloat16, 128, True, True),
-    (90, torch.float32, 128, True, True),      # fp32 (IEEE, FMA units): the tiles that spilled 8 KB per thread
-    (90, torch.float32, 64, True, False),
-    (80, torch.float32, 128, True, False),
-    (80, torch.float16, 24, False, True),      # head_dim padded to 32
-])
+@pytest.mark.parametrize(
+    "arch, dtype, d, causal, padded",
+    [
+        (90, torch.bfloat16, 128, True, True),  # the training case: every flag, widest 16-bit tiles
+        (90, torch.bfloat16, 64, False, False),
+        (80, torch.bfloat16, 128, True, True),
+        (90, torch.float32, 128, True, True),  # fp32 (IEEE, FMA units): the tiles that spilled 8 KB per thread
+        (90, torch.float32, 64, True, False),
+        (80, torch.float32, 128, True, False),
+        (80, torch.float16, 24, False, True),  # head_dim padded to 32
+    ],
+)
 def test_attention_kernels_compile_as_launched(arch, dtype, d, causal, padded):
     """Each attention kernel compiles for sm_80 / sm_90 with the launcher's specialisations and block config, within
     the architecture's shared memory, and spills nothing: no stack, no local memory (cuobjdump -res-usage)."""
@@ -180,8 +217,11 @@ def test_causal_attention_kernels_are_pipelined():
     (Q / dout) in shared memory, not the single buffer a branch around the loads leaves (48 KB against 128 KB)."""
     causal, plain = (compiled_attention(90, torch.bfloat16, 128, c, True) for c in (True, False))
     for name in ("_fwd_kernel", "_dq_kernel", "_dkdv_kernel"):
-        assert causal[name].metadata.shared >= plain[name].metadata.shared, \
-            (name, causal[name].metadata.shared, plain[name].metadata.shared)
+        assert causal[name].metadata.shared >= plain[name].metadata.shared, (
+            name,
+            causal[name].metadata.shared,
+            plain[name].metadata.shared,
+        )
 
 
 def test_attention_grid_puts_batch_heads_on_axis_0():

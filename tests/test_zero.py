@@ -5,6 +5,7 @@ param (ZeRO, like DeepSpeed, gives it a zero gradient; the reference does the sa
 on vectors) and gradient clipping. float64 runs match to float32-rounded clip coefficients (~1e-9); bf16 runs to the
 bf16 tolerance.
 """
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -35,8 +36,10 @@ class Net(torch.nn.Module):
 
 def _groups(net):
     named = [(n, p) for n, p in net.named_parameters()]
-    return [{"params": [(n, p) for n, p in named if p.dim() >= 2]},
-            {"params": [(n, p) for n, p in named if p.dim() < 2], "weight_decay": 0.0}]
+    return [
+        {"params": [(n, p) for n, p in named if p.dim() >= 2]},
+        {"params": [(n, p) for n, p in named if p.dim() < 2], "weight_decay": 0.0},
+    ]
 
 
 def _batch(step, micro, n, dtype):
@@ -56,20 +59,27 @@ def _flat(net):
 
 def reference(dtype, world, gas, clip=0.5, steps=STEPS):
     net = Net(dtype)
-    losses = reference_loop(net, _groups(net), steps, gas, lambda s, m: _batch(s, m, MICRO * world, dtype), _loss,
-                            clip)
+    losses = reference_loop(net, _groups(net), steps, gas, lambda s, m: _batch(s, m, MICRO * world, dtype), _loss, clip)
     return losses, _flat(net)
 
 
 def zero_body(stage, dtype, gas, bucket, overlap, clip=0.5, steps=STEPS, offload=False):
     world = dist.get_world_size()
     net = Net(dtype)
-    opt = ZeroOptimizer(_groups(net), OptimizerConfig(lr=2e-2, weight_decay=0.1), dist.group.WORLD,
-                        zero_config=ZeroConfig(stage=stage, reduce_bucket_size=bucket, overlap_comm=overlap,
-                                               allgather_bucket_size=bucket,
-                                               offload_optimizer={"device": "cpu" if offload else "none"}),
-                        max_grad_norm=clip, grad_accum_dtype=torch.float32 if dtype != torch.float64 and gas > 1
-                        else None)
+    opt = ZeroOptimizer(
+        _groups(net),
+        OptimizerConfig(lr=2e-2, weight_decay=0.1),
+        dist.group.WORLD,
+        zero_config=ZeroConfig(
+            stage=stage,
+            reduce_bucket_size=bucket,
+            overlap_comm=overlap,
+            allgather_bucket_size=bucket,
+            offload_optimizer={"device": "cpu" if offload else "none"},
+        ),
+        max_grad_norm=clip,
+        grad_accum_dtype=torch.float32 if dtype != torch.float64 and gas > 1 else None,
+    )
     losses = zero_loop(opt, net, steps, gas, lambda s, m: _batch(s, m, MICRO * world, dtype), _loss, MICRO)
     frozen_same = torch.equal(net.frozen.weight, Net(dtype).frozen.weight)
     return losses, _flat(net), frozen_same, opt.memory_bytes()
@@ -82,8 +92,9 @@ def test_stages_match_single_process_fp64(stage, world):
     ref_losses, ref_params = reference(torch.float64, world, gas)
     outs = run_ranks(zero_body, world, stage, torch.float64, gas, 37, world == 2, timeout=90)
     for rank, (losses, params, frozen_same, _) in enumerate(outs):
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-9, atol=1e-12,
-                                   msg=f"rank {rank} losses")
+        torch.testing.assert_close(
+            torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-9, atol=1e-12, msg=f"rank {rank} losses"
+        )
         torch.testing.assert_close(params, ref_params, rtol=1e-7, atol=1e-9, msg=f"rank {rank} params")
         assert frozen_same
         assert torch.equal(params, outs[0][1]), "dp ranks drifted apart"
@@ -153,7 +164,7 @@ def test_layout_units_shards_and_slices():
             shard = lay.shard_of_full(flat, u, r)
             for i, a, b, at in lay.param_slices(u, r):
                 seen[i][a:b] += 1
-                assert torch.equal(shard[at:at + b - a], lay.param_view(flat, i).flatten()[a:b])
+                assert torch.equal(shard[at : at + b - a], lay.param_view(flat, i).flatten()[a:b])
     assert all(bool((v == 1).all()) for v in seen.values())
     desc = lay.describe()
     assert desc["params"][1]["shape"] == [123] and desc["total"] == lay.total
@@ -238,7 +249,7 @@ def exchange_body():
         out[async_op] = (o, dict(counter.volume), dict(counter.bytes_sent))
     everyone = [torch.empty_like(x) for _ in range(world)]
     dist.all_gather(everyone, x)
-    want = torch.stack(everyone).sum(0)[rank * 37:(rank + 1) * 37]
+    want = torch.stack(everyone).sum(0)[rank * 37 : (rank + 1) * 37]
     return out, want, reduce_scatter_uses_exchange(dist.group.WORLD)
 
 

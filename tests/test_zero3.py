@@ -4,6 +4,7 @@ The ``test_zero`` Net (odd shapes straddling shards, a frozen param, an unused p
 clipping, gradient accumulation) plus a Linear used twice in one forward. float64 runs match the reference to ~1e-9.
 GPT runs cover tied embeddings and tp=2 x dp=2 through ``llmpar.initialize``.
 """
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -36,21 +37,31 @@ def _loss(net, x, y):
 
 def reference(dtype, world, steps=STEPS):
     net = Net3(dtype)
-    losses = reference_loop(net, _groups(net), steps, GAS, lambda s, m: _batch(s, m, MICRO * world, dtype), _loss,
-                            0.5)
+    losses = reference_loop(net, _groups(net), steps, GAS, lambda s, m: _batch(s, m, MICRO * world, dtype), _loss, 0.5)
     return losses, {n: p.detach().clone() for n, p in net.named_parameters()}
 
 
 def zero3_body(dtype, offload_opt, offload_param, prefetch, steps=STEPS, stage=3):
     world = dist.get_world_size()
     net = Net3(dtype)
-    zc = ZeroConfig(stage=stage, reduce_bucket_size=37, overlap_comm=True, stage3_param_persistence_threshold=20,
-                    stage3_prefetch_bucket_size=prefetch,
-                    offload_optimizer={"device": "cpu" if offload_opt else "none"},
-                    offload_param={"device": "cpu" if offload_param else "none"})
-    opt = ZeroOptimizer(_groups(net), OptimizerConfig(lr=2e-2, weight_decay=0.1), dist.group.WORLD,
-                        zero_config=zc, max_grad_norm=0.5, module=net,
-                        grad_accum_dtype=torch.float32 if dtype != torch.float64 else None)
+    zc = ZeroConfig(
+        stage=stage,
+        reduce_bucket_size=37,
+        overlap_comm=True,
+        stage3_param_persistence_threshold=20,
+        stage3_prefetch_bucket_size=prefetch,
+        offload_optimizer={"device": "cpu" if offload_opt else "none"},
+        offload_param={"device": "cpu" if offload_param else "none"},
+    )
+    opt = ZeroOptimizer(
+        _groups(net),
+        OptimizerConfig(lr=2e-2, weight_decay=0.1),
+        dist.group.WORLD,
+        zero_config=zc,
+        max_grad_norm=0.5,
+        module=net,
+        grad_accum_dtype=torch.float32 if dtype != torch.float64 else None,
+    )
     losses = zero_loop(opt, net, steps, GAS, lambda s, m: _batch(s, m, MICRO * world, dtype), _loss, MICRO)
     full = consolidated_state_dict(net, opt, rank0_only=False)
     live = opt.stage3.live_numel if opt.stage3 is not None else None
@@ -61,16 +72,33 @@ def zero3_body(dtype, offload_opt, offload_param, prefetch, steps=STEPS, stage=3
 
 def _check(outs, ref_losses, ref_params, rtol, atol):
     for rank, (losses, full, *_rest) in enumerate(outs):
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=rtol, atol=atol,
-                                   msg=lambda m: f"rank {rank} losses: {m}")
+        torch.testing.assert_close(
+            torch.tensor(losses),
+            torch.tensor(ref_losses),
+            rtol=rtol,
+            atol=atol,
+            msg=lambda m: f"rank {rank} losses: {m}",
+        )
         for n, want in ref_params.items():
-            torch.testing.assert_close(full[n].double(), want.double(), rtol=rtol * 100, atol=atol * 100,
-                                       msg=lambda m: f"rank {rank} param {n}: {m}")
+            torch.testing.assert_close(
+                full[n].double(),
+                want.double(),
+                rtol=rtol * 100,
+                atol=atol * 100,
+                msg=lambda m: f"rank {rank} param {n}: {m}",
+            )
 
 
-@pytest.mark.parametrize("world, offload_opt, offload_param, prefetch", [
-    (2, False, False, 0), (2, False, False, 10_000), (4, False, False, 10_000), (2, True, False, 10_000),
-    (4, True, True, 10_000)])
+@pytest.mark.parametrize(
+    "world, offload_opt, offload_param, prefetch",
+    [
+        (2, False, False, 0),
+        (2, False, False, 10_000),
+        (4, False, False, 10_000),
+        (2, True, False, 10_000),
+        (4, True, True, 10_000),
+    ],
+)
 def test_stage3_matches_single_process_fp64(world, offload_opt, offload_param, prefetch):
     ref_losses, ref_params = reference(torch.float64, world)
     outs = run_ranks(zero3_body, world, torch.float64, offload_opt, offload_param, prefetch, timeout=90)

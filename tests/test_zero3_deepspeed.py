@@ -1,6 +1,7 @@
 """llmpar ZeRO-3 vs DeepSpeed ZeRO-3 (CPU accelerator, gloo): same GPT, data and config -> same losses for 20 steps
 (dp=2, gradient accumulation, clipping, WarmupDecayLR, params sharded: persistence threshold 0); and ZeRO-1 with
 offload_optimizer, which DeepSpeed accepts too."""
+
 import pytest
 import torch
 
@@ -13,8 +14,11 @@ import test_engine_deepspeed as base  # noqa: E402
 
 def stage3_body(offload):
     cfg = base._config(3)
-    cfg["zero_optimization"] = {**cfg["zero_optimization"], "stage3_param_persistence_threshold": 0,
-                                "stage3_prefetch_bucket_size": 5000}
+    cfg["zero_optimization"] = {
+        **cfg["zero_optimization"],
+        "stage3_param_persistence_threshold": 0,
+        "stage3_prefetch_bucket_size": 5000,
+    }
     if offload:
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     orig = base._config

@@ -1,5 +1,6 @@
 """ZeRO stage 3 on the GPT through ``llmpar.initialize`` (CPU/gloo ranks): tied embeddings and tp=2 x dp=2 match one
 process; per-rank model state = 16 psi / N; bytes moved per step = 3 psi; gathered units, prefetch, user gathering."""
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -16,11 +17,19 @@ _batch = gpt_batch
 
 
 def _config(micro, **zero):
-    return {"train_micro_batch_size_per_gpu": micro, "gradient_clipping": 0.3,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
-            "zero_optimization": {"stage": 3, "reduce_bucket_size": 700, "overlap_comm": True,
-                                  "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 5000,
-                                  **zero}}
+    return {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_clipping": 0.3,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+        "zero_optimization": {
+            "stage": 3,
+            "reduce_bucket_size": 700,
+            "overlap_comm": True,
+            "stage3_param_persistence_threshold": 0,
+            "stage3_prefetch_bucket_size": 5000,
+            **zero,
+        },
+    }
 
 
 def gpt_body(tp, micro, steps, tie, zero):
@@ -37,11 +46,14 @@ def _single(steps, n, tie):
     return single_gpt_losses(GPT(GPTConfig(**GPT_CFG, tie_embeddings=tie), seed=1, dtype=torch.float64), steps, n)
 
 
-@pytest.mark.parametrize("tp, world, tie, zero", [
-    (1, 2, True, {}),
-    (1, 2, True, {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu", "pin_memory": True}}),
-    (2, 4, False, {}),
-])
+@pytest.mark.parametrize(
+    "tp, world, tie, zero",
+    [
+        (1, 2, True, {}),
+        (1, 2, True, {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu", "pin_memory": True}}),
+        (2, 4, False, {}),
+    ],
+)
 def test_gpt_stage3_matches_single_process(tp, world, tie, zero):
     outs = run_ranks(gpt_body, world, tp, 2, 4, tie, zero, timeout=120)
     ref = _single(4, 2 * world // tp, tie)
@@ -53,14 +65,21 @@ def test_gpt_stage3_matches_single_process(tp, world, tie, zero):
 def memory_body(offload):
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=97, n_layer=3, n_head=2, d_model=40, seq_len=SEQ), seed=2)
-    zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 25_000,
-            "reduce_bucket_size": 10 ** 6, "stage3_max_reuse_distance": 0}  # lean: re-gathered for backward
+    zero = {
+        "stage": 3,
+        "stage3_param_persistence_threshold": 0,
+        "stage3_prefetch_bucket_size": 25_000,
+        "reduce_bucket_size": 10**6,
+        "stage3_max_reuse_distance": 0,
+    }  # lean: re-gathered for backward
     if offload:
         zero.update(offload_optimizer={"device": "cpu"}, offload_param={"device": "cpu"})
     counter = CommCounter()
-    engine, opt, _, _ = llmpar.initialize(model=model, config={"train_micro_batch_size_per_gpu": 2,
-                                                               "bf16": {"enabled": True},
-                                                               "zero_optimization": zero}, counter=counter)
+    engine, opt, _, _ = llmpar.initialize(
+        model=model,
+        config={"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True}, "zero_optimization": zero},
+        counter=counter,
+    )
     x, y = _batch(0, 2)
     for _step in range(2):  # step 0 records the gather order, step 1 prefetches along it
         counter.reset()
@@ -68,8 +87,15 @@ def memory_body(offload):
         engine.step()
     units = [opt.stage3._numel(k) for k in opt.stage3.full]
     kept = sum(opt.stage3._numel(k) for k in opt.stage3.keep_for_bwd)
-    return (opt.memory_bytes(), opt.num_params(), dict(counter.volume), sum(units), max(units), kept,
-            model.blocks[0].mlp.fc.weight.untyped_storage().nbytes())
+    return (
+        opt.memory_bytes(),
+        opt.num_params(),
+        dict(counter.volume),
+        sum(units),
+        max(units),
+        kept,
+        model.blocks[0].mlp.fc.weight.untyped_storage().nbytes(),
+    )
 
 
 @pytest.mark.parametrize("world, offload", [(2, False), (4, False), (2, True)])

@@ -4,6 +4,7 @@ Between gathers a sharded param is an empty tensor with its real shape kept as `
 (DeepSpeed's behaviour, ``llmpar/zero/views.py``): every common read has a defined result, nothing is corrupted by
 it, the gather gives the param back whole, and training goes on exactly as a run without the reads. On one rank and
 on two (gloo), one run per world size feeding every assertion."""
+
 import copy
 import io
 
@@ -27,7 +28,7 @@ def _train(engine, model, steps, start, dp_rank, dp):
     losses = []
     for s in range(start, start + steps):
         x, y = gpt_batch(s, MICRO * dp)
-        x, y = x[dp_rank * MICRO:(dp_rank + 1) * MICRO], y[dp_rank * MICRO:(dp_rank + 1) * MICRO]
+        x, y = x[dp_rank * MICRO : (dp_rank + 1) * MICRO], y[dp_rank * MICRO : (dp_rank + 1) * MICRO]
         loss = model.loss(engine(x), y)
         engine.backward(loss)
         engine.step()
@@ -45,9 +46,12 @@ def _gathered(model):
 def reads_body():
     model = GPT(GPTConfig(**GPT_CFG), seed=1, dtype=torch.float64)
     model.spare = nn.Linear(16, 5, dtype=torch.float64)  # never called: a unit with no grads (zeros, flushed)
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 0.3,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
-           "zero_optimization": {"stage": 3, "reduce_bucket_size": 700, "stage3_param_persistence_threshold": 16}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_clipping": 0.3,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+        "zero_optimization": {"stage": 3, "reduce_bucket_size": 700, "stage3_param_persistence_threshold": 16},
+    }
     engine, opt, _, _ = llmpar.initialize(model=model, config=cfg)
     rank, dp = torch.distributed.get_rank(), torch.distributed.get_world_size()
     losses = _train(engine, model, STEPS, 0, rank, dp)
@@ -70,24 +74,30 @@ def reads_body():
     }
     out["reads"] = {k: bool(f()) for k, f in reads.items()}
     errors = {}
-    for name, f in {"index": lambda: p[0], "numpy": lambda: p.numpy(), "linear": lambda: F.linear(
-            torch.randn(3, 16, dtype=torch.float64), p), "view": lambda: p.view(64, 16)}.items():
+    for name, f in {
+        "index": lambda: p[0],
+        "numpy": lambda: p.numpy(),
+        "linear": lambda: F.linear(torch.randn(3, 16, dtype=torch.float64), p),
+        "view": lambda: p.view(64, 16),
+    }.items():
         try:
             f()
             errors[name] = None
         except Exception as e:  # noqa: BLE001 - which exception, checked by the test
             errors[name] = type(e).__name__
     out["errors"] = errors
-    out["shape_kept"] = all(tuple(p.ds_shape) == tuple(whole[n].shape) and p.ds_numel == whole[n].numel()
-                            for n, p in params.items())
+    out["shape_kept"] = all(
+        tuple(p.ds_shape) == tuple(whole[n].shape) and p.ds_numel == whole[n].numel() for n, p in params.items()
+    )
     out["empty"] = all(params[n].numel() == 0 and params[n].shape == (0,) for n in released)
     sd = model.state_dict()
     buf = io.BytesIO()
     torch.save(sd, buf)
     buf.seek(0)
     back = torch.load(buf)
-    out["state_dict"] = (all(back[n].numel() == 0 for n in released)
-                         and all(torch.equal(back[n], whole[n]) for n in kept))
+    out["state_dict"] = all(back[n].numel() == 0 for n in released) and all(
+        torch.equal(back[n], whole[n]) for n in kept
+    )
     model.to("cpu")  # what transformers' evaluation loop does (accelerate's prepare_model): moves nothing
     model.cpu()
     model.to(torch.float64)
@@ -96,8 +106,11 @@ def reads_body():
     out["deepcopy_empty"] = copy.deepcopy(model.blocks[0].mlp.fc).weight.numel() == 0
     after = _gathered(model)  # nothing the reads did reached the shards
     out["intact"] = sorted(after) == sorted(whole) and all(torch.equal(after[n], whole[n]) for n in whole)
-    out["full_state"] = {n: v for n, v in llmpar.zero.consolidated_state_dict(model, opt, rank0_only=False).items()
-                         if n in whole and not torch.equal(v, whole[n])}
+    out["full_state"] = {
+        n: v
+        for n, v in llmpar.zero.consolidated_state_dict(model, opt, rank0_only=False).items()
+        if n in whole and not torch.equal(v, whole[n])
+    }
     out["losses"] = losses + _train(engine, model, STEPS, STEPS, rank, dp)
     return out
 
@@ -110,8 +123,12 @@ def test_reads_outside_a_gather_are_defined(world):
         assert "blocks.0.ln1.weight" in out["kept"]
         assert out["shape_kept"] and out["empty"]
         assert out["reads"] == {k: True for k in out["reads"]}
-        assert out["errors"] == {"index": "IndexError", "numpy": "RuntimeError", "linear": "RuntimeError",
-                                 "view": "RuntimeError"}
+        assert out["errors"] == {
+            "index": "IndexError",
+            "numpy": "RuntimeError",
+            "linear": "RuntimeError",
+            "view": "RuntimeError",
+        }
         assert out["state_dict"] and out["deepcopy_empty"]
         assert out["intact"] and out["full_state"] == {}
         # the reads changed nothing: the run goes on as one process trains the whole model

@@ -2,6 +2,7 @@
 next use stays gathered from forward to backward instead of being gathered again; the kept elements stay within
 ``stage3_max_live_parameters``. The rule on recorded orders (``kept_units``), then on CPU/gloo ranks: bytes moved per
 step, what stays gathered, and the same losses whatever is kept."""
+
 import pytest
 import torch
 from zero_helpers import SEQ, gpt_batch
@@ -60,16 +61,26 @@ def test_a_unit_used_twice_in_forward_needs_both_gaps_small():
 def _reuse_body(reuse, max_live, steps=3):
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=97, n_layer=3, n_head=2, d_model=40, seq_len=SEQ, tie_embeddings=True), seed=2)
-    zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 4_000,
-            "reduce_bucket_size": 10 ** 6}
+    zero = {
+        "stage": 3,
+        "stage3_param_persistence_threshold": 0,
+        "stage3_prefetch_bucket_size": 4_000,
+        "reduce_bucket_size": 10**6,
+    }
     if reuse is not None:
         zero["stage3_max_reuse_distance"] = reuse
     if max_live is not None:
         zero["stage3_max_live_parameters"] = max_live
     counter = CommCounter()
-    engine, opt, _, _ = llmpar.initialize(model=model, config={
-        "train_micro_batch_size_per_gpu": 2, "zero_optimization": zero,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}, counter=counter)
+    engine, opt, _, _ = llmpar.initialize(
+        model=model,
+        config={
+            "train_micro_batch_size_per_gpu": 2,
+            "zero_optimization": zero,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        },
+        counter=counter,
+    )
     rt = opt.stage3
     losses, peaks = [], []
     for step in range(steps):  # step 0 records the orders, the next ones keep along them
@@ -84,13 +95,29 @@ def _reuse_body(reuse, max_live, steps=3):
         peaks.append(rt.peak_live_numel)
     units = sum(rt._numel(k) for k in rt.full)
     kept = sum(rt._numel(k) for k in rt.keep_for_bwd)
-    want = kept_units(rt.trace["fwd"], rt.trace["bwd"], rt._numel, prefetch=min(rt.prefetch_numel, rt.max_live_numel),
-                      max_live=rt.max_live_numel, reuse=rt.reuse_numel)
+    want = kept_units(
+        rt.trace["fwd"],
+        rt.trace["bwd"],
+        rt._numel,
+        prefetch=min(rt.prefetch_numel, rt.max_live_numel),
+        max_live=rt.max_live_numel,
+        reuse=rt.reuse_numel,
+    )
     fc = model.blocks[0].mlp.fc.weight.untyped_storage().nbytes()
     # forward gathers each unit once, a unit used twice (the tied embedding) again unless kept; backward the others
     again = sum(rt._numel(k) for k in set(rt.trace["fwd"]) if rt.trace["fwd"].count(k) > 1 and k not in rt.keep_for_bwd)
-    return (losses, dict(counter.volume), units, kept, again, kept_after_forward == rt.keep_for_bwd,
-            rt.keep_for_bwd == want, peaks[-1], fc, len(rt.live))
+    return (
+        losses,
+        dict(counter.volume),
+        units,
+        kept,
+        again,
+        kept_after_forward == rt.keep_for_bwd,
+        rt.keep_for_bwd == want,
+        peaks[-1],
+        fc,
+        len(rt.live),
+    )
 
 
 def test_reuse_distance_sets_what_backward_gathers_again_with_the_same_losses():
@@ -100,7 +127,8 @@ def test_reuse_distance_sets_what_backward_gathers_again_with_the_same_losses():
         default, lean, mid, small_live = per_case
         ref_losses = lean[0]
         for name, (losses, volume, units, kept, again, kept_in_fwd, as_rule, _peak, fc, live) in zip(
-                ("default", "reuse 0", "reuse 3000", "max_live 500"), per_case):
+            ("default", "reuse 0", "reuse 3000", "max_live 500"), per_case
+        ):
             assert losses == ref_losses, (rank, name)  # bitwise: keeping changes where values come from, not them
             assert kept_in_fwd and as_rule, (rank, name)  # kept from forward on, exactly the recorded-order rule
             # a step: forward gathers every unit, backward the ones not kept; one reduce-scatter of everything
@@ -135,11 +163,21 @@ def test_bad_reuse_distance_is_refused_with_its_key(value):
 def _hpz_body(reuse):
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=97, n_layer=3, n_head=2, d_model=40, seq_len=SEQ), seed=2)
-    zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 0,
-            "zero_hpz_partition_size": 2, "stage3_max_reuse_distance": reuse}
-    engine, opt, _, _ = llmpar.initialize(model=model, config={
-        "train_micro_batch_size_per_gpu": 2, "zero_optimization": zero,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}})
+    zero = {
+        "stage": 3,
+        "stage3_param_persistence_threshold": 0,
+        "stage3_prefetch_bucket_size": 0,
+        "zero_hpz_partition_size": 2,
+        "stage3_max_reuse_distance": reuse,
+    }
+    engine, opt, _, _ = llmpar.initialize(
+        model=model,
+        config={
+            "train_micro_batch_size_per_gpu": 2,
+            "zero_optimization": zero,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        },
+    )
     weights, losses, secondary = opt.stage3.weights, [], 0
     for step in range(3):
         x, y = gpt_batch(step, 2, vocab=97)

@@ -1,5 +1,6 @@
 """ZeRO-3 runtime behaviour on CPU/gloo ranks: per-param persistence, sharded frozen params, offload copies issued
 early (checked by the order of operations, never by timing), and step() without host reads of device tensors."""
+
 import pytest
 import torch
 from zero_helpers import GPT_CFG, engine_loop, gpt_batch, single_gpt_losses
@@ -12,11 +13,19 @@ from multirank import run_ranks
 
 
 def _engine(model, micro=2, **zero):
-    cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_clipping": 0.3,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
-           "zero_optimization": {"stage": 3, "reduce_bucket_size": 700, "overlap_comm": True,
-                                 "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 5000,
-                                 **zero}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_clipping": 0.3,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+        "zero_optimization": {
+            "stage": 3,
+            "reduce_bucket_size": 700,
+            "overlap_comm": True,
+            "stage3_param_persistence_threshold": 0,
+            "stage3_prefetch_bucket_size": 5000,
+            **zero,
+        },
+    }
     env = llmpar.init_distributed(tp=1)
     engine, opt, _, _ = llmpar.initialize(model=model, config=cfg, mesh=env.mesh)
     engine.dp_mesh = env.mesh["dp"]
@@ -62,7 +71,8 @@ def frozen_body():
     engine, opt = _engine(model)
     frozen_live = []
     model.tok_emb.weight.register_post_accumulate_grad_hook(  # the last grad of a backward: frozen units gone?
-        lambda p: frozen_live.append(len(set(opt.stage3.live) & opt.stage3.frozen_keys)))
+        lambda p: frozen_live.append(len(set(opt.stage3.live) & opt.stage3.frozen_keys))
+    )
     losses = engine_loop(engine, model, 3, 2, engine.dp_mesh)
     frozen_numel = sum(p.ds_numel for p in model.parameters() if not p.requires_grad)
     frozen_bytes = sum(p.untyped_storage().nbytes() for p in model.parameters() if not p.requires_grad)
@@ -73,11 +83,22 @@ def frozen_body():
         llmpar.zero.load_frozen(opt, {name: frozen[name].reshape(-1)[:-1]})
     taken = llmpar.zero.load_frozen(opt, {n: 2 * v for n, v in frozen.items()})
     doubled = llmpar.zero.consolidated_state_dict(model, opt, rank0_only=False)
-    checks = (sorted(frozen) == sorted(taken) and all(torch.equal(frozen[n], full[n]) for n in frozen)
-              and all(torch.equal(doubled[n], 2 * full[n]) if n in frozen else torch.equal(doubled[n], full[n])
-                      for n in full))
-    return (losses, frozen_live, frozen_numel, frozen_bytes, opt.memory_bytes(), opt.num_params(), full,
-            len(opt.stage3.frozen_keys), checks)
+    checks = (
+        sorted(frozen) == sorted(taken)
+        and all(torch.equal(frozen[n], full[n]) for n in frozen)
+        and all(torch.equal(doubled[n], 2 * full[n]) if n in frozen else torch.equal(doubled[n], full[n]) for n in full)
+    )
+    return (
+        losses,
+        frozen_live,
+        frozen_numel,
+        frozen_bytes,
+        opt.memory_bytes(),
+        opt.num_params(),
+        full,
+        len(opt.stage3.frozen_keys),
+        checks,
+    )
 
 
 def test_frozen_params_are_sharded_and_match_one_process():
@@ -86,7 +107,8 @@ def test_frozen_params_are_sharded_and_match_one_process():
     ref = single_gpt_losses(ref_model, 3, 4)
     untouched = GPT(GPTConfig(**GPT_CFG), seed=1, dtype=torch.float64).state_dict()
     for losses, frozen_live, frozen_numel, frozen_bytes, mem, psi, full, n_frozen, io_ok in run_ranks(
-            frozen_body, 2, timeout=90):
+        frozen_body, 2, timeout=90
+    ):
         assert io_ok  # frozen_state_dict == the gathered params; load_frozen writes every rank's slices
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-7, atol=1e-9)
         assert n_frozen >= 2 and frozen_live == [0, 0, 0]  # freed right after their module's backward
@@ -131,8 +153,13 @@ def offload_order_body():
     out_before = opt.copier.copies_out
     engine.backward(model.loss(out, y))
     engine.step()
-    return fwd, opt.stage3.trace["fwd"], opt.reducer.log, opt.copier.copies_out - out_before, \
-        sum(len(b.layout.units) for b in opt.buffers)
+    return (
+        fwd,
+        opt.stage3.trace["fwd"],
+        opt.reducer.log,
+        opt.copier.copies_out - out_before,
+        sum(len(b.layout.units) for b in opt.buffers),
+    )
 
 
 def test_offload_copies_are_issued_early():

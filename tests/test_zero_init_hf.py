@@ -2,6 +2,7 @@
 block + ``llmpar.initialize`` at ZeRO-3 gives, param by param and buffer by buffer (``torch.equal``), what
 ``torch.manual_seed(s)`` + a plain build gives -- for HF Llama / Qwen2 / GPT-2 (tied and untied) and plain torch
 modules -- without any rank holding the whole model; what a replay cannot reproduce is refused where it runs."""
+
 import pytest
 import torch
 from torch import nn
@@ -17,15 +18,31 @@ transformers = pytest.importorskip("transformers")
 
 
 def _hf(name, tied):
-    small = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tied, pad_token_id=3)
+    small = dict(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=tied,
+        pad_token_id=3,
+    )
     if name == "llama":
         return transformers.LlamaForCausalLM, transformers.LlamaConfig(**small)
     if name == "qwen2":
         return transformers.Qwen2ForCausalLM, transformers.Qwen2Config(**small)
     return transformers.GPT2LMHeadModel, transformers.GPT2Config(
-        vocab_size=97, n_embd=32, n_layer=2, n_head=4, n_positions=64, tie_word_embeddings=tied, bos_token_id=0,
-        eos_token_id=0)
+        vocab_size=97,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_positions=64,
+        tie_word_embeddings=tied,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
 
 
 class _Odd(nn.Module):
@@ -66,8 +83,12 @@ def _n_tied(model):
 
 
 def _config(**extra):
-    return {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}, **extra}
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        **extra,
+    }
 
 
 def _gathered(model):
@@ -97,11 +118,18 @@ def built_sharded_body(cases, seed, extra):
         bad = [n for n in want if n not in params or not torch.equal(params[n], want[n].detach())]
         bad += [n for n, b in ref.named_buffers() if not torch.equal(buffers[n], b)]
         biggest_unit = max(sum(p.ds_numel for p in ps) for ps in opt.plan.needs)  # ds_numel: released params
-        biggest_param = max(p.ds_numel for p in model.parameters())                # are empty tensors
-        out[str(case)] = dict(bad=bad, rng=same_rng, peak=opt.init_peak_numel, unit=biggest_unit,
-                              param=biggest_param, total=sum(p.ds_numel for p in model.parameters()),
-                              tied=_n_tied(model), ref_tied=_n_tied(ref),
-                              std=float(params[next(iter(params))].float().std()))
+        biggest_param = max(p.ds_numel for p in model.parameters())  # are empty tensors
+        out[str(case)] = dict(
+            bad=bad,
+            rng=same_rng,
+            peak=opt.init_peak_numel,
+            unit=biggest_unit,
+            param=biggest_param,
+            total=sum(p.ds_numel for p in model.parameters()),
+            tied=_n_tied(model),
+            ref_tied=_n_tied(ref),
+            std=float(params[next(iter(params))].float().std()),
+        )
     return out
 
 
@@ -118,8 +146,7 @@ def _check(results):
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_hf_models_built_sharded_equal_the_plain_build(tied):
-    _check(run_ranks(built_sharded_body, 2, [("llama", tied), ("qwen2", tied), ("gpt2", tied)], 5, {},
-                     timeout=180))
+    _check(run_ranks(built_sharded_body, 2, [("llama", tied), ("qwen2", tied), ("gpt2", tied)], 5, {}, timeout=180))
 
 
 def test_hf_model_built_sharded_in_bf16_equals_the_plain_build_cast():
@@ -196,8 +223,11 @@ def test_an_init_the_recording_cannot_replay_is_refused_naming_the_module():
 def test_meta_params_not_built_under_init_are_refused():
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(3, 3))
-    with pytest.raises(ValueError, match=r"param 0\.weight \(3, 3\) is on the meta device but was not built inside "
-                                         r"llmpar\.zero\.Init"):
+    with pytest.raises(
+        ValueError,
+        match=r"param 0\.weight \(3, 3\) is on the meta device but was not built inside "
+        r"llmpar\.zero\.Init",
+    ):
         replace_meta_params(model, torch.device("cpu"))
 
 

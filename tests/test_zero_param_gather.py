@@ -2,6 +2,7 @@
 ``step()`` and wait for each unit at the next forward. The run is bitwise the run without the option (same losses,
 same params after every step), and everything that reads params waits first (``wait_params``, ``state_dict``,
 ``GatheredParameters``, a checkpoint save, the next step)."""
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -16,12 +17,20 @@ STEPS = 5
 
 
 def _config(stage, overlap):
-    return {"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2, "gradient_clipping": 0.7,
-            "steps_per_print": 10 ** 9,
-            "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1}},
-            # small units: several all-gathers per step, each waited by a different module's forward
-            "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000, "allgather_bucket_size": 2000,
-                                  "overlap_param_gather": overlap}}
+    return {
+        "train_micro_batch_size_per_gpu": 3,
+        "gradient_accumulation_steps": 2,
+        "gradient_clipping": 0.7,
+        "steps_per_print": 10**9,
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1}},
+        # small units: several all-gathers per step, each waited by a different module's forward
+        "zero_optimization": {
+            "stage": stage,
+            "reduce_bucket_size": 2000,
+            "allgather_bucket_size": 2000,
+            "overlap_param_gather": overlap,
+        },
+    }
 
 
 def _body(stage, overlap, tmp):
@@ -72,9 +81,13 @@ def test_overlapped_param_gather_is_bitwise_the_plain_run(stage, tmp_path):
 
 def test_overlap_param_gather_is_a_known_key():
     with pytest.raises(ValueError, match="overlap_param_gathr"):
-        llmpar.initialize(model=torch.nn.Linear(2, 2), config={"train_micro_batch_size_per_gpu": 1,
-                                                               "zero_optimization": {"stage": 2,
-                                                                                     "overlap_param_gathr": True}})
+        llmpar.initialize(
+            model=torch.nn.Linear(2, 2),
+            config={
+                "train_micro_batch_size_per_gpu": 1,
+                "zero_optimization": {"stage": 2, "overlap_param_gathr": True},
+            },
+        )
 
 
 def _pipelined_body(stage, precision, one_call):
@@ -104,11 +117,15 @@ def _pipelined_body(stage, precision, one_call):
         torch.manual_seed(0)
         dtype = torch.float32 if precision == "fp32" else torch.bfloat16
         model = GPT(GPTConfig(vocab_size=61, n_layer=2, n_head=2, d_model=24, seq_len=9)).to(dtype)
-        opt = zopt.ZeroOptimizer(model.named_parameters(), OptimizerConfig(lr=3e-3, weight_decay=0.1,
-                                                                           precision=precision),
-                                 dist.group.WORLD, module=model, max_grad_norm=0.5, seed=7,
-                                 zero_config=ZeroConfig(stage=stage, reduce_bucket_size=1500,
-                                                        allgather_bucket_size=3000))
+        opt = zopt.ZeroOptimizer(
+            model.named_parameters(),
+            OptimizerConfig(lr=3e-3, weight_decay=0.1, precision=precision),
+            dist.group.WORLD,
+            module=model,
+            max_grad_norm=0.5,
+            seed=7,
+            zero_config=ZeroConfig(stage=stage, reduce_bucket_size=1500, allgather_bucket_size=3000),
+        )
         assert len(opt.buffers[0].layout.units) >= 4
         g = torch.Generator().manual_seed(1 + dist.get_rank())
         snapshots = []
@@ -132,9 +149,9 @@ def test_step_gathers_each_unit_while_the_next_steps(stage, precision):
     for (s0, ev0), (s1, ev1) in zip(pipelined, one_call):
         for a, b in zip(s0, s1):
             assert torch.equal(a, b)
-        first = ev0[:ev0.index(("step", (1,)))]  # events before unit 1 is stepped
+        first = ev0[: ev0.index(("step", (1,)))]  # events before unit 1 is stepped
         assert first == [("step", (0,)), ("gather", 0)]
         n = max(u for kind, u in ev0 if kind == "gather") + 1
-        assert ev1[0] == ("step", tuple(range(n))) and ev1[1:n + 1] == [("gather", u) for u in range(n)]
+        assert ev1[0] == ("step", tuple(range(n))) and ev1[1 : n + 1] == [("gather", u) for u in range(n)]
     assert not torch.equal(pipelined[0][0][0], pipelined[0][0][2])  # the steps moved the params
     assert torch.equal(pipelined[0][0][-1], pipelined[1][0][-1])  # both ranks hold the same whole params

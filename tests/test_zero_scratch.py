@@ -1,6 +1,7 @@
 """Reused scratch buffers of the gradient reduction (``llmpar.zero.scratch.ScratchPool``) and the ``scratch=`` of
 ``reduce_scatter_flat``: the same numbers as fresh buffers, no allocation once the first step has run, never more
 memory held than the reduction's own peak."""
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -69,7 +70,7 @@ def _scratch_body(n):
     world, rank = dist.get_world_size(), dist.get_rank()
     g = torch.Generator().manual_seed(5)
     everyone = [torch.randn(world * n, generator=g, dtype=torch.float64) for _ in range(world)]
-    ref = torch.stack(everyone).sum(0)[rank * n:(rank + 1) * n]
+    ref = torch.stack(everyone).sum(0)[rank * n : (rank + 1) * n]
     for dtype in (torch.float32, torch.float64):
         x = everyone[rank].to(dtype)
         out, fresh = torch.empty(n, dtype=dtype), torch.empty(n, dtype=dtype)
@@ -81,8 +82,11 @@ def _scratch_body(n):
         assert torch.allclose(out.double(), ref, rtol=tol, atol=tol)
     errors = []
     x = everyone[rank].float()
-    for bad in (torch.empty((world - 1) * n - 1), torch.empty((world - 1) * n, dtype=torch.float64),
-                torch.empty(2 * (world - 1) * n)[::2]):
+    for bad in (
+        torch.empty((world - 1) * n - 1),
+        torch.empty((world - 1) * n, dtype=torch.float64),
+        torch.empty(2 * (world - 1) * n)[::2],
+    ):
         with pytest.raises(ValueError, match="scratch") as err:
             reduce_scatter_flat(torch.empty(n), x, dist.group.WORLD, scratch=bad)
         errors.append(str(err.value))
@@ -103,12 +107,20 @@ def _zero_body(stage, pooled, dtype):
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=61, n_layer=2, n_head=2, d_model=256, seq_len=9)).to(dtype)
-    cfg = {"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2, "gradient_clipping": 0.7,
-           "steps_per_print": 10 ** 9, "bf16": {"enabled": dtype == torch.bfloat16},
-           "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1}},
-           # units large enough for the point-to-point path, several of them
-           "zero_optimization": {"stage": stage, "reduce_bucket_size": 3 * DIRECT_REDUCE_SCATTER_MIN,
-                                 "allgather_bucket_size": 10 ** 6}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 3,
+        "gradient_accumulation_steps": 2,
+        "gradient_clipping": 0.7,
+        "steps_per_print": 10**9,
+        "bf16": {"enabled": dtype == torch.bfloat16},
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1}},
+        # units large enough for the point-to-point path, several of them
+        "zero_optimization": {
+            "stage": stage,
+            "reduce_bucket_size": 3 * DIRECT_REDUCE_SCATTER_MIN,
+            "allgather_bucket_size": 10**6,
+        },
+    }
     engine, opt, _, _ = llmpar.initialize(model=model, config=cfg)
     units = opt.buffers[0].layout.units
     assert len(units) >= 2 and max(u.padded for u in units) >= DIRECT_REDUCE_SCATTER_MIN or stage == 3

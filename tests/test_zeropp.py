@@ -8,6 +8,7 @@ weights; qgZ gradients stay within the int4 / int8 bound of the exact ones; erro
 error bounded where plain quantization lets it grow linearly; bad settings fail clearly on every rank.
 Four ranks play two nodes of two (``ranks_per_node=2``).
 """
+
 from __future__ import annotations
 
 import os
@@ -45,8 +46,12 @@ def gather_body(n, bits, block):
     counter = CommCounter(ranks_per_node=2)
     h = all_gather_quantized(out, shard, dist.group.WORLD, bits=bits, block=block, async_op=True, counter=counter)
     h.wait()
-    want = torch.cat([dequantize_rows(quantize_rows(s.view(1, n), bits=bits, block=block), m=n, bits=bits,
-                                      block=block).view(-1) for s in _all_exact(shard)])
+    want = torch.cat(
+        [
+            dequantize_rows(quantize_rows(s.view(1, n), bits=bits, block=block), m=n, bits=bits, block=block).view(-1)
+            for s in _all_exact(shard)
+        ]
+    )
     assert torch.equal(out, want)
     err = (out - torch.cat(_all_exact(shard))).abs().max().item()
     assert err <= max(s.abs().max().item() for s in _all_exact(shard)) / (127 if bits == 8 else 7) / 2 * 1.0001
@@ -63,6 +68,7 @@ def test_quantized_all_gather_gives_every_rank_the_same_round_trip(n, bits, bloc
 
 def _simulate(xs, world, per_node, n, bits, block, rank):
     """What rank ``rank`` must get from the reduce-scatter of the per-rank inputs ``xs`` ([world * n] each)."""
+
     def rt(v):  # quantize + dequantize rows of n
         return dequantize_rows(quantize_rows(v.view(-1, n), bits=bits, block=block), m=n, bits=bits, block=block)
 
@@ -92,27 +98,31 @@ def reduce_body(per_node, n, bits, block, accumulate):
     base = torch.randn(n)
     out = base.clone()
     counter = CommCounter(ranks_per_node=2)
-    h = reduce_scatter_quantized(out, wire, split, n=n, bits=bits, block=block, accumulate=accumulate,
-                                 counter=counter, async_op=True)
+    h = reduce_scatter_quantized(
+        out, wire, split, n=n, bits=bits, block=block, accumulate=accumulate, counter=counter, async_op=True
+    )
     while not h.is_completed():
         pass
     want, _ = _simulate(_all_exact(x), world, per_node, n, bits, block, rank)
     if accumulate:
         want = base + want
     torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
-    exact = sum(v[rank * n:(rank + 1) * n] for v in _all_exact(x)) + (base if accumulate else 0)
+    exact = sum(v[rank * n : (rank + 1) * n] for v in _all_exact(x)) + (base if accumulate else 0)
     assert (out - exact).abs().max() < (0.05 if bits == 8 else 0.9) * world, "quantization error out of bounds"
     rb = row_bytes(n, bits, block)
     cross = counter.cross_node_bytes["all_to_all_q"]
     return cross, rb
 
 
-@pytest.mark.parametrize("per_node, n, bits, block, accumulate", [
-    (1, 37, 4, 16, False),  # single level over 4 ranks
-    (4, 123, 8, 32, True),  # one node of 4
-    (2, 37, 4, 16, False),  # two nodes of two: inside the node, then across
-    (2, 257, 8, 64, True),
-])
+@pytest.mark.parametrize(
+    "per_node, n, bits, block, accumulate",
+    [
+        (1, 37, 4, 16, False),  # single level over 4 ranks
+        (4, 123, 8, 32, True),  # one node of 4
+        (2, 37, 4, 16, False),  # two nodes of two: inside the node, then across
+        (2, 257, 8, 64, True),
+    ],
+)
 def test_quantized_reduce_scatter_matches_simulation(per_node, n, bits, block, accumulate):
     outs = run_ranks(reduce_body, 4, per_node, n, bits, block, accumulate, timeout=60)
     for cross, rb in outs:
@@ -149,17 +159,31 @@ def _train(zero, steps=6, stage=3, gas=1, lr=3e-3, seed=0, counter=None, return_
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(seed)
     model = GPT(GPTConfig(**GPT_SMALL)).to(dtype)
-    zc = ZeroConfig(stage=stage, reduce_bucket_size=5000, overlap_comm=True, stage3_param_persistence_threshold=100,
-                    stage3_prefetch_bucket_size=0, **{"stage3_max_reuse_distance": 0, **zero})  # backward gathers again
-    opt = ZeroOptimizer(model.parameters(), OptimizerConfig(lr=lr), dist.group.WORLD, zero_config=zc,
-                        module=model, counter=counter, ranks_per_node=2, max_grad_norm=1.0,
-                        grad_accum_dtype=torch.float32 if dtype != torch.float32 else None)
+    zc = ZeroConfig(
+        stage=stage,
+        reduce_bucket_size=5000,
+        overlap_comm=True,
+        stage3_param_persistence_threshold=100,
+        stage3_prefetch_bucket_size=0,
+        **{"stage3_max_reuse_distance": 0, **zero},
+    )  # backward gathers again
+    opt = ZeroOptimizer(
+        model.parameters(),
+        OptimizerConfig(lr=lr),
+        dist.group.WORLD,
+        zero_config=zc,
+        module=model,
+        counter=counter,
+        ranks_per_node=2,
+        max_grad_norm=1.0,
+        grad_accum_dtype=torch.float32 if dtype != torch.float32 else None,
+    )
     losses = []
     for s in range(steps):
         total = torch.zeros(())
         for m in range(gas):
             g = torch.Generator().manual_seed(100 * s + m)
-            x = torch.randint(0, 64, (4 * world, 17), generator=g)[4 * rank:4 * (rank + 1)]
+            x = torch.randint(0, 64, (4 * world, 17), generator=g)[4 * rank : 4 * (rank + 1)]
             opt.set_gradient_accumulation_boundary(m == gas - 1)
             loss = model.loss(model(x[:, :-1]), x[:, 1:]) / gas
             loss.backward()
@@ -191,8 +215,9 @@ def qwz_body(bits):
     rank = dist.get_rank()
     counter = CommCounter(ranks_per_node=2)
     plain = _train({})
-    q, model, opt = _train({"zero_quantized_weights": True, "zero_quantized_weights_bits": bits}, counter=counter,
-                           return_model=True)
+    q, model, opt = _train(
+        {"zero_quantized_weights": True, "zero_quantized_weights_bits": bits}, counter=counter, return_model=True
+    )
     g = torch.Generator().manual_seed(5)
     x = torch.randint(0, 64, (2, 16), generator=g)
     with torch.no_grad():
@@ -214,8 +239,9 @@ def exact_body():
     """With qwZ the forward computes with quantized weights, but what users read, save or write back is exact."""
     from llmpar.zero import GatheredParameters, consolidated_state_dict
 
-    _, model, opt = _train({"zero_quantized_weights": True, "zero_quantized_weights_bits": 4}, steps=3,
-                           return_model=True)
+    _, model, opt = _train(
+        {"zero_quantized_weights": True, "zero_quantized_weights_bits": 4}, steps=3, return_model=True
+    )
     shards = [b.shard.clone() for b in opt.buffers]
     names = {id(p): n for n, p in model.named_parameters()}
     full = consolidated_state_dict(model, opt, rank0_only=False)
@@ -247,10 +273,9 @@ def _reduced_grads(zero, micro_steps):
     torch.manual_seed(0)
     model = GPT(GPTConfig(**GPT_SMALL))
     zc = ZeroConfig(stage=2, reduce_bucket_size=3000, overlap_comm=True, **zero)
-    opt = ZeroOptimizer(model.parameters(), OptimizerConfig(lr=0.0), dist.group.WORLD, zero_config=zc,
-                        ranks_per_node=2)
+    opt = ZeroOptimizer(model.parameters(), OptimizerConfig(lr=0.0), dist.group.WORLD, zero_config=zc, ranks_per_node=2)
     g = torch.Generator().manual_seed(3)
-    x = torch.randint(0, 64, (4 * world, 17), generator=g)[4 * rank:4 * (rank + 1)]
+    x = torch.randint(0, 64, (4 * world, 17), generator=g)[4 * rank : 4 * (rank + 1)]
     for m in range(micro_steps):
         opt.set_gradient_accumulation_boundary(m == micro_steps - 1)
         model.loss(model(x[:, :-1]), x[:, 1:]).backward()
@@ -285,17 +310,23 @@ def all_body(dtype, gas, stage, offload):
         zero.update(zero_quantized_weights=True, zero_hpz_partition_size=2)
     plain = _train({}, steps=8, dtype=dtype, gas=gas, stage=stage)
     comp = _train(zero, steps=8, dtype=dtype, gas=gas, stage=stage)
-    offloaded = _train({**zero, "offload_optimizer": {"device": "cpu"}}, steps=8, dtype=dtype, gas=gas,
-                       stage=stage) if offload else None
+    offloaded = (
+        _train({**zero, "offload_optimizer": {"device": "cpu"}}, steps=8, dtype=dtype, gas=gas, stage=stage)
+        if offload
+        else None
+    )
     return plain, comp, offloaded
 
 
-@pytest.mark.parametrize("dtype, gas, stage, offload", [
-    (torch.float32, 1, 3, False),
-    (torch.float32, 2, 3, True),  # gradient accumulation: the quantized reductions add into the partition
-    (torch.bfloat16, 2, 3, False),
-    (torch.float32, 2, 2, True),
-])
+@pytest.mark.parametrize(
+    "dtype, gas, stage, offload",
+    [
+        (torch.float32, 1, 3, False),
+        (torch.float32, 2, 3, True),  # gradient accumulation: the quantized reductions add into the partition
+        (torch.bfloat16, 2, 3, False),
+        (torch.float32, 2, 2, True),
+    ],
+)
 def test_compressed_runs_train_close_to_plain(dtype, gas, stage, offload):
     for plain, comp, offloaded in run_ranks(all_body, 4, dtype, gas, stage, offload, timeout=240):
         assert comp != plain
@@ -303,7 +334,6 @@ def test_compressed_runs_train_close_to_plain(dtype, gas, stage, offload):
         assert rel < (0.005 if dtype == torch.float32 else 0.01), rel  # measured 1e-4 to 3.4e-4
         if offloaded is not None:  # the host step and the copy-out of each reduced shard: same training
             torch.testing.assert_close(torch.tensor(offloaded), torch.tensor(comp), rtol=1e-5, atol=0)
-
 
 
 def _two_nodes_of_two():
@@ -315,11 +345,20 @@ def engine_body(tmp):
     """A DeepSpeed config with ZeRO++'s keys, through llmpar.initialize; LOCAL_WORLD_SIZE says two nodes of two.
     Checkpoint at step 3, resume in a new engine: steps 4-6 equal the uninterrupted run."""
     with _two_nodes_of_two():
-        cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
-               "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
-               "zero_optimization": {"stage": 3, "zero_quantized_weights": True, "zero_hpz_partition_size": 2,
-                                     "zero_quantized_gradients": True, "stage3_prefetch_bucket_size": 0,
-                                     "stage3_param_persistence_threshold": 100, "reduce_bucket_size": 5000}}
+        cfg = {
+            "train_micro_batch_size_per_gpu": 2,
+            "gradient_clipping": 1.0,
+            "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
+            "zero_optimization": {
+                "stage": 3,
+                "zero_quantized_weights": True,
+                "zero_hpz_partition_size": 2,
+                "zero_quantized_gradients": True,
+                "stage3_prefetch_bucket_size": 0,
+                "stage3_param_persistence_threshold": 100,
+                "reduce_bucket_size": 5000,
+            },
+        }
 
         def run(steps, load=False, save=False):
             torch.manual_seed(0)
@@ -331,7 +370,7 @@ def engine_body(tmp):
             losses = []
             for s in range(steps[0], steps[1]):
                 g = torch.Generator().manual_seed(s)
-                x = torch.randint(0, 64, (8, 17), generator=g)[2 * dist.get_rank():2 * dist.get_rank() + 2]
+                x = torch.randint(0, 64, (8, 17), generator=g)[2 * dist.get_rank() : 2 * dist.get_rank() + 2]
                 loss = model.loss(engine(x[:, :-1]), x[:, 1:])
                 engine.backward(loss)
                 engine.step()
@@ -347,9 +386,16 @@ def engine_body(tmp):
 
 def ef_load_body(tmp):
     """With error feedback, a load drops the residuals of the trajectory before it (they are not in checkpoints)."""
-    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
-           "zero_optimization": {"stage": 2, "zero_quantized_gradients": True, "reduce_bucket_size": 5000,
-                                 "zero_quantized_gradients_error_feedback": True}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
+        "zero_optimization": {
+            "stage": 2,
+            "zero_quantized_gradients": True,
+            "reduce_bucket_size": 5000,
+            "zero_quantized_gradients_error_feedback": True,
+        },
+    }
     torch.manual_seed(0)
     model = GPT(GPTConfig(**GPT_SMALL))
     engine, opt, _, _ = llmpar.initialize(model=model, config=cfg)
@@ -374,16 +420,19 @@ def test_deepspeed_zeropp_config_trains_and_resumes_exactly(tmp_path):
 
 
 # -------------------------------------------------------------------------------------------- bad settings
-@pytest.mark.parametrize("kw, match", [
-    (dict(stage=1, zero_quantized_gradients=True), "stages 2 and 3"),
-    (dict(stage=2, zero_quantized_weights=True), "needs stage 3"),
-    (dict(stage=2, zero_hpz_partition_size=2), "needs stage 3"),
-    (dict(stage=3, zero_quantized_gradients_bits=3, zero_quantized_gradients=True), "must be 8 or 4"),
-    (dict(stage=3, zero_quantization_block_size=100), "power of two"),
-    (dict(stage=3, zero_quantized_gradients_error_feedback=True), "needs"),
-    (dict(stage=3, zero_quantized_weights=True, offload_param={"device": "cpu"}), "offload_param"),
-    (dict(stage=3, zero_hpz_partition_size=0), "zero_hpz_partition_size"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(stage=1, zero_quantized_gradients=True), "stages 2 and 3"),
+        (dict(stage=2, zero_quantized_weights=True), "needs stage 3"),
+        (dict(stage=2, zero_hpz_partition_size=2), "needs stage 3"),
+        (dict(stage=3, zero_quantized_gradients_bits=3, zero_quantized_gradients=True), "must be 8 or 4"),
+        (dict(stage=3, zero_quantization_block_size=100), "power of two"),
+        (dict(stage=3, zero_quantized_gradients_error_feedback=True), "needs"),
+        (dict(stage=3, zero_quantized_weights=True, offload_param={"device": "cpu"}), "offload_param"),
+        (dict(stage=3, zero_hpz_partition_size=0), "zero_hpz_partition_size"),
+    ],
+)
 def test_bad_compression_settings_are_refused(kw, match):
     with pytest.raises(ValueError, match=match):
         ZeroConfig(**kw)
@@ -392,8 +441,13 @@ def test_bad_compression_settings_are_refused(kw, match):
 def bad_hpz_body():
     model = GPT(GPTConfig(**GPT_SMALL))
     with pytest.raises(ValueError, match="must be a divisor of the data-parallel degree dp=2"):
-        ZeroOptimizer(model.parameters(), None, dist.group.WORLD, module=model,
-                      zero_config=ZeroConfig(stage=3, zero_hpz_partition_size=4))
+        ZeroOptimizer(
+            model.parameters(),
+            None,
+            dist.group.WORLD,
+            module=model,
+            zero_config=ZeroConfig(stage=3, zero_hpz_partition_size=4),
+        )
 
 
 def test_hpz_not_dividing_dp_fails_on_every_rank():
@@ -402,8 +456,9 @@ def test_hpz_not_dividing_dp_fails_on_every_rank():
 
 def test_deepspeed_config_with_hpz_larger_than_dp_is_refused():
     with pytest.raises(ValueError, match="zero_hpz_partition_size"):
-        Config.from_deepspeed({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {
-            "stage": 3, "zero_hpz_partition_size": 8}}, dp=4)
+        Config.from_deepspeed(
+            {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8}}, dp=4
+        )
 
 
 def tp_body(stage, zero):
@@ -417,10 +472,18 @@ def tp_body(stage, zero):
         for z in ({}, zero):
             model = GPT(GPTConfig(**GPT_CFG), seed=1)
             llmpar.parallelize(model, env.mesh["tp"])
-            cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
-                   "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-                   "zero_optimization": {"stage": stage, "reduce_bucket_size": 700, "overlap_comm": True,
-                                         "stage3_param_persistence_threshold": 0, **z}}
+            cfg = {
+                "train_micro_batch_size_per_gpu": 2,
+                "gradient_clipping": 1.0,
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+                "zero_optimization": {
+                    "stage": stage,
+                    "reduce_bucket_size": 700,
+                    "overlap_comm": True,
+                    "stage3_param_persistence_threshold": 0,
+                    **z,
+                },
+            }
             engine, opt, _, _ = llmpar.initialize(model=model, config=cfg, mesh=env.mesh)
             if z:
                 split = opt.reducer.quantizer.split
@@ -429,11 +492,20 @@ def tp_body(stage, zero):
         return out
 
 
-@pytest.mark.parametrize("stage, zero", [
-    (2, {"zero_quantized_gradients": True, "zero_quantized_gradients_bits": 8}),
-    (3, {"zero_quantized_gradients": True, "zero_quantized_weights": True,
-         "zero_quantized_gradients_error_feedback": True}),
-])
+@pytest.mark.parametrize(
+    "stage, zero",
+    [
+        (2, {"zero_quantized_gradients": True, "zero_quantized_gradients_bits": 8}),
+        (
+            3,
+            {
+                "zero_quantized_gradients": True,
+                "zero_quantized_weights": True,
+                "zero_quantized_gradients_error_feedback": True,
+            },
+        ),
+    ],
+)
 def test_compression_over_the_dp_groups_of_a_tp_mesh(stage, zero):
     for plain, comp in run_ranks(tp_body, 4, stage, zero, timeout=180):
         assert comp != plain

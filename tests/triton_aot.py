@@ -12,6 +12,7 @@ on a specialised ``seed == 1``) compiled in the tests and failed on the first GP
 ``compile_like_launcher`` runs the args through the same binder ``JITFunction.run`` uses (built for a CUDA target),
 so the signature, constants and divisibility attributes are the launcher's, then compiles to a cubin.
 """
+
 from __future__ import annotations
 
 import os
@@ -46,6 +47,7 @@ class Recorder:
         def launch(*args: Any, **kwargs: Any) -> None:
             self.calls.append((args, kwargs))
             self.grids.append(grid)
+
         return launch
 
 

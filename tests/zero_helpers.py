@@ -1,5 +1,6 @@
 """Training loops shared by the ZeRO tests: the single-process references and the data-parallel loops they are
 compared with (plain ZeroOptimizer on the small ``Net``s, and ``llmpar.initialize`` engines on the GPT)."""
+
 from __future__ import annotations
 
 import torch
@@ -49,7 +50,7 @@ def zero_loop(opt, net, steps, gas, batch, loss_fn, micro):
         total = torch.zeros((), dtype=torch.float64)
         for m in range(gas):
             x, y = batch(s, m)
-            x, y = x[rank * micro:(rank + 1) * micro], y[rank * micro:(rank + 1) * micro]
+            x, y = x[rank * micro : (rank + 1) * micro], y[rank * micro : (rank + 1) * micro]
             opt.set_gradient_accumulation_boundary(m == gas - 1)
             loss = loss_fn(net, x, y) / gas
             loss.backward()
@@ -66,7 +67,7 @@ def engine_loop(engine, model, steps, micro, dp_mesh):
     losses = []
     for s in range(steps):
         x, y = gpt_batch(s, micro * dp)
-        x, y = x[dp_rank * micro:(dp_rank + 1) * micro], y[dp_rank * micro:(dp_rank + 1) * micro]
+        x, y = x[dp_rank * micro : (dp_rank + 1) * micro], y[dp_rank * micro : (dp_rank + 1) * micro]
         loss = model.loss(engine(x), y)
         engine.backward(loss)
         engine.step()

@@ -9,6 +9,7 @@ Implementations (the last part of each test id; ``extra_info["impl"]``):
 Every case of one op, size and device sits in one pytest-benchmark group, so its table compares them directly;
 ``bench/benchmark_table.py`` turns a saved run into ratios vs the torch row of each group.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -27,26 +28,33 @@ DEVICES = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_avail
 IMPLS = ("torch", "llmpar", "llmpar-triton", "llmpar-cuda")
 WARMUP = 3  # untimed calls before timing (Triton compiles and autotunes on its first call); they size the rounds
 MAX_ROUNDS = 100  # a busy machine's slow calls cannot stretch a case past this many
-TRITON_CPU = ("Triton on CPU runs only under its interpreter (TRITON_INTERPRET=1), far too slow to benchmark; "
-              "the Triton cases run on CUDA")
+TRITON_CPU = (
+    "Triton on CPU runs only under its interpreter (TRITON_INTERPRET=1), far too slow to benchmark; "
+    "the Triton cases run on CUDA"
+)
 
 
 def device_cases(sizes: dict[str, list[Any]], ident: Callable[[Any], str] = str) -> list[Any]:
     """``pytest.param(device, size)`` for every device here and each of its sizes (``sizes[device.type]``; only the
     first, smallest, with ``LLMPAR_BENCH_QUICK=1``, for smoke runs); the device's name is its id and what is saved."""
     quick = os.environ.get("LLMPAR_BENCH_QUICK", "") not in ("", "0")
-    return [pytest.param(Device(d.type), s, id=f"{d.type}-{ident(s)}") for d in DEVICES
-            for s in (sizes[d.type][:1] if quick else sizes[d.type])]
+    return [
+        pytest.param(Device(d.type), s, id=f"{d.type}-{ident(s)}")
+        for d in DEVICES
+        for s in (sizes[d.type][:1] if quick else sizes[d.type])
+    ]
 
 
 def grid(sizes: dict[str, list[Any]], ident: Callable[[Any], str], **axes: Any) -> Callable[[Any], Any]:
     """A decorator parametrizing a test over ``device_cases(sizes, ident)`` then each of ``axes`` in order (name ->
     values): the test id reads ``<device>-<size>-<axis values...>``."""
+
     def decorate(test: Any) -> Any:
         test = pytest.mark.parametrize("device,size", device_cases(sizes, ident))(test)
         for name, values in axes.items():
             test = pytest.mark.parametrize(name, list(values))(test)
         return test
+
     return decorate
 
 
@@ -103,6 +111,7 @@ def once(build: Callable[..., Any]) -> Callable[..., Any]:
 
     def fresh(device: Any, *key: Any) -> Any:
         return _copy(cached(*key), device)
+
     return fresh
 
 
@@ -121,8 +130,7 @@ def rounds_for(call_s: float, max_time_s: float, min_rounds: int) -> int:
     return max(min_rounds, min(MAX_ROUNDS, math.ceil(max_time_s / max(call_s, 1e-9))))
 
 
-def run(benchmark: Any, fn: Callable[[], Any], *, device: torch.device, group: str, impl: str,
-        **info: Any) -> None:
+def run(benchmark: Any, fn: Callable[[], Any], *, device: torch.device, group: str, impl: str, **info: Any) -> None:
     """Time ``fn`` (no arguments; inputs built beforehand) as ``impl`` in ``group`` on ``device``.
 
     ``WARMUP`` untimed calls, whose median sizes the rounds (``--benchmark-max-time`` worth, within
@@ -145,8 +153,11 @@ def run(benchmark: Any, fn: Callable[[], Any], *, device: torch.device, group: s
                 t0 = time.perf_counter()
                 call()
                 times.append(time.perf_counter() - t0)
-            rounds = rounds_for(statistics.median(times), float(getattr(benchmark, "_max_time", 0.2)),
-                                int(getattr(benchmark, "_min_rounds", 5)))
+            rounds = rounds_for(
+                statistics.median(times),
+                float(getattr(benchmark, "_max_time", 0.2)),
+                int(getattr(benchmark, "_min_rounds", 5)),
+            )
         benchmark.pedantic(call, rounds=rounds, iterations=1)
 
 

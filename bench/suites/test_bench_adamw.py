@@ -9,6 +9,7 @@ doing what a user would do instead:
 State: the tests' ``make_state`` (tests/test_optim_ops.py: mid-training moments, step 4, values over a few
 magnitudes), many tensors of one size per case. Steps keep counting across rounds, as in training.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -33,8 +34,9 @@ def _torch_adamw(params: list[torch.Tensor], grads: list[torch.Tensor]) -> torch
     leaves = [torch.nn.Parameter(p.detach().clone()) for p in params]
     for p, g in zip(leaves, grads):
         p.grad = g.detach().clone()
-    hyper = dict(lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]), eps=HYPER["eps"],
-                 weight_decay=HYPER["weight_decay"])
+    hyper = dict(
+        lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]), eps=HYPER["eps"], weight_decay=HYPER["weight_decay"]
+    )
     try:
         opt = torch.optim.AdamW(leaves, fused=True, **hyper)
         opt.step()  # builds the state; raises here where fused is unsupported for this device / dtype
@@ -51,6 +53,7 @@ def _torch_case(precision: str, st: dict) -> Callable[[], None]:
         def step():
             opt.step()
             torch._foreach_copy_(st["p"], masters)
+
         return step
     opt = _torch_adamw(st["p"], st["g"])
     if precision != "fp32+clip":
@@ -60,6 +63,7 @@ def _torch_case(precision: str, st: dict) -> Callable[[], None]:
     def clip_step():
         torch.nn.utils.clip_grad_norm_(params, MAX_NORM, foreach=True)
         opt.step()
+
     return clip_step
 
 
@@ -72,6 +76,7 @@ def _llmpar_case(precision: str, st: dict) -> Callable[[], None]:
     def clip_step():
         gscale, found_inf = clip_coefficient(grad_norm(st["g"]), MAX_NORM)
         adamw_step(st["p"], st["g"], st["m"], st["v"], st["s"], gscale=gscale, found_inf=found_inf, **args)
+
     return clip_step
 
 
@@ -87,5 +92,4 @@ def test_adamw_step(benchmark, device, size, precision, impl):
     mode = "fp32" if precision == "fp32+clip" else precision
     st = _state(device, mode, numel, n)
     fn = _torch_case(precision, st) if impl == "torch" else _llmpar_case(precision, st)
-    run(benchmark, fn, device=device, group=f"adamw {precision} {_ident(size)}", impl=impl,
-        params=numel * n, tensors=n)
+    run(benchmark, fn, device=device, group=f"adamw {precision} {_ident(size)}", impl=impl, params=numel * n, tensors=n)

@@ -3,6 +3,7 @@ and ZeRO do in plain torch: ``_flatten_dense_tensors`` (or ``torch.cat`` + ``.to
 scaling) and ``_unflatten_dense_tensors`` + a ``copy_`` per tensor. Inputs: the tests' ``make_tensors``
 (tests/test_ops_bucket.py: fresh random data over a few magnitudes) at uneven sizes, a few big tensors and many small.
 """
+
 from __future__ import annotations
 
 import torch
@@ -27,14 +28,18 @@ def test_pack_bucket(benchmark, device, size, case, impl):
     require(impl, device, ("pack_bucket",))
     tensors, flat, scale = _bucket(device, size, case)
     if impl != "torch":
+
         def fn():
             return pack_bucket(tensors, flat, scale=scale)
     elif flat.dtype == tensors[0].dtype and scale == 1.0:
+
         def fn():
             return _flatten_dense_tensors(tensors)
     else:
+
         def fn():
             return torch.cat([t.reshape(-1) for t in tensors]).to(flat.dtype).mul_(scale)
+
     run(benchmark, fn, device=device, group=f"pack_bucket {case} {bucket_ident(size)}", impl=impl)
 
 
@@ -45,10 +50,13 @@ def test_unpack_bucket(benchmark, device, size, case, impl):
     pack_bucket(tensors, flat, scale=scale)
     outs = [torch.empty_like(t) for t in tensors]
     if impl != "torch":
+
         def fn():
             return unpack_bucket(flat, outs, scale=1.0 / scale)
     else:
+
         def fn():
             for o, v in zip(outs, _unflatten_dense_tensors(flat, outs)):
                 o.copy_(v) if scale == 1.0 else o.copy_(v).mul_(1.0 / scale)
+
     run(benchmark, fn, device=device, group=f"unpack_bucket {case} {bucket_ident(size)}", impl=impl)

@@ -2,6 +2,7 @@
 cost: the fp32 softmax it keeps for the backward, the checks) vs ``F.cross_entropy``, the tests' reference
 (tests/test_tp_faults.py), forward and forward + backward. Logits [tokens, vocab]: fp32 on CPU, bf16 on CUDA.
 """
+
 from __future__ import annotations
 
 import pytest

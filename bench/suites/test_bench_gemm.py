@@ -5,6 +5,7 @@ Shapes [M tokens, K in, N out]: small on CPU (torch runs both sides there: the r
 LLM MLP's on CUDA (bf16). ``bias_act_backward`` (dY * act'(z) and the bias gradient in one pass) is timed on CUDA
 only: on CPU llmpar's backward is torch's own (the fwd+bwd cases).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -44,14 +45,18 @@ def test_linear_act_forward(benchmark, device, size, epilogue, impl):
     act, x, w, b, r, _ = _case(device, size, epilogue, grad=False)
     require(impl, device, _cuda_ops(act))
     if impl == "torch":
+
         def fn():
             return _composition(x, w, b, r, act, x.dtype)
     else:
+
         def fn():
             return linear_act(x, w, b, act=act, residual=r)
+
     with torch.no_grad():
-        run(benchmark, fn, device=device, group=f"linear_act fwd {epilogue} {_mkn(size)}", impl=impl,
-            dtype=str(x.dtype))
+        run(
+            benchmark, fn, device=device, group=f"linear_act fwd {epilogue} {_mkn(size)}", impl=impl, dtype=str(x.dtype)
+        )
 
 
 @grid(SIZES, _mkn, epilogue=EPILOGUES, impl=IMPLS)
@@ -64,8 +69,9 @@ def test_linear_act_fwd_bwd(benchmark, device, size, epilogue, impl):
         y = _composition(x, w, b, r, act, x.dtype) if impl == "torch" else linear_act(x, w, b, act=act, residual=r)
         y.backward(dy)
 
-    run(benchmark, fn, device=device, group=f"linear_act fwd+bwd {epilogue} {_mkn(size)}", impl=impl,
-        dtype=str(x.dtype))
+    run(
+        benchmark, fn, device=device, group=f"linear_act fwd+bwd {epilogue} {_mkn(size)}", impl=impl, dtype=str(x.dtype)
+    )
 
 
 @grid(SIZES, _mkn, act=("gelu_tanh", "silu"), impl=("torch", "llmpar-cuda"))
@@ -77,6 +83,7 @@ def test_bias_act_backward(benchmark, device, size, act, impl):
     g = torch.Generator().manual_seed(0)
     z, dy = (_rand((m, n), DTYPE[device.type], g).to(device) for _ in range(2))  # pre-activation, upstream grad
     if impl == "torch":  # what autograd runs for act(F.linear(...)): act' elementwise, then the bias gradient
+
         def fn():
             gp = _act_grad_torch(dy, z, act)
             return gp, gp.sum(0, dtype=torch.float32)
@@ -85,5 +92,5 @@ def test_bias_act_backward(benchmark, device, size, act, impl):
 
         def fn():
             return torch.ops.llmpar.bias_act_backward(dy, z, code)
-    run(benchmark, fn, device=device, group=f"bias_act_backward {act} {m}x{n}", impl=impl, dtype=str(z.dtype))
 
+    run(benchmark, fn, device=device, group=f"bias_act_backward {act} {m}x{n}", impl=impl, dtype=str(z.dtype))

@@ -2,6 +2,7 @@
 (``torch.nn.utils.get_total_norm``; the tests' reference, tests/test_grad_norm.py, is clip_grad_norm_ itself), on
 grads of one dtype (fp32) and on bf16 grads.
 """
+
 from __future__ import annotations
 
 import torch

@@ -5,6 +5,7 @@ path (llmpar/ops/quant.py, several passes over the buffer); dequantize every row
 Inputs: the tests' ``make_tensors`` (tests/test_ops_bucket.py: fresh random data over a few magnitudes) at uneven
 sizes, a few big tensors and many small, split into 8 rows (one per data-parallel peer).
 """
+
 from __future__ import annotations
 
 import math
@@ -38,9 +39,11 @@ def test_pack_quantize(benchmark, device, size, case, bits, impl):
     bits = BITS[bits]
     tensors, total, m, scale, residual, wire = _bucket(device, size, case, bits)
     if impl != "torch":
+
         def fn():
-            return Q.pack_quantize(tensors, rows=ROWS, m=m, bits=bits, block=BLOCK, scale=scale, residual=residual,
-                                   out=wire)
+            return Q.pack_quantize(
+                tensors, rows=ROWS, m=m, bits=bits, block=BLOCK, scale=scale, residual=residual, out=wire
+            )
     else:
         flat = torch.zeros(ROWS * m, device=device)
 
@@ -50,9 +53,11 @@ def test_pack_quantize(benchmark, device, size, case, bits, impl):
                 flat[:total].mul_(scale)
             if residual is not None:
                 flat.add_(residual)
-            Q._torch_quantize(flat.view(ROWS, m), wire, m, bits, BLOCK,
-                              residual.view(ROWS, m) if residual is not None else None)
+            Q._torch_quantize(
+                flat.view(ROWS, m), wire, m, bits, BLOCK, residual.view(ROWS, m) if residual is not None else None
+            )
             return wire
+
     run(benchmark, fn, device=device, group=f"pack_quantize {case} {BITS_NAME[bits]} {bucket_ident(size)}", impl=impl)
 
 
@@ -64,6 +69,7 @@ def test_dequantize_sum(benchmark, device, size, bits, impl):
     Q.pack_quantize(tensors, rows=ROWS, m=m, bits=bits, block=BLOCK, out=wire)
     out = torch.zeros(m, device=device)
     if impl != "torch":
+
         def fn():
             return Q.dequantize_sum(wire, m=m, bits=bits, block=BLOCK, out=out, accumulate=True)
     else:
@@ -72,5 +78,5 @@ def test_dequantize_sum(benchmark, device, size, bits, impl):
         def fn():
             Q._torch_dequantize(wire, m, bits, BLOCK, rows)
             return out.add_(rows.sum(0))
-    run(benchmark, fn, device=device, group=f"dequantize_sum {BITS_NAME[bits]} {bucket_ident(size)}", impl=impl)
 
+    run(benchmark, fn, device=device, group=f"dequantize_sum {BITS_NAME[bits]} {bucket_ident(size)}", impl=impl)

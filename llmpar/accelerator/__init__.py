@@ -17,6 +17,7 @@ the peak stays the process's), and the communication backend is gloo. DeepSpeed'
 (``create_op_builder``) are not provided: llmpar builds its own ops (``llmpar.ops``).
 A DeepSpeed-compatibility module: nothing inside llmpar imports it.
 """
+
 from __future__ import annotations
 
 from llmpar.accelerator.abstract_accelerator import Accelerator, DeepSpeedAccelerator
@@ -24,5 +25,12 @@ from llmpar.accelerator.cpu_accelerator import CpuAccelerator
 from llmpar.accelerator.cuda_accelerator import CudaAccelerator
 from llmpar.accelerator.real_accelerator import get_accelerator, is_current_accelerator_supported, set_accelerator
 
-__all__ = ["Accelerator", "CpuAccelerator", "CudaAccelerator", "DeepSpeedAccelerator", "get_accelerator",
-           "is_current_accelerator_supported", "set_accelerator"]
+__all__ = [
+    "Accelerator",
+    "CpuAccelerator",
+    "CudaAccelerator",
+    "DeepSpeedAccelerator",
+    "get_accelerator",
+    "is_current_accelerator_supported",
+    "set_accelerator",
+]

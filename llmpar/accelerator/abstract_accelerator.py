@@ -1,4 +1,5 @@
 """What llmpar's accelerators share, under DeepSpeed's ``DeepSpeedAccelerator`` names (``llmpar.accelerator``)."""
+
 from __future__ import annotations
 
 import functools
@@ -106,14 +107,18 @@ class Accelerator:
         return "inductor"
 
     def create_op_builder(self, class_name: str) -> Any:
-        raise NotImplementedError(f"DeepSpeed op builders ({class_name}) are not provided: llmpar's fused ops are in "
-                                  "llmpar.ops (FusedAdam / DeepSpeedCPUAdam in llmpar.ops.adam)")
+        raise NotImplementedError(
+            f"DeepSpeed op builders ({class_name}) are not provided: llmpar's fused ops are in "
+            "llmpar.ops (FusedAdam / DeepSpeedCPUAdam in llmpar.ops.adam)"
+        )
 
     get_op_builder = create_op_builder
 
     def build_extension(self) -> Any:
-        raise NotImplementedError("DeepSpeed's extension builder is not provided: llmpar builds its CUDA extension "
-                                  "with setup.py (LLMPAR_BUILD_CUDA=1) or on first use")
+        raise NotImplementedError(
+            "DeepSpeed's extension builder is not provided: llmpar builds its CUDA extension "
+            "with setup.py (LLMPAR_BUILD_CUDA=1) or on first use"
+        )
 
 
 DeepSpeedAccelerator = Accelerator  # DeepSpeed's name of the base class

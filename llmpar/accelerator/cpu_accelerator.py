@@ -1,5 +1,6 @@
 """The host under DeepSpeed's CPU accelerator semantics (``llmpar.accelerator``): no-op streams and events, the
 process's resident set size as its memory statistics, gloo."""
+
 from __future__ import annotations
 
 import contextlib
@@ -153,8 +154,10 @@ class CpuAccelerator(Accelerator):
     max_memory_reserved = max_memory_cached = max_memory_allocated
 
     def memory_stats(self, device_index: int | None = None) -> dict:
-        return {"allocated_bytes.all.current": self.memory_allocated(),
-                "allocated_bytes.all.peak": self.max_memory_allocated()}
+        return {
+            "allocated_bytes.all.current": self.memory_allocated(),
+            "allocated_bytes.all.peak": self.max_memory_allocated(),
+        }
 
     def total_memory(self, device_index: int | None = None) -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -1,4 +1,5 @@
 """``torch.cuda`` under DeepSpeed's accelerator names (``llmpar.accelerator``)."""
+
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -90,8 +91,9 @@ class CudaAccelerator(Accelerator):
         torch.cuda.reset_peak_memory_stats(device_index)
 
     def total_memory(self, device_index: int | None = None) -> int:
-        return torch.cuda.get_device_properties(self.current_device() if device_index is None
-                                                else device_index).total_memory
+        return torch.cuda.get_device_properties(
+            self.current_device() if device_index is None else device_index
+        ).total_memory
 
     def available_memory(self, device_index: int | None = None) -> int:
         return torch.cuda.mem_get_info(device_index)[0]

@@ -1,4 +1,5 @@
 """``get_accelerator()``: this process's accelerator (``llmpar.accelerator``)."""
+
 from __future__ import annotations
 
 import functools
@@ -35,8 +36,9 @@ def is_current_accelerator_supported() -> bool:
 
 
 def set_accelerator(accel_obj: Any) -> None:
-    raise NotImplementedError("set_accelerator is not provided: llmpar picks CUDA or the CPU (DS_ACCELERATOR=cuda|cpu "
-                              "chooses)")
+    raise NotImplementedError(
+        "set_accelerator is not provided: llmpar picks CUDA or the CPU (DS_ACCELERATOR=cuda|cpu chooses)"
+    )
 
 
 __all__ = ["get_accelerator", "is_current_accelerator_supported", "set_accelerator"]

@@ -18,11 +18,20 @@ into named param ranges; ``reshard.py``: tensor-parallel splits recorded per par
 ``hf_files.py``: a full state dict written as HuggingFace's ``from_pretrained`` loads it (safetensors shards + index,
 tied weights once, config.json), for ``consolidate`` and ``engine.save_hf_model``.
 """
+
 from llmpar.checkpoint.files import CheckpointError
 from llmpar.checkpoint.hf_load import load_hf_weights
 from llmpar.checkpoint.load import load_checkpoint
 from llmpar.checkpoint.protocol import Checkpointable, CheckpointOptimizer, Grid
 from llmpar.checkpoint.save import save_checkpoint, wait_checkpoint
 
-__all__ = ["CheckpointError", "CheckpointOptimizer", "Checkpointable", "Grid", "load_checkpoint", "load_hf_weights",
-           "save_checkpoint", "wait_checkpoint"]
+__all__ = [
+    "CheckpointError",
+    "CheckpointOptimizer",
+    "Checkpointable",
+    "Grid",
+    "load_checkpoint",
+    "load_hf_weights",
+    "save_checkpoint",
+    "wait_checkpoint",
+]

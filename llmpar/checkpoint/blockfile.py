@@ -21,6 +21,7 @@ the sha256 of each block runs in helper threads (:func:`hash_threads`) while the
 end finds little left. A tensor on an accelerator goes through the host one block at a time. Verifying many blocks
 hashes them in those threads too.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -69,7 +70,7 @@ class Concat:
         """A fresh host tensor holding the concatenation (each piece copied once, straight into it)."""
         out, at = torch.empty(self.shape[0], dtype=self.dtype), 0
         for p in self.pieces:
-            out[at:at + p.numel()].copy_(p.detach().reshape(-1))
+            out[at : at + p.numel()].copy_(p.detach().reshape(-1))
             at += p.numel()
         return out
 
@@ -200,7 +201,7 @@ class _Writer:
         flat = t.detach().reshape(-1)
         step = max(1, self.block // max(1, t.element_size()))
         for a in range(0, flat.numel(), step):  # to the host one block at a time
-            self.put(_bytes_of(flat[a:a + step].cpu()))
+            self.put(_bytes_of(flat[a : a + step].cpu()))
 
     def seal(self) -> None:
         if self.parts:
@@ -226,17 +227,32 @@ def write(path: str, obj: Any, *, block: int = BLOCK, threads: int | None = None
             for rec in records:
                 w.put(memoryview(bytes(-w.pos % ALIGN)))
                 start = w.pos
-                for piece in (rec.pieces if isinstance(rec, Concat) else [rec]):
+                for piece in rec.pieces if isinstance(rec, Concat) else [rec]:
                     w.put_tensor(piece)
-                table.append({"dtype": str(rec.dtype).removeprefix("torch."), "shape": list(rec.shape),
-                              "offset": start, "nbytes": w.pos - start})
+                table.append(
+                    {
+                        "dtype": str(rec.dtype).removeprefix("torch."),
+                        "shape": list(rec.shape),
+                        "offset": start,
+                        "nbytes": w.pos - start,
+                    }
+                )
             w.seal()
             data_end = w.pos
             digests = hasher.close()
             if None in digests or len(digests) != -(-(data_end - len(HEADER)) // block):
                 raise RuntimeError(f"hashing {path} failed (a hashing thread died)")
-            index = json.dumps({"version": VERSION, "block": block, "data_end": data_end, "blocks": digests,
-                                "records": table, "tree": tree}, separators=(",", ":")).encode()
+            index = json.dumps(
+                {
+                    "version": VERSION,
+                    "block": block,
+                    "data_end": data_end,
+                    "blocks": digests,
+                    "records": table,
+                    "tree": tree,
+                },
+                separators=(",", ":"),
+            ).encode()
             f.write(index)
             f.write(struct.pack("<Q", len(index)) + END)
             os.fsync(f.fileno())
@@ -287,15 +303,22 @@ class BlockFile:
             index = json.loads(raw)
             self.block, self.data_end = int(index["block"]), int(index["data_end"])
             self.digests: list[str] = list(index["blocks"])
-            self.records = [(_dtype(r["dtype"]), [int(d) for d in r["shape"]], int(r["offset"]), int(r["nbytes"]))
-                            for r in index["records"]]
+            self.records = [
+                (_dtype(r["dtype"]), [int(d) for d in r["shape"]], int(r["offset"]), int(r["nbytes"]))
+                for r in index["records"]
+            ]
             self.tree = index["tree"]
         except (ValueError, KeyError, TypeError) as e:
             raise CorruptFile(path, f"unreadable index: {e}") from e
         blocks = -(-(self.data_end - len(HEADER)) // self.block) if self.block > 0 else -1
-        if self.data_end != size - TRAILER - n or blocks != len(self.digests) or any(
+        if (
+            self.data_end != size - TRAILER - n
+            or blocks != len(self.digests)
+            or any(
                 o < len(HEADER) or o + nb > self.data_end or nb != dt.itemsize * _numel(shape)
-                for dt, shape, o, nb in self.records):
+                for dt, shape, o, nb in self.records
+            )
+        ):
             raise CorruptFile(path, "index inconsistent with the file's size")
         self.verified = bytearray(len(self.digests))
         self.recording = False  # verify(): note the blocks in ``wanted`` instead of hashing them
@@ -345,10 +368,12 @@ class BlockFile:
 
     def value(self) -> Any:
         """The object written, with each tensor as a lazy :class:`Record`."""
+
         def build(x: Any) -> Any:
             if isinstance(x, dict):
                 return Record(self, x[_REF]) if _REF in x else {k: build(v) for k, v in x.items()}
             return [build(v) for v in x] if isinstance(x, list) else x
+
         return build(self.tree)
 
 
@@ -390,4 +415,3 @@ def load(path: str, entry: dict | None = None) -> Any:
     f = BlockFile(path, entry)
     f.verify_all()
     return materialize(f.value())
-

@@ -26,6 +26,7 @@ checkpoint: it records none), then reads every written file back and compares ea
 A universal checkpoint (``ds_to_universal``'s, or ``--to universal``'s) converts to every layout (``--from universal``
 or detected: ``zero/`` beside a model states file, or ``latest_universal`` naming one).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -78,16 +79,24 @@ def _read(path: str, tag: str | None, dtype: torch.dtype | None) -> tuple[dict[s
     return out, meta
 
 
-def consolidated_state_dict(path: str, tag: str | None = None, *, dtype: torch.dtype | None = torch.float32
-                            ) -> dict[str, torch.Tensor]:
+def consolidated_state_dict(
+    path: str, tag: str | None = None, *, dtype: torch.dtype | None = torch.float32
+) -> dict[str, torch.Tensor]:
     """{name: full tensor} of checkpoint ``path`` (a checkpoint dir, or a save dir with ``latest`` / ``tag``).
     dtype: float params are cast to it (float64 ones kept); None keeps the saved dtype."""
     return _read(path, tag, dtype)[0]
 
 
-def consolidate(path: str, out_dir: str, tag: str | None = None, *, dtype: Any = torch.float32,
-                max_shard_size: Any = hf_files.DEFAULT_SHARD_SIZE, format: str | None = None,
-                overwrite: bool = False) -> list[str]:
+def consolidate(
+    path: str,
+    out_dir: str,
+    tag: str | None = None,
+    *,
+    dtype: Any = torch.float32,
+    max_shard_size: Any = hf_files.DEFAULT_SHARD_SIZE,
+    format: str | None = None,
+    overwrite: bool = False,
+) -> list[str]:
     """Write the checkpoint's weights into ``out_dir`` as HuggingFace does (``hf_files.write_hf_model``): float
     tensors in ``dtype`` (bf16 / fp16 / fp32 or a torch dtype, float64 ones kept; None / "keep": as saved), shards of
     at most ``max_shard_size`` ("5GB", or bytes) with an index, ``config.json`` / ``generation_config.json`` when the
@@ -101,16 +110,31 @@ def consolidate(path: str, out_dir: str, tag: str | None = None, *, dtype: Any =
     state, meta = _read(path, tag, target)
     model = meta.get("model", {})
     with outdir.staged(out_dir, overwrite=overwrite, source=path, what="consolidate") as tmp:
-        written = hf_files.write_hf_model(tmp, state, config=model.get("hf_config"),
-                                          generation_config=model.get("hf_generation_config"),
-                                          max_shard_size=max_shard_size, format=format)
+        written = hf_files.write_hf_model(
+            tmp,
+            state,
+            config=model.get("hf_config"),
+            generation_config=model.get("hf_generation_config"),
+            max_shard_size=max_shard_size,
+            format=format,
+        )
     return outdir.moved(written, tmp, out_dir)
 
 
-def convert(src: str, out_dir: str, *, to: str = "hf", source: str = "auto", tag: str | None = None,
-            dtype: Any = torch.float32, max_shard_size: Any = hf_files.DEFAULT_SHARD_SIZE,
-            format: str | None = None, stage: int | None = None, dp: int | None = None,
-            overwrite: bool = False) -> list[str]:
+def convert(
+    src: str,
+    out_dir: str,
+    *,
+    to: str = "hf",
+    source: str = "auto",
+    tag: str | None = None,
+    dtype: Any = torch.float32,
+    max_shard_size: Any = hf_files.DEFAULT_SHARD_SIZE,
+    format: str | None = None,
+    stage: int | None = None,
+    dp: int | None = None,
+    overwrite: bool = False,
+) -> list[str]:
     """Convert checkpoint ``src`` (``source``: "auto", "deepspeed", "llmpar" or "universal": DeepSpeed's universal
     layout, ``universal_read.py``, also detected) to ``to`` ("hf": HuggingFace's
     layout, as :func:`consolidate` writes it; "deepspeed": DeepSpeed's ZeRO-``stage`` layout for ``dp`` ranks,
@@ -121,13 +145,34 @@ def convert(src: str, out_dir: str, *, to: str = "hf", source: str = "auto", tag
     whole once every file is written and checked (``outdir.py``): a non-empty one is refused unless ``overwrite``,
     an interrupted convert leaves it as it was. Returns the paths written."""
     with outdir.staged(out_dir, overwrite=overwrite, source=src, what="convert") as tmp:
-        written = _convert(src, tmp, to=to, source=source, tag=tag, dtype=dtype, max_shard_size=max_shard_size,
-                           format=format, stage=stage, dp=dp)
+        written = _convert(
+            src,
+            tmp,
+            to=to,
+            source=source,
+            tag=tag,
+            dtype=dtype,
+            max_shard_size=max_shard_size,
+            format=format,
+            stage=stage,
+            dp=dp,
+        )
     return outdir.moved(written, tmp, out_dir)
 
 
-def _convert(src: str, out_dir: str, *, to: str, source: str, tag: str | None, dtype: Any, max_shard_size: Any,
-             format: str | None, stage: int | None, dp: int | None) -> list[str]:
+def _convert(
+    src: str,
+    out_dir: str,
+    *,
+    to: str,
+    source: str,
+    tag: str | None,
+    dtype: Any,
+    max_shard_size: Any,
+    format: str | None,
+    stage: int | None,
+    dp: int | None,
+) -> list[str]:
     """:func:`convert` into the new directory ``out_dir``."""
     if source not in (*ds_convert.SOURCES, "universal"):
         raise ValueError(f"source={source!r} is not one of {[*ds_convert.SOURCES, 'universal']}")
@@ -143,14 +188,18 @@ def _convert(src: str, out_dir: str, *, to: str, source: str, tag: str | None, d
     if to == "dcp":
         kind, path = ds_convert.locate(src, tag, source)
         if kind != "llmpar":
-            raise ValueError(f"to='dcp' converts llmpar checkpoints; {path} is DeepSpeed's: load it into an engine "
-                             "(engine.load_checkpoint), save, and convert that")
+            raise ValueError(
+                f"to='dcp' converts llmpar checkpoints; {path} is DeepSpeed's: load it into an engine "
+                "(engine.load_checkpoint), save, and convert that"
+            )
         dcp_convert.to_dcp(path, out_dir)
         return sorted(os.path.join(out_dir, f) for f in os.listdir(out_dir))
     if to != "hf":
-        raise ValueError(f"to={to!r}: convert writes 'hf' (HuggingFace's layout), 'deepspeed', 'universal' "
-                         "(DeepSpeed's) or 'dcp' (torch.distributed.checkpoint); a DeepSpeed or DCP checkpoint loads "
-                         "into llmpar as it is (engine.load_checkpoint)")
+        raise ValueError(
+            f"to={to!r}: convert writes 'hf' (HuggingFace's layout), 'deepspeed', 'universal' "
+            "(DeepSpeed's) or 'dcp' (torch.distributed.checkpoint); a DeepSpeed or DCP checkpoint loads "
+            "into llmpar as it is (engine.load_checkpoint)"
+        )
     target = hf_files.parse_dtype(dtype)
     hf_files.parse_size(max_shard_size)
     hf_files.parse_format(format)
@@ -162,9 +211,14 @@ def _convert(src: str, out_dir: str, *, to: str, source: str, tag: str | None, d
     else:
         state, meta = _read(path, None, target)
         model = meta.get("model", {})
-    written = hf_files.write_hf_model(out_dir, state, config=model.get("hf_config"),
-                                      generation_config=model.get("hf_generation_config"),
-                                      max_shard_size=max_shard_size, format=format)
+    written = hf_files.write_hf_model(
+        out_dir,
+        state,
+        config=model.get("hf_config"),
+        generation_config=model.get("hf_generation_config"),
+        max_shard_size=max_shard_size,
+        format=format,
+    )
     ds_convert.verify(state, written)
     return written
 
@@ -178,10 +232,12 @@ def _from_universal(path: str, out_dir: str, to: str, **hf: Any) -> list[str]:
     model = {n: s.full(n, "master").view(s.shapes[n]) for n in names}
     if to == "dcp":
         moments = {n: {k: s.full(n, k).view(s.shapes[n]) for k in dcp_format.MOMENTS} for n in names}
-        hyper = {n: {k: (tuple(h[k]) if k == "betas" else h[k]) for k in ("lr", "betas", "eps", "weight_decay")}
-                 for g, h in zip(s.groups, s.hyper) for n in g}
-        dcp_format.write_dcp(out_dir, {**model, **s.buffers, **s.frozen}, moments, dict.fromkeys(names, s.step),
-                             hyper)
+        hyper = {
+            n: {k: (tuple(h[k]) if k == "betas" else h[k]) for k in ("lr", "betas", "eps", "weight_decay")}
+            for g, h in zip(s.groups, s.hyper)
+            for n in g
+        }
+        dcp_format.write_dcp(out_dir, {**model, **s.buffers, **s.frozen}, moments, dict.fromkeys(names, s.step), hyper)
         return sorted(os.path.join(out_dir, f) for f in os.listdir(out_dir))
     target = hf_files.parse_dtype(hf["dtype"])
     state = {n: t.to(target) if target is not None and t.dtype != torch.float64 else t for n, t in model.items()}
@@ -189,8 +245,9 @@ def _from_universal(path: str, out_dir: str, to: str, **hf: Any) -> list[str]:
         if name in state:
             state[alias] = state[name]
     for n, t in {**s.buffers, **s.frozen}.items():
-        state.setdefault(n, t.to(target) if target is not None and t.is_floating_point() and
-                         t.dtype != torch.float64 else t)
+        state.setdefault(
+            n, t.to(target) if target is not None and t.is_floating_point() and t.dtype != torch.float64 else t
+        )
     written = hf_files.write_hf_model(out_dir, state, max_shard_size=hf["max_shard_size"], format=hf["format"])
     ds_convert.verify(state, written)
     return written
@@ -198,9 +255,19 @@ def _from_universal(path: str, out_dir: str, to: str, **hf: Any) -> list[str]:
 
 def _convert_cli(args: argparse.Namespace) -> int:
     try:
-        paths = convert(args.src, args.dst, to=args.to, source=args.source, tag=args.tag, dtype=args.dtype,
-                        max_shard_size=args.max_shard_size, format=args.format, stage=args.stage, dp=args.dp,
-                        overwrite=args.overwrite)
+        paths = convert(
+            args.src,
+            args.dst,
+            to=args.to,
+            source=args.source,
+            tag=args.tag,
+            dtype=args.dtype,
+            max_shard_size=args.max_shard_size,
+            format=args.format,
+            stage=args.stage,
+            dp=args.dp,
+            overwrite=args.overwrite,
+        )
     except (CheckpointError, OSError, ValueError, ImportError) as e:
         print(f"llmpar checkpoint convert: {e}", file=sys.stderr)
         return 1
@@ -219,8 +286,15 @@ def _size_arg(text: str) -> str:
 
 def _run(args: argparse.Namespace) -> int:
     try:
-        paths = consolidate(args.dir, args.out, args.tag, dtype=args.dtype, max_shard_size=args.max_shard_size,
-                            format=args.format, overwrite=args.overwrite)
+        paths = consolidate(
+            args.dir,
+            args.out,
+            args.tag,
+            dtype=args.dtype,
+            max_shard_size=args.max_shard_size,
+            format=args.format,
+            overwrite=args.overwrite,
+        )
     except (CheckpointError, OSError, ValueError, ImportError) as e:
         print(f"llmpar checkpoint consolidate: {e}", file=sys.stderr)
         return 1
@@ -243,48 +317,100 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser("checkpoint", help="work with sharded checkpoints (consolidate, convert, publish)")
     sub = p.add_subparsers(dest="checkpoint_command", metavar="ACTION")
     sub.required = True
-    c = sub.add_parser("consolidate", help="write a checkpoint's weights as a HuggingFace model directory "
-                                           "(safetensors shards + index, config.json)")
+    c = sub.add_parser(
+        "consolidate",
+        help="write a checkpoint's weights as a HuggingFace model directory (safetensors shards + index, config.json)",
+    )
     c.add_argument("dir", help="a checkpoint directory, or the save directory (its 'latest', or --tag)")
-    c.add_argument("out", help="output directory: model.safetensors (or shards + model.safetensors.index.json), "
-                               "config.json and generation_config.json for a HuggingFace model")
+    c.add_argument(
+        "out",
+        help="output directory: model.safetensors (or shards + model.safetensors.index.json), "
+        "config.json and generation_config.json for a HuggingFace model",
+    )
     c.add_argument("--tag", default=None, help="checkpoint tag inside DIR (default: DIR/latest)")
-    c.add_argument("--dtype", default="fp32", choices=sorted(hf_files.DTYPES) + ["keep"],
-                   help="dtype of float tensors: bf16, fp16 or fp32 (the default: from the fp32 master when the run "
-                        "kept one); 'keep' keeps the saved dtype")
-    c.add_argument("--max-shard-size", default=hf_files.DEFAULT_SHARD_SIZE, type=_size_arg,
-                   help="largest shard, e.g. 5GB (the default, HuggingFace's), 500MB, 2GiB or bytes")
-    c.add_argument("--format", default=None, choices=sorted(hf_files.FORMATS),
-                   help="safetensors (the default when installed) or bin (pytorch_model.bin, torch.save)")
-    c.add_argument("--overwrite", action="store_true",
-                   help="replace a non-empty output directory whole (refused otherwise)")
+    c.add_argument(
+        "--dtype",
+        default="fp32",
+        choices=sorted(hf_files.DTYPES) + ["keep"],
+        help="dtype of float tensors: bf16, fp16 or fp32 (the default: from the fp32 master when the run "
+        "kept one); 'keep' keeps the saved dtype",
+    )
+    c.add_argument(
+        "--max-shard-size",
+        default=hf_files.DEFAULT_SHARD_SIZE,
+        type=_size_arg,
+        help="largest shard, e.g. 5GB (the default, HuggingFace's), 500MB, 2GiB or bytes",
+    )
+    c.add_argument(
+        "--format",
+        default=None,
+        choices=sorted(hf_files.FORMATS),
+        help="safetensors (the default when installed) or bin (pytorch_model.bin, torch.save)",
+    )
+    c.add_argument(
+        "--overwrite", action="store_true", help="replace a non-empty output directory whole (refused otherwise)"
+    )
     c.set_defaults(func=_run)
-    v = sub.add_parser("convert", help="convert a DeepSpeed or llmpar checkpoint (auto-detected) to HuggingFace's "
-                                       "layout, every tensor written read back and compared")
+    v = sub.add_parser(
+        "convert",
+        help="convert a DeepSpeed or llmpar checkpoint (auto-detected) to HuggingFace's "
+        "layout, every tensor written read back and compared",
+    )
     v.add_argument("src", help="a checkpoint directory, or the save directory (its 'latest', or --tag)")
     v.add_argument("dst", help="output directory")
-    v.add_argument("--to", default="hf", choices=["hf", "deepspeed", "universal", "dcp"],
-                   help="output layout: hf (safetensors shards + index), deepspeed (its ZeRO 1-3 files), universal "
-                        "(DeepSpeed's universal checkpoint, loaded with checkpoint.load_universal at any dp) or dcp "
-                        "(torch.distributed.checkpoint for FSDP2 / torchtitan; from an llmpar checkpoint)")
-    v.add_argument("--stage", type=int, default=None, choices=[1, 2, 3],
-                   help="--to deepspeed: the ZeRO stage to write for (default: the source's, 0 -> 1)")
-    v.add_argument("--dp", type=int, default=None,
-                   help="--to deepspeed: the data-parallel degree (default: the source's)")
-    v.add_argument("--from", dest="source", default="auto", choices=[*ds_convert.SOURCES, "universal"],
-                   help="source layout (default: detected)")
+    v.add_argument(
+        "--to",
+        default="hf",
+        choices=["hf", "deepspeed", "universal", "dcp"],
+        help="output layout: hf (safetensors shards + index), deepspeed (its ZeRO 1-3 files), universal "
+        "(DeepSpeed's universal checkpoint, loaded with checkpoint.load_universal at any dp) or dcp "
+        "(torch.distributed.checkpoint for FSDP2 / torchtitan; from an llmpar checkpoint)",
+    )
+    v.add_argument(
+        "--stage",
+        type=int,
+        default=None,
+        choices=[1, 2, 3],
+        help="--to deepspeed: the ZeRO stage to write for (default: the source's, 0 -> 1)",
+    )
+    v.add_argument(
+        "--dp", type=int, default=None, help="--to deepspeed: the data-parallel degree (default: the source's)"
+    )
+    v.add_argument(
+        "--from",
+        dest="source",
+        default="auto",
+        choices=[*ds_convert.SOURCES, "universal"],
+        help="source layout (default: detected)",
+    )
     v.add_argument("--tag", default=None, help="checkpoint tag inside SRC (default: SRC/latest)")
-    v.add_argument("--dtype", default="fp32", choices=sorted(hf_files.DTYPES) + ["keep"],
-                   help="dtype of float tensors (default fp32, from the fp32 masters); 'keep': as saved")
-    v.add_argument("--max-shard-size", default=hf_files.DEFAULT_SHARD_SIZE, type=_size_arg,
-                   help="largest shard, e.g. 5GB (the default), 500MB or bytes")
-    v.add_argument("--format", default=None, choices=sorted(hf_files.FORMATS),
-                   help="safetensors (the default when installed) or bin")
-    v.add_argument("--overwrite", action="store_true",
-                   help="replace a non-empty output directory whole (refused otherwise)")
+    v.add_argument(
+        "--dtype",
+        default="fp32",
+        choices=sorted(hf_files.DTYPES) + ["keep"],
+        help="dtype of float tensors (default fp32, from the fp32 masters); 'keep': as saved",
+    )
+    v.add_argument(
+        "--max-shard-size",
+        default=hf_files.DEFAULT_SHARD_SIZE,
+        type=_size_arg,
+        help="largest shard, e.g. 5GB (the default), 500MB or bytes",
+    )
+    v.add_argument(
+        "--format",
+        default=None,
+        choices=sorted(hf_files.FORMATS),
+        help="safetensors (the default when installed) or bin",
+    )
+    v.add_argument(
+        "--overwrite", action="store_true", help="replace a non-empty output directory whole (refused otherwise)"
+    )
     v.set_defaults(func=_convert_cli)
-    u = sub.add_parser("publish", help="publish a save left in DIR/.tmp-TAG (its run ended before the publish) once "
-                                       "every rank's file is there; DIR/latest then names it")
+    u = sub.add_parser(
+        "publish",
+        help="publish a save left in DIR/.tmp-TAG (its run ended before the publish) once "
+        "every rank's file is there; DIR/latest then names it",
+    )
     u.add_argument("dir", help="the save directory")
     u.add_argument("tag", help="the tag of the unpublished save (DIR/.tmp-TAG)")
     u.set_defaults(func=_publish)

@@ -12,6 +12,7 @@ them (else the params as saved), whole (tensor-parallel ones concatenated, paddi
 weight_decay; module buffers and frozen params go with the model's tensors. A checkpoint without Adam moments (a
 plain SGD run) is an error naming the state keys it has.
 """
+
 from __future__ import annotations
 
 import os

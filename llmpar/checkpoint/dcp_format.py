@@ -19,6 +19,7 @@ state (all of them when the checkpoint holds none); the others are buffers (or f
 :func:`write_dcp` writes named full tensors (the same keys, ``model.`` / ``optim.`` prefixed) from one process;
 FSDP2 loads such a directory into its sharded params with ``dcp.load`` + ``set_state_dict`` (DCP reshards).
 """
+
 from __future__ import annotations
 
 import math
@@ -127,8 +128,7 @@ class DcpCheckpoint:
         except Exception as e:  # noqa: BLE001 - a foreign or truncated file: named
             raise CheckpointError(f"cannot read DCP metadata {os.path.join(path, METADATA)}: {e!r}") from e
         tensors = {k: v for k, v in self.md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
-        self.optim_prefix = next((p for p in OPTIM_PREFIXES if any(k.startswith(p + "state.") for k in tensors)),
-                                 None)
+        self.optim_prefix = next((p for p in OPTIM_PREFIXES if any(k.startswith(p + "state.") for k in tensors)), None)
         opt = self.optim_prefix
         model = [k for k in tensors if opt is None or not k.startswith(opt + "state.")]
         model = [k for k in model if not re.match(r"^(optim|optimizer)\.", k)]
@@ -137,8 +137,9 @@ class DcpCheckpoint:
         self.shapes: dict[str, tuple[int, ...]] = {k[cut:]: tuple(tensors[k].size) for k in model}
         self.dtypes = {k[cut:]: tensors[k].properties.dtype for k in model}
         if not self.shapes:
-            raise CheckpointError(f"DCP checkpoint {path} holds no model tensors (its keys: "
-                                  f"{sorted(self.md.state_dict_metadata)[:8]})")
+            raise CheckpointError(
+                f"DCP checkpoint {path} holds no model tensors (its keys: {sorted(self.md.state_dict_metadata)[:8]})"
+            )
         with_state = {n for n in self.shapes if any(self.key(n, k) in tensors for k in (*MOMENTS, "step"))}
         self.names = sorted(with_state or self.shapes)
         self.aliases: dict[str, str] = {}
@@ -156,8 +157,9 @@ class DcpCheckpoint:
 
     def has(self, name: str, key: str) -> bool:
         """Whether the checkpoint holds param ``name``'s state ``key``."""
-        return name in self.shapes and (key in ("params", "master") or (
-            key in MOMENTS and self.key(name, key) in self.md.state_dict_metadata))
+        return name in self.shapes and (
+            key in ("params", "master") or (key in MOMENTS and self.key(name, key) in self.md.state_dict_metadata)
+        )
 
     def _load(self, wanted: dict[tuple[str, str], Rows]) -> None:
         """Read the rows ``wanted`` of each (name, key) in one ``dcp.load`` (no collective)."""
@@ -191,7 +193,7 @@ class DcpCheckpoint:
             self._load({(name, key): (r0, r1)})
             have = self._pieces[(name, key)]
         base = have[0][0] * (math.prod(shape[1:]) if shape else 1)
-        return have[1].reshape(-1)[a - base:z - base]
+        return have[1].reshape(-1)[a - base : z - base]
 
     def step(self, name: str) -> float:
         """Adam's step count saved for param ``name``."""
@@ -219,12 +221,24 @@ class DcpCheckpoint:
         return None
 
 
-ADAMW_FLAGS = {"amsgrad": False, "maximize": False, "foreach": None, "capturable": False, "differentiable": False,
-               "fused": None, "decoupled_weight_decay": True}  # torch.optim.AdamW's, beside the hyper-parameters
+ADAMW_FLAGS = {
+    "amsgrad": False,
+    "maximize": False,
+    "foreach": None,
+    "capturable": False,
+    "differentiable": False,
+    "fused": None,
+    "decoupled_weight_decay": True,
+}  # torch.optim.AdamW's, beside the hyper-parameters
 
 
-def write_dcp(out_dir: str, model: dict[str, torch.Tensor], moments: dict[str, dict[str, torch.Tensor]],
-              steps: dict[str, float], hyper: dict[str, dict[str, Any]]) -> None:
+def write_dcp(
+    out_dir: str,
+    model: dict[str, torch.Tensor],
+    moments: dict[str, dict[str, torch.Tensor]],
+    steps: dict[str, float],
+    hyper: dict[str, dict[str, Any]],
+) -> None:
     """Write a DCP directory FSDP2 loads (``{"model": ..., "optim": ...}``, the optimizer state flattened as
     ``get_state_dict(..., options=StateDictOptions(flatten_optimizer_state_dict=True))`` gives it): ``model``:
     {name: full tensor}; ``moments``: {name: {"exp_avg": t, "exp_avg_sq": t}} of the trained params; ``steps``:
@@ -232,15 +246,22 @@ def write_dcp(out_dir: str, model: dict[str, torch.Tensor], moments: dict[str, d
     One process, no collective (``no_dist``)."""
     for name, states in moments.items():
         if name not in model or name not in steps or name not in hyper:
-            raise ValueError(f"moments of {name!r} without its weight, step or hyper-parameters: every trained param "
-                             "needs them")
+            raise ValueError(
+                f"moments of {name!r} without its weight, step or hyper-parameters: every trained param needs them"
+            )
         for k, t in states.items():
             if k not in MOMENTS or tuple(t.shape) != tuple(model[name].shape):
-                raise ValueError(f"moment {k!r} of {name!r} with shape {tuple(t.shape)}: accepted {list(MOMENTS)} "
-                                 f"of the param's shape {tuple(model[name].shape)}")
-    optim: dict[str, Any] = {"state": {n: {**{k: t.contiguous() for k, t in s.items()},
-                                          "step": torch.tensor(float(steps[n]))} for n, s in moments.items()},
-                           "param_groups": {n: {**hyper[n], **ADAMW_FLAGS} for n in moments}}
+                raise ValueError(
+                    f"moment {k!r} of {name!r} with shape {tuple(t.shape)}: accepted {list(MOMENTS)} "
+                    f"of the param's shape {tuple(model[name].shape)}"
+                )
+    optim: dict[str, Any] = {
+        "state": {
+            n: {**{k: t.contiguous() for k, t in s.items()}, "step": torch.tensor(float(steps[n]))}
+            for n, s in moments.items()
+        },
+        "param_groups": {n: {**hyper[n], **ADAMW_FLAGS} for n in moments},
+    }
     sd = {"model": {n: t.contiguous() for n, t in model.items()}, "optim": optim}
     os.makedirs(out_dir, exist_ok=True)
     dcp.save(sd, storage_writer=FileSystemWriter(out_dir), no_dist=True)

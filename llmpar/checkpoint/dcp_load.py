@@ -11,6 +11,7 @@ element ranges it asked for (``checkpoint_reads``: the params; ``checkpoint_held
 the saved Adam step; the param-group hyper-parameters, the LR scheduler and the RNG states stay as this engine has
 them (a DCP checkpoint of FSDP2 carries no llmpar scheduler: configure the same one).
 """
+
 from __future__ import annotations
 
 import logging
@@ -26,8 +27,9 @@ from llmpar.checkpoint.view import EngineView
 logger = logging.getLogger("llmpar")
 
 
-def _plan(engine: Checkpointable, view: EngineView, ck: DcpCheckpoint, src: Source, strict: bool
-          ) -> tuple[set[str], dict]:
+def _plan(
+    engine: Checkpointable, view: EngineView, ck: DcpCheckpoint, src: Source, strict: bool
+) -> tuple[set[str], dict]:
     """The optimizer names this rank keeps (absent from the checkpoint) and the buffers it takes; raises naming the
     DCP keys a load needs and the checkpoint lacks."""
     missing: set[str] = set()
@@ -45,9 +47,11 @@ def _plan(engine: Checkpointable, view: EngineView, ck: DcpCheckpoint, src: Sour
             if any(k in MOMENTS for k in required) and ck.key(name, "step") not in ck.md.state_dict_metadata:
                 lacking_keys.append(ck.key(name, "step"))
     if lacking_keys:
-        raise CheckpointError(f"DCP checkpoint {ck.path} lacks {len(lacking_keys)} keys this optimizer needs (Adam's "
-                              f"moments and step of every trained param, saved as get_state_dict(model, optimizer) "
-                              f"names them): {shown(lacking_keys)}")
+        raise CheckpointError(
+            f"DCP checkpoint {ck.path} lacks {len(lacking_keys)} keys this optimizer needs (Adam's "
+            f"moments and step of every trained param, saved as get_state_dict(model, optimizer) "
+            f"names them): {shown(lacking_keys)}"
+        )
     targets, frozen = view.targets(), view.opt.frozen_shapes()
     unsaved = set(engine.checkpoint_model().get("unsaved_buffers", ())) if isinstance(engine, DescribesModel) else set()
     extras, lacking = {}, {view.saved_name[n] for n in missing}
@@ -61,14 +65,22 @@ def _plan(engine: Checkpointable, view: EngineView, ck: DcpCheckpoint, src: Sour
         if ck.shapes[name] != tuple(shape or ()):
             raise CheckpointError(f"{name!r} has shape {ck.shapes[name]} in {ck.path} and {shape} here")
         whole = ck.buffers().get(name)
-        extras[name] = whole if whole is not None else ck.read(name, "params", 0, _numel(ck.shapes[name])).view(
-            ck.shapes[name])
+        extras[name] = (
+            whole if whole is not None else ck.read(name, "params", 0, _numel(ck.shapes[name])).view(ck.shapes[name])
+        )
     if lacking and strict:
-        raise CheckpointError(f"{len(lacking)} params / buffers of this model are not in DCP checkpoint {ck.path}: "
-                              f"{shown(lacking)} (load_checkpoint(..., strict=False) keeps their current values)")
+        raise CheckpointError(
+            f"{len(lacking)} params / buffers of this model are not in DCP checkpoint {ck.path}: "
+            f"{shown(lacking)} (load_checkpoint(..., strict=False) keeps their current values)"
+        )
     if lacking:
-        logger.warning("load_checkpoint(strict=False): %d params / buffers of this model are not in %s, they keep "
-                       "their current values: %s", len(lacking), ck.path, shown(lacking))
+        logger.warning(
+            "load_checkpoint(strict=False): %d params / buffers of this model are not in %s, they keep "
+            "their current values: %s",
+            len(lacking),
+            ck.path,
+            shown(lacking),
+        )
     return missing, extras
 
 
@@ -102,8 +114,9 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def load(engine: Checkpointable, view: EngineView, path: str, *, strict: bool, scheduler: bool
-         ) -> tuple[str, dict | None]:
+def load(
+    engine: Checkpointable, view: EngineView, path: str, *, strict: bool, scheduler: bool
+) -> tuple[str, dict | None]:
     """Load DCP directory ``path`` into ``engine`` (collective over its grid; ``load.py`` calls it once the ranks
     agreed they read the same checkpoint). Returns ``(path, None)``: DCP holds no llmpar client_state."""
     g, opt = view.grid, engine.optimizer
@@ -129,8 +142,16 @@ def load(engine: Checkpointable, view: EngineView, path: str, *, strict: bool, s
     top = files.agree_all([int(max(steps, default=0))], g.groups, g.device)[0]
     engine.restore_counters({"global_steps": int(top)})
     if g.rank0:
-        logger.info("loaded DCP checkpoint %s (step %d; loaded at pp=%d dp=%d tp=%d stage %d); the hyper-parameters, "
-                    "LR scheduler and RNG states stay as this engine has them", path, top, g.pp, g.dp, g.tp, opt.stage)
+        logger.info(
+            "loaded DCP checkpoint %s (step %d; loaded at pp=%d dp=%d tp=%d stage %d); the hyper-parameters, "
+            "LR scheduler and RNG states stay as this engine has them",
+            path,
+            top,
+            g.pp,
+            g.dp,
+            g.tp,
+            opt.stage,
+        )
     return path, None
 
 

@@ -7,6 +7,7 @@ holds, each answering the same questions (the checkpoint protocol's terms: names
     :class:`~llmpar.checkpoint.ds_mp_read.DeepSpeedTPCheckpoint`           files of mp ranks > 0 and no layer files: a
                                                                           model made tensor-parallel through an mpu
 """
+
 from __future__ import annotations
 
 from typing import Any

@@ -16,6 +16,7 @@ swapped whole, or optimizer files of an earlier save than the model states, are 
 ``deepspeed_read.DeepSpeedCheckpoint`` of any layout (a pipeline's stages and a tensor-parallel checkpoint's ranks
 are each checked).
 """
+
 from __future__ import annotations
 
 import math
@@ -42,18 +43,25 @@ def _rank_files(rc: RankCheckpoint) -> None:
     if rc.stage == 0 or rc.kind == "FP16_Optimizer":  # one file holds it all
         return
     files = {r: os.path.join(rc.path, rc.optim[r]) for r in range(rc.dp)}
-    need = ("fp32_flat_groups", "optimizer_state_dict") if rc.stage == 3 else (
-        "single_partition_of_fp32_groups", "base_optimizer_state")
+    need = (
+        ("fp32_flat_groups", "optimizer_state_dict")
+        if rc.stage == 3
+        else ("single_partition_of_fp32_groups", "base_optimizer_state")
+    )
     for r, name in files.items():
         z = rc.zero_state(r)  # opens the file: a truncated one is named here
         lacking = [k for k in need if k not in z]
         if lacking:
-            raise CheckpointError(f"{name} has no {lacking} (it holds {sorted(z)[:8]}): not a ZeRO-{rc.stage} "
-                                  "optimizer file of this checkpoint")
+            raise CheckpointError(
+                f"{name} has no {lacking} (it holds {sorted(z)[:8]}): not a ZeRO-{rc.stage} "
+                "optimizer file of this checkpoint"
+            )
         count = z.get("partition_count")
         if count is not None and count != rc.zero_state(0).get("partition_count"):
-            raise CheckpointError(f"{name} has partition_count {count!r}, {files[0]} "
-                                  f"{rc.zero_state(0).get('partition_count')!r}: files of different saves")
+            raise CheckpointError(
+                f"{name} has partition_count {count!r}, {files[0]} "
+                f"{rc.zero_state(0).get('partition_count')!r}: files of different saves"
+            )
     if rc.stage == 3:  # every rank's model states file opens (rank 0's is open already)
         mp = f"mp_rank_{rc.mp_rank:02d}"
         for r in range(1, rc.dp):
@@ -71,13 +79,17 @@ def _steps(rc: RankCheckpoint, files: dict[int, str]) -> None:
     if all(s == steps[0] for s in steps.values()):
         most = max((s for s in steps[0] if s is not None), default=None)
         if most is not None and isinstance(model, int) and most > model:  # global_steps counts skipped steps too
-            raise CheckpointError(f"{rc.path}: the optimizer files record {most:g} optimizer steps, more than the "
-                                  f"{model} global steps of its model states file: they are of a later save")
+            raise CheckpointError(
+                f"{rc.path}: the optimizer files record {most:g} optimizer steps, more than the "
+                f"{model} global steps of its model states file: they are of a later save"
+            )
         return
     shown = "; ".join(f"{os.path.basename(files[r])}: {s}" for r, s in steps.items())
-    raise CheckpointError(f"{rc.path}: the optimizer files are of different saves: their step counts per param "
-                          f"group differ ({shown}; the model states file records global_steps {model!r}); "
-                          "load a checkpoint whose files were all written by one save")
+    raise CheckpointError(
+        f"{rc.path}: the optimizer files are of different saves: their step counts per param "
+        f"group differ ({shown}; the model states file records global_steps {model!r}); "
+        "load a checkpoint whose files were all written by one save"
+    )
 
 
 def _masters(rc: RankCheckpoint, r: int, file: str) -> None:
@@ -98,7 +110,8 @@ def _masters(rc: RankCheckpoint, r: int, file: str) -> None:
                 raise CheckpointError(
                     f"{file} does not hold dp rank {r}'s partition of this save: its fp32 master of {name!r} "
                     f"(elements [{lo}, {hi})) differs from the weights in the model states file of {rc.path} "
-                    "(optimizer files swapped between ranks, or of another save)")
+                    "(optimizer files swapped between ranks, or of another save)"
+                )
 
 
 __all__ = ["SAMPLE", "validate"]

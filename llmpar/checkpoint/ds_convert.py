@@ -20,6 +20,7 @@ two, never gathered whole), cast piece by piece; the source is reopened after ev
 the mapped pages already read leave the process (mapped pages count in its RSS). Peak memory: the pages of
 ``budget`` bytes of the source plus a few pieces and a read-back window, whatever the model's size.
 """
+
 from __future__ import annotations
 
 import math
@@ -48,13 +49,16 @@ def locate(src: str, tag: str | None, source: str = "auto") -> tuple[str, str]:
     if ds is not None and source in ("auto", "deepspeed"):
         return "deepspeed", ds
     if ds is not None:
-        raise CheckpointError(f"{ds} is a DeepSpeed checkpoint, not llmpar's (--from llmpar): convert it with "
-                              "--from deepspeed or auto")
+        raise CheckpointError(
+            f"{ds} is a DeepSpeed checkpoint, not llmpar's (--from llmpar): convert it with --from deepspeed or auto"
+        )
     if source == "deepspeed":
         where = os.path.join(src, tag) if tag is not None else src
         found = sorted(os.listdir(where))[:8] if os.path.isdir(where) else "nothing (no such directory)"
-        raise CheckpointError(f"{where} is not a DeepSpeed checkpoint (no mp_rank_*_model_states.pt or "
-                              f"*zero_pp_rank_*_optim_states.pt, or a metadata.json): it holds {found}")
+        raise CheckpointError(
+            f"{where} is not a DeepSpeed checkpoint (no mp_rank_*_model_states.pt or "
+            f"*zero_pp_rank_*_optim_states.pt, or a metadata.json): it holds {found}"
+        )
     if tag is None and os.path.isfile(os.path.join(src, files.METADATA)):
         return "llmpar", src
     return "llmpar", files.resolve(src, tag)[1]
@@ -102,8 +106,10 @@ def verify(state: dict[str, torch.Tensor], written: list[str]) -> int:
             if ref is None:
                 raise CheckpointError(f"convert: {path} holds {name!r}, which the source does not")
             if t.dtype != ref.dtype or t.shape != ref.shape or not torch.equal(t, ref):
-                raise CheckpointError(f"convert: {name!r} in {path} differs from the source ({t.dtype} "
-                                      f"{tuple(t.shape)} written, {ref.dtype} {tuple(ref.shape)} read)")
+                raise CheckpointError(
+                    f"convert: {name!r} in {path} differs from the source ({t.dtype} "
+                    f"{tuple(t.shape)} written, {ref.dtype} {tuple(ref.shape)} read)"
+                )
             seen.add(name)
     if seen != set(want):
         raise CheckpointError(f"convert: {sorted(set(want) - seen)[:8]} were not written to {written}")
@@ -118,8 +124,9 @@ class _Stream:
         self.path, self.dtype, self.budget, self.since = path, dtype, budget, 0
         self.ck = ck = DeepSpeedCheckpoint(path)
         ds_check.validate(ck)  # once, before the first file is written
-        self.small = {n: t for n, t in {**ck.buffers(), **ck.frozen()}.items() if n not in ck.shapes
-                      and n not in ck.aliases}  # buffers and frozen params, read whole (as saved)
+        self.small = {
+            n: t for n, t in {**ck.buffers(), **ck.frozen()}.items() if n not in ck.shapes and n not in ck.aliases
+        }  # buffers and frozen params, read whole (as saved)
         self.meta: dict[str, torch.Tensor] = {}  # name -> meta tensor of the shape and dtype written
         for name in ck.names:
             shape = ck.shapes[name]
@@ -154,12 +161,21 @@ class _Stream:
             yield t.to(want)
 
     def tensor(self, name: str) -> torch.Tensor:
-        return torch.cat(list(self.pieces(name))).view(self.meta[name].shape) if self.meta[name].numel() else \
-            torch.empty(self.meta[name].shape, dtype=self.meta[name].dtype)
+        return (
+            torch.cat(list(self.pieces(name))).view(self.meta[name].shape)
+            if self.meta[name].numel()
+            else torch.empty(self.meta[name].shape, dtype=self.meta[name].dtype)
+        )
 
 
-def write_hf(path: str, out_dir: str, *, dtype: torch.dtype | None, max_shard_size: Any = hf_files.DEFAULT_SHARD_SIZE,
-             progress: bool | None = None) -> list[str]:
+def write_hf(
+    path: str,
+    out_dir: str,
+    *,
+    dtype: torch.dtype | None,
+    max_shard_size: Any = hf_files.DEFAULT_SHARD_SIZE,
+    progress: bool | None = None,
+) -> list[str]:
     """DeepSpeed checkpoint directory ``path`` written to ``out_dir`` as HuggingFace safetensors (``write_hf_model``'s
     files, names and sharding), streamed and checked (module docstring); ``progress``: a tqdm bar of the bytes
     written (None: when stderr is a terminal). Returns the paths written."""
@@ -174,13 +190,18 @@ def write_hf(path: str, out_dir: str, *, dtype: torch.dtype | None, max_shard_si
     os.makedirs(out_dir, exist_ok=True)
     hf_files.clean(out_dir, set())  # an earlier export's weights gone before the first new file lands
     total = sum(t.numel() * t.element_size() for t in src.meta.values())
-    with tqdm(total=total, unit="B", unit_scale=True, desc="convert", disable=None if progress is None
-              else not progress) as bar:
+    with tqdm(
+        total=total, unit="B", unit_scale=True, desc="convert", disable=None if progress is None else not progress
+    ) as bar:
         written = hf_stream.write_shards(out_dir, dict(zip(names, shards)), src, bar)
     if len(names) > 1:
-        hf_files.write_json(os.path.join(out_dir, index), {
-            "metadata": {"total_size": total, "total_parameters": sum(t.numel() for t in src.meta.values())},
-            "weight_map": {k: fname for fname, keys in zip(names, shards) for k in keys}})
+        hf_files.write_json(
+            os.path.join(out_dir, index),
+            {
+                "metadata": {"total_size": total, "total_parameters": sum(t.numel() for t in src.meta.values())},
+                "weight_map": {k: fname for fname, keys in zip(names, shards) for k in keys},
+            },
+        )
         written.append(os.path.join(out_dir, index))
     return written
 

@@ -6,6 +6,7 @@ DeepSpeed's own pickled classes (its loss scaler, ``ZeroStageEnum``, ``fragment_
 weights_only=False)`` does (as DeepSpeed itself loads them): load only checkpoints you trust. Files are
 memory-mapped.
 """
+
 from __future__ import annotations
 
 import os
@@ -92,9 +93,13 @@ def identity(path: str) -> str:
 def loss_scaler(st: dict[str, Any]) -> dict[str, Any]:
     """The engine's loss-scaler counters from the state of DeepSpeed's scaler (``cur_scale`` in it)."""
     last = st.get("last_overflow_iter")
-    return {"cur_scale": float(st["cur_scale"]), "cur_iter": int(st.get("cur_iter", 0)),
-            "last_overflow_iter": int(last) if last is not None else -1,
-            "cur_hysteresis": int(st.get("cur_hysteresis", 1)), "dynamic": bool(st.get("dynamic", False))}
+    return {
+        "cur_scale": float(st["cur_scale"]),
+        "cur_iter": int(st.get("cur_iter", 0)),
+        "last_overflow_iter": int(last) if last is not None else -1,
+        "cur_hysteresis": int(st.get("cur_hysteresis", 1)),
+        "dynamic": bool(st.get("dynamic", False)),
+    }
 
 
 __all__ = ["LAYER_RE", "MODEL_RE", "OPTIM_RE", "Foreign", "detect", "identity", "load_file", "loss_scaler", "resolve"]

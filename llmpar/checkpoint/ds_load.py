@@ -12,6 +12,7 @@ engine counters (``global_steps``, ``global_samples``, ``skipped_steps``: what D
 scaler and the LR scheduler follow, and the caller's client_state is returned. DeepSpeed saves no RNG states in these
 files: this engine's stay as they are.
 """
+
 from __future__ import annotations
 
 import json
@@ -59,8 +60,9 @@ class Source:
         name, cut = self.view.saved_name[local], self.cuts[local]
         here, there = full_shape(cut.shape, cut.spec), self.ck.shapes[self.ck.source(name)]
         if here != there:
-            raise CheckpointError(f"param {name!r} has full shape {here} here (tp={cut.tp}) but {there} in "
-                                  f"{self.ck.path}")
+            raise CheckpointError(
+                f"param {name!r} has full shape {here} here (tp={cut.tp}) but {there} in {self.ck.path}"
+            )
 
     def get(self, local: str, key: str, a: int, z: int) -> torch.Tensor | None:
         name, cut = self.view.saved_name[local], self.cuts[local]
@@ -82,8 +84,9 @@ class Source:
         return self._cache[1][a:z]
 
 
-def plan(engine: Checkpointable, view: EngineView, ck: DeepSpeedCheckpoint, src: Source, strict: bool,
-          sched: Any) -> tuple[set[str], dict[str, torch.Tensor]]:
+def plan(
+    engine: Checkpointable, view: EngineView, ck: DeepSpeedCheckpoint, src: Source, strict: bool, sched: Any
+) -> tuple[set[str], dict[str, torch.Tensor]]:
     """The optimizer names this rank keeps (not in the checkpoint) and the buffers / frozen params it takes; raises
     on what cannot be loaded."""
     missing: set[str] = set()
@@ -98,8 +101,10 @@ def plan(engine: Checkpointable, view: EngineView, ck: DeepSpeedCheckpoint, src:
             present.append(name)
         for key in required:
             if present and not ck.has(present[0], key):
-                raise CheckpointError(f"DeepSpeed checkpoint {ck.path} (ZeRO-{ck.stage}) has no {key!r} state, "
-                                      f"which this optimizer (mode {b['mode']!r}) needs")
+                raise CheckpointError(
+                    f"DeepSpeed checkpoint {ck.path} (ZeRO-{ck.stage}) has no {key!r} state, "
+                    f"which this optimizer (mode {b['mode']!r}) needs"
+                )
     targets, frozen = view.targets(), view.opt.frozen_shapes()
     trained = set(view.saved_name.values())
     unsaved = set(engine.checkpoint_model().get("unsaved_buffers", ())) if isinstance(engine, DescribesModel) else set()
@@ -116,19 +121,28 @@ def plan(engine: Checkpointable, view: EngineView, ck: DeepSpeedCheckpoint, src:
             raise CheckpointError(f"{name!r} has shape {tuple(saved[name].shape)} in {ck.path} and {shape} here")
         extras[name] = saved[name]
     if lacking and strict:
-        raise CheckpointError(f"{len(lacking)} params / buffers of this model are not in DeepSpeed checkpoint "
-                              f"{ck.path} ({ck.describe()}): {shown(lacking)} (load_checkpoint(..., strict=False) "
-                              "keeps their current values)")
+        raise CheckpointError(
+            f"{len(lacking)} params / buffers of this model are not in DeepSpeed checkpoint "
+            f"{ck.path} ({ck.describe()}): {shown(lacking)} (load_checkpoint(..., strict=False) "
+            "keeps their current values)"
+        )
     if lacking:
-        logger.warning("load_checkpoint(strict=False): %d params / buffers of this model are not in %s, they keep "
-                       "their current values: %s", len(lacking), ck.path, shown(lacking))
+        logger.warning(
+            "load_checkpoint(strict=False): %d params / buffers of this model are not in %s, they keep "
+            "their current values: %s",
+            len(lacking),
+            ck.path,
+            shown(lacking),
+        )
     saved_sched = ck.scheduler()
     if sched is not None and isinstance(saved_sched, dict):
         mine = sched.state_dict()
         if set(mine) != set(saved_sched):
-            raise CheckpointError(f"the LR scheduler in {ck.path} has state {sorted(saved_sched)}, this engine's "
-                                  f"{type(sched).__name__} {sorted(mine)} (load_lr_scheduler_states=False keeps "
-                                  "this engine's)")
+            raise CheckpointError(
+                f"the LR scheduler in {ck.path} has state {sorted(saved_sched)}, this engine's "
+                f"{type(sched).__name__} {sorted(mine)} (load_lr_scheduler_states=False keeps "
+                "this engine's)"
+            )
     return missing, extras
 
 
@@ -160,9 +174,20 @@ def _model_names(view: EngineView) -> dict[str, tuple[list[int], bool]]:
     return out
 
 
-def apply(engine: Checkpointable, view: EngineView, path: str, ck: DeepSpeedCheckpoint, src: Source,
-          keep: set[str] | None, extras: dict, *, strict: bool, sched: Any, where: str,
-          show: Callable[[list[str]], str]) -> None:
+def apply(
+    engine: Checkpointable,
+    view: EngineView,
+    path: str,
+    ck: DeepSpeedCheckpoint,
+    src: Source,
+    keep: set[str] | None,
+    extras: dict,
+    *,
+    strict: bool,
+    sched: Any,
+    where: str,
+    show: Callable[[list[str]], str],
+) -> None:
     """Collective: what a DeepSpeed-shaped checkpoint ``ck`` (this reader's, or the universal reader's) holds, put
     into ``engine`` once :func:`plan` agreed: refuse (``strict``) or ignore names in no rank's model, load the states
     (``keep``: the optimizer names to load, None: all), buffers and frozen params, hyper-parameters, counters and
@@ -183,15 +208,21 @@ def apply(engine: Checkpointable, view: EngineView, path: str, ck: DeepSpeedChec
         for group, saved in zip(opt.param_groups, groups):
             group.update({k: (tuple(saved[k]) if k == "betas" else saved[k]) for k in _HYPER if k in saved})
     elif g.rank0:
-        logger.warning("load_checkpoint: %s has %d param groups, this optimizer %d: their hyper-parameters (lr, "
-                       "betas, eps, weight_decay) stay as configured", path, len(groups), len(opt.param_groups))
+        logger.warning(
+            "load_checkpoint: %s has %d param groups, this optimizer %d: their hyper-parameters (lr, "
+            "betas, eps, weight_decay) stay as configured",
+            path,
+            len(groups),
+            len(opt.param_groups),
+        )
     engine.restore_counters(ck.counters())
     if sched is not None and ck.scheduler() is not None:
         sched.load_state_dict(ck.scheduler())
 
 
-def load(engine: Checkpointable, view: EngineView, path: str, *, strict: bool, scheduler: bool
-         ) -> tuple[str, dict | None]:
+def load(
+    engine: Checkpointable, view: EngineView, path: str, *, strict: bool, scheduler: bool
+) -> tuple[str, dict | None]:
     """Load DeepSpeed checkpoint directory ``path`` into ``engine`` (collective over its grid; ``load.py``'s
     ``load_checkpoint`` calls it once the ranks agreed they read the same checkpoint). Returns ``(path,
     client_state)``."""
@@ -203,12 +234,30 @@ def load(engine: Checkpointable, view: EngineView, path: str, *, strict: bool, s
         ds_check.validate(ck)  # every file opened and checked against the others before anything changes
         src = Source(ck, view)
         keep, extras = plan(engine, view, ck, src, strict, sched)
-    apply(engine, view, path, ck, src, keep, extras, strict=strict, sched=sched,
-          where=f"DeepSpeed checkpoint {path} ({ck.describe()})", show=lambda names: shown(names, ck=ck))
+    apply(
+        engine,
+        view,
+        path,
+        ck,
+        src,
+        keep,
+        extras,
+        strict=strict,
+        sched=sched,
+        where=f"DeepSpeed checkpoint {path} ({ck.describe()})",
+        show=lambda names: shown(names, ck=ck),
+    )
     if g.rank0:
-        logger.info("loaded DeepSpeed checkpoint %s (%s; loaded at pp=%d dp=%d tp=%d stage %d); "
-                    "DeepSpeed saves no RNG states: this run's are kept", path, ck.describe(), g.pp, g.dp, g.tp,
-                    opt.stage)
+        logger.info(
+            "loaded DeepSpeed checkpoint %s (%s; loaded at pp=%d dp=%d tp=%d stage %d); "
+            "DeepSpeed saves no RNG states: this run's are kept",
+            path,
+            ck.describe(),
+            g.pp,
+            g.dp,
+            g.tp,
+            opt.stage,
+        )
     return path, ck.client_state()
 
 

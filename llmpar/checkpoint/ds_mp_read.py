@@ -14,6 +14,7 @@ weights and biases dim 0, row-parallel weights dim 1), merged in rank order when
 any other is refused naming the param, its shards' shapes and the model's. Buffers, frozen params, counters,
 scheduler and client_state are rank 0's.
 """
+
 from __future__ import annotations
 
 import math
@@ -30,9 +31,13 @@ def _split_dim(shards: list[tuple[int, ...]], full: tuple[int, ...]) -> int | No
     """None: replicated; d: split along d; "?": neither."""
     if all(s == full for s in shards):
         return None
-    fits = [d for d in range(len(full)) if all(len(s) == len(full) for s in shards)
-            and sum(s[d] for s in shards) == full[d]
-            and all(s[:d] + s[d + 1:] == full[:d] + full[d + 1:] for s in shards)]
+    fits = [
+        d
+        for d in range(len(full))
+        if all(len(s) == len(full) for s in shards)
+        and sum(s[d] for s in shards) == full[d]
+        and all(s[:d] + s[d + 1 :] == full[:d] + full[d + 1 :] for s in shards)
+    ]
     return fits[0] if len(fits) == 1 else "?"
 
 
@@ -42,29 +47,38 @@ class DeepSpeedTPCheckpoint(RankCheckpoint):
 
     def __init__(self, path: str, mp_rank: int | None = None, model: dict | None = None) -> None:
         self.path = path
-        mp = sorted({int((MODEL_RE.match(f) or OPTIM_RE.match(f)).groups()[-1])  # type: ignore[union-attr]
-                     for f in detect(path)})
+        mp = sorted(
+            {
+                int((MODEL_RE.match(f) or OPTIM_RE.match(f)).groups()[-1])  # type: ignore[union-attr]
+                for f in detect(path)
+            }
+        )
         if mp != list(range(len(mp))):
             raise CheckpointError(f"{path}: DeepSpeed model-parallel ranks {mp} are not 0..{len(mp) - 1}")
         self.tp = len(mp)
         try:
             self.parts = [RankCheckpoint(path, mp_rank=t) for t in range(self.tp)]
         except CheckpointError as e:
-            raise CheckpointError(f"tensor-parallel DeepSpeed checkpoint {path} of model-parallel ranks {mp}: {e}") \
-                from e
+            raise CheckpointError(
+                f"tensor-parallel DeepSpeed checkpoint {path} of model-parallel ranks {mp}: {e}"
+            ) from e
         first = self.parts[0]
         dims = first.model.get("checkpoint_parallel_dimensions") or {}
         if int(dims.get("tp_degree", self.tp)) != self.tp or int(dims.get("pp_degree", 1)) != 1:
             raise CheckpointError(f"{path}: DeepSpeed checkpoint of {dims} has the files of model-parallel ranks {mp}")
         for t, part in enumerate(self.parts):
             if (part.kind, part.stage, part.dp, part.names) != (first.kind, first.stage, first.dp, first.names):
-                raise CheckpointError(f"{path}: model-parallel rank {t}'s files ({part.describe()}, params "
-                                      f"{part.names[:4]}...) are not rank 0's kind ({first.describe()}, "
-                                      f"{first.names[:4]}...)")
+                raise CheckpointError(
+                    f"{path}: model-parallel rank {t}'s files ({part.describe()}, params "
+                    f"{part.names[:4]}...) are not rank 0's kind ({first.describe()}, "
+                    f"{first.names[:4]}...)"
+                )
         if not model:
-            raise CheckpointError(f"{path} is a tensor-parallel (tp={self.tp}) DeepSpeed checkpoint: its files do not "
-                                  "say which dim each param is split on; load it with engine.load_checkpoint, whose "
-                                  "model's full shapes tell")
+            raise CheckpointError(
+                f"{path} is a tensor-parallel (tp={self.tp}) DeepSpeed checkpoint: its files do not "
+                "say which dim each param is split on; load it with engine.load_checkpoint, whose "
+                "model's full shapes tell"
+            )
         self.stage, self.dp, self.bf16, self.kind, self.mp_rank = first.stage, first.dp, first.bf16, first.kind, 0
         self.model, self.aliases, self.unnamed = first.model, dict(first.aliases), False
         self.names, self.shapes, self.dims = list(first.names), {}, {}
@@ -73,9 +87,11 @@ class DeepSpeedTPCheckpoint(RankCheckpoint):
             full = tuple(int(d) for d in model[name][0]) if name in model else shards[0]
             dim = _split_dim(shards, full)
             if dim == "?":
-                raise CheckpointError(f"param {name!r} of tensor-parallel (tp={self.tp}) DeepSpeed checkpoint {path} "
-                                      f"has shards of shapes {shards}: they are neither the model's full shape {full} "
-                                      "nor its split along one dim")
+                raise CheckpointError(
+                    f"param {name!r} of tensor-parallel (tp={self.tp}) DeepSpeed checkpoint {path} "
+                    f"has shards of shapes {shards}: they are neither the model's full shape {full} "
+                    "nor its split along one dim"
+                )
             self.dims[name], self.shapes[name] = dim, full
         self._cache: tuple[tuple[str, str], torch.Tensor] | None = None
 

@@ -15,6 +15,7 @@ ones), every layer with params or buffers on exactly one stage, each stage's ``b
 several, those giving no param the model freezes a state are kept. One solution is used; none or several (equal
 shapes side by side that the optimizer cannot tell apart) are refused naming the stage.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -39,13 +40,15 @@ class Stage:
     def fits(self, names: list[str], shapes: dict[str, Shape]) -> bool:
         if self.entries is not None:
             return len(names) == len(self.entries) and all(
-                e is None or e == shapes[n] for n, e in zip(names, self.entries))
+                e is None or e == shapes[n] for n, e in zip(names, self.entries)
+            )
         total, slack = self.flat  # type: ignore[misc]
         return 0 <= total - sum(math.prod(shapes[n]) for n in names) <= slack
 
 
-def _order(model: dict[str, tuple[Shape, bool]], layers: dict[int, dict[str, torch.Tensor]]
-           ) -> tuple[dict[int, list[str]], dict[str, list[str]], list[int]]:
+def _order(
+    model: dict[str, tuple[Shape, bool]], layers: dict[int, dict[str, torch.Tensor]]
+) -> tuple[dict[int, list[str]], dict[str, list[str]], list[int]]:
     """The model's params by layer index and by tied key, each in DeepSpeed's order, and the tied keys' order."""
     regular: dict[int, list[str]] = {}
     tied: dict[str, list[str]] = {}
@@ -53,34 +56,41 @@ def _order(model: dict[str, tuple[Shape, bool]], layers: dict[int, dict[str, tor
         head, _, rest = name.partition(".")
         if head.isdigit():
             regular.setdefault(int(head), []).append(name)
-        elif name.startswith(TIED) and "." in name[len(TIED):]:
-            tied.setdefault(name[len(TIED):].split(".", 1)[0], []).append(name)
+        elif name.startswith(TIED) and "." in name[len(TIED) :]:
+            tied.setdefault(name[len(TIED) :].split(".", 1)[0], []).append(name)
         else:
-            raise CheckpointError(f"param {name!r} is neither a layer's (I.*) nor a tied module's (tied_modules.*): "
-                                  "it has no place in a DeepSpeed pipeline checkpoint")
+            raise CheckpointError(
+                f"param {name!r} is neither a layer's (I.*) nor a tied module's (tied_modules.*): "
+                "it has no place in a DeepSpeed pipeline checkpoint"
+            )
     for i, names in regular.items():
         keys = list(layers.get(i, {}))
         lost = [n for n in names if n.split(".", 1)[1] not in keys]
         if lost:
-            raise CheckpointError(f"{lost[:3]} are not in the checkpoint's layer_{i:02d}-model_states.pt (keys "
-                                  f"{keys[:6]})")
+            raise CheckpointError(
+                f"{lost[:3]} are not in the checkpoint's layer_{i:02d}-model_states.pt (keys {keys[:6]})"
+            )
         names.sort(key=lambda n: keys.index(n.split(".", 1)[1]))
     first: dict[str, int] = {}
     for k, names in tied.items():  # the lowest layer file holding the tied module's keys, regular layers aside
-        rest = [n[len(TIED) + len(k) + 1:] for n in names]
+        rest = [n[len(TIED) + len(k) + 1 :] for n in names]
         for i in sorted(layers):
-            if i not in regular and set(rest) <= set(layers[i]) and all(
-                    tuple(layers[i][r].shape) == model[n][0] for r, n in zip(rest, names)):
+            if (
+                i not in regular
+                and set(rest) <= set(layers[i])
+                and all(tuple(layers[i][r].shape) == model[n][0] for r, n in zip(rest, names))
+            ):
                 keys = list(layers[i])
-                names.sort(key=lambda n: keys.index(n[len(TIED) + len(k) + 1:]))
+                names.sort(key=lambda n: keys.index(n[len(TIED) + len(k) + 1 :]))
                 first[k] = i
                 break
     order = sorted(tied, key=lambda k: (first.get(k, math.inf), k))
     return regular, tied, order  # type: ignore[return-value]
 
 
-def infer(model: dict[str, tuple[Shape, bool]], layers: dict[int, dict[str, torch.Tensor]], stages: list[Stage],
-          path: str) -> list[tuple[list[str], set[str]]]:
+def infer(
+    model: dict[str, tuple[Shape, bool]], layers: dict[int, dict[str, torch.Tensor]], stages: list[Stage], path: str
+) -> list[tuple[list[str], set[str]]]:
     """Per stage: its optimizer's params by name, in order, and those of them the model does not train."""
     regular, tied, order = _order(model, layers)
     shapes = {n: s for n, (s, _) in model.items()}
@@ -95,8 +105,9 @@ def infer(model: dict[str, tuple[Shape, bool]], layers: dict[int, dict[str, torc
         if len(found) > 16:
             return
         if s == len(stages):
-            if p == len(runs) and {k for names, _ in acc for k in order if any(n in names for n in tied[k])} \
-                    >= {k for k in order if any(model[n][1] for n in tied[k])}:
+            if p == len(runs) and {k for names, _ in acc for k in order if any(n in names for n in tied[k])} >= {
+                k for k in order if any(model[n][1] for n in tied[k])
+            }:
                 found.append(list(acc))
             return
         st = stages[s]
@@ -119,19 +130,30 @@ def infer(model: dict[str, tuple[Shape, bool]], layers: dict[int, dict[str, torc
 
     walk(0, 0, [])
     if len(found) > 1:  # prefer the assignments giving no param this model freezes a state (DeepSpeed trained it)
-        clash = [sum(e is not None and n in frozen for st, (names, _) in zip(stages, sol) if st.entries is not None
-                     for n, e in zip(names, st.entries)) for sol in found]
+        clash = [
+            sum(
+                e is not None and n in frozen
+                for st, (names, _) in zip(stages, sol)
+                if st.entries is not None
+                for n, e in zip(names, st.entries)
+            )
+            for sol in found
+        ]
         found = [sol for sol, c in zip(found, clash) if c == min(clash)]
     if not found:
-        raise CheckpointError(f"{path}: DeepSpeed pipeline checkpoint without ZeRO: no split of this model's "
-                              f"{len(model)} params over its {len(stages)} stages matches the stages' optimizer states "
-                              "(another model, or another param order?)")
+        raise CheckpointError(
+            f"{path}: DeepSpeed pipeline checkpoint without ZeRO: no split of this model's "
+            f"{len(model)} params over its {len(stages)} stages matches the stages' optimizer states "
+            "(another model, or another param order?)"
+        )
     if len(found) > 1:
         a, b = found[0], found[1]
         s = next(i for i in range(len(stages)) if a[i][0] != b[i][0])
-        raise CheckpointError(f"{path}: DeepSpeed pipeline checkpoint without ZeRO: stage {s}'s optimizer states fit "
-                              f"the params {a[s][0][:6]} and {b[s][0][:6]} alike (equal shapes side by side): which "
-                              "param each state belongs to cannot be told")
+        raise CheckpointError(
+            f"{path}: DeepSpeed pipeline checkpoint without ZeRO: stage {s}'s optimizer states fit "
+            f"the params {a[s][0][:6]} and {b[s][0][:6]} alike (equal shapes side by side): which "
+            "param each state belongs to cannot be told"
+        )
     return found[0]
 
 

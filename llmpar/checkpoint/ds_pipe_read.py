@@ -29,6 +29,7 @@ Without ZeRO (DeepSpeed's default for pipelines) each stage's optimizer is in it
 is None: the files name no params, so ``model`` (the loading model's names, ``ds_pipe_names.py``) names them. fp32:
 the masters are the layer files' weights. Not read (refused naming what was found): tp > 1.
 """
+
 from __future__ import annotations
 
 import os
@@ -57,22 +58,33 @@ class DeepSpeedPipelineCheckpoint(RankCheckpoint):
         layers = {f: LAYER_RE.match(f) for f in found if LAYER_RE.match(f)}
         tp_ranks = sorted({int(m.group(2)) for m in layers.values() if m.group(2) is not None})
         if tp_ranks not in ([], [0]):
-            raise CheckpointError(f"{path} is a DeepSpeed pipeline checkpoint with tensor-parallel ranks {tp_ranks} "
-                                  "(layer_*-model_YY-model_states.pt): only tp=1 pipeline checkpoints are read")
-        mp = sorted({int((MODEL_RE.match(f) or OPTIM_RE.match(f)).groups()[-1])  # type: ignore[union-attr]
-                     for f in found if f not in layers})
+            raise CheckpointError(
+                f"{path} is a DeepSpeed pipeline checkpoint with tensor-parallel ranks {tp_ranks} "
+                "(layer_*-model_YY-model_states.pt): only tp=1 pipeline checkpoints are read"
+            )
+        mp = sorted(
+            {
+                int((MODEL_RE.match(f) or OPTIM_RE.match(f)).groups()[-1])  # type: ignore[union-attr]
+                for f in found
+                if f not in layers
+            }
+        )
         if 0 not in mp:
-            raise CheckpointError(f"{path} has DeepSpeed pipeline layer files {sorted(layers)[:3]}... but no "
-                                  "mp_rank_00_model_states.pt")
+            raise CheckpointError(
+                f"{path} has DeepSpeed pipeline layer files {sorted(layers)[:3]}... but no mp_rank_00_model_states.pt"
+            )
         first = RankCheckpoint(path, mp_rank=0)
         dims = first.model.get("checkpoint_parallel_dimensions") or {}
         pp, tp = int(dims.get("pp_degree", len(mp))), int(dims.get("tp_degree", 1))
         if tp != 1:
-            raise CheckpointError(f"{path}: DeepSpeed pipeline checkpoint of tp_degree={tp}: only tp=1 pipeline "
-                                  "checkpoints are read")
+            raise CheckpointError(
+                f"{path}: DeepSpeed pipeline checkpoint of tp_degree={tp}: only tp=1 pipeline checkpoints are read"
+            )
         if mp != list(range(pp)):
-            raise CheckpointError(f"{path}: DeepSpeed pipeline checkpoint of pp_degree={pp} has the model states / "
-                                  f"optimizer files of stages (mp_rank) {mp}, not 0..{pp - 1}")
+            raise CheckpointError(
+                f"{path}: DeepSpeed pipeline checkpoint of pp_degree={pp} has the model states / "
+                f"optimizer files of stages (mp_rank) {mp}, not 0..{pp - 1}"
+            )
         self.pp = pp
         self.stages = [first] + [RankCheckpoint(path, mp_rank=s) for s in range(1, pp)]
         for s, st in enumerate(self.stages):
@@ -91,8 +103,10 @@ class DeepSpeedPipelineCheckpoint(RankCheckpoint):
             for name in st.names:
                 if name in self._owner:  # a tied weight: every holder must agree on its shape
                     if st.shapes[name] != self.shapes[name]:
-                        raise CheckpointError(f"{path}: tied param {name!r} has shape {st.shapes[name]} in stage {s}"
-                                              f" and {self.shapes[name]} in stage {self._owner[name]}")
+                        raise CheckpointError(
+                            f"{path}: tied param {name!r} has shape {st.shapes[name]} in stage {s}"
+                            f" and {self.shapes[name]} in stage {self._owner[name]}"
+                        )
                     continue
                 self._owner[name] = s
                 self.names.append(name)
@@ -106,16 +120,20 @@ class DeepSpeedPipelineCheckpoint(RankCheckpoint):
     def _load_layer(self, f: str) -> dict[str, torch.Tensor]:
         sd = load_file(os.path.join(self.path, f))
         if not isinstance(sd, dict) or any(not isinstance(t, torch.Tensor) for t in sd.values()):
-            raise CheckpointError(f"{os.path.join(self.path, f)} is not a DeepSpeed layer file (a state_dict of "
-                                  f"tensors), it holds a {type(sd).__name__}")
+            raise CheckpointError(
+                f"{os.path.join(self.path, f)} is not a DeepSpeed layer file (a state_dict of "
+                f"tensors), it holds a {type(sd).__name__}"
+            )
         return sd
 
     def _name_stages(self, raw: dict[int, dict[str, torch.Tensor]], model: dict | None) -> None:
         """Saved without ZeRO: each stage's params named from ``model`` (``ds_pipe_names.py``)."""
         if not model:
-            raise CheckpointError(f"{self.path} is a DeepSpeed pipeline checkpoint without ZeRO ({self.kind} "
-                                  "optimizer): its files name no params; load it with engine.load_checkpoint, whose "
-                                  "model names them")
+            raise CheckpointError(
+                f"{self.path} is a DeepSpeed pipeline checkpoint without ZeRO ({self.kind} "
+                "optimizer): its files name no params; load it with engine.load_checkpoint, whose "
+                "model names them"
+            )
         stages = []
         for s, st in enumerate(self.stages):
             buffers = {int(b.split(".", 1)[0]) for b in st.model.get("buffer_names") or () if b.split(".")[0].isdigit()}
@@ -123,25 +141,31 @@ class DeepSpeedPipelineCheckpoint(RankCheckpoint):
                 opt = st.model.get("optimizer")
                 sd = opt.get("optimizer_state_dict", opt) if isinstance(opt, dict) else None
                 if not isinstance(sd, dict) or len(sd.get("param_groups") or ()) != 1:
-                    raise CheckpointError(f"{self.path}: stage {s}'s model states file holds no one-group torch "
-                                          f"optimizer state dict ({type(opt).__name__}): not read")
+                    raise CheckpointError(
+                        f"{self.path}: stage {s}'s model states file holds no one-group torch "
+                        f"optimizer state dict ({type(opt).__name__}): not read"
+                    )
                 state = sd["state"]
-                entries = [tuple(state[i]["exp_avg"].shape) if "exp_avg" in state.get(i, {}) else None
-                           for i in sd["param_groups"][0]["params"]]
+                entries = [
+                    tuple(state[i]["exp_avg"].shape) if "exp_avg" in state.get(i, {}) else None
+                    for i in sd["param_groups"][0]["params"]
+                ]
                 stages.append(Stage(entries, None, buffers))
             else:
                 sizes = st.flat_sizes()
                 if len(sizes) != 1:
-                    raise CheckpointError(f"{self.path}: stage {s}'s {st.kind} holds {len(sizes)} param groups: not "
-                                          "read")
+                    raise CheckpointError(
+                        f"{self.path}: stage {s}'s {st.kind} holds {len(sizes)} param groups: not read"
+                    )
                 total = sizes[0]
                 stages.append(Stage(None, (total, 0 if st.kind == "FP16_Optimizer" else 2 * st.dp - 1), buffers))
         model = {n: (tuple(int(d) for d in shape), bool(trained)) for n, (shape, trained) in model.items()}
         for st, (names, skip) in zip(self.stages, infer(model, raw, stages, self.path)):
             st.set_names(groups(names, model), skip)
 
-    def _read_layers(self, files: list[str], raw: dict[int, dict[str, torch.Tensor]]
-                     ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    def _read_layers(
+        self, files: list[str], raw: dict[int, dict[str, torch.Tensor]]
+    ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         """{model name: tensor} of every layer file, and {model name: the file it came from}."""
         known = set(self.names) | self._buffer_names
         regular = {int(n.split(".", 1)[0]) for n in known if n.split(".", 1)[0].isdigit()}
@@ -150,9 +174,11 @@ class DeepSpeedPipelineCheckpoint(RankCheckpoint):
         if lacking:
             i = lacking[0]
             held = sorted(n for n in known if n.startswith(f"{i}."))
-            raise CheckpointError(f"DeepSpeed pipeline checkpoint {self.path} lacks layer file "
-                                  f"layer_{i:02d}-model_states.pt (layer {i} holds {held[:4]} by the model states "
-                                  f"files){f'; layers {lacking[1:]} lack theirs too' if len(lacking) > 1 else ''}")
+            raise CheckpointError(
+                f"DeepSpeed pipeline checkpoint {self.path} lacks layer file "
+                f"layer_{i:02d}-model_states.pt (layer {i} holds {held[:4]} by the model states "
+                f"files){f'; layers {lacking[1:]} lack theirs too' if len(lacking) > 1 else ''}"
+            )
         module: dict[str, torch.Tensor] = {}
         origin: dict[str, str] = {}
         for i, f in sorted(have.items()):
@@ -161,8 +187,10 @@ class DeepSpeedPipelineCheckpoint(RankCheckpoint):
             for key, t in sd.items():
                 name = prefix + key
                 if name in self.shapes and tuple(t.shape) != self.shapes[name]:
-                    raise CheckpointError(f"{os.path.join(self.path, f)}: {key!r} ({name!r}) has shape "
-                                          f"{tuple(t.shape)}, the model states files {self.shapes[name]}")
+                    raise CheckpointError(
+                        f"{os.path.join(self.path, f)}: {key!r} ({name!r}) has shape "
+                        f"{tuple(t.shape)}, the model states files {self.shapes[name]}"
+                    )
                 if name not in module:  # a tied module saved by several stages: the lowest layer's copy
                     module[name], origin[name] = t, f
         return module, origin
@@ -171,16 +199,19 @@ class DeepSpeedPipelineCheckpoint(RankCheckpoint):
         """``tied_modules.KEY.`` of the tied module whose state layer file ``f`` holds (found by its trained params'
         and buffers' names and shapes), or ``I.`` (a layer all of whose params are frozen)."""
         i = int(LAYER_RE.match(f).group(1))  # type: ignore[union-attr]
-        keys = {n[len(TIED):].split(".", 1)[0] for n in known if n.startswith(TIED)}
+        keys = {n[len(TIED) :].split(".", 1)[0] for n in known if n.startswith(TIED)}
         fits = []
         for k in sorted(keys):
-            want = {n[len(TIED) + len(k) + 1:] for n in known if n.startswith(f"{TIED}{k}.")}
-            if want <= set(sd) and all(tuple(sd[w].shape) == self.shapes.get(f"{TIED}{k}.{w}", tuple(sd[w].shape))
-                                       for w in want):
+            want = {n[len(TIED) + len(k) + 1 :] for n in known if n.startswith(f"{TIED}{k}.")}
+            if want <= set(sd) and all(
+                tuple(sd[w].shape) == self.shapes.get(f"{TIED}{k}.{w}", tuple(sd[w].shape)) for w in want
+            ):
                 fits.append(k)
         if len(fits) > 1:
-            raise CheckpointError(f"{os.path.join(self.path, f)}: the state of layer {i} ({sorted(sd)}) fits the tied "
-                                  f"modules {fits} alike: which one it is cannot be told")
+            raise CheckpointError(
+                f"{os.path.join(self.path, f)}: the state of layer {i} ({sorted(sd)}) fits the tied "
+                f"modules {fits} alike: which one it is cannot be told"
+            )
         return f"{TIED}{fits[0]}." if fits else f"{i}."
 
     def _merged_model(self) -> dict[str, Any]:
@@ -221,8 +252,9 @@ class DeepSpeedPipelineCheckpoint(RankCheckpoint):
         name = self.source(name)
         if self.stage == 0 and key in ("params", "master"):
             if name not in self._layers:
-                raise CheckpointError(f"{self.path}: no layer file holds {name!r} (a tied module called only "
-                                      "through forward_fn has none)")
+                raise CheckpointError(
+                    f"{self.path}: no layer file holds {name!r} (a tied module called only through forward_fn has none)"
+                )
             return self._layers[name].reshape(-1)[a:z]
         return self.stages[self._owner[name]].read(name, key, a, z)
 

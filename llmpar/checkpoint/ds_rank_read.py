@@ -36,6 +36,7 @@ The files are read by ``ds_files.py`` (memory-mapped, without DeepSpeed); each o
 (``ds_pipe_read.py`` joins the stages) or a tensor-parallel rank's (``ds_mp_read.py`` merges them);
 ``deepspeed_read.DeepSpeedCheckpoint(path)`` opens a directory as whichever of the three it holds.
 """
+
 from __future__ import annotations
 
 import math
@@ -49,11 +50,31 @@ from llmpar.checkpoint.files import CheckpointError
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 # model_states keys DeepSpeed writes itself; the others are the caller's client_state
-DS_KEYS = frozenset({"module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
-                     "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd",
-                     "sparse_tensor_module_names", "skipped_steps", "global_steps", "global_samples", "dp_world_size",
-                     "mp_world_size", "ds_config", "ds_version", "checkpoint_parallel_dimensions", "autoep_layers",
-                     "ds_autoep_layers"})
+DS_KEYS = frozenset(
+    {
+        "module",
+        "buffer_names",
+        "optimizer",
+        "param_shapes",
+        "frozen_param_shapes",
+        "shared_params",
+        "frozen_param_fragments",
+        "lr_scheduler",
+        "data_sampler",
+        "random_ltd",
+        "sparse_tensor_module_names",
+        "skipped_steps",
+        "global_steps",
+        "global_samples",
+        "dp_world_size",
+        "mp_world_size",
+        "ds_config",
+        "ds_version",
+        "checkpoint_parallel_dimensions",
+        "autoep_layers",
+        "ds_autoep_layers",
+    }
+)
 
 
 def _scalar(v: Any) -> float:
@@ -66,7 +87,7 @@ def _slice(parts: list[torch.Tensor], a: int, z: int) -> torch.Tensor:
     for p in parts:
         n = p.numel()
         if a < at + n and z > at:
-            out.append(p.reshape(-1)[max(a - at, 0):min(z - at, n)])
+            out.append(p.reshape(-1)[max(a - at, 0) : min(z - at, n)])
         at += n
     if sum(t.numel() for t in out) != z - a:
         raise CheckpointError(f"elements [{a}, {z}) lie beyond the {at} elements saved")
@@ -83,30 +104,46 @@ class RankCheckpoint:
         other layouts)."""
         self.path = path
         found = detect(path)
-        mp = sorted({int((MODEL_RE.match(f) or OPTIM_RE.match(f)).groups()[-1])  # type: ignore[union-attr]
-                     for f in found if not LAYER_RE.match(f)})
+        mp = sorted(
+            {
+                int((MODEL_RE.match(f) or OPTIM_RE.match(f)).groups()[-1])  # type: ignore[union-attr]
+                for f in found
+                if not LAYER_RE.match(f)
+            }
+        )
         if mp_rank is None:
             if mp != [0]:
-                raise CheckpointError(f"{path} holds DeepSpeed files of model-parallel ranks {mp} ({found[:4]}): "
-                                      "only mp_rank_00 (model-parallel degree 1) and pipeline (layer_*) "
-                                      "checkpoints are read")
+                raise CheckpointError(
+                    f"{path} holds DeepSpeed files of model-parallel ranks {mp} ({found[:4]}): "
+                    "only mp_rank_00 (model-parallel degree 1) and pipeline (layer_*) "
+                    "checkpoints are read"
+                )
             mp_rank = 0
         self.mp_rank = mp_rank
-        found = [f for f in found if not LAYER_RE.match(f)
-                 and int((MODEL_RE.match(f) or OPTIM_RE.match(f)).groups()[-1]) == mp_rank]  # type: ignore
+        found = [
+            f
+            for f in found
+            if not LAYER_RE.match(f) and int((MODEL_RE.match(f) or OPTIM_RE.match(f)).groups()[-1]) == mp_rank
+        ]  # type: ignore
         mp_name = f"mp_rank_{mp_rank:02d}"
         self.optim = {int(m.group(2)): f for f in found if (m := OPTIM_RE.match(f))}
         self.bf16 = any(f.startswith("bf16_") for f in self.optim.values())
         zero_models = sorted(int(m.group(1)) for f in found if (m := MODEL_RE.match(f)) and m.group(1) is not None)
-        model_file = f"{mp_name}_model_states.pt" if f"{mp_name}_model_states.pt" in found else (
-            f"zero_pp_rank_{zero_models[0]}_{mp_name}_model_states.pt" if zero_models else None)
+        model_file = (
+            f"{mp_name}_model_states.pt"
+            if f"{mp_name}_model_states.pt" in found
+            else (f"zero_pp_rank_{zero_models[0]}_{mp_name}_model_states.pt" if zero_models else None)
+        )
         if model_file is None:
-            raise CheckpointError(f"{path} has DeepSpeed optimizer files {found[:4]} but no model states file "
-                                  f"({mp_name}_model_states.pt or zero_pp_rank_0_{mp_name}_model_states.pt)")
+            raise CheckpointError(
+                f"{path} has DeepSpeed optimizer files {found[:4]} but no model states file "
+                f"({mp_name}_model_states.pt or zero_pp_rank_0_{mp_name}_model_states.pt)"
+            )
         self.model = load_file(os.path.join(path, model_file))
         if not isinstance(self.model, dict) or "module" not in self.model:
-            raise CheckpointError(f"{os.path.join(path, model_file)} is not a DeepSpeed model states file (no "
-                                  "'module' key)")
+            raise CheckpointError(
+                f"{os.path.join(path, model_file)} is not a DeepSpeed model states file (no 'module' key)"
+            )
         self._opened: dict[int, dict] = {}
         self._frozen: dict[str, torch.Tensor] | None = None
         self._zero_models = zero_models
@@ -114,8 +151,11 @@ class RankCheckpoint:
         opt = self.model.get("optimizer")
         if not self.optim and isinstance(opt, dict) and "fp32_groups_flat" in opt:  # fp16, no ZeRO: one flat group
             self.kind, self.optim = "FP16_Optimizer", {0: model_file}  # each, dp=1: ZeRO-1's layout at dp=1
-            self._opened[0] = {"single_partition_of_fp32_groups": opt["fp32_groups_flat"], "partition_count": 1,
-                               "base_optimizer_state": opt["optimizer_state_dict"]}
+            self._opened[0] = {
+                "single_partition_of_fp32_groups": opt["fp32_groups_flat"],
+                "partition_count": 1,
+                "base_optimizer_state": opt["optimizer_state_dict"],
+            }
         if not self.optim:
             self.stage, self.kind = 0, "torch"  # the optimizer's state dict in the model states file
         elif "zero_stage" not in self.zero_state(0) and "single_partition_of_fp32_groups" in self.zero_state(0):
@@ -127,13 +167,20 @@ class RankCheckpoint:
         missing = [r for r in range(self.dp) if r not in self.optim] if self.stage else []
         extra = sorted(set(self.optim) - set(range(self.dp))) if self.stage else []
         if missing or extra:
-            why = f"lacks the optimizer files of dp ranks {missing}" if missing else (
-                f"has optimizer files of dp ranks {extra} beyond its partition_count (files of another save?)")
-            raise CheckpointError(f"{path}: DeepSpeed ZeRO-{self.stage} checkpoint of dp={self.dp} {why} (found "
-                                  f"{sorted(self.optim.values())})")
+            why = (
+                f"lacks the optimizer files of dp ranks {missing}"
+                if missing
+                else (f"has optimizer files of dp ranks {extra} beyond its partition_count (files of another save?)")
+            )
+            raise CheckpointError(
+                f"{path}: DeepSpeed ZeRO-{self.stage} checkpoint of dp={self.dp} {why} (found "
+                f"{sorted(self.optim.values())})"
+            )
         if self.stage == 3 and zero_models != list(range(self.dp)):
-            raise CheckpointError(f"{path}: DeepSpeed ZeRO-3 checkpoint of dp={self.dp} has the model states files of "
-                                  f"dp ranks {zero_models}")
+            raise CheckpointError(
+                f"{path}: DeepSpeed ZeRO-3 checkpoint of dp={self.dp} has the model states files of "
+                f"dp ranks {zero_models}"
+            )
         self.aliases: dict[str, str] = dict(self.model.get("shared_params") or {})
         # a pipeline stage without ZeRO: "module" None, no param_shapes: no names until set_names (ds_pipe_names.py)
         self.unnamed = self.model["module"] is None and not isinstance(self.model.get("param_shapes"), list)
@@ -208,13 +255,16 @@ class RankCheckpoint:
             if self.stage < 3:
                 have = sum(self.part_size(g) for _ in range(self.dp))
                 if at > have:
-                    raise CheckpointError(f"{self.path}: group {g} holds {at} elements by param_shapes but its "
-                                          f"{self.dp} partitions {have}")
+                    raise CheckpointError(
+                        f"{self.path}: group {g} holds {at} elements by param_shapes but its "
+                        f"{self.dp} partitions {have}"
+                    )
         if self.stage == 3:
             have = sum(t.numel() for t in self._fp32(0))
             if have != size3:
-                raise CheckpointError(f"{self.path}: ZeRO-3 param_shapes make {size3} elements per rank, "
-                                      f"{self.optim[0]} holds {have}")
+                raise CheckpointError(
+                    f"{self.path}: ZeRO-3 param_shapes make {size3} elements per rank, {self.optim[0]} holds {have}"
+                )
 
     def _layout0(self) -> None:
         module, opt = self.model["module"], self.model.get("optimizer")
@@ -238,8 +288,10 @@ class RankCheckpoint:
         sd = opt.get("optimizer_state_dict", opt)
         index = [i for group in sd["param_groups"] for i in group["params"]]
         if len(index) != len(self.names):
-            raise CheckpointError(f"{self.path}: the optimizer holds {len(index)} params, the module "
-                                  f"{len(self.names)}: they cannot be matched by order")
+            raise CheckpointError(
+                f"{self.path}: the optimizer holds {len(index)} params, the module "
+                f"{len(self.names)}: they cannot be matched by order"
+            )
         self._state0, self._fp32_0 = sd["state"], None
         if "fp32_groups" in opt:
             self._fp32_0 = [t for group in opt["fp32_groups"] for t in group]
@@ -354,18 +406,27 @@ class RankCheckpoint:
             return {n: t for n, t in (self.model.get("frozen_param_fragments") or {}).items() if n in shapes}
         if self._frozen is None:  # every rank's model states file: read once
             mp = f"mp_rank_{self.mp_rank:02d}"
-            chunks = [load_file(os.path.join(self.path, f"zero_pp_rank_{r}_{mp}_model_states.pt"))
-                      .get("frozen_param_fragments") or {} for r in range(self.dp)]
-            self._frozen = {n: torch.cat([c[n].reshape(-1) for c in chunks])[:math.prod(s)].view(tuple(s))
-                            for n, s in shapes.items()}
+            chunks = [
+                load_file(os.path.join(self.path, f"zero_pp_rank_{r}_{mp}_model_states.pt")).get(
+                    "frozen_param_fragments"
+                )
+                or {}
+                for r in range(self.dp)
+            ]
+            self._frozen = {
+                n: torch.cat([c[n].reshape(-1) for c in chunks])[: math.prod(s)].view(tuple(s))
+                for n, s in shapes.items()
+            }
         return self._frozen
 
     def counters(self) -> dict[str, Any]:
         """Engine counters and the fp16 loss scaler as llmpar saves them (``Engine.restore_counters``)."""
         m = self.model
-        out: dict[str, Any] = {"global_steps": int(m.get("global_steps", 0)),
-                               "global_samples": int(m.get("global_samples", 0)),
-                               "skipped_steps": int(m.get("skipped_steps", 0))}
+        out: dict[str, Any] = {
+            "global_steps": int(m.get("global_steps", 0)),
+            "global_samples": int(m.get("global_samples", 0)),
+            "skipped_steps": int(m.get("skipped_steps", 0)),
+        }
         scaler = self.zero_state(0).get("loss_scaler") if self.optim else None
         st = scaler.state if isinstance(scaler, Foreign) else {}
         opt = m.get("optimizer")

@@ -14,6 +14,7 @@ params, the run's counters / scheduler / client_state, and each param's fp32 mas
 found: param groups at different step counts, a group count that differs between the param shapes and the
 optimizer, an llmpar pipeline (pp > 1) source, an llmpar source of several param groups.
 """
+
 from __future__ import annotations
 
 import math
@@ -29,6 +30,7 @@ from llmpar.checkpoint.reshard import CheckpointReader
 from llmpar.checkpoint.universal_read import UniversalCheckpoint
 
 CHUNK = 1 << 22  # elements of a universal source's mapped file resident at a time
+
 
 class Source:
     """What the writer needs of a checkpoint: ``groups`` [[name]], ``shapes``, ``hyper`` [per group {lr, betas,
@@ -72,8 +74,10 @@ class _DeepSpeedSource(Source):
         self.shapes = dict(ck.shapes)
         self.hyper = ck.param_groups()
         if len(self.hyper) != len(self.groups):
-            raise CheckpointError(f"{path}: {len(self.groups)} param groups by param_shapes, {len(self.hyper)} "
-                                  "in the optimizer state: cannot be written")
+            raise CheckpointError(
+                f"{path}: {len(self.groups)} param groups by param_shapes, {len(self.hyper)} "
+                "in the optimizer state: cannot be written"
+            )
         steps = {ck.step(g[0]) for g in self.groups if g}
         self.step = _one_step(steps, path)
         self.buffers, self.frozen = ck.buffers(), ck.frozen()
@@ -107,8 +111,10 @@ class _UniversalSource(Source):
         self.shapes, self.aliases = dict(ck.shapes), dict(ck.aliases)
         self.hyper = ck.param_groups()
         if len(self.hyper) != len(self.groups):
-            raise CheckpointError(f"{path}: {len(self.groups)} param groups by param_shapes, {len(self.hyper)} in "
-                                  "zero/optimizer_state.pt: cannot be written")
+            raise CheckpointError(
+                f"{path}: {len(self.groups)} param groups by param_shapes, {len(self.hyper)} in "
+                "zero/optimizer_state.pt: cannot be written"
+            )
         self.step = _one_step({ck.step(n) for n in ck.names}, path)
         self.buffers, self.frozen = ck.buffers(), ck.frozen()
         self.counters, self.scheduler, self.client = ck.counters(), ck.scheduler(), ck.client_state()
@@ -130,7 +136,7 @@ class _UniversalSource(Source):
             raise CheckpointError(f"universal checkpoint {self.ck.path} has no {key!r} of {name!r}")
         for b in range(a, z, CHUNK):
             e = min(b + CHUNK, z)
-            out[b - a:e - a].copy_(self.ck.read(name, key, b, e).detach())  # saved as a param: no grad
+            out[b - a : e - a].copy_(self.ck.read(name, key, b, e).detach())  # saved as a param: no grad
             self.ck.release(name)
 
 
@@ -140,11 +146,15 @@ class _LlmparSource(Source):
     def __init__(self, path: str) -> None:
         meta = metacheck.read(path)
         if int(meta.get("pp", 1)) > 1:
-            raise CheckpointError(f"{path}: llmpar pipeline checkpoint (pp={meta['pp']}): DeepSpeed's ZeRO and "
-                                  "universal layouts are written from pp=1 checkpoints only (load it at pp=1 and save)")
+            raise CheckpointError(
+                f"{path}: llmpar pipeline checkpoint (pp={meta['pp']}): DeepSpeed's ZeRO and "
+                "universal layouts are written from pp=1 checkpoints only (load it at pp=1 and save)"
+            )
         if len(meta["param_groups"]) != 1:
-            raise CheckpointError(f"{path}: llmpar checkpoint of {len(meta['param_groups'])} param groups: which "
-                                  "param is in which is not recorded; only one group is written to DeepSpeed's layout")
+            raise CheckpointError(
+                f"{path}: llmpar checkpoint of {len(meta['param_groups'])} param groups: which "
+                "param is in which is not recorded; only one group is written to DeepSpeed's layout"
+            )
         reader = self.reader = CheckpointReader(path, meta)
         self._last: tuple[tuple[str, str], torch.Tensor] | None = None
         for fname in sorted(meta["files"]):
@@ -160,16 +170,21 @@ class _LlmparSource(Source):
         eng = meta["engine"]
         self.counters = {k: eng.get(k, 0) for k in ("global_steps", "global_samples", "skipped_steps")}
         self.scheduler, self.ds_config = meta["scheduler"], {}
-        self.client = files.load_file(os.path.join(path, files.CLIENT_STATE), mmap=False) \
-            if files.CLIENT_STATE in meta["files"] else {}
+        self.client = (
+            files.load_file(os.path.join(path, files.CLIENT_STATE), mmap=False)
+            if files.CLIENT_STATE in meta["files"]
+            else {}
+        )
         self.stage, self.dp = min(max(int(meta["stage"]), 1), 3), int(meta["dp"])
 
     def full(self, name: str, key: str) -> torch.Tensor:
         if key == "master" and key not in self.keys[name]:
             key = "params"
         if key not in self.keys[name]:
-            raise CheckpointError(f"param {name!r} has no {key!r} in the llmpar checkpoint (saved: "
-                                  f"{self.keys[name]}): an optimizer without Adam moments is not written")
+            raise CheckpointError(
+                f"param {name!r} has no {key!r} in the llmpar checkpoint (saved: "
+                f"{self.keys[name]}): an optimizer without Adam moments is not written"
+            )
         if self._last is None or self._last[0] != (name, key):  # one param's whole tensor at a time
             self._last = ((name, key), self.reader.full(name, key).reshape(-1).to(torch.float32))
         return self._last[1]
@@ -191,8 +206,10 @@ def locate_universal(src: str, tag: str | None, source: str) -> str | None:
     if path is None and source == "universal":
         where = os.path.join(os.fspath(src), tag) if tag is not None else os.fspath(src)
         found = sorted(os.listdir(where))[:8] if os.path.isdir(where) else "nothing (no such directory)"
-        raise CheckpointError(f"{where} is not a universal checkpoint (no zero/ folder beside a model states file, "
-                              f"and no latest_universal naming one): it holds {found}")
+        raise CheckpointError(
+            f"{where} is not a universal checkpoint (no zero/ folder beside a model states file, "
+            f"and no latest_universal naming one): it holds {found}"
+        )
     return path
 
 

@@ -23,6 +23,7 @@ compared bitwise with the source. The refusals are ``ds_write``'s. Memory: one p
 memory-mapped source, streamed into its file, checked in pieces against the source, dropped), and the model states
 file (every param whole in ``module``, as DeepSpeed writes it). A universal checkpoint is a source too.
 """
+
 from __future__ import annotations
 
 import math
@@ -60,12 +61,20 @@ def write_universal(src: str, out_dir: str, *, tag: str | None = None, source: s
         ds_write.save_pickled(torch.tensor(s.step, dtype=torch.float32), path)
         written.append(path)
     hyper = ds_write.torch_groups(s.hyper)
-    state = {"loss_scaler": ds_write.loss_scaler(), "dynamic_loss_scale": False, "overflow": False,
-             **ds_write.clip_grad(s), "ds_version": ds_write.DS_VERSION,
-             "zero_stage": ds_write.zero_stage(s.stage), "partition_count": [s.dp] * len(s.groups),
-             "param_groups": hyper,
-             "optimizer_state_dict": {"state": {g: {"step": torch.tensor(s.step)} for g in range(len(s.groups))},
-                                      "param_groups": hyper}}
+    state = {
+        "loss_scaler": ds_write.loss_scaler(),
+        "dynamic_loss_scale": False,
+        "overflow": False,
+        **ds_write.clip_grad(s),
+        "ds_version": ds_write.DS_VERSION,
+        "zero_stage": ds_write.zero_stage(s.stage),
+        "partition_count": [s.dp] * len(s.groups),
+        "param_groups": hyper,
+        "optimizer_state_dict": {
+            "state": {g: {"step": torch.tensor(s.step)} for g in range(len(s.groups))},
+            "param_groups": hyper,
+        },
+    }
     path = os.path.join(zero, "optimizer_state.pt")
     ds_write.save_pickled(state, path)
     written.append(path)
@@ -87,12 +96,14 @@ def _check(s: ds_write.Source, n: str, key: str, path: str) -> None:
     same = t is not None and tuple(t.shape) == tuple(s.shapes[n])
     flat = t.reshape(-1) if same else None
     for a in range(0, k, PIECE) if same else ():
-        if not torch.equal(flat[a:a + PIECE], s.piece(n, key, a, min(a + PIECE, k))):
+        if not torch.equal(flat[a : a + PIECE], s.piece(n, key, a, min(a + PIECE, k))):
             same = False
             break
     if not same:
-        raise CheckpointError(f"{path[:-3]}.pt read back differs from the source's {key} of {n!r} (shape "
-                              f"{tuple(s.shapes[n])}, {k} elements)")
+        raise CheckpointError(
+            f"{path[:-3]}.pt read back differs from the source's {key} of {n!r} (shape "
+            f"{tuple(s.shapes[n])}, {k} elements)"
+        )
 
 
 def verify(s: ds_write.Source, path: str) -> None:

@@ -45,6 +45,7 @@ reader of its own, dropped (its mapped pages released) before the next. Peak: on
 the largest tensor.
 A universal checkpoint (``universal_read``) is a source too (``--from universal``, or detected).
 """
+
 from __future__ import annotations
 
 import copyreg
@@ -64,8 +65,15 @@ from llmpar.checkpoint.files import CheckpointError
 DS_VERSION = "0.19.8"
 KEYS = ("master", "exp_avg", "exp_avg_sq")
 PIECE = 1 << 22  # elements compared at a time
-_ADAMW = {"amsgrad": False, "maximize": False, "foreach": None, "capturable": False, "differentiable": False,
-          "fused": None, "decoupled_weight_decay": True}
+_ADAMW = {
+    "amsgrad": False,
+    "maximize": False,
+    "foreach": None,
+    "capturable": False,
+    "differentiable": False,
+    "fused": None,
+    "decoupled_weight_decay": True,
+}
 
 
 # ---------------------------------------------------------------------- DeepSpeed's classes, by name
@@ -201,17 +209,26 @@ def _check_args(stage: Any, dp: Any) -> None:
 
 
 @torch.no_grad()  # the sources' tensors may require grad (DeepSpeed saves params so)
-def write_deepspeed(src: str, out_dir: str, *, stage: int | None = None, dp: int | None = None,
-                    tag: str | None = None, source: str = "auto") -> list[str]:
+def write_deepspeed(
+    src: str,
+    out_dir: str,
+    *,
+    stage: int | None = None,
+    dp: int | None = None,
+    tag: str | None = None,
+    source: str = "auto",
+) -> list[str]:
     """Write checkpoint ``src`` to ``out_dir`` in DeepSpeed's ZeRO-``stage`` layout for ``dp`` ranks (defaults: the
     source's; its stage 0 becomes 1), verify it (module docstring) and return the paths written."""
     _check_args(stage, dp)
     s = open_source(src, tag, source)
     stage, dp = stage or s.stage, dp or s.dp
     if stage == 3 and s.buffers and s.kind == "llmpar":
-        raise CheckpointError(f"{src}: llmpar checkpoint with buffers / frozen params {sorted(s.buffers)[:8]}: "
-                              "llmpar does not record which are frozen params, so they cannot be placed in a "
-                              "ZeRO-3 layout; write stage 1 or 2")
+        raise CheckpointError(
+            f"{src}: llmpar checkpoint with buffers / frozen params {sorted(s.buffers)[:8]}: "
+            "llmpar does not record which are frozen params, so they cannot be placed in a "
+            "ZeRO-3 layout; write stage 1 or 2"
+        )
     out_tag = f"global_step{int(s.counters.get('global_steps', 0))}"
     d = os.path.join(out_dir, out_tag)
     os.makedirs(d, exist_ok=True)
@@ -250,14 +267,21 @@ def optim_states(s: Source, stage: int, dp: int, r: int) -> dict:
                 k = math.prod(s.shapes[n])
                 a, z = max(at, lo), min(at + k, hi)
                 if a < z:
-                    m[n] = _Object("deepspeed.utils.tensor_fragment", "fragment_address",
-                                   {"numel": z - a, "start": a - lo})
+                    m[n] = _Object(
+                        "deepspeed.utils.tensor_fragment", "fragment_address", {"numel": z - a, "start": a - lo}
+                    )
                 at += k
             slices.append(m)
-        extra = {"single_partition_of_fp32_groups": flats, "zero_stage": zero_stage(stage),
-                 "group_paddings": groups_pad, "param_alignment_paddings": pads,
-                 "partition_count": [dp] * len(s.groups), "param_slice_mappings": slices,
-                 "ds_version": DS_VERSION, **clip_grad(s)}
+        extra = {
+            "single_partition_of_fp32_groups": flats,
+            "zero_stage": zero_stage(stage),
+            "group_paddings": groups_pad,
+            "param_alignment_paddings": pads,
+            "partition_count": [dp] * len(s.groups),
+            "param_slice_mappings": slices,
+            "ds_version": DS_VERSION,
+            **clip_grad(s),
+        }
         base_key = "base_optimizer_state"
     else:
         for g, names in enumerate(s.groups):
@@ -266,8 +290,13 @@ def optim_states(s: Source, stage: int, dp: int, r: int) -> dict:
             state[g] = {"step": torch.tensor(s.step), "exp_avg": cut["exp_avg"], "exp_avg_sq": cut["exp_avg_sq"]}
         extra = {"zero_stage": zero_stage(3), "partition_count": dp, "fp32_flat_groups": flats}
         base_key = "optimizer_state_dict"
-    osd = {"loss_scaler": loss_scaler(), "dynamic_loss_scale": False, "overflow": False,
-           base_key: {"state": state, "param_groups": hyper}, **extra}
+    osd = {
+        "loss_scaler": loss_scaler(),
+        "dynamic_loss_scale": False,
+        "overflow": False,
+        base_key: {"state": state, "param_groups": hyper},
+        **extra,
+    }
     return {"optimizer_state_dict": osd, "ds_config": s.ds_config, "ds_version": DS_VERSION}
 
 
@@ -279,7 +308,7 @@ def _partition(s: Source, names: list[str], key: str, lo: int, hi: int) -> torch
         k = math.prod(s.shapes[n])
         a, z = max(at, lo), min(at + k, hi)
         if a < z:
-            s.piece_into(n, key, a - at, z - at, out[a - lo:z - lo])
+            s.piece_into(n, key, a - at, z - at, out[a - lo : z - lo])
         at += k
     return out
 
@@ -292,7 +321,7 @@ def _chunks(s: Source, names: list[str], key: str, r: int, dp: int) -> torch.Ten
     for n, c in zip(names, sizes):
         a, z = r * c, min((r + 1) * c, math.prod(s.shapes[n]))
         if a < z:
-            s.piece_into(n, key, a, z, out[at:at + z - a])
+            s.piece_into(n, key, a, z, out[at : at + z - a])
         at += c
     return out
 
@@ -300,26 +329,44 @@ def _chunks(s: Source, names: list[str], key: str, r: int, dp: int) -> torch.Ten
 @torch.no_grad()
 def model_states(s: Source, stage: int, dp: int, r: int) -> dict:
     """The model states file of dp rank ``r`` (stages 1-2: the one file) for ZeRO-``stage`` at ``dp`` ranks."""
-    module = {n: torch.empty(0) if stage == 3 else owned(s.full(n, "master")).view(s.shapes[n])
-              for g in s.groups for n in g}
+    module = {
+        n: torch.empty(0) if stage == 3 else owned(s.full(n, "master")).view(s.shapes[n]) for g in s.groups for n in g
+    }
     frozen = {n: t.reshape(-1) for n, t in s.frozen.items()}
     if stage == 3:
-        frozen = {n: torch.cat([t, t.new_zeros(-(-t.numel() // dp) * dp - t.numel())]).chunk(dp)[r].clone()
-                  for n, t in frozen.items()}
+        frozen = {
+            n: torch.cat([t, t.new_zeros(-(-t.numel() // dp) * dp - t.numel())]).chunk(dp)[r].clone()
+            for n, t in frozen.items()
+        }
     else:
         frozen = {n: t.view(s.frozen[n].shape) for n, t in frozen.items()}
         module.update(s.frozen)
     module.update(s.buffers)
-    run = {"lr_scheduler": s.scheduler, "data_sampler": None, "random_ltd": None, "sparse_tensor_module_names": set(),
-           "skipped_steps": int(s.counters.get("skipped_steps", 0)),
-           "global_steps": int(s.counters.get("global_steps", 0)),
-           "global_samples": int(s.counters.get("global_samples", 0)), "dp_world_size": dp, "mp_world_size": 1,
-           "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
-           "ds_config": s.ds_config, "ds_version": DS_VERSION}
-    return {"module": module, "buffer_names": list(s.buffers), "optimizer": None,
-            "param_shapes": [{n: torch.Size(s.shapes[n]) for n in g} for g in s.groups],
-            "frozen_param_shapes": {n: t.shape for n, t in s.frozen.items()}, "shared_params": {},
-            "frozen_param_fragments": frozen, **run, **s.client}
+    run = {
+        "lr_scheduler": s.scheduler,
+        "data_sampler": None,
+        "random_ltd": None,
+        "sparse_tensor_module_names": set(),
+        "skipped_steps": int(s.counters.get("skipped_steps", 0)),
+        "global_steps": int(s.counters.get("global_steps", 0)),
+        "global_samples": int(s.counters.get("global_samples", 0)),
+        "dp_world_size": dp,
+        "mp_world_size": 1,
+        "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
+        "ds_config": s.ds_config,
+        "ds_version": DS_VERSION,
+    }
+    return {
+        "module": module,
+        "buffer_names": list(s.buffers),
+        "optimizer": None,
+        "param_shapes": [{n: torch.Size(s.shapes[n]) for n in g} for g in s.groups],
+        "frozen_param_shapes": {n: t.shape for n, t in s.frozen.items()},
+        "shared_params": {},
+        "frozen_param_fragments": frozen,
+        **run,
+        **s.client,
+    }
 
 
 def _held(s: Source, stage: int, dp: int, r: int) -> list[tuple[str, int, int]]:
@@ -350,8 +397,7 @@ def _same(s: Source, path: str, what: str, n: str, key: str, a: int, z: int, got
     for b in range(a, z, PIECE):
         e = min(b + PIECE, z)
         if not torch.equal(got(b, e), s.piece(n, key, b, e)):
-            raise CheckpointError(f"{path}: {what} {n!r} {key} read back differs from the source (elements "
-                                  f"[{b}, {e}))")
+            raise CheckpointError(f"{path}: {what} {n!r} {key} read back differs from the source (elements [{b}, {e}))")
 
 
 def verify(s: Source, path: str, stage: int, dp: int) -> None:
@@ -363,8 +409,10 @@ def verify(s: Source, path: str, stage: int, dp: int) -> None:
     names = [n for g in s.groups for n in g]
     ck = DeepSpeedCheckpoint(path)
     if (ck.stage, ck.dp, ck.names) != (stage, dp, names) or ck.shapes != {n: tuple(s.shapes[n]) for n in names}:
-        raise CheckpointError(f"{path} reads back as ZeRO-{ck.stage} dp={ck.dp} with params {ck.names[:4]}..., "
-                              f"written as ZeRO-{stage} dp={dp} with {names[:4]}...")
+        raise CheckpointError(
+            f"{path} reads back as ZeRO-{ck.stage} dp={ck.dp} with params {ck.names[:4]}..., "
+            f"written as ZeRO-{stage} dp={dp} with {names[:4]}..."
+        )
     for n in names:
         if ck.step(n) != s.step:
             raise CheckpointError(f"{path}: param {n!r} step {ck.step(n)} read back, {s.step} in the source")
@@ -378,15 +426,19 @@ def verify(s: Source, path: str, stage: int, dp: int) -> None:
         del ck
     short = [n for n in names if seen[n] != math.prod(s.shapes[n])]
     if short:  # the ranges above must cover every element: else some were never compared
-        raise CheckpointError(f"{path}: the read-back covered {[seen[n] for n in short[:4]]} elements of params "
-                              f"{short[:4]}, not all of them")
+        raise CheckpointError(
+            f"{path}: the read-back covered {[seen[n] for n in short[:4]]} elements of params "
+            f"{short[:4]}, not all of them"
+        )
     ck = DeepSpeedCheckpoint(path)  # the model states file(s), on their own
     module = ck.model["module"]
     for n in names if stage < 3 else ():
         t = module.get(n)
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(s.shapes[n]):
-            raise CheckpointError(f"{path}: module weight {n!r} reads back as {type(t).__name__} "
-                                  f"{tuple(getattr(t, 'shape', ()))}, the source's shape is {tuple(s.shapes[n])}")
+            raise CheckpointError(
+                f"{path}: module weight {n!r} reads back as {type(t).__name__} "
+                f"{tuple(getattr(t, 'shape', ()))}, the source's shape is {tuple(s.shapes[n])}"
+            )
         _same(s, path, "module weight", n, "master", 0, t.numel(), lambda b, e: t.reshape(-1)[b:e])  # noqa: B023
     for n, t in s.buffers.items():
         if not torch.equal(ck.buffers().get(n, torch.empty(0)), t):

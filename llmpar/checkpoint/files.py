@@ -20,6 +20,7 @@ Format 3 writes the rank files in llmpar's block format (raw tensors, hashed per
 block as read); format 2 added the digest; checkpoints of formats 1 and 2 (``.pt`` rank files by ``torch.save``,
 each file's whole sha256 recorded) still load.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -173,8 +174,10 @@ def read_latest(save_dir: str) -> str | None:
     try:
         return check_tag(tag)
     except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{latest} names {tag!r}, which is not a checkpoint tag ({e}); pass tag= (the "
-                              f"checkpoints are the directories of {save_dir})") from e
+        raise CheckpointError(
+            f"{latest} names {tag!r}, which is not a checkpoint tag ({e}); pass tag= (the "
+            f"checkpoints are the directories of {save_dir})"
+        ) from e
 
 
 def remove_path(path: str) -> None:
@@ -201,28 +204,42 @@ def resolve(load_dir: str, tag: str | None) -> tuple[str, str]:
     if tag is None:
         tag = read_latest(load_dir)
         if tag is None:
-            raise CheckpointError(f"no checkpoint to load: {os.path.join(load_dir, LATEST)} does not exist (pass "
-                                  f"tag= or save one first)")
+            raise CheckpointError(
+                f"no checkpoint to load: {os.path.join(load_dir, LATEST)} does not exist (pass tag= or save one first)"
+            )
     check_tag(tag)
     path = os.path.join(load_dir, tag)
     if complete(path):
         return tag, path
     old = os.path.join(load_dir, OLD_PREFIX + tag)
     if not os.path.exists(path) and complete(old):
-        logger.warning("checkpoint %s is missing: a re-save of tag %r stopped between its two renames; loading the "
-                       "previous copy %s (the next save of any tag puts it back in place)", path, tag, old)
+        logger.warning(
+            "checkpoint %s is missing: a re-save of tag %r stopped between its two renames; loading the "
+            "previous copy %s (the next save of any tag puts it back in place)",
+            path,
+            tag,
+            old,
+        )
         return tag, old
     tmp = os.path.join(load_dir, TMP_PREFIX + tag)
     if not os.path.exists(path) and (complete(tmp) or os.path.isfile(os.path.join(tmp, PART))):
-        raise CheckpointError(f"checkpoint {path} was never published: its save stopped before the publish and left "
-                              f"its files in {tmp}; `llmpar checkpoint publish {load_dir} {tag}` publishes it if "
-                              f"every rank's file is there (the next save into {load_dir} deletes it)")
+        raise CheckpointError(
+            f"checkpoint {path} was never published: its save stopped before the publish and left "
+            f"its files in {tmp}; `llmpar checkpoint publish {load_dir} {tag}` publishes it if "
+            f"every rank's file is there (the next save into {load_dir} deletes it)"
+        )
     found = sorted(os.listdir(path)) if os.path.isdir(path) else None
-    what = "does not exist" if found is None else f"holds {found[:8] if found else 'nothing'}" + (
-        f" and {len(found) - 8} more" if found and len(found) > 8 else "")
-    raise CheckpointError(f"checkpoint {path} is not complete: {os.path.join(path, METADATA)} is missing ({path} "
-                          f"{what}: neither llmpar's layout, metadata.json + rank files, nor DeepSpeed's, "
-                          f"mp_rank_00_model_states.pt / *zero_pp_rank_*_optim_states.pt)")
+    what = (
+        "does not exist"
+        if found is None
+        else f"holds {found[:8] if found else 'nothing'}"
+        + (f" and {len(found) - 8} more" if found and len(found) > 8 else "")
+    )
+    raise CheckpointError(
+        f"checkpoint {path} is not complete: {os.path.join(path, METADATA)} is missing ({path} "
+        f"{what}: neither llmpar's layout, metadata.json + rank files, nor DeepSpeed's, "
+        f"mp_rank_00_model_states.pt / *zero_pp_rank_*_optim_states.pt)"
+    )
 
 
 def check_tag(tag: object, *, what: str = "tag") -> str:
@@ -237,9 +254,11 @@ def check_tag(tag: object, *, what: str = "tag") -> str:
         raise TypeError(f"{what}={tag!r} must be a str (a directory name), got {type(tag).__name__}")
     why = _tag_problem(tag)
     if why is not None:
-        raise ValueError(f"{what}={tag!r} {why}; a tag is a non-empty name of printable characters without "
-                         f"leading or trailing whitespace, without '/' or '\\', not starting with '.', at most "
-                         f"{MAX_TAG_BYTES} bytes, and not {LATEST!r} or {LATEST + '.tmp'!r}")
+        raise ValueError(
+            f"{what}={tag!r} {why}; a tag is a non-empty name of printable characters without "
+            f"leading or trailing whitespace, without '/' or '\\', not starting with '.', at most "
+            f"{MAX_TAG_BYTES} bytes, and not {LATEST!r} or {LATEST + '.tmp'!r}"
+        )
     return tag
 
 
@@ -264,8 +283,9 @@ def _tag_problem(tag: str) -> str | None:
 
 
 def _canonical(meta: dict) -> bytes:
-    return json.dumps({k: v for k, v in meta.items() if k != "digest"}, sort_keys=True, separators=(",", ":"),
-                      allow_nan=True).encode()
+    return json.dumps(
+        {k: v for k, v in meta.items() if k != "digest"}, sort_keys=True, separators=(",", ":"), allow_nan=True
+    ).encode()
 
 
 def write_metadata(path: str, meta: dict) -> dict:
@@ -292,14 +312,18 @@ def read_metadata(path: str) -> dict:
         raise CheckpointError(f"{name} holds a JSON {type(meta).__name__}, not a checkpoint's metadata")
     fmt = meta.get("format")
     if fmt not in READABLE_FORMATS:
-        raise CheckpointError(f"{name} has format {fmt!r}; this llmpar reads formats {list(READABLE_FORMATS)}"
-                              + (" (it was written by a newer llmpar)" if isinstance(fmt, int) and fmt > 1 else ""))
+        raise CheckpointError(
+            f"{name} has format {fmt!r}; this llmpar reads formats {list(READABLE_FORMATS)}"
+            + (" (it was written by a newer llmpar)" if isinstance(fmt, int) and fmt > 1 else "")
+        )
     if fmt >= 2:
         digest = meta.get("digest")
         want = "sha256:" + hashlib.sha256(_canonical(meta)).hexdigest()
         if digest != want:
-            raise CheckpointError(f"{name} does not match its digest ({'none recorded' if digest is None else digest}"
-                                  f", content {want}): it was edited or corrupted after it was written")
+            raise CheckpointError(
+                f"{name} does not match its digest ({'none recorded' if digest is None else digest}"
+                f", content {want}): it was edited or corrupted after it was written"
+            )
     return meta
 
 
@@ -382,13 +406,13 @@ def gather_text(text: str, grid: Grid, *, limit: int = 2000) -> list[str]:
     table = torch.zeros(size, longest, dtype=torch.uint8, device=grid.device)
     row = (grid.pp_rank * grid.dp + grid.dp_rank) * grid.tp + grid.tp_rank
     if data:
-        table[row, :len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(grid.device)
+        table[row, : len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(grid.device)
     for g in grid.groups:
         all_reduce(table, g, op="max", what="checkpoint agreement (exchanging the ranks' messages)")
     return [bytes(r).rstrip(b"\0").decode(errors="replace") for r in table.cpu().tolist()]
 
 
 def rank_name(grid: Grid, index: int) -> str:
-    """"pp P dp D tp T" of grid index ``index`` (see :func:`gather_text`)."""
+    """ "pp P dp D tp T" of grid index ``index`` (see :func:`gather_text`)."""
     tp_rank, rest = index % grid.tp, index // grid.tp
     return f"pp rank {rest // grid.dp} dp rank {rest % grid.dp} tp rank {tp_rank}"

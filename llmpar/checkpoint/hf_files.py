@@ -24,6 +24,7 @@ and by ``engine.save_hf_model`` (the live model's). HuggingFace's rules, followe
   new directory and swap it in whole (``outdir.py``).
 ``format="bin"`` writes ``pytorch_model.bin`` (``torch.save``) with the same sharding and index names.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,13 +34,30 @@ from typing import Any
 
 import torch
 
-DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
-                                  "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-                                  "fp16": torch.float16, "float16": torch.float16, "half": torch.float16}
+DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
 """Names a ``dtype`` argument takes (``"keep"`` / None: the dtype the tensors have)."""
 
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,
-          "GIB": 2**30, "TIB": 2**40}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 FORMATS = {"safetensors": ("model", "safetensors"), "bin": ("pytorch_model", "bin")}
 DEFAULT_SHARD_SIZE = "5GB"
 
@@ -53,8 +71,10 @@ def parse_dtype(dtype: Any, *, arg: str = "dtype") -> torch.dtype | None:
         return dtype
     if isinstance(dtype, str) and dtype.lower().removeprefix("torch.") in DTYPES:
         return DTYPES[dtype.lower().removeprefix("torch.")]
-    raise ValueError(f"{arg}={dtype!r} is not a dtype the weights can be written in: use one of bf16, fp16, fp32 "
-                     "(or bfloat16, float16, float32, a torch dtype), or None / 'keep' for the tensors' own")
+    raise ValueError(
+        f"{arg}={dtype!r} is not a dtype the weights can be written in: use one of bf16, fp16, fp32 "
+        "(or bfloat16, float16, float32, a torch dtype), or None / 'keep' for the tensors' own"
+    )
 
 
 def parse_size(size: Any, *, arg: str = "max_shard_size") -> int:
@@ -84,8 +104,10 @@ def parse_format(fmt: str | None) -> str:
         try:
             import safetensors.torch  # noqa: F401
         except ImportError as e:
-            raise ImportError(f"format='safetensors' needs the safetensors package ({e}): pip install safetensors, "
-                              "or write format='bin' (pytorch_model.bin)") from e
+            raise ImportError(
+                f"format='safetensors' needs the safetensors package ({e}): pip install safetensors, "
+                "or write format='bin' (pytorch_model.bin)"
+            ) from e
     return fmt
 
 
@@ -102,8 +124,12 @@ def untied(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             if key is not None:
                 seen[key] = t
             out[name] = t
-        elif not (first.shape == t.shape and first.stride() == t.stride()
-                  and first.storage_offset() == t.storage_offset() and first.dtype == t.dtype):
+        elif not (
+            first.shape == t.shape
+            and first.stride() == t.stride()
+            and first.storage_offset() == t.storage_offset()
+            and first.dtype == t.dtype
+        ):
             out[name] = t.clone()
     return out
 
@@ -158,11 +184,15 @@ def save_safetensors(path: str, state: dict[str, torch.Tensor]) -> None:
 def clean(out_dir: str, keep: set[str]) -> None:
     """Remove the weight files and index of an earlier export (either format: ``from_pretrained`` would prefer a
     stale ``model.safetensors`` to a new ``pytorch_model.bin``) that are not in ``keep``."""
-    patterns = [re.compile(rf"{re.escape(stem)}(-\d{{5}}-of-\d{{5}})?\.{ext}(\.index\.json)?")
-                for stem, ext in FORMATS.values()]
+    patterns = [
+        re.compile(rf"{re.escape(stem)}(-\d{{5}}-of-\d{{5}})?\.{ext}(\.index\.json)?") for stem, ext in FORMATS.values()
+    ]
     for name in os.listdir(out_dir):
-        if (name not in keep and any(p.fullmatch(name) for p in patterns)
-                and os.path.isfile(os.path.join(out_dir, name))):
+        if (
+            name not in keep
+            and any(p.fullmatch(name) for p in patterns)
+            and os.path.isfile(os.path.join(out_dir, name))
+        ):
             os.remove(os.path.join(out_dir, name))
 
 
@@ -188,9 +218,16 @@ def config_with_dtype(config: dict, dtype: torch.dtype | None) -> dict:
     return out
 
 
-def write_hf_model(out_dir: str, state: dict[str, torch.Tensor], *, config: dict | None = None,
-                   generation_config: dict | None = None, dtype: Any = None,
-                   max_shard_size: Any = DEFAULT_SHARD_SIZE, format: str | None = None) -> list[str]:
+def write_hf_model(
+    out_dir: str,
+    state: dict[str, torch.Tensor],
+    *,
+    config: dict | None = None,
+    generation_config: dict | None = None,
+    dtype: Any = None,
+    max_shard_size: Any = DEFAULT_SHARD_SIZE,
+    format: str | None = None,
+) -> list[str]:
     """Write ``state`` ({name: full tensor}) into ``out_dir`` as HuggingFace does (module docstring): float tensors
     cast to ``dtype`` (None: kept; float64 ones are cast too when a dtype is given), tied weights once, sharded at
     ``max_shard_size``, plus ``config.json`` / ``generation_config.json`` when given. Returns the paths written
@@ -205,8 +242,12 @@ def write_hf_model(out_dir: str, state: dict[str, torch.Tensor], *, config: dict
     def final(t: torch.Tensor) -> torch.Tensor:  # cast one shard at a time: no second copy of the whole model
         return (t.to(target) if target is not None and t.is_floating_point() else t).contiguous()
 
-    sized = {n: torch.empty(t.shape, dtype=target if target is not None and t.is_floating_point() else t.dtype,
-                            device="meta") for n, t in tensors.items()}
+    sized = {
+        n: torch.empty(
+            t.shape, dtype=target if target is not None and t.is_floating_point() else t.dtype, device="meta"
+        )
+        for n, t in tensors.items()
+    }
     shards = shard_plan(sized, max_bytes)
     names = shard_files(len(shards), fmt)
     index = "{}.{}.index.json".format(*FORMATS[fmt])
@@ -224,13 +265,31 @@ def write_hf_model(out_dir: str, state: dict[str, torch.Tensor], *, config: dict
         _write_tensors(os.path.join(out_dir, fname), {k: final(tensors[k]) for k in keys}, fmt)
         written.append(os.path.join(out_dir, fname))
     if len(names) > 1:
-        write_json(os.path.join(out_dir, index), {
-            "metadata": {"total_size": sum(_nbytes(t) for t in sized.values()),
-                         "total_parameters": sum(t.numel() for t in sized.values())},
-            "weight_map": {k: fname for fname, keys in zip(names, shards) for k in keys}})
+        write_json(
+            os.path.join(out_dir, index),
+            {
+                "metadata": {
+                    "total_size": sum(_nbytes(t) for t in sized.values()),
+                    "total_parameters": sum(t.numel() for t in sized.values()),
+                },
+                "weight_map": {k: fname for fname, keys in zip(names, shards) for k in keys},
+            },
+        )
         written.append(os.path.join(out_dir, index))
     return written + [os.path.join(out_dir, fname) for fname in configs]
 
 
-__all__ = ["DEFAULT_SHARD_SIZE", "DTYPES", "FORMATS", "config_with_dtype", "parse_dtype", "parse_format",
-           "parse_size", "save_safetensors", "shard_files", "shard_plan", "untied", "write_hf_model"]
+__all__ = [
+    "DEFAULT_SHARD_SIZE",
+    "DTYPES",
+    "FORMATS",
+    "config_with_dtype",
+    "parse_dtype",
+    "parse_format",
+    "parse_size",
+    "save_safetensors",
+    "shard_files",
+    "shard_plan",
+    "untied",
+    "write_hf_model",
+]

@@ -23,6 +23,7 @@ restarts: moments zero, step 0, fp32 masters from the weights read (a load of pr
 Every rank checks the files first (every param present with its full shape; with ``strict``, nothing in the files
 that no rank's model holds) and the ranks agree before anything is modified; an error names the param and file.
 """
+
 from __future__ import annotations
 
 import json
@@ -41,20 +42,32 @@ from llmpar.checkpoint.shards import extras_names
 from llmpar.checkpoint.view import EngineView
 
 logger = logging.getLogger("llmpar")
+
+
 def safe_open(path: str, framework: str = "pt") -> Any:
     """``safetensors.safe_open`` (imported when first used: safetensors is optional), a clear ImportError without."""
     try:
         import safetensors
     except ImportError as e:
-        raise ImportError(f"loading HuggingFace weights needs the safetensors package ({e}): pip install "
-                          "safetensors") from e
+        raise ImportError(
+            f"loading HuggingFace weights needs the safetensors package ({e}): pip install safetensors"
+        ) from e
     return safetensors.safe_open(path, framework=framework)
 
 
 REOPEN = 64 << 20  # bytes read before the open files are closed (their mapped pages let go)
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool}
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
 
 def weight_files(path: str) -> dict[str, str]:
@@ -81,8 +94,10 @@ def weight_files(path: str) -> dict[str, str]:
     if os.path.isfile(single):
         return weight_files(single)
     found = sorted(os.listdir(path))[:8] if os.path.isdir(path) else "nothing (no such directory)"
-    raise CheckpointError(f"path={path!r} is not HuggingFace safetensors weights (model.safetensors, or "
-                          f"model.safetensors.index.json with its shards): it holds {found}")
+    raise CheckpointError(
+        f"path={path!r} is not HuggingFace safetensors weights (model.safetensors, or "
+        f"model.safetensors.index.json with its shards): it holds {found}"
+    )
 
 
 class SliceReader:
@@ -133,12 +148,12 @@ class SliceReader:
             dim, chunk, full = spec["dim"], spec["padded"] // cut.tp, spec["full"]
             lo = cut.rank * chunk
             if dim == 0:  # rows [lo + r0, lo + r1) of the full tensor, those past ``full`` are padding
-                got = self._count(self._file(name).get_slice(name)[min(lo + r0, full):min(lo + r1, full)])
+                got = self._count(self._file(name).get_slice(name)[min(lo + r0, full) : min(lo + r1, full)])
                 rows = _pad(got, 0, r1 - r0)
             else:
                 index = (slice(r0, r1),) + (slice(None),) * (dim - 1) + (slice(min(lo, full), min(lo + chunk, full)),)
                 rows = _pad(self._count(self._file(name).get_slice(name)[index]), dim, chunk)
-        return rows.reshape(-1)[a - r0 * inner:z - r0 * inner]
+        return rows.reshape(-1)[a - r0 * inner : z - r0 * inner]
 
 
 def _pad(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
@@ -163,12 +178,15 @@ class _Source:
     def check(self, local: str) -> None:
         name, cut = self.view.saved_name[local], self.cuts[local]
         if name not in self.reader.where:
-            raise CheckpointError(f"param {name!r} of this model is not in the HuggingFace weights (files "
-                                  f"{sorted(set(self.reader.where.values()))[:3]})")
+            raise CheckpointError(
+                f"param {name!r} of this model is not in the HuggingFace weights (files "
+                f"{sorted(set(self.reader.where.values()))[:3]})"
+            )
         here, (there, _) = full_shape(cut.shape, cut.spec), self.reader.header(name)
         if here != there:
-            raise CheckpointError(f"param {name!r} has full shape {here} here (tp={cut.tp}) but {there} in "
-                                  f"{self.reader.where[name]}")
+            raise CheckpointError(
+                f"param {name!r} has full shape {here} here (tp={cut.tp}) but {there} in {self.reader.where[name]}"
+            )
 
     def get(self, local: str, key: str, a: int, z: int) -> torch.Tensor | None:
         if key == "master":
@@ -195,25 +213,40 @@ def load_hf_weights(engine: Checkpointable, path: str, *, strict: bool = True) -
             for slot in b["params"]:
                 src.check(slot["name"])
         targets, frozen = view.targets(), opt.frozen_shapes()
-        unsaved = set(engine.checkpoint_model().get("unsaved_buffers", ())) if isinstance(
-            engine, DescribesModel) else set()
+        unsaved = (
+            set(engine.checkpoint_model().get("unsaved_buffers", ())) if isinstance(engine, DescribesModel) else set()
+        )
         for name in set(extras_names(targets, set(view.saved_name.values()) | set(frozen))) | set(frozen):
             if name in unsaved or name not in where:
                 continue  # a buffer the files lack keeps its value (HF writes no non-persistent buffers)
             shape = frozen.get(name, tuple(targets[name][0].shape) if name in targets else None)
             if src.reader.header(name)[0] != tuple(shape or ()):
-                raise CheckpointError(f"{name!r} has shape {src.reader.header(name)[0]} in {where[name]} and "
-                                      f"{shape} here")
+                raise CheckpointError(
+                    f"{name!r} has shape {src.reader.header(name)[0]} in {where[name]} and {shape} here"
+                )
             extras[name] = shape
-    view.unexpected(sorted(where), strict=strict, where=f"the HuggingFace weights {path}", show=lambda n: str(n[:8]),
-                    noun="tensors", call="load_hf_weights")
+    view.unexpected(
+        sorted(where),
+        strict=strict,
+        where=f"the HuggingFace weights {path}",
+        show=lambda n: str(n[:8]),
+        noun="tensors",
+        call="load_hf_weights",
+    )
     with files.all_or_mixed(g, path, "weights"):  # agreed before the stage-3 re-gather: no rank waits alone
         opt.load_pieces(src.get, lambda local: 0.0)
         view.put_extras({name: src.reader.whole(name) for name in extras})
     opt.after_load()
     if g.rank0:
-        logger.info("loaded HuggingFace weights %s at pp=%d dp=%d tp=%d stage %d: %d bytes read on rank 0", path,
-                    g.pp, g.dp, g.tp, opt.stage, src.reader.bytes_read)
+        logger.info(
+            "loaded HuggingFace weights %s at pp=%d dp=%d tp=%d stage %d: %d bytes read on rank 0",
+            path,
+            g.pp,
+            g.dp,
+            g.tp,
+            opt.stage,
+            src.reader.bytes_read,
+        )
     return {"bytes_read": src.reader.bytes_read, "largest_read": src.reader.largest_read, "tensors": len(where)}
 
 

@@ -22,6 +22,7 @@ all files are written) a sample is reloaded through safetensors and compared bit
 source: in each file the smallest tensor whole and the first rows of the largest. A file that differs raises a
 ``CheckpointError`` naming the file and tensor; the half-written ``.tmp`` files are removed.
 """
+
 from __future__ import annotations
 
 import json
@@ -40,9 +41,18 @@ from llmpar.checkpoint.files import CheckpointError
 DEPTH = 2  # pieces waiting for the writer thread
 WINDOW = 64 << 20  # bytes mapped at a time when a file is read back
 SAMPLE_ELEMS = 1 << 16  # elements of each file's largest tensor reloaded by the sample (whole rows)
-ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-             torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-             torch.bool: "BOOL"}
+ST_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 
 
 class Crc32:
@@ -94,8 +104,10 @@ def header(meta: dict[str, torch.Tensor], names: list[str]) -> tuple[bytes, list
     at, spans = 0, []
     for n in names:
         if meta[n].dtype not in ST_DTYPES:
-            raise CheckpointError(f"convert: {n!r} is {meta[n].dtype}, which this writer does not write "
-                                  f"(one of {sorted(map(str, ST_DTYPES))})")
+            raise CheckpointError(
+                f"convert: {n!r} is {meta[n].dtype}, which this writer does not write "
+                f"(one of {sorted(map(str, ST_DTYPES))})"
+            )
         size = meta[n].numel() * meta[n].element_size()
         head[n] = {"dtype": ST_DTYPES[meta[n].dtype], "shape": list(meta[n].shape), "data_offsets": [at, at + size]}
         spans.append((at, at + size))
@@ -112,8 +124,14 @@ def pwrite_all(fd: int, data: memoryview, at: int) -> None:
         data, at = data[n:], at + n
 
 
-def write_file(path: str, src: PieceSource, names: list[str], bar: Any, writer: ThreadPoolExecutor,
-               checker: ThreadPoolExecutor | None = None) -> tuple[dict[str, int], list[Future]]:
+def write_file(
+    path: str,
+    src: PieceSource,
+    names: list[str],
+    bar: Any,
+    writer: ThreadPoolExecutor,
+    checker: ThreadPoolExecutor | None = None,
+) -> tuple[dict[str, int], list[Future]]:
     """One safetensors file of ``names`` from ``src`` at ``path + ".tmp"`` (module docstring): ({name: digest of the
     bytes sent}, the checks started on ``checker``: each tensor's bytes read back once written, then the header).
     The caller waits for the checks and renames the file into place."""
@@ -138,8 +156,11 @@ def write_file(path: str, src: PieceSource, names: list[str], bar: Any, writer: 
                     pending.popleft().result()
             digests[n] = h.intdigest()
             if checker is not None:  # the writer runs in order: once its last write is done, the tensor is there
-                checks.append(checker.submit(_check_after, pending[-1] if pending else None, check_bytes, tmp, n,
-                                             first, at, digests[n]))
+                checks.append(
+                    checker.submit(
+                        _check_after, pending[-1] if pending else None, check_bytes, tmp, n, first, at, digests[n]
+                    )
+                )
         while pending:
             pending.popleft().result()
     finally:
@@ -162,11 +183,12 @@ def _file_digest(fd: int, a: int, z: int) -> int:
     a0, h = a - a % mmap.ALLOCATIONGRANULARITY, new_digest()
     while a < z:
         b = min(z, a0 + WINDOW)
-        with mmap.mmap(fd, b - a0, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=mmap.PROT_READ,
-                       offset=a0) as m:
+        with mmap.mmap(
+            fd, b - a0, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=mmap.PROT_READ, offset=a0
+        ) as m:
             view = memoryview(m)
             try:
-                h.update(view[a - a0:])
+                h.update(view[a - a0 :])
             finally:
                 view.release()
         a = a0 = b
@@ -178,8 +200,10 @@ def check_bytes(path: str, name: str, a: int, z: int, want: int) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         if os.fstat(fd).st_size < z or _file_digest(fd, a, z) != want:
-            raise CheckpointError(f"convert: the bytes of {name!r} read back from {path} differ from those written "
-                                  f"({getattr(new_digest(), 'name', 'digest')})")
+            raise CheckpointError(
+                f"convert: the bytes of {name!r} read back from {path} differ from those written "
+                f"({getattr(new_digest(), 'name', 'digest')})"
+            )
     finally:
         os.close(fd)
 
@@ -199,8 +223,10 @@ def check_header(path: str, meta: dict[str, torch.Tensor], names: list[str]) -> 
         for n in names:
             s = f.get_slice(n)
             if tuple(s.get_shape()) != tuple(meta[n].shape) or s.get_dtype() != ST_DTYPES[meta[n].dtype]:
-                raise CheckpointError(f"convert: {n!r} in {path} is {s.get_dtype()} {tuple(s.get_shape())}, the "
-                                      f"source {meta[n].dtype} {tuple(meta[n].shape)}")
+                raise CheckpointError(
+                    f"convert: {n!r} in {path} is {s.get_dtype()} {tuple(s.get_shape())}, the "
+                    f"source {meta[n].dtype} {tuple(meta[n].shape)}"
+                )
     head, _ = header(meta, names)
     want = len(head) + sum(meta[n].numel() * meta[n].element_size() for n in names)
     if os.path.getsize(path) != want:
@@ -258,8 +284,10 @@ def write_shards(out_dir: str, plan: dict[str, list[str]], src: PieceSource, bar
     checks: list[Future] = []
     paths = [os.path.join(out_dir, f) for f in plan]
     try:
-        with ThreadPoolExecutor(1, thread_name_prefix="llmpar-write") as writer, \
-                ThreadPoolExecutor(1, thread_name_prefix="llmpar-check") as checker:
+        with (
+            ThreadPoolExecutor(1, thread_name_prefix="llmpar-write") as writer,
+            ThreadPoolExecutor(1, thread_name_prefix="llmpar-check") as checker,
+        ):
             for path, names in zip(paths, plan.values()):
                 checks += write_file(path, src, names, bar, writer, checker)[1]
                 for c in checks:  # a file that failed its check already: stop before writing the next
@@ -279,6 +307,20 @@ def write_shards(out_dir: str, plan: dict[str, list[str]], src: PieceSource, bar
     return paths
 
 
-__all__ = ["DEPTH", "ST_DTYPES", "WINDOW", "Crc32", "PieceSource", "as_bytes", "check_bytes", "check_file",
-           "check_header", "digest", "header", "new_digest", "sample",
-           "write_file", "write_shards"]
+__all__ = [
+    "DEPTH",
+    "ST_DTYPES",
+    "WINDOW",
+    "Crc32",
+    "PieceSource",
+    "as_bytes",
+    "check_bytes",
+    "check_file",
+    "check_header",
+    "digest",
+    "header",
+    "new_digest",
+    "sample",
+    "write_file",
+    "write_shards",
+]

@@ -30,6 +30,7 @@ files instead of ``metadata.json`` (``ds_files.py``) is loaded by ``ds_load.py``
 DeepSpeed's universal layout (``zero/<param>/fp32.pt``, found also through ``latest_universal``) by
 ``universal_read.py``, a ``torch.distributed.checkpoint`` directory by ``dcp_load.py``.
 """
+
 from __future__ import annotations
 
 import logging
@@ -60,8 +61,9 @@ def _names(names: list[str], limit: int = 8) -> str:
     return f"{sorted(names)[:limit]}" + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def _plan(view: EngineView, path: str, meta: dict, strict: bool
-          ) -> tuple[CheckpointReader, dict[str, Cut], set[str], set[str]]:
+def _plan(
+    view: EngineView, path: str, meta: dict, strict: bool
+) -> tuple[CheckpointReader, dict[str, Cut], set[str], set[str]]:
     """The reader, this rank's cuts, the set of files it will read and the optimizer names of this rank's params the
     checkpoint lacks (kept as they are; an error when ``strict``); raises on a layout that cannot be loaded."""
     reader = CheckpointReader(path, meta)
@@ -79,16 +81,25 @@ def _plan(view: EngineView, path: str, meta: dict, strict: bool
             present.append(name)
         for key in required:
             if any(not reader.has(name, key) for name in present):
-                raise CheckpointError(f"{path} has no {key!r} state for buffer of mode {b['mode']!r}: saved modes "
-                                      f"{sorted({x['mode'] for x in meta['layout']['buffers']})}")
+                raise CheckpointError(
+                    f"{path} has no {key!r} state for buffer of mode {b['mode']!r}: saved modes "
+                    f"{sorted({x['mode'] for x in meta['layout']['buffers']})}"
+                )
     _note_state_precision(view, meta, path)
     lacking = sorted(set(missing.values()) | _missing_extras(view, meta))
     if lacking and strict:
-        raise CheckpointError(f"{len(lacking)} params / buffers of this model are not in {path}: {_names(lacking)} "
-                              f"(load_checkpoint(..., strict=False) keeps their current values)")
+        raise CheckpointError(
+            f"{len(lacking)} params / buffers of this model are not in {path}: {_names(lacking)} "
+            f"(load_checkpoint(..., strict=False) keeps their current values)"
+        )
     if lacking:
-        logger.warning("load_checkpoint(strict=False): %d params / buffers of this model are not in %s, they keep "
-                       "their current values: %s", len(lacking), path, _names(lacking))
+        logger.warning(
+            "load_checkpoint(strict=False): %d params / buffers of this model are not in %s, they keep "
+            "their current values: %s",
+            len(lacking),
+            path,
+            _names(lacking),
+        )
     for local, a, z in view.opt.checkpoint_reads():
         if local not in missing:
             need |= reader.files_for(view.saved_name[local], a, z, cuts[local])
@@ -109,9 +120,14 @@ def _note_state_precision(view: EngineView, meta: dict, path: str) -> None:
     here = sorted({str(b["mode"]) for b in view.layout})
     first = view.grid.dp_rank == view.grid.tp_rank == view.grid.pp_rank == 0
     if saved != here and {"int8", "int4"} & {*saved, *here} and first:
-        logger.info("load_checkpoint: %s was saved with optimizer states %s, this run keeps %s: the moments load as "
-                    "their float32 values%s", path, saved, here,
-                    ", re-quantized in this run's blocks" if {"int8", "int4"} & set(here) else "")
+        logger.info(
+            "load_checkpoint: %s was saved with optimizer states %s, this run keeps %s: the moments load as "
+            "their float32 values%s",
+            path,
+            saved,
+            here,
+            ", re-quantized in this run's blocks" if {"int8", "int4"} & set(here) else "",
+        )
 
 
 def _missing_extras(view: EngineView, meta: dict) -> set[str]:
@@ -212,8 +228,9 @@ def _extras(view: EngineView, reader: CheckpointReader, strict: bool) -> dict[st
 
 
 @torch.no_grad()
-def _apply(view: EngineView, reader: CheckpointReader, cuts: dict[str, Cut], keep: set[str],
-           extras: dict[str, torch.Tensor]) -> None:
+def _apply(
+    view: EngineView, reader: CheckpointReader, cuts: dict[str, Cut], keep: set[str], extras: dict[str, torch.Tensor]
+) -> None:
     """This rank's params, optimizer states and steps (through ``load_pieces``; the params in ``keep`` are not in
     the checkpoint and stay as they are), module buffers and frozen params."""
     opt = view.opt
@@ -240,9 +257,11 @@ def _open(g: Grid, load_dir: str, tag: str | None, universal: bool = False) -> t
         uni_path = universal_read.resolve(load_dir, tag)  # DeepSpeed's universal layout (zero/<param>/...)
         if universal and uni_path is None:
             where = os.path.join(str(load_dir), tag) if tag is not None else str(load_dir)
-            raise CheckpointError(f'"checkpoint.load_universal"=true: {where} is not a universal checkpoint (no '
-                                  "zero/ folder beside a model states file); convert it with ds_to_universal or "
-                                  "`llmpar checkpoint convert --to universal`, or set load_universal to false")
+            raise CheckpointError(
+                f'"checkpoint.load_universal"=true: {where} is not a universal checkpoint (no '
+                "zero/ folder beside a model states file); convert it with ds_to_universal or "
+                "`llmpar checkpoint convert --to universal`, or set load_universal to false"
+            )
         ds_path = ds_files.resolve(load_dir, tag)  # no metadata.json but DeepSpeed's files: ds_load.py
         dcp_path = dcp_format.resolve(load_dir, tag)  # torch.distributed.checkpoint's files: dcp_load.py
         if uni_path is not None:
@@ -267,22 +286,38 @@ def _open(g: Grid, load_dir: str, tag: str | None, universal: bool = False) -> t
         by: dict[str, list[str]] = {}
         for i, c in enumerate(chosen):
             by.setdefault(c, []).append(files.rank_name(g, i))
-        raise CheckpointError("the ranks would load different checkpoints, none was loaded: " + "; ".join(
-            f"{', '.join(r)}: {c}" for c, r in by.items()) + f" (tag={tag!r}: pass the same tag on every rank; "
+        raise CheckpointError(
+            "the ranks would load different checkpoints, none was loaded: "
+            + "; ".join(f"{', '.join(r)}: {c}" for c, r in by.items())
+            + f" (tag={tag!r}: pass the same tag on every rank; "
             f"with tag=None every rank reads {os.path.join(str(load_dir), files.LATEST)}, which a save running at "
-            f"the same time may move)")
+            f"the same time may move)"
+        )
     assert meta is not None
     if g.rank0:
         for t in publish.unpublished(os.path.dirname(path)):
-            logger.warning("%s holds a complete save of tag %r that was never published (the run ended before its "
-                           "publish): `llmpar checkpoint publish %s %s` publishes it, the next save into %s deletes "
-                           "it", os.path.join(os.path.dirname(path), files.TMP_PREFIX + t), t,
-                           os.path.dirname(path), t, os.path.dirname(path))
+            logger.warning(
+                "%s holds a complete save of tag %r that was never published (the run ended before its "
+                "publish): `llmpar checkpoint publish %s %s` publishes it, the next save into %s deletes "
+                "it",
+                os.path.join(os.path.dirname(path), files.TMP_PREFIX + t),
+                t,
+                os.path.dirname(path),
+                t,
+                os.path.dirname(path),
+            )
     return path, meta
 
 
-def load_checkpoint(engine: Checkpointable, load_dir: str, tag: str | None = None, *, strict: bool = True,
-                    scheduler: bool = True, universal: bool = False) -> tuple[str, dict | None]:
+def load_checkpoint(
+    engine: Checkpointable,
+    load_dir: str,
+    tag: str | None = None,
+    *,
+    strict: bool = True,
+    scheduler: bool = True,
+    universal: bool = False,
+) -> tuple[str, dict | None]:
     """Load checkpoint ``load_dir/tag`` (default: the one ``load_dir/latest`` names, read exactly) into ``engine``.
     Returns ``(path, client_state)``. Collective over the engine's dp, tp (and pp) groups. A ``tag`` that is not a
     plain directory name (``files.check_tag``) is a ValueError naming it, raised by each rank before any collective.
@@ -319,8 +354,12 @@ def load_checkpoint(engine: Checkpointable, load_dir: str, tag: str | None = Non
     code = 0
     sched = engine.lr_scheduler if scheduler else None
     try:
-        metacheck.check_engine(meta, os.path.join(path, files.METADATA), engine.checkpoint_counters(),
-                               None if sched is None else sched.state_dict())
+        metacheck.check_engine(
+            meta,
+            os.path.join(path, files.METADATA),
+            engine.checkpoint_counters(),
+            None if sched is None else sched.state_dict(),
+        )
         reader, cuts, need, keep = _plan(view, path, meta, strict)
         for fname in sorted(need):
             why = reader.files.check(fname)
@@ -351,13 +390,19 @@ def load_checkpoint(engine: Checkpointable, load_dir: str, tag: str | None = Non
         raise CheckpointError(f"checkpoint shard {os.path.join(path, fname)} {why}")
     problems = [files.agreed_error(err, g)] if code else []
     if unexpected and strict:
-        problems.append(f"{len(unexpected)} params / buffers in {path} are in no rank's model: "
-                        f"{_names(unexpected)} (load_checkpoint(..., strict=False) ignores them)")
+        problems.append(
+            f"{len(unexpected)} params / buffers in {path} are in no rank's model: "
+            f"{_names(unexpected)} (load_checkpoint(..., strict=False) ignores them)"
+        )
     if problems:
         raise CheckpointError("; ".join(problems))
     if unexpected and g.rank0:
-        logger.warning("load_checkpoint(strict=False): %d params / buffers in %s are in no rank's model, ignored: %s",
-                       len(unexpected), path, _names(unexpected))
+        logger.warning(
+            "load_checkpoint(strict=False): %d params / buffers in %s are in no rank's model, ignored: %s",
+            len(unexpected),
+            path,
+            _names(unexpected),
+        )
     assert reader is not None
     reader.files.trust()  # every block read was hashed by one rank, and none differed
 
@@ -375,12 +420,26 @@ def load_checkpoint(engine: Checkpointable, load_dir: str, tag: str | None = Non
     if rng is not None:
         set_rng_state(rng)
     else:
-        logger.warning("load_checkpoint: the saved run had no rank pp=%d dp=%d tp=%d: RNG states not restored",
-                       g.pp_rank, g.dp_rank, g.tp_rank)
+        logger.warning(
+            "load_checkpoint: the saved run had no rank pp=%d dp=%d tp=%d: RNG states not restored",
+            g.pp_rank,
+            g.dp_rank,
+            g.tp_rank,
+        )
     client = None
     if files.CLIENT_STATE in meta["files"]:
         client = files.load_file(os.path.join(path, files.CLIENT_STATE), mmap=False)
     if g.rank0:
-        logger.info("loaded checkpoint %s (saved at pp=%d dp=%d tp=%d stage %d, loaded at pp=%d dp=%d tp=%d stage %d)",
-                    path, meta.get("pp", 1), meta["dp"], meta["tp"], meta["stage"], g.pp, g.dp, g.tp, opt.stage)
+        logger.info(
+            "loaded checkpoint %s (saved at pp=%d dp=%d tp=%d stage %d, loaded at pp=%d dp=%d tp=%d stage %d)",
+            path,
+            meta.get("pp", 1),
+            meta["dp"],
+            meta["tp"],
+            meta["stage"],
+            g.pp,
+            g.dp,
+            g.tp,
+            opt.stage,
+        )
     return path, client

@@ -12,6 +12,7 @@ Optional fields (older formats lack them) are checked when present: ``pp``, ``ex
 ``pp_rank`` / ``index``, a param's ``tp`` / ``dup``; a rank file entry's ``sha256`` (formats 1-2) or
 ``index_sha256`` (format 3).
 """
+
 from __future__ import annotations
 
 import os
@@ -32,14 +33,17 @@ class _Fields:
     def fail(self, field: str, value: Any, want: str) -> NoReturn:
         shown = repr(value)
         shown = shown if len(shown) <= 80 else shown[:77] + "..."
-        raise CheckpointError(f"{self.where}: {field} is {shown}, expected {want}: the checkpoint's metadata is "
-                              f"malformed (its digest matches: it was written so, or edited and re-digested); "
-                              f"nothing was loaded")
+        raise CheckpointError(
+            f"{self.where}: {field} is {shown}, expected {want}: the checkpoint's metadata is "
+            f"malformed (its digest matches: it was written so, or edited and re-digested); "
+            f"nothing was loaded"
+        )
 
     def get(self, obj: dict, key: str, field: str) -> Any:
         if key not in obj:
-            raise CheckpointError(f"{self.where}: {field} is missing: the checkpoint's metadata is malformed; "
-                                  f"nothing was loaded")
+            raise CheckpointError(
+                f"{self.where}: {field} is missing: the checkpoint's metadata is malformed; nothing was loaded"
+            )
         return obj[key]
 
     def obj(self, value: Any, field: str) -> dict:
@@ -174,8 +178,11 @@ def _param(f: _Fields, slot: Any, field: str, padded: list[int]) -> None:
     for d in shape:
         numel *= d
     if offset + numel > padded[unit]:
-        f.fail(field, {"offset": offset, "shape": shape, "unit": unit},
-               f"a param inside its unit ({padded[unit]} elements, padded)")
+        f.fail(
+            field,
+            {"offset": offset, "shape": shape, "unit": unit},
+            f"a param inside its unit ({padded[unit]} elements, padded)",
+        )
     spec = slot.get("tp")
     if spec is not None:
         spec = f.obj(spec, f"{field}.tp")

@@ -18,6 +18,7 @@ target repairs what a killed one left: a ``.NAME.old-*`` copy whose target is mi
 
 A target that is a symlink to a directory: the directory it names is replaced (built beside it), the link kept.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -54,14 +55,15 @@ def check_target(out_dir: str, overwrite: bool, source: str | None = None) -> st
     found = sorted(os.listdir(target)) if os.path.isdir(target) else []
     if found and not overwrite:
         shown = ", ".join(found[:8]) + (f" and {len(found) - 8} more" if len(found) > 8 else "")
-        raise ValueError(f"output directory {out_dir} is not empty (it holds {shown}): pass overwrite=True "
-                         "(--overwrite) to replace it whole, or choose an empty or new directory")
+        raise ValueError(
+            f"output directory {out_dir} is not empty (it holds {shown}): pass overwrite=True "
+            "(--overwrite) to replace it whole, or choose an empty or new directory"
+        )
     return target
 
 
 @contextlib.contextmanager
-def staged(out_dir: str, *, overwrite: bool = False, source: str | None = None, what: str = "write"
-           ) -> Iterator[str]:
+def staged(out_dir: str, *, overwrite: bool = False, source: str | None = None, what: str = "write") -> Iterator[str]:
     """Yield a new empty directory beside ``out_dir``; when the block ends without an error it replaces
     ``out_dir`` whole (module docstring), else it is removed. ``overwrite``: replace a non-empty ``out_dir``;
     ``source``: the checkpoint read, which ``out_dir`` must not hold. A failed write into the new directory (a full
@@ -106,8 +108,10 @@ def _named(e: OSError, tmp: str, out_dir: str, what: str) -> BaseException:
         return e
     where = moved([name], tmp, out_dir)[0] if inside else os.fspath(out_dir)  # type: ignore[list-item]
     code = errno.errorcode.get(e.errno, e.errno) if e.errno is not None else type(e).__name__
-    return CheckpointError(f"{what}: cannot write {where}: {e.strerror or e} ({code}); nothing of this {what} was "
-                           f"left in place, {out_dir} is as it was")
+    return CheckpointError(
+        f"{what}: cannot write {where}: {e.strerror or e} ({code}); nothing of this {what} was "
+        f"left in place, {out_dir} is as it was"
+    )
 
 
 def moved(paths: list[str], tmp: str, out_dir: str) -> list[str]:
@@ -170,8 +174,7 @@ def _repair(target: str) -> None:
         path = os.path.join(parent, name)
         if m.group(1) == "old" and not os.path.lexists(target):
             os.rename(path, target)
-            logger.warning("put %s back as %s (a conversion into it was stopped between its two renames)", path,
-                           target)
+            logger.warning("put %s back as %s (a conversion into it was stopped between its two renames)", path, target)
         else:
             shutil.rmtree(path, ignore_errors=True)
 

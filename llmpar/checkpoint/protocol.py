@@ -25,6 +25,7 @@ and an element range ``[start, stop)`` of its flat (``reshape(-1)``) view, whate
 The protocols are structural (``typing.Protocol``): an implementation needs no import of this module, and the data
 crossing the seam is plain (str, int, tuples, dicts, CPU tensors).
 """
+
 from __future__ import annotations
 
 import threading
@@ -73,12 +74,16 @@ class Grid:
     @classmethod
     def of(cls, dp_group: Group, tp_group: Group | None, pp_group: Group | None, device: torch.device) -> "Grid":
         """The grid of a dp group and optional tp / pp groups (None: degree 1)."""
-        return cls(groups=[g for g in (dp_group, tp_group, pp_group) if g is not None],
-                   dp_rank=group_rank(dp_group), dp=group_size(dp_group),
-                   tp_rank=group_rank(tp_group) if tp_group is not None else 0,
-                   tp=group_size(tp_group) if tp_group is not None else 1,
-                   pp_rank=group_rank(pp_group) if pp_group is not None else 0,
-                   pp=group_size(pp_group) if pp_group is not None else 1, device=device)
+        return cls(
+            groups=[g for g in (dp_group, tp_group, pp_group) if g is not None],
+            dp_rank=group_rank(dp_group),
+            dp=group_size(dp_group),
+            tp_rank=group_rank(tp_group) if tp_group is not None else 0,
+            tp=group_size(tp_group) if tp_group is not None else 1,
+            pp_rank=group_rank(pp_group) if pp_group is not None else 0,
+            pp=group_size(pp_group) if pp_group is not None else 1,
+            device=device,
+        )
 
     @property
     def rank0(self) -> bool:
@@ -247,5 +252,17 @@ class DescribesModel(Protocol):
         ...
 
 
-__all__ = ["CheckpointOptimizer", "Checkpointable", "DescribesModel", "FaultHook", "Fetch", "Grid", "HeldPiece",
-           "PendingSave", "Piece", "SchedulerState", "ShardViews", "StepOf"]
+__all__ = [
+    "CheckpointOptimizer",
+    "Checkpointable",
+    "DescribesModel",
+    "FaultHook",
+    "Fetch",
+    "Grid",
+    "HeldPiece",
+    "PendingSave",
+    "Piece",
+    "SchedulerState",
+    "ShardViews",
+    "StepOf",
+]

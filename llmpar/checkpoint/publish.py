@@ -21,6 +21,7 @@ is: a re-save moves the link aside as ``.old-TAG`` and, once the new copy is in,
 is a real directory ``DIR/TAG`` next to ``latest`` (its files written and renamed on the save directory's file
 system), and the link's target, the previous copy, is left as it is: nothing is ever deleted through a link.
 """
+
 from __future__ import annotations
 
 import glob
@@ -89,9 +90,9 @@ def state(tmp: str) -> tuple[bool, list[str], dict[str, str]]:
     for marker in glob.glob(os.path.join(glob.escape(tmp), "*" + files.FAILED)):
         try:
             with open(marker) as f:
-                failed[os.path.basename(marker)[:-len(files.FAILED)]] = f.read().strip()
+                failed[os.path.basename(marker)[: -len(files.FAILED)]] = f.read().strip()
         except OSError:
-            failed[os.path.basename(marker)[:-len(files.FAILED)]] = "(unreadable)"
+            failed[os.path.basename(marker)[: -len(files.FAILED)]] = "(unreadable)"
     if files.complete(tmp):
         return True, [], failed
     try:
@@ -117,8 +118,12 @@ def assemble(tmp: str) -> dict:
     if files.complete(tmp):
         return files.read_metadata(tmp)
     if not done:
-        raise CheckpointError(f"{tmp} is not complete: " + "; ".join(
-            ([f"missing {', '.join(missing)}"] if missing else []) + [f"{n} failed: {e}" for n, e in failed.items()]))
+        raise CheckpointError(
+            f"{tmp} is not complete: "
+            + "; ".join(
+                ([f"missing {', '.join(missing)}"] if missing else []) + [f"{n} failed: {e}" for n, e in failed.items()]
+            )
+        )
     with open(os.path.join(tmp, files.PART)) as f:
         part = json.load(f)
     meta, grid = part["meta"], part
@@ -162,7 +167,7 @@ def unpublished(save_dir: str) -> list[str]:
     """Tags of ``save_dir`` whose save is complete in ``.tmp-TAG`` but was never published."""
     out = []
     for tmp in sorted(glob.glob(os.path.join(glob.escape(save_dir), files.TMP_PREFIX + "*"))):
-        tag = os.path.basename(tmp)[len(files.TMP_PREFIX):]
+        tag = os.path.basename(tmp)[len(files.TMP_PREFIX) :]
         if os.path.isdir(tmp) and state(tmp)[0] and not os.path.exists(os.path.join(save_dir, tag)):
             out.append(tag)
     return out
@@ -177,17 +182,22 @@ def cleanup(save_dir: str) -> None:
         try:
             if name.startswith(files.TMP_PREFIX) and (os.path.isdir(path) or os.path.islink(path)):
                 if state(path)[0]:
-                    logger.warning("deleting %s: a complete save of tag %r that was never published (a newer "
-                                   "checkpoint was saved since)", path, name[len(files.TMP_PREFIX):])
+                    logger.warning(
+                        "deleting %s: a complete save of tag %r that was never published (a newer "
+                        "checkpoint was saved since)",
+                        path,
+                        name[len(files.TMP_PREFIX) :],
+                    )
                 files.remove_path(path)
             elif name.startswith(files.OLD_PREFIX) and (os.path.isdir(path) or os.path.islink(path)):
-                final = os.path.join(save_dir, name[len(files.OLD_PREFIX):])
+                final = os.path.join(save_dir, name[len(files.OLD_PREFIX) :])
                 if files.complete(final) or not os.path.exists(path):  # or a dangling link: nothing to put back
                     files.remove_path(path)
                 elif files.complete(path) and not os.path.exists(final):
                     os.rename(path, final)
-                    logger.warning("put %s back as %s (a re-save of that tag had stopped between its renames)",
-                                   path, final)
+                    logger.warning(
+                        "put %s back as %s (a re-save of that tag had stopped between its renames)", path, final
+                    )
             elif name == files.LATEST + ".tmp":
                 os.remove(path)
         except OSError as e:  # cleaning is best effort: the checkpoint itself is published

@@ -13,6 +13,7 @@ tp ranks whose chunks overlap it; replicated params come from tp rank 0's files 
 equals this run's, which keeps a same-layout load bitwise). Optimizer states (``exp_avg``, ``exp_avg_sq``,
 ``master``, ...) are cut exactly like the params.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -97,8 +98,10 @@ class CheckpointReader:
     def full_shape(self, name: str) -> tuple[int, ...]:
         spec = self.spec(name)
         if spec == UNKNOWN:
-            raise CheckpointError(f"{self.path} (tp={self.tp}) does not record how {name!r} is split over tp: it "
-                                  "loads at the same tp only")
+            raise CheckpointError(
+                f"{self.path} (tp={self.tp}) does not record how {name!r} is split over tp: it "
+                "loads at the same tp only"
+            )
         return full_shape(self.shape(name), spec)  # type: ignore[arg-type]
 
     def check(self, name: str, cut: Cut) -> None:
@@ -111,11 +114,15 @@ class CheckpointReader:
         here = full_shape(cut.shape, cut.spec)
         there = self.full_shape(name)
         if here != there:
-            raise CheckpointError(f"param {name!r} has full shape {here} here (tp={cut.tp}) but {there} in "
-                                  f"{self.path} (tp={self.tp}): it cannot be resharded")
+            raise CheckpointError(
+                f"param {name!r} has full shape {here} here (tp={cut.tp}) but {there} in "
+                f"{self.path} (tp={self.tp}): it cannot be resharded"
+            )
         if isinstance(spec, dict) and cut.spec is not None and spec["dim"] != cut.spec["dim"]:
-            raise CheckpointError(f"param {name!r} is split along dim {cut.spec['dim']} here but along dim "
-                                  f"{spec['dim']} in {self.path}: it cannot be resharded")
+            raise CheckpointError(
+                f"param {name!r} is split along dim {cut.spec['dim']} here but along dim "
+                f"{spec['dim']} in {self.path}: it cannot be resharded"
+            )
 
     def _route(self, name: str, cut: Cut) -> tuple[int, ...]:
         """``(t,)``: read the same elements from saved tp rank t; ``(dim, lo, hi)``: rows [lo, hi) along ``dim`` of
@@ -139,8 +146,11 @@ class CheckpointReader:
             stop = min(hi, self.shape(name)[dim])
             return [(0, lo, stop)] if lo < stop else []
         c, stop = self.shape(name)[dim], min(hi, spec["full"])
-        return [(t, max(lo, t * c) - t * c, min(stop, (t + 1) * c) - t * c)
-                for t in range(lo // c, -(-stop // c))] if lo < stop else []
+        return (
+            [(t, max(lo, t * c) - t * c, min(stop, (t + 1) * c) - t * c) for t in range(lo // c, -(-stop // c))]
+            if lo < stop
+            else []
+        )
 
     # ------------------------------------------------------------------ reads
     def files_for(self, name: str, a: int, z: int, cut: Cut) -> set[str]:

@@ -38,6 +38,7 @@ run. A process killed before that leaves the previous checkpoint ``latest`` and 
 ``.tmp-TAG``: ``load_checkpoint`` warns about such a complete, never published save, ``llmpar checkpoint publish DIR
 TAG`` publishes it, the next successful save deletes it.
 """
+
 from __future__ import annotations
 
 import copy
@@ -66,12 +67,20 @@ def _metadata(engine: Checkpointable, tag: str, g: Grid) -> dict:
     opt = engine.optimizer
     sched = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
     return {
-        "format": files.FORMAT_VERSION, "tag": tag, "stage": opt.stage, "dp": g.dp, "tp": g.tp, "pp": g.pp,
-        **opt.checkpoint_facts(), "layout": {"stage": opt.stage, "dp": opt.dp},
+        "format": files.FORMAT_VERSION,
+        "tag": tag,
+        "stage": opt.stage,
+        "dp": g.dp,
+        "tp": g.tp,
+        "pp": g.pp,
+        **opt.checkpoint_facts(),
+        "layout": {"stage": opt.stage, "dp": opt.dp},
         "param_groups": [{k: g[k] for k in ("lr", "betas", "eps", "weight_decay")} for g in opt.param_groups],
         "engine": engine.checkpoint_counters(),
         "optimizer": {"skipped_steps": opt.skipped_steps, "last_grad_norm": opt.last_grad_norm},
-        "scheduler": sched, "files": {}, **model_facts(engine),
+        "scheduler": sched,
+        "files": {},
+        **model_facts(engine),
     }
 
 
@@ -130,12 +139,25 @@ class _Save:
         try:
             files.fault(self.fault_hook, "before_write")
             if g.rank0:
-                files.write_json_atomic(os.path.join(self.tmp, files.PART), {
-                    "meta": self.meta, "pp": g.pp, "dp": g.dp, "tp": g.tp, "has_client": self.has_client,
-                    "format": files.FORMAT_VERSION})
+                files.write_json_atomic(
+                    os.path.join(self.tmp, files.PART),
+                    {
+                        "meta": self.meta,
+                        "pp": g.pp,
+                        "dp": g.dp,
+                        "tp": g.tp,
+                        "has_client": self.has_client,
+                        "format": files.FORMAT_VERSION,
+                    },
+                )
             info = blockfile.write(os.path.join(self.tmp, name), self.payload)
-            info.update(dp_rank=g.dp_rank, tp_rank=g.tp_rank, pp_rank=g.pp_rank,
-                        has_shards=self.payload["buffers"] is not None, **self.side)
+            info.update(
+                dp_rank=g.dp_rank,
+                tp_rank=g.tp_rank,
+                pp_rank=g.pp_rank,
+                has_shards=self.payload["buffers"] is not None,
+                **self.side,
+            )
             if g.rank0 and self.has_client:
                 cinfo = files.save_file(self.client_state, os.path.join(self.tmp, files.CLIENT_STATE))
                 cinfo.update(dp_rank=0, tp_rank=0, pp_rank=0, has_shards=False)
@@ -143,8 +165,7 @@ class _Save:
             files.fault(self.fault_hook, "shard_written")
             files.write_json_atomic(os.path.join(self.tmp, name + ".json"), info)
         except BaseException as e:  # noqa: BLE001 - agreed with the other ranks in finish(), then raised everywhere
-            self.err = (f"pp rank {g.pp_rank} dp rank {g.dp_rank} tp rank {g.tp_rank} failed writing its shard: "
-                        f"{e!r}")
+            self.err = f"pp rank {g.pp_rank} dp rank {g.dp_rank} tp rank {g.tp_rank} failed writing its shard: {e!r}"
             logger.error("%s\n%s", self.err, traceback.format_exc())
             try:  # for a publish without the ranks (at exit): this rank will not write its side file
                 with open(os.path.join(self.tmp, name + files.FAILED), "w") as f:
@@ -173,9 +194,12 @@ class _Save:
         g, err = self.grid, self.err
         if files.agree(1 if err else 0, g.groups, g.device):
             self._discard()
-            raise CheckpointError(err or f"another rank failed writing checkpoint {self.tag!r} (see its error); "
-                                         f"nothing was published, the previous checkpoint in {self.save_dir} is "
-                                         f"untouched")
+            raise CheckpointError(
+                err
+                or f"another rank failed writing checkpoint {self.tag!r} (see its error); "
+                f"nothing was published, the previous checkpoint in {self.save_dir} is "
+                f"untouched"
+            )
         path = os.path.join(self.save_dir, self.tag)
         if g.rank0:
             try:
@@ -204,48 +228,77 @@ class _Save:
             if self.thread is not None:
                 self.thread.join()
             if self.err is not None:
-                logger.warning("async checkpoint %s was not saved (%s); the previous checkpoint stays latest",
-                               where, self.err)
+                logger.warning(
+                    "async checkpoint %s was not saved (%s); the previous checkpoint stays latest", where, self.err
+                )
                 return
             if not self.grid.rank0:
-                logger.warning("async checkpoint %s was still pending when its engine went (collected, or the "
-                               "interpreter exits): this rank's file is written, rank 0 publishes it. Call "
-                               "engine.wait_checkpoint() before the end of the script", where)
+                logger.warning(
+                    "async checkpoint %s was still pending when its engine went (collected, or the "
+                    "interpreter exits): this rank's file is written, rank 0 publishes it. Call "
+                    "engine.wait_checkpoint() before the end of the script",
+                    where,
+                )
                 return
             limit = max(60.0, 2 * self.seconds)
             try:
                 limit = float(os.environ.get("LLMPAR_CKPT_EXIT_WAIT_S", limit))
             except ValueError:
-                logger.warning("LLMPAR_CKPT_EXIT_WAIT_S=%r is not a number of seconds: waiting %.0fs",
-                               os.environ["LLMPAR_CKPT_EXIT_WAIT_S"], limit)
+                logger.warning(
+                    "LLMPAR_CKPT_EXIT_WAIT_S=%r is not a number of seconds: waiting %.0fs",
+                    os.environ["LLMPAR_CKPT_EXIT_WAIT_S"],
+                    limit,
+                )
             deadline = time.monotonic() + limit
             done, missing, failed = publish.state(self.tmp)
             while not done and not failed and time.monotonic() < deadline:
                 time.sleep(0.1)
                 done, missing, failed = publish.state(self.tmp)
             if failed:
-                logger.warning("async checkpoint %s was still pending when its engine went (collected, or the "
-                               "interpreter exits) and is NOT published: %s. The previous checkpoint stays latest; "
-                               "the next save into %s deletes %s", where, "; ".join(
-                                   f"rank file {n} failed: {e}" for n, e in failed.items()), self.save_dir, self.tmp)
+                logger.warning(
+                    "async checkpoint %s was still pending when its engine went (collected, or the "
+                    "interpreter exits) and is NOT published: %s. The previous checkpoint stays latest; "
+                    "the next save into %s deletes %s",
+                    where,
+                    "; ".join(f"rank file {n} failed: {e}" for n, e in failed.items()),
+                    self.save_dir,
+                    self.tmp,
+                )
                 return
             if not done:
-                logger.warning("async checkpoint %s was still pending when its engine went (collected, or the "
-                               "interpreter exits) and is NOT published: after %.0fs (LLMPAR_CKPT_EXIT_WAIT_S) %s "
-                               "still missing from %s (those ranks are still writing, or gone). The previous "
-                               "checkpoint stays latest. Once every rank's file is there, `llmpar checkpoint publish "
-                               "%s %s` publishes it (the next save into %s deletes it). Call engine.wait_checkpoint() "
-                               "before the end of the script", where, limit, ", ".join(missing), self.tmp,
-                               self.save_dir, self.tag, self.save_dir)
+                logger.warning(
+                    "async checkpoint %s was still pending when its engine went (collected, or the "
+                    "interpreter exits) and is NOT published: after %.0fs (LLMPAR_CKPT_EXIT_WAIT_S) %s "
+                    "still missing from %s (those ranks are still writing, or gone). The previous "
+                    "checkpoint stays latest. Once every rank's file is there, `llmpar checkpoint publish "
+                    "%s %s` publishes it (the next save into %s deletes it). Call engine.wait_checkpoint() "
+                    "before the end of the script",
+                    where,
+                    limit,
+                    ", ".join(missing),
+                    self.tmp,
+                    self.save_dir,
+                    self.tag,
+                    self.save_dir,
+                )
                 return
             path = publish.publish_written(self.save_dir, self.tag)
-            logger.warning("async checkpoint %s was still pending when its engine went (collected, or the interpreter "
-                           "exits): written by every rank and published now, without the ranks' agreement. Call "
-                           "engine.wait_checkpoint() before the end of the script", path)
+            logger.warning(
+                "async checkpoint %s was still pending when its engine went (collected, or the interpreter "
+                "exits): written by every rank and published now, without the ranks' agreement. Call "
+                "engine.wait_checkpoint() before the end of the script",
+                path,
+            )
         except Exception as e:  # noqa: BLE001 - a finalizer must not raise
-            logger.error("async checkpoint %s could not be finished when its engine went: %r; its files are in %s "
-                         "(`llmpar checkpoint publish %s %s` publishes them if complete)", where, e, self.tmp,
-                         self.save_dir, self.tag)
+            logger.error(
+                "async checkpoint %s could not be finished when its engine went: %r; its files are in %s "
+                "(`llmpar checkpoint publish %s %s` publishes them if complete)",
+                where,
+                e,
+                self.tmp,
+                self.save_dir,
+                self.tag,
+            )
 
 
 def pending(engine: Checkpointable) -> _Save | None:
@@ -265,8 +318,14 @@ def wait_checkpoint(engine: Checkpointable) -> str | None:
     return job.finish()
 
 
-def _prepare(engine: Checkpointable, save_dir: Any, tag: str | None, client_state: dict | None,
-             fault_hook: FaultHook | None, snapshot: bool) -> _Save:
+def _prepare(
+    engine: Checkpointable,
+    save_dir: Any,
+    tag: str | None,
+    client_state: dict | None,
+    fault_hook: FaultHook | None,
+    snapshot: bool,
+) -> _Save:
     """Phases 1-2: checks, the tmp directory (collective), and what this rank writes (``snapshot``: host copies of
     its shards, else views of the live ones)."""
     if not isinstance(save_dir, (str, os.PathLike)):
@@ -300,9 +359,11 @@ def _prepare(engine: Checkpointable, save_dir: Any, tag: str | None, client_stat
         by_tag: dict[str, list[str]] = {}
         for i, t in enumerate(tags):
             by_tag.setdefault(t, []).append(files.rank_name(g, i))
-        raise CheckpointError("the ranks are saving different tags, nothing was saved: "
-                              + "; ".join(f"{', '.join(r)}: {t!r}" for t, r in by_tag.items())
-                              + " (the default tag global_step{N} differs when the ranks' step counts differ)")
+        raise CheckpointError(
+            "the ranks are saving different tags, nothing was saved: "
+            + "; ".join(f"{', '.join(r)}: {t!r}" for t, r in by_tag.items())
+            + " (the default tag global_step{N} differs when the ranks' step counts differ)"
+        )
     if code:
         raise CheckpointError(err or f"rank 0 could not create {tmp}: checkpoint {tag!r} not saved")
 
@@ -312,9 +373,15 @@ def _prepare(engine: Checkpointable, save_dir: Any, tag: str | None, client_stat
         kept = extras(view.targets(), trained | set(frozen)) if g.dp_rank == 0 else {}
         if frozen:  # ZeRO-3 shards frozen params too: gathered whole to dp rank 0 (collective over dp)
             kept.update(opt.gather_frozen())
-        payload = {"format": files.FORMAT_VERSION, "dp_rank": g.dp_rank, "tp_rank": g.tp_rank,
-                   "pp_rank": g.pp_rank, "buffers": local_buffers(opt, view.duplicates, copy=snapshot), "extras": kept,
-                   "rng": rng_state()}
+        payload = {
+            "format": files.FORMAT_VERSION,
+            "dp_rank": g.dp_rank,
+            "tp_rank": g.tp_rank,
+            "pp_rank": g.pp_rank,
+            "buffers": local_buffers(opt, view.duplicates, copy=snapshot),
+            "extras": kept,
+            "rng": rng_state(),
+        }
     except BaseException:
         if g.rank0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -323,13 +390,29 @@ def _prepare(engine: Checkpointable, save_dir: Any, tag: str | None, client_stat
     if g.dp_rank == 0 and g.tp_rank == 0:
         side["layout"] = _layout(view)
     meta = copy.deepcopy(_metadata(engine, tag, g)) if g.rank0 else {}
-    return _Save(save_dir=save_dir, tag=tag, tmp=tmp, grid=g, payload=payload, meta=meta, side=side,
-                 has_client=client_state is not None, fault_hook=fault_hook,
-                 client_state=copy.deepcopy(client_state) if g.rank0 and client_state is not None else None)
+    return _Save(
+        save_dir=save_dir,
+        tag=tag,
+        tmp=tmp,
+        grid=g,
+        payload=payload,
+        meta=meta,
+        side=side,
+        has_client=client_state is not None,
+        fault_hook=fault_hook,
+        client_state=copy.deepcopy(client_state) if g.rank0 and client_state is not None else None,
+    )
 
 
-def save_checkpoint(engine: Checkpointable, save_dir: str, tag: str | None = None, client_state: dict | None = None,
-                    async_save: bool = False, *, fault_hook: FaultHook | None = None) -> str:
+def save_checkpoint(
+    engine: Checkpointable,
+    save_dir: str,
+    tag: str | None = None,
+    client_state: dict | None = None,
+    async_save: bool = False,
+    *,
+    fault_hook: FaultHook | None = None,
+) -> str:
     """Write the engine's state as checkpoint ``save_dir/tag`` (default ``global_step{N}``); returns its path.
     Collective over the engine's dp, tp (and pp) groups; call it at a gradient accumulation boundary. A ``tag`` that
     is not a plain directory name (``files.check_tag``: whitespace around it, a control character, path syntax) is a

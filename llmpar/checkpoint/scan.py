@@ -10,6 +10,7 @@ What ``"checkpoint": {"auto_resume": DIR}`` resumes from when ``DIR/latest`` is 
 False``, a run stopped before its first ``latest`` write, checkpoints copied in). A ``.old-TAG`` copy whose ``TAG``
 is missing (a re-save stopped between its renames) counts as ``TAG``: ``files.resolve`` loads it.
 """
+
 from __future__ import annotations
 
 import os
@@ -68,18 +69,23 @@ def newest(save_dir: str) -> Found | None:
     complete, bad = found(save_dir)
     waiting = publish.unpublished(save_dir) if os.path.isdir(save_dir) else []
     if waiting:
-        raise CheckpointError(f"{save_dir} has no 'latest' and holds saves that were never published: {waiting} "
-                              f"(`llmpar checkpoint publish {save_dir} TAG` publishes one; or delete them)")
+        raise CheckpointError(
+            f"{save_dir} has no 'latest' and holds saves that were never published: {waiting} "
+            f"(`llmpar checkpoint publish {save_dir} TAG` publishes one; or delete them)"
+        )
     if bad:
-        raise CheckpointError(f"{save_dir} has no 'latest' and holds checkpoints that cannot be read: "
-                              + "; ".join(bad[:4]))
+        raise CheckpointError(
+            f"{save_dir} has no 'latest' and holds checkpoints that cannot be read: " + "; ".join(bad[:4])
+        )
     if not complete:
         return None
     top = [f for f in complete if f.steps == complete[-1].steps]
     if len(top) > 1:
-        raise CheckpointError(f"{save_dir} has no 'latest' and holds {len(top)} complete checkpoints at step "
-                              f"{top[0].steps}: {[f.tag for f in top]}; which one to resume from is not clear: "
-                              f"write its tag into {os.path.join(save_dir, files.LATEST)}, or remove the others")
+        raise CheckpointError(
+            f"{save_dir} has no 'latest' and holds {len(top)} complete checkpoints at step "
+            f"{top[0].steps}: {[f.tag for f in top]}; which one to resume from is not clear: "
+            f"write its tag into {os.path.join(save_dir, files.LATEST)}, or remove the others"
+        )
     return complete[-1]
 
 

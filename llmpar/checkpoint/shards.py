@@ -18,6 +18,7 @@ shard`` of rank r's partition: :class:`ShardReader` serves any element range of 
 saved (for one saved tp rank; ``reshard.py`` cuts across tp degrees). A pipeline checkpoint lists every pp rank's
 buffers in one layout, each tagged with ``pp_rank`` and its ``index`` in that rank's file.
 """
+
 from __future__ import annotations
 
 import os
@@ -31,8 +32,9 @@ from llmpar.checkpoint.files import CheckpointError, check_file, load_file, rank
 from llmpar.checkpoint.protocol import CheckpointOptimizer, ShardViews
 
 
-def local_buffers(opt: CheckpointOptimizer, skip: set[str] | frozenset = frozenset(), *, copy: bool = True
-                  ) -> list[dict] | None:
+def local_buffers(
+    opt: CheckpointOptimizer, skip: set[str] | frozenset = frozenset(), *, copy: bool = True
+) -> list[dict] | None:
     """This rank's shards of every flat buffer of ``opt``, None if it owns none. ``copy``: fresh CPU tensors (an
     async save's snapshot); else, from an optimizer with ``checkpoint_shard_views``, the live memory itself (one
     tensor, or a :class:`blockfile.Concat` of the pieces a partition is made of: written as one record, no copy).
@@ -52,7 +54,7 @@ def local_buffers(opt: CheckpointOptimizer, skip: set[str] | frozenset = frozens
         if holes:
             keep = torch.ones(sum(p.numel() for p in entry["params"]), dtype=torch.bool)
             for start, count in holes:
-                keep[start:start + count] = False
+                keep[start : start + count] = False
             cut: dict = {k: Concat(v).tensor()[keep] for k, v in entry.items()}
             cut["holes"] = torch.tensor(sorted(holes), dtype=torch.int64)
         elif copy:
@@ -75,8 +77,11 @@ def _compacted(entry: dict, start: int) -> int:
 def extras_names(targets: dict[str, tuple[torch.Tensor, bool]], trained: set[str]) -> list[str]:
     """The names of the module state the optimizer does not hold: buffers and frozen params. ``targets``: {name:
     (tensor, is_param)} (``EngineView.targets``); ``trained``: the names the optimizer holds."""
-    return [name for name, (t, is_param) in targets.items()
-            if not (t.is_meta or (is_param and (name in trained or t.requires_grad or not t.numel())))]
+    return [
+        name
+        for name, (t, is_param) in targets.items()
+        if not (t.is_meta or (is_param and (name in trained or t.requires_grad or not t.numel())))
+    ]
 
 
 def extras(targets: dict[str, tuple[torch.Tensor, bool]], trained: set[str]) -> dict[str, torch.Tensor]:
@@ -92,8 +97,12 @@ def rng_state() -> dict:
         import numpy as np
 
         name, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)
-        st["numpy"] = {"keys": torch.from_numpy(np.asarray(keys).astype("int64")), "pos": int(pos),
-                       "has_gauss": int(has_gauss), "gauss": float(gauss)}
+        st["numpy"] = {
+            "keys": torch.from_numpy(np.asarray(keys).astype("int64")),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "gauss": float(gauss),
+        }
     except ImportError:
         pass
     return st
@@ -115,8 +124,7 @@ def set_rng_state(st: dict) -> None:
             import numpy as np
 
             n = st["numpy"]
-            np.random.set_state(("MT19937", n["keys"].numpy().astype("uint32"), n["pos"], n["has_gauss"],
-                                 n["gauss"]))
+            np.random.set_state(("MT19937", n["keys"].numpy().astype("uint32"), n["pos"], n["has_gauss"], n["gauss"]))
         except ImportError:
             pass
 
@@ -209,8 +217,9 @@ class RankFiles:
         for name, f in self._blocks.items():
             at, n = slots.get(name, (0, 0))
             shared = f.block == BLOCK and len(f.digests) <= n
-            f.verify_blocks(sorted(k for k in f.wanted
-                                   if not shared or best[at + k] == _claim(at + k, owns(name), index, world)))
+            f.verify_blocks(
+                sorted(k for k in f.wanted if not shared or best[at + k] == _claim(at + k, owns(name), index, world))
+            )
 
     def trust(self) -> None:
         """Once the ranks agreed that each verified its blocks: every wanted block is verified; recording stops."""
@@ -296,7 +305,7 @@ class ShardReader:
             return parts[0][0]
         out = torch.empty(z - a, dtype=parts[0][0].dtype)
         for src, at, count in parts:
-            out[at:at + count] = src
+            out[at : at + count] = src
         return out
 
     def step(self, name: str) -> float:
@@ -307,8 +316,10 @@ class ShardReader:
     def extras_files(self) -> dict[str, str]:
         """{module buffer / frozen param name: the file holding it}."""
         if "extras" in self.meta:
-            return {n: rank_file(0, self.tp_rank, pp_rank, self.pp, fmt=self.fmt)
-                    for n, pp_rank in self.meta["extras"].items()}
+            return {
+                n: rank_file(0, self.tp_rank, pp_rank, self.pp, fmt=self.fmt)
+                for n, pp_rank in self.meta["extras"].items()
+            }
         return {"*": rank_file(0, self.tp_rank, fmt=self.fmt)}  # written before the names were recorded
 
     def extras(self, names: set[str] | None = None) -> dict[str, torch.Tensor]:

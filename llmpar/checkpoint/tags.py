@@ -1,4 +1,5 @@
 """Which checkpoint directory a ``(load_dir, tag)`` names, for the readers of foreign layouts (DeepSpeed, DCP)."""
+
 from __future__ import annotations
 
 import os

@@ -25,6 +25,7 @@ anything is modified, then masters, moments, steps, buffers, frozen params, para
 loss scaler and LR scheduler are restored and the client_state returned. Like DeepSpeed's, a universal checkpoint
 holds no RNG state: this engine's are kept.
 """
+
 from __future__ import annotations
 
 import logging
@@ -59,7 +60,7 @@ def _zero3_files(path: str) -> list[str]:
     found = []
     for f in os.listdir(path):
         if f.startswith("zero_pp_rank_") and f.endswith("_mp_rank_00_model_states.pt"):
-            r = f[len("zero_pp_rank_"):-len("_mp_rank_00_model_states.pt")]
+            r = f[len("zero_pp_rank_") : -len("_mp_rank_00_model_states.pt")]
             if r.isdigit():
                 found.append((int(r), f))
     return [f for _, f in sorted(found)]
@@ -129,8 +130,10 @@ class UniversalCheckpoint:
         zero3 = _zero3_files(path)
         self.model_files = [MODEL_FILE] if os.path.isfile(os.path.join(path, MODEL_FILE)) else zero3
         if not self.model_files:
-            raise CheckpointError(f"universal checkpoint {path} has no model states file ({MODEL_FILE} or "
-                                  "zero_pp_rank_0_mp_rank_00_model_states.pt)")
+            raise CheckpointError(
+                f"universal checkpoint {path} has no model states file ({MODEL_FILE} or "
+                "zero_pp_rank_0_mp_rank_00_model_states.pt)"
+            )
         self.model = load_file(os.path.join(path, self.model_files[0]))
         if not isinstance(self.model, dict):
             raise CheckpointError(f"{os.path.join(path, self.model_files[0])} is not a DeepSpeed model states file")
@@ -146,8 +149,11 @@ class UniversalCheckpoint:
         if isinstance(groups, list) and groups:
             shapes = {n: tuple(int(d) for d in s) for g in groups for n, s in g.items()}
         else:  # no param_shapes: every folder with an fp32.pt that is not a buffer or a frozen param
-            shapes = {n: () for n in sorted(os.listdir(self.zero))
-                      if os.path.isfile(os.path.join(self.zero, n, "fp32.pt")) and n not in buffers}
+            shapes = {
+                n: ()
+                for n in sorted(os.listdir(self.zero))
+                if os.path.isfile(os.path.join(self.zero, n, "fp32.pt")) and n not in buffers
+            }
         self.names: list[str] = list(shapes)
         self.shapes: dict[str, tuple[int, ...]] = shapes
         self.aliases: dict[str, str] = dict(self.model.get("shared_params") or {})
@@ -173,14 +179,17 @@ class UniversalCheckpoint:
             return self._open[key]
         folder = os.path.join(self.zero, name)
         if not os.path.isdir(folder):
-            raise CheckpointError(f"universal checkpoint {self.path}: the folder of param {name!r} ({folder}) is "
-                                  "missing")
+            raise CheckpointError(
+                f"universal checkpoint {self.path}: the folder of param {name!r} ({folder}) is missing"
+            )
         path = os.path.join(folder, f"{fname}.pt")
         obj = load_file(path)
         t = obj.get("param") if isinstance(obj, dict) else obj
         if not isinstance(t, torch.Tensor):
-            raise CheckpointError(f"{path} holds no tensor (a universal checkpoint file is {{'param': tensor}} or a "
-                                  f"tensor), found {type(obj).__name__}")
+            raise CheckpointError(
+                f"{path} holds no tensor (a universal checkpoint file is {{'param': tensor}} or a "
+                f"tensor), found {type(obj).__name__}"
+            )
         shape = tuple(t.shape) if isinstance(obj, dict) or t.dim() > 1 else self.shapes[name]
         if isinstance(obj, dict) and obj.get("vocab_tensor"):
             self._vocab.add(name)
@@ -206,8 +215,13 @@ class UniversalCheckpoint:
         its end when this model's vocabulary is larger (as DeepSpeed's universal load pads it)."""
         src = self.source(name)
         have = self.shapes[src]
-        if (src in self._vocab and len(shape) == len(have) > 0 and shape[1:] == have[1:] and shape[0] > have[0]
-                and src not in self._pad):
+        if (
+            src in self._vocab
+            and len(shape) == len(have) > 0
+            and shape[1:] == have[1:]
+            and shape[0] > have[0]
+            and src not in self._pad
+        ):
             self._pad[src] = math.prod(shape) - math.prod(have)
             self.shapes[src] = tuple(shape)
 
@@ -228,7 +242,7 @@ class UniversalCheckpoint:
         n = flat.numel()
         if z <= n:
             return flat[a:z]
-        return torch.cat([flat[min(a, n):n], flat.new_zeros(z - max(a, n))])
+        return torch.cat([flat[min(a, n) : n], flat.new_zeros(z - max(a, n))])
 
     def step(self, name: str) -> float:
         """The step count of param ``name``: its ``step.pt``, else optimizer_state.pt's (ZeRO-3), else 0."""
@@ -259,10 +273,13 @@ class UniversalCheckpoint:
                 frags = self.model.get("frozen_param_fragments") or {}
                 self._frozen = {n: frags[n].reshape(tuple(s)) for n, s in shapes.items() if n in frags}
             else:
-                chunks = [load_file(os.path.join(self.path, f)).get("frozen_param_fragments") or {}
-                          for f in self.model_files]
-                self._frozen = {n: torch.cat([c[n].reshape(-1) for c in chunks])[:math.prod(s)].view(tuple(s))
-                                for n, s in shapes.items()}
+                chunks = [
+                    load_file(os.path.join(self.path, f)).get("frozen_param_fragments") or {} for f in self.model_files
+                ]
+                self._frozen = {
+                    n: torch.cat([c[n].reshape(-1) for c in chunks])[: math.prod(s)].view(tuple(s))
+                    for n, s in shapes.items()
+                }
         return self._frozen
 
     def counters(self) -> dict[str, Any]:
@@ -296,8 +313,9 @@ def _open_mine(view: EngineView, ck: UniversalCheckpoint, src: Source) -> None:
             ck.fit(name, full_shape(cut.shape, cut.spec))
 
 
-def load(engine: Checkpointable, view: EngineView, path: str, *, strict: bool, scheduler: bool
-         ) -> tuple[str, dict | None]:
+def load(
+    engine: Checkpointable, view: EngineView, path: str, *, strict: bool, scheduler: bool
+) -> tuple[str, dict | None]:
     """Load universal checkpoint directory ``path`` into ``engine`` (collective over its grid; ``load.py`` calls it
     once the ranks agreed they read the same checkpoint). Returns ``(path, client_state)``."""
     g, opt = view.grid, engine.optimizer
@@ -307,11 +325,31 @@ def load(engine: Checkpointable, view: EngineView, path: str, *, strict: bool, s
         src = Source(ck, view)  # type: ignore[arg-type] - the same questions as a DeepSpeed checkpoint's
         _open_mine(view, ck, src)
         keep, extras = plan(engine, view, ck, src, strict, sched)  # type: ignore[arg-type]
-    apply(engine, view, path, ck, src, keep, extras, strict=strict, sched=sched,  # type: ignore[arg-type]
-          where=f"universal checkpoint {path}", show=shown)
+    apply(
+        engine,
+        view,
+        path,
+        ck,
+        src,
+        keep,
+        extras,
+        strict=strict,
+        sched=sched,  # type: ignore[arg-type]
+        where=f"universal checkpoint {path}",
+        show=shown,
+    )
     if g.rank0:
-        logger.info("loaded universal checkpoint %s (ZeRO-%d at dp=%d; loaded at pp=%d dp=%d tp=%d stage %d); it "
-                    "holds no RNG states: this run's are kept", path, ck.stage, ck.dp, g.pp, g.dp, g.tp, opt.stage)
+        logger.info(
+            "loaded universal checkpoint %s (ZeRO-%d at dp=%d; loaded at pp=%d dp=%d tp=%d stage %d); it "
+            "holds no RNG states: this run's are kept",
+            path,
+            ck.stage,
+            ck.dp,
+            g.pp,
+            g.dp,
+            g.tp,
+            opt.stage,
+        )
     return path, ck.client_state()
 
 

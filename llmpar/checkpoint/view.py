@@ -15,6 +15,7 @@ How a pipeline engine's stage-local names (``stage1.blocks_3.attn.qkv.weight``) 
 (``blocks.3.attn.qkv.weight``) is the engine's business (``checkpoint_names``); a weight tied between stages maps to
 one name and is written once, by the lowest stage holding it (``checkpoint_duplicates``).
 """
+
 from __future__ import annotations
 
 import logging
@@ -46,8 +47,16 @@ class EngineView:
         """{checkpoint name: (live tensor, is_param)} of this rank's modules (the first holder of a shared one)."""
         return self.engine.checkpoint_targets()
 
-    def unexpected(self, stored: list[str], *, strict: bool, where: str, show: Callable[[list[str]], str],
-                   noun: str = "params / buffers", call: str = "load_checkpoint") -> list[str]:
+    def unexpected(
+        self,
+        stored: list[str],
+        *,
+        strict: bool,
+        where: str,
+        show: Callable[[list[str]], str],
+        noun: str = "params / buffers",
+        call: str = "load_checkpoint",
+    ) -> list[str]:
         """Collective: the names of ``stored`` (the same list on every rank) that no rank's model holds. With
         ``strict`` they fail every rank (``where``: what the checkpoint is, ``show``: how the names are listed);
         otherwise rank 0 warns that they are ignored."""
@@ -56,11 +65,19 @@ class EngineView:
         held = agree_all([int(n in mine) for n in stored], g.groups, g.device)
         out = [n for n, h in zip(stored, held) if not h]
         if out and strict:
-            raise CheckpointError(f"{len(out)} {noun} in {where} are in no rank's model: {show(out)} "
-                                  f"({call}(..., strict=False) ignores them)")
+            raise CheckpointError(
+                f"{len(out)} {noun} in {where} are in no rank's model: {show(out)} "
+                f"({call}(..., strict=False) ignores them)"
+            )
         if out and g.rank0:
-            logging.getLogger("llmpar").warning("%s(strict=False): %d %s in %s are in no rank's model, ignored: %s",
-                                                call, len(out), noun, where, show(out))
+            logging.getLogger("llmpar").warning(
+                "%s(strict=False): %d %s in %s are in no rank's model, ignored: %s",
+                call,
+                len(out),
+                noun,
+                where,
+                show(out),
+            )
         return out
 
     def put_extras(self, values: dict[str, torch.Tensor]) -> None:
@@ -90,7 +107,10 @@ class EngineView:
             for name, p in buf:
                 spec = by_id.get(id(p))
                 if spec is not None and spec.get("padded") is None:  # no owner told the padding: none
-                    spec = {**spec, "full": shapes[name][spec["dim"]] * self.grid.tp,
-                            "padded": shapes[name][spec["dim"]] * self.grid.tp}
+                    spec = {
+                        **spec,
+                        "full": shapes[name][spec["dim"]] * self.grid.tp,
+                        "padded": shapes[name][spec["dim"]] * self.grid.tp,
+                    }
                 out[name] = spec
         return out

@@ -23,6 +23,7 @@ method gets it called when the forward raised (:class:`Finish` does both).
 Adapters: :class:`GPTAdapter` (``llmpar.models.GPT``, here) and the transformers causal LMs (Llama / Qwen2 /
 Mistral, ``llmpar.context_parallel.hf``, imported only when the model is a ``transformers.PreTrainedModel``).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -53,8 +54,7 @@ class Finish:
     """``finish`` of :meth:`ModelAdapter.shard_call`: enters ``cp.batch(shard, k_valid)`` when built, leaves it on
     ``close()`` or on the call, which returns ``loss_of(output)``."""
 
-    def __init__(self, cp: Any, shard: Any, k_valid: torch.Tensor | None,
-                 loss_of: Callable[[Any], Any]) -> None:
+    def __init__(self, cp: Any, shard: Any, k_valid: torch.Tensor | None, loss_of: Callable[[Any], Any]) -> None:
         self._stack = contextlib.ExitStack()
         self._stack.enter_context(cp.batch(shard, k_valid))
         self._loss_of = loss_of
@@ -94,49 +94,64 @@ class GPTAdapter:
             raise TypeError(f"GPTAdapter takes a llmpar.models.GPT, got {type(model).__name__}")
         cfg = model.config
         if cfg.dropout:
-            raise ValueError(f"GPTConfig.dropout={cfg.dropout}: attention dropout is not supported with context "
-                             "parallelism; build the model with dropout=0.0")
+            raise ValueError(
+                f"GPTConfig.dropout={cfg.dropout}: attention dropout is not supported with context "
+                "parallelism; build the model with dropout=0.0"
+            )
         group = model.tp_group()
         tp = group_size(group) if group is not None else 1
         ulysses = int(getattr(cp, "ulysses_size", 1))
         if (cfg.n_head // tp) % ulysses:
-            raise ValueError(f"GPTConfig.n_head={cfg.n_head} over tp={tp} leaves {cfg.n_head // tp} heads per rank, "
-                             f"not divisible by the Ulysses size {ulysses} (context_parallel.ulysses_size / size): "
-                             "choose n_head divisible by tp * ulysses_size, or the ring mode")
+            raise ValueError(
+                f"GPTConfig.n_head={cfg.n_head} over tp={tp} leaves {cfg.n_head // tp} heads per rank, "
+                f"not divisible by the Ulysses size {ulysses} (context_parallel.ulysses_size / size): "
+                "choose n_head divisible by tp * ulysses_size, or the ring mode"
+            )
         self.tp_group, self.vocab_size, self.seq_len = group, cfg.vocab_size, cfg.seq_len
         model.__dict__["context_parallel"] = cp  # a plain reference: never a submodule, never in the state dict
 
     def shard_call(self, cp: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict, Callable[[Any], Any]]:
         names = ("idx", "targets", "attention_mask")
         if len(args) > len(names):
-            raise TypeError(f"engine(idx, targets, attention_mask=None) under context parallelism takes at most 3 "
-                            f"positional arguments, got {len(args)}")
+            raise TypeError(
+                f"engine(idx, targets, attention_mask=None) under context parallelism takes at most 3 "
+                f"positional arguments, got {len(args)}"
+            )
         given = dict(zip(names, args))
         for key, value in kwargs.items():
             if key not in names:
-                raise TypeError(f"engine(...) got an unexpected argument {key!r}: a GPT under context parallelism "
-                                f"takes {', '.join(names)}")
+                raise TypeError(
+                    f"engine(...) got an unexpected argument {key!r}: a GPT under context parallelism "
+                    f"takes {', '.join(names)}"
+                )
             if key in given:
                 raise TypeError(f"engine(...) got argument {key!r} twice (positionally and by keyword)")
             given[key] = value
         idx, targets, mask = given.get("idx"), given.get("targets"), given.get("attention_mask")
         if not isinstance(idx, torch.Tensor) or idx.dim() != 2:
-            raise ValueError(f"idx must be a [batch, tokens] tensor, got {type(idx).__name__} "
-                             f"{tuple(getattr(idx, 'shape', ()))}")
+            raise ValueError(
+                f"idx must be a [batch, tokens] tensor, got {type(idx).__name__} {tuple(getattr(idx, 'shape', ()))}"
+            )
         if not isinstance(targets, torch.Tensor):
-            raise TypeError("under context parallelism the engine computes the loss: call engine(idx, targets) "
-                            f"(targets [batch, tokens]), got targets={type(targets).__name__}")
+            raise TypeError(
+                "under context parallelism the engine computes the loss: call engine(idx, targets) "
+                f"(targets [batch, tokens]), got targets={type(targets).__name__}"
+            )
         B, T = idx.shape
         if idx.dtype not in (torch.int64, torch.int32) or targets.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"idx and targets must hold integer token ids, got {idx.dtype} and {targets.dtype}")
         if T > self.seq_len:
-            raise ValueError(f"sequence of {T} tokens is longer than the model's seq_len={self.seq_len} (the whole "
-                             "sequence, before it is split over the context-parallel ranks)")
+            raise ValueError(
+                f"sequence of {T} tokens is longer than the model's seq_len={self.seq_len} (the whole "
+                "sequence, before it is split over the context-parallel ranks)"
+            )
         if targets.shape != idx.shape:
             raise ValueError(f"targets {tuple(targets.shape)} must have idx's shape {tuple(idx.shape)}")
         if mask is not None and (not isinstance(mask, torch.Tensor) or tuple(mask.shape) != (B, T)):
-            raise ValueError(f"attention_mask must be a [batch={B}, tokens={T}] tensor, got {type(mask).__name__} "
-                             f"{tuple(getattr(mask, 'shape', ()))}")
+            raise ValueError(
+                f"attention_mask must be a [batch={B}, tokens={T}] tensor, got {type(mask).__name__} "
+                f"{tuple(getattr(mask, 'shape', ()))}"
+            )
         shard = cp.shard(T, idx.device)
         if mask is not None:
             mask = mask.to(idx.device).bool()
@@ -153,8 +168,7 @@ class GPTAdapter:
         position_ids = index.clamp(max=T - 1)  # padding reads the last real position's embedding (< seq_len)
 
         def loss_of(logits: torch.Tensor) -> torch.Tensor:
-            loss_sum = lm_loss(logits, local_targets, vocab_size=self.vocab_size, group=self.tp_group,
-                               reduction="sum")
+            loss_sum = lm_loss(logits, local_targets, vocab_size=self.vocab_size, group=self.tp_group, reduction="sum")
             count = (local_targets != IGNORE_INDEX).sum()
             return cp.token_mean(loss_sum, count)
 
@@ -170,8 +184,10 @@ def adapter_for(model: nn.Module) -> ModelAdapter:
         from llmpar.context_parallel import hf
 
         return hf.adapter(model)
-    raise TypeError(f"context parallelism runs llmpar.models.GPT and transformers causal LMs (Llama, Qwen2, "
-                    f"Mistral); got {type(model).__name__}: no adapter shards its batch")
+    raise TypeError(
+        f"context parallelism runs llmpar.models.GPT and transformers causal LMs (Llama, Qwen2, "
+        f"Mistral); got {type(model).__name__}: no adapter shards its batch"
+    )
 
 
 __all__ = ["Finish", "GPTAdapter", "ModelAdapter", "adapter_for", "close"]

@@ -17,6 +17,7 @@ the data-parallel ranks. Tensors are the call's positional (``arg0``, ...) and k
 (integers as they are, floats by their bits; ``m(v) = v ^ (v >> 32)``): cheap on the device, equal for equal tensors,
 and different for practically all different ones. Tensors past ``MAX_TENSORS`` are folded into the last slot's digest.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -50,7 +51,7 @@ def digest(t: torch.Tensor) -> torch.Tensor:
         flat = flat.contiguous().view(_BITS[flat.element_size()])
     total = torch.zeros((), dtype=torch.int64, device=flat.device)
     for start in range(0, flat.numel(), _CHUNK):  # int64 temporaries of at most _CHUNK elements (long embeddings)
-        part = flat[start:start + _CHUNK].to(torch.int64)
+        part = flat[start : start + _CHUNK].to(torch.int64)
         part = part ^ (part >> 32)  # the high bits into the low ones (else e.g. +-0.0 differ by 2^63 and cancel)
         weights = torch.arange(start, start + part.numel(), dtype=torch.int64, device=flat.device) * _GOLDEN + 1
         total += (part * weights).sum()
@@ -70,7 +71,7 @@ def batch_record(args: tuple, kwargs: dict, device: torch.device) -> tuple[torch
     digests, names = [], []
     for k, (name, t) in enumerate(tensors[:MAX_TENSORS]):
         shape = list(t.shape)
-        dims = (shape[:DIMS - 1] + [int(torch.Size(shape[DIMS - 1:]).numel())]) if len(shape) > DIMS else shape
+        dims = (shape[: DIMS - 1] + [int(torch.Size(shape[DIMS - 1 :]).numel())]) if len(shape) > DIMS else shape
         fields += [_name_id(name), t.dim(), *dims, *[-1] * (DIMS - len(dims)), -1]  # the digest's slot last
         d = digest(t).to(device)
         if k == MAX_TENSORS - 1:  # the rest folded into the last slot
@@ -102,7 +103,7 @@ def _describe(row: list[int], names: dict[int, str]) -> str:
     for k in range(min(row[1], MAX_TENSORS)):
         at = 2 + k * SLOT
         ndim = row[at + 1]
-        dims = row[at + 2:at + 2 + min(ndim, DIMS)]
+        dims = row[at + 2 : at + 2 + min(ndim, DIMS)]
         parts.append(f"{names.get(row[at], f'tensor {k}')} {list(dims) if ndim <= DIMS else f'{dims[:-1]}+...'}")
     if row[1] > MAX_TENSORS:
         parts.append(f"+{row[1] - MAX_TENSORS} more")
@@ -120,13 +121,21 @@ def agree_batch(cp: Any, args: tuple, kwargs: dict, *, dp_size: int | None = Non
         return
     table = rows.tolist()
     ids = {_name_id(n): n for n in names}
-    same_shapes = all(row[1] == table[0][1] and all(
-        row[2 + k * SLOT:2 + (k + 1) * SLOT - 1] == table[0][2 + k * SLOT:2 + (k + 1) * SLOT - 1]
-        for k in range(MAX_TENSORS)) for row in table)
+    same_shapes = all(
+        row[1] == table[0][1]
+        and all(
+            row[2 + k * SLOT : 2 + (k + 1) * SLOT - 1] == table[0][2 + k * SLOT : 2 + (k + 1) * SLOT - 1]
+            for k in range(MAX_TENSORS)
+        )
+        for row in table
+    )
     ranks = "; ".join(f"cp rank {c} (global rank {row[0]}): {_describe(row, ids)}" for c, row in enumerate(table))
     if same_shapes:
-        differ = [ids.get(table[0][2 + k * SLOT], f"tensor {k}") for k in range(min(table[0][1], MAX_TENSORS))
-                  if len({row[2 + (k + 1) * SLOT - 1] for row in table}) > 1]
+        differ = [
+            ids.get(table[0][2 + k * SLOT], f"tensor {k}")
+            for k in range(min(table[0][1], MAX_TENSORS))
+            if len({row[2 + (k + 1) * SLOT - 1] for row in table}) > 1
+        ]
         what = f"the same shapes but different contents ({', '.join(differ)} differ)"
     else:
         what = "different tensor shapes or arguments"
@@ -135,9 +144,11 @@ def agree_batch(cp: Any, args: tuple, kwargs: dict, *, dp_size: int | None = Non
         "parallelism every cp rank of a data-parallel group is fed the same whole batch (each keeps its slice of the "
         "sequence): build the loader over the data-parallel ranks, e.g. DistributedSampler(dataset, "
         "num_replicas=engine.dp_world_size, rank=engine.dp_rank)"
-        + (f" (here dp size {dp_size}, dp rank {dp_rank})" if dp_size is not None else "") + ", or "
+        + (f" (here dp size {dp_size}, dp rank {dp_rank})" if dp_size is not None else "")
+        + ", or "
         "engine.deepspeed_io(dataset), not over the global rank and world size; and give every cp rank sequences "
-        "of the same length (pad a short last batch, or drop it)")
+        "of the same length (pad a short last batch, or drop it)"
+    )
 
 
 __all__ = ["MAX_TENSORS", "RECORD", "agree_batch", "batch_record", "digest", "named_tensors"]

@@ -18,6 +18,7 @@ peer; :meth:`ContextParallel.check_batch` (one fixed-size all-gather per cp grou
 batches (the engine agrees on every call's tensors the same way, ``llmpar.context_parallel.batch_check``), and a hybrid
 layout whose groups do not form a grid is refused at construction on every rank.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -44,8 +45,9 @@ class ContextParallel:
     inner, adjacent ranks). ``size``: sp; ``rank``: this rank's cp rank; ``ring_stats``: per-step compute / wait
     seconds of the ring (:class:`~llmpar.context_parallel.ring.RingStats`)."""
 
-    def __init__(self, mode: str, *, ulysses_group: Group | GroupRef | None = None,
-                 ring_group: Group | GroupRef | None = None) -> None:
+    def __init__(
+        self, mode: str, *, ulysses_group: Group | GroupRef | None = None, ring_group: Group | GroupRef | None = None
+    ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} is not a context-parallel mode: expected one of {MODES}")
         needs = {"ulysses": (True, False), "ring": (False, True), "hybrid": (True, True)}[mode]
@@ -53,8 +55,9 @@ class ContextParallel:
             if needed and group is None:
                 raise ValueError(f"mode={mode!r} needs {name} (a process group or 1-D DeviceMesh), got None")
             if not needed and group is not None:
-                raise ValueError(f"mode={mode!r} takes no {name} (ulysses: ulysses_group only; ring: ring_group "
-                                 "only; hybrid: both)")
+                raise ValueError(
+                    f"mode={mode!r} takes no {name} (ulysses: ulysses_group only; ring: ring_group only; hybrid: both)"
+                )
         self.mode = mode
         self.ulysses_group = None if ulysses_group is None else GroupRef(ulysses_group)
         self.ring_group = None if ring_group is None else GroupRef(ring_group)
@@ -72,8 +75,10 @@ class ContextParallel:
         # key mask (a fresh memo inside each batch(), the outer one restored after)
 
     def __repr__(self) -> str:
-        return (f"ContextParallel(mode={self.mode!r}, size={self.size}, rank={self.rank}, "
-                f"ulysses_size={self.ulysses_size}, ring_size={self.ring_size})")
+        return (
+            f"ContextParallel(mode={self.mode!r}, size={self.size}, rank={self.rank}, "
+            f"ulysses_size={self.ulysses_size}, ring_size={self.ring_size})"
+        )
 
     def _check_grid(self) -> None:
         """Hybrid: every ring group must join ranks of one Ulysses rank (they hold the same head chunk) and every
@@ -87,10 +92,12 @@ class ContextParallel:
         for group in self.groups:
             all_reduce(bad, group, op="max", what="context-parallel grid check")
         if int(bad):
-            raise ValueError(f"hybrid context parallelism: ulysses_group ({self.ulysses_size} ranks) and ring_group "
-                             f"({self.ring_size} ranks) do not form a grid: each ring group must join the ranks of "
-                             "one Ulysses rank across the Ulysses groups (e.g. Ulysses [0, 1], [2, 3]; ring [0, 2], "
-                             "[1, 3])")
+            raise ValueError(
+                f"hybrid context parallelism: ulysses_group ({self.ulysses_size} ranks) and ring_group "
+                f"({self.ring_size} ranks) do not form a grid: each ring group must join the ranks of "
+                "one Ulysses rank across the Ulysses groups (e.g. Ulysses [0, 1], [2, 3]; ring [0, 2], "
+                "[1, 3])"
+            )
 
     @property
     def groups(self) -> list[GroupRef]:
@@ -132,7 +139,7 @@ class ContextParallel:
         _, table = layout(shard.seq_len, self.mode, self.ring_size, self.ulysses_size)
         full = torch.empty_like(out)
         full[table.reshape(-1).to(out.device)] = out
-        return full[:shard.seq_len].movedim(0, dim)
+        return full[: shard.seq_len].movedim(0, dim)
 
     # ------------------------------------------------------------------ one forward's batch
     @contextlib.contextmanager
@@ -154,8 +161,10 @@ class ContextParallel:
     def attention_kwargs(self) -> dict:
         """``{"shard": ..., "k_valid": ...}`` of the current batch, for ``cp.attention(q, k, v, **...)``."""
         if self._current is None:
-            raise RuntimeError("context-parallel attention ran outside `with cp.batch(shard, k_valid):` (the model "
-                               "was prepared for context parallelism but called without a sharded batch)")
+            raise RuntimeError(
+                "context-parallel attention ran outside `with cp.batch(shard, k_valid):` (the model "
+                "was prepared for context parallelism but called without a sharded batch)"
+            )
         shard, k_valid = self._current
         return {"shard": shard, "k_valid": k_valid}
 
@@ -165,9 +174,11 @@ class ContextParallel:
             raise TypeError(f"shard must be a SeqShard (from ContextParallel.shard), got {type(shard).__name__}")
         padded, _ = layout(shard.seq_len, self.mode, self.ring_size, self.ulysses_size)
         if shard.padded_len != padded or shard.local_len * self.size != padded:
-            raise ValueError(f"shard (seq_len={shard.seq_len}, padded_len={shard.padded_len}, {shard.local_len} "
-                             f"tokens) was not made by this {self!r} (expected padded_len={padded}, "
-                             f"{padded // self.size} tokens per rank)")
+            raise ValueError(
+                f"shard (seq_len={shard.seq_len}, padded_len={shard.padded_len}, {shard.local_len} "
+                f"tokens) was not made by this {self!r} (expected padded_len={padded}, "
+                f"{padded // self.size} tokens per rank)"
+            )
 
     def _check_qkv(self, q, k, v, shard: SeqShard, k_valid) -> tuple[int, int]:
         for name, t in (("q", q), ("k", k), ("v", v)):
@@ -178,35 +189,49 @@ class ContextParallel:
         B, Hq, S, D = q.shape
         Hkv = k.shape[1]
         if k.shape != v.shape or k.shape[0] != B or k.shape[2] != S or k.shape[3] != D:
-            raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must both be [{B}, kv_heads, {S}, {D}] "
-                             f"to match q {tuple(q.shape)}")
+            raise ValueError(
+                f"k {tuple(k.shape)} and v {tuple(v.shape)} must both be [{B}, kv_heads, {S}, {D}] "
+                f"to match q {tuple(q.shape)}"
+            )
         for name, t in (("k", k), ("v", v), ("k_valid", k_valid)):
             if isinstance(t, torch.Tensor) and t.device != q.device:
                 raise ValueError(f"{name} is on {t.device} but q is on {q.device}; they must share a device")
         if q.dtype != k.dtype or q.dtype != v.dtype or not q.is_floating_point():
             raise TypeError(f"q, k, v must share one floating-point dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
         if S != shard.local_len:
-            raise ValueError(f"q has S_local={S} tokens but this rank's shard holds {shard.local_len} (seq_len="
-                             f"{shard.seq_len} padded to {shard.padded_len} over sp={self.size})")
+            raise ValueError(
+                f"q has S_local={S} tokens but this rank's shard holds {shard.local_len} (seq_len="
+                f"{shard.seq_len} padded to {shard.padded_len} over sp={self.size})"
+            )
         if Hkv == 0 or Hq % Hkv:
             raise ValueError(f"query heads {Hq} must be a multiple of kv heads {Hkv}")
-        if k_valid is not None and (not isinstance(k_valid, torch.Tensor) or k_valid.dtype != torch.bool
-                                    or tuple(k_valid.shape) != (B, S)):
+        if k_valid is not None and (
+            not isinstance(k_valid, torch.Tensor) or k_valid.dtype != torch.bool or tuple(k_valid.shape) != (B, S)
+        ):
             got = f"{k_valid.dtype} {tuple(k_valid.shape)}" if isinstance(k_valid, torch.Tensor) else type(k_valid)
             raise ValueError(f"k_valid must be a bool tensor of shape {(B, S)} ([batch, S_local]), got {got}")
         return Hq, Hkv
 
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, shard: SeqShard,
-                  k_valid: torch.Tensor | None = None, causal: bool = True,
-                  scale: float | None = None) -> torch.Tensor:
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        shard: SeqShard,
+        k_valid: torch.Tensor | None = None,
+        causal: bool = True,
+        scale: float | None = None,
+    ) -> torch.Tensor:
         """Attention of this rank's queries over the whole sequence's keys: ``q`` [B, Hq, S_local, D], ``k`` / ``v``
         [B, Hkv, S_local, D] (rotary already applied), ``k_valid`` [B, S_local] bool (False = a padding key; the
         tokens added to reach ``padded_len`` are masked whatever it says). Causal by global token index. Returns
         [B, Hq, S_local, D] in q's dtype, differentiable in q, k, v. Hq must be a multiple of the Ulysses size."""
         self._check_shard(shard)
         Hq, Hkv = self._check_qkv(q, k, v, shard, k_valid)
-        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
-                                  or not math.isfinite(scale)):
+        if scale is not None and (
+            isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)
+        ):
             raise ValueError(f"scale must be a finite number (default 1/sqrt(head_dim)), got {scale!r}")
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
         u = self.ulysses_size
@@ -230,8 +255,15 @@ class ContextParallel:
                 mask = mask if valid is None else mask & valid.bool()
             out = flash_attention(q, k, v, scale=scale, causal=causal, q_pos=pos, k_pos=pos, k_valid=mask)
         else:
-            spec = RingSpec(group=self.ring_group, positions=groups, seq_len=shard.seq_len, causal=bool(causal),
-                            scale=scale, stats=self.ring_stats, device_positions=device_groups)
+            spec = RingSpec(
+                group=self.ring_group,
+                positions=groups,
+                seq_len=shard.seq_len,
+                causal=bool(causal),
+                scale=scale,
+                stats=self.ring_stats,
+                device_positions=device_groups,
+            )
             out = ring_attention(q.contiguous(), k.contiguous(), v.contiguous(), valid, spec)
         return heads_to_seq(out, self.ulysses_group, u)
 
@@ -246,8 +278,9 @@ class ContextParallel:
         return cached[1], cached[2]
 
     # ------------------------------------------------------------------ loss
-    def token_mean(self, loss_sum: torch.Tensor, count: torch.Tensor | int, *,
-                   grad_factor: float | None = None) -> torch.Tensor:
+    def token_mean(
+        self, loss_sum: torch.Tensor, count: torch.Tensor | int, *, grad_factor: float | None = None
+    ) -> torch.Tensor:
         """The mean per-token loss over every cp rank's real tokens (see :func:`.loss.token_mean`); the gradient
         w.r.t. this rank's ``loss_sum`` is ``grad_factor / global_count``, ``grad_factor`` = sp by default (the
         gradient reduction then averages over dp * cp, which sums the cp ranks' parts of a sample)."""

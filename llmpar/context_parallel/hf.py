@@ -40,6 +40,7 @@ dropout, packed sequences (``position_ids`` restarting in a row without an atten
 than the sequence (Mistral / Qwen2: a window >= the sequence length is plain causal attention and runs), a model type
 outside Llama / Qwen2 / Mistral.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -60,9 +61,17 @@ SUPPORTED = ("llama", "qwen2", "mistral")
 _SEQ_KEYS = ("input_ids", "inputs_embeds", "attention_mask", "position_ids", "labels", "shift_labels")
 
 
-def cp_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 attention_mask: Any, scaling: float | None = None, dropout: float = 0.0,
-                 sliding_window: int | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+def cp_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: ``(out [B, S, Hq, D], None)``. Inside ``cp.batch``: the context-
     parallel attention over the whole sequence; otherwise transformers' SDPA attention with ``attention_mask``."""
     cp = getattr(module, "_llmpar_cp", None)
@@ -73,22 +82,40 @@ def cp_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         if isinstance(attention_mask, torch.Tensor) and attention_mask.numel() == 0:  # the sharded path's marker
-            raise RuntimeError("llmpar context-parallel attention got a sharded batch without its shard: call the "
-                               "model through the engine (adapter.shard_call)")
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      sliding_window=sliding_window, **kwargs)
+            raise RuntimeError(
+                "llmpar context-parallel attention got a sharded batch without its shard: call the "
+                "model through the engine (adapter.shard_call)"
+            )
+        return sdpa_attention_forward(
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=dropout,
+            scaling=scaling,
+            sliding_window=sliding_window,
+            **kwargs,
+        )
     if cp is None:
-        raise RuntimeError(f"{type(module).__name__} got a sharded batch but was not prepared for context "
-                           "parallelism (HFCausalLMAdapter.prepare attaches the ContextParallel to each attention)")
+        raise RuntimeError(
+            f"{type(module).__name__} got a sharded batch but was not prepared for context "
+            "parallelism (HFCausalLMAdapter.prepare attaches the ContextParallel to each attention)"
+        )
     shard, k_valid = current
     if dropout:
-        raise ValueError(f"attention dropout {dropout} is not supported with context parallelism: set the model "
-                         "config's attention_dropout to 0")
+        raise ValueError(
+            f"attention dropout {dropout} is not supported with context parallelism: set the model "
+            "config's attention_dropout to 0"
+        )
     if sliding_window is not None and sliding_window < shard.seq_len:
-        raise ValueError(f"sliding_window={sliding_window} is shorter than the sequence ({shard.seq_len} tokens): "
-                         "context parallelism runs full causal attention; use sequences of at most the window")
-    out = cp.attention(query, key, value, shard=shard, k_valid=k_valid, causal=getattr(module, "is_causal", True),
-                       scale=scaling)
+        raise ValueError(
+            f"sliding_window={sliding_window} is shorter than the sequence ({shard.seq_len} tokens): "
+            "context parallelism runs full causal attention; use sequences of at most the window"
+        )
+    out = cp.attention(
+        query, key, value, shard=shard, k_valid=k_valid, causal=getattr(module, "is_causal", True), scale=scaling
+    )
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -135,17 +162,24 @@ class HFCausalLMAdapter:
         config = getattr(model, "config", None)
         kind = getattr(config, "model_type", None)
         if kind not in SUPPORTED or not type(model).__name__.endswith("ForCausalLM"):
-            raise ValueError(f"context parallelism supports the transformers causal LMs of type {', '.join(SUPPORTED)} "
-                             f"(LlamaForCausalLM, ...); got {type(model).__name__} (model_type={kind!r})")
+            raise ValueError(
+                f"context parallelism supports the transformers causal LMs of type {', '.join(SUPPORTED)} "
+                f"(LlamaForCausalLM, ...); got {type(model).__name__} (model_type={kind!r})"
+            )
         if getattr(config, "attention_dropout", 0.0):
-            raise ValueError(f"{type(model).__name__}: attention_dropout={config.attention_dropout} is not supported "
-                             "with context parallelism (set it to 0)")
-        modules = [m for m in model.modules() if hasattr(m, "is_causal") and hasattr(m, "head_dim")
-                   and hasattr(m, "config")]
+            raise ValueError(
+                f"{type(model).__name__}: attention_dropout={config.attention_dropout} is not supported "
+                "with context parallelism (set it to 0)"
+            )
+        modules = [
+            m for m in model.modules() if hasattr(m, "is_causal") and hasattr(m, "head_dim") and hasattr(m, "config")
+        ]
         layers = getattr(config, "num_hidden_layers", None)
         if not modules or (layers is not None and len(modules) != layers):
-            raise ValueError(f"{type(model).__name__}: found {len(modules)} attention modules for {layers} layers; "
-                             "cannot route every one through context parallelism")
+            raise ValueError(
+                f"{type(model).__name__}: found {len(modules)} attention modules for {layers} layers; "
+                "cannot route every one through context parallelism"
+            )
         register()
         config._attn_implementation = ATTN_NAME
         for m in modules:
@@ -169,8 +203,13 @@ class HFCausalLMAdapter:
         and has no bias."""
         head = self._head
         weight = getattr(head, "weight", None)
-        return (self.tiled_chunk is not None and weight is not None and getattr(head, "bias", None) is None
-                and not hasattr(weight, "ds_numel") and not getattr(weight, "tensor_model_parallel", False))
+        return (
+            self.tiled_chunk is not None
+            and weight is not None
+            and getattr(head, "bias", None) is None
+            and not hasattr(weight, "ds_numel")
+            and not getattr(weight, "tensor_model_parallel", False)
+        )
 
     # ---- every forward ----
     def shard_call(self, cp: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict, Callable[[Any], Any]]:
@@ -193,24 +232,32 @@ class HFCausalLMAdapter:
             raise ValueError("give exactly one of input_ids / inputs_embeds")
         lead = ids if ids is not None else embeds
         if not isinstance(lead, torch.Tensor) or lead.dim() != (2 if ids is not None else 3):
-            raise ValueError(f"input_ids must be [batch, seq] (inputs_embeds [batch, seq, hidden]), got "
-                             f"{type(lead).__name__} {tuple(getattr(lead, 'shape', ()))}")
+            raise ValueError(
+                f"input_ids must be [batch, seq] (inputs_embeds [batch, seq, hidden]), got "
+                f"{type(lead).__name__} {tuple(getattr(lead, 'shape', ()))}"
+            )
         B, S = lead.shape[:2]
         for name in ("attention_mask", "position_ids", "labels", "shift_labels"):
             t = kw.get(name)
             if t is None:
                 continue
             if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape[1] != S or t.shape[0] not in (1, B):
-                raise ValueError(f"{name} must be [batch={B}, seq={S}] with context parallelism (a 2-D padding mask, "
-                                 f"not a 4-D one), got {type(t).__name__} {tuple(getattr(t, 'shape', ()))}")
+                raise ValueError(
+                    f"{name} must be [batch={B}, seq={S}] with context parallelism (a 2-D padding mask, "
+                    f"not a 4-D one), got {type(t).__name__} {tuple(getattr(t, 'shape', ()))}"
+                )
         pos = kw.get("position_ids")
         if pos is not None and kw.get("attention_mask") is None and S > 1 and not bool((pos.diff(dim=1) == 1).all()):
-            raise ValueError("position_ids restart inside a row and there is no attention_mask: transformers reads "
-                             "that as packed sequences (attention kept within each), which context parallelism does "
-                             "not run; give one sequence per row (padding masked by attention_mask)")
+            raise ValueError(
+                "position_ids restart inside a row and there is no attention_mask: transformers reads "
+                "that as packed sequences (attention kept within each), which context parallelism does "
+                "not run; give one sequence per row (padding masked by attention_mask)"
+            )
         if self.window is not None and self.window < S:
-            raise ValueError(f"sliding_window={self.window} is shorter than the sequence ({S} tokens): context "
-                             "parallelism runs full causal attention; use sequences of at most the window")
+            raise ValueError(
+                f"sliding_window={self.window} is shorter than the sequence ({S} tokens): context "
+                "parallelism runs full causal attention; use sequences of at most the window"
+            )
         device = lead.device
         shard = cp.shard(S, device)
         labels = kw.pop("shift_labels", None)
@@ -247,13 +294,13 @@ class HFCausalLMAdapter:
             if local is None:
                 return _with_full_logits(output, cp, shard) if gather else output
             if tiled:
-                loss_sum, count = tiled_lm_loss(hidden, self._head.weight, local.contiguous(),
-                                                chunk=self.tiled_chunk)
+                loss_sum, count = tiled_lm_loss(hidden, self._head.weight, local.contiguous(), chunk=self.tiled_chunk)
             else:
                 logits = output["logits"] if isinstance(output, dict) else output[0]
                 logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # float32, float64 kept
-                loss_sum = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), local.reshape(-1),
-                                           ignore_index=-100, reduction="sum")
+                loss_sum = F.cross_entropy(
+                    logits.reshape(-1, logits.shape[-1]), local.reshape(-1), ignore_index=-100, reduction="sum"
+                )
                 count = (local != -100).sum()
             loss = cp.token_mean(loss_sum, count)
             if items is not None:
@@ -293,8 +340,14 @@ class _Finish:
     (the engine calls it when the forward raised; ``on_fail`` drops what the forward left) or on the call, which
     returns ``loss_of(output)``."""
 
-    def __init__(self, cp: Any, shard: Any, k_valid: torch.Tensor | None, loss_of: Callable[[Any], Any],
-                 on_fail: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        cp: Any,
+        shard: Any,
+        k_valid: torch.Tensor | None,
+        loss_of: Callable[[Any], Any],
+        on_fail: Callable[[], None],
+    ) -> None:
         self._stack = contextlib.ExitStack()
         self._stack.enter_context(cp.batch(shard, k_valid))
         self._loss_of, self._on_fail = loss_of, on_fail

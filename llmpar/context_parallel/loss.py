@@ -11,6 +11,7 @@ reduction that averages over dp * cp ranks (ZeRO over the flattened group), ``gr
 equal to the sum over cp ranks of the mean over dp; with one that sums over cp and averages over dp,
 ``grad_factor = 1``.
 """
+
 from __future__ import annotations
 
 import torch
@@ -40,23 +41,28 @@ class _TokenMean(torch.autograd.Function):
         return grad * ctx.scale, None, None, None
 
 
-def token_mean(loss_sum: torch.Tensor, count: torch.Tensor | int, groups: list[GroupRef], *,
-               grad_factor: float = 1.0) -> torch.Tensor:
+def token_mean(
+    loss_sum: torch.Tensor, count: torch.Tensor | int, groups: list[GroupRef], *, grad_factor: float = 1.0
+) -> torch.Tensor:
     """``sum_r loss_sum_r / max(sum_r count_r, 1)`` over the ranks of ``groups`` (taken in turn), a 0-d tensor of
     loss_sum's dtype on every rank; its gradient w.r.t. this rank's ``loss_sum`` is ``grad_factor / global count``."""
     if not isinstance(loss_sum, torch.Tensor) or loss_sum.numel() != 1 or not loss_sum.is_floating_point():
-        raise TypeError(f"loss_sum must be a one-element floating-point tensor (this rank's summed token losses), "
-                        f"got {loss_sum!r:.80}")
+        raise TypeError(
+            f"loss_sum must be a one-element floating-point tensor (this rank's summed token losses), "
+            f"got {loss_sum!r:.80}"
+        )
     if isinstance(count, bool) or not isinstance(count, (int, torch.Tensor)):
-        raise TypeError(f"count must be an int or a one-element tensor (this rank's real tokens), got "
-                        f"{type(count).__name__}")
+        raise TypeError(
+            f"count must be an int or a one-element tensor (this rank's real tokens), got {type(count).__name__}"
+        )
     count = torch.as_tensor(count, device=loss_sum.device)
     if count.numel() != 1 or count.is_floating_point() and bool(count != count.round()) or bool(count < 0):
         raise ValueError(f"count must be a non-negative whole number of tokens, got {count.tolist()}")
     if isinstance(grad_factor, bool) or not isinstance(grad_factor, (int, float)) or not grad_factor > 0:
         raise ValueError(f"grad_factor must be a positive number, got {grad_factor!r}")
-    return _TokenMean.apply(loss_sum.reshape(()), count.reshape(()).to(loss_sum.device), list(groups),
-                            float(grad_factor))
+    return _TokenMean.apply(
+        loss_sum.reshape(()), count.reshape(()).to(loss_sum.device), list(groups), float(grad_factor)
+    )
 
 
 __all__ = ["token_mean"]

@@ -17,6 +17,7 @@ with its block; padding added to reach ``padded_len``
 
 :class:`RingStats` records, per step, the host seconds spent computing and waiting on the exchange.
 """
+
 from __future__ import annotations
 
 import time
@@ -93,8 +94,9 @@ def _part(x: torch.Tensor, span: slice) -> torch.Tensor:
     return x[:, :, span].contiguous()
 
 
-def _key_mask(valid: torch.Tensor | None, k_pos: torch.Tensor, seq_len: int, batch: int,
-              padded: bool) -> torch.Tensor | None:
+def _key_mask(
+    valid: torch.Tensor | None, k_pos: torch.Tensor, seq_len: int, batch: int, padded: bool
+) -> torch.Tensor | None:
     """[B, Sk] bool of the keys that are real and not masked by the user's ``valid`` (uint8), or None if all are
     (``padded``: whether any of ``k_pos`` is >= seq_len, decided on the CPU copy so no device sync is needed)."""
     if valid is None and not padded:
@@ -108,8 +110,9 @@ def _ring(spec: RingSpec) -> tuple[dist.ProcessGroup, int, int]:
     return pg, dist.get_world_size(pg), dist.get_rank(pg)
 
 
-def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None,
-                 spec: RingSpec) -> tuple[torch.Tensor, torch.Tensor]:
+def ring_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None, spec: RingSpec
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [B, Hq, S, D] in q's dtype, lse [B, Hq, S])`` of this rank's queries over every rank's keys."""
     pg, R, r = _ring(spec)
     B, Hq, S, D = q.shape
@@ -130,10 +133,23 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch
             handle = exchange(sends, recvs, pg, what=f"ring attention forward step {step} (k/v block of rank {src})")
         rows, cols = _visible(spec.positions[r], spec.positions[src], spec.causal)
         if rows.start < rows.stop and cols.start < cols.stop:
-            mask = _key_mask(None if bvalid is None else bvalid[:, cols], pos[src, cols], spec.seq_len, B,
-                             bool(spec.positions[src, cols.stop - 1] >= spec.seq_len))
-            o, o_lse = attention_fwd(_part(q, rows), _part(block[0], cols), _part(block[1], cols), scale=spec.scale,
-                                     causal=spec.causal, q_pos=pos[r, rows], k_pos=pos[src, cols], k_valid=mask)
+            mask = _key_mask(
+                None if bvalid is None else bvalid[:, cols],
+                pos[src, cols],
+                spec.seq_len,
+                B,
+                bool(spec.positions[src, cols.stop - 1] >= spec.seq_len),
+            )
+            o, o_lse = attention_fwd(
+                _part(q, rows),
+                _part(block[0], cols),
+                _part(block[1], cols),
+                scale=spec.scale,
+                causal=spec.causal,
+                q_pos=pos[r, rows],
+                k_pos=pos[src, cols],
+                k_valid=mask,
+            )
             out[:, :, rows], lse[:, :, rows] = merge_partials(out[:, :, rows], lse[:, :, rows], o, o_lse)
         t1 = _clock(q.device, spec.stats)
         if handle is not None:
@@ -144,8 +160,16 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch
     return out.to(q.dtype), lse
 
 
-def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None,
-                  out: torch.Tensor, lse: torch.Tensor, spec: RingSpec) -> tuple[torch.Tensor, ...]:
+def ring_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    valid: torch.Tensor | None,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    spec: RingSpec,
+) -> tuple[torch.Tensor, ...]:
     """``(dq, dk, dv)`` of this rank's q / k / v, by the ring (see the module docstring)."""
     pg, R, r = _ring(spec)
     B = q.shape[0]
@@ -168,12 +192,26 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         rows, cols = _visible(spec.positions[r], spec.positions[src], spec.causal)
         part = None
         if rows.start < rows.stop and cols.start < cols.stop:
-            mask = _key_mask(None if bvalid is None else bvalid[:, cols], pos[src, cols], spec.seq_len, B,
-                             bool(spec.positions[src, cols.stop - 1] >= spec.seq_len))
-            dq_c, dk_c, dv_c = attention_bwd(_part(q, rows), _part(block[0], cols), _part(block[1], cols),
-                                             _part(out, rows), lse[:, :, rows].contiguous(), _part(dout, rows),
-                                             scale=spec.scale, causal=spec.causal, q_pos=pos[r, rows],
-                                             k_pos=pos[src, cols], k_valid=mask)
+            mask = _key_mask(
+                None if bvalid is None else bvalid[:, cols],
+                pos[src, cols],
+                spec.seq_len,
+                B,
+                bool(spec.positions[src, cols.stop - 1] >= spec.seq_len),
+            )
+            dq_c, dk_c, dv_c = attention_bwd(
+                _part(q, rows),
+                _part(block[0], cols),
+                _part(block[1], cols),
+                _part(out, rows),
+                lse[:, :, rows].contiguous(),
+                _part(dout, rows),
+                scale=spec.scale,
+                causal=spec.causal,
+                q_pos=pos[r, rows],
+                k_pos=pos[src, cols],
+                k_valid=mask,
+            )
             dq[:, :, rows] += dq_c
             part = (dk_c, dv_c)
         t1 = _clock(q.device, spec.stats)
@@ -186,8 +224,12 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
             dkv[1][:, :, cols] += part[1]
         if R > 1:
             nacc = torch.empty_like(dkv)
-            acc_handle = exchange([(dkv, (r + 1) % R)], [(nacc, (r - 1) % R)], pg,
-                                  what=f"ring attention backward step {step} (dk/dv of rank {src})")
+            acc_handle = exchange(
+                [(dkv, (r + 1) % R)],
+                [(nacc, (r - 1) % R)],
+                pg,
+                what=f"ring attention backward step {step} (dk/dv of rank {src})",
+            )
         t3 = _clock(q.device, spec.stats)
         if kv_handle is not None:
             kv_handle.wait()
@@ -219,8 +261,9 @@ class _RingAttention(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None,
-                   spec: RingSpec) -> torch.Tensor:
+def ring_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None, spec: RingSpec
+) -> torch.Tensor:
     """Differentiable ring attention of this rank's ``q`` [B, Hq, S, D] over every ring rank's ``k`` / ``v``
     [B, Hkv, S, D]; ``valid``: this rank's key mask [B, S] as uint8 (1 = a key that may be seen), or None."""
     return _RingAttention.apply(q, k, v, valid, spec)

@@ -13,6 +13,7 @@ sees one). Ranks are numbered ``cp_rank = ring_rank * ulysses_size + ulysses_ran
 Every rank's index is sorted ascending, and so is the concatenation of a Ulysses group's indices in rank order (the
 token set its all-to-all gathers): attention uses this to find the causally visible part of a block by bisection.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -84,11 +85,13 @@ def shard_tensor(x: torch.Tensor, shard: SeqShard, dim: int = 1, pad_value: floa
         raise ValueError(f"dim={dim} is out of range for a tensor of shape {tuple(x.shape)}")
     dim = dim % x.dim()
     if x.shape[dim] != shard.seq_len:
-        raise ValueError(f"x has {x.shape[dim]} positions along dim {dim} (shape {tuple(x.shape)}) but the shard is of "
-                         f"a sequence of seq_len={shard.seq_len}")
+        raise ValueError(
+            f"x has {x.shape[dim]} positions along dim {dim} (shape {tuple(x.shape)}) but the shard is of "
+            f"a sequence of seq_len={shard.seq_len}"
+        )
     pad = shard.padded_len - shard.seq_len
     if pad:
-        filler = torch.full((*x.shape[:dim], pad, *x.shape[dim + 1:]), pad_value, dtype=x.dtype, device=x.device)
+        filler = torch.full((*x.shape[:dim], pad, *x.shape[dim + 1 :]), pad_value, dtype=x.dtype, device=x.device)
         x = torch.cat([x, filler], dim=dim)
     return x.index_select(dim, shard.index.to(x.device))
 

@@ -23,6 +23,7 @@ hands the parameter gradients, summed over slices, back to autograd once, so a g
 fires once per parameter. At any time the MLP's intermediates of one slice are alive: ``chunk / S`` of the untiled
 ones, at the price of one more forward of the MLP.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Iterable
@@ -51,14 +52,20 @@ def _check_loss_inputs(hidden, weight, labels, bias) -> None:
     if not hidden.is_floating_point() or not weight.is_floating_point():
         raise TypeError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must be floating point")
     if weight.dim() != 2 or hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
-        raise ValueError(f"weight must be [V, d] with d = hidden.shape[-1]; got weight {tuple(weight.shape)}, "
-                         f"hidden {tuple(hidden.shape)}")
+        raise ValueError(
+            f"weight must be [V, d] with d = hidden.shape[-1]; got weight {tuple(weight.shape)}, "
+            f"hidden {tuple(hidden.shape)}"
+        )
     if labels.dtype not in (torch.int64, torch.int32) or tuple(labels.shape) != tuple(hidden.shape[:-1]):
-        raise ValueError(f"labels must be int64/int32 of shape {tuple(hidden.shape[:-1])} (hidden without its last "
-                         f"dim), got {labels.dtype} {tuple(labels.shape)}")
+        raise ValueError(
+            f"labels must be int64/int32 of shape {tuple(hidden.shape[:-1])} (hidden without its last "
+            f"dim), got {labels.dtype} {tuple(labels.shape)}"
+        )
     if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (weight.shape[0],)):
-        raise ValueError(f"bias must be a tensor of shape ({weight.shape[0]},), got "
-                         f"{tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__}")
+        raise ValueError(
+            f"bias must be a tensor of shape ({weight.shape[0]},), got "
+            f"{tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__}"
+        )
 
 
 class _TiledLMLoss(torch.autograd.Function):
@@ -74,8 +81,10 @@ class _TiledLMLoss(torch.autograd.Function):
         bad = valid & ((t < 0) | (t >= vl * size))
         if bool(bad.any()):  # the same labels on every rank of the group: every rank raises
             i = int(bad.nonzero()[0, 0])
-            raise ValueError(f"labels hold {int(t[i])} at flat token {i}: accepted are 0 <= label < vocab size "
-                             f"{vl * size} or ignore_index={ignore_index}")
+            raise ValueError(
+                f"labels hold {int(t[i])} at flat token {i}: accepted are 0 <= label < vocab size "
+                f"{vl * size} or ignore_index={ignore_index}"
+            )
         acc = _acc(hidden.dtype)
         lse = torch.empty(n, dtype=acc, device=h.device)
         loss = torch.zeros((), dtype=acc, device=h.device)
@@ -129,13 +138,26 @@ class _TiledLMLoss(torch.autograd.Function):
                 db += p.sum(0)
         if dh is not None and ctx.size > 1:
             all_reduce(dh, ctx.group, what="tiled_lm_loss hidden gradient")
-        return (None if dh is None else dh.view_as(hidden), None if dw is None else dw.to(weight.dtype),
-                None if db is None else db.to(bias.dtype), None, None, None, None)
+        return (
+            None if dh is None else dh.view_as(hidden),
+            None if dw is None else dw.to(weight.dtype),
+            None if db is None else db.to(bias.dtype),
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 def tiled_lm_loss(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, chunk: int,
-    bias: torch.Tensor | None = None, ignore_index: int = -100, vocab_group: Any = None,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    chunk: int,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    vocab_group: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(loss_sum, count)``: the summed cross-entropy of ``hidden [..., d] @ weight[V, d]^T (+ bias [V])`` against
     ``labels [...]`` (aligned, ``ignore_index`` skipped) and the number of counted tokens (int64 tensor), with the
@@ -164,8 +186,10 @@ class _TiledMLP(torch.autograd.Function):
             y = fn(xc)
             if not isinstance(y, torch.Tensor) or y.shape[dim] != xc.shape[dim]:
                 got = tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__
-                raise ValueError(f"tiled_mlp: fn must be position-wise (one output per position along dim {dim}); "
-                                 f"a slice of shape {tuple(xc.shape)} gave {got}")
+                raise ValueError(
+                    f"tiled_mlp: fn must be position-wise (one output per position along dim {dim}); "
+                    f"a slice of shape {tuple(xc.shape)} gave {got}"
+                )
             outs.append(y)
         ctx.save_for_backward(x)
         return torch.cat(outs, dim)
@@ -199,8 +223,14 @@ class _TiledMLP(torch.autograd.Function):
         return (None, None, None, dx, *dparams)
 
 
-def tiled_mlp(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, chunk: int, *, dim: int = 1,
-              params: Iterable[torch.Tensor] | None = None) -> torch.Tensor:
+def tiled_mlp(
+    fn: Callable[[torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    chunk: int,
+    *,
+    dim: int = 1,
+    params: Iterable[torch.Tensor] | None = None,
+) -> torch.Tensor:
     """``fn(x)`` computed over ``chunk``-long slices of ``x`` along ``dim`` with recompute in backward (module doc).
     ``fn`` must be position-wise along ``dim``. Its parameters: ``fn.parameters()`` for an ``nn.Module``, else
     ``params`` (tensors ``fn`` reads that need gradients; a tensor fn reads but is not listed gets none)."""

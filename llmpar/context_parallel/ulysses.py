@@ -11,6 +11,7 @@ whose gradient sums the copies back): the lcm divides Hq, and query head h still
 ``h // (Hq / Hkv)``, so each rank's Hq / u query heads find their kv heads among its ``lcm / u``. Hq must be a
 multiple of u.
 """
+
 from __future__ import annotations
 
 import math
@@ -74,9 +75,11 @@ def heads_to_seq(y: torch.Tensor, group: GroupRef, u: int) -> torch.Tensor:
 def kv_repeats(heads: int, kv_heads: int, u: int) -> int:
     """How many times each kv head is repeated so that u divides the kv head count (1 if it already does)."""
     if heads % u:
-        raise ValueError(f"query heads {heads} (kv heads {kv_heads}) are not divisible by the Ulysses size u={u}: "
-                         f"Ulysses gives each of its u ranks heads/u whole heads; use a Ulysses size that divides "
-                         f"{heads} (ring or hybrid mode can take the rest of the sequence parallelism)")
+        raise ValueError(
+            f"query heads {heads} (kv heads {kv_heads}) are not divisible by the Ulysses size u={u}: "
+            f"Ulysses gives each of its u ranks heads/u whole heads; use a Ulysses size that divides "
+            f"{heads} (ring or hybrid mode can take the rest of the sequence parallelism)"
+        )
     return math.lcm(kv_heads, u) // kv_heads
 
 
@@ -86,8 +89,12 @@ def gather_valid(valid: torch.Tensor, group: GroupRef, u: int) -> torch.Tensor:
         return valid
     B, S = valid.shape
     everyone = torch.empty(u * B * S, dtype=valid.dtype, device=valid.device)
-    all_gather_flat(everyone, valid.contiguous().view(-1), as_group(group),
-                    what=f"Ulysses all-gather of the key mask {tuple(valid.shape)}")
+    all_gather_flat(
+        everyone,
+        valid.contiguous().view(-1),
+        as_group(group),
+        what=f"Ulysses all-gather of the key mask {tuple(valid.shape)}",
+    )
     return everyone.view(u, B, S).transpose(0, 1).reshape(B, u * S)
 
 

@@ -7,6 +7,7 @@ single process with ``batch_size * dp`` would draw: the property the parity test
 
     x[b, t] = tokens[start_b + t],  y[b, t] = tokens[start_b + t + 1],  x, y: [batch_size, seq_len] (int64)
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -2,6 +2,7 @@
 
 The corpus (``shakespeare.txt``, ~300 KB of ASCII) is public domain; README.md beside this file says where it is from.
 """
+
 from __future__ import annotations
 
 from importlib import resources

@@ -1,4 +1,5 @@
 """Where ranks meet: parallel degrees, the named mesh, initialisation, and the collectives every byte goes through."""
+
 from llmpar.distributed.agree import check_same_on_ranks, raise_if_any_failed
 from llmpar.distributed.collectives import (
     GroupRef,

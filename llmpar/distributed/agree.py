@@ -1,5 +1,6 @@
 """Agreement between ranks: checks that every rank of a group passed the same thing, or that none failed, each
 raising the same clear error on every rank instead of leaving the healthy ranks waiting in a later collective."""
+
 from __future__ import annotations
 
 import hashlib
@@ -28,12 +29,18 @@ def check_same_on_ranks(fingerprint: str, group: "Group | GroupRef", *, what: st
         by_value: dict[int, list[int]] = {}
         for r, h in enumerate(values):
             by_value.setdefault(h, []).append(r)
-        raise ValueError(f"{what}: group ranks {sorted(by_value.values())} disagree (this is group rank "
-                         f"{dist.get_rank(pg)}); {hint}")
+        raise ValueError(
+            f"{what}: group ranks {sorted(by_value.values())} disagree (this is group rank {dist.get_rank(pg)}); {hint}"
+        )
 
 
-def raise_if_any_failed(error: BaseException | None, groups: "Group | GroupRef | list", *, what: str,
-                        types: tuple[type[BaseException], ...] = ()) -> None:
+def raise_if_any_failed(
+    error: BaseException | None,
+    groups: "Group | GroupRef | list",
+    *,
+    what: str,
+    types: tuple[type[BaseException], ...] = (),
+) -> None:
     """Collective over ``groups`` (one group, or several spanning a grid such as a mesh's axes, taken in turn): when
     any rank passes an ``error``, every rank raises. A failing rank re-raises its own error; the others raise the same
     exception type naming a failing rank (global rank) and its message, so that a fault on one rank (a config it

@@ -10,6 +10,7 @@ Flat collectives:
                        (on gloo a direct exchange of the chunks plus a local sum: the one place that knows it).
   all_gather_flat:     input ``[n]`` -> output ``[world * n]``, chunk ``r`` from group rank ``r``.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -48,8 +49,15 @@ class Handle:
     """An in-flight collective. ``wait()`` blocks until the result is in the output tensor; a failure or timeout of
     the collective raises :class:`~llmpar.distributed.errors.CollectiveError` naming ``what`` and the group."""
 
-    def __init__(self, works: list, finish: Callable[[], object] | None = None, *, what: str = "a collective",
-                 pg: dist.ProcessGroup | None = None, entry: Entry | None = None) -> None:
+    def __init__(
+        self,
+        works: list,
+        finish: Callable[[], object] | None = None,
+        *,
+        what: str = "a collective",
+        pg: dist.ProcessGroup | None = None,
+        entry: Entry | None = None,
+    ) -> None:
         self._works, self._entry = works, entry  # entry: the flight recorder's, marked done once waited for
         self._finish = finish
         self._done = False
@@ -88,8 +96,14 @@ def failing_as(what: str, pg: dist.ProcessGroup | None) -> Iterator[None]:
         raise collective_error(err, what, pg) from err
 
 
-def _finish(async_op: bool, works: list, finish: Callable[[], object] | None, what: str,
-            pg: dist.ProcessGroup, entry: Entry | None = None) -> Handle | None:
+def _finish(
+    async_op: bool,
+    works: list,
+    finish: Callable[[], object] | None,
+    what: str,
+    pg: dist.ProcessGroup,
+    entry: Entry | None = None,
+) -> Handle | None:
     handle = Handle([w for w in works if w is not None], finish, what=what, pg=pg, entry=entry)
     if async_op:
         return handle
@@ -102,8 +116,15 @@ def _unsupported(err: Exception) -> bool:
     return isinstance(err, (NotImplementedError, AttributeError)) or "not support" in msg or "unsupported" in msg
 
 
-def all_reduce(tensor: torch.Tensor, group: Group, *, op: str = "sum", async_op: bool = False,
-               counter: CommCounter | None = None, what: str | None = None) -> Handle | None:
+def all_reduce(
+    tensor: torch.Tensor,
+    group: Group,
+    *,
+    op: str = "sum",
+    async_op: bool = False,
+    counter: CommCounter | None = None,
+    what: str | None = None,
+) -> Handle | None:
     """In-place all-reduce of ``tensor`` over ``group`` (``op`` in sum, avg, max, min, product). ``what``: names the
     operation in a failure's message (every collective here takes it)."""
     pg = as_group(group)
@@ -114,8 +135,12 @@ def all_reduce(tensor: torch.Tensor, group: Group, *, op: str = "sum", async_op:
     size = dist.get_world_size(pg)
     if counter is not None:
         nbytes = tensor.numel() * tensor.element_size()
-        counter.record("all_reduce", 2 * tensor.numel(), 2 * (size - 1) / size * nbytes,
-                       2 * nbytes / size * counter.cross_peers(pg))
+        counter.record(
+            "all_reduce",
+            2 * tensor.numel(),
+            2 * (size - 1) / size * nbytes,
+            2 * nbytes / size * counter.cross_peers(pg),
+        )
     finish = (lambda: tensor.div_(size)) if op == "avg" else None
     return _finish(async_op, [work], finish, what, pg, entry)
 
@@ -175,8 +200,15 @@ def reduce_scatter_scratch_numel(input: torch.Tensor, group: "Group | GroupRef")
 
 
 def reduce_scatter_flat(
-    output: torch.Tensor, input: torch.Tensor, group: Group, *, op: str = "sum", async_op: bool = False,
-    counter: CommCounter | None = None, what: str | None = None, scratch: torch.Tensor | None = None,
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: Group,
+    *,
+    op: str = "sum",
+    async_op: bool = False,
+    counter: CommCounter | None = None,
+    what: str | None = None,
+    scratch: torch.Tensor | None = None,
 ) -> Handle | None:
     """``output[n] = reduce_r input_r[group_rank * n : (group_rank + 1) * n]`` over the ranks r of ``group``.
 
@@ -193,11 +225,17 @@ def reduce_scatter_flat(
     pg = as_group(group)
     size = dist.get_world_size(pg)
     _check_pair(output, input, "input", size)
-    if scratch is not None and (scratch.dtype != input.dtype or scratch.device != input.device
-                                or not scratch.is_contiguous() or scratch.numel() < (size - 1) * output.numel()):
-        raise ValueError(f"scratch ({scratch.dtype}, {scratch.numel()} elements on {scratch.device}) must be a "
-                         f"contiguous {input.dtype} tensor on {input.device} of at least (group size - 1) x "
-                         f"output = {(size - 1) * output.numel()} elements")
+    if scratch is not None and (
+        scratch.dtype != input.dtype
+        or scratch.device != input.device
+        or not scratch.is_contiguous()
+        or scratch.numel() < (size - 1) * output.numel()
+    ):
+        raise ValueError(
+            f"scratch ({scratch.dtype}, {scratch.numel()} elements on {scratch.device}) must be a "
+            f"contiguous {input.dtype} tensor on {input.device} of at least (group size - 1) x "
+            f"output = {(size - 1) * output.numel()} elements"
+        )
     reduce_op = _op(op)
     what = what or f"reduce-scatter ({op}) of {input.numel()} elements"
     entry = RECORDER.start(pg, "reduce_scatter", input, what)
@@ -205,20 +243,34 @@ def reduce_scatter_flat(
         return _reduce_scatter(output, input, pg, size, op, reduce_op, async_op, counter, what, scratch, entry)
 
 
-def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, pg: dist.ProcessGroup, size: int, op: str,
-                    reduce_op: dist.ReduceOp.RedOpType, async_op: bool, counter: CommCounter | None, what: str,
-                    scratch: torch.Tensor | None = None, entry: Entry | None = None) -> Handle | None:
+def _reduce_scatter(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    pg: dist.ProcessGroup,
+    size: int,
+    op: str,
+    reduce_op: dist.ReduceOp.RedOpType,
+    async_op: bool,
+    counter: CommCounter | None,
+    what: str,
+    scratch: torch.Tensor | None = None,
+    entry: Entry | None = None,
+) -> Handle | None:
     if counter is not None:
         nbytes = input.numel() * input.element_size()
-        counter.record("reduce_scatter", input.numel(), (size - 1) / size * nbytes,
-                       nbytes / size * counter.cross_peers(pg))
+        counter.record(
+            "reduce_scatter", input.numel(), (size - 1) / size * nbytes, nbytes / size * counter.cross_peers(pg)
+        )
     if op in ("sum", "avg") and reduce_scatter_uses_exchange(pg, input.device):
         me = dist.get_rank(pg)
         chunks = input.view(size, -1)
         if input.numel() >= DIRECT_REDUCE_SCATTER_MIN:  # point to point: this rank's own chunk is not copied
             n = chunks.shape[1]
-            received = (scratch.view(-1)[:(size - 1) * n].view(size - 1, n) if scratch is not None
-                        else torch.empty(size - 1, n, dtype=input.dtype, device=input.device))
+            received = (
+                scratch.view(-1)[: (size - 1) * n].view(size - 1, n)
+                if scratch is not None
+                else torch.empty(size - 1, n, dtype=input.dtype, device=input.device)
+            )
             peers = [j for j in range(size) if j != me]
             works = _exchange(pg, [(j, chunks[j], received[i]) for i, j in enumerate(peers)])
             parts = [chunks[me] if j == me else received[peers.index(j)] for j in range(size)]
@@ -276,8 +328,13 @@ def _exchange(pg: dist.ProcessGroup, pairs: list[tuple[int, torch.Tensor, torch.
 
 
 def all_gather_flat(
-    output: torch.Tensor, input: torch.Tensor, group: Group, *, async_op: bool = False,
-    counter: CommCounter | None = None, what: str | None = None,
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: Group,
+    *,
+    async_op: bool = False,
+    counter: CommCounter | None = None,
+    what: str | None = None,
 ) -> Handle | None:
     """``output[r * n : (r + 1) * n] = input`` of group rank ``r``, for every r (on gloo a direct exchange,
     :func:`_exchange`; elsewhere the backend's all-gather)."""
@@ -288,8 +345,9 @@ def all_gather_flat(
     entry = RECORDER.start(pg, "all_gather", input, what)
     if counter is not None:
         nbytes = output.numel() * output.element_size()
-        counter.record("all_gather", output.numel(), (size - 1) / size * nbytes,
-                       nbytes / size * counter.cross_peers(pg))
+        counter.record(
+            "all_gather", output.numel(), (size - 1) / size * nbytes, nbytes / size * counter.cross_peers(pg)
+        )
     with failing_as(what, pg):
         if reduce_scatter_uses_exchange(pg, input.device):  # gloo: every chunk straight to every peer
             me = dist.get_rank(pg)
@@ -307,8 +365,15 @@ def all_gather_flat(
     return _finish(async_op, [work], None, what, pg, entry)
 
 
-def broadcast(tensor: torch.Tensor, src: int, group: Group, *, async_op: bool = False,
-              counter: CommCounter | None = None, what: str | None = None) -> Handle | None:
+def broadcast(
+    tensor: torch.Tensor,
+    src: int,
+    group: Group,
+    *,
+    async_op: bool = False,
+    counter: CommCounter | None = None,
+    what: str | None = None,
+) -> Handle | None:
     """Broadcast ``tensor`` from group rank ``src`` to every rank of ``group``."""
     pg = as_group(group)
     what = what or f"broadcast of {tensor.numel()} elements from group rank {src}"
@@ -368,8 +433,14 @@ def barrier(group: Group, *, what: str = "barrier") -> None:
     end(entry)
 
 
-def broadcast_coalesced(tensors: list[torch.Tensor], src: int, group: Group, *, bucket_numel: int = 1 << 25,
-                        counter: CommCounter | None = None) -> None:
+def broadcast_coalesced(
+    tensors: list[torch.Tensor],
+    src: int,
+    group: Group,
+    *,
+    bucket_numel: int = 1 << 25,
+    counter: CommCounter | None = None,
+) -> None:
     """Broadcast every tensor of ``tensors`` from group rank ``src`` in place, as DDP does with the model at start-up:
     one flat broadcast per (device, dtype) and bucket of at most ``bucket_numel`` elements (a bigger tensor alone)."""
     buckets: dict[tuple[torch.device, torch.dtype], list[list[torch.Tensor]]] = {}
@@ -383,10 +454,30 @@ def broadcast_coalesced(tensors: list[torch.Tensor], src: int, group: Group, *, 
         broadcast(flat, src, group, counter=counter)
         offset = 0
         for t in ts:
-            t.detach().copy_(flat[offset:offset + t.numel()].view_as(t))
+            t.detach().copy_(flat[offset : offset + t.numel()].view_as(t))
             offset += t.numel()
 
 
-__all__ = ["CommCounter", "Group", "GroupRef", "Handle", "all_gather_flat", "all_reduce", "as_group", "barrier",
-           "broadcast", "broadcast_coalesced", "collective_device", "failing_as", "global_rank", "group_rank",
-           "group_size", "irecv", "isend", "recv", "reduce_scatter_flat", "reduce_scatter_uses_exchange", "send"]
+__all__ = [
+    "CommCounter",
+    "Group",
+    "GroupRef",
+    "Handle",
+    "all_gather_flat",
+    "all_reduce",
+    "as_group",
+    "barrier",
+    "broadcast",
+    "broadcast_coalesced",
+    "collective_device",
+    "failing_as",
+    "global_rank",
+    "group_rank",
+    "group_size",
+    "irecv",
+    "isend",
+    "recv",
+    "reduce_scatter_flat",
+    "reduce_scatter_uses_exchange",
+    "send",
+]

@@ -17,6 +17,7 @@ Both count what they move in a :class:`CommCounter` under "all_gather_q" / "all_
 return a handle whose ``is_completed()`` moves a two-level reduction on to its second all-to-all once the first
 has landed, so a poller (the gradient reducer) keeps both levels in flight without blocking.
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -39,8 +40,9 @@ class NodeSplit:
     (e.g. ``zero_hpz_partition_size``) may instead be given directly, in dp ranks. Every node must hold the same
     number of consecutive dp ranks."""
 
-    def __init__(self, dp_group: "Group | GroupRef", *, per_node: int | None = None,
-                 ranks_per_node: int | None = None) -> None:
+    def __init__(
+        self, dp_group: "Group | GroupRef", *, per_node: int | None = None, ranks_per_node: int | None = None
+    ) -> None:
         pg = as_group(dp_group)
         ranks = dist.get_process_group_ranks(pg)
         world = len(ranks)
@@ -48,10 +50,12 @@ class NodeSplit:
             rpn = ranks_per_node or local_ranks_per_node()
             nodes_of = [g // rpn for g in ranks]
             per_node = nodes_of.count(nodes_of[0])
-            blocks = [nodes_of[i:i + per_node] for i in range(0, world, per_node)]
+            blocks = [nodes_of[i : i + per_node] for i in range(0, world, per_node)]
             if world % per_node or any(len(set(b)) != 1 for b in blocks) or len({b[0] for b in blocks}) != len(blocks):
-                raise ValueError(f"the dp ranks {ranks} do not split into equal runs of consecutive ranks per node "
-                                 f"({rpn} ranks per node): launch with tp innermost and whole nodes per dp group")
+                raise ValueError(
+                    f"the dp ranks {ranks} do not split into equal runs of consecutive ranks per node "
+                    f"({rpn} ranks per node): launch with tp innermost and whole nodes per dp group"
+                )
         if isinstance(per_node, bool) or not isinstance(per_node, int) or per_node < 1 or world % per_node:
             raise ValueError(f"ranks per node {per_node!r} must be a positive int dividing the dp degree {world}")
         self.per_node, self.nodes, self.world = per_node, world // per_node, world
@@ -60,10 +64,11 @@ class NodeSplit:
         self.intra: GroupRef | None = None
         self.inter: GroupRef | None = None
         if 1 < per_node:  # my node's dp ranks
-            self.intra = GroupRef(dist.new_group(ranks[self.node * per_node:(self.node + 1) * per_node],
-                                                 use_local_synchronization=True))
+            self.intra = GroupRef(
+                dist.new_group(ranks[self.node * per_node : (self.node + 1) * per_node], use_local_synchronization=True)
+            )
         if 1 < self.nodes:  # the dp ranks with my index, one per node
-            self.inter = GroupRef(dist.new_group(ranks[self.local::per_node], use_local_synchronization=True))
+            self.inter = GroupRef(dist.new_group(ranks[self.local :: per_node], use_local_synchronization=True))
         self.dp = GroupRef(pg)
         self.chains: list[ChainHandle] = []  # multi-step reductions still to launch a step, oldest first
 
@@ -83,8 +88,12 @@ class ChainHandle:
     were made, whatever order they are polled or waited in: every rank then issues the same sequence of collectives
     on each group (a mismatch would hang or mix buffers)."""
 
-    def __init__(self, steps: list[Callable[[], Handle]], finish: Callable[[], None] | None,
-                 queue: list["ChainHandle"] | None = None) -> None:
+    def __init__(
+        self,
+        steps: list[Callable[[], Handle]],
+        finish: Callable[[], None] | None,
+        queue: list["ChainHandle"] | None = None,
+    ) -> None:
         self._steps, self._finish = list(steps), finish
         self._queue = queue if queue is not None else []
         self._done = False
@@ -128,8 +137,9 @@ class ChainHandle:
         return self._done or self._advance(block=False)
 
 
-def _all_to_all(recv: torch.Tensor, send: torch.Tensor, group: "Group | GroupRef", counter: CommCounter | None,
-                what: str) -> Handle:
+def _all_to_all(
+    recv: torch.Tensor, send: torch.Tensor, group: "Group | GroupRef", counter: CommCounter | None, what: str
+) -> Handle:
     pg = as_group(group)
     size = dist.get_world_size(pg)
     if counter is not None:
@@ -140,24 +150,35 @@ def _all_to_all(recv: torch.Tensor, send: torch.Tensor, group: "Group | GroupRef
     return Handle([work], None, what=what, pg=pg)
 
 
-def all_gather_quantized(output: torch.Tensor, input: torch.Tensor, group: "Group | GroupRef", *, bits: int = 8,
-                         block: int = 256, async_op: bool = False, counter: CommCounter | None = None,
-                         what: str | None = None) -> Handle | None:
+def all_gather_quantized(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: "Group | GroupRef",
+    *,
+    bits: int = 8,
+    block: int = 256,
+    async_op: bool = False,
+    counter: CommCounter | None = None,
+    what: str | None = None,
+) -> Handle | None:
     """``output[r*n:(r+1)*n] = dequant(quant(input of group rank r))`` for every r (own chunk included): input
     ``[n]`` float, output ``[world*n]`` any float dtype (the dequantization writes it: the unpack pass)."""
     pg = as_group(group)
     size = dist.get_world_size(pg)
     n = input.numel()
     if output.numel() != size * n or input.dim() != 1 or not output.is_contiguous():
-        raise ValueError(f"output has {output.numel()} elements, expected contiguous group size {size} x input "
-                         f"{n} = {size * n} (input 1-D)")
+        raise ValueError(
+            f"output has {output.numel()} elements, expected contiguous group size {size} x input "
+            f"{n} = {size * n} (input 1-D)"
+        )
     what = what or f"quantized all-gather of {output.numel()} elements"
     mine = quantize_rows(input.view(1, n), bits=bits, block=block)
     wire = torch.empty(size, mine.shape[1], dtype=torch.uint8, device=input.device)
     if counter is not None:
         nbytes = wire.numel()
-        counter.record("all_gather_q", output.numel(), (size - 1) / size * nbytes,
-                       nbytes / size * counter.cross_peers(pg))
+        counter.record(
+            "all_gather_q", output.numel(), (size - 1) / size * nbytes, nbytes / size * counter.cross_peers(pg)
+        )
     gathered = all_gather_flat(wire.view(-1), mine.view(-1), pg, async_op=True, what=what)
     assert gathered is not None
 
@@ -171,10 +192,20 @@ def all_gather_quantized(output: torch.Tensor, input: torch.Tensor, group: "Grou
     return None
 
 
-def reduce_scatter_quantized(output: torch.Tensor, wire: torch.Tensor, split: NodeSplit, *, n: int, bits: int = 4,
-                             block: int = 256, accumulate: bool = False, residual: torch.Tensor | None = None,
-                             counter: CommCounter | None = None, what: str = "quantized reduce-scatter",
-                             async_op: bool = False) -> "ChainHandle | None":
+def reduce_scatter_quantized(
+    output: torch.Tensor,
+    wire: torch.Tensor,
+    split: NodeSplit,
+    *,
+    n: int,
+    bits: int = 4,
+    block: int = 256,
+    accumulate: bool = False,
+    residual: torch.Tensor | None = None,
+    counter: CommCounter | None = None,
+    what: str = "quantized reduce-scatter",
+    async_op: bool = False,
+) -> "ChainHandle | None":
     """``output[n] (+)= sum over dp ranks r of dequant(row d of r's wire)`` with d this rank's dp index (module
     docstring). ``wire``: ``uint8 [world, row_bytes(n)]``, row d the chunk of dp rank d (``pack_quantize(rows=world,
     m=n)``). ``residual`` (float32 ``[nodes * n]``): error feedback of the second level's re-quantization.
@@ -184,11 +215,14 @@ def reduce_scatter_quantized(output: torch.Tensor, wire: torch.Tensor, split: No
     if wire.dtype != torch.uint8 or tuple(wire.shape) != (world, rb):
         raise ValueError(f"wire must be uint8 [{world}, {rb}], got {wire.dtype} {tuple(wire.shape)}")
     if residual is not None and not split.hierarchical:
-        raise ValueError("residual is the second level's error feedback: only for a split with several nodes of "
-                         "several ranks")
+        raise ValueError(
+            "residual is the second level's error feedback: only for a split with several nodes of several ranks"
+        )
     if residual is not None and (residual.dtype != torch.float32 or residual.numel() != split.nodes * n):
-        raise ValueError(f"residual must be float32 [{split.nodes * n}] (nodes x chunk), got {residual.dtype} "
-                         f"{tuple(residual.shape)}")
+        raise ValueError(
+            f"residual must be float32 [{split.nodes * n}] (nodes x chunk), got {residual.dtype} "
+            f"{tuple(residual.shape)}"
+        )
     device = wire.device
     k, nodes = split.per_node, split.nodes
     state: dict[str, torch.Tensor] = {}
@@ -218,8 +252,7 @@ def reduce_scatter_quantized(output: torch.Tensor, wire: torch.Tensor, split: No
             state["recv2"] = torch.empty_like(send2)
             return _all_to_all(state["recv2"], send2, inter, counter, what + " (between nodes)")
 
-        steps = [lambda: _all_to_all(state["recv1"], send1, intra, counter, what + " (inside the node)"),
-                 level2]
+        steps = [lambda: _all_to_all(state["recv1"], send1, intra, counter, what + " (inside the node)"), level2]
         handle = ChainHandle(steps, lambda: land(state["recv2"]), split.chains)
     if async_op:
         return handle

@@ -1,4 +1,5 @@
 """What the collectives move, counted: :class:`CommCounter` (passed to them as ``counter=``)."""
+
 from __future__ import annotations
 
 import os
@@ -29,8 +30,9 @@ class CommCounter:
     """
 
     def __init__(self, *, ranks_per_node: int | None = None) -> None:
-        if ranks_per_node is not None and (isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int)
-                                           or ranks_per_node < 1):
+        if ranks_per_node is not None and (
+            isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1
+        ):
             raise ValueError(f"ranks_per_node={ranks_per_node!r} must be a positive int or None")
         self.ranks_per_node = ranks_per_node
         self.calls: dict[str, int] = {}

@@ -9,6 +9,7 @@ code can always ask for ``mesh["tp"]`` or ``mesh["cp"]``.
 Groups the mesh has no axis for (ZeRO's dp x cp group, the Ulysses and ring parts of a hybrid cp axis) are built by
 :meth:`ParallelDims.new_group`, which partitions the ranks by a key (a collective: every rank calls it alike).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -110,8 +111,10 @@ class ParallelDims:
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized: call llmpar.init_distributed() first")
         if dist.get_world_size() != self.world_size:
-            raise ValueError(f"ParallelDims was built for world size {self.world_size} but the process group has "
-                             f"{dist.get_world_size()} ranks")
+            raise ValueError(
+                f"ParallelDims was built for world size {self.world_size} but the process group has "
+                f"{dist.get_world_size()} ranks"
+            )
         parts: dict[Hashable, list[int]] = {}
         for r in range(self.world_size):
             parts.setdefault(key(r), []).append(r)

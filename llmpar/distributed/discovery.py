@@ -20,6 +20,7 @@ the port came from.
 A value that is not an integer, a rank outside its size, or a local rank not below the local size (or, without a
 local size, the world size) raises a ValueError naming the variable and launcher.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -56,8 +57,12 @@ class LaunchInfo:
 
     def torchrun_env(self) -> dict[str, str]:
         """The variables torch's ``env://`` rendezvous and llmpar's local-rank users read (MASTER_* only if known)."""
-        out = {"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(self.local_rank),
-               "LOCAL_WORLD_SIZE": str(self.local_world_size)}
+        out = {
+            "RANK": str(self.rank),
+            "WORLD_SIZE": str(self.world_size),
+            "LOCAL_RANK": str(self.local_rank),
+            "LOCAL_WORLD_SIZE": str(self.local_world_size),
+        }
         if self.master_addr is not None:
             out["MASTER_ADDR"] = self.master_addr
         if self.master_port is not None:
@@ -136,6 +141,7 @@ def expand_nodelist(nodelist: str, *, name: str = "nodelist") -> Iterator[str]:
     of its lower end. Lazy: the whole list is checked first (a malformed list, or a number of more than
     :data:`MAX_NODELIST_DIGITS` digits, raises a ValueError naming ``name``), then hosts are made one at a time, so
     taking the first host of ``node[0-100000000]`` builds one name."""
+
     def bad(why: str) -> ValueError:
         shown = nodelist if len(nodelist) <= 200 else nodelist[:200] + "..."
         return ValueError(f"{name}={shown!r} is not a Slurm hostlist ({why}); expected e.g. 'node[01-04,07],gpu1'")
@@ -189,8 +195,9 @@ def _check(source: str, rank: int, size: int, local: int, local_size: int, names
         raise ValueError(f"{names[2]}={local} (from {source}) is not below {names[3]}={local_size}")
 
 
-def _ranks(env: Mapping[str, str], source: str, names: tuple[str, str, str, str], *,
-           size_given: bool = True) -> tuple[int, int, int, int]:
+def _ranks(
+    env: Mapping[str, str], source: str, names: tuple[str, str, str, str], *, size_given: bool = True
+) -> tuple[int, int, int, int]:
     rank = _int(env, names[0], source)
     size = _int(env, names[1], source, minimum=1)
     assert rank is not None and size is not None
@@ -199,8 +206,10 @@ def _ranks(env: Mapping[str, str], source: str, names: tuple[str, str, str, str]
     if local_size is None:  # no per-node count: at most the world on this node (a LOCAL_RANK alone, no WORLD_SIZE,
         _check(source, rank, size, 0, 1, names)  # is a device choice of a single process: taken as given)
         if local is not None and size_given and local >= size:
-            raise ValueError(f"{names[2]}={local} (from {source}) is not below {names[1]}={size}: a node holds at "
-                             f"most the job's ranks (without {names[3]}, local ranks must be < {names[1]})")
+            raise ValueError(
+                f"{names[2]}={local} (from {source}) is not below {names[1]}={size}: a node holds at "
+                f"most the job's ranks (without {names[3]}, local ranks must be < {names[1]})"
+            )
         return rank, size, rank if local is None else local, size
     if local is None:
         local = rank % local_size
@@ -214,21 +223,26 @@ def _slurm_local_size(env: Mapping[str, str], size: int) -> tuple[int, str | Non
     if var is None:
         nodes = _first(env, _NODELIST_VARS)
         if nodes is not None and len(list(itertools.islice(expand_nodelist(env[nodes], name=nodes), 2))) > 1:
-            raise ValueError(f"{nodes}={env[nodes]!r} names several nodes but none of SLURM_STEP_TASKS_PER_NODE, "
-                             "SLURM_TASKS_PER_NODE, SLURM_NTASKS_PER_NODE is set: the tasks on this node are unknown")
+            raise ValueError(
+                f"{nodes}={env[nodes]!r} names several nodes but none of SLURM_STEP_TASKS_PER_NODE, "
+                "SLURM_TASKS_PER_NODE, SLURM_NTASKS_PER_NODE is set: the tasks on this node are unknown"
+            )
         return size, None
     per_node = parse_tasks_per_node(env[var], name=var)
     if len(set(per_node)) == 1:
         return per_node[0], var
     node = _int(env, "SLURM_NODEID", "Slurm")
     if node is None or node >= len(per_node):
-        raise ValueError(f"{var}={env[var]!r} gives different task counts per node, and SLURM_NODEID="
-                         f"{env.get('SLURM_NODEID')!r} does not index it (0..{len(per_node) - 1})")
+        raise ValueError(
+            f"{var}={env[var]!r} gives different task counts per node, and SLURM_NODEID="
+            f"{env.get('SLURM_NODEID')!r} does not index it (0..{len(per_node) - 1})"
+        )
     return per_node[node], var
 
 
-def discover(environ: Mapping[str, str] | None = None, *, master_addr: str | None = None,
-             master_port: int | None = None) -> LaunchInfo:
+def discover(
+    environ: Mapping[str, str] | None = None, *, master_addr: str | None = None, master_port: int | None = None
+) -> LaunchInfo:
     """Read the launcher's variables from ``environ`` (default ``os.environ``) and return a :class:`LaunchInfo`.
     ``master_addr`` / ``master_port`` given here win over ``MASTER_ADDR`` / ``MASTER_PORT``, which win over
     anything derived. Never raises for a missing address (``master_addr`` is then None); raises ValueError for
@@ -247,8 +261,12 @@ def discover(environ: Mapping[str, str] | None = None, *, master_addr: str | Non
         read = present
     elif env.get("OMPI_COMM_WORLD_RANK", "").strip():
         source = "OpenMPI"
-        names = ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-                 "OMPI_COMM_WORLD_LOCAL_SIZE")
+        names = (
+            "OMPI_COMM_WORLD_RANK",
+            "OMPI_COMM_WORLD_SIZE",
+            "OMPI_COMM_WORLD_LOCAL_RANK",
+            "OMPI_COMM_WORLD_LOCAL_SIZE",
+        )
         _require(env, names[:2], source)
         rank, size, local, local_size = _ranks(env, source, names)
         read = {n: env[n] for n in names if n in env}
@@ -263,27 +281,50 @@ def discover(environ: Mapping[str, str] | None = None, *, master_addr: str | Non
         source = "Slurm"
         size_var = _first(env, ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS"))
         if size_var is None:
-            raise ValueError(f"SLURM_PROCID={env['SLURM_PROCID']!r} is set (Slurm) but none of SLURM_STEP_NUM_TASKS, "
-                             "SLURM_NTASKS, SLURM_NPROCS is: launch with srun --ntasks=N")
+            raise ValueError(
+                f"SLURM_PROCID={env['SLURM_PROCID']!r} is set (Slurm) but none of SLURM_STEP_NUM_TASKS, "
+                "SLURM_NTASKS, SLURM_NPROCS is: launch with srun --ntasks=N"
+            )
         local_size, per_node_var = _slurm_local_size(env, _int(env, size_var, source, minimum=1) or 1)
-        filled = {"SLURM_PROCID": env["SLURM_PROCID"], size_var: env[size_var],
-                  "SLURM_LOCALID": env.get("SLURM_LOCALID", ""), per_node_var or "tasks on this node": str(local_size)}
+        filled = {
+            "SLURM_PROCID": env["SLURM_PROCID"],
+            size_var: env[size_var],
+            "SLURM_LOCALID": env.get("SLURM_LOCALID", ""),
+            per_node_var or "tasks on this node": str(local_size),
+        }
         names = ("SLURM_PROCID", size_var, "SLURM_LOCALID", per_node_var or "tasks on this node")
         rank, size, local, local_size = _ranks(filled, source, names)
-        read = {n: env[n] for n in ("SLURM_PROCID", size_var, "SLURM_LOCALID", per_node_var or "", "SLURM_NODEID")
-                if env.get(n, "").strip()}
+        read = {
+            n: env[n]
+            for n in ("SLURM_PROCID", size_var, "SLURM_LOCALID", per_node_var or "", "SLURM_NODEID")
+            if env.get(n, "").strip()
+        }
         if size_var != "SLURM_STEP_NUM_TASKS" and size > 1:
-            warning = (f"{size_var}={size} but no SLURM_STEP_NUM_TASKS: if this is the batch script itself rather "
-                       "than a task started by srun, the other ranks will never join; launch with srun")
+            warning = (
+                f"{size_var}={size} but no SLURM_STEP_NUM_TASKS: if this is the batch script itself rather "
+                "than a task started by srun, the other ranks will never join; launch with srun"
+            )
     else:  # PMI_RANK or PMIX_RANK without PMI_SIZE (and no Slurm task variables)
         var = _first(env, ("PMI_RANK", "PMIX_RANK"))
         assert var is not None
-        raise ValueError(f"{var}={env[var]!r} is set ({'PMIx' if var == 'PMIX_RANK' else 'PMI'}) but no world size "
-                         "is (PMI_SIZE or SLURM_NTASKS): set WORLD_SIZE and RANK, or launch with srun / mpirun")
+        raise ValueError(
+            f"{var}={env[var]!r} is set ({'PMIx' if var == 'PMIX_RANK' else 'PMI'}) but no world size "
+            "is (PMI_SIZE or SLURM_NTASKS): set WORLD_SIZE and RANK, or launch with srun / mpirun"
+        )
     addr, port, origin, job_port = _master(env, source, master_addr, master_port)
-    return LaunchInfo(source=source, rank=rank, world_size=size, local_rank=local, local_world_size=local_size,
-                      master_addr=addr, master_port=port, master_from=origin, read=read, warning=warning,
-                      job_port=job_port)
+    return LaunchInfo(
+        source=source,
+        rank=rank,
+        world_size=size,
+        local_rank=local,
+        local_world_size=local_size,
+        master_addr=addr,
+        master_port=port,
+        master_from=origin,
+        read=read,
+        warning=warning,
+        job_port=job_port,
+    )
 
 
 def _require(env: Mapping[str, str], names: tuple[str, ...], source: str) -> None:
@@ -292,8 +333,9 @@ def _require(env: Mapping[str, str], names: tuple[str, ...], source: str) -> Non
             raise ValueError(f"{names[0]} is set ({source}) but {n} is not")
 
 
-def _master(env: Mapping[str, str], source: str, addr: str | None,
-            port: int | None) -> tuple[str | None, int | None, str, str]:
+def _master(
+    env: Mapping[str, str], source: str, addr: str | None, port: int | None
+) -> tuple[str | None, int | None, str, str]:
     """The rendezvous address and port, a phrase saying where they came from, and ``"SLURM_JOB_ID=J"`` when the
     port is the job id's (derived here, or by ``llmpar launch``, which says so in :data:`PORT_FROM_VAR`)."""
     if addr is not None and (not isinstance(addr, str) or not addr.strip()):
@@ -329,8 +371,12 @@ def _master(env: Mapping[str, str], source: str, addr: str | None,
     if addr is None:
         if source in ("none", "torchrun"):
             return None, port, "", job_port
-        return (None, port, f"set MASTER_ADDR to rank 0's host (or pass master_addr=): {source} does not name it",
-                job_port)
+        return (
+            None,
+            port,
+            f"set MASTER_ADDR to rank 0's host (or pass master_addr=): {source} does not name it",
+            job_port,
+        )
     if port is None:
         port, port_from = DEFAULT_PORT, f"default port {DEFAULT_PORT}"
     return addr, port, f"{addr_from}, {port_from}", job_port

@@ -8,14 +8,23 @@ on which rank, and what probably happened; callers that know more (the engine: i
 :meth:`CollectiveError.add_context`. The flight recorder (``flight.py``) adds what the ranks' records say: which rank
 is behind, ahead or ran a different collective, and what it was doing (:attr:`CollectiveError.flight`).
 """
+
 from __future__ import annotations
 
 import torch.distributed as dist
 
 from llmpar.distributed.flight import RECORDER, on_failure
 
-_GONE = ("connection reset", "connection closed", "broken pipe", "end of file", "eof", "connection refused",
-         "socket closed", "peer")
+_GONE = (
+    "connection reset",
+    "connection closed",
+    "broken pipe",
+    "end of file",
+    "eof",
+    "connection refused",
+    "socket closed",
+    "peer",
+)
 _TIMEOUT = ("timed out", "timeout", "deadline")
 
 
@@ -30,7 +39,7 @@ class CollectiveError(RuntimeError):
 
     @property
     def kind(self) -> str:
-        """"timeout" (a peer is stuck or ran another collective), "gone" (a peer died or left) or "error"."""
+        """ "timeout" (a peer is stuck or ran another collective), "gone" (a peer died or left) or "error"."""
         text = str(self.cause).lower()
         if any(k in text for k in _TIMEOUT):
             return "timeout"
@@ -45,15 +54,17 @@ class CollectiveError(RuntimeError):
     def __str__(self) -> str:
         why = {
             "timeout": "a peer rank did not take part within the collective timeout: it is stuck (a hung data loader, "
-                       "a stopped process) or is running a different collective (uneven step counts across ranks, a "
-                       "checkpoint saved on some ranks only)",
+            "a stopped process) or is running a different collective (uneven step counts across ranks, a "
+            "checkpoint saved on some ranks only)",
             "gone": "a peer rank is gone (it died or exited)",
             "error": "the backend reported an error",
         }[self.kind]
         where = "".join(f", {c}" for c in self.context)
         first = str(self.cause).strip().splitlines()[0] if str(self.cause).strip() else type(self.cause).__name__
-        return (f"llmpar: {self.what} over {self.group} failed on global rank {self.rank}{where}: {why} "
-                f"[{type(self.cause).__name__}: {first}]" + (f". {self.flight}" if self.flight else ""))
+        return (
+            f"llmpar: {self.what} over {self.group} failed on global rank {self.rank}{where}: {why} "
+            f"[{type(self.cause).__name__}: {first}]" + (f". {self.flight}" if self.flight else "")
+        )
 
 
 class TokenIdError(ValueError, IndexError):
@@ -64,7 +75,7 @@ class TokenIdError(ValueError, IndexError):
 
 
 def describe_group(pg: dist.ProcessGroup) -> str:
-    """"the group of global ranks [0, 2]" (or the whole job)."""
+    """ "the group of global ranks [0, 2]" (or the whole job)."""
     try:
         ranks = dist.get_process_group_ranks(pg)
     except (RuntimeError, ValueError, AttributeError):

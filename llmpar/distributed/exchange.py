@@ -12,6 +12,7 @@ timeout) into a :class:`~llmpar.distributed.errors.CollectiveError` naming the o
                      receives match in the order they are posted (every rank must post its exchanges in the same
                      order, as collectives are).
 """
+
 from __future__ import annotations
 
 import torch
@@ -22,8 +23,14 @@ from llmpar.distributed.flight import RECORDER
 from llmpar.distributed.groups import Group, GroupRef, as_group, global_rank
 
 
-def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group: "Group | GroupRef", *,
-                      async_op: bool = False, what: str | None = None) -> Handle | None:
+def all_to_all_single(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: "Group | GroupRef",
+    *,
+    async_op: bool = False,
+    what: str | None = None,
+) -> Handle | None:
     """``output.view(world, -1)[r] = input_r.view(world, -1)[group_rank]`` for every group rank r.
 
     ``input`` and ``output``: contiguous tensors of one dtype and device with the same number of elements, a
@@ -36,11 +43,15 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group: "Group |
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous (got strides {tuple(t.stride())})")
     if output.dtype != input.dtype or output.device != input.device:
-        raise ValueError(f"output ({output.dtype}, {output.device}) and input ({input.dtype}, {input.device}) must "
-                         "share dtype and device")
+        raise ValueError(
+            f"output ({output.dtype}, {output.device}) and input ({input.dtype}, {input.device}) must "
+            "share dtype and device"
+        )
     if output.numel() != input.numel() or input.numel() % size:
-        raise ValueError(f"all-to-all needs input and output of the same size, a multiple of the group size {size}; "
-                         f"got {input.numel()} and {output.numel()} elements")
+        raise ValueError(
+            f"all-to-all needs input and output of the same size, a multiple of the group size {size}; "
+            f"got {input.numel()} and {output.numel()} elements"
+        )
     what = what or f"all-to-all of {input.numel()} elements"
     if size == 1:
         output.copy_(input)
@@ -64,8 +75,13 @@ def _p2p_op(fn, tensor: torch.Tensor, peer: int, pg: dist.ProcessGroup) -> dist.
     return dist.P2POp(fn, tensor, group=pg, peer=global_rank(pg, peer))
 
 
-def exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]],
-             group: "Group | GroupRef", *, what: str | None = None) -> Handle:
+def exchange(
+    sends: list[tuple[torch.Tensor, int]],
+    recvs: list[tuple[torch.Tensor, int]],
+    group: "Group | GroupRef",
+    *,
+    what: str | None = None,
+) -> Handle:
     """Post every send ``(tensor, group peer)`` and receive ``(tensor, group peer)`` as one batch; returns the
     in-flight :class:`Handle` (``wait()`` raises a CollectiveError naming ``what`` on a failure). Tensors must be
     contiguous; a receive's tensor is written only once the handle is waited for."""

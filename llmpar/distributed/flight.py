@@ -25,6 +25,7 @@ When a collective fails or times out (:func:`on_failure`, called where the
 Peers need not be able to answer: a rank that is stuck in Python (a data loader, ``time.sleep``) publishes nothing
 and is named by its silence and this rank's own record.
 """
+
 from __future__ import annotations
 
 import collections
@@ -53,8 +54,10 @@ def env_size(environ: Any = os.environ) -> int:
     if not raw:
         return DEFAULT_SIZE
     if not raw.isdigit():
-        raise ValueError(f"{ENV_SIZE}={raw!r} must be a non-negative integer: how many collectives each rank keeps "
-                         f"(0 turns the flight recorder off, unset keeps {DEFAULT_SIZE})")
+        raise ValueError(
+            f"{ENV_SIZE}={raw!r} must be a non-negative integer: how many collectives each rank keeps "
+            f"(0 turns the flight recorder off, unset keeps {DEFAULT_SIZE})"
+        )
     return int(raw)
 
 
@@ -66,8 +69,10 @@ def env_wait_s(environ: Any = os.environ) -> float:
     except ValueError:
         value = -1.0
     if not value >= 0 or value == float("inf"):
-        raise ValueError(f"{ENV_WAIT}={raw!r} must be a finite number of seconds >= 0 (how long a failing rank waits "
-                         f"for the other ranks' flight records; unset: {DEFAULT_WAIT_S})")
+        raise ValueError(
+            f"{ENV_WAIT}={raw!r} must be a finite number of seconds >= 0 (how long a failing rank waits "
+            f"for the other ranks' flight records; unset: {DEFAULT_WAIT_S})"
+        )
     return value
 
 
@@ -102,9 +107,20 @@ def site(entry: Entry) -> str:
 
 def as_dict(e: Entry) -> dict[str, Any]:
     """An entry as JSON-ready fields."""
-    return {"seq": e[SEQ], "op": e[OP], "group": e[GROUP].name, "ranks": e[GROUP].ranks, "numel": e[NUMEL],
-            "dtype": str(e[DTYPE] or "")[6:], "what": e[WHAT], "step": e[STEP], "site": site(e), "t0": e[T0],
-            "t1": e[T1], "state": e[STATE]}
+    return {
+        "seq": e[SEQ],
+        "op": e[OP],
+        "group": e[GROUP].name,
+        "ranks": e[GROUP].ranks,
+        "numel": e[NUMEL],
+        "dtype": str(e[DTYPE] or "")[6:],
+        "what": e[WHAT],
+        "step": e[STEP],
+        "site": site(e),
+        "t0": e[T0],
+        "t1": e[T1],
+        "state": e[STATE],
+    }
 
 
 class FlightRecorder:
@@ -134,9 +150,20 @@ class FlightRecorder:
         frame = sys._getframe(1)
         while frame.f_back is not None and frame.f_code.co_filename.startswith(_INTERNAL):
             frame = frame.f_back
-        entry = [log.seq, op, log, tensor.numel() if tensor is not None else 0,
-                 tensor.dtype if tensor is not None else None, what, self.step, frame.f_code, frame.f_lasti,
-                 time.time(), 0.0, "started"]
+        entry = [
+            log.seq,
+            op,
+            log,
+            tensor.numel() if tensor is not None else 0,
+            tensor.dtype if tensor is not None else None,
+            what,
+            self.step,
+            frame.f_code,
+            frame.f_lasti,
+            time.time(),
+            0.0,
+            "started",
+        ]
         self.entries.append(entry)
         return entry
 
@@ -154,8 +181,14 @@ class FlightRecorder:
             g["entries"].append(e)
         for g in groups.values():
             g["last"] = [as_dict(e) for e in g.pop("entries")[-PUBLISHED_PER_GROUP:]]
-        return {"rank": dist.get_rank() if dist.is_initialized() else 0, "at": time.time(), "step": self.step,
-                "failed": None if failed is None else as_dict(failed), "error": error, "groups": groups}
+        return {
+            "rank": dist.get_rank() if dist.is_initialized() else 0,
+            "at": time.time(),
+            "step": self.step,
+            "failed": None if failed is None else as_dict(failed),
+            "error": error,
+            "groups": groups,
+        }
 
     def last_done_with(self, rank: int) -> float:
         """When this rank last finished a collective on a group that has global ``rank`` in it (0.0: never)."""
@@ -184,8 +217,9 @@ def _dump(recorder: FlightRecorder, failed: Entry | None, error: str) -> str:
     return path
 
 
-def _exchange(mine: dict[str, Any], peers: list[int], fresh_after: dict[int, float],
-              wait_s: float) -> tuple[dict[int, dict], str]:
+def _exchange(
+    mine: dict[str, Any], peers: list[int], fresh_after: dict[int, float], wait_s: float
+) -> tuple[dict[int, dict], str]:
     """Publish ``mine`` in the default store and read the peers' fresh summaries within ``wait_s`` seconds."""
     found: dict[int, dict] = {}
     problem: list[str] = []
@@ -243,14 +277,19 @@ def on_failure(recorder: FlightRecorder, pg: dist.ProcessGroup, cause: BaseExcep
     mine = recorder.summary(failed, text)
     found, problem = _exchange(mine, peers, {p: recorder.last_done_with(p) for p in peers}, wait_s)
     lines = diagnose(mine, {p: found.get(p) for p in peers}, wait_s)
-    return f"flight recorder ({where}): " + ("; ".join(lines) if lines else "no peer record differs") + \
-        (f"; {problem}" if problem else "")
+    return (
+        f"flight recorder ({where}): "
+        + ("; ".join(lines) if lines else "no peer record differs")
+        + (f"; {problem}" if problem else "")
+    )
 
 
 def describe(e: dict[str, Any]) -> str:
-    """"#3 all-reduce (sum) of 5 elements (float32) at train.py:40, step 2, done"."""
-    return (f"#{e['seq']} {e['what']} ({e['dtype'] or 'no tensor'}) at {os.path.basename(e['site'].rsplit(':', 1)[0])}"
-            f":{e['site'].rsplit(':', 1)[1]}, step {e['step']}, {e['state']}")
+    """ "#3 all-reduce (sum) of 5 elements (float32) at train.py:40, step 2, done"."""
+    return (
+        f"#{e['seq']} {e['what']} ({e['dtype'] or 'no tensor'}) at {os.path.basename(e['site'].rsplit(':', 1)[0])}"
+        f":{e['site'].rsplit(':', 1)[1]}, step {e['step']}, {e['state']}"
+    )
 
 
 def diagnose(mine: dict[str, Any], peers: dict[int, dict | None], wait_s: float) -> list[str]:
@@ -259,8 +298,10 @@ def diagnose(mine: dict[str, Any], peers: dict[int, dict | None], wait_s: float)
     failed = mine.get("failed")
     for p, theirs in sorted(peers.items()):
         if theirs is None:
-            line = (f"global rank {p} sent no flight record within {wait_s:g}s: it is stuck outside the collectives "
-                    "(a data loader, a stopped process), or gone")
+            line = (
+                f"global rank {p} sent no flight record within {wait_s:g}s: it is stuck outside the collectives "
+                "(a data loader, a stopped process), or gone"
+            )
             if failed is not None:
                 g = mine["groups"].get(failed["group"], {})
                 prior = [e for e in g.get("last", []) if e["seq"] == failed["seq"] - 1]
@@ -277,16 +318,24 @@ def diagnose(mine: dict[str, Any], peers: dict[int, dict | None], wait_s: float)
             na, nb = (a or {}).get("seq", 0), (b or {}).get("seq", 0)
             if na != nb:
                 last = (b or {}).get("last") or []
-                out.append(f"global rank {p} is {'behind' if nb < na else 'ahead'} on group {name} {ranks}: it "
-                           f"started {nb} collectives there, global rank {me} {na}"
-                           + (f"; its last there: {describe(last[-1])}" if last else ""))
+                out.append(
+                    f"global rank {p} is {'behind' if nb < na else 'ahead'} on group {name} {ranks}: it "
+                    f"started {nb} collectives there, global rank {me} {na}"
+                    + (f"; its last there: {describe(last[-1])}" if last else "")
+                )
             ours = {e["seq"]: e for e in (a or {}).get("last", [])}
             for e in (b or {}).get("last", []):
                 o = ours.get(e["seq"])
-                if o is not None and (o["op"], o["numel"], o["dtype"], o["site"]) != \
-                        (e["op"], e["numel"], e["dtype"], e["site"]):
-                    out.append(f"collective #{e['seq']} on group {name} {ranks} differs: global rank {p} ran "
-                               f"{describe(e)}; global rank {me} ran {describe(o)}")
+                if o is not None and (o["op"], o["numel"], o["dtype"], o["site"]) != (
+                    e["op"],
+                    e["numel"],
+                    e["dtype"],
+                    e["site"],
+                ):
+                    out.append(
+                        f"collective #{e['seq']} on group {name} {ranks} differs: global rank {p} ran "
+                        f"{describe(e)}; global rank {me} ran {describe(o)}"
+                    )
                     break
         if theirs.get("failed"):
             f = theirs["failed"]
@@ -297,5 +346,19 @@ def diagnose(mine: dict[str, Any], peers: dict[int, dict | None], wait_s: float)
 RECORDER = FlightRecorder(env_size())
 env_wait_s()  # a bad LLMPAR_FLIGHT_WAIT_S fails the import on every rank, not the report of a failure
 
-__all__ = ["ENV_DIR", "ENV_SIZE", "ENV_WAIT", "Entry", "FlightRecorder", "RECORDER", "as_dict", "describe", "diagnose",
-           "end", "env_size", "env_wait_s", "on_failure", "site"]
+__all__ = [
+    "ENV_DIR",
+    "ENV_SIZE",
+    "ENV_WAIT",
+    "Entry",
+    "FlightRecorder",
+    "RECORDER",
+    "as_dict",
+    "describe",
+    "diagnose",
+    "end",
+    "env_size",
+    "env_wait_s",
+    "on_failure",
+    "site",
+]

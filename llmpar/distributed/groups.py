@@ -1,4 +1,5 @@
 """Process groups as llmpar passes them: a ``ProcessGroup``, a 1-D ``DeviceMesh`` or a :class:`GroupRef`."""
+
 from __future__ import annotations
 
 from typing import Union

@@ -9,6 +9,7 @@
   * torch.distributed already initialized by the caller: adopts that group and builds nothing new but the mesh.
 The backend is NCCL when CUDA is available and gloo otherwise, unless ``backend=`` says otherwise.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -129,8 +130,11 @@ def init_distributed(
         else:
             if launch.master_addr is None or launch.master_port is None:
                 missing = "MASTER_ADDR" if launch.master_addr is None else "MASTER_PORT"
-                hint = (f"launch with torchrun (torchrun --nproc_per_node {world_size} ...)" if launch.source
-                        in ("torchrun", "none") else launch.master_from)
+                hint = (
+                    f"launch with torchrun (torchrun --nproc_per_node {world_size} ...)"
+                    if launch.source in ("torchrun", "none")
+                    else launch.master_from
+                )
                 raise RuntimeError(f"WORLD_SIZE={world_size} (from {launch.source}) but {missing} is not set: {hint}")
             if launch.source != "torchrun" or master_addr is not None or master_port is not None:
                 export(launch)  # torch's env:// rendezvous and LOCAL_WORLD_SIZE users read these
@@ -172,13 +176,17 @@ def init_distributed(
 def _port_in_use(launch: LaunchInfo) -> str:
     """What rank 0 says when the rendezvous port is taken: where the port came from and how to choose another."""
     port, where = launch.master_port, f"{launch.master_addr}:{launch.master_port}"
-    fix = ("set MASTER_PORT to a free port, the same for every rank (e.g. `export MASTER_PORT=$((15000 + RANDOM % "
-           "20000))` in the batch script, before srun), or pass `llmpar launch --master_port PORT` or "
-           "init_distributed(master_port=...)")
+    fix = (
+        "set MASTER_PORT to a free port, the same for every rank (e.g. `export MASTER_PORT=$((15000 + RANDOM % "
+        "20000))` in the batch script, before srun), or pass `llmpar launch --master_port PORT` or "
+        "init_distributed(master_port=...)"
+    )
     if launch.job_port:
-        return (f"the rendezvous port {port} is already in use on {where}: the port came from {launch.job_port} "
-                f"(15000 + job id % 20000), so another job on this node whose id is equal mod 20000 (or another "
-                f"program) holds it; {fix}")
+        return (
+            f"the rendezvous port {port} is already in use on {where}: the port came from {launch.job_port} "
+            f"(15000 + job id % 20000), so another job on this node whose id is equal mod 20000 (or another "
+            f"program) holds it; {fix}"
+        )
     return f"the rendezvous port {port} ({launch.master_from}) is already in use on {where}; {fix}"
 
 

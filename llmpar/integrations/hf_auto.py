@@ -13,6 +13,7 @@ Filled only (never checked): ``scheduler.params.warmup_min_lr`` (0) and, from th
 ``zero_optimization.reduce_bucket_size`` (h*h), ``stage3_prefetch_bucket_size`` (0.9 h*h),
 ``stage3_param_persistence_threshold`` (10 h). An ``"auto"`` left anywhere else is an error naming its key.
 """
+
 from __future__ import annotations
 
 import copy
@@ -51,8 +52,11 @@ class _Filler:
 
 def _same(given: Any, value: Any) -> bool:
     if isinstance(value, (list, tuple)):
-        return isinstance(given, (list, tuple)) and len(given) == len(value) and all(
-            _same(g, v) for g, v in zip(given, value))
+        return (
+            isinstance(given, (list, tuple))
+            and len(given) == len(value)
+            and all(_same(g, v) for g, v in zip(given, value))
+        )
     if isinstance(value, bool) or isinstance(given, bool):
         return bool(given) == bool(value)
     if isinstance(value, (int, float)) and isinstance(given, (int, float)):
@@ -103,18 +107,24 @@ def fill_auto(config: dict, args: Any, *, model: Any, num_training_steps: int, d
     if isinstance(zero, dict) and any(zero.get(k) == "auto" for k in _HIDDEN_KEYS):
         h = hidden_size(model)
         if h is None:
-            raise ValueError(f"zero_optimization has \"auto\" in {[k for k in _HIDDEN_KEYS if zero.get(k) == 'auto']} "
-                             "but the model's config has no hidden_size to derive them from: give numbers")
+            raise ValueError(
+                f'zero_optimization has "auto" in {[k for k in _HIDDEN_KEYS if zero.get(k) == "auto"]} '
+                "but the model's config has no hidden_size to derive them from: give numbers"
+            )
         f.fill("zero_optimization.reduce_bucket_size", h * h)
         f.fill("zero_optimization.stage3_prefetch_bucket_size", int(0.9 * h * h))
         f.fill("zero_optimization.stage3_param_persistence_threshold", 10 * h)
     if f.mismatches:
-        raise ValueError("the DeepSpeed config disagrees with the TrainingArguments (set these keys to \"auto\", or "
-                         "make them equal):\n" + "\n".join(f.mismatches))
+        raise ValueError(
+            'the DeepSpeed config disagrees with the TrainingArguments (set these keys to "auto", or '
+            "make them equal):\n" + "\n".join(f.mismatches)
+        )
     left = _autos(f.config)
     if left:
-        raise ValueError(f"\"auto\" is not filled for {left}: the Trainer fills only the keys listed in "
-                         "llmpar.integrations.hf_auto; give numbers for these")
+        raise ValueError(
+            f'"auto" is not filled for {left}: the Trainer fills only the keys listed in '
+            "llmpar.integrations.hf_auto; give numbers for these"
+        )
     return f.config
 
 

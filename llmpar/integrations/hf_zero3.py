@@ -26,6 +26,7 @@ module installs on ``transformers.PreTrainedModel`` (``_from_config``, ``from_pr
 ``resize_token_embeddings``; installed once, they call the originals whenever no ZeRO-3 arguments are alive / the
 model is not built sharded). Nothing is kept in llmpar's own modules.
 """
+
 from __future__ import annotations
 
 import copy
@@ -45,11 +46,30 @@ from llmpar.zero.init import _INIT_FN
 logger = logging.getLogger("llmpar")
 _ATTR = "_llmpar_zero3_builds"  # on transformers.PreTrainedModel: the one _Builds of this process
 # keyword arguments of from_pretrained the sharded path takes; hub ones only where they change nothing locally
-_TAKEN = {"config", "dtype", "torch_dtype", "attn_implementation", "_from_auto", "_from_pipeline",
-          "low_cpu_mem_usage", "trust_remote_code", "weights_only", "disable_mmap", "use_safetensors"}
-_HUB = {"local_files_only": lambda v: True, "cache_dir": lambda v: True, "token": lambda v: True,
-        "force_download": lambda v: not v, "revision": lambda v: v in (None, "main"), "proxies": lambda v: v is None,
-        "subfolder": lambda v: not v, "adapter_kwargs": lambda v: not v, "variant": lambda v: v is None}
+_TAKEN = {
+    "config",
+    "dtype",
+    "torch_dtype",
+    "attn_implementation",
+    "_from_auto",
+    "_from_pipeline",
+    "low_cpu_mem_usage",
+    "trust_remote_code",
+    "weights_only",
+    "disable_mmap",
+    "use_safetensors",
+}
+_HUB = {
+    "local_files_only": lambda v: True,
+    "cache_dir": lambda v: True,
+    "token": lambda v: True,
+    "force_download": lambda v: not v,
+    "revision": lambda v: v in (None, "main"),
+    "proxies": lambda v: v is None,
+    "subfolder": lambda v: not v,
+    "adapter_kwargs": lambda v: not v,
+    "variant": lambda v: v is None,
+}
 
 
 def is_zero3(config: Any) -> bool:
@@ -124,12 +144,17 @@ def resize_sharded(model: nn.Module, resize: Any, args: tuple, kwargs: dict) -> 
 
     params = list(model.parameters())
     if any(getattr(getattr(p, OWNER_ATTR, lambda: None)(), "stage3", None) is not None for p in params):
-        raise ValueError("resize_token_embeddings on a model ZeRO-3 has already sharded (after llmpar.initialize / "
-                         "trainer.train()): resize it before, where its params are still whole or recorded")
+        raise ValueError(
+            "resize_token_embeddings on a model ZeRO-3 has already sharded (after llmpar.initialize / "
+            "trainer.train()): resize it before, where its params are still whole or recorded"
+        )
     if not any(hasattr(p, _DEFERRED) for p in params):
         return resize(model, *args, **kwargs)
-    embeddings = [m.weight for m in (model.get_input_embeddings(), model.get_output_embeddings())
-                  if m is not None and isinstance(getattr(m, "weight", None), torch.Tensor)]
+    embeddings = [
+        m.weight
+        for m in (model.get_input_embeddings(), model.get_output_embeddings())
+        if m is not None and isinstance(getattr(m, "weight", None), torch.Tensor)
+    ]
     _read_from_checkpoint(model, embeddings)
     with recording(model):
         out = resize(model, *args, **kwargs)
@@ -154,8 +179,9 @@ def _read_from_checkpoint(model: nn.Module, params: list[torch.Tensor]) -> None:
         loader = getattr(p, _INIT_FN, None)
         if not isinstance(loader, CheckpointLoad):
             continue
-        name = next((n for n, q in model.named_parameters(remove_duplicate=False) if q is p and n in loader.files),
-                    None)
+        name = next(
+            (n for n, q in model.named_parameters(remove_duplicate=False) if q is p and n in loader.files), None
+        )
         if name is not None:
             with safe_open(loader.files[name], framework="pt") as f:
                 p.copy_(f.get_tensor(name))
@@ -251,8 +277,12 @@ def _dtype(value: Any, config: Any, files: dict[str, str]) -> torch.dtype:
         for n, path in files.items():
             with safe_open(path, framework="pt") as f:
                 t = f.get_slice(n)
-                dt = getattr(torch, {"F32": "float32", "F16": "float16", "BF16": "bfloat16",
-                                     "F64": "float64"}.get(t.get_dtype(), "int64"))
+                dt = getattr(
+                    torch,
+                    {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}.get(
+                        t.get_dtype(), "int64"
+                    ),
+                )
             if dt.is_floating_point:
                 return dt
         return torch.get_default_dtype()
@@ -279,8 +309,10 @@ def _mismatch(model: nn.Module, files: dict[str, str]) -> str | None:
         with safe_open(path, framework="pt") as f:
             for n in f.keys():
                 if n in state and tuple(f.get_slice(n).get_shape()) != tuple(state[n].shape):
-                    return f"{n!r} has shape {tuple(f.get_slice(n).get_shape())} in the checkpoint, " \
-                           f"{tuple(state[n].shape)} in the model"
+                    return (
+                        f"{n!r} has shape {tuple(f.get_slice(n).get_shape())} in the checkpoint, "
+                        f"{tuple(state[n].shape)} in the model"
+                    )
     return None
 
 
@@ -292,8 +324,12 @@ def sharded_from_pretrained(cls: type, path: Any, model_args: tuple, kwargs: dic
     if why is None and files is None:
         why = "no model.safetensors (or index) in it"
     if why is not None:
-        logger.info("llmpar ZeRO-3: %s.from_pretrained(%r) built whole by transformers (%s); ZeRO-3 shards it at "
-                    "initialize", cls.__name__, path, why)
+        logger.info(
+            "llmpar ZeRO-3: %s.from_pretrained(%r) built whole by transformers (%s); ZeRO-3 shards it at initialize",
+            cls.__name__,
+            path,
+            why,
+        )
         return None
     assert files is not None
     config = kwargs.get("config")
@@ -322,5 +358,11 @@ def sharded_from_pretrained(cls: type, path: Any, model_args: tuple, kwargs: dic
     return model
 
 
-__all__ = ["CheckpointLoad", "is_llmpar_zero3_enabled", "is_zero3", "register", "resize_sharded",
-           "sharded_from_pretrained"]
+__all__ = [
+    "CheckpointLoad",
+    "is_llmpar_zero3_enabled",
+    "is_zero3",
+    "register",
+    "resize_sharded",
+    "sharded_from_pretrained",
+]

@@ -35,6 +35,7 @@ data-parallel group read the same batches (the sampler shards over ``world / (cp
 each one along the sequence, and the loss the Trainer logs and optimises is the full-sequence one, equal to the same
 run without context parallelism (``num_items_in_batch`` included). ``evaluate`` / ``predict`` run whole sequences.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -63,8 +64,9 @@ logger = logging.getLogger("llmpar")
 class TrainingArguments(transformers.TrainingArguments):
     """``transformers.TrainingArguments`` whose ``deepspeed=`` (or ``llmpar_config=``) is a config for llmpar."""
 
-    llmpar_config: Any = dataclasses.field(default=None, metadata={"help": "DeepSpeed config (dict or JSON path) "
-                                                                           "run by llmpar"})
+    llmpar_config: Any = dataclasses.field(
+        default=None, metadata={"help": "DeepSpeed config (dict or JSON path) run by llmpar"}
+    )
 
     def __post_init__(self) -> None:
         if self.deepspeed is not None:
@@ -94,8 +96,10 @@ def _route_deepspeed_to_llmpar() -> None:
             self.llmpar_config, self.deepspeed = config, None
             if not said:
                 said.append(True)
-                logger.info("llmpar: %s(deepspeed=...) runs its config on llmpar's engine (llmpar's Trainer), not "
-                            "DeepSpeed", type(self).__name__)
+                logger.info(
+                    "llmpar: %s(deepspeed=...) runs its config on llmpar's engine (llmpar's Trainer), not DeepSpeed",
+                    type(self).__name__,
+                )
         original(self)
         if config is not None:
             register(self, read_config(config))
@@ -177,17 +181,23 @@ class Trainer(transformers.Trainer):
     def __init__(self, *args: Any, llmpar_config: Any = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if self.is_deepspeed_enabled:
-            raise ValueError("these TrainingArguments started DeepSpeed: they were built before "
-                             "llmpar.integrations.transformers was imported (after it, TrainingArguments(deepspeed=) "
-                             "gives the config to llmpar): import llmpar's Trainer at the top of the script, or pass "
-                             "the config as Trainer(llmpar_config=...) and no deepspeed=")
+            raise ValueError(
+                "these TrainingArguments started DeepSpeed: they were built before "
+                "llmpar.integrations.transformers was imported (after it, TrainingArguments(deepspeed=) "
+                "gives the config to llmpar): import llmpar's Trainer at the top of the script, or pass "
+                "the config as Trainer(llmpar_config=...) and no deepspeed="
+            )
         given = llmpar_config if llmpar_config is not None else getattr(self.args, "llmpar_config", None)
         if given is None:
-            raise ValueError("llmpar's Trainer needs a DeepSpeed config: TrainingArguments(deepspeed=...) from "
-                             "llmpar.integrations.transformers, or Trainer(llmpar_config=...)")
+            raise ValueError(
+                "llmpar's Trainer needs a DeepSpeed config: TrainingArguments(deepspeed=...) from "
+                "llmpar.integrations.transformers, or Trainer(llmpar_config=...)"
+            )
         if self.args.n_gpu > 1:
-            raise ValueError(f"n_gpu={self.args.n_gpu} (torch.nn.DataParallel in one process): launch one process "
-                             "per device with torchrun")
+            raise ValueError(
+                f"n_gpu={self.args.n_gpu} (torch.nn.DataParallel in one process): launch one process "
+                "per device with torchrun"
+            )
         self.llmpar_config = read_config(given)
         self.tp_size = tensor_parallel_size(self.llmpar_config)
         self.cp_size = context_parallel_size(self.llmpar_config)
@@ -195,8 +205,10 @@ class Trainer(transformers.Trainer):
         if world % self.tp_size:
             raise ValueError(f"tensor_parallel.size={self.tp_size} does not divide the {world} processes")
         if world % (self.tp_size * self.cp_size):
-            raise ValueError(f"context_parallel.size={self.cp_size} x tensor_parallel.size={self.tp_size} does not "
-                             f"divide the {world} processes")
+            raise ValueError(
+                f"context_parallel.size={self.cp_size} x tensor_parallel.size={self.tp_size} does not "
+                f"divide the {world} processes"
+            )
         self.engine: Any = None
         self._engine_steps = 0  # the optimizer steps the engine's schedule was built for
 
@@ -209,14 +221,17 @@ class Trainer(transformers.Trainer):
     def _build_engine(self, num_training_steps: int) -> None:
         if self.engine is not None:
             if num_training_steps != self._engine_steps:
-                raise ValueError(f"the engine was built for {self._engine_steps} optimizer steps (evaluate() before "
-                                 f"train() on a model built sharded) but train() runs {num_training_steps}: give "
-                                 "the TrainingArguments the same max_steps / epochs, or train() before evaluating")
+                raise ValueError(
+                    f"the engine was built for {self._engine_steps} optimizer steps (evaluate() before "
+                    f"train() on a model built sharded) but train() runs {num_training_steps}: give "
+                    "the TrainingArguments the same max_steps / epochs, or train() before evaluating"
+                )
             return
         self._engine_steps = num_training_steps
         dp = self.args.world_size // (self.tp_size * self.cp_size)
-        config = fill_auto(self.llmpar_config, self.args, model=self.model, num_training_steps=num_training_steps,
-                           dp=dp)
+        config = fill_auto(
+            self.llmpar_config, self.args, model=self.model, num_training_steps=num_training_steps, dp=dp
+        )
         mesh = None
         if self.tp_size > 1 or self.cp_size > 1:  # the Trainer's optimizer (if any) is built on the split params
             mesh = init_distributed(tp=self.tp_size, cp=self.cp_size).mesh
@@ -231,12 +246,23 @@ class Trainer(transformers.Trainer):
         params = None  # with the config's optimizer: weight decay on every trainable param, as DeepSpeed's path
         if optimizer is None:
             params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-        self.engine, _, _, _ = initialize(model=self.model, model_parameters=params, optimizer=optimizer,
-                                          lr_scheduler=scheduler, config=config, mesh=mesh)
+        self.engine, _, _, _ = initialize(
+            model=self.model,
+            model_parameters=params,
+            optimizer=optimizer,
+            lr_scheduler=scheduler,
+            config=config,
+            mesh=mesh,
+        )
         if self.cp_size > 1:  # beside the Trainer's banner, on its logger (the script's log level)
-            transformers.trainer.logger.info("  Context parallelism = on: cp=%d (%s), each sequence split over %d "
-                                             "ranks; data-parallel ranks = %d (the batch size counts these)",
-                                             self.cp_size, self.engine.context_parallel.mode, self.cp_size, dp)
+            transformers.trainer.logger.info(
+                "  Context parallelism = on: cp=%d (%s), each sequence split over %d "
+                "ranks; data-parallel ranks = %d (the batch size counts these)",
+                self.cp_size,
+                self.engine.context_parallel.mode,
+                self.cp_size,
+                dp,
+            )
         self.optimizer = _EngineOptimizer(self.engine)
         self.lr_scheduler = _EngineScheduler(self.engine)
         if is_zero3(config) and dp * self.cp_size > 1:  # ZeRO-3 shards over dp x cp
@@ -265,10 +291,13 @@ class Trainer(transformers.Trainer):
         args = self.args
 
         def build(optimizer: torch.optim.Optimizer) -> Any:
-            return transformers.get_scheduler(args.lr_scheduler_type, optimizer=optimizer,
-                                              num_warmup_steps=args.get_warmup_steps(num_training_steps),
-                                              num_training_steps=num_training_steps,
-                                              scheduler_specific_kwargs=args.lr_scheduler_kwargs)
+            return transformers.get_scheduler(
+                args.lr_scheduler_type,
+                optimizer=optimizer,
+                num_warmup_steps=args.get_warmup_steps(num_training_steps),
+                num_training_steps=num_training_steps,
+                scheduler_specific_kwargs=args.lr_scheduler_kwargs,
+            )
 
         return build
 
@@ -299,8 +328,9 @@ class Trainer(transformers.Trainer):
         del inputs
         scaled = self.loss_is_scaled_for_ga
         if scaled is None:
-            scaled = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or \
-                self.compute_loss_func is not None
+            scaled = (
+                self.model_accepts_loss_kwargs and num_items_in_batch is not None
+            ) or self.compute_loss_func is not None
         if not scaled:
             loss = loss / self.current_gradient_accumulation_steps
         engine.set_gradient_accumulation_boundary(bool(self.accelerator.sync_gradients))
@@ -328,10 +358,12 @@ class Trainer(transformers.Trainer):
         if not isinstance(shard, BatchSamplerShard):
             shard = getattr(loader, "dataset", None)
             if not isinstance(shard, IterableDatasetShard):
-                raise ValueError(f"tensor_parallel.size={self.tp_size} x context_parallel.size={self.cp_size}: "
-                                 f"the Trainer built a {type(loader).__name__} "
-                                 "that llmpar cannot shard over dp ranks (dispatch_batches / a batch sampler of "
-                                 "its own); use the default loader")
+                raise ValueError(
+                    f"tensor_parallel.size={self.tp_size} x context_parallel.size={self.cp_size}: "
+                    f"the Trainer built a {type(loader).__name__} "
+                    "that llmpar cannot shard over dp ranks (dispatch_batches / a batch sampler of "
+                    "its own); use the default loader"
+                )
         shard.num_processes, shard.process_index = dp, dp_rank
         if dp == 1 and isinstance(shard, BatchSamplerShard):  # as one process: a partial last batch as it is, not
             shard.even_batches = False  # completed with the epoch's first samples (accelerate's even_batches)
@@ -339,8 +371,9 @@ class Trainer(transformers.Trainer):
 
     def get_total_train_batch_size(self, args: Any) -> int:
         """Micro-batch x accumulation x the data-parallel ranks (world / (cp * tp)): the banner's batch."""
-        return self._train_batch_size * args.gradient_accumulation_steps * args.world_size // (self.tp_size *
-                                                                                               self.cp_size)
+        return (
+            self._train_batch_size * args.gradient_accumulation_steps * args.world_size // (self.tp_size * self.cp_size)
+        )
 
     # ---- checkpoints ----
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
@@ -365,8 +398,10 @@ class Trainer(transformers.Trainer):
             return
         path, _ = self.engine.load_checkpoint(checkpoint)
         if path is None:
-            raise FileNotFoundError(f"resume_from_checkpoint={checkpoint!r} holds no llmpar checkpoint (no 'latest' "
-                                    "file): it was not written by llmpar's Trainer")
+            raise FileNotFoundError(
+                f"resume_from_checkpoint={checkpoint!r} holds no llmpar checkpoint (no 'latest' "
+                "file): it was not written by llmpar's Trainer"
+            )
 
     def _load_best_model(self) -> None:
         best = self.state.best_model_checkpoint

@@ -1,5 +1,6 @@
 """``python -m llmpar.launch [flags] script.py [args]``: the same as ``llmpar launch``, without loading the other
 subcommands (and torch) in the launching process."""
+
 from __future__ import annotations
 
 import sys

@@ -21,6 +21,7 @@ first on each host), ``--save_pid`` writes ``/tmp/<this pid>.deepspeed`` with th
 ``--log_level`` / ``--quiet`` set what this command prints. A flag with no meaning on the chosen route
 (``--no_ssh_check``: no ssh check is made) is accepted and said once.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,52 +42,128 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``launch`` to the ``llmpar`` command."""
-    p = subparsers.add_parser("launch", help="start a script on many processes / nodes (DeepSpeed's launcher flags "
-                              "over torchrun, ssh, srun, mpirun)", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = subparsers.add_parser(
+        "launch",
+        help="start a script on many processes / nodes (DeepSpeed's launcher flags over torchrun, ssh, srun, mpirun)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add = p.add_argument
     add("-H", "--hostfile", default=None, help="MPI-style hostfile: lines 'HOST slots=N' (DeepSpeed's format)")
     add("-i", "--include", default="", help="hosts / slots to use: NODE[:SLOT,...][@NODE...], e.g. 'w0@w1:0,2'")
     add("-e", "--exclude", default="", help="hosts / slots not to use (same format as --include)")
-    add("--num_nodes", "--nnodes", "--num-nodes", dest="num_nodes", type=int, default=None,
-        help="nodes: the first N hosts of the hostfile; without one, the job's node count (run on each node)")
-    add("--num_gpus", "--num_accelerators", "--nproc_per_node", "--nproc-per-node", "--num-gpus", dest="num_gpus",
-        type=int, default=None, help="processes per node (slots 0..N-1 of each host); default: the hostfile's slots, "
-        "else this machine's GPU count (1 on a CPU-only machine)")
-    add("--node_rank", "--node-rank", dest="node_rank", type=int, default=None,
+    add(
+        "--num_nodes",
+        "--nnodes",
+        "--num-nodes",
+        dest="num_nodes",
+        type=int,
+        default=None,
+        help="nodes: the first N hosts of the hostfile; without one, the job's node count (run on each node)",
+    )
+    add(
+        "--num_gpus",
+        "--num_accelerators",
+        "--nproc_per_node",
+        "--nproc-per-node",
+        "--num-gpus",
+        dest="num_gpus",
+        type=int,
+        default=None,
+        help="processes per node (slots 0..N-1 of each host); default: the hostfile's slots, "
+        "else this machine's GPU count (1 on a CPU-only machine)",
+    )
+    add(
+        "--node_rank",
+        "--node-rank",
+        dest="node_rank",
+        type=int,
+        default=None,
         help="which host of the hostfile this node is (--launcher torchrun on several nodes; without a hostfile "
-             "the c10d rendezvous numbers the nodes)")
-    add("--master_addr", "--master-addr", dest="master_addr", default=None,
-        help="rendezvous host (default: the first host; 127.0.0.1 on one node)")
-    add("--master_port", "--master-port", dest="master_port", type=int, default=None,
-        help="rendezvous port (default: a free port on one node, else 29500; under Slurm 15000 + job id %% 20000)")
-    add("--max_restarts", "--max-restarts", dest="max_restarts", type=int, default=0,
-        help="restart every rank up to N times when one fails (torch.distributed.run's agent)")
-    add("--launcher", choices=LAUNCHERS, default=None,
+        "the c10d rendezvous numbers the nodes)",
+    )
+    add(
+        "--master_addr",
+        "--master-addr",
+        dest="master_addr",
+        default=None,
+        help="rendezvous host (default: the first host; 127.0.0.1 on one node)",
+    )
+    add(
+        "--master_port",
+        "--master-port",
+        dest="master_port",
+        type=int,
+        default=None,
+        help="rendezvous port (default: a free port on one node, else 29500; under Slurm 15000 + job id %% 20000)",
+    )
+    add(
+        "--max_restarts",
+        "--max-restarts",
+        dest="max_restarts",
+        type=int,
+        default=0,
+        help="restart every rank up to N times when one fails (torch.distributed.run's agent)",
+    )
+    add(
+        "--launcher",
+        choices=LAUNCHERS,
+        default=None,
         help="torchrun (this node), ssh (every host of the hostfile), slurm (srun), mpi (OpenMPI mpirun); default "
-             "ssh for a hostfile of several hosts without --node_rank, else torchrun")
-    add("--launcher_args", "--launcher-args", dest="launcher_args", default="",
-        help="extra arguments for torch.distributed.run / ssh / srun / mpirun, one quoted string")
+        "ssh for a hostfile of several hosts without --node_rank, else torchrun",
+    )
+    add(
+        "--launcher_args",
+        "--launcher-args",
+        dest="launcher_args",
+        default="",
+        help="extra arguments for torch.distributed.run / ssh / srun / mpirun, one quoted string",
+    )
     add("--rdzv_id", "--rdzv-id", dest="rdzv_id", default=None, help="rendezvous id (default: SLURM_JOB_ID or llmpar)")
     add("--module", action="store_true", help="the script is a module name (python -m)")
-    add("--no_local_rank", "--no-local-rank", dest="no_local_rank", action="store_true",
-        help="do not pass --local_rank=N to the script (DeepSpeed's flag; srun / mpirun tasks never get it)")
-    add("--no_python", "--no-python", dest="no_python", action="store_true",
-        help="run the script as an executable, not under python")
-    add("--bind_cores_to_rank", action="store_true", help="give each local rank its own consecutive cores "
-        "(sched_setaffinity) and OMP_NUM_THREADS = its core count")
-    add("--bind_core_list", default=None, help="the cores --bind_cores_to_rank shares out, e.g. '0,2-5' (default: the "
-        "CPUs the rank may use)")
-    add("--enable_each_rank_log", default=None, metavar="DIR",
-        help="each rank's stdout and stderr to DIR/<time>_rank<R>.log")
+    add(
+        "--no_local_rank",
+        "--no-local-rank",
+        dest="no_local_rank",
+        action="store_true",
+        help="do not pass --local_rank=N to the script (DeepSpeed's flag; srun / mpirun tasks never get it)",
+    )
+    add(
+        "--no_python",
+        "--no-python",
+        dest="no_python",
+        action="store_true",
+        help="run the script as an executable, not under python",
+    )
+    add(
+        "--bind_cores_to_rank",
+        action="store_true",
+        help="give each local rank its own consecutive cores (sched_setaffinity) and OMP_NUM_THREADS = its core count",
+    )
+    add(
+        "--bind_core_list",
+        default=None,
+        help="the cores --bind_cores_to_rank shares out, e.g. '0,2-5' (default: the CPUs the rank may use)",
+    )
+    add(
+        "--enable_each_rank_log",
+        default=None,
+        metavar="DIR",
+        help="each rank's stdout and stderr to DIR/<time>_rank<R>.log",
+    )
     add("--force_multi", action="store_true", help="use ssh even for a hostfile of one host")
     add("--no_ssh", action="store_true", help="start this node only (torchrun; --node_rank names it in the hostfile)")
     add("--no_ssh_check", action="store_true", help="accepted (DeepSpeed's flag): llmpar launch makes no ssh check")
     add("--ssh_port", type=int, default=None, help="ssh's port (--launcher ssh)")
     add("--venv_script", default=None, help="a script each ssh host sources before the command (--launcher ssh)")
     add("--save_pid", action="store_true", help=f"write the started commands' pids to {PID_DIR}/<pid>.deepspeed")
-    add("--log_level", type=str.lower, choices=LOG_LEVELS, default="info",
-        help="what this command prints: info shows the commands, warning only notes, error only errors")
+    add(
+        "--log_level",
+        type=str.lower,
+        choices=LOG_LEVELS,
+        default="info",
+        help="what this command prints: info shows the commands, warning only notes, error only errors",
+    )
     add("-q", "--quiet", action="store_true", help="print errors only (--log_level error)")
     add("--autotuning", default="", choices=["tune", "run"], help="DeepSpeed's autotuner: not in llmpar (refused)")
     add("--dry-run", "--dry_run", dest="dry_run", action="store_true", help="print the commands per node and exit")
@@ -119,8 +196,10 @@ def launch_from_args(args: argparse.Namespace) -> Launch:
     if args.num_gpus is not None and args.num_gpus > MAX_SLOTS:
         raise ValueError(f"--num_gpus {args.num_gpus}: processes per node must be in 1..{MAX_SLOTS}")
     if args.autotuning:
-        raise ValueError(f"--autotuning {args.autotuning}: llmpar has no autotuner; run DeepSpeed's, or size the "
-                         "batch with `llmpar plan`")
+        raise ValueError(
+            f"--autotuning {args.autotuning}: llmpar has no autotuner; run DeepSpeed's, or size the "
+            "batch with `llmpar plan`"
+        )
     if args.bind_core_list is not None:
         parse_core_list(args.bind_core_list)
     log_dir = None if args.enable_each_rank_log in (None, "None") else args.enable_each_rank_log
@@ -136,24 +215,44 @@ def launch_from_args(args: argparse.Namespace) -> Launch:
     if args.node_rank is not None and args.node_rank < 0:
         raise ValueError(f"--node_rank {args.node_rank}: must be >= 0")
     need_local = args.hostfile is None and args.num_gpus is None
-    hosts = resolve_pool(hostfile=args.hostfile, include=args.include, exclude=args.exclude,
-                         num_nodes=args.num_nodes, num_gpus=args.num_gpus, local_slots=_local_slots() if need_local
-                         else 1)
+    hosts = resolve_pool(
+        hostfile=args.hostfile,
+        include=args.include,
+        exclude=args.exclude,
+        num_nodes=args.num_nodes,
+        num_gpus=args.num_gpus,
+        local_slots=_local_slots() if need_local else 1,
+    )
     try:
         launcher_args = shlex.split(args.launcher_args)
     except ValueError as e:
         raise ValueError(f"--launcher_args {args.launcher_args!r}: {e}") from None
     local = hosts if args.hostfile is None else None
     slots = next(iter(local.values())) if local is not None else []
-    return Launch(script=args.script, script_args=list(args.script_args), module=args.module,
-                  hosts=hosts if args.hostfile is not None else None, nnodes=args.num_nodes or 1,
-                  nproc=len(slots) or 1, node_rank=args.node_rank, master_addr=args.master_addr,
-                  master_port=args.master_port, max_restarts=args.max_restarts, launcher=launcher,
-                  launcher_args=launcher_args, rdzv_id=args.rdzv_id,
-                  visible=(None if slots == list(range(len(slots))) else ",".join(map(str, slots))),
-                  local_rank_arg=not args.no_local_rank, no_python=args.no_python, bind_cores=args.bind_cores_to_rank,
-                  bind_core_list=args.bind_core_list, rank_log_dir=log_dir,
-                  log_prefix=time.strftime("%Y%m%d%H%M%S"), ssh_port=args.ssh_port, venv_script=args.venv_script)
+    return Launch(
+        script=args.script,
+        script_args=list(args.script_args),
+        module=args.module,
+        hosts=hosts if args.hostfile is not None else None,
+        nnodes=args.num_nodes or 1,
+        nproc=len(slots) or 1,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        max_restarts=args.max_restarts,
+        launcher=launcher,
+        launcher_args=launcher_args,
+        rdzv_id=args.rdzv_id,
+        visible=(None if slots == list(range(len(slots))) else ",".join(map(str, slots))),
+        local_rank_arg=not args.no_local_rank,
+        no_python=args.no_python,
+        bind_cores=args.bind_cores_to_rank,
+        bind_core_list=args.bind_core_list,
+        rank_log_dir=log_dir,
+        log_prefix=time.strftime("%Y%m%d%H%M%S"),
+        ssh_port=args.ssh_port,
+        venv_script=args.venv_script,
+    )
 
 
 def notes(args: argparse.Namespace, launch: Launch) -> list[str]:
@@ -183,8 +282,9 @@ def describe(commands: list[NodeCommand]) -> str:
     return "\n".join(lines)
 
 
-def run_commands(commands: list[NodeCommand], poll_s: float = 0.2,
-                 on_start: Callable[[list[int]], None] | None = None) -> int:
+def run_commands(
+    commands: list[NodeCommand], poll_s: float = 0.2, on_start: Callable[[list[int]], None] | None = None
+) -> int:
     """Run the commands side by side; SIGINT / SIGTERM are passed on to them. When one fails the others are
     terminated. ``on_start`` gets their pids once all started. Returns the first non-zero exit status (0 when every
     command succeeded)."""

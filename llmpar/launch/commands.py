@@ -19,6 +19,7 @@ under srun / mpirun: DeepSpeed's Slurm and MPI runners pass none), bound cores o
 ``./.deepspeed_env``. A host's slots other than ``0..n-1`` (``--include host:1,3``) become its
 ``CUDA_VISIBLE_DEVICES``.
 """
+
 from __future__ import annotations
 
 import os
@@ -177,8 +178,10 @@ def _for_torchrun(launch: Launch, environ: Mapping[str, str]) -> list[NodeComman
     hosts, rank = launch.hosts, launch.node_rank
     if hosts is not None and len(hosts) > 1:
         if rank is None:
-            raise ValueError(f"--launcher torchrun starts one node, and the hostfile has {len(hosts)}: give this "
-                             "node's --node_rank (and run the same command on every host), or use --launcher ssh")
+            raise ValueError(
+                f"--launcher torchrun starts one node, and the hostfile has {len(hosts)}: give this "
+                "node's --node_rank (and run the same command on every host), or use --launcher ssh"
+            )
         names = list(hosts)
         if not 0 <= rank < len(names):
             raise ValueError(f"--node_rank {rank}: expected 0..{len(names) - 1} (the hostfile's hosts)")
@@ -194,8 +197,10 @@ def _for_torchrun(launch: Launch, environ: Mapping[str, str]) -> list[NodeComman
             if rank is not None and not 0 <= rank < nnodes:
                 raise ValueError(f"--node_rank {rank}: expected 0..{nnodes - 1} (--nnodes {nnodes})")
             if addr is None:
-                raise ValueError(f"--nnodes {nnodes}: give --master_addr, the address of node 0 that every node "
-                                 "can reach (its rendezvous runs there)")
+                raise ValueError(
+                    f"--nnodes {nnodes}: give --master_addr, the address of node 0 that every node "
+                    "can reach (its rendezvous runs there)"
+                )
         elif rank not in (None, 0):
             raise ValueError(f"--node_rank {rank}: a one-node launch is node 0")
     standalone = nnodes == 1 and launch.master_port is None and launch.master_addr is None
@@ -209,8 +214,10 @@ def _for_ssh(launch: Launch, environ: Mapping[str, str]) -> list[NodeCommand]:
     if launch.hosts is None:
         raise ValueError("--launcher ssh needs --hostfile (the hosts to start)")
     if launch.node_rank is not None:
-        raise ValueError("--node_rank is for --launcher torchrun (one node per command); --launcher ssh starts "
-                         "every host of the hostfile")
+        raise ValueError(
+            "--node_rank is for --launcher torchrun (one node per command); --launcher ssh starts "
+            "every host of the hostfile"
+        )
     names = list(launch.hosts)
     endpoint = f"{launch.master_addr or names[0]}:{_endpoint_port(launch, environ)}"
     exported = {**exported_env(environ), **_fresh_store(environ)}
@@ -219,8 +226,9 @@ def _for_ssh(launch: Launch, environ: Mapping[str, str]) -> list[NodeCommand]:
         env = dict(exported)
         if _visible(slots) is not None:
             env["CUDA_VISIBLE_DEVICES"] = _visible(slots)
-        inner = _torchrun(launch, nnodes=len(names), nproc=len(slots), endpoint=endpoint,
-                          rdzv_id=_rdzv_id(launch, environ))
+        inner = _torchrun(
+            launch, nnodes=len(names), nproc=len(slots), endpoint=endpoint, rdzv_id=_rdzv_id(launch, environ)
+        )
         assignments = [f"{k}={shlex.quote(v)}" for k, v in env.items()]
         remote = f"cd {shlex.quote(os.getcwd())} && " + " ".join(["env", *assignments, shlex.join(inner)])
         if launch.venv_script is not None:  # DeepSpeed's --venv_script: sourced before the command on each host
@@ -236,9 +244,11 @@ def _same_slots(launch: Launch, flag: str) -> tuple[int, str | None]:
         return launch.nproc, launch.visible
     kinds = {tuple(s) for s in launch.hosts.values()}
     if len(kinds) > 1:
-        raise ValueError(f"--launcher {flag} starts the same processes on every node, but the hosts' slots differ "
-                         f"({', '.join(f'{h}: {s}' for h, s in launch.hosts.items())}): use --launcher ssh, or "
-                         "give every host the same slots")
+        raise ValueError(
+            f"--launcher {flag} starts the same processes on every node, but the hosts' slots differ "
+            f"({', '.join(f'{h}: {s}' for h, s in launch.hosts.items())}): use --launcher ssh, or "
+            "give every host the same slots"
+        )
     slots = list(kinds.pop())
     return len(slots), _visible(slots)
 
@@ -266,27 +276,38 @@ def _for_slurm(launch: Launch, environ: Mapping[str, str]) -> list[NodeCommand]:
         if addr is None and nodelist:
             addr = next(expand_nodelist(nodelist, name="SLURM_JOB_NODELIST"))
         if addr is None:
-            raise ValueError("--launcher slurm --max_restarts: outside a Slurm allocation (no SLURM_JOB_NODELIST) "
-                             "give --master_addr or --hostfile (the rendezvous host)")
+            raise ValueError(
+                "--launcher slurm --max_restarts: outside a Slurm allocation (no SLURM_JOB_NODELIST) "
+                "give --master_addr or --hostfile (the rendezvous host)"
+            )
         env.update(_fresh_store(environ))
         argv += ["--ntasks-per-node=1", *launch.launcher_args]
-        argv += _torchrun(launch, nnodes=nnodes, nproc=nproc,
-                          endpoint=f"{addr}:{_endpoint_port(launch, environ)}", rdzv_id=_rdzv_id(launch, environ))
+        argv += _torchrun(
+            launch,
+            nnodes=nnodes,
+            nproc=nproc,
+            endpoint=f"{addr}:{_endpoint_port(launch, environ)}",
+            rdzv_id=_rdzv_id(launch, environ),
+        )
     return [NodeCommand(node=0, host="(srun)", argv=argv, env=env)]
 
 
 def _for_mpi(launch: Launch, environ: Mapping[str, str]) -> list[NodeCommand]:
     if launch.max_restarts:
-        raise ValueError(f"--max_restarts {launch.max_restarts}: mpirun does not restart ranks; use --launcher "
-                         "torchrun, ssh or slurm (torch.distributed.run's agent restarts them)")
+        raise ValueError(
+            f"--max_restarts {launch.max_restarts}: mpirun does not restart ranks; use --launcher "
+            "torchrun, ssh or slurm (torch.distributed.run's agent restarts them)"
+        )
     nproc, visible = _same_slots(launch, "mpi")
     nnodes = len(launch.hosts) if launch.hosts is not None else launch.nnodes
     addr = launch.master_addr or (next(iter(launch.hosts)) if launch.hosts is not None else None)
     if addr is None and nnodes == 1:
         addr = "127.0.0.1"
     if addr is None and "SLURM_JOB_NODELIST" not in environ:
-        raise ValueError(f"--launcher mpi on {nnodes} nodes without a hostfile: give --master_addr (MPI names no "
-                         "rendezvous host; inside Slurm the allocation's first node is used)")
+        raise ValueError(
+            f"--launcher mpi on {nnodes} nodes without a hostfile: give --master_addr (MPI names no "
+            "rendezvous host; inside Slurm the allocation's first node is used)"
+        )
     env = exported_env(environ)
     if addr is not None:
         env["MASTER_ADDR"] = addr

@@ -17,6 +17,7 @@ Options come first, each ``--name`` or ``--name=value``; the first argument not 
 This module imports no torch (the script does): ``discovery.py`` is loaded from its file. A bad option or launcher
 variable exits 2 with a message naming it.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -50,8 +51,9 @@ def parse_core_list(text: str, *, flag: str = "--bind_core_list") -> list[int]:
     for piece in text.split(","):
         lo, sep, hi = piece.strip().partition("-")
         if not lo.isdigit() or (sep and not hi.isdigit()) or len(lo) > 6 or len(hi) > 6:
-            raise ValueError(f"{flag} {text!r}: {piece!r} is not a core number or range like 2-5 (expected e.g. "
-                             "'0,2-4,7')")
+            raise ValueError(
+                f"{flag} {text!r}: {piece!r} is not a core number or range like 2-5 (expected e.g. '0,2-4,7')"
+            )
         low, high = int(lo), int(hi) if sep else int(lo)
         if high < low or (out and low <= out[-1]):
             raise ValueError(f"{flag} {text!r}: ranges must ascend without overlap ({piece!r})")
@@ -64,9 +66,11 @@ def rank_cores(pool: Sequence[int], local_rank: int, local_world_size: int, *, s
     ``pool`` (the remainder unused, as DeepSpeed). Fewer cores than local ranks raises a ValueError."""
     per = len(pool) // local_world_size
     if per < 1:
-        raise ValueError(f"--bind_cores_to_rank: {len(pool)} core(s) ({source}) for {local_world_size} ranks on this "
-                         "node: each rank needs at least one (give --bind_core_list, or start fewer ranks per node)")
-    return list(pool[per * local_rank: per * (local_rank + 1)])
+        raise ValueError(
+            f"--bind_cores_to_rank: {len(pool)} core(s) ({source}) for {local_world_size} ranks on this "
+            "node: each rank needs at least one (give --bind_core_list, or start fewer ranks per node)"
+        )
+    return list(pool[per * local_rank : per * (local_rank + 1)])
 
 
 def parse(argv: Sequence[str]) -> tuple[dict[str, str | bool], list[str]]:
@@ -80,8 +84,10 @@ def parse(argv: Sequence[str]) -> tuple[dict[str, str | bool], list[str]]:
         elif name in VALUED and eq:
             options[name] = value
         else:
-            raise ValueError(f"llmpar.launch.rank: unknown option {argv[i]!r} (flags: {', '.join(FLAGS)}; with "
-                             f"=VALUE: {', '.join(VALUED)})")
+            raise ValueError(
+                f"llmpar.launch.rank: unknown option {argv[i]!r} (flags: {', '.join(FLAGS)}; with "
+                f"=VALUE: {', '.join(VALUED)})"
+            )
         i += 1
     if i == len(argv):
         raise ValueError("llmpar.launch.rank: no script to run")
@@ -124,8 +130,10 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
                 pool = parse_core_list(listed)
                 outside = [c for c in pool if c not in allowed]
                 if outside:
-                    raise ValueError(f"--bind_core_list {listed!r}: core(s) {outside} are not among the CPUs this "
-                                     f"process may use ({allowed})")
+                    raise ValueError(
+                        f"--bind_core_list {listed!r}: core(s) {outside} are not among the CPUs this "
+                        f"process may use ({allowed})"
+                    )
                 source = f"--bind_core_list {listed}"
             else:
                 pool, source = allowed, "the CPUs this process may use"
@@ -137,8 +145,9 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         if isinstance(log_dir, str):
             os.makedirs(log_dir, exist_ok=True)
             prefix = options.get("log_name_prefix") or "llmpar"
-            fd = os.open(os.path.join(log_dir, f"{prefix}_rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
-                         0o644)
+            fd = os.open(
+                os.path.join(log_dir, f"{prefix}_rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644
+            )
             os.dup2(fd, 1)
             os.dup2(fd, 2)
             os.close(fd)

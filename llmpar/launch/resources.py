@@ -13,6 +13,7 @@ hostfile's order (ranks follow it). ``--num_nodes N`` then keeps the first N hos
 each; neither may be combined with ``--include`` / ``--exclude`` (as in DeepSpeed). Where DeepSpeed would silently
 use fewer nodes or more slots than the hostfile has, these raise: every error names the flag or hostfile line.
 """
+
 from __future__ import annotations
 
 import re
@@ -37,15 +38,19 @@ def parse_hostfile(lines: Iterable[str], *, name: str = "hostfile") -> "OrderedD
             continue
         match = _LINE.match(line)
         if match is None:
-            raise ValueError(f"{name}:{number}: {line!r} is not a hostfile entry: expected 'HOST slots=N' (e.g. "
-                             "'worker-0 slots=8'), a '# comment' or a blank line")
+            raise ValueError(
+                f"{name}:{number}: {line!r} is not a hostfile entry: expected 'HOST slots=N' (e.g. "
+                "'worker-0 slots=8'), a '# comment' or a blank line"
+            )
         host, digits = match["host"], match["slots"]
         if len(digits.lstrip("0")) > len(str(MAX_SLOTS)) or int(digits) > MAX_SLOTS:
             raise ValueError(f"{name}:{number}: host {host!r} has slots={digits}: slots must be in 1..{MAX_SLOTS}")
         slots = int(digits)
         if host in pool:
-            raise ValueError(f"{name}:{number}: host {host!r} is listed again (first on line {first_line[host]}): "
-                             "give each host once")
+            raise ValueError(
+                f"{name}:{number}: host {host!r} is listed again (first on line {first_line[host]}): "
+                "give each host once"
+            )
         if slots < 1:
             raise ValueError(f"{name}:{number}: host {host!r} has slots={slots}: slots must be in 1..{MAX_SLOTS}")
         pool[host], first_line[host] = slots, number
@@ -71,15 +76,18 @@ def _node_specs(spec: str, flag: str) -> "OrderedDict[str, list[int] | None]":
     for part in spec.split("@"):
         host, colon, slots_text = part.partition(":")
         if not host or (colon and not slots_text):
-            raise ValueError(f"{flag} {spec!r}: {part!r} is not NAME or NAME:SLOT[,SLOT...] (e.g. "
-                             "'worker-0@worker-1:0,2')")
+            raise ValueError(
+                f"{flag} {spec!r}: {part!r} is not NAME or NAME:SLOT[,SLOT...] (e.g. 'worker-0@worker-1:0,2')"
+            )
         slots: list[int] | None = None
         if colon:
             try:
                 slots = [int(s) for s in slots_text.split(",")]
             except ValueError:
-                raise ValueError(f"{flag} {spec!r}: slots {slots_text!r} of {host!r} must be integers separated by "
-                                 "commas (e.g. 'worker-1:0,2')") from None
+                raise ValueError(
+                    f"{flag} {spec!r}: slots {slots_text!r} of {host!r} must be integers separated by "
+                    "commas (e.g. 'worker-1:0,2')"
+                ) from None
         if host in out and (out[host] is None or slots is None):
             out[host] = None
         else:
@@ -102,8 +110,9 @@ def filter_pool(pool: "OrderedDict[str, int]", include: str = "", exclude: str =
             raise ValueError(f"{flag} {spec!r}: host {host!r} is not in the pool (hosts: {', '.join(active)})")
         for s in slots or []:
             if s not in active[host]:
-                raise ValueError(f"{flag} {spec!r}: host {host!r} has no slot {s} (it has slots 0-"
-                                 f"{len(active[host]) - 1})")
+                raise ValueError(
+                    f"{flag} {spec!r}: host {host!r} has no slot {s} (it has slots 0-{len(active[host]) - 1})"
+                )
     if include:
         out = OrderedDict((h, (chosen[h] if chosen[h] is not None else active[h])) for h in active if h in chosen)
     else:
@@ -118,14 +127,16 @@ def filter_pool(pool: "OrderedDict[str, int]", include: str = "", exclude: str =
     return out
 
 
-def trim(active: "OrderedDict[str, list[int]]", num_nodes: int | None, num_gpus: int | None,
-         ) -> "OrderedDict[str, list[int]]":
+def trim(
+    active: "OrderedDict[str, list[int]]",
+    num_nodes: int | None,
+    num_gpus: int | None,
+) -> "OrderedDict[str, list[int]]":
     """The first ``num_nodes`` hosts of ``active``, each with slots ``0..num_gpus-1`` (None: as they are). Asking
     for more hosts or slots than there are raises a ValueError naming the flag."""
     if num_nodes is not None:
         if num_nodes > len(active):
-            raise ValueError(f"--num_nodes {num_nodes}: the hostfile has {len(active)} host(s) "
-                             f"({', '.join(active)})")
+            raise ValueError(f"--num_nodes {num_nodes}: the hostfile has {len(active)} host(s) ({', '.join(active)})")
         active = OrderedDict(list(active.items())[:num_nodes])
     if num_gpus is not None:
         short = [f"{h} (slots={len(s)})" for h, s in active.items() if len(s) < num_gpus]
@@ -135,14 +146,17 @@ def trim(active: "OrderedDict[str, list[int]]", num_nodes: int | None, num_gpus:
     return active
 
 
-def resolve_pool(*, hostfile: str | None, include: str, exclude: str, num_nodes: int | None, num_gpus: int | None,
-                 local_slots: int) -> "OrderedDict[str, list[int]]":
+def resolve_pool(
+    *, hostfile: str | None, include: str, exclude: str, num_nodes: int | None, num_gpus: int | None, local_slots: int
+) -> "OrderedDict[str, list[int]]":
     """The active {host: slots} of a launch: the hostfile's, filtered by ``include`` / ``exclude``, trimmed by
     ``num_nodes`` / ``num_gpus`` (DeepSpeed's order and rules). Without a hostfile: ``{"localhost": slots}`` with
     ``num_gpus`` (else ``local_slots``) slots, filtered; ``num_nodes`` is then the caller's to use."""
     if (include or exclude) and (num_nodes is not None or num_gpus is not None):
-        raise ValueError("--num_nodes / --num_gpus cannot be combined with --include / --exclude (as in DeepSpeed): "
-                         "name the hosts and slots in --include, or drop it")
+        raise ValueError(
+            "--num_nodes / --num_gpus cannot be combined with --include / --exclude (as in DeepSpeed): "
+            "name the hosts and slots in --include, or drop it"
+        )
     if hostfile is not None:
         pool = read_hostfile(hostfile)
     else:

@@ -1,6 +1,7 @@
 """Models used by the demo, the tests and the benchmarks, and ``llmpar.models.anatomy``: what any model's blocks,
 attention, MLPs and embeddings are (asked by the pipeline split, ZeRO-3 units, activation checkpointing and tensor
 parallel plans). The model names are imported lazily, so that asking the anatomy does not load the demo model."""
+
 from __future__ import annotations
 
 import importlib
@@ -8,10 +9,14 @@ from typing import Any
 
 # public name -> "module:attribute"
 _EXPORTS: dict[str, str] = {
-    "GPT": "llmpar.models.gpt:GPT", "GPTConfig": "llmpar.models.gpt:GPTConfig",
-    "GPTEmbedding": "llmpar.models.gpt:GPTEmbedding", "GPTHead": "llmpar.models.gpt:GPTHead",
-    "Block": "llmpar.models.gpt:Block", "CausalSelfAttention": "llmpar.models.gpt:CausalSelfAttention",
-    "MLP": "llmpar.models.gpt:MLP", "lm_loss": "llmpar.models.gpt:lm_loss",
+    "GPT": "llmpar.models.gpt:GPT",
+    "GPTConfig": "llmpar.models.gpt:GPTConfig",
+    "GPTEmbedding": "llmpar.models.gpt:GPTEmbedding",
+    "GPTHead": "llmpar.models.gpt:GPTHead",
+    "Block": "llmpar.models.gpt:Block",
+    "CausalSelfAttention": "llmpar.models.gpt:CausalSelfAttention",
+    "MLP": "llmpar.models.gpt:MLP",
+    "lm_loss": "llmpar.models.gpt:lm_loss",
 }
 
 

@@ -29,6 +29,7 @@ The rules, and where the finders they replace differed (each difference kept whe
 * **Embeddings** (:func:`input_embeddings`, :func:`output_head`): the model's own answer (transformers), else the
   ``nn.Embedding`` modules outside the blocks and the ``lm_head`` module.
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -38,8 +39,15 @@ from torch import nn
 Named = list[tuple[str, nn.Module]]
 
 # attributes holding a head count, in the spellings of llmpar, transformers and Megatron-style models
-HEAD_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads", "n_head", "n_heads",
-              "n_kv_heads")
+HEAD_ATTRS = (
+    "num_heads",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "num_kv_heads",
+    "n_head",
+    "n_heads",
+    "n_kv_heads",
+)
 # family -> the module-name pattern that marks it (fnmatch, matched as the whole name or its dotted end)
 FAMILY_MARKERS: dict[str, str] = {"llama": "self_attn.q_proj", "gpt": "attn.qkv"}
 MLP_NAMES = ("mlp", "feed_forward", "ffn")
@@ -89,8 +97,11 @@ def shard_units(model: nn.Module) -> Named:
     """ZeRO-3's default sharding units (module docstring), the root first then in module order."""
     inner = container_elements(model, outermost=False, include_root=False)
     chosen = {id(m) for _, m in inner}
-    top = [(n, c) for n, c in model.named_children()
-           if not isinstance(c, _CONTAINERS) and id(c) not in chosen and _has_params(c)]
+    top = [
+        (n, c)
+        for n, c in model.named_children()
+        if not isinstance(c, _CONTAINERS) and id(c) not in chosen and _has_params(c)
+    ]
     order = {id(m): i for i, (_, m) in enumerate(model.named_modules())}
     return [("", model)] + sorted(inner + top, key=lambda nm: order[id(nm[1])])
 
@@ -104,13 +115,16 @@ def pipeline_sequence(model: nn.Module) -> Named:
     elif isinstance(model, nn.Sequential):
         seq = list(model.named_children())
     else:
-        raise TypeError(f"model is a {type(model).__name__}: pass an nn.Sequential or a module with a "
-                        "pipeline_blocks() method returning [(name, module), ...] (llmpar's GPT has one)")
+        raise TypeError(
+            f"model is a {type(model).__name__}: pass an nn.Sequential or a module with a "
+            "pipeline_blocks() method returning [(name, module), ...] (llmpar's GPT has one)"
+        )
     if not seq:
         raise ValueError(f"model {type(model).__name__} has no blocks to split")
     for item in seq:
-        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
-                and isinstance(item[1], nn.Module)):
+        if not (
+            isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str) and isinstance(item[1], nn.Module)
+        ):
             raise TypeError(f"pipeline blocks must be (name, nn.Module) pairs, got {item!r}")
     return seq
 
@@ -180,6 +194,20 @@ def output_head(model: nn.Module) -> tuple[str, nn.Module] | None:
     return None
 
 
-__all__ = ["FAMILY_MARKERS", "HEAD_ATTRS", "MLP_NAMES", "attention_modules", "blocks", "container_elements",
-           "family", "head_counts", "input_embeddings", "is_attention", "mlp_modules", "name_matches",
-           "output_head", "pipeline_sequence", "shard_units"]
+__all__ = [
+    "FAMILY_MARKERS",
+    "HEAD_ATTRS",
+    "MLP_NAMES",
+    "attention_modules",
+    "blocks",
+    "container_elements",
+    "family",
+    "head_counts",
+    "input_embeddings",
+    "is_attention",
+    "mlp_modules",
+    "name_matches",
+    "output_head",
+    "pipeline_sequence",
+    "shard_units",
+]

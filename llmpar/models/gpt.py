@@ -24,6 +24,7 @@ The qkv output is laid out head-major, ``[h, 3, hd]`` (per head: q, then k, then
 its rows into ``tp`` chunks gives each rank whole heads with their own q, k and v. The attention module reads the
 number of heads it holds from the qkv output width, so a column-split qkv with ``3 d / tp`` rows just works.
 """
+
 from __future__ import annotations
 
 import math
@@ -110,8 +111,9 @@ class CausalSelfAttention(nn.Module):
             cp, shard, k_valid = cp_batch
             y = cp.attention(q, k, v, shard=shard, k_valid=k_valid, causal=True)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
-                                               is_causal=True)
+            y = F.scaled_dot_product_attention(
+                q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+            )
         return self.proj(y.transpose(1, 2).reshape(B, T, local_heads * self.head_dim))
 
 
@@ -147,8 +149,14 @@ class Block(nn.Module):
 IGNORE_INDEX = -100  # F.cross_entropy's default: targets holding it are left out of the mean
 
 
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor, *, vocab_size: int | None = None,
-            group: Any = None, reduction: str = "mean") -> torch.Tensor:
+def lm_loss(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    vocab_size: int | None = None,
+    group: Any = None,
+    reduction: str = "mean",
+) -> torch.Tensor:
     """Mean next-token cross-entropy. logits: [B, T, V], targets: [B, T] (int64) -> scalar (fp32 or wider); targets
     equal to ``IGNORE_INDEX`` (-100) are left out. ``reduction="sum"``: their sum instead (context parallelism).
 
@@ -166,9 +174,11 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor, *, vocab_size: int | No
         raise TypeError(f"targets must hold integer class ids, got dtype {targets.dtype}")
     V = logits.shape[-1]
     if vocab_size is not None and V != vocab_size:
-        raise ValueError(f"GPT.loss: logits have {V} classes, the model's vocab_size={vocab_size}: GPT.loss takes the "
-                         "full-vocabulary logits; split vocab-parallel logits (parallelize(..., gather_logits=False)) "
-                         "go to llmpar.vocab_parallel_cross_entropy(logits, targets, group)")
+        raise ValueError(
+            f"GPT.loss: logits have {V} classes, the model's vocab_size={vocab_size}: GPT.loss takes the "
+            "full-vocabulary logits; split vocab-parallel logits (parallelize(..., gather_logits=False)) "
+            "go to llmpar.vocab_parallel_cross_entropy(logits, targets, group)"
+        )
     _check_targets(targets, V, group)
     flat = logits.reshape(-1, V)
     if flat.dtype in (torch.float16, torch.bfloat16):
@@ -188,19 +198,26 @@ def _check_targets(targets: torch.Tensor, V: int, group: Any) -> None:
         return
     if cpu:
         where = f" on global rank {dist.get_rank()}"
-        raise_if_any_failed(_target_error(targets[bad], V, where) if bool(bad.any()) else None, group,
-                            what="GPT.loss", types=(TokenIdError,))
+        raise_if_any_failed(
+            _target_error(targets[bad], V, where) if bool(bad.any()) else None,
+            group,
+            what="GPT.loss",
+            types=(TokenIdError,),
+        )
         return
     flag = bad.any().to(torch.int32).reshape(1)
     all_reduce(flag, group, op="max")
-    torch._assert_async(flag[0] == 0, f"GPT.loss: a target id outside the vocabulary [0, {V}) on a rank of the "
-                                      "tensor-parallel group")
+    torch._assert_async(
+        flag[0] == 0, f"GPT.loss: a target id outside the vocabulary [0, {V}) on a rank of the tensor-parallel group"
+    )
 
 
 def _target_error(bad: torch.Tensor, V: int, where: str = "") -> TokenIdError:
     ids = sorted(set(bad.tolist()))
-    return TokenIdError(f"GPT.loss: target id(s) {ids[:8]}{' ...' if len(ids) > 8 else ''}{where} outside the "
-                        f"vocabulary of {V} classes: targets must be in [0, {V}) or {IGNORE_INDEX} (ignored)")
+    return TokenIdError(
+        f"GPT.loss: target id(s) {ids[:8]}{' ...' if len(ids) > 8 else ''}{where} outside the "
+        f"vocabulary of {V} classes: targets must be in [0, {V}) or {IGNORE_INDEX} (ignored)"
+    )
 
 
 class _StaticOrBound:
@@ -315,8 +332,11 @@ class GPT(nn.Module):
         """The model as the sequence of blocks a pipeline split cuts (``llmpar.pipeline.blocks.to_blocks``):
         ``embed`` (ids [B, T] -> x [B, T, d]), ``blocks.{i}`` (x -> x), ``head`` (x -> logits [B, T, V]). The
         blocks hold this model's own modules, so tied weights stay shared and tensor-parallel plans still match."""
-        return [("embed", GPTEmbedding(self)), *((f"blocks.{i}", b) for i, b in enumerate(self.blocks)),
-                ("head", GPTHead(self))]
+        return [
+            ("embed", GPTEmbedding(self)),
+            *((f"blocks.{i}", b) for i, b in enumerate(self.blocks)),
+            ("head", GPTHead(self)),
+        ]
 
     def _model_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy of this model's logits (:func:`lm_loss`): the logits must cover the model's

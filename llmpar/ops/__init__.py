@@ -5,6 +5,7 @@ or loads the CUDA extension: that happens on the first op call on CUDA tensors (
 extension (``_cpu_ext.load``) on the first ``cpu_adamw_step``.
 ``backend_report()`` says what can run here without building anything.
 """
+
 from __future__ import annotations
 
 from llmpar.ops import _library  # noqa: F401  (defines the llmpar:: ops before any op can run)
@@ -16,7 +17,24 @@ from llmpar.ops.cpu_adam import cpu_adamw_step
 from llmpar.ops.gemm import ACTIVATIONS, linear_act, linear_act_backward, linear_act_rows
 from llmpar.ops.grad_norm import clip_coefficient, grad_norm
 
-__all__ = ["BACKENDS", "backend_report", "select_backend", "pack_bucket", "unpack_bucket", "MODES", "PRECISIONS",
-           "adamw_step", "cpu_adamw_step", "grad_norm", "clip_coefficient", "ACTIVATIONS", "linear_act",
-           "linear_act_rows", "linear_act_backward", "attention_fwd", "attention_bwd", "merge_partials",
-           "flash_attention"]
+__all__ = [
+    "BACKENDS",
+    "backend_report",
+    "select_backend",
+    "pack_bucket",
+    "unpack_bucket",
+    "MODES",
+    "PRECISIONS",
+    "adamw_step",
+    "cpu_adamw_step",
+    "grad_norm",
+    "clip_coefficient",
+    "ACTIVATIONS",
+    "linear_act",
+    "linear_act_rows",
+    "linear_act_backward",
+    "attention_fwd",
+    "attention_bwd",
+    "merge_partials",
+    "flash_attention",
+]

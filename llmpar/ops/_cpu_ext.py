@@ -13,6 +13,7 @@ Concurrent first uses (test processes, torchrun ranks on one host) build once: t
 (``<build dir>/lock``) stays behind when a build is killed midway and every later ``load`` would wait on it forever:
 it is removed while the flock is held, when no other build can be running.
 """
+
 from __future__ import annotations
 
 import functools
@@ -71,8 +72,9 @@ def _jit_build() -> _ext.ExtStatus:
 
     why = jit_unavailable_reason()
     if why is not None:
-        return _ext.ExtStatus(available=False, source=None,
-                              reason=f"not built into the wheel and cannot JIT-build: {why}")
+        return _ext.ExtStatus(
+            available=False, source=None, reason=f"not built into the wheel and cannot JIT-build: {why}"
+        )
     kw = _kwargs()
     folder = build_dir(kw)
     folder.mkdir(parents=True, exist_ok=True)
@@ -81,26 +83,40 @@ def _jit_build() -> _ext.ExtStatus:
         fcntl.flock(held, fcntl.LOCK_EX)  # released on close, or by the OS if this process dies
         (folder / "lock").unlink(missing_ok=True)  # torch's FileBaton, left behind by a build killed midway
         if not (folder / f"{NAME}.so").exists():
-            log.warning("llmpar: JIT-building the CPU extension (AdamW kernel) into %s (once per source version, "
-                        "~30 s)", folder)
+            log.warning(
+                "llmpar: JIT-building the CPU extension (AdamW kernel) into %s (once per source version, ~30 s)", folder
+            )
         try:
-            cpp_extension.load(name=NAME, sources=kw["sources"], extra_include_paths=kw["include_dirs"],
-                               extra_cflags=kw["extra_compile_args"]["cxx"],
-                               extra_ldflags=[f for f in kw["extra_link_args"] if "$ORIGIN" not in f],  # (the wheel's)
-                               build_directory=str(folder), is_python_module=False,
-                               verbose=os.environ.get("LLMPAR_VERBOSE") == "1")
+            cpp_extension.load(
+                name=NAME,
+                sources=kw["sources"],
+                extra_include_paths=kw["include_dirs"],
+                extra_cflags=kw["extra_compile_args"]["cxx"],
+                extra_ldflags=[f for f in kw["extra_link_args"] if "$ORIGIN" not in f],  # (the wheel's)
+                build_directory=str(folder),
+                is_python_module=False,
+                verbose=os.environ.get("LLMPAR_VERBOSE") == "1",
+            )
         except Exception as exc:  # noqa: BLE001 - a failed build must degrade to the torch path, with the reason
             lines = str(exc).strip().splitlines()
-            return _ext.ExtStatus(available=False, source=None,
-                                  reason=f"JIT build failed: {lines[-1] if lines else repr(exc)}")
-    return _ext.ExtStatus(available=True, source="jit", path=str(folder),
-                          reason=f"JIT-built in {folder} (built or loaded in {time.perf_counter() - start:.1f} s)")
+            return _ext.ExtStatus(
+                available=False, source=None, reason=f"JIT build failed: {lines[-1] if lines else repr(exc)}"
+            )
+    return _ext.ExtStatus(
+        available=True,
+        source="jit",
+        path=str(folder),
+        reason=f"JIT-built in {folder} (built or loaded in {time.perf_counter() - start:.1f} s)",
+    )
 
 
 @functools.lru_cache(maxsize=None)
 def _load_once() -> _ext.ExtStatus:
-    status = _ext.prebuilt_status("llmpar._C_cpu", _ext._prebuilt_path("llmpar._C_cpu"),
-                                  "rebuild with LLMPAR_BUILD_CPU=1, or it is JIT-built on first use")
+    status = _ext.prebuilt_status(
+        "llmpar._C_cpu",
+        _ext._prebuilt_path("llmpar._C_cpu"),
+        "rebuild with LLMPAR_BUILD_CPU=1, or it is JIT-built on first use",
+    )
     if status is None:
         try:
             status = _jit_build()
@@ -109,8 +125,9 @@ def _load_once() -> _ext.ExtStatus:
     if status.available:
         log.info("llmpar: CPU extension: %s", status.reason)
     else:
-        log.warning("llmpar: the CPU AdamW kernel is unavailable (%s); the CPU steps run torch's fused AdamW",
-                    status.reason)
+        log.warning(
+            "llmpar: the CPU AdamW kernel is unavailable (%s); the CPU steps run torch's fused AdamW", status.reason
+        )
     return status
 
 

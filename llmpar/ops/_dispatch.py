@@ -4,6 +4,7 @@
 naming it and why (extension not built, no CUDA device, triton missing, ...). On CPU tensors Triton runs only under
 its interpreter (``TRITON_INTERPRET=1``, set before llmpar.kernels is imported); otherwise CPU work goes to torch.
 """
+
 from __future__ import annotations
 
 import os
@@ -57,8 +58,9 @@ def has_ext_op(name: str) -> bool:
         return False
 
 
-def cuda_unavailable_reason(device: torch.device, *, build: bool = True, op: str | None = None,
-                            ops: tuple[str, ...] = ()) -> str | None:
+def cuda_unavailable_reason(
+    device: torch.device, *, build: bool = True, op: str | None = None, ops: tuple[str, ...] = ()
+) -> str | None:
     """Why the CUDA extension cannot run ``op`` and every op of ``ops`` (``llmpar::<name>``; none: any) on ``device``,
     or None when it can. May JIT-build the extension when ``build``."""
     if device.type != "cuda":
@@ -88,9 +90,15 @@ def _ext_ops(op: str, cuda_ops: tuple[str, ...] | None) -> tuple[str, ...]:
     return (op,) if op.isidentifier() and op != "op" else ()
 
 
-def select_backend(device: torch.device | str, *, kernel_unfit: str | None = None, op: str = "op",
-                   cuda_ops: tuple[str, ...] | None = None, cuda_unfit: str | None = None,
-                   triton_slow: str | None = None) -> str:
+def select_backend(
+    device: torch.device | str,
+    *,
+    kernel_unfit: str | None = None,
+    op: str = "op",
+    cuda_ops: tuple[str, ...] | None = None,
+    cuda_unfit: str | None = None,
+    triton_slow: str | None = None,
+) -> str:
     """The backend that runs ``op`` on tensors on ``device``.
 
     kernel_unfit: None when the inputs suit the CUDA/Triton kernels, else why not (dtype, layout, ...): such calls go
@@ -112,8 +120,9 @@ def select_backend(device: torch.device | str, *, kernel_unfit: str | None = Non
             raise RuntimeError(f"{ENV}={forced} but the {forced} backend cannot run {op}: {why}")
         unfit = kernel_unfit if kernel_unfit is not None else cuda_unfit if forced == "cuda" else None
         if unfit is not None:
-            raise TypeError(f"{ENV}={forced} but {op} cannot use the {forced} kernel: {unfit}; "
-                            f"unset {ENV} to fall back to torch")
+            raise TypeError(
+                f"{ENV}={forced} but {op} cannot use the {forced} kernel: {unfit}; unset {ENV} to fall back to torch"
+            )
         return forced
     if kernel_unfit is not None:
         return "torch"
@@ -158,12 +167,20 @@ def backend_report() -> dict:
             triton_detail += f"; CPU: {triton_cpu}"
     return {
         "forced": os.environ.get(ENV) or None,
-        "cuda_ext": {"available": ext.available or jit_ok, "source": ext.source or ("jit" if jit_ok else None),
-                     "detail": ext.reason, "cache_dir": str(_ext.cache_dir())},
-        "triton": {"available": triton_cuda or triton_cpu is None, "importable": kernels.HAS_TRITON,
-                   "detail": triton_detail},
+        "cuda_ext": {
+            "available": ext.available or jit_ok,
+            "source": ext.source or ("jit" if jit_ok else None),
+            "detail": ext.reason,
+            "cache_dir": str(_ext.cache_dir()),
+        },
+        "triton": {
+            "available": triton_cuda or triton_cpu is None,
+            "importable": kernels.HAS_TRITON,
+            "detail": triton_detail,
+        },
         "torch": {"available": True, "detail": f"torch {torch.__version__} (always there)"},
-        "default_cuda": ("cuda" if ext.available or jit_ok else "triton" if triton_cuda else "torch") if has_cuda
+        "default_cuda": ("cuda" if ext.available or jit_ok else "triton" if triton_cuda else "torch")
+        if has_cuda
         else None,
         "default_cpu": "triton" if triton_cpu is None else "torch",
     }

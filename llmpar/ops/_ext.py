@@ -13,6 +13,7 @@ The extension only registers CUDA kernels (``TORCH_LIBRARY_IMPL(llmpar, CUDA, m)
 ``llmpar::`` ops live in ``llmpar/ops/_library.py``. Loading the .so before or after that module is imported both work
 (the dispatcher keeps a kernel registered before its schema until the schema arrives).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -88,8 +89,9 @@ def _build_info(so: Path) -> tuple[str, str] | None:
 
 
 def _try_prebuilt() -> ExtStatus | None:
-    return prebuilt_status("llmpar._C", _prebuilt_path(),
-                           "rebuild with LLMPAR_BUILD_CUDA=1, or it is JIT-built when CUDA is available")
+    return prebuilt_status(
+        "llmpar._C", _prebuilt_path(), "rebuild with LLMPAR_BUILD_CUDA=1, or it is JIT-built when CUDA is available"
+    )
 
 
 def prebuilt_status(module: str, so: Path | None, hint: str) -> ExtStatus | None:
@@ -100,8 +102,11 @@ def prebuilt_status(module: str, so: Path | None, hint: str) -> ExtStatus | None
     info = _build_info(so)
     running = _torch_base_version()
     if info is not None and info[0] != running:
-        warnings.warn(f"{module} at {so} was built for torch {info[0]} but torch {running} is running; ignoring it "
-                      f"({hint})", RuntimeWarning, stacklevel=4)
+        warnings.warn(
+            f"{module} at {so} was built for torch {info[0]} but torch {running} is running; ignoring it ({hint})",
+            RuntimeWarning,
+            stacklevel=4,
+        )
         return None
     try:
         importlib.import_module(module)
@@ -140,9 +145,14 @@ def _jit_build() -> ExtStatus:
     log.warning("llmpar: JIT-building the CUDA extension into %s (once per torch/CUDA version, ~1 min)", build_dir)
     try:
         cpp_extension.load(
-            name="llmpar_C", sources=kw["sources"], extra_include_paths=kw["include_dirs"],
-            extra_cflags=kw["extra_compile_args"]["cxx"], extra_cuda_cflags=kw["extra_compile_args"]["nvcc"],
-            build_directory=str(build_dir), is_python_module=False, verbose=os.environ.get("LLMPAR_VERBOSE") == "1",
+            name="llmpar_C",
+            sources=kw["sources"],
+            extra_include_paths=kw["include_dirs"],
+            extra_cflags=kw["extra_compile_args"]["cxx"],
+            extra_cuda_cflags=kw["extra_compile_args"]["nvcc"],
+            build_directory=str(build_dir),
+            is_python_module=False,
+            verbose=os.environ.get("LLMPAR_VERBOSE") == "1",
         )
     except Exception as exc:  # noqa: BLE001 - a failed build must degrade to the next backend, with the reason
         msg = str(exc).strip().splitlines()
@@ -162,9 +172,13 @@ def load(*, build: bool = True) -> ExtStatus:
         if status is None:
             if not build:
                 why = jit_unavailable_reason()
-                return ExtStatus(available=False, source=None,
-                                 reason="not built yet; JIT-builds on first use" if why is None
-                                 else f"not built into the wheel and cannot JIT-build: {why}")
+                return ExtStatus(
+                    available=False,
+                    source=None,
+                    reason="not built yet; JIT-builds on first use"
+                    if why is None
+                    else f"not built into the wheel and cannot JIT-build: {why}",
+                )
             status = _jit_build()
         _status = status
         return status

@@ -37,6 +37,7 @@ The schemas are the ones the CUDA kernels were written against, with one rename:
 ``int mode_code`` (an argument named ``mode`` collides with torch's auto_functionalized, so torch.compile could not
 trace the op; the C++ kernel binds arguments by position, so it is unaffected).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -87,12 +88,15 @@ def _check_bias_act(grad: torch.Tensor, pre: torch.Tensor, act: int) -> None:
     if pre.shape != grad.shape:
         raise ValueError(f"bias_act_backward: pre {tuple(pre.shape)} must match grad {tuple(grad.shape)}")
     if not 0 <= act < len(ACTIVATIONS):
-        raise ValueError(f"bias_act_backward: act={act} is not an activation code (0..{len(ACTIVATIONS) - 1}: "
-                         f"{', '.join(ACTIVATIONS)})")
+        raise ValueError(
+            f"bias_act_backward: act={act} is not an activation code (0..{len(ACTIVATIONS) - 1}: "
+            f"{', '.join(ACTIVATIONS)})"
+        )
 
 
-def _check_linear_lt(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: int,
-                     residual: torch.Tensor | None) -> None:
+def _check_linear_lt(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: int, residual: torch.Tensor | None
+) -> None:
     if x.dim() != 2 or weight.dim() != 2:
         raise ValueError(f"linear_lt: x and weight must be 2-D, got {tuple(x.shape)} and {tuple(weight.shape)}")
     if x.shape[1] != weight.shape[1]:
@@ -100,8 +104,10 @@ def _check_linear_lt(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     if x.dtype != weight.dtype:
         raise TypeError(f"linear_lt: x ({x.dtype}) and weight ({weight.dtype}) must share a dtype")
     if act not in _LT_CODES:
-        raise ValueError(f"linear_lt: act={act} has no cuBLASLt epilogue; it takes "
-                         f"{', '.join(f'{c} ({ACTIVATIONS[c]})' for c in _LT_CODES)}")
+        raise ValueError(
+            f"linear_lt: act={act} has no cuBLASLt epilogue; it takes "
+            f"{', '.join(f'{c} ({ACTIVATIONS[c]})' for c in _LT_CODES)}"
+        )
     n = weight.shape[0]
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != n or bias.dtype != x.dtype):
         raise ValueError(f"linear_lt: bias must be [{n}] in {x.dtype}, got {tuple(bias.shape)} in {bias.dtype}")
@@ -109,8 +115,10 @@ def _check_linear_lt(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         if act != 0:
             raise ValueError("linear_lt: a residual is added before the epilogue's activation; only act 0 takes one")
         if tuple(residual.shape) != (x.shape[0], n) or residual.dtype != x.dtype:
-            raise ValueError(f"linear_lt: residual must be [{x.shape[0]}, {n}] in {x.dtype}, got "
-                             f"{tuple(residual.shape)} in {residual.dtype}")
+            raise ValueError(
+                f"linear_lt: residual must be [{x.shape[0]}, {n}] in {x.dtype}, got "
+                f"{tuple(residual.shape)} in {residual.dtype}"
+            )
 
 
 # ------------------------------------------------------------------------------------------------------ fakes
@@ -132,8 +140,9 @@ def _fake_bias_act_backward(grad: torch.Tensor, pre: torch.Tensor, act: int) -> 
     return pre.new_empty(grad.shape), grad.new_empty((grad.shape[1],), dtype=torch.float32)
 
 
-def _fake_linear_lt(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: int,
-                    residual: torch.Tensor | None) -> torch.Tensor:
+def _fake_linear_lt(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: int, residual: torch.Tensor | None
+) -> torch.Tensor:
     _check_linear_lt(x, weight, bias, act, residual)
     return x.new_empty((x.shape[0], weight.shape[0]))
 
@@ -143,8 +152,9 @@ def _aux_buffer(x: torch.Tensor, n: int) -> torch.Tensor:
     return x.new_empty((x.shape[0], (n + 7) // 8 * 8))
 
 
-def _fake_linear_lt_aux(x: torch.Tensor, weight: torch.Tensor,
-                        bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _fake_linear_lt_aux(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     _check_linear_lt(x, weight, bias, 1, None)
     n = weight.shape[0]
     return x.new_empty((x.shape[0], n)), _aux_buffer(x, n).narrow(1, 0, n)
@@ -165,38 +175,83 @@ def _bucket_offsets(tensors: Sequence[torch.Tensor], flat: torch.Tensor, what: s
 
 def _ref_pack_bucket(tensors: Sequence[torch.Tensor], out: torch.Tensor, scale: float) -> None:
     for t, o in zip(tensors, _bucket_offsets(tensors, out, "tensors")):
-        out[o:o + t.numel()].copy_(t.reshape(-1).float() * scale)  # float32 product, scale rounded to float32
+        out[o : o + t.numel()].copy_(t.reshape(-1).float() * scale)  # float32 product, scale rounded to float32
 
 
 def _ref_unpack_bucket(flat: torch.Tensor, outs: Sequence[torch.Tensor], scale: float) -> None:
     for t, o in zip(outs, _bucket_offsets(outs, flat, "outs")):
-        t.copy_((flat[o:o + t.numel()].float() * scale).view(t.shape))
+        t.copy_((flat[o : o + t.numel()].float() * scale).view(t.shape))
 
 
-def _ref_adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
-                    exp_avg_sqs: list[torch.Tensor], extras: list[torch.Tensor], steps: list[torch.Tensor],
-                    salts: list[int], mode_code: int, lr: float, lr_tensor: torch.Tensor | None,
-                    gscale: torch.Tensor | None, found_inf: torch.Tensor | None, beta1: float, beta2: float,
-                    eps: float, weight_decay: float, seed: int) -> None:
+def _ref_adamw_step(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    extras: list[torch.Tensor],
+    steps: list[torch.Tensor],
+    salts: list[int],
+    mode_code: int,
+    lr: float,
+    lr_tensor: torch.Tensor | None,
+    gscale: torch.Tensor | None,
+    found_inf: torch.Tensor | None,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    seed: int,
+) -> None:
     """The torch path of llmpar.ops.adamw_step (same math; its own stochastic-rounding stream), grads untouched."""
     if not 0 <= mode_code < len(PRECISIONS):
-        raise ValueError(f"adamw_step: mode_code={mode_code} is not a mode code (0..{len(PRECISIONS) - 1}: "
-                         f"{', '.join(PRECISIONS)})")
+        raise ValueError(
+            f"adamw_step: mode_code={mode_code} is not a mode code (0..{len(PRECISIONS) - 1}: {', '.join(PRECISIONS)})"
+        )
     if not params:
         return
     if gscale is not None:  # torch's fused AdamW unscales the grads in place; the op reads them only
         grads = [g.clone() for g in grads]
-    _torch_step(PRECISIONS[mode_code], params, grads, exp_avgs, exp_avg_sqs, steps, list(extras) or None, list(salts),
-                lr=lr_tensor if lr_tensor is not None else lr, beta1=beta1, beta2=beta2, eps=eps,
-                weight_decay=weight_decay, gscale=gscale, found_inf=found_inf, seed=seed)
+    _torch_step(
+        PRECISIONS[mode_code],
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        steps,
+        list(extras) or None,
+        list(salts),
+        lr=lr_tensor if lr_tensor is not None else lr,
+        beta1=beta1,
+        beta2=beta2,
+        eps=eps,
+        weight_decay=weight_decay,
+        gscale=gscale,
+        found_inf=found_inf,
+        seed=seed,
+    )
 
 
-def _ref_adamw_lowbit_step(params: list[torch.Tensor], grads: list[torch.Tensor], m_codes: list[torch.Tensor],
-                           m_scales: list[torch.Tensor], v_codes: list[torch.Tensor], v_scales: list[torch.Tensor],
-                           masters: list[torch.Tensor], steps: list[torch.Tensor], qmap_m: torch.Tensor,
-                           qmap_v: torch.Tensor, bits: int, lr: float, lr_tensor: torch.Tensor | None,
-                           gscale: torch.Tensor | None, found_inf: torch.Tensor | None, beta1: float, beta2: float,
-                           eps: float, weight_decay: float) -> None:
+def _ref_adamw_lowbit_step(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    m_codes: list[torch.Tensor],
+    m_scales: list[torch.Tensor],
+    v_codes: list[torch.Tensor],
+    v_scales: list[torch.Tensor],
+    masters: list[torch.Tensor],
+    steps: list[torch.Tensor],
+    qmap_m: torch.Tensor,
+    qmap_v: torch.Tensor,
+    bits: int,
+    lr: float,
+    lr_tensor: torch.Tensor | None,
+    gscale: torch.Tensor | None,
+    found_inf: torch.Tensor | None,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+) -> None:
     """The contract's float64 reference (llmpar.ops.lowbit), written back in place; steps are read (already
     incremented), as the CUDA kernel reads them. The maps must be llmpar.ops.lowbit's (the reference uses them)."""
     import llmpar.ops.lowbit as lowbit
@@ -205,20 +260,38 @@ def _ref_adamw_lowbit_step(params: list[torch.Tensor], grads: list[torch.Tensor]
         return
     for name, q, signed in (("qmap_m", qmap_m, True), ("qmap_v", qmap_v, False)):
         if not torch.equal(q.cpu(), lowbit.qmap(bits, signed)):
-            raise ValueError(f"adamw_lowbit_step (CPU reference): {name} is not llmpar.ops.lowbit.qmap({bits}, "
-                             f"signed={signed})")
+            raise ValueError(
+                f"adamw_lowbit_step (CPU reference): {name} is not llmpar.ops.lowbit.qmap({bits}, signed={signed})"
+            )
     lr = float(lr_tensor) if lr_tensor is not None else lr
     for i, p in enumerate(params):
         master = masters[i] if masters else None
-        ref = lowbit.adamw_lowbit_reference(p, grads[i], m_codes[i], m_scales[i], v_codes[i], v_scales[i],
-                                            int(float(steps[i])), master, bits=bits, lr=lr, beta1=beta1, beta2=beta2,
-                                            eps=eps, weight_decay=weight_decay,
-                                            gscale=1.0 if gscale is None else float(gscale))
+        ref = lowbit.adamw_lowbit_reference(
+            p,
+            grads[i],
+            m_codes[i],
+            m_scales[i],
+            v_codes[i],
+            v_scales[i],
+            int(float(steps[i])),
+            master,
+            bits=bits,
+            lr=lr,
+            beta1=beta1,
+            beta2=beta2,
+            eps=eps,
+            weight_decay=weight_decay,
+            gscale=1.0 if gscale is None else float(gscale),
+        )
         if master is not None:
             master.view(-1).copy_(ref.master)
         p.view(-1).copy_(ref.param)
-        for t, new in ((m_codes[i], ref.m_codes), (m_scales[i], ref.m_scale), (v_codes[i], ref.v_codes),
-                       (v_scales[i], ref.v_scale)):
+        for t, new in (
+            (m_codes[i], ref.m_codes),
+            (m_scales[i], ref.m_scale),
+            (v_codes[i], ref.v_codes),
+            (v_scales[i], ref.v_scale),
+        ):
             t.view(-1).copy_(new.view(-1))
 
 
@@ -241,14 +314,16 @@ def _ref_bias_act_backward(grad: torch.Tensor, pre: torch.Tensor, act: int) -> t
     return gp.contiguous(), db
 
 
-def _ref_linear_lt(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: int,
-                   residual: torch.Tensor | None) -> torch.Tensor:
+def _ref_linear_lt(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: int, residual: torch.Tensor | None
+) -> torch.Tensor:
     _check_linear_lt(x, weight, bias, act, residual)
     return linear_lt_reference(x, weight, bias, act, residual).contiguous()
 
 
-def _ref_linear_lt_aux(x: torch.Tensor, weight: torch.Tensor,
-                       bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _ref_linear_lt_aux(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     _check_linear_lt(x, weight, bias, 1, None)
     y, z = linear_lt_aux_reference(x, weight, bias)
     n = weight.shape[0]
@@ -263,15 +338,24 @@ def _ref_quantize_rows(x: torch.Tensor, wire: torch.Tensor, m: int, bits: int, b
     _torch_quantize(x, _check_wire(wire, m, bits, block, x.shape[0]), m, bits, block, None)
 
 
-def _ref_pack_quantize(tensors: Sequence[torch.Tensor], wire: torch.Tensor, rows: int, m: int, bits: int, block: int,
-                       scale: float, residual: torch.Tensor | None) -> None:
+def _ref_pack_quantize(
+    tensors: Sequence[torch.Tensor],
+    wire: torch.Tensor,
+    rows: int,
+    m: int,
+    bits: int,
+    block: int,
+    scale: float,
+    residual: torch.Tensor | None,
+) -> None:
     _check_wire(wire, m, bits, block, rows)
     total = sum(t.numel() for t in tensors)
     if total > rows * m:
         raise ValueError(f"pack_quantize: tensors hold {total} elements, more than rows * m = {rows * m}")
     if residual is not None and (residual.dtype != torch.float32 or residual.shape != (rows * m,)):
-        raise ValueError(f"pack_quantize: residual must be float32 [{rows * m}], got {residual.dtype} "
-                         f"{tuple(residual.shape)}")
+        raise ValueError(
+            f"pack_quantize: residual must be float32 [{rows * m}], got {residual.dtype} {tuple(residual.shape)}"
+        )
     _torch_pack_quantize(list(tensors), wire, rows, m, bits, block, scale, residual)
 
 
@@ -291,50 +375,95 @@ def _ref_dequantize_sum(wire: torch.Tensor, out: torch.Tensor, m: int, bits: int
 
 # ------------------------------------------------------------------------------------------------- the table
 
-OPS: dict[str, OpDef] = {op.name: op for op in (
-    OpDef(schema="pack_bucket(Tensor[] tensors, Tensor(a!) out, float scale) -> ()",
-          fake=_fake_none, reference=_ref_pack_bucket),
-    OpDef(schema="unpack_bucket(Tensor flat, Tensor(a!)[] outs, float scale) -> ()",
-          fake=_fake_none, reference=_ref_unpack_bucket),
-    OpDef(schema="adamw_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
-                 "Tensor(d!)[] extras, Tensor[] steps, int[] salts, int mode_code, float lr, Tensor? lr_tensor, "
-                 "Tensor? gscale, Tensor? found_inf, float beta1, float beta2, float eps, float weight_decay, "
-                 "int seed) -> ()",
-          fake=_fake_none, reference=_ref_adamw_step),
-    OpDef(schema="adamw_lowbit_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] m_codes, Tensor(c!)[] m_scales, "
-                 "Tensor(d!)[] v_codes, Tensor(e!)[] v_scales, Tensor(f!)[] masters, Tensor[] steps, Tensor qmap_m, "
-                 "Tensor qmap_v, int bits, float lr, Tensor? lr_tensor, Tensor? gscale, Tensor? found_inf, "
-                 "float beta1, float beta2, float eps, float weight_decay) -> ()",
-          fake=_fake_none, reference=_ref_adamw_lowbit_step),
-    OpDef(schema="sum_squares(Tensor[] tensors) -> Tensor", fake=_fake_sum_squares, reference=_ref_sum_squares),
-    OpDef(schema="bias_act_backward(Tensor grad, Tensor pre, int act) -> (Tensor, Tensor)",
-          fake=_fake_bias_act_backward, reference=_ref_bias_act_backward),
-    OpDef(schema="linear_lt(Tensor x, Tensor weight, Tensor? bias, int act, Tensor? residual) -> Tensor",
-          fake=_fake_linear_lt, reference=_ref_linear_lt),
-    OpDef(schema="linear_lt_aux(Tensor x, Tensor weight, Tensor? bias) -> (Tensor, Tensor)",
-          fake=_fake_linear_lt_aux, reference=_ref_linear_lt_aux),
-    OpDef(schema="quantize_rows(Tensor x, Tensor(a!) wire, int m, int bits, int block) -> ()",
-          fake=_fake_none, reference=_ref_quantize_rows),
-    OpDef(schema="pack_quantize(Tensor[] tensors, Tensor(a!) wire, int rows, int m, int bits, int block, float scale, "
-                 "Tensor(b!)? residual) -> ()",
-          fake=_fake_none, reference=_ref_pack_quantize),
-    OpDef(schema="dequantize_rows(Tensor wire, Tensor(a!) out, int m, int bits, int block) -> ()",
-          fake=_fake_none, reference=_ref_dequantize_rows),
-    OpDef(schema="dequantize_sum(Tensor wire, Tensor(a!) out, int m, int bits, int block, bool accumulate) -> ()",
-          fake=_fake_none, reference=_ref_dequantize_sum),
-)}
+OPS: dict[str, OpDef] = {
+    op.name: op
+    for op in (
+        OpDef(
+            schema="pack_bucket(Tensor[] tensors, Tensor(a!) out, float scale) -> ()",
+            fake=_fake_none,
+            reference=_ref_pack_bucket,
+        ),
+        OpDef(
+            schema="unpack_bucket(Tensor flat, Tensor(a!)[] outs, float scale) -> ()",
+            fake=_fake_none,
+            reference=_ref_unpack_bucket,
+        ),
+        OpDef(
+            schema="adamw_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
+            "Tensor(d!)[] extras, Tensor[] steps, int[] salts, int mode_code, float lr, Tensor? lr_tensor, "
+            "Tensor? gscale, Tensor? found_inf, float beta1, float beta2, float eps, float weight_decay, "
+            "int seed) -> ()",
+            fake=_fake_none,
+            reference=_ref_adamw_step,
+        ),
+        OpDef(
+            schema="adamw_lowbit_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] m_codes, "
+            "Tensor(c!)[] m_scales, Tensor(d!)[] v_codes, Tensor(e!)[] v_scales, Tensor(f!)[] masters, "
+            "Tensor[] steps, Tensor qmap_m, Tensor qmap_v, int bits, float lr, Tensor? lr_tensor, Tensor? gscale, "
+            "Tensor? found_inf, float beta1, float beta2, float eps, float weight_decay) -> ()",
+            fake=_fake_none,
+            reference=_ref_adamw_lowbit_step,
+        ),
+        OpDef(schema="sum_squares(Tensor[] tensors) -> Tensor", fake=_fake_sum_squares, reference=_ref_sum_squares),
+        OpDef(
+            schema="bias_act_backward(Tensor grad, Tensor pre, int act) -> (Tensor, Tensor)",
+            fake=_fake_bias_act_backward,
+            reference=_ref_bias_act_backward,
+        ),
+        OpDef(
+            schema="linear_lt(Tensor x, Tensor weight, Tensor? bias, int act, Tensor? residual) -> Tensor",
+            fake=_fake_linear_lt,
+            reference=_ref_linear_lt,
+        ),
+        OpDef(
+            schema="linear_lt_aux(Tensor x, Tensor weight, Tensor? bias) -> (Tensor, Tensor)",
+            fake=_fake_linear_lt_aux,
+            reference=_ref_linear_lt_aux,
+        ),
+        OpDef(
+            schema="quantize_rows(Tensor x, Tensor(a!) wire, int m, int bits, int block) -> ()",
+            fake=_fake_none,
+            reference=_ref_quantize_rows,
+        ),
+        OpDef(
+            schema="pack_quantize(Tensor[] tensors, Tensor(a!) wire, int rows, int m, int bits, int block, "
+            "float scale, Tensor(b!)? residual) -> ()",
+            fake=_fake_none,
+            reference=_ref_pack_quantize,
+        ),
+        OpDef(
+            schema="dequantize_rows(Tensor wire, Tensor(a!) out, int m, int bits, int block) -> ()",
+            fake=_fake_none,
+            reference=_ref_dequantize_rows,
+        ),
+        OpDef(
+            schema="dequantize_sum(Tensor wire, Tensor(a!) out, int m, int bits, int block, bool accumulate) -> ()",
+            fake=_fake_none,
+            reference=_ref_dequantize_sum,
+        ),
+    )
+}
 
-CPU_OPS: dict[str, OpDef] = {op.name: op for op in (
-    OpDef(schema="cpu_adamw_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
-                 "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] outs, Tensor(e!)[] steps, float lr, float beta1, float beta2, "
-                 "float eps, float weight_decay, float gscale, int isa) -> ()",
-          fake=_fake_none, reference=None),
-    OpDef(schema="cpu_adamw_lowbit_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] m_codes, "
-                 "Tensor(c!)[] m_scales, Tensor(d!)[] v_codes, Tensor(e!)[] v_scales, Tensor(f!)[] outs, "
-                 "Tensor qmap_m, Tensor qmap_v, int[] steps, int bits, float lr, float beta1, float beta2, float eps, "
-                 "float weight_decay, float gscale, int isa) -> ()",
-          fake=_fake_none, reference=None),
-)}
+CPU_OPS: dict[str, OpDef] = {
+    op.name: op
+    for op in (
+        OpDef(
+            schema="cpu_adamw_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
+            "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] outs, Tensor(e!)[] steps, float lr, float beta1, float beta2, "
+            "float eps, float weight_decay, float gscale, int isa) -> ()",
+            fake=_fake_none,
+            reference=None,
+        ),
+        OpDef(
+            schema="cpu_adamw_lowbit_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] m_codes, "
+            "Tensor(c!)[] m_scales, Tensor(d!)[] v_codes, Tensor(e!)[] v_scales, Tensor(f!)[] outs, "
+            "Tensor qmap_m, Tensor qmap_v, int[] steps, int bits, float lr, float beta1, float beta2, float eps, "
+            "float weight_decay, float gscale, int isa) -> ()",
+            fake=_fake_none,
+            reference=None,
+        ),
+    )
+}
 
 
 def _register() -> torch.library.Library:

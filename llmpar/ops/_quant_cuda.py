@@ -1,6 +1,7 @@
 """The CUDA backend of llmpar/ops/quant.py: the ``llmpar::`` quantization ops of the extension (csrc/quant_ops.cpp,
 csrc/quant_kernels.cu), with the argument order of ``llmpar.kernels.quant``. Checks are the caller's (the op layer
 has already checked shapes, dtypes, devices, and that the block suits the kernels); the C++ side checks again."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -13,8 +14,16 @@ def quantize_rows(x: torch.Tensor, wire: torch.Tensor, m: int, bits: int, block:
     torch.ops.llmpar.quantize_rows(x, wire, m, bits, block)
 
 
-def pack_quantize(srcs: Sequence[torch.Tensor], wire: torch.Tensor, rows: int, m: int, bits: int, block: int,
-                  scale: float, residual: torch.Tensor | None) -> None:
+def pack_quantize(
+    srcs: Sequence[torch.Tensor],
+    wire: torch.Tensor,
+    rows: int,
+    m: int,
+    bits: int,
+    block: int,
+    scale: float,
+    residual: torch.Tensor | None,
+) -> None:
     """wire := quantized rows of [cat(srcs), zeros][:rows * m] * scale (+ residual); residual := x - dequant."""
     torch.ops.llmpar.pack_quantize(list(srcs), wire, rows, m, bits, block, float(scale), residual)
 

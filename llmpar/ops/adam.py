@@ -12,6 +12,7 @@ hyper-parameters become the ZeRO optimizer's (``llmpar.runtime.client``). Both r
 ``bias_correction=False`` and AMSGrad are other math and are refused; with weight_decay 0 the two modes are the same
 step. A DeepSpeed-compatibility module at DeepSpeed's path: nothing inside llmpar imports it.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -28,19 +29,31 @@ def _check(name: str, *, bias_correction: bool, adamw: bool, weight_decay: float
     if amsgrad:
         raise ValueError(f"{name}(amsgrad=True) is not supported")
     if not adamw and weight_decay != 0:
-        raise ValueError(f"{name} with Adam's L2 mode (adam_w_mode=False) and weight_decay={weight_decay} is not "
-                         "supported: llmpar runs AdamW (decoupled weight decay); use the AdamW mode (the default)")
+        raise ValueError(
+            f"{name} with Adam's L2 mode (adam_w_mode=False) and weight_decay={weight_decay} is not "
+            "supported: llmpar runs AdamW (decoupled weight decay); use the AdamW mode (the default)"
+        )
 
 
 class FusedAdam(FusedAdamW):
     """DeepSpeed's ``FusedAdam(params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8,
     adam_w_mode=True, weight_decay=0.0, amsgrad=False, set_grad_none=True)`` as :class:`FusedAdamW`."""
 
-    def __init__(self, params: Iterable[Any], lr: float = 1e-3, bias_correction: bool = True,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, adam_w_mode: bool = True,
-                 weight_decay: float = 0.0, amsgrad: bool = False, set_grad_none: bool = True) -> None:
-        _check("FusedAdam", bias_correction=bias_correction, adamw=adam_w_mode, weight_decay=weight_decay,
-               amsgrad=amsgrad)
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        adam_w_mode: bool = True,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        set_grad_none: bool = True,
+    ) -> None:
+        _check(
+            "FusedAdam", bias_correction=bias_correction, adamw=adam_w_mode, weight_decay=weight_decay, amsgrad=amsgrad
+        )
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         self.adam_w_mode, self.set_grad_none = True, set_grad_none
 
@@ -56,16 +69,33 @@ class DeepSpeedCPUAdam(FusedAdamW):
     (moments in a 16-bit param's dtype) is not supported for 16-bit params (``FusedAdamW(precision="bf16_sr")`` keeps
     bf16 moments)."""
 
-    def __init__(self, model_params: Iterable[Any], lr: float = 1e-3, bias_correction: bool = True,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
-                 amsgrad: bool = False, adamw_mode: bool = True, fp32_optimizer_states: bool = True) -> None:
-        _check("DeepSpeedCPUAdam", bias_correction=bias_correction, adamw=adamw_mode, weight_decay=weight_decay,
-               amsgrad=amsgrad)
+    def __init__(
+        self,
+        model_params: Iterable[Any],
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        adamw_mode: bool = True,
+        fp32_optimizer_states: bool = True,
+    ) -> None:
+        _check(
+            "DeepSpeedCPUAdam",
+            bias_correction=bias_correction,
+            adamw=adamw_mode,
+            weight_decay=weight_decay,
+            amsgrad=amsgrad,
+        )
         super().__init__(model_params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-        if not fp32_optimizer_states and any(p.dtype in (torch.bfloat16, torch.float16)
-                                             for g in self.param_groups for p in g["params"]):
-            raise ValueError("DeepSpeedCPUAdam(fp32_optimizer_states=False) is not supported for 16-bit params: the "
-                             "moments are kept in float32 (FusedAdamW(precision='bf16_sr') keeps bfloat16 ones)")
+        if not fp32_optimizer_states and any(
+            p.dtype in (torch.bfloat16, torch.float16) for g in self.param_groups for p in g["params"]
+        ):
+            raise ValueError(
+                "DeepSpeedCPUAdam(fp32_optimizer_states=False) is not supported for 16-bit params: the "
+                "moments are kept in float32 (FusedAdamW(precision='bf16_sr') keeps bfloat16 ones)"
+            )
         self.adam_w_mode, self.fp32_optimizer_states = True, fp32_optimizer_states
 
     @torch.no_grad()
@@ -73,9 +103,11 @@ class DeepSpeedCPUAdam(FusedAdamW):
         for g in self.param_groups:
             for p in g["params"]:
                 if p.grad is not None and p.device.type != "cpu":
-                    raise RuntimeError(f"DeepSpeedCPUAdam param is on {p.device} and must be 'cpu' (it steps on the "
-                                       "host): use FusedAdam, or hand it to llmpar.initialize with "
-                                       "\"offload_optimizer\": {\"device\": \"cpu\"}")
+                    raise RuntimeError(
+                        f"DeepSpeedCPUAdam param is on {p.device} and must be 'cpu' (it steps on the "
+                        "host): use FusedAdam, or hand it to llmpar.initialize with "
+                        '"offload_optimizer": {"device": "cpu"}'
+                    )
         return super().step(closure)
 
 

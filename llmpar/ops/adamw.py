@@ -20,6 +20,7 @@ and steps may live on the device). The torch path uses ``torch._fused_adamw_`` f
 and CUDA), and foreach ops plus host-drawn random bits for the bf16 modes; it reads lr/steps/found_inf on the host (a
 sync on CUDA).
 """
+
 from __future__ import annotations
 
 import math
@@ -49,11 +50,13 @@ class ModeSpec:
 # csrc/adamw.cuh (tests/test_optim_build.py checks the enum against this table).
 MODES: dict[str, ModeSpec] = {
     "fp32": ModeSpec(param_dtypes=(torch.float32, torch.float64), moment_dtype=None, extra=None),
-    "fp32_master": ModeSpec(param_dtypes=(torch.bfloat16, torch.float16), moment_dtype=torch.float32,
-                            extra=("master", torch.float32)),
+    "fp32_master": ModeSpec(
+        param_dtypes=(torch.bfloat16, torch.float16), moment_dtype=torch.float32, extra=("master", torch.float32)
+    ),
     "bf16_sr": ModeSpec(param_dtypes=(torch.bfloat16,), moment_dtype=torch.bfloat16, extra=None),
-    "bf16_kahan": ModeSpec(param_dtypes=(torch.bfloat16,), moment_dtype=torch.bfloat16,
-                           extra=("kahan_comp", torch.bfloat16)),
+    "bf16_kahan": ModeSpec(
+        param_dtypes=(torch.bfloat16,), moment_dtype=torch.bfloat16, extra=("kahan_comp", torch.bfloat16)
+    ),
 }
 PRECISIONS: tuple[str, ...] = tuple(MODES)
 
@@ -83,8 +86,9 @@ def check_param_dtype(precision: str, dtype: torch.dtype, what: str = "params") 
     """TypeError naming ``what`` (e.g. "params[3]") unless mode ``precision`` takes params of ``dtype``."""
     accepted = MODES[check_precision(precision)].param_dtypes
     if dtype not in accepted:
-        raise TypeError(f"{what} has dtype {dtype}; precision={precision!r} takes "
-                        f"{', '.join(map(str, accepted))} params")
+        raise TypeError(
+            f"{what} has dtype {dtype}; precision={precision!r} takes {', '.join(map(str, accepted))} params"
+        )
 
 
 def _check_lists(precision: str, params, grads, exp_avgs, exp_avg_sqs, extras, steps) -> None:
@@ -106,10 +110,13 @@ def _check_lists(precision: str, params, grads, exp_avgs, exp_avg_sqs, extras, s
         for name in ("grads", "exp_avgs", "exp_avg_sqs") + (("extras",) if spec.extra else ()):
             t = named[name][i]
             if t.numel() != p.numel() or t.device != p.device:
-                raise ValueError(f"{name}[{i}] ({t.numel()} elements on {t.device}) does not match params[{i}] "
-                                 f"({p.numel()} elements on {p.device})")
-            want = {"exp_avgs": moment, "exp_avg_sqs": moment,
-                    "extras": spec.extra[1] if spec.extra else None}.get(name)
+                raise ValueError(
+                    f"{name}[{i}] ({t.numel()} elements on {t.device}) does not match params[{i}] "
+                    f"({p.numel()} elements on {p.device})"
+                )
+            want = {"exp_avgs": moment, "exp_avg_sqs": moment, "extras": spec.extra[1] if spec.extra else None}.get(
+                name
+            )
             if want is not None and t.dtype != want:
                 raise TypeError(f"{name}[{i}] has dtype {t.dtype}; precision={precision!r} keeps it in {want}")
         if not grads[i].is_floating_point():
@@ -121,8 +128,13 @@ def _check_lists(precision: str, params, grads, exp_avgs, exp_avg_sqs, extras, s
 
 def _kernel_unfit(params, grads, exp_avgs, exp_avg_sqs, extras, steps, lr, gscale, found_inf) -> str | None:
     device = params[0].device
-    for name, lst in (("params", params), ("grads", grads), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs),
-                      ("extras", extras or [])):
+    for name, lst in (
+        ("params", params),
+        ("grads", grads),
+        ("exp_avgs", exp_avgs),
+        ("exp_avg_sqs", exp_avg_sqs),
+        ("extras", extras or []),
+    ):
         if len({t.dtype for t in lst}) > 1:
             return f"{name} mixes dtypes"
         for t in lst:
@@ -146,11 +158,25 @@ def step_salts(salts: Sequence[int] | None, n: int) -> list[int]:
     return out
 
 
-def adamw_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor],
-               exp_avg_sqs: Sequence[torch.Tensor], steps: Sequence[torch.Tensor], *, precision: str,
-               lr: float | torch.Tensor, beta1: float, beta2: float, eps: float, weight_decay: float,
-               extras: Sequence[torch.Tensor] | None = None, gscale: torch.Tensor | None = None,
-               found_inf: torch.Tensor | None = None, seed: int = 0, salts: Sequence[int] | None = None) -> None:
+def adamw_step(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    steps: Sequence[torch.Tensor],
+    *,
+    precision: str,
+    lr: float | torch.Tensor,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    extras: Sequence[torch.Tensor] | None = None,
+    gscale: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
+    seed: int = 0,
+    salts: Sequence[int] | None = None,
+) -> None:
     """One AdamW step, in place, over all tensors (see the module docstring); increments ``steps`` unless found_inf.
 
     extras: the float32 masters ("fp32_master") or bf16 compensations ("bf16_kahan"), else None.
@@ -177,23 +203,56 @@ def adamw_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], ex
         if live:
             sel = [[lst[i] for i in live] for lst in (params, grads, exp_avgs, exp_avg_sqs, steps)]
             ex = [extras[i] for i in live] if extras is not None else None
-            hyper = dict(lr=lr, beta1=float(beta1), beta2=float(beta2), eps=float(eps),
-                         weight_decay=float(weight_decay))
+            hyper = dict(
+                lr=lr, beta1=float(beta1), beta2=float(beta2), eps=float(eps), weight_decay=float(weight_decay)
+            )
             if backend == "cuda":
                 lr_t = lr if isinstance(lr, torch.Tensor) else None
                 torch.ops.llmpar.adamw_step(
-                    sel[0], sel[1], sel[2], sel[3], ex or [], sel[4], [salts[i] for i in live], mode_code(precision),
-                    0.0 if lr_t is not None else float(lr), lr_t, gscale, found_inf, float(beta1), float(beta2),
-                    float(eps), float(weight_decay), int(seed))
+                    sel[0],
+                    sel[1],
+                    sel[2],
+                    sel[3],
+                    ex or [],
+                    sel[4],
+                    [salts[i] for i in live],
+                    mode_code(precision),
+                    0.0 if lr_t is not None else float(lr),
+                    lr_t,
+                    gscale,
+                    found_inf,
+                    float(beta1),
+                    float(beta2),
+                    float(eps),
+                    float(weight_decay),
+                    int(seed),
+                )
             elif backend == "triton":
                 from llmpar.kernels import adamw as triton_adamw
 
                 hyper["lr"] = lr if isinstance(lr, torch.Tensor) else float(lr)
-                triton_adamw.step(*sel[:4], ex, sel[4], [salts[i] for i in live], mode=mode_code(precision),
-                                  gscale=gscale, found_inf=found_inf, seed=seed, **hyper)
+                triton_adamw.step(
+                    *sel[:4],
+                    ex,
+                    sel[4],
+                    [salts[i] for i in live],
+                    mode=mode_code(precision),
+                    gscale=gscale,
+                    found_inf=found_inf,
+                    seed=seed,
+                    **hyper,
+                )
             else:
-                _torch_step(precision, *sel, ex, [salts[i] for i in live], gscale=gscale, found_inf=found_inf,
-                            seed=seed, **hyper)
+                _torch_step(
+                    precision,
+                    *sel,
+                    ex,
+                    [salts[i] for i in live],
+                    gscale=gscale,
+                    found_inf=found_inf,
+                    seed=seed,
+                    **hyper,
+                )
         if found_inf is not None:  # a skipped step does not count: undo the increment where found_inf != 0
             skipped = (found_inf.to(steps[0].device).reshape(()) != 0).to(torch.float32)
             torch._foreach_sub_(steps, [skipped] * len(steps))
@@ -206,23 +265,48 @@ def _fused_available(device: torch.device) -> bool:
     return hasattr(torch, "_fused_adamw_") and device.type in ("cpu", "cuda")
 
 
-def _torch_fp32(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, beta2, eps, weight_decay, gscale,
-                found_inf) -> None:
+def _torch_fp32(
+    params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, beta2, eps, weight_decay, gscale, found_inf
+) -> None:
     """float32/float64 params: torch's fused AdamW (it unscales the grads in place by 1/grad_scale)."""
     grads = [g if g.dtype == p.dtype else g.to(p.dtype) for g, p in zip(grads, params)]
     if _fused_available(params[0].device):
         inv = None if gscale is None else torch.reciprocal(gscale.to(params[0].device, torch.float32).reshape(()))
         fi = None if found_inf is None else (found_inf != 0).to(params[0].device, torch.float32).reshape(())
-        torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=lr, beta1=beta1, beta2=beta2,
-                            weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False, grad_scale=inv,
-                            found_inf=fi)
+        torch._fused_adamw_(
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            [],
+            steps,
+            lr=lr,
+            beta1=beta1,
+            beta2=beta2,
+            weight_decay=weight_decay,
+            eps=eps,
+            amsgrad=False,
+            maximize=False,
+            grad_scale=inv,
+            found_inf=fi,
+        )
         return
     if found_inf is not None and float(found_inf) != 0:
         return
     if gscale is not None:
         grads = torch._foreach_mul(grads, gscale)
-    _foreach_adamw(params, grads, exp_avgs, exp_avg_sqs, steps, lr=float(lr), beta1=beta1, beta2=beta2, eps=eps,
-                   weight_decay=weight_decay)
+    _foreach_adamw(
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        steps,
+        lr=float(lr),
+        beta1=beta1,
+        beta2=beta2,
+        eps=eps,
+        weight_decay=weight_decay,
+    )
 
 
 def _foreach_adamw(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, beta2, eps, weight_decay) -> None:
@@ -279,8 +363,25 @@ def _sr_copy_(dst: list[torch.Tensor], src: list[torch.Tensor], gen: torch.Gener
         d.view(-1).copy_(s.view(-1))
 
 
-def _torch_low_precision(precision, params, grads, exp_avgs, exp_avg_sqs, steps, extras, salts, *, lr, beta1, beta2,
-                         eps, weight_decay, gscale, found_inf, seed) -> None:
+def _torch_low_precision(
+    precision,
+    params,
+    grads,
+    exp_avgs,
+    exp_avg_sqs,
+    steps,
+    extras,
+    salts,
+    *,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    gscale,
+    found_inf,
+    seed,
+) -> None:
     """fp32_master / bf16_sr / bf16_kahan on torch ops, in float32 batches of flat slices."""
     device = params[0].device
     if precision == "fp32_master" and _fused_available(device):
@@ -288,9 +389,23 @@ def _torch_low_precision(precision, params, grads, exp_avgs, exp_avg_sqs, steps,
         fi = None if found_inf is None else (found_inf != 0).to(device, torch.float32).reshape(())
         for owner, (p, g, m, v, x) in _chunks([params, grads, exp_avgs, exp_avg_sqs, extras], _CHUNK):
             g32 = [t.float() for t in g]
-            torch._fused_adamw_(x, g32, m, v, [], [steps[i] for i in owner], lr=lr, beta1=beta1, beta2=beta2,
-                                weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False, grad_scale=inv,
-                                found_inf=fi)
+            torch._fused_adamw_(
+                x,
+                g32,
+                m,
+                v,
+                [],
+                [steps[i] for i in owner],
+                lr=lr,
+                beta1=beta1,
+                beta2=beta2,
+                weight_decay=weight_decay,
+                eps=eps,
+                amsgrad=False,
+                maximize=False,
+                grad_scale=inv,
+                found_inf=fi,
+            )
             torch._foreach_copy_(p, x)
         return
     if found_inf is not None and float(found_inf) != 0:
@@ -299,8 +414,9 @@ def _torch_low_precision(precision, params, grads, exp_avgs, exp_avg_sqs, steps,
     gs = None if gscale is None else float(gscale)
     gen = torch.Generator(device=device)
     step_of = torch.stack(steps).tolist() if precision == "bf16_sr" else None  # one host read for the seeds
-    for owner, (p, g, m, v, x) in _chunks([params, grads, exp_avgs, exp_avg_sqs, extras or [None] * len(params)],
-                                          _CHUNK):
+    for owner, (p, g, m, v, x) in _chunks(
+        [params, grads, exp_avgs, exp_avg_sqs, extras or [None] * len(params)], _CHUNK
+    ):
         g32 = [t.float() for t in g]
         if gs is not None:
             torch._foreach_mul_(g32, gs)
@@ -337,10 +453,28 @@ def _mix(*values: int) -> int:
     return h & 0x7FFFFFFFFFFFFFFF
 
 
-def _torch_step(precision, params, grads, exp_avgs, exp_avg_sqs, steps, extras, salts, *, lr, beta1, beta2, eps,
-                weight_decay, gscale, found_inf, seed) -> None:
-    hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, gscale=gscale,
-                 found_inf=found_inf)
+def _torch_step(
+    precision,
+    params,
+    grads,
+    exp_avgs,
+    exp_avg_sqs,
+    steps,
+    extras,
+    salts,
+    *,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    gscale,
+    found_inf,
+    seed,
+) -> None:
+    hyper = dict(
+        lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, gscale=gscale, found_inf=found_inf
+    )
     if precision == "fp32":
         _torch_fp32(params, grads, exp_avgs, exp_avg_sqs, steps, **hyper)
     else:

@@ -24,6 +24,7 @@ for q, k, v of one dtype among fp32 / bf16 / fp16 and head_dim <= 128 (fp32 uses
 setting allows it); else torch (this file: fp32 math, queries processed in chunks of ``Q_CHUNK`` rows so the score
 matrix held at once is [B, Hq, Q_CHUNK, Sk]). There is no CUDA-extension kernel: forcing ``cuda`` raises.
 """
+
 from __future__ import annotations
 
 import math
@@ -60,19 +61,27 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos, k_pos, k_va
         if pos is None:
             continue
         if not isinstance(pos, torch.Tensor) or pos.is_floating_point() or pos.is_complex() or pos.dtype == torch.bool:
-            raise TypeError(f"{name} must be an integer tensor of global token indices, got "
-                            f"{getattr(pos, 'dtype', type(pos).__name__)}")
+            raise TypeError(
+                f"{name} must be an integer tensor of global token indices, got "
+                f"{getattr(pos, 'dtype', type(pos).__name__)}"
+            )
         if pos.dim() != 1 or pos.numel() != n:
-            raise ValueError(f"{name} must be 1-D of length {'Sq' if name == 'q_pos' else 'Sk'}={n}, got shape "
-                             f"{tuple(pos.shape)}")
+            raise ValueError(
+                f"{name} must be 1-D of length {'Sq' if name == 'q_pos' else 'Sk'}={n}, got shape {tuple(pos.shape)}"
+            )
         if pos.device != q.device:
             raise ValueError(f"{name} is on {pos.device} but q is on {q.device}")
     if k_valid is not None:
-        if not isinstance(k_valid, torch.Tensor) or k_valid.dtype != torch.bool \
-                or tuple(k_valid.shape) != (B, k.shape[2]):
-            raise ValueError(f"k_valid must be a bool tensor of shape {(B, k.shape[2])}, got "
-                             f"{getattr(k_valid, 'dtype', type(k_valid).__name__)} "
-                             f"{tuple(getattr(k_valid, 'shape', ()))}")
+        if (
+            not isinstance(k_valid, torch.Tensor)
+            or k_valid.dtype != torch.bool
+            or tuple(k_valid.shape) != (B, k.shape[2])
+        ):
+            raise ValueError(
+                f"k_valid must be a bool tensor of shape {(B, k.shape[2])}, got "
+                f"{getattr(k_valid, 'dtype', type(k_valid).__name__)} "
+                f"{tuple(getattr(k_valid, 'shape', ()))}"
+            )
         if k_valid.device != q.device:
             raise ValueError(f"k_valid is on {k_valid.device} but q is on {q.device}")
     return Hq // Hkv, D
@@ -178,28 +187,52 @@ def _kernel_unfit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | No
 
 
 def _backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, op: str) -> str:
-    """"triton" or "torch" (LLMPAR_BACKEND may force either; there is no CUDA-extension kernel for attention)."""
-    return select_backend(q.device, kernel_unfit=_kernel_unfit(q, k, v), op=op,
-                          cuda_unfit="attention has no CUDA-extension kernel (Triton or torch run it)")
+    """ "triton" or "torch" (LLMPAR_BACKEND may force either; there is no CUDA-extension kernel for attention)."""
+    return select_backend(
+        q.device,
+        kernel_unfit=_kernel_unfit(q, k, v),
+        op=op,
+        cuda_unfit="attention has no CUDA-extension kernel (Triton or torch run it)",
+    )
 
 
-def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
-                  causal: bool = True, q_pos: torch.Tensor | None = None, k_pos: torch.Tensor | None = None,
-                  k_valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def attention_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float | None = None,
+    causal: bool = True,
+    q_pos: torch.Tensor | None = None,
+    k_pos: torch.Tensor | None = None,
+    k_valid: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [B, Hq, Sq, D] in q's dtype, lse [B, Hq, Sq] float32/float64)`` of q over this key block."""
     _, D = _check(q, k, v, q_pos, k_pos, k_valid)
     scale = _scale(scale, D)
     if _backend(q, k, v, "attention_fwd") == "triton":
         from llmpar.kernels import attention as kernel
-        return kernel.attention_fwd(q, k, v, scale=scale, causal=causal, q_pos=q_pos, k_pos=k_pos, k_valid=k_valid,
-                                    allow_tf32=tf32_allowed())
+
+        return kernel.attention_fwd(
+            q, k, v, scale=scale, causal=causal, q_pos=q_pos, k_pos=k_pos, k_valid=k_valid, allow_tf32=tf32_allowed()
+        )
     return _torch_fwd(q, k, v, scale, causal, q_pos, k_pos, k_valid)
 
 
-def attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                  dout: torch.Tensor, *, scale: float | None = None, causal: bool = True,
-                  q_pos: torch.Tensor | None = None, k_pos: torch.Tensor | None = None,
-                  k_valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def attention_bwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dout: torch.Tensor,
+    *,
+    scale: float | None = None,
+    causal: bool = True,
+    q_pos: torch.Tensor | None = None,
+    k_pos: torch.Tensor | None = None,
+    k_valid: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of this key block given the final ``out`` / ``lse`` over all key blocks (see module doc)."""
     _, D = _check(q, k, v, q_pos, k_pos, k_valid)
     for name, t in (("out", out), ("lse", lse), ("dout", dout)):
@@ -208,18 +241,34 @@ def attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
     if out.shape != q.shape or dout.shape != q.shape or lse.shape != q.shape[:3]:
-        raise ValueError(f"out/dout must have q's shape {tuple(q.shape)} and lse {tuple(q.shape[:3])}, got "
-                         f"{tuple(out.shape)}, {tuple(dout.shape)}, {tuple(lse.shape)}")
+        raise ValueError(
+            f"out/dout must have q's shape {tuple(q.shape)} and lse {tuple(q.shape[:3])}, got "
+            f"{tuple(out.shape)}, {tuple(dout.shape)}, {tuple(lse.shape)}"
+        )
     scale = _scale(scale, D)
     if _backend(q, k, v, "attention_bwd") == "triton":
         from llmpar.kernels import attention as kernel
-        return kernel.attention_bwd(q, k, v, out, lse, dout, scale=scale, causal=causal, q_pos=q_pos, k_pos=k_pos,
-                                    k_valid=k_valid, allow_tf32=tf32_allowed())
+
+        return kernel.attention_bwd(
+            q,
+            k,
+            v,
+            out,
+            lse,
+            dout,
+            scale=scale,
+            causal=causal,
+            q_pos=q_pos,
+            k_pos=k_pos,
+            k_valid=k_valid,
+            allow_tf32=tf32_allowed(),
+        )
     return _torch_bwd(q, k, v, out, lse, dout, scale, causal, q_pos, k_pos, k_valid)
 
 
-def merge_partials(out1: torch.Tensor, lse1: torch.Tensor, out2: torch.Tensor,
-                   lse2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_partials(
+    out1: torch.Tensor, lse1: torch.Tensor, out2: torch.Tensor, lse2: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Combine attention over two disjoint key sets: ``lse = logaddexp(lse1, lse2)``, outputs weighted by
     ``exp(lse_i - lse)`` (rows empty in both stay 0 / -inf). Returns (out in out1's dtype, lse)."""
     lse = torch.logaddexp(lse1, lse2)
@@ -241,14 +290,34 @@ class _FlashAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, q_pos, k_pos, k_valid = ctx.saved_tensors
-        dq, dk, dv = attention_bwd(q, k, v, out, lse, dout.contiguous(), scale=ctx.scale, causal=ctx.causal,
-                                   q_pos=q_pos, k_pos=k_pos, k_valid=k_valid)
+        dq, dk, dv = attention_bwd(
+            q,
+            k,
+            v,
+            out,
+            lse,
+            dout.contiguous(),
+            scale=ctx.scale,
+            causal=ctx.causal,
+            q_pos=q_pos,
+            k_pos=k_pos,
+            k_valid=k_valid,
+        )
         return dq, dk, dv, None, None, None, None, None
 
 
-def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
-                    causal: bool = True, q_pos: torch.Tensor | None = None, k_pos: torch.Tensor | None = None,
-                    k_valid: torch.Tensor | None = None, return_lse: bool = False):
+def flash_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float | None = None,
+    causal: bool = True,
+    q_pos: torch.Tensor | None = None,
+    k_pos: torch.Tensor | None = None,
+    k_valid: torch.Tensor | None = None,
+    return_lse: bool = False,
+):
     """Differentiable attention (out, and lse when ``return_lse``; lse carries no gradient)."""
     out, lse = _FlashAttention.apply(q, k, v, scale, causal, q_pos, k_pos, k_valid)
     return (out, lse) if return_lse else out

@@ -10,6 +10,7 @@ Backends (see ``_dispatch``): CUDA extension (``torch.ops.llmpar.*``) -> Triton 
 (``torch.cat`` / ``torch._foreach_*``). The kernels take float32/float16/bfloat16 with one dtype per list; other
 inputs (float64, mixed dtypes, strided outputs of unpack) use torch. Not differentiable: this moves gradients.
 """
+
 from __future__ import annotations
 
 import math
@@ -42,8 +43,9 @@ def _check_list(tensors: object, name: str) -> list[torch.Tensor]:
         if not t.is_floating_point():
             raise TypeError(f"{name}[{i}] has dtype {t.dtype}; buckets hold floating-point tensors")
         if t.device != tensors[0].device:
-            raise ValueError(f"{name}[{i}] is on {t.device} but {name}[0] is on {tensors[0].device}; "
-                             "one bucket lives on one device")
+            raise ValueError(
+                f"{name}[{i}] is on {t.device} but {name}[0] is on {tensors[0].device}; one bucket lives on one device"
+            )
     return tensors
 
 
@@ -96,8 +98,10 @@ def _torch_pack(tensors: list[torch.Tensor], dst: torch.Tensor, scale: float) ->
 
 
 def _torch_unpack(flat: torch.Tensor, outs: list[torch.Tensor], total: int, scale: float) -> None:
-    views = [v.view(o.shape) if v.is_contiguous() else v.reshape(o.shape)
-             for v, o in zip(flat[:total].split([o.numel() for o in outs]), outs)]
+    views = [
+        v.view(o.shape) if v.is_contiguous() else v.reshape(o.shape)
+        for v, o in zip(flat[:total].split([o.numel() for o in outs]), outs)
+    ]
     direct = [scale == 1.0 or _single_rounding(flat.dtype, o.dtype) for o in outs]
     d_outs = [o for o, d in zip(outs, direct) if d]
     if d_outs:
@@ -106,13 +110,21 @@ def _torch_unpack(flat: torch.Tensor, outs: list[torch.Tensor], total: int, scal
             torch._foreach_mul_(d_outs, scale)
     w_outs = [o for o, d in zip(outs, direct) if not d]
     if w_outs:
-        w_views = [v.to(torch.float64 if o.dtype == torch.float64 else torch.float32)
-                   for v, o, d in zip(views, outs, direct) if not d]
+        w_views = [
+            v.to(torch.float64 if o.dtype == torch.float64 else torch.float32)
+            for v, o, d in zip(views, outs, direct)
+            if not d
+        ]
         torch._foreach_copy_(w_outs, torch._foreach_mul(w_views, scale))
 
 
-def pack_bucket(tensors: Sequence[torch.Tensor], out: torch.Tensor | None = None, *, scale: float = 1.0,
-                dtype: torch.dtype | None = None) -> torch.Tensor:
+def pack_bucket(
+    tensors: Sequence[torch.Tensor],
+    out: torch.Tensor | None = None,
+    *,
+    scale: float = 1.0,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """Pack ``tensors`` back to back into a flat buffer, times ``scale``, cast to the buffer's dtype.
 
     out: [>= sum numel] 1-D buffer to write into; allocated when None (dtype ``dtype``, default: the promoted dtype of

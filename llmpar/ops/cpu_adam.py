@@ -18,6 +18,7 @@ what the CPU has, ``LLMPAR_CPU_ISA=avx512|avx2|scalar`` caps it; the same bits o
 (llmpar/ops/_cpu_ext.py); else, or under ``LLMPAR_BACKEND=torch``, the torch path: torch's fused CPU AdamW then
 ``out.copy_(param)``. Both only read the grads.
 """
+
 from __future__ import annotations
 
 import os
@@ -42,8 +43,9 @@ def isa_code() -> int:
     if value in ("", "auto"):
         return len(ISAS) - 1
     if value not in ISAS:
-        raise ValueError(f"{ISA_ENV}={os.environ[ISA_ENV]!r} is not an instruction set; use one of "
-                         f"{', '.join(ISAS)} or unset it")
+        raise ValueError(
+            f"{ISA_ENV}={os.environ[ISA_ENV]!r} is not an instruction set; use one of {', '.join(ISAS)} or unset it"
+        )
     return ISAS.index(value)
 
 
@@ -69,26 +71,42 @@ def _check(params, grads, exp_avgs, exp_avg_sqs, steps, outs) -> None:
         accepted = OUT_DTYPES if name == "outs" else (torch.float32,)
         for i, t in enumerate(lst):
             if t.dtype not in accepted or (name == "outs" and t.dtype != lst[0].dtype):
-                raise TypeError(f"cpu_adamw_step: {name}[{i}] has dtype {t.dtype}; {name} take "
-                                f"{', '.join(map(str, accepted))}" + (", one dtype for all" if name == "outs" else ""))
+                raise TypeError(
+                    f"cpu_adamw_step: {name}[{i}] has dtype {t.dtype}; {name} take "
+                    f"{', '.join(map(str, accepted))}" + (", one dtype for all" if name == "outs" else "")
+                )
             if t.device.type != "cpu":
                 raise ValueError(f"cpu_adamw_step: {name}[{i}] is on {t.device}; the kernel runs on CPU tensors")
             if not t.is_contiguous():
                 raise ValueError(f"cpu_adamw_step: {name}[{i}] is not contiguous (strides {t.stride()})")
             if t.numel() != params[i].numel():
-                raise ValueError(f"cpu_adamw_step: {name}[{i}] has {t.numel()} elements, params[{i}] "
-                                 f"{params[i].numel()}")
+                raise ValueError(
+                    f"cpu_adamw_step: {name}[{i}] has {t.numel()} elements, params[{i}] {params[i].numel()}"
+                )
     for i, s in enumerate(steps):
         if s.numel() != 1 or s.dtype != torch.float32 or s.device.type != "cpu":
-            raise TypeError(f"cpu_adamw_step: steps[{i}] must be a float32 scalar on the CPU, got {s.dtype} of shape "
-                            f"{tuple(s.shape)} on {s.device}")
+            raise TypeError(
+                f"cpu_adamw_step: steps[{i}] must be a float32 scalar on the CPU, got {s.dtype} of shape "
+                f"{tuple(s.shape)} on {s.device}"
+            )
 
 
-def cpu_adamw_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor],
-                   exp_avg_sqs: Sequence[torch.Tensor], steps: Sequence[torch.Tensor], *, lr: float | torch.Tensor,
-                   beta1: float, beta2: float, eps: float, weight_decay: float,
-                   gscale: float | torch.Tensor | None = None, found_inf: torch.Tensor | None = None,
-                   outs: Sequence[torch.Tensor] | None = None) -> bool:
+def cpu_adamw_step(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    steps: Sequence[torch.Tensor],
+    *,
+    lr: float | torch.Tensor,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    gscale: float | torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
+    outs: Sequence[torch.Tensor] | None = None,
+) -> bool:
     """One AdamW step in place (see the module docstring); False when ``found_inf`` skipped it."""
     params, grads, exp_avgs, exp_avg_sqs, steps = map(list, (params, grads, exp_avgs, exp_avg_sqs, steps))
     outs = list(outs) if outs is not None else []
@@ -99,13 +117,24 @@ def cpu_adamw_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
     if not params:  # (the op could not dispatch without a tensor)
         _check(params, grads, exp_avgs, exp_avg_sqs, steps, outs)
         return True
-    hyper = dict(lr=float(lr), beta1=float(beta1), beta2=float(beta2), eps=float(eps),
-                 weight_decay=float(weight_decay))
+    hyper = dict(lr=float(lr), beta1=float(beta1), beta2=float(beta2), eps=float(eps), weight_decay=float(weight_decay))
     with torch.no_grad():
         if cpu_backend() == "cpp":
-            torch.ops.llmpar.cpu_adamw_step(params, grads, exp_avgs, exp_avg_sqs, outs, steps, hyper["lr"],
-                                            hyper["beta1"], hyper["beta2"], hyper["eps"], hyper["weight_decay"],
-                                            1.0 if gscale is None else float(gscale), isa_code())
+            torch.ops.llmpar.cpu_adamw_step(
+                params,
+                grads,
+                exp_avgs,
+                exp_avg_sqs,
+                outs,
+                steps,
+                hyper["lr"],
+                hyper["beta1"],
+                hyper["beta2"],
+                hyper["eps"],
+                hyper["weight_decay"],
+                1.0 if gscale is None else float(gscale),
+                isa_code(),
+            )
             return True
         _check(params, grads, exp_avgs, exp_avg_sqs, steps, outs)
         torch._foreach_add_(steps, 1.0)

@@ -21,6 +21,7 @@ GEMMs' operand loads, db in the wgrad kernel) -> torch. Kernel inputs: x and wei
 ``linear_act_forward`` (y and pre) and ``linear_act_backward`` (with a hook called as soon as dX exists, before dW)
 serve callers that run their own autograd Function, such as the tensor-parallel linears.
 """
+
 from __future__ import annotations
 
 import torch
@@ -112,8 +113,9 @@ def _check(x, weight, bias, act, residual, out_dtype, main_grad) -> torch.dtype:
     if weight.dim() != 2:
         raise ValueError(f"weight must be 2-D [out, in], got shape {tuple(weight.shape)}")
     if x.dim() < 1 or x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"x has shape {tuple(x.shape)} but weight {tuple(weight.shape)} wants a last dim of "
-                         f"{weight.shape[1]}")
+        raise ValueError(
+            f"x has shape {tuple(x.shape)} but weight {tuple(weight.shape)} wants a last dim of {weight.shape[1]}"
+        )
     for name, t in (("weight", weight), ("bias", bias), ("residual", residual), ("main_grad", main_grad)):
         if t is not None and t.device != x.device:
             raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
@@ -131,8 +133,10 @@ def _check(x, weight, bias, act, residual, out_dtype, main_grad) -> torch.dtype:
             raise TypeError(f"residual has dtype {residual.dtype}; expected a floating dtype")
     if main_grad is not None:
         if main_grad.dtype != torch.float32 or main_grad.shape != weight.shape:
-            raise ValueError(f"main_grad must be float32 of shape {tuple(weight.shape)}, got {main_grad.dtype} "
-                             f"{tuple(main_grad.shape)}")
+            raise ValueError(
+                f"main_grad must be float32 of shape {tuple(weight.shape)}, got {main_grad.dtype} "
+                f"{tuple(main_grad.shape)}"
+            )
     if out_dtype is None:
         return x.dtype
     if not (isinstance(out_dtype, torch.dtype) and out_dtype.is_floating_point):
@@ -141,8 +145,11 @@ def _check(x, weight, bias, act, residual, out_dtype, main_grad) -> torch.dtype:
 
 
 def _kernel_unfit(x, residual, out_dtype, m, k, n) -> str | None:
-    for name, dtype in (("x", x.dtype), ("out_dtype", out_dtype),
-                        ("residual", residual.dtype if residual is not None else torch.float32)):
+    for name, dtype in (
+        ("x", x.dtype),
+        ("out_dtype", out_dtype),
+        ("residual", residual.dtype if residual is not None else torch.float32),
+    ):
         if dtype not in KERNEL_DTYPES:
             return f"{name} dtype {dtype} (kernels take float32, float16, bfloat16)"
     if m == 0 or k == 0 or n == 0:
@@ -169,15 +176,26 @@ def select_forward_backend(x, weight, act="none", residual=None, out_dtype=None,
     m = x.numel() // max(x.shape[-1], 1) if rows is None else rows
     unfit = _kernel_unfit(x, residual, out_dtype, m, weight.shape[1], weight.shape[0])
     ops = ("linear_lt", "bias_act_backward") + (("linear_lt_aux",) if act == "gelu_tanh" else ())
-    return select_backend(x.device, kernel_unfit=unfit, op="linear_act", cuda_ops=ops,
-                          cuda_unfit=_lt_unfit(x, act, residual, out_dtype), triton_slow=_triton_slow(x))
+    return select_backend(
+        x.device,
+        kernel_unfit=unfit,
+        op="linear_act",
+        cuda_ops=ops,
+        cuda_unfit=_lt_unfit(x, act, residual, out_dtype),
+        triton_slow=_triton_slow(x),
+    )
 
 
 def select_backward_backend(grad_out, x) -> str:  # x: [M, K], grad_out: [M, N]
     """The backend of ``linear_act``'s backward: CUDA (bias_act_backward + cuBLAS), Triton or torch."""
     unfit = _kernel_unfit(x, None, grad_out.dtype, *x.shape, grad_out.shape[-1])
-    return select_backend(x.device, kernel_unfit=unfit, op="linear_act_backward", cuda_ops=("bias_act_backward",),
-                          triton_slow=_triton_slow(x))
+    return select_backend(
+        x.device,
+        kernel_unfit=unfit,
+        op="linear_act_backward",
+        cuda_ops=("bias_act_backward",),
+        triton_slow=_triton_slow(x),
+    )
 
 
 def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -193,8 +211,10 @@ def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def _triton_slow(x: torch.Tensor) -> str | None:
     """Why the Triton GEMM would lose to torch here (the dispatcher then prefers torch), or None."""
     if x.dtype == torch.float32 and x.device.type == "cuda" and not tf32_allowed():
-        return ("float32 without TF32 (torch.backends.cuda.matmul.fp32_precision): Triton would multiply on the FMA "
-                "units, cuBLAS is faster")
+        return (
+            "float32 without TF32 (torch.backends.cuda.matmul.fp32_precision): Triton would multiply on the FMA "
+            "units, cuBLAS is faster"
+        )
     return None
 
 
@@ -208,8 +228,11 @@ def _forward(x2, weight, bias, r2, act, out_dtype, backend, *, out=None, pre_out
         from llmpar.kernels import gemm as kernels
 
         out = torch.empty(m, n, dtype=out_dtype, device=x2.device) if out is None else out
-        pre = (pre_out if pre_out is not None else torch.empty(m, n, dtype=x2.dtype, device=x2.device)) if keep_pre \
+        pre = (
+            (pre_out if pre_out is not None else torch.empty(m, n, dtype=x2.dtype, device=x2.device))
+            if keep_pre
             else None
+        )
         kernels.linear_fwd(x2, weight, bias, r2, out, pre, _ACT_CODE[act], allow_tf32=tf32_allowed())
         return out, pre
     if backend == "cuda" and act == "none" and bias is None and r2 is None and out is not None:
@@ -233,8 +256,9 @@ def _forward(x2, weight, bias, r2, act, out_dtype, backend, *, out=None, pre_out
     return y, pre
 
 
-def _backward(grad_out, x2, weight, pre, act, *, has_bias, main_grad, backend, needs=(True, True, True),
-              on_grad_input=None):
+def _backward(
+    grad_out, x2, weight, pre, act, *, has_bias, main_grad, backend, needs=(True, True, True), on_grad_input=None
+):
     """(dX, dW or None when accumulated into main_grad, db) for 2-D grad_out/x2/pre; ``on_grad_input(dX)`` runs as
     soon as dX exists, before dW (an input-gradient collective overlaps the weight-gradient GEMM)."""
     need_x, need_w, need_b = needs
@@ -296,15 +320,31 @@ class _LinearAct(torch.autograd.Function):
         x2, weight, pre = ctx.saved_tensors
         needs = ctx.needs_input_grad
         backend = select_backward_backend(grad_out, x2)
-        dx, dw, db = _backward(grad_out, x2, weight, pre, ctx.act, has_bias=ctx.has_bias, main_grad=ctx.main_grad,
-                               backend=backend, needs=(needs[0], needs[1], needs[2]))
+        dx, dw, db = _backward(
+            grad_out,
+            x2,
+            weight,
+            pre,
+            ctx.act,
+            has_bias=ctx.has_bias,
+            main_grad=ctx.main_grad,
+            backend=backend,
+            needs=(needs[0], needs[1], needs[2]),
+        )
         dr = grad_out.to(ctx.residual_dtype) if ctx.residual_dtype is not None and needs[3] else None
         return dx, dw, db, dr, None, None, None, None
 
 
-def linear_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, act: str = "none",
-               residual: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-               main_grad: torch.Tensor | None = None) -> torch.Tensor:
+def linear_act(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    act: str = "none",
+    residual: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    main_grad: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``act(x @ weight^T + bias) (+ residual)`` in ``out_dtype`` (default x.dtype); differentiable.
 
     x: [..., K], weight: [N, K], bias: [N], residual: [..., N] -> [..., N].
@@ -330,9 +370,15 @@ def linear_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     return y.reshape(*lead, n)
 
 
-def linear_act_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                       act: str = "none", residual: torch.Tensor | None = None,
-                       out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def linear_act_forward(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    act: str = "none",
+    residual: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(y, pre) of ``linear_act`` for 2-D x [M, K]; not differentiable (the caller owns autograd).
 
     pre: [M, N] in x's dtype, what ``linear_act_backward`` takes act' from (the pre-activation z, or relu(z) for relu
@@ -345,9 +391,18 @@ def linear_act_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         return _forward(x, weight, bias, residual, act, out_dtype, backend)
 
 
-def linear_act_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                    out: torch.Tensor, start: int, end: int, act: str = "none",
-                    residual: torch.Tensor | None = None, pre_out: torch.Tensor | None = None) -> torch.Tensor:
+def linear_act_rows(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor,
+    start: int,
+    end: int,
+    act: str = "none",
+    residual: torch.Tensor | None = None,
+    pre_out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Rows [start, end) of ``linear_act``: out[start:end] = act(x[start:end] @ W^T + b) (+ residual[start:end]).
 
     x: [M, K], out: [M, N] (its dtype is the output dtype), residual: [M, N], pre_out: [M, N] in x's dtype, gets the
@@ -372,15 +427,32 @@ def linear_act_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     rs = residual[rows] if residual is not None else None
     backend = select_forward_backend(x, weight, act, residual, out.dtype, rows=end - start)
     with torch.no_grad():
-        _forward(x[rows], weight, bias, rs, act, out.dtype, backend, out=out[rows],
-                 pre_out=pre_out[rows] if pre_out is not None else None)
+        _forward(
+            x[rows],
+            weight,
+            bias,
+            rs,
+            act,
+            out.dtype,
+            backend,
+            out=out[rows],
+            pre_out=pre_out[rows] if pre_out is not None else None,
+        )
     return out[rows]
 
 
-def linear_act_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, pre: torch.Tensor | None,
-                        *, act: str = "none", has_bias: bool = False, main_grad: torch.Tensor | None = None,
-                        needs: tuple[bool, bool, bool] = (True, True, True), on_grad_input=None
-                        ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+def linear_act_backward(
+    grad_out: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    pre: torch.Tensor | None,
+    *,
+    act: str = "none",
+    has_bias: bool = False,
+    main_grad: torch.Tensor | None = None,
+    needs: tuple[bool, bool, bool] = (True, True, True),
+    on_grad_input=None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """(dX, dW, db) of ``linear_act`` for 2-D grad_out [M, N], x [M, K], pre [M, N] (None when act is none).
 
     needs: which of (dX, dW, db) to compute (the others come back None); dW is None when accumulated into
@@ -394,5 +466,15 @@ def linear_act_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.T
         raise ValueError(f"grad_out {tuple(grad_out.shape)} and x {tuple(x.shape)} must be [M, N] and [M, K]")
     backend = select_backward_backend(grad_out, x)
     with torch.no_grad():
-        return _backward(grad_out, x, weight, pre, act, has_bias=has_bias, main_grad=main_grad, backend=backend,
-                         needs=tuple(bool(v) for v in needs), on_grad_input=on_grad_input)
+        return _backward(
+            grad_out,
+            x,
+            weight,
+            pre,
+            act,
+            has_bias=has_bias,
+            main_grad=main_grad,
+            backend=backend,
+            needs=tuple(bool(v) for v in needs),
+            on_grad_input=on_grad_input,
+        )

@@ -9,6 +9,7 @@ Backends (``_dispatch``): CUDA extension (``llmpar::sum_squares``, per-block par
 (``llmpar.kernels.adamw.sum_squares``) -> torch (``torch._foreach_norm`` in float32). Both kernels take one dtype per
 launch: one launch per grad dtype.
 """
+
 from __future__ import annotations
 
 import math
@@ -63,8 +64,11 @@ def grad_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
 
 def clip_coefficient(norm: torch.Tensor, max_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(gscale, found_inf) from a norm tensor, on its device, no host sync (see the module docstring)."""
-    if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real) or not (
-            math.isfinite(max_norm) and max_norm > 0):
+    if (
+        isinstance(max_norm, bool)
+        or not isinstance(max_norm, numbers.Real)
+        or not (math.isfinite(max_norm) and max_norm > 0)
+    ):
         raise ValueError(f"max_norm must be a positive finite number, got {max_norm!r}")
     norm = norm.to(torch.float32)
     found_inf = (~torch.isfinite(norm)).to(torch.float32)

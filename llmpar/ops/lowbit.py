@@ -55,6 +55,7 @@ True when it did the step, False when no kernel suits the inputs or is available
 module imports without triton or a built extension, so it is imported plainly: an error in it is an error here, never a
 silent switch of every step to the torch path.
 """
+
 from __future__ import annotations
 
 import math
@@ -119,11 +120,12 @@ def _uniform(key: int, start: int, n: int, device: torch.device) -> torch.Tensor
     c = torch.arange(start, start + n, device=device, dtype=torch.int64)
     x = _hash32((c & 0xFFFFFFFF) ^ (key & 0xFFFFFFFF))
     x = _hash32(x ^ (c >> 32) ^ (key >> 32))
-    return (x >> 8).to(torch.float32) * 2.0 ** -24
+    return (x >> 8).to(torch.float32) * 2.0**-24
 
 
-def quantize(x: torch.Tensor, bits: int, signed: bool, *, qmap_: torch.Tensor | None = None,
-             noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(
+    x: torch.Tensor, bits: int, signed: bool, *, qmap_: torch.Tensor | None = None, noise: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Block quantization of ``x`` (any shape, n elements, read flat, float32 math) -> (codes uint8 [n] or
     [ceil(n/2)], scale float32 [ceil(n/B)]), as the module docstring states. ``noise``: stochastic rounding with these
     uniforms in [0, 1), float32, ceil(n/B) * B of them (one per element of the padded blocks; ``_uniform`` draws them):
@@ -155,8 +157,16 @@ def quantize(x: torch.Tensor, bits: int, signed: bool, *, qmap_: torch.Tensor | 
     return (codes if bits == 8 else pack4(codes)), scale.contiguous()
 
 
-def dequantize(codes: torch.Tensor, scale: torch.Tensor, bits: int, signed: bool, n: int, *,
-               qmap_: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize(
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    bits: int,
+    signed: bool,
+    n: int,
+    *,
+    qmap_: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """x[i] = qmap[code[i]] * scale[i // B] -> [n] of ``dtype`` (float32; float64 for references)."""
     bits = check_bits(bits)
     check_state(codes, scale, bits, n, "codes", "scale")
@@ -167,19 +177,23 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, bits: int, signed: bool
     return values * scale.to(dtype).repeat_interleave(block)[:n]
 
 
-def check_state(codes: torch.Tensor, scale: torch.Tensor, bits: int, n: int, codes_name: str = "codes",
-                scale_name: str = "scale") -> None:
+def check_state(
+    codes: torch.Tensor, scale: torch.Tensor, bits: int, n: int, codes_name: str = "codes", scale_name: str = "scale"
+) -> None:
     """TypeError/ValueError naming the argument unless codes / scale fit n elements at ``bits``."""
     if codes.dtype != torch.uint8:
         raise TypeError(f"{codes_name} has dtype {codes.dtype}; codes are torch.uint8")
     if scale.dtype != torch.float32:
         raise TypeError(f"{scale_name} has dtype {scale.dtype}; scales are torch.float32")
     if codes.numel() != code_bytes(n, bits):
-        raise ValueError(f"{codes_name} has {codes.numel()} bytes; {n} elements at {bits} bits take "
-                         f"{code_bytes(n, bits)}")
+        raise ValueError(
+            f"{codes_name} has {codes.numel()} bytes; {n} elements at {bits} bits take {code_bytes(n, bits)}"
+        )
     if scale.numel() != num_blocks(n, bits):
-        raise ValueError(f"{scale_name} has {scale.numel()} entries; {n} elements in blocks of {BLOCK[bits]} take "
-                         f"{num_blocks(n, bits)}")
+        raise ValueError(
+            f"{scale_name} has {scale.numel()} entries; {n} elements in blocks of {BLOCK[bits]} take "
+            f"{num_blocks(n, bits)}"
+        )
 
 
 def new_state(n: int, bits: int, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
@@ -223,10 +237,25 @@ def _quantize64(x: torch.Tensor, bits: int, signed: bool) -> tuple[torch.Tensor,
     return (codes if bits == 8 else pack4(codes)), scale, y
 
 
-def adamw_lowbit_reference(param: torch.Tensor, grad: torch.Tensor, m_codes: torch.Tensor, m_scale: torch.Tensor,
-                           v_codes: torch.Tensor, v_scale: torch.Tensor, step: int, master: torch.Tensor | None = None,
-                           *, bits: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-                           gscale: float = 1.0, found_inf: bool = False) -> LowbitRef:
+def adamw_lowbit_reference(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    m_codes: torch.Tensor,
+    m_scale: torch.Tensor,
+    v_codes: torch.Tensor,
+    v_scale: torch.Tensor,
+    step: int,
+    master: torch.Tensor | None = None,
+    *,
+    bits: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    gscale: float = 1.0,
+    found_inf: bool = False,
+) -> LowbitRef:
     """One step of the contract for one tensor, in float64, without touching the inputs. ``step`` is t, the count
     after this step's increment. Quantization uses the float32 scales and midpoints, as stored and as the kernels
     compute them; everything else is float64."""
@@ -235,18 +264,25 @@ def adamw_lowbit_reference(param: torch.Tensor, grad: torch.Tensor, m_codes: tor
     f64 = torch.float64
     p = (master if master is not None else param).detach().reshape(-1).to(f64)
     if found_inf:
-        return LowbitRef(param.detach().reshape(-1).to(f64), None if master is None else p, m_codes.clone(),
-                         m_scale.clone(), v_codes.clone(), v_scale.clone(),
-                         dequantize(m_codes, m_scale, bits, True, n, dtype=f64),
-                         dequantize(v_codes, v_scale, bits, False, n, dtype=f64),
-                         torch.full((n,), math.nan, dtype=f64), torch.full((n,), math.nan, dtype=f64))
+        return LowbitRef(
+            param.detach().reshape(-1).to(f64),
+            None if master is None else p,
+            m_codes.clone(),
+            m_scale.clone(),
+            v_codes.clone(),
+            v_scale.clone(),
+            dequantize(m_codes, m_scale, bits, True, n, dtype=f64),
+            dequantize(v_codes, v_scale, bits, False, n, dtype=f64),
+            torch.full((n,), math.nan, dtype=f64),
+            torch.full((n,), math.nan, dtype=f64),
+        )
     g = grad.detach().reshape(-1).to(f64) * gscale
     m = dequantize(m_codes, m_scale, bits, True, n, dtype=f64)
     v = dequantize(v_codes, v_scale, bits, False, n, dtype=f64)
     p = p * (1 - lr * weight_decay)
     m = beta1 * m + (1 - beta1) * g
     v = beta2 * v + (1 - beta2) * g * g
-    p = p - lr / (1 - beta1 ** step) * m / (v.sqrt() / math.sqrt(1 - beta2 ** step) + eps)
+    p = p - lr / (1 - beta1**step) * m / (v.sqrt() / math.sqrt(1 - beta2**step) + eps)
     mc, ms, ym = _quantize64(m, bits, True)
     vc, vs, yv = _quantize64(v, bits, False)
     if master is not None:
@@ -270,8 +306,14 @@ def near_tie(y: torch.Tensor, bits: int, signed: bool, ulps: float = 2.0) -> tor
 
 def _check_step_lists(params, grads, m_codes, m_scales, v_codes, v_scales, steps, masters, bits) -> None:
     n = len(params)
-    named = {"grads": grads, "m_codes": m_codes, "m_scales": m_scales, "v_codes": v_codes, "v_scales": v_scales,
-             "steps": steps}
+    named = {
+        "grads": grads,
+        "m_codes": m_codes,
+        "m_scales": m_scales,
+        "v_codes": v_codes,
+        "v_scales": v_scales,
+        "steps": steps,
+    }
     if masters is not None:
         named["masters"] = masters
     for name, lst in named.items():
@@ -280,18 +322,25 @@ def _check_step_lists(params, grads, m_codes, m_scales, v_codes, v_scales, steps
     for i, p in enumerate(params):
         k = p.numel()
         if masters is None and p.dtype != torch.float32:
-            raise TypeError(f"params[{i}] has dtype {p.dtype}; without masters the low-bit step takes float32 params "
-                            "(bf16 params need float32 masters=)")
+            raise TypeError(
+                f"params[{i}] has dtype {p.dtype}; without masters the low-bit step takes float32 params "
+                "(bf16 params need float32 masters=)"
+            )
         if masters is not None:
             if p.dtype not in _PARAM_DTYPES:
-                raise TypeError(f"params[{i}] has dtype {p.dtype}; with masters the params are bfloat16, float16 or "
-                                "float32")
+                raise TypeError(
+                    f"params[{i}] has dtype {p.dtype}; with masters the params are bfloat16, float16 or float32"
+                )
             if masters[i].dtype != torch.float32 or masters[i].numel() != k:
-                raise TypeError(f"masters[{i}] ({masters[i].dtype}, {masters[i].numel()} elements) must be float32 "
-                                f"with the {k} elements of params[{i}]")
+                raise TypeError(
+                    f"masters[{i}] ({masters[i].dtype}, {masters[i].numel()} elements) must be float32 "
+                    f"with the {k} elements of params[{i}]"
+                )
         if grads[i].numel() != k or not grads[i].is_floating_point():
-            raise ValueError(f"grads[{i}] ({grads[i].dtype}, {grads[i].numel()} elements) must be floating point "
-                             f"with the {k} elements of params[{i}]")
+            raise ValueError(
+                f"grads[{i}] ({grads[i].dtype}, {grads[i].numel()} elements) must be floating point "
+                f"with the {k} elements of params[{i}]"
+            )
         check_state(m_codes[i], m_scales[i], bits, k, f"m_codes[{i}]", f"m_scales[{i}]")
         check_state(v_codes[i], v_scales[i], bits, k, f"v_codes[{i}]", f"v_scales[{i}]")
         for name in named:
@@ -303,14 +352,28 @@ def _check_step_lists(params, grads, m_codes, m_scales, v_codes, v_scales, steps
             raise TypeError(f"steps[{i}] must be a float32 scalar tensor, got {s.dtype} of shape {tuple(s.shape)}")
 
 
-def adamw_lowbit_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
-                      m_codes: Sequence[torch.Tensor], m_scales: Sequence[torch.Tensor],
-                      v_codes: Sequence[torch.Tensor], v_scales: Sequence[torch.Tensor],
-                      steps: Sequence[torch.Tensor], masters: Sequence[torch.Tensor] | None, *, bits: int,
-                      lr: float | torch.Tensor, beta1: float, beta2: float, eps: float, weight_decay: float,
-                      gscale: float | torch.Tensor | None = None, found_inf: torch.Tensor | None = None,
-                      seed: int | None = None, salts: Sequence[int] | None = None,
-                      sr_offsets: Sequence[int] | None = None) -> None:
+def adamw_lowbit_step(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    m_codes: Sequence[torch.Tensor],
+    m_scales: Sequence[torch.Tensor],
+    v_codes: Sequence[torch.Tensor],
+    v_scales: Sequence[torch.Tensor],
+    steps: Sequence[torch.Tensor],
+    masters: Sequence[torch.Tensor] | None,
+    *,
+    bits: int,
+    lr: float | torch.Tensor,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    gscale: float | torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
+    seed: int | None = None,
+    salts: Sequence[int] | None = None,
+    sr_offsets: Sequence[int] | None = None,
+) -> None:
     """One low-bit AdamW step, in place, over every tensor (module docstring); increments ``steps`` unless found_inf.
 
     params[i] any shape (float32, or bf16 / float32 with float32 ``masters[i]``); grads[i] the same numel; codes and
@@ -336,9 +399,25 @@ def adamw_lowbit_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tens
     with torch.no_grad():
         device = params[0].device
         if seed is None and lowbit_kernels.adamw_lowbit_step(
-                params, grads, m_codes, m_scales, v_codes, v_scales, steps, masters, bits=bits, lr=lr,
-                beta1=float(beta1), beta2=float(beta2), eps=float(eps), weight_decay=float(weight_decay),
-                gscale=gscale, found_inf=found_inf, qmap_m=qmap(bits, True, device), qmap_v=qmap(bits, False, device)):
+            params,
+            grads,
+            m_codes,
+            m_scales,
+            v_codes,
+            v_scales,
+            steps,
+            masters,
+            bits=bits,
+            lr=lr,
+            beta1=float(beta1),
+            beta2=float(beta2),
+            eps=float(eps),
+            weight_decay=float(weight_decay),
+            gscale=gscale,
+            found_inf=found_inf,
+            qmap_m=qmap(bits, True, device),
+            qmap_v=qmap(bits, False, device),
+        ):
             return
         if found_inf is not None and float(found_inf) != 0:
             return
@@ -359,8 +438,8 @@ def adamw_lowbit_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tens
             w.mul_(1.0 - lr_f * weight_decay)
             m.mul_(beta1).add_(g, alpha=1.0 - beta1)
             v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
-            denom = v.sqrt().mul_(1.0 / math.sqrt(1.0 - beta2 ** t)).add_(eps)
-            w.addcdiv_(m, denom, value=-lr_f / (1.0 - beta1 ** t))
+            denom = v.sqrt().mul_(1.0 / math.sqrt(1.0 - beta2**t)).add_(eps)
+            w.addcdiv_(m, denom, value=-lr_f / (1.0 - beta1**t))
             if masters is not None:
                 p.view(-1).copy_(w)
             u_m = u_v = None

@@ -1,5 +1,6 @@
 """The quantization maps and block sizes of the low-bit AdamW states (``lowbit.py``'s docstring says why these
 maps: Dettmers et al. 2022's dynamic tree at 8 bits, Li et al. 2023's at 4 bits, the signed maps holding -1)."""
+
 from __future__ import annotations
 
 from functools import lru_cache
@@ -34,8 +35,8 @@ def dynamic_map(*, signed: bool, exponent_bits: int, total_bits: int) -> list[fl
     if signed:
         values.remove(max(v for v in values if v < 0))
         values.append(-1.0)
-    if len(values) != 2 ** total_bits:
-        raise AssertionError(f"dynamic map has {len(values)} entries, not {2 ** total_bits}")
+    if len(values) != 2**total_bits:
+        raise AssertionError(f"dynamic map has {len(values)} entries, not {2**total_bits}")
     return sorted(values)
 
 

@@ -24,6 +24,7 @@ the same wire format):
     dequantize_sum(wire, m, out [m], accumulate)                  -> out    out (+)= sum_r dequant(row r), in rank
                                                                             order, in float32 (float64 for float64 out)
 """
+
 from __future__ import annotations
 
 import math
@@ -68,15 +69,16 @@ def _check_wire(wire: object, m: int, bits: int, block: int, rows: int | None = 
         raise TypeError(f"wire must be a torch.Tensor, got {type(wire).__name__}")
     want = row_bytes(m, bits, block)
     if wire.dtype != torch.uint8 or wire.dim() != 2 or wire.shape[1] != want or not wire.is_contiguous():
-        raise ValueError(f"wire must be a contiguous uint8 [rows, {want}] tensor for m={m}, bits={bits}, "
-                         f"block={block}; got {wire.dtype} {tuple(wire.shape)}")
+        raise ValueError(
+            f"wire must be a contiguous uint8 [rows, {want}] tensor for m={m}, bits={bits}, "
+            f"block={block}; got {wire.dtype} {tuple(wire.shape)}"
+        )
     if rows is not None and wire.shape[0] != rows:
         raise ValueError(f"wire has {wire.shape[0]} rows, expected {rows}")
     return wire
 
 
-def _new_wire(rows: int, m: int, bits: int, block: int, device: torch.device,
-              out: torch.Tensor | None) -> torch.Tensor:
+def _new_wire(rows: int, m: int, bits: int, block: int, device: torch.device, out: torch.Tensor | None) -> torch.Tensor:
     if out is None:
         return torch.empty(rows, row_bytes(m, bits, block), dtype=torch.uint8, device=device)
     _check_wire(out, m, bits, block, rows)
@@ -100,8 +102,9 @@ def _padded(x: torch.Tensor, m: int, block: int) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------------ torch path
-def _torch_quantize(x: torch.Tensor, wire: torch.Tensor, m: int, bits: int, block: int,
-                    residual: torch.Tensor | None) -> None:
+def _torch_quantize(
+    x: torch.Tensor, wire: torch.Tensor, m: int, bits: int, block: int, residual: torch.Tensor | None
+) -> None:
     """x: float [rows, m] (any strides). Writes the wire; residual (fp32 [rows, m] view) := x - dequant."""
     qmax = QMAX[bits]
     codes_out, scales_out = _split(wire, m, bits, block)
@@ -129,8 +132,16 @@ def _torch_quantize(x: torch.Tensor, wire: torch.Tensor, m: int, bits: int, bloc
     codes_out[:, written:].zero_()  # the alignment bytes: zero, so equal data gives equal wire bytes
 
 
-def _torch_pack_quantize(tensors: list[torch.Tensor], wire: torch.Tensor, rows: int, m: int, bits: int, block: int,
-                         scale: float, residual: torch.Tensor | None) -> None:
+def _torch_pack_quantize(
+    tensors: list[torch.Tensor],
+    wire: torch.Tensor,
+    rows: int,
+    m: int,
+    bits: int,
+    block: int,
+    scale: float,
+    residual: torch.Tensor | None,
+) -> None:
     """x = [cat(tensors), zeros][:rows * m] * scale (+ residual), in float32 (float64 if a tensor is), quantized."""
     total = sum(t.numel() for t in tensors)
     wide = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
@@ -163,8 +174,9 @@ def _torch_dequantize(wire: torch.Tensor, m: int, bits: int, block: int, out: to
     out.copy_(x)
 
 
-def _torch_dequantize_sum(wire: torch.Tensor, m: int, bits: int, block: int, out: torch.Tensor,
-                          accumulate: bool) -> None:
+def _torch_dequantize_sum(
+    wire: torch.Tensor, m: int, bits: int, block: int, out: torch.Tensor, accumulate: bool
+) -> None:
     c, scales = _torch_codes(wire, m, bits, block)
     wide = torch.float64 if out.dtype == torch.float64 else torch.float32
     x = (c.to(wide) * scales.to(wide).unsqueeze(2)).reshape(wire.shape[0], -1)[:, :m]
@@ -182,8 +194,9 @@ def _block_unfit(block: int) -> str | None:
     return None
 
 
-def _backend(device: torch.device, dtypes: set[torch.dtype], op: str, block: int,
-             extra_unfit: str | None = None) -> str:
+def _backend(
+    device: torch.device, dtypes: set[torch.dtype], op: str, block: int, extra_unfit: str | None = None
+) -> str:
     unfit = extra_unfit or _block_unfit(block)
     for d in sorted(dtypes, key=str):
         if d not in KERNEL_DTYPES:
@@ -191,12 +204,15 @@ def _backend(device: torch.device, dtypes: set[torch.dtype], op: str, block: int
     return select_backend(device, kernel_unfit=unfit, op=op)
 
 
-def quantize_rows(x: torch.Tensor, *, bits: int = 8, block: int = DEFAULT_BLOCK,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+def quantize_rows(
+    x: torch.Tensor, *, bits: int = 8, block: int = DEFAULT_BLOCK, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Quantize each row of ``x [rows, m]`` (floating point) into a wire buffer ``uint8 [rows, row_bytes]``."""
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or not x.is_floating_point():
-        raise ValueError(f"x must be a floating-point [rows, m] tensor, got "
-                         f"{getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}")
+        raise ValueError(
+            f"x must be a floating-point [rows, m] tensor, got "
+            f"{getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}"
+        )
     rows, m = x.shape
     m, bits, block = _check_layout(m, bits, block)
     wire = _new_wire(rows, m, bits, block, x.device, out)
@@ -209,9 +225,17 @@ def quantize_rows(x: torch.Tensor, *, bits: int = 8, block: int = DEFAULT_BLOCK,
     return wire
 
 
-def pack_quantize(tensors: Sequence[torch.Tensor], *, rows: int, m: int, bits: int = 8, block: int = DEFAULT_BLOCK,
-                  scale: float = 1.0, residual: torch.Tensor | None = None,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+def pack_quantize(
+    tensors: Sequence[torch.Tensor],
+    *,
+    rows: int,
+    m: int,
+    bits: int = 8,
+    block: int = DEFAULT_BLOCK,
+    scale: float = 1.0,
+    residual: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Pack ``tensors`` back to back into ``rows * m`` values (zeros after their end), times ``scale``, plus
     ``residual`` (float32 ``[rows * m]``, updated in place to ``x - dequant``: error feedback), and quantize each
     row of ``m`` values into a wire buffer. One pass over the data on the kernel paths."""
@@ -225,14 +249,26 @@ def pack_quantize(tensors: Sequence[torch.Tensor], *, rows: int, m: int, bits: i
         raise ValueError(f"tensors hold {total} elements, more than rows * m = {rows} * {m}")
     device = tensors[0].device if tensors else (residual.device if residual is not None else torch.device("cpu"))
     if residual is not None:
-        if (not isinstance(residual, torch.Tensor) or residual.dtype != torch.float32
-                or residual.shape != (rows * m,) or not residual.is_contiguous() or residual.device != device):
-            raise ValueError(f"residual must be a contiguous float32 [{rows * m}] tensor on {device}, got "
-                             f"{getattr(residual, 'dtype', None)} {tuple(getattr(residual, 'shape', ()))}")
+        if (
+            not isinstance(residual, torch.Tensor)
+            or residual.dtype != torch.float32
+            or residual.shape != (rows * m,)
+            or not residual.is_contiguous()
+            or residual.device != device
+        ):
+            raise ValueError(
+                f"residual must be a contiguous float32 [{rows * m}] tensor on {device}, got "
+                f"{getattr(residual, 'dtype', None)} {tuple(getattr(residual, 'shape', ()))}"
+            )
     wire = _new_wire(rows, m, bits, block, device, out)
     dtypes = {t.dtype for t in tensors}
-    backend = _backend(device, dtypes, "pack_quantize", block,
-                       f"the list mixes dtypes {sorted(map(str, dtypes))}" if len(dtypes) > 1 else None)
+    backend = _backend(
+        device,
+        dtypes,
+        "pack_quantize",
+        block,
+        f"the list mixes dtypes {sorted(map(str, dtypes))}" if len(dtypes) > 1 else None,
+    )
     with torch.no_grad():
         if backend == "torch":
             _torch_pack_quantize(tensors, wire, rows, m, bits, block, scale, residual)
@@ -244,15 +280,28 @@ def pack_quantize(tensors: Sequence[torch.Tensor], *, rows: int, m: int, bits: i
 
 def _check_out(out: object, shape: tuple[int, ...], device: torch.device, op: str, block: int) -> str:
     """Checks a dequantization's ``out``; returns the backend that writes it."""
-    if (not isinstance(out, torch.Tensor) or not out.is_floating_point() or tuple(out.shape) != shape
-            or out.device != device):
-        raise ValueError(f"out must be a floating {list(shape)} tensor on {device}, got "
-                         f"{getattr(out, 'dtype', None)} {tuple(getattr(out, 'shape', ()))}")
+    if (
+        not isinstance(out, torch.Tensor)
+        or not out.is_floating_point()
+        or tuple(out.shape) != shape
+        or out.device != device
+    ):
+        raise ValueError(
+            f"out must be a floating {list(shape)} tensor on {device}, got "
+            f"{getattr(out, 'dtype', None)} {tuple(getattr(out, 'shape', ()))}"
+        )
     return _backend(device, {out.dtype}, op, block, None if out.is_contiguous() else "out is not contiguous")
 
 
-def dequantize_rows(wire: torch.Tensor, *, m: int, bits: int = 8, block: int = DEFAULT_BLOCK,
-                    out: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_rows(
+    wire: torch.Tensor,
+    *,
+    m: int,
+    bits: int = 8,
+    block: int = DEFAULT_BLOCK,
+    out: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """Each wire row back to ``m`` values: ``out [rows, m]`` (any floating dtype; allocated as ``dtype`` when None)."""
     m, bits, block = _check_layout(m, bits, block)
     wire = _check_wire(wire, m, bits, block)
@@ -268,8 +317,15 @@ def dequantize_rows(wire: torch.Tensor, *, m: int, bits: int = 8, block: int = D
     return out
 
 
-def dequantize_sum(wire: torch.Tensor, *, m: int, bits: int = 8, block: int = DEFAULT_BLOCK,
-                   out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
+def dequantize_sum(
+    wire: torch.Tensor,
+    *,
+    m: int,
+    bits: int = 8,
+    block: int = DEFAULT_BLOCK,
+    out: torch.Tensor | None = None,
+    accumulate: bool = False,
+) -> torch.Tensor:
     """``out[m] (+)= sum over rows r (in order) of dequant(row r)``, summed in float32 (float64 for a float64 out):
     the local half of a quantized reduce-scatter. ``out`` allocated float32 when None (then ``accumulate`` must be
     False)."""
@@ -299,5 +355,14 @@ def _kernels(backend: str):
     return quant
 
 
-__all__ = ["BITS", "DEFAULT_BLOCK", "QMAX", "code_bytes", "dequantize_rows", "dequantize_sum", "pack_quantize",
-           "quantize_rows", "row_bytes"]
+__all__ = [
+    "BITS",
+    "DEFAULT_BLOCK",
+    "QMAX",
+    "code_bytes",
+    "dequantize_rows",
+    "dequantize_sum",
+    "pack_quantize",
+    "quantize_rows",
+    "row_bytes",
+]

@@ -22,6 +22,7 @@ max_grad_norm: clip the L2 norm of all grads (all groups) to it, inside the step
 step counts unchanged) when that norm is not finite; the norm of the last step is ``last_grad_norm`` (a device tensor,
 read it with ``.item()`` only when you need it). The math and the backends are in ``llmpar.ops.adamw``.
 """
+
 from __future__ import annotations
 
 import numbers
@@ -46,8 +47,10 @@ def check_state_precision(state_precision: object) -> str | None:
     """``state_precision`` (None or one of STATE_PRECISIONS), or a ValueError naming the accepted values."""
     if state_precision is None or state_precision in STATE_PRECISIONS:
         return state_precision  # type: ignore[return-value]
-    raise ValueError(f"state_precision={state_precision!r} is not known; use one of {', '.join(STATE_PRECISIONS)} "
-                     "(or None: as precision= says)")
+    raise ValueError(
+        f"state_precision={state_precision!r} is not known; use one of {', '.join(STATE_PRECISIONS)} "
+        "(or None: as precision= says)"
+    )
 
 
 def group_mode(precision: str, state_precision: str | None, dtype: torch.dtype) -> str:
@@ -55,8 +58,9 @@ def group_mode(precision: str, state_precision: str | None, dtype: torch.dtype) 
     sp = check_state_precision(state_precision)
     if sp in LOWBIT_BITS:
         if dtype not in _LOWBIT_PARAM_DTYPES:
-            raise TypeError(f"params have dtype {dtype}; state_precision={sp!r} takes float32, bfloat16 or float16 "
-                            "params")
+            raise TypeError(
+                f"params have dtype {dtype}; state_precision={sp!r} takes float32, bfloat16 or float16 params"
+            )
         return sp
     if sp is not None:
         want = "auto" if sp == "fp32" else "bf16_sr"
@@ -73,9 +77,11 @@ def check_eps(name: str, eps: Any) -> float:
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
         raise TypeError(f"{name} must be a number, got {eps!r}")
     if not FLOAT32_TINY <= float(eps) <= FLOAT32_MAX:
-        raise ValueError(f"{name}={eps!r} must be > 0 and finite: in [{FLOAT32_TINY:g}, {FLOAT32_MAX:g}] (a normal "
-                         "float32; AdamW divides by sqrt(v) + eps, and v is 0 wherever a gradient is 0: eps 0 makes "
-                         "those params NaN)")
+        raise ValueError(
+            f"{name}={eps!r} must be > 0 and finite: in [{FLOAT32_TINY:g}, {FLOAT32_MAX:g}] (a normal "
+            "float32; AdamW divides by sqrt(v) + eps, and v is 0 wherever a gradient is 0: eps 0 makes "
+            "those params NaN)"
+        )
     return float(eps)
 
 
@@ -88,12 +94,18 @@ def check_hyperparameters(*, lr: Any, betas: Any, eps: Any, weight_decay: Any, w
             raise ValueError(f"{where}lr as a tensor must have one element, got shape {tuple(lr.shape)}")
     elif isinstance(lr, bool) or not isinstance(lr, numbers.Real) or not 0.0 <= lr <= FLOAT32_MAX:
         raise ValueError(f"{where}lr={lr!r} must be >= 0 and finite (<= {FLOAT32_MAX:g}, a float32)")
-    if (not isinstance(betas, (list, tuple)) or len(betas) != 2
-            or not all(isinstance(b, numbers.Real) and not isinstance(b, bool) and 0.0 <= b < 1.0 for b in betas)):
+    if (
+        not isinstance(betas, (list, tuple))
+        or len(betas) != 2
+        or not all(isinstance(b, numbers.Real) and not isinstance(b, bool) and 0.0 <= b < 1.0 for b in betas)
+    ):
         raise ValueError(f"{where}betas={betas!r} must be two numbers in [0, 1)")
     check_eps(f"{where}eps", eps)
-    if isinstance(weight_decay, bool) or not isinstance(weight_decay, numbers.Real) or \
-            not 0.0 <= weight_decay <= FLOAT32_MAX:
+    if (
+        isinstance(weight_decay, bool)
+        or not isinstance(weight_decay, numbers.Real)
+        or not 0.0 <= weight_decay <= FLOAT32_MAX
+    ):
         raise ValueError(f"{where}weight_decay={weight_decay!r} must be >= 0 and finite (<= {FLOAT32_MAX:g})")
 
 
@@ -116,10 +128,20 @@ def state_dtypes(precision: str, dtype: torch.dtype) -> dict[str, torch.dtype]:
 class FusedAdamW(torch.optim.Optimizer):
     """AdamW (torch's math and defaults) with fused multi-tensor kernels and low-precision modes (module docstring)."""
 
-    def __init__(self, params: Iterable[Any], lr: float | torch.Tensor = 1e-3,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2, *,
-                 precision: str = "auto", max_grad_norm: float | None = None, seed: int = 0,
-                 state_precision: str | None = None, stochastic_rounding: bool = False) -> None:
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float | torch.Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        precision: str = "auto",
+        max_grad_norm: float | None = None,
+        seed: int = 0,
+        state_precision: str | None = None,
+        stochastic_rounding: bool = False,
+    ) -> None:
         check_hyperparameters(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         check_precision(precision, allow_auto=True)
         check_state_precision(state_precision)
@@ -129,8 +151,14 @@ class FusedAdamW(torch.optim.Optimizer):
         self.max_grad_norm = max_grad_norm
         self.seed = int(seed)
         self.last_grad_norm: torch.Tensor | None = None
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, precision=precision,
-                        state_precision=state_precision)
+        defaults = dict(
+            lr=lr,
+            betas=tuple(betas),
+            eps=eps,
+            weight_decay=weight_decay,
+            precision=precision,
+            state_precision=state_precision,
+        )
         super().__init__(params, defaults)
         for group in self.param_groups:
             self._check_group(group)
@@ -139,8 +167,13 @@ class FusedAdamW(torch.optim.Optimizer):
     def _check_group(group: dict[str, Any]) -> None:
         """The group's hyper-parameters in range (:func:`check_hyperparameters`: a group may override the defaults);
         its precision is "auto" or a mode that takes each of its params (llmpar.ops.adamw's checks)."""
-        check_hyperparameters(lr=group["lr"], betas=group["betas"], eps=group["eps"],
-                              weight_decay=group["weight_decay"], where="param group: ")
+        check_hyperparameters(
+            lr=group["lr"],
+            betas=group["betas"],
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            where="param group: ",
+        )
         check_precision(group["precision"], allow_auto=True)
         for p in group["params"]:
             mode = group_mode(group["precision"], group.get("state_precision"), p.dtype)
@@ -225,15 +258,45 @@ class FusedAdamW(torch.optim.Optimizer):
                 lr = lr.to(device)
             gscale, found_inf = clip.get(device, (None, None))
             if mode in LOWBIT_BITS:
-                lowbit.adamw_lowbit_step(b["p"], b["g"], b["m"], b["ms"], b["v"], b["vs"], b["s"], b["x"] or None,
-                                         bits=LOWBIT_BITS[mode], lr=lr, beta1=group["betas"][0],
-                                         beta2=group["betas"][1], eps=group["eps"],
-                                         weight_decay=group["weight_decay"], gscale=gscale, found_inf=found_inf,
-                                         seed=self.seed if self.stochastic_rounding else None, salts=b["salt"])
+                lowbit.adamw_lowbit_step(
+                    b["p"],
+                    b["g"],
+                    b["m"],
+                    b["ms"],
+                    b["v"],
+                    b["vs"],
+                    b["s"],
+                    b["x"] or None,
+                    bits=LOWBIT_BITS[mode],
+                    lr=lr,
+                    beta1=group["betas"][0],
+                    beta2=group["betas"][1],
+                    eps=group["eps"],
+                    weight_decay=group["weight_decay"],
+                    gscale=gscale,
+                    found_inf=found_inf,
+                    seed=self.seed if self.stochastic_rounding else None,
+                    salts=b["salt"],
+                )
                 continue
-            adamw_step(b["p"], b["g"], b["m"], b["v"], b["s"], precision=mode, lr=lr, beta1=group["betas"][0],
-                       beta2=group["betas"][1], eps=group["eps"], weight_decay=group["weight_decay"],
-                       extras=b["x"] or None, gscale=gscale, found_inf=found_inf, seed=self.seed, salts=b["salt"])
+            adamw_step(
+                b["p"],
+                b["g"],
+                b["m"],
+                b["v"],
+                b["s"],
+                precision=mode,
+                lr=lr,
+                beta1=group["betas"][0],
+                beta2=group["betas"][1],
+                eps=group["eps"],
+                weight_decay=group["weight_decay"],
+                extras=b["x"] or None,
+                gscale=gscale,
+                found_inf=found_inf,
+                seed=self.seed,
+                salts=b["salt"],
+            )
         return loss
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -264,8 +327,14 @@ class FusedAdamW(torch.optim.Optimizer):
             if mode in LOWBIT_BITS:  # codes / scales sized for this param at these bits, or a clear error
                 for m in ("m", "v"):
                     try:
-                        lowbit.check_state(state[f"{m}_codes"], state[f"{m}_scale"], LOWBIT_BITS[mode], p.numel(),
-                                           f"{m}_codes", f"{m}_scale")
+                        lowbit.check_state(
+                            state[f"{m}_codes"],
+                            state[f"{m}_scale"],
+                            LOWBIT_BITS[mode],
+                            p.numel(),
+                            f"{m}_codes",
+                            f"{m}_scale",
+                        )
                     except (TypeError, ValueError) as e:
                         raise ValueError(f"state of param {pid} does not fit state_precision={mode!r}: {e}") from None
             state["step"] = torch.as_tensor(src["step"], dtype=torch.float32).to(p.device).reshape(())

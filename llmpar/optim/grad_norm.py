@@ -21,6 +21,7 @@ clip coefficient / found-inf flag as inf or nan on the device.
 Clipping (:func:`clip_grads_`) is torch's ``clip_grad_norm_``: ``coef = min(1, max_norm / (norm + 1e-6))``, every
 grad multiplied by it on its device (float32 coefficient for float32 / bf16 / fp16 grads, float64 for float64 ones).
 """
+
 from __future__ import annotations
 
 import math
@@ -41,8 +42,7 @@ def _check_grads(grads: Iterable[torch.Tensor], what: str) -> list[torch.Tensor]
     out = list(grads)
     for i, g in enumerate(out):
         if not isinstance(g, torch.Tensor) or not g.is_floating_point():
-            raise TypeError(f"{what}[{i}] must be a floating-point tensor, got "
-                            f"{getattr(g, 'dtype', type(g).__name__)}")
+            raise TypeError(f"{what}[{i}] must be a floating-point tensor, got {getattr(g, 'dtype', type(g).__name__)}")
     return out
 
 
@@ -108,8 +108,9 @@ def global_grad_norm(
     return total[0].sqrt()
 
 
-def param_grads(params: Iterable[torch.Tensor], *,
-                skip: Iterable[torch.Tensor] = ()) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def param_grads(
+    params: Iterable[torch.Tensor], *, skip: Iterable[torch.Tensor] = ()
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(replicated grads, tensor-parallel grads) of ``params`` for :func:`global_grad_norm`: each param once, params
     without a grad and those in ``skip`` (by identity) left out; tp-split params are those the parallel layers tag
     with ``tensor_model_parallel = True``."""
@@ -125,8 +126,11 @@ def param_grads(params: Iterable[torch.Tensor], *,
 
 
 def _check_max_norm(max_norm: object) -> float:
-    if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real) or not (
-            math.isfinite(max_norm) and max_norm > 0):
+    if (
+        isinstance(max_norm, bool)
+        or not isinstance(max_norm, numbers.Real)
+        or not (math.isfinite(max_norm) and max_norm > 0)
+    ):
         raise ValueError(f"max_norm={max_norm!r} must be a positive finite number")
     return float(max_norm)
 
@@ -144,9 +148,15 @@ def clip_grads_(grads: Iterable[torch.Tensor], max_norm: float, norm: torch.Tens
 
 
 @torch.no_grad()
-def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float, *, tp_group: Group | GroupRef | None = None,
-                    pp_group: Group | GroupRef | None = None, skip: Iterable[torch.Tensor] = (),
-                    counter: CommCounter | None = None) -> torch.Tensor:
+def clip_grad_norm_(
+    params: Iterable[torch.Tensor],
+    max_norm: float,
+    *,
+    tp_group: Group | GroupRef | None = None,
+    pp_group: Group | GroupRef | None = None,
+    skip: Iterable[torch.Tensor] = (),
+    counter: CommCounter | None = None,
+) -> torch.Tensor:
     """Scale the grads of ``params`` so that the unsplit model's gradient norm is at most ``max_norm``; returns that
     norm before clipping (float64 0-d tensor, the same on every rank). ``skip``: copies of tensors another pp stage
     counts (tied weights), left out of the norm but clipped like every other grad. No host sync."""
@@ -154,8 +164,7 @@ def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float, *, tp_group
     params = list(params)
     repl, split = param_grads(params, skip=skip)
     fallback = params[0].device if params and not (repl or split) else None  # only skipped copies here
-    norm = global_grad_norm(repl, split=split, tp_group=tp_group, pp_group=pp_group, device=fallback,
-                            counter=counter)
+    norm = global_grad_norm(repl, split=split, tp_group=tp_group, pp_group=pp_group, device=fallback, counter=counter)
     every = param_grads(params)
     clip_grads_(every[0] + every[1], max_norm, norm)
     return norm

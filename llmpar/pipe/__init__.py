@@ -8,6 +8,7 @@ that a DeepSpeed pipeline script runs with ``import llmpar as deepspeed``:
 
 The implementation is ``llmpar.pipeline.module`` / ``llmpar.pipeline.specs``; this shim only names it.
 """
+
 from llmpar.pipeline.module import PipelineModule
 from llmpar.pipeline.specs import LayerSpec, TiedLayerSpec
 

@@ -13,6 +13,7 @@ DeepSpeed's ``PipelineModule(layers=[LayerSpec(...), TiedLayerSpec(...), modules
 ZeRO over the dp axis (``zero.py``): build the runner with ``dp_group=None`` and the optimizer with
 ``zero_optimizer(runner, OptimizerConfig(...), stage=1, max_grad_norm=1.0)``; then ``runner.step``; ``opt.step()``.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -21,12 +22,25 @@ from typing import Any
 # public name -> module; imported on first use, so that importing one module of the package (the schedules, the
 # block helpers) does not load torch.distributed.pipelining
 _EXPORTS = {
-    "PipelineStageError": "_failure", "StageModule": "blocks", "to_blocks": "blocks",
-    "balanced_boundaries": "partition", "PipelineRunner": "runner", "StepStats": "runner",
-    "SCHEDULES": "schedules", "bubble_fraction": "schedules", "normalize_schedule": "schedules",
-    "PipelineSplit": "stages", "StageInfo": "stages", "split": "stages", "zero_optimizer": "zero",
-    "build_pipeline": "build", "PipelineModule": "module", "PipeStage": "pipe_stage", "LayerSpec": "specs",
-    "TiedLayerSpec": "specs", "partition_layers": "specs",
+    "PipelineStageError": "_failure",
+    "StageModule": "blocks",
+    "to_blocks": "blocks",
+    "balanced_boundaries": "partition",
+    "PipelineRunner": "runner",
+    "StepStats": "runner",
+    "SCHEDULES": "schedules",
+    "bubble_fraction": "schedules",
+    "normalize_schedule": "schedules",
+    "PipelineSplit": "stages",
+    "StageInfo": "stages",
+    "split": "stages",
+    "zero_optimizer": "zero",
+    "build_pipeline": "build",
+    "PipelineModule": "module",
+    "PipeStage": "pipe_stage",
+    "LayerSpec": "specs",
+    "TiedLayerSpec": "specs",
+    "partition_layers": "specs",
 }
 
 

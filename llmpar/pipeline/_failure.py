@@ -8,6 +8,7 @@ every other rank sees it within ``poll_s``, stops waiting and raises :class:`Pip
 The abandoned worker thread stays blocked: after a failed step the pipeline's groups are unusable and the job should
 exit (under torchrun the launcher then tears the job down).
 """
+
 from __future__ import annotations
 
 import threading
@@ -63,8 +64,9 @@ class FailureChannel:
         if self.broken is None:
             self.broken = self._posted()
         if self.broken is not None:
-            raise PipelineStageError("the pipeline is unusable after a failed step; restart the job. "
-                                     "The step failed with:\n" + self.broken)
+            raise PipelineStageError(
+                "the pipeline is unusable after a failed step; restart the job. The step failed with:\n" + self.broken
+            )
         box: dict[str, Any] = {}
         done = threading.Event()
         grad_enabled = torch.is_grad_enabled()

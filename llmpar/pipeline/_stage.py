@@ -4,6 +4,7 @@ Counts, per step: seconds spent computing forward and backward chunks, micro-bat
 backward not yet) and, with ``track_memory``, the bytes of activations autograd holds for this stage (tensors saved
 for backward, each storage counted once while any saved reference to it is alive).
 """
+
 from __future__ import annotations
 
 import time

@@ -9,6 +9,7 @@
 The blocks hold the model's own submodules (no copies), so parameter sharing (tied embeddings) stays visible to
 the split, and tensor-parallel plans still match the original module names (``tok_emb``, ``attn.qkv``, ``lm_head``).
 """
+
 from __future__ import annotations
 
 from torch import nn

@@ -1,4 +1,5 @@
 """``build_pipeline``: :func:`~llmpar.pipeline.stages.split` and :class:`PipelineRunner` in one call."""
+
 from __future__ import annotations
 
 from typing import Any, Callable, Mapping, Sequence
@@ -32,14 +33,23 @@ def build_pipeline(
     name = normalize_schedule(schedule)
     if virtual_stages is None:
         virtual_stages = 2 if name == "interleaved_1f1b" else 1
-    parts = split(model, mesh, by=by, boundaries=boundaries, virtual_stages=virtual_stages, sample=sample,
-                  tp_plan=tp_plan, verbose=verbose)
+    parts = split(
+        model,
+        mesh,
+        by=by,
+        boundaries=boundaries,
+        virtual_stages=virtual_stages,
+        sample=sample,
+        tp_plan=tp_plan,
+        verbose=verbose,
+    )
     if isinstance(dp_group, str):
         if dp_group != "mesh":
             raise ValueError(f"dp_group={dp_group!r}: pass 'mesh', a group, or None")
         dp_group = parts.dp_group
-    return PipelineRunner(parts, loss_fn, micro_batches=micro_batches, schedule=name, dp_group=dp_group,
-                          track_memory=track_memory)
+    return PipelineRunner(
+        parts, loss_fn, micro_batches=micro_batches, schedule=name, dp_group=dp_group, track_memory=track_memory
+    )
 
 
 __all__ = ["build_pipeline"]

@@ -17,6 +17,7 @@ forward clones its inputs first, as DeepSpeed's engine does, so that an in-place
 never writes into the buffer a stage received (or the batch), and a tuple from the previous stage reaches the first
 layer as one tuple; tied weights are listed so that their gradients are summed over the stages holding them.
 """
+
 from __future__ import annotations
 
 import functools
@@ -43,22 +44,40 @@ class PipelineModule(nn.Module):
     torch); DeepSpeed's reseeding of every forward is not done. ``topology=`` and ``dynamic_shape=True`` are not
     supported."""
 
-    def __init__(self, layers: Any, num_stages: int | None = None, topology: Any = None,
-                 loss_fn: Callable | None = None,
-                 seed_layers: bool = False, seed_fn: Callable | None = None, base_seed: int = 1234,
-                 partition_method: str = "parameters", activation_checkpoint_interval: int = 0,
-                 activation_checkpoint_func: Callable | None = None, checkpointable_layers: list[str] | None = None,
-                 dynamic_shape: bool = False, *, mesh: Any = None) -> None:
+    def __init__(
+        self,
+        layers: Any,
+        num_stages: int | None = None,
+        topology: Any = None,
+        loss_fn: Callable | None = None,
+        seed_layers: bool = False,
+        seed_fn: Callable | None = None,
+        base_seed: int = 1234,
+        partition_method: str = "parameters",
+        activation_checkpoint_interval: int = 0,
+        activation_checkpoint_func: Callable | None = None,
+        checkpointable_layers: list[str] | None = None,
+        dynamic_shape: bool = False,
+        *,
+        mesh: Any = None,
+    ) -> None:
         super().__init__()
         specs = check_layers(layers)
         if topology is not None:
-            raise ValueError("PipelineModule(topology=...) is not supported: pass num_stages= (pipeline x data "
-                             "parallel) or mesh= (llmpar.init_distributed(pp=...).mesh)")
+            raise ValueError(
+                "PipelineModule(topology=...) is not supported: pass num_stages= (pipeline x data "
+                "parallel) or mesh= (llmpar.init_distributed(pp=...).mesh)"
+            )
         if dynamic_shape:
-            raise ValueError("PipelineModule(dynamic_shape=True) is not supported: every step's micro-batches must "
-                             "have the shapes of the first step")
-        if isinstance(activation_checkpoint_interval, bool) or not isinstance(activation_checkpoint_interval, int) \
-                or activation_checkpoint_interval < 0:
+            raise ValueError(
+                "PipelineModule(dynamic_shape=True) is not supported: every step's micro-batches must "
+                "have the shapes of the first step"
+            )
+        if (
+            isinstance(activation_checkpoint_interval, bool)
+            or not isinstance(activation_checkpoint_interval, int)
+            or activation_checkpoint_interval < 0
+        ):
             raise ValueError(f"activation_checkpoint_interval={activation_checkpoint_interval!r} must be an int >= 0")
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable as loss_fn(outputs, labels), got {type(loss_fn).__name__}")
@@ -80,8 +99,10 @@ class PipelineModule(nn.Module):
         self.parts = partition_layers(specs, self.num_stages, partition_method)
         empty = [s for s in range(self.num_stages) if self.parts[s] == self.parts[s + 1]]
         if empty:
-            raise ValueError(f"{len(specs)} layers cut into num_stages={self.num_stages} leave stages {empty} empty "
-                             f"(parts {self.parts}): give at least one layer per stage")
+            raise ValueError(
+                f"{len(specs)} layers cut into num_stages={self.num_stages} leave stages {empty} empty "
+                f"(parts {self.parts}): give at least one layer per stage"
+            )
         self._local_start, self._local_stop = self.parts[self.stage_id], self.parts[self.stage_id + 1]
         if not dist.is_initialized() or dist.get_rank() == 0:
             logger.info(self.layout())
@@ -90,8 +111,11 @@ class PipelineModule(nn.Module):
         self.tied_weight_attrs: dict[str, list[str]] = {}
         self._blocks: list[tuple[str, nn.Module]] = []  # this stage's layers as named blocks (not registered here)
         self._build()
-        device = torch.device("cuda", torch.cuda.current_device()) if self.mesh.device_type == "cuda" else \
-            torch.device(self.mesh.device_type)
+        device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if self.mesh.device_type == "cuda"
+            else torch.device(self.mesh.device_type)
+        )
         self.to(device)
         self._device = device
         self._synchronize_tied_weights()
@@ -127,12 +151,16 @@ class PipelineModule(nn.Module):
 
     def layout(self) -> str:
         """The stages and their layers, as DeepSpeed prints them."""
-        lines = [f"PipelineModule: {self._num_layers} layers -> {self.num_stages} stages, partition_method="
-                 f"{self.partition_method!r}"]
+        lines = [
+            f"PipelineModule: {self._num_layers} layers -> {self.num_stages} stages, partition_method="
+            f"{self.partition_method!r}"
+        ]
         for s in range(self.num_stages):
             lines.append(f"stage={s} layers={self.parts[s + 1] - self.parts[s]}")
-            lines += [f"    {i:2d}: {layer_name(self._layer_specs[i]) or self._layer_specs[i]!r}"
-                      for i in range(self.parts[s], self.parts[s + 1])]
+            lines += [
+                f"    {i:2d}: {layer_name(self._layer_specs[i]) or self._layer_specs[i]!r}"
+                for i in range(self.parts[s], self.parts[s + 1])
+            ]
         if self.loss_fn is not None:
             lines.append(f"  loss: {getattr(self.loss_fn, '__name__', type(self.loss_fn).__name__)}")
         return "\n".join(lines)
@@ -147,28 +175,60 @@ class PipelineModule(nn.Module):
         """This rank's :class:`~llmpar.pipeline.stages.PipelineSplit` (a collective over pp: the stages' sizes)."""
         from llmpar.pipeline.stages import PipelineSplit, StageInfo
 
-        if mesh is not None and mesh is not self.mesh and (
+        if (
+            mesh is not None
+            and mesh is not self.mesh
+            and (
                 getattr(mesh, "mesh_dim_names", None) != self.mesh.mesh_dim_names
-                or mesh["pp"].size() != self.num_stages or mesh["pp"].get_local_rank() != self.stage_id):
-            raise ValueError("the mesh given differs from the PipelineModule's (its pp axis or this rank's stage): "
-                             "pass the module's own mesh (net.mesh), or none")
+                or mesh["pp"].size() != self.num_stages
+                or mesh["pp"].get_local_rank() != self.stage_id
+            )
+        ):
+            raise ValueError(
+                "the mesh given differs from the PipelineModule's (its pp axis or this rank's stage): "
+                "pass the module's own mesh (net.mesh), or none"
+            )
         pp_group = self.mesh["pp"].get_group()
         params = _unique(self.parameters())
-        mine = torch.tensor([sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params)],
-                            dtype=torch.float64, device=self._device)
+        mine = torch.tensor(
+            [sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params)],
+            dtype=torch.float64,
+            device=self._device,
+        )
         sizes = torch.empty(2 * self.num_stages, dtype=torch.float64, device=self._device)
         all_gather_flat(sizes, mine, pp_group)
         sizes_per_stage = sizes.view(self.num_stages, 2).tolist()
-        stages = [StageInfo(index=s, pp_rank=s, blocks=[str(i) for i in range(self.parts[s], self.parts[s + 1])],
-                            params=int(n), param_bytes=int(b), cost=float(n))
-                  for s, (n, b) in enumerate(sizes_per_stage)]
-        stage = PipeStage(self._blocks, stage_index=self.stage_id,
-                          checkpoint_interval=self.activation_checkpoint_interval,
-                          checkpoint_func=self.activation_checkpoint_func, checkpointable=self.checkpointable_layers)
-        result = PipelineSplit(pp=self.num_stages, virtual_stages=1, by=f"partition_method={self.partition_method}",
-                               boundaries=self.parts[1:-1], stages=stages, modules=[stage],
-                               stage_indices=[self.stage_id], pp_group=pp_group, pp_rank=self.stage_id,
-                               dp_group=self.mesh["dp"].get_group(), tied=self._tied_table())
+        stages = [
+            StageInfo(
+                index=s,
+                pp_rank=s,
+                blocks=[str(i) for i in range(self.parts[s], self.parts[s + 1])],
+                params=int(n),
+                param_bytes=int(b),
+                cost=float(n),
+            )
+            for s, (n, b) in enumerate(sizes_per_stage)
+        ]
+        stage = PipeStage(
+            self._blocks,
+            stage_index=self.stage_id,
+            checkpoint_interval=self.activation_checkpoint_interval,
+            checkpoint_func=self.activation_checkpoint_func,
+            checkpointable=self.checkpointable_layers,
+        )
+        result = PipelineSplit(
+            pp=self.num_stages,
+            virtual_stages=1,
+            by=f"partition_method={self.partition_method}",
+            boundaries=self.parts[1:-1],
+            stages=stages,
+            modules=[stage],
+            stage_indices=[self.stage_id],
+            pp_group=pp_group,
+            pp_rank=self.stage_id,
+            dp_group=self.mesh["dp"].get_group(),
+            tied=self._tied_table(),
+        )
         if verbose and dist.get_rank() == 0:
             logger.info(result.format())
         return result
@@ -216,8 +276,11 @@ class PipelineModule(nn.Module):
         for key, stages in self._tied_keys():
             where = {}
             for s in stages:
-                idx = next(i for i in range(self.parts[s], self.parts[s + 1])
-                           if isinstance(self._layer_specs[i], TiedLayerSpec) and self._layer_specs[i].key == key)
+                idx = next(
+                    i
+                    for i in range(self.parts[s], self.parts[s + 1])
+                    if isinstance(self._layer_specs[i], TiedLayerSpec) and self._layer_specs[i].key == key
+                )
                 where[s] = f"{idx}.module" if self._layer_specs[idx].forward_fn is not None else str(idx)
             table += [{s: f"{name}.{attr}" for s, name in where.items()} for attr in self._tie_attrs[key]]
         return table
@@ -230,28 +293,36 @@ class PipelineModule(nn.Module):
         if not entries:
             return
         pp_group = as_group(self.mesh["pp"])
-        local = [_getattr(self.tied_modules[key], attr) if self.stage_id in stages else None
-                 for key, attr, stages in entries]
+        local = [
+            _getattr(self.tied_modules[key], attr) if self.stage_id in stages else None for key, attr, stages in entries
+        ]
         big = 2**62
-        sizes = torch.tensor([[p.numel() if p is not None else 0 for p in local],
-                              [-p.numel() if p is not None else -big for p in local]], dtype=torch.int64,
-                             device=self._device)
+        sizes = torch.tensor(
+            [
+                [p.numel() if p is not None else 0 for p in local],
+                [-p.numel() if p is not None else -big for p in local],
+            ],
+            dtype=torch.int64,
+            device=self._device,
+        )
         all_reduce(sizes, pp_group, op="max")
         for (key, attr, _), hi, lo in zip(entries, sizes[0].tolist(), sizes[1].tolist()):
             if hi != -lo:
-                raise ValueError(f"the tied weight {key}.{attr} has {-lo} elements on one stage and {hi} on another: "
-                                 "give every TiedLayerSpec of a key the same module arguments")
+                raise ValueError(
+                    f"the tied weight {key}.{attr} has {-lo} elements on one stage and {hi} on another: "
+                    "give every TiedLayerSpec of a key the same module arguments"
+                )
         flat = torch.zeros(sum(sizes[0].tolist()), dtype=torch.float64, device=self._device)
         offset = 0
         for p, n, (_, _, stages) in zip(local, sizes[0].tolist(), entries):
             if p is not None and self.stage_id == stages[0]:
-                flat[offset:offset + n] = p.detach().reshape(-1)
+                flat[offset : offset + n] = p.detach().reshape(-1)
             offset += n
         all_reduce(flat, pp_group)
         offset = 0
         for p, n in zip(local, sizes[0].tolist()):
             if p is not None:
-                p.copy_(flat[offset:offset + n].view_as(p))
+                p.copy_(flat[offset : offset + n].view_as(p))
             offset += n
 
 
@@ -283,8 +354,10 @@ def _tie_attrs(specs: list[Any]) -> dict[str, list[str]]:
         if isinstance(layer, TiedLayerSpec):
             seen = attrs.setdefault(layer.key, layer.tied_weight_attr)
             if seen != layer.tied_weight_attr:
-                raise ValueError(f"layers[{i}]: TiedLayerSpec {layer.key!r} has tied_weight_attr="
-                                 f"{layer.tied_weight_attr} but an earlier one of that key has {seen}")
+                raise ValueError(
+                    f"layers[{i}]: TiedLayerSpec {layer.key!r} has tied_weight_attr="
+                    f"{layer.tied_weight_attr} but an earlier one of that key has {seen}"
+                )
     return attrs
 
 

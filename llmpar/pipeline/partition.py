@@ -12,6 +12,7 @@ edges ``[0, b_1, ..., b_{k-1}, n]`` (stage s holds items ``parts[s]:parts[s + 1]
 * ``partition_balanced(w, k)``: minimises ``max_s W_s - min_s W_s`` (``W_s`` the stage's summed weight), not the
   largest stage alone; of equal costs the last candidate cut wins (so zero-weight items join the stage before a cut).
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -21,14 +22,18 @@ def check_boundaries(boundaries: Sequence[int], n_blocks: int, n_stages: int) ->
     """Validate explicit boundaries (first block of each stage after the first); returns them as a list."""
     b = list(boundaries)
     if len(b) != n_stages - 1:
-        raise ValueError(f"boundaries={b} must list {n_stages - 1} block indices (where stages 1..{n_stages - 1} "
-                         f"start) for {n_stages} stages")
+        raise ValueError(
+            f"boundaries={b} must list {n_stages - 1} block indices (where stages 1..{n_stages - 1} "
+            f"start) for {n_stages} stages"
+        )
     for x in b:
         if isinstance(x, bool) or not isinstance(x, int):
             raise TypeError(f"boundaries={b} must hold ints, got {type(x).__name__}")
     if any(not 0 < x < n_blocks for x in b) or any(x >= y for x, y in zip(b, b[1:])):
-        raise ValueError(f"boundaries={b} must be strictly increasing block indices in [1, {n_blocks - 1}] "
-                         f"(the model has {n_blocks} blocks)")
+        raise ValueError(
+            f"boundaries={b} must be strictly increasing block indices in [1, {n_blocks - 1}] "
+            f"(the model has {n_blocks} blocks)"
+        )
     return b
 
 

@@ -7,6 +7,7 @@ activation in (a leaf that requires grad: autograd refuses in-place writes to it
 from the previous stage reach the first layer as one tuple (DeepSpeed's convention). With a checkpoint interval k,
 runs of k layers recompute their activations in the backward pass, as DeepSpeed's ``activation_checkpoint_interval``.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -49,8 +50,15 @@ class PipeStage(StageModule):
     ``checkpointable``) recompute their activations in the backward pass (``checkpoint_func(fn, *inputs)``,
     default non-reentrant ``torch.utils.checkpoint``)."""
 
-    def __init__(self, blocks: list[tuple[str, nn.Module]], *, stage_index: int, checkpoint_interval: int = 0,
-                 checkpoint_func: Callable | None = None, checkpointable: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        blocks: list[tuple[str, nn.Module]],
+        *,
+        stage_index: int,
+        checkpoint_interval: int = 0,
+        checkpoint_func: Callable | None = None,
+        checkpointable: list[str] | None = None,
+    ) -> None:
         super().__init__(blocks, stage_index=stage_index, block_names=[n for n, _ in blocks])
         self.checkpoint_interval = checkpoint_interval
         self.checkpoint_func = checkpoint_func
@@ -64,12 +72,12 @@ class PipeStage(StageModule):
         if k <= 0 or not self.training:
             return _run(layers, x)
         for start in range(0, len(layers), k):
-            chunk = layers[start:start + k]
+            chunk = layers[start : start + k]
             if not self._checkpointable(chunk):
                 x = _run(chunk, x)
                 continue
             args = x if isinstance(x, tuple) else (x,)
-            fn = (lambda *a, chunk=chunk: _run(chunk, a[0] if len(a) == 1 else a))
+            fn = lambda *a, chunk=chunk: _run(chunk, a[0] if len(a) == 1 else a)
             if self.checkpoint_func is not None:
                 x = self.checkpoint_func(fn, *args)
             else:

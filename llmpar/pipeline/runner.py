@@ -22,6 +22,7 @@ embeddings) are summed over the pp group.
 
 A failure on any rank fails the step on every rank with that rank's traceback (see ``_failure.py``).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -73,31 +74,36 @@ class PipelineRunner:
         track_memory: bool = False,
     ) -> None:
         if not isinstance(split, PipelineSplit):
-            raise TypeError(f"split must be the PipelineSplit that llmpar.pipeline.split() returns, got "
-                            f"{type(split).__name__}")
+            raise TypeError(
+                f"split must be the PipelineSplit that llmpar.pipeline.split() returns, got {type(split).__name__}"
+            )
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got {type(loss_fn).__name__}")
         self.split = split
         self.loss_fn = loss_fn
-        self.schedule_name = check_schedule(schedule, pp=split.pp, micro_batches=micro_batches,
-                                            virtual_stages=split.virtual_stages)
+        self.schedule_name = check_schedule(
+            schedule, pp=split.pp, micro_batches=micro_batches, virtual_stages=split.virtual_stages
+        )
         self.micro_batches = micro_batches
         self.dp_group = GroupRef(dp_group) if dp_group is not None else None
         self.num_stages = split.num_stages
         self.has_first = 0 in split.stage_indices
         self.has_last = self.num_stages - 1 in split.stage_indices
         self.device = next(itertools.chain(*(m.parameters() for m in split.modules)), torch.empty(0)).device
-        self.stages = [MeteredStage(mod, s, self.num_stages, self.device, group=split.pp_group,
-                                    track_memory=track_memory)
-                       for mod, s in zip(split.modules, split.stage_indices)]
+        self.stages = [
+            MeteredStage(mod, s, self.num_stages, self.device, group=split.pp_group, track_memory=track_memory)
+            for mod, s in zip(split.modules, split.stage_indices)
+        ]
         cls = schedule_class(self.schedule_name)
         first = self.stages if self.schedule_name == "interleaved_1f1b" else self.stages[0]
         self.schedule = cls(first, micro_batches, loss_fn=self._loss, scale_grads=False)
         self.monitor = monitor
         rank = dist.get_rank() if dist.is_initialized() else 0
         blocks = [b for s in split.stage_indices for b in split.stages[s].blocks]
-        self.where = (f"global rank {rank}, pp rank {split.pp_rank} (stage{'s' if len(self.stages) > 1 else ''} "
-                      f"{', '.join(map(str, split.stage_indices))}: {', '.join(blocks)})")
+        self.where = (
+            f"global rank {rank}, pp rank {split.pp_rank} (stage{'s' if len(self.stages) > 1 else ''} "
+            f"{', '.join(map(str, split.stage_indices))}: {', '.join(blocks)})"
+        )
         self.channel = FailureChannel.for_runner()
         self._params = _unique(p for m in split.modules for p in m.parameters())
         # tied weights (tied.py): this rank's copies, and those the grad norm skips (read by llmpar.checkpoint)
@@ -128,22 +134,30 @@ class PipelineRunner:
         loss is averaged over ZeRO's dp group. Build the runner with ``dp_group=None`` (see
         ``llmpar.pipeline.zero_optimizer``, which does all of this)."""
         if self.dp_group is not None:
-            raise ValueError("attach_zero: this runner averages gradients over dp_group itself; build it with "
-                             "dp_group=None so that ZeRO alone reduces them")
+            raise ValueError(
+                "attach_zero: this runner averages gradients over dp_group itself; build it with "
+                "dp_group=None so that ZeRO alone reduces them"
+            )
         if not all(hasattr(optimizer, a) for a in ("reduce_gradients", "grad_pieces", "dp_group")):
             raise TypeError(f"attach_zero takes a llmpar.zero.ZeroOptimizer, got {type(optimizer).__name__}")
         if getattr(optimizer, "stage", 0) == 3:
             raise ValueError("attach_zero: ZeRO stage 3 is not supported inside pipeline stages; use stage 0, 1 or 2")
         owned = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        missing = [n for m in self.split.modules for n, p in m.named_parameters()
-                   if p.requires_grad and id(p) not in owned]
+        missing = [
+            n for m in self.split.modules for n, p in m.named_parameters() if p.requires_grad and id(p) not in owned
+        ]
         if missing:
-            raise ValueError(f"attach_zero: the optimizer does not hold this rank's params {missing[:4]}"
-                             f"{' ...' if len(missing) > 4 else ''}: build it from runner.parameters()")
+            raise ValueError(
+                f"attach_zero: the optimizer does not hold this rank's params {missing[:4]}"
+                f"{' ...' if len(missing) > 4 else ''}: build it from runner.parameters()"
+            )
         self.zero = optimizer
 
-    def step(self, inputs: torch.Tensor | Sequence[torch.Tensor] | None,
-             targets: torch.Tensor | Sequence[torch.Tensor] | None) -> float:
+    def step(
+        self,
+        inputs: torch.Tensor | Sequence[torch.Tensor] | None,
+        targets: torch.Tensor | Sequence[torch.Tensor] | None,
+    ) -> float:
         """Forward and backward of one batch; returns the batch's mean loss (averaged over dp), on every rank.
 
         ``inputs`` (needed on the rank of the first stage) and ``targets`` (rank of the last stage) are the whole
@@ -154,8 +168,11 @@ class PipelineRunner:
             return self.channel.run(lambda: self._step(inputs, targets), self.where)
         return self._step(inputs, targets)
 
-    def evaluate(self, inputs: torch.Tensor | Sequence[torch.Tensor] | None,
-                 targets: torch.Tensor | Sequence[torch.Tensor] | None) -> float:
+    def evaluate(
+        self,
+        inputs: torch.Tensor | Sequence[torch.Tensor] | None,
+        targets: torch.Tensor | Sequence[torch.Tensor] | None,
+    ) -> float:
         """The forward pass alone of one batch (as :meth:`step`, without gradients: ``.grad`` is left as it is);
         returns the batch's mean loss (averaged over dp), on every rank. Put the stage modules in eval mode first
         for dropout-free numbers."""
@@ -169,25 +186,39 @@ class PipelineRunner:
 
         Tensor-parallel shards are summed over tp, replicated parameters counted once, tied copies once, and the
         stages' sums added over pp: every rank gets the norm of the unsplit model (``llmpar.optim.grad_norm``)."""
-        return clip_grad_norm_(self._params, max_norm, tp_group=self.split.tp_group, pp_group=self.split.pp_group,
-                               skip=self._tied_duplicates)
+        return clip_grad_norm_(
+            self._params,
+            max_norm,
+            tp_group=self.split.tp_group,
+            pp_group=self.split.pp_group,
+            skip=self._tied_duplicates,
+        )
 
     def bubble_formula(self) -> float:
-        return bubble_fraction(self.schedule_name, pp=self.split.pp, micro_batches=self.micro_batches,
-                               virtual_stages=self.split.virtual_stages)
+        return bubble_fraction(
+            self.schedule_name,
+            pp=self.split.pp,
+            micro_batches=self.micro_batches,
+            virtual_stages=self.split.virtual_stages,
+        )
 
     def gather_stats(self) -> list[StepStats]:
         """Every pp rank's :class:`StepStats` of the last step, in pp-rank order (a collective over pp)."""
         if self.last_stats is None:
             raise RuntimeError("gather_stats() needs a step() first")
         s = self.last_stats
-        mine = torch.tensor([s.wall_s, s.busy_s, s.peak_in_flight, s.peak_activation_bytes], dtype=torch.float64,
-                            device=self.device)
+        mine = torch.tensor(
+            [s.wall_s, s.busy_s, s.peak_in_flight, s.peak_activation_bytes], dtype=torch.float64, device=self.device
+        )
         out = torch.empty(4 * self.split.pp, dtype=torch.float64, device=self.device)
         all_gather_flat(out, mine, self.split.pp_group)
         rows = out.view(self.split.pp, 4).tolist()
-        return [StepStats(wall_s=w, busy_s=b, peak_in_flight=int(f), peak_activation_bytes=int(a),
-                          bubble_formula=s.bubble_formula) for w, b, f, a in rows]
+        return [
+            StepStats(
+                wall_s=w, busy_s=b, peak_in_flight=int(f), peak_activation_bytes=int(a), bubble_formula=s.bubble_formula
+            )
+            for w, b, f, a in rows
+        ]
 
     # ------------------------------------------------------------------ internals
 
@@ -195,24 +226,29 @@ class PipelineRunner:
         m = self.micro_batches
         rows = data.shape[0] if isinstance(data, torch.Tensor) and data.dim() else None
         if self.batch_rows is not None and rows is not None and rows != self.batch_rows:
-            raise ValueError(f"{what} has {rows} rows; a step takes train_micro_batch_size_per_gpu x "
-                             f"gradient_accumulation_steps = {self.batch_rows} rows per dp rank")
+            raise ValueError(
+                f"{what} has {rows} rows; a step takes train_micro_batch_size_per_gpu x "
+                f"gradient_accumulation_steps = {self.batch_rows} rows per dp rank"
+            )
         if isinstance(data, torch.Tensor):
             if data.dim() < 1 or data.shape[0] < m:
-                raise ValueError(f"{what} has {data.shape[0] if data.dim() else 0} rows, fewer than "
-                                 f"micro_batches={m}")
+                raise ValueError(f"{what} has {data.shape[0] if data.dim() else 0} rows, fewer than micro_batches={m}")
             return list(torch.tensor_split(data, m))
         parts = list(data) if isinstance(data, (list, tuple)) else None
-        if parts is None or len(parts) != m or not all(isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[0]
-                                                       for t in parts):
+        if (
+            parts is None
+            or len(parts) != m
+            or not all(isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[0] for t in parts)
+        ):
             raise TypeError(f"{what} must be a tensor [B, ...] or a list of micro_batches={m} non-empty tensors")
         return parts
 
     @staticmethod
     def _pad(parts: list[torch.Tensor]) -> torch.Tensor:
         rows = max(t.shape[0] for t in parts)
-        padded = [t if t.shape[0] == rows else torch.cat([t, t[:1].expand(rows - t.shape[0], *t.shape[1:])])
-                  for t in parts]
+        padded = [
+            t if t.shape[0] == rows else torch.cat([t, t[:1].expand(rows - t.shape[0], *t.shape[1:])]) for t in parts
+        ]
         return torch.cat(padded)
 
     def _loss(self, output: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -273,9 +309,12 @@ class PipelineRunner:
             self._targets = None
         wall = time.perf_counter() - t0
         self.last_stats = StepStats(
-            wall_s=wall, busy_s=sum(st.busy_s for st in self.stages) + self._loss_s,
+            wall_s=wall,
+            busy_s=sum(st.busy_s for st in self.stages) + self._loss_s,
             peak_in_flight=max(st.peak_in_flight for st in self.stages),
-            peak_activation_bytes=max(st.meter.peak for st in self.stages), bubble_formula=self.bubble_formula())
+            peak_activation_bytes=max(st.meter.peak for st in self.stages),
+            bubble_formula=self.bubble_formula(),
+        )
 
         loss = self._summed_loss(kwargs)
         if self.zero is not None:
@@ -305,13 +344,15 @@ class PipelineRunner:
         """Average every local gradient and the loss over the dp group in one all-reduce."""
         assert self.dp_group is not None
         dtype = self._params[0].dtype if self._params else torch.float64
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(dtype)
-                          for p in self._params] + [loss.to(dtype)])
+        flat = torch.cat(
+            [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(dtype) for p in self._params]
+            + [loss.to(dtype)]
+        )
         all_reduce(flat, self.dp_group, op="avg")
         offset = 0
         for p in self._params:
             n = p.numel()
-            set_grad(p, flat[offset: offset + n])
+            set_grad(p, flat[offset : offset + n])
             offset += n
         return flat[-1:].double()
 

@@ -11,13 +11,19 @@ forward+backward of one micro-batch on one stage taking time t (all stages equal
 
 1F1B has GPipe's bubble but keeps at most p micro-batches of activations alive on the first stage (GPipe keeps m).
 """
+
 from __future__ import annotations
 
 from typing import Any
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
-_ALIASES = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved_1f1b": "interleaved_1f1b", "interleaved": "interleaved_1f1b",
-            "interleaved1f1b": "interleaved_1f1b"}
+_ALIASES = {
+    "gpipe": "gpipe",
+    "1f1b": "1f1b",
+    "interleaved_1f1b": "interleaved_1f1b",
+    "interleaved": "interleaved_1f1b",
+    "interleaved1f1b": "interleaved_1f1b",
+}
 
 
 def normalize_schedule(schedule: str) -> str:
@@ -36,11 +42,15 @@ def check_schedule(schedule: str, *, pp: int, micro_batches: int, virtual_stages
             raise ValueError(f"schedule='interleaved_1f1b' needs virtual_stages >= 2 in split(), got {virtual_stages}")
         rounds = max(1, micro_batches // pp)
         if micro_batches % rounds:
-            raise ValueError(f"micro_batches={micro_batches} does not work with interleaved 1F1B on pp={pp}: it must "
-                             f"be a multiple of max(1, micro_batches // pp) = {rounds} (e.g. < pp or a multiple of pp)")
+            raise ValueError(
+                f"micro_batches={micro_batches} does not work with interleaved 1F1B on pp={pp}: it must "
+                f"be a multiple of max(1, micro_batches // pp) = {rounds} (e.g. < pp or a multiple of pp)"
+            )
     elif virtual_stages != 1:
-        raise ValueError(f"schedule={schedule!r} runs one stage per rank, but split() made virtual_stages="
-                         f"{virtual_stages}; use schedule='interleaved_1f1b' or virtual_stages=1")
+        raise ValueError(
+            f"schedule={schedule!r} runs one stage per rank, but split() made virtual_stages="
+            f"{virtual_stages}; use schedule='interleaved_1f1b' or virtual_stages=1"
+        )
     if name == "1f1b" and micro_batches < pp:
         raise ValueError(f"micro_batches={micro_batches} must be >= pp={pp} for the 1F1B schedule")
     return name

@@ -17,6 +17,7 @@ A pipeline model is a list of *layers*, each one of:
 * ``"type:REGEX"``: balanced counts of layers whose class name (a function's ``__name__``) matches ``REGEX``
   (case-insensitive; DeepSpeed lower-cases the method, regex included).
 """
+
 from __future__ import annotations
 
 import logging
@@ -55,8 +56,15 @@ class LayerSpec:
 class TiedLayerSpec(LayerSpec):
     """A layer whose ``tied_weight_attr`` weights are shared by every layer with the same ``key``, on every stage."""
 
-    def __init__(self, key: str, typename: type, *module_args: Any, forward_fn: Callable | None = None,
-                 tied_weight_attr: str | Sequence[str] = ("weight",), **module_kwargs: Any) -> None:
+    def __init__(
+        self,
+        key: str,
+        typename: type,
+        *module_args: Any,
+        forward_fn: Callable | None = None,
+        tied_weight_attr: str | Sequence[str] = ("weight",),
+        **module_kwargs: Any,
+    ) -> None:
         super().__init__(typename, *module_args, **module_kwargs)
         if not isinstance(key, str):
             raise TypeError(f"TiedLayerSpec key must be a str, got {type(key).__name__}")
@@ -70,15 +78,17 @@ class TiedLayerSpec(LayerSpec):
 def check_layers(layers: Any) -> list[Any]:
     """The layers as a list; a TypeError names the first one that is neither a spec, a module nor a callable."""
     if isinstance(layers, (str, bytes)) or not hasattr(layers, "__iter__"):
-        raise TypeError(f"layers must be a list of LayerSpec / TiedLayerSpec / nn.Module / callables, got "
-                        f"{type(layers).__name__}")
+        raise TypeError(
+            f"layers must be a list of LayerSpec / TiedLayerSpec / nn.Module / callables, got {type(layers).__name__}"
+        )
     out = list(layers)
     if not out:
         raise ValueError("layers is empty: a pipeline needs at least one layer")
     for i, layer in enumerate(out):
         if not (isinstance(layer, (LayerSpec, nn.Module)) or callable(layer)):
-            raise TypeError(f"layers[{i}] is a {type(layer).__name__}: pass a LayerSpec, TiedLayerSpec, nn.Module "
-                            "or callable")
+            raise TypeError(
+                f"layers[{i}] is a {type(layer).__name__}: pass a LayerSpec, TiedLayerSpec, nn.Module or callable"
+            )
     return out
 
 
@@ -115,11 +125,20 @@ def partition_layers(layers: Sequence[Any], num_stages: int, method: str = "para
         pattern = re.compile(method.split(":")[1], re.IGNORECASE)
         hits = [1 if (name := layer_name(layer)) is not None and pattern.search(name) else 0 for layer in layers]
         if not any(hits):
-            raise ValueError(f"partition_method={method!r}: no layer's class name matches "
-                             f"{pattern.pattern!r} (names: {[layer_name(layer) for layer in layers]})")
+            raise ValueError(
+                f"partition_method={method!r}: no layer's class name matches "
+                f"{pattern.pattern!r} (names: {[layer_name(layer) for layer in layers]})"
+            )
         return partition_balanced(hits, num_stages)
     raise ValueError(f"partition_method={method!r} is not one of {PARTITION_METHODS}")
 
 
-__all__ = ["LayerSpec", "PARTITION_METHODS", "TiedLayerSpec", "check_layers", "layer_name", "layer_param_counts",
-           "partition_layers"]
+__all__ = [
+    "LayerSpec",
+    "PARTITION_METHODS",
+    "TiedLayerSpec",
+    "check_layers",
+    "layer_name",
+    "layer_param_counts",
+    "partition_layers",
+]

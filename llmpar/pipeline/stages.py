@@ -16,6 +16,7 @@ A model with a ``pipeline_split(mesh, verbose=)`` method cuts itself: :class:`~l
 Parameters shared between stages (tied embeddings: ``tok_emb`` on the first stage, ``lm_head`` on the last) are
 recorded in ``PipelineSplit.tied``; the runner sums their gradients over the pp group so the copies stay equal.
 """
+
 from __future__ import annotations
 
 import logging
@@ -74,18 +75,23 @@ class PipelineSplit:
 
     def format(self) -> str:
         """The layout as a table: blocks, parameters and memory per stage."""
-        lines = [f"pipeline layout: {sum(len(s.blocks) for s in self.stages)} blocks -> {self.num_stages} stages "
-                 f"(pp={self.pp}, virtual={self.virtual_stages}, tp={self.tp}), split by {self.by}",
-                 f"{'stage':>5} {'rank':>4}  {'blocks':<28} {'params':>12} {'weights MiB':>11} "
-                 f"{'train MiB/rank':>14}"]
+        lines = [
+            f"pipeline layout: {sum(len(s.blocks) for s in self.stages)} blocks -> {self.num_stages} stages "
+            f"(pp={self.pp}, virtual={self.virtual_stages}, tp={self.tp}), split by {self.by}",
+            f"{'stage':>5} {'rank':>4}  {'blocks':<28} {'params':>12} {'weights MiB':>11} {'train MiB/rank':>14}",
+        ]
         for s in self.stages:
             elem = s.param_bytes / max(1, s.params)
             train = s.params * (2 * elem + 8) / self.tp / 2**20  # weights + grads + 2 fp32 AdamW moments, / tp
-            lines.append(f"{s.index:>5} {s.pp_rank:>4}  {_names(s.blocks):<28} {s.params:>12,} "
-                         f"{s.param_bytes / 2**20:>11.2f} {train:>14.2f}")
+            lines.append(
+                f"{s.index:>5} {s.pp_rank:>4}  {_names(s.blocks):<28} {s.params:>12,} "
+                f"{s.param_bytes / 2**20:>11.2f} {train:>14.2f}"
+            )
         if self.tied:
-            lines.append("tied across stages: " + "; ".join(
-                " = ".join(f"stage {i}:{n}" for i, n in sorted(t.items())) for t in self.tied))
+            lines.append(
+                "tied across stages: "
+                + "; ".join(" = ".join(f"stage {i}:{n}" for i, n in sorted(t.items())) for t in self.tied)
+            )
         return "\n".join(lines)
 
 
@@ -97,21 +103,25 @@ def _unique_params(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return list(module.named_parameters())  # named_parameters() already lists a shared tensor once
 
 
-def _resolve_mesh(mesh: Any) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None, dist.ProcessGroup | None,
-                                       list[dist.ProcessGroup]]:
+def _resolve_mesh(
+    mesh: Any,
+) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None, dist.ProcessGroup | None, list[dist.ProcessGroup]]:
     """(pp group, tp group, dp group, every axis group in mesh order)."""
     if isinstance(mesh, DeviceMesh) and mesh.ndim > 1:
         names = mesh.mesh_dim_names or ()
         if "pp" not in names:
-            raise ValueError(f"mesh has axes {names}, none named 'pp': pass the [pp, dp, tp] mesh of "
-                             "llmpar.init_distributed(pp=...) or the pp group itself")
+            raise ValueError(
+                f"mesh has axes {names}, none named 'pp': pass the [pp, dp, tp] mesh of "
+                "llmpar.init_distributed(pp=...) or the pp group itself"
+            )
         groups = {n: as_group(mesh[n]) for n in names}
         return groups["pp"], groups.get("tp"), groups.get("dp"), [groups[n] for n in names]
     try:
         pg = as_group(mesh)
     except (TypeError, ValueError) as err:
-        raise TypeError(f"mesh must be a DeviceMesh with a 'pp' axis, a 1-D DeviceMesh or a ProcessGroup: {err}") \
-            from None
+        raise TypeError(
+            f"mesh must be a DeviceMesh with a 'pp' axis, a 1-D DeviceMesh or a ProcessGroup: {err}"
+        ) from None
     return pg, None, None, [pg]
 
 
@@ -170,8 +180,10 @@ def split(
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if callable(getattr(model, "pipeline_split", None)):  # a model that cut itself (llmpar.pipeline.PipelineModule)
         if boundaries is not None or virtual_stages != 1 or tp_plan is not None or by != "params":
-            raise ValueError(f"{type(model).__name__} cuts itself into stages (one per pp rank, its partition_method):"
-                             " boundaries=, virtual_stages > 1 (interleaved schedules), tp_plan= and by= do not apply")
+            raise ValueError(
+                f"{type(model).__name__} cuts itself into stages (one per pp rank, its partition_method):"
+                " boundaries=, virtual_stages > 1 (interleaved schedules), tp_plan= and by= do not apply"
+            )
         return model.pipeline_split(mesh, verbose=verbose)
     if by not in SPLIT_BY:
         raise ValueError(f"by={by!r} is not one of {SPLIT_BY}")
@@ -183,8 +195,10 @@ def split(
     blocks = to_blocks(model)
     n_stages = pp * virtual_stages
     if len(blocks) < n_stages:
-        raise ValueError(f"model has {len(blocks)} blocks ({', '.join(n for n, _ in blocks)}), fewer than "
-                         f"pp * virtual_stages = {pp} * {virtual_stages} = {n_stages} stages")
+        raise ValueError(
+            f"model has {len(blocks)} blocks ({', '.join(n for n, _ in blocks)}), fewer than "
+            f"pp * virtual_stages = {pp} * {virtual_stages} = {n_stages} stages"
+        )
     params = [sum(p.numel() for _, p in _unique_params(b)) for _, b in blocks]
     if boundaries is not None:
         cuts = check_boundaries(boundaries, len(blocks), n_stages)
@@ -215,9 +229,16 @@ def split(
                 if id(p) not in seen:
                     seen.add(id(p))
                     nbytes += p.numel() * p.element_size()
-        stages.append(StageInfo(index=s, pp_rank=s % pp, blocks=[blocks[i][0] for i in r],
-                                params=sum(params[i] for i in r), param_bytes=nbytes,
-                                cost=sum(costs[i] for i in r)))
+        stages.append(
+            StageInfo(
+                index=s,
+                pp_rank=s % pp,
+                blocks=[blocks[i][0] for i in r],
+                params=sum(params[i] for i in r),
+                param_bytes=nbytes,
+                cost=sum(costs[i] for i in r),
+            )
+        )
     tied = [where for where in owners.values() if len(where) > 1]
 
     mine = [s for s in range(n_stages) if s % pp == pp_rank]
@@ -235,9 +256,21 @@ def split(
 
                 parallelize(mod, tp_group, local_plan)
         modules.append(mod)
-    result = PipelineSplit(pp=pp, virtual_stages=virtual_stages, by=by, boundaries=cuts, stages=stages,
-                           modules=modules, stage_indices=mine, pp_group=pp_group, pp_rank=pp_rank, tp=tp,
-                           tp_group=tp_group if tp > 1 else None, dp_group=dp_group, tied=tied)
+    result = PipelineSplit(
+        pp=pp,
+        virtual_stages=virtual_stages,
+        by=by,
+        boundaries=cuts,
+        stages=stages,
+        modules=modules,
+        stage_indices=mine,
+        pp_group=pp_group,
+        pp_rank=pp_rank,
+        tp=tp,
+        tp_group=tp_group if tp > 1 else None,
+        dp_group=dp_group,
+        tied=tied,
+    )
     if verbose and (not dist.is_initialized() or dist.get_rank() == 0):
         logger.info(result.format())
     return result

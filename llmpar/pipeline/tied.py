@@ -12,6 +12,7 @@ slices back.
 
 This module knows the runner and the optimizer only by the attributes it reads (no import of either).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -41,13 +42,18 @@ def resolve_tied(split: Any, device: torch.device) -> tuple[Tied, list[nn.Parame
     if not local:
         return [], duplicates
     big = 2**62
-    sizes = torch.tensor([[p.numel() if p is not None else 0 for p in local],
-                          [-p.numel() if p is not None else -big for p in local]], dtype=torch.int64, device=device)
+    sizes = torch.tensor(
+        [[p.numel() if p is not None else 0 for p in local], [-p.numel() if p is not None else -big for p in local]],
+        dtype=torch.int64,
+        device=device,
+    )
     all_reduce(sizes, split.pp_group, op="max")  # row 0: largest copy, row 1: -(smallest copy)
     for where, hi, lo in zip(split.tied, sizes[0].tolist(), sizes[1].tolist()):
         if hi != -lo:
-            raise ValueError(f"the shared parameter {where} has copies of {-lo} and {hi} elements on different "
-                             "stages: tie only parameters that every stage splits alike (same tp plan kind)")
+            raise ValueError(
+                f"the shared parameter {where} has copies of {-lo} and {hi} elements on different "
+                "stages: tie only parameters that every stage splits alike (same tp plan kind)"
+            )
     return list(zip(local, sizes[0].tolist())), duplicates
 
 
@@ -65,13 +71,21 @@ def sync_tied_grads(tied: Tied, pp_group: Group, device: torch.device) -> None:
     copy send zeros)."""
     if not tied:
         return
-    flat = torch.cat([(p.grad.reshape(-1).double() if p is not None and p.grad is not None else
-                       torch.zeros(n, device=device, dtype=torch.float64)) for p, n in tied])
+    flat = torch.cat(
+        [
+            (
+                p.grad.reshape(-1).double()
+                if p is not None and p.grad is not None
+                else torch.zeros(n, device=device, dtype=torch.float64)
+            )
+            for p, n in tied
+        ]
+    )
     all_reduce(flat, pp_group)
     offset = 0
     for p, n in tied:
         if p is not None:
-            set_grad(p, flat[offset: offset + n])
+            set_grad(p, flat[offset : offset + n])
         offset += n
 
 
@@ -89,14 +103,14 @@ def sync_tied_zero(runner: Any, opt: Any) -> None:
     for p, n in runner._tied:
         if p is not None:
             for view, a, z in opt.grad_pieces(p):
-                flat[offset + a: offset + z] = view.to(flat.dtype)
+                flat[offset + a : offset + z] = view.to(flat.dtype)
                 pieces.append((view, offset + a))
         offset += n
     all_reduce(flat, runner.split.pp_group)
     if opt.stage > 0 and group_size(opt.dp_group) > 1:
         all_reduce(flat, opt.dp_group)
     for view, at in pieces:
-        view.copy_(flat[at: at + view.numel()])
+        view.copy_(flat[at : at + view.numel()])
 
 
 __all__ = ["Tied", "resolve_tied", "set_grad", "sync_tied_grads", "sync_tied_zero"]

@@ -13,6 +13,7 @@ on the lowest stage). Tied weights: every copy receives the sum over pp of the c
 copies, updated by different optimizers on the same gradient, stay equal (``tied.sync_tied_zero``, which the runner
 calls; re-exported here).
 """
+
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -23,9 +24,16 @@ from llmpar.zero.config import ZeroConfig
 from llmpar.zero.optimizer import ZeroOptimizer
 
 
-def zero_optimizer(runner: PipelineRunner, optimizer_config: Any = None, *, stage: int | None = None,
-                   dp_group: Any = "split", param_groups: Sequence[dict] | None = None,
-                   zero_config: ZeroConfig | None = None, **kwargs: Any) -> ZeroOptimizer:
+def zero_optimizer(
+    runner: PipelineRunner,
+    optimizer_config: Any = None,
+    *,
+    stage: int | None = None,
+    dp_group: Any = "split",
+    param_groups: Sequence[dict] | None = None,
+    zero_config: ZeroConfig | None = None,
+    **kwargs: Any,
+) -> ZeroOptimizer:
     """A ZeroOptimizer over ``runner.parameters()`` on the split's dp group (``dp_group=`` to override), with the
     split's tp and pp groups for the global norm and tied copies skipped there; attached to the runner
     (:meth:`PipelineRunner.attach_zero`). ``kwargs`` go to ZeroOptimizer (``max_grad_norm``, ...). The stage is
@@ -54,9 +62,16 @@ def zero_optimizer(runner: PipelineRunner, optimizer_config: Any = None, *, stag
     params: Any = [(names.get(id(p), f"param{i}"), p) for i, p in enumerate(runner.parameters())]
     if param_groups is not None:
         params = _own_groups(runner, param_groups, names)
-    opt = ZeroOptimizer(params, optimizer_config, dp_group, zero_config=zcfg, tp_group=split.tp_group,
-                        pp_group=split.pp_group if split.pp > 1 else None,
-                        norm_skip=runner.tied_duplicates, **kwargs)
+    opt = ZeroOptimizer(
+        params,
+        optimizer_config,
+        dp_group,
+        zero_config=zcfg,
+        tp_group=split.tp_group,
+        pp_group=split.pp_group if split.pp > 1 else None,
+        norm_skip=runner.tied_duplicates,
+        **kwargs,
+    )
     runner.attach_zero(opt)
     return opt
 
@@ -64,8 +79,7 @@ def zero_optimizer(runner: PipelineRunner, optimizer_config: Any = None, *, stag
 def stage_param_names(runner: PipelineRunner) -> dict[int, str]:
     """{id(param): ``stage{s}.{name in the stage module}``} of this rank's params."""
     split = runner.split
-    return {id(p): f"stage{s}.{n}" for m, s in zip(split.modules, split.stage_indices)
-            for n, p in m.named_parameters()}
+    return {id(p): f"stage{s}.{n}" for m, s in zip(split.modules, split.stage_indices) for n, p in m.named_parameters()}
 
 
 def _own_groups(runner: PipelineRunner, groups: Sequence[dict], names: dict[int, str]) -> list[dict]:
@@ -79,8 +93,10 @@ def _own_groups(runner: PipelineRunner, groups: Sequence[dict], names: dict[int,
         for item in g["params"]:
             p = item[1] if isinstance(item, tuple) else item
             if id(p) not in mine:
-                raise ValueError(f"param_groups[{gi}] holds a tensor of shape {tuple(p.shape)} that is not a param "
-                                 "of this pipeline rank (runner.parameters())")
+                raise ValueError(
+                    f"param_groups[{gi}] holds a tensor of shape {tuple(p.shape)} that is not a param "
+                    "of this pipeline rank (runner.parameters())"
+                )
             seen.add(id(p))
             items.append((names[id(p)], p))
         out.append({**g, "params": items})

@@ -7,6 +7,7 @@ Training compute for a dense transformer of N parameters on D tokens is C ~= 6 N
 
 (C / 120 is N squared, not N.) For C = 5.76e23 (Chinchilla's budget) this gives N = 6.93e10 and D = 1.39e12.
 """
+
 from __future__ import annotations
 
 import math

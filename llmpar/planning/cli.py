@@ -1,11 +1,12 @@
 """``llmpar plan`` (layout planner) and ``llmpar chinchilla`` (compute-optimal sizing, time to train).
 
-    llmpar plan --model llama-7b --gpus 64 --gpu-mem 80GB [--nodes 8] [--seq 4096] [--micro-batch 1]
-                [--global-batch 1024] [--gpu h100] [--precision fp32_master] [--mfu 0.5] [--top 10] [--json]
-                [--zeropp] [--seq-len 131072 --context-parallel auto|on|off]
-    llmpar chinchilla --compute 5.76e23 [--params 70B | --tokens 1.4T] [--model llama-7b] [--gpus 1024 --gpu h100
-                      --mfu 0.4] [--json]
+llmpar plan --model llama-7b --gpus 64 --gpu-mem 80GB [--nodes 8] [--seq 4096] [--micro-batch 1]
+            [--global-batch 1024] [--gpu h100] [--precision fp32_master] [--mfu 0.5] [--top 10] [--json]
+            [--zeropp] [--seq-len 131072 --context-parallel auto|on|off]
+llmpar chinchilla --compute 5.76e23 [--params 70B | --tokens 1.4T] [--model llama-7b] [--gpus 1024 --gpu h100
+                  --mfu 0.4] [--json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,35 +25,51 @@ from .units import parse_bytes, parse_count
 
 def register(subparsers: Any) -> None:
     """Add the ``plan`` and ``chinchilla`` subcommands to an argparse subparsers object."""
-    p = subparsers.add_parser("plan", help="rank the parallel layouts that fit a model on a cluster",
-                              description=run_plan.__doc__)
+    p = subparsers.add_parser(
+        "plan", help="rank the parallel layouts that fit a model on a cluster", description=run_plan.__doc__
+    )
     p.add_argument("--model", required=True, help=f"preset ({', '.join(MODEL_PRESETS)}) or a JSON config path")
     p.add_argument("--gpus", required=True, type=int, help="number of GPUs")
     p.add_argument("--gpu", default="h100", help=f"GPU type for speeds ({', '.join(GPU_PRESETS)}); default h100")
     p.add_argument("--gpu-mem", default=None, help="memory per GPU, e.g. 80GB or 80GiB (default: the GPU type's)")
     p.add_argument("--nodes", type=int, default=None, help="nodes (default: 8 GPUs per node)")
-    p.add_argument("--seq", "--seq-len", dest="seq", type=int, default=None,
-                   help="sequence length (default: the model's)")
+    p.add_argument(
+        "--seq", "--seq-len", dest="seq", type=int, default=None, help="sequence length (default: the model's)"
+    )
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch (default 1)")
-    p.add_argument("--global-batch", type=int, default=None,
-                   help="sequences per step (default: a multiple of gpus x micro-batch holding >= 4M tokens)")
+    p.add_argument(
+        "--global-batch",
+        type=int,
+        default=None,
+        help="sequences per step (default: a multiple of gpus x micro-batch holding >= 4M tokens)",
+    )
     p.add_argument("--precision", default="fp32_master", choices=list(PRECISION_BYTES))
     p.add_argument("--mfu", type=float, default=0.5, help="fraction of peak FLOP/s the matmuls reach (default 0.5)")
     p.add_argument("--reserve", default="2GB", help="GPU memory kept free for the CUDA context etc. (default 2GB)")
     p.add_argument("--cpu-mem", default=None, help="host memory per node for offload (default 1TB)")
     p.add_argument("--no-offload", action="store_true", help="do not consider CPU offload")
     p.add_argument("--no-sequence-parallel", action="store_true", help="tp without sequence parallelism")
-    p.add_argument("--zeropp", action="store_true",
-                   help="also try ZeRO++ (qwZ int8 + hpZ over a node + qgZ int4) for ZeRO-2/3 over several nodes")
-    p.add_argument("--context-parallel", choices=("auto", "on", "off"), default="auto",
-                   help="context parallelism (Ulysses / ring / hybrid over cp ranks) with the tiled loss and MLP: "
-                        "auto (default) tries it when no other layout fits, on always, off never")
+    p.add_argument(
+        "--zeropp",
+        action="store_true",
+        help="also try ZeRO++ (qwZ int8 + hpZ over a node + qgZ int4) for ZeRO-2/3 over several nodes",
+    )
+    p.add_argument(
+        "--context-parallel",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="context parallelism (Ulysses / ring / hybrid over cp ranks) with the tiled loss and MLP: "
+        "auto (default) tries it when no other layout fits, on always, off never",
+    )
     p.add_argument("--top", type=int, default=10, help="rows to print (default 10)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run_plan)
 
-    c = subparsers.add_parser("chinchilla", help="compute-optimal model size / tokens, FLOPs and time to train",
-                              description=run_chinchilla.__doc__)
+    c = subparsers.add_parser(
+        "chinchilla",
+        help="compute-optimal model size / tokens, FLOPs and time to train",
+        description=run_chinchilla.__doc__,
+    )
     c.add_argument("--compute", default=None, help="training FLOPs C, e.g. 5.76e23")
     c.add_argument("--params", default=None, help="parameters N, e.g. 7e9 or 7B")
     c.add_argument("--tokens", default=None, help="training tokens D, e.g. 1.4e12 or 1.4T")
@@ -92,11 +109,20 @@ def build_request(args: argparse.Namespace) -> PlanRequest:
         hw = replace(hw, gpus_per_node=args.gpus // args.nodes)
     if args.top < 1:
         raise ValueError(f"--top {args.top} must be a positive integer")
-    return PlanRequest(model=spec, gpus=args.gpus, hardware=hw, micro_batch=args.micro_batch,
-                       global_batch=args.global_batch, precision=args.precision, mfu=args.mfu,
-                       reserve_bytes=parse_bytes(args.reserve, name="--reserve") if args.reserve != "0" else 0.0,
-                       allow_offload=not args.no_offload, sequence_parallel=not args.no_sequence_parallel,
-                       zeropp=args.zeropp, context_parallel=args.context_parallel)
+    return PlanRequest(
+        model=spec,
+        gpus=args.gpus,
+        hardware=hw,
+        micro_batch=args.micro_batch,
+        global_batch=args.global_batch,
+        precision=args.precision,
+        mfu=args.mfu,
+        reserve_bytes=parse_bytes(args.reserve, name="--reserve") if args.reserve != "0" else 0.0,
+        allow_offload=not args.no_offload,
+        sequence_parallel=not args.no_sequence_parallel,
+        zeropp=args.zeropp,
+        context_parallel=args.context_parallel,
+    )
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -124,16 +150,21 @@ def chinchilla_report(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     extra: dict[str, Any] = {}
     total = res.compute
     if spec is not None:
-        fpt = flops_per_token(params=spec.matmul_params(), n_layers=spec.n_layers, hidden=spec.hidden,
-                              seq_len=spec.seq_len)
+        fpt = flops_per_token(
+            params=spec.matmul_params(), n_layers=spec.n_layers, hidden=spec.hidden, seq_len=spec.seq_len
+        )
         total = fpt * res.tokens
-        extra.update(flops_per_token=fpt, compute_with_attention=total,
-                     flops_model=f"{spec.name}, L={spec.n_layers} h={spec.hidden} s={spec.seq_len}")
+        extra.update(
+            flops_per_token=fpt,
+            compute_with_attention=total,
+            flops_model=f"{spec.name}, L={spec.n_layers} h={spec.hidden} s={spec.seq_len}",
+        )
     if args.gpus is not None:
         peak = args.peak_tflops * 1e12 if args.peak_tflops is not None else load_gpu(args.gpu).peak_flops
         seconds = time_to_train(compute=total, gpus=args.gpus, peak_flops=peak, mfu=args.mfu)
-        extra.update(seconds=seconds, gpus=args.gpus, peak_flops=peak, mfu=args.mfu,
-                     gpu_hours=seconds * args.gpus / 3600)
+        extra.update(
+            seconds=seconds, gpus=args.gpus, peak_flops=peak, mfu=args.mfu, gpu_hours=seconds * args.gpus / 3600
+        )
     return res, extra
 
 

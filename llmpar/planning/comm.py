@@ -52,6 +52,7 @@ zero_quantization_block_size values per fp32 scale; ``llmpar.ops.quant.row_bytes
 Stage-3 persistent params (``stage3_param_persistence_threshold``) are counted like the others: the runtime gathers
 them uncompressed once per step instead, a small difference for models whose small params are a small share.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -104,21 +105,40 @@ def estimate_comm(
 
     n_ar = 6 if layout.activation_checkpointing == "full" else 4
     tp_bytes = (spec.n_layers // p) * m * n_ar * 2 * (t - 1) / t * bsh
-    out["tp"] = AxisComm(axis="tp", bytes=tp_bytes, seconds=tp_bytes / hw.intra_node_bw,
-                         link="nvlink" if t > 1 else "-")
+    out["tp"] = AxisComm(
+        axis="tp", bytes=tp_bytes, seconds=tp_bytes / hw.intra_node_bw, link="nvlink" if t > 1 else "-"
+    )
 
     per_node, even = dp_nodes(tp=t, dp=d, pp=p, gpus_per_node=hw.gpus_per_node)
     kept = spec.stage3_kept_layers(layout.stage3_max_reuse_distance, tp=t, pp=p) * spec.layer_params(t)
-    dp_bytes, dp_cross = dp_comm(layout, psi, pb=pb, gb=gb, micro_batches=m, per_node=per_node, even=even,
-                                 kept=kept if layout.zero_stage == 3 else 0.0)
+    dp_bytes, dp_cross = dp_comm(
+        layout,
+        psi,
+        pb=pb,
+        gb=gb,
+        micro_batches=m,
+        per_node=per_node,
+        even=even,
+        kept=kept if layout.zero_stage == 3 else 0.0,
+    )
     link = "-" if d == 1 else ("network" if per_node < d else "nvlink")
-    out["dp"] = AxisComm(axis="dp", bytes=dp_bytes, cross_node_bytes=dp_cross, link=link,
-                         seconds=dp_cross / hw.inter_node_bw + (dp_bytes - dp_cross) / hw.intra_node_bw)
+    out["dp"] = AxisComm(
+        axis="dp",
+        bytes=dp_bytes,
+        cross_node_bytes=dp_cross,
+        link=link,
+        seconds=dp_cross / hw.inter_node_bw + (dp_bytes - dp_cross) / hw.intra_node_bw,
+    )
 
     pp_bytes = 2 * m * bsh / (t if layout.sequence_parallel else 1) if p > 1 else 0.0
     link, bw = _link(hw, t * d * p)
-    out["pp"] = AxisComm(axis="pp", bytes=pp_bytes, seconds=pp_bytes / bw, link=link if p > 1 else "-",
-                         cross_node_bytes=pp_bytes if link == "network" else 0.0)
+    out["pp"] = AxisComm(
+        axis="pp",
+        bytes=pp_bytes,
+        seconds=pp_bytes / bw,
+        link=link if p > 1 else "-",
+        cross_node_bytes=pp_bytes if link == "network" else 0.0,
+    )
 
     off_bytes, off_seconds = 0.0, 0.0
     if layout.offload != "none":
@@ -127,6 +147,7 @@ def estimate_comm(
         if layout.offload == "optimizer+params":
             off_bytes = gb * m * share + 2 * pb * m * share
         off_seconds = off_bytes / hw.pcie_bw + share / hw.cpu_adam_params_per_s
-    out["offload"] = AxisComm(axis="offload", bytes=off_bytes, seconds=off_seconds,
-                              link="pcie" if layout.offload != "none" else "-")
+    out["offload"] = AxisComm(
+        axis="offload", bytes=off_bytes, seconds=off_seconds, link="pcie" if layout.offload != "none" else "-"
+    )
     return out

@@ -38,6 +38,7 @@ full recompute adds one more forward's share. Ulysses' all-to-alls are exposed; 
 block computation, so only what exceeds the rank's attention compute (12 h S FLOPs per token and layer, fwd + bwd)
 is exposed.
 """
+
 from __future__ import annotations
 
 import math
@@ -86,8 +87,14 @@ def _kv_width(spec: Any, u: int) -> int:
 
 
 def activation_breakdown(
-    spec: Any, layout: Any, *, seq_len: int, micro_batch: int = 1, act_bytes: int = 2,
-    q_chunk: int | None = None, layers: int | None = None,
+    spec: Any,
+    layout: Any,
+    *,
+    seq_len: int,
+    micro_batch: int = 1,
+    act_bytes: int = 2,
+    q_chunk: int | None = None,
+    layers: int | None = None,
 ) -> ActivationBreakdown:
     """Activation bytes of one rank for ``spec`` under ``layout`` (its tp, cp, cp_mode, tiled, tile,
     activation_checkpointing, sequence_parallel) at ``seq_len`` (module doc). ``layers``: the stage's layers
@@ -115,12 +122,19 @@ def activation_breakdown(
     work = max(attn, n_f * min(layout.tile, s) * b * f / t * e if layout.tiled else 0.0)
     V = spec.vocab
     loss = 4.0 * s * b + 8.0 * min(layout.tile, s) * b * V / t if layout.tiled else 8.0 * s * b * V / t
-    return ActivationBreakdown(kept=n_layers * per_layer, rebuilt=full if ckpt else 0.0, workspace=work, loss=loss,
-                               tokens=s)
+    return ActivationBreakdown(
+        kept=n_layers * per_layer, rebuilt=full if ckpt else 0.0, workspace=work, loss=loss, tokens=s
+    )
 
 
 def cp_traffic(
-    spec: Any, layout: Any, *, seq_len: int, micro_batch: int = 1, micro_batches: int = 1, act_bytes: int = 2,
+    spec: Any,
+    layout: Any,
+    *,
+    seq_len: int,
+    micro_batch: int = 1,
+    micro_batches: int = 1,
+    act_bytes: int = 2,
 ) -> tuple[float, float]:
     """(Ulysses bytes, ring bytes) one rank sends per step (module doc)."""
     u, r = split_cp(layout)
@@ -146,9 +160,11 @@ def cp_words(layout: Any) -> str:
     u, r = split_cp(layout)
     parts = []
     if layout.cp > 1:
-        how = {"ulysses": f"Ulysses all-to-all over {u} (full sequence, heads / {u} inside attention)",
-               "ring": f"ring attention over {r} (k/v blocks passed, overlapped with the blocks)",
-               "hybrid": f"Ulysses over {u} inside, ring over {r} across"}[layout.cp_mode]
+        how = {
+            "ulysses": f"Ulysses all-to-all over {u} (full sequence, heads / {u} inside attention)",
+            "ring": f"ring attention over {r} (k/v blocks passed, overlapped with the blocks)",
+            "hybrid": f"Ulysses over {u} inside, ring over {r} across",
+        }[layout.cp_mode]
         parts.append(f"cp={layout.cp} {how}: sequence / {layout.cp} per rank, ZeRO over dp x cp")
     if layout.tiled:
         parts.append(f"tiled loss + MLP ({layout.tile} tokens per tile)")

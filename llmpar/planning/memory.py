@@ -28,6 +28,7 @@ steps), fp32 m and v and the reduced gradient partition in fp32, 16 psi / dp of 
 parameter shards to the host as well. These are the bytes llmpar's ZeroOptimizer holds (``memory_bytes()``), up to
 the padding of each unit to a multiple of dp x 16 elements (``tests/test_planning_vs_runtime.py``).
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -59,6 +60,8 @@ def host_step_bytes(precision: str) -> float:
     the low-bit codes and scales)."""
     moments = LOWBIT_MOMENT_BYTES.get(precision.removesuffix("_master"))
     return HOST_STEP_BYTES if moments is None else 8 + moments
+
+
 PERSISTENCE_THRESHOLD = 100_000  # stage3_param_persistence_threshold's default (llmpar's and DeepSpeed's)
 OFFLOAD_MODES = ("none", "optimizer", "optimizer+params")
 CHECKPOINT_MODES = ("none", "selective", "full")
@@ -136,11 +139,14 @@ class Layout:
             raise ValueError(f"tiled={self.tiled!r} must be True or False")
         u = self.ulysses_size
         if self.cp_mode == "hybrid" and self.cp > 1 and not (1 < u < self.cp and self.cp % u == 0):
-            raise ValueError(f"cp_mode='hybrid' needs 1 < ulysses_size < cp dividing cp={self.cp}, "
-                             f"got ulysses_size={u}")
+            raise ValueError(
+                f"cp_mode='hybrid' needs 1 < ulysses_size < cp dividing cp={self.cp}, got ulysses_size={u}"
+            )
         if (self.cp > 1 or self.tiled) and self.pp > 1:
-            raise ValueError(f"cp={self.cp} / tiled={self.tiled} needs pp=1 (context parallelism is not planned with "
-                             f"pipeline stages), got pp={self.pp}")
+            raise ValueError(
+                f"cp={self.cp} / tiled={self.tiled} needs pp=1 (context parallelism is not planned with "
+                f"pipeline stages), got pp={self.pp}"
+            )
 
     def _check_compression(self) -> None:
         """The checks of ``ZeroConfig._check_compression``, plus hpZ dividing this layout's dp."""
@@ -157,18 +163,24 @@ class Layout:
         k = self.zero_hpz_partition_size
         if (self.zero_quantized_weights or k > 1) and self.zero_stage != 3:
             key = "zero_quantized_weights" if self.zero_quantized_weights else f"zero_hpz_partition_size={k}"
-            raise ValueError(f"{key} applies to the stage-3 parameter all-gather: needs zero_stage=3, got "
-                             f"zero_stage={self.zero_stage}")
+            raise ValueError(
+                f"{key} applies to the stage-3 parameter all-gather: needs zero_stage=3, got "
+                f"zero_stage={self.zero_stage}"
+            )
         if self.zero_quantized_gradients and self.zero_stage not in (2, 3):
-            raise ValueError("zero_quantized_gradients applies to the gradient reduce-scatter of stages 2 and 3, got "
-                             f"zero_stage={self.zero_stage}")
+            raise ValueError(
+                "zero_quantized_gradients applies to the gradient reduce-scatter of stages 2 and 3, got "
+                f"zero_stage={self.zero_stage}"
+            )
         if self.zero_quantized_gradients_error_feedback and not self.zero_quantized_gradients:
             raise ValueError("zero_quantized_gradients_error_feedback needs zero_quantized_gradients=True")
         if self.dp % k:
             raise ValueError(f"zero_hpz_partition_size={k} must divide dp={self.dp}")
         if self.offload == "optimizer+params" and (self.zero_quantized_weights or k > 1):
-            raise ValueError("offload='optimizer+params' cannot be combined with zero_quantized_weights / "
-                             "zero_hpz_partition_size (the host shards are gathered as they are)")
+            raise ValueError(
+                "offload='optimizer+params' cannot be combined with zero_quantized_weights / "
+                "zero_hpz_partition_size (the host shards are gathered as they are)"
+            )
 
     @property
     def hpz(self) -> int:
@@ -217,8 +229,14 @@ class MemoryEstimate:
 
 
 def model_state_bytes(
-    psi: float, *, dp: int = 1, zero_stage: int = 0, precision: str = "fp32_master", offload: str = "none",
-    persistent: float = 0.0, grad_accum_fp32: bool = False,
+    psi: float,
+    *,
+    dp: int = 1,
+    zero_stage: int = 0,
+    precision: str = "fp32_master",
+    offload: str = "none",
+    persistent: float = 0.0,
+    grad_accum_fp32: bool = False,
 ) -> dict[str, float]:
     """Per-rank GPU and CPU bytes of params / grads / master / optimizer for ``psi`` parameters (see module doc);
     ``persistent``: elements stage 3 keeps gathered on every rank (``ModelSpec.small_params``).
@@ -260,8 +278,14 @@ def zero_savings(*, stage: int, dp: int, precision: str = "fp32_master") -> floa
 
 
 def activation_bytes_per_layer(
-    *, seq_len: int, micro_batch: int, hidden: int, n_heads: int, tp: int = 1,
-    sequence_parallel: bool = False, checkpointing: str = "none",
+    *,
+    seq_len: int,
+    micro_batch: int,
+    hidden: int,
+    n_heads: int,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    checkpointing: str = "none",
 ) -> float:
     """Activation bytes one layer keeps for backward (Korthikanti et al. 2022, bf16, s = seq, b = micro-batch,
     h = hidden, a = heads, t = tp), derived for a GPT block with 4h MLP and dropout; an estimate for others:
@@ -327,10 +351,16 @@ def estimate_memory(
     else:
         psi_rank = count_params(model) / (layout.tp * layout.pp)
         small = sum(p.numel() for p in model.parameters() if p.numel() <= persistence_threshold) / (
-            layout.tp * layout.pp)
+            layout.tp * layout.pp
+        )
     states = model_state_bytes(
-        psi_rank, dp=layout.dp * layout.cp, zero_stage=layout.zero_stage, precision=precision, offload=layout.offload,
-        persistent=small if layout.zero_stage == 3 else 0.0, grad_accum_fp32=grad_accum_fp32,
+        psi_rank,
+        dp=layout.dp * layout.cp,
+        zero_stage=layout.zero_stage,
+        precision=precision,
+        offload=layout.offload,
+        persistent=small if layout.zero_stage == 3 else 0.0,
+        grad_accum_fp32=grad_accum_fp32,
     )
     p_bytes = PRECISION_BYTES[precision][0]
     activations = 0.0
@@ -340,8 +370,14 @@ def estimate_memory(
         s = seq_len or spec.seq_len
         in_flight = layout.pp if micro_batches_in_flight is None else min(layout.pp, micro_batches_in_flight)
         _check_degree("micro_batches_in_flight", in_flight)
-        common = dict(seq_len=s, micro_batch=micro_batch, hidden=spec.hidden, n_heads=spec.n_heads, tp=layout.tp,
-                      sequence_parallel=layout.sequence_parallel)
+        common = dict(
+            seq_len=s,
+            micro_batch=micro_batch,
+            hidden=spec.hidden,
+            n_heads=spec.n_heads,
+            tp=layout.tp,
+            sequence_parallel=layout.sequence_parallel,
+        )
         per_layer = activation_bytes_per_layer(**common, checkpointing=layout.activation_checkpointing)
         layers = spec.n_layers // layout.pp
         recompute = activation_bytes_per_layer(**common) if layout.activation_checkpointing == "full" else 0.0
@@ -351,13 +387,21 @@ def estimate_memory(
         activations = max(first, last) if layout.pp > 1 else layers * per_layer + recompute + logits
         activations *= 2.0 if p_bytes == 4 else 1.0  # the formula counts 2-byte activations (fp32 params: 4)
         if layout.cp > 1 or layout.tiled:
-            activations = activation_breakdown(spec, layout, seq_len=s, micro_batch=micro_batch,
-                                               act_bytes=4 if p_bytes == 4 else 2,
-                                               q_chunk=attention_q_chunk).peak
+            activations = activation_breakdown(
+                spec,
+                layout,
+                seq_len=s,
+                micro_batch=micro_batch,
+                act_bytes=4 if p_bytes == 4 else 2,
+                q_chunk=attention_q_chunk,
+            ).peak
         if layout.zero_stage == 3:
             kept = spec.stage3_kept_layers(layout.stage3_max_reuse_distance, tp=layout.tp, pp=layout.pp)
             buffers += max(2, min(layers, kept + 1)) * p_bytes * spec.layer_params(layout.tp)
-    per_node = None if gpus_per_node is None else dp_nodes(tp=layout.tp, dp=layout.dp, pp=layout.pp,
-                                                           gpus_per_node=gpus_per_node)[0]
+    per_node = (
+        None
+        if gpus_per_node is None
+        else dp_nodes(tp=layout.tp, dp=layout.dp, pp=layout.pp, gpus_per_node=gpus_per_node)[0]
+    )
     zeropp = zeropp_state_bytes(layout, psi_rank, psi_rank - small, p_bytes, per_node)
     return MemoryEstimate(psi_rank=psi_rank, activations=activations, buffers=buffers, zeropp=zeropp, **states)

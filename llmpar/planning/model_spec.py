@@ -11,6 +11,7 @@ Parameters per layer (h = hidden, f = ffn_hidden, k = kv_heads x head_dim):
 
 plus the token embedding V h, learned positions s h, the final norm and an untied head V h.
 """
+
 from __future__ import annotations
 
 import json
@@ -71,8 +72,9 @@ class ModelSpec:
         if self.hidden % self.n_heads:
             raise ValueError(f"model hidden={self.hidden} is not divisible by n_heads={self.n_heads}")
         if not isinstance(self.n_kv_heads, int) or self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads:
-            raise ValueError(f"model n_kv_heads={self.n_kv_heads!r} must be a positive divisor of "
-                             f"n_heads={self.n_heads}")
+            raise ValueError(
+                f"model n_kv_heads={self.n_kv_heads!r} must be a positive divisor of n_heads={self.n_heads}"
+            )
         if self.norm not in ("layernorm", "rmsnorm"):
             raise ValueError(f"model norm={self.norm!r}; accepted: 'layernorm', 'rmsnorm'")
 
@@ -86,7 +88,10 @@ class ModelSpec:
         llama_like = config.get("model_type") in ("llama", "mistral", "qwen2") or config.get("hidden_act") == "silu"
         kwargs: dict[str, Any] = (
             dict(gated_mlp=True, norm="rmsnorm", bias=False, learned_positions=False, tied_embeddings=False)
-            if llama_like else {"fused_qkv": True} if config.get("model_type") == "gpt2" else {}
+            if llama_like
+            else {"fused_qkv": True}
+            if config.get("model_type") == "gpt2"
+            else {}
         )
         for field_name, keys in _ALIASES.items():
             for key in keys:
@@ -195,7 +200,7 @@ class ModelSpec:
     def matmul_params(self) -> int:
         """Parameters that take part in a matmul per token: psi minus the input-embedding lookup tables
         (a tied embedding still counts, once, as the output head). Used for the 6 N FLOPs term."""
-        lookup = (self.seq_len * self.hidden if self.learned_positions else 0)
+        lookup = self.seq_len * self.hidden if self.learned_positions else 0
         if not self.tied_embeddings:
             lookup += self.vocab * self.hidden
         return self.num_params() - lookup

@@ -23,6 +23,7 @@ Constraints: tp divides the GPUs of a node and the (query and KV) heads, pp divi
 the global batch is a multiple of dp x micro-batch, GPU bytes <= gpu memory - reserve, offloaded bytes of a
 node's ranks <= host memory.
 """
+
 from __future__ import annotations
 
 import math
@@ -109,11 +110,18 @@ class PlanRow:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "layout": self.layout.to_dict(), "memory": self.memory.to_dict(),
-            "comm": {k: v.to_dict() for k, v in self.comm.items()}, "micro_batches": self.micro_batches,
-            "compute_s": self.compute_s, "bubble": self.bubble, "exposed_dp_s": self.exposed_dp_s,
-            "step_s": self.step_s, "tokens_per_s": self.tokens_per_s, "fits": self.fits,
-            "why_not": self.why_not, "explanation": self.explanation,
+            "layout": self.layout.to_dict(),
+            "memory": self.memory.to_dict(),
+            "comm": {k: v.to_dict() for k, v in self.comm.items()},
+            "micro_batches": self.micro_batches,
+            "compute_s": self.compute_s,
+            "bubble": self.bubble,
+            "exposed_dp_s": self.exposed_dp_s,
+            "step_s": self.step_s,
+            "tokens_per_s": self.tokens_per_s,
+            "fits": self.fits,
+            "why_not": self.why_not,
+            "explanation": self.explanation,
         }
 
 
@@ -158,8 +166,15 @@ def enumerate_layouts(req: PlanRequest, *, gpus: int | None = None, context: boo
             dp = gpus // (tp * pp)
             for stage, offload in _zero_offload_choices(dp, req.allow_offload):
                 for ckpt in CHECKPOINT_MODES:
-                    lay = Layout(tp=tp, pp=pp, dp=dp, zero_stage=stage, offload=offload,
-                                 sequence_parallel=req.sequence_parallel and tp > 1, activation_checkpointing=ckpt)
+                    lay = Layout(
+                        tp=tp,
+                        pp=pp,
+                        dp=dp,
+                        zero_stage=stage,
+                        offload=offload,
+                        sequence_parallel=req.sequence_parallel and tp > 1,
+                        activation_checkpointing=ckpt,
+                    )
                     out.append(lay)
                     packed = _zeropp_variant(lay, req.hardware.gpus_per_node) if req.zeropp else None
                     if packed is not None:
@@ -177,8 +192,12 @@ def _zeropp_variant(lay: Layout, gpus_per_node: int) -> Layout | None:
         return None
     if lay.zero_stage == 2:
         return replace(lay, zero_quantized_gradients=True)
-    return replace(lay, zero_quantized_weights=True, zero_hpz_partition_size=per_node if per_node > 1 else 1,
-                   zero_quantized_gradients=True)
+    return replace(
+        lay,
+        zero_quantized_weights=True,
+        zero_hpz_partition_size=per_node if per_node > 1 else 1,
+        zero_quantized_gradients=True,
+    )
 
 
 def zero_label(lay: Layout) -> str:
@@ -213,19 +232,44 @@ def evaluate(req: PlanRequest, layout: Layout) -> PlanRow:
         m = 1
     else:
         why, m = "", batch // (layout.dp * req.micro_batch)
-    mem = estimate_memory(spec, layout, precision=req.precision, micro_batch=req.micro_batch,
-                          micro_batches_in_flight=m, bucket_bytes=req.bucket_bytes, gpus_per_node=hw.gpus_per_node)
+    mem = estimate_memory(
+        spec,
+        layout,
+        precision=req.precision,
+        micro_batch=req.micro_batch,
+        micro_batches_in_flight=m,
+        bucket_bytes=req.bucket_bytes,
+        gpus_per_node=hw.gpus_per_node,
+    )
     cp = layout.cp
     flat = replace(layout, dp=layout.dp * cp, cp=1, tiled=False) if cp > 1 else layout  # ZeRO over dp x cp
-    comm = estimate_comm(spec, flat, hw, precision=req.precision, micro_batch=req.micro_batch, micro_batches=m,
-                         seq_len=math.ceil(spec.seq_len / cp))
+    comm = estimate_comm(
+        spec,
+        flat,
+        hw,
+        precision=req.precision,
+        micro_batch=req.micro_batch,
+        micro_batches=m,
+        seq_len=math.ceil(spec.seq_len / cp),
+    )
     tokens = batch * spec.seq_len
-    compute = _hardware_flops_per_token(spec, layout.activation_checkpointing) * tokens / (
-        layout.world_size * hw.peak_flops * req.mfu)
+    compute = (
+        _hardware_flops_per_token(spec, layout.activation_checkpointing)
+        * tokens
+        / (layout.world_size * hw.peak_flops * req.mfu)
+    )
     exposed_cp = 0.0
     if cp > 1:
-        comm["cp"], exposed_cp = cp_comm(spec, layout, hw, micro_batch=req.micro_batch, micro_batches=m,
-                                         precision=req.precision, mfu=req.mfu, tokens=tokens)
+        comm["cp"], exposed_cp = cp_comm(
+            spec,
+            layout,
+            hw,
+            micro_batch=req.micro_batch,
+            micro_batches=m,
+            precision=req.precision,
+            mfu=req.mfu,
+            tokens=tokens,
+        )
     p = layout.pp
     pipelined = (compute + comm["tp"].seconds + comm["pp"].seconds + exposed_cp) * (m + p - 1) / m
     overlap = compute if layout.zero_stage == 3 else compute * 2.0 / 3.0
@@ -237,9 +281,19 @@ def evaluate(req: PlanRequest, layout: Layout) -> PlanRow:
         why = f"needs {mem.total / 1e9:.1f} GB per GPU > {usable / 1e9:.1f} GB usable"
     if not why and node_cpu > hw.cpu_mem_per_node:
         why = f"offload needs {node_cpu / 1e9:.0f} GB host memory per node > {hw.cpu_mem_per_node / 1e9:.0f} GB"
-    row = PlanRow(layout=layout, memory=mem, comm=comm, micro_batches=m, compute_s=compute,
-                  bubble=(p - 1) / (m + p - 1), exposed_dp_s=exposed_dp, step_s=step, tokens_per_s=tokens / step,
-                  fits=not why, why_not=why)
+    row = PlanRow(
+        layout=layout,
+        memory=mem,
+        comm=comm,
+        micro_batches=m,
+        compute_s=compute,
+        bubble=(p - 1) / (m + p - 1),
+        exposed_dp_s=exposed_dp,
+        step_s=step,
+        tokens_per_s=tokens / step,
+        fits=not why,
+        why_not=why,
+    )
     row.explanation = explain(row, req)
     return row
 
@@ -249,31 +303,46 @@ def explain(row: PlanRow, req: PlanRequest) -> str:
     lay, c, parts = row.layout, row.comm, []
     if lay.tp > 1:
         sp = " + sequence parallel" if lay.sequence_parallel else ""
-        parts.append(f"tp={lay.tp}{sp} in a node: weights and activations /{lay.tp}, "
-                     f"{format_seconds(c['tp'].seconds)} of all-reduces")
+        parts.append(
+            f"tp={lay.tp}{sp} in a node: weights and activations /{lay.tp}, "
+            f"{format_seconds(c['tp'].seconds)} of all-reduces"
+        )
     else:
         parts.append("tp=1: no tensor-parallel traffic")
     if lay.pp > 1:
-        parts.append(f"pp={lay.pp}: {req.model.n_layers // lay.pp} layers per stage, bubble {row.bubble:.0%} "
-                     f"with m={row.micro_batches}")
-    what = {0: "replicated states", 1: "optimizer states sharded", 2: "optimizer states + grads sharded",
-            3: "all model states sharded"}[lay.zero_stage]
+        parts.append(
+            f"pp={lay.pp}: {req.model.n_layers // lay.pp} layers per stage, bubble {row.bubble:.0%} "
+            f"with m={row.micro_batches}"
+        )
+    what = {
+        0: "replicated states",
+        1: "optimizer states sharded",
+        2: "optimizer states + grads sharded",
+        3: "all model states sharded",
+    }[lay.zero_stage]
     if lay.dp * lay.cp > 1:
         over = f"dp={lay.dp}" + (f" x cp={lay.cp}" if lay.cp > 1 else "")
-        parts.append(f"{over} ZeRO-{lay.zero_stage} ({what} /{lay.dp * lay.cp}), {format_seconds(c['dp'].seconds)} "
-                     f"sync on {c['dp'].link}, {format_seconds(row.exposed_dp_s)} exposed")
+        parts.append(
+            f"{over} ZeRO-{lay.zero_stage} ({what} /{lay.dp * lay.cp}), {format_seconds(c['dp'].seconds)} "
+            f"sync on {c['dp'].link}, {format_seconds(row.exposed_dp_s)} exposed"
+        )
         if lay.compressed:
-            parts.append(f"ZeRO++ ({_zeropp_words(lay)}): {format_bytes(c['dp'].bytes)} sent, "
-                         f"{format_bytes(c['dp'].cross_node_bytes)} from other nodes per step, "
-                         f"+{format_bytes(row.memory.zeropp)} per GPU")
+            parts.append(
+                f"ZeRO++ ({_zeropp_words(lay)}): {format_bytes(c['dp'].bytes)} sent, "
+                f"{format_bytes(c['dp'].cross_node_bytes)} from other nodes per step, "
+                f"+{format_bytes(row.memory.zeropp)} per GPU"
+            )
     elif lay.zero_stage:
         parts.append(f"dp=1: ZeRO-{lay.zero_stage} used only for its CPU offload")
     else:
         parts.append("dp=1: no data-parallel traffic")
     if lay.offload != "none":
         parts.append(f"{lay.offload} offloaded to CPU: +{format_seconds(c['offload'].seconds)} PCIe + CPU Adam")
-    ckpt = {"none": "no recompute", "selective": "selective recompute (attention scores)",
-            "full": "full recompute (+1 forward)"}[lay.activation_checkpointing]
+    ckpt = {
+        "none": "no recompute",
+        "selective": "selective recompute (attention scores)",
+        "full": "full recompute (+1 forward)",
+    }[lay.activation_checkpointing]
     parts.append(f"{ckpt}: activations {row.memory.activations / 1e9:.1f} GB")
     if lay.cp > 1 or lay.tiled:
         cp_s = f", {format_seconds(c['cp'].seconds)} of cp traffic on {c['cp'].link}" if lay.cp > 1 else ""
@@ -300,11 +369,23 @@ def smallest_cluster(req: PlanRequest, *, limit: int = MAX_SEARCH_GPUS) -> tuple
     # floor: whatever dp does, activations and ZeRO-3's gathered layers stay on the GPU
     spec, usable = req.model, req.hardware.mem_bytes - req.reserve_bytes
     floor = min(
-        estimate_memory(spec, Layout(tp=tp, pp=pp, dp=2**30, zero_stage=3, offload="optimizer+params",
-                                     sequence_parallel=req.sequence_parallel and tp > 1,
-                                     activation_checkpointing="full"),
-                        precision=req.precision, micro_batch=req.micro_batch, bucket_bytes=req.bucket_bytes).total
-        for tp in _divisors(gpn) if spec.n_heads % tp == 0 and spec.n_kv_heads % tp == 0  # type: ignore[operator]
+        estimate_memory(
+            spec,
+            Layout(
+                tp=tp,
+                pp=pp,
+                dp=2**30,
+                zero_stage=3,
+                offload="optimizer+params",
+                sequence_parallel=req.sequence_parallel and tp > 1,
+                activation_checkpointing="full",
+            ),
+            precision=req.precision,
+            micro_batch=req.micro_batch,
+            bucket_bytes=req.bucket_bytes,
+        ).total
+        for tp in _divisors(gpn)
+        if spec.n_heads % tp == 0 and spec.n_kv_heads % tp == 0  # type: ignore[operator]
         for pp in _divisors(spec.n_layers)
     )
     if floor > usable:
@@ -319,8 +400,10 @@ def smallest_cluster(req: PlanRequest, *, limit: int = MAX_SEARCH_GPUS) -> tuple
 
 def _short(lay: Layout) -> str:
     cp = (f" cp={lay.cp} ({lay.cp_mode})" if lay.cp > 1 else "") + (" tiled" if lay.tiled else "")
-    return (f"tp={lay.tp} pp={lay.pp} dp={lay.dp}{cp} ZeRO-{zero_label(lay)} offload={lay.offload} "
-            f"recompute={lay.activation_checkpointing}")
+    return (
+        f"tp={lay.tp} pp={lay.pp} dp={lay.dp}{cp} ZeRO-{zero_label(lay)} offload={lay.offload} "
+        f"recompute={lay.activation_checkpointing}"
+    )
 
 
 def _reject_kind(why: str) -> str:
@@ -343,8 +426,9 @@ def plan(req: PlanRequest) -> PlanResult:
         long_rows = [evaluate(req, layout) for layout in enumerate_layouts(req, context=True)]
         if req.context_parallel == "auto" and any(r.fits for r in long_rows):
             rows = long_rows  # the recommendation: what fits only with context parallelism / tiling
-            note = (f"no layout without context parallelism or the tiled loss / MLP fits seq {req.model.seq_len}; "
-                    f"these do")
+            note = (
+                f"no layout without context parallelism or the tiled loss / MLP fits seq {req.model.seq_len}; these do"
+            )
         else:
             rows += long_rows
     ranked = sorted((r for r in rows if r.fits), key=lambda r: (r.step_s, r.memory.total))
@@ -357,27 +441,37 @@ def plan(req: PlanRequest) -> PlanResult:
         gb = req.hardware.mem_bytes / 1e9
         name = req.model.name
         if not rows:
-            result.message = (f"no layout of {req.gpus} GPUs exists for {name}: tp must divide "
-                              f"{req.gpus_per_node} GPUs per node and {req.model.n_heads} heads, pp must divide "
-                              f"{req.model.n_layers} layers, tp x pp must divide {req.gpus}")
+            result.message = (
+                f"no layout of {req.gpus} GPUs exists for {name}: tp must divide "
+                f"{req.gpus_per_node} GPUs per node and {req.model.n_heads} heads, pp must divide "
+                f"{req.model.n_layers} layers, tp x pp must divide {req.gpus}"
+            )
         else:
             best = min(rows, key=lambda r: r.memory.total)
-            result.message = (f"{name} ({req.model.num_params() / 1e9:.2f}B params) fits no layout on {req.gpus} x "
-                              f"{gb:.0f} GB GPUs; the most frugal ({_short(best.layout)}) {best.why_not}")
+            result.message = (
+                f"{name} ({req.model.num_params() / 1e9:.2f}B params) fits no layout on {req.gpus} x "
+                f"{gb:.0f} GB GPUs; the most frugal ({_short(best.layout)}) {best.why_not}"
+            )
         usable = req.hardware.mem_bytes - req.reserve_bytes
         if any(r.why_not.startswith("global batch") and r.memory.total <= usable for r in rows):
-            result.message = (f"{name}: no layout of {req.gpus} GPUs divides the global batch {req.batch} into "
-                              f"dp x micro-batch {req.micro_batch}; choose a global batch that is a multiple of "
-                              f"dp x micro-batch")
+            result.message = (
+                f"{name}: no layout of {req.gpus} GPUs divides the global batch {req.batch} into "
+                f"dp x micro-batch {req.micro_batch}; choose a global batch that is a multiple of "
+                f"dp x micro-batch"
+            )
             return result
         found = smallest_cluster(req)
         if found is None:
             result.message += f". No cluster of up to {MAX_SEARCH_GPUS} such GPUs fits it."
         else:
             result.smallest_cluster, result.smallest_layout = found
-            result.message += (f". Smallest cluster of {gb:.0f} GB GPUs that fits: {found[0]} GPUs "
-                               f"({_short(found[1].layout)}, {found[1].memory.total / 1e9:.1f} GB per GPU).")
+            result.message += (
+                f". Smallest cluster of {gb:.0f} GB GPUs that fits: {found[0]} GPUs "
+                f"({_short(found[1].layout)}, {found[1].memory.total / 1e9:.1f} GB per GPU)."
+            )
             if found[0] < req.gpus:
-                result.message += (f" {req.gpus} GPUs fail on divisibility (tp | GPUs per node and heads, "
-                                   f"pp | layers, tp x pp | GPUs), not on size.")
+                result.message += (
+                    f" {req.gpus} GPUs fail on divisibility (tp | GPUs per node and heads, "
+                    f"pp | layers, tp x pp | GPUs), not on size."
+                )
     return result

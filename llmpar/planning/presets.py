@@ -4,6 +4,7 @@ Model shapes are the published ones: GPT-2 from the OpenAI release (n_positions 
 Llama 7B/13B from Touvron et al. 2023a, 70B from Llama 2 (grouped-query attention with 8 KV heads); all Llama at
 the Llama 2 context of 4096. Parameter counts: 124.4M, 354.8M, 774.0M, 1.558B, 6.738B, 13.016B, 68.977B.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,15 +14,26 @@ from .model_spec import ModelSpec
 
 
 def _gpt2(name: str, n_layers: int, hidden: int, n_heads: int) -> ModelSpec:
-    return ModelSpec(name=name, n_layers=n_layers, hidden=hidden, n_heads=n_heads, vocab=50257, seq_len=1024,
-                     fused_qkv=True)
+    return ModelSpec(
+        name=name, n_layers=n_layers, hidden=hidden, n_heads=n_heads, vocab=50257, seq_len=1024, fused_qkv=True
+    )
 
 
 def _llama(name: str, n_layers: int, hidden: int, n_heads: int, ffn: int, kv_heads: int | None = None) -> ModelSpec:
     return ModelSpec(
-        name=name, n_layers=n_layers, hidden=hidden, n_heads=n_heads, n_kv_heads=kv_heads, vocab=32000,
-        seq_len=4096, ffn_hidden=ffn, tied_embeddings=False, gated_mlp=True, learned_positions=False,
-        norm="rmsnorm", bias=False,
+        name=name,
+        n_layers=n_layers,
+        hidden=hidden,
+        n_heads=n_heads,
+        n_kv_heads=kv_heads,
+        vocab=32000,
+        seq_len=4096,
+        ffn_hidden=ffn,
+        tied_embeddings=False,
+        gated_mlp=True,
+        learned_positions=False,
+        norm="rmsnorm",
+        bias=False,
     )
 
 
@@ -72,8 +84,15 @@ class Hardware:
     cpu_adam_params_per_s: float = 1e9
 
     def __post_init__(self) -> None:
-        for name in ("mem_bytes", "peak_flops", "intra_node_bw", "inter_node_bw", "pcie_bw", "cpu_mem_per_node",
-                     "cpu_adam_params_per_s"):
+        for name in (
+            "mem_bytes",
+            "peak_flops",
+            "intra_node_bw",
+            "inter_node_bw",
+            "pcie_bw",
+            "cpu_mem_per_node",
+            "cpu_adam_params_per_s",
+        ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"hardware {name}={getattr(self, name)!r} must be positive")
         if not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
@@ -85,10 +104,12 @@ GPU_PRESETS: dict[str, Hardware] = {
     "a100-40gb": Hardware(name="a100-40gb", mem_bytes=40e9, peak_flops=312e12, intra_node_bw=300e9, inter_node_bw=25e9),
     "a100": Hardware(name="a100", mem_bytes=80e9, peak_flops=312e12, intra_node_bw=300e9, inter_node_bw=25e9),
     # H100 / H200 SXM: 989 TFLOP/s dense bf16, NVLink4 900 GB/s bidirectional, NDR 400 Gb/s per GPU, PCIe 5
-    "h100": Hardware(name="h100", mem_bytes=80e9, peak_flops=989e12, intra_node_bw=450e9, inter_node_bw=50e9,
-                     pcie_bw=50e9),
-    "h200": Hardware(name="h200", mem_bytes=141e9, peak_flops=989e12, intra_node_bw=450e9, inter_node_bw=50e9,
-                     pcie_bw=50e9),
+    "h100": Hardware(
+        name="h100", mem_bytes=80e9, peak_flops=989e12, intra_node_bw=450e9, inter_node_bw=50e9, pcie_bw=50e9
+    ),
+    "h200": Hardware(
+        name="h200", mem_bytes=141e9, peak_flops=989e12, intra_node_bw=450e9, inter_node_bw=50e9, pcie_bw=50e9
+    ),
 }
 
 

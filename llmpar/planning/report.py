@@ -1,4 +1,5 @@
 """Readable tables and JSON for the planner and the Chinchilla calculator."""
+
 from __future__ import annotations
 
 import json
@@ -12,12 +13,14 @@ from .units import format_bytes, format_count, format_seconds
 def plan_header(result: PlanResult) -> str:
     req = result.request
     spec, hw = req.model, req.hardware
-    return (f"{spec.name} ({format_count(spec.num_params())} params, {spec.n_layers} layers, hidden {spec.hidden}, "
-            f"{spec.n_heads} heads) on {req.gpus} x {hw.name} ({format_bytes(hw.mem_bytes)}, "
-            f"{req.gpus_per_node} per node)\n"
-            f"seq {spec.seq_len}, micro-batch {req.micro_batch}, global batch {req.batch} "
-            f"({format_count(req.batch * spec.seq_len)} tokens), {req.precision}, mfu {req.mfu:g}, "
-            f"reserve {format_bytes(req.reserve_bytes)} per GPU")
+    return (
+        f"{spec.name} ({format_count(spec.num_params())} params, {spec.n_layers} layers, hidden {spec.hidden}, "
+        f"{spec.n_heads} heads) on {req.gpus} x {hw.name} ({format_bytes(hw.mem_bytes)}, "
+        f"{req.gpus_per_node} per node)\n"
+        f"seq {spec.seq_len}, micro-batch {req.micro_batch}, global batch {req.batch} "
+        f"({format_count(req.batch * spec.seq_len)} tokens), {req.precision}, mfu {req.mfu:g}, "
+        f"reserve {format_bytes(req.reserve_bytes)} per GPU"
+    )
 
 
 def plan_table(result: PlanResult, *, top: int = 10, explain: bool = True) -> str:
@@ -29,8 +32,10 @@ def plan_table(result: PlanResult, *, top: int = 10, explain: bool = True) -> st
         lines += [result.message, ""]
     long = any(r.layout.cp > 1 or r.layout.tiled for r in result.ranked[:top])
     cp_head = f" {'cp':>8}" if long else ""
-    head = (f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>4}{cp_head} {'ZeRO':>4} {'offload':<16} {'recompute':<9} "
-            f"{'GB/GPU':>7} {'step':>9} {'tokens/s':>9} {'MFU':>5} {'bubble':>6}")
+    head = (
+        f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>4}{cp_head} {'ZeRO':>4} {'offload':<16} {'recompute':<9} "
+        f"{'GB/GPU':>7} {'step':>9} {'tokens/s':>9} {'MFU':>5} {'bubble':>6}"
+    )
     lines += [head, "-" * len(head)]
     for i, row in enumerate(result.ranked[:top], 1):
         lay = row.layout
@@ -39,7 +44,8 @@ def plan_table(result: PlanResult, *, top: int = 10, explain: bool = True) -> st
             f"{i:>3} {lay.tp:>3} {lay.pp:>3} {lay.dp:>4}{cp} {zero_label(lay):>4} {lay.offload:<16} "
             f"{lay.activation_checkpointing:<9} {row.memory.total / 1e9:>7.1f} {format_seconds(row.step_s):>9} "
             f"{format_count(row.tokens_per_s):>9} {model_flops_utilisation(row, result.request):>5.0%} "
-            f"{row.bubble:>6.0%}")
+            f"{row.bubble:>6.0%}"
+        )
         if explain:
             lines.append(f"      {row.explanation}")
     rest = len(result.ranked) - top
@@ -62,16 +68,24 @@ def plan_json(result: PlanResult, *, top: int | None = None) -> str:
     doc: dict[str, Any] = {
         "model": {**req.model.to_dict(), "params": req.model.num_params()},
         "hardware": {k: getattr(req.hardware, k) for k in req.hardware.__dataclass_fields__},
-        "gpus": req.gpus, "gpus_per_node": req.gpus_per_node, "micro_batch": req.micro_batch,
-        "global_batch": req.batch, "precision": req.precision, "mfu": req.mfu, "reserve_bytes": req.reserve_bytes,
-        "fits": bool(result.ranked), "layouts": [r.to_dict() for r in rows], "rejected": result.rejected,
-        "smallest_cluster": result.smallest_cluster, "message": result.message,
+        "gpus": req.gpus,
+        "gpus_per_node": req.gpus_per_node,
+        "micro_batch": req.micro_batch,
+        "global_batch": req.batch,
+        "precision": req.precision,
+        "mfu": req.mfu,
+        "reserve_bytes": req.reserve_bytes,
+        "fits": bool(result.ranked),
+        "layouts": [r.to_dict() for r in rows],
+        "rejected": result.rejected,
+        "smallest_cluster": result.smallest_cluster,
+        "message": result.message,
     }
     return json.dumps(doc, indent=2)
 
 
 def chinchilla_table(res: ChinchillaResult, extra: dict[str, Any]) -> str:
-    how = ("compute-optimal: N = sqrt(C / (6 r)), D = r N" if res.compute_optimal else "from C = 6 N D")
+    how = "compute-optimal: N = sqrt(C / (6 r)), D = r N" if res.compute_optimal else "from C = 6 N D"
     lines = [
         f"compute C       {res.compute:.3e} FLOPs",
         f"params N        {format_count(res.params)} ({res.params:.3e})",
@@ -82,7 +96,9 @@ def chinchilla_table(res: ChinchillaResult, extra: dict[str, Any]) -> str:
         lines.append(f"FLOPs/token     {extra['flops_per_token']:.3e}   [6N + 12 L h s, {extra['flops_model']}]")
         lines.append(f"C with attention {extra['compute_with_attention']:.3e} FLOPs")
     if "seconds" in extra:
-        lines.append(f"time to train   {format_seconds(extra['seconds'])} on {extra['gpus']} x "
-                     f"{extra['peak_flops'] / 1e12:g} TFLOP/s at MFU {extra['mfu']:g} "
-                     f"({extra['gpu_hours']:.3g} GPU-hours)")
+        lines.append(
+            f"time to train   {format_seconds(extra['seconds'])} on {extra['gpus']} x "
+            f"{extra['peak_flops'] / 1e12:g} TFLOP/s at MFU {extra['mfu']:g} "
+            f"({extra['gpu_hours']:.3g} GPU-hours)"
+        )
     return "\n".join(lines)

@@ -3,14 +3,21 @@
 Sizes follow the SI convention used by the ZeRO paper and by GPU vendors: 1 GB = 1e9 bytes, while
 1 GiB = 2**30 bytes. A bare number is read as GB.
 """
+
 from __future__ import annotations
 
 import re
 
 _UNITS: dict[str, float] = {
     "b": 1.0,
-    "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
-    "kib": 2.0**10, "mib": 2.0**20, "gib": 2.0**30, "tib": 2.0**40,
+    "kb": 1e3,
+    "mb": 1e6,
+    "gb": 1e9,
+    "tb": 1e12,
+    "kib": 2.0**10,
+    "mib": 2.0**20,
+    "gib": 2.0**30,
+    "tib": 2.0**40,
 }
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
@@ -25,8 +32,9 @@ def parse_bytes(text: str | float | int, *, name: str = "size") -> float:
             raise ValueError(f"{name} {text!r} is not a size; expected a number with a unit such as '80GB' or '80GiB'")
         value, unit = float(match.group(1)), (match.group(2).lower() or "gb")
         if unit not in _UNITS:
-            raise ValueError(f"{name} {text!r} has unknown unit {match.group(2)!r}; accepted: B, KB, MB, GB, TB, "
-                             "KiB, MiB, GiB, TiB")
+            raise ValueError(
+                f"{name} {text!r} has unknown unit {match.group(2)!r}; accepted: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
+            )
     if value <= 0:
         raise ValueError(f"{name} {text!r} must be positive")
     return value * _UNITS[unit]

@@ -5,6 +5,7 @@ blockwise-quantized rows, and the per-step bytes / cross-node bytes of the ZeRO 
 A node holds ``gpus_per_node`` consecutive global ranks, tp innermost, then dp, then pp: a dp group of d ranks
 (global stride tp) has ``gpus_per_node / tp`` of its ranks on each node it spans.
 """
+
 from __future__ import annotations
 
 import math
@@ -25,8 +26,10 @@ def dp_nodes(*, tp: int, dp: int, pp: int, gpus_per_node: int) -> tuple[int, boo
     if span <= gpus_per_node:
         return dp, True
     if gpus_per_node % tp:
-        raise ValueError(f"gpus_per_node={gpus_per_node} is not a multiple of tp={tp}: the dp ranks of a node are "
-                         "not whole tp groups")
+        raise ValueError(
+            f"gpus_per_node={gpus_per_node} is not a multiple of tp={tp}: the dp ranks of a node are "
+            "not whole tp groups"
+        )
     fewest = gpus_per_node // tp
     for stage in range(pp):  # stage s holds global ranks [s span, (s+1) span): its first and last node may be partial
         start = stage * span
@@ -43,11 +46,15 @@ def _cross(group: int, per_node: int) -> int:
 
 def _check_nested(name: str, k: int, per_node: int, even: bool, layout: Any) -> None:
     if not even:
-        raise ValueError(f"{name}={k}: the dp ranks of layout tp={layout.tp} dp={layout.dp} pp={layout.pp} do not "
-                         f"split evenly over the nodes; choose a layout whose tp x dp is a multiple of gpus_per_node")
+        raise ValueError(
+            f"{name}={k}: the dp ranks of layout tp={layout.tp} dp={layout.dp} pp={layout.pp} do not "
+            f"split evenly over the nodes; choose a layout whose tp x dp is a multiple of gpus_per_node"
+        )
     if k % per_node and per_node % k:
-        raise ValueError(f"{name}={k} and the {per_node} dp ranks of a node: one must divide the other (a group "
-                         "inside a node or spanning whole nodes)")
+        raise ValueError(
+            f"{name}={k} and the {per_node} dp ranks of a node: one must divide the other (a group "
+            "inside a node or spanning whole nodes)"
+        )
 
 
 def grad_per_node(layout: Any, per_node: int, even: bool) -> int:
@@ -60,8 +67,9 @@ def grad_per_node(layout: Any, per_node: int, even: bool) -> int:
     return q
 
 
-def dp_comm(layout: Any, psi: float, *, pb: int, gb: int, micro_batches: int, per_node: int,
-            even: bool, kept: float = 0.0) -> tuple[float, float]:
+def dp_comm(
+    layout: Any, psi: float, *, pb: int, gb: int, micro_batches: int, per_node: int, even: bool, kept: float = 0.0
+) -> tuple[float, float]:
     """(bytes one dp rank sends, bytes it receives from other nodes in the direct form) per step; stage 3:
     ``kept`` of the ``psi`` params stay gathered from forward to backward (not gathered again)."""
     d, m = layout.dp, micro_batches
@@ -80,8 +88,10 @@ def dp_comm(layout: Any, psi: float, *, pb: int, gb: int, micro_batches: int, pe
         rb = quant_row_bytes(chunk, layout.zero_quantized_gradients_bits, block)
         nodes = d // q
         if 1 < q < d:  # inside the node (n rows to each of q-1 peers), then between nodes (1 row to each of n-1)
-            reduce = ((q - 1) * nodes * rb + (nodes - 1) * rb,
-                      _cross(q, per_node) * nodes * rb + (nodes - max(1, per_node // q)) * rb)
+            reduce = (
+                (q - 1) * nodes * rb + (nodes - 1) * rb,
+                _cross(q, per_node) * nodes * rb + (nodes - max(1, per_node // q)) * rb,
+            )
         else:
             reduce = ((d - 1) * rb, x_dp * rb)
     else:

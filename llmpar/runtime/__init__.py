@@ -5,6 +5,7 @@
 ``engine_base.py`` / ``engine.py`` / ``pipeline_engine.py`` are the engines. Everything below (zero/, pipeline/,
 checkpoint/, tensor_parallel/, ops/) knows nothing of configs or engines; the command line sits on top.
 """
+
 import importlib
 from typing import Any
 
@@ -25,5 +26,14 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'llmpar.runtime' has no attribute {name!r}")
 
 
-__all__ = ["Blocks", "Config", "Engine", "EngineBase", "PipelineEngine", "SchedulerConfig", "WarmupSchedule",
-           "initialize", "read_config"]
+__all__ = [
+    "Blocks",
+    "Config",
+    "Engine",
+    "EngineBase",
+    "PipelineEngine",
+    "SchedulerConfig",
+    "WarmupSchedule",
+    "initialize",
+    "read_config",
+]

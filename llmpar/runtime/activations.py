@@ -33,6 +33,7 @@ backward; ``llmpar.models.GPT`` uses it (``tests/test_activation_ckpt.py`` measu
 Both engines apply it: the plain one (ZeRO 0-3: a stage-3 unit is re-gathered before its recompute, by the node
 on its outputs) and the pipeline one (its stages hold the model's own blocks, wrapped before the split).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -77,8 +78,9 @@ class PartitionedInputs(torch.autograd.graph.saved_tensors_hooks):
         n = -(-flat.numel() // self.size)
         a, z = min(self.rank * n, flat.numel()), min((self.rank + 1) * n, flat.numel())
         host = self.to_host and t.device.type != "cpu"
-        piece = torch.zeros(n, dtype=t.dtype, device="cpu" if host else t.device,
-                            pin_memory=host and torch.cuda.is_available())
+        piece = torch.zeros(
+            n, dtype=t.dtype, device="cpu" if host else t.device, pin_memory=host and torch.cuda.is_available()
+        )
         piece[: z - a].copy_(flat[a:z])
         self.held_bytes += piece.numel() * piece.element_size()
         return piece, (t.shape, t.numel(), t.device)
@@ -89,22 +91,29 @@ class PartitionedInputs(torch.autograd.graph.saved_tensors_hooks):
             return piece
         shape, numel, device = meta
         full = torch.empty(piece.numel() * self.size, dtype=piece.dtype, device=device)
-        all_gather_flat(full, piece.to(device, non_blocking=True), self.group,
-                        what="all-gather of a partitioned activation checkpoint")
+        all_gather_flat(
+            full,
+            piece.to(device, non_blocking=True),
+            self.group,
+            what="all-gather of a partitioned activation checkpoint",
+        )
         return full[:numel].view(shape)
 
 
-def checkpoint_blocks(model: nn.Module, *, first: int | None = None, save: SaveContext | None = None,
-                      synchronize: bool = False) -> list[str]:
+def checkpoint_blocks(
+    model: nn.Module, *, first: int | None = None, save: SaveContext | None = None, synchronize: bool = False
+) -> list[str]:
     """Recompute the model's blocks (:func:`exposed_blocks`, the first ``first`` of them) in backward; ``save``: a
     context (factory) entered around each checkpoint, whose saved-tensor hooks take the blocks' saved inputs
     (``save_on_cpu``, :class:`PartitionedInputs`). Returns the names of the blocks wrapped (a block wrapped before
     is left as it is)."""
     blocks = exposed_blocks(model)
     if not blocks:
-        raise ValueError('"activation_checkpointing": the model exposes no blocks to recompute (an nn.ModuleList / '
-                         "nn.Sequential of modules, or pipeline_blocks()); checkpoint inside the model with "
-                         "torch.utils.checkpoint instead")
+        raise ValueError(
+            '"activation_checkpointing": the model exposes no blocks to recompute (an nn.ModuleList / '
+            "nn.Sequential of modules, or pipeline_blocks()); checkpoint inside the model with "
+            "torch.utils.checkpoint instead"
+        )
     chosen = blocks[:first] if first is not None else blocks
     for _, module in chosen:
         _wrap(module, save, synchronize)
@@ -128,8 +137,9 @@ def _wrap(module: nn.Module, save: SaveContext | None, synchronize: bool) -> Non
     module._llmpar_recompute = inner  # type: ignore[assignment]
 
 
-def apply_activation_checkpointing(model: nn.Module, cfg: ActivationCheckpointingConfig,
-                                   tp_group: Group | None = None) -> list[str]:
+def apply_activation_checkpointing(
+    model: nn.Module, cfg: ActivationCheckpointingConfig, tp_group: Group | None = None
+) -> list[str]:
     """The block's settings applied to ``model`` (module docstring); returns the blocks wrapped ([] when off)."""
     if not cfg.enabled:
         return []
@@ -143,8 +153,10 @@ def apply_activation_checkpointing(model: nn.Module, cfg: ActivationCheckpointin
         logger.info("activation_checkpointing.partition_activations: no tensor parallelism: nothing to partition")
     elif partition and any(getattr(m, "sequence_parallel", False) for m in model.modules()):
         partition = False
-        logger.info("activation_checkpointing.partition_activations: sequence parallelism already splits the "
-                    "block inputs over tp: no effect")
+        logger.info(
+            "activation_checkpointing.partition_activations: sequence parallelism already splits the "
+            "block inputs over tp: no effect"
+        )
     for flag in ("contiguous_memory_optimization", "profile"):
         if getattr(cfg, flag):
             logger.info("activation_checkpointing.%s: no effect in llmpar", flag)
@@ -154,11 +166,15 @@ def apply_activation_checkpointing(model: nn.Module, cfg: ActivationCheckpointin
         save = lambda: parts  # noqa: E731
     elif to_host:
         save = lambda: torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())  # noqa: E731
-    names = checkpoint_blocks(model, first=cfg.number_checkpoints, save=save,
-                              synchronize=cfg.synchronize_checkpoint_boundary)
-    logger.info("activation checkpointing: %d block(s) recomputed in backward (%s%s)", len(names),
-                ", ".join(names[:3]) + (", ..." if len(names) > 3 else ""),
-                "; inputs split over tp" if partition else "; inputs on the host" if to_host else "")
+    names = checkpoint_blocks(
+        model, first=cfg.number_checkpoints, save=save, synchronize=cfg.synchronize_checkpoint_boundary
+    )
+    logger.info(
+        "activation checkpointing: %d block(s) recomputed in backward (%s%s)",
+        len(names),
+        ", ".join(names[:3]) + (", ..." if len(names) > 3 else ""),
+        "; inputs split over tp" if partition else "; inputs on the host" if to_host else "",
+    )
     return names
 
 

@@ -11,6 +11,7 @@ local rank its launcher passes.
 sets ``LOCAL_RANK``; DeepSpeed's launcher sets it too and also passes ``--local_rank``). After ``initialize``,
 ``args.local_rank`` holds the local rank, as DeepSpeed leaves it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,13 +29,22 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     if not isinstance(parser, argparse.ArgumentParser):
         raise TypeError(f"parser must be an argparse.ArgumentParser, got {type(parser).__name__}")
     group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
-    group.add_argument("--deepspeed", default=False, action="store_true",
-                       help="Enable DeepSpeed (helper flag for user code, no impact on the engine)")
+    group.add_argument(
+        "--deepspeed",
+        default=False,
+        action="store_true",
+        help="Enable DeepSpeed (helper flag for user code, no impact on the engine)",
+    )
     group.add_argument("--deepspeed_config", default=None, type=str, help="DeepSpeed json configuration file.")
-    group.add_argument("--deepscale", default=False, action="store_true",
-                       help="Deprecated enable DeepSpeed (helper flag for user code, no impact on the engine)")
-    group.add_argument("--deepscale_config", default=None, type=str,
-                       help="Deprecated DeepSpeed json configuration file.")
+    group.add_argument(
+        "--deepscale",
+        default=False,
+        action="store_true",
+        help="Deprecated enable DeepSpeed (helper flag for user code, no impact on the engine)",
+    )
+    group.add_argument(
+        "--deepscale_config", default=None, type=str, help="Deprecated DeepSpeed json configuration file."
+    )
     return parser
 
 
@@ -49,18 +59,24 @@ def config_from_args(args: Any, config: Any, config_params: Any) -> Any:
         legacy = getattr(args, "deepscale_config", None)
         if legacy is not None:
             if given is not None:
-                raise ValueError(f"args has both deepspeed_config={given!r} and the deprecated deepscale_config="
-                                 f"{legacy!r}: give --deepspeed_config only")
+                raise ValueError(
+                    f"args has both deepspeed_config={given!r} and the deprecated deepscale_config="
+                    f"{legacy!r}: give --deepspeed_config only"
+                )
             logger.warning("--deepscale_config is deprecated, use --deepspeed_config")
             given = legacy
         if given is not None:
             if config is not None:
-                raise ValueError(f"the DeepSpeed config is given twice: args.deepspeed_config={given!r} and config=; "
-                                 "give one of them")
+                raise ValueError(
+                    f"the DeepSpeed config is given twice: args.deepspeed_config={given!r} and config=; "
+                    "give one of them"
+                )
             config = given
     if config is None:
-        raise ValueError("llmpar.initialize needs a DeepSpeed config: config= (a dict or the path of a JSON file), or "
-                         "args= with --deepspeed_config PATH (llmpar.add_config_arguments(parser) adds the flag)")
+        raise ValueError(
+            "llmpar.initialize needs a DeepSpeed config: config= (a dict or the path of a JSON file), or "
+            "args= with --deepspeed_config PATH (llmpar.add_config_arguments(parser) adds the flag)"
+        )
     return config
 
 
@@ -74,8 +90,10 @@ def take_local_rank(args: Any) -> None:
         raise TypeError(f"args.local_rank must be an int, got {type(value).__name__} {value!r}")
     env = os.environ.get("LOCAL_RANK")
     if value >= 0 and env not in (None, "") and int(env) != value:
-        raise ValueError(f"args.local_rank={value} but the environment has LOCAL_RANK={env}: launch with one "
-                         "launcher (torchrun sets LOCAL_RANK, DeepSpeed's launcher sets both alike)")
+        raise ValueError(
+            f"args.local_rank={value} but the environment has LOCAL_RANK={env}: launch with one "
+            "launcher (torchrun sets LOCAL_RANK, DeepSpeed's launcher sets both alike)"
+        )
     if value >= 0 and env in (None, ""):
         os.environ["LOCAL_RANK"] = str(value)  # DeepSpeed's engine reads LOCAL_RANK; so do llmpar's device choice
 

@@ -8,6 +8,7 @@ DeepSpeed's spelling lives here only: its aliases (``gather_16bit_weights_on_mod
 its implementation switches (``torch_adam``, ``fused``) and the keys llmpar does not support, each an error saying so.
 An unknown key is an error naming the nearest valid one.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
@@ -20,8 +21,16 @@ from llmpar.zero.config import OPTIMIZER_TYPES, OffloadConfig, OptimizerConfig, 
 from llmpar.zero.loss_scale import check_scaling
 
 _UNSUPPORTED_OPTIMIZERS = ("OneBitAdam", "ZeroOneAdam", "OneBitLamb", "Lamb", "Lion", "Adagrad", "Muon", "SGD")
-_OPTIMIZER_PARAMS = ["lr", "betas", "eps", "weight_decay", "precision", "state_precision", "stochastic_rounding",
-                     "seed"]
+_OPTIMIZER_PARAMS = [
+    "lr",
+    "betas",
+    "eps",
+    "weight_decay",
+    "precision",
+    "state_precision",
+    "stochastic_rounding",
+    "seed",
+]
 _SCHEDULER_PARAMS = {  # the params block each schedule takes
     "WarmupLR": ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type"),
     "WarmupDecayLR": ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "total_num_steps"),
@@ -31,8 +40,11 @@ _SCHEDULER_PARAMS = {  # the params block each schedule takes
 
 # the name llmpar's ZeroConfig keeps, and DeepSpeed's other names for it: ``gather_16bit_weights_on_model_save`` (its
 # field name; the ``stage3_`` form is its alias) and the older ``stage3_gather_fp16_weights_on_model_save``
-_GATHER_16BIT = ("stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
-                 "stage3_gather_fp16_weights_on_model_save")
+_GATHER_16BIT = (
+    "stage3_gather_16bit_weights_on_model_save",
+    "gather_16bit_weights_on_model_save",
+    "stage3_gather_fp16_weights_on_model_save",
+)
 
 
 def zero_block(block: Any) -> ZeroConfig:
@@ -41,8 +53,10 @@ def zero_block(block: Any) -> ZeroConfig:
     d = dict(block)
     given = [k for k in _GATHER_16BIT if k in d]
     if len(given) > 1:
-        raise ValueError(f"zero_optimization: {' and '.join(repr(k) for k in given)} are one setting under several "
-                         "names (DeepSpeed's aliases): give one of them")
+        raise ValueError(
+            f"zero_optimization: {' and '.join(repr(k) for k in given)} are one setting under several "
+            "names (DeepSpeed's aliases): give one of them"
+        )
     if given:
         d[_GATHER_16BIT[0]] = d.pop(given[0])
     for key in ("offload_optimizer", "offload_param"):
@@ -61,10 +75,14 @@ def optimizer_block(block: Any) -> OptimizerConfig:
     typ = block["type"]
     if not isinstance(typ, str) or typ.lower() not in OPTIMIZER_TYPES:
         if isinstance(typ, str) and typ.lower() in {t.lower() for t in _UNSUPPORTED_OPTIMIZERS}:
-            raise ValueError(f'"optimizer.type"={typ!r} is a DeepSpeed optimizer llmpar does not support; '
-                             "use AdamW, Adam, AdamW8bit or AdamW4bit")
-        raise ValueError(f'"optimizer.type"={typ!r} is not known{nearest(str(typ), list(OPTIMIZER_TYPES.values()))}; '
-                         "use AdamW, Adam, AdamW8bit or AdamW4bit")
+            raise ValueError(
+                f'"optimizer.type"={typ!r} is a DeepSpeed optimizer llmpar does not support; '
+                "use AdamW, Adam, AdamW8bit or AdamW4bit"
+            )
+        raise ValueError(
+            f'"optimizer.type"={typ!r} is not known{nearest(str(typ), list(OPTIMIZER_TYPES.values()))}; '
+            "use AdamW, Adam, AdamW8bit or AdamW4bit"
+        )
     params = block.get("params", {})
     check_keys("optimizer.params", params, _OPTIMIZER_PARAMS)  # DeepSpeed's switches were taken out by ds_keys
     return OptimizerConfig(type=typ, **params)
@@ -119,10 +137,12 @@ class PipelineConfig:
         if isinstance(self.partition, str):
             self.partition = "parameters" if self.partition == "best" else self.partition
             if self.partition != "parameters":
-                raise ValueError(f'"pipeline.partition"={self.partition!r} must be "parameters" or a list of '
-                                 "block boundaries")
-        elif not isinstance(self.partition, list) or not all(isinstance(b, int) and not isinstance(b, bool)
-                                                             for b in self.partition):
+                raise ValueError(
+                    f'"pipeline.partition"={self.partition!r} must be "parameters" or a list of block boundaries'
+                )
+        elif not isinstance(self.partition, list) or not all(
+            isinstance(b, int) and not isinstance(b, bool) for b in self.partition
+        ):
             raise TypeError(f'"pipeline.partition" must be "parameters" or a list of ints, got {self.partition!r}')
 
     @property
@@ -171,16 +191,21 @@ class Fp16Config:
 
     def __post_init__(self) -> None:
         self.enabled = as_bool("fp16.enabled", self.enabled)
-        checked = check_scaling(loss_scale=self.loss_scale, initial_scale_power=self.initial_scale_power,
-                                loss_scale_window=self.loss_scale_window, hysteresis=self.hysteresis,
-                                consecutive_hysteresis=self.consecutive_hysteresis,
-                                min_loss_scale=self.min_loss_scale)  # the LossScaler's own ranges, at parse time
+        checked = check_scaling(
+            loss_scale=self.loss_scale,
+            initial_scale_power=self.initial_scale_power,
+            loss_scale_window=self.loss_scale_window,
+            hysteresis=self.hysteresis,
+            consecutive_hysteresis=self.consecutive_hysteresis,
+            min_loss_scale=self.min_loss_scale,
+        )  # the LossScaler's own ranges, at parse time
         for name, value in checked.items():
             setattr(self, name, value)
         self.auto_cast = as_bool("fp16.auto_cast", self.auto_cast)
         if self.auto_cast:
-            raise ValueError('"fp16.auto_cast"=true: not supported: the model runs in float16 (autocast inside the '
-                             "engine is not)")
+            raise ValueError(
+                '"fp16.auto_cast"=true: not supported: the model runs in float16 (autocast inside the engine is not)'
+            )
 
 
 def fp16_block(block: Any) -> Fp16Config:
@@ -202,12 +227,19 @@ class ActivationCheckpointingConfig:
     profile: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("enabled", "partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
-                     "synchronize_checkpoint_boundary", "profile"):
+        for name in (
+            "enabled",
+            "partition_activations",
+            "cpu_checkpointing",
+            "contiguous_memory_optimization",
+            "synchronize_checkpoint_boundary",
+            "profile",
+        ):
             setattr(self, name, as_bool(f"activation_checkpointing.{name}", getattr(self, name)))
         if self.number_checkpoints is not None:
-            self.number_checkpoints = as_int("activation_checkpointing.number_checkpoints", self.number_checkpoints,
-                                             minimum=1)
+            self.number_checkpoints = as_int(
+                "activation_checkpointing.number_checkpoints", self.number_checkpoints, minimum=1
+            )
 
 
 def activation_checkpointing_block(block: Any) -> ActivationCheckpointingConfig:
@@ -216,6 +248,16 @@ def activation_checkpointing_block(block: Any) -> ActivationCheckpointingConfig:
     return ActivationCheckpointingConfig(enabled=True, **block)
 
 
-__all__ = ["ActivationCheckpointingConfig", "Fp16Config", "PipelineConfig", "TensorParallelConfig",
-           "activation_checkpointing_block", "fp16_block", "optimizer_block", "pipeline_block", "scheduler_block",
-           "tensor_parallel_block", "zero_block"]
+__all__ = [
+    "ActivationCheckpointingConfig",
+    "Fp16Config",
+    "PipelineConfig",
+    "TensorParallelConfig",
+    "activation_checkpointing_block",
+    "fp16_block",
+    "optimizer_block",
+    "pipeline_block",
+    "scheduler_block",
+    "tensor_parallel_block",
+    "zero_block",
+]

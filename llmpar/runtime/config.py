@@ -16,6 +16,7 @@ llmpar's own blocks: pipeline (its micro_batches is gradient_accumulation_steps,
 An unknown key is an error naming the nearest valid key; a DeepSpeed key llmpar does not support yet is an error
 saying so.
 """
+
 from __future__ import annotations
 
 import copy
@@ -45,9 +46,24 @@ from llmpar.zero.config import OptimizerConfig, ZeroConfig
 
 logger = logging.getLogger("llmpar")
 
-_VALID = ["train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
-          "steps_per_print", "optimizer", "scheduler", "bf16", "bfloat16", "fp16", "zero_optimization", "pipeline",
-          "tensor_parallel", "activation_checkpointing", "context_parallel", "sequence_parallel_size"]
+_VALID = [
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "gradient_clipping",
+    "steps_per_print",
+    "optimizer",
+    "scheduler",
+    "bf16",
+    "bfloat16",
+    "fp16",
+    "zero_optimization",
+    "pipeline",
+    "tensor_parallel",
+    "activation_checkpointing",
+    "context_parallel",
+    "sequence_parallel_size",
+]
 CP_MODES = ("ulysses", "ring", "hybrid")
 
 
@@ -80,23 +96,31 @@ def context_parallel_block(block: Any, sequence_parallel_size: Any = None) -> Co
     if sequence_parallel_size is not None:
         sp = as_int("sequence_parallel_size", sequence_parallel_size, minimum=1)
         if block and sp != 1 and (("size" in block and size != sp) or mode != "ulysses"):
-            raise ValueError(f'"sequence_parallel_size"={sp} (Ulysses over {sp} ranks, as in DeepSpeed) and '
-                             f'"context_parallel" {json.dumps(block)} disagree: give one of them')
+            raise ValueError(
+                f'"sequence_parallel_size"={sp} (Ulysses over {sp} ranks, as in DeepSpeed) and '
+                f'"context_parallel" {json.dumps(block)} disagree: give one of them'
+            )
         if not block:
             size = sp
         elif "size" not in block and sp != 1:
             size = sp
     default_u = {"ulysses": size, "ring": 1, "hybrid": None}[mode]
     if "ulysses_size" not in block and default_u is None:
-        raise ValueError(f'"context_parallel.mode"="hybrid" needs "context_parallel.ulysses_size": the Ulysses part, '
-                         f"a divisor of size={size}")
+        raise ValueError(
+            f'"context_parallel.mode"="hybrid" needs "context_parallel.ulysses_size": the Ulysses part, '
+            f"a divisor of size={size}"
+        )
     u = as_int("context_parallel.ulysses_size", block.get("ulysses_size", default_u), minimum=1)
     if default_u is not None and u != default_u:
-        raise ValueError(f'"context_parallel.ulysses_size"={u} is not valid with mode "{mode}" and size={size}: '
-                         f'it is {default_u} there (use mode "hybrid" to mix Ulysses and ring)')
+        raise ValueError(
+            f'"context_parallel.ulysses_size"={u} is not valid with mode "{mode}" and size={size}: '
+            f'it is {default_u} there (use mode "hybrid" to mix Ulysses and ring)'
+        )
     if size % u:
-        raise ValueError(f'"context_parallel.ulysses_size"={u} does not divide "context_parallel.size"={size}: '
-                         f"the hybrid mode runs Ulysses over ulysses_size ranks and ring across size/ulysses_size")
+        raise ValueError(
+            f'"context_parallel.ulysses_size"={u} does not divide "context_parallel.size"={size}: '
+            f"the hybrid mode runs Ulysses over ulysses_size ranks and ring across size/ulysses_size"
+        )
     return ContextParallelConfig(size=size, mode=mode, ulysses_size=u)
 
 
@@ -151,8 +175,10 @@ class Blocks:
         for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
             if key in given:
                 if given[key] == "auto":
-                    raise ValueError(f'"{key}"="auto": not supported here: "auto" values are filled in by the '
-                                     "HuggingFace integration; give a number")
+                    raise ValueError(
+                        f'"{key}"="auto": not supported here: "auto" values are filled in by the '
+                        "HuggingFace integration; give a number"
+                    )
                 as_int(key, given[key], minimum=1)
         fp16 = fp16_block(given.get("fp16", {}))
         bf16 = as_bool("bf16.enabled", bf16_block.get("enabled", False))
@@ -162,19 +188,27 @@ class Blocks:
         ckpt = given.get("activation_checkpointing")
         cp = context_parallel_block(given.get("context_parallel"), given.get("sequence_parallel_size"))
         if cp.size > 1 and "pipeline" in given:
-            raise ValueError(f'"context_parallel.size"={cp.size} (or "sequence_parallel_size") with a "pipeline" '
-                             "block: context parallelism is not supported with pipeline parallelism; use one of them")
-        return cls(raw=raw, bf16=bf16, fp16=fp16,
-                   gradient_clipping=_clipping(given.get("gradient_clipping", 0.0)),
-                   steps_per_print=as_int("steps_per_print", given.get("steps_per_print", 10), minimum=1),
-                   optimizer=optimizer_block(given["optimizer"]) if opt_given else OptimizerConfig(),
-                   optimizer_given=opt_given,
-                   scheduler=scheduler_block(given["scheduler"]) if "scheduler" in given else None,
-                   zero=zero_block(given.get("zero_optimization", {})),
-                   pipeline=pipeline_block(given["pipeline"]) if "pipeline" in given else None,
-                   tensor_parallel=tensor_parallel_block(given.get("tensor_parallel", {})), context_parallel=cp,
-                   activation_checkpointing=activation_checkpointing_block(ckpt) if ckpt is not None
-                   else ActivationCheckpointingConfig())
+            raise ValueError(
+                f'"context_parallel.size"={cp.size} (or "sequence_parallel_size") with a "pipeline" '
+                "block: context parallelism is not supported with pipeline parallelism; use one of them"
+            )
+        return cls(
+            raw=raw,
+            bf16=bf16,
+            fp16=fp16,
+            gradient_clipping=_clipping(given.get("gradient_clipping", 0.0)),
+            steps_per_print=as_int("steps_per_print", given.get("steps_per_print", 10), minimum=1),
+            optimizer=optimizer_block(given["optimizer"]) if opt_given else OptimizerConfig(),
+            optimizer_given=opt_given,
+            scheduler=scheduler_block(given["scheduler"]) if "scheduler" in given else None,
+            zero=zero_block(given.get("zero_optimization", {})),
+            pipeline=pipeline_block(given["pipeline"]) if "pipeline" in given else None,
+            tensor_parallel=tensor_parallel_block(given.get("tensor_parallel", {})),
+            context_parallel=cp,
+            activation_checkpointing=activation_checkpointing_block(ckpt)
+            if ckpt is not None
+            else ActivationCheckpointingConfig(),
+        )
 
     @property
     def degrees(self) -> tuple[int, int]:
@@ -207,10 +241,15 @@ class Config(Blocks):
         if pipe is not None:
             pipe.micro_batches = gas
         if not blocks.optimizer_given:
-            logger.info("llmpar.initialize: no \"optimizer\" in the config: using AdamW with lr=1e-3")
+            logger.info('llmpar.initialize: no "optimizer" in the config: using AdamW with lr=1e-3')
         given = {f.name: getattr(blocks, f.name) for f in fields(Blocks)}
-        return cls(**{**given, "pipeline": pipe}, dp=dp, train_batch_size=train, train_micro_batch_size_per_gpu=micro,
-                   gradient_accumulation_steps=gas)
+        return cls(
+            **{**given, "pipeline": pipe},
+            dp=dp,
+            train_batch_size=train,
+            train_micro_batch_size_per_gpu=micro,
+            gradient_accumulation_steps=gas,
+        )
 
     def fingerprint(self) -> str:
         """Canonical JSON of what was given (for the cross-rank equality check)."""
@@ -222,23 +261,33 @@ def _clipping(value: Any) -> float:
     in float32: a smaller one rounds to 0 and silently stops training)."""
     value = as_float("gradient_clipping", value, minimum=0.0, maximum=FLOAT32_MAX)
     if 0.0 < value < FLOAT32_TINY:
-        raise ValueError(f'"gradient_clipping"={value} must be 0 (off) or in [{FLOAT32_TINY:g}, {FLOAT32_MAX:g}] '
-                         "(the clip coefficient is a float32)")
+        raise ValueError(
+            f'"gradient_clipping"={value} must be 0 (off) or in [{FLOAT32_TINY:g}, {FLOAT32_MAX:g}] '
+            "(the clip coefficient is a float32)"
+        )
     return value
 
 
 def _batch_sizes(raw: dict[str, Any], dp: int, pipe: PipelineConfig | None) -> tuple[int, int, int]:
     """(micro, gas, train) as DeepSpeed derives them, with its consistency rule train = micro * gas * dp. A pipeline's
     micro_batches is gradient_accumulation_steps (DeepSpeed's PipelineEngine): one given fills in the other."""
-    get = {k: as_int(k, raw[k], minimum=1) for k in
-           ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps") if k in raw}
-    train, micro, gas = (get.get("train_batch_size"), get.get("train_micro_batch_size_per_gpu"),
-                         get.get("gradient_accumulation_steps"))
+    get = {
+        k: as_int(k, raw[k], minimum=1)
+        for k in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+        if k in raw
+    }
+    train, micro, gas = (
+        get.get("train_batch_size"),
+        get.get("train_micro_batch_size_per_gpu"),
+        get.get("gradient_accumulation_steps"),
+    )
     if pipe is not None and pipe.micro_batches is not None:
         if gas is not None and gas != pipe.micro_batches:
-            raise ValueError(f'"pipeline.micro_batches"={pipe.micro_batches} and "gradient_accumulation_steps"={gas} '
-                             "disagree: a pipeline step runs gradient_accumulation_steps micro-batches (give one, or "
-                             "both equal)")
+            raise ValueError(
+                f'"pipeline.micro_batches"={pipe.micro_batches} and "gradient_accumulation_steps"={gas} '
+                "disagree: a pipeline step runs gradient_accumulation_steps micro-batches (give one, or "
+                "both equal)"
+            )
         gas = pipe.micro_batches
     if train is None and micro is None and gas is None:  # DeepSpeed asserts here; its docs' snippets give none
         logger.info("llmpar.initialize: no batch size in the config: train_micro_batch_size_per_gpu=1")
@@ -254,9 +303,11 @@ def _batch_sizes(raw: dict[str, Any], dp: int, pipe: PipelineConfig | None) -> t
         gas = gas or 1
         train = micro * gas * dp
     if not micro or not gas or train != micro * gas * dp:
-        raise ValueError(f"batch sizes are inconsistent: train_batch_size={train} must equal "
-                         f"train_micro_batch_size_per_gpu={micro} x gradient_accumulation_steps={gas} x dp={dp} "
-                         f"(= {(micro or 0) * (gas or 0) * dp})")
+        raise ValueError(
+            f"batch sizes are inconsistent: train_batch_size={train} must equal "
+            f"train_micro_batch_size_per_gpu={micro} x gradient_accumulation_steps={gas} x dp={dp} "
+            f"(= {(micro or 0) * (gas or 0) * dp})"
+        )
     return micro, gas, train
 
 

@@ -15,6 +15,7 @@ configs fail. A rule per key says which values change nothing in llmpar:
 
 Anything else in the table is an error ``"<key>"=<value>: not supported: <reason>``.
 """
+
 from __future__ import annotations
 
 import copy
@@ -62,8 +63,10 @@ class Parsed:
 def check_load_universal(name: str, value: Any) -> None:
     """``checkpoint.load_universal``: a bool or null (``engine_ckpt.load_universal`` reads it)."""
     if value is not None and not isinstance(value, bool):
-        raise ValueError(f'"{name}"={_show(value)}: a bool (true: load_checkpoint(dir) loads the universal '
-                         "checkpoint dir/latest_universal names) or null")
+        raise ValueError(
+            f'"{name}"={_show(value)}: a bool (true: load_checkpoint(dir) loads the universal '
+            "checkpoint dir/latest_universal names) or null"
+        )
 
 
 def _d(*values: Any, reason: str) -> Default:
@@ -91,14 +94,20 @@ TOP: dict[str, Any] = {
     "amp": Disabled("apex AMP is not supported; use bf16 or fp16"),
     "amp_enabled": _d(False, reason="apex AMP is not supported; use bf16 or fp16"),
     "torch_autocast": Disabled("torch autocast inside the engine is not supported; use bf16 or fp16"),
-    "tensorboard": Parsed(monitor_block), "wandb": Parsed(monitor_block), "csv_monitor": Parsed(monitor_block),
+    "tensorboard": Parsed(monitor_block),
+    "wandb": Parsed(monitor_block),
+    "csv_monitor": Parsed(monitor_block),
     "comet": Disabled("the comet monitor is not provided: use tensorboard, csv_monitor or wandb"),
     "monitor_config": Inert(),
-    "comms_logger": Disabled("DeepSpeed's per-collective log is not provided: pass initialize(counter="
-                             "llmpar.distributed.counter.CommCounter()) to count every collective's calls, volume "
-                             "and bytes, or use torch.profiler"),
-    "flops_profiler": Disabled("DeepSpeed's FLOPs profiler is not provided: use torch.profiler.profile("
-                               "with_flops=True), or llmpar.planning for model FLOPs and memory"),
+    "comms_logger": Disabled(
+        "DeepSpeed's per-collective log is not provided: pass initialize(counter="
+        "llmpar.distributed.counter.CommCounter()) to count every collective's calls, volume "
+        "and bytes, or use torch.profiler"
+    ),
+    "flops_profiler": Disabled(
+        "DeepSpeed's FLOPs profiler is not provided: use torch.profiler.profile("
+        "with_flops=True), or llmpar.planning for model FLOPs and memory"
+    ),
     "autotuning": Disabled("use llmpar plan for layouts"),
     "elasticity": Disabled("elastic training is not supported (checkpoints reshard to any dp / tp / pp instead)"),
     "compression_training": Inert(),  # only acts through DeepSpeed's compression API, which scripts call themselves
@@ -114,8 +123,18 @@ TOP: dict[str, Any] = {
     "sparse_attention": Absent("sparse attention is not supported"),
     "dataloader_drop_last": _d(False, reason="not supported"),
     "checkpoint": {
-        "tag_validation": _d("Warn", "WARN", "warn", "Fail", "FAIL", "fail", "Ignore", "IGNORE", "ignore",
-                             reason="tag_validation is one of Warn, Fail, Ignore"),  # llmpar agrees on tags (Fail)
+        "tag_validation": _d(
+            "Warn",
+            "WARN",
+            "warn",
+            "Fail",
+            "FAIL",
+            "fail",
+            "Ignore",
+            "IGNORE",
+            "ignore",
+            reason="tag_validation is one of Warn, Fail, Ignore",
+        ),  # llmpar agrees on tags (Fail)
         "load_universal": Parsed(check_load_universal),  # load_checkpoint(tag=None) reads latest_universal
         "use_node_local_storage": _d(False, reason="checkpoints are written to one shared directory"),
         "parallel_write": Inert(),
@@ -123,8 +142,11 @@ TOP: dict[str, Any] = {
         "auto_resume": Parsed(check_auto_resume),  # llmpar's: initialize loads DIR's latest (runtime/resume.py)
         "auto_resume_interval": Parsed(check_interval),  # llmpar's: the engine saves there every N steps
     },
-    "data_types": {"grad_accum_dtype": _d(None, "fp32", reason="gradients accumulate in fp32 (bf16 with "
-                                                                "accumulation) or the params' dtype")},
+    "data_types": {
+        "grad_accum_dtype": _d(
+            None, "fp32", reason="gradients accumulate in fp32 (bf16 with accumulation) or the params' dtype"
+        )
+    },
 }
 ZERO: dict[str, Any] = {
     "allgather_partitions": _d(True, reason="llmpar always all-gathers the updated partitions"),
@@ -138,8 +160,9 @@ ZERO: dict[str, Any] = {
     "load_from_fp32_weights": _d(True, reason="llmpar restores the fp32 master when the checkpoint has one"),
     "use_multi_rank_bucket_allreduce": Inert(),
     "stage3_module_granularity_threshold": _d(0, reason="sharding units are modules (initialize(unit_policy=))"),
-    "zero_quantized_nontrainable_weights": _d(False, reason="frozen weights are not stored quantized "
-                                                  "(zero_quantized_weights quantizes their all-gather)"),
+    "zero_quantized_nontrainable_weights": _d(
+        False, reason="frozen weights are not stored quantized (zero_quantized_weights quantizes their all-gather)"
+    ),
     "mics_shard_size": _d(-1, reason="MiCS is not supported"),
     "mics_hierarchical_params_gather": _d(False, reason="MiCS is not supported"),
     "memory_efficient_linear": Inert(),
@@ -150,26 +173,44 @@ ZERO: dict[str, Any] = {
     "module_granularity_threshold": _d(0, reason="sharding units are modules (initialize(unit_policy=))"),
 }
 OFFLOAD: dict[str, Any] = {  # offload_optimizer / offload_param: NVMe tuning is inert without NVMe
-    "buffer_count": Inert(), "buffer_size": Inert(), "max_in_cpu": Inert(), "pipeline_read": Inert(),
-    "pipeline_write": Inert(), "fast_init": Inert(), "nvme_path": Inert(),
+    "buffer_count": Inert(),
+    "buffer_size": Inert(),
+    "max_in_cpu": Inert(),
+    "pipeline_read": Inert(),
+    "pipeline_write": Inert(),
+    "fast_init": Inert(),
+    "nvme_path": Inert(),
     "ratio": _d(1.0, reason="partial offload is not supported"),
 }
 BF16: dict[str, Any] = {
-    "immediate_grad_update": Inert(), "check_grad_overflow": Inert(), "check_overflow": Inert(),
+    "immediate_grad_update": Inert(),
+    "check_grad_overflow": Inert(),
+    "check_overflow": Inert(),
     "bf16_master_weights_and_grads": _d(False, reason="llmpar keeps fp32 masters with bf16 params"),
     "bf16_optimizer_states": _d(False, reason="llmpar keeps the optimizer states in fp32"),
 }
-FP16: dict[str, Any] = {"fp16_master_weights_and_grads": _d(False, reason="llmpar keeps fp32 masters with fp16 params"),
-                        "fp16_opt_level": Inert()}
-OPTIMIZER_PARAMS: dict[str, Any] = {"amsgrad": _d(False, reason="AMSGrad is not supported"),
-                                    "adam_w_mode": _d(True, reason="llmpar runs AdamW (decoupled weight decay); "
-                                                                   "Adam with L2 regularisation is not supported"),
-                                    "bias_correction": _d(True, reason="not supported"), "torch_adam": Inert(),
-                                    "fused": Inert(), "set_grad_none": Inert(), "cuda_aware": Inert(),
-                                    "fp32_optimizer_states": _d(True, reason="optimizer states are fp32")}
-PIPELINE: dict[str, Any] = {"pipe_partitioned": Inert(), "grad_partitioned": Inert(),
-                            "seed_layers": _d(False, reason="layers are built with the seed of the run"),
-                            "activation_checkpoint_interval": _d(0, reason='use the "activation_checkpointing" block')}
+FP16: dict[str, Any] = {
+    "fp16_master_weights_and_grads": _d(False, reason="llmpar keeps fp32 masters with fp16 params"),
+    "fp16_opt_level": Inert(),
+}
+OPTIMIZER_PARAMS: dict[str, Any] = {
+    "amsgrad": _d(False, reason="AMSGrad is not supported"),
+    "adam_w_mode": _d(
+        True, reason="llmpar runs AdamW (decoupled weight decay); Adam with L2 regularisation is not supported"
+    ),
+    "bias_correction": _d(True, reason="not supported"),
+    "torch_adam": Inert(),
+    "fused": Inert(),
+    "set_grad_none": Inert(),
+    "cuda_aware": Inert(),
+    "fp32_optimizer_states": _d(True, reason="optimizer states are fp32"),
+}
+PIPELINE: dict[str, Any] = {
+    "pipe_partitioned": Inert(),
+    "grad_partitioned": Inert(),
+    "seed_layers": _d(False, reason="layers are built with the seed of the run"),
+    "activation_checkpoint_interval": _d(0, reason='use the "activation_checkpointing" block'),
+}
 
 
 def _show(value: Any) -> str:
@@ -191,13 +232,17 @@ def _apply(block: dict, table: dict[str, Any], where: str) -> None:
         elif isinstance(rule, Default):
             if value not in rule.values or isinstance(value, bool) != isinstance(rule.values[0], bool):
                 why = "" if rule.reason == "not supported" else f": {rule.reason}"
-                raise ValueError(f'"{name}"={_show(value)}: not supported{why} (accepted: '
-                                 f'{", ".join(_show(v) for v in rule.values)})')
+                raise ValueError(
+                    f'"{name}"={_show(value)}: not supported{why} (accepted: '
+                    f"{', '.join(_show(v) for v in rule.values)})"
+                )
             del block[key]
         elif isinstance(rule, Disabled):
             if isinstance(value, dict) and value.get("enabled", False) is not False:
-                raise ValueError(f'"{name}.enabled"={_show(value.get("enabled"))}: not supported: {rule.reason} '
-                                 '(accepted: "enabled": false)')
+                raise ValueError(
+                    f'"{name}.enabled"={_show(value.get("enabled"))}: not supported: {rule.reason} '
+                    '(accepted: "enabled": false)'
+                )
             if not isinstance(value, dict) and value not in (None, False):
                 raise ValueError(f'"{name}"={_show(value)}: not supported: {rule.reason}')
             del block[key]

@@ -23,6 +23,7 @@ each rank's shapes), runs the model on this rank's slice of each sequence (``ada
 full-sequence loss, the same on every cp rank. ZeRO then runs over the dp x cp group (its state sharded over dp * cp)
 while ``dp_group``, ``dp_world_size`` / ``dp_rank`` and the data loader stay the data-parallel ones.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -48,9 +49,19 @@ logger = logging.getLogger("llmpar")
 class Engine(EngineBase):
     """Wraps the model, the ZeroOptimizer and the schedule; ``engine(*args)`` runs ``module(*args)``."""
 
-    def __init__(self, module: nn.Module, config: Config, optimizer: Any, scheduler: Any, *, dp_group: Group,
-                 tp_group: Group | None, mesh: Any = None, context_parallel: Any = None,
-                 adapter: Any = None) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        config: Config,
+        optimizer: Any,
+        scheduler: Any,
+        *,
+        dp_group: Group,
+        tp_group: Group | None,
+        mesh: Any = None,
+        context_parallel: Any = None,
+        adapter: Any = None,
+    ) -> None:
         super().__init__(module, config, optimizer, scheduler)
         if (context_parallel is None) != (adapter is None):
             raise ValueError("context_parallel= and adapter= go together (llmpar.context_parallel.adapters)")
@@ -89,9 +100,11 @@ class Engine(EngineBase):
         them. ``step()`` inside is an error; so is the block under stages 2 / 3, which reduce gradients into their
         partitions as backward runs (use gradient_accumulation_steps there)."""
         if self.zero_optimization_partition_gradients():
-            raise RuntimeError(f"no_sync() is incompatible with ZeRO stage {self.config.zero.stage}, which reduces "
-                               "gradients into partitions as backward runs: use gradient_accumulation_steps (or "
-                               "set_gradient_accumulation_boundary) instead, or stage 0 / 1")
+            raise RuntimeError(
+                f"no_sync() is incompatible with ZeRO stage {self.config.zero.stage}, which reduces "
+                "gradients into partitions as backward runs: use gradient_accumulation_steps (or "
+                "set_gradient_accumulation_boundary) instead, or stage 0 / 1"
+            )
         if self._in_no_sync:
             raise RuntimeError("no_sync() cannot be entered again inside itself")
         self._in_no_sync = True
@@ -148,11 +161,14 @@ class Engine(EngineBase):
         scale under fp16); returns that loss. ``retain_graph`` as in ``torch.Tensor.backward`` (ZeRO still reduces
         each gradient once per accumulation)."""
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise TypeError(f"engine.backward takes the scalar loss tensor, got {type(loss).__name__}"
-                            + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else ""))
+            raise TypeError(
+                f"engine.backward takes the scalar loss tensor, got {type(loss).__name__}"
+                + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
+            )
         gas = self.config.gradient_accumulation_steps if scale_wrt_gas else 1
-        self.optimizer.set_gradient_accumulation_boundary(self.is_gradient_accumulation_boundary()
-                                                          and not self._in_no_sync)
+        self.optimizer.set_gradient_accumulation_boundary(
+            self.is_gradient_accumulation_boundary() and not self._in_no_sync
+        )
         scaled = loss / gas if gas > 1 else loss
         scaler = getattr(self.optimizer, "loss_scaler", None)  # fp16: the step divides by the scale again
         self._last_output, self._backward_done = None, True
@@ -165,8 +181,10 @@ class Engine(EngineBase):
         """At the accumulation boundary: optimizer step, scheduler step (``lr_kwargs`` passed to it), grads dropped.
         Always: micro_steps += 1."""
         if self._in_no_sync:
-            raise RuntimeError("engine.step() inside engine.no_sync(): leave the block first (its gradients are "
-                               "reduced by the next backward outside it)")
+            raise RuntimeError(
+                "engine.step() inside engine.no_sync(): leave the block first (its gradients are "
+                "reduced by the next backward outside it)"
+            )
         seen = self._backwards_seen()
         if not self._backward_done and (seen is None or seen == self._backwards_then):
             self._replay_skipped_backward()
@@ -174,8 +192,12 @@ class Engine(EngineBase):
         if self.is_gradient_accumulation_boundary():
             applied = self.optimizer.step()
             if getattr(applied, "found_inf", False) is None:  # no backward in the whole accumulation: nothing stepped
-                logger.warning("engine.step() on global rank %d at optimizer step %d: no backward since the last "
-                               "step, nothing to step; the step is not counted", self.global_rank, self.global_steps)
+                logger.warning(
+                    "engine.step() on global rank %d at optimizer step %d: no backward since the last "
+                    "step, nothing to step; the step is not counted",
+                    self.global_rank,
+                    self.global_steps,
+                )
                 self._step_applied = False
             else:
                 self._finish_step(applied, lr_kwargs=lr_kwargs)
@@ -197,13 +219,18 @@ class Engine(EngineBase):
         tensors = _grad_outputs(output)
         if not tensors:
             return
-        logger.warning("engine.step() on global rank %d without engine.backward() since the last step (optimizer "
-                       "step %d, micro step %d): running that backward with non-finite gradients so that every rank "
-                       "runs the same reductions and skips this optimizer step (counted in skipped_steps); call "
-                       "engine.backward() on every rank, or skip a batch on every rank", self.global_rank,
-                       self.global_steps, self.micro_steps)
-        self.optimizer.set_gradient_accumulation_boundary(self.is_gradient_accumulation_boundary()
-                                                          and not self._in_no_sync)
+        logger.warning(
+            "engine.step() on global rank %d without engine.backward() since the last step (optimizer "
+            "step %d, micro step %d): running that backward with non-finite gradients so that every rank "
+            "runs the same reductions and skips this optimizer step (counted in skipped_steps); call "
+            "engine.backward() on every rank, or skip a batch on every rank",
+            self.global_rank,
+            self.global_steps,
+            self.micro_steps,
+        )
+        self.optimizer.set_gradient_accumulation_boundary(
+            self.is_gradient_accumulation_boundary() and not self._in_no_sync
+        )
         torch.autograd.backward(tensors, [torch.full_like(t, float("nan")) for t in tensors])
 
     def zero_grad(self) -> None:
@@ -214,8 +241,9 @@ class Engine(EngineBase):
         """The model's full state dict on dp rank 0 ({} elsewhere); stage 3 gathers it one unit at a time."""
         return consolidated_state_dict(self.module, self.optimizer)
 
-    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
-                         exclude_frozen_parameters: bool = False) -> bool:
+    def save_16bit_model(
+        self, save_dir: str, save_filename: str = "pytorch_model.bin", exclude_frozen_parameters: bool = False
+    ) -> bool:
         """DeepSpeed's: write the full 16-bit (the params' dtype) weights from dp rank 0 (frozen params left out with
         ``exclude_frozen_parameters``): ``torch.save`` of the state dict, or a safetensors file (tied weights once)
         when ``save_filename`` ends with ``.safetensors``. Under stage 3 this needs
@@ -259,8 +287,12 @@ class Engine(EngineBase):
         first: dict[int, str] = {}
         for name, p in self.module.named_parameters(remove_duplicate=False):
             first.setdefault(id(p), name)
-        return {name: first[id(p)] for buf in self.optimizer.checkpoint_params() for name, p in buf
-                if first.get(id(p), name) != name}
+        return {
+            name: first[id(p)]
+            for buf in self.optimizer.checkpoint_params()
+            for name, p in buf
+            if first.get(id(p), name) != name
+        }
 
     def checkpoint_grid(self) -> Grid:
         """dp (the optimizer's group) x tp."""

@@ -8,6 +8,7 @@ ranks and device, the config accessors, the step flags and ``deepspeed_io`` (``e
 
 Every accessor reads the typed config (``engine.config``) or the optimizer; nothing here changes training.
 """
+
 from __future__ import annotations
 
 import os
@@ -240,9 +241,16 @@ class DeepSpeedAPI:
         return bool(self._step_applied)
 
     # data
-    def deepspeed_io(self, dataset: Any, batch_size: int | None = None, route: str = "train", pin_memory: bool = True,
-                     data_sampler: Any = None, collate_fn: Callable | None = None,
-                     num_local_io_workers: int | None = None) -> DeepSpeedLoader:
+    def deepspeed_io(
+        self,
+        dataset: Any,
+        batch_size: int | None = None,
+        route: str = "train",
+        pin_memory: bool = True,
+        data_sampler: Any = None,
+        collate_fn: Callable | None = None,
+        num_local_io_workers: int | None = None,
+    ) -> DeepSpeedLoader:
         """DeepSpeed's loader of ``dataset``: micro-batches of ``batch_size`` (default
         train_micro_batch_size_per_gpu) from a ``DistributedSampler`` over the dp ranks (this rank's 1/dp of the
         samples; shuffled with seed 0 for ``route="train"``, in order for "eval" / "predict"; no drop_last; the same
@@ -252,18 +260,26 @@ class DeepSpeedAPI:
         if route not in ("train", "eval", "predict"):
             raise ValueError(f'route={route!r} must be "train", "eval" or "predict"')
         if data_sampler is None and isinstance(dataset, IterableDataset):
-            raise TypeError("an IterableDataset has no indices for DeepSpeed's DistributedSampler: shard it over the "
-                            "dp ranks yourself (engine.dp_rank, engine.dp_world_size) and build a DataLoader")
+            raise TypeError(
+                "an IterableDataset has no indices for DeepSpeed's DistributedSampler: shard it over the "
+                "dp ranks yourself (engine.dp_rank, engine.dp_world_size) and build a DataLoader"
+            )
         if not isinstance(dataset, Dataset) and not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
-            raise TypeError(f"training data must be a torch Dataset (or have __getitem__ and __len__), got "
-                            f"{type(dataset).__name__}")
+            raise TypeError(
+                f"training data must be a torch Dataset (or have __getitem__ and __len__), got {type(dataset).__name__}"
+            )
         if data_sampler is None:
-            data_sampler = DistributedSampler(dataset, num_replicas=self.dp_world_size, rank=self.dp_rank,
-                                              shuffle=route == "train")
-        return DeepSpeedLoader(dataset, batch_size=batch_size or self.train_micro_batch_size_per_gpu(),
-                               sampler=data_sampler, collate_fn=collate_fn or getattr(self, "collate_fn", None),
-                               pin_memory=pin_memory and torch.cuda.is_available(),
-                               num_workers=num_local_io_workers or 0)
+            data_sampler = DistributedSampler(
+                dataset, num_replicas=self.dp_world_size, rank=self.dp_rank, shuffle=route == "train"
+            )
+        return DeepSpeedLoader(
+            dataset,
+            batch_size=batch_size or self.train_micro_batch_size_per_gpu(),
+            sampler=data_sampler,
+            collate_fn=collate_fn or getattr(self, "collate_fn", None),
+            pin_memory=pin_memory and torch.cuda.is_available(),
+            num_workers=num_local_io_workers or 0,
+        )
 
 
 __all__ = ["DeepSpeedAPI", "DeepSpeedLoader", "local_rank_from_env"]

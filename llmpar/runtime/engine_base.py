@@ -12,6 +12,7 @@ Every ``steps_per_print`` optimizer steps global rank 0 logs DeepSpeed's progres
 then the throughput since the previous line (``mfu.py``): ``, tokens/s=52100, TFLOP/s/device=401, MFU=40.5%`` (tokens:
 this rank's training forwards' batches times the data ranks, or ``set_tokens_per_step``).
 """
+
 from __future__ import annotations
 
 import functools
@@ -42,16 +43,20 @@ logger = logging.getLogger("llmpar")
 def reports_step(method: Callable[..., Any]) -> Callable[..., Any]:
     """A collective failing inside ``method`` (a dead or stuck peer) reports the engine's step with its operation;
     ``method`` after :meth:`EngineBase.destroy` is a ``RuntimeError`` saying so."""
+
     @functools.wraps(method)
     def wrapper(self: "EngineBase", *args: Any, **kwargs: Any) -> Any:
         if self.destroyed:
-            raise RuntimeError(f"engine.{method.__name__}() after engine.destroy(): the engine released its hooks, "
-                               "gradients and optimizer state; build a new one with llmpar.initialize")
+            raise RuntimeError(
+                f"engine.{method.__name__}() after engine.destroy(): the engine released its hooks, "
+                "gradients and optimizer state; build a new one with llmpar.initialize"
+            )
         try:
             return method(self, *args, **kwargs)
         except CollectiveError as err:
-            raise err.add_context(f"in engine.{method.__name__}() at optimizer step {self.global_steps}, micro step "
-                                  f"{self.micro_steps}") from err.__cause__
+            raise err.add_context(
+                f"in engine.{method.__name__}() at optimizer step {self.global_steps}, micro step {self.micro_steps}"
+            ) from err.__cause__
 
     return wrapper
 
@@ -77,8 +82,11 @@ class EngineBase(DeepSpeedAPI):
         self.losses: torch.Tensor | None = None  # this accumulation's sum of loss / gas (DeepSpeed's; for the monitor)
         self.monitor = self._build_monitor()
         self.throughput = Throughput()  # tokens and time between steps_per_print lines
-        self._token_hook = module.register_forward_pre_hook(self._count_tokens, with_kwargs=True) \
-            if isinstance(module, nn.Module) else None
+        self._token_hook = (
+            module.register_forward_pre_hook(self._count_tokens, with_kwargs=True)
+            if isinstance(module, nn.Module)
+            else None
+        )
 
     def _count_tokens(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if module.training and torch.is_grad_enabled():
@@ -88,8 +96,10 @@ class EngineBase(DeepSpeedAPI):
         """The job's tokens per optimizer step (all ranks) for the progress lines' throughput and MFU, instead of
         counting this rank's batches (for inputs that are not token ids, or a pipeline engine)."""
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
-            raise ValueError(f"set_tokens_per_step(tokens={tokens!r}): expected a positive int (tokens per optimizer "
-                             "step, all ranks together)")
+            raise ValueError(
+                f"set_tokens_per_step(tokens={tokens!r}): expected a positive int (tokens per optimizer "
+                "step, all ranks together)"
+            )
         self.throughput.tokens_per_step = tokens
 
     def _build_monitor(self) -> MonitorMaster:
@@ -174,16 +184,30 @@ class EngineBase(DeepSpeedAPI):
         self.losses = None
         if self.monitor.enabled:
             self._monitor_step(loss)
-        if (self.global_steps % self.config.steps_per_print == 0 and self.global_rank == 0
-                and logger.isEnabledFor(logging.INFO)):
+        if (
+            self.global_steps % self.config.steps_per_print == 0
+            and self.global_rank == 0
+            and logger.isEnabledFor(logging.INFO)
+        ):
             cp = getattr(self, "context_parallel", None)  # forwards see 1/cp of each sequence (and of its tokens)
-            rate = self.throughput.report(self.module, tp=self.mp_world_size, world=self.world_size,
-                                          data_ranks=self.world_size // self.mp_world_size, device=self.device,
-                                          seq_scale=cp.size if cp is not None else 1)
-            logger.info("step=%d, skipped=%d, lr=%s, mom=%s, grad_norm=%.4g%s%s", self.global_steps,
-                        self.skipped_steps, [round(lr, 8) for lr in self.get_lr()], self.get_mom(),
-                        self.optimizer.last_grad_norm or 0.0, "" if loss is None else f", loss={loss:.4f}",
-                        f", {rate}" if rate else "")
+            rate = self.throughput.report(
+                self.module,
+                tp=self.mp_world_size,
+                world=self.world_size,
+                data_ranks=self.world_size // self.mp_world_size,
+                device=self.device,
+                seq_scale=cp.size if cp is not None else 1,
+            )
+            logger.info(
+                "step=%d, skipped=%d, lr=%s, mom=%s, grad_norm=%.4g%s%s",
+                self.global_steps,
+                self.skipped_steps,
+                [round(lr, 8) for lr in self.get_lr()],
+                self.get_mom(),
+                self.optimizer.last_grad_norm or 0.0,
+                "" if loss is None else f", loss={loss:.4f}",
+                f", {rate}" if rate else "",
+            )
         if getattr(self, "auto_save", None) is not None:  # "checkpoint.auto_resume_interval" (resume.py)
             save_if_due(self)
 
@@ -200,9 +224,16 @@ class EngineBase(DeepSpeedAPI):
     # checkpoints (llmpar.checkpoint): every rank writes its own shards, one metadata.json for the run; params are
     # named as in the unsplit model, so a checkpoint loads at another dp / tp / pp degree, ZeRO stage or engine kind
     @reports_step
-    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
-                        save_latest: bool = True, exclude_frozen_parameters: bool = False, *,
-                        async_save: bool = False) -> str:
+    def save_checkpoint(
+        self,
+        save_dir: str,
+        tag: str | None = None,
+        client_state: dict | None = None,
+        save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
+        *,
+        async_save: bool = False,
+    ) -> str:
         """Sharded, atomic checkpoint ``save_dir/tag`` (default ``global_step{N}``), collective over the engine's
         ranks (every rank must pass the same tag); see ``llmpar.checkpoint``. Returns its path. DeepSpeed's
         ``save_latest`` / ``exclude_frozen_parameters``: see ``engine_ckpt``. ``async_save``: written by a thread from
@@ -218,10 +249,18 @@ class EngineBase(DeepSpeedAPI):
         return wait_checkpoint(self)
 
     @reports_step
-    def load_checkpoint(self, load_dir: str, tag: str | None = None, load_optimizer_states: bool = True,
-                        load_lr_scheduler_states: bool = True, load_module_only: bool = False,
-                        load_module_strict: bool = True, custom_load_fn: Callable | None = None, *,
-                        strict: bool | None = None) -> tuple[str | None, dict | None]:
+    def load_checkpoint(
+        self,
+        load_dir: str,
+        tag: str | None = None,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+        load_module_strict: bool = True,
+        custom_load_fn: Callable | None = None,
+        *,
+        strict: bool | None = None,
+    ) -> tuple[str | None, dict | None]:
         """Load ``load_dir/tag`` (default: ``latest``; none there: ``(None, None)`` with a warning, as DeepSpeed),
         saved at any dp / tp / pp degree, ZeRO stage or offload; returns (path, client_state). Every rank must load
         the same checkpoint. ``strict`` (DeepSpeed's ``load_module_strict``): a param or buffer the model has and the
@@ -229,12 +268,21 @@ class EngineBase(DeepSpeedAPI):
         checkpoint's are ignored, with a warning). DeepSpeed's ``load_optimizer_states`` /
         ``load_lr_scheduler_states`` / ``load_module_only``: see ``engine_ckpt``."""
         if custom_load_fn is not None:
-            raise ValueError("load_checkpoint(custom_load_fn=...) is not supported: llmpar loads its own sharded "
-                             "format (load with strict=False and fix up the module afterwards)")
+            raise ValueError(
+                "load_checkpoint(custom_load_fn=...) is not supported: llmpar loads its own sharded "
+                "format (load with strict=False and fix up the module afterwards)"
+            )
         if strict is not None and strict != load_module_strict and load_module_strict is not True:
             raise ValueError(f"strict={strict} and load_module_strict={load_module_strict} disagree: give one")
-        return engine_ckpt.load(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
-                                load_module_only, load_module_strict if strict is None else strict)
+        return engine_ckpt.load(
+            self,
+            load_dir,
+            tag,
+            load_optimizer_states,
+            load_lr_scheduler_states,
+            load_module_only,
+            load_module_strict if strict is None else strict,
+        )
 
     # the engine's side of the checkpoint protocol (llmpar.checkpoint.protocol.Checkpointable); each engine adds
     # checkpoint_grid() and checkpoint_modules(), and overrides the naming when its modules are not the model
@@ -282,9 +330,13 @@ class EngineBase(DeepSpeedAPI):
         / ``generation_config.json``; None for other models) and the names of the buffers not saved."""
         config, generation = engine_ckpt.hf_configs(self.module)
         names, unsaved = self.checkpoint_names(), engine_ckpt.unsaved_buffers(self.checkpoint_modules())
-        return {"hf_config": config, "hf_generation_config": generation,
-                "unsaved_buffers": sorted({names.get(n, n) for n, t in self.checkpoint_named("named_buffers")
-                                           if id(t) in unsaved})}
+        return {
+            "hf_config": config,
+            "hf_generation_config": generation,
+            "unsaved_buffers": sorted(
+                {names.get(n, n) for n, t in self.checkpoint_named("named_buffers") if id(t) in unsaved}
+            ),
+        }
 
     def checkpoint_counters(self) -> dict[str, Any]:
         """The run counters a checkpoint saves."""

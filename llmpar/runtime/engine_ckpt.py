@@ -28,6 +28,7 @@ config, duck-typed: ``module.config.to_json_string`` / ``to_dict``, none for oth
 ``engine.save_hf_model``: the live model's full weights (ZeRO-3 gathered unit by unit, tensor-parallel params
 all-gathered over tp and unpadded) written by ``llmpar.checkpoint.hf_files`` as ``from_pretrained`` loads them.
 """
+
 from __future__ import annotations
 
 import copy
@@ -49,19 +50,29 @@ logger = logging.getLogger("llmpar")
 _HYPER = ("lr", "betas", "eps", "weight_decay")
 
 
-def save(engine: Any, save_dir: Any, tag: str | None, client_state: dict | None, save_latest: bool,
-         exclude_frozen_parameters: bool, async_save: bool) -> str:
+def save(
+    engine: Any,
+    save_dir: Any,
+    tag: str | None,
+    client_state: dict | None,
+    save_latest: bool,
+    exclude_frozen_parameters: bool,
+    async_save: bool,
+) -> str:
     from llmpar.checkpoint import save_checkpoint
 
     for name, value in (("save_latest", save_latest), ("exclude_frozen_parameters", exclude_frozen_parameters)):
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
     if not save_latest and async_save:
-        raise ValueError("save_latest=False with async_save=True: an async save is published (and 'latest' written) "
-                         "later, at wait_checkpoint(); save synchronously, or keep save_latest=True")
+        raise ValueError(
+            "save_latest=False with async_save=True: an async save is published (and 'latest' written) "
+            "later, at wait_checkpoint(); save synchronously, or keep save_latest=True"
+        )
     if exclude_frozen_parameters and engine.optimizer.frozen_shapes():
-        logger.warning("save_checkpoint(exclude_frozen_parameters=True): ZeRO-3 shards the frozen params; they are "
-                       "written anyway")
+        logger.warning(
+            "save_checkpoint(exclude_frozen_parameters=True): ZeRO-3 shards the frozen params; they are written anyway"
+        )
     if tag is not None:  # on every rank before any collective
         files.check_tag(tag)
     grid = engine.checkpoint_grid()
@@ -131,12 +142,22 @@ def _restore(engine: Any, saved: dict) -> None:
         set_rng_state(saved["rng"])
 
 
-def load(engine: Any, load_dir: Any, tag: str | None, load_optimizer_states: bool,
-         load_lr_scheduler_states: bool, load_module_only: bool, strict: bool) -> tuple[str | None, dict | None]:
+def load(
+    engine: Any,
+    load_dir: Any,
+    tag: str | None,
+    load_optimizer_states: bool,
+    load_lr_scheduler_states: bool,
+    load_module_only: bool,
+    strict: bool,
+) -> tuple[str | None, dict | None]:
     from llmpar.checkpoint import load_checkpoint
 
-    for name, value in (("load_optimizer_states", load_optimizer_states), ("load_module_only", load_module_only),
-                        ("load_lr_scheduler_states", load_lr_scheduler_states)):
+    for name, value in (
+        ("load_optimizer_states", load_optimizer_states),
+        ("load_module_only", load_module_only),
+        ("load_lr_scheduler_states", load_lr_scheduler_states),
+    ):
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
     if tag is not None:  # on every rank before any collective
@@ -146,17 +167,31 @@ def load(engine: Any, load_dir: Any, tag: str | None, load_optimizer_states: boo
         tag = _universal_tag(engine, os.fspath(load_dir))
     if isinstance(load_dir, (str, os.PathLike)):  # every rank agrees, whatever its tag (ranks may differ: an error)
         grid = engine.checkpoint_grid()
-        found = tag is not None or os.path.isfile(os.path.join(os.fspath(load_dir), files.LATEST)) or (
-            dcp_format.detect(os.fspath(load_dir))) or (  # a torch.distributed.checkpoint directory itself
-            universal_read.resolve(load_dir, None) is not None)  # DeepSpeed's latest_universal, or such a directory
+        found = (
+            tag is not None
+            or os.path.isfile(os.path.join(os.fspath(load_dir), files.LATEST))
+            or (dcp_format.detect(os.fspath(load_dir)))
+            or (  # a torch.distributed.checkpoint directory itself
+                universal_read.resolve(load_dir, None) is not None
+            )
+        )  # DeepSpeed's latest_universal, or such a directory
         if files.agree(int(found), grid.groups, grid.device) == 0:  # no rank has one: DeepSpeed's (None, None)
             if grid.rank0:
-                logger.warning("load_checkpoint: %s has no 'latest' file: nothing loaded (pass tag= to load a "
-                               "checkpoint by its name)", load_dir)
+                logger.warning(
+                    "load_checkpoint: %s has no 'latest' file: nothing loaded (pass tag= to load a "
+                    "checkpoint by its name)",
+                    load_dir,
+                )
             return None, None
     saved = _snapshot(engine, not load_optimizer_states, not load_lr_scheduler_states, load_module_only)
-    path, client = load_checkpoint(engine, load_dir, tag=tag, strict=strict,  # a scheduler put back is not checked
-                                   scheduler=load_lr_scheduler_states and not load_module_only, universal=universal)
+    path, client = load_checkpoint(
+        engine,
+        load_dir,
+        tag=tag,
+        strict=strict,  # a scheduler put back is not checked
+        scheduler=load_lr_scheduler_states and not load_module_only,
+        universal=universal,
+    )
     _restore(engine, saved)
     engine.mirror_lrs_to_client()
     return path, client
@@ -177,9 +212,11 @@ def _universal_tag(engine: Any, load_dir: str) -> str | None:
     grid = engine.checkpoint_grid()
     if files.agree(int(missing), grid.groups, grid.device):
         where = os.path.join(load_dir, universal_read.LATEST_UNIVERSAL)
-        raise ValueError(f'"checkpoint.load_universal"=true: {where} is missing or does not name a tag (on at least '
-                         "one rank), and the directory is not a universal checkpoint itself: pass tag=, or set "
-                         "load_universal to false to load DeepSpeed's or llmpar's own checkpoint")
+        raise ValueError(
+            f'"checkpoint.load_universal"=true: {where} is missing or does not name a tag (on at least '
+            "one rank), and the directory is not a universal checkpoint itself: pass tag=, or set "
+            "load_universal to false to load DeepSpeed's or llmpar's own checkpoint"
+        )
     return tag
 
 
@@ -259,8 +296,15 @@ def save_hf(engine: Any, save_dir: Any, dtype: Any, max_shard_size: Any) -> bool
     if grid.rank0:
         try:
             config, generation = hf_configs(engine.module)
-            hf_files.write_hf_model(os.fspath(save_dir), state, config=config, generation_config=generation,
-                                    dtype=dtype, max_shard_size=max_shard_size, format="safetensors")
+            hf_files.write_hf_model(
+                os.fspath(save_dir),
+                state,
+                config=config,
+                generation_config=generation,
+                dtype=dtype,
+                max_shard_size=max_shard_size,
+                format="safetensors",
+            )
         except Exception as e:  # noqa: BLE001 - agreed with the other ranks, then raised everywhere
             err = f"save_hf_model: writing {save_dir} failed on rank 0: {e!r}"
             logger.error(err)

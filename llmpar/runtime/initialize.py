@@ -19,6 +19,7 @@ bf16 puts the model in bfloat16 with fp32 master weights (and fp32 gradient accu
 gradient_accumulation_steps > 1); fp16 the same in float16, with loss scaling (``loss_scale.py``). An
 ``"activation_checkpointing"`` block recomputes the model's blocks in backward (``activations.py``).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -52,13 +53,30 @@ from llmpar.zero.optimizer import ZeroOptimizer
 logger = logging.getLogger("llmpar")
 
 
-def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any = None, model_parameters: Any = None,
-               training_data: Any = None, lr_scheduler: Any = None, distributed_port: int = 29500, mpu: Any = None,
-               dist_init_required: bool | None = None, collate_fn: Callable | None = None,
-               config: dict | str | Config | None = None, mesh_param: Any = None, config_params: Any = None, *,
-               mesh: Any = None, dp_group: Group | None = None, tp_group: Group | None = None,
-               counter: CommCounter | None = None, unit_policy: Any = None, loss_fn: Callable | None = None,
-               timeout_s: float | None = None, **unsupported: Any):
+def initialize(
+    args: Any = None,
+    model: nn.Module | None = None,
+    optimizer: Any = None,
+    model_parameters: Any = None,
+    training_data: Any = None,
+    lr_scheduler: Any = None,
+    distributed_port: int = 29500,
+    mpu: Any = None,
+    dist_init_required: bool | None = None,
+    collate_fn: Callable | None = None,
+    config: dict | str | Config | None = None,
+    mesh_param: Any = None,
+    config_params: Any = None,
+    *,
+    mesh: Any = None,
+    dp_group: Group | None = None,
+    tp_group: Group | None = None,
+    counter: CommCounter | None = None,
+    unit_policy: Any = None,
+    loss_fn: Callable | None = None,
+    timeout_s: float | None = None,
+    **unsupported: Any,
+):
     """Build the engine from a DeepSpeed config. Returns ``(engine, optimizer, training_dataloader or None,
     lr_scheduler or None)``. DeepSpeed's signature (its positional order too), plus llmpar's keywords.
 
@@ -85,33 +103,52 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if mpu is not None:
-        raise ValueError("mpu= (a Megatron model-parallel unit) is not taken: pass its groups, dp_group="
-                         "mpu.get_data_parallel_group(), tp_group=mpu.get_model_parallel_group(), or mesh=")
+        raise ValueError(
+            "mpu= (a Megatron model-parallel unit) is not taken: pass its groups, dp_group="
+            "mpu.get_data_parallel_group(), tp_group=mpu.get_model_parallel_group(), or mesh="
+        )
     if mesh_param is not None:
-        raise ValueError("mesh_param= is not taken: pass mesh= (llmpar.init_distributed(tp=, pp=).mesh) or the "
-                         "config's \"tensor_parallel\" / \"pipeline\" blocks")
+        raise ValueError(
+            "mesh_param= is not taken: pass mesh= (llmpar.init_distributed(tp=, pp=).mesh) or the "
+            'config\'s "tensor_parallel" / "pipeline" blocks'
+        )
     config = config_from_args(args, config, config_params)
     take_local_rank(args)
     if dist_init_required is False and not dist.is_initialized():
-        raise RuntimeError("dist_init_required=False but torch.distributed is not initialized: initialize it first "
-                           "(llmpar.init_distributed()) or leave dist_init_required unset")
+        raise RuntimeError(
+            "dist_init_required=False but torch.distributed is not initialized: initialize it first "
+            "(llmpar.init_distributed()) or leave dist_init_required unset"
+        )
     init_distributed(timeout_s=timeout_s)  # the default group (a world of one without torchrun)
     default_log_handler(dist.get_rank())
     blocks = _agreed_blocks(config, [mesh] if mesh is not None else [g for g in (dp_group, tp_group) if g is not None])
     torch_opt = None
     if optimizer is not None:
-        torch_opt, model_parameters, opt_cfg = client_optimizer(model, optimizer, model_parameters,
-                                                                blocks.gradient_clipping)
+        torch_opt, model_parameters, opt_cfg = client_optimizer(
+            model, optimizer, model_parameters, blocks.gradient_clipping
+        )
         if blocks.optimizer_given and dist.get_rank() == 0:
-            logger.warning("llmpar.initialize: optimizer=%s replaces the config's \"optimizer\" block",
-                           type(torch_opt).__name__)
+            logger.warning(
+                'llmpar.initialize: optimizer=%s replaces the config\'s "optimizer" block', type(torch_opt).__name__
+            )
         blocks = dataclasses.replace(blocks, optimizer=opt_cfg, optimizer_given=True)
     if lr_scheduler is not None and blocks.scheduler is not None:
         if dist.get_rank() == 0:
-            logger.warning("llmpar.initialize: lr_scheduler= replaces the config's \"scheduler\" block")
+            logger.warning('llmpar.initialize: lr_scheduler= replaces the config\'s "scheduler" block')
         blocks = dataclasses.replace(blocks, scheduler=None)
-    engine, opt, loader, sched = _build(model, blocks, model_parameters, training_data, collate_fn, mesh, dp_group,
-                                        tp_group, counter, unit_policy, loss_fn)
+    engine, opt, loader, sched = _build(
+        model,
+        blocks,
+        model_parameters,
+        training_data,
+        collate_fn,
+        mesh,
+        dp_group,
+        tp_group,
+        counter,
+        unit_policy,
+        loss_fn,
+    )
     mark_owner(opt)  # zero.GatheredParameters(params) finds it
     if torch_opt is not None:
         engine.client_optimizer_name = type(torch_opt).__name__
@@ -127,26 +164,53 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     return engine, opt, engine.training_dataloader, engine.lr_scheduler
 
 
-def _build(model: nn.Module, blocks: Blocks, model_parameters: Any, training_data: Any, collate_fn: Any, mesh: Any,
-           dp_group: Group | None, tp_group: Group | None, counter: CommCounter | None, unit_policy: Any,
-           loss_fn: Callable | None):
+def _build(
+    model: nn.Module,
+    blocks: Blocks,
+    model_parameters: Any,
+    training_data: Any,
+    collate_fn: Any,
+    mesh: Any,
+    dp_group: Group | None,
+    tp_group: Group | None,
+    counter: CommCounter | None,
+    unit_policy: Any,
+    loss_fn: Callable | None,
+):
     """The engine of ``blocks`` (agreed between the ranks) for ``model``: the body of :func:`initialize`."""
     raw = blocks.raw
     pp, tp = blocks.degrees
     if blocks.pipeline is not None and blocks.pipeline.stages is None and not is_pipeline_module(model):
-        raise ValueError('"pipeline.stages"="auto" takes the stage count of a llmpar.pipe.PipelineModule; this model '
-                         "is not one: give the number of stages")
+        raise ValueError(
+            '"pipeline.stages"="auto" takes the stage count of a llmpar.pipe.PipelineModule; this model '
+            "is not one: give the number of stages"
+        )
     if blocks.context_parallel.size > 1 and is_pipeline_module(model):
-        raise ValueError(f'"context_parallel.size"={blocks.context_parallel.size} with a PipelineModule: context '
-                         "parallelism is not supported with pipeline parallelism; use one of them")
+        raise ValueError(
+            f'"context_parallel.size"={blocks.context_parallel.size} with a PipelineModule: context '
+            "parallelism is not supported with pipeline parallelism; use one of them"
+        )
     if "pipeline" in raw or is_pipeline_module(model):  # a PipelineModule: a pipeline engine, block or not
         if dp_group is not None or tp_group is not None or unit_policy is not None:
-            raise ValueError("with a \"pipeline\" block llmpar.initialize splits the model itself: pass mesh= at "
-                             "most, not dp_group= / tp_group= / unit_policy=")
-        return _initialize_pipeline(model, blocks, pp, tp, mesh, loss_fn, counter, training_data, collate_fn,
-                                    named_groups(model, model_parameters), canonical_names(model))
+            raise ValueError(
+                'with a "pipeline" block llmpar.initialize splits the model itself: pass mesh= at '
+                "most, not dp_group= / tp_group= / unit_policy="
+            )
+        return _initialize_pipeline(
+            model,
+            blocks,
+            pp,
+            tp,
+            mesh,
+            loss_fn,
+            counter,
+            training_data,
+            collate_fn,
+            named_groups(model, model_parameters),
+            canonical_names(model),
+        )
     if loss_fn is not None:
-        raise ValueError("loss_fn= is used by pipeline engines only (a config with a \"pipeline\" block)")
+        raise ValueError('loss_fn= is used by pipeline engines only (a config with a "pipeline" block)')
     split_here = False
     cpc = blocks.context_parallel
     if cpc.size > 1:
@@ -168,43 +232,61 @@ def _build(model: nn.Module, blocks: Blocks, model_parameters: Any, training_dat
         cp, adapter, zero_group = _context_parallel(model, cpc, mesh)
     tp_now = group_size(tp_group) if tp_group is not None else 1
     if "tensor_parallel" in raw and tp != tp_now:
-        raise ValueError(f'"tensor_parallel.size"={tp} but tp_group has {tp_now} ranks: pass the mesh of '
-                         f"llmpar.init_distributed(tp={tp}) (or leave out mesh= and let initialize build it)")
+        raise ValueError(
+            f'"tensor_parallel.size"={tp} but tp_group has {tp_now} ranks: pass the mesh of '
+            f"llmpar.init_distributed(tp={tp}) (or leave out mesh= and let initialize build it)"
+        )
     if next(model.parameters()).device.type == "meta" and cfg.zero.stage != 3:  # built under llmpar.zero.Init
-        raise ValueError(f"the model is on the meta device (llmpar.zero.Init) but zero_optimization.stage is "
-                         f"{cfg.zero.stage}: only stage 3 materialises a meta model")
+        raise ValueError(
+            f"the model is on the meta device (llmpar.zero.Init) but zero_optimization.stage is "
+            f"{cfg.zero.stage}: only stage 3 materialises a meta model"
+        )
     dtype = model_dtype(cfg.bf16, cfg.fp16)
     if dtype is not None:
         model.to(dtype)
     apply_activation_checkpointing(model, cfg.activation_checkpointing, tp_group)
-    opt = ZeroOptimizer(named_groups(model, model_parameters, strict=split_here), cfg.optimizer, zero_group,
-                        zero_config=cfg.zero,
-                        tp_group=tp_group, max_grad_norm=cfg.gradient_clipping or None, counter=counter,
-                        grad_accum_dtype=_accum_dtype(cfg), module=model, unit_policy=unit_policy,
-                        loss_scaler=build_loss_scaler(cfg.fp16))
+    opt = ZeroOptimizer(
+        named_groups(model, model_parameters, strict=split_here),
+        cfg.optimizer,
+        zero_group,
+        zero_config=cfg.zero,
+        tp_group=tp_group,
+        max_grad_norm=cfg.gradient_clipping or None,
+        counter=counter,
+        grad_accum_dtype=_accum_dtype(cfg),
+        module=model,
+        unit_policy=unit_policy,
+        loss_scaler=build_loss_scaler(cfg.fp16),
+    )
     sched = WarmupSchedule(opt, cfg.scheduler) if cfg.scheduler is not None else None
-    engine = Engine(model, cfg, opt, sched, dp_group=dp_group, tp_group=tp_group, mesh=mesh, context_parallel=cp,
-                    adapter=adapter)
+    engine = Engine(
+        model, cfg, opt, sched, dp_group=dp_group, tp_group=tp_group, mesh=mesh, context_parallel=cp, adapter=adapter
+    )
     return engine, opt, None, sched
 
 
 def _cp_mesh(size: int, tp: int, mesh: Any, dp_group: Group | None, tp_group: Group | None) -> Any:
     """The ``[pp, dp, cp, tp]`` mesh of a context-parallel run: built here, or the caller's (checked)."""
     if dp_group is not None or tp_group is not None:
-        raise ValueError('"context_parallel" takes its groups from the [pp, dp, cp, tp] mesh: pass mesh='
-                         f"llmpar.init_distributed(cp={size}, tp={tp}).mesh (or nothing), not dp_group= / tp_group=")
+        raise ValueError(
+            '"context_parallel" takes its groups from the [pp, dp, cp, tp] mesh: pass mesh='
+            f"llmpar.init_distributed(cp={size}, tp={tp}).mesh (or nothing), not dp_group= / tp_group="
+        )
     if mesh is None:
         world = dist.get_world_size()
         if world % (size * tp):
             what = f'"context_parallel.size"={size}' + (f' x "tensor_parallel.size"={tp}' if tp > 1 else "")
-            raise ValueError(f"{what} does not divide the world size {world}: the cp (x tp) ranks of each "
-                             "data-parallel group split one sequence; choose sizes whose product divides it")
+            raise ValueError(
+                f"{what} does not divide the world size {world}: the cp (x tp) ranks of each "
+                "data-parallel group split one sequence; choose sizes whose product divides it"
+            )
         return init_distributed(cp=size, tp=tp).mesh
     names = mesh.mesh_dim_names or ()
     if "cp" not in names or mesh["cp"].size() != size:
         got = f"cp={mesh['cp'].size()}" if "cp" in names else f"axes {names}"
-        raise ValueError(f'"context_parallel.size"={size} but mesh= has {got}: pass '
-                         f"llmpar.init_distributed(cp={size}, tp={tp}).mesh")
+        raise ValueError(
+            f'"context_parallel.size"={size} but mesh= has {got}: pass llmpar.init_distributed(cp={size}, tp={tp}).mesh'
+        )
     return mesh
 
 
@@ -216,16 +298,20 @@ def _context_parallel(model: nn.Module, cpc: Any, mesh: Any) -> tuple[Any, Any, 
 
     adapter = adapter_for(model)  # a TypeError for a model no adapter runs: on every rank alike
     names = mesh.mesh_dim_names
-    dims = ParallelDims(**{n: mesh[n].size() for n in ("pp", "dp", "cp", "tp") if n in names},
-                        world_size=dist.get_world_size())
+    dims = ParallelDims(
+        **{n: mesh[n].size() for n in ("pp", "dp", "cp", "tp") if n in names}, world_size=dist.get_world_size()
+    )
     u = cpc.ulysses_size
 
     def coords(r: int, *axes: str) -> tuple:
         c = dims.coordinates(r)
         return tuple(c[a] for a in axes)
 
-    zero_group = (mesh["cp"].get_group() if dims.dp == 1 and dims.pp == 1 and dims.tp == 1 else
-                  dims.new_group(lambda r: coords(r, "pp", "tp")))
+    zero_group = (
+        mesh["cp"].get_group()
+        if dims.dp == 1 and dims.pp == 1 and dims.tp == 1
+        else dims.new_group(lambda r: coords(r, "pp", "tp"))
+    )
     if cpc.mode == "ulysses":
         cp = ContextParallel("ulysses", ulysses_group=mesh["cp"].get_group())
     elif cpc.mode == "ring":
@@ -238,9 +324,19 @@ def _context_parallel(model: nn.Module, cpc: Any, mesh: Any) -> tuple[Any, Any, 
     return cp, adapter, zero_group
 
 
-def _initialize_pipeline(model: nn.Module, blocks: Blocks | Config, pp: int, tp: int, mesh: Any, loss_fn: Any,
-                         counter: Any, training_data: Any, collate_fn: Any, groups: list[dict],
-                         canonical: dict[str, str]):
+def _initialize_pipeline(
+    model: nn.Module,
+    blocks: Blocks | Config,
+    pp: int,
+    tp: int,
+    mesh: Any,
+    loss_fn: Any,
+    counter: Any,
+    training_data: Any,
+    collate_fn: Any,
+    groups: list[dict],
+    canonical: dict[str, str],
+):
     from llmpar.pipeline.build import build_pipeline  # loads torch.distributed.pipelining: only when needed
     from llmpar.pipeline.zero import zero_optimizer
 
@@ -251,23 +347,30 @@ def _initialize_pipeline(model: nn.Module, blocks: Blocks | Config, pp: int, tp:
     if pipe_module and loss_fn is None:  # DeepSpeed: without a loss_fn the last layer's output is the loss
         loss_fn = _output_is_loss
     if not callable(loss_fn):
-        raise TypeError("a pipeline engine needs loss_fn=(output, target) -> mean loss (or a model with a .loss "
-                        "attribute, as llmpar.models.GPT; a PipelineModule's loss_fn=)")
+        raise TypeError(
+            "a pipeline engine needs loss_fn=(output, target) -> mean loss (or a model with a .loss "
+            "attribute, as llmpar.models.GPT; a PipelineModule's loss_fn=)"
+        )
     if mesh is None:
         mesh = init_distributed(pp=pp, tp=tp).mesh
     names = mesh.mesh_dim_names or ()
     if not {"pp", "dp", "tp"} <= set(names):
-        raise ValueError(f"mesh has axes {names}; a pipeline engine needs the [pp, dp, tp] mesh of "
-                         "llmpar.init_distributed(pp=, tp=)")
+        raise ValueError(
+            f"mesh has axes {names}; a pipeline engine needs the [pp, dp, tp] mesh of llmpar.init_distributed(pp=, tp=)"
+        )
     if (mesh["pp"].size(), mesh["tp"].size()) != (pp, tp):
-        raise ValueError(f"mesh has pp={mesh['pp'].size()}, tp={mesh['tp'].size()} but the config asks for "
-                         f"pipeline.stages={pp}, tensor_parallel.size={tp}")
+        raise ValueError(
+            f"mesh has pp={mesh['pp'].size()}, tp={mesh['tp'].size()} but the config asks for "
+            f"pipeline.stages={pp}, tensor_parallel.size={tp}"
+        )
     dp_group = mesh["dp"].get_group()
     cfg = _typed(blocks, group_size(dp_group))
     _refuse_unwired(cfg)
     if cfg.zero.stage == 3:
-        raise ValueError('"zero_optimization.stage"=3 is not supported with "pipeline": use stage 0, 1 or 2 (ZeRO '
-                         "shards each stage's params over dp)")
+        raise ValueError(
+            '"zero_optimization.stage"=3 is not supported with "pipeline": use stage 0, 1 or 2 (ZeRO '
+            "shards each stage's params over dp)"
+        )
     if cfg.bf16:
         model.to(torch.bfloat16)
     apply_activation_checkpointing(model, cfg.activation_checkpointing, mesh["tp"].get_group() if tp > 1 else None)
@@ -275,17 +378,31 @@ def _initialize_pipeline(model: nn.Module, blocks: Blocks | Config, pp: int, tp:
     # a PipelineModule's config (DeepSpeed's, no llmpar block) runs any micro-batch count: 1F1B, else GPipe
     chosen = p is not None and (not pipe_module or "schedule" in blocks.raw.get("pipeline", {}))
     schedule = p.schedule if chosen else "1f1b" if m >= pp else "gpipe"
-    runner = build_pipeline(model, mesh, loss_fn, micro_batches=m, schedule=schedule,
-                            virtual_stages=p.virtual_stages if p is not None else 1,
-                            boundaries=p.boundaries if p is not None else None, dp_group=None, verbose=True)
+    runner = build_pipeline(
+        model,
+        mesh,
+        loss_fn,
+        micro_batches=m,
+        schedule=schedule,
+        virtual_stages=p.virtual_stages if p is not None else 1,
+        boundaries=p.boundaries if p is not None else None,
+        dp_group=None,
+        verbose=True,
+    )
     runner.batch_rows = cfg.train_micro_batch_size_per_gpu * cfg.gradient_accumulation_steps
     split = runner.split
-    stage_named = [(f"stage{s}.{n}", p) for m, s in zip(split.modules, split.stage_indices)
-                   for n, p in m.named_parameters()]
-    opt = zero_optimizer(runner, cfg.optimizer, zero_config=cfg.zero,
-                         param_groups=stage_groups(groups, stage_named, unsplit_names(model, stage_named), canonical),
-                         max_grad_norm=cfg.gradient_clipping or None, counter=counter,
-                         grad_accum_dtype=_accum_dtype(cfg))
+    stage_named = [
+        (f"stage{s}.{n}", p) for m, s in zip(split.modules, split.stage_indices) for n, p in m.named_parameters()
+    ]
+    opt = zero_optimizer(
+        runner,
+        cfg.optimizer,
+        zero_config=cfg.zero,
+        param_groups=stage_groups(groups, stage_named, unsplit_names(model, stage_named), canonical),
+        max_grad_norm=cfg.gradient_clipping or None,
+        counter=counter,
+        grad_accum_dtype=_accum_dtype(cfg),
+    )
     sched = WarmupSchedule(opt, cfg.scheduler) if cfg.scheduler is not None else None
     engine = PipelineEngine(model, cfg, runner, opt, sched, mesh)
     if training_data is not None:  # DeepSpeed's PipelineEngine loader: in order, repeating; train_batch() pulls it
@@ -329,8 +446,12 @@ def _agreed_blocks(config: dict | str | Config, groups: list) -> Blocks | Config
     same = None
     for group in groups:
         try:
-            check_same_on_ranks(fingerprint, group, what="the DeepSpeed config differs between ranks",
-                                hint="give every rank the same config")
+            check_same_on_ranks(
+                fingerprint,
+                group,
+                what="the DeepSpeed config differs between ranks",
+                hint="give every rank the same config",
+            )
         except ValueError as e:
             same = same or e
     raise_if_any_failed(same, groups, what="the DeepSpeed config differs between ranks")
@@ -351,8 +472,10 @@ def _typed(blocks: Blocks | Config, dp: int) -> Config:
 def _refuse_unwired(cfg: Config) -> None:
     """Blocks the pipeline engine does not act on yet: an error, never a silent fp32 run."""
     if cfg.fp16.enabled:
-        raise ValueError('"fp16.enabled"=true: not supported yet with "pipeline" (the loss scale would have to run '
-                         'inside the pipeline schedule): use "bf16", or fp16 without "pipeline"')
+        raise ValueError(
+            '"fp16.enabled"=true: not supported yet with "pipeline" (the loss scale would have to run '
+            'inside the pipeline schedule): use "bf16", or fp16 without "pipeline"'
+        )
 
 
 def _accum_dtype(cfg: Config) -> torch.dtype | None:
@@ -370,8 +493,10 @@ def _resolve_groups(mesh: Any, dp_group: Group | None, tp_group: Group | None) -
         init_distributed()  # adopts an existing group, or a world of one without torchrun
         dp_group = dist.group.WORLD
         if dist.get_world_size() > 1 and tp_group is not None:
-            raise ValueError("tp_group given without dp_group or mesh: pass mesh=env.mesh (or dp_group=) so ZeRO "
-                             "knows its data-parallel ranks")
+            raise ValueError(
+                "tp_group given without dp_group or mesh: pass mesh=env.mesh (or dp_group=) so ZeRO "
+                "knows its data-parallel ranks"
+            )
     return as_group(dp_group), (as_group(tp_group) if tp_group is not None else None)
 
 

@@ -10,6 +10,7 @@ Global rank 0 prints llmpar's INFO lines (the line above, the engine's ``steps_p
 every rank prints warnings, to stderr. A program that set up logging (a handler on the root or the ``llmpar`` logger,
 e.g. ``logging.basicConfig``) gets nothing added: its handlers decide.
 """
+
 from __future__ import annotations
 
 import logging
@@ -72,25 +73,40 @@ def describe(engine: Any, world: int) -> str:
     offload = [k for k in ("optimizer", "param") if getattr(cfg.zero, f"offload_{k}").enabled]
     if offload:
         zero += f" (offload_{' + offload_'.join(offload)}: cpu)"
-    dtype = "bfloat16" if cfg.bf16 else "float16 (loss scaling)" if engine.fp16_enabled() else \
-        str(engine.get_data_types()[0]).replace("torch.", "")
+    dtype = (
+        "bfloat16"
+        if cfg.bf16
+        else "float16 (loss scaling)"
+        if engine.fp16_enabled()
+        else str(engine.get_data_types()[0]).replace("torch.", "")
+    )
     g = opt.param_groups[0]
     hyper = f"lr={g['lr']:.4g}, betas={tuple(g['betas'])}, eps={g['eps']:.3g}, weight_decay={g['weight_decay']:.4g}"
     groups = f", {len(opt.param_groups)} param groups" if len(opt.param_groups) > 1 else ""
     client = " (client optimizer mapped)" if engine.client_optimizer_name else ""
     sched = engine.lr_scheduler
-    sched = "none" if sched is None else engine.scheduler_name() if type(sched).__name__ == "WarmupSchedule" \
+    sched = (
+        "none"
+        if sched is None
+        else engine.scheduler_name()
+        if type(sched).__name__ == "WarmupSchedule"
         else f"{type(sched).__name__} (client)"
+    )
     ranks = f"{world} rank{'s' if world != 1 else ''}"
     cp = getattr(engine, "context_parallel", None)
     if cp is not None:  # ZeRO shards over dp x cp
-        ranks += f" (context parallel: cp={cp.size} {cp.mode}" + (
-            f" = ulysses {cp.ulysses_size} x ring {cp.ring_size}" if cp.mode == "hybrid" else "") + ")"
-    return (f"llmpar.initialize: {type(engine).__name__} on {ranks} (dp={dp} x tp={tp} x pp={pp}), {zero}, "
-            f"{dtype}, train_batch_size {cfg.train_batch_size} = micro {cfg.train_micro_batch_size_per_gpu} x "
-            f"gradient accumulation {cfg.gradient_accumulation_steps} x dp {dp}, optimizer "
-            f"{engine.optimizer_name()}{client} ({hyper}{groups}), scheduler {sched}, gradient_clipping "
-            f"{cfg.gradient_clipping}, steps_per_print {cfg.steps_per_print}")
+        ranks += (
+            f" (context parallel: cp={cp.size} {cp.mode}"
+            + (f" = ulysses {cp.ulysses_size} x ring {cp.ring_size}" if cp.mode == "hybrid" else "")
+            + ")"
+        )
+    return (
+        f"llmpar.initialize: {type(engine).__name__} on {ranks} (dp={dp} x tp={tp} x pp={pp}), {zero}, "
+        f"{dtype}, train_batch_size {cfg.train_batch_size} = micro {cfg.train_micro_batch_size_per_gpu} x "
+        f"gradient accumulation {cfg.gradient_accumulation_steps} x dp {dp}, optimizer "
+        f"{engine.optimizer_name()}{client} ({hyper}{groups}), scheduler {sched}, gradient_clipping "
+        f"{cfg.gradient_clipping}, steps_per_print {cfg.steps_per_print}"
+    )
 
 
 def log_initialized(engine: Any) -> None:
@@ -99,5 +115,13 @@ def log_initialized(engine: Any) -> None:
         logger.info("%s", describe(engine, engine.world_size))
 
 
-__all__ = ["FORMAT", "HANDLER_NAME", "RANKS_CHOSEN", "RankFilter", "StdHandler", "default_log_handler", "describe",
-           "log_initialized"]
+__all__ = [
+    "FORMAT",
+    "HANDLER_NAME",
+    "RANKS_CHOSEN",
+    "RankFilter",
+    "StdHandler",
+    "default_log_handler",
+    "describe",
+    "log_initialized",
+]

@@ -18,6 +18,7 @@ MFU = achieved FLOP/s per device / the device's peak: bf16 dense (no sparsity) t
 CPU a measured float32 matmul peak (:func:`cpu_matmul_tflops`, once per process). Megatron reports ~47% MFU on
 large GPT runs, torchtitan 33-39% in bf16.
 """
+
 from __future__ import annotations
 
 import functools
@@ -31,8 +32,15 @@ from torch import nn
 ENV_PEAK = "LLMPAR_PEAK_TFLOPS"
 # bf16 dense tensor-core peak per device, TFLOP/s (NVIDIA data sheets); matched in order, first substring wins
 PEAK_BF16_TFLOPS = (
-    ("H100 PCIE", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("H800", 989.0), ("H200", 989.0), ("GH200", 989.0),
-    ("B200", 2250.0), ("A100", 312.0), ("A800", 312.0),
+    ("H100 PCIE", 756.0),
+    ("H100 NVL", 835.0),
+    ("H100", 989.0),
+    ("H800", 989.0),
+    ("H200", 989.0),
+    ("GH200", 989.0),
+    ("B200", 2250.0),
+    ("A100", 312.0),
+    ("A800", 312.0),
 )
 
 
@@ -77,7 +85,7 @@ def cpu_matmul_tflops(n: int = 512, repeats: int = 5) -> float:
         t0 = time.perf_counter()
         torch.mm(a, b)
         best = min(best, time.perf_counter() - t0)
-    return 2 * n ** 3 / max(best, 1e-9) / 1e12
+    return 2 * n**3 / max(best, 1e-9) / 1e12
 
 
 def matmul_params(module: nn.Module, tp: int = 1) -> int:
@@ -146,8 +154,9 @@ class Throughput:
         self.tokens += tokens
         self.seq = seq or self.seq
 
-    def report(self, module: nn.Module, *, tp: int, data_ranks: int, world: int, device: torch.device,
-               seq_scale: int = 1) -> str:
+    def report(
+        self, module: nn.Module, *, tp: int, data_ranks: int, world: int, device: torch.device, seq_scale: int = 1
+    ) -> str:
         """The window's figures as text ("" when no step was timed), and a fresh window from now. ``seq_scale``: how
         many ranks share one sequence (context parallelism: each forward sees 1/cp of it, the attention term is
         that of the whole sequence)."""
@@ -161,8 +170,12 @@ class Throughput:
             return ""
         if self.n_params is None:
             self.n_params = matmul_params(module, tp)
-        return format_throughput(total / (now - t0), flops_per_token(self.n_params, (self.seq or 1) * seq_scale,
-                                                                     attention_dims(module)), world, device)
+        return format_throughput(
+            total / (now - t0),
+            flops_per_token(self.n_params, (self.seq or 1) * seq_scale, attention_dims(module)),
+            world,
+            device,
+        )
 
 
 def format_throughput(tokens_per_s: float, flops_per_tok: float, world: int, device: torch.device) -> str:
@@ -174,5 +187,16 @@ def format_throughput(tokens_per_s: float, flops_per_tok: float, world: int, dev
     return text + (f", MFU={100 * achieved / peak:.3g}%" if peak else "")
 
 
-__all__ = ["ENV_PEAK", "PEAK_BF16_TFLOPS", "Throughput", "attention_dims", "batch_tokens", "cpu_matmul_tflops",
-           "flops_per_token", "format_throughput", "matmul_params", "peak_for_name", "peak_tflops"]
+__all__ = [
+    "ENV_PEAK",
+    "PEAK_BF16_TFLOPS",
+    "Throughput",
+    "attention_dims",
+    "batch_tokens",
+    "cpu_matmul_tflops",
+    "flops_per_token",
+    "format_throughput",
+    "matmul_params",
+    "peak_for_name",
+    "peak_tflops",
+]

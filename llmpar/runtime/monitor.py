@@ -25,6 +25,7 @@ unwritable, a full disk, a wandb error) is a warning on the ``llmpar`` logger, o
 path and the error; training goes on, and the writer is tried again with each later event (they are lost while it
 fails). DeepSpeed's ``comet`` monitor is not provided (an error saying so).
 """
+
 from __future__ import annotations
 
 import csv
@@ -44,6 +45,7 @@ logger = logging.getLogger("llmpar")
 class MissingPackage(ImportError, ValueError):
     """An enabled monitor's package is not installed (an ``ImportError``; a ``ValueError`` too, so that
     ``initialize`` agrees on it between the ranks like any other config error)."""
+
 
 _PACKAGE = {"tensorboard": "tensorboard", "wandb": "wandb"}
 
@@ -82,8 +84,9 @@ def _string(name: str, value: Any, *, optional: bool = False, nonempty: bool = F
     if value is None and optional:
         return None
     if not isinstance(value, str) or (nonempty and not value):
-        raise TypeError(f'"{name}"={value!r} must be a {"non-empty " if nonempty else ""}string'
-                        + (" or null" if optional else ""))
+        raise TypeError(
+            f'"{name}"={value!r} must be a {"non-empty " if nonempty else ""}string' + (" or null" if optional else "")
+        )
     return value
 
 
@@ -100,18 +103,21 @@ def monitor_block(name: str, block: Any) -> WriterConfig | WandbConfig:
             enabled=as_bool("wandb.enabled", block.get("enabled", False)),
             team=_string("wandb.team", block.get("team"), optional=True),
             group=_string("wandb.group", block.get("group"), optional=True),
-            project=_string("wandb.project", block.get("project", "deepspeed"), nonempty=True))
+            project=_string("wandb.project", block.get("project", "deepspeed"), nonempty=True),
+        )
     else:
         check_keys(name, block, ["enabled", "output_path", "job_name"])
         enabled = as_bool(f"{name}.enabled", block.get("enabled", False))  # a disabled block may leave names empty
-        cfg = WriterConfig(enabled=enabled,
-                           output_path=_string(f"{name}.output_path", block.get("output_path", "")),
-                           job_name=_string(f"{name}.job_name", block.get("job_name", "DeepSpeedJobName"),
-                                            nonempty=enabled))
+        cfg = WriterConfig(
+            enabled=enabled,
+            output_path=_string(f"{name}.output_path", block.get("output_path", "")),
+            job_name=_string(f"{name}.job_name", block.get("job_name", "DeepSpeedJobName"), nonempty=enabled),
+        )
     package = _PACKAGE.get(name)
     if cfg.enabled and package is not None and importlib.util.find_spec(package) is None:
-        raise MissingPackage(f'"{name}.enabled"=true needs the {package!r} package, which is not installed: '
-                          f"pip install {package}")
+        raise MissingPackage(
+            f'"{name}.enabled"=true needs the {package!r} package, which is not installed: pip install {package}'
+        )
     return cfg
 
 
@@ -215,8 +221,13 @@ class MonitorMaster:
             if name not in self.failed:
                 self.failed[name] = f"{type(err).__name__}: {err}"
                 where = getattr(writer, "log_dir", None)
-                logger.warning("monitor %s%s: %s failed (%s); training goes on without its events (this warning is "
-                               "not repeated)", name, f" ({where})" if where else "", doing, self.failed[name])
+                logger.warning(
+                    "monitor %s%s: %s failed (%s); training goes on without its events (this warning is not repeated)",
+                    name,
+                    f" ({where})" if where else "",
+                    doing,
+                    self.failed[name],
+                )
 
     def close(self) -> None:
         """Flush and close the writers (``engine.destroy()`` calls it); later events are dropped."""
@@ -226,5 +237,13 @@ class MonitorMaster:
         self.enabled = False
 
 
-__all__ = ["BLOCKS", "MissingPackage", "MonitorConfig", "MonitorMaster", "WandbConfig", "WriterConfig", "monitor_block",
-           "monitor_config"]
+__all__ = [
+    "BLOCKS",
+    "MissingPackage",
+    "MonitorConfig",
+    "MonitorMaster",
+    "WandbConfig",
+    "WriterConfig",
+    "monitor_block",
+    "monitor_config",
+]

@@ -3,6 +3,7 @@ pairs named as in the model (``model.named_parameters()``; a bare ``model.parame
 checkpoints), and, under a pipeline, those groups carried over to each stage's params by the unsplit model's names
 (so they survive the stage split and tensor-parallel layers swapped in by it).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -20,8 +21,10 @@ def named_groups(model: nn.Module, model_parameters: Any, *, strict: bool = Fals
     if model_parameters is None:
         return [{"params": list(model.named_parameters())}]
     if isinstance(model_parameters, torch.Tensor):
-        raise TypeError("model_parameters must be an iterable of parameters, (name, parameter) pairs or param-group "
-                        "dicts, got a single tensor")
+        raise TypeError(
+            "model_parameters must be an iterable of parameters, (name, parameter) pairs or param-group "
+            "dicts, got a single tensor"
+        )
     items = list(model_parameters)
     name_of: dict[int, str] = {}
     by_name = dict(model.named_parameters(remove_duplicate=False))
@@ -39,10 +42,12 @@ def named_groups(model: nn.Module, model_parameters: Any, *, strict: bool = Fals
                 if isinstance(item, tuple) and item[0] in by_name:  # replaced by the split: the new param of that name
                     item = (item[0], by_name[item[0]])
                 else:
-                    raise ValueError(f"model_parameters group {gi} item {k} is not a param of the model: "
-                                     "llmpar.initialize split the model over the tensor_parallel block, replacing its "
-                                     "layers; pass (name, param) pairs or a generator (model.parameters()), or "
-                                     "parallelize the model yourself first and pass mesh=")
+                    raise ValueError(
+                        f"model_parameters group {gi} item {k} is not a param of the model: "
+                        "llmpar.initialize split the model over the tensor_parallel block, replacing its "
+                        "layers; pass (name, param) pairs or a generator (model.parameters()), or "
+                        "parallelize the model yourself first and pass mesh="
+                    )
             if isinstance(item, tuple):
                 named.append(item)
             elif isinstance(item, torch.Tensor):
@@ -79,8 +84,9 @@ def canonical_names(model: nn.Module) -> dict[str, str]:
     return {n: first.setdefault(id(p), n) for n, p in model.named_parameters(remove_duplicate=False)}
 
 
-def stage_groups(groups: list[dict], stage_named: list[tuple[str, torch.Tensor]], names: dict[str, str],
-                 canonical: dict[str, str]) -> list[dict]:
+def stage_groups(
+    groups: list[dict], stage_named: list[tuple[str, torch.Tensor]], names: dict[str, str], canonical: dict[str, str]
+) -> list[dict]:
     """The user's ``groups`` (of the unsplit model's (name, param)) over this pipeline rank's ``stage_named`` params
     (``names``: stage name -> unsplit name; ``canonical``: any name of a param -> its first name, taken before the
     split). Every group is kept, empty or not, so all pp ranks have the same groups."""
@@ -89,8 +95,10 @@ def stage_groups(groups: list[dict], stage_named: list[tuple[str, torch.Tensor]]
     for stage_name, p in stage_named:
         model_name = canonical.get(names.get(stage_name, stage_name), names.get(stage_name, stage_name))
         if model_name not in group_of and p.requires_grad:
-            raise ValueError(f"model_parameters leaves out {model_name!r}: under a pipeline every trainable param "
-                             "must be in one of the groups")
+            raise ValueError(
+                f"model_parameters leaves out {model_name!r}: under a pipeline every trainable param "
+                "must be in one of the groups"
+            )
         out[group_of.get(model_name, 0)]["params"].append(p)  # a frozen param left out: held, never stepped
     return out
 

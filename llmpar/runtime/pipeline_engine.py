@@ -28,6 +28,7 @@ iterator running out on one rank (:class:`DataExhaustedError`, a StopIteration n
 micro-batches pulled and expected) or failing there raises on every rank before the step starts, instead of that rank
 failing while the others wait in the schedule; the engine stays usable.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Iterator
@@ -57,8 +58,9 @@ class DataExhaustedError(StopIteration):
 class PipelineEngine(EngineBase):
     """One optimizer step per :meth:`train_batch` over this rank's pipeline stages (module docstring)."""
 
-    def __init__(self, module: nn.Module, config: Config, runner: PipelineRunner, optimizer: Any, scheduler: Any,
-                 mesh: Any) -> None:
+    def __init__(
+        self, module: nn.Module, config: Config, runner: PipelineRunner, optimizer: Any, scheduler: Any, mesh: Any
+    ) -> None:
         super().__init__(module, config, optimizer, scheduler)
         self.runner, self.mesh = runner, mesh
         self.training_dataloader: Any = None  # DeepSpeed's names: the loader train_batch() pulls from, its iterator
@@ -111,21 +113,30 @@ class PipelineEngine(EngineBase):
         return self.train(False)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        raise TypeError("a pipeline engine runs whole steps: use engine.train_batch(x, y) (or data_iter=) instead "
-                        "of engine(x) / engine.backward / engine.step")
+        raise TypeError(
+            "a pipeline engine runs whole steps: use engine.train_batch(x, y) (or data_iter=) instead "
+            "of engine(x) / engine.backward / engine.step"
+        )
 
     forward = backward = step = __call__
 
     # the step
     @reports_step
-    def train_batch(self, x: Any = None, y: torch.Tensor | None = None, *,
-                    data_iter: Iterator[tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
+    def train_batch(
+        self,
+        x: Any = None,
+        y: torch.Tensor | None = None,
+        *,
+        data_iter: Iterator[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> torch.Tensor:
         """Forward + backward of all ``micro_batches``, the ZeRO step and the scheduler step; returns the step's mean
         loss (a float64 scalar, the same on every rank). ``train_batch(data_iter)``, as DeepSpeed's, takes the
         iterator positionally too; see the module docstring for where the data comes from."""
         if not torch.is_grad_enabled():
-            raise RuntimeError("train_batch() needs gradients enabled (it runs under torch.no_grad()); use "
-                               "eval_batch() for the loss alone")
+            raise RuntimeError(
+                "train_batch() needs gradients enabled (it runs under torch.no_grad()); use "
+                "eval_batch() for the loss alone"
+            )
         if x is not None and y is None and data_iter is None and not isinstance(x, (torch.Tensor, list, tuple)):
             x, data_iter = None, x  # DeepSpeed's train_batch(data_iter)
         if data_iter is not None:
@@ -139,9 +150,11 @@ class PipelineEngine(EngineBase):
         rows = self.runner.batch_rows
         for what, t in (("x", x), ("y", y)):  # up front, so that the pipeline stays usable (the runner checks too)
             if isinstance(t, torch.Tensor) and (t.dim() == 0 or t.shape[0] != rows):
-                raise ValueError(f"train_batch: {what} has {t.shape[0] if t.dim() else 0} rows; a step takes "
-                                 f"train_micro_batch_size_per_gpu x gradient_accumulation_steps = {rows} rows per "
-                                 "dp rank")
+                raise ValueError(
+                    f"train_batch: {what} has {t.shape[0] if t.dim() else 0} rows; a step takes "
+                    f"train_micro_batch_size_per_gpu x gradient_accumulation_steps = {rows} rows per "
+                    "dp rank"
+                )
         self.train()
         loss = self.runner.step(x, y)
         self.micro_steps += self.config.gradient_accumulation_steps
@@ -149,23 +162,34 @@ class PipelineEngine(EngineBase):
         return torch.tensor(loss, dtype=torch.float64)
 
     @reports_step
-    def eval_batch(self, data_iter: Iterator[tuple[torch.Tensor, torch.Tensor]], return_logits: bool = False,
-                   compute_loss: bool = True, reduce_output: str | None = "avg", bcast_loss: bool = True,
-                   num_micro_batches: int | None = None) -> torch.Tensor:
+    def eval_batch(
+        self,
+        data_iter: Iterator[tuple[torch.Tensor, torch.Tensor]],
+        return_logits: bool = False,
+        compute_loss: bool = True,
+        reduce_output: str | None = "avg",
+        bcast_loss: bool = True,
+        num_micro_batches: int | None = None,
+    ) -> torch.Tensor:
         """The mean loss of ``micro_batches`` micro-batches pulled from ``data_iter`` (averaged over dp, the same on
         every rank), forward only: no gradients, no optimizer step, the training iterator untouched. DeepSpeed's
         signature; logits, ``compute_loss=False``, other reductions and another micro-batch count are not
         supported (``bcast_loss`` is accepted: the loss is on every rank)."""
         m = self.config.gradient_accumulation_steps
         if return_logits or not compute_loss or reduce_output != "avg":
-            raise ValueError(f"eval_batch(return_logits={return_logits}, compute_loss={compute_loss}, reduce_output="
-                             f"{reduce_output!r}) is not supported: only the mean loss (the defaults)")
+            raise ValueError(
+                f"eval_batch(return_logits={return_logits}, compute_loss={compute_loss}, reduce_output="
+                f"{reduce_output!r}) is not supported: only the mean loss (the defaults)"
+            )
         if num_micro_batches is not None and num_micro_batches != m:
-            raise ValueError(f"eval_batch(num_micro_batches={num_micro_batches}): the pipeline runs "
-                             f"gradient_accumulation_steps = {m} micro-batches per batch")
+            raise ValueError(
+                f"eval_batch(num_micro_batches={num_micro_batches}): the pipeline runs "
+                f"gradient_accumulation_steps = {m} micro-batches per batch"
+            )
         if data_iter is None or not hasattr(data_iter, "__next__"):
-            raise TypeError(f"eval_batch needs an iterator of (inputs, labels) micro-batches, got "
-                            f"{type(data_iter).__name__}")
+            raise TypeError(
+                f"eval_batch needs an iterator of (inputs, labels) micro-batches, got {type(data_iter).__name__}"
+            )
         x, y = self._pull(data_iter, "eval_batch")
         self.eval()
         return torch.tensor(self.runner.evaluate(x, y), dtype=torch.float64)
@@ -206,7 +230,8 @@ class PipelineEngine(EngineBase):
                     f"optimizer step {self.global_steps + 1} after {len(pairs)} of the {m} micro-batches {what} "
                     f"pulls (gradient_accumulation_steps = pipeline micro_batches = {m}): give every step {m} "
                     "(inputs, labels) pairs on the first and the last stage, or repeat the data (initialize("
-                    "training_data=...) builds a repeating loader)") from None
+                    "training_data=...) builds a repeating loader)"
+                ) from None
         bad = next((p for p in pairs if not isinstance(p, (tuple, list)) or len(p) != 2), None)
         if bad is not None:
             raise TypeError(f"{what}: the data must yield (inputs, labels) pairs, got {type(bad).__name__}")
@@ -235,8 +260,12 @@ class PipelineEngine(EngineBase):
     def checkpoint_grid(self) -> Grid:
         """dp (the optimizer's group) x tp x pp (pp only when > 1)."""
         split = self.runner.split
-        return Grid.of(self.optimizer.dp_group, split.tp_group, split.pp_group if split.pp > 1 else None,
-                       self.optimizer.checkpoint_device())
+        return Grid.of(
+            self.optimizer.dp_group,
+            split.tp_group,
+            split.pp_group if split.pp > 1 else None,
+            self.optimizer.checkpoint_device(),
+        )
 
     def checkpoint_modules(self) -> list[nn.Module]:
         """This rank's stage modules."""
@@ -245,13 +274,17 @@ class PipelineEngine(EngineBase):
     def checkpoint_named(self, kind: str) -> list[tuple[str, torch.Tensor]]:
         """(``stage{s}.{local name}``, tensor) of this rank's stage params / buffers, tied ones under every name."""
         split = self.runner.split
-        return [(f"stage{s}.{n}", t) for m, s in zip(split.modules, split.stage_indices)
-                for n, t in getattr(m, kind)(remove_duplicate=False)]
+        return [
+            (f"stage{s}.{n}", t)
+            for m, s in zip(split.modules, split.stage_indices)
+            for n, t in getattr(m, kind)(remove_duplicate=False)
+        ]
 
     def checkpoint_names(self) -> dict[str, str]:
         """{``stage{s}.{local name}``: name in the unsplit model} of this rank's params and buffers."""
-        return unsplit_names(self.module, self.checkpoint_named("named_parameters")
-                             + self.checkpoint_named("named_buffers"))
+        return unsplit_names(
+            self.module, self.checkpoint_named("named_parameters") + self.checkpoint_named("named_buffers")
+        )
 
     def checkpoint_duplicates(self) -> set[str]:
         """Optimizer names of this rank's tied copies that a lower stage holds too (that stage writes them)."""
@@ -286,19 +319,23 @@ class RepeatingLoader:
         self.data_iter = iter(self.loader)
 
 
-def pipeline_loader(training_data: Any, collate_fn: Callable | None, micro_batch: int, dp_group: Group
-                    ) -> RepeatingLoader:
+def pipeline_loader(
+    training_data: Any, collate_fn: Callable | None, micro_batch: int, dp_group: Group
+) -> RepeatingLoader:
     """DeepSpeed's PipelineEngine loader: this dp rank's share of ``training_data`` (a ``DistributedSampler``
     without shuffling: samples ``rank, rank + dp, ...``), ``micro_batch`` samples a batch, repeated forever."""
     from torch.utils.data import DistributedSampler
 
     if not hasattr(training_data, "__getitem__") or not hasattr(training_data, "__len__"):
-        raise TypeError(f"training_data must be a map-style dataset (__getitem__ and __len__), got "
-                        f"{type(training_data).__name__}")
-    sampler = DistributedSampler(training_data, num_replicas=group_size(dp_group), rank=group_rank(dp_group),
-                                 shuffle=False)
-    return RepeatingLoader(ResumableLoader(training_data, batch_size=micro_batch, sampler=sampler,
-                                           collate_fn=collate_fn))
+        raise TypeError(
+            f"training_data must be a map-style dataset (__getitem__ and __len__), got {type(training_data).__name__}"
+        )
+    sampler = DistributedSampler(
+        training_data, num_replicas=group_size(dp_group), rank=group_rank(dp_group), shuffle=False
+    )
+    return RepeatingLoader(
+        ResumableLoader(training_data, batch_size=micro_batch, sampler=sampler, collate_fn=collate_fn)
+    )
 
 
 def is_pipeline_module(model: Any) -> bool:

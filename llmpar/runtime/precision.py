@@ -8,6 +8,7 @@ ZeroOptimizer, which unscales inside its step; ``Engine.backward`` multiplies th
 ``loss_scale`` 0 is dynamic scaling (DeepSpeed's ``DynamicLossScaler``), > 0 a fixed scale. The scaler's state
 travels with checkpoints in the engine's counters (``Engine.checkpoint_counters``).
 """
+
 from __future__ import annotations
 
 import torch
@@ -25,9 +26,14 @@ def build_loss_scaler(fp16: Fp16Config) -> LossScaler | None:
     """The scaler of an enabled ``"fp16"`` block (None when fp16 is off)."""
     if not fp16.enabled:
         return None
-    return LossScaler(loss_scale=fp16.loss_scale, initial_scale_power=fp16.initial_scale_power,
-                      loss_scale_window=fp16.loss_scale_window, hysteresis=fp16.hysteresis,
-                      consecutive_hysteresis=fp16.consecutive_hysteresis, min_loss_scale=fp16.min_loss_scale)
+    return LossScaler(
+        loss_scale=fp16.loss_scale,
+        initial_scale_power=fp16.initial_scale_power,
+        loss_scale_window=fp16.loss_scale_window,
+        hysteresis=fp16.hysteresis,
+        consecutive_hysteresis=fp16.consecutive_hysteresis,
+        min_loss_scale=fp16.min_loss_scale,
+    )
 
 
 __all__ = ["build_loss_scaler", "model_dtype"]

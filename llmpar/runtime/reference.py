@@ -6,6 +6,7 @@ its note. DeepSpeed's keys that llmpar accepts without acting on them, or refuse
 ``runtime/ds_keys.py``. So the page cannot drift: ``tests/test_docs.py`` checks the committed page equals
 ``render()``, and ``python -m llmpar.runtime.reference > docs/configuration.md`` (``make docs``) rewrites it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,7 +31,7 @@ SCALARS: dict[str, str] = {
     "gradient_clipping": "max global gradient norm (0: off); clipped inside the fused step",
     "steps_per_print": "optimizer steps between the engine's lr / grad-norm / MFU log lines (default 10)",
     "sequence_parallel_size": 'DeepSpeed\'s Ulysses degree: the same as "context_parallel": {"size": N, "mode": '
-                              '"ulysses"}',
+    '"ulysses"}',
     "bfloat16": 'DeepSpeed\'s alias of "bf16"',
 }
 
@@ -49,17 +50,17 @@ BLOCKS: list[tuple[str, type, list[str] | None]] = [
 ]
 _EXTRA = {  # what a block's JSON shape adds to its dataclass
     "optimizer": '`{"type": ..., "params": {...}}`: `type` is AdamW, Adam (AdamW: DeepSpeed\'s default '
-                 "`adam_w_mode`), AdamW8bit or AdamW4bit; the other keys go under `params`.",
+    "`adam_w_mode`), AdamW8bit or AdamW4bit; the other keys go under `params`.",
     "scheduler": '`{"type": ..., "params": {...}}`; the params each type takes: '
-                 + "; ".join(f"{t}: {', '.join(f'`{p}`' for p in ps)}" for t, ps in blocks._SCHEDULER_PARAMS.items())
-                 + ".",
+    + "; ".join(f"{t}: {', '.join(f'`{p}`' for p in ps)}" for t, ps in blocks._SCHEDULER_PARAMS.items())
+    + ".",
     "bf16": '`{"enabled": true}`: bfloat16 params with fp32 masters (the optimizer\'s `precision` "auto" picks '
-            "fp32_master).",
+    "fp32_master).",
     "tensor_parallel": "`autotp_size` is DeepSpeed's AutoTP spelling of `size` (`0`, its default, means off); "
-                       "`llmpar.parallelize` splits the model.",
+    "`llmpar.parallelize` splits the model.",
     "activation_checkpointing": "The block's presence turns it on (`enabled` is not a key).",
     "zero_optimization": "Also accepted: `gather_16bit_weights_on_model_save` (DeepSpeed's field name) and "
-                         "`stage3_gather_fp16_weights_on_model_save` for `stage3_gather_16bit_weights_on_model_save`.",
+    "`stage3_gather_fp16_weights_on_model_save` for `stage3_gather_16bit_weights_on_model_save`.",
 }
 
 
@@ -179,15 +180,25 @@ def render() -> str:
     out += ["", "## Blocks", ""]
     for path, cls, keys in BLOCKS:
         out += _block_section(path, cls, keys)
-    out += ["## DeepSpeed keys llmpar accepts without acting on them, or refuses", "",
-            "From `llmpar/runtime/ds_keys.py`. Real configs carry many keys that change nothing in llmpar (a "
-            "disabled monitor, NVMe tuning without NVMe, a DeepSpeed default); each is accepted at the values that "
-            "change nothing, and any other value is an error `\"key\"=value: not supported: why (accepted: ...)`.",
-            "", "| key | rule |", "|---|---|"]
+    out += [
+        "## DeepSpeed keys llmpar accepts without acting on them, or refuses",
+        "",
+        "From `llmpar/runtime/ds_keys.py`. Real configs carry many keys that change nothing in llmpar (a "
+        "disabled monitor, NVMe tuning without NVMe, a DeepSpeed default); each is accepted at the values that "
+        'change nothing, and any other value is an error `"key"=value: not supported: why (accepted: ...)`.',
+        "",
+        "| key | rule |",
+        "|---|---|",
+    ]
     out += _rule_rows(ds_keys.TOP, "")
-    for where, table in (("zero_optimization", ds_keys.ZERO), ("zero_optimization.offload_*", ds_keys.OFFLOAD),
-                         ("bf16", ds_keys.BF16), ("fp16", ds_keys.FP16), ("optimizer.params", ds_keys.OPTIMIZER_PARAMS),
-                         ("pipeline", ds_keys.PIPELINE)):
+    for where, table in (
+        ("zero_optimization", ds_keys.ZERO),
+        ("zero_optimization.offload_*", ds_keys.OFFLOAD),
+        ("bf16", ds_keys.BF16),
+        ("fp16", ds_keys.FP16),
+        ("optimizer.params", ds_keys.OPTIMIZER_PARAMS),
+        ("pipeline", ds_keys.PIPELINE),
+    ):
         out += _rule_rows(table, where)
     return "\n".join(out) + "\n"
 

@@ -33,6 +33,7 @@ None on a fresh start). The loop only saves;
 with ``"auto_resume_interval": k`` the engine saves there itself after every k-th optimizer step (``engine.step()``
 or ``train_batch()``), so the loop has nothing to add.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -135,9 +136,17 @@ class ResumableLoader(DataLoader):
         saved = int(saved) if saved else replicas
         total = samples * saved
         if total % replicas:
-            logger.warning("resuming the data loader at %d data-parallel ranks from a checkpoint of %d: %d samples "
-                           "per rank were handed out there, %d / %d is not whole: %d are skipped here (some samples "
-                           "are seen twice)", replicas, saved, samples, total, replicas, total // replicas)
+            logger.warning(
+                "resuming the data loader at %d data-parallel ranks from a checkpoint of %d: %d samples "
+                "per rank were handed out there, %d / %d is not whole: %d are skipped here (some samples "
+                "are seen twice)",
+                replicas,
+                saved,
+                samples,
+                total,
+                replicas,
+                total // replicas,
+            )
         self._skip = total // replicas
         self._pass = None  # a pass already running stops counting
 
@@ -176,8 +185,9 @@ def check_interval(name: str, value: Any) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f'"{name}"={value!r}: expected a positive integer (optimizer steps between the saves), or '
-                         "null")
+        raise ValueError(
+            f'"{name}"={value!r}: expected a positive integer (optimizer steps between the saves), or null'
+        )
     return value
 
 
@@ -200,8 +210,10 @@ def apply_auto_resume(engine: Any, raw: dict) -> str | None:
     directory = auto_resume_dir(raw)
     every = raw["checkpoint"].get(INTERVAL) if isinstance(raw.get("checkpoint"), dict) else None
     if every is not None and directory is None:  # the config is the same on every rank: all raise here
-        raise ValueError(f'"checkpoint.{INTERVAL}"={every} needs "checkpoint.{AUTO_RESUME}": the directory to save '
-                         "to and resume from")
+        raise ValueError(
+            f'"checkpoint.{INTERVAL}"={every} needs "checkpoint.{AUTO_RESUME}": the directory to save '
+            "to and resume from"
+        )
     if directory is None:
         return None
     directory = os.fspath(directory)
@@ -217,14 +229,14 @@ def apply_auto_resume(engine: Any, raw: dict) -> str | None:
         tag = _newest_without_latest(directory, grid)
         if tag is None:
             if grid.rank0:
-                logger.info("llmpar.initialize: checkpoint.auto_resume: no checkpoint in %s yet: starting fresh",
-                            directory)
+                logger.info(
+                    "llmpar.initialize: checkpoint.auto_resume: no checkpoint in %s yet: starting fresh", directory
+                )
             return None
     path, client = engine.load_checkpoint(directory, tag=tag)
     engine.resumed_from, engine.resumed_client_state = path, client
     if grid.rank0:
-        logger.info("llmpar.initialize: checkpoint.auto_resume: resumed from %s at step %d", path,
-                    engine.global_steps)
+        logger.info("llmpar.initialize: checkpoint.auto_resume: resumed from %s at step %d", path, engine.global_steps)
         if tag is None:
             _warn_newer(directory, engine.global_steps)
     return path
@@ -240,9 +252,14 @@ def _warn_newer(directory: str, steps: int) -> None:
     except OSError:
         return
     if newer:
-        logger.warning("llmpar.initialize: checkpoint.auto_resume: %s/latest names a checkpoint of step %d, but %s "
-                       "holds newer complete ones: %s; a save of this run under one of their tags replaces it",
-                       directory, steps, directory, newer[:8])
+        logger.warning(
+            "llmpar.initialize: checkpoint.auto_resume: %s/latest names a checkpoint of step %d, but %s "
+            "holds newer complete ones: %s; a save of this run under one of their tags replaces it",
+            directory,
+            steps,
+            directory,
+            newer[:8],
+        )
 
 
 def _newest_without_latest(directory: str, grid: Any) -> str | None:
@@ -258,21 +275,36 @@ def _newest_without_latest(directory: str, grid: Any) -> str | None:
         newest = scan.newest(directory)
     except (CheckpointError, OSError) as e:
         error = CheckpointError(f"llmpar.initialize: checkpoint.auto_resume: {e}")
-    raise_if_any_failed(error, grid.groups, what="llmpar.initialize: checkpoint.auto_resume",
-                        types=(CheckpointError,))
+    raise_if_any_failed(error, grid.groups, what="llmpar.initialize: checkpoint.auto_resume", types=(CheckpointError,))
     text = "" if newest is None else f"{newest.tag}\0{newest.steps}"
     h = files.fingerprint(text)
     hi, neg = files.agree_all([h, -h], grid.groups, grid.device)
     if (hi, -neg) != (h, h):
         mine = f"{newest.tag} at step {newest.steps}" if newest is not None else "none"
-        raise CheckpointError(f"llmpar.initialize: checkpoint.auto_resume: the ranks see different checkpoints in "
-                              f"{directory} (no 'latest'; this rank's newest: {mine}): is the directory shared by "
-                              "every rank?")
+        raise CheckpointError(
+            f"llmpar.initialize: checkpoint.auto_resume: the ranks see different checkpoints in "
+            f"{directory} (no 'latest'; this rank's newest: {mine}): is the directory shared by "
+            "every rank?"
+        )
     if newest is not None and grid.rank0:
-        logger.warning("llmpar.initialize: checkpoint.auto_resume: %s has no 'latest': resuming from the newest "
-                       "complete checkpoint, %s (step %d by its own record)", directory, newest.tag, newest.steps)
+        logger.warning(
+            "llmpar.initialize: checkpoint.auto_resume: %s has no 'latest': resuming from the newest "
+            "complete checkpoint, %s (step %d by its own record)",
+            directory,
+            newest.tag,
+            newest.steps,
+        )
     return None if newest is None else newest.tag
 
 
-__all__ = ["AUTO_RESUME", "INTERVAL", "ResumableLoader", "apply_auto_resume", "auto_resume_dir", "check_auto_resume",
-           "check_interval", "resumable", "save_if_due"]
+__all__ = [
+    "AUTO_RESUME",
+    "INTERVAL",
+    "ResumableLoader",
+    "apply_auto_resume",
+    "auto_resume_dir",
+    "check_auto_resume",
+    "check_interval",
+    "resumable",
+    "save_if_due",
+]

@@ -12,6 +12,7 @@ lr of the first optimizer step), W = max(2, warmup_num_steps), T = total_num_ste
                      t = -1: 0
 Defaults as DeepSpeed's: WarmupLR max_lr = the optimizer's lr; WarmupDecayLR max_lr = 0.001 (not the optimizer's lr).
 """
+
 from __future__ import annotations
 
 import math
@@ -40,10 +41,14 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.type not in SCHEDULES:
             if self.type in _UNSUPPORTED:
-                raise ValueError(f'"scheduler.type"={self.type!r} is a DeepSpeed schedule llmpar does not support; '
-                                 f"use one of {', '.join(SCHEDULES)}")
-            raise ValueError(f'"scheduler.type"={self.type!r} is not known{nearest(str(self.type), list(SCHEDULES))}; '
-                             f"use one of {', '.join(SCHEDULES)}")
+                raise ValueError(
+                    f'"scheduler.type"={self.type!r} is a DeepSpeed schedule llmpar does not support; '
+                    f"use one of {', '.join(SCHEDULES)}"
+                )
+            raise ValueError(
+                f'"scheduler.type"={self.type!r} is not known{nearest(str(self.type), list(SCHEDULES))}; '
+                f"use one of {', '.join(SCHEDULES)}"
+            )
         self.warmup_num_steps = as_int("scheduler.params.warmup_num_steps", self.warmup_num_steps, minimum=1)
         self.warmup_min_lr = as_float("scheduler.params.warmup_min_lr", self.warmup_min_lr, minimum=0.0)
         if self.warmup_max_lr is not None:
@@ -110,8 +115,9 @@ class WarmupSchedule:
         return lrs
 
     def step(self, last_batch_iteration: int | None = None) -> None:
-        self.last_batch_iteration = self.last_batch_iteration + 1 if last_batch_iteration is None \
-            else last_batch_iteration
+        self.last_batch_iteration = (
+            self.last_batch_iteration + 1 if last_batch_iteration is None else last_batch_iteration
+        )
         self._last_lr = self._apply()
 
     def get_last_lr(self) -> list[float]:

@@ -11,6 +11,7 @@ DeepSpeed's other helpers of this module (partitioning, its clipping and norm fu
 asking for one is an ``AttributeError`` that says so. A DeepSpeed-compatibility module on the top floor (loaded by
 ``llmpar.runtime`` when ``llmpar.runtime.utils`` is first asked for): nothing inside llmpar imports it.
 """
+
 from __future__ import annotations
 
 import gc
@@ -24,7 +25,7 @@ import torch.distributed as dist
 from llmpar.accelerator import get_accelerator
 
 logger = logging.getLogger("llmpar")
-_GB = 1024 ** 3
+_GB = 1024**3
 
 
 def set_random_seed(seed: int) -> None:
@@ -37,8 +38,8 @@ def set_random_seed(seed: int) -> None:
     except ImportError:  # numpy is optional here
         numpy = None
     if numpy is not None:
-        numpy.random.seed(seed % 2 ** 32)
-    torch.manual_seed(seed % 2 ** 63)
+        numpy.random.seed(seed % 2**32)
+    torch.manual_seed(seed % 2**63)
 
 
 def torch_memory_reserved() -> int:
@@ -59,8 +60,10 @@ def see_memory_usage(message: str, force: bool = False) -> None:
         return
     gc.collect()
     acc = get_accelerator()
-    line = (f"{message}: MA {acc.memory_allocated() / _GB:.2f} GB Max_MA {acc.max_memory_allocated() / _GB:.2f} GB "
-            f"CA {torch_memory_reserved() / _GB:.2f} GB Max_CA {torch_max_memory_reserved() / _GB:.2f} GB")
+    line = (
+        f"{message}: MA {acc.memory_allocated() / _GB:.2f} GB Max_MA {acc.max_memory_allocated() / _GB:.2f} GB "
+        f"CA {torch_memory_reserved() / _GB:.2f} GB Max_CA {torch_max_memory_reserved() / _GB:.2f} GB"
+    )
     try:
         import psutil
     except ImportError:
@@ -75,8 +78,8 @@ def see_memory_usage(message: str, force: bool = False) -> None:
 _ELSEWHERE = {
     "clip_grad_norm_": 'gradient clipping is the config\'s "gradient_clipping" (the engine clips when it steps)',
     "get_global_norm": "the engine's global grad norm is engine.get_global_grad_norm()",
-    "partition_uniform": "pipeline stages are split by the config's \"pipeline.partition\" (llmpar.pipe)",
-    "partition_balanced": "pipeline stages are split by the config's \"pipeline.partition\" (llmpar.pipe)",
+    "partition_uniform": 'pipeline stages are split by the config\'s "pipeline.partition" (llmpar.pipe)',
+    "partition_balanced": 'pipeline stages are split by the config\'s "pipeline.partition" (llmpar.pipe)',
     "PartitionedTensor": "not provided",
     "call_to_str": "not provided",
 }

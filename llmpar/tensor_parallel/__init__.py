@@ -1,5 +1,6 @@
 """Tensor parallelism: column/row-parallel linears, vocab-parallel embedding and cross-entropy, autograd
 collectives, and ``parallelize`` to swap them into existing models. Groups are always passed explicitly."""
+
 from llmpar.distributed.errors import TokenIdError
 from llmpar.tensor_parallel.comm import (
     copy_to_tensor_region,

@@ -20,6 +20,7 @@ of two ways:
   :func:`assert_rows_ok`) fires instead, and a rank meeting an input shape new to it reads the table once for the
   clear error naming every rank's shape.
 """
+
 from __future__ import annotations
 
 import torch
@@ -59,8 +60,10 @@ def _raise_if_shapes_differ(codes: list[list[int]], rank: int, what: str) -> Non
     """The ValueError naming every rank's shape, unless all the shape ``codes`` (one per group rank) are equal."""
     if any(c != codes[0] for c in codes):
         shapes = ", ".join(f"group rank {r} {_shape_text(c)}" for r, c in enumerate(codes))
-        raise ValueError(f"{what}: the ranks of the tensor-parallel group got inputs of different shapes ({shapes}; "
-                         f"this is group rank {rank}): every tp rank must get the same input")
+        raise ValueError(
+            f"{what}: the ranks of the tensor-parallel group got inputs of different shapes ({shapes}; "
+            f"this is group rank {rank}): every tp rank must get the same input"
+        )
 
 
 class ShapeGuard:

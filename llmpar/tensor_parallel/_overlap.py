@@ -24,6 +24,7 @@ the output, and the row layer reads x's rows and writes dx's rows in place (its 
 piece, so a low-precision running sum is rounded no more often than before). On GPU the collectives run on the
 process group's own stream (NCCL); on CPU the async gloo work runs on gloo's threads while this thread multiplies.
 """
+
 from __future__ import annotations
 
 from typing import Iterator
@@ -83,8 +84,9 @@ def _mm_into(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: tor
 
 class _ColumnParallelMatmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, group, sequence_parallel, chunks, overlap_grad, reduce_grad=True, act="none",
-                fused=False):
+    def forward(
+        ctx, x, weight, bias, group, sequence_parallel, chunks, overlap_grad, reduce_grad=True, act="none", fused=False
+    ):
         tp, _ = tp_size_rank(group)
         in_f, out_f = x.shape[-1], weight.shape[0]
         x2 = x.reshape(-1, in_f).contiguous()
@@ -155,8 +157,16 @@ class _ColumnParallelMatmul(torch.autograd.Function):
             launched[:] = _ColumnParallelMatmul._launch_input_grad(ctx, dx)
 
         if ctx.fused:  # dX first (its collective starts in the hook), then dW and db while it flies
-            _, grad_w, grad_b = linear_act_backward(g, total, weight, pre, act=ctx.act, has_bias=ctx.has_bias,
-                                                    needs=(need_x, need_w, need_b), on_grad_input=on_grad_input)
+            _, grad_w, grad_b = linear_act_backward(
+                g,
+                total,
+                weight,
+                pre,
+                act=ctx.act,
+                has_bias=ctx.has_bias,
+                needs=(need_x, need_w, need_b),
+                on_grad_input=on_grad_input,
+            )
         else:
             grad_w = grad_b = None
             if need_x:
@@ -231,8 +241,9 @@ class _RowParallelMatmul(torch.autograd.Function):
                 grad_b += gi.sum(0)
             return
         needs = (grad_x is not None, grad_w is not None, grad_b is not None)
-        dxp, dwp, dbp = linear_act_backward(gi, xv[:, a:b].reshape(-1, in_f), weight, None, has_bias=needs[2],
-                                            needs=needs)
+        dxp, dwp, dbp = linear_act_backward(
+            gi, xv[:, a:b].reshape(-1, in_f), weight, None, has_bias=needs[2], needs=needs
+        )
         if grad_x is not None:
             grad_x[:, a:b] = dxp.view(tp, rows, in_f)
         if grad_w is not None:
@@ -264,8 +275,9 @@ class _RowParallelMatmul(torch.autograd.Function):
                 grad_x = grad_x.view(ctx.x_shape) if need_x else None
                 return grad_x, grad_w, grad_b, None, None, None, None
         if ctx.fused:
-            grad_x, grad_w, grad_b = linear_act_backward(g, x2, weight, None, has_bias=need_b,
-                                                         needs=(need_x, need_w, need_b))
+            grad_x, grad_w, grad_b = linear_act_backward(
+                g, x2, weight, None, has_bias=need_b, needs=(need_x, need_w, need_b)
+            )
             grad_x = grad_x.view(ctx.x_shape) if grad_x is not None else None
             return grad_x, grad_w, grad_b, None, None, None, None
         if need_x:

@@ -2,6 +2,7 @@
 
 Every check here is local (shapes, sizes), so a bad input raises on every rank before any collective is issued.
 """
+
 from __future__ import annotations
 
 from typing import Union

@@ -21,6 +21,7 @@ reduce_scatter_to_sequence_region   reduce-scatter dim 0         all-gather dim 
 
 Every byte moves through :mod:`llmpar.distributed.collectives`. With one rank every wrapper is the identity.
 """
+
 from __future__ import annotations
 
 import torch

@@ -20,6 +20,7 @@ token-sized collective; a target on a -inf column shows up as a -inf target logi
 rank, a :class:`TokenIdError` (a ValueError) or a ValueError naming every rank's shape on CPU and a device-side assert
 on accelerators (no host sync), instead of a wrong loss, an aborted process or a rank left waiting.
 """
+
 from __future__ import annotations
 
 import torch
@@ -52,6 +53,7 @@ def _reduce_max_checked(m, outside, t, shape, group, limit: int, ignore_index: i
         return m
     rows = exchange_rows(outside.any(), shape, group)
     if cpu:
+
         def fault(ranks: list[int]) -> TokenIdError:
             mine = f": {_some(t[outside])}" if rank in ranks else ""
             return TokenIdError(f"{range_msg} (on tp group rank(s) {ranks}; this is group rank {rank}){mine}")
@@ -71,9 +73,11 @@ def _raise_padding_target(hit, x_in, t, group, vocab_size) -> None:
         if tp > 1:
             all_reduce(count, group)
         vocab_size = int(count)
-    raise TokenIdError(f"{_WHAT}: target class id(s) {_some(t[hit])} fall on logits of -inf, outside the real "
-                       f"vocabulary of {vocab_size} classes (padding columns of a vocabulary padded to a multiple of "
-                       f"tp={tp}, or masked classes): valid ids are in [0, {vocab_size}) or ignore_index")
+    raise TokenIdError(
+        f"{_WHAT}: target class id(s) {_some(t[hit])} fall on logits of -inf, outside the real "
+        f"vocabulary of {vocab_size} classes (padding columns of a vocabulary padded to a multiple of "
+        f"tp={tp}, or masked classes): valid ids are in [0, {vocab_size}) or ignore_index"
+    )
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -170,19 +174,30 @@ def vocab_parallel_cross_entropy(
     if not isinstance(target, torch.Tensor) or target.is_floating_point() or target.is_complex():
         raise TypeError("target must be an integer tensor of class ids")
     if logits_shard.dim() < 1 or tuple(logits_shard.shape[:-1]) != tuple(target.shape):
-        raise ValueError(f"logits_shard {tuple(logits_shard.shape)} and target {tuple(target.shape)} must agree on "
-                         "all but the last (vocabulary) dim")
+        raise ValueError(
+            f"logits_shard {tuple(logits_shard.shape)} and target {tuple(target.shape)} must agree on "
+            "all but the last (vocabulary) dim"
+        )
     padded = tp * logits_shard.shape[-1]
-    if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int)
-                                   or not 0 < vocab_size <= padded):
-        raise ValueError(f"vocab_size={vocab_size} does not fit logits of {logits_shard.shape[-1]} columns per rank "
-                         f"x tp={tp} = {padded}")
+    if vocab_size is not None and (
+        isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not 0 < vocab_size <= padded
+    ):
+        raise ValueError(
+            f"vocab_size={vocab_size} does not fit logits of {logits_shard.shape[-1]} columns per rank "
+            f"x tp={tp} = {padded}"
+        )
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 1]")
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction={reduction!r} is not one of 'mean', 'sum', 'none'")
-    loss = _VocabParallelCrossEntropy.apply(logits_shard, target, pg, None if vocab_size is None else int(vocab_size),
-                                            int(ignore_index), float(label_smoothing))
+    loss = _VocabParallelCrossEntropy.apply(
+        logits_shard,
+        target,
+        pg,
+        None if vocab_size is None else int(vocab_size),
+        int(ignore_index),
+        float(label_smoothing),
+    )
     if reduction == "none":
         return loss
     if reduction == "sum":

@@ -13,6 +13,7 @@ different sizes) raise on every rank before the sum is issued: a :class:`TokenId
 accelerators (no host sync; the first time a rank sees an ids shape it reads the rows, so a shape mismatch there raises
 the clear ValueError too). Nothing is left half done: the layer stays usable after the error.
 """
+
 from __future__ import annotations
 
 import torch
@@ -64,8 +65,9 @@ class VocabParallelEmbedding(nn.Module):
         self.num_embeddings_per_rank = self.padded_num_embeddings // self.tp
         self.vocab_start = self.tp_rank * self.num_embeddings_per_rank
         self.vocab_end = self.vocab_start + self.num_embeddings_per_rank
-        self.weight = _tag(nn.Parameter(torch.empty(self.num_embeddings_per_rank, embedding_dim, device=device,
-                                                    dtype=dtype)), 0)
+        self.weight = _tag(
+            nn.Parameter(torch.empty(self.num_embeddings_per_rank, embedding_dim, device=device, dtype=dtype)), 0
+        )
         if _init is not _SKIP_INIT:
             ref = nn.Embedding(num_embeddings, embedding_dim, padding_idx=padding_idx, device=device, dtype=dtype)
             self.load_full_(ref.weight.detach())
@@ -79,8 +81,9 @@ class VocabParallelEmbedding(nn.Module):
     def load_full_(self, weight: torch.Tensor) -> None:
         """Copy this rank's rows of a full ``[V, d]`` table into the layer."""
         if tuple(weight.shape) != (self.num_embeddings, self.embedding_dim):
-            raise ValueError(f"weight has shape {tuple(weight.shape)}, expected [{self.num_embeddings}, "
-                             f"{self.embedding_dim}]")
+            raise ValueError(
+                f"weight has shape {tuple(weight.shape)}, expected [{self.num_embeddings}, {self.embedding_dim}]"
+            )
         padded = F.pad(weight, (0, 0, 0, self.padded_num_embeddings - self.num_embeddings))
         self.weight.copy_(padded[self.vocab_start : self.vocab_end])
 
@@ -92,8 +95,16 @@ class VocabParallelEmbedding(nn.Module):
         if emb.max_norm is not None or emb.sparse or emb.scale_grad_by_freq:
             raise ValueError("VocabParallelEmbedding does not support max_norm, sparse or scale_grad_by_freq")
         w = emb.weight
-        layer = cls(emb.num_embeddings, emb.embedding_dim, group=group, padding_idx=emb.padding_idx,
-                    device=w.device, dtype=w.dtype, _init=_SKIP_INIT, **kwargs)
+        layer = cls(
+            emb.num_embeddings,
+            emb.embedding_dim,
+            group=group,
+            padding_idx=emb.padding_idx,
+            device=w.device,
+            dtype=w.dtype,
+            _init=_SKIP_INIT,
+            **kwargs,
+        )
         layer.load_full_(w.detach())
         return layer
 
@@ -121,8 +132,10 @@ class VocabParallelEmbedding(nn.Module):
     def _id_error(self, ranks: list[int], mine: torch.Tensor | None) -> TokenIdError:
         where = f" on tp group rank(s) {ranks} (this is group rank {self.tp_rank})" if self.tp > 1 else ""
         ids = f": {sorted(set(mine.tolist()))[:8]}" if mine is not None and mine.numel() else ""
-        return TokenIdError(f"token ids outside [0, {self.num_embeddings}) (VocabParallelEmbedding of "
-                            f"{self.num_embeddings} rows, tp={self.tp}){where}{ids}")
+        return TokenIdError(
+            f"token ids outside [0, {self.num_embeddings}) (VocabParallelEmbedding of "
+            f"{self.num_embeddings} rows, tp={self.tp}){where}{ids}"
+        )
 
     def _check(self, rows: torch.Tensor, ids: torch.Tensor, bad: torch.Tensor) -> None:
         """Raise (CPU) / assert (accelerators) on every rank if the exchanged ``rows`` show bad ids or shapes."""
@@ -135,9 +148,12 @@ class VocabParallelEmbedding(nn.Module):
             if shapes_differ(rows):
                 raise_for_rows(rows, self.group, what=what, fault_error=fault)
             self._shapes.add(ids.shape)
-        assert_rows_ok(rows, f"{what}: token ids outside [0, {self.num_embeddings}), or ids of different shapes on "
-                             "the tp ranks")
+        assert_rows_ok(
+            rows, f"{what}: token ids outside [0, {self.num_embeddings}), or ids of different shapes on the tp ranks"
+        )
 
     def extra_repr(self) -> str:
-        return (f"{self.num_embeddings}, {self.embedding_dim}, tp={self.tp}, padding_idx={self.padding_idx}, "
-                f"sequence_parallel={self.sequence_parallel}")
+        return (
+            f"{self.num_embeddings}, {self.embedding_dim}, tp={self.tp}, padding_idx={self.padding_idx}, "
+            f"sequence_parallel={self.sequence_parallel}"
+        )

@@ -5,6 +5,7 @@ so every tp rank gets the norm of the unsplit model. Split parameters are those 
 ``tensor_model_parallel = True``. The arithmetic is ``llmpar.optim.grad_norm``'s (shared with the pipeline runner,
 ZeRO and FusedAdamW).
 """
+
 from __future__ import annotations
 
 from typing import Iterable

@@ -24,6 +24,7 @@ Initialisation is single-device identical: by default the full weight is drawn e
 on the same device would draw it (same RNG calls), and each rank keeps its slice; ``init_method(full_weight)``
 replaces the weight draw (bias then starts at zero, as in Megatron). Every rank must hold the same RNG state.
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -65,16 +66,24 @@ def _check_chunks(comm_chunks: int) -> int:
     return check_positive("comm_chunks", comm_chunks)
 
 
-
 def _from_linear(cls, linear: nn.Linear, group: Group, kwargs: dict):
     """Build a ``cls`` layer holding this rank's slice of ``linear`` (shared by the column and row layers)."""
     if not isinstance(linear, nn.Linear):
         raise TypeError(f"linear must be an nn.Linear, got {type(linear).__name__}")
     w = linear.weight
-    layer = cls(linear.in_features, linear.out_features, linear.bias is not None, group=group,
-                init_method=_SKIP_INIT, device=w.device, dtype=w.dtype, **kwargs)
+    layer = cls(
+        linear.in_features,
+        linear.out_features,
+        linear.bias is not None,
+        group=group,
+        init_method=_SKIP_INIT,
+        device=w.device,
+        dtype=w.dtype,
+        **kwargs,
+    )
     layer.load_full_(w.detach(), None if linear.bias is None else linear.bias.detach())
     return layer
+
 
 class ColumnParallelLinear(nn.Module):
     """``y = x W^T + b`` with the rows of ``W`` (output features) split across the ranks of ``group``.
@@ -121,8 +130,10 @@ class ColumnParallelLinear(nn.Module):
         self.comm_chunks = _check_chunks(comm_chunks)
         self.overlap_grad_comm = bool(overlap_grad_comm)
         if sequence_parallel and not reduce_input_grad:
-            raise ValueError("reduce_input_grad=False cannot be combined with sequence_parallel=True "
-                             "(the input gradient must be reduce-scattered back to the sequence shards)")
+            raise ValueError(
+                "reduce_input_grad=False cannot be combined with sequence_parallel=True "
+                "(the input gradient must be reduce-scattered back to the sequence shards)"
+            )
         self.reduce_input_grad = bool(reduce_input_grad)
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation={activation!r} is not supported; use one of {', '.join(ACTIVATIONS)}")
@@ -177,9 +188,18 @@ class ColumnParallelLinear(nn.Module):
         if self.tp == 1:
             y = linear_act(x, self.weight, self.bias, act=act) if fused else F.linear(x, self.weight, self.bias)
         else:
-            y = _ColumnParallelMatmul.apply(x, self.weight, self._output_bias(), self.group, self.sequence_parallel,
-                                            self.comm_chunks, self.overlap_grad_comm, self.reduce_input_grad,
-                                            act if fused else "none", fused)
+            y = _ColumnParallelMatmul.apply(
+                x,
+                self.weight,
+                self._output_bias(),
+                self.group,
+                self.sequence_parallel,
+                self.comm_chunks,
+                self.overlap_grad_comm,
+                self.reduce_input_grad,
+                act if fused else "none",
+                fused,
+            )
         if not fused and act != "none":
             y = _act_torch(y, act)
         if self.gather_output:
@@ -189,10 +209,12 @@ class ColumnParallelLinear(nn.Module):
         return y
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, tp={self.tp}, "
-                f"bias={self.bias is not None}, gather_output={self.gather_output}, "
-                f"sequence_parallel={self.sequence_parallel}, comm_chunks={self.comm_chunks}"
-                + (f", activation={self.activation}" if self.activation != "none" else ""))
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, tp={self.tp}, "
+            f"bias={self.bias is not None}, gather_output={self.gather_output}, "
+            f"sequence_parallel={self.sequence_parallel}, comm_chunks={self.comm_chunks}"
+            + (f", activation={self.activation}" if self.activation != "none" else "")
+        )
 
 
 class ParallelLMHead(ColumnParallelLinear):
@@ -261,8 +283,9 @@ class RowParallelLinear(nn.Module):
         self.sequence_parallel = bool(sequence_parallel)
         self.comm_chunks = _check_chunks(comm_chunks)
         self._shapes = ShapeGuard(type(self).__name__)
-        self.weight = _tag(nn.Parameter(torch.empty(out_features, self.in_features_per_rank, device=device,
-                                                    dtype=dtype)), 1)
+        self.weight = _tag(
+            nn.Parameter(torch.empty(out_features, self.in_features_per_rank, device=device, dtype=dtype)), 1
+        )
         self.bias = _tag(nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)), None) if bias else None
         if init_method is not _SKIP_INIT:
             w, b = _master_linear(in_features, out_features, bias, init_method, device, dtype)
@@ -304,10 +327,13 @@ class RowParallelLinear(nn.Module):
             return linear_act(x, self.weight, self.bias) if fused else F.linear(x, self.weight, self.bias)
         if not self.input_is_parallel:
             x = scatter_to_tensor_region(x, self.group)
-        return _RowParallelMatmul.apply(x, self.weight, self.bias, self.group, self.sequence_parallel,
-                                        self.comm_chunks, fused)
+        return _RowParallelMatmul.apply(
+            x, self.weight, self.bias, self.group, self.sequence_parallel, self.comm_chunks, fused
+        )
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, tp={self.tp}, "
-                f"bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}, "
-                f"sequence_parallel={self.sequence_parallel}, comm_chunks={self.comm_chunks}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, tp={self.tp}, "
+            f"bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}, "
+            f"sequence_parallel={self.sequence_parallel}, comm_chunks={self.comm_chunks}"
+        )

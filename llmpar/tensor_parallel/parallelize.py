@@ -20,6 +20,7 @@ column layers all-gathers its input once in a forward pre-hook (its column layer
 gradients, reduce-scattered by that gather's backward), row layers reduce-scatter, and the gradients of all
 parameters outside the parallel layers (norms, position embeddings) are all-reduced over tp by hooks.
 """
+
 from __future__ import annotations
 
 from typing import Mapping
@@ -67,15 +68,19 @@ def _pick_default_plan(model: nn.Module) -> dict[str, str]:
     fam = family(model)  # the layout family, by module names (llmpar.models.anatomy)
     if fam is not None:
         return DEFAULT_PLANS[fam]
-    raise ValueError(f"no default tensor-parallel plan fits {type(model).__name__} (known: Llama-style "
-                     f"'self_attn.q_proj', GPT-style 'attn.qkv' names); pass plan={{pattern: kind}}")
+    raise ValueError(
+        f"no default tensor-parallel plan fits {type(model).__name__} (known: Llama-style "
+        f"'self_attn.q_proj', GPT-style 'attn.qkv' names); pass plan={{pattern: kind}}"
+    )
 
 
 def _check_module(name: str, module: nn.Module, kind: str, tp: int) -> None:
     want = nn.Embedding if kind == "embedding" else nn.Linear
     if type(module) is not want:
-        raise TypeError(f"module {name!r} is a {type(module).__name__}, but the plan makes it {kind!r}, which "
-                        f"needs an {want.__name__}")
+        raise TypeError(
+            f"module {name!r} is a {type(module).__name__}, but the plan makes it {kind!r}, which "
+            f"needs an {want.__name__}"
+        )
     if kind == "column" and module.out_features % tp:
         raise ValueError(f"module {name!r}: out_features {module.out_features} is not divisible by tp={tp}")
     if kind == "row" and module.in_features % tp:
@@ -94,8 +99,10 @@ def _check_heads(owner_name: str, owner: nn.Module, columns: list[tuple[str, nn.
         for cname, lin in columns:
             per_rank = lin.out_features // tp
             if per_rank % head_dim:
-                raise ValueError(f"module {cname!r}: {lin.out_features} output features split over tp={tp} give "
-                                 f"{per_rank} per rank, not a whole number of heads of head_dim={head_dim}")
+                raise ValueError(
+                    f"module {cname!r}: {lin.out_features} output features split over tp={tp} give "
+                    f"{per_rank} per rank, not a whole number of heads of head_dim={head_dim}"
+                )
     return updates
 
 
@@ -106,8 +113,11 @@ def _gather_hook(group):
         for key in _HIDDEN_KWARGS:
             if key in kwargs:
                 return args, {**kwargs, key: gather_from_sequence_region(kwargs[key], group)}
-        raise ValueError(f"sequence_parallel: cannot find the hidden-state input of {type(module).__name__} "
-                         f"(no positional argument and none of {_HIDDEN_KWARGS})")
+        raise ValueError(
+            f"sequence_parallel: cannot find the hidden-state input of {type(module).__name__} "
+            f"(no positional argument and none of {_HIDDEN_KWARGS})"
+        )
+
     return hook
 
 
@@ -164,15 +174,22 @@ def parallelize(
     for name, module, kind in chosen:
         if kind == "column":
             new: nn.Module = ColumnParallelLinear.from_linear(
-                module, group=group, overlap_grad_comm=overlap_grad_comm, reduce_input_grad=not sequence_parallel)
+                module, group=group, overlap_grad_comm=overlap_grad_comm, reduce_input_grad=not sequence_parallel
+            )
         elif kind == "row":
-            new = RowParallelLinear.from_linear(module, group=group, sequence_parallel=sequence_parallel,
-                                                comm_chunks=comm_chunks)
+            new = RowParallelLinear.from_linear(
+                module, group=group, sequence_parallel=sequence_parallel, comm_chunks=comm_chunks
+            )
         elif kind == "embedding":
             new = VocabParallelEmbedding.from_embedding(module, group=group, sequence_parallel=sequence_parallel)
         else:
-            new = ParallelLMHead.from_linear(module, group=group, gather_output=gather_logits,
-                                             sequence_parallel=sequence_parallel, overlap_grad_comm=overlap_grad_comm)
+            new = ParallelLMHead.from_linear(
+                module,
+                group=group,
+                gather_output=gather_logits,
+                sequence_parallel=sequence_parallel,
+                overlap_grad_comm=overlap_grad_comm,
+            )
         new_by_old[id(module)] = new
         parent_name, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent_name), leaf, new)
@@ -197,9 +214,12 @@ def _retie(chosen: list[tuple[str, nn.Module, str]], new_by_old: dict[int, nn.Mo
 
 
 def _reduce_replicated_grads(model: nn.Module, group) -> None:
-    parallel = {id(p) for m in model.modules()
-                if isinstance(m, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding))
-                for p in m.parameters()}
+    parallel = {
+        id(p)
+        for m in model.modules()
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding))
+        for p in m.parameters()
+    }
     seen = set()
     for p in model.parameters():
         if id(p) in parallel or id(p) in seen or not p.requires_grad:

@@ -19,6 +19,7 @@ reads B * G rows; the step's mean loss over all dp * B * G rows is reported. So 
 like one process with batch N * B (tests/test_train.py checks this). The run passes if the final loss (mean of the
 last ~5% of steps) is below 80% of the first step's; exit status 0 PASS, 3 FAIL, 2 bad flags or config.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,45 +42,89 @@ from llmpar.train.options import MODEL_DTYPES, SCHEDULES, TrainOptions, check_la
 logger = logging.getLogger("llmpar")
 
 # option names (TrainOptions fields) the parser fills; every flag defaults to None, so "given" means "not None"
-_OPTION_FLAGS = ("steps", "seq_len", "n_layer", "n_head", "d_model", "seed", "text", "dtype", "log_every",
-                 "batch_size", "grad_accum", "lr", "weight_decay", "warmup_steps", "grad_clip", "zero", "offload",
-                 "bf16", "tp", "pp", "schedule", "print_every")
+_OPTION_FLAGS = (
+    "steps",
+    "seq_len",
+    "n_layer",
+    "n_head",
+    "d_model",
+    "seed",
+    "text",
+    "dtype",
+    "log_every",
+    "batch_size",
+    "grad_accum",
+    "lr",
+    "weight_decay",
+    "warmup_steps",
+    "grad_clip",
+    "zero",
+    "offload",
+    "bf16",
+    "tp",
+    "pp",
+    "schedule",
+    "print_every",
+)
 _OTHER_FLAGS = ("config", "device", "sample", "json")  # not --nproc: torchrun's parser would call it ambiguous
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``train`` to the ``llmpar`` command."""
-    parser = subparsers.add_parser("train", help="train the small GPT on the shipped text through llmpar.initialize",
-                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = subparsers.add_parser(
+        "train",
+        help="train the small GPT on the shipped text through llmpar.initialize",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     d = TrainOptions()
 
     def opt(name: str, help: str, **kw: Any) -> None:
         default = kw.pop("shown", getattr(d, name, None))
         t.add_argument(flag(name), dest=name, default=None, help=f"{help} (default {default})", **kw)
 
-    parser.add_argument("--nproc", type=int, default=2, help="ranks to launch with torchrun when not already under it "
-                   "(default 2)")
-    parser.add_argument("--config", default=None, metavar="DS.JSON",
-                   help="a DeepSpeed JSON config for llmpar.initialize; the training flags below (batch, optimizer, "
-                        "schedule, clipping, ZeRO, bf16, tp, pp) must then not be given")
-    parser.add_argument("--print-config", action="store_true",
-                        help="print the DeepSpeed config this command line runs, and exit")
+    parser.add_argument(
+        "--nproc", type=int, default=2, help="ranks to launch with torchrun when not already under it (default 2)"
+    )
+    parser.add_argument(
+        "--config",
+        default=None,
+        metavar="DS.JSON",
+        help="a DeepSpeed JSON config for llmpar.initialize; the training flags below (batch, optimizer, "
+        "schedule, clipping, ZeRO, bf16, tp, pp) must then not be given",
+    )
+    parser.add_argument(
+        "--print-config", action="store_true", help="print the DeepSpeed config this command line runs, and exit"
+    )
     g = parser.add_argument_group("run and model (also with --config)")
-    for name, kind, text in (("steps", int, "optimizer steps"), ("seq_len", int, "tokens per sequence"),
-                             ("n_layer", int, "transformer blocks"), ("n_head", int, "attention heads"),
-                             ("d_model", int, "hidden size"), ("seed", int, "weights and batches seed"),
-                             ("log_every", int, "steps between progress-bar updates")):
+    for name, kind, text in (
+        ("steps", int, "optimizer steps"),
+        ("seq_len", int, "tokens per sequence"),
+        ("n_layer", int, "transformer blocks"),
+        ("n_head", int, "attention heads"),
+        ("d_model", int, "hidden size"),
+        ("seed", int, "weights and batches seed"),
+        ("log_every", int, "steps between progress-bar updates"),
+    ):
         g.add_argument(flag(name), dest=name, type=kind, default=None, help=f"{text} (default {getattr(d, name)})")
     g.add_argument("--text", default=None, help=f"shipped text to train on (default {d.text})")
-    g.add_argument("--dtype", default=None, choices=MODEL_DTYPES,
-                   help="model dtype; bfloat16 is the config's bf16 (fp32 master weights) (default float32)")
+    g.add_argument(
+        "--dtype",
+        default=None,
+        choices=MODEL_DTYPES,
+        help="model dtype; bfloat16 is the config's bf16 (fp32 master weights) (default float32)",
+    )
     g.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cpu uses gloo, cuda uses nccl")
     g.add_argument("--sample", type=int, default=200, help="characters to sample after training (0: none)")
     g.add_argument("--json", default=None, metavar="PATH", help="also write the summary as JSON to PATH")
     t = parser.add_argument_group("training: these build the DeepSpeed config (not with --config)")
     opt("batch_size", "train_micro_batch_size_per_gpu: sequences per dp rank per micro step", type=int)
-    opt("grad_accum", "gradient_accumulation_steps; with --pp the pipeline micro-batches per step", type=int,
-        shown="1, or pp with --pp")
+    opt(
+        "grad_accum",
+        "gradient_accumulation_steps; with --pp the pipeline micro-batches per step",
+        type=int,
+        shown="1, or pp with --pp",
+    )
     t.add_argument("--micro-batches", dest="grad_accum", type=int, default=None, help="same as --grad-accum")
     opt("lr", "AdamW peak learning rate (linear warm-up, cosine decay to 0.1 x lr)", type=float)
     opt("weight_decay", "AdamW weight decay (on matrices)", type=float)
@@ -108,8 +153,18 @@ def _relaunch(args: argparse.Namespace) -> int:
             argv.append(flag(k))
         elif value is not None and value is not False:
             argv += [flag(k), str(value)]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
-           "-m", "llmpar.cli", "train", *argv]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(args.nproc),
+        "-m",
+        "llmpar.cli",
+        "train",
+        *argv,
+    ]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
     logger.info("launching %d ranks: %s", args.nproc, " ".join(cmd))
@@ -196,8 +251,13 @@ def _main(args: argparse.Namespace) -> int:
     owns_group = not dist.is_initialized()
     try:
         try:
-            _, result = train(opts, config, backend="nccl" if args.device == "cuda" else "gloo", progress=True,
-                              sample_chars=args.sample)
+            _, result = train(
+                opts,
+                config,
+                backend="nccl" if args.device == "cuda" else "gloo",
+                progress=True,
+                sample_chars=args.sample,
+            )
         except ConfigError as err:  # raised alike on every rank
             return _error(err) if rank == 0 else 2
         if rank == 0:

@@ -10,6 +10,7 @@ and reports. Per step s, dp rank r reads rows [r * micro * gas, (r + 1) * micro 
 (``llmpar.data.BatchLoader``), so N dp ranks with micro batch B train like one process with micro batch N * B (the
 engine averages gradients over dp); the reported loss is the step's mean over all its rows (one all-reduce over dp).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -83,8 +84,9 @@ class TrainResult:
 
     def summary(self) -> dict:
         out = asdict(self)
-        out.update(first_loss=self.first_loss, final_loss=self.final_loss, fell=self.fell, min_drop=MIN_DROP,
-                   mfu=self.mfu)
+        out.update(
+            first_loss=self.first_loss, final_loss=self.final_loss, fell=self.fell, min_drop=MIN_DROP, mfu=self.mfu
+        )
         return out
 
 
@@ -110,8 +112,10 @@ def param_groups(model: torch.nn.Module) -> list[dict]:
     """Weight decay on matrices only (the config's ``weight_decay``), none on biases and norms; (name, param) pairs
     so ZeRO can name them in checkpoints."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    return [{"params": [(n, p) for n, p in named if p.dim() >= 2]},
-            {"params": [(n, p) for n, p in named if p.dim() < 2], "weight_decay": 0.0}]
+    return [
+        {"params": [(n, p) for n, p in named if p.dim() >= 2]},
+        {"params": [(n, p) for n, p in named if p.dim() < 2], "weight_decay": 0.0},
+    ]
 
 
 def _initialize(model: GPT, config: dict) -> Any:
@@ -137,8 +141,14 @@ def _micro_steps(engine: Any, x: torch.Tensor, y: torch.Tensor, gas: int) -> tor
     return total / gas
 
 
-def train(opts: TrainOptions, config: dict | None = None, *, backend: str | None = None, progress: bool = False,
-          sample_chars: int = 0) -> tuple[Any, TrainResult]:
+def train(
+    opts: TrainOptions,
+    config: dict | None = None,
+    *,
+    backend: str | None = None,
+    progress: bool = False,
+    sample_chars: int = 0,
+) -> tuple[Any, TrainResult]:
     """Train the GPT of ``opts`` with the engine of ``config`` (default: :func:`build_config` of ``opts``).
 
     Joins (or adopts) the job through ``llmpar.init_distributed``; a plain process is a world of one. Every rank must
@@ -153,8 +163,9 @@ def train(opts: TrainOptions, config: dict | None = None, *, backend: str | None
     device = env.device
     show = progress and env.is_main
     tokenizer = ByteTokenizer()
-    model = GPT(opts.model_config(tokenizer.vocab_size), seed=opts.seed, device=device,
-                dtype=getattr(torch, opts.model_dtype))
+    model = GPT(
+        opts.model_config(tokenizer.vocab_size), seed=opts.seed, device=device, dtype=getattr(torch, opts.model_dtype)
+    )
     n_params = model.num_params()  # of the whole model, before any split
     per_token = mfu.flops_per_token(mfu.matmul_params(model), opts.seq_len, mfu.attention_dims(model))
     engine = _initialize(model, config)
@@ -165,8 +176,14 @@ def train(opts: TrainOptions, config: dict | None = None, *, backend: str | None
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     stage = engine.zero_optimization_stage()
     bf16 = engine.bfloat16_enabled()
-    loader = BatchLoader(tokens=load_tokens(opts.text), batch_size=micro * gas, seq_len=opts.seq_len,
-                         dp_rank=dp_rank, dp_size=dp, seed=opts.seed)
+    loader = BatchLoader(
+        tokens=load_tokens(opts.text),
+        batch_size=micro * gas,
+        seq_len=opts.seq_len,
+        dp_rank=dp_rank,
+        dp_size=dp,
+        seed=opts.seed,
+    )
     tokens_per_step = micro * gas * dp * opts.seq_len
 
     bar, redirect = None, contextlib.nullcontext()
@@ -174,8 +191,14 @@ def train(opts: TrainOptions, config: dict | None = None, *, backend: str | None
         from tqdm.auto import tqdm
         from tqdm.contrib.logging import logging_redirect_tqdm
 
-        bar = tqdm(total=opts.steps, desc=f"train dp={dp} tp={tp} pp={pp} zero={stage}", unit="step",
-                   dynamic_ncols=True, file=sys.stderr, mininterval=0.5)
+        bar = tqdm(
+            total=opts.steps,
+            desc=f"train dp={dp} tp={tp} pp={pp} zero={stage}",
+            unit="step",
+            dynamic_ncols=True,
+            file=sys.stderr,
+            mininterval=0.5,
+        )
         redirect = logging_redirect_tqdm(loggers=[logger])  # the engine's steps_per_print lines above the bar
     losses: list[float] = []
     mem: list[float] = []
@@ -199,8 +222,9 @@ def train(opts: TrainOptions, config: dict | None = None, *, backend: str | None
                 if bar is not None:
                     elapsed = time.perf_counter() - t_after_first
                     tps = tokens_per_step * step / elapsed if step > 0 and elapsed > 0 else float("nan")
-                    bar.set_postfix_str(f"loss {losses[-1]:.3f} | {tps:,.0f} tok/s | mem "
-                                        + " ".join(f"{m:.0f}" for m in mem) + " MiB")
+                    bar.set_postfix_str(
+                        f"loss {losses[-1]:.3f} | {tps:,.0f} tok/s | mem " + " ".join(f"{m:.0f}" for m in mem) + " MiB"
+                    )
             if bar is not None:
                 bar.update(1)
     if device.type == "cuda":
@@ -209,16 +233,36 @@ def train(opts: TrainOptions, config: dict | None = None, *, backend: str | None
     if bar is not None:
         bar.close()
     timed = t_end - t_after_first
-    tps = (tokens_per_step * (opts.steps - 1) / timed if opts.steps > 1 and timed > 0
-           else tokens_per_step / (t_end - t_start))
+    tps = (
+        tokens_per_step * (opts.steps - 1) / timed
+        if opts.steps > 1 and timed > 0
+        else tokens_per_step / (t_end - t_start)
+    )
     peak, peak_source = mfu.peak_tflops(device)
-    text = _sample(engine.module, tokenizer, opts.seed, sample_chars, device) \
-        if sample_chars > 0 and not pipeline and (dp_rank == 0 or stage == 3) else ""
+    text = (
+        _sample(engine.module, tokenizer, opts.seed, sample_chars, device)
+        if sample_chars > 0 and not pipeline and (dp_rank == 0 or stage == 3)
+        else ""
+    )
     result = TrainResult(
-        losses=losses, tokens_per_s=tps, wall_s=t_end - t_start, mem_mb=mem, mem_kind=peak_memory_mb(device)[1],
-        dp=dp, tp=tp, pp=pp, zero_stage=stage, dtype="bfloat16" if bf16 else opts.model_dtype,
-        engine=type(engine).__name__, micro_batch=micro, grad_accum=gas, n_params=n_params, sample=text,
-        tflops_per_device=tps * per_token / env.world_size / 1e12, peak_tflops=peak, peak_source=peak_source,
+        losses=losses,
+        tokens_per_s=tps,
+        wall_s=t_end - t_start,
+        mem_mb=mem,
+        mem_kind=peak_memory_mb(device)[1],
+        dp=dp,
+        tp=tp,
+        pp=pp,
+        zero_stage=stage,
+        dtype="bfloat16" if bf16 else opts.model_dtype,
+        engine=type(engine).__name__,
+        micro_batch=micro,
+        grad_accum=gas,
+        n_params=n_params,
+        sample=text,
+        tflops_per_device=tps * per_token / env.world_size / 1e12,
+        peak_tflops=peak,
+        peak_source=peak_source,
         config={"deepspeed": config, "options": asdict(opts)},
     )
     return engine, result
@@ -239,8 +283,9 @@ def format_summary(r: TrainResult) -> str:
     """The end-of-run report: losses, throughput, memory per rank, sample and the PASS/FAIL verdict."""
     verdict = (
         f"PASS: loss fell from {r.first_loss:.3f} to {r.final_loss:.3f} ({100 * r.final_loss / r.first_loss:.0f}% of "
-        "start)" if r.fell else
-        f"FAIL: loss went from {r.first_loss:.3f} to {r.final_loss:.3f}, not below {100 * MIN_DROP:.0f}% of start"
+        "start)"
+        if r.fell
+        else f"FAIL: loss went from {r.first_loss:.3f} to {r.final_loss:.3f}, not below {100 * MIN_DROP:.0f}% of start"
     )
     mem = ", ".join(f"rank {i}: {m:.0f} MiB" for i, m in enumerate(r.mem_mb))
     offload = "offload_optimizer" in r.config.get("deepspeed", {}).get("zero_optimization", {})
@@ -253,8 +298,12 @@ def format_summary(r: TrainResult) -> str:
         f"first loss      {r.first_loss:.4f}",
         f"final loss      {r.final_loss:.4f}  (mean of the last {max(1, min(10, len(r.losses) // 20))} steps)",
         f"throughput      {r.tokens_per_s:,.0f} tokens/s (all ranks, after step 1), {r.tflops_per_device:.4g} TFLOP/s "
-        "per device" + (f", MFU {100 * r.mfu:.3g}% of {r.peak_tflops:.4g} TFLOP/s ({r.peak_source})"
-                        if r.mfu is not None else f" (MFU: {r.peak_source})"),
+        "per device"
+        + (
+            f", MFU {100 * r.mfu:.3g}% of {r.peak_tflops:.4g} TFLOP/s ({r.peak_source})"
+            if r.mfu is not None
+            else f" (MFU: {r.peak_source})"
+        ),
         f"peak memory     {mem}  ({r.mem_kind})",
         f"wall time       {r.wall_s:.1f} s",
     ]

@@ -22,6 +22,7 @@ Flags -> config (``llmpar train --print-config`` shows it)::
 With ``--config`` the file decides all of that: giving one of the flags above as well is an error naming the config
 key to edit instead (no silent override); the run/model flags (--steps, --seq-len, --n-layer, ...) still apply.
 """
+
 from __future__ import annotations
 
 import os
@@ -37,12 +38,20 @@ BETAS = (0.9, 0.95)
 
 # flags that change training -> the config key that decides them under --config
 CONFIG_FLAGS: dict[str, str] = {
-    "batch_size": "train_micro_batch_size_per_gpu", "grad_accum": "gradient_accumulation_steps",
-    "lr": "optimizer.params.lr", "weight_decay": "optimizer.params.weight_decay",
-    "warmup_steps": "scheduler.params.warmup_num_steps", "min_lr_ratio": "scheduler.params.cos_min_ratio",
-    "grad_clip": "gradient_clipping", "zero": "zero_optimization.stage",
-    "offload": "zero_optimization.offload_optimizer", "bf16": "bf16.enabled", "tp": "tensor_parallel.size",
-    "pp": "pipeline.stages", "schedule": "pipeline.schedule", "print_every": "steps_per_print",
+    "batch_size": "train_micro_batch_size_per_gpu",
+    "grad_accum": "gradient_accumulation_steps",
+    "lr": "optimizer.params.lr",
+    "weight_decay": "optimizer.params.weight_decay",
+    "warmup_steps": "scheduler.params.warmup_num_steps",
+    "min_lr_ratio": "scheduler.params.cos_min_ratio",
+    "grad_clip": "gradient_clipping",
+    "zero": "zero_optimization.stage",
+    "offload": "zero_optimization.offload_optimizer",
+    "bf16": "bf16.enabled",
+    "tp": "tensor_parallel.size",
+    "pp": "pipeline.stages",
+    "schedule": "pipeline.schedule",
+    "print_every": "steps_per_print",
 }
 
 
@@ -84,8 +93,18 @@ class TrainOptions:
     print_every: int = 100
 
     def __post_init__(self) -> None:
-        for name in ("steps", "seq_len", "n_layer", "n_head", "d_model", "log_every", "batch_size", "tp", "pp",
-                     "print_every"):
+        for name in (
+            "steps",
+            "seq_len",
+            "n_layer",
+            "n_head",
+            "d_model",
+            "log_every",
+            "batch_size",
+            "tp",
+            "pp",
+            "print_every",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{flag(name)}={value!r} must be a positive integer")
@@ -113,11 +132,14 @@ class TrainOptions:
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"--zero={self.zero!r} must be 0, 1, 2 or 3")
         if self.pp > 1 and self.zero == 3:
-            raise ValueError(f"--zero 3 with --pp {self.pp}: pipelines run ZeRO stages 0, 1 or 2 (each stage's "
-                             "params are sharded over dp); use --zero 1 or 2")
+            raise ValueError(
+                f"--zero 3 with --pp {self.pp}: pipelines run ZeRO stages 0, 1 or 2 (each stage's "
+                "params are sharded over dp); use --zero 1 or 2"
+            )
         if self.offload and self.zero < 1:
-            raise ValueError(f"--offload needs --zero 1, 2 or 3 (CPU offload of the optimizer state), got --zero "
-                             f"{self.zero}")
+            raise ValueError(
+                f"--offload needs --zero 1, 2 or 3 (CPU offload of the optimizer state), got --zero {self.zero}"
+            )
 
     @property
     def model_dtype(self) -> str:
@@ -129,8 +151,14 @@ class TrainOptions:
         return self.grad_accum if self.grad_accum is not None else (self.pp if self.pp > 1 else 1)
 
     def model_config(self, vocab_size: int) -> GPTConfig:
-        return GPTConfig(vocab_size=vocab_size, n_layer=self.n_layer, n_head=self.n_head, d_model=self.d_model,
-                         seq_len=self.seq_len, dropout=self.dropout)
+        return GPTConfig(
+            vocab_size=vocab_size,
+            n_layer=self.n_layer,
+            n_head=self.n_head,
+            d_model=self.d_model,
+            seq_len=self.seq_len,
+            dropout=self.dropout,
+        )
 
 
 def build_config(opts: TrainOptions) -> dict[str, Any]:
@@ -143,11 +171,20 @@ def build_config(opts: TrainOptions) -> dict[str, Any]:
         "train_micro_batch_size_per_gpu": opts.batch_size,
         "gradient_accumulation_steps": gas,
         "steps_per_print": opts.print_every,
-        "optimizer": {"type": "AdamW", "params": {"lr": opts.lr, "betas": list(BETAS), "eps": 1e-8,
-                                                  "weight_decay": opts.weight_decay}},
-        "scheduler": {"type": "WarmupCosineLR", "params": {
-            "warmup_type": "linear", "warmup_num_steps": max(1, opts.warmup_steps), "total_num_steps": opts.steps,
-            "warmup_min_ratio": 0.0, "cos_min_ratio": opts.min_lr_ratio}},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": opts.lr, "betas": list(BETAS), "eps": 1e-8, "weight_decay": opts.weight_decay},
+        },
+        "scheduler": {
+            "type": "WarmupCosineLR",
+            "params": {
+                "warmup_type": "linear",
+                "warmup_num_steps": max(1, opts.warmup_steps),
+                "total_num_steps": opts.steps,
+                "warmup_min_ratio": 0.0,
+                "cos_min_ratio": opts.min_lr_ratio,
+            },
+        },
         "gradient_clipping": opts.grad_clip,
         "zero_optimization": zero,
         "bf16": {"enabled": opts.bf16},
@@ -164,8 +201,7 @@ def load_config(path: str | os.PathLike) -> dict[str, Any]:
     return read_config(os.fspath(path))
 
 
-def resolve(flags: dict[str, Any], config_path: str | os.PathLike | None = None
-            ) -> tuple[TrainOptions, dict[str, Any]]:
+def resolve(flags: dict[str, Any], config_path: str | os.PathLike | None = None) -> tuple[TrainOptions, dict[str, Any]]:
     """The options and the DeepSpeed config of a command line. ``flags``: the flags given (name -> value).
 
     Without ``config_path`` the flags build the config. With it, the file is the config, and a given flag that would
@@ -179,8 +215,10 @@ def resolve(flags: dict[str, Any], config_path: str | os.PathLike | None = None
     if clash:
         keys = {**CONFIG_FLAGS, "dtype": "bf16.enabled"}
         given = ", ".join(f"{flag(n)} (config key {keys[n]})" for n in clash)
-        raise ValueError(f"--config {config_path} decides how the model trains: {given} cannot be given with it; "
-                         "edit the config instead, or drop --config to build one from the flags")
+        raise ValueError(
+            f"--config {config_path} decides how the model trains: {given} cannot be given with it; "
+            "edit the config instead, or drop --config to build one from the flags"
+        )
     config = load_config(config_path)
     opts = TrainOptions(**flags)
     return opts, config
@@ -197,13 +235,24 @@ def check_layout(opts: TrainOptions, *, pp: int, tp: int, world: int, from_confi
     pp_name, tp_name = ("pipeline.stages", "tensor_parallel.size") if from_config else ("--pp", "--tp")
     if world % (pp * tp):
         what = f"{tp_name}={tp}" if pp == 1 else f"{pp_name}={pp} x {tp_name}={tp}"
-        raise ValueError(f"{what} does not divide the {world} ranks; the ranks are "
-                         + ("dp x tp" if pp == 1 else "pp x dp x tp"))
+        raise ValueError(
+            f"{what} does not divide the {world} ranks; the ranks are " + ("dp x tp" if pp == 1 else "pp x dp x tp")
+        )
     if opts.n_head % tp:
         raise ValueError(f"--n-head={opts.n_head} is not divisible by {tp_name}={tp} (heads are split over tp)")
     if opts.n_layer < pp:
         raise ValueError(f"--n-layer={opts.n_layer} blocks cannot fill {pp_name}={pp} pipeline stages")
 
 
-__all__ = ["CONFIG_FLAGS", "MODEL_DTYPES", "SCHEDULES", "TrainOptions", "build_config", "check_layout", "degrees",
-           "flag", "load_config", "resolve"]
+__all__ = [
+    "CONFIG_FLAGS",
+    "MODEL_DTYPES",
+    "SCHEDULES",
+    "TrainOptions",
+    "build_config",
+    "check_layout",
+    "degrees",
+    "flag",
+    "load_config",
+    "resolve",
+]

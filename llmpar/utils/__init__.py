@@ -10,6 +10,7 @@ up no logging (``llmpar.runtime.logs``). DeepSpeed's ``safe_get_full_*`` / ``saf
 partitions are not provided (errors naming ``llmpar.zero.GatheredParameters`` / ``engine.module_state_dict()``).
 A DeepSpeed-compatibility package: nothing inside llmpar imports it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -52,10 +53,12 @@ def print_dist(message: str, ranks: list[int] | None = None) -> None:
 
 def _not_here(name: str) -> Any:
     def refuse(*args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError(f"deepspeed.utils.{name} is not provided: read whole params inside `with "
-                                  "llmpar.zero.GatheredParameters(params):` (stage 3; modifier_rank= to write them), "
-                                  "the full weights with engine.module_state_dict(), this rank's reduced gradient "
-                                  "pieces with engine.optimizer.grad_pieces(param)")
+        raise NotImplementedError(
+            f"deepspeed.utils.{name} is not provided: read whole params inside `with "
+            "llmpar.zero.GatheredParameters(params):` (stage 3; modifier_rank= to write them), "
+            "the full weights with engine.module_state_dict(), this rank's reduced gradient "
+            "pieces with engine.optimizer.grad_pieces(param)"
+        )
 
     refuse.__name__ = name
     return refuse
@@ -70,7 +73,19 @@ safe_get_local_fp32_param = _not_here("safe_get_local_fp32_param")
 safe_get_local_grad = _not_here("safe_get_local_grad")
 safe_get_local_optimizer_state = _not_here("safe_get_local_optimizer_state")
 
-__all__ = ["RepeatingLoader", "get_dist_msg", "log_dist", "logger", "print_dist", "safe_get_full_fp32_param",
-           "safe_get_full_grad", "safe_get_full_optimizer_state", "safe_get_local_fp32_param", "safe_get_local_grad",
-           "safe_get_local_optimizer_state", "safe_set_full_fp32_param", "safe_set_full_optimizer_state",
-           "zero_to_fp32"]
+__all__ = [
+    "RepeatingLoader",
+    "get_dist_msg",
+    "log_dist",
+    "logger",
+    "print_dist",
+    "safe_get_full_fp32_param",
+    "safe_get_full_grad",
+    "safe_get_full_optimizer_state",
+    "safe_get_local_fp32_param",
+    "safe_get_local_grad",
+    "safe_get_local_optimizer_state",
+    "safe_set_full_fp32_param",
+    "safe_set_full_optimizer_state",
+    "zero_to_fp32",
+]

@@ -13,6 +13,7 @@ frozen params rather than buffers (save with ``engine.save_checkpoint(..., exclu
 Output files: as DeepSpeed's (``pytorch_model.bin`` or ``model.safetensors``; above ``max_shard_size``
 ``pytorch_model-00001-of-0000N.bin`` ... with ``pytorch_model.bin.index.json``, HuggingFace's layout).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,23 +26,30 @@ from llmpar.checkpoint.consolidate import consolidated_state_dict
 from llmpar.checkpoint.hf_files import parse_dtype, write_hf_model
 
 
-def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: str | None = None,
-                                             exclude_frozen_parameters: bool = False,
-                                             lazy_mode: bool = False) -> dict[str, torch.Tensor]:
+def get_fp32_state_dict_from_zero_checkpoint(
+    checkpoint_dir: str, tag: str | None = None, exclude_frozen_parameters: bool = False, lazy_mode: bool = False
+) -> dict[str, torch.Tensor]:
     """{name: full tensor} (float params as float32, on the CPU) of the checkpoint ``checkpoint_dir/tag`` (default:
     the one ``checkpoint_dir/latest`` names; a checkpoint directory itself works too). ``lazy_mode`` is accepted
     (the tensors are real)."""
     if exclude_frozen_parameters:
-        raise ValueError("exclude_frozen_parameters=True is not supported: llmpar checkpoints do not record which "
-                         "untrained tensors are frozen params; drop them from the returned dict, or save with "
-                         "engine.save_checkpoint(..., exclude_frozen_parameters=True)")
+        raise ValueError(
+            "exclude_frozen_parameters=True is not supported: llmpar checkpoints do not record which "
+            "untrained tensors are frozen params; drop them from the returned dict, or save with "
+            "engine.save_checkpoint(..., exclude_frozen_parameters=True)"
+        )
     return consolidated_state_dict(checkpoint_dir, tag, dtype=torch.float32)
 
 
-def convert_zero_checkpoint_to_state_dict(checkpoint_dir: str, output_dir: str, dtype: Any = torch.float32,
-                                          max_shard_size: Any = "5GB", safe_serialization: bool = False,
-                                          tag: str | None = None, exclude_frozen_parameters: bool = False
-                                          ) -> list[str]:
+def convert_zero_checkpoint_to_state_dict(
+    checkpoint_dir: str,
+    output_dir: str,
+    dtype: Any = torch.float32,
+    max_shard_size: Any = "5GB",
+    safe_serialization: bool = False,
+    tag: str | None = None,
+    exclude_frozen_parameters: bool = False,
+) -> list[str]:
     """Write the consolidated state dict (float params in ``dtype``) to ``output_dir`` as DeepSpeed does (through
     ``llmpar.checkpoint.hf_files``, HuggingFace's layout); returns the files written (shards, then the index)."""
     if exclude_frozen_parameters:
@@ -50,16 +58,26 @@ def convert_zero_checkpoint_to_state_dict(checkpoint_dir: str, output_dir: str, 
     if target is None:
         raise ValueError(f"dtype={dtype!r} must be float32, float16 or bfloat16 (a torch dtype or its name)")
     state = consolidated_state_dict(checkpoint_dir, tag, dtype=target)
-    return write_hf_model(output_dir, state, max_shard_size=max_shard_size if max_shard_size is not None else 2**62,
-                          format="safetensors" if safe_serialization else "bin")
+    return write_hf_model(
+        output_dir,
+        state,
+        max_shard_size=max_shard_size if max_shard_size is not None else 2**62,
+        format="safetensors" if safe_serialization else "bin",
+    )
 
 
-def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str, output_dir: str, max_shard_size: Any = "5GB",
-                                               safe_serialization: bool = False, tag: str | None = None,
-                                               exclude_frozen_parameters: bool = False) -> list[str]:
+def convert_zero_checkpoint_to_fp32_state_dict(
+    checkpoint_dir: str,
+    output_dir: str,
+    max_shard_size: Any = "5GB",
+    safe_serialization: bool = False,
+    tag: str | None = None,
+    exclude_frozen_parameters: bool = False,
+) -> list[str]:
     """:func:`convert_zero_checkpoint_to_state_dict` in float32."""
-    return convert_zero_checkpoint_to_state_dict(checkpoint_dir, output_dir, torch.float32, max_shard_size,
-                                                 safe_serialization, tag, exclude_frozen_parameters)
+    return convert_zero_checkpoint_to_state_dict(
+        checkpoint_dir, output_dir, torch.float32, max_shard_size, safe_serialization, tag, exclude_frozen_parameters
+    )
 
 
 def load_state_dict_from_zero_checkpoint(model: nn.Module, checkpoint_dir: str, tag: str | None = None) -> nn.Module:
@@ -80,14 +98,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--safe_serialization", action="store_true")
     p.add_argument("--exclude_frozen_parameters", action="store_true")
     a = p.parse_args(argv)
-    for path in convert_zero_checkpoint_to_fp32_state_dict(a.checkpoint_dir, a.output_dir, a.max_shard_size,
-                                                            a.safe_serialization, a.tag, a.exclude_frozen_parameters):
+    for path in convert_zero_checkpoint_to_fp32_state_dict(
+        a.checkpoint_dir, a.output_dir, a.max_shard_size, a.safe_serialization, a.tag, a.exclude_frozen_parameters
+    ):
         print(path)
     return 0
 
 
-__all__ = ["convert_zero_checkpoint_to_fp32_state_dict", "convert_zero_checkpoint_to_state_dict",
-           "get_fp32_state_dict_from_zero_checkpoint", "load_state_dict_from_zero_checkpoint", "main"]
+__all__ = [
+    "convert_zero_checkpoint_to_fp32_state_dict",
+    "convert_zero_checkpoint_to_state_dict",
+    "get_fp32_state_dict_from_zero_checkpoint",
+    "load_state_dict_from_zero_checkpoint",
+    "main",
+]
 
 if __name__ == "__main__":
     raise SystemExit(main())

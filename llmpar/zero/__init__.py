@@ -8,6 +8,7 @@
 enabled=...)``, ``deepspeed.zero.GatheredParameters(params, modifier_rank=0)`` without the optimizer: the params
 know theirs once ``llmpar.initialize`` built it, :data:`OWNER_ATTR`).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -50,25 +51,48 @@ class Init(_init.Init):
     partitioning here is refused with the alternative: ``module=`` (an already built model), process groups /
     ``mpu`` (``initialize`` takes ``dp_group=`` / ``mesh=``), NVMe, quantized weights, a param swapper."""
 
-    def __init__(self, module: Any = None, data_parallel_group: Any = None, mem_efficient_linear: bool = True,
-                 remote_device: str | None = None, pin_memory: bool = False, config_dict_or_path: Any = None,
-                 config: Any = None, enabled: bool = True, dtype: torch.dtype | None = None, mpu: Any = None,
-                 zero_param_parallel_group: Any = None, zero_quantized_weights: bool = False,
-                 zero_quantized_nontrainable_weights: bool = False, sequence_data_parallel_group: Any = None,
-                 param_swapper: Any = None, *, init_fn: _init.InitFn | None = None) -> None:
+    def __init__(
+        self,
+        module: Any = None,
+        data_parallel_group: Any = None,
+        mem_efficient_linear: bool = True,
+        remote_device: str | None = None,
+        pin_memory: bool = False,
+        config_dict_or_path: Any = None,
+        config: Any = None,
+        enabled: bool = True,
+        dtype: torch.dtype | None = None,
+        mpu: Any = None,
+        zero_param_parallel_group: Any = None,
+        zero_quantized_weights: bool = False,
+        zero_quantized_nontrainable_weights: bool = False,
+        sequence_data_parallel_group: Any = None,
+        param_swapper: Any = None,
+        *,
+        init_fn: _init.InitFn | None = None,
+    ) -> None:
         if module is not None:
-            raise ValueError("zero.Init(module=...) partitions a model already built: llmpar.initialize shards it "
-                             "under \"zero_optimization.stage\": 3; or build it inside `with llmpar.zero.Init():`")
-        groups = {"data_parallel_group": data_parallel_group, "mpu": mpu,
-                  "zero_param_parallel_group": zero_param_parallel_group,
-                  "sequence_data_parallel_group": sequence_data_parallel_group}
+            raise ValueError(
+                "zero.Init(module=...) partitions a model already built: llmpar.initialize shards it "
+                'under "zero_optimization.stage": 3; or build it inside `with llmpar.zero.Init():`'
+            )
+        groups = {
+            "data_parallel_group": data_parallel_group,
+            "mpu": mpu,
+            "zero_param_parallel_group": zero_param_parallel_group,
+            "sequence_data_parallel_group": sequence_data_parallel_group,
+        }
         for name, value in groups.items():
             if value is not None:
-                raise ValueError(f"zero.Init({name}=...) is not taken: the ranks a model is sharded over are "
-                                 "llmpar.initialize's (dp_group= / mesh=)")
+                raise ValueError(
+                    f"zero.Init({name}=...) is not taken: the ranks a model is sharded over are "
+                    "llmpar.initialize's (dp_group= / mesh=)"
+                )
         if remote_device not in (None, "cpu", "none"):
-            raise ValueError(f"zero.Init(remote_device={remote_device!r}): only CPU offload is supported (the config's "
-                             "\"offload_param\": {\"device\": \"cpu\"})")
+            raise ValueError(
+                f"zero.Init(remote_device={remote_device!r}): only CPU offload is supported (the config's "
+                '"offload_param": {"device": "cpu"})'
+            )
         if zero_quantized_weights or zero_quantized_nontrainable_weights:
             raise ValueError("zero.Init with quantized weights (ZeRO++) is not supported")
         if param_swapper is not None:
@@ -87,9 +111,15 @@ class Init(_init.Init):
 
 
 @contextlib.contextmanager
-def GatheredParameters(params: Any, optimizer_or_modifier_rank: Any = None, fwd_module: Any = None,  # noqa: N802
-                       enabled: bool = True, *, modifier_rank: int | None = None,
-                       optimizer: Any = None) -> Iterator[None]:
+def GatheredParameters(
+    params: Any,
+    optimizer_or_modifier_rank: Any = None,
+    fwd_module: Any = None,  # noqa: N802
+    enabled: bool = True,
+    *,
+    modifier_rank: int | None = None,
+    optimizer: Any = None,
+) -> Iterator[None]:
     """Params whole on every dp rank within the block; with ``modifier_rank`` that rank's values at exit become the
     params everywhere (shards and fp32 masters). llmpar's form ``GatheredParameters(params, optimizer,
     modifier_rank=...)`` (``params`` None: all of them) or DeepSpeed's ``GatheredParameters(params,
@@ -106,9 +136,11 @@ def GatheredParameters(params: Any, optimizer_or_modifier_rank: Any = None, fwd_
     else:
         optimizer = optimizer_or_modifier_rank
     if fwd_module is not None:
-        raise ValueError("GatheredParameters(fwd_module=...) is not supported: a param used by another module's "
-                         "forward must be registered there too (tie it: other.weight = param) or both modules put in "
-                         "one sharding unit (llmpar.initialize(unit_policy=...))")
+        raise ValueError(
+            "GatheredParameters(fwd_module=...) is not supported: a param used by another module's "
+            "forward must be registered there too (tie it: other.weight = param) or both modules put in "
+            "one sharding unit (llmpar.initialize(unit_policy=...))"
+        )
     if not enabled:
         yield
         return
@@ -118,10 +150,12 @@ def GatheredParameters(params: Any, optimizer_or_modifier_rank: Any = None, fwd_
         return
     plist = [] if params is None else [params] if isinstance(params, torch.Tensor) else list(params)
     if any(isinstance(p, torch.Tensor) and p.is_meta for p in plist):
-        raise ValueError("GatheredParameters: params on the meta device (built under llmpar.zero.Init) have no values "
-                         "before llmpar.initialize materialises them: write into them directly (model.load_state_dict, "
-                         "in-place ops: recorded and replayed by initialize), modify them after initialize, or give "
-                         "Init(init_fn=...)")
+        raise ValueError(
+            "GatheredParameters: params on the meta device (built under llmpar.zero.Init) have no values "
+            "before llmpar.initialize materialises them: write into them directly (model.load_state_dict, "
+            "in-place ops: recorded and replayed by initialize), modify them after initialize, or give "
+            "Init(init_fn=...)"
+        )
     owners = {id(o): o for o in (getattr(p, OWNER_ATTR, lambda: None)() for p in plist) if o is not None}
     if len(owners) > 1:
         raise ValueError("GatheredParameters: the params belong to different optimizers: gather each one's apart")
@@ -136,16 +170,35 @@ def GatheredParameters(params: Any, optimizer_or_modifier_rank: Any = None, fwd_
 
 def register_external_parameter(module: Any, parameter: Any) -> None:
     """DeepSpeed's registration of a param used in the forward of a module that does not hold it: not supported."""
-    raise NotImplementedError("register_external_parameter is not supported: register the param in the module that "
-                              "uses it too (tie it: module.weight = parameter; ZeRO-3 gathers a param for every module "
-                              "holding it) or put both modules in one sharding unit (llmpar.initialize(unit_policy=))")
+    raise NotImplementedError(
+        "register_external_parameter is not supported: register the param in the module that "
+        "uses it too (tie it: module.weight = parameter; ZeRO-3 gathers a param for every module "
+        "holding it) or put both modules in one sharding unit (llmpar.initialize(unit_policy=))"
+    )
 
 
 def unregister_external_parameter(module: Any, parameter: Any) -> None:
     raise NotImplementedError("unregister_external_parameter is not supported (nor is register_external_parameter)")
 
 
-__all__ = ["DeferredInitError", "FlatLayout", "GatheredParameters", "Init", "LossScaler", "OWNER_ATTR",
-           "OffloadConfig", "OptimizerConfig", "ParamSlot", "Unit", "ZeroConfig", "ZeroOptimizer",
-           "consolidated_state_dict", "frozen_state_dict", "load_frozen", "mark_owner", "register_external_parameter",
-           "unit_modules", "unregister_external_parameter"]
+__all__ = [
+    "DeferredInitError",
+    "FlatLayout",
+    "GatheredParameters",
+    "Init",
+    "LossScaler",
+    "OWNER_ATTR",
+    "OffloadConfig",
+    "OptimizerConfig",
+    "ParamSlot",
+    "Unit",
+    "ZeroConfig",
+    "ZeroOptimizer",
+    "consolidated_state_dict",
+    "frozen_state_dict",
+    "load_frozen",
+    "mark_owner",
+    "register_external_parameter",
+    "unit_modules",
+    "unregister_external_parameter",
+]

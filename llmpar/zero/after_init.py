@@ -22,6 +22,7 @@ the model is unmaterialised), except to ``torch.nn.init`` (whose ``trunc_normal_
 tensors) and to ``Module._load_from_state_dict`` (which would warn that the copy is a no-op): to them the param
 looks as in a plain build, as inside the block.
 """
+
 from __future__ import annotations
 
 import sys
@@ -50,13 +51,18 @@ def _recorder(args: tuple, kwargs: dict) -> Recorder | None:
 
 def _wrap(out: Any, rec: Recorder) -> Any:
     """Tensors of ``out`` that view recorded storage, as DeferredTensors (those already watched: as they are)."""
+
     def one(t: Any) -> Any:
-        if not isinstance(t, torch.Tensor) or isinstance(t, (DeferredParameter, DeferredTensor)) \
-                or rec.key_of(t) is None:
+        if (
+            not isinstance(t, torch.Tensor)
+            or isinstance(t, (DeferredParameter, DeferredTensor))
+            or rec.key_of(t) is None
+        ):
             return t
         w = t.as_subclass(DeferredTensor)
         w.__dict__[REC_ATTR] = rec
         return w
+
     return tree_map(one, out)
 
 
@@ -67,8 +73,11 @@ def _handle(func: Any, args: tuple, kwargs: dict | None) -> Any:
         rec = _recorder(args, kwargs)
         name = getattr(func, "__name__", "")
         prop = getattr(getattr(func, "__self__", None), "__name__", "") if name == "__get__" else ""
-        if rec is None or name in ("__set__", "__repr__", "__format__", "__str__", "__hash__") or \
-                (name == "__get__" and prop not in ("data", "is_meta")):
+        if (
+            rec is None
+            or name in ("__set__", "__repr__", "__format__", "__str__", "__hash__")
+            or (name == "__get__" and prop not in ("data", "is_meta"))
+        ):
             return func(*args, **kwargs)  # metadata: as the meta tensor has it
         if prop == "is_meta":
             if sys._getframe(2).f_globals.get("__name__") in _LOOKS_REAL_TO:

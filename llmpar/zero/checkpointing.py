@@ -15,6 +15,7 @@ partition of each state; stage 3 its own param shard and states. A state the che
 Low-bit states (``lowbit_state.py``): the seam shows float32 ``exp_avg`` / ``exp_avg_sq`` (dequantized) instead of the
 codes and scales, and loading quantizes them again, which restores the codes and scales exactly at the same units.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -53,6 +54,7 @@ class ZeroCheckpointing:
     _save_mid_accumulation: bool = False  # inside saving_mid_accumulation()
 
     if TYPE_CHECKING:
+
         def describe(self) -> dict: ...
 
         def wait_params(self) -> None: ...
@@ -64,9 +66,11 @@ class ZeroCheckpointing:
     # ------------------------------------------------------------------ what is saved
     def checkpoint_facts(self) -> dict[str, bool | int]:
         """``{"offload_optimizer", "offload_param", "reduce_bucket_size"}`` for metadata.json."""
-        return {"offload_optimizer": bool(self.placement.offload_optimizer),
-                "offload_param": bool(self.placement.offload_param),
-                "reduce_bucket_size": self.zero_config.reduce_bucket_size}
+        return {
+            "offload_optimizer": bool(self.placement.offload_optimizer),
+            "offload_param": bool(self.placement.offload_param),
+            "reduce_bucket_size": self.zero_config.reduce_bucket_size,
+        }
 
     def checkpoint_device(self) -> torch.device:
         """Where the params live (and a checkpoint's agreement collectives run)."""
@@ -90,8 +94,13 @@ class ZeroCheckpointing:
         views = self.checkpoint_shard_views()
         if views is None:
             return None
-        return [{key: pieces[0].to("cpu", copy=True) if len(pieces) == 1 else torch.cat([p.cpu() for p in pieces])
-                 for key, pieces in entry.items()} for entry in views]
+        return [
+            {
+                key: pieces[0].to("cpu", copy=True) if len(pieces) == 1 else torch.cat([p.cpu() for p in pieces])
+                for key, pieces in entry.items()
+            }
+            for entry in views
+        ]
 
     def checkpoint_shard_views(self) -> list[dict[str, list[torch.Tensor]]] | None:
         """:meth:`checkpoint_shards` without copies: each key as the list of views of the live buffers (on their
@@ -120,14 +129,22 @@ class ZeroCheckpointing:
         """Per buffer, ``(name, start, stop, at)``: elements ``[start, stop)`` of param ``name`` sit at ``at`` in this
         rank's partition (padding holds no param and is not listed)."""
         rank = self._ckpt_rank()
-        return [[(b.layout.slot(i).name, a, z, b.layout.units[u].shard_offset + at)
-                 for u in range(len(b.layout.units)) for i, a, z, at in b.layout.param_slices(u, rank)]
-                for b in self.buffers]
+        return [
+            [
+                (b.layout.slot(i).name, a, z, b.layout.units[u].shard_offset + at)
+                for u in range(len(b.layout.units))
+                for i, a, z, at in b.layout.param_slices(u, rank)
+            ]
+            for b in self.buffers
+        ]
 
     def frozen_shapes(self) -> dict[str, tuple[int, ...]]:
         """{name: full shape} of the frozen params stage 3 shards (``frozen_buffers``; none below stage 3)."""
-        return {b.layout.slot(i).name: tuple(b.layout.slot(i).shape) for b in self.frozen_buffers
-                for i in range(len(b.params))}
+        return {
+            b.layout.slot(i).name: tuple(b.layout.slot(i).shape)
+            for b in self.frozen_buffers
+            for i in range(len(b.params))
+        }
 
     def gather_frozen(self, *, rank0_only: bool = True) -> dict[str, torch.Tensor]:
         """The sharded frozen params whole, on the CPU, by name, gathered one unit at a time (a frozen stage-3 param
@@ -163,8 +180,10 @@ class ZeroCheckpointing:
         all-gather of updated params: ``wait_params``)."""
         self.wait_params()
         if self.reducer.micro_steps != 0 and not self._save_mid_accumulation:
-            raise ValueError(f"save_checkpoint in the middle of a gradient accumulation ({self.reducer.micro_steps} "
-                             f"micro-steps since the last optimizer step): save after engine.step() at a boundary")
+            raise ValueError(
+                f"save_checkpoint in the middle of a gradient accumulation ({self.reducer.micro_steps} "
+                f"micro-steps since the last optimizer step): save after engine.step() at a boundary"
+            )
         if self.stage3 is not None:
             self.stage3.wait_all()
 
@@ -204,20 +223,24 @@ class ZeroCheckpointing:
             lay = b.layout
             # low-bit moments arrive as float32 (the seam's exp_avg / exp_avg_sq): into a partition-sized scratch,
             # starting from the live values (params in ``keep`` keep theirs), quantized per unit shard at the end
-            seam = {k: b.state[k] if k in b.state else lowbit_state.dequantized(b, k)
-                    for k in lowbit_state.seam_keys(b)}
+            seam = {
+                k: b.state[k] if k in b.state else lowbit_state.dequantized(b, k) for k in lowbit_state.seam_keys(b)
+            }
             if b.shard is None:  # stages 0-2: the whole params on every rank
                 for i in range(len(b.params)):
                     s = lay.slot(i)
                     if s.name not in keep:
                         lay.param_view(b.flat, i).copy_(need(s.name, "params", 0, s.numel).view(s.shape))
             for u in range(len(lay.units)):
-                pieces = [(lay.slot(i).name, a, z, at) for i, a, z, at in lay.param_slices(u, rank)
-                          if lay.slot(i).name not in keep]
+                pieces = [
+                    (lay.slot(i).name, a, z, at)
+                    for i, a, z, at in lay.param_slices(u, rank)
+                    if lay.slot(i).name not in keep
+                ]
                 if b.shard is not None:
                     mine = lay.shard_of_partition(b.shard, u)
                     for name, a, z, at in pieces:
-                        mine[at:at + z - a].copy_(need(name, "params", a, z))
+                        mine[at : at + z - a].copy_(need(name, "params", a, z))
                 for key, t in seam.items():
                     mine = lay.shard_of_partition(t, u)
                     for name, a, z, at in pieces:
@@ -228,9 +251,9 @@ class ZeroCheckpointing:
                         if value is None and fallback is not None:
                             value = need(name, fallback, a, z)
                         if value is None:
-                            mine[at:at + z - a].zero_()
+                            mine[at : at + z - a].zero_()
                         else:
-                            mine[at:at + z - a].copy_(value)
+                            mine[at : at + z - a].copy_(value)
                 loaded = [lay.slot(i).name for i in lay.units[u].params if lay.slot(i).name not in keep]
                 if loaded:
                     b.steps[u].fill_(step(loaded[0]))
@@ -252,13 +275,14 @@ class ZeroCheckpointing:
                     continue
                 value = tensors[slot.name]
                 if tuple(value.shape) != slot.shape:
-                    raise ValueError(f"load_frozen: {slot.name!r} has shape {tuple(value.shape)}, the param "
-                                     f"{slot.shape}")
+                    raise ValueError(
+                        f"load_frozen: {slot.name!r} has shape {tuple(value.shape)}, the param {slot.shape}"
+                    )
                 flat = value.reshape(-1)
                 mine = b.layout.shard_of_partition(b.shard, slot.unit)
                 for j, a, z, at in b.layout.param_slices(slot.unit, self.rank):
                     if j == i:
-                        mine[at:at + z - a].copy_(flat[a:z])
+                        mine[at : at + z - a].copy_(flat[a:z])
                 if rt is not None and (offset + bi, slot.unit) in rt.persistent:
                     p.copy_(value)
                 taken.append(slot.name)
@@ -277,7 +301,8 @@ class ZeroCheckpointing:
             if self.rank == 0:
                 logging.getLogger("llmpar").warning(
                     "zero_quantized_gradients_error_feedback: the compression residuals are not saved in checkpoints; "
-                    "after this load they restart from zero")
+                    "after this load they restart from zero"
+                )
 
 
 __all__ = ["STATE_FALLBACK", "ZeroCheckpointing"]

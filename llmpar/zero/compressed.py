@@ -14,6 +14,7 @@
                              when a step is skipped for non-finite gradients: ``reset_if_skipped``).
 Persistent stage-3 units (small params) are gathered as they are: few bytes, and the norms keep full precision.
 """
+
 from __future__ import annotations
 
 import torch
@@ -28,8 +29,9 @@ Key = tuple[int, int]
 class WeightGather:
     """The stage-3 all-gather of a unit, quantized (``bits``) and / or from the secondary shards (``hpz``)."""
 
-    def __init__(self, *, dp_group, bits: int | None, block: int, hpz: NodeSplit | None,
-                 counter: CommCounter | None) -> None:
+    def __init__(
+        self, *, dp_group, bits: int | None, block: int, hpz: NodeSplit | None, counter: CommCounter | None
+    ) -> None:
         self.dp_group, self.bits, self.block, self.hpz, self.counter = dp_group, bits, block, hpz, counter
         self.secondary: dict[Key, torch.Tensor] = {}  # unit -> this rank's [padded / k] slice of the gathered values
         self.keep: set[Key] = set()  # units whose forward gather in flight will leave a secondary shard
@@ -39,11 +41,25 @@ class WeightGather:
         what = f"all-gather of stage-3 params, buffer {key[0]} unit {key[1]}"
         if self.hpz is not None and phase == "bwd" and key in self.secondary:
             self.from_secondary += 1
-            handle = all_gather_flat(full, self.secondary[key], self.hpz.intra, async_op=True, counter=self.counter,
-                                     what=what + " (from the secondary shards inside the node)")
+            handle = all_gather_flat(
+                full,
+                self.secondary[key],
+                self.hpz.intra,
+                async_op=True,
+                counter=self.counter,
+                what=what + " (from the secondary shards inside the node)",
+            )
         elif self.bits is not None:
-            handle = all_gather_quantized(full, src, self.dp_group, bits=self.bits, block=self.block, async_op=True,
-                                          counter=self.counter, what=what + " (quantized)")
+            handle = all_gather_quantized(
+                full,
+                src,
+                self.dp_group,
+                bits=self.bits,
+                block=self.block,
+                async_op=True,
+                counter=self.counter,
+                what=what + " (quantized)",
+            )
         else:
             handle = all_gather_flat(full, src, self.dp_group, async_op=True, counter=self.counter, what=what)
         if self.hpz is not None and phase == "fwd" and grad:
@@ -56,7 +72,7 @@ class WeightGather:
         if key in self.keep and self.hpz is not None:
             self.keep.discard(key)
             n = full.numel() // self.hpz.per_node
-            self.secondary[key] = full[self.hpz.local * n:(self.hpz.local + 1) * n].clone()
+            self.secondary[key] = full[self.hpz.local * n : (self.hpz.local + 1) * n].clone()
 
     def clear(self, keys=None) -> None:
         """Drop the secondary shards (all, or of ``keys``): the params changed or their backward is over."""
@@ -75,8 +91,9 @@ class WeightGather:
 class GradQuantizer:
     """Packs + quantizes a unit's gradients and reduce-scatters the codes (``GradReducer`` calls it at stages 2/3)."""
 
-    def __init__(self, *, split: NodeSplit, bits: int, block: int, error_feedback: bool,
-                 counter: CommCounter | None) -> None:
+    def __init__(
+        self, *, split: NodeSplit, bits: int, block: int, error_feedback: bool, counter: CommCounter | None
+    ) -> None:
         self.split, self.bits, self.block, self.counter = split, bits, block, counter
         self.error_feedback = error_feedback
         self.residual: dict[Key, torch.Tensor] = {}  # unit -> float32 [padded]: this rank's last compression error
@@ -89,20 +106,38 @@ class GradQuantizer:
             table[key] = torch.zeros(numel, dtype=torch.float32, device=device)
         return table[key]
 
-    def pack(self, key: Key, grads: list[torch.Tensor], padded: int, scale: float,
-             device: torch.device) -> torch.Tensor:
+    def pack(
+        self, key: Key, grads: list[torch.Tensor], padded: int, scale: float, device: torch.device
+    ) -> torch.Tensor:
         """The unit's wire buffer: ``uint8 [dp, row_bytes(chunk)]``, row d the chunk dp rank d owns."""
         world = self.split.world
-        return pack_quantize(grads, rows=world, m=padded // world, bits=self.bits, block=self.block, scale=scale,
-                             residual=self._res(self.residual, key, padded, device))
+        return pack_quantize(
+            grads,
+            rows=world,
+            m=padded // world,
+            bits=self.bits,
+            block=self.block,
+            scale=scale,
+            residual=self._res(self.residual, key, padded, device),
+        )
 
     def reduce(self, key: Key, wire: torch.Tensor, out: torch.Tensor, *, accumulate: bool, what: str):
         """Launch the quantized reduce-scatter of ``wire`` into ``out [chunk]``; returns its handle."""
         n = out.numel()
         res2 = self._res(self.residual2, key, self.split.nodes * n, wire.device) if self.split.hierarchical else None
-        return reduce_scatter_quantized(out, wire, self.split, n=n, bits=self.bits, block=self.block,
-                                        accumulate=accumulate, residual=res2, counter=self.counter, what=what,
-                                        async_op=True)
+        return reduce_scatter_quantized(
+            out,
+            wire,
+            self.split,
+            n=n,
+            bits=self.bits,
+            block=self.block,
+            accumulate=accumulate,
+            residual=res2,
+            counter=self.counter,
+            what=what,
+            async_op=True,
+        )
 
     def reset_if_skipped(self, found_inf: torch.Tensor) -> bool | None:
         """After a step: when it was skipped (``found_inf`` != 0) the residuals are zeroed. A skipped step's
@@ -137,8 +172,9 @@ class GradQuantizer:
         return sum(t.numel() for t in self.residual.values()) + sum(t.numel() for t in self.residual2.values())
 
 
-def compression(zcfg, dp_group, dp: int, counter: CommCounter | None,
-                ranks_per_node: int | None) -> tuple[GradQuantizer | None, WeightGather | None]:
+def compression(
+    zcfg, dp_group, dp: int, counter: CommCounter | None, ranks_per_node: int | None
+) -> tuple[GradQuantizer | None, WeightGather | None]:
     """The compressors a :class:`~llmpar.zero.config.ZeroConfig` asks for over ``dp_group`` (None: off). Builds the
     node split (a collective over the dp ranks) when one is needed: from ``zero_hpz_partition_size`` when set, else
     from ``ranks_per_node`` (torchrun's ``LOCAL_WORLD_SIZE`` when None)."""
@@ -150,13 +186,26 @@ def compression(zcfg, dp_group, dp: int, counter: CommCounter | None,
     if zcfg.zero_quantized_gradients or hpz > 1:
         split = NodeSplit(dp_group, per_node=hpz if hpz > 1 else None, ranks_per_node=ranks_per_node)
     block = zcfg.zero_quantization_block_size
-    quantizer = GradQuantizer(split=split, bits=zcfg.zero_quantized_gradients_bits, block=block,
-                              error_feedback=zcfg.zero_quantized_gradients_error_feedback,
-                              counter=counter) if zcfg.zero_quantized_gradients else None
+    quantizer = (
+        GradQuantizer(
+            split=split,
+            bits=zcfg.zero_quantized_gradients_bits,
+            block=block,
+            error_feedback=zcfg.zero_quantized_gradients_error_feedback,
+            counter=counter,
+        )
+        if zcfg.zero_quantized_gradients
+        else None
+    )
     weights = None
     if zcfg.zero_quantized_weights or (hpz > 1 and hpz < dp):
-        weights = WeightGather(dp_group=dp_group, bits=zcfg.zero_quantized_weights_bits if zcfg.zero_quantized_weights
-                               else None, block=block, hpz=split if hpz > 1 and hpz < dp else None, counter=counter)
+        weights = WeightGather(
+            dp_group=dp_group,
+            bits=zcfg.zero_quantized_weights_bits if zcfg.zero_quantized_weights else None,
+            block=block,
+            hpz=split if hpz > 1 and hpz < dp else None,
+            counter=counter,
+        )
     return quantizer, weights
 
 

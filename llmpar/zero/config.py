@@ -3,6 +3,7 @@
 and check their values on construction; the DeepSpeed JSON spelling of these blocks (aliases, keys llmpar does not
 support) is read by ``llmpar.runtime.blocks``, which builds them.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -25,8 +26,10 @@ class OffloadConfig:
 
     def __post_init__(self) -> None:
         if self.device not in ("none", "cpu"):
-            raise ValueError(f'offload "device"={self.device!r} must be "cpu" or "none"'
-                             + (" (NVMe offload is not supported)" if self.device == "nvme" else ""))
+            raise ValueError(
+                f'offload "device"={self.device!r} must be "cpu" or "none"'
+                + (" (NVMe offload is not supported)" if self.device == "nvme" else "")
+            )
         self.pin_memory = as_bool("offload.pin_memory", self.pin_memory)
 
     @property
@@ -103,13 +106,22 @@ class ZeroConfig:
         self.stage = as_int("zero_optimization.stage", self.stage, minimum=0)
         if self.stage > 3:
             raise ValueError(f'"zero_optimization.stage"={self.stage} must be 0, 1, 2 or 3')
-        for name in ("stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
-                     "stage3_max_live_parameters", "stage3_max_reuse_distance", "sub_group_size"):
+        for name in (
+            "stage3_prefetch_bucket_size",
+            "stage3_param_persistence_threshold",
+            "stage3_max_live_parameters",
+            "stage3_max_reuse_distance",
+            "sub_group_size",
+        ):
             setattr(self, name, as_int(f"zero_optimization.{name}", getattr(self, name), minimum=0))
         for name in ("reduce_bucket_size", "allgather_bucket_size"):
             setattr(self, name, as_int(f"zero_optimization.{name}", getattr(self, name), minimum=1))
-        for name in ("overlap_comm", "contiguous_gradients", "reduce_scatter",
-                     "stage3_gather_16bit_weights_on_model_save"):
+        for name in (
+            "overlap_comm",
+            "contiguous_gradients",
+            "reduce_scatter",
+            "stage3_gather_16bit_weights_on_model_save",
+        ):
             setattr(self, name, as_bool(f"zero_optimization.{name}", getattr(self, name)))
         self.offload_optimizer = OffloadConfig.of(self.offload_optimizer)
         self.offload_param = OffloadConfig.of(self.offload_param)
@@ -120,8 +132,9 @@ class ZeroConfig:
         self._check_compression()
 
     @classmethod
-    def resolve(cls, stage: int | None, zero_config: "ZeroConfig | None", *, default_stage: int,
-                where: str = "ZeroOptimizer") -> "ZeroConfig":
+    def resolve(
+        cls, stage: int | None, zero_config: "ZeroConfig | None", *, default_stage: int, where: str = "ZeroOptimizer"
+    ) -> "ZeroConfig":
         """The one source of a ZeRO stage: ``zero_config`` (its ``.stage``), or ``stage=`` as the shorthand for
         ``ZeroConfig(stage=stage)`` when no config is given (``default_stage`` when neither is). Both given: the
         config decides; an equal ``stage=`` is accepted with a FutureWarning (it used to be required alongside the
@@ -132,10 +145,16 @@ class ZeroConfig:
             raise TypeError(f"{where}: zero_config must be a ZeroConfig or None, got {type(zero_config).__name__}")
         if stage is not None:
             if stage != zero_config.stage:
-                raise ValueError(f"{where}: stage={stage} disagrees with zero_config.stage={zero_config.stage}; "
-                                 "pass one of them (zero_config carries the stage)")
-            warnings.warn(f"{where}: stage= next to zero_config= is redundant (zero_config.stage is the stage); "
-                          "pass zero_config alone", FutureWarning, stacklevel=3)
+                raise ValueError(
+                    f"{where}: stage={stage} disagrees with zero_config.stage={zero_config.stage}; "
+                    "pass one of them (zero_config carries the stage)"
+                )
+            warnings.warn(
+                f"{where}: stage= next to zero_config= is redundant (zero_config.stage is the stage); "
+                "pass zero_config alone",
+                FutureWarning,
+                stacklevel=3,
+            )
         return zero_config
 
     def check_dp(self, dp: int) -> None:
@@ -143,18 +162,22 @@ class ZeroConfig:
         both ask): ``zero_hpz_partition_size`` divides it."""
         hpz = self.zero_hpz_partition_size
         if dp % hpz:
-            raise ValueError(f'"zero_optimization.zero_hpz_partition_size"={hpz} must be a divisor of the '
-                             f"data-parallel degree dp={dp} (the dp ranks of one node)")
+            raise ValueError(
+                f'"zero_optimization.zero_hpz_partition_size"={hpz} must be a divisor of the '
+                f"data-parallel degree dp={dp} (the dp ranks of one node)"
+            )
 
     def _check_compression(self) -> None:
         for name in ("zero_quantized_weights", "zero_quantized_gradients", "zero_quantized_gradients_error_feedback"):
             setattr(self, name, as_bool(f"zero_optimization.{name}", getattr(self, name)))
-        self.zero_hpz_partition_size = as_int("zero_optimization.zero_hpz_partition_size",
-                                              self.zero_hpz_partition_size, minimum=1)
+        self.zero_hpz_partition_size = as_int(
+            "zero_optimization.zero_hpz_partition_size", self.zero_hpz_partition_size, minimum=1
+        )
         block = as_int("zero_optimization.zero_quantization_block_size", self.zero_quantization_block_size, minimum=1)
         if block & (block - 1) or not 16 <= block <= 4096:
-            raise ValueError(f'"zero_optimization.zero_quantization_block_size"={block} must be a power of two in '
-                             "[16, 4096]")
+            raise ValueError(
+                f'"zero_optimization.zero_quantization_block_size"={block} must be a power of two in [16, 4096]'
+            )
         self.zero_quantization_block_size = block
         for name in ("zero_quantized_weights_bits", "zero_quantized_gradients_bits"):
             bits = as_int(f"zero_optimization.{name}", getattr(self, name), minimum=1)
@@ -163,17 +186,24 @@ class ZeroConfig:
             setattr(self, name, bits)
         if (self.zero_quantized_weights or self.zero_hpz_partition_size > 1) and self.stage != 3:
             key = "zero_quantized_weights" if self.zero_quantized_weights else "zero_hpz_partition_size"
-            raise ValueError(f'"zero_optimization.{key}" applies to the stage-3 parameter all-gather: needs stage 3, '
-                             f"got stage {self.stage}")
+            raise ValueError(
+                f'"zero_optimization.{key}" applies to the stage-3 parameter all-gather: needs stage 3, '
+                f"got stage {self.stage}"
+            )
         if self.zero_quantized_gradients and self.stage not in (2, 3):
-            raise ValueError('"zero_optimization.zero_quantized_gradients" applies to the per-micro-step gradient '
-                             f"reduce-scatter of stages 2 and 3, got stage {self.stage}")
+            raise ValueError(
+                '"zero_optimization.zero_quantized_gradients" applies to the per-micro-step gradient '
+                f"reduce-scatter of stages 2 and 3, got stage {self.stage}"
+            )
         if self.zero_quantized_gradients_error_feedback and not self.zero_quantized_gradients:
-            raise ValueError('"zero_optimization.zero_quantized_gradients_error_feedback" needs '
-                             '"zero_quantized_gradients": true')
+            raise ValueError(
+                '"zero_optimization.zero_quantized_gradients_error_feedback" needs "zero_quantized_gradients": true'
+            )
         if self.offload_param.enabled and (self.zero_quantized_weights or self.zero_hpz_partition_size > 1):
-            raise ValueError('"zero_optimization.offload_param" cannot be combined with zero_quantized_weights / '
-                             "zero_hpz_partition_size (the host shards are gathered as they are)")
+            raise ValueError(
+                '"zero_optimization.offload_param" cannot be combined with zero_quantized_weights / '
+                "zero_hpz_partition_size (the host shards are gathered as they are)"
+            )
 
 
 OPTIMIZER_TYPES = {"adamw": "AdamW", "adam": "Adam", "adamw8bit": "AdamW8bit", "adamw4bit": "AdamW4bit"}
@@ -208,34 +238,43 @@ class OptimizerConfig:
             raise ValueError(f'"optimizer.type"={self.type!r} is not known; use {", ".join(OPTIMIZER_TYPES.values())}')
         self.type = OPTIMIZER_TYPES[self.type.lower()]
         if self.state_precision is not None and self.state_precision not in ("fp32", "int8", "int4"):
-            raise ValueError(f'"optimizer.params.state_precision"={self.state_precision!r} is not known; use "fp32", '
-                             '"int8" or "int4" (or the types AdamW8bit / AdamW4bit)')
+            raise ValueError(
+                f'"optimizer.params.state_precision"={self.state_precision!r} is not known; use "fp32", '
+                '"int8" or "int4" (or the types AdamW8bit / AdamW4bit)'
+            )
         implied = LOWBIT_TYPES.get(self.type)
         if implied is not None:
             if self.state_precision not in (None, implied):
-                raise ValueError(f'"optimizer.type"={self.type!r} keeps {implied} states but '
-                                 f'"optimizer.params.state_precision" is {self.state_precision!r}')
+                raise ValueError(
+                    f'"optimizer.type"={self.type!r} keeps {implied} states but '
+                    f'"optimizer.params.state_precision" is {self.state_precision!r}'
+                )
             self.state_precision = implied
         if self.state_precision == "fp32":
             self.state_precision = None
         if self.state_precision is not None and self.precision != "auto":
-            raise ValueError(f'"optimizer.params.precision"={self.precision!r} cannot be combined with '
-                             f'{self.state_precision} states (type {self.type}): leave precision "auto" (float32 '
-                             "params step in place, bf16 ones keep a float32 master)")
+            raise ValueError(
+                f'"optimizer.params.precision"={self.precision!r} cannot be combined with '
+                f'{self.state_precision} states (type {self.type}): leave precision "auto" (float32 '
+                "params step in place, bf16 ones keep a float32 master)"
+            )
         self.stochastic_rounding = as_bool("optimizer.params.stochastic_rounding", self.stochastic_rounding)
         if self.stochastic_rounding and self.state_precision is None:
-            raise ValueError('"optimizer.params.stochastic_rounding"=true applies to the 8- / 4-bit states (types '
-                             f'AdamW8bit / AdamW4bit), not to type {self.type!r} with fp32 states (bf16 params and '
-                             'moments with stochastic rounding: "precision": "bf16_sr")')
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2 ** 63:
+            raise ValueError(
+                '"optimizer.params.stochastic_rounding"=true applies to the 8- / 4-bit states (types '
+                f"AdamW8bit / AdamW4bit), not to type {self.type!r} with fp32 states (bf16 params and "
+                'moments with stochastic rounding: "precision": "bf16_sr")'
+            )
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
             raise TypeError(f'"optimizer.params.seed"={self.seed!r} must be an integer in [0, 2^63)')
         self.lr = as_float("optimizer.params.lr", self.lr, minimum=0.0, maximum=FLOAT32_MAX)
         if not isinstance(self.betas, (list, tuple)) or len(self.betas) != 2:
             raise ValueError(f'"optimizer.params.betas"={self.betas!r} must be two numbers in [0, 1)')
         self.betas = tuple(as_float("optimizer.params.betas", b, minimum=0.0, below=1.0) for b in self.betas)
         self.eps = check_eps('"optimizer.params.eps"', as_float("optimizer.params.eps", self.eps))
-        self.weight_decay = as_float("optimizer.params.weight_decay", self.weight_decay, minimum=0.0,
-                                     maximum=FLOAT32_MAX)
+        self.weight_decay = as_float(
+            "optimizer.params.weight_decay", self.weight_decay, minimum=0.0, maximum=FLOAT32_MAX
+        )
         try:
             check_precision(self.precision, allow_auto=True)
         except ValueError as e:
@@ -251,8 +290,10 @@ _GROUP_KEYS = ("lr", "betas", "eps", "weight_decay")
 def param_groups(params: Any, cfg: OptimizerConfig) -> list[dict]:
     """Normalise params / (name, param) pairs / param-group dicts into groups with names and hyper-parameters."""
     if isinstance(params, torch.Tensor):
-        raise TypeError("params must be an iterable of parameters, (name, parameter) pairs or param-group dicts, "
-                        "got a single tensor")
+        raise TypeError(
+            "params must be an iterable of parameters, (name, parameter) pairs or param-group dicts, "
+            "got a single tensor"
+        )
     items = list(params)
     if not items:
         raise ValueError("params is empty: ZeroOptimizer needs at least one parameter")
@@ -263,8 +304,9 @@ def param_groups(params: Any, cfg: OptimizerConfig) -> list[dict]:
             raise TypeError(f"param group {gi} must be a dict with a 'params' entry")
         unknown = set(g) - {"params", *_GROUP_KEYS}
         if unknown:
-            raise ValueError(f"param group {gi} has unknown keys {sorted(unknown)}; allowed: params, "
-                             f"{', '.join(_GROUP_KEYS)}")
+            raise ValueError(
+                f"param group {gi} has unknown keys {sorted(unknown)}; allowed: params, {', '.join(_GROUP_KEYS)}"
+            )
         named = []
         for k, item in enumerate(g["params"]):
             name, p = item if isinstance(item, tuple) else (f"group{gi}.param{k}", item)
@@ -277,7 +319,12 @@ def param_groups(params: Any, cfg: OptimizerConfig) -> list[dict]:
         group = {"params": [p for _, p in named], "names": [n for n, _ in named]}
         for key in _GROUP_KEYS:
             group[key] = g.get(key, getattr(cfg, key))
-        check_hyperparameters(lr=group["lr"], betas=group["betas"], eps=group["eps"],
-                              weight_decay=group["weight_decay"], where=f"param group {gi}: ")  # overrides too
+        check_hyperparameters(
+            lr=group["lr"],
+            betas=group["betas"],
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            where=f"param group {gi}: ",
+        )  # overrides too
         groups.append(group)
     return groups

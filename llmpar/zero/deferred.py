@@ -16,6 +16,7 @@ Inside the block a TorchDispatchMode (:class:`Recorder`) sees every aten op:
   ones, runs for real on replayed inputs: small real things stay real.
 The recording and its replay (:class:`~llmpar.zero.replay.Replayer`) are in ``replay.py``.
 """
+
 from __future__ import annotations
 
 import sys
@@ -37,8 +38,21 @@ class DeferredInitError(RuntimeError):
 
 
 _META = torch.device("meta")
-_FRESH = frozenset({"normal_", "uniform_", "fill_", "zero_", "copy_", "random_", "exponential_", "cauchy_",
-                    "log_normal_", "geometric_", "bernoulli_"})  # rewrite every element of self without reading it
+_FRESH = frozenset(
+    {
+        "normal_",
+        "uniform_",
+        "fill_",
+        "zero_",
+        "copy_",
+        "random_",
+        "exponential_",
+        "cauchy_",
+        "log_normal_",
+        "geometric_",
+        "bernoulli_",
+    }
+)  # rewrite every element of self without reading it
 _REFUSED = frozenset({"set_", "resize_", "resize_as_", "_resize_output_", "swap_"})
 
 
@@ -74,8 +88,9 @@ def _written(func: Any, args: tuple, kwargs: dict) -> list[Any]:
 
 
 def _is_factory(func: Any, flat: list) -> bool:
-    return not any(isinstance(x, torch.Tensor) for x in flat) and \
-        any(a.name == "device" for a in func._schema.arguments)
+    return not any(isinstance(x, torch.Tensor) for x in flat) and any(
+        a.name == "device" for a in func._schema.arguments
+    )
 
 
 class Recorder(TorchDispatchMode):
@@ -116,7 +131,7 @@ class Recorder(TorchDispatchMode):
                 for x in op.flat:  # values written after the block (a loaded state dict): a sample of each
                     if isinstance(x, Kept):
                         flat = x.tensor.detach().reshape(-1)
-                        sample = flat[::max(1, flat.numel() // 4096)].contiguous().view(torch.uint8)
+                        sample = flat[:: max(1, flat.numel() // 4096)].contiguous().view(torch.uint8)
                         crc = zlib.crc32(sample.cpu().numpy().tobytes(), crc)
         return crc
 
@@ -148,16 +163,22 @@ class Recorder(TorchDispatchMode):
             return func(*args, **kwargs)
         name = func._overloadpacket.__name__
         if any(isinstance(x, torch.Tensor) and x.is_meta and self.key_of(x) is None for x in flat):
-            raise _refuse(f"{func} mixes a tensor built in the block with a meta tensor built outside it, whose "
-                          "values no plain build has: build both inside the block")
+            raise _refuse(
+                f"{func} mixes a tensor built in the block with a meta tensor built outside it, whose "
+                "values no plain build has: build both inside the block"
+            )
         if recorded and name in _REFUSED:
-            raise _refuse(f"{name} on a tensor built in the block is not supported (it replaces or resizes its "
-                          "storage, which a replay cannot follow): do it after llmpar.initialize, or outside the block")
+            raise _refuse(
+                f"{name} on a tensor built in the block is not supported (it replaces or resizes its "
+                "storage, which a replay cannot follow): do it after llmpar.initialize, or outside the block"
+            )
         written = _written(func, args, kwargs)
         lazy_w = [w for w in written if self.key_of(w) is not None]
         if lazy_w and len(written) != 1:
-            raise _refuse(f"{func} writes into several tensors built in the block at once; only single-tensor "
-                          "writes (normal_, copy_, fill_, x[i].zero_()...) can be replayed")
+            raise _refuse(
+                f"{func} writes into several tensors built in the block at once; only single-tensor "
+                "writes (normal_, copy_, fill_, x[i].zero_()...) can be replayed"
+            )
         if written and not lazy_w:  # writing real tensors from recorded ones: done for real
             return self._real(func, flat, spec)
         real_dev = next((x for x in flat if isinstance(x, torch.device) and x.type != "meta"), None)
@@ -168,21 +189,22 @@ class Recorder(TorchDispatchMode):
             out = func(*margs, **mkwargs)
         except Exception as e:  # noqa: BLE001 - the meta device cannot run it: data-dependent
             if lazy_w:
-                raise _refuse(f"{func} into a tensor built in the block does not run on the meta device "
-                              f"({type(e).__name__}: {e})") from e
+                raise _refuse(
+                    f"{func} into a tensor built in the block does not run on the meta device ({type(e).__name__}: {e})"
+                ) from e
             return self._real(func, flat, spec)
         if not lazy_w and any(o is not None and not isinstance(o, torch.Tensor) for o in tree_flatten(out)[0]):
             return self._real(func, flat, spec)  # a Python value of the data: the meta one means nothing
-        rng = self._draw(func, flat, spec, real_dev, written) if torch.Tag.nondeterministic_seeded in func.tags \
-            else None
+        rng = (
+            self._draw(func, flat, spec, real_dev, written) if torch.Tag.nondeterministic_seeded in func.tags else None
+        )
         rec = [self._arg(x, real_dev) for x in flat]
         if lazy_w:
             t = lazy_w[0]
             k = t.untyped_storage()._cdata
             s = self.storages[k]
             target = next(i for i, x in enumerate(flat) if x is t)
-            s.log.append(Op(func, rec, spec, self.ref(t), target, 0, rng,
-                            name in _FRESH and covers(t, s.nbytes)))
+            s.log.append(Op(func, rec, spec, self.ref(t), target, 0, rng, name in _FRESH and covers(t, s.nbytes)))
             return out
         if factory and "dtype" in (a.name for a in func._schema.arguments if a.kwarg_only):
             kw = dict(kwargs)
@@ -197,8 +219,7 @@ class Recorder(TorchDispatchMode):
             if k in self.storages:
                 continue  # a view of a recorded storage
             if any(r.alias_info is not None for r in func._schema.returns):
-                raise _refuse(f"view op {func} gave a tensor not aliasing its input on the meta device: not "
-                              "supported")
+                raise _refuse(f"view op {func} gave a tensor not aliasing its input on the meta device: not supported")
             self.storages[k] = Storage(o, real_dev, o.untyped_storage().nbytes(), [])
             self.storages[k].log.append(Op(func, rec, spec, geometry(o, k, 0), None, j, rng, True))
         return out

@@ -8,6 +8,7 @@
 Outside stage 3 the params are whole on every rank: the context only broadcasts a modification (when asked) and
 writes it into the optimizer's master copy.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -32,8 +33,12 @@ def _as_list(params: torch.Tensor | Iterable[torch.Tensor] | None) -> list[torch
 
 
 @contextmanager
-def GatheredParameters(params: torch.Tensor | Iterable[torch.Tensor] | None, optimizer: "object",  # noqa: N802
-                       *, modifier_rank: int | None = None) -> Iterator[None]:
+def GatheredParameters(
+    params: torch.Tensor | Iterable[torch.Tensor] | None,
+    optimizer: "object",  # noqa: N802
+    *,
+    modifier_rank: int | None = None,
+) -> Iterator[None]:
     """Within the block the given params (all when None) are whole on every dp rank. With ``modifier_rank`` the
     values that rank holds at exit are broadcast and become the params (shards and fp32 master) everywhere.
     Collective: every dp rank enters it with the same params."""

@@ -14,6 +14,7 @@ A callback queued on the autograd engine runs at the end of each backward: it fl
 no gradient (unused params count as zero, as in DeepSpeed), waits for every reduction and finishes the accumulation.
 Ranks must see the same set of used params (the units are reduced in readiness order, which must match across ranks).
 """
+
 from __future__ import annotations
 
 import weakref
@@ -75,10 +76,22 @@ class _WeakHook:
 class GradReducer:
     """Owns the hooks and the in-flight reductions of a set of :class:`FlatBuffer`s."""
 
-    def __init__(self, buffers: list[FlatBuffer], *, stage: int, dp_group: Group, dp: int, rank: int,
-                 overlap: bool, reduce_dtype_of: Callable[[FlatBuffer], torch.dtype],
-                 counter: CommCounter | None, inflight_budget: int = 0, copier: Any = None,
-                 quantizer: GradQuantizer | None = None, keep_scratch: bool = True) -> None:
+    def __init__(
+        self,
+        buffers: list[FlatBuffer],
+        *,
+        stage: int,
+        dp_group: Group,
+        dp: int,
+        rank: int,
+        overlap: bool,
+        reduce_dtype_of: Callable[[FlatBuffer], torch.dtype],
+        counter: CommCounter | None,
+        inflight_budget: int = 0,
+        copier: Any = None,
+        quantizer: GradQuantizer | None = None,
+        keep_scratch: bool = True,
+    ) -> None:
         self.buffers = buffers
         self.stage = stage
         self.group = dp_group
@@ -130,15 +143,19 @@ class GradReducer:
         self._poll()
         if not self._armed:
             if self.reduced:
-                raise RuntimeError("backward() ran after the gradient-accumulation boundary was reduced but before "
-                                   "step() or zero_grad(): call step() first, or mark earlier micro-steps with "
-                                   "set_gradient_accumulation_boundary(False)")
+                raise RuntimeError(
+                    "backward() ran after the gradient-accumulation boundary was reduced but before "
+                    "step() or zero_grad(): call step() first, or mark earlier micro-steps with "
+                    "set_gradient_accumulation_boundary(False)"
+                )
             self._armed = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         u = b.layout.slot(i).unit
         if i in b.seen[u]:
-            raise RuntimeError(f"param {b.layout.slot(i).name!r} received its gradient twice in one backward "
-                               "(reentrant checkpointing or retain_graph?): ZeRO reduces each gradient once")
+            raise RuntimeError(
+                f"param {b.layout.slot(i).name!r} received its gradient twice in one backward "
+                "(reentrant checkpointing or retain_graph?): ZeRO reduces each gradient once"
+            )
         b.seen[u].add(i)
         b.pending[u] -= 1
         if b.pending[u] == 0:
@@ -147,9 +164,12 @@ class GradReducer:
     def _unit_grads(self, b: FlatBuffer, u: int) -> list[torch.Tensor]:
         out = []
         for i in b.layout.units[u].params:  # a missing grad is zeros of the layout's shape (a released stage-3
-            p = b.params[i]                  # param is an empty tensor: ``views.py``)
-            out.append(p.grad if p.grad is not None else
-                       torch.zeros(b.layout.slot(i).shape, dtype=b.layout.dtype, device=b.flat.device))
+            p = b.params[i]  # param is an empty tensor: ``views.py``)
+            out.append(
+                p.grad
+                if p.grad is not None
+                else torch.zeros(b.layout.slot(i).shape, dtype=b.layout.dtype, device=b.flat.device)
+            )
             p.grad = None
         return out
 
@@ -166,7 +186,7 @@ class GradReducer:
         if self.stage == 2:
             staging = self.pool.take(unit.padded, self.reduce_dtype_of(b), b.flat.device)
             pack_bucket(grads, out=staging, scale=scale)
-            staging[unit.numel:].zero_()
+            staging[unit.numel :].zero_()
             del grads
             shard = layout.shard_of_partition(b.grad, u)
             if self.on_unit_reduced is not None:  # stage 3: the grads are packed, the gathered unit can go
@@ -197,13 +217,24 @@ class GradReducer:
         if not self.boundary:
             return
         if self.stage == 0:
-            self._launch(all_reduce(region, self.group, async_op=True, counter=self.counter,
-                                    what=f"all-reduce of gradients, buffer {key[0]} unit {key[1]}"), None, None, key)
+            self._launch(
+                all_reduce(
+                    region,
+                    self.group,
+                    async_op=True,
+                    counter=self.counter,
+                    what=f"all-reduce of gradients, buffer {key[0]} unit {key[1]}",
+                ),
+                None,
+                None,
+                key,
+            )
         else:
             self._reduce_shard(b, u, region, key)
 
-    def _reduce_quantized(self, b: FlatBuffer, u: int, grads: list[torch.Tensor], scale: float,
-                          key: tuple[int, int]) -> None:
+    def _reduce_quantized(
+        self, b: FlatBuffer, u: int, grads: list[torch.Tensor], scale: float, key: tuple[int, int]
+    ) -> None:
         """Stage 2/3 with zero_quantized_gradients: pack + scale + quantize in one pass, reduce-scatter the codes;
         the sum lands in the partition accumulator (added after the first micro-step) or goes out to the host."""
         q, unit = self.quantizer, b.layout.units[u]
@@ -240,8 +271,9 @@ class GradReducer:
         mine = b.layout.shard_of_full(b.grad, u, self.rank)
         return lambda: mine.copy_(tmp)
 
-    def _reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, key: tuple[int, int],
-                        bufs: list[torch.Tensor]) -> Handle:
+    def _reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, key: tuple[int, int], bufs: list[torch.Tensor]
+    ) -> Handle:
         """Launch the reduce-scatter; on the exchange path (gloo) the received chunks go into a pooled buffer,
         appended to ``bufs`` (given back once the reduction has finished)."""
         scratch = None
@@ -249,14 +281,27 @@ class GradReducer:
         if need:
             scratch = self.pool.take(need, input.dtype, input.device)
             bufs.append(scratch)
-        handle = reduce_scatter_flat(output, input, self.group, async_op=True, counter=self.counter,
-                                     what=f"reduce-scatter of gradients, buffer {key[0]} unit {key[1]}",
-                                     scratch=scratch)
+        handle = reduce_scatter_flat(
+            output,
+            input,
+            self.group,
+            async_op=True,
+            counter=self.counter,
+            what=f"reduce-scatter of gradients, buffer {key[0]} unit {key[1]}",
+            scratch=scratch,
+        )
         assert handle is not None
         return handle
 
-    def _launch(self, handle: Handle, finish: Callable[[], None] | None, staging: torch.Tensor | None,
-                key: tuple[int, int], held: int = 0, bufs: list[torch.Tensor] = ()) -> None:
+    def _launch(
+        self,
+        handle: Handle,
+        finish: Callable[[], None] | None,
+        staging: torch.Tensor | None,
+        key: tuple[int, int],
+        held: int = 0,
+        bufs: list[torch.Tensor] = (),
+    ) -> None:
         if staging is not None:  # + the received chunks
             held = staging.numel() * (2 if self.exchange else 1)
         self._inflight.append((handle, finish, held, key, list(bufs)))
@@ -323,8 +368,9 @@ class GradReducer:
                 key = (self._bindex[id(b)], u)
                 if self.stage == 0:
                     what = f"all-reduce of gradients, buffer {key[0]} unit {key[1]}"
-                    self._launch(all_reduce(region, self.group, async_op=True, counter=self.counter, what=what),
-                                 None, None, key)
+                    self._launch(
+                        all_reduce(region, self.group, async_op=True, counter=self.counter, what=what), None, None, key
+                    )
                 else:
                     self._reduce_shard(b, u, region, key)
         self.wait_all()

@@ -35,6 +35,7 @@ overwrite them (what was written after the block is replayed after it: it came l
 have storage then (others: 0 bytes). A meta param with no recording (built under ``torch.device("meta")`` rather
 than ``Init``) needs ``init_fn``; without it initialize refuses it.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -59,6 +60,7 @@ _DEFERRED = "_llmpar_deferred"  # attribute on each param built inside an Init b
 class Deferred:
     """How to rebuild one param: its recording, its Ref (storage, version, geometry) now, and ``block``, its Ref at
     the end of the block (the same unless something was written into it afterwards, ``after_init.py``)."""
+
     recorder: Recorder
     ref: Ref
     block: Ref
@@ -69,16 +71,21 @@ class Deferred:
         one written from a tensor changed in place since (its values are gone)."""
         with torch._C.DisableTorchFunctionSubclass():
             if self.recorder.key_of(p) is None:
-                raise ValueError(f"param {name} {tuple(p.shape)} built inside llmpar.zero.Init was replaced after the "
-                                 "block by a meta tensor with no recorded values: write into the param (in place, "
-                                 "load_state_dict) or assign a real tensor")
+                raise ValueError(
+                    f"param {name} {tuple(p.shape)} built inside llmpar.zero.Init was replaced after the "
+                    "block by a meta tensor with no recorded values: write into the param (in place, "
+                    "load_state_dict) or assign a real tensor"
+                )
             ref = self.recorder.ref(p)
         storages = self.recorder.storages
-        if any(isinstance(x, Kept) and x.changed() for k, i in needed_ops(storages, [ref])
-               for x in storages[k].log[i].flat):
-            raise ValueError(f"param {name}: a tensor written into it after the llmpar.zero.Init block (e.g. by "
-                             "load_state_dict) was changed in place before llmpar.initialize read it: keep the "
-                             "tensors you load unchanged until initialize (or load a .clone())")
+        if any(
+            isinstance(x, Kept) and x.changed() for k, i in needed_ops(storages, [ref]) for x in storages[k].log[i].flat
+        ):
+            raise ValueError(
+                f"param {name}: a tensor written into it after the llmpar.zero.Init block (e.g. by "
+                "load_state_dict) was changed in place before llmpar.initialize read it: keep the "
+                "tensors you load unchanged until initialize (or load a .clone())"
+            )
         return Deferred(self.recorder, ref, self.block)
 
     @property
@@ -96,8 +103,10 @@ class Deferred:
         device, as ``model.to`` after a plain build)."""
         ref = self.block if at_block else self.ref
         if tuple(p.shape) != ref.size:
-            raise ValueError(f"a param recorded by llmpar.zero.Init as {ref.size} is now {tuple(p.shape)}: "
-                             "reshape params inside the Init block, not after it")
+            raise ValueError(
+                f"a param recorded by llmpar.zero.Init as {ref.size} is now {tuple(p.shape)}: "
+                "reshape params inside the Init block, not after it"
+            )
         v = Replayer(self.recorder).value(ref, into=p)
         if v.untyped_storage().data_ptr() != p.untyped_storage().data_ptr():
             p.copy_(v)
@@ -146,8 +155,10 @@ class Init:
         def on_buffer(module: nn.Module, name: str, buf: Any) -> None:
             modules[id(module)] = module
 
-        self._hooks = [nn.modules.module.register_module_parameter_registration_hook(on_param),
-                       nn.modules.module.register_module_buffer_registration_hook(on_buffer)]
+        self._hooks = [
+            nn.modules.module.register_module_parameter_registration_hook(on_param),
+            nn.modules.module.register_module_buffer_registration_hook(on_buffer),
+        ]
         if self._recorder is not None:
             self._looks = Looks(self._recorder)
             self._recorder.__enter__()
@@ -176,8 +187,9 @@ def recording(model: nn.Module) -> Iterator[None]:
     tensor made there is a recorded meta tensor, a slice of a param copied into it is recorded, and every new param
     registered gets its recipe (replaying it replays the param it was sliced from, one param at a time, and keeps
     the slice). Nothing happens for a model with no recorded params (or params of several blocks)."""
-    recs = {id(d.recorder): d.recorder for d in (getattr(p, _DEFERRED, None) for p in model.parameters())
-            if d is not None}
+    recs = {
+        id(d.recorder): d.recorder for d in (getattr(p, _DEFERRED, None) for p in model.parameters()) if d is not None
+    }
     if len(recs) != 1:
         yield
         return
@@ -257,10 +269,12 @@ def replace_meta_params(model: nn.Module, device: torch.device) -> dict[int, nn.
             new = mapping.get(id(p))
             if new is None:
                 if not hasattr(p, _DEFERRED) and not hasattr(p, _INIT_FN):
-                    raise ValueError(f"param {_qual(mname, name)} {tuple(p.shape)} is on the meta device but was not "
-                                     "built inside llmpar.zero.Init (a torch.device('meta') block, or made after "
-                                     "the Init block): ZeRO-3 has no values for it; build the model inside `with "
-                                     "llmpar.zero.Init():` or give Init(init_fn=...)")
+                    raise ValueError(
+                        f"param {_qual(mname, name)} {tuple(p.shape)} is on the meta device but was not "
+                        "built inside llmpar.zero.Init (a torch.device('meta') block, or made after "
+                        "the Init block): ZeRO-3 has no values for it; build the model inside `with "
+                        "llmpar.zero.Init():` or give Init(init_fn=...)"
+                    )
                 new = mapping[id(p)] = nn.Parameter(_empty_like_meta(p, device), requires_grad=p.requires_grad)
                 if hasattr(p, _INIT_FN):
                     setattr(new, _INIT_FN, getattr(p, _INIT_FN))
@@ -269,9 +283,11 @@ def replace_meta_params(model: nn.Module, device: torch.device) -> dict[int, nn.
             mod._parameters[name] = new
         for name, buf in list(mod._buffers.items()):
             if buf is not None and buf.is_meta:
-                raise ValueError(f"buffer {_qual(mname, name)} {tuple(buf.shape)} is on the meta device with no "
-                                 "values (not built inside llmpar.zero.Init): build the model inside `with "
-                                 "llmpar.zero.Init():`, which gives buffers their values at the end of the block")
+                raise ValueError(
+                    f"buffer {_qual(mname, name)} {tuple(buf.shape)} is on the meta device with no "
+                    "values (not built inside llmpar.zero.Init): build the model inside `with "
+                    "llmpar.zero.Init():`, which gives buffers their values at the end of the block"
+                )
             if buf is not None:
                 mod._buffers[name] = buf.to(device)
     return mapping
@@ -281,8 +297,7 @@ def _qual(module_name: str, name: str) -> str:
     return f"{module_name}.{name}" if module_name else name
 
 
-def materialize_unit(unit: nn.Module, owned: list[nn.Parameter], seed: int, index: int,
-                     init_fn: InitFn | None) -> None:
+def materialize_unit(unit: nn.Module, owned: list[nn.Parameter], seed: int, index: int, init_fn: InitFn | None) -> None:
     """Give ``owned`` (storage-less params of one unit) real memory and their values: each one's recording replayed,
     then ``init_fn(unit)`` (seeded with ``seed`` and the unit's ``index``) when given (module docstring)."""
     for p in owned:
@@ -307,10 +322,14 @@ def check_same_recordings(opt: Any, params: list[nn.Parameter]) -> None:
     different models. One small all-gather."""
     recorders = {id(d.recorder): d.recorder for d in (getattr(p, _DEFERRED, None) for p in params) if d is not None}
     fingerprint = repr(sorted(r.fingerprint() for r in recorders.values()))
-    check_same_on_ranks(fingerprint, opt.dp_group, what="llmpar.zero.Init: the data-parallel ranks built the model "
-                        "from different random states (or wrote different values into it after the block)",
-                        hint="seed every rank the same (torch.manual_seed(s)) before the Init block, and load the "
-                        "same state dict on every rank: each rank replays its own recording and keeps its slice")
+    check_same_on_ranks(
+        fingerprint,
+        opt.dp_group,
+        what="llmpar.zero.Init: the data-parallel ranks built the model "
+        "from different random states (or wrote different values into it after the block)",
+        hint="seed every rank the same (torch.manual_seed(s)) before the Init block, and load the "
+        "same state dict on every rank: each rank replays its own recording and keeps its slice",
+    )
 
 
 def release_storage(params: list[nn.Parameter]) -> None:
@@ -320,6 +339,7 @@ def release_storage(params: list[nn.Parameter]) -> None:
 
 def remap_params(params: Any, mapping: dict[int, nn.Parameter]) -> list:
     """The user's params / (name, param) pairs / group dicts with meta params swapped for their replacements."""
+
     def one(item: Any) -> Any:
         if isinstance(item, tuple) and len(item) == 2:
             return (item[0], mapping.get(id(item[1]), item[1]))
@@ -356,7 +376,7 @@ def materialize_sharded(opt: Any) -> None:
             mine = b.layout.shard_of_partition(b.shard, u)
             for j, a, z, at in b.layout.param_slices(u, rank):
                 if j == i:
-                    mine[at:at + z - a].copy_(p.detach().reshape(-1)[a:z])
+                    mine[at : at + z - a].copy_(p.detach().reshape(-1)[a:z])
         release_storage([p for p in owned if id(p) in where])
         for p in owned:
             if hasattr(p, _DEFERRED):

@@ -18,6 +18,7 @@ gather units (one transformer block each); CPU offload moves the partition-sized
 stores ``describe()`` plus each rank's partition, and since offsets inside a unit do not depend on ``shards``, any other
 world size re-cuts the same per-param values (``param_slices`` tells which piece of which param a shard holds).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -64,8 +65,16 @@ class FlatLayout:
     groups: explicit units instead (lists of param indices, in unit order; stage 3 gives one per module).
     """
 
-    def __init__(self, params: list[torch.Tensor], names: list[str], *, shards: int, unit_numel: int,
-                 align: int = 1, groups: list[list[int]] | None = None) -> None:
+    def __init__(
+        self,
+        params: list[torch.Tensor],
+        names: list[str],
+        *,
+        shards: int,
+        unit_numel: int,
+        align: int = 1,
+        groups: list[list[int]] | None = None,
+    ) -> None:
         if len(params) != len(names):
             raise ValueError(f"names has {len(names)} entries but params has {len(params)}")
         if not params:
@@ -93,12 +102,16 @@ class FlatLayout:
         for u, members in enumerate(groups):
             inner = 0
             for i in members:
-                self.slots[i] = ParamSlot(index=i, name=names[i], shape=tuple(params[i].shape),
-                                          numel=params[i].numel(), unit=u, offset=inner)
+                self.slots[i] = ParamSlot(
+                    index=i, name=names[i], shape=tuple(params[i].shape), numel=params[i].numel(), unit=u, offset=inner
+                )
                 inner += params[i].numel()
             padded = _round_up(max(inner, 1), shards * align)
-            self.units.append(Unit(index=u, params=tuple(members), numel=inner, padded=padded, offset=offset,
-                                   shard_offset=shard_offset))
+            self.units.append(
+                Unit(
+                    index=u, params=tuple(members), numel=inner, padded=padded, offset=offset, shard_offset=shard_offset
+                )
+            )
             offset += padded
             shard_offset += padded // shards
         self.total = offset
@@ -171,10 +184,24 @@ class FlatLayout:
     def describe(self) -> dict:
         """The global layout as plain data (for checkpoints): enough to cut any shard back into named params."""
         return {
-            "dtype": str(self.dtype).replace("torch.", ""), "shards": self.shards, "align": self.align,
-            "unit_numel": self.unit_numel, "total": self.total, "partition": self.partition,
-            "units": [{"params": list(u.params), "numel": u.numel, "padded": u.padded, "offset": u.offset,
-                       "shard_offset": u.shard_offset} for u in self.units],
-            "params": [{"name": s.name, "shape": list(s.shape), "unit": s.unit, "offset": s.offset}
-                       for s in (self.slot(i) for i in range(len(self.slots)))],
+            "dtype": str(self.dtype).replace("torch.", ""),
+            "shards": self.shards,
+            "align": self.align,
+            "unit_numel": self.unit_numel,
+            "total": self.total,
+            "partition": self.partition,
+            "units": [
+                {
+                    "params": list(u.params),
+                    "numel": u.numel,
+                    "padded": u.padded,
+                    "offset": u.offset,
+                    "shard_offset": u.shard_offset,
+                }
+                for u in self.units
+            ],
+            "params": [
+                {"name": s.name, "shape": list(s.shape), "unit": s.unit, "offset": s.offset}
+                for s in (self.slot(i) for i in range(len(self.slots)))
+            ],
         }

@@ -21,6 +21,7 @@ already at minimum": a ``RuntimeError`` here, raised in that step on the CPU and
 where the flag is copied to the host without blocking. ``state_dict()`` / ``load_state_dict()`` carry the state
 (DeepSpeed's names: cur_scale, cur_iter, last_overflow_iter, cur_hysteresis) through checkpoints.
 """
+
 from __future__ import annotations
 
 import torch
@@ -28,49 +29,78 @@ import torch
 from llmpar.ops.grad_norm import clip_coefficient
 from llmpar.validation import as_bool, as_float, as_int
 
-_AT_MINIMUM = ("Current loss scale already at minimum ({}) - cannot decrease scale anymore: the fp16 gradients "
-               "overflow at every scale (DeepSpeed stops here too); lower the learning rate, check the data, or use "
-               "bf16")
+_AT_MINIMUM = (
+    "Current loss scale already at minimum ({}) - cannot decrease scale anymore: the fp16 gradients "
+    "overflow at every scale (DeepSpeed stops here too); lower the learning rate, check the data, or use "
+    "bf16"
+)
 
 
 MAX_SCALE_POWER = 64  # S <= 2**64: far above any useful fp16 scale; S and 1/S stay finite and normal in float32
 
 
-def check_scaling(*, loss_scale: float, initial_scale_power: int, loss_scale_window: int, hysteresis: int,
-                  consecutive_hysteresis: bool, min_loss_scale: float) -> dict:
+def check_scaling(
+    *,
+    loss_scale: float,
+    initial_scale_power: int,
+    loss_scale_window: int,
+    hysteresis: int,
+    consecutive_hysteresis: bool,
+    min_loss_scale: float,
+) -> dict:
     """The loss-scaling settings checked and typed (DeepSpeed's ``"fp16"`` names in every error, with the range):
     ``loss_scale`` 0 (dynamic) or a static scale in [2**-64, 2**64]; ``initial_scale_power`` in [0, 64] (2**128 is
     already infinite in float32, and every power above the useful ~16-32 costs one skipped step per halving);
     ``loss_scale_window`` and ``hysteresis`` >= 1 (int64 counters on the device); ``min_loss_scale`` (dynamic) in
     [2**-64, 2**initial_scale_power]: a floor above the starting scale would raise the scale on an overflow."""
-    lo, hi = 2.0 ** -MAX_SCALE_POWER, 2.0 ** MAX_SCALE_POWER
+    lo, hi = 2.0**-MAX_SCALE_POWER, 2.0**MAX_SCALE_POWER
     static = as_float("fp16.loss_scale", loss_scale)
     if static != 0.0 and not lo <= static <= hi:
-        raise ValueError(f'"fp16.loss_scale"={static} must be 0 (dynamic) or a static scale in [2**-64, 2**64] (the '
-                         "scale and 1/scale are float32)")
+        raise ValueError(
+            f'"fp16.loss_scale"={static} must be 0 (dynamic) or a static scale in [2**-64, 2**64] (the '
+            "scale and 1/scale are float32)"
+        )
     power = as_int("fp16.initial_scale_power", initial_scale_power, minimum=0, maximum=MAX_SCALE_POWER)
-    out = {"loss_scale": static, "initial_scale_power": power,
-           "loss_scale_window": as_int("fp16.loss_scale_window", loss_scale_window, minimum=1),
-           "hysteresis": as_int("fp16.hysteresis", hysteresis, minimum=1),
-           "consecutive_hysteresis": as_bool("fp16.consecutive_hysteresis", consecutive_hysteresis),
-           "min_loss_scale": as_float("fp16.min_loss_scale", min_loss_scale, minimum=0.0)}
+    out = {
+        "loss_scale": static,
+        "initial_scale_power": power,
+        "loss_scale_window": as_int("fp16.loss_scale_window", loss_scale_window, minimum=1),
+        "hysteresis": as_int("fp16.hysteresis", hysteresis, minimum=1),
+        "consecutive_hysteresis": as_bool("fp16.consecutive_hysteresis", consecutive_hysteresis),
+        "min_loss_scale": as_float("fp16.min_loss_scale", min_loss_scale, minimum=0.0),
+    }
     floor = out["min_loss_scale"]
-    if (static == 0.0 and not lo <= floor <= 2.0 ** power) or floor > hi:
-        raise ValueError(f'"fp16.min_loss_scale"={floor} must be > 0 with dynamic loss scaling, in [2**-64, '
-                         f'2**"fp16.initial_scale_power" = 2**{power}] (a floor above the initial scale would '
-                         "raise the scale on an overflow)")
+    if (static == 0.0 and not lo <= floor <= 2.0**power) or floor > hi:
+        raise ValueError(
+            f'"fp16.min_loss_scale"={floor} must be > 0 with dynamic loss scaling, in [2**-64, '
+            f'2**"fp16.initial_scale_power" = 2**{power}] (a floor above the initial scale would '
+            "raise the scale on an overflow)"
+        )
     return out
 
 
 class LossScaler:
     """The loss scale S of fp16 training (module docstring); keyword names as in DeepSpeed's ``"fp16"`` block."""
 
-    def __init__(self, *, loss_scale: float = 0.0, initial_scale_power: int = 16, loss_scale_window: int = 1000,
-                 hysteresis: int = 2, consecutive_hysteresis: bool = False, min_loss_scale: float = 1.0,
-                 device: torch.device | str = "cpu") -> None:
-        s = check_scaling(loss_scale=loss_scale, initial_scale_power=initial_scale_power,
-                          loss_scale_window=loss_scale_window, hysteresis=hysteresis,
-                          consecutive_hysteresis=consecutive_hysteresis, min_loss_scale=min_loss_scale)
+    def __init__(
+        self,
+        *,
+        loss_scale: float = 0.0,
+        initial_scale_power: int = 16,
+        loss_scale_window: int = 1000,
+        hysteresis: int = 2,
+        consecutive_hysteresis: bool = False,
+        min_loss_scale: float = 1.0,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        s = check_scaling(
+            loss_scale=loss_scale,
+            initial_scale_power=initial_scale_power,
+            loss_scale_window=loss_scale_window,
+            hysteresis=hysteresis,
+            consecutive_hysteresis=consecutive_hysteresis,
+            min_loss_scale=min_loss_scale,
+        )
         self.dynamic = s["loss_scale"] == 0.0
         self.scale_window, self.delayed_shift = s["loss_scale_window"], s["hysteresis"]
         self.consecutive_hysteresis, self.min_scale = s["consecutive_hysteresis"], s["min_loss_scale"]
@@ -86,8 +116,9 @@ class LossScaler:
     def to(self, device: torch.device | str) -> "LossScaler":
         """Move the state to ``device`` (the optimizer's); returns self."""
         self.device = torch.device(device)
-        self._scale, self._hysteresis, self._last_overflow = (t.to(self.device) for t in
-                                                              (self._scale, self._hysteresis, self._last_overflow))
+        self._scale, self._hysteresis, self._last_overflow = (
+            t.to(self.device) for t in (self._scale, self._hysteresis, self._last_overflow)
+        )
         return self
 
     # ------------------------------------------------------------------ reading
@@ -138,9 +169,11 @@ class LossScaler:
         down = torch.clamp(self._scale / 2, min=self.min_scale)
         new_scale = torch.where(drop, down, torch.where(grow, self._scale * 2, self._scale))
         refill = ~overflow & (grow | self.consecutive_hysteresis)
-        new_hyst = torch.where(overflow & ~exhausted, self._hysteresis - 1,
-                               torch.where(refill, torch.full_like(self._hysteresis, self.delayed_shift),
-                                           self._hysteresis))
+        new_hyst = torch.where(
+            overflow & ~exhausted,
+            self._hysteresis - 1,
+            torch.where(refill, torch.full_like(self._hysteresis, self.delayed_shift), self._hysteresis),
+        )
         self._scale.copy_(torch.where(stuck, self._scale, new_scale))
         self._hysteresis.copy_(new_hyst)
         self._last_overflow.copy_(torch.where(overflow, torch.full_like(self._last_overflow, it), self._last_overflow))
@@ -179,9 +212,13 @@ class LossScaler:
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, float | int]:
         """JSON-able state (reading syncs once)."""
-        return {"cur_scale": float(self._scale), "cur_iter": self.cur_iter,
-                "last_overflow_iter": int(self._last_overflow), "cur_hysteresis": int(self._hysteresis),
-                "dynamic": self.dynamic}
+        return {
+            "cur_scale": float(self._scale),
+            "cur_iter": self.cur_iter,
+            "last_overflow_iter": int(self._last_overflow),
+            "cur_hysteresis": int(self._hysteresis),
+            "dynamic": self.dynamic,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Take a saved state back. A static scaler keeps its configured scale (as DeepSpeed's config wins)."""
@@ -199,8 +236,9 @@ class LossScaler:
 
 
 @torch.no_grad()
-def unscale_and_clip(norm: torch.Tensor, max_grad_norm: float | None, scaler: LossScaler | None
-                     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+def unscale_and_clip(
+    norm: torch.Tensor, max_grad_norm: float | None, scaler: LossScaler | None
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     """From the global norm of the (scaled) grads: ``(norm, gscale, gscale64, found_inf)``, all on the norm's device.
 
     norm: the true grad norm (the scaled one times 1/S), float64. gscale: the float32 coefficient the fused step

@@ -25,6 +25,7 @@ in the unit: an element draws the counter of its place in the unit from the stre
 the whole unit would (``lowbit.adamw_lowbit_step``'s ``sr_offsets``). So, like nearest rounding, it gives the same
 codes at any dp degree, stage, offload or order of the unit steps, and a resumed run repeats it bitwise.
 """
+
 from __future__ import annotations
 
 import math
@@ -85,7 +86,7 @@ def unit_view(layout: Any, part: torch.Tensor, key: str, unit: int, bits: int) -
     u = layout.units[unit]
     n = u.shard_numel(layout.shards)
     start, size = state_numel(key, u.shard_offset, bits), state_numel(key, n, bits)
-    return part[start:start + size]
+    return part[start : start + size]
 
 
 def unit_views(b: Any, key: str, units: list[int] | range | None = None) -> list[torch.Tensor]:
@@ -106,9 +107,17 @@ def sr_offset(b: Any, unit: int, rank: int) -> int:
     return rank * b.layout.units[unit].shard_numel(b.layout.shards)
 
 
-def step_units(b: Any, params: list[torch.Tensor], grads: list[torch.Tensor], units: list[int], *,
-               masters: list[torch.Tensor] | None, steps: list[torch.Tensor], sr: tuple[int, int] | None = None,
-               **hyper: Any) -> None:
+def step_units(
+    b: Any,
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    units: list[int],
+    *,
+    masters: list[torch.Tensor] | None,
+    steps: list[torch.Tensor],
+    sr: tuple[int, int] | None = None,
+    **hyper: Any,
+) -> None:
     """The low-bit AdamW step over units ``units`` of buffer ``b`` (params / grads / masters: those units' shards).
     ``sr``: None rounds the codes to nearest; ``(seed, rank)`` stochastically (:func:`sr_salt`, :func:`sr_offset`)."""
     bits = bits_of(b.mode)
@@ -117,18 +126,45 @@ def step_units(b: Any, params: list[torch.Tensor], grads: list[torch.Tensor], un
     seed, salts, offsets = None, None, None
     if sr is not None:
         seed, salts, offsets = int(sr[0]), [sr_salt(b, u) for u in units], [sr_offset(b, u, sr[1]) for u in units]
-    lowbit.adamw_lowbit_step(params, grads, m_codes, m_scale, v_codes, v_scale, steps, masters, bits=bits,
-                             seed=seed, salts=salts, sr_offsets=offsets, **hyper)
+    lowbit.adamw_lowbit_step(
+        params,
+        grads,
+        m_codes,
+        m_scale,
+        v_codes,
+        v_scale,
+        steps,
+        masters,
+        bits=bits,
+        seed=seed,
+        salts=salts,
+        sr_offsets=offsets,
+        **hyper,
+    )
 
 
-def step_each(b: Any, shards: list[torch.Tensor], grads: list[torch.Tensor], units: list[int],
-              masters: list[torch.Tensor] | None, *, each: bool, **kw: Any) -> Iterator[int]:
+def step_each(
+    b: Any,
+    shards: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    units: list[int],
+    masters: list[torch.Tensor] | None,
+    *,
+    each: bool,
+    **kw: Any,
+) -> Iterator[int]:
     """:func:`step_units` over ``units`` of buffer ``b``: one call per unit when ``each``, else one call; yields each
     unit once its shard holds the new values."""
     for sel in [[u] for u in units] if each else [units]:
-        step_units(b, [shards[u] for u in sel], [grads[u] for u in sel], sel,
-                   masters=None if masters is None else [masters[u] for u in sel], steps=[b.steps[u] for u in sel],
-                   **kw)
+        step_units(
+            b,
+            [shards[u] for u in sel],
+            [grads[u] for u in sel],
+            sel,
+            masters=None if masters is None else [masters[u] for u in sel],
+            steps=[b.steps[u] for u in sel],
+            **kw,
+        )
         yield from sel
 
 
@@ -140,9 +176,17 @@ def host_step(b: Any, shards: list[torch.Tensor], grads: list[torch.Tensor], **h
     host = masters[0].device
     gscale, found_inf = hyper.pop("gscale"), hyper.pop("found_inf")
     grads = [g if g.dtype == torch.float32 else g.float() for g in grads]
-    step_units(b, masters, grads, units, masters=None, steps=b.steps,
-               gscale=None if gscale is None else gscale.to(host),
-               found_inf=None if found_inf is None else found_inf.to(host), **hyper)
+    step_units(
+        b,
+        masters,
+        grads,
+        units,
+        masters=None,
+        steps=b.steps,
+        gscale=None if gscale is None else gscale.to(host),
+        found_inf=None if found_inf is None else found_inf.to(host),
+        **hyper,
+    )
     for dst, src in zip(shards, masters):  # (a skipped step: the masters as they were)
         dst.copy_(src, non_blocking=dst.device.type != "cpu")
 
@@ -170,9 +214,16 @@ def dequantized(b: Any, key: str) -> torch.Tensor:
     bits = bits_of(b.mode)
     codes_key, scale_key, signed = SEAM_KEYS[key]
     lay = b.layout
-    parts = [lowbit.dequantize(unit_view(lay, b.state[codes_key], codes_key, u, bits),
-                               unit_view(lay, b.state[scale_key], scale_key, u, bits), bits, signed,
-                               lay.units[u].shard_numel(lay.shards)) for u in range(len(lay.units))]
+    parts = [
+        lowbit.dequantize(
+            unit_view(lay, b.state[codes_key], codes_key, u, bits),
+            unit_view(lay, b.state[scale_key], scale_key, u, bits),
+            bits,
+            signed,
+            lay.units[u].shard_numel(lay.shards),
+        )
+        for u in range(len(lay.units))
+    ]
     return torch.cat(parts) if parts else torch.zeros(0)
 
 

@@ -21,6 +21,7 @@ Host memory is pinned when ``pin_memory`` is set and CUDA is there. On a CPU-onl
 memory, so "offload" only moves those tensors to a separate pool: :class:`Placement` records which pool each kind
 is in, and ``ZeroOptimizer.memory_bytes()`` reports bytes per pool.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -43,10 +44,18 @@ class Placement:
         self.device = torch.device(device)
         self.host = torch.device("cpu")
         opt = "host" if offload_optimizer.enabled else "device"
-        self.where = {"params": "host" if offload_param.enabled else "device", "grads": opt, "master": opt,
-                      "optimizer_state": opt}
-        self.pin = {"params": offload_param.pin_memory, "grads": offload_optimizer.pin_memory,
-                    "master": offload_optimizer.pin_memory, "optimizer_state": offload_optimizer.pin_memory}
+        self.where = {
+            "params": "host" if offload_param.enabled else "device",
+            "grads": opt,
+            "master": opt,
+            "optimizer_state": opt,
+        }
+        self.pin = {
+            "params": offload_param.pin_memory,
+            "grads": offload_optimizer.pin_memory,
+            "master": offload_optimizer.pin_memory,
+            "optimizer_state": offload_optimizer.pin_memory,
+        }
         self.offload_optimizer = offload_optimizer.enabled
         self.offload_param = offload_param.enabled
 
@@ -92,8 +101,9 @@ class Copier:
             event.synchronize()
         self._events.clear()
 
-    def gather_from_host(self, full: torch.Tensor, src: torch.Tensor, group: Group,
-                         counter: CommCounter | None) -> Handle:
+    def gather_from_host(
+        self, full: torch.Tensor, src: torch.Tensor, group: Group, counter: CommCounter | None
+    ) -> Handle:
         """Copy the host shard ``src`` in and all-gather it into ``full`` (both on the side stream on CUDA)."""
         self.copies_in += 1
         staged = torch.empty(src.numel(), dtype=full.dtype, device=full.device)
@@ -112,17 +122,34 @@ def master_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def host_step_buffer(b: Any, shards: list[torch.Tensor], grads: list[torch.Tensor], *, lr: float, beta1: float,
-                     beta2: float, eps: float, weight_decay: float, gscale: torch.Tensor | None,
-                     found_inf: torch.Tensor) -> None:
+def host_step_buffer(
+    b: Any,
+    shards: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    gscale: torch.Tensor | None,
+    found_inf: torch.Tensor,
+) -> None:
     """AdamW on flat buffer ``b``'s host masters, then this rank's param shards (device or host, any float dtype)
     take the new values (a skipped step leaves the masters as they were, so copying them back changes nothing)."""
     units = range(len(b.layout.units))
     masters = [b.layout.shard_of_partition(b.state["master"], u) for u in units]
     host = masters[0].device if masters else torch.device("cpu")
     state = [[b.layout.shard_of_partition(b.state[name], u) for u in units] for name in ("exp_avg", "exp_avg_sq")]
-    hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-                 gscale=None if gscale is None else gscale.to(host), found_inf=found_inf.to(host))
+    hyper = dict(
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        eps=eps,
+        weight_decay=weight_decay,
+        gscale=None if gscale is None else gscale.to(host),
+        found_inf=found_inf.to(host),
+    )
     if masters and masters[0].dtype == grads[0].dtype == torch.float32:
         outs, staged = _copy_outs(shards)
         if cpu_adamw_step(masters, grads, *state, b.steps, outs=outs, **hyper):

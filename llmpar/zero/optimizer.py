@@ -28,6 +28,7 @@ when asked) -> the updated shards all-gathered unit by unit straight into the pa
 step per unit, each unit's gather launched as soon as its shard is stepped; at most ``allgather_bucket_size``
 elements in flight). Per step: stage 0 an all-reduce (2 psi), stages 1/2 reduce-scatter + all-gather (psi + psi).
 """
+
 from __future__ import annotations
 
 import logging
@@ -60,18 +61,33 @@ from llmpar.zero.units import UnitPlan, UnitPolicy, split_persistent
 
 logger = logging.getLogger("llmpar")
 
+
 class ZeroOptimizer(StepStatsView, ZeroCheckpointing, OptimizerStateDict):
     """AdamW with ZeRO stage 0/1/2 over ``dp_group`` (module docstring). ``param_groups[i]["lr"]`` may be changed by a
     scheduler between steps. The stage is ``zero_config.stage``, or ``stage=`` (default 2) without a zero_config
     (:meth:`ZeroConfig.resolve`). ``state_dict()`` / ``load_state_dict()`` / ``destroy()``: ``state_dict.py``."""
 
-    def __init__(self, params: Iterable[Any], optimizer_config: OptimizerConfig | dict | None, dp_group: Group, *,
-                 stage: int | None = None, zero_config: ZeroConfig | None = None, tp_group: Group | None = None,
-                 max_grad_norm: float | None = None, grad_accum_dtype: torch.dtype | None = None,
-                 counter: CommCounter | None = None, align: int = 16, seed: int | None = None,
-                 module: nn.Module | None = None, unit_policy: UnitPolicy | None = None,
-                 pp_group: Group | None = None, norm_skip: Iterable[torch.Tensor] = (),
-                 loss_scaler: LossScaler | None = None, ranks_per_node: int | None = None) -> None:
+    def __init__(
+        self,
+        params: Iterable[Any],
+        optimizer_config: OptimizerConfig | dict | None,
+        dp_group: Group,
+        *,
+        stage: int | None = None,
+        zero_config: ZeroConfig | None = None,
+        tp_group: Group | None = None,
+        max_grad_norm: float | None = None,
+        grad_accum_dtype: torch.dtype | None = None,
+        counter: CommCounter | None = None,
+        align: int = 16,
+        seed: int | None = None,
+        module: nn.Module | None = None,
+        unit_policy: UnitPolicy | None = None,
+        pp_group: Group | None = None,
+        norm_skip: Iterable[torch.Tensor] = (),
+        loss_scaler: LossScaler | None = None,
+        ranks_per_node: int | None = None,
+    ) -> None:
         cfg = optimizer_config if optimizer_config is not None else OptimizerConfig()
         if isinstance(cfg, dict):
             cfg = OptimizerConfig(**cfg)
@@ -80,8 +96,10 @@ class ZeroOptimizer(StepStatsView, ZeroCheckpointing, OptimizerStateDict):
         zcfg = ZeroConfig.resolve(stage, zero_config, default_stage=2)  # the one source of the stage
         stage = zcfg.stage
         if stage == 3 and not isinstance(module, nn.Module):
-            raise TypeError("ZeRO stage 3 needs module= (the model whose forward gathers the sharded params), got "
-                            f"{type(module).__name__}")
+            raise TypeError(
+                "ZeRO stage 3 needs module= (the model whose forward gathers the sharded params), got "
+                f"{type(module).__name__}"
+            )
         self._deferred: set[int] = set()  # stage 3 params built on the meta device (llmpar.zero.Init)
         self.init_peak_numel = 0
         self.deferred_gather: DeferredGather | None = None  # overlap_param_gather (set once the buffers exist)
@@ -91,8 +109,10 @@ class ZeroOptimizer(StepStatsView, ZeroCheckpointing, OptimizerStateDict):
             params = remap_params(params, mapping)
         groups = param_groups(params, cfg)  # checked before any group is touched
         if dp_group is None:
-            raise TypeError("dp_group is required: pass the data-parallel ProcessGroup or DeviceMesh (e.g. "
-                            "env.mesh['dp']); llmpar never falls back to a global group")
+            raise TypeError(
+                "dp_group is required: pass the data-parallel ProcessGroup or DeviceMesh (e.g. "
+                "env.mesh['dp']); llmpar never falls back to a global group"
+            )
         if max_grad_norm is not None and not (0 < max_grad_norm < float("inf")):
             raise ValueError(f"max_grad_norm={max_grad_norm} must be a positive finite number or None")
         self.config, self.zero_config, self.stage = cfg, zcfg, stage
@@ -120,32 +140,60 @@ class ZeroOptimizer(StepStatsView, ZeroCheckpointing, OptimizerStateDict):
         # would otherwise train different models (stage 0) or step mixed shards
         broadcast_coalesced([p for g in groups for p in g["params"] if id(p) not in self._deferred], 0, self.dp_group)
         self.buffers = self._build_buffers(cfg, grad_accum_dtype, align)
-        self.frozen_buffers = frozen_buffers(module, self.buffers, lambda named: self._layout(named, self.dp, align),
-                                             self.placement, self.rank, self._deferred) if stage == 3 else []
+        self.frozen_buffers = (
+            frozen_buffers(
+                module,
+                self.buffers,
+                lambda named: self._layout(named, self.dp, align),
+                self.placement,
+                self.rank,
+                self._deferred,
+            )
+            if stage == 3
+            else []
+        )
         self._check_same_model()
         if self._deferred:
             materialize_sharded(self)
         quantizer, weights = compression(zcfg, self.dp_group, self.dp, counter, ranks_per_node)
-        self.reducer = GradReducer(self.buffers, stage=min(stage, 2), dp_group=self.dp_group, dp=self.dp,
-                                   rank=self.rank, overlap=zcfg.overlap_comm, reduce_dtype_of=lambda b: b.layout.dtype,
-                                   counter=counter, copier=self.copier if self.placement.offload_optimizer else None,
-                                   inflight_budget=4 * zcfg.reduce_bucket_size, quantizer=quantizer,
-                                   keep_scratch=stage < 3)
+        self.reducer = GradReducer(
+            self.buffers,
+            stage=min(stage, 2),
+            dp_group=self.dp_group,
+            dp=self.dp,
+            rank=self.rank,
+            overlap=zcfg.overlap_comm,
+            reduce_dtype_of=lambda b: b.layout.dtype,
+            counter=counter,
+            copier=self.copier if self.placement.offload_optimizer else None,
+            inflight_budget=4 * zcfg.reduce_bucket_size,
+            quantizer=quantizer,
+            keep_scratch=stage < 3,
+        )
         if zcfg.overlap_param_gather and stage in (1, 2) and self.dp > 1:
             if module is None:
-                raise ValueError("zero_config.overlap_param_gather needs module= (the model whose forward waits for "
-                                 "the param all-gather)")
+                raise ValueError(
+                    "zero_config.overlap_param_gather needs module= (the model whose forward waits for "
+                    "the param all-gather)"
+                )
             self.deferred_gather = DeferredGather(self, module)
         self.stage3: Stage3Runtime | None = None
         if stage == 3:
             assert self.plan is not None
-            self.stage3 = Stage3Runtime(self.plan, self.buffers + self.frozen_buffers, dp_group=self.dp_group,
-                                        device=device, prefetch_numel=zcfg.stage3_prefetch_bucket_size,
-                                        max_live_numel=zcfg.stage3_max_live_parameters,
-                                        reuse_numel=zcfg.stage3_max_reuse_distance,
-                                        persist_numel=zcfg.stage3_param_persistence_threshold, counter=counter,
-                                        copier=self.copier, host_shards=self.placement.offload_param,
-                                        weights=weights)
+            self.stage3 = Stage3Runtime(
+                self.plan,
+                self.buffers + self.frozen_buffers,
+                dp_group=self.dp_group,
+                device=device,
+                prefetch_numel=zcfg.stage3_prefetch_bucket_size,
+                max_live_numel=zcfg.stage3_max_live_parameters,
+                reuse_numel=zcfg.stage3_max_reuse_distance,
+                persist_numel=zcfg.stage3_param_persistence_threshold,
+                counter=counter,
+                copier=self.copier,
+                host_shards=self.placement.offload_param,
+                weights=weights,
+            )
             self.reducer.on_unit_reduced = self.stage3.unit_reduced
             self.reducer.on_backward_end = self.stage3.end_backward
 
@@ -154,10 +202,17 @@ class ZeroOptimizer(StepStatsView, ZeroCheckpointing, OptimizerStateDict):
         params = [p for _, p in named]
         groups = None
         if self.plan is not None:  # stage 3: one unit per module, small params in one persistent unit
-            groups = split_persistent(self.plan.groups(params), params,
-                                      self.zero_config.stage3_param_persistence_threshold)
-        return FlatLayout(params, [n for n, _ in named], shards=shards, unit_numel=self.zero_config.reduce_bucket_size,
-                          align=align, groups=groups)
+            groups = split_persistent(
+                self.plan.groups(params), params, self.zero_config.stage3_param_persistence_threshold
+            )
+        return FlatLayout(
+            params,
+            [n for n, _ in named],
+            shards=shards,
+            unit_numel=self.zero_config.reduce_bucket_size,
+            align=align,
+            groups=groups,
+        )
 
     def _build_buffers(self, cfg: OptimizerConfig, grad_accum_dtype: torch.dtype | None, align: int) -> list:
         shards = 1 if self.stage == 0 else self.dp
@@ -220,18 +275,39 @@ class ZeroOptimizer(StepStatsView, ZeroCheckpointing, OptimizerStateDict):
                 lowbit_state.zero_fill_(state, bits)
             step_device = pool.host if pool.offload_optimizer else device
             steps = [torch.zeros((), dtype=torch.float32, device=step_device) for _ in layout.units]
-            buffers.append(FlatBuffer(key=key, group_index=gi, tp_split=tp_split, layout=layout, params=params,
-                                      mode=mode, flat=flat, grad=grad, state=state, steps=steps, shard=shard,
-                                      host_grad=host_grad))
+            buffers.append(
+                FlatBuffer(
+                    key=key,
+                    group_index=gi,
+                    tp_split=tp_split,
+                    layout=layout,
+                    params=params,
+                    mode=mode,
+                    flat=flat,
+                    grad=grad,
+                    state=state,
+                    steps=steps,
+                    shard=shard,
+                    host_grad=host_grad,
+                )
+            )
         return buffers
 
     def _check_same_model(self) -> None:
         """Every dp rank must hold the same trainable params (shapes, dtypes, groups): a mismatch is an error on every
         rank after one small all-gather, instead of a hang inside a reduce-scatter later."""
-        desc = repr([(b.key[0], str(b.key[1]), b.tp_split, [tuple(p.shape) for p in b.params], self.stage)
-                     for b in self.buffers + self.frozen_buffers])
-        check_same_on_ranks(desc, self.dp_group, what="the data-parallel ranks hold different models or ZeRO stages",
-                            hint="same params, dtypes and stage on every dp rank")
+        desc = repr(
+            [
+                (b.key[0], str(b.key[1]), b.tp_split, [tuple(p.shape) for p in b.params], self.stage)
+                for b in self.buffers + self.frozen_buffers
+            ]
+        )
+        check_same_on_ranks(
+            desc,
+            self.dp_group,
+            what="the data-parallel ranks hold different models or ZeRO stages",
+            hint="same params, dtypes and stage on every dp rank",
+        )
 
     # ------------------------------------------------------------------ views
     def _rank(self) -> int:
@@ -265,16 +341,22 @@ class ZeroOptimizer(StepStatsView, ZeroCheckpointing, OptimizerStateDict):
             else:
                 grads = self._grads(b)
             (split if b.tp_split else repl).extend(grads)
-        return global_grad_norm(repl, split=split, tp_group=self.tp_group, pp_group=self.pp_group,
-                                dp_group=self.dp_group if self.stage > 0 else None,
-                                device=self.buffers[0].flat.device, counter=self.counter)
+        return global_grad_norm(
+            repl,
+            split=split,
+            tp_group=self.tp_group,
+            pp_group=self.pp_group,
+            dp_group=self.dp_group if self.stage > 0 else None,
+            device=self.buffers[0].flat.device,
+            counter=self.counter,
+        )
 
     def _grad_pieces(self, b: FlatBuffer) -> list[tuple[int, torch.Tensor, int, int]]:
         """(param index, view into this rank's grads, start, stop in the param's flat view) for buffer ``b``."""
         out = []
         for u, g in enumerate(self._grads(b)):
             for i, a, z, at in b.layout.param_slices(u, self._rank()):
-                out.append((i, g[at:at + z - a], a, z))
+                out.append((i, g[at : at + z - a], a, z))
         return out
 
     def reduce_gradients(self) -> None:
@@ -309,15 +391,15 @@ class ZeroOptimizer(StepStatsView, ZeroCheckpointing, OptimizerStateDict):
         r.reduce_now()
         self.copier.sync()  # the host step reads the copied-out grads
         # the norm of the grads / loss scale; the clip coefficient with 1/scale folded in; found-inf skips the step
-        norm, gscale, gscale64, found_inf = unscale_and_clip(self._global_norm(), self.max_grad_norm,
-                                                             self.loss_scaler)
+        norm, gscale, gscale64, found_inf = unscale_and_clip(self._global_norm(), self.max_grad_norm, self.loss_scaler)
         # stages 1/2: each unit's all-gather starts as soon as its shard is stepped, while the next units step
         # (``param_gather.py``); a skipped step left the shards as they were: gathering them is harmless
         gather = step_gather(self)
         for bi, b in enumerate(self.buffers):
             g = self.param_groups[b.group_index]
-            hyper = dict(lr=g["lr"], beta1=g["betas"][0], beta2=g["betas"][1], eps=g["eps"],
-                         weight_decay=g["weight_decay"])
+            hyper = dict(
+                lr=g["lr"], beta1=g["betas"][0], beta2=g["betas"][1], eps=g["eps"], weight_decay=g["weight_decay"]
+            )
             grads, scale = self._grads(b), gscale
             if gscale64 is not None and b.grad.dtype == torch.float64:  # the fused step takes a float32 coefficient:
                 torch._foreach_mul_(grads, gscale64.to(b.grad.device))  # float64 grads get theirs exactly
@@ -328,8 +410,10 @@ class ZeroOptimizer(StepStatsView, ZeroCheckpointing, OptimizerStateDict):
         if gather is not None:
             gather.finish()
         if r.quantizer is not None and r.quantizer.reset_if_skipped(found_inf):  # a skip: no stale / NaN error
-            logger.warning("ZeroOptimizer: step skipped for non-finite gradients: the error-feedback residuals of "
-                           "the quantized gradients were reset")
+            logger.warning(
+                "ZeroOptimizer: step skipped for non-finite gradients: the error-feedback residuals of "
+                "the quantized gradients were reset"
+            )
         self.stats.record(norm, found_inf)
         if self.loss_scaler is not None:
             self.loss_scaler.update(found_inf)
@@ -354,8 +438,14 @@ class ZeroOptimizer(StepStatsView, ZeroCheckpointing, OptimizerStateDict):
             yield from lowbit_state.step_each(b, self._shards(b), grads, units, masters, each=each, **kw)
             return
         extra = MODES[b.mode].extra
-        state = [self._shards(b), grads, self._units(b, "exp_avg"), self._units(b, "exp_avg_sq"), b.steps,
-                 None if extra is None else self._units(b, extra[0])]
+        state = [
+            self._shards(b),
+            grads,
+            self._units(b, "exp_avg"),
+            self._units(b, "exp_avg_sq"),
+            b.steps,
+            None if extra is None else self._units(b, extra[0]),
+        ]
         for sel in [[u] for u in units] if each else [units]:
             p, g, m, v, st, ex = (None if xs is None else [xs[u] for u in sel] for xs in state)
             adamw_step(p, g, m, v, st, precision=b.mode, extras=ex, seed=self.seed, salts=sel, **kw)
@@ -395,6 +485,11 @@ class ZeroOptimizer(StepStatsView, ZeroCheckpointing, OptimizerStateDict):
 
     def describe(self) -> dict:
         """Global layout of every flat buffer (for checkpoints)."""
-        return {"stage": self.stage, "dp": self.dp,
-                "buffers": [{"group": b.group_index, "tp_split": b.tp_split, "mode": b.mode, **b.layout.describe()}
-                            for b in self.buffers]}
+        return {
+            "stage": self.stage,
+            "dp": self.dp,
+            "buffers": [
+                {"group": b.group_index, "tp_split": b.tp_split, "mode": b.mode, **b.layout.describe()}
+                for b in self.buffers
+            ],
+        }

@@ -13,6 +13,7 @@ first (``ZeroOptimizer.wait_params``: the next step, a checkpoint save, the gath
 and the next forward (an EMA of the weights, say) must call ``optimizer.wait_params()`` first: that is why the option
 is off by default.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -24,8 +25,14 @@ from llmpar.distributed.collectives import Handle, all_gather_flat
 
 def _launch(opt: Any, b: Any, u: int) -> tuple[Handle, int]:
     out = b.layout.unit_view(b.flat, u)
-    h = all_gather_flat(out, b.layout.shard_of_full(b.flat, u, opt.rank), opt.dp_group, async_op=True,
-                        counter=opt.counter, what=f"all-gather of updated params, unit {u} (step)")
+    h = all_gather_flat(
+        out,
+        b.layout.shard_of_full(b.flat, u, opt.rank),
+        opt.dp_group,
+        async_op=True,
+        counter=opt.counter,
+        what=f"all-gather of updated params, unit {u} (step)",
+    )
     return h, out.numel()
 
 
@@ -59,8 +66,12 @@ class DeferredGather:
     def __init__(self, opt: Any, module: nn.Module) -> None:
         self.opt = opt
         self.pending: dict[tuple[int, int], Handle] = {}
-        owner = {id(b.params[i]): (bi, u) for bi, b in enumerate(opt.buffers)
-                 for u, unit in enumerate(b.layout.units) for i in unit.params}
+        owner = {
+            id(b.params[i]): (bi, u)
+            for bi, b in enumerate(opt.buffers)
+            for u, unit in enumerate(b.layout.units)
+            for i in unit.params
+        }
         self.hooks = []
         for m in module.modules():
             keys = sorted({owner[id(p)] for p in m.parameters(recurse=False) if id(p) in owner})
@@ -75,6 +86,7 @@ class DeferredGather:
                     h = self.pending.pop(key, None)
                     if h is not None:
                         h.wait()
+
         return hook
 
     def unit_stepped(self, bi: int, u: int) -> None:

@@ -3,6 +3,7 @@ storage ``s`` at version ``v`` from the last op of ``log[:v]`` that rewrote all 
 producer, or ``normal_`` / ``copy_`` / ``fill_``... over the whole storage: a Linear's ``kaiming_uniform_`` that HF's
 ``normal_`` overwrites is never replayed), then runs the rest in order, random ops with their saved generator state,
 inputs rebuilt at the versions they were read at."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,6 +18,7 @@ __all__ = ["Kept", "Op", "Ref", "Replayer", "Storage", "covers", "geometry", "ne
 @dataclasses.dataclass(frozen=True)
 class Ref:
     """A tensor built in the block, as an op saw it: a view of recorded storage ``key`` after ``version`` ops."""
+
     key: int
     version: int
     dtype: torch.dtype
@@ -29,6 +31,7 @@ class Ref:
 class Kept:
     """A real tensor read by an op recorded after the block (``after_init.py``: a loaded state dict), held by
     reference, not copied, with its version counter at the time: changed in place since, its values are gone."""
+
     tensor: torch.Tensor
     version: int
 
@@ -37,9 +40,11 @@ class Kept:
 
     def get(self) -> torch.Tensor:
         if self.changed():
-            raise ValueError(f"a tensor {tuple(self.tensor.shape)} written into a param of a model built under "
-                             "llmpar.zero.Init (after the block) was changed in place before llmpar.initialize read "
-                             "it: write a tensor you leave alone until initialize (or a .clone())")
+            raise ValueError(
+                f"a tensor {tuple(self.tensor.shape)} written into a param of a model built under "
+                "llmpar.zero.Init (after the block) was changed in place before llmpar.initialize read "
+                "it: write a tensor you leave alone until initialize (or a .clone())"
+            )
         return self.tensor.detach()
 
 
@@ -49,6 +54,7 @@ class Op:
     the output it produced or the view it wrote; ``target``: the index in ``flat`` of the tensor written (None: a
     producer, whose output ``out`` of the flattened outputs is the storage); ``rng``: the generator drawn from and
     its state before the op; ``fresh``: the op rewrites the whole storage without reading it."""
+
     func: Any
     flat: list
     spec: Any
@@ -62,6 +68,7 @@ class Op:
 @dataclasses.dataclass
 class Storage:
     """One recorded storage: its ops in order (``log[0]`` its producer)."""
+
     base: torch.Tensor  # a meta tensor keeping the meta storage (and so its key) alive
     device: torch.device  # where a plain build would have had it
     nbytes: int
@@ -107,13 +114,15 @@ def needed_ops(storages: dict[int, Storage], refs: list[Ref]) -> set[tuple[int, 
         log = storages[k].log
         for i in range(_start(log, v), v):
             runs.add((k, i))
-            todo.extend((x.key, x.version) for j, x in enumerate(log[i].flat)
-                        if isinstance(x, Ref) and j != log[i].target)  # the storage written: being built
+            todo.extend(
+                (x.key, x.version) for j, x in enumerate(log[i].flat) if isinstance(x, Ref) and j != log[i].target
+            )  # the storage written: being built
     return runs
 
 
 class Recording(Protocol):
     """What a :class:`Replayer` reads of ``deferred.Recorder`` (not imported: deferred.py imports this module)."""
+
     storages: dict[int, Storage]
 
 
@@ -121,8 +130,7 @@ class Replayer:
     """Rebuilds recorded tensors for real (module docstring). One per param or batch of buffers: it keeps every
     storage it built (``memo``) until dropped."""
 
-    def __init__(self, recorder: Recording,
-                 base: dict[int, tuple[int, torch.UntypedStorage]] | None = None) -> None:
+    def __init__(self, recorder: Recording, base: dict[int, tuple[int, torch.UntypedStorage]] | None = None) -> None:
         self.storages = recorder.storages
         self.memo: dict[tuple[int, int], torch.UntypedStorage] = {}
         self.base = base or {}  # storage key -> (version, its bytes at that version): replays start there
@@ -138,8 +146,13 @@ class Replayer:
         """The tensor ``ref`` stands for. ``into``: a tensor of the same geometry, dtype and device covering its
         storage, rebuilt in place when the replay starts with an in-place op (no second copy of a param)."""
         s = self.storages[ref.key]
-        fits = into is not None and into.dtype == ref.dtype and into.device == s.device and \
-            covers(into, s.nbytes) and geometry(into, ref.key, ref.version) == ref
+        fits = (
+            into is not None
+            and into.dtype == ref.dtype
+            and into.device == s.device
+            and covers(into, s.nbytes)
+            and geometry(into, ref.key, ref.version) == ref
+        )
         return view_of(self._storage(ref.key, ref.version, into.untyped_storage() if fits else None), ref, s.device)
 
     def _storage(self, key: int, version: int, into: torch.UntypedStorage | None = None) -> torch.UntypedStorage:
@@ -150,10 +163,13 @@ class Replayer:
         start = _start(s.log, version)
         given = self.base.get(key)
         if given is not None and start < given[0] <= version:  # the bytes at version given[0] are known
-            st = into if into is not None else torch.empty(s.nbytes, dtype=torch.uint8,
-                                                           device=s.device).untyped_storage()
+            st = (
+                into
+                if into is not None
+                else torch.empty(s.nbytes, dtype=torch.uint8, device=s.device).untyped_storage()
+            )
             st.copy_(given[1])
-            for op in s.log[given[0]:version]:
+            for op in s.log[given[0] : version]:
                 self._run(op, st, s.device)
             self.memo[(key, version)] = st
             return st
@@ -165,17 +181,28 @@ class Replayer:
                 st = torch.empty(s.nbytes, dtype=torch.uint8, device=s.device).untyped_storage()
                 view_of(st, first.view, s.device).copy_(o)
         else:
-            st = into if into is not None else torch.empty(s.nbytes, dtype=torch.uint8,
-                                                           device=s.device).untyped_storage()
+            st = (
+                into
+                if into is not None
+                else torch.empty(s.nbytes, dtype=torch.uint8, device=s.device).untyped_storage()
+            )
             self._run(first, st, s.device)
-        for op in s.log[start + 1:version]:
+        for op in s.log[start + 1 : version]:
             self._run(op, st, s.device)
         self.memo[(key, version)] = st
         return st
 
     def _run(self, op: Op, st: torch.UntypedStorage | None, device: torch.device) -> Any:
-        flat = [view_of(st, op.view, device) if i == op.target else self.value(x) if isinstance(x, Ref) else
-                x.get() if isinstance(x, Kept) else x for i, x in enumerate(op.flat)]
+        flat = [
+            view_of(st, op.view, device)
+            if i == op.target
+            else self.value(x)
+            if isinstance(x, Ref)
+            else x.get()
+            if isinstance(x, Kept)
+            else x
+            for i, x in enumerate(op.flat)
+        ]
         args, kwargs = tree_unflatten(flat, op.spec)
         with torch.no_grad():
             if op.rng is None:

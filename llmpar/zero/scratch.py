@@ -17,6 +17,7 @@ held between steps.
 Only CPU tensors are pooled: on CUDA the caching allocator already reuses memory, with the stream semantics a pool
 of its own would have to repeat; there ``take`` is ``torch.empty`` and ``give`` does nothing.
 """
+
 from __future__ import annotations
 
 import torch

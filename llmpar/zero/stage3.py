@@ -37,6 +37,7 @@ offload_param: a unit's host shard is copied in by the gather that the prefetch 
 stream on CUDA), so the next unit's host->device copy overlaps the current unit's compute. ``log`` (a list, None by
 default) records ("h2d" | "gather" | "wait" | "free", key) in issue order, for tests.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -59,20 +60,27 @@ Key = tuple[int, int]  # (flat buffer index, unit index in its layout)
 
 
 @torch.no_grad()
-def shard_params(layout: FlatLayout, params: list[torch.Tensor], pool: Placement, rank: int,
-                 skip: set[int]) -> torch.Tensor:
+def shard_params(
+    layout: FlatLayout, params: list[torch.Tensor], pool: Placement, rank: int, skip: set[int]
+) -> torch.Tensor:
     """This rank's ``[partition]`` of ``params`` in the params pool (params whose id is in ``skip``: left zero)."""
     shard = pool.zeros("params", layout.partition, layout.dtype)
     for u in range(len(layout.units)):
         mine = layout.shard_of_partition(shard, u)
         for i, a, z, at in layout.param_slices(u, rank):
             if id(params[i]) not in skip:
-                mine[at:at + z - a].copy_(params[i].detach().reshape(-1)[a:z])
+                mine[at : at + z - a].copy_(params[i].detach().reshape(-1)[a:z])
     return shard
 
 
-def frozen_buffers(module: nn.Module, trained: list[FlatBuffer], layout_of: Callable[[list], FlatLayout],
-                   pool: Placement, rank: int, deferred: set[int]) -> list[FlatBuffer]:
+def frozen_buffers(
+    module: nn.Module,
+    trained: list[FlatBuffer],
+    layout_of: Callable[[list], FlatLayout],
+    pool: Placement,
+    rank: int,
+    deferred: set[int],
+) -> list[FlatBuffer]:
     """The module's frozen floating-point params, sharded like the trained ones in buffers of their own (one per
     dtype / device / tensor-parallel kind): gathered for forward and backward, never reduced or stepped."""
     done = {id(p) for b in trained for p in b.params}
@@ -80,14 +88,26 @@ def frozen_buffers(module: nn.Module, trained: list[FlatBuffer], layout_of: Call
     for name, p in module.named_parameters():
         if id(p) not in done and not p.requires_grad and p.is_floating_point():
             keyed.setdefault((p.dtype, p.device, bool(getattr(p, "tensor_model_parallel", False))), []).append(
-                (name, p))
+                (name, p)
+            )
     out = []
     for (dtype, device, tp_split), named in keyed.items():
         layout, params = layout_of(named), [p for _, p in named]
         empty = torch.empty(0, dtype=dtype, device=device)
-        out.append(FlatBuffer(key=("frozen", dtype, device, tp_split), group_index=-1, tp_split=tp_split,
-                              layout=layout, params=params, mode="frozen", flat=empty, grad=empty, frozen=True,
-                              shard=shard_params(layout, params, pool, rank, deferred)))
+        out.append(
+            FlatBuffer(
+                key=("frozen", dtype, device, tp_split),
+                group_index=-1,
+                tp_split=tp_split,
+                layout=layout,
+                params=params,
+                mode="frozen",
+                flat=empty,
+                grad=empty,
+                frozen=True,
+                shard=shard_params(layout, params, pool, rank, deferred),
+            )
+        )
     return out
 
 
@@ -112,10 +132,22 @@ class _OnBackward(torch.autograd.Function):
 class Stage3Runtime:
     """Gathers, frees and prefetches the units of ``buffers`` (whose ``shard`` holds this rank's partition)."""
 
-    def __init__(self, plan: UnitPlan, buffers: list[FlatBuffer], *, dp_group: Group, device: torch.device,
-                 prefetch_numel: int, max_live_numel: int, persist_numel: int,
-                 counter: CommCounter | None, reuse_numel: int = 0, copier: Copier | None = None,
-                 host_shards: bool = False, weights: WeightGather | None = None) -> None:
+    def __init__(
+        self,
+        plan: UnitPlan,
+        buffers: list[FlatBuffer],
+        *,
+        dp_group: Group,
+        device: torch.device,
+        prefetch_numel: int,
+        max_live_numel: int,
+        persist_numel: int,
+        counter: CommCounter | None,
+        reuse_numel: int = 0,
+        copier: Copier | None = None,
+        host_shards: bool = False,
+        weights: WeightGather | None = None,
+    ) -> None:
         self.plan, self.buffers, self.group, self.device = plan, buffers, dp_group, device
         self.weights = weights  # zero_quantized_weights / zero_hpz_partition_size (``compressed.py``)
         self.host_shards = host_shards  # offload_param: the shards live in the host pool
@@ -148,8 +180,9 @@ class Stage3Runtime:
                 else:
                     full.untyped_storage().resize_(0)
                     self.views.released(key)
-        self.frozen_keys = {(bi, u) for bi, b in enumerate(buffers) if b.frozen
-                            for u in range(len(b.layout.units))} - self.persistent
+        self.frozen_keys = {
+            (bi, u) for bi, b in enumerate(buffers) if b.frozen for u in range(len(b.layout.units))
+        } - self.persistent
         self.needs: list[list[Key]] = []  # per unit module: the non-persistent units its forward gathers
         for params in plan.needs:
             keys = []
@@ -205,8 +238,9 @@ class Stage3Runtime:
             self.pending[key] = self.copier.gather_from_host(full, src, self.group, self.counter)
         elif self.weights is not None and key not in self.persistent and not exact:
             kept = self._forward_keeps and key in self.keep_for_bwd  # gathered until backward: no secondary shard
-            self.pending[key] = self.weights.gather(key, full, src, phase=phase or "",
-                                                    grad=torch.is_grad_enabled() and not kept)
+            self.pending[key] = self.weights.gather(
+                key, full, src, phase=phase or "", grad=torch.is_grad_enabled() and not kept
+            )
         else:
             self.pending[key] = self._gather_exact(key)
         self._note("gather", key)
@@ -218,9 +252,14 @@ class Stage3Runtime:
     def _gather_exact(self, key: Key) -> Handle:
         """The plain all-gather of this rank's shard of unit ``key`` into its gathered tensor."""
         b = self.buffers[key[0]]
-        handle = all_gather_flat(self.full[key], b.layout.shard_of_partition(b.shard, key[1]), self.group,
-                                 async_op=True, counter=self.counter,
-                                 what=f"all-gather of stage-3 params, buffer {key[0]} unit {key[1]}")
+        handle = all_gather_flat(
+            self.full[key],
+            b.layout.shard_of_partition(b.shard, key[1]),
+            self.group,
+            async_op=True,
+            counter=self.counter,
+            what=f"all-gather of stage-3 params, buffer {key[0]} unit {key[1]}",
+        )
         assert handle is not None
         return handle
 
@@ -267,8 +306,11 @@ class Stage3Runtime:
         """The units holding ``params`` (all units when None), in buffer order."""
         if params is None:
             return sorted(self.full)
-        where = {id(b.params[i]): (bi, b.layout.slot(i).unit) for bi, b in enumerate(self.buffers)
-                 for i in range(len(b.params))}
+        where = {
+            id(b.params[i]): (bi, b.layout.slot(i).unit)
+            for bi, b in enumerate(self.buffers)
+            for i in range(len(b.params))
+        }
         return sorted({where[id(p)] for p in params if id(p) in where})
 
     def hold(self, keys: list[Key]) -> None:
@@ -287,7 +329,7 @@ class Stage3Runtime:
                 b, u = self.buffers[key[0]], key[1]
                 mine = b.layout.shard_of_partition(b.shard, u)
                 n = mine.numel()
-                mine.copy_(self.full[key][r * n:(r + 1) * n])
+                mine.copy_(self.full[key][r * n : (r + 1) * n])
                 if self.weights is not None:
                     self.weights.clear([key])
             self.users[key] -= 1
@@ -307,8 +349,8 @@ class Stage3Runtime:
                     pass  # off the recorded path: no prefetch hint, still correct
             self._gather(key, phase)
         if not self.recording[phase] and self.prefetch_numel > 0:  # the window: the next units, live or not,
-            budget = self.prefetch_numel                            # within stage3_prefetch_bucket_size elements
-            for key in trace[self.pos[phase] + 1:]:
+            budget = self.prefetch_numel  # within stage3_prefetch_bucket_size elements
+            for key in trace[self.pos[phase] + 1 :]:
                 n = self._numel(key)
                 if n > budget:
                     break
@@ -369,9 +411,14 @@ class Stage3Runtime:
             self.weights.clear()
         if self.trace["bwd"] and self.recording["bwd"]:
             self.recording["bwd"] = False
-            self.keep_for_bwd = kept_units(self.trace["fwd"], self.trace["bwd"], self._numel,
-                                           prefetch=min(self.prefetch_numel, self.max_live_numel),
-                                           max_live=self.max_live_numel, reuse=self.reuse_numel)
+            self.keep_for_bwd = kept_units(
+                self.trace["fwd"],
+                self.trace["bwd"],
+                self._numel,
+                prefetch=min(self.prefetch_numel, self.max_live_numel),
+                max_live=self.max_live_numel,
+                reuse=self.reuse_numel,
+            )
         self.pos["bwd"] = -1
 
 

@@ -20,6 +20,7 @@ put on the params and modules, drops the gradients and optimizer states, and mar
 0-2 leave the model a plain module holding the trained weights; stage 3 leaves each rank only its shards, so the
 model's forward raises a ``RuntimeError`` saying so.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
@@ -37,9 +38,11 @@ _HYPER_SKIP = ("params", "names")
 
 
 def _refuse_stage3_forward(module: nn.Module, args: Any) -> None:
-    raise RuntimeError("this model's params were partitioned by a ZeRO stage-3 engine that was destroyed "
-                       "(engine.destroy()): each rank holds only its shards. Take the full weights before destroy "
-                       "(engine.module_state_dict(), engine.save_16bit_model(), llmpar.zero.GatheredParameters)")
+    raise RuntimeError(
+        "this model's params were partitioned by a ZeRO stage-3 engine that was destroyed "
+        "(engine.destroy()): each rank holds only its shards. Take the full weights before destroy "
+        "(engine.module_state_dict(), engine.save_16bit_model(), llmpar.zero.GatheredParameters)"
+    )
 
 
 class OptimizerStateDict:
@@ -60,6 +63,7 @@ class OptimizerStateDict:
     destroyed: bool = False
 
     if TYPE_CHECKING:
+
         def describe(self) -> dict: ...
 
         def wait_params(self) -> None: ...
@@ -71,8 +75,10 @@ class OptimizerStateDict:
 
     def _check_alive(self, what: str) -> None:
         if self.destroyed:
-            raise RuntimeError(f"optimizer.{what}() after destroy(): the optimizer released its state and hooks "
-                               "(engine.destroy()); build a new engine with llmpar.initialize")
+            raise RuntimeError(
+                f"optimizer.{what}() after destroy(): the optimizer released its state and hooks "
+                "(engine.destroy()); build a new engine with llmpar.initialize"
+            )
 
     def _partition(self, b: FlatBuffer) -> list[torch.Tensor]:
         """Views of this rank's partition of ``b``'s params, one per unit (stage 0: the whole buffer)."""
@@ -87,38 +93,61 @@ class OptimizerStateDict:
         self.wait_params()
         if self.stage3 is not None:
             self.stage3.wait_all()
-        buffers = [{"params": torch.cat([v.detach() for v in self._partition(b)]).clone(),
-                    "state": {k: t.detach().clone() for k, t in b.state.items()},
-                    "steps": torch.stack([s.detach().float().cpu() for s in b.steps])} for b in self.buffers]
-        return {"format": FORMAT, "zero_stage": self.stage, "partition_count": self.dp if self.stage > 0 else 1,
-                "dp_rank": self._ckpt_rank(), "layout": self.describe()["buffers"],
-                "param_groups": [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()
-                                  if k not in _HYPER_SKIP} for g in self.param_groups],
-                "buffers": buffers,
-                "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
-                "skipped_steps": self.skipped_steps, "last_grad_norm": self.last_grad_norm}
+        buffers = [
+            {
+                "params": torch.cat([v.detach() for v in self._partition(b)]).clone(),
+                "state": {k: t.detach().clone() for k, t in b.state.items()},
+                "steps": torch.stack([s.detach().float().cpu() for s in b.steps]),
+            }
+            for b in self.buffers
+        ]
+        return {
+            "format": FORMAT,
+            "zero_stage": self.stage,
+            "partition_count": self.dp if self.stage > 0 else 1,
+            "dp_rank": self._ckpt_rank(),
+            "layout": self.describe()["buffers"],
+            "param_groups": [
+                {k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k not in _HYPER_SKIP}
+                for g in self.param_groups
+            ],
+            "buffers": buffers,
+            "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
+            "skipped_steps": self.skipped_steps,
+            "last_grad_norm": self.last_grad_norm,
+        }
 
     def _mismatch(self, sd: Any) -> str | None:
         """Why ``sd`` cannot be loaded on this rank (None: it can)."""
         if not isinstance(sd, dict) or sd.get("format") != FORMAT:
             got = type(sd).__name__ if not isinstance(sd, dict) else f"a dict with keys {sorted(sd)[:8]}"
-            return (f"load_state_dict takes a state dict of llmpar's ZeroOptimizer.state_dict() (format {FORMAT!r}), "
-                    f"got {got}")
+            return (
+                f"load_state_dict takes a state dict of llmpar's ZeroOptimizer.state_dict() (format {FORMAT!r}), "
+                f"got {got}"
+            )
         parts, mine = sd["partition_count"], self.dp if self.stage > 0 else 1
         if (sd["zero_stage"], parts, sd["dp_rank"]) != (self.stage, mine, self._ckpt_rank()):
-            return (f"the state dict is dp rank {sd['dp_rank']}'s shard of a ZeRO stage-{sd['zero_stage']} optimizer "
-                    f"over {parts} partitions; this is dp rank {self._ckpt_rank()} of stage {self.stage} over {mine}: "
-                    "load each rank's own state dict at the same stage and dp degree (engine.save_checkpoint / "
-                    "load_checkpoint reshard between layouts)")
+            return (
+                f"the state dict is dp rank {sd['dp_rank']}'s shard of a ZeRO stage-{sd['zero_stage']} optimizer "
+                f"over {parts} partitions; this is dp rank {self._ckpt_rank()} of stage {self.stage} over {mine}: "
+                "load each rank's own state dict at the same stage and dp degree (engine.save_checkpoint / "
+                "load_checkpoint reshard between layouts)"
+            )
         if sd["layout"] != self.describe()["buffers"] or len(sd["param_groups"]) != len(self.param_groups):
-            return ("the state dict was taken from an optimizer with other params or param groups (its flat layout "
-                    "differs): load it into the same model and param groups")
+            return (
+                "the state dict was taken from an optimizer with other params or param groups (its flat layout "
+                "differs): load it into the same model and param groups"
+            )
         for i, (b, saved) in enumerate(zip(self.buffers, sd["buffers"])):
             views = self._partition(b)
-            want = {"params": (sum(v.numel() for v in views), views[0].dtype),
-                    **{k: (t.numel(), t.dtype) for k, t in b.state.items()}}
-            got = {"params": (saved["params"].numel(), saved["params"].dtype),
-                   **{k: (t.numel(), t.dtype) for k, t in saved["state"].items()}}
+            want = {
+                "params": (sum(v.numel() for v in views), views[0].dtype),
+                **{k: (t.numel(), t.dtype) for k, t in b.state.items()},
+            }
+            got = {
+                "params": (saved["params"].numel(), saved["params"].dtype),
+                **{k: (t.numel(), t.dtype) for k, t in saved["state"].items()},
+            }
             if want != got:
                 return f"buffer {i}: the state dict holds {got}, this optimizer {want} (another precision mode?)"
         return None
@@ -143,7 +172,7 @@ class OptimizerStateDict:
         for b, saved in zip(self.buffers, state_dict["buffers"]):
             at = 0
             for view in self._partition(b):
-                view.copy_(saved["params"][at:at + view.numel()])
+                view.copy_(saved["params"][at : at + view.numel()])
                 at += view.numel()
             for k, t in b.state.items():
                 t.copy_(saved["state"][k])

@@ -7,6 +7,7 @@ Both can be assigned (checkpoint loading), which replaces the device values. A s
 on the CPU; on CUDA the counter is copied to the host without blocking and the warning comes at a later step (or
 read) once that copy has landed.
 """
+
 from __future__ import annotations
 
 import logging
@@ -67,8 +68,11 @@ class NormStats:
 
     def _warn(self, n: int) -> None:
         if n > self._reported:
-            logger.warning("ZeroOptimizer: %d step(s) skipped on every rank for a non-finite gradient norm (%d so "
-                           "far)", n - self._reported, n)
+            logger.warning(
+                "ZeroOptimizer: %d step(s) skipped on every rank for a non-finite gradient norm (%d so far)",
+                n - self._reported,
+                n,
+            )
             self._reported = n
 
     @property

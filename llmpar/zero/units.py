@@ -1,6 +1,7 @@
 """Sharding units of ZeRO stage 3 (see ``stage3.py``): which modules are units, which unit owns each param and which
 params each unit module needs, which units stay gathered from forward to backward, and a helper mapping a module's
 tensor outputs."""
+
 from __future__ import annotations
 
 from typing import Any, Callable, Hashable, TypeVar
@@ -51,8 +52,10 @@ class UnitPlan:
         by_unit: dict[int, list[int]] = {}
         for i, p in enumerate(params):
             if id(p) not in self.owner:
-                raise ValueError(f"a param of shape {tuple(p.shape)} passed to ZeRO stage 3 is not in the module "
-                                 "given as module=: stage 3 gathers params through the module's forward hooks")
+                raise ValueError(
+                    f"a param of shape {tuple(p.shape)} passed to ZeRO stage 3 is not in the module "
+                    "given as module=: stage 3 gathers params through the module's forward hooks"
+                )
             by_unit.setdefault(self.owner[id(p)], []).append(i)
         return [by_unit[u] for u in sorted(by_unit)]
 
@@ -70,8 +73,9 @@ def is_persistent(layout: FlatLayout, unit: int, persist_numel: int) -> bool:
     return all(layout.slot(i).numel <= persist_numel for i in layout.units[unit].params)
 
 
-def kept_units(fwd: list[K], bwd: list[K], numel: Callable[[K], int], *, prefetch: int, max_live: int,
-               reuse: int) -> set[K]:
+def kept_units(
+    fwd: list[K], bwd: list[K], numel: Callable[[K], int], *, prefetch: int, max_live: int, reuse: int
+) -> set[K]:
     """The units to keep gathered from forward to backward, from the recorded gather orders ``fwd`` and ``bwd``:
     those backward starts with, within ``prefetch`` elements (as FSDP2 keeps its root), then, in backward order,
     those with fewer than ``reuse`` elements gathered between any two of their uses (DeepSpeed's

@@ -12,6 +12,7 @@ The view is made once per param and re-attached at every gather, so tensors auto
 same storage) still see the values gathered again for backward. Cost: one ``.data`` assignment per param per gather
 and per release (about a microsecond each on CPU).
 """
+
 from __future__ import annotations
 
 from typing import Hashable

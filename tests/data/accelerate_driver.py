@@ -11,6 +11,7 @@
     torchrun --nproc_per_node 2 accelerate_driver.py --stage 2 --config ds.json --tmp DIR
 Writes DIR/rank{R}.pt: {flow: record} (tensors as they are).
 """
+
 import argparse
 import logging
 import os
@@ -53,22 +54,31 @@ def direct(config_path: str, batches: list, stage: int) -> dict:
     with open(config_path) as f:
         cfg = json.load(f)
     world = torch.distributed.get_world_size()
-    cfg.update(train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=2, train_batch_size=4 * 2 * world,
-               gradient_clipping=1.0)
-    cfg["zero_optimization"].update(reduce_bucket_size=24 * 24, stage3_prefetch_bucket_size=int(0.9 * 24 * 24),
-                                    stage3_param_persistence_threshold=240)
+    cfg.update(
+        train_micro_batch_size_per_gpu=4,
+        gradient_accumulation_steps=2,
+        train_batch_size=4 * 2 * world,
+        gradient_clipping=1.0,
+    )
+    cfg["zero_optimization"].update(
+        reduce_bucket_size=24 * 24,
+        stage3_prefetch_bucket_size=int(0.9 * 24 * 24),
+        stage3_param_persistence_threshold=240,
+    )
     steps = len(batches) // 2  # optimizer steps (gradient accumulation 2)
     torch.manual_seed(0)
     model = accelerate_script.Net()
     kwargs = {}
     if "optimizer" in cfg:
         cfg["optimizer"]["params"].update(lr=3e-3, weight_decay=0.01)
-        cfg["scheduler"]["params"].update(warmup_min_lr=0, warmup_max_lr=3e-3, warmup_num_steps=3,
-                                          total_num_steps=steps)
+        cfg["scheduler"]["params"].update(
+            warmup_min_lr=0, warmup_max_lr=3e-3, warmup_num_steps=3, total_num_steps=steps
+        )
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-        kwargs = dict(optimizer=opt, lr_scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0,
-                                                                                                      (s + 1) / 3)))
+        kwargs = dict(
+            optimizer=opt, lr_scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
+        )
     engine, _, _, sched = llmpar.initialize(model=model, config=cfg, **kwargs)
     assert engine.zero_optimization_stage() == stage
     rec = {"loss": [], "grad_norm": [], "lr": []}
@@ -100,8 +110,9 @@ def main() -> None:
     out["direct"] = direct(config_path, ran, a.stage)
     warnings = _LogLines()
     logging.getLogger("llmpar").addHandler(warnings)
-    out["llmpar_same"] = accelerate_script.main(["--backend", "llmpar", "--ckpt", f"{a.tmp}/ckpt_same",
-                                                 "--same-batches", "--checkpointing-steps", "3", *base])
+    out["llmpar_same"] = accelerate_script.main(
+        ["--backend", "llmpar", "--ckpt", f"{a.tmp}/ckpt_same", "--same-batches", "--checkpointing-steps", "3", *base]
+    )
     logging.getLogger("llmpar").removeHandler(warnings)
     out["llmpar_same"]["log"] = warnings.lines
     reset_accelerate()
@@ -110,9 +121,19 @@ def main() -> None:
         import deepspeed.ops
 
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # else JIT-compiled with a C++ toolchain
-        out["deepspeed"] = accelerate_script.main(["--backend", "accelerate", "--ckpt", f"{a.tmp}/ckpt_ds",
-                                                   "--same-batches", "--train-only", "--checkpointing-steps", "3",
-                                                   *base])
+        out["deepspeed"] = accelerate_script.main(
+            [
+                "--backend",
+                "accelerate",
+                "--ckpt",
+                f"{a.tmp}/ckpt_ds",
+                "--same-batches",
+                "--train-only",
+                "--checkpointing-steps",
+                "3",
+                *base,
+            ]
+        )
     for rec in out.values():
         for k in SKIP:
             rec.pop(k, None)

@@ -9,6 +9,7 @@ Under llmpar the one change is the import line (--backend llmpar).
 ``main`` returns the run's record (per micro-step losses of this rank, the grad norms and lrs of the optimizer steps,
 the batches read, the last epoch run again after load_state, the gathered eval, the weights).
 """
+
 import argparse
 from types import SimpleNamespace
 
@@ -46,12 +47,21 @@ def main(argv=None) -> dict:
     ap.add_argument("--cpu", action="store_true")
     ap.add_argument("--same-batches", action="store_true", help="every rank reads the unsharded loader's batches")
     ap.add_argument("--epochs", type=int, default=3)
-    ap.add_argument("--train-only", action="store_true", help="skip the gathered eval and save_model (stock "
-                    "accelerate on CPU ranks counts one process: its all-gather gets an output list of 1 for 2 "
-                    "ranks, and every rank is the main process)")
-    ap.add_argument("--checkpointing-steps", type=int, default=0, help="save_state every N optimizer steps, as "
-                    "accelerate's examples do (their test also holds on the micro-steps after step N: saves there "
-                    "fall in the middle of a gradient accumulation)")
+    ap.add_argument(
+        "--train-only",
+        action="store_true",
+        help="skip the gathered eval and save_model (stock "
+        "accelerate on CPU ranks counts one process: its all-gather gets an output list of 1 for 2 "
+        "ranks, and every rank is the main process)",
+    )
+    ap.add_argument(
+        "--checkpointing-steps",
+        type=int,
+        default=0,
+        help="save_state every N optimizer steps, as "
+        "accelerate's examples do (their test also holds on the micro-steps after step N: saves there "
+        "fall in the middle of a gradient accumulation)",
+    )
     a = ap.parse_args(argv)
     if a.backend == "llmpar":
         from llmpar.integrations.accelerate import Accelerator, DeepSpeedPlugin, DummyOptim, DummyScheduler

@@ -7,6 +7,7 @@ training_data=)``, the engine's ``training_dataloader``, ``engine(inputs)`` / ``
 
 Rank 0 writes the dp-mean loss of every optimizer step to OUT.json.
 """
+
 import argparse
 import json
 import time
@@ -69,8 +70,9 @@ def main():
     net = Net()
     parameters = filter(lambda p: p.requires_grad, net.parameters())
     trainset = RandomImages(4096)
-    engine, _, trainloader, _ = deepspeed.initialize(args=args, model=net, model_parameters=parameters,
-                                                     training_data=trainset)
+    engine, _, trainloader, _ = deepspeed.initialize(
+        args=args, model=net, model_parameters=parameters, training_data=trainset
+    )
     t_init = time.perf_counter() - T0
     criterion = nn.CrossEntropyLoss()
     gas = engine.gradient_accumulation_steps()
@@ -93,8 +95,9 @@ def main():
     if torch.distributed.get_rank() == 0:
         with open(args.out, "w") as f:
             step_s = (time.perf_counter() - t_first) / max(1, args.steps - 1)
-            json.dump({"loss": losses, "stage": engine.zero_optimization_stage(), "init_s": t_init,
-                       "step_s": step_s}, f)
+            json.dump(
+                {"loss": losses, "stage": engine.zero_optimization_stage(), "init_s": t_init, "step_s": step_s}, f
+            )
 
 
 if __name__ == "__main__":

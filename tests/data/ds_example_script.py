@@ -12,6 +12,7 @@ deepspeed``, ``from deepspeed.X import`` -> ``from llmpar.X import``), with noth
 Rank 0 writes OUT.json: per optimizer step its own loss (the sum of ``engine.backward``'s returned loss / gas) and
 the lr after the step, what the accelerator answered, and the checks the script made.
 """
+
 import argparse
 import json
 import os
@@ -48,10 +49,12 @@ def main():
 
     model = nn.Sequential(nn.Linear(19, 32), nn.GELU(), nn.Linear(32, 7))
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-2, weight_decay=0.01)
-    scheduler = WarmupDecayLR(optimizer, total_num_steps=args.steps, warmup_max_lr=2e-2, warmup_num_steps=2,
-                              warmup_type="linear")
-    engine, optimizer, _, scheduler = deepspeed.initialize(args=args, model=model, optimizer=optimizer,
-                                                           lr_scheduler=scheduler)
+    scheduler = WarmupDecayLR(
+        optimizer, total_num_steps=args.steps, warmup_max_lr=2e-2, warmup_num_steps=2, warmup_type="linear"
+    )
+    engine, optimizer, _, scheduler = deepspeed.initialize(
+        args=args, model=model, optimizer=optimizer, lr_scheduler=scheduler
+    )
     see_memory_usage("after initialize", force=True)
     criterion = nn.CrossEntropyLoss()
     teacher = torch.randn(19, 7, generator=torch.Generator().manual_seed(7))  # the labels to learn, every rank's
@@ -77,10 +80,21 @@ def main():
     log_dist(f"peak memory {accel.max_memory_allocated()} bytes", ranks=[0])
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
-            json.dump({"loss": losses, "lr": lrs, "device": str(device), "device_name": accel.device_name(),
-                       "backend": accel.communication_backend_name(), "samples": engine.global_samples,
-                       "train_batch_size": engine.train_batch_size(), "peak": accel.max_memory_allocated(),
-                       "state_keys": sorted(state), "seeded": seeded}, f)
+            json.dump(
+                {
+                    "loss": losses,
+                    "lr": lrs,
+                    "device": str(device),
+                    "device_name": accel.device_name(),
+                    "backend": accel.communication_backend_name(),
+                    "samples": engine.global_samples,
+                    "train_batch_size": engine.train_batch_size(),
+                    "peak": accel.max_memory_allocated(),
+                    "state_keys": sorted(state),
+                    "seeded": seeded,
+                },
+                f,
+            )
     engine.destroy()
     engine.destroy()
 

@@ -11,6 +11,7 @@ Run it with DeepSpeed, or with llmpar by changing one line (``import deepspeed``
 
 Rank 0 writes what it saw to OUT.json (losses, lrs, grad norms, step flags, each rank's first batch, ...).
 """
+
 import argparse
 import gc
 import json
@@ -90,11 +91,13 @@ def main():
     model = Net()
     decay = [p for n, p in model.named_parameters() if n.endswith("weight") and "norm" not in n]
     rest = [p for n, p in model.named_parameters() if not (n.endswith("weight") and "norm" not in n)]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
-                                  lr=3e-2, betas=(0.9, 0.95))
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], lr=3e-2, betas=(0.9, 0.95)
+    )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 4))
-    engine, _, loader, lr_scheduler = deepspeed.initialize(args=args, model=model, optimizer=optimizer,
-                                                          lr_scheduler=scheduler, training_data=Data())
+    engine, _, loader, lr_scheduler = deepspeed.initialize(
+        args=args, model=model, optimizer=optimizer, lr_scheduler=scheduler, training_data=Data()
+    )
     deepspeed.utils.log_dist(f"engine ready on {engine.world_size} ranks", ranks=[0])
     first = next(iter(loader))
     firsts = [None] * engine.world_size
@@ -108,17 +111,33 @@ def main():
     resumed = {"boundary": [], "applied": [], "loss": [], "lr": [], "grad_norm": [], "global_steps": []}
     train(engine, range(client["step"], STEPS), rank, micro, gas, resumed)
     if rank == 0:
-        out = {**seen, "resumed_loss": resumed["loss"], "resumed_lr": resumed["lr"], "first_batches": firsts,
-               "loader_len": len(loader), "local_rank": args.local_rank, "world_size": engine.world_size,
-               "dp_world_size": engine.dp_world_size, "global_rank": engine.global_rank,
-               "device": str(engine.device), "bf16": engine.bfloat16_enabled(), "fp16": engine.fp16_enabled(),
-               "clip": engine.gradient_clipping(), "steps_per_print": engine.steps_per_print(),
-               "batch": [engine.train_batch_size(), engine.train_micro_batch_size_per_gpu(),
-                         engine.gradient_accumulation_steps()],
-               "stage": engine.zero_optimization_stage(),
-               "partition_gradients": engine.zero_optimization_partition_gradients(),
-               "data_types": [str(t) for t in engine.get_data_types()], "monitor": engine.monitor.enabled,
-               "scheduler_is_client": lr_scheduler is scheduler, "last_lr": scheduler.get_last_lr()}
+        out = {
+            **seen,
+            "resumed_loss": resumed["loss"],
+            "resumed_lr": resumed["lr"],
+            "first_batches": firsts,
+            "loader_len": len(loader),
+            "local_rank": args.local_rank,
+            "world_size": engine.world_size,
+            "dp_world_size": engine.dp_world_size,
+            "global_rank": engine.global_rank,
+            "device": str(engine.device),
+            "bf16": engine.bfloat16_enabled(),
+            "fp16": engine.fp16_enabled(),
+            "clip": engine.gradient_clipping(),
+            "steps_per_print": engine.steps_per_print(),
+            "batch": [
+                engine.train_batch_size(),
+                engine.train_micro_batch_size_per_gpu(),
+                engine.gradient_accumulation_steps(),
+            ],
+            "stage": engine.zero_optimization_stage(),
+            "partition_gradients": engine.zero_optimization_partition_gradients(),
+            "data_types": [str(t) for t in engine.get_data_types()],
+            "monitor": engine.monitor.enabled,
+            "scheduler_is_client": lr_scheduler is scheduler,
+            "last_lr": scheduler.get_last_lr(),
+        }
         with open(args.out, "w") as f:
             json.dump(out, f)
 

@@ -5,6 +5,7 @@
 A tiny model from its config (random weights, vocab 67), random token data, a DeepSpeed config with "auto" values.
 Writes {"loss": [per-step loss], "grad_norm": [...], "lr": [...]} (rank 0) to --out; the test compares the backends.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,8 +21,16 @@ import transformers
 def model_config(kind: str, tie: bool):
     import transformers
 
-    common = dict(vocab_size=67, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tie)
+    common = dict(
+        vocab_size=67,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=tie,
+    )
     if kind == "llama":
         return transformers.LlamaConfig(**common)
     if kind == "qwen2":
@@ -68,20 +77,38 @@ PROMPT = Tokens(n=2, seq=5, seed=7).x
 
 
 def ds_config(stage: int, offload: bool, tp: int, hf_schedule: bool) -> dict:
-    cfg = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-           "train_batch_size": "auto", "gradient_clipping": "auto", "steps_per_print": 10 ** 6,
-           "zero_optimization": {"stage": stage, "reduce_bucket_size": "auto", "overlap_comm": False},
-           "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
-                                                     "weight_decay": "auto", "torch_adam": True}},
-           "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "train_batch_size": "auto",
+        "gradient_clipping": "auto",
+        "steps_per_print": 10**6,
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": "auto", "overlap_comm": False},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto", "torch_adam": True},
+        },
+        "bf16": {"enabled": "auto"},
+        "fp16": {"enabled": "auto"},
+    }
     if not hf_schedule:
-        cfg["scheduler"] = {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
-                                                                "warmup_num_steps": "auto",
-                                                                "total_num_steps": "auto"}}
+        cfg["scheduler"] = {
+            "type": "WarmupDecayLR",
+            "params": {
+                "warmup_min_lr": "auto",
+                "warmup_max_lr": "auto",
+                "warmup_num_steps": "auto",
+                "total_num_steps": "auto",
+            },
+        }
     if stage == 3:
-        cfg["zero_optimization"].update({"stage3_prefetch_bucket_size": "auto",
-                                         "stage3_param_persistence_threshold": "auto",
-                                         "gather_16bit_weights_on_model_save": True})  # DeepSpeed's name
+        cfg["zero_optimization"].update(
+            {
+                "stage3_prefetch_bucket_size": "auto",
+                "stage3_param_persistence_threshold": "auto",
+                "gather_16bit_weights_on_model_save": True,
+            }
+        )  # DeepSpeed's name
     if offload:
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
         del cfg["optimizer"]["params"]["torch_adam"]
@@ -101,15 +128,29 @@ def main() -> None:
     ap.add_argument("--hf-schedule", action="store_true", help="no scheduler block: the Trainer's linear schedule")
     ap.add_argument("--bf16", action="store_true")
     ap.add_argument("--zero-init", action="store_true", help="llmpar: build the model inside llmpar.zero.Init()")
-    ap.add_argument("--auto-build", action="store_true", help="build by AutoModelForCausalLM.from_config after the "
-                    "TrainingArguments (sharded by the ZeRO-3 config, as transformers does for DeepSpeed)")
-    ap.add_argument("--eval", action="store_true", help="an eval set: evaluated every 10 steps, then evaluate(), "
-                    "predict() and generate() after training")
+    ap.add_argument(
+        "--auto-build",
+        action="store_true",
+        help="build by AutoModelForCausalLM.from_config after the "
+        "TrainingArguments (sharded by the ZeRO-3 config, as transformers does for DeepSpeed)",
+    )
+    ap.add_argument(
+        "--eval",
+        action="store_true",
+        help="an eval set: evaluated every 10 steps, then evaluate(), predict() and generate() after training",
+    )
     ap.add_argument("--eval-first", action="store_true", help="evaluate() before train()")
-    ap.add_argument("--resize", action="store_true", help="add a pad token after the arguments: "
-                    "model.resize_token_embeddings(68), as SFT scripts do (under ZeRO-3: on the sharded build)")
-    ap.add_argument("--stock-args", action="store_true", help="llmpar: the script's arguments subclass "
-                    "transformers.TrainingArguments (only the Trainer import changed)")
+    ap.add_argument(
+        "--resize",
+        action="store_true",
+        help="add a pad token after the arguments: "
+        "model.resize_token_embeddings(68), as SFT scripts do (under ZeRO-3: on the sharded build)",
+    )
+    ap.add_argument(
+        "--stock-args",
+        action="store_true",
+        help="llmpar: the script's arguments subclass transformers.TrainingArguments (only the Trainer import changed)",
+    )
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--save-steps", type=int, default=0)
     ap.add_argument("--resume", default=None)
@@ -135,20 +176,40 @@ def main() -> None:
     elif not a.auto_build:
         model = build_model(a.model, tie=not a.untied)
     evaluating = a.eval or a.eval_first
-    args = TrainingArguments(output_dir=a.output_dir, per_device_train_batch_size=4, gradient_accumulation_steps=2,
-                             max_steps=a.steps, learning_rate=2e-3, warmup_steps=3, weight_decay=0.01,
-                             max_grad_norm=1.0, logging_steps=1, report_to=[], use_cpu=True, seed=42,
-                             save_strategy="steps" if a.save_steps else "no", save_steps=a.save_steps or 500,
-                             deepspeed=ds_config(a.stage, a.offload, a.tp, a.hf_schedule), disable_tqdm=True,
-                             bf16=a.bf16, per_device_eval_batch_size=4,
-                             eval_strategy="steps" if a.eval else "no", eval_steps=10)
+    args = TrainingArguments(
+        output_dir=a.output_dir,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        max_steps=a.steps,
+        learning_rate=2e-3,
+        warmup_steps=3,
+        weight_decay=0.01,
+        max_grad_norm=1.0,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        seed=42,
+        save_strategy="steps" if a.save_steps else "no",
+        save_steps=a.save_steps or 500,
+        deepspeed=ds_config(a.stage, a.offload, a.tp, a.hf_schedule),
+        disable_tqdm=True,
+        bf16=a.bf16,
+        per_device_eval_batch_size=4,
+        eval_strategy="steps" if a.eval else "no",
+        eval_steps=10,
+    )
     if a.auto_build:  # after the arguments: transformers / llmpar build it sharded under a ZeRO-3 config
         import transformers
 
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(model_config(a.model, tie=not a.untied))
-    record = {"sharded_build": all(p.is_meta for p in model.parameters()), "training": False, "eval_steps": [],
-              "args_class": type(args).__name__, "args_deepspeed": args.deepspeed is not None}
+    record = {
+        "sharded_build": all(p.is_meta for p in model.parameters()),
+        "training": False,
+        "eval_steps": [],
+        "args_class": type(args).__name__,
+        "args_deepspeed": args.deepspeed is not None,
+    }
     if a.resize:
         add_pad_token(model)
 
@@ -159,12 +220,18 @@ def main() -> None:
             if logs and "eval_loss" in logs and record["training"]:  # evaluation during training
                 record["eval_steps"].append([state.global_step, float(logs["eval_loss"])])
             if logs and "loss" in logs:
-                self.rows.append({"step": state.global_step, "loss": float(logs["loss"]),
-                                  "grad_norm": float(logs.get("grad_norm") or 0.0),
-                                  "lr": float(logs.get("learning_rate") or 0.0)})
+                self.rows.append(
+                    {
+                        "step": state.global_step,
+                        "loss": float(logs["loss"]),
+                        "grad_norm": float(logs.get("grad_norm") or 0.0),
+                        "lr": float(logs.get("learning_rate") or 0.0),
+                    }
+                )
 
-    trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[Record()],
-                      eval_dataset=EVAL if evaluating else None)
+    trainer = Trainer(
+        model=model, args=args, train_dataset=Tokens(), callbacks=[Record()], eval_dataset=EVAL if evaluating else None
+    )
     if a.eval_first:
         record["eval_first"] = trainer.evaluate()["eval_loss"]
     record["training"] = True
@@ -176,15 +243,24 @@ def main() -> None:
         record["predict_loss"] = pred.metrics["test_loss"]
         record["predict_logits"] = torch.as_tensor(pred.predictions[:2]).tolist()
         with torch.no_grad():
-            record["generated"] = trainer.model.generate(PROMPT, max_new_tokens=4, do_sample=False,
-                                                         pad_token_id=0).tolist()
+            record["generated"] = trainer.model.generate(
+                PROMPT, max_new_tokens=4, do_sample=False, pad_token_id=0
+            ).tolist()
     final = os.path.join(a.output_dir, "final")
     if int(os.environ.get("RANK", "0")) == 0:
         rows = Record.rows
         with open(a.out, "w") as f:
-            json.dump({"step": [r["step"] for r in rows], "loss": [r["loss"] for r in rows],
-                       "grad_norm": [r["grad_norm"] for r in rows], "lr": [r["lr"] for r in rows],
-                       "final": final, **record}, f)
+            json.dump(
+                {
+                    "step": [r["step"] for r in rows],
+                    "loss": [r["loss"] for r in rows],
+                    "grad_norm": [r["grad_norm"] for r in rows],
+                    "lr": [r["lr"] for r in rows],
+                    "final": final,
+                    **record,
+                },
+                f,
+            )
     if os.environ.get("HF_SCRIPT_SAVE", "1") == "1":
         trainer.save_model(final)
     if torch.distributed.is_initialized():

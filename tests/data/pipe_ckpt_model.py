@@ -2,6 +2,7 @@
 (``layers(deepspeed.pipe)`` / ``layers(llmpar.pipe)``): a weight tied between the first and the last stage (called
 as a module on stage 0, through a ``forward_fn`` on stage 1: DeepSpeed writes no layer file for that call), a
 persistent buffer, a frozen param, callables and in-place activations, odd widths."""
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -75,8 +76,9 @@ class Flat(nn.Module):
                 if spec.key not in self.tied_modules:
                     self.tied_modules[spec.key] = spec.build()
                 module = self.tied_modules[spec.key]
-                self.calls.append(module if spec.forward_fn is None else
-                                  (lambda x, m=module, fn=spec.forward_fn: fn(m, x)))
+                self.calls.append(
+                    module if spec.forward_fn is None else (lambda x, m=module, fn=spec.forward_fn: fn(m, x))
+                )
                 continue
             layer = spec.build() if isinstance(spec, pipe.LayerSpec) else spec
             if isinstance(layer, nn.Module):

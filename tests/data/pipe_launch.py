@@ -8,6 +8,7 @@ deepspeed.X as Y`` becomes ``import llmpar.X as Y``; the script runs as ``__main
 as it is, on DeepSpeed's CPU accelerator, with its shared-memory comm op switched off (it would be JIT-compiled with a
 C++ toolchain).
 """
+
 import os
 import re
 import sys

@@ -8,6 +8,7 @@ Run it with DeepSpeed, or with llmpar by changing one line (``import deepspeed``
 
 Rank 0 writes {"train": [loss per step], "eval": loss, "parts": [...]} to OUT.json.
 """
+
 import json
 import sys
 
@@ -58,20 +59,24 @@ def main():
         lambda t: t * 0.5,
         deepspeed.pipe.LayerSpec(nn.Linear, D_IN, CLASSES),
     ]
-    net = deepspeed.pipe.PipelineModule(layers=layers, loss_fn=nn.CrossEntropyLoss(), num_stages=2,
-                                        partition_method=partition)
+    net = deepspeed.pipe.PipelineModule(
+        layers=layers, loss_fn=nn.CrossEntropyLoss(), num_stages=2, partition_method=partition
+    )
     # ZeRO-1: DeepSpeed's pipeline clips by the whole model's gradient norm there (without ZeRO its fp32 path counts
     # stage 0's gradients alone); the norm is above 1 in the first steps, so the clipping acts
     config = {
-        "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS, "steps_per_print": 1000,
-        "gradient_clipping": 1.0, "zero_optimization": {"stage": 1},
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": GAS,
+        "steps_per_print": 1000,
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": 1},
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01, "torch_adam": True}},
     }
-    engine, _, _, _ = deepspeed.initialize(model=net, model_parameters=[p for p in net.parameters()
-                                                                        if p.requires_grad],
-                                           config=config, training_data=data)
+    engine, _, _, _ = deepspeed.initialize(
+        model=net, model_parameters=[p for p in net.parameters() if p.requires_grad], config=config, training_data=data
+    )
     losses = [float(engine.train_batch()) for _ in range(steps)]
-    eval_data = iter([(x[i:i + MICRO], y[i:i + MICRO]) for i in range(0, MICRO * GAS, MICRO)])
+    eval_data = iter([(x[i : i + MICRO], y[i : i + MICRO]) for i in range(0, MICRO * GAS, MICRO)])
     eval_loss = float(engine.eval_batch(eval_data))
     if torch.distributed.get_rank() == 0:
         with open(out, "w") as f:

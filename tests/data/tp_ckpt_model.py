@@ -3,6 +3,7 @@ replicated input layer, a column-parallel ``up`` (weight and bias split on dim 0
 split on dim 1, bias replicated, added after the all-reduce), a replicated head; and :class:`MPU`, the model-parallel
 unit DeepSpeed takes (``deepspeed.initialize(..., mpu=MPU(tp))``) so that it saves one ``mp_rank_TT`` file set per
 tensor-parallel rank. :class:`Full` is the same function unsplit, under the same names."""
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -94,9 +95,9 @@ class TP(nn.Module):
         with torch.no_grad():
             for m in ("inp", "out"):
                 getattr(self, m).load_state_dict(getattr(full, m).state_dict())
-            self.up.weight.copy_(full.up.weight[t * c:(t + 1) * c])
-            self.up.bias.copy_(full.up.bias[t * c:(t + 1) * c])
-            self.down.weight.copy_(full.down.weight[:, t * c:(t + 1) * c])
+            self.up.weight.copy_(full.up.weight[t * c : (t + 1) * c])
+            self.up.bias.copy_(full.up.bias[t * c : (t + 1) * c])
+            self.down.weight.copy_(full.down.weight[:, t * c : (t + 1) * c])
             self.down_bias.copy_(full.down_bias)
 
     def forward(self, x):

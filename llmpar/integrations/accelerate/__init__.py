@@ -41,6 +41,7 @@ is an error, ``get_state_dict`` gathers ZeRO-3 weights whatever ``stage3_gather_
 ``zero3_init_flag`` is off (build a model too big for one rank under ``llmpar.zero.Init``), one model per
 Accelerator, no ``"tensor_parallel"`` / ``"pipeline"`` block, no fp8, no torch.compile (``dynamo_backend`` warns).
 """
+
 from __future__ import annotations
 
 from accelerate.utils import DeepSpeedPlugin

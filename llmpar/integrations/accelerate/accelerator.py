@@ -1,5 +1,6 @@
 """``llmpar.integrations.accelerate.Accelerator``: accelerate's Accelerator with its DeepSpeed route kept and
 ``llmpar.initialize`` building the engine underneath (the package docstring says what a script sees)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -91,11 +92,13 @@ class Accelerator(accelerate.Accelerator):
             super().__init__(**arguments)
             return
         precision = arguments.pop("mixed_precision", None)
-        precision = str(precision if precision is not None else
-                        os.environ.get("ACCELERATE_MIXED_PRECISION", "no")).lower()
+        precision = str(
+            precision if precision is not None else os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+        ).lower()
         if precision not in _PRECISIONS:
-            raise ValueError(f"mixed_precision={precision!r}: llmpar's engine runs {', '.join(_PRECISIONS)} (fp8 is "
-                             "not supported)")
+            raise ValueError(
+                f"mixed_precision={precision!r}: llmpar's engine runs {', '.join(_PRECISIONS)} (fp8 is not supported)"
+            )
         cpu = bool(arguments.pop("cpu", False)) or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true")
         cpu = cpu or not torch.cuda.is_available()
         # accelerate must not start DeepSpeed: its state is built as for plain data parallelism (the process group,
@@ -103,7 +106,7 @@ class Accelerator(accelerate.Accelerator):
         with _env(ACCELERATE_USE_DEEPSPEED="false", ACCELERATE_MIXED_PRECISION="no"):
             super().__init__(mixed_precision="no", cpu=cpu, **arguments)
         if precision == "fp16" and "fp16" not in plugin.deepspeed_config:  # accelerate would add auto_cast, which
-            plugin.deepspeed_config["fp16"] = {"enabled": True}       # llmpar does not run: inputs are not cast
+            plugin.deepspeed_config["fp16"] = {"enabled": True}  # llmpar does not run: inputs are not cast
         plugin.set_mixed_precision(precision)
         plugin.zero3_init_flag = False  # llmpar.zero.Init builds sharded models, not deepspeed.zero.Init
         if self.state.distributed_type == DistributedType.NO:
@@ -120,33 +123,51 @@ class Accelerator(accelerate.Accelerator):
         result = [self._prepare_one(obj, first_pass=True) if isinstance(obj, DataLoader) else obj for obj in args]
         model = next((o for o in result if isinstance(o, torch.nn.Module)), None)
         optimizer = next((o for o in result if isinstance(o, (torch.optim.Optimizer, DummyOptim))), None)
-        scheduler = next((o for o in result if isinstance(o, (torch.optim.lr_scheduler.LRScheduler, DummyScheduler))
-                          or fill.is_ds_schedule(o)), None)
+        scheduler = next(
+            (
+                o
+                for o in result
+                if isinstance(o, (torch.optim.lr_scheduler.LRScheduler, DummyScheduler)) or fill.is_ds_schedule(o)
+            ),
+            None,
+        )
         batch = fill.micro_batch(plugin, args, self.num_processes if self.split_batches else 1)
-        plugin.fill_match("gradient_accumulation_steps", must_match=False,
-                          gradient_accumulation_steps=self.gradient_accumulation_steps)
+        plugin.fill_match(
+            "gradient_accumulation_steps",
+            must_match=False,
+            gradient_accumulation_steps=self.gradient_accumulation_steps,
+        )
         gas = plugin.get_value("gradient_accumulation_steps")
         if gas != self.gradient_accumulation_steps:
-            logger.warning("gradient_accumulation_steps: the Accelerator has %s, the DeepSpeed config %s; using the "
-                           "config's", self.gradient_accumulation_steps, gas)
+            logger.warning(
+                "gradient_accumulation_steps: the Accelerator has %s, the DeepSpeed config %s; using the config's",
+                self.gradient_accumulation_steps,
+                gas,
+            )
             self.gradient_accumulation_steps = gas
         if model is None:
             return tuple(result)
         if self.deepspeed_engine_wrapped is not None:
-            raise ValueError("this Accelerator already prepared a model: llmpar's engine takes one model per "
-                             "Accelerator (as DeepSpeed's route); prepare the dataloaders alone, or make another run")
+            raise ValueError(
+                "this Accelerator already prepared a model: llmpar's engine takes one model per "
+                "Accelerator (as DeepSpeed's route); prepare the dataloaders alone, or make another run"
+            )
         fill.check_objects(plugin.deepspeed_config, optimizer, scheduler)
-        values: dict[str, Any] = {"gradient_clipping": 1.0,
-                                  "zero_optimization.stage3_gather_16bit_weights_on_model_save": False}
+        values: dict[str, Any] = {
+            "gradient_clipping": 1.0,
+            "zero_optimization.stage3_gather_16bit_weights_on_model_save": False,
+        }
         if batch is not None:
             values["train_micro_batch_size_per_gpu"] = batch
             values["train_batch_size"] = batch * gas * self.num_processes
         values.update(fill.hidden_size_autos(plugin, model))
         if isinstance(optimizer, DummyOptim):
-            values.update({"optimizer.params.lr": optimizer.lr,
-                           "optimizer.params.weight_decay": optimizer.weight_decay})
-            values.update({f"optimizer.params.{k}": optimizer.kwargs[k] for k in ("betas", "eps")
-                           if k in optimizer.kwargs})
+            values.update(
+                {"optimizer.params.lr": optimizer.lr, "optimizer.params.weight_decay": optimizer.weight_decay}
+            )
+            values.update(
+                {f"optimizer.params.{k}": optimizer.kwargs[k] for k in ("betas", "eps") if k in optimizer.kwargs}
+            )
         if isinstance(scheduler, DummyScheduler) and scheduler.lr_scheduler_callable is None:
             values.update(fill.schedule_autos(scheduler, 1 if self.split_batches else self.num_processes))
         plugin.deepspeed_config_process(must_match=False, **values)
@@ -167,11 +188,15 @@ class Accelerator(accelerate.Accelerator):
             if fill.is_ds_schedule(scheduler):
                 kwargs["lr_scheduler"] = scheduler
             elif scheduler is not None and getattr(scheduler, "optimizer", None) is not optimizer:
-                raise ValueError(f"the scheduler {type(scheduler).__name__} passed to prepare() was built on another "
-                                 "optimizer than the one passed with it: build it on that optimizer")
+                raise ValueError(
+                    f"the scheduler {type(scheduler).__name__} passed to prepare() was built on another "
+                    "optimizer than the one passed with it: build it on that optimizer"
+                )
         if self.state.dynamo_plugin.backend != DynamoBackend.NO:
-            logger.warning("dynamo_backend=%s: llmpar's engine under accelerate is not compiled (the model runs "
-                           "eagerly)", self.state.dynamo_plugin.backend)
+            logger.warning(
+                "dynamo_backend=%s: llmpar's engine under accelerate is not compiled (the model runs eagerly)",
+                self.state.dynamo_plugin.backend,
+            )
         if self.device.type != "cpu" and not any(p.is_meta for p in model.parameters()):
             model.to(self.device)  # llmpar.zero.Init builds on the device already
         engine, zero_opt, _, engine_schedule = initialize(model=model, config=config, **kwargs)
@@ -181,9 +206,13 @@ class Accelerator(accelerate.Accelerator):
             if engine_schedule is not None:
                 wrapped_schedule = DeepSpeedSchedulerWrapper(engine_schedule, wrapped_opt)
             else:  # a torch scheduler on the client optimizer: the user steps it, accelerate's way
-                wrapped_schedule = _MirroredScheduler(scheduler, wrapped_opt, optimizer,
-                                                      step_with_optimizer=self.step_scheduler_with_optimizer,
-                                                      split_batches=self.split_batches)
+                wrapped_schedule = _MirroredScheduler(
+                    scheduler,
+                    wrapped_opt,
+                    optimizer,
+                    step_with_optimizer=self.step_scheduler_with_optimizer,
+                    split_batches=self.split_batches,
+                )
         for i, obj in enumerate(result):
             if obj is model:
                 result[i] = engine
@@ -229,13 +258,16 @@ class Accelerator(accelerate.Accelerator):
             return super().clip_grad_norm_(parameters, max_norm, norm_type)
         clip = float(engine.gradient_clipping())
         if float(norm_type) != 2.0:
-            raise ValueError(f"clip_grad_norm_(norm_type={norm_type}): llmpar's engine clips the global 2-norm; "
-                             "pass norm_type=2")
+            raise ValueError(
+                f"clip_grad_norm_(norm_type={norm_type}): llmpar's engine clips the global 2-norm; pass norm_type=2"
+            )
         if float(max_norm) != clip:
-            raise ValueError(f"clip_grad_norm_(max_norm={max_norm}) but the engine clips at gradient_clipping="
-                             f"{clip} (the DeepSpeed config's \"gradient_clipping\", 0 = off) when it steps inside "
-                             f"backward(): set \"gradient_clipping\": {max_norm} in the config (or "
-                             f"DeepSpeedPlugin(gradient_clipping={max_norm}) with \"auto\")")
+            raise ValueError(
+                f"clip_grad_norm_(max_norm={max_norm}) but the engine clips at gradient_clipping="
+                f'{clip} (the DeepSpeed config\'s "gradient_clipping", 0 = off) when it steps inside '
+                f'backward(): set "gradient_clipping": {max_norm} in the config (or '
+                f'DeepSpeedPlugin(gradient_clipping={max_norm}) with "auto")'
+            )
         return super().clip_grad_norm_(parameters, max_norm, norm_type)
 
     # ---- weights and checkpoints ----
@@ -262,8 +294,9 @@ class Accelerator(accelerate.Accelerator):
         engine = self._engine(model)
         super().save_model(engine.module if engine is not None else model, save_directory, **kwargs)
 
-    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True,
-                   **save_model_func_kwargs: Any) -> str:
+    def save_state(
+        self, output_dir: str | None = None, safe_serialization: bool = True, **save_model_func_kwargs: Any
+    ) -> str:
         """accelerate's, the engine writing its checkpoint into ``output_dir/pytorch_model``. Called between the
         micro-steps of an accumulation (a script checkpointing every N optimizer steps saves again on the micro-steps
         after step N), it saves what DeepSpeed saves there: params, optimizer, schedule and counters, not the gradients
@@ -274,15 +307,19 @@ class Accelerator(accelerate.Accelerator):
         optimizer = engine.optimizer
         pending = optimizer.reducer.micro_steps
         if pending and self.is_main_process:
-            logger.warning("save_state in the middle of a gradient accumulation (%d of %d micro-steps since the last "
-                           "optimizer step): saved as DeepSpeed saves there, without the accumulated gradients (they "
-                           "are not part of a checkpoint); a run resumed from it starts the accumulation afresh",
-                           pending, self.gradient_accumulation_steps)
+            logger.warning(
+                "save_state in the middle of a gradient accumulation (%d of %d micro-steps since the last "
+                "optimizer step): saved as DeepSpeed saves there, without the accumulated gradients (they "
+                "are not part of a checkpoint); a run resumed from it starts the accumulation afresh",
+                pending,
+                self.gradient_accumulation_steps,
+            )
         with optimizer.saving_mid_accumulation():
             return super().save_state(output_dir, safe_serialization, **save_model_func_kwargs)
 
-    def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None,
-                   **load_model_func_kwargs: Any) -> None:
+    def load_state(
+        self, input_dir: str | None = None, load_kwargs: dict | None = None, **load_model_func_kwargs: Any
+    ) -> None:
         """accelerate's, the engine loading its checkpoint (params, optimizer, engine schedule, counters) from
         ``input_dir/pytorch_model``; a folder without it is a FileNotFoundError on every rank (DeepSpeed would warn
         and loads nothing)."""
@@ -294,8 +331,10 @@ class Accelerator(accelerate.Accelerator):
             if input_dir is not None:
                 found = os.path.join(os.path.expanduser(input_dir), MODEL_NAME)
                 if not os.path.isdir(found):
-                    raise FileNotFoundError(f"load_state({input_dir!r}): no engine checkpoint {found!r} (written by "
-                                            "save_state of llmpar's Accelerator)")
+                    raise FileNotFoundError(
+                        f"load_state({input_dir!r}): no engine checkpoint {found!r} (written by "
+                        "save_state of llmpar's Accelerator)"
+                    )
         super().load_state(input_dir, load_kwargs, **load_model_func_kwargs)
         for s in self._schedulers:
             if isinstance(s, _MirroredScheduler):
@@ -306,4 +345,3 @@ class Accelerator(accelerate.Accelerator):
         if self._llmpar:
             self.deepspeed_engine_wrapped = None
         return super().free_memory(*objects)
-

@@ -2,6 +2,7 @@
 checks of the objects handed to ``prepare``: the plugin (given or from ``accelerate launch``'s environment), the
 ``"auto"`` values, the optimizer / scheduler against the config's blocks, what the engine under accelerate does not run.
 """
+
 from __future__ import annotations
 
 import math
@@ -30,8 +31,10 @@ def one_plugin(plugin: Any, plugins: Any) -> DeepSpeedPlugin | None:
     plugin = plugin if plugin is not None else plugins
     if isinstance(plugin, dict):
         if len(plugin) != 1:
-            raise ValueError(f"deepspeed_plugins has {len(plugin)} plugins ({sorted(plugin)}): llmpar's Accelerator "
-                             "drives one engine; pass one DeepSpeedPlugin")
+            raise ValueError(
+                f"deepspeed_plugins has {len(plugin)} plugins ({sorted(plugin)}): llmpar's Accelerator "
+                "drives one engine; pass one DeepSpeedPlugin"
+            )
         plugin = next(iter(plugin.values()))
     if plugin is None and os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
         plugin = DeepSpeedPlugin()
@@ -45,38 +48,60 @@ def check_objects(config: dict, optimizer: Any, scheduler: Any) -> None:
     accelerate does not run."""
     if optimizer is not None:
         if "optimizer" in config and not isinstance(optimizer, DummyOptim):
-            raise ValueError(f"prepare() got optimizer {type(optimizer).__name__} and the DeepSpeed config has an "
-                             "\"optimizer\" block: remove the block, or pass accelerate.utils.DummyOptim")
+            raise ValueError(
+                f"prepare() got optimizer {type(optimizer).__name__} and the DeepSpeed config has an "
+                '"optimizer" block: remove the block, or pass accelerate.utils.DummyOptim'
+            )
         if "optimizer" not in config and isinstance(optimizer, DummyOptim):
-            raise ValueError("prepare() got a DummyOptim but the DeepSpeed config has no \"optimizer\" block: add "
-                             "one, or pass a torch optimizer")
+            raise ValueError(
+                'prepare() got a DummyOptim but the DeepSpeed config has no "optimizer" block: add '
+                "one, or pass a torch optimizer"
+            )
     if scheduler is not None:
         if "scheduler" in config and not isinstance(scheduler, DummyScheduler):
-            raise ValueError(f"prepare() got scheduler {type(scheduler).__name__} and the DeepSpeed config has a "
-                             "\"scheduler\" block: remove the block, or pass accelerate.utils.DummyScheduler")
-        if ("scheduler" not in config and isinstance(scheduler, DummyScheduler)
-                and scheduler.lr_scheduler_callable is None):
-            raise ValueError("prepare() got a DummyScheduler without lr_scheduler_callable but the DeepSpeed config "
-                             "has no \"scheduler\" block: add one, or give DummyScheduler(lr_scheduler_callable=)")
+            raise ValueError(
+                f"prepare() got scheduler {type(scheduler).__name__} and the DeepSpeed config has a "
+                '"scheduler" block: remove the block, or pass accelerate.utils.DummyScheduler'
+            )
+        if (
+            "scheduler" not in config
+            and isinstance(scheduler, DummyScheduler)
+            and scheduler.lr_scheduler_callable is None
+        ):
+            raise ValueError(
+                "prepare() got a DummyScheduler without lr_scheduler_callable but the DeepSpeed config "
+                'has no "scheduler" block: add one, or give DummyScheduler(lr_scheduler_callable=)'
+            )
         if optimizer is None and not isinstance(scheduler, DummyScheduler):
-            raise ValueError(f"prepare() got scheduler {type(scheduler).__name__} without its optimizer: pass both "
-                             "in the same prepare() call")
+            raise ValueError(
+                f"prepare() got scheduler {type(scheduler).__name__} without its optimizer: pass both "
+                "in the same prepare() call"
+            )
         if isinstance(optimizer, DummyOptim) and not isinstance(scheduler, DummyScheduler):
-            raise ValueError(f"prepare() got a DummyOptim with scheduler {type(scheduler).__name__}: with "
-                             "DummyOptim pass a DummyScheduler (lr_scheduler_callable= for a torch schedule)")
+            raise ValueError(
+                f"prepare() got a DummyOptim with scheduler {type(scheduler).__name__}: with "
+                "DummyOptim pass a DummyScheduler (lr_scheduler_callable= for a torch schedule)"
+            )
     tp = config.get("tensor_parallel", {})
     if isinstance(tp, dict) and any(isinstance(v, int) and v > 1 for v in (tp.get("autotp_size"), tp.get("size"))):
-        raise ValueError(f'"tensor_parallel"={tp}: not supported through accelerate (its dataloaders shard over '
-                         "every process); use llmpar.initialize or llmpar.integrations.transformers")
+        raise ValueError(
+            f'"tensor_parallel"={tp}: not supported through accelerate (its dataloaders shard over '
+            "every process); use llmpar.initialize or llmpar.integrations.transformers"
+        )
     if "pipeline" in config:
-        raise ValueError('"pipeline": a pipeline engine trains with engine.train_batch(), not accelerate\'s loop; '
-                         "use llmpar.initialize")
+        raise ValueError(
+            '"pipeline": a pipeline engine trains with engine.train_batch(), not accelerate\'s loop; '
+            "use llmpar.initialize"
+        )
 
 
 def hidden_size_autos(plugin: DeepSpeedPlugin, model: torch.nn.Module) -> dict[str, int]:
     """accelerate's "auto" bucket sizes from ``model.config.hidden_size`` (or the largest of ``hidden_sizes``)."""
-    keys = ["zero_optimization.reduce_bucket_size", "zero_optimization.stage3_prefetch_bucket_size",
-            "zero_optimization.stage3_param_persistence_threshold"]
+    keys = [
+        "zero_optimization.reduce_bucket_size",
+        "zero_optimization.stage3_prefetch_bucket_size",
+        "zero_optimization.stage3_param_persistence_threshold",
+    ]
     autos = [k for k in keys if plugin.is_auto(k)]
     if not autos:
         return {}
@@ -85,8 +110,10 @@ def hidden_size_autos(plugin: DeepSpeedPlugin, model: torch.nn.Module) -> dict[s
     if hidden is None and getattr(mc, "hidden_sizes", None):
         hidden = max(mc.hidden_sizes)
     if not isinstance(hidden, int):
-        raise ValueError(f"{autos} are \"auto\", filled from model.config.hidden_size, which this "
-                         f"{type(model).__name__} does not have: give them integers in the DeepSpeed config")
+        raise ValueError(
+            f'{autos} are "auto", filled from model.config.hidden_size, which this '
+            f"{type(model).__name__} does not have: give them integers in the DeepSpeed config"
+        )
     return {keys[0]: hidden * hidden, keys[1]: int(0.9 * hidden * hidden), keys[2]: 10 * hidden}
 
 
@@ -98,9 +125,11 @@ def micro_batch(plugin: DeepSpeedPlugin, args: tuple, split: int) -> int | None:
         return plugin.get_value("train_micro_batch_size_per_gpu")
     sizes = [obj.batch_size for obj in args if isinstance(obj, DataLoader)]
     if not sizes or any(b is None for b in sizes):
-        raise ValueError('"train_micro_batch_size_per_gpu"="auto" is filled from the batch_size of the dataloaders '
-                         f"passed to prepare() with the model; got batch sizes {sizes}: pass the training dataloader "
-                         "(with an integer batch_size) in the same prepare() call, or give the config an integer")
+        raise ValueError(
+            '"train_micro_batch_size_per_gpu"="auto" is filled from the batch_size of the dataloaders '
+            f"passed to prepare() with the model; got batch sizes {sizes}: pass the training dataloader "
+            "(with an integer batch_size) in the same prepare() call, or give the config an integer"
+        )
     sizes = [b // split for b in sizes]
     return min(sizes) if plugin.is_train_batch_min else max(sizes)
 
@@ -111,12 +140,22 @@ def schedule_autos(scheduler: DummyScheduler, processes: int) -> dict[str, Any]:
     script counts the batches of one unsharded loader)."""
     opt = scheduler.optimizer
     max_lr = opt.defaults["lr"] if getattr(opt, "defaults", None) is not None else getattr(opt, "lr", None)
-    out: dict[str, Any] = {"scheduler.params.warmup_min_lr": 0, "scheduler.params.warmup_max_lr": max_lr,
-                           "scheduler.params.warmup_num_steps": max(1, scheduler.warmup_num_steps)}
+    out: dict[str, Any] = {
+        "scheduler.params.warmup_min_lr": 0,
+        "scheduler.params.warmup_max_lr": max_lr,
+        "scheduler.params.warmup_num_steps": max(1, scheduler.warmup_num_steps),
+    }
     if scheduler.total_num_steps is not None:
         out["scheduler.params.total_num_steps"] = math.ceil(scheduler.total_num_steps / processes)
     return out
 
 
-__all__ = ["DS_SCHEDULES", "check_objects", "hidden_size_autos", "is_ds_schedule", "micro_batch", "one_plugin",
-           "schedule_autos"]
+__all__ = [
+    "DS_SCHEDULES",
+    "check_objects",
+    "hidden_size_autos",
+    "is_ds_schedule",
+    "micro_batch",
+    "one_plugin",
+    "schedule_autos",
+]
