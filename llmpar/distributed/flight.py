@@ -5,7 +5,7 @@ process's :data:`RECORDER` (a bounded deque; ``LLMPAR_FLIGHT_RECORDER=N`` keeps 
 off): the operation and its description (``what``), the group (its name and global ranks) with a sequence number per
 group (the k-th collective this rank started on that group: the same k names the same collective on every member),
 elements and dtype, the engine's optimizer step (:attr:`FlightRecorder.step`, set by the engine), the call site
-(file:line of the first frame outside ``llmpar/distributed`` and ``llmpar/comm.py``) and the state: ``started`` ->
+(file:line of the first frame outside ``llmpar/distributed`` and ``llmpar/comm/``) and the state: ``started`` ->
 ``done`` when waited for, or ``failed``. Cost: one frame walk and a deque append per collective
 (``bench/bench_flight.py`` measures it).
 
@@ -44,8 +44,8 @@ ENV_SIZE, ENV_DIR, ENV_WAIT = "LLMPAR_FLIGHT_RECORDER", "LLMPAR_FLIGHT_DIR", "LL
 DEFAULT_SIZE, DEFAULT_WAIT_S, PUBLISHED_PER_GROUP = 256, 2.0, 8
 STORE_KEY = "llmpar/flight/{rank}"
 _HERE = os.path.dirname(os.path.abspath(__file__)) + os.sep
-# call sites inside these are not the caller's: llmpar's collectives and the deepspeed.comm drop-in (llmpar/comm.py)
-_INTERNAL = (_HERE, os.path.join(os.path.dirname(os.path.dirname(_HERE)), "comm.py"))
+# call sites inside these are not the caller's: llmpar's collectives and the deepspeed.comm drop-in (llmpar/comm/)
+_INTERNAL = (_HERE, os.path.join(os.path.dirname(os.path.dirname(_HERE)), "comm") + os.sep)
 
 
 def env_size(environ: Any = os.environ) -> int:
