@@ -23,7 +23,6 @@ LONG_FILES: dict[str, str] = {
     "llmpar/checkpoint/files.py": "reflowed by ruff format (was 394 lines): to split by responsibility",
     "llmpar/checkpoint/load.py": "reflowed by ruff format (was 386 lines): to split by responsibility",
     "llmpar/checkpoint/save.py": "reflowed by ruff format (was 361 lines): to split by responsibility",
-    "llmpar/distributed/collectives.py": "reflowed by ruff format (was 392 lines): to split by responsibility",
     "llmpar/integrations/transformers.py": "reflowed by ruff format (was 400 lines): to split by responsibility",
     "llmpar/ops/_library.py": "reflowed by ruff format (was 353 lines): to split by responsibility",
     "llmpar/ops/adamw.py": "reflowed by ruff format (was 347 lines): to split by responsibility",

@@ -9,22 +9,24 @@ Flat collectives:
   reduce_scatter_flat: input ``[world * n]`` -> output ``[n]`` holding the reduction of chunk ``group_rank``
                        (on gloo a direct exchange of the chunks plus a local sum: the one place that knows it).
   all_gather_flat:     input ``[n]`` -> output ``[world * n]``, chunk ``r`` from group rank ``r``.
+The handle and the failure wrapping every wrapper shares are ``handle.py``'s; point-to-point (``send`` / ``recv`` /
+``isend`` / ``irecv``, and the batched exchange the flat collectives run as on gloo) is ``p2p.py``'s; both are
+importable from here too.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import inspect
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from llmpar.distributed.counter import CommCounter
-from llmpar.distributed.errors import CollectiveError, collective_error
 from llmpar.distributed.flight import RECORDER, Entry, end
 from llmpar.distributed.groups import Group, GroupRef, as_group, global_rank, group_rank, group_size
+from llmpar.distributed.handle import Handle, failing_as, handle_or_wait
+from llmpar.distributed.p2p import exchange_pairs, irecv, isend, recv, send
+from llmpar.distributed.p2p import has_kw as _has_kw  # noqa: F401  (llmpar.distributed.exchange imports it from here)
 
 # torch 2.13 renamed the flat collectives (the old names warn FutureWarning): the new name where it exists
 # torch's flat all-gather / reduce-scatter under their torch 2.13 names when present (no deprecation warning), else
@@ -45,70 +47,10 @@ _OPS = {
 }
 
 
-class Handle:
-    """An in-flight collective. ``wait()`` blocks until the result is in the output tensor; a failure or timeout of
-    the collective raises :class:`~llmpar.distributed.errors.CollectiveError` naming ``what`` and the group."""
-
-    def __init__(
-        self,
-        works: list,
-        finish: Callable[[], object] | None = None,
-        *,
-        what: str = "a collective",
-        pg: dist.ProcessGroup | None = None,
-        entry: Entry | None = None,
-    ) -> None:
-        self._works, self._entry = works, entry  # entry: the flight recorder's, marked done once waited for
-        self._finish = finish
-        self._done = False
-        self._what, self._pg = what, pg
-
-    def wait(self) -> None:
-        if self._done:
-            return
-        with failing_as(self._what, self._pg):
-            for w in self._works:
-                w.wait()
-        end(self._entry)
-        if self._finish is not None:
-            self._finish()
-        self._done = True
-
-    def is_completed(self) -> bool:
-        return self._done or all(w.is_completed() for w in self._works)
-
-
 def _op(op: str) -> dist.ReduceOp.RedOpType:
     if op not in _OPS:
         raise ValueError(f"op={op!r} is not supported: expected one of {sorted(_OPS)}")
     return _OPS[op]
-
-
-@contextlib.contextmanager
-def failing_as(what: str, pg: dist.ProcessGroup | None) -> Iterator[None]:
-    """Turn a backend failure inside the block (a dead or stuck peer, a timeout) into a :class:`CollectiveError`
-    saying ``what`` ran over which group."""
-    try:
-        yield
-    except RuntimeError as err:  # DistBackendError and gloo's errors are RuntimeErrors
-        if pg is None or isinstance(err, CollectiveError):
-            raise
-        raise collective_error(err, what, pg) from err
-
-
-def _finish(
-    async_op: bool,
-    works: list,
-    finish: Callable[[], object] | None,
-    what: str,
-    pg: dist.ProcessGroup,
-    entry: Entry | None = None,
-) -> Handle | None:
-    handle = Handle([w for w in works if w is not None], finish, what=what, pg=pg, entry=entry)
-    if async_op:
-        return handle
-    handle.wait()
-    return None
 
 
 def _unsupported(err: Exception) -> bool:
@@ -142,7 +84,7 @@ def all_reduce(
             2 * nbytes / size * counter.cross_peers(pg),
         )
     finish = (lambda: tensor.div_(size)) if op == "avg" else None
-    return _finish(async_op, [work], finish, what, pg, entry)
+    return handle_or_wait(async_op, [work], finish, what, pg, entry)
 
 
 def _check_flat(name: str, t: torch.Tensor) -> None:
@@ -213,8 +155,8 @@ def reduce_scatter_flat(
     """``output[n] = reduce_r input_r[group_rank * n : (group_rank + 1) * n]`` over the ranks r of ``group``.
 
     Paths, picked here (the caller never sees which): on gloo, sum / avg run as a direct exchange of the chunks
-    (:func:`_exchange`, point-to-point) and a local sum in rank order (the same bytes, 2-4x faster than gloo's own
-    reduce-scatter; it holds up to one more ``input``-sized buffer while in flight, see
+    (:func:`~llmpar.distributed.p2p.exchange_pairs`) and a local sum in rank order (the same bytes, 2-4x faster than
+    gloo's own reduce-scatter; it holds up to one more ``input``-sized buffer while in flight, see
     :func:`reduce_scatter_uses_exchange`); elsewhere ``reduce_scatter_tensor`` (``reduce_scatter_single`` from torch
     2.13); where neither exists, an all-reduce of a copy (2x traffic). Counted once, as the reduce-scatter it is,
     whichever path runs. ``scratch``: where the exchange receives the other ranks' chunks (at least ``(size - 1) *
@@ -272,7 +214,7 @@ def _reduce_scatter(
                 else torch.empty(size - 1, n, dtype=input.dtype, device=input.device)
             )
             peers = [j for j in range(size) if j != me]
-            works = _exchange(pg, [(j, chunks[j], received[i]) for i, j in enumerate(peers)])
+            works = exchange_pairs(pg, [(j, chunks[j], received[i]) for i, j in enumerate(peers)])
             parts = [chunks[me] if j == me else received[peers.index(j)] for j in range(size)]
         else:  # small buffers: one all-to-all costs less Python than a batch of point-to-point ops
             everyone = torch.empty_like(input)
@@ -290,7 +232,7 @@ def _reduce_scatter(
             if op == "avg":
                 output.div_(size)
 
-        return _finish(async_op, works, summed, what, pg, entry)
+        return handle_or_wait(async_op, works, summed, what, pg, entry)
     finish: Callable[[], object] | None = (lambda: output.div_(size)) if op == "avg" else None
     try:
         work = TORCH_REDUCE_SCATTER_TENSOR(output, input, op=reduce_op, group=pg, async_op=True)
@@ -310,21 +252,7 @@ def _reduce_scatter(
 
         finish = from_scratch
 
-    return _finish(async_op, [work], finish, what, pg, entry)
-
-
-def _exchange(pg: dist.ProcessGroup, pairs: list[tuple[int, torch.Tensor, torch.Tensor]]) -> list:
-    """Send ``send`` to and receive ``recv`` from each group rank ``peer`` of ``pairs``, all at once (one batch of
-    point-to-point ops): how the flat collectives run on gloo. Measured at dp=2 on 19.2M fp32 values: an all-gather
-    20 ms vs 59 ms for gloo's all_gather_into_tensor, a reduce-scatter (with the local add) 22 ms vs 27 ms for an
-    all-to-all + sum and 78 ms for gloo's reduce_scatter; bf16 11 vs 32 / 26 ms. Sends and receives between two ranks
-    match in the order they are posted, as the collectives' calls are ordered on every rank."""
-    ops = []
-    for peer, send, recv in pairs:
-        kw = {"group_peer": peer} if _has_kw(dist.P2POp.__init__, "group_peer") else {"peer": global_rank(pg, peer)}
-        ops.append(dist.P2POp(dist.isend, send, group=pg, **kw))
-        ops.append(dist.P2POp(dist.irecv, recv, group=pg, **kw))
-    return dist.batch_isend_irecv(ops) if ops else []
+    return handle_or_wait(async_op, [work], finish, what, pg, entry)
 
 
 def all_gather_flat(
@@ -337,7 +265,7 @@ def all_gather_flat(
     what: str | None = None,
 ) -> Handle | None:
     """``output[r * n : (r + 1) * n] = input`` of group rank ``r``, for every r (on gloo a direct exchange,
-    :func:`_exchange`; elsewhere the backend's all-gather)."""
+    :func:`~llmpar.distributed.p2p.exchange_pairs`; elsewhere the backend's all-gather)."""
     pg = as_group(group)
     size = dist.get_world_size(pg)
     _check_pair(output, input, "output", size)
@@ -352,9 +280,9 @@ def all_gather_flat(
         if reduce_scatter_uses_exchange(pg, input.device):  # gloo: every chunk straight to every peer
             me = dist.get_rank(pg)
             chunks = output.view(size, -1)
-            works = _exchange(pg, [(j, input.view(-1), chunks[j]) for j in range(size) if j != me])
+            works = exchange_pairs(pg, [(j, input.view(-1), chunks[j]) for j in range(size) if j != me])
             chunks[me].copy_(input.view(-1))
-            return _finish(async_op, works, None, what, pg, entry)
+            return handle_or_wait(async_op, works, None, what, pg, entry)
         try:
             work = TORCH_ALL_GATHER_INTO_TENSOR(output, input, group=pg, async_op=True)
         except (RuntimeError, NotImplementedError, AttributeError) as err:
@@ -362,7 +290,7 @@ def all_gather_flat(
                 raise
             parts = list(output.view(-1).chunk(size))
             work = dist.all_gather(parts, input.view(-1), group=pg, async_op=True)
-    return _finish(async_op, [work], None, what, pg, entry)
+    return handle_or_wait(async_op, [work], None, what, pg, entry)
 
 
 def broadcast(
@@ -385,44 +313,7 @@ def broadcast(
     entry = RECORDER.start(pg, "broadcast", tensor, what)
     with failing_as(what, pg):
         work = dist.broadcast(tensor, src=global_rank(pg, src), group=pg, async_op=True)
-    return _finish(async_op, [work], None, what, pg, entry)
-
-
-@functools.lru_cache(maxsize=None)
-def _has_kw(fn: Callable, kw: str) -> bool:
-    try:
-        return kw in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-def _p2p_kwargs(fn: Callable, key: str, peer: int, pg: dist.ProcessGroup) -> dict:
-    if _has_kw(fn, f"group_{key}"):
-        size = dist.get_world_size(pg)
-        if not 0 <= peer < size:
-            raise ValueError(f"{key}={peer} is outside the group's ranks [0, {size})")
-        return {f"group_{key}": peer, "group": pg}
-    return {key: global_rank(pg, peer), "group": pg}
-
-
-def send(tensor: torch.Tensor, dst: int, group: Group) -> None:
-    pg = as_group(group)
-    dist.send(tensor, **_p2p_kwargs(dist.send, "dst", dst, pg))
-
-
-def recv(tensor: torch.Tensor, src: int, group: Group) -> None:
-    pg = as_group(group)
-    dist.recv(tensor, **_p2p_kwargs(dist.recv, "src", src, pg))
-
-
-def isend(tensor: torch.Tensor, dst: int, group: Group) -> Handle:
-    pg = as_group(group)
-    return Handle([dist.isend(tensor, **_p2p_kwargs(dist.isend, "dst", dst, pg))])
-
-
-def irecv(tensor: torch.Tensor, src: int, group: Group) -> Handle:
-    pg = as_group(group)
-    return Handle([dist.irecv(tensor, **_p2p_kwargs(dist.irecv, "src", src, pg))])
+    return handle_or_wait(async_op, [work], None, what, pg, entry)
 
 
 def barrier(group: Group, *, what: str = "barrier") -> None:
