@@ -36,6 +36,6 @@ def test_every_test_the_matrix_names_exists() -> None:
 
 def test_every_fault_test_file_is_in_the_matrix() -> None:
     listed = {file for file, _ in _matrix_refs()}
-    files = {f"tests/{p.name}" for p in TESTS.glob("test_faults*.py")}
-    assert files, "no tests/test_faults*.py found"
+    files = {p.relative_to(TESTS.parent).as_posix() for p in TESTS.rglob("test_faults*.py")}
+    assert files, "no tests/**/test_faults*.py found"
     assert files <= listed, f"fault test files missing from tests/FAULTS.md: {sorted(files - listed)}"

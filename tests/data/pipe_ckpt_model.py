@@ -1,6 +1,6 @@
-"""The pipeline model of ``tests/test_checkpoint_ds_pipeline.py``, built with DeepSpeed's or llmpar's spec classes
-(``layers(deepspeed.pipe)`` / ``layers(llmpar.pipe)``): a weight tied between the first and the last stage (called
-as a module on stage 0, through a ``forward_fn`` on stage 1: DeepSpeed writes no layer file for that call), a
+"""The pipeline model of ``tests/checkpoint/test_checkpoint_ds_pipeline.py``, built with DeepSpeed's or llmpar's spec
+classes (``layers(deepspeed.pipe)`` / ``layers(llmpar.pipe)``): a weight tied between the first and the last stage
+(called as a module on stage 0, through a ``forward_fn`` on stage 1: DeepSpeed writes no layer file for that call), a
 persistent buffer, a frozen param, callables and in-place activations, odd widths."""
 
 import torch

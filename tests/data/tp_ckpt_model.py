@@ -1,5 +1,5 @@
-"""The tensor-parallel model of ``tests/test_checkpoint_ds_mp.py``, written by hand in Megatron's convention: a
-replicated input layer, a column-parallel ``up`` (weight and bias split on dim 0), a row-parallel ``down`` (weight
+"""The tensor-parallel model of ``tests/checkpoint/test_checkpoint_ds_mp.py``, written by hand in Megatron's convention:
+a replicated input layer, a column-parallel ``up`` (weight and bias split on dim 0), a row-parallel ``down`` (weight
 split on dim 1, bias replicated, added after the all-reduce), a replicated head; and :class:`MPU`, the model-parallel
 unit DeepSpeed takes (``deepspeed.initialize(..., mpu=MPU(tp))``) so that it saves one ``mp_rank_TT`` file set per
 tensor-parallel rank. :class:`Full` is the same function unsplit, under the same names."""

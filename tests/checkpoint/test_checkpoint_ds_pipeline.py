@@ -35,7 +35,7 @@ TAG = "saved"
 
 def _model_file():
     """``tests/data/pipe_ckpt_model.py`` (imported on the ranks, whose path may not hold tests/data)."""
-    data = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+    data = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
     if data not in sys.path:
         sys.path.insert(0, data)
     import pipe_ckpt_model

@@ -27,7 +27,7 @@ TAG = "saved"
 
 
 def _model_file():
-    data = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+    data = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
     if data not in sys.path:
         sys.path.insert(0, data)
     import tp_ckpt_model

@@ -26,7 +26,7 @@ from llmpar.models import GPT, GPTConfig
 
 from multirank import run_ranks
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _attempt(fn, *args, **kwargs):
@@ -169,7 +169,7 @@ def test_async_save_of_a_collected_engine_is_published_by_rank_0(tmp_path):
 
 _WORKER = textwrap.dedent("""
     import os, sys, time
-    sys.path.insert(0, {tests!r})
+    sys.path[:0] = [{tests!r}, {helpers!r}]
     rank, fail = int(os.environ["RANK"]), {fail!r}
     from test_checkpoint import _engine, _train
     import torch.distributed as dist
@@ -193,7 +193,9 @@ def _run_two(root: Path, fail: bool) -> list[subprocess.CompletedProcess]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    script = _WORKER.format(tests=str(ROOT / "tests"), root=str(root), fail=fail)
+    script = _WORKER.format(
+        tests=str(ROOT / "tests" / "checkpoint"), helpers=str(ROOT / "tests"), root=str(root), fail=fail
+    )
     procs = []
     for rank in range(2):
         env = {

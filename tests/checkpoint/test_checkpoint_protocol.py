@@ -32,7 +32,7 @@ from llmpar.checkpoint import (
 from llmpar.checkpoint.consolidate import consolidated_state_dict
 from llmpar.checkpoint.save import pending
 
-CKPT = Path(__file__).resolve().parents[1] / "llmpar" / "checkpoint"
+CKPT = Path(__file__).resolve().parents[2] / "llmpar" / "checkpoint"
 
 
 # ---------------------------------------------------------------------------------------------------- the source

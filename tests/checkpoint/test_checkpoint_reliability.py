@@ -29,7 +29,7 @@ from llmpar.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from llmpar.checkpoint.consolidate import consolidated_state_dict
 
 TESTS = Path(__file__).resolve().parent
-ROOT = TESTS.parent
+ROOT = TESTS.parents[1]
 
 
 class Crash(BaseException):
