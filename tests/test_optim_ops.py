@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from llmpar.ops import adamw as adamw_module
+from llmpar.ops import adamw_torch
 from llmpar.ops._dispatch import cuda_unavailable_reason, triton_unavailable_reason
 from llmpar.ops.adamw import adamw_step
 from llmpar.ops.grad_norm import clip_coefficient, grad_norm
@@ -179,7 +179,7 @@ def test_same_bits_however_the_tensors_are_split_into_calls(backend, precision, 
     """One call over all tensors == one call per tensor with its salt: the stochastic-rounding stream is a function of
     (seed, step, salt, element), not of the batching (ZeRO steps its units one call each). The torch path's batches
     made small (1000 elements) so that they span tensors and split them."""
-    monkeypatch.setattr(adamw_module, "_CHUNK", 1000)
+    monkeypatch.setattr(adamw_torch, "_CHUNK", 1000)
     sizes = [(3, 41), (2501,), (7,), (1999,), (5,)]
     whole, split = make_state(precision, sizes, seed=3), make_state(precision, sizes, seed=3)
     run(precision, whole, seed=11)

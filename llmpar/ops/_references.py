@@ -9,7 +9,8 @@ from collections.abc import Sequence
 import torch
 
 from llmpar.ops._fakes import ADAMW_CHUNK, aux_buffer, check_bias_act, check_linear_lt
-from llmpar.ops.adamw import PRECISIONS, _torch_step
+from llmpar.ops.adamw import PRECISIONS
+from llmpar.ops.adamw_torch import torch_step
 from llmpar.ops.gemm import bias_act_backward_reference, linear_lt_aux_reference, linear_lt_reference
 from llmpar.ops.quant import (
     _check_wire,
@@ -68,7 +69,7 @@ def adamw_step(
         return
     if gscale is not None:  # torch's fused AdamW unscales the grads in place; the op reads them only
         grads = [g.clone() for g in grads]
-    _torch_step(
+    torch_step(
         PRECISIONS[mode_code],
         params,
         grads,

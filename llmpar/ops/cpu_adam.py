@@ -28,7 +28,7 @@ import torch
 
 import llmpar.ops._cpu_ext as _cpu_ext
 from llmpar.ops._dispatch import forced_backend
-from llmpar.ops.adamw import _torch_fp32
+from llmpar.ops.adamw_torch import torch_fp32
 
 ISAS = ("scalar", "avx2", "avx512", "avx512vbmi")  # position = the ops' ``isa`` code: the widest ISA they may use
 # (avx512vbmi: the low-bit kernel's 8-bit dequantize by byte lookups; the fp32 kernel runs its AVX-512 build there)
@@ -141,7 +141,7 @@ def cpu_adamw_step(
         scale = None if gscale is None else torch.as_tensor(float(gscale), dtype=torch.float32)
         if scale is not None:  # torch's fused AdamW unscales the grads in place; this op only reads them
             grads = [g.clone() for g in grads]
-        _torch_fp32(params, grads, exp_avgs, exp_avg_sqs, steps, gscale=scale, found_inf=None, **hyper)
+        torch_fp32(params, grads, exp_avgs, exp_avg_sqs, steps, gscale=scale, found_inf=None, **hyper)
         for out, p in zip(outs, params):
             out.view(-1).copy_(p.view(-1))
     return True

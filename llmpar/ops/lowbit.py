@@ -65,7 +65,8 @@ from typing import NamedTuple
 import torch
 
 import llmpar.ops.lowbit_kernels as lowbit_kernels
-from llmpar.ops.adamw import _mix, step_salts
+from llmpar.ops.adamw import step_salts
+from llmpar.ops.adamw_torch import mix
 from llmpar.ops.lowbit_maps import BLOCK, check_bits, midpoints, qmap
 
 _PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # with masters (the kernels: bf16)
@@ -445,8 +446,8 @@ def adamw_lowbit_step(
             u_m = u_v = None
             if seed is not None:
                 count = num_blocks(n, bits) * BLOCK[bits]
-                u_m = _uniform(_mix(seed, int(t), salts[i], 0), offsets[i], count, device)
-                u_v = _uniform(_mix(seed, int(t), salts[i], 1), offsets[i], count, device)
+                u_m = _uniform(mix(seed, int(t), salts[i], 0), offsets[i], count, device)
+                u_v = _uniform(mix(seed, int(t), salts[i], 1), offsets[i], count, device)
             mc, ms = quantize(m, bits, True, qmap_=qm, noise=u_m)
             vc, vs = quantize(v, bits, False, qmap_=qv, noise=u_v)
             m_codes[i].view(-1).copy_(mc)
