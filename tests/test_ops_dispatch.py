@@ -138,7 +138,7 @@ def test_fp32_gemm_without_tf32_prefers_cublas(monkeypatch):
     units and lose to cuBLAS: automatic choice sends it to torch, a forced triton still runs it (IEEE products)."""
     from types import SimpleNamespace
 
-    from llmpar.ops import gemm as gemm_ops
+    from llmpar.ops import gemm_backends as gemm_ops
 
     monkeypatch.setattr(
         _dispatch, "_unavailable_reason", lambda backend, device, ops=(): "no ext" if backend == "cuda" else None

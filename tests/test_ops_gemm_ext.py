@@ -10,16 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmpar.ops import _dispatch, linear_act, linear_act_backward, linear_act_rows
-from llmpar.ops import gemm as gemm_ops
-from llmpar.ops.gemm import (
-    ACTIVATIONS,
-    _act_grad_torch,
-    _act_torch,
-    bias_act_backward_reference,
-    select_backward_backend,
-    select_forward_backend,
-)
+from llmpar.ops import _dispatch, gemm_backends, linear_act, linear_act_backward, linear_act_rows
+from llmpar.ops.gemm import ACTIVATIONS, bias_act_backward_reference, select_backward_backend, select_forward_backend
+from llmpar.ops.gemm_reference import act_grad_torch, act_torch
 
 from gemm_helpers import DTYPES, INTERPRET, _assert_within, _check_op, _composition, _err, _grads, _inputs, _rand
 
@@ -102,7 +95,7 @@ def test_cuda_path_wiring_with_reference_ops(monkeypatch, dtype):
         return call
 
     ops = type("Ops", (), {name: staticmethod(counted(name, getattr(torch.ops.llmpar, name))) for name in EXT_OPS})
-    monkeypatch.setattr(gemm_ops, "_ext_ops", lambda: ops)
+    monkeypatch.setattr(gemm_backends, "_ext_ops", lambda: ops)
     _fake_ext(monkeypatch, EXT_OPS)
     monkeypatch.setenv("LLMPAR_BACKEND", "cuda")
     x, w, b, r, dy = _inputs(7, 33, 23, dtype, seed=21)
@@ -145,10 +138,10 @@ def test_bias_act_backward_reference_vs_float64(act, dtype):
     g = torch.Generator().manual_seed(len(act))
     grad, pre = _rand((37, 19), dtype, g), _rand((37, 19), dtype, g, 2.0)
     z = pre.double().requires_grad_()
-    _act_torch(z, act).backward(grad.double())
+    act_torch(z, act).backward(grad.double())
     gp, db = bias_act_backward_reference(grad, pre, ACTIVATIONS.index(act))
     assert gp.dtype == dtype and db.dtype == torch.float32 and db.shape == (19,)
-    _assert_within(gp, z.grad, _act_grad_torch(grad, pre, act), dtype, f"dY' ({act})")
+    _assert_within(gp, z.grad, act_grad_torch(grad, pre, act), dtype, f"dY' ({act})")
     exact = (grad.double() * (z.grad / grad.double())).sum(0)  # the sum of unrounded dY * act'(z)
     torch.testing.assert_close(db.double(), exact, rtol=1e-5, atol=1e-5 * z.grad.abs().sum(0).max().item())
     if act == "relu":  # relu(z) serves as pre: same sign
@@ -167,7 +160,7 @@ def test_no_pre_activation_written_without_a_backward(monkeypatch):
     def linear_fwd(x, w, bias, residual, out, pre, act, *, allow_tf32=False):
         seen.append(pre is not None)
         z = F.linear(x, w, bias)
-        out.copy_(gemm_ops._act_torch(z, ACTIVATIONS[act]) + (residual if residual is not None else 0))
+        out.copy_(act_torch(z, ACTIVATIONS[act]) + (residual if residual is not None else 0))
         if pre is not None:
             pre.copy_(z)
 
@@ -177,7 +170,7 @@ def test_no_pre_activation_written_without_a_backward(monkeypatch):
         {n: staticmethod(lambda *a, n=n: calls.append(n) or getattr(torch.ops.llmpar, n)(*a)) for n in EXT_OPS},
     )
     monkeypatch.setattr(K, "linear_fwd", linear_fwd)
-    monkeypatch.setattr(gemm_ops, "_ext_ops", lambda: ops)
+    monkeypatch.setattr(gemm_backends, "_ext_ops", lambda: ops)
     _fake_ext(monkeypatch, EXT_OPS)
     x, w, b, _, dy = _inputs(9, 37, 23, torch.float32, seed=8)
     for backend in ("triton", "cuda"):
@@ -513,10 +506,10 @@ def test_linear_act_on_offset_views(monkeypatch, backend, dtype):
 def test_fp32_linear_act_routes_to_cublas_without_tf32(monkeypatch):
     monkeypatch.setenv("LLMPAR_BACKEND", "")
     x, w = torch.randn(64, 128, device="cuda"), torch.randn(32, 128, device="cuda")
-    monkeypatch.setattr(gemm_ops, "tf32_allowed", lambda: False)
+    monkeypatch.setattr(gemm_backends, "tf32_allowed", lambda: False)
     assert select_forward_backend(x, w, "silu") == "torch"
     assert select_backward_backend(torch.randn(64, 32, device="cuda"), x) in ("cuda", "torch")
-    monkeypatch.setattr(gemm_ops, "tf32_allowed", lambda: True)
+    monkeypatch.setattr(gemm_backends, "tf32_allowed", lambda: True)
     assert select_forward_backend(x, w, "silu") == "triton" or _dispatch.triton_unavailable_reason(x.device)
 
 

@@ -11,7 +11,7 @@ import torch
 from llmpar.ops._fakes import ADAMW_CHUNK, aux_buffer, check_bias_act, check_linear_lt
 from llmpar.ops.adamw import PRECISIONS
 from llmpar.ops.adamw_torch import torch_step
-from llmpar.ops.gemm import bias_act_backward_reference, linear_lt_aux_reference, linear_lt_reference
+from llmpar.ops.gemm_reference import bias_act_backward_reference, linear_lt_aux_reference, linear_lt_reference
 from llmpar.ops.quant import (
     _check_wire,
     _torch_dequantize,
