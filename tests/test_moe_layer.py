@@ -1,11 +1,21 @@
-"""The MoE router on one process: its math against float64 references written here."""
+"""The MoE pieces on one process: router math against float64 references written here, the grouped expert MLP and
+the local dispatcher against plain loops."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from llmpar.moe import Router, RouterConfig, load_balancing_loss, sequence_aux_loss, z_loss
+from llmpar.moe import (
+    LocalDispatcher,
+    Router,
+    RouterConfig,
+    grouped_mlp,
+    load_balancing_loss,
+    sequence_aux_loss,
+    z_loss,
+)
 from llmpar.moe.losses import aux_scores
 
 T, H, E = 37, 19, 12
@@ -158,3 +168,60 @@ def test_expert_bias_moves_against_the_load_and_only_in_training():
     assert torch.equal(router.expert_bias, expected) and router.expert_bias.abs().sum() > 0
     with pytest.raises(ValueError, match="expert_bias=True"):
         Router(H, E, 2).update_expert_bias()
+
+
+def test_grouped_mlp_empty_experts_zero_tokens_and_one_expert():
+    torch.manual_seed(6)
+    gate_up = torch.randn(4, 2 * 5, 7, requires_grad=True)
+    down = torch.randn(4, 7, 5, requires_grad=True)
+    for counts in ([0, 0, 0, 0], [0, 9, 0, 0], [3, 0, 4, 1], [0, 0, 0, 6]):
+        x = torch.randn(sum(counts), 7, requires_grad=True)
+        y = grouped_mlp(x, torch.tensor(counts), gate_up, down)
+        y.sum().backward() if y.numel() else (y.sum() + 0 * gate_up.sum() + 0 * down.sum()).backward()
+        assert y.shape == (sum(counts), 7)
+        pieces, start = [], 0
+        for e, c in enumerate(counts):
+            xe = x[start : start + c]
+            a = F.silu(xe @ gate_up[e, :5].t()) * (xe @ gate_up[e, 5:].t())
+            pieces.append(a @ down[e].t())
+            start += c
+        torch.testing.assert_close(y, torch.cat(pieces), rtol=1e-6, atol=1e-6)
+        assert gate_up.grad is not None and down.grad is not None
+        for e, c in enumerate(counts):
+            if c == 0:
+                assert gate_up.grad[e].abs().sum() == 0
+        gate_up.grad = down.grad = None
+    with pytest.raises(ValueError, match="counts must hold 4"):
+        grouped_mlp(torch.randn(3, 7), [3, 0], gate_up, down)
+    with pytest.raises(ValueError, match="sum\\(counts\\)=4"):
+        grouped_mlp(torch.randn(3, 7), [1, 1, 1, 1], gate_up, down)
+
+
+def test_local_dispatch_sorts_stably_drops_by_weight_and_combines_in_fp32():
+    torch.manual_seed(9)
+    n_tok, k, n_exp = 23, 3, 5
+    router = Router(H, n_exp, k, RouterConfig(route_norm=True), init_std=0.5)
+    x = torch.randn(n_tok, H)
+    routing = router(x)
+    x_sorted, counts, meta = LocalDispatcher(n_exp).dispatch(x, routing)
+    slots = [(e, t) for t in range(n_tok) for e in routing.indices[t].tolist()]
+    want = [t for _, t in sorted(slots, key=lambda s: s[0])]  # Python's sort is stable: token order per expert
+    assert torch.equal(x_sorted, x[want]) and counts == torch.bincount(routing.indices.reshape(-1)).tolist()
+    out = LocalDispatcher(n_exp).combine(x_sorted * 2, meta)  # experts doubling their input
+    w = routing.weights
+    torch.testing.assert_close(out, 2 * x * w.sum(-1, keepdim=True), rtol=1e-6, atol=1e-6)
+    # capacity 0.5: ceil(0.5 * 23 * 3 / 5) = 7 slots per expert, the highest weights kept (ties: earlier slot)
+    x_kept, kept, meta = LocalDispatcher(n_exp, capacity_factor=0.5).dispatch(x, routing)
+    assert max(kept) <= 7 and meta.stats.dropped == n_tok * k - sum(kept) > 0
+    for e in range(n_exp):
+        mine = [(t, j) for t in range(n_tok) for j in range(k) if routing.indices[t, j] == e]
+        best = sorted(mine, key=lambda s: (-w[s].item(), s))[:7]
+        rows = torch.tensor([t for t, _ in sorted(best)], dtype=torch.long)
+        assert torch.equal(x_kept[sum(kept[:e]) : sum(kept[: e + 1])], x[rows])
+    out = LocalDispatcher(n_exp, capacity_factor=0.5).combine(x_kept, meta)
+    keep = torch.zeros(n_tok, k)
+    for e in range(n_exp):
+        mine = [(t, j) for t in range(n_tok) for j in range(k) if routing.indices[t, j] == e]
+        for s in sorted(mine, key=lambda s: (-w[s].item(), s))[:7]:
+            keep[s] = 1
+    torch.testing.assert_close(out, x * (w * keep).sum(-1, keepdim=True), rtol=1e-6, atol=1e-6)

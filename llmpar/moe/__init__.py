@@ -1,11 +1,32 @@
-"""Mixture of experts: the router (top-k over softmax / sigmoid scores, group-limited routing, auxiliary losses,
-aux-loss-free expert bias).
+"""Mixture of experts: the router, the dispatcher seam (local, all-to-all over an expert-parallel group) and the
+experts in transformers' packed layout.
 
 Floor: beside ``tensor_parallel`` and ``context_parallel``; it uses ``distributed`` (and, for the expert GEMMs,
 ``ops``) only.
 """
 
+from llmpar.moe.dispatch import AllToAllDispatcher, Dispatcher, LocalDispatcher, make_dispatcher
+from llmpar.moe.experts import Experts, SharedExperts, grouped_mlp
 from llmpar.moe.losses import load_balancing_loss, sequence_aux_loss, z_loss
 from llmpar.moe.router import Router, RouterConfig, Routing, route
+from llmpar.moe.slots import DispatchMeta, DispatchStats, PendingDispatch
 
-__all__ = ["Router", "RouterConfig", "Routing", "load_balancing_loss", "route", "sequence_aux_loss", "z_loss"]
+__all__ = [
+    "AllToAllDispatcher",
+    "DispatchMeta",
+    "DispatchStats",
+    "Dispatcher",
+    "Experts",
+    "LocalDispatcher",
+    "PendingDispatch",
+    "Router",
+    "RouterConfig",
+    "Routing",
+    "SharedExperts",
+    "grouped_mlp",
+    "load_balancing_loss",
+    "make_dispatcher",
+    "route",
+    "sequence_aux_loss",
+    "z_loss",
+]
