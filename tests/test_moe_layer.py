@@ -1,7 +1,10 @@
-"""The MoE pieces on one process: router math against float64 references written here, the grouped expert MLP and
-the local dispatcher against plain loops."""
+"""The MoE layer on one process: router math against float64 references written here, the layer against a plain
+per-expert loop (bitwise in fp32, forward and gradients), transformers' MoE blocks loaded by slicing, and the bad
+inputs it refuses."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -9,6 +12,7 @@ import torch.nn.functional as F
 
 from llmpar.moe import (
     LocalDispatcher,
+    MoE,
     Router,
     RouterConfig,
     grouped_mlp,
@@ -170,6 +174,87 @@ def test_expert_bias_moves_against_the_load_and_only_in_training():
         Router(H, E, 2).update_expert_bias()
 
 
+def reference_moe(layer: MoE, x: torch.Tensor, capacity_factor: float | None = None) -> torch.Tensor:
+    """The layer written plainly: route, then one expert at a time over the tokens that picked it (capacity: each
+    expert keeps its highest-weight slots, ties to the earlier token), weigh in fp32, add the shared experts."""
+    flat = x.reshape(-1, x.shape[-1])
+    routing = layer.router(flat, seq_len=x.shape[-2] if x.dim() == 3 else None)
+    idx, w = routing.indices, routing.weights
+    n_tok, k = idx.shape
+    ys = flat.new_zeros(n_tok, k, flat.shape[-1])
+    x_slots = flat.unsqueeze(1).expand(-1, k, -1)  # slot (t, j) reads token t
+    for e in range(layer.num_experts):
+        tok, slot = (idx == e).nonzero(as_tuple=True)
+        if capacity_factor is not None:
+            cap = math.ceil(capacity_factor * n_tok * k / layer.num_experts)
+            ranked = sorted(range(len(tok)), key=lambda i: (-w[tok[i], slot[i]].item(), tok[i].item()))
+            kept = sorted(ranked[:cap])
+            tok, slot = tok[kept], slot[kept]
+        gate, up = F.linear(x_slots[tok, slot], layer.experts.gate_up_proj[e]).chunk(2, dim=-1)
+        ys = ys.index_put((tok, slot), F.linear(F.silu(gate) * up, layer.experts.down_proj[e]))
+    acc = ys[:, 0].float() * w[:, 0:1]
+    for j in range(1, k):
+        acc = acc + ys[:, j].float() * w[:, j : j + 1]
+    out = acc.to(x.dtype)
+    if layer.shared_experts is not None:
+        out = out + layer.shared_experts(flat)
+    return out.view(x.shape)
+
+
+LAYER_CASES = {
+    "softmax-k2": dict(num_experts=6, top_k=2),
+    "deepseek-v3": dict(
+        num_experts=8,
+        top_k=3,
+        router=RouterConfig(score_func="sigmoid", route_norm=True, routed_scaling_factor=2.5, n_group=4, topk_group=2),
+        shared_intermediate_size=10,
+    ),
+    "qwen2-shared-gate": dict(
+        num_experts=6, top_k=4, router=RouterConfig(), shared_intermediate_size=7, shared_gate=True
+    ),
+    "capacity": dict(num_experts=6, top_k=2, capacity_factor=0.6),
+    "one-expert-takes-all": dict(
+        num_experts=6, top_k=1, router=RouterConfig(score_func="sigmoid", expert_bias=True), shared_intermediate_size=5
+    ),
+}
+
+
+def _grads(module, x):
+    return [x.grad] + [p.grad for p in module.parameters()]
+
+
+@pytest.mark.parametrize("case", sorted(LAYER_CASES))
+def test_layer_equals_the_per_expert_loop_bitwise(case):
+    kw = LAYER_CASES[case]
+    torch.manual_seed(5)
+    layer = MoE(H, 12, **kw)
+    if case == "one-expert-takes-all":
+        layer.router.expert_bias.copy_(torch.tensor([0, 0, 0, 0, 5.0, 0]))  # every token picks expert 4
+    x = torch.randn(3, 13, H, requires_grad=True)
+    g = torch.randn(3, 13, H)
+    out = layer(x)
+    (out * g).sum().backward()
+    got = [out.detach()] + [t.clone() for t in _grads(layer, x)]
+    layer.zero_grad()
+    x.grad = None
+    ref = reference_moe(layer, x, kw.get("capacity_factor"))
+    (ref * g).sum().backward()
+    want = [ref.detach()] + _grads(layer, x)
+    names = ["out", "x.grad"] + [n for n, _ in layer.named_parameters()]
+    for name, a, b in zip(names, got, want):
+        assert a is not None and b is not None, name
+        assert torch.equal(a, b), f"{case}: {name} differs by {(a - b).abs().max()}"
+    stats, counts = layer.stats, layer.tokens_per_expert
+    assert sum(stats.received) + stats.dropped == 39 * layer.top_k == int(counts.sum())
+    if case == "capacity":
+        assert stats.dropped > 0 and max(stats.received) <= math.ceil(0.6 * 39 * 2 / 6)
+    if case == "one-expert-takes-all":
+        assert stats.received == [0, 0, 0, 0, 39, 0]
+        assert layer.experts.gate_up_proj.grad[[0, 1, 2, 3, 5]].abs().sum() == 0
+    else:
+        assert stats.dropped == 0 or case == "capacity"
+
+
 def test_grouped_mlp_empty_experts_zero_tokens_and_one_expert():
     torch.manual_seed(6)
     gate_up = torch.randn(4, 2 * 5, 7, requires_grad=True)
@@ -225,3 +310,103 @@ def test_local_dispatch_sorts_stably_drops_by_weight_and_combines_in_fp32():
         for s in sorted(mine, key=lambda s: (-w[s].item(), s))[:7]:
             keep[s] = 1
     torch.testing.assert_close(out, x * (w * keep).sum(-1, keepdim=True), rtol=1e-6, atol=1e-6)
+
+
+def _hf_block(name: str):
+    """A tiny transformers MoE block and the MoE layer that holds the same weights (a slice / a copy)."""
+    import transformers.models.deepseek_v3.modeling_deepseek_v3 as ds
+    import transformers.models.qwen3_moe.modeling_qwen3_moe as qw
+
+    torch.manual_seed(7)
+    if name.startswith("qwen3"):
+        cfg = qw.Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=12, num_experts=8, num_experts_per_tok=3)
+        cfg.norm_topk_prob = name.endswith("norm")
+        hf = qw.Qwen3MoeSparseMoeBlock(cfg)
+        ours = MoE(H, 12, 8, 3, router=RouterConfig(route_norm=cfg.norm_topk_prob))
+        pairs = [("gate.weight", "router.weight")]
+    else:
+        cfg = ds.DeepseekV3Config(
+            hidden_size=H,
+            moe_intermediate_size=12,
+            n_routed_experts=8,
+            num_experts_per_tok=3,
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+            n_shared_experts=2,
+            norm_topk_prob=True,
+        )
+        hf = ds.DeepseekV3MoE(cfg)
+        rc = RouterConfig(score_func="sigmoid", route_norm=True, routed_scaling_factor=2.5, n_group=4, topk_group=2)
+        ours = MoE(
+            H, 12, 8, 3, router=RouterConfig(**{**rc.__dict__, "expert_bias": True}), shared_intermediate_size=24
+        )
+        pairs = [("gate.weight", "router.weight"), ("gate.e_score_correction_bias", "router.expert_bias")]
+        pairs += [
+            (f"shared_experts.{p}.weight", f"shared_experts.{p}.weight") for p in ("gate_proj", "up_proj", "down_proj")
+        ]
+    pairs += [("experts.gate_up_proj", "experts.gate_up_proj"), ("experts.down_proj", "experts.down_proj")]
+    theirs, mine = (
+        dict(hf.named_parameters()) | dict(hf.named_buffers()),
+        dict(ours.named_parameters()) | dict(ours.named_buffers()),
+    )
+    with torch.no_grad():
+        for a, b in pairs:
+            theirs[a].normal_(0, 0.3) if a.endswith("bias") or a == "gate.weight" else theirs[a].normal_(0, 0.1)
+            mine[b].copy_(theirs[a])
+    return hf, ours
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3-norm", "deepseek-v3"])
+def test_transformers_moe_blocks_load_by_copy_and_match(name):
+    hf, ours = _hf_block(name)
+    x = torch.randn(2, 9, H)
+    torch.testing.assert_close(ours(x), hf(x), rtol=1e-6, atol=1e-6)
+
+
+def test_bf16_layer_is_close_to_its_float64_twin():
+    torch.manual_seed(8)
+    layer = MoE(H, 12, 6, 2, router=RouterConfig(route_norm=True), shared_intermediate_size=8, dtype=torch.bfloat16)
+    twin = MoE(H, 12, 6, 2, router=RouterConfig(route_norm=True), shared_intermediate_size=8, dtype=torch.float64)
+    twin.load_state_dict({k: v.double() for k, v in layer.state_dict().items()})
+    x = (torch.randn(4, 11, H) * 2).bfloat16()
+    out, ref = layer(x), twin(x.double())
+    assert out.dtype == torch.bfloat16
+    err = (out.double() - ref).abs().max() / ref.abs().max()
+    assert err < 2e-2, err
+
+
+BAD_ARGS = [
+    (dict(num_experts=4, top_k=5), ValueError, "top_k=5 is larger than num_experts=4"),
+    (dict(num_experts=0, top_k=1), ValueError, "num_experts=0 must be >= 1"),
+    (dict(num_experts=4, top_k=2.0), TypeError, "top_k must be an int"),
+    (dict(num_experts=6, top_k=2, router=RouterConfig(n_group=4)), ValueError, "n_group=4 does not divide"),
+    (dict(num_experts=8, top_k=2, router=RouterConfig(n_group=4, topk_group=5)), ValueError, "topk_group=5"),
+    (dict(num_experts=8, top_k=5, router=RouterConfig(n_group=4, topk_group=2)), ValueError, "top_k=5 is larger than"),
+    (dict(num_experts=8, top_k=2, router=RouterConfig(score_func="relu")), ValueError, "score_func='relu'"),
+    (dict(num_experts=8, top_k=2, router=RouterConfig(z_loss_coeff=math.nan)), ValueError, "z_loss_coeff=nan"),
+    (dict(num_experts=8, top_k=2, capacity_factor=0.0), ValueError, "capacity_factor=0.0"),
+    (dict(num_experts=8, top_k=2, capacity_factor="1"), TypeError, "capacity_factor must be a number"),
+]
+
+
+@pytest.mark.parametrize("kw,exc,match", BAD_ARGS, ids=[m for _, _, m in BAD_ARGS])
+def test_bad_arguments_are_refused_naming_them(kw, exc, match):
+    with pytest.raises(exc, match=match.replace("(", "\\(").replace("[", "\\[")):
+        MoE(H, 12, **kw)
+
+
+def test_bad_inputs_are_refused_naming_them():
+    layer = MoE(H, 12, 6, 2)
+    with pytest.raises(ValueError, match=f"must be \\[..., hidden_size={H}\\]"):
+        layer(torch.randn(5, H + 1))
+    with pytest.raises(ValueError, match="floating point"):
+        layer(torch.ones(5, H, dtype=torch.int64))
+    x = torch.randn(5, H)
+    x[3, 0] = math.nan
+    with pytest.raises(ValueError, match="non-finite logits \\(NaN or inf\\) for 1 of 5 tokens"):
+        layer(x)
+    with torch.no_grad():
+        layer.router.weight[2, 1] = math.inf
+    with pytest.raises(ValueError, match="for 5 of 5 tokens"):
+        layer(torch.randn(5, H))
