@@ -103,14 +103,14 @@ def _ds_rank_files(ckpt: Path, rank: int) -> list[Path]:
 
 def _phases() -> tuple[list, list]:
     """(label, owner, attribute) of llmpar's save and load phases, timed by wrapping them (the profile pass only)."""
-    from llmpar.checkpoint import blockfile, files, load, publish, save, shards
+    from llmpar.checkpoint import blockfile, blockwrite, files, load, plan, publish, save, shards
 
     agree = ("agreements (waiting for the slowest rank)", files, "agree_all")
     return (
         [
             ("snapshot (views or host copies, tag agreement)", save, "_prepare"),
-            ("rank file: write + sha256 + fsync", blockfile, "write"),
-            ("of which waiting for the hash threads", blockfile._Hasher, "close"),
+            ("rank file: write + sha256 + fsync", blockwrite, "write"),
+            ("of which waiting for the hash threads", blockfile.Hasher, "close"),
             ("fsync (every file)", os, "fsync"),
             ("publish (rank 0: metadata.json, renames, latest, old copy deleted)", publish, "publish"),
             ("of which deleting the replaced copy", shutil, "rmtree"),
@@ -120,7 +120,7 @@ def _phases() -> tuple[list, list]:
             ("open: resolve, metadata.json, agreement", load, "_open"),
             ("check sizes + index sha256", shards.RankFiles, "check"),
             ("sha256 of this rank's share of the blocks read", shards.RankFiles, "verify_mine"),
-            ("copy into the engine", load, "_apply"),
+            ("copy into the engine", plan, "apply"),
             agree,
         ],
     )

@@ -22,8 +22,9 @@ tied weights once, config.json), for ``consolidate`` and ``engine.save_hf_model`
 from llmpar.checkpoint.files import CheckpointError
 from llmpar.checkpoint.hf_load import load_hf_weights
 from llmpar.checkpoint.load import load_checkpoint
+from llmpar.checkpoint.pending import wait_checkpoint
 from llmpar.checkpoint.protocol import Checkpointable, CheckpointOptimizer, Grid
-from llmpar.checkpoint.save import save_checkpoint, wait_checkpoint
+from llmpar.checkpoint.save import save_checkpoint
 
 __all__ = [
     "CheckpointError",

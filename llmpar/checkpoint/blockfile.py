@@ -14,26 +14,20 @@ records and the padding by the block digests it lists, the header and trailer as
 and the index when it opens a file (:class:`BlockFile`), and a block the first time a read touches it: a rank that
 needs 100 MB of a 300 MB file hashes those 100 MB, not the file; :meth:`BlockFile.verify_all` checks every block.
 
-Writing (:func:`write`): each tensor is handed to ``write()`` as a memoryview of its own memory (a record may be
-several tensors, :class:`Concat`: a rank's partition of a flat buffer spread over units, written without ``cat``);
-the sha256 of each block runs in helper threads (:func:`hash_threads`) while the next blocks are written (hashlib and
-``write`` release the GIL); each block goes to the disk once written (``sync_file_range``): the one ``fsync`` at the
-end finds little left. A tensor on an accelerator goes through the host one block at a time. Verifying many blocks
-hashes them in those threads too.
+Writing: ``blockwrite.py`` (the sha256 of each block taken by the :func:`hash_threads` threads of :class:`Hasher`
+while the next blocks are written). Verifying many blocks hashes them in those threads too.
 """
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import json
 import mmap
 import os
 import queue
 import struct
-import sys
 import threading
-from typing import Any, BinaryIO, Callable, Iterable
+from typing import Any, Iterable
 
 import torch
 
@@ -45,7 +39,7 @@ HEADER = MAGIC + struct.pack("<I", VERSION) + bytes(4)
 TRAILER = 16  # u64 index length + END
 BLOCK = 1 << 22  # 4 MiB: the unit of hashing and of verification
 ALIGN = 64
-_REF = "__record__"
+RECORD_REF = "__record__"
 
 
 class CorruptFile(CheckpointError):
@@ -54,48 +48,6 @@ class CorruptFile(CheckpointError):
     def __init__(self, path: str, why: str) -> None:
         super().__init__(f"checkpoint shard {path} is corrupt ({why})")
         self.path, self.name, self.why = path, os.path.basename(path), why
-
-
-class Concat:
-    """One record written as the concatenation of ``pieces`` (flattened, one dtype): no ``cat`` copy is made."""
-
-    def __init__(self, pieces: list[torch.Tensor]) -> None:
-        if not pieces or len({p.dtype for p in pieces}) != 1:
-            raise ValueError(f"Concat needs one or more tensors of one dtype, got {[p.dtype for p in pieces]}")
-        self.pieces = pieces
-        self.dtype = pieces[0].dtype
-        self.shape = [sum(p.numel() for p in pieces)]
-
-    def tensor(self) -> torch.Tensor:
-        """A fresh host tensor holding the concatenation (each piece copied once, straight into it)."""
-        out, at = torch.empty(self.shape[0], dtype=self.dtype), 0
-        for p in self.pieces:
-            out[at : at + p.numel()].copy_(p.detach().reshape(-1))
-            at += p.numel()
-        return out
-
-
-# ---------------------------------------------------------------------------------------------------- writing
-def _skeleton(obj: Any, records: list[Concat | torch.Tensor], where: str = "obj") -> Any:
-    """``obj`` as JSON with each tensor / Concat appended to ``records`` and replaced by its reference."""
-    if isinstance(obj, (torch.Tensor, Concat)):
-        records.append(obj)
-        return {_REF: len(records) - 1}
-    if isinstance(obj, dict):
-        if not all(isinstance(k, str) for k in obj) or _REF in obj:
-            raise TypeError(f"{where}: dict keys must be str (and not {_REF!r}), got {list(obj)[:5]}")
-        return {k: _skeleton(v, records, f"{where}[{k!r}]") for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_skeleton(v, records, f"{where}[{i}]") for i, v in enumerate(obj)]
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    raise TypeError(f"{where}: cannot write a {type(obj).__name__} to a checkpoint rank file")
-
-
-def _bytes_of(t: torch.Tensor) -> memoryview:
-    """The bytes of host tensor ``t`` (any dtype) without a copy when it is contiguous."""
-    t = t.detach().resolve_conj().resolve_neg().reshape(-1)
-    return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
 
 
 def _digest(parts: list[memoryview]) -> str:
@@ -119,7 +71,7 @@ def hash_threads() -> int:
     return max(1, min(4, cpus // local))
 
 
-class _Hasher:
+class Hasher:
     """The sha256 of each submitted block, in submission order, by ``threads`` helper threads (plain threads: a
     ``ThreadPoolExecutor`` takes no work once the interpreter exits, when an async save left pending is finished);
     inline when ``threads`` is 0 or no thread can start."""
@@ -158,110 +110,6 @@ class _Hasher:
         return self.digests
 
 
-def _writeback() -> Callable[[int, int, int], Any] | None:
-    """``(fd, offset, nbytes)``: Linux's ``sync_file_range(SYNC_FILE_RANGE_WRITE)``, which starts writing a range of
-    the page cache to the disk without waiting for it; None where there is none."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes, fn.restype = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint], ctypes.c_int
-    return lambda fd, offset, nbytes: fn(fd, offset, nbytes, 2)  # 2: SYNC_FILE_RANGE_WRITE; a hint, errors ignored
-
-
-class _Writer:
-    """Sequential writes into ``f`` from ``len(HEADER)`` on; each full block's sha256 is computed by ``hasher`` while
-    the next one is written."""
-
-    def __init__(self, f: BinaryIO, hasher: _Hasher, block: int) -> None:
-        self.f, self.hasher, self.block = f, hasher, block
-        self.pos = len(HEADER)
-        self.parts: list[memoryview] = []  # the current block's bytes (views: kept alive until hashed)
-        self.start = self.pos  # where the current block starts
-        self.writeback = _writeback()
-
-    def put(self, mv: memoryview) -> None:
-        while mv.nbytes:
-            room = self.block - (self.pos - len(HEADER)) % self.block
-            part, mv = mv[:room], mv[room:]
-            self.parts.append(part)
-            done = 0
-            while done < part.nbytes:  # a regular file takes it whole, barring a signal
-                done += self.f.write(part[done:]) or 0
-            self.pos += part.nbytes
-            if (self.pos - len(HEADER)) % self.block == 0:
-                self.seal()
-
-    def put_tensor(self, t: torch.Tensor) -> None:
-        if t.device.type == "cpu":
-            self.put(_bytes_of(t))
-            return
-        flat = t.detach().reshape(-1)
-        step = max(1, self.block // max(1, t.element_size()))
-        for a in range(0, flat.numel(), step):  # to the host one block at a time
-            self.put(_bytes_of(flat[a : a + step].cpu()))
-
-    def seal(self) -> None:
-        if self.parts:
-            parts, self.parts = self.parts, []
-            self.hasher.submit(parts)
-            if self.writeback is not None:  # to the disk from now on: the fsync at the end finds little left
-                self.writeback(self.f.fileno(), self.start, self.pos - self.start)
-            self.start = self.pos
-
-
-def write(path: str, obj: Any, *, block: int = BLOCK, threads: int | None = None) -> dict:
-    """Write ``obj`` (nested dicts / lists of tensors, :class:`Concat`, str, int, float, bool, None) to ``path`` in
-    this format, fsynced once at the end; returns ``{"bytes", "index_sha256"}`` for ``metadata.json``.
-    ``threads``: hashing threads working while the file is written (default :func:`hash_threads`; 0: inline)."""
-    records: list[Concat | torch.Tensor] = []
-    tree = _skeleton(obj, records)
-    table = []
-    hasher = _Hasher(hash_threads() if threads is None else threads)
-    try:
-        with open(path, "wb", buffering=0) as f:
-            f.write(HEADER)
-            w = _Writer(f, hasher, block)
-            for rec in records:
-                w.put(memoryview(bytes(-w.pos % ALIGN)))
-                start = w.pos
-                for piece in rec.pieces if isinstance(rec, Concat) else [rec]:
-                    w.put_tensor(piece)
-                table.append(
-                    {
-                        "dtype": str(rec.dtype).removeprefix("torch."),
-                        "shape": list(rec.shape),
-                        "offset": start,
-                        "nbytes": w.pos - start,
-                    }
-                )
-            w.seal()
-            data_end = w.pos
-            digests = hasher.close()
-            if None in digests or len(digests) != -(-(data_end - len(HEADER)) // block):
-                raise RuntimeError(f"hashing {path} failed (a hashing thread died)")
-            index = json.dumps(
-                {
-                    "version": VERSION,
-                    "block": block,
-                    "data_end": data_end,
-                    "blocks": digests,
-                    "records": table,
-                    "tree": tree,
-                },
-                separators=(",", ":"),
-            ).encode()
-            f.write(index)
-            f.write(struct.pack("<Q", len(index)) + END)
-            os.fsync(f.fileno())
-    finally:
-        hasher.close()
-    return {"bytes": data_end + len(index) + TRAILER, "index_sha256": hashlib.sha256(index).hexdigest()}
-
-
-# ---------------------------------------------------------------------------------------------------- reading
 def _dtype(name: Any) -> torch.dtype:
     if not isinstance(dt := getattr(torch, name, None) if isinstance(name, str) else None, torch.dtype):
         raise ValueError(f"unknown dtype {name!r}")
@@ -341,7 +189,7 @@ class BlockFile:
         raises :class:`CorruptFile` naming the first that differs."""
         todo = sorted({k for k in blocks if not self.verified[k]})
         threads = hash_threads() if len(todo) > 1 else 0
-        hasher, view = _Hasher(threads if threads > 1 else 0), memoryview(self.mm)
+        hasher, view = Hasher(threads if threads > 1 else 0), memoryview(self.mm)
         span = [(len(HEADER) + k * self.block, min(len(HEADER) + (k + 1) * self.block, self.data_end)) for k in todo]
         for a, z in span:
             hasher.submit([view[a:z]])
@@ -371,7 +219,7 @@ class BlockFile:
 
         def build(x: Any) -> Any:
             if isinstance(x, dict):
-                return Record(self, x[_REF]) if _REF in x else {k: build(v) for k, v in x.items()}
+                return Record(self, x[RECORD_REF]) if RECORD_REF in x else {k: build(v) for k, v in x.items()}
             return [build(v) for v in x] if isinstance(x, list) else x
 
         return build(self.tree)

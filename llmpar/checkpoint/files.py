@@ -1,5 +1,6 @@
-"""Checkpoint files on disk: checksummed writes, ``metadata.json`` and its digest, the ``latest`` pointer, resolving
-a tag (with the recovery of an interrupted re-save), and agreement of errors between ranks.
+"""Checkpoint files on disk: checksummed writes, the ``latest`` pointer, accepted tags and resolving one (with the
+recovery of an interrupted re-save), and agreement of errors between ranks (``metacheck.py`` writes and reads
+``metadata.json`` with its digest).
 
 A checkpoint ``DIR/TAG/`` holds, once published:
 
@@ -280,57 +281,6 @@ def _tag_problem(tag: str) -> str | None:
     if len(tag.encode()) > MAX_TAG_BYTES:
         return f"is {len(tag.encode())} bytes long in UTF-8"
     return None
-
-
-def _canonical(meta: dict) -> bytes:
-    return json.dumps(
-        {k: v for k, v in meta.items() if k != "digest"}, sort_keys=True, separators=(",", ":"), allow_nan=True
-    ).encode()
-
-
-def write_metadata(path: str, meta: dict) -> dict:
-    """Write ``path/metadata.json`` (atomically, fsynced) with its digest; returns what was written."""
-    meta = json.loads(json.dumps({**meta, "format": FORMAT_VERSION}))  # the digest of what a reader will parse
-    meta["digest"] = "sha256:" + hashlib.sha256(_canonical(meta)).hexdigest()
-    write_json_atomic(os.path.join(path, METADATA), meta)
-    return meta
-
-
-def read_metadata(path: str) -> dict:
-    """``path/metadata.json``, its digest checked; a ``CheckpointError`` naming the file when it cannot be read,
-    parsed, is of an unknown format or does not match its digest."""
-    name = os.path.join(path, METADATA)
-    try:
-        with open(name, "rb") as f:
-            raw = f.read()
-        meta = json.loads(raw)
-    except OSError as e:
-        raise CheckpointError(f"cannot read {name}: {e.strerror or e}") from e
-    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-        raise CheckpointError(f"{name} is not valid JSON ({len(raw)} bytes; truncated or corrupt?): {e}") from e
-    if not isinstance(meta, dict):
-        raise CheckpointError(f"{name} holds a JSON {type(meta).__name__}, not a checkpoint's metadata")
-    fmt = meta.get("format")
-    if fmt not in READABLE_FORMATS:
-        raise CheckpointError(
-            f"{name} has format {fmt!r}; this llmpar reads formats {list(READABLE_FORMATS)}"
-            + (" (it was written by a newer llmpar)" if isinstance(fmt, int) and fmt > 1 else "")
-        )
-    if fmt >= 2:
-        digest = meta.get("digest")
-        want = "sha256:" + hashlib.sha256(_canonical(meta)).hexdigest()
-        if digest != want:
-            raise CheckpointError(
-                f"{name} does not match its digest ({'none recorded' if digest is None else digest}"
-                f", content {want}): it was edited or corrupted after it was written"
-            )
-    return meta
-
-
-def identity(path: str) -> str:
-    """What tells one saved checkpoint from another: the sha256 of its ``metadata.json`` (which names its tag and
-    every file's sha256)."""
-    return sha256_file(os.path.join(path, METADATA))[0]
 
 
 def agree(code: int, groups: list[Group], device: torch.device) -> int:

@@ -1,20 +1,24 @@
-"""``metadata.json`` checked whole before a load or a consolidation reads anything else or modifies any state.
+"""``metadata.json``: written with its digest (:func:`write_metadata`), read back with the digest checked
+(:func:`read_metadata`), and checked whole (:func:`read`) before a load or a consolidation reads anything else or
+modifies any state.
 
-The digest (``files.read_metadata``) proves that the file is as it was written, not that what was written is
-sound: an edited file re-digested, a bug of another writer, or a field an older llmpar did not write. A load reads
-the layout to plan (sizes, offsets, unit indices: a zero or negative size there was a ZeroDivisionError, or an
-endless loop), and the run state (``engine``, ``optimizer``, ``param_groups``, ``scheduler``) only after the params
-were copied in: a ``"engine": null`` or ``"optimizer": {}`` failed there with a bare TypeError / KeyError and a
-half-loaded engine. :func:`read` checks every field a reader uses, by type and range, and raises a
-``CheckpointError`` naming the file, the field (``layout.buffers[0].units[1].padded``), its value and what is
-accepted; :func:`check_engine` checks the entries the engine's counters and scheduler state hold as numbers.
-Optional fields (older formats lack them) are checked when present: ``pp``, ``extras``, ``model``, a buffer's
-``pp_rank`` / ``index``, a param's ``tp`` / ``dup``; a rank file entry's ``sha256`` (formats 1-2) or
+The digest (``"digest"``: the sha256 of every other key, canonical JSON) proves that the file is as it was written,
+not that what was written is sound: an edited file re-digested, a bug of another writer, or a field an older llmpar
+did not write. A load reads the layout to plan (sizes, offsets, unit indices: a zero or negative size there was a
+ZeroDivisionError, or an endless loop), and the run state (``engine``, ``optimizer``, ``param_groups``,
+``scheduler``) only after the params were copied in: a ``"engine": null`` or ``"optimizer": {}`` failed there with a
+bare TypeError / KeyError and a half-loaded engine. :func:`read` checks every field a reader uses, by type and
+range, and raises a ``CheckpointError`` naming the file, the field (``layout.buffers[0].units[1].padded``), its
+value and what is accepted; :func:`check_engine` checks the entries the engine's counters and scheduler state hold
+as numbers. Optional fields (older formats lack them) are checked when present: ``pp``, ``extras``, ``model``, a
+buffer's ``pp_rank`` / ``index``, a param's ``tp`` / ``dup``; a rank file entry's ``sha256`` (formats 1-2) or
 ``index_sha256`` (format 3).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from typing import Any, NoReturn
 
@@ -80,10 +84,61 @@ def _is_num(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def _canonical(meta: dict) -> bytes:
+    return json.dumps(
+        {k: v for k, v in meta.items() if k != "digest"}, sort_keys=True, separators=(",", ":"), allow_nan=True
+    ).encode()
+
+
+def write_metadata(path: str, meta: dict) -> dict:
+    """Write ``path/metadata.json`` (atomically, fsynced) with its digest; returns what was written."""
+    meta = json.loads(json.dumps({**meta, "format": files.FORMAT_VERSION}))  # the digest of what a reader will parse
+    meta["digest"] = "sha256:" + hashlib.sha256(_canonical(meta)).hexdigest()
+    files.write_json_atomic(os.path.join(path, files.METADATA), meta)
+    return meta
+
+
+def read_metadata(path: str) -> dict:
+    """``path/metadata.json``, its digest checked; a ``CheckpointError`` naming the file when it cannot be read,
+    parsed, is of an unknown format or does not match its digest."""
+    name = os.path.join(path, files.METADATA)
+    try:
+        with open(name, "rb") as f:
+            raw = f.read()
+        meta = json.loads(raw)
+    except OSError as e:
+        raise CheckpointError(f"cannot read {name}: {e.strerror or e}") from e
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise CheckpointError(f"{name} is not valid JSON ({len(raw)} bytes; truncated or corrupt?): {e}") from e
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{name} holds a JSON {type(meta).__name__}, not a checkpoint's metadata")
+    fmt = meta.get("format")
+    if fmt not in files.READABLE_FORMATS:
+        raise CheckpointError(
+            f"{name} has format {fmt!r}; this llmpar reads formats {list(files.READABLE_FORMATS)}"
+            + (" (it was written by a newer llmpar)" if isinstance(fmt, int) and fmt > 1 else "")
+        )
+    if fmt >= 2:
+        digest = meta.get("digest")
+        want = "sha256:" + hashlib.sha256(_canonical(meta)).hexdigest()
+        if digest != want:
+            raise CheckpointError(
+                f"{name} does not match its digest ({'none recorded' if digest is None else digest}"
+                f", content {want}): it was edited or corrupted after it was written"
+            )
+    return meta
+
+
+def identity(path: str) -> str:
+    """What tells one saved checkpoint from another: the sha256 of its ``metadata.json`` (which names its tag and
+    every file's sha256)."""
+    return files.sha256_file(os.path.join(path, files.METADATA))[0]
+
+
 def read(path: str) -> dict:
-    """``path/metadata.json``: read, its digest checked (``files.read_metadata``), then every field checked
+    """``path/metadata.json``: read, its digest checked (:func:`read_metadata`), then every field checked
     (:func:`check`)."""
-    meta = files.read_metadata(path)
+    meta = read_metadata(path)
     check(meta, os.path.join(path, files.METADATA))
     return meta
 
@@ -219,4 +274,4 @@ def _like(f: _Fields, saved: dict, live: dict, field: str) -> None:
             _like(f, f.obj(saved[key], f"{field}.{key}"), value, f"{field}.{key}")
 
 
-__all__ = ["check", "check_engine", "read"]
+__all__ = ["check", "check_engine", "identity", "read", "read_metadata", "write_metadata"]

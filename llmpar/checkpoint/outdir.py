@@ -9,12 +9,13 @@ Refused before anything is written (``ValueError`` naming the path and what it h
 is not an empty directory unless ``overwrite`` (``--overwrite``; then the target is replaced whole: no file of an
 earlier output survives, whatever its name), a target that is a file.
 
-The swap: Linux's ``renameat2(RENAME_EXCHANGE)`` exchanges the two directories in one step (a kill at any instant
-leaves the old output or the new one at the target); where it is not available (another OS, a file system without
-it), two renames: the target moved aside to ``.NAME.old-PID-HEX``, then the new directory into its place. A kill
-between those two leaves no target and the previous output whole beside it. The next ``staged`` call into the same
-target repairs what a killed one left: a ``.NAME.old-*`` copy whose target is missing is moved back, and the
-``.NAME.tmp-*`` / ``.NAME.old-*`` directories of processes no longer running are removed.
+The swap is ``publish.swap_in``, the one a checkpoint's publish makes: Linux's ``renameat2(RENAME_EXCHANGE)``
+exchanges the two directories in one step (a kill at any instant leaves the old output or the new one at the
+target); where it is not available (another OS, a file system without it), two renames: the target moved aside to
+``.NAME.old-PID-HEX``, then the new directory into its place. A kill between those two leaves no target and the
+previous output whole beside it. The next ``staged`` call into the same target repairs what a killed one left: a
+``.NAME.old-*`` copy whose target is missing is moved back, and the ``.NAME.tmp-*`` / ``.NAME.old-*`` directories of
+processes no longer running are removed.
 
 A target that is a symlink to a directory: the directory it names is replaced (built beside it), the link kept.
 """
@@ -22,22 +23,17 @@ A target that is a symlink to a directory: the directory it names is replaced (b
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
-import logging
 import os
 import re
 import secrets
 import shutil
 from typing import Iterator
 
+from llmpar.checkpoint import publish
 from llmpar.checkpoint.files import CheckpointError, fsync_dir
 
-logger = logging.getLogger("llmpar")
-
 _WRITE_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG, errno.EIO)  # a write's, with no file name
-_AT_FDCWD = -100
-_RENAME_EXCHANGE = 2
 
 
 def check_target(out_dir: str, overwrite: bool, source: str | None = None) -> str:
@@ -119,36 +115,14 @@ def moved(paths: list[str], tmp: str, out_dir: str) -> list[str]:
     return [os.path.join(os.fspath(out_dir), os.path.relpath(p, tmp)) for p in paths]
 
 
-def _exchange(a: str, b: str) -> bool:
-    """Exchange directories ``a`` and ``b`` in one step (``renameat2(RENAME_EXCHANGE)``); False where the OS or the
-    file system cannot (the caller then renames twice)."""
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).renameat2
-    except (AttributeError, OSError):
-        return False
-    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
-        return False
-    raise OSError(err, f"exchanging {a} and {b}: {os.strerror(err)}")
-
-
 def swap(tmp: str, target: str) -> None:
-    """Directory ``tmp`` becomes ``target``; the previous ``target`` (if any) is removed once it is out of place."""
+    """Directory ``tmp`` becomes ``target`` (``publish.swap_in``, exchanged in one step where it can be); the previous
+    ``target`` (if any) is removed once it is out of place."""
     parent, base = os.path.split(target)
-    if not os.path.lexists(target):
-        os.rename(tmp, target)
-    elif _exchange(tmp, target):
-        pass  # tmp now holds the previous output
-    else:
-        old = os.path.join(parent, f".{base}.old-{os.getpid()}-{secrets.token_hex(4)}")
-        os.rename(target, old)
-        fsync_dir(parent)
-        os.rename(tmp, target)
-        tmp = old
-    fsync_dir(parent)
-    shutil.rmtree(tmp, ignore_errors=True)
+    aside = os.path.join(parent, f".{base}.old-{os.getpid()}-{secrets.token_hex(4)}")
+    previous = publish.swap_in(tmp, target, aside, exchange=True)
+    if previous:
+        shutil.rmtree(previous, ignore_errors=True)
 
 
 def _alive(pid: int) -> bool:
@@ -173,8 +147,7 @@ def _repair(target: str) -> None:
             continue
         path = os.path.join(parent, name)
         if m.group(1) == "old" and not os.path.lexists(target):
-            os.rename(path, target)
-            logger.warning("put %s back as %s (a conversion into it was stopped between its two renames)", path, target)
+            publish.put_back(path, target, "a conversion into it was stopped between its two renames")
         else:
             shutil.rmtree(path, ignore_errors=True)
 

@@ -16,6 +16,9 @@ A publish that raises (disk full) rolls back: the old copy back under TAG, the n
 publish, :func:`cleanup` deletes stale ``.tmp-*`` directories (failed or never published saves), ``.old-*`` copies
 whose tag is in place again, and puts back an ``.old-TAG`` whose TAG is missing.
 
+The swap itself (:func:`swap_in`: the old copy moved aside, then the new one into place; or, for an export's output
+directory, ``outdir.py``, the two exchanged in one step where the OS can) is the one llmpar has.
+
 A TAG that is a symlink (a checkpoint moved to other storage and linked back) is handled as the directory entry it
 is: a re-save moves the link aside as ``.old-TAG`` and, once the new copy is in, unlinks it. So the new checkpoint
 is a real directory ``DIR/TAG`` next to ``latest`` (its files written and renamed on the save directory's file
@@ -24,39 +27,42 @@ system), and the link's target, the previous copy, is left as it is: nothing is 
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import glob
 import json
 import logging
 import os
 import shutil
 
-from llmpar.checkpoint import files
+from llmpar.checkpoint import files, metacheck
 from llmpar.checkpoint.files import CheckpointError
 from llmpar.checkpoint.protocol import FaultHook
 
 logger = logging.getLogger("llmpar")
 
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
 
 def publish(save_dir: str, tmp: str, tag: str, fault_hook: FaultHook | None = None) -> str:
-    """Rank 0, once ``tmp`` is complete: it becomes ``save_dir/tag`` (an older copy of that tag is replaced), then
-    ``latest`` names it; a failure rolls back (and raises). Returns the published path. ``fault_hook`` (tests):
-    called at the instants of the module docstring."""
+    """Rank 0, once ``tmp`` is complete: it becomes ``save_dir/tag`` (an older copy of that tag is replaced:
+    :func:`swap_in`), then ``latest`` names it; a failure rolls back (and raises). Returns the published path.
+    ``fault_hook`` (tests): called at the instants of the module docstring."""
     final = os.path.join(save_dir, tag)
     old = os.path.join(save_dir, files.OLD_PREFIX + tag)
     moved = False
     files.fault(fault_hook, "before_publish")
     try:
-        if os.path.lexists(final):  # a symlink (even a dangling one) is moved aside like a directory
-            if files.complete(final) or not files.complete(old):
-                files.remove_path(old)  # stale: the tag itself is complete
-                os.rename(final, old)
-                moved = True
-            else:  # an incomplete TAG next to a complete .old-TAG: the old copy is the good one, keep it
-                files.remove_path(final)
+        if os.path.lexists(final) and not files.complete(final) and files.complete(old):
+            # an incomplete TAG next to a complete .old-TAG: the old copy is the good one, keep it
+            files.remove_path(final)
             files.fsync_dir(save_dir)
             files.fault(fault_hook, "old_moved_aside")
-        os.rename(tmp, final)
-        files.fsync_dir(save_dir)
+        elif os.path.lexists(final):  # a symlink (even a dangling one) is moved aside like a directory
+            files.remove_path(old)  # stale: the tag itself is complete
+            moved = True
+        swap_in(tmp, final, old, fault_hook=fault_hook)
         files.fault(fault_hook, "before_latest")
         files.write_latest(save_dir, tag)
     except Exception:
@@ -69,6 +75,53 @@ def publish(save_dir: str, tmp: str, tag: str, fault_hook: FaultHook | None = No
         except OSError:  # the published checkpoint is in place; cleanup() retries (and says why it cannot)
             pass
     return final
+
+
+def swap_in(tmp: str, target: str, aside: str, *, exchange: bool = False, fault_hook: FaultHook | None = None) -> str:
+    """Directory ``tmp`` becomes ``target`` (the one directory swap of llmpar: a publish, and an export's output
+    directory, ``outdir.py``); returns the path that now holds the previous ``target`` ("" when there was none), for
+    the caller to remove once it no longer needs it. A ``target`` already there is moved out of the way first: with
+    ``exchange``, exchanged with ``tmp`` in one step where the OS and file system can (Linux's
+    ``renameat2(RENAME_EXCHANGE)``: ``tmp`` then holds it); else renamed to ``aside`` (a crash between that rename and
+    the next leaves no ``target`` and the previous copy whole at ``aside``: :func:`put_back` undoes it), the
+    "old_moved_aside" instant of ``fault_hook``, then ``tmp`` renamed to ``target``. The directory is fsynced after
+    each rename."""
+    parent = os.path.dirname(target) or "."
+    if not os.path.lexists(target):
+        os.rename(tmp, target)
+        files.fsync_dir(parent)
+        return ""
+    if exchange and _exchange(tmp, target):
+        files.fsync_dir(parent)
+        return tmp
+    os.rename(target, aside)
+    files.fsync_dir(parent)
+    files.fault(fault_hook, "old_moved_aside")
+    os.rename(tmp, target)
+    files.fsync_dir(parent)
+    return aside
+
+
+def put_back(aside: str, target: str, why: str) -> None:
+    """``aside`` (a previous copy moved out of the way by :func:`swap_in`, whose swap stopped before its second
+    rename: ``why``) back in place as ``target``, which is missing."""
+    os.rename(aside, target)
+    logger.warning("put %s back as %s (%s)", aside, target, why)
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Exchange directories ``a`` and ``b`` in one step (``renameat2(RENAME_EXCHANGE)``); False where the OS or the
+    file system cannot (the caller then renames twice)."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False
+    raise OSError(err, f"exchanging {a} and {b}: {os.strerror(err)}")
 
 
 def _roll_back(final: str, old: str, tmp: str, moved: bool) -> None:
@@ -116,7 +169,7 @@ def assemble(tmp: str) -> dict:
     files, with its digest); the side files are removed. Raises when a file is missing."""
     done, missing, failed = state(tmp)
     if files.complete(tmp):
-        return files.read_metadata(tmp)
+        return metacheck.read_metadata(tmp)
     if not done:
         raise CheckpointError(
             f"{tmp} is not complete: "
@@ -142,7 +195,7 @@ def assemble(tmp: str) -> dict:
         raise CheckpointError(f"{tmp} holds the layouts of pp ranks {sorted(layouts)}, expected 0..{grid['pp'] - 1}")
     meta = {**meta, "files": rank_files, "extras": extras_at}
     meta["layout"] = {**meta["layout"], "buffers": [b for p in range(int(grid["pp"])) for b in layouts[p]]}
-    meta = files.write_metadata(tmp, meta)
+    meta = metacheck.write_metadata(tmp, meta)
     for name in _expected(grid):
         os.remove(os.path.join(tmp, name + ".json"))
     os.remove(os.path.join(tmp, files.PART))
@@ -194,10 +247,7 @@ def cleanup(save_dir: str) -> None:
                 if files.complete(final) or not os.path.exists(path):  # or a dangling link: nothing to put back
                     files.remove_path(path)
                 elif files.complete(path) and not os.path.exists(final):
-                    os.rename(path, final)
-                    logger.warning(
-                        "put %s back as %s (a re-save of that tag had stopped between its renames)", path, final
-                    )
+                    put_back(path, final, "a re-save of that tag had stopped between its renames")
             elif name == files.LATEST + ".tmp":
                 os.remove(path)
         except OSError as e:  # cleaning is best effort: the checkpoint itself is published

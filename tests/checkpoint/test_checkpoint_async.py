@@ -12,7 +12,7 @@ from test_checkpoint import _engine, _train
 
 from llmpar.checkpoint import files as ckfiles
 from llmpar.checkpoint import save_checkpoint
-from llmpar.checkpoint.save import pending
+from llmpar.checkpoint.pending import pending
 
 from multirank import run_ranks
 

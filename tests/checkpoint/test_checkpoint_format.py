@@ -1,4 +1,4 @@
-"""Checkpoint format 3: rank files in llmpar's block format (``llmpar/checkpoint/blockfile.py``).
+"""Checkpoint format 3: rank files in llmpar's block format (``llmpar/checkpoint/blockfile.py``, ``blockwrite.py``).
 
 * round trip of every dtype (bf16, fp16, float64, ints, bool, complex), odd shapes, 0-element and 0-dim tensors,
   non-contiguous views and multi-piece records (``Concat``), across block boundaries, hashed inline or in a thread;
@@ -23,8 +23,9 @@ import pytest
 import torch
 from test_checkpoint_protocol import FakeEngine, _same
 
-from llmpar.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from llmpar.checkpoint import CheckpointError, load_checkpoint, metacheck, save_checkpoint
 from llmpar.checkpoint import blockfile as bf
+from llmpar.checkpoint import blockwrite as bw
 from llmpar.checkpoint import files as ckfiles
 from llmpar.checkpoint.consolidate import consolidated_state_dict
 
@@ -69,7 +70,7 @@ def _obj(seed: int = 0) -> dict:
         "b": True,
         "i": 2**70,
         "list": [1, (2, 3), []],
-        "concat": bf.Concat([base[0], base[2, 3:], torch.randn(0)]),
+        "concat": bw.Concat([base[0], base[2, 3:], torch.randn(0)]),
         "nested": {"x": {"y": [base[5]]}},
     }
 
@@ -89,7 +90,7 @@ def _check(got: dict, want: dict) -> None:
 @pytest.mark.parametrize("block, threads", [(bf.BLOCK, None), (64, 1), (100, 0), (4096, 3)])
 def test_round_trip_every_dtype_and_shape(block, threads, tmp_path):
     want = _obj(1)
-    info = bf.write(str(tmp_path / "f.shard"), want, block=block, threads=threads)
+    info = bw.write(str(tmp_path / "f.shard"), want, block=block, threads=threads)
     assert info["bytes"] == (tmp_path / "f.shard").stat().st_size
     got = bf.load(str(tmp_path / "f.shard"), info)
     _check(got, want)
@@ -99,7 +100,7 @@ def test_round_trip_every_dtype_and_shape(block, threads, tmp_path):
 
 def test_reads_verify_only_the_blocks_they_touch(tmp_path):
     a, b = torch.arange(1000, dtype=torch.float32), torch.arange(1000, dtype=torch.float64)
-    info = bf.write(str(tmp_path / "f.shard"), {"a": a, "b": b}, block=512)
+    info = bw.write(str(tmp_path / "f.shard"), {"a": a, "b": b}, block=512)
     f = bf.BlockFile(str(tmp_path / "f.shard"), info)
     rec = f.value()
     assert torch.equal(rec["a"].read(10, 20), a[10:20]) and sum(f.verified) == 1  # elements 10-19: one block
@@ -127,7 +128,7 @@ def _flip(path: Path, at: int) -> None:
 @pytest.mark.parametrize("where", ["header", "data", "padding", "index", "trailer", "last"])
 def test_a_flipped_byte_anywhere_is_detected(where, tmp_path):
     path = tmp_path / "f.shard"
-    info = bf.write(str(path), {"a": torch.randn(3), "b": torch.randn(100)}, block=64)
+    info = bw.write(str(path), {"a": torch.randn(3), "b": torch.randn(100)}, block=64)
     f = bf.BlockFile(str(path), info)
     size = path.stat().st_size
     at = {
@@ -146,7 +147,7 @@ def test_a_flipped_byte_anywhere_is_detected(where, tmp_path):
 @pytest.mark.parametrize("cut", [1, 20, 400, -7])
 def test_a_truncated_or_extended_file_is_detected(cut, tmp_path):
     path = tmp_path / "f.shard"
-    info = bf.write(str(path), {"a": torch.randn(300)}, block=256)
+    info = bw.write(str(path), {"a": torch.randn(300)}, block=256)
     data = path.read_bytes()
     path.write_bytes(data[:-cut] if cut > 0 else data + bytes(-cut))
     with pytest.raises(bf.CorruptFile, match="f.shard"):
@@ -157,11 +158,11 @@ def test_a_truncated_or_extended_file_is_detected(cut, tmp_path):
 
 def test_what_cannot_be_written_is_named(tmp_path):
     with pytest.raises(TypeError, match=r"obj\['x'\]\[1\]"):
-        bf.write(str(tmp_path / "f.shard"), {"x": [1, object()]})
+        bw.write(str(tmp_path / "f.shard"), {"x": [1, object()]})
     with pytest.raises(TypeError, match="keys must be str"):
-        bf.write(str(tmp_path / "f.shard"), {1: torch.zeros(1)})
+        bw.write(str(tmp_path / "f.shard"), {1: torch.zeros(1)})
     with pytest.raises(ValueError, match="one dtype"):
-        bf.Concat([torch.zeros(1), torch.zeros(1, dtype=torch.float64)])
+        bw.Concat([torch.zeros(1), torch.zeros(1, dtype=torch.float64)])
 
 
 # ---------------------------------------------------------------------------------------------------- checkpoints
@@ -186,7 +187,7 @@ def downgrade(path: Path, fmt: int) -> None:
     meta.update(files=out, format=fmt)
     meta.pop("digest", None)
     if fmt >= 2:
-        meta["digest"] = "sha256:" + hashlib.sha256(ckfiles._canonical(meta)).hexdigest()
+        meta["digest"] = "sha256:" + hashlib.sha256(metacheck._canonical(meta)).hexdigest()
     (path / ckfiles.METADATA).write_text(json.dumps(meta, indent=1))
 
 
@@ -314,7 +315,7 @@ def test_blocks_nobody_wrote_are_spread_over_the_ranks_that_read_them(tmp_path):
     blocks alternating between them; the writer, when it reads a block, hashes it."""
     from llmpar.checkpoint.shards import RankFiles
 
-    info = bf.write(str(tmp_path / "f.shard"), {"x": torch.randn(5 * bf.BLOCK // 4)})  # 6 blocks
+    info = bw.write(str(tmp_path / "f.shard"), {"x": torch.randn(5 * bf.BLOCK // 4)})  # 6 blocks
     meta = {"files": {"f.shard": {**info, "dp_rank": 0, "tp_rank": 1, "pp_rank": 0}}}
     for owner in (None, 1):
         readers = [RankFiles(str(tmp_path), meta) for _ in range(2)]
@@ -333,9 +334,9 @@ def test_blocks_nobody_wrote_are_spread_over_the_ranks_that_read_them(tmp_path):
 def test_without_early_writeback_or_hash_threads(monkeypatch, tmp_path):
     """Where ``sync_file_range`` is missing (not Linux) and no thread can start, the file is the same."""
     want = _obj(2)
-    info = bf.write(str(tmp_path / "a.shard"), want, block=256)
-    monkeypatch.setattr(bf, "_writeback", lambda: None)
+    info = bw.write(str(tmp_path / "a.shard"), want, block=256)
+    monkeypatch.setattr(bw, "_writeback", lambda: None)
     monkeypatch.setattr(bf.threading.Thread, "start", lambda self: (_ for _ in ()).throw(RuntimeError("shutdown")))
-    assert bf.write(str(tmp_path / "b.shard"), want, block=256, threads=2) == info
+    assert bw.write(str(tmp_path / "b.shard"), want, block=256, threads=2) == info
     assert (tmp_path / "a.shard").read_bytes() == (tmp_path / "b.shard").read_bytes()
     _check(bf.load(str(tmp_path / "b.shard"), info), want)

@@ -30,7 +30,7 @@ from llmpar.checkpoint import (
     wait_checkpoint,
 )
 from llmpar.checkpoint.consolidate import consolidated_state_dict
-from llmpar.checkpoint.save import pending
+from llmpar.checkpoint.pending import pending
 
 CKPT = Path(__file__).resolve().parents[2] / "llmpar" / "checkpoint"
 

@@ -29,10 +29,10 @@ import pytest
 import torch
 from test_checkpoint_protocol import FakeEngine, _same
 
-from llmpar.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, wait_checkpoint
+from llmpar.checkpoint import CheckpointError, load_checkpoint, metacheck, save_checkpoint, wait_checkpoint
 from llmpar.checkpoint import files as ckfiles
 from llmpar.checkpoint.consolidate import consolidated_state_dict
-from llmpar.checkpoint.save import pending
+from llmpar.checkpoint.pending import pending
 from llmpar.runtime import engine_ckpt
 
 from multirank import run_ranks
@@ -215,7 +215,7 @@ def test_bad_metadata_is_refused_naming_the_field_before_anything_changes(field,
         meta["files"]["dp000-tp00.shard"]["bytes"] = value
     else:
         _edit(meta, field, value)
-    ckfiles.write_metadata(str(path), meta)  # a valid digest over the bad contents
+    metacheck.write_metadata(str(path), meta)  # a valid digest over the bad contents
     got = FakeEngine(9)
     t0 = time.perf_counter()
     with pytest.raises(CheckpointError) as err:
@@ -255,14 +255,14 @@ def test_metadata_is_checked_against_the_engines_counters_and_scheduler(tmp_path
         ({"last_batch_iteration": "3"}, "scheduler.last_batch_iteration"),
         ([3], "scheduler"),
     ):
-        ckfiles.write_metadata(str(path), {**meta, "scheduler": sched})
+        metacheck.write_metadata(str(path), {**meta, "scheduler": sched})
         got = FakeEngine(9)
         got.lr_scheduler = Sched()
         with pytest.raises(CheckpointError, match=re.escape(named)):
             load_checkpoint(got, tmp_path)
         _same(FakeEngine(9), got)
         assert got.lr_scheduler.last_batch_iteration == 3
-    ckfiles.write_metadata(str(path), meta)
+    metacheck.write_metadata(str(path), meta)
     got = FakeEngine(9)
     got.lr_scheduler = Sched()
     load_checkpoint(got, tmp_path)
@@ -343,7 +343,7 @@ def ranks_body(root: str):
     path = os.path.join(root, "a")
     if dist.get_rank() == 0:
         meta = json.loads(Path(path, "metadata.json").read_text())
-        ckfiles.write_metadata(path, {**meta, "optimizer": {}})
+        metacheck.write_metadata(path, {**meta, "optimizer": {}})
     dist.barrier()
     fresh, fmodel = _engine(2, seed=5)
     before = {n: t.clone() for n, t in fmodel.state_dict().items()}

@@ -36,7 +36,7 @@ from llmpar.checkpoint.files import CheckpointError
 # counted; it SIGKILLs itself right before call K (K=0: never, it prints the count)
 CHILD = r"""
 import os, shutil, signal, sys
-from llmpar.checkpoint import consolidate, outdir
+from llmpar.checkpoint import consolidate, publish
 mode, src, out, k = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 calls = [0]
 def counted(fn):
@@ -48,8 +48,8 @@ def counted(fn):
     return call
 os.replace, os.rename, os.remove = counted(os.replace), counted(os.rename), counted(os.remove)
 if os.environ.get("NO_EXCHANGE"):  # a file system without renameat2's exchange: two renames
-    outdir._exchange = lambda a, b: False
-shutil.rmtree, outdir._exchange = counted(shutil.rmtree), counted(outdir._exchange)
+    publish._exchange = lambda a, b: False
+shutil.rmtree, publish._exchange = counted(shutil.rmtree), counted(publish._exchange)
 if mode == "stream":
     consolidate.convert(src, out, max_shard_size="2KB", overwrite=True)
 else:
