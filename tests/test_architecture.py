@@ -20,7 +20,6 @@ LONG_FILES: dict[str, str] = {
     "llmpar/checkpoint/ds_rank_read.py": "reflowed by ruff format (was 395 lines): to split by responsibility",
     "llmpar/checkpoint/ds_write.py": "reflowed by ruff format (was 400 lines): to split by responsibility",
     "llmpar/integrations/transformers.py": "reflowed by ruff format (was 400 lines): to split by responsibility",
-    "llmpar/ops/lowbit.py": "reflowed by ruff format (was 376 lines): to split by responsibility",
     "llmpar/planning/memory.py": "reflowed by ruff format (was 363 lines): to split by responsibility",
     "llmpar/planning/planner.py": "reflowed by ruff format (was 383 lines): to split by responsibility",
     "llmpar/runtime/initialize.py": "reflowed by ruff format (was 378 lines): to split by responsibility",

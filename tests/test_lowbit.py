@@ -343,7 +343,7 @@ def test_stochastic_rounding_unbiased_and_reproducible():
     x[128:256] = 1.0  # not needed zero here
     reps = []
     for k in range(64):
-        codes, scale = L.quantize(x, 4, True, noise=L._uniform(k, 0, x.numel(), x.device))
+        codes, scale = L.quantize(x, 4, True, noise=L.uniform(k, 0, x.numel(), x.device))
         reps.append(L.dequantize(codes, scale, 4, True, x.numel()))
     mean = torch.stack(reps).mean(0)
     nearest = L.dequantize(*L.quantize(x, 4, True), 4, True, x.numel())
@@ -351,7 +351,7 @@ def test_stochastic_rounding_unbiased_and_reproducible():
     err_sr = (mean - x)[inside].abs().mean()
     err_rn = (nearest - x)[inside].abs().mean()
     assert float(err_sr) < 0.5 * float(err_rn), (float(err_sr), float(err_rn))
-    same, other = L._uniform(11, 0, x.numel(), x.device), L._uniform(11, 1, x.numel(), x.device)
+    same, other = L.uniform(11, 0, x.numel(), x.device), L.uniform(11, 1, x.numel(), x.device)
     assert torch.equal(L.quantize(x, 4, True, noise=same)[0], L.quantize(x, 4, True, noise=same.clone())[0])
     assert not torch.equal(L.quantize(x, 4, True, noise=same)[0], L.quantize(x, 4, True, noise=other)[0])
 
