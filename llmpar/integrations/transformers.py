@@ -53,7 +53,8 @@ from torch.utils.data import DataLoader
 from llmpar.distributed.init import init_distributed
 from llmpar.integrations.hf_auto import fill_auto, tensor_parallel_size
 from llmpar.integrations.hf_zero3 import is_zero3, register
-from llmpar.runtime.config import context_parallel_block, read_config
+from llmpar.runtime.blocks import context_parallel_block
+from llmpar.runtime.config import read_config
 from llmpar.runtime.initialize import initialize
 from llmpar.tensor_parallel.parallelize import parallelize
 

@@ -3,6 +3,12 @@
     "zero_optimization" -> llmpar.zero.ZeroConfig        "optimizer" -> llmpar.zero.OptimizerConfig
     "scheduler"         -> runtime.schedules.SchedulerConfig
     "pipeline"          -> PipelineConfig (below)        "tensor_parallel" -> TensorParallelConfig (below)
+    "context_parallel"  -> ContextParallelConfig (below; DeepSpeed's "sequence_parallel_size" is its Ulysses form)
+
+The three parallel blocks give the degrees the mesh needs before the data-parallel degree is known
+(:func:`parallel_blocks`): read here once for ``initialize`` and for the integrations, which need the degrees before
+they fill the config's ``"auto"`` values; context parallelism with a pipeline is refused in one place
+(:func:`refuse_cp_with_pipeline`), for a ``"pipeline"`` block and for a ``PipelineModule`` alike.
 
 DeepSpeed's spelling lives here only: its aliases (``gather_16bit_weights_on_model_save``, ``adam_w_mode``, ...),
 its implementation switches (``torch_adam``, ``fused``) and the keys llmpar does not support, each an error saying so.
@@ -11,7 +17,8 @@ An unknown key is an error naming the nearest valid one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import json
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from llmpar.pipeline.schedules import normalize_schedule
@@ -119,6 +126,7 @@ class PipelineConfig:
     micro_batches: int | None = None  # None: gradient_accumulation_steps
     virtual_stages: int | None = None
     partition: str | list[int] = "parameters"
+    schedule_given: bool = False  # not a key: the block named a schedule (a PipelineModule's default depends on it)
 
     def __post_init__(self) -> None:
         if self.stages in ("auto", None):
@@ -152,7 +160,7 @@ class PipelineConfig:
 
 def pipeline_block(block: Any) -> PipelineConfig:
     check_keys("pipeline", block, _PIPELINE_KEYS, _PIPELINE_UNSUPPORTED)
-    return PipelineConfig(**block)
+    return PipelineConfig(**block, schedule_given="schedule" in block)
 
 
 @dataclass(kw_only=True)
@@ -172,6 +180,104 @@ def tensor_parallel_block(block: Any) -> TensorParallelConfig:
         size = as_int("tensor_parallel.autotp_size", block["autotp_size"], minimum=0)
         return TensorParallelConfig(size=max(size, 1))
     return TensorParallelConfig(size=as_int("tensor_parallel.size", block.get("size", 1), minimum=1))
+
+
+CP_MODES = ("ulysses", "ring", "hybrid")
+
+
+@dataclass(kw_only=True)
+class ContextParallelConfig:
+    """``"context_parallel"``: ``size`` ranks split each sequence (1: off). ``mode``: "ulysses" (all-to-all of heads
+    <-> sequence over all ``size`` ranks), "ring" (key/value blocks passed around ``size`` ranks), "hybrid" (Ulysses
+    over ``ulysses_size`` adjacent ranks, ring across the ``size / ulysses_size`` groups). ``ulysses_size`` is the
+    Ulysses part: ``size`` for "ulysses", 1 for "ring"."""
+
+    size: int = 1
+    mode: str = "ulysses"
+    ulysses_size: int = 1
+
+    @property
+    def ring_size(self) -> int:
+        return self.size // self.ulysses_size
+
+
+def context_parallel_block(block: Any, sequence_parallel_size: Any = None) -> ContextParallelConfig:
+    """``"context_parallel": {"size": N, "mode": "ulysses" | "ring" | "hybrid", "ulysses_size": k}`` and/or DeepSpeed's
+    ``"sequence_parallel_size": N`` (Ulysses over N ranks) -> :class:`ContextParallelConfig`; both given must agree."""
+    if block is None:
+        block = {}
+    check_keys("context_parallel", block, ["size", "mode", "ulysses_size"])
+    size = as_int("context_parallel.size", block.get("size", 1), minimum=1)
+    mode = block.get("mode", "ulysses")
+    if mode not in CP_MODES:
+        raise ValueError(f'"context_parallel.mode"={mode!r} is not valid: expected one of {", ".join(CP_MODES)}')
+    if sequence_parallel_size is not None:
+        sp = as_int("sequence_parallel_size", sequence_parallel_size, minimum=1)
+        if block and sp != 1 and (("size" in block and size != sp) or mode != "ulysses"):
+            raise ValueError(
+                f'"sequence_parallel_size"={sp} (Ulysses over {sp} ranks, as in DeepSpeed) and '
+                f'"context_parallel" {json.dumps(block)} disagree: give one of them'
+            )
+        if not block:
+            size = sp
+        elif "size" not in block and sp != 1:
+            size = sp
+    default_u = {"ulysses": size, "ring": 1, "hybrid": None}[mode]
+    if "ulysses_size" not in block and default_u is None:
+        raise ValueError(
+            f'"context_parallel.mode"="hybrid" needs "context_parallel.ulysses_size": the Ulysses part, '
+            f"a divisor of size={size}"
+        )
+    u = as_int("context_parallel.ulysses_size", block.get("ulysses_size", default_u), minimum=1)
+    if default_u is not None and u != default_u:
+        raise ValueError(
+            f'"context_parallel.ulysses_size"={u} is not valid with mode "{mode}" and size={size}: '
+            f'it is {default_u} there (use mode "hybrid" to mix Ulysses and ring)'
+        )
+    if size % u:
+        raise ValueError(
+            f'"context_parallel.ulysses_size"={u} does not divide "context_parallel.size"={size}: '
+            f"the hybrid mode runs Ulysses over ulysses_size ranks and ring across size/ulysses_size"
+        )
+    return ContextParallelConfig(size=size, mode=mode, ulysses_size=u)
+
+
+def refuse_cp_with_pipeline(cp: ContextParallelConfig, pipeline: str) -> None:
+    """The one rule for context parallelism with a pipeline (``pipeline`` names it: a "pipeline" block, a
+    PipelineModule): refused, a ValueError naming both."""
+    if cp.size > 1:
+        raise ValueError(
+            f'"context_parallel.size"={cp.size} (or "sequence_parallel_size") with {pipeline}: context '
+            "parallelism is not supported with pipeline parallelism; use one of them"
+        )
+
+
+# the top-level keys of the parallel blocks: what parallel_blocks reads
+PARALLEL_KEYS = ("pipeline", "tensor_parallel", "context_parallel", "sequence_parallel_size")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelBlocks:
+    """The blocks that give the parallel degrees, parsed and checked. ``tensor_parallel_given``: the config has a
+    "tensor_parallel" block (its size must then match a tp_group given to initialize)."""
+
+    pipeline: PipelineConfig | None = None
+    tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
+    tensor_parallel_given: bool = False
+    context_parallel: ContextParallelConfig = field(default_factory=ContextParallelConfig)
+
+
+def parallel_blocks(given: dict) -> ParallelBlocks:
+    """The parallel blocks of a config (its :data:`PARALLEL_KEYS`, DeepSpeed's inert keys already dropped)."""
+    cp = context_parallel_block(given.get("context_parallel"), given.get("sequence_parallel_size"))
+    if "pipeline" in given:
+        refuse_cp_with_pipeline(cp, 'a "pipeline" block')
+    return ParallelBlocks(
+        pipeline=pipeline_block(given["pipeline"]) if "pipeline" in given else None,
+        tensor_parallel=tensor_parallel_block(given.get("tensor_parallel", {})),
+        tensor_parallel_given="tensor_parallel" in given,
+        context_parallel=cp,
+    )
 
 
 @dataclass(kw_only=True)
@@ -249,14 +355,21 @@ def activation_checkpointing_block(block: Any) -> ActivationCheckpointingConfig:
 
 
 __all__ = [
+    "CP_MODES",
+    "PARALLEL_KEYS",
     "ActivationCheckpointingConfig",
+    "ContextParallelConfig",
     "Fp16Config",
+    "ParallelBlocks",
     "PipelineConfig",
     "TensorParallelConfig",
     "activation_checkpointing_block",
+    "context_parallel_block",
     "fp16_block",
     "optimizer_block",
+    "parallel_blocks",
     "pipeline_block",
+    "refuse_cp_with_pipeline",
     "scheduler_block",
     "tensor_parallel_block",
     "zero_block",

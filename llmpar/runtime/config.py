@@ -9,12 +9,15 @@ Top-level keys (DeepSpeed's names and meaning):
         triple is an error; none of the three: micro batch 1 (logged; DeepSpeed would refuse, but its own docs' snippet
         gives none)
     gradient_clipping (0 = off), steps_per_print (default 10), optimizer (absent: AdamW lr=1e-3, logged), scheduler,
-    bf16 / bfloat16 {enabled}, zero_optimization -- each block read by ``blocks.py`` into its component's config
+    bf16 / bfloat16 {enabled}, zero_optimization -- each block read by ``blocks.py`` into its component's config;
+    tensorboard / csv_monitor / wandb (``monitor.py``), checkpoint {load_universal, auto_resume,
+    auto_resume_interval} (``resume.py``)
 llmpar's own blocks: pipeline (its micro_batches is gradient_accumulation_steps, as in DeepSpeed's PipelineEngine),
-    tensor_parallel {size}, context_parallel {size, mode, ulysses_size} (:func:`context_parallel_block`; DeepSpeed's
-    top-level sequence_parallel_size=N is its Ulysses form, {"size": N, "mode": "ulysses"})
+    tensor_parallel {size}, context_parallel {size, mode, ulysses_size} (``blocks.context_parallel_block``;
+    DeepSpeed's top-level sequence_parallel_size=N is its Ulysses form, {"size": N, "mode": "ulysses"})
 An unknown key is an error naming the nearest valid key; a DeepSpeed key llmpar does not support yet is an error
-saying so.
+saying so. Every block is typed here, once: the engines and the integrations read ``Blocks`` / ``Config``, never the
+raw dict (``raw`` is kept for the cross-rank fingerprint and the batch-size arithmetic, both in this module).
 """
 
 from __future__ import annotations
@@ -27,19 +30,24 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from llmpar.runtime.blocks import (
+    PARALLEL_KEYS,
     ActivationCheckpointingConfig,
+    ContextParallelConfig,
     Fp16Config,
+    ParallelBlocks,
     PipelineConfig,
     TensorParallelConfig,
     activation_checkpointing_block,
     fp16_block,
     optimizer_block,
-    pipeline_block,
+    parallel_blocks,
     scheduler_block,
-    tensor_parallel_block,
     zero_block,
 )
-from llmpar.runtime.ds_keys import strip_inert
+from llmpar.runtime.ds_keys import TOP, strip_inert
+from llmpar.runtime.monitor import BLOCKS as MONITORS
+from llmpar.runtime.monitor import MonitorConfig, monitor_config
+from llmpar.runtime.resume import CheckpointConfig, checkpoint_block
 from llmpar.runtime.schedules import SchedulerConfig
 from llmpar.validation import FLOAT32_MAX, FLOAT32_TINY, as_bool, as_float, as_int, check_keys
 from llmpar.zero.config import OptimizerConfig, ZeroConfig
@@ -63,65 +71,9 @@ _VALID = [
     "activation_checkpointing",
     "context_parallel",
     "sequence_parallel_size",
+    "checkpoint",
+    *MONITORS,
 ]
-CP_MODES = ("ulysses", "ring", "hybrid")
-
-
-@dataclass(kw_only=True)
-class ContextParallelConfig:
-    """``"context_parallel"``: ``size`` ranks split each sequence (1: off). ``mode``: "ulysses" (all-to-all of heads
-    <-> sequence over all ``size`` ranks), "ring" (key/value blocks passed around ``size`` ranks), "hybrid" (Ulysses
-    over ``ulysses_size`` adjacent ranks, ring across the ``size / ulysses_size`` groups). ``ulysses_size`` is the
-    Ulysses part: ``size`` for "ulysses", 1 for "ring"."""
-
-    size: int = 1
-    mode: str = "ulysses"
-    ulysses_size: int = 1
-
-    @property
-    def ring_size(self) -> int:
-        return self.size // self.ulysses_size
-
-
-def context_parallel_block(block: Any, sequence_parallel_size: Any = None) -> ContextParallelConfig:
-    """``"context_parallel": {"size": N, "mode": "ulysses" | "ring" | "hybrid", "ulysses_size": k}`` and/or DeepSpeed's
-    ``"sequence_parallel_size": N`` (Ulysses over N ranks) -> :class:`ContextParallelConfig`; both given must agree."""
-    if block is None:
-        block = {}
-    check_keys("context_parallel", block, ["size", "mode", "ulysses_size"])
-    size = as_int("context_parallel.size", block.get("size", 1), minimum=1)
-    mode = block.get("mode", "ulysses")
-    if mode not in CP_MODES:
-        raise ValueError(f'"context_parallel.mode"={mode!r} is not valid: expected one of {", ".join(CP_MODES)}')
-    if sequence_parallel_size is not None:
-        sp = as_int("sequence_parallel_size", sequence_parallel_size, minimum=1)
-        if block and sp != 1 and (("size" in block and size != sp) or mode != "ulysses"):
-            raise ValueError(
-                f'"sequence_parallel_size"={sp} (Ulysses over {sp} ranks, as in DeepSpeed) and '
-                f'"context_parallel" {json.dumps(block)} disagree: give one of them'
-            )
-        if not block:
-            size = sp
-        elif "size" not in block and sp != 1:
-            size = sp
-    default_u = {"ulysses": size, "ring": 1, "hybrid": None}[mode]
-    if "ulysses_size" not in block and default_u is None:
-        raise ValueError(
-            f'"context_parallel.mode"="hybrid" needs "context_parallel.ulysses_size": the Ulysses part, '
-            f"a divisor of size={size}"
-        )
-    u = as_int("context_parallel.ulysses_size", block.get("ulysses_size", default_u), minimum=1)
-    if default_u is not None and u != default_u:
-        raise ValueError(
-            f'"context_parallel.ulysses_size"={u} is not valid with mode "{mode}" and size={size}: '
-            f'it is {default_u} there (use mode "hybrid" to mix Ulysses and ring)'
-        )
-    if size % u:
-        raise ValueError(
-            f'"context_parallel.ulysses_size"={u} does not divide "context_parallel.size"={size}: '
-            f"the hybrid mode runs Ulysses over ulysses_size ranks and ring across size/ulysses_size"
-        )
-    return ContextParallelConfig(size=size, mode=mode, ulysses_size=u)
 
 
 def read_config(config: Any) -> dict:
@@ -156,11 +108,15 @@ class Blocks:
     steps_per_print: int = 10
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     optimizer_given: bool = True
+    optimizer_params: dict = field(default_factory=dict)  # "optimizer.params" as given (engine.optimizer_params())
     scheduler: SchedulerConfig | None = None
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     pipeline: PipelineConfig | None = None
     tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
+    tensor_parallel_given: bool = False
     context_parallel: ContextParallelConfig = field(default_factory=ContextParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
 
     @classmethod
     def parse(cls, raw: dict) -> "Blocks":
@@ -186,34 +142,47 @@ class Blocks:
             raise ValueError('"fp16.enabled" and "bf16.enabled" are both true: pick one precision')
         opt_given = "optimizer" in given
         ckpt = given.get("activation_checkpointing")
-        cp = context_parallel_block(given.get("context_parallel"), given.get("sequence_parallel_size"))
-        if cp.size > 1 and "pipeline" in given:
-            raise ValueError(
-                f'"context_parallel.size"={cp.size} (or "sequence_parallel_size") with a "pipeline" '
-                "block: context parallelism is not supported with pipeline parallelism; use one of them"
-            )
+        par = parallel_blocks(given)
+        opt = optimizer_block(given["optimizer"]) if opt_given else OptimizerConfig()
         return cls(
             raw=raw,
             bf16=bf16,
             fp16=fp16,
             gradient_clipping=_clipping(given.get("gradient_clipping", 0.0)),
             steps_per_print=as_int("steps_per_print", given.get("steps_per_print", 10), minimum=1),
-            optimizer=optimizer_block(given["optimizer"]) if opt_given else OptimizerConfig(),
+            optimizer=opt,
             optimizer_given=opt_given,
+            optimizer_params=copy.deepcopy(raw["optimizer"].get("params", {})) if opt_given else {},
             scheduler=scheduler_block(given["scheduler"]) if "scheduler" in given else None,
             zero=zero_block(given.get("zero_optimization", {})),
-            pipeline=pipeline_block(given["pipeline"]) if "pipeline" in given else None,
-            tensor_parallel=tensor_parallel_block(given.get("tensor_parallel", {})),
-            context_parallel=cp,
+            pipeline=par.pipeline,
+            tensor_parallel=par.tensor_parallel,
+            tensor_parallel_given=par.tensor_parallel_given,
+            context_parallel=par.context_parallel,
             activation_checkpointing=activation_checkpointing_block(ckpt)
             if ckpt is not None
             else ActivationCheckpointingConfig(),
+            checkpoint=checkpoint_block(given.get("checkpoint"), tuple(TOP["checkpoint"])),
+            monitor=monitor_config(given),
         )
+
+    @staticmethod
+    def parallel_of(raw: dict) -> ParallelBlocks:
+        """The parallel blocks of ``raw`` alone (``pipeline``, ``tensor_parallel``, ``context_parallel`` /
+        ``sequence_parallel_size``), checked as :meth:`parse` checks them: the degrees for callers whose config may
+        still hold ``"auto"`` values in other blocks (the HF integrations, before they fill them)."""
+        if not isinstance(raw, dict):
+            raise TypeError(f"config must be a dict (a DeepSpeed config), got {type(raw).__name__}")
+        return parallel_blocks(strip_inert({k: raw[k] for k in PARALLEL_KEYS if k in raw}))
 
     @property
     def degrees(self) -> tuple[int, int]:
         """(pp, tp): what the mesh needs before dp is known (pp 1 for ``"stages": "auto"``: the PipelineModule's)."""
         return (self.pipeline.stages or 1 if self.pipeline is not None else 1), self.tensor_parallel.size
+
+    def fingerprint(self) -> str:
+        """Canonical JSON of what was given (for the cross-rank equality check)."""
+        return json.dumps(self.raw, sort_keys=True, default=str)
 
 
 @dataclass(kw_only=True)
@@ -250,10 +219,6 @@ class Config(Blocks):
             train_micro_batch_size_per_gpu=micro,
             gradient_accumulation_steps=gas,
         )
-
-    def fingerprint(self) -> str:
-        """Canonical JSON of what was given (for the cross-rank equality check)."""
-        return json.dumps(self.raw, sort_keys=True, default=str)
 
 
 def _clipping(value: Any) -> float:
@@ -311,4 +276,4 @@ def _batch_sizes(raw: dict[str, Any], dp: int, pipe: PipelineConfig | None) -> t
     return micro, gas, train
 
 
-__all__ = ["Blocks", "Config", "ContextParallelConfig", "context_parallel_block", "read_config"]
+__all__ = ["Blocks", "Config", "read_config"]

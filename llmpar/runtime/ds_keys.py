@@ -10,10 +10,9 @@ configs fail. A rule per key says which values change nothing in llmpar:
     Disabled()        a block that is off (``"enabled": false``); its other keys are then irrelevant
     Absent()          a block that acts whenever it is there (no ``enabled`` switch): accepted only as null
     Renamed(path)     DeepSpeed's legacy spelling of a key llmpar supports: the value moves there
-    Parsed(check)     a block another module reads from the raw config (the monitors: ``runtime/monitor.py``):
-                      ``check(name, value)`` raises for a bad one, here, on every rank, before initialize goes on
 
-Anything else in the table is an error ``"<key>"=<value>: not supported: <reason>``.
+Anything else in the table is an error ``"<key>"=<value>: not supported: <reason>``. The keys llmpar acts on (the
+monitors, ``checkpoint.load_universal`` / ``auto_resume``, ...) are not here: each is a typed block in ``Blocks``.
 """
 
 from __future__ import annotations
@@ -21,10 +20,8 @@ from __future__ import annotations
 import copy
 import json
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
-from llmpar.runtime.monitor import monitor_block
-from llmpar.runtime.resume import check_auto_resume, check_interval
 from llmpar.zero.config import OPTIMIZER_TYPES
 
 
@@ -55,20 +52,6 @@ class Renamed:
     value: Any = None  # the value written there when the old key is true (None: the old key's own value)
 
 
-@dataclass(frozen=True)
-class Parsed:
-    check: Callable[[str, Any], Any]
-
-
-def check_load_universal(name: str, value: Any) -> None:
-    """``checkpoint.load_universal``: a bool or null (``engine_ckpt.load_universal`` reads it)."""
-    if value is not None and not isinstance(value, bool):
-        raise ValueError(
-            f'"{name}"={_show(value)}: a bool (true: load_checkpoint(dir) loads the universal '
-            "checkpoint dir/latest_universal names) or null"
-        )
-
-
 def _d(*values: Any, reason: str) -> Default:
     return Default(values, reason)
 
@@ -94,9 +77,6 @@ TOP: dict[str, Any] = {
     "amp": Disabled("apex AMP is not supported; use bf16 or fp16"),
     "amp_enabled": _d(False, reason="apex AMP is not supported; use bf16 or fp16"),
     "torch_autocast": Disabled("torch autocast inside the engine is not supported; use bf16 or fp16"),
-    "tensorboard": Parsed(monitor_block),
-    "wandb": Parsed(monitor_block),
-    "csv_monitor": Parsed(monitor_block),
     "comet": Disabled("the comet monitor is not provided: use tensorboard, csv_monitor or wandb"),
     "monitor_config": Inert(),
     "comms_logger": Disabled(
@@ -135,12 +115,9 @@ TOP: dict[str, Any] = {
             "ignore",
             reason="tag_validation is one of Warn, Fail, Ignore",
         ),  # llmpar agrees on tags (Fail)
-        "load_universal": Parsed(check_load_universal),  # load_checkpoint(tag=None) reads latest_universal
         "use_node_local_storage": _d(False, reason="checkpoints are written to one shared directory"),
         "parallel_write": Inert(),
         "writer": Inert(),
-        "auto_resume": Parsed(check_auto_resume),  # llmpar's: initialize loads DIR's latest (runtime/resume.py)
-        "auto_resume_interval": Parsed(check_interval),  # llmpar's: the engine saves there every N steps
     },
     "data_types": {
         "grad_accum_dtype": _d(
@@ -245,9 +222,6 @@ def _apply(block: dict, table: dict[str, Any], where: str) -> None:
                 )
             if not isinstance(value, dict) and value not in (None, False):
                 raise ValueError(f'"{name}"={_show(value)}: not supported: {rule.reason}')
-            del block[key]
-        elif isinstance(rule, Parsed):
-            rule.check(name, value)
             del block[key]
         elif isinstance(rule, Absent):
             if value is not None:

@@ -211,7 +211,8 @@ class DeepSpeedAPI:
         return getattr(self, "client_optimizer_name", None) or self.config.optimizer.type
 
     def optimizer_params(self) -> dict:
-        return dict(self.config.raw.get("optimizer", {}).get("params", {}))
+        """The config's ``optimizer.params`` as given (DeepSpeed's)."""
+        return dict(self.config.optimizer_params)
 
     def scheduler_name(self) -> str | None:
         sched = self.config.scheduler

@@ -31,7 +31,7 @@ from llmpar.runtime.client import mirror_groups, step_scheduler
 from llmpar.runtime.config import Config
 from llmpar.runtime.engine_api import DeepSpeedAPI
 from llmpar.runtime.mfu import Throughput
-from llmpar.runtime.monitor import MonitorMaster, monitor_config
+from llmpar.runtime.monitor import MonitorMaster
 from llmpar.runtime.resume import save_if_due
 
 if TYPE_CHECKING:
@@ -105,7 +105,7 @@ class EngineBase(DeepSpeedAPI):
     def _build_monitor(self) -> MonitorMaster:
         """DeepSpeed's monitors (``monitor.py``), writing on global rank 0; a writer failing to start there (an
         unwritable output_path, say) fails initialize on every rank."""
-        cfg = monitor_config(self.config.raw)
+        cfg = self.config.monitor
         if not cfg.enabled:
             return MonitorMaster(cfg, rank=self.global_rank)
         error, monitor = None, None

@@ -162,7 +162,7 @@ def load(
             raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
     if tag is not None:  # on every rank before any collective
         files.check_tag(tag)
-    universal = load_universal(engine.config.raw)
+    universal = engine.config.checkpoint.load_universal
     if universal and tag is None and isinstance(load_dir, (str, os.PathLike)):
         tag = _universal_tag(engine, os.fspath(load_dir))
     if isinstance(load_dir, (str, os.PathLike)):  # every rank agrees, whatever its tag (ranks may differ: an error)
@@ -195,12 +195,6 @@ def load(
     _restore(engine, saved)
     engine.mirror_lrs_to_client()
     return path, client
-
-
-def load_universal(raw: dict) -> bool:
-    """``"checkpoint": {"load_universal": ...}`` of a DeepSpeed config (``ds_keys`` checked it is a bool or null)."""
-    block = raw.get("checkpoint") if isinstance(raw, dict) else None
-    return bool(block.get("load_universal")) if isinstance(block, dict) else False
 
 
 def _universal_tag(engine: Any, load_dir: str) -> str | None:
@@ -313,4 +307,4 @@ def save_hf(engine: Any, save_dir: Any, dtype: Any, max_shard_size: Any) -> bool
     return True
 
 
-__all__ = ["hf_configs", "load", "load_universal", "save", "save_hf", "unsaved_buffers"]
+__all__ = ["hf_configs", "load", "save", "save_hf", "unsaved_buffers"]

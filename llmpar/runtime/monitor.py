@@ -52,16 +52,18 @@ _PACKAGE = {"tensorboard": "tensorboard", "wandb": "wandb"}
 
 @dataclass(kw_only=True)
 class WriterConfig:
-    """``tensorboard`` / ``csv_monitor``: where the events go (``output_path/job_name``)."""
+    """``tensorboard`` / ``csv_monitor``: global rank 0 writes the engine's events (train loss, lr, loss scale, at
+    the samples seen) to ``output_path/job_name``; the csv monitor one ``<event>.csv`` file per event."""
 
     enabled: bool = False
-    output_path: str = ""
-    job_name: str = "DeepSpeedJobName"
+    output_path: str = ""  # the directory (created); "" is the working directory
+    job_name: str = "DeepSpeedJobName"  # the subdirectory of this run
 
 
 @dataclass(kw_only=True)
 class WandbConfig:
-    """``wandb``: ``wandb.init(project=, group=, entity=team)``."""
+    """``wandb``: global rank 0 logs the engine's events to ``wandb.init(project=, group=, entity=team)`` (needs the
+    ``wandb`` package; ``WANDB_MODE=offline`` works without a network)."""
 
     enabled: bool = False
     team: str | None = None

@@ -1,10 +1,10 @@
 """The configuration reference (``docs/configuration.md``), generated from the code that reads the config.
 
-Every block llmpar reads is a typed dataclass (``runtime/blocks.py``, ``runtime/config.py``, ``zero/config.py``,
-``runtime/schedules.py``): its keys, defaults and docstring come from there, a key's trailing source comment becomes
-its note. DeepSpeed's keys that llmpar accepts without acting on them, or refuses, come from the rule tables of
-``runtime/ds_keys.py``. So the page cannot drift: ``tests/test_docs.py`` checks the committed page equals
-``render()``, and ``python -m llmpar.runtime.reference > docs/configuration.md`` (``make docs``) rewrites it.
+Every block llmpar reads is a typed dataclass (``runtime/blocks.py``, ``zero/config.py``, ``runtime/schedules.py``,
+``runtime/resume.py``, ``runtime/monitor.py``): its keys, defaults and docstring come from there, a key's trailing
+source comment becomes its note. DeepSpeed's keys that llmpar accepts without acting on them, or refuses, come from
+the rule tables of ``runtime/ds_keys.py``. So the page cannot drift: ``tests/test_docs.py`` checks the committed page
+equals ``render()``, and ``python -m llmpar.runtime.reference > docs/configuration.md`` (``make docs``) rewrites it.
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ import tokenize
 from typing import Any
 
 from llmpar.runtime import blocks, ds_keys
-from llmpar.runtime.config import _VALID, ContextParallelConfig
+from llmpar.runtime.config import _VALID
+from llmpar.runtime.monitor import WandbConfig, WriterConfig
+from llmpar.runtime.resume import CheckpointConfig
 from llmpar.runtime.schedules import SchedulerConfig
 from llmpar.zero.config import OffloadConfig, OptimizerConfig, ZeroConfig
 
@@ -44,9 +46,13 @@ BLOCKS: list[tuple[str, type, list[str] | None]] = [
     ("bf16", None, None),  # type: ignore[list-item]
     ("fp16", blocks.Fp16Config, None),
     ("activation_checkpointing", blocks.ActivationCheckpointingConfig, None),
-    ("pipeline", blocks.PipelineConfig, None),
+    ("pipeline", blocks.PipelineConfig, blocks._PIPELINE_KEYS),
     ("tensor_parallel", blocks.TensorParallelConfig, ["size", "autotp_size"]),
-    ("context_parallel", ContextParallelConfig, None),
+    ("context_parallel", blocks.ContextParallelConfig, None),
+    ("checkpoint", CheckpointConfig, None),
+    ("tensorboard", WriterConfig, None),
+    ("csv_monitor", WriterConfig, None),
+    ("wandb", WandbConfig, None),
 ]
 _EXTRA = {  # what a block's JSON shape adds to its dataclass
     "optimizer": '`{"type": ..., "params": {...}}`: `type` is AdamW, Adam (AdamW: DeepSpeed\'s default '
@@ -137,10 +143,6 @@ def _rule(rule: Any) -> str:
         target = ".".join(rule.path)
         value = f" = {_show(rule.value)}" if rule.value is not None else ""
         return f"DeepSpeed's older spelling: read as `{target}`{value} when true"
-    if isinstance(rule, ds_keys.Parsed):
-        doc = inspect.getdoc(rule.check) or ""
-        where = rule.check.__module__
-        return f"read by `{where}`: " + " ".join(doc.split("\n\n")[0].split())
     raise TypeError(f"unknown rule {rule!r}")
 
 

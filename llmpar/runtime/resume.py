@@ -37,12 +37,16 @@ or ``train_batch()``), so the loop has nothing to add.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import os
+from dataclasses import dataclass, fields
 from typing import Any, Iterator
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Sampler
+
+from llmpar.validation import check_keys
 
 logger = logging.getLogger("llmpar")
 
@@ -160,12 +164,6 @@ def resumable(loader: Any) -> Any:
     return loader if isinstance(inner, ResumableLoader) and callable(getattr(loader, "resume", None)) else None
 
 
-def auto_resume_dir(raw: dict) -> str | None:
-    """``raw["checkpoint"]["auto_resume"]`` of a DeepSpeed config (None when absent)."""
-    block = raw.get("checkpoint")
-    return block.get(AUTO_RESUME) if isinstance(block, dict) else None
-
-
 def check_auto_resume(name: str, value: Any) -> str | None:
     """``checkpoint.auto_resume``: a directory path (str or ``os.PathLike``, not empty), or null (off). Raises a
     TypeError / ValueError naming the key."""
@@ -191,6 +189,48 @@ def check_interval(name: str, value: Any) -> int | None:
     return value
 
 
+def check_load_universal(name: str, value: Any) -> bool:
+    """``checkpoint.load_universal``: a bool or null (false)."""
+    if value is not None and not isinstance(value, bool):
+        shown = json.dumps(value) if isinstance(value, (int, float, str)) else repr(value)
+        raise ValueError(
+            f'"{name}"={shown}: a bool (true: load_checkpoint(dir) loads the universal '
+            "checkpoint dir/latest_universal names) or null"
+        )
+    return bool(value)
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    """``"checkpoint"``: DeepSpeed's ``load_universal``, and llmpar's ``auto_resume``: ``initialize`` loads the
+    directory's latest checkpoint when any rank sees one (else the newest complete one there, with a warning; a first
+    run starts fresh), and with ``auto_resume_interval`` the engine saves there itself."""
+
+    load_universal: bool = False  # true: load_checkpoint(dir) with tag=None loads the tag dir/latest_universal names
+    auto_resume: str | None = None  # a directory: initialize loads its latest checkpoint when there is one
+    auto_resume_interval: int | None = None  # the engine saves to auto_resume after every that many optimizer steps
+
+
+def checkpoint_block(block: Any, ignored: tuple[str, ...] = ()) -> CheckpointConfig:
+    """``"checkpoint"`` -> :class:`CheckpointConfig`. ``ignored``: DeepSpeed's keys of the block that ``ds_keys``
+    checks and takes out before (accepted here, and named among the valid keys of an error)."""
+    if block is None:
+        block = {}
+    check_keys("checkpoint", block, [f.name for f in fields(CheckpointConfig)] + list(ignored))
+    directory = check_auto_resume(f"checkpoint.{AUTO_RESUME}", block.get(AUTO_RESUME))
+    every = check_interval(f"checkpoint.{INTERVAL}", block.get(INTERVAL))
+    if every is not None and directory is None:
+        raise ValueError(
+            f'"checkpoint.{INTERVAL}"={every} needs "checkpoint.{AUTO_RESUME}": the directory to save '
+            "to and resume from"
+        )
+    return CheckpointConfig(
+        load_universal=check_load_universal("checkpoint.load_universal", block.get("load_universal")),
+        auto_resume=directory,
+        auto_resume_interval=every,
+    )
+
+
 def save_if_due(engine: Any) -> None:
     """The engine's step hook for ``auto_resume_interval``: save to the auto-resume directory every that many
     optimizer steps (collective, on every rank at the same step)."""
@@ -199,7 +239,7 @@ def save_if_due(engine: Any) -> None:
         engine.save_checkpoint(directory)
 
 
-def apply_auto_resume(engine: Any, raw: dict) -> str | None:
+def apply_auto_resume(engine: Any, checkpoint: CheckpointConfig) -> str | None:
     """``initialize``'s step for ``"checkpoint": {"auto_resume": DIR}``: load ``DIR``'s latest checkpoint when any
     rank sees ``DIR/latest`` (agreed over the engine's ranks, so all load or none does). Sets
     ``engine.resumed_from`` (the path, or None) and ``engine.resumed_client_state``; returns the path."""
@@ -207,16 +247,9 @@ def apply_auto_resume(engine: Any, raw: dict) -> str | None:
     from llmpar.distributed.agree import raise_if_any_failed
 
     engine.resumed_from, engine.resumed_client_state, engine.auto_save = None, None, None
-    directory = auto_resume_dir(raw)
-    every = raw["checkpoint"].get(INTERVAL) if isinstance(raw.get("checkpoint"), dict) else None
-    if every is not None and directory is None:  # the config is the same on every rank: all raise here
-        raise ValueError(
-            f'"checkpoint.{INTERVAL}"={every} needs "checkpoint.{AUTO_RESUME}": the directory to save '
-            "to and resume from"
-        )
+    directory, every = checkpoint.auto_resume, checkpoint.auto_resume_interval
     if directory is None:
         return None
-    directory = os.fspath(directory)
     engine.auto_save = (directory, every) if every is not None else None
     grid = engine.checkpoint_grid()
     error = None
@@ -300,11 +333,13 @@ def _newest_without_latest(directory: str, grid: Any) -> str | None:
 __all__ = [
     "AUTO_RESUME",
     "INTERVAL",
+    "CheckpointConfig",
     "ResumableLoader",
     "apply_auto_resume",
-    "auto_resume_dir",
     "check_auto_resume",
     "check_interval",
+    "check_load_universal",
+    "checkpoint_block",
     "resumable",
     "save_if_due",
 ]
