@@ -57,7 +57,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from .memory import PRECISION_BYTES, Layout, _check_degree
+from .layout import Layout, check_degree
+from .memory import PRECISION_BYTES
 from .model_spec import ModelSpec
 from .presets import Hardware
 from .zeropp import dp_comm, dp_nodes
@@ -90,8 +91,8 @@ def estimate_comm(
     seq_len: int | None = None,
 ) -> dict[str, AxisComm]:
     """Per-axis bytes and seconds for one step of ``micro_batches`` micro-batches (see module doc)."""
-    _check_degree("micro_batch", micro_batch)
-    _check_degree("micro_batches", micro_batches)
+    check_degree("micro_batch", micro_batch)
+    check_degree("micro_batches", micro_batches)
     spec.check_layout(tp=layout.tp, pp=layout.pp)
     if layout.tp > hw.gpus_per_node:
         raise ValueError(f"tp={layout.tp} exceeds gpus_per_node={hw.gpus_per_node}; tensor parallelism stays in a node")

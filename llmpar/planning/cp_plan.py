@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 from .comm import AxisComm, _link
 from .context import attention_seconds, cp_traffic
-from .memory import CHECKPOINT_MODES, Layout
+from .layout import CHECKPOINT_MODES, Layout
 from .model_spec import ModelSpec
 from .presets import Hardware
 
