@@ -25,7 +25,6 @@ LONG_FILES: dict[str, str] = {
     "llmpar/checkpoint/save.py": "reflowed by ruff format (was 361 lines): to split by responsibility",
     "llmpar/integrations/transformers.py": "reflowed by ruff format (was 400 lines): to split by responsibility",
     "llmpar/ops/lowbit.py": "reflowed by ruff format (was 376 lines): to split by responsibility",
-    "llmpar/planning/planner.py": "reflowed by ruff format (was 383 lines): to split by responsibility",
     "llmpar/zero/optimizer.py": "reflowed by ruff format (was 400 lines): to split by responsibility",
     "llmpar/zero/stage3.py": "reflowed by ruff format (was 393 lines): to split by responsibility",
     "kernels/attention.py": "reflowed by ruff format (was 363 lines): to split by responsibility",

@@ -6,7 +6,8 @@ import json
 from typing import Any
 
 from .chinchilla import ChinchillaResult
-from .planner import PlanResult, model_flops_utilisation, zero_label
+from .estimate import model_flops_utilisation, zero_label
+from .planner import PlanResult
 from .units import format_bytes, format_count, format_seconds
 
 
