@@ -96,10 +96,11 @@ def _pipelined_body(stage, precision, one_call):
     Returns the params after each step and the order of the step / gather events."""
     from llmpar.zero import optimizer as zopt
     from llmpar.zero import param_gather
+    from llmpar.zero import step as zstep
     from llmpar.zero.config import OptimizerConfig, ZeroConfig
 
     events = []
-    step_fn, launch_fn, units_fn = zopt.adamw_step, param_gather._launch, zopt.ZeroOptimizer._step_units
+    step_fn, launch_fn, units_fn = zstep.adamw_step, param_gather._launch, zopt.ZeroOptimizer._step_units
 
     def adamw_step(*args, salts=None, **kw):
         events.append(("step", tuple(salts)))
@@ -112,7 +113,7 @@ def _pipelined_body(stage, precision, one_call):
     def step_units(self, b, grads, *, each, **kw):
         return units_fn(self, b, grads, each=each and not one_call, **kw)
 
-    zopt.adamw_step, param_gather._launch, zopt.ZeroOptimizer._step_units = adamw_step, launch, step_units
+    zstep.adamw_step, param_gather._launch, zopt.ZeroOptimizer._step_units = adamw_step, launch, step_units
     try:
         torch.manual_seed(0)
         dtype = torch.float32 if precision == "fp32" else torch.bfloat16
@@ -137,7 +138,7 @@ def _pipelined_body(stage, precision, one_call):
             snapshots.append(torch.cat([p.detach().float().flatten() for p in model.parameters()]))
         return snapshots, events
     finally:
-        zopt.adamw_step, param_gather._launch, zopt.ZeroOptimizer._step_units = step_fn, launch_fn, units_fn
+        zstep.adamw_step, param_gather._launch, zopt.ZeroOptimizer._step_units = step_fn, launch_fn, units_fn
 
 
 @pytest.mark.parametrize("stage,precision", [(2, "fp32"), (1, "fp32_master"), (2, "bf16_sr"), (2, "bf16_kahan")])

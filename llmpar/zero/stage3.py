@@ -41,74 +41,22 @@ default) records ("h2d" | "gather" | "wait" | "free", key) in issue order, for t
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 from llmpar.distributed.collectives import CommCounter, Group, Handle, all_gather_flat, group_rank
+from llmpar.zero.buffers import shard_params  # noqa: F401  (importable from here as before)
 from llmpar.zero.compressed import WeightGather
 from llmpar.zero.grads import FlatBuffer
-from llmpar.zero.layout import FlatLayout
-from llmpar.zero.offload import Copier, Placement
+from llmpar.zero.offload import Copier
 from llmpar.zero.units import UnitPlan, is_persistent, kept_units, map_tensors
 from llmpar.zero.views import ParamViews
 
-__all__ = ["Key", "Stage3Runtime", "shard_params"]
+__all__ = ["Key", "Stage3Runtime", "shard_params"]  # shard_params: buffers.py's, importable from here
 
 Key = tuple[int, int]  # (flat buffer index, unit index in its layout)
-
-
-@torch.no_grad()
-def shard_params(
-    layout: FlatLayout, params: list[torch.Tensor], pool: Placement, rank: int, skip: set[int]
-) -> torch.Tensor:
-    """This rank's ``[partition]`` of ``params`` in the params pool (params whose id is in ``skip``: left zero)."""
-    shard = pool.zeros("params", layout.partition, layout.dtype)
-    for u in range(len(layout.units)):
-        mine = layout.shard_of_partition(shard, u)
-        for i, a, z, at in layout.param_slices(u, rank):
-            if id(params[i]) not in skip:
-                mine[at : at + z - a].copy_(params[i].detach().reshape(-1)[a:z])
-    return shard
-
-
-def frozen_buffers(
-    module: nn.Module,
-    trained: list[FlatBuffer],
-    layout_of: Callable[[list], FlatLayout],
-    pool: Placement,
-    rank: int,
-    deferred: set[int],
-) -> list[FlatBuffer]:
-    """The module's frozen floating-point params, sharded like the trained ones in buffers of their own (one per
-    dtype / device / tensor-parallel kind): gathered for forward and backward, never reduced or stepped."""
-    done = {id(p) for b in trained for p in b.params}
-    keyed: dict[tuple, list[tuple[str, nn.Parameter]]] = {}
-    for name, p in module.named_parameters():
-        if id(p) not in done and not p.requires_grad and p.is_floating_point():
-            keyed.setdefault((p.dtype, p.device, bool(getattr(p, "tensor_model_parallel", False))), []).append(
-                (name, p)
-            )
-    out = []
-    for (dtype, device, tp_split), named in keyed.items():
-        layout, params = layout_of(named), [p for _, p in named]
-        empty = torch.empty(0, dtype=dtype, device=device)
-        out.append(
-            FlatBuffer(
-                key=("frozen", dtype, device, tp_split),
-                group_index=-1,
-                tp_split=tp_split,
-                layout=layout,
-                params=params,
-                mode="frozen",
-                flat=empty,
-                grad=empty,
-                frozen=True,
-                shard=shard_params(layout, params, pool, rank, deferred),
-            )
-        )
-    return out
 
 
 class _OnBackward(torch.autograd.Function):
