@@ -50,9 +50,11 @@ def grouped_mlp(
             f"down {tuple(down.shape)} does not match gate_up {tuple(gate_up.shape)}: expected {(E, H, two_i // 2)}"
         )
     outs = []
-    for e, xe in enumerate(torch.split(x_sorted, sizes, dim=0)):
-        gate, up = F.linear(xe, gate_up[e]).chunk(2, dim=-1)
-        outs.append(F.linear(F.silu(gate) * up, down[e]))
+    # unbind once: indexing gate_up[e] per expert would make each expert's backward zero-fill and add a full
+    # [E, 2I, H] gradient (E^2 traffic); unbind's backward stacks the E gradients once
+    for xe, w1, w2 in zip(torch.split(x_sorted, sizes, dim=0), gate_up.unbind(0), down.unbind(0)):
+        gate, up = F.linear(xe, w1).chunk(2, dim=-1)
+        outs.append(F.linear(F.silu(gate) * up, w2))
     return torch.cat(outs, dim=0)
 
 

@@ -103,6 +103,12 @@ def nonfinite_message(nonfinite: int, num_tokens: int, where: str) -> str:
     )
 
 
+def _scatter_rows(rows: torch.Tensor, order: torch.Tensor, n: int) -> torch.Tensor:
+    """``[n, H]`` with row ``order[i]`` = ``rows[i]``, the others zero (no zero fill when every row is written)."""
+    out = rows.new_empty((n, rows.shape[-1])) if order.numel() == n else rows.new_zeros((n, rows.shape[-1]))
+    return out.index_copy_(0, order, rows)
+
+
 class _GatherSlots(torch.autograd.Function):
     """``x_sorted = x[order // k]``; backward: each token's gradient is the sum over its k slots, taken in slot
     order through a ``[T, k, H]`` buffer (no scatter-add, so deterministic on every device)."""
@@ -117,8 +123,22 @@ class _GatherSlots(torch.autograd.Function):
     def backward(ctx, grad):  # type: ignore[override]
         (order,) = ctx.saved_tensors
         T, k = ctx.num_tokens, ctx.top_k
-        slots = grad.new_zeros((T * k, grad.shape[-1])).index_copy(0, order, grad)
+        slots = _scatter_rows(grad, order, T * k)
         return slots.view(T, k, grad.shape[-1]).sum(dim=1), None, None
+
+
+class _UnsortSlots(torch.autograd.Function):
+    """``slots[order[i]] = y[i]`` (``[T k, H]``, dropped slots zero); backward: ``grad[order]``."""
+
+    @staticmethod
+    def forward(ctx, y, order, n):  # type: ignore[override]
+        ctx.save_for_backward(order)
+        return _scatter_rows(y, order, n)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        (order,) = ctx.saved_tensors
+        return grad.index_select(0, order), None, None
 
 
 def gather_slots(x: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -131,7 +151,7 @@ def combine_slots(y: torch.Tensor, meta: DispatchMeta) -> torch.Tensor:
     the k slots summed left to right; dropped slots count as zero. ``y: [N_kept, H]`` -> ``[T, H]`` in
     ``meta.dtype``."""
     T, k = meta.num_tokens, meta.top_k
-    slots = y.new_zeros((T * k, y.shape[-1])).index_copy(0, meta.order, y)
+    slots = _UnsortSlots.apply(y, meta.order, T * k)
     acc_dtype = torch.promote_types(y.dtype, torch.float32)
     y3 = slots.view(T, k, y.shape[-1]).to(acc_dtype)
     w = meta.weights.to(acc_dtype)
