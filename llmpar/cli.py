@@ -16,7 +16,7 @@ _COMMAND_MODULES = (
     "llmpar.env_report",
     "llmpar.train",
     "llmpar.planning.cli",
-    "llmpar.checkpoint.consolidate",
+    "llmpar.checkpoint.cli",
     "llmpar.launch",
 )
 

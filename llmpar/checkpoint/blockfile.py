@@ -50,6 +50,25 @@ class CorruptFile(CheckpointError):
         self.path, self.name, self.why = path, os.path.basename(path), why
 
 
+class Concat:
+    """One record written as the concatenation of ``pieces`` (flattened, one dtype): no ``cat`` copy is made."""
+
+    def __init__(self, pieces: list[torch.Tensor]) -> None:
+        if not pieces or len({p.dtype for p in pieces}) != 1:
+            raise ValueError(f"Concat needs one or more tensors of one dtype, got {[p.dtype for p in pieces]}")
+        self.pieces = pieces
+        self.dtype = pieces[0].dtype
+        self.shape = [sum(p.numel() for p in pieces)]
+
+    def tensor(self) -> torch.Tensor:
+        """A fresh host tensor holding the concatenation (each piece copied once, straight into it)."""
+        out, at = torch.empty(self.shape[0], dtype=self.dtype), 0
+        for p in self.pieces:
+            out[at : at + p.numel()].copy_(p.detach().reshape(-1))
+            at += p.numel()
+        return out
+
+
 def _digest(parts: list[memoryview]) -> str:
     sha = hashlib.sha256()
     for p in parts:

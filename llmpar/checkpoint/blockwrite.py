@@ -3,8 +3,8 @@
     info = write(path, {"buffers": [...], "rng": {...}})   # -> {"bytes", "index_sha256"} for metadata.json
 
 Each tensor is handed to ``write()`` as a memoryview of its own memory (a record may be several tensors,
-:class:`Concat`: a rank's partition of a flat buffer spread over units, written without ``cat``); the sha256 of each
-block runs in helper threads (``blockfile.hash_threads``) while the next blocks are written (hashlib and ``write``
+``blockfile.Concat``: a rank's partition of a flat buffer spread over units, written without ``cat``); the sha256 of
+each block runs in helper threads (``blockfile.hash_threads``) while the next blocks are written (hashlib and ``write``
 release the GIL); each block goes to the disk once written (``sync_file_range``): the one ``fsync`` at the end finds
 little left. A tensor on an accelerator goes through the host one block at a time.
 """
@@ -21,29 +21,20 @@ from typing import Any, BinaryIO, Callable
 
 import torch
 
-from llmpar.checkpoint.blockfile import ALIGN, BLOCK, END, HEADER, RECORD_REF, TRAILER, VERSION, Hasher, hash_threads
+from llmpar.checkpoint.blockfile import (
+    ALIGN,
+    BLOCK,
+    END,
+    HEADER,
+    RECORD_REF,
+    TRAILER,
+    VERSION,
+    Concat,
+    Hasher,
+    hash_threads,
+)
 
 
-class Concat:
-    """One record written as the concatenation of ``pieces`` (flattened, one dtype): no ``cat`` copy is made."""
-
-    def __init__(self, pieces: list[torch.Tensor]) -> None:
-        if not pieces or len({p.dtype for p in pieces}) != 1:
-            raise ValueError(f"Concat needs one or more tensors of one dtype, got {[p.dtype for p in pieces]}")
-        self.pieces = pieces
-        self.dtype = pieces[0].dtype
-        self.shape = [sum(p.numel() for p in pieces)]
-
-    def tensor(self) -> torch.Tensor:
-        """A fresh host tensor holding the concatenation (each piece copied once, straight into it)."""
-        out, at = torch.empty(self.shape[0], dtype=self.dtype), 0
-        for p in self.pieces:
-            out[at : at + p.numel()].copy_(p.detach().reshape(-1))
-            at += p.numel()
-        return out
-
-
-# ---------------------------------------------------------------------------------------------------- writing
 def _skeleton(obj: Any, records: list[Concat | torch.Tensor], where: str = "obj") -> Any:
     """``obj`` as JSON with each tensor / Concat appended to ``records`` and replaced by its reference."""
     if isinstance(obj, (torch.Tensor, Concat)):
@@ -169,4 +160,4 @@ def write(path: str, obj: Any, *, block: int = BLOCK, threads: int | None = None
     return {"bytes": data_end + len(index) + TRAILER, "index_sha256": hashlib.sha256(index).hexdigest()}
 
 
-__all__ = ["Concat", "write"]
+__all__ = ["write"]

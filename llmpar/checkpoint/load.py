@@ -25,10 +25,10 @@ with the same pp, dp and tp rank) are restored. dp degree, ZeRO stage and offloa
 so may tp (``reshard.py``: each split param and its optimizer states are rebuilt along the split dim from the saved
 tp ranks' shards whose chunks overlap this rank's, padding dropped and re-added) and pp (params are named as in the
 unsplit model, ``view.py``: a pp=2 pipeline checkpoint loads into a plain engine and the other way round). A param
-whose full shape or split dim differs raises a CheckpointError naming it, on every rank. A directory with DeepSpeed's
-files instead of ``metadata.json`` (``ds_files.py``) is loaded by ``ds_load.py`` once the ranks agreed on it, one in
-DeepSpeed's universal layout (``zero/<param>/fp32.pt``, found also through ``latest_universal``) by
-``universal_read.py``, a ``torch.distributed.checkpoint`` directory by ``dcp_load.py``.
+whose full shape or split dim differs raises a CheckpointError naming it, on every rank. A foreign checkpoint
+(``formats.find``: DeepSpeed's files instead of ``metadata.json``, DeepSpeed's universal layout, ``zero/<param>/
+fp32.pt``, found also through ``latest_universal``, or a ``torch.distributed.checkpoint`` directory) is loaded by its
+format's loader (``formats.load``) once the ranks agreed on it: this module's one way into ``formats/``.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import traceback
 
 import torch
 
-from llmpar.checkpoint import dcp_format, dcp_load, ds_files, ds_load, files, metacheck, plan, publish, universal_read
+from llmpar.checkpoint import files, formats, metacheck, plan, publish
 from llmpar.checkpoint.blockfile import CorruptFile
 from llmpar.checkpoint.files import CheckpointError
 from llmpar.checkpoint.pending import wait_checkpoint
@@ -51,27 +51,23 @@ from llmpar.checkpoint.view import EngineView
 logger = logging.getLogger("llmpar")
 
 
-def _open(g: Grid, load_dir: str, tag: str | None, universal: bool = False) -> tuple[str, dict]:
-    """Resolve and read the checkpoint on every rank, and agree that every rank reads the same one (collective).
-    ``universal``: it must be a universal checkpoint (DeepSpeed's ``checkpoint.load_universal``)."""
+def _open(g: Grid, load_dir: str, tag: str | None, universal: bool = False) -> tuple[str, dict, formats.Located | None]:
+    """Resolve and read the checkpoint on every rank, and agree that every rank reads the same one (collective):
+    (its path, its ``metadata.json``, or {} and the foreign checkpoint found). ``universal``: it must be a universal
+    checkpoint (DeepSpeed's ``checkpoint.load_universal``)."""
     err, path, meta, ident = None, str(load_dir), None, ""
+    found = None
     try:
-        uni_path = universal_read.resolve(load_dir, tag)  # DeepSpeed's universal layout (zero/<param>/...)
-        if universal and uni_path is None:
+        found = formats.find(load_dir, tag)  # a foreign layout: universal, DCP, DeepSpeed's files
+        if universal and (found is None or found.format != "universal"):
             where = os.path.join(str(load_dir), tag) if tag is not None else str(load_dir)
             raise CheckpointError(
                 f'"checkpoint.load_universal"=true: {where} is not a universal checkpoint (no '
                 "zero/ folder beside a model states file); convert it with ds_to_universal or "
                 "`llmpar checkpoint convert --to universal`, or set load_universal to false"
             )
-        ds_path = ds_files.resolve(load_dir, tag)  # no metadata.json but DeepSpeed's files: ds_load.py
-        dcp_path = dcp_format.resolve(load_dir, tag)  # torch.distributed.checkpoint's files: dcp_load.py
-        if uni_path is not None:
-            path, meta, ident = uni_path, {"universal": True}, universal_read.identity(uni_path)
-        elif dcp_path is not None and ds_path is None:
-            path, meta, ident = dcp_path, {"dcp": True}, dcp_format.identity(dcp_path)
-        elif ds_path is not None:
-            path, meta, ident = ds_path, {"deepspeed": True}, ds_files.identity(ds_path)
+        if found is not None:
+            path, meta, ident = found.path, {}, found.identity()
         else:
             _, path = files.resolve(load_dir, tag)
             meta = metacheck.read(path)  # its digest, then every field a load uses
@@ -108,7 +104,7 @@ def _open(g: Grid, load_dir: str, tag: str | None, universal: bool = False) -> t
                 t,
                 os.path.dirname(path),
             )
-    return path, meta
+    return path, meta, found
 
 
 def load_checkpoint(
@@ -141,13 +137,9 @@ def load_checkpoint(
     wait_checkpoint(engine)
     view = EngineView(engine)
     g = view.grid
-    path, meta = _open(g, load_dir, tag, universal)
-    if meta.get("dcp"):  # agreed by every rank in _open (the same identity)
-        return dcp_load.load(engine, view, path, strict=strict, scheduler=scheduler)
-    if meta.get("universal"):  # agreed by every rank in _open (the same identity)
-        return universal_read.load(engine, view, path, strict=strict, scheduler=scheduler)
-    if meta.get("deepspeed"):  # agreed by every rank in _open (the same identity)
-        return ds_load.load(engine, view, path, strict=strict, scheduler=scheduler)
+    path, meta, found = _open(g, load_dir, tag, universal)
+    if found is not None:  # agreed by every rank in _open (the same identity)
+        return formats.load(engine, view, found, strict=strict, scheduler=scheduler)
     err, reader = None, None
     cuts: dict[str, Cut] = {}
     keep: set[str] = set()

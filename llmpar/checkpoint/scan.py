@@ -16,8 +16,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from llmpar.checkpoint import ds_files, files, metacheck, publish
+from llmpar.checkpoint import files, metacheck, publish
 from llmpar.checkpoint.files import CheckpointError
+from llmpar.checkpoint.formats.deepspeed import files as ds_files
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,8 @@ class Found:
 
 
 def _deepspeed_steps(path: str, names: list[str]) -> int:
+    """The engine's ``global_steps`` a DeepSpeed checkpoint directory records (its model states file), of files
+    ``names``; a CheckpointError naming the file when there is none or it is not a step count."""
     model = sorted(n for n in names if ds_files.MODEL_RE.match(n))
     if not model:
         raise CheckpointError(f"{path} holds DeepSpeed files {names[:4]} but no model states file")

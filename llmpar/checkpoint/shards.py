@@ -27,8 +27,7 @@ from typing import Any, Callable
 
 import torch
 
-from llmpar.checkpoint.blockfile import BLOCK, BlockFile, CorruptFile, elements, materialize
-from llmpar.checkpoint.blockwrite import Concat
+from llmpar.checkpoint.blockfile import BLOCK, BlockFile, Concat, CorruptFile, elements, materialize
 from llmpar.checkpoint.files import CheckpointError, check_file, load_file, rank_file
 from llmpar.checkpoint.protocol import CheckpointOptimizer, ShardViews
 
@@ -38,7 +37,7 @@ def local_buffers(
 ) -> list[dict] | None:
     """This rank's shards of every flat buffer of ``opt``, None if it owns none. ``copy``: fresh CPU tensors (an
     async save's snapshot); else, from an optimizer with ``checkpoint_shard_views``, the live memory itself (one
-    tensor, or a :class:`blockwrite.Concat` of the pieces a partition is made of: written as one record, no copy).
+    tensor, or a :class:`blockfile.Concat` of the pieces a partition is made of: written as one record, no copy).
     ``skip``: names of params not to write (tied copies written by another pp rank): their elements are cut out of
     every state and their ``[start, count]`` in the partition listed under ``"holes"``."""
     if isinstance(opt, ShardViews):

@@ -34,7 +34,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from llmpar.checkpoint.hf_files import save_safetensors
+from llmpar.checkpoint.formats.hf.files import save_safetensors
 from llmpar.checkpoint.protocol import Grid
 from llmpar.context_parallel.batch_check import agree_batch
 from llmpar.distributed.collectives import Group, GroupRef, group_rank, group_size

@@ -40,7 +40,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmpar.checkpoint import dcp_format, files, hf_files, universal_read
+from llmpar.checkpoint import files
+from llmpar.checkpoint.formats.dcp import format as dcp_format
+from llmpar.checkpoint.formats.hf import files as hf_files
+from llmpar.checkpoint.formats.universal import read as universal_read
 from llmpar.checkpoint.reshard import tp_specs
 from llmpar.checkpoint.shards import rng_state, set_rng_state
 from llmpar.distributed.collectives import all_gather_flat, collective_device, group_rank, group_size

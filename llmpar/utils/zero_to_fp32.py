@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from llmpar.checkpoint.consolidate import consolidated_state_dict
-from llmpar.checkpoint.hf_files import parse_dtype, write_hf_model
+from llmpar.checkpoint.formats.hf.files import parse_dtype, write_hf_model
 
 
 def get_fp32_state_dict_from_zero_checkpoint(
@@ -51,7 +51,8 @@ def convert_zero_checkpoint_to_state_dict(
     exclude_frozen_parameters: bool = False,
 ) -> list[str]:
     """Write the consolidated state dict (float params in ``dtype``) to ``output_dir`` as DeepSpeed does (through
-    ``llmpar.checkpoint.hf_files``, HuggingFace's layout); returns the files written (shards, then the index)."""
+    ``llmpar.checkpoint.formats.hf.files``, HuggingFace's layout); returns the files written (shards, then the
+    index)."""
     if exclude_frozen_parameters:
         get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag, exclude_frozen_parameters=True)
     target = parse_dtype(dtype)

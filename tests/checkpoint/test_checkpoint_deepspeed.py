@@ -247,13 +247,13 @@ def _deepspeed_resumes_converted(root, out):
     another seed and trains the same N steps."""
     import deepspeed
 
-    from llmpar.checkpoint import consolidate
-    from llmpar.checkpoint.deepspeed_read import DS_KEYS
+    from llmpar.checkpoint import convert
+    from llmpar.checkpoint.formats.deepspeed.files import DS_KEYS
 
     if dist.get_rank() == 0:
         for src, to, stage in CONVERTED:
             if to == "deepspeed" or stage == 2:
-                consolidate.convert(
+                convert.convert(
                     f"{root}/{src}", f"{root}/to_{to}_{src}_{stage}", to=to, stage=stage if to == "deepspeed" else None
                 )
     dist.barrier()
@@ -345,7 +345,7 @@ def test_rank_files_of_different_saves_or_swapped_are_refused_naming_them(runs, 
     ranks, all of a later or an earlier save than the model states file, or one truncated: refused on every rank
     naming the files,
     before anything of the engine changed (they loaded silently, or failed mid-load); convert refuses them too."""
-    from llmpar.checkpoint import consolidate
+    from llmpar.checkpoint import convert
     from llmpar.checkpoint.files import CheckpointError
 
     runs, root = runs
@@ -368,7 +368,7 @@ def test_rank_files_of_different_saves_or_swapped_are_refused_naming_them(runs, 
         assert out["mixed_untouched"]
     for name in ("mixed2", "swapped2", "mixed3", "late_opt3"):
         with pytest.raises(CheckpointError, match="different saves|partition of this save|of a later save"):
-            consolidate.convert(str(root / name), str(tmp_path / name))
+            convert.convert(str(root / name), str(tmp_path / name))
         assert not (tmp_path / name).exists()
 
 
@@ -379,7 +379,8 @@ def test_convert_to_hf_verifies_what_it_wrote(runs, tmp_path):
     difference; a wrong --from or --to is refused naming the layout."""
     from safetensors.torch import load_file
 
-    from llmpar.checkpoint import consolidate, ds_convert
+    from llmpar.checkpoint import CheckpointError, consolidate, convert
+    from llmpar.checkpoint.formats.hf.write import verify
     from llmpar.cli import main
 
     runs, root = runs
@@ -399,14 +400,14 @@ def test_convert_to_hf_verifies_what_it_wrote(runs, tmp_path):
     assert got.keys() == ref.keys() and all(torch.equal(got[n], ref[n]) for n in ref)
     bad = dict(got)
     bad["ln_f.bias"] = bad["ln_f.bias"] + 1
-    with pytest.raises(ds_convert.CheckpointError, match="'ln_f.bias' in .* differs"):
-        ds_convert.verify(bad, [str(tmp_path / "ours" / "model.safetensors")])
-    with pytest.raises(ds_convert.CheckpointError, match="is a DeepSpeed checkpoint"):
-        consolidate.convert(str(root / "z3"), str(tmp_path / "x"), source="llmpar")
-    with pytest.raises(ds_convert.CheckpointError, match="not a DeepSpeed checkpoint .* holds"):
-        consolidate.convert(str(root / "ours"), str(tmp_path / "x"), source="deepspeed")
+    with pytest.raises(CheckpointError, match="'ln_f.bias' in .* differs"):
+        verify(bad, [str(tmp_path / "ours" / "model.safetensors")])
+    with pytest.raises(CheckpointError, match="is a DeepSpeed checkpoint"):
+        convert.convert(str(root / "z3"), str(tmp_path / "x"), source="llmpar")
+    with pytest.raises(CheckpointError, match="not a DeepSpeed checkpoint .* holds"):
+        convert.convert(str(root / "ours"), str(tmp_path / "x"), source="deepspeed")
     with pytest.raises(ValueError, match="to='dcp'"):
-        consolidate.convert(str(root / "z3"), str(tmp_path / "x"), to="dcp")
+        convert.convert(str(root / "z3"), str(tmp_path / "x"), to="dcp")
 
 
 def test_deepspeed_checkpoint_reads_without_deepspeed(tmp_path):
@@ -416,7 +417,8 @@ def test_deepspeed_checkpoint_reads_without_deepspeed(tmp_path):
     import types
     from unittest import mock
 
-    from llmpar.checkpoint import deepspeed_read, ds_files
+    from llmpar.checkpoint.formats.deepspeed import files as ds_files
+    from llmpar.checkpoint.formats.deepspeed.open import open_deepspeed
 
     class ZeroStageEnum:
         def __init__(self, value):
@@ -470,7 +472,7 @@ def test_deepspeed_checkpoint_reads_without_deepspeed(tmp_path):
                 d / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt",
             )
     assert ds_files.resolve(str(tmp_path), None) == str(d)
-    ck = deepspeed_read.DeepSpeedCheckpoint(str(d))
+    ck = open_deepspeed(str(d), validate=False)
     assert isinstance(ck.zero_state(0)["zero_stage"], ds_files.Foreign)
     assert (ck.stage, ck.dp, ck.names, ck.step("b")) == (3, 3, ["a", "b"], 4.0)
     for n in shapes:
@@ -497,8 +499,8 @@ def test_deepspeed_checkpoint_reads_without_deepspeed(tmp_path):
 def test_deepspeed_layouts_not_read_are_named(tmp_path):
     """A tensor-parallel pipeline (layer_*-model_01) DeepSpeed checkpoint is refused naming its files; a
     tensor-parallel one (mp_rank_01) whose files cannot be read fails naming its ranks."""
-    from llmpar.checkpoint import deepspeed_read
     from llmpar.checkpoint.files import CheckpointError
+    from llmpar.checkpoint.formats.deepspeed.open import open_deepspeed
 
     for sub, names, match in (
         ("pipe", ["layer_01-model_01-model_states.pt", "mp_rank_00_model_states.pt"], r"tensor-parallel ranks \[1\]"),
@@ -509,7 +511,7 @@ def test_deepspeed_layouts_not_read_are_named(tmp_path):
         for n in names:
             (d / n).write_bytes(b"")
         with pytest.raises(CheckpointError, match=match):
-            deepspeed_read.DeepSpeedCheckpoint(str(d))
+            open_deepspeed(str(d), validate=False)
 
 
 def test_deepspeed_resumes_what_convert_wrote(runs, tmp_path):
@@ -522,9 +524,13 @@ def test_deepspeed_resumes_what_convert_wrote(runs, tmp_path):
     another dp); the checks catch a difference; bad arguments and a pipeline source are refused naming them."""
     from unittest import mock
 
-    from llmpar.checkpoint import consolidate, ds_universal, ds_write
-    from llmpar.checkpoint.deepspeed_read import DeepSpeedCheckpoint
+    from llmpar.checkpoint import convert, metacheck
     from llmpar.checkpoint.files import CheckpointError
+    from llmpar.checkpoint.formats.deepspeed import write as ds_write
+    from llmpar.checkpoint.formats.deepspeed.open import open_deepspeed
+    from llmpar.checkpoint.formats.open import open_source, writable
+    from llmpar.checkpoint.formats.source import locate
+    from llmpar.checkpoint.formats.universal import write as ds_universal
     from llmpar.cli import main
 
     runs, root = runs
@@ -568,8 +574,8 @@ def test_deepspeed_resumes_what_convert_wrote(runs, tmp_path):
         == 0
     )
     ck, src = (
-        DeepSpeedCheckpoint(str(tmp_path / "f" / f"global_step{K}")),
-        DeepSpeedCheckpoint(str(root / "f3" / f"global_step{K}")),
+        open_deepspeed(str(tmp_path / "f" / f"global_step{K}"), validate=False),
+        open_deepspeed(str(root / "f3" / f"global_step{K}"), validate=False),
     )
     assert (ck.stage, ck.dp, ck.names) == (2, 3, src.names)
     for n in src.names:
@@ -580,11 +586,11 @@ def test_deepspeed_resumes_what_convert_wrote(runs, tmp_path):
     assert all(torch.equal(ck.frozen()[n], src.frozen()[n]) for n in src.frozen())
     assert ck.client_state() == {"data_pos": 17 + K}
     # the checks catch a difference: a source read differently from what was written
-    src = ds_write.open_source(str(root / "ours_k"))
+    src = writable(open_source(locate(str(root / "ours_k"))))
     ds_write.write_deepspeed(str(root / "ours_k"), str(tmp_path / "k3"), stage=3)
     ds_universal.write_universal(str(root / "ours_k"), str(tmp_path / "u"))
-    full = src.full
-    src.full = lambda n, key: full(n, key) + (key == "exp_avg" and n == "ln_f.bias")
+    piece = src.piece
+    src.piece = lambda n, key, a, z: piece(n, key, a, z) + (key == "exp_avg" and n == "ln_f.bias")
     with pytest.raises(CheckpointError, match="param 'ln_f.bias' exp_avg read back differs"):
         ds_write.verify(src, str(tmp_path / "k3" / f"global_step{K}"), 3, 2)
     with pytest.raises(CheckpointError, match="exp_avg of 'ln_f.bias'"):
@@ -594,13 +600,13 @@ def test_deepspeed_resumes_what_convert_wrote(runs, tmp_path):
         ({"pp": 1, "param_groups": [{}, {}]}, "llmpar checkpoint of 2 param groups"),
     ):
         with (
-            mock.patch.object(ds_write.metacheck, "read", lambda path: meta),
+            mock.patch.object(metacheck, "read", lambda path, real=metacheck.read, meta=meta: {**real(path), **meta}),
             pytest.raises(CheckpointError, match=match),
         ):
             ds_write.write_deepspeed(str(root / "ours_k"), str(tmp_path / "x"))
     with pytest.raises(ValueError, match="stage=4: DeepSpeed's ZeRO layout is written for stages 1, 2 or 3"):
-        consolidate.convert(str(root / "z2"), str(tmp_path / "x"), to="deepspeed", stage=4)
+        convert.convert(str(root / "z2"), str(tmp_path / "x"), to="deepspeed", stage=4)
     with pytest.raises(ValueError, match="dp=0"):
         ds_write.write_deepspeed(str(root / "z2"), str(tmp_path / "x"), dp=0)
     with pytest.raises(ValueError, match="only for to='deepspeed'"):
-        consolidate.convert(str(root / "z2"), str(tmp_path / "x"), stage=2)
+        convert.convert(str(root / "z2"), str(tmp_path / "x"), stage=2)

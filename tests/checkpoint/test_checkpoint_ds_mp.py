@@ -1,5 +1,6 @@
 """DeepSpeed checkpoints of a model made tensor-parallel by its user (``deepspeed.initialize(..., mpu=...)``: one
-``mp_rank_TT`` file set per tensor-parallel rank) load into llmpar as the unsplit model (``ds_mp_read.py``).
+``mp_rank_TT`` file set per tensor-parallel rank) load into llmpar as the unsplit model
+(``formats/deepspeed/tensor_parallel.py``).
 
 One launch on 2 ranks (the rank pool): real DeepSpeed (0.19, CPU, gloo) trains ``tests/data/tp_ckpt_model.py``'s
 hand-written Megatron-style model (column-parallel ``up``, row-parallel ``down``, replicated rest, odd widths) at tp=2
@@ -161,9 +162,9 @@ def runs(tmp_path_factory, ds_ext_dir):
 def test_deepspeed_tensor_parallel_checkpoint_files(runs):
     """DeepSpeed wrote one file set per tensor-parallel rank; the reader merges column-parallel params on dim 0,
     row-parallel ones on dim 1, reads replicated ones from rank 0, and refuses to guess without the model."""
-    from llmpar.checkpoint.deepspeed_read import DeepSpeedCheckpoint
-    from llmpar.checkpoint.ds_mp_read import DeepSpeedTPCheckpoint
     from llmpar.checkpoint.files import CheckpointError
+    from llmpar.checkpoint.formats.deepspeed.open import open_deepspeed
+    from llmpar.checkpoint.formats.deepspeed.tensor_parallel import DeepSpeedTPCheckpoint
 
     runs, root = runs
     assert sorted(os.listdir(root / TAG)) == [
@@ -173,14 +174,14 @@ def test_deepspeed_tensor_parallel_checkpoint_files(runs):
         "zero_pp_rank_0_mp_rank_01_optim_states.pt",
     ]
     with pytest.raises(CheckpointError, match=r"tensor-parallel \(tp=2\) DeepSpeed checkpoint: its files do not say"):
-        DeepSpeedCheckpoint(str(root / TAG))
+        open_deepspeed(str(root / TAG), validate=False)
     shards = [out["ds"][1] for out in runs]
     dims = {"up.weight": 0, "up.bias": 0, "down.weight": 1}
     model = {
         n: (tuple(torch.cat([s[n] for s in shards], dims[n]).shape) if n in dims else tuple(t.shape), True)
         for n, t in shards[0].items()
     }
-    ck = DeepSpeedCheckpoint(str(root / TAG), model=model)
+    ck = open_deepspeed(str(root / TAG), model, validate=False)
     assert isinstance(ck, DeepSpeedTPCheckpoint) and (ck.tp, ck.stage, ck.dp) == (2, 1, 1)
     assert ck.dims == {n: dims.get(n) for n in shards[0]}
     for n in shards[0]:

@@ -1,5 +1,6 @@
 """DeepSpeed *pipeline* checkpoints (``layer_II-model_states.pt`` per layer, ``mp_rank_SS_model_states.pt`` and ZeRO-1
-``zero_pp_rank_R_mp_rank_SS_optim_states.pt`` per stage) load into llmpar as they are (``ds_pipe_read.py``).
+``zero_pp_rank_R_mp_rank_SS_optim_states.pt`` per stage) load into llmpar as they are
+(``formats/deepspeed/pipeline.py``).
 
 One launch on 2 ranks (the rank pool): real DeepSpeed (0.19, CPU, gloo) trains ``tests/data/pipe_ckpt_model.py``'s
 PipelineModule (a weight tied between the stages, called through a ``forward_fn`` on stage 1, a frozen param, random
@@ -236,8 +237,8 @@ def test_deepspeed_pipeline_checkpoint_files(runs):
     """The layout this reader expects is the one DeepSpeed wrote: a layer file per layer but the tied head called
     through forward_fn, a model states file and a ZeRO-1 optimizer file per stage; the reader joins the stages, the
     tied weight once (its stage-1 copy equal to stage 0's), buffers and the frozen param from the layer files."""
-    from llmpar.checkpoint.deepspeed_read import DeepSpeedCheckpoint
-    from llmpar.checkpoint.ds_pipe_read import DeepSpeedPipelineCheckpoint
+    from llmpar.checkpoint.formats.deepspeed.open import open_deepspeed
+    from llmpar.checkpoint.formats.deepspeed.pipeline import DeepSpeedPipelineCheckpoint
 
     runs, root = runs
     files = sorted(os.listdir(root / TAG))
@@ -247,7 +248,7 @@ def test_deepspeed_pipeline_checkpoint_files(runs):
         "zero_pp_rank_0_mp_rank_00_optim_states.pt",
         "zero_pp_rank_0_mp_rank_01_optim_states.pt",
     ]
-    ck = DeepSpeedCheckpoint(str(root / TAG))
+    ck = open_deepspeed(str(root / TAG), validate=False)
     assert isinstance(ck, DeepSpeedPipelineCheckpoint) and (ck.pp, ck.stage, ck.dp) == (2, 1, 1)
     state = runs[0]["ds_state"]  # DeepSpeed's params right after its save: stage 0's on rank 0, stage 1's on rank 1
     both = {**runs[1]["ds_state"], **state}
@@ -266,7 +267,7 @@ def test_deepspeed_pipeline_checkpoint_files(runs):
 
     assert sorted(os.listdir(root / "z0" / TAG)) == files[:-2]
     with pytest.raises(CheckpointError, match=r"without ZeRO \(torch optimizer\): its files name no params"):
-        DeepSpeedCheckpoint(str(root / "z0" / TAG))
+        open_deepspeed(str(root / "z0" / TAG), validate=False)
 
 
 @pytest.mark.parametrize("layout", ["pp2", "pp1", "plain", "pp2<dp2", "pp2<z0", "pp1<z0"])
@@ -307,7 +308,8 @@ def test_convert_deepspeed_pipeline_checkpoint(runs, tmp_path):
     model-parallel rank; read back equal to the pipeline checkpoint: masters, moments, steps)."""
     from safetensors.torch import load_file
 
-    from llmpar.checkpoint.deepspeed_read import DeepSpeedCheckpoint
+    from llmpar.checkpoint.formats.deepspeed.open import open_deepspeed
+    from llmpar.checkpoint.formats.deepspeed.rank import RankCheckpoint
     from llmpar.cli import main
 
     runs, root = runs
@@ -319,10 +321,10 @@ def test_convert_deepspeed_pipeline_checkpoint(runs, tmp_path):
             got.update(load_file(str(tmp_path / "hf" / f)))
     assert got.keys() == both.keys() and all(torch.equal(got[n], both[n]) for n in both)
     assert main(["checkpoint", "convert", str(root), str(tmp_path / "z"), "--to", "deepspeed"]) == 0
-    src = DeepSpeedCheckpoint(str(root / TAG))
+    src = open_deepspeed(str(root / TAG), validate=False)
     (tag,) = [d for d in os.listdir(tmp_path / "z") if d != "latest"]
-    ck = DeepSpeedCheckpoint(str(tmp_path / "z" / tag))
-    assert type(ck) is DeepSpeedCheckpoint and ck.names == src.names and (ck.stage, ck.dp) == (1, 1)
+    ck = open_deepspeed(str(tmp_path / "z" / tag), validate=False)
+    assert type(ck) is RankCheckpoint and ck.names == src.names and (ck.stage, ck.dp) == (1, 1)
     for n in src.names:
         k = both[n].numel()
         assert ck.step(n) == src.step(n) == K
@@ -352,8 +354,8 @@ def test_bad_pipeline_checkpoints_fail_on_every_rank_naming_the_file(runs):
 def test_pipeline_layouts_not_read_are_named(tmp_path):
     """A tensor-parallel pipeline checkpoint (layer_*-model_01-*) and a pipeline directory without its model states
     files are refused naming what was found, before any file is read."""
-    from llmpar.checkpoint.deepspeed_read import DeepSpeedCheckpoint
     from llmpar.checkpoint.files import CheckpointError
+    from llmpar.checkpoint.formats.deepspeed.open import open_deepspeed
 
     for sub, names, match in (
         (
@@ -373,14 +375,14 @@ def test_pipeline_layouts_not_read_are_named(tmp_path):
         for n in names:
             (d / n).write_bytes(b"")
         with pytest.raises(CheckpointError, match=match):
-            DeepSpeedCheckpoint(str(d))
+            open_deepspeed(str(d), validate=False)
 
 
 def test_unnamed_pipeline_params_that_cannot_be_placed_are_refused():
     """Without ZeRO the stages' optimizer states are matched to the model's params by count and shape: states that
     fit two assignments (two tied modules of one shape, one per stage) or none are refused, naming the stage."""
-    from llmpar.checkpoint.ds_pipe_names import Stage, infer
     from llmpar.checkpoint.files import CheckpointError
+    from llmpar.checkpoint.formats.deepspeed.pipeline_names import Stage, infer
 
     model = {"tied_modules.e.w": ((3,), True), "tied_modules.f.w": ((3,), True)}
     with pytest.raises(
@@ -403,14 +405,14 @@ def test_bf16_pipeline_checkpoint_without_zero(runs):
     bf16_zero_pp_rank_0_mp_rank_SS files (the model states files name no params); read with the model's names, each
     param's master and moments are DeepSpeed's, bitwise, at its place in the stage's flat group (frozen params out of
     it), and DeepSpeed's bf16 weights are those masters rounded."""
-    from llmpar.checkpoint.deepspeed_read import DeepSpeedCheckpoint
+    from llmpar.checkpoint.formats.deepspeed.open import open_deepspeed
 
     runs, root = runs
     kinds = {out["ds_bf16"][0] for out in runs}
     assert kinds == {"BF16_Optimizer"}, kinds
     params = {**runs[1]["ds_bf16"][1], **runs[0]["ds_bf16"][1]}
     model = {n: (tuple(t.shape), n != "2.norm.bias") for n, t in params.items()}
-    ck = DeepSpeedCheckpoint(str(root / "bf16" / TAG), model=model)
+    ck = open_deepspeed(str(root / "bf16" / TAG), model, validate=False)
     assert (ck.pp, ck.kind, ck.dp, ck.bf16) == (2, "BF16_Optimizer", 1, True)
     assert ck.frozen().keys() == {"2.norm.bias"} and torch.equal(ck.frozen()["2.norm.bias"], params["2.norm.bias"])
     for s, out in enumerate(runs):

@@ -70,7 +70,7 @@ def _obj(seed: int = 0) -> dict:
         "b": True,
         "i": 2**70,
         "list": [1, (2, 3), []],
-        "concat": bw.Concat([base[0], base[2, 3:], torch.randn(0)]),
+        "concat": bf.Concat([base[0], base[2, 3:], torch.randn(0)]),
         "nested": {"x": {"y": [base[5]]}},
     }
 
@@ -162,7 +162,7 @@ def test_what_cannot_be_written_is_named(tmp_path):
     with pytest.raises(TypeError, match="keys must be str"):
         bw.write(str(tmp_path / "f.shard"), {1: torch.zeros(1)})
     with pytest.raises(ValueError, match="one dtype"):
-        bw.Concat([torch.zeros(1), torch.zeros(1, dtype=torch.float64)])
+        bf.Concat([torch.zeros(1), torch.zeros(1, dtype=torch.float64)])
 
 
 # ---------------------------------------------------------------------------------------------------- checkpoints

@@ -5,7 +5,8 @@
   reads no ``_private`` attribute of another object and keeps no module-level hook or registry (AST check);
 * a tiny fake engine + optimizer that share nothing with ZeRO (one process, no process group: an empty grid) save,
   load, async-save, crash at a fault hook passed per call, and consolidate through the real checkpoint code;
-* ZeRO's mixin and both engines implement every method of the protocols.
+* ZeRO's mixin and both engines implement every method of the protocols; every format's reader (llmpar's, DeepSpeed's
+  three layouts, universal, DCP) every member of the one reader protocol (``formats/source.py``).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ CKPT = Path(__file__).resolve().parents[2] / "llmpar" / "checkpoint"
 
 # ---------------------------------------------------------------------------------------------------- the source
 def _sources() -> list[Path]:
-    return sorted(CKPT.glob("*.py"))
+    return sorted(CKPT.rglob("*.py"))  # the formats' packages too
 
 
 def test_checkpoint_imports_neither_zero_nor_pipeline():
@@ -52,7 +53,7 @@ def test_checkpoint_imports_neither_zero_nor_pipeline():
                 else []
             )
             bad += [
-                f"{path.name}:{node.lineno} imports {n}"
+                f"{path.relative_to(CKPT)}:{node.lineno} imports {n}"
                 for n in names
                 if n.split(".")[:2] in (["llmpar", "zero"], ["llmpar", "pipeline"], ["llmpar", "runtime"])
             ]
@@ -77,14 +78,15 @@ def test_checkpoint_reads_no_private_attribute_of_another_object():
             else:
                 continue
             private = attr.startswith("_") and not (attr.startswith("__") and attr.endswith("__"))
-            # the standard library's pickle internals that writing DeepSpeed's pickles needs (ds_write.py): the
-            # pure-Python pickler's save() hook and the reconstructor protocol-2 reductions of plain objects name
+            # the standard library's pickle internals that writing DeepSpeed's pickles needs (formats/deepspeed/
+            # files.py): the pure-Python pickler's save() hook and the reconstructor protocol-2 reductions of plain
+            # objects name
             stdlib = isinstance(owner, ast.Name) and (owner.id, attr) in {
                 ("pickle", "_Pickler"),
                 ("copyreg", "_reconstructor"),
             }
             if private and not stdlib and not (isinstance(owner, ast.Name) and owner.id in ("self", "cls")):
-                bad.append(f"{path.name}:{node.lineno} reads .{attr} of {ast.unparse(owner)}")
+                bad.append(f"{path.relative_to(CKPT)}:{node.lineno} reads .{attr} of {ast.unparse(owner)}")
     assert not bad, "llmpar/checkpoint reads private attributes:\n" + "\n".join(bad)
 
 
@@ -102,9 +104,11 @@ def test_checkpoint_has_no_module_level_hook_or_registry():
             is_none = isinstance(v, ast.Constant) and v.value is None
             is_registry = isinstance(v, ast.Call) and getattr(v.func, "attr", getattr(v.func, "id", "")) in registries
             if is_none or is_registry:
-                bad.append(f"{path.name}:{node.lineno} {ast.unparse(node)}")
+                bad.append(f"{path.relative_to(CKPT)}:{node.lineno} {ast.unparse(node)}")
         bad += [
-            f"{path.name}:{n.lineno} global {', '.join(n.names)}" for n in ast.walk(tree) if isinstance(n, ast.Global)
+            f"{path.relative_to(CKPT)}:{n.lineno} global {', '.join(n.names)}"
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Global)
         ]
     assert not bad, "module-level state in llmpar/checkpoint:\n" + "\n".join(bad)
 
@@ -335,3 +339,18 @@ def test_zero_and_engines_implement_the_protocols():
     for cls in (Engine, PipelineEngine):
         assert [m for m in _methods(Checkpointable) if not callable(getattr(cls, m, None))] == [], cls
         assert "checkpoint_grid" in vars(cls), f"{cls.__name__} must say where it sits"
+    from llmpar.checkpoint.formats import source
+    from llmpar.checkpoint.formats.dcp.format import DcpCheckpoint
+    from llmpar.checkpoint.formats.deepspeed.pipeline import DeepSpeedPipelineCheckpoint
+    from llmpar.checkpoint.formats.deepspeed.rank import RankCheckpoint
+    from llmpar.checkpoint.formats.deepspeed.tensor_parallel import DeepSpeedTPCheckpoint
+    from llmpar.checkpoint.formats.llmpar import LlmparCheckpoint
+    from llmpar.checkpoint.formats.universal.read import UniversalCheckpoint
+
+    readers = (LlmparCheckpoint, RankCheckpoint, DeepSpeedPipelineCheckpoint, DeepSpeedTPCheckpoint)
+    for cls in (*readers, UniversalCheckpoint, DcpCheckpoint):
+        lacking = [m for m in _methods(source.Source) if not callable(getattr(cls, m, None))]
+        assert lacking == [] and isinstance(getattr(cls, "format", None), str), (cls, lacking)
+    assert {cls.format for cls in (LlmparCheckpoint, RankCheckpoint, UniversalCheckpoint, DcpCheckpoint)} == set(
+        source.FORMATS
+    )

@@ -1,4 +1,4 @@
-"""DeepSpeed *universal* checkpoints load into llmpar as they are (``llmpar.checkpoint.universal_read``).
+"""DeepSpeed *universal* checkpoints load into llmpar as they are (``llmpar.checkpoint.formats.universal.read``).
 
 One launch on 2 ranks: real DeepSpeed (0.19, CPU, gloo) trains the demo GPT K steps at ZeRO-2 and ZeRO-3 (fp32),
 saves, and DeepSpeed's own ``ds_to_universal`` converts each save (``DIR/TAG_universal`` + ``DIR/latest_universal``;
@@ -134,7 +134,7 @@ def body(root, ext_dir):
     import deepspeed
     import deepspeed.ops
 
-    from llmpar.checkpoint import consolidate
+    from llmpar.checkpoint import convert
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no JIT build of DeepSpeed's CPU comm op
     rank, out = dist.get_rank(), {"ds": {}, "ours": {}}
@@ -175,7 +175,7 @@ def body(root, ext_dir):
         out["ours"][(name, stage, tp)] = (_train(engine, range(K, K + N), tp > 1), facts)
     # llmpar's own --to universal, read back by llmpar: the same state as the llmpar checkpoint it came from
     if rank == 0:
-        consolidate.convert(f"{root}/ours", f"{root}/ours_u", to="universal")
+        convert.convert(f"{root}/ours", f"{root}/ours_u", to="universal")
     dist.barrier()
     states = []
     for src in ("ours", "ours_u"):
@@ -270,12 +270,14 @@ def test_bad_universal_checkpoints_fail_on_every_rank_naming_the_path(runs):
 
 
 def _verify_catches(src_dir, out):
-    """``ds_write.verify`` (one rank file at a time) of a ZeRO-2 dp=2 output: passes as written; catches a
-    difference in the last element of the last param (the last rank's file) and in a stage 1-2 module weight."""
-    from llmpar.checkpoint import ds_write
+    """``formats.deepspeed.write.verify`` (one rank file at a time) of a ZeRO-2 dp=2 output: passes as written; catches
+    a difference in the last element of the last param (the last rank's file) and in a stage 1-2 module weight."""
     from llmpar.checkpoint.files import CheckpointError
+    from llmpar.checkpoint.formats.deepspeed import write as ds_write
+    from llmpar.checkpoint.formats.open import open_source, writable
+    from llmpar.checkpoint.formats.source import locate
 
-    s = ds_write.open_source(src_dir)
+    s = writable(open_source(locate(src_dir)))
     ds_write.verify(s, out, 2, 2)
     last, piece = s.groups[-1][-1], s.piece
 
@@ -305,11 +307,11 @@ def test_convert_from_universal(runs, tmp_path):
     difference (``_verify_catches``); a directory that is not one is refused naming what it holds."""
     from safetensors.torch import load_file
 
-    from llmpar.checkpoint import consolidate
-    from llmpar.checkpoint.dcp_format import DcpCheckpoint
-    from llmpar.checkpoint.deepspeed_read import DeepSpeedCheckpoint
+    from llmpar.checkpoint import convert
     from llmpar.checkpoint.files import CheckpointError
-    from llmpar.checkpoint.universal_read import UniversalCheckpoint
+    from llmpar.checkpoint.formats.dcp.format import DcpCheckpoint
+    from llmpar.checkpoint.formats.deepspeed.open import open_deepspeed
+    from llmpar.checkpoint.formats.universal.read import UniversalCheckpoint
     from llmpar.cli import main
 
     _, root = runs
@@ -328,18 +330,18 @@ def test_convert_from_universal(runs, tmp_path):
             assert torch.equal(hf[n].reshape(-1), src.read(n, "master", 0, size[n])), n
         for stage, dp in ((3, 3), (2, 2)):
             out = tmp_path / f"{name}_ds{stage}"
-            consolidate.convert(str(root / name), str(out), to="deepspeed", stage=stage, dp=dp)
-            ck = DeepSpeedCheckpoint(str(out / f"global_step{K}"))
+            convert.convert(str(root / name), str(out), to="deepspeed", stage=stage, dp=dp)
+            ck = open_deepspeed(str(out / f"global_step{K}"), validate=False)
             assert (ck.stage, ck.dp, sorted(ck.names)) == (stage, dp, sorted(src.names))
             for n in src.names:
                 for key in ("master", "exp_avg", "exp_avg_sq"):
                     assert torch.equal(ck.read(n, key, 0, size[n]), src.read(n, key, 0, size[n])), (n, key)
                 assert ck.step(n) == src.step(n) == K
         _verify_catches(str(root / name), str(tmp_path / f"{name}_ds2" / f"global_step{K}"))
-        consolidate.convert(str(root / name), str(tmp_path / f"{name}_u"), to="universal")
+        convert.convert(str(root / name), str(tmp_path / f"{name}_u"), to="universal")
         back = UniversalCheckpoint(str(tmp_path / f"{name}_u" / f"global_step{K}"))
         dcp_dir = tmp_path / f"{name}_dcp"
-        consolidate.convert(str(root / name), str(dcp_dir), to="dcp")
+        convert.convert(str(root / name), str(dcp_dir), to="dcp")
         dc = DcpCheckpoint(str(dcp_dir))
         for n in src.names:
             for key in ("master", "exp_avg", "exp_avg_sq"):
@@ -349,9 +351,9 @@ def test_convert_from_universal(runs, tmp_path):
             assert back.step(n) == dc.step(n) == K
         assert back.client_state()["data_pos"] == 17 + K and back.counters()["global_steps"] == K
     with pytest.raises(CheckpointError, match="is not a universal checkpoint .* holds"):
-        consolidate.convert(str(root / "ours"), str(tmp_path / "x"), source="universal")
+        convert.convert(str(root / "ours"), str(tmp_path / "x"), source="universal")
     with pytest.raises(ValueError, match="source='zip' is not one of"):
-        consolidate.convert(str(root / "ours"), str(tmp_path / "x"), source="zip")
+        convert.convert(str(root / "ours"), str(tmp_path / "x"), source="zip")
 
 
 def test_load_universal_config_reads_latest_universal(runs):

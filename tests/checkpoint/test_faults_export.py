@@ -29,14 +29,14 @@ import pytest
 import torch
 from test_hf_load import write_zero3
 
-from llmpar.checkpoint import consolidate
+from llmpar.checkpoint import consolidate, convert
 from llmpar.checkpoint.files import CheckpointError
 
 # a child converting into OUT with os.replace / os.rename / os.remove / shutil.rmtree / the directory exchange
 # counted; it SIGKILLs itself right before call K (K=0: never, it prints the count)
 CHILD = r"""
 import os, shutil, signal, sys
-from llmpar.checkpoint import consolidate, publish
+from llmpar.checkpoint import consolidate, convert, publish
 mode, src, out, k = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 calls = [0]
 def counted(fn):
@@ -51,7 +51,7 @@ if os.environ.get("NO_EXCHANGE"):  # a file system without renameat2's exchange:
     publish._exchange = lambda a, b: False
 shutil.rmtree, publish._exchange = counted(shutil.rmtree), counted(publish._exchange)
 if mode == "stream":
-    consolidate.convert(src, out, max_shard_size="2KB", overwrite=True)
+    convert.convert(src, out, max_shard_size="2KB", overwrite=True)
 else:
     consolidate.consolidate(src, out, max_shard_size="3KB", overwrite=True)
 print(calls[0])
@@ -108,8 +108,8 @@ def test_a_convert_killed_at_any_instant_leaves_the_old_export_or_the_new_one(mo
 
     if mode == "stream":  # a DeepSpeed ZeRO-3 source, streamed into safetensors shards; the old export: other values
         src, other = _zero3(tmp_path / "ds", 0.0), _zero3(tmp_path / "ds_other", 1.0)
-        consolidate.convert(other, str(tmp_path / "old"), max_shard_size="1KB")
-        consolidate.convert(src, str(tmp_path / "new"), max_shard_size="2KB")
+        convert.convert(other, str(tmp_path / "old"), max_shard_size="1KB")
+        convert.convert(src, str(tmp_path / "new"), max_shard_size="2KB")
     else:  # an llmpar checkpoint; the old export: bf16, one file
         src = llmpar_ckpt
         consolidate.consolidate(src, str(tmp_path / "old"), dtype="bf16")
@@ -158,7 +158,7 @@ def test_a_convert_killed_at_any_instant_leaves_the_old_export_or_the_new_one(mo
     assert put_back == (0 if exchange else 1), put_back
     # what the killed converts left beside the targets is removed by the next convert into them
     for k in ks:
-        consolidate.convert(
+        convert.convert(
             src, str(tmp_path / f"out{k}"), max_shard_size="2KB", overwrite=True
         ) if mode == "stream" else consolidate.consolidate(
             src, str(tmp_path / f"out{k}"), max_shard_size="3KB", overwrite=True
@@ -168,7 +168,7 @@ def test_a_convert_killed_at_any_instant_leaves_the_old_export_or_the_new_one(mo
 
 
 def test_a_non_empty_output_directory_is_refused_unless_overwrite(llmpar_ckpt, tmp_path, capsys):
-    from llmpar.checkpoint.deepspeed_read import DeepSpeedCheckpoint
+    from llmpar.checkpoint.formats.deepspeed.open import open_deepspeed
     from llmpar.cli import main
 
     src = llmpar_ckpt
@@ -179,10 +179,10 @@ def test_a_non_empty_output_directory_is_refused_unless_overwrite(llmpar_ckpt, t
     before = _tree(out)
     for call in (
         lambda: consolidate.consolidate(src, str(out)),
-        lambda: consolidate.convert(src, str(out)),
-        lambda: consolidate.convert(src, str(out), to="deepspeed"),
-        lambda: consolidate.convert(src, str(out), to="universal"),
-        lambda: consolidate.convert(src, str(out), to="dcp"),
+        lambda: convert.convert(src, str(out)),
+        lambda: convert.convert(src, str(out), to="deepspeed"),
+        lambda: convert.convert(src, str(out), to="universal"),
+        lambda: convert.convert(src, str(out), to="dcp"),
     ):
         with pytest.raises(
             ValueError,
@@ -196,9 +196,9 @@ def test_a_non_empty_output_directory_is_refused_unless_overwrite(llmpar_ckpt, t
     assert main(["checkpoint", "consolidate", src, str(out), "--overwrite"]) == 0
     assert sorted(os.listdir(out)) == ["model.safetensors"]  # the stale config.json and the notes are gone
     with pytest.raises(ValueError, match="holds the checkpoint read"):
-        consolidate.convert(src, os.path.dirname(src), overwrite=True)
+        convert.convert(src, os.path.dirname(src), overwrite=True)
     with pytest.raises(TypeError, match="overwrite='yes' must be a bool"):
-        consolidate.convert(src, str(tmp_path / "x"), overwrite="yes")
+        convert.convert(src, str(tmp_path / "x"), overwrite="yes")
     # --to deepspeed at dp=3, then at dp=2 into the same directory: only the dp=2 files, which read back as such
     ds = tmp_path / "ds"
     assert main(["checkpoint", "convert", src, str(ds), "--to", "deepspeed", "--dp", "3"]) == 0
@@ -210,18 +210,18 @@ def test_a_non_empty_output_directory_is_refused_unless_overwrite(llmpar_ckpt, t
         "zero_pp_rank_0_mp_rank_00_optim_states.pt",
         "zero_pp_rank_1_mp_rank_00_optim_states.pt",
     ]
-    assert DeepSpeedCheckpoint(str(ds / tag)).dp == 2
+    assert open_deepspeed(str(ds / tag), validate=False).dp == 2
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".")], os.listdir(tmp_path)
 
 
 def test_a_full_disk_during_convert_to_deepspeed_is_named_and_leaves_nothing(
     llmpar_ckpt, tmp_path, monkeypatch, capsys
 ):
-    from llmpar.checkpoint import ds_write
+    from llmpar.checkpoint.formats.deepspeed import files as ds_files
     from llmpar.cli import main
 
     src, out = llmpar_ckpt, tmp_path / "ds"
-    consolidate.convert(src, str(out), to="deepspeed", dp=3)
+    convert.convert(src, str(out), to="deepspeed", dp=3)
     before = _tree(out)
     real_open, wrote = open, [0]
 
@@ -244,9 +244,9 @@ def test_a_full_disk_during_convert_to_deepspeed_is_named_and_leaves_nothing(
         def __exit__(self, *exc):
             return self.f.__exit__(*exc)
 
-    monkeypatch.setattr(ds_write, "open", lambda *a, **k: Full(real_open(*a, **k)), raising=False)
+    monkeypatch.setattr(ds_files, "open", lambda *a, **k: Full(real_open(*a, **k)), raising=False)
     with pytest.raises(CheckpointError) as info:
-        consolidate.convert(src, str(out), to="deepspeed", dp=2, overwrite=True)
+        convert.convert(src, str(out), to="deepspeed", dp=2, overwrite=True)
     msg = str(info.value)
     assert f"convert: cannot write {out}/global_step2/" in msg and "No space left on device (ENOSPC)" in msg, msg
     assert f"{out} is as it was" in msg and "inline_container" not in msg
@@ -263,7 +263,7 @@ def test_a_full_disk_during_convert_to_deepspeed_is_named_and_leaves_nothing(
     # written directly (not through convert): the .part removed, the OSError names the file
     wrote[0] = 0
     with pytest.raises(OSError, match="No space left on device") as info:
-        ds_write.save_pickled({"t": torch.randn(5000)}, str(tmp_path / "f.pt"))
+        ds_files.save_pickled({"t": torch.randn(5000)}, str(tmp_path / "f.pt"))
     assert info.value.filename == str(tmp_path / "f.pt") and info.value.errno == errno.ENOSPC
     assert sorted(os.listdir(tmp_path)) == ["ds"]
 
@@ -272,7 +272,7 @@ def test_an_in_place_export_interrupted_after_its_first_shard_leaves_no_loadable
     """``write_hf_model`` into an existing export (``engine.save_hf_model``'s path, which keeps the directory's
     other files): a failure after its first new shard leaves no old weight file and no index, so nothing loads a mix
     (it replaced shard by shard under the old index); the other files stay."""
-    from llmpar.checkpoint import hf_files
+    from llmpar.checkpoint.formats.hf import files as hf_files
 
     g = torch.Generator().manual_seed(5)
     old = {f"w{i}": torch.randn(9, 11, generator=g) for i in range(4)}

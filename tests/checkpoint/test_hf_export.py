@@ -29,7 +29,7 @@ pytest.importorskip("safetensors")
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
-from llmpar.checkpoint import hf_files  # noqa: E402
+from llmpar.checkpoint.formats.hf import files as hf_files  # noqa: E402
 
 from multirank import run_ranks  # noqa: E402
 

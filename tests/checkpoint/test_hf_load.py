@@ -157,8 +157,8 @@ def test_hf_weights_into_tp_zero3(tmp_path, world: int) -> None:
 # ---------------------------------------------------------------- bounded-memory convert (DeepSpeed -> HF)
 def write_zero3(d, params: dict, dp: int, stage=None, buffers: dict | None = None, shared: dict | None = None):
     """A DeepSpeed ZeRO-3 checkpoint of ``params`` ({name: fp32 tensor}) at ``dp`` written by hand in DeepSpeed
-    0.19's layout (``deepspeed_read.py``): each param cut into ``ceil(numel / dp)`` chunks (the last padded), rank
-    R's flat the concat of its chunks. ``stage``: the pickled zero_stage object (DeepSpeed's ZeroStageEnum(3) for
+    0.19's layout (``formats/deepspeed/files.py``): each param cut into ``ceil(numel / dp)`` chunks (the last padded),
+    rank R's flat the concat of its chunks. ``stage``: the pickled zero_stage object (DeepSpeed's ZeroStageEnum(3) for
     DeepSpeed's own reader; None: a stand-in pickled as ``deepspeed.ZeroStageEnum``, read without DeepSpeed)."""
     import types
     from unittest import mock
@@ -226,7 +226,13 @@ def test_convert_streams_zero3_to_hf(tmp_path, monkeypatch) -> None:
     on disk, or a tensor of another value, is caught by the check naming the tensor."""
     from safetensors.torch import load_file
 
-    from llmpar.checkpoint import consolidate, deepspeed_read, ds_convert, hf_files, hf_stream
+    from llmpar.checkpoint import CheckpointError, convert
+    from llmpar.checkpoint.formats.deepspeed.rank import RankCheckpoint
+    from llmpar.checkpoint.formats.hf import files as hf_files
+    from llmpar.checkpoint.formats.hf import stream as hf_stream
+    from llmpar.checkpoint.formats.hf import write as hf_write
+    from llmpar.checkpoint.formats.open import open_source
+    from llmpar.checkpoint.formats.source import locate, weights
 
     g = torch.Generator().manual_seed(7)
     params = {
@@ -239,31 +245,37 @@ def test_convert_streams_zero3_to_hf(tmp_path, monkeypatch) -> None:
     buffers = {"mask": torch.randint(0, 2, (5, 5), generator=g).bool()}
     d = str(tmp_path / "ds" / "global_step1")
     write_zero3(d, params, 3, buffers=buffers, shared={"head.weight": "emb.weight"})
-    reads, opens, real_read, real_init = (
+    reads, opens, real_read, real_init, real_release = (
         [],
         [0],
-        deepspeed_read.DeepSpeedCheckpoint.read,
-        deepspeed_read.DeepSpeedCheckpoint.__init__,
+        RankCheckpoint.read,
+        RankCheckpoint.__init__,
+        RankCheckpoint.release,
     )
 
     def read(self, name, key, a, z):
         reads.append(z - a)
         return real_read(self, name, key, a, z)
 
-    def init(self, path):
+    def init(self, *args, **kwargs):  # the files opened
         opens[0] += 1
-        real_init(self, path)
+        real_init(self, *args, **kwargs)
 
-    monkeypatch.setattr(deepspeed_read.DeepSpeedCheckpoint, "read", read)
-    monkeypatch.setattr(deepspeed_read.DeepSpeedCheckpoint, "__init__", init)
-    monkeypatch.setattr(ds_convert, "PIECE", 50)
-    monkeypatch.setattr(ds_convert, "REOPEN_MIN", 1)
+    def release(self, name=""):  # the files let go, opened again at the next read
+        opens[0] += not name
+        real_release(self, name)
+
+    monkeypatch.setattr(RankCheckpoint, "read", read)
+    monkeypatch.setattr(RankCheckpoint, "__init__", init)
+    monkeypatch.setattr(RankCheckpoint, "release", release)
+    monkeypatch.setattr(hf_write, "PIECE", 50)
+    monkeypatch.setattr(hf_write, "REOPEN_MIN", 1)
     for dtype in (None, torch.bfloat16):
         out, ref_dir = str(tmp_path / f"out{dtype}"), str(tmp_path / f"ref{dtype}")
         opens[0] = 0
-        written = consolidate.convert(str(tmp_path / "ds"), out, dtype=dtype, max_shard_size="3KB")
+        written = convert.convert(str(tmp_path / "ds"), out, dtype=dtype, max_shard_size="3KB")
         assert max(reads) <= 50 and opens[0] >= 3, (max(reads), opens[0])  # reopened along the way
-        state = ds_convert.state_dict(d, dtype)
+        state = weights(open_source(locate(d)), dtype)
         want = hf_files.write_hf_model(ref_dir, state, dtype=dtype, max_shard_size="3KB")
         assert [os.path.basename(p) for p in written] == [os.path.basename(p) for p in want]
         assert len(written) >= 3, written
@@ -276,9 +288,9 @@ def test_convert_streams_zero3_to_hf(tmp_path, monkeypatch) -> None:
                 got[n].dtype == ref[n].dtype and torch.equal(got[n], ref[n]) for n in ref
             ), p
         reads.clear()
-    src = ds_convert._Stream(d, None, 1 << 30)
+    src = hf_write._Stream(open_source(locate(d)), None, 1 << 30)
     names = list(load_file(written[0]))
-    bf16 = ds_convert._Stream(d, torch.bfloat16, 1 << 30)
+    bf16 = hf_write._Stream(open_source(locate(d)), torch.bfloat16, 1 << 30)
     crcs = {n: hf_stream.digest(hf_stream.as_bytes(src.tensor(n).to(torch.bfloat16))) for n in names}
     hf_stream.check_file(written[0], bf16.meta, names, crcs)
     hf_stream.sample(written[0], bf16, names)
@@ -287,10 +299,10 @@ def test_convert_streams_zero3_to_hf(tmp_path, monkeypatch) -> None:
         last = f.read(1)
         f.seek(-1, os.SEEK_END)
         f.write(bytes([last[0] ^ 1]))
-    with pytest.raises(ds_convert.CheckpointError, match=f"bytes of '{names[-1]}' read back"):
+    with pytest.raises(CheckpointError, match=f"bytes of '{names[-1]}' read back"):
         hf_stream.check_file(written[0], bf16.meta, names, crcs)
-    with pytest.raises(ds_convert.CheckpointError, match="is BF16 .*, the source torch.float32"):
-        hf_stream.check_file(written[0], ds_convert._Stream(d, None, 1 << 30).meta, names, crcs)
+    with pytest.raises(CheckpointError, match="is BF16 .*, the source torch.float32"):
+        hf_stream.check_file(written[0], hf_write._Stream(open_source(locate(d)), None, 1 << 30).meta, names, crcs)
     with open(written[0], "r+b") as f:  # the byte restored; then the file cut short by one byte
         f.seek(-1, os.SEEK_END)
         f.write(last)
@@ -298,14 +310,14 @@ def test_convert_streams_zero3_to_hf(tmp_path, monkeypatch) -> None:
         whole = f.read()
     with open(written[0], "wb") as f:
         f.write(whole[:-1])
-    with pytest.raises(ds_convert.CheckpointError, match="cannot be parsed|is [0-9]+ bytes, the plan"):
+    with pytest.raises(CheckpointError, match="cannot be parsed|is [0-9]+ bytes, the plan"):
         hf_stream.check_file(written[0], bf16.meta, names, crcs)
     with open(written[0], "wb") as f:
         f.write(whole)
     other = str(tmp_path / "other" / "global_step1")  # the same shapes, other values
     write_zero3(other, {n: t + 1 for n, t in params.items()}, 3, buffers=buffers, shared={"head.weight": "emb.weight"})
-    with pytest.raises(ds_convert.CheckpointError, match="in .* differs from the source"):
-        hf_stream.sample(written[0], ds_convert._Stream(other, torch.bfloat16, 1 << 30), names)
+    with pytest.raises(CheckpointError, match="in .* differs from the source"):
+        hf_stream.sample(written[0], hf_write._Stream(open_source(locate(other)), torch.bfloat16, 1 << 30), names)
 
 
 @pytest.mark.parametrize("digest", ["default", "crc32"])
@@ -314,7 +326,9 @@ def test_convert_catches_a_corrupted_write(tmp_path, monkeypatch, what, digest) 
     """A write that puts a wrong byte in the file (one flipped bit in one tensor's bytes), or a write lost (a hole
     of zeros in the file), is caught by the convert itself: a CheckpointError naming the tensor, no file of that
     export left in place, no ``.tmp`` left; with the default digest (XXH3-64 where xxhash is installed) and CRC-32."""
-    from llmpar.checkpoint import consolidate, ds_convert, hf_stream
+    from llmpar.checkpoint import CheckpointError, convert
+    from llmpar.checkpoint.formats.hf import stream as hf_stream
+    from llmpar.checkpoint.formats.hf import write as hf_write
 
     g = torch.Generator().manual_seed(11)
     params = {
@@ -339,9 +353,9 @@ def test_convert_catches_a_corrupted_write(tmp_path, monkeypatch, what, digest) 
     monkeypatch.setattr(hf_stream, "pwrite_all", bad)
     if digest == "crc32":
         monkeypatch.setattr(hf_stream, "new_digest", hf_stream.Crc32)
-    monkeypatch.setattr(ds_convert, "PIECE", 64)
+    monkeypatch.setattr(hf_write, "PIECE", 64)
     out = tmp_path / "out"
-    with pytest.raises(ds_convert.CheckpointError, match="bytes of '[abc]' read back from .* differ"):
-        consolidate.convert(str(tmp_path / "ds"), str(out), max_shard_size="1KB")
+    with pytest.raises(CheckpointError, match="bytes of '[abc]' read back from .* differ"):
+        convert.convert(str(tmp_path / "ds"), str(out), max_shard_size="1KB")
     assert calls[0] >= 3
     assert not out.exists() and os.listdir(tmp_path) == ["ds"], os.listdir(tmp_path)  # nothing of it left

@@ -1,7 +1,7 @@
 """Safetensors weights loaded straight into a pipeline engine (``llmpar.checkpoint.load_hf_weights``): llmpar's GPT
 (the pipeline engine cuts models given as blocks; HF's Llama has none) with tied embeddings and an odd vocabulary
-(padded at tp=2), its random weights written as safetensors under its own (unsplit) names in >= 2 shards, the tied
-head once (``hf_files.write_hf_model``), loaded into pp=2 engines built from other random weights on 4 CPU ranks:
+(padded at tp=2), its random weights written as safetensors under its own (unsplit) names in >= 2 shards, the tied head
+once (``formats.hf.files.write_hf_model``), loaded into pp=2 engines built from other random weights on 4 CPU ranks:
 pp=2 x tp=2 (ZeRO-1) and pp=2 x dp=2 (ZeRO-2), one after the other in the same ranks.
 
 Each engine's first loss equals the plain model's on the files' weights (float64 reference, 1e-5 relative), and its
@@ -42,7 +42,7 @@ def batch(step: int):
 
 def save(path: str, seed: int, d: int = D) -> dict[str, torch.Tensor]:
     """The GPT's weights, every one random (no zeros, no ones), as safetensors shards under its own names."""
-    from llmpar.checkpoint import hf_files
+    from llmpar.checkpoint.formats.hf import files as hf_files
 
     m = model(seed, d=d)
     with torch.no_grad():

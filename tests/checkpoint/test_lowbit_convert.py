@@ -117,7 +117,7 @@ def _same(a, b):
 
 
 def body(root):
-    from llmpar.checkpoint import consolidate
+    from llmpar.checkpoint import convert
 
     os.environ["LLMPAR_BACKEND"] = "torch"
     rank, out = dist.get_rank(), {}
@@ -137,7 +137,7 @@ def body(root):
             ("s2-int8", "hf", None),
             ("s3-int4", "deepspeed", 3),
         ):
-            consolidate.convert(f"{root}/{src}", f"{root}/{src}-{to}", to=to, stage=stage)
+            convert.convert(f"{root}/{src}", f"{root}/{src}-{to}", to=to, stage=stage)
     dist.barrier()
     # converted checkpoints back into a low-bit run at the same units: the same codes and scales
     for src, to, stage, typ in (
@@ -197,18 +197,19 @@ def _full(outs, key, what):
 
 
 def test_converted_lowbit_checkpoints_hold_the_dequantized_codes_as_fp32(runs):
-    from llmpar.checkpoint import ds_write
-    from llmpar.checkpoint.deepspeed_read import DeepSpeedCheckpoint
+    from llmpar.checkpoint.formats.deepspeed.open import open_deepspeed
+    from llmpar.checkpoint.formats.open import open_source
+    from llmpar.checkpoint.formats.source import full, locate
 
     outs, root = runs
     for src, to in (("s2-int8", "deepspeed"), ("s2-int8", "universal"), ("s3-int4", "deepspeed")):
         path = root / f"{src}-{to}"
         if to == "deepspeed":
-            ck = DeepSpeedCheckpoint(os.path.join(path, (path / "latest").read_text().strip()))
+            ck = open_deepspeed(os.path.join(path, (path / "latest").read_text().strip()), validate=False)
             read = lambda n, k, numel: ck.read(n, k, 0, numel)  # noqa: E731
         else:
-            s = ds_write.open_source(str(path), None, "universal")
-            read = lambda n, k, numel: s.full(n, k).reshape(-1)  # noqa: E731
+            s = open_source(locate(str(path), None, "universal"))
+            read = lambda n, k, numel: full(s, n, k).reshape(-1)  # noqa: E731
         for key in MOMENTS:
             want = _full(outs, key, f"moments/{src}")
             for name, t in want.items():

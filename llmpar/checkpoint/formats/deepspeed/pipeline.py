@@ -15,9 +15,9 @@ dp data-parallel ranks per stage, tensor-parallel degree 1:
                                        holding it), "buffer_names", counters, "lr_scheduler", client_state,
                                        "checkpoint_parallel_dimensions" {"pp_degree", "tp_degree"}
     DIR/TAG/[bf16_]zero_pp_rank_R_mp_rank_SS_optim_states.pt   stage S's ZeRO-1 partition of dp rank R: the stage's
-                                       flat fp32 masters and Adam moments over its ``param_shapes`` (``deepspeed_read``)
+                                       flat fp32 masters and Adam moments over its ``param_shapes`` (``rank.py``)
 
-Each stage is read by a :class:`~llmpar.checkpoint.ds_rank_read.RankCheckpoint` of its model-parallel rank;
+Each stage is read by a :class:`~llmpar.checkpoint.formats.deepspeed.rank.RankCheckpoint` of its model-parallel rank;
 this class joins them: a param held by several stages (a tied weight) is read from the lowest one (its copies are
 equal: DeepSpeed sums their gradients over the stages). Buffers and frozen params come from the layer files (a tied
 module's keys mapped back to ``tied_modules.KEY.``), which are all read when the checkpoint opens (small: weights
@@ -26,7 +26,7 @@ in the model's dtype), so a missing, truncated or foreign layer file fails then,
 Without ZeRO (DeepSpeed's default for pipelines) each stage's optimizer is in its ``mp_rank_SS_model_states.pt``
 ("optimizer": torch's state dict, params by index; fp16: FP16_Optimizer's flat fp32 group and scaler), or, bf16, in
 ``bf16_zero_pp_rank_R_mp_rank_SS_optim_states.pt`` (BF16_Optimizer: flat partitions read as ZeRO-1's); "param_shapes"
-is None: the files name no params, so ``model`` (the loading model's names, ``ds_pipe_names.py``) names them. fp32:
+is None: the files name no params, so ``model`` (the loading model's names, ``pipeline_names.py``) names them. fp32:
 the masters are the layer files' weights. Not read (refused naming what was found): tp > 1.
 """
 
@@ -38,10 +38,10 @@ from typing import Any
 
 import torch
 
-from llmpar.checkpoint.ds_files import LAYER_RE, MODEL_RE, OPTIM_RE, detect, load_file
-from llmpar.checkpoint.ds_pipe_names import Stage, groups, infer
-from llmpar.checkpoint.ds_rank_read import RankCheckpoint
 from llmpar.checkpoint.files import CheckpointError
+from llmpar.checkpoint.formats.deepspeed.files import LAYER_RE, detect, load_file, model_parallel_ranks
+from llmpar.checkpoint.formats.deepspeed.pipeline_names import Stage, groups, infer
+from llmpar.checkpoint.formats.deepspeed.rank import RankCheckpoint
 
 TIED = "tied_modules."
 
@@ -50,9 +50,11 @@ class DeepSpeedPipelineCheckpoint(RankCheckpoint):
     """A DeepSpeed pipeline checkpoint (module docstring): the reader's interface over all its stages. ``pp``: the
     number of stages; ``stages[s]``: stage s's reader."""
 
-    def __init__(self, path: str, mp_rank: int | None = None, model: dict | None = None) -> None:
+    def __init__(
+        self, path: str, mp_rank: int | None = None, model: dict | None = None, loaded: dict[str, Any] | None = None
+    ) -> None:
         """``model``: {name: (shape, trained)} of the model loading it, which names the params of a checkpoint
-        saved without ZeRO (``ds_pipe_names.py``); not needed otherwise."""
+        saved without ZeRO (``pipeline_names.py``); not needed otherwise. ``loaded``: files already read."""
         self.path = path
         found = detect(path)
         layers = {f: LAYER_RE.match(f) for f in found if LAYER_RE.match(f)}
@@ -62,18 +64,12 @@ class DeepSpeedPipelineCheckpoint(RankCheckpoint):
                 f"{path} is a DeepSpeed pipeline checkpoint with tensor-parallel ranks {tp_ranks} "
                 "(layer_*-model_YY-model_states.pt): only tp=1 pipeline checkpoints are read"
             )
-        mp = sorted(
-            {
-                int((MODEL_RE.match(f) or OPTIM_RE.match(f)).groups()[-1])  # type: ignore[union-attr]
-                for f in found
-                if f not in layers
-            }
-        )
+        mp = model_parallel_ranks(found)
         if 0 not in mp:
             raise CheckpointError(
                 f"{path} has DeepSpeed pipeline layer files {sorted(layers)[:3]}... but no mp_rank_00_model_states.pt"
             )
-        first = RankCheckpoint(path, mp_rank=0)
+        first = RankCheckpoint(path, mp_rank=0, loaded=loaded)
         dims = first.model.get("checkpoint_parallel_dimensions") or {}
         pp, tp = int(dims.get("pp_degree", len(mp))), int(dims.get("tp_degree", 1))
         if tp != 1:
@@ -127,7 +123,7 @@ class DeepSpeedPipelineCheckpoint(RankCheckpoint):
         return sd
 
     def _name_stages(self, raw: dict[int, dict[str, torch.Tensor]], model: dict | None) -> None:
-        """Saved without ZeRO: each stage's params named from ``model`` (``ds_pipe_names.py``)."""
+        """Saved without ZeRO: each stage's params named from ``model`` (``pipeline_names.py``)."""
         if not model:
             raise CheckpointError(
                 f"{self.path} is a DeepSpeed pipeline checkpoint without ZeRO ({self.kind} "
@@ -272,14 +268,18 @@ class DeepSpeedPipelineCheckpoint(RankCheckpoint):
     def counters(self) -> dict[str, Any]:
         return self.stages[0].counters()
 
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.stages[0].param_groups()
+    def hyper(self) -> list[dict[str, Any]]:
+        return self.stages[0].hyper()
 
     def scheduler(self) -> dict | None:
         return self.stages[0].scheduler()
 
     def client_state(self) -> dict:
         return self.stages[0].client_state()
+
+    def release(self, name: str = "") -> None:
+        for st in self.stages:
+            st.release(name)
 
 
 __all__ = ["DeepSpeedPipelineCheckpoint"]

@@ -1,8 +1,8 @@
-"""``load_checkpoint`` of a ``torch.distributed.checkpoint`` directory (FSDP2 / torchtitan: ``dcp_format.py``) into an
+"""``load_checkpoint`` of a ``torch.distributed.checkpoint`` directory (FSDP2 / torchtitan: ``format.py``) into an
 engine, through the checkpoint protocol, at any dp, ZeRO stage and tp.
 
 Every rank reads the DCP metadata and plans what it needs: each param of this rank must be in the checkpoint with the
-same full shape (a tensor-parallel param is cut from the full tensor, ``ds_load.Source``), and the states its
+same full shape (a tensor-parallel param is cut from the full tensor, ``loader.Pieces``), and the states its
 optimizer cannot derive must be there (Adam's ``exp_avg`` / ``exp_avg_sq`` and each param's ``step``: a CheckpointError
 names the DCP keys that are missing); ``strict`` as in llmpar's own load. The ranks agree on the outcome before
 anything is modified. Then each rank reads, in one ``dcp.load`` without collectives, only the rows holding the
@@ -17,9 +17,9 @@ from __future__ import annotations
 import logging
 
 from llmpar.checkpoint import files
-from llmpar.checkpoint.dcp_format import MOMENTS, DcpCheckpoint
-from llmpar.checkpoint.ds_load import Source, shown
 from llmpar.checkpoint.files import CheckpointError
+from llmpar.checkpoint.formats.dcp.format import MOMENTS, DcpCheckpoint
+from llmpar.checkpoint.formats.loader import Pieces, shown
 from llmpar.checkpoint.protocol import Checkpointable, DescribesModel
 from llmpar.checkpoint.shards import extras_names
 from llmpar.checkpoint.view import EngineView
@@ -28,7 +28,7 @@ logger = logging.getLogger("llmpar")
 
 
 def _plan(
-    engine: Checkpointable, view: EngineView, ck: DcpCheckpoint, src: Source, strict: bool
+    engine: Checkpointable, view: EngineView, ck: DcpCheckpoint, src: Pieces, strict: bool
 ) -> tuple[set[str], dict]:
     """The optimizer names this rank keeps (absent from the checkpoint) and the buffers it takes; raises naming the
     DCP keys a load needs and the checkpoint lacks."""
@@ -84,9 +84,9 @@ def _plan(
     return missing, extras
 
 
-def _prefetch(view: EngineView, ck: DcpCheckpoint, src: Source, keep: set[str]) -> None:
+def _prefetch(view: EngineView, ck: DcpCheckpoint, src: Pieces, keep: set[str]) -> None:
     """Read in one go what ``load_pieces`` will ask for: the params' ranges and this rank's moments (whole tensors
-    of a tensor-parallel param, which ``Source`` cuts)."""
+    of a tensor-parallel param, which ``Pieces`` cuts)."""
     ranges = []
 
     def add(local: str, key: str, a: int, z: int) -> None:
@@ -122,7 +122,7 @@ def load(
     g, opt = view.grid, engine.optimizer
     with files.agreed(g, "load_checkpoint"):
         ck = DcpCheckpoint(path)
-        src = Source(ck, view)  # type: ignore[arg-type] - the same questions as a DeepSpeed checkpoint's
+        src = Pieces(ck, view)
         keep, extras = _plan(engine, view, ck, src, strict)
     view.unexpected(sorted(ck.shapes), strict=strict, where=f"DCP checkpoint {path}", show=shown)  # same metadata
     steps = []

@@ -5,7 +5,7 @@
 
 ``src`` is any :class:`PieceSource`: ``meta`` ({name: meta tensor of the shape and dtype to write}) and
 ``pieces(name)`` (that tensor's elements, flat, in order, in pieces already in that dtype). Nothing here knows where
-the pieces come from (``ds_convert._Stream`` reads them from a DeepSpeed checkpoint).
+the pieces come from (``write.py`` reads them from any reader of the protocol, ``formats/source.py``).
 
 How a file is written (``write_file``): its safetensors header (names in the given order, HuggingFace's
 ``{"format": "pt"}`` metadata, padded to 8 bytes), then each tensor's bytes. The calling thread reads a piece and

@@ -7,8 +7,8 @@
        out/config.json             when ``config`` (the model's ``PretrainedConfig`` as a dict) is given, its dtype
                                    field set to the dtype written; out/generation_config.json likewise
 
-Used by ``llmpar checkpoint consolidate`` (``consolidate.py``, the config from the checkpoint's ``metadata.json``)
-and by ``engine.save_hf_model`` (the live model's). HuggingFace's rules, followed here:
+Used by ``llmpar checkpoint consolidate`` and ``convert`` (``write.py``, the config from the checkpoint's
+``metadata.json``) and by ``engine.save_hf_model`` (the live model's). HuggingFace's rules, followed here:
 
 * tied weights once: tensors sharing storage (a weight tied between the embedding and the head) keep their first
   name in the state dict's order (the embedding's, ``model.embed_tokens.weight``) and drop the others

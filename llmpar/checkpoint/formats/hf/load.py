@@ -165,7 +165,7 @@ def _pad(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     return torch.cat([t, torch.zeros(pad, dtype=t.dtype)], dim)
 
 
-class _Source:
+class _Slices:
     """``load_pieces``' fetch: this rank's pieces of each param from the files, the last piece kept for the
     "master" fallback (read once); moments zero."""
 
@@ -208,7 +208,7 @@ def load_hf_weights(engine: Checkpointable, path: str, *, strict: bool = True) -
     extras: dict[str, Any] = {}
     with files.agreed(g, "load_hf_weights"):
         where = weight_files(path)
-        src = _Source(SliceReader(where), view)
+        src = _Slices(SliceReader(where), view)
         for b in view.layout:
             for slot in b["params"]:
                 src.check(slot["name"])

@@ -1,32 +1,30 @@
-"""``load_checkpoint`` of a DeepSpeed checkpoint (``deepspeed_read.py``) into an engine, through the checkpoint
-protocol: the same named pieces as llmpar's own checkpoints, so any dp, ZeRO stage and tp load it.
+"""Any reader of the protocol (``source.py``) loaded into an engine through the checkpoint protocol, written once
+for the foreign formats: DeepSpeed's (``deepspeed/load.py`` adds what its files need), universal, and the pieces
+DCP's load uses (``dcp/load.py``). Any dp, ZeRO stage, offload and tp load them.
 
-Every rank opens the checkpoint (memory-mapped; each optimizer file when first read) and plans what it needs: each
-param of this rank must be in the checkpoint with the same full shape (a tensor-parallel param is cut from the
-full tensor along its split dim, padding re-added: ``reshard.py``'s rule), and each state its optimizer cannot
-derive must be there; ``strict`` as in llmpar's load (a param or buffer the model has and the checkpoint lacks, or
-one of the checkpoint no rank's model has, is an error naming it; False: kept / ignored, with a warning). The ranks
-agree on the outcome before anything is modified. Then ``load_pieces`` fills this rank's params (from the fp32
-masters), moments and step counts; module buffers and frozen params are copied; the param-group hyper-parameters,
-engine counters (``global_steps``, ``global_samples``, ``skipped_steps``: what DeepSpeed restores), the fp16 loss
-scaler and the LR scheduler follow, and the caller's client_state is returned. DeepSpeed saves no RNG states in these
-files: this engine's stay as they are.
+Every rank opens the checkpoint and plans what it needs (:func:`plan`): each param of this rank must be in the
+checkpoint with the same full shape (a tensor-parallel param is cut from the full tensor along its split dim, padding
+re-added: ``reshard.py``'s rule, :class:`Pieces`), and each state its optimizer cannot derive must be there;
+``strict`` as in llmpar's load (a param or buffer the model has and the checkpoint lacks, or one of the checkpoint no
+rank's model has, is an error naming it; False: kept / ignored, with a warning). The ranks agree on the outcome
+before anything is modified. Then (:func:`apply`) ``load_pieces`` fills this rank's params (from the fp32 masters),
+moments and step counts; module buffers and frozen params are copied; the param-group hyper-parameters, engine
+counters (``global_steps``, ``global_samples``, ``skipped_steps``: what DeepSpeed restores), the fp16 loss scaler
+and the LR scheduler follow, and the caller's client_state is returned. These formats hold no RNG states: this
+engine's stay as they are.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import os
 from typing import Any, Callable
 
 import torch
 
-from llmpar.checkpoint import ds_check, files
-from llmpar.checkpoint.deepspeed_read import DeepSpeedCheckpoint
-from llmpar.checkpoint.ds_files import LAYER_RE, MODEL_RE, OPTIM_RE, detect, load_file
+from llmpar.checkpoint import files
 from llmpar.checkpoint.files import CheckpointError
+from llmpar.checkpoint.formats.source import HYPER, Source
 from llmpar.checkpoint.protocol import Checkpointable, DescribesModel
 from llmpar.checkpoint.reshard import Cut, full_shape
 from llmpar.checkpoint.shards import extras_names
@@ -34,10 +32,8 @@ from llmpar.checkpoint.view import EngineView
 
 logger = logging.getLogger("llmpar")
 
-_HYPER = ("lr", "betas", "eps", "weight_decay")
 
-
-def shown(names: list[str] | set[str], limit: int = 8, ck: DeepSpeedCheckpoint | None = None) -> str:
+def shown(names: list[str] | set[str], limit: int = 8, ck: Source | None = None) -> str:
     """The first ``limit`` names, each with the file holding it in ``ck`` where it tells (a pipeline checkpoint)."""
     names = sorted(names)
     where = {n: ck.file_of(n) for n in names[:limit]} if ck is not None else {}
@@ -45,11 +41,11 @@ def shown(names: list[str] | set[str], limit: int = 8, ck: DeepSpeedCheckpoint |
     return f"[{shown}]" + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-class Source:
-    """The checkpoint's states cut for this rank: a replicated param's elements as saved, a tensor-parallel one's
-    from its full tensor (one full tensor cached at a time)."""
+class Pieces:
+    """The checkpoint's states cut for this rank, as ``load_pieces`` asks for them (:meth:`get`): a replicated param's
+    elements as saved, a tensor-parallel one's from its full tensor (one full tensor cached at a time)."""
 
-    def __init__(self, ck: DeepSpeedCheckpoint, view: EngineView) -> None:
+    def __init__(self, ck: Source, view: EngineView) -> None:
         self.ck, self.view = ck, view
         g, specs = view.grid, view.specs()
         self.cuts = {n: Cut(shape=s, spec=specs[n], tp=g.tp, rank=g.tp_rank) for n, s in view.shapes().items()}
@@ -85,7 +81,7 @@ class Source:
 
 
 def plan(
-    engine: Checkpointable, view: EngineView, ck: DeepSpeedCheckpoint, src: Source, strict: bool, sched: Any
+    engine: Checkpointable, view: EngineView, ck: Source, src: Pieces, strict: bool, sched: Any
 ) -> tuple[set[str], dict[str, torch.Tensor]]:
     """The optimizer names this rank keeps (not in the checkpoint) and the buffers / frozen params it takes; raises
     on what cannot be loaded."""
@@ -146,40 +142,12 @@ def plan(
     return missing, extras
 
 
-def _needs_model(path: str) -> bool:
-    """A checkpoint read with the loading model's names and full shapes: a tensor-parallel one (files of mp ranks >
-    0, no layer files: ``ds_mp_read.py``) or a pipeline one saved without ZeRO, whose files name no params
-    (``ds_pipe_names.py``)."""
-    found = detect(path)
-    if not any(LAYER_RE.match(f) for f in found):
-        return any((m := MODEL_RE.match(f) or OPTIM_RE.match(f)) and int(m.groups()[-1]) > 0 for f in found)
-    if "mp_rank_00_model_states.pt" not in found:
-        return False
-    try:
-        m = load_file(os.path.join(path, "mp_rank_00_model_states.pt"))
-    except CheckpointError:
-        return False  # reported when the checkpoint opens
-    return isinstance(m, dict) and m.get("module") is None and not isinstance(m.get("param_shapes"), list)
-
-
-def _model_names(view: EngineView) -> dict[str, tuple[list[int], bool]]:
-    """Collective: {checkpoint name: (full shape, trained)} of the whole model, every rank's params joined."""
-    specs, shapes = view.specs(), view.shapes()
-    mine = {view.saved_name[n]: (list(full_shape(s, specs[n])), True) for n, s in shapes.items()}
-    frozen = {n: tuple(t.shape) for n, (t, is_param) in view.targets().items() if is_param and n not in mine}
-    mine.update({n: (list(s), False) for n, s in {**frozen, **view.opt.frozen_shapes()}.items()})
-    out: dict[str, tuple[list[int], bool]] = {}
-    for text in files.gather_text(json.dumps(mine), view.grid, limit=1 << 22):
-        out.update({k: (v[0], v[1]) for k, v in json.loads(text or "{}").items()})
-    return out
-
-
 def apply(
     engine: Checkpointable,
     view: EngineView,
     path: str,
-    ck: DeepSpeedCheckpoint,
-    src: Source,
+    ck: Source,
+    src: Pieces,
     keep: set[str] | None,
     extras: dict,
     *,
@@ -188,10 +156,9 @@ def apply(
     where: str,
     show: Callable[[list[str]], str],
 ) -> None:
-    """Collective: what a DeepSpeed-shaped checkpoint ``ck`` (this reader's, or the universal reader's) holds, put
-    into ``engine`` once :func:`plan` agreed: refuse (``strict``) or ignore names in no rank's model, load the states
-    (``keep``: the optimizer names to load, None: all), buffers and frozen params, hyper-parameters, counters and
-    the scheduler."""
+    """Collective: what checkpoint ``ck`` holds, put into ``engine`` once :func:`plan` agreed: refuse (``strict``) or
+    ignore names in no rank's model, load the states (``keep``: the optimizer names to load, None: all), buffers and
+    frozen params, hyper-parameters, counters and the scheduler."""
     g, opt = view.grid, engine.optimizer
     stored = sorted(set(ck.names) | set(ck.aliases) | set(ck.buffers()) | set(ck.frozen()))  # the same on every rank
     view.unexpected(stored, strict=strict, where=where, show=show)
@@ -203,10 +170,10 @@ def apply(
             opt.load_pieces(src.get, step)
         view.put_extras(extras)
     opt.after_load()
-    groups = ck.param_groups()
+    groups = ck.hyper()
     if len(groups) == len(opt.param_groups):
         for group, saved in zip(opt.param_groups, groups):
-            group.update({k: (tuple(saved[k]) if k == "betas" else saved[k]) for k in _HYPER if k in saved})
+            group.update({k: (tuple(saved[k]) if k == "betas" else saved[k]) for k in HYPER if k in saved})
     elif g.rank0:
         logger.warning(
             "load_checkpoint: %s has %d param groups, this optimizer %d: their hyper-parameters (lr, "
@@ -220,19 +187,30 @@ def apply(
         sched.load_state_dict(ck.scheduler())
 
 
-def load(
-    engine: Checkpointable, view: EngineView, path: str, *, strict: bool, scheduler: bool
+def load_source(
+    engine: Checkpointable,
+    view: EngineView,
+    path: str,
+    open_reader: Callable[[], Source],
+    *,
+    strict: bool,
+    scheduler: bool,
+    what: str,
 ) -> tuple[str, dict | None]:
-    """Load DeepSpeed checkpoint directory ``path`` into ``engine`` (collective over its grid; ``load.py``'s
-    ``load_checkpoint`` calls it once the ranks agreed they read the same checkpoint). Returns ``(path,
-    client_state)``."""
+    """Load the checkpoint ``open_reader()`` opens (directory ``path``) into ``engine`` (collective over its grid;
+    ``load.py``'s ``load_checkpoint`` calls it, through the format's loader, once the ranks agreed they read the same
+    checkpoint): opened, this rank's params prepared (``Source.prepare``: their files opened and checked) and
+    planned on every rank, agreed, then applied (module docstring). ``what``: the format, in messages. Returns
+    ``(path, client_state)``."""
     g, opt = view.grid, engine.optimizer
     sched = engine.lr_scheduler if scheduler else None
-    model = _model_names(view) if _needs_model(path) else None  # collective: every rank sees the same files
     with files.agreed(g, "load_checkpoint"):
-        ck = DeepSpeedCheckpoint(path, model=model) if model is not None else DeepSpeedCheckpoint(path)
-        ds_check.validate(ck)  # every file opened and checked against the others before anything changes
-        src = Source(ck, view)
+        ck = open_reader()
+        src = Pieces(ck, view)
+        for local, cut in src.cuts.items():
+            name = view.saved_name[local]
+            if ck.aliases.get(name, name) in ck.shapes:
+                ck.prepare(name, full_shape(cut.shape, cut.spec))
         keep, extras = plan(engine, view, ck, src, strict, sched)
     apply(
         engine,
@@ -244,13 +222,14 @@ def load(
         extras,
         strict=strict,
         sched=sched,
-        where=f"DeepSpeed checkpoint {path} ({ck.describe()})",
+        where=f"{what} checkpoint {path} ({ck.describe()})",
         show=lambda names: shown(names, ck=ck),
     )
     if g.rank0:
         logger.info(
-            "loaded DeepSpeed checkpoint %s (%s; loaded at pp=%d dp=%d tp=%d stage %d); "
-            "DeepSpeed saves no RNG states: this run's are kept",
+            "loaded %s checkpoint %s (%s; loaded at pp=%d dp=%d tp=%d stage %d); it holds no RNG states: this run's "
+            "are kept",
+            what,
             path,
             ck.describe(),
             g.pp,
@@ -261,4 +240,4 @@ def load(
     return path, ck.client_state()
 
 
-__all__ = ["Source", "apply", "load", "plan", "shown"]
+__all__ = ["Pieces", "apply", "load_source", "plan", "shown"]

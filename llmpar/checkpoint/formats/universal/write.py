@@ -13,15 +13,15 @@ ZeRO stage 1-3 with ``"checkpoint": {"load_universal": true}``:
                                                       load reads) and "optimizer_state_dict" {"state": {0: {"step"}},
                                                       "param_groups"} (what a ZeRO-3 load reads)
     DST/TAG/mp_rank_00_model_states.pt                the run's state (counters, lr_scheduler, client_state,
-    DST/TAG/zero_pp_rank_0_mp_rank_00_model_states.pt param_shapes, ...) as ``ds_write`` writes it for ZeRO-2 (whole
-                                                      module) and ZeRO-3 (empty module): an engine of either kind
-                                                      finds its file
+    DST/TAG/zero_pp_rank_0_mp_rank_00_model_states.pt param_shapes, ...) as ``deepspeed/write.py`` writes it for
+                                                      ZeRO-2 (whole module) and ZeRO-3 (empty module): an engine of
+                                                      either kind finds its file
 
 A universal load restores only the trained params (DeepSpeed skips the module state dict): buffers and frozen params
 keep the model's values, as with DeepSpeed's own universal checkpoints. Every tensor file written is read back and
-compared bitwise with the source. The refusals are ``ds_write``'s. Memory: one param's tensor at a time (read from the
-memory-mapped source, streamed into its file, checked in pieces against the source, dropped), and the model states
-file (every param whole in ``module``, as DeepSpeed writes it). A universal checkpoint is a source too.
+compared bitwise with the source. The refusals are ``deepspeed/write.py``'s. Memory: one param's tensor at a time (read
+from the memory-mapped source, streamed into its file, checked in pieces against the source, dropped), and the model
+states file (every param whole in ``module``, as DeepSpeed writes it). A universal checkpoint is a source too.
 """
 
 from __future__ import annotations
@@ -31,9 +31,20 @@ import os
 
 import torch
 
-from llmpar.checkpoint import ds_write
-from llmpar.checkpoint.ds_files import load_file
 from llmpar.checkpoint.files import CheckpointError
+from llmpar.checkpoint.formats.deepspeed import write as ds_write
+from llmpar.checkpoint.formats.deepspeed.files import (
+    DS_VERSION,
+    load_file,
+    owned,
+    save_pickled,
+    static_loss_scaler,
+    torch_groups,
+    write_bytes,
+    zero_stage,
+)
+from llmpar.checkpoint.formats.open import Writable, clip_grad, open_source, writable
+from llmpar.checkpoint.formats.source import locate
 
 FILES = {"master": "fp32", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
 PIECE = 1 << 24  # elements compared at a time
@@ -43,7 +54,7 @@ PIECE = 1 << 24  # elements compared at a time
 def write_universal(src: str, out_dir: str, *, tag: str | None = None, source: str = "auto") -> list[str]:
     """Write checkpoint ``src`` to ``out_dir`` in DeepSpeed's universal layout (module docstring), verify it and
     return the paths written."""
-    s = ds_write.open_source(src, tag, source)
+    s = writable(open_source(locate(src, tag, source)))
     out_tag = f"global_step{int(s.counters.get('global_steps', 0))}"
     d = os.path.join(out_dir, out_tag)
     zero = os.path.join(d, "zero")
@@ -53,21 +64,21 @@ def write_universal(src: str, out_dir: str, *, tag: str | None = None, source: s
         os.makedirs(os.path.join(zero, n), exist_ok=True)
         for key, fname in FILES.items():
             path = os.path.join(zero, n, f"{fname}.pt")
-            t = ds_write.owned(s.full(n, key)).view(s.shapes[n])
-            ds_write.save_pickled({"param": t}, path)
+            t = owned(s.full(n, key)).view(s.shapes[n])
+            save_pickled({"param": t}, path)
             del t
             written.append(path)
         path = os.path.join(zero, n, "step.pt")
-        ds_write.save_pickled(torch.tensor(s.step, dtype=torch.float32), path)
+        save_pickled(torch.tensor(s.step, dtype=torch.float32), path)
         written.append(path)
-    hyper = ds_write.torch_groups(s.hyper)
+    hyper = torch_groups(s.hyper)
     state = {
-        "loss_scaler": ds_write.loss_scaler(),
+        "loss_scaler": static_loss_scaler(),
         "dynamic_loss_scale": False,
         "overflow": False,
-        **ds_write.clip_grad(s),
-        "ds_version": ds_write.DS_VERSION,
-        "zero_stage": ds_write.zero_stage(s.stage),
+        **clip_grad(s),
+        "ds_version": DS_VERSION,
+        "zero_stage": zero_stage(s.stage),
         "partition_count": [s.dp] * len(s.groups),
         "param_groups": hyper,
         "optimizer_state_dict": {
@@ -76,18 +87,18 @@ def write_universal(src: str, out_dir: str, *, tag: str | None = None, source: s
         },
     }
     path = os.path.join(zero, "optimizer_state.pt")
-    ds_write.save_pickled(state, path)
+    save_pickled(state, path)
     written.append(path)
     for stage, fname in ((2, "mp_rank_00_model_states.pt"), (3, "zero_pp_rank_0_mp_rank_00_model_states.pt")):
         path = os.path.join(d, fname)
-        ds_write.save_pickled(ds_write.model_states(s, stage, s.dp, 0), path)
+        save_pickled(ds_write.model_states(s, stage, s.dp, 0), path)
         written.append(path)
-    ds_write.write_bytes(os.path.join(out_dir, "latest_universal"), out_tag.encode())
+    write_bytes(os.path.join(out_dir, "latest_universal"), out_tag.encode())
     verify(s, d)
     return written
 
 
-def _check(s: ds_write.Source, n: str, key: str, path: str) -> None:
+def _check(s: Writable, n: str, key: str, path: str) -> None:
     """``path`` (memory-mapped) equals the source's ``key`` of ``n`` bitwise, in its full shape, compared in pieces
     of at most ``PIECE`` elements; a CheckpointError naming it otherwise."""
     got = load_file(path)
@@ -106,7 +117,7 @@ def _check(s: ds_write.Source, n: str, key: str, path: str) -> None:
         )
 
 
-def verify(s: ds_write.Source, path: str) -> None:
+def verify(s: Writable, path: str) -> None:
     """Every ``zero/<name>/*.pt`` of universal checkpoint ``path`` read back equals the source's tensor, bitwise, in
     its full shape; the step and the param groups too; a CheckpointError naming what differs."""
     zero = os.path.join(path, "zero")

@@ -6,9 +6,9 @@ Megatron style), read as the unsplit model's: DeepSpeed 0.19 writes one file set
                                                            model states at stage 3), "checkpoint_parallel_dimensions"
                                                            {"tp_degree": tp, "pp_degree": 1}
 
-each read by a :class:`~llmpar.checkpoint.ds_rank_read.RankCheckpoint` of that rank. Which dim a param is
+each read by a :class:`~llmpar.checkpoint.formats.deepspeed.rank.RankCheckpoint` of that rank. Which dim a param is
 split on the files do not say; the model loading it does (``model``: {name: (full shape, trained)}, the loading
-engine's full shapes, ``ds_load.py``): a param whose shards all have its full shape is replicated (read from rank 0),
+engine's full shapes, ``load.py``): a param whose shards all have its full shape is replicated (read from rank 0),
 one whose shards concatenate to it along exactly one dim is split there (Megatron's convention: column-parallel
 weights and biases dim 0, row-parallel weights dim 1), merged in rank order when read (one whole param at a time);
 any other is refused naming the param, its shards' shapes and the model's. Buffers, frozen params, counters,
@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from llmpar.checkpoint.ds_files import MODEL_RE, OPTIM_RE, detect
-from llmpar.checkpoint.ds_rank_read import RankCheckpoint
 from llmpar.checkpoint.files import CheckpointError
+from llmpar.checkpoint.formats.deepspeed.files import detect, model_parallel_ranks
+from llmpar.checkpoint.formats.deepspeed.rank import RankCheckpoint
 
 
 def _split_dim(shards: list[tuple[int, ...]], full: tuple[int, ...]) -> int | None | str:
@@ -47,12 +47,7 @@ class DeepSpeedTPCheckpoint(RankCheckpoint):
 
     def __init__(self, path: str, mp_rank: int | None = None, model: dict | None = None) -> None:
         self.path = path
-        mp = sorted(
-            {
-                int((MODEL_RE.match(f) or OPTIM_RE.match(f)).groups()[-1])  # type: ignore[union-attr]
-                for f in detect(path)
-            }
-        )
+        mp = model_parallel_ranks(detect(path))
         if mp != list(range(len(mp))):
             raise CheckpointError(f"{path}: DeepSpeed model-parallel ranks {mp} are not 0..{len(mp) - 1}")
         self.tp = len(mp)
@@ -126,14 +121,21 @@ class DeepSpeedTPCheckpoint(RankCheckpoint):
     def counters(self) -> dict[str, Any]:
         return self.parts[0].counters()
 
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.parts[0].param_groups()
+    def hyper(self) -> list[dict[str, Any]]:
+        return self.parts[0].hyper()
 
     def scheduler(self) -> dict | None:
         return self.parts[0].scheduler()
 
     def client_state(self) -> dict:
         return self.parts[0].client_state()
+
+    def release(self, name: str = "") -> None:
+        if name:
+            return
+        self._cache = None
+        for part in self.parts:
+            part.release(name)
 
 
 __all__ = ["DeepSpeedTPCheckpoint"]

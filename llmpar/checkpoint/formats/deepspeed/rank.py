@@ -1,24 +1,7 @@
-"""A checkpoint written by DeepSpeed's ``engine.save_checkpoint``, read as it is: named element ranges of the fp32
-master weights and Adam moments, step counts, scheduler, counters and client_state (the checkpoint protocol's terms,
-``protocol.py``); ``ds_load.py`` loads them into an engine. DeepSpeed 0.19's layout (model-parallel degree 1):
-
-    DIR/latest                         the tag, no newline
-    DIR/TAG/mp_rank_00_model_states.pt stages 0-2: "module" (weights in the model's dtype, buffers named by
-                                       "buffer_names"), "optimizer" (stage 0: the torch optimizer's state dict, params
-                                       by index; bf16: {"fp32_groups", "optimizer_state_dict"}; else None),
-                                       "param_shapes" [per group {name: shape}], "frozen_param_shapes" /
-                                       "frozen_param_fragments", "shared_params" {tied name: source}, "lr_scheduler",
-                                       "global_steps", "global_samples", "skipped_steps", "dp_world_size", "ds_config",
-                                       ..., and the keys of the caller's client_state
-    DIR/TAG/zero_pp_rank_R_mp_rank_00_model_states.pt   stage 3: the same, one per dp rank R ("module" empty,
-                                       "frozen_param_fragments" R's chunks)
-    DIR/TAG/[bf16_]zero_pp_rank_R_mp_rank_00_optim_states.pt   stages 1-3, one per dp rank R:
-        "optimizer_state_dict": {"zero_stage", "partition_count", "loss_scaler", ...,
-            stages 1-2: "single_partition_of_fp32_groups" [g] (R's partition less its end padding),
-                        "base_optimizer_state" (torch's state dict, state[g] = {step, exp_avg, exp_avg_sq} over the
-                        padded partition; an elastic checkpoint: a list of per-group states),
-                        "param_alignment_paddings" [g][i]
-            stage 3:    "fp32_flat_groups" [sub group], "optimizer_state_dict" (state[sub group])}
+"""One model-parallel rank of a checkpoint written by DeepSpeed's ``engine.save_checkpoint`` (ZeRO 0-3, the
+BF16 / FP16 optimizers), read as it is (``files.py`` describes the files): named element ranges of the fp32 master
+weights and Adam moments, step counts, scheduler, counters and client_state, the terms of the reader protocol
+(``formats/source.py``).
 
 Flat order. Stages 1-2: group g's params in ``param_shapes[g]`` order, param i followed by
 ``param_alignment_paddings[g][i]`` elements, the group padded at its end and cut into dp partitions of P elements:
@@ -31,10 +14,10 @@ BF16_Optimizer (bf16 without ZeRO, or pipelines) writes "single_partition_of_fp3
 "group_paddings" (end padding only) and no "zero_stage": read as ZeRO-1 (``kind`` says which). fp16 without ZeRO
 (FP16_Optimizer): "fp32_groups_flat" and its optimizer's flat state in the model states file, read as ZeRO-1 at dp=1.
 
-The files are read by ``ds_files.py`` (memory-mapped, without DeepSpeed); each optimizer file when first read.
+Files are memory-mapped, each optimizer file when first read (:meth:`RankCheckpoint.release` lets them go).
 ``RankCheckpoint(path, mp_rank=S)`` reads the files of model-parallel rank S alone: a pipeline stage's
-(``ds_pipe_read.py`` joins the stages) or a tensor-parallel rank's (``ds_mp_read.py`` merges them);
-``deepspeed_read.DeepSpeedCheckpoint(path)`` opens a directory as whichever of the three it holds.
+(``pipeline.py`` joins the stages) or a tensor-parallel rank's (``tensor_parallel.py`` merges them);
+``open.open_deepspeed(path)`` opens a directory as whichever of the three it holds.
 """
 
 from __future__ import annotations
@@ -45,108 +28,41 @@ from typing import Any
 
 import torch
 
-from llmpar.checkpoint.ds_files import LAYER_RE, MODEL_RE, OPTIM_RE, Foreign, detect, load_file, loss_scaler
 from llmpar.checkpoint.files import CheckpointError
-
-MOMENTS = ("exp_avg", "exp_avg_sq")
-# model_states keys DeepSpeed writes itself; the others are the caller's client_state
-DS_KEYS = frozenset(
-    {
-        "module",
-        "buffer_names",
-        "optimizer",
-        "param_shapes",
-        "frozen_param_shapes",
-        "shared_params",
-        "frozen_param_fragments",
-        "lr_scheduler",
-        "data_sampler",
-        "random_ltd",
-        "sparse_tensor_module_names",
-        "skipped_steps",
-        "global_steps",
-        "global_samples",
-        "dp_world_size",
-        "mp_world_size",
-        "ds_config",
-        "ds_version",
-        "checkpoint_parallel_dimensions",
-        "autoep_layers",
-        "ds_autoep_layers",
-    }
+from llmpar.checkpoint.formats.deepspeed.files import (
+    DS_KEYS,
+    MOMENTS,
+    Foreign,
+    flat_slice,
+    load_file,
+    loss_scaler,
+    mp_files,
+    scalar,
 )
-
-
-def _scalar(v: Any) -> float:
-    return float(v.item()) if isinstance(v, torch.Tensor) else float(v)
-
-
-def _slice(parts: list[torch.Tensor], a: int, z: int) -> torch.Tensor:
-    """Elements [a, z) of the concatenation of the flat tensors ``parts``, copying only those."""
-    out, at = [], 0
-    for p in parts:
-        n = p.numel()
-        if a < at + n and z > at:
-            out.append(p.reshape(-1)[max(a - at, 0) : min(z - at, n)])
-        at += n
-    if sum(t.numel() for t in out) != z - a:
-        raise CheckpointError(f"elements [{a}, {z}) lie beyond the {at} elements saved")
-    return out[0] if len(out) == 1 else torch.cat(out)
 
 
 class RankCheckpoint:
     """The DeepSpeed checkpoint in directory ``path`` (module docstring). ``names``: the trained params in DeepSpeed's
     order; ``shapes``: their full shapes; :meth:`read` / :meth:`step`: their states."""
 
-    def __init__(self, path: str, mp_rank: int | None = None) -> None:
-        """``mp_rank``: read the files of that model-parallel rank alone (a pipeline stage's, ``ds_pipe_read.py``);
-        None: the directory, which must hold mp_rank_00's alone (``deepspeed_read.DeepSpeedCheckpoint`` opens the
-        other layouts)."""
+    format = "deepspeed"
+
+    def __init__(self, path: str, mp_rank: int | None = None, *, loaded: dict[str, Any] | None = None) -> None:
+        """``mp_rank``: read the files of that model-parallel rank alone (a pipeline stage's, ``pipeline.py``);
+        None: the directory, which must hold mp_rank_00's alone (``open.open_deepspeed`` opens the other layouts).
+        ``loaded``: {file name: its object} of files already read (not read again)."""
         self.path = path
-        found = detect(path)
-        mp = sorted(
-            {
-                int((MODEL_RE.match(f) or OPTIM_RE.match(f)).groups()[-1])  # type: ignore[union-attr]
-                for f in found
-                if not LAYER_RE.match(f)
-            }
-        )
-        if mp_rank is None:
-            if mp != [0]:
-                raise CheckpointError(
-                    f"{path} holds DeepSpeed files of model-parallel ranks {mp} ({found[:4]}): "
-                    "only mp_rank_00 (model-parallel degree 1) and pipeline (layer_*) "
-                    "checkpoints are read"
-                )
-            mp_rank = 0
-        self.mp_rank = mp_rank
-        found = [
-            f
-            for f in found
-            if not LAYER_RE.match(f) and int((MODEL_RE.match(f) or OPTIM_RE.match(f)).groups()[-1]) == mp_rank
-        ]  # type: ignore
-        mp_name = f"mp_rank_{mp_rank:02d}"
-        self.optim = {int(m.group(2)): f for f in found if (m := OPTIM_RE.match(f))}
+        files = mp_files(path, mp_rank)
+        self.mp_rank, self.optim, zero_models, model_file = files
         self.bf16 = any(f.startswith("bf16_") for f in self.optim.values())
-        zero_models = sorted(int(m.group(1)) for f in found if (m := MODEL_RE.match(f)) and m.group(1) is not None)
-        model_file = (
-            f"{mp_name}_model_states.pt"
-            if f"{mp_name}_model_states.pt" in found
-            else (f"zero_pp_rank_{zero_models[0]}_{mp_name}_model_states.pt" if zero_models else None)
-        )
-        if model_file is None:
-            raise CheckpointError(
-                f"{path} has DeepSpeed optimizer files {found[:4]} but no model states file "
-                f"({mp_name}_model_states.pt or zero_pp_rank_0_{mp_name}_model_states.pt)"
-            )
-        self.model = load_file(os.path.join(path, model_file))
+        self.model = (loaded or {}).get(model_file) or load_file(os.path.join(path, model_file))
         if not isinstance(self.model, dict) or "module" not in self.model:
             raise CheckpointError(
                 f"{os.path.join(path, model_file)} is not a DeepSpeed model states file (no 'module' key)"
             )
+        self._model_states: dict[int, dict] = {}  # ZeRO-3: dp rank -> its model states file, each read once
         self._opened: dict[int, dict] = {}
         self._frozen: dict[str, torch.Tensor] | None = None
-        self._zero_models = zero_models
         self.kind = "ZeRO"  # or "BF16_Optimizer" / "FP16_Optimizer": their flat groups read as ZeRO-1's
         opt = self.model.get("optimizer")
         if not self.optim and isinstance(opt, dict) and "fp32_groups_flat" in opt:  # fp16, no ZeRO: one flat group
@@ -182,7 +98,7 @@ class RankCheckpoint:
                 f"dp ranks {zero_models}"
             )
         self.aliases: dict[str, str] = dict(self.model.get("shared_params") or {})
-        # a pipeline stage without ZeRO: "module" None, no param_shapes: no names until set_names (ds_pipe_names.py)
+        # a pipeline stage without ZeRO: "module" None, no param_shapes: no names until set_names (pipeline_names.py)
         self.unnamed = self.model["module"] is None and not isinstance(self.model.get("param_shapes"), list)
         self._skip: set[str] = set()
         self._layout()
@@ -204,6 +120,25 @@ class RankCheckpoint:
                 raise CheckpointError(f"{name} is not a DeepSpeed ZeRO optimizer file (no 'optimizer_state_dict')")
             self._opened[rank] = sd["optimizer_state_dict"]
         return self._opened[rank]
+
+    def model_states(self, rank: int) -> dict:
+        """ZeRO-3: the model states file of dp rank ``rank`` (``zero_pp_rank_R_mp_rank_SS_model_states.pt``), read
+        once."""
+        if rank not in self._model_states:
+            name = f"zero_pp_rank_{rank}_mp_rank_{self.mp_rank:02d}_model_states.pt"
+            self._model_states[rank] = load_file(os.path.join(self.path, name))
+        return self._model_states[rank]
+
+    def release(self, name: str = "") -> None:
+        """``name`` empty: let the optimizer files opened so far go (their mapped pages leave the process once no
+        tensor holds them), each opened again when next read (an FP16_Optimizer's state lives in the model states
+        file: kept). A param's files hold other params too: a release of one name keeps them."""
+        if name:
+            return
+        if self.kind != "FP16_Optimizer":
+            self._opened.clear()
+        self._frozen = None
+        self._model_states.clear()
 
     def _partition_count(self) -> int:
         count = self.zero_state(0).get("partition_count")
@@ -366,13 +301,13 @@ class RankCheckpoint:
             for r in range(a // c, (z - 1) // c + 1):
                 lo, hi = max(a, r * c) - r * c, min(z, (r + 1) * c) - r * c
                 parts = self._fp32(r) if key in ("params", "master") else [m[key] for m in self.moments(r)]
-                out.append(_slice(parts, at + lo, at + hi))
+                out.append(flat_slice(parts, at + lo, at + hi))
             return out[0] if len(out) == 1 else torch.cat(out)
         size, out = self.part_size(g), []
         for r in range((at + a) // size, (at + z - 1) // size + 1):
             lo, hi = max(at + a, r * size) - r * size, min(at + z, (r + 1) * size) - r * size
             t = self._fp32(r)[g] if key in ("params", "master") else self.moments(r)[g][key]
-            out.append(_slice([t], lo, hi))
+            out.append(flat_slice([t], lo, hi))
         return out[0] if len(out) == 1 else torch.cat(out)
 
     def step(self, name: str) -> float:
@@ -380,13 +315,13 @@ class RankCheckpoint:
         name = self.source(name)
         g, at = self.where[name]
         if self.stage == 0:
-            return _scalar(self._state0.get(g, {}).get("step", 0)) if hasattr(self, "_state0") else 0.0
+            return scalar(self._state0.get(g, {}).get("step", 0)) if hasattr(self, "_state0") else 0.0
         if self.stage < 3:
-            return _scalar(self.moments(0)[g].get("step", 0))
+            return scalar(self.moments(0)[g].get("step", 0))
         moments, start = self.moments(0), 0
         for m, t in zip(moments, self._fp32(0)):
             if at < start + t.numel():
-                return _scalar(m.get("step", 0))
+                return scalar(m.get("step", 0))
             start += t.numel()
         return 0.0
 
@@ -405,14 +340,7 @@ class RankCheckpoint:
         if self.stage < 3:
             return {n: t for n, t in (self.model.get("frozen_param_fragments") or {}).items() if n in shapes}
         if self._frozen is None:  # every rank's model states file: read once
-            mp = f"mp_rank_{self.mp_rank:02d}"
-            chunks = [
-                load_file(os.path.join(self.path, f"zero_pp_rank_{r}_{mp}_model_states.pt")).get(
-                    "frozen_param_fragments"
-                )
-                or {}
-                for r in range(self.dp)
-            ]
+            chunks = [self.model_states(r).get("frozen_param_fragments") or {} for r in range(self.dp)]
             self._frozen = {
                 n: torch.cat([c[n].reshape(-1) for c in chunks])[: math.prod(s)].view(tuple(s))
                 for n, s in shapes.items()
@@ -436,7 +364,12 @@ class RankCheckpoint:
             out["loss_scaler"] = loss_scaler(st)
         return out
 
-    def param_groups(self) -> list[dict[str, Any]]:
+    def groups(self) -> list[list[str]]:
+        """The param groups' names in the optimizer's order (``param_shapes``; stage 0: one group)."""
+        shapes = self.model.get("param_shapes") if self.stage > 0 else [dict.fromkeys(self.names)]
+        return [list(g) for g in shapes or []]
+
+    def hyper(self) -> list[dict[str, Any]]:
         """The torch optimizer's param groups (lr, betas, eps, weight_decay and the rest)."""
         if self.stage == 0:
             opt = self.model.get("optimizer")
@@ -452,5 +385,14 @@ class RankCheckpoint:
         """The keys of the caller's ``client_state`` (DeepSpeed writes them beside its own)."""
         return {k: v for k, v in self.model.items() if k not in DS_KEYS}
 
+    def ds_config(self) -> dict:
+        return dict(self.model.get("ds_config") or {})
 
-__all__ = ["DS_KEYS", "MOMENTS", "RankCheckpoint"]
+    def hf_config(self) -> dict:
+        return {}
+
+    def prepare(self, name: str, shape: tuple[int, ...]) -> None:
+        pass
+
+
+__all__ = ["RankCheckpoint"]

@@ -1,5 +1,6 @@
 """A DeepSpeed *universal* checkpoint (DeepSpeed 0.19's ``ds_to_universal``, or llmpar's ``convert --to universal``)
-read as it is, and ``load_checkpoint`` of one into an engine at any dp, ZeRO stage, offload and tp:
+read as it is, a reader of the protocol (``formats/source.py``), which ``load_checkpoint`` loads into an engine at
+any dp, ZeRO stage, offload and tp (``formats/loader.py``) and ``convert`` writes in any layout:
 
     DIR/latest_universal                 the tag (``ds_to_universal`` writes it beside DIR/latest)
     DIR/TAG/zero/<param>/fp32.pt         the fp32 master of the whole param: ``{"param": tensor}`` in its full shape
@@ -14,21 +15,20 @@ read as it is, and ``load_checkpoint`` of one into an engine at any dp, ZeRO sta
                                          buffers ("module" / "buffer_names"), frozen params, "lr_scheduler",
                                          counters, "universal_checkpoint_info" and the caller's client_state keys
 
-Each tensor file is memory-mapped when first needed and only this rank's element ranges are read from it; a
-tensor-parallel param is cut from the whole tensor along llmpar's own split dim (``ds_load.Source``), a vocabulary
-tensor (``vocab_tensor``) padded back with zero rows to this model's vocabulary when that is larger, as DeepSpeed
-does. The trained params are those of ``param_shapes`` (the folders of ``zero/`` when absent); ``ds_to_universal``
-also writes ``fp32.pt`` folders for buffers and frozen params, which are read from the model states instead.
-``load`` follows ``ds_load.load``: every rank opens the files of its own params (a missing folder, a truncated file
-or a shape that differs from this model's is a CheckpointError naming the path, raised on every rank) before
-anything is modified, then masters, moments, steps, buffers, frozen params, param-group hyper-parameters, counters,
-loss scaler and LR scheduler are restored and the client_state returned. Like DeepSpeed's, a universal checkpoint
-holds no RNG state: this engine's are kept.
+Each tensor file is memory-mapped when first needed (:meth:`UniversalCheckpoint.prepare`) and only this rank's element
+ranges are read from it; a tensor-parallel param is cut from the whole tensor along llmpar's own split dim
+(``loader.Pieces``), a vocabulary tensor (``vocab_tensor``) padded back with zero rows to this model's vocabulary when
+that is larger, as DeepSpeed does. The trained params are those of ``param_shapes`` (the folders of ``zero/`` when
+absent); ``ds_to_universal`` also writes ``fp32.pt`` folders for buffers and frozen params, which are read from the
+model states instead. A load (``loader.load_source``) opens on every rank the files of its own params (a missing folder,
+a truncated file or a shape that differs from this model's is a CheckpointError naming the path, raised on every rank)
+before anything is modified, then masters, moments, steps, buffers, frozen params, param-group hyper-parameters,
+counters, loss scaler and LR scheduler are restored and the client_state returned. Like DeepSpeed's, a universal
+checkpoint holds no RNG state: this engine's are kept.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 from typing import Any
@@ -36,23 +36,15 @@ from typing import Any
 import torch
 
 from llmpar.checkpoint import files
-from llmpar.checkpoint.ds_files import Foreign, load_file, loss_scaler
-from llmpar.checkpoint.ds_load import Source, apply, plan, shown
-from llmpar.checkpoint.ds_rank_read import DS_KEYS, MOMENTS
 from llmpar.checkpoint.files import CheckpointError
-from llmpar.checkpoint.protocol import Checkpointable
-from llmpar.checkpoint.reshard import full_shape
+from llmpar.checkpoint.formats.deepspeed.files import DS_KEYS, MOMENTS, Foreign, load_file, loss_scaler, scalar
 from llmpar.checkpoint.tags import tagged_dir
-from llmpar.checkpoint.view import EngineView
-
-logger = logging.getLogger("llmpar")
 
 LATEST_UNIVERSAL = "latest_universal"
 ZERO = "zero"
 OPTIM_STATE = "optimizer_state.pt"
 MODEL_FILE = "mp_rank_00_model_states.pt"
 FILE_OF = {"params": "fp32", "master": "fp32", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
-_HYPER = ("lr", "betas", "eps", "weight_decay")
 
 
 def _zero3_files(path: str) -> list[str]:
@@ -111,17 +103,11 @@ def identity(path: str) -> str:
     return "universal:" + "|".join(parts)
 
 
-def _scalar(v: Any) -> float:
-    return float(v.item()) if isinstance(v, torch.Tensor) else float(v)
-
-
 class UniversalCheckpoint:
-    """Universal checkpoint directory ``path`` (module docstring): what ``ds_load.Source`` and ``plan`` ask of a
-    foreign checkpoint (``names``, ``shapes``, ``aliases``, ``has``, ``read``, ``step``, ``buffers``, ``frozen``,
-    ``scheduler``), the run's state (``counters``, ``param_groups``, ``client_state``), and :meth:`open`, which
-    opens a param's files and checks them."""
+    """Universal checkpoint directory ``path`` (module docstring), a reader of the protocol; :meth:`prepare` opens
+    a param's files and checks them."""
 
-    kind = "universal"
+    format = kind = "universal"
 
     def __init__(self, path: str) -> None:
         self.path, self.zero = path, os.path.join(path, ZERO)
@@ -210,6 +196,12 @@ class UniversalCheckpoint:
             if key in ("params", "master") or self.has(src, key):
                 self._load(src, FILE_OF[key])
 
+    def prepare(self, name: str, shape: tuple[int, ...]) -> None:
+        """Before ``name`` is read at full ``shape``: its files opened and checked (:meth:`open`), a vocabulary
+        tensor fitted to ``shape`` (:meth:`fit`)."""
+        self.open(name)
+        self.fit(name, shape)
+
     def fit(self, name: str, shape: tuple[int, ...]) -> None:
         """A vocabulary tensor saved without its padding (``vocab_tensor``) read as ``shape``: zero rows added at
         its end when this model's vocabulary is larger (as DeepSpeed's universal load pads it)."""
@@ -225,9 +217,11 @@ class UniversalCheckpoint:
             self._pad[src] = math.prod(shape) - math.prod(have)
             self.shapes[src] = tuple(shape)
 
-    def release(self, name: str) -> None:
-        """Drop param ``name``'s opened files (their mapped pages leave this process once no tensor holds them)."""
-        for key in [k for k in self._open if k[0] == self.source(name)]:
+    def release(self, name: str = "") -> None:
+        """Drop param ``name``'s opened files (every param's: ``name`` empty); their mapped pages leave this process
+        once no tensor holds them."""
+        src = self.source(name) if name else None
+        for key in [k for k in self._open if src is None or k[0] == src]:
             del self._open[key]
 
     def has(self, name: str, key: str) -> bool:
@@ -250,11 +244,11 @@ class UniversalCheckpoint:
         if src not in self._steps:
             path = os.path.join(self.zero, src, "step.pt")
             if os.path.isfile(path):
-                self._steps[src] = _scalar(load_file(path))
+                self._steps[src] = scalar(load_file(path))
             else:
                 state = (self.optim.get("optimizer_state_dict") or {}).get("state") or {}
                 first = state.get(0, next(iter(state.values()), {})) if isinstance(state, dict) else {}
-                self._steps[src] = _scalar(first.get("step", 0)) if isinstance(first, dict) else 0.0
+                self._steps[src] = scalar(first.get("step", 0)) if isinstance(first, dict) else 0.0
         return self._steps[src]
 
     # ------------------------------------------------------------------ the rest of the run
@@ -291,7 +285,12 @@ class UniversalCheckpoint:
             out["loss_scaler"] = loss_scaler(st)
         return out
 
-    def param_groups(self) -> list[dict[str, Any]]:
+    def groups(self) -> list[list[str]]:
+        """The param groups' names (``param_shapes``; one group of every param when absent)."""
+        groups = self.model.get("param_shapes")
+        return [list(g) for g in groups] if isinstance(groups, list) and groups else [list(self.names)]
+
+    def hyper(self) -> list[dict[str, Any]]:
         groups = self.optim.get("param_groups")
         if not isinstance(groups, list):
             groups = (self.optim.get("optimizer_state_dict") or {}).get("param_groups") or []
@@ -303,54 +302,17 @@ class UniversalCheckpoint:
     def client_state(self) -> dict:
         return {k: v for k, v in self.model.items() if k not in DS_KEYS}
 
+    def ds_config(self) -> dict:
+        return dict(self.model.get("ds_config") or {})
 
-def _open_mine(view: EngineView, ck: UniversalCheckpoint, src: Source) -> None:
-    """Open and check the files of this rank's params; a vocabulary tensor fitted to this model's rows."""
-    for local, cut in src.cuts.items():
-        name = view.saved_name[local]
-        if ck.aliases.get(name, name) in ck.shapes:
-            ck.open(name)
-            ck.fit(name, full_shape(cut.shape, cut.spec))
+    def hf_config(self) -> dict:
+        return {}
 
+    def describe(self) -> str:
+        return f"ZeRO-{self.stage} at dp={self.dp}"
 
-def load(
-    engine: Checkpointable, view: EngineView, path: str, *, strict: bool, scheduler: bool
-) -> tuple[str, dict | None]:
-    """Load universal checkpoint directory ``path`` into ``engine`` (collective over its grid; ``load.py`` calls it
-    once the ranks agreed they read the same checkpoint). Returns ``(path, client_state)``."""
-    g, opt = view.grid, engine.optimizer
-    sched = engine.lr_scheduler if scheduler else None
-    with files.agreed(g, "load_checkpoint"):
-        ck = UniversalCheckpoint(path)
-        src = Source(ck, view)  # type: ignore[arg-type] - the same questions as a DeepSpeed checkpoint's
-        _open_mine(view, ck, src)
-        keep, extras = plan(engine, view, ck, src, strict, sched)  # type: ignore[arg-type]
-    apply(
-        engine,
-        view,
-        path,
-        ck,
-        src,
-        keep,
-        extras,
-        strict=strict,
-        sched=sched,  # type: ignore[arg-type]
-        where=f"universal checkpoint {path}",
-        show=shown,
-    )
-    if g.rank0:
-        logger.info(
-            "loaded universal checkpoint %s (ZeRO-%d at dp=%d; loaded at pp=%d dp=%d tp=%d stage %d); it "
-            "holds no RNG states: this run's are kept",
-            path,
-            ck.stage,
-            ck.dp,
-            g.pp,
-            g.dp,
-            g.tp,
-            opt.stage,
-        )
-    return path, ck.client_state()
+    def file_of(self, name: str) -> str:
+        return os.path.join(ZERO, self.aliases.get(name, name))
 
 
-__all__ = ["LATEST_UNIVERSAL", "UniversalCheckpoint", "detect", "identity", "latest_tag", "load", "resolve"]
+__all__ = ["LATEST_UNIVERSAL", "UniversalCheckpoint", "detect", "identity", "latest_tag", "resolve"]

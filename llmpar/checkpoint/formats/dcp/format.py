@@ -9,15 +9,16 @@ file per writing rank, holding a flat state dict whose keys are
                                          flattened and the nested optimizer state dicts give the same DCP keys)
     {optim|optimizer}.param_groups.NAME.lr ...   (flattened) hyper-parameters, stored as bytes: not read
 
-:class:`DcpCheckpoint` answers what ``ds_load.Source`` asks of a foreign checkpoint (``shapes``, ``has``, ``read``,
-``step``, ``buffers``): ``read(name, key, a, z)`` reads only the rows of the saved tensor that hold flat elements
-``[a, z)`` (a load plan of one chunk per tensor: DCP reads the saved chunks overlapping it, nothing else), and
-:meth:`DcpCheckpoint.prefetch` reads every range a rank will ask for in one ``dcp.load``. Reads run without
-collectives (``no_dist=True``): each rank reads on its own. ``params`` are the model tensors that have an optimizer
-state (all of them when the checkpoint holds none); the others are buffers (or frozen params).
+:class:`DcpCheckpoint` is a reader of the protocol (``formats/source.py``: ``shapes``, ``has``, ``read``, ``step``,
+``buffers``; no hyper-parameters, counters or scheduler: DCP stores the hyper-parameters as bytes, not read):
+``read(name, key, a, z)`` reads only the rows of the saved tensor that hold flat elements ``[a, z)`` (a load plan of one
+chunk per tensor: DCP reads the saved chunks overlapping it, nothing else), and :meth:`DcpCheckpoint.prefetch` reads
+every range a rank will ask for in one ``dcp.load``. Reads run without collectives (``no_dist=True``): each rank reads
+on its own. ``params`` are the model tensors that have an optimizer state (all of them when the checkpoint holds none);
+the others are buffers (or frozen params).
 
-:func:`write_dcp` writes named full tensors (the same keys, ``model.`` / ``optim.`` prefixed) from one process;
-FSDP2 loads such a directory into its sharded params with ``dcp.load`` + ``set_state_dict`` (DCP reshards).
+``write.py`` writes such a directory (the same keys, ``model.`` / ``optim.`` prefixed) from one process; FSDP2 loads
+it into its sharded params with ``dcp.load`` + ``set_state_dict`` (DCP reshards).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan
@@ -120,6 +121,8 @@ class DcpCheckpoint:
     ``.metadata`` cannot be read or holds no model tensor."""
 
     kind = "DCP"
+    format = "dcp"
+    stage, dp = 0, 1  # not recorded
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -220,51 +223,35 @@ class DcpCheckpoint:
     def scheduler(self) -> None:
         return None
 
+    def groups(self) -> list[list[str]]:
+        return [list(self.names)]
 
-ADAMW_FLAGS = {
-    "amsgrad": False,
-    "maximize": False,
-    "foreach": None,
-    "capturable": False,
-    "differentiable": False,
-    "fused": None,
-    "decoupled_weight_decay": True,
-}  # torch.optim.AdamW's, beside the hyper-parameters
+    def hyper(self) -> list[dict[str, Any]]:
+        return []  # stored as bytes: not read
 
+    def counters(self) -> dict[str, Any]:
+        return {}
 
-def write_dcp(
-    out_dir: str,
-    model: dict[str, torch.Tensor],
-    moments: dict[str, dict[str, torch.Tensor]],
-    steps: dict[str, float],
-    hyper: dict[str, dict[str, Any]],
-) -> None:
-    """Write a DCP directory FSDP2 loads (``{"model": ..., "optim": ...}``, the optimizer state flattened as
-    ``get_state_dict(..., options=StateDictOptions(flatten_optimizer_state_dict=True))`` gives it): ``model``:
-    {name: full tensor}; ``moments``: {name: {"exp_avg": t, "exp_avg_sq": t}} of the trained params; ``steps``:
-    {name: Adam step}; ``hyper``: {name: {"lr", "betas", "eps", "weight_decay"}} (torch AdamW's other flags added).
-    One process, no collective (``no_dist``)."""
-    for name, states in moments.items():
-        if name not in model or name not in steps or name not in hyper:
-            raise ValueError(
-                f"moments of {name!r} without its weight, step or hyper-parameters: every trained param needs them"
-            )
-        for k, t in states.items():
-            if k not in MOMENTS or tuple(t.shape) != tuple(model[name].shape):
-                raise ValueError(
-                    f"moment {k!r} of {name!r} with shape {tuple(t.shape)}: accepted {list(MOMENTS)} "
-                    f"of the param's shape {tuple(model[name].shape)}"
-                )
-    optim: dict[str, Any] = {
-        "state": {
-            n: {**{k: t.contiguous() for k, t in s.items()}, "step": torch.tensor(float(steps[n]))}
-            for n, s in moments.items()
-        },
-        "param_groups": {n: {**hyper[n], **ADAMW_FLAGS} for n in moments},
-    }
-    sd = {"model": {n: t.contiguous() for n, t in model.items()}, "optim": optim}
-    os.makedirs(out_dir, exist_ok=True)
-    dcp.save(sd, storage_writer=FileSystemWriter(out_dir), no_dist=True)
+    def client_state(self) -> dict:
+        return {}
+
+    def ds_config(self) -> dict:
+        return {}
+
+    def hf_config(self) -> dict:
+        return {}
+
+    def prepare(self, name: str, shape: tuple[int, ...]) -> None:
+        pass
+
+    def release(self, name: str = "") -> None:
+        self._pieces = {k: v for k, v in self._pieces.items() if name and k[0] != name}
+
+    def describe(self) -> str:
+        return f"DCP of {len(self.names)} params"
+
+    def file_of(self, name: str) -> str:
+        return ""
 
 
-__all__ = ["DATA_RE", "METADATA", "DcpCheckpoint", "detect", "identity", "resolve", "write_dcp"]
+__all__ = ["DATA_RE", "METADATA", "MOMENTS", "DcpCheckpoint", "detect", "identity", "resolve"]

@@ -1,0 +1,1 @@
+"""``torch.distributed.checkpoint`` directories (FSDP2 / torchtitan): read, loaded, written."""

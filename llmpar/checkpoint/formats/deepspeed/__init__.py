@@ -1,0 +1,1 @@
+"""DeepSpeed's checkpoint files (ZeRO 0-3, pipeline, tensor-parallel): read, checked, written, loaded."""

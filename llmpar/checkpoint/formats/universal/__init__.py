@@ -1,0 +1,1 @@
+"""DeepSpeed's universal checkpoint layout (``zero/<param>/fp32.pt``): read and written."""
