@@ -318,3 +318,25 @@ def test_refusals_name_the_fix(tmp_path):
             and "pytorch_model" in e["load_state_without_checkpoint"]
         )
         assert e["second_model"].startswith("ValueError") and "one model" in e["second_model"]
+
+
+def test_auto_bucket_sizes_are_one_rule_for_both_integrations(tmp_path):
+    """accelerate's "auto" ZeRO bucket sizes and the Trainer's come from one rule (``llmpar.integrations.buckets``):
+    the model's hidden size h, or its ``text_config``'s (a multimodal model, which accelerate's own copy of the rule
+    did not read): reduce h*h, prefetch 0.9*h*h, persistence 10*h."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DeepSpeedPlugin
+
+    from llmpar.integrations.accelerate.fill import hidden_size_autos
+
+    keys = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")
+    cfg = {"zero_optimization": {"stage": 3, **dict.fromkeys(keys, "auto")}, "train_micro_batch_size_per_gpu": 1}
+    plugin = DeepSpeedPlugin(hf_ds_config=cfg)
+    want = {f"zero_optimization.{k}": v for k, v in zip(keys, (24 * 24, int(0.9 * 24 * 24), 240))}
+    for config in (SimpleNamespace(hidden_size=24), SimpleNamespace(text_config=SimpleNamespace(hidden_size=24))):
+        model = torch.nn.Linear(2, 2)
+        model.config = config
+        assert hidden_size_autos(plugin, model) == want, config
+    with pytest.raises(ValueError, match="does not have: give them integers"):
+        hidden_size_autos(plugin, torch.nn.Linear(2, 2))

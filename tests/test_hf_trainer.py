@@ -24,7 +24,8 @@ pytest.importorskip("accelerate")
 
 import llmpar  # noqa: E402
 import llmpar.zero  # noqa: E402
-from llmpar.integrations.hf_auto import fill_auto, tensor_parallel_size  # noqa: E402
+from llmpar.integrations.transformers.auto import fill_auto  # noqa: E402
+from llmpar.runtime.config import Blocks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "data" / "hf_trainer_script.py"
@@ -32,6 +33,7 @@ sys.path.insert(0, str(SCRIPT.parent))
 import hf_trainer_script  # noqa: E402
 
 from multirank import free_port, run_ranks  # noqa: E402
+from reference_runs import References  # noqa: E402
 
 
 def run(backend: str, tmp: Path, ext: Path, *flags: str, nproc: int = 2, tag: str = "") -> dict:
@@ -158,15 +160,54 @@ EXTRA = {
 }
 
 
+def _deepspeed_record(case: str, flags: list[str], tmp: Path, ext: Path) -> dict:
+    """The script's record of a case under Trainer + DeepSpeed, with the logits of the model it saved in place of the
+    model's folder (``"logits"``: on ``Tokens(n=3, seq=9)``)."""
+    assert flags == CASES[case]
+    record = run("deepspeed", tmp, ext, *flags)
+    record["logits"] = logits(record.pop("final")).tolist()
+    return record
+
+
+def _same_deepspeed_runs(case: str, live: dict, golden: dict) -> None:
+    """DeepSpeed's live run of a case against its golden file: the checks (and tolerances) the tests apply."""
+    bf16 = "--bf16" in CASES[case]
+    assert_same_losses(live, golden, rtol=1e-3 if bf16 else 1e-5)
+    tol = dict(rtol=2e-2, atol=2e-2) if bf16 else dict(rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(torch.tensor(live["logits"]), torch.tensor(golden["logits"]), **tol)
+    for key in ("eval_steps", "eval_final", "generated", "sharded_build"):
+        assert live.get(key) == pytest.approx(golden.get(key), rel=1e-5), key
+
+
+# DeepSpeed's runs of the cases: llama-z2 (also the tensor-parallel test's reference) runs live every time and is
+# checked against its golden file; the others are read from tests/golden/hf_trainer/ (`make golden`), or run live
+# where DeepSpeed's, torch's, transformers' or accelerate's version is not the goldens'
+REFERENCES = References(
+    "hf_trainer",
+    run=_deepspeed_record,
+    cases=CASES,
+    live={"llama-z2"},
+    sources=["tests/data/hf_trainer_script.py"],
+    packages=("deepspeed", "torch", "transformers", "accelerate"),
+    same=_same_deepspeed_runs,
+)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, ds_ext_dir):
-    """``runs(backend, *flags, nproc=2, tag="")``: the script's record, each distinct launch run once per module."""
+    """``runs(backend, *flags, nproc=2, tag="")``: the script's record, each distinct launch run once per module;
+    DeepSpeed's records are the cases' references (REFERENCES: live or golden), with ``"logits"`` for the model."""
     cache: dict = {}
 
     def get(backend: str, *flags: str, nproc: int = 2, tag: str = "") -> dict:
         key = (backend, flags, nproc, tag)
         if key not in cache:
-            cache[key] = run(backend, tmp_path_factory.mktemp("hf_trainer"), ds_ext_dir, *flags, nproc=nproc, tag=tag)
+            tmp = tmp_path_factory.mktemp("hf_trainer")
+            if backend == "deepspeed":
+                case = next(c for c, f in CASES.items() if tuple(f) == flags)
+                cache[key] = REFERENCES.get(case, tmp, ds_ext_dir)
+            else:
+                cache[key] = run(backend, tmp, ds_ext_dir, *flags, nproc=nproc, tag=tag)
         return cache[key]
 
     return get
@@ -175,7 +216,6 @@ def runs(tmp_path_factory, ds_ext_dir):
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_trainer_matches_deepspeed(case, runs):
-    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed")
     theirs = runs("deepspeed", *CASES[case])
     ours = runs("llmpar", *CASES[case], *EXTRA.get(case, []))
     # bf16: both run bf16 params with fp32 masters and fp32 accumulation; the sums round differently (4.4e-5 seen)
@@ -183,7 +223,7 @@ def test_trainer_matches_deepspeed(case, runs):
     assert_same_losses(ours, theirs, rtol=1e-3 if bf16 else 1e-5)
     # the model saved by trainer.save_model() loads with from_pretrained and computes DeepSpeed's logits
     tol = dict(rtol=2e-2, atol=2e-2) if bf16 else dict(rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(logits(ours["final"]), logits(theirs["final"]), **tol)
+    torch.testing.assert_close(logits(ours["final"]), torch.tensor(theirs["logits"]), **tol)
     if "--eval" in CASES[case]:  # evaluated every 10 steps (no crash: ZeRO-3 params read outside a gather are
         assert_evaluation_matches(ours, theirs)  # empty, never freed memory), then evaluate / predict / generate
 
@@ -196,7 +236,6 @@ def test_trainer_on_a_sharded_build_matches_deepspeed(runs):
     plain model; evaluate() before train() builds the engine and gives the plain resized model's loss; it then trains
     as DeepSpeed trains the plain build of the same seed, resized the same way (the ZeRO-3 eval case's launches:
     test_trainer_matches_deepspeed checks the losses and the weights)."""
-    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed")
     case = "llama-z3-untied-hf-schedule"
     theirs = runs("deepspeed", *CASES[case])
     ours = runs("llmpar", *CASES[case], *EXTRA[case])
@@ -214,11 +253,10 @@ def test_trainer_on_a_sharded_build_matches_deepspeed(runs):
 def test_trainer_tensor_parallel_matches_deepspeed(runs):
     """tp 2 x dp 2 (4 ranks; a tensor-parallel group reads the same batches) against DeepSpeed at dp 2 (the llama-z2
     case's run): the same global batch, the same losses."""
-    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed")
     theirs = runs("deepspeed", *CASES["llama-z2"])
     ours = runs("llmpar", *CASES["llama-z2"], "--tp", "2", nproc=4)
     assert_same_losses(ours, theirs)
-    torch.testing.assert_close(logits(ours["final"]), logits(theirs["final"]), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(logits(ours["final"]), torch.tensor(theirs["logits"]), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.slow
@@ -271,8 +309,8 @@ def sharded_builds_body(tmp: str) -> dict:
     import copy
     import gc
 
-    from llmpar.integrations.hf_zero3 import is_llmpar_zero3_enabled
     from llmpar.integrations.transformers import TrainingArguments
+    from llmpar.integrations.transformers.zero3 import is_llmpar_zero3_enabled
 
     auto = transformers.AutoModelForCausalLM
     out = {"before": is_llmpar_zero3_enabled()}
@@ -455,10 +493,14 @@ def test_fill_auto_refuses_what_it_cannot_fill(tmp_path):
         )
     with pytest.raises(TypeError, match="config must be a dict"):
         fill_auto("ds.json", _args(tmp_path), model=_model(), num_training_steps=10, dp=1)
+
+    def tp(config: dict) -> int:  # the degree the Trainer asks the runtime's parser for, "auto" values left alone
+        return Blocks.parallel_of({**config, "train_batch_size": "auto"}).tensor_parallel.size
+
     with pytest.raises(ValueError, match='"tensor_parallel.autotp_size"=-1 must be >= 0'):
-        tensor_parallel_size({"tensor_parallel": {"autotp_size": -1}})
-    assert tensor_parallel_size({"tensor_parallel": {"autotp_size": 2}}) == 2 and tensor_parallel_size({}) == 1
-    assert tensor_parallel_size({"tensor_parallel": {"autotp_size": 0}}) == 1  # DeepSpeed's default: off
+        tp({"tensor_parallel": {"autotp_size": -1}})
+    assert tp({"tensor_parallel": {"autotp_size": 2}}) == 2 and tp({}) == 1
+    assert tp({"tensor_parallel": {"autotp_size": 0}}) == 1  # DeepSpeed's default: off
 
 
 def test_trainer_needs_its_config_once(tmp_path):
@@ -506,3 +548,19 @@ def test_zero_init_is_reachable_after_import_llmpar():
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == ["Init", "GatheredParameters"]
+
+
+def test_fill_auto_takes_a_multimodal_models_text_hidden_size(tmp_path):
+    """The Trainer's "auto" bucket sizes are accelerate's (one rule, ``llmpar.integrations.buckets``), a
+    ``text_config``'s hidden size included."""
+    from types import SimpleNamespace
+
+    from llmpar.integrations.buckets import bucket_sizes
+
+    model = torch.nn.Linear(2, 2)
+    model.config = SimpleNamespace(text_config=SimpleNamespace(hidden_size=24))
+    keys = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")
+    cfg = {"zero_optimization": {"stage": 3, **dict.fromkeys(keys, "auto")}}
+    out = fill_auto(cfg, _args(tmp_path), model=model, num_training_steps=10, dp=1)
+    assert {f"zero_optimization.{k}": out["zero_optimization"][k] for k in keys} == bucket_sizes(24)
+    assert bucket_sizes(24) == dict(zip((f"zero_optimization.{k}" for k in keys), (576, 518, 240)))

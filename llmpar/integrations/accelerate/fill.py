@@ -14,6 +14,9 @@ from accelerate.utils import DeepSpeedPlugin
 from accelerate.utils.deepspeed import DummyOptim, DummyScheduler
 from torch.utils.data import DataLoader
 
+from llmpar.integrations.buckets import BUCKET_KEYS, bucket_sizes, hidden_size
+from llmpar.runtime.config import Blocks
+
 # DeepSpeed's LR schedule classes (deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES): objects of these are handed
 # to the engine, as accelerate hands them to deepspeed.initialize
 DS_SCHEDULES = ("LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "WarmupCosineDecayLR")
@@ -82,13 +85,13 @@ def check_objects(config: dict, optimizer: Any, scheduler: Any) -> None:
                 f"prepare() got a DummyOptim with scheduler {type(scheduler).__name__}: with "
                 "DummyOptim pass a DummyScheduler (lr_scheduler_callable= for a torch schedule)"
             )
-    tp = config.get("tensor_parallel", {})
-    if isinstance(tp, dict) and any(isinstance(v, int) and v > 1 for v in (tp.get("autotp_size"), tp.get("size"))):
+    parallel = Blocks.parallel_of(config)
+    if parallel.tensor_parallel.size > 1:
         raise ValueError(
-            f'"tensor_parallel"={tp}: not supported through accelerate (its dataloaders shard over '
-            "every process); use llmpar.initialize or llmpar.integrations.transformers"
+            f'"tensor_parallel"={config["tensor_parallel"]}: not supported through accelerate (its dataloaders shard '
+            "over every process); use llmpar.initialize or llmpar.integrations.transformers"
         )
-    if "pipeline" in config:
+    if parallel.pipeline is not None:
         raise ValueError(
             '"pipeline": a pipeline engine trains with engine.train_batch(), not accelerate\'s loop; '
             "use llmpar.initialize"
@@ -96,25 +99,18 @@ def check_objects(config: dict, optimizer: Any, scheduler: Any) -> None:
 
 
 def hidden_size_autos(plugin: DeepSpeedPlugin, model: torch.nn.Module) -> dict[str, int]:
-    """accelerate's "auto" bucket sizes from ``model.config.hidden_size`` (or the largest of ``hidden_sizes``)."""
-    keys = [
-        "zero_optimization.reduce_bucket_size",
-        "zero_optimization.stage3_prefetch_bucket_size",
-        "zero_optimization.stage3_param_persistence_threshold",
-    ]
-    autos = [k for k in keys if plugin.is_auto(k)]
+    """accelerate's "auto" bucket sizes from the model's hidden size (``llmpar.integrations.buckets``: the
+    Trainer's rule too)."""
+    autos = [k for k in BUCKET_KEYS if plugin.is_auto(k)]
     if not autos:
         return {}
-    mc = getattr(model, "config", None)
-    hidden = getattr(mc, "hidden_size", None)
-    if hidden is None and getattr(mc, "hidden_sizes", None):
-        hidden = max(mc.hidden_sizes)
-    if not isinstance(hidden, int):
+    hidden = hidden_size(model)
+    if hidden is None:
         raise ValueError(
             f'{autos} are "auto", filled from model.config.hidden_size, which this '
             f"{type(model).__name__} does not have: give them integers in the DeepSpeed config"
         )
-    return {keys[0]: hidden * hidden, keys[1]: int(0.9 * hidden * hidden), keys[2]: 10 * hidden}
+    return bucket_sizes(hidden)
 
 
 def micro_batch(plugin: DeepSpeedPlugin, args: tuple, split: int) -> int | None:

@@ -18,7 +18,7 @@ hub id) is built whole by transformers' own ``from_pretrained``, with one info l
 plain build. The other ``is_deepspeed_zero3_enabled()`` branches of transformers are DeepSpeed's API calls and stay
 off (llmpar never sets transformers' DeepSpeed config): ``from_config`` / ``from_pretrained`` are the builds above,
 ``tie_weights`` ties the recorded params (ZeRO-3 gathers a tied param for every module holding it), and the
-Trainer's ``generate`` sets ``synced_gpus`` itself (``transformers.py``).
+Trainer's ``generate`` sets ``synced_gpus`` itself (``trainer.py``).
 
 Registration, as transformers keeps its ``HfDeepSpeedConfig``: one per process, a weak reference to the latest llmpar
 ``TrainingArguments`` given a config (ZeRO-3 or not: a later non-ZeRO-3 config turns it off), held by the methods this

@@ -1,45 +1,9 @@
-"""``transformers.Trainer`` with llmpar doing ZeRO 0-3 (CPU offload, bf16 / fp16, tensor parallelism) in place of
-DeepSpeed. A Trainer + DeepSpeed script changes its import line and nothing else:
-
-    from llmpar.integrations.transformers import Trainer, TrainingArguments   # was: from transformers import ...
-    args = TrainingArguments(output_dir="out", deepspeed="ds_config.json", bf16=True, ...)
-    Trainer(model=model, args=args, train_dataset=ds).train()                  # torchrun --nproc_per_node N train.py
-
-``TrainingArguments(deepspeed=...)`` here takes the DeepSpeed config (a dict or a JSON path) for llmpar instead of
-starting DeepSpeed (``llmpar_config=`` is the same thing). ``Trainer(..., llmpar_config=...)`` also takes it. A script
-whose arguments are transformers' own ``TrainingArguments`` (or a subclass of it, or ``HfArgumentParser``'s) keeps
-them: once this module is imported, ``transformers.TrainingArguments(deepspeed=...)`` hands the config to llmpar the
-same way (``args.deepspeed`` is None after it, ``args.llmpar_config`` holds it; said once in the log), so only the
-``Trainer`` import changes. Arguments built before this module was imported have started DeepSpeed: refused.
-
-What the Trainer does with it, as it does for DeepSpeed: the ``"auto"`` values are filled from the arguments
-(``hf_auto.fill_auto``); ``llmpar.initialize`` builds the engine at the start of ``train()``. Without an
-``"optimizer"`` block the Trainer's own optimizer (``args.optim``: AdamW, its weight-decay groups) is handed to the
-engine; without a ``"scheduler"`` block the Trainer's schedule (``args.lr_scheduler_type``, warmup) is, and the engine
-steps it (not after a step skipped for fp16 overflow). Each micro-batch: forward, ``engine.backward`` (the loss
-normalised by the Trainer, as for DeepSpeed), ``engine.step`` at the accumulation boundary the Trainer's loop sets
-(clipping by ``gradient_clipping`` = ``max_grad_norm``); the logged ``grad_norm`` is the engine's.
-Checkpoints: ``checkpoint-N/`` holds the model for ``from_pretrained`` (``engine.save_hf_model``: safetensors under
-the model's names, config.json) and llmpar's sharded checkpoint (``global_stepN/``: params, optimizer, scheduler,
-counters), with the Trainer's state and RNG files; ``train(resume_from_checkpoint=...)`` loads it into the engine
-and resumes where it stopped. ``save_model()`` writes the gathered weights the same way.
-``evaluate()`` / ``predict()`` (and evaluation during training) run the model's forward as training does: under
-ZeRO-3 each unit module is gathered for its forward and freed after it; with several ranks ``model.generate``
-defaults to ``synced_gpus=True``, as under DeepSpeed ZeRO-3. A ZeRO-3 config also makes ``from_config`` /
-``from_pretrained`` called after these TrainingArguments are built build the model sharded (``hf_zero3.py``), as
-transformers does for DeepSpeed; an evaluate() before train() on such a model builds the engine first.
-A ``"tensor_parallel"`` block splits the model with ``llmpar.parallelize`` and feeds the ranks of one tensor-parallel
-group the same batches. A ``"context_parallel"`` block (or DeepSpeed's ``"sequence_parallel_size"``) splits each
-sequence over its cp ranks (Llama / Qwen2 / Mistral, ``llmpar.context_parallel.hf``): the cp (x tp) ranks of a
-data-parallel group read the same batches (the sampler shards over ``world / (cp * tp)`` ranks), the engine shards
-each one along the sequence, and the loss the Trainer logs and optimises is the full-sequence one, equal to the same
-run without context parallelism (``num_items_in_batch`` included). ``evaluate`` / ``predict`` run whole sequences.
-"""
+"""llmpar's ``transformers.Trainer``: the engine built at the start of ``train()`` (``llmpar.initialize``), the
+Trainer's loop stepping it, its checkpoints and evaluation through the engine (the package docstring)."""
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import weakref
@@ -51,66 +15,13 @@ from accelerate.data_loader import BatchSamplerShard, IterableDatasetShard
 from torch.utils.data import DataLoader
 
 from llmpar.distributed.init import init_distributed
-from llmpar.integrations.hf_auto import fill_auto, tensor_parallel_size
-from llmpar.integrations.hf_zero3 import is_zero3, register
-from llmpar.runtime.blocks import context_parallel_block
-from llmpar.runtime.config import read_config
+from llmpar.integrations.transformers.auto import fill_auto
+from llmpar.integrations.transformers.zero3 import is_zero3
+from llmpar.runtime.config import Blocks, read_config
 from llmpar.runtime.initialize import initialize
 from llmpar.tensor_parallel.parallelize import parallelize
 
 logger = logging.getLogger("llmpar")
-
-
-@dataclasses.dataclass
-class TrainingArguments(transformers.TrainingArguments):
-    """``transformers.TrainingArguments`` whose ``deepspeed=`` (or ``llmpar_config=``) is a config for llmpar."""
-
-    llmpar_config: Any = dataclasses.field(
-        default=None, metadata={"help": "DeepSpeed config (dict or JSON path) run by llmpar"}
-    )
-
-    def __post_init__(self) -> None:
-        if self.deepspeed is not None:
-            if self.llmpar_config is not None:
-                raise ValueError("TrainingArguments: give the config once, deepspeed= or llmpar_config=")
-            self.llmpar_config, self.deepspeed = self.deepspeed, None
-        super().__post_init__()
-        if self.llmpar_config is not None:  # a ZeRO-3 config: from_config / from_pretrained build sharded from now on
-            register(self, read_config(self.llmpar_config))
-
-
-def _route_deepspeed_to_llmpar() -> None:
-    """From now on ``transformers.TrainingArguments(deepspeed=cfg)`` (and its subclasses') gives ``cfg`` to llmpar:
-    ``llmpar_config`` set, ``deepspeed`` None before transformers' ``__post_init__`` runs (so DeepSpeed is never
-    configured), and a ZeRO-3 config registered for sharded HF builds (``hf_zero3``). Installed once."""
-    cls = transformers.TrainingArguments
-    if getattr(cls.__post_init__, "_llmpar", False):
-        return
-    original = cls.__post_init__
-    said: list[bool] = []  # the log line, once per process
-
-    def __post_init__(self: Any) -> None:
-        config = None if isinstance(self, TrainingArguments) else self.deepspeed
-        if config is not None:
-            if getattr(self, "llmpar_config", None) is not None:
-                raise ValueError("TrainingArguments: give the config once, deepspeed= or llmpar_config=")
-            self.llmpar_config, self.deepspeed = config, None
-            if not said:
-                said.append(True)
-                logger.info(
-                    "llmpar: %s(deepspeed=...) runs its config on llmpar's engine (llmpar's Trainer), not DeepSpeed",
-                    type(self).__name__,
-                )
-        original(self)
-        if config is not None:
-            register(self, read_config(config))
-
-    __post_init__._llmpar = True  # type: ignore[attr-defined]
-    __post_init__.__doc__ = original.__doc__
-    cls.__post_init__ = __post_init__
-
-
-_route_deepspeed_to_llmpar()
 
 
 class _EngineOptimizer:
@@ -200,8 +111,9 @@ class Trainer(transformers.Trainer):
                 "per device with torchrun"
             )
         self.llmpar_config = read_config(given)
-        self.tp_size = tensor_parallel_size(self.llmpar_config)
-        self.cp_size = context_parallel_size(self.llmpar_config)
+        parallel = Blocks.parallel_of(self.llmpar_config)  # the degrees, before fill_auto can fill the rest
+        self.tp_size = parallel.tensor_parallel.size
+        self.cp_size = parallel.context_parallel.size
         world = self.args.world_size
         if world % self.tp_size:
             raise ValueError(f"tensor_parallel.size={self.tp_size} does not divide the {world} processes")
@@ -411,11 +323,6 @@ class Trainer(transformers.Trainer):
             raise FileNotFoundError(f"best model checkpoint {best!r} holds no llmpar checkpoint")
 
 
-def context_parallel_size(config: dict) -> int:
-    """The config's context-parallel degree (``context_parallel.size`` or ``sequence_parallel_size``), 1 without."""
-    return context_parallel_block(config.get("context_parallel"), config.get("sequence_parallel_size")).size
-
-
 def _synced_generate(model: Any) -> None:
     """ZeRO-3 over several ranks: ``model.generate`` defaults to ``synced_gpus=True`` (what transformers does under
     DeepSpeed ZeRO-3), so a rank whose sequences ended keeps running forwards, whose gathers the others wait for."""
@@ -433,4 +340,4 @@ def _synced_generate(model: Any) -> None:
     model.generate = generate
 
 
-__all__ = ["Trainer", "TrainingArguments"]
+__all__ = ["Trainer"]

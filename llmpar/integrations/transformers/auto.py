@@ -11,7 +11,9 @@ splits it), ``gradient_clipping`` (max_grad_norm), ``optimizer.params`` lr / bet
 warmup, at least 1), total_num_steps (the run's optimizer steps), ``fp16.enabled`` / ``bf16.enabled``.
 Filled only (never checked): ``scheduler.params.warmup_min_lr`` (0) and, from the model's ``config.hidden_size`` h,
 ``zero_optimization.reduce_bucket_size`` (h*h), ``stage3_prefetch_bucket_size`` (0.9 h*h),
-``stage3_param_persistence_threshold`` (10 h). An ``"auto"`` left anywhere else is an error naming its key.
+``stage3_param_persistence_threshold`` (10 h) (``llmpar.integrations.buckets``, accelerate's rule too). An ``"auto"``
+left anywhere else is an error naming its key. The parallel degrees the filling needs (dp) come from
+``Blocks.parallel_of``.
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from llmpar.runtime.blocks import tensor_parallel_block
+from llmpar.integrations.buckets import BUCKET_KEYS, bucket_sizes, hidden_size
 
-_HIDDEN_KEYS = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")
+_HIDDEN_KEYS = tuple(k.rpartition(".")[2] for k in BUCKET_KEYS)
 
 
 class _Filler:
@@ -64,19 +66,6 @@ def _same(given: Any, value: Any) -> bool:
     return given == value
 
 
-def hidden_size(model: Any) -> int | None:
-    """The model's ``config.hidden_size`` (or the largest of ``hidden_sizes``; a ``text_config``'s), else None."""
-    cfg = getattr(model, "config", None)
-    for c in (cfg, getattr(cfg, "text_config", None)):
-        if c is None:
-            continue
-        if isinstance(getattr(c, "hidden_size", None), int):
-            return c.hidden_size
-        if getattr(c, "hidden_sizes", None):
-            return max(c.hidden_sizes)
-    return None
-
-
 def _autos(node: Any, prefix: str = "") -> list[str]:
     if isinstance(node, dict):
         return [k for key, v in node.items() for k in _autos(v, f"{prefix}{key}.")]
@@ -111,9 +100,8 @@ def fill_auto(config: dict, args: Any, *, model: Any, num_training_steps: int, d
                 f'zero_optimization has "auto" in {[k for k in _HIDDEN_KEYS if zero.get(k) == "auto"]} '
                 "but the model's config has no hidden_size to derive them from: give numbers"
             )
-        f.fill("zero_optimization.reduce_bucket_size", h * h)
-        f.fill("zero_optimization.stage3_prefetch_bucket_size", int(0.9 * h * h))
-        f.fill("zero_optimization.stage3_param_persistence_threshold", 10 * h)
+        for key, size in bucket_sizes(h).items():
+            f.fill(key, size)
     if f.mismatches:
         raise ValueError(
             'the DeepSpeed config disagrees with the TrainingArguments (set these keys to "auto", or '
@@ -123,18 +111,9 @@ def fill_auto(config: dict, args: Any, *, model: Any, num_training_steps: int, d
     if left:
         raise ValueError(
             f'"auto" is not filled for {left}: the Trainer fills only the keys listed in '
-            "llmpar.integrations.hf_auto; give numbers for these"
+            "llmpar.integrations.transformers.auto; give numbers for these"
         )
     return f.config
 
 
-def tensor_parallel_size(config: dict) -> int:
-    """The config's tensor-parallel degree (``tensor_parallel.size`` or DeepSpeed's ``autotp_size``, whose 0 means
-    off), 1 without."""
-    block = config.get("tensor_parallel") if isinstance(config, dict) else None
-    if block is None:
-        return 1
-    return tensor_parallel_block(block).size
-
-
-__all__ = ["fill_auto", "hidden_size", "tensor_parallel_size"]
+__all__ = ["fill_auto"]
