@@ -16,14 +16,6 @@ MAX_LINES = 400
 # files allowed over MAX_LINES, each with the reason (path relative to the repository root -> why splitting it would
 # make it worse): a file that is one responsibility is named here rather than cut at line 399 for this test's sake
 LONG_FILES: dict[str, str] = {
-    "llmpar/checkpoint/blockfile.py": "reflowed by ruff format (was 393 lines): to split by responsibility",
-    "llmpar/checkpoint/consolidate.py": "reflowed by ruff format (was 290 lines): to split by responsibility",
-    "llmpar/checkpoint/ds_rank_read.py": "reflowed by ruff format (was 395 lines): to split by responsibility",
-    "llmpar/checkpoint/ds_write.py": "reflowed by ruff format (was 400 lines): to split by responsibility",
-    "llmpar/checkpoint/files.py": "reflowed by ruff format (was 394 lines): to split by responsibility",
-    "llmpar/checkpoint/load.py": "reflowed by ruff format (was 386 lines): to split by responsibility",
-    "llmpar/checkpoint/save.py": "reflowed by ruff format (was 361 lines): to split by responsibility",
-    "kernels/gemm.py": "reflowed by ruff format (was 316 lines): to split by responsibility",
 }
 
 # floor of each top-level part of llmpar (kernels/ and csrc/ are installed as llmpar.kernels and llmpar._C)
@@ -227,6 +219,73 @@ def test_no_cycle_between_parts():
                 parts[_part(m)].add(_part(t))
     cycles = _cycles(parts)
     assert not cycles, "parts of llmpar import each other: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+# floors inside llmpar.checkpoint: llmpar's own format (the core), the formats of other stacks above it
+# (llmpar/checkpoint/formats/: they use the core, never the reverse), and on top the modules that use both
+CHECKPOINT = "llmpar.checkpoint"
+CHECKPOINT_FLOORS = {"core": 0, "formats": 1, "top": 2}
+CHECKPOINT_TOP = {
+    "llmpar.checkpoint",  # the package's front: save / load / load_hf_weights
+    "llmpar.checkpoint.consolidate",  # an llmpar checkpoint's weights in HuggingFace's layout
+    "llmpar.checkpoint.convert",  # any reader to any writer
+    "llmpar.checkpoint.scan",  # the checkpoints of a save directory, llmpar's and DeepSpeed's (auto_resume)
+    "llmpar.checkpoint.cli",  # the llmpar checkpoint command
+}
+# the one way from the core into formats/, with the reason
+CHECKPOINT_DISPATCH = {
+    ("llmpar.checkpoint.load", "llmpar.checkpoint.formats"): "load_checkpoint reaches a foreign checkpoint only "
+    "through formats.find (which layout (load_dir, tag) names: detect()) and formats.load (its format's loader)",
+}
+
+
+def _checkpoint_floor(module: str) -> str:
+    if module in CHECKPOINT_TOP:
+        return "top"
+    return "formats" if module == f"{CHECKPOINT}.formats" or module.startswith(f"{CHECKPOINT}.formats.") else "core"
+
+
+def _checkpoint_upward(graph: dict[str, list[tuple[str, int]]]) -> list[str]:
+    """Imports inside llmpar.checkpoint from a lower floor to a higher one (``CHECKPOINT_FLOORS``), but the
+    dispatch named in ``CHECKPOINT_DISPATCH``."""
+    inside = {m for m in graph if m == CHECKPOINT or m.startswith(CHECKPOINT + ".")}
+    return [
+        f"{m}:{line} imports {t} (checkpoint {_checkpoint_floor(m)} imports checkpoint {_checkpoint_floor(t)})"
+        for m in sorted(inside)
+        for t, line in graph[m]
+        if t in inside
+        and CHECKPOINT_FLOORS[_checkpoint_floor(t)] > CHECKPOINT_FLOORS[_checkpoint_floor(m)]
+        and (m, t) not in CHECKPOINT_DISPATCH
+    ]
+
+
+def test_checkpoint_formats_sit_above_its_core():
+    """llmpar's own checkpoint format never imports the formats of other stacks (``formats/``) but through
+    ``load.py``'s dispatch, and neither imports the top (consolidate, convert, scan, cli, the package's front)."""
+    bad = _checkpoint_upward(GRAPH)
+    assert not bad, "upward imports inside llmpar/checkpoint:\n" + "\n".join(bad)
+    stale = [e for e in CHECKPOINT_DISPATCH if e[1] not in {t for t, _ in GRAPH.get(e[0], [])}]
+    assert not stale, f"CHECKPOINT_DISPATCH names imports that no module makes: {stale}"
+    assert all(m in MODULES for m in CHECKPOINT_TOP), sorted(CHECKPOINT_TOP - set(MODULES))
+    floors = {_checkpoint_floor(m) for m in MODULES if m == CHECKPOINT or m.startswith(CHECKPOINT + ".")}
+    assert floors == set(CHECKPOINT_FLOORS), floors
+
+
+def test_checkpoint_floor_check_names_an_upward_import():
+    graph = {
+        "llmpar.checkpoint.files": [("llmpar.checkpoint.formats.source", 3)],
+        "llmpar.checkpoint.formats.source": [("llmpar.checkpoint.files", 1), ("llmpar.checkpoint.convert", 9)],
+        "llmpar.checkpoint.load": [("llmpar.checkpoint.formats", 4), ("llmpar.checkpoint.formats.source", 5)],
+        "llmpar.checkpoint.formats": [],
+        "llmpar.checkpoint.convert": [("llmpar.checkpoint.formats.source", 2)],
+    }
+    up = "(checkpoint core imports checkpoint formats)"
+    assert _checkpoint_upward(graph) == [
+        f"llmpar.checkpoint.files:3 imports llmpar.checkpoint.formats.source {up}",
+        "llmpar.checkpoint.formats.source:9 imports llmpar.checkpoint.convert "
+        "(checkpoint formats imports checkpoint top)",
+        f"llmpar.checkpoint.load:5 imports llmpar.checkpoint.formats.source {up}",
+    ]
 
 
 # the one module that reads the DeepSpeed config's raw dict (``Blocks.raw``): every other part reads the typed blocks
