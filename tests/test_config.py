@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from llmpar.runtime import Config
+from llmpar.runtime import Blocks, Config
 from llmpar.runtime.blocks import scheduler_block
 from llmpar.runtime.schedules import WarmupSchedule
 
@@ -81,6 +81,12 @@ def test_batch_sizes_are_inferred_as_deepspeed_does(given, want):
         (dict(train_batch_size=8, scheduler={"type": "WarmupLR", "params": {"total_num_steps": 5}}), "unknown key"),
         (dict(train_batch_size=8, zero_optimization={"stage": 2, "overlap_comm": "yes"}), "true or false"),
         (dict(train_batch_size=8, zero_optimization={"stage": 1.5}), "must be an integer"),
+        (
+            dict(train_batch_size=8, checkpoint={"auto_resum": "/ckpt"}),
+            'unknown key "checkpoint.auto_resum" \\(did you mean "auto_resume"\\?\\)',
+        ),
+        (dict(train_batch_size=8, checkpoint={"auto_resume_interval": 5}), '"checkpoint.auto_resume_interval"=5 needs'),
+        (dict(train_batch_size=8, checkpoint={"load_universal": 1}), '"checkpoint.load_universal"=1: a bool'),
     ],
 )
 def test_bad_configs_name_the_key(given, match):
@@ -106,6 +112,43 @@ def test_full_config_parses_and_defaults(tmp_path):
     assert c.scheduler.warmup_max_lr == 0.001  # DeepSpeed's WarmupDecayLR default, not the optimizer's lr
     d = Config.from_deepspeed({"train_batch_size": 4}, dp=1)
     assert d.optimizer.type == "AdamW" and d.optimizer.lr == 1e-3 and d.zero.stage == 0 and not d.optimizer_given
+
+
+def test_the_blocks_read_after_initialize_are_typed_at_parse():
+    """The blocks the engines act on later (monitors, checkpoint, optimizer params as given, which blocks were
+    named) are typed once, by the parser: nothing outside runtime/config.py reads the raw dict
+    (tests/test_architecture.py::test_only_the_config_reads_the_raw_json)."""
+    from llmpar.runtime.blocks import ContextParallelConfig, refuse_cp_with_pipeline
+    from llmpar.runtime.resume import CheckpointConfig
+
+    raw = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+        "checkpoint": {
+            "load_universal": True,
+            "auto_resume": "/ckpt",
+            "auto_resume_interval": 3,
+            "tag_validation": "Warn",
+        },
+        "csv_monitor": {"enabled": True, "output_path": "logs", "job_name": "run"},
+        "tensor_parallel": {"size": 1},
+        "pipeline": {"stages": 1, "schedule": "gpipe"},
+    }
+    c = Config.from_deepspeed(raw, dp=1)
+    assert c.checkpoint == CheckpointConfig(load_universal=True, auto_resume="/ckpt", auto_resume_interval=3)
+    assert c.monitor.enabled and (c.monitor.csv_monitor.output_path, c.monitor.csv_monitor.job_name) == ("logs", "run")
+    assert not c.monitor.tensorboard.enabled and not c.monitor.wandb.enabled
+    assert c.optimizer_params == {"lr": 1e-3, "torch_adam": True}  # DeepSpeed's engine.optimizer_params(): as given
+    assert c.tensor_parallel_given and c.pipeline.schedule_given and c.pipeline.schedule == "gpipe"
+    bare = Config.from_deepspeed({"train_batch_size": 2, "pipeline": {"stages": 1}}, dp=1)
+    assert bare.checkpoint == CheckpointConfig() and not bare.monitor.enabled and bare.optimizer_params == {}
+    assert not bare.tensor_parallel_given and not bare.pipeline.schedule_given
+    assert c.fingerprint() == Blocks.parse(raw).fingerprint()
+    # the degrees of a config whose other blocks still hold "auto" (the integrations ask before filling them)
+    par = Blocks.parallel_of({**raw, "train_micro_batch_size_per_gpu": "auto", "sequence_parallel_size": 1})
+    assert (par.pipeline.stages, par.tensor_parallel.size, par.context_parallel.size) == (1, 1, 1)
+    with pytest.raises(ValueError, match='"context_parallel.size"=2 .* with a PipelineModule: context parallelism'):
+        refuse_cp_with_pipeline(ContextParallelConfig(size=2), "a PipelineModule")
 
 
 class _Opt:
