@@ -86,7 +86,7 @@ def _backends() -> dict[str, Any]:
 
 def _launch() -> dict[str, Any]:
     """What ``init_distributed`` would read: rank, sizes, master and the launcher variables they came from."""
-    from llmpar.distributed.discovery import discover
+    from llmpar.launcher_env import discover
 
     try:
         info = discover()

@@ -1,4 +1,4 @@
-"""Launcher discovery: torchrun / OpenMPI / MPICH-PMI / Slurm variables -> rank, sizes, master (distributed/discovery),
+"""Launcher discovery: torchrun / OpenMPI / MPICH-PMI / Slurm variables -> rank, sizes, master (llmpar.launcher_env),
 and processes started with only Slurm's or only OpenMPI's variables joining one world (init_distributed)."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import sys
 import pytest
 import torch.distributed as dist
 
-from llmpar.distributed.discovery import discover, expand_nodelist, export, parse_tasks_per_node
+from llmpar.distributed.discovery import export
+from llmpar.launcher_env import discover, expand_nodelist, parse_tasks_per_node
 
 _LAUNCH_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "PMIX_", "MPI_LOCAL")
 _TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

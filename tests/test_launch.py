@@ -264,13 +264,6 @@ def test_dry_run_slurm(tmp_path):
         flags["rdzv_id"],
         flags["max_restarts"],
     ) == ("2", "4", "gpu07:15123", "123", "1")  # port: 15000 + job id % 20000
-    from llmpar.distributed import discovery
-    from llmpar.launch import commands  # the launcher keeps discovery's rule without importing torch
-
-    assert (commands.SLURM_PORT_BASE, commands.SLURM_PORT_SPAN) == (
-        discovery.SLURM_PORT_BASE,
-        discovery.SLURM_PORT_SPAN,
-    )
     (c,) = _commands(["--launcher", "slurm", "-H", "hosts", "-i", "worker-0@worker-1"], tmp_path)
     assert c.argv[:4] == ["srun", "--nodes=2", "--nodelist=worker-0,worker-1", "--ntasks-per-node=4"]
     with pytest.raises(ValueError, match=r"--launcher slurm starts the same processes on every node"):
@@ -279,6 +272,31 @@ def test_dry_run_slurm(tmp_path):
         _commands(["--launcher", "slurm", "--node_rank", "0"], tmp_path)
     with pytest.raises(ValueError, match=r"outside a Slurm allocation .* give --master_addr or --hostfile"):
         _commands(["--launcher", "slurm", "--num_gpus", "2", "--max_restarts", "1"], tmp_path)
+
+
+@pytest.mark.parametrize(
+    "job", [{"SLURM_JOB_ID": "123042"}, {"SLURM_JOBID": "123042"}, {"SLURM_JOB_ID": "", "SLURM_JOBID": "123042"}]
+)
+def test_the_launcher_and_its_tasks_derive_one_port(tmp_path, job):
+    """The port ``llmpar launch --launcher mpi`` gives its tasks inside a Slurm job is the one each task derives from
+    the job id itself (``llmpar.launcher_env``'s rule, which ``init_distributed`` reads), whichever job-id variable
+    Slurm set; the variables come from one module that imports no torch (checked in a fresh interpreter)."""
+    from llmpar.launcher_env import discover
+
+    env = {"SLURM_JOB_NODELIST": "gpu[07-08]", **job}
+    (c,) = _commands(["--launcher", "mpi", "--num_gpus", "2"], tmp_path, env)
+    given = dict(c.argv[j + 1].split("=", 1) for j in range(len(c.argv) - 1) if c.argv[j] == "-x")
+    task = {**env, "SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_TASKS_PER_NODE": "2"}
+    info = discover(task)
+    assert given["MASTER_PORT"] == str(info.master_port) == "18042", (given, info.describe())
+    named = next(k for k, v in job.items() if v)  # the variable Slurm set (an empty one is not set)
+    assert given["LLMPAR_MASTER_PORT_FROM"] == f"18042:{info.job_port}" == f"18042:{named}=123042"
+    probe = (
+        "import sys, llmpar.launcher_env, llmpar.launch, llmpar.launch.rank; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", (out.stdout, out.stderr[-2000:])
 
 
 def test_dry_run_mpi(tmp_path):

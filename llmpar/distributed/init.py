@@ -2,7 +2,7 @@
 
 ``init_distributed()`` works in three situations:
   * started by ``torchrun``, ``mpirun`` (OpenMPI, MPICH, Intel MPI) or Slurm's ``srun``: joins the job. The launcher's
-    variables are read by :func:`llmpar.distributed.discovery.discover` (precedence, master address and port rules
+    variables are read by :func:`llmpar.launcher_env.discover` (precedence, master address and port rules
     there) and written back as torchrun's RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT
     before the process group is created, so everything downstream reads one set of variables;
   * a plain ``python script.py`` (no such variables): a world of size 1 on an in-memory store, no port needed;
@@ -24,7 +24,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from llmpar.distributed.dims import ParallelDims
-from llmpar.distributed.discovery import LaunchInfo, discover, export
+from llmpar.distributed.discovery import export, port_in_use
+from llmpar.launcher_env import discover
 
 logger = logging.getLogger("llmpar")
 
@@ -146,7 +147,7 @@ def init_distributed(
             except RuntimeError as err:
                 if "EADDRINUSE" not in str(err) and "address already in use" not in str(err).lower():
                     raise
-                raise RuntimeError(_port_in_use(launch)) from err
+                raise RuntimeError(port_in_use(launch)) from err
         atexit.register(_leave_at_exit)  # the group llmpar made is torn down by llmpar (see _leave_at_exit)
         logger.debug("joined process group: rank %d of %d, backend %s", rank, world_size, chosen)
 
@@ -171,23 +172,6 @@ def init_distributed(
         dims=dims,
         mesh=mesh,
     )
-
-
-def _port_in_use(launch: LaunchInfo) -> str:
-    """What rank 0 says when the rendezvous port is taken: where the port came from and how to choose another."""
-    port, where = launch.master_port, f"{launch.master_addr}:{launch.master_port}"
-    fix = (
-        "set MASTER_PORT to a free port, the same for every rank (e.g. `export MASTER_PORT=$((15000 + RANDOM % "
-        "20000))` in the batch script, before srun), or pass `llmpar launch --master_port PORT` or "
-        "init_distributed(master_port=...)"
-    )
-    if launch.job_port:
-        return (
-            f"the rendezvous port {port} is already in use on {where}: the port came from {launch.job_port} "
-            f"(15000 + job id % 20000), so another job on this node whose id is equal mod 20000 (or another "
-            f"program) holds it; {fix}"
-        )
-    return f"the rendezvous port {port} ({launch.master_from}) is already in use on {where}; {fix}"
 
 
 def _leave_at_exit() -> None:

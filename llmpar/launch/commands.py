@@ -29,12 +29,11 @@ from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import Mapping
 
+from llmpar.launcher_env import DEFAULT_PORT, PORT_FROM_VAR, expand_nodelist, slurm_job_port
+
 LAUNCHERS = ("torchrun", "slurm", "mpi", "ssh")
-DEFAULT_PORT = 29500
 EXPORT_PREFIXES = ("NCCL_", "PYTHON", "UCX_", "MV2_", "MLFLOW", "LLMPAR_")
 ENV_FILE = ".deepspeed_env"
-SLURM_PORT_BASE, SLURM_PORT_SPAN = 15000, 20000  # llmpar.distributed.discovery's rule (it imports torch; tested equal)
-PORT_FROM_VAR = "LLMPAR_MASTER_PORT_FROM"  # discovery's: "PORT:SLURM_JOB_ID=J" says MASTER_PORT came from the job id
 # torch.distributed.run's agent shares its rendezvous TCPStore with the workers and keeps it across restarts without
 # a per-attempt prefix (pytorch/pytorch#135712): a restarted rank can read a dead peer's address left by the previous
 # attempt and fail to connect. With this set, rank 0 of each attempt hosts a fresh store instead.
@@ -161,8 +160,8 @@ def resolve_launcher(launch: Launch) -> str:
 def _endpoint_port(launch: Launch, environ: Mapping[str, str]) -> int:
     if launch.master_port is not None:
         return launch.master_port
-    job = environ.get("SLURM_JOB_ID", environ.get("SLURM_JOBID", ""))
-    return SLURM_PORT_BASE + int(job) % SLURM_PORT_SPAN if job.isdigit() else DEFAULT_PORT
+    derived = slurm_job_port(environ)  # the port every task derives itself (llmpar.launcher_env)
+    return derived[0] if derived is not None else DEFAULT_PORT
 
 
 def _rdzv_id(launch: Launch, environ: Mapping[str, str]) -> str:
@@ -254,8 +253,6 @@ def _same_slots(launch: Launch, flag: str) -> tuple[int, str | None]:
 
 
 def _for_slurm(launch: Launch, environ: Mapping[str, str]) -> list[NodeCommand]:
-    from llmpar.distributed.discovery import expand_nodelist
-
     nproc, visible = _same_slots(launch, "slurm")
     nnodes = len(launch.hosts) if launch.hosts is not None else launch.nnodes
     argv = ["srun", f"--nodes={nnodes}"]
@@ -312,9 +309,9 @@ def _for_mpi(launch: Launch, environ: Mapping[str, str]) -> list[NodeCommand]:
     if addr is not None:
         env["MASTER_ADDR"] = addr
     env["MASTER_PORT"] = str(_endpoint_port(launch, environ))
-    job = environ.get("SLURM_JOB_ID", environ.get("SLURM_JOBID", ""))
-    if launch.master_port is None and job.isdigit():  # so that a port clash can name the job id
-        env[PORT_FROM_VAR] = f"{env['MASTER_PORT']}:SLURM_JOB_ID={job}"
+    derived = slurm_job_port(environ)
+    if launch.master_port is None and derived is not None:  # so that a port clash can name the job id
+        env[PORT_FROM_VAR] = f"{env['MASTER_PORT']}:{derived[1]}"
     if visible is not None:
         env["CUDA_VISIBLE_DEVICES"] = visible
     argv = ["mpirun", "-n", str(nnodes * nproc)]

@@ -3,9 +3,9 @@ process before the user's script (DeepSpeed's per-rank launcher ``deepspeed.laun
 
   1. torchrun's variables: a task of ``srun`` / ``mpirun`` (no ``RANK`` / ``WORLD_SIZE`` yet) gets ``RANK``,
      ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` from the launcher's own
-     (``llmpar.distributed.discovery``'s rules), so code that reads them before ``init_distributed`` (transformers'
-     ``TrainingArguments``, accelerate's ``PartialState``) sees the job; a port derived from ``SLURM_JOB_ID`` is
-     marked (``LLMPAR_MASTER_PORT_FROM``) so that a port clash can say so;
+     (``llmpar.launcher_env``'s rules, ``init_distributed``'s), so code that reads them before ``init_distributed``
+     (transformers' ``TrainingArguments``, accelerate's ``PartialState``) sees the job; a port derived from
+     ``SLURM_JOB_ID`` is marked (``LLMPAR_MASTER_PORT_FROM``) so that a port clash can say so;
   2. ``--bind_cores_to_rank``: this rank's share of the cores (``--bind_core_list``, else the CPUs this process may
      use): ``len(cores) // local ranks`` cores each, in order, set with ``os.sched_setaffinity`` (inherited by the
      script) and ``OMP_NUM_THREADS`` (DeepSpeed does the same with ``numactl -C``);
@@ -14,34 +14,20 @@ process before the user's script (DeepSpeed's per-rank launcher ``deepspeed.laun
      the script), ``python -u -m MODULE ...`` (``--module``), or ``SCRIPT ...`` itself (``--no_python``).
 
 Options come first, each ``--name`` or ``--name=value``; the first argument not starting with ``--`` is the script.
-This module imports no torch (the script does): ``discovery.py`` is loaded from its file. A bad option or launcher
-variable exits 2 with a message naming it.
+This module imports no torch (the script does; ``llmpar.launcher_env`` is standard library only). A bad option or
+launcher variable exits 2 with a message naming it.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
-from types import ModuleType
 from typing import Mapping, Sequence
+
+from llmpar.launcher_env import PORT_FROM_VAR, discover
 
 FLAGS = ("pass_local_rank", "module", "no_python", "bind_cores_to_rank")
 VALUED = ("bind_core_list", "enable_each_rank_log", "log_name_prefix")
-
-
-def _discovery() -> ModuleType:
-    """``llmpar.distributed.discovery`` (stdlib only), without ``llmpar.distributed``'s torch imports."""
-    loaded = sys.modules.get("llmpar.distributed.discovery")
-    if loaded is not None:
-        return loaded
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "distributed", "discovery.py")
-    spec = importlib.util.spec_from_file_location("_llmpar_launch_discovery", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up while being built
-    spec.loader.exec_module(module)
-    return module
 
 
 def parse_core_list(text: str, *, flag: str = "--bind_core_list") -> list[int]:
@@ -99,13 +85,12 @@ def parse(argv: Sequence[str]) -> tuple[dict[str, str | bool], list[str]]:
 def rank_environment(environ: Mapping[str, str]) -> tuple[dict[str, str], int, int, int]:
     """(the script's environment, global rank, local rank, local world size): ``environ`` plus torchrun's
     variables read from whichever launcher started this process."""
-    discovery = _discovery()
-    info = discovery.discover(environ)
+    info = discover(environ)
     env = dict(environ)
     if info.source not in ("torchrun", "none"):
         env.update(info.torchrun_env())
         if info.job_port and info.master_port is not None:
-            env[discovery.PORT_FROM_VAR] = f"{info.master_port}:{info.job_port}"
+            env[PORT_FROM_VAR] = f"{info.master_port}:{info.job_port}"
     return env, info.rank, info.local_rank, info.local_world_size
 
 

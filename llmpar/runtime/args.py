@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 from typing import Any
+
+from llmpar.distributed.discovery import adopt_local_rank
 
 logger = logging.getLogger("llmpar")
 
@@ -88,14 +89,7 @@ def take_local_rank(args: Any) -> None:
         return
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"args.local_rank must be an int, got {type(value).__name__} {value!r}")
-    env = os.environ.get("LOCAL_RANK")
-    if value >= 0 and env not in (None, "") and int(env) != value:
-        raise ValueError(
-            f"args.local_rank={value} but the environment has LOCAL_RANK={env}: launch with one "
-            "launcher (torchrun sets LOCAL_RANK, DeepSpeed's launcher sets both alike)"
-        )
-    if value >= 0 and env in (None, ""):
-        os.environ["LOCAL_RANK"] = str(value)  # DeepSpeed's engine reads LOCAL_RANK; so do llmpar's device choice
+    adopt_local_rank(value)  # the launcher's LOCAL_RANK (llmpar.distributed.discovery)
 
 
 def give_local_rank(args: Any, local_rank: int) -> None:

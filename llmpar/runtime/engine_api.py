@@ -11,7 +11,6 @@ Every accessor reads the typed config (``engine.config``) or the optimizer; noth
 
 from __future__ import annotations
 
-import os
 from typing import Any, Callable, Iterator
 
 import torch
@@ -19,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from llmpar.distributed.collectives import collective_device, group_rank, group_size
+from llmpar.distributed.discovery import local_rank
 from llmpar.runtime.resume import ResumableLoader, resumable
 from llmpar.zero.config import OffloadConfig
 
@@ -30,15 +30,6 @@ class DeepSpeedLoader(ResumableLoader):
     @property
     def data_sampler(self) -> Any:
         return self.sampler
-
-
-def local_rank_from_env(default: int) -> int:
-    """``LOCAL_RANK`` as torchrun and DeepSpeed's launcher set it (``default`` without one)."""
-    raw = os.environ.get("LOCAL_RANK", os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK"))
-    try:
-        return int(raw) if raw not in (None, "") else default
-    except ValueError:
-        raise ValueError(f"environment variable LOCAL_RANK={raw!r} is not an integer") from None
 
 
 class DeepSpeedAPI:
@@ -80,7 +71,7 @@ class DeepSpeedAPI:
     @property
     def local_rank(self) -> int:
         """``LOCAL_RANK`` (torchrun / DeepSpeed's launcher; the global rank on a single node without one)."""
-        return local_rank_from_env(self.global_rank)
+        return local_rank(self.global_rank)
 
     @property
     def dp_world_size(self) -> int:
@@ -283,4 +274,4 @@ class DeepSpeedAPI:
         )
 
 
-__all__ = ["DeepSpeedAPI", "DeepSpeedLoader", "local_rank_from_env"]
+__all__ = ["DeepSpeedAPI", "DeepSpeedLoader"]

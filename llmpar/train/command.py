@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from llmpar.distributed.discovery import discover
+from llmpar.launcher_env import discover
 from llmpar.train.loop import ConfigError, format_summary, train
 from llmpar.train.options import MODEL_DTYPES, SCHEDULES, TrainOptions, check_layout, degrees, flag, resolve
 
