@@ -103,6 +103,82 @@ def test_meshes_on_8_ranks_have_the_right_groups(tp, pp):
             assert local == coords[axis]
 
 
+def _derived_groups(tp, cp, u):
+    """The named groups of ParallelDims / ContextParallel.from_mesh next to the ones initialize built before them
+    (partitions by key, from lambdas over the coordinates), by their ranks; and the groups really connect them."""
+    from llmpar.context_parallel.core import ContextParallel
+
+    env = ld.init_distributed(tp=tp, cp=cp)
+    mesh, rank, ranks = env.mesh, dist.get_rank(), dist.get_process_group_ranks
+    dims = ParallelDims.from_mesh(mesh)
+
+    def coords(r, *axes):
+        c = dims.coordinates(r)
+        return tuple(c[a] for a in axes)
+
+    before = {  # the previous construction in runtime/initialize.py
+        "dp_cp": dims.new_group(lambda r: coords(r, "pp", "tp")),
+        "ulysses": dims.new_group(lambda r: (*coords(r, "pp", "dp", "tp"), coords(r, "cp")[0] // u)),
+        "ring": dims.new_group(lambda r: (*coords(r, "pp", "dp", "tp"), coords(r, "cp")[0] % u)),
+    }
+    hybrid = ContextParallel.from_mesh(mesh, "hybrid", ulysses_size=u)
+    now = {"dp_cp": dims.group("dp_cp"), "ulysses": hybrid.ulysses_group.get(), "ring": hybrid.ring_group.get()}
+    out = {k: (ranks(before[k]), ranks(now[k])) for k in now}
+    got = torch.zeros(len(out["dp_cp"][1]), dtype=torch.int64)
+    ld.all_gather_flat(got, torch.tensor([rank]), now["dp_cp"])
+    out["gathered"] = got.tolist()
+    out["once"] = dims.group("dp_cp") is now["dp_cp"] and ParallelDims.from_mesh(mesh).shape == dims.shape
+    out["cp"] = (hybrid.size, hybrid.rank, hybrid.ulysses_size, dims.coordinates(rank)["cp"])
+    for mode in ("ulysses", "ring"):
+        one = ContextParallel.from_mesh(mesh, mode)
+        out[f"{mode} alone"] = (one.size, one.rank, ranks((one.ulysses_group or one.ring_group).get()))
+    return out
+
+
+@pytest.mark.parametrize("tp, cp, u", [(2, 4, 2), (1, 4, 2)])
+def test_derived_groups_equal_the_ones_built_by_key(tp, cp, u):
+    """``ParallelDims.group("dp_cp")`` and the hybrid split of ``ContextParallel.from_mesh`` hold the ranks the
+    lambdas of runtime/initialize.py gave before (8 ranks: tp x cp, dp = 8 / (tp * cp))."""
+    dims = ParallelDims(tp=tp, cp=cp, world_size=8)
+    for rank, out in enumerate(run_ranks(_derived_groups, 8, tp, cp, u)):
+        for name in ("dp_cp", "ulysses", "ring"):
+            before, now = out[name]
+            assert before == now, (rank, name, before, now)
+        c = dims.coordinates(rank)
+        assert out["dp_cp"][1] == [r for r in range(8) if dims.coordinates(r)["tp"] == c["tp"]]
+        assert out["gathered"] == out["dp_cp"][1] and out["once"]
+        assert out["cp"] == (cp, c["cp"], u, c["cp"])
+        axis = dims.axis_ranks("cp", rank)
+        assert out["ulysses alone"] == (cp, c["cp"], axis) and out["ring alone"] == (cp, c["cp"], axis)
+
+
+def test_from_mesh_refuses_what_it_cannot_split():
+    code = (
+        "import os\n"
+        "for v in ('RANK','WORLD_SIZE','LOCAL_RANK','MASTER_ADDR','MASTER_PORT'): os.environ.pop(v, None)\n"
+        "import llmpar, pytest\n"
+        "from llmpar.context_parallel.core import ContextParallel\n"
+        "mesh = llmpar.distributed.init_distributed(tp=1).mesh\n"
+        "for args, kind, match in [((mesh, 'hybrid'), ValueError, 'needs ulysses_size'),\n"
+        "        ((mesh, 'hybrid', 2), ValueError, 'divisor of the cp degree 1'),\n"
+        "        ((mesh, 'ring', 2), ValueError, 'ulysses_size=2 is not valid with mode=.ring.'),\n"
+        "        ((mesh, 'zigzag'), ValueError, 'not a context-parallel mode'),\n"
+        "        ((mesh['dp'], 'ring'), ValueError, \"expected a 'cp' axis\"),\n"
+        "        ((mesh, 'hybrid', 1.0), TypeError, 'ulysses_size must be an int')]:\n"
+        "    with pytest.raises(kind, match=match):\n"
+        "        ContextParallel.from_mesh(*args)\n"
+        "with pytest.raises(ValueError, match='no derived group'):\n"
+        "    llmpar.ParallelDims.from_mesh(mesh).group('tp_cp')\n"
+        "print('OK', flush=True)\n"
+        "os._exit(0)\n"
+    )
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-2000:]
+
+
 def _bad_dims_on_every_rank():
     with pytest.raises(ValueError, match="not divisible by tp"):
         llmpar.init_distributed(tp=3)

@@ -1,6 +1,7 @@
 """ContextParallel: the sequence dimension split over sp ranks, and attention / loss that see the whole sequence.
 
     cp = ContextParallel("ring", ring_group=mesh["cp"])         # or "ulysses" (ulysses_group), "hybrid" (both)
+    cp = ContextParallel.from_mesh(mesh, "hybrid", ulysses_size=2)   # the same over the [pp, dp, cp, tp] mesh's cp axis
     cp.check_batch(seq_len, digest)                             # optional: the cp ranks hold the same batch
     shard = cp.shard(seq_len, device)                           # this rank's tokens (see shard.py)
     x_local = shard_tensor(x, shard, dim=1)                     # ids, labels (pad_value=-100), masks ...
@@ -24,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 
@@ -34,6 +35,7 @@ from llmpar.context_parallel.ring import RingSpec, RingStats, ring_attention
 from llmpar.context_parallel.shard import MODES, SeqShard, check_seq_len, layout
 from llmpar.context_parallel.ulysses import gather_valid, heads_to_seq, kv_repeats, seq_to_heads
 from llmpar.distributed.collectives import all_gather_flat, all_reduce, collective_device
+from llmpar.distributed.dims import ParallelDims
 from llmpar.distributed.groups import Group, GroupRef, as_group, group_rank, group_size
 from llmpar.ops.attention import flash_attention
 
@@ -73,6 +75,40 @@ class ContextParallel:
         self._current: tuple[SeqShard, torch.Tensor | None] | None = None
         self._memo: dict = {}  # "positions": the last layout used (host and device); "valid": the batch's gathered
         # key mask (a fresh memo inside each batch(), the outer one restored after)
+
+    @classmethod
+    def from_mesh(cls, mesh: Any, mode: str, ulysses_size: int | None = None) -> "ContextParallel":
+        """Context parallelism over the ``"cp"`` axis of ``mesh`` (the ``[pp, dp, cp, tp]`` mesh of
+        ``llmpar.distributed.init_distributed(cp=...)``; for "ulysses" / "ring" also a mesh with only a cp axis).
+        ``ulysses_size``: the Ulysses part of a "hybrid" axis (required there; it divides the cp degree): Ulysses over
+        that many adjacent cp ranks, ring across (``ParallelDims.split_axis``); for "ulysses" it is the cp degree and
+        for "ring" 1 when given. A collective for "hybrid" (its groups are built on every rank)."""
+        names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+        if "cp" not in names:
+            raise ValueError(
+                f"mesh has axes {names}: expected a 'cp' axis (llmpar.distributed.init_distributed(cp=N).mesh)"
+            )
+        if mode not in MODES:
+            raise ValueError(f"mode={mode!r} is not a context-parallel mode: expected one of {MODES}")
+        size = mesh["cp"].size()
+        if ulysses_size is not None and (isinstance(ulysses_size, bool) or not isinstance(ulysses_size, int)):
+            raise TypeError(f"ulysses_size must be an int, got {type(ulysses_size).__name__} {ulysses_size!r}")
+        if mode == "hybrid" and (ulysses_size is None or ulysses_size < 1 or size % ulysses_size):
+            raise ValueError(
+                f'mode="hybrid" needs ulysses_size= a divisor of the cp degree {size} (the Ulysses part), '
+                f"got {ulysses_size}"
+            )
+        expected = {"ulysses": size, "ring": 1, "hybrid": ulysses_size}[mode]
+        if ulysses_size is not None and ulysses_size != expected:
+            raise ValueError(
+                f"ulysses_size={ulysses_size} is not valid with mode={mode!r} over cp={size}: it is {expected}"
+            )
+        if mode == "ulysses":
+            return cls("ulysses", ulysses_group=mesh["cp"].get_group())
+        if mode == "ring":
+            return cls("ring", ring_group=mesh["cp"].get_group())
+        uly, ring = ParallelDims.from_mesh(mesh).split_axis("cp", ulysses_size)  # cp rank = ring * u + ulysses
+        return cls("hybrid", ulysses_group=uly, ring_group=ring)
 
     def __repr__(self) -> str:
         return (

@@ -6,8 +6,12 @@ builds a ``torch.distributed.device_mesh.DeviceMesh`` of shape ``[pp, dp, cp, tp
 cp (context parallelism: the ranks that split one sequence) next, then dp, pp outermost. Axes of size 1 are kept, so
 code can always ask for ``mesh["tp"]`` or ``mesh["cp"]``.
 
-Groups the mesh has no axis for (ZeRO's dp x cp group, the Ulysses and ring parts of a hybrid cp axis) are built by
-:meth:`ParallelDims.new_group`, which partitions the ranks by a key (a collective: every rank calls it alike).
+Groups the mesh has no axis for are derived from it by name, as torchtitan names its derived meshes:
+:meth:`ParallelDims.group` ``("dp_cp")`` is the flattened dp x cp group ZeRO reduces over under context
+parallelism (:data:`DERIVED`), :meth:`ParallelDims.split_axis` ``("cp", inner)`` the inner (adjacent) and outer parts
+of an axis (a hybrid cp axis: Ulysses inside, ring across). Both build on :meth:`ParallelDims.new_group`, which
+partitions the ranks by a key (a collective: every rank calls it alike); each named group is built once per
+``ParallelDims``. :meth:`ParallelDims.from_mesh` gives the degrees of an existing mesh.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 MESH_AXES: tuple[str, ...] = ("pp", "dp", "cp", "tp")
+# groups derived from the mesh by name: the mesh axes they flatten (ranks that differ only on these axes share one)
+DERIVED: dict[str, tuple[str, ...]] = {"dp_cp": ("dp", "cp")}
 
 
 def _check_degree(name: str, value: object, *, allow_infer: bool = False) -> None:
@@ -43,6 +49,7 @@ class ParallelDims:
     dp: int = -1
     cp: int = 1
     world_size: int = field(default=-1)
+    _groups: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # derived groups, built once
 
     def __post_init__(self) -> None:
         _check_degree("tp", self.tp)
@@ -125,6 +132,57 @@ class ParallelDims:
                 mine = group
         assert mine is not None
         return mine
+
+    @classmethod
+    def from_mesh(cls, mesh: DeviceMesh) -> "ParallelDims":
+        """The degrees of ``mesh`` (a mesh of :meth:`build_mesh`, or any mesh over the whole job whose axes are named
+        among :data:`MESH_AXES`; a missing axis has degree 1)."""
+        names = tuple(mesh.mesh_dim_names or ())
+        unknown = [n for n in names if n not in MESH_AXES]
+        if not names or unknown:
+            raise ValueError(
+                f"mesh has axes {names}: expected names among {MESH_AXES} (llmpar.init_distributed's mesh)"
+            )
+        if mesh.mesh.numel() != dist.get_world_size():
+            raise ValueError(
+                f"mesh spans {mesh.mesh.numel()} of the job's {dist.get_world_size()} ranks: pass the whole mesh "
+                "(llmpar.init_distributed(...).mesh), not a sub-mesh"
+            )
+        return cls(**{n: mesh[n].size() for n in names}, world_size=dist.get_world_size())
+
+    def group(self, name: str) -> dist.ProcessGroup:
+        """This rank's group of the derived group ``name`` (:data:`DERIVED`): the ranks that differ only on its axes,
+        e.g. ``"dp_cp"``, the dp x cp ranks that share pp and tp coordinates. The whole job when the other axes are
+        all of degree 1. A collective the first time (every rank asks alike); the same group after."""
+        if name not in DERIVED:
+            raise ValueError(f"no derived group {name!r}: expected one of {sorted(DERIVED)}")
+        if name not in self._groups:
+            kept = [a for a in MESH_AXES if a not in DERIVED[name]]
+            if all(self.degree(a) == 1 for a in kept):
+                self._groups[name] = dist.group.WORLD
+            else:
+                self._groups[name] = self.new_group(lambda r: tuple(self.coordinates(r)[a] for a in kept))
+        return self._groups[name]
+
+    def split_axis(self, axis: str, inner: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+        """``(inner group, outer group)`` of ``axis`` split as ``axis rank = outer rank * inner + inner rank``: the
+        inner groups join ``inner`` adjacent ranks of the axis, the outer ones the ranks ``inner`` apart (a hybrid cp
+        axis: Ulysses over the inner, ring over the outer). A collective the first time; the same groups after."""
+        size = self.degree(axis)
+        if isinstance(inner, bool) or not isinstance(inner, int) or inner < 1 or size % inner:
+            raise ValueError(f"inner={inner!r} must be a positive divisor of the {axis} degree {size}")
+        key = f"{axis}/{inner}"
+        if key not in self._groups:
+            others = [a for a in MESH_AXES if a != axis]
+
+            def where(r: int) -> tuple:
+                c = self.coordinates(r)
+                return tuple(c[a] for a in others)
+
+            inner_group = self.new_group(lambda r: (*where(r), self.coordinates(r)[axis] // inner))
+            outer_group = self.new_group(lambda r: (*where(r), self.coordinates(r)[axis] % inner))
+            self._groups[key] = (inner_group, outer_group)
+        return self._groups[key]
 
     def build_mesh(self, device_type: str | None = None) -> DeviceMesh:
         """Build the ``[pp, dp, cp, tp]`` DeviceMesh over the default process group (a collective call).

@@ -101,7 +101,7 @@ def _cp_mesh(size: int, tp: int, mesh: Any, dp_group: Group | None, tp_group: Gr
     if dp_group is not None or tp_group is not None:
         raise ValueError(
             '"context_parallel" takes its groups from the [pp, dp, cp, tp] mesh: pass mesh='
-            f"llmpar.init_distributed(cp={size}, tp={tp}).mesh (or nothing), not dp_group= / tp_group="
+            f"llmpar.distributed.init_distributed(cp={size}, tp={tp}).mesh (or nothing), not dp_group= / tp_group="
         )
     if mesh is None:
         world = dist.get_world_size()
@@ -116,7 +116,8 @@ def _cp_mesh(size: int, tp: int, mesh: Any, dp_group: Group | None, tp_group: Gr
     if "cp" not in names or mesh["cp"].size() != size:
         got = f"cp={mesh['cp'].size()}" if "cp" in names else f"axes {names}"
         raise ValueError(
-            f'"context_parallel.size"={size} but mesh= has {got}: pass llmpar.init_distributed(cp={size}, tp={tp}).mesh'
+            f'"context_parallel.size"={size} but mesh= has {got}: pass '
+            f"llmpar.distributed.init_distributed(cp={size}, tp={tp}).mesh"
         )
     return mesh
 
@@ -128,29 +129,8 @@ def _context_parallel(model: nn.Module, cpc: ContextParallelConfig, mesh: Any) -
     from llmpar.distributed.dims import ParallelDims
 
     adapter = adapter_for(model)  # a TypeError for a model no adapter runs: on every rank alike
-    names = mesh.mesh_dim_names
-    dims = ParallelDims(
-        **{n: mesh[n].size() for n in ("pp", "dp", "cp", "tp") if n in names}, world_size=dist.get_world_size()
-    )
-    u = cpc.ulysses_size
-
-    def coords(r: int, *axes: str) -> tuple:
-        c = dims.coordinates(r)
-        return tuple(c[a] for a in axes)
-
-    zero_group = (
-        mesh["cp"].get_group()
-        if dims.dp == 1 and dims.pp == 1 and dims.tp == 1
-        else dims.new_group(lambda r: coords(r, "pp", "tp"))
-    )
-    if cpc.mode == "ulysses":
-        cp = ContextParallel("ulysses", ulysses_group=mesh["cp"].get_group())
-    elif cpc.mode == "ring":
-        cp = ContextParallel("ring", ring_group=mesh["cp"].get_group())
-    else:  # cp rank = ring rank * u + ulysses rank: Ulysses over adjacent cp ranks, ring across
-        uly = dims.new_group(lambda r: (*coords(r, "pp", "dp", "tp"), coords(r, "cp")[0] // u))
-        ring = dims.new_group(lambda r: (*coords(r, "pp", "dp", "tp"), coords(r, "cp")[0] % u))
-        cp = ContextParallel("hybrid", ulysses_group=uly, ring_group=ring)
+    zero_group = ParallelDims.from_mesh(mesh).group("dp_cp")
+    cp = ContextParallel.from_mesh(mesh, cpc.mode, cpc.ulysses_size)
     adapter.prepare(model, cp)
     return cp, adapter, zero_group
 
