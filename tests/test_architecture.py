@@ -138,8 +138,9 @@ def test_every_part_has_a_floor():
 
 
 def test_model_anatomy_sits_on_the_models_floor_below_its_callers():
-    """``llmpar.models.anatomy`` answers the pipeline split, ZeRO-3 units, activation checkpointing and tensor
-    parallel plans, so it sits below all of them, on the models floor, and imports nothing from llmpar."""
+    """``llmpar.models.anatomy`` answers the pipeline split, ZeRO-3 units, activation checkpointing, tensor parallel
+    plans and the context-parallel adapters, so it sits below all of them, on the models floor, and imports nothing
+    from llmpar."""
     anatomy = "llmpar.models.anatomy"
     assert _part(anatomy) == "models" and not GRAPH[anatomy], GRAPH[anatomy]
     callers = [
@@ -147,6 +148,7 @@ def test_model_anatomy_sits_on_the_models_floor_below_its_callers():
         "llmpar.zero.units",
         "llmpar.runtime.activations",
         "llmpar.tensor_parallel.parallelize",
+        "llmpar.context_parallel.hf",
     ]
     assert all(anatomy in {t for t, _ in GRAPH[c]} and FLOORS[_part(c)] > FLOORS["models"] for c in callers)
 

@@ -53,6 +53,7 @@ import torch.nn.functional as F
 from llmpar.context_parallel.shard import shard_tensor
 from llmpar.context_parallel.tiled import tiled_lm_loss
 from llmpar.distributed.collectives import all_reduce
+from llmpar.models import anatomy
 
 ATTN_NAME = "llmpar_cp"
 TILED_CHUNK = 2048  # tokens per tile of the sequence-tiled loss
@@ -171,9 +172,7 @@ class HFCausalLMAdapter:
                 f"{type(model).__name__}: attention_dropout={config.attention_dropout} is not supported "
                 "with context parallelism (set it to 0)"
             )
-        modules = [
-            m for m in model.modules() if hasattr(m, "is_causal") and hasattr(m, "head_dim") and hasattr(m, "config")
-        ]
+        modules = [m for _, m in anatomy.attention_modules(model)]  # the model anatomy's rule
         layers = getattr(config, "num_hidden_layers", None)
         if not modules or (layers is not None and len(modules) != layers):
             raise ValueError(
@@ -184,7 +183,8 @@ class HFCausalLMAdapter:
         config._attn_implementation = ATTN_NAME
         for m in modules:
             object.__setattr__(m, "_llmpar_cp", cp)  # a plain reference, never a registered submodule
-        self._head = model.get_output_embeddings()
+        head = anatomy.output_head(model)
+        self._head = head[1] if head is not None else None
         base = getattr(model, "base_model", None)
         if base is not None and base is not model:
             base.register_forward_hook(self._keep_hidden)

@@ -1,9 +1,10 @@
 """Model anatomy: the one place that says what a model's blocks, attention, MLPs and embeddings are.
 
 The pipeline split (:func:`pipeline_sequence`), ZeRO-3's sharding units (:func:`shard_units`), activation
-checkpointing (:func:`blocks`) and the tensor-parallel plans (:func:`family`, :func:`head_counts`) ask here; nothing
-here knows about parallelism. A model may answer for itself: ``pipeline_blocks()`` (llmpar's ``GPT``,
-``llmpar.pipe.PipelineModule``), ``get_input_embeddings()`` / ``get_output_embeddings()`` (transformers).
+checkpointing (:func:`blocks`), the tensor-parallel plans (:func:`family`, :func:`head_counts`) and the
+context-parallel adapters (:func:`attention_modules`, :func:`output_head`) ask here; nothing here knows about
+parallelism. A model may answer for itself: ``pipeline_blocks()`` (llmpar's ``GPT``, ``llmpar.pipe.PipelineModule``),
+``get_input_embeddings()`` / ``get_output_embeddings()`` (transformers).
 
 The rules, and where the finders they replace differed (each difference kept where the question differs):
 
@@ -24,7 +25,7 @@ The rules, and where the finders they replace differed (each difference kept whe
 * **Attention** (:func:`attention_modules`): a module with an int ``head_dim`` and either an int head count
   (:data:`HEAD_ATTRS`: llmpar's ``CausalSelfAttention`` has ``n_head``) or transformers' ``is_causal`` + ``config``
   (transformers >= 4.48 dropped ``num_heads`` from its attention modules); the context-parallel transformers adapter
-  uses the second half of this rule on its own (``llmpar/context_parallel/hf.py``).
+  routes these modules through context parallelism (``llmpar/context_parallel/hf.py``).
 * **MLP** (:func:`mlp_modules`): a block's child named ``mlp``, ``feed_forward`` or ``ffn``.
 * **Embeddings** (:func:`input_embeddings`, :func:`output_head`): the model's own answer (transformers), else the
   ``nn.Embedding`` modules outside the blocks and the ``lm_head`` module.
