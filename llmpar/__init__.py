@@ -77,11 +77,6 @@ NO_COUNTERPART = {
     "autotuning": "the autotuner is not provided: `llmpar plan` suggests layouts",
     "elasticity": "elastic training is not provided (checkpoints reshard to any dp / tp / pp at load)",
     "launcher": "launch with torchrun (or `llmpar launch`, which translates onto torchrun / srun / mpirun)",
-    "sequence": "Ulysses sequence parallelism is llmpar's context parallelism (llmpar.context_parallel): the config's "
-    '"context_parallel": {"mode": "ulysses", "size": N} block (DeepSpeed\'s '
-    '"sequence_parallel_size": N means the same) makes llmpar.initialize shard the sequence and run '
-    "attention through the all-to-all; a hand-built model uses llmpar.context_parallel.ContextParallel("
-    '"ulysses", ulysses_group=...) (docs/context-parallel.md)',
     "nvme": "NVMe offload is not provided (offload_optimizer / offload_param to the CPU are)",
     "ops.lamb": _OPS,
     "ops.transformer": _OPS,
@@ -107,11 +102,22 @@ NO_COUNTERPART = {
     "checkpoint.deepspeed_checkpoint": "llmpar checkpoints load at any dp / tp / pp layout without conversion",
 }
 
+# DeepSpeed module paths whose counterpart is an llmpar module of another name: (that module, how to use it)
+ELSEWHERE = {
+    "sequence": (
+        "llmpar.context_parallel",
+        'Ulysses sequence parallelism is its "ulysses" mode: the config\'s "context_parallel": {"mode": "ulysses", '
+        '"size": N} block (DeepSpeed\'s "sequence_parallel_size": N means the same) makes llmpar.initialize shard '
+        "the sequence and run attention through the all-to-all; a hand-built model uses "
+        'llmpar.context_parallel.ContextParallel.from_mesh(mesh, "ulysses") (docs/context-parallel.md)',
+    ),
+}
+
 
 class _NoCounterpart(importlib.abc.MetaPathFinder):
     """Last on ``sys.meta_path``: asked only for modules no other finder found. ``llmpar.<path>`` for a DeepSpeed
-    path in :data:`NO_COUNTERPART` (or below one) raises a ``ModuleNotFoundError`` saying what to use; anything else
-    is left to Python's own error."""
+    path in :data:`ELSEWHERE` (or below one) raises a ``ModuleNotFoundError`` naming the llmpar module that provides
+    it, one in :data:`NO_COUNTERPART` one saying what to use; anything else is left to Python's own error."""
 
     @staticmethod
     def find_spec(fullname: str, path: Any = None, target: Any = None) -> None:
@@ -120,6 +126,13 @@ class _NoCounterpart(importlib.abc.MetaPathFinder):
         rest = fullname[len(__name__) + 1 :]
         parts = rest.split(".")
         for n in range(len(parts), 0, -1):
+            moved = ELSEWHERE.get(".".join(parts[:n]))
+            if moved is not None:
+                raise ModuleNotFoundError(
+                    f"No module named {fullname!r}: DeepSpeed's deepspeed.{'.'.join(parts[:n])} is {moved[0]} in "
+                    f"llmpar: {moved[1]}",
+                    name=fullname,
+                )
             why = NO_COUNTERPART.get(".".join(parts[:n]))
             if why is not None:
                 raise ModuleNotFoundError(

@@ -308,3 +308,17 @@ def test_context_parallel_attention_matches_single_device(world):
             assert fwd == (ring * n_ring_calls if mode != "ulysses" else 0), (mode, fwd)
             assert bwd == ((ring + 1) * n_ring_calls if mode != "ulysses" else 0), (mode, bwd)
             assert 0.0 <= frac <= 1.0
+
+
+def test_import_llmpar_sequence_points_to_context_parallel():
+    """DeepSpeed's ``deepspeed.sequence`` (Ulysses) has its counterpart in llmpar: the ImportError of
+    ``llmpar.sequence`` names ``llmpar.context_parallel`` as that counterpart, never "no counterpart" or "not
+    provided"."""
+    import importlib
+
+    with pytest.raises(ImportError) as info:
+        importlib.import_module("llmpar.sequence.layer")
+    message = str(info.value)
+    assert "DeepSpeed's deepspeed.sequence is llmpar.context_parallel in llmpar" in message, message
+    assert 'ContextParallel.from_mesh(mesh, "ulysses")' in message, message
+    assert "no counterpart" not in message and "not provided" not in message, message
