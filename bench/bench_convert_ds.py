@@ -7,7 +7,7 @@ The source: a synthetic DeepSpeed *universal* checkpoint (``zero/<param>/fp32.pt
 ``exp_avg_sq.pt``, ``step.pt``, ``optimizer_state.pt``, ``mp_rank_00_model_states.pt``, written by hand as
 ``ds_to_universal`` writes them) of ``--mb`` MB of fp32 weights per state (three states: ~3x on disk), in a
 Llama-like mix of one large embedding-sized tensor (3/8 of the weights), square matrices and small vectors. Each
-conversion runs ``consolidate.convert`` in a fresh Python process: wall time, peak RSS (``ru_maxrss``) and the
+conversion runs ``convert.convert`` in a fresh Python process: wall time, peak RSS (``ru_maxrss``) and the
 peak above the RSS after imports ("rise"), against the largest tensor and against the bound "2 x the largest tensor
 + the largest output file" (a ZeRO 1-2 output's ``mp_rank_00_model_states.pt`` holds every param whole, as
 DeepSpeed's does: it is that output file). For scale: the writer before streaming held every param's master and two
@@ -37,14 +37,14 @@ RESULTS = ROOT / "bench" / "results"
 
 CHILD = r"""
 import json, os, resource, sys, time
-from llmpar.checkpoint import consolidate
+from llmpar.checkpoint import convert
 def rss():
     with open("/proc/self/status") as f:
         return next(int(l.split()[1]) for l in f if l.startswith("VmRSS")) * 1024
 base = rss()
 src, dst, to, stage, dp = sys.argv[1:6]
 t0 = time.perf_counter()
-written = consolidate.convert(src, dst, to=to, stage=int(stage) or None, dp=int(dp) or None)
+written = convert.convert(src, dst, to=to, stage=int(stage) or None, dp=int(dp) or None)
 wall = time.perf_counter() - t0
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 big = max(os.path.getsize(p) for p in written)

@@ -144,12 +144,12 @@ def child(kind: str, src: str, dst: str, shard: str, nbytes: str = "0") -> None:
     only ``nbytes`` written into ``dst`` in 1 GB files from a buffer already in memory (64 MB ``os.pwrite`` calls):
     the least time any converter writing those bytes on this disk can take."""
     if kind == "llmpar":
-        from llmpar.checkpoint import consolidate
+        from llmpar.checkpoint import convert
 
         base = rss_mb()
         t0 = time.perf_counter()
         with Sampler() as s:
-            consolidate.convert(src, dst, max_shard_size=shard)
+            convert.convert(src, dst, max_shard_size=shard)
     elif kind == "floor":
         buf = memoryview(bytearray(os.urandom(1 << 26)))
         base = rss_mb()
