@@ -13,7 +13,8 @@ stochastically rounded); 3 "bf16_kahan" (p, m, v bfloat16 round to nearest, x = 
 A nonzero found_inf skips the whole step.
 
 One launch covers all tensors. The int64 ``table`` has 9 rows of n entries (row-major, see TABLE_ROWS): program b
-finds its tensor by binary search in row 0 (first program of each tensor), then handles BLOCK elements of it.
+finds its tensor by binary search in row 0 (first program of each tensor; kernels/multi_tensor.py), then handles BLOCK
+elements of it.
 Stochastic rounding adds a 16-bit hash of (seed, step, salt, element index) below the bfloat16 mantissa and truncates:
 the same bits as csrc/adamw_kernels.cu, so a run is reproducible. Runs under ``TRITON_INTERPRET=1`` on CPU tensors.
 """
@@ -22,7 +23,8 @@ from __future__ import annotations
 
 import math
 
-from ._triton import HAS_TRITON, INTERPRETED, TRITON_IMPORT_ERROR, pinned_to_device, tl, triton
+from ._triton import HAS_TRITON, INTERPRETED, TRITON_IMPORT_ERROR, tl, triton
+from .multi_tensor import first_programs, table_to_device
 
 __all__ = ["HAS_TRITON", "INTERPRETED", "TRITON_IMPORT_ERROR", "BLOCK", "TABLE_ROWS", "log_beta", "step", "sum_squares"]
 
@@ -32,6 +34,7 @@ BLOCK = 1024
 TABLE_ROWS = ("first", "param", "grad", "exp_avg", "exp_avg_sq", "extra", "step", "numel", "salt")
 
 if HAS_TRITON:
+    from .multi_tensor import _owner
 
     @triton.jit
     def _hash32(x):
@@ -96,15 +99,7 @@ if HAS_TRITON:
         BLOCK: tl.constexpr,
     ):
         pid = tl.program_id(0)
-        lo = 0
-        hi = n - 1
-        while lo < hi:  # last tensor whose first program is <= pid
-            mid = (lo + hi + 1) // 2
-            if tl.load(table_ptr + mid) <= pid:
-                lo = mid
-            else:
-                hi = mid - 1
-        t = lo
+        t = _owner(table_ptr, n, pid)
         first = tl.load(table_ptr + t)
         p_ptr = tl.load(table_ptr + 1 * n + t).to(tl.pointer_type(P_DTYPE))
         g_ptr = tl.load(table_ptr + 2 * n + t).to(tl.pointer_type(G_DTYPE))
@@ -177,17 +172,10 @@ if HAS_TRITON:
     def _sum_squares_kernel(table_ptr, n, out_ptr, G_DTYPE: tl.constexpr, BLOCK: tl.constexpr):
         """out[pid] = sum of squares (float32) of this program's BLOCK elements; table rows: first, address, numel."""
         pid = tl.program_id(0)
-        lo = 0
-        hi = n - 1
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if tl.load(table_ptr + mid) <= pid:
-                lo = mid
-            else:
-                hi = mid - 1
-        first = tl.load(table_ptr + lo)
-        g_ptr = tl.load(table_ptr + n + lo).to(tl.pointer_type(G_DTYPE))
-        numel = tl.load(table_ptr + 2 * n + lo)
+        t = _owner(table_ptr, n, pid)
+        first = tl.load(table_ptr + t)
+        g_ptr = tl.load(table_ptr + n + t).to(tl.pointer_type(G_DTYPE))
+        numel = tl.load(table_ptr + 2 * n + t)
         idx = (pid - first) * BLOCK + tl.arange(0, BLOCK)
         g = tl.load(g_ptr + idx, mask=idx < numel, other=0.0).to(tl.float32)
         tl.store(out_ptr + pid, tl.sum(g * g, axis=0))
@@ -203,20 +191,6 @@ def _tl(dtype):
     import torch
 
     return {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[dtype]
-
-
-def _first_programs(numels: list[int]) -> tuple[list[int], int]:
-    first, acc = [], 0
-    for k in numels:
-        first.append(acc)
-        acc += -(-k // BLOCK)
-    return first, acc
-
-
-def _to_device(rows: list[int], device, op: str):
-    import torch
-
-    return pinned_to_device(torch.tensor(rows, dtype=torch.int64), device, op)
 
 
 def step(
@@ -250,7 +224,7 @@ def step(
     n = len(params)
     if n == 0:
         return
-    first, programs = _first_programs([p.numel() for p in params])
+    first, programs = first_programs([p.numel() for p in params], BLOCK)
     extra_ptrs = [x.data_ptr() for x in extras] if extras is not None else [0] * n
     rows = (
         first
@@ -264,7 +238,7 @@ def step(
         + [int(s) & 0xFFFFFFFF for s in salts]
     )
     device = params[0].device
-    table = _to_device(rows, device, "adamw_step")
+    table = table_to_device(rows, device, "adamw_step")
     lr_on_device = not isinstance(lr, float)
     x_dtype = extras[0].dtype if extras is not None else params[0].dtype
     _adamw_kernel[(programs,)](
@@ -302,9 +276,9 @@ def sum_squares(grads, out_dtype=None):
 
     if not HAS_TRITON:
         raise RuntimeError(TRITON_IMPORT_ERROR)
-    first, programs = _first_programs([g.numel() for g in grads])
+    first, programs = first_programs([g.numel() for g in grads], BLOCK)
     device = grads[0].device
-    table = _to_device(first + [g.data_ptr() for g in grads] + [g.numel() for g in grads], device, "sum_squares")
+    table = table_to_device(first + [g.data_ptr() for g in grads] + [g.numel() for g in grads], device, "sum_squares")
     partials = torch.empty(programs, dtype=torch.float32, device=device)
     _sum_squares_kernel[(programs,)](table, len(grads), partials, G_DTYPE=_tl(grads[0].dtype), BLOCK=BLOCK)
     return partials

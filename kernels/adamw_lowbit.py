@@ -15,13 +15,15 @@ sqrt_rn, as the CUDA twin's IEEE `/` and sqrtf): Triton's plain `/` and tl.sqrt 
 which move a value sitting on a midpoint to the neighbouring code (tests/test_lowbit_kernels.py reads the sm_90 PTX).
 
 One launch covers all tensors: the int64 ``table`` has TABLE_ROWS rows of n entries; program b finds its tensor by
-binary search in row 0 (the first program of each tensor). Runs under ``TRITON_INTERPRET=1`` on CPU tensors.
+binary search in row 0 (the first program of each tensor; kernels/multi_tensor.py). Runs under ``TRITON_INTERPRET=1``
+on CPU tensors.
 """
 
 from __future__ import annotations
 
 from ._triton import HAS_TRITON, INTERPRETED, TRITON_IMPORT_ERROR, tl, triton
-from .adamw import _tl, _to_device, log_beta
+from .adamw import _tl, log_beta
+from .multi_tensor import first_programs, table_to_device
 
 __all__ = ["HAS_TRITON", "INTERPRETED", "TRITON_IMPORT_ERROR", "BLOCK", "TABLE_ROWS", "step"]
 
@@ -30,6 +32,7 @@ TABLE_ROWS = ("first", "param", "grad", "m_codes", "m_scale", "v_codes", "v_scal
 
 if HAS_TRITON:
     from .adamw import _bf16_bits, _one_minus_pow
+    from .multi_tensor import _owner
 
     @triton.jit
     def _codes_of(ptr, blk, lane, idx, mask, BITS: tl.constexpr, B: tl.constexpr):
@@ -91,15 +94,7 @@ if HAS_TRITON:
         HAS_FOUND_INF: tl.constexpr,
     ):
         pid = tl.program_id(0)
-        lo = 0
-        hi = n - 1
-        while lo < hi:  # last tensor whose first program is <= pid
-            mid = (lo + hi + 1) // 2
-            if tl.load(table_ptr + mid) <= pid:
-                lo = mid
-            else:
-                hi = mid - 1
-        t = lo
+        t = _owner(table_ptr, n, pid)
         blk = pid - tl.load(table_ptr + t)
         p_ptr = tl.load(table_ptr + 1 * n + t).to(tl.pointer_type(tl.bfloat16 if MASTER else tl.float32))
         g_ptr = tl.load(table_ptr + 2 * n + t).to(tl.pointer_type(G_DTYPE))
@@ -189,7 +184,7 @@ def step(
     if n == 0:
         return
     block = BLOCK[bits]
-    first, programs = _programs([p.numel() for p in params], block)
+    first, programs = first_programs([p.numel() for p in params], block)
     ptr = lambda ts: [t.data_ptr() for t in ts]  # noqa: E731
     rows = (
         first
@@ -204,7 +199,7 @@ def step(
         + [p.numel() for p in params]
     )
     device = params[0].device
-    table = _to_device(rows, device, "adamw_lowbit_step")
+    table = table_to_device(rows, device, "adamw_lowbit_step")
     mid_m = ((qmap_m[:-1] + qmap_m[1:]) / 2).contiguous()  # float32, as the contract computes them
     mid_v = ((qmap_v[:-1] + qmap_v[1:]) / 2).contiguous()
     lr_on_device = isinstance(lr, torch.Tensor)
@@ -235,11 +230,3 @@ def step(
         HAS_GSCALE=gscale is not None,
         HAS_FOUND_INF=found_inf is not None,
     )
-
-
-def _programs(numels: list[int], block: int) -> tuple[list[int], int]:
-    first, acc = [], 0
-    for k in numels:
-        first.append(acc)
-        acc += -(-k // block)
-    return first, acc

@@ -87,6 +87,18 @@ def test_twins_agree_on_constants():
     assert len(triton_adamw.TABLE_ROWS) == int(re.search(r"#define LLMPAR_ADAMW_TABLE_ROWS (\d+)", cuh).group(1))
 
 
+def test_multi_tensor_kernels_share_one_tensor_search():
+    """ "Which tensor does this program own" is written once (kernels/multi_tensor.py) and called by every kernel that
+    walks a multi-tensor table, not copied into each (tests/test_optim_ops.py checks the search itself)."""
+    kernels = ROOT / "kernels"
+    assert [p.name for p in sorted(kernels.glob("*.py")) if "while lo < hi" in p.read_text()] == ["multi_tensor.py"]
+    calls = {
+        name: (kernels / name).read_text().count("_owner(table_ptr, n, pid)")
+        for name in ("adamw.py", "adamw_lowbit.py")
+    }
+    assert calls == {"adamw.py": 2, "adamw_lowbit.py": 1}, calls  # AdamW + sum of squares; low-bit AdamW
+
+
 @pytest.mark.skipif(
     shutil.which("g++") is None or not (CUDA_HOME / "include/cuda_runtime.h").exists(),
     reason="g++ or the CUDA headers are missing",

@@ -9,11 +9,13 @@ a round-to-nearest write within half a bf16/fp16 ulp; a stochastic write on one 
 
 from __future__ import annotations
 
+import bisect
 import math
 
 import pytest
 import torch
 
+from llmpar.kernels import HAS_TRITON
 from llmpar.ops import adamw_torch
 from llmpar.ops._dispatch import cuda_unavailable_reason, triton_unavailable_reason
 from llmpar.ops.adamw import adamw_step
@@ -42,6 +44,18 @@ MOMENT_DTYPE = {
     "bf16_sr": torch.bfloat16,
     "bf16_kahan": torch.bfloat16,
 }
+
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from llmpar.kernels.multi_tensor import _owner
+
+    @triton.jit
+    def _owners_kernel(table_ptr, n, out_ptr):
+        pid = tl.program_id(0)
+        tl.store(out_ptr + pid, _owner(table_ptr, n, pid))
 
 
 @pytest.fixture(params=BACKENDS)
@@ -370,3 +384,24 @@ def test_bad_inputs_name_the_argument(monkeypatch):
     monkeypatch.setenv("LLMPAR_BACKEND", "cuda")
     with pytest.raises(RuntimeError, match="LLMPAR_BACKEND=cuda but the cuda backend cannot run adamw_step"):
         run("fp32", make_state("fp32", SIZES[:2])) if DEVICE.type == "cpu" else pytest.skip("GPU present")
+
+
+@pytest.mark.skipif(
+    "triton" not in BACKENDS, reason="Triton cannot run here (tests/test_optim_triton.py interprets it)"
+)
+def test_multi_tensor_table_names_each_programs_tensor_triton():
+    """The table both AdamW kernels and the grad-norm pass index (kernels/multi_tensor.py): every program finds the
+    tensor whose blocks it runs, the last one starting at or before it, so empty tensors (no program of their own) are
+    passed over, and each tensor's blocks are run by exactly its programs."""
+    from llmpar.kernels import multi_tensor
+
+    numels, block = [5, 0, 1, 2049, 0, 0, 1024, 3, 4097], 1024
+    first, programs = multi_tensor.first_programs(numels, block)
+    blocks = [-(-k // block) for k in numels]
+    assert first == [sum(blocks[:t]) for t in range(len(numels))] and programs == sum(blocks) == 12
+    table = multi_tensor.table_to_device(first, DEVICE, "test")
+    owners = torch.full((programs,), -1, dtype=torch.int64, device=DEVICE)
+    _owners_kernel[(programs,)](table, len(numels), owners)
+    got = owners.cpu().tolist()
+    assert got == [bisect.bisect_right(first, pid) - 1 for pid in range(programs)]
+    assert got == [t for t, b in enumerate(blocks) for _ in range(b)]
