@@ -1,5 +1,5 @@
-"""Benchmark: the MoE block forward + backward, llmpar's ``MoE`` vs transformers' Qwen3-MoE block (its eager experts,
-and its ``grouped_mm`` experts backend), side by side on the same weights and tokens.
+"""Benchmark: the MoE block forward + backward, llmpar's ``MoEBlock`` against transformers' Qwen3-MoE block
+(its eager experts and its ``grouped_mm`` experts backend), side by side on the same weights and tokens.
 
     python bench/bench_moe_layer.py                      # CPU (one thread), 8 and 16 experts: the committed figures
     python bench/bench_moe_layer.py --experts 8 16 32 --tokens 2048 --hidden 1024 --intermediate 384
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from llmpar.moe import MoE, RouterConfig  # noqa: E402
+from llmpar.moe import MoEBlock, RouterConfig  # noqa: E402
 
 from harness import compare, write_results  # noqa: E402
 
@@ -30,7 +30,7 @@ def _blocks(experts: int, top_k: int, hidden: int, inter: int, backends: list[st
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
     torch.manual_seed(0)
-    ours = MoE(hidden, inter, experts, top_k, router=RouterConfig(route_norm=True), init_std=0.05)
+    ours = MoEBlock(hidden, inter, experts, top_k, router=RouterConfig(route_norm=True), init_std=0.05)
     blocks: dict[str, torch.nn.Module] = {}
     for backend in backends:
         cfg = Qwen3MoeConfig(

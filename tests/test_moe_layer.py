@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from llmpar.moe import (
     LocalDispatcher,
-    MoE,
+    MoEBlock,
     Router,
     RouterConfig,
     grouped_mlp,
@@ -174,7 +174,7 @@ def test_expert_bias_moves_against_the_load_and_only_in_training():
         Router(H, E, 2).update_expert_bias()
 
 
-def reference_moe(layer: MoE, x: torch.Tensor, capacity_factor: float | None = None) -> torch.Tensor:
+def reference_moe(layer: MoEBlock, x: torch.Tensor, capacity_factor: float | None = None) -> torch.Tensor:
     """The layer written plainly: route, then one expert at a time over the tokens that picked it (capacity: each
     expert keeps its highest-weight slots, ties to the earlier token), weigh in fp32, add the shared experts."""
     flat = x.reshape(-1, x.shape[-1])
@@ -227,7 +227,7 @@ def _grads(module, x):
 def test_layer_equals_the_per_expert_loop_bitwise(case):
     kw = LAYER_CASES[case]
     torch.manual_seed(5)
-    layer = MoE(H, 12, **kw)
+    layer = MoEBlock(H, 12, **kw)
     if case == "one-expert-takes-all":
         layer.router.expert_bias.copy_(torch.tensor([0, 0, 0, 0, 5.0, 0]))  # every token picks expert 4
     x = torch.randn(3, 13, H, requires_grad=True)
@@ -322,7 +322,7 @@ def _hf_block(name: str):
         cfg = qw.Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=12, num_experts=8, num_experts_per_tok=3)
         cfg.norm_topk_prob = name.endswith("norm")
         hf = qw.Qwen3MoeSparseMoeBlock(cfg)
-        ours = MoE(H, 12, 8, 3, router=RouterConfig(route_norm=cfg.norm_topk_prob))
+        ours = MoEBlock(H, 12, 8, 3, router=RouterConfig(route_norm=cfg.norm_topk_prob))
         pairs = [("gate.weight", "router.weight")]
     else:
         cfg = ds.DeepseekV3Config(
@@ -338,7 +338,7 @@ def _hf_block(name: str):
         )
         hf = ds.DeepseekV3MoE(cfg)
         rc = RouterConfig(score_func="sigmoid", route_norm=True, routed_scaling_factor=2.5, n_group=4, topk_group=2)
-        ours = MoE(
+        ours = MoEBlock(
             H, 12, 8, 3, router=RouterConfig(**{**rc.__dict__, "expert_bias": True}), shared_intermediate_size=24
         )
         pairs = [("gate.weight", "router.weight"), ("gate.e_score_correction_bias", "router.expert_bias")]
@@ -366,8 +366,10 @@ def test_transformers_moe_blocks_load_by_copy_and_match(name):
 
 def test_bf16_layer_is_close_to_its_float64_twin():
     torch.manual_seed(8)
-    layer = MoE(H, 12, 6, 2, router=RouterConfig(route_norm=True), shared_intermediate_size=8, dtype=torch.bfloat16)
-    twin = MoE(H, 12, 6, 2, router=RouterConfig(route_norm=True), shared_intermediate_size=8, dtype=torch.float64)
+    layer = MoEBlock(
+        H, 12, 6, 2, router=RouterConfig(route_norm=True), shared_intermediate_size=8, dtype=torch.bfloat16
+    )
+    twin = MoEBlock(H, 12, 6, 2, router=RouterConfig(route_norm=True), shared_intermediate_size=8, dtype=torch.float64)
     twin.load_state_dict({k: v.double() for k, v in layer.state_dict().items()})
     x = (torch.randn(4, 11, H) * 2).bfloat16()
     out, ref = layer(x), twin(x.double())
@@ -393,11 +395,11 @@ BAD_ARGS = [
 @pytest.mark.parametrize("kw,exc,match", BAD_ARGS, ids=[m for _, _, m in BAD_ARGS])
 def test_bad_arguments_are_refused_naming_them(kw, exc, match):
     with pytest.raises(exc, match=match.replace("(", "\\(").replace("[", "\\[")):
-        MoE(H, 12, **kw)
+        MoEBlock(H, 12, **kw)
 
 
 def test_bad_inputs_are_refused_naming_them():
-    layer = MoE(H, 12, 6, 2)
+    layer = MoEBlock(H, 12, 6, 2)
     with pytest.raises(ValueError, match=f"must be \\[..., hidden_size={H}\\]"):
         layer(torch.randn(5, H + 1))
     with pytest.raises(ValueError, match="floating point"):

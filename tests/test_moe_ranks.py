@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from llmpar.moe import MoE, RouterConfig
+from llmpar.moe import MoEBlock, RouterConfig
 
 from multirank import multirank
 
@@ -46,16 +46,16 @@ def _tokens(rank: int, case: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(n, H, generator=gen), torch.randn(n, H, generator=gen)
 
 
-def _build(case: dict, ep_group) -> MoE:
+def _build(case: dict, ep_group) -> MoEBlock:
     torch.manual_seed(0)
-    layer = MoE(H, INTER, 8, ep_group=ep_group, **case["kw"], **case.get("shared", {}))
+    layer = MoEBlock(H, INTER, 8, ep_group=ep_group, **case["kw"], **case.get("shared", {}))
     if case.get("bias"):
         for e, b in case["bias"].items():
             layer.router.expert_bias[e] = b
     return layer
 
 
-def _run(layer: MoE, x: torch.Tensor, g: torch.Tensor):
+def _run(layer: MoEBlock, x: torch.Tensor, g: torch.Tensor):
     layer.zero_grad()
     x = x.clone().requires_grad_()
     out = layer(x)
@@ -118,16 +118,21 @@ def _bad_inputs() -> None:
     world, rank = dist.get_world_size(), dist.get_rank()
     wg = dist.group.WORLD
     odd = 2 * world + 1
-    _raises_everywhere(lambda: MoE(H, INTER, odd, 2, ep_group=wg), f"num_experts={odd} is not divisible", "", None)
-    _raises_everywhere(lambda: MoE(H, INTER, world, world + 1, ep_group=wg), "is larger than num_experts", "", None)
+    _raises_everywhere(lambda: MoEBlock(H, INTER, odd, 2, ep_group=wg), f"num_experts={odd} is not divisible", "", None)
+    _raises_everywhere(
+        lambda: MoEBlock(H, INTER, world, world + 1, ep_group=wg), "is larger than num_experts", "", None
+    )
     # invalid on one rank only: that rank's message everywhere
     top_k = 100 if rank == 1 else 2
     _raises_everywhere(
-        lambda: MoE(H, INTER, 8, top_k, ep_group=wg), "top_k=100 is larger", "rank 1 failed: top_k=100 is larger", 1
+        lambda: MoEBlock(H, INTER, 8, top_k, ep_group=wg),
+        "top_k=100 is larger",
+        "rank 1 failed: top_k=100 is larger",
+        1,
     )
     # valid everywhere, but not the same arguments
-    _raises_everywhere(lambda: MoE(H, INTER, 8, 2 + (rank == 0), ep_group=wg), "disagree", "disagree", None)
-    layer = MoE(H, INTER, 8, 2, ep_group=wg)
+    _raises_everywhere(lambda: MoEBlock(H, INTER, 8, 2 + (rank == 0), ep_group=wg), "disagree", "disagree", None)
+    layer = MoEBlock(H, INTER, 8, 2, ep_group=wg)
     x = torch.randn(5, H)
     bad = x.clone()
     bad[2, 3] = math.nan

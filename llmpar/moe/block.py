@@ -1,6 +1,6 @@
 """The mixture-of-experts layer: router + dispatcher + experts (+ shared experts), dropless by default.
 
-``MoE(hidden_size, intermediate_size, num_experts, top_k, ep_group=None, ...)`` maps ``x: [..., H]`` to
+``MoEBlock(hidden_size, intermediate_size, num_experts, top_k, ep_group=None, ...)`` maps ``x: [..., H]`` to
 ``[..., H]``::
 
     out_t = sum_j w_tj * expert_{idx_tj}(x_t)  [+ shared(x_t)]
@@ -62,7 +62,7 @@ def _check_args(
     check_capacity_factor(capacity_factor)
 
 
-class MoE(nn.Module):
+class MoEBlock(nn.Module):
     """See the module docstring. ``router``: the routing options (:class:`~llmpar.moe.router.RouterConfig`);
     ``capacity_factor``: None (dropless) or the per-expert capacity factor; ``shared_intermediate_size``: width of
     the shared experts (0: none), ``shared_gate``: Qwen2-MoE's sigmoid gate on them."""
@@ -176,4 +176,4 @@ class MoE(nn.Module):
         return f"experts={self.num_experts}, top_k={self.top_k}, ep={self.ep_size} (rank {self.ep_rank})"
 
 
-__all__ = ["MoE"]
+__all__ = ["MoEBlock"]
