@@ -61,6 +61,8 @@ class RankCheckpoint:
                 f"{os.path.join(path, model_file)} is not a DeepSpeed model states file (no 'module' key)"
             )
         self._model_states: dict[int, dict] = {}  # ZeRO-3: dp rank -> its model states file, each read once
+        if model_file.startswith("zero_pp_rank_"):  # dp rank 0's, read above
+            self._model_states[zero_models[0]] = self.model
         self._opened: dict[int, dict] = {}
         self._frozen: dict[str, torch.Tensor] | None = None
         self.kind = "ZeRO"  # or "BF16_Optimizer" / "FP16_Optimizer": their flat groups read as ZeRO-1's
