@@ -10,9 +10,11 @@ Expert e maps its rows ``x_e: [n_e, H]`` to ``y_e = (silu(x_e G_e^T) * (x_e U_e^
 ``[G_e; U_e] = gate_up_proj[e]`` and ``D_e = down_proj[e]``.
 
 :func:`grouped_mlp` is the one seam through which every expert computation goes: it takes the tokens already sorted by
-local expert (``counts[e]`` rows each, in expert order) and returns their outputs in the same order. It is a plain
-per-expert loop here; a grouped GEMM (``llmpar.ops``) can replace its body without any caller changing. An expert with
-no rows still takes part (a zero-row product), so its weights get a zero gradient rather than none.
+local expert (``counts[e]`` rows each, in expert order) and returns their outputs in the same order. It is a
+grouped GEMM (``llmpar.ops.grouped_swiglu``: two ``llmpar::grouped_mm`` ops, the SwiGLU in the first one's
+epilogue), whose backend is chosen as every op's is: on CPU (and wherever no kernel fits) it is the per-expert loop of
+``torch.mm`` calls, equal bitwise to ``F.linear`` per expert under autograd; Triton or ``torch._grouped_mm`` on GPUs.
+An expert with no rows still takes part, so its weights get a zero gradient rather than none.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from llmpar.ops.grouped_gemm import grouped_swiglu
 
 
 def _counts_list(counts: "Sequence[int] | torch.Tensor") -> list[int]:
@@ -49,13 +53,7 @@ def grouped_mlp(
         raise ValueError(
             f"down {tuple(down.shape)} does not match gate_up {tuple(gate_up.shape)}: expected {(E, H, two_i // 2)}"
         )
-    outs = []
-    # unbind once: indexing gate_up[e] per expert would make each expert's backward zero-fill and add a full
-    # [E, 2I, H] gradient (E^2 traffic); unbind's backward stacks the E gradients once
-    for xe, w1, w2 in zip(torch.split(x_sorted, sizes, dim=0), gate_up.unbind(0), down.unbind(0)):
-        gate, up = F.linear(xe, w1).chunk(2, dim=-1)
-        outs.append(F.linear(F.silu(gate) * up, w2))
-    return torch.cat(outs, dim=0)
+    return grouped_swiglu(x_sorted, sizes, gate_up, down)
 
 
 def _tag_expert(p: nn.Parameter, ep_size: int) -> nn.Parameter:

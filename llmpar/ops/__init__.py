@@ -16,6 +16,7 @@ from llmpar.ops.bucket import pack_bucket, unpack_bucket
 from llmpar.ops.cpu_adam import cpu_adamw_step
 from llmpar.ops.gemm import ACTIVATIONS, linear_act, linear_act_backward, linear_act_rows
 from llmpar.ops.grad_norm import clip_coefficient, grad_norm
+from llmpar.ops.grouped_gemm import grouped_mm, grouped_swiglu
 
 __all__ = [
     "BACKENDS",
@@ -37,4 +38,6 @@ __all__ = [
     "attention_bwd",
     "merge_partials",
     "flash_attention",
+    "grouped_mm",
+    "grouped_swiglu",
 ]
