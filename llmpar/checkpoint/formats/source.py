@@ -153,11 +153,8 @@ def find(load_dir: Any, tag: str | None) -> Located | None:
     uni = universal_read.resolve(load_dir, tag)
     if uni is not None:
         return Located("universal", uni)
-    ds = ds_files.resolve(load_dir, tag)
-    dcp = dcp_format.resolve(load_dir, tag)
-    if dcp is not None and ds is None:
-        return Located("dcp", dcp)
-    return Located("deepspeed", ds) if ds is not None else None
+    path = ds_files.resolve(load_dir, tag) or dcp_format.resolve(load_dir, tag)
+    return Located(detect(path) or "", path) if path is not None else None  # DeepSpeed's files first: its layout
 
 
 def _holds(where: str) -> Any:
