@@ -12,6 +12,18 @@ parallelism (:data:`DERIVED`), :meth:`ParallelDims.split_axis` ``("cp", inner)``
 of an axis (a hybrid cp axis: Ulysses inside, ring across). Both build on :meth:`ParallelDims.new_group`, which
 partitions the ranks by a key (a collective: every rank calls it alike); each named group is built once per
 ``ParallelDims``. :meth:`ParallelDims.from_mesh` gives the degrees of an existing mesh.
+
+Expert parallelism (``ep``) is not a mesh axis: as in Megatron-Core and DeepSpeed it folds over the ranks that are
+data-parallel for the dense part, here the dp x cp ranks ZeRO reduces over (``ep`` must divide ``dp * cp``). Number
+those ranks ``i = dp_rank * cp + cp_rank``; then ``ep_rank = i % ep`` and ``edp_rank = i // ep``, i.e.
+``dp * cp = edp * ep`` with ep inner (the ranks exchanging tokens are neighbours, on one node where they fit):
+
+- ``group("ep")``: the ep ranks whose experts together make one full MoE layer (the all-to-all group);
+- ``group("edp")``: the ``edp = dp * cp / ep`` ranks holding the same experts (expert-data-parallel: ZeRO reduces and
+  shards expert parameters over it, every other parameter over ``"dp_cp"``).
+
+Both share pp and tp coordinates (experts are replicated over tp). :meth:`ParallelDims.derived_ranks` lists a
+derived group's ranks without a process group.
 """
 
 from __future__ import annotations
@@ -25,6 +37,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 MESH_AXES: tuple[str, ...] = ("pp", "dp", "cp", "tp")
 # groups derived from the mesh by name: the mesh axes they flatten (ranks that differ only on these axes share one)
 DERIVED: dict[str, tuple[str, ...]] = {"dp_cp": ("dp", "cp")}
+# groups folded over the dp x cp ranks by the expert-parallel degree (module docstring)
+EXPERT_GROUPS: tuple[str, ...] = ("ep", "edp")
 
 
 def _check_degree(name: str, value: object, *, allow_infer: bool = False) -> None:
@@ -39,15 +53,19 @@ def _check_degree(name: str, value: object, *, allow_infer: bool = False) -> Non
 
 @dataclass(kw_only=True)
 class ParallelDims:
-    """Degrees of tensor (``tp``), pipeline (``pp``), context (``cp``) and data (``dp``) parallelism.
+    """Degrees of tensor (``tp``), pipeline (``pp``), context (``cp``), data (``dp``) and expert (``ep``)
+    parallelism.
 
-    ``tp * pp * cp * dp == world_size`` must hold; ``dp=-1`` infers ``dp = world_size // (tp * pp * cp)``.
+    ``tp * pp * cp * dp == world_size`` must hold; ``dp=-1`` infers ``dp = world_size // (tp * pp * cp)``. ``ep``
+    divides ``dp * cp``: the dp x cp ranks are ``edp x ep`` for the experts (``edp = dp * cp / ep``, ep inner; module
+    docstring); ``group("ep")`` / ``group("edp")`` are the derived groups.
     """
 
     tp: int = 1
     pp: int = 1
     dp: int = -1
     cp: int = 1
+    ep: int = 1
     world_size: int = field(default=-1)
     _groups: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # derived groups, built once
 
@@ -56,6 +74,7 @@ class ParallelDims:
         _check_degree("pp", self.pp)
         _check_degree("cp", self.cp)
         _check_degree("dp", self.dp, allow_infer=True)
+        _check_degree("ep", self.ep)
         if self.world_size == -1:
             if not dist.is_available() or not dist.is_initialized():
                 if self.dp == -1:
@@ -82,6 +101,16 @@ class ParallelDims:
                 f"tp*pp*cp*dp = {self.tp}*{self.pp}*{self.cp}*{self.dp} = {model_parallel * self.dp} does not equal "
                 f"the world size {self.world_size}; set dp=-1 to infer it"
             )
+        if (self.dp * self.cp) % self.ep:
+            raise ValueError(
+                f"ep={self.ep} does not divide dp*cp = {self.dp}*{self.cp} = {self.dp * self.cp}: expert parallelism "
+                "folds over the data-parallel ranks (choose an ep that divides dp*cp)"
+            )
+
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel degree: ``dp * cp / ep`` ranks hold the same experts."""
+        return self.dp * self.cp // self.ep
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -89,8 +118,9 @@ class ParallelDims:
         return (self.pp, self.dp, self.cp, self.tp)
 
     def degree(self, axis: str) -> int:
-        if axis not in MESH_AXES:
-            raise ValueError(f"axis {axis!r} is not one of {MESH_AXES}")
+        """The degree of a mesh axis, or of ``"ep"`` / ``"edp"``."""
+        if axis not in MESH_AXES and axis not in EXPERT_GROUPS:
+            raise ValueError(f"axis {axis!r} is not one of {MESH_AXES + EXPERT_GROUPS}")
         return int(getattr(self, axis))
 
     def coordinates(self, rank: int) -> dict[str, int]:
@@ -150,18 +180,39 @@ class ParallelDims:
             )
         return cls(**{n: mesh[n].size() for n in names}, world_size=dist.get_world_size())
 
-    def group(self, name: str) -> dist.ProcessGroup:
-        """This rank's group of the derived group ``name`` (:data:`DERIVED`): the ranks that differ only on its axes,
-        e.g. ``"dp_cp"``, the dp x cp ranks that share pp and tp coordinates. The whole job when the other axes are
-        all of degree 1. A collective the first time (every rank asks alike); the same group after."""
+    def _key(self, name: str) -> Callable[[int], Hashable]:
+        """The partition key of derived group ``name``: ranks with equal keys share its group."""
+        if name in EXPERT_GROUPS:
+
+            def expert_key(r: int) -> Hashable:
+                c = self.coordinates(r)
+                i = c["dp"] * self.cp + c["cp"]  # the rank's index among its dp x cp ranks
+                return (c["pp"], c["tp"], i // self.ep if name == "ep" else i % self.ep)
+
+            return expert_key
         if name not in DERIVED:
-            raise ValueError(f"no derived group {name!r}: expected one of {sorted(DERIVED)}")
+            raise ValueError(f"no derived group {name!r}: expected one of {sorted(DERIVED) + list(EXPERT_GROUPS)}")
+        kept = [a for a in MESH_AXES if a not in DERIVED[name]]
+        return lambda r: tuple(self.coordinates(r)[a] for a in kept)
+
+    def derived_ranks(self, name: str, rank: int) -> list[int]:
+        """Global ranks of ``rank``'s derived group ``name`` (``"dp_cp"``, ``"ep"``, ``"edp"``), ascending; no
+        process group needed. ``derived_ranks("ep", r)[k]`` is the rank of ep rank ``k``."""
+        key = self._key(name)
+        mine = key(rank)
+        return [r for r in range(self.world_size) if key(r) == mine]
+
+    def group(self, name: str) -> dist.ProcessGroup:
+        """This rank's group of the derived group ``name``: ``"dp_cp"`` (:data:`DERIVED`: the dp x cp ranks that share
+        pp and tp coordinates), ``"ep"`` / ``"edp"`` (expert parallel / expert data parallel: module docstring). The
+        whole job when it spans every rank. A collective the first time (every rank asks alike); the same group
+        after."""
+        key = self._key(name)
         if name not in self._groups:
-            kept = [a for a in MESH_AXES if a not in DERIVED[name]]
-            if all(self.degree(a) == 1 for a in kept):
+            if len(self.derived_ranks(name, 0)) == self.world_size:
                 self._groups[name] = dist.group.WORLD
             else:
-                self._groups[name] = self.new_group(lambda r: tuple(self.coordinates(r)[a] for a in kept))
+                self._groups[name] = self.new_group(key)
         return self._groups[name]
 
     def split_axis(self, axis: str, inner: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:

@@ -96,6 +96,7 @@ class GradReducer:
         self.stage = stage
         self.group = dp_group
         self.dp = dp
+        self.scale = 1.0 / dp  # grads are averaged over dp (expert params: over all dp ranks, not edp: ``experts.py``)
         self.rank = rank if stage > 0 else 0  # stage 0 layouts have one shard
         self.overlap = overlap
         self.counter = counter
@@ -179,7 +180,7 @@ class GradReducer:
         if self.log is not None:
             self.log.append(("reduce", key))
         grads = self._unit_grads(b, u)
-        scale = 1.0 / self.dp
+        scale = self.scale
         if self.stage == 2 and self.quantizer is not None:
             self._reduce_quantized(b, u, grads, scale, key)
             return

@@ -45,6 +45,7 @@ from llmpar.zero.buffers import build_buffers, frozen_buffers, layout_of
 from llmpar.zero.checkpointing import ZeroCheckpointing
 from llmpar.zero.compressed import compression
 from llmpar.zero.config import OptimizerConfig, ZeroConfig, param_groups
+from llmpar.zero.experts import check_expert_groups, split_expert_groups
 from llmpar.zero.grads import GradReducer
 from llmpar.zero.init import default_device, materialize_sharded, remap_params, replace_meta_params
 from llmpar.zero.loss_scale import LossScaler
@@ -62,7 +63,9 @@ logger = logging.getLogger("llmpar")
 class ZeroOptimizer(ZeroStep, StepStatsView, ZeroCheckpointing, OptimizerStateDict):
     """AdamW with ZeRO stage 0/1/2 over ``dp_group`` (module docstring). ``param_groups[i]["lr"]`` may be changed by a
     scheduler between steps. The stage is ``zero_config.stage``, or ``stage=`` (default 2) without a zero_config
-    (:meth:`ZeroConfig.resolve`). ``state_dict()`` / ``load_state_dict()`` / ``destroy()``: ``state_dict.py``."""
+    (:meth:`ZeroConfig.resolve`). ``expert_group=`` / ``ep_group=``: the expert-data-parallel and expert-parallel
+    groups; params tagged ``expert_parallel`` then go to ``self.experts``, a ZeroOptimizer over ``expert_group``
+    driven by this one (``experts.py``). ``state_dict()`` / ``load_state_dict()`` / ``destroy()``: ``state_dict.py``."""
 
     def __init__(
         self,
@@ -84,6 +87,8 @@ class ZeroOptimizer(ZeroStep, StepStatsView, ZeroCheckpointing, OptimizerStateDi
         norm_skip: Iterable[torch.Tensor] = (),
         loss_scaler: LossScaler | None = None,
         ranks_per_node: int | None = None,
+        expert_group: Group | None = None,
+        ep_group: Group | None = None,
     ) -> None:
         cfg = optimizer_config if optimizer_config is not None else OptimizerConfig()
         if isinstance(cfg, dict):
@@ -110,6 +115,10 @@ class ZeroOptimizer(ZeroStep, StepStatsView, ZeroCheckpointing, OptimizerStateDi
                 "dp_group is required: pass the data-parallel ProcessGroup or DeviceMesh (e.g. "
                 "env.mesh['dp']); llmpar never falls back to a global group"
             )
+        expert_groups: list[dict] = []
+        if expert_group is not None:  # tagged expert params: a second optimizer over edp (``experts.py``)
+            check_expert_groups(dp_group, expert_group, ep_group)
+            groups, expert_groups, self._expert_owner = split_expert_groups(groups)
         if max_grad_norm is not None and not (0 < max_grad_norm < float("inf")):
             raise ValueError(f"max_grad_norm={max_grad_norm} must be a positive finite number or None")
         self.config, self.zero_config, self.stage = cfg, zcfg, stage
@@ -186,6 +195,24 @@ class ZeroOptimizer(ZeroStep, StepStatsView, ZeroCheckpointing, OptimizerStateDi
                     "the param all-gather)"
                 )
             self.deferred_gather = DeferredGather(self, module)
+        self.ep_group = GroupRef(ep_group) if ep_group is not None else None
+        self.experts: ZeroOptimizer | None = None
+        if expert_groups:
+            self.experts = ZeroOptimizer(
+                expert_groups,
+                cfg,
+                expert_group,  # type: ignore[arg-type]
+                zero_config=zcfg,
+                pp_group=pp_group,
+                grad_accum_dtype=grad_accum_dtype,
+                counter=counter,
+                align=align,
+                seed=seed,
+                module=module,
+                unit_policy=unit_policy,
+                ranks_per_node=ranks_per_node,
+            )
+            self.experts.reducer.scale = 1.0 / self.dp  # the mean over every dp rank's loss (``experts.py``)
         self.stage3: Stage3Runtime | None = None
         if stage == 3:
             assert self.plan is not None

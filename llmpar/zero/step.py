@@ -18,6 +18,7 @@ import torch
 from llmpar.ops.adamw import MODES, adamw_step
 from llmpar.optim.grad_norm import global_grad_norm
 from llmpar.zero import lowbit_state
+from llmpar.zero.experts import joint_norm, sync_hyperparameters
 from llmpar.zero.loss_scale import unscale_and_clip
 from llmpar.zero.offload import host_step_buffer
 from llmpar.zero.param_gather import step_gather
@@ -59,6 +60,8 @@ class ZeroStep:
     loss_scaler: LossScaler | None
     stage3: Stage3Runtime | None
     deferred_gather: DeferredGather | None
+    experts: "ZeroStep | None"  # the expert params' optimizer over the expert-data-parallel ranks (``experts.py``)
+    ep_group: GroupRef | None
 
     if TYPE_CHECKING:
 
@@ -83,6 +86,8 @@ class ZeroStep:
         """Whether the next backward ends a gradient accumulation (stages 0/1 reduce only then; stage 2 reduces
         every micro-step into its partition)."""
         self.reducer.boundary = bool(boundary)
+        if self.experts is not None:
+            self.experts.set_gradient_accumulation_boundary(boundary)
 
     # ------------------------------------------------------------------- step
     def _global_norm(self) -> torch.Tensor:
@@ -119,6 +124,8 @@ class ZeroStep:
         gives this rank's reduced, dp-averaged gradients, e.g. to sum a shared weight's over the pipeline."""
         self.reducer.wait_all()
         self.reducer.reduce_now()
+        if self.experts is not None:
+            self.experts.reduce_gradients()
 
     def grad_pieces(self, param: torch.Tensor) -> list[tuple[torch.Tensor, int, int]]:
         """The pieces of ``param``'s reduced gradient this rank holds: (view, start, stop) in ``param.reshape(-1)``
@@ -137,16 +144,40 @@ class ZeroStep:
         """Apply one AdamW step from the accumulated grads. Returns a :class:`StepApplied`, false when the step was
         skipped for non-finite grads (its ``bool()`` reads the device flag; nothing else here does)."""
         self._check_alive("step")
+        if not self._finish_reduction():
+            return StepApplied(None)
+        norm = self._global_norm()
+        experts = self.experts
+        if experts is not None:  # expert params: their own optimizer over the expert-data-parallel ranks
+            experts._finish_reduction()
+            norm = joint_norm(norm, experts._global_norm(), self.ep_group, self.counter)
+        # the norm of the grads / loss scale; the clip coefficient with 1/scale folded in; found-inf skips the step
+        norm, gscale, gscale64, found_inf = unscale_and_clip(norm, self.max_grad_norm, self.loss_scaler)
+        self._apply_step(gscale, gscale64, found_inf)
+        if experts is not None:
+            sync_hyperparameters(self, experts)
+            experts._apply_step(gscale, gscale64, found_inf)
+        self.stats.record(norm, found_inf)
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(found_inf)
+        return StepApplied(found_inf)
+
+    def _finish_reduction(self) -> bool:
+        """Wait for the gradient reduction of this accumulation (False: there was no backward since the last step)."""
         r = self.reducer
         r.wait_all()
         self.wait_params()
         if r.micro_steps == 0:
             logger.warning("ZeroOptimizer.step() without a backward since the last step: nothing to do")
-            return StepApplied(None)
+            return False
         r.reduce_now()
         self.copier.sync()  # the host step reads the copied-out grads
-        # the norm of the grads / loss scale; the clip coefficient with 1/scale folded in; found-inf skips the step
-        norm, gscale, gscale64, found_inf = unscale_and_clip(self._global_norm(), self.max_grad_norm, self.loss_scaler)
+        return True
+
+    def _apply_step(self, gscale: torch.Tensor | None, gscale64: torch.Tensor | None, found_inf: torch.Tensor) -> None:
+        """Step every buffer's partition with the clip / unscale coefficient ``gscale`` (float64 grads:
+        ``gscale64``), skipped on every rank where ``found_inf``; then gather the params and reset the reducer."""
+        r = self.reducer
         # stages 1/2: each unit's all-gather starts as soon as its shard is stepped, while the next units step
         # (``param_gather.py``); a skipped step left the shards as they were: gathering them is harmless
         gather = step_gather(self)
@@ -169,13 +200,9 @@ class ZeroStep:
                 "ZeroOptimizer: step skipped for non-finite gradients: the error-feedback residuals of "
                 "the quantized gradients were reset"
             )
-        self.stats.record(norm, found_inf)
-        if self.loss_scaler is not None:
-            self.loss_scaler.update(found_inf)
         if self.stage3 is not None:  # a skipped step left the shards as they were: re-gathering is harmless
             self.stage3.regather_persistent()
         r.reset()
-        return StepApplied(found_inf)
 
     def _step_units(self, b: FlatBuffer, grads: list[torch.Tensor], *, each: bool, **kw: Any) -> Iterator[int]:
         """Step buffer ``b``'s partition, yielding each unit once its shard holds the new values: one fused call per
@@ -211,6 +238,8 @@ class ZeroStep:
         before reading ``param.data`` outside llmpar between ``step()`` and the next forward."""
         if self.deferred_gather is not None:
             self.deferred_gather.wait_all()
+        if self.experts is not None:
+            self.experts.wait_params()
 
     @torch.no_grad()
     def refresh_master(self) -> None:
@@ -220,6 +249,8 @@ class ZeroStep:
             if "master" in b.state:
                 for u, src in enumerate(self._shards(b)):
                     b.layout.shard_of_partition(b.state["master"], u).copy_(src)
+        if self.experts is not None:
+            self.experts.refresh_master()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop accumulated grads: the next backward starts a new accumulation (the buffers are overwritten then)."""
@@ -227,3 +258,5 @@ class ZeroStep:
         for b in self.buffers:
             for p in b.params:
                 p.grad = None
+        if self.experts is not None:
+            self.experts.zero_grad(set_to_none)

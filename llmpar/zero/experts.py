@@ -1,0 +1,96 @@
+"""Expert parameters under ZeRO: reduced and sharded over the expert-data-parallel ranks, the rest over dp.
+
+A mixture-of-experts layer over an expert-parallel group of ``ep`` ranks (``llmpar.moe``) holds a different slice of
+the experts on each ep rank; its expert params are tagged ``param.expert_parallel = True``. Of the ``dp`` ranks ZeRO
+runs over (dp x cp under context parallelism), the ``edp = dp / ep`` ranks that hold the same experts form the
+expert-data-parallel group (``ParallelDims.group("edp")``). ``ZeroOptimizer(..., expert_group=edp_group,
+ep_group=ep_group)`` puts the tagged params in a second ZeroOptimizer over ``edp_group`` (same stage, offload and
+state precision), built and driven by the first:
+
+- gradients: a dense param's grad is averaged over dp as usual. An expert's grad on its holder already sums the
+  contributions of the tokens of every rank of its ep group (the all-to-all carries them back), so it is summed over
+  edp and divided by ``dp = edp * ep``: the mean over all dp ranks' losses, as for the dense params;
+- clipping: one global norm, ``sqrt(|g_dense|^2 + sum_ep |g_experts|^2)``: the dense part summed over dp (tp, pp as
+  usual), the expert part over edp (each holder's partition once), then over ep (each expert slice once); experts
+  replicated over tp are not summed over tp. Both steps use the same coefficient and skip together;
+- a rank whose experts received no tokens still runs the experts (on zero rows): their zero grads are reduced and
+  every collective of both optimizers runs on every rank.
+
+``step()``, ``zero_grad()``, the accumulation boundary and ``wait_params()`` of the dense optimizer drive the expert
+one (``step.py``); the learning rate and the other hyper-parameters of each param group follow the dense optimizer's
+group, so an LR scheduler over ``optimizer.param_groups`` moves both.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from llmpar.distributed.collectives import CommCounter, GroupRef, all_reduce, group_size
+from llmpar.zero.config import _GROUP_KEYS
+
+EXPERT_ATTR = "expert_parallel"
+
+
+def is_expert(p: torch.Tensor) -> bool:
+    """Whether ``p`` holds experts of an expert-parallel layer (reduced over the expert-data-parallel group)."""
+    return bool(getattr(p, EXPERT_ATTR, False))
+
+
+def split_expert_groups(groups: list[dict]) -> tuple[list[dict], list[dict], list[int]]:
+    """``(dense groups, expert groups, index of each expert group's dense group)`` of normalised param groups
+    (``config.param_groups``): each group's params split by :func:`is_expert`; a group keeps its hyper-parameters
+    on both sides; expert groups without params are left out."""
+    dense, experts, owner = [], [], []
+    for gi, g in enumerate(groups):
+        hyper = {k: g[k] for k in _GROUP_KEYS}
+        pairs = list(zip(g["names"], g["params"]))
+        mine = [(n, p) for n, p in pairs if is_expert(p)]
+        rest = [(n, p) for n, p in pairs if not is_expert(p)]
+        dense.append({**g, "params": [p for _, p in rest], "names": [n for n, _ in rest]})
+        if mine:
+            experts.append({"params": mine, **hyper})
+            owner.append(gi)
+    return dense, experts, owner
+
+
+def check_expert_groups(dp_group: Any, expert_group: Any, ep_group: Any) -> None:
+    """``dp == edp * ep`` (the sizes of the groups), checked locally before any collective."""
+    dp, edp = group_size(dp_group), group_size(expert_group)
+    ep = group_size(ep_group) if ep_group is not None else 1
+    if edp * ep != dp:
+        raise ValueError(
+            f"expert_group has {edp} ranks and ep_group {ep}, but dp_group has {dp}: the expert-data-parallel and "
+            "expert-parallel groups must fold the data-parallel ranks (edp * ep == dp; ParallelDims(ep=...)"
+            '.group("edp") / .group("ep"))'
+        )
+
+
+def joint_norm(
+    dense: torch.Tensor, experts: torch.Tensor, ep_group: GroupRef | None, counter: CommCounter | None
+) -> torch.Tensor:
+    """``sqrt(dense^2 + sum over ep of experts^2)``, float64 0-d on every rank: ``dense`` the dense params' global
+    norm, ``experts`` the norm of this ep rank's experts (already summed over edp). A collective over ``ep_group``."""
+    sq = (experts.double() ** 2).reshape(1).to(dense.device)
+    if ep_group is not None and group_size(ep_group) > 1:
+        all_reduce(sq, ep_group, counter=counter)
+    return (dense.double() ** 2 + sq[0]).sqrt()
+
+
+def sync_hyperparameters(dense: Any, experts: Any) -> None:
+    """Copy each param group's hyper-parameters (lr, betas, eps, weight decay) from the dense optimizer to the
+    expert one (a scheduler changes the dense optimizer's groups)."""
+    for eg, gi in zip(experts.param_groups, dense._expert_owner):
+        for k in _GROUP_KEYS:
+            eg[k] = dense.param_groups[gi][k]
+
+
+__all__ = [
+    "EXPERT_ATTR",
+    "check_expert_groups",
+    "is_expert",
+    "joint_norm",
+    "split_expert_groups",
+    "sync_hyperparameters",
+]
