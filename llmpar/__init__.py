@@ -8,8 +8,9 @@ DeepSpeed scripts run with ``import llmpar as deepspeed``: ``initialize``, ``add
 engines) are here under DeepSpeed's names. A ``from deepspeed.X import ...`` line becomes ``from llmpar.X import ...``:
 ``llmpar.accelerator`` (``get_accelerator``), ``llmpar.runtime.lr_schedules``, ``llmpar.runtime.utils``
 (``set_random_seed``, ``see_memory_usage``), ``llmpar.comm``, ``llmpar.utils``, ``llmpar.ops.adam``,
-``llmpar.pipe``, ``llmpar.zero``, ``llmpar.checkpointing``; a DeepSpeed module llmpar has no counterpart of
-(``deepspeed.moe``, ``deepspeed.profiling``, ...: :data:`NO_COUNTERPART`) is an ``ImportError`` saying what to use.
+``llmpar.pipe``, ``llmpar.zero``, ``llmpar.checkpointing``, ``llmpar.moe.layer`` (``MoE``), ``llmpar.moe.utils``,
+``llmpar.utils.groups``; a DeepSpeed module llmpar has no counterpart of (``deepspeed.profiling``,
+``deepspeed.moe.sharded_moe``, ...: :data:`NO_COUNTERPART`) is an ``ImportError`` saying what to use.
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ _ZERO = (
 )
 # DeepSpeed module paths (after ``deepspeed.``) with no llmpar counterpart: what to use instead
 NO_COUNTERPART = {
-    "moe": "mixture-of-experts layers are not provided",
+    "moe": "of deepspeed.moe llmpar provides llmpar.moe.layer (MoE) and llmpar.moe.utils; the gate and expert "
+    "internals are llmpar.moe.legacy (TopKGate), llmpar's own layer is llmpar.moe.MoEBlock",
     "profiling": "the FLOPs profiler is not provided: use torch.profiler.profile(with_flops=True), or "
     "llmpar.planning for model FLOPs and memory",
     "monitor": "the monitors are configured in the config's tensorboard / csv_monitor / wandb blocks; write your own "

@@ -53,6 +53,8 @@ FLOORS = {
 COMPAT_MODULES: dict[str, str] = {
     "llmpar.ops.adam": "top",  # deepspeed.ops.adam: FusedAdam, DeepSpeedCPUAdam over llmpar.optim.FusedAdamW
     "llmpar.runtime.utils": "top",  # deepspeed.runtime.utils: set_random_seed, see_memory_usage (llmpar.accelerator)
+    "llmpar.moe.layer": "top",  # deepspeed.moe.layer: MoE, whose groups come from llmpar.utils.groups
+    "llmpar.moe.utils": "top",  # deepspeed.moe.utils: is_moe_param, the optimizer's MoE parameter groups
 }
 # module-level names that are caches (state that is only ever a memo of something recomputable), with the reason
 CACHES = {
@@ -64,6 +66,9 @@ PROCESS_STATE = {
     ("llmpar.distributed.flight", "RECORDER"): "the flight recorder: one bounded ring of the last collectives per "
     "process, appended to by every collective wrapper and stamped with the step by the engine, so that a failing "
     "collective anywhere can report the rank's recent history without a recorder being passed to every call",
+    ("llmpar.utils.groups", "_GROUPS"): "DeepSpeed's registry of expert(-data)-parallel groups by name "
+    "(deepspeed.utils.groups), kept for the DeepSpeed scripts that create and look groups up through it; nothing "
+    "inside llmpar reads it (llmpar's layers take their groups as arguments)",
 }
 
 

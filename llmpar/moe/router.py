@@ -143,6 +143,8 @@ class Routing:
     counts:    ``[E]`` int64, no gradient: how many of the T * k slots picked each expert.
     aux_losses: the unweighted losses that were computed (``"aux"``, ``"seq_aux"``, ``"z"``).
     aux_loss:  the weighted sum to add to the training loss (a zero connected to the graph when none is on).
+    keep:      ``[T, k]`` bool or None: the slots a router that drops by itself kept (DeepSpeed's ``TopKGate``
+               capacity, :mod:`llmpar.moe.legacy`); the dispatcher sends only those (None: every slot).
     """
 
     indices: torch.Tensor
@@ -152,6 +154,7 @@ class Routing:
     counts: torch.Tensor
     aux_losses: dict[str, torch.Tensor] = field(default_factory=dict)
     aux_loss: torch.Tensor | None = None
+    keep: torch.Tensor | None = None
 
 
 class Router(nn.Module):

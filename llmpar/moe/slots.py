@@ -2,7 +2,8 @@
 
 Token t's j-th choice is slot ``t k + j``. :func:`plan_slots` sorts the slots by expert, stably (within an expert in
 token order); with a capacity factor it first drops, per expert, the slots over ``C = ceil(capacity_factor * T k / E)``
-of lowest routing weight (ties: the later slot goes). :func:`combine_slots` undoes the sort and weighs in fp32::
+of lowest routing weight (ties: the later slot goes); a routing whose router dropped slots itself
+(``Routing.keep``) sends its kept slots only. :func:`combine_slots` undoes the sort and weighs in fp32::
 
     out_t = sum_{j = 0..k-1} w_tj * float(y_{t k + j})        (left to right, then cast to x's dtype)
 """
@@ -79,6 +80,14 @@ def plan_slots(
     (stable), the kept slots per expert, and how many slots were dropped (see the module docstring)."""
     e = routing.indices.reshape(-1)
     n = e.numel()
+    if routing.keep is not None:  # the router dropped slots itself: send the kept ones, in expert order
+        if capacity_factor is not None:
+            raise ValueError("a routing that drops slots itself (Routing.keep) takes no dispatcher capacity_factor")
+        keep = routing.keep.reshape(-1)
+        kept_counts = torch.bincount(e[keep], minlength=num_experts)
+        key = torch.where(keep, e, torch.full_like(e, num_experts))
+        order = torch.sort(key, stable=True).indices[: int(kept_counts.sum())]
+        return order, kept_counts, n - kept_counts.sum()
     counts = torch.bincount(e, minlength=num_experts)
     if capacity_factor is None:
         order = torch.sort(e, stable=True).indices
