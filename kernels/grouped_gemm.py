@@ -8,7 +8,8 @@ grouped_gemm_kernel.py):
                                                           of packed [E, n, K] weights: no copy)
         epi 0      C = A B[e]                                          n = N, C: [M, N]
         epi 1      C = silu(A B[e][:, :N]) * (A B[e][:, N:])           n = 2N, C: [M, N]   (SwiGLU; the [M, 2N]
-                                                                       product is never written)
+                                                                       product is written only when ``pre`` is
+                                                                       given, for a backward that keeps it)
         epi 2      g = A B[e][:, :N], u = A B[e][:, N:] (recomputed), D = dH: [M, N]:
                    C[:, :N] = D * u * silu'(g),  C[:, N:] = D * silu(g)  n = 2N, C: [M, 2N]  (SwiGLU's backward)
     grouped_wgrad  C[e] = A[rows_e]^T @ B[rows_e]          A: [M, P], B: [M, Q], C: [E, P, Q]; C[e] = 0 when empty
@@ -38,24 +39,20 @@ EPILOGUES = {"none": 0, "swiglu": 1, "swiglu_backward": 2}
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps), most preferred first. wgrad: BLOCK_M tiles P, BLOCK_N Q.
 HOPPER_CONFIGS = [
     (128, 128, 64, 4, 8),
-    (128, 256, 64, 3, 8),
-    (128, 128, 64, 3, 4),
+    (128, 256, 64, 3, 8),  # the plain GEMM and the weight grad in 16-bit only (pruned elsewhere)
     (64, 128, 64, 4, 4),
     (128, 64, 64, 4, 4),
-    (64, 64, 64, 4, 4),
     (64, 64, 32, 4, 4),  # fits every variant in fp32
 ]
 AMPERE_CONFIGS = [
     (128, 128, 32, 4, 8),
-    (128, 128, 32, 3, 4),
     (64, 128, 32, 4, 4),
     (128, 64, 32, 4, 4),
-    (64, 64, 64, 3, 4),
     (64, 64, 32, 4, 4),
 ]
 INTERPRET_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}
 SMEM_LIMIT = {"ampere": 166912, "hopper": 232448}  # when the device cannot be asked: A100, H100/H200
-TUNE_KEY = ["N", "K", "EPI", "IEEE"]
+TUNE_KEY = ["N", "K", "EPI", "SAVE_PRE", "IEEE"]
 WGRAD_TUNE_KEY = ["P", "Q", "IEEE"]
 
 _TUNED: dict = {}
@@ -146,15 +143,16 @@ def _ieee(t, allow_tf32: bool) -> bool:
     return t.element_size() == 4 and not allow_tf32
 
 
-def grouped_mm(a, b, offs, c, *, epi: int = 0, dh=None, allow_tf32: bool = False) -> None:
+def grouped_mm(a, b, offs, c, *, epi: int = 0, dh=None, pre=None, allow_tf32: bool = False) -> None:
     """c := epi(a[rows_e] @ b[e]) for every group e (module docstring); a: [M, K], b: [E, K, n], offs: [E],
-    c: [M, N] (epi 0, 1) or [M, 2N] (epi 2), dh: [M, N] (epi 2). Any strides; c written in its dtype."""
+    c: [M, N] (epi 0, 1) or [M, 2N] (epi 2), dh: [M, N] (epi 2), pre: [M, 2N] gets the product [g, u] (epi 1, when
+    given). Any strides; c and pre written in their dtypes."""
     M, K = a.shape
     E, n = b.shape[0], b.shape[2]
     N = n if epi == 0 else n // 2
     if M == 0 or N == 0:
         return
-    d = dh if dh is not None else c
+    d = dh if dh is not None else pre if pre is not None else c
     args = (
         a,
         b,
@@ -168,9 +166,15 @@ def grouped_mm(a, b, offs, c, *, epi: int = 0, dh=None, allow_tf32: bool = False
         *a.stride(),
         *b.stride(),
         *c.stride(),
-        *(d.stride() if dh is not None else (0, 0)),
+        *(d.stride() if d is not c else (0, 0)),
     )
-    flags = dict(EPI=epi, IEEE=_ieee(b, allow_tf32), INTERPRETER=INTERPRETED, E_BLOCK=triton.next_power_of_2(E))
+    flags = dict(
+        EPI=epi,
+        SAVE_PRE=pre is not None,
+        IEEE=_ieee(b, allow_tf32),
+        INTERPRETER=INTERPRETED,
+        E_BLOCK=triton.next_power_of_2(E),
+    )
 
     def grid(meta):
         return (triton.cdiv(M, meta["BLOCK_M"]) + E, triton.cdiv(N, meta["BLOCK_N"]))

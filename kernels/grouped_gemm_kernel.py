@@ -75,7 +75,7 @@ if HAS_TRITON:
         a_ptr,  # [M, K]
         b_ptr,  # [E, K, N] (EPI 0) or [E, K, 2N] (EPI 1, 2: gate columns [0, N), up columns [N, 2N))
         c_ptr,  # [M, N] (EPI 0, 1) or [M, 2N] (EPI 2)
-        d_ptr,  # dH [M, N] (EPI 2)
+        d_ptr,  # dH [M, N] (EPI 2), or the product [g, u]: [M, 2N] written (EPI 1 with SAVE_PRE)
         offs_ptr,  # [E] cumulative row ends, int32 / int64
         M,
         N,
@@ -91,6 +91,7 @@ if HAS_TRITON:
         stride_dm,
         stride_dn,
         EPI: tl.constexpr,  # 0 plain, 1 swiglu, 2 swiglu backward
+        SAVE_PRE: tl.constexpr,
         IEEE: tl.constexpr,
         INTERPRETER: tl.constexpr,
         BLOCK_M: tl.constexpr,
@@ -163,6 +164,11 @@ if HAS_TRITON:
             sig = 1.0 / (1.0 + tl.exp(-acc))  # acc: the gate g, acc_u: the up projection u
             if EPI == 1:  # h = silu(g) * u
                 tl.store(c_ptrs, (acc * sig * acc_u).to(c_ptr.dtype.element_ty), mask=c_mask)
+                if SAVE_PRE:  # [g, u] kept for a backward that does not recompute them
+                    p_ptrs = d_ptr + rm[:, None] * stride_dm + rn[None, :] * stride_dn
+                    tl.store(p_ptrs, acc.to(d_ptr.dtype.element_ty), mask=c_mask)
+                    up_d = tl.cast(N, tl.int64) * stride_dn
+                    tl.store(p_ptrs + up_d, acc_u.to(d_ptr.dtype.element_ty), mask=c_mask)
             else:  # dg = dh * u * silu'(g), du = dh * silu(g)
                 dh = tl.load(d_ptr + rm[:, None] * stride_dm + rn[None, :] * stride_dn, mask=c_mask, other=0.0)
                 dh = dh.to(tl.float32)

@@ -17,8 +17,10 @@ fp32 -> bf16), U = 2^-24 (fp32) and, per group e, the magnitudes |x| |w[e]| (flo
   dW[e] = x^T G                 |d dW| <= |x|^T dG + (u + (rows_e + 2) U) |x|^T (|G| + dG)
 Roundings: the fused Triton kernels keep P in fp32 (r_in = 0) and round h and G once (r_out = r_G = 1); the unfused
 paths (the per-expert torch loop, torch._grouped_mm + the SwiGLU after it) round P (r_in = 1), silu(g) and the
-product (r_out = 2), dy u and silu_backward / silu(g) and the product (r_G = 2). For float32, u = U. float16 adds,
-per rounding, the absolute error of a result in its subnormal range (2^-25); an empty group's dW must be exactly 0.
+product (r_out = 2), dy u and silu_backward / silu(g) and the product (r_G = 2); a backward from the kept product
+(``recompute=False``) computes G the unfused way from P rounded once (r_in = 1, r_G = 2) on every path. For float32,
+u = U. float16 adds, per rounding, the absolute error of a result in its subnormal range (2^-25); an empty group's
+dW must be exactly 0.
 """
 
 from __future__ import annotations
@@ -53,9 +55,18 @@ class Case:
     act: str
     dy: torch.Tensor
     packed: bool
+    recompute: bool | None = None  # grouped_mm's: None = its default for the device
+
+    @property
+    def kept(self) -> bool:
+        """Whether the backward starts from the forward's kept (rounded) product [g, u] rather than recomputing."""
+        from llmpar.ops.grouped_gemm import recompute_default
+
+        recompute = recompute_default(self.x.device) if self.recompute is None else self.recompute
+        return self.act == "swiglu" and not recompute
 
 
-def make_case(counts, k, n, act, dtype, *, packed=True, seed=0, device="cpu") -> Case:
+def make_case(counts, k, n, act, dtype, *, packed=True, seed=0, device="cpu", recompute=None) -> Case:
     g = torch.Generator().manual_seed(seed)
     m, e = sum(counts), len(counts)
     x = rand((m, k), dtype, g)
@@ -63,7 +74,7 @@ def make_case(counts, k, n, act, dtype, *, packed=True, seed=0, device="cpu") ->
     dy = rand((m, n // 2 if act == "swiglu" else n), dtype, g)
     to = dict(device=device)
     w = w.to(**to)
-    return Case(x.to(**to), w, list(counts), act, dy.to(**to), packed)
+    return Case(x.to(**to), w, list(counts), act, dy.to(**to), packed, recompute)
 
 
 def leaves(case: Case, dtype=None):
@@ -98,7 +109,8 @@ def bounds(case: Case, dtype: torch.dtype, *, fused: bool, truncates: bool = Fal
     """Elementwise bounds of |got - reference| for out, dx, dw (module docstring)."""
     u = unit(dtype, truncates=truncates)
     tiny = 2.0**-25 if dtype == torch.float16 else 0.0  # a rounding into float16's subnormals: absolute error
-    r_in, r_out, r_g = (0, 1, 1) if fused else (1, 2, 2)
+    r_in, r_out = (0, 1) if fused else (1, 2)
+    r_in_g, r_g = (0, 1) if fused and not case.kept else (1, 2)  # G from the kept (rounded) product: unfused
     x, w, dy = case.x.double(), case.w.double(), case.dy.double()
     k, n = x.shape[1], w.shape[2]
     ax, aw = x.abs(), w.abs()
@@ -116,6 +128,7 @@ def bounds(case: Case, dtype: torch.dtype, *, fused: bool, truncates: bool = Fal
             gate, up = p.chunk(2, dim=-1)
             dp = (r_in * u + (k + 2) * U32) * mag + r_in * tiny
             dg, du = dp.chunk(2, dim=-1)
+            dg_b, du_b = ((r_in_g * u + (k + 2) * U32) * mag + r_in_g * tiny).chunk(2, dim=-1)
             s = torch.sigmoid(gate)
             silu, dsilu = gate * s, s * (1 + gate * (1 - s))
             h = silu * up
@@ -124,8 +137,10 @@ def bounds(case: Case, dtype: torch.dtype, *, fused: bool, truncates: bool = Fal
             )
             ady = dy[r].abs()
             g_g, g_u = (dy[r] * up * dsilu).abs(), (dy[r] * silu).abs()
-            d_g = ady * (1.1 * du + 0.5 * up.abs() * dg + 0.5 * dg * du) + (r_g * u + 6 * U32) * g_g + r_g * tiny
-            d_u = 1.1 * ady * dg + (r_g * u + 4 * U32) * g_u + r_g * tiny
+            d_g = (
+                ady * (1.1 * du_b + 0.5 * up.abs() * dg_b + 0.5 * dg_b * du_b) + (r_g * u + 6 * U32) * g_g + r_g * tiny
+            )
+            d_u = 1.1 * ady * dg_b + (r_g * u + 4 * U32) * g_u + r_g * tiny
             grad, d_grad = torch.cat([g_g, g_u], -1), torch.cat([d_g, d_u], -1)
         b_dx[r] = d_grad @ aw[e].t() + (u + (n + 2) * U32) * ((grad + d_grad) @ aw[e].t()) + tiny
         b_dw[e] = ax[r].t() @ d_grad + (u + (rows + 2) * U32) * (ax[r].t() @ (grad + d_grad)) + tiny * bool(rows)
@@ -138,7 +153,7 @@ def run_op(case: Case, fn=None):
     from llmpar.ops import grouped_mm
 
     x, param, w = leaves(case)
-    fn = fn or (lambda x, w, counts, act: grouped_mm(x, w, counts=counts, act=act))
+    fn = fn or (lambda x, w, counts, act: grouped_mm(x, w, counts=counts, act=act, recompute=case.recompute))
     out = fn(x, w, case.counts, case.act)
     out.backward(case.dy)
     dw = param.grad.transpose(1, 2) if case.packed else param.grad

@@ -43,12 +43,15 @@ def _torch_path(monkeypatch):
 
 
 @in_main
-@pytest.mark.parametrize("packed", [True, False], ids=["packed", "plain"])
-@pytest.mark.parametrize("act, n", [("none", 29), ("swiglu", 46)])
+@pytest.mark.parametrize(
+    "act, n, packed, recompute",
+    [("none", 29, True, None), ("none", 29, False, None), ("swiglu", 46, True, False), ("swiglu", 46, False, True)],
+    ids=["none-packed", "none-plain", "swiglu-packed-kept", "swiglu-plain-recomputed"],
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_torch_path_vs_float64(monkeypatch, dtype, act, n, packed):
+def test_torch_path_vs_float64(monkeypatch, dtype, act, n, packed, recompute):
     _torch_path(monkeypatch)
-    case = make_case(ODD, 45, n, act, dtype, packed=packed, seed=1)
+    case = make_case(ODD, 45, n, act, dtype, packed=packed, seed=1, recompute=recompute)
     assert_within(case, run_op(case), fused=False, what=f"torch {dtype} {act}")
 
 
@@ -66,10 +69,10 @@ def _per_expert_linear(x, w, counts, act):
 
 @in_main
 @pytest.mark.parametrize("counts", [ODD, [0, 0, 166, 0], [0, 0, 0]], ids=["odd", "one-takes-all", "zero-rows"])
-@pytest.mark.parametrize("act", ["none", "swiglu"])
-def test_torch_path_equals_per_expert_linear_bitwise(monkeypatch, counts, act):
+@pytest.mark.parametrize("act, recompute", [("none", None), ("swiglu", None), ("swiglu", True)])
+def test_torch_path_equals_per_expert_linear_bitwise(monkeypatch, counts, act, recompute):
     monkeypatch.delenv("LLMPAR_BACKEND", raising=False)  # the CPU default is the torch path
-    case = make_case(counts, 45, 46, act, torch.float32, seed=2)
+    case = make_case(counts, 45, 46, act, torch.float32, seed=2, recompute=recompute)
     got, want = run_op(case), run_op(case, _per_expert_linear)
     for name, a, b in zip(("out", "dx", "dw"), got, want):
         assert torch.equal(a, b), f"{name} differs by {(a - b).abs().max()}"
@@ -135,13 +138,14 @@ def test_grouped_swiglu_is_the_two_ops(monkeypatch):
 def test_fake_impls_on_the_meta_device():
     x, w = torch.empty(7, 5, device="meta"), torch.empty(3, 6, 5, device="meta").transpose(1, 2)
     offs = torch.empty(3, dtype=torch.int32, device="meta")
-    assert L.grouped_mm(x, w, offs, 0).shape == (7, 6)
-    assert L.grouped_mm(x, w, offs, 1).shape == (7, 3)
+    assert [t.shape for t in L.grouped_mm(x, w, offs, 0, True)] == [(7, 6), (0, 6)]
+    assert [t.shape for t in L.grouped_mm(x, w, offs, 1, False)] == [(7, 3), (0, 6)]
+    assert [t.shape for t in L.grouped_mm(x, w, offs, 1, True)] == [(7, 3), (7, 6)]  # the kept [g, u]
     assert L.grouped_mm_swiglu_backward(torch.empty(7, 3, device="meta"), x, w, offs).shape == (7, 6)
     assert L.grouped_mm_wgrad(torch.empty(7, 6, device="meta"), x, offs).shape == (3, 6, 5)
     assert grouped_mm(x, w, counts=[2, 0, 5], act="swiglu").shape == (7, 3)
     with pytest.raises(ValueError, match="disagree on K"):
-        L.grouped_mm(x, torch.empty(3, 4, 6, device="meta"), offs, 0)
+        L.grouped_mm(x, torch.empty(3, 4, 6, device="meta"), offs, 0, False)
 
 
 def _opcheck_cases():
@@ -152,9 +156,10 @@ def _opcheck_cases():
     w = torch.randn(4, 10, 7, generator=g).transpose(1, 2)
     dh = torch.randn(9, 5, generator=g)
     return [
-        ("grouped_mm", "none", (x.requires_grad_(), w.detach().requires_grad_(), offs, 0)),
-        ("grouped_mm", "swiglu", (x.detach().requires_grad_(), w.detach().requires_grad_(), offs, 1)),
-        ("grouped_mm", "plain-w", (x.detach().requires_grad_(), w.contiguous().requires_grad_(), offs, 1)),
+        ("grouped_mm", "none", (x.requires_grad_(), w.detach().requires_grad_(), offs, 0, False)),
+        ("grouped_mm", "swiglu", (x.detach().requires_grad_(), w.detach().requires_grad_(), offs, 1, False)),
+        ("grouped_mm", "swiglu-kept", (x.detach().requires_grad_(), w.detach().requires_grad_(), offs, 1, True)),
+        ("grouped_mm", "plain-w", (x.detach().requires_grad_(), w.contiguous().requires_grad_(), offs, 1, False)),
         ("grouped_mm_swiglu_backward", "odd", (dh, x.detach(), w.detach(), offs)),
         ("grouped_mm_wgrad", "odd", (torch.randn(9, 10, generator=g), x.detach(), offs.to(torch.int64))),
     ]
@@ -227,7 +232,7 @@ def test_bad_inputs_name_the_argument():
         with pytest.raises(err, match=match):
             grouped_mm(x, ww, **kw)
     with pytest.raises(ValueError, match="offs must be an int32/int64 vector of E=3"):
-        L.grouped_mm(x, w, torch.tensor([1, 6], dtype=torch.int32), 0)
+        L.grouped_mm(x, w, torch.tensor([1, 6], dtype=torch.int32), 0, False)
 
 
 # --------------------------------------------------------------------------------- Triton, interpreted on CPU
@@ -240,12 +245,28 @@ def test_triton_kernels_under_interpreter_subprocess():
 
 
 @interpreted
-@pytest.mark.parametrize("packed", [True, False], ids=["packed", "plain"])
-@pytest.mark.parametrize("act, n", [("none", 19), ("swiglu", 18)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_interp_kernels_vs_float64(monkeypatch, dtype, act, n, packed):
+@pytest.mark.parametrize(
+    "dtype, act, n, packed, recompute",
+    [
+        (torch.bfloat16, "none", 19, True, None),
+        (torch.bfloat16, "none", 19, False, None),
+        (torch.bfloat16, "swiglu", 18, True, True),
+        (torch.bfloat16, "swiglu", 18, False, False),
+        (torch.float32, "none", 19, False, None),
+        (torch.float32, "swiglu", 18, True, True),
+    ],
+    ids=[
+        "bf16-none-packed",
+        "bf16-none-plain",
+        "bf16-swiglu-packed-recomputed",
+        "bf16-swiglu-plain-kept",
+        "fp32-none-plain",
+        "fp32-swiglu-packed-recomputed",
+    ],
+)
+def test_interp_kernels_vs_float64(monkeypatch, dtype, act, n, packed, recompute):
     monkeypatch.setenv("LLMPAR_BACKEND", "triton")
-    case = make_case(ODD, 21, n, act, dtype, packed=packed, seed=8)
+    case = make_case(ODD, 21, n, act, dtype, packed=packed, seed=8, recompute=recompute)
     assert backends.select("grouped_mm", case.x, case.w) == "triton"
     assert_within(case, run_op(case), fused=True, truncates=True, what=f"triton {dtype} {act}")
 
@@ -254,7 +275,7 @@ def test_interp_kernels_vs_float64(monkeypatch, dtype, act, n, packed):
 @pytest.mark.parametrize("counts", [[0, 40, 0], [0, 0, 0], [17]], ids=["one-takes-all", "zero-rows", "one-group"])
 def test_interp_one_group_and_zero_rows(monkeypatch, counts):
     monkeypatch.setenv("LLMPAR_BACKEND", "triton")
-    case = make_case(counts, 18, 34, "swiglu", torch.float16, seed=9)
+    case = make_case(counts, 18, 34, "swiglu", torch.float16, seed=9, recompute=True)
     got = run_op(case)
     assert_within(case, got, fused=True, truncates=True, what=str(counts))
     for e, rows in enumerate(counts):

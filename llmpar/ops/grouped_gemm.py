@@ -6,7 +6,7 @@
     act "none":   out = x @ w[e]                                            [M, N]
     act "swiglu": [g, u] = x @ w[e] (g: columns [0, N/2), u: [N/2, N)),  out = silu(g) * u   [M, N/2]
 Backward, with G = dOut for "none" and G = [dOut * u * silu'(g), dOut * silu(g)] for "swiglu" (g and u recomputed
-from x and w: the [M, N] product is never kept):
+from x and w, so the [M, N] product is never kept, or kept from the forward: ``recompute``, by default on CUDA only):
     dX[rows_e] = G[rows_e] @ w[e]^T,   dW[e] = x[rows_e]^T @ G[rows_e]  (0 for an empty group; computed as
     (G^T x)^T when w is a transposed view of [E, N, K] weights, so dW lands in the weights' own layout)
 
@@ -14,7 +14,8 @@ Three ``torch.library`` ops, each with a fake impl (FakeTensor, the Meta device 
 no kernel) and impls for every device that pick a backend per call (``grouped_gemm_backends.py``: cuda =
 ``torch._grouped_mm`` where fused, triton = ``llmpar.kernels.grouped_gemm``, torch = the per-expert loop):
 
-    llmpar::grouped_mm(x, w, offs, act) -> out                   differentiable in x and w (autograd below)
+    llmpar::grouped_mm(x, w, offs, act, keep_pre) -> (out, pre)  differentiable in x and w (autograd below); pre:
+                                                                  [g, u] [M, N] when act 1 and keep_pre, else [0, N]
     llmpar::grouped_mm_swiglu_backward(dh, x, w, offs) -> G       [M, N]
     llmpar::grouped_mm_wgrad(a, b, offs) -> [E, P, Q]             out[e] = a[rows_e]^T b[rows_e]
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 
 import llmpar.ops.grouped_gemm_backends as backends
 
@@ -118,15 +120,19 @@ def group_offsets(
 
 
 @torch.library.custom_op("llmpar::grouped_mm", mutates_args=())
-def _grouped_mm_op(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, act: int) -> torch.Tensor:
+def _grouped_mm_op(
+    x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, act: int, keep_pre: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     _check_op(x, w, offs, act)
-    return backends.mm(x, w, offs, act, backends.select("grouped_mm", x, w))
+    out, pre = backends.mm(x, w, offs, act, backends.select("grouped_mm", x, w), keep_pre)
+    return out, pre if pre is not None else x.new_empty(0, w.shape[2])
 
 
 @_grouped_mm_op.register_fake
-def _grouped_mm_fake(x, w, offs, act):
+def _grouped_mm_fake(x, w, offs, act, keep_pre):
     _check_op(x, w, offs, act)
-    return x.new_empty(x.shape[0], w.shape[2] // 2 if act else w.shape[2])
+    n = w.shape[2]
+    return x.new_empty(x.shape[0], n // 2 if act else n), x.new_empty(x.shape[0] if act and keep_pre else 0, n)
 
 
 @torch.library.custom_op("llmpar::grouped_mm_swiglu_backward", mutates_args=())
@@ -179,24 +185,38 @@ def _check_wgrad(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> None:
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, w, offs, act = inputs
-    ctx.save_for_backward(x, w, offs)
-    ctx.act = act
+    x, w, offs, act, keep_pre = inputs
+    pre = output[1]
+    ctx.mark_non_differentiable(pre)
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(x, w, offs, pre)
+    ctx.act, ctx.kept = act, bool(act and keep_pre)
 
 
-def _backward(ctx, grad):
-    x, w, offs = ctx.saved_tensors
+def _swiglu_grads(dh: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """[dh * u * silu'(g), dh * silu(g)] from the kept product pre = [g, u] (torch's silu_backward, as autograd)."""
+    gate, up = pre.chunk(2, dim=-1)
+    return torch.cat([torch.ops.aten.silu_backward(dh * up, gate), dh * F.silu(gate)], dim=-1)
+
+
+def _backward(ctx, grad, _grad_pre):
+    x, w, offs, pre = ctx.saved_tensors
     need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     ops = torch.ops.llmpar
-    g = ops.grouped_mm_swiglu_backward(grad, x, w, offs) if ctx.act else grad
-    dx = ops.grouped_mm(g, w.transpose(1, 2), offs, 0) if need_x else None
+    if grad is None:  # the output took no part in the loss
+        grad = x.new_zeros(x.shape[0], w.shape[2] // 2 if ctx.act else w.shape[2])
+    if ctx.act:
+        g = _swiglu_grads(grad, pre) if ctx.kept else ops.grouped_mm_swiglu_backward(grad, x, w, offs)
+    else:
+        g = grad
+    dx = ops.grouped_mm(g, w.transpose(1, 2), offs, 0, False)[0] if need_x else None
     dw = None
     if need_w:
         if w.stride(1) == 1 and w.stride(2) != 1:  # w is the transposed view of [E, N, K] weights
             dw = ops.grouped_mm_wgrad(g, x, offs).transpose(1, 2)
         else:
             dw = ops.grouped_mm_wgrad(x, g, offs)
-    return dx, dw, None, None
+    return dx, dw, None, None, None
 
 
 _grouped_mm_op.register_autograd(_backward, setup_context=_setup_context)
@@ -212,11 +232,14 @@ def grouped_mm(
     *,
     counts: Sequence[int] | torch.Tensor | None = None,
     act: str = "none",
+    recompute: bool | None = None,
 ) -> torch.Tensor:
     """``out[rows_e] = act(x[rows_e] @ w[e])`` (module docstring); differentiable in x and w.
 
     x: [M, K], w: [E, K, N], exactly one of ``offs`` ([E] cumulative row ends) and ``counts`` (E rows per group),
-    act "none" -> [M, N], "swiglu" -> [M, N/2]. Bad arguments raise a TypeError / ValueError naming them."""
+    act "none" -> [M, N], "swiglu" -> [M, N/2]. ``recompute`` (swiglu): whether the backward recomputes the product
+    [g, u] (one more grouped GEMM) instead of keeping it ([M, N] held from forward to backward); default
+    :func:`recompute_default`. Bad arguments raise a TypeError / ValueError naming them."""
     if act not in ACTS:
         raise ValueError(f"grouped_mm: act={act!r} is not one of {', '.join(ACTS)}")
     if not isinstance(w, torch.Tensor) or w.dim() != 3:
@@ -226,7 +249,7 @@ def grouped_mm(
     code = ACTS.index(act)
     _check_op(x, w, torch.empty(w.shape[0], dtype=torch.int32, device=x.device), code)
     ends = group_offsets(x, w.shape[0], offs, counts)
-    return torch.ops.llmpar.grouped_mm(x, w, ends, code)
+    return torch.ops.llmpar.grouped_mm(x, w, ends, code, not _recompute(recompute, x))[0]
 
 
 def grouped_swiglu(
@@ -234,11 +257,13 @@ def grouped_swiglu(
     counts: Sequence[int] | torch.Tensor,
     gate_up: torch.Tensor,
     down: torch.Tensor,
+    *,
+    recompute: bool | None = None,
 ) -> torch.Tensor:
     """SwiGLU experts over rows sorted by expert: ``x: [M, H]`` (``counts[e]`` rows for expert e),
     ``gate_up: [E, 2I, H]``, ``down: [E, H, I]`` (transformers' packed layout) -> ``[M, H]``:
     ``down[e] @ (silu(G_e x) * (U_e x))`` per row, the SwiGLU in the first GEMM's epilogue; the offsets are built
-    (and checked) once for both GEMMs."""
+    (and checked) once for both GEMMs. ``recompute``: as :func:`grouped_mm`'s."""
     if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor):
         raise TypeError("grouped_swiglu: gate_up and down must be tensors")
     if gate_up.dim() != 3 or down.dim() != 3:
@@ -259,5 +284,19 @@ def grouped_swiglu(
             f"{gate_up.device}) must share dtype and device"
         )
     ends = group_offsets(x, e_count, None, counts)
-    h = torch.ops.llmpar.grouped_mm(x, w1, ends, 1)
-    return torch.ops.llmpar.grouped_mm(h, w2, ends, 0)
+    h = torch.ops.llmpar.grouped_mm(x, w1, ends, 1, not _recompute(recompute, x))[0]
+    return torch.ops.llmpar.grouped_mm(h, w2, ends, 0, False)[0]
+
+
+def recompute_default(device: torch.device) -> bool:
+    """Whether the SwiGLU backward recomputes [g, u] by default: on CUDA yes (activation memory is what runs out;
+    the fused kernel never writes [g, u]), elsewhere no (the torch loop runs there: a GEMM costs more than memory)."""
+    return device.type == "cuda"
+
+
+def _recompute(recompute: bool | None, x: torch.Tensor) -> bool:
+    if recompute is None:
+        return recompute_default(x.device)
+    if not isinstance(recompute, bool):
+        raise TypeError(f"grouped_mm: recompute must be True, False or None (the default), got {recompute!r}")
+    return recompute

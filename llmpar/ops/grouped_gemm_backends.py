@@ -5,9 +5,9 @@
     triton  ``llmpar.kernels.grouped_gemm`` (one launch over all groups, SwiGLU fused in the epilogue), on CUDA
             tensors, or on CPU under TRITON_INTERPRET=1; float32 on CUDA only where torch allows TF32 (else the torch
             loop's cuBLAS beats Triton's FMA loop)
-    torch   the per-expert loop: one ``torch.mm`` per non-empty group, copied into its rows of the output (the
-            reference, and the CPU path: it runs the same GEMM calls as ``F.linear`` per expert under autograd, so it
-            equals that loop bitwise)
+    torch   the per-expert loop: one GEMM per non-empty group straight into its rows of the output (``addmm_`` with
+            beta = 0: the call ``torch.mm`` makes, C never read) (the reference, and the CPU path: it runs the same GEMM
+            calls as ``F.linear`` per expert under autograd, so it equals that loop bitwise)
 
 ``select`` applies ``LLMPAR_BACKEND`` as every op does (llmpar/ops/_dispatch.py): a forced backend that cannot run
 raises a RuntimeError (not there) or TypeError (these inputs do not fit it) naming why. Ops, with ``rows_e`` the rows
@@ -106,45 +106,54 @@ def _int32(offs: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------------ forward
 
 
-def mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, act: int, backend: str) -> torch.Tensor:
-    """[M, N] (act 0) or [M, N / 2] (act 1, SwiGLU) for x: [M, K], w: [E, K, N]."""
+def mm(
+    x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, act: int, backend: str, keep_pre: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(out, pre) for x: [M, K], w: [E, K, N]: out [M, N] (act 0) or [M, N / 2] (act 1, SwiGLU); pre the product
+    [g, u]: [M, N] when act 1 and ``keep_pre`` (for a backward that does not recompute it), else None."""
     m, n = x.shape[0], w.shape[2]
     n_out = n // 2 if act else n
+    keep_pre = bool(act) and keep_pre
     if backend == "triton":
         from llmpar.kernels import grouped_gemm as kernels
 
         out = x.new_empty(m, n_out)
-        kernels.grouped_mm(x, w, offs, out, epi=act, allow_tf32=_dispatch.tf32_allowed())
-        return out
+        pre = x.new_empty(m, n) if keep_pre else None
+        kernels.grouped_mm(x, w, offs, out, epi=act, pre=pre, allow_tf32=_dispatch.tf32_allowed())
+        return out, pre
     if backend == "cuda":
         gu = torch._grouped_mm(x.contiguous(), w, offs=_int32(offs)) if m else x.new_zeros(0, n)
         if not act:
-            return gu
+            return gu, None
         gate, up = gu.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return F.silu(gate) * up, gu if keep_pre else None
     out = x.new_empty(m, n_out)
+    pre = x.new_empty(m, n) if keep_pre else None
     start = 0
     for e, rows in enumerate(_sizes(offs)):
         if rows:
-            xe, oe = x[start : start + rows], out[start : start + rows]
+            r = slice(start, start + rows)
             if act:
-                gate, up = torch.mm(xe, w[e]).chunk(2, dim=-1)
-                torch.mul(F.silu(gate), up, out=oe)
+                gu = pre[r].addmm_(x[r], w[e], beta=0) if pre is not None else torch.mm(x[r], w[e])
+                gate, up = gu.chunk(2, dim=-1)
+                torch.mul(F.silu(gate), up, out=out[r])
             else:
-                oe.copy_(torch.mm(xe, w[e]))
+                out[r].addmm_(x[r], w[e], beta=0)  # torch.mm's own CPU / cuBLAS call, into the rows of out
         start += rows
-    return out
+    return out, pre
 
 
 # ----------------------------------------------------------------------------------------------------- backward
 
 
-def _swiglu_grads(dh: torch.Tensor, gu: torch.Tensor, out: torch.Tensor) -> None:
-    """out = [dh * u * silu'(g), dh * silu(g)] for gu = [g, u], with torch's own silu_backward (as autograd)."""
+def swiglu_grads(dh: torch.Tensor, gu: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out = [dh * u * silu'(g), dh * silu(g)] for gu = [g, u], with torch's own silu_backward (as autograd);
+    returns out."""
     gate, up = gu.chunk(2, dim=-1)
     i = gate.shape[1]
     torch.mul(dh, F.silu(gate), out=out[:, i:])
     torch.ops.aten.silu_backward.grad_input(dh * up, gate, grad_input=out[:, :i])
+    return out
 
 
 def swiglu_backward(dh: torch.Tensor, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, backend: str):
@@ -157,13 +166,13 @@ def swiglu_backward(dh: torch.Tensor, x: torch.Tensor, w: torch.Tensor, offs: to
         kernels.grouped_mm(x, w, offs, out, epi=2, dh=dh, allow_tf32=_dispatch.tf32_allowed())
     elif backend == "cuda":
         if m:
-            _swiglu_grads(dh, torch._grouped_mm(x.contiguous(), w, offs=_int32(offs)), out)
+            swiglu_grads(dh, torch._grouped_mm(x.contiguous(), w, offs=_int32(offs)), out)
     else:
         start = 0
         for e, rows in enumerate(_sizes(offs)):
             if rows:
                 r = slice(start, start + rows)
-                _swiglu_grads(dh[r], torch.mm(x[r], w[e]), out[r])
+                swiglu_grads(dh[r], torch.mm(x[r], w[e]), out[r])
             start += rows
     return out
 
@@ -185,7 +194,7 @@ def wgrad(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, backend: str) ->
     start = 0
     for e, rows in enumerate(_sizes(offs)):
         if rows:
-            out[e].copy_(torch.mm(a[start : start + rows].t(), b[start : start + rows]))
+            out[e].addmm_(a[start : start + rows].t(), b[start : start + rows], beta=0)
         else:
             out[e].zero_()
         start += rows
