@@ -5,8 +5,8 @@
                            load_module_only=False, load_module_strict=True)
 
 A ``tag`` is checked (``files.check_tag``: a plain directory name) by each rank before any collective. A directory
-written by DeepSpeed's ``save_checkpoint`` (no ``metadata.json``; ``llmpar.checkpoint.ds_load``) loads the same way,
-with every option below; its client_state is the keys the caller saved.
+written by DeepSpeed's ``save_checkpoint`` (no ``metadata.json``; ``llmpar.checkpoint.formats.deepspeed``) loads the
+same way, with every option below; its client_state is the keys the caller saved.
 save_latest=False: the checkpoint is published, then ``DIR/latest`` is put back exactly as it was (atomic rewrite;
 removed when there was none) before any rank returns. exclude_frozen_parameters=True: frozen params
 (``requires_grad=False``) are not written (stages 0-2; ZeRO-3 shards them and writes them anyway, with a warning);
@@ -26,7 +26,7 @@ The model's own description, for checkpoints and exports: ``hf_configs`` (its Hu
 config, duck-typed: ``module.config.to_json_string`` / ``to_dict``, none for other models), ``unsaved_buffers``
 (non-persistent buffers: not in ``state_dict``, left out of checkpoints and exports), and ``save_hf`` behind
 ``engine.save_hf_model``: the live model's full weights (ZeRO-3 gathered unit by unit, tensor-parallel params
-all-gathered over tp and unpadded) written by ``llmpar.checkpoint.hf_files`` as ``from_pretrained`` loads them.
+all-gathered over tp and unpadded) written by ``llmpar.checkpoint.formats.hf`` as ``from_pretrained`` loads them.
 """
 
 from __future__ import annotations
