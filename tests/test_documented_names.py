@@ -75,6 +75,7 @@ def test_a_renamed_name_fails(tmp_path):
     assert set(names) == {
         "llmpar.initialize",
         "llmpar.no_such_function",
+        "llmpar.zero",
         "llmpar.zero.ZeroOptimizer",
         "llmpar.zero.Gone",
     }
