@@ -33,7 +33,7 @@ from torch import nn
 
 from llmpar.distributed import GroupRef, check_same_on_ranks, group_rank, group_size, raise_if_any_failed
 from llmpar.moe.dispatch import Dispatcher, make_dispatcher
-from llmpar.moe.experts import Experts, SharedExperts
+from llmpar.moe.experts import Experts, SharedExperts, _tag_expert
 from llmpar.moe.router import Router, RouterConfig, _check_int
 from llmpar.moe.slots import DispatchStats, check_capacity_factor
 
@@ -133,6 +133,7 @@ class MoEBlock(nn.Module):
             if shared_intermediate_size
             else None
         )
+        self.capacity_factor = capacity_factor
         self.dispatcher: Dispatcher = make_dispatcher(num_experts, group, capacity_factor)
         self.aux_loss: torch.Tensor | None = None
         self.aux_losses: dict[str, torch.Tensor] = {}
@@ -165,6 +166,40 @@ class MoEBlock(nn.Module):
         self.aux_loss, self.aux_losses = routing.aux_loss, routing.aux_losses
         self.tokens_per_expert, self.stats = routing.counts, meta.stats
         return out.view(shape)
+
+    @torch.no_grad()
+    def set_ep_group(self, ep_group: Any) -> None:
+        """Spread a layer built with ``ep_group=None`` over ``ep_group`` (the hook ``llmpar.initialize`` calls with
+        the config's expert-parallel group): keep this rank's ``num_experts / ep`` experts (global ids
+        ``[rank * n, (rank + 1) * n)``, the slice a layer built with that group holds under the same seed), tag them
+        with the ep size, and exchange tokens over the group from the next forward. Call it before the optimizer is
+        built. ``num_experts`` not divisible by ep is refused on every rank of the group."""
+        group = GroupRef(ep_group)
+        ep, rank = group_size(group.get()), group_rank(group.get())
+        error: Exception | None = None
+        if self.ep_size != 1:
+            error = ValueError(
+                f"set_ep_group: the layer is already spread over an expert-parallel group of {self.ep_size}"
+            )
+        elif self.num_experts % ep:
+            error = ValueError(
+                f"num_experts={self.num_experts} is not divisible by the expert-parallel size ep={ep}: each rank of "
+                f"the expert-parallel group holds num_experts / ep experts (use a multiple of {ep}, or another ep)"
+            )
+        if ep > 1:
+            raise_if_any_failed(error, group, what="MoE layer set_ep_group")
+        elif error is not None:
+            raise error
+        if ep == 1:
+            return
+        ex, n = self.experts, self.num_experts // ep
+        for name in ("gate_up_proj", "down_proj"):
+            full = getattr(ex, name)
+            mine = nn.Parameter(full.detach()[rank * n : (rank + 1) * n].clone(), requires_grad=full.requires_grad)
+            setattr(ex, name, _tag_expert(mine, ep))
+        ex.ep_size, ex.ep_rank, ex.num_local_experts = ep, rank, n
+        self.ep_size, self.ep_rank = ep, rank
+        self.dispatcher = make_dispatcher(self.num_experts, group, self.capacity_factor)
 
     @torch.no_grad()
     def update_expert_bias(self, group: Any = None) -> torch.Tensor:

@@ -4,6 +4,7 @@
     "scheduler"         -> runtime.schedules.SchedulerConfig
     "pipeline"          -> PipelineConfig (below)        "tensor_parallel" -> TensorParallelConfig (below)
     "context_parallel"  -> ContextParallelConfig (below; DeepSpeed's "sequence_parallel_size" is its Ulysses form)
+    "expert_parallel"   -> ExpertParallelConfig (DeepSpeed's AutoEP block; ``expert_block.py``)
 
 The three parallel blocks give the degrees the mesh needs before the data-parallel degree is known
 (:func:`parallel_blocks`): read here once for ``initialize`` and for the integrations, which need the degrees before
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from llmpar.pipeline.schedules import normalize_schedule
+from llmpar.runtime.expert_block import ExpertParallelConfig, expert_parallel_block  # noqa: F401  (re-exported)
 from llmpar.runtime.schedules import SchedulerConfig
 from llmpar.validation import as_bool, as_int, check_keys, nearest
 from llmpar.zero.config import OPTIMIZER_TYPES, OffloadConfig, OptimizerConfig, ZeroConfig

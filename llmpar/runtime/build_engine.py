@@ -1,6 +1,8 @@
 """The plain engine (no pipeline) that ``llmpar.initialize`` builds: ZeRO stages 0-3 over the data-parallel ranks,
 the model split for tensor parallelism when the config asks and the caller did not, context parallelism over the
-mesh's cp axis (ZeRO then runs over the dp x cp group).
+mesh's cp axis (ZeRO then runs over the dp x cp group), mixture-of-experts layers spread over the expert-parallel
+ranks of the ``"expert_parallel"`` block (``experts.py``; ZeRO shards their experts over the expert-data-parallel
+group).
 
     engine, optimizer, _, scheduler = build_engine(model, blocks, model_parameters, mesh, dp_group, tp_group, ...)
 
@@ -22,6 +24,7 @@ from llmpar.runtime.activations import apply_activation_checkpointing
 from llmpar.runtime.blocks import ContextParallelConfig
 from llmpar.runtime.config import Blocks, Config
 from llmpar.runtime.engine import Engine
+from llmpar.runtime.experts import setup_experts
 from llmpar.runtime.params import named_groups
 from llmpar.runtime.precision import build_loss_scaler, model_dtype
 from llmpar.runtime.schedules import WarmupSchedule
@@ -76,6 +79,8 @@ def build_engine(
     if dtype is not None:
         model.to(dtype)
     apply_activation_checkpointing(model, cfg.activation_checkpointing, tp_group)
+    moe = setup_experts(model, blocks.expert_parallel, mesh, zero_group)  # before the optimizer sees the experts
+    spread = moe is not None and moe.ep > 1
     opt = ZeroOptimizer(
         named_groups(model, model_parameters, strict=split_here),
         cfg.optimizer,
@@ -88,10 +93,21 @@ def build_engine(
         module=model,
         unit_policy=unit_policy,
         loss_scaler=build_loss_scaler(cfg.fp16),
+        expert_group=moe.edp_group if spread else None,
+        ep_group=moe.ep_group if spread else None,
     )
     sched = WarmupSchedule(opt, cfg.scheduler) if cfg.scheduler is not None else None
     engine = Engine(
-        model, cfg, opt, sched, dp_group=dp_group, tp_group=tp_group, mesh=mesh, context_parallel=cp, adapter=adapter
+        model,
+        cfg,
+        opt,
+        sched,
+        dp_group=dp_group,
+        tp_group=tp_group,
+        mesh=mesh,
+        context_parallel=cp,
+        adapter=adapter,
+        moe=moe,
     )
     return engine, opt, None, sched
 

@@ -15,6 +15,8 @@ Top-level keys (DeepSpeed's names and meaning):
 llmpar's own blocks: pipeline (its micro_batches is gradient_accumulation_steps, as in DeepSpeed's PipelineEngine),
     tensor_parallel {size}, context_parallel {size, mode, ulysses_size} (``blocks.context_parallel_block``;
     DeepSpeed's top-level sequence_parallel_size=N is its Ulysses form, {"size": N, "mode": "ulysses"})
+DeepSpeed 0.19's AutoEP block: expert_parallel {enabled, autoep_size, preset_model, top_k, score_func, route_norm,
+    ...} (``expert_block.py``)
 An unknown key is an error naming the nearest valid key; a DeepSpeed key llmpar does not support yet is an error
 saying so. Every block is typed here, once: the engines and the integrations read ``Blocks`` / ``Config``, never the
 raw dict (``raw`` is kept for the cross-rank fingerprint and the batch-size arithmetic, both in this module).
@@ -33,11 +35,13 @@ from llmpar.runtime.blocks import (
     PARALLEL_KEYS,
     ActivationCheckpointingConfig,
     ContextParallelConfig,
+    ExpertParallelConfig,
     Fp16Config,
     ParallelBlocks,
     PipelineConfig,
     TensorParallelConfig,
     activation_checkpointing_block,
+    expert_parallel_block,
     fp16_block,
     optimizer_block,
     parallel_blocks,
@@ -71,6 +75,7 @@ _VALID = [
     "activation_checkpointing",
     "context_parallel",
     "sequence_parallel_size",
+    "expert_parallel",
     "checkpoint",
     *MONITORS,
 ]
@@ -115,6 +120,7 @@ class Blocks:
     tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
     tensor_parallel_given: bool = False
     context_parallel: ContextParallelConfig = field(default_factory=ContextParallelConfig)
+    expert_parallel: ExpertParallelConfig = field(default_factory=ExpertParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
 
@@ -159,6 +165,7 @@ class Blocks:
             tensor_parallel=par.tensor_parallel,
             tensor_parallel_given=par.tensor_parallel_given,
             context_parallel=par.context_parallel,
+            expert_parallel=expert_parallel_block(given.get("expert_parallel")),
             activation_checkpointing=activation_checkpointing_block(ckpt)
             if ckpt is not None
             else ActivationCheckpointingConfig(),

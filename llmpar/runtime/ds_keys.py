@@ -70,7 +70,9 @@ TOP: dict[str, Any] = {
     "communication_data_type": _d(None, reason="gradients are reduced in the params' dtype"),
     "seq_parallel_communication_data_type": Inert(),
     "vocabulary_size": Inert(),
-    "use_data_before_expert_parallelism": _d(False, reason="expert parallelism is not supported"),
+    "use_data_before_expert_parallelism": _d(
+        False, reason="the expert-parallel ranks are the inner (adjacent) data-parallel ranks"
+    ),
     "disable_python_gc": Inert(),
     "log_level": Inert(),
     "timers": Inert(),
@@ -188,6 +190,19 @@ PIPELINE: dict[str, Any] = {
     "seed_layers": _d(False, reason="layers are built with the seed of the run"),
     "activation_checkpoint_interval": _d(0, reason='use the "activation_checkpointing" block'),
 }
+EXPERT_PARALLEL: dict[str, Any] = {  # DeepSpeed AutoEP's implementation switches: the math is the same in llmpar
+    "validate_folding_routing": Inert(),
+    "async_split_plan": Inert(),
+    "use_grouped_mm": Inert(),
+    "disable_triton_grouped_mm": Inert(),
+    "score_apply": _d("auto", "post", reason="the routing weights scale the expert outputs (after the experts)"),
+    "combine_impl": Inert(),
+    "row_weighting_impl": Inert(),
+    "gate_up_impl": Inert(),
+    "comm_num_sm": Inert(),
+    "comm_qp_margin": Inert(),
+    "comm_max_tokens_per_rank": Inert(),
+}
 
 
 def _show(value: Any) -> str:
@@ -246,6 +261,7 @@ def strip_inert(raw: dict) -> dict:
     out = copy.deepcopy(raw)
     _apply(out, TOP, "")
     sections = [("zero_optimization", ZERO), ("bf16", BF16), ("bfloat16", BF16), ("fp16", FP16), ("pipeline", PIPELINE)]
+    sections.append(("expert_parallel", EXPERT_PARALLEL))
     for section, table in sections:
         if isinstance(out.get(section), dict):
             _apply(out[section], table, section)

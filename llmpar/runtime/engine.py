@@ -22,6 +22,10 @@ Context parallelism (``context_parallel``, a ``llmpar.context_parallel.ContextPa
 each rank's shapes), runs the model on this rank's slice of each sequence (``adapter.shard_call``) and returns the
 full-sequence loss, the same on every cp rank. ZeRO then runs over the dp x cp group (its state sharded over dp * cp)
 while ``dp_group``, ``dp_world_size`` / ``dp_rank`` and the data loader stay the data-parallel ones.
+
+Mixture of experts (``moe``, ``experts.py``): ``backward(loss)`` adds the MoE layers' weighted aux losses of the last
+training forward (``"expert_parallel": {"add_aux_loss": true}``, the default), each optimizer step moves the
+aux-loss-free expert biases, and the progress lines show each layer's max / mean tokens per expert.
 """
 
 from __future__ import annotations
@@ -61,8 +65,10 @@ class Engine(EngineBase):
         mesh: Any = None,
         context_parallel: Any = None,
         adapter: Any = None,
+        moe: Any = None,
     ) -> None:
         super().__init__(module, config, optimizer, scheduler)
+        self.moe = moe  # the model's MoE layers (runtime/experts.py: aux losses, bias updates, tokens per expert)
         if (context_parallel is None) != (adapter is None):
             raise ValueError("context_parallel= and adapter= go together (llmpar.context_parallel.adapters)")
         self.context_parallel = context_parallel  # None: every rank runs whole sequences
@@ -153,6 +159,8 @@ class Engine(EngineBase):
         """Hold a training forward's output until its backward (no memory beyond what the caller holds anyway)."""
         if torch.is_grad_enabled() and getattr(self.module, "training", True):
             self._last_output = output
+            if self.moe is not None:
+                self.moe.after_forward()
         return output
 
     @reports_step
@@ -165,6 +173,8 @@ class Engine(EngineBase):
                 f"engine.backward takes the scalar loss tensor, got {type(loss).__name__}"
                 + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
             )
+        if self.moe is not None:  # the MoE layers' weighted aux losses of the last forward ("add_aux_loss")
+            loss = self.moe.loss_with_aux(loss)
         gas = self.config.gradient_accumulation_steps if scale_wrt_gas else 1
         self.optimizer.set_gradient_accumulation_boundary(
             self.is_gradient_accumulation_boundary() and not self._in_no_sync
@@ -201,10 +211,18 @@ class Engine(EngineBase):
                 self._step_applied = False
             else:
                 self._finish_step(applied, lr_kwargs=lr_kwargs)
+                if self.moe is not None:
+                    self.moe.update_biases(self.optimizer.dp_group.get())  # aux-loss-free balancing
+                    if self.global_steps % self.config.steps_per_print == 0:
+                        self.moe.reset_tokens()
         else:
             self._step_applied = False
         self.micro_steps += 1
         self._backwards_then = self._backwards_seen() or 0
+
+    def _log_extra(self) -> str:
+        """The MoE layers' max / mean tokens per expert for the ``steps_per_print`` line."""
+        return self.moe.log_suffix() if self.moe is not None else ""
 
     def _backwards_seen(self) -> int | None:
         """Backwards that reached the optimizer's gradient hooks since its last step (``loss.backward()`` called

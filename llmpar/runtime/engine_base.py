@@ -167,6 +167,10 @@ class EngineBase(DeepSpeedAPI):
     def skipped_steps(self, value: int) -> None:
         self._skip_offset = int(value) - self.optimizer.skipped_steps
 
+    def _log_extra(self) -> str:
+        """What an engine adds to its ``steps_per_print`` line (the plain engine: the MoE layers' balance)."""
+        return ""
+
     def _finish_step(self, applied: Any, loss: float | None = None, lr_kwargs: dict | None = None) -> None:
         """After ``optimizer.step()`` returned ``applied`` (a device flag: read only when a scheduler must know,
         as DeepSpeed does not step the scheduler on a skipped step): scheduler, zero_grad, counters, log."""
@@ -199,7 +203,7 @@ class EngineBase(DeepSpeedAPI):
                 seq_scale=cp.size if cp is not None else 1,
             )
             logger.info(
-                "step=%d, skipped=%d, lr=%s, mom=%s, grad_norm=%.4g%s%s",
+                "step=%d, skipped=%d, lr=%s, mom=%s, grad_norm=%.4g%s%s%s",
                 self.global_steps,
                 self.skipped_steps,
                 [round(lr, 8) for lr in self.get_lr()],
@@ -207,6 +211,7 @@ class EngineBase(DeepSpeedAPI):
                 self.optimizer.last_grad_norm or 0.0,
                 "" if loss is None else f", loss={loss:.4f}",
                 f", {rate}" if rate else "",
+                self._log_extra(),
             )
         if getattr(self, "auto_save", None) is not None:  # "checkpoint.auto_resume_interval" (resume.py)
             save_if_due(self)

@@ -17,7 +17,7 @@ import sys
 import tokenize
 from typing import Any
 
-from llmpar.runtime import blocks, ds_keys
+from llmpar.runtime import blocks, ds_keys, expert_block
 from llmpar.runtime.config import _VALID
 from llmpar.runtime.monitor import WandbConfig, WriterConfig
 from llmpar.runtime.resume import CheckpointConfig
@@ -49,6 +49,11 @@ BLOCKS: list[tuple[str, type, list[str] | None]] = [
     ("pipeline", blocks.PipelineConfig, blocks._PIPELINE_KEYS),
     ("tensor_parallel", blocks.TensorParallelConfig, ["size", "autotp_size"]),
     ("context_parallel", blocks.ContextParallelConfig, None),
+    (
+        "expert_parallel",
+        blocks.ExpertParallelConfig,
+        [f.name for f in dataclasses.fields(blocks.ExpertParallelConfig) if f.name != "overrides"],
+    ),
     ("checkpoint", CheckpointConfig, None),
     ("tensorboard", WriterConfig, None),
     ("csv_monitor", WriterConfig, None),
@@ -65,6 +70,11 @@ _EXTRA = {  # what a block's JSON shape adds to its dataclass
     "tensor_parallel": "`autotp_size` is DeepSpeed's AutoTP spelling of `size` (`0`, its default, means off); "
     "`llmpar.parallelize` splits the model.",
     "activation_checkpointing": "The block's presence turns it on (`enabled` is not a key).",
+    "expert_parallel": "`preset_model` is one of "
+    + ", ".join(f"`{p}`" for p in expert_block.PRESETS)
+    + ". Also kept as given, for locating the MoE layers of a model being swapped: "
+    + ", ".join(f"`{k}`" for k in expert_block._LOCATORS)
+    + ". `engine.backward(loss)` adds the MoE layers' weighted aux losses when `add_aux_loss` (see docs/moe.md).",
     "zero_optimization": "Also accepted: `gather_16bit_weights_on_model_save` (DeepSpeed's field name) and "
     "`stage3_gather_fp16_weights_on_model_save` for `stage3_gather_16bit_weights_on_model_save`.",
 }
@@ -200,6 +210,7 @@ def render() -> str:
         ("fp16", ds_keys.FP16),
         ("optimizer.params", ds_keys.OPTIMIZER_PARAMS),
         ("pipeline", ds_keys.PIPELINE),
+        ("expert_parallel", ds_keys.EXPERT_PARALLEL),
     ):
         out += _rule_rows(table, where)
     return "\n".join(out) + "\n"

@@ -1,0 +1,155 @@
+"""Mixture-of-experts layers in the plain engine: their expert-parallel groups, aux losses, bias updates and logs.
+
+At ``initialize`` (:func:`setup_experts`) the model's :class:`llmpar.moe.MoEBlock` layers are found and the
+expert-parallel degree is taken from the ``"expert_parallel"`` block (``autoep_size`` when enabled; else the degree
+the layers were built with). ``ParallelDims(ep=...)`` over the engine's mesh gives the ``ep`` group (the ranks whose
+experts make one layer) and the ``edp`` group (the ranks holding the same experts); a layer built with
+``ep_group=None`` is spread over ``ep`` (``MoEBlock.set_ep_group``), a layer built over another degree is refused, and
+ZeRO reduces and shards expert params over ``edp`` (``llmpar.zero.experts``).
+
+In training (:class:`MoEState`):
+
+- ``engine(...)`` records the weighted aux losses of the layers' forward (each ``MoEBlock.aux_loss``: the router's
+  ``aux_loss_coeff * aux + seq_aux_loss_coeff * seq_aux + z_loss_coeff * z``) and adds their tokens per expert to the
+  counts of the current logging window;
+- ``engine.backward(loss)`` backpropagates ``loss + sum of those aux losses`` (``"add_aux_loss": true``, the default;
+  Megatron's way), then divides by the accumulation steps as usual;
+- after each optimizer step, layers with ``RouterConfig(expert_bias=True)`` move their bias from the load summed over
+  the data-parallel (x cp) ranks (DeepSeek-V3's aux-loss-free balancing);
+- every ``steps_per_print`` line gains ``moe=[layer: max/mean ...]``: per layer, the busiest expert's tokens over the
+  mean, from global rank 0's tokens since the last line (no collective: 1.00 is perfectly even).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from llmpar.distributed.collectives import Group, group_size
+from llmpar.distributed.dims import ParallelDims
+from llmpar.moe.block import MoEBlock
+from llmpar.runtime.expert_block import ExpertParallelConfig
+
+
+@dataclasses.dataclass(kw_only=True)
+class MoEState:
+    """The engine's view of the model's MoE layers (module docstring)."""
+
+    layers: list[tuple[str, MoEBlock]]
+    ep: int = 1
+    ep_group: Any = None
+    edp_group: Any = None
+    add_aux_loss: bool = True
+    aux_loss: torch.Tensor | None = None  # the last training forward's weighted aux losses, summed over layers
+    tokens: list[torch.Tensor] = dataclasses.field(default_factory=list)  # per layer: [E] since the last log line
+
+    def after_forward(self) -> None:
+        """Record the layers' aux losses and tokens per expert of the forward that just ran (training only)."""
+        losses = [b.aux_loss for _, b in self.layers if isinstance(b.aux_loss, torch.Tensor)]
+        self.aux_loss = torch.stack([x.float().reshape(()) for x in losses]).sum() if losses else None
+        if not self.tokens:  # on the counts' device: no host sync per forward
+            self.tokens = [
+                torch.zeros(b.num_experts, dtype=torch.int64, device=b.router.weight.device) for _, b in self.layers
+            ]
+        for acc, (_, b) in zip(self.tokens, self.layers):
+            if b.tokens_per_expert is not None:
+                acc += b.tokens_per_expert.detach().to(acc.device, torch.int64)
+
+    def loss_with_aux(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` plus the recorded aux losses (once: they are cleared), when ``add_aux_loss``."""
+        aux, self.aux_loss = self.aux_loss, None
+        if not self.add_aux_loss or aux is None or not aux.requires_grad:
+            return loss
+        return loss + aux.to(loss.dtype)
+
+    @torch.no_grad()
+    def update_biases(self, dp_group: Any) -> None:
+        """The aux-loss-free bias step of every layer with an expert bias, the load summed over ``dp_group``."""
+        for _, b in self.layers:
+            if getattr(b.router, "expert_bias", None) is not None:
+                b.update_expert_bias(dp_group)
+
+    def log_suffix(self) -> str:
+        """``, moe max/mean=[name: x.xx, ...]`` of this rank's tokens per expert since the last
+        :meth:`reset_tokens`; "" when none."""
+        parts = []
+        for acc, (name, _) in zip(self.tokens, self.layers):
+            mean = acc.double().mean().item()
+            if mean > 0:
+                parts.append(f"{name}: {acc.max().item() / mean:.2f}")
+        return f", moe max/mean=[{', '.join(parts)}]" if parts else ""
+
+    def reset_tokens(self) -> None:
+        """Start a new logging window (after each ``steps_per_print`` line, on every rank)."""
+        for acc in self.tokens:
+            acc.zero_()
+
+
+def moe_layers(model: nn.Module) -> list[tuple[str, MoEBlock]]:
+    """The model's MoE layers, in module order."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, MoEBlock)]
+
+
+def _dims(mesh: Any, zero_group: Group, ep: int) -> ParallelDims:
+    """The degrees of the engine's ranks with ``ep``: from the mesh when there is one, else ZeRO's group must be the
+    whole job."""
+    if mesh is not None and getattr(mesh, "mesh_dim_names", None):
+        return dataclasses.replace(ParallelDims.from_mesh(mesh), ep=ep)
+    world = dist.get_world_size()
+    if group_size(zero_group) != world:
+        raise ValueError(
+            f"expert parallelism (ep={ep}) with a dp_group of {group_size(zero_group)} of the {world} ranks and no "
+            "mesh: pass mesh= (llmpar.init_distributed(...).mesh) so the ep / edp groups can be derived from it"
+        )
+    return ParallelDims(dp=world, ep=ep, world_size=world)
+
+
+def setup_experts(model: nn.Module, cfg: ExpertParallelConfig, mesh: Any, zero_group: Group) -> MoEState | None:
+    """Find the MoE layers, build the ep / edp groups and spread the layers (module docstring); None without MoE
+    layers. Refused on every rank alike (the checks only read the config and the layers)."""
+    layers = moe_layers(model)
+    if not layers:
+        if cfg.ep > 1:
+            raise ValueError(
+                f'"expert_parallel.autoep_size"={cfg.autoep_size} but the model has no llmpar.moe.MoEBlock layer '
+                "to spread over the expert-parallel ranks"
+            )
+        return None
+    built = sorted({b.ep_size for _, b in layers})
+    ep = cfg.ep if cfg.enabled else max(built)
+    for name, b in layers:
+        if b.ep_size not in (1, ep):
+            raise ValueError(
+                f"MoE layer {name} was built over an expert-parallel group of {b.ep_size} ranks but the engine runs "
+                f'ep={ep} ("expert_parallel.autoep_size"): build it with ep_group=None (spread at initialize) or '
+                f"over ParallelDims(ep={ep}).group('ep')"
+            )
+        if b.num_experts % ep:
+            raise ValueError(
+                f"MoE layer {name}: num_experts={b.num_experts} is not divisible by ep={ep} "
+                '("expert_parallel.autoep_size")'
+            )
+    state = MoEState(layers=layers, ep=ep, add_aux_loss=cfg.add_aux_loss)
+    if ep == 1:
+        return state
+    dims = _dims(mesh, zero_group, ep)
+    state.ep_group, state.edp_group = dims.group("ep"), dims.group("edp")
+    want = dims.derived_ranks("ep", dist.get_rank())
+    for name, b in layers:
+        if b.ep_size == 1:
+            b.set_ep_group(state.ep_group)
+        else:
+            have = dist.get_process_group_ranks(b.dispatcher.group.get())  # type: ignore[attr-defined]
+            if sorted(have) != want:
+                raise ValueError(
+                    f"MoE layer {name} exchanges tokens over ranks {sorted(have)} but this rank's expert-parallel "
+                    f"group is {want} (ParallelDims(ep={ep}).group('ep'): the inner data-parallel ranks)"
+                )
+    return state
+
+
+__all__ = ["MoEState", "moe_layers", "setup_experts"]

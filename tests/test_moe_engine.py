@@ -1,0 +1,170 @@
+"""MoE through ``llmpar.initialize``: the ``"expert_parallel"`` block (DeepSpeed 0.19's AutoEP keys, parsed and
+refused as documented), and on 4 CPU ranks a model built with ``ep_group=None`` spread over ep=2 at initialize,
+trained with ZeRO-1 over 2 accumulation steps, gradient clipping, the aux losses added by ``engine.backward`` and
+the aux-loss-free expert bias moved after each step from the load over the data-parallel ranks: it follows one process
+to 1e-5 (losses, params, biases), and the progress line reports each layer's max / mean tokens per expert."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.distributed as dist
+from test_moe_zero import E, _batch, _loss, _Net
+from torch import nn
+
+import llmpar
+from llmpar.moe import RouterConfig
+from llmpar.optim import FusedAdamW
+from llmpar.runtime.config import Blocks
+from llmpar.zero.gather import consolidated_state_dict
+
+from multirank import multirank
+
+
+# ------------------------------------------------------------------------------------------------ the block
+def test_autoep_block_parses_deepspeed_keys():
+    raw = {
+        "expert_parallel": {
+            "enabled": True,
+            "autoep_size": 4,
+            "preset_model": "deepseek_v3",
+            "top_k": 8,
+            "route_norm": True,
+            "routed_scaling_factor": 2.5,
+            "num_expert_groups": 8,
+            "num_limited_groups": 4,
+            "load_balance_coeff": None,
+            "use_grouped_mm": False,
+            "combine_impl": "weighted_sum",
+            "comm_num_sm": 20,
+            "expert_w1": "gate_up_proj",
+        }
+    }
+    ep = Blocks.parse(raw).expert_parallel
+    assert (ep.enabled, ep.ep, ep.top_k, ep.overrides) == (True, 4, 8, {"expert_w1": "gate_up_proj"})
+    r = ep.router_config()
+    assert (r.score_func, r.route_norm, r.routed_scaling_factor, r.n_group, r.topk_group) == (
+        "sigmoid",
+        True,
+        2.5,
+        8,
+        4,
+    )
+    mix = Blocks.parse({"expert_parallel": {"preset_model": "mixtral", "autoep_size": 2}}).expert_parallel
+    assert mix.ep == 1 and mix.router_config().score_func == "softmax" and mix.router_config().route_norm
+    assert Blocks.parse({}).expert_parallel.ep == 1
+
+
+@pytest.mark.parametrize(
+    "block, match",
+    [
+        ({"autoep_size": 0}, "autoep_size"),
+        ({"preset_model": "llama"}, "preset_model.*mixtral"),
+        ({"score_func": "relu"}, "score_func"),
+        ({"load_balance_coeff": 0.01}, "load_balance_coeff"),
+        ({"expert_tensor_parallel_size": 2}, "expert_tensor_parallel_size"),
+        ({"comm_backend": "deepep"}, "comm_backend"),
+        ({"score_apply": "pre"}, "score_apply"),
+        ({"autoep_sise": 2}, "autoep_size"),
+    ],
+)
+def test_autoep_block_refuses_naming_the_key(block, match):
+    with pytest.raises(ValueError, match=match):
+        Blocks.parse({"expert_parallel": block})
+
+
+# ------------------------------------------------------------------------------------------------ the engine
+STEPS, GAS, CLIP = 3, 2, 0.05
+
+
+def _router() -> RouterConfig:
+    return RouterConfig(aux_loss_coeff=0.05, z_loss_coeff=0.01, expert_bias=True, bias_update_rate=0.05)
+
+
+def _reference(dp: int) -> tuple[list[float], _Net]:
+    torch.manual_seed(0)
+    ref = _Net(None, _router())
+    opt = FusedAdamW(ref.parameters(), lr=2e-2, weight_decay=0.1)
+    losses = []
+    for s in range(STEPS):
+        total = 0.0
+        for m in range(GAS):
+            for r in range(dp):
+                x, y = _batch(GAS * s + m, r)
+                loss = _loss(ref, x, y) / (GAS * dp)
+                loss.backward()
+                total += loss.item()
+        nn.utils.clip_grad_norm_(list(ref.parameters()), CLIP)
+        opt.step()
+        opt.zero_grad()
+        for moe in (ref.moe1, ref.moe2):
+            moe.update_expert_bias()
+        losses.append(total)
+    return losses, ref
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@multirank(4, timeout=300)
+def test_initialize_spreads_experts_and_follows_one_process():
+    rank, dp = dist.get_rank(), dist.get_world_size()
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": GAS,
+        "gradient_clipping": CLIP,
+        "steps_per_print": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 2e-2, "weight_decay": 0.1}},
+        "zero_optimization": {"stage": 1},
+        "expert_parallel": {"enabled": True, "autoep_size": 2, "use_grouped_mm": True},
+    }
+    with pytest.raises(ValueError, match="num_experts=8 is not divisible by ep=3"):
+        bad = {**config, "expert_parallel": {"enabled": True, "autoep_size": 3}}
+        llmpar.initialize(model=_Net(None, _router()), config=bad)
+    torch.manual_seed(0)
+    net = _Net(None, _router())  # whole experts: spread at initialize
+    lines = _Lines()
+    logging.getLogger("llmpar").addHandler(lines)
+    try:
+        engine, opt, _, _ = llmpar.initialize(model=net, config=config)
+        assert net.moe1.experts.gate_up_proj.shape[0] == E // 2 and net.moe1.ep_size == 2
+        assert opt.experts is not None and engine.moe.ep == 2
+        losses = []
+        for s in range(STEPS):
+            total = torch.zeros((), dtype=torch.float64)
+            for m in range(GAS):
+                x, y = _batch(GAS * s + m, rank)
+                out = engine(x)
+                scaled = engine.backward(nn.functional.mse_loss(out, y))  # + the aux losses, / GAS
+                engine.step()
+                total += scaled.detach().double()
+            dist.all_reduce(total)
+            losses.append(total.item() / dp)
+    finally:
+        logging.getLogger("llmpar").removeHandler(lines)
+    dense = consolidated_state_dict(net, opt, rank0_only=False)
+    want, ref = _reference(dp)
+    sd = ref.state_dict()
+    lo = (rank % 2) * (E // 2)  # ep rank = rank % 2 (ep inner)
+    errs = {"loss": max(abs(a - b) for a, b in zip(losses, want))}
+    for k, v in dense.items():
+        full = sd[k][lo : lo + E // 2] if ".experts." in k else sd[k]
+        errs[k] = (v.double() - full.double()).abs().max().item()
+    bad = {k: e for k, e in errs.items() if e > 1e-5}
+    assert not bad, bad
+    assert not torch.equal(ref.moe1.router.expert_bias, torch.zeros(E))  # the bias moved (and equals the reference)
+    if rank == 0:
+        progress = [line for line in lines.lines if line.startswith("step=")]
+        assert len(progress) == STEPS and all("moe max/mean=[moe1: " in line for line in progress), progress
+        ratio = float(progress[-1].split("moe1: ")[1].split(",")[0])
+        counts = net.moe1.tokens_per_expert.double()
+        assert ratio >= 1.0 and counts.sum() > 0
+    return errs
