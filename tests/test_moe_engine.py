@@ -150,6 +150,9 @@ def test_initialize_spreads_experts_and_follows_one_process():
             losses.append(total.item() / dp)
     finally:
         logging.getLogger("llmpar").removeHandler(lines)
+    for call in (lambda: engine.save_checkpoint("/nonexistent/ckpt"), engine.module_state_dict, opt.state_dict):
+        with pytest.raises(NotImplementedError, match="expert"):  # not written yet: refused, not a partial save
+            call()
     dense = consolidated_state_dict(net, opt, rank0_only=False)
     want, ref = _reference(dp)
     sd = ref.state_dict()
@@ -167,4 +170,6 @@ def test_initialize_spreads_experts_and_follows_one_process():
         ratio = float(progress[-1].split("moe1: ")[1].split(",")[0])
         counts = net.moe1.tokens_per_expert.double()
         assert ratio >= 1.0 and counts.sum() > 0
+    engine.destroy()  # the expert optimizer's hooks go too
+    assert opt.experts.destroyed
     return errs

@@ -90,6 +90,11 @@ class OptimizerStateDict:
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard of the optimizer (module docstring): a dict of clones, for ``torch.save``."""
         self._check_alive("state_dict")
+        if getattr(self, "experts", None) is not None:
+            raise NotImplementedError(
+                "state_dict() of a ZeroOptimizer with expert params (expert_group=): their state lives in "
+                "optimizer.experts, sharded over the expert-data-parallel ranks; saving both is not supported yet"
+            )
         self.wait_params()
         if self.stage3 is not None:
             self.stage3.wait_all()
@@ -120,10 +125,10 @@ class OptimizerStateDict:
     def _mismatch(self, sd: Any) -> str | None:
         """Why ``sd`` cannot be loaded on this rank (None: it can)."""
         if not isinstance(sd, dict) or sd.get("format") != FORMAT:
-            got = type(sd).__name__ if not isinstance(sd, dict) else f"a dict with keys {sorted(sd)[:8]}"
+            given = type(sd).__name__ if not isinstance(sd, dict) else f"a dict with keys {sorted(sd)[:8]}"
             return (
                 f"load_state_dict takes a state dict of llmpar's ZeroOptimizer.state_dict() (format {FORMAT!r}), "
-                f"got {got}"
+                f"got {given}"
             )
         parts, mine = sd["partition_count"], self.dp if self.stage > 0 else 1
         if (sd["zero_stage"], parts, sd["dp_rank"]) != (self.stage, mine, self._ckpt_rank()):
@@ -203,6 +208,9 @@ class OptimizerStateDict:
         if self.destroyed:
             return
         self.wait_params()
+        experts = getattr(self, "experts", None)
+        if experts is not None:  # the expert params' optimizer (``experts.py``)
+            experts.destroy()
         self.reducer.wait_all()
         self.reducer.remove_hooks()
         self.reducer.pool.clear()
