@@ -60,8 +60,10 @@ class ZeroStep:
     loss_scaler: LossScaler | None
     stage3: Stage3Runtime | None
     deferred_gather: DeferredGather | None
-    experts: "ZeroStep | None"  # the expert params' optimizer over the expert-data-parallel ranks (``experts.py``)
-    ep_group: GroupRef | None
+    # the expert params' optimizer over the expert-data-parallel ranks (``experts.py``), and the expert-parallel
+    # group: None until ZeroOptimizer.__init__ sets them (a meta-built model's materialize_sharded steps in before)
+    experts: "ZeroStep | None" = None
+    ep_group: GroupRef | None = None
 
     if TYPE_CHECKING:
 
