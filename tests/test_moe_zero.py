@@ -14,6 +14,7 @@ from zero_helpers import reference_loop
 
 from llmpar.distributed.dims import ParallelDims
 from llmpar.moe import MoEBlock, RouterConfig
+from llmpar.planning.moe import MoESpec, alltoall_bytes, moe_memory, suggest_ep
 from llmpar.zero import ZeroConfig, ZeroOptimizer
 from llmpar.zero.experts import split_expert_groups
 from llmpar.zero.gather import consolidated_state_dict
@@ -63,6 +64,28 @@ def test_split_expert_groups_keeps_hyperparameters():
     names = [n for n, _ in experts[0]["params"]]
     assert names == [f"moe{i}.experts.{w}" for i in (1, 2) for w in ("gate_up_proj", "down_proj")]
     assert not any(".experts." in n for n in dense[0]["names"]) and owner == [0] and experts[0]["lr"] == 0.5
+
+
+# ------------------------------------------------------------------------------------------------ the planner
+SPEC = MoESpec(moe_layers=3, num_experts=8, top_k=2, hidden=10, expert_intermediate=6, dense_params=1000)
+
+
+def test_moe_planner_formulas():
+    assert SPEC.expert_params == 3 * 8 * 3 * 10 * 6  # 4320
+    m = moe_memory(SPEC, dp=4, ep=2, zero_stage=1, precision="fp32")  # 4 + 4 B/param, 8 B of moments over dp / edp
+    assert m["dense"] == pytest.approx(1000 * (8 + 8 / 4)) and m["experts"] == pytest.approx(4320 / 2 * (8 + 8 / 2))
+    m3 = moe_memory(SPEC, dp=4, ep=4, zero_stage=3, precision="fp32")  # ep=dp: edp=1, experts unsharded by ZeRO
+    assert m3["experts"] == pytest.approx(4320 / 4 * 16) and m3["dense"] == pytest.approx(1000 * 16 / 4)
+    assert alltoall_bytes(SPEC, ep=1, tokens_per_rank=100) == 0
+    assert alltoall_bytes(SPEC, ep=4, tokens_per_rank=100, activation_bytes=2) == pytest.approx(
+        3 * 4 * 100 * 2 * 0.75 * 10 * 2
+    )
+    need = {ep: moe_memory(SPEC, dp=8, ep=ep)["total"] for ep in (1, 2, 4, 8)}
+    assert need[1] > need[2] > need[4] > need[8]
+    assert suggest_ep(SPEC, dp=8, budget_bytes=need[2], ranks_per_node=8) == 2
+    assert suggest_ep(SPEC, dp=8, budget_bytes=need[8] - 1, ranks_per_node=4) == 4  # none fits: the node's largest
+    with pytest.raises(ValueError, match="ep=3 does not divide dp=8"):
+        moe_memory(SPEC, dp=8, ep=3)
 
 
 # ------------------------------------------------------------------------------------------------ parity
@@ -138,6 +161,14 @@ def _train_layout(name: str, dims: ParallelDims, steps: int = 3) -> dict[str, fl
         assert opt.step()
         opt.zero_grad()
         losses.append(total.item() / dp)
+    if precision is None and "offload" not in name:  # the planner's model states against the buffers' bytes
+        psi_e = sum(p.numel() for n, p in _build(None, False).named_parameters() if ".experts." in n)
+        spec = MoESpec(moe_layers=2, num_experts=E, top_k=2, hidden=H, expert_intermediate=INTER, dense_params=1)
+        assert spec.expert_params == psi_e
+        want_e = moe_memory(spec, dp=dp, ep=dims.ep, zero_stage=stage, precision="fp32")["experts"]
+        got_e = opt.experts.memory_bytes()
+        got_e = sum(got_e[k] for k in ("params", "grads", "master", "optimizer_state"))
+        assert abs(got_e - want_e) <= 0.1 * want_e, (got_e, want_e)  # padding to whole shards aside
     dense = consolidated_state_dict(net, opt, rank0_only=False)  # stage 3: each optimizer gathers its own params
     experts = consolidated_state_dict(net, opt.experts, rank0_only=False)
     got = {k: (experts if ".experts." in k else dense)[k] for k in dense}
