@@ -11,7 +11,7 @@
 #                                                    there; run nothing
 #   bash bench/gpu_check.sh --only build_ext,train_bf16   only these steps (a rerun)
 #
-# Time: a global deadline (GPU_CHECK_DEADLINE, default 470 s: the run ends within 8 minutes) bounds the whole run.
+# Time: a global deadline (GPU_CHECK_DEADLINE, default 480 s: the run ends within 8 minutes) bounds the whole run.
 # Each step runs under min(its budget, the time left); a step that no longer fits is skipped and listed as such.
 # Test steps run pytest -v (a step killed at its limit still lists the tests that passed) with a per-test timeout
 # shorter than the step's budget, and junit XML.
@@ -26,7 +26,7 @@
 # A valid CUDA_HOME from the environment is kept; else nvcc's real location (links followed), else the TOP nvcc reports
 # itself (`nvcc --dryrun`: wrapper scripts), else /usr/local/cuda; valid means include/cuda_runtime.h and libcudart.
 # --plan and summary.md print it as CUDA_HOME=<path>.
-# Env: PYTHON (default python3), MAX_JOBS (16), TORCH_CUDA_ARCH_LIST (this GPU's arch), GPU_CHECK_DEADLINE (470),
+# Env: PYTHON (default python3), MAX_JOBS (16), TORCH_CUDA_ARCH_LIST (this GPU's arch), GPU_CHECK_DEADLINE (480),
 #      GPU_CHECK_WORKERS (pytest-xdist workers, 14), GPU_CHECK_WHEELHOUSE (.gpu-wheelhouse), LLMPAR_AUTOTUNE_CONFIGS
 #      for the tests (1: no autotuning) and GPU_CHECK_BENCH_CONFIGS for the benchmarks (2): Triton's GEMM autotunes
 #      over that many configs only.
@@ -36,7 +36,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 PY="${PYTHON:-python3}"
 SUMMARY_PY="$(command -v python3 || echo "$PY")"  # the summary helper needs the standard library only
-DEADLINE="${GPU_CHECK_DEADLINE:-470}"
+DEADLINE="${GPU_CHECK_DEADLINE:-480}"
 export MAX_JOBS="${MAX_JOBS:-16}"
 WORKERS="${GPU_CHECK_WORKERS:-14}"
 WHEELHOUSE="${GPU_CHECK_WHEELHOUSE:-$ROOT/.gpu-wheelhouse}"
@@ -49,7 +49,8 @@ STAMP="$(date -u +%Y%m%d-%H%M%S)"
 # Budgets from measured runs and static estimates: build_ext ~20-30 s with ninja (80-90 s without), tests_gpu_other
 # 35-55 s on 14 workers (~300 s serially, compile-bound), tests_gpu_bf16 about the same, bench_bucket ~35 s before its
 # table fix; env up to ~20 s (the first torch import on a cold image); bench_gemm 65-85 s (~26 Triton variants
-# compiled, ~30 autotuned keys, 32 CUDA graphs captured).
+# compiled, ~30 autotuned keys, 32 CUDA graphs captured); bench_grouped_mm ~15 s (an estimate: 4 Triton kernels
+# compiled without autotuning, 2 shapes x 3 cases x forward / forward + backward; it writes its table after each shape).
 PLAN=(
   "env|25|device, driver, python3 / torch / triton / nvcc versions; missing wheels from the wheelhouse (offline)"
   "install|15|pip install -e . --no-deps --no-build-isolation (offline)"
@@ -63,6 +64,7 @@ PLAN=(
   "bench_optim|35|FusedAdamW (every precision) vs torch AdamW, GPT parameter lists of 100M and 1B"
   "bench_gemm|85|linear_act vs cuBLAS, 8192 tokens x LLaMA 7B/8B MLP shapes, tp 1 and 8; parallel layers fwd+bwd"
   "bench_bucket|25|pack/unpack of a 1e8-element gradient bucket, every backend"
+  "bench_grouped_mm|15|MoE experts: Triton grouped GEMM vs torch._grouped_mm vs per-expert cuBLAS, DeepSeek-V3 / Qwen3 shapes"
 )
 NAMES=(); BUDGETS=(); WHATS=()
 for row in "${PLAN[@]}"; do
@@ -289,6 +291,9 @@ export LLMPAR_AUTOTUNE_CONFIGS="$BENCH_CONFIGS"
 run_step 9 "$PY" bench/bench_optim.py --device cuda --sizes 100M 1B --no-deepspeed --out "$RESULTS"
 run_step 10 "$PY" bench/bench_gemm.py --device cuda --tp 1 8 --out "$RESULTS"
 run_step 11 "$PY" bench/bench_bucket.py --device cuda --repeats 15 --out "$RESULTS"
+# one config per kernel (no autotuning: 4 Triton kernels compiled, shared by both shapes), uniform routing only
+run_step 12 env LLMPAR_AUTOTUNE_CONFIGS=1 "$PY" bench/bench_grouped_mm.py --device cuda --routing uniform --repeats 5 \
+  --out "$RESULTS"
 
 echo
 echo "| step              | status             | time  |"

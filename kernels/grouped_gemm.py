@@ -173,7 +173,7 @@ def grouped_mm(a, b, offs, c, *, epi: int = 0, dh=None, pre=None, allow_tf32: bo
         SAVE_PRE=pre is not None,
         IEEE=_ieee(b, allow_tf32),
         INTERPRETER=INTERPRETED,
-        E_BLOCK=triton.next_power_of_2(E),
+        E_BLOCK=max(128, triton.next_power_of_2(E)),  # one compiled kernel for every E <= 128
     )
 
     def grid(meta):

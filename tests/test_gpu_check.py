@@ -35,6 +35,7 @@ STEPS = (
     "bench_optim",
     "bench_gemm",
     "bench_bucket",
+    "bench_grouped_mm",
 )
 WHEELS = ROOT / "bench" / "gpu_wheelhouse.sh"
 
