@@ -1,0 +1,241 @@
+"""transformers' sparse MoE blocks swapped for :class:`~llmpar.moe.block.MoEBlock` holding the same weights.
+
+    from llmpar.moe.hf import swap_moe_blocks
+    model = AutoModelForCausalLM.from_pretrained(path)    # transformers' own loading (packed or per-expert files)
+    swap_moe_blocks(model, ep_group=None)                 # -> how many blocks were swapped
+
+Supported blocks (transformers >= 5, experts packed as ``gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]``, SiLU):
+
+============================  ====================================================================================
+``MixtralSparseMoeBlock``     softmax top-k, renormalised (``router_jitter_noise`` must be 0)
+``Qwen2MoeSparseMoeBlock``    softmax top-k (renormalised when ``norm_topk_prob``), a shared expert with a sigmoid gate
+``Qwen3MoeSparseMoeBlock``    softmax top-k (renormalised when ``norm_topk_prob``)
+``DeepseekV3MoE``             sigmoid scores + ``e_score_correction_bias`` to pick, group-limited (``n_group`` /
+                              ``topk_group``, top-2 sum), renormalised, ``routed_scaling_factor``; shared experts
+============================  ====================================================================================
+
+gpt-oss (``GptOssMLP``: a router with a bias and softmax after the top-k, experts with biases, a clamped SwiGLU on an
+interleaved gate/up layout) is not swapped: it stays transformers' block at ep=1 (a warning says so) and is refused
+with an expert-parallel group of more than one rank.
+
+Weights. With ``ep_group=None`` (or one rank) the swapped block holds transformers' Parameter objects themselves
+(router weight, packed experts, shared experts; DeepSeek's bias buffer): nothing is copied, and an optimizer built
+before the swap still steps them. With ep ranks, rank r keeps a copy of its slice ``[r E/ep, (r+1) E/ep)`` of the
+packed experts (the full tensors are then freed with the old block) and shares the rest. The swapped block's
+``state_dict`` uses transformers' names (``gate.weight``, ``experts.gate_up_proj``, ``shared_expert.*``,
+``shared_expert_gate.weight``, ``gate.e_score_correction_bias``) and ``load_state_dict`` accepts them, so
+``save_pretrained`` / ``from_pretrained`` of the model keep transformers' layout (at ep > 1 the experts saved are this
+rank's slice: gather them first). The router's auxiliary losses are the block's ``aux_loss`` (``MoEBlock``); the
+model's own ``router_logits`` are not recorded for swapped blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from llmpar.distributed import group_size
+from llmpar.moe.block import MoEBlock
+from llmpar.moe.experts import _tag_expert
+from llmpar.moe.router import RouterConfig
+
+logger = logging.getLogger("llmpar")
+NOT_SWAPPED = {"GptOssMLP": "gpt-oss's router bias, softmax after top-k, expert biases and clamped interleaved SwiGLU"}
+
+
+@dataclass
+class _Spec:
+    """What a transformers block is, in MoEBlock's terms, and which of its tensors are which of ours."""
+
+    num_experts: int
+    top_k: int
+    intermediate: int
+    router: RouterConfig
+    shared_intermediate: int = 0
+    shared_gate: bool = False
+    names: dict[str, str] = field(default_factory=dict)  # our name -> transformers' name (inside the block)
+
+
+def _check_silu(block: nn.Module) -> None:
+    act = getattr(getattr(block.experts, "config", None), "hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ValueError(f"{type(block).__name__}: experts with hidden_act={act!r} are not swapped (SiLU only)")
+
+
+def _packed(block: nn.Module) -> tuple[int, int]:
+    e, two_i, _ = block.experts.gate_up_proj.shape
+    if getattr(block.experts, "is_transposed", False) or not getattr(block.experts, "is_concatenated", True):
+        raise ValueError(f"{type(block).__name__}: experts not in the [E, 2I, H] concatenated layout")
+    return e, two_i // 2
+
+
+_EXPERT_NAMES = {
+    "router.weight": "gate.weight",
+    "experts.gate_up_proj": "experts.gate_up_proj",
+    "experts.down_proj": "experts.down_proj",
+}
+
+
+def _shared_names(hf: str) -> dict[str, str]:
+    return {f"shared_experts.{p}.weight": f"{hf}.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")}
+
+
+def _mixtral(block: nn.Module) -> _Spec:
+    if getattr(block, "jitter_noise", 0.0):
+        raise ValueError(
+            f"MixtralSparseMoeBlock with router_jitter_noise={block.jitter_noise} is not swapped (MoEBlock's router "
+            "has no jitter): set config.router_jitter_noise=0"
+        )
+    e, i = _packed(block)
+    return _Spec(e, block.gate.top_k, i, RouterConfig(route_norm=True), names=dict(_EXPERT_NAMES))
+
+
+def _qwen(block: nn.Module) -> _Spec:
+    e, i = _packed(block)
+    spec = _Spec(e, block.gate.top_k, i, RouterConfig(route_norm=bool(block.gate.norm_topk_prob)))
+    spec.names = dict(_EXPERT_NAMES)
+    if hasattr(block, "shared_expert"):  # Qwen2-MoE
+        spec.shared_intermediate, spec.shared_gate = block.shared_expert.gate_proj.weight.shape[0], True
+        spec.names |= _shared_names("shared_expert") | {"shared_experts.gate.weight": "shared_expert_gate.weight"}
+    return spec
+
+
+def _deepseek_v3(block: nn.Module) -> _Spec:
+    e, i = _packed(block)
+    gate = block.gate
+    router = RouterConfig(
+        score_func="sigmoid",
+        route_norm=bool(gate.norm_topk_prob),
+        routed_scaling_factor=float(gate.routed_scaling_factor),
+        n_group=int(gate.num_group),
+        topk_group=int(gate.topk_group),
+        expert_bias=True,
+    )
+    spec = _Spec(e, gate.top_k, i, router, shared_intermediate=block.shared_experts.gate_proj.weight.shape[0])
+    spec.names = dict(_EXPERT_NAMES) | _shared_names("shared_experts")
+    spec.names["router.expert_bias"] = "gate.e_score_correction_bias"
+    return spec
+
+
+SPECS: dict[str, Callable[[nn.Module], _Spec]] = {
+    "MixtralSparseMoeBlock": _mixtral,
+    "Qwen2MoeSparseMoeBlock": _qwen,
+    "Qwen3MoeSparseMoeBlock": _qwen,
+    "DeepseekV3MoE": _deepseek_v3,
+}
+
+
+class HFMoEBlock(MoEBlock):
+    """A :class:`MoEBlock` standing where a transformers block stood: its state dict speaks transformers' names
+    (``hf_names``: ours -> theirs, inside the block)."""
+
+    hf_names: dict[str, str]
+
+    def __init__(self, *args: Any, hf_names: dict[str, str], hf_class: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.hf_names, self.hf_class = dict(hf_names), hf_class
+        self._register_state_dict_hook(_to_hf_names)
+        self._register_load_state_dict_pre_hook(_from_hf_names, with_module=True)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, in place of transformers' {self.hf_class}"
+
+
+def _to_hf_names(module: HFMoEBlock, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+    for ours, theirs in module.hf_names.items():
+        if prefix + ours in state_dict:
+            state_dict[prefix + theirs] = state_dict.pop(prefix + ours)
+
+
+def _from_hf_names(module: HFMoEBlock, state_dict: dict, prefix: str, *args: Any) -> None:
+    for ours, theirs in module.hf_names.items():
+        if prefix + theirs in state_dict and ours != theirs:
+            state_dict[prefix + ours] = state_dict.pop(prefix + theirs)
+
+
+def _get(module: nn.Module, name: str) -> torch.Tensor:
+    for part in name.split("."):
+        module = getattr(module, part)
+    return module  # type: ignore[return-value]
+
+
+def _put(module: nn.Module, name: str, value: torch.Tensor) -> None:
+    *path, last = name.split(".")
+    for part in path:
+        module = getattr(module, part)
+    setattr(module, last, value)
+
+
+def swap_block(block: nn.Module, ep_group: Any = None) -> HFMoEBlock:
+    """The :class:`HFMoEBlock` holding ``block``'s weights (see the module docstring); ``block`` is left as it was."""
+    spec = SPECS[type(block).__name__](block)
+    _check_silu(block)
+    w = block.experts.gate_up_proj
+    ours = HFMoEBlock(
+        w.shape[-1],
+        spec.intermediate,
+        spec.num_experts,
+        spec.top_k,
+        ep_group=ep_group,
+        router=spec.router,
+        shared_intermediate_size=spec.shared_intermediate,
+        shared_gate=spec.shared_gate,
+        device="meta",
+        dtype=w.dtype,
+        hf_names=spec.names,
+        hf_class=type(block).__name__,
+    )
+    lo, n = ours.experts.first_expert, ours.experts.num_local_experts
+    for mine, theirs in spec.names.items():
+        tensor = _get(block, theirs)
+        if mine.startswith("experts."):
+            if ours.ep_size > 1:
+                tensor = nn.Parameter(tensor.detach()[lo : lo + n].clone(), requires_grad=tensor.requires_grad)
+            tensor = _tag_expert(tensor, ours.ep_size)  # type: ignore[arg-type]
+        _put(ours, mine, tensor)
+    if ours.router.expert_load is not None:
+        ours.router.expert_load = torch.zeros(spec.num_experts, device=w.device, dtype=torch.float32)
+    left = [n for n, t in [*ours.named_parameters(), *ours.named_buffers()] if t.is_meta]
+    if left:
+        raise RuntimeError(
+            f"{type(block).__name__}: no transformers tensor for {left} (a layout this swap does not know)"
+        )
+    ours.train(block.training)
+    return ours
+
+
+def swap_moe_blocks(model: nn.Module, ep_group: Any = None) -> int:
+    """Replace every supported transformers sparse MoE block of ``model`` (in place) by an :class:`HFMoEBlock`
+    holding the same weights, its experts spread over ``ep_group`` (None: all on this rank). Returns how many blocks
+    were swapped (0 for a model without one). Every rank of ``ep_group`` must call it on the same model (the blocks
+    check their arguments across the group). A block of gpt-oss is left as it is at ep=1 (with a warning) and raises
+    a ValueError with an expert-parallel group of more than one rank; a supported block in a configuration the swap
+    cannot reproduce (another activation, Mixtral's router jitter) raises a ValueError naming it."""
+    ep = 1 if ep_group is None else group_size(ep_group)
+    todo = [(name, m) for name, m in model.named_modules() if type(m).__name__ in SPECS]
+    for name, m in model.named_modules():
+        why = NOT_SWAPPED.get(type(m).__name__)
+        if why is None:
+            continue
+        if ep > 1:
+            raise ValueError(
+                f"{name} ({type(m).__name__}) cannot be spread over {ep} expert-parallel ranks: llmpar's MoE block "
+                f"does not reproduce {why}"
+            )
+        logger.warning(
+            "%s (%s) is left as transformers' block: llmpar's MoE block does not reproduce %s",
+            name,
+            type(m).__name__,
+            why,
+        )
+    for name, block in todo:
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, swap_block(block, ep_group))
+    return len(todo)
+
+
+__all__ = ["HFMoEBlock", "NOT_SWAPPED", "SPECS", "swap_block", "swap_moe_blocks"]
