@@ -1,8 +1,9 @@
 """Expert parallelism under ZeRO: the ``ep`` / ``edp`` groups of ``ParallelDims`` (which ranks, bad degrees), and a
 tiny model with two ``MoEBlock`` layers trained EP x DP x ZeRO-{1,2,3} on 4 CPU ranks (ep=2, edp=2) following one
 process on the whole batch to 1e-5 (losses, dense params, every rank's expert slice), with gradient clipping that
-binds (each expert counted once), the aux losses in the loss, CPU offload and int8 states, and one rank whose
-experts receive no tokens (its zero grads still reduced: no hang). One launch, every layout inside it."""
+binds (each expert counted once), the aux losses in the loss, CPU offload (optimizer; params at stage 3) and int8
+states, and (stage 3) one rank whose experts receive no tokens (its zero grads still reduced: no hang). One launch,
+every layout inside it."""
 
 from __future__ import annotations
 
@@ -118,6 +119,7 @@ LAYOUTS = {  # name: (stage, zero_config extras, state precision, clip)
     "zero2-clip-offload": (2, {"offload_optimizer": {"device": "cpu"}}, None, 0.05),
     "zero2-int8": (2, {}, "int8", None),
     "zero3-clip": (3, {"stage3_param_persistence_threshold": 0}, None, 0.05),
+    "zero3-offload-clip": (3, {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}, None, 0.05),
 }
 
 
