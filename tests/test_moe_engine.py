@@ -114,6 +114,9 @@ class _Lines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
+@pytest.mark.slow(
+    reason="the whole initialize path of an expert-parallel engine (spread, aux, biases, logs, refusals) in one launch"
+)
 @multirank(4, timeout=300)
 def test_initialize_spreads_experts_and_follows_one_process():
     rank, dp = dist.get_rank(), dist.get_world_size()
@@ -129,6 +132,8 @@ def test_initialize_spreads_experts_and_follows_one_process():
     with pytest.raises(ValueError, match="num_experts=8 is not divisible by ep=3"):
         bad = {**config, "expert_parallel": {"enabled": True, "autoep_size": 3}}
         llmpar.initialize(model=_Net(None, _router()), config=bad)
+    with pytest.raises(ValueError, match="autoep_size.*=2 with a .pipeline. block"):
+        llmpar.initialize(model=_Net(None, _router()), config={**config, "pipeline": {"stages": 2}})
     torch.manual_seed(0)
     net = _Net(None, _router())  # whole experts: spread at initialize
     lines = _Lines()

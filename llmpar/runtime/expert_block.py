@@ -189,4 +189,14 @@ def expert_parallel_block(block: Any) -> ExpertParallelConfig:
     )
 
 
-__all__ = ["PRESETS", "ExpertParallelConfig", "expert_parallel_block"]
+def refuse_ep_with_pipeline(ep: ExpertParallelConfig, pipeline: str) -> None:
+    """Expert parallelism with a pipeline (``pipeline`` names it: a "pipeline" block, a PipelineModule): refused, a
+    ValueError naming both (the pipeline engine's per-stage optimizers do not reduce experts over edp yet)."""
+    if ep.ep > 1:
+        raise ValueError(
+            f'"expert_parallel.autoep_size"={ep.autoep_size} with {pipeline}: expert parallelism is not supported '
+            "with pipeline parallelism yet; use one of them"
+        )
+
+
+__all__ = ["PRESETS", "ExpertParallelConfig", "expert_parallel_block", "refuse_ep_with_pipeline"]

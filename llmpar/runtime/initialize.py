@@ -40,6 +40,7 @@ from llmpar.runtime.build_engine import build_engine
 from llmpar.runtime.build_pipeline_engine import build_pipeline_engine
 from llmpar.runtime.client import client_optimizer, client_scheduler
 from llmpar.runtime.config import Blocks, Config, read_config
+from llmpar.runtime.expert_block import refuse_ep_with_pipeline
 from llmpar.runtime.logs import default_log_handler, log_initialized
 from llmpar.runtime.params import canonical_names, named_groups
 from llmpar.runtime.pipeline_engine import is_pipeline_module
@@ -184,6 +185,7 @@ def _build(
     if pipe_module:
         refuse_cp_with_pipeline(blocks.context_parallel, "a PipelineModule")
     if blocks.pipeline is not None or pipe_module:  # a PipelineModule: a pipeline engine, block or not
+        refuse_ep_with_pipeline(blocks.expert_parallel, 'a "pipeline" block' if not pipe_module else "a PipelineModule")
         if dp_group is not None or tp_group is not None or unit_policy is not None:
             raise ValueError(
                 'with a "pipeline" block llmpar.initialize splits the model itself: pass mesh= at '

@@ -55,6 +55,24 @@ def split_expert_groups(groups: list[dict]) -> tuple[list[dict], list[dict], lis
     return dense, experts, owner
 
 
+def refuse_spread_experts(groups: list[dict]) -> None:
+    """Params holding experts spread over ep > 1 ranks, given to a ZeroOptimizer without ``expert_group``: a
+    ValueError naming them (the dp reduction would average different experts' gradients). Same on every rank."""
+    spread = [
+        (n, int(getattr(p, "ep_size", 1)))
+        for g in groups
+        for n, p in zip(g["names"], g["params"])
+        if is_expert(p) and getattr(p, "ep_size", 1) > 1
+    ]
+    if spread:
+        names = ", ".join(n for n, _ in spread[:3]) + (f" and {len(spread) - 3} more" if len(spread) > 3 else "")
+        raise ValueError(
+            f"{names} hold experts spread over ep={spread[0][1]} ranks (expert_parallel) but no expert_group= was "
+            "given: reducing them over dp would average different experts; pass expert_group=ParallelDims(ep=...)"
+            '.group("edp") and ep_group=...group("ep") (llmpar.initialize does with an "expert_parallel" block)'
+        )
+
+
 def check_expert_groups(dp_group: Any, expert_group: Any, ep_group: Any) -> None:
     """``dp == edp * ep`` (the sizes of the groups), checked locally before any collective."""
     dp, edp = group_size(dp_group), group_size(expert_group)
@@ -91,6 +109,7 @@ __all__ = [
     "check_expert_groups",
     "is_expert",
     "joint_norm",
+    "refuse_spread_experts",
     "split_expert_groups",
     "sync_hyperparameters",
 ]

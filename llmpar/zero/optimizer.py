@@ -45,7 +45,7 @@ from llmpar.zero.buffers import build_buffers, frozen_buffers, layout_of
 from llmpar.zero.checkpointing import ZeroCheckpointing
 from llmpar.zero.compressed import compression
 from llmpar.zero.config import OptimizerConfig, ZeroConfig, param_groups
-from llmpar.zero.experts import check_expert_groups, split_expert_groups
+from llmpar.zero.experts import check_expert_groups, refuse_spread_experts, split_expert_groups
 from llmpar.zero.grads import GradReducer
 from llmpar.zero.init import default_device, materialize_sharded, remap_params, replace_meta_params
 from llmpar.zero.loss_scale import LossScaler
@@ -65,7 +65,9 @@ class ZeroOptimizer(ZeroStep, StepStatsView, ZeroCheckpointing, OptimizerStateDi
     scheduler between steps. The stage is ``zero_config.stage``, or ``stage=`` (default 2) without a zero_config
     (:meth:`ZeroConfig.resolve`). ``expert_group=`` / ``ep_group=``: the expert-data-parallel and expert-parallel
     groups; params tagged ``expert_parallel`` then go to ``self.experts``, a ZeroOptimizer over ``expert_group``
-    driven by this one (``experts.py``). ``state_dict()`` / ``load_state_dict()`` / ``destroy()``: ``state_dict.py``."""
+    driven by this one (``experts.py``; ``experts_only=True`` marks that one: its ``dp_group`` is the
+    expert-data-parallel group). Without ``expert_group`` params holding experts spread over ep > 1 ranks are
+    refused. ``state_dict()`` / ``load_state_dict()`` / ``destroy()``: ``state_dict.py``."""
 
     def __init__(
         self,
@@ -89,6 +91,7 @@ class ZeroOptimizer(ZeroStep, StepStatsView, ZeroCheckpointing, OptimizerStateDi
         ranks_per_node: int | None = None,
         expert_group: Group | None = None,
         ep_group: Group | None = None,
+        experts_only: bool = False,
     ) -> None:
         cfg = optimizer_config if optimizer_config is not None else OptimizerConfig()
         if isinstance(cfg, dict):
@@ -119,6 +122,8 @@ class ZeroOptimizer(ZeroStep, StepStatsView, ZeroCheckpointing, OptimizerStateDi
         if expert_group is not None:  # tagged expert params: a second optimizer over edp (``experts.py``)
             check_expert_groups(dp_group, expert_group, ep_group)
             groups, expert_groups, self._expert_owner = split_expert_groups(groups)
+        elif not experts_only:
+            refuse_spread_experts(groups)  # averaging different ranks' experts over dp would corrupt them
         if max_grad_norm is not None and not (0 < max_grad_norm < float("inf")):
             raise ValueError(f"max_grad_norm={max_grad_norm} must be a positive finite number or None")
         self.config, self.zero_config, self.stage = cfg, zcfg, stage
@@ -211,6 +216,7 @@ class ZeroOptimizer(ZeroStep, StepStatsView, ZeroCheckpointing, OptimizerStateDi
                 module=module,
                 unit_policy=unit_policy,
                 ranks_per_node=ranks_per_node,
+                experts_only=True,
             )
             self.experts.reducer.scale = 1.0 / self.dp  # the mean over every dp rank's loss (``experts.py``)
         self.stage3: Stage3Runtime | None = None
