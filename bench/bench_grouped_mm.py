@@ -5,10 +5,11 @@
     (bench/gpu_check.sh: --device cuda --routing uniform, LLMPAR_AUTOTUNE_CONFIGS=1)
 
 CPU (``--device cpu``): forward + backward of the MoE block (input gradient included, Qwen3-MoE block shapes, one
-thread: bench/bench_moe_layer.py's setup) with llmpar's experts through ``grouped_mm`` ("llmpar"), with the per-expert
-``F.linear`` loop they ran before ("llmpar_before"), and transformers' block with its eager experts (the baseline)
-and its ``grouped_mm`` experts backend; outputs checked to agree (1e-5) first. Goals (issue 44): llmpar <= 0.5x
-transformers eager, faster than transformers grouped_mm at 8+ experts. Results: bench/results/moe_grouped_mm_cpu.*.
+thread: bench/bench_moe_layer.py's setup) with llmpar's experts through ``grouped_mm`` and the unpermute op
+("llmpar"), with the per-expert ``F.linear`` loop and the autograd composition of the unpermute they ran before
+("llmpar_before"), and transformers' block with its eager experts (the baseline) and its ``grouped_mm`` experts
+backend; outputs checked to agree (1e-5) first. Goals (issue 44): llmpar <= 0.5x transformers eager, faster than
+transformers grouped_mm at 8+ experts. Results: bench/results/moe_grouped_mm_cpu.*.
 
 GPU (``--device cuda``): the experts alone, SwiGLU experts over tokens sorted by expert (``grouped_swiglu``: the
 gate/up GEMM with SwiGLU, then the down GEMM), bf16, at
@@ -53,6 +54,21 @@ def per_expert_loop(x: torch.Tensor, counts, gate_up: torch.Tensor, down: torch.
     return torch.cat(outs, dim=0)
 
 
+def combine_before(y: torch.Tensor, meta) -> torch.Tensor:
+    """The experts' rows back in token order, weighed, as llmpar ran it before the unpermute op: a scatter into slot
+    order, then the k weighted slots summed left to right in fp32, under autograd (its backward zero-fills a
+    [T, k, H] buffer per slot and adds them)."""
+    T, k, h = meta.num_tokens, meta.top_k, y.shape[-1]
+    full = meta.order.numel() == T * k
+    base = y.new_empty(T * k, h) if full else y.new_zeros(T * k, h)
+    y3 = base.index_copy(0, meta.order, y).view(T, k, h).to(torch.promote_types(y.dtype, torch.float32))
+    w = meta.weights.to(y3.dtype)
+    out = y3[:, 0] * w[:, 0:1]
+    for j in range(1, k):
+        out = out + y3[:, j] * w[:, j : j + 1]
+    return out.to(meta.dtype)
+
+
 # ---------------------------------------------------------------------------------------------------------- CPU
 
 
@@ -71,6 +87,7 @@ def run_cpu(args) -> None:
         before.load_state_dict(blocks["llmpar"].state_dict())
         ex = before.experts
         ex.forward = lambda x, counts, ex=ex: per_expert_loop(x, counts, ex.gate_up_proj, ex.down_proj)
+        before.dispatcher.combine = combine_before
         blocks["llmpar_before"] = before
         gen = torch.Generator().manual_seed(1)
         x = torch.randn(args.batch, args.seq, args.hidden, generator=gen).requires_grad_()
@@ -96,7 +113,8 @@ def run_cpu(args) -> None:
         meta = {
             "transformers": transformers.__version__,
             "what": "MoE block forward + backward (input gradient included), Qwen3-MoE block shapes; llmpar's experts "
-            "through llmpar.ops.grouped_mm (torch path on CPU) vs the per-expert F.linear loop before it",
+            "through llmpar.ops.grouped_mm and its unpermute op (torch paths on CPU) vs the per-expert F.linear loop "
+            "and the autograd unpermute before them",
             "hidden": args.hidden,
             "intermediate": args.intermediate,
             "threads": torch.get_num_threads(),

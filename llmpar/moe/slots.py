@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 
 from llmpar.moe.router import Routing
+from llmpar.ops.moe_permute import permute_rows, unpermute_rows
 
 STATUS_TEXT = {1: "its router produced non-finite logits (NaN or inf)", 2: "its input to the MoE layer was refused"}
 
@@ -112,62 +113,19 @@ def nonfinite_message(nonfinite: int, num_tokens: int, where: str) -> str:
     )
 
 
-def _scatter_rows(rows: torch.Tensor, order: torch.Tensor, n: int) -> torch.Tensor:
-    """``[n, H]`` with row ``order[i]`` = ``rows[i]``, the others zero (no zero fill when every row is written)."""
-    out = rows.new_empty((n, rows.shape[-1])) if order.numel() == n else rows.new_zeros((n, rows.shape[-1]))
-    return out.index_copy_(0, order, rows)
-
-
-class _GatherSlots(torch.autograd.Function):
-    """``x_sorted = x[order // k]``; backward: each token's gradient is the sum over its k slots, taken in slot
-    order through a ``[T, k, H]`` buffer (no scatter-add, so deterministic on every device)."""
-
-    @staticmethod
-    def forward(ctx, x, order, top_k):  # type: ignore[override]
-        ctx.save_for_backward(order)
-        ctx.top_k, ctx.num_tokens = top_k, x.shape[0]
-        return x.index_select(0, torch.div(order, top_k, rounding_mode="floor"))
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        (order,) = ctx.saved_tensors
-        T, k = ctx.num_tokens, ctx.top_k
-        slots = _scatter_rows(grad, order, T * k)
-        return slots.view(T, k, grad.shape[-1]).sum(dim=1), None, None
-
-
-class _UnsortSlots(torch.autograd.Function):
-    """``slots[order[i]] = y[i]`` (``[T k, H]``, dropped slots zero); backward: ``grad[order]``."""
-
-    @staticmethod
-    def forward(ctx, y, order, n):  # type: ignore[override]
-        ctx.save_for_backward(order)
-        return _scatter_rows(y, order, n)
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        (order,) = ctx.saved_tensors
-        return grad.index_select(0, order), None, None
-
-
 def gather_slots(x: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tensor:
-    """The rows of the kept slots, sorted: ``x: [T, H]`` -> ``[N_kept, H]`` with row i = ``x[order[i] // top_k]``."""
-    return _GatherSlots.apply(x, order, top_k)
+    """The rows of the kept slots, sorted: ``x: [T, H]`` -> ``[N_kept, H]`` with row i = ``x[order[i] // top_k]``;
+    backward: each token's gradient is the sum over its k slots in slot order (deterministic on every device).
+    One op: ``llmpar.ops.moe_permute.permute_rows``."""
+    return permute_rows(x, order, top_k)
 
 
 def combine_slots(y: torch.Tensor, meta: DispatchMeta) -> torch.Tensor:
     """Undo the sort of :func:`plan_slots` and weigh: ``out_t = sum_j w_tj * y_slot(t, j)`` in fp32 (fp64 for fp64),
     the k slots summed left to right; dropped slots count as zero. ``y: [N_kept, H]`` -> ``[T, H]`` in
-    ``meta.dtype``."""
-    T, k = meta.num_tokens, meta.top_k
-    slots = _UnsortSlots.apply(y, meta.order, T * k)
-    acc_dtype = torch.promote_types(y.dtype, torch.float32)
-    y3 = slots.view(T, k, y.shape[-1]).to(acc_dtype)
-    w = meta.weights.to(acc_dtype)
-    acc = y3[:, 0] * w[:, 0:1]
-    for j in range(1, k):
-        acc = acc + y3[:, j] * w[:, j : j + 1]
-    return acc.to(meta.dtype)
+    ``meta.dtype``. One op with the weights applied as the rows are put back: ``llmpar.ops.moe_permute.unpermute_rows``
+    (equal bitwise to the plain composition on its torch path)."""
+    return unpermute_rows(y, meta.order, meta.weights, meta.num_tokens, meta.dtype)
 
 
 __all__ = [

@@ -17,6 +17,7 @@ from llmpar.ops.cpu_adam import cpu_adamw_step
 from llmpar.ops.gemm import ACTIVATIONS, linear_act, linear_act_backward, linear_act_rows
 from llmpar.ops.grad_norm import clip_coefficient, grad_norm
 from llmpar.ops.grouped_gemm import grouped_mm, grouped_swiglu
+from llmpar.ops.moe_permute import permute_rows, unpermute_rows
 
 __all__ = [
     "BACKENDS",
@@ -40,4 +41,6 @@ __all__ = [
     "flash_attention",
     "grouped_mm",
     "grouped_swiglu",
+    "permute_rows",
+    "unpermute_rows",
 ]
