@@ -154,3 +154,30 @@ def test_interp_kernels_vs_float64(monkeypatch, dtype, T, k, H, drop):
 def test_gpu_vs_float64(monkeypatch, dtype, backend):
     monkeypatch.setenv("LLMPAR_BACKEND", backend)
     _check_vs_float64(*_case(1000, 8, 1031, dtype, drop=300, seed=4, device="cuda"))
+
+
+@in_main
+def test_kernels_compile_for_sm80_and_sm90(monkeypatch):
+    """Both kernels as a launch specialises them (tests/triton_aot.py), compiled for A100 and H100, no GPU needed."""
+    pytest.importorskip("triton")
+    from triton_aot import Recorder, compile_like_launcher
+
+    from llmpar.kernels import moe_permute as kernels
+
+    if kernels.INTERPRETED:
+        pytest.skip("TRITON_INTERPRET=1: kernels are interpreted in this process")
+    x, y, order, w, dy = _case(23, 3, 1031, torch.bfloat16, drop=5)
+    launches = []
+    for name, launch in (
+        ("_gather_sum_kernel", lambda: kernels.gather_sum(y, order, w.view(-1), dy, 3)),
+        ("_unpermute_bwd_kernel", lambda: kernels.unpermute_backward(dy, y, order, w.view(-1), y, w.view(-1), 3)),
+    ):
+        real, rec = getattr(kernels, name), Recorder()
+        monkeypatch.setattr(kernels, name, rec)
+        launch()
+        monkeypatch.undo()
+        launches.append((real, *rec.calls[0]))
+    for arch in (80, 90):
+        for kernel, args, kw in launches:
+            compiled = compile_like_launcher(kernel, args, kw, arch=arch)
+            assert compiled.metadata.shared <= 48 * 1024, (arch, kernel)
