@@ -13,7 +13,7 @@ import copy
 import pytest
 import torch
 
-from llmpar.moe.hf import HFMoEBlock, swap_moe_blocks
+from llmpar.moe.hf import SPECS, HFMoEBlock, swap_moe_blocks
 
 transformers = pytest.importorskip("transformers")
 
@@ -83,6 +83,8 @@ def _model(name: str):
     torch.manual_seed(0)
     cfg = _config(name)
     cfg._attn_implementation = "eager"
+    if hasattr(cfg, "output_router_logits"):  # the load-balancing loss from the recorded router logits, in the loss
+        cfg.output_router_logits, cfg.router_aux_loss_coef = True, 0.3
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():  # every MoE tensor random and not small (the routers start at zero in some models)
         for n, t in [*model.named_parameters(), *model.named_buffers()]:
@@ -106,7 +108,12 @@ def _run(model, ids):
     model.zero_grad(set_to_none=True)
     out = model(input_ids=ids, labels=ids)
     out.loss.backward()
-    return out.logits.detach(), _grads(model)
+    if model.config.to_dict().get("output_router_logits"):
+        blocks = sum(isinstance(m, HFMoEBlock) or type(m).__name__ in SPECS for m in model.modules())
+        assert len(out.router_logits) == blocks
+        if model.config.model_type != "deepseek_v3":  # DeepSeek-V3 records them but adds no loss of them
+            assert float(out.aux_loss) > 0.5
+    return torch.cat([out.logits.detach().flatten(), out.loss.detach().view(1)]), _grads(model)
 
 
 def _close(a, b, what, scale: float = 0.0):
@@ -127,6 +134,8 @@ def test_swapped_model_equals_transformers(name):
     blocks = [m for m in model.modules() if type(m).__name__ in ("MixtralSparseMoeBlock", "DeepseekV3MoE")]
     blocks += [m for m in model.modules() if type(m).__name__.endswith("MoeSparseMoeBlock")]
     experts = [b.experts.gate_up_proj for b in blocks]
+    if name == "mixtral":  # a forward before the swap: the model's output hooks are then installed already
+        model(input_ids=torch.zeros(1, 3, dtype=torch.long))
     swapped = swap_moe_blocks(model)
     assert swapped == len(blocks) == (1 if name == "deepseek_v3" else LAYERS)
     ours = [m for m in model.modules() if isinstance(m, HFMoEBlock)]
@@ -135,7 +144,7 @@ def test_swapped_model_equals_transformers(name):
     assert model.state_dict().keys() == ref.state_dict().keys()  # transformers' names
     ids = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(1))
     (la, ga), (lb, gb) = _run(ref, ids), _run(model, ids)
-    _close(lb, la, "logits")
+    _close(lb, la, "logits and loss")
     assert gb.keys() == ga.keys()
     for n in ga:
         _close(gb[n], ga[n], f"gradient of {n}", _scale(ga))

@@ -25,8 +25,8 @@ packed experts (the full tensors are then freed with the old block) and shares t
 ``state_dict`` uses transformers' names (``gate.weight``, ``experts.gate_up_proj``, ``shared_expert.*``,
 ``shared_expert_gate.weight``, ``gate.e_score_correction_bias``) and ``load_state_dict`` accepts them, so
 ``save_pretrained`` / ``from_pretrained`` of the model keep transformers' layout (at ep > 1 the experts saved are this
-rank's slice: gather them first). The router's auxiliary losses are the block's ``aux_loss`` (``MoEBlock``); the
-model's own ``router_logits`` are not recorded for swapped blocks.
+rank's slice: gather them first). The model's recorded ``router_logits`` (``output_router_logits=True``, its
+load-balancing loss) are the swapped blocks' router logits (fp32).
 """
 
 from __future__ import annotations
@@ -131,7 +131,10 @@ SPECS: dict[str, Callable[[nn.Module], _Spec]] = {
 
 class HFMoEBlock(MoEBlock):
     """A :class:`MoEBlock` standing where a transformers block stood: its state dict speaks transformers' names
-    (``hf_names``: ours -> theirs, inside the block)."""
+    (``hf_names``: ours -> theirs, inside the block). ``router.router_record`` (set by :func:`swap_block`: a child of
+    the router holding no tensor) is called with each forward's ``(logits, weights, indices)`` as transformers'
+    router returns them, so the model's recorded ``router_logits`` (``output_router_logits=True``: its
+    load-balancing loss) come from the swapped block."""
 
     hf_names: dict[str, str]
 
@@ -140,9 +143,27 @@ class HFMoEBlock(MoEBlock):
         self.hf_names, self.hf_class = dict(hf_names), hf_class
         self._register_state_dict_hook(_to_hf_names)
         self._register_load_state_dict_pre_hook(_from_hf_names, with_module=True)
+        self.router.register_forward_hook(_record_routing)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, in place of transformers' {self.hf_class}"
+
+
+def _record_routing(router: nn.Module, args: Any, routing: Any) -> None:
+    record = getattr(router, "router_record", None)
+    if record is not None:
+        record(routing.logits, routing.weights, routing.indices)
+
+
+def _recorder(hf_router: nn.Module) -> nn.Module:
+    """A parameter-free instance of transformers' router class (so the model's output-capturing hooks match it) that
+    returns what it is given; it takes over the hooks already installed on ``hf_router``."""
+    cls = type(hf_router)
+    rec_cls = type(f"Recorded{cls.__name__}", (cls,), {"forward": lambda self, *outputs: outputs})
+    rec = rec_cls.__new__(rec_cls)
+    nn.Module.__init__(rec)
+    rec._forward_hooks.update(hf_router._forward_hooks)
+    return rec
 
 
 def _to_hf_names(module: HFMoEBlock, state_dict: dict, prefix: str, local_metadata: Any) -> None:
@@ -204,6 +225,9 @@ def swap_block(block: nn.Module, ep_group: Any = None) -> HFMoEBlock:
         raise RuntimeError(
             f"{type(block).__name__}: no transformers tensor for {left} (a layout this swap does not know)"
         )
+    router = getattr(block, "gate", None)
+    if isinstance(router, nn.Module):
+        ours.router.router_record = _recorder(router)
     ours.train(block.training)
     return ours
 
