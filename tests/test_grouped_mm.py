@@ -284,6 +284,16 @@ def test_interp_one_group_and_zero_rows(monkeypatch, counts):
 
 
 @interpreted
+def test_interp_noncontiguous_gradient(monkeypatch):
+    """A column-major output gradient reaches the kernels as it is (they take any strides)."""
+    monkeypatch.setenv("LLMPAR_BACKEND", "triton")
+    case = make_case([5, 0, 20], 18, 34, "swiglu", torch.bfloat16, seed=12, recompute=True)
+    case.dy = case.dy.t().contiguous().t()
+    assert not case.dy.is_contiguous()
+    assert_within(case, run_op(case), fused=True, truncates=True, what="column-major dy")
+
+
+@interpreted
 def test_interp_dispatch(monkeypatch):
     monkeypatch.delenv("LLMPAR_BACKEND", raising=False)
     x, w = torch.randn(4, 3), torch.randn(2, 3, 5)
