@@ -60,13 +60,13 @@ class _Spec:
     names: dict[str, str] = field(default_factory=dict)  # our name -> transformers' name (inside the block)
 
 
-def _check_silu(block: nn.Module) -> None:
+def _check_silu(block: Any) -> None:
     act = getattr(getattr(block.experts, "config", None), "hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise ValueError(f"{type(block).__name__}: experts with hidden_act={act!r} are not swapped (SiLU only)")
 
 
-def _packed(block: nn.Module) -> tuple[int, int]:
+def _packed(block: Any) -> tuple[int, int]:
     e, two_i, _ = block.experts.gate_up_proj.shape
     if getattr(block.experts, "is_transposed", False) or not getattr(block.experts, "is_concatenated", True):
         raise ValueError(f"{type(block).__name__}: experts not in the [E, 2I, H] concatenated layout")
@@ -84,7 +84,7 @@ def _shared_names(hf: str) -> dict[str, str]:
     return {f"shared_experts.{p}.weight": f"{hf}.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")}
 
 
-def _mixtral(block: nn.Module) -> _Spec:
+def _mixtral(block: Any) -> _Spec:
     if getattr(block, "jitter_noise", 0.0):
         raise ValueError(
             f"MixtralSparseMoeBlock with router_jitter_noise={block.jitter_noise} is not swapped (MoEBlock's router "
@@ -94,7 +94,7 @@ def _mixtral(block: nn.Module) -> _Spec:
     return _Spec(e, block.gate.top_k, i, RouterConfig(route_norm=True), names=dict(_EXPERT_NAMES))
 
 
-def _qwen(block: nn.Module) -> _Spec:
+def _qwen(block: Any) -> _Spec:
     e, i = _packed(block)
     spec = _Spec(e, block.gate.top_k, i, RouterConfig(route_norm=bool(block.gate.norm_topk_prob)))
     spec.names = dict(_EXPERT_NAMES)
@@ -104,7 +104,7 @@ def _qwen(block: nn.Module) -> _Spec:
     return spec
 
 
-def _deepseek_v3(block: nn.Module) -> _Spec:
+def _deepseek_v3(block: Any) -> _Spec:
     e, i = _packed(block)
     gate = block.gate
     router = RouterConfig(
@@ -121,7 +121,7 @@ def _deepseek_v3(block: nn.Module) -> _Spec:
     return spec
 
 
-SPECS: dict[str, Callable[[nn.Module], _Spec]] = {
+SPECS: dict[str, Callable[[Any], _Spec]] = {
     "MixtralSparseMoeBlock": _mixtral,
     "Qwen2MoeSparseMoeBlock": _qwen,
     "Qwen3MoeSparseMoeBlock": _qwen,
@@ -159,7 +159,7 @@ def _recorder(hf_router: nn.Module) -> nn.Module:
     """A parameter-free instance of transformers' router class (so the model's output-capturing hooks match it) that
     returns what it is given; it takes over the hooks already installed on ``hf_router``."""
     cls = type(hf_router)
-    rec_cls = type(f"Recorded{cls.__name__}", (cls,), {"forward": lambda self, *outputs: outputs})
+    rec_cls: Any = type(f"Recorded{cls.__name__}", (cls,), {"forward": lambda self, *outputs: outputs})
     rec = rec_cls.__new__(rec_cls)
     nn.Module.__init__(rec)
     rec._forward_hooks.update(hf_router._forward_hooks)
@@ -191,7 +191,7 @@ def _put(module: nn.Module, name: str, value: torch.Tensor) -> None:
     setattr(module, last, value)
 
 
-def swap_block(block: nn.Module, ep_group: Any = None) -> HFMoEBlock:
+def swap_block(block: Any, ep_group: Any = None) -> HFMoEBlock:
     """The :class:`HFMoEBlock` holding ``block``'s weights (see the module docstring); ``block`` is left as it was."""
     spec = SPECS[type(block).__name__](block)
     _check_silu(block)

@@ -45,7 +45,8 @@ def _group_name(param: torch.Tensor) -> str:
 def split_params_into_shared_and_expert_params(
     params: list[nn.Parameter],
 ) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-    shared, expert = [], []
+    shared: list[nn.Parameter] = []
+    expert: list[nn.Parameter] = []
     for p in params:
         (expert if is_moe_param(p) else shared).append(p)
     return shared, expert
@@ -55,7 +56,8 @@ def split_params_grads_into_shared_and_expert_params(
     group: list[nn.Parameter],
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(the non-expert gradients, the expert gradients), each cast to its parameter's dtype; no-grad params skipped."""
-    shared, expert = [], []
+    shared: list[torch.Tensor] = []
+    expert: list[torch.Tensor] = []
     for p in group:
         if p.grad is not None:
             (expert if is_moe_param(p) else shared).append(p.grad.to(p.dtype))
