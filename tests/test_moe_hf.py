@@ -112,7 +112,7 @@ def _run(model, ids):
         blocks = sum(isinstance(m, HFMoEBlock) or type(m).__name__ in SPECS for m in model.modules())
         assert len(out.router_logits) == blocks
         if model.config.model_type != "deepseek_v3":  # DeepSeek-V3 records them but adds no loss of them
-            assert float(out.aux_loss) > 0.5
+            assert float(out.aux_loss.detach()) > 0.5
     return torch.cat([out.logits.detach().flatten(), out.loss.detach().view(1)]), _grads(model)
 
 
