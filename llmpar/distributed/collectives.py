@@ -60,7 +60,7 @@ def _unsupported(err: Exception) -> bool:
 
 def all_reduce(
     tensor: torch.Tensor,
-    group: Group,
+    group: "Group | GroupRef",
     *,
     op: str = "sum",
     async_op: bool = False,
@@ -144,7 +144,7 @@ def reduce_scatter_scratch_numel(input: torch.Tensor, group: "Group | GroupRef")
 def reduce_scatter_flat(
     output: torch.Tensor,
     input: torch.Tensor,
-    group: Group,
+    group: "Group | GroupRef",
     *,
     op: str = "sum",
     async_op: bool = False,
@@ -258,7 +258,7 @@ def _reduce_scatter(
 def all_gather_flat(
     output: torch.Tensor,
     input: torch.Tensor,
-    group: Group,
+    group: "Group | GroupRef",
     *,
     async_op: bool = False,
     counter: CommCounter | None = None,
@@ -296,7 +296,7 @@ def all_gather_flat(
 def broadcast(
     tensor: torch.Tensor,
     src: int,
-    group: Group,
+    group: "Group | GroupRef",
     *,
     async_op: bool = False,
     counter: CommCounter | None = None,
@@ -316,7 +316,7 @@ def broadcast(
     return handle_or_wait(async_op, [work], None, what, pg, entry)
 
 
-def barrier(group: Group, *, what: str = "barrier") -> None:
+def barrier(group: "Group | GroupRef", *, what: str = "barrier") -> None:
     pg = as_group(group)
     entry = RECORDER.start(pg, "barrier", None, what)
     with failing_as(what, pg):
@@ -327,7 +327,7 @@ def barrier(group: Group, *, what: str = "barrier") -> None:
 def broadcast_coalesced(
     tensors: list[torch.Tensor],
     src: int,
-    group: Group,
+    group: "Group | GroupRef",
     *,
     bucket_numel: int = 1 << 25,
     counter: CommCounter | None = None,

@@ -60,15 +60,15 @@ def as_group(group: "Group | GroupRef") -> dist.ProcessGroup:
     raise TypeError(f"group must be a ProcessGroup, a 1-D DeviceMesh or a GroupRef, got {type(group).__name__}")
 
 
-def group_size(group: Group) -> int:
+def group_size(group: "Group | GroupRef") -> int:
     return dist.get_world_size(as_group(group))
 
 
-def group_rank(group: Group) -> int:
+def group_rank(group: "Group | GroupRef") -> int:
     return dist.get_rank(as_group(group))
 
 
-def global_rank(group: Group, local: int) -> int:
+def global_rank(group: "Group | GroupRef", local: int) -> int:
     """Global rank of the member ``local`` of ``group``."""
     pg = as_group(group)
     size = dist.get_world_size(pg)

@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from llmpar.distributed.groups import Group, as_group, global_rank
+from llmpar.distributed.groups import Group, GroupRef, as_group, global_rank
 from llmpar.distributed.handle import Handle
 
 
@@ -49,22 +49,22 @@ def _p2p_kwargs(fn: Callable, key: str, peer: int, pg: dist.ProcessGroup) -> dic
     return {key: global_rank(pg, peer), "group": pg}
 
 
-def send(tensor: torch.Tensor, dst: int, group: Group) -> None:
+def send(tensor: torch.Tensor, dst: int, group: "Group | GroupRef") -> None:
     pg = as_group(group)
     dist.send(tensor, **_p2p_kwargs(dist.send, "dst", dst, pg))
 
 
-def recv(tensor: torch.Tensor, src: int, group: Group) -> None:
+def recv(tensor: torch.Tensor, src: int, group: "Group | GroupRef") -> None:
     pg = as_group(group)
     dist.recv(tensor, **_p2p_kwargs(dist.recv, "src", src, pg))
 
 
-def isend(tensor: torch.Tensor, dst: int, group: Group) -> Handle:
+def isend(tensor: torch.Tensor, dst: int, group: "Group | GroupRef") -> Handle:
     pg = as_group(group)
     return Handle([dist.isend(tensor, **_p2p_kwargs(dist.isend, "dst", dst, pg))])
 
 
-def irecv(tensor: torch.Tensor, src: int, group: Group) -> Handle:
+def irecv(tensor: torch.Tensor, src: int, group: "Group | GroupRef") -> Handle:
     pg = as_group(group)
     return Handle([dist.irecv(tensor, **_p2p_kwargs(dist.irecv, "src", src, pg))])
 

@@ -142,6 +142,7 @@ def adamw_lowbit_step(
             gscale=1.0 if gscale is None else float(gscale),
         )
         if master is not None:
+            assert ref.master is not None  # adamw_lowbit_reference returns a master exactly when given one
             master.view(-1).copy_(ref.master)
         p.view(-1).copy_(ref.param)
         for t, new in (

@@ -200,20 +200,17 @@ def adamw_step(
     with torch.no_grad():
         torch._foreach_add_(steps, 1.0)
         if live:
-            sel = [[lst[i] for i in live] for lst in (params, grads, exp_avgs, exp_avg_sqs, steps)]
+            sp, sg, sm, sv, ss = ([lst[i] for i in live] for lst in (params, grads, exp_avgs, exp_avg_sqs, steps))
             ex = [extras[i] for i in live] if extras is not None else None
-            hyper = dict(
-                lr=lr, beta1=float(beta1), beta2=float(beta2), eps=float(eps), weight_decay=float(weight_decay)
-            )
             if backend == "cuda":
                 lr_t = lr if isinstance(lr, torch.Tensor) else None
                 torch.ops.llmpar.adamw_step(
-                    sel[0],
-                    sel[1],
-                    sel[2],
-                    sel[3],
+                    sp,
+                    sg,
+                    sm,
+                    sv,
                     ex or [],
-                    sel[4],
+                    ss,
                     [salts[i] for i in live],
                     mode_code(precision),
                     0.0 if lr_t is not None else float(lr),
@@ -229,28 +226,42 @@ def adamw_step(
             elif backend == "triton":
                 from llmpar.kernels import adamw as triton_adamw
 
-                hyper["lr"] = lr if isinstance(lr, torch.Tensor) else float(lr)
                 triton_adamw.step(
-                    *sel[:4],
+                    sp,
+                    sg,
+                    sm,
+                    sv,
                     ex,
-                    sel[4],
+                    ss,
                     [salts[i] for i in live],
                     mode=mode_code(precision),
+                    lr=lr if isinstance(lr, torch.Tensor) else float(lr),
+                    beta1=float(beta1),
+                    beta2=float(beta2),
+                    eps=float(eps),
+                    weight_decay=float(weight_decay),
                     gscale=gscale,
                     found_inf=found_inf,
                     seed=seed,
-                    **hyper,
                 )
             else:
                 torch_step(
                     precision,
-                    *sel,
+                    sp,
+                    sg,
+                    sm,
+                    sv,
+                    ss,
                     ex,
                     [salts[i] for i in live],
+                    lr=lr,
+                    beta1=float(beta1),
+                    beta2=float(beta2),
+                    eps=float(eps),
+                    weight_decay=float(weight_decay),
                     gscale=gscale,
                     found_inf=found_inf,
                     seed=seed,
-                    **hyper,
                 )
         if found_inf is not None:  # a skipped step does not count: undo the increment where found_inf != 0
             skipped = (found_inf.to(steps[0].device).reshape(()) != 0).to(torch.float32)

@@ -12,7 +12,8 @@ lr, steps and found_inf are read on the host (a sync on CUDA).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -85,18 +86,22 @@ def _log_beta(beta: float) -> float:
     return math.log(beta) if beta > 0.0 else float("-inf")
 
 
-def _chunks(lists: list[list[torch.Tensor | None]], limit: int) -> Iterator[tuple[list[int], list[list]]]:
-    """Batches of flat slices of at most ``limit`` elements: (tensor index per slice, per list the slices)."""
+def _chunks(
+    sizes: Sequence[torch.Tensor], lists: Sequence[Sequence[torch.Tensor | None]], limit: int
+) -> Iterator[tuple[list[int], list[list[Any]]]]:
+    """Batches of flat slices of at most ``limit`` elements, cut where ``sizes``' tensors are (the params): (tensor
+    index per slice, per list the slices of its tensors there; None where a list holds None)."""
     owner: list[int] = []
-    out: list[list] = [[] for _ in lists]
+    out: list[list[Any]] = [[] for _ in lists]
     size = 0
-    for i in range(len(lists[0])):
-        numel = lists[0][i].numel()
+    for i, lead in enumerate(sizes):
+        numel = lead.numel()
         for start in range(0, numel, limit):
             stop = min(start + limit, numel)
             owner.append(i)
             for k, lst in enumerate(lists):
-                out[k].append(None if lst[i] is None else lst[i].view(-1)[start:stop])
+                t = lst[i]
+                out[k].append(None if t is None else t.view(-1)[start:stop])
             size += stop - start
             if size >= limit:
                 yield owner, out
@@ -145,7 +150,7 @@ def _torch_low_precision(
     if precision == "fp32_master" and _fused_available(device):
         inv = None if gscale is None else torch.reciprocal(gscale.to(device, torch.float32).reshape(()))
         fi = None if found_inf is None else (found_inf != 0).to(device, torch.float32).reshape(())
-        for owner, (p, g, m, v, x) in _chunks([params, grads, exp_avgs, exp_avg_sqs, extras], _CHUNK):
+        for owner, (p, g, m, v, x) in _chunks(params, [params, grads, exp_avgs, exp_avg_sqs, extras], _CHUNK):
             g32 = [t.float() for t in g]
             torch._fused_adamw_(
                 x,
@@ -171,9 +176,9 @@ def _torch_low_precision(
     lr = float(lr)
     gs = None if gscale is None else float(gscale)
     gen = torch.Generator(device=device)
-    step_of = torch.stack(steps).tolist() if precision == "bf16_sr" else None  # one host read for the seeds
+    step_of: list[float] = torch.stack(steps).tolist() if precision == "bf16_sr" else []  # one host read: the seeds
     for owner, (p, g, m, v, x) in _chunks(
-        [params, grads, exp_avgs, exp_avg_sqs, extras or [None] * len(params)], _CHUNK
+        params, [params, grads, exp_avgs, exp_avg_sqs, extras or [None] * len(params)], _CHUNK
     ):
         g32 = [t.float() for t in g]
         if gs is not None:

@@ -68,7 +68,8 @@ def select_forward_backend(x, weight, act="none", residual=None, out_dtype=None,
 
 def select_backward_backend(grad_out, x) -> str:  # x: [M, K], grad_out: [M, N]
     """The backend of ``linear_act``'s backward: CUDA (bias_act_backward + cuBLAS), Triton or torch."""
-    unfit = _kernel_unfit(x, None, grad_out.dtype, *x.shape, grad_out.shape[-1])
+    m, k = x.shape
+    unfit = _kernel_unfit(x, None, grad_out.dtype, m, k, grad_out.shape[-1])
     return select_backend(
         x.device,
         kernel_unfit=unfit,

@@ -43,13 +43,17 @@ KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 KERNEL_MAX_BLOCK = 4096  # MAX_BLOCK of llmpar.kernels.quant and LLMPAR_QUANT_MAX_BLOCK of csrc/quant.cuh
 
 
+def _positive_int(name: str, v: object) -> int:
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or int(v) < 1:
+        raise ValueError(f"{name}={v!r} must be a positive int")
+    return int(v)
+
+
 def _check_layout(m: object, bits: object, block: object) -> tuple[int, int, int]:
-    for name, v in (("m", m), ("block", block)):
-        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or int(v) < 1:
-            raise ValueError(f"{name}={v!r} must be a positive int")
+    m_, block_ = _positive_int("m", m), _positive_int("block", block)
     if bits not in BITS:
         raise ValueError(f"bits={bits!r} is not supported: expected 8 or 4")
-    return int(m), int(bits), int(block)
+    return m_, BITS[BITS.index(bits)], block_  # the int equal to bits
 
 
 def code_bytes(m: int, bits: int) -> int:

@@ -102,7 +102,7 @@ class Init(_init.Init):
         super().__init__(init_fn=init_fn)
         self.enabled = enabled
 
-    def __enter__(self) -> "Init":
+    def __enter__(self) -> Init:
         return super().__enter__() if self.enabled else self
 
     def __exit__(self, *exc: object) -> None:

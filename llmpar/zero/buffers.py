@@ -142,7 +142,7 @@ def build_buffers(
 
 @torch.no_grad()
 def shard_params(
-    layout: FlatLayout, params: list[torch.Tensor], pool: Placement, rank: int, skip: set[int]
+    layout: FlatLayout, params: Sequence[torch.Tensor], pool: Placement, rank: int, skip: set[int]
 ) -> torch.Tensor:
     """This rank's ``[partition]`` of ``params`` in the params pool (params whose id is in ``skip``: left zero)."""
     shard = pool.zeros("params", layout.partition, layout.dtype)

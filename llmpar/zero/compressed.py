@@ -41,10 +41,12 @@ class WeightGather:
         what = f"all-gather of stage-3 params, buffer {key[0]} unit {key[1]}"
         if self.hpz is not None and phase == "bwd" and key in self.secondary:
             self.from_secondary += 1
+            intra = self.hpz.intra
+            assert intra is not None  # hpZ splits dp into nodes of k > 1 ranks (compression()): each has its group
             handle = all_gather_flat(
                 full,
                 self.secondary[key],
-                self.hpz.intra,
+                intra,
                 async_op=True,
                 counter=self.counter,
                 what=what + " (from the secondary shards inside the node)",
@@ -186,17 +188,16 @@ def compression(
     if zcfg.zero_quantized_gradients or hpz > 1:
         split = NodeSplit(dp_group, per_node=hpz if hpz > 1 else None, ranks_per_node=ranks_per_node)
     block = zcfg.zero_quantization_block_size
-    quantizer = (
-        GradQuantizer(
+    quantizer = None
+    if zcfg.zero_quantized_gradients:
+        assert split is not None  # made above whenever the gradients are quantized
+        quantizer = GradQuantizer(
             split=split,
             bits=zcfg.zero_quantized_gradients_bits,
             block=block,
             error_feedback=zcfg.zero_quantized_gradients_error_feedback,
             counter=counter,
         )
-        if zcfg.zero_quantized_gradients
-        else None
-    )
     weights = None
     if zcfg.zero_quantized_weights or (hpz > 1 and hpz < dp):
         weights = WeightGather(

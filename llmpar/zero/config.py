@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -92,8 +92,10 @@ class ZeroConfig:
     stage3_max_reuse_distance: int = 1_000_000_000
     stage3_gather_16bit_weights_on_model_save: bool = False
     sub_group_size: int = 1_000_000_000
-    offload_optimizer: OffloadConfig | dict | None = None
-    offload_param: OffloadConfig | dict | None = None
+    # each given as an OffloadConfig, its JSON dict or None (off); __post_init__ makes it an OffloadConfig, which is
+    # what the field holds from then on (the cast only tells the type checker so: the default stays None)
+    offload_optimizer: OffloadConfig = cast(OffloadConfig, None)
+    offload_param: OffloadConfig = cast(OffloadConfig, None)
     zero_quantized_weights: bool = False
     zero_hpz_partition_size: int = 1
     zero_quantized_gradients: bool = False
@@ -270,7 +272,8 @@ class OptimizerConfig:
         self.lr = as_float("optimizer.params.lr", self.lr, minimum=0.0, maximum=FLOAT32_MAX)
         if not isinstance(self.betas, (list, tuple)) or len(self.betas) != 2:
             raise ValueError(f'"optimizer.params.betas"={self.betas!r} must be two numbers in [0, 1)')
-        self.betas = tuple(as_float("optimizer.params.betas", b, minimum=0.0, below=1.0) for b in self.betas)
+        beta1, beta2 = (as_float("optimizer.params.betas", b, minimum=0.0, below=1.0) for b in self.betas)
+        self.betas = (beta1, beta2)
         self.eps = check_eps('"optimizer.params.eps"', as_float("optimizer.params.eps", self.eps))
         self.weight_decay = as_float(
             "optimizer.params.weight_decay", self.weight_decay, minimum=0.0, maximum=FLOAT32_MAX

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import sys
 import zlib
+from types import FrameType
 from typing import Any
 
 import torch
@@ -58,7 +59,7 @@ _REFUSED = frozenset({"set_", "resize_", "resize_as_", "_resize_output_", "swap_
 
 def _refuse(what: str) -> DeferredInitError:
     """The error for an op the recording cannot replay, naming the module whose code ran it."""
-    f = sys._getframe(1)
+    f: FrameType | None = sys._getframe(1)
     where = "outside any module's code"
     while f is not None:
         me = f.f_locals.get("self")
@@ -79,7 +80,7 @@ def _default_generator(device: torch.device) -> torch.Generator:
 
 def _written(func: Any, args: tuple, kwargs: dict) -> list[Any]:
     """The arguments ``func`` writes into (``Tensor(a!)`` in its schema)."""
-    out = []
+    out: list[Any] = []
     for i, a in enumerate(func._schema.arguments):
         if a.alias_info is not None and a.alias_info.is_write:
             x = args[i] if i < len(args) else kwargs.get(a.name)

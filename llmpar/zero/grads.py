@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import weakref
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -27,6 +28,7 @@ import torch
 from llmpar.distributed.collectives import (
     CommCounter,
     Group,
+    GroupRef,
     Handle,
     all_reduce,
     reduce_scatter_flat,
@@ -81,7 +83,7 @@ class GradReducer:
         buffers: list[FlatBuffer],
         *,
         stage: int,
-        dp_group: Group,
+        dp_group: Group | GroupRef,
         dp: int,
         rank: int,
         overlap: bool,
@@ -117,7 +119,7 @@ class GradReducer:
         self.staging_peak = 0  # most staging elements held at once (stage 2), for memory reports
         self._armed = False
         # (handle, finish, elements held, key, scratch buffers given back to the pool once finished)
-        self._inflight: deque[tuple[Handle, Callable[[], None] | None, int, tuple[int, int], list]] = deque()
+        self._inflight: deque[tuple[Handle, Callable[[], object] | None, int, tuple[int, int], list]] = deque()
         # staging, receive and landing buffers reused across units (CPU), and across steps when ``keep_scratch``
         # (stages 1/2; stage 3 holds nothing between steps: the pool is emptied after each backward)
         self.pool, self.keep_scratch = ScratchPool(), keep_scratch
@@ -200,7 +202,7 @@ class GradReducer:
                 bufs = [staging, tmp]
                 h = self._reduce_scatter(tmp, staging, key, bufs)
                 if not self.fresh:  # accumulate (after the copies-out of the first micro-step have landed)
-                    finish = lambda: self._sync_copies() or shard.add_(tmp.to(shard.device, shard.dtype))  # noqa: E731
+                    finish = self._accumulate(shard, tmp)
                 elif self.copier is not None:
                     finish = lambda: self.copier.to_host(shard, tmp)  # noqa: E731
                 else:
@@ -218,18 +220,15 @@ class GradReducer:
         if not self.boundary:
             return
         if self.stage == 0:
-            self._launch(
-                all_reduce(
-                    region,
-                    self.group,
-                    async_op=True,
-                    counter=self.counter,
-                    what=f"all-reduce of gradients, buffer {key[0]} unit {key[1]}",
-                ),
-                None,
-                None,
-                key,
+            handle = all_reduce(
+                region,
+                self.group,
+                async_op=True,
+                counter=self.counter,
+                what=f"all-reduce of gradients, buffer {key[0]} unit {key[1]}",
             )
+            assert handle is not None  # async_op=True: the collective's Handle
+            self._launch(handle, None, None, key)
         else:
             self._reduce_shard(b, u, region, key)
 
@@ -252,7 +251,7 @@ class GradReducer:
             return
         tmp = torch.empty(shard.numel(), dtype=torch.float32, device=wire.device)
         if not self.fresh:
-            finish = lambda: self._sync_copies() or shard.add_(tmp.to(shard.device, shard.dtype))  # noqa: E731
+            finish = self._accumulate(shard, tmp)
         else:
             finish = lambda: self.copier.to_host(shard, tmp)  # noqa: E731
         self._launch(q.reduce(key, wire, tmp, accumulate=False, what=what), finish, None, key, held)
@@ -263,7 +262,17 @@ class GradReducer:
         bufs = [tmp]
         self._launch(self._reduce_scatter(tmp, region, key, bufs), self._land(b, u, tmp), None, key, bufs=bufs)
 
-    def _land(self, b: FlatBuffer, u: int, tmp: torch.Tensor) -> Callable[[], None]:
+    def _accumulate(self, shard: torch.Tensor, tmp: torch.Tensor) -> Callable[[], object]:
+        """After a later micro-step's reduction: ``shard += tmp`` once the copies-out of the first micro-step (host
+        partition, offload_optimizer) have landed."""
+
+        def finish() -> None:
+            self._sync_copies()
+            shard.add_(tmp.to(shard.device, shard.dtype))
+
+        return finish
+
+    def _land(self, b: FlatBuffer, u: int, tmp: torch.Tensor) -> Callable[[], object]:
         """Stage 1: where unit ``u``'s reduced shard ``tmp`` goes once its reduce-scatter has finished: back into the
         accumulator, or (offload_optimizer) out to the host partition the host step reads."""
         if b.host_grad is not None and self.copier is not None:
@@ -297,11 +306,11 @@ class GradReducer:
     def _launch(
         self,
         handle: Handle,
-        finish: Callable[[], None] | None,
+        finish: Callable[[], object] | None,
         staging: torch.Tensor | None,
         key: tuple[int, int],
         held: int = 0,
-        bufs: list[torch.Tensor] = (),
+        bufs: Sequence[torch.Tensor] = (),
     ) -> None:
         if staging is not None:  # + the received chunks
             held = staging.numel() * (2 if self.exchange else 1)
@@ -369,9 +378,9 @@ class GradReducer:
                 key = (self._bindex[id(b)], u)
                 if self.stage == 0:
                     what = f"all-reduce of gradients, buffer {key[0]} unit {key[1]}"
-                    self._launch(
-                        all_reduce(region, self.group, async_op=True, counter=self.counter, what=what), None, None, key
-                    )
+                    handle = all_reduce(region, self.group, async_op=True, counter=self.counter, what=what)
+                    assert handle is not None  # async_op=True: the collective's Handle
+                    self._launch(handle, None, None, key)
                 else:
                     self._reduce_shard(b, u, region, key)
         self.wait_all()

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 from torch import nn
@@ -126,6 +126,9 @@ class Deferred:
             p.copy_(v)
 
 
+_Self = TypeVar("_Self", bound="Init")  # __enter__ returns the instance itself, of a subclass too
+
+
 class Init:
     """Context: modules built inside it get recorded meta params (see the module docstring).
 
@@ -141,7 +144,7 @@ class Init:
         self._params: dict[int, nn.Parameter] = {}
         self._modules: dict[int, nn.Module] = {}
 
-    def __enter__(self) -> "Init":
+    def __enter__(self: _Self) -> _Self:
         outer = any(isinstance(m, Recorder) for m in _get_current_dispatch_mode_stack())
         self._recorder = None if outer else Recorder()
         init_fn, params, modules = self.init_fn, self._params, self._modules
@@ -238,7 +241,7 @@ def _finish(rec: Recorder, params: list[nn.Parameter], modules: list[nn.Module])
     rec.scratch.clear()
     for m in modules:
         for name, b in list(m._buffers.items()):
-            if rec.key_of(b) is not None:
+            if b is not None and rec.key_of(b) is not None:
                 m._buffers[name] = real(b)
         for name, v in list(vars(m).items()):
             if not isinstance(v, nn.Parameter) and rec.key_of(v) is not None:

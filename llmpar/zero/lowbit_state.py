@@ -46,7 +46,7 @@ def bits_of(mode: str) -> int | None:
     return LOWBIT_BITS.get(mode)
 
 
-def buffer_mode(precision: str, state_precision: str, dtype: torch.dtype, what: str) -> str:
+def buffer_mode(precision: str, state_precision: str | None, dtype: torch.dtype, what: str) -> str:
     """The mode of a flat buffer of ``dtype`` params: low-bit states ("int8" / "int4") or a MODES precision, its
     errors naming ``what``."""
     try:
@@ -202,6 +202,14 @@ def host_step(b: Any, shards: list[torch.Tensor], grads: list[torch.Tensor], **h
 SEAM_KEYS = {"exp_avg": ("m_codes", "m_scale", True), "exp_avg_sq": ("v_codes", "v_scale", False)}
 
 
+def _lowbit_bits(b: Any) -> int:
+    """The bits of low-bit buffer ``b``; a ValueError for a buffer of another mode (no codes to read or write)."""
+    bits = bits_of(b.mode)
+    if bits is None:
+        raise ValueError(f"buffer mode {b.mode!r} keeps no 8- / 4-bit states")
+    return bits
+
+
 def seam_keys(b: Any) -> list[str]:
     """The state keys buffer ``b`` shows a checkpoint."""
     if bits_of(b.mode) is None:
@@ -211,7 +219,7 @@ def seam_keys(b: Any) -> list[str]:
 
 def dequantized(b: Any, key: str) -> torch.Tensor:
     """This rank's partition of moment ``key`` ("exp_avg" / "exp_avg_sq"), float32 [partition], fresh."""
-    bits = bits_of(b.mode)
+    bits = _lowbit_bits(b)
     codes_key, scale_key, signed = SEAM_KEYS[key]
     lay = b.layout
     parts = [
@@ -230,7 +238,7 @@ def dequantized(b: Any, key: str) -> torch.Tensor:
 @torch.no_grad()
 def quantize_into(b: Any, key: str, values: torch.Tensor) -> None:
     """Moment ``key`` of this rank's partition from float32 ``values: [partition]`` (quantized per unit shard)."""
-    bits = bits_of(b.mode)
+    bits = _lowbit_bits(b)
     codes_key, scale_key, signed = SEAM_KEYS[key]
     lay = b.layout
     if not signed:

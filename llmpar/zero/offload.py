@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from llmpar.distributed.collectives import CommCounter, Group, Handle, all_gather_flat
+from llmpar.distributed.collectives import CommCounter, Group, GroupRef, Handle, all_gather_flat
 from llmpar.ops.adamw import adamw_step
 from llmpar.ops.cpu_adam import OUT_DTYPES, cpu_adamw_step
 from llmpar.zero.config import OffloadConfig
@@ -102,7 +102,7 @@ class Copier:
         self._events.clear()
 
     def gather_from_host(
-        self, full: torch.Tensor, src: torch.Tensor, group: Group, counter: CommCounter | None
+        self, full: torch.Tensor, src: torch.Tensor, group: Group | GroupRef, counter: CommCounter | None
     ) -> Handle:
         """Copy the host shard ``src`` in and all-gather it into ``full`` (both on the side stream on CUDA)."""
         self.copies_in += 1
@@ -112,6 +112,7 @@ class Copier:
                 self.stream.wait_stream(torch.cuda.current_stream(self.device))  # ``full`` was just (re)allocated
             staged.copy_(src, non_blocking=self.stream is not None)
             handle = all_gather_flat(full, staged, group, async_op=True, counter=counter)
+        assert handle is not None  # async_op=True: the collective's Handle
         if self.stream is not None:
             staged.record_stream(self.stream)
         return handle
@@ -140,24 +141,44 @@ def host_step_buffer(
     units = range(len(b.layout.units))
     masters = [b.layout.shard_of_partition(b.state["master"], u) for u in units]
     host = masters[0].device if masters else torch.device("cpu")
-    state = [[b.layout.shard_of_partition(b.state[name], u) for u in units] for name in ("exp_avg", "exp_avg_sq")]
-    hyper = dict(
-        lr=lr,
-        beta1=beta1,
-        beta2=beta2,
-        eps=eps,
-        weight_decay=weight_decay,
-        gscale=None if gscale is None else gscale.to(host),
-        found_inf=found_inf.to(host),
-    )
+    m, v = ([b.layout.shard_of_partition(b.state[name], u) for u in units] for name in ("exp_avg", "exp_avg_sq"))
+    gscale_h, found_h = None if gscale is None else gscale.to(host), found_inf.to(host)
     if masters and masters[0].dtype == grads[0].dtype == torch.float32:
         outs, staged = _copy_outs(shards)
-        if cpu_adamw_step(masters, grads, *state, b.steps, outs=outs, **hyper):
+        if cpu_adamw_step(
+            masters,
+            grads,
+            m,
+            v,
+            b.steps,
+            lr=lr,
+            beta1=beta1,
+            beta2=beta2,
+            eps=eps,
+            weight_decay=weight_decay,
+            gscale=gscale_h,
+            found_inf=found_h,
+            outs=outs,
+        ):
             for dst, src in zip(shards, masters if outs is None else staged or []):
                 dst.copy_(src, non_blocking=True)
             return
     else:
-        adamw_step(masters, grads, *state, b.steps, precision="fp32", **hyper)
+        adamw_step(
+            masters,
+            grads,
+            m,
+            v,
+            b.steps,
+            precision="fp32",
+            lr=lr,
+            beta1=beta1,
+            beta2=beta2,
+            eps=eps,
+            weight_decay=weight_decay,
+            gscale=gscale_h,
+            found_inf=found_h,
+        )
     for dst, src in zip(shards, masters):  # (a skipped step: the masters as they were)
         dst.copy_(src, non_blocking=dst.device.type != "cpu")
 

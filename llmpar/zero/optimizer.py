@@ -100,16 +100,19 @@ class ZeroOptimizer(ZeroStep, StepStatsView, ZeroCheckpointing, OptimizerStateDi
             raise TypeError(f"optimizer_config must be an OptimizerConfig or a dict, got {type(cfg).__name__}")
         zcfg = ZeroConfig.resolve(stage, zero_config, default_stage=2)  # the one source of the stage
         stage = zcfg.stage
-        if stage == 3 and not isinstance(module, nn.Module):
-            raise TypeError(
-                "ZeRO stage 3 needs module= (the model whose forward gathers the sharded params), got "
-                f"{type(module).__name__}"
-            )
+        shard_module: nn.Module | None = None  # stage 3: the model whose forward gathers the sharded params
+        if stage == 3:
+            if not isinstance(module, nn.Module):
+                raise TypeError(
+                    "ZeRO stage 3 needs module= (the model whose forward gathers the sharded params), got "
+                    f"{type(module).__name__}"
+                )
+            shard_module = module
         self._deferred: set[int] = set()  # stage 3 params built on the meta device (llmpar.zero.Init)
         self.init_peak_numel = 0
         self.deferred_gather: DeferredGather | None = None  # overlap_param_gather (set once the buffers exist)
-        if stage == 3 and any(p.is_meta for p in module.parameters()):
-            mapping = replace_meta_params(module, default_device())
+        if shard_module is not None and any(p.is_meta for p in shard_module.parameters()):
+            mapping = replace_meta_params(shard_module, default_device())
             self._deferred = {id(p) for p in mapping.values()}
             params = remap_params(params, mapping)
         groups = param_groups(params, cfg)  # checked before any group is touched
@@ -146,7 +149,7 @@ class ZeroOptimizer(ZeroStep, StepStatsView, ZeroCheckpointing, OptimizerStateDi
         self.copier = Copier(device)
         if loss_scaler is not None:
             loss_scaler.to(device)
-        self.plan = UnitPlan(module, unit_policy) if stage == 3 else None
+        self.plan = UnitPlan(shard_module, unit_policy) if shard_module is not None else None
         # every dp rank starts from dp rank 0's params (as DDP and DeepSpeed do): ranks built with different seeds
         # would otherwise train different models (stage 0) or step mixed shards
         broadcast_coalesced([p for g in groups for p in g["params"] if id(p) not in self._deferred], 0, self.dp_group)
@@ -165,14 +168,14 @@ class ZeroOptimizer(ZeroStep, StepStatsView, ZeroCheckpointing, OptimizerStateDi
         )
         self.frozen_buffers = (
             frozen_buffers(
-                module,
+                shard_module,
                 self.buffers,
                 lambda named: layout_of(named, self.dp, align, zcfg, self.plan),
                 self.placement,
                 self.rank,
                 self._deferred,
             )
-            if stage == 3
+            if shard_module is not None
             else []
         )
         self._check_same_model()

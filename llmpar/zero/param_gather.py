@@ -33,6 +33,7 @@ def _launch(opt: Any, b: Any, u: int) -> tuple[Handle, int]:
         counter=opt.counter,
         what=f"all-gather of updated params, unit {u} (step)",
     )
+    assert h is not None  # async_op=True: the collective's Handle
     return h, out.numel()
 
 

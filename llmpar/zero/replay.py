@@ -77,7 +77,7 @@ class Storage:
 
 def geometry(t: torch.Tensor, key: int, version: int) -> Ref:
     """``t`` as a view of storage ``key`` at ``version``."""
-    return Ref(key, version, t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
+    return Ref(key, version, t.dtype, tuple(t.shape), tuple(t.stride()), int(t.storage_offset()))
 
 
 def view_of(storage: torch.UntypedStorage, ref: Ref, device: torch.device) -> torch.Tensor:
@@ -153,7 +153,8 @@ class Replayer:
             and covers(into, s.nbytes)
             and geometry(into, ref.key, ref.version) == ref
         )
-        return view_of(self._storage(ref.key, ref.version, into.untyped_storage() if fits else None), ref, s.device)
+        given = into.untyped_storage() if fits and into is not None else None
+        return view_of(self._storage(ref.key, ref.version, given), ref, s.device)
 
     def _storage(self, key: int, version: int, into: torch.UntypedStorage | None = None) -> torch.UntypedStorage:
         got = self.memo.get((key, version))
@@ -193,14 +194,12 @@ class Replayer:
         return st
 
     def _run(self, op: Op, st: torch.UntypedStorage | None, device: torch.device) -> Any:
+        target = None
+        if op.target is not None:
+            assert st is not None  # an op writing into a recorded storage replays into its bytes (``_storage``)
+            target = view_of(st, op.view, device)
         flat = [
-            view_of(st, op.view, device)
-            if i == op.target
-            else self.value(x)
-            if isinstance(x, Ref)
-            else x.get()
-            if isinstance(x, Kept)
-            else x
+            target if i == op.target else self.value(x) if isinstance(x, Ref) else x.get() if isinstance(x, Kept) else x
             for i, x in enumerate(op.flat)
         ]
         args, kwargs = tree_unflatten(flat, op.spec)

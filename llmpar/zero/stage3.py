@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmpar.distributed.collectives import CommCounter, Group, Handle, all_gather_flat, group_rank
+from llmpar.distributed.collectives import CommCounter, Group, GroupRef, Handle, all_gather_flat, group_rank
 from llmpar.zero.buffers import shard_params  # noqa: F401  (importable from here as before)
 from llmpar.zero.compressed import WeightGather
 from llmpar.zero.grads import FlatBuffer
@@ -85,7 +85,7 @@ class Stage3Runtime:
         plan: UnitPlan,
         buffers: list[FlatBuffer],
         *,
-        dp_group: Group,
+        dp_group: Group | GroupRef,
         device: torch.device,
         prefetch_numel: int,
         max_live_numel: int,
@@ -163,6 +163,12 @@ class Stage3Runtime:
     def _numel(self, key: Key) -> int:
         return self._numels[key]
 
+    def _shard(self, key: Key) -> torch.Tensor:
+        """This rank's shard of unit ``key``: a view into its buffer's ``shard`` (the params pool)."""
+        b = self.buffers[key[0]]
+        assert b.shard is not None  # stage 3 builds every buffer with this rank's shard (buffers.shard_params)
+        return b.layout.shard_of_partition(b.shard, key[1])
+
     def _note(self, what: str, key: Key) -> None:
         if self.log is not None:
             self.log.append((what, key))
@@ -175,12 +181,11 @@ class Stage3Runtime:
                 self._wait(key)  # gathered quantized for compute: gathered again, exactly
                 self.pending[key] = self._gather_exact(key)
             return
-        b, u = self.buffers[key[0]], key[1]
         full = self.full[key]
         if key not in self.persistent or full.untyped_storage().nbytes() == 0:
             full.untyped_storage().resize_(full.numel() * full.element_size())
         self.views.gathered(key)
-        src = b.layout.shard_of_partition(b.shard, u)
+        src = self._shard(key)
         if self.host_shards:  # offload_param: the host shard is copied in first (side stream on CUDA)
             self._note("h2d", key)
             self.pending[key] = self.copier.gather_from_host(full, src, self.group, self.counter)
@@ -199,10 +204,9 @@ class Stage3Runtime:
 
     def _gather_exact(self, key: Key) -> Handle:
         """The plain all-gather of this rank's shard of unit ``key`` into its gathered tensor."""
-        b = self.buffers[key[0]]
         handle = all_gather_flat(
             self.full[key],
-            b.layout.shard_of_partition(b.shard, key[1]),
+            self._shard(key),
             self.group,
             async_op=True,
             counter=self.counter,
@@ -274,8 +278,7 @@ class Stage3Runtime:
         r = group_rank(self.group)
         for key in keys:
             if write_back:
-                b, u = self.buffers[key[0]], key[1]
-                mine = b.layout.shard_of_partition(b.shard, u)
+                mine = self._shard(key)
                 n = mine.numel()
                 mine.copy_(self.full[key][r * n : (r + 1) * n])
                 if self.weights is not None:

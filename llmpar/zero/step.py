@@ -222,16 +222,11 @@ class ZeroStep:
             yield from lowbit_state.step_each(b, self._shards(b), grads, units, masters, each=each, **kw)
             return
         extra = MODES[b.mode].extra
-        state = [
-            self._shards(b),
-            grads,
-            self._units(b, "exp_avg"),
-            self._units(b, "exp_avg_sq"),
-            b.steps,
-            None if extra is None else self._units(b, extra[0]),
-        ]
+        state = [self._shards(b), grads, self._units(b, "exp_avg"), self._units(b, "exp_avg_sq"), b.steps]
+        extras = None if extra is None else self._units(b, extra[0])
         for sel in [[u] for u in units] if each else [units]:
-            p, g, m, v, st, ex = (None if xs is None else [xs[u] for u in sel] for xs in state)
+            p, g, m, v, st = ([xs[u] for u in sel] for xs in state)
+            ex = None if extras is None else [extras[u] for u in sel]
             adamw_step(p, g, m, v, st, precision=b.mode, extras=ex, seed=self.seed, salts=sel, **kw)
             yield from sel
 
