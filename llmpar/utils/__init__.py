@@ -1,5 +1,5 @@
-"""``deepspeed.utils`` for DeepSpeed scripts: the logger, ``log_dist``, ``RepeatingLoader`` and
-``zero_to_fp32`` (consolidating llmpar checkpoints).
+"""``deepspeed.utils`` for DeepSpeed scripts: the logger, ``log_dist``, ``RepeatingLoader``, ``zero_to_fp32``
+(consolidating llmpar checkpoints) and ``groups`` (the expert-parallel groups of DeepSpeed MoE scripts).
 
     from llmpar.utils import log_dist, logger
     log_dist("loaded the data", ranks=[0])          # "[Rank 0] loaded the data" on global rank 0
@@ -20,7 +20,10 @@ import torch.distributed as dist
 
 from llmpar.runtime.logs import RANKS_CHOSEN
 from llmpar.runtime.pipeline_engine import RepeatingLoader
-from llmpar.utils import zero_to_fp32  # noqa: F401  (deepspeed.utils.zero_to_fp32 as an attribute too)
+from llmpar.utils import (
+    groups,  # noqa: F401  (deepspeed.utils.groups: the expert-parallel group registry)
+    zero_to_fp32,  # noqa: F401  (deepspeed.utils.zero_to_fp32 as an attribute too)
+)
 
 logger = logging.getLogger("llmpar")
 
@@ -87,5 +90,6 @@ __all__ = [
     "safe_get_local_optimizer_state",
     "safe_set_full_fp32_param",
     "safe_set_full_optimizer_state",
+    "groups",
     "zero_to_fp32",
 ]

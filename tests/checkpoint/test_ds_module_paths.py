@@ -79,6 +79,7 @@ PROVIDED = [
             "safe_get_full_optimizer_state",
             "safe_set_full_fp32_param",
             "zero_to_fp32",
+            "groups",
         ],
     ),
     ("deepspeed.utils.zero_to_fp32", ["get_fp32_state_dict_from_zero_checkpoint"]),
