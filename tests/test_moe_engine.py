@@ -15,6 +15,7 @@ from test_moe_zero import E, _batch, _loss, _Net
 from torch import nn
 
 import llmpar
+from llmpar.distributed.dims import ParallelDims
 from llmpar.moe import RouterConfig
 from llmpar.optim import FusedAdamW
 from llmpar.runtime.config import Blocks
@@ -134,6 +135,13 @@ def test_initialize_spreads_experts_and_follows_one_process():
         llmpar.initialize(model=_Net(None, _router()), config=bad)
     with pytest.raises(ValueError, match="autoep_size.*=2 with a .pipeline. block"):
         llmpar.initialize(model=_Net(None, _router()), config={**config, "pipeline": {"stages": 2}})
+    plain = {k: v for k, v in config.items() if k != "expert_parallel"}
+    dims = ParallelDims(dp=dp, ep=2)
+    built = _Net(dims.group("ep"), _router())  # built over the ep group: the engine derives the same, no block needed
+    eng, o, _, _ = llmpar.initialize(model=built, config=plain)
+    assert eng.moe.ep == 2 and o.experts is not None
+    with pytest.raises(ValueError, match="exchanges tokens over ranks"):  # built over the wrong ranks (edp's)
+        llmpar.initialize(model=_Net(dims.group("edp"), _router()), config=plain)
     torch.manual_seed(0)
     net = _Net(None, _router())  # whole experts: spread at initialize
     lines = _Lines()
