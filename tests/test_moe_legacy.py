@@ -236,3 +236,50 @@ def test_bad_arguments_are_named():
         layer(torch.full((9, H), float("nan")))
     with pytest.raises(KeyError, match="ep_size_8"):
         groups._get_expert_parallel_group("ep_size_8")
+
+
+class _Net(nn.Module):
+    """A DeepSpeed MoE example's shape: a projection, the legacy MoE (its l_aux added to the loss), a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(8, H), nn.Linear(H, 3)
+        self.moe = MoE(H, _expert(), num_experts=E, k=2, min_capacity=0, top2_2nd_expert_sampling=False)
+        _spread(self.moe, 0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, l_aux, _ = self.moe(self.inp(x))
+        return self.out(h).pow(2).mean() + 0.01 * l_aux
+
+
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_deepspeed_moe_script_trains_under_initialize_as_plain_adamw(stage):
+    """``split_params_into_different_moe_groups_for_optimizer`` groups in a client AdamW, through
+    ``llmpar.initialize`` at ZeRO stage 0 / 1 / 3: three steps land where plain torch AdamW lands (1e-6)."""
+    import llmpar
+    from llmpar.zero import GatheredParameters
+
+    data = [torch.randn(6, 8, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+
+    def build() -> tuple[_Net, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        net = _Net()
+        groups_ = split_params_into_different_moe_groups_for_optimizer({"params": net.parameters(), "name": "p"})
+        assert [g["name"] for g in groups_] == ["p", "ep_size_1"] and groups_[1]["moe"]
+        return net, torch.optim.AdamW(groups_, lr=1e-2)
+
+    ref, opt = build()
+    for x in data:
+        opt.zero_grad()
+        ref(x).backward()
+        opt.step()
+    net, opt = build()
+    engine, *_ = llmpar.initialize(
+        model=net, optimizer=opt, config={"train_batch_size": 6, "zero_optimization": {"stage": stage}}
+    )
+    for x in data:
+        engine.backward(engine(x))
+        engine.step()
+    with GatheredParameters(list(net.parameters())):
+        for (name, p), q in zip(net.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
