@@ -129,7 +129,7 @@ def _worker(rank: int, world_size: int, port: int, store_path: str, tasks, resul
             dist.destroy_process_group()
         value = None
         gc.collect()  # the dropped groups' gloo threads end with their last reference
-        retire = not dist.is_initialized() or _threads() > MAX_THREADS
+        retire = not dist.is_initialized() or _threads() > MAX_THREADS or _hashed_groups_left()
         if retire and os.environ.get("LLMPAR_POOL_LOG"):
             with open(os.environ["LLMPAR_POOL_LOG"], "a") as f:
                 f.write(f"{world_size} ranks, rank {rank}: retired after {module}.{qualname} ({_threads()} threads)\n")
@@ -147,6 +147,17 @@ def _groups() -> list:
     from torch.distributed import distributed_c10d as c10d
 
     return list(c10d._world.pg_map)
+
+
+def _hashed_groups_left() -> bool:
+    """Whether a group named by a hash of its ranks outlived the test (one made with ``use_local_synchronization``,
+    which :func:`_droppable` keeps). torch hashes the ranks with the number of live groups, so once the test's other
+    groups are destroyed and that number falls back, a later group of the same ranks gets the kept group's name and
+    ``new_group`` refuses it ("group name has already been created"): such a worker is retired, the next test starts
+    on fresh ranks."""
+    from torch.distributed import distributed_c10d as c10d
+
+    return any(not str(name).isdigit() for name in c10d._world.pg_names.values())
 
 
 def _threads() -> int:
