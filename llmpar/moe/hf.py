@@ -4,7 +4,8 @@
     model = AutoModelForCausalLM.from_pretrained(path)    # transformers' own loading (packed or per-expert files)
     swap_moe_blocks(model, ep_group=None)                 # -> how many blocks were swapped
 
-Supported blocks (transformers >= 5, experts packed as ``gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]``, SiLU):
+Supported blocks (transformers >= 5; the first four with experts packed as ``gate_up_proj [E, 2I, H]`` /
+``down_proj [E, H, I]`` and SiLU):
 
 ============================  ====================================================================================
 ``MixtralSparseMoeBlock``     softmax top-k, renormalised (``router_jitter_noise`` must be 0)
@@ -12,11 +13,10 @@ Supported blocks (transformers >= 5, experts packed as ``gate_up_proj [E, 2I, H]
 ``Qwen3MoeSparseMoeBlock``    softmax top-k (renormalised when ``norm_topk_prob``)
 ``DeepseekV3MoE``             sigmoid scores + ``e_score_correction_bias`` to pick, group-limited (``n_group`` /
                               ``topk_group``, top-2 sum), renormalised, ``routed_scaling_factor``; shared experts
+``GptOssMLP``                 a router with a bias, softmax over the top-k logits; experts with biases, transposed,
+                              gate / up interleaved, a clamped SwiGLU (:mod:`llmpar.moe.hf_gpt_oss`); the block
+                              returns ``(output, None)`` where transformers' returns ``(output, router scores)``
 ============================  ====================================================================================
-
-gpt-oss (``GptOssMLP``: a router with a bias and softmax after the top-k, experts with biases, a clamped SwiGLU on an
-interleaved gate/up layout) is not swapped: it stays transformers' block at ep=1 (a warning says so) and is refused
-with an expert-parallel group of more than one rank.
 
 Weights. With ``ep_group=None`` (or one rank) the swapped block holds transformers' Parameter objects themselves
 (router weight, packed experts, shared experts; DeepSeek's bias buffer): nothing is copied, and an optimizer built
@@ -31,20 +31,16 @@ load-balancing loss) are the swapped blocks' router logits (fp32).
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from llmpar.distributed import group_size
 from llmpar.moe.block import MoEBlock
 from llmpar.moe.experts import _tag_expert
+from llmpar.moe.hf_gpt_oss import gpt_oss_parts
 from llmpar.moe.router import RouterConfig
-
-logger = logging.getLogger("llmpar")
-NOT_SWAPPED = {"GptOssMLP": "gpt-oss's router bias, softmax after top-k, expert biases and clamped interleaved SwiGLU"}
 
 
 @dataclass
@@ -58,6 +54,9 @@ class _Spec:
     shared_intermediate: int = 0
     shared_gate: bool = False
     names: dict[str, str] = field(default_factory=dict)  # our name -> transformers' name (inside the block)
+    hf_router: str = "gate"  # the block's router module
+    parts: Callable[..., tuple[nn.Module, nn.Module]] | None = None  # (router, experts) replacing MoEBlock's own
+    returns_scores: bool = False  # the block returns (output, router scores)
 
 
 def _check_silu(block: Any) -> None:
@@ -121,11 +120,25 @@ def _deepseek_v3(block: Any) -> _Spec:
     return spec
 
 
+def _gpt_oss(block: Any) -> _Spec:
+    e = block.router.weight.shape[0]
+    return _Spec(
+        e,
+        block.router.top_k,
+        block.experts.down_proj.shape[1],
+        RouterConfig(),
+        hf_router="router",
+        parts=gpt_oss_parts,
+        returns_scores=True,
+    )
+
+
 SPECS: dict[str, Callable[[Any], _Spec]] = {
     "MixtralSparseMoeBlock": _mixtral,
     "Qwen2MoeSparseMoeBlock": _qwen,
     "Qwen3MoeSparseMoeBlock": _qwen,
     "DeepseekV3MoE": _deepseek_v3,
+    "GptOssMLP": _gpt_oss,
 }
 
 
@@ -144,6 +157,12 @@ class HFMoEBlock(MoEBlock):
         self._register_state_dict_hook(_to_hf_names)
         self._register_load_state_dict_pre_hook(_from_hf_names, with_module=True)
         self.router.register_forward_hook(_record_routing)
+
+    returns_scores = False  # gpt-oss's block returns (output, router scores): (output, None) here
+
+    def forward(self, x: torch.Tensor) -> Any:  # type: ignore[override]
+        out = super().forward(x)
+        return (out, None) if self.returns_scores else out
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, in place of transformers' {self.hf_class}"
@@ -194,10 +213,11 @@ def _put(module: nn.Module, name: str, value: torch.Tensor) -> None:
 def swap_block(block: Any, ep_group: Any = None) -> HFMoEBlock:
     """The :class:`HFMoEBlock` holding ``block``'s weights (see the module docstring); ``block`` is left as it was."""
     spec = SPECS[type(block).__name__](block)
-    _check_silu(block)
+    if spec.parts is None:
+        _check_silu(block)
     w = block.experts.gate_up_proj
     ours = HFMoEBlock(
-        w.shape[-1],
+        getattr(block, spec.hf_router).weight.shape[-1],
         spec.intermediate,
         spec.num_experts,
         spec.top_k,
@@ -218,6 +238,10 @@ def swap_block(block: Any, ep_group: Any = None) -> HFMoEBlock:
                 tensor = nn.Parameter(tensor.detach()[lo : lo + n].clone(), requires_grad=tensor.requires_grad)
             tensor = _tag_expert(tensor, ours.ep_size)  # type: ignore[arg-type]
         _put(ours, mine, tensor)
+    if spec.parts is not None:
+        ours.router, ours.experts = spec.parts(block, lo, n, ours.ep_size)  # type: ignore[assignment]
+        ours.router.register_forward_hook(_record_routing)
+        ours.returns_scores = spec.returns_scores
     if ours.router.expert_load is not None:
         ours.router.expert_load = torch.zeros(spec.num_experts, device=w.device, dtype=torch.float32)
     left = [n for n, t in [*ours.named_parameters(), *ours.named_buffers()] if t.is_meta]
@@ -225,7 +249,7 @@ def swap_block(block: Any, ep_group: Any = None) -> HFMoEBlock:
         raise RuntimeError(
             f"{type(block).__name__}: no transformers tensor for {left} (a layout this swap does not know)"
         )
-    router = getattr(block, "gate", None)
+    router = getattr(block, spec.hf_router, None)
     if isinstance(router, nn.Module):
         ours.router.router_record = _recorder(router)
     ours.train(block.training)
@@ -236,30 +260,13 @@ def swap_moe_blocks(model: nn.Module, ep_group: Any = None) -> int:
     """Replace every supported transformers sparse MoE block of ``model`` (in place) by an :class:`HFMoEBlock`
     holding the same weights, its experts spread over ``ep_group`` (None: all on this rank). Returns how many blocks
     were swapped (0 for a model without one). Every rank of ``ep_group`` must call it on the same model (the blocks
-    check their arguments across the group). A block of gpt-oss is left as it is at ep=1 (with a warning) and raises
-    a ValueError with an expert-parallel group of more than one rank; a supported block in a configuration the swap
-    cannot reproduce (another activation, Mixtral's router jitter) raises a ValueError naming it."""
-    ep = 1 if ep_group is None else group_size(ep_group)
+    check their arguments across the group). A supported block in a configuration the swap cannot reproduce (another
+    activation, Mixtral's router jitter) raises a ValueError naming it."""
     todo = [(name, m) for name, m in model.named_modules() if type(m).__name__ in SPECS]
-    for name, m in model.named_modules():
-        why = NOT_SWAPPED.get(type(m).__name__)
-        if why is None:
-            continue
-        if ep > 1:
-            raise ValueError(
-                f"{name} ({type(m).__name__}) cannot be spread over {ep} expert-parallel ranks: llmpar's MoE block "
-                f"does not reproduce {why}"
-            )
-        logger.warning(
-            "%s (%s) is left as transformers' block: llmpar's MoE block does not reproduce %s",
-            name,
-            type(m).__name__,
-            why,
-        )
     for name, block in todo:
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, swap_block(block, ep_group))
     return len(todo)
 
 
-__all__ = ["HFMoEBlock", "NOT_SWAPPED", "SPECS", "swap_block", "swap_moe_blocks"]
+__all__ = ["HFMoEBlock", "SPECS", "swap_block", "swap_moe_blocks"]
