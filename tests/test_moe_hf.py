@@ -183,7 +183,7 @@ def _per_expert(state: dict[str, torch.Tensor], name: str) -> dict[str, torch.Te
     return {k: v.contiguous().clone() for k, v in out.items()}
 
 
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", ALL_MODELS)
 def test_from_pretrained_per_expert_and_packed_then_swap_round_trips(name, tmp_path):
     from safetensors.torch import save_file
 
@@ -192,10 +192,13 @@ def test_from_pretrained_per_expert_and_packed_then_swap_round_trips(name, tmp_p
     with torch.no_grad():
         want = ref(input_ids=ids).logits
     old = tmp_path / "per_expert"
-    ref.config.save_pretrained(old)
-    state = _per_expert(ref.state_dict(), name)
-    assert not any(k.endswith("gate_up_proj") for k in state)
-    save_file(state, str(old / "model.safetensors"), metadata={"format": "pt"})
+    if name == "gpt_oss":  # gpt-oss has no per-expert layout: transformers' own save
+        ref.save_pretrained(old)
+    else:
+        ref.config.save_pretrained(old)
+        state = _per_expert(ref.state_dict(), name)
+        assert not any(k.endswith("gate_up_proj") for k in state)
+        save_file(state, str(old / "model.safetensors"), metadata={"format": "pt"})
     for source in (old, None):
         if source is None:  # packed: what the swapped model saves, loaded by plain transformers
             swapped = transformers.AutoModelForCausalLM.from_pretrained(old, dtype=torch.float32).eval()
