@@ -257,10 +257,16 @@ def _ep_body(names: list[str]) -> list[str]:
     done = []
     for name in names:
         ref = _model(name)
-        model = copy.deepcopy(ref)
+        model, later = copy.deepcopy(ref), copy.deepcopy(ref)
         assert swap_moe_blocks(model, ep_group=group) > 0
+        assert swap_moe_blocks(later) > 0  # swapped at ep=1, then spread as llmpar.initialize does
+        for block in later.modules():
+            if isinstance(block, HFMoEBlock):
+                block.set_ep_group(group)
         ids = torch.randint(0, VOCAB, (1, 5 + 4 * rank), generator=torch.Generator().manual_seed(10 + rank))
         (la, ga), (lb, gb) = _run(ref, ids), _run(model, ids)
+        _, g_later = _run(later, ids)
+        assert all(torch.equal(g_later[n], gb[n]) for n in gb), f"{name}: set_ep_group differs from a swap at ep=2"
         _close(lb, la, f"{name} logits")
         for n, g in ga.items():
             if ".experts." in n:

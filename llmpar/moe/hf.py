@@ -160,6 +160,17 @@ class HFMoEBlock(MoEBlock):
 
     returns_scores = False  # gpt-oss's block returns (output, router scores): (output, None) here
 
+    def set_ep_group(self, ep_group: Any) -> None:
+        """:meth:`MoEBlock.set_ep_group`, and this rank's slice of expert tensors beyond the packed pair (gpt-oss's
+        ``gate_up_proj_bias`` / ``down_proj_bias``)."""
+        extra = {n: t for n, t in self.experts.named_parameters() if n not in ("gate_up_proj", "down_proj")}
+        super().set_ep_group(ep_group)
+        if self.ep_size > 1:
+            n, lo = self.num_experts // self.ep_size, self.ep_rank * self.num_experts // self.ep_size
+            for name, full in extra.items():
+                mine = nn.Parameter(full.detach()[lo : lo + n].clone(), requires_grad=full.requires_grad)
+                setattr(self.experts, name, _tag_expert(mine, self.ep_size))
+
     def forward(self, x: torch.Tensor) -> Any:  # type: ignore[override]
         out = super().forward(x)
         return (out, None) if self.returns_scores else out
