@@ -289,3 +289,43 @@ def test_swapped_model_over_two_expert_parallel_ranks_equals_transformers():
 
     names = ["qwen2_moe", "deepseek_v3", "gpt_oss"]
     assert run_ranks(_ep_body, 2, names, timeout=180) == [names, names]
+
+
+def test_initialize_swaps_the_blocks_when_expert_parallel_is_enabled():
+    """``llmpar.initialize`` with ``"expert_parallel": {"enabled": true}`` (DeepSpeed's AutoEP) runs a transformers
+    MoE model on llmpar's blocks: swapped before the optimizer steps (a client optimizer built before initialize still
+    steps the same Parameters), training as the unswapped model does under plain AdamW (1e-6); without the block the
+    model is left as it is."""
+    import llmpar
+
+    ref = _model("qwen3_moe").train()
+    data = [torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    want = []
+    for ids in data:
+        ref_opt.zero_grad()
+        loss = ref(input_ids=ids, labels=ids).loss
+        loss.backward()
+        ref_opt.step()
+        want.append(loss.item())
+    config = {"train_batch_size": 2, "zero_optimization": {"stage": 1}}
+    untouched = copy.deepcopy(ref)
+    llmpar.initialize(model=untouched, optimizer=torch.optim.AdamW(untouched.parameters(), lr=1e-2), config=config)
+    assert not any(isinstance(m, HFMoEBlock) for m in untouched.modules())
+    model = _model("qwen3_moe").train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine, *_ = llmpar.initialize(
+        model=model, optimizer=opt, config={**config, "expert_parallel": {"enabled": True, "autoep_size": 1}}
+    )
+    assert sum(isinstance(m, HFMoEBlock) for m in model.modules()) == LAYERS
+    got = []
+    for ids in data:
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        got.append(loss.item())
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    got_sd, want_sd = model.state_dict(), ref.state_dict()  # transformers' names on both
+    assert got_sd.keys() == want_sd.keys()
+    for name, t in want_sd.items():
+        torch.testing.assert_close(got_sd[name], t, rtol=1e-6, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")

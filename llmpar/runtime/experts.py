@@ -1,6 +1,9 @@
 """Mixture-of-experts layers in the plain engine: their expert-parallel groups, aux losses, bias updates and logs.
 
-At ``initialize`` (:func:`setup_experts`) the model's :class:`llmpar.moe.MoEBlock` layers are found and the
+At ``initialize`` (:func:`setup_experts`), with the block enabled (DeepSpeed's AutoEP), transformers' sparse MoE
+blocks (Mixtral, Qwen2-MoE / Qwen3-MoE, DeepSeek-V3, gpt-oss) are first swapped for MoEBlocks holding the same
+weights (:func:`llmpar.moe.hf.swap_moe_blocks`); this covers llmpar's Trainer and accelerate, which initialize
+through it. Then the model's :class:`llmpar.moe.MoEBlock` layers are found and the
 expert-parallel degree is taken from the ``"expert_parallel"`` block (``autoep_size`` when enabled; else the degree
 the layers were built with). ``ParallelDims(ep=...)`` over the engine's mesh gives the ``ep`` group (the ranks whose
 experts make one layer) and the ``edp`` group (the ranks holding the same experts); a layer built with
@@ -23,6 +26,7 @@ In training (:class:`MoEState`):
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 import torch
@@ -32,7 +36,10 @@ from torch import nn
 from llmpar.distributed.collectives import Group, group_size
 from llmpar.distributed.dims import ParallelDims
 from llmpar.moe.block import MoEBlock
+from llmpar.moe.hf import swap_moe_blocks
 from llmpar.runtime.expert_block import ExpertParallelConfig
+
+logger = logging.getLogger("llmpar")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -111,6 +118,8 @@ def _dims(mesh: Any, zero_group: Group, ep: int) -> ParallelDims:
 def setup_experts(model: nn.Module, cfg: ExpertParallelConfig, mesh: Any, zero_group: Group) -> MoEState | None:
     """Find the MoE layers, build the ep / edp groups and spread the layers (module docstring); None without MoE
     layers. Refused on every rank alike (the checks only read the config and the layers)."""
+    if cfg.enabled and (swapped := swap_moe_blocks(model)):
+        logger.info("expert_parallel: %d transformers MoE blocks run as llmpar MoE blocks", swapped)
     layers = moe_layers(model)
     if not layers:
         if cfg.ep > 1:
