@@ -1,6 +1,7 @@
 # Set-up and everyday commands. Everything is installed into $(VENV); nothing is installed by hand.
 #   make demo   install llmpar and run the main job (`llmpar train` on 2 CPU ranks)
 #   make test   install llmpar with its test extras and run the test suite
+#   make golden       rewrite tests/golden/ (DeepSpeed's reference runs) with the installed DeepSpeed
 #   make lint   ruff check (pycodestyle, pyflakes, bugbear, import order), ruff format --check, and mypy on the typed
 #               floors (pyproject.toml); `ruff format .` writes the formatting
 #   make docs   the documentation site (docs/, mkdocs --strict) into build/site/, the configuration reference regenerated
@@ -20,7 +21,7 @@ CONSTRAINTS ?= constraints.txt
 # pytest's own script, not `python -m pytest`: `-m` would put the working directory first on sys.path
 PYTEST := $(VENV)/bin/pytest
 
-.PHONY: demo test test-latest lock docs lint install install-test install-docs install-lint cuda-ext gpu-wheelhouse bench bench-suite clean
+.PHONY: demo test golden test-latest lock docs lint install install-test install-docs install-lint cuda-ext gpu-wheelhouse bench bench-suite clean
 
 $(VENV)/.llmpar-installed: pyproject.toml setup.py $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -59,6 +60,10 @@ demo: install
 
 test: install-test
 	$(PYTEST) -q -ra tests
+
+# DeepSpeed's reference runs that the DeepSpeed comparisons read (tests/reference_runs.py): commit what it rewrites
+golden: install-test
+	$(PY) tests/reference_runs.py
 
 # the configuration reference is generated from the code that reads the config (tests/test_docs.py checks it is current)
 docs: install-docs

@@ -6,14 +6,17 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))  # so that the ranks (and tests) can import multirank and helpers
 
 from multirank import close_pools  # noqa: E402
+from reference_runs import ds_extensions  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def ds_ext_dir(tmp_path_factory):
-    """One TORCH_EXTENSIONS_DIR for every DeepSpeed process the session starts: DeepSpeed JIT-builds its CPU ops
-    (shm comm, cpu_adam: ~40 s each) once, not once per test; a build killed midway leaves its lock in this
-    session's directory only."""
-    return tmp_path_factory.mktemp("ds_ext")
+    """One TORCH_EXTENSIONS_DIR for every DeepSpeed process the session starts, its own, so that a build killed
+    midway leaves its lock in this session's directory only. DeepSpeed JIT-builds its CPU ops (shm comm, cpu_adam:
+    ~40 s of CPU each): the builds finished in an earlier session are copied in and the new ones kept for the next
+    (tests/reference_runs.py ``ds_extensions``; ``LLMPAR_DS_EXT_CACHE=off`` builds afresh)."""
+    with ds_extensions(tmp_path_factory.mktemp("ds_ext")) as path:
+        yield path
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -1,8 +1,9 @@
 """DeepSpeed scripts run unchanged on llmpar: the same script (tests/data/cifar_script.py, in the shape of DeepSpeed's
 cifar10 example) under DeepSpeed and under ``import llmpar as deepspeed``, 2 CPU ranks, ZeRO stages 0-3, 30 optimizer
-steps each: the losses agree to 1e-5 (relative). And a script in the shape of DeepSpeedExamples' training scripts
-(tests/data/ds_example_script.py), its ``deepspeed`` imports renamed to ``llmpar`` and nothing else, runs to the end
-with the monitors on (one 2-rank run)."""
+steps each: the losses agree to 1e-5 (relative); DeepSpeed's runs of stages 0, 1 and 3 are golden files
+(tests/golden/cifar/, tests/reference_runs.py), stage 2's runs live. And a script in the shape of DeepSpeedExamples'
+training scripts (tests/data/ds_example_script.py), its ``deepspeed`` imports renamed to ``llmpar`` and nothing else,
+runs to the end with the monitors on (one 2-rank run)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 from multirank import free_port
+from reference_runs import References
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data"
@@ -93,21 +95,51 @@ def run_script(which: str, stage: int, tmp: Path, ext: Path | None = None) -> tu
     return data["loss"], wall
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_cifar_script_matches_deepspeed(stage, tmp_path, ds_ext_dir):
-    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed")
-    theirs, _ = run_script("deepspeed", stage, tmp_path, ds_ext_dir)
-    ours, _ = run_script("llmpar", stage, tmp_path, ds_ext_dir)
+def _deepspeed_record(case: str, spec: dict, tmp: Path, ext: Path) -> dict:
+    """DeepSpeed's run of the cifar script at stage ``case``: its losses and the csv monitor's files."""
+    stage = int(case)
+    assert spec == config(stage)
+    losses, _ = run_script("deepspeed", stage, tmp, ext)
+    job = tmp / "csv_deepspeed" / f"s{stage}"
+    return {"loss": losses, "csv": {name: (job / name).read_text() for name in sorted(os.listdir(job))}}
+
+
+def _same_losses(ours: list[float], theirs: list[float]) -> None:
     assert len(ours) == len(theirs) == STEPS
     torch.testing.assert_close(
         torch.tensor(ours, dtype=torch.float64), torch.tensor(theirs, dtype=torch.float64), rtol=1e-5, atol=0
     )
+
+
+def _same_record(case: str, live: dict, golden: dict) -> None:
+    _same_losses(live["loss"], golden["loss"])
+    assert live["csv"] == golden["csv"]
+
+
+# DeepSpeed's runs at each stage: stage 2 runs live every time (and is checked against its golden file); the others
+# are read from tests/golden/cifar/ (`make golden`), or run live where DeepSpeed's version is not the goldens'
+REFERENCES = References(
+    "cifar",
+    run=_deepspeed_record,
+    cases={str(stage): config(stage) for stage in range(4)},
+    live={"2"},
+    sources=["tests/data/cifar_script.py", "tests/data/pipe_launch.py"],
+    packages=("deepspeed", "torch"),
+    same=_same_record,
+)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_cifar_script_matches_deepspeed(stage, tmp_path, ds_ext_dir):
+    theirs = REFERENCES.get(str(stage), tmp_path, ds_ext_dir)
+    ours, _ = run_script("llmpar", stage, tmp_path, ds_ext_dir)
+    _same_losses(ours, theirs["loss"])
     assert sum(ours[-5:]) < sum(ours[:5])  # and it trains
     # the csv monitor: the files DeepSpeed writes, with its header, sample steps and lrs
-    theirs_dir, ours_dir = tmp_path / "csv_deepspeed" / f"s{stage}", tmp_path / "csv_llmpar" / f"s{stage}"
-    assert set(os.listdir(theirs_dir)) == {"Train_Samples_lr.csv"}  # DeepSpeed 0.19's plain engine: lr only
+    ours_dir = tmp_path / "csv_llmpar" / f"s{stage}"
+    assert set(theirs["csv"]) == {"Train_Samples_lr.csv"}  # DeepSpeed 0.19's plain engine: lr only
     assert set(os.listdir(ours_dir)) == {"Train_Samples_lr.csv", "Train_Samples_train_loss.csv"}
-    assert (ours_dir / "Train_Samples_lr.csv").read_text() == (theirs_dir / "Train_Samples_lr.csv").read_text()
+    assert (ours_dir / "Train_Samples_lr.csv").read_text() == theirs["csv"]["Train_Samples_lr.csv"]
 
 
 def _read_csv(path: Path) -> tuple[list[str], list[tuple[int, float]]]:

@@ -2,7 +2,8 @@
 DeepSpeed cuts them (its own ``_partition_layers`` is the reference, run without a process group), built lazily per
 stage, ``train_batch()`` pulling ``training_data`` in order, ``eval_batch``, in-place activations at the stage
 boundary, and a DeepSpeed pipeline script (``tests/data/pipe_script.py``) run under torchrun on 2 CPU ranks (pp=2)
-with DeepSpeed and with ``import llmpar as deepspeed``: the same 30 losses (fp32, <= 1e-5 relative).
+with DeepSpeed and with ``import llmpar as deepspeed``: the same 30 losses (fp32, <= 1e-5 relative; DeepSpeed's run
+of the "uniform" partition is a golden file, tests/golden/pipe_compat/, the "parameters" one runs live).
 """
 
 import copy
@@ -21,6 +22,7 @@ from llmpar.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from llmpar.pipeline.specs import partition_layers
 
 from multirank import free_port, run_ranks
+from reference_runs import References
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).resolve().parent / "data"
@@ -356,11 +358,39 @@ def _run_script(which, partition, tmp_path, steps, ext):
     return json.loads(out.read_text())
 
 
+def _deepspeed_record(case: str, spec: dict, tmp: Path, ext: Path) -> dict:
+    """DeepSpeed's run of the pipeline script with partition method ``case``: its parts, train and eval losses."""
+    return _run_script("deepspeed", case, tmp, spec["steps"], ext)
+
+
+def _same_record(case: str, live: dict, golden: dict) -> None:
+    assert live["parts"] == golden["parts"]
+    torch.testing.assert_close(
+        torch.tensor(live["train"], dtype=torch.float64),
+        torch.tensor(golden["train"], dtype=torch.float64),
+        rtol=1e-5,
+        atol=0,
+    )
+    assert live["eval"] == pytest.approx(golden["eval"], rel=1e-5)
+
+
+# DeepSpeed's runs: "parameters" runs live every time (checked against its golden file), "uniform" is read from
+# tests/golden/pipe_compat/ (`make golden`), or runs live where DeepSpeed's version is not the golden's
+REFERENCES = References(
+    "pipe_compat",
+    run=_deepspeed_record,
+    cases={"parameters": {"steps": 30}, "uniform": {"steps": 30}},
+    live={"parameters"},
+    sources=["tests/data/pipe_script.py", "tests/data/pipe_launch.py"],
+    packages=("deepspeed", "torch"),
+    same=_same_record,
+)
+
+
 @pytest.mark.parametrize("partition", ["parameters", "uniform"])
 def test_deepspeed_pipeline_script_runs_with_llmpar_and_matches(partition, tmp_path, ds_ext_dir):
     """parameters: [0, 5, 11], stage 0 ends with ReLU(inplace=True); uniform: [0, 6, 11], stage 1 starts with one."""
-    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed")
-    theirs = _run_script("deepspeed", partition, tmp_path, 30, ds_ext_dir)
+    theirs = REFERENCES.get(partition, tmp_path, ds_ext_dir)
     ours = _run_script("llmpar", partition, tmp_path, 30, ds_ext_dir)
     assert ours["parts"] == theirs["parts"] == ([0, 5, 11] if partition == "parameters" else [0, 6, 11])
     torch.testing.assert_close(
