@@ -5,6 +5,7 @@ submodules, which import each other directly), and each submodule imports cleanl
 from __future__ import annotations
 
 import ast
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -57,14 +58,53 @@ def test_the_rule_catches_package_imports(tmp_path):
     ]
 
 
+# one interpreter imports torch (and Triton), then forks a child per submodule, which imports that submodule first:
+# each child is a fresh llmpar (the parent never imported it) without paying torch's start-up once per module
+_FORKED_IMPORTS = r"""
+import json, os, sys, traceback
+
+import torch  # noqa: F401
+try:
+    import triton  # noqa: F401
+except ImportError:
+    pass
+assert not [m for m in sys.modules if m == "llmpar" or m.startswith("llmpar.")], "llmpar imported before the forks"
+check, results = sys.argv[1], {}
+for name in sys.argv[2:]:
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        try:
+            exec(check.format(name=name), {})
+            msg = ""
+        except BaseException:
+            msg = traceback.format_exc()
+        with os.fdopen(w, "wb") as f:
+            f.write(msg.encode())
+        os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        msg = f.read().decode()
+    _, status = os.waitpid(pid, 0)
+    results[name] = msg or ("" if status == 0 else f"the child exited with status {status}")
+print(json.dumps(results))
+"""
+
+
 def test_import_llmpar_ops_in_a_fresh_process_in_any_order():
-    """Each submodule imported first, alone, in a fresh interpreter: no cycle leaves a half-initialised module."""
-    for path in sorted(OPS.glob("*.py")):
-        name = "llmpar.ops" if path.stem == "__init__" else f"llmpar.ops.{path.stem}"
-        code = (
-            f"import {name}, llmpar.ops as ops, torch\n"
-            "assert all(hasattr(torch.ops.llmpar, n) for n in ops._library.OPS)\n"
-            "assert ops.pack_bucket and ops.linear_act and ops.adamw_step and ops.grad_norm and ops.MODES\n"
-        )
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 0, f"import {name} first:\n{proc.stderr[-2000:]}"
+    """Each submodule imported first, alone, in a fresh llmpar: no cycle leaves a half-initialised module."""
+    names = ["llmpar.ops" if p.stem == "__init__" else f"llmpar.ops.{p.stem}" for p in sorted(OPS.glob("*.py"))]
+    check = (
+        "import {name}, llmpar.ops as ops, torch\n"
+        "assert all(hasattr(torch.ops.llmpar, n) for n in ops._library.OPS)\n"
+        "assert ops.pack_bucket and ops.linear_act and ops.adamw_step and ops.grad_norm and ops.MODES\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", _FORKED_IMPORTS, check, *names], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert sorted(results) == sorted(names)
+    failed = {name: msg for name, msg in results.items() if msg}
+    assert not failed, "\n".join(f"import {name} first:\n{msg[-2000:]}" for name, msg in failed.items())
