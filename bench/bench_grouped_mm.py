@@ -8,8 +8,10 @@ CPU (``--device cpu``): forward + backward of the MoE block (input gradient incl
 thread: bench/bench_moe_layer.py's setup) with llmpar's experts through ``grouped_mm`` and the unpermute op
 ("llmpar"), with the per-expert ``F.linear`` loop and the autograd composition of the unpermute they ran before
 ("llmpar_before"), and transformers' block with its eager experts (the baseline) and its ``grouped_mm`` experts
-backend; outputs checked to agree (1e-5) first. Goals (issue 44): llmpar <= 0.5x transformers eager, faster than
-transformers grouped_mm at 8+ experts. Results: bench/results/moe_grouped_mm_cpu.*.
+backend; outputs checked to agree (1e-5) first. Wall-clock medians (bench/harness.py) and, as the steadier figure on a
+shared machine, the thread's CPU time per call (``thread_ms``, ``thread_ratio`` vs transformers eager). Goals (issue
+44): llmpar <= 0.5x transformers eager, faster than transformers grouped_mm at 8+ experts. Results:
+bench/results/moe_grouped_mm_cpu.*.
 
 GPU (``--device cuda``): the experts alone, SwiGLU experts over tokens sorted by expert (``grouped_swiglu``: the
 gate/up GEMM with SwiGLU, then the down GEMM), bf16, at
@@ -72,6 +74,24 @@ def combine_before(y: torch.Tensor, meta) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------------- CPU
 
 
+def thread_times(cases: dict, repeats: int) -> dict[str, float]:
+    """Median CPU time of this thread per call (``time.thread_time``), the cases interleaved as ``compare`` does: with
+    one torch thread every op runs on it, so the figure is the work done, not the time other processes took the core
+    (a shared machine's wall-clock medians move by 2x between runs; this moves by a few percent)."""
+    import statistics
+    import time
+
+    names = list(cases)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(repeats):
+        for i in range(len(names)):
+            name = names[(r + i) % len(names)]
+            t0 = time.thread_time()
+            cases[name]()
+            times[name].append(time.thread_time() - t0)
+    return {n: statistics.median(v) for n, v in times.items()}
+
+
 def run_cpu(args) -> None:
     from bench_moe_layer import _blocks, _step
 
@@ -103,9 +123,14 @@ def run_cpu(args) -> None:
             f"I {args.intermediate}"
         )
         print(cmp.table())
+        cpu = thread_times(cases, args.repeats)
         for row in cmp.rows(experts=experts, top_k=args.top_k, tokens=args.batch * args.seq):
-            row["ratio"] = cmp.ratio(row["name"])
-            row["ratio_of_mins"] = cmp.timings[row["name"]].min_s / cmp.timings["transformers_eager"].min_s
+            name = row["name"]
+            row["ratio"] = cmp.ratio(name)
+            row["ratio_of_mins"] = cmp.timings[name].min_s / cmp.timings["transformers_eager"].min_s
+            row["thread_ms"] = cpu[name] * 1e3
+            row["thread_ratio"] = cpu[name] / cpu["transformers_eager"]
+            print(f"  {name}: thread time {cpu[name] * 1e3:.2f} ms, {row['thread_ratio']:.3f}x transformers eager")
             rows.append(row)
     if not args.no_write:
         import transformers

@@ -20,7 +20,9 @@ no kernel) and impls for every device that pick a backend per call (``grouped_ge
     llmpar::grouped_mm_wgrad(a, b, offs) -> [E, P, Q]             out[e] = a[rows_e]^T b[rows_e]
 
 :func:`grouped_mm` checks the arguments (counts / offsets included: ``offs`` given as a tensor is read on the host,
-one device sync on a GPU; pass ``counts`` from the host to avoid it) and calls the op.
+one device sync on a GPU; pass ``counts`` from the host to avoid it) and calls the op: under torch.compile through
+the dispatcher (traced as llmpar::grouped_mm), in eager mode through an autograd Function running the same impls and
+backward without the dispatcher's round trips.
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 
 import llmpar.ops.grouped_gemm_backends as backends
 
@@ -193,33 +194,99 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.act, ctx.kept = act, bool(act and keep_pre)
 
 
-def _swiglu_grads(dh: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-    """[dh * u * silu'(g), dh * silu(g)] from the kept product pre = [g, u] (torch's silu_backward, as autograd)."""
-    gate, up = pre.chunk(2, dim=-1)
-    return torch.cat([torch.ops.aten.silu_backward(dh * up, gate), dh * F.silu(gate)], dim=-1)
+class _LibraryOps:
+    """The backward's GEMMs as the llmpar:: ops (what torch.compile traces)."""
+
+    @staticmethod
+    def mm(x, w, offs):
+        return torch.ops.llmpar.grouped_mm(x, w, offs, 0, False)[0]
+
+    @staticmethod
+    def swiglu_backward(dh, x, w, offs):
+        return torch.ops.llmpar.grouped_mm_swiglu_backward(dh, x, w, offs)
+
+    @staticmethod
+    def wgrad(a, b, offs):
+        return torch.ops.llmpar.grouped_mm_wgrad(a, b, offs)
 
 
-def _backward(ctx, grad, _grad_pre):
+class _EagerOps:
+    """The same impls called directly: eager mode skips the dispatcher's round trips (~0.1 ms of Python per op)."""
+
+    @staticmethod
+    def mm(x, w, offs):
+        return backends.mm(x, w, offs, 0, backends.select("grouped_mm", x, w))[0]
+
+    @staticmethod
+    def swiglu_backward(dh, x, w, offs):
+        return backends.swiglu_backward(dh, x, w, offs, backends.select("grouped_mm_swiglu_backward", x, w, dh))
+
+    @staticmethod
+    def wgrad(a, b, offs):
+        return backends.wgrad(a, b, offs, backends.select("grouped_mm_wgrad", a, b))
+
+
+def _grads(ctx, grad, ops) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(dX, dW) of grouped_mm (module docstring) from the saved (x, w, offs, pre)."""
     x, w, offs, pre = ctx.saved_tensors
     need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    ops = torch.ops.llmpar
     if grad is None:  # the output took no part in the loss
         grad = x.new_zeros(x.shape[0], w.shape[2] // 2 if ctx.act else w.shape[2])
     if ctx.act:
-        g = _swiglu_grads(grad, pre) if ctx.kept else ops.grouped_mm_swiglu_backward(grad, x, w, offs)
+        if ctx.kept:  # [dh * u * silu'(g), dh * silu(g)] from the kept [g, u], written in place (no cat)
+            g = backends.swiglu_grads(grad, pre, torch.empty_like(pre))
+        else:
+            g = ops.swiglu_backward(grad, x, w, offs)
     else:
         g = grad
-    dx = ops.grouped_mm(g, w.transpose(1, 2), offs, 0, False)[0] if need_x else None
+    dx = ops.mm(g, w.transpose(1, 2), offs) if need_x else None
     dw = None
     if need_w:
         if w.stride(1) == 1 and w.stride(2) != 1:  # w is the transposed view of [E, N, K] weights
-            dw = ops.grouped_mm_wgrad(g, x, offs).transpose(1, 2)
+            dw = ops.wgrad(g, x, offs).transpose(1, 2)
         else:
-            dw = ops.grouped_mm_wgrad(x, g, offs)
-    return dx, dw, None, None, None
+            dw = ops.wgrad(x, g, offs)
+    return dx, dw
+
+
+def _backward(ctx, grad, _grad_pre):
+    return (*_grads(ctx, grad, _LibraryOps), None, None, None)
 
 
 _grouped_mm_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _GroupedMM(torch.autograd.Function):
+    """llmpar::grouped_mm in eager mode: the op's impl and backward (``_grads``) without the dispatcher."""
+
+    @staticmethod
+    def forward(ctx, x, w, offs, act, keep_pre):  # type: ignore[override]
+        out, pre = backends.mm(x, w, offs, act, backends.select("grouped_mm", x, w), keep_pre)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(x, w, offs, pre)
+        ctx.act, ctx.kept = act, pre is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return (*_grads(ctx, grad, _EagerOps), None, None, None)
+
+
+def _eager(*tensors: torch.Tensor) -> bool:
+    """Plain tensors with data, no tracing and no dispatch mode (FakeTensorMode, FlopCounterMode, ...) active."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+        return False
+    return all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type != "meta" for t in tensors)
+
+
+def _run(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, act: int, keep_pre: bool) -> torch.Tensor:
+    """The op (traced as llmpar::grouped_mm under torch.compile, its fake impl on meta / fake tensors), or on plain
+    tensors in eager mode the same impls through an autograd Function."""
+    if _eager(x, w, offs):
+        return _GroupedMM.apply(x, w, offs, act, keep_pre)
+    return torch.ops.llmpar.grouped_mm(x, w, offs, act, keep_pre)[0]
 
 
 # ------------------------------------------------------------------------------------------------- entry points
@@ -249,7 +316,7 @@ def grouped_mm(
     code = ACTS.index(act)
     _check_op(x, w, torch.empty(w.shape[0], dtype=torch.int32, device=x.device), code)
     ends = group_offsets(x, w.shape[0], offs, counts)
-    return torch.ops.llmpar.grouped_mm(x, w, ends, code, not _recompute(recompute, x))[0]
+    return _run(x, w, ends, code, not _recompute(recompute, x))
 
 
 def grouped_swiglu(
@@ -284,8 +351,8 @@ def grouped_swiglu(
             f"{gate_up.device}) must share dtype and device"
         )
     ends = group_offsets(x, e_count, None, counts)
-    h = torch.ops.llmpar.grouped_mm(x, w1, ends, 1, not _recompute(recompute, x))[0]
-    return torch.ops.llmpar.grouped_mm(h, w2, ends, 0, False)[0]
+    h = _run(x, w1, ends, 1, not _recompute(recompute, x))
+    return _run(h, w2, ends, 0, False)
 
 
 def recompute_default(device: torch.device) -> bool:

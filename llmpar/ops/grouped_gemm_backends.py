@@ -127,20 +127,16 @@ def mm(
             return gu, None
         gate, up = gu.chunk(2, dim=-1)
         return F.silu(gate) * up, gu if keep_pre else None
-    out = x.new_empty(m, n_out)
-    pre = x.new_empty(m, n) if keep_pre else None
+    prod = x.new_empty(m, n)  # [g, u] for SwiGLU (then one elementwise pass over all groups), else the output
     start = 0
     for e, rows in enumerate(_sizes(offs)):
         if rows:
-            r = slice(start, start + rows)
-            if act:
-                gu = pre[r].addmm_(x[r], w[e], beta=0) if pre is not None else torch.mm(x[r], w[e])
-                gate, up = gu.chunk(2, dim=-1)
-                torch.mul(F.silu(gate), up, out=out[r])
-            else:
-                out[r].addmm_(x[r], w[e], beta=0)  # torch.mm's own CPU / cuBLAS call, into the rows of out
+            prod[start : start + rows].addmm_(x[start : start + rows], w[e], beta=0)  # torch.mm's own call, in place
         start += rows
-    return out, pre
+    if not act:
+        return prod, None
+    gate, up = prod.chunk(2, dim=-1)
+    return torch.mul(F.silu(gate), up), prod if keep_pre else None
 
 
 # ----------------------------------------------------------------------------------------------------- backward
