@@ -1,6 +1,7 @@
 # Set-up and everyday commands. Everything is installed into $(VENV); nothing is installed by hand.
 #   make demo   install llmpar and run the main job (`llmpar train` on 2 CPU ranks)
-#   make test   install llmpar with its test extras and run the test suite
+#   make test   install llmpar with its test extras and run the test suite (every tier: unit, ranks, e2e, gpu)
+#   make test-fast    the unit tier and a smoke of the other tiers: what to run while working (docs/contributing.md)
 #   make golden       rewrite tests/golden/ (DeepSpeed's reference runs) with the installed DeepSpeed
 #   make lint   ruff check (pycodestyle, pyflakes, bugbear, import order), ruff format --check, and mypy on the typed
 #               floors (pyproject.toml); `ruff format .` writes the formatting
@@ -20,8 +21,11 @@ PIP    := $(PY) -m pip -q --disable-pip-version-check
 CONSTRAINTS ?= constraints.txt
 # pytest's own script, not `python -m pytest`: `-m` would put the working directory first on sys.path
 PYTEST := $(VENV)/bin/pytest
+# the durations budget (tests/suite_rules.py): a test over 20 s on a quiet 2-core machine must say why (the time other
+# processes take of a busy machine is not counted); raise the scale on a slower machine (CI passes its own)
+TEST_BUDGET_SCALE ?= 1
 
-.PHONY: demo test golden test-latest lock docs lint install install-test install-docs install-lint cuda-ext gpu-wheelhouse bench bench-suite clean
+.PHONY: demo test test-fast golden test-latest lock docs lint install install-test install-docs install-lint cuda-ext gpu-wheelhouse bench bench-suite clean
 
 $(VENV)/.llmpar-installed: pyproject.toml setup.py $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -59,7 +63,11 @@ demo: install
 	$(VENV)/bin/llmpar train
 
 test: install-test
-	$(PYTEST) -q -ra tests
+	LLMPAR_TEST_BUDGET_SCALE=$(TEST_BUDGET_SCALE) $(PYTEST) -q -ra tests
+
+# while working: the unit tier (one process, no job) and the smoke set of the ranks / e2e tiers (tests/suite_rules.py)
+test-fast: install-test
+	LLMPAR_TEST_BUDGET_SCALE=$(TEST_BUDGET_SCALE) $(PYTEST) -q -ra -m "(unit and not slow) or smoke" tests
 
 # DeepSpeed's reference runs that the DeepSpeed comparisons read (tests/reference_runs.py): commit what it rewrites
 golden: install-test

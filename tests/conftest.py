@@ -7,6 +7,14 @@ sys.path.insert(0, os.path.dirname(__file__))  # so that the ranks (and tests) c
 
 from multirank import close_pools  # noqa: E402
 from reference_runs import ds_extensions  # noqa: E402
+from suite_rules import (  # noqa: E402,F401  (the suite's tiers and durations budget: hooks pytest finds here)
+    pytest_collection_modifyitems,
+    pytest_configure,
+    pytest_report_header,
+    pytest_runtest_call,
+    pytest_runtest_makereport,
+    pytest_runtest_setup,
+)
 
 
 @pytest.fixture(scope="session")
@@ -64,21 +72,6 @@ def launcher_environment_untouched(request):
             f"{changed}; restore them (monkeypatch.setenv / a try-finally)",
             pytrace=False,
         )
-
-
-def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
-
-
-def pytest_collection_modifyitems(config, items):
-    import torch
-
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -88,6 +88,13 @@ class _Worker:
 _WORKER: list[_Worker] = []  # the session's worker, while it lives
 
 
+def worker_cpu() -> float:
+    """CPU seconds the live worker has used (tests/suite_rules.py counts them as the running test's own)."""
+    from multirank import cpu_seconds
+
+    return sum(cpu_seconds(w.proc.pid) for w in _WORKER)
+
+
 def close_worker() -> None:
     while _WORKER:
         _WORKER.pop().close()

@@ -337,6 +337,7 @@ class _Pool:
     def close(self) -> None:
         if not self.alive and not any(p.is_alive() for p in self.procs):
             return
+        _RETIRED_CPU[0] += sum(cpu_seconds(p.pid) for p in self.procs if p.pid and p.is_alive())
         self.alive = False
         for q in self.tasks:
             try:
@@ -353,12 +354,33 @@ class _Pool:
 
 
 _POOLS: dict[int, _Pool] = {}
+RUNS = 0  # bodies run so far in this process (tests/suite_rules.py tells a unit test that used the harness)
+_RETIRED_CPU = [0.0]  # CPU seconds of the ranks of the pools closed so far
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds process ``pid`` has used so far (0 where /proc cannot tell)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def workers_cpu() -> float:
+    """CPU seconds the ranks of this process's pools have used, those alive and those retired (the ranks are not
+    this process's children: its own CPU times never include them). tests/suite_rules.py counts them as the running
+    test's own when it judges the durations budget."""
+    return _RETIRED_CPU[0] + sum(cpu_seconds(p.pid) for pool in _POOLS.values() for p in pool.procs if p.pid)
 
 
 def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT, **kwargs: Any) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; returns the per-rank results (rank order)."""
+    global RUNS
     if not 1 <= world_size <= 16:
         raise ValueError(f"world_size={world_size} is outside [1, 16]")
+    RUNS += 1
     pool = _POOLS.get(world_size)
     if pool is None or not pool.alive:
         pool = _POOLS[world_size] = _Pool(world_size)

@@ -41,7 +41,10 @@ def _train(kind, batches, held_out):
         return lm_loss(model(held_out[0]), held_out[1]).item()
 
 
-@pytest.mark.slow
+@pytest.mark.slow(
+    reason="five 300-step trainings of a small GPT: round-to-nearest bf16 drifts from fp32 only over a few hundred "
+    "steps, and that drift is what the precision modes are checked against"
+)
 def test_low_precision_modes_match_fp32_where_bf16_rounding_drifts():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the machine is shared; one thread keeps this ~40 s and deterministic
