@@ -39,12 +39,12 @@ import traceback
 
 import torch
 
-from llmpar.checkpoint import files, formats, metacheck, plan, publish
+from llmpar.checkpoint import experts, files, formats, metacheck, plan, publish
 from llmpar.checkpoint.blockfile import CorruptFile
 from llmpar.checkpoint.files import CheckpointError
 from llmpar.checkpoint.pending import wait_checkpoint
 from llmpar.checkpoint.protocol import Checkpointable, Grid
-from llmpar.checkpoint.reshard import Cut
+from llmpar.checkpoint.reshard import CheckpointReader, Cut
 from llmpar.checkpoint.shards import RankFiles, set_rng_state
 from llmpar.checkpoint.view import EngineView
 
@@ -141,6 +141,7 @@ def load_checkpoint(
     if found is not None:  # agreed by every rank in _open (the same identity)
         return formats.load(engine, view, found, strict=strict, scheduler=scheduler)
     err, reader = None, None
+    xload: experts.ExpertLoad | None = None
     cuts: dict[str, Cut] = {}
     keep: set[str] = set()
     extras: dict[str, torch.Tensor] = {}
@@ -154,7 +155,12 @@ def load_checkpoint(
             engine.checkpoint_counters(),
             None if sched is None else sched.state_dict(),
         )
-        reader, cuts, need, keep = plan.plan(view, path, meta, strict)
+        reader = CheckpointReader(path, meta)
+        if experts.expert_side(view.opt) is not None:  # this rank's experts: their rows of the global tensors
+            xload = experts.ExpertLoad(engine, reader, strict)  # checked first: an expert count ep cannot split
+        reader, cuts, need, keep = plan.plan(view, path, meta, strict, reader)
+        if xload is not None:
+            need |= xload.files()
         for fname in sorted(need):
             why = reader.files.check(fname)
             if why is not None:
@@ -163,6 +169,8 @@ def load_checkpoint(
         if code == 0:
             reader.files.record(True)  # the blocks these read are noted, then each hashed by one rank
             plan.touch_reads(view, reader, cuts, keep)
+            if xload is not None:
+                xload.touch()
             extras = plan.saved_extras(view, reader, strict)
             rng = reader.rng(own) if own in meta["files"] else None
     except CorruptFile as e:
@@ -203,7 +211,11 @@ def load_checkpoint(
     opt = engine.optimizer
     with files.all_or_mixed(g, path):  # agreed before the stage-3 re-gather so that no rank waits alone
         plan.apply(view, reader, cuts, keep, extras)
+        if xload is not None:
+            xload.apply()
     opt.after_load()
+    if xload is not None:
+        xload.xopt.after_load()
     for group, saved in zip(opt.param_groups, meta["param_groups"]):
         group.update({k: (tuple(v) if k == "betas" else v) for k, v in saved.items()})
     opt.skipped_steps = meta["optimizer"]["skipped_steps"]  # first: engine.skipped_steps is counted relative to it

@@ -36,11 +36,12 @@ def shown(names: list[str], limit: int = 8) -> str:
 
 
 def plan(
-    view: EngineView, path: str, meta: dict, strict: bool
+    view: EngineView, path: str, meta: dict, strict: bool, reader: CheckpointReader | None = None
 ) -> tuple[CheckpointReader, dict[str, Cut], set[str], set[str]]:
-    """The reader, this rank's cuts, the set of files it will read and the optimizer names of this rank's params the
-    checkpoint lacks (kept as they are; an error when ``strict``); raises on a layout that cannot be loaded."""
-    reader = CheckpointReader(path, meta)
+    """The reader (``reader``, or a new one), this rank's cuts, the set of files it will read and the optimizer names
+    of this rank's params the checkpoint lacks (kept as they are; an error when ``strict``); raises on a layout that
+    cannot be loaded."""
+    reader = CheckpointReader(path, meta) if reader is None else reader
     g, cuts = view.grid, rank_cuts(view)
     need: set[str] = set()
     missing: dict[str, str] = {}  # optimizer name -> checkpoint name
@@ -48,7 +49,7 @@ def plan(
         present = []
         for slot in b["params"]:
             name = view.saved_name[slot["name"]]
-            if name not in reader.where:
+            if not reader.holds(name):
                 missing[slot["name"]] = name
                 continue
             reader.check(name, cuts[slot["name"]])
@@ -119,6 +120,9 @@ def stored_names(meta: dict) -> list[str]:
     """The params (tied copies once) and, when recorded, the module buffers and frozen params of a checkpoint."""
     try:
         params = {s["name"] for b in meta["layout"]["buffers"] for s in b["params"] if not s.get("dup")}
+        for entry in meta["files"].values():  # an expert-parallel run's experts (``experts.py``)
+            if isinstance(entry, dict) and isinstance(entry.get("experts"), dict):
+                params |= set(entry["experts"].get("params", ()))
         return sorted(params | set(meta.get("extras", {})))
     except (KeyError, TypeError):  # a malformed layout: plan reports it
         return []

@@ -21,6 +21,7 @@ and an element range ``[start, stop)`` of its flat (``reshape(-1)``) view, whate
                                                               (optional, ``DescribesModel``) checkpoint_model():
                                                                HF config + generation config, buffers not saved
       (optional, ``ShardViews``) checkpoint_shard_views(): the partitions as views of the live buffers, no copy
+      (optional, ``HoldsExperts``) checkpoint_experts(): the expert optimizer, ep rank, ep (``experts.py``)
 
 The protocols are structural (``typing.Protocol``): an implementation needs no import of this module, and the data
 crossing the seam is plain (str, int, tuples, dicts, CPU tensors).
@@ -239,6 +240,17 @@ class ShardViews(Protocol):
 
 
 @runtime_checkable
+class HoldsExperts(Protocol):
+    """Optional for an optimizer whose model's experts are spread over expert-parallel ranks (``experts.py``)."""
+
+    def checkpoint_experts(self) -> tuple[CheckpointOptimizer, int, int] | None:
+        """``(the optimizer of the expert params, this rank's ep rank, ep)``: the expert params are this ep rank's
+        rows ``[ep_rank E_local, (ep_rank + 1) E_local)`` of global tensors ``[E_local ep, ...]``; None when the
+        optimizer holds none."""
+        ...
+
+
+@runtime_checkable
 class DescribesModel(Protocol):
     """Optional for an engine: what a checkpoint records about the model beyond its tensors (an engine without it
     saves checkpoints without them: ``consolidate`` then writes no ``config.json``)."""
@@ -260,6 +272,7 @@ __all__ = [
     "Fetch",
     "Grid",
     "HeldPiece",
+    "HoldsExperts",
     "PendingSave",
     "Piece",
     "SchedulerState",

@@ -16,12 +16,14 @@ equals this run's, which keeps a same-layout load bitwise). Optimizer states (``
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from llmpar.checkpoint.experts import ExpertIndex
 from llmpar.checkpoint.files import CheckpointError
 from llmpar.checkpoint.shards import RankFiles, ShardReader
 
@@ -84,15 +86,32 @@ class CheckpointReader:
         self.readers = [ShardReader(path, meta, t, self.files) for t in range(self.tp)]
         self.where = self.readers[0].where
         self._cache: tuple[tuple, torch.Tensor] | None = None
+        self.experts = ExpertIndex(self.files, meta)  # an expert-parallel run's experts, by global name
+        self.experts.open()
+
+    def holds(self, name: str) -> bool:
+        """Whether the checkpoint holds param ``name`` (in its dense buffers or as expert pieces)."""
+        return name in self.where or name in self.experts
+
+    def unsplit(self, name: str, tp: int, tp_rank: int) -> Cut:
+        """How a rank at (``tp``, ``tp_rank``) holding ``name`` whole (not split over tp) cuts it."""
+        return Cut(shape=self.full_shape(name), spec=None, tp=tp, rank=tp_rank)
+
+    def _expert(self, name: str) -> bool:
+        return name not in self.where and name in self.experts
 
     # ------------------------------------------------------------------ layout
     def spec(self, name: str) -> dict | None | str:
+        if self._expert(name):
+            return None
         slot = self.where[name][1]
         if "tp" not in slot:
             return UNKNOWN if self.tp > 1 else None
         return slot["tp"]
 
     def shape(self, name: str) -> tuple[int, ...]:
+        if self._expert(name):
+            return self.experts.shapes[name]
         return tuple(self.where[name][1]["shape"])
 
     def full_shape(self, name: str) -> tuple[int, ...]:
@@ -155,6 +174,8 @@ class CheckpointReader:
     # ------------------------------------------------------------------ reads
     def files_for(self, name: str, a: int, z: int, cut: Cut) -> set[str]:
         """The files holding elements [a, z) of ``name`` as ``cut`` holds it."""
+        if self._expert(name):
+            return self.experts.files_for(name, a, z)
         route = self._route(name, cut)
         if len(route) == 1:
             return self.readers[route[0]].files_for(name, a, z)
@@ -164,10 +185,14 @@ class CheckpointReader:
         return out
 
     def has(self, name: str, key: str) -> bool:
+        if self._expert(name):
+            return self.experts.has(name, key)
         return self.readers[0].has(name, key)
 
     def step(self, name: str) -> float:
         """The step count saved for the unit holding ``name``."""
+        if self._expert(name):
+            return self.experts.step(name)
         return float(self.readers[0].step(name))
 
     def rng(self, fname: str) -> dict:
@@ -177,6 +202,9 @@ class CheckpointReader:
     def verify(self, name: str, key: str, a: int, z: int, cut: Cut) -> None:
         """Verify the blocks :meth:`get` reads for the same arguments (a ``blockfile.CorruptFile`` if one differs),
         copying nothing."""
+        if self._expert(name):
+            self.experts.get(name, key, a, z)
+            return
         route = self._route(name, cut)
         if len(route) == 1:
             self.readers[route[0]].verify(name, key, a, z)
@@ -186,6 +214,8 @@ class CheckpointReader:
 
     def get(self, name: str, key: str, a: int, z: int, cut: Cut) -> torch.Tensor:
         """Elements [a, z) of this rank's ``cut`` of ``name`` (state ``key``: "params", "exp_avg", ...), flat."""
+        if self._expert(name):
+            return self.experts.get(name, key, a, z)
         route = self._route(name, cut)
         if len(route) == 1:
             return self.readers[route[0]].get(name, key, a, z)
@@ -210,6 +240,8 @@ class CheckpointReader:
     def full(self, name: str, key: str) -> torch.Tensor:
         """The whole unpadded tensor of ``name`` (state ``key``) in its full shape."""
         shape = self.full_shape(name)
+        if self._expert(name):
+            return self.experts.get(name, key, 0, math.prod(shape)).view(shape)
         cut = Cut(shape=shape, spec=None, tp=1, rank=0)
         route = self._route(name, cut)
         if len(route) == 1:

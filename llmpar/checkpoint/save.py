@@ -49,7 +49,7 @@ import threading
 import weakref
 from typing import Any
 
-from llmpar.checkpoint import files
+from llmpar.checkpoint import experts, files
 from llmpar.checkpoint.files import CheckpointError
 from llmpar.checkpoint.pending import Save, wait_checkpoint
 from llmpar.checkpoint.protocol import Checkpointable, DescribesModel, FaultHook, Grid
@@ -173,11 +173,16 @@ def _prepare(
             "extras": kept,
             "rng": rng_state(),
         }
+        xpart, xmark = experts.snapshot(engine, copy=snapshot)  # expert-parallel: global names (``experts.py``)
+        if xpart is not None:
+            payload[experts.KEY] = xpart
     except BaseException:
         if g.rank0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     side: dict = {"extras": sorted(kept)}
+    if xmark is not None:
+        side[experts.KEY] = xmark
     if g.dp_rank == 0 and g.tp_rank == 0:
         side["layout"] = _layout(view)
     meta = copy.deepcopy(_metadata(engine, tag, g)) if g.rank0 else {}

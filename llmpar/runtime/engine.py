@@ -44,7 +44,7 @@ from llmpar.context_parallel.batch_check import agree_batch
 from llmpar.distributed.collectives import Group, GroupRef, group_rank, group_size
 from llmpar.runtime import engine_ckpt
 from llmpar.runtime.config import Config
-from llmpar.runtime.engine_base import EngineBase, _refuse_experts, reports_step
+from llmpar.runtime.engine_base import EngineBase, reports_step
 from llmpar.zero.gather import consolidated_state_dict
 
 logger = logging.getLogger("llmpar")
@@ -256,9 +256,10 @@ class Engine(EngineBase):
         self._backwards_then = self._backwards_seen() or 0
 
     def module_state_dict(self) -> dict:
-        """The model's full state dict on dp rank 0 ({} elsewhere); stage 3 gathers it one unit at a time."""
-        _refuse_experts(self.optimizer, "module_state_dict")
-        return consolidated_state_dict(self.module, self.optimizer)
+        """The model's full state dict on dp rank 0 ({} elsewhere); stage 3 gathers it one unit at a time; experts
+        spread over expert-parallel ranks are gathered whole (global expert order), swapped transformers MoE blocks'
+        params under transformers' names."""
+        return engine_ckpt.hf_named(self.module, consolidated_state_dict(self.module, self.optimizer))
 
     def save_16bit_model(
         self, save_dir: str, save_filename: str = "pytorch_model.bin", exclude_frozen_parameters: bool = False
@@ -294,7 +295,6 @@ class Engine(EngineBase):
         Collective over the engine's ranks (call it on every rank): stage 3 gathers the params one unit at a time,
         tensor-parallel params are all-gathered over tp and unpadded; rank 0 of the grid writes. Returns True;
         raises on every rank when the write failed."""
-        _refuse_experts(self.optimizer, "save_hf_model")
         return engine_ckpt.save_hf(self, save_dir, dtype, max_shard_size)
 
     save_fp16_model = save_16bit_model  # DeepSpeed's older name

@@ -61,16 +61,6 @@ def reports_step(method: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def _refuse_experts(optimizer: Any, what: str) -> None:
-    """Checkpoints of experts spread over ep > 1 ranks are not written yet: refused before anything is touched (on
-    every rank alike: every rank holds experts)."""
-    if getattr(optimizer, "experts", None) is not None:
-        raise NotImplementedError(
-            f'engine.{what}: the model\'s experts are spread over expert-parallel ranks ("expert_parallel"), and '
-            "checkpoints and full state dicts of expert-parallel engines are not supported yet"
-        )
-
-
 class EngineBase(DeepSpeedAPI):
     """State and accessors common to the plain and the pipeline engine."""
 
@@ -254,7 +244,6 @@ class EngineBase(DeepSpeedAPI):
         ``save_latest`` / ``exclude_frozen_parameters``: see ``engine_ckpt``. ``async_save``: written by a thread from
         a host copy, published at the next ``wait_checkpoint`` / ``save_checkpoint`` / ``load_checkpoint``; one still
         pending when the engine is collected or the interpreter exits is finished then, with a warning."""
-        _refuse_experts(self.optimizer, "save_checkpoint")
         return engine_ckpt.save(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters, async_save)
 
     @reports_step
@@ -283,7 +272,6 @@ class EngineBase(DeepSpeedAPI):
         checkpoint lacks, or the other way round, is an error naming it (False: the model's keep their values, the
         checkpoint's are ignored, with a warning). DeepSpeed's ``load_optimizer_states`` /
         ``load_lr_scheduler_states`` / ``load_module_only``: see ``engine_ckpt``."""
-        _refuse_experts(self.optimizer, "load_checkpoint")
         if custom_load_fn is not None:
             raise ValueError(
                 "load_checkpoint(custom_load_fn=...) is not supported: llmpar loads its own sharded "

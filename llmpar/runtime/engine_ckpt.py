@@ -109,11 +109,17 @@ def save(
     return path
 
 
+def _buffers(opt: Any) -> list:
+    """The optimizer's flat buffers, then its expert optimizer's (expert parallelism: ``opt.experts``)."""
+    experts = getattr(opt, "experts", None)
+    return [*opt.buffers, *(experts.buffers if experts is not None else [])]
+
+
 def _snapshot(engine: Any, optimizer: bool, scheduler: bool, module_only: bool) -> dict:
     opt, out = engine.optimizer, {}
     if optimizer or module_only:
-        out["states"] = [{k: t.clone() for k, t in b.state.items() if k != "master"} for b in opt.buffers]
-        out["steps"] = [[s.clone() for s in b.steps] for b in opt.buffers]
+        out["states"] = [{k: t.clone() for k, t in b.state.items() if k != "master"} for b in _buffers(opt)]
+        out["steps"] = [[s.clone() for s in b.steps] for b in _buffers(opt)]
         out["groups"] = [{k: copy.copy(g[k]) for k in _HYPER} for g in opt.param_groups]
     if (scheduler or module_only) and engine.lr_scheduler is not None:
         out["sched"] = copy.deepcopy(engine.lr_scheduler.state_dict())
@@ -128,7 +134,7 @@ def _snapshot(engine: Any, optimizer: bool, scheduler: bool, module_only: bool) 
 def _restore(engine: Any, saved: dict) -> None:
     opt = engine.optimizer
     if "states" in saved:
-        for b, states, steps in zip(opt.buffers, saved["states"], saved["steps"]):
+        for b, states, steps in zip(_buffers(opt), saved["states"], saved["steps"]):
             for k, t in states.items():
                 b.state[k].copy_(t)
             for s, v in zip(b.steps, steps):
@@ -277,6 +283,17 @@ def _unsplit_tp(engine: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.
     return state
 
 
+def hf_named(module: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` under transformers' names where a swapped MoE block (``llmpar.moe.hf``, its ``hf_names``: {our
+    local name: transformers'}) holds params under ours: the names ``from_pretrained`` reads."""
+    names: dict[str, str] = {}
+    for prefix, m in module.named_modules():
+        hf = getattr(m, "hf_names", None)
+        if isinstance(hf, dict):
+            names |= {(f"{prefix}.{a}" if prefix else a): (f"{prefix}.{b}" if prefix else b) for a, b in hf.items()}
+    return {names.get(k, k): v for k, v in state.items()} if names else state
+
+
 def save_hf(engine: Any, save_dir: Any, dtype: Any, max_shard_size: Any) -> bool:
     """``engine.save_hf_model``: checked on every rank first; then the full state dict (collective), written by the
     grid's rank 0; every rank raises when the write failed."""
@@ -310,4 +327,4 @@ def save_hf(engine: Any, save_dir: Any, dtype: Any, max_shard_size: Any) -> bool
     return True
 
 
-__all__ = ["hf_configs", "load", "save", "save_hf", "unsaved_buffers"]
+__all__ = ["hf_configs", "hf_named", "load", "save", "save_hf", "unsaved_buffers"]

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
+from llmpar.distributed.collectives import group_rank, group_size
 from llmpar.zero import lowbit_state
 
 if TYPE_CHECKING:
@@ -64,6 +65,14 @@ class ZeroCheckpointing:
         return self.rank if self.stage > 0 else 0
 
     # ------------------------------------------------------------------ what is saved
+    def checkpoint_experts(self) -> tuple[Any, int, int] | None:
+        """``(self.experts, ep rank, ep)`` when the model's experts are spread over expert-parallel ranks (this ep
+        rank's rows of the global expert tensors, ``llmpar.checkpoint.experts``), else None."""
+        experts, group = getattr(self, "experts", None), getattr(self, "ep_group", None)
+        if experts is None:
+            return None
+        return experts, group_rank(group) if group is not None else 0, group_size(group) if group is not None else 1
+
     def checkpoint_facts(self) -> dict[str, bool | int]:
         """``{"offload_optimizer", "offload_param", "reduce_bucket_size"}`` for metadata.json."""
         return {

@@ -17,7 +17,7 @@ from typing import Iterator
 
 import torch
 
-from llmpar.distributed.collectives import broadcast, group_rank
+from llmpar.distributed.collectives import all_gather_flat, broadcast, group_rank, group_size
 
 
 def _as_list(params: torch.Tensor | Iterable[torch.Tensor] | None) -> list[torch.Tensor] | None:
@@ -75,7 +75,9 @@ def GatheredParameters(
 def consolidated_state_dict(module: torch.nn.Module, optimizer: "object", *, rank0_only: bool = True) -> dict:
     """The module's full state dict (params in their dtype, on the CPU; persistent buffers: the keys of
     ``module.state_dict()``, a tied weight under each of its names), gathered unit by unit so that no rank holds
-    more than one gathered unit beyond its shards. ``rank0_only``: other dp ranks return {}."""
+    more than one gathered unit beyond its shards. ``rank0_only``: other dp ranks return {}. Experts spread over
+    expert-parallel ranks (``optimizer.experts``) are all-gathered over ep: each packed expert tensor whole, the ep
+    ranks' rows in order (global expert ids ``[0, E)``)."""
     from llmpar.zero.optimizer import ZeroOptimizer
 
     if not isinstance(optimizer, ZeroOptimizer):
@@ -87,15 +89,25 @@ def consolidated_state_dict(module: torch.nn.Module, optimizer: "object", *, ran
         names.setdefault(id(p), []).append(name)
     out: dict[str, torch.Tensor] = {}
 
+    experts = optimizer.experts
+    spread = set() if experts is None else {id(p) for b in experts.buffers for p in b.params}
+    ep_group = optimizer.ep_group if experts is not None else None
+
     def take(p: torch.Tensor) -> None:
+        value = p.detach()
+        if id(p) in spread and ep_group is not None and group_size(ep_group) > 1:  # every ep rank's rows, in order
+            whole = value.new_empty((group_size(ep_group) * value.numel(),))
+            all_gather_flat(whole, value.contiguous().reshape(-1), ep_group)
+            value = whole.view(group_size(ep_group) * value.shape[0], *value.shape[1:])
         if keep:
-            value = p.detach().to("cpu", copy=True)
+            value = value.to("cpu", copy=True)
             for n in names.get(id(p), []):
                 out[n] = value
 
-    rt = optimizer.stage3
     done: set[int] = set()
-    if rt is not None:
+    for rt in (optimizer.stage3, experts.stage3 if experts is not None else None):
+        if rt is None:
+            continue
         for key in rt.keys_of(None):  # one unit gathered at a time
             b = rt.buffers[key[0]]
             rt.hold([key])

@@ -42,6 +42,11 @@ class LlmparCheckpoint:
         self.aliases: dict[str, str] = {}
         self.keys = {n: list(buffers[bi]["state_keys"]) for n, (bi, _, _) in reader.where.items()}
         self.group_of = {n: int(buffers[bi].get("group", 0)) for n, (bi, _, _) in reader.where.items()}
+        for n in sorted(set(reader.experts.shapes) - set(self.shapes)):  # an expert-parallel run's experts, whole
+            self.names.append(n)
+            self.shapes[n] = reader.experts.shapes[n]
+            self.keys[n] = reader.experts.keys(n)
+            self.group_of[n] = 0  # the expert optimizer's groups follow the dense ones; not recorded per param
         self.stage, self.dp = int(meta["stage"]), int(meta["dp"])
         self.tp, self.pp = int(meta["tp"]), int(meta.get("pp", 1))
         self._last: tuple[tuple[str, str], torch.Tensor] | None = None

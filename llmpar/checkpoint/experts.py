@@ -1,0 +1,239 @@
+"""Experts of an expert-parallel engine in llmpar's checkpoints: saved under their global index, loaded at any ep.
+
+An engine whose MoE layers are spread over ``ep`` ranks holds on ep rank ``r`` the rows ``[r E_local, (r + 1)
+E_local)`` of each packed expert tensor (``gate_up_proj: [E, 2I, H]``, ``down_proj: [E, H, I]``), whose optimizer
+(``opt.experts``, a ZeroOptimizer over the expert-data-parallel ranks) shards them over ``edp``. Those rows are the
+contiguous element range ``[r E_local R, (r + 1) E_local R)`` of the global tensor's flat view (``R``: elements per
+expert), so every piece a rank holds is written under the *global* name and the *global* element range: the same
+``(name, start, stop)`` pieces the rest of the format is made of. Chosen over per-expert entries because nothing has
+to be cut per expert: a load at another ep, edp or ZeRO stage asks element ranges of the global tensor and gets
+them from whichever saved pieces overlap (any layout to any other), and the global tensor is the one an ep=1 run
+saves in its dense buffers and the one HuggingFace's packed layout holds (``consolidate`` writes it as it is).
+
+    save    each rank's file gains ``"experts": {"ep", "ep_rank", "params": [{"name", "shape"}], "buffers": [{
+            "pieces": [[name, start, stop, at, unit]], "steps": [units], "params": [partition], "exp_avg": ...}]}``
+            (its partition of the expert optimizer's buffers: fp32 master, moments, low-bit moments dequantized as
+            the dense ones), and its entry in ``metadata.json``'s ``"files"`` an ``"experts"`` mark; a stage-0
+            rank other than edp rank 0 writes the names and no shards
+    read    :class:`ExpertIndex`: the pieces of every marked file, by global name (``reshard.CheckpointReader``
+            serves them beside the dense params: an ep=1 engine, ``consolidate`` and the converters see whole
+            tensors)
+    load    :class:`ExpertLoad`: this rank's expert optimizer filled through ``load_pieces`` from the global ranges
+            of its rows; a saved expert count that ``ep`` does not divide, or that differs from the model's, is a
+            ``CheckpointError`` naming the param on every rank before anything is modified
+
+The optimizer shows its experts through ``checkpoint_experts()`` (``protocol.HoldsExperts``): the expert optimizer
+(itself a ``CheckpointOptimizer``), this rank's ep rank and ``ep``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from llmpar.checkpoint.blockfile import elements
+from llmpar.checkpoint.files import CheckpointError
+from llmpar.checkpoint.protocol import Checkpointable, CheckpointOptimizer, HoldsExperts
+from llmpar.checkpoint.shards import RankFiles, local_buffers
+
+KEY = "experts"
+
+
+def expert_side(opt: Any) -> tuple[CheckpointOptimizer, int, int] | None:
+    """``(expert optimizer, ep rank, ep)`` of ``opt``, None when it holds no experts spread over ranks."""
+    if not isinstance(opt, HoldsExperts):
+        return None
+    return opt.checkpoint_experts()
+
+
+def _rows(shape: tuple[int, ...]) -> int:
+    return math.prod(shape[1:])
+
+
+def _global(engine: Checkpointable, xopt: CheckpointOptimizer, ep_rank: int, ep: int) -> dict[str, tuple]:
+    """{expert optimizer name: (checkpoint name, global shape, element offset of this rank's rows)}."""
+    names = engine.checkpoint_names()
+    out = {}
+    for b in xopt.checkpoint_layout():
+        for slot in b["params"]:
+            shape = tuple(int(s) for s in slot["shape"])
+            out[slot["name"]] = (
+                names.get(slot["name"], slot["name"]),
+                (shape[0] * ep, *shape[1:]),
+                ep_rank * shape[0] * _rows(shape),
+            )
+    return out
+
+
+def snapshot(engine: Checkpointable, *, copy: bool) -> tuple[dict | None, dict | None]:
+    """(this rank file's ``"experts"`` part, its mark for ``metadata.json``), or (None, None) without experts.
+    ``copy``: fresh CPU tensors (an async save), else views of the live shards."""
+    side = expert_side(engine.optimizer)
+    if side is None:
+        return None, None
+    xopt, ep_rank, ep = side
+    xopt.prepare_save()
+    where = _global(engine, xopt, ep_rank, ep)
+    units = {s["name"]: int(s["unit"]) for b in xopt.checkpoint_layout() for s in b["params"]}
+    bufs = local_buffers(xopt, copy=copy)
+    out_bufs = []
+    for entry, held in zip(bufs or [], xopt.checkpoint_held()):
+        pieces = []
+        for name, a, z, at in held:
+            gname, _, off = where[name]
+            pieces.append([gname, a + off, z + off, at, units[name]])
+        out_bufs.append({**entry, "pieces": pieces})
+    params = [{"name": g, "shape": list(shape)} for g, shape, _ in where.values()]
+    part = {"ep": ep, "ep_rank": ep_rank, "params": params, "buffers": out_bufs}
+    mark = {"ep": ep, "ep_rank": ep_rank, "has_shards": bufs is not None, "params": [p["name"] for p in params]}
+    return part, mark
+
+
+class ExpertIndex:
+    """The expert pieces of a checkpoint's rank files, by global name (module docstring)."""
+
+    def __init__(self, files: RankFiles, meta: dict) -> None:
+        self.files = files
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.saved_ep: dict[str, int] = {}
+        # global name -> [(start, stop, file, buffer index, at, unit)], sorted by start
+        self.pieces: dict[str, list[tuple[int, int, str, int, int, int]]] = {}
+        self.marked = sorted(f for f, e in meta.get("files", {}).items() if isinstance(e, dict) and KEY in e)
+
+    def open(self) -> None:
+        """Read the marked files' indexes (a missing or corrupt file raises, as any rank file read)."""
+        for fname in self.marked:
+            part = self.files.tree(fname)[KEY]
+            for p in part["params"]:
+                self.shapes[p["name"]] = tuple(int(s) for s in p["shape"])
+                self.saved_ep[p["name"]] = int(part["ep"])
+            for bi, b in enumerate(part["buffers"]):
+                for name, a, z, at, unit in b["pieces"]:
+                    self.pieces.setdefault(name, []).append((int(a), int(z), fname, bi, int(at), int(unit)))
+        for v in self.pieces.values():
+            v.sort()
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.shapes
+
+    def _buffer(self, fname: str, bi: int) -> dict:
+        return self.files.tree(fname)[KEY]["buffers"][bi]
+
+    def _overlap(self, name: str, a: int, z: int) -> list[tuple[int, int, str, int, int, int]]:
+        return [p for p in self.pieces.get(name, []) if p[0] < z and p[1] > a]
+
+    def has(self, name: str, key: str) -> bool:
+        pieces = self.pieces.get(name, [])
+        return bool(pieces) and all(key in self._buffer(f, bi) for _, _, f, bi, _, _ in pieces)
+
+    def keys(self, name: str) -> list[str]:
+        """The state keys every piece of ``name`` holds ("params", "exp_avg", ...)."""
+        bufs = [self._buffer(f, bi) for _, _, f, bi, _, _ in self.pieces.get(name, [])]
+        common = set.intersection(*(set(b) for b in bufs)) if bufs else set()
+        return sorted(common - {"pieces", "steps", "holes"})
+
+    def files_for(self, name: str, a: int, z: int) -> set[str]:
+        return {p[2] for p in self._overlap(name, a, z)}
+
+    def get(self, name: str, key: str, a: int, z: int) -> torch.Tensor:
+        """Elements ``[a, z)`` of the global tensor ``name``'s state ``key``, flat, from the pieces overlapping."""
+        parts, at_ = [], a
+        for s, e, fname, bi, at, _ in self._overlap(name, a, z):
+            lo, hi = max(s, a), min(e, z)
+            if lo != at_:
+                break
+            parts.append(elements(self._buffer(fname, bi)[key], at + lo - s, at + hi - s))
+            at_ = hi
+        if at_ != z:
+            raise CheckpointError(
+                f"{self.files.path}: elements [{at_}, {z}) of expert param {name!r} ({key}) are in no rank file"
+            )
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def step(self, name: str) -> float:
+        """The step count saved with the first piece of ``name``."""
+        _, _, fname, bi, _, unit = self.pieces[name][0]
+        return float(elements(self._buffer(fname, bi)["steps"], unit, unit + 1)[0])
+
+
+class ExpertLoad:
+    """Loading this rank's expert optimizer from ``reader`` (a ``reshard.CheckpointReader``, which serves expert
+    pieces and dense-saved params alike by global name): checked at construction, read by :meth:`touch` while the
+    reads are recorded, written by :meth:`apply`."""
+
+    def __init__(self, engine: Checkpointable, reader: Any, strict: bool) -> None:
+        side = expert_side(engine.optimizer)
+        assert side is not None
+        self.xopt, ep_rank, self.ep = side
+        self.reader, self.tp = reader, engine.checkpoint_grid()
+        self.where = _global(engine, self.xopt, ep_rank, self.ep)
+        self.missing: set[str] = set()
+        for local, (gname, shape, _) in self.where.items():
+            if not reader.holds(gname):
+                self.missing.add(local)
+                continue
+            saved = reader.full_shape(gname)
+            if saved[0] % self.ep:
+                raise CheckpointError(
+                    f"{reader.path}: {gname!r} holds {saved[0]} experts, which do not split over ep={self.ep} "
+                    f"expert-parallel ranks (num_experts must be divisible by ep): load it at an ep dividing "
+                    f"{saved[0]}"
+                )
+            if tuple(saved) != shape:
+                raise CheckpointError(
+                    f"{reader.path}: {gname!r} has shape {tuple(saved)} ({saved[0]} experts) in the checkpoint but "
+                    f"{shape} ({shape[0]} experts) in this model"
+                )
+        for b, required in zip(self.xopt.checkpoint_layout(), self.xopt.checkpoint_required()):
+            for key in required:
+                for slot in b["params"]:
+                    gname = self.where[slot["name"]][0]
+                    if slot["name"] not in self.missing and not reader.has(gname, key):
+                        raise CheckpointError(f"{reader.path} has no {key!r} state for expert param {gname!r}")
+        if self.missing and strict:
+            names = sorted(self.where[n][0] for n in self.missing)
+            raise CheckpointError(
+                f"{len(names)} expert params of this model are not in {reader.path}: {names[:8]} "
+                "(load_checkpoint(..., strict=False) keeps their current values)"
+            )
+
+    def _cut(self, gname: str) -> Any:
+        return self.reader.unsplit(gname, self.tp.tp, self.tp.tp_rank)
+
+    def files(self) -> set[str]:
+        out: set[str] = set()
+        for local, a, z in self.xopt.checkpoint_reads():
+            if local not in self.missing:
+                gname, _, off = self.where[local]
+                out |= self.reader.files_for(gname, a + off, z + off, self._cut(gname))
+        return out
+
+    def get(self, local: str, key: str, a: int, z: int) -> torch.Tensor | None:
+        gname, _, off = self.where[local]
+        if not self.reader.has(gname, key):
+            return None
+        return self.reader.get(gname, key, a + off, z + off, self._cut(gname))
+
+    def touch(self) -> None:
+        """Read what :meth:`apply` reads (the reader records the blocks; nothing is kept)."""
+        keys = {k for b in self.xopt.checkpoint_layout() for k in b["state_keys"]}
+        for local, a, z in self.xopt.checkpoint_reads():
+            if local not in self.missing:
+                for key in keys:
+                    self.get(local, key, a, z)
+
+    def apply(self) -> None:
+        """Fill the expert optimizer (not collective; ``after_load`` follows on every rank)."""
+
+        def step(local: str) -> float:
+            return self.reader.step(self.where[local][0])
+
+        if self.missing:
+            self.xopt.load_pieces(self.get, step, keep=frozenset(self.missing))
+        else:
+            self.xopt.load_pieces(self.get, step)
+
+
+__all__ = ["ExpertIndex", "ExpertLoad", "expert_side", "snapshot"]
