@@ -12,7 +12,9 @@ every rank; stages 1-3 hold 1/dp (DeepSpeed's optimizer state dicts are per rank
 exactly (the params from the saved partition: stages 1/2 all-gather the updated partitions, stage 3 re-gathers its
 persistent units, so loading is collective over dp at stages 1-3); a state dict of another stage, dp degree, dp rank
 or param layout is a ``ValueError`` on every rank before anything is modified. To change the layout (another dp,
-stage, tp or pp), use ``engine.save_checkpoint`` / ``load_checkpoint``, which reshard.
+stage, tp or pp), use ``engine.save_checkpoint`` / ``load_checkpoint``, which reshard. With experts spread over
+expert-parallel ranks (``self.experts``, over the expert-data-parallel ranks) the dict holds that optimizer's own
+state dict under ``"experts"``, checked and loaded with the rest.
 
 ``destroy()`` (what ``engine.destroy()`` calls): waits for communication in flight, removes every hook the optimizer
 put on the params and modules, drops the gradients and optimizer states, and marks the optimizer destroyed (a later
@@ -90,11 +92,6 @@ class OptimizerStateDict:
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard of the optimizer (module docstring): a dict of clones, for ``torch.save``."""
         self._check_alive("state_dict")
-        if getattr(self, "experts", None) is not None:
-            raise NotImplementedError(
-                "state_dict() of a ZeroOptimizer with expert params (expert_group=): their state lives in "
-                "optimizer.experts, sharded over the expert-data-parallel ranks; saving both is not supported yet"
-            )
         self.wait_params()
         if self.stage3 is not None:
             self.stage3.wait_all()
@@ -120,6 +117,7 @@ class OptimizerStateDict:
             "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
             "skipped_steps": self.skipped_steps,
             "last_grad_norm": self.last_grad_norm,
+            **({"experts": experts.state_dict()} if (experts := getattr(self, "experts", None)) is not None else {}),
         }
 
     def _mismatch(self, sd: Any) -> str | None:
@@ -155,6 +153,17 @@ class OptimizerStateDict:
             }
             if want != got:
                 return f"buffer {i}: the state dict holds {got}, this optimizer {want} (another precision mode?)"
+        experts = getattr(self, "experts", None)
+        if (experts is None) != ("experts" not in sd):
+            return (
+                "the state dict was taken from an optimizer "
+                + ("without" if experts is not None else "with")
+                + " expert params spread over expert-parallel ranks (its 'experts' entry), this one "
+                + ("has them" if experts is not None else "has none")
+            )
+        if experts is not None:
+            why = experts._mismatch(sd["experts"])
+            return None if why is None else f"its expert optimizer's part (over the expert-data-parallel ranks): {why}"
         return None
 
     @torch.no_grad()
@@ -190,6 +199,9 @@ class OptimizerStateDict:
         self.skipped_steps = state_dict["skipped_steps"]
         self.last_grad_norm = state_dict["last_grad_norm"]
         self._after_partition_load()
+        experts = getattr(self, "experts", None)
+        if experts is not None:  # checked above with the dense part, on every rank
+            experts.load_state_dict(state_dict["experts"])
 
     def _after_partition_load(self) -> None:
         """Make the params whole again from the loaded partitions (collective over dp at stages 1-3)."""

@@ -2,12 +2,15 @@
 
 One 4-rank job: an engine with two MoE layers of 8 experts spread over ep=2 (ZeRO-1, edp=2, clipping, aux losses and
 the aux-loss-free expert bias) trains 2 steps, saves, trains 2 more (the uninterrupted run). Fresh engines (another
-seed) load that checkpoint at ep=2 / ZeRO-1 (the same layout), ep=1 / ZeRO-2 (the experts in the dense optimizer),
-ep=4 / ZeRO-3 (edp=1) and ep=2 / ZeRO-2 with int8 moments, each re-saves what it loaded and trains the 2 steps: the
-re-saved params, moments and step counts equal the saved ones bitwise (read back whole by global name, so an expert
-saved under its local index would land on another expert's rows), the losses equal the uninterrupted run's (bitwise
-at the same layout). Bad input: a checkpoint of 6 experts loaded at ep=4 (6 does not split over 4 ranks) and at
-ep=2 into 8 experts: a CheckpointError naming the param and the counts on every rank, before anything is modified.
+seed) load that checkpoint at ep=2 / ZeRO-1 (the same layout), ep=1 / ZeRO-2 (the experts in the dense optimizer) and
+ep=4 / ZeRO-3 (edp=1), each re-saves what it loaded and trains the 2 steps: the re-saved params, moments and step
+counts equal the saved ones bitwise (read back whole by global name, so an expert saved under its local index would
+land on another expert's rows), consolidate writes them whole, the losses equal the uninterrupted run's (bitwise at
+the same layout). ``optimizer.state_dict()`` / ``load_state_dict`` of the ep=2 engine round-trip both optimizers
+bitwise (the dense part alone is refused). Bad input: a checkpoint of 6 experts loaded at ep=4 (6 does not split over
+4 ranks) and at ep=2 into 8 experts: a CheckpointError naming the param and the counts on every rank, before
+anything is modified. A 2-rank job exports tiny Qwen3-MoE / Mixtral models trained at ep=2 with ``save_hf_model``:
+``from_pretrained`` reads every tensor back bitwise, the experts whole.
 """
 
 from __future__ import annotations
@@ -83,7 +86,16 @@ def moe_body(root: str) -> dict:
     assert a.optimizer.experts is not None and a.module.moe1.experts.gate_up_proj.shape[0] == E // 2
     _train(a, 0, 2)
     a.save_checkpoint(root, tag="saved")
+    opt_sd = a.optimizer.state_dict()  # this rank's shards of both optimizers (the experts' over edp)
+    buffers = {n: b.clone() for n, b in a.module.named_buffers()}  # the expert biases move each step
     want = _train(a, 2, 2)
+    with pytest.raises(ValueError, match="expert"):  # the dense part alone: refused on every rank
+        a.optimizer.load_state_dict({k: v for k, v in opt_sd.items() if k != "experts"})
+    a.optimizer.load_state_dict(opt_sd)
+    for n, b in a.module.named_buffers():
+        b.copy_(buffers[n])
+    again = _train(a, 2, 2)
+    assert again == want, (again, want)  # the optimizer's state dict round trip, bitwise
     a.destroy()
     six = _engine(2, 1, {}, seed=0, experts=6)
     _train(six, 0, 1)
