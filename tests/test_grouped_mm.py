@@ -70,10 +70,18 @@ def _per_expert_linear(x, w, counts, act):
 @in_main
 @pytest.mark.parametrize("counts", [ODD, [0, 0, 166, 0], [0, 0, 0]], ids=["odd", "one-takes-all", "zero-rows"])
 @pytest.mark.parametrize("act, recompute", [("none", None), ("swiglu", None), ("swiglu", True)])
-def test_torch_path_equals_per_expert_linear_bitwise(monkeypatch, counts, act, recompute):
+@pytest.mark.parametrize("k, n", [(45, 46), (48, 64)], ids=["python-loop", "aligned"])
+def test_torch_path_equals_per_expert_linear_bitwise(monkeypatch, k, n, counts, act, recompute):
+    """Odd K / N: the Python loop of GEMMs; 16-byte aligned: torch._grouped_mm's CPU loop (where torch has it)."""
     monkeypatch.delenv("LLMPAR_BACKEND", raising=False)  # the CPU default is the torch path
-    case = make_case(counts, 45, 46, act, torch.float32, seed=2, recompute=recompute)
-    got, want = run_op(case), run_op(case, _per_expert_linear)
+    calls = []
+    real = getattr(torch, "_grouped_mm", None)
+    if real is not None:
+        monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    case = make_case(counts, k, n, act, torch.float32, seed=2, recompute=recompute)
+    got = run_op(case)
+    assert bool(calls) == (k == 48 and real is not None and sum(counts) > 0), calls
+    want = run_op(case, _per_expert_linear)
     for name, a, b in zip(("out", "dx", "dw"), got, want):
         assert torch.equal(a, b), f"{name} differs by {(a - b).abs().max()}"
     for e, rows in enumerate(counts):

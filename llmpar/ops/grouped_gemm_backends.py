@@ -7,7 +7,8 @@
             loop's cuBLAS beats Triton's FMA loop)
     torch   the per-expert loop: one GEMM per non-empty group straight into its rows of the output (``addmm_`` with
             beta = 0: the call ``torch.mm`` makes, C never read) (the reference, and the CPU path: it runs the same GEMM
-            calls as ``F.linear`` per expert under autograd, so it equals that loop bitwise)
+            calls as ``F.linear`` per expert under autograd, so it equals that loop bitwise); on CPU, where
+            ``torch._grouped_mm`` has its kernel and the operands are aligned, that loop in C++ (the same calls)
 
 ``select`` applies ``LLMPAR_BACKEND`` as every op does (llmpar/ops/_dispatch.py): a forced backend that cannot run
 raises a RuntimeError (not there) or TypeError (these inputs do not fit it) naming why. Ops, with ``rows_e`` the rows
@@ -94,6 +95,20 @@ def select(op: str, *tensors: torch.Tensor) -> str:
     return "torch"
 
 
+def _cpu_loop(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor | None:
+    """torch._grouped_mm on CPU tensors (a: [M, K] and b: [E, K, N], or a: [K, M] and b: [M, N] for the weight
+    grad): the per-group ``mm`` loop in C++ (the same GEMM calls, so the same bits, without Python's per-group cost),
+    where this torch has it and the operands are 16-byte aligned; else None (the Python loop runs)."""
+    if a.device.type != "cpu" or not hasattr(torch, "_grouped_mm") or a.dtype not in KERNEL_DTYPES:
+        return None
+    if min(a.shape) == 0 or not (_aligned(a) and _aligned(b)) or (b.shape[-1] * b.element_size()) % 16:
+        return None
+    try:
+        return torch._grouped_mm(a, b, offs=_int32(offs))
+    except (RuntimeError, NotImplementedError):  # a torch without the CPU kernel, or a layout it refuses
+        return None
+
+
 def _sizes(offs: torch.Tensor) -> list[int]:
     ends = offs.tolist()
     return [e - s for s, e in zip([0] + ends[:-1], ends)]
@@ -127,12 +142,14 @@ def mm(
             return gu, None
         gate, up = gu.chunk(2, dim=-1)
         return F.silu(gate) * up, gu if keep_pre else None
-    prod = x.new_empty(m, n)  # [g, u] for SwiGLU (then one elementwise pass over all groups), else the output
-    start = 0
-    for e, rows in enumerate(_sizes(offs)):
-        if rows:
-            prod[start : start + rows].addmm_(x[start : start + rows], w[e], beta=0)  # torch.mm's own call, in place
-        start += rows
+    prod = _cpu_loop(x, w, offs)
+    if prod is None:  # [g, u] for SwiGLU (then one elementwise pass over all groups), else the output
+        prod = x.new_empty(m, n)
+        start = 0
+        for e, rows in enumerate(_sizes(offs)):
+            if rows:  # torch.mm's own call, in place
+                prod[start : start + rows].addmm_(x[start : start + rows], w[e], beta=0)
+            start += rows
     if not act:
         return prod, None
     gate, up = prod.chunk(2, dim=-1)
@@ -186,6 +203,9 @@ def wgrad(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, backend: str) ->
         if a.shape[0] == 0:  # a zero-length contraction: torch._grouped_mm refuses its strides
             return a.new_zeros(e_count, p, q)
         return torch._grouped_mm(a.contiguous().t(), b.contiguous(), offs=_int32(offs))
+    out = _cpu_loop(a.t(), b, offs)
+    if out is not None:
+        return out
     out = a.new_empty(e_count, p, q)
     start = 0
     for e, rows in enumerate(_sizes(offs)):
