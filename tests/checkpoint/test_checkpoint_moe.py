@@ -201,3 +201,15 @@ def test_hf_export_of_expert_parallel_engine_loads_with_from_pretrained(tmp_path
         assert experts and all(got[k].shape[0] == count for k in experts), name  # whole: every ep rank's rows
         differ = [k for k in want if not torch.equal(got[k], want[k])]
         assert not differ, (name, differ)
+
+
+# ------------------------------------------------------------------------------------------------ DeepSpeed MoE
+def test_deepspeed_moe_checkpoint_is_refused_naming_its_expert_files(tmp_path):
+    """DeepSpeed's MoE engine writes each expert to ``expert_{id}_mp_rank_{mp}_model_states.pt`` beside the model
+    states file: not read yet, so refused naming them (not loaded without its experts)."""
+    from llmpar.checkpoint.formats.deepspeed.open import open_deepspeed
+
+    for n in ["mp_rank_00_model_states.pt", *(f"expert_{i}_mp_rank_00_model_states.pt" for i in range(4))]:
+        (tmp_path / n).write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"DeepSpeed MoE checkpoint \(4 expert files: \['expert_0_mp_rank_00"):
+        open_deepspeed(str(tmp_path), validate=False)
