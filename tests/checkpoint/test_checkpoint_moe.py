@@ -3,14 +3,14 @@
 One 4-rank job: an engine with two MoE layers of 8 experts spread over ep=2 (ZeRO-1, edp=2, clipping, aux losses and
 the aux-loss-free expert bias) trains 2 steps, saves, trains 2 more (the uninterrupted run). Fresh engines (another
 seed) load that checkpoint at ep=2 / ZeRO-1 (the same layout), ep=1 / ZeRO-2 (the experts in the dense optimizer) and
-ep=4 / ZeRO-3 (edp=1), each re-saves what it loaded and trains the 2 steps: the re-saved params, moments and step
-counts equal the saved ones bitwise (read back whole by global name, so an expert saved under its local index would
-land on another expert's rows), consolidate writes them whole, the losses equal the uninterrupted run's (bitwise at
-the same layout). ``optimizer.state_dict()`` / ``load_state_dict`` of the ep=2 engine round-trip both optimizers
-bitwise (the dense part alone is refused). Bad input: a checkpoint of 6 experts loaded at ep=4 (6 does not split over
-4 ranks) and at ep=2 into 8 experts: a CheckpointError naming the param and the counts on every rank, before
-anything is modified. A 2-rank job exports tiny Qwen3-MoE / Mixtral models trained at ep=2 with ``save_hf_model``:
-``from_pretrained`` reads every tensor back bitwise, the experts whole.
+ep=4 / ZeRO-3 (edp=1), each re-saves what it loaded (ep=4: asynchronously) and trains the 2 steps: the re-saved
+params, moments and step counts equal the saved ones bitwise (read back whole by global name, so an expert saved
+under its local index would land on another expert's rows), consolidate writes them whole, the losses equal the
+uninterrupted run's (bitwise at the same layout). ``optimizer.state_dict()`` / ``load_state_dict`` of the ep=2
+engine round-trip both optimizers bitwise (the dense part alone is refused). Bad input: a checkpoint of 6 experts
+loaded at ep=4 (6 does not split over 4 ranks) and at ep=2 into 8 experts: a CheckpointError naming the param and
+the counts on every rank, before anything is modified. A 2-rank job exports tiny Qwen3-MoE / Mixtral models
+trained at ep=2 with ``save_hf_model``: ``from_pretrained`` reads every tensor back bitwise, the experts whole.
 """
 
 from __future__ import annotations
@@ -111,7 +111,8 @@ def moe_body(root: str) -> dict:
             out["errors"][tag] = str(err.value)
             assert all(torch.equal(before[k], v) for k, v in e.module.state_dict().items())  # nothing modified
         e.load_checkpoint(root, tag="saved")
-        e.save_checkpoint(root, tag=tag)
+        e.save_checkpoint(root, tag=tag, async_save=ep == 4)  # ep=4: the experts' host snapshot, written by a thread
+        e.wait_checkpoint()
         out[tag] = _train(e, 2, 2)
         e.destroy()
     return out
