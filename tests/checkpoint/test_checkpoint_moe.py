@@ -6,11 +6,13 @@ seed) load that checkpoint at ep=2 / ZeRO-1 (the same layout), ep=1 / ZeRO-2 (th
 ep=4 / ZeRO-3 (edp=1), each re-saves what it loaded (ep=4: asynchronously) and trains the 2 steps: the re-saved
 params, moments and step counts equal the saved ones bitwise (read back whole by global name, so an expert saved
 under its local index would land on another expert's rows), consolidate writes them whole, the losses equal the
-uninterrupted run's (bitwise at the same layout). ``optimizer.state_dict()`` / ``load_state_dict`` of the ep=2
-engine round-trip both optimizers bitwise (the dense part alone is refused). Bad input: a checkpoint of 6 experts
-loaded at ep=4 (6 does not split over 4 ranks) and at ep=2 into 8 experts: a CheckpointError naming the param and
-the counts on every rank, before anything is modified. A 2-rank job exports tiny Qwen3-MoE / Mixtral models
-trained at ep=2 with ``save_hf_model``: ``from_pretrained`` reads every tensor back bitwise, the experts whole.
+uninterrupted run's (bitwise at the same layout); at ep=4 / ZeRO-2 with 8-bit moments (AdamW8bit) the params and
+steps load bitwise, the moments re-quantized, the losses within 1e-2. ``optimizer.state_dict()`` /
+``load_state_dict`` of the ep=2 engine round-trip both optimizers bitwise (the dense part alone is refused). Bad
+input: a checkpoint of 6 experts loaded at ep=4 (6 does not split over 4 ranks) and at ep=2 into 8 experts: a
+CheckpointError naming the param and the counts on every rank, before anything is modified. A 2-rank job exports
+tiny Qwen3-MoE / Mixtral models trained at ep=2 with ``save_hf_model``: ``from_pretrained`` reads every tensor back
+bitwise, the experts whole.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ LOADS = {  # tag: (ep, ZeRO stage, zero_optimization extras, exact losses)
     "ep2-z1": (2, 1, {}, True),
     "ep1-z2": (1, 2, {}, False),
     "ep4-z3": (4, 3, {"stage3_param_persistence_threshold": 0}, False),
+    "ep4-z2-int8": (4, 2, {}, None),  # 8-bit moments: loaded as their float32 values, re-quantized here
 }
 
 
@@ -56,12 +59,12 @@ class _Net(nn.Module):
         return self.out(h)
 
 
-def _engine(ep: int, stage: int, extra: dict, seed: int, experts: int = E):
+def _engine(ep: int, stage: int, extra: dict, seed: int, experts: int = E, kind: str = "AdamW"):
     torch.manual_seed(seed)
     config = {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_clipping": 0.05,
-        "optimizer": {"type": "AdamW", "params": {"lr": 2e-2, "weight_decay": 0.1}},
+        "optimizer": {"type": kind, "params": {"lr": 2e-2, "weight_decay": 0.1}},
         "zero_optimization": {"stage": stage, **extra},
         "expert_parallel": {"enabled": True, "autoep_size": ep},
     }
@@ -103,14 +106,19 @@ def moe_body(root: str) -> dict:
     six.destroy()
     out: dict = {"want": want, "errors": {}}
     for tag, (ep, stage, extra, _) in LOADS.items():
-        e = _engine(ep, stage, extra, seed=1)
-        if ep in (2, 4):  # 6 experts: no split over 4 ranks; 3 per rank at ep=2, but this model has 8
+        e = _engine(ep, stage, extra, seed=1, kind="AdamW8bit" if tag.endswith("int8") else "AdamW")
+        if ep in (2, 4) and not tag.endswith(
+            "int8"
+        ):  # 6 experts: no split over 4 ranks; 3 per rank at ep=2, but this model has 8
             before = {k: v.detach().clone() for k, v in e.module.state_dict().items()}
             with pytest.raises(CheckpointError) as err:
                 e.load_checkpoint(root, tag="six")
             out["errors"][tag] = str(err.value)
             assert all(torch.equal(before[k], v) for k, v in e.module.state_dict().items())  # nothing modified
         e.load_checkpoint(root, tag="saved")
+        out.setdefault("modes", {})[tag] = sorted(
+            {b["mode"] for b in (e.optimizer.experts or e.optimizer).checkpoint_layout()}
+        )
         e.save_checkpoint(root, tag=tag, async_save=ep == 4)  # ep=4: the experts' host snapshot, written by a thread
         e.wait_checkpoint()
         out[tag] = _train(e, 2, 2)
@@ -148,10 +156,16 @@ def test_expert_parallel_checkpoint_loads_at_any_ep_and_stage_exactly(tmp_path):
     for tag, (_, _, _, exact) in LOADS.items():
         again = _whole(os.path.join(tmp_path, tag))
         assert sorted(again) == sorted(saved), tag
-        differ = [k for k, v in saved.items() if not torch.equal(v, again[k])]
+        lowbit = exact is None
+        differ = [
+            k for k, v in saved.items() if not (lowbit and k[1].startswith("exp_avg")) and not torch.equal(v, again[k])
+        ]
         assert not differ, (tag, differ)
         got, want = res[tag], res["want"]
-        if exact:
+        if lowbit:  # the moments re-quantized in 8-bit blocks (not compared): params and steps exact, the run close
+            assert res["modes"][tag] == ["int8"], res["modes"]
+            assert max(abs(g - w) for g, w in zip(got, want)) < 1e-2, (tag, got, want)
+        elif exact:
             assert got == want, (tag, got, want)
         else:
             assert max(abs(g - w) for g, w in zip(got, want)) < 1e-5, (tag, got, want)
