@@ -302,6 +302,45 @@ def test_interp_noncontiguous_gradient(monkeypatch):
 
 
 @interpreted
+def test_interp_moe_experts_seam_runs_the_kernels(monkeypatch):
+    """llmpar.moe.experts.grouped_mlp (the MoE layer's seam) on the Triton kernels: every GEMM of its forward and
+    backward launches them; its output within the composed float64 bound of its two GEMMs (the first's bound, carried
+    through the second: |dh| |W2| + (u + (I + 2) U) (|h| + |dh|) |W2|)."""
+    from grouped_mm_helpers import U32, unit
+
+    from llmpar.kernels import grouped_gemm as kernels
+    from llmpar.moe.experts import grouped_mlp
+
+    monkeypatch.setenv("LLMPAR_BACKEND", "triton")
+    launches = []
+    for name in ("grouped_mm", "grouped_wgrad"):
+        real = getattr(kernels, name)
+        monkeypatch.setattr(
+            kernels, name, lambda *a, real=real, name=name, **kw: launches.append(name) or real(*a, **kw)
+        )
+    counts, hidden, inter = [0, 9, 30, 0, 2], 19, 11
+    first = make_case(counts, hidden, 2 * inter, "swiglu", torch.bfloat16, seed=13, recompute=False)  # the default
+    gate_up = first.w.transpose(1, 2).contiguous().requires_grad_()
+    g = torch.Generator().manual_seed(14)
+    down = (torch.randn(len(counts), hidden, inter, generator=g, dtype=torch.float64) * inter**-0.5).bfloat16()
+    down.requires_grad_()
+    y = grouped_mlp(first.x.clone().requires_grad_(), counts, gate_up, down)
+    y.float().square().sum().backward()
+    # forward: SwiGLU GEMM + down GEMM; backward: dX of each (G from the kept [g, u]), dW of each
+    assert launches.count("grouped_mm") == 4 and launches.count("grouped_wgrad") == 2, launches
+    h64, w2 = reference(first)[0], down.detach().double().transpose(1, 2)
+    b_h = bounds(first, torch.bfloat16, fused=True, truncates=True)["out"]
+    u = unit(torch.bfloat16, truncates=True)
+    start = 0
+    for e, rows in enumerate(counts):
+        r = slice(start, start + rows)
+        start += rows
+        want = h64[r] @ w2[e]
+        bound = b_h[r] @ w2[e].abs() + (u + (inter + 2) * U32) * ((h64[r].abs() + b_h[r]) @ w2[e].abs())
+        assert bool(((y[r].double() - want).abs() <= bound).all()), e
+
+
+@interpreted
 def test_interp_dispatch(monkeypatch):
     monkeypatch.delenv("LLMPAR_BACKEND", raising=False)
     x, w = torch.randn(4, 3), torch.randn(2, 3, 5)
