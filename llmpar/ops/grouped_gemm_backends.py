@@ -203,9 +203,9 @@ def wgrad(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, backend: str) ->
         if a.shape[0] == 0:  # a zero-length contraction: torch._grouped_mm refuses its strides
             return a.new_zeros(e_count, p, q)
         return torch._grouped_mm(a.contiguous().t(), b.contiguous(), offs=_int32(offs))
-    out = _cpu_loop(a.t(), b, offs)
-    if out is not None:
-        return out
+    looped = _cpu_loop(a.t(), b, offs)
+    if looped is not None:
+        return looped
     out = a.new_empty(e_count, p, q)
     start = 0
     for e, rows in enumerate(_sizes(offs)):
