@@ -58,11 +58,6 @@ from llmpar.checkpoint.tags import tagged_dir
 MODEL_RE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
 OPTIM_RE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 # a pipeline layer file: layer index, then the model-parallel (tensor) rank when the topology has a "model" axis
-# DeepSpeed's MoE engine: each expert's weights ([layer_L_]expert_E_mp_rank_MM_model_states.pt) and the optimizer
-# states of its expert-parallel ranks (expp_rank_R_mp_rank_MM_optim_states.pt)
-EXPERT_RE = re.compile(
-    r"^(?:(?:layer_\d+_)?expert_\d+_mp_rank_\d+_model_states|expp_rank_\d+_mp_rank_\d+_optim_states)\.pt$"
-)
 LAYER_RE = re.compile(r"^layer_(\d+)-(?:model_(\d+)-)?model_states\.pt$")
 DS_VERSION = "0.19.8"  # the version the files llmpar writes say they come from
 _ADAMW = {  # torch AdamW's flags, beside the hyper-parameters of each param group
@@ -219,17 +214,8 @@ def model_parallel_ranks(found: list[str]) -> list[int]:
 
 def mp_files(path: str, mp_rank: int | None) -> MpFiles:
     """The files of model-parallel rank ``mp_rank`` of directory ``path``; ``mp_rank`` None: the directory must hold
-    mp_rank_00's alone (a CheckpointError naming the ranks found otherwise). DeepSpeed MoE checkpoints (the experts
-    in ``[layer_L_]expert_E_mp_rank_MM_model_states.pt`` files, their optimizer states in ``expp_rank_R_...``) are
-    refused naming those files: not read yet."""
+    mp_rank_00's alone (a CheckpointError naming the ranks found otherwise)."""
     found = detect(path)
-    experts = sorted(f for f in os.listdir(path) if EXPERT_RE.match(f))
-    if experts:
-        raise CheckpointError(
-            f"{path} is a DeepSpeed MoE checkpoint ({len(experts)} expert files: {experts[:3]}"
-            f"{' ...' if len(experts) > 3 else ''}, written by DeepSpeed's MoE engine): its experts "
-            "are not read yet (only the model states file would load, leaving the experts untrained)"
-        )
     if mp_rank is None:
         mp = model_parallel_ranks(found)
         if mp != [0]:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from typing import Any
 
 import torch
@@ -44,6 +45,25 @@ SAMPLE = 16  # elements compared at each end of a rank's partition
 MODEL_00 = "mp_rank_00_model_states.pt"
 
 
+# DeepSpeed's MoE engine: each expert's weights ([layer_L_]expert_E_mp_rank_MM_model_states.pt) and the optimizer
+# states of its expert-parallel ranks (expp_rank_R_mp_rank_MM_optim_states.pt)
+EXPERT_RE = re.compile(
+    r"^(?:(?:layer_\d+_)?expert_\d+_mp_rank_\d+_model_states|expp_rank_\d+_mp_rank_\d+_optim_states)\.pt$"
+)
+
+
+def refuse_moe(path: str) -> None:
+    """A DeepSpeed MoE checkpoint (its experts in files of their own, :data:`EXPERT_RE`) is not read yet: a
+    CheckpointError naming those files (rather than the model states file loaded without its experts)."""
+    experts = sorted(f for f in os.listdir(path) if EXPERT_RE.match(f)) if os.path.isdir(path) else []
+    if experts:
+        raise CheckpointError(
+            f"{path} is a DeepSpeed MoE checkpoint ({len(experts)} expert files: {experts[:3]}"
+            f"{' ...' if len(experts) > 3 else ''}, written by DeepSpeed's MoE engine): its experts "
+            "are not read yet (only the model states file would load, leaving the experts untrained)"
+        )
+
+
 def open_deepspeed(
     path: str, model: dict | None = None, *, validate: bool = True, loaded: dict[str, Any] | None = None
 ) -> RankCheckpoint:
@@ -51,6 +71,7 @@ def open_deepspeed(
     unless ``validate`` is False. ``model``: {name: (full shape, trained)} of the loading model, which a
     tensor-parallel checkpoint or a pipeline one saved without ZeRO need (:func:`needs_model`); ``loaded``: {file
     name: object} of files already read."""
+    refuse_moe(path)
     found = detect(path)
     if any(LAYER_RE.match(f) for f in found):
         ck: RankCheckpoint = DeepSpeedPipelineCheckpoint(path, model=model, loaded=loaded)
@@ -67,6 +88,7 @@ def needs_model(path: str) -> tuple[bool, dict[str, Any]]:
     """(whether checkpoint ``path`` is read with the loading model's names and full shapes, {file name: object} of
     the files read to tell). A tensor-parallel one (files of mp ranks > 0, no layer files: ``tensor_parallel.py``)
     or a pipeline one saved without ZeRO, whose files name no params (``pipeline_names.py``)."""
+    refuse_moe(path)
     found = detect(path)
     if not any(LAYER_RE.match(f) for f in found):
         return any((m := MODEL_RE.match(f) or OPTIM_RE.match(f)) and int(m.groups()[-1]) > 0 for f in found), {}
