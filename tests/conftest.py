@@ -6,7 +6,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))  # so that the ranks (and tests) can import multirank and helpers
 
 from multirank import close_pools  # noqa: E402
-from reference_runs import ds_extensions  # noqa: E402
+from reference_runs import build_missing_ops, ds_extensions  # noqa: E402
 from suite_rules import (  # noqa: E402,F401  (the suite's tiers and durations budget: hooks pytest finds here)
     pytest_collection_modifyitems,
     pytest_configure,
@@ -21,9 +21,11 @@ from suite_rules import (  # noqa: E402,F401  (the suite's tiers and durations b
 def ds_ext_dir(tmp_path_factory):
     """One TORCH_EXTENSIONS_DIR for every DeepSpeed process the session starts, its own, so that a build killed
     midway leaves its lock in this session's directory only. DeepSpeed JIT-builds its CPU ops (shm comm, cpu_adam:
-    ~40 s of CPU each): the builds finished in an earlier session are copied in and the new ones kept for the next
-    (tests/reference_runs.py ``ds_extensions``; ``LLMPAR_DS_EXT_CACHE=off`` builds afresh)."""
+    ~40 s of CPU each): the builds finished in an earlier session are copied in, those missing are built here, and
+    the new ones kept for the next (tests/reference_runs.py ``ds_extensions``; ``LLMPAR_DS_EXT_CACHE=off`` builds
+    afresh)."""
     with ds_extensions(tmp_path_factory.mktemp("ds_ext")) as path:
+        build_missing_ops(path)  # a cold cache builds here, in a session fixture: not charged to a test's budget
         yield path
 
 

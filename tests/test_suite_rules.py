@@ -39,9 +39,14 @@ def suite(pytester, monkeypatch):
     for var in ("LLMPAR_TEST_BUDGET", "LLMPAR_TEST_BUDGET_SCALE"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(suite_rules, "_machine", lambda: (0.0, 0))
-    pytester.makeconftest(CONFTEST)
     pytester.makeini(MARKERS)
+    (pytester.path / "tests").mkdir()
+    (pytester.path / "tests" / "conftest.py").write_text(CONFTEST)  # below the root, as tests/conftest.py is
     return pytester
+
+
+def _write(pytester, name: str, text: str) -> None:
+    (pytester.path / "tests" / f"{name}.py").write_text(text)
 
 
 # ------------------------------------------------------------------------------------------------- the budget
@@ -75,6 +80,13 @@ def expensive():
 def test_slow_setup(expensive):
     pass
 
+@pytest.fixture(scope="session")
+def built_once():
+    time.sleep(0.4)
+
+def test_slow_only_by_a_session_fixture(built_once):
+    pass
+
 def test_slow_and_failing():
     time.sleep(0.4)
     assert False, "its own failure"
@@ -82,13 +94,13 @@ def test_slow_and_failing():
 
 
 def test_budget_fails_slow_tests_that_give_no_reason(suite, monkeypatch):
-    suite.makepyfile(test_budget=SLOW_TESTS)
+    _write(suite, "test_budget", SLOW_TESTS)
     monkeypatch.setenv("LLMPAR_TEST_BUDGET", "0.3")
     result = suite.runpytest("-p", "no:cacheprovider", "-rf")
-    result.assert_outcomes(passed=3, failed=4)
+    result.assert_outcomes(passed=4, failed=4)  # a session fixture's setup is not charged
     out = result.stdout.str()
     for name in ("test_slow_unmarked", "test_slow_without_a_reason", "test_slow_setup"):
-        assert f"FAILED test_budget.py::{name}" in out and f"test_budget.py::{name} took 0." in out
+        assert f"FAILED tests/test_budget.py::{name}" in out and f"tests/test_budget.py::{name} took 0." in out
     assert "(its slow marker gives no reason)" in out and "over the suite's budget of 0.3 s" in out
     assert "its own failure" in out  # a failing test keeps its own failure
     assert "llmpar durations budget: 0.3 s per test" in out
@@ -96,7 +108,7 @@ def test_budget_fails_slow_tests_that_give_no_reason(suite, monkeypatch):
 
 @pytest.mark.parametrize("env", [{"LLMPAR_TEST_BUDGET_SCALE": "10"}, {"LLMPAR_TEST_BUDGET": "0"}])
 def test_budget_scales_or_turns_off(suite, monkeypatch, env):
-    suite.makepyfile(test_budget="import time\n\ndef test_slow_unmarked():\n    time.sleep(0.4)\n")
+    _write(suite, "test_budget", "import time\n\ndef test_slow_unmarked():\n    time.sleep(0.4)\n")
     monkeypatch.setenv("LLMPAR_TEST_BUDGET", "0.3")
     for k, v in env.items():
         monkeypatch.setenv(k, v)
@@ -105,7 +117,7 @@ def test_budget_scales_or_turns_off(suite, monkeypatch, env):
 
 @pytest.mark.parametrize("var, value", [("LLMPAR_TEST_BUDGET", "-1"), ("LLMPAR_TEST_BUDGET_SCALE", "fast")])
 def test_budget_refuses_bad_settings(suite, monkeypatch, var, value):
-    suite.makepyfile(test_budget="def test_quick():\n    pass\n")
+    _write(suite, "test_budget", "def test_quick():\n    pass\n")
     monkeypatch.setenv(var, value)
     result = suite.runpytest("-p", "no:cacheprovider")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
@@ -207,7 +219,7 @@ def test_a_job_declared():
 
 
 def test_tiers_come_from_what_a_test_does(suite):
-    suite.makepyfile(test_tiers=TIERED_TESTS)
+    _write(suite, "test_tiers", TIERED_TESTS)
     items, _ = suite.inline_genitems("-p", "no:cacheprovider")
     tiers = {t: {i.name for i in items if i.get_closest_marker(t)} for t in ("unit", "ranks", "e2e", "gpu")}
     assert tiers["unit"] == {"test_plain", "test_a_job_out_of_sight", "test_processes_out_of_sight"}
@@ -226,7 +238,7 @@ def test_tiers_come_from_what_a_test_does(suite):
 
 @pytest.mark.e2e  # its inner tests start a Python job and a process
 def test_a_unit_test_that_starts_a_job_or_processes_fails_naming_its_tier(suite):
-    suite.makepyfile(test_tiers=TIERED_TESTS)
+    _write(suite, "test_tiers", TIERED_TESTS)
     result = suite.runpytest("-p", "no:cacheprovider", "-k", "plain or out_of_sight or declared", "-rf")
     result.assert_outcomes(passed=2, failed=2)
     out = result.stdout.str()
@@ -281,6 +293,13 @@ def test_op_builds_are_seeded_from_the_cache_and_kept(tmp_path, monkeypatch):
     ]
     assert (cache / "shm_comm" / "shm_comm.so").read_bytes() == b"rebuilt"
     assert not [p for p in cache.iterdir() if p.name.startswith(".")]  # no copy left aside
+
+
+def test_ops_the_cache_seeded_are_not_built_again(tmp_path, monkeypatch):
+    for folder in reference_runs.DS_OPS.values():
+        _build(tmp_path, folder)
+    monkeypatch.setattr(reference_runs.subprocess, "run", None)  # no build may start
+    assert reference_runs.build_missing_ops(tmp_path) == []
 
 
 def test_op_build_cache_can_be_turned_off(monkeypatch):
