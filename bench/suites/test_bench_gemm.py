@@ -13,7 +13,7 @@ import torch
 from suite_util import IMPLS, grid, require, run
 
 from llmpar.ops import linear_act
-from llmpar.ops.gemm import ACTIVATIONS, _act_grad_torch
+from llmpar.ops.gemm_reference import ACTIVATIONS, act_grad_torch
 
 from gemm_helpers import _composition, _inputs, _rand
 
@@ -85,7 +85,7 @@ def test_bias_act_backward(benchmark, device, size, act, impl):
     if impl == "torch":  # what autograd runs for act(F.linear(...)): act' elementwise, then the bias gradient
 
         def fn():
-            gp = _act_grad_torch(dy, z, act)
+            gp = act_grad_torch(dy, z, act)
             return gp, gp.sum(0, dtype=torch.float32)
     else:
         code = ACTIVATIONS.index(act)
