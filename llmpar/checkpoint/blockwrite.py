@@ -54,7 +54,7 @@ def _skeleton(obj: Any, records: list[Concat | torch.Tensor], where: str = "obj"
 def _bytes_of(t: torch.Tensor) -> memoryview:
     """The bytes of host tensor ``t`` (any dtype) without a copy when it is contiguous."""
     t = t.detach().resolve_conj().resolve_neg().reshape(-1)
-    return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+    return t.view(torch.uint8).numpy().data if t.numel() else memoryview(b"")
 
 
 def _writeback() -> Callable[[int, int, int], Any] | None:

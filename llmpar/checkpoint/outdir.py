@@ -98,11 +98,12 @@ def _fsync_tree(root: str) -> None:
 def _named(e: OSError, tmp: str, out_dir: str, what: str) -> BaseException:
     """``e`` as a ``CheckpointError`` naming the file in ``out_dir`` when it is a write into ``tmp``; else ``e``
     (a source file that cannot be read: its reader names it)."""
-    name = os.fspath(e.filename) if isinstance(e.filename, (str, bytes, os.PathLike)) else None
-    inside = name is not None and os.path.realpath(name).startswith(os.path.realpath(tmp) + os.sep)
-    if not inside and e.errno not in _WRITE_ERRORS:
+    # fsdecode: an OSError raised on a bytes path carries a bytes filename, compared here with str paths
+    name = os.fsdecode(e.filename) if isinstance(e.filename, (str, bytes, os.PathLike)) else None
+    inside = name if name is not None and os.path.realpath(name).startswith(os.path.realpath(tmp) + os.sep) else None
+    if inside is None and e.errno not in _WRITE_ERRORS:
         return e
-    where = moved([name], tmp, out_dir)[0] if inside else os.fspath(out_dir)  # type: ignore[list-item]
+    where = moved([inside], tmp, out_dir)[0] if inside is not None else os.fspath(out_dir)
     code = errno.errorcode.get(e.errno, e.errno) if e.errno is not None else type(e).__name__
     return CheckpointError(
         f"{what}: cannot write {where}: {e.strerror or e} ({code}); nothing of this {what} was "

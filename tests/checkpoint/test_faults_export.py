@@ -296,3 +296,16 @@ def test_an_in_place_export_interrupted_after_its_first_shard_leaves_no_loadable
     from safetensors.torch import load_file
 
     assert torch.equal(load_file(str(tmp_path / "model-00001-of-00004.safetensors"))["w0"], new["w0"])
+
+
+def test_a_write_error_on_a_bytes_path_is_named_under_the_output_directory(tmp_path):
+    """An OSError raised on a bytes path (``e.filename`` is bytes) is named like one on a str path; it raised
+    TypeError (bytes.startswith(str)) while the error was being named."""
+    from llmpar.checkpoint.outdir import _named
+
+    tmp, out = tmp_path / ".out.tmp", tmp_path / "out"
+    tmp.mkdir()
+    for filename in (os.fsencode(tmp / "a.bin"), str(tmp / "a.bin")):
+        err = _named(OSError(errno.ENOSPC, "No space left on device", filename), str(tmp), str(out), "convert")
+        assert isinstance(err, CheckpointError)
+        assert f"cannot write {out / 'a.bin'}" in str(err) and "ENOSPC" in str(err)
