@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -82,8 +82,10 @@ class _RowsPlanner(DefaultLoadPlanner):
 
     def create_local_plan(self) -> LoadPlan:
         items = []
+        assert self.metadata is not None  # set by set_up_planner, which dcp.load calls first
         for fqn, t in self.state_dict.items():
-            md = self.metadata.state_dict_metadata[fqn]
+            # every key of this planner's state dict is a tensor's (_read builds it), so its metadata is a tensor's
+            md = cast(TensorStorageMetadata, self.metadata.state_dict_metadata[fqn])
             offsets = [self.rows[fqn]] + [0] * (t.dim() - 1) if t.dim() else []
             chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=t.size())
             items += create_read_items_for_chunk_list(fqn, md, [chunk])
@@ -169,7 +171,7 @@ class DcpCheckpoint:
         sd, rows = {}, {}
         for (name, key), (r0, r1) in wanted.items():
             fqn, shape = self.key(name, key), self.shapes[name]
-            dtype = self.md.state_dict_metadata[fqn].properties.dtype
+            dtype = self._dtype(fqn)
             sd[fqn] = torch.empty((r1 - r0, *shape[1:]) if shape else (), dtype=dtype)
             rows[fqn] = r0
         if sd:
@@ -198,13 +200,18 @@ class DcpCheckpoint:
         base = have[0][0] * (math.prod(shape[1:]) if shape else 1)
         return have[1].reshape(-1)[a - base : z - base]
 
+    def _dtype(self, fqn: str) -> torch.dtype:
+        """The dtype DCP's metadata records for key ``fqn``, a tensor's (the keys read here are params and their
+        optimizer states)."""
+        return cast(TensorStorageMetadata, self.md.state_dict_metadata[fqn]).properties.dtype
+
     def step(self, name: str) -> float:
         """Adam's step count saved for param ``name``."""
         fqn = self.key(name, "step")
         if fqn not in self.md.state_dict_metadata:
             raise CheckpointError(f"DCP checkpoint {self.path} has no {fqn!r} (Adam's step count of {name!r})")
         if (name, "step") not in self._pieces:
-            sd = {fqn: torch.empty((), dtype=self.md.state_dict_metadata[fqn].properties.dtype)}
+            sd = {fqn: torch.empty((), dtype=self._dtype(fqn))}
             _read(self.path, sd, {fqn: 0})
             self._pieces[(name, "step")] = ((0, 1), sd[fqn])
         return float(self._pieces[(name, "step")][1])

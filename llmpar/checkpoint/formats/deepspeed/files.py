@@ -121,6 +121,8 @@ class Foreign:
     ``state`` (``__dict__``)."""
 
     qualname = "?"
+    args: tuple[Any, ...]
+    state: dict[str, Any]
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "Foreign":
         obj = object.__new__(cls)
@@ -278,9 +280,10 @@ class _Enum:
 class _Pickler(pickle._Pickler):  # type: ignore[name-defined, misc]
     def save(self, obj: Any, save_persistent_id: bool = True) -> None:
         if isinstance(obj, _Global):
-            self.write(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode())
+            # typeshed's pickle._Pickler declares neither write (set from the file in __init__) nor save
+            self.write(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode())  # type: ignore[attr-defined]
             return
-        super().save(obj, save_persistent_id)
+        super().save(obj, save_persistent_id)  # type: ignore[misc]
 
 
 _WRITE_PICKLE = types.SimpleNamespace(Pickler=_Pickler, dump=pickle.dump, __name__="llmpar_ds_pickle")
@@ -291,7 +294,8 @@ class _Recording:
     ``RuntimeError`` ("unexpected pos ...") naming neither the file nor the cause."""
 
     def __init__(self, f: Any) -> None:
-        self.f, self.error = f, None
+        self.f = f
+        self.error: OSError | None = None
 
     def write(self, data: Any) -> int:
         try:

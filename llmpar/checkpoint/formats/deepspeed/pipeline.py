@@ -57,7 +57,7 @@ class DeepSpeedPipelineCheckpoint(RankCheckpoint):
         saved without ZeRO (``pipeline_names.py``); not needed otherwise. ``loaded``: files already read."""
         self.path = path
         found = detect(path)
-        layers = {f: LAYER_RE.match(f) for f in found if LAYER_RE.match(f)}
+        layers = {f: m for f in found if (m := LAYER_RE.match(f))}
         tp_ranks = sorted({int(m.group(2)) for m in layers.values() if m.group(2) is not None})
         if tp_ranks not in ([], [0]):
             raise CheckpointError(
@@ -88,7 +88,7 @@ class DeepSpeedPipelineCheckpoint(RankCheckpoint):
                 raise CheckpointError(f"{path}: stage {s}'s files are {st.describe()}, stage 0's {first.describe()}")
         self.stage, self.dp, self.bf16, self.mp_rank, self.kind = first.stage, first.dp, first.bf16, 0, first.kind
         order = sorted(layers, key=lambda f: int(layers[f].group(1)))
-        raw = {int(layers[f].group(1)): self._load_layer(f) for f in order}  # type: ignore[union-attr]
+        raw = {int(layers[f].group(1)): self._load_layer(f) for f in order}
         if first.unnamed:
             self._name_stages(raw, model)
         self.aliases: dict[str, str] = {}

@@ -48,7 +48,7 @@ class Stage:
 
 def _order(
     model: dict[str, tuple[Shape, bool]], layers: dict[int, dict[str, torch.Tensor]]
-) -> tuple[dict[int, list[str]], dict[str, list[str]], list[int]]:
+) -> tuple[dict[int, list[str]], dict[str, list[str]], list[str]]:
     """The model's params by layer index and by tied key, each in DeepSpeed's order, and the tied keys' order."""
     regular: dict[int, list[str]] = {}
     tied: dict[str, list[str]] = {}
@@ -73,19 +73,19 @@ def _order(
         names.sort(key=lambda n: keys.index(n.split(".", 1)[1]))
     first: dict[str, int] = {}
     for k, names in tied.items():  # the lowest layer file holding the tied module's keys, regular layers aside
-        rest = [n[len(TIED) + len(k) + 1 :] for n in names]
+        tails = [n[len(TIED) + len(k) + 1 :] for n in names]
         for i in sorted(layers):
             if (
                 i not in regular
-                and set(rest) <= set(layers[i])
-                and all(tuple(layers[i][r].shape) == model[n][0] for r, n in zip(rest, names))
+                and set(tails) <= set(layers[i])
+                and all(tuple(layers[i][r].shape) == model[n][0] for r, n in zip(tails, names))
             ):
                 keys = list(layers[i])
                 names.sort(key=lambda n: keys.index(n[len(TIED) + len(k) + 1 :]))
                 first[k] = i
                 break
     order = sorted(tied, key=lambda k: (first.get(k, math.inf), k))
-    return regular, tied, order  # type: ignore[return-value]
+    return regular, tied, order
 
 
 def infer(

@@ -18,7 +18,7 @@ scheduler and client_state are rank 0's.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -27,7 +27,7 @@ from llmpar.checkpoint.formats.deepspeed.files import detect, model_parallel_ran
 from llmpar.checkpoint.formats.deepspeed.rank import RankCheckpoint
 
 
-def _split_dim(shards: list[tuple[int, ...]], full: tuple[int, ...]) -> int | None | str:
+def _split_dim(shards: list[tuple[int, ...]], full: tuple[int, ...]) -> int | None | Literal["?"]:
     """None: replicated; d: split along d; "?": neither."""
     if all(s == full for s in shards):
         return None
@@ -76,12 +76,13 @@ class DeepSpeedTPCheckpoint(RankCheckpoint):
             )
         self.stage, self.dp, self.bf16, self.kind, self.mp_rank = first.stage, first.dp, first.bf16, first.kind, 0
         self.model, self.aliases, self.unnamed = first.model, dict(first.aliases), False
-        self.names, self.shapes, self.dims = list(first.names), {}, {}
+        self.names, self.shapes = list(first.names), {}
+        self.dims: dict[str, int | None] = {}
         for name in self.names:
             shards = [p.shapes[name] for p in self.parts]
             full = tuple(int(d) for d in model[name][0]) if name in model else shards[0]
             dim = _split_dim(shards, full)
-            if dim == "?":
+            if isinstance(dim, str):  # "?", the only str _split_dim returns
                 raise CheckpointError(
                     f"param {name!r} of tensor-parallel (tp={self.tp}) DeepSpeed checkpoint {path} "
                     f"has shards of shapes {shards}: they are neither the model's full shape {full} "

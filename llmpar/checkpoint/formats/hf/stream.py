@@ -95,7 +95,7 @@ class PieceSource(Protocol):
 
 def as_bytes(t: torch.Tensor) -> memoryview:
     """The bytes of ``t`` (made contiguous), without a copy when it already is."""
-    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().data if t.numel() else memoryview(b"")
 
 
 def header(meta: dict[str, torch.Tensor], names: list[str]) -> tuple[bytes, list[tuple[int, int]]]:

@@ -104,12 +104,10 @@ def _check(s: Writable, n: str, key: str, path: str) -> None:
     got = load_file(path)
     t = got.get("param") if isinstance(got, dict) else None
     k = math.prod(s.shapes[n])
-    same = t is not None and tuple(t.shape) == tuple(s.shapes[n])
-    flat = t.reshape(-1) if same else None
-    for a in range(0, k, PIECE) if same else ():
-        if not torch.equal(flat[a : a + PIECE], s.piece(n, key, a, min(a + PIECE, k))):
-            same = False
-            break
+    flat = t.reshape(-1) if t is not None and tuple(t.shape) == tuple(s.shapes[n]) else None
+    same = flat is not None and all(
+        torch.equal(flat[a : a + PIECE], s.piece(n, key, a, min(a + PIECE, k))) for a in range(0, k, PIECE)
+    )
     if not same:
         raise CheckpointError(
             f"{path[:-3]}.pt read back differs from the source's {key} of {n!r} (shape "
