@@ -28,7 +28,8 @@ from torch import nn
 from llmpar.ops.grouped_gemm import grouped_swiglu
 
 
-def _counts_list(counts: "Sequence[int] | torch.Tensor") -> list[int]:
+def counts_list(counts: "Sequence[int] | torch.Tensor") -> list[int]:
+    """Rows per expert as Python ints (one host read of a tensor): what ``torch.split`` and the GEMMs take."""
     return [int(c) for c in (counts.tolist() if isinstance(counts, torch.Tensor) else counts)]
 
 
@@ -40,7 +41,7 @@ def grouped_mlp(
 ) -> torch.Tensor:
     """SwiGLU experts over tokens sorted by expert: ``x_sorted: [N, H]`` (``counts[e]`` rows for local expert e, in
     order, ``sum(counts) = N``), ``gate_up: [E_local, 2I, H]``, ``down: [E_local, H, I]`` -> ``[N, H]``."""
-    sizes = _counts_list(counts)
+    sizes = counts_list(counts)
     E, two_i, H = gate_up.shape
     if len(sizes) != E or any(c < 0 for c in sizes):
         raise ValueError(f"counts must hold {E} non-negative row counts (one per local expert), got {sizes}")

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmpar.moe.experts import counts_list
 from llmpar.moe.router import Router, Routing
 
 
@@ -61,7 +62,7 @@ class GptOssExperts(nn.Module):
         self.alpha, self.limit = float(alpha), float(limit)
 
     def forward(self, x_sorted: torch.Tensor, counts: "Sequence[int] | torch.Tensor") -> torch.Tensor:
-        sizes = [int(c) for c in (counts.tolist() if isinstance(counts, torch.Tensor) else counts)]
+        sizes = counts_list(counts)
         outs = []
         for e, rows in enumerate(torch.split(x_sorted, sizes)):
             gate_up = rows @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]
