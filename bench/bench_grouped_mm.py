@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from llmpar.ops import grouped_swiglu  # noqa: E402
 from llmpar.ops.grouped_gemm_backends import torch_gmm_unfit  # noqa: E402
 
-from harness import compare, devices_for, forced, write_results  # noqa: E402
+from harness import compare, cpu_medians, devices_for, forced, write_results  # noqa: E402
 
 SHAPES = {
     "deepseek_v3": dict(hidden=7168, inter=2048, experts=32, rows=32768),
@@ -74,26 +74,8 @@ def combine_before(y: torch.Tensor, meta) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------------- CPU
 
 
-def thread_times(cases: dict, repeats: int) -> dict[str, float]:
-    """Median CPU time of this thread per call (``time.thread_time``), the cases interleaved as ``compare`` does: with
-    one torch thread every op runs on it, so the figure is the work done, not the time other processes took the core
-    (a shared machine's wall-clock medians move by 2x between runs; this moves by a few percent)."""
-    import statistics
-    import time
-
-    names = list(cases)
-    times: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(repeats):
-        for i in range(len(names)):
-            name = names[(r + i) % len(names)]
-            t0 = time.thread_time()
-            cases[name]()
-            times[name].append(time.thread_time() - t0)
-    return {n: statistics.median(v) for n, v in times.items()}
-
-
 def run_cpu(args) -> None:
-    from bench_moe_layer import _blocks, _step
+    from bench_moe_layer import _blocks, measure
 
     from llmpar.moe import MoEBlock, RouterConfig
 
@@ -109,25 +91,10 @@ def run_cpu(args) -> None:
         ex.forward = lambda x, counts, ex=ex: per_expert_loop(x, counts, ex.gate_up_proj, ex.down_proj)
         before.dispatcher.combine = combine_before
         blocks["llmpar_before"] = before
-        gen = torch.Generator().manual_seed(1)
-        x = torch.randn(args.batch, args.seq, args.hidden, generator=gen).requires_grad_()
-        g = torch.randn(args.batch, args.seq, args.hidden, generator=gen)
-        with torch.no_grad():
-            ref = blocks["llmpar"](x)
-            for name, block in blocks.items():
-                torch.testing.assert_close(block(x), ref, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
-        cases = {name: _step(block, x, g) for name, block in blocks.items()}
-        cmp = compare(cases, baseline="transformers_eager", warmup=args.warmup, repeats=args.repeats)
-        print(
-            f"\n{experts} experts, top-{args.top_k}, tokens {args.batch * args.seq}, H {args.hidden}, "
-            f"I {args.intermediate}"
-        )
-        print(cmp.table())
-        cpu = thread_times(cases, args.repeats)
-        for row in cmp.rows(experts=experts, top_k=args.top_k, tokens=args.batch * args.seq):
+        found, cases = measure(blocks, experts, args)
+        cpu = cpu_medians(cases, args.repeats)
+        for row in found:
             name = row["name"]
-            row["ratio"] = cmp.ratio(name)
-            row["ratio_of_mins"] = cmp.timings[name].min_s / cmp.timings["transformers_eager"].min_s
             row["thread_ms"] = cpu[name] * 1e3
             row["thread_ratio"] = cpu[name] / cpu["transformers_eager"]
             print(f"  {name}: thread time {cpu[name] * 1e3:.2f} ms, {row['thread_ratio']:.3f}x transformers eager")

@@ -59,6 +59,30 @@ def _step(block: torch.nn.Module, x: torch.Tensor, g: torch.Tensor):
     return run
 
 
+def measure(blocks: dict[str, torch.nn.Module], experts: int, args: argparse.Namespace) -> tuple[list[dict], dict]:
+    """Check every block gives llmpar's output on one random batch, then time their forward + backward side by side
+    against transformers' eager experts and print the table: ``(rows, cases)``, each row with its ``ratio`` and
+    ``ratio_of_mins`` (on a shared machine the fastest repeats are the least disturbed)."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(args.batch, args.seq, args.hidden, generator=gen).requires_grad_()
+    g = torch.randn(args.batch, args.seq, args.hidden, generator=gen)
+    with torch.no_grad():
+        ref = blocks["llmpar"](x)
+        for name, block in blocks.items():
+            torch.testing.assert_close(block(x), ref, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    cases = {name: _step(block, x, g) for name, block in blocks.items()}
+    cmp = compare(cases, baseline="transformers_eager", warmup=args.warmup, repeats=args.repeats)
+    print(
+        f"\n{experts} experts, top-{args.top_k}, tokens {args.batch * args.seq}, H {args.hidden}, I {args.intermediate}"
+    )
+    print(cmp.table())
+    rows = cmp.rows(experts=experts, top_k=args.top_k, tokens=args.batch * args.seq)
+    for row in rows:
+        row["ratio"] = cmp.ratio(row["name"])
+        row["ratio_of_mins"] = cmp.timings[row["name"]].min_s / cmp.timings["transformers_eager"].min_s
+    return rows, cases
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--experts", type=int, nargs="+", default=[8, 16])
@@ -84,25 +108,7 @@ def main() -> None:
     rows = []
     for experts in args.experts:
         blocks = _blocks(experts, args.top_k, args.hidden, args.intermediate, args.backends)
-        gen = torch.Generator().manual_seed(1)
-        x = torch.randn(args.batch, args.seq, args.hidden, generator=gen).requires_grad_()
-        g = torch.randn(args.batch, args.seq, args.hidden, generator=gen)
-        with torch.no_grad():
-            ref = blocks["llmpar"](x)
-            for name, block in blocks.items():
-                torch.testing.assert_close(block(x), ref, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
-        cases = {name: _step(block, x, g) for name, block in blocks.items()}
-        cmp = compare(cases, baseline="transformers_eager", warmup=args.warmup, repeats=args.repeats)
-        print(
-            f"\n{experts} experts, top-{args.top_k}, tokens {args.batch * args.seq}, H {args.hidden}, "
-            f"I {args.intermediate}"
-        )
-        print(cmp.table())
-        for row in cmp.rows(experts=experts, top_k=args.top_k, tokens=args.batch * args.seq):
-            row["ratio"] = cmp.ratio(row["name"])
-            best = cmp.timings[row["name"]].min_s / cmp.timings["transformers_eager"].min_s
-            row["ratio_of_mins"] = best  # on a shared machine the fastest repeats are the least disturbed
-            rows.append(row)
+        rows += measure(blocks, experts, args)[0]
     if not args.no_write:
         import transformers
 

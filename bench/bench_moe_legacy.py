@@ -19,11 +19,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch import nn
@@ -31,7 +29,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from llmpar.moe.layer import MoE  # noqa: E402
 
-from harness import compare, write_results  # noqa: E402
+from harness import compare, cpu_medians, write_results  # noqa: E402
 
 
 def _layers(experts: int, k: int, hidden: int, inner: int, drop: bool, cf: float) -> dict[str, nn.Module]:
@@ -65,18 +63,6 @@ def _step(layer: nn.Module, x: torch.Tensor, g: torch.Tensor):
         ((out * g).sum() + l_aux).backward()
 
     return run
-
-
-def _cpu_medians(cases: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
-    """Median process CPU time per call (ms), the cases interleaved: with one torch thread this is the work done,
-    which other processes on a shared machine stretch far less than the wall time."""
-    times: dict[str, list[float]] = {n: [] for n in cases}
-    for _ in range(repeats):
-        for name, fn in cases.items():
-            t0 = time.process_time()
-            fn()
-            times[name].append(time.process_time() - t0)
-    return {n: 1e3 * statistics.median(v) for n, v in times.items()}
 
 
 def main() -> None:
@@ -115,7 +101,7 @@ def main() -> None:
                     torch.testing.assert_close(layers["llmpar"](x)[0], ref, rtol=1e-5, atol=1e-5)
                 cases = {name: _step(layer, x, g) for name, layer in layers.items()}
                 cmp = compare(cases, baseline="deepspeed", warmup=args.warmup, repeats=args.repeats)
-                cpu = _cpu_medians(cases, args.repeats)
+                cpu = {n: 1e3 * v for n, v in cpu_medians(cases, args.repeats, clock=time.process_time).items()}
                 print(f"\n{experts} experts, k={k}, drop_tokens={drop}, cf {cf}, tokens {args.tokens}, H {args.hidden}")
                 print(cmp.table())
                 print("process CPU time per call (ms):", {n: round(v, 2) for n, v in cpu.items()})

@@ -309,6 +309,25 @@ def compare(
     return Comparison(baseline=baseline, timings={n: samplers[n].timing(n, times[n]) for n in names})
 
 
+def cpu_medians(
+    cases: dict[str, Callable[[], Any]], repeats: int, clock: Callable[[], float] = time.thread_time
+) -> dict[str, float]:
+    """Median CPU seconds per call of every case, the cases interleaved as :func:`compare` does (a different case
+    first every round). With one torch thread (``torch.set_num_threads(1)``) every op runs on the calling thread, so
+    ``time.thread_time`` (or ``time.process_time``) is the work done, which other processes on a shared machine
+    stretch far less than the wall time."""
+    _check_counts(0, repeats, None)
+    names = list(cases)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(repeats):
+        for i in range(len(names)):
+            name = names[(r + i) % len(names)]
+            t0 = clock()
+            cases[name]()
+            times[name].append(clock() - t0)
+    return {n: statistics.median(v) for n, v in times.items()}
+
+
 def compare_distributed(
     cases: dict[str, Callable[[], Any]],
     *,
