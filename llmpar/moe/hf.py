@@ -12,7 +12,9 @@ Supported blocks (transformers >= 5; the first four with experts packed as ``gat
 ``Qwen2MoeSparseMoeBlock``    softmax top-k (renormalised when ``norm_topk_prob``), a shared expert with a sigmoid gate
 ``Qwen3MoeSparseMoeBlock``    softmax top-k (renormalised when ``norm_topk_prob``)
 ``DeepseekV3MoE``             sigmoid scores + ``e_score_correction_bias`` to pick, group-limited (``n_group`` /
-                              ``topk_group``, top-2 sum), renormalised, ``routed_scaling_factor``; shared experts
+                              ``topk_group``, top-2 sum), renormalised, ``routed_scaling_factor``; shared experts;
+                              the bias is kept as loaded in training (no aux-loss-free update: transformers and
+                              DeepSpeed's AutoEP with ``load_balance_coeff`` null leave it too)
 ``GptOssMLP``                 a router with a bias, softmax over the top-k logits; experts with biases, transposed,
                               gate / up interleaved, a clamped SwiGLU (:mod:`llmpar.moe.hf_gpt_oss`); the block
                               returns ``(output, None)`` where transformers' returns ``(output, router scores)``
@@ -113,6 +115,7 @@ def _deepseek_v3(block: Any) -> _Spec:
         n_group=int(gate.num_group),
         topk_group=int(gate.topk_group),
         expert_bias=True,
+        bias_update_rate=0.0,  # picks with the loaded bias and leaves it, as transformers and DeepSpeed's AutoEP do
     )
     spec = _Spec(e, gate.top_k, i, router, shared_intermediate=block.shared_experts.gate_proj.weight.shape[0])
     spec.names = dict(_EXPERT_NAMES) | _shared_names("shared_experts")

@@ -121,9 +121,10 @@ def consolidated_state_dict(module: torch.nn.Module, optimizer: "object", *, ran
     if not keep:
         return {}
     order = {n: i for i, n in enumerate(module.state_dict(keep_vars=True))}
-    for name, buf in module.named_buffers():
-        if name in order:  # non-persistent buffers (not in state_dict) are left out
-            out[name] = buf.detach().to("cpu", copy=True)
+    for prefix, m in module.named_modules():  # persistent buffers, under the names the params have (a state-dict
+        for bname, buf in m._buffers.items():  # hook may rename them: a swapped MoE block's router bias)
+            if buf is not None and bname not in m._non_persistent_buffers_set:
+                out[f"{prefix}.{bname}" if prefix else bname] = buf.detach().to("cpu", copy=True)
     return {n: out[n] for n in sorted(out, key=lambda n: order.get(n, len(order)))}
 
 
