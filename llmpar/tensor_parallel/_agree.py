@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import torch
 
+from llmpar.distributed import funcol
 from llmpar.distributed.collectives import all_gather_flat, as_group, collective_device, group_rank, group_size
+from llmpar.tensor_parallel._traceable import tp_key
 
 _MAX_DIMS = 8  # dims a shape check sends in clear (more are folded into a hash)
 ROW_COLS = 2 + _MAX_DIMS  # a rank's row of the exchanged table: fault flag, then the shape code (ndim, dims)
@@ -98,14 +100,18 @@ class ShapeGuard:
 
 
 def host_checks(t: torch.Tensor) -> bool:
-    """Whether checks on ``t`` are read on the host (CPU tensors: free) rather than asserted on the device."""
-    return t.device.type == "cpu"
+    """Whether checks on ``t`` are read on the host (CPU tensors: free) rather than asserted on the device. Under
+    torch.compile never: a host read would break the graph, so a traced check is the device-side assert on every
+    device (a RuntimeError carrying the message, on CPU too)."""
+    return t.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
 def exchange_rows(fault: torch.Tensor, shape: tuple[int, ...], group: object) -> torch.Tensor:
     """Every rank's ``[fault, ndim, dims...]`` row: one all-gather of ``ROW_COLS`` int64 per rank (a fixed size
     whatever the inputs), on ``fault``'s device (a 0-d bool tensor; no host sync: the shape code travels host ->
     device asynchronously). Returns ``[tp, ROW_COLS]`` int64, row r from group rank r."""
+    if torch.compiler.is_compiling():
+        return _exchange_rows_traced(fault, shape, group)
     pg = as_group(group)
     row = torch.tensor([0] + _shape_code(tuple(shape)), dtype=torch.int64)
     if fault.device.type != "cpu":
@@ -114,6 +120,12 @@ def exchange_rows(fault: torch.Tensor, shape: tuple[int, ...], group: object) ->
     rows = torch.empty(group_size(pg) * ROW_COLS, dtype=torch.int64, device=row.device)
     all_gather_flat(rows, row, pg, what=f"input agreement of {ROW_COLS} int64")
     return rows.view(-1, ROW_COLS)
+
+
+def _exchange_rows_traced(fault: torch.Tensor, shape: tuple[int, ...], group: object) -> torch.Tensor:
+    """:func:`exchange_rows` under torch.compile: the same row through a functional all-gather."""
+    row = torch.cat([fault.to(torch.int64).reshape(1), torch.tensor(_shape_code(tuple(shape)), device=fault.device)])
+    return funcol.all_gather_dim0(row.unsqueeze(0), tp_key(group))
 
 
 def shapes_differ(rows: torch.Tensor) -> bool:

@@ -19,7 +19,9 @@ gather_from_sequence_region         all-gather dim 0             reduce-scatter 
 reduce_scatter_to_sequence_region   reduce-scatter dim 0         all-gather dim 0
 =================================  ===========================  ==================================
 
-Every byte moves through :mod:`llmpar.distributed.collectives`. With one rank every wrapper is the identity.
+Every byte moves through :mod:`llmpar.distributed.collectives`. With one rank every wrapper is the identity. Under
+``torch.compiler.is_compiling()`` each wrapper runs its traceable twin in :mod:`._traceable` instead (functional
+collectives, the group kept as a name in ``ctx``): no graph break.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from llmpar.distributed.collectives import all_gather_flat, all_reduce, reduce_scatter_flat
+from llmpar.tensor_parallel import _traceable
 from llmpar.tensor_parallel._utils import Group, resolve_tp_group, tp_size_rank
 
 # ----------------------------------------------------------------------------- plain (non-autograd) helpers
@@ -178,30 +181,40 @@ def _prep(x: torch.Tensor, group: Group) -> tuple[dist.ProcessGroup, bool]:
 
 def copy_to_tensor_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Identity forward; all-reduce of the gradient over ``group`` backward. ``x: [..., h]`` (replicated)."""
+    if torch.compiler.is_compiling():
+        return _traceable.copy_to_tensor_region(x, group)
     pg, single = _prep(x, group)
     return x if single else _CopyToTensorRegion.apply(x, pg)
 
 
 def reduce_from_tensor_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Sum of the partial ``x`` over ``group`` forward; identity backward."""
+    if torch.compiler.is_compiling():
+        return _traceable.reduce_from_tensor_region(x, group)
     pg, single = _prep(x, group)
     return x if single else _ReduceFromTensorRegion.apply(x, pg)
 
 
 def scatter_to_tensor_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """``[..., h]`` -> this rank's ``[..., h / tp]``; backward all-gathers the last dim."""
+    if torch.compiler.is_compiling():
+        return _traceable.scatter_to_tensor_region(x, group)
     pg, single = _prep(x, group)
     return x if single else _ScatterToTensorRegion.apply(x, pg)
 
 
 def gather_from_tensor_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """``[..., h / tp]`` -> ``[..., h]`` (all-gather of the last dim); backward keeps this rank's shard."""
+    if torch.compiler.is_compiling():
+        return _traceable.gather_from_tensor_region(x, group)
     pg, single = _prep(x, group)
     return x if single else _GatherFromTensorRegion.apply(x, pg)
 
 
 def scatter_to_sequence_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """``[s, ...]`` -> this rank's ``[s / tp, ...]``; backward all-gathers dim 0."""
+    if torch.compiler.is_compiling():
+        return _traceable.scatter_to_sequence_region(x, group)
     pg, single = _prep(x, group)
     return x if single else _ScatterToSequenceRegion.apply(x, pg)
 
@@ -209,11 +222,15 @@ def scatter_to_sequence_region(x: torch.Tensor, group: Group) -> torch.Tensor:
 def gather_from_sequence_region(x: torch.Tensor, group: Group, *, grad_is_partial: bool = True) -> torch.Tensor:
     """``[s / tp, ...]`` -> ``[s, ...]``; backward reduce-scatters dim 0 (or only keeps the shard when the
     gradient arriving is already complete on every rank, ``grad_is_partial=False``)."""
+    if torch.compiler.is_compiling():
+        return _traceable.gather_from_sequence_region(x, group, grad_is_partial)
     pg, single = _prep(x, group)
     return x if single else _GatherFromSequenceRegion.apply(x, pg, grad_is_partial)
 
 
 def reduce_scatter_to_sequence_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Partial ``[s, ...]`` -> summed ``[s / tp, ...]`` shard; backward all-gathers dim 0."""
+    if torch.compiler.is_compiling():
+        return _traceable.reduce_scatter_to_sequence_region(x, group)
     pg, single = _prep(x, group)
     return x if single else _ReduceScatterToSequenceRegion.apply(x, pg)

@@ -18,20 +18,37 @@ outside ``[0, V_pad)``, or ``[0, vocab_size)``, that is not ``ignore_index``) an
 different shapes (also of different token counts, which would give the reductions different sizes) fail before any
 token-sized collective; a target on a -inf column shows up as a -inf target logit after the sum. Each raises on every
 rank, a :class:`TokenIdError` (a ValueError) or a ValueError naming every rank's shape on CPU and a device-side assert
-on accelerators (no host sync), instead of a wrong loss, an aborted process or a rank left waiting.
+on accelerators (no host sync), instead of a wrong loss, an aborted process or a rank left waiting. Under
+torch.compile the group travels by name (a ``GroupKey``), the reductions are functional all-reduces and every check is
+the device-side assert (no host read, no graph break).
 """
 
 from __future__ import annotations
 
 import torch
 
+from llmpar.distributed import funcol
 from llmpar.distributed.collectives import all_reduce
 from llmpar.distributed.errors import TokenIdError
+from llmpar.distributed.funcol import GroupKey
 from llmpar.tensor_parallel import _agree
 from llmpar.tensor_parallel._agree import assert_rows_ok, exchange_rows, raise_for_rows
+from llmpar.tensor_parallel._traceable import tp_key
 from llmpar.tensor_parallel._utils import Group, resolve_tp_group, tp_size_rank
 
 _WHAT = "vocab_parallel_cross_entropy"
+
+
+def _size_rank(group) -> tuple[int, int]:
+    return (group.size, group.rank) if isinstance(group, GroupKey) else tp_size_rank(group)
+
+
+def _reduced(t: torch.Tensor, group, op: str = "sum") -> torch.Tensor:
+    """``t`` reduced over the group: in place eagerly (a ProcessGroup), a new tensor when traced (a GroupKey)."""
+    if isinstance(group, GroupKey):
+        return funcol.all_reduce(t, group, op)
+    all_reduce(t, group, op=op)
+    return t
 
 
 def _some(ids: torch.Tensor, k: int = 8) -> list[int]:
@@ -42,7 +59,7 @@ def _reduce_max_checked(m, outside, t, shape, group, limit: int, ignore_index: i
     """``m`` max-reduced over ``group``; first raises (CPU) / asserts (device) on every rank when any rank's target has
     ids outside ``[0, limit)`` or the ranks' logits shapes differ (checked in a fixed-size exchange, so before the
     token-sized max is issued)."""
-    tp, rank = tp_size_rank(group)
+    tp, rank = _size_rank(group)
     range_msg = f"{_WHAT}: target holds class ids outside [0, {limit}) that are not ignore_index={ignore_index}"
     cpu = _agree.host_checks(m)
     if tp == 1:
@@ -61,8 +78,7 @@ def _reduce_max_checked(m, outside, t, shape, group, limit: int, ignore_index: i
         raise_for_rows(rows, group, what=_WHAT, fault_error=fault)
     else:
         assert_rows_ok(rows, f"{range_msg}, or the tp ranks passed logits of different shapes")
-    all_reduce(m, group, op="max")
-    return m
+    return _reduced(m, group, "max")
 
 
 def _raise_padding_target(hit, x_in, t, group, vocab_size) -> None:
@@ -83,7 +99,7 @@ def _raise_padding_target(hit, x_in, t, group, vocab_size) -> None:
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, group, vocab_size, ignore_index, eps):
-        tp, rank = tp_size_rank(group)
+        tp, rank = _size_rank(group)
         v_local = logits.shape[-1]
         start = rank * v_local
         x_in = logits.reshape(-1, v_local)
@@ -114,7 +130,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         sums.append(x.sum(-1))
         stats = torch.stack(sums)
         if tp > 1:
-            all_reduce(stats, group)
+            stats = _reduced(stats, group)
         hit = torch.isneginf(stats[0])  # a target on a -inf column (the same on every rank after the sum)
         if not _agree.host_checks(x):
             torch._assert_async(~hit.any(), f"{_WHAT}: a target class id falls on a -inf (padding) logit")
@@ -167,8 +183,8 @@ def vocab_parallel_cross_entropy(
             that do not carry -inf, e.g. from a plain ColumnParallelLinear); default ``tp * V_pad/tp``.
         reduction: ``"mean"`` (over non-ignored tokens), ``"sum"`` or ``"none"`` (per-token, ``[...]``).
     """
-    pg = resolve_tp_group(group)
-    tp, _ = tp_size_rank(pg)
+    pg = tp_key(group) if torch.compiler.is_compiling() else resolve_tp_group(group)  # traced: the group by name
+    tp, _ = _size_rank(pg)
     if not isinstance(logits_shard, torch.Tensor) or not logits_shard.is_floating_point():
         raise TypeError("logits_shard must be a floating-point tensor")
     if not isinstance(target, torch.Tensor) or target.is_floating_point() or target.is_complex():

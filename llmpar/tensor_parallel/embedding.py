@@ -144,7 +144,8 @@ class VocabParallelEmbedding(nn.Module):
         if _agree.host_checks(rows):
             raise_for_rows(rows, self.group, what=what, fault_error=fault)
             return
-        if ids.shape not in self._shapes:  # a new ids shape: read the rows once (host sync) for a clear error
+        if ids.shape not in self._shapes and not torch.compiler.is_compiling():  # a new ids shape: read the rows
+            # once (host sync) for a clear error; a traced graph asserts only (its shapes are fixed when traced)
             if shapes_differ(rows):
                 raise_for_rows(rows, self.group, what=what, fault_error=fault)
             self._shapes.add(ids.shape)

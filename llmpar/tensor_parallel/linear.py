@@ -17,6 +17,11 @@ padded columns are dropped on ``gather_output``, and hold -inf in a split output
 Every rank of the group must get an input of the same shape: a shape not seen before is compared across the group once
 (one small all-gather, ``_agree.ShapeGuard``), then remembered by the layer.
 
+Under torch.compile the layers trace as plain products around functional collectives (``_traceable``: no graph
+break, no ProcessGroup in an autograd ``ctx``); the chunked overlap (``comm_chunks``, ``overlap_grad_comm``) is the
+eager path's, and the shape agreement is left to the always-on checks of the embedding and the loss (a graph's
+shapes are fixed when it is traced).
+
 On CUDA tensors (or with ``LLMPAR_BACKEND=triton|cuda``) the local products run through ``llmpar.ops.gemm``
 (cuBLASLt / Triton, bias and activation in the GEMM's epilogue, fused backward); on CPU by default plain torch.
 
@@ -35,6 +40,7 @@ from torch import nn
 
 from llmpar.distributed.collectives import GroupRef
 from llmpar.ops.gemm import ACTIVATIONS, _act_torch, linear_act
+from llmpar.tensor_parallel import _traceable
 from llmpar.tensor_parallel._agree import ShapeGuard
 from llmpar.tensor_parallel._overlap import _ColumnParallelMatmul, _RowParallelMatmul, fused_path
 from llmpar.tensor_parallel._utils import Group, check_positive, divide, pad_to_multiple, resolve_tp_group, tp_size_rank
@@ -175,8 +181,8 @@ class ColumnParallelLinear(nn.Module):
         return _from_linear(cls, linear, group, kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp > 1:  # first: with the shapes equal on every rank, the checks below decide alike everywhere
-            self._shapes.check(x.shape, self.group)
+        if self.tp > 1 and not torch.compiler.is_compiling():  # first: with the shapes equal on every rank, the
+            self._shapes.check(x.shape, self.group)  # checks below decide alike everywhere (see _agree: not traced)
         if x.dim() < 1 or x.shape[-1] != self.in_features:
             raise ValueError(
                 f"input of shape {tuple(x.shape)} does not end in in_features={self.in_features} "
@@ -187,6 +193,17 @@ class ColumnParallelLinear(nn.Module):
         fused, act = fused_path(x), self.activation
         if self.tp == 1:
             y = linear_act(x, self.weight, self.bias, act=act) if fused else F.linear(x, self.weight, self.bias)
+        elif torch.compiler.is_compiling():  # functional collectives, one graph (_traceable)
+            y = _traceable.column_linear(
+                x,
+                self.weight,
+                self._output_bias(),
+                self.group,
+                sequence_parallel=self.sequence_parallel,
+                reduce_input_grad=self.reduce_input_grad,
+                act=act if fused else "none",
+                fused=fused,
+            )
         else:
             y = _ColumnParallelMatmul.apply(
                 x,
@@ -312,8 +329,8 @@ class RowParallelLinear(nn.Module):
         return _from_linear(cls, linear, group, kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp > 1:  # first: with the shapes equal on every rank, the checks below decide alike everywhere
-            self._shapes.check(x.shape, self.group)
+        if self.tp > 1 and not torch.compiler.is_compiling():  # first: with the shapes equal on every rank, the
+            self._shapes.check(x.shape, self.group)  # checks below decide alike everywhere (see _agree: not traced)
         want = self.in_features_per_rank if self.input_is_parallel else self.in_features
         if x.dim() < 1 or x.shape[-1] != want:
             what = "in_features/tp" if self.input_is_parallel else "in_features"
@@ -327,6 +344,10 @@ class RowParallelLinear(nn.Module):
             return linear_act(x, self.weight, self.bias) if fused else F.linear(x, self.weight, self.bias)
         if not self.input_is_parallel:
             x = scatter_to_tensor_region(x, self.group)
+        if torch.compiler.is_compiling():
+            return _traceable.row_linear(
+                x, self.weight, self.bias, self.group, sequence_parallel=self.sequence_parallel, fused=fused
+            )
         return _RowParallelMatmul.apply(
             x, self.weight, self.bias, self.group, self.sequence_parallel, self.comm_chunks, fused
         )

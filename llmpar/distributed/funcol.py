@@ -1,0 +1,137 @@
+"""Traceable collectives: torch's functional collectives (``_c10d_functional`` ops) for code that torch.compile traces.
+
+The eager collectives in :mod:`llmpar.distributed.collectives` write into caller buffers, pick a path per backend,
+record every call in the flight recorder and may return a handle: none of that can live in a graph. Under
+``torch.compiler.is_compiling()`` llmpar's parallel layers move their bytes through the functions here instead. Each
+takes a :class:`GroupKey` (the group's registered *name*, its size and this rank's place in it: plain values, so an
+autograd Function's ``ctx`` holds no ProcessGroup), returns a new tensor (no ``async_op``: the ``wait_tensor`` is in the
+graph, where the compiler may move it) and never reads a tensor on the host. They run eagerly too (on gloo on CPU,
+NCCL on GPUs), which is how the tests compare them with the eager path.
+
+Shapes (``size`` = group size):
+  all_reduce:          ``x: [...]`` -> ``[...]``, the reduction over the group (sum, avg, max, min, product).
+  all_gather_dim0:     ``x: [n, ...]`` -> ``[size * n, ...]``, group rank r's rows at ``[r * n, (r + 1) * n)``.
+  reduce_scatter_dim0: ``x: [size * n, ...]`` -> ``[n, ...]``, the sum over ranks of rows ``[rank * n, ...)``.
+  all_to_all_dim0:     ``x: [sum(in_splits), ...]`` -> ``[sum(out_splits), ...]``, rows ``in_splits[j]`` to group
+                       rank j, ``out_splits[j]`` rows from it (``None``: equal splits). Differentiable through
+                       :func:`all_to_all_autograd` (backward: the all-to-all with the splits swapped).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from llmpar.distributed.groups import GroupRef
+
+_OPS = ("sum", "avg", "max", "min", "product")
+
+
+class GroupKey(NamedTuple):
+    """A process group as plain values: what a traced region and an autograd ``ctx`` keep of it."""
+
+    name: str
+    size: int
+    rank: int
+
+
+@torch._dynamo.assume_constant_result
+def _size_rank(name: str) -> tuple[int, int]:
+    """(size, this rank's group rank) of the group registered as ``name``: run at trace time, a constant in the
+    graph (the lookup itself is a C++ call torch.compile cannot trace)."""
+    pg = dist.distributed_c10d._resolve_process_group(name)
+    return pg.size(), pg.rank()
+
+
+def group_key(group: "dist.ProcessGroup | DeviceMesh | GroupRef | GroupKey") -> GroupKey:
+    """The :class:`GroupKey` of a ProcessGroup, a 1-D DeviceMesh, a :class:`GroupRef` or a GroupKey. Traceable:
+    torch.compile reads a group's name, size and rank as constants."""
+    if isinstance(group, GroupKey):
+        return group
+    if isinstance(group, GroupRef):
+        if group.name is not None:
+            size, rank = _size_rank(group.name)
+            return GroupKey(group.name, size, rank)
+        group = group.get()
+    if isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise ValueError(f"a DeviceMesh passed as a group must be 1-D, got {group.ndim}-D {group.mesh_dim_names}")
+        group = group.get_group()
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be a ProcessGroup, a 1-D DeviceMesh or a GroupRef, got {type(group).__name__}")
+    return GroupKey(group.group_name, group.size(), group.rank())
+
+
+def _wait(t: torch.Tensor) -> torch.Tensor:
+    return torch.ops._c10d_functional.wait_tensor(t)
+
+
+def all_reduce(x: torch.Tensor, key: GroupKey, op: str = "sum") -> torch.Tensor:
+    """A new tensor: ``x`` reduced over the group (``op`` in sum, avg, max, min, product)."""
+    if op not in _OPS:
+        raise ValueError(f"op={op!r} is not supported: expected one of {list(_OPS)}")
+    red = "sum" if op == "avg" else op  # gloo has no AVG: divided afterwards, as the eager path does
+    out = _wait(torch.ops._c10d_functional.all_reduce(x.contiguous(), red, key.name))
+    return out / key.size if op == "avg" else out
+
+
+def all_gather_dim0(x: torch.Tensor, key: GroupKey) -> torch.Tensor:
+    """``[n, ...]`` -> ``[size * n, ...]`` in group-rank order."""
+    return _wait(torch.ops._c10d_functional.all_gather_into_tensor(x.contiguous(), key.size, key.name))
+
+
+def reduce_scatter_dim0(x: torch.Tensor, key: GroupKey) -> torch.Tensor:
+    """``[size * n, ...]`` -> ``[n, ...]``: the sum over the group of rows ``[rank * n, (rank + 1) * n)``."""
+    if x.shape[0] % key.size:
+        raise ValueError(f"dim 0 of size {x.shape[0]} is not divisible by group size {key.size} for a reduce-scatter")
+    return _wait(torch.ops._c10d_functional.reduce_scatter_tensor(x.contiguous(), "sum", key.size, key.name))
+
+
+def all_to_all_dim0(
+    x: torch.Tensor, key: GroupKey, out_splits: Sequence[int] | None = None, in_splits: Sequence[int] | None = None
+) -> torch.Tensor:
+    """Rows ``in_splits[j]`` of ``x`` to group rank j; ``out_splits[j]`` rows from it, in rank order (``None``: dim 0
+    split equally). The split sizes may be symbolic (unbacked) ints under torch.compile."""
+    if in_splits is None:
+        if x.shape[0] % key.size:
+            raise ValueError(f"dim 0 of size {x.shape[0]} is not divisible by group size {key.size} (all-to-all)")
+        in_splits = [x.shape[0] // key.size] * key.size
+    if out_splits is None:
+        out_splits = [x.shape[0] // key.size] * key.size
+    return _wait(
+        torch.ops._c10d_functional.all_to_all_single(x.contiguous(), list(out_splits), list(in_splits), key.name)
+    )
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, key, out_splits, in_splits):
+        ctx.key, ctx.out_splits, ctx.in_splits = key, out_splits, in_splits
+        return all_to_all_dim0(x, key, out_splits, in_splits)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_to_all_dim0(grad, ctx.key, ctx.in_splits, ctx.out_splits), None, None, None
+
+
+def all_to_all_autograd(
+    x: torch.Tensor, key: GroupKey, out_splits: Sequence[int] | None = None, in_splits: Sequence[int] | None = None
+) -> torch.Tensor:
+    """:func:`all_to_all_dim0`, differentiable: the gradient takes the reverse all-to-all (splits swapped)."""
+    outs = None if out_splits is None else list(out_splits)
+    ins = None if in_splits is None else list(in_splits)
+    return _AllToAll.apply(x, key, outs, ins)
+
+
+__all__ = [
+    "GroupKey",
+    "all_gather_dim0",
+    "all_reduce",
+    "all_to_all_autograd",
+    "all_to_all_dim0",
+    "group_key",
+    "reduce_scatter_dim0",
+]

