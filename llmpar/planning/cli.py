@@ -2,7 +2,7 @@
 
 llmpar plan --model llama-7b --gpus 64 --gpu-mem 80GB [--nodes 8] [--seq 4096] [--micro-batch 1]
             [--global-batch 1024] [--gpu h100] [--precision fp32_master] [--mfu 0.5] [--top 10] [--json]
-            [--zeropp] [--seq-len 131072 --context-parallel auto|on|off]
+            [--zeropp] [--seq-len 131072 --context-parallel auto|on|off] [--ep 8]
 llmpar chinchilla --compute 5.76e23 [--params 70B | --tokens 1.4T] [--model llama-7b] [--gpus 1024 --gpu h100
                   --mfu 0.4] [--json]
 """
@@ -60,6 +60,13 @@ def register(subparsers: Any) -> None:
         default="auto",
         help="context parallelism (Ulysses / ring / hybrid over cp ranks) with the tiled loss and MLP: "
         "auto (default) tries it when no other layout fits, on always, off never",
+    )
+    p.add_argument(
+        "--ep",
+        type=int,
+        default=None,
+        help="expert-parallel ranks of a mixture-of-experts model (dividing its experts and dp x cp); default: per "
+        "layout the smallest within a node whose memory fits",
     )
     p.add_argument("--top", type=int, default=10, help="rows to print (default 10)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -122,6 +129,7 @@ def build_request(args: argparse.Namespace) -> PlanRequest:
         sequence_parallel=not args.no_sequence_parallel,
         zeropp=args.zeropp,
         context_parallel=args.context_parallel,
+        ep=args.ep,
     )
 
 

@@ -49,13 +49,21 @@ zero_quantization_block_size values per fp32 scale; ``llmpar.ops.quant.row_bytes
                     m x reduction + the flat param all-gather. dp=16 over two 8-GPU nodes, bf16, qwZ int8 + hpZ 8 +
                     qgZ int4 two-level: cross = R_8(c) (d-p) + 0 + R_4(c) ~ (8.13 + 0.52) c ~ 0.54 psi bytes,
                     vs 3 psi uncompressed.
+Mixture of experts (``Layout.ep``): the dp line above runs for the dense params over d and, again, for the rank's
+routed experts (``ModelSpec.stage_split``) over the edp = d / ep ranks holding the same experts (strided by tp ep, so
+``dp_nodes`` of tp ep ranks; ZeRO++ options are not applied to them). The ``ep`` axis is the all-to-all of each MoE
+layer of the stage: T = b s m tokens per rank (/ t with sequence parallelism), each sent to k experts, (ep-1)/ep of
+them on other ranks under even routing: dispatch and combine, forward and backward,
+
+    ep   L'_moe 4 T k (ep-1)/ep h bytes_act      (``moe.alltoall_bytes``), on NVLink when tp ep ranks fit a node
+
 Stage-3 persistent params (``stage3_param_persistence_threshold``) are counted like the others: the runtime gathers
 them uncompressed once per step instead, a small difference for models whose small params are a small share.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from .layout import Layout, check_degree
 from .memory import PRECISION_BYTES
@@ -112,9 +120,10 @@ def estimate_comm(
 
     per_node, even = dp_nodes(tp=t, dp=d, pp=p, gpus_per_node=hw.gpus_per_node)
     kept = spec.stage3_kept_layers(layout.stage3_max_reuse_distance, tp=t, pp=p) * spec.layer_params(t)
+    dense, routed = spec.stage_split(tp=t, pp=p, ep=layout.ep) if spec.num_experts else (psi, 0)
     dp_bytes, dp_cross = dp_comm(
         layout,
-        psi,
+        dense,
         pb=pb,
         gb=gb,
         micro_batches=m,
@@ -122,6 +131,13 @@ def estimate_comm(
         even=even,
         kept=kept if layout.zero_stage == 3 else 0.0,
     )
+    if routed:
+        edp, e = d // layout.ep, layout.ep
+        plain = replace(layout, dp=edp, ep=1, zero_quantized_weights=False, zero_hpz_partition_size=1)
+        plain = replace(plain, zero_quantized_gradients=False, zero_quantized_gradients_error_feedback=False)
+        e_node, e_even = _edp_nodes(t * e, edp, p, hw.gpus_per_node)
+        e_bytes, e_cross = dp_comm(plain, routed, pb=pb, gb=gb, micro_batches=m, per_node=e_node, even=e_even)
+        dp_bytes, dp_cross = dp_bytes + e_bytes, dp_cross + e_cross
     link = "-" if d == 1 else ("network" if per_node < d else "nvlink")
     out["dp"] = AxisComm(
         axis="dp",
@@ -141,6 +157,19 @@ def estimate_comm(
         cross_node_bytes=pp_bytes if link == "network" else 0.0,
     )
 
+    tokens = micro_batch * s * m // (t if layout.sequence_parallel else 1)
+    ep_bytes = _busiest_moe_layers(spec, p) * alltoall_bytes_per_layer(
+        spec, ep=layout.ep, tokens=tokens, act_bytes=act_bytes
+    )
+    link, bw = _link(hw, t * layout.ep)
+    out["ep"] = AxisComm(
+        axis="ep",
+        bytes=ep_bytes,
+        seconds=ep_bytes / bw,
+        link=link if layout.ep > 1 else "-",
+        cross_node_bytes=ep_bytes if link == "network" else 0.0,
+    )
+
     off_bytes, off_seconds = 0.0, 0.0
     if layout.offload != "none":
         share = psi / d
@@ -152,3 +181,20 @@ def estimate_comm(
         axis="offload", bytes=off_bytes, seconds=off_seconds, link="pcie" if layout.offload != "none" else "-"
     )
     return out
+
+
+def alltoall_bytes_per_layer(spec: ModelSpec, *, ep: int, tokens: int, act_bytes: int) -> float:
+    """Bytes one rank sends by all-to-all in one MoE layer per step: 4 T k (ep-1)/ep h bytes_act (module doc)."""
+    return 4 * tokens * spec.top_k * (ep - 1) / ep * spec.hidden * act_bytes if spec.num_experts else 0.0
+
+
+def _edp_nodes(unit: int, edp: int, pp: int, gpus_per_node: int) -> tuple[int, bool]:
+    """``dp_nodes`` for the edp ranks, ``unit`` = tp ep apart: one per node when a unit fills a node or more."""
+    if unit * edp > gpus_per_node and (unit >= gpus_per_node or gpus_per_node % unit):
+        return 1, unit % gpus_per_node == 0
+    return dp_nodes(tp=unit, dp=edp, pp=pp, gpus_per_node=gpus_per_node)
+
+
+def _busiest_moe_layers(spec: ModelSpec, pp: int) -> int:
+    n = spec.n_layers // pp
+    return max(sum(spec.layer_kinds()[i * n : (i + 1) * n]) for i in range(pp))

@@ -5,7 +5,9 @@ sentence explaining each choice; ``planner.py`` enumerates the layouts and ranks
 Step time of one rank (m micro-batches, p pipeline stages, world W, T tokens per step):
 
     compute   = F_hw T / (W peak mfu),  F_hw = 6N + 12Lhs per token (+2N + 4Lhs full recompute, +4Lhs selective)
-    pipeline  = (compute + tp + pp) (m + p - 1) / m          the 1F1B bubble (p-1)/(m+p-1) of the step
+                N: the parameters a token uses (an MoE model's k of E routed experts)
+    pipeline  = (compute + tp + pp + ep) (m + p - 1) / m     the 1F1B bubble (p-1)/(m+p-1) of the step; ep: the
+                MoE all-to-alls (``comm.py``), on the critical path
     dp        = exposed part of the ZeRO traffic: what does not hide behind the backward pass (2/3 of compute;
                 ZeRO-3 prefetching hides behind forward and backward)
     step      = pipeline + max(0, dp - overlap) + offload (PCIe + CPU Adam, not overlapped)
@@ -54,6 +56,7 @@ class PlanRequest:
     bucket_bytes: float = 100e6
     zeropp: bool = False  # also try ZeRO++ (qwZ int8 + hpZ over a node + qgZ int4) where dp spans whole nodes
     context_parallel: str = "auto"  # "auto": cp / tiled layouts when nothing else fits; "on": always; "off": never
+    ep: int | None = None  # expert parallelism of an MoE model; None: the smallest that fits (``moe.py``)
 
     def __post_init__(self) -> None:
         for name in ("gpus", "micro_batch"):
@@ -70,6 +73,13 @@ class PlanRequest:
             raise ValueError(f"mfu={self.mfu!r} must be in (0, 1]")
         if self.context_parallel not in ("auto", "on", "off"):
             raise ValueError(f"context_parallel={self.context_parallel!r}; accepted: 'auto', 'on', 'off'")
+        if self.ep is not None:
+            if isinstance(self.ep, bool) or not isinstance(self.ep, int) or self.ep < 1:
+                raise ValueError(f"ep={self.ep!r} must be a positive integer")
+            if self.ep > 1 and not self.model.num_experts:
+                raise ValueError(f"ep={self.ep} needs a mixture-of-experts model; {self.model.name} has no experts")
+            if self.model.num_experts % self.ep:
+                raise ValueError(f"ep={self.ep} does not divide num_experts={self.model.num_experts}")
         if not 0 <= self.reserve_bytes < self.hardware.mem_bytes:
             raise ValueError(f"reserve_bytes={self.reserve_bytes!r} must be >= 0 and below the gpu memory")
 
@@ -188,7 +198,7 @@ def evaluate(req: PlanRequest, layout: Layout) -> PlanRow:
             tokens=tokens,
         )
     p = layout.pp
-    pipelined = (compute + comm["tp"].seconds + comm["pp"].seconds + exposed_cp) * (m + p - 1) / m
+    pipelined = (compute + comm["tp"].seconds + comm["pp"].seconds + comm["ep"].seconds + exposed_cp) * (m + p - 1) / m
     overlap = compute if layout.zero_stage == 3 else compute * 2.0 / 3.0
     exposed_dp = max(0.0, comm["dp"].seconds - overlap)
     step = pipelined + exposed_dp + comm["offload"].seconds
@@ -253,6 +263,17 @@ def explain(row: PlanRow, req: PlanRequest) -> str:
         parts.append(f"dp=1: ZeRO-{lay.zero_stage} used only for its CPU offload")
     else:
         parts.append("dp=1: no data-parallel traffic")
+    if req.model.num_experts:
+        mem = row.memory
+        a2a = (
+            f", {format_bytes(c['ep'].bytes)} of all-to-all ({format_seconds(c['ep'].seconds)} on {c['ep'].link})"
+            if lay.ep > 1
+            else ", no all-to-all"
+        )
+        parts.append(
+            f"ep={lay.ep} (edp={lay.dp * lay.cp // lay.ep}): {req.model.num_experts // lay.ep} experts per GPU, model "
+            f"states {format_bytes(mem.experts)} experts + {format_bytes(mem.dense)} dense{a2a}"
+        )
     if lay.offload != "none":
         parts.append(f"{lay.offload} offloaded to CPU: +{format_seconds(c['offload'].seconds)} PCIe + CPU Adam")
     ckpt = {

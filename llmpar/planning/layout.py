@@ -38,7 +38,10 @@ class Layout:
 
     Long context (``context.py``): ``cp`` context-parallel ranks per dp rank (the sequence split over them;
     ``cp_mode`` "ulysses", "ring" or "hybrid" with ``ulysses_size`` Ulysses ranks inside), ZeRO shards over dp x cp;
-    ``tiled``: the sequence-tiled loss and MLP with ``tile`` tokens per tile. Both need pp=1."""
+    ``tiled``: the sequence-tiled loss and MLP with ``tile`` tokens per tile. Both need pp=1.
+
+    Mixture of experts (``moe.py``): ``ep`` expert-parallel ranks folded over the dp x cp ranks (it divides them);
+    each holds num_experts / ep experts, sharded by ZeRO over the edp = dp cp / ep ranks holding the same ones."""
 
     tp: int = 1
     pp: int = 1
@@ -60,10 +63,13 @@ class Layout:
     ulysses_size: int = 1
     tiled: bool = False
     tile: int = DEFAULT_TILE
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp", "cp", "ulysses_size", "tile"):
+        for name in ("tp", "pp", "dp", "cp", "ulysses_size", "tile", "ep"):
             check_degree(name, getattr(self, name))
+        if (self.dp * self.cp) % self.ep:
+            raise ValueError(f"ep={self.ep} does not divide dp x cp = {self.dp * self.cp}: experts fold over them")
         self._check_context()
         check_choice("zero_stage", self.zero_stage, (0, 1, 2, 3))
         check_choice("offload", self.offload, OFFLOAD_MODES)

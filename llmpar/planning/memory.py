@@ -86,10 +86,16 @@ class MemoryEstimate:
     buffers: float
     cpu: float  # host bytes of this rank (offload)
     zeropp: float = 0.0  # hpZ secondary shard + qgZ error-feedback residuals (``zeropp.zeropp_state_bytes``)
+    experts: float = 0.0  # GPU model-state bytes of the routed experts (a part of params .. optimizer)
 
     @property
     def model_states(self) -> float:
         return self.params + self.grads + self.master + self.optimizer
+
+    @property
+    def dense(self) -> float:
+        """GPU model-state bytes of everything but the routed experts."""
+        return self.model_states - self.experts
 
     @property
     def total(self) -> float:
@@ -97,7 +103,7 @@ class MemoryEstimate:
         return self.model_states + self.activations + self.buffers + self.zeropp
 
     def to_dict(self) -> dict[str, float]:
-        return {**asdict(self), "model_states": self.model_states, "total": self.total}
+        return {**asdict(self), "model_states": self.model_states, "dense": self.dense, "total": self.total}
 
 
 def model_state_bytes(
@@ -197,7 +203,9 @@ def estimate_memory(
     """Per-rank memory of ``model`` (a ``ModelSpec`` or an ``nn.Module``) trained with ``layout``.
 
     - model states: ``model_state_bytes`` on the busiest (tp, pp) shard (``ModelSpec.params_per_rank``; for a
-      module, psi / (tp pp)); at ZeRO-3 with the tensors of at most ``persistence_threshold`` elements kept gathered
+      module, psi / (tp pp)); a mixture of experts splits it (``ModelSpec.stage_split``): the routed experts, E / ep
+      of each MoE layer, shard over edp = dp cp / ep and the rest over dp cp (``experts``: their GPU bytes); at
+      ZeRO-3 with the tensors of at most ``persistence_threshold`` elements kept gathered
       (``ModelSpec.small_params``; for a module, its params that small);
     - activations: per layer as in ``activation_bytes_per_layer``, x layers per stage x micro-batches in flight
       (1F1B: the first stage holds min(pp, m) of them; default pp), plus 4 s b V / t bytes of fp32 logits on the
@@ -225,15 +233,25 @@ def estimate_memory(
         small = sum(p.numel() for p in model.parameters() if p.numel() <= persistence_threshold) / (
             layout.tp * layout.pp
         )
-    states = model_state_bytes(
-        psi_rank,
-        dp=layout.dp * layout.cp,
-        zero_stage=layout.zero_stage,
-        precision=precision,
-        offload=layout.offload,
-        persistent=small if layout.zero_stage == 3 else 0.0,
-        grad_accum_fp32=grad_accum_fp32,
+    routed = 0.0
+    if isinstance(model, ModelSpec) and model.num_experts:
+        if model.num_experts % layout.ep:
+            raise ValueError(f"ep={layout.ep} does not divide num_experts={model.num_experts} of model {model.name!r}")
+        dense, routed = model.stage_split(tp=layout.tp, pp=layout.pp, ep=layout.ep)
+        psi_rank, small = dense + routed, min(small, dense)  # the routed experts shard over edp, never persist
+    elif layout.ep > 1:
+        raise ValueError(f"ep={layout.ep} needs a model with experts (num_experts > 0)")
+    shard = dict(
+        zero_stage=layout.zero_stage, precision=precision, offload=layout.offload, grad_accum_fp32=grad_accum_fp32
     )
+    states = model_state_bytes(
+        psi_rank - routed,
+        dp=layout.dp * layout.cp,
+        persistent=small if layout.zero_stage == 3 else 0.0,
+        **shard,  # type: ignore[arg-type]
+    )
+    expert_states = model_state_bytes(routed, dp=layout.dp * layout.cp // layout.ep, **shard)  # type: ignore[arg-type]
+    states = {k: v + expert_states[k] for k, v in states.items()}
     p_bytes = PRECISION_BYTES[precision][0]
     activations = 0.0
     buffers = 2.0 * min(bucket_bytes, PRECISION_BYTES[precision][1] * psi_rank) if layout.dp > 1 else 0.0
@@ -269,11 +287,14 @@ def estimate_memory(
             ).peak
         if layout.zero_stage == 3:
             kept = spec.stage3_kept_layers(layout.stage3_max_reuse_distance, tp=layout.tp, pp=layout.pp)
-            buffers += max(2, min(layers, kept + 1)) * p_bytes * spec.layer_params(layout.tp)
+            buffers += max(2, min(layers, kept + 1)) * p_bytes * spec.layer_params(layout.tp, ep=layout.ep)
     per_node = (
         None
         if gpus_per_node is None
         else dp_nodes(tp=layout.tp, dp=layout.dp, pp=layout.pp, gpus_per_node=gpus_per_node)[0]
     )
     zeropp = zeropp_state_bytes(layout, psi_rank, psi_rank - small, p_bytes, per_node)
-    return MemoryEstimate(psi_rank=psi_rank, activations=activations, buffers=buffers, zeropp=zeropp, **states)
+    experts = sum(v for k, v in expert_states.items() if k != "cpu")
+    return MemoryEstimate(
+        psi_rank=psi_rank, activations=activations, buffers=buffers, zeropp=zeropp, experts=experts, **states
+    )

@@ -10,6 +10,18 @@ Parameters per layer (h = hidden, f = ffn_hidden, k = kv_heads x head_dim):
     norms      2 per layer, h each (RMSNorm) or 2h (LayerNorm)
 
 plus the token embedding V h, learned positions s h, the final norm and an untied head V h.
+
+Mixture of experts (``num_experts`` E > 0; Mixtral, Qwen-MoE, DeepSeek-V3): every layer after the first
+``first_dense_layers`` replaces its MLP by a router (E h), E routed SwiGLU experts of width I = ``moe_intermediate``
+(3 h I each; whole on each of their ep ranks, never split by tp) and shared experts of total width S =
+``shared_intermediate`` (3 h S, split by tp like a dense MLP). ``top_k`` experts run per token, so the matmul
+parameters per token count k / E of the routed experts. Heads of ``kv_channels`` (HF ``head_dim``) when that is not
+h / heads; ``qk_norm``: RMSNorm on q and k (Qwen3, 2 head_dim). Multi-head latent attention (``kv_lora_rank`` set;
+DeepSeek-V2/V3, n heads, r_q = ``q_lora_rank``, r_kv = ``kv_lora_rank``, d_n / d_r / d_v = ``qk_nope_head_dim`` /
+``qk_rope_head_dim`` / ``v_head_dim``):
+
+    q  h r_q + r_q + r_q n (d_n + d_r)     (no q_lora_rank: h n (d_n + d_r))
+    kv h (r_kv + d_r) + r_kv + r_kv n (d_n + d_v)          o  n d_v h
 """
 
 from __future__ import annotations
@@ -19,6 +31,8 @@ import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
+
+from .spec_parts import attention_tensors, check_moe_fields, hf_moe_fields, mlp_tensors, routed_per_layer
 
 # keys accepted in a JSON config, ours first then Hugging Face / GPT-2 spellings
 _ALIASES: dict[str, tuple[str, ...]] = {
@@ -36,7 +50,20 @@ _ALIASES: dict[str, tuple[str, ...]] = {
     "bias": ("bias",),
     "fused_qkv": ("fused_qkv",),
     "name": ("name",),
+    "kv_channels": ("kv_channels", "head_dim"),
+    "qk_norm": ("qk_norm",),
+    "num_experts": ("num_experts", "num_local_experts", "n_routed_experts"),
+    "top_k": ("top_k", "num_experts_per_tok"),
+    "moe_intermediate": ("moe_intermediate", "moe_intermediate_size"),
+    "shared_intermediate": ("shared_intermediate", "shared_expert_intermediate_size"),
+    "first_dense_layers": ("first_dense_layers", "first_k_dense_replace"),
+    "q_lora_rank": ("q_lora_rank",),
+    "kv_lora_rank": ("kv_lora_rank",),
+    "qk_rope_head_dim": ("qk_rope_head_dim",),
+    "qk_nope_head_dim": ("qk_nope_head_dim",),
+    "v_head_dim": ("v_head_dim",),
 }
+_MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -57,6 +84,18 @@ class ModelSpec:
     norm: str = "layernorm"  # "layernorm" (weight + bias) or "rmsnorm" (weight)
     bias: bool = True  # biases on the linear layers
     fused_qkv: bool = False  # Q, K, V as one [h + 2k, h] matrix (GPT-2's c_attn, llmpar's GPT) instead of three
+    kv_channels: int | None = None  # head dim when not hidden / n_heads (HF ``head_dim``)
+    qk_norm: bool = False  # RMSNorm of head_dim on q and k (Qwen3)
+    num_experts: int = 0  # routed experts per MoE layer; 0: a dense model
+    top_k: int = 0  # experts per token
+    moe_intermediate: int | None = None  # routed (and shared) expert width; default ffn_hidden
+    shared_intermediate: int = 0  # total width of the shared experts
+    first_dense_layers: int = 0  # leading layers with a dense MLP of ffn_hidden (DeepSeek's first_k_dense_replace)
+    q_lora_rank: int | None = None  # multi-head latent attention (module doc) when kv_lora_rank is set
+    kv_lora_rank: int | None = None
+    qk_rope_head_dim: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
 
     def __post_init__(self) -> None:
         for name in ("n_layers", "hidden", "n_heads", "vocab", "seq_len"):
@@ -69,7 +108,7 @@ class ModelSpec:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
         if not isinstance(self.ffn_hidden, int) or self.ffn_hidden < 1:
             raise ValueError(f"model ffn_hidden={self.ffn_hidden!r} must be a positive integer")
-        if self.hidden % self.n_heads:
+        if self.kv_channels is None and self.kv_lora_rank is None and self.hidden % self.n_heads:
             raise ValueError(f"model hidden={self.hidden} is not divisible by n_heads={self.n_heads}")
         if not isinstance(self.n_kv_heads, int) or self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads:
             raise ValueError(
@@ -77,6 +116,7 @@ class ModelSpec:
             )
         if self.norm not in ("layernorm", "rmsnorm"):
             raise ValueError(f"model norm={self.norm!r}; accepted: 'layernorm', 'rmsnorm'")
+        check_moe_fields(self)
 
     # ---------------------------------------------------------------- construction
     @classmethod
@@ -85,7 +125,8 @@ class ModelSpec:
 
         A Llama-style config (``model_type == "llama"`` or ``hidden_act == "silu"``) defaults to SwiGLU, RMSNorm,
         no biases, rotary positions, untied head."""
-        llama_like = config.get("model_type") in ("llama", "mistral", "qwen2") or config.get("hidden_act") == "silu"
+        kind = config.get("model_type")
+        llama_like = kind in ("llama", "mistral", "qwen2", "qwen3", *_MOE_TYPES) or config.get("hidden_act") == "silu"
         kwargs: dict[str, Any] = (
             dict(gated_mlp=True, norm="rmsnorm", bias=False, learned_positions=False, tied_embeddings=False)
             if llama_like
@@ -93,11 +134,14 @@ class ModelSpec:
             if config.get("model_type") == "gpt2"
             else {}
         )
+        if kind in ("qwen3", "qwen3_moe"):
+            kwargs["qk_norm"] = True
         for field_name, keys in _ALIASES.items():
             for key in keys:
                 if key in config and config[key] is not None:
                     kwargs[field_name] = config[key]
                     break
+        kwargs.update(hf_moe_fields(config, kwargs))
         missing = [f for f in ("n_layers", "hidden", "n_heads", "vocab", "seq_len") if f not in kwargs]
         if missing:
             raise ValueError(
@@ -128,18 +172,23 @@ class ModelSpec:
     # ---------------------------------------------------------------- counts
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.n_heads
+        return self.kv_channels if self.kv_channels is not None else self.hidden // self.n_heads
 
-    def _layer_params(self, tp: int = 1) -> int:
+    @property
+    def moe_layers(self) -> int:
+        """Layers with a mixture-of-experts MLP (0 for a dense model)."""
+        return self.n_layers - self.first_dense_layers if self.num_experts else 0
+
+    def layer_kinds(self) -> list[bool]:
+        """Per layer, whether its MLP is a mixture of experts."""
+        return [self.num_experts > 0 and i >= self.first_dense_layers for i in range(self.n_layers)]
+
+    def _layer_params(self, tp: int = 1, moe: bool | None = None, ep: int = 1) -> int:
         """Parameters of one transformer layer held by one of ``tp`` tensor-parallel ranks (Megatron split:
         Q/K/V and the first MLP matmul(s) column-parallel with their biases, Wo and the last MLP matmul
-        row-parallel with replicated biases, norms replicated)."""
-        h, f, kv = self.hidden, self.ffn_hidden, self.n_kv_heads * self.head_dim  # type: ignore[operator]
-        attn = (2 * h * h + 2 * h * kv) // tp
-        mlp = (3 if self.gated_mlp else 2) * h * math.ceil(f / tp)  # type: ignore[operator]
-        biases = ((h + 2 * kv) // tp + h + math.ceil(f / tp) + h) if self.bias else 0  # type: ignore[operator]
-        norms = 2 * self._norm_params()
-        return attn + mlp + biases + norms
+        row-parallel with replicated biases, norms replicated); ``moe``: its kind (default: an MoE layer when the
+        model has experts), of which one of ``ep`` ranks holds num_experts / ep routed experts."""
+        return sum(self.layer_tensors(tp, moe=moe, ep=ep))
 
     def _norm_params(self) -> int:
         return self.hidden * (2 if self.norm == "layernorm" else 1)
@@ -148,33 +197,42 @@ class ModelSpec:
         """Token embedding (vocab-parallel: ceil(V / tp) rows) plus learned positions (replicated)."""
         return math.ceil(self.vocab / tp) * self.hidden + (self.seq_len * self.hidden if self.learned_positions else 0)
 
-    def _head_params(self, tp: int = 1) -> int:
-        """Final norm plus an untied output matrix (vocab-parallel)."""
-        head = 0 if self.tied_embeddings else math.ceil(self.vocab / tp) * self.hidden
-        return self._norm_params() + head
-
-    def layer_tensors(self, tp: int = 1) -> list[int]:
+    def layer_tensors(self, tp: int = 1, *, moe: bool | None = None, ep: int = 1) -> list[int]:
         """Elements of each tensor of one layer on one of ``tp`` ranks (they sum to ``layer_params(tp)``): Q, K, V
-        (one tensor when ``fused_qkv``), Wo, the MLP matrices, the biases, the norms' weights (and biases)."""
-        h, f, kv = self.hidden, math.ceil(self.ffn_hidden / tp), self.n_kv_heads * self.head_dim  # type: ignore[operator]
-        qkv = [h * (h + 2 * kv) // tp] if self.fused_qkv else [h * h // tp, h * kv // tp, h * kv // tp]
-        out = qkv + [h * h // tp] + [h * f] * (3 if self.gated_mlp else 2)
-        if self.bias:
-            out += ([(h + 2 * kv) // tp] if self.fused_qkv else [h // tp, kv // tp, kv // tp]) + [h, f, h]
-        return out + [h] * (4 if self.norm == "layernorm" else 2)
+        (one tensor when ``fused_qkv``), Wo, the biases, the MLP's matrices (dense, or router, routed and shared
+        experts: ``spec_parts``), the norms' weights (and biases)."""
+        moe = self.num_experts > 0 if moe is None else moe
+        norms = [self.hidden] * (4 if self.norm == "layernorm" else 2)
+        return attention_tensors(self, tp) + mlp_tensors(self, tp, moe, ep) + norms
 
-    def stage_tensors(self, *, tp: int = 1, pp: int = 1) -> list[int]:
-        """Elements of each tensor of the busiest (tp, pp) rank (the one ``params_per_rank`` counts): its layers, and
-        the token embedding and learned positions (first stage), the final norm and an untied head (last stage; with
-        tied embeddings and pp > 1 the last stage's copy of the embedding)."""
-        self.check_layout(tp=tp, pp=pp)
-        h, v = self.hidden, math.ceil(self.vocab / tp)
-        layers = self.layer_tensors(tp) * (self.n_layers // pp)
+    def _stages(self, tp: int, pp: int, ep: int = 1) -> list[list[int]]:
+        """The tensors of each pipeline stage: its layers, the token embedding and learned positions (first stage),
+        the final norm and an untied head (last stage; with tied embeddings and pp > 1 its own embedding copy)."""
+        h, v, n = self.hidden, math.ceil(self.vocab / tp), self.n_layers // pp
+        kinds = {moe: self.layer_tensors(tp, moe=moe, ep=ep) for moe in {False, self.num_experts > 0}}
         embedding = [v * h] + ([self.seq_len * h] if self.learned_positions else [])
         head = [h] * (2 if self.norm == "layernorm" else 1) + ([v * h] if not self.tied_embeddings or pp > 1 else [])
-        if pp == 1:
-            return embedding + layers + head
-        return embedding + layers if sum(embedding) >= sum(head) else layers + head
+        out = []
+        for i, chunk in enumerate(self.layer_kinds()[j * n : (j + 1) * n] for j in range(pp)):
+            layers = [x for moe in chunk for x in kinds[moe]]
+            out.append((embedding if i == 0 else []) + layers + (head if i == pp - 1 else []))
+        return out
+
+    def stage_tensors(self, *, tp: int = 1, pp: int = 1) -> list[int]:
+        """Elements of each tensor of the busiest (tp, pp) rank (the one ``params_per_rank`` counts; the first such
+        stage on a tie), as ``_stages`` lists them."""
+        self.check_layout(tp=tp, pp=pp)
+        return max(self._stages(tp, pp), key=sum)
+
+    def stage_split(self, *, tp: int = 1, pp: int = 1, ep: int = 1) -> tuple[int, int]:
+        """``(other, routed)`` parameters of the busiest (tp, pp, ep) rank: the routed experts it holds (num_experts
+        / ep of each of its MoE layers) and everything else."""
+        self.check_layout(tp=tp, pp=pp)
+        n, per = self.n_layers // pp, routed_per_layer(self) // ep
+        stages = [sum(t) for t in self._stages(tp, pp, ep)]
+        best = stages.index(max(stages))
+        routed = sum(self.layer_kinds()[best * n : (best + 1) * n]) * per
+        return stages[best] - routed, routed
 
     def stage3_kept_layers(self, reuse: int, *, tp: int = 1, pp: int = 1) -> int:
         """Layers of the busiest (tp, pp) rank that ZeRO-3 keeps gathered from forward to backward under
@@ -192,31 +250,34 @@ class ModelSpec:
 
     def num_params(self) -> int:
         """Total parameters, psi (a tied head is counted once)."""
-        return self._embedding_params() + self.n_layers * self._layer_params() + self._head_params()
+        return sum(self._stages(1, 1)[0])
 
-    def layer_params(self, tp: int = 1) -> int:
-        return self._layer_params(tp)
+    def expert_params(self) -> int:
+        """psi_e: the routed experts' parameters, moe_layers x E x 3 h I (0 for a dense model)."""
+        return self.moe_layers * routed_per_layer(self)
+
+    def active_params(self) -> int:
+        """Parameters a token uses: psi minus the (E - k) / E of the routed experts it does not visit."""
+        idle = self.expert_params() * (self.num_experts - self.top_k) // self.num_experts if self.num_experts else 0
+        return self.num_params() - idle
+
+    def layer_params(self, tp: int = 1, ep: int = 1) -> int:
+        return self._layer_params(tp, ep=ep)
 
     def matmul_params(self) -> int:
         """Parameters that take part in a matmul per token: psi minus the input-embedding lookup tables
-        (a tied embedding still counts, once, as the output head). Used for the 6 N FLOPs term."""
+        (a tied embedding still counts, once, as the output head) and, with experts, minus the (E - k) / E of the
+        routed experts a token does not visit. Used for the 6 N FLOPs term."""
         lookup = self.seq_len * self.hidden if self.learned_positions else 0
         if not self.tied_embeddings:
             lookup += self.vocab * self.hidden
-        return self.num_params() - lookup
+        return self.active_params() - lookup
 
     def params_per_rank(self, *, tp: int = 1, pp: int = 1) -> int:
         """Parameters held by the busiest (tp, pp) rank. Layers are split evenly over ``pp`` stages; the first stage
         also holds the embedding, the last the final norm and head (with tied embeddings and pp > 1 the last stage
-        holds its own copy of the embedding, as Megatron does). Returns the larger of first and last stage."""
-        self.check_layout(tp=tp, pp=pp)
-        layers = (self.n_layers // pp) * self._layer_params(tp)
-        if pp == 1:
-            return self._embedding_params(tp) + layers + self._head_params(tp)
-        tied_copy = math.ceil(self.vocab / tp) * self.hidden if self.tied_embeddings else 0
-        first = self._embedding_params(tp) + layers
-        last = layers + self._head_params(tp) + tied_copy
-        return max(first, last)
+        holds its own copy of the embedding, as Megatron does). Returns the largest stage's count."""
+        return sum(self.stage_tensors(tp=tp, pp=pp))
 
     def check_layout(self, *, tp: int, pp: int) -> None:
         """ValueError unless tp divides the (query and key/value) heads and pp divides the layers."""

@@ -15,12 +15,21 @@ All-to-all per step and rank, ``T`` tokens per rank per step (micro batch x sequ
 
 :func:`suggest_ep` picks the smallest ep (dividing dp and E, at most a node's ranks so the exchange stays on the
 node's links) whose model states fit the budget; the largest such ep when none does.
+
+``llmpar plan`` prices a whole ``ModelSpec`` with experts (``num_experts`` > 0) per layout (tp, pp, dp, cp; the
+routed experts on the busiest stage, ``ModelSpec.stage_split``): :func:`ep_variants` gives each layout its ep choices
+(the requested one, or every ep dividing the experts and dp x cp with tp x ep ranks inside a node) and
+:func:`pick_ep` keeps, per layout, the smallest ep whose memory fits (the largest when none fits): the suggested ep.
+:func:`stage_table` reprices a layout at each ZeRO stage, experts and dense apart.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
+from .estimate import PlanRequest, PlanRow, evaluate
+from .layout import Layout
 from .memory import model_state_bytes
 
 
@@ -104,4 +113,60 @@ def suggest_ep(
     return options[-1]
 
 
-__all__ = ["MoESpec", "alltoall_bytes", "moe_memory", "suggest_ep"]
+def ep_choices(req: PlanRequest, layout: Layout) -> list[int]:
+    """The ep a layout may take: the requested ``req.ep`` if it divides dp x cp; else every divisor of the experts
+    and dp x cp with tp x ep <= GPUs per node (ep = 1 always); ``[1]`` for a dense model."""
+    spec, ranks = req.model, layout.dp * layout.cp
+    if not spec.num_experts:
+        return [1]
+    if req.ep is not None:
+        return [req.ep] if ranks % req.ep == 0 else []
+    gpn = req.hardware.gpus_per_node
+    return [e for e in range(1, ranks + 1) if ranks % e == 0 and spec.num_experts % e == 0 and layout.tp * e <= gpn]
+
+
+def ep_variants(req: PlanRequest, layout: Layout) -> list[Layout]:
+    """``layout`` at each of its :func:`ep_choices`."""
+    return [layout if e == layout.ep else replace(layout, ep=e) for e in ep_choices(req, layout)]
+
+
+def pick_ep(rows: list[PlanRow]) -> list[PlanRow]:
+    """Per layout (its rows at several ep), the row of the smallest ep that fits, else of the largest ep."""
+    by_layout: dict[Layout, list[PlanRow]] = {}
+    for row in rows:
+        by_layout.setdefault(replace(row.layout, ep=1), []).append(row)
+    out = []
+    for group in by_layout.values():
+        group.sort(key=lambda r: r.layout.ep)
+        out.append(next((r for r in group if r.fits), group[-1]))
+    return out
+
+
+def stage_table(req: PlanRequest, layout: Layout) -> list[dict[str, Any]]:
+    """``layout`` (no offload, no ZeRO++) at ZeRO stages 0-3: per stage the GPU model-state bytes of the dense
+    params, of the routed experts, and the GPU total with activations and buffers."""
+    plain = replace(
+        layout,
+        offload="none",
+        zero_quantized_weights=False,
+        zero_hpz_partition_size=1,
+        zero_quantized_gradients=False,
+        zero_quantized_gradients_error_feedback=False,
+    )
+    out = []
+    for stage in (0, 1, 2, 3):
+        mem = evaluate(req, replace(plain, zero_stage=stage)).memory
+        out.append({"zero_stage": stage, "dense": mem.dense, "experts": mem.experts, "total": mem.total})
+    return out
+
+
+__all__ = [
+    "MoESpec",
+    "alltoall_bytes",
+    "ep_choices",
+    "ep_variants",
+    "moe_memory",
+    "pick_ep",
+    "stage_table",
+    "suggest_ep",
+]

@@ -9,6 +9,9 @@ Long context (``context.py``): with ``PlanRequest.context_parallel`` "on", or "a
 the layouts with cp context-parallel ranks (ulysses when tp cp divides the heads, ring, hybrid) and the sequence-tiled
 loss and MLP (cp = 1 included) are tried too, at pp=1.
 
+A mixture of experts (``moe.py``) gets an ep per layout: ``PlanRequest.ep``, or the smallest within a node dividing
+the experts and dp x cp whose memory fits (``moe.pick_ep``).
+
 Constraints: tp divides the GPUs of a node and the (query and KV) heads, pp divides the layers, tp pp dp = GPUs,
 the global batch is a multiple of dp x micro-batch, GPU bytes <= gpu memory - reserve, offloaded bytes of a
 node's ranks <= host memory. When nothing fits, :func:`smallest_cluster` finds the fewest GPUs of the type that do.
@@ -30,6 +33,7 @@ from .estimate import (  # noqa: F401  (the request, a row and its estimate: imp
 )
 from .layout import CHECKPOINT_MODES, Layout
 from .memory import estimate_memory
+from .moe import ep_variants, pick_ep
 from .zeropp import dp_nodes
 
 MAX_SEARCH_GPUS = 65536
@@ -60,7 +64,8 @@ def _zero_offload_choices(dp: int, allow_offload: bool) -> list[tuple[int, str]]
 
 def enumerate_layouts(req: PlanRequest, *, gpus: int | None = None, context: bool = False) -> list[Layout]:
     """Every layout with tp | gpus per node, tp | heads and KV heads, pp | layers, tp pp dp = gpus; with
-    ``context``, the context-parallel and tiled layouts instead (``_context_layouts``)."""
+    ``context``, the context-parallel and tiled layouts instead (``_context_layouts``); a mixture of experts at each
+    of its ep choices (``moe.ep_variants``)."""
     gpus = req.gpus if gpus is None else gpus
     spec, gpn = req.model, min(req.hardware.gpus_per_node, gpus)
     out: list[Layout] = []
@@ -89,7 +94,7 @@ def enumerate_layouts(req: PlanRequest, *, gpus: int | None = None, context: boo
                     packed = _zeropp_variant(lay, req.hardware.gpus_per_node) if req.zeropp else None
                     if packed is not None:
                         out.append(packed)
-    return out
+    return [v for lay in out for v in ep_variants(req, lay)]
 
 
 def _zeropp_variant(lay: Layout, gpus_per_node: int) -> Layout | None:
@@ -160,8 +165,9 @@ def smallest_cluster(req: PlanRequest, *, limit: int = MAX_SEARCH_GPUS) -> tuple
 
 def _short(lay: Layout) -> str:
     cp = (f" cp={lay.cp} ({lay.cp_mode})" if lay.cp > 1 else "") + (" tiled" if lay.tiled else "")
+    ep = f" ep={lay.ep}" if lay.ep > 1 else ""
     return (
-        f"tp={lay.tp} pp={lay.pp} dp={lay.dp}{cp} ZeRO-{zero_label(lay)} offload={lay.offload} "
+        f"tp={lay.tp} pp={lay.pp} dp={lay.dp}{cp}{ep} ZeRO-{zero_label(lay)} offload={lay.offload} "
         f"recompute={lay.activation_checkpointing}"
     )
 
@@ -185,6 +191,7 @@ def plan(req: PlanRequest) -> PlanResult:
             )
         else:
             rows += long_rows
+    rows = pick_ep(rows) if req.model.num_experts else rows
     ranked = sorted((r for r in rows if r.fits), key=lambda r: (r.step_s, r.memory.total))
     rejected: dict[str, int] = {}
     for r in rows:
@@ -199,6 +206,7 @@ def plan(req: PlanRequest) -> PlanResult:
                 f"no layout of {req.gpus} GPUs exists for {name}: tp must divide "
                 f"{req.gpus_per_node} GPUs per node and {req.model.n_heads} heads, pp must divide "
                 f"{req.model.n_layers} layers, tp x pp must divide {req.gpus}"
+                + (f", ep={req.ep} must divide dp x cp" if req.ep else "")
             )
         else:
             best = min(rows, key=lambda r: r.memory.total)

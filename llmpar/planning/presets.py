@@ -3,6 +3,13 @@
 Model shapes are the published ones: GPT-2 from the OpenAI release (n_positions 1024, vocab 50257, tied head),
 Llama 7B/13B from Touvron et al. 2023a, 70B from Llama 2 (grouped-query attention with 8 KV heads); all Llama at
 the Llama 2 context of 4096. Parameter counts: 124.4M, 354.8M, 774.0M, 1.558B, 6.738B, 13.016B, 68.977B.
+
+Mixtures of experts, from their published Hugging Face ``config.json`` (planned at a 4096 context like the Llamas;
+``--seq`` for another): Mixtral-8x7B (32 layers of 8 experts of 14336, top-2, GQA 8 KV heads), Qwen3-30B-A3B
+(48 layers of 128 experts of 768, top-8, heads of 128 with q/k norms, 4 KV heads), DeepSeek-V3 (61 layers, the first
+3 dense of 18432, then 256 routed experts of 2048 + 1 shared, top-8, multi-head latent attention; its multi-token
+prediction module is not counted). Parameter counts: 46.703B (12.880B active), 30.532B (3.353B active), 671.026B
+(37.552B active).
 """
 
 from __future__ import annotations
@@ -37,6 +44,65 @@ def _llama(name: str, n_layers: int, hidden: int, n_heads: int, ffn: int, kv_hea
     )
 
 
+def _moe(name: str, **kw: int) -> ModelSpec:
+    return ModelSpec(
+        name=name,
+        seq_len=4096,
+        tied_embeddings=False,
+        gated_mlp=True,
+        learned_positions=False,
+        norm="rmsnorm",
+        bias=False,
+        qk_norm=name.startswith("qwen3"),
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+MOE_PRESETS: dict[str, ModelSpec] = {
+    "mixtral-8x7b": _moe(
+        "mixtral-8x7b",
+        vocab=32000,
+        n_layers=32,
+        hidden=4096,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_hidden=14336,
+        num_experts=8,
+        top_k=2,
+    ),
+    "qwen3-30b-a3b": _moe(
+        "qwen3-30b-a3b",
+        vocab=151936,
+        n_layers=48,
+        hidden=2048,
+        n_heads=32,
+        n_kv_heads=4,
+        kv_channels=128,
+        ffn_hidden=6144,
+        num_experts=128,
+        top_k=8,
+        moe_intermediate=768,
+    ),
+    "deepseek-v3": _moe(
+        "deepseek-v3",
+        vocab=129280,
+        n_layers=61,
+        hidden=7168,
+        n_heads=128,
+        ffn_hidden=18432,
+        num_experts=256,
+        top_k=8,
+        moe_intermediate=2048,
+        shared_intermediate=2048,
+        first_dense_layers=3,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=128,
+        v_head_dim=128,
+    ),
+}
+
 MODEL_PRESETS: dict[str, ModelSpec] = {
     "gpt2-124m": _gpt2("gpt2-124m", 12, 768, 12),
     "gpt2-350m": _gpt2("gpt2-350m", 24, 1024, 16),
@@ -45,6 +111,7 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
     "llama-7b": _llama("llama-7b", 32, 4096, 32, 11008),
     "llama-13b": _llama("llama-13b", 40, 5120, 40, 13824),
     "llama-70b": _llama("llama-70b", 80, 8192, 64, 28672, kv_heads=8),
+    **MOE_PRESETS,
 }
 _MODEL_ALIASES = {"gpt2": "gpt2-124m", "gpt2-medium": "gpt2-350m", "gpt2-large": "gpt2-774m", "gpt2-xl": "gpt2-1.5b"}
 

@@ -7,6 +7,7 @@ from typing import Any
 
 from .chinchilla import ChinchillaResult
 from .estimate import model_flops_utilisation, zero_label
+from .moe import stage_table
 from .planner import PlanResult
 from .units import format_bytes, format_count, format_seconds
 
@@ -14,8 +15,14 @@ from .units import format_bytes, format_count, format_seconds
 def plan_header(result: PlanResult) -> str:
     req = result.request
     spec, hw = req.model, req.hardware
+    moe = (
+        f", {format_count(spec.active_params())} active: {spec.num_experts} experts top-{spec.top_k} in "
+        f"{spec.moe_layers} layers"
+        if spec.num_experts
+        else ""
+    )
     return (
-        f"{spec.name} ({format_count(spec.num_params())} params, {spec.n_layers} layers, hidden {spec.hidden}, "
+        f"{spec.name} ({format_count(spec.num_params())} params{moe}, {spec.n_layers} layers, hidden {spec.hidden}, "
         f"{spec.n_heads} heads) on {req.gpus} x {hw.name} ({format_bytes(hw.mem_bytes)}, "
         f"{req.gpus_per_node} per node)\n"
         f"seq {spec.seq_len}, micro-batch {req.micro_batch}, global batch {req.batch} "
@@ -32,7 +39,9 @@ def plan_table(result: PlanResult, *, top: int = 10, explain: bool = True) -> st
     if result.message:
         lines += [result.message, ""]
     long = any(r.layout.cp > 1 or r.layout.tiled for r in result.ranked[:top])
+    moe = bool(result.request.model.num_experts)
     cp_head = f" {'cp':>8}" if long else ""
+    cp_head += f" {'ep':>3}" if moe else ""
     head = (
         f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>4}{cp_head} {'ZeRO':>4} {'offload':<16} {'recompute':<9} "
         f"{'GB/GPU':>7} {'step':>9} {'tokens/s':>9} {'MFU':>5} {'bubble':>6}"
@@ -41,6 +50,7 @@ def plan_table(result: PlanResult, *, top: int = 10, explain: bool = True) -> st
     for i, row in enumerate(result.ranked[:top], 1):
         lay = row.layout
         cp = f" {_cp_cell(lay):>8}" if long else ""
+        cp += f" {lay.ep:>3}" if moe else ""
         lines.append(
             f"{i:>3} {lay.tp:>3} {lay.pp:>3} {lay.dp:>4}{cp} {zero_label(lay):>4} {lay.offload:<16} "
             f"{lay.activation_checkpointing:<9} {row.memory.total / 1e9:>7.1f} {format_seconds(row.step_s):>9} "
@@ -54,7 +64,48 @@ def plan_table(result: PlanResult, *, top: int = 10, explain: bool = True) -> st
         lines.append(f"... {rest} more layouts fit (--top N to show them)")
     if result.rejected:
         lines.append("rejected: " + ", ".join(f"{n} {why}" for why, n in sorted(result.rejected.items())))
+    if moe:
+        lines += ["", *moe_lines(result)]
     return "\n".join(lines)
+
+
+def moe_summary(result: PlanResult) -> dict[str, Any]:
+    """The MoE figures of the first-ranked layout: its (suggested or requested) ep, the all-to-all bytes one rank
+    sends per step, and the dense / expert model states per GPU at each ZeRO stage (``moe.stage_table``)."""
+    req, row = result.request, result.ranked[0]
+    lay, spec = row.layout, req.model
+    return {
+        "num_experts": spec.num_experts,
+        "top_k": spec.top_k,
+        "moe_layers": spec.moe_layers,
+        "expert_params": spec.expert_params(),
+        "active_params": spec.active_params(),
+        "ep": lay.ep,
+        "ep_requested": req.ep is not None,
+        "edp": lay.dp * lay.cp // lay.ep,
+        "alltoall_bytes_per_step": row.comm["ep"].bytes,
+        "alltoall_link": row.comm["ep"].link,
+        "zero_stages": stage_table(req, lay),
+    }
+
+
+def moe_lines(result: PlanResult) -> list[str]:
+    m = moe_summary(result)
+    lay = result.ranked[0].layout
+    how = "requested" if m["ep_requested"] else "suggested: the smallest within a node dividing the experts and dp x cp"
+    lines = [
+        f"experts at layout #1 ({m['num_experts']} experts, ep={m['ep']} [{how}], edp={m['edp']}): "
+        f"{m['num_experts'] // m['ep']} experts per GPU, all-to-all {format_bytes(m['alltoall_bytes_per_step'])} "
+        f"sent per GPU per step ({m['alltoall_link']})",
+        f"model states per GPU by ZeRO stage (tp={lay.tp} pp={lay.pp} dp={lay.dp}, no offload):",
+        f"  {'ZeRO':>4} {'dense':>10} {'experts':>10} {'GPU total':>10}",
+    ]
+    for r in m["zero_stages"]:
+        lines.append(
+            f"  {r['zero_stage']:>4} {format_bytes(r['dense']):>10} {format_bytes(r['experts']):>10} "
+            f"{format_bytes(r['total']):>10}"
+        )
+    return lines
 
 
 def _cp_cell(lay: Any) -> str:
@@ -67,7 +118,7 @@ def plan_json(result: PlanResult, *, top: int | None = None) -> str:
     req = result.request
     rows = result.ranked if top is None else result.ranked[:top]
     doc: dict[str, Any] = {
-        "model": {**req.model.to_dict(), "params": req.model.num_params()},
+        "model": {**req.model.to_dict(), "params": req.model.num_params(), "active_params": req.model.active_params()},
         "hardware": {k: getattr(req.hardware, k) for k in req.hardware.__dataclass_fields__},
         "gpus": req.gpus,
         "gpus_per_node": req.gpus_per_node,
@@ -82,6 +133,8 @@ def plan_json(result: PlanResult, *, top: int | None = None) -> str:
         "smallest_cluster": result.smallest_cluster,
         "message": result.message,
     }
+    if req.model.num_experts and result.ranked:
+        doc["moe"] = moe_summary(result)
     return json.dumps(doc, indent=2)
 
 
