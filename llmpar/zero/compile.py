@@ -58,9 +58,9 @@ def _check_backend(backend: Any) -> None:
         return
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a registered torch.compile backend name or a callable, got {backend!r}")
-    known = torch._dynamo.list_backends(exclude_tags=())
-    if backend not in known:
-        raise ValueError(f"backend={backend!r} is not a registered torch.compile backend; registered: {sorted(known)}")
+    if backend not in torch._dynamo.list_backends(exclude_tags=()):
+        known = torch._dynamo.list_backends()
+        raise ValueError(f"backend={backend!r} is not a registered torch.compile backend; registered: {known}")
 
 
 def _check_kwargs(compile_kwargs: Any) -> dict[str, Any]:
@@ -75,11 +75,18 @@ def _check_kwargs(compile_kwargs: Any) -> dict[str, Any]:
             "(backend is its own argument)"
         )
     mode, options = compile_kwargs.get("mode"), compile_kwargs.get("options") or {}
-    if mode in CUDAGRAPH_MODES or (isinstance(options, dict) and options.get("triton.cudagraphs")):
+    if not isinstance(options, dict):
+        raise TypeError(f"compile_kwargs['options'] must be a dict of inductor options, got {options!r}")
+    if mode in CUDAGRAPH_MODES or options.get("triton.cudagraphs"):
         what = f"mode={mode!r}" if mode in CUDAGRAPH_MODES else "options['triton.cudagraphs']=True"
         raise ValueError(
             f"compile_kwargs {what} records CUDA graphs, which replay fixed addresses, while a ZeRO-3 param's "
             "storage is reallocated at every gather; use mode=None, 'default' or 'max-autotune-no-cudagraphs'"
+        )
+    if options.get("freezing"):
+        raise ValueError(
+            "compile_kwargs options['freezing']=True folds the params into the graph as constants, while ZeRO-3 "
+            "params change at every step and are gathered into new storage; leave freezing off"
         )
     return dict(compile_kwargs)
 
@@ -115,8 +122,9 @@ def compile_stage3(optimizer: Any, module: nn.Module, backend: str | Callable[..
     chosen = regions(optimizer.plan.units)
     for _, m in chosen:
         eager = m.forward
-        m.forward = torch.compile(eager, backend=backend, **kwargs)  # type: ignore[method-assign]
-        setattr(m, _EAGER_ATTR, eager)
+        compiled = torch.compile(eager, backend=backend, **kwargs)
+        m.forward = compiled  # type: ignore[method-assign]
+        setattr(m, _EAGER_ATTR, (eager, compiled))
     outer = len(optimizer.plan.units) - len(chosen)
     logger.info(
         "ZeRO-3 regional compile (backend %s): %d unit regions; %d outer unit(s) stay eager",
@@ -132,12 +140,17 @@ def compiled_regions(module: nn.Module) -> list[str]:
 
 
 def uncompile_stage3(module: nn.Module) -> None:
-    """Give every unit :func:`compile_stage3` compiled its eager ``forward`` back."""
-    for m in module.modules():
-        eager = m.__dict__.pop(_EAGER_ATTR, None)
+    """Give every unit :func:`compile_stage3` compiled its eager ``forward`` back. A forward wrapped again since
+    (say, by activation checkpointing applied after the compile) is left as it is, calling the compiled one."""
+    for name, m in module.named_modules():
+        eager, compiled = m.__dict__.pop(_EAGER_ATTR, (None, None))
         if eager is None:
             continue
-        if getattr(eager, "__self__", None) is m and getattr(eager, "__func__", None) is type(m).forward:
-            m.__dict__.pop("forward", None)  # the class's forward again (no bound method kept on the instance)
+        if m.__dict__.get("forward") is not compiled:
+            logger.warning("ZeRO-3 unit %r: its compiled forward was wrapped since; left compiled", name)
+        elif getattr(eager, "__self__", None) is m and getattr(eager, "__func__", None) is getattr(
+            type(m), "forward", None
+        ):
+            del m.__dict__["forward"]  # the class's forward again (no bound method kept on the instance)
         else:
-            m.forward = eager  # a forward the user had set on the instance
+            m.forward = eager  # type: ignore[method-assign]  # a forward set on the instance before (a wrapper)
