@@ -11,7 +11,8 @@ Top-level keys (DeepSpeed's names and meaning):
     gradient_clipping (0 = off), steps_per_print (default 10), optimizer (absent: AdamW lr=1e-3, logged), scheduler,
     bf16 / bfloat16 {enabled}, zero_optimization -- each block read by ``blocks.py`` into its component's config;
     tensorboard / csv_monitor / wandb (``monitor.py``), checkpoint {load_universal, auto_resume,
-    auto_resume_interval} (``resume.py``)
+    auto_resume_interval} (``resume.py``), compile {deepcompile, passes, ...} (``compile.py``: DeepCompile's settings,
+    checked, without effect; ``engine.compile()`` compiles)
 llmpar's own blocks: pipeline (its micro_batches is gradient_accumulation_steps, as in DeepSpeed's PipelineEngine),
     tensor_parallel {size}, context_parallel {size, mode, ulysses_size} (``blocks.context_parallel_block``;
     DeepSpeed's top-level sequence_parallel_size=N is its Ulysses form, {"size": N, "mode": "ulysses"})
@@ -48,6 +49,7 @@ from llmpar.runtime.blocks import (
     scheduler_block,
     zero_block,
 )
+from llmpar.runtime.compile import CompileConfig, compile_block
 from llmpar.runtime.ds_keys import TOP, strip_inert
 from llmpar.runtime.monitor import BLOCKS as MONITORS
 from llmpar.runtime.monitor import MonitorConfig, monitor_config
@@ -77,6 +79,7 @@ _VALID = [
     "sequence_parallel_size",
     "expert_parallel",
     "checkpoint",
+    "compile",
     *MONITORS,
 ]
 
@@ -123,6 +126,7 @@ class Blocks:
     expert_parallel: ExpertParallelConfig = field(default_factory=ExpertParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)  # DeepCompile's settings (runtime/compile.py)
 
     @classmethod
     def parse(cls, raw: dict) -> "Blocks":
@@ -171,6 +175,7 @@ class Blocks:
             else ActivationCheckpointingConfig(),
             checkpoint=checkpoint_block(given.get("checkpoint"), tuple(TOP["checkpoint"])),
             monitor=monitor_config(given),
+            compile=compile_block(given.get("compile")),
         )
 
     @staticmethod

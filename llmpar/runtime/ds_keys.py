@@ -99,7 +99,6 @@ TOP: dict[str, Any] = {
     "eigenvalue": Disabled("eigenvalue computation is not supported"),
     "quantize_training": Disabled("quantization-aware training is not supported"),
     "hybrid_engine": Disabled("the hybrid (RLHF) engine is not supported"),
-    "compile": Disabled("call torch.compile on the model yourself"),
     "nebula": Disabled("Nebula checkpointing is not supported (llmpar checkpoints are sharded and atomic)"),
     "aio": Inert(),  # NVMe offload settings: there is no NVMe offload to tune (an NVMe device is refused)
     "sparse_attention": Absent("sparse attention is not supported"),
@@ -191,10 +190,9 @@ PIPELINE: dict[str, Any] = {
     "activation_checkpoint_interval": _d(0, reason='use the "activation_checkpointing" block'),
 }
 EXPERT_PARALLEL: dict[str, Any] = {  # DeepSpeed AutoEP's implementation switches: the math is the same in llmpar
+    # (use_grouped_mm / disable_triton_grouped_mm choose the experts' GEMM backends: runtime/expert_block.py)
     "validate_folding_routing": Inert(),
     "async_split_plan": Inert(),
-    "use_grouped_mm": Inert(),
-    "disable_triton_grouped_mm": Inert(),
     "score_apply": _d("auto", "post", reason="the routing weights scale the expert outputs (after the experts)"),
     "combine_impl": Inert(),
     "row_weighting_impl": Inert(),

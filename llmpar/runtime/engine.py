@@ -43,6 +43,7 @@ from llmpar.checkpoint.protocol import Grid
 from llmpar.context_parallel.batch_check import agree_batch
 from llmpar.distributed.collectives import Group, GroupRef, group_rank, group_size
 from llmpar.runtime import engine_ckpt
+from llmpar.runtime.compile import backward_context
 from llmpar.runtime.config import Config
 from llmpar.runtime.engine_base import EngineBase, reports_step
 from llmpar.zero.gather import consolidated_state_dict
@@ -182,7 +183,8 @@ class Engine(EngineBase):
         scaled = loss / gas if gas > 1 else loss
         scaler = getattr(self.optimizer, "loss_scaler", None)  # fp16: the step divides by the scale again
         self._last_output, self._backward_done = None, True
-        (scaled if scaler is None else scaler.scale_loss(scaled)).backward(retain_graph=retain_graph)
+        with backward_context(self):  # compiled autograd after engine.compile(compiled_autograd_enabled=True)
+            (scaled if scaler is None else scaler.scale_loss(scaled)).backward(retain_graph=retain_graph)
         self._monitor_loss(scaled, self.is_gradient_accumulation_boundary())
         return scaled
 

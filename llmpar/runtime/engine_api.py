@@ -4,6 +4,7 @@ ranks and device, the config accessors, the step flags and ``deepspeed_io`` (``e
     engine.global_rank, engine.local_rank, engine.world_size, engine.dp_world_size, engine.device
     engine.gradient_clipping(), engine.steps_per_print(), engine.zero_optimization_stage(), engine.get_data_types()
     engine.was_step_applied()          # the last step() applied an optimizer step (read on the host when asked)
+    engine.compile(backend="inductor", compile_kwargs=None)   # torch.compile the model (``compile.py``)
     loader = engine.deepspeed_io(dataset)   # DeepSpeed's loader: DistributedSampler over dp, shuffled, micro batches
 
 Every accessor reads the typed config (``engine.config``) or the optimizer; nothing here changes training.
@@ -231,6 +232,27 @@ class DeepSpeedAPI:
         """Whether the last ``step()`` / ``train_batch()`` updated the params: False between accumulation boundaries
         and for a step skipped for non-finite gradients (reading it syncs with the device once)."""
         return bool(self._step_applied)
+
+    # torch.compile (``compile.py``)
+    def compile(
+        self,
+        backend: Any = "inductor",
+        compile_kwargs: dict | None = None,
+        schedule: Any = None,
+        compiled_autograd_enabled: bool = False,
+    ) -> None:
+        """DeepSpeed's: compile the model with ``torch.compile(backend=backend, **compile_kwargs)`` (ZeRO 0-2: the
+        whole model, ZeRO's reductions outside the graph; stage 3: each unit a region); ``compiled_autograd_enabled``:
+        ``backward`` compiles the backward too. ``schedule`` (DeepCompile's passes) is accepted without effect. A
+        second call does nothing. See ``llmpar.runtime.compile``."""
+        from llmpar.runtime.compile import compile_engine
+
+        compile_engine(self, backend, compile_kwargs, schedule, compiled_autograd_enabled)
+
+    @property
+    def is_compiled(self) -> bool:
+        """Whether :meth:`compile` ran."""
+        return getattr(self, "_compiled", None) is not None
 
     # data
     def deepspeed_io(

@@ -125,32 +125,36 @@ class GradReducer:
         self.pool, self.keep_scratch = ScratchPool(), keep_scratch
         self._staging_live = 0
         self._where: dict[int, tuple[FlatBuffer, int]] = {}
-        self._hooks = []
         self.on_unit_reduced: Callable[[FlatBuffer, int], None] | None = None  # stage 3 frees the unit
         self.on_backward_end: Callable[[], None] | None = None
         for b in buffers:
             b.pending = [len(u.params) for u in b.layout.units]
             b.seen = [set() for _ in b.layout.units]
-            for i, p in enumerate(b.params):
-                self._where[id(p)] = (b, i)
-                self._hooks.append(p.register_post_accumulate_grad_hook(_WeakHook(self)))
+            self._where.update({id(p): (b, i) for i, p in enumerate(b.params)})
+        self._hooks: list = []
+        self.attach_hooks()
+
+    def attach_hooks(self) -> None:
+        """Register every param's post-accumulate-grad hook (at init, and again after :meth:`remove_hooks`)."""
+        self._hooks = [p.register_post_accumulate_grad_hook(_WeakHook(self)) for b in self.buffers for p in b.params]
 
     def remove_hooks(self) -> None:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
 
+    def reduce_after_backward(self) -> None:
+        """A backward ran with the hooks removed (compiled autograd, ``llmpar.runtime.compile``): the params' ``.grad``
+        hold its gradients; pack and reduce every unit now, in the layout's order (the same on every rank)."""
+        self._check_open()
+        self._end_backward()
+
     # --------------------------------------------------------------- backward
     def _hook(self, p: torch.Tensor) -> None:
         b, i = self._where[id(p)]
         self._poll()
         if not self._armed:
-            if self.reduced:
-                raise RuntimeError(
-                    "backward() ran after the gradient-accumulation boundary was reduced but before "
-                    "step() or zero_grad(): call step() first, or mark earlier micro-steps with "
-                    "set_gradient_accumulation_boundary(False)"
-                )
+            self._check_open()
             self._armed = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         u = b.layout.slot(i).unit
@@ -163,6 +167,14 @@ class GradReducer:
         b.pending[u] -= 1
         if b.pending[u] == 0:
             self._unit_ready(b, u)
+
+    def _check_open(self) -> None:
+        if self.reduced:
+            raise RuntimeError(
+                "backward() ran after the gradient-accumulation boundary was reduced but before "
+                "step() or zero_grad(): call step() first, or mark earlier micro-steps with "
+                "set_gradient_accumulation_boundary(False)"
+            )
 
     def _unit_grads(self, b: FlatBuffer, u: int) -> list[torch.Tensor]:
         out = []
@@ -250,10 +262,7 @@ class GradReducer:
             self._launch(q.reduce(key, wire, shard, accumulate=not self.fresh, what=what), None, None, key, held)
             return
         tmp = torch.empty(shard.numel(), dtype=torch.float32, device=wire.device)
-        if not self.fresh:
-            finish = self._accumulate(shard, tmp)
-        else:
-            finish = lambda: self.copier.to_host(shard, tmp)  # noqa: E731
+        finish = self._accumulate(shard, tmp) if not self.fresh else lambda: self.copier.to_host(shard, tmp)
         self._launch(q.reduce(key, wire, tmp, accumulate=False, what=what), finish, None, key, held)
 
     def _reduce_shard(self, b: FlatBuffer, u: int, region: torch.Tensor, key: tuple[int, int]) -> None:
@@ -267,7 +276,8 @@ class GradReducer:
         partition, offload_optimizer) have landed."""
 
         def finish() -> None:
-            self._sync_copies()
+            if self.copier is not None:
+                self.copier.sync()
             shard.add_(tmp.to(shard.device, shard.dtype))
 
         return finish
@@ -291,14 +301,9 @@ class GradReducer:
         if need:
             scratch = self.pool.take(need, input.dtype, input.device)
             bufs.append(scratch)
+        what = f"reduce-scatter of gradients, buffer {key[0]} unit {key[1]}"
         handle = reduce_scatter_flat(
-            output,
-            input,
-            self.group,
-            async_op=True,
-            counter=self.counter,
-            what=f"reduce-scatter of gradients, buffer {key[0]} unit {key[1]}",
-            scratch=scratch,
+            output, input, self.group, async_op=True, counter=self.counter, what=what, scratch=scratch
         )
         assert handle is not None
         return handle
@@ -332,10 +337,6 @@ class GradReducer:
         self._staging_live -= held
         if self.log is not None:
             self.log.append(("reduced", key))
-
-    def _sync_copies(self) -> None:
-        if self.copier is not None:
-            self.copier.sync()
 
     def _poll(self) -> None:
         """Finish (copy out) the reductions that have landed, oldest first, without waiting for any."""
