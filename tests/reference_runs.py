@@ -45,6 +45,7 @@ SUITES = {
     "hf_trainer": "test_hf_trainer",
     "cifar": "test_deepspeed_scripts",
     "pipe_compat": "test_pipe_compat",
+    "ds_moe": "checkpoint.test_checkpoint_ds_moe",
 }
 log = logging.getLogger("llmpar")
 

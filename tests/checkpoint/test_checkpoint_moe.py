@@ -216,24 +216,3 @@ def test_hf_export_of_expert_parallel_engine_loads_with_from_pretrained(tmp_path
         assert experts and all(got[k].shape[0] == count for k in experts), name  # whole: every ep rank's rows
         differ = [k for k in want if not torch.equal(got[k], want[k])]
         assert not differ, (name, differ)
-
-
-# ------------------------------------------------------------------------------------------------ DeepSpeed MoE
-def test_deepspeed_moe_checkpoint_is_refused_naming_its_expert_files(tmp_path):
-    """DeepSpeed's MoE engine writes each expert to ``[layer_L_]expert_E_mp_rank_MM_model_states.pt`` (and the
-    experts' optimizer states to ``expp_rank_R_mp_rank_MM_optim_states.pt``) beside the model states file: not read
-    yet, so refused naming them (not loaded without its experts)."""
-    from llmpar.checkpoint.formats.deepspeed.open import open_deepspeed
-
-    old = ["mp_rank_00_model_states.pt", *(f"expert_{i}_mp_rank_00_model_states.pt" for i in range(4))]
-    new = ["mp_rank_00_model_states.pt", "layer_0_expert_1_mp_rank_00_model_states.pt"]
-    new += ["expp_rank_0_mp_rank_00_optim_states.pt"]  # DeepSpeed 0.19's names: per layer, the experts' optimizer
-    for sub, names, match in (
-        ("old", old, r"\(4 expert files: \['expert_0_mp_rank_00_model_states.pt'"),
-        ("new", new, r"\(2 expert files: \['expp_rank_0_mp_rank_00_optim_states.pt', 'layer_0_expert_1_mp_rank_00"),
-    ):
-        (tmp_path / sub).mkdir()
-        for n in names:
-            (tmp_path / sub / n).write_bytes(b"")
-        with pytest.raises(CheckpointError, match=r"DeepSpeed MoE checkpoint " + match):
-            open_deepspeed(str(tmp_path / sub), validate=False)

@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from typing import Any
 
 import torch
 
 from llmpar.checkpoint.files import CheckpointError
 from llmpar.checkpoint.formats.deepspeed.files import LAYER_RE, MODEL_RE, OPTIM_RE, detect, load_file, scalar
+from llmpar.checkpoint.formats.deepspeed.moe import DeepSpeedMoECheckpoint, expert_files
 from llmpar.checkpoint.formats.deepspeed.pipeline import DeepSpeedPipelineCheckpoint
 from llmpar.checkpoint.formats.deepspeed.rank import RankCheckpoint
 from llmpar.checkpoint.formats.deepspeed.tensor_parallel import DeepSpeedTPCheckpoint
@@ -45,23 +45,20 @@ SAMPLE = 16  # elements compared at each end of a rank's partition
 MODEL_00 = "mp_rank_00_model_states.pt"
 
 
-# DeepSpeed's MoE engine: each expert's weights ([layer_L_]expert_E_mp_rank_MM_model_states.pt) and the optimizer
-# states of its expert-parallel ranks (expp_rank_R_mp_rank_MM_optim_states.pt)
-EXPERT_RE = re.compile(
-    r"^(?:(?:layer_\d+_)?expert_\d+_mp_rank_\d+_model_states|expp_rank_\d+_mp_rank_\d+_optim_states)\.pt$"
-)
-
-
-def refuse_moe(path: str) -> None:
-    """A DeepSpeed MoE checkpoint (its experts in files of their own, :data:`EXPERT_RE`) is not read yet: a
-    CheckpointError naming those files (rather than the model states file loaded without its experts)."""
-    experts = sorted(f for f in os.listdir(path) if EXPERT_RE.match(f)) if os.path.isdir(path) else []
-    if experts:
+def _moe(path: str, found: list[str]) -> bool:
+    """Whether ``path`` is a DeepSpeed MoE checkpoint (expert files beside the model states: ``moe.py``); one of a
+    pipeline or of tensor-parallel ranks with expert files is refused, naming them."""
+    experts = expert_files(path)
+    if not experts:
+        return False
+    if any(LAYER_RE.match(f) for f in found) or any(
+        (m := MODEL_RE.match(f) or OPTIM_RE.match(f)) and int(m.groups()[-1]) > 0 for f in found
+    ):
         raise CheckpointError(
-            f"{path} is a DeepSpeed MoE checkpoint ({len(experts)} expert files: {experts[:3]}"
-            f"{' ...' if len(experts) > 3 else ''}, written by DeepSpeed's MoE engine): its experts "
-            "are not read yet (only the model states file would load, leaving the experts untrained)"
+            f"{path} is a DeepSpeed MoE checkpoint ({len(experts)} expert files: {experts[:3]}) of a pipeline or "
+            "of tensor-parallel ranks: only MoE checkpoints of model-parallel degree 1 without pipeline are read"
         )
+    return True
 
 
 def open_deepspeed(
@@ -71,10 +68,12 @@ def open_deepspeed(
     unless ``validate`` is False. ``model``: {name: (full shape, trained)} of the loading model, which a
     tensor-parallel checkpoint or a pipeline one saved without ZeRO need (:func:`needs_model`); ``loaded``: {file
     name: object} of files already read."""
-    refuse_moe(path)
     found = detect(path)
-    if any(LAYER_RE.match(f) for f in found):
-        ck: RankCheckpoint = DeepSpeedPipelineCheckpoint(path, model=model, loaded=loaded)
+    ck: RankCheckpoint
+    if _moe(path, found):
+        ck = DeepSpeedMoECheckpoint(path, loaded=loaded)
+    elif any(LAYER_RE.match(f) for f in found):
+        ck = DeepSpeedPipelineCheckpoint(path, model=model, loaded=loaded)
     elif any((m := MODEL_RE.match(f) or OPTIM_RE.match(f)) and int(m.groups()[-1]) > 0 for f in found):
         ck = DeepSpeedTPCheckpoint(path, model=model)
     else:
@@ -88,8 +87,9 @@ def needs_model(path: str) -> tuple[bool, dict[str, Any]]:
     """(whether checkpoint ``path`` is read with the loading model's names and full shapes, {file name: object} of
     the files read to tell). A tensor-parallel one (files of mp ranks > 0, no layer files: ``tensor_parallel.py``)
     or a pipeline one saved without ZeRO, whose files name no params (``pipeline_names.py``)."""
-    refuse_moe(path)
     found = detect(path)
+    if _moe(path, found):
+        return False, {}
     if not any(LAYER_RE.match(f) for f in found):
         return any((m := MODEL_RE.match(f) or OPTIM_RE.match(f)) and int(m.groups()[-1]) > 0 for f in found), {}
     if MODEL_00 not in found:
@@ -107,6 +107,8 @@ def check(ck: Any) -> None:
     for rc in getattr(ck, "stages", None) or getattr(ck, "parts", None) or [ck]:
         if isinstance(rc, RankCheckpoint):
             _rank_files(rc)
+        if isinstance(rc, DeepSpeedMoECheckpoint):
+            rc.check_experts()
 
 
 def _rank_files(rc: RankCheckpoint) -> None:
