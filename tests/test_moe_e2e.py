@@ -3,7 +3,12 @@ Qwen3-MoE, Mixtral and DeepSeek-V3 (configs built here, no downloads) on 4 CPU r
 {"enabled": true, "autoep_size": 2}`` (ep=2 x edp=2; the dense part over dp=4) at ZeRO-1, 2 and 3, with gradient
 clipping and the routers' load-balancing loss in the model's loss: the losses and the gathered weights (every
 expert under its global index) follow one process running transformers' own experts (no swap, no EP) on the whole
-batch to 1e-5. One launch, every model and stage inside it."""
+batch to 1e-5. One launch, every model and stage inside it.
+
+In the same pooled ranks: DeepSpeed's legacy ``MoE`` at ep_size=2 under ``llmpar.initialize`` (the optimizer from
+``split_params_into_different_moe_groups_for_optimizer``: a client AdamW or ``model_parameters``; ZeRO 0-3) follows the
+layer at ep_size=1 on one process to 1e-6, and layers of two ep sizes are refused; and llmpar's GPT with MoE blocks
+trained with ep=2 over dp=2 x cp=2 (ring attention) at ZeRO-1 and 3 follows one process to 1e-5."""
 
 from __future__ import annotations
 
@@ -13,7 +18,14 @@ import torch.distributed as dist
 from test_moe_hf import VOCAB, _model
 
 import llmpar
+from llmpar.distributed.dims import ParallelDims
+from llmpar.models import GPT, GPTConfig
+from llmpar.models.gpt import lm_loss
+from llmpar.moe import MoEBlock
 from llmpar.moe.hf import HFMoEBlock
+from llmpar.moe.layer import MoE
+from llmpar.moe.utils import split_params_into_different_moe_groups_for_optimizer
+from llmpar.utils import groups
 from llmpar.zero.gather import consolidated_state_dict
 
 from multirank import multirank
@@ -112,4 +124,186 @@ def test_hf_moe_models_trained_ep_dp_zero_follow_one_process():
             moved = max((weights[k] - start[k]).abs().max().item() for k in start)
             assert moved > 1e-3, (name, stage, "the run did not train")
             worst[f"{name}/zero{stage}"] = max(errs.values())
+    return worst
+
+
+# ------------------------------------------------------------------------------------------------ DeepSpeed's MoE
+class _LegacyNet(torch.nn.Module):
+    """A DeepSpeed MoE script's model: a projection, ``llmpar.moe.layer.MoE`` (top-2, capacity dropping; its l_aux
+    added to the loss by the script), a head; the experts this ep rank holds are global experts ``first + i``."""
+
+    def __init__(self, ep_size: int, first: int, ep_group: object = None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.out = torch.nn.Linear(8, LH), torch.nn.Linear(LH, 3)
+        expert = torch.nn.Sequential(torch.nn.Linear(LH, 10), torch.nn.GELU(), torch.nn.Linear(10, LH))
+        self.moe = MoE(LH, expert, LE, ep_size, k=2, min_capacity=0, top2_2nd_expert_sampling=False, ep_group=ep_group)
+        for i, e in enumerate(self.moe.deepspeed_moe.experts.deepspeed_experts):
+            gen = torch.Generator().manual_seed(100 + first + i)
+            with torch.no_grad():
+                for p in e.parameters():
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, l_aux, _ = self.moe(self.inp(x))
+        return self.out(h).pow(2).mean() + 0.01 * l_aux
+
+
+LH, LE = 12, 4
+
+
+def _legacy_batch(step: int, rank: int) -> torch.Tensor:
+    return torch.randn(7, 8, generator=torch.Generator().manual_seed(500 + 10 * step + rank))
+
+
+def _legacy_groups(net: torch.nn.Module) -> list[dict]:
+    return split_params_into_different_moe_groups_for_optimizer(
+        {"params": list(net.parameters()), "name": "p", "weight_decay": 0.01}
+    )
+
+
+def _legacy_reference(dp: int) -> dict[str, torch.Tensor]:
+    """One process, ep_size=1 (every expert local), each rank's batch in turn, plain AdamW over DeepSpeed's groups."""
+    net = _LegacyNet(1, 0)
+    opt = torch.optim.AdamW(_legacy_groups(net), lr=LR)
+    for s in range(STEPS):
+        for r in range(dp):
+            (net(_legacy_batch(s, r)) / dp).backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in net.named_parameters()}
+
+
+def _legacy_train(stage: int, how: str) -> dict[str, float]:
+    """ep_size=2 under ``llmpar.initialize`` (the engine gives the layer DeepSpeed's groups), the optimizer from
+    DeepSpeed's MoE param groups: a client AdamW (``how="client"``), or ``model_parameters`` with the config's
+    optimizer (``"groups"``); ``"ep_group"``: the layer built over ``ParallelDims(ep=2).group("ep")`` (llmpar's
+    argument; the engine derives the expert-data-parallel group) with a client AdamW."""
+    rank, dp = dist.get_rank(), dist.get_world_size()
+    n = LE // 2
+    ep_group = ParallelDims(dp=dp, ep=2).group("ep") if how == "ep_group" else None
+    net = _LegacyNet(2, (rank % 2) * n, ep_group)  # ep groups of consecutive ranks (DeepSpeed's and ParallelDims')
+    config: dict = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_clipping": CLIP,
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+    }
+    if how != "groups":
+        kw: dict = {"optimizer": torch.optim.AdamW(_legacy_groups(net), lr=LR)}
+    else:
+        kw = {"model_parameters": _legacy_groups(net)}
+        config["optimizer"] = {"type": "AdamW", "params": {"lr": LR}}
+    engine, opt, _, _ = llmpar.initialize(model=net, config=config, **kw)
+    ep_ranks = dist.get_process_group_ranks(net.moe.deepspeed_moe.ep_group)
+    assert ep_ranks == [rank - rank % 2, rank - rank % 2 + 1] and engine.moe.ep == 2
+    assert opt.experts is not None
+    for s in range(STEPS):
+        engine.backward(engine(_legacy_batch(s, rank)))
+        engine.step()
+    dense = consolidated_state_dict(net, opt, rank0_only=False)
+    local = consolidated_state_dict(net, opt.experts, rank0_only=False)
+    engine.destroy()
+    want = _legacy_reference(dp)
+    errs = {}
+    for k, w in want.items():
+        if ".deepspeed_experts." in k:  # local expert i of this ep rank is global expert first + i
+            prefix, i, rest = (
+                k.partition(".deepspeed_experts.")[0],
+                *k.partition(".deepspeed_experts.")[2].split(".", 1),
+            )
+            if not (rank % 2) * n <= int(i) < (rank % 2 + 1) * n:
+                continue
+            got = local[f"{prefix}.deepspeed_experts.{int(i) - (rank % 2) * n}.{rest}"]
+        else:
+            got = dense[k]
+        errs[k] = (got.double() - w.double()).abs().max().item()
+    return errs
+
+
+@multirank(4, timeout=300)
+def test_deepspeed_moe_at_ep2_trains_under_initialize_as_one_process():
+    groups._reset()  # groups of an earlier test in these pooled ranks are gone
+    worst: dict[str, float] = {}
+    for stage, how in ((0, "client"), (1, "groups"), (2, "ep_group"), (3, "client"), (3, "groups")):
+        errs = _legacy_train(stage, how)
+        bad = {k: e for k, e in errs.items() if e > 1e-6}
+        assert not bad, (stage, how, bad)
+        worst[f"zero{stage}/{how}"] = max(errs.values())
+    two = _LegacyNet(2, 0)  # a second layer over another ep size: refused on every rank, naming both sizes
+    two.moe2 = MoE(LH, torch.nn.Linear(LH, LH), num_experts=LE, ep_size=4)
+    with pytest.raises(ValueError, match=r"ep_size \[2, 4\] in one model"):
+        llmpar.initialize(model=two, config={"train_batch_size": 4})
+    with pytest.raises(ValueError, match='autoep_size"=4 but the model.s MoE layers were built with ep_size=2'):
+        config = {"train_batch_size": 4, "expert_parallel": {"enabled": True, "autoep_size": 4}}
+        llmpar.initialize(model=_LegacyNet(2, 0), config=config)
+    return worst
+
+
+# ------------------------------------------------------------------------------------------------ EP with cp
+GPT_CFG = dict(
+    vocab_size=61, n_layer=2, n_head=4, d_model=16, seq_len=16, bias=False
+)  # no key bias: its gradient is 0 up to rounding
+CP_T, CP_E = 13, 4
+
+
+def _moe_gpt() -> GPT:
+    """llmpar's GPT with each block's MLP a dropless top-2 MoEBlock (4 experts, router weights not small)."""
+    model = GPT(GPTConfig(**GPT_CFG), seed=3)
+    torch.manual_seed(4)
+    for block in model.blocks:
+        block.mlp = MoEBlock(GPT_CFG["d_model"], 12, CP_E, 2, ep_group=None)
+        with torch.no_grad():
+            block.mlp.router.weight.normal_(0.0, 0.5)
+    return model
+
+
+def _cp_batch(step: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(700 + 10 * step + dp_rank)
+    x = torch.randint(0, GPT_CFG["vocab_size"], (MICRO, CP_T + 1), generator=g)
+    return x[:, :-1], x[:, 1:]
+
+
+def _cp_reference(dp: int) -> dict[str, torch.Tensor]:
+    model = _moe_gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    for s in range(STEPS):
+        for d in range(dp):
+            idx, targets = _cp_batch(s, d)
+            (lm_loss(model(idx), targets) / dp).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@multirank(4, timeout=300)
+def test_expert_parallel_with_context_parallel_follows_one_process():
+    """ep=2 over the dp=2 x cp=2 ranks (each sequence split over its cp pair, the tokens of both halves exchanged
+    over the ep pair), ZeRO-1 and 3: the gathered weights follow one process on the whole batch to 1e-5."""
+    worst: dict[str, float] = {}
+    want = _cp_reference(2)
+    for stage in (1, 3):
+        model = _moe_gpt()
+        config = {
+            "train_micro_batch_size_per_gpu": MICRO,
+            "gradient_clipping": CLIP,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+            "context_parallel": {"size": 2, "mode": "ring"},
+            "expert_parallel": {"enabled": True, "autoep_size": 2},
+        }
+        engine, opt, _, _ = llmpar.initialize(model=model, config=config)
+        assert (engine.context_parallel.size, engine.dp_world_size, engine.moe.ep) == (2, 2, 2)
+        assert all(b.mlp.ep_size == 2 for b in model.blocks) and opt.experts is not None
+        for s in range(STEPS):
+            idx, targets = _cp_batch(s, engine.dp_rank)
+            engine.backward(engine(idx, targets))
+            engine.step()
+        got = consolidated_state_dict(model, opt, rank0_only=False)
+        engine.destroy()
+        errs = {k: (got[k].double() - w.double()).abs().max().item() for k, w in want.items()}
+        bad = {k: e for k, e in errs.items() if e > 1e-5}
+        assert not bad, (stage, bad)
+        worst[f"zero{stage}"] = max(errs.values())
     return worst

@@ -76,6 +76,24 @@ def test_autoep_block_refuses_naming_the_key(block, match):
         Blocks.parse({"expert_parallel": block})
 
 
+def test_deepspeed_tagged_params_are_experts():
+    """A param tagged as DeepSpeed tags an expert (``allreduce = False``, ``group_name = "ep_size_<ep>"``) is an
+    expert to ZeRO: split from the dense params, and refused without an expert-data-parallel group at ep > 1 rather
+    than averaged over dp with other ranks' experts."""
+    from llmpar.zero.experts import expert_ep_size, refuse_spread_experts, split_expert_groups
+
+    dense, tagged, local = nn.Parameter(torch.randn(3)), nn.Parameter(torch.randn(2, 3)), nn.Parameter(torch.randn(4))
+    tagged.allreduce, tagged.group_name = False, "ep_size_2"
+    local.allreduce, local.group_name = False, "ep_size_1"
+    group = {"params": [dense, tagged, local], "names": ["w", "e", "l"], "lr": 0.1, "betas": (0.9, 0.99)}
+    group.update(eps=1e-8, weight_decay=0.0)
+    rest, experts, owner = split_expert_groups([group])
+    assert rest[0]["names"] == ["w"] and [n for n, _ in experts[0]["params"]] == ["e", "l"] and owner == [0]
+    assert (expert_ep_size(tagged), expert_ep_size(local), expert_ep_size(dense)) == (2, 1, 1)
+    with pytest.raises(ValueError, match="e hold experts spread over ep=2 ranks"):
+        refuse_spread_experts([group])
+
+
 # ------------------------------------------------------------------------------------------------ the engine
 STEPS, GAS, CLIP = 3, 2, 0.05
 

@@ -103,7 +103,10 @@ class MoE(nn.Module):
                 groups._create_expert_data_and_model_parallel(
                     self.ep_size, mpu=groups.mpu, use_data_before_expert_parallel_=use_data_before_expert_parallel_
                 )
-        self.deepspeed_moe.set_ep_group(groups._get_expert_parallel_group(self.expert_group_name))
+        self.deepspeed_moe.set_ep_group(
+            groups._get_expert_parallel_group(self.expert_group_name),
+            groups._get_expert_data_parallel_group(self.expert_group_name),
+        )
 
     def forward(
         self, hidden_states: torch.Tensor, used_token: torch.Tensor | None = None

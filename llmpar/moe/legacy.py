@@ -208,7 +208,9 @@ class ModuleExperts(nn.Module):
 class LegacyMoELayer(nn.Module):
     """DeepSpeed's ``MOELayer``: ``gate`` (a :class:`TopKGate`) and ``experts`` (:class:`ModuleExperts`, this rank's
     ``num_experts / ep_size``), the tokens moved by the local dispatcher or, once :meth:`set_ep_group` gave it a
-    group of ep_size ranks, the all-to-all one. After a forward: ``l_aux`` and ``exp_counts`` (DeepSpeed's)."""
+    group of ep_size ranks, the all-to-all one. After a forward: ``l_aux`` and ``exp_counts`` (DeepSpeed's).
+    ``edp_group``: the ranks holding the same experts (DeepSpeed's expert-data-parallel group), when known: ZeRO
+    reduces and shards the experts over it under ``llmpar.initialize``."""
 
     def __init__(self, gate: TopKGate, experts: ModuleExperts, num_experts: int, ep_size: int) -> None:
         super().__init__()
@@ -216,17 +218,19 @@ class LegacyMoELayer(nn.Module):
         self.num_experts, self.ep_size = num_experts, ep_size
         self.num_local_experts = num_experts // ep_size
         self.ep_group: Any = None
+        self.edp_group: Any = None
         self.dispatcher: Dispatcher | None = make_dispatcher(num_experts) if ep_size == 1 else None
         self.l_aux: torch.Tensor | None = None
         self.exp_counts: torch.Tensor | None = None
 
-    def set_ep_group(self, ep_group: Any) -> None:
+    def set_ep_group(self, ep_group: Any, edp_group: Any = None) -> None:
+        """Exchange tokens over ``ep_group`` (ep_size ranks); ``edp_group``: its expert-data-parallel group if known."""
         size = 1 if ep_group is None else group_size(ep_group)
         if size != self.ep_size:
             raise ValueError(
                 f"the expert-parallel group has {size} ranks, the layer was built with ep_size={self.ep_size}"
             )
-        self.ep_group = ep_group
+        self.ep_group, self.edp_group = ep_group, edp_group
         self.dispatcher = make_dispatcher(self.num_experts, ep_group)
 
     def forward(self, x: torch.Tensor, used_token: torch.Tensor | None = None) -> torch.Tensor:

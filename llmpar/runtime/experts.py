@@ -10,6 +10,14 @@ experts make one layer) and the ``edp`` group (the ranks holding the same expert
 ``ep_group=None`` is spread over ``ep`` (``MoEBlock.set_ep_group``), a layer built over another degree is refused, and
 ZeRO reduces and shards expert params over ``edp`` (``llmpar.zero.experts``).
 
+DeepSpeed's legacy layer (``llmpar.moe.layer.MoE`` at ``ep_size`` > 1, found by its ``deepspeed_moe``
+:class:`~llmpar.moe.legacy.LegacyMoELayer`) keeps its own groups: a layer without one gets DeepSpeed's
+(``set_deepspeed_parallelism()``, as DeepSpeed's engine calls it), and ZeRO shards its experts (tagged as DeepSpeed tags
+them, ``allreduce = False``) over the expert-data-parallel group that came with it (``ParallelDims``' when the layer
+was built with ``ep_group=ParallelDims(ep=...).group("ep")``). The optimizer's groups may come from
+``split_params_into_different_moe_groups_for_optimizer`` (their ``"moe"`` / ``"name"`` labels are dropped: the tags
+decide). One ep degree per model; the script adds ``l_aux`` to its loss itself, as with DeepSpeed.
+
 In training (:class:`MoEState`):
 
 - ``engine(...)`` records the weighted aux losses of the layers' forward (each ``MoEBlock.aux_loss``: the router's
@@ -37,6 +45,7 @@ from llmpar.distributed.collectives import Group, group_size
 from llmpar.distributed.dims import ParallelDims
 from llmpar.moe.block import MoEBlock
 from llmpar.moe.hf import swap_moe_blocks
+from llmpar.moe.legacy import LegacyMoELayer
 from llmpar.runtime.expert_block import ExpertParallelConfig
 
 logger = logging.getLogger("llmpar")
@@ -76,8 +85,8 @@ class MoEState:
     @torch.no_grad()
     def update_biases(self, dp_group: Any) -> None:
         """The aux-loss-free bias step of every layer with an expert bias, the load summed over ``dp_group``."""
-        for _, b in self.layers:
-            if getattr(b.router, "expert_bias", None) is not None:
+        for _, b in self.layers:  # a rate of 0 (transformers' DeepSeek-V3 bias as loaded) moves nothing
+            if getattr(b.router, "expert_bias", None) is not None and b.router.config.bias_update_rate:
                 b.update_expert_bias(dp_group)
 
     def log_suffix(self) -> str:
@@ -115,12 +124,72 @@ def _dims(mesh: Any, zero_group: Group, ep: int) -> ParallelDims:
     return ParallelDims(dp=world, ep=ep, world_size=world)
 
 
+def _legacy_groups(model: nn.Module, mesh: Any, zero_group: Group) -> tuple[int, Any, Any] | None:
+    """``(ep, ep_group, edp_group)`` of the model's DeepSpeed-style layers (``llmpar.moe.layer.MoE``) spread over
+    ep > 1 ranks; None when there are none. A layer without a group yet gets DeepSpeed's (its owner's
+    ``set_deepspeed_parallelism()``, as DeepSpeed's engine calls it). The ``edp`` group is the one the layer was given
+    with its ep group (DeepSpeed's registry), else the ``ParallelDims`` one when the ep ranks are ``ParallelDims``'.
+    Layers over different ep sizes or different ranks are refused (one expert-data-parallel group per engine)."""
+    found = []
+    for name, owner in model.named_modules():
+        layer = getattr(owner, "deepspeed_moe", None)
+        if not isinstance(layer, LegacyMoELayer) or layer.ep_size == 1:
+            continue
+        if layer.dispatcher is None:
+            if not callable(getattr(owner, "set_deepspeed_parallelism", None)):
+                raise ValueError(f"MoE layer {name} has ep_size={layer.ep_size} but no expert-parallel group")
+            owner.set_deepspeed_parallelism()
+        found.append((name or type(owner).__name__, layer))
+    if not found:
+        return None
+    sizes = sorted({layer.ep_size for _, layer in found})
+    if len(sizes) > 1:
+        raise ValueError(
+            f"MoE layers with ep_size {sizes} in one model: llmpar reduces every expert over one "
+            "expert-data-parallel group; build every MoE layer with the same ep_size"
+        )
+    ep = sizes[0]
+    ranks = {n: sorted(dist.get_process_group_ranks(layer.ep_group)) for n, layer in found}
+    first = next(iter(ranks.values()))
+    for n, r in ranks.items():
+        if r != first:
+            raise ValueError(
+                f"MoE layer {n} exchanges tokens over ranks {r}, {found[0][0]} over {first}: use one group"
+            )
+    name, layer = found[0]
+    ep_group, edp_group = layer.ep_group, layer.edp_group
+    if edp_group is None:
+        dims = _dims(mesh, zero_group, ep)
+        if dims.derived_ranks("ep", dist.get_rank()) != first:
+            raise ValueError(
+                f"MoE layer {name} exchanges tokens over ranks {first}, not ParallelDims(ep={ep}).group('ep') "
+                f"{dims.derived_ranks('ep', dist.get_rank())}, and no expert-data-parallel group came with it: "
+                "use moe.set_deepspeed_parallelism() or ep_group=ParallelDims(ep=...).group('ep')"
+            )
+        ep_group, edp_group = dims.group("ep"), dims.group("edp")
+    return ep, ep_group, edp_group
+
+
 def setup_experts(model: nn.Module, cfg: ExpertParallelConfig, mesh: Any, zero_group: Group) -> MoEState | None:
     """Find the MoE layers, build the ep / edp groups and spread the layers (module docstring); None without MoE
     layers. Refused on every rank alike (the checks only read the config and the layers)."""
     if cfg.enabled and (swapped := swap_moe_blocks(model)):
         logger.info("expert_parallel: %d transformers MoE blocks run as llmpar MoE blocks", swapped)
     layers = moe_layers(model)
+    legacy = _legacy_groups(model, mesh, zero_group)
+    if legacy is not None:
+        ep, ep_group, edp_group = legacy
+        if cfg.enabled and cfg.ep != ep:
+            raise ValueError(
+                f'"expert_parallel.autoep_size"={cfg.autoep_size} but the model\'s MoE layers were built with '
+                f"ep_size={ep}: give the same degree"
+            )
+        if any(b.ep_size > 1 or cfg.ep > 1 for _, b in layers):
+            raise ValueError(
+                "llmpar.moe.MoEBlock layers spread over ep ranks beside llmpar.moe.layer.MoE layers over their own "
+                "groups: not supported in one engine; build the model with one kind"
+            )
+        return MoEState(layers=layers, ep=ep, ep_group=ep_group, edp_group=edp_group, add_aux_loss=cfg.add_aux_loss)
     if not layers:
         if cfg.ep > 1:
             raise ValueError(

@@ -1,7 +1,8 @@
 """What ``initialize`` hands the optimizer: the user's ``model_parameters`` as param groups of ``(name, param)``
 pairs named as in the model (``model.named_parameters()``; a bare ``model.parameters()`` keeps the model's names in
 checkpoints), and, under a pipeline, those groups carried over to each stage's params by the unsplit model's names
-(so they survive the stage split and tensor-parallel layers swapped in by it).
+(so they survive the stage split and tensor-parallel layers swapped in by it). DeepSpeed's group labels ``"name"`` and
+``"moe"`` are dropped: the experts are found by their tags (``llmpar.zero.experts.is_expert``).
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ def named_groups(model: nn.Module, model_parameters: Any, *, strict: bool = Fals
                 named.append((name_of.get(id(item), f"group{gi}.param{k}"), item))
             else:
                 raise TypeError(f"model_parameters group {gi} item {k} is a {type(item).__name__}, not a tensor")
-        out.append({**g, "params": named})
+        marks = ("name", "moe")  # DeepSpeed's group labels (split_params_into_different_moe_groups_for_optimizer)
+        out.append({**{k: v for k, v in g.items() if k not in marks}, "params": named})
     return out
 
 

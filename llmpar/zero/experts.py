@@ -34,8 +34,18 @@ EXPERT_ATTR = "expert_parallel"
 
 
 def is_expert(p: torch.Tensor) -> bool:
-    """Whether ``p`` holds experts of an expert-parallel layer (reduced over the expert-data-parallel group)."""
-    return bool(getattr(p, EXPERT_ATTR, False))
+    """Whether ``p`` holds experts of an expert-parallel layer (reduced over the expert-data-parallel group): tagged
+    ``expert_parallel`` (llmpar's layers), or ``allreduce = False`` as DeepSpeed tags an expert param."""
+    return bool(getattr(p, EXPERT_ATTR, False)) or getattr(p, "allreduce", True) is False
+
+
+def expert_ep_size(p: torch.Tensor) -> int:
+    """The ep degree ``p``'s experts are spread over: its ``ep_size`` tag, else DeepSpeed's ``group_name``
+    (``"ep_size_<ep>"``), else 1."""
+    if hasattr(p, "ep_size"):
+        return int(p.ep_size)
+    name = str(getattr(p, "group_name", ""))
+    return int(name[len("ep_size_") :]) if name.startswith("ep_size_") and name[len("ep_size_") :].isdigit() else 1
 
 
 def split_expert_groups(groups: list[dict]) -> tuple[list[dict], list[dict], list[int]]:
@@ -59,10 +69,10 @@ def refuse_spread_experts(groups: list[dict]) -> None:
     """Params holding experts spread over ep > 1 ranks, given to a ZeroOptimizer without ``expert_group``: a
     ValueError naming them (the dp reduction would average different experts' gradients). Same on every rank."""
     spread = [
-        (n, int(getattr(p, "ep_size", 1)))
+        (n, expert_ep_size(p))
         for g in groups
         for n, p in zip(g["names"], g["params"])
-        if is_expert(p) and getattr(p, "ep_size", 1) > 1
+        if is_expert(p) and expert_ep_size(p) > 1
     ]
     if spread:
         names = ", ".join(n for n, _ in spread[:3]) + (f" and {len(spread) - 3} more" if len(spread) > 3 else "")
@@ -107,6 +117,7 @@ def sync_hyperparameters(dense: Any, experts: Any) -> None:
 __all__ = [
     "EXPERT_ATTR",
     "check_expert_groups",
+    "expert_ep_size",
     "is_expert",
     "joint_norm",
     "refuse_spread_experts",
