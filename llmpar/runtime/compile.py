@@ -46,8 +46,8 @@ PASSES = ("z1", "z3", "autosp", "autotp")  # DeepCompile's pass names (deepspeed
 @dataclass(kw_only=True)
 class CompileConfig:
     """DeepSpeed 0.19's ``"compile"`` block (DeepCompile's settings): accepted with its types checked, none acted on
-    (llmpar compiles through ``engine.compile()``, ZeRO outside the graph at stages 0-2 and per unit at stage 3); a
-    non-default value is said once in the log."""
+    (llmpar compiles through ``engine.compile()``, ZeRO outside the graph at stages 0-2 and per unit at stage 3); the
+    non-default values are named in one log line."""
 
     deepcompile: bool = False  # DeepCompile mode (ZeRO as graph passes)
     autoep_non_moe: bool = False  # compile the parents of AutoEP layers only

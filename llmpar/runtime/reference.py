@@ -18,6 +18,7 @@ import tokenize
 from typing import Any
 
 from llmpar.runtime import blocks, ds_keys, expert_block
+from llmpar.runtime.compile import CompileConfig
 from llmpar.runtime.config import _VALID
 from llmpar.runtime.monitor import WandbConfig, WriterConfig
 from llmpar.runtime.resume import CheckpointConfig
@@ -55,6 +56,7 @@ BLOCKS: list[tuple[str, type, list[str] | None]] = [
         [f.name for f in dataclasses.fields(blocks.ExpertParallelConfig) if f.name != "overrides"],
     ),
     ("checkpoint", CheckpointConfig, None),
+    ("compile", CompileConfig, None),
     ("tensorboard", WriterConfig, None),
     ("csv_monitor", WriterConfig, None),
     ("wandb", WandbConfig, None),
@@ -70,6 +72,7 @@ _EXTRA = {  # what a block's JSON shape adds to its dataclass
     "tensor_parallel": "`autotp_size` is DeepSpeed's AutoTP spelling of `size` (`0`, its default, means off); "
     "`llmpar.parallelize` splits the model.",
     "activation_checkpointing": "The block's presence turns it on (`enabled` is not a key).",
+    "compile": "`engine.compile()` compiles the model (see docs/compile.md); `enabled` is accepted as false only.",
     "expert_parallel": "`preset_model` is one of "
     + ", ".join(f"`{p}`" for p in expert_block.PRESETS)
     + ". Also kept as given, for locating the MoE layers of a model being swapped: "
