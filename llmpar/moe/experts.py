@@ -14,7 +14,10 @@ local expert (``counts[e]`` rows each, in expert order) and returns their output
 grouped GEMM (``llmpar.ops.grouped_swiglu``: two ``llmpar::grouped_mm`` ops, the SwiGLU in the first one's
 epilogue), whose backend is chosen as every op's is: on CPU (and wherever no kernel fits) it is the per-expert loop of
 ``torch.mm`` calls, equal bitwise to ``F.linear`` per expert under autograd; Triton or ``torch._grouped_mm`` on GPUs.
-An expert with no rows still takes part, so its weights get a zero gradient rather than none.
+An expert with no rows still takes part, so its weights get a zero gradient rather than none. ``impl`` narrows the
+backends (``llmpar.ops.grouped_gemm_backends``: "auto", "native" without Triton, "loop" the per-expert loop);
+:class:`Experts` takes it from its ``grouped_mm_impl`` (``"expert_parallel"``'s ``use_grouped_mm`` /
+``disable_triton_grouped_mm`` set it at ``initialize``).
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ def grouped_mlp(
     counts: "Sequence[int] | torch.Tensor",
     gate_up: torch.Tensor,
     down: torch.Tensor,
+    *,
+    impl: str = "auto",
 ) -> torch.Tensor:
     """SwiGLU experts over tokens sorted by expert: ``x_sorted: [N, H]`` (``counts[e]`` rows for local expert e, in
     order, ``sum(counts) = N``), ``gate_up: [E_local, 2I, H]``, ``down: [E_local, H, I]`` -> ``[N, H]``."""
@@ -54,7 +59,7 @@ def grouped_mlp(
         raise ValueError(
             f"down {tuple(down.shape)} does not match gate_up {tuple(gate_up.shape)}: expected {(E, H, two_i // 2)}"
         )
-    return grouped_swiglu(x_sorted, sizes, gate_up, down)
+    return grouped_swiglu(x_sorted, sizes, gate_up, down, impl=impl)
 
 
 def _tag_expert(p: nn.Parameter, ep_size: int) -> nn.Parameter:
@@ -96,6 +101,7 @@ class Experts(nn.Module):
             down.normal_(0.0, init_std)
         self.gate_up_proj = _tag_expert(nn.Parameter(gate_up[lo : lo + n].clone()), ep_size)
         self.down_proj = _tag_expert(nn.Parameter(down[lo : lo + n].clone()), ep_size)
+        self.grouped_mm_impl = "auto"  # the grouped GEMM backends allowed (module docstring)
 
     @property
     def first_expert(self) -> int:
@@ -103,7 +109,7 @@ class Experts(nn.Module):
         return self.ep_rank * self.num_local_experts
 
     def forward(self, x_sorted: torch.Tensor, counts: "Sequence[int] | torch.Tensor") -> torch.Tensor:
-        return grouped_mlp(x_sorted, counts, self.gate_up_proj, self.down_proj)
+        return grouped_mlp(x_sorted, counts, self.gate_up_proj, self.down_proj, impl=self.grouped_mm_impl)
 
     def extra_repr(self) -> str:
         return (

@@ -122,29 +122,32 @@ def group_offsets(
 
 @torch.library.custom_op("llmpar::grouped_mm", mutates_args=())
 def _grouped_mm_op(
-    x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, act: int, keep_pre: bool
+    x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, act: int, keep_pre: bool, impl: str = "auto"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     _check_op(x, w, offs, act)
-    out, pre = backends.mm(x, w, offs, act, backends.select("grouped_mm", x, w), keep_pre)
+    out, pre = backends.mm(x, w, offs, act, backends.select("grouped_mm", x, w, impl=impl), keep_pre)
     return out, pre if pre is not None else x.new_empty(0, w.shape[2])
 
 
 @_grouped_mm_op.register_fake
-def _grouped_mm_fake(x, w, offs, act, keep_pre):
+def _grouped_mm_fake(x, w, offs, act, keep_pre, impl="auto"):
     _check_op(x, w, offs, act)
     n = w.shape[2]
     return x.new_empty(x.shape[0], n // 2 if act else n), x.new_empty(x.shape[0] if act and keep_pre else 0, n)
 
 
 @torch.library.custom_op("llmpar::grouped_mm_swiglu_backward", mutates_args=())
-def _swiglu_backward_op(dh: torch.Tensor, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+def _swiglu_backward_op(
+    dh: torch.Tensor, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, impl: str = "auto"
+) -> torch.Tensor:
     _check_op(x, w, offs, 1)
     _check_grad(dh, x, w.shape[2] // 2)
-    return backends.swiglu_backward(dh, x, w, offs, backends.select("grouped_mm_swiglu_backward", x, w, dh))
+    backend = backends.select("grouped_mm_swiglu_backward", x, w, dh, impl=impl)
+    return backends.swiglu_backward(dh, x, w, offs, backend)
 
 
 @_swiglu_backward_op.register_fake
-def _swiglu_backward_fake(dh, x, w, offs):
+def _swiglu_backward_fake(dh, x, w, offs, impl="auto"):
     _check_op(x, w, offs, 1)
     _check_grad(dh, x, w.shape[2] // 2)
     return x.new_empty(x.shape[0], w.shape[2])
@@ -159,13 +162,13 @@ def _check_grad(dh: torch.Tensor, x: torch.Tensor, n: int) -> None:
 
 
 @torch.library.custom_op("llmpar::grouped_mm_wgrad", mutates_args=())
-def _wgrad_op(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+def _wgrad_op(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, impl: str = "auto") -> torch.Tensor:
     _check_wgrad(a, b, offs)
-    return backends.wgrad(a, b, offs, backends.select("grouped_mm_wgrad", a, b))
+    return backends.wgrad(a, b, offs, backends.select("grouped_mm_wgrad", a, b, impl=impl))
 
 
 @_wgrad_op.register_fake
-def _wgrad_fake(a, b, offs):
+def _wgrad_fake(a, b, offs, impl="auto"):
     _check_wgrad(a, b, offs)
     return a.new_empty(offs.shape[0], a.shape[1], b.shape[1])
 
@@ -186,44 +189,45 @@ def _check_wgrad(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> None:
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, w, offs, act, keep_pre = inputs
+    x, w, offs, act, keep_pre, *impl = inputs
     pre = output[1]
     ctx.mark_non_differentiable(pre)
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(x, w, offs, pre)
-    ctx.act, ctx.kept = act, bool(act and keep_pre)
+    ctx.act, ctx.kept, ctx.impl = act, bool(act and keep_pre), impl[0] if impl else "auto"
 
 
 class _LibraryOps:
     """The backward's GEMMs as the llmpar:: ops (what torch.compile traces)."""
 
     @staticmethod
-    def mm(x, w, offs):
-        return torch.ops.llmpar.grouped_mm(x, w, offs, 0, False)[0]
+    def mm(x, w, offs, impl):
+        return torch.ops.llmpar.grouped_mm(x, w, offs, 0, False, impl)[0]
 
     @staticmethod
-    def swiglu_backward(dh, x, w, offs):
-        return torch.ops.llmpar.grouped_mm_swiglu_backward(dh, x, w, offs)
+    def swiglu_backward(dh, x, w, offs, impl):
+        return torch.ops.llmpar.grouped_mm_swiglu_backward(dh, x, w, offs, impl)
 
     @staticmethod
-    def wgrad(a, b, offs):
-        return torch.ops.llmpar.grouped_mm_wgrad(a, b, offs)
+    def wgrad(a, b, offs, impl):
+        return torch.ops.llmpar.grouped_mm_wgrad(a, b, offs, impl)
 
 
 class _EagerOps:
     """The same impls called directly: eager mode skips the dispatcher's round trips (~0.1 ms of Python per op)."""
 
     @staticmethod
-    def mm(x, w, offs):
-        return backends.mm(x, w, offs, 0, backends.select("grouped_mm", x, w))[0]
+    def mm(x, w, offs, impl):
+        return backends.mm(x, w, offs, 0, backends.select("grouped_mm", x, w, impl=impl))[0]
 
     @staticmethod
-    def swiglu_backward(dh, x, w, offs):
-        return backends.swiglu_backward(dh, x, w, offs, backends.select("grouped_mm_swiglu_backward", x, w, dh))
+    def swiglu_backward(dh, x, w, offs, impl):
+        backend = backends.select("grouped_mm_swiglu_backward", x, w, dh, impl=impl)
+        return backends.swiglu_backward(dh, x, w, offs, backend)
 
     @staticmethod
-    def wgrad(a, b, offs):
-        return backends.wgrad(a, b, offs, backends.select("grouped_mm_wgrad", a, b))
+    def wgrad(a, b, offs, impl):
+        return backends.wgrad(a, b, offs, backends.select("grouped_mm_wgrad", a, b, impl=impl))
 
 
 def _grads(ctx, grad, ops) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -236,21 +240,21 @@ def _grads(ctx, grad, ops) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         if ctx.kept:  # [dh * u * silu'(g), dh * silu(g)] from the kept [g, u], written in place (no cat)
             g = backends.swiglu_grads(grad, pre, torch.empty_like(pre))
         else:
-            g = ops.swiglu_backward(grad, x, w, offs)
+            g = ops.swiglu_backward(grad, x, w, offs, ctx.impl)
     else:
         g = grad
-    dx = ops.mm(g, w.transpose(1, 2), offs) if need_x else None
+    dx = ops.mm(g, w.transpose(1, 2), offs, ctx.impl) if need_x else None
     dw = None
     if need_w:
         if w.stride(1) == 1 and w.stride(2) != 1:  # w is the transposed view of [E, N, K] weights
-            dw = ops.wgrad(g, x, offs).transpose(1, 2)
+            dw = ops.wgrad(g, x, offs, ctx.impl).transpose(1, 2)
         else:
-            dw = ops.wgrad(x, g, offs)
+            dw = ops.wgrad(x, g, offs, ctx.impl)
     return dx, dw
 
 
 def _backward(ctx, grad, _grad_pre):
-    return (*_grads(ctx, grad, _LibraryOps), None, None, None)
+    return (*_grads(ctx, grad, _LibraryOps), None, None, None, None)
 
 
 _grouped_mm_op.register_autograd(_backward, setup_context=_setup_context)
@@ -260,16 +264,16 @@ class _GroupedMM(torch.autograd.Function):
     """llmpar::grouped_mm in eager mode: the op's impl and backward (``_grads``) without the dispatcher."""
 
     @staticmethod
-    def forward(ctx, x, w, offs, act, keep_pre):  # type: ignore[override]
-        out, pre = backends.mm(x, w, offs, act, backends.select("grouped_mm", x, w), keep_pre)
+    def forward(ctx, x, w, offs, act, keep_pre, impl):  # type: ignore[override]
+        out, pre = backends.mm(x, w, offs, act, backends.select("grouped_mm", x, w, impl=impl), keep_pre)
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(x, w, offs, pre)
-        ctx.act, ctx.kept = act, pre is not None
+        ctx.act, ctx.kept, ctx.impl = act, pre is not None, impl
         return out
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        return (*_grads(ctx, grad, _EagerOps), None, None, None)
+        return (*_grads(ctx, grad, _EagerOps), None, None, None, None)
 
 
 def _eager(*tensors: torch.Tensor) -> bool:
@@ -281,12 +285,14 @@ def _eager(*tensors: torch.Tensor) -> bool:
     return all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type != "meta" for t in tensors)
 
 
-def _run(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, act: int, keep_pre: bool) -> torch.Tensor:
+def _run(
+    x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, act: int, keep_pre: bool, impl: str = "auto"
+) -> torch.Tensor:
     """The op (traced as llmpar::grouped_mm under torch.compile, its fake impl on meta / fake tensors), or on plain
     tensors in eager mode the same impls through an autograd Function."""
     if _eager(x, w, offs):
-        return _GroupedMM.apply(x, w, offs, act, keep_pre)
-    return torch.ops.llmpar.grouped_mm(x, w, offs, act, keep_pre)[0]
+        return _GroupedMM.apply(x, w, offs, act, keep_pre, impl)
+    return torch.ops.llmpar.grouped_mm(x, w, offs, act, keep_pre, impl)[0]
 
 
 # ------------------------------------------------------------------------------------------------- entry points
@@ -300,13 +306,16 @@ def grouped_mm(
     counts: Sequence[int] | torch.Tensor | None = None,
     act: str = "none",
     recompute: bool | None = None,
+    impl: str = "auto",
 ) -> torch.Tensor:
     """``out[rows_e] = act(x[rows_e] @ w[e])`` (module docstring); differentiable in x and w.
 
     x: [M, K], w: [E, K, N], exactly one of ``offs`` ([E] cumulative row ends) and ``counts`` (E rows per group),
     act "none" -> [M, N], "swiglu" -> [M, N/2]. ``recompute`` (swiglu): whether the backward recomputes the product
     [g, u] (one more grouped GEMM) instead of keeping it ([M, N] held from forward to backward); default
-    :func:`recompute_default`. Bad arguments raise a TypeError / ValueError naming them."""
+    :func:`recompute_default`. ``impl``: the backends allowed, forward and backward (``grouped_gemm_backends``:
+    "auto", "native" without Triton, "loop" the per-expert loop). Bad arguments raise a TypeError / ValueError naming
+    them."""
     if act not in ACTS:
         raise ValueError(f"grouped_mm: act={act!r} is not one of {', '.join(ACTS)}")
     if not isinstance(w, torch.Tensor) or w.dim() != 3:
@@ -316,7 +325,7 @@ def grouped_mm(
     code = ACTS.index(act)
     _check_op(x, w, torch.empty(w.shape[0], dtype=torch.int32, device=x.device), code)
     ends = group_offsets(x, w.shape[0], offs, counts)
-    return _run(x, w, ends, code, not _recompute(recompute, x))
+    return _run(x, w, ends, code, not _recompute(recompute, x), backends.check_impl(impl))
 
 
 def grouped_swiglu(
@@ -326,11 +335,12 @@ def grouped_swiglu(
     down: torch.Tensor,
     *,
     recompute: bool | None = None,
+    impl: str = "auto",
 ) -> torch.Tensor:
     """SwiGLU experts over rows sorted by expert: ``x: [M, H]`` (``counts[e]`` rows for expert e),
     ``gate_up: [E, 2I, H]``, ``down: [E, H, I]`` (transformers' packed layout) -> ``[M, H]``:
     ``down[e] @ (silu(G_e x) * (U_e x))`` per row, the SwiGLU in the first GEMM's epilogue; the offsets are built
-    (and checked) once for both GEMMs. ``recompute``: as :func:`grouped_mm`'s."""
+    (and checked) once for both GEMMs. ``recompute``, ``impl``: as :func:`grouped_mm`'s."""
     if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor):
         raise TypeError("grouped_swiglu: gate_up and down must be tensors")
     if gate_up.dim() != 3 or down.dim() != 3:
@@ -351,8 +361,9 @@ def grouped_swiglu(
             f"{gate_up.device}) must share dtype and device"
         )
     ends = group_offsets(x, e_count, None, counts)
-    h = _run(x, w1, ends, 1, not _recompute(recompute, x))
-    return _run(h, w2, ends, 0, False)
+    backends.check_impl(impl)
+    h = _run(x, w1, ends, 1, not _recompute(recompute, x), impl)
+    return _run(h, w2, ends, 0, False, impl)
 
 
 def recompute_default(device: torch.device) -> bool:

@@ -11,7 +11,10 @@
             ``torch._grouped_mm`` has its kernel and the operands are aligned, that loop in C++ (the same calls)
 
 ``select`` applies ``LLMPAR_BACKEND`` as every op does (llmpar/ops/_dispatch.py): a forced backend that cannot run
-raises a RuntimeError (not there) or TypeError (these inputs do not fit it) naming why. Ops, with ``rows_e`` the rows
+raises a RuntimeError (not there) or TypeError (these inputs do not fit it) naming why. A caller narrows the choice with
+``impl`` (one of ``IMPLS``; DeepSpeed AutoEP's ``use_grouped_mm`` / ``disable_triton_grouped_mm``): "auto" as above,
+"native" never Triton (``torch._grouped_mm`` where fused, else the loop; ``LLMPAR_BACKEND=triton`` is then an error),
+"loop" always the per-expert loop (whatever ``LLMPAR_BACKEND`` says). Ops, with ``rows_e`` the rows
 ``[offs[e - 1], offs[e])`` of group e:
 
     mm(x, w, offs, act)            out[rows_e] = x[rows_e] @ w[e], act 1: silu(.[:, :I]) * .[:, I:]
@@ -27,6 +30,7 @@ import torch.nn.functional as F
 import llmpar.ops._dispatch as _dispatch  # through the module: tests/gpu_replay.py patches its functions
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+IMPLS = ("auto", "native", "loop")  # the backends a caller allows (``select``'s ``impl``)
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -68,12 +72,22 @@ def _triton_slow(x: torch.Tensor) -> str | None:
     return None
 
 
-def select(op: str, *tensors: torch.Tensor) -> str:
-    """The backend of ``op`` (cuda, triton or torch) for these operands (module docstring)."""
+def check_impl(impl: object) -> str:
+    """``impl`` if it is one of ``IMPLS``, else a ValueError naming it."""
+    if impl not in IMPLS:
+        raise ValueError(f"grouped_mm: impl={impl!r} is not one of {', '.join(IMPLS)}")
+    return impl  # type: ignore[return-value]
+
+
+def select(op: str, *tensors: torch.Tensor, impl: str = "auto") -> str:
+    """The backend of ``op`` (cuda, triton or torch) for these operands, among those ``impl`` allows (module
+    docstring)."""
     device = tensors[0].device
     forced, env = _dispatch.forced_backend(), _dispatch.ENV
-    if forced == "torch":
+    if forced == "torch" or check_impl(impl) == "loop":
         return "torch"
+    if forced == "triton" and impl == "native":
+        raise RuntimeError(f"{env}=triton but {op} was asked for no Triton kernel (impl='native'); unset {env}")
     gmm = torch_gmm_unfit(tensors)
     if forced == "cuda":
         if gmm is not None:
@@ -90,6 +104,8 @@ def select(op: str, *tensors: torch.Tensor) -> str:
         return "triton"
     if gmm is None:
         return "cuda"
+    if impl == "native":
+        return "torch"
     if unfit is None and _triton_slow(tensors[0]) is None and _dispatch.triton_unavailable_reason(device) is None:
         return "triton"
     return "torch"

@@ -24,6 +24,7 @@ from llmpar.runtime.activations import apply_activation_checkpointing
 from llmpar.runtime.blocks import ContextParallelConfig
 from llmpar.runtime.config import Blocks, Config
 from llmpar.runtime.engine import Engine
+from llmpar.runtime.expert_block import apply_grouped_mm_impl
 from llmpar.runtime.experts import setup_experts
 from llmpar.runtime.params import named_groups
 from llmpar.runtime.precision import build_loss_scaler, model_dtype
@@ -80,6 +81,7 @@ def build_engine(
         model.to(dtype)
     apply_activation_checkpointing(model, cfg.activation_checkpointing, tp_group)
     moe = setup_experts(model, blocks.expert_parallel, mesh, zero_group)  # before the optimizer sees the experts
+    apply_grouped_mm_impl(model, blocks.expert_parallel)  # the swapped blocks' grouped GEMM backends
     spread = moe is not None and moe.ep > 1
     opt = ZeroOptimizer(
         named_groups(model, model_parameters, strict=split_here),

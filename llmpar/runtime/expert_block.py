@@ -10,10 +10,14 @@ the expert-data-parallel group. The routing keys (``preset_model`` and its overr
 ``llmpar.moe.RouterConfig`` (:meth:`ExpertParallelConfig.router_config`) for layers built from the config, as
 DeepSpeed resolves them from its presets: a key left at ``"auto"`` / null takes the preset's value. The patterns
 and attribute names (``moe_layer_pattern``, ``expert_w1``, ...) locate the MoE layers of a model being swapped and are
-kept as given (``overrides``). DeepSpeed's implementation switches (grouped GEMM, combine kernels, DeepEP tuning) are
-accepted and change nothing (``ds_keys.EXPERT_PARALLEL``); what would change the math llmpar does not support is an
-error: ``expert_tensor_parallel_size`` > 1, ``comm_backend`` "deepep", a non-null ``load_balance_coeff`` (DeepSpeed
-refuses it too).
+kept as given (``overrides``). ``use_grouped_mm`` (default true) and ``disable_triton_grouped_mm`` (default false)
+choose the grouped GEMM backends of every ``llmpar.moe.Experts`` at ``initialize`` (:func:`apply_grouped_mm_impl`):
+false -> the per-expert loop; true with Triton disabled -> ``torch._grouped_mm`` where it is fused, else the loop; true
+-> any (``llmpar.ops.grouped_gemm_backends``: ``torch._grouped_mm``, the Triton kernel, the loop), the same math.
+DeepSpeed's other implementation switches (combine kernels, DeepEP tuning) are accepted and change nothing
+(``ds_keys.EXPERT_PARALLEL``); what would change the math llmpar does not support is an error:
+``expert_tensor_parallel_size`` > 1, ``comm_backend`` "deepep", a non-null ``load_balance_coeff`` (DeepSpeed refuses it
+too).
 
 llmpar's own key ``add_aux_loss`` (default true): ``engine.backward(loss)`` adds the auxiliary losses of the MoE
 layers' last training forward through the engine (each already weighted by its router's ``aux_loss_coeff``,
@@ -67,6 +71,8 @@ _KEYS = (
     "expert_tensor_parallel_size",
     "comm_backend",
     "add_aux_loss",
+    "use_grouped_mm",
+    "disable_triton_grouped_mm",
     *_LOCATORS,
 )
 
@@ -92,7 +98,17 @@ class ExpertParallelConfig:
     expert_tensor_parallel_size: int = 1  # experts split over tp: not supported (1)
     comm_backend: str = "comm"  # "deepep": not supported
     add_aux_loss: bool = True  # llmpar: engine.backward adds the MoE layers' aux losses
+    use_grouped_mm: bool = True  # false: the experts run as a per-expert loop of GEMMs
+    disable_triton_grouped_mm: bool = False  # true: never the Triton grouped GEMM (torch._grouped_mm or the loop)
     overrides: dict = field(default_factory=dict)  # the layer-locating keys as given (moe_layer_pattern, ...)
+
+    @property
+    def grouped_mm_impl(self) -> str:
+        """The experts' grouped GEMM backends (``llmpar.ops.grouped_gemm_backends.IMPLS``): "loop" without
+        ``use_grouped_mm``, "native" with ``disable_triton_grouped_mm``, else "auto"."""
+        if not self.use_grouped_mm:
+            return "loop"
+        return "native" if self.disable_triton_grouped_mm else "auto"
 
     @property
     def ep(self) -> int:
@@ -185,8 +201,23 @@ def expert_parallel_block(block: Any) -> ExpertParallelConfig:
         num_expert_groups=groups["num_expert_groups"],
         num_limited_groups=groups["num_limited_groups"],
         add_aux_loss=as_bool(where + "add_aux_loss", b.get("add_aux_loss", True)),
+        use_grouped_mm=as_bool(where + "use_grouped_mm", b.get("use_grouped_mm", True)),
+        disable_triton_grouped_mm=as_bool(
+            where + "disable_triton_grouped_mm", b.get("disable_triton_grouped_mm", False)
+        ),
         overrides={k: b[k] for k in _LOCATORS if k in b},
     )
+
+
+def apply_grouped_mm_impl(model: Any, ep: ExpertParallelConfig) -> int:
+    """Set ``grouped_mm_impl`` of every ``llmpar.moe.Experts`` in ``model`` (swapped or built, legacy layers' too)
+    from the block; returns how many. Runs after the transformers MoE blocks are swapped."""
+    from llmpar.moe.experts import Experts
+
+    found = [m for m in model.modules() if isinstance(m, Experts)]
+    for m in found:
+        m.grouped_mm_impl = ep.grouped_mm_impl
+    return len(found)
 
 
 def refuse_ep_with_pipeline(ep: ExpertParallelConfig, pipeline: str) -> None:
@@ -199,4 +230,10 @@ def refuse_ep_with_pipeline(ep: ExpertParallelConfig, pipeline: str) -> None:
         )
 
 
-__all__ = ["PRESETS", "ExpertParallelConfig", "expert_parallel_block", "refuse_ep_with_pipeline"]
+__all__ = [
+    "PRESETS",
+    "ExpertParallelConfig",
+    "apply_grouped_mm_impl",
+    "expert_parallel_block",
+    "refuse_ep_with_pipeline",
+]
