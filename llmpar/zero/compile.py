@@ -27,6 +27,7 @@ storage is reallocated at every gather.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any, Callable
 
@@ -37,7 +38,7 @@ logger = logging.getLogger("llmpar")
 
 __all__ = ["compile_stage3", "compiled_regions", "regions", "uncompile_stage3"]
 
-COMPILE_KWARGS = ("fullgraph", "dynamic", "mode", "options", "disable")  # torch.compile's, besides the backend
+COMPILE_KWARGS = tuple(p for p in inspect.signature(torch.compile).parameters if p not in ("model", "backend"))
 CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
 _EAGER_ATTR = "_llmpar_eager_forward"  # on a compiled unit module: its forward before compile_stage3
 
