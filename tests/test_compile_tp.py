@@ -41,9 +41,10 @@ def _fwd_bwd(fn, inputs, params, grad_out):
     return out.detach(), [g.clone() for g in grads]
 
 
-def _compare(name: str, fn, inputs, params, grad_out=None, *, breaks: int = 0, reference=None):
+def _compare(name: str, fn, inputs, params, grad_out=None, *, breaks: int = 0, only: str = "", reference=None):
     """Eager vs ``torch.compile(fn, backend="aot_eager")``: outputs and gradients at 1e-6, exactly ``breaks`` graph
-    breaks; ``reference``: (output, grads) of a float64 single-device run the eager one must match."""
+    breaks, each naming ``only``; ``reference``: (output, grads) of a float64 single-device run the eager one must
+    match."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -59,6 +60,7 @@ def _compare(name: str, fn, inputs, params, grad_out=None, *, breaks: int = 0, r
         got = _fwd_bwd(compiled, inputs, params, grad_out)
         seen = _breaks()
         assert sum(seen.values()) == breaks, f"{name}: {sum(seen.values())} graph breaks, expected {breaks}: {seen}"
+        assert all(only in reason for reason in counters["graph_break"]), f"{name}: a break elsewhere than {only}"
         torch.testing.assert_close(got[0], want[0], **TOL, msg=lambda m: f"{name} output: {m}")
         assert len(got[1]) == len(want[1])
         for i, (a, b) in enumerate(zip(got[1], want[1])):
@@ -137,13 +139,100 @@ def _vocab_case() -> None:
         raise AssertionError("an id outside the vocabulary passed a compiled VocabParallelEmbedding")
 
 
+# ---------------------------------------------------------------- context parallel
+def _cp_case(mode: str, seq_len: int) -> None:
+    from llmpar.context_parallel import ContextParallel, shard_tensor
+
+    g = dist.group.WORLD
+    cp = ContextParallel(mode, **{("ring_group" if mode == "ring" else "ulysses_group"): g})
+    shard = cp.shard(seq_len)
+    torch.manual_seed(7)
+    q, k, v, w = (torch.randn(2, 4, seq_len, 6, dtype=torch.float64) for _ in range(4))
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    ref = F.scaled_dot_product_attention(qr, kr, vr, is_causal=True)
+    (ref * w).sum().backward()
+    local = [shard_tensor(t, shard, dim=2) for t in (q, k, v, w, ref.detach(), qr.grad, kr.grad, vr.grad)]
+
+    def attend(q, k, v):
+        return cp.attention(q, k, v, shard=shard)
+
+    inputs = [t.float() for t in local[:3]]
+    _compare(f"cp=2 {mode} attention", attend, inputs, [], local[3].float(), reference=(local[4], local[5:]))
+    if mode == "ring":  # the ring's torch.library op: schema, fake implementation, autograd registration
+        positions = cp._positions(seq_len, q.device)[0]
+        name = cp.ring_group.name
+        args = tuple([t.clone().requires_grad_() for t in inputs] + [None, positions, name, seq_len, True, 6**-0.5])
+        checks = ("test_schema", "test_autograd_registration", "test_faketensor")  # traced: _compare above
+        torch.library.opcheck(torch.ops.llmpar.ring_attention_fwd.default, args, test_utils=checks)
+
+
+# ---------------------------------------------------------------- expert parallel
+# one place breaks the graph: the count exchange, whose split sizes the host must read (alltoall._host_counts, a
+# torch.compiler.disable'd function). Dynamo counts that break once per frame on the stack: moe -> dispatch ->
+# dispatch_async.
+MOE_BREAKS = 3
+MOE_BREAK = "_host_counts"
+
+
+def _moe_case() -> None:
+    from llmpar.moe.alltoall import AllToAllDispatcher
+    from llmpar.moe.router import Router
+
+    g = dist.group.WORLD
+    ep, rank = dist.get_world_size(), dist.get_rank()
+    E, H, k, T = 2 * ep, 6, 2, 9
+    torch.manual_seed(9)
+    router = Router(H, E, k)
+    experts = torch.randn(E, H, H, dtype=torch.float64) / H**0.5
+    mine = nn.Parameter(experts[rank * 2 : rank * 2 + 2].float())
+    xs = [torch.randn(T, H, dtype=torch.float64) for _ in range(ep)]  # every rank's tokens (its own: xs[rank])
+    ws = [torch.randn(T, H, dtype=torch.float64) for _ in range(ep)]
+    dispatcher = AllToAllDispatcher(E, g)
+
+    def moe(x):
+        x_local, counts, meta = dispatcher.dispatch(x, router(x))
+        y = torch.cat([torch.tanh(part @ w) for part, w in zip(torch.split(x_local, counts), mine)])
+        return dispatcher.combine(y, meta)
+
+    # float64 single device: every rank's tokens through all E experts, k picks weighed as routed
+    ref_router = Router(H, E, k, dtype=torch.float64)
+    with torch.no_grad():
+        ref_router.weight.copy_(router.weight)
+    ref_experts = experts.clone().requires_grad_()
+    for r in range(ep):
+        xr = xs[r].clone().requires_grad_()
+        ref_router.weight.grad = None  # each rank's router sees its own tokens only
+        routing = ref_router(xr)
+        picked = torch.tanh(torch.einsum("th,tjhd->tjd", xr, ref_experts[routing.indices]))
+        out = (routing.weights.unsqueeze(-1) * picked).sum(1)
+        (out * ws[r]).sum().backward()
+        if r == rank:
+            ref = (out.detach(), [xr.grad, ref_router.weight.grad.clone()])
+    ref[1].append(ref_experts.grad[rank * 2 : rank * 2 + 2])
+    params = [router.weight, mine]
+    _compare(
+        f"ep={ep} MoE all-to-all",
+        moe,
+        [xs[rank].float()],
+        params,
+        ws[rank].float(),
+        breaks=MOE_BREAKS,
+        only=MOE_BREAK,
+        reference=ref,
+    )
+
+
 def _body() -> None:
     _mlp_case(sp=False)
     _mlp_case(sp=True)
     _vocab_case()
+    _cp_case("ulysses", 10)
+    _cp_case("ring", 12)
+    _moe_case()
 
 
 def test_compile_tp_cp_ep_no_graph_breaks():
-    """TP MLP (plain and sequence parallel), vocab-parallel embedding + loss: compiled with no graph break and equal
-    to eager (fp32, 1e-6)."""
+    """TP MLP (plain and sequence parallel), vocab-parallel embedding + loss, cp=2 Ulysses and ring attention: compiled
+    with no graph break; the ep=2 MoE all-to-all dispatcher with the one break of its count exchange; all equal to
+    eager (fp32, 1e-6) and eager to a float64 single-device reference."""
     run_ranks(_body, 2, timeout=300)

@@ -29,6 +29,7 @@ from typing import Any, Iterator
 
 import torch
 
+from llmpar.context_parallel._ring_op import ring_attention_traced
 from llmpar.context_parallel.batch_check import agree_batch
 from llmpar.context_parallel.loss import token_mean
 from llmpar.context_parallel.ring import RingSpec, RingStats, ring_attention
@@ -286,10 +287,13 @@ class ContextParallel:
                 self._memo["valid"] = valid
         if self.mode == "ulysses":
             pos, mask = device_groups[0], None
-            if valid is not None or int(groups[0][-1]) >= shard.seq_len:  # user padding, or tokens added to pad
+            if valid is not None or shard.padded_len > shard.seq_len:  # user padding, or tokens added to pad
                 mask = (pos < shard.seq_len)[None].expand(q.shape[0], -1)
                 mask = mask if valid is None else mask & valid.bool()
-            out = flash_attention(q, k, v, scale=scale, causal=causal, q_pos=pos, k_pos=pos, k_valid=mask)
+            # the group's tokens are 0..padded_len-1 in order, flash_attention's default positions: traced, one
+            # tensor passed as both q_pos and k_pos is a graph break (an autograd Function's duplicate input)
+            qk_pos = None if torch.compiler.is_compiling() else pos
+            out = flash_attention(q, k, v, scale=scale, causal=causal, q_pos=qk_pos, k_pos=qk_pos, k_valid=mask)
         else:
             spec = RingSpec(
                 group=self.ring_group,
@@ -300,7 +304,8 @@ class ContextParallel:
                 stats=self.ring_stats,
                 device_positions=device_groups,
             )
-            out = ring_attention(q.contiguous(), k.contiguous(), v.contiguous(), valid, spec)
+            ring = ring_attention_traced if torch.compiler.is_compiling() else ring_attention  # traced: two ops
+            out = ring(q.contiguous(), k.contiguous(), v.contiguous(), valid, spec)
         return heads_to_seq(out, self.ulysses_group, u)
 
     def _positions(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,7 +3,9 @@
 Each of the u ranks of a Ulysses group holds all heads of its S tokens: ``x: [B, H, S, D]``. :func:`seq_to_heads`
 sends head chunk j (heads ``[j * H/u, (j + 1) * H/u)``) to group rank j, which then holds those heads for the
 group's u * S tokens in rank order: ``[B, H/u, u * S, D]``. :func:`heads_to_seq` is its inverse. Each is the other's
-backward (autograd Functions), so a gradient takes the reverse all-to-all.
+backward (autograd Functions), so a gradient takes the reverse all-to-all. Under torch.compile the all-to-all and the
+mask's all-gather are functional collectives (:mod:`llmpar.distributed.funcol`; ``ctx`` keeps the GroupRef, which
+holds a group name only) and the whole exchange traces into the graph.
 
 Grouped-query attention (Hkv key / value heads, Hq % Hkv == 0): query head h reads kv head ``h // (Hq / Hkv)``. If
 u does not divide Hkv, the kv heads are first repeated ``f = lcm(Hkv, u) / Hkv`` times each (``repeat_interleave``,
@@ -18,24 +20,32 @@ import math
 
 import torch
 
+from llmpar.distributed import funcol
 from llmpar.distributed.collectives import all_gather_flat
 from llmpar.distributed.exchange import all_to_all_single
 from llmpar.distributed.groups import GroupRef, as_group
 
 
+def _all_to_all(send: torch.Tensor, group: GroupRef, what: str) -> torch.Tensor:
+    """Chunk j of ``send`` ([u, ...]) to group rank j; chunk j of the result from it."""
+    if torch.compiler.is_compiling():  # a functional all-to-all in the graph (the group by name)
+        return funcol.all_to_all_dim0(send, funcol.group_key(group))
+    recv = torch.empty_like(send)
+    all_to_all_single(recv, send, group, what=what)
+    return recv
+
+
 def _seq_to_heads(x: torch.Tensor, group: GroupRef, u: int) -> torch.Tensor:
     B, H, S, D = x.shape
     send = x.reshape(B, u, H // u, S, D).transpose(0, 1).contiguous()  # [dst, B, H/u, S, D]
-    recv = torch.empty_like(send)
-    all_to_all_single(recv, send, group, what=f"Ulysses all-to-all (sequence -> heads) of {tuple(x.shape)}")
+    recv = _all_to_all(send, group, f"Ulysses all-to-all (sequence -> heads) of {tuple(x.shape)}")
     return recv.permute(1, 2, 0, 3, 4).reshape(B, H // u, u * S, D)  # [B, H/u, (src, S), D]
 
 
 def _heads_to_seq(y: torch.Tensor, group: GroupRef, u: int) -> torch.Tensor:
     B, Hl, US, D = y.shape
     send = y.reshape(B, Hl, u, US // u, D).permute(2, 0, 1, 3, 4).contiguous()  # [dst, B, H/u, S, D]
-    recv = torch.empty_like(send)
-    all_to_all_single(recv, send, group, what=f"Ulysses all-to-all (heads -> sequence) of {tuple(y.shape)}")
+    recv = _all_to_all(send, group, f"Ulysses all-to-all (heads -> sequence) of {tuple(y.shape)}")
     return recv.transpose(0, 1).reshape(B, u * Hl, US // u, D)  # [B, (src, H/u), S, D]
 
 
@@ -88,6 +98,9 @@ def gather_valid(valid: torch.Tensor, group: GroupRef, u: int) -> torch.Tensor:
     if u == 1:
         return valid
     B, S = valid.shape
+    if torch.compiler.is_compiling():
+        gathered = funcol.all_gather_dim0(valid.unsqueeze(0), funcol.group_key(group))  # [u, B, S]
+        return gathered.transpose(0, 1).reshape(B, u * S)
     everyone = torch.empty(u * B * S, dtype=valid.dtype, device=valid.device)
     all_gather_flat(
         everyone,

@@ -25,7 +25,15 @@ from typing import Any
 
 import torch
 
-from llmpar.distributed import GroupRef, all_to_all_single, collective_device, global_rank, group_rank, group_size
+from llmpar.distributed import (
+    GroupRef,
+    all_to_all_single,
+    collective_device,
+    funcol,
+    global_rank,
+    group_rank,
+    group_size,
+)
 from llmpar.distributed.exchange import all_to_all_uneven
 from llmpar.moe.router import Routing
 from llmpar.moe.slots import (
@@ -79,8 +87,12 @@ class _Exchange(torch.autograd.Function):
 def exchange_rows(
     x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: GroupRef, what: str
 ) -> tuple[torch.Tensor, _InFlight]:
-    """Differentiable uneven all-to-all of ``x``'s rows, in flight: read the result after ``flight.wait()``."""
+    """Differentiable uneven all-to-all of ``x``'s rows, in flight: read the result after ``flight.wait()``. Under
+    torch.compile a functional all-to-all (the group by name, the wait in the graph; the flight has nothing to wait
+    for)."""
     flight = _InFlight()
+    if torch.compiler.is_compiling():
+        return funcol.all_to_all_autograd(x, funcol.group_key(group), out_splits, in_splits), flight
     return _Exchange.apply(x, out_splits, in_splits, group, flight, what), flight
 
 
@@ -92,8 +104,15 @@ def expert_major(C: list[list[int]]) -> torch.Tensor:
     starts = (torch.cumsum(flat, 0) - flat).view_as(c)  # where block (s, e) begins in the received rows
     lens = c.t().reshape(-1)  # blocks in expert-major order
     begins = torch.cumsum(lens, 0) - lens
-    total = int(lens.sum())
-    return torch.repeat_interleave(starts.t().reshape(-1) - begins, lens) + torch.arange(total)
+    total = sum(map(sum, C))  # on the host: no read of a tensor (torch.compile traces through)
+    return torch.repeat_interleave(starts.t().reshape(-1) - begins, lens, output_size=total) + torch.arange(total)
+
+
+@torch.compiler.disable
+def _host_counts(dispatcher: "AllToAllDispatcher", counts, status, dropped):
+    """``dispatcher._exchange_counts``: the split sizes are data, read on the host. Under torch.compile this is the one
+    graph break of a dispatch (the token exchange, the permutations and the combine trace as graphs around it)."""
+    return dispatcher._exchange_counts(counts, status, dropped)
 
 
 class AllToAllDispatcher:
@@ -144,7 +163,7 @@ class AllToAllDispatcher:
         el = self.num_local_experts
         order, counts, dropped = plan_slots(routing, self.num_experts, self.capacity_factor)
         status = (routing.nonfinite > 0).to(torch.int64)
-        sent, received = self._exchange_counts(counts, status, dropped)
+        sent, received = _host_counts(self, counts, status, dropped)
         if sent[0][el]:
             bad = int(routing.nonfinite)
             raise ValueError(nonfinite_message(bad, T, f" on expert-parallel rank {self.rank}"))

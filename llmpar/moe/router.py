@@ -157,6 +157,14 @@ class Routing:
     keep: torch.Tensor | None = None
 
 
+def expert_counts(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """``[E]`` int64: how many of ``ids`` (expert ids in ``[0, E)``) pick each expert. ``torch.bincount`` eagerly;
+    traced (torch.compile) a scatter-add of fixed size E, as bincount's output size depends on the data."""
+    if torch.compiler.is_compiling():
+        return torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(0, ids, torch.ones_like(ids))
+    return torch.bincount(ids, minlength=num_experts)
+
+
 class Router(nn.Module):
     """Top-k router: ``weight: [E, H]``; ``forward(x [T, H], seq_len) -> Routing``. ``seq_len`` cuts the T tokens
     into sequences for the sequence aux loss (default: one sequence)."""
@@ -198,7 +206,7 @@ class Router(nn.Module):
         idx, w, s = route(logits, self.top_k, cfg, self.expert_bias)
         with torch.no_grad():
             nonfinite = (~torch.isfinite(logits)).any(dim=-1).sum()
-            counts = torch.bincount(idx.reshape(-1), minlength=self.num_experts)
+            counts = expert_counts(idx.reshape(-1), self.num_experts)
             if self.expert_load is not None and self.training:
                 self.expert_load += counts.to(self.expert_load.dtype)
         losses: dict[str, torch.Tensor] = {}

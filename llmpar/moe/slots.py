@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from llmpar.moe.router import Routing
+from llmpar.moe.router import Routing, expert_counts
 from llmpar.ops.moe_permute import permute_rows, unpermute_rows
 
 STATUS_TEXT = {1: "its router produced non-finite logits (NaN or inf)", 2: "its input to the MoE layer was refused"}
@@ -89,7 +89,7 @@ def plan_slots(
         key = torch.where(keep, e, torch.full_like(e, num_experts))
         order = torch.sort(key, stable=True).indices[: int(kept_counts.sum())]
         return order, kept_counts, n - kept_counts.sum()
-    counts = torch.bincount(e, minlength=num_experts)
+    counts = expert_counts(e, num_experts)
     if capacity_factor is None:
         order = torch.sort(e, stable=True).indices
         return order, counts, counts.new_zeros(())
