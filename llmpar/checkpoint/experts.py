@@ -10,17 +10,24 @@ to be cut per expert: a load at another ep, edp or ZeRO stage asks element range
 them from whichever saved pieces overlap (any layout to any other), and the global tensor is the one an ep=1 run
 saves in its dense buffers and the one HuggingFace's packed layout holds (``consolidate`` writes it as it is).
 
-    save    each rank's file gains ``"experts": {"ep", "ep_rank", "params": [{"name", "shape"}], "buffers": [{
-            "pieces": [[name, start, stop, at, unit]], "steps": [units], "params": [partition], "exp_avg": ...}]}``
-            (its partition of the expert optimizer's buffers: fp32 master, moments, low-bit moments dequantized as
-            the dense ones), and its entry in ``metadata.json``'s ``"files"`` an ``"experts"`` mark; a stage-0
-            rank other than edp rank 0 writes the names and no shards
+    save    each rank's file gains ``"experts": {"ep", "ep_rank", "params": [{"name", "shape", "group"}],
+            "buffers": [{"pieces": [[name, start, stop, at, unit]], "steps": [units], "params": [partition],
+            "exp_avg": ...}]}`` (``"group"``: the dense param group whose hyper-parameters the param's expert group
+            follows; the buffers: its partition of the expert optimizer's buffers, fp32 master, moments, low-bit
+            moments dequantized as the dense ones), and its entry in ``metadata.json``'s ``"files"`` an
+            ``"experts"`` mark; a stage-0 rank other than edp rank 0 writes the names and no shards
     read    :class:`ExpertIndex`: the pieces of every marked file, by global name (``reshard.CheckpointReader``
             serves them beside the dense params: an ep=1 engine, ``consolidate`` and the converters see whole
             tensors)
     load    :class:`ExpertLoad`: this rank's expert optimizer filled through ``load_pieces`` from the global ranges
             of its rows; a saved expert count that ``ep`` does not divide, or that differs from the model's, is a
             ``CheckpointError`` naming the param on every rank before anything is modified
+
+A param holding *one* expert (DeepSpeed's legacy layer, ``llmpar.moe.layer.MoE``: a module per expert, named
+``...deepspeed_experts.<i>.*``, tagged ``expert_index = (list name, i, experts per rank)`` where it is) is not rows
+of a packed tensor: local expert ``i`` of ep rank ``r`` with ``n`` experts per rank is written whole under its global
+name ``...deepspeed_experts.<r n + i>.*`` (the name an ep=1 model gives it), element offset 0, so it loads at any ep
+as the packed ones do; its saved shape must equal the model's (a CheckpointError naming it otherwise).
 
 The optimizer shows its experts through ``checkpoint_experts()`` (``protocol.HoldsExperts``): the expert optimizer
 (itself a ``CheckpointOptimizer``), this rank's ep rank and ``ep``.
@@ -29,7 +36,8 @@ The optimizer shows its experts through ``checkpoint_experts()`` (``protocol.Hol
 from __future__ import annotations
 
 import math
-from typing import Any
+import re
+from typing import Any, NamedTuple
 
 import torch
 
@@ -52,17 +60,56 @@ def _rows(shape: tuple[int, ...]) -> int:
     return math.prod(shape[1:])
 
 
-def _global(engine: Checkpointable, xopt: CheckpointOptimizer, ep_rank: int, ep: int) -> dict[str, tuple]:
-    """{expert optimizer name: (checkpoint name, global shape, element offset of this rank's rows)}."""
+class Where(NamedTuple):
+    """Where an expert optimizer param sits in the checkpoint."""
+
+    name: str  # the global checkpoint name
+    shape: tuple[int, ...]  # the global tensor's shape
+    offset: int  # element offset of this rank's part in the global tensor's flat view
+    packed: bool  # rows of a packed [E, ...] tensor (False: one expert's whole tensor)
+
+
+LIST = "deepspeed_experts"  # the ModuleList of DeepSpeed's legacy layer, when a param carries no expert_index tag
+
+
+def one_expert(name: str, p: Any) -> tuple[str, int, str, int | None] | None:
+    """``(name up to the expert's index, local index, rest of the name, experts per rank or None)`` of a param
+    holding one expert (module docstring); None for a packed one."""
+    index = getattr(p, "expert_index", None)
+    seg = str(index[0]) if index is not None else LIST
+    m = re.match(rf"^((?:.*\.)?{re.escape(seg)}\.)(\d+)(\..+)$", name)
+    if m is None:
+        return None
+    return m.group(1), int(m.group(2)), m.group(3), int(index[2]) if index is not None else None
+
+
+def _global(engine: Checkpointable, xopt: CheckpointOptimizer, ep_rank: int, ep: int) -> dict[str, Where]:
+    """{expert optimizer name: where it sits in the checkpoint}: a packed param's rows at this rank's offset of the
+    global tensor, a one-expert param whole under its global index."""
     names = engine.checkpoint_names()
+    live = {n: p for buf in xopt.checkpoint_params() for n, p in buf}
+    single = {}
+    for b in xopt.checkpoint_layout():
+        for slot in b["params"]:
+            found = one_expert(names.get(slot["name"], slot["name"]), live.get(slot["name"]))
+            if found is not None:
+                single[slot["name"]] = found
+    per_rank: dict[str, int] = {}  # list prefix -> experts per ep rank (counted where untagged)
+    for prefix, i, _, n in single.values():
+        per_rank[prefix] = max(per_rank.get(prefix, 0), n if n is not None else i + 1)
     out = {}
     for b in xopt.checkpoint_layout():
         for slot in b["params"]:
             shape = tuple(int(s) for s in slot["shape"])
-            out[slot["name"]] = (
+            if slot["name"] in single:
+                prefix, i, rest, _ = single[slot["name"]]
+                out[slot["name"]] = Where(f"{prefix}{ep_rank * per_rank[prefix] + i}{rest}", shape, 0, False)
+                continue
+            out[slot["name"]] = Where(
                 names.get(slot["name"], slot["name"]),
                 (shape[0] * ep, *shape[1:]),
                 ep_rank * shape[0] * _rows(shape),
+                True,
             )
     return out
 
@@ -82,10 +129,16 @@ def snapshot(engine: Checkpointable, *, copy: bool) -> tuple[dict | None, dict |
     for entry, held in zip(bufs or [], xopt.checkpoint_held()):
         pieces = []
         for name, a, z, at in held:
-            gname, _, off = where[name]
+            gname, off = where[name].name, where[name].offset
             pieces.append([gname, a + off, z + off, at, units[name]])
         out_bufs.append({**entry, "pieces": pieces})
-    params = [{"name": g, "shape": list(shape)} for g, shape, _ in where.values()]
+    owner = list(getattr(engine.optimizer, "_expert_owner", None) or [])  # expert group -> its dense group
+    group = {
+        s["name"]: owner[b["group"]] if b.get("group", 0) < len(owner) else int(b.get("group", 0))
+        for b in xopt.checkpoint_layout()
+        for s in b["params"]
+    }
+    params = [{"name": w.name, "shape": list(w.shape), "group": group[n]} for n, w in where.items()]
     part = {"ep": ep, "ep_rank": ep_rank, "params": params, "buffers": out_bufs}
     mark = {"ep": ep, "ep_rank": ep_rank, "has_shards": bufs is not None, "params": [p["name"] for p in params]}
     return part, mark
@@ -98,6 +151,7 @@ class ExpertIndex:
         self.files = files
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.saved_ep: dict[str, int] = {}
+        self.group: dict[str, int] = {}  # the dense param group whose hyper-parameters the expert follows
         # global name -> [(start, stop, file, buffer index, at, unit)], sorted by start
         self.pieces: dict[str, list[tuple[int, int, str, int, int, int]]] = {}
         self.marked = sorted(f for f, e in meta.get("files", {}).items() if isinstance(e, dict) and KEY in e)
@@ -109,6 +163,7 @@ class ExpertIndex:
             for p in part["params"]:
                 self.shapes[p["name"]] = tuple(int(s) for s in p["shape"])
                 self.saved_ep[p["name"]] = int(part["ep"])
+                self.group[p["name"]] = int(p.get("group", 0))
             for bi, b in enumerate(part["buffers"]):
                 for name, a, z, at, unit in b["pieces"]:
                     self.pieces.setdefault(name, []).append((int(a), int(z), fname, bi, int(at), int(unit)))
@@ -170,11 +225,18 @@ class ExpertLoad:
         self.reader, self.tp = reader, engine.checkpoint_grid()
         self.where = _global(engine, self.xopt, ep_rank, self.ep)
         self.missing: set[str] = set()
-        for local, (gname, shape, _) in self.where.items():
+        for local, (gname, shape, _, packed) in self.where.items():
             if not reader.holds(gname):
                 self.missing.add(local)
                 continue
             saved = reader.full_shape(gname)
+            if not packed:  # one expert, whole
+                if tuple(saved) != shape:
+                    raise CheckpointError(
+                        f"{reader.path}: expert param {gname!r} has shape {tuple(saved)} in the checkpoint but "
+                        f"{shape} in this model"
+                    )
+                continue
             if saved[0] % self.ep:
                 raise CheckpointError(
                     f"{reader.path}: {gname!r} holds {saved[0]} experts, which do not split over ep={self.ep} "
@@ -189,11 +251,11 @@ class ExpertLoad:
         for b, required in zip(self.xopt.checkpoint_layout(), self.xopt.checkpoint_required()):
             for key in required:
                 for slot in b["params"]:
-                    gname = self.where[slot["name"]][0]
+                    gname = self.where[slot["name"]].name
                     if slot["name"] not in self.missing and not reader.has(gname, key):
                         raise CheckpointError(f"{reader.path} has no {key!r} state for expert param {gname!r}")
         if self.missing and strict:
-            names = sorted(self.where[n][0] for n in self.missing)
+            names = sorted(self.where[n].name for n in self.missing)
             raise CheckpointError(
                 f"{len(names)} expert params of this model are not in {reader.path}: {names[:8]} "
                 "(load_checkpoint(..., strict=False) keeps their current values)"
@@ -206,12 +268,12 @@ class ExpertLoad:
         out: set[str] = set()
         for local, a, z in self.xopt.checkpoint_reads():
             if local not in self.missing:
-                gname, _, off = self.where[local]
+                gname, _, off, _ = self.where[local]
                 out |= self.reader.files_for(gname, a + off, z + off, self._cut(gname))
         return out
 
     def get(self, local: str, key: str, a: int, z: int) -> torch.Tensor | None:
-        gname, _, off = self.where[local]
+        gname, _, off, _ = self.where[local]
         if not self.reader.has(gname, key):
             return None
         return self.reader.get(gname, key, a + off, z + off, self._cut(gname))
@@ -224,11 +286,15 @@ class ExpertLoad:
                 for key in keys:
                     self.get(local, key, a, z)
 
+    def names(self) -> set[str]:
+        """The checkpoint names of this rank's experts (a one-expert param's global name, not its module's)."""
+        return {w.name for w in self.where.values()}
+
     def apply(self) -> None:
         """Fill the expert optimizer (not collective; ``after_load`` follows on every rank)."""
 
         def step(local: str) -> float:
-            return self.reader.step(self.where[local][0])
+            return self.reader.step(self.where[local].name)
 
         if self.missing:
             self.xopt.load_pieces(self.get, step, keep=frozenset(self.missing))
@@ -236,4 +302,4 @@ class ExpertLoad:
             self.xopt.load_pieces(self.get, step)
 
 
-__all__ = ["ExpertIndex", "ExpertLoad", "expert_side", "snapshot"]
+__all__ = ["ExpertIndex", "ExpertLoad", "Where", "expert_side", "one_expert", "snapshot"]

@@ -183,6 +183,7 @@ def load_checkpoint(
     code = plan.hash_shared(rank_files, RankFiles(path, meta), meta, g, code)
     stored = plan.stored_names(meta)  # the same list on every rank (the same metadata.json, agreed above)
     mine = set(view.saved_name.values()) | set(view.targets()) | plan.unsaved(engine)
+    mine |= xload.names() if xload is not None else set()  # one-expert params: global names, not their modules'
     code, *held = files.agree_all([code, *(int(n in mine) for n in stored)], g.groups, g.device)
     unexpected = [n for n, h in zip(stored, held) if not h]  # in the checkpoint, in no rank's model
     if code >= 2:

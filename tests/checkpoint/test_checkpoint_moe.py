@@ -27,9 +27,13 @@ from torch import nn
 import llmpar
 from llmpar.checkpoint import CheckpointError, metacheck
 from llmpar.checkpoint.consolidate import consolidated_state_dict
+from llmpar.checkpoint.formats.llmpar import LlmparCheckpoint
 from llmpar.checkpoint.plan import stored_names
 from llmpar.checkpoint.reshard import CheckpointReader
+from llmpar.distributed.dims import ParallelDims
 from llmpar.moe import MoEBlock, RouterConfig
+from llmpar.moe.layer import MoE
+from llmpar.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
 from multirank import run_ranks
 
@@ -173,6 +177,108 @@ def test_expert_parallel_checkpoint_loads_at_any_ep_and_stage_exactly(tmp_path):
         errs = rank_out["errors"]
         assert ".experts." in errs["ep4-z3"] and "6 experts" in errs["ep4-z3"] and "ep=4" in errs["ep4-z3"]
         assert "6 experts" in errs["ep2-z1"] and "8 experts" in errs["ep2-z1"], errs
+
+
+# ------------------------------------------------------------------------------------------------ DeepSpeed's MoE
+LE = 4  # experts of the legacy layer: 2 per rank at ep=2
+
+
+class _LegacyNet(nn.Module):
+    """A DeepSpeed MoE script's model (``llmpar.moe.layer.MoE``, one module per expert: ``[8, 12]`` / ``[12, 8]``
+    weights), global expert g seeded by g so that ep=1 and ep=2 builds hold the same experts."""
+
+    def __init__(self, ep: int) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(H, H), nn.Linear(H, OUT)
+        expert = nn.Sequential(nn.Linear(H, INTER), nn.GELU(), nn.Linear(INTER, H))
+        group = ParallelDims(dp=dist.get_world_size(), ep=ep).group("ep") if ep > 1 else None
+        self.moe = MoE(H, expert, LE, ep, k=2, min_capacity=0, top2_2nd_expert_sampling=False, ep_group=group)
+        first = (dist.get_rank() % ep) * (LE // ep)
+        for i, e in enumerate(self.moe.deepspeed_moe.experts.deepspeed_experts):
+            gen = torch.Generator().manual_seed(100 + first + i)
+            with torch.no_grad():
+                for p in e.parameters():
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, l_aux, _ = self.moe(self.inp(x))
+        return self.out(h).pow(2).mean() + 0.01 * l_aux
+
+
+def _legacy_engine(ep: int, stage: int, seed: int, split: bool):
+    """``split``: DeepSpeed's MoE param groups (``split_params_into_different_moe_groups_for_optimizer``), else
+    ``model.parameters()`` (the engine puts the experts in the expert optimizer's group)."""
+    torch.manual_seed(seed)
+    net = _LegacyNet(ep)
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_clipping": 0.05,
+        "optimizer": {"type": "AdamW", "params": {"lr": 2e-2, "weight_decay": 0.01}},
+        "zero_optimization": {"stage": stage},
+    }
+    if not split:
+        return llmpar.initialize(model=net, config=config)[0]
+    groups = split_params_into_different_moe_groups_for_optimizer(
+        {"params": list(net.parameters()), "name": "p", "weight_decay": 0.01}
+    )
+    return llmpar.initialize(model=net, model_parameters=groups, config=config)[0]
+
+
+def _legacy_train(engine, first: int, steps: int) -> list[float]:
+    out = []
+    for s in range(first, first + steps):
+        x = torch.randn(7, H, generator=torch.Generator().manual_seed(500 + 10 * s + dist.get_rank()))
+        loss = engine.backward(engine(x)).detach().double()
+        engine.step()
+        dist.all_reduce(loss)
+        out.append(loss.item())
+    return out
+
+
+def legacy_body(root: str) -> dict:
+    a = _legacy_engine(2, 2, seed=0, split=True)  # ep=2, ZeRO-2 over edp=1
+    assert a.optimizer.experts is not None and len(a.module.moe.deepspeed_moe.experts.deepspeed_experts) == LE // 2
+    _legacy_train(a, 0, 2)
+    a.save_checkpoint(root, tag="ep2")
+    out = {"want": _legacy_train(a, 2, 2)}
+    a.destroy()
+    b = _legacy_engine(1, 1, seed=1, split=True)  # ep=1, ZeRO-1 over dp=2: every expert in the dense optimizer
+    assert b.optimizer.experts is None
+    b.load_checkpoint(root, tag="ep2")
+    b.save_checkpoint(root, tag="ep1")
+    out["ep1"] = _legacy_train(b, 2, 2)
+    b.destroy()
+    c = _legacy_engine(2, 2, seed=2, split=False)  # back to ep=2; the experts' group made by the engine
+    c.load_checkpoint(root, tag="ep1")
+    c.save_checkpoint(root, tag="ep2-again")
+    out["ep2-again"] = _legacy_train(c, 2, 2)
+    c.destroy()
+    return out
+
+
+@pytest.mark.slow(reason="one 2-rank job: DeepSpeed's legacy MoE saved at ep=2, loaded at ep=1 and back at ep=2")
+def test_legacy_moe_checkpoint_names_experts_by_global_index(tmp_path):
+    res = run_ranks(legacy_body, 2, str(tmp_path), timeout=300)[0]
+    saved = _whole(os.path.join(tmp_path, "ep2"))
+    names = {n for n, _ in saved}
+    experts = {n for n in names if ".deepspeed_experts." in n}
+    want = {f"moe.deepspeed_moe.experts.deepspeed_experts.{e}.{i}.{w}" for e in range(LE) for i in (0, 2)
+            for w in ("weight", "bias")}  # fmt: skip
+    assert experts == want, sorted(experts ^ want)  # every expert under its global index, none under a local one
+    assert saved["moe.deepspeed_moe.experts.deepspeed_experts.3.0.weight", "params"].shape == (INTER, H)
+    for tag in ("ep1", "ep2-again"):  # ep=2 -> ep=1 -> ep=2: weights, moments and steps bitwise
+        again = _whole(os.path.join(tmp_path, tag))
+        assert sorted(again) == sorted(saved), (tag, sorted(set(again) ^ set(saved)))
+        differ = [k for k, v in saved.items() if not torch.equal(v, again[k])]
+        assert not differ, (tag, differ)
+    assert res["ep2-again"] == res["want"], res  # the same layout as the uninterrupted run: bitwise
+    assert max(abs(g - w) for g, w in zip(res["ep1"], res["want"])) < 1e-6, res
+    # the experts in their own param group, after the dense one (as DeepSpeed's split makes them), at every ep
+    for tag in ("ep2", "ep1", "ep2-again"):
+        ck = LlmparCheckpoint(os.path.join(tmp_path, tag))
+        groups, hyper = ck.groups(), ck.hyper()
+        assert [sorted(g) for g in groups] == [sorted(names - experts), sorted(experts)], (tag, groups)
+        assert len(hyper) == 2 and hyper[1] == hyper[0] and hyper[1]["weight_decay"] == 0.01, (tag, hyper)
 
 
 # ------------------------------------------------------------------------------------------------ HF export

@@ -5,10 +5,13 @@ Every rank file is verified first (sizes and every block's sha256: ``shards.Rank
 trained param is named and shaped as in the unsplit model (``reshard.CheckpointReader``: a tensor-parallel param
 concatenated over the saved tp ranks along its split dim, vocabulary padding dropped; a pipeline checkpoint already
 names params as the unsplit model does, a tied weight once) and read whole, one param at a time (the last one read
-is kept: a writer reads it in pieces). Module buffers and frozen params come from dp rank 0's files, as
-``buffers()`` (llmpar does not record which of them are frozen params: ``frozen()`` is empty). The param groups are
-those the layout records per buffer; their hyper-parameters, the engine counters, the scheduler, client_state and
-the HuggingFace config are ``metadata.json``'s.
+is kept: a writer reads it in pieces). The experts of an expert-parallel run (``experts.py``) are in their own param
+group, as ``split_params_into_different_moe_groups_for_optimizer`` makes them: the group the engine built them from
+when it holds no dense param (the split's), else a group appended after the dense ones with the hyper-parameters of
+the group they follow (an engine given ``model.parameters()``). Module buffers and frozen params come from dp rank
+0's files, as ``buffers()`` (llmpar does not record which of them are frozen params: ``frozen()`` is empty). The param
+groups are those the layout records per buffer; their hyper-parameters, the engine counters, the scheduler,
+client_state and the HuggingFace config are ``metadata.json``'s.
 """
 
 from __future__ import annotations
@@ -42,22 +45,32 @@ class LlmparCheckpoint:
         self.aliases: dict[str, str] = {}
         self.keys = {n: list(buffers[bi]["state_keys"]) for n, (bi, _, _) in reader.where.items()}
         self.group_of = {n: int(buffers[bi].get("group", 0)) for n, (bi, _, _) in reader.where.items()}
+        count = max(len(meta["param_groups"]), 1)
+        dense = set(self.group_of.values())
+        self.extra: dict[int, int] = {}  # dense group an expert group follows -> the experts' own group, appended
         for n in sorted(set(reader.experts.shapes) - set(self.shapes)):  # an expert-parallel run's experts, whole
             self.names.append(n)
             self.shapes[n] = reader.experts.shapes[n]
             self.keys[n] = reader.experts.keys(n)
-            self.group_of[n] = 0  # the expert optimizer's groups follow the dense ones; not recorded per param
+            owner = reader.experts.group.get(n, 0)
+            if owner in dense or owner >= count:  # beside dense params: a group of their own after the dense ones
+                self.group_of[n] = self.extra.setdefault(owner, count + len(self.extra))
+            else:  # the group made for them (split_params_into_different_moe_groups_for_optimizer)
+                self.group_of[n] = owner
         self.stage, self.dp = int(meta["stage"]), int(meta["dp"])
         self.tp, self.pp = int(meta["tp"]), int(meta.get("pp", 1))
         self._last: tuple[tuple[str, str], torch.Tensor] | None = None
 
     def groups(self) -> list[list[str]]:
-        """The param groups' names, by the group each param's buffer records (one group when none does)."""
-        count = max(len(self.meta["param_groups"]), 1)
+        """The param groups' names, by the group each param's buffer records (one group when none does); the
+        experts of an expert-parallel run in their own groups (module docstring)."""
+        count = max(len(self.meta["param_groups"]), 1) + len(self.extra)
         return [[n for n in self.names if self.group_of[n] == g] for g in range(count)]
 
     def hyper(self) -> list[dict[str, Any]]:
-        return [{k: (tuple(v) if k == "betas" else v) for k, v in g.items()} for g in self.meta["param_groups"]]
+        saved = self.meta["param_groups"]
+        groups = [*saved, *(saved[o] if o < len(saved) else saved[0] for o in self.extra)]
+        return [{k: (tuple(v) if k == "betas" else v) for k, v in g.items()} for g in groups]
 
     def source(self, name: str) -> str:
         if name not in self.shapes:
