@@ -12,6 +12,9 @@ trained with ep=2 over dp=2 x cp=2 (ring attention) at ZeRO-1 and 3 follows one 
 
 from __future__ import annotations
 
+import shutil
+from typing import Any
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -201,24 +204,42 @@ def _legacy_train(stage: int, how: str) -> dict[str, float]:
     for s in range(STEPS):
         engine.backward(engine(_legacy_batch(s, rank)))
         engine.step()
-    dense = consolidated_state_dict(net, opt, rank0_only=False)
-    local = consolidated_state_dict(net, opt.experts, rank0_only=False)
+    full = consolidated_state_dict(net, opt, rank0_only=False)  # every expert under its global index
+    shown = engine.module_state_dict()  # the same on rank 0 ({} elsewhere): what save_16bit_model writes
+    assert sorted(shown) == sorted(full) if rank == 0 else shown == {}
     engine.destroy()
     want = _legacy_reference(dp)
-    errs = {}
-    for k, w in want.items():
-        if ".deepspeed_experts." in k:  # local expert i of this ep rank is global expert first + i
-            prefix, i, rest = (
-                k.partition(".deepspeed_experts.")[0],
-                *k.partition(".deepspeed_experts.")[2].split(".", 1),
-            )
-            if not (rank % 2) * n <= int(i) < (rank % 2 + 1) * n:
-                continue
-            got = local[f"{prefix}.deepspeed_experts.{int(i) - (rank % 2) * n}.{rest}"]
-        else:
-            got = dense[k]
-        errs[k] = (got.double() - w.double()).abs().max().item()
-    return errs
+    assert sorted(full) == sorted(want), sorted(set(full) ^ set(want))
+    return {k: (full[k].double() - w.double()).abs().max().item() for k, w in want.items()}
+
+
+def _legacy_checkpoint() -> None:
+    """A checkpoint of the ep_size=2 engine (ZeRO-2) loads into a fresh one exactly (every expert, gathered under its
+    global index)."""
+    import tempfile
+
+    rank, cfg = dist.get_rank(), {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}}
+
+    def build(ep: int) -> Any:
+        net = _LegacyNet(ep, (rank % 2) * (LE // 2) if ep == 2 else 0)
+        return llmpar.initialize(model=net, optimizer=torch.optim.AdamW(_legacy_groups(net), lr=LR), config=cfg)[0]
+
+    where = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(where)
+    engine = build(2)
+    engine.backward(engine(_legacy_batch(0, rank)))
+    engine.step()
+    engine.save_checkpoint(where[0], tag="t")
+    saved = engine.module_state_dict()
+    again = build(2)
+    again.load_checkpoint(where[0], tag="t")
+    loaded = again.module_state_dict()
+    assert loaded.keys() == saved.keys() and all(torch.equal(loaded[k], v) for k, v in saved.items())
+    for e in (engine, again):
+        e.destroy()
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(where[0], ignore_errors=True)
 
 
 @multirank(4, timeout=300)
@@ -230,6 +251,7 @@ def test_deepspeed_moe_at_ep2_trains_under_initialize_as_one_process():
         bad = {k: e for k, e in errs.items() if e > 1e-6}
         assert not bad, (stage, how, bad)
         worst[f"zero{stage}/{how}"] = max(errs.values())
+    _legacy_checkpoint()
     two = _LegacyNet(2, 0)  # a second layer over another ep size: refused on every rank, naming both sizes
     two.moe2 = MoE(LH, torch.nn.Linear(LH, LH), num_experts=LE, ep_size=4)
     with pytest.raises(ValueError, match=r"ep_size \[2, 4\] in one model"):

@@ -183,15 +183,18 @@ class TopKGate(nn.Module):
 class ModuleExperts(nn.Module):
     """``num_local_experts`` deep copies of the user's expert module (``deepspeed_experts``, DeepSpeed's state-dict
     names). Each parameter is tagged as DeepSpeed tags it (``allreduce=False``, ``group_name``) and as llmpar's
-    experts are (``expert_parallel``, ``ep_size``). ``forward(x_sorted [N, M], counts)`` runs expert e on its
-    ``counts[e]`` rows (a tuple output's first element) and returns the rows in the same order."""
+    experts are (``expert_parallel``, ``ep_size``), and with ``expert_index = ("deepspeed_experts", i,
+    num_local_experts)``: a gathered state dict names local expert i of ep rank r as global expert ``r n + i``.
+    ``forward(x_sorted [N, M], counts)`` runs expert e on its ``counts[e]`` rows (a tuple output's first element) and
+    returns the rows in the same order."""
 
     def __init__(self, expert: nn.Module, num_local_experts: int, group_name: str, ep_size: int) -> None:
         super().__init__()
         self.deepspeed_experts = nn.ModuleList([copy.deepcopy(expert) for _ in range(num_local_experts)])
         self.num_local_experts = num_local_experts
-        for module in self.deepspeed_experts:
+        for i, module in enumerate(self.deepspeed_experts):
             for p in module.parameters():
+                p.expert_index = ("deepspeed_experts", i, num_local_experts)  # type: ignore[attr-defined]
                 p.allreduce = False  # type: ignore[attr-defined]
                 p.group_name = group_name  # type: ignore[attr-defined]
                 p.expert_parallel = True  # type: ignore[attr-defined]

@@ -77,7 +77,8 @@ def consolidated_state_dict(module: torch.nn.Module, optimizer: "object", *, ran
     ``module.state_dict()``, a tied weight under each of its names), gathered unit by unit so that no rank holds
     more than one gathered unit beyond its shards. ``rank0_only``: other dp ranks return {}. Experts spread over
     expert-parallel ranks (``optimizer.experts``) are all-gathered over ep: each packed expert tensor whole, the ep
-    ranks' rows in order (global expert ids ``[0, E)``)."""
+    ranks' rows in order (global expert ids ``[0, E)``); a param holding one expert (``p.expert_index = (list
+    name, local index i, experts per rank n)``: DeepSpeed's layer) is written under ep rank j's global index j n + i."""
     from llmpar.zero.optimizer import ZeroOptimizer
 
     if not isinstance(optimizer, ZeroOptimizer):
@@ -98,6 +99,14 @@ def consolidated_state_dict(module: torch.nn.Module, optimizer: "object", *, ran
         if id(p) in spread and ep_group is not None and group_size(ep_group) > 1:  # every ep rank's rows, in order
             whole = value.new_empty((group_size(ep_group) * value.numel(),))
             all_gather_flat(whole, value.contiguous().reshape(-1), ep_group)
+            index = getattr(p, "expert_index", None)  # one expert per tensor: (list name, local index, per rank)
+            if index is not None:  # each ep rank's copy under its global index (DeepSpeed's layer: experts.<g>.*)
+                seg, i, n_local = index
+                parts = whole.view(group_size(ep_group), *value.shape)
+                for j in range(parts.shape[0] if keep else 0):
+                    for n in names.get(id(p), []):
+                        out[n.replace(f".{seg}.{i}.", f".{seg}.{j * n_local + i}.")] = parts[j].to("cpu", copy=True)
+                return
             value = whole.view(group_size(ep_group) * value.shape[0], *value.shape[1:])
         if keep:
             value = value.to("cpu", copy=True)
