@@ -1,8 +1,9 @@
 """transformers' MoE causal LMs trained end to end through ``llmpar.initialize`` with expert parallelism: tiny
 Qwen3-MoE, Mixtral and DeepSeek-V3 (configs built here, no downloads) on 4 CPU ranks, ``"expert_parallel":
 {"enabled": true, "autoep_size": 2}`` (ep=2 x edp=2; the dense part over dp=4) at ZeRO-1, 2 and 3, with gradient
-clipping and the routers' load-balancing loss in the model's loss: the losses and the gathered weights (every
-expert under its global index) follow one process running transformers' own experts (no swap, no EP) on the whole
+clipping and the routers' load-balancing loss in the model's loss (DeepSeek-V3 with ep rank 1's experts given no
+token: their zero gradients reduced, no hang at any stage): the losses and the gathered weights (every expert under
+its global index) follow one process running transformers' own experts (no swap, no EP) on the whole
 batch to 1e-5. One launch, every model and stage inside it.
 
 In the same pooled ranks: DeepSpeed's legacy ``MoE`` at ep_size=2 under ``llmpar.initialize`` (the optimizer from
@@ -53,10 +54,22 @@ def _hf_names(model: torch.nn.Module) -> dict[str, str]:
     return out
 
 
+def _hf_model(name: str) -> torch.nn.Module:
+    """The tiny model of ``test_moe_hf`` in training mode; DeepSeek-V3's routing bias keeps every token off experts
+    4..7 (ep rank 1's at ep=2): those ranks' experts get no tokens, their zero gradients are still reduced."""
+    model = _model(name).train()
+    if name == "deepseek_v3":
+        with torch.no_grad():
+            for n, t in model.named_buffers():
+                if n.endswith("e_score_correction_bias"):
+                    t[t.shape[0] // 2 :] = -100.0
+    return model
+
+
 def _reference(name: str, dp: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     """One process, transformers' own blocks: each step the mean of the dp ranks' losses (each rank's loss over its
     own tokens, as the router's load-balancing loss is), clipped, plain AdamW."""
-    model = _model(name).train()
+    model = _hf_model(name)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []
     for s in range(STEPS):
@@ -77,7 +90,7 @@ def _reference(name: str, dp: int) -> tuple[list[float], dict[str, torch.Tensor]
 
 def _train(name: str, stage: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     rank, dp = dist.get_rank(), dist.get_world_size()
-    model = _model(name).train()
+    model = _hf_model(name)
     config = {
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": 1,
@@ -99,6 +112,8 @@ def _train(name: str, stage: int) -> tuple[list[float], dict[str, torch.Tensor]]
         total = loss.detach().double()
         dist.all_reduce(total)
         losses.append(total.item() / dp)
+    if name == "deepseek_v3":  # the starved experts: ep rank 1's receive no token from any rank
+        assert all(int(b.tokens_per_expert[b.num_experts // 2 :].sum()) == 0 for b in blocks)
     names = _hf_names(model)
     state = consolidated_state_dict(model, opt, rank0_only=False)
     engine.destroy()
@@ -114,7 +129,7 @@ def test_hf_moe_models_trained_ep_dp_zero_follow_one_process():
     dp = dist.get_world_size()
     worst: dict[str, float] = {}
     for name in HF_MODELS:
-        start = {k: v.detach().clone() for k, v in _model(name).named_parameters()}
+        start = {k: v.detach().clone() for k, v in _hf_model(name).named_parameters()}
         want, ref_weights = _reference(name, dp)
         for stage in STAGES:
             got, weights = _train(name, stage)
