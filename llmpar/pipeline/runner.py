@@ -142,7 +142,8 @@ class PipelineRunner:
             raise TypeError(f"attach_zero takes a llmpar.zero.ZeroOptimizer, got {type(optimizer).__name__}")
         if getattr(optimizer, "stage", 0) == 3:
             raise ValueError("attach_zero: ZeRO stage 3 is not supported inside pipeline stages; use stage 0, 1 or 2")
-        owned = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        experts = getattr(optimizer, "experts", None)  # expert params: the optimizer's own one over edp
+        owned = {id(p) for o in (optimizer, experts) if o is not None for g in o.param_groups for p in g["params"]}
         missing = [
             n for m in self.split.modules for n, p in m.named_parameters() if p.requires_grad and id(p) not in owned
         ]

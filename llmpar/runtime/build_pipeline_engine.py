@@ -1,24 +1,33 @@
 """The pipeline engine that ``llmpar.initialize`` builds for a config with a ``"pipeline"`` block or a
 ``llmpar.pipe.PipelineModule``: the model cut into stages over the ``[pp, dp, tp]`` mesh
 (``llmpar.pipeline.build``), tensor parallel inside each stage, a ZeroOptimizer (stages 0-2) per stage, DeepSpeed's
-in-order repeating loader for ``train_batch()``. A PipelineModule brings its stage count, mesh and loss.
+in-order repeating loader for ``train_batch()``. A PipelineModule brings its stage count, mesh and loss. With
+``"expert_parallel"`` at ep > 1 the experts fold over each stage's dp ranks (:func:`_spread_experts`).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from llmpar.distributed.collectives import group_size
+from llmpar.distributed.collectives import all_reduce, group_size
+from llmpar.distributed.dims import ParallelDims
 from llmpar.distributed.init import init_distributed
+from llmpar.moe.block import MoEBlock
+from llmpar.moe.hf import swap_moe_blocks
 from llmpar.runtime.activations import apply_activation_checkpointing
 from llmpar.runtime.build_engine import accum_dtype, typed_config
 from llmpar.runtime.config import Blocks, Config
+from llmpar.runtime.expert_block import ExpertParallelConfig, apply_grouped_mm_impl
 from llmpar.runtime.params import stage_groups, unsplit_names
 from llmpar.runtime.pipeline_engine import PipelineEngine, is_pipeline_module, pipeline_loader
 from llmpar.runtime.schedules import WarmupSchedule
+
+logger = logging.getLogger("llmpar")
 
 
 def build_pipeline_engine(
@@ -38,6 +47,7 @@ def build_pipeline_engine(
     from llmpar.pipeline.zero import zero_optimizer
 
     pp, tp = blocks.degrees
+    layers = _prepare_experts(model, blocks.expert_parallel, tp)  # before anything collective: refused alike
     pipe_module = is_pipeline_module(model)
     if pipe_module:  # DeepSpeed's PipelineModule: stages, mesh and loss come from it
         pp, mesh = _pipe_module_mesh(model, blocks, tp, mesh)
@@ -71,6 +81,7 @@ def build_pipeline_engine(
         )
     if cfg.bf16:
         model.to(torch.bfloat16)
+    experts = _spread_experts(layers, blocks.expert_parallel.ep, pp=pp, tp=tp, dp=group_size(dp_group))
     apply_activation_checkpointing(model, cfg.activation_checkpointing, mesh["tp"].get_group() if tp > 1 else None)
     p, m = cfg.pipeline, cfg.gradient_accumulation_steps
     # a PipelineModule's config (DeepSpeed's, no llmpar block) runs any micro-batch count: 1F1B, else GPipe
@@ -92,6 +103,8 @@ def build_pipeline_engine(
     stage_named = [
         (f"stage{s}.{n}", p) for m, s in zip(split.modules, split.stage_indices) for n, p in m.named_parameters()
     ]
+    if experts is not None:
+        _check_every_stage_has_experts(runner)
     opt = zero_optimizer(
         runner,
         cfg.optimizer,
@@ -100,12 +113,75 @@ def build_pipeline_engine(
         max_grad_norm=cfg.gradient_clipping or None,
         counter=counter,
         grad_accum_dtype=accum_dtype(cfg),
+        **({} if experts is None else {"expert_group": experts[1], "ep_group": experts[0]}),
     )
     sched = WarmupSchedule(opt, cfg.scheduler) if cfg.scheduler is not None else None
     engine = PipelineEngine(model, cfg, runner, opt, sched, mesh)
     if training_data is not None:  # DeepSpeed's PipelineEngine loader: in order, repeating; train_batch() pulls it
         engine.set_dataloader(pipeline_loader(training_data, collate_fn, cfg.train_micro_batch_size_per_gpu, dp_group))
     return engine, opt, engine.training_dataloader, sched
+
+
+def _prepare_experts(model: nn.Module, ep_cfg: ExpertParallelConfig, tp: int) -> list[tuple[str, MoEBlock]]:
+    """The model's MoE layers, made ready for a pipeline (no collective; the same on every rank). With the block
+    enabled, transformers' MoE blocks are swapped first; every ``llmpar.moe.Experts`` takes the block's grouped GEMM
+    backends. At ep > 1, refused naming it: no MoE layer, tp > 1, a layer built over its own group, a router whose
+    aux losses / expert bias need the loss or the bias step the plain engine adds (the last stage's loss has no path
+    to an earlier stage's router)."""
+    if ep_cfg.enabled and swap_moe_blocks(model):
+        logger.info("expert_parallel: transformers MoE blocks run as llmpar MoE blocks in the pipeline")
+    apply_grouped_mm_impl(model, ep_cfg)
+    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, MoEBlock)]
+    ep = ep_cfg.ep
+    if ep == 1:
+        return layers
+    where = f'"expert_parallel.autoep_size"={ep} with a "pipeline" block'
+    if not layers:
+        raise ValueError(f"{where}: the model has no llmpar.moe.MoEBlock layer to spread over the ep ranks")
+    if tp > 1:
+        raise ValueError(f'{where} and "tensor_parallel.size"={tp}: not supported yet; use tp=1 or no pipeline')
+    for name, b in layers:
+        r = b.router.config
+        if b.ep_size != 1:
+            raise ValueError(f"{where}: MoE layer {name} was built over its own group; build it with ep_group=None")
+        if r.expert_bias or (ep_cfg.add_aux_loss and (r.aux_loss_coeff or r.seq_aux_loss_coeff or r.z_loss_coeff)):
+            raise ValueError(
+                f"{where}: MoE layer {name} has an auxiliary loss or an expert bias, which the pipeline engine does "
+                'not apply yet; build its router without them (or "add_aux_loss": false to drop the aux losses)'
+            )
+    return layers
+
+
+def _spread_experts(layers: list[tuple[str, MoEBlock]], ep: int, *, pp: int, tp: int, dp: int) -> Any:
+    """Expert parallelism inside each pipeline stage: ``(ep_group, edp_group)``, or None at ep = 1. The ep ranks
+    fold over each stage's dp ranks (``ParallelDims(pp, dp, tp, ep)``: ep inner, the same layout as without a
+    pipeline); every ``MoEBlock`` is spread over its stage's ep group before the split, and the stage's
+    ZeroOptimizer reduces and shards the experts over the edp ranks (``llmpar.zero.experts``)."""
+    if ep == 1:
+        return None
+    if dp % ep:
+        raise ValueError(
+            f'"expert_parallel.autoep_size"={ep} with a "pipeline" block: ep={ep} does not divide the {dp} '
+            "data-parallel ranks of each stage"
+        )
+    dims = ParallelDims(pp=pp, dp=dp, tp=tp, ep=ep, world_size=pp * dp * tp)
+    ep_group, edp_group = dims.group("ep"), dims.group("edp")
+    for _, b in layers:
+        b.set_ep_group(ep_group)
+    return ep_group, edp_group
+
+
+def _check_every_stage_has_experts(runner: Any) -> None:
+    """Every pp rank must hold an MoE layer: the experts' optimizer reduces its norm over pp (a stage without
+    experts would leave it waiting). One all-reduce over the job, so every rank raises alike."""
+    mine = sum(isinstance(m, MoEBlock) for sm in runner.split.modules for m in sm.modules())
+    least = torch.tensor([mine], dtype=torch.int64)
+    all_reduce(least, dist.group.WORLD, op="min", what="MoE layers per pipeline stage")
+    if int(least) == 0:
+        raise ValueError(
+            '"expert_parallel.autoep_size" > 1 with a "pipeline" block: a pipeline stage holds no MoE layer; '
+            'cut the stages ("pipeline.partition") so that each holds one'
+        )
 
 
 def _output_is_loss(output: torch.Tensor, labels: Any) -> torch.Tensor:

@@ -221,12 +221,13 @@ def apply_grouped_mm_impl(model: Any, ep: ExpertParallelConfig) -> int:
 
 
 def refuse_ep_with_pipeline(ep: ExpertParallelConfig, pipeline: str) -> None:
-    """Expert parallelism with a pipeline (``pipeline`` names it: a "pipeline" block, a PipelineModule): refused, a
-    ValueError naming both (the pipeline engine's per-stage optimizers do not reduce experts over edp yet)."""
-    if ep.ep > 1:
+    """Expert parallelism with a PipelineModule (``pipeline`` names the pipeline: a "pipeline" block, a
+    PipelineModule): refused, a ValueError naming both. With a "pipeline" block the experts fold over each stage's dp
+    ranks (``build_pipeline_engine``); a PipelineModule builds its own stages and is not spread yet."""
+    if ep.ep > 1 and "PipelineModule" in pipeline:
         raise ValueError(
             f'"expert_parallel.autoep_size"={ep.autoep_size} with {pipeline}: expert parallelism is not supported '
-            "with pipeline parallelism yet; use one of them"
+            'with a PipelineModule yet; give the model as an nn.Sequential (or llmpar GPT) with a "pipeline" block'
         )
 
 
