@@ -67,6 +67,7 @@ class Where(NamedTuple):
     shape: tuple[int, ...]  # the global tensor's shape
     offset: int  # element offset of this rank's part in the global tensor's flat view
     packed: bool  # rows of a packed [E, ...] tensor (False: one expert's whole tensor)
+    every: tuple[str, ...] = ()  # one expert: its names at every ep rank (the same local index), in ep rank order
 
 
 LIST = "deepspeed_experts"  # the ModuleList of DeepSpeed's legacy layer, when a param carries no expert_index tag
@@ -83,7 +84,7 @@ def one_expert(name: str, p: Any) -> tuple[str, int, str, int | None] | None:
     return m.group(1), int(m.group(2)), m.group(3), int(index[2]) if index is not None else None
 
 
-def _global(engine: Checkpointable, xopt: CheckpointOptimizer, ep_rank: int, ep: int) -> dict[str, Where]:
+def placement(engine: Checkpointable, xopt: CheckpointOptimizer, ep_rank: int, ep: int) -> dict[str, Where]:
     """{expert optimizer name: where it sits in the checkpoint}: a packed param's rows at this rank's offset of the
     global tensor, a one-expert param whole under its global index."""
     names = engine.checkpoint_names()
@@ -103,7 +104,8 @@ def _global(engine: Checkpointable, xopt: CheckpointOptimizer, ep_rank: int, ep:
             shape = tuple(int(s) for s in slot["shape"])
             if slot["name"] in single:
                 prefix, i, rest, _ = single[slot["name"]]
-                out[slot["name"]] = Where(f"{prefix}{ep_rank * per_rank[prefix] + i}{rest}", shape, 0, False)
+                every = tuple(f"{prefix}{r * per_rank[prefix] + i}{rest}" for r in range(ep))
+                out[slot["name"]] = Where(every[ep_rank], shape, 0, False, every)
                 continue
             out[slot["name"]] = Where(
                 names.get(slot["name"], slot["name"]),
@@ -122,7 +124,7 @@ def snapshot(engine: Checkpointable, *, copy: bool) -> tuple[dict | None, dict |
         return None, None
     xopt, ep_rank, ep = side
     xopt.prepare_save()
-    where = _global(engine, xopt, ep_rank, ep)
+    where = placement(engine, xopt, ep_rank, ep)
     units = {s["name"]: int(s["unit"]) for b in xopt.checkpoint_layout() for s in b["params"]}
     bufs = local_buffers(xopt, copy=copy)
     out_bufs = []
@@ -223,9 +225,9 @@ class ExpertLoad:
         assert side is not None
         self.xopt, ep_rank, self.ep = side
         self.reader, self.tp = reader, engine.checkpoint_grid()
-        self.where = _global(engine, self.xopt, ep_rank, self.ep)
+        self.where = placement(engine, self.xopt, ep_rank, self.ep)
         self.missing: set[str] = set()
-        for local, (gname, shape, _, packed) in self.where.items():
+        for local, (gname, shape, _, packed, _) in self.where.items():
             if not reader.holds(gname):
                 self.missing.add(local)
                 continue
@@ -268,12 +270,12 @@ class ExpertLoad:
         out: set[str] = set()
         for local, a, z in self.xopt.checkpoint_reads():
             if local not in self.missing:
-                gname, _, off, _ = self.where[local]
+                gname, off = self.where[local].name, self.where[local].offset
                 out |= self.reader.files_for(gname, a + off, z + off, self._cut(gname))
         return out
 
     def get(self, local: str, key: str, a: int, z: int) -> torch.Tensor | None:
-        gname, _, off, _ = self.where[local]
+        gname, off = self.where[local].name, self.where[local].offset
         if not self.reader.has(gname, key):
             return None
         return self.reader.get(gname, key, a + off, z + off, self._cut(gname))
@@ -302,4 +304,4 @@ class ExpertLoad:
             self.xopt.load_pieces(self.get, step)
 
 
-__all__ = ["ExpertIndex", "ExpertLoad", "Where", "expert_side", "one_expert", "snapshot"]
+__all__ = ["ExpertIndex", "ExpertLoad", "Where", "expert_side", "one_expert", "placement", "snapshot"]

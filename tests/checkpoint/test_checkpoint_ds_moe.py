@@ -5,9 +5,11 @@ The checkpoints are DeepSpeed 0.19's own (``ds_moe_run.py``: two legacy MoE laye
 CPU ranks at ZeRO-2 / ep=2, ZeRO-1 / ep=1 and without ZeRO / ep=2, saved, and continued 2 steps), kept as golden
 files (``tests/golden/ds_moe/``, ``make golden``); one case runs DeepSpeed live and must equal its golden. One launch
 on 2 ranks loads each into an llmpar engine of the same model built from ``llmpar.moe.layer.MoE`` (another seed: the
-load must overwrite every value) at another ZeRO stage and ep=1: every weight equals the checkpoint's (experts under
-their global index) bitwise, the param groups keep DeepSpeed's hyper-parameters, the next steps' losses equal
-DeepSpeed's continuation (1e-6), and a model with another expert count is refused naming the params. In one process:
+load must overwrite every value) at another ZeRO stage and ep=1, and the two ep=2 checkpoints also at ep=2 (each
+rank's experts in the expert optimizer, read by their global index): every weight equals the checkpoint's (experts
+under their global index) bitwise, the param groups keep DeepSpeed's hyper-parameters, the next steps' losses equal
+DeepSpeed's continuation (1e-6), and a model with another expert count is refused naming the layer and the counts
+(at ep=2: the whole model's count, not one rank's). In one process:
 the reader's names and groups, ``convert`` to universal and HF, and the broken checkpoints (a missing or extra expert
 file, an ep that does not divide the experts, an expert file of another expert) raise errors naming the file.
 """
@@ -15,6 +17,7 @@ file, an ep that does not divide the experts, an expert file of another expert) 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -31,7 +34,9 @@ import ds_moe_run as run  # noqa: E402
 
 CASES = {"z2-ep2": {"stage": 2, "ep": 2}, "z1-ep1": {"stage": 1, "ep": 1}, "z0-ep2": {"stage": 0, "ep": 2}}
 LOADED_AT = {"z2-ep2": 1, "z1-ep1": 2, "z0-ep2": 3}  # the ZeRO stage llmpar loads each at (dp=2, ep=1)
+AT_EP2 = {"z2-ep2@ep2": (2, 2), "z0-ep2@ep2": (1, 2)}  # (ZeRO stage, ep): the experts spread as DeepSpeed had them
 EXPERT = "moe{}.deepspeed_moe.experts.deepspeed_experts.{}.{}"
+LOCAL = re.compile(r"^(.*\.deepspeed_experts\.)(\d+)(\..+)$")
 
 
 def _record(case: str, spec: dict, tmp: Path, ext: Path) -> dict:
@@ -111,17 +116,20 @@ def _saved_weights(folder: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def _llmpar(stage: int, num_experts: int = run.E):
-    """llmpar's engine of the same model (``llmpar.moe.layer.MoE``, another seed), dp=2, ep=1, the script's AdamW
-    over ``split_params_into_different_moe_groups_for_optimizer`` groups, weight decay 0 (the load restores 0.1)."""
+def _llmpar(stage: int, num_experts: int = run.E, ep: int = 1):
+    """llmpar's engine of the same model (``llmpar.moe.layer.MoE``, another seed), dp=2, ``ep`` (2: the experts
+    spread over both ranks, in the expert optimizer), the script's AdamW over
+    ``split_params_into_different_moe_groups_for_optimizer`` groups, weight decay 0 (the load restores 0.1)."""
+    import torch.distributed as dist
+
     import llmpar
     from llmpar.moe.layer import MoE
     from llmpar.moe.utils import split_params_into_different_moe_groups_for_optimizer as split
     from llmpar.utils import groups
 
     groups._reset()
-    model = run.Net(MoE, 1, seed=11, num_experts=num_experts)
-    model.spread(0, seed=70)
+    model = run.Net(MoE, ep, seed=11, num_experts=num_experts)
+    model.spread(dist.get_rank() % ep, seed=70)
     opt = torch.optim.AdamW(split({"params": list(model.parameters()), "name": "params"}), lr=1e-3, weight_decay=0.0)
     cfg = {k: v for k, v in run.config(stage).items() if k != "optimizer"}
     engine, *_ = llmpar.initialize(model=model, optimizer=opt, config=cfg)
@@ -136,6 +144,12 @@ def _error(fn) -> str | None:
     return None
 
 
+def _global(name: str, ep: int, rank: int) -> str:
+    """The global name of this rank's local expert param ``name`` (ep rank ``rank`` of ``ep``)."""
+    m = LOCAL.match(name)
+    return name if m is None else f"{m.group(1)}{rank % ep * (run.E // ep) + int(m.group(2))}{m.group(3)}"
+
+
 def _load_body(root: str) -> dict:
     """Each case loaded at ``LOADED_AT`` and continued (module docstring), then a model of 2 experts per layer."""
     import torch.distributed as dist
@@ -143,19 +157,24 @@ def _load_body(root: str) -> dict:
     from llmpar.zero import GatheredParameters
 
     rank, out = dist.get_rank(), {}
-    for case, stage in LOADED_AT.items():
-        folder = f"{root}/{case}/{run.TAG}"
-        engine = _llmpar(stage)
-        path, client = engine.load_checkpoint(f"{root}/{case}", tag=run.TAG)
+    for case, (stage, ep) in {**{c: (s, 1) for c, s in LOADED_AT.items()}, **AT_EP2}.items():
+        folder = f"{root}/{case.split('@')[0]}/{run.TAG}"
+        engine = _llmpar(stage, ep=ep)
+        assert (engine.optimizer.experts is not None) == (ep > 1)
+        path, client = engine.load_checkpoint(os.path.dirname(folder), tag=run.TAG)
         want = _saved_weights(folder)
         with GatheredParameters(list(engine.module.parameters())):
-            got = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+            got = {_global(n, ep, rank): p.detach().clone() for n, p in engine.module.named_parameters()}
+        if ep > 1:  # this rank's experts: global ids rank * E_local + i
+            want = {n: w for n, w in want.items() if LOCAL.match(n) is None or n in got}
+            assert len(want) == len(got) < len(_saved_weights(folder)), (sorted(got), sorted(want))
         differ = sorted(n for n in want if n not in got or not torch.equal(got[n], want[n]))
         hyper = [(g["weight_decay"], tuple(g["betas"])) for g in engine.optimizer.param_groups]
         facts = (os.path.basename(path), client, engine.global_steps, hyper, sorted(set(got) - set(want)))
         out[case] = (differ, facts, run.train(engine, range(run.K, run.K + run.N), rank))
-    engine = _llmpar(1, num_experts=2)
-    out["fewer_experts"] = _error(lambda: engine.load_checkpoint(f"{root}/z2-ep2", tag=run.TAG))
+    for ep in (1, 2):
+        engine = _llmpar(1, num_experts=2, ep=ep)
+        out[f"fewer_experts@ep{ep}"] = _error(lambda: engine.load_checkpoint(f"{root}/z2-ep2", tag=run.TAG))
     return out
 
 
@@ -165,20 +184,21 @@ def test_deepspeed_moe_checkpoints_resume_in_llmpar(tmp_path):
         _unpacked(case, tmp_path)
     per_rank = run_ranks(_load_body, 2, str(tmp_path), timeout=240)
     for rank, out in enumerate(per_rank):
-        for case, (differ, facts, losses) in ((c, out[c]) for c in CASES):
+        for case, (differ, facts, losses) in ((c, out[c]) for c in [*CASES, *AT_EP2]):
             assert differ == [], (case, rank, differ[:4])
             tag, client, steps, hyper, extra = facts
             assert (tag, client, steps, extra) == (run.TAG, {"data_pos": 7}, run.K, []), (case, facts)
             assert hyper == [(0.1, (0.9, 0.95))] * 2, (case, hyper)  # both groups: the dense and the experts'
             torch.testing.assert_close(
                 torch.tensor(losses, dtype=torch.float64),
-                torch.tensor(records[case]["after"][rank], dtype=torch.float64),
+                torch.tensor(records[case.split("@")[0]]["after"][rank], dtype=torch.float64),
                 rtol=1e-6,
                 atol=0,
                 msg=lambda m, c=case: f"{c} rank {rank}: {m}",
             )
-        err = out["fewer_experts"]
-        assert err is not None and "MoE layer 'moe0' has 4 experts" in err and "but 2 in this model" in err, err
+        for ep in (1, 2):  # the whole model's count, at ep=2 too (1 expert per rank x 2)
+            err = out[f"fewer_experts@ep{ep}"]
+            assert err is not None and "MoE layer 'moe0' has 4 experts" in err and "but 2 in this model" in err, err
 
 
 def test_deepspeed_moe_golden_matches_live_deepspeed(tmp_path, ds_ext_dir):

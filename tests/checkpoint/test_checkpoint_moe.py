@@ -10,7 +10,10 @@ uninterrupted run's (bitwise at the same layout); at ep=4 / ZeRO-2 with 8-bit mo
 steps load bitwise, the moments re-quantized, the losses within 1e-2. ``optimizer.state_dict()`` /
 ``load_state_dict`` of the ep=2 engine round-trip both optimizers bitwise (the dense part alone is refused). Bad
 input: a checkpoint of 6 experts loaded at ep=4 (6 does not split over 4 ranks) and at ep=2 into 8 experts: a
-CheckpointError naming the param and the counts on every rank, before anything is modified. A 2-rank job exports
+CheckpointError naming the param and the counts on every rank, before anything is modified. A 2-rank job saves
+DeepSpeed's legacy layer (``llmpar.moe.layer.MoE``, a module per expert) at ep=2, loads it at ep=1 and back at ep=2:
+every expert under its global index, params, moments and steps bitwise, the reader's param groups the experts' own.
+A 2-rank job exports
 tiny Qwen3-MoE / Mixtral models trained at ep=2 with ``save_hf_model``: ``from_pretrained`` reads every tensor back
 bitwise, the experts whole.
 """

@@ -12,6 +12,13 @@ moments and step counts; module buffers and frozen params are copied; the param-
 counters (``global_steps``, ``global_samples``, ``skipped_steps``: what DeepSpeed restores), the fp16 loss scaler
 and the LR scheduler follow, and the caller's client_state is returned. These formats hold no RNG states: this
 engine's stay as they are.
+
+An engine spreading its experts over expert-parallel ranks (``experts.expert_side``) also fills its expert optimizer
+(sharded over the expert-data-parallel ranks) through ``load_pieces`` (:class:`ExpertPieces`): each expert param of
+this rank is read by its global name (``experts.placement``: a one-expert param, as DeepSpeed's legacy layer holds
+them, whole under its global index; a packed one as this ep rank's rows of the global tensor), so a checkpoint
+written at any ep (DeepSpeed's MoE files name every expert globally) loads at any other. Its shapes, expert counts
+and required states are checked with the dense ones, before anything is modified.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from typing import Any, Callable
 import torch
 
 from llmpar.checkpoint import files
+from llmpar.checkpoint.experts import Where, expert_side, placement
 from llmpar.checkpoint.files import CheckpointError
 from llmpar.checkpoint.formats.source import HYPER, Source
 from llmpar.checkpoint.protocol import Checkpointable, DescribesModel
@@ -78,6 +86,91 @@ class Pieces:
                 part = torch.cat([part, torch.zeros(pad, dtype=part.dtype)], dim)
             self._cache = ((local, key), part.reshape(-1))
         return self._cache[1][a:z]
+
+
+def every_expert(engine: Checkpointable) -> list[str]:
+    """The global names of the experts of every ep rank of ``engine`` (the whole model's; none without experts
+    spread over ranks). Not collective: each rank names the others' from its own."""
+    side = expert_side(engine.optimizer)
+    if side is None:
+        return []
+    return sorted({n for w in placement(engine, *side).values() for n in (w.every or (w.name,))})
+
+
+class ExpertPieces:
+    """This rank's experts (``engine.optimizer``'s expert optimizer) read from ``ck`` by their global names (module
+    docstring): ``get`` / ``step`` as ``load_pieces`` asks for them; ``missing``: the expert optimizer names the
+    checkpoint lacks. Checked at construction (a ``CheckpointError`` naming the param)."""
+
+    def __init__(self, engine: Checkpointable, ck: Source, strict: bool) -> None:
+        side = expert_side(engine.optimizer)
+        assert side is not None
+        self.xopt, ep_rank, self.ep = side
+        self.ck = ck
+        self.where: dict[str, Where] = placement(engine, self.xopt, ep_rank, self.ep)
+        self.missing: set[str] = set()
+        for local, w in self.where.items():
+            saved = ck.shapes.get(ck.aliases.get(w.name, w.name))
+            if saved is None:
+                self.missing.add(local)
+                continue
+            if w.packed and saved[0] % self.ep:
+                raise CheckpointError(
+                    f"{ck.path}: {w.name!r} holds {saved[0]} experts, which do not split over ep={self.ep} "
+                    "expert-parallel ranks: load it at an ep dividing them"
+                )
+            if tuple(saved) != w.shape:
+                raise CheckpointError(
+                    f"expert param {w.name!r} has full shape {w.shape} here (ep={self.ep}) but {tuple(saved)} in "
+                    f"{ck.path}"
+                )
+        for b, required in zip(self.xopt.checkpoint_layout(), self.xopt.checkpoint_required()):
+            present = [self.where[p["name"]].name for p in b["params"] if p["name"] not in self.missing]
+            for key in required:
+                if present and not ck.has(present[0], key):
+                    raise CheckpointError(
+                        f"checkpoint {ck.path} ({ck.describe()}) has no {key!r} state for the experts, which this "
+                        f"expert optimizer (mode {b['mode']!r}) needs"
+                    )
+        if self.missing and strict:
+            raise CheckpointError(
+                f"{len(self.missing)} expert params of this model are not in checkpoint {ck.path} "
+                f"({ck.describe()}): {shown({self.where[n].name for n in self.missing})} "
+                "(load_checkpoint(..., strict=False) keeps their current values)"
+            )
+        if self.missing:
+            logger.warning(
+                "load_checkpoint(strict=False): %d expert params of this model are not in %s, they keep their "
+                "current values: %s",
+                len(self.missing),
+                ck.path,
+                shown({self.where[n].name for n in self.missing}),
+            )
+
+    def names(self) -> set[str]:
+        """The global names of this rank's experts."""
+        return {w.name for w in self.where.values()}
+
+    def prepare(self) -> None:
+        for w in self.where.values():
+            if w.name in self.ck.shapes or w.name in self.ck.aliases:
+                self.ck.prepare(w.name, w.shape)
+
+    def get(self, local: str, key: str, a: int, z: int) -> torch.Tensor | None:
+        w = self.where[local]
+        if not self.ck.has(w.name, key):
+            return None
+        return self.ck.read(w.name, key, a + w.offset, z + w.offset)
+
+    def step(self, local: str) -> float:
+        return self.ck.step(self.where[local].name)
+
+    def load(self) -> None:
+        """Fill the expert optimizer (not collective; its ``after_load`` follows on every rank)."""
+        if self.missing:
+            self.xopt.load_pieces(self.get, self.step, keep=frozenset(self.missing))
+        else:
+            self.xopt.load_pieces(self.get, self.step)
 
 
 def plan(
@@ -155,12 +248,18 @@ def apply(
     sched: Any,
     where: str,
     show: Callable[[list[str]], str],
+    experts: ExpertPieces | None = None,
 ) -> None:
     """Collective: what checkpoint ``ck`` holds, put into ``engine`` once :func:`plan` agreed: refuse (``strict``) or
-    ignore names in no rank's model, load the states (``keep``: the optimizer names to load, None: all), buffers and
-    frozen params, hyper-parameters, counters and the scheduler."""
+    ignore names in no rank's model, load the states (``keep``: the optimizer names to load, None: all; ``experts``:
+    the expert optimizer's), buffers and frozen params, hyper-parameters, counters and the scheduler."""
     g, opt = view.grid, engine.optimizer
     stored = sorted(set(ck.names) | set(ck.aliases) | set(ck.buffers()) | set(ck.frozen()))  # the same on every rank
+    if expert_side(opt) is not None:
+        # experts go by their global names, which no module holds: those some rank's experts take are not unexpected
+        mine = experts.names() if experts is not None else set()
+        held = files.agree_all([int(n in mine) for n in stored], g.groups, g.device)
+        stored = [n for n, h in zip(stored, held) if not h]
     view.unexpected(stored, strict=strict, where=where, show=show)
     with files.all_or_mixed(g, path):
         step = lambda local: ck.step(view.saved_name[local])  # noqa: E731
@@ -168,8 +267,12 @@ def apply(
             opt.load_pieces(src.get, step, keep=frozenset(keep))
         else:
             opt.load_pieces(src.get, step)
+        if experts is not None:
+            experts.load()
         view.put_extras(extras)
     opt.after_load()
+    if experts is not None:
+        experts.xopt.after_load()
     groups = ck.hyper()
     if len(groups) == len(opt.param_groups):
         for group, saved in zip(opt.param_groups, groups):
@@ -204,6 +307,7 @@ def load_source(
     ``(path, client_state)``."""
     g, opt = view.grid, engine.optimizer
     sched = engine.lr_scheduler if scheduler else None
+    xsrc: ExpertPieces | None = None
     with files.agreed(g, "load_checkpoint"):
         ck = open_reader()
         src = Pieces(ck, view)
@@ -211,6 +315,9 @@ def load_source(
             name = view.saved_name[local]
             if ck.aliases.get(name, name) in ck.shapes:
                 ck.prepare(name, full_shape(cut.shape, cut.spec))
+        if expert_side(opt) is not None:  # this rank's experts, by their global names
+            xsrc = ExpertPieces(engine, ck, strict)
+            xsrc.prepare()
         keep, extras = plan(engine, view, ck, src, strict, sched)
     apply(
         engine,
@@ -224,6 +331,7 @@ def load_source(
         sched=sched,
         where=f"{what} checkpoint {path} ({ck.describe()})",
         show=lambda names: shown(names, ck=ck),
+        experts=xsrc,
     )
     if g.rank0:
         logger.info(
@@ -240,4 +348,4 @@ def load_source(
     return path, ck.client_state()
 
 
-__all__ = ["Pieces", "apply", "load_source", "plan", "shown"]
+__all__ = ["ExpertPieces", "Pieces", "apply", "every_expert", "load_source", "plan", "shown"]

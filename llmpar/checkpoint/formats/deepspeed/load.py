@@ -8,7 +8,9 @@ files need first:
 * the files checked against each other, once, on every rank, before anything is modified (``open.check``; each file
   opened once: the model states file read to tell whether the model is needed is the one the reader keeps);
 * a MoE checkpoint (``moe.py``: every expert under its global index) loads into an engine holding every expert
-  (ep=1), each MoE layer's expert count checked against the model's (an error naming the layer and the counts).
+  (ep=1) or spreading them over expert-parallel ranks (each rank's experts by their global index, into the expert
+  optimizer: ``loader.ExpertPieces``), each MoE layer's expert count checked against the model's first (an error
+  naming the layer and the counts).
 
 DeepSpeed saves no RNG states in these files: this engine's stay as they are.
 """
@@ -18,12 +20,10 @@ from __future__ import annotations
 import json
 
 from llmpar.checkpoint import files
-from llmpar.checkpoint.experts import expert_side
-from llmpar.checkpoint.files import CheckpointError
 from llmpar.checkpoint.formats.deepspeed.moe import DeepSpeedMoECheckpoint
 from llmpar.checkpoint.formats.deepspeed.open import needs_model, open_deepspeed
 from llmpar.checkpoint.formats.deepspeed.rank import RankCheckpoint
-from llmpar.checkpoint.formats.loader import load_source
+from llmpar.checkpoint.formats.loader import every_expert, load_source
 from llmpar.checkpoint.protocol import Checkpointable
 from llmpar.checkpoint.reshard import full_shape
 from llmpar.checkpoint.view import EngineView
@@ -52,14 +52,8 @@ def load(
 
     def open_reader() -> RankCheckpoint:
         ck = open_deepspeed(path, model, loaded=loaded)  # every file checked against the others
-        if isinstance(ck, DeepSpeedMoECheckpoint):
-            if expert_side(view.opt) is not None:
-                raise CheckpointError(
-                    f"{path} is a DeepSpeed MoE checkpoint ({ck.describe()}): it loads into an engine whose experts "
-                    "are whole on every rank (ep=1; the experts then shard over dp as the dense params do), not "
-                    "into one that spreads them over expert-parallel ranks yet"
-                )
-            ck.fits(list(view.saved_name.values()))
+        if isinstance(ck, DeepSpeedMoECheckpoint):  # the whole model's experts, under their global names
+            ck.fits(list(view.saved_name.values()) + every_expert(engine))
         return ck
 
     return load_source(
