@@ -2,8 +2,8 @@
 releases in the eager hooks between the regions. One 2-rank CPU/gloo job, cases looped inside it: bad arguments
 refused on every rank; the demo GPT (tied embeddings, per-param persistence, units re-gathered for backward, one block
 recomputed in backward by activation checkpointing, one frozen) trained 12 steps under ``aot_eager`` equal to eager
-ZeRO-3 (losses, gathered weights; fp32 1e-6) with no graph break and no recompile after warm-up, with eager's gather /
-prefetch / free order; one small inductor case."""
+ZeRO-3 (losses, gathered weights; fp32 1e-6) with no graph break and no recompile after warm-up (an evaluation forward
+in it), with eager's gather / prefetch / free order; one small inductor case."""
 
 import torch
 import torch.distributed as dist
@@ -101,6 +101,11 @@ def _train(kind: str, backend: str | None, steps: int) -> dict:
         opt.zero_grad()
         if step == LOGGED:
             out["log"], out["order"] = opt.stage3.log, list(opt.stage3.trace["fwd"])
+        if step == WARMUP - 1 and kind == "gpt":  # an evaluation in the warm-up: its graphs cached beside training's
+            model.eval()
+            with torch.no_grad():
+                out["eval"] = model(x)
+            model.train()
         out["losses"].append(loss.item())
         out["graphs"].append((counters["stats"]["unique_graphs"], counters["aot_autograd"]["total"]))
         out["breaks"].append(sum(counters["graph_break"].values()))
@@ -190,6 +195,7 @@ def test_zero3_regional_compile():
         eager, comp = out["eager"], out["compiled"]
         assert comp["regions"] == GPT_REGIONS and eager["regions"] == []
         _same_training(comp, eager, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(comp["eval"], eager["eval"], rtol=1e-6, atol=1e-6)
         init = _gpt().state_dict()  # it trains: every weight moved (the frozen block's kept), not constants compared
         for n, w in eager["weights"].items():
             assert torch.equal(w, init[n]) if n.startswith("blocks.2.") else not torch.allclose(w, init[n], atol=1e-4)
