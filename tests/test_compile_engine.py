@@ -18,7 +18,7 @@ from llmpar.runtime.config import Config
 
 from multirank import run_ranks
 
-WARM, STEPS, SAVE_AT, MICRO = 2, 12, 6, 2
+WARM, STEPS, SAVE_AT, MICRO = 2, 12, 7, 2
 DS_BLOCK = {  # every key of DeepSpeed 0.19's CompileConfig, none at its default
     "deepcompile": True,
     "autoep_non_moe": True,
@@ -75,6 +75,7 @@ def _build(stage):
     model = GPT(GPTConfig(**GPT_CFG), seed=1)  # fp32
     cfg = {
         "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": 2 if stage == 2 else 1,  # stage 2 reduce-scatters every micro-step
         "steps_per_print": 1000,
         "gradient_clipping": 0.3,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
@@ -82,13 +83,17 @@ def _build(stage):
         "zero_optimization": {"stage": stage, "reduce_bucket_size": 700, "overlap_comm": True},
         "compile": {"deepcompile": True},
     }
+    if stage == 1:  # the blocks' forwards wrapped in torch.utils.checkpoint (non-reentrant): traced, no break
+        cfg["activation_checkpointing"] = {}
     engine, *_ = llmpar.initialize(model=model, config=cfg)
     return engine, model
 
 
-def _bad_arguments(engine):
+def _bad_arguments(engine, stage):
     """Each bad engine.compile argument raises naming it (no collective inside: every rank raises by itself)."""
-    cases = [
+    cases = [(dict(compiled_autograd_enabled=True), ValueError, "compiled autograd is not supported")] * (
+        stage == 3
+    ) + [
         (dict(backend="nope"), ValueError, "not a torch.compile backend"),
         (dict(backend=3), TypeError, "backend=3"),
         (dict(compile_kwargs={"fullgrph": True}), ValueError, "['fullgrph'] are not torch.compile arguments"),
@@ -116,7 +121,7 @@ def compile_body(stages, ckpt_dir, ca_stage):
             counters.clear()
             engine, model = _build(stage)
             if mode != "eager":
-                _bad_arguments(engine)
+                _bad_arguments(engine, stage)
                 engine.compile(backend="aot_eager", compiled_autograd_enabled=mode == "compiled_autograd")
                 engine.compile(backend="aot_eager", compiled_autograd_enabled=mode == "compiled_autograd")  # no-op
                 assert engine.is_compiled

@@ -188,7 +188,8 @@ def compile_engine(
                 "engine.compile: the engine is already compiled (backend=%r); this call does nothing", done.backend
             )
         return
-    if getattr(engine, "is_pipe_parallel", False) or not isinstance(engine.module, torch.nn.Module):
+    pipeline = getattr(engine, "runner", None) is not None  # a PipelineEngine's stages (not imported: a cycle)
+    if pipeline or not isinstance(engine.module, torch.nn.Module):
         raise ValueError(
             f"engine.compile() on a {type(engine).__name__} is not supported: compile the stages' blocks "
             "(torch.compile) before building the pipeline"
