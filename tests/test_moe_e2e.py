@@ -95,11 +95,15 @@ def _train(name: str, stage: int) -> tuple[list[float], dict[str, torch.Tensor]]
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": CLIP,
-        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
         "expert_parallel": {"enabled": True, "autoep_size": 2},
     }
-    engine, opt, _, _ = llmpar.initialize(model=model, config=config)
+    kw: dict[str, Any] = {}
+    if stage == 2:  # a client optimizer built before initialize swaps and spreads the experts: it still steps them
+        kw["optimizer"] = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    else:
+        config["optimizer"] = {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}}
+    engine, opt, _, _ = llmpar.initialize(model=model, config=config, **kw)
     blocks = [m for m in model.modules() if isinstance(m, HFMoEBlock)]
     assert blocks and all(b.ep_size == 2 and b.experts.num_local_experts == b.num_experts // 2 for b in blocks)
     assert opt.experts is not None

@@ -172,8 +172,10 @@ class MoEBlock(nn.Module):
         """Spread a layer built with ``ep_group=None`` over ``ep_group`` (the hook ``llmpar.initialize`` calls with
         the config's expert-parallel group): keep this rank's ``num_experts / ep`` experts (global ids
         ``[rank * n, (rank + 1) * n)``, the slice a layer built with that group holds under the same seed), tag them
-        with the ep size, and exchange tokens over the group from the next forward. Call it before the optimizer is
-        built. ``num_experts`` not divisible by ep is refused on every rank of the group."""
+        with the ep size, and exchange tokens over the group from the next forward. The expert Parameters stay the
+        same objects (their data cut to this rank's rows), so an optimizer's param list taken earlier still holds
+        them; build the optimizer's state after this call. ``num_experts`` not divisible by ep is refused on every
+        rank of the group."""
         group = GroupRef(ep_group)
         ep, rank = group_size(group.get()), group_rank(group.get())
         error: Exception | None = None
@@ -193,10 +195,10 @@ class MoEBlock(nn.Module):
         if ep == 1:
             return
         ex, n = self.experts, self.num_experts // ep
-        for name in ("gate_up_proj", "down_proj"):
-            full = getattr(ex, name)
-            mine = nn.Parameter(full.detach()[rank * n : (rank + 1) * n].clone(), requires_grad=full.requires_grad)
-            setattr(ex, name, _tag_expert(mine, ep))
+        for name in ("gate_up_proj", "down_proj"):  # the same Parameter keeps only its rows: a client optimizer or
+            full = getattr(ex, name)  # a parameter list made before initialize still holds the model's experts
+            full.data = full.data[rank * n : (rank + 1) * n].clone()
+            _tag_expert(full, ep)
         ex.ep_size, ex.ep_rank, ex.num_local_experts = ep, rank, n
         self.ep_size, self.ep_rank = ep, rank
         self.dispatcher = make_dispatcher(self.num_experts, group, self.capacity_factor)

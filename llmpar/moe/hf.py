@@ -170,9 +170,9 @@ class HFMoEBlock(MoEBlock):
         super().set_ep_group(ep_group)
         if self.ep_size > 1:
             n, lo = self.num_experts // self.ep_size, self.ep_rank * self.num_experts // self.ep_size
-            for name, full in extra.items():
-                mine = nn.Parameter(full.detach()[lo : lo + n].clone(), requires_grad=full.requires_grad)
-                setattr(self.experts, name, _tag_expert(mine, self.ep_size))
+            for full in extra.values():  # the same Parameter keeps only its rows (as MoEBlock.set_ep_group)
+                full.data = full.data[lo : lo + n].clone()
+                _tag_expert(full, self.ep_size)
 
     def forward(self, x: torch.Tensor) -> Any:  # type: ignore[override]
         out = super().forward(x)
