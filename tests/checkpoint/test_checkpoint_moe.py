@@ -30,6 +30,7 @@ from torch import nn
 import llmpar
 from llmpar.checkpoint import CheckpointError, metacheck
 from llmpar.checkpoint.consolidate import consolidated_state_dict
+from llmpar.checkpoint.experts import one_expert
 from llmpar.checkpoint.formats.llmpar import LlmparCheckpoint
 from llmpar.checkpoint.plan import stored_names
 from llmpar.checkpoint.reshard import CheckpointReader
@@ -259,7 +260,6 @@ def legacy_body(root: str) -> dict:
     return out
 
 
-@pytest.mark.slow(reason="one 2-rank job: DeepSpeed's legacy MoE saved at ep=2, loaded at ep=1 and back at ep=2")
 def test_legacy_moe_checkpoint_names_experts_by_global_index(tmp_path):
     res = run_ranks(legacy_body, 2, str(tmp_path), timeout=300)[0]
     saved = _whole(os.path.join(tmp_path, "ep2"))
@@ -282,6 +282,19 @@ def test_legacy_moe_checkpoint_names_experts_by_global_index(tmp_path):
         groups, hyper = ck.groups(), ck.hyper()
         assert [sorted(g) for g in groups] == [sorted(names - experts), sorted(experts)], (tag, groups)
         assert len(hyper) == 2 and hyper[1] == hyper[0] and hyper[1]["weight_decay"] == 0.01, (tag, hyper)
+
+
+def test_one_expert_params_are_named_by_list_and_index():
+    """Which params hold one expert (named by their global index) and which are packed (rows of ``[E, ...]``)."""
+    w = torch.zeros(2)
+    name = "moe.deepspeed_moe.experts.deepspeed_experts.3.0.weight"
+    assert one_expert(name, w) == ("moe.deepspeed_moe.experts.deepspeed_experts.", 3, ".0.weight", None)
+    assert one_expert("deepspeed_experts.0.w", w) == ("deepspeed_experts.", 0, ".w", None)  # the layer itself
+    tagged = torch.zeros(2)
+    tagged.expert_index = ("experts_list", 1, 2)  # type: ignore[attr-defined]
+    assert one_expert("blocks.0.experts_list.1.fc.bias", tagged) == ("blocks.0.experts_list.", 1, ".fc.bias", 2)
+    for packed in ("moe1.experts.gate_up_proj", "my_deepspeed_experts.1.w", "deepspeed_experts.x.w"):
+        assert one_expert(packed, w) is None, packed
 
 
 # ------------------------------------------------------------------------------------------------ HF export
