@@ -131,6 +131,14 @@ def _train(name: str, stage: int) -> tuple[list[float], dict[str, torch.Tensor]]
 @multirank(4, timeout=600)
 def test_hf_moe_models_trained_ep_dp_zero_follow_one_process():
     dp = dist.get_world_size()
+    bad = {"train_batch_size": 4, "expert_parallel": {"enabled": True, "autoep_size": 4}}
+    with pytest.raises(ValueError, match=r"num_experts=6 is not divisible by ep=4"):  # Mixtral's 6 experts
+        llmpar.initialize(model=_hf_model("mixtral"), config=bad)
+    wide = {**bad, "expert_parallel": {"enabled": True, "autoep_size": 8}}  # divides Qwen3-MoE's 8 experts
+    with pytest.raises(
+        ValueError, match=r'"expert_parallel.autoep_size"=8 does not divide the 4 data-parallel \(x cp\) ranks'
+    ):
+        llmpar.initialize(model=_hf_model("qwen3_moe"), config=wide)
     worst: dict[str, float] = {}
     for name in HF_MODELS:
         start = {k: v.detach().clone() for k, v in _hf_model(name).named_parameters()}

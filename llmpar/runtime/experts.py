@@ -214,6 +214,12 @@ def setup_experts(model: nn.Module, cfg: ExpertParallelConfig, mesh: Any, zero_g
     state = MoEState(layers=layers, ep=ep, add_aux_loss=cfg.add_aux_loss)
     if ep == 1:
         return state
+    if group_size(zero_group) % ep:
+        what = f'"expert_parallel.autoep_size"={ep}' if cfg.enabled else f"the MoE layers' ep={ep}"
+        raise ValueError(
+            f"{what} does not divide the {group_size(zero_group)} data-parallel (x cp) ranks: the expert-parallel "
+            "groups fold over them; choose a divisor"
+        )
     dims = _dims(mesh, zero_group, ep)
     state.ep_group, state.edp_group = dims.group("ep"), dims.group("edp")
     want = dims.derived_ranks("ep", dist.get_rank())
