@@ -11,8 +11,10 @@ steps load bitwise, the moments re-quantized, the losses within 1e-2. ``optimize
 ``load_state_dict`` of the ep=2 engine round-trip both optimizers bitwise (the dense part alone is refused). Bad
 input: a checkpoint of 6 experts loaded at ep=4 (6 does not split over 4 ranks) and at ep=2 into 8 experts: a
 CheckpointError naming the param and the counts on every rank, before anything is modified. A 2-rank job saves
-DeepSpeed's legacy layer (``llmpar.moe.layer.MoE``, a module per expert) at ep=2, loads it at ep=1 and back at ep=2:
-every expert under its global index, params, moments and steps bitwise, the reader's param groups the experts' own.
+DeepSpeed's legacy layer (``llmpar.moe.layer.MoE``, a module per expert) at ep=2, loads it at ep=1 and back at ep=2
+(ZeRO-2, and ZeRO-3 re-saved asynchronously): every expert under its global index, params, moments and steps bitwise,
+the reader's param groups the experts' own; a model of another expert count or expert width is refused naming the
+param and the shapes, before anything is modified.
 A 2-rank job exports
 tiny Qwen3-MoE / Mixtral models trained at ep=2 with ``save_hf_model``: ``from_pretrained`` reads every tensor back
 bitwise, the experts whole.
@@ -191,13 +193,13 @@ class _LegacyNet(nn.Module):
     """A DeepSpeed MoE script's model (``llmpar.moe.layer.MoE``, one module per expert: ``[8, 12]`` / ``[12, 8]``
     weights), global expert g seeded by g so that ep=1 and ep=2 builds hold the same experts."""
 
-    def __init__(self, ep: int) -> None:
+    def __init__(self, ep: int, experts: int = LE, inter: int = INTER) -> None:
         super().__init__()
         self.inp, self.out = nn.Linear(H, H), nn.Linear(H, OUT)
-        expert = nn.Sequential(nn.Linear(H, INTER), nn.GELU(), nn.Linear(INTER, H))
+        expert = nn.Sequential(nn.Linear(H, inter), nn.GELU(), nn.Linear(inter, H))
         group = ParallelDims(dp=dist.get_world_size(), ep=ep).group("ep") if ep > 1 else None
-        self.moe = MoE(H, expert, LE, ep, k=2, min_capacity=0, top2_2nd_expert_sampling=False, ep_group=group)
-        first = (dist.get_rank() % ep) * (LE // ep)
+        self.moe = MoE(H, expert, experts, ep, k=2, min_capacity=0, top2_2nd_expert_sampling=False, ep_group=group)
+        first = (dist.get_rank() % ep) * (experts // ep)
         for i, e in enumerate(self.moe.deepspeed_moe.experts.deepspeed_experts):
             gen = torch.Generator().manual_seed(100 + first + i)
             with torch.no_grad():
@@ -209,16 +211,16 @@ class _LegacyNet(nn.Module):
         return self.out(h).pow(2).mean() + 0.01 * l_aux
 
 
-def _legacy_engine(ep: int, stage: int, seed: int, split: bool):
+def _legacy_engine(ep: int, stage: int, seed: int, split: bool, experts: int = LE, inter: int = INTER):
     """``split``: DeepSpeed's MoE param groups (``split_params_into_different_moe_groups_for_optimizer``), else
     ``model.parameters()`` (the engine puts the experts in the expert optimizer's group)."""
     torch.manual_seed(seed)
-    net = _LegacyNet(ep)
+    net = _LegacyNet(ep, experts, inter)
     config = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_clipping": 0.05,
         "optimizer": {"type": "AdamW", "params": {"lr": 2e-2, "weight_decay": 0.01}},
-        "zero_optimization": {"stage": stage},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
     }
     if not split:
         return llmpar.initialize(model=net, config=config)[0]
@@ -257,11 +259,27 @@ def legacy_body(root: str) -> dict:
     c.save_checkpoint(root, tag="ep2-again")
     out["ep2-again"] = _legacy_train(c, 2, 2)
     c.destroy()
+    d = _legacy_engine(2, 3, seed=3, split=True)  # ep=2, ZeRO-3: the experts' shards, re-saved asynchronously
+    d.load_checkpoint(root, tag="ep1")
+    d.save_checkpoint(root, tag="ep2-z3", async_save=True)
+    d.wait_checkpoint()
+    out["ep2-z3"] = _legacy_train(d, 2, 2)
+    d.destroy()
+    out["errors"] = {}
+    for count, inter in ((8, INTER), (LE, INTER + 2)):  # another expert count (the gate's shape), wider experts
+        e = _legacy_engine(2, 1, seed=4, split=True, experts=count, inter=inter)
+        before = {k: v.detach().clone() for k, v in e.module.state_dict().items()}
+        with pytest.raises(CheckpointError) as err:
+            e.load_checkpoint(root, tag="ep2")
+        out["errors"][count, inter] = str(err.value)
+        assert all(torch.equal(before[k], v) for k, v in e.module.state_dict().items())  # nothing modified
+        e.destroy()
     return out
 
 
 def test_legacy_moe_checkpoint_names_experts_by_global_index(tmp_path):
-    res = run_ranks(legacy_body, 2, str(tmp_path), timeout=300)[0]
+    outs = run_ranks(legacy_body, 2, str(tmp_path), timeout=300)
+    res = outs[0]
     saved = _whole(os.path.join(tmp_path, "ep2"))
     names = {n for n, _ in saved}
     experts = {n for n in names if ".deepspeed_experts." in n}
@@ -269,15 +287,23 @@ def test_legacy_moe_checkpoint_names_experts_by_global_index(tmp_path):
             for w in ("weight", "bias")}  # fmt: skip
     assert experts == want, sorted(experts ^ want)  # every expert under its global index, none under a local one
     assert saved["moe.deepspeed_moe.experts.deepspeed_experts.3.0.weight", "params"].shape == (INTER, H)
-    for tag in ("ep1", "ep2-again"):  # ep=2 -> ep=1 -> ep=2: weights, moments and steps bitwise
+    for tag in ("ep1", "ep2-again", "ep2-z3"):  # ep=2 -> ep=1 -> ep=2 (ZeRO-2, -3): weights, moments, steps bitwise
         again = _whole(os.path.join(tmp_path, tag))
         assert sorted(again) == sorted(saved), (tag, sorted(set(again) ^ set(saved)))
         differ = [k for k, v in saved.items() if not torch.equal(v, again[k])]
         assert not differ, (tag, differ)
     assert res["ep2-again"] == res["want"], res  # the same layout as the uninterrupted run: bitwise
-    assert max(abs(g - w) for g, w in zip(res["ep1"], res["want"])) < 1e-6, res
+    assert max(abs(g - w) for g, w in zip(res["ep1"] + res["ep2-z3"], res["want"] * 2)) < 1e-6, res
+    more = [r["errors"][8, INTER] for r in outs]  # 8 experts: rank 0's gate has other rows, rank 1's experts 4-7 lack
+    assert "moe.deepspeed_moe.gate.wg.weight" in more[0] and "(8, 12) here but (4, 12)" in more[0], more
+    assert "16 expert params of this model are not in" in more[1], more
+    assert "moe.deepspeed_moe.experts.deepspeed_experts.4.0.weight" in more[1], more
+    for rank_out in outs:  # wider experts: refused on every rank, naming the param and both shapes
+        wider = rank_out["errors"][LE, INTER + 2]
+        assert "expert param 'moe.deepspeed_moe.experts.deepspeed_experts." in wider, wider
+        assert "(8, 12) in the checkpoint but (10, 12) in this model" in wider, wider
     # the experts in their own param group, after the dense one (as DeepSpeed's split makes them), at every ep
-    for tag in ("ep2", "ep1", "ep2-again"):
+    for tag in ("ep2", "ep1", "ep2-again", "ep2-z3"):
         ck = LlmparCheckpoint(os.path.join(tmp_path, tag))
         groups, hyper = ck.groups(), ck.hyper()
         assert [sorted(g) for g in groups] == [sorted(names - experts), sorted(experts)], (tag, groups)
