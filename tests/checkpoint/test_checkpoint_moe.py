@@ -8,7 +8,8 @@ params, moments and step counts equal the saved ones bitwise (read back whole by
 under its local index would land on another expert's rows), consolidate writes them whole, the losses equal the
 uninterrupted run's (bitwise at the same layout); at ep=4 / ZeRO-2 with 8-bit moments (AdamW8bit) the params and
 steps load bitwise, the moments re-quantized, the losses within 1e-2. ``optimizer.state_dict()`` /
-``load_state_dict`` of the ep=2 engine round-trip both optimizers bitwise (the dense part alone is refused). Bad
+``load_state_dict`` of the ep=2 engine round-trip both optimizers bitwise (the dense part alone is refused). In the
+same job DeepSpeed's legacy layer saved at ep=2 x edp=2 loads at ep=4 bitwise (each expert's shards over edp). Bad
 input: a checkpoint of 6 experts loaded at ep=4 (6 does not split over 4 ranks) and at ep=2 into 8 experts: a
 CheckpointError naming the param and the counts on every rank, before anything is modified. A 2-rank job saves
 DeepSpeed's legacy layer (``llmpar.moe.layer.MoE``, a module per expert) at ep=2, loads it at ep=1 and back at ep=2
@@ -133,6 +134,17 @@ def moe_body(root: str) -> dict:
         e.wait_checkpoint()
         out[tag] = _train(e, 2, 2)
         e.destroy()
+    # DeepSpeed's legacy layer (a module per expert) at ep=2 x edp=2 (each expert's shards over 2 ranks) -> ep=4
+    la = _legacy_engine(2, 2, seed=0, split=True)
+    _legacy_train(la, 0, 2)
+    la.save_checkpoint(root, tag="legacy-ep2")
+    out["legacy-want"] = _legacy_train(la, 2, 2)
+    la.destroy()
+    lb = _legacy_engine(4, 1, seed=1, split=False)
+    lb.load_checkpoint(root, tag="legacy-ep2")
+    lb.save_checkpoint(root, tag="legacy-ep4")
+    out["legacy-ep4"] = _legacy_train(lb, 2, 2)
+    lb.destroy()
     return out
 
 
@@ -179,6 +191,16 @@ def test_expert_parallel_checkpoint_loads_at_any_ep_and_stage_exactly(tmp_path):
             assert got == want, (tag, got, want)
         else:
             assert max(abs(g - w) for g, w in zip(got, want)) < 1e-5, (tag, got, want)
+    legacy = _whole(os.path.join(tmp_path, "legacy-ep2"))  # 4 legacy experts written at ep=2 x edp=2, read at ep=4
+    assert {n for n, k in legacy if ".deepspeed_experts." in n and k == "exp_avg"} == {
+        f"moe.deepspeed_moe.experts.deepspeed_experts.{e}.{i}.{w}"
+        for e in range(LE)
+        for i in (0, 2)
+        for w in ("weight", "bias")
+    }
+    again = _whole(os.path.join(tmp_path, "legacy-ep4"))
+    assert sorted(again) == sorted(legacy) and not [k for k, v in legacy.items() if not torch.equal(v, again[k])]
+    assert max(abs(g - w) for g, w in zip(res["legacy-ep4"], res["legacy-want"])) < 1e-6, res
     for rank_out in outs:  # every rank raised, naming the param and the counts
         errs = rank_out["errors"]
         assert ".experts." in errs["ep4-z3"] and "6 experts" in errs["ep4-z3"] and "ep=4" in errs["ep4-z3"]
