@@ -1,6 +1,7 @@
 """``engine.compile()`` and the ``"compile"`` block (``llmpar/runtime/compile.py``): the demo GPT compiled under ZeRO on
-2 CPU ranks trains as eager does (fp32, 1e-6) with no graph break and no recompile after warm-up (10 steps with a
-changing LR, a checkpoint save + load among them), compiled autograd included; DeepSpeed's block typed and checked."""
+2 CPU ranks trains as eager does (fp32, 1e-6) with no graph break and no recompile after warm-up (10 micro-steps with
+a changing LR and a checkpoint save + load among them; accumulation at stage 2, activation checkpointing and
+overlap_param_gather at stage 1), compiled autograd included; DeepSpeed's block typed and checked."""
 
 from __future__ import annotations
 
@@ -80,7 +81,12 @@ def _build(stage):
         "gradient_clipping": 0.3,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
         "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-2, "warmup_num_steps": 30}},
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": 700, "overlap_comm": True},
+        "zero_optimization": {
+            "stage": stage,
+            "reduce_bucket_size": 700,
+            "overlap_comm": True,
+            "overlap_param_gather": stage == 1,  # waited for in front of the graph, not in hooks inside it
+        },
         "compile": {"deepcompile": True},
     }
     if stage == 1:  # the blocks' forwards wrapped in torch.utils.checkpoint (non-reentrant): traced, no break
@@ -138,6 +144,7 @@ def compile_body(stages, ckpt_dir, ca_stage):
                 if s == SAVE_AT and mode != "eager":  # a checkpoint round trip must not recompile anything
                     engine.save_checkpoint(f"{ckpt_dir}/{stage}_{mode}", tag="t")
                     engine.load_checkpoint(f"{ckpt_dir}/{stage}_{mode}", tag="t")
+            engine.optimizer.wait_params()  # overlap_param_gather: the last step's gather
             out[(stage, mode)] = dict(
                 losses=losses,
                 lrs=lrs,
