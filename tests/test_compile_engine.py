@@ -184,3 +184,15 @@ def test_compiled_engine_trains_as_eager_at_every_zero_stage_without_graph_break
             assert got["breaks"] == 0, where
             assert got["graphs"] >= 1 and (got["graphs"], got["captures"]) == got["warm"], (where, got)
             assert got["captures"] == (1 if mode == "compiled_autograd" else 0), (where, got)
+
+
+def test_compile_refuses_a_pipeline_engine_before_compiling_anything():
+    from types import SimpleNamespace
+
+    from llmpar.runtime.compile import compile_engine
+
+    module = torch.nn.Linear(3, 2)
+    stand_in = SimpleNamespace(config=SimpleNamespace(zero=SimpleNamespace(stage=1)), module=module, runner=object())
+    with pytest.raises(ValueError, match="compile the stages' blocks"):
+        compile_engine(stand_in, backend="aot_eager")
+    assert module._compiled_call_impl is None and not hasattr(stand_in, "_compiled")
