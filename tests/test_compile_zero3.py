@@ -88,7 +88,9 @@ def _train(kind: str, backend: str | None, steps: int) -> dict:
     if kind == "gpt":
         checkpoint_blocks(model, first=1)  # blocks.0 recomputed in backward (its region: the checkpointed forward)
     wrapped = model[0].forward if kind == "mlp" else model.blocks[0].__dict__["forward"]
-    if backend is not None:
+    if backend == "whole":  # the model compiled whole: ZeRO-3's hooks are graph breaks, run eagerly
+        model.compile(backend="aot_eager")
+    elif backend is not None:
         compile_stage3(opt, model, backend, {"fullgraph": False})  # a graph break would be counted, not raised
     out: dict = {"losses": [], "graphs": [], "breaks": [], "regions": compiled_regions(model)}
     for step in range(steps):
@@ -112,7 +114,7 @@ def _train(kind: str, backend: str | None, steps: int) -> dict:
     out["calls_captured"] = counters["stats"]["calls_captured"]
     out["weights"] = consolidated_state_dict(model, opt, rank0_only=False)
     out["live"] = opt.stage3.live_numel - sum(opt.stage3._numel(k) for k in opt.stage3.persistent)
-    if backend is not None:  # compiling again starts from the eager forwards; uncompiling gives them back
+    if backend not in (None, "whole"):  # compiling again starts from the eager forwards; uncompiling gives them back
         compile_stage3(opt, model, backend, None)
         block = model.blocks[1] if kind == "gpt" else model[0]
         out["recompiled_from_eager"] = block._llmpar_eager_forward[0].__func__ is type(block).forward
@@ -160,6 +162,7 @@ def compile_body() -> dict:
         "refusals": _refusals(),
         "eager": _train("gpt", None, STEPS),
         "compiled": _train("gpt", "aot_eager", STEPS),
+        "whole": _train("gpt", "whole", 3),
         "mlp_eager": _train("mlp", None, 3),
         "mlp_inductor": _train("mlp", "inductor", 3),
     }
@@ -218,6 +221,11 @@ def test_zero3_regional_compile():
         # pos_emb, blocks.0-2 (blocks.2 frozen: its own buffer); backward starts with the head (tied to tok_emb) and
         # blocks.3: those stay gathered
         assert again == [(0, 1), (0, 2), (0, 3), (1, 0)], log
+
+        # model.compile() instead: it trains as eager does, each unit's gather / release hook a graph break
+        whole = out["whole"]
+        torch.testing.assert_close(torch.tensor(whole["losses"]), torch.tensor(eager["losses"][:3]), rtol=1e-6, atol=0)
+        assert whole["breaks"][0] > 0 and whole["regions"] == []
 
         _same_training(out["mlp_inductor"], out["mlp_eager"], rtol=1e-6, atol=1e-6)
         assert out["mlp_inductor"]["regions"] == ["0", "1"]

@@ -36,6 +36,8 @@ reduced or stepped.
 offload_param: a unit's host shard is copied in by the gather that the prefetch issues (``offload.Copier``: a side CUDA
 stream on CUDA), so the next unit's host->device copy overlaps the current unit's compute. ``log`` (a list, None by
 default) records ("h2d" | "gather" | "wait" | "free", key) in issue order, for tests.
+torch.compile never traces the hooks (``torch.compiler.disable``): a model compiled whole runs them eagerly between its
+graphs, a graph break each; ``compile.py`` compiles each unit's forward as its own region between them instead.
 """
 
 from __future__ import annotations
@@ -377,6 +379,7 @@ class _WeakPre:
     def __init__(self, ref: "weakref.ref[Stage3Runtime]", mi: int) -> None:
         self.ref, self.mi = ref, mi
 
+    @torch.compiler.disable
     def __call__(self, module: nn.Module, args: Any) -> Any:
         rt = self.ref()
         return None if rt is None else rt.pre_forward(self.mi, args)
@@ -386,6 +389,7 @@ class _WeakPost:
     def __init__(self, ref: "weakref.ref[Stage3Runtime]", mi: int) -> None:
         self.ref, self.mi = ref, mi
 
+    @torch.compiler.disable
     def __call__(self, module: nn.Module, args: Any, output: Any) -> Any:
         rt = self.ref()
         return output if rt is None else rt.post_forward(self.mi, output)
