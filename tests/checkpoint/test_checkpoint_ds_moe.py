@@ -5,8 +5,9 @@ The checkpoints are DeepSpeed 0.19's own (``ds_moe_run.py``: two legacy MoE laye
 CPU ranks at ZeRO-2 / ep=2, ZeRO-1 / ep=1 and without ZeRO / ep=2, saved, and continued 2 steps), kept as golden
 files (``tests/golden/ds_moe/``, ``make golden``); one case runs DeepSpeed live and must equal its golden. One launch
 on 2 ranks loads each into an llmpar engine of the same model built from ``llmpar.moe.layer.MoE`` (another seed: the
-load must overwrite every value) at another ZeRO stage and ep=1, and the two ep=2 checkpoints also at ep=2 (each
-rank's experts in the expert optimizer, read by their global index): every weight equals the checkpoint's (experts
+load must overwrite every value) at another ZeRO stage and ep=1, and the two ep=2 checkpoints also at ep=2 (ZeRO-2,
+ZeRO-3; each rank's experts in the expert optimizer, read by their global index), as is the ZeRO-2 one converted to
+universal (the generic loader): every weight equals the checkpoint's (experts
 under their global index) bitwise, the param groups keep DeepSpeed's hyper-parameters, the next steps' losses equal
 DeepSpeed's continuation (1e-6), and a model with another expert count is refused naming the layer and the counts
 (at ep=2: the whole model's count, not one rank's). In one process:
@@ -34,7 +35,17 @@ import ds_moe_run as run  # noqa: E402
 
 CASES = {"z2-ep2": {"stage": 2, "ep": 2}, "z1-ep1": {"stage": 1, "ep": 1}, "z0-ep2": {"stage": 0, "ep": 2}}
 LOADED_AT = {"z2-ep2": 1, "z1-ep1": 2, "z0-ep2": 3}  # the ZeRO stage llmpar loads each at (dp=2, ep=1)
-AT_EP2 = {"z2-ep2@ep2": (2, 2), "z0-ep2@ep2": (1, 2)}  # (ZeRO stage, ep): the experts spread as DeepSpeed had them
+# (ZeRO stage, ep): the experts spread as DeepSpeed had them; "uni": z2-ep2 converted to universal (the generic loader)
+AT_EP2 = {"z2-ep2@ep2": (2, 2), "z0-ep2@ep2": (3, 2), "uni@ep2": (1, 2)}
+FROM = {"uni": "z2-ep2"}  # a converted checkpoint: the DeepSpeed one it was written from
+
+
+def _origin(case: str) -> str:
+    """The DeepSpeed run ``case`` (``"<checkpoint>[@ep2]"``) holds the checkpoint of."""
+    src = case.split("@")[0]
+    return FROM.get(src, src)
+
+
 EXPERT = "moe{}.deepspeed_moe.experts.deepspeed_experts.{}.{}"
 LOCAL = re.compile(r"^(.*\.deepspeed_experts\.)(\d+)(\..+)$")
 
@@ -158,10 +169,11 @@ def _load_body(root: str) -> dict:
 
     rank, out = dist.get_rank(), {}
     for case, (stage, ep) in {**{c: (s, 1) for c, s in LOADED_AT.items()}, **AT_EP2}.items():
-        folder = f"{root}/{case.split('@')[0]}/{run.TAG}"
+        src = case.split("@")[0]
+        folder = f"{root}/{_origin(case)}/{run.TAG}"
         engine = _llmpar(stage, ep=ep)
         assert (engine.optimizer.experts is not None) == (ep > 1)
-        path, client = engine.load_checkpoint(os.path.dirname(folder), tag=run.TAG)
+        path, client = engine.load_checkpoint(f"{root}/{src}", tag=run.TAG)
         want = _saved_weights(folder)
         with GatheredParameters(list(engine.module.parameters())):
             got = {_global(n, ep, rank): p.detach().clone() for n, p in engine.module.named_parameters()}
@@ -182,6 +194,9 @@ def test_deepspeed_moe_checkpoints_resume_in_llmpar(tmp_path):
     records = {case: _golden(case) for case in CASES}
     for case in CASES:
         _unpacked(case, tmp_path)
+    from llmpar.checkpoint import convert
+
+    convert.convert(str(_unpacked("z2-ep2", tmp_path)), str(tmp_path / "uni"), to="universal")
     per_rank = run_ranks(_load_body, 2, str(tmp_path), timeout=240)
     for rank, out in enumerate(per_rank):
         for case, (differ, facts, losses) in ((c, out[c]) for c in [*CASES, *AT_EP2]):
@@ -191,7 +206,7 @@ def test_deepspeed_moe_checkpoints_resume_in_llmpar(tmp_path):
             assert hyper == [(0.1, (0.9, 0.95))] * 2, (case, hyper)  # both groups: the dense and the experts'
             torch.testing.assert_close(
                 torch.tensor(losses, dtype=torch.float64),
-                torch.tensor(records[case.split("@")[0]]["after"][rank], dtype=torch.float64),
+                torch.tensor(records[_origin(case)]["after"][rank], dtype=torch.float64),
                 rtol=1e-6,
                 atol=0,
                 msg=lambda m, c=case: f"{c} rank {rank}: {m}",
