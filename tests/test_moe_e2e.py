@@ -209,11 +209,17 @@ def _legacy_train(stage: int, how: str) -> dict[str, float]:
     """ep_size=2 under ``llmpar.initialize`` (the engine gives the layer DeepSpeed's groups), the optimizer from
     DeepSpeed's MoE param groups: a client AdamW (``how="client"``), or ``model_parameters`` with the config's
     optimizer (``"groups"``); ``"ep_group"``: the layer built over ``ParallelDims(ep=2).group("ep")`` (llmpar's
-    argument; the engine derives the expert-data-parallel group) with a client AdamW."""
+    argument; the engine derives the expert-data-parallel group) with a client AdamW; ``"data_first"``: the script
+    calls ``set_deepspeed_parallelism(use_data_before_expert_parallel_=True)`` itself (ep groups [0, 2], [1, 3]: the
+    engine keeps them and shards over their expert-data-parallel groups [0, 1], [2, 3])."""
     rank, dp = dist.get_rank(), dist.get_world_size()
-    n = LE // 2
+    n, data_first = LE // 2, how == "data_first"
     ep_group = ParallelDims(dp=dp, ep=2).group("ep") if how == "ep_group" else None
-    net = _LegacyNet(2, (rank % 2) * n, ep_group)  # ep groups of consecutive ranks (DeepSpeed's and ParallelDims')
+    ep_rank = rank // 2 if data_first else rank % 2  # ep groups of consecutive ranks (DeepSpeed's and ParallelDims')
+    net = _LegacyNet(2, ep_rank * n, ep_group)
+    if data_first:
+        groups._reset()  # "ep_size_2" in the other layout
+        net.moe.set_deepspeed_parallelism(use_data_before_expert_parallel_=True)
     config: dict = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_clipping": LEGACY_CLIP,
@@ -226,7 +232,10 @@ def _legacy_train(stage: int, how: str) -> dict[str, float]:
         config["optimizer"] = {"type": "AdamW", "params": {"lr": LR}}
     engine, opt, _, _ = llmpar.initialize(model=net, config=config, **kw)
     ep_ranks = dist.get_process_group_ranks(net.moe.deepspeed_moe.ep_group)
-    assert ep_ranks == [rank - rank % 2, rank - rank % 2 + 1] and engine.moe.ep == 2
+    assert ep_ranks == ([rank % 2, rank % 2 + 2] if data_first else [rank - rank % 2, rank - rank % 2 + 1])
+    assert engine.moe.ep == 2 and dist.get_process_group_ranks(opt.experts.dp_group.get()) == (
+        [rank - rank % 2, rank - rank % 2 + 1] if data_first else [rank % 2, rank % 2 + 2]
+    )
     assert opt.experts is not None
     for s in range(STEPS):
         engine.backward(engine(_legacy_batch(s, rank)))
@@ -246,6 +255,7 @@ def _legacy_checkpoint() -> None:
     import tempfile
 
     rank, cfg = dist.get_rank(), {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}}
+    groups._reset()  # DeepSpeed's default layout again
 
     def build(ep: int) -> Any:
         net = _LegacyNet(ep, (rank % 2) * (LE // 2) if ep == 2 else 0)
@@ -273,7 +283,7 @@ def _legacy_checkpoint() -> None:
 def test_deepspeed_moe_at_ep2_trains_under_initialize_as_one_process():
     groups._reset()  # groups of an earlier test in these pooled ranks are gone
     worst: dict[str, float] = {}
-    for stage, how in ((0, "client"), (1, "groups"), (2, "ep_group"), (3, "client"), (3, "groups")):
+    for stage, how in ((0, "client"), (1, "groups"), (2, "ep_group"), (3, "client"), (3, "groups"), (2, "data_first")):
         errs = _legacy_train(stage, how)
         bad = {k: e for k, e in errs.items() if e > 1e-6}
         assert not bad, (stage, how, bad)
