@@ -2,7 +2,9 @@
 ``llmpar.pipe.PipelineModule``: the model cut into stages over the ``[pp, dp, tp]`` mesh
 (``llmpar.pipeline.build``), tensor parallel inside each stage, a ZeroOptimizer (stages 0-2) per stage, DeepSpeed's
 in-order repeating loader for ``train_batch()``. A PipelineModule brings its stage count, mesh and loss. With
-``"expert_parallel"`` at ep > 1 the experts fold over each stage's dp ranks (:func:`_spread_experts`).
+``"expert_parallel"`` at ep > 1 the experts fold over each stage's dp ranks (:func:`_spread_experts`); the MoE
+layers' aux losses join the backward where they are computed (:func:`_attach_aux_losses`, ``"add_aux_loss"``) and
+the engine moves their expert biases after each step (``PipelineEngine``).
 """
 
 from __future__ import annotations
@@ -84,6 +86,8 @@ def build_pipeline_engine(
     experts = _spread_experts(layers, blocks.expert_parallel.ep, pp=pp, tp=tp, dp=group_size(dp_group))
     apply_activation_checkpointing(model, cfg.activation_checkpointing, mesh["tp"].get_group() if tp > 1 else None)
     p, m = cfg.pipeline, cfg.gradient_accumulation_steps
+    if blocks.expert_parallel.add_aux_loss:
+        _attach_aux_losses(layers, 1.0 / m)
     # a PipelineModule's config (DeepSpeed's, no llmpar block) runs any micro-batch count: 1F1B, else GPipe
     chosen = p is not None and (not pipe_module or p.schedule_given)
     schedule = p.schedule if chosen else "1f1b" if m >= pp else "gpipe"
@@ -125,9 +129,7 @@ def build_pipeline_engine(
 def _prepare_experts(model: nn.Module, ep_cfg: ExpertParallelConfig, tp: int) -> list[tuple[str, MoEBlock]]:
     """The model's MoE layers, made ready for a pipeline (no collective; the same on every rank). With the block
     enabled, transformers' MoE blocks are swapped first; every ``llmpar.moe.Experts`` takes the block's grouped GEMM
-    backends. At ep > 1, refused naming it: no MoE layer, tp > 1, a layer built over its own group, a router whose
-    aux losses / expert bias need the loss or the bias step the plain engine adds (the last stage's loss has no path
-    to an earlier stage's router)."""
+    backends. At ep > 1, refused naming it: no MoE layer, tp > 1, a layer built over its own group."""
     if ep_cfg.enabled and swap_moe_blocks(model):
         logger.info("expert_parallel: transformers MoE blocks run as llmpar MoE blocks in the pipeline")
     apply_grouped_mm_impl(model, ep_cfg)
@@ -141,15 +143,42 @@ def _prepare_experts(model: nn.Module, ep_cfg: ExpertParallelConfig, tp: int) ->
     if tp > 1:
         raise ValueError(f'{where} and "tensor_parallel.size"={tp}: not supported yet; use tp=1 or no pipeline')
     for name, b in layers:
-        r = b.router.config
         if b.ep_size != 1:
             raise ValueError(f"{where}: MoE layer {name} was built over its own group; build it with ep_group=None")
-        if r.expert_bias or (ep_cfg.add_aux_loss and (r.aux_loss_coeff or r.seq_aux_loss_coeff or r.z_loss_coeff)):
-            raise ValueError(
-                f"{where}: MoE layer {name} has an auxiliary loss or an expert bias, which the pipeline engine does "
-                'not apply yet; build its router without them (or "add_aux_loss": false to drop the aux losses)'
-            )
     return layers
+
+
+class _AttachAux(torch.autograd.Function):
+    """``output`` unchanged; its backward also sends ``scale`` as the gradient of ``aux`` (the layer's weighted aux
+    losses), as if ``scale * aux`` had been added to the loss: the pipeline's loss lives on the last stage, so an
+    earlier stage's router cannot be reached through it."""
+
+    @staticmethod
+    def forward(ctx: Any, output: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(aux)
+        ctx.scale = scale
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:  # type: ignore[override]
+        (aux,) = ctx.saved_tensors
+        return grad, torch.full_like(aux, ctx.scale), None
+
+
+def _attach_aux_losses(layers: list[tuple[str, MoEBlock]], scale: float) -> None:
+    """Every MoE layer's weighted aux losses of a training forward join the backward with weight ``scale`` (1 /
+    micro-batches: the plain engine's ``(loss + aux) / gradient_accumulation_steps``), through a forward hook."""
+
+    def hook(module: MoEBlock, _inputs: Any, output: Any) -> Any:
+        aux = getattr(module, "aux_loss", None)
+        if not (module.training and torch.is_grad_enabled() and isinstance(aux, torch.Tensor) and aux.requires_grad):
+            return None
+        if isinstance(output, torch.Tensor):
+            return _AttachAux.apply(output, aux, scale)
+        return (_AttachAux.apply(output[0], aux, scale), *output[1:])  # a block returning (hidden, ...)
+
+    for _, b in layers:
+        b.register_forward_hook(hook)
 
 
 def _spread_experts(layers: list[tuple[str, MoEBlock]], ep: int, *, pp: int, tp: int, dp: int) -> Any:

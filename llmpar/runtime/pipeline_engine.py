@@ -159,7 +159,19 @@ class PipelineEngine(EngineBase):
         loss = self.runner.step(x, y)
         self.micro_steps += self.config.gradient_accumulation_steps
         self._finish_step(self.optimizer.step(), loss)
+        self._update_expert_biases()
         return torch.tensor(loss, dtype=torch.float64)
+
+    def _update_expert_biases(self) -> None:
+        """The aux-loss-free bias step of this rank's MoE layers with an expert bias (the load summed over the
+        stage's dp ranks), after each optimizer step as the plain engine does."""
+        from llmpar.moe.block import MoEBlock
+
+        for sm in self.runner.split.modules:
+            for b in sm.modules():
+                r = getattr(b, "router", None)
+                if isinstance(b, MoEBlock) and r.expert_bias is not None and r.config.bias_update_rate:
+                    b.update_expert_bias(self.optimizer.dp_group.get())
 
     @reports_step
     def eval_batch(
