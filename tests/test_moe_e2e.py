@@ -289,6 +289,9 @@ def test_deepspeed_moe_at_ep2_trains_under_initialize_as_one_process():
         assert not bad, (stage, how, bad)
         worst[f"zero{stage}/{how}"] = max(errs.values())
     _legacy_checkpoint()
+    odd = _LegacyNet(2, 0, ParallelDims(dp=dist.get_world_size(), ep=2).group("edp"))  # no edp group known for it
+    with pytest.raises(ValueError, match=r"exchanges tokens over ranks \[\d, \d\], not ParallelDims\(ep=2\)"):
+        llmpar.initialize(model=odd, config={"train_batch_size": 4})
     two = _LegacyNet(2, 0)  # a second layer over another ep size: refused on every rank, naming both sizes
     two.moe2 = MoE(LH, torch.nn.Linear(LH, LH), num_experts=LE, ep_size=4)
     with pytest.raises(ValueError, match=r"ep_size \[2, 4\] in one model"):
