@@ -14,9 +14,8 @@ input: a checkpoint of 6 experts loaded at ep=4 (6 does not split over 4 ranks) 
 CheckpointError naming the param and the counts on every rank, before anything is modified. A 2-rank job saves
 DeepSpeed's legacy layer (``llmpar.moe.layer.MoE``, a module per expert) at ep=2, loads it at ep=1 and back at ep=2
 (ZeRO-2, and ZeRO-3 re-saved asynchronously): every expert under its global index, params, moments and steps bitwise,
-the reader's param groups the experts' own; a model of another expert count or expert width is refused naming the
-param and the shapes, before anything is modified.
-A 2-rank job exports
+the reader's param groups the experts' own (and so in ``convert``'s universal output); a model of another expert
+count or expert width is refused naming the param and the shapes, before anything is modified. A 2-rank job exports
 tiny Qwen3-MoE / Mixtral models trained at ep=2 with ``save_hf_model``: ``from_pretrained`` reads every tensor back
 bitwise, the experts whole.
 """
@@ -31,10 +30,12 @@ import torch.distributed as dist
 from torch import nn
 
 import llmpar
-from llmpar.checkpoint import CheckpointError, metacheck
+from llmpar.checkpoint import CheckpointError, convert, metacheck
 from llmpar.checkpoint.consolidate import consolidated_state_dict
 from llmpar.checkpoint.experts import one_expert
 from llmpar.checkpoint.formats.llmpar import LlmparCheckpoint
+from llmpar.checkpoint.formats.open import open_source
+from llmpar.checkpoint.formats.source import full, locate
 from llmpar.checkpoint.plan import stored_names
 from llmpar.checkpoint.reshard import CheckpointReader
 from llmpar.distributed.dims import ParallelDims
@@ -330,6 +331,13 @@ def test_legacy_moe_checkpoint_names_experts_by_global_index(tmp_path):
         groups, hyper = ck.groups(), ck.hyper()
         assert [sorted(g) for g in groups] == [sorted(names - experts), sorted(experts)], (tag, groups)
         assert len(hyper) == 2 and hyper[1] == hyper[0] and hyper[1]["weight_decay"] == 0.01, (tag, hyper)
+    # converted to universal with the experts' group: every state bitwise, the groups as the reader's
+    convert.convert(str(tmp_path), str(tmp_path / "uni"), to="universal", tag="ep2-again")
+    ck, uni = LlmparCheckpoint(os.path.join(tmp_path, "ep2-again")), open_source(locate(str(tmp_path / "uni")))
+    assert [sorted(g) for g in uni.groups()] == [sorted(g) for g in ck.groups()] and len(uni.hyper()) == 2
+    for name in ck.names:
+        for key in ("master", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(full(uni, name, key), full(ck, name, key)), (name, key)
 
 
 def test_one_expert_params_are_named_by_list_and_index():

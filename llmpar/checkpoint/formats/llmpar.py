@@ -61,6 +61,14 @@ class LlmparCheckpoint:
         self.tp, self.pp = int(meta["tp"]), int(meta.get("pp", 1))
         self._last: tuple[tuple[str, str], torch.Tensor] | None = None
 
+    def expert_groups(self) -> set[int]:
+        """The param groups holding experts and nothing else (an expert-parallel run's, module docstring)."""
+        experts = set(self.reader.experts.shapes) - set(self.reader.where)
+        by: dict[int, set[bool]] = {}
+        for n in self.names:
+            by.setdefault(self.group_of[n], set()).add(n in experts)
+        return {g for g, kinds in by.items() if kinds == {True}}
+
     def groups(self) -> list[list[str]]:
         """The param groups' names, by the group each param's buffer records (one group when none does); the
         experts of an expert-parallel run in their own groups (module docstring)."""

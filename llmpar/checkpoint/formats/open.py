@@ -78,7 +78,7 @@ def writable(src: Source) -> Writable:
             "universal layouts are written from pp=1 checkpoints only (load it at pp=1 and save)"
         )
     groups, hyper = src.groups(), src.hyper()
-    if isinstance(src, LlmparCheckpoint) and len(hyper) != 1:
+    if isinstance(src, LlmparCheckpoint) and len(hyper) - len(src.expert_groups()) != 1:  # experts' own: recorded
         raise CheckpointError(
             f"{src.path}: llmpar checkpoint of {len(hyper)} param groups: which "
             "param is in which is not recorded; only one group is written to DeepSpeed's layout"
