@@ -310,6 +310,10 @@ def test_legacy_moe_checkpoint_names_experts_by_global_index(tmp_path):
             for w in ("weight", "bias")}  # fmt: skip
     assert experts == want, sorted(experts ^ want)  # every expert under its global index, none under a local one
     assert saved["moe.deepspeed_moe.experts.deepspeed_experts.3.0.weight", "params"].shape == (INTER, H)
+    whole = consolidated_state_dict(
+        str(tmp_path / "ep2"), dtype=None
+    )  # `llmpar checkpoint consolidate`: the ep=1 names
+    assert experts <= set(whole) and all(torch.equal(whole[n], saved[n, "params"]) for n in experts)
     for tag in ("ep1", "ep2-again", "ep2-z3"):  # ep=2 -> ep=1 -> ep=2 (ZeRO-2, -3): weights, moments, steps bitwise
         again = _whole(os.path.join(tmp_path, tag))
         assert sorted(again) == sorted(saved), (tag, sorted(set(again) ^ set(saved)))
