@@ -151,8 +151,9 @@ def test_initialize_spreads_experts_and_follows_one_process():
     with pytest.raises(ValueError, match="num_experts=8 is not divisible by ep=3"):
         bad = {**config, "expert_parallel": {"enabled": True, "autoep_size": 3}}
         llmpar.initialize(model=_Net(None, _router()), config=bad)
-    with pytest.raises(ValueError, match="autoep_size.*=2 with a .pipeline. block"):
-        llmpar.initialize(model=_Net(None, _router()), config={**config, "pipeline": {"stages": 2}})
+    with pytest.raises(ValueError, match="autoep_size.*=2 with a .pipeline. block and .tensor_parallel.size.=2"):
+        piped = {**config, "pipeline": {"stages": 2}, "tensor_parallel": {"size": 2}}  # EP x PP: tests/test_moe_pipe.py
+        llmpar.initialize(model=_Net(None, _router()), config=piped)
     plain = {k: v for k, v in config.items() if k != "expert_parallel"}
     dims = ParallelDims(dp=dp, ep=2)
     built = _Net(dims.group("ep"), _router())  # built over the ep group: the engine derives the same, no block needed
