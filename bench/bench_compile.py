@@ -1,8 +1,10 @@
 """Benchmark: ``engine.compile()`` on the demo GPT at dp=2 on CPU/gloo, eager vs compiled (inductor) training step side
 by side in one run, at ZeRO-2 (the whole model one graph, the reductions in eager hooks) and ZeRO-3 (each unit a
 compiled region: ``llmpar.zero.compile.compile_stage3``). Goals (issue 45): compiled <= 0.75x eager at ZeRO-2, <= 0.85x
-at ZeRO-3. The compile time is the first compiled step's time less an eager step (both ranks compile; the slower
-rank's). Timing as in ``bench_zero.py`` (order rotated per repeat, barrier, slowest rank, median).
+at ZeRO-3. ``*_cpp``: ``compile_kwargs={"options": {"cpp_wrapper": True}}`` (inductor's C++ wrapper around the
+graph's kernels instead of Python: less overhead per kernel, a longer compile). The compile time is the first
+compiled step's time less an eager step (both ranks compile; the slower rank's). Timing as in ``bench_zero.py``
+(order rotated per repeat, barrier, slowest rank, median).
 
     python bench/bench_compile.py                          # launches torchrun itself
     python bench/bench_compile.py --d-model 256 --n-layer 4 --repeats 8 --backend inductor
@@ -24,8 +26,21 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from baselines import add_step_args, batch, gpt, time_cases, torchrun, zero_config  # noqa: E402
 
-CASES = ("eager_s2", "compiled_s2", "eager_s3", "compiled_s3", "compiled_s2_autograd")
-GOALS = {"compiled_s2": ("eager_s2", 0.75), "compiled_s3": ("eager_s3", 0.85)}
+CASES = (
+    "eager_s2",
+    "compiled_s2",
+    "compiled_s2_cpp",
+    "eager_s3",
+    "compiled_s3",
+    "compiled_s3_cpp",
+    "compiled_s2_autograd",
+)
+GOALS = {
+    "compiled_s2": ("eager_s2", 0.75),
+    "compiled_s2_cpp": ("eager_s2", 0.75),
+    "compiled_s3": ("eager_s3", 0.85),
+    "compiled_s3_cpp": ("eager_s3", 0.85),
+}
 COMPILE_S: dict[str, float] = {}  # case -> seconds of its first (compiling) step, the slowest rank's
 
 
@@ -35,7 +50,7 @@ def build(case: str, args):
     import llmpar
 
     inp, tgt = batch(args)
-    stage = 3 if case.endswith("s3") else 2
+    stage = 3 if "_s3" in case else 2
     cfg = zero_config(args, stage)
     if stage == 3:
         cfg["zero_optimization"].update(stage3_prefetch_bucket_size=args.bucket, stage3_param_persistence_threshold=0)
@@ -47,7 +62,8 @@ def build(case: str, args):
         engine.step()
 
     if case.startswith("compiled"):
-        engine.compile(backend=args.backend, compiled_autograd_enabled=case.endswith("autograd"))
+        kwargs = {"options": {"cpp_wrapper": True}} if case.endswith("_cpp") else None  # C++ graph wrapper
+        engine.compile(backend=args.backend, compile_kwargs=kwargs, compiled_autograd_enabled=case.endswith("autograd"))
         dist.barrier()
         t0 = time.perf_counter()
         step()  # compiles (forward, backward; every region at stage 3)
@@ -63,7 +79,7 @@ def timing_run(args) -> None:
     def report(timings, world, n_params):
         rows = []
         for name in (c for c in args.cases if c in timings):
-            eager = "eager_s3" if name.endswith("s3") else "eager_s2"
+            eager = "eager_s3" if "_s3" in name else "eager_s2"
             row = {"case": name, **timings[name].row()}
             if eager in timings and name != eager:
                 row["time_vs_eager"] = timings[name].median_s / timings[eager].median_s
