@@ -27,7 +27,9 @@ A param holding *one* expert (DeepSpeed's legacy layer, ``llmpar.moe.layer.MoE``
 ``...deepspeed_experts.<i>.*``, tagged ``expert_index = (list name, i, experts per rank)`` where it is) is not rows
 of a packed tensor: local expert ``i`` of ep rank ``r`` with ``n`` experts per rank is written whole under its global
 name ``...deepspeed_experts.<r n + i>.*`` (the name an ep=1 model gives it), element offset 0, so it loads at any ep
-as the packed ones do; its saved shape must equal the model's (a CheckpointError naming it otherwise).
+as the packed ones do; its saved shape must equal the model's (a CheckpointError naming it otherwise). Such a
+module's persistent buffers and frozen params are refused at ep > 1 (:func:`refuse_expert_state`): module state
+outside the optimizer is written from dp rank 0 under its local names.
 
 The optimizer shows its experts through ``checkpoint_experts()`` (``protocol.HoldsExperts``): the expert optimizer
 (itself a ``CheckpointOptimizer``), this rank's ep rank and ``ep``.
@@ -84,6 +86,34 @@ def one_expert(name: str, p: Any) -> tuple[str, int, str, int | None] | None:
     return m.group(1), int(m.group(2)), m.group(3), int(index[2]) if index is not None else None
 
 
+def refuse_expert_state(engine: Checkpointable, xopt: CheckpointOptimizer, ep: int, what: str) -> None:
+    """A CheckpointError naming the persistent buffers and frozen params of one-expert modules spread over ep > 1
+    ranks: module state outside the optimizer is written from dp rank 0 under its local names, so the experts of the
+    other ep ranks would be lost and take ep rank 0's on load. Raised alike on every rank (the same modules)."""
+    if ep == 1:
+        return
+    names = engine.checkpoint_names()
+    lists = set()
+    for buf in xopt.checkpoint_params():
+        for n, p in buf:
+            found = one_expert(names.get(n, n), p)
+            if found is not None:
+                lists.add(found[0])
+    bad = sorted(
+        n
+        for n, (t, is_param) in engine.checkpoint_targets().items()
+        if not (is_param and t.requires_grad)
+        and any(n.startswith(pre) and n[len(pre) :].split(".")[0].isdigit() for pre in lists)
+    )
+    if bad:
+        raise CheckpointError(
+            f"{what}: {bad[:4]}{' ...' if len(bad) > 4 else ''} are buffers / frozen params of experts spread over "
+            f"ep={ep} ranks (a module per expert): llmpar's checkpoints write module state outside the optimizer "
+            "from dp rank 0 under its local names, so the other ep ranks' experts would lose theirs or take ep rank "
+            "0's; refused (hold such state in trained params, or save and load at ep=1)"
+        )
+
+
 def placement(engine: Checkpointable, xopt: CheckpointOptimizer, ep_rank: int, ep: int) -> dict[str, Where]:
     """{expert optimizer name: where it sits in the checkpoint}: a packed param's rows at this rank's offset of the
     global tensor, a one-expert param whole under its global index."""
@@ -123,6 +153,7 @@ def snapshot(engine: Checkpointable, *, copy: bool) -> tuple[dict | None, dict |
     if side is None:
         return None, None
     xopt, ep_rank, ep = side
+    refuse_expert_state(engine, xopt, ep, "save_checkpoint")
     xopt.prepare_save()
     where = placement(engine, xopt, ep_rank, ep)
     units = {s["name"]: int(s["unit"]) for b in xopt.checkpoint_layout() for s in b["params"]}
@@ -224,6 +255,7 @@ class ExpertLoad:
         side = expert_side(engine.optimizer)
         assert side is not None
         self.xopt, ep_rank, self.ep = side
+        refuse_expert_state(engine, self.xopt, self.ep, "load_checkpoint")
         self.reader, self.tp = reader, engine.checkpoint_grid()
         self.where = placement(engine, self.xopt, ep_rank, self.ep)
         self.missing: set[str] = set()
@@ -304,4 +336,13 @@ class ExpertLoad:
             self.xopt.load_pieces(self.get, step)
 
 
-__all__ = ["ExpertIndex", "ExpertLoad", "Where", "expert_side", "one_expert", "placement", "snapshot"]
+__all__ = [
+    "ExpertIndex",
+    "ExpertLoad",
+    "Where",
+    "expert_side",
+    "one_expert",
+    "placement",
+    "refuse_expert_state",
+    "snapshot",
+]

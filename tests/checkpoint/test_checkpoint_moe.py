@@ -212,14 +212,25 @@ def test_expert_parallel_checkpoint_loads_at_any_ep_and_stage_exactly(tmp_path):
 LE = 4  # experts of the legacy layer: 2 per rank at ep=2
 
 
+class _Scaled(nn.Module):
+    """An expert's output scaled by a persistent buffer (module state outside the optimizer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.full((H,), 0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+
 class _LegacyNet(nn.Module):
     """A DeepSpeed MoE script's model (``llmpar.moe.layer.MoE``, one module per expert: ``[8, 12]`` / ``[12, 8]``
     weights), global expert g seeded by g so that ep=1 and ep=2 builds hold the same experts."""
 
-    def __init__(self, ep: int, experts: int = LE, inter: int = INTER) -> None:
+    def __init__(self, ep: int, experts: int = LE, inter: int = INTER, buffered: bool = False) -> None:
         super().__init__()
         self.inp, self.out = nn.Linear(H, H), nn.Linear(H, OUT)
-        expert = nn.Sequential(nn.Linear(H, inter), nn.GELU(), nn.Linear(inter, H))
+        expert = nn.Sequential(nn.Linear(H, inter), nn.GELU(), nn.Linear(inter, H), *([_Scaled()] * buffered))
         group = ParallelDims(dp=dist.get_world_size(), ep=ep).group("ep") if ep > 1 else None
         self.moe = MoE(H, expert, experts, ep, k=2, min_capacity=0, top2_2nd_expert_sampling=False, ep_group=group)
         first = (dist.get_rank() % ep) * (experts // ep)
@@ -234,11 +245,13 @@ class _LegacyNet(nn.Module):
         return self.out(h).pow(2).mean() + 0.01 * l_aux
 
 
-def _legacy_engine(ep: int, stage: int, seed: int, split: bool, experts: int = LE, inter: int = INTER):
+def _legacy_engine(
+    ep: int, stage: int, seed: int, split: bool, experts: int = LE, inter: int = INTER, buffered: bool = False
+):
     """``split``: DeepSpeed's MoE param groups (``split_params_into_different_moe_groups_for_optimizer``), else
     ``model.parameters()`` (the engine puts the experts in the expert optimizer's group)."""
     torch.manual_seed(seed)
-    net = _LegacyNet(ep, experts, inter)
+    net = _LegacyNet(ep, experts, inter, buffered)
     config = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_clipping": 0.05,
@@ -297,6 +310,13 @@ def legacy_body(root: str) -> dict:
         out["errors"][count, inter] = str(err.value)
         assert all(torch.equal(before[k], v) for k, v in e.module.state_dict().items())  # nothing modified
         e.destroy()
+    e = _legacy_engine(2, 1, seed=5, split=True, buffered=True)  # experts with a buffer: not saved per expert
+    for call in (lambda: e.save_checkpoint(root, tag="buffered"), lambda: e.load_checkpoint(root, tag="ep2")):
+        with pytest.raises(CheckpointError) as err:
+            call()
+        out["errors"].setdefault("buffered", []).append(str(err.value))
+    assert not os.path.exists(os.path.join(root, "buffered"))
+    e.destroy()
     return out
 
 
@@ -325,6 +345,10 @@ def test_legacy_moe_checkpoint_names_experts_by_global_index(tmp_path):
     assert "moe.deepspeed_moe.gate.wg.weight" in more[0] and "(8, 12) here but (4, 12)" in more[0], more
     assert "16 expert params of this model are not in" in more[1], more
     assert "moe.deepspeed_moe.experts.deepspeed_experts.4.0.weight" in more[1], more
+    for rank_out in outs:  # expert buffers at ep=2: save and load refused on every rank, naming them
+        saving, loading = rank_out["errors"]["buffered"]
+        assert saving.startswith("save_checkpoint") and loading.startswith("load_checkpoint"), (saving, loading)
+        assert all("moe.deepspeed_moe.experts.deepspeed_experts.0.3.scale" in m for m in (saving, loading))
     for rank_out in outs:  # wider experts: refused on every rank, naming the param and both shapes
         wider = rank_out["errors"][LE, INTER + 2]
         assert "expert param 'moe.deepspeed_moe.experts.deepspeed_experts." in wider, wider

@@ -30,7 +30,7 @@ from typing import Any, Callable
 import torch
 
 from llmpar.checkpoint import files
-from llmpar.checkpoint.experts import Where, expert_side, placement
+from llmpar.checkpoint.experts import Where, expert_side, placement, refuse_expert_state
 from llmpar.checkpoint.files import CheckpointError
 from llmpar.checkpoint.formats.source import HYPER, Source
 from llmpar.checkpoint.protocol import Checkpointable, DescribesModel
@@ -106,6 +106,7 @@ class ExpertPieces:
         side = expert_side(engine.optimizer)
         assert side is not None
         self.xopt, ep_rank, self.ep = side
+        refuse_expert_state(engine, self.xopt, self.ep, "load_checkpoint")
         self.ck = ck
         self.where: dict[str, Where] = placement(engine, self.xopt, ep_rank, self.ep)
         self.missing: set[str] = set()
