@@ -43,7 +43,7 @@ class GroupKey(NamedTuple):
 def _size_rank(name: str) -> tuple[int, int]:
     """(size, this rank's group rank) of the group registered as ``name``: run at trace time, a constant in the
     graph (the lookup itself is a C++ call torch.compile cannot trace)."""
-    pg = dist.distributed_c10d._resolve_process_group(name)
+    pg = dist.distributed_c10d._resolve_process_group(name)  # type: ignore[arg-type]  # a registered name
     return pg.size(), pg.rank()
 
 
@@ -69,7 +69,8 @@ def group_key(group: "dist.ProcessGroup | DeviceMesh | GroupRef | GroupKey") -> 
 @torch._dynamo.assume_constant_result
 def _on_gloo(name: str) -> bool:
     """Whether the group registered as ``name`` runs its CPU collectives on gloo (a constant at trace time)."""
-    return reduce_scatter_uses_exchange(dist.distributed_c10d._resolve_process_group(name), "cpu")
+    pg = dist.distributed_c10d._resolve_process_group(name)  # type: ignore[arg-type]  # a registered name
+    return reduce_scatter_uses_exchange(pg, "cpu")
 
 
 def _wait(t: torch.Tensor) -> torch.Tensor:
