@@ -8,6 +8,7 @@ Floor: beside ``tensor_parallel`` and ``context_parallel``; it uses ``distribute
 
 from llmpar.moe.block import MoEBlock
 from llmpar.moe.dispatch import AllToAllDispatcher, Dispatcher, LocalDispatcher, make_dispatcher
+from llmpar.moe.expert_tp import ExpertGroups, expert_parallel_groups, merge_intermediate, shard_intermediate
 from llmpar.moe.experts import Experts, SharedExperts, grouped_mlp
 from llmpar.moe.losses import load_balancing_loss, sequence_aux_loss, z_loss
 from llmpar.moe.router import Router, RouterConfig, Routing, route
@@ -18,6 +19,7 @@ __all__ = [
     "DispatchMeta",
     "DispatchStats",
     "Dispatcher",
+    "ExpertGroups",
     "Experts",
     "LocalDispatcher",
     "MoEBlock",
@@ -26,10 +28,13 @@ __all__ = [
     "RouterConfig",
     "Routing",
     "SharedExperts",
+    "expert_parallel_groups",
     "grouped_mlp",
     "load_balancing_loss",
     "make_dispatcher",
+    "merge_intermediate",
     "route",
     "sequence_aux_loss",
+    "shard_intermediate",
     "z_loss",
 ]

@@ -11,6 +11,13 @@ layout (:class:`~llmpar.moe.experts.Experts`), the weighing in fp32 (:mod:`llmpa
 (:mod:`llmpar.moe.alltoall`); every rank passes its own tokens (the group's ranks are data-parallel for everything
 but the experts) and gets its own tokens' outputs. The shared experts run while the tokens are in flight.
 
+With an ``etp_group`` (expert tensor parallelism, Megatron-Core's ``expert_tensor_parallel_size``) each expert's
+intermediate dimension is split over its etp ranks (:mod:`llmpar.moe.expert_tp`): the ranks of one etp group sit at
+the same ep rank, pass the same tokens (the attention's tensor-parallel ranks), exchange them over their own ep
+groups (every ep group holds one etp rank's shards) and sum the experts' partial outputs over the etp group. The
+router and shared experts are replicated over it. :func:`~llmpar.moe.expert_tp.expert_parallel_groups` builds both
+groups. Without one, tensor-parallel ranks holding the same tokens each run whole experts (replicated over tp).
+
 After each forward the layer exposes, for the training loop and logs:
 
 - ``aux_loss``: the router's weighted auxiliary loss (add it to the training loss; zero when none is on) and
@@ -19,7 +26,8 @@ After each forward the layer exposes, for the training loop and logs:
 - ``stats``: :class:`~llmpar.moe.slots.DispatchStats` (rows sent per expert, received per local expert, dropped).
 
 Bad input is refused on every rank of the group before any exchange can hang: at construction (``num_experts`` not
-divisible by ep, ``top_k`` > ``num_experts``, a bad router option; arguments differing between ranks), and at each
+divisible by ep, ``intermediate_size`` not divisible by etp, ``top_k`` > ``num_experts``, a bad router option;
+arguments differing between ranks; an etp group whose ranks sit at different ep ranks), and at each
 forward (an input of the wrong hidden size, or a router producing NaN / inf on any rank: the count exchange carries
 each rank's status).
 """
@@ -33,6 +41,7 @@ from torch import nn
 
 from llmpar.distributed import GroupRef, check_same_on_ranks, group_rank, group_size, raise_if_any_failed
 from llmpar.moe.dispatch import Dispatcher, make_dispatcher
+from llmpar.moe.expert_tp import check_expert_tp
 from llmpar.moe.experts import Experts, SharedExperts, _tag_expert
 from llmpar.moe.router import Router, RouterConfig, _check_int
 from llmpar.moe.slots import DispatchStats, check_capacity_factor
@@ -44,6 +53,7 @@ def _check_args(
     num_experts: int,
     top_k: int,
     ep: int,
+    etp: int,
     router: RouterConfig,
     capacity_factor: float | None,
     shared_intermediate_size: int,
@@ -58,14 +68,43 @@ def _check_args(
             f"num_experts={num_experts} is not divisible by the expert-parallel size ep={ep}: each rank of the "
             f"expert-parallel group holds num_experts / ep experts (use a multiple of {ep}, or another ep)"
         )
+    check_expert_tp(intermediate_size, etp)
     router.check(num_experts, top_k)
     check_capacity_factor(capacity_factor)
+
+
+def _agree(error: Exception | None, args: tuple, ep: tuple, etp: tuple) -> None:
+    """Raise on every rank of the ep and etp groups when any failed its argument checks, when the arguments differ
+    between them, or when the groups do not cross (the etp ranks must share their ep rank and ep size, the ep ranks
+    their etp rank and etp size). ``ep`` / ``etp``: ``(group or None, size, rank)``."""
+    groups = [g for g, size, _ in (ep, etp) if g is not None and size > 1]
+    if not groups:
+        if error is not None:
+            raise error
+        return
+    raise_if_any_failed(error, groups, what="MoE layer arguments")
+    mismatch: Exception | None = None
+    for (g, size, _), (other, o_size, o_rank) in ((ep, etp), (etp, ep)):
+        if g is None or size == 1:
+            continue
+        try:  # every rank runs every check (no rank leaves early while another waits in the next one)
+            check_same_on_ranks(
+                repr((args, o_size, o_rank)),
+                g,
+                what="MoE layer arguments" + ("" if other is None else " (and the position on the other group)"),
+                hint="build the layer with the same arguments on every rank, the ranks of one etp group at one ep "
+                "rank (llmpar.moe.expert_parallel_groups builds such groups)",
+            )
+        except ValueError as err:
+            mismatch = mismatch or err
+    raise_if_any_failed(mismatch, groups, what="MoE layer arguments")
 
 
 class MoEBlock(nn.Module):
     """See the module docstring. ``router``: the routing options (:class:`~llmpar.moe.router.RouterConfig`);
     ``capacity_factor``: None (dropless) or the per-expert capacity factor; ``shared_intermediate_size``: width of
-    the shared experts (0: none), ``shared_gate``: Qwen2-MoE's sigmoid gate on them."""
+    the shared experts (0: none), ``shared_gate``: Qwen2-MoE's sigmoid gate on them; ``ep_group`` / ``etp_group``:
+    the expert-parallel and expert-tensor-parallel groups (None: degree 1; module docstring)."""
 
     def __init__(
         self,
@@ -75,6 +114,7 @@ class MoEBlock(nn.Module):
         top_k: int,
         *,
         ep_group: Any = None,
+        etp_group: Any = None,
         router: RouterConfig | None = None,
         capacity_factor: float | None = None,
         shared_intermediate_size: int = 0,
@@ -87,12 +127,15 @@ class MoEBlock(nn.Module):
         config = router if router is not None else RouterConfig()
         group = None if ep_group is None else GroupRef(ep_group)
         ep, rank = (1, 0) if group is None else (group_size(group.get()), group_rank(group.get()))
+        etp_ref = None if etp_group is None else GroupRef(etp_group)
+        etp, etp_rank = (1, 0) if etp_ref is None else (group_size(etp_ref.get()), group_rank(etp_ref.get()))
         args = (
             hidden_size,
             intermediate_size,
             num_experts,
             top_k,
             ep,
+            etp,
             config,
             capacity_factor,
             shared_intermediate_size,
@@ -102,19 +145,9 @@ class MoEBlock(nn.Module):
             _check_args(*args)
         except (TypeError, ValueError) as err:
             error = err
-        if group is not None and ep > 1:
-            raise_if_any_failed(error, group, what="MoE layer arguments")
-            fingerprint = repr((*args[:4], config, capacity_factor, shared_intermediate_size, shared_gate))
-            check_same_on_ranks(
-                fingerprint,
-                group,
-                what="MoE layer arguments",
-                hint="build the layer with the same arguments on every rank",
-            )
-        elif error is not None:
-            raise error
+        _agree(error, args + (shared_gate,), (group, ep, rank), (etp_ref, etp, etp_rank))
         self.hidden_size, self.num_experts, self.top_k = hidden_size, num_experts, top_k
-        self.ep_size, self.ep_rank = ep, rank
+        self.ep_size, self.ep_rank, self.etp_size = ep, rank, etp
         self.router = Router(hidden_size, num_experts, top_k, config, init_std=init_std, device=device, dtype=dtype)
         self.experts = Experts(
             num_experts,
@@ -122,6 +155,7 @@ class MoEBlock(nn.Module):
             intermediate_size,
             ep_size=ep,
             ep_rank=rank,
+            etp_group=etp_ref,
             init_std=init_std,
             device=device,
             dtype=dtype,
@@ -210,7 +244,8 @@ class MoEBlock(nn.Module):
         return self.router.update_expert_bias(None if group is None else GroupRef(group))
 
     def extra_repr(self) -> str:
-        return f"experts={self.num_experts}, top_k={self.top_k}, ep={self.ep_size} (rank {self.ep_rank})"
+        etp = f", etp={self.etp_size}" if self.etp_size > 1 else ""
+        return f"experts={self.num_experts}, top_k={self.top_k}, ep={self.ep_size} (rank {self.ep_rank}){etp}"
 
 
 __all__ = ["MoEBlock"]

@@ -28,7 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmpar.distributed import GroupRef, group_rank, group_size
+from llmpar.moe.expert_tp import check_expert_tp, shard_intermediate
 from llmpar.ops.grouped_gemm import grouped_swiglu
+from llmpar.tensor_parallel.comm import copy_to_tensor_region, reduce_from_tensor_region
 
 
 def counts_list(counts: "Sequence[int] | torch.Tensor") -> list[int]:
@@ -73,7 +76,12 @@ def _tag_expert(p: nn.Parameter, ep_size: int) -> nn.Parameter:
 class Experts(nn.Module):
     """This rank's ``E_local = num_experts / ep_size`` experts, global ids ``[ep_rank * E_local, (ep_rank + 1) *
     E_local)``. Initialisation draws the full ``[num_experts, ...]`` weights from the default generator (normal,
-    ``init_std``) and keeps this rank's slice, so every ep size builds the same experts from the same seed."""
+    ``init_std``) and keeps this rank's slice, so every ep size builds the same experts from the same seed.
+
+    With an ``etp_group`` of etp ranks each expert's intermediate dimension is split over it
+    (:mod:`llmpar.moe.expert_tp`: ``gate_up_proj: [E_local, 2I/etp, H]``, ``down_proj: [E_local, H, I/etp]``, the
+    slice of the same full draw); the forward sums the partial outputs over the group. The parameters carry
+    ``etp_size`` (1 when unsplit)."""
 
     def __init__(
         self,
@@ -83,11 +91,16 @@ class Experts(nn.Module):
         *,
         ep_size: int = 1,
         ep_rank: int = 0,
+        etp_group: object = None,
         init_std: float = 0.02,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
+        self.etp_group = None if etp_group is None else GroupRef(etp_group)  # type: ignore[arg-type]
+        etp, etp_rank = (1, 0) if self.etp_group is None else (group_size(self.etp_group), group_rank(self.etp_group))
+        check_expert_tp(intermediate_size, etp)
+        self.etp_size, self.etp_rank = etp, etp_rank
         if num_experts % ep_size:
             raise ValueError(f"num_experts={num_experts} is not divisible by the expert-parallel size ep={ep_size}")
         self.num_experts, self.ep_size, self.ep_rank = num_experts, ep_size, ep_rank
@@ -99,8 +112,13 @@ class Experts(nn.Module):
             down = torch.empty(num_experts, hidden_size, intermediate_size, device=device, dtype=dtype)
             gate_up.normal_(0.0, init_std)
             down.normal_(0.0, init_std)
-        self.gate_up_proj = _tag_expert(nn.Parameter(gate_up[lo : lo + n].clone()), ep_size)
-        self.down_proj = _tag_expert(nn.Parameter(down[lo : lo + n].clone()), ep_size)
+        gate_up, down = gate_up[lo : lo + n].clone(), down[lo : lo + n].clone()
+        if etp > 1:
+            gate_up, down = shard_intermediate(gate_up, down, etp, etp_rank)
+        self.gate_up_proj = _tag_expert(nn.Parameter(gate_up), ep_size)
+        self.down_proj = _tag_expert(nn.Parameter(down), ep_size)
+        for p in (self.gate_up_proj, self.down_proj):
+            p.etp_size = etp  # type: ignore[attr-defined]
         self.grouped_mm_impl = "auto"  # the grouped GEMM backends allowed (module docstring)
 
     @property
@@ -109,12 +127,18 @@ class Experts(nn.Module):
         return self.ep_rank * self.num_local_experts
 
     def forward(self, x_sorted: torch.Tensor, counts: "Sequence[int] | torch.Tensor") -> torch.Tensor:
-        return grouped_mlp(x_sorted, counts, self.gate_up_proj, self.down_proj, impl=self.grouped_mm_impl)
+        if self.etp_group is None:
+            return grouped_mlp(x_sorted, counts, self.gate_up_proj, self.down_proj, impl=self.grouped_mm_impl)
+        group = self.etp_group.get()  # the same rows on every rank of it; each holds I / etp of every expert
+        x = copy_to_tensor_region(x_sorted, group)  # backward: the partial input gradients summed
+        y = grouped_mlp(x, counts, self.gate_up_proj, self.down_proj, impl=self.grouped_mm_impl)
+        return reduce_from_tensor_region(y, group)  # the partial outputs summed
 
     def extra_repr(self) -> str:
         return (
             f"experts {self.first_expert}..{self.first_expert + self.num_local_experts - 1} of {self.num_experts}, "
             f"hidden={self.hidden_size}, intermediate={self.intermediate_size}"
+            + (f" (split over etp={self.etp_size}, rank {self.etp_rank})" if self.etp_size > 1 else "")
         )
 
 

@@ -180,8 +180,9 @@ def expert_parallel_block(block: Any) -> ExpertParallelConfig:
     etp = as_int(where + "expert_tensor_parallel_size", b.get("expert_tensor_parallel_size", 1), minimum=1)
     if etp != 1:
         raise ValueError(
-            f'"expert_parallel.expert_tensor_parallel_size"={etp}: not supported (DeepSpeed 0.19 refuses it too): '
-            "experts are whole on each rank of the expert-parallel group (accepted: 1)"
+            f'"expert_parallel.expert_tensor_parallel_size"={etp}: not supported by the engine (DeepSpeed 0.19 '
+            "refuses it too): experts are whole on each rank of the expert-parallel group (accepted: 1); the layer "
+            "itself splits them: llmpar.moe.MoEBlock(etp_group=...), groups from llmpar.moe.expert_parallel_groups"
         )
     comm = b.get("comm_backend", "comm")
     if comm != "comm":

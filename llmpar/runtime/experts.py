@@ -176,6 +176,14 @@ def setup_experts(model: nn.Module, cfg: ExpertParallelConfig, mesh: Any, zero_g
     if cfg.enabled and (swapped := swap_moe_blocks(model)):
         logger.info("expert_parallel: %d transformers MoE blocks run as llmpar MoE blocks", swapped)
     layers = moe_layers(model)
+    for name, b in layers:  # the same on every rank: the layers are built alike
+        if getattr(b, "etp_size", 1) > 1:
+            raise ValueError(
+                f"MoE layer {name or type(b).__name__} splits its experts over an expert-tensor-parallel group of "
+                f"{b.etp_size} ranks: "
+                "llmpar.initialize does not reduce, shard or clip such experts (the layer alone supports them); "
+                "build it with etp_group=None"
+            )
     legacy = _legacy_groups(model, mesh, zero_group)
     if legacy is not None:
         ep, ep_group, edp_group = legacy

@@ -1,0 +1,174 @@
+"""Expert tensor parallelism (each expert's intermediate dimension split over an etp group) in the MoE layer: on 4
+CPU ranks, ep=2 x etp=2 and etp=4 alone (``llmpar.moe.expert_parallel_groups``) equal the layer on one process to
+1e-6 in fp32: outputs, input / router / shared-expert gradients of each rank's own tokens, and the experts' gradients
+gathered over the ep x etp ranks (their shards merged back); a rank whose experts get no tokens and ranks with no
+tokens at all; and the bad inputs (``intermediate_size`` not divisible by etp, degrees not dividing the world, an etp
+group across ep ranks), refused on every rank. One launch, every check inside it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import llmpar
+from llmpar.moe import MoEBlock, RouterConfig, expert_parallel_groups, merge_intermediate, shard_intermediate
+from llmpar.moe.experts import grouped_mlp
+from llmpar.runtime.config import Blocks
+
+from multirank import multirank
+
+H, INTER, E = 10, 12, 8
+
+
+def test_engine_block_refusal_points_at_the_layer():
+    with pytest.raises(ValueError, match="expert_tensor_parallel_size.=2: not supported by the engine.*etp_group="):
+        Blocks.parse({"expert_parallel": {"expert_tensor_parallel_size": 2}})
+
+
+def test_shards_merge_back_and_their_partial_outputs_sum_to_the_expert():
+    """The slices :func:`shard_intermediate` cuts are disjoint and cover the experts (merge is their inverse), and the
+    partial SwiGLU outputs of the shards add up to the whole experts' output (float64, odd token counts)."""
+    gen = torch.Generator().manual_seed(3)
+    gate_up = torch.randn(3, 2 * INTER, H, generator=gen, dtype=torch.float64)
+    down = torch.randn(3, H, INTER, generator=gen, dtype=torch.float64)
+    counts = [5, 0, 7]
+    x = torch.randn(sum(counts), H, generator=gen, dtype=torch.float64)
+    whole = grouped_mlp(x, counts, gate_up, down, impl="loop")
+    for etp in (2, 3, 4):
+        shards = [shard_intermediate(gate_up, down, etp, t) for t in range(etp)]
+        assert shards[1][0].shape == (3, 2 * INTER // etp, H) and shards[1][1].shape == (3, H, INTER // etp)
+        merged = merge_intermediate([g for g, _ in shards], [d for _, d in shards])
+        assert torch.equal(merged[0], gate_up) and torch.equal(merged[1], down)
+        partial = sum(grouped_mlp(x, counts, g, d, impl="loop") for g, d in shards)
+        torch.testing.assert_close(partial, whole, rtol=1e-12, atol=1e-12)
+    with pytest.raises(
+        ValueError, match="intermediate_size=12 is not divisible by the expert-tensor-parallel size etp=5"
+    ):
+        shard_intermediate(gate_up, down, 5, 0)
+
+
+CASES: dict[str, dict] = {
+    "softmax-shared-gate-aux": dict(
+        kw=dict(top_k=2, router=RouterConfig(route_norm=True, aux_loss_coeff=0.1, z_loss_coeff=0.01)),
+        shared=dict(shared_intermediate_size=6, shared_gate=True),
+    ),
+    "no-tokens-to-the-last-experts-and-none-on-data-shard-1": dict(
+        kw=dict(top_k=2, router=RouterConfig(score_func="sigmoid", expert_bias=True, route_norm=True)),
+        bias={e: -10.0 for e in range(E // 2, E)},
+        empty=1,
+    ),
+}
+
+
+def _tokens(d: int, case: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 + d)
+    n = 0 if case.get("empty") == d else 3 + 4 * d  # uneven token counts per data shard
+    return torch.randn(n, H, generator=gen), torch.randn(n, H, generator=gen)
+
+
+def _build(case: dict, **groups) -> MoEBlock:
+    torch.manual_seed(0)
+    layer = MoEBlock(H, INTER, E, init_std=0.2, **groups, **case["kw"], **case.get("shared", {}))
+    for e, b in case.get("bias", {}).items():
+        layer.router.expert_bias[e] = b
+    return layer
+
+
+def _run(layer: MoEBlock, x: torch.Tensor, g: torch.Tensor):
+    layer.zero_grad()
+    x = x.clone().requires_grad_()
+    out = layer(x)
+    ((out * g).sum() + layer.aux_loss).backward()
+    return out.detach(), x.grad, {n: p.grad for n, p in layer.named_parameters()}
+
+
+def _parity(name: str, case: dict, ep: int, etp: int) -> None:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    groups = expert_parallel_groups(ep, etp)
+    assert (groups.ep_rank, groups.etp_rank) == ((rank // etp) % ep, rank % etp)
+    layer = _build(case, ep_group=groups.ep_group, etp_group=groups.etp_group)
+    assert layer.experts.gate_up_proj.shape == (E // ep, 2 * INTER // etp, H)
+    me = rank // etp  # the data shard: the etp ranks of one ep rank hold the same tokens
+    out, xg, grads = _run(layer, *_tokens(me, case))
+    ref = _build(case)
+    first = (rank // (ep * etp)) * ep  # the data shards of this rank's ep group
+    expert_sum = {n: torch.zeros_like(p) for n, p in ref.experts.named_parameters()}
+    for d in range(first, first + ep):  # the experts' gradients add up over the ep group's tokens
+        r_out, r_xg, r_grads = _run(ref, *_tokens(d, case))
+        for n in expert_sum:
+            expert_sum[n] += r_grads[f"experts.{n}"]
+        if d == me:
+            mine = (r_out, r_xg, r_grads)
+    r_out, r_xg, r_grads = mine
+    close = dict(rtol=1e-6, atol=1e-6, msg=lambda m: f"{name} ep={ep} etp={etp} (rank {rank}): {m}")
+    assert r_out.numel() == 0 or r_out.abs().max() > 1e-2  # not a comparison of near-zeros
+    torch.testing.assert_close(out, r_out, **close)
+    torch.testing.assert_close(xg, r_xg, **close)
+    shards: dict[str, list[torch.Tensor]] = {}
+    for n, gr in grads.items():
+        if not n.startswith("experts."):
+            torch.testing.assert_close(gr, r_grads[n], **close)  # replicated over etp: each rank's own tokens
+            continue
+        assert gr is not None, f"{name}: {n} got no gradient on rank {rank}"
+        every = torch.empty((world * gr.shape[0], *gr.shape[1:]))
+        dist.all_gather_into_tensor(every, gr.contiguous())
+        every = every.view(world, *gr.shape)
+        shards[n] = [every[first * etp + k] for k in range(ep * etp)]  # this ep group's ranks, ep-major
+    full = [
+        merge_intermediate(
+            shards["experts.gate_up_proj"][p * etp : (p + 1) * etp],
+            shards["experts.down_proj"][p * etp : (p + 1) * etp],
+        )
+        for p in range(ep)
+    ]
+    torch.testing.assert_close(torch.cat([f[0] for f in full]), expert_sum["gate_up_proj"], **close)
+    torch.testing.assert_close(torch.cat([f[1] for f in full]), expert_sum["down_proj"], **close)
+    if name.startswith("no-tokens") and ep > 1 and groups.ep_rank == ep - 1:
+        assert layer.stats is not None and sum(layer.stats.received) == 0
+        assert grads["experts.gate_up_proj"].abs().sum() == 0  # zeros, not None
+
+
+def _raises_everywhere(fn, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        fn()
+
+
+def _bad_inputs() -> None:
+    rank = dist.get_rank()
+    _raises_everywhere(lambda: expert_parallel_groups(3, 2), r"ep\*etp = 3\*2 = 6 does not divide the world size 4")
+    _raises_everywhere(lambda: expert_parallel_groups(2, 2 + (rank == 3)), "expert_parallel_groups.*disagree")
+    groups = expert_parallel_groups(2, 2)
+    _raises_everywhere(
+        lambda: MoEBlock(H, 10, E, 2, ep_group=groups.ep_group, etp_group=dist.group.WORLD),
+        "intermediate_size=10 is not divisible by the expert-tensor-parallel size etp=4",
+    )
+    odd = 9 if rank == 1 else INTER  # invalid on one rank only: its message on every rank of the ep x etp grid
+    _raises_everywhere(
+        lambda: MoEBlock(H, odd, E, 2, ep_group=groups.ep_group, etp_group=groups.etp_group),
+        "intermediate_size=9 is not divisible by the expert-tensor-parallel size etp=2"
+        if rank == 1
+        else "rank 1 failed: intermediate_size=9 is not divisible by the expert-tensor-parallel size etp=2",
+    )
+    # an etp group across ep ranks (the whole job, with ep groups of 2): its ranks would hold different tokens
+    _raises_everywhere(
+        lambda: MoEBlock(H, INTER, E, 2, ep_group=groups.ep_group, etp_group=dist.group.WORLD),
+        "MoE layer arguments .and the position on the other group.: group ranks .* disagree",
+    )
+    layer = MoEBlock(H, INTER, E, 2, ep_group=groups.ep_group, etp_group=groups.etp_group)  # nothing left in flight
+    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    _raises_everywhere(  # the engine would average the shards over dp and count them in no norm: refused
+        lambda: llmpar.initialize(model=layer, config=config),
+        "MoE layer .* splits its experts over an expert-tensor-parallel group of 2 ranks: llmpar.initialize does not",
+    )
+    x = torch.randn(5, H, generator=torch.Generator().manual_seed(rank // 2))  # the same tokens over each etp group
+    layer(x).sum().backward()
+    assert layer.experts.down_proj.grad is not None
+
+
+@multirank(4, timeout=240)
+def test_expert_tensor_parallel_equals_one_process_and_refuses_bad_input_everywhere():
+    for ep, etp in ((2, 2), (1, 4)):
+        for name, case in CASES.items():
+            _parity(name, case, ep, etp)
+    _bad_inputs()
