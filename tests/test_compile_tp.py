@@ -70,6 +70,26 @@ def _compare(name: str, fn, inputs, params, grad_out=None, *, breaks: int = 0, o
 
 
 # ---------------------------------------------------------------- tensor parallel
+def _regions_case() -> None:
+    """The seven region wrappers of tensor_parallel.comm in one compiled function, the group a 1-D DeviceMesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from llmpar.tensor_parallel import comm
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+    torch.manual_seed(2)
+    x = torch.randn(6, 3, 4)  # [s, b, h], the same on every rank
+    w = torch.randn(3, 3, 4)
+
+    def regions(x):
+        y = comm.gather_from_tensor_region(torch.sin(comm.scatter_to_tensor_region(x, mesh)), mesh)  # [6, 3, 4]
+        y = comm.gather_from_sequence_region(comm.scatter_to_sequence_region(y, mesh) * 3, mesh, grad_is_partial=False)
+        y = comm.reduce_from_tensor_region(torch.cos(comm.copy_to_tensor_region(y, mesh)), mesh)
+        return comm.reduce_scatter_to_sequence_region(y * x, mesh)  # [3, 3, 4]
+
+    _compare("tp=2 comm regions", regions, [x], [], w)
+
+
 def _mlp_case(sp: bool) -> None:
     from llmpar.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
@@ -223,6 +243,7 @@ def _moe_case() -> None:
 
 
 def _body() -> None:
+    _regions_case()
     _mlp_case(sp=False)
     _mlp_case(sp=True)
     _vocab_case()
