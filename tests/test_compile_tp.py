@@ -159,6 +159,21 @@ def _vocab_case() -> None:
         raise AssertionError("an id outside the vocabulary passed a compiled VocabParallelEmbedding")
 
 
+def _gpt_case() -> None:
+    """The demo GPT through ``parallelize`` (sequence parallel: its pre-hooks, the tp gradient hooks of the norms)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from llmpar.models import GPT, GPTConfig
+    from llmpar.tensor_parallel import parallelize
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+    model = GPT(GPTConfig(vocab_size=64, n_layer=2, n_head=4, d_model=16, seq_len=12), seed=1)
+    parallelize(model, mesh, sequence_parallel=True)
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(3))
+    w = torch.randn(2, 12, 64, generator=torch.Generator().manual_seed(4))  # d loss / d logits (gathered vocab)
+    _compare("tp=2 sp GPT", model, [ids], list(model.parameters()), w)
+
+
 # ---------------------------------------------------------------- context parallel
 def _cp_case(mode: str, seq_len: int) -> None:
     from llmpar.context_parallel import ContextParallel, shard_tensor
@@ -247,13 +262,14 @@ def _body() -> None:
     _mlp_case(sp=False)
     _mlp_case(sp=True)
     _vocab_case()
+    _gpt_case()
     _cp_case("ulysses", 10)
     _cp_case("ring", 12)
     _moe_case()
 
 
 def test_compile_tp_cp_ep_no_graph_breaks():
-    """TP MLP (plain and sequence parallel), vocab-parallel embedding + loss, cp=2 Ulysses and ring attention: compiled
-    with no graph break; the ep=2 MoE all-to-all dispatcher with the one break of its count exchange; all equal to
-    eager (fp32, 1e-6) and eager to a float64 single-device reference."""
+    """TP regions, MLP (plain and sequence parallel), vocab-parallel embedding + loss, a parallelized GPT, cp=2
+    Ulysses and ring attention: compiled with no graph break; the ep=2 MoE all-to-all dispatcher with the one break of
+    its count exchange; all equal to eager (fp32, 1e-6), eager to a float64 single-device reference where built."""
     run_ranks(_body, 2, timeout=300)
