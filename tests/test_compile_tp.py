@@ -56,8 +56,10 @@ def _compare(name: str, fn, inputs, params, grad_out=None, *, breaks: int = 0, o
         for i, (a, b) in enumerate(zip(want[1], ref_grads)):
             torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name} grad {i}: {m}")
     compiled = torch.compile(fn, backend="aot_eager")
-    for _ in range(2):  # the second call runs the cached graph (no recompile, same numbers)
+    graphs = []
+    for _ in range(2):  # the second call runs the cached graphs (no recompile, same numbers)
         got = _fwd_bwd(compiled, inputs, params, grad_out)
+        graphs.append(counters["stats"]["unique_graphs"])
         seen = _breaks()
         assert sum(seen.values()) == breaks, f"{name}: {sum(seen.values())} graph breaks, expected {breaks}: {seen}"
         assert all(only in reason for reason in counters["graph_break"]), f"{name}: a break elsewhere than {only}"
@@ -65,7 +67,7 @@ def _compare(name: str, fn, inputs, params, grad_out=None, *, breaks: int = 0, o
         assert len(got[1]) == len(want[1])
         for i, (a, b) in enumerate(zip(got[1], want[1])):
             torch.testing.assert_close(a, b, **TOL, msg=lambda m: f"{name} grad {i}: {m}")
-    assert counters["stats"]["unique_graphs"] >= 1, f"{name}: nothing was compiled"
+    assert graphs[0] == graphs[1] >= 1, f"{name}: graphs after the first and the second call: {graphs}"
     return compiled
 
 
