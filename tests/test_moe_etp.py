@@ -3,7 +3,12 @@ CPU ranks, ep=2 x etp=2 and etp=4 alone (``llmpar.moe.expert_parallel_groups``) 
 1e-6 in fp32: outputs, input / router / shared-expert gradients of each rank's own tokens, and the experts' gradients
 gathered over the ep x etp ranks (their shards merged back); a rank whose experts get no tokens and ranks with no
 tokens at all; and the bad inputs (``intermediate_size`` not divisible by etp, degrees not dividing the world, an etp
-group across ep ranks), refused on every rank. One launch, every check inside it."""
+group across ep ranks, such a layer given to ``llmpar.initialize``), refused on every rank. One launch, every check
+inside it.
+
+In the same pooled ranks, experts unsplit with tensor-parallel attention: a GPT whose MLPs are MoE blocks, its
+attention and head split over tp=2, trained through ``llmpar.initialize`` with ep=2 over each tp coordinate's dp ranks
+at ZeRO-1 and 3, follows one process (gradient clipping binding: each expert counted once, not once per tp rank)."""
 
 from __future__ import annotations
 
@@ -12,9 +17,13 @@ import torch
 import torch.distributed as dist
 
 import llmpar
+from llmpar.models import GPT, GPTConfig
+from llmpar.models.gpt import lm_loss
 from llmpar.moe import MoEBlock, RouterConfig, expert_parallel_groups, merge_intermediate, shard_intermediate
 from llmpar.moe.experts import grouped_mlp
 from llmpar.runtime.config import Blocks
+from llmpar.tensor_parallel.parallelize import GPT_PLAN, parallelize
+from llmpar.zero.gather import consolidated_state_dict
 
 from multirank import multirank
 
@@ -172,3 +181,84 @@ def test_expert_tensor_parallel_equals_one_process_and_refuses_bad_input_everywh
         for name, case in CASES.items():
             _parity(name, case, ep, etp)
     _bad_inputs()
+
+
+# ------------------------------------------------------------------------------------------------ EP x TP, unsplit
+GPT_CFG = dict(vocab_size=61, n_layer=2, n_head=4, d_model=16, seq_len=16, bias=False)
+STEPS, LR, CLIP, MICRO, T = 2, 2e-2, 0.5, 2, 9
+
+
+def _moe_gpt() -> GPT:
+    """llmpar's GPT with each block's MLP a dropless top-2 MoEBlock (4 experts, router weights not small)."""
+    model = GPT(GPTConfig(**GPT_CFG), seed=3)
+    torch.manual_seed(4)
+    for block in model.blocks:
+        block.mlp = MoEBlock(GPT_CFG["d_model"], 12, 4, 2, init_std=0.1)
+        with torch.no_grad():
+            block.mlp.router.weight.normal_(0.0, 0.5)
+    return model
+
+
+def _gpt_batch(step: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(900 + 10 * step + dp_rank)
+    x = torch.randint(0, GPT_CFG["vocab_size"], (MICRO, T + 1), generator=g)
+    return x[:, :-1], x[:, 1:]
+
+
+@multirank(4, timeout=300)
+def test_expert_parallel_with_tensor_parallel_attention_follows_one_process():
+    """tp=2 for attention (the config's "tensor_parallel" block splits the GPT's qkv / proj / head) with ep=2 over
+    the dp=2 ranks of each tp coordinate, experts whole on each rank (replicated over tp), ZeRO-1 and 3: the losses
+    and every weight not split by tp (the experts gathered over ep, routers, norms) follow one process on the whole
+    batch to 1e-5, and the tp pair's experts stay bitwise equal."""
+    dp = 2
+    ref = _moe_gpt()
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.0)
+    want_losses = []
+    for s in range(STEPS):
+        total = 0.0
+        for d in range(dp):
+            loss = lm_loss(ref(_gpt_batch(s, d)[0]), _gpt_batch(s, d)[1]) / dp
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+        want_losses.append(total)
+    want = {n: p.detach() for n, p in ref.named_parameters()}
+    for stage in (1, 3):
+        model = _moe_gpt()
+        config = {
+            "train_micro_batch_size_per_gpu": MICRO,
+            "gradient_clipping": CLIP,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+            "tensor_parallel": {"size": 2},
+            "expert_parallel": {"enabled": True, "autoep_size": 2},
+        }
+        mesh = llmpar.init_distributed(tp=2).mesh  # the dp x tp mesh; ep folds over each tp coordinate's dp ranks
+        parallelize(model, mesh["tp"], plan={k: v for k, v in GPT_PLAN.items() if not k.startswith("mlp.")})
+        engine, zopt, _, _ = llmpar.initialize(model=model, config=config, mesh=mesh)
+        assert (engine.dp_world_size, engine.moe.ep) == (2, 2) and all(b.mlp.ep_size == 2 for b in model.blocks)
+        losses = []
+        for s in range(STEPS):
+            idx, targets = _gpt_batch(s, engine.dp_rank)
+            loss = lm_loss(engine(idx), targets)
+            engine.backward(loss)
+            engine.step()
+            total = loss.detach().double()
+            dist.all_reduce(total, group=engine.mesh["dp"].get_group())
+            losses.append(total.item() / dp)
+        got = consolidated_state_dict(model, zopt, rank0_only=False)
+        engine.destroy()
+        errs = {"loss": max(abs(a - b) for a, b in zip(losses, want_losses))}
+        compared = [k for k, w in want.items() if got[k].shape == w.shape]
+        errs |= {k: (got[k].double() - want[k].double()).abs().max().item() for k in compared}
+        bad = {k: e for k, e in errs.items() if e > 1e-5}
+        assert not bad, (stage, bad)
+        assert any(".mlp.experts." in k for k in compared) and len(compared) < len(want)  # some split by tp
+        tp_group = engine.mesh["tp"].get_group()
+        for k in (k for k in compared if ".mlp.experts." in k):
+            pair = [torch.empty_like(got[k]) for _ in range(2)]
+            dist.all_gather(pair, got[k].contiguous(), group=tp_group)
+            assert torch.equal(pair[0], pair[1]), k
