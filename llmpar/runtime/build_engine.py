@@ -20,6 +20,7 @@ from torch import nn
 
 from llmpar.distributed.collectives import CommCounter, Group, as_group, group_size
 from llmpar.distributed.init import init_distributed
+from llmpar.models.anatomy import family, name_matches
 from llmpar.runtime.activations import apply_activation_checkpointing
 from llmpar.runtime.blocks import ContextParallelConfig
 from llmpar.runtime.config import Blocks, Config
@@ -29,9 +30,22 @@ from llmpar.runtime.experts import setup_experts
 from llmpar.runtime.params import named_groups
 from llmpar.runtime.precision import build_loss_scaler, model_dtype
 from llmpar.runtime.schedules import WarmupSchedule
-from llmpar.tensor_parallel.parallelize import parallelize
+from llmpar.tensor_parallel.parallelize import DEFAULT_PLANS, parallelize
 from llmpar.zero.init import recording
 from llmpar.zero.optimizer import ZeroOptimizer
+
+
+def _tp_plan(model: nn.Module) -> dict[str, str] | None:
+    """The plan ``"tensor_parallel"`` splits the model by: parallelize's default (None), except for a model with MoE
+    layers (a module named ``experts``), whose MLP entries that match no module are left out: the MoE layers stay
+    whole on each tp rank (replicated over tp, spread over the ep ranks of their tp coordinate), the attention, the
+    embeddings and any dense MLP are split (was: "plan entries ['mlp.fc', 'mlp.proj'] match no module")."""
+    fam = family(model)
+    names = [n for n, _ in model.named_modules() if n]
+    if fam is None or not any(name_matches(n, "experts") for n in names):
+        return None
+    plan = DEFAULT_PLANS[fam]
+    return {k: v for k, v in plan.items() if not k.startswith("mlp.") or any(name_matches(n, k) for n in names)}
 
 
 def build_engine(
@@ -52,13 +66,13 @@ def build_engine(
         mesh = _cp_mesh(cpc.size, tp, mesh, dp_group, tp_group)
         if tp > 1 and not any(getattr(p, "tensor_model_parallel", False) for p in model.parameters()):
             with recording(model):  # a model built in llmpar.zero.Init: each rank records its slices
-                parallelize(model, mesh["tp"])
+                parallelize(model, mesh["tp"], _tp_plan(model))
             split_here = True
     elif tp > 1 and mesh is None and dp_group is None and tp_group is None:
         mesh = init_distributed(tp=tp).mesh  # the dp x tp mesh; the model is split over its tp axis below
         if not any(getattr(p, "tensor_model_parallel", False) for p in model.parameters()):
             with recording(model):  # a model built in llmpar.zero.Init: each rank records its slices
-                parallelize(model, mesh["tp"])
+                parallelize(model, mesh["tp"], _tp_plan(model))
             split_here = True
     dp_group, tp_group = _resolve_groups(mesh, dp_group, tp_group)
     cfg = typed_config(blocks, group_size(dp_group))
