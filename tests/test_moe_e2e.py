@@ -386,4 +386,58 @@ def test_expert_parallel_with_context_parallel_follows_one_process():
         bad = {k: e for k, e in errs.items() if e > 1e-5}
         assert not bad, (stage, bad)
         worst[f"zero{stage}/{mode}"] = max(errs.values())
+    for name, stage, mode in (("qwen3_moe", 1, "ring"), ("mixtral", 3, "ulysses")):
+        worst[f"{name}/zero{stage}/{mode}"] = _hf_cp(name, stage, mode)
+    with pytest.raises(ValueError, match="does not run its multi-head latent attention"):
+        llmpar.initialize(model=_hf_model("deepseek_v3"), config={**HF_CP, "context_parallel": {"size": 2}})
     return worst
+
+
+HF_CP = {
+    "train_micro_batch_size_per_gpu": MICRO,
+    "gradient_clipping": CLIP,
+    "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
+    "expert_parallel": {"enabled": True, "autoep_size": 2},
+}
+
+
+def _hf_cp(name: str, stage: int, mode: str) -> float:
+    """A transformers MoE model (swapped blocks, ep=2) over dp=2 x cp=2: each dp pair's batch of SEQ=7 tokens split
+    over its cp ranks (padded to 8), the router loss over the whole sequence; against one process running
+    transformers' own experts and full-sequence attention on both dp batches (``_reference``): losses and the gathered
+    weights to 1e-5. Returns the largest difference."""
+    want_losses, want = _reference(name, 2)
+    model = _hf_model(name)
+    config = {
+        **HF_CP,
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "context_parallel": {"size": 2, "mode": mode},
+    }
+    engine, opt, _, _ = llmpar.initialize(model=model, config=config)
+    assert (engine.context_parallel.size, engine.dp_world_size, engine.moe.ep) == (2, 2, 2)
+    assert model.config._attn_implementation == "llmpar_cp"
+    blocks = [m for m in model.modules() if isinstance(m, HFMoEBlock)]
+    assert blocks and all(b.ep_size == 2 for b in blocks) and opt.experts is not None
+    losses = []
+    for s in range(STEPS):
+        ids = _ids(s, engine.dp_rank)
+        out = engine(input_ids=ids, labels=ids)
+        assert float(out.aux_loss) > 0.5  # the whole sequence's load-balancing loss, in the loss
+        engine.backward(out.loss)
+        engine.step()
+        total = out.loss.detach().double()
+        dist.all_reduce(total)
+        losses.append(total.item() / dist.get_world_size())  # the cp pair's losses agree: the mean over dp
+    with torch.no_grad():  # return_dict=False: the same loss and whole-sequence aux loss, as a tuple
+        ids = _ids(STEPS, engine.dp_rank)
+        out, tup = engine(input_ids=ids, labels=ids), engine(input_ids=ids, labels=ids, return_dict=False)
+    assert isinstance(tup, tuple) and torch.equal(tup[0], out.loss) and torch.equal(tup[1], out.aux_loss)
+    names = _hf_names(model)
+    state = consolidated_state_dict(model, opt, rank0_only=False)
+    engine.destroy()
+    got = {names.get(k, k): v for k, v in state.items()}
+    errs = {"loss": max(abs(a - b) for a, b in zip(losses, want_losses))}
+    errs |= {k: (got[k].double() - w.double()).abs().max().item() for k, w in want.items()}
+    bad = {k: e for k, e in errs.items() if e > 1e-5}
+    assert not bad, (name, stage, mode, bad)
+    return max(errs.values())

@@ -21,7 +21,8 @@ and returns the engine's loss (or the model output carrying it); an adapter whos
 method gets it called when the forward raised (:class:`Finish` does both).
 
 Adapters: :class:`GPTAdapter` (``llmpar.models.GPT``, here) and the transformers causal LMs (Llama / Qwen2 /
-Mistral, ``llmpar.context_parallel.hf``, imported only when the model is a ``transformers.PreTrainedModel``).
+Mistral and the MoE Mixtral / Qwen2-MoE / Qwen3-MoE, ``llmpar.context_parallel.hf``, imported only when the model is
+a ``transformers.PreTrainedModel``).
 """
 
 from __future__ import annotations
@@ -186,7 +187,7 @@ def adapter_for(model: nn.Module) -> ModelAdapter:
         return hf.adapter(model)
     raise TypeError(
         f"context parallelism runs llmpar.models.GPT and transformers causal LMs (Llama, Qwen2, "
-        f"Mistral); got {type(model).__name__}: no adapter shards its batch"
+        f"Mistral, Mixtral, Qwen2-MoE, Qwen3-MoE); got {type(model).__name__}: no adapter shards its batch"
     )
 
 

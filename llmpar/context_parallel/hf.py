@@ -1,4 +1,5 @@
-"""Hugging Face causal LMs (Llama, Qwen2, Mistral) with context parallelism, no model code copied.
+"""Hugging Face causal LMs (Llama, Qwen2, Mistral; the MoE Mixtral, Qwen2-MoE, Qwen3-MoE) with context parallelism,
+no model code copied.
 
 Attention: llmpar's context-parallel attention is registered in transformers' attention-function registry
 (``AttentionInterface``) under the name ``"llmpar_cp"``, and :meth:`HFCausalLMAdapter.prepare` switches the model's
@@ -33,12 +34,14 @@ the cp ranks (``ContextParallel.gather_sequence``; detached: for metrics, the gr
 with a vocab-parallel head each tp rank's vocabulary slice). With the
 Trainer's ``num_items_in_batch`` (the accumulated batch's token count over all ranks, each cp rank counting the same
 batch) the loss is ``token_mean * global_count * cp.size / num_items_in_batch`` (transformers' sum / items,
-multiplied back by its world size as for tensor-parallel replicas).
+multiplied back by its world size as for tensor-parallel replicas). MoE models with ``output_router_logits`` (config
+or call): the loss adds ``router_aux_loss_coef`` times the whole sequence's load-balancing loss, also the output's
+``aux_loss`` (``llmpar.context_parallel.hf_moe``); the experts run on the rank's tokens (spread over ep ranks or not).
 
 Refused with a message (every rank, before any collective): a KV cache, ``logits_to_keep``, a 4-D mask, attention
 dropout, packed sequences (``position_ids`` restarting in a row without an attention mask), a sliding window shorter
 than the sequence (Mistral / Qwen2: a window >= the sequence length is plain causal attention and runs), a model type
-outside Llama / Qwen2 / Mistral.
+outside those above (DeepSeek-V3's latent attention and gpt-oss's attention sinks named as such).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from llmpar.context_parallel.hf_moe import RouterLogits
 from llmpar.context_parallel.shard import shard_tensor
 from llmpar.context_parallel.tiled import tiled_lm_loss
 from llmpar.distributed.collectives import all_reduce
@@ -58,7 +62,8 @@ from llmpar.models import anatomy
 ATTN_NAME = "llmpar_cp"
 TILED_CHUNK = 2048  # tokens per tile of the sequence-tiled loss
 BATCH_KEY = "llmpar_cp_batch"  # the forward keyword carrying (shard, k_valid) down to the attention function
-SUPPORTED = ("llama", "qwen2", "mistral")
+SUPPORTED = ("llama", "qwen2", "mistral", "mixtral", "qwen2_moe", "qwen3_moe")
+REFUSED = {"deepseek_v3": "its multi-head latent attention", "gpt_oss": "its attention sinks"}  # model type -> why
 _SEQ_KEYS = ("input_ids", "inputs_embeds", "attention_mask", "position_ids", "labels", "shift_labels")
 
 
@@ -135,7 +140,7 @@ def _window(config: Any) -> int | None:
     window = getattr(config, "sliding_window", None)
     if window is None:
         return None
-    if getattr(config, "model_type", "") == "qwen2":
+    if getattr(config, "model_type", "") in ("qwen2", "qwen2_moe"):
         if not getattr(config, "use_sliding_window", False):
             return None
         types = getattr(config, "layer_types", None)
@@ -155,6 +160,8 @@ class HFCausalLMAdapter:
         self.gather_logits = False  # True: out.logits is the whole sequence's [B, S, V] (gathered, detached)
         self._head: torch.nn.Module | None = None
         self._hidden: list[torch.Tensor] = []  # the base model's output of the running forward (tiled loss)
+        self.config: Any = None
+        self.routers: RouterLogits | None = None  # an MoE model's router logits (its load-balancing loss)
 
     # ---- once per model ----
     def prepare(self, model: torch.nn.Module, cp: Any) -> None:
@@ -163,9 +170,10 @@ class HFCausalLMAdapter:
         config = getattr(model, "config", None)
         kind = getattr(config, "model_type", None)
         if kind not in SUPPORTED or not type(model).__name__.endswith("ForCausalLM"):
+            why = f" (context parallelism does not run {REFUSED[kind]})" if kind in REFUSED else ""
             raise ValueError(
                 f"context parallelism supports the transformers causal LMs of type {', '.join(SUPPORTED)} "
-                f"(LlamaForCausalLM, ...); got {type(model).__name__} (model_type={kind!r})"
+                f"(LlamaForCausalLM, ...); got {type(model).__name__} (model_type={kind!r}){why}"
             )
         if getattr(config, "attention_dropout", 0.0):
             raise ValueError(
@@ -193,6 +201,8 @@ class HFCausalLMAdapter:
         params = inspect.signature(model.forward).parameters.values()
         self.names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         self.window = _window(config)
+        self.config = config
+        self.routers = RouterLogits.of(model)
 
     def _keep_hidden(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if self._hidden:  # a tiled-loss forward is running: its final hidden states [B, S_local, d]
@@ -287,8 +297,21 @@ class HFCausalLMAdapter:
         if tiled:  # the head runs on no position; the loss is taken from the hidden states a tile at a time
             out["logits_to_keep"] = torch.empty(0, dtype=torch.long, device=device)
             self._hidden[:] = [None]
+        on = kw.get("output_router_logits", getattr(self.config, "output_router_logits", False))
+        routers = self.routers if on else None
+        as_tuple = routers is not None and out.get("return_dict") is False  # a ModelOutput inside, given as tuple
+        if routers is not None:  # recorded by the adapter (llmpar.context_parallel.hf_moe)
+            out["return_dict"], out["output_router_logits"] = True, False
+            routers.start()
 
         def loss_of(output: Any) -> Any:
+            return with_aux(output).to_tuple() if as_tuple else with_aux(output)
+
+        def with_aux(output: Any) -> Any:
+            aux = None
+            if routers is not None:  # the whole sequence's load-balancing loss
+                aux, output["router_logits"] = routers.aux_loss(k_valid, cp)
+                output["aux_loss"] = aux
             hidden = self._hidden[0] if tiled else None
             self._hidden.clear()
             if local is None:
@@ -305,13 +328,21 @@ class HFCausalLMAdapter:
             loss = cp.token_mean(loss_sum, count)
             if items is not None:
                 loss = _per_item(loss, count, items, cp)
+            if aux is not None and routers is not None:
+                loss = loss + routers.coef * aux.to(loss.dtype)
             if gather:
                 output = _with_full_logits(output, cp, shard)
             if isinstance(output, dict):
                 return type(output)(loss=loss, **{k: v for k, v in output.items() if k != "loss"})
             return (loss, *output)
 
-        return (), out, _Finish(cp, shard, k_valid, loss_of, self._hidden.clear)
+        return (), out, _Finish(cp, shard, k_valid, loss_of, self._drop)
+
+    def _drop(self) -> None:
+        """Forget what a failed forward left (hidden states, router logits)."""
+        self._hidden.clear()
+        if self.routers is not None:
+            self.routers.stop()
 
 
 def _with_full_logits(output: Any, cp: Any, shard: Any) -> Any:

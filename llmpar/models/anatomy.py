@@ -21,7 +21,8 @@ The rules, and where the finders they replace differed (each difference kept whe
   param-less children count (an activation between layers) and a bare ``ModuleList`` model is refused (it does not
   say how its layers connect): ``pipeline_blocks()``, else an ``nn.Sequential``'s children.
 * **Family** (:func:`family`): by module names, first match wins: ``*self_attn.q_proj`` is the Llama layout
-  (Llama, Qwen2, Mistral), ``*attn.qkv`` llmpar's GPT (the tensor-parallel default plans are named after these).
+  (Llama, Qwen2, Mistral; the MoE Mixtral, Qwen2-MoE, Qwen3-MoE too), ``*attn.qkv`` llmpar's GPT (the
+  tensor-parallel default plans are named after these).
 * **Attention** (:func:`attention_modules`): a module with an int ``head_dim`` and either an int head count
   (:data:`HEAD_ATTRS`: llmpar's ``CausalSelfAttention`` has ``n_head``) or transformers' ``is_causal`` + ``config``
   (transformers >= 4.48 dropped ``num_heads`` from its attention modules); the context-parallel transformers adapter
