@@ -256,17 +256,21 @@ def backward_context(engine: Any) -> Iterator[None]:
         return
     from torch._dynamo import compiled_autograd
 
-    reducer = getattr(engine.optimizer, "reducer", None)
+    reducers, opt = [], engine.optimizer  # the optimizer's, then its experts' (a nested ZeroOptimizer over edp)
+    while opt is not None:
+        if getattr(opt, "reducer", None) is not None:
+            reducers.append(opt.reducer)
+        opt = getattr(opt, "experts", None)
     compiler = torch.compile(backend=state.backend, **state.kwargs)
-    if reducer is not None:
+    for reducer in reducers:
         reducer.remove_hooks()
     try:
         with compiled_autograd._enable(compiler):
             yield
     finally:
-        if reducer is not None:
+        for reducer in reducers:
             reducer.attach_hooks()
-    if reducer is not None:
+    for reducer in reducers:
         reducer.reduce_after_backward()
 
 
