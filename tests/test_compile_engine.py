@@ -50,7 +50,8 @@ def test_compile_block_takes_deepspeeds_keys_typed_and_names_them_in_one_log_lin
     said = [r.getMessage() for r in caplog.records if '"compile"' in r.getMessage()]
     assert len(said) == 1 and "deepcompile=True" in said[0] and "passes=['z1', 'z3']" in said[0], said
     assert compile_block({}) == CompileConfig() == compile_block(None)
-    assert compile_block({"enabled": False, "passes": None}) == CompileConfig()  # older DeepSpeed's switch, off
+    older = {"enabled": False, "backend": "inductor", "kwargs": {}}  # DeepSpeed 0.14's block, off (accepted before)
+    assert compile_block({**older, "passes": None}) == CompileConfig()
     assert set(PASSES) == {"z1", "z3", "autosp", "autotp"}
 
 
@@ -63,6 +64,7 @@ def test_compile_block_takes_deepspeeds_keys_typed_and_names_them_in_one_log_lin
         ({"free_activation_threshold": -1}, ValueError, ["compile.free_activation_threshold", "-1"]),
         ({"deepcompil": True}, ValueError, ['unknown key "compile.deepcompil"', 'did you mean "deepcompile"']),
         ({"enabled": True}, ValueError, ['"compile.enabled"=true', "engine.compile("]),
+        ({"backend": 3}, TypeError, ['"compile.backend" must be a string', "3"]),
         ([1], TypeError, ['"compile" must be a JSON object']),
     ],
 )

@@ -68,6 +68,8 @@ class CompileConfig:
     keep_all_input_tensors: bool = False
     passes: list[str] | None = None  # DeepCompile's pass names: z1, z3, autosp, autotp
     enabled: bool = False  # older DeepSpeed's switch: only false (call engine.compile())
+    backend: str = "inductor"  # older DeepSpeed's, with enabled: pass it to engine.compile(backend=...)
+    kwargs: dict = field(default_factory=dict)  # older DeepSpeed's: engine.compile(compile_kwargs=...)
 
 
 def compile_block(block: Any) -> CompileConfig:
@@ -85,6 +87,11 @@ def compile_block(block: Any) -> CompileConfig:
             values[f.name] = as_int("compile.free_activation_threshold", v, minimum=0)
         elif f.name == "passes":
             values[f.name] = _passes(v)
+        elif f.name in ("backend", "kwargs"):
+            kind = str if f.name == "backend" else dict
+            if not isinstance(v, kind):
+                raise TypeError(f'"compile.{f.name}" must be a {"string" if kind is str else "JSON object"}, got {v!r}')
+            values[f.name] = v
         else:
             values[f.name] = as_bool(f"compile.{f.name}", v)
     if values.get("enabled"):
@@ -94,7 +101,9 @@ def compile_block(block: Any) -> CompileConfig:
         )
     cfg = CompileConfig(**values)
     default = CompileConfig()
-    changed = {k: v for k, v in values.items() if k != "enabled" and v != getattr(default, k)}
+    changed = {
+        k: v for k, v in values.items() if k not in ("enabled", "backend", "kwargs") and v != getattr(default, k)
+    }
     if changed:
         shown = ", ".join(f"{k}={v!r}" for k, v in sorted(changed.items()))
         logger.info(

@@ -72,7 +72,8 @@ _EXTRA = {  # what a block's JSON shape adds to its dataclass
     "tensor_parallel": "`autotp_size` is DeepSpeed's AutoTP spelling of `size` (`0`, its default, means off); "
     "`llmpar.parallelize` splits the model.",
     "activation_checkpointing": "The block's presence turns it on (`enabled` is not a key).",
-    "compile": "`engine.compile()` compiles the model (see docs/compile.md); `enabled` is accepted as false only.",
+    "compile": "`engine.compile()` compiles the model (see docs/compile.md); older DeepSpeed's `enabled` (false "
+    "only), `backend` and `kwargs` are accepted without effect.",
     "expert_parallel": "`preset_model` is one of "
     + ", ".join(f"`{p}`" for p in expert_block.PRESETS)
     + ". Also kept as given, for locating the MoE layers of a model being swapped: "
