@@ -388,8 +388,13 @@ def test_expert_parallel_with_context_parallel_follows_one_process():
         bad = {k: e for k, e in errs.items() if e > 1e-5}
         assert not bad, (stage, bad)
         worst[f"zero{stage}/{mode}"] = max(errs.values())
-    for name, stage, mode in (("qwen3_moe", 1, "ring"), ("qwen2_moe", 2, "ring"), ("mixtral", 3, "ulysses")):
-        worst[f"{name}/zero{stage}/{mode}"] = _hf_cp(name, stage, mode)
+    for name, stage, mode, ep in (
+        ("qwen3_moe", 1, "ring", 2),
+        ("qwen2_moe", 2, "ring", 2),
+        ("mixtral", 3, "ulysses", 2),
+        ("mixtral", 1, "ring", 1),  # no "expert_parallel": transformers' own MoE blocks under cp
+    ):
+        worst[f"{name}/zero{stage}/{mode}/ep{ep}"] = _hf_cp(name, stage, mode, ep)
     with pytest.raises(ValueError, match="does not run its multi-head latent attention"):
         llmpar.initialize(model=_hf_model("deepseek_v3"), config={**HF_CP, "context_parallel": {"size": 2}})
     return worst
@@ -403,11 +408,11 @@ HF_CP = {
 }
 
 
-def _hf_cp(name: str, stage: int, mode: str) -> float:
-    """A transformers MoE model (swapped blocks, ep=2) over dp=2 x cp=2: each dp pair's batch of SEQ=7 tokens split
-    over its cp ranks (padded to 8), the router loss over the whole sequence; against one process running
-    transformers' own experts and full-sequence attention on both dp batches (``_reference``): losses and the gathered
-    weights to 1e-5. Returns the largest difference."""
+def _hf_cp(name: str, stage: int, mode: str, ep: int) -> float:
+    """A transformers MoE model (swapped blocks at ep=2; ep=1: no "expert_parallel", transformers' own blocks) over
+    dp=2 x cp=2: each dp pair's batch of SEQ=7 tokens split over its cp ranks (padded to 8), the router loss over the
+    whole sequence; against one process running transformers' own experts and full-sequence attention on both dp
+    batches (``_reference``): losses and the gathered weights to 1e-5. Returns the largest difference."""
     want_losses, want = _reference(name, 2)
     model = _hf_model(name)
     config = {
@@ -415,11 +420,16 @@ def _hf_cp(name: str, stage: int, mode: str) -> float:
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
         "context_parallel": {"size": 2, "mode": mode},
     }
+    if ep == 1:
+        del config["expert_parallel"]
     engine, opt, _, _ = llmpar.initialize(model=model, config=config)
-    assert (engine.context_parallel.size, engine.dp_world_size, engine.moe.ep) == (2, 2, 2)
+    assert (engine.context_parallel.size, engine.dp_world_size) == (2, 2)
     assert model.config._attn_implementation == "llmpar_cp"
     blocks = [m for m in model.modules() if isinstance(m, HFMoEBlock)]
-    assert blocks and all(b.ep_size == 2 for b in blocks) and opt.experts is not None
+    if ep == 2:
+        assert engine.moe.ep == 2 and blocks and all(b.ep_size == 2 for b in blocks) and opt.experts is not None
+    else:
+        assert not blocks and opt.experts is None
     losses = []
     for s in range(STEPS):
         ids = _ids(s, engine.dp_rank)
