@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import math
 import os
@@ -196,8 +197,11 @@ def run_torch(model: nn.Module, batches, warmup: int, device: torch.device, chec
     return _time_steps(step, batches, warmup, device)
 
 
-def run_llmpar(model: nn.Module, batches, warmup: int, device: torch.device, checkpoint: bool):
-    """llmpar.initialize with a DeepSpeed config: bf16 (fp32 masters), AdamW (llmpar's FusedAdamW), ZeRO-1, dp = 1."""
+def run_llmpar(
+    model: nn.Module, batches, warmup: int, device: torch.device, checkpoint: bool, compile_backend: str | None = None
+):
+    """llmpar.initialize with a DeepSpeed config: bf16 (fp32 masters), AdamW (llmpar's FusedAdamW), ZeRO-1, dp = 1;
+    with ``compile_backend``, ``engine.compile(backend=compile_backend)`` first (the warm-up steps compile)."""
     import llmpar
 
     if checkpoint:
@@ -210,6 +214,8 @@ def run_llmpar(model: nn.Module, batches, warmup: int, device: torch.device, che
         "zero_optimization": {"stage": 1},
     }
     engine = llmpar.initialize(model=model, config=config)[0]
+    if compile_backend:
+        engine.compile(backend=compile_backend)
 
     def step(x: torch.Tensor) -> torch.Tensor:
         loss = engine(input_ids=x, labels=x).loss
@@ -224,6 +230,26 @@ CASES = {
     "torch (SDPA, fused AdamW, autocast)": ("sdpa", run_torch),
     "llmpar (initialize, flash attention, FusedAdamW)": (ATTN, run_llmpar),
 }
+COMPILED = "llmpar + engine.compile()"  # the third case with --compile
+
+
+def _write(args, rows, impl, shape, n_params, per_token, peak, peak_from, device) -> dict:
+    """The table so far (speed-ups against the first case) into ``--out``: written after every case."""
+    base = rows[0].get("tokens_per_s")
+    for r in rows:
+        if base and r.get("tokens_per_s"):
+            r["speedup"] = round(r["tokens_per_s"] / base, 3)
+    meta = {
+        "model": f"Llama-shaped {n_params / 1e9:.3f}B params ({impl}): {shape}" if n_params else str(shape),
+        "sequence": f"{args.seq} tokens x micro-batch {args.micro_batch}, {args.warmup} warm-up + "
+        f"{args.steps} timed steps, activation checkpointing {'on' if args.checkpoint else 'off'}",
+        "flops_per_token": f"{per_token:.4g} (PaLM: 6 N + 12 n_layer d_model seq)" if per_token else None,
+        "peak": f"{peak} TFLOP/s ({peak_from})" if peak else f"unknown ({peak_from}): no MFU",
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "compile": f"{COMPILED}: backend {args.compile_backend}, warm-up steps compile" if args.compile else "off",
+    }
+    name = f"mfu_{'toy_' if args.toy else ''}{device.type}"
+    return write_results(name, rows, meta, out_dir=args.out)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -236,6 +262,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--checkpoint", action="store_true", help="activation checkpointing in both cases")
     p.add_argument("--impl", choices=("auto", "transformers", "builtin"), default="auto")
+    p.add_argument("--compile", action="store_true", help=f"add the case {COMPILED!r} (the llmpar case compiled)")
+    p.add_argument("--compile-backend", default="inductor", help="torch.compile backend of --compile")
     p.add_argument("--toy", action="store_true", help="CPU, toy shape, seq 64, 2 + 1 steps: the suite's check")
     p.add_argument("--out", default=None, help="results folder (default bench/results)")
     args = p.parse_args(argv)
@@ -259,7 +287,10 @@ def main(argv: list[str] | None = None) -> dict:
     tokens = args.micro_batch * args.seq * args.steps
     peak, peak_from = mfu.peak_tflops(device)
     rows, per_token, n_params = [], None, None
-    for name, (attention, run) in CASES.items():
+    cases = dict(CASES)
+    if args.compile:
+        cases[COMPILED] = (ATTN, functools.partial(run_llmpar, compile_backend=args.compile_backend))
+    for name, (attention, run) in cases.items():
         row: dict[str, Any] = {"case": name}
         model = None
         try:
@@ -294,22 +325,10 @@ def main(argv: list[str] | None = None) -> dict:
 
             if dist.is_initialized():
                 dist.destroy_process_group()
-    base = rows[0].get("tokens_per_s")
-    for r in rows:
-        if base and r.get("tokens_per_s"):
-            r["speedup"] = round(r["tokens_per_s"] / base, 3)
-    meta = {
-        "model": f"Llama-shaped {n_params / 1e9:.3f}B params ({impl}): {shape}" if n_params else str(shape),
-        "sequence": f"{args.seq} tokens x micro-batch {args.micro_batch}, {args.warmup} warm-up + "
-        f"{args.steps} timed steps, activation checkpointing {'on' if args.checkpoint else 'off'}",
-        "flops_per_token": f"{per_token:.4g} (PaLM: 6 N + 12 n_layer d_model seq)" if per_token else None,
-        "peak": f"{peak} TFLOP/s ({peak_from})" if peak else f"unknown ({peak_from}): no MFU",
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-    }
-    name = f"mfu_{'toy_' if args.toy else ''}{device.type}"
-    paths = write_results(name, rows, meta, out_dir=args.out)
+        # written after each case: a run killed at its time limit keeps the cases it finished
+        paths = _write(args, rows, impl, shape, n_params, per_token, peak, peak_from, device)
     print(open(paths["md"]).read())
-    return {"rows": rows, "meta": meta, "paths": paths}
+    return {"rows": rows, "paths": paths}
 
 
 if __name__ == "__main__":

@@ -184,7 +184,9 @@ def test_bench_mfu_runs_at_toy_size(tmp_path, impl):
         pytest.importorskip("transformers")
     script = Path(__file__).resolve().parents[1] / "bench" / "bench_mfu.py"
     proc = subprocess.run(
-        [sys.executable, str(script), "--toy", "--impl", impl, "--out", str(tmp_path)],
+        # the builtin model also runs the compiled case (aot_eager: traced, no C++ compile in the suite)
+        [sys.executable, str(script), "--toy", "--impl", impl, "--out", str(tmp_path)]
+        + (["--compile", "--compile-backend", "aot_eager"] if impl == "builtin" else []),
         capture_output=True,
         text=True,
         timeout=180,
@@ -192,9 +194,13 @@ def test_bench_mfu_runs_at_toy_size(tmp_path, impl):
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     record = json.loads((tmp_path / "mfu_toy_cpu.json").read_text())
-    torch_row, llmpar_row = record["rows"]
+    torch_row, llmpar_row, *compiled = record["rows"]
     assert torch_row["case"].startswith("torch") and llmpar_row["case"].startswith("llmpar")
-    for row in (torch_row, llmpar_row):
+    assert len(compiled) == (impl == "builtin"), record["rows"]
+    if compiled:  # the same weights and batches: engine.compile() changes no loss
+        assert compiled[0]["case"] == "llmpar + engine.compile()" and "aot_eager" in record["meta"]["compile"]
+        assert abs(compiled[0]["first_loss"] - llmpar_row["first_loss"]) < 1e-3, (compiled[0], llmpar_row)
+    for row in (torch_row, llmpar_row, *compiled):
         assert "error" not in row, row
         assert row["tokens_per_s"] > 0 and row["tflops_per_device"] >= 0 and row["mfu_pct"] > 0, row
     assert abs(torch_row["first_loss"] - llmpar_row["first_loss"]) < 0.05, (torch_row, llmpar_row)
