@@ -28,12 +28,13 @@ ZeRO-3 each unit module is gathered for its forward and freed after it; with sev
 defaults to ``synced_gpus=True``, as under DeepSpeed ZeRO-3. A ZeRO-3 config also makes ``from_config`` /
 ``from_pretrained`` called after these TrainingArguments are built build the model sharded (``zero3.py``), as
 transformers does for DeepSpeed; an evaluate() before train() on such a model builds the engine first.
-A ``"tensor_parallel"`` block splits the model with ``llmpar.parallelize`` and feeds the ranks of one tensor-parallel
-group the same batches. A ``"context_parallel"`` block (or DeepSpeed's ``"sequence_parallel_size"``) splits each
-sequence over its cp ranks (Llama / Qwen2 / Mistral, ``llmpar.context_parallel.hf``): the cp (x tp) ranks of a
-data-parallel group read the same batches (the sampler shards over ``world / (cp * tp)`` ranks), the engine shards
-each one along the sequence, and the loss the Trainer logs and optimises is the full-sequence one, equal to the same
-run without context parallelism (``num_items_in_batch`` included). ``evaluate`` / ``predict`` run whole sequences.
+A ``"tensor_parallel"`` block splits the model with ``llmpar.parallelize`` and feeds the ranks of one
+tensor-parallel group the same batches. A ``"context_parallel"`` block (or DeepSpeed's ``"sequence_parallel_size"``)
+splits each sequence over its cp ranks (Llama / Qwen2 / Mistral, and the Mixtral / Qwen2-MoE / Qwen3-MoE mixtures of
+experts, ``llmpar.context_parallel.hf``): the cp (x tp) ranks of a data-parallel group read the same batches (the
+sampler shards over ``world / (cp * tp)`` ranks), the engine shards each one along the sequence, and the loss the
+Trainer logs and optimises is the full-sequence one, equal to the same run without context parallelism
+(``num_items_in_batch`` included). ``evaluate`` / ``predict`` run whole sequences.
 """
 
 from __future__ import annotations
