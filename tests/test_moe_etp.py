@@ -12,6 +12,9 @@ at ZeRO-1 and 3, follows one process (gradient clipping binding: each expert cou
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -21,7 +24,9 @@ from llmpar.models import GPT, GPTConfig
 from llmpar.models.gpt import lm_loss
 from llmpar.moe import MoEBlock, RouterConfig, expert_parallel_groups, merge_intermediate, shard_intermediate
 from llmpar.moe.experts import grouped_mlp
+from llmpar.runtime.build_pipeline_engine import _prepare_experts
 from llmpar.runtime.config import Blocks
+from llmpar.runtime.expert_block import ExpertParallelConfig
 from llmpar.tensor_parallel.parallelize import GPT_PLAN, parallelize
 from llmpar.zero.gather import consolidated_state_dict
 
@@ -166,9 +171,30 @@ def _bad_inputs() -> None:
     )
     layer = MoEBlock(H, INTER, E, 2, ep_group=groups.ep_group, etp_group=groups.etp_group)  # nothing left in flight
     config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
-    _raises_everywhere(  # the engine would average the shards over dp and count them in no norm: refused
+    _raises_everywhere(  # its etp ranks must be the engine's tp ranks (the same tokens): no mesh, refused
         lambda: llmpar.initialize(model=layer, config=config),
-        "MoE layer .* splits its experts over an expert-tensor-parallel group of 2 ranks: llmpar.initialize does not",
+        "MoE layer .* splits its experts over an expert-tensor-parallel group of 2 ranks but the engine's "
+        "tensor-parallel group has 1: llmpar.initialize runs the etp ranks as its tensor-parallel ranks",
+    )
+    mesh = llmpar.init_distributed(tp=2).mesh  # the etp pairs are its tp pairs
+    whole = MoEBlock(H, INTER, E, 2, ep_group=groups.ep_group)
+    _raises_everywhere(  # one model, layers of etp 2 and 1: refused naming both
+        lambda: llmpar.initialize(model=torch.nn.Sequential(layer, whole), config=config, mesh=mesh),
+        "MoE layer 0 splits its experts over an expert-tensor-parallel group of 2 ranks but 1 over 1: build every",
+    )
+    wide = MoEBlock(H, INTER, E, 2, etp_group=dist.group.WORLD)  # etp=4 over a tp=2 engine
+    _raises_everywhere(
+        lambda: llmpar.initialize(model=wide, config=config, mesh=mesh),
+        "group of 4 ranks but the engine's tensor-parallel group has 2",
+    )
+    across = MoEBlock(H, INTER, E, 2, etp_group=groups.ep_group)  # etp pairs {0, 2}, {1, 3}; tp pairs {0, 1}, {2, 3}
+    _raises_everywhere(
+        lambda: llmpar.initialize(model=across, config=config, mesh=mesh),
+        r"MoE layer MoEBlock splits its experts over ranks \[\d, \d\], but this rank's tensor-parallel ranks are",
+    )
+    _raises_everywhere(  # a pipeline's stage optimizers would average the shards over dp: refused before collectives
+        lambda: _prepare_experts(torch.nn.Sequential(layer), ExpertParallelConfig(), 1),
+        "MoE layer 0 splits its experts over an expert-tensor-parallel group of 2 ranks: not supported with a .pipe",
     )
     x = torch.randn(5, H, generator=torch.Generator().manual_seed(rank // 2))  # the same tokens over each etp group
     layer(x).sum().backward()
@@ -188,12 +214,13 @@ GPT_CFG = dict(vocab_size=61, n_layer=2, n_head=4, d_model=16, seq_len=16, bias=
 STEPS, LR, CLIP, MICRO, T = 2, 2e-2, 0.5, 2, 9
 
 
-def _moe_gpt() -> GPT:
-    """llmpar's GPT with each block's MLP a dropless top-2 MoEBlock (4 experts, router weights not small)."""
+def _moe_gpt(**groups) -> GPT:
+    """llmpar's GPT with each block's MLP a dropless top-2 MoEBlock (4 experts, router weights not small);
+    ``groups``: the layers' ``ep_group`` / ``etp_group`` (the same weights: each rank keeps its slice of the draw)."""
     model = GPT(GPTConfig(**GPT_CFG), seed=3)
     torch.manual_seed(4)
     for block in model.blocks:
-        block.mlp = MoEBlock(GPT_CFG["d_model"], 12, 4, 2, init_std=0.1)
+        block.mlp = MoEBlock(GPT_CFG["d_model"], 12, 4, 2, init_std=0.1, **groups)
         with torch.no_grad():
             block.mlp.router.weight.normal_(0.0, 0.5)
     return model
@@ -212,55 +239,82 @@ def test_expert_parallel_with_tensor_parallel_attention_follows_one_process():
     module") with ep=2 over
     the dp=2 ranks of each tp coordinate, experts whole on each rank (replicated over tp), ZeRO-1 and 3: the losses
     and every weight not split by tp (the experts gathered over ep, routers, norms) follow one process on the whole
-    batch to 1e-5, and the tp pair's experts stay bitwise equal."""
+    batch to 1e-5, and the tp pair's experts stay bitwise equal. The same with the experts split over etp = the tp
+    ranks (``MoEBlock(etp_group=...)`` from ``expert_parallel_groups``): ep=2 x etp=2 at ZeRO-1, 2 and 3, and ep=1 x
+    etp=2 at ZeRO-2 (each shard reduced over the edp=2 dp ranks holding it): losses, the clipping norm (each shard
+    counted once: the reference's norm, not one short of the other etp rank's shards) and the experts merged whole
+    under their global names by module_state_dict; llmpar's save_checkpoint refuses such shards on every rank.
+    Clipping binds (norm ~1.2 > 0.5)."""
     dp = 2
     ref = _moe_gpt()
     opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.0)
-    want_losses = []
+    want_losses, want_norms = [], []
     for s in range(STEPS):
         total = 0.0
         for d in range(dp):
             loss = lm_loss(ref(_gpt_batch(s, d)[0]), _gpt_batch(s, d)[1]) / dp
             loss.backward()
             total += loss.item()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
+        want_norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP).item())
         opt.step()
         opt.zero_grad()
         want_losses.append(total)
     want = {n: p.detach() for n, p in ref.named_parameters()}
-    for stage in (1, 3):
-        model = _moe_gpt()
+    cases = [(stage, None) for stage in (1, 3)] + [(stage, (2, 2)) for stage in (1, 2, 3)] + [(2, (1, 2))]
+    for stage, ep_etp in cases:
+        where = f"stage {stage}, (ep, etp)={ep_etp}"
+        kw = {}
+        if ep_etp is not None:  # experts split over etp = the tp ranks (expert_parallel_groups: etp innermost)
+            groups = expert_parallel_groups(*ep_etp)
+            model = _moe_gpt(ep_group=groups.ep_group, etp_group=groups.etp_group)
+        else:
+            model = _moe_gpt()
         config = {
             "train_micro_batch_size_per_gpu": MICRO,
             "gradient_clipping": CLIP,
             "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
             "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
             "tensor_parallel": {"size": 2},
-            "expert_parallel": {"enabled": True, "autoep_size": 2},
         }
-        kw = {}
-        if stage == 1:  # split by the caller over its mesh; at stage 3 the "tensor_parallel" block splits it
+        if ep_etp is None:
+            config["expert_parallel"] = {"enabled": True, "autoep_size": 2}
+        if stage == 1 or ep_etp is not None:  # split by the caller over its mesh; at stage 3 the config block does
             kw["mesh"] = mesh = llmpar.init_distributed(tp=2).mesh  # ep folds over each tp coordinate's dp ranks
             parallelize(model, mesh["tp"], plan={k: v for k, v in GPT_PLAN.items() if not k.startswith("mlp.")})
         engine, zopt, _, _ = llmpar.initialize(model=model, config=config, **kw)
+        ep = 2 if ep_etp is None else ep_etp[0]
         assert engine.mesh is not None and engine.mesh["tp"].size() == 2
-        assert (engine.dp_world_size, engine.moe.ep) == (2, 2) and all(b.mlp.ep_size == 2 for b in model.blocks)
-        losses = []
+        assert (engine.dp_world_size, engine.moe.ep) == (2, ep) and all(b.mlp.ep_size == ep for b in model.blocks)
+        losses, norms = [], []
         for s in range(STEPS):
             idx, targets = _gpt_batch(s, engine.dp_rank)
             loss = lm_loss(engine(idx), targets)
             engine.backward(loss)
             engine.step()
+            norms.append(zopt.last_grad_norm)
             total = loss.detach().double()
             dist.all_reduce(total, group=engine.mesh["dp"].get_group())
             losses.append(total.item() / dp)
         got = consolidated_state_dict(model, zopt, rank0_only=False)
+        if ep_etp is not None:
+            assert engine.moe.etp == 2 and zopt.experts is not None and zopt.experts.dp == 2 // ep  # edp ranks
+            # every expert whole under its global name (the shards merged over etp), the same on the dp rank 0
+            full = engine.module_state_dict()  # a collective: {} off dp rank 0
+            for k in (k for k in want if ".mlp.experts." in k):
+                assert got[k].shape == want[k].shape, (where, k, got[k].shape)
+                assert engine.dp_rank != 0 or torch.equal(full[k], got[k]), (where, k)
+            path = os.path.join(tempfile.gettempdir(), f"llmpar_etp_ckpt_{os.environ['MASTER_PORT']}")
+            _raises_everywhere(  # llmpar's format would write the shards as rows of the global experts: refused
+                lambda: engine.save_checkpoint(path),
+                "save_checkpoint / load_checkpoint: the experts are split over an expert-tensor-parallel group of 2",
+            )
         engine.destroy()
         errs = {"loss": max(abs(a - b) for a, b in zip(losses, want_losses))}
+        errs["grad norm (rel)"] = max(abs(a / b - 1) for a, b in zip(norms, want_norms))  # each shard once
         compared = [k for k, w in want.items() if got[k].shape == w.shape]
         errs |= {k: (got[k].double() - want[k].double()).abs().max().item() for k in compared}
         bad = {k: e for k, e in errs.items() if e > 1e-5}
-        assert not bad, (stage, bad)
+        assert not bad, (where, bad)
         assert any(".mlp.experts." in k for k in compared) and len(compared) < len(want)  # some split by tp
         tp_group = engine.mesh["tp"].get_group()
         for k in (k for k in compared if ".mlp.experts." in k):

@@ -96,7 +96,7 @@ def build_engine(
     apply_activation_checkpointing(model, cfg.activation_checkpointing, tp_group)
     moe = setup_experts(model, blocks.expert_parallel, mesh, zero_group)  # before the optimizer sees the experts
     apply_grouped_mm_impl(model, blocks.expert_parallel)  # the swapped blocks' grouped GEMM backends
-    spread = moe is not None and moe.ep > 1
+    spread = moe is not None and (moe.ep > 1 or moe.etp > 1)  # expert params: their own optimizer
     opt = ZeroOptimizer(
         named_groups(model, model_parameters, strict=split_here),
         cfg.optimizer,
@@ -111,6 +111,7 @@ def build_engine(
         loss_scaler=build_loss_scaler(cfg.fp16),
         expert_group=moe.edp_group if spread else None,
         ep_group=moe.ep_group if spread else None,
+        etp_group=moe.etp_group if spread else None,
     )
     sched = WarmupSchedule(opt, cfg.scheduler) if cfg.scheduler is not None else None
     engine = Engine(

@@ -129,11 +129,18 @@ def build_pipeline_engine(
 def _prepare_experts(model: nn.Module, ep_cfg: ExpertParallelConfig, tp: int) -> list[tuple[str, MoEBlock]]:
     """The model's MoE layers, made ready for a pipeline (no collective; the same on every rank). With the block
     enabled, transformers' MoE blocks are swapped first; every ``llmpar.moe.Experts`` takes the block's grouped GEMM
-    backends. At ep > 1, refused naming it: no MoE layer, tp > 1, a layer built over its own group."""
+    backends. Refused naming it: a layer split over an etp group; at ep > 1, no MoE layer, tp > 1, a layer built over
+    its own group."""
     if ep_cfg.enabled and swap_moe_blocks(model):
         logger.info("expert_parallel: transformers MoE blocks run as llmpar MoE blocks in the pipeline")
     apply_grouped_mm_impl(model, ep_cfg)
     layers = [(n, m) for n, m in model.named_modules() if isinstance(m, MoEBlock)]
+    for name, b in layers:  # the stages' optimizers would average the shards over dp and clip them once per etp rank
+        if b.etp_size > 1:
+            raise ValueError(
+                f"MoE layer {name} splits its experts over an expert-tensor-parallel group of {b.etp_size} ranks: "
+                'not supported with a "pipeline" block; build it with etp_group=None or train without a pipeline'
+            )
     ep = ep_cfg.ep
     if ep == 1:
         return layers

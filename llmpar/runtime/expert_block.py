@@ -16,7 +16,8 @@ false -> the per-expert loop; true with Triton disabled -> ``torch._grouped_mm``
 -> any (``llmpar.ops.grouped_gemm_backends``: ``torch._grouped_mm``, the Triton kernel, the loop), the same math.
 DeepSpeed's other implementation switches (combine kernels, DeepEP tuning) are accepted and change nothing
 (``ds_keys.EXPERT_PARALLEL``); what would change the math llmpar does not support is an error:
-``expert_tensor_parallel_size`` > 1, ``comm_backend`` "deepep", a non-null ``load_balance_coeff`` (DeepSpeed refuses it
+``expert_tensor_parallel_size`` > 1 (layers built with ``MoEBlock(etp_group=...)`` are trained: ``experts.py``),
+``comm_backend`` "deepep", a non-null ``load_balance_coeff`` (DeepSpeed refuses it
 too).
 
 llmpar's own key ``add_aux_loss`` (default true): ``engine.backward(loss)`` adds the auxiliary losses of the MoE
@@ -181,8 +182,10 @@ def expert_parallel_block(block: Any) -> ExpertParallelConfig:
     if etp != 1:
         raise ValueError(
             f'"expert_parallel.expert_tensor_parallel_size"={etp}: not supported by the engine (DeepSpeed 0.19 '
-            "refuses it too): experts are whole on each rank of the expert-parallel group (accepted: 1); the layer "
-            "itself splits them: llmpar.moe.MoEBlock(etp_group=...), groups from llmpar.moe.expert_parallel_groups"
+            "refuses it too): the swapped / spread layers keep their experts whole (accepted: 1); to split them, "
+            "build the layers with llmpar.moe.MoEBlock(etp_group=...) over the tensor-parallel ranks (groups from "
+            "llmpar.moe.expert_parallel_groups) and pass mesh=llmpar.init_distributed(tp=etp).mesh: llmpar.initialize "
+            "trains those"
         )
     comm = b.get("comm_backend", "comm")
     if comm != "comm":

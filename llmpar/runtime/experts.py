@@ -10,6 +10,14 @@ experts make one layer) and the ``edp`` group (the ranks holding the same expert
 ``ep_group=None`` is spread over ``ep`` (``MoEBlock.set_ep_group``), a layer built over another degree is refused, and
 ZeRO reduces and shards expert params over ``edp`` (``llmpar.zero.experts``).
 
+Layers whose experts are split over an expert-tensor-parallel group (``MoEBlock(etp_group=...)``, groups from
+``llmpar.moe.expert_parallel_groups``) are trained with their etp ranks as the engine's tensor-parallel ranks
+(``mesh["tp"]`` of size etp: the ranks holding the same tokens; :func:`_expert_tp` refuses other groups and models
+mixing etp sizes): the expert ZeroOptimizer reduces each shard over the edp ranks of its tp coordinate (the ranks
+holding the same shard; at ep = 1 the dp ranks), the gradient norm sums the expert shards over etp once each, and
+``module_state_dict`` merges the shards into the whole experts under their global names; llmpar's own
+``save_checkpoint`` refuses them (``ZeroOptimizer.checkpoint_experts``).
+
 DeepSpeed's legacy layer (``llmpar.moe.layer.MoE`` at ``ep_size`` > 1, found by its ``deepspeed_moe``
 :class:`~llmpar.moe.legacy.LegacyMoELayer`) keeps its own groups: a layer without one gets DeepSpeed's
 (``set_deepspeed_parallelism()``, as DeepSpeed's engine calls it), and ZeRO shards its experts (tagged as DeepSpeed tags
@@ -47,6 +55,7 @@ from llmpar.moe.block import MoEBlock
 from llmpar.moe.hf import swap_moe_blocks
 from llmpar.moe.legacy import LegacyMoELayer
 from llmpar.runtime.expert_block import ExpertParallelConfig
+from llmpar.zero.experts import ETP_LAYOUT
 
 logger = logging.getLogger("llmpar")
 
@@ -59,6 +68,8 @@ class MoEState:
     ep: int = 1
     ep_group: Any = None
     edp_group: Any = None
+    etp: int = 1  # the expert-tensor-parallel degree of the layers (1: experts whole)
+    etp_group: Any = None  # the layers' etp group: this rank's tensor-parallel ranks
     add_aux_loss: bool = True
     aux_loss: torch.Tensor | None = None  # the last training forward's weighted aux losses, summed over layers
     tokens: list[torch.Tensor] = dataclasses.field(default_factory=list)  # per layer: [E] since the last log line
@@ -170,22 +181,62 @@ def _legacy_groups(model: nn.Module, mesh: Any, zero_group: Group) -> tuple[int,
     return ep, ep_group, edp_group
 
 
+def _expert_tp(layers: list[tuple[str, MoEBlock]], mesh: Any) -> tuple[int, Any]:
+    """``(etp, etp group)`` of the layers' experts ((1, None) when whole). Layers split over an etp group
+    (``MoEBlock(etp_group=...)``) must all be, over the engine's tensor-parallel ranks (the ranks holding the same
+    tokens: ``mesh["tp"]`` of size etp), else a ValueError naming the layer. Tags each shard with its packed layout
+    (``llmpar.zero.experts.ETP_LAYOUT``) for ``consolidated_state_dict``'s merge."""
+    sizes = {name: getattr(b, "etp_size", 1) for name, b in layers}
+    etp = max(sizes.values(), default=1)
+    if etp == 1:
+        return 1, None
+    whole = [n or type(b).__name__ for n, b in layers if sizes[n] != etp]
+    split = next(n or type(b).__name__ for n, b in layers if sizes[n] == etp)
+    if whole:
+        raise ValueError(
+            f"MoE layer {split} splits its experts over an expert-tensor-parallel group of {etp} ranks but "
+            f"{whole[0]} over {sizes[whole[0]]}: build every MoE layer with the same etp_group"
+        )
+    names = getattr(mesh, "mesh_dim_names", None) or ()
+    tp_ranks = sorted(dist.get_process_group_ranks(mesh["tp"].get_group())) if "tp" in names else [dist.get_rank()]
+    hint = (
+        f"llmpar.initialize runs the etp ranks as its tensor-parallel ranks (they pass the same tokens): pass "
+        f"mesh=llmpar.init_distributed(tp={etp}).mesh and build the layers over "
+        f"llmpar.moe.expert_parallel_groups(ep, etp={etp}).etp_group"
+    )
+    if len(tp_ranks) != etp:
+        raise ValueError(
+            f"MoE layer {split} splits its experts over an expert-tensor-parallel group of {etp} ranks but the "
+            f"engine's tensor-parallel group has {len(tp_ranks)}: {hint}"
+        )
+    group = None
+    for name, b in layers:
+        group = b.experts.etp_group.get()  # type: ignore[union-attr]
+        have = sorted(dist.get_process_group_ranks(group))
+        if have != tp_ranks:
+            raise ValueError(
+                f"MoE layer {name or type(b).__name__} splits its experts over ranks {have}, but this rank's "
+                f"tensor-parallel ranks are {tp_ranks}: {hint}"
+            )
+        setattr(b.experts.gate_up_proj, ETP_LAYOUT, "gate_up")
+        setattr(b.experts.down_proj, ETP_LAYOUT, "down")
+    return etp, group
+
+
 def setup_experts(model: nn.Module, cfg: ExpertParallelConfig, mesh: Any, zero_group: Group) -> MoEState | None:
     """Find the MoE layers, build the ep / edp groups and spread the layers (module docstring); None without MoE
     layers. Refused on every rank alike (the checks only read the config and the layers)."""
     if cfg.enabled and (swapped := swap_moe_blocks(model)):
         logger.info("expert_parallel: %d transformers MoE blocks run as llmpar MoE blocks", swapped)
     layers = moe_layers(model)
-    for name, b in layers:  # the same on every rank: the layers are built alike
-        if getattr(b, "etp_size", 1) > 1:
-            raise ValueError(
-                f"MoE layer {name or type(b).__name__} splits its experts over an expert-tensor-parallel group of "
-                f"{b.etp_size} ranks: "
-                "llmpar.initialize does not reduce, shard or clip such experts (the layer alone supports them); "
-                "build it with etp_group=None"
-            )
+    etp, etp_group = _expert_tp(layers, mesh)
     legacy = _legacy_groups(model, mesh, zero_group)
     if legacy is not None:
+        if etp > 1:
+            raise ValueError(
+                "llmpar.moe.MoEBlock layers split over an expert-tensor-parallel group beside llmpar.moe.layer.MoE "
+                "layers: not supported in one engine; build the model with one kind"
+            )
         ep, ep_group, edp_group = legacy
         if cfg.enabled and cfg.ep != ep:
             raise ValueError(
@@ -219,8 +270,10 @@ def setup_experts(model: nn.Module, cfg: ExpertParallelConfig, mesh: Any, zero_g
                 f"MoE layer {name}: num_experts={b.num_experts} is not divisible by ep={ep} "
                 '("expert_parallel.autoep_size")'
             )
-    state = MoEState(layers=layers, ep=ep, add_aux_loss=cfg.add_aux_loss)
+    state = MoEState(layers=layers, ep=ep, etp=etp, etp_group=etp_group, add_aux_loss=cfg.add_aux_loss)
     if ep == 1:
+        if etp > 1:  # the expert shards: their own optimizer over the dp ranks (each holds this etp rank's shard)
+            state.edp_group = zero_group
         return state
     if group_size(zero_group) % ep:
         what = f'"expert_parallel.autoep_size"={ep}' if cfg.enabled else f"the MoE layers' ep={ep}"

@@ -13,6 +13,11 @@ state precision), built and driven by the first:
 - clipping: one global norm, ``sqrt(|g_dense|^2 + sum_ep |g_experts|^2)``: the dense part summed over dp (tp, pp as
   usual), the expert part over edp (each holder's partition once), then over ep (each expert slice once); experts
   replicated over tp are not summed over tp. Both steps use the same coefficient and skip together;
+- expert tensor parallelism (``llmpar.moe.expert_tp``: each expert's intermediate dimension split over an etp group,
+  ``etp_group=``): the ranks holding the same shard are the edp ranks of one etp coordinate, so the reduction above is
+  already over them only; the expert part of the norm is then also summed over etp (each distinct shard once), the
+  router and shared experts (replicated over etp) stay in the dense part, counted once. :func:`merge_etp` rejoins a
+  packed shard into the whole experts (``consolidated_state_dict``);
 - a rank whose experts received no tokens still runs the experts (on zero rows): their zero grads are reduced and
   every collective of both optimizers runs on every rank.
 
@@ -27,7 +32,7 @@ from typing import Any
 
 import torch
 
-from llmpar.distributed.collectives import CommCounter, GroupRef, all_reduce, group_size
+from llmpar.distributed.collectives import CommCounter, GroupRef, all_gather_flat, all_reduce, group_size
 from llmpar.zero.config import _GROUP_KEYS
 
 EXPERT_ATTR = "expert_parallel"
@@ -96,14 +101,40 @@ def check_expert_groups(dp_group: Any, expert_group: Any, ep_group: Any) -> None
 
 
 def joint_norm(
-    dense: torch.Tensor, experts: torch.Tensor, ep_group: GroupRef | None, counter: CommCounter | None
+    dense: torch.Tensor,
+    experts: torch.Tensor,
+    ep_group: GroupRef | None,
+    counter: CommCounter | None,
+    etp_group: GroupRef | None = None,
 ) -> torch.Tensor:
-    """``sqrt(dense^2 + sum over ep of experts^2)``, float64 0-d on every rank: ``dense`` the dense params' global
-    norm, ``experts`` the norm of this ep rank's experts (already summed over edp). A collective over ``ep_group``."""
+    """``sqrt(dense^2 + sum over ep x etp of experts^2)``, float64 0-d on every rank: ``dense`` the dense params'
+    global norm, ``experts`` the norm of this rank's expert shards (already summed over edp). A collective over
+    ``ep_group`` and ``etp_group`` (each distinct expert shard once)."""
     sq = (experts.double() ** 2).reshape(1).to(dense.device)
-    if ep_group is not None and group_size(ep_group) > 1:
-        all_reduce(sq, ep_group, counter=counter)
+    for group in (ep_group, etp_group):
+        if group is not None and group_size(group) > 1:
+            all_reduce(sq, group, counter=counter)
     return (dense.double() ** 2 + sq[0]).sqrt()
+
+
+ETP_LAYOUT = "etp_layout"  # "gate_up" / "down" on packed expert shards split over an etp group
+
+
+def merge_etp(value: torch.Tensor, layout: str, etp_group: Any) -> torch.Tensor:
+    """The whole packed experts from this rank's shard, all-gathered over ``etp_group`` (a collective over it):
+    ``layout`` "gate_up": shards ``[E, 2I/etp, H]``, each its gate rows then its up rows -> ``[E, 2I, H]`` (every
+    rank's gate rows in etp order, then the up rows); "down": ``[E, H, I/etp]`` -> ``[E, H, I]`` (``llmpar.moe.
+    expert_tp.merge_intermediate``)."""
+    etp = group_size(etp_group)
+    flat = value.new_empty((etp * value.numel(),))
+    all_gather_flat(flat, value.contiguous().reshape(-1), etp_group)
+    parts = list(flat.view(etp, *value.shape).unbind(0))
+    if layout == "down":
+        return torch.cat(parts, dim=-1)
+    if layout != "gate_up":
+        raise ValueError(f"etp_layout={layout!r} is not one of gate_up, down")
+    n = value.shape[-2] // 2
+    return torch.cat([t[..., :n, :] for t in parts] + [t[..., n:, :] for t in parts], dim=-2)
 
 
 def sync_hyperparameters(dense: Any, experts: Any) -> None:
@@ -115,11 +146,13 @@ def sync_hyperparameters(dense: Any, experts: Any) -> None:
 
 
 __all__ = [
+    "ETP_LAYOUT",
     "EXPERT_ATTR",
     "check_expert_groups",
     "expert_ep_size",
     "is_expert",
     "joint_norm",
+    "merge_etp",
     "refuse_spread_experts",
     "split_expert_groups",
     "sync_hyperparameters",

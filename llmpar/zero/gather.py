@@ -18,6 +18,7 @@ from typing import Iterator
 import torch
 
 from llmpar.distributed.collectives import all_gather_flat, broadcast, group_rank, group_size
+from llmpar.zero.experts import ETP_LAYOUT, merge_etp
 
 
 def _as_list(params: torch.Tensor | Iterable[torch.Tensor] | None) -> list[torch.Tensor] | None:
@@ -78,7 +79,9 @@ def consolidated_state_dict(module: torch.nn.Module, optimizer: "object", *, ran
     more than one gathered unit beyond its shards. ``rank0_only``: other dp ranks return {}. Experts spread over
     expert-parallel ranks (``optimizer.experts``) are all-gathered over ep: each packed expert tensor whole, the ep
     ranks' rows in order (global expert ids ``[0, E)``); a param holding one expert (``p.expert_index = (list
-    name, local index i, experts per rank n)``: DeepSpeed's layer) is written under ep rank j's global index j n + i."""
+    name, local index i, experts per rank n)``: DeepSpeed's layer) is written under ep rank j's global index j n + i.
+    Experts split over an expert-tensor-parallel group (``optimizer.etp_group``) are then merged over it
+    (``experts.merge_etp``): every tensor under its global name has the whole model's shape."""
     from llmpar.zero.optimizer import ZeroOptimizer
 
     if not isinstance(optimizer, ZeroOptimizer):
@@ -93,6 +96,7 @@ def consolidated_state_dict(module: torch.nn.Module, optimizer: "object", *, ran
     experts = optimizer.experts
     spread = set() if experts is None else {id(p) for b in experts.buffers for p in b.params}
     ep_group = optimizer.ep_group if experts is not None else None
+    etp_group = optimizer.etp_group if experts is not None else None
 
     def take(p: torch.Tensor) -> None:
         value = p.detach()
@@ -108,6 +112,8 @@ def consolidated_state_dict(module: torch.nn.Module, optimizer: "object", *, ran
                         out[n.replace(f".{seg}.{i}.", f".{seg}.{j * n_local + i}.")] = parts[j].to("cpu", copy=True)
                 return
             value = whole.view(group_size(ep_group) * value.shape[0], *value.shape[1:])
+        if id(p) in spread and etp_group is not None and getattr(p, ETP_LAYOUT, None) is not None:
+            value = merge_etp(value, getattr(p, ETP_LAYOUT), etp_group)  # the etp shards rejoined: whole experts
         if keep:
             value = value.to("cpu", copy=True)
             for n in names.get(id(p), []):

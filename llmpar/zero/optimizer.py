@@ -66,8 +66,10 @@ class ZeroOptimizer(ZeroStep, StepStatsView, ZeroCheckpointing, OptimizerStateDi
     (:meth:`ZeroConfig.resolve`). ``expert_group=`` / ``ep_group=``: the expert-data-parallel and expert-parallel
     groups; params tagged ``expert_parallel`` then go to ``self.experts``, a ZeroOptimizer over ``expert_group``
     driven by this one (``experts.py``; ``experts_only=True`` marks that one: its ``dp_group`` is the
-    expert-data-parallel group). Without ``expert_group`` params holding experts spread over ep > 1 ranks are
-    refused. ``state_dict()`` / ``load_state_dict()`` / ``destroy()``: ``state_dict.py``."""
+    expert-data-parallel group); ``etp_group=``: the expert-tensor-parallel group of experts split along their
+    intermediate dimension (their norm summed over it; ``consolidated_state_dict`` merges them). Without
+    ``expert_group`` params holding experts spread over ep > 1 ranks are refused. ``state_dict()`` /
+    ``load_state_dict()`` / ``destroy()``: ``state_dict.py``."""
 
     def __init__(
         self,
@@ -91,6 +93,7 @@ class ZeroOptimizer(ZeroStep, StepStatsView, ZeroCheckpointing, OptimizerStateDi
         ranks_per_node: int | None = None,
         expert_group: Group | None = None,
         ep_group: Group | None = None,
+        etp_group: Group | None = None,
         experts_only: bool = False,
     ) -> None:
         cfg = optimizer_config if optimizer_config is not None else OptimizerConfig()
@@ -204,6 +207,7 @@ class ZeroOptimizer(ZeroStep, StepStatsView, ZeroCheckpointing, OptimizerStateDi
                 )
             self.deferred_gather = DeferredGather(self, module)
         self.ep_group = GroupRef(ep_group) if ep_group is not None else None
+        self.etp_group = GroupRef(etp_group) if etp_group is not None and expert_groups else None
         self.experts: ZeroOptimizer | None = None
         if expert_groups:
             self.experts = ZeroOptimizer(
@@ -258,6 +262,18 @@ class ZeroOptimizer(ZeroStep, StepStatsView, ZeroCheckpointing, OptimizerStateDi
             what="the data-parallel ranks hold different models or ZeRO stages",
             hint="same params, dtypes and stage on every dp rank",
         )
+
+    def checkpoint_experts(self) -> Any:
+        """As ``ZeroCheckpointing``'s; refused for experts split over an etp group: llmpar's checkpoint writes each
+        rank's expert rows under the global names and ranges, which shards of the intermediate dimension are not."""
+        if self.etp_group is not None and group_size(self.etp_group) > 1:
+            raise ValueError(
+                f"save_checkpoint / load_checkpoint: the experts are split over an expert-tensor-parallel group of "
+                f"{group_size(self.etp_group)} ranks (MoEBlock(etp_group=...)): llmpar's checkpoint format does not "
+                "hold such shards yet; save the whole weights with engine.save_16bit_model() / module_state_dict() "
+                "(the shards merged), or train with etp_group=None"
+            )
+        return super().checkpoint_experts()
 
     # ---------------------------------------------------------------- reports
     def memory_bytes(self) -> dict[str, int]:

@@ -64,6 +64,7 @@ class ZeroStep:
     # group: None until ZeroOptimizer.__init__ sets them (a meta-built model's materialize_sharded steps in before)
     experts: "ZeroStep | None" = None
     ep_group: GroupRef | None = None
+    etp_group: GroupRef | None = None  # expert tensor parallelism: the expert norm is summed over it too
 
     if TYPE_CHECKING:
 
@@ -152,7 +153,7 @@ class ZeroStep:
         experts = self.experts
         if experts is not None:  # expert params: their own optimizer over the expert-data-parallel ranks
             experts._finish_reduction()
-            norm = joint_norm(norm, experts._global_norm(), self.ep_group, self.counter)
+            norm = joint_norm(norm, experts._global_norm(), self.ep_group, self.counter, self.etp_group)
         # the norm of the grads / loss scale; the clip coefficient with 1/scale folded in; found-inf skips the step
         norm, gscale, gscale64, found_inf = unscale_and_clip(norm, self.max_grad_norm, self.loss_scaler)
         self._apply_step(gscale, gscale64, found_inf)
