@@ -165,7 +165,7 @@ def snapshot(engine: Checkpointable, *, copy: bool) -> tuple[dict | None, dict |
             gname, off = where[name].name, where[name].offset
             pieces.append([gname, a + off, z + off, at, units[name]])
         out_bufs.append({**entry, "pieces": pieces})
-    owner = list(getattr(engine.optimizer, "_expert_owner", None) or [])  # expert group -> its dense group
+    owner = list(getattr(engine.optimizer, "expert_group_owner", ()))  # expert group -> its dense group
     group = {
         s["name"]: owner[b["group"]] if b.get("group", 0) < len(owner) else int(b.get("group", 0))
         for b in xopt.checkpoint_layout()

@@ -140,7 +140,7 @@ def merge_etp(value: torch.Tensor, layout: str, etp_group: Any) -> torch.Tensor:
 def sync_hyperparameters(dense: Any, experts: Any) -> None:
     """Copy each param group's hyper-parameters (lr, betas, eps, weight decay) from the dense optimizer to the
     expert one (a scheduler changes the dense optimizer's groups)."""
-    for eg, gi in zip(experts.param_groups, dense._expert_owner):
+    for eg, gi in zip(experts.param_groups, dense.expert_group_owner):
         for k in _GROUP_KEYS:
             eg[k] = dense.param_groups[gi][k]
 

@@ -275,6 +275,12 @@ class ZeroOptimizer(ZeroStep, StepStatsView, ZeroCheckpointing, OptimizerStateDi
             )
         return super().checkpoint_experts()
 
+    @property
+    def expert_group_owner(self) -> tuple[int, ...]:
+        """For each expert param group (the experts' optimizer over edp), the index of the dense param group it was
+        split from, whose hyper-parameters it follows; empty without experts."""
+        return tuple(getattr(self, "_expert_owner", ()))
+
     # ---------------------------------------------------------------- reports
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this rank holds persistently, by kind and by pool, measured from the tensors themselves
