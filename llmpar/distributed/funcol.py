@@ -15,6 +15,11 @@ Shapes (``size`` = group size):
   all_to_all_dim0:     ``x: [sum(in_splits), ...]`` -> ``[sum(out_splits), ...]``, rows ``in_splits[j]`` to group
                        rank j, ``out_splits[j]`` rows from it (``None``: equal splits). Differentiable through
                        :func:`all_to_all_autograd` (backward: the all-to-all with the splits swapped).
+  all_to_all_v:        the same with the splits as int tensors ``[size]`` (data, e.g. MoE token counts): one
+                       ``llmpar::all_to_all_v`` op that reads them on the host when it runs, so a graph holds it with
+                       no break and no specialisation on their values; its output's row count is an unbacked size
+                       (``new_dynamic_size``) unless the caller states it (``recv_rows``). Differentiable (backward:
+                       the same op with the splits swapped).
 """
 
 from __future__ import annotations
@@ -148,12 +153,72 @@ def all_to_all_autograd(
     return _AllToAll.apply(x, key, outs, ins)
 
 
+def _check_v(x: torch.Tensor, send_splits: torch.Tensor, recv_splits: torch.Tensor) -> None:
+    for name, t in (("send_splits", send_splits), ("recv_splits", recv_splits)):
+        if t.dim() != 1 or t.dtype != torch.int64:
+            raise ValueError(f"all_to_all_v: {name} must be a 1-D int64 tensor [group size], got {t.dtype} {t.shape}")
+    if send_splits.shape != recv_splits.shape or x.dim() < 1:
+        raise ValueError(
+            f"all_to_all_v: send_splits {tuple(send_splits.shape)} and recv_splits {tuple(recv_splits.shape)} must "
+            f"both be [group size], x {tuple(x.shape)} at least 1-D"
+        )
+
+
+@torch.library.custom_op("llmpar::all_to_all_v", mutates_args=())
+def _all_to_all_v(
+    x: torch.Tensor, send_splits: torch.Tensor, recv_splits: torch.Tensor, group_name: str, recv_rows: int | None
+) -> torch.Tensor:
+    """Eager impl: the splits read on the host (one device sync on a GPU), then the uneven all-to-all."""
+    from llmpar.distributed.exchange import all_to_all_uneven
+
+    _check_v(x, send_splits, recv_splits)
+    ins, outs = send_splits.tolist(), recv_splits.tolist()
+    if recv_rows is not None and sum(outs) != recv_rows:
+        raise ValueError(f"all_to_all_v: recv_splits {outs} sum to {sum(outs)}, the caller stated {recv_rows} rows")
+    out = x.new_empty((sum(outs), *x.shape[1:]))
+    pg = dist.distributed_c10d._resolve_process_group(group_name)  # type: ignore[arg-type]  # a registered name
+    all_to_all_uneven(out, x.contiguous(), outs, ins, pg, what=f"all_to_all_v ({sum(ins)} rows out, {sum(outs)} in)")
+    return out
+
+
+@_all_to_all_v.register_fake
+def _all_to_all_v_fake(x, send_splits, recv_splits, group_name, recv_rows):
+    _check_v(x, send_splits, recv_splits)
+    rows = recv_rows if recv_rows is not None else torch.library.get_ctx().new_dynamic_size()
+    return x.new_empty((rows, *x.shape[1:]))
+
+
+def _v_setup(ctx, inputs, output) -> None:
+    x, send_splits, recv_splits, group_name, _ = inputs
+    ctx.save_for_backward(send_splits, recv_splits)
+    ctx.group_name, ctx.rows = group_name, x.shape[0]
+
+
+def _v_backward(ctx, grad):
+    send_splits, recv_splits = ctx.saved_tensors
+    gx = torch.ops.llmpar.all_to_all_v(grad.contiguous(), recv_splits, send_splits, ctx.group_name, ctx.rows)
+    return gx, None, None, None, None
+
+
+_all_to_all_v.register_autograd(_v_backward, setup_context=_v_setup)
+
+
+def all_to_all_v(
+    x: torch.Tensor, key: GroupKey, send_splits: torch.Tensor, recv_splits: torch.Tensor, recv_rows: int | None = None
+) -> torch.Tensor:
+    """Uneven all-to-all with data splits: ``send_splits[j]`` rows of ``x: [sum(send_splits), ...]`` to group rank
+    j, ``recv_splits[j]`` rows from it -> ``[sum(recv_splits), ...]`` (int64 ``[size]`` tensors; ``recv_rows``: their
+    sum when the caller knows it, else an unbacked size under torch.compile). Differentiable in ``x``."""
+    return torch.ops.llmpar.all_to_all_v(x, send_splits, recv_splits, key.name, recv_rows)
+
+
 __all__ = [
     "GroupKey",
     "all_gather_dim0",
     "all_reduce",
     "all_to_all_autograd",
     "all_to_all_dim0",
+    "all_to_all_v",
     "group_key",
     "reduce_scatter_dim0",
 ]

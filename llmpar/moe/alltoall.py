@@ -108,10 +108,49 @@ def expert_major(C: list[list[int]]) -> torch.Tensor:
     return torch.repeat_interleave(starts.t().reshape(-1) - begins, lens, output_size=total) + torch.arange(total)
 
 
+def expert_major_traced(C: torch.Tensor, total: int) -> torch.Tensor:
+    """:func:`expert_major` from ``C: [ep, E_l]`` as a tensor (torch.compile: no host read; ``total`` = the received
+    rows, an unbacked size): each received row's block (s, e) found by a search over the blocks' ends, then a stable
+    sort by e (within an expert the rows stay source-major)."""
+    ends = torch.cumsum(C.reshape(-1), 0)
+    block = torch.searchsorted(ends, torch.arange(total, device=C.device), right=True)
+    return torch.sort(block % C.shape[1], stable=True).indices
+
+
+@torch.library.custom_op("llmpar::moe_exchange_splits", mutates_args=())
+def _exchange_splits(
+    sent: torch.Tensor, received: torch.Tensor, nonfinite: torch.Tensor, num_tokens: int, group_name: str
+) -> torch.Tensor:
+    """``[2, ep]`` int64: (rows sent to, rows received from) each ep rank, from the count tables of
+    :meth:`AllToAllDispatcher._exchange_counts` (``[ep, E_l + 2]`` each), after raising what the eager dispatch
+    raises when a rank's status is non-zero. Read on the host when the op runs, so a compiled dispatch holds it with
+    no graph break; the token exchange consumes its output, so the check is never pruned."""
+    el = sent.shape[1] - 2
+    host_sent, host_received = sent.tolist(), received.tolist()
+    failed = [(s, row[el]) for s, row in enumerate(host_received) if row[el]]
+    pg = torch.distributed.distributed_c10d._resolve_process_group(group_name)  # type: ignore[arg-type]
+    if host_sent[0][el]:
+        where = f" on expert-parallel rank {group_rank(pg)}"
+        raise ValueError(nonfinite_message(int(nonfinite), num_tokens, where))
+    if failed:
+        s, code = failed[0]
+        raise ValueError(
+            f"MoE dispatch stopped: expert-parallel rank {s} (global rank {global_rank(pg, s)}) "
+            f"failed: {STATUS_TEXT.get(code, f'status {code}')}; see that rank's error"
+        )
+    return torch.stack([sent[:, :el].sum(1), received[:, :el].sum(1)])
+
+
+@_exchange_splits.register_fake
+def _exchange_splits_fake(sent, received, nonfinite, num_tokens, group_name):
+    return sent.new_empty((2, sent.shape[0]))
+
+
 @torch.compiler.disable
 def _host_counts(dispatcher: "AllToAllDispatcher", counts, status, dropped):
-    """``dispatcher._exchange_counts``: the split sizes are data, read on the host. Under torch.compile this is the one
-    graph break of a dispatch (the token exchange, the permutations and the combine trace as graphs around it)."""
+    """``dispatcher._exchange_counts`` out of the graph: under torch.compile without
+    ``torch._dynamo.config.capture_dynamic_output_shape_ops`` (the received rows cannot be an unbacked size) the
+    split sizes are read on the host here, one graph break, and the graphs after it are specialised on the counts."""
     return dispatcher._exchange_counts(counts, status, dropped)
 
 
@@ -155,10 +194,35 @@ class AllToAllDispatcher:
         self._exchange_counts(None, 2)
         raise ValueError(message)
 
-    def dispatch(self, x: torch.Tensor, routing: Routing) -> "tuple[torch.Tensor, list[int], DispatchMeta]":
+    def dispatch(
+        self, x: torch.Tensor, routing: Routing
+    ) -> "tuple[torch.Tensor, list[int] | torch.Tensor, DispatchMeta]":
         return self.dispatch_async(x, routing).wait()
 
+    def _dispatch_traced(self, x: torch.Tensor, routing: Routing) -> PendingDispatch:
+        """The dispatch under torch.compile: the same steps with the counts kept as tensors (the count exchange a
+        functional all-to-all, the checks and the token exchange ``llmpar::`` ops that read them when they run), so
+        the graph has no break and does not depend on the routing; the received rows are an unbacked size."""
+        T, k = routing.indices.shape
+        ep, el = self.ep, self.num_local_experts
+        order, counts, dropped = plan_slots(routing, self.num_experts, self.capacity_factor)
+        status = (routing.nonfinite > 0).to(torch.int64)
+        key = funcol.group_key(self.group)
+        send = torch.cat([counts.view(ep, el), status.expand(ep, 1), dropped.to(torch.int64).expand(ep, 1)], dim=1)
+        recv = funcol.all_to_all_dim0(send, key)
+        splits = torch.ops.llmpar.moe_exchange_splits(send, recv, routing.nonfinite, T, key.name)
+        x_recv = funcol.all_to_all_v(gather_slots(x, order, k), key, splits[0], splits[1])
+        C = recv[:, :el]
+        perm = expert_major_traced(C, x_recv.shape[0]) if el > 1 else None
+        x_local = x_recv if perm is None else x_recv.index_select(0, perm)
+        stats = DispatchStats(sent=counts, received=C.sum(0), dropped=dropped)
+        extra = {"in_splits": splits[0], "out_splits": splits[1], "perm": perm, "key": key}
+        result = (x_local, C.sum(0), DispatchMeta(order, T, k, routing.weights, x.dtype, stats, extra))
+        return PendingDispatch(lambda: result)
+
     def dispatch_async(self, x: torch.Tensor, routing: Routing) -> PendingDispatch:
+        if torch.compiler.is_compiling() and torch._dynamo.config.capture_dynamic_output_shape_ops:
+            return self._dispatch_traced(x, routing)
         T, k = routing.indices.shape
         el = self.num_local_experts
         order, counts, dropped = plan_slots(routing, self.num_experts, self.capacity_factor)
@@ -175,7 +239,7 @@ class AllToAllDispatcher:
         x_recv, flight = exchange_rows(x_sorted, out_splits, in_splits, self.group, what)
         n_dropped = sent[0][el + 1]
 
-        def finish() -> "tuple[torch.Tensor, list[int], DispatchMeta]":
+        def finish() -> "tuple[torch.Tensor, list[int] | torch.Tensor, DispatchMeta]":
             flight.wait()
             perm = expert_major(C).to(x.device) if el > 1 else None
             x_local = x_recv if perm is None else x_recv.index_select(0, perm)
@@ -190,10 +254,13 @@ class AllToAllDispatcher:
         perm = meta.extra["perm"]
         y_src = y if perm is None else torch.empty_like(y).index_copy(0, perm, y)
         in_splits, out_splits = meta.extra["in_splits"], meta.extra["out_splits"]
+        if isinstance(in_splits, torch.Tensor):  # dispatched under torch.compile: the splits are tensors
+            y_back = funcol.all_to_all_v(y_src, meta.extra["key"], out_splits, in_splits, meta.order.shape[0])
+            return combine_slots(y_back, meta)
         what = f"MoE token combine ({sum(out_splits)} rows out, {sum(in_splits)} in)"
         y_back, flight = exchange_rows(y_src, in_splits, out_splits, self.group, what)
         flight.wait()
         return combine_slots(y_back, meta)
 
 
-__all__ = ["AllToAllDispatcher", "exchange_rows", "expert_major"]
+__all__ = ["AllToAllDispatcher", "exchange_rows", "expert_major", "expert_major_traced"]

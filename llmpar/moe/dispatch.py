@@ -40,6 +40,7 @@ from llmpar.moe.slots import (
     DispatchStats,
     PendingDispatch,
     check_capacity_factor,
+    checked_counts,
     combine_slots,
     gather_slots,
     nonfinite_message,
@@ -55,7 +56,9 @@ class Dispatcher(Protocol):
 
     def dispatch_async(self, x: torch.Tensor, routing: Routing) -> PendingDispatch: ...
 
-    def dispatch(self, x: torch.Tensor, routing: Routing) -> "tuple[torch.Tensor, list[int], DispatchMeta]": ...
+    def dispatch(
+        self, x: torch.Tensor, routing: Routing
+    ) -> "tuple[torch.Tensor, list[int] | torch.Tensor, DispatchMeta]": ...
 
     def combine(self, y: torch.Tensor, meta: DispatchMeta) -> torch.Tensor: ...
 
@@ -76,9 +79,15 @@ class LocalDispatcher:
         result = self.dispatch(x, routing)
         return PendingDispatch(lambda: result)
 
-    def dispatch(self, x: torch.Tensor, routing: Routing) -> "tuple[torch.Tensor, list[int], DispatchMeta]":
+    def dispatch(
+        self, x: torch.Tensor, routing: Routing
+    ) -> "tuple[torch.Tensor, list[int] | torch.Tensor, DispatchMeta]":
         T, k = routing.indices.shape
         order, counts, dropped = plan_slots(routing, self.num_experts, self.capacity_factor)
+        if torch.compiler.is_compiling():  # no host read: the counts stay a tensor (the grouped GEMM's offsets)
+            counts = checked_counts(counts, routing.nonfinite, T)
+            stats = DispatchStats(sent=counts, received=counts, dropped=dropped)
+            return gather_slots(x, order, k), counts, DispatchMeta(order, T, k, routing.weights, x.dtype, stats)
         host = torch.cat([counts, dropped.view(1), routing.nonfinite.view(1).to(counts.dtype)]).tolist()
         if host[-1]:
             raise ValueError(nonfinite_message(host[-1], T, ""))

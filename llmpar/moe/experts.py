@@ -49,6 +49,8 @@ def grouped_mlp(
 ) -> torch.Tensor:
     """SwiGLU experts over tokens sorted by expert: ``x_sorted: [N, H]`` (``counts[e]`` rows for local expert e, in
     order, ``sum(counts) = N``), ``gate_up: [E_local, 2I, H]``, ``down: [E_local, H, I]`` -> ``[N, H]``."""
+    if torch.compiler.is_compiling() and isinstance(counts, torch.Tensor):  # no host read (grouped_swiglu checks)
+        return grouped_swiglu(x_sorted, counts, gate_up, down, impl=impl)
     sizes = counts_list(counts)
     E, two_i, H = gate_up.shape
     if len(sizes) != E or any(c < 0 for c in sizes):

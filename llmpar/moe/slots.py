@@ -25,11 +25,12 @@ STATUS_TEXT = {1: "its router produced non-finite logits (NaN or inf)", 2: "its 
 @dataclass
 class DispatchStats:
     """What one dispatch moved, for logs. ``sent``: this rank's kept slots per global expert ``[E]``; ``received``:
-    rows per local expert after the exchange; ``dropped``: slots over capacity (0 when dropless)."""
+    rows per local expert after the exchange; ``dropped``: slots over capacity (0 when dropless). Under torch.compile
+    int64 tensors (``[E]``, ``[E_local]``, ``[]``): a compiled dispatch reads nothing on the host."""
 
-    sent: list[int]
-    received: list[int]
-    dropped: int
+    sent: list[int] | torch.Tensor
+    received: list[int] | torch.Tensor
+    dropped: int | torch.Tensor
 
 
 @dataclass
@@ -48,11 +49,11 @@ class DispatchMeta:
 class PendingDispatch:
     """A dispatch whose token exchange may still be in flight; :meth:`wait` finishes it (once)."""
 
-    def __init__(self, finish: Callable[[], "tuple[torch.Tensor, list[int], DispatchMeta]"]) -> None:
-        self._finish: Callable[[], tuple[torch.Tensor, list[int], DispatchMeta]] | None = finish
-        self._result: tuple[torch.Tensor, list[int], DispatchMeta] | None = None
+    def __init__(self, finish: Callable[[], "tuple[torch.Tensor, list[int] | torch.Tensor, DispatchMeta]"]) -> None:
+        self._finish: Callable[[], tuple[torch.Tensor, list[int] | torch.Tensor, DispatchMeta]] | None = finish
+        self._result: tuple[torch.Tensor, list[int] | torch.Tensor, DispatchMeta] | None = None
 
-    def wait(self) -> "tuple[torch.Tensor, list[int], DispatchMeta]":
+    def wait(self) -> "tuple[torch.Tensor, list[int] | torch.Tensor, DispatchMeta]":
         if self._finish is not None:
             self._result, self._finish = self._finish(), None
         assert self._result is not None
@@ -113,6 +114,27 @@ def nonfinite_message(nonfinite: int, num_tokens: int, where: str) -> str:
     )
 
 
+@torch.library.custom_op("llmpar::moe_checked_counts", mutates_args=())
+def _checked_counts(counts: torch.Tensor, nonfinite: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """A copy of ``counts``, after raising the non-finite routing's ValueError when ``nonfinite > 0`` (read on the
+    host when the op runs): a compiled dispatch checks its routing without a graph break, and as the expert
+    computation consumes the copy the check cannot be pruned from the graph."""
+    bad = int(nonfinite)
+    if bad:
+        raise ValueError(nonfinite_message(bad, num_tokens, ""))
+    return counts.clone()
+
+
+@_checked_counts.register_fake
+def _checked_counts_fake(counts, nonfinite, num_tokens):
+    return torch.empty_like(counts)
+
+
+def checked_counts(counts: torch.Tensor, nonfinite: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """``counts`` once the routing's non-finite count is checked (``llmpar::moe_checked_counts``; see there)."""
+    return torch.ops.llmpar.moe_checked_counts(counts, nonfinite, num_tokens)
+
+
 def gather_slots(x: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tensor:
     """The rows of the kept slots, sorted: ``x: [T, H]`` -> ``[N_kept, H]`` with row i = ``x[order[i] // top_k]``;
     backward: each token's gradient is the sum over its k slots in slot order (deterministic on every device).
@@ -135,6 +157,7 @@ __all__ = [
     "PendingDispatch",
     "capacity",
     "check_capacity_factor",
+    "checked_counts",
     "combine_slots",
     "gather_slots",
     "nonfinite_message",

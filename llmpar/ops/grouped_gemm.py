@@ -20,9 +20,10 @@ no kernel) and impls for every device that pick a backend per call (``grouped_ge
     llmpar::grouped_mm_wgrad(a, b, offs) -> [E, P, Q]             out[e] = a[rows_e]^T b[rows_e]
 
 :func:`grouped_mm` checks the arguments (counts / offsets included: ``offs`` given as a tensor is read on the host,
-one device sync on a GPU; pass ``counts`` from the host to avoid it) and calls the op: under torch.compile through
-the dispatcher (traced as llmpar::grouped_mm), in eager mode through an autograd Function running the same impls and
-backward without the dispatcher's round trips.
+one device sync on a GPU; pass ``counts`` from the host to avoid it; under torch.compile a counts / offs tensor is
+not read: its offsets stay in the graph, so a routing change recompiles nothing) and calls the op: under
+torch.compile through the dispatcher (traced as llmpar::grouped_mm), in eager mode through an autograd Function
+running the same impls and backward without the dispatcher's round trips.
 """
 
 from __future__ import annotations
@@ -86,6 +87,8 @@ def group_offsets(
     if (offs is None) == (counts is None):
         raise TypeError("grouped_mm: pass exactly one of offs (cumulative row ends) and counts (rows per group)")
     rows = x.shape[0]
+    if torch.compiler.is_compiling() and isinstance(offs if counts is None else counts, torch.Tensor):
+        return _traced_offsets(x, e_count, offs, counts)
     if counts is not None:
         if isinstance(counts, torch.Tensor):
             if counts.dim() != 1 or counts.is_floating_point() or counts.dtype == torch.bool:
@@ -115,6 +118,21 @@ def group_offsets(
         raise ValueError(f"grouped_mm: offs must be a vector of E={e_count} row ends, got shape {tuple(offs.shape)}")
     _check_ends(offs.tolist(), rows, "offs")
     return offs.to(device=x.device, dtype=torch.int32)
+
+
+def _traced_offsets(
+    x: torch.Tensor, e_count: int, offs: torch.Tensor | None, counts: torch.Tensor | None
+) -> torch.Tensor:
+    """Under torch.compile, offsets from a counts / offs tensor with no read of its values (a host read would break
+    the graph, or specialise it on the routing): the shape and dtype are checked here, the values are the caller's
+    (a dispatcher's counts sum to the rows it sorted)."""
+    t = offs if counts is None else counts
+    assert t is not None
+    if t.dim() != 1 or t.shape[0] != e_count or t.is_floating_point() or t.dtype == torch.bool:
+        what = "counts" if offs is None else "offs"
+        raise ValueError(f"grouped_mm: {what} must be an integer vector of E={e_count}, got {t.dtype} {tuple(t.shape)}")
+    ends = t if counts is None else torch.cumsum(t, 0)
+    return ends.to(device=x.device, dtype=torch.int32)
 
 
 # ------------------------------------------------------------------------------------------------------------ ops
