@@ -13,6 +13,7 @@ at ZeRO-1 and 3, follows one process (gradient clipping binding: each expert cou
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -20,9 +21,14 @@ import torch
 import torch.distributed as dist
 
 import llmpar
+from llmpar.checkpoint import CheckpointError, metacheck
+from llmpar.checkpoint.consolidate import consolidated_state_dict as consolidate_checkpoint
+from llmpar.checkpoint.plan import stored_names
+from llmpar.checkpoint.reshard import CheckpointReader
 from llmpar.models import GPT, GPTConfig
 from llmpar.models.gpt import lm_loss
 from llmpar.moe import MoEBlock, RouterConfig, expert_parallel_groups, merge_intermediate, shard_intermediate
+from llmpar.moe.expert_tp import merge_packed, shard_packed
 from llmpar.moe.experts import grouped_mlp
 from llmpar.runtime.build_pipeline_engine import _prepare_experts
 from llmpar.runtime.config import Blocks
@@ -54,6 +60,11 @@ def test_shards_merge_back_and_their_partial_outputs_sum_to_the_expert():
         assert shards[1][0].shape == (3, 2 * INTER // etp, H) and shards[1][1].shape == (3, H, INTER // etp)
         merged = merge_intermediate([g for g, _ in shards], [d for _, d in shards])
         assert torch.equal(merged[0], gate_up) and torch.equal(merged[1], down)
+        for t, (g, d) in enumerate(shards):  # one tensor at a time, as the checkpoint reads and cuts them
+            assert torch.equal(shard_packed(gate_up, "gate_up", etp, t), g)
+            assert torch.equal(shard_packed(down, "down", etp, t), d)
+        assert torch.equal(merge_packed([g for g, _ in shards], "gate_up"), gate_up)
+        assert torch.equal(merge_packed([d for _, d in shards], "down"), down)
         partial = sum(grouped_mlp(x, counts, g, d, impl="loop") for g, d in shards)
         torch.testing.assert_close(partial, whole, rtol=1e-12, atol=1e-12)
     with pytest.raises(
@@ -214,13 +225,13 @@ GPT_CFG = dict(vocab_size=61, n_layer=2, n_head=4, d_model=16, seq_len=16, bias=
 STEPS, LR, CLIP, MICRO, T = 2, 2e-2, 0.5, 2, 9
 
 
-def _moe_gpt(**groups) -> GPT:
+def _moe_gpt(inter: int = 12, **groups) -> GPT:
     """llmpar's GPT with each block's MLP a dropless top-2 MoEBlock (4 experts, router weights not small);
     ``groups``: the layers' ``ep_group`` / ``etp_group`` (the same weights: each rank keeps its slice of the draw)."""
     model = GPT(GPTConfig(**GPT_CFG), seed=3)
     torch.manual_seed(4)
     for block in model.blocks:
-        block.mlp = MoEBlock(GPT_CFG["d_model"], 12, 4, 2, init_std=0.1, **groups)
+        block.mlp = MoEBlock(GPT_CFG["d_model"], inter, 4, 2, init_std=0.1, **groups)
         with torch.no_grad():
             block.mlp.router.weight.normal_(0.0, 0.5)
     return model
@@ -243,8 +254,15 @@ def test_expert_parallel_with_tensor_parallel_attention_follows_one_process():
     ranks (``MoEBlock(etp_group=...)`` from ``expert_parallel_groups``): ep=2 x etp=2 at ZeRO-1, 2 and 3, and ep=1 x
     etp=2 at ZeRO-2 (each shard reduced over the edp=2 dp ranks holding it): losses, the clipping norm (each shard
     counted once: the reference's norm, not one short of the other etp rank's shards) and the experts merged whole
-    under their global names by module_state_dict; llmpar's save_checkpoint refuses such shards on every rank.
-    Clipping binds (norm ~1.2 > 0.5)."""
+    under their global names by module_state_dict. Clipping binds (norm ~1.2 > 0.5).
+
+    llmpar's own checkpoints of such shards, layout-free: ep=2 x etp=1 (ZeRO-1) and ep=2 x etp=2 (ZeRO-1) save after
+    their steps and take one more (the uninterrupted run); the etp=2 one is loaded by the ZeRO-3 ep=2 x etp=1 case
+    (etp 2 -> 1) and the etp=1 one by the ZeRO-2 ep=1 x etp=2 case (etp 1 -> 2, ep 2 -> 1), each after its own
+    checks: the checkpoint holds the experts whole under their global names (``consolidate`` reads the trained
+    weights bitwise), the loaded engine re-saves params, fp32 masters and Adam moments bitwise equal to the saved ones,
+    and its next loss equals the uninterrupted run's to 1e-6. A model whose experts are narrower (intermediate 8, not
+    12) is refused naming the param on every rank."""
     dp = 2
     ref = _moe_gpt()
     opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.0)
@@ -260,7 +278,11 @@ def test_expert_parallel_with_tensor_parallel_attention_follows_one_process():
         opt.zero_grad()
         want_losses.append(total)
     want = {n: p.detach() for n, p in ref.named_parameters()}
-    cases = [(stage, None) for stage in (1, 3)] + [(stage, (2, 2)) for stage in (1, 2, 3)] + [(2, (1, 2))]
+    cases = [(1, None)] + [(stage, (2, 2)) for stage in (1, 2, 3)] + [(3, None), (2, (1, 2))]
+    root = os.path.join(tempfile.gettempdir(), f"llmpar_etp_ckpt_{os.environ['MASTER_PORT']}")
+    saved_as = {(1, None): "etp1", (1, (2, 2)): "etp2"}  # cases that save, and the tag
+    loads = {(3, None): "etp2", (2, (1, 2)): "etp1"}  # cases that load another layout's checkpoint afterwards
+    after: dict[str, float] = {}  # tag -> the uninterrupted run's next loss
     for stage, ep_etp in cases:
         where = f"stage {stage}, (ep, etp)={ep_etp}"
         kw = {}
@@ -303,11 +325,16 @@ def test_expert_parallel_with_tensor_parallel_attention_follows_one_process():
             for k in (k for k in want if ".mlp.experts." in k):
                 assert got[k].shape == want[k].shape, (where, k, got[k].shape)
                 assert engine.dp_rank != 0 or torch.equal(full[k], got[k]), (where, k)
-            path = os.path.join(tempfile.gettempdir(), f"llmpar_etp_ckpt_{os.environ['MASTER_PORT']}")
-            _raises_everywhere(  # llmpar's format would write the shards as rows of the global experts: refused
-                lambda: engine.save_checkpoint(path),
-                "save_checkpoint / load_checkpoint: the experts are split over an expert-tensor-parallel group of 2",
-            )
+        if (stage, ep_etp) in saved_as:
+            tag = saved_as[stage, ep_etp]
+            engine.save_checkpoint(root, tag=tag)
+            if dist.get_rank() == 0:  # the experts whole under their global names, as trained
+                whole = consolidate_checkpoint(os.path.join(root, tag), dtype=None)
+                for k in (k for k in want if ".mlp.experts." in k):
+                    assert torch.equal(whole[k], got[k]), (where, k, whole[k].shape)
+            after[tag] = _next_loss(engine)
+        if (stage, ep_etp) in loads:
+            _load_elsewhere(engine, root, loads[stage, ep_etp], after[loads[stage, ep_etp]], where)
         engine.destroy()
         errs = {"loss": max(abs(a - b) for a, b in zip(losses, want_losses))}
         errs["grad norm (rel)"] = max(abs(a / b - 1) for a, b in zip(norms, want_norms))  # each shard once
@@ -321,3 +348,53 @@ def test_expert_parallel_with_tensor_parallel_attention_follows_one_process():
             pair = [torch.empty_like(got[k]) for _ in range(2)]
             dist.all_gather(pair, got[k].contiguous(), group=tp_group)
             assert torch.equal(pair[0], pair[1]), k
+    _narrow_experts_refused(root)
+    dist.barrier()
+    shutil.rmtree(root, ignore_errors=True) if dist.get_rank() == 0 else None
+
+
+def _next_loss(engine) -> float:
+    """Step ``STEPS`` of the GPT run on ``engine``: the dp-mean loss."""
+    idx, targets = _gpt_batch(STEPS, engine.dp_rank)
+    loss = lm_loss(engine(idx), targets)
+    engine.backward(loss)
+    engine.step()
+    total = loss.detach().double()
+    dist.all_reduce(total, group=engine.mesh["dp"].get_group())
+    return total.item() / 2
+
+
+def _whole(path: str) -> dict[tuple[str, str], torch.Tensor]:
+    """{(expert param, state): the whole tensor} of checkpoint ``path``, read by global name."""
+    reader = CheckpointReader(path, meta := metacheck.read(path))
+    names = [n for n in stored_names(meta) if ".mlp.experts." in n and reader.holds(n)]
+    keys = ("params", "master", "exp_avg", "exp_avg_sq")  # fp32 training: no "master" (the params are)
+    return {(n, k): reader.full(n, k).clone() for n in names for k in keys if reader.has(n, k)}
+
+
+def _load_elsewhere(engine, root: str, tag: str, want_loss: float, where: str) -> None:
+    """Load checkpoint ``tag`` (another etp / ep / stage) into ``engine``, re-save it: every expert param and state
+    bitwise; the next loss the uninterrupted run's to 1e-6."""
+    engine.load_checkpoint(root, tag=tag)
+    engine.save_checkpoint(root, tag=f"{tag}-again")
+    if dist.get_rank() == 0:
+        saved, again = _whole(os.path.join(root, tag)), _whole(os.path.join(root, f"{tag}-again"))
+        assert len(saved) == 4 * 3 and saved.keys() == again.keys(), (where, sorted(saved), sorted(again))
+        assert saved["blocks.0.mlp.experts.gate_up_proj", "params"].shape == (4, 24, GPT_CFG["d_model"])
+        bad = [k for k in saved if not torch.equal(saved[k], again[k])]
+        assert not bad, (where, tag, bad)
+    loss = _next_loss(engine)
+    assert abs(loss - want_loss) <= 1e-6, (where, tag, loss, want_loss)
+
+
+def _narrow_experts_refused(root: str) -> None:
+    """A checkpoint of experts 12 wide loaded into experts 8 wide (etp=2): refused naming the param everywhere."""
+    groups = expert_parallel_groups(2, 2)
+    model = _moe_gpt(ep_group=groups.ep_group, etp_group=groups.etp_group, inter=8)
+    mesh = llmpar.init_distributed(tp=2).mesh
+    parallelize(model, mesh["tp"], plan={k: v for k, v in GPT_PLAN.items() if not k.startswith("mlp.")})
+    config = {"train_micro_batch_size_per_gpu": MICRO, "optimizer": {"type": "AdamW", "params": {"lr": LR}}}
+    engine, *_ = llmpar.initialize(model=model, config=config, mesh=mesh)
+    with pytest.raises(CheckpointError, match=r"'blocks.0.mlp.experts.gate_up_proj' has shape \(4, 24, 16\)"):
+        engine.load_checkpoint(root, tag="etp2")
+    engine.destroy()

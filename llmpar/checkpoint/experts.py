@@ -31,6 +31,8 @@ as the packed ones do; its saved shape must equal the model's (a CheckpointError
 module's persistent buffers and frozen params are refused at ep > 1 (:func:`refuse_expert_state`): module state
 outside the optimizer is written from dp rank 0 under its local names.
 
+Experts split over an etp group too (``MoEBlock(etp_group=...)``): written as shards, read whole (``expert_tp.py``).
+
 The optimizer shows its experts through ``checkpoint_experts()`` (``protocol.HoldsExperts``): the expert optimizer
 (itself a ``CheckpointOptimizer``), this rank's ep rank and ``ep``.
 """
@@ -43,6 +45,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from llmpar.checkpoint import expert_tp as etp_io
 from llmpar.checkpoint.blockfile import elements
 from llmpar.checkpoint.files import CheckpointError
 from llmpar.checkpoint.protocol import Checkpointable, CheckpointOptimizer, HoldsExperts
@@ -70,6 +73,7 @@ class Where(NamedTuple):
     offset: int  # element offset of this rank's part in the global tensor's flat view
     packed: bool  # rows of a packed [E, ...] tensor (False: one expert's whole tensor)
     every: tuple[str, ...] = ()  # one expert: its names at every ep rank (the same local index), in ep rank order
+    etp: tuple[str, int, int] | None = None  # split over etp too: (layout, etp rank, etp) (``expert_tp.py``)
 
 
 LIST = "deepspeed_experts"  # the ModuleList of DeepSpeed's legacy layer, when a param carries no expert_index tag
@@ -128,10 +132,12 @@ def placement(engine: Checkpointable, xopt: CheckpointOptimizer, ep_rank: int, e
     per_rank: dict[str, int] = {}  # list prefix -> experts per ep rank (counted where untagged)
     for prefix, i, _, n in single.values():
         per_rank[prefix] = max(per_rank.get(prefix, 0), n if n is not None else i + 1)
+    etp_rank, etp = etp_io.etp_side(engine.optimizer)
     out = {}
     for b in xopt.checkpoint_layout():
         for slot in b["params"]:
             shape = tuple(int(s) for s in slot["shape"])
+            layout = etp_io.layout_of(live.get(slot["name"])) if etp > 1 else None
             if slot["name"] in single:
                 prefix, i, rest, _ = single[slot["name"]]
                 every = tuple(f"{prefix}{r * per_rank[prefix] + i}{rest}" for r in range(ep))
@@ -139,9 +145,10 @@ def placement(engine: Checkpointable, xopt: CheckpointOptimizer, ep_rank: int, e
                 continue
             out[slot["name"]] = Where(
                 names.get(slot["name"], slot["name"]),
-                (shape[0] * ep, *shape[1:]),
+                (shape[0] * ep, *shape[1:]) if layout is None else etp_io.whole_shape(shape, layout, ep, etp),
                 ep_rank * shape[0] * _rows(shape),
                 True,
+                etp=None if layout is None else (layout, etp_rank, etp),
             )
     return out
 
@@ -162,8 +169,9 @@ def snapshot(engine: Checkpointable, *, copy: bool) -> tuple[dict | None, dict |
     for entry, held in zip(bufs or [], xopt.checkpoint_held()):
         pieces = []
         for name, a, z, at in held:
-            gname, off = where[name].name, where[name].offset
-            pieces.append([gname, a + off, z + off, at, units[name]])
+            w = where[name]
+            gname = w.name if w.etp is None else etp_io.shard_name(w.name, w.etp[1])
+            pieces.append([gname, a + w.offset, z + w.offset, at, units[name]])
         out_bufs.append({**entry, "pieces": pieces})
     owner = list(getattr(engine.optimizer, "expert_group_owner", ()))  # expert group -> its dense group
     group = {
@@ -172,6 +180,9 @@ def snapshot(engine: Checkpointable, *, copy: bool) -> tuple[dict | None, dict |
         for s in b["params"]
     }
     params = [{"name": w.name, "shape": list(w.shape), "group": group[n]} for n, w in where.items()]
+    for p, w in zip(params, where.values()):
+        if w.etp is not None:
+            p["etp"] = {"size": w.etp[2], "layout": w.etp[0]}
     part = {"ep": ep, "ep_rank": ep_rank, "params": params, "buffers": out_bufs}
     mark = {"ep": ep, "ep_rank": ep_rank, "has_shards": bufs is not None, "params": [p["name"] for p in params]}
     return part, mark
@@ -187,6 +198,8 @@ class ExpertIndex:
         self.group: dict[str, int] = {}  # the dense param group whose hyper-parameters the expert follows
         # global name -> [(start, stop, file, buffer index, at, unit)], sorted by start
         self.pieces: dict[str, list[tuple[int, int, str, int, int, int]]] = {}
+        self.etp: dict[str, tuple[int, str]] = {}  # global name -> (etp, layout) of a param saved as etp shards
+        self._whole = etp_io.WholeCache()
         self.marked = sorted(f for f, e in meta.get("files", {}).items() if isinstance(e, dict) and KEY in e)
 
     def open(self) -> None:
@@ -197,6 +210,8 @@ class ExpertIndex:
                 self.shapes[p["name"]] = tuple(int(s) for s in p["shape"])
                 self.saved_ep[p["name"]] = int(part["ep"])
                 self.group[p["name"]] = int(p.get("group", 0))
+                if "etp" in p:
+                    self.etp[p["name"]] = (int(p["etp"]["size"]), str(p["etp"]["layout"]))
             for bi, b in enumerate(part["buffers"]):
                 for name, a, z, at, unit in b["pieces"]:
                     self.pieces.setdefault(name, []).append((int(a), int(z), fname, bi, int(at), int(unit)))
@@ -212,24 +227,45 @@ class ExpertIndex:
     def _overlap(self, name: str, a: int, z: int) -> list[tuple[int, int, str, int, int, int]]:
         return [p for p in self.pieces.get(name, []) if p[0] < z and p[1] > a]
 
+    def _all(self, name: str) -> list[tuple[int, int, str, int, int, int]]:  # of each etp shard, if split
+        if name not in self.etp:
+            return self.pieces.get(name, [])
+        return [p for t in range(self.etp[name][0]) for p in self.pieces.get(etp_io.shard_name(name, t), [])]
+
     def has(self, name: str, key: str) -> bool:
-        pieces = self.pieces.get(name, [])
+        pieces = self._all(name)
         return bool(pieces) and all(key in self._buffer(f, bi) for _, _, f, bi, _, _ in pieces)
 
     def keys(self, name: str) -> list[str]:
         """The state keys every piece of ``name`` holds ("params", "exp_avg", ...)."""
-        bufs = [self._buffer(f, bi) for _, _, f, bi, _, _ in self.pieces.get(name, [])]
+        bufs = [self._buffer(f, bi) for _, _, f, bi, _, _ in self._all(name)]
         common = set.intersection(*(set(b) for b in bufs)) if bufs else set()
         return sorted(common - {"pieces", "steps", "holes"})
 
     def files_for(self, name: str, a: int, z: int) -> set[str]:
+        if name in self.etp:  # the whole tensor is merged from every shard
+            return {p[2] for p in self._all(name)}
         return {p[2] for p in self._overlap(name, a, z)}
 
     def get(self, name: str, key: str, a: int, z: int) -> torch.Tensor:
-        """Elements ``[a, z)`` of the global tensor ``name``'s state ``key``, flat, from the pieces overlapping."""
+        """Elements ``[a, z)`` of the global tensor ``name``'s state ``key``, flat, from the pieces overlapping
+        (a param saved as etp shards: of the whole tensor merged from them)."""
+        if name in self.etp:
+            etp, layout = self.etp[name]
+
+            def build() -> torch.Tensor:
+                read = lambda t, n: self._range(etp_io.shard_name(name, t), key, 0, n)  # noqa: E731
+                return etp_io.merged(read, self.shapes[name], layout, etp).reshape(-1)
+
+            return self._whole.get((name, key), build)[a:z]
+        return self._range(name, key, a, z)
+
+    def _range(self, name: str, key: str, a: int, z: int) -> torch.Tensor:
         parts, at_ = [], a
         for s, e, fname, bi, at, _ in self._overlap(name, a, z):
-            lo, hi = max(s, a), min(e, z)
+            lo, hi = max(s, at_), min(e, z)
+            if hi <= lo:  # covered already: the same rows written by each tp rank (experts whole over tp)
+                continue
             if lo != at_:
                 break
             parts.append(elements(self._buffer(fname, bi)[key], at + lo - s, at + hi - s))
@@ -242,7 +278,7 @@ class ExpertIndex:
 
     def step(self, name: str) -> float:
         """The step count saved with the first piece of ``name``."""
-        _, _, fname, bi, _, unit = self.pieces[name][0]
+        _, _, fname, bi, _, unit = self._all(name)[0]
         return float(elements(self._buffer(fname, bi)["steps"], unit, unit + 1)[0])
 
 
@@ -254,12 +290,14 @@ class ExpertLoad:
     def __init__(self, engine: Checkpointable, reader: Any, strict: bool) -> None:
         side = expert_side(engine.optimizer)
         assert side is not None
-        self.xopt, ep_rank, self.ep = side
+        self.xopt, self.ep_rank, self.ep = side
         refuse_expert_state(engine, self.xopt, self.ep, "load_checkpoint")
         self.reader, self.tp = reader, engine.checkpoint_grid()
-        self.where = placement(engine, self.xopt, ep_rank, self.ep)
+        self.where = placement(engine, self.xopt, self.ep_rank, self.ep)
+        self._shards = etp_io.WholeCache()  # an etp rank's shard of its ep rank's whole rows, by (name, key)
         self.missing: set[str] = set()
-        for local, (gname, shape, _, packed, _) in self.where.items():
+        for local, w in self.where.items():
+            gname, shape, packed = w.name, w.shape, w.packed
             if not reader.holds(gname):
                 self.missing.add(local)
                 continue
@@ -298,19 +336,32 @@ class ExpertLoad:
     def _cut(self, gname: str) -> Any:
         return self.reader.unsplit(gname, self.tp.tp, self.tp.tp_rank)
 
+    def _rows(self, w: Where) -> tuple[int, int]:
+        """The global element range of this ep rank's whole experts of a param split over etp."""
+        n = w.shape[0] // self.ep * _rows(w.shape)
+        return self.ep_rank * n, (self.ep_rank + 1) * n
+
     def files(self) -> set[str]:
         out: set[str] = set()
         for local, a, z in self.xopt.checkpoint_reads():
             if local not in self.missing:
-                gname, off = self.where[local].name, self.where[local].offset
-                out |= self.reader.files_for(gname, a + off, z + off, self._cut(gname))
+                w = self.where[local]  # split over etp: the files of the ep rank's whole experts
+                span = self._rows(w) if w.etp is not None else (a + w.offset, z + w.offset)
+                out |= self.reader.files_for(w.name, *span, self._cut(w.name))
         return out
 
     def get(self, local: str, key: str, a: int, z: int) -> torch.Tensor | None:
-        gname, off = self.where[local].name, self.where[local].offset
-        if not self.reader.has(gname, key):
+        w = self.where[local]
+        if not self.reader.has(w.name, key):
             return None
-        return self.reader.get(gname, key, a + off, z + off, self._cut(gname))
+        if (spec := w.etp) is not None:  # this etp rank's shard of the ep rank's whole experts (``expert_tp.py``)
+
+            def build() -> torch.Tensor:
+                rows = self.reader.get(w.name, key, *self._rows(w), self._cut(w.name))
+                return etp_io.cut(rows.view(w.shape[0] // self.ep, *w.shape[1:]), *spec)
+
+            return self._shards.get((local, key), build)[a:z]
+        return self.reader.get(w.name, key, a + w.offset, z + w.offset, self._cut(w.name))
 
     def touch(self) -> None:
         """Read what :meth:`apply` reads (the reader records the blocks; nothing is kept)."""

@@ -71,6 +71,34 @@ def merge_intermediate(
     return torch.cat(gates + ups, dim=-2), torch.cat(list(downs), dim=-1)
 
 
+def merge_packed(parts: Sequence[torch.Tensor], layout: str) -> torch.Tensor:
+    """One packed expert tensor whole from its ``etp`` shards (in expert-tp rank order): ``layout`` "gate_up":
+    ``[E, 2I/etp, H]`` each (its gate rows, then its up rows) -> ``[E, 2I, H]`` (every shard's gate rows in order,
+    then the up rows); "down": ``[E, H, I/etp]`` -> ``[E, H, I]``."""
+    if layout == "down":
+        return torch.cat(list(parts), dim=-1)
+    if layout != "gate_up":
+        raise ValueError(f"layout={layout!r} is not one of gate_up, down")
+    n = parts[0].shape[-2] // 2
+    return torch.cat([t[..., :n, :] for t in parts] + [t[..., n:, :] for t in parts], dim=-2)
+
+
+def shard_packed(full: torch.Tensor, layout: str, etp: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s shard of one whole packed expert tensor (the inverse of :func:`merge_packed`), contiguous:
+    "gate_up" ``[E, 2I, H]`` -> ``[E, 2I/etp, H]``, "down" ``[E, H, I]`` -> ``[E, H, I/etp]``."""
+    if layout == "down":
+        i = full.shape[-1]
+        check_expert_tp(i, etp)
+        n = i // etp
+        return full[..., rank * n : (rank + 1) * n].contiguous()
+    if layout != "gate_up":
+        raise ValueError(f"layout={layout!r} is not one of gate_up, down")
+    i = full.shape[-2] // 2
+    check_expert_tp(i, etp)
+    n, lo = i // etp, rank * (i // etp)
+    return torch.cat([full[..., lo : lo + n, :], full[..., i + lo : i + lo + n, :]], dim=-2).contiguous()
+
+
 class ExpertGroups(NamedTuple):
     """This rank's groups from :func:`expert_parallel_groups` (None where the degree is 1) and its coordinates."""
 
@@ -118,4 +146,12 @@ def expert_parallel_groups(ep: int, etp: int) -> ExpertGroups:
     return ExpertGroups(ep_group, etp_group, (me // etp) % ep, me % etp)
 
 
-__all__ = ["ExpertGroups", "check_expert_tp", "expert_parallel_groups", "merge_intermediate", "shard_intermediate"]
+__all__ = [
+    "ExpertGroups",
+    "check_expert_tp",
+    "expert_parallel_groups",
+    "merge_intermediate",
+    "merge_packed",
+    "shard_intermediate",
+    "shard_packed",
+]

@@ -263,18 +263,6 @@ class ZeroOptimizer(ZeroStep, StepStatsView, ZeroCheckpointing, OptimizerStateDi
             hint="same params, dtypes and stage on every dp rank",
         )
 
-    def checkpoint_experts(self) -> Any:
-        """As ``ZeroCheckpointing``'s; refused for experts split over an etp group: llmpar's checkpoint writes each
-        rank's expert rows under the global names and ranges, which shards of the intermediate dimension are not."""
-        if self.etp_group is not None and group_size(self.etp_group) > 1:
-            raise ValueError(
-                f"save_checkpoint / load_checkpoint: the experts are split over an expert-tensor-parallel group of "
-                f"{group_size(self.etp_group)} ranks (MoEBlock(etp_group=...)): llmpar's checkpoint format does not "
-                "hold such shards yet; save the whole weights with engine.save_16bit_model() / module_state_dict() "
-                "(the shards merged), or train with etp_group=None"
-            )
-        return super().checkpoint_experts()
-
     @property
     def expert_group_owner(self) -> tuple[int, ...]:
         """For each expert param group (the experts' optimizer over edp), the index of the dense param group it was
