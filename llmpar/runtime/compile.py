@@ -209,13 +209,8 @@ def compile_engine(
                 "engine.compile(compiled_autograd_enabled=True) at ZeRO stage 3: the units are gathered and their "
                 "gradients reduced in hooks between the compiled regions; compiled autograd is not supported there"
             )
-        try:
-            from llmpar.zero.compile import compile_stage3
-        except ImportError:
-            raise ValueError(
-                "engine.compile() at ZeRO stage 3 is not available in this version (it compiles each ZeRO-3 unit "
-                "on its own: llmpar.zero.compile); use stage 0-2, or call torch.compile on the units' modules"
-            ) from None
+        from llmpar.zero.compile import compile_stage3
+
         compile_stage3(engine.optimizer, engine.module, backend, kwargs)
     else:
         _compile_whole(engine, backend, kwargs)
@@ -227,6 +222,18 @@ def compile_engine(
         "each ZeRO-3 unit a region" if state.stage == 3 else "the whole model",
         ", compiled autograd" if compiled_autograd_enabled else "",
     )
+
+
+def compile_times() -> dict[str, float]:
+    """Seconds ``torch.compile`` spent in this process, by phase (``torch._dynamo.utils.compile_times``, summed over
+    every compiled graph); empty before the first compile."""
+    from torch._dynamo.utils import compile_times as dynamo_times
+
+    got = dynamo_times(repr="csv", aggregate=True)
+    if not isinstance(got, tuple):
+        return {}
+    names, values = got
+    return {str(n): float(v) for n, v in zip(names, values)}
 
 
 def _compile_whole(engine: Any, backend: str | Callable, kwargs: dict) -> None:

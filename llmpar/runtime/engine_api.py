@@ -254,6 +254,21 @@ class DeepSpeedAPI:
         """Whether :meth:`compile` ran."""
         return getattr(self, "_compiled", None) is not None
 
+    def is_deepcompile_enabled(self) -> bool:
+        """DeepSpeed's: the ``"compile"`` block's ``deepcompile`` flag (accepted; its passes never run here)."""
+        return bool(self.config.compile.deepcompile)
+
+    def is_deepcompile_active(self) -> bool:
+        """DeepSpeed's: whether DeepCompile's graph passes run: never in llmpar (ZeRO works around the graphs)."""
+        return False
+
+    def get_compile_time(self) -> dict[str, float]:
+        """DeepSpeed's (there: its DeepCompile passes' times): the seconds ``torch.compile`` spent in this process
+        by phase (dynamo's timed phases, summed over every graph), e.g. ``"_compile.compile_inner"`` for the total."""
+        from llmpar.runtime.compile import compile_times
+
+        return compile_times()
+
     # data
     def deepspeed_io(
         self,
