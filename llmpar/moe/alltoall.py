@@ -146,10 +146,22 @@ def _exchange_splits_fake(sent, received, nonfinite, num_tokens, group_name):
     return sent.new_empty((2, sent.shape[0]))
 
 
+@torch._dynamo.assume_constant_result
+def _dynamic_rows_traceable() -> bool:
+    """Whether the graph being traced may hold an op whose output size is data (an unbacked size): torch allows it
+    under ``fullgraph=True`` or with ``torch._dynamo.config.capture_dynamic_output_shape_ops`` (run at trace time, a
+    constant in the graph)."""
+    ctx = torch._guards.TracingContext.try_get()
+    shape_env = None if ctx is None or ctx.fake_mode is None else ctx.fake_mode.shape_env
+    if shape_env is not None:
+        return bool(shape_env.allow_dynamic_output_shape_ops)
+    return bool(torch._dynamo.config.capture_dynamic_output_shape_ops)
+
+
 @torch.compiler.disable
 def _host_counts(dispatcher: "AllToAllDispatcher", counts, status, dropped):
-    """``dispatcher._exchange_counts`` out of the graph: under torch.compile without
-    ``torch._dynamo.config.capture_dynamic_output_shape_ops`` (the received rows cannot be an unbacked size) the
+    """``dispatcher._exchange_counts`` out of the graph: under torch.compile where the received rows cannot be an
+    unbacked size (not ``fullgraph``, no ``capture_dynamic_output_shape_ops``: :func:`_dynamic_rows_traceable`) the
     split sizes are read on the host here, one graph break, and the graphs after it are specialised on the counts."""
     return dispatcher._exchange_counts(counts, status, dropped)
 
@@ -221,7 +233,7 @@ class AllToAllDispatcher:
         return PendingDispatch(lambda: result)
 
     def dispatch_async(self, x: torch.Tensor, routing: Routing) -> PendingDispatch:
-        if torch.compiler.is_compiling() and torch._dynamo.config.capture_dynamic_output_shape_ops:
+        if torch.compiler.is_compiling() and _dynamic_rows_traceable():
             return self._dispatch_traced(x, routing)
         T, k = routing.indices.shape
         el = self.num_local_experts
