@@ -22,28 +22,78 @@ def _nvcc() -> str | None:
     return shutil.which("nvcc") or (str(CUDA_HOME / "bin/nvcc") if (CUDA_HOME / "bin/nvcc").exists() else None)
 
 
+SYNTAX_SOURCES = ("adamw_ops.cpp", "adamw_lowbit_ops.cpp")  # both include capture_check.h
+KERNEL_SOURCES = ("adamw_kernels.cu", "adamw_lowbit_kernels.cu")
+
+
+def _wait(run: tuple[list[str], subprocess.Popen]) -> tuple[int, str, str]:
+    """(returncode, stdout, stderr) of a compiler run the ``compiles`` fixture started."""
+    out, err = run[1].communicate(timeout=240)
+    return run[1].returncode, out, err
+
+
+@pytest.fixture(scope="module")
+def compiles(tmp_path_factory):
+    """The file's compiler runs, all started at once by the first test that asks (each is seconds of one core:
+    nvcc on a kernel file for two architectures, g++ parsing torch/extension.h), keyed by source; each test waits for
+    its own. A run whose tool is missing is not started (its test skips)."""
+    tmp_path = tmp_path_factory.mktemp("compiles")
+    cmds: dict[str, list[str]] = {}
+    if _nvcc() is not None:
+        for source in KERNEL_SOURCES:
+            cmds[source] = [
+                _nvcc(),
+                "-c",
+                "-std=c++17",
+                "-O3",
+                "-Werror=all-warnings",
+                f"-I{CSRC}",
+                "-Xptxas=-v",
+                "-gencode=arch=compute_90,code=sm_90",
+                "-gencode=arch=compute_80,code=sm_80",
+                str(CSRC / source),
+                "-o",
+                str(tmp_path / source.replace(".cu", ".o")),
+            ]
+    if shutil.which("g++") is not None and (CUDA_HOME / "include/cuda_runtime.h").exists():
+        from torch.utils import cpp_extension
+
+        # CPU wheels of torch ship c10/cuda headers but not the generated cuda_cmake_macros.h: stub it for a syntax
+        # check
+        stub = tmp_path / "c10" / "cuda" / "impl"
+        stub.mkdir(parents=True)
+        (stub / "cuda_cmake_macros.h").write_text("#pragma once\n")
+        for source in SYNTAX_SOURCES:
+            cmds[source] = [
+                "g++",
+                "-std=c++20",
+                "-fsyntax-only",
+                "-Wall",
+                "-Werror",
+                f"-I{tmp_path}",
+                *[f"-I{p}" for p in cpp_extension.include_paths()],
+                f"-I{CUDA_HOME / 'include'}",
+                f"-I{CSRC}",
+                f"-I{sysconfig.get_paths()['include']}",
+                str(CSRC / source),
+            ]
+    pipe = subprocess.PIPE
+    runs = {source: (cmd, subprocess.Popen(cmd, stdout=pipe, stderr=pipe, text=True)) for source, cmd in cmds.items()}
+    yield runs
+    for _, proc in runs.values():
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+
+
 @pytest.mark.skipif(_nvcc() is None, reason="nvcc not found")
-def test_adamw_kernels_compile_with_nvcc_alone(tmp_path):
-    obj = tmp_path / "adamw_kernels.o"
-    cmd = [
-        _nvcc(),
-        "-c",
-        "-std=c++17",
-        "-O3",
-        "-Werror=all-warnings",
-        f"-I{CSRC}",
-        "-Xptxas=-v",
-        "-gencode=arch=compute_90,code=sm_90",
-        "-gencode=arch=compute_80,code=sm_80",
-        str(CSRC / "adamw_kernels.cu"),
-        "-o",
-        str(obj),
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}"
-    assert obj.stat().st_size > 0
-    assert "spill stores" in proc.stderr and not re.search(r"[1-9]\d* bytes spill stores", proc.stderr), (
-        "a kernel spills registers:\n" + proc.stderr[-3000:]
+def test_adamw_kernels_compile_with_nvcc_alone(compiles):
+    cmd, _ = run = compiles["adamw_kernels.cu"]
+    rc, out, err = _wait(run)
+    assert rc == 0, f"{' '.join(cmd)}\n{out}\n{err}"
+    assert Path(cmd[-1]).stat().st_size > 0
+    assert "spill stores" in err and not re.search(r"[1-9]\d* bytes spill stores", err), (
+        "a kernel spills registers:\n" + err[-3000:]
     )
 
 
@@ -103,56 +153,23 @@ def test_multi_tensor_kernels_share_one_tensor_search():
     shutil.which("g++") is None or not (CUDA_HOME / "include/cuda_runtime.h").exists(),
     reason="g++ or the CUDA headers are missing",
 )
-@pytest.mark.parametrize("source", ["adamw_ops.cpp", "adamw_lowbit_ops.cpp"])  # both include capture_check.h
-def test_binding_syntax_against_torch_headers(tmp_path, source):
-    from torch.utils import cpp_extension
-
-    # CPU wheels of torch ship c10/cuda headers but not the generated cuda_cmake_macros.h: stub it for a syntax check
-    stub = tmp_path / "c10" / "cuda" / "impl"
-    stub.mkdir(parents=True)
-    (stub / "cuda_cmake_macros.h").write_text("#pragma once\n")
-    cmd = [
-        "g++",
-        "-std=c++20",
-        "-fsyntax-only",
-        "-Wall",
-        "-Werror",
-        f"-I{tmp_path}",
-        *[f"-I{p}" for p in cpp_extension.include_paths()],
-        f"-I{CUDA_HOME / 'include'}",
-        f"-I{CSRC}",
-        f"-I{sysconfig.get_paths()['include']}",
-        str(CSRC / source),
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+@pytest.mark.parametrize("source", SYNTAX_SOURCES)
+def test_binding_syntax_against_torch_headers(compiles, source):
+    rc, _, err = _wait(compiles[source])
+    assert rc == 0, err[-4000:]
 
 
 # ------------------------------------------------------------------- the low-bit AdamW kernel (issue #33)
 
 
 @pytest.mark.skipif(_nvcc() is None, reason="nvcc not found")
-def test_lowbit_kernels_compile_without_spills(tmp_path):
-    obj = tmp_path / "adamw_lowbit_kernels.o"
-    cmd = [
-        _nvcc(),
-        "-c",
-        "-std=c++17",
-        "-O3",
-        "-Werror=all-warnings",
-        f"-I{CSRC}",
-        "-Xptxas=-v",
-        "-gencode=arch=compute_90,code=sm_90",
-        "-gencode=arch=compute_80,code=sm_80",
-        str(CSRC / "adamw_lowbit_kernels.cu"),
-        "-o",
-        str(obj),
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}"
+def test_lowbit_kernels_compile_without_spills(compiles):
+    cmd, _ = run = compiles["adamw_lowbit_kernels.cu"]
+    rc, out, err = _wait(run)
+    assert rc == 0, f"{' '.join(cmd)}\n{out}\n{err}"
     # 2 bit widths x (fp32 | bf16 + master) x 3 grad dtypes, each for sm_80 and sm_90
-    assert proc.stderr.count("spill stores") >= 24, proc.stderr[-3000:]
-    assert not re.search(r"[1-9]\d* bytes spill stores", proc.stderr), "a kernel spills registers:\n" + proc.stderr
+    assert err.count("spill stores") >= 24, err[-3000:]
+    assert not re.search(r"[1-9]\d* bytes spill stores", err), "a kernel spills registers:\n" + err
 
 
 def test_lowbit_twins_agree_on_layout():
