@@ -17,12 +17,12 @@ One small llmpar checkpoint (a single-process engine) and hand-made DeepSpeed Ze
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -56,6 +56,61 @@ else:
     consolidate.consolidate(src, out, max_shard_size="3KB", overwrite=True)
 print(calls[0])
 """
+
+
+# the children above are forked from one server that has imported llmpar once (a fresh interpreter per kill instant
+# spent ~2.5 s of CPU on Python, torch and llmpar starting): each request is one JSON line (argv, env, the working
+# directory, the file for the child's output); the reply, the child's exit code (-signal when killed)
+SERVER = r"""
+import json, os, sys, traceback
+from llmpar.checkpoint import consolidate, convert, publish  # what CHILD imports, before any fork
+child = compile(json.loads(sys.stdin.readline()), "<child>", "exec")
+for line in sys.stdin:
+    req = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            fd = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            os.chdir(req["cwd"])
+            os.environ.update(req["env"])
+            sys.argv = ["-c", *req["argv"]]
+            exec(child, {"__name__": "__main__"})
+            sys.stdout.flush()
+            os._exit(0)
+        except BaseException:
+            traceback.print_exc()
+            sys.stderr.flush()
+            os._exit(1)
+    _, status = os.waitpid(pid, 0)
+    print(json.dumps(-os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def child_server():
+    """Runs CHILD with the given arguments in a child forked from :data:`SERVER`: (exit code, its output)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1
+    )
+    proc.stdin.write(json.dumps(CHILD) + "\n")
+
+    def run(argv: list[str], cwd: Path, env: dict[str, str]) -> tuple[int, str]:
+        log = cwd / f".child-{argv[-1]}.log"
+        proc.stdin.write(json.dumps({"argv": argv, "cwd": str(cwd), "env": env, "log": str(log)}) + "\n")
+        reply = proc.stdout.readline()
+        assert reply, f"the child server exited (code {proc.poll()})"
+        text = log.read_text()
+        log.unlink()
+        return json.loads(reply), text
+
+    yield run
+    proc.stdin.close()
+    try:
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
 
 
 def _tree(path: Path) -> dict[str, bytes] | None:
@@ -101,7 +156,9 @@ def _zero3(d: Path, shift: float) -> str:
 
 
 @pytest.mark.parametrize("mode, exchange", [("stream", True), ("consolidate", True), ("stream", False)])
-def test_a_convert_killed_at_any_instant_leaves_the_old_export_or_the_new_one(mode, exchange, llmpar_ckpt, tmp_path):
+def test_a_convert_killed_at_any_instant_leaves_the_old_export_or_the_new_one(
+    mode, exchange, llmpar_ckpt, tmp_path, child_server
+):
     """(Without the exchange, a kill between its two renames leaves no target and the old export beside it: the next
     call into the target puts it back.)"""
     from llmpar.checkpoint import outdir
@@ -120,15 +177,8 @@ def test_a_convert_killed_at_any_instant_leaves_the_old_export_or_the_new_one(mo
     def run(k: int) -> tuple[int, dict | None, str]:
         out = tmp_path / f"out{k}"
         shutil.copytree(tmp_path / "old", out)
-        p = subprocess.run(
-            [sys.executable, "-c", CHILD, mode, src, str(out), str(k)],
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            timeout=120,
-            env={**os.environ, "NO_EXCHANGE": "" if exchange else "1"},
-        )
-        return p.returncode, _tree(out), p.stdout + p.stderr
+        rc, text = child_server([mode, src, str(out), str(k)], tmp_path, {"NO_EXCHANGE": "" if exchange else "1"})
+        return rc, _tree(out), text
 
     rc, tree, text = run(0)
     assert rc == 0 and tree == new, text
@@ -139,8 +189,7 @@ def test_a_convert_killed_at_any_instant_leaves_the_old_export_or_the_new_one(mo
         ks = list(range(count - 2, count + 1))
     else:
         ks = list(range(1, count + 1)) if mode == "stream" else sorted({1, count // 2, *range(count - 2, count + 1)})
-    with ThreadPoolExecutor(3) as pool:
-        results = list(pool.map(run, ks))
+    results = [run(k) for k in ks]
     seen, put_back = [], 0
     for k, (rc, tree, text) in zip(ks, results):
         assert rc == -signal.SIGKILL, (k, rc, text)
