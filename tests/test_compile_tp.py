@@ -14,6 +14,8 @@ Under compile the collectives are functional collectives in autograd Functions w
 
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -299,6 +301,18 @@ def _moe_training_case() -> None:
     assert len(routed) > 1, f"the routing never changed: {routed}"
     assert graphs == [graphs[0]] * MOE_STEPS, f"ep=2 MoEBlock: graphs after each step {graphs} (a recompile)"
     assert sum(counters["recompiles"].values()) == 0, f"ep=2 MoEBlock recompiled: {dict(counters['recompiles'])}"
+    # a NaN token on rank 1: refused inside the compiled graph (llmpar::moe_exchange_splits) on both ranks, as eagerly
+    x = torch.randn(1 + rank, 5, 6, generator=gen)
+    x[0, 0, 0] = float("nan") if rank == 1 else x[0, 0, 0]
+    want = (
+        "non-finite logits .* for 1 of 10 tokens on expert-parallel rank 1" if rank else "rank 1 .* failed: its router"
+    )
+    try:
+        compiled(x)
+    except ValueError as err:
+        assert re.search(want, str(err)), f"rank {rank}: {err}"
+    else:
+        raise AssertionError(f"rank {rank}: a NaN routing on rank 1 was not refused under compile")
 
 
 def _body() -> None:

@@ -88,7 +88,7 @@ def group_offsets(
         raise TypeError("grouped_mm: pass exactly one of offs (cumulative row ends) and counts (rows per group)")
     rows = x.shape[0]
     if torch.compiler.is_compiling() and isinstance(offs if counts is None else counts, torch.Tensor):
-        return _traced_offsets(x, e_count, offs, counts)
+        return _traced_offsets(x, e_count, offs, counts if isinstance(counts, torch.Tensor) else None)
     if counts is not None:
         if isinstance(counts, torch.Tensor):
             if counts.dim() != 1 or counts.is_floating_point() or counts.dtype == torch.bool:
