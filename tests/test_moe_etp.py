@@ -323,13 +323,13 @@ def test_expert_parallel_with_tensor_parallel_attention_follows_one_process():
             for k in (k for k in want if ".mlp.experts." in k):
                 assert got[k].shape == want[k].shape, (where, k, got[k].shape)
                 assert engine.dp_rank != 0 or torch.equal(full[k], got[k]), (where, k)
-        if (stage, ep_etp) in saved_as:
-            tag = saved_as[stage, ep_etp]
+        if (tag := saved_as.get((stage, ep_etp))) is not None:
             engine.save_checkpoint(root, tag=tag)
             if dist.get_rank() == 0:  # the experts whole under their global names, as trained
-                whole = consolidate_checkpoint(os.path.join(root, tag), dtype=None)
-                for k in (k for k in want if ".mlp.experts." in k):
-                    assert torch.equal(whole[k], got[k]), (where, k, whole[k].shape)
+                whole, meta = consolidate_checkpoint(d := os.path.join(root, tag), dtype=None), metacheck.read(d)
+                assert all(torch.equal(whole[k], got[k]) for k in want if ".mlp.experts." in k), where
+                marks = {f: e["experts"]["has_shards"] for f, e in meta["files"].items()}  # tp replicas written once:
+                assert all(has == (tag == "etp2" or "-tp00." in f) for f, has in marks.items()), marks
             after[tag] = _next_loss(engine)
         for tag in loads.get((stage, ep_etp), []):
             _load_elsewhere(engine, root, tag, after[tag], where)

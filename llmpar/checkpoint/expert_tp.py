@@ -16,6 +16,9 @@ load at etp > 1 reads its ep rank's rows of the whole tensor and cuts its shard 
 any etp (or none). Every read is a copy of saved values: weights and optimizer states come back bitwise. A saved
 width (``I``) other than the model's is a shape mismatch naming the param. An older reader finds no pieces under the
 global name and refuses the checkpoint rather than misplacing the shards.
+
+Experts whole on every rank of a tp group (etp = 1 beside tensor-parallel attention) are the same rows on each tp
+rank: only tp rank 0 writes them (:func:`replica`); a reader skips rows already read (checkpoints written before).
 """
 
 from __future__ import annotations
@@ -39,6 +42,14 @@ def etp_side(opt: Any) -> tuple[int, int]:
     if group is None or group_size(group) == 1:
         return 0, 1
     return group_rank(group), group_size(group)
+
+
+def replica(engine: Any, xopt: Any) -> bool:
+    """Whether this rank's experts are a copy of tp rank 0's (whole experts, none split over tp or etp, on a tp
+    rank > 0): every tp rank holds the same rows, tp rank 0 writes them."""
+    if engine.checkpoint_grid().tp_rank == 0 or etp_side(engine.optimizer)[1] > 1:
+        return False
+    return not any(getattr(p, "tensor_model_parallel", False) for buf in xopt.checkpoint_params() for _, p in buf)
 
 
 def layout_of(p: Any) -> str | None:
@@ -94,4 +105,15 @@ def cut(rows: torch.Tensor, layout: str, t: int, etp: int) -> torch.Tensor:
     return shard_packed(rows, layout, etp, t).reshape(-1)
 
 
-__all__ = ["SEP", "WholeCache", "cut", "etp_side", "layout_of", "merged", "shard_name", "shard_shape", "whole_shape"]
+__all__ = [
+    "SEP",
+    "WholeCache",
+    "cut",
+    "etp_side",
+    "layout_of",
+    "merged",
+    "replica",
+    "shard_name",
+    "shard_shape",
+    "whole_shape",
+]

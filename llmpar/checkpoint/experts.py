@@ -164,7 +164,7 @@ def snapshot(engine: Checkpointable, *, copy: bool) -> tuple[dict | None, dict |
     xopt.prepare_save()
     where = placement(engine, xopt, ep_rank, ep)
     units = {s["name"]: int(s["unit"]) for b in xopt.checkpoint_layout() for s in b["params"]}
-    bufs = local_buffers(xopt, copy=copy)
+    bufs = None if etp_io.replica(engine, xopt) else local_buffers(xopt, copy=copy)
     out_bufs = []
     for entry, held in zip(bufs or [], xopt.checkpoint_held()):
         pieces = []
