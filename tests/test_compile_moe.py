@@ -64,3 +64,16 @@ def test_compiled_moe_block_refuses_nonfinite_routing():
     x[1, 2, 3] = float("nan")
     with pytest.raises(ValueError, match="non-finite logits .* for 1 of 10 tokens"):
         compiled(x)
+
+
+def test_checked_counts_op():
+    """llmpar::moe_checked_counts: schema, fake impl, a copy of the counts when the routing is finite."""
+    counts = torch.tensor([3, 0, 5, 2])
+    args = (counts, torch.tensor(0), 5)
+    torch.library.opcheck(
+        torch.ops.llmpar.moe_checked_counts.default, args, test_utils=("test_schema", "test_faketensor")
+    )
+    out = torch.ops.llmpar.moe_checked_counts(*args)
+    assert torch.equal(out, counts) and out.data_ptr() != counts.data_ptr()
+    with pytest.raises(ValueError, match="non-finite logits .* for 2 of 5 tokens"):
+        torch.ops.llmpar.moe_checked_counts(counts, torch.tensor(2), 5)

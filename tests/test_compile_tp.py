@@ -259,6 +259,18 @@ def _moe_case() -> None:
         ws[rank].float(),
         reference=ref,
     )
+    # the ops the traced dispatch holds: schema, autograd registration, fake impl (an unbacked row count)
+    name = g.group_name
+    send, recv = (
+        (torch.tensor([1, 2]), torch.tensor([1, 3])) if rank == 0 else (torch.tensor([3, 0]), torch.tensor([2, 0]))
+    )
+    checks = ("test_schema", "test_autograd_registration", "test_faketensor")
+    x = torch.randn(int(send.sum()), 3, requires_grad=True)
+    torch.library.opcheck(torch.ops.llmpar.all_to_all_v.default, (x, send, recv, name, None), test_utils=checks)
+    table = torch.cat([send.view(2, 1), torch.zeros(2, 2, dtype=torch.int64)], dim=1)  # [ep, E_l + 2], E_l = 1
+    torch.library.opcheck(
+        torch.ops.llmpar.moe_exchange_splits.default, (table, table, torch.tensor(0), 5, name), test_utils=checks
+    )
 
 
 def _moe_training_case() -> None:
