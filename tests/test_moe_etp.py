@@ -19,9 +19,10 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 
 import llmpar
-from llmpar.checkpoint import CheckpointError, metacheck
+from llmpar.checkpoint import CheckpointError, convert, metacheck
 from llmpar.checkpoint.consolidate import consolidated_state_dict as consolidate_checkpoint
 from llmpar.checkpoint.plan import stored_names
 from llmpar.checkpoint.reshard import CheckpointReader
@@ -327,7 +328,10 @@ def test_expert_parallel_with_tensor_parallel_attention_follows_one_process():
             engine.save_checkpoint(root, tag=tag)
             if dist.get_rank() == 0:  # the experts whole under their global names, as trained
                 whole, meta = consolidate_checkpoint(d := os.path.join(root, tag), dtype=None), metacheck.read(d)
+                hf = convert.convert(root, os.path.join(root, f"hf-{tag}"), to="hf", tag=tag, dtype=None)
+                hf_sd = {k: v for f in hf if f.endswith(".safetensors") for k, v in load_file(f).items()}
                 assert all(torch.equal(whole[k], got[k]) for k in want if ".mlp.experts." in k), where
+                assert all(torch.equal(hf_sd[k], got[k]) for k in want if ".mlp.experts." in k), (where, sorted(hf_sd))
                 marks = {f: e["experts"]["has_shards"] for f, e in meta["files"].items()}  # tp replicas written once:
                 assert all(has == (tag == "etp2" or "-tp00." in f) for f, has in marks.items()), marks
             after[tag] = _next_loss(engine)
@@ -353,9 +357,7 @@ def test_expert_parallel_with_tensor_parallel_attention_follows_one_process():
 
 def _next_loss(engine) -> float:
     """Step ``STEPS`` of the GPT run on ``engine``: the dp-mean loss."""
-    idx, targets = _gpt_batch(STEPS, engine.dp_rank)
-    loss = lm_loss(engine(idx), targets)
-    engine.backward(loss)
+    engine.backward(loss := lm_loss(engine(_gpt_batch(STEPS, engine.dp_rank)[0]), _gpt_batch(STEPS, engine.dp_rank)[1]))
     engine.step()
     total = loss.detach().double()
     dist.all_reduce(total, group=engine.mesh["dp"].get_group())
@@ -380,10 +382,8 @@ def _load_elsewhere(engine, root: str, tag: str, want_loss: float, where: str) -
         saved, again = _whole(os.path.join(root, tag)), _whole(os.path.join(root, resaved))
         assert len(saved) == 4 * 3 and saved.keys() == again.keys(), (where, sorted(saved), sorted(again))
         assert saved["blocks.0.mlp.experts.gate_up_proj", "params"].shape == (4, 24, GPT_CFG["d_model"])
-        bad = [k for k in saved if not torch.equal(saved[k], again[k])]
-        assert not bad, (where, tag, bad)
-    loss = _next_loss(engine)
-    assert abs(loss - want_loss) <= 1e-6, (where, tag, loss, want_loss)
+        assert not (bad := [k for k in saved if not torch.equal(saved[k], again[k])]), (where, tag, bad)
+    assert abs((loss := _next_loss(engine)) - want_loss) <= 1e-6, (where, tag, loss, want_loss)
 
 
 def _narrow_experts_refused(root: str) -> None:
