@@ -257,8 +257,8 @@ def test_expert_parallel_with_tensor_parallel_attention_follows_one_process():
     counted once: the reference's norm, not one short of the other etp rank's shards) and the experts merged whole
     under their global names by module_state_dict. Clipping binds (norm ~1.2 > 0.5).
 
-    llmpar's checkpoints of such shards, layout-free: ep=2 x etp=1 and ep=2 x etp=2 (ZeRO-1) save after their steps
-    and take one more (the uninterrupted run); the ZeRO-3 ep=2 x etp=1 case loads the etp=2 one (etp 2 -> 1), the
+    llmpar's checkpoints of such shards, layout-free: ep=2 x etp=1 (ZeRO-1) and ep=2 x etp=2 (ZeRO-3) save after their
+    steps and take one more (the uninterrupted run); the ZeRO-3 ep=2 x etp=1 case loads the etp=2 one (etp 2 -> 1), the
     ZeRO-2 ep=1 x etp=2 case both (etp 1 -> 2 and 2 -> 2, ep 2 -> 1), after their own checks: ``consolidate`` reads
     the trained experts whole and bitwise, the loaded engine re-saves params and Adam moments bitwise equal to the
     saved ones, its next loss the uninterrupted run's to 1e-6. Narrower experts (8, not 12) are refused by name."""
@@ -279,7 +279,7 @@ def test_expert_parallel_with_tensor_parallel_attention_follows_one_process():
     want = {n: p.detach() for n, p in ref.named_parameters()}
     cases = [(1, None)] + [(stage, (2, 2)) for stage in (1, 2, 3)] + [(3, None), (2, (1, 2))]
     root = os.path.join(tempfile.gettempdir(), f"llmpar_etp_ckpt_{os.environ['MASTER_PORT']}")
-    saved_as = {(1, None): "etp1", (1, (2, 2)): "etp2"}  # cases that save, and the tag
+    saved_as = {(1, None): "etp1", (3, (2, 2)): "etp2"}  # cases that save, and the tag
     loads = {(3, None): ["etp2"], (2, (1, 2)): ["etp1", "etp2"]}  # cases loading other layouts' checkpoints after
     after: dict[str, float] = {}  # tag -> the uninterrupted run's next loss
     for stage, ep_etp in cases:
