@@ -275,8 +275,8 @@ def _moe_case() -> None:
 
 def _moe_training_case() -> None:
     """An ep=2 MoEBlock compiled with ``fullgraph=True`` (no config flag) trains MOE_STEPS SGD steps on fresh tokens
-    (the routing changes every step; the per-rank token counts differ) equal to its eager twin at 1e-6, with no graph
-    break and no graph after the first step."""
+    (the routing changes every step; the per-rank token counts differ; on the last rank 1 receives no row) equal to
+    its eager twin at 1e-6, with no graph break and no graph after the first step."""
     from torch._dynamo.utils import counters
 
     from llmpar.moe import MoEBlock
@@ -295,6 +295,11 @@ def _moe_training_case() -> None:
     graphs, routed = [], set()
     for step in range(MOE_STEPS):
         x = torch.randn(1 + rank, 5, 6, generator=gen)
+        if step == MOE_STEPS - 1:  # the last step: no token picks rank 1's experts (it receives zero rows)
+            x = x.abs()
+            with torch.no_grad():
+                for block in blocks:
+                    block.router.weight[2:] = -1.0
         for fn, opt in zip((eager, compiled), opts):
             opt.zero_grad()
             out = fn(x)
@@ -307,8 +312,10 @@ def _moe_training_case() -> None:
         torch.testing.assert_close(got, want, **TOL, msg=lambda m: f"ep=2 MoEBlock step {step}: {m}")
         for (name, a), b in zip(model.named_parameters(), eager.parameters()):
             torch.testing.assert_close(a, b, **TOL, msg=lambda m: f"ep=2 MoEBlock step {step} {name}: {m}")
-        routed.add(tuple(model.stats.received.tolist()))
+        routed_last = model.stats.received.tolist()
+        routed.add(tuple(routed_last))
         graphs.append(counters["stats"]["unique_graphs"])
+    assert routed_last == [0, 0] or rank == 0, f"rank 1 received {routed_last} rows on the last step"
     assert _breaks() == {}, f"ep=2 MoEBlock: graph breaks {_breaks()}"
     assert len(routed) > 1, f"the routing never changed: {routed}"
     assert graphs == [graphs[0]] * MOE_STEPS, f"ep=2 MoEBlock: graphs after each step {graphs} (a recompile)"
