@@ -17,6 +17,12 @@ The combine is the reverse: back to source-major order, the reverse uneven all-t
 weighing in fp32 (:func:`~llmpar.moe.slots.combine_slots`). Both exchanges are autograd functions whose backward is
 the reverse exchange. A rank that receives no rows (or sends none) still takes part in every exchange with zero-row
 tensors, forward and backward, so it never leaves the others waiting; its experts get zero gradients.
+
+Under torch.compile (``fullgraph=True`` or ``capture_dynamic_output_shape_ops``: the received rows are an unbacked
+size) the same steps trace with the counts kept as tensors (:meth:`AllToAllDispatcher._dispatch_traced`): the count
+exchange a functional all-to-all, the status check ``llmpar::moe_exchange_splits``, the token exchanges
+``llmpar::all_to_all_v`` (``llmpar.distributed.funcol``), the expert-major permutation a search and a stable sort; no
+graph break, and a routing change recompiles nothing. Otherwise the count exchange stays on the host, one break.
 """
 
 from __future__ import annotations
