@@ -2,7 +2,8 @@
 bare gloo error or a half-hour hang: a rank that dies, a rank that stops, ranks whose step counts differ.
 
 These run real processes outside the pooled harness (a dead rank must not take the pool down): ``_spawn`` starts
-``world`` fresh processes joined with a short ``LLMPAR_TIMEOUT_S`` and collects what each returns or raises."""
+``world`` fresh processes (from the forkserver) joined with a short ``LLMPAR_TIMEOUT_S`` and collects what each returns
+or raises."""
 
 from __future__ import annotations
 
@@ -48,7 +49,10 @@ def _spawn(
     reported. ``wait_for``: the ranks whose reports the test reads (default all); once they are in, the others are
     killed instead of waited for (a rank stuck on purpose, whose own outcome the test does not check)."""
     wanted = set(range(world) if wait_for is None else wait_for)
-    ctx = mp.get_context("spawn")
+    # fresh processes from the forkserver (the rank pools of tests/multirank.py start it with torch imported): the
+    # ranks share nothing with this process, and do not each spend seconds importing torch
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed"])  # as multirank's, if this is the first to start it
     out = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world, port, body, args, out)) for r in range(world)]
