@@ -27,6 +27,7 @@ storage is reallocated at every gather.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 from typing import Any, Callable
@@ -124,6 +125,8 @@ def compile_stage3(optimizer: Any, module: nn.Module, backend: str | Callable[..
     for _, m in chosen:
         eager = m.forward
         compiled = torch.compile(eager, backend=backend, **kwargs)
+        if any(getattr(sub, "ep_size", 1) > 1 for sub in m.modules()):
+            compiled = _dynamic_rows(compiled)
         m.forward = compiled  # type: ignore[method-assign]
         setattr(m, _EAGER_ATTR, (eager, compiled))
     outer = len(optimizer.plan.units) - len(chosen)
@@ -133,6 +136,20 @@ def compile_stage3(optimizer: Any, module: nn.Module, backend: str | Callable[..
         len(chosen),
         outer,
     )
+
+
+def _dynamic_rows(compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """A region holding MoE layers over ep > 1 ranks: the rows their all-to-all receives are a data-dependent size
+    (``llmpar::all_to_all_v``), which dynamo traces only with ``capture_dynamic_output_shape_ops`` (else a graph
+    break and a recompile per routing); set around this region's calls only, the same on every call."""
+    patch = torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True)
+
+    @functools.wraps(compiled)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with patch:
+            return compiled(*args, **kwargs)
+
+    return call
 
 
 def compiled_regions(module: nn.Module) -> list[str]:
