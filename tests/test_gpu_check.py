@@ -45,6 +45,47 @@ def _run(args, out: Path, **env):
     return subprocess.run(["bash", str(SCRIPT), *args], env=full, capture_output=True, text=True, timeout=120, cwd=ROOT)
 
 
+def _start(args, out: Path, **env) -> subprocess.Popen:
+    """:func:`_run` started in the background (``_finish`` waits for it)."""
+    full = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, **env}
+    pipe = subprocess.PIPE
+    return subprocess.Popen(["bash", str(SCRIPT), *args], env=full, stdout=pipe, stderr=pipe, text=True, cwd=ROOT)
+
+
+def _finish(proc: subprocess.Popen) -> subprocess.CompletedProcess:
+    try:
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+@pytest.fixture(scope="module")
+def env_runs(tmp_path_factory):
+    """The whole script's runs of the tests below, started together by the first that asks (each is seconds of
+    Python starting; every run has its own $OUT and work folder): {name: (out folder, process)}."""
+    root = tmp_path_factory.mktemp("gpu_check_runs")
+    wheelhouse = _fake_wheelhouse(root / "wh")
+    plan = {
+        "only_env": (["--only", "env"], root / "only_env", {}),
+        "deadline": ([], root / "deadline", {"GPU_CHECK_DEADLINE": "0"}),
+        "wheelhouse": (
+            ["--only", "env"],
+            root / "wheelhouse",
+            {"GPU_CHECK_WHEELHOUSE": str(wheelhouse), "GPU_CHECK_WORKERS": "3"},
+        ),
+        "bare": (["--only", "env"], root / "bare", {"GPU_CHECK_WHEELHOUSE": str(root / "nothing")}),
+    }
+    for _, out, _ in plan.values():
+        out.mkdir()
+    runs = {name: (out, _start(args, out, **env)) for name, (args, out, env) in plan.items()}
+    yield runs
+    for _, proc in runs.values():
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+
+
 def _tar_names(out: Path) -> set[str]:
     with tarfile.open(out / "gpu_check.tar.gz") as tar:
         return set(tar.getnames())
@@ -106,8 +147,9 @@ def test_plan_lists_every_step_within_eight_minutes(tmp_path):
     assert re.search(r'PY="\$\{PYTHON:-python3\}"', text)
 
 
-def test_only_env_writes_summary_and_tarball_to_out(tmp_path):
-    proc = _run(["--only", "env"], tmp_path)
+def test_only_env_writes_summary_and_tarball_to_out(env_runs):
+    tmp_path, proc = env_runs["only_env"]
+    proc = _finish(proc)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_check.tar.gz", "summary.md"]
     summary = (tmp_path / "summary.md").read_text()
@@ -118,8 +160,9 @@ def test_only_env_writes_summary_and_tarball_to_out(tmp_path):
     assert {"logs/env.log", "steps.tsv", "summary.md", "env.json"} <= _tar_names(tmp_path)
 
 
-def test_deadline_skips_and_lists_the_remaining_steps(tmp_path):
-    proc = _run([], tmp_path, GPU_CHECK_DEADLINE="0")
+def test_deadline_skips_and_lists_the_remaining_steps(env_runs):
+    tmp_path, proc = env_runs["deadline"]
+    proc = _finish(proc)
     assert proc.returncode == 1
     summary = (tmp_path / "summary.md").read_text()
     assert f"Skipped at the deadline: {', '.join(STEPS)}." in summary
@@ -161,21 +204,20 @@ def test_a_killed_run_still_leaves_its_outputs(tmp_path):
 
 
 @pytest.mark.skipif(not _no_xdist_python(), reason="the test python has xdist: nothing to install")
-def test_env_step_installs_missing_wheels_offline(tmp_path):
+def test_env_step_installs_missing_wheels_offline(env_runs):
     """The env step installs what python lacks from the wheelhouse (offline) and the test steps then see it: the
     summary names the xdist that came from the wheelhouse and the workers the tests would use."""
-    out = tmp_path / "out"
-    proc = _run(
-        ["--only", "env"], out, GPU_CHECK_WHEELHOUSE=str(_fake_wheelhouse(tmp_path / "wh")), GPU_CHECK_WORKERS="3"
-    )
+    out, proc = env_runs["wheelhouse"]
+    proc = _finish(proc)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = (out / "summary.md").read_text()
     assert "tests: pytest-xdist, 3 workers (pytest-xdist 3.8.0-from-the-wheelhouse)" in summary, summary
     with tarfile.open(out / "gpu_check.tar.gz") as tar:
         log = tar.extractfile("logs/env.log").read().decode()
     assert "installed offline into" in log and "pytest-xdist" in log and "execnet: MISSING" in log
-    bare = _run(["--only", "env"], tmp_path / "bare", GPU_CHECK_WHEELHOUSE=str(tmp_path / "nothing"))
-    assert "tests: SERIAL: no pytest-xdist" in (tmp_path / "bare" / "summary.md").read_text(), bare.stdout
+    bare_out, bare = env_runs["bare"]
+    bare = _finish(bare)
+    assert "tests: SERIAL: no pytest-xdist" in (bare_out / "summary.md").read_text(), bare.stdout
 
 
 def test_wheelhouse_script_arguments(tmp_path):
