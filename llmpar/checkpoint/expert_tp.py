@@ -30,9 +30,11 @@ import torch
 
 from llmpar.distributed.collectives import group_rank, group_size
 from llmpar.moe.expert_tp import merge_packed, shard_packed
-from llmpar.zero.experts import ETP_LAYOUT
 
 SEP = "@etp"
+# the tag on packed expert shards split over etp (llmpar.zero.experts.ETP_LAYOUT; the checkpoint sees the optimizer
+# through protocol.py only, so it names the tag, as it names "expert_index")
+ETP_LAYOUT = "etp_layout"
 CACHED = 4  # whole expert tensors kept by a reader between range reads (a load asks one unit's ranges per key)
 
 

@@ -85,3 +85,15 @@ def test_rows_written_by_several_tp_ranks_are_read_once_and_a_hole_is_named():
     holed = _index({"d0-tp0": tree(0, 12), "d1-tp0": tree(14, 24)})
     with pytest.raises(CheckpointError, match=r"elements \[12, 24\) of expert param 'x' \(params\) are in no rank"):
         holed.get("x", "params", 0, 24)
+
+
+def test_the_checkpoint_reads_the_etp_tag_the_engine_sets():
+    """The checkpoint names the shards' tag itself (it sees the optimizer through protocol.py only): the same
+    attribute as llmpar.zero.experts sets."""
+    from llmpar.checkpoint import expert_tp
+    from llmpar.zero.experts import ETP_LAYOUT
+
+    assert expert_tp.ETP_LAYOUT == ETP_LAYOUT
+    p = torch.nn.Parameter(torch.ones(2, 2))
+    setattr(p, ETP_LAYOUT, "down")
+    assert expert_tp.layout_of(p) == "down"
