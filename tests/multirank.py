@@ -152,7 +152,7 @@ def _groups() -> list:
 
 def _hashed_groups_left() -> bool:
     """Whether a group named by a hash of its ranks outlived the test (one made with ``use_local_synchronization``,
-    which :func:`_droppable` keeps). torch hashes the ranks with the number of live groups, so once the test's other
+    which :func:`_droppable_all` keeps). torch hashes the ranks with the number of live groups, so once the test's other
     groups are destroyed and that number falls back, a later group of the same ranks gets the kept group's name and
     ``new_group`` refuses it ("group name has already been created"): such a worker is retired, the next test starts
     on fresh ranks."""
@@ -168,32 +168,11 @@ def _threads() -> int:
         return 0
 
 
-def _droppable(pg: Any, listed: list) -> bool:
-    """Whether group ``pg`` may be destroyed: named by torch's counter (a group made with
+def _droppable_all(pgs: list, listed: list) -> list:
+    """The groups of ``pgs`` that may be destroyed: named by torch's counter (a group made with
     ``use_local_synchronization`` is named by a hash of its ranks, and a later group of the same ranks would read the
     dead one's addresses from the store under that name), and referenced only by torch's registry (not by a cache
-    that outlives the test, such as DeepSpeed's world-group clone)."""
-    from torch.distributed import distributed_c10d as c10d
-
-    world = c10d._world
-    if not str(world.pg_names.get(pg, "")).isdigit():
-        return False
-    registry = [
-        world.pg_map,
-        world.pg_names,
-        world.pg_group_ranks,
-        world.pg_backend_config,
-        world.pg_to_tag,
-        world.pg_coalesce_state,
-        listed,
-        *world.tags_to_pg.values(),
-    ]
-    ours = {id(x) for x in registry} | {id(sys._getframe()), id(sys._getframe(1))}
-    return all(id(r) in ours for r in gc.get_referrers(pg))
-
-
-def _droppable_all(pgs: list, listed: list) -> list:
-    """The groups of ``pgs`` that :func:`_droppable` allows, with one scan of the heap for all of them (a scan per
+    that outlives the test, such as DeepSpeed's world-group clone). One scan of the heap for all of them (a scan per
     group, ``gc.get_referrers(pg)``, took a good part of a second per test on a 2-core machine)."""
     from torch.distributed import distributed_c10d as c10d
 
@@ -224,7 +203,7 @@ def _droppable_all(pgs: list, listed: list) -> list:
 
 def _drop_groups(kept: set) -> bool:
     """Destroy the process groups a test body created (each holds gloo I/O threads that otherwise live, and poll,
-    for the rest of the session), except those :func:`_droppable` keeps. Every rank first passes a barrier on the
+    for the rest of the session), except those :func:`_droppable_all` keeps. Every rank first passes a barrier on the
     default group (all of them, whether or not they belong to a new group), so no peer is still using them. False if
     that failed."""
     import torch.distributed as dist
