@@ -24,7 +24,8 @@ Shapes (``size`` = group size):
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+import functools
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -212,6 +213,24 @@ def all_to_all_v(
     return torch.ops.llmpar.all_to_all_v(x, send_splits, recv_splits, key.name, recv_rows)
 
 
+def with_dynamic_rows(compiled: Callable[..., Any], module: torch.nn.Module) -> Callable[..., Any]:
+    """``compiled`` (a ``torch.compile``'d forward of ``module``), run with dynamo allowed to trace ops whose output
+    size is data when ``module`` holds layers exchanging tokens over ep > 1 ranks (an ``ep_size`` above 1): the rows
+    :func:`all_to_all_v` receives are an unbacked size, which dynamo traces only under ``fullgraph=True`` or with
+    ``capture_dynamic_output_shape_ops`` (else a graph break there and a recompile whenever the routing changes).
+    The switch is set around these calls only, the same on every call (no recompile); other modules: ``compiled``."""
+    if not any(getattr(m, "ep_size", 1) > 1 for m in module.modules()):
+        return compiled
+    patch = torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True)
+
+    @functools.wraps(compiled)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with patch:
+            return compiled(*args, **kwargs)
+
+    return call
+
+
 __all__ = [
     "GroupKey",
     "all_gather_dim0",
@@ -221,4 +240,5 @@ __all__ = [
     "all_to_all_v",
     "group_key",
     "reduce_scatter_dim0",
+    "with_dynamic_rows",
 ]

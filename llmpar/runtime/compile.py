@@ -250,22 +250,16 @@ def _compile_whole(engine: Any, backend: str | Callable, kwargs: dict) -> None:
     def traced(*args: Any, **kw: Any) -> Any:
         return inner(*args, **kw)
 
-    graph = torch.compile(traced, backend=backend, **kwargs)
+    from llmpar.distributed.funcol import with_dynamic_rows  # torch._dynamo: only once something compiles
+
+    graph = with_dynamic_rows(torch.compile(traced, backend=backend, **kwargs), module)  # MoE over ep > 1 ranks
     wait = getattr(engine.optimizer, "wait_params", None)
-    # MoE layers over ep > 1 ranks receive a data-dependent number of tokens (llmpar::all_to_all_v, an unbacked
-    # size): dynamo traces such ops only with this switch (or fullgraph=True), else it breaks the graph there and
-    # recompiles whenever the routing changes. Set around our calls only, the same on every call (no recompile).
-    rows = any(getattr(m, "ep_size", 1) > 1 for m in module.modules())
-    dynamic_rows = torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True) if rows else None
 
     def call(*args: Any, **kw: Any) -> Any:
         if wait is not None:
             wait()  # overlap_param_gather: the gather lands before the graph reads the params
         engine._count_tokens(module, args, kw)
-        if dynamic_rows is None:
-            return graph(*args, **kw)
-        with dynamic_rows:
-            return graph(*args, **kw)
+        return graph(*args, **kw)
 
     module._compiled_call_impl = call  # what nn.Module.__call__ runs instead of _call_impl (as module.compile() sets)
 

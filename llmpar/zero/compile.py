@@ -27,13 +27,14 @@ storage is reallocated at every gather.
 
 from __future__ import annotations
 
-import functools
 import inspect
 import logging
 from typing import Any, Callable
 
 import torch
 from torch import nn
+
+from llmpar.distributed.funcol import with_dynamic_rows
 
 logger = logging.getLogger("llmpar")
 
@@ -124,9 +125,7 @@ def compile_stage3(optimizer: Any, module: nn.Module, backend: str | Callable[..
     chosen = regions(optimizer.plan.units)
     for _, m in chosen:
         eager = m.forward
-        compiled = torch.compile(eager, backend=backend, **kwargs)
-        if any(getattr(sub, "ep_size", 1) > 1 for sub in m.modules()):
-            compiled = _dynamic_rows(compiled)
+        compiled = with_dynamic_rows(torch.compile(eager, backend=backend, **kwargs), m)  # MoE over ep > 1 ranks
         m.forward = compiled  # type: ignore[method-assign]
         setattr(m, _EAGER_ATTR, (eager, compiled))
     outer = len(optimizer.plan.units) - len(chosen)
@@ -136,20 +135,6 @@ def compile_stage3(optimizer: Any, module: nn.Module, backend: str | Callable[..
         len(chosen),
         outer,
     )
-
-
-def _dynamic_rows(compiled: Callable[..., Any]) -> Callable[..., Any]:
-    """A region holding MoE layers over ep > 1 ranks: the rows their all-to-all receives are a data-dependent size
-    (``llmpar::all_to_all_v``), which dynamo traces only with ``capture_dynamic_output_shape_ops`` (else a graph
-    break and a recompile per routing); set around this region's calls only, the same on every call."""
-    patch = torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True)
-
-    @functools.wraps(compiled)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        with patch:
-            return compiled(*args, **kwargs)
-
-    return call
 
 
 def compiled_regions(module: nn.Module) -> list[str]:
