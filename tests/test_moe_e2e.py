@@ -328,20 +328,21 @@ GPT_CFG = dict(
 CP_T, CP_E = 13, 4
 
 
-def _moe_gpt() -> GPT:
-    """llmpar's GPT with each block's MLP a dropless top-2 MoEBlock (4 experts, router weights not small)."""
+def _moe_gpt(inter: int = 12, init_std: float = 0.02, **groups) -> GPT:
+    """llmpar's GPT with each block's MLP a dropless top-2 MoEBlock (4 experts, router weights not small);
+    ``groups``: the layers' ``ep_group`` / ``etp_group`` (the same weights: each rank keeps its slice of the draw)."""
     model = GPT(GPTConfig(**GPT_CFG), seed=3)
     torch.manual_seed(4)
     for block in model.blocks:
-        block.mlp = MoEBlock(GPT_CFG["d_model"], 12, CP_E, 2, ep_group=None)
+        block.mlp = MoEBlock(GPT_CFG["d_model"], inter, CP_E, 2, init_std=init_std, **groups)
         with torch.no_grad():
             block.mlp.router.weight.normal_(0.0, 0.5)
     return model
 
 
-def _cp_batch(step: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(700 + 10 * step + dp_rank)
-    x = torch.randint(0, GPT_CFG["vocab_size"], (MICRO, CP_T + 1), generator=g)
+def _cp_batch(step: int, dp_rank: int, seed: int = 700, seq: int = CP_T) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed + 10 * step + dp_rank)
+    x = torch.randint(0, GPT_CFG["vocab_size"], (MICRO, seq + 1), generator=g)
     return x[:, :-1], x[:, 1:]
 
 

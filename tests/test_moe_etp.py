@@ -20,13 +20,15 @@ import pytest
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
+from test_moe_e2e import GPT_CFG, MICRO, _cp_batch
+from test_moe_e2e import _moe_gpt as _e2e_moe_gpt
 
 import llmpar
 from llmpar.checkpoint import CheckpointError, convert, metacheck
 from llmpar.checkpoint.consolidate import consolidated_state_dict as consolidate_checkpoint
 from llmpar.checkpoint.plan import stored_names
 from llmpar.checkpoint.reshard import CheckpointReader
-from llmpar.models import GPT, GPTConfig
+from llmpar.models import GPT
 from llmpar.models.gpt import lm_loss
 from llmpar.moe import MoEBlock, RouterConfig, expert_parallel_groups, merge_intermediate, shard_intermediate
 from llmpar.moe.expert_tp import merge_packed, shard_packed
@@ -222,26 +224,16 @@ def test_expert_tensor_parallel_equals_one_process_and_refuses_bad_input_everywh
 
 
 # ------------------------------------------------------------------------------------------------ EP x TP, unsplit
-GPT_CFG = dict(vocab_size=61, n_layer=2, n_head=4, d_model=16, seq_len=16, bias=False)
-STEPS, LR, CLIP, MICRO, T = 2, 2e-2, 0.5, 2, 9
+STEPS, LR, CLIP, T = 2, 2e-2, 0.5, 9
 
 
 def _moe_gpt(inter: int = 12, **groups) -> GPT:
-    """llmpar's GPT with each block's MLP a dropless top-2 MoEBlock (4 experts, router weights not small);
-    ``groups``: the layers' ``ep_group`` / ``etp_group`` (the same weights: each rank keeps its slice of the draw)."""
-    model = GPT(GPTConfig(**GPT_CFG), seed=3)
-    torch.manual_seed(4)
-    for block in model.blocks:
-        block.mlp = MoEBlock(GPT_CFG["d_model"], inter, 4, 2, init_std=0.1, **groups)
-        with torch.no_grad():
-            block.mlp.router.weight.normal_(0.0, 0.5)
-    return model
+    """test_moe_e2e's MoE GPT with larger experts' init (std 0.1: the etp shards' outputs are not near zero)."""
+    return _e2e_moe_gpt(inter, init_std=0.1, **groups)
 
 
 def _gpt_batch(step: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(900 + 10 * step + dp_rank)
-    x = torch.randint(0, GPT_CFG["vocab_size"], (MICRO, T + 1), generator=g)
-    return x[:, :-1], x[:, 1:]
+    return _cp_batch(step, dp_rank, seed=900, seq=T)
 
 
 @multirank(4, timeout=300)
